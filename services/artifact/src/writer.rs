@@ -1,0 +1,456 @@
+//! Streaming writer: tensors are appended one at a time (memory stays near the largest tensor),
+//! the header goes last, then the preamble, then temporary files are renamed into place.
+//! Dropping an unfinished writer deletes its temporary files, so an interrupted conversion never
+//! leaves a file that looks complete.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use crate::config::{GenerationDefaults, ModelConfig};
+use crate::error::ArtifactError;
+use crate::header::{
+    align_up, Checksum, DType, ExpertBank, FileEntry, Header, Preamble, QuantizationParams,
+    SourceInfo, TensorClass, TensorEntry, FORMAT_VERSION, LARGE_TENSOR_BYTES, PAGE_ALIGNMENT,
+    PART_GRANULARITY, PREAMBLE_LENGTH, TENSOR_ALIGNMENT,
+};
+
+/// Options of a new artifact.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriterOptions {
+    /// Split into parts of at most this many bytes (rounded down to 64 KiB, at least 64 KiB).
+    pub max_part_bytes: Option<u64>,
+}
+
+/// Everything about a tensor except its bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub class: TensorClass,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub quantization: Option<QuantizationParams>,
+}
+
+/// Path of part `index` (1-based) of the artifact at `path`.
+pub fn part_path(path: &Path, index: u32) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".part-{index:04}"));
+    PathBuf::from(name)
+}
+
+fn temporary_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".tmp-{}", std::process::id()));
+    PathBuf::from(name)
+}
+
+struct PartFile {
+    final_path: PathBuf,
+    temporary_path: PathBuf,
+    writer: BufWriter<File>,
+}
+
+struct OpenBank {
+    bank: ExpertBank,
+    next_expert: u64,
+    gate_up_bytes: u64,
+    down_bytes: u64,
+}
+
+/// Writes one `.ninfer` artifact.
+pub struct ArtifactWriter {
+    final_path: PathBuf,
+    part_size: u64,
+    parts: Vec<PartFile>,
+    position: u64,
+    tensors: Vec<TensorEntry>,
+    names: HashSet<String>,
+    files: BTreeMap<String, FileEntry>,
+    banks: Vec<ExpertBank>,
+    open_bank: Option<OpenBank>,
+    finished: bool,
+}
+
+impl ArtifactWriter {
+    /// Starts a new artifact at `path` (written under a temporary name until `finish`).
+    pub fn create(path: &Path, options: WriterOptions) -> Result<Self, ArtifactError> {
+        let part_size = match options.max_part_bytes {
+            Some(limit) => (limit / PART_GRANULARITY).max(1) * PART_GRANULARITY,
+            None => u64::MAX,
+        };
+        let mut writer = ArtifactWriter {
+            final_path: path.to_path_buf(),
+            part_size,
+            parts: Vec::new(),
+            position: 0,
+            tensors: Vec::new(),
+            names: HashSet::new(),
+            files: BTreeMap::new(),
+            banks: Vec::new(),
+            open_bank: None,
+            finished: false,
+        };
+        writer.open_part(path.to_path_buf())?;
+        // Placeholder preamble: all zeros until `finish`, so a partial file never validates.
+        writer.write_bytes(&vec![0u8; PREAMBLE_LENGTH as usize])?;
+        Ok(writer)
+    }
+
+    fn open_part(&mut self, final_path: PathBuf) -> Result<(), ArtifactError> {
+        let temporary_path = temporary_path(&final_path);
+        let file = File::create(&temporary_path)
+            .map_err(|e| ArtifactError::io(&temporary_path, "creating output file", e))?;
+        self.parts.push(PartFile {
+            final_path,
+            temporary_path,
+            writer: BufWriter::with_capacity(8 << 20, file),
+        });
+        Ok(())
+    }
+
+    /// Appends bytes to the logical space, starting new part files at part boundaries.
+    fn write_bytes(&mut self, mut bytes: &[u8]) -> Result<(), ArtifactError> {
+        while !bytes.is_empty() {
+            let part_index = self.position / self.part_size;
+            while self.parts.len() as u64 <= part_index {
+                let next = part_path(&self.final_path, self.parts.len() as u32);
+                self.open_part(next)?;
+            }
+            let room = (part_index + 1).saturating_mul(self.part_size) - self.position;
+            let take = (bytes.len() as u64).min(room) as usize;
+            let part = &mut self.parts[part_index as usize];
+            part.writer
+                .write_all(&bytes[..take])
+                .map_err(|e| ArtifactError::io(&part.temporary_path, "writing", e))?;
+            self.position += take as u64;
+            bytes = &bytes[take..];
+        }
+        Ok(())
+    }
+
+    fn pad_to(&mut self, alignment: u64) -> Result<(), ArtifactError> {
+        let target = align_up(self.position, alignment);
+        const ZEROS: [u8; 4096] = [0u8; 4096];
+        while self.position < target {
+            let step = ((target - self.position) as usize).min(ZEROS.len());
+            self.write_bytes(&ZEROS[..step])?;
+        }
+        Ok(())
+    }
+
+    fn write_error(&self, problem: String) -> ArtifactError {
+        ArtifactError::Write {
+            file: self.final_path.clone(),
+            problem,
+        }
+    }
+
+    /// Embeds a file (tokenizer.json, chat template) under `name`.
+    pub fn add_file(&mut self, name: &str, bytes: &[u8]) -> Result<(), ArtifactError> {
+        if self.files.contains_key(name) {
+            return Err(self.write_error(format!("file `{name}` added twice")));
+        }
+        self.pad_to(PAGE_ALIGNMENT)?;
+        let entry = FileEntry {
+            offset: self.position,
+            length: bytes.len() as u64,
+            checksum: Checksum::of(bytes),
+        };
+        self.write_bytes(bytes)?;
+        self.files.insert(name.to_string(), entry);
+        Ok(())
+    }
+
+    fn check_tensor(&mut self, spec: &TensorSpec, bytes: &[u8]) -> Result<(), ArtifactError> {
+        if !self.names.insert(spec.name.clone()) {
+            return Err(self.write_error(format!("tensor `{}` added twice", spec.name)));
+        }
+        let expected =
+            expected_tensor_bytes(spec).map_err(|problem| ArtifactError::InvalidTensor {
+                name: spec.name.clone(),
+                problem,
+            })?;
+        if expected != bytes.len() as u64 {
+            return Err(ArtifactError::InvalidTensor {
+                name: spec.name.clone(),
+                problem: format!(
+                    "{} bytes given, {} {:?} needs {expected}",
+                    bytes.len(),
+                    spec.dtype,
+                    spec.shape
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn append_tensor(&mut self, spec: TensorSpec, bytes: &[u8]) -> Result<(), ArtifactError> {
+        let entry = TensorEntry {
+            name: spec.name,
+            class: spec.class,
+            dtype: spec.dtype,
+            shape: spec.shape,
+            offset: self.position,
+            length: bytes.len() as u64,
+            checksum: Checksum::of(bytes),
+            quantization: spec.quantization,
+        };
+        self.write_bytes(bytes)?;
+        self.tensors.push(entry);
+        Ok(())
+    }
+
+    /// Appends one tensor (not a routed expert: those go through `begin_expert_bank`).
+    pub fn add_tensor(&mut self, spec: TensorSpec, bytes: &[u8]) -> Result<(), ArtifactError> {
+        if self.open_bank.is_some() {
+            return Err(self.write_error(format!(
+                "tensor `{}` added while an expert bank is open",
+                spec.name
+            )));
+        }
+        self.check_tensor(&spec, bytes)?;
+        let alignment = if bytes.len() as u64 >= LARGE_TENSOR_BYTES {
+            PAGE_ALIGNMENT
+        } else {
+            TENSOR_ALIGNMENT
+        };
+        self.pad_to(alignment)?;
+        self.append_tensor(spec, bytes)
+    }
+
+    /// Opens the bank of one MoE layer. Every expert must then be written in order with
+    /// `add_expert`, each with a `gate_up` tensor of `gate_up_bytes` and a `down` tensor of
+    /// `down_bytes`; `end_expert_bank` closes it.
+    pub fn begin_expert_bank(
+        &mut self,
+        prefix: &str,
+        class: TensorClass,
+        dtype: DType,
+        num_experts: u64,
+        gate_up_bytes: u64,
+        down_bytes: u64,
+    ) -> Result<(), ArtifactError> {
+        if self.open_bank.is_some() {
+            return Err(
+                self.write_error(format!("expert bank `{prefix}` opened inside another bank"))
+            );
+        }
+        self.pad_to(PAGE_ALIGNMENT)?;
+        let expert_stride = align_up(
+            align_up(gate_up_bytes, TENSOR_ALIGNMENT) + down_bytes,
+            PAGE_ALIGNMENT,
+        );
+        self.open_bank = Some(OpenBank {
+            bank: ExpertBank {
+                prefix: prefix.to_string(),
+                class,
+                offset: self.position,
+                expert_stride,
+                num_experts,
+                dtype,
+            },
+            next_expert: 0,
+            gate_up_bytes,
+            down_bytes,
+        });
+        Ok(())
+    }
+
+    /// Writes the next expert of the open bank.
+    pub fn add_expert(
+        &mut self,
+        gate_up: TensorSpec,
+        gate_up_bytes: &[u8],
+        down: TensorSpec,
+        down_bytes: &[u8],
+    ) -> Result<(), ArtifactError> {
+        let Some(open) = self.open_bank.as_ref() else {
+            return Err(self.write_error(format!(
+                "expert `{}` written with no bank open",
+                gate_up.name
+            )));
+        };
+        let expert = open.next_expert;
+        let start = open.bank.offset + expert * open.bank.expert_stride;
+        let count = open.bank.num_experts;
+        let prefix = open.bank.prefix.clone();
+        let sizes = (open.gate_up_bytes, open.down_bytes);
+        if (gate_up_bytes.len() as u64, down_bytes.len() as u64) != sizes {
+            return Err(self.write_error(format!(
+                "expert {expert} of bank `{prefix}` has tensor sizes ({}, {}), the bank was opened for {sizes:?}",
+                gate_up_bytes.len(),
+                down_bytes.len()
+            )));
+        }
+        if expert >= count {
+            return Err(self.write_error(format!(
+                "bank `{prefix}` holds {count} experts; got one more"
+            )));
+        }
+        self.check_tensor(&gate_up, gate_up_bytes)?;
+        self.check_tensor(&down, down_bytes)?;
+        // Sizes are equal for every expert, so the previous expert ended inside this stride slot.
+        self.pad_to(PAGE_ALIGNMENT)?;
+        if self.position != start {
+            return Err(self.write_error(format!(
+                "expert {expert} of bank `{prefix}` would start at {}, not at its slot {start}",
+                self.position
+            )));
+        }
+        self.append_tensor(gate_up, gate_up_bytes)?;
+        self.pad_to(TENSOR_ALIGNMENT)?;
+        self.append_tensor(down, down_bytes)?;
+        if let Some(open) = self.open_bank.as_mut() {
+            open.next_expert += 1;
+        }
+        Ok(())
+    }
+
+    /// Closes the open bank; fails if it is missing experts.
+    pub fn end_expert_bank(&mut self) -> Result<(), ArtifactError> {
+        let Some(open) = self.open_bank.take() else {
+            return Err(self.write_error("end_expert_bank with no bank open".into()));
+        };
+        if open.next_expert != open.bank.num_experts {
+            return Err(self.write_error(format!(
+                "bank `{}` closed after {} of {} experts",
+                open.bank.prefix, open.next_expert, open.bank.num_experts
+            )));
+        }
+        // The last expert occupies its whole stride, so `offset + E · stride` stays in the file.
+        self.pad_to(PAGE_ALIGNMENT)?;
+        self.banks.push(open.bank);
+        Ok(())
+    }
+
+    /// Bytes written so far (logical).
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// Writes the header and preamble, syncs, and renames every part into place.
+    /// Returns the paths of the finished files, part 0 first.
+    pub fn finish(
+        mut self,
+        model: ModelConfig,
+        generation: GenerationDefaults,
+        source: SourceInfo,
+    ) -> Result<Vec<PathBuf>, ArtifactError> {
+        if let Some(open) = &self.open_bank {
+            return Err(self.write_error(format!("bank `{}` was never closed", open.bank.prefix)));
+        }
+        let header = Header {
+            format_version: FORMAT_VERSION,
+            model,
+            generation,
+            files: std::mem::take(&mut self.files),
+            tensors: std::mem::take(&mut self.tensors),
+            expert_banks: std::mem::take(&mut self.banks),
+            source,
+        };
+        let header_bytes = serde_json::to_vec(&header)
+            .map_err(|e| self.write_error(format!("encoding the header: {e}")))?;
+        self.pad_to(TENSOR_ALIGNMENT)?;
+        let header_offset = self.position;
+        self.write_bytes(&header_bytes)?;
+        let total_length = self.position;
+        let part_count = self.parts.len() as u32;
+        let preamble = Preamble {
+            format_version: FORMAT_VERSION,
+            header_offset,
+            header_length: header_bytes.len() as u64,
+            header_checksum: Checksum::of(&header_bytes),
+            total_length,
+            part_count,
+            part_size: if part_count > 1 {
+                self.part_size
+            } else {
+                total_length
+            },
+        };
+        for part in &mut self.parts {
+            part.writer
+                .flush()
+                .map_err(|e| ArtifactError::io(&part.temporary_path, "flushing", e))?;
+        }
+        {
+            let first = &mut self.parts[0];
+            let file = first.writer.get_mut();
+            file.seek(SeekFrom::Start(0))
+                .and_then(|_| file.write_all(&preamble.encode()))
+                .map_err(|e| ArtifactError::io(&first.temporary_path, "writing the preamble", e))?;
+        }
+        for part in &mut self.parts {
+            part.writer
+                .get_ref()
+                .sync_all()
+                .map_err(|e| ArtifactError::io(&part.temporary_path, "syncing", e))?;
+        }
+        // Parts first, part 0 last: only a complete set ever carries the final name of part 0.
+        for part in self.parts.iter().skip(1) {
+            std::fs::rename(&part.temporary_path, &part.final_path)
+                .map_err(|e| ArtifactError::io(&part.final_path, "renaming into place", e))?;
+        }
+        remove_stale_parts(&self.final_path, part_count);
+        let first = &self.parts[0];
+        std::fs::rename(&first.temporary_path, &first.final_path)
+            .map_err(|e| ArtifactError::io(&first.final_path, "renaming into place", e))?;
+        self.finished = true;
+        Ok(self.parts.iter().map(|p| p.final_path.clone()).collect())
+    }
+}
+
+/// Deletes `path.part-N` files left by an earlier artifact with more parts than this one.
+fn remove_stale_parts(path: &Path, part_count: u32) {
+    let mut index = part_count.max(1);
+    loop {
+        let stale = part_path(path, index);
+        if std::fs::remove_file(&stale).is_err() {
+            break;
+        }
+        tracing::info!(file = %stale.display(), "removed a stale part file of an earlier artifact");
+        index += 1;
+    }
+}
+
+impl Drop for ArtifactWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            for part in &self.parts {
+                let _ = std::fs::remove_file(&part.temporary_path);
+            }
+        }
+    }
+}
+
+/// Bytes a tensor of this spec occupies, or why the spec is invalid.
+pub fn expected_tensor_bytes(spec: &TensorSpec) -> Result<u64, String> {
+    let elements: u64 = spec.shape.iter().product();
+    match spec.dtype {
+        DType::F32 => Ok(elements * 4),
+        DType::Bf16 => Ok(elements * 2),
+        DType::Int8 | DType::Int4 => {
+            let [rows, cols] = spec.shape[..] else {
+                return Err(format!(
+                    "{} tensors must be 2-D, shape is {:?}",
+                    spec.dtype, spec.shape
+                ));
+            };
+            let layout =
+                crate::quant::QuantizedLayout::new(spec.dtype, rows as usize, cols as usize)?;
+            match &spec.quantization {
+                Some(params) if *params == layout.params() => Ok(layout.total_bytes as u64),
+                Some(params) => Err(format!(
+                    "quantization parameters {params:?} differ from the format's {:?}",
+                    layout.params()
+                )),
+                None => Err(format!(
+                    "{} tensor without quantization parameters",
+                    spec.dtype
+                )),
+            }
+        }
+    }
+}

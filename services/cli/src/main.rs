@@ -1,0 +1,2 @@
+//! `ninfer`: the command-line front end.
+fn main() {}

@@ -1,2 +1,59 @@
-//! `ninfer`: the command-line front end.
-fn main() {}
+//! `ninfer`: the command-line front end (`convert`, `inspect`, `perplexity`, `bench`).
+//!
+//! Owns: argument parsing, progress display and human-readable reports.
+//! Must not touch: model math or file formats directly; it calls the library crates.
+
+mod bench;
+mod convert;
+mod inspect;
+mod perplexity;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ninfer",
+    version,
+    about = "Run giant Mixture-of-Experts models on one workstation"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Convert a Hugging Face checkpoint directory into a `.ninfer` artifact.
+    Convert(convert::ConvertArgs),
+    /// Print an artifact's architecture, parameter counts and bytes per tensor class.
+    Inspect(inspect::InspectArgs),
+    /// Mean negative log-likelihood of a text file under a model.
+    Perplexity(perplexity::PerplexityArgs),
+    /// Benchmarks: memory bandwidth, expert kernels.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Convert(args) => convert::run(args),
+        Command::Inspect(args) => inspect::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -2,4 +2,436 @@
 //!
 //! Owns: reading `config.json` / `*.safetensors` / tokenizer files, mapping checkpoint tensor
 //! names onto the artifact's internal names, re-laying and quantizing weights while streaming.
-//! Must not touch: the artifact's byte layout (it goes through `ninfer-artifact`'s writer).
+//! Must not touch: the artifact's byte layout (it goes through `ninfer-artifact`'s writer), model
+//! math, processes.
+
+mod error;
+mod hf_config;
+mod plan;
+mod safetensors_file;
+mod side_files;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use ninfer_artifact::quant::{f32_to_bf16_bytes, f32_to_bytes, quantize_matrix, QuantizedLayout};
+use ninfer_artifact::{
+    Artifact, ArtifactWriter, DType, SourceInfo, TensorClass, TensorSpec, WriterOptions,
+};
+
+pub use error::ConvertError;
+pub use hf_config::{read_config, ParsedConfig};
+use plan::{
+    build_plan, DTypeChoice, ExpertSource, PlannedBank, PlannedItem, PlannedTensor, RowSelection,
+    SourceNames,
+};
+use safetensors_file::{Checkpoint, SourceDType};
+
+/// What to convert and how.
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    pub input_dir: PathBuf,
+    pub output: PathBuf,
+    pub experts_dtype: DType,
+    /// `bf16` or `f32` for embeddings and dense matrices (1-D tensors are always f32).
+    pub dense_dtype: DType,
+    /// Split the output into parts of at most this many bytes.
+    pub max_file_bytes: Option<u64>,
+    /// Copy tensors that already exist (same name, dtype, shape) from this artifact.
+    pub reuse: Option<PathBuf>,
+    pub skip_vision: bool,
+}
+
+impl ConvertOptions {
+    /// Options with the defaults of the CLI (bf16 experts and dense weights, one file).
+    pub fn new(input_dir: impl Into<PathBuf>, output: impl Into<PathBuf>) -> Self {
+        ConvertOptions {
+            input_dir: input_dir.into(),
+            output: output.into(),
+            experts_dtype: DType::Bf16,
+            dense_dtype: DType::Bf16,
+            max_file_bytes: None,
+            reuse: None,
+            skip_vision: false,
+        }
+    }
+}
+
+/// Progress callbacks; the CLI draws a bar on a terminal and logs lines otherwise.
+pub trait ConvertProgress: Sync {
+    /// Called once with the number of output tensors.
+    fn start(&self, _total_tensors: u64) {}
+    /// Called after each output tensor is written.
+    fn tensor_written(&self, _name: &str, _bytes: u64) {}
+    /// A decision worth telling the user (skipped or kept extra tensors, reuse).
+    fn note(&self, message: &str) {
+        tracing::info!("{message}");
+    }
+    /// Polled between tensors; `true` aborts the conversion and deletes partial output.
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// Progress sink that only logs notes.
+pub struct NoProgress;
+impl ConvertProgress for NoProgress {}
+
+/// What a finished conversion produced.
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    pub files: Vec<PathBuf>,
+    pub architecture: String,
+    pub tensors_written: u64,
+    pub tensors_reused: u64,
+    pub bytes: u64,
+    pub notes: Vec<String>,
+}
+
+/// Converts a checkpoint directory into an artifact. On any error, no output file is left.
+pub fn convert_checkpoint(
+    options: &ConvertOptions,
+    progress: &dyn ConvertProgress,
+) -> Result<ConvertReport, ConvertError> {
+    if !matches!(options.dense_dtype, DType::Bf16 | DType::F32) {
+        return Err(ConvertError::Input {
+            file: options.output.clone(),
+            problem: format!(
+                "--dense-dtype must be bf16 or f32, not {}",
+                options.dense_dtype
+            ),
+        });
+    }
+    let parsed = read_config(&options.input_dir)?;
+    let mut model = parsed.model.clone();
+    let checkpoint = Checkpoint::open(&options.input_dir)?;
+    let mut names = SourceNames::new(&checkpoint);
+    let plan = build_plan(
+        &model,
+        &mut names,
+        DTypeChoice {
+            experts: options.experts_dtype,
+            dense: options.dense_dtype,
+        },
+        options.skip_vision,
+    )?;
+    if let ninfer_artifact::ModelConfig::Qwen3Next(c) | ninfer_artifact::ModelConfig::Qwen35Moe(c) =
+        &mut model
+    {
+        c.mtp_num_layers = plan.mtp_layers;
+    }
+    // Quantized experts need whole groups along both matrices' input dims: check before writing.
+    if options.experts_dtype.is_quantized() {
+        let common = model.common();
+        for cols in [common.hidden_size, common.moe_intermediate_size] {
+            QuantizedLayout::new(options.experts_dtype, 1, cols).map_err(|problem| {
+                ConvertError::Input {
+                    file: options.input_dir.join("config.json"),
+                    problem: format!("--experts-dtype {}: {problem}", options.experts_dtype),
+                }
+            })?;
+        }
+    }
+    let side = side_files::read_side_files(&options.input_dir, progress)?;
+    let reuse = match &options.reuse {
+        Some(path) => Some(Artifact::open(path)?),
+        None => None,
+    };
+
+    let total_tensors: u64 = plan
+        .items
+        .iter()
+        .map(|item| match item {
+            PlannedItem::Tensor(_) => 1,
+            PlannedItem::Bank(bank) => 2 * bank.experts.len() as u64,
+        })
+        .sum();
+    progress.start(total_tensors);
+    for note in &plan.notes {
+        progress.note(note);
+    }
+
+    let mut writer = ArtifactWriter::create(
+        &options.output,
+        WriterOptions {
+            max_part_bytes: options.max_file_bytes,
+        },
+    )?;
+    if let Some(tokenizer) = &side.tokenizer_json {
+        writer.add_file("tokenizer.json", tokenizer)?;
+    }
+    if let Some(template) = &side.chat_template {
+        writer.add_file("chat_template.jinja", template.as_bytes())?;
+    }
+    let mut run = Run {
+        checkpoint: &checkpoint,
+        reuse: reuse.as_ref(),
+        progress,
+        written: 0,
+        reused: 0,
+    };
+    for item in &plan.items {
+        match item {
+            PlannedItem::Tensor(tensor) => run.write_tensor(&mut writer, tensor)?,
+            PlannedItem::Bank(bank) => run.write_bank(&mut writer, bank)?,
+        }
+    }
+    let (written, reused) = (run.written, run.reused);
+    if reuse.is_some() {
+        progress.note(&format!(
+            "reused {reused} tensor(s) from the old artifact, converted {written}"
+        ));
+    }
+    let bytes = writer.position();
+    let mut source_options = BTreeMap::new();
+    source_options.insert("experts_dtype".into(), options.experts_dtype.to_string());
+    source_options.insert("dense_dtype".into(), options.dense_dtype.to_string());
+    source_options.insert("skip_vision".into(), options.skip_vision.to_string());
+    let files = writer.finish(
+        model.clone(),
+        side.generation,
+        SourceInfo {
+            converter: format!("ninfer {}", env!("CARGO_PKG_VERSION")),
+            model_type: parsed.model_type.clone(),
+            options: source_options,
+        },
+    )?;
+    Ok(ConvertReport {
+        files,
+        architecture: model.architecture().to_string(),
+        tensors_written: written,
+        tensors_reused: reused,
+        bytes,
+        notes: plan.notes.clone(),
+    })
+}
+
+struct Run<'a> {
+    checkpoint: &'a Checkpoint,
+    reuse: Option<&'a Artifact>,
+    progress: &'a dyn ConvertProgress,
+    written: u64,
+    reused: u64,
+}
+
+impl Run<'_> {
+    fn check_cancel(&self) -> Result<(), ConvertError> {
+        if self.progress.cancelled() {
+            return Err(ConvertError::Interrupted);
+        }
+        Ok(())
+    }
+
+    fn write_tensor(
+        &mut self,
+        writer: &mut ArtifactWriter,
+        tensor: &PlannedTensor,
+    ) -> Result<(), ConvertError> {
+        self.check_cancel()?;
+        let spec = TensorSpec {
+            name: tensor.name.clone(),
+            class: tensor.class,
+            dtype: tensor.dtype,
+            shape: tensor.shape.clone(),
+            quantization: None,
+        };
+        if let Some(bytes) = reusable(self.reuse, &spec) {
+            writer.add_tensor(spec, bytes)?;
+            self.reused += 1;
+            self.progress
+                .tensor_written(&tensor.name, bytes.len() as u64);
+            return Ok(());
+        }
+        let source = &self.checkpoint.tensors[&tensor.source];
+        let raw_copy = matches!(tensor.rows, RowSelection::All)
+            && matches!(
+                (source.dtype, tensor.dtype),
+                (SourceDType::F32, DType::F32) | (SourceDType::Bf16, DType::Bf16)
+            );
+        let bytes = if raw_copy {
+            // Bit-exact, and no f32 copy of a large embedding.
+            self.checkpoint.bytes(source).to_vec()
+        } else {
+            let values = match &tensor.rows {
+                RowSelection::All => self.checkpoint.read_f32(source),
+                RowSelection::Rows(rows) => {
+                    let row_len = (source.element_count() / source.shape[0]) as usize;
+                    let mut values = Vec::with_capacity(rows.len() * row_len);
+                    for &row in rows {
+                        values.extend(self.checkpoint.read_f32_range(
+                            source,
+                            row * row_len,
+                            row_len,
+                        ));
+                    }
+                    values
+                }
+            };
+            encode_float(&values, tensor.dtype)
+        };
+        let length = bytes.len() as u64;
+        writer.add_tensor(spec, &bytes)?;
+        self.checkpoint.release(source);
+        self.written += 1;
+        self.progress.tensor_written(&tensor.name, length);
+        Ok(())
+    }
+
+    fn write_bank(
+        &mut self,
+        writer: &mut ArtifactWriter,
+        bank: &PlannedBank,
+    ) -> Result<(), ConvertError> {
+        let (h, im) = (bank.hidden_size, bank.intermediate_size);
+        let gate_up_shape = vec![2 * im as u64, h as u64];
+        let down_shape = vec![h as u64, im as u64];
+        let (gate_up_spec, down_spec) = (
+            expert_spec(bank, 0, "gate_up", &gate_up_shape)?,
+            expert_spec(bank, 0, "down", &down_shape)?,
+        );
+        let gate_up_bytes =
+            ninfer_artifact::writer::expected_tensor_bytes(&gate_up_spec).map_err(|problem| {
+                ConvertError::Input {
+                    file: self.checkpoint.directory.clone(),
+                    problem,
+                }
+            })?;
+        let down_bytes =
+            ninfer_artifact::writer::expected_tensor_bytes(&down_spec).map_err(|problem| {
+                ConvertError::Input {
+                    file: self.checkpoint.directory.clone(),
+                    problem,
+                }
+            })?;
+        writer.begin_expert_bank(
+            &bank.prefix,
+            bank.class,
+            bank.dtype,
+            bank.experts.len() as u64,
+            gate_up_bytes,
+            down_bytes,
+        )?;
+        for (index, expert) in bank.experts.iter().enumerate() {
+            self.check_cancel()?;
+            let gate_up = expert_spec(bank, index, "gate_up", &gate_up_shape)?;
+            let down = expert_spec(bank, index, "down", &down_shape)?;
+            if let (Some(old_gate_up), Some(old_down)) =
+                (reusable(self.reuse, &gate_up), reusable(self.reuse, &down))
+            {
+                writer.add_expert(gate_up, old_gate_up, down, old_down)?;
+                self.reused += 2;
+                self.progress
+                    .tensor_written(&bank.prefix, gate_up_bytes + down_bytes);
+                continue;
+            }
+            let (gate_up_values, down_values) = self.read_expert(expert, h, im);
+            let gate_up_encoded = encode_expert(&gate_up_values, bank.dtype, 2 * im, h);
+            let down_encoded = encode_expert(&down_values, bank.dtype, h, im);
+            writer.add_expert(gate_up, &gate_up_encoded, down, &down_encoded)?;
+            self.written += 2;
+            self.progress
+                .tensor_written(&bank.prefix, gate_up_bytes + down_bytes);
+        }
+        writer.end_expert_bank()?;
+        Ok(())
+    }
+
+    /// One expert's `[gate; up]` `[2Im, H]` and `down` `[H, Im]` as f32.
+    fn read_expert(&self, expert: &ExpertSource, h: usize, im: usize) -> (Vec<f32>, Vec<f32>) {
+        let tensors = &self.checkpoint.tensors;
+        match expert {
+            ExpertSource::PerExpert { gate, up, down } => {
+                let mut gate_up = self.checkpoint.read_f32(&tensors[gate]);
+                gate_up.extend(self.checkpoint.read_f32(&tensors[up]));
+                let down_values = self.checkpoint.read_f32(&tensors[down]);
+                for name in [gate, up, down] {
+                    self.checkpoint.release(&tensors[name]);
+                }
+                (gate_up, down_values)
+            }
+            ExpertSource::Fused {
+                gate_up,
+                down,
+                index,
+            } => {
+                let per_gate_up = 2 * im * h;
+                let per_down = h * im;
+                (
+                    self.checkpoint.read_f32_range(
+                        &tensors[gate_up],
+                        index * per_gate_up,
+                        per_gate_up,
+                    ),
+                    self.checkpoint
+                        .read_f32_range(&tensors[down], index * per_down, per_down),
+                )
+            }
+        }
+    }
+}
+
+/// The bytes of an identical tensor in the `--reuse` artifact, checksum-verified.
+fn reusable<'r>(reuse: Option<&'r Artifact>, spec: &TensorSpec) -> Option<&'r [u8]> {
+    let old = reuse?.get(&spec.name)?;
+    let same = old.entry.dtype == spec.dtype
+        && old.entry.shape == spec.shape
+        && old.entry.quantization == spec.quantization;
+    (same && ninfer_artifact::Checksum::of(old.bytes) == old.entry.checksum).then_some(old.bytes)
+}
+
+fn expert_spec(
+    bank: &PlannedBank,
+    index: usize,
+    which: &str,
+    shape: &[u64],
+) -> Result<TensorSpec, ConvertError> {
+    let quantization = if bank.dtype.is_quantized() {
+        let layout = QuantizedLayout::new(bank.dtype, shape[0] as usize, shape[1] as usize)
+            .map_err(|problem| ConvertError::Input {
+                file: PathBuf::from(&bank.prefix),
+                problem,
+            })?;
+        Some(layout.params())
+    } else {
+        None
+    };
+    Ok(TensorSpec {
+        name: format!("{}.{index}.{which}", bank.prefix),
+        class: bank.class,
+        dtype: bank.dtype,
+        shape: shape.to_vec(),
+        quantization,
+    })
+}
+
+fn encode_float(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::Bf16 => f32_to_bf16_bytes(values),
+        _ => f32_to_bytes(values),
+    }
+}
+
+fn encode_expert(values: &[f32], dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    match dtype {
+        DType::Int8 | DType::Int4 => match QuantizedLayout::new(dtype, rows, cols) {
+            Ok(layout) => quantize_matrix(values, &layout),
+            // Checked before writing started (see `convert_checkpoint`).
+            Err(_) => Vec::new(),
+        },
+        other => encode_float(values, other),
+    }
+}
+
+/// Tensor classes in the order `inspect` prints them.
+pub const CLASS_ORDER: [TensorClass; 5] = [
+    TensorClass::Embedding,
+    TensorClass::Dense,
+    TensorClass::RoutedExpert,
+    TensorClass::Mtp,
+    TensorClass::Vision,
+];
+
+/// True when `path` looks like a Hugging Face checkpoint directory.
+pub fn is_checkpoint_dir(path: &Path) -> bool {
+    path.is_dir() && path.join("config.json").is_file()
+}

@@ -1,0 +1,433 @@
+//! `config.json` → the artifact's normalised config, resolving every default the way
+//! `transformers` 5.17 does (MODELS.md §2.1, §3.1, §4.1).
+
+use std::path::Path;
+
+use ninfer_artifact::{CommonConfig, HybridConfig, LayerType, ModelConfig, Qwen3MoeConfig};
+use serde_json::{Map, Value};
+
+use crate::error::ConvertError;
+
+/// The parsed config plus facts about the checkpoint layout that the converter needs.
+#[derive(Debug, Clone)]
+pub struct ParsedConfig {
+    pub model: ModelConfig,
+    /// `model_type` as written in `config.json`.
+    pub model_type: String,
+}
+
+struct Fields<'a> {
+    file: &'a Path,
+    map: &'a Map<String, Value>,
+}
+
+impl Fields<'_> {
+    fn error(&self, field: &str, problem: impl Into<String>) -> ConvertError {
+        ConvertError::ConfigField {
+            file: self.file.to_path_buf(),
+            field: field.to_string(),
+            problem: problem.into(),
+        }
+    }
+
+    fn usize_or(&self, field: &str, default: usize) -> Result<usize, ConvertError> {
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(default),
+            Some(value) => value.as_u64().map(|v| v as usize).ok_or_else(|| {
+                self.error(
+                    field,
+                    format!("expected a non-negative integer, found {value}"),
+                )
+            }),
+        }
+    }
+
+    fn positive_or(&self, field: &str, default: usize) -> Result<usize, ConvertError> {
+        let value = self.usize_or(field, default)?;
+        if value == 0 {
+            return Err(self.error(field, "must be greater than 0"));
+        }
+        Ok(value)
+    }
+
+    fn f64_or(&self, field: &str, default: f64) -> Result<f64, ConvertError> {
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(default),
+            Some(value) => value
+                .as_f64()
+                .ok_or_else(|| self.error(field, format!("expected a number, found {value}"))),
+        }
+    }
+
+    fn bool_or(&self, field: &str, default: bool) -> Result<bool, ConvertError> {
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(default),
+            Some(value) => value
+                .as_bool()
+                .ok_or_else(|| self.error(field, format!("expected true or false, found {value}"))),
+        }
+    }
+
+    fn usize_list(&self, field: &str) -> Result<Vec<usize>, ConvertError> {
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|item| {
+                    item.as_u64().map(|v| v as usize).ok_or_else(|| {
+                        self.error(field, format!("expected integers, found {item}"))
+                    })
+                })
+                .collect(),
+            Some(other) => Err(self.error(field, format!("expected a list, found {other}"))),
+        }
+    }
+
+    /// `rope_theta` and `partial_rotary_factor`: `rope_parameters` wins, then the top-level key.
+    fn rope(&self, default_partial: f64) -> Result<(f64, f64), ConvertError> {
+        let parameters = self
+            .map
+            .get("rope_parameters")
+            .or_else(|| self.map.get("rope_scaling"));
+        let inner = parameters.and_then(|p| p.as_object());
+        if let Some(kind) = inner
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(|t| t.as_str())
+        {
+            if kind != "default" {
+                return Err(self.error(
+                    "rope_parameters.rope_type",
+                    format!("`{kind}` RoPE is not supported yet (only `default`)"),
+                ));
+            }
+        }
+        let from_inner = |key: &str| inner.and_then(|p| p.get(key)).and_then(|v| v.as_f64());
+        let theta = match from_inner("rope_theta") {
+            Some(theta) => theta,
+            None => self.f64_or("rope_theta", 10000.0)?,
+        };
+        let partial = match from_inner("partial_rotary_factor") {
+            Some(partial) => partial,
+            None => self.f64_or("partial_rotary_factor", default_partial)?,
+        };
+        if !(partial > 0.0 && partial <= 1.0) {
+            return Err(self.error(
+                "partial_rotary_factor",
+                format!("must be in (0, 1], found {partial}"),
+            ));
+        }
+        Ok((theta, partial))
+    }
+
+    /// MoE-vs-dense per layer (MODELS.md §2.1): MoE iff not in `mlp_only_layers`, experts > 0 and
+    /// `(i+1) % decoder_sparse_step == 0`.
+    fn moe_layers(&self, layers: usize, experts: usize) -> Result<Vec<bool>, ConvertError> {
+        let mlp_only = self.usize_list("mlp_only_layers")?;
+        let step = self.positive_or("decoder_sparse_step", 1)?;
+        Ok((0..layers)
+            .map(|i| !mlp_only.contains(&i) && experts > 0 && (i + 1) % step == 0)
+            .collect())
+    }
+
+    /// `layer_types`, derived with `full_attention_interval` (default 4) when absent; legacy
+    /// names are remapped as `remap_legacy_layer_types` does.
+    fn layer_types(&self, layers: usize) -> Result<Vec<LayerType>, ConvertError> {
+        match self.map.get("layer_types") {
+            None | Some(Value::Null) => {
+                let interval = self.positive_or("full_attention_interval", 4)?;
+                Ok((0..layers)
+                    .map(|i| {
+                        if (i + 1) % interval == 0 {
+                            LayerType::FullAttention
+                        } else {
+                            LayerType::LinearAttention
+                        }
+                    })
+                    .collect())
+            }
+            Some(Value::Array(items)) => {
+                if items.len() != layers {
+                    return Err(self.error(
+                        "layer_types",
+                        format!("has {} entries for {layers} layers", items.len()),
+                    ));
+                }
+                items
+                    .iter()
+                    .map(|item| match item.as_str() {
+                        Some("linear_attention" | "mamba" | "conv") => {
+                            Ok(LayerType::LinearAttention)
+                        }
+                        Some("full_attention" | "attention") => Ok(LayerType::FullAttention),
+                        _ => Err(self.error("layer_types", format!("unknown layer type {item}"))),
+                    })
+                    .collect()
+            }
+            Some(other) => {
+                Err(self.error("layer_types", format!("expected a list, found {other}")))
+            }
+        }
+    }
+}
+
+/// Reads `DIR/config.json`.
+pub fn read_config(directory: &Path) -> Result<ParsedConfig, ConvertError> {
+    let file = directory.join("config.json");
+    let text = std::fs::read_to_string(&file).map_err(|e| ConvertError::io(&file, "reading", e))?;
+    let root: Value = serde_json::from_str(&text).map_err(|e| ConvertError::Input {
+        file: file.clone(),
+        problem: format!("not valid JSON: {e}"),
+    })?;
+    let Some(root_map) = root.as_object() else {
+        return Err(ConvertError::Input {
+            file,
+            problem: "expected a JSON object".into(),
+        });
+    };
+    let model_type = root_map
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    let top = Fields {
+        file: &file,
+        map: root_map,
+    };
+    let model = match model_type.as_str() {
+        "qwen3_moe" => ModelConfig::Qwen3Moe(qwen3_moe(&top)?),
+        "qwen3_next" => ModelConfig::Qwen3Next(hybrid(&top, HybridDefaults::QWEN3_NEXT, None)?),
+        "qwen3_5_moe_text" => {
+            ModelConfig::Qwen35Moe(hybrid(&top, HybridDefaults::QWEN3_5_MOE, None)?)
+        }
+        "qwen3_5_moe" => {
+            // Multimodal release: the text model lives under `text_config`; tying is decided at
+            // the top level (MODELS.md §4.1).
+            let Some(text) = root_map.get("text_config").and_then(|v| v.as_object()) else {
+                return Err(top.error(
+                    "text_config",
+                    "missing (qwen3_5_moe configs keep the text model there)",
+                ));
+            };
+            let fields = Fields {
+                file: &file,
+                map: text,
+            };
+            let tie = top.bool_or(
+                "tie_word_embeddings",
+                fields.bool_or("tie_word_embeddings", false)?,
+            )?;
+            ModelConfig::Qwen35Moe(hybrid(&fields, HybridDefaults::QWEN3_5_MOE, Some(tie))?)
+        }
+        "" => return Err(top.error("model_type", "missing")),
+        other => {
+            return Err(ConvertError::UnknownModelType {
+                file,
+                model_type: other.to_string(),
+            })
+        }
+    };
+    Ok(ParsedConfig { model, model_type })
+}
+
+fn common(
+    fields: &Fields,
+    defaults: &CommonDefaults,
+    rotary_factor_default: f64,
+) -> Result<CommonConfig, ConvertError> {
+    let hidden_size = fields.positive_or("hidden_size", defaults.hidden_size)?;
+    let num_attention_heads =
+        fields.positive_or("num_attention_heads", defaults.num_attention_heads)?;
+    let head_dim = fields.positive_or(
+        "head_dim",
+        defaults
+            .head_dim
+            .unwrap_or(hidden_size / num_attention_heads),
+    )?;
+    let num_hidden_layers = fields.positive_or("num_hidden_layers", defaults.num_hidden_layers)?;
+    let num_experts = fields.usize_or(
+        "num_experts",
+        fields.usize_or("num_local_experts", defaults.num_experts)?,
+    )?;
+    let num_experts_per_tok =
+        fields.positive_or("num_experts_per_tok", defaults.num_experts_per_tok)?;
+    if num_experts_per_tok > num_experts {
+        return Err(fields.error(
+            "num_experts_per_tok",
+            format!("{num_experts_per_tok} exceeds num_experts {num_experts}"),
+        ));
+    }
+    let (rope_theta, partial) = fields.rope(rotary_factor_default)?;
+    let rotary_dim = (head_dim as f64 * partial) as usize;
+    if rotary_dim % 2 != 0 || rotary_dim == 0 {
+        return Err(fields.error(
+            "partial_rotary_factor",
+            format!("gives an odd or empty rotary dim {rotary_dim}"),
+        ));
+    }
+    let num_key_value_heads =
+        fields.positive_or("num_key_value_heads", defaults.num_key_value_heads)?;
+    if num_attention_heads % num_key_value_heads != 0 {
+        return Err(fields.error(
+            "num_key_value_heads",
+            format!(
+                "{num_key_value_heads} does not divide num_attention_heads {num_attention_heads}"
+            ),
+        ));
+    }
+    Ok(CommonConfig {
+        vocab_size: fields.positive_or("vocab_size", defaults.vocab_size)?,
+        hidden_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        rotary_dim,
+        rope_theta,
+        rms_norm_eps: fields.f64_or("rms_norm_eps", 1e-6)?,
+        intermediate_size: fields.usize_or("intermediate_size", defaults.intermediate_size)?,
+        num_experts,
+        num_experts_per_tok,
+        moe_intermediate_size: fields
+            .positive_or("moe_intermediate_size", defaults.moe_intermediate_size)?,
+        norm_topk_prob: fields.bool_or("norm_topk_prob", defaults.norm_topk_prob)?,
+        moe_layers: Vec::new(),
+        tie_word_embeddings: fields.bool_or("tie_word_embeddings", false)?,
+        max_position_embeddings: fields
+            .positive_or("max_position_embeddings", defaults.max_position_embeddings)?,
+    })
+}
+
+struct CommonDefaults {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: Option<usize>,
+    num_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    norm_topk_prob: bool,
+    max_position_embeddings: usize,
+}
+
+fn qwen3_moe(fields: &Fields) -> Result<Qwen3MoeConfig, ConvertError> {
+    let defaults = CommonDefaults {
+        vocab_size: 151936,
+        hidden_size: 2048,
+        intermediate_size: 6144,
+        num_hidden_layers: 24,
+        num_attention_heads: 32,
+        num_key_value_heads: 4,
+        head_dim: None,
+        num_experts: 128,
+        num_experts_per_tok: 8,
+        moe_intermediate_size: 768,
+        norm_topk_prob: false,
+        max_position_embeddings: 32768,
+    };
+    // qwen3_moe ignores partial_rotary_factor: rot = head_dim.
+    let mut common = common(fields, &defaults, 1.0)?;
+    common.rotary_dim = common.head_dim;
+    common.moe_layers = fields.moe_layers(common.num_hidden_layers, common.num_experts)?;
+    let sliding_window = if fields.bool_or("use_sliding_window", false)? {
+        Some(fields.positive_or("sliding_window", 4096)?)
+    } else {
+        None
+    };
+    Ok(Qwen3MoeConfig {
+        common,
+        sliding_window,
+    })
+}
+
+struct HybridDefaults {
+    common: CommonDefaults,
+    shared_expert_intermediate_size: usize,
+    /// qwen3_5_moe has no `mlp_only_layers` and always renormalises.
+    every_layer_moe_and_normalised: bool,
+}
+
+impl HybridDefaults {
+    const QWEN3_NEXT: HybridDefaults = HybridDefaults {
+        common: CommonDefaults {
+            vocab_size: 151936,
+            hidden_size: 2048,
+            intermediate_size: 5632,
+            num_hidden_layers: 48,
+            num_attention_heads: 16,
+            num_key_value_heads: 2,
+            head_dim: Some(256),
+            num_experts: 512,
+            num_experts_per_tok: 10,
+            moe_intermediate_size: 512,
+            norm_topk_prob: true,
+            max_position_embeddings: 32768,
+        },
+        shared_expert_intermediate_size: 512,
+        every_layer_moe_and_normalised: false,
+    };
+    const QWEN3_5_MOE: HybridDefaults = HybridDefaults {
+        common: CommonDefaults {
+            vocab_size: 248320,
+            hidden_size: 2048,
+            intermediate_size: 0,
+            num_hidden_layers: 40,
+            num_attention_heads: 16,
+            num_key_value_heads: 2,
+            head_dim: Some(256),
+            num_experts: 256,
+            num_experts_per_tok: 8,
+            moe_intermediate_size: 512,
+            norm_topk_prob: true,
+            max_position_embeddings: 262144,
+        },
+        shared_expert_intermediate_size: 512,
+        every_layer_moe_and_normalised: true,
+    };
+}
+
+fn hybrid(
+    fields: &Fields,
+    defaults: HybridDefaults,
+    tie_override: Option<bool>,
+) -> Result<HybridConfig, ConvertError> {
+    let mut common = common(fields, &defaults.common, 0.25)?;
+    if let Some(tie) = tie_override {
+        common.tie_word_embeddings = tie;
+    }
+    if defaults.every_layer_moe_and_normalised {
+        common.norm_topk_prob = true;
+        common.moe_layers = vec![true; common.num_hidden_layers];
+        if common.num_experts == 0 {
+            return Err(fields.error("num_experts", "qwen3_5_moe needs routed experts"));
+        }
+    } else {
+        common.moe_layers = fields.moe_layers(common.num_hidden_layers, common.num_experts)?;
+    }
+    let layer_types = fields.layer_types(common.num_hidden_layers)?;
+    let linear_num_key_heads = fields.positive_or("linear_num_key_heads", 16)?;
+    let linear_num_value_heads = fields.positive_or("linear_num_value_heads", 32)?;
+    if linear_num_value_heads % linear_num_key_heads != 0 {
+        return Err(fields.error(
+            "linear_num_value_heads",
+            format!("{linear_num_value_heads} is not a multiple of linear_num_key_heads {linear_num_key_heads}"),
+        ));
+    }
+    Ok(HybridConfig {
+        common,
+        layer_types,
+        linear_num_key_heads,
+        linear_num_value_heads,
+        linear_key_head_dim: fields.positive_or("linear_key_head_dim", 128)?,
+        linear_value_head_dim: fields.positive_or("linear_value_head_dim", 128)?,
+        linear_conv_kernel_dim: fields.positive_or("linear_conv_kernel_dim", 4)?,
+        shared_expert_intermediate_size: fields.usize_or(
+            "shared_expert_intermediate_size",
+            defaults.shared_expert_intermediate_size,
+        )?,
+        // Counted from the tensors actually converted (see `plan`).
+        mtp_num_layers: 0,
+    })
+}

@@ -1,0 +1,746 @@
+//! The conversion plan: which artifact tensors to write, in which order, from which checkpoint
+//! tensors and with which re-layout. Built (and shape-checked) before any byte is written, so a
+//! missing or mis-shaped tensor fails fast with nothing left behind.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ninfer_artifact::{DType, LayerType, ModelConfig, TensorClass};
+
+use crate::error::ConvertError;
+use crate::safetensors_file::{Checkpoint, SourceTensor};
+
+/// How an output tensor's rows are taken from one checkpoint tensor.
+#[derive(Debug, Clone)]
+pub enum RowSelection {
+    /// The whole tensor (possibly reshaped, e.g. conv1d `[C,1,K]` → `[C,K]`).
+    All,
+    /// These rows of the tensor viewed as `[rows, row_len]`, in this order.
+    Rows(Vec<usize>),
+}
+
+/// One output tensor and where it comes from.
+#[derive(Debug, Clone)]
+pub struct PlannedTensor {
+    pub name: String,
+    pub class: TensorClass,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub source: String,
+    pub rows: RowSelection,
+}
+
+/// Where one expert's three matrices come from.
+#[derive(Debug, Clone)]
+pub enum ExpertSource {
+    /// `experts.{e}.gate_proj/up_proj/down_proj.weight`.
+    PerExpert {
+        gate: String,
+        up: String,
+        down: String,
+    },
+    /// Slice `index` of fused `experts.gate_up_proj [E,2Im,H]` and `experts.down_proj [E,H,Im]`.
+    Fused {
+        gate_up: String,
+        down: String,
+        index: usize,
+    },
+}
+
+/// The experts of one MoE layer.
+#[derive(Debug, Clone)]
+pub struct PlannedBank {
+    pub prefix: String,
+    pub class: TensorClass,
+    pub dtype: DType,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub experts: Vec<ExpertSource>,
+}
+
+#[derive(Debug, Clone)]
+pub enum PlannedItem {
+    Tensor(PlannedTensor),
+    Bank(PlannedBank),
+}
+
+/// The whole plan plus what was deliberately left out.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub items: Vec<PlannedItem>,
+    pub notes: Vec<String>,
+    pub mtp_layers: usize,
+}
+
+/// Dtype choices of the user.
+#[derive(Debug, Clone, Copy)]
+pub struct DTypeChoice {
+    pub experts: DType,
+    pub dense: DType,
+}
+
+/// Checkpoint names with the multimodal `model.language_model.` prefix folded to `model.`.
+pub struct SourceNames<'a> {
+    checkpoint: &'a Checkpoint,
+    canonical: BTreeMap<String, String>,
+    used: BTreeSet<String>,
+}
+
+impl<'a> SourceNames<'a> {
+    pub fn new(checkpoint: &'a Checkpoint) -> Self {
+        let canonical = checkpoint
+            .tensors
+            .keys()
+            .map(|name| {
+                let short = match name.strip_prefix("model.language_model.") {
+                    Some(rest) => format!("model.{rest}"),
+                    None => name.clone(),
+                };
+                (short, name.clone())
+            })
+            .collect();
+        SourceNames {
+            checkpoint,
+            canonical,
+            used: BTreeSet::new(),
+        }
+    }
+
+    fn find(&self, canonical: &str) -> Option<&'a SourceTensor> {
+        let real = self.canonical.get(canonical)?;
+        self.checkpoint.tensors.get(real)
+    }
+
+    fn has(&self, canonical: &str) -> bool {
+        self.canonical.contains_key(canonical)
+    }
+
+    /// The real name of a required tensor whose shape must be `expected`.
+    fn require(&mut self, canonical: &str, expected: &[u64]) -> Result<String, ConvertError> {
+        let tensor = self
+            .find(canonical)
+            .ok_or_else(|| ConvertError::MissingTensor {
+                directory: self.checkpoint.directory.clone(),
+                name: canonical.to_string(),
+            })?;
+        if tensor.shape != expected {
+            return Err(ConvertError::WrongShape {
+                file: self.checkpoint.shard_path(tensor).to_path_buf(),
+                name: tensor.name.clone(),
+                found: tensor.shape.clone(),
+                expected: expected.to_vec(),
+            });
+        }
+        self.used.insert(tensor.name.clone());
+        Ok(tensor.name.clone())
+    }
+
+    fn mark_used(&mut self, real: &str) {
+        self.used.insert(real.to_string());
+    }
+
+    /// Checkpoint tensors no planned item consumed.
+    pub fn unused(&self) -> Vec<String> {
+        self.checkpoint
+            .tensors
+            .keys()
+            .filter(|name| !self.used.contains(*name))
+            .cloned()
+            .collect()
+    }
+}
+
+struct Planner<'a, 'b> {
+    names: &'b mut SourceNames<'a>,
+    dtypes: DTypeChoice,
+    items: Vec<PlannedItem>,
+}
+
+impl Planner<'_, '_> {
+    fn matrix_dtype(&self, class: TensorClass) -> DType {
+        match class {
+            TensorClass::RoutedExpert => self.dtypes.experts,
+            _ => self.dtypes.dense,
+        }
+    }
+
+    /// A tensor copied whole; 1-D tensors are always stored f32.
+    fn copy(
+        &mut self,
+        name: &str,
+        class: TensorClass,
+        source: &str,
+        shape: &[u64],
+    ) -> Result<(), ConvertError> {
+        let real = self.names.require(source, shape)?;
+        let dtype = if shape.len() == 1 {
+            DType::F32
+        } else {
+            self.matrix_dtype(class)
+        };
+        self.push(name, class, dtype, shape.to_vec(), real, RowSelection::All);
+        Ok(())
+    }
+
+    fn push(
+        &mut self,
+        name: &str,
+        class: TensorClass,
+        dtype: DType,
+        shape: Vec<u64>,
+        source: String,
+        rows: RowSelection,
+    ) {
+        self.items.push(PlannedItem::Tensor(PlannedTensor {
+            name: name.to_string(),
+            class,
+            dtype,
+            shape,
+            source,
+            rows,
+        }));
+    }
+}
+
+fn u(values: &[usize]) -> Vec<u64> {
+    values.iter().map(|&v| v as u64).collect()
+}
+
+/// Builds the plan for `config` over `names`.
+pub fn build_plan(
+    config: &ModelConfig,
+    names: &mut SourceNames,
+    dtypes: DTypeChoice,
+    skip_vision: bool,
+) -> Result<Plan, ConvertError> {
+    let common = config.common().clone();
+    let h = common.hidden_size;
+    let mut planner = Planner {
+        names,
+        dtypes,
+        items: Vec::new(),
+    };
+    let mut notes = Vec::new();
+    planner.copy(
+        "embed_tokens",
+        TensorClass::Embedding,
+        "model.embed_tokens.weight",
+        &u(&[common.vocab_size, h]),
+    )?;
+
+    let hybrid = match config {
+        ModelConfig::Qwen3Moe(_) => None,
+        ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => Some(c.clone()),
+    };
+    let is_next = matches!(config, ModelConfig::Qwen3Next(_));
+    let mut banks = Vec::new();
+    for layer in 0..common.num_hidden_layers {
+        let source = format!("model.layers.{layer}");
+        let target = format!("layers.{layer}");
+        let layer_type = hybrid
+            .as_ref()
+            .map(|c| c.layer_types[layer])
+            .unwrap_or(LayerType::FullAttention);
+        plan_layer_body(
+            &mut planner,
+            config,
+            &source,
+            &target,
+            layer_type,
+            is_next,
+            TensorClass::Dense,
+        )?;
+        if common.moe_layers[layer] {
+            plan_moe_dense(&mut planner, config, &source, &target, TensorClass::Dense)?;
+            banks.push(plan_bank(
+                planner.names,
+                config,
+                &source,
+                &format!("{target}.moe.experts"),
+                TensorClass::RoutedExpert,
+                dtypes.experts,
+            )?);
+        } else {
+            let i = common.intermediate_size;
+            planner.copy(
+                &format!("{target}.mlp.gate_proj"),
+                TensorClass::Dense,
+                &format!("{source}.mlp.gate_proj.weight"),
+                &u(&[i, h]),
+            )?;
+            planner.copy(
+                &format!("{target}.mlp.up_proj"),
+                TensorClass::Dense,
+                &format!("{source}.mlp.up_proj.weight"),
+                &u(&[i, h]),
+            )?;
+            planner.copy(
+                &format!("{target}.mlp.down_proj"),
+                TensorClass::Dense,
+                &format!("{source}.mlp.down_proj.weight"),
+                &u(&[h, i]),
+            )?;
+        }
+    }
+    planner.copy(
+        "final_norm",
+        TensorClass::Dense,
+        "model.norm.weight",
+        &u(&[h]),
+    )?;
+    if planner.names.has("lm_head.weight") {
+        planner.copy(
+            "lm_head",
+            TensorClass::Embedding,
+            "lm_head.weight",
+            &u(&[common.vocab_size, h]),
+        )?;
+    } else if !common.tie_word_embeddings {
+        return Err(ConvertError::MissingTensor {
+            directory: planner.names.checkpoint.directory.clone(),
+            name: "lm_head.weight (the config does not tie embeddings)".into(),
+        });
+    }
+    planner
+        .items
+        .extend(banks.into_iter().map(PlannedItem::Bank));
+
+    // MTP block (qwen3_next / qwen3_5_moe): kept as class `mtp`, experts packed like routed ones.
+    let mut mtp_layers = 0;
+    if hybrid.is_some() {
+        while planner
+            .names
+            .has(&format!("mtp.layers.{mtp_layers}.input_layernorm.weight"))
+        {
+            mtp_layers += 1;
+        }
+        if mtp_layers > 0 {
+            planner.copy("mtp.fc", TensorClass::Mtp, "mtp.fc.weight", &u(&[h, 2 * h]))?;
+            for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"] {
+                planner.copy(
+                    &format!("mtp.{norm}"),
+                    TensorClass::Mtp,
+                    &format!("mtp.{norm}.weight"),
+                    &u(&[h]),
+                )?;
+            }
+            let mut mtp_banks = Vec::new();
+            for layer in 0..mtp_layers {
+                let source = format!("mtp.layers.{layer}");
+                let target = format!("mtp.layers.{layer}");
+                plan_layer_body(
+                    &mut planner,
+                    config,
+                    &source,
+                    &target,
+                    LayerType::FullAttention,
+                    false,
+                    TensorClass::Mtp,
+                )?;
+                plan_moe_dense(&mut planner, config, &source, &target, TensorClass::Mtp)?;
+                mtp_banks.push(plan_bank(
+                    planner.names,
+                    config,
+                    &source,
+                    &format!("{target}.moe.experts"),
+                    TensorClass::Mtp,
+                    dtypes.experts,
+                )?);
+            }
+            planner
+                .items
+                .extend(mtp_banks.into_iter().map(PlannedItem::Bank));
+            notes.push(format!("kept {mtp_layers} MTP layer(s) as class `mtp`"));
+        }
+    }
+
+    // Vision tower: kept under its checkpoint names as class `vision`, or dropped with a note.
+    let vision: Vec<SourceTensor> = planner
+        .names
+        .checkpoint
+        .tensors
+        .values()
+        .filter(|t| t.name.starts_with("model.visual.") || t.name.starts_with("visual."))
+        .cloned()
+        .collect();
+    if !vision.is_empty() {
+        let count = vision.len();
+        let parameters: u64 = vision.iter().map(|t| t.element_count()).sum();
+        for tensor in vision {
+            planner.names.mark_used(&tensor.name);
+            if !skip_vision {
+                let dtype = if tensor.dtype == crate::safetensors_file::SourceDType::Bf16 {
+                    DType::Bf16
+                } else {
+                    DType::F32
+                };
+                planner.push(
+                    &tensor.name,
+                    TensorClass::Vision,
+                    dtype,
+                    tensor.shape.clone(),
+                    tensor.name.clone(),
+                    RowSelection::All,
+                );
+            }
+        }
+        notes.push(if skip_vision {
+            format!("skipped {count} vision tensor(s) ({parameters} parameters) because of --skip-vision")
+        } else {
+            format!("kept {count} vision tensor(s) ({parameters} parameters) as class `vision`")
+        });
+    }
+
+    // Nothing may be silently lost: any tensor not consumed is an error (RoPE caches excepted).
+    let unknown: Vec<String> = planner
+        .names
+        .unused()
+        .into_iter()
+        .filter(|name| !name.ends_with("rotary_emb.inv_freq"))
+        .collect();
+    if !unknown.is_empty() {
+        let examples = unknown
+            .iter()
+            .take(5)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(ConvertError::UnknownTensors {
+            directory: planner.names.checkpoint.directory.clone(),
+            count: unknown.len(),
+            examples,
+        });
+    }
+    Ok(Plan {
+        items: planner.items,
+        notes,
+        mtp_layers,
+    })
+}
+
+/// Norms and the token mixer (attention or Gated DeltaNet) of one decoder layer.
+fn plan_layer_body(
+    planner: &mut Planner,
+    config: &ModelConfig,
+    source: &str,
+    target: &str,
+    layer_type: LayerType,
+    is_next: bool,
+    class: TensorClass,
+) -> Result<(), ConvertError> {
+    let common = config.common();
+    let (h, nh, nkv, hd) = (
+        common.hidden_size,
+        common.num_attention_heads,
+        common.num_key_value_heads,
+        common.head_dim,
+    );
+    planner.copy(
+        &format!("{target}.input_norm"),
+        class,
+        &format!("{source}.input_layernorm.weight"),
+        &u(&[h]),
+    )?;
+    planner.copy(
+        &format!("{target}.post_attention_norm"),
+        class,
+        &format!("{source}.post_attention_layernorm.weight"),
+        &u(&[h]),
+    )?;
+    let gated = !matches!(config, ModelConfig::Qwen3Moe(_));
+    match layer_type {
+        LayerType::FullAttention => {
+            let q_rows = if gated { nh * 2 * hd } else { nh * hd };
+            let attn = format!("{source}.self_attn");
+            planner.copy(
+                &format!("{target}.attn.q_proj"),
+                class,
+                &format!("{attn}.q_proj.weight"),
+                &u(&[q_rows, h]),
+            )?;
+            planner.copy(
+                &format!("{target}.attn.k_proj"),
+                class,
+                &format!("{attn}.k_proj.weight"),
+                &u(&[nkv * hd, h]),
+            )?;
+            planner.copy(
+                &format!("{target}.attn.v_proj"),
+                class,
+                &format!("{attn}.v_proj.weight"),
+                &u(&[nkv * hd, h]),
+            )?;
+            planner.copy(
+                &format!("{target}.attn.o_proj"),
+                class,
+                &format!("{attn}.o_proj.weight"),
+                &u(&[h, nh * hd]),
+            )?;
+            planner.copy(
+                &format!("{target}.attn.q_norm"),
+                class,
+                &format!("{attn}.q_norm.weight"),
+                &u(&[hd]),
+            )?;
+            planner.copy(
+                &format!("{target}.attn.k_norm"),
+                class,
+                &format!("{attn}.k_norm.weight"),
+                &u(&[hd]),
+            )?;
+        }
+        LayerType::LinearAttention => {
+            let (ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c)) = config else {
+                return Ok(());
+            };
+            let (nk, nv, dk, dv, kc) = (
+                c.linear_num_key_heads,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+                c.linear_conv_kernel_dim,
+            );
+            let conv_dim = c.linear_conv_dim();
+            let gdn = format!("{source}.linear_attn");
+            let dense = planner.dtypes.dense;
+            if is_next {
+                // Grouped-by-key-head layout → the flat qwen3.5 layout (MODELS.md §1.5.1).
+                let r = nv / nk;
+                let group = 2 * dk + 2 * r * dv;
+                let qkvz = planner.names.require(
+                    &format!("{gdn}.in_proj_qkvz.weight"),
+                    &u(&[2 * nk * dk + 2 * nv * dv, h]),
+                )?;
+                let mut qkv_rows = Vec::with_capacity(conv_dim);
+                for part in 0..2 {
+                    for g in 0..nk {
+                        qkv_rows.extend(g * group + part * dk..g * group + (part + 1) * dk);
+                    }
+                }
+                for g in 0..nk {
+                    qkv_rows.extend(g * group + 2 * dk..g * group + 2 * dk + r * dv);
+                }
+                let z_rows: Vec<usize> = (0..nk)
+                    .flat_map(|g| g * group + 2 * dk + r * dv..(g + 1) * group)
+                    .collect();
+                planner.push(
+                    &format!("{target}.gdn.in_proj_qkv"),
+                    class,
+                    dense,
+                    u(&[conv_dim, h]),
+                    qkvz.clone(),
+                    RowSelection::Rows(qkv_rows),
+                );
+                planner.push(
+                    &format!("{target}.gdn.in_proj_z"),
+                    class,
+                    dense,
+                    u(&[nv * dv, h]),
+                    qkvz,
+                    RowSelection::Rows(z_rows),
+                );
+                let ba = planner
+                    .names
+                    .require(&format!("{gdn}.in_proj_ba.weight"), &u(&[2 * nv, h]))?;
+                let b_rows: Vec<usize> = (0..nk).flat_map(|g| g * 2 * r..g * 2 * r + r).collect();
+                let a_rows: Vec<usize> = (0..nk)
+                    .flat_map(|g| g * 2 * r + r..(g + 1) * 2 * r)
+                    .collect();
+                planner.push(
+                    &format!("{target}.gdn.in_proj_b"),
+                    class,
+                    dense,
+                    u(&[nv, h]),
+                    ba.clone(),
+                    RowSelection::Rows(b_rows),
+                );
+                planner.push(
+                    &format!("{target}.gdn.in_proj_a"),
+                    class,
+                    dense,
+                    u(&[nv, h]),
+                    ba,
+                    RowSelection::Rows(a_rows),
+                );
+            } else {
+                planner.copy(
+                    &format!("{target}.gdn.in_proj_qkv"),
+                    class,
+                    &format!("{gdn}.in_proj_qkv.weight"),
+                    &u(&[conv_dim, h]),
+                )?;
+                planner.copy(
+                    &format!("{target}.gdn.in_proj_z"),
+                    class,
+                    &format!("{gdn}.in_proj_z.weight"),
+                    &u(&[nv * dv, h]),
+                )?;
+                planner.copy(
+                    &format!("{target}.gdn.in_proj_b"),
+                    class,
+                    &format!("{gdn}.in_proj_b.weight"),
+                    &u(&[nv, h]),
+                )?;
+                planner.copy(
+                    &format!("{target}.gdn.in_proj_a"),
+                    class,
+                    &format!("{gdn}.in_proj_a.weight"),
+                    &u(&[nv, h]),
+                )?;
+            }
+            let conv = planner
+                .names
+                .require(&format!("{gdn}.conv1d.weight"), &u(&[conv_dim, 1, kc]))?;
+            planner.push(
+                &format!("{target}.gdn.conv1d"),
+                class,
+                DType::F32,
+                u(&[conv_dim, kc]),
+                conv,
+                RowSelection::All,
+            );
+            planner.copy(
+                &format!("{target}.gdn.dt_bias"),
+                class,
+                &format!("{gdn}.dt_bias"),
+                &u(&[nv]),
+            )?;
+            planner.copy(
+                &format!("{target}.gdn.A_log"),
+                class,
+                &format!("{gdn}.A_log"),
+                &u(&[nv]),
+            )?;
+            planner.copy(
+                &format!("{target}.gdn.norm"),
+                class,
+                &format!("{gdn}.norm.weight"),
+                &u(&[dv]),
+            )?;
+            planner.copy(
+                &format!("{target}.gdn.out_proj"),
+                class,
+                &format!("{gdn}.out_proj.weight"),
+                &u(&[h, nv * dv]),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Router and shared expert of a MoE layer (the routed experts go into a bank).
+fn plan_moe_dense(
+    planner: &mut Planner,
+    config: &ModelConfig,
+    source: &str,
+    target: &str,
+    class: TensorClass,
+) -> Result<(), ConvertError> {
+    let common = config.common();
+    let (h, e) = (common.hidden_size, common.num_experts);
+    // The router stays f32: it is tiny and routing decisions are sensitive to rounding.
+    let router = planner
+        .names
+        .require(&format!("{source}.mlp.gate.weight"), &u(&[e, h]))?;
+    planner.push(
+        &format!("{target}.moe.router"),
+        class,
+        DType::F32,
+        u(&[e, h]),
+        router,
+        RowSelection::All,
+    );
+    if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = config {
+        let is = c.shared_expert_intermediate_size;
+        let shared = format!("{source}.mlp.shared_expert");
+        planner.copy(
+            &format!("{target}.moe.shared_expert.gate_proj"),
+            class,
+            &format!("{shared}.gate_proj.weight"),
+            &u(&[is, h]),
+        )?;
+        planner.copy(
+            &format!("{target}.moe.shared_expert.up_proj"),
+            class,
+            &format!("{shared}.up_proj.weight"),
+            &u(&[is, h]),
+        )?;
+        planner.copy(
+            &format!("{target}.moe.shared_expert.down_proj"),
+            class,
+            &format!("{shared}.down_proj.weight"),
+            &u(&[h, is]),
+        )?;
+        let gate = planner.names.require(
+            &format!("{source}.mlp.shared_expert_gate.weight"),
+            &u(&[1, h]),
+        )?;
+        planner.push(
+            &format!("{target}.moe.shared_expert_gate"),
+            class,
+            DType::F32,
+            u(&[1, h]),
+            gate,
+            RowSelection::All,
+        );
+    }
+    Ok(())
+}
+
+/// The routed experts of one layer, from per-expert or fused checkpoint tensors.
+fn plan_bank(
+    names: &mut SourceNames,
+    config: &ModelConfig,
+    source: &str,
+    prefix: &str,
+    class: TensorClass,
+    dtype: DType,
+) -> Result<PlannedBank, ConvertError> {
+    let common = config.common();
+    let (h, e, im) = (
+        common.hidden_size,
+        common.num_experts,
+        common.moe_intermediate_size,
+    );
+    let experts_prefix = format!("{source}.mlp.experts");
+    let fused_gate_up = [
+        format!("{experts_prefix}.gate_up_proj"),
+        format!("{experts_prefix}.gate_up_proj.weight"),
+    ]
+    .into_iter()
+    .find(|name| names.has(name));
+    let experts = if let Some(gate_up_name) = fused_gate_up {
+        let down_name = if gate_up_name.ends_with(".weight") {
+            format!("{experts_prefix}.down_proj.weight")
+        } else {
+            format!("{experts_prefix}.down_proj")
+        };
+        let gate_up = names.require(&gate_up_name, &u(&[e, 2 * im, h]))?;
+        let down = names.require(&down_name, &u(&[e, h, im]))?;
+        (0..e)
+            .map(|index| ExpertSource::Fused {
+                gate_up: gate_up.clone(),
+                down: down.clone(),
+                index,
+            })
+            .collect()
+    } else {
+        let mut experts = Vec::with_capacity(e);
+        for index in 0..e {
+            let base = format!("{experts_prefix}.{index}");
+            experts.push(ExpertSource::PerExpert {
+                gate: names.require(&format!("{base}.gate_proj.weight"), &u(&[im, h]))?,
+                up: names.require(&format!("{base}.up_proj.weight"), &u(&[im, h]))?,
+                down: names.require(&format!("{base}.down_proj.weight"), &u(&[h, im]))?,
+            });
+        }
+        experts
+    };
+    Ok(PlannedBank {
+        prefix: prefix.to_string(),
+        class,
+        dtype,
+        hidden_size: h,
+        intermediate_size: im,
+        experts,
+    })
+}

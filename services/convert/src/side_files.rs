@@ -1,0 +1,128 @@
+//! Tokenizer, chat template and generation defaults of a checkpoint directory.
+
+use std::path::Path;
+
+use ninfer_artifact::GenerationDefaults;
+use serde_json::Value;
+
+use crate::error::ConvertError;
+use crate::ConvertProgress;
+
+pub struct SideFiles {
+    pub tokenizer_json: Option<Vec<u8>>,
+    pub chat_template: Option<String>,
+    pub generation: GenerationDefaults,
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, ConvertError> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| ConvertError::Input {
+                file: path.to_path_buf(),
+                problem: format!("not valid JSON: {e}"),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(ConvertError::io(path, "reading", e)),
+    }
+}
+
+fn token_ids(value: Option<&Value>) -> Vec<u32> {
+    match value {
+        Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+pub fn read_side_files(
+    directory: &Path,
+    progress: &dyn ConvertProgress,
+) -> Result<SideFiles, ConvertError> {
+    let tokenizer_path = directory.join("tokenizer.json");
+    let tokenizer_json = match std::fs::read(&tokenizer_path) {
+        Ok(bytes) => {
+            serde_json::from_slice::<Value>(&bytes).map_err(|e| ConvertError::Input {
+                file: tokenizer_path.clone(),
+                problem: format!("not valid JSON: {e}"),
+            })?;
+            Some(bytes)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            progress.note(&format!(
+                "{}: no tokenizer.json; the artifact will need token ids, not text",
+                directory.display()
+            ));
+            None
+        }
+        Err(e) => return Err(ConvertError::io(&tokenizer_path, "reading", e)),
+    };
+
+    let tokenizer_config = read_json(&directory.join("tokenizer_config.json"))?;
+    let template_path = directory.join("chat_template.jinja");
+    let chat_template = match std::fs::read_to_string(&template_path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            match tokenizer_config
+                .as_ref()
+                .and_then(|c| c.get("chat_template"))
+            {
+                Some(Value::String(text)) => Some(text.clone()),
+                // A list of named templates: take the default one.
+                Some(Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(str::to_string),
+                _ => None,
+            }
+        }
+        Err(e) => return Err(ConvertError::io(&template_path, "reading", e)),
+    };
+    if chat_template.is_none() {
+        progress.note(&format!("{}: no chat template found", directory.display()));
+    }
+
+    let generation_config =
+        read_json(&directory.join("generation_config.json"))?.unwrap_or(Value::Null);
+    let model_config = read_json(&directory.join("config.json"))?.unwrap_or(Value::Null);
+    let get = |key: &str| generation_config.get(key).or_else(|| model_config.get(key));
+    let float = |key: &str| {
+        generation_config
+            .get(key)
+            .and_then(|v| v.as_f64())
+            .map(|v| v as f32)
+    };
+    let mut eos_token_ids = token_ids(get("eos_token_id"));
+    if eos_token_ids.is_empty() {
+        eos_token_ids = token_ids(
+            model_config
+                .get("text_config")
+                .and_then(|t| t.get("eos_token_id")),
+        );
+    }
+    let generation = GenerationDefaults {
+        bos_token_id: token_ids(get("bos_token_id")).first().copied(),
+        eos_token_ids,
+        pad_token_id: token_ids(get("pad_token_id")).first().copied(),
+        temperature: float("temperature"),
+        top_p: float("top_p"),
+        top_k: generation_config
+            .get("top_k")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as u32),
+        min_p: float("min_p"),
+        repetition_penalty: float("repetition_penalty"),
+        do_sample: generation_config.get("do_sample").and_then(|v| v.as_bool()),
+    };
+    Ok(SideFiles {
+        tokenizer_json,
+        chat_template,
+        generation,
+    })
+}

@@ -249,6 +249,11 @@ impl Preamble {
             file: file.to_path_buf(),
             problem,
         };
+        if bytes.len() >= 8 && bytes[0..8] != MAGIC {
+            return Err(ArtifactError::NotAnArtifact {
+                file: file.to_path_buf(),
+            });
+        }
         if bytes.len() < 72 {
             return Err(corrupt(format!(
                 "file is {} bytes, shorter than the {PREAMBLE_LENGTH}-byte preamble",

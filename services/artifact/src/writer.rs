@@ -164,7 +164,7 @@ impl ArtifactWriter {
     }
 
     fn check_tensor(&mut self, spec: &TensorSpec, bytes: &[u8]) -> Result<(), ArtifactError> {
-        if !self.names.insert(spec.name.clone()) {
+        if self.names.contains(&spec.name) {
             return Err(self.write_error(format!("tensor `{}` added twice", spec.name)));
         }
         let expected =
@@ -183,6 +183,7 @@ impl ArtifactWriter {
                 ),
             });
         }
+        self.names.insert(spec.name.clone());
         Ok(())
     }
 

@@ -1,0 +1,359 @@
+//! Writer → reader round trips: single and split artifacts, expert banks, and every kind of
+//! damaged file the reader must refuse with an error that names the file.
+
+use std::path::{Path, PathBuf};
+
+use ninfer_artifact::quant::{f32_to_bf16_bytes, f32_to_bytes, quantize_matrix, QuantizedLayout};
+use ninfer_artifact::{
+    part_path, Artifact, ArtifactError, ArtifactWriter, CommonConfig, DType, GenerationDefaults,
+    ModelConfig, Qwen3MoeConfig, SourceInfo, TensorClass, TensorSpec, WriterOptions,
+};
+use rand::{Rng, SeedableRng};
+
+fn tiny_config() -> ModelConfig {
+    ModelConfig::Qwen3Moe(Qwen3MoeConfig {
+        common: CommonConfig {
+            vocab_size: 64,
+            hidden_size: 64,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 32,
+            rotary_dim: 32,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-6,
+            intermediate_size: 0,
+            num_experts: 3,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 32,
+            norm_topk_prob: false,
+            moe_layers: vec![true],
+            tie_word_embeddings: false,
+            max_position_embeddings: 128,
+        },
+        sliding_window: None,
+    })
+}
+
+fn random_values(count: usize, seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..count).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Writes an artifact with tensors of every dtype (some large enough to cross 64 KiB parts)
+/// and one expert bank. Returns the written files.
+fn write_sample(path: &Path, options: WriterOptions) -> Vec<PathBuf> {
+    let mut writer = ArtifactWriter::create(path, options).unwrap();
+    writer
+        .add_file("tokenizer.json", br#"{"model":"sample"}"#)
+        .unwrap();
+    let big = random_values(300 * 64, 1); // 76.8 KB as f32: crosses a 64 KiB boundary
+    writer
+        .add_tensor(
+            TensorSpec {
+                name: "embed_tokens".into(),
+                class: TensorClass::Embedding,
+                dtype: DType::F32,
+                shape: vec![300, 64],
+                quantization: None,
+            },
+            &f32_to_bytes(&big),
+        )
+        .unwrap();
+    let medium = random_values(200 * 64, 2);
+    writer
+        .add_tensor(
+            TensorSpec {
+                name: "lm_head".into(),
+                class: TensorClass::Embedding,
+                dtype: DType::Bf16,
+                shape: vec![200, 64],
+                quantization: None,
+            },
+            &f32_to_bf16_bytes(&medium),
+        )
+        .unwrap();
+    let layout = QuantizedLayout::new(DType::Int8, 64, 32).unwrap();
+    let gate_up = QuantizedLayout::new(DType::Int4, 64, 64).unwrap();
+    writer
+        .begin_expert_bank(
+            "layers.0.moe.experts",
+            TensorClass::RoutedExpert,
+            DType::Int4,
+            3,
+            gate_up.total_bytes as u64,
+            {
+                QuantizedLayout::new(DType::Int4, 64, 32)
+                    .unwrap()
+                    .total_bytes as u64
+            },
+        )
+        .unwrap();
+    for expert in 0..3u64 {
+        let down = QuantizedLayout::new(DType::Int4, 64, 32).unwrap();
+        writer
+            .add_expert(
+                TensorSpec {
+                    name: format!("layers.0.moe.experts.{expert}.gate_up"),
+                    class: TensorClass::RoutedExpert,
+                    dtype: DType::Int4,
+                    shape: vec![64, 64],
+                    quantization: Some(gate_up.params()),
+                },
+                &quantize_matrix(&random_values(64 * 64, 10 + expert), &gate_up),
+                TensorSpec {
+                    name: format!("layers.0.moe.experts.{expert}.down"),
+                    class: TensorClass::RoutedExpert,
+                    dtype: DType::Int4,
+                    shape: vec![64, 32],
+                    quantization: Some(down.params()),
+                },
+                &quantize_matrix(&random_values(64 * 32, 20 + expert), &down),
+            )
+            .unwrap();
+    }
+    writer.end_expert_bank().unwrap();
+    writer
+        .add_tensor(
+            TensorSpec {
+                name: "layers.0.attn.q_proj".into(),
+                class: TensorClass::Dense,
+                dtype: DType::Int8,
+                shape: vec![64, 32],
+                quantization: Some(layout.params()),
+            },
+            &quantize_matrix(&random_values(64 * 32, 3), &layout),
+        )
+        .unwrap();
+    writer
+        .finish(
+            tiny_config(),
+            GenerationDefaults::default(),
+            SourceInfo::default(),
+        )
+        .unwrap()
+}
+
+#[test]
+fn single_file_round_trip_is_bit_exact() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("sample.ninfer");
+    let files = write_sample(&path, WriterOptions::default());
+    assert_eq!(files, vec![path.clone()]);
+    let artifact = Artifact::open(&path).unwrap();
+    assert_eq!(artifact.config(), &tiny_config());
+    assert_eq!(
+        artifact.file("tokenizer.json").unwrap(),
+        br#"{"model":"sample"}"#
+    );
+    let embed = artifact.tensor("embed_tokens").unwrap();
+    assert_eq!(embed.as_f32().unwrap(), &random_values(300 * 64, 1)[..]);
+    let head = artifact.tensor("lm_head").unwrap();
+    assert_eq!(head.as_bf16().unwrap().len(), 200 * 64);
+    assert_eq!(
+        head.bytes,
+        &f32_to_bf16_bytes(&random_values(200 * 64, 2))[..]
+    );
+    artifact.verify(|_| {}).unwrap();
+
+    let bank = artifact.expert_bank("layers.0.moe.experts").unwrap();
+    assert_eq!(bank.offset % 4096, 0);
+    assert_eq!(bank.expert_stride % 4096, 0);
+    for expert in 0..3 {
+        let tensor = artifact
+            .tensor(&format!("layers.0.moe.experts.{expert}.gate_up"))
+            .unwrap();
+        assert_eq!(
+            tensor.entry.offset,
+            bank.offset + expert * bank.expert_stride
+        );
+        let down = artifact
+            .tensor(&format!("layers.0.moe.experts.{expert}.down"))
+            .unwrap();
+        assert!(
+            down.entry.offset + down.entry.length
+                <= bank.offset + (expert + 1) * bank.expert_stride
+        );
+    }
+}
+
+#[test]
+fn split_artifact_reads_identical_tensors_across_part_boundaries() {
+    let directory = tempfile::tempdir().unwrap();
+    let single = directory.path().join("single.ninfer");
+    let split = directory.path().join("split.ninfer");
+    write_sample(&single, WriterOptions::default());
+    let files = write_sample(
+        &split,
+        WriterOptions {
+            max_part_bytes: Some(64 * 1024),
+        },
+    );
+    assert!(files.len() >= 2, "expected several parts, got {files:?}");
+    assert_eq!(files[1], part_path(&split, 1));
+    for file in &files[..files.len() - 1] {
+        assert_eq!(std::fs::metadata(file).unwrap().len(), 64 * 1024);
+    }
+    let single = Artifact::open(&single).unwrap();
+    let split = Artifact::open(&split).unwrap();
+    split.verify(|_| {}).unwrap();
+    let mut crossing = 0;
+    for tensor in single.tensors() {
+        let other = split.tensor(tensor.name()).unwrap();
+        assert_eq!(tensor.bytes, other.bytes, "{}", tensor.name());
+        let (start, end) = (
+            other.entry.offset,
+            other.entry.offset + other.entry.length - 1,
+        );
+        if start / (64 * 1024) != end / (64 * 1024) {
+            crossing += 1;
+        }
+    }
+    assert!(
+        crossing >= 1,
+        "no tensor crossed a part boundary; the test proves nothing"
+    );
+}
+
+fn expect_error(path: &Path) -> ArtifactError {
+    match Artifact::open(path) {
+        Ok(_) => panic!("{} opened although it is damaged", path.display()),
+        Err(error) => {
+            let text = error.to_string();
+            assert!(
+                text.contains(&path.file_name().unwrap().to_string_lossy().to_string()),
+                "error does not name the file: {text}"
+            );
+            error
+        }
+    }
+}
+
+#[test]
+fn damaged_artifacts_are_refused_with_the_file_named() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("damaged.ninfer");
+    write_sample(&path, WriterOptions::default());
+    let good = std::fs::read(&path).unwrap();
+
+    // Truncated.
+    std::fs::write(&path, &good[..good.len() - 100]).unwrap();
+    assert!(matches!(
+        expect_error(&path),
+        ArtifactError::PartSize { .. }
+    ));
+    // Shorter than the preamble.
+    std::fs::write(&path, &good[..10]).unwrap();
+    assert!(matches!(expect_error(&path), ArtifactError::Corrupt { .. }));
+    // Not an artifact at all.
+    std::fs::write(&path, b"hello world, this is not a model").unwrap();
+    assert!(matches!(
+        expect_error(&path),
+        ArtifactError::NotAnArtifact { .. }
+    ));
+    // Header damaged.
+    let mut damaged = good.clone();
+    let last = damaged.len() - 2;
+    damaged[last] ^= 0x55;
+    std::fs::write(&path, &damaged).unwrap();
+    assert!(matches!(
+        expect_error(&path),
+        ArtifactError::ChecksumMismatch { .. }
+    ));
+    // Preamble damaged.
+    let mut damaged = good.clone();
+    damaged[20] ^= 1;
+    std::fs::write(&path, &damaged).unwrap();
+    assert!(matches!(expect_error(&path), ArtifactError::Corrupt { .. }));
+    // Tensor data damaged: opens, but `verify` names the tensor.
+    std::fs::write(&path, &good).unwrap();
+    let offset = Artifact::open(&path)
+        .unwrap()
+        .tensor("embed_tokens")
+        .unwrap()
+        .entry
+        .offset as usize;
+    let mut damaged = good.clone();
+    damaged[offset + 7] ^= 0x80;
+    std::fs::write(&path, &damaged).unwrap();
+    let artifact = Artifact::open(&path).unwrap();
+    let error = artifact.verify(|_| {}).unwrap_err().to_string();
+    assert!(
+        error.contains("embed_tokens") && error.contains("checksum"),
+        "{error}"
+    );
+}
+
+#[test]
+fn missing_part_is_named() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("parts.ninfer");
+    let files = write_sample(
+        &path,
+        WriterOptions {
+            max_part_bytes: Some(64 * 1024),
+        },
+    );
+    std::fs::remove_file(&files[1]).unwrap();
+    let error = expect_error(&path);
+    assert!(matches!(error, ArtifactError::MissingPart { .. }));
+    assert!(
+        error.to_string().contains("parts.ninfer.part-0001"),
+        "{error}"
+    );
+}
+
+#[test]
+fn unfinished_writer_leaves_no_files() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("unfinished.ninfer");
+    {
+        let mut writer = ArtifactWriter::create(
+            &path,
+            WriterOptions {
+                max_part_bytes: Some(64 * 1024),
+            },
+        )
+        .unwrap();
+        writer
+            .add_tensor(
+                TensorSpec {
+                    name: "embed_tokens".into(),
+                    class: TensorClass::Embedding,
+                    dtype: DType::F32,
+                    shape: vec![300, 64],
+                    quantization: None,
+                },
+                &f32_to_bytes(&random_values(300 * 64, 1)),
+            )
+            .unwrap();
+        // Dropped here, as on an error or Ctrl-C.
+    }
+    let left: Vec<_> = std::fs::read_dir(directory.path()).unwrap().collect();
+    assert!(left.is_empty(), "files left behind: {left:?}");
+}
+
+#[test]
+fn writer_rejects_inconsistent_tensors() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("bad.ninfer");
+    let mut writer = ArtifactWriter::create(&path, WriterOptions::default()).unwrap();
+    let spec = TensorSpec {
+        name: "x".into(),
+        class: TensorClass::Dense,
+        dtype: DType::F32,
+        shape: vec![4, 4],
+        quantization: None,
+    };
+    let error = writer
+        .add_tensor(spec.clone(), &[0u8; 12])
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("`x`") && error.contains("64"), "{error}");
+    writer.add_tensor(spec.clone(), &[0u8; 64]).unwrap();
+    assert!(writer
+        .add_tensor(spec, &[0u8; 64])
+        .unwrap_err()
+        .to_string()
+        .contains("twice"));
+}

@@ -1,0 +1,783 @@
+//! The CPU backend: straightforward f32 loops, weights read in place from the mmapped artifact.
+//!
+//! Owns: the reference implementation of every [`Backend`] op. It is the numerical yardstick the
+//! CUDA backend is checked against, so clarity wins over speed here; only the matmul (in
+//! `crate::weights`) is blocked and threaded.
+//! Must not touch: model structure, the artifact byte layout.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use ninfer_artifact::Artifact;
+
+use super::{AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, Routing, Segment};
+use crate::error::EngineError;
+use crate::weights::{dot, StoredWeight, WeightMatrix};
+
+/// Chunk length of the chunked delta rule (transformers' `chunk_size`).
+pub const DELTA_RULE_CHUNK: usize = 64;
+
+/// The CPU backend. Stateless: every op allocates its output.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+/// A row-major `[rows, cols]` f32 buffer in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuTensor {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuTensor {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+
+    pub fn row(&self, row: usize) -> &[f32] {
+        &self.data[row * self.cols..(row + 1) * self.cols]
+    }
+
+    pub fn row_mut(&mut self, row: usize) -> &mut [f32] {
+        &mut self.data[row * self.cols..(row + 1) * self.cols]
+    }
+}
+
+/// A weight: matrices stay in the mapping; small parameters are decoded once to f32.
+pub struct CpuWeight {
+    stored: StoredWeight,
+    rows: usize,
+    cols: usize,
+    parameter: Option<Vec<f32>>,
+}
+
+impl CpuWeight {
+    fn parameter(&self) -> &[f32] {
+        self.parameter.as_deref().unwrap_or(&[])
+    }
+}
+
+/// Keys and values of one attention layer of one sequence, `[max_tokens, kv_width]` each.
+pub struct CpuKvCache {
+    pub max_tokens: usize,
+    pub kv_width: usize,
+    pub len: usize,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+/// The last `kernel − 1` pre-conv input rows, oldest first.
+pub struct CpuConvState {
+    pub channels: usize,
+    pub kernel: usize,
+    pub history: Vec<f32>,
+}
+
+/// The delta-rule state: `[nv, dk, dv]`, row index = key dim.
+pub struct CpuRecurrentState {
+    pub spec: DeltaRuleSpec,
+    pub state: Vec<f32>,
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// PyTorch's softplus (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// RoPE inverse frequencies as transformers computes them (f32 exponent and power).
+pub fn rope_inverse_frequencies(rotary_dim: usize, theta: f64) -> Vec<f32> {
+    let base = theta as f32;
+    (0..rotary_dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / rotary_dim as f32))
+        .collect()
+}
+
+/// `x · rsqrt(Σx² + 1e-6)` (the delta rule's fixed-eps l2 norm), times `scale`.
+fn l2_normalize_into(x: &[f32], scale: f32, out: &mut [f32]) {
+    let sum: f32 = x.iter().map(|v| v * v).sum();
+    let inverse = 1.0 / (sum + 1e-6).sqrt();
+    for (o, v) in out.iter_mut().zip(x) {
+        *o = v * inverse * scale;
+    }
+}
+
+/// Recurrent gated delta rule for one head over `n` steps. `q`, `k`: `[n, dk]` (already
+/// normalised/scaled), `v`: `[n, dv]`, `state`: `[dk, dv]`, `out`: `[n, dv]`.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_recurrent(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    dk: usize,
+    dv: usize,
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    let mut delta = vec![0.0f32; dv];
+    for t in 0..g.len() {
+        let decay = g[t].exp();
+        state.iter_mut().for_each(|s| *s *= decay);
+        let kt = &k[t * dk..(t + 1) * dk];
+        let qt = &q[t * dk..(t + 1) * dk];
+        delta.copy_from_slice(&v[t * dv..(t + 1) * dv]);
+        for (i, &ki) in kt.iter().enumerate() {
+            let row = &state[i * dv..(i + 1) * dv];
+            for (d, s) in delta.iter_mut().zip(row) {
+                *d -= s * ki;
+            }
+        }
+        delta.iter_mut().for_each(|d| *d *= beta[t]);
+        let ot = &mut out[t * dv..(t + 1) * dv];
+        ot.iter_mut().for_each(|o| *o = 0.0);
+        for i in 0..dk {
+            let row = &mut state[i * dv..(i + 1) * dv];
+            for (s, d) in row.iter_mut().zip(&delta) {
+                *s += kt[i] * d;
+            }
+            for (o, s) in ot.iter_mut().zip(row.iter()) {
+                *o += s * qt[i];
+            }
+        }
+    }
+}
+
+/// Chunked gated delta rule (MODELS.md §1.5.4, chunks of [`DELTA_RULE_CHUNK`]); same contract as
+/// [`delta_rule_recurrent`]. The last chunk is simply shorter (padding steps would be no-ops).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_chunked(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    dk: usize,
+    dv: usize,
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    let n = g.len();
+    let mut chunk_start = 0;
+    while chunk_start < n {
+        let m = DELTA_RULE_CHUNK.min(n - chunk_start);
+        let q = &q[chunk_start * dk..(chunk_start + m) * dk];
+        let k = &k[chunk_start * dk..(chunk_start + m) * dk];
+        let v = &v[chunk_start * dv..(chunk_start + m) * dv];
+        let g = &g[chunk_start..chunk_start + m];
+        let beta = &beta[chunk_start..chunk_start + m];
+        let out = &mut out[chunk_start * dv..(chunk_start + m) * dv];
+
+        let mut gamma = vec![0.0f32; m];
+        let mut running = 0.0f32;
+        for i in 0..m {
+            running += g[i];
+            gamma[i] = running;
+        }
+        let key = |i: usize| &k[i * dk..(i + 1) * dk];
+        // A[i][j] (j < i) = β_i (k_i·k_j) e^{γ_i − γ_j}.
+        let mut a = vec![0.0f32; m * m];
+        for i in 0..m {
+            for j in 0..i {
+                a[i * m + j] = beta[i] * dot(key(i), key(j)) * (gamma[i] - gamma[j]).exp();
+            }
+        }
+        // U = T⁻¹ (β V), W = T⁻¹ (β K e^γ) with T = I + strictly_lower(A): forward substitution.
+        let mut u = vec![0.0f32; m * dv];
+        let mut w = vec![0.0f32; m * dk];
+        for i in 0..m {
+            for c in 0..dv {
+                u[i * dv + c] = beta[i] * v[i * dv + c];
+            }
+            let scale = beta[i] * gamma[i].exp();
+            for c in 0..dk {
+                w[i * dk + c] = scale * k[i * dk + c];
+            }
+            for j in 0..i {
+                let coefficient = a[i * m + j];
+                if coefficient == 0.0 {
+                    continue;
+                }
+                let (done, current) = u.split_at_mut(i * dv);
+                for (x, y) in current[..dv].iter_mut().zip(&done[j * dv..(j + 1) * dv]) {
+                    *x -= coefficient * y;
+                }
+                let (done, current) = w.split_at_mut(i * dk);
+                for (x, y) in current[..dk].iter_mut().zip(&done[j * dk..(j + 1) * dk]) {
+                    *x -= coefficient * y;
+                }
+            }
+        }
+        // V' = U − W S.
+        let mut v_new = u;
+        for i in 0..m {
+            let row = &mut v_new[i * dv..(i + 1) * dv];
+            for d in 0..dk {
+                let wd = w[i * dk + d];
+                let state_row = &state[d * dv..(d + 1) * dv];
+                for (x, s) in row.iter_mut().zip(state_row) {
+                    *x -= wd * s;
+                }
+            }
+        }
+        // O_i = e^{γ_i} q_i S + Σ_{j≤i} (q_i·k_j) e^{γ_i−γ_j} V'_j.
+        for i in 0..m {
+            let qi = &q[i * dk..(i + 1) * dk];
+            let oi = &mut out[i * dv..(i + 1) * dv];
+            oi.iter_mut().for_each(|o| *o = 0.0);
+            let decay = gamma[i].exp();
+            for d in 0..dk {
+                let factor = qi[d] * decay;
+                let state_row = &state[d * dv..(d + 1) * dv];
+                for (o, s) in oi.iter_mut().zip(state_row) {
+                    *o += factor * s;
+                }
+            }
+            for j in 0..=i {
+                let factor = dot(qi, key(j)) * (gamma[i] - gamma[j]).exp();
+                for (o, x) in oi.iter_mut().zip(&v_new[j * dv..(j + 1) * dv]) {
+                    *o += factor * x;
+                }
+            }
+        }
+        // S ← e^{γ_last} S + Σ_j e^{γ_last − γ_j} k_j ⊗ V'_j.
+        let last = gamma[m - 1];
+        let decay = last.exp();
+        state.iter_mut().for_each(|s| *s *= decay);
+        for j in 0..m {
+            let factor = (last - gamma[j]).exp();
+            let kj = key(j);
+            let vj = &v_new[j * dv..(j + 1) * dv];
+            for d in 0..dk {
+                let scale = factor * kj[d];
+                let state_row = &mut state[d * dv..(d + 1) * dv];
+                for (s, x) in state_row.iter_mut().zip(vj) {
+                    *s += scale * x;
+                }
+            }
+        }
+        chunk_start += m;
+    }
+}
+
+impl CpuBackend {
+    fn map(&self, x: &CpuTensor, f: impl Fn(f32) -> f32) -> CpuTensor {
+        CpuTensor {
+            rows: x.rows,
+            cols: x.cols,
+            data: x.data.iter().map(|&v| f(v)).collect(),
+        }
+    }
+
+    fn zip(&self, a: &CpuTensor, b: &CpuTensor, f: impl Fn(f32, f32) -> f32) -> CpuTensor {
+        debug_assert_eq!((a.rows, a.cols), (b.rows, b.cols));
+        CpuTensor {
+            rows: a.rows,
+            cols: a.cols,
+            data: a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect(),
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type KvCache = CpuKvCache;
+    type ConvState = CpuConvState;
+    type RecurrentState = CpuRecurrentState;
+
+    fn name(&self) -> String {
+        "cpu".to_string()
+    }
+
+    fn load_matrix(&self, artifact: &Arc<Artifact>, name: &str) -> Result<CpuWeight, EngineError> {
+        let stored = StoredWeight::new(artifact, name)?;
+        let (rows, cols) = {
+            let matrix = stored.matrix()?;
+            (matrix.rows, matrix.cols)
+        };
+        Ok(CpuWeight {
+            stored,
+            rows,
+            cols,
+            parameter: None,
+        })
+    }
+
+    fn load_parameter(
+        &self,
+        artifact: &Arc<Artifact>,
+        name: &str,
+    ) -> Result<CpuWeight, EngineError> {
+        let stored = StoredWeight::new(artifact, name)?;
+        let (rows, cols, values) = {
+            let matrix = stored.matrix()?;
+            (matrix.rows, matrix.cols, matrix.to_f32_vec())
+        };
+        Ok(CpuWeight {
+            stored,
+            rows,
+            cols,
+            parameter: Some(values),
+        })
+    }
+
+    fn weight_shape(&self, weight: &CpuWeight) -> (usize, usize) {
+        (weight.rows, weight.cols)
+    }
+
+    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> CpuTensor {
+        CpuTensor {
+            rows,
+            cols,
+            data: values.to_vec(),
+        }
+    }
+
+    fn download(&self, tensor: &CpuTensor) -> Vec<f32> {
+        tensor.data.clone()
+    }
+
+    fn shape(&self, tensor: &CpuTensor) -> (usize, usize) {
+        (tensor.rows, tensor.cols)
+    }
+
+    fn gather_rows(&self, tensor: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let mut data = Vec::with_capacity(rows.len() * tensor.cols);
+        for &row in rows {
+            data.extend_from_slice(tensor.row(row));
+        }
+        CpuTensor {
+            rows: rows.len(),
+            cols: tensor.cols,
+            data,
+        }
+    }
+
+    fn columns(&self, tensor: &CpuTensor, range: Range<usize>) -> CpuTensor {
+        let mut data = Vec::with_capacity(tensor.rows * range.len());
+        for row in 0..tensor.rows {
+            data.extend_from_slice(&tensor.row(row)[range.clone()]);
+        }
+        CpuTensor {
+            rows: tensor.rows,
+            cols: range.len(),
+            data,
+        }
+    }
+
+    fn split_interleaved(
+        &self,
+        tensor: &CpuTensor,
+        groups: usize,
+        first: usize,
+        second: usize,
+    ) -> (CpuTensor, CpuTensor) {
+        let mut a = CpuTensor::zeros(tensor.rows, groups * first);
+        let mut b = CpuTensor::zeros(tensor.rows, groups * second);
+        for row in 0..tensor.rows {
+            let source = tensor.row(row);
+            for group in 0..groups {
+                let base = group * (first + second);
+                a.row_mut(row)[group * first..(group + 1) * first]
+                    .copy_from_slice(&source[base..base + first]);
+                b.row_mut(row)[group * second..(group + 1) * second]
+                    .copy_from_slice(&source[base + first..base + first + second]);
+            }
+        }
+        (a, b)
+    }
+
+    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
+        let mut out = CpuTensor::zeros(ids.len(), table.cols);
+        if let Ok(matrix) = table.stored.matrix() {
+            for (row, &id) in ids.iter().enumerate() {
+                // Ids are checked against the vocabulary by the model before any op runs.
+                if (id as usize) < matrix.rows {
+                    matrix.decode_rows(id as usize, 1, out.row_mut(row));
+                }
+            }
+        }
+        out
+    }
+
+    fn matmul(&self, x: &CpuTensor, weight: &CpuWeight) -> CpuTensor {
+        let mut out = CpuTensor::zeros(x.rows, weight.rows);
+        if let Ok(matrix) = weight.stored.matrix() {
+            matmul_into(&matrix, x, &mut out);
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32, style: NormStyle) -> CpuTensor {
+        let w = weight.parameter();
+        let group = w.len().max(1);
+        let offset = match style {
+            NormStyle::Plain => 0.0,
+            NormStyle::ZeroCentred => 1.0,
+        };
+        let mut out = x.clone();
+        for chunk in out.data.chunks_mut(group) {
+            let mean_square = chunk.iter().map(|v| v * v).sum::<f32>() / group as f32;
+            let inverse = 1.0 / (mean_square + eps).sqrt();
+            for (value, wi) in chunk.iter_mut().zip(w) {
+                *value = *value * inverse * (offset + wi);
+            }
+        }
+        out
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &CpuTensor,
+        gate: &CpuTensor,
+        weight: &CpuWeight,
+        eps: f32,
+    ) -> CpuTensor {
+        let normed = self.rms_norm(x, weight, eps, NormStyle::Plain);
+        self.zip(&normed, gate, |value, z| value * silu(z))
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+    ) {
+        let inverse_frequencies = rope_inverse_frequencies(rotary_dim, theta);
+        let half = rotary_dim / 2;
+        let mut cos = vec![0.0f32; half];
+        let mut sin = vec![0.0f32; half];
+        for (row, &position) in positions.iter().enumerate().take(x.rows) {
+            for i in 0..half {
+                let angle = position as f32 * inverse_frequencies[i];
+                cos[i] = angle.cos();
+                sin[i] = angle.sin();
+            }
+            for head in x.row_mut(row).chunks_mut(head_dim) {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos[i] - b * sin[i];
+                    head[i + half] = b * cos[i] + a * sin[i];
+                }
+            }
+        }
+    }
+
+    fn add_assign(&self, a: &mut CpuTensor, b: &CpuTensor) {
+        for (x, y) in a.data.iter_mut().zip(&b.data) {
+            *x += y;
+        }
+    }
+
+    fn silu_mul_halves(&self, gate_up: &CpuTensor) -> CpuTensor {
+        let half = gate_up.cols / 2;
+        let mut out = CpuTensor::zeros(gate_up.rows, half);
+        for row in 0..gate_up.rows {
+            let source = gate_up.row(row);
+            for (i, o) in out.row_mut(row).iter_mut().enumerate() {
+                *o = silu(source[i]) * source[half + i];
+            }
+        }
+        out
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        self.zip(gate, up, |g, u| silu(g) * u)
+    }
+
+    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor) -> CpuTensor {
+        self.zip(x, gate, |v, g| v * sigmoid(g))
+    }
+
+    fn add_sigmoid_scaled_rows(&self, a: &mut CpuTensor, b: &CpuTensor, gate: &CpuTensor) {
+        for row in 0..a.rows {
+            let scale = sigmoid(gate.data[row * gate.cols]);
+            let source = b.row(row).to_vec();
+            for (x, y) in a.row_mut(row).iter_mut().zip(&source) {
+                *x += scale * y;
+            }
+        }
+    }
+
+    fn route_top_k(&self, logits: &CpuTensor, k: usize, normalize: bool) -> Routing {
+        route_top_k_host(&logits.data, logits.cols, k, normalize)
+    }
+
+    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> CpuKvCache {
+        CpuKvCache {
+            max_tokens,
+            kv_width,
+            len: 0,
+            keys: vec![0.0; max_tokens * kv_width],
+            values: vec![0.0; max_tokens * kv_width],
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        spec: &AttentionSpec,
+        segments: &mut [Segment<'_, CpuKvCache>],
+    ) -> Result<CpuTensor, EngineError> {
+        let hd = spec.head_dim;
+        let group = spec.heads / spec.kv_heads.max(1);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = CpuTensor::zeros(q.rows, spec.heads * hd);
+        for segment in segments.iter_mut() {
+            let cache = &mut *segment.state;
+            let width = cache.kv_width;
+            let end = segment.start_position + segment.rows.len();
+            if end > cache.max_tokens {
+                return Err(EngineError::ContextFull {
+                    held: segment.start_position,
+                    added: segment.rows.len(),
+                    max_context: cache.max_tokens,
+                });
+            }
+            for (offset, row) in segment.rows.clone().enumerate() {
+                let at = (segment.start_position + offset) * width;
+                cache.keys[at..at + width].copy_from_slice(k.row(row));
+                cache.values[at..at + width].copy_from_slice(v.row(row));
+            }
+            cache.len = end;
+            let mut scores = vec![0.0f32; end];
+            for (offset, row) in segment.rows.clone().enumerate() {
+                let position = segment.start_position + offset;
+                let first_key = match spec.sliding_window {
+                    Some(window) => (position + 1).saturating_sub(window),
+                    None => 0,
+                };
+                for head in 0..spec.heads {
+                    let kv_head = head / group.max(1);
+                    let query = &q.row(row)[head * hd..(head + 1) * hd];
+                    let mut max_score = f32::NEG_INFINITY;
+                    for key_position in first_key..=position {
+                        let at = key_position * width + kv_head * hd;
+                        let score = dot(query, &cache.keys[at..at + hd]) * scale;
+                        scores[key_position] = score;
+                        max_score = max_score.max(score);
+                    }
+                    let mut total = 0.0f32;
+                    for score in &mut scores[first_key..=position] {
+                        *score = (*score - max_score).exp();
+                        total += *score;
+                    }
+                    let output = &mut out.row_mut(row)[head * hd..(head + 1) * hd];
+                    for key_position in first_key..=position {
+                        let weight = scores[key_position] / total;
+                        let at = key_position * width + kv_head * hd;
+                        for (o, value) in output.iter_mut().zip(&cache.values[at..at + hd]) {
+                            *o += weight * value;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn new_conv_state(&self, channels: usize, kernel: usize) -> CpuConvState {
+        CpuConvState {
+            channels,
+            kernel,
+            history: vec![0.0; kernel.saturating_sub(1) * channels],
+        }
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuWeight,
+        segments: &mut [Segment<'_, CpuConvState>],
+    ) -> CpuTensor {
+        let taps = weight.parameter();
+        let channels = x.cols;
+        let mut out = CpuTensor::zeros(x.rows, channels);
+        for segment in segments.iter_mut() {
+            let state = &mut *segment.state;
+            let kernel = state.kernel;
+            let context = kernel - 1;
+            // History rows then this segment's rows: output t sees rows t .. t+kernel-1.
+            let mut extended = state.history.clone();
+            for row in segment.rows.clone() {
+                extended.extend_from_slice(x.row(row));
+            }
+            for (offset, row) in segment.rows.clone().enumerate() {
+                let output = out.row_mut(row);
+                for c in 0..channels {
+                    let mut sum = 0.0f32;
+                    for j in 0..kernel {
+                        sum += taps[c * kernel + j] * extended[(offset + j) * channels + c];
+                    }
+                    output[c] = silu(sum);
+                }
+            }
+            let total_rows = extended.len() / channels;
+            state.history = extended[(total_rows - context) * channels..].to_vec();
+        }
+        out
+    }
+
+    fn delta_rule_gates(
+        &self,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &CpuWeight,
+        dt_bias: &CpuWeight,
+    ) -> (CpuTensor, CpuTensor) {
+        let a_log = a_log.parameter();
+        let dt_bias = dt_bias.parameter();
+        let mut g = CpuTensor::zeros(a.rows, a.cols);
+        for row in 0..a.rows {
+            let source = a.row(row);
+            for (h, value) in g.row_mut(row).iter_mut().enumerate() {
+                *value = -a_log[h].exp() * softplus(source[h] + dt_bias[h]);
+            }
+        }
+        (g, self.map(b, sigmoid))
+    }
+
+    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> CpuRecurrentState {
+        CpuRecurrentState {
+            spec: *spec,
+            state: vec![0.0; spec.value_heads * spec.key_head_dim * spec.value_head_dim],
+        }
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        g: &CpuTensor,
+        beta: &CpuTensor,
+        spec: &DeltaRuleSpec,
+        form: DeltaRuleForm,
+        segments: &mut [Segment<'_, CpuRecurrentState>],
+    ) -> CpuTensor {
+        let (dk, dv, nv) = (spec.key_head_dim, spec.value_head_dim, spec.value_heads);
+        let ratio = (nv / spec.key_heads.max(1)).max(1);
+        let scale = 1.0 / (dk as f32).sqrt();
+        let mut out = CpuTensor::zeros(q.rows, nv * dv);
+        for segment in segments.iter_mut() {
+            let n = segment.rows.len();
+            let chunked = match form {
+                DeltaRuleForm::Auto => n > 1,
+                DeltaRuleForm::Chunked => true,
+                DeltaRuleForm::Recurrent => false,
+            };
+            let mut qh = vec![0.0f32; n * dk];
+            let mut kh = vec![0.0f32; n * dk];
+            let mut vh = vec![0.0f32; n * dv];
+            let mut gh = vec![0.0f32; n];
+            let mut bh = vec![0.0f32; n];
+            let mut oh = vec![0.0f32; n * dv];
+            for head in 0..nv {
+                let key_head = head / ratio;
+                for (t, row) in segment.rows.clone().enumerate() {
+                    let keys = key_head * dk..(key_head + 1) * dk;
+                    l2_normalize_into(
+                        &q.row(row)[keys.clone()],
+                        scale,
+                        &mut qh[t * dk..(t + 1) * dk],
+                    );
+                    l2_normalize_into(&k.row(row)[keys], 1.0, &mut kh[t * dk..(t + 1) * dk]);
+                    vh[t * dv..(t + 1) * dv]
+                        .copy_from_slice(&v.row(row)[head * dv..(head + 1) * dv]);
+                    gh[t] = g.row(row)[head];
+                    bh[t] = beta.row(row)[head];
+                }
+                let state = &mut segment.state.state[head * dk * dv..(head + 1) * dk * dv];
+                if chunked {
+                    delta_rule_chunked(&qh, &kh, &vh, &gh, &bh, dk, dv, state, &mut oh);
+                } else {
+                    delta_rule_recurrent(&qh, &kh, &vh, &gh, &bh, dk, dv, state, &mut oh);
+                }
+                for (t, row) in segment.rows.clone().enumerate() {
+                    out.row_mut(row)[head * dv..(head + 1) * dv]
+                        .copy_from_slice(&oh[t * dv..(t + 1) * dv]);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `out = x · Wᵀ`.
+fn matmul_into(matrix: &WeightMatrix<'_>, x: &CpuTensor, out: &mut CpuTensor) {
+    if x.cols != matrix.cols {
+        // Shapes are validated at model load; an inconsistent call leaves zeros.
+        return;
+    }
+    matrix.matmul(&x.data, x.rows, &mut out.data);
+}
+
+/// Router on host values: softmax per row (fp32), top-k (ties → lower expert id), optional
+/// renormalisation.
+pub fn route_top_k_host(logits: &[f32], experts: usize, k: usize, normalize: bool) -> Routing {
+    let tokens = if experts == 0 {
+        0
+    } else {
+        logits.len() / experts
+    };
+    let k = k.min(experts);
+    let mut routing = Routing {
+        experts_per_token: k,
+        expert_ids: Vec::with_capacity(tokens * k),
+        weights: Vec::with_capacity(tokens * k),
+    };
+    let mut order: Vec<usize> = Vec::with_capacity(experts);
+    for row in logits.chunks_exact(experts.max(1)).take(tokens) {
+        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|&x| (x - max).exp()).collect();
+        let total: f32 = exps.iter().sum();
+        let probabilities: Vec<f32> = exps.iter().map(|e| e / total).collect();
+        order.clear();
+        order.extend(0..experts);
+        order.sort_by(|&a, &b| {
+            probabilities[b]
+                .partial_cmp(&probabilities[a])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(a.cmp(&b))
+        });
+        let chosen = &order[..k];
+        let sum: f32 = chosen.iter().map(|&e| probabilities[e]).sum();
+        for &expert in chosen {
+            routing.expert_ids.push(expert as u32);
+            let weight = probabilities[expert];
+            routing.weights.push(if normalize && sum > 0.0 {
+                weight / sum
+            } else {
+                weight
+            });
+        }
+    }
+    routing
+}

@@ -1,0 +1,221 @@
+//! The backend trait: every operation the model graphs need, over device-resident buffers.
+//!
+//! Owns: the contract between model code (`crate::model`) and compute backends. Activations are
+//! `Backend::Tensor` (2-D, f32 semantics, `[rows, cols]`, one row per token); stored weights are
+//! `Backend::Weight` handles loaded once from the artifact; per-sequence state lives in
+//! `Backend::KvCache`, `Backend::ConvState` and `Backend::RecurrentState`. A backend keeps all of
+//! these wherever it computes (host memory for `cpu`, GPU memory for the coming CUDA backend), so
+//! the model code never moves data except where it says so (`download`, routing, experts).
+//! Must not touch: model structure (which op follows which), the artifact byte layout.
+//!
+//! Batched sequences: ops that mix tokens along time (attention, causal conv, delta rule) take the
+//! whole batch tensor plus one [`Segment`] per sequence (its row range, first position and state),
+//! a "varlen" interface that a GPU kernel can take in one launch.
+
+pub mod cpu;
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use ninfer_artifact::Artifact;
+
+use crate::error::EngineError;
+
+/// How an RMSNorm applies its weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormStyle {
+    /// `w ⊙ x̂` (qwen3_moe, and the gated GDN norm).
+    Plain,
+    /// `(1 + w) ⊙ x̂` (qwen3_next / qwen3_5_moe).
+    ZeroCentred,
+}
+
+/// Shape of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSpec {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Keys within this many positions (self included) are visible; `None` = full causal.
+    pub sliding_window: Option<usize>,
+}
+
+/// Shape of one Gated DeltaNet layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaRuleSpec {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+}
+
+/// Which form of the gated delta rule to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaRuleForm {
+    /// Chunked for multi-token segments, recurrent for single tokens (what transformers does).
+    Auto,
+    /// Chunked (chunk size 64) for every segment.
+    Chunked,
+    /// Token-by-token recurrence for every segment.
+    Recurrent,
+}
+
+/// One sequence's part of a batched op: its rows in the batch tensor, the position of its first
+/// row, and its state for this layer.
+pub struct Segment<'s, S> {
+    pub rows: Range<usize>,
+    pub start_position: usize,
+    pub state: &'s mut S,
+}
+
+/// Top-k routing of a batch: `experts_per_token` entries per token.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Routing {
+    pub experts_per_token: usize,
+    pub expert_ids: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// A compute backend. Object safety is not needed (models are generic over the backend);
+/// `Send + Sync` is, so one model can serve several threads.
+pub trait Backend: Send + Sync + 'static {
+    /// A 2-D activation buffer `[rows, cols]`.
+    type Tensor: Send + Sync;
+    /// A stored weight, resident where the backend computes.
+    type Weight: Send + Sync;
+    /// Keys and values of one attention layer of one sequence.
+    type KvCache: Send + Sync;
+    /// The last `Kc − 1` pre-conv inputs of one GDN layer of one sequence.
+    type ConvState: Send + Sync;
+    /// The fp32 delta-rule state `[nv, dk, dv]` of one GDN layer of one sequence.
+    type RecurrentState: Send + Sync;
+
+    /// Short name for logs and test output (`cpu`, `cuda:0`).
+    fn name(&self) -> String;
+
+    /// A weight used as a matrix (`[out, in]`, any dtype), read in place where possible.
+    fn load_matrix(
+        &self,
+        artifact: &Arc<Artifact>,
+        name: &str,
+    ) -> Result<Self::Weight, EngineError>;
+    /// A small parameter tensor (norm weights, conv taps, `A_log`, `dt_bias`).
+    fn load_parameter(
+        &self,
+        artifact: &Arc<Artifact>,
+        name: &str,
+    ) -> Result<Self::Weight, EngineError>;
+    /// `(rows, cols)` of a weight (a 1-D parameter is one row).
+    fn weight_shape(&self, weight: &Self::Weight) -> (usize, usize);
+
+    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> Self::Tensor;
+    fn download(&self, tensor: &Self::Tensor) -> Vec<f32>;
+    fn shape(&self, tensor: &Self::Tensor) -> (usize, usize);
+    /// Copies of the given rows, in order.
+    fn gather_rows(&self, tensor: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    /// Columns `range` of every row.
+    fn columns(&self, tensor: &Self::Tensor, range: Range<usize>) -> Self::Tensor;
+    /// Splits each row made of `groups` groups of `first + second` columns into the two parts,
+    /// group-major: `[a_0 b_0 a_1 b_1 …] → ([a_0 a_1 …], [b_0 b_1 …])` (gated attention's q_proj).
+    fn split_interleaved(
+        &self,
+        tensor: &Self::Tensor,
+        groups: usize,
+        first: usize,
+        second: usize,
+    ) -> (Self::Tensor, Self::Tensor);
+
+    /// Rows of an embedding table for the given token ids.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    /// `x · Wᵀ`: `[n, in] × [out, in] → [n, out]`, f32 accumulation.
+    fn matmul(&self, x: &Self::Tensor, weight: &Self::Weight) -> Self::Tensor;
+    /// RMSNorm over consecutive groups of `len(weight)` columns (so per-head norms take
+    /// `[n, heads·hd]` with a `[hd]` weight).
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Self::Tensor;
+    /// GDN output norm: plain-weight RMSNorm per group of `len(weight)`, times `silu(gate)`.
+    fn gated_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Self::Tensor;
+    /// Rotate-half RoPE on the first `rotary_dim` dims of each `head_dim` head; row `r` is at
+    /// `positions[r]`.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+    );
+    /// `a += b`.
+    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor);
+    /// `silu(gate) ⊙ up` where `gate_up` rows are `[gate ‖ up]` halves.
+    fn silu_mul_halves(&self, gate_up: &Self::Tensor) -> Self::Tensor;
+    /// `silu(gate) ⊙ up`, same shapes.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// `x ⊙ sigmoid(gate)`, same shapes.
+    fn mul_sigmoid(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Self::Tensor;
+    /// `a += sigmoid(gate[r, 0]) · b` per row (shared-expert gate).
+    fn add_sigmoid_scaled_rows(&self, a: &mut Self::Tensor, b: &Self::Tensor, gate: &Self::Tensor);
+
+    /// Softmax over each row, top-k, optional renormalisation (fp32). Routing goes to the host:
+    /// the expert executor (possibly another process) needs it there.
+    fn route_top_k(&self, logits: &Self::Tensor, k: usize, normalize: bool) -> Routing;
+
+    /// Empty KV cache with room for `max_tokens` positions of `kv_heads · head_dim` keys/values.
+    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Self::KvCache;
+    /// Appends each segment's `k`, `v` rows to its cache at its start position, then causal GQA
+    /// attention of its `q` rows over everything cached. Returns `[n, heads·hd]`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        spec: &AttentionSpec,
+        segments: &mut [Segment<'_, Self::KvCache>],
+    ) -> Result<Self::Tensor, EngineError>;
+
+    fn new_conv_state(&self, channels: usize, kernel: usize) -> Self::ConvState;
+    /// Depthwise causal conv1d (`weight` `[channels, Kc]`, last tap = current token) + SiLU, per
+    /// segment, continuing from and updating each segment's conv state.
+    fn causal_conv1d_silu(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        segments: &mut [Segment<'_, Self::ConvState>],
+    ) -> Self::Tensor;
+
+    /// `g = −exp(A_log) · softplus(a + dt_bias)`, `β = sigmoid(b)`; `a`, `b` are `[n, nv]`.
+    fn delta_rule_gates(
+        &self,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Weight,
+        dt_bias: &Self::Weight,
+    ) -> (Self::Tensor, Self::Tensor);
+    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Self::RecurrentState;
+    /// The gated delta rule (q/k l2-normalised inside, q scaled by `dk^-0.5`, v-head `j` uses
+    /// k-head `j / (nv/nk)`), continuing from and updating each segment's state.
+    /// `q`, `k`: `[n, nk·dk]`, `v`: `[n, nv·dv]`, `g`, `beta`: `[n, nv]` → `[n, nv·dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        g: &Self::Tensor,
+        beta: &Self::Tensor,
+        spec: &DeltaRuleSpec,
+        form: DeltaRuleForm,
+        segments: &mut [Segment<'_, Self::RecurrentState>],
+    ) -> Self::Tensor;
+}

@@ -1,0 +1,720 @@
+//! The model graph of qwen3_moe, qwen3_next and qwen3_5_moe, written once over [`Backend`].
+//!
+//! Owns: loading the weights a model needs (by the artifact's internal names), per-sequence state
+//! (`SequenceState`: KV caches, conv and recurrent states sized from a max context), and the
+//! batched forward pass (prefill, continuation and single-token decode of several sequences at
+//! once). Routed experts go through an [`ExpertExecutor`].
+//! Must not touch: op implementations (backends), sampling, tokenization.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ninfer_artifact::{Artifact, ArtifactError, ExpertBank};
+
+use crate::backend::{Backend, DeltaRuleForm, Segment};
+use crate::error::EngineError;
+use crate::experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor};
+use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
+
+/// Which positions' logits a forward returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsSelection {
+    /// Only each sequence's last new token (prefill and decode).
+    Last,
+    /// Every new token (perplexity).
+    All,
+}
+
+enum Mixer<B: Backend> {
+    Attention {
+        q_proj: B::Weight,
+        k_proj: B::Weight,
+        v_proj: B::Weight,
+        o_proj: B::Weight,
+        q_norm: B::Weight,
+        k_norm: B::Weight,
+    },
+    GatedDeltaNet {
+        in_proj_qkv: B::Weight,
+        in_proj_z: B::Weight,
+        in_proj_b: B::Weight,
+        in_proj_a: B::Weight,
+        conv1d: B::Weight,
+        dt_bias: B::Weight,
+        a_log: B::Weight,
+        norm: B::Weight,
+        out_proj: B::Weight,
+    },
+}
+
+struct SharedExpert<B: Backend> {
+    gate_proj: B::Weight,
+    up_proj: B::Weight,
+    down_proj: B::Weight,
+    gate: B::Weight,
+}
+
+enum FeedForward<B: Backend> {
+    Dense {
+        gate_proj: B::Weight,
+        up_proj: B::Weight,
+        down_proj: B::Weight,
+    },
+    Moe {
+        router: B::Weight,
+        bank: ExpertBank,
+        shared: Option<SharedExpert<B>>,
+    },
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Weight,
+    post_attention_norm: B::Weight,
+    mixer: Mixer<B>,
+    feed_forward: FeedForward<B>,
+}
+
+/// State of one layer of one sequence.
+pub enum LayerState<B: Backend> {
+    Attention(B::KvCache),
+    GatedDeltaNet {
+        conv: B::ConvState,
+        recurrent: B::RecurrentState,
+    },
+}
+
+/// Everything a sequence carries between forwards.
+pub struct SequenceState<B: Backend> {
+    max_context: usize,
+    position: usize,
+    layers: Vec<LayerState<B>>,
+}
+
+impl<B: Backend> SequenceState<B> {
+    /// Tokens processed so far (= position of the next token).
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+}
+
+/// New tokens of one sequence in a batched forward.
+pub struct SequenceInput<'a, B: Backend> {
+    pub state: &'a mut SequenceState<B>,
+    pub tokens: &'a [u32],
+}
+
+/// A loaded model on a backend.
+pub struct Model<B: Backend> {
+    backend: Arc<B>,
+    artifact: Arc<Artifact>,
+    spec: ModelSpec,
+    embed_tokens: B::Weight,
+    lm_head: Option<B::Weight>,
+    final_norm: B::Weight,
+    layers: Vec<Layer<B>>,
+    experts: Arc<dyn ExpertExecutor>,
+    delta_rule_form: DeltaRuleForm,
+}
+
+/// Opens an artifact; if the reader rejects its header, says which architecture it names when
+/// that is one the engine does not implement (the likelier cause than corruption).
+pub fn open_artifact(path: &Path) -> Result<Arc<Artifact>, EngineError> {
+    match Artifact::open(path) {
+        Ok(artifact) => {
+            check_architecture_name(artifact.config().architecture().name())?;
+            Ok(Arc::new(artifact))
+        }
+        Err(error @ ArtifactError::Corrupt { .. }) => {
+            if let Some(name) = header_architecture(path) {
+                check_architecture_name(&name)?;
+            }
+            Err(error.into())
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// The `architecture` string of an artifact's header, read without interpreting the config.
+fn header_architecture(path: &Path) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut preamble = vec![0u8; ninfer_artifact::header::PREAMBLE_LENGTH as usize];
+    file.read_exact(&mut preamble).ok()?;
+    let preamble = ninfer_artifact::header::Preamble::decode(&preamble, path).ok()?;
+    // Only headers inside part 0 are probed; this is a diagnostic, not a reader.
+    let length = usize::try_from(preamble.header_length).ok()?;
+    if length > 256 << 20 {
+        return None;
+    }
+    file.seek(SeekFrom::Start(preamble.header_offset)).ok()?;
+    let mut header = vec![0u8; length];
+    file.read_exact(&mut header).ok()?;
+    let value: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    value.get("architecture")?.as_str().map(str::to_string)
+}
+
+impl<B: Backend> Model<B> {
+    /// Opens the artifact at `path` and loads it with the in-process CPU expert executor.
+    pub fn open(backend: Arc<B>, path: &Path) -> Result<Self, EngineError> {
+        let artifact = open_artifact(path)?;
+        let experts: Arc<dyn ExpertExecutor> =
+            Arc::new(CpuExpertExecutor::new(Arc::clone(&artifact)));
+        Self::load(backend, artifact, experts)
+    }
+
+    /// Loads every non-expert weight onto the backend; experts stay with `experts`.
+    pub fn load(
+        backend: Arc<B>,
+        artifact: Arc<Artifact>,
+        experts: Arc<dyn ExpertExecutor>,
+    ) -> Result<Self, EngineError> {
+        let spec = ModelSpec::from_config(artifact.config())?;
+        let common = &spec.common;
+        let (hidden, vocab) = (common.hidden_size, common.vocab_size);
+        let loader = Loader {
+            backend: &*backend,
+            artifact: &artifact,
+        };
+        let embed_tokens = loader.matrix("embed_tokens", (vocab, hidden))?;
+        let lm_head = if common.tie_word_embeddings {
+            None
+        } else {
+            Some(loader.matrix("lm_head", (vocab, hidden))?)
+        };
+        let final_norm = loader.parameter("final_norm", (1, hidden))?;
+        let mut layers = Vec::with_capacity(spec.layers());
+        for layer in 0..spec.layers() {
+            layers.push(loader.layer(&spec, layer)?);
+        }
+        Ok(Model {
+            backend,
+            artifact,
+            spec,
+            embed_tokens,
+            lm_head,
+            final_norm,
+            layers,
+            experts,
+            delta_rule_form: DeltaRuleForm::Auto,
+        })
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    pub fn artifact(&self) -> &Arc<Artifact> {
+        &self.artifact
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.spec.common.vocab_size
+    }
+
+    /// Forces one form of the gated delta rule (tests compare the two).
+    pub fn set_delta_rule_form(&mut self, form: DeltaRuleForm) {
+        self.delta_rule_form = form;
+    }
+
+    /// Empty state for a sequence of at most `max_context` tokens.
+    pub fn new_sequence(&self, max_context: usize) -> SequenceState<B> {
+        let kv_width = self.spec.attention.kv_heads * self.spec.attention.head_dim;
+        let layers = self
+            .spec
+            .mixers
+            .iter()
+            .map(|mixer| match (mixer, &self.spec.delta_rule) {
+                (MixerKind::GatedDeltaNet, Some(delta)) => {
+                    let channels = 2 * delta.key_heads * delta.key_head_dim
+                        + delta.value_heads * delta.value_head_dim;
+                    LayerState::GatedDeltaNet {
+                        conv: self.backend.new_conv_state(channels, self.spec.conv_kernel),
+                        recurrent: self.backend.new_recurrent_state(delta),
+                    }
+                }
+                _ => LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)),
+            })
+            .collect();
+        SequenceState {
+            max_context,
+            position: 0,
+            layers,
+        }
+    }
+
+    /// Prefill (or continue) one sequence; returns the logits of its last token.
+    pub fn prefill(
+        &self,
+        state: &mut SequenceState<B>,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut batch = [SequenceInput { state, tokens }];
+        let mut logits = self.forward(&mut batch, LogitsSelection::Last)?;
+        Ok(logits.pop().unwrap_or_default())
+    }
+
+    /// One forward over several sequences at once. Returns, per sequence, its logits
+    /// (`[vocab]` for `Last`, `[new tokens · vocab]` for `All`).
+    pub fn forward(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        selection: LogitsSelection,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let vocab = self.vocab_size();
+        let mut ids = Vec::new();
+        let mut ranges = Vec::with_capacity(batch.len());
+        let mut positions = Vec::new();
+        for item in batch.iter() {
+            let state = &*item.state;
+            if item.tokens.is_empty() {
+                return Err(EngineError::EmptyInput {
+                    what: "a sequence in the batch has no new tokens".into(),
+                });
+            }
+            if state.layers.len() != self.layers.len() {
+                return Err(EngineError::InvalidConfig {
+                    problem: format!(
+                        "sequence state has {} layers, the model {}",
+                        state.layers.len(),
+                        self.layers.len()
+                    ),
+                });
+            }
+            let end = state.position + item.tokens.len();
+            if end > state.max_context {
+                return Err(if state.position == 0 {
+                    EngineError::PromptTooLong {
+                        tokens: item.tokens.len(),
+                        max_context: state.max_context,
+                    }
+                } else {
+                    EngineError::ContextFull {
+                        held: state.position,
+                        added: item.tokens.len(),
+                        max_context: state.max_context,
+                    }
+                });
+            }
+            if let Some(&token) = item.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::TokenOutOfVocabulary {
+                    token,
+                    vocab_size: vocab,
+                });
+            }
+            let first = ids.len();
+            ids.extend_from_slice(item.tokens);
+            ranges.push(first..ids.len());
+            positions.extend(state.position..end);
+        }
+        if ids.is_empty() {
+            return Err(EngineError::EmptyInput {
+                what: "the batch has no sequences".into(),
+            });
+        }
+
+        let backend = &*self.backend;
+        let eps = self.spec.eps();
+        let style = self.spec.norm_style;
+        let mut hidden = backend.embed(&self.embed_tokens, &ids);
+        for (index, layer) in self.layers.iter().enumerate() {
+            let x = backend.rms_norm(&hidden, &layer.input_norm, eps, style);
+            let mixed = match &layer.mixer {
+                Mixer::Attention { .. } => {
+                    self.attention(index, &layer.mixer, &x, &positions, batch, &ranges)?
+                }
+                Mixer::GatedDeltaNet { .. } => {
+                    self.gated_delta_net(index, &layer.mixer, &x, batch, &ranges)?
+                }
+            };
+            backend.add_assign(&mut hidden, &mixed);
+            let x = backend.rms_norm(&hidden, &layer.post_attention_norm, eps, style);
+            let fed = self.feed_forward(index, &layer.feed_forward, &x)?;
+            backend.add_assign(&mut hidden, &fed);
+        }
+
+        let selected_rows: Vec<usize> = match selection {
+            LogitsSelection::Last => ranges.iter().map(|r| r.end - 1).collect(),
+            LogitsSelection::All => (0..ids.len()).collect(),
+        };
+        let selected = backend.gather_rows(&hidden, &selected_rows);
+        let normed = backend.rms_norm(&selected, &self.final_norm, eps, style);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let logits = backend.download(&backend.matmul(&normed, head));
+
+        let mut out = Vec::with_capacity(batch.len());
+        let mut row = 0;
+        for (item, range) in batch.iter_mut().zip(&ranges) {
+            let rows = match selection {
+                LogitsSelection::Last => 1,
+                LogitsSelection::All => range.len(),
+            };
+            out.push(logits[row * vocab..(row + rows) * vocab].to_vec());
+            row += rows;
+            item.state.position += range.len();
+        }
+        Ok(out)
+    }
+
+    fn attention(
+        &self,
+        index: usize,
+        mixer: &Mixer<B>,
+        x: &B::Tensor,
+        positions: &[usize],
+        batch: &mut [SequenceInput<'_, B>],
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<B::Tensor, EngineError> {
+        let Mixer::Attention {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+        } = mixer
+        else {
+            return Err(state_mismatch(index));
+        };
+        let backend = &*self.backend;
+        let spec = &self.spec.attention;
+        let (eps, style) = (self.spec.eps(), self.spec.norm_style);
+        let projected = backend.matmul(x, q_proj);
+        let (q, gate) = if self.spec.gated_attention {
+            let (q, gate) =
+                backend.split_interleaved(&projected, spec.heads, spec.head_dim, spec.head_dim);
+            (q, Some(gate))
+        } else {
+            (projected, None)
+        };
+        let mut q = backend.rms_norm(&q, q_norm, eps, style);
+        let mut k = backend.rms_norm(&backend.matmul(x, k_proj), k_norm, eps, style);
+        let v = backend.matmul(x, v_proj);
+        let common = &self.spec.common;
+        backend.rope(
+            &mut q,
+            positions,
+            spec.head_dim,
+            common.rotary_dim,
+            common.rope_theta,
+        );
+        backend.rope(
+            &mut k,
+            positions,
+            spec.head_dim,
+            common.rotary_dim,
+            common.rope_theta,
+        );
+        let mut segments = Vec::with_capacity(batch.len());
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let start_position = item.state.position;
+            match &mut item.state.layers[index] {
+                LayerState::Attention(cache) => segments.push(Segment {
+                    rows: range.clone(),
+                    start_position,
+                    state: cache,
+                }),
+                LayerState::GatedDeltaNet { .. } => return Err(state_mismatch(index)),
+            }
+        }
+        let mut output = backend.attention(&q, &k, &v, spec, &mut segments)?;
+        if let Some(gate) = gate {
+            output = backend.mul_sigmoid(&output, &gate);
+        }
+        Ok(backend.matmul(&output, o_proj))
+    }
+
+    fn gated_delta_net(
+        &self,
+        index: usize,
+        mixer: &Mixer<B>,
+        x: &B::Tensor,
+        batch: &mut [SequenceInput<'_, B>],
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<B::Tensor, EngineError> {
+        let (
+            Mixer::GatedDeltaNet {
+                in_proj_qkv,
+                in_proj_z,
+                in_proj_b,
+                in_proj_a,
+                conv1d,
+                dt_bias,
+                a_log,
+                norm,
+                out_proj,
+            },
+            Some(delta),
+        ) = (mixer, &self.spec.delta_rule)
+        else {
+            return Err(state_mismatch(index));
+        };
+        let backend = &*self.backend;
+        let qkv = backend.matmul(x, in_proj_qkv);
+        let z = backend.matmul(x, in_proj_z);
+        let b = backend.matmul(x, in_proj_b);
+        let a = backend.matmul(x, in_proj_a);
+
+        let mut conv_segments = Vec::with_capacity(batch.len());
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let start_position = item.state.position;
+            match &mut item.state.layers[index] {
+                LayerState::GatedDeltaNet { conv, .. } => conv_segments.push(Segment {
+                    rows: range.clone(),
+                    start_position,
+                    state: conv,
+                }),
+                LayerState::Attention(_) => return Err(state_mismatch(index)),
+            }
+        }
+        let convolved = backend.causal_conv1d_silu(&qkv, conv1d, &mut conv_segments);
+        drop(conv_segments);
+
+        let key_width = delta.key_heads * delta.key_head_dim;
+        let value_width = delta.value_heads * delta.value_head_dim;
+        let q = backend.columns(&convolved, 0..key_width);
+        let k = backend.columns(&convolved, key_width..2 * key_width);
+        let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width);
+        let (g, beta) = backend.delta_rule_gates(&a, &b, a_log, dt_bias);
+
+        let mut recurrent_segments = Vec::with_capacity(batch.len());
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let start_position = item.state.position;
+            match &mut item.state.layers[index] {
+                LayerState::GatedDeltaNet { recurrent, .. } => recurrent_segments.push(Segment {
+                    rows: range.clone(),
+                    start_position,
+                    state: recurrent,
+                }),
+                LayerState::Attention(_) => return Err(state_mismatch(index)),
+            }
+        }
+        let output = backend.gated_delta_rule(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            delta,
+            self.delta_rule_form,
+            &mut recurrent_segments,
+        );
+        let normed = backend.gated_rms_norm(&output, &z, norm, self.spec.eps());
+        Ok(backend.matmul(&normed, out_proj))
+    }
+
+    fn feed_forward(
+        &self,
+        index: usize,
+        feed_forward: &FeedForward<B>,
+        x: &B::Tensor,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = &*self.backend;
+        match feed_forward {
+            FeedForward::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } => {
+                let activated =
+                    backend.silu_mul(&backend.matmul(x, gate_proj), &backend.matmul(x, up_proj));
+                Ok(backend.matmul(&activated, down_proj))
+            }
+            FeedForward::Moe {
+                router,
+                bank,
+                shared,
+            } => {
+                let common = &self.spec.common;
+                let logits = backend.matmul(x, router);
+                let routing = backend.route_top_k(
+                    &logits,
+                    common.num_experts_per_tok,
+                    self.spec.normalize_routing,
+                );
+                let hidden = backend.download(x);
+                let (rows, cols) = backend.shape(x);
+                let mut routed = vec![0.0f32; rows * cols];
+                self.experts.compute(
+                    &ExpertBatch {
+                        layer: index,
+                        bank,
+                        hidden_size: cols,
+                        intermediate_size: common.moe_intermediate_size,
+                        hidden: &hidden,
+                        experts_per_token: routing.experts_per_token,
+                        expert_ids: &routing.expert_ids,
+                        weights: &routing.weights,
+                    },
+                    &mut routed,
+                )?;
+                let mut output = backend.upload(&routed, rows, cols);
+                if let Some(shared) = shared {
+                    let activated = backend.silu_mul(
+                        &backend.matmul(x, &shared.gate_proj),
+                        &backend.matmul(x, &shared.up_proj),
+                    );
+                    let expert = backend.matmul(&activated, &shared.down_proj);
+                    let gate = backend.matmul(x, &shared.gate);
+                    backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
+                }
+                Ok(output)
+            }
+        }
+    }
+}
+
+fn state_mismatch(layer: usize) -> EngineError {
+    EngineError::InvalidConfig {
+        problem: format!("layer {layer}: the sequence state does not match the model's layer type"),
+    }
+}
+
+/// Loads weights by internal name and checks their shapes.
+struct Loader<'a, B: Backend> {
+    backend: &'a B,
+    artifact: &'a Arc<Artifact>,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn check(
+        &self,
+        name: &str,
+        weight: &B::Weight,
+        expected: (usize, usize),
+    ) -> Result<(), EngineError> {
+        let found = self.backend.weight_shape(weight);
+        if found != expected {
+            return Err(EngineError::InvalidWeight {
+                name: name.to_string(),
+                problem: format!(
+                    "shape {}×{} where the config implies {}×{}",
+                    found.0, found.1, expected.0, expected.1
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn matrix(&self, name: &str, shape: (usize, usize)) -> Result<B::Weight, EngineError> {
+        let weight = self.backend.load_matrix(self.artifact, name)?;
+        self.check(name, &weight, shape)?;
+        Ok(weight)
+    }
+
+    /// `shape` counts a 1-D `[n]` tensor as `(1, n)`.
+    fn parameter(&self, name: &str, shape: (usize, usize)) -> Result<B::Weight, EngineError> {
+        let weight = self.backend.load_parameter(self.artifact, name)?;
+        self.check(name, &weight, shape)?;
+        Ok(weight)
+    }
+
+    fn layer(&self, spec: &ModelSpec, layer: usize) -> Result<Layer<B>, EngineError> {
+        let common = &spec.common;
+        let hidden = common.hidden_size;
+        let prefix = format!("layers.{layer}");
+        let name = |suffix: &str| format!("{prefix}.{suffix}");
+        let mixer = match spec.mixers[layer] {
+            MixerKind::Attention => {
+                let attention = &spec.attention;
+                let (hd, heads, kv) = (attention.head_dim, attention.heads, attention.kv_heads);
+                let q_rows = if spec.gated_attention {
+                    2 * heads * hd
+                } else {
+                    heads * hd
+                };
+                Mixer::Attention {
+                    q_proj: self.matrix(&name("attn.q_proj"), (q_rows, hidden))?,
+                    k_proj: self.matrix(&name("attn.k_proj"), (kv * hd, hidden))?,
+                    v_proj: self.matrix(&name("attn.v_proj"), (kv * hd, hidden))?,
+                    o_proj: self.matrix(&name("attn.o_proj"), (hidden, heads * hd))?,
+                    q_norm: self.parameter(&name("attn.q_norm"), (1, hd))?,
+                    k_norm: self.parameter(&name("attn.k_norm"), (1, hd))?,
+                }
+            }
+            MixerKind::GatedDeltaNet => {
+                let Some(delta) = &spec.delta_rule else {
+                    return Err(EngineError::InvalidConfig {
+                        problem: format!("layer {layer} is linear attention in a model without linear-attention dimensions"),
+                    });
+                };
+                let key_width = delta.key_heads * delta.key_head_dim;
+                let value_width = delta.value_heads * delta.value_head_dim;
+                let conv_dim = 2 * key_width + value_width;
+                let nv = delta.value_heads;
+                Mixer::GatedDeltaNet {
+                    in_proj_qkv: self.matrix(&name("gdn.in_proj_qkv"), (conv_dim, hidden))?,
+                    in_proj_z: self.matrix(&name("gdn.in_proj_z"), (value_width, hidden))?,
+                    in_proj_b: self.matrix(&name("gdn.in_proj_b"), (nv, hidden))?,
+                    in_proj_a: self.matrix(&name("gdn.in_proj_a"), (nv, hidden))?,
+                    conv1d: self.parameter(&name("gdn.conv1d"), (conv_dim, spec.conv_kernel))?,
+                    dt_bias: self.parameter(&name("gdn.dt_bias"), (1, nv))?,
+                    a_log: self.parameter(&name("gdn.A_log"), (1, nv))?,
+                    norm: self.parameter(&name("gdn.norm"), (1, delta.value_head_dim))?,
+                    out_proj: self.matrix(&name("gdn.out_proj"), (hidden, value_width))?,
+                }
+            }
+        };
+        let feed_forward = match spec.feed_forwards[layer] {
+            FeedForwardKind::Dense => {
+                let intermediate = common.intermediate_size;
+                FeedForward::Dense {
+                    gate_proj: self.matrix(&name("mlp.gate_proj"), (intermediate, hidden))?,
+                    up_proj: self.matrix(&name("mlp.up_proj"), (intermediate, hidden))?,
+                    down_proj: self.matrix(&name("mlp.down_proj"), (hidden, intermediate))?,
+                }
+            }
+            FeedForwardKind::Moe => {
+                let bank_prefix = name("moe.experts");
+                let bank = self
+                    .artifact
+                    .expert_bank(&bank_prefix)
+                    .cloned()
+                    .ok_or_else(|| EngineError::InvalidWeight {
+                        name: bank_prefix.clone(),
+                        problem: "MoE layer without an expert bank".into(),
+                    })?;
+                if bank.num_experts as usize != common.num_experts {
+                    return Err(EngineError::InvalidWeight {
+                        name: bank_prefix,
+                        problem: format!(
+                            "bank holds {} experts, the config says {}",
+                            bank.num_experts, common.num_experts
+                        ),
+                    });
+                }
+                let shared = if spec.has_shared_expert() {
+                    let size = spec.shared_expert_intermediate_size;
+                    Some(SharedExpert {
+                        gate_proj: self
+                            .matrix(&name("moe.shared_expert.gate_proj"), (size, hidden))?,
+                        up_proj: self.matrix(&name("moe.shared_expert.up_proj"), (size, hidden))?,
+                        down_proj: self
+                            .matrix(&name("moe.shared_expert.down_proj"), (hidden, size))?,
+                        gate: self.matrix(&name("moe.shared_expert_gate"), (1, hidden))?,
+                    })
+                } else {
+                    None
+                };
+                FeedForward::Moe {
+                    router: self.matrix(&name("moe.router"), (common.num_experts, hidden))?,
+                    bank,
+                    shared,
+                }
+            }
+        };
+        Ok(Layer {
+            input_norm: self.parameter(&name("input_norm"), (1, hidden))?,
+            post_attention_norm: self.parameter(&name("post_attention_norm"), (1, hidden))?,
+            mixer,
+            feed_forward,
+        })
+    }
+}

@@ -1,0 +1,398 @@
+//! Test support shared by unit and integration tests: the `test_device!` macro (one test body,
+//! run once per backend) and tiny random-weight artifacts of every supported architecture.
+//!
+//! Owns: nothing the engine runs in production; it is public so `tests/` can use it.
+//! Must not touch: engine behaviour.
+
+use std::path::Path;
+
+use ninfer_artifact::quant::{f32_to_bf16_bytes, f32_to_bytes, quantize_matrix};
+use ninfer_artifact::{
+    ArtifactWriter, CommonConfig, DType, GenerationDefaults, HybridConfig, LayerType, ModelConfig,
+    QuantizedLayout, Qwen3MoeConfig, SourceInfo, TensorClass, TensorSpec, WriterOptions,
+};
+
+use crate::error::EngineError;
+use crate::sampling::Xoshiro256;
+
+/// Runs a test body `fn NAME<B: Backend>(backend: Arc<B>)` once per backend, as tests
+/// `NAME::cpu` and `NAME::cuda`. Until the CUDA backend exists (and on machines without a GPU)
+/// the CUDA case prints that it is skipped.
+#[macro_export]
+macro_rules! test_device {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn cpu() {
+                let backend = ::std::sync::Arc::new($crate::backend::cpu::CpuBackend::new());
+                super::$name(backend);
+            }
+
+            #[test]
+            fn cuda() {
+                println!(
+                    "skipped `{}` on cuda: {}",
+                    stringify!($name),
+                    $crate::testing::CUDA_UNAVAILABLE
+                );
+            }
+        }
+    };
+}
+
+/// Why CUDA test cases are skipped in this build.
+pub const CUDA_UNAVAILABLE: &str = "this build has no CUDA backend yet (CPU-only)";
+
+/// Which tiny model to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TinyArchitecture {
+    Qwen3Moe,
+    Qwen3Next,
+    Qwen35Moe,
+}
+
+/// Options of a tiny random model.
+#[derive(Debug, Clone, Copy)]
+pub struct TinyModelOptions {
+    pub architecture: TinyArchitecture,
+    pub experts_dtype: DType,
+    pub dense_dtype: DType,
+    pub seed: u64,
+}
+
+impl TinyModelOptions {
+    pub fn new(architecture: TinyArchitecture) -> Self {
+        TinyModelOptions {
+            architecture,
+            experts_dtype: DType::F32,
+            dense_dtype: DType::F32,
+            seed: 1,
+        }
+    }
+}
+
+/// Small sizes that still exercise GQA, partial RoPE, head grouping of the delta rule, a dense
+/// layer among MoE layers, and quantization groups (every input dim is a multiple of 32).
+pub fn tiny_config(architecture: TinyArchitecture) -> ModelConfig {
+    let hybrid = architecture != TinyArchitecture::Qwen3Moe;
+    let layers = 4;
+    let common = CommonConfig {
+        vocab_size: 97,
+        hidden_size: 64,
+        num_hidden_layers: layers,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        rotary_dim: if hybrid { 8 } else { 32 },
+        rope_theta: if hybrid { 10_000_000.0 } else { 1_000_000.0 },
+        rms_norm_eps: 1e-6,
+        intermediate_size: 96,
+        num_experts: 8,
+        num_experts_per_tok: 3,
+        moe_intermediate_size: 32,
+        norm_topk_prob: architecture != TinyArchitecture::Qwen3Moe,
+        moe_layers: (0..layers)
+            .map(|i| architecture == TinyArchitecture::Qwen35Moe || i != 1)
+            .collect(),
+        tie_word_embeddings: architecture == TinyArchitecture::Qwen3Next,
+        max_position_embeddings: 4096,
+    };
+    match architecture {
+        TinyArchitecture::Qwen3Moe => ModelConfig::Qwen3Moe(Qwen3MoeConfig {
+            common,
+            sliding_window: None,
+        }),
+        TinyArchitecture::Qwen3Next | TinyArchitecture::Qwen35Moe => {
+            let config = HybridConfig {
+                common,
+                layer_types: (0..layers)
+                    .map(|i| {
+                        if (i + 1) % 2 == 0 {
+                            LayerType::FullAttention
+                        } else {
+                            LayerType::LinearAttention
+                        }
+                    })
+                    .collect(),
+                linear_num_key_heads: 2,
+                linear_num_value_heads: 4,
+                linear_key_head_dim: 16,
+                linear_value_head_dim: 16,
+                linear_conv_kernel_dim: 4,
+                shared_expert_intermediate_size: 32,
+                mtp_num_layers: 0,
+            };
+            if architecture == TinyArchitecture::Qwen3Next {
+                ModelConfig::Qwen3Next(config)
+            } else {
+                ModelConfig::Qwen35Moe(config)
+            }
+        }
+    }
+}
+
+struct RandomWeights {
+    rng: Xoshiro256,
+}
+
+impl RandomWeights {
+    fn uniform(&mut self, count: usize, low: f32, high: f32) -> Vec<f32> {
+        (0..count)
+            .map(|_| low + (high - low) * self.rng.next_f64() as f32)
+            .collect()
+    }
+
+    /// `[rows, cols]` with the usual `1/√fan_in` scale.
+    fn matrix(&mut self, rows: usize, cols: usize) -> Vec<f32> {
+        let bound = 1.0 / (cols as f32).sqrt();
+        self.uniform(rows * cols, -bound, bound)
+    }
+}
+
+fn encode(
+    values: &[f32],
+    dtype: DType,
+    shape: &[u64],
+) -> Result<(Vec<u8>, TensorSpecParts), EngineError> {
+    let invalid = |problem: String| EngineError::InvalidConfig { problem };
+    match dtype {
+        DType::F32 => Ok((f32_to_bytes(values), None)),
+        DType::Bf16 => Ok((f32_to_bf16_bytes(values), None)),
+        DType::Int8 | DType::Int4 => {
+            let [rows, cols] = shape else {
+                return Err(invalid(format!("{dtype} needs a matrix, shape {shape:?}")));
+            };
+            let layout =
+                QuantizedLayout::new(dtype, *rows as usize, *cols as usize).map_err(invalid)?;
+            Ok((quantize_matrix(values, &layout), Some(layout.params())))
+        }
+    }
+}
+
+type TensorSpecParts = Option<ninfer_artifact::QuantizationParams>;
+
+struct TinyWriter {
+    writer: ArtifactWriter,
+    weights: RandomWeights,
+    dense_dtype: DType,
+}
+
+impl TinyWriter {
+    fn put(
+        &mut self,
+        name: &str,
+        class: TensorClass,
+        dtype: DType,
+        shape: &[u64],
+        values: &[f32],
+    ) -> Result<(), EngineError> {
+        let (bytes, quantization) = encode(values, dtype, shape)?;
+        self.writer.add_tensor(
+            TensorSpec {
+                name: name.to_string(),
+                class,
+                dtype,
+                shape: shape.to_vec(),
+                quantization,
+            },
+            &bytes,
+        )?;
+        Ok(())
+    }
+
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<(), EngineError> {
+        let values = self.weights.matrix(rows, cols);
+        self.put(
+            name,
+            TensorClass::Dense,
+            self.dense_dtype,
+            &[rows as u64, cols as u64],
+            &values,
+        )
+    }
+
+    /// 1-D parameters are always f32 (docs/FORMAT.md).
+    fn vector(&mut self, name: &str, values: &[f32]) -> Result<(), EngineError> {
+        self.put(
+            name,
+            TensorClass::Dense,
+            DType::F32,
+            &[values.len() as u64],
+            values,
+        )
+    }
+
+    fn norm(&mut self, name: &str, size: usize, zero_centred: bool) -> Result<(), EngineError> {
+        let centre = if zero_centred { 0.0 } else { 1.0 };
+        let values = self.weights.uniform(size, centre - 0.2, centre + 0.2);
+        self.vector(name, &values)
+    }
+}
+
+/// Writes a tiny random-weight artifact at `path` (embedding and lm_head at the dense dtype).
+pub fn write_tiny_model(
+    path: &Path,
+    options: TinyModelOptions,
+) -> Result<ModelConfig, EngineError> {
+    let config = tiny_config(options.architecture);
+    write_model(path, &config, options)?;
+    Ok(config)
+}
+
+/// Writes a random-weight artifact of any supported config at `path`.
+pub fn write_model(
+    path: &Path,
+    config: &ModelConfig,
+    options: TinyModelOptions,
+) -> Result<(), EngineError> {
+    let common = config.common().clone();
+    let hybrid = match config {
+        ModelConfig::Qwen3Moe(_) => None,
+        ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => Some(c.clone()),
+    };
+    let zero_centred = hybrid.is_some();
+    let mut w = TinyWriter {
+        writer: ArtifactWriter::create(path, WriterOptions::default())?,
+        weights: RandomWeights {
+            rng: Xoshiro256::seed_from_u64(options.seed),
+        },
+        dense_dtype: options.dense_dtype,
+    };
+    let (h, v) = (common.hidden_size, common.vocab_size);
+    let embedding = w.weights.uniform(v * h, -1.0, 1.0);
+    w.put(
+        "embed_tokens",
+        TensorClass::Embedding,
+        options.dense_dtype,
+        &[v as u64, h as u64],
+        &embedding,
+    )?;
+    if !common.tie_word_embeddings {
+        let head = w.weights.matrix(v, h);
+        w.put(
+            "lm_head",
+            TensorClass::Embedding,
+            options.dense_dtype,
+            &[v as u64, h as u64],
+            &head,
+        )?;
+    }
+    w.norm("final_norm", h, zero_centred)?;
+    let (nh, nkv, hd) = (
+        common.num_attention_heads,
+        common.num_key_value_heads,
+        common.head_dim,
+    );
+    for layer in 0..common.num_hidden_layers {
+        let p = |s: &str| format!("layers.{layer}.{s}");
+        w.norm(&p("input_norm"), h, zero_centred)?;
+        w.norm(&p("post_attention_norm"), h, zero_centred)?;
+        let linear = hybrid
+            .as_ref()
+            .is_some_and(|c| c.layer_types[layer] == LayerType::LinearAttention);
+        if let (true, Some(c)) = (linear, &hybrid) {
+            let key_width = c.linear_num_key_heads * c.linear_key_head_dim;
+            let value_width = c.linear_num_value_heads * c.linear_value_head_dim;
+            let conv_dim = 2 * key_width + value_width;
+            let nv = c.linear_num_value_heads;
+            w.matrix(&p("gdn.in_proj_qkv"), conv_dim, h)?;
+            w.matrix(&p("gdn.in_proj_z"), value_width, h)?;
+            w.matrix(&p("gdn.in_proj_b"), nv, h)?;
+            w.matrix(&p("gdn.in_proj_a"), nv, h)?;
+            let kernel = c.linear_conv_kernel_dim;
+            let taps = w.weights.uniform(conv_dim * kernel, -0.5, 0.5);
+            w.put(
+                &p("gdn.conv1d"),
+                TensorClass::Dense,
+                DType::F32,
+                &[conv_dim as u64, kernel as u64],
+                &taps,
+            )?;
+            let dt_bias = w.weights.uniform(nv, -0.5, 0.5);
+            w.vector(&p("gdn.dt_bias"), &dt_bias)?;
+            let a_log: Vec<f32> = w
+                .weights
+                .uniform(nv, 1.0, 16.0)
+                .iter()
+                .map(|x| x.ln())
+                .collect();
+            w.vector(&p("gdn.A_log"), &a_log)?;
+            w.norm(&p("gdn.norm"), c.linear_value_head_dim, false)?;
+            w.matrix(&p("gdn.out_proj"), h, value_width)?;
+        } else {
+            let q_rows = if zero_centred { 2 * nh * hd } else { nh * hd };
+            w.matrix(&p("attn.q_proj"), q_rows, h)?;
+            w.matrix(&p("attn.k_proj"), nkv * hd, h)?;
+            w.matrix(&p("attn.v_proj"), nkv * hd, h)?;
+            w.matrix(&p("attn.o_proj"), h, nh * hd)?;
+            w.norm(&p("attn.q_norm"), hd, zero_centred)?;
+            w.norm(&p("attn.k_norm"), hd, zero_centred)?;
+        }
+        if common.moe_layers[layer] {
+            let (e, im) = (common.num_experts, common.moe_intermediate_size);
+            w.matrix(&p("moe.router"), e, h)?;
+            if let Some(c) = &hybrid {
+                let is = c.shared_expert_intermediate_size;
+                w.matrix(&p("moe.shared_expert.gate_proj"), is, h)?;
+                w.matrix(&p("moe.shared_expert.up_proj"), is, h)?;
+                w.matrix(&p("moe.shared_expert.down_proj"), h, is)?;
+                w.matrix(&p("moe.shared_expert_gate"), 1, h)?;
+            }
+            let mut experts = Vec::with_capacity(e);
+            for _ in 0..e {
+                let gate_up = w.weights.matrix(2 * im, h);
+                let down = w.weights.matrix(h, im);
+                let gate_up = encode(&gate_up, options.experts_dtype, &[2 * im as u64, h as u64])?;
+                let down = encode(&down, options.experts_dtype, &[h as u64, im as u64])?;
+                experts.push((gate_up, down));
+            }
+            let prefix = p("moe.experts");
+            let (gate_up_bytes, down_bytes) =
+                (experts[0].0 .0.len() as u64, experts[0].1 .0.len() as u64);
+            w.writer.begin_expert_bank(
+                &prefix,
+                TensorClass::RoutedExpert,
+                options.experts_dtype,
+                e as u64,
+                gate_up_bytes,
+                down_bytes,
+            )?;
+            for (index, ((gate_up, gate_up_q), (down, down_q))) in experts.into_iter().enumerate() {
+                w.writer.add_expert(
+                    TensorSpec {
+                        name: format!("{prefix}.{index}.gate_up"),
+                        class: TensorClass::RoutedExpert,
+                        dtype: options.experts_dtype,
+                        shape: vec![2 * im as u64, h as u64],
+                        quantization: gate_up_q,
+                    },
+                    &gate_up,
+                    TensorSpec {
+                        name: format!("{prefix}.{index}.down"),
+                        class: TensorClass::RoutedExpert,
+                        dtype: options.experts_dtype,
+                        shape: vec![h as u64, im as u64],
+                        quantization: down_q,
+                    },
+                    &down,
+                )?;
+            }
+            w.writer.end_expert_bank()?;
+        } else {
+            let i = common.intermediate_size;
+            w.matrix(&p("mlp.gate_proj"), i, h)?;
+            w.matrix(&p("mlp.up_proj"), i, h)?;
+            w.matrix(&p("mlp.down_proj"), h, i)?;
+        }
+    }
+    w.writer.finish(
+        config.clone(),
+        GenerationDefaults::default(),
+        SourceInfo {
+            converter: "ninfer-engine tests".into(),
+            model_type: config.architecture().name().into(),
+            options: Default::default(),
+        },
+    )?;
+    Ok(())
+}

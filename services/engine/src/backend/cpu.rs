@@ -5,6 +5,9 @@
 //! `crate::weights`) is blocked and threaded.
 //! Must not touch: model structure, the artifact byte layout.
 
+// Index loops mirror the formulas of MODELS.md one to one; iterator chains would hide them.
+#![allow(clippy::needless_range_loop)]
+
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -55,13 +58,24 @@ impl CpuTensor {
 
 /// A weight: matrices stay in the mapping; small parameters are decoded once to f32.
 pub struct CpuWeight {
-    stored: StoredWeight,
+    stored: Option<StoredWeight>,
     rows: usize,
     cols: usize,
     parameter: Option<Vec<f32>>,
 }
 
 impl CpuWeight {
+    /// A parameter that does not come from an artifact (op unit tests).
+    #[cfg(test)]
+    fn from_parameter(values: Vec<f32>, rows: usize, cols: usize) -> Self {
+        CpuWeight {
+            stored: None,
+            rows,
+            cols,
+            parameter: Some(values),
+        }
+    }
+
     fn parameter(&self) -> &[f32] {
         self.parameter.as_deref().unwrap_or(&[])
     }
@@ -319,7 +333,7 @@ impl Backend for CpuBackend {
             (matrix.rows, matrix.cols)
         };
         Ok(CpuWeight {
-            stored,
+            stored: Some(stored),
             rows,
             cols,
             parameter: None,
@@ -337,7 +351,7 @@ impl Backend for CpuBackend {
             (matrix.rows, matrix.cols, matrix.to_f32_vec())
         };
         Ok(CpuWeight {
-            stored,
+            stored: Some(stored),
             rows,
             cols,
             parameter: Some(values),
@@ -412,7 +426,7 @@ impl Backend for CpuBackend {
 
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
         let mut out = CpuTensor::zeros(ids.len(), table.cols);
-        if let Ok(matrix) = table.stored.matrix() {
+        if let Some(Ok(matrix)) = table.stored.as_ref().map(StoredWeight::matrix) {
             for (row, &id) in ids.iter().enumerate() {
                 // Ids are checked against the vocabulary by the model before any op runs.
                 if (id as usize) < matrix.rows {
@@ -425,7 +439,7 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &CpuTensor, weight: &CpuWeight) -> CpuTensor {
         let mut out = CpuTensor::zeros(x.rows, weight.rows);
-        if let Ok(matrix) = weight.stored.matrix() {
+        if let Some(Ok(matrix)) = weight.stored.as_ref().map(StoredWeight::matrix) {
             matmul_into(&matrix, x, &mut out);
         }
         out
@@ -742,11 +756,7 @@ fn matmul_into(matrix: &WeightMatrix<'_>, x: &CpuTensor, out: &mut CpuTensor) {
 /// Router on host values: softmax per row (fp32), top-k (ties → lower expert id), optional
 /// renormalisation.
 pub fn route_top_k_host(logits: &[f32], experts: usize, k: usize, normalize: bool) -> Routing {
-    let tokens = if experts == 0 {
-        0
-    } else {
-        logits.len() / experts
-    };
+    let tokens = logits.len().checked_div(experts).unwrap_or(0);
     let k = k.min(experts);
     let mut routing = Routing {
         experts_per_token: k,
@@ -780,4 +790,209 @@ pub fn route_top_k_host(logits: &[f32], experts: usize, k: usize, normalize: boo
         }
     }
     routing
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::Xoshiro256;
+
+    fn random(rng: &mut Xoshiro256, count: usize, scale: f32) -> Vec<f32> {
+        (0..count)
+            .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
+            .collect()
+    }
+
+    fn normalised_rows(rng: &mut Xoshiro256, rows: usize, width: usize, scale: f32) -> Vec<f32> {
+        let raw = random(rng, rows * width, 1.0);
+        let mut out = vec![0.0; rows * width];
+        for r in 0..rows {
+            l2_normalize_into(
+                &raw[r * width..(r + 1) * width],
+                scale,
+                &mut out[r * width..(r + 1) * width],
+            );
+        }
+        out
+    }
+
+    /// The chunked and recurrent forms agree over several chunks, from a non-zero state, and
+    /// leave the same state behind.
+    #[test]
+    fn chunked_and_recurrent_delta_rule_agree() {
+        let (n, dk, dv) = (150, 16, 12);
+        let mut rng = Xoshiro256::seed_from_u64(3);
+        let q = normalised_rows(&mut rng, n, dk, 1.0 / (dk as f32).sqrt());
+        let k = normalised_rows(&mut rng, n, dk, 1.0);
+        let v = random(&mut rng, n * dv, 1.0);
+        let g: Vec<f32> = random(&mut rng, n, 1.0)
+            .iter()
+            .map(|x| -x.abs() * 0.3)
+            .collect();
+        let beta: Vec<f32> = random(&mut rng, n, 1.0)
+            .iter()
+            .map(|x| sigmoid(*x * 3.0))
+            .collect();
+        let initial = random(&mut rng, dk * dv, 0.5);
+
+        let mut state_recurrent = initial.clone();
+        let mut out_recurrent = vec![0.0; n * dv];
+        delta_rule_recurrent(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            dk,
+            dv,
+            &mut state_recurrent,
+            &mut out_recurrent,
+        );
+        let mut state_chunked = initial.clone();
+        let mut out_chunked = vec![0.0; n * dv];
+        delta_rule_chunked(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            dk,
+            dv,
+            &mut state_chunked,
+            &mut out_chunked,
+        );
+
+        let max_out = out_recurrent
+            .iter()
+            .zip(&out_chunked)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let max_state = state_recurrent
+            .iter()
+            .zip(&state_chunked)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        println!("delta rule chunked vs recurrent: max |Δout| = {max_out:.2e}, max |Δstate| = {max_state:.2e}");
+        assert!(max_out < 1e-5, "outputs differ by {max_out}");
+        assert!(max_state < 1e-5, "states differ by {max_state}");
+    }
+
+    /// A straightforward loop for one step of the recurrence, written from the formula
+    /// `S_t = e^{g}(I − β k kᵀ) S + β k vᵀ`, `o = Sᵀ q`.
+    #[test]
+    fn recurrent_step_matches_the_closed_form() {
+        let (dk, dv) = (4, 3);
+        let mut rng = Xoshiro256::seed_from_u64(9);
+        let q = random(&mut rng, dk, 1.0);
+        let k = random(&mut rng, dk, 1.0);
+        let v = random(&mut rng, dv, 1.0);
+        let (g, beta) = (-0.2f32, 0.7f32);
+        let s0 = random(&mut rng, dk * dv, 1.0);
+        let mut expected_state = vec![0.0f32; dk * dv];
+        for i in 0..dk {
+            for j in 0..dv {
+                let mut projected = 0.0;
+                for l in 0..dk {
+                    let identity = if i == l { 1.0 } else { 0.0 };
+                    projected += (identity - beta * k[i] * k[l]) * s0[l * dv + j];
+                }
+                expected_state[i * dv + j] = g.exp() * projected + beta * k[i] * v[j];
+            }
+        }
+        let mut state = s0.clone();
+        let mut out = vec![0.0; dv];
+        delta_rule_recurrent(&q, &k, &v, &[g], &[beta], dk, dv, &mut state, &mut out);
+        for (a, b) in state.iter().zip(&expected_state) {
+            assert!((a - b).abs() < 1e-5);
+        }
+        for j in 0..dv {
+            let expected: f32 = (0..dk).map(|i| expected_state[i * dv + j] * q[i]).sum();
+            assert!((out[j] - expected).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn router_softmax_top_k_and_renormalisation() {
+        let logits = [0.0f32, 2.0, 1.0, 2.0];
+        let plain = route_top_k_host(&logits, 4, 2, false);
+        assert_eq!(plain.expert_ids, vec![1, 3]);
+        let total: f32 = logits.iter().map(|x| x.exp()).sum();
+        assert!((plain.weights[0] - 2f32.exp() / total).abs() < 1e-6);
+        let normalised = route_top_k_host(&logits, 4, 2, true);
+        assert!((normalised.weights[0] - 0.5).abs() < 1e-6);
+        assert!((normalised.weights[1] - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_apart_and_leaves_the_rest() {
+        let backend = CpuBackend::new();
+        let mut x = CpuTensor {
+            rows: 1,
+            cols: 8,
+            data: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+        };
+        // rotary_dim 4 of head_dim 8: pairs (0,2), (1,3); dims 4..8 untouched.
+        backend.rope(&mut x, &[3], 8, 4, 10000.0);
+        let inverse = rope_inverse_frequencies(4, 10000.0);
+        let (c0, s0) = ((3.0 * inverse[0]).cos(), (3.0 * inverse[0]).sin());
+        assert!((x.data[0] - (1.0 * c0 - 3.0 * s0)).abs() < 1e-6);
+        assert!((x.data[2] - (3.0 * c0 + 1.0 * s0)).abs() < 1e-6);
+        assert_eq!(&x.data[4..], &[5.0, 6.0, 7.0, 8.0]);
+    }
+
+    /// Feeding a conv in two pieces (state carried) equals feeding it at once.
+    #[test]
+    fn causal_conv_continues_from_its_state() {
+        let backend = CpuBackend::new();
+        let (channels, kernel, n) = (3, 4, 7);
+        let mut rng = Xoshiro256::seed_from_u64(5);
+        let x = CpuTensor {
+            rows: n,
+            cols: channels,
+            data: random(&mut rng, n * channels, 1.0),
+        };
+        let taps = random(&mut rng, channels * kernel, 1.0);
+        let weight = CpuWeight::from_parameter(taps, channels, kernel);
+        let mut whole_state = backend.new_conv_state(channels, kernel);
+        let whole = backend.causal_conv1d_silu(
+            &x,
+            &weight,
+            &mut [Segment {
+                rows: 0..n,
+                start_position: 0,
+                state: &mut whole_state,
+            }],
+        );
+        let mut split_state = backend.new_conv_state(channels, kernel);
+        let first = backend.causal_conv1d_silu(
+            &backend.gather_rows(&x, &[0, 1]),
+            &weight,
+            &mut [Segment {
+                rows: 0..2,
+                start_position: 0,
+                state: &mut split_state,
+            }],
+        );
+        let rest: Vec<usize> = (2..n).collect();
+        let second = backend.causal_conv1d_silu(
+            &backend.gather_rows(&x, &rest),
+            &weight,
+            &mut [Segment {
+                rows: 0..n - 2,
+                start_position: 2,
+                state: &mut split_state,
+            }],
+        );
+        let mut joined = first.data.clone();
+        joined.extend_from_slice(&second.data);
+        assert_eq!(joined, whole.data);
+        assert_eq!(split_state.history, whole_state.history);
+        // First output only sees the current token (zero history): silu(w[c, Kc-1] · x).
+        let expected = silu(taps_last(&weight, 0, kernel) * x.data[0]);
+        assert!((whole.data[0] - expected).abs() < 1e-6);
+    }
+
+    fn taps_last(weight: &CpuWeight, channel: usize, kernel: usize) -> f32 {
+        weight.parameter()[channel * kernel + kernel - 1]
+    }
 }

@@ -1,8 +1,110 @@
-//! `ninfer perplexity`: filled in by the reference-forward work.
+//! `ninfer perplexity MODEL TEXT_FILE`: mean negative log-likelihood of a text under a model, on
+//! the CPU reference backend.
+//!
+//! Tokenizes with the artifact's embedded `tokenizer.json` (no special tokens added), then scores
+//! the tokens in **non-overlapping windows** of `--max-context` tokens: each window starts from an
+//! empty state and every token but its first is scored (see `ninfer_engine::perplexity`).
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use ninfer_engine::{CpuBackend, Model, PerplexityOptions};
 
 #[derive(Debug, clap::Args)]
-pub struct PerplexityArgs {}
+pub struct PerplexityArgs {
+    /// The `.ninfer` artifact.
+    pub model: PathBuf,
+    /// UTF-8 text file to score.
+    pub text_file: PathBuf,
+    /// Tokens per window (windows do not overlap; the first token of each is not scored).
+    #[arg(long, default_value_t = 2048)]
+    pub max_context: usize,
+    /// Tokens per forward pass inside a window (bounds the memory held for logits).
+    #[arg(long, default_value_t = 256)]
+    pub chunk_tokens: usize,
+    /// Write one line per scored token to this file: `position<TAB>token_id<TAB>nll`.
+    #[arg(long)]
+    pub token_nll: Option<PathBuf>,
+}
 
-pub fn run(_args: PerplexityArgs) -> anyhow::Result<()> {
-    anyhow::bail!("ninfer perplexity is not available yet")
+pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
+    if args.max_context < 2 {
+        bail!("--max-context must be at least 2 tokens, got {}", args.max_context);
+    }
+    let text = std::fs::read_to_string(&args.text_file)
+        .with_context(|| format!("reading {}", args.text_file.display()))?;
+    let started = Instant::now();
+    let model = Model::open(Arc::new(CpuBackend::new()), &args.model)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let tokenizer_json = model.artifact().file("tokenizer.json").with_context(|| {
+        format!("{} has no embedded tokenizer.json", args.model.display())
+    })?;
+    let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+        .map_err(|e| anyhow::anyhow!("{}: invalid tokenizer.json: {e}", args.model.display()))?;
+    let encoding = tokenizer
+        .encode(text.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", args.text_file.display()))?;
+    let tokens = encoding.get_ids().to_vec();
+    eprintln!(
+        "{}: {} tokens; model {} loaded in {:.1}s; windows of {} tokens (non-overlapping)",
+        args.text_file.display(),
+        tokens.len(),
+        model.spec().architecture,
+        started.elapsed().as_secs_f64(),
+        args.max_context
+    );
+    if tokens.len() < 2 {
+        bail!(
+            "{} has {} token(s); perplexity needs at least 2",
+            args.text_file.display(),
+            tokens.len()
+        );
+    }
+
+    let options = PerplexityOptions {
+        max_context: args.max_context,
+        chunk_tokens: args.chunk_tokens,
+    };
+    let interactive = std::io::stderr().is_terminal();
+    let scoring_started = Instant::now();
+    let mut last_report = Instant::now();
+    let mut progress = |done: usize, total: usize| {
+        let elapsed = scoring_started.elapsed().as_secs_f64().max(1e-9);
+        let rate = done as f64 / elapsed;
+        if interactive {
+            eprint!("\r{done}/{total} tokens, {rate:.1} tokens/s   ");
+            let _ = std::io::stderr().flush();
+        } else if last_report.elapsed().as_secs_f64() >= 5.0 || done == total {
+            eprintln!("{done}/{total} tokens, {rate:.1} tokens/s");
+            last_report = Instant::now();
+        }
+    };
+    let scored = ninfer_engine::token_nlls(&model, &tokens, options, &mut progress)?;
+    if interactive {
+        eprintln!();
+    }
+    let elapsed = scoring_started.elapsed().as_secs_f64();
+
+    if let Some(path) = &args.token_nll {
+        let mut out = std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        );
+        for s in &scored {
+            writeln!(out, "{}\t{}\t{:.6}", s.position, s.token, s.nll)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        out.flush()
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let mean = scored.iter().map(|s| s.nll).sum::<f64>() / scored.len() as f64;
+    println!(
+        "mean NLL {mean:.6} nats over {} scored tokens (perplexity {:.4}); {:.1} tokens/s",
+        scored.len(),
+        mean.exp(),
+        tokens.len() as f64 / elapsed.max(1e-9)
+    );
+    Ok(())
 }

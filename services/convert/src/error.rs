@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
-    #[error("{}: {action}: {source}", file.display())]
+    #[error("{}: {action}", file.display())]
     Io {
         file: PathBuf,
         action: &'static str,

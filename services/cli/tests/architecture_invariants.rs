@@ -44,6 +44,7 @@ fn workspace_dependencies_point_one_way() {
     let allowed: BTreeMap<&str, &[&str]> = BTreeMap::from([
         ("ninfer-artifact", &[][..]),
         ("ninfer-protocol", &[][..]),
+        ("ninfer-channel", &[][..]),
         ("ninfer-convert", &["ninfer-artifact"][..]),
         ("ninfer-expert-kernels", &["ninfer-artifact"][..]),
         (

@@ -1,0 +1,885 @@
+//! The shared-memory activation channel between the engine and one CPU expert worker.
+//!
+//! Owns: the byte layout of the shared segment, the request/response protocol on it, the
+//! doorbells (brief spin, then cross-process futex wait/wake) and the liveness words.
+//! Must not touch: what experts compute, gRPC, model math. Both sides link this crate, so the
+//! layout has exactly one definition.
+//!
+//! # Segment layout
+//!
+//! The engine creates one named POSIX shared-memory object per worker (`/dev/shm/NAME`), sizes it,
+//! and tells the worker its name over gRPC (`AttachChannel`). The segment outlives worker restarts:
+//! a restarted worker attaches to the same segment and finds the interrupted request still posted.
+//!
+//! ```text
+//! offset 0      SegmentHeader (4096 bytes): geometry, worker pid, heartbeat, doorbell
+//! offset 4096   slot 0: SlotHeader (256 bytes), expert ids, routing weights, hidden in, sums out
+//! …             slot i at 4096 + i · slot_stride (slot_stride a multiple of 4096)
+//! ```
+//!
+//! Per slot, `[max_tokens, max_top_k]` u32 expert ids (`u32::MAX` = unused entry),
+//! `[max_tokens, max_top_k]` f32 routing weights, `[max_tokens, hidden]` f32 hidden states in and
+//! `[max_tokens, hidden]` f32 weighted sums out.
+//!
+//! # Protocol and memory ordering
+//!
+//! A slot is free when `request_sequence == response_sequence`. The engine (the only writer of a
+//! slot's request part) fills layer, counts, ids, weights and hidden states with plain stores, then
+//! publishes with `request_sequence.store(n, Release)`, then bumps the segment doorbell
+//! (`fetch_add`, SeqCst) and wakes the worker with `FUTEX_WAKE` only if the worker said it sleeps.
+//! The worker's `Acquire` load of `request_sequence` that observes `n` therefore sees every byte of
+//! the request. The worker writes the sums and status with plain stores and publishes with
+//! `response_sequence.store(n, Release)`; the engine's `Acquire` load that observes `n` sees the
+//! whole response. Each side writes only its own half between those two points, so no byte is ever
+//! written by both processes at once.
+//!
+//! Sleeping cannot lose a wake-up: the worker sets `worker_sleeping` (SeqCst), reads the doorbell
+//! value `v`, re-checks every slot, and only then calls `FUTEX_WAIT(doorbell, v)`, which returns at
+//! once if the doorbell moved after the read. The engine waits on a slot the same way, on that
+//! slot's `response_sequence`. The futex ops are the shared (not `_PRIVATE`) ones, since the two
+//! sides are different processes. On the fast path — both sides busy — there is no syscall, no
+//! allocation and no gRPC call per layer.
+
+use std::ffi::CString;
+use std::num::NonZeroUsize;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::fcntl::OFlag;
+use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
+use nix::sys::stat::Mode;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"NICHAN01");
+const HEADER_BYTES: usize = 4096;
+const SLOT_HEADER_BYTES: usize = 256;
+const ERROR_TEXT_BYTES: usize = 192;
+/// How long a waiter spins before it sleeps on the futex.
+const SPIN_FOR: Duration = Duration::from_micros(50);
+
+/// An expert-id entry that carries no expert (the token's other experts live elsewhere).
+pub const NO_EXPERT: u32 = u32::MAX;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    #[error("shared memory `{name}`: {action}: {source}")]
+    System {
+        name: String,
+        action: &'static str,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("shared memory `{name}` is not an activation channel of this version")]
+    NotAChannel { name: String },
+    #[error("shared memory `{name}`: {problem}")]
+    Geometry { name: String, problem: String },
+    #[error("request does not fit slot: {0}")]
+    RequestTooLarge(String),
+}
+
+/// Sizes of a channel; fixed at creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelGeometry {
+    pub slot_count: u32,
+    pub max_tokens: u32,
+    pub hidden_size: u32,
+    pub max_top_k: u32,
+}
+
+impl ChannelGeometry {
+    fn slot_stride(&self) -> usize {
+        let entries = self.max_tokens as usize * self.max_top_k as usize;
+        let vectors = self.max_tokens as usize * self.hidden_size as usize;
+        (SLOT_HEADER_BYTES + entries * 8 + vectors * 8).next_multiple_of(4096)
+    }
+
+    fn segment_bytes(&self) -> usize {
+        HEADER_BYTES + self.slot_count as usize * self.slot_stride()
+    }
+}
+
+#[repr(C)]
+struct SegmentHeader {
+    magic: u64,
+    slot_count: u32,
+    max_tokens: u32,
+    hidden_size: u32,
+    max_top_k: u32,
+    slot_stride: u64,
+    /// Written by the worker when it attaches.
+    worker_pid: AtomicU32,
+    worker_sleeping: AtomicU32,
+    /// Futex word the worker sleeps on; the engine bumps it after posting.
+    doorbell: AtomicU32,
+    /// Bumped by the worker when it attaches, so the engine sees a restart.
+    attach_generation: AtomicU32,
+    /// Bumped by a worker thread every few milliseconds while the process runs.
+    heartbeat: AtomicU64,
+}
+
+#[repr(C)]
+struct SlotHeader {
+    request_sequence: AtomicU32,
+    response_sequence: AtomicU32,
+    engine_waiting: AtomicU32,
+    layer: u32,
+    token_count: u32,
+    top_k: u32,
+    /// 0 = ok; otherwise the worker refused the request and wrote `error_text`.
+    status: u32,
+    error_length: u32,
+    error_text: [u8; ERROR_TEXT_BYTES],
+}
+
+const _: () = assert!(std::mem::size_of::<SlotHeader>() <= SLOT_HEADER_BYTES);
+const _: () = assert!(std::mem::size_of::<SegmentHeader>() <= HEADER_BYTES);
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let spec = nix::libc::timespec {
+        tv_sec: timeout.as_secs() as nix::libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as nix::libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT (shared) on a live, 4-byte-aligned word of our mapping; returns on wake,
+    // value mismatch, signal or timeout, all of which the callers re-check.
+    unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_futex,
+            word.as_ptr(),
+            nix::libc::FUTEX_WAIT,
+            expected,
+            &spec as *const nix::libc::timespec,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE (shared) on a live word of our mapping.
+    unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_futex,
+            word.as_ptr(),
+            nix::libc::FUTEX_WAKE,
+            i32::MAX,
+        );
+    }
+}
+
+/// A mapped segment (either side).
+struct Mapping {
+    name: String,
+    base: NonNull<std::ffi::c_void>,
+    length: usize,
+    geometry: ChannelGeometry,
+}
+
+// SAFETY: all cross-thread/process access goes through atomics or the slot protocol above.
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `map_segment` mapped.
+        let _ = unsafe { munmap(self.base, self.length) };
+    }
+}
+
+fn system<'a>(name: &'a str, action: &'static str) -> impl FnOnce(nix::Error) -> ChannelError + 'a {
+    move |source| ChannelError::System {
+        name: name.to_string(),
+        action,
+        source,
+    }
+}
+
+fn map_segment(
+    name: &str,
+    fd: &OwnedFd,
+    length: usize,
+) -> Result<NonNull<std::ffi::c_void>, ChannelError> {
+    let size = NonZeroUsize::new(length).ok_or_else(|| ChannelError::Geometry {
+        name: name.to_string(),
+        problem: "empty segment".into(),
+    })?;
+    // SAFETY: a fresh shared mapping of a shm object we hold open; the kernel picks the address.
+    unsafe {
+        mmap(
+            None,
+            size,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
+            fd,
+            0,
+        )
+    }
+    .map_err(system(name, "mapping"))
+}
+
+impl Mapping {
+    fn header(&self) -> &SegmentHeader {
+        // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned.
+        unsafe { &*(self.base.as_ptr() as *const SegmentHeader) }
+    }
+
+    fn slot_base(&self, slot: u32) -> *mut u8 {
+        let offset = HEADER_BYTES + slot as usize * self.geometry.slot_stride();
+        // SAFETY: slot < slot_count (checked by callers), so the offset is inside the mapping.
+        unsafe { (self.base.as_ptr() as *mut u8).add(offset) }
+    }
+
+    fn slot_header(&self, slot: u32) -> &SlotHeader {
+        // SAFETY: every slot starts with a SlotHeader, page-aligned.
+        unsafe { &*(self.slot_base(slot) as *const SlotHeader) }
+    }
+
+    /// Raw pointer to the slot header for plain (non-atomic) field writes by the owning side.
+    fn slot_header_mut(&self, slot: u32) -> *mut SlotHeader {
+        self.slot_base(slot) as *mut SlotHeader
+    }
+
+    fn entries(&self) -> usize {
+        self.geometry.max_tokens as usize * self.geometry.max_top_k as usize
+    }
+
+    fn vectors(&self) -> usize {
+        self.geometry.max_tokens as usize * self.geometry.hidden_size as usize
+    }
+
+    fn ids_ptr(&self, slot: u32) -> *mut u32 {
+        // SAFETY: inside the slot (layout in the module doc).
+        unsafe { self.slot_base(slot).add(SLOT_HEADER_BYTES) as *mut u32 }
+    }
+
+    fn weights_ptr(&self, slot: u32) -> *mut f32 {
+        // SAFETY: inside the slot.
+        unsafe {
+            self.slot_base(slot)
+                .add(SLOT_HEADER_BYTES + self.entries() * 4) as *mut f32
+        }
+    }
+
+    fn hidden_ptr(&self, slot: u32) -> *mut f32 {
+        // SAFETY: inside the slot.
+        unsafe {
+            self.slot_base(slot)
+                .add(SLOT_HEADER_BYTES + self.entries() * 8) as *mut f32
+        }
+    }
+
+    fn output_ptr(&self, slot: u32) -> *mut f32 {
+        // SAFETY: inside the slot.
+        unsafe {
+            self.slot_base(slot)
+                .add(SLOT_HEADER_BYTES + self.entries() * 8 + self.vectors() * 4)
+                as *mut f32
+        }
+    }
+}
+
+/// One request, as the engine posts it.
+pub struct Request<'a> {
+    pub layer: u32,
+    pub token_count: u32,
+    pub top_k: u32,
+    /// `[token_count, top_k]`; `NO_EXPERT` for entries this worker does not own.
+    pub expert_ids: &'a [u32],
+    /// `[token_count, top_k]`.
+    pub routing_weights: &'a [f32],
+    /// `[token_count, hidden]`.
+    pub hidden: &'a [f32],
+}
+
+/// What the engine learns while waiting for a response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaitOutcome {
+    /// The response is in; read it with `EngineChannel::output`.
+    Done,
+    /// The worker refused the request (bad input); the text says why.
+    Refused(String),
+    /// The deadline passed first.
+    TimedOut,
+}
+
+/// The engine's end: creates and owns the segment (unlinked on drop).
+pub struct EngineChannel {
+    mapping: Mapping,
+    shm_name: String,
+}
+
+impl EngineChannel {
+    /// Creates the named segment `/NAME` (visible as `/dev/shm/NAME`).
+    pub fn create(name: &str, geometry: ChannelGeometry) -> Result<Self, ChannelError> {
+        if geometry.slot_count == 0
+            || geometry.max_tokens == 0
+            || geometry.hidden_size == 0
+            || geometry.max_top_k == 0
+        {
+            return Err(ChannelError::Geometry {
+                name: name.into(),
+                problem: format!("every size must be positive: {geometry:?}"),
+            });
+        }
+        let shm_name = format!("/{}", name.trim_start_matches('/'));
+        let c_name = CString::new(shm_name.clone()).map_err(|_| ChannelError::Geometry {
+            name: name.into(),
+            problem: "name contains a NUL byte".into(),
+        })?;
+        let fd = shm_open(
+            c_name.as_c_str(),
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::from_bits_truncate(0o600),
+        )
+        .map_err(system(name, "creating"))?;
+        let length = geometry.segment_bytes();
+        nix::unistd::ftruncate(&fd, length as i64).map_err(system(name, "sizing"))?;
+        let base = map_segment(name, &fd, length)?;
+        let mapping = Mapping {
+            name: shm_name.clone(),
+            base,
+            length,
+            geometry,
+        };
+        // SAFETY: we just created the segment; nobody else has mapped it yet.
+        unsafe {
+            let header = mapping.base.as_ptr() as *mut SegmentHeader;
+            (*header).magic = MAGIC;
+            (*header).slot_count = geometry.slot_count;
+            (*header).max_tokens = geometry.max_tokens;
+            (*header).hidden_size = geometry.hidden_size;
+            (*header).max_top_k = geometry.max_top_k;
+            (*header).slot_stride = geometry.slot_stride() as u64;
+        }
+        Ok(EngineChannel { mapping, shm_name })
+    }
+
+    /// The name to send to the worker.
+    pub fn name(&self) -> &str {
+        &self.shm_name
+    }
+
+    pub fn geometry(&self) -> ChannelGeometry {
+        self.mapping.geometry
+    }
+
+    /// Pid the attached worker wrote (0 before any attach).
+    pub fn worker_pid(&self) -> u32 {
+        self.mapping.header().worker_pid.load(Ordering::Acquire)
+    }
+
+    pub fn attach_generation(&self) -> u32 {
+        self.mapping
+            .header()
+            .attach_generation
+            .load(Ordering::Acquire)
+    }
+
+    pub fn heartbeat(&self) -> u64 {
+        self.mapping.header().heartbeat.load(Ordering::Acquire)
+    }
+
+    /// True when the slot's last request has been answered.
+    pub fn slot_is_free(&self, slot: u32) -> bool {
+        let header = self.mapping.slot_header(slot);
+        header.request_sequence.load(Ordering::Acquire)
+            == header.response_sequence.load(Ordering::Acquire)
+    }
+
+    /// Writes `request` into a free slot and rings the doorbell. Returns its sequence number.
+    pub fn post(&self, slot: u32, request: &Request<'_>) -> Result<u32, ChannelError> {
+        let geometry = self.mapping.geometry;
+        let entries = request.token_count as usize * request.top_k as usize;
+        let vectors = request.token_count as usize * geometry.hidden_size as usize;
+        if slot >= geometry.slot_count
+            || request.token_count > geometry.max_tokens
+            || request.top_k > geometry.max_top_k
+            || request.expert_ids.len() != entries
+            || request.routing_weights.len() != entries
+            || request.hidden.len() != vectors
+        {
+            return Err(ChannelError::RequestTooLarge(format!(
+                "slot {slot}, {} tokens × top-{} ({} ids, {} weights, {} hidden values) for geometry {geometry:?}",
+                request.token_count,
+                request.top_k,
+                request.expert_ids.len(),
+                request.routing_weights.len(),
+                request.hidden.len()
+            )));
+        }
+        let header = self.mapping.slot_header(slot);
+        let sequence = header
+            .response_sequence
+            .load(Ordering::Acquire)
+            .wrapping_add(1);
+        // SAFETY: the slot is free (the worker finished with it, Acquire above), so only we touch
+        // its request half until the Release store below; sizes were checked against the geometry.
+        unsafe {
+            let raw = self.mapping.slot_header_mut(slot);
+            (*raw).layer = request.layer;
+            (*raw).token_count = request.token_count;
+            (*raw).top_k = request.top_k;
+            std::ptr::copy_nonoverlapping(
+                request.expert_ids.as_ptr(),
+                self.mapping.ids_ptr(slot),
+                entries,
+            );
+            std::ptr::copy_nonoverlapping(
+                request.routing_weights.as_ptr(),
+                self.mapping.weights_ptr(slot),
+                entries,
+            );
+            std::ptr::copy_nonoverlapping(
+                request.hidden.as_ptr(),
+                self.mapping.hidden_ptr(slot),
+                vectors,
+            );
+        }
+        header.request_sequence.store(sequence, Ordering::Release);
+        self.ring();
+        Ok(sequence)
+    }
+
+    /// Wakes the worker if it sleeps (also used to re-announce a request after a restart).
+    pub fn ring(&self) {
+        let segment = self.mapping.header();
+        segment.doorbell.fetch_add(1, Ordering::SeqCst);
+        if segment.worker_sleeping.load(Ordering::SeqCst) != 0 {
+            futex_wake(&segment.doorbell);
+        }
+    }
+
+    /// Waits up to `timeout` for the response to `sequence` on `slot`: spins briefly, then sleeps
+    /// on the slot's futex.
+    pub fn wait(&self, slot: u32, sequence: u32, timeout: Duration) -> WaitOutcome {
+        let header = self.mapping.slot_header(slot);
+        let started = Instant::now();
+        loop {
+            let answered = header.response_sequence.load(Ordering::Acquire);
+            if answered == sequence {
+                // SAFETY: the Acquire load above synchronises with the worker's Release store.
+                let (status, length) = unsafe {
+                    let raw = self.mapping.slot_header_mut(slot);
+                    (
+                        (*raw).status,
+                        ((*raw).error_length as usize).min(ERROR_TEXT_BYTES),
+                    )
+                };
+                if status != 0 {
+                    let text = &header.error_text[..length];
+                    return WaitOutcome::Refused(String::from_utf8_lossy(text).into_owned());
+                }
+                return WaitOutcome::Done;
+            }
+            let elapsed = started.elapsed();
+            if elapsed >= timeout {
+                return WaitOutcome::TimedOut;
+            }
+            if elapsed < SPIN_FOR {
+                std::hint::spin_loop();
+                continue;
+            }
+            header.engine_waiting.store(1, Ordering::SeqCst);
+            if header.response_sequence.load(Ordering::SeqCst) == answered {
+                futex_wait(
+                    &header.response_sequence,
+                    answered,
+                    (timeout - elapsed).min(Duration::from_millis(20)),
+                );
+            }
+            header.engine_waiting.store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// The weighted sums of the last answered request on `slot` (`[token_count, hidden]`).
+    pub fn output(&self, slot: u32) -> &[f32] {
+        let geometry = self.mapping.geometry;
+        // SAFETY: called after `wait` returned Done for this slot, so the worker is done writing
+        // and will not touch the slot again until we post a new request.
+        unsafe {
+            let tokens = (*self.mapping.slot_header_mut(slot)).token_count as usize;
+            std::slice::from_raw_parts(
+                self.mapping.output_ptr(slot),
+                tokens * geometry.hidden_size as usize,
+            )
+        }
+    }
+
+    /// Test hook: overwrites a posted request's counts with arbitrary values, as a corrupt or
+    /// hostile engine could, so tests can check the worker refuses instead of crashing.
+    #[doc(hidden)]
+    pub fn corrupt_request_for_tests(
+        &self,
+        slot: u32,
+        token_count: u32,
+        top_k: u32,
+        first_expert_id: u32,
+    ) -> u32 {
+        let header = self.mapping.slot_header(slot);
+        let sequence = header
+            .response_sequence
+            .load(Ordering::Acquire)
+            .wrapping_add(1);
+        // SAFETY: as in `post`: the slot is ours until the Release store.
+        unsafe {
+            let raw = self.mapping.slot_header_mut(slot);
+            (*raw).token_count = token_count;
+            (*raw).top_k = top_k;
+            *self.mapping.ids_ptr(slot) = first_expert_id;
+        }
+        header.request_sequence.store(sequence, Ordering::Release);
+        self.ring();
+        sequence
+    }
+}
+
+impl Drop for EngineChannel {
+    fn drop(&mut self) {
+        if let Ok(c_name) = CString::new(self.shm_name.clone()) {
+            let _ = shm_unlink(c_name.as_c_str());
+        }
+    }
+}
+
+/// A request as the worker sees it. Counts are as posted: validate before use.
+pub struct RequestView<'a> {
+    pub slot: u32,
+    pub layer: u32,
+    pub token_count: u32,
+    pub top_k: u32,
+    pub expert_ids: &'a [u32],
+    pub routing_weights: &'a [f32],
+    pub hidden: &'a [f32],
+}
+
+/// The worker's end: attaches to a segment the engine created.
+pub struct WorkerChannel {
+    mapping: Mapping,
+    next_slot: u32,
+}
+
+impl WorkerChannel {
+    /// Opens and maps `/NAME`, checking it is a channel whose hidden size is `hidden_size`.
+    pub fn attach(name: &str, hidden_size: u32) -> Result<Self, ChannelError> {
+        let c_name = CString::new(name).map_err(|_| ChannelError::Geometry {
+            name: name.into(),
+            problem: "name contains a NUL byte".into(),
+        })?;
+        let fd = shm_open(c_name.as_c_str(), OFlag::O_RDWR, Mode::empty())
+            .map_err(system(name, "opening"))?;
+        let length = nix::sys::stat::fstat(&fd)
+            .map_err(system(name, "reading size"))?
+            .st_size as usize;
+        if length < HEADER_BYTES {
+            return Err(ChannelError::NotAChannel { name: name.into() });
+        }
+        let base = map_segment(name, &fd, length)?;
+        // SAFETY: at least HEADER_BYTES are mapped; the engine wrote the header before sending
+        // us the name.
+        let header = unsafe { &*(base.as_ptr() as *const SegmentHeader) };
+        let geometry = ChannelGeometry {
+            slot_count: header.slot_count,
+            max_tokens: header.max_tokens,
+            hidden_size: header.hidden_size,
+            max_top_k: header.max_top_k,
+        };
+        let mapping = Mapping {
+            name: name.to_string(),
+            base,
+            length,
+            geometry,
+        };
+        if header.magic != MAGIC
+            || header.slot_stride != geometry.slot_stride() as u64
+            || geometry.segment_bytes() > length
+        {
+            return Err(ChannelError::NotAChannel { name: name.into() });
+        }
+        if geometry.hidden_size != hidden_size {
+            return Err(ChannelError::Geometry {
+                name: name.into(),
+                problem: format!(
+                    "hidden size {} but this worker's model has {hidden_size}",
+                    geometry.hidden_size
+                ),
+            });
+        }
+        header
+            .worker_pid
+            .store(std::process::id(), Ordering::Release);
+        header.attach_generation.fetch_add(1, Ordering::AcqRel);
+        Ok(WorkerChannel {
+            mapping,
+            next_slot: 0,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.mapping.name
+    }
+
+    pub fn geometry(&self) -> ChannelGeometry {
+        self.mapping.geometry
+    }
+
+    /// Bumps the liveness counter the engine watches.
+    pub fn beat(&self) {
+        self.mapping
+            .header()
+            .heartbeat
+            .fetch_add(1, Ordering::Release);
+    }
+
+    fn pending(&self, slot: u32) -> bool {
+        let header = self.mapping.slot_header(slot);
+        header.request_sequence.load(Ordering::Acquire)
+            != header.response_sequence.load(Ordering::Acquire)
+    }
+
+    /// The next posted request, in slot order, waiting at most `timeout` (spin, then futex).
+    pub fn next_request(&mut self, timeout: Duration) -> Option<RequestView<'_>> {
+        let segment = self.mapping.header();
+        let slots = self.mapping.geometry.slot_count;
+        let started = Instant::now();
+        let slot = 'found: loop {
+            for offset in 0..slots {
+                let slot = (self.next_slot + offset) % slots;
+                if self.pending(slot) {
+                    break 'found slot;
+                }
+            }
+            let elapsed = started.elapsed();
+            if elapsed >= timeout {
+                return None;
+            }
+            if elapsed < SPIN_FOR {
+                std::hint::spin_loop();
+                continue;
+            }
+            segment.worker_sleeping.store(1, Ordering::SeqCst);
+            let observed = segment.doorbell.load(Ordering::SeqCst);
+            if !(0..slots).any(|slot| self.pending(slot)) {
+                futex_wait(
+                    &segment.doorbell,
+                    observed,
+                    (timeout - elapsed).min(Duration::from_millis(50)),
+                );
+            }
+            segment.worker_sleeping.store(0, Ordering::SeqCst);
+        };
+        self.next_slot = (slot + 1) % slots;
+        let geometry = self.mapping.geometry;
+        // SAFETY: the request is published (Acquire in `pending`); the engine will not write this
+        // slot again until we answer it. Counts are clamped to the slot's capacity here, so the
+        // slices stay inside the slot even if the posted counts are corrupt; the caller checks
+        // them against the model and refuses bad requests.
+        unsafe {
+            let raw = self.mapping.slot_header_mut(slot);
+            let token_count = (*raw).token_count;
+            let top_k = (*raw).top_k;
+            let tokens = (token_count.min(geometry.max_tokens)) as usize;
+            let k = (top_k.min(geometry.max_top_k)) as usize;
+            Some(RequestView {
+                slot,
+                layer: (*raw).layer,
+                token_count,
+                top_k,
+                expert_ids: std::slice::from_raw_parts(self.mapping.ids_ptr(slot), tokens * k),
+                routing_weights: std::slice::from_raw_parts(
+                    self.mapping.weights_ptr(slot),
+                    tokens * k,
+                ),
+                hidden: std::slice::from_raw_parts(
+                    self.mapping.hidden_ptr(slot),
+                    tokens * geometry.hidden_size as usize,
+                ),
+            })
+        }
+    }
+
+    /// The output area of `slot` (`[max_tokens, hidden]`), to be filled before `complete`.
+    ///
+    /// # Safety
+    /// Only between `next_request` returning this slot and `complete` for it, and not while a
+    /// `RequestView` of the same slot is used to write (the areas are disjoint, so reading the
+    /// view while writing here is fine).
+    pub unsafe fn output_mut(&self, slot: u32) -> &mut [f32] {
+        let geometry = self.mapping.geometry;
+        std::slice::from_raw_parts_mut(
+            self.mapping.output_ptr(slot),
+            geometry.max_tokens as usize * geometry.hidden_size as usize,
+        )
+    }
+
+    /// Publishes the answer to the request on `slot`: `Ok` or a refusal with a reason.
+    pub fn complete(&self, slot: u32, result: Result<(), &str>) {
+        let header = self.mapping.slot_header(slot);
+        let sequence = header.request_sequence.load(Ordering::Acquire);
+        // SAFETY: we own the slot's response half until the Release store below.
+        unsafe {
+            let raw = self.mapping.slot_header_mut(slot);
+            match result {
+                Ok(()) => {
+                    (*raw).status = 0;
+                    (*raw).error_length = 0;
+                }
+                Err(text) => {
+                    let bytes = text.as_bytes();
+                    let length = bytes.len().min(ERROR_TEXT_BYTES);
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        (*raw).error_text.as_mut_ptr(),
+                        length,
+                    );
+                    (*raw).error_length = length as u32;
+                    (*raw).status = 1;
+                }
+            }
+        }
+        header.response_sequence.store(sequence, Ordering::Release);
+        if header.engine_waiting.load(Ordering::SeqCst) != 0 {
+            futex_wake(&header.response_sequence);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unique_name(tag: &str) -> String {
+        format!(
+            "ninfer-test-{tag}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        )
+        .replace(['(', ')'], "")
+    }
+
+    #[test]
+    fn round_trip_between_threads() {
+        let geometry = ChannelGeometry {
+            slot_count: 2,
+            max_tokens: 4,
+            hidden_size: 8,
+            max_top_k: 2,
+        };
+        let engine = EngineChannel::create(&unique_name("rt"), geometry).unwrap();
+        let name = engine.name().to_string();
+        let worker = std::thread::spawn(move || {
+            let mut channel = WorkerChannel::attach(&name, 8).unwrap();
+            for _ in 0..20 {
+                let request = channel.next_request(Duration::from_secs(5)).unwrap();
+                let (slot, hidden) = (request.slot, request.hidden.to_vec());
+                let scale: f32 = request.routing_weights.iter().sum();
+                // SAFETY: between next_request and complete for this slot.
+                let out = unsafe { channel.output_mut(slot) };
+                for (o, h) in out.iter_mut().zip(&hidden) {
+                    *o = h * scale;
+                }
+                channel.complete(slot, Ok(()));
+            }
+        });
+        for round in 0..20u32 {
+            let slot = round % 2;
+            let hidden: Vec<f32> = (0..16).map(|i| (i + round) as f32).collect();
+            let sequence = engine
+                .post(
+                    slot,
+                    &Request {
+                        layer: 3,
+                        token_count: 2,
+                        top_k: 2,
+                        expert_ids: &[0, 1, 2, NO_EXPERT],
+                        routing_weights: &[0.5, 0.25, 1.0, 0.0],
+                        hidden: &hidden,
+                    },
+                )
+                .unwrap();
+            assert_eq!(
+                engine.wait(slot, sequence, Duration::from_secs(5)),
+                WaitOutcome::Done
+            );
+            let expected: Vec<f32> = hidden.iter().map(|h| h * 1.75).collect();
+            assert_eq!(engine.output(slot), &expected[..]);
+        }
+        worker.join().unwrap();
+        assert_eq!(engine.worker_pid(), std::process::id());
+    }
+
+    #[test]
+    fn refusal_is_reported_and_oversized_requests_are_rejected() {
+        let geometry = ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 2,
+            hidden_size: 4,
+            max_top_k: 1,
+        };
+        let engine = EngineChannel::create(&unique_name("refuse"), geometry).unwrap();
+        let too_big = engine.post(
+            0,
+            &Request {
+                layer: 0,
+                token_count: 3,
+                top_k: 1,
+                expert_ids: &[0; 3],
+                routing_weights: &[0.0; 3],
+                hidden: &[0.0; 12],
+            },
+        );
+        assert!(matches!(too_big, Err(ChannelError::RequestTooLarge(_))));
+        let mut worker = WorkerChannel::attach(engine.name(), 4).unwrap();
+        let sequence = engine.corrupt_request_for_tests(0, 1_000_000, 7, 99);
+        let request = worker.next_request(Duration::from_secs(1)).unwrap();
+        assert_eq!((request.token_count, request.top_k), (1_000_000, 7));
+        assert!(request.hidden.len() <= 8, "views are clamped to the slot");
+        let slot = request.slot;
+        worker.complete(slot, Err("token count 1000000 exceeds 2"));
+        assert_eq!(
+            engine.wait(0, sequence, Duration::from_secs(1)),
+            WaitOutcome::Refused("token count 1000000 exceeds 2".into())
+        );
+    }
+
+    #[test]
+    fn attach_checks_the_segment() {
+        let geometry = ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 1,
+            hidden_size: 4,
+            max_top_k: 1,
+        };
+        let engine = EngineChannel::create(&unique_name("geo"), geometry).unwrap();
+        assert!(matches!(
+            WorkerChannel::attach(engine.name(), 8),
+            Err(ChannelError::Geometry { .. })
+        ));
+        assert!(WorkerChannel::attach("/ninfer-test-does-not-exist", 4).is_err());
+    }
+
+    #[test]
+    fn wait_times_out_without_a_worker() {
+        let geometry = ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 1,
+            hidden_size: 4,
+            max_top_k: 1,
+        };
+        let engine = EngineChannel::create(&unique_name("timeout"), geometry).unwrap();
+        let sequence = engine
+            .post(
+                0,
+                &Request {
+                    layer: 0,
+                    token_count: 1,
+                    top_k: 1,
+                    expert_ids: &[0],
+                    routing_weights: &[1.0],
+                    hidden: &[0.0; 4],
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            engine.wait(0, sequence, Duration::from_millis(30)),
+            WaitOutcome::TimedOut
+        );
+    }
+}

@@ -1,0 +1,427 @@
+//! AVX-512 row kernels.
+//!
+//! Owns two families:
+//! - `rows_float` (path `avx512`): each group of 32 weights is dequantized once to two zmm of
+//!   f32 (scale applied) and multiplied with up to 8 tokens' f32 activations (FMA). Int4
+//!   activations are read in nibble order so a loaded byte splits into its two nibbles without
+//!   a shuffle.
+//! - `rows_vnni` (path `avx512-vnni`): int8 / int4 weights against activations quantized to
+//!   int8 per group of 32, two groups per `vpdpbusd`; bf16 weights with `vdpbf16ps` against
+//!   bf16 activations; f32 weights fall back to `rows_float`.
+//!
+//! Per-group scales are applied in f32 after each integer dot product (lanes 0–7 of a zmm hold
+//! group 2b, lanes 8–15 group 2b+1), so nothing needs a horizontal sum before the row's end.
+//! Every function here requires the features in its `target_feature`; callers check with
+//! `KernelIsa::is_supported` first.
+
+use std::arch::x86_64::*;
+
+use half::bf16;
+
+use crate::layout::{MatrixView, WeightDType, GROUP};
+use crate::prepare::InputRows;
+
+pub(crate) const D_F32: u8 = 0;
+pub(crate) const D_BF16: u8 = 1;
+pub(crate) const D_INT8: u8 = 2;
+pub(crate) const D_INT4: u8 = 3;
+
+/// Bytes of one group of 32 weights.
+pub(crate) const fn group_bytes(dtype: u8) -> usize {
+    match dtype {
+        D_F32 => 128,
+        D_BF16 => 64,
+        D_INT8 => 32,
+        _ => 16,
+    }
+}
+
+/// Mask of the first `count` (≤ 16) lanes.
+#[inline]
+fn lane_mask(count: usize) -> u16 {
+    if count >= 16 {
+        u16::MAX
+    } else {
+        ((1u32 << count) - 1) as u16
+    }
+}
+
+/// Up to 16 f16 scales starting at `scales`, as f32 (lanes past `count` are 0).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+pub(crate) unsafe fn load_scales(scales: *const u16, count: usize) -> __m512 {
+    // Masked-off lanes are not read, so the last row's scales never read past the matrix.
+    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(count), scales.cast()))
+}
+
+/// One group of 32 weights as two zmm of f32, times `scale` for int8 / int4. Int4 comes out in
+/// nibble order (evens, then odds).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub(crate) unsafe fn load_group<const D: u8>(pointer: *const u8, scale: __m512) -> (__m512, __m512) {
+    match D {
+        D_F32 => (
+            _mm512_loadu_ps(pointer.cast()),
+            _mm512_loadu_ps(pointer.add(64).cast()),
+        ),
+        D_BF16 => {
+            let low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(pointer.cast()));
+            let high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(pointer.add(32).cast()));
+            (
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(low)),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(high)),
+            )
+        }
+        D_INT8 => {
+            let low = _mm512_cvtepi8_epi32(_mm_loadu_si128(pointer.cast()));
+            let high = _mm512_cvtepi8_epi32(_mm_loadu_si128(pointer.add(16).cast()));
+            (
+                _mm512_mul_ps(_mm512_cvtepi32_ps(low), scale),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(high), scale),
+            )
+        }
+        _ => {
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(pointer.cast()));
+            let even = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f));
+            let odd = _mm512_srli_epi32::<4>(bytes);
+            // (code − 8) · scale = code · scale − 8 · scale: one FMA.
+            let offset = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0));
+            (
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), scale, offset),
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), scale, offset),
+            )
+        }
+    }
+}
+
+/// Weight `column` of a float-typed row (the tail past the last full group).
+#[inline]
+pub(crate) unsafe fn float_weight(values: *const u8, dtype: WeightDType, column: usize) -> f32 {
+    match dtype {
+        WeightDType::F32 => f32::from_le_bytes(*values.add(column * 4).cast::<[u8; 4]>()),
+        _ => bf16::from_le_bytes(*values.add(column * 2).cast::<[u8; 2]>()).to_f32(),
+    }
+}
+
+/// Calls `$kernel::<.., N>` for token blocks of 8, 4, 2, 1.
+macro_rules! token_blocks {
+    ($input:expr, |$t0:ident, $n:ident| $body:expr) => {{
+        let tokens = $input.tokens;
+        let mut $t0 = 0usize;
+        while tokens - $t0 >= 8 {
+            {
+                const $n: usize = 8;
+                $body;
+            }
+            $t0 += 8;
+        }
+        if tokens - $t0 >= 4 {
+            {
+                const $n: usize = 4;
+                $body;
+            }
+            $t0 += 4;
+        }
+        if tokens - $t0 >= 2 {
+            {
+                const $n: usize = 2;
+                $body;
+            }
+            $t0 += 2;
+        }
+        if tokens - $t0 >= 1 {
+            {
+                const $n: usize = 1;
+                $body;
+            }
+        }
+    }};
+}
+
+/// Path `avx512`: see the module doc.
+///
+/// # Safety
+/// As `kernels::matmul_rows`; AVX-512F/BW/VL, FMA and F16C present.
+pub(crate) unsafe fn rows_float(
+    matrix: &MatrixView,
+    first: usize,
+    count: usize,
+    input: &InputRows,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    match matrix.layout.dtype {
+        WeightDType::F32 => float_rows::<D_F32>(matrix, first, count, input, out, token_stride),
+        WeightDType::Bf16 => float_rows::<D_BF16>(matrix, first, count, input, out, token_stride),
+        WeightDType::Int8 => float_rows::<D_INT8>(matrix, first, count, input, out, token_stride),
+        WeightDType::Int4 => float_rows::<D_INT4>(matrix, first, count, input, out, token_stride),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn float_rows<const D: u8>(
+    matrix: &MatrixView,
+    first: usize,
+    count: usize,
+    input: &InputRows,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    for local in 0..count {
+        token_blocks!(input, |t0, N| float_row::<D, N>(
+            matrix,
+            first + local,
+            input,
+            t0,
+            out.add(t0 * token_stride + local),
+            token_stride
+        ));
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn float_row<const D: u8, const N: usize>(
+    matrix: &MatrixView,
+    row: usize,
+    input: &InputRows,
+    t0: usize,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    let cols = matrix.layout.cols;
+    let full_groups = cols / GROUP;
+    let values = matrix.row_values(row);
+    let quantized = D == D_INT8 || D == D_INT4;
+    let x: [*const f32; N] = std::array::from_fn(|t| {
+        if D == D_INT4 {
+            input.f32_nibble_row(t0 + t)
+        } else {
+            input.f32_row(t0 + t)
+        }
+    });
+    let mut acc = [[_mm512_setzero_ps(); 2]; N];
+    let mut scales = [1.0f32; 16];
+    let mut group = 0;
+    while group < full_groups {
+        let chunk = (full_groups - group).min(16);
+        if quantized {
+            _mm512_storeu_ps(
+                scales.as_mut_ptr(),
+                load_scales(matrix.row_scales(row).add(group), chunk),
+            );
+        }
+        for (j, &scale) in scales.iter().enumerate().take(chunk) {
+            let g = group + j;
+            let (w0, w1) =
+                load_group::<D>(values.add(g * group_bytes(D)), _mm512_set1_ps(scale));
+            for t in 0..N {
+                let xp = x[t].add(g * GROUP);
+                acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), acc[t][0]);
+                acc[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp.add(16)), acc[t][1]);
+            }
+        }
+        group += chunk;
+    }
+    for t in 0..N {
+        let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+        if !quantized {
+            let natural = input.f32_row(t0 + t);
+            for column in full_groups * GROUP..cols {
+                sum += float_weight(values, matrix.layout.dtype, column) * *natural.add(column);
+            }
+        }
+        *out.add(t * token_stride) = sum;
+    }
+}
+
+/// Path `avx512-vnni`: see the module doc.
+///
+/// # Safety
+/// As `kernels::matmul_rows`; AVX-512F/BW/VL/VNNI/BF16, FMA and F16C present.
+pub(crate) unsafe fn rows_vnni(
+    matrix: &MatrixView,
+    first: usize,
+    count: usize,
+    input: &InputRows,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    match matrix.layout.dtype {
+        WeightDType::F32 => float_rows::<D_F32>(matrix, first, count, input, out, token_stride),
+        WeightDType::Bf16 => bf16_rows(matrix, first, count, input, out, token_stride),
+        WeightDType::Int8 => int_rows::<false>(matrix, first, count, input, out, token_stride),
+        WeightDType::Int4 => int_rows::<true>(matrix, first, count, input, out, token_stride),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn int_rows<const INT4: bool>(
+    matrix: &MatrixView,
+    first: usize,
+    count: usize,
+    input: &InputRows,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    for local in 0..count {
+        token_blocks!(input, |t0, N| int_row::<INT4, N>(
+            matrix,
+            first + local,
+            input,
+            t0,
+            out.add(t0 * token_stride + local),
+            token_stride
+        ));
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn int_row<const INT4: bool, const N: usize>(
+    matrix: &MatrixView,
+    row: usize,
+    input: &InputRows,
+    t0: usize,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    let groups = matrix.layout.groups_per_row;
+    let blocks = groups.div_ceil(2);
+    let values = matrix.row_values(row);
+    let scales = matrix.row_scales(row);
+    let zero = _mm512_setzero_si512();
+    let ones = _mm512_set1_epi8(1);
+    let low_nibbles = _mm512_set1_epi8(0x0f);
+    // 128-bit lanes 1 and 3 hold the high nibbles: shift their 16-bit words right by 4.
+    let nibble_shift = _mm512_set_epi64(
+        0x0004_0004_0004_0004,
+        0x0004_0004_0004_0004,
+        0,
+        0,
+        0x0004_0004_0004_0004,
+        0x0004_0004_0004_0004,
+        0,
+        0,
+    );
+    // Lanes 0–7 take scale 2j, lanes 8–15 scale 2j+1.
+    let pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let x_bytes: [*const u8; N] = std::array::from_fn(|t| input.int8_row(t0 + t));
+    let x_scales: [*const f32; N] = std::array::from_fn(|t| input.lane_scale_row(t0 + t));
+    let x_sums: [*const i32; N] = std::array::from_fn(|t| {
+        if INT4 {
+            input.lane_sum8_row(t0 + t)
+        } else {
+            std::ptr::null()
+        }
+    });
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut block = 0;
+    while block < blocks {
+        let chunk = (blocks - block).min(8);
+        let chunk_scales = load_scales(scales.add(2 * block), (groups - 2 * block).min(16));
+        for j in 0..chunk {
+            let b = block + j;
+            let both = 2 * b + 1 < groups;
+            let weight_scale = _mm512_permutexvar_ps(
+                _mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * j as i32)),
+                chunk_scales,
+            );
+            let weights = if INT4 {
+                let bytes = if both {
+                    _mm256_loadu_si256(values.add(b * 32).cast())
+                } else {
+                    _mm256_zextsi128_si256(_mm_loadu_si128(values.add(b * 32).cast()))
+                };
+                let wide = _mm512_castsi256_si512(bytes);
+                // [group 2b bytes, group 2b bytes, group 2b+1 bytes, group 2b+1 bytes], then
+                // low nibbles from lanes 0/2 and high nibbles from lanes 1/3: per group, the
+                // even elements then the odd ones (nibble order).
+                let spread = _mm512_shuffle_i64x2::<0x50>(wide, wide);
+                _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), low_nibbles)
+            } else if both {
+                _mm512_loadu_si512(values.add(b * 64).cast())
+            } else {
+                _mm512_zextsi256_si512(_mm256_loadu_si256(values.add(b * 64).cast()))
+            };
+            let weight_sum_128 = if INT4 {
+                zero
+            } else {
+                // Activations are stored as x + 128: subtract 128 · Σw per lane.
+                _mm512_slli_epi32::<7>(_mm512_dpbusd_epi32(zero, ones, weights))
+            };
+            for t in 0..N {
+                let xq = _mm512_loadu_si512(x_bytes[t].add(b * 64).cast());
+                let dot = if INT4 {
+                    // Nibbles are code + 8: subtract 8 · Σx per lane.
+                    _mm512_sub_epi32(
+                        _mm512_dpbusd_epi32(zero, weights, xq),
+                        _mm512_loadu_si512(x_sums[t].add(b * 16).cast()),
+                    )
+                } else {
+                    _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xq, weights), weight_sum_128)
+                };
+                let scale = _mm512_mul_ps(weight_scale, _mm512_loadu_ps(x_scales[t].add(b * 16)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+            }
+        }
+        block += chunk;
+    }
+    for (t, sum) in acc.iter().enumerate() {
+        *out.add(t * token_stride) = _mm512_reduce_add_ps(*sum);
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
+unsafe fn bf16_rows(
+    matrix: &MatrixView,
+    first: usize,
+    count: usize,
+    input: &InputRows,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    for local in 0..count {
+        token_blocks!(input, |t0, N| bf16_row::<N>(
+            matrix,
+            first + local,
+            input,
+            t0,
+            out.add(t0 * token_stride + local),
+            token_stride
+        ));
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
+unsafe fn bf16_row<const N: usize>(
+    matrix: &MatrixView,
+    row: usize,
+    input: &InputRows,
+    t0: usize,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    let cols = matrix.layout.cols;
+    let full_groups = cols / GROUP;
+    let values = matrix.row_values(row);
+    let x: [*const u16; N] = std::array::from_fn(|t| input.bf16_row(t0 + t));
+    let mut acc = [_mm512_setzero_ps(); N];
+    for g in 0..full_groups {
+        let weights: __m512bh = std::mem::transmute(_mm512_loadu_si512(values.add(g * 64).cast()));
+        for t in 0..N {
+            let xb: __m512bh =
+                std::mem::transmute(_mm512_loadu_si512(x[t].add(g * GROUP).cast()));
+            acc[t] = _mm512_dpbf16_ps(acc[t], weights, xb);
+        }
+    }
+    for (t, sum) in acc.iter().enumerate() {
+        let mut total = _mm512_reduce_add_ps(*sum);
+        let natural = input.f32_row(t0 + t);
+        for column in full_groups * GROUP..cols {
+            total += float_weight(values, WeightDType::Bf16, column) * *natural.add(column);
+        }
+        *out.add(t * token_stride) = total;
+    }
+}

@@ -1,0 +1,92 @@
+//! Row-kernel dispatch: one call computes `W[rows] · x_t` for a block of weight rows and a
+//! block of tokens with the chosen path, writing `out[t · token_stride + local_row]`.
+//!
+//! Owns: the choice of kernel per (path, weight dtype, token count) and the per-thread scratch
+//! the kernels use. Must not touch: how rows and tokens are shared among threads (`layer`).
+
+use crate::isa::KernelIsa;
+use crate::layout::MatrixView;
+use crate::prepare::InputRows;
+
+/// Per-thread buffers, owned by `LayerScratch`; one thread uses one of them at a time.
+#[derive(Clone, Copy)]
+pub(crate) struct ThreadBuffers {
+    /// `max(H, Im)` f32: a decoded weight row (scalar path).
+    pub row: *mut f32,
+    pub row_len: usize,
+    /// 16 rows of bf16 weights, `max(H, Im)` rounded up to 32 each (AMX A tiles).
+    pub strip: *mut u16,
+    /// Two 16×16 f32 C tiles.
+    pub tiles: *mut f32,
+}
+
+// SAFETY: each ThreadBuffers is used by exactly one pool thread during a job.
+unsafe impl Send for ThreadBuffers {}
+unsafe impl Sync for ThreadBuffers {}
+
+/// Computes rows `first..first+count` of `matrix` against every token of `input`.
+///
+/// # Safety
+/// Rows are inside the matrix; `input` was prepared for this path and the matrix dtype;
+/// `out` is writable at `t · token_stride + r` for `t < input.tokens`, `r < count`; the
+/// buffers belong to the calling thread. The path is supported by this CPU.
+pub(crate) unsafe fn matmul_rows(
+    isa: KernelIsa,
+    matrix: &MatrixView,
+    first: usize,
+    count: usize,
+    input: &InputRows,
+    out: *mut f32,
+    token_stride: usize,
+    buffers: &ThreadBuffers,
+) {
+    match isa {
+        KernelIsa::Scalar => {
+            let row = std::slice::from_raw_parts_mut(buffers.row, buffers.row_len);
+            crate::scalar::rows(matrix, first, count, input, out, token_stride, row);
+        }
+        #[cfg(target_arch = "x86_64")]
+        KernelIsa::Avx2 => crate::avx2::rows(matrix, first, count, input, out, token_stride),
+        #[cfg(target_arch = "x86_64")]
+        KernelIsa::Avx512 => {
+            crate::avx512::rows_float(matrix, first, count, input, out, token_stride)
+        }
+        #[cfg(target_arch = "x86_64")]
+        KernelIsa::Avx512Vnni => {
+            crate::avx512::rows_vnni(matrix, first, count, input, out, token_stride)
+        }
+        #[cfg(target_arch = "x86_64")]
+        KernelIsa::Amx => {
+            let mut done = 0;
+            if input.amx_base.is_some() {
+                while count - done >= 16 {
+                    crate::amx::rows16(
+                        matrix,
+                        first + done,
+                        input,
+                        out.add(done),
+                        token_stride,
+                        buffers,
+                    );
+                    done += 16;
+                }
+            }
+            if done < count {
+                crate::avx512::rows_vnni(
+                    matrix,
+                    first + done,
+                    count - done,
+                    input,
+                    out.add(done),
+                    token_stride,
+                );
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => {
+            // Only the scalar path is ever reported supported off x86-64.
+            let row = std::slice::from_raw_parts_mut(buffers.row, buffers.row_len);
+            crate::scalar::rows(matrix, first, count, input, out, token_stride, row);
+        }
+    }
+}

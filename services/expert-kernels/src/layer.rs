@@ -1,0 +1,433 @@
+//! One MoE layer's routed experts on the CPU: the API the engine's expert executor calls.
+//!
+//! Owns: `compute_layer` and `LayerScratch`. For a layer it takes a set of
+//! (expert weights, token indices, routing weights) and *adds*
+//! `Σ_e w_{t,e} · down_e(silu(gate_e · x_t) ⊙ (up_e · x_t))` into `output[t, :]`.
+//!
+//! The work runs on the pool in three phases separated by spin barriers:
+//! 0. each thread prepares its share of (expert, token) input rows in the forms the path reads;
+//! 1. units of (expert, 32 intermediate features) are split across threads: each computes the
+//!    32 gate and 32 up rows for the expert's tokens, applies SwiGLU and prepares the result
+//!    (one quantization group) for the down projection — activations never leave the cache;
+//! 2. the output features are split into blocks of 16 across threads: each streams the `down`
+//!    rows of its blocks for every expert and accumulates into its own output columns, so
+//!    threads read disjoint weight memory and write disjoint output without atomics.
+//!
+//! Nothing on this path allocates or locks: all buffers live in `LayerScratch`, sized once.
+
+use crate::isa::{KernelIsa, AMX_MIN_TOKENS};
+use crate::kernels::{matmul_rows, ThreadBuffers};
+use crate::layout::{ExpertLayout, MatrixView, GROUP};
+use crate::pool::{split_range, ThreadPool, WorkerContext};
+use crate::prepare::{FormNeeds, Forms, FormsPtr, InputRows};
+use crate::KernelError;
+
+/// Tokens one row-kernel call handles (bounds the per-thread output buffers).
+const TOKEN_CHUNK: usize = 64;
+/// Output rows per phase-2 work item (one AMX tile of rows).
+const ROW_BLOCK: usize = 16;
+
+/// The two matrices of one expert, as stored (`docs/FORMAT.md`).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertWeights<'a> {
+    /// `[2·Im, H]`: gate rows then up rows.
+    pub gate_up: &'a [u8],
+    /// `[H, Im]`.
+    pub down: &'a [u8],
+}
+
+impl<'a> ExpertWeights<'a> {
+    /// Splits one expert's slot of an expert bank (`bank_offset + E · stride`, `stride` bytes).
+    pub fn from_slot(slot: &'a [u8], layout: &ExpertLayout) -> Result<Self, KernelError> {
+        let end = layout.down_offset + layout.down.total_bytes;
+        if slot.len() < end {
+            return Err(KernelError::Input(format!(
+                "expert slot of {} bytes is shorter than its {end}-byte layout",
+                slot.len()
+            )));
+        }
+        Ok(ExpertWeights {
+            gate_up: &slot[..layout.gate_up.total_bytes],
+            down: &slot[layout.down_offset..end],
+        })
+    }
+}
+
+/// One expert of a layer and the tokens routed to it.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertTask<'a> {
+    pub weights: ExpertWeights<'a>,
+    /// Row indices into `hidden` / `output`.
+    pub tokens: &'a [u32],
+    /// Routing weight of each of those tokens (same length).
+    pub routing_weights: &'a [f32],
+}
+
+/// Upper bounds the scratch is sized for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScratchCapacity {
+    /// Experts per call.
+    pub max_tasks: usize,
+    /// Σ over experts of their token counts per call (tokens × top-k for a full batch).
+    pub max_pairs: usize,
+}
+
+#[derive(Clone, Copy)]
+struct TaskInfo {
+    gate_up: MatrixView,
+    down: MatrixView,
+    tokens: *const u32,
+    routing_weights: *const f32,
+    count: usize,
+    first_slot: usize,
+    amx_input: Option<usize>,
+    amx_act: Option<usize>,
+}
+
+/// Every buffer `compute_layer` needs, for one expert layout, path and pool size.
+pub struct LayerScratch {
+    layout: ExpertLayout,
+    isa: KernelIsa,
+    threads: usize,
+    capacity: ScratchCapacity,
+    input: Forms,
+    act: Forms,
+    tasks: Vec<TaskInfo>,
+    row_buffers: Vec<Vec<f32>>,
+    strips: Vec<Vec<u16>>,
+    tiles: Vec<Vec<f32>>,
+    gate: Vec<Vec<f32>>,
+    up: Vec<Vec<f32>>,
+    thread_buffers: Vec<ThreadBuffers>,
+}
+
+// SAFETY: the raw pointers inside (task views, thread buffers) point into memory this scratch
+// owns or into weights borrowed only for the duration of one `compute_layer` call.
+unsafe impl Send for LayerScratch {}
+
+impl LayerScratch {
+    pub fn new(
+        layout: ExpertLayout,
+        isa: KernelIsa,
+        threads: usize,
+        capacity: ScratchCapacity,
+    ) -> Result<Self, KernelError> {
+        isa.require_supported()?;
+        let threads = threads.max(1);
+        if threads > MAX_THREADS {
+            return Err(KernelError::Pool(format!(
+                "{threads} threads, at most {MAX_THREADS} supported"
+            )));
+        }
+        let needs = FormNeeds::of(isa, layout.dtype);
+        // AMX tiles pad each expert's tokens to a multiple of 16.
+        let amx_slots = capacity.max_pairs + 16 * capacity.max_tasks;
+        let input = Forms::new(needs, layout.hidden, capacity.max_pairs, amx_slots);
+        let act = Forms::new(needs, layout.intermediate, capacity.max_pairs, amx_slots);
+        let widest = layout.hidden.max(layout.intermediate);
+        let mut scratch = LayerScratch {
+            layout,
+            isa,
+            threads,
+            capacity,
+            input,
+            act,
+            tasks: Vec::with_capacity(capacity.max_tasks),
+            row_buffers: (0..threads).map(|_| vec![0.0; widest]).collect(),
+            strips: (0..threads)
+                .map(|_| {
+                    let len = if isa == KernelIsa::Amx {
+                        16 * widest.next_multiple_of(GROUP)
+                    } else {
+                        0
+                    };
+                    vec![0; len]
+                })
+                .collect(),
+            tiles: (0..threads).map(|_| vec![0.0; 512]).collect(),
+            gate: (0..threads)
+                .map(|_| vec![0.0; TOKEN_CHUNK * GROUP.max(ROW_BLOCK)])
+                .collect(),
+            up: (0..threads).map(|_| vec![0.0; TOKEN_CHUNK * GROUP]).collect(),
+            thread_buffers: Vec::with_capacity(threads),
+        };
+        for thread in 0..threads {
+            scratch.thread_buffers.push(ThreadBuffers {
+                row: scratch.row_buffers[thread].as_mut_ptr(),
+                row_len: widest,
+                strip: scratch.strips[thread].as_mut_ptr(),
+                tiles: scratch.tiles[thread].as_mut_ptr(),
+            });
+        }
+        Ok(scratch)
+    }
+
+    pub fn layout(&self) -> &ExpertLayout {
+        &self.layout
+    }
+
+    pub fn isa(&self) -> KernelIsa {
+        self.isa
+    }
+
+    pub fn capacity(&self) -> ScratchCapacity {
+        self.capacity
+    }
+}
+
+/// Everything the pool's threads share during one call (raw pointers into the scratch, the
+/// input and the output; see the SAFETY notes where they are used).
+#[derive(Clone, Copy)]
+struct LayerJob {
+    isa: KernelIsa,
+    layout: ExpertLayout,
+    tasks: *const TaskInfo,
+    task_count: usize,
+    pairs: usize,
+    hidden: *const f32,
+    output: *mut f32,
+    input: FormsPtr,
+    act: FormsPtr,
+    threads: *const ThreadBuffers,
+}
+
+// SAFETY: threads only write disjoint parts (their own pairs, units, output columns and thread
+// buffers) between barriers; everything else is read-only during the call.
+unsafe impl Sync for LayerJob {}
+
+/// Adds this layer's routed-expert outputs into `output` (`[tokens, H]` f32, row-major).
+///
+/// `hidden` is `[tokens, H]` f32. Each task names an expert's weights, the token rows routed to
+/// it and their routing weights. Runs on every thread of `pool` with `scratch`'s path.
+pub fn compute_layer(
+    pool: &ThreadPool,
+    scratch: &mut LayerScratch,
+    hidden: &[f32],
+    tokens: usize,
+    tasks: &[ExpertTask<'_>],
+    output: &mut [f32],
+) -> Result<(), KernelError> {
+    let layout = scratch.layout;
+    let h = layout.hidden;
+    if scratch.threads != pool.threads() {
+        return Err(KernelError::ScratchTooSmall(format!(
+            "scratch was made for {} threads, the pool has {}",
+            scratch.threads,
+            pool.threads()
+        )));
+    }
+    if hidden.len() < tokens * h || output.len() < tokens * h {
+        return Err(KernelError::Input(format!(
+            "hidden ({}) and output ({}) must hold {tokens} × {h} values",
+            hidden.len(),
+            output.len()
+        )));
+    }
+    if tasks.len() > scratch.capacity.max_tasks {
+        return Err(KernelError::ScratchTooSmall(format!(
+            "{} experts in one call, scratch holds {}",
+            tasks.len(),
+            scratch.capacity.max_tasks
+        )));
+    }
+    scratch.tasks.clear();
+    let mut pairs = 0usize;
+    let mut amx_input = 0usize;
+    let mut amx_act = 0usize;
+    for (index, task) in tasks.iter().enumerate() {
+        let count = task.tokens.len();
+        if task.routing_weights.len() != count {
+            return Err(KernelError::Input(format!(
+                "expert task {index}: {count} tokens but {} routing weights",
+                task.routing_weights.len()
+            )));
+        }
+        if let Some(&bad) = task.tokens.iter().find(|&&t| t as usize >= tokens) {
+            return Err(KernelError::Input(format!(
+                "expert task {index}: token {bad} out of range (batch of {tokens})"
+            )));
+        }
+        let uses_amx = scratch.isa == KernelIsa::Amx && count >= AMX_MIN_TOKENS;
+        let (task_amx_input, task_amx_act) = if uses_amx {
+            let slots = count.next_multiple_of(16);
+            let bases = (amx_input, amx_act);
+            amx_input += slots * scratch.input.amx_padded / 2;
+            amx_act += slots * scratch.act.amx_padded / 2;
+            (Some(bases.0), Some(bases.1))
+        } else {
+            (None, None)
+        };
+        scratch.tasks.push(TaskInfo {
+            gate_up: MatrixView::new(task.weights.gate_up, layout.gate_up)?,
+            down: MatrixView::new(task.weights.down, layout.down)?,
+            tokens: task.tokens.as_ptr(),
+            routing_weights: task.routing_weights.as_ptr(),
+            count,
+            first_slot: pairs,
+            amx_input: task_amx_input,
+            amx_act: task_amx_act,
+        });
+        pairs += count;
+    }
+    if pairs > scratch.capacity.max_pairs {
+        return Err(KernelError::ScratchTooSmall(format!(
+            "{pairs} (expert, token) pairs in one call, scratch holds {}",
+            scratch.capacity.max_pairs
+        )));
+    }
+    if pairs == 0 {
+        return Ok(());
+    }
+    let job = LayerJob {
+        isa: scratch.isa,
+        layout,
+        tasks: scratch.tasks.as_ptr(),
+        task_count: scratch.tasks.len(),
+        pairs,
+        hidden: hidden.as_ptr(),
+        output: output.as_mut_ptr(),
+        input: scratch.input.pointers(),
+        act: scratch.act.pointers(),
+        threads: scratch.thread_buffers.as_ptr(),
+    };
+    let gate_ptrs = GatePointers::of(scratch);
+    pool.run(&|context: &WorkerContext<'_>| {
+        // SAFETY: see LayerJob: every phase writes only this thread's share.
+        unsafe { job.run(context, &gate_ptrs) }
+    })
+}
+
+/// Per-thread SwiGLU buffers, indexed by pool thread.
+struct GatePointers {
+    gate: [*mut f32; MAX_THREADS],
+    up: [*mut f32; MAX_THREADS],
+}
+
+/// Most threads one pool may have (a fixed table avoids a per-call allocation).
+pub const MAX_THREADS: usize = 256;
+
+// SAFETY: thread i only uses entry i.
+unsafe impl Sync for GatePointers {}
+
+impl GatePointers {
+    fn of(scratch: &mut LayerScratch) -> GatePointers {
+        let mut pointers = GatePointers {
+            gate: [std::ptr::null_mut(); MAX_THREADS],
+            up: [std::ptr::null_mut(); MAX_THREADS],
+        };
+        for thread in 0..scratch.threads.min(MAX_THREADS) {
+            pointers.gate[thread] = scratch.gate[thread].as_mut_ptr();
+            pointers.up[thread] = scratch.up[thread].as_mut_ptr();
+        }
+        pointers
+    }
+}
+
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+impl LayerJob {
+    unsafe fn task(&self, index: usize) -> &TaskInfo {
+        &*self.tasks.add(index)
+    }
+
+    unsafe fn run(&self, context: &WorkerContext<'_>, gates: &GatePointers) {
+        let buffers = &*self.threads.add(context.index);
+        let h = self.layout.hidden;
+        let im = self.layout.intermediate;
+        let int4 = self.layout.dtype == crate::layout::WeightDType::Int4;
+
+        // Phase 0: input rows of (expert, token) pairs.
+        let mine = context.split(self.pairs);
+        for task_index in 0..self.task_count {
+            let task = self.task(task_index);
+            let start = mine.start.max(task.first_slot);
+            let end = mine.end.min(task.first_slot + task.count);
+            for slot in start..end {
+                let local = slot - task.first_slot;
+                let token = *task.tokens.add(local) as usize;
+                let row = std::slice::from_raw_parts(self.hidden.add(token * h), h);
+                for (group, values) in row.chunks(GROUP).enumerate() {
+                    self.input.write_group(slot, group, values);
+                    if let Some(base) = task.amx_input {
+                        self.input.write_amx(base, local, group, values, int4);
+                    }
+                }
+            }
+        }
+        context.barrier();
+
+        // Phase 1: gate/up rows + SwiGLU, per (expert, 32 intermediate features).
+        let units_per_task = im.div_ceil(GROUP);
+        let gate = gates.gate[context.index];
+        let up = gates.up[context.index];
+        for unit in context.split(self.task_count * units_per_task) {
+            let task = self.task(unit / units_per_task);
+            let chunk = unit % units_per_task;
+            let first = chunk * GROUP;
+            let rows = GROUP.min(im - first);
+            let mut t0 = 0;
+            while t0 < task.count {
+                let tokens = TOKEN_CHUNK.min(task.count - t0);
+                let input = InputRows {
+                    forms: self.input,
+                    first_slot: task.first_slot + t0,
+                    tokens,
+                    amx_base: task
+                        .amx_input
+                        .map(|base| base + (t0 / 16) * self.input.amx_padded / 2 * 16),
+                };
+                matmul_rows(self.isa, &task.gate_up, first, rows, &input, gate, GROUP, buffers);
+                matmul_rows(self.isa, &task.gate_up, im + first, rows, &input, up, GROUP, buffers);
+                for t in 0..tokens {
+                    let g = std::slice::from_raw_parts_mut(gate.add(t * GROUP), rows);
+                    let u = std::slice::from_raw_parts(up.add(t * GROUP), rows);
+                    for (gv, &uv) in g.iter_mut().zip(u) {
+                        *gv = silu(*gv) * uv;
+                    }
+                    self.act.write_group(task.first_slot + t0 + t, chunk, g);
+                    if let Some(base) = task.amx_act {
+                        self.act.write_amx(base, t0 + t, chunk, g, int4);
+                    }
+                }
+                t0 += tokens;
+            }
+        }
+        context.barrier();
+
+        // Phase 2: down rows, output features split in blocks of 16.
+        let blocks = split_range(h.div_ceil(ROW_BLOCK), context.index, context.count);
+        let y = gate;
+        for task_index in 0..self.task_count {
+            let task = self.task(task_index);
+            let mut t0 = 0;
+            while t0 < task.count {
+                let tokens = TOKEN_CHUNK.min(task.count - t0);
+                let input = InputRows {
+                    forms: self.act,
+                    first_slot: task.first_slot + t0,
+                    tokens,
+                    amx_base: task
+                        .amx_act
+                        .map(|base| base + (t0 / 16) * self.act.amx_padded / 2 * 16),
+                };
+                for block in blocks.clone() {
+                    let first = block * ROW_BLOCK;
+                    let rows = ROW_BLOCK.min(h - first);
+                    matmul_rows(self.isa, &task.down, first, rows, &input, y, ROW_BLOCK, buffers);
+                    for t in 0..tokens {
+                        let token = *task.tokens.add(t0 + t) as usize;
+                        let weight = *task.routing_weights.add(t0 + t);
+                        let destination = self.output.add(token * h + first);
+                        for r in 0..rows {
+                            *destination.add(r) += weight * *y.add(t * ROW_BLOCK + r);
+                        }
+                    }
+                }
+                t0 += tokens;
+            }
+        }
+    }
+}

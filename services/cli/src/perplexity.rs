@@ -32,16 +32,20 @@ pub struct PerplexityArgs {
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     if args.max_context < 2 {
-        bail!("--max-context must be at least 2 tokens, got {}", args.max_context);
+        bail!(
+            "--max-context must be at least 2 tokens, got {}",
+            args.max_context
+        );
     }
     let text = std::fs::read_to_string(&args.text_file)
         .with_context(|| format!("reading {}", args.text_file.display()))?;
     let started = Instant::now();
     let model = Model::open(Arc::new(CpuBackend::new()), &args.model)
         .with_context(|| format!("loading {}", args.model.display()))?;
-    let tokenizer_json = model.artifact().file("tokenizer.json").with_context(|| {
-        format!("{} has no embedded tokenizer.json", args.model.display())
-    })?;
+    let tokenizer_json = model
+        .artifact()
+        .file("tokenizer.json")
+        .with_context(|| format!("{} has no embedded tokenizer.json", args.model.display()))?;
     let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
         .map_err(|e| anyhow::anyhow!("{}: invalid tokenizer.json: {e}", args.model.display()))?;
     let encoding = tokenizer

@@ -15,6 +15,8 @@
 //! - [`prepare`]: activation forms the kernels read (f32, permuted f32, bf16, int8 + scales,
 //!   AMX tile packing).
 //! - `scalar`, `avx2`, `avx512`, `amx`: the row kernels of each path.
+//! - [`routed`]: one layer from router output (ids + weights per token) — the executor shared by
+//!   the engine's in-process path and the expert worker.
 //! - [`bench`]: read-bandwidth and expert-throughput measurements.
 //! - [`buffer`]: page-aligned, first-touch-parallel byte buffers for weights.
 
@@ -25,6 +27,7 @@ pub mod layer;
 pub mod layout;
 pub mod pool;
 pub mod prepare;
+pub mod routed;
 
 mod kernels;
 mod scalar;

@@ -263,6 +263,10 @@ impl<B: Backend> Model<B> {
 
     /// One forward over several sequences at once. Returns, per sequence, its logits
     /// (`[vocab]` for `Last`, `[new tokens · vocab]` for `All`).
+    ///
+    /// Input errors (too long, empty, unknown token) are found before any state changes, so the
+    /// sequences stay usable. An error from the expert executor mid-forward leaves the states of
+    /// this batch half-updated: their owners must drop them.
     pub fn forward(
         &self,
         batch: &mut [SequenceInput<'_, B>],

@@ -219,6 +219,57 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
                 "{name} prompt {index}: relative L2 {relative}"
             );
         }
+        // Prefill N−1 then decode one equals prefill N (GDN: chunked prefill, recurrent step).
+        let tokens = &reference.nll_token_ids;
+        let mut full = model.new_sequence(tokens.len());
+        let expected = model.prefill(&mut full, tokens).unwrap();
+        let mut stepped = model.new_sequence(tokens.len());
+        model
+            .prefill(&mut stepped, &tokens[..tokens.len() - 1])
+            .unwrap();
+        let decoded = model
+            .prefill(&mut stepped, &tokens[tokens.len() - 1..])
+            .unwrap();
+        let worst = expected
+            .iter()
+            .zip(&decoded)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        // Relative to the largest logit (~15 here, where one f32 ulp is ~1e-6).
+        let scale = expected.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+        println!(
+            "{name} f32: prefill {} + decode 1 vs prefill {}: max |Δlogit| = {worst:.3e} ({:.3e} of max |logit|)",
+            tokens.len() - 1,
+            tokens.len(),
+            worst / scale
+        );
+        assert!(
+            worst / scale < 1e-5,
+            "{name}: prefill/decode differ by {worst}"
+        );
+        // Both prompts prefilled in one batch give the logits each gives alone.
+        let mut states: Vec<_> = reference
+            .prompts
+            .iter()
+            .map(|p| model.new_sequence(p.tokens.len()))
+            .collect();
+        let mut batch: Vec<SequenceInput<'_, B>> = states
+            .iter_mut()
+            .zip(&reference.prompts)
+            .map(|(state, p)| SequenceInput {
+                state,
+                tokens: &p.tokens,
+            })
+            .collect();
+        let batched = model.forward(&mut batch, LogitsSelection::Last).unwrap();
+        for (prompt, logits) in reference.prompts.iter().zip(&batched) {
+            let mut state = model.new_sequence(prompt.tokens.len());
+            let alone = model.prefill(&mut state, &prompt.tokens).unwrap();
+            assert_eq!(
+                &alone, logits,
+                "{name}: batched prefill differs from prefill alone"
+            );
+        }
         let greedy = greedy_batched(&model, &reference.prompts);
         for (index, (prompt, ours)) in reference.prompts.iter().zip(&greedy).enumerate() {
             // Accept references that store the continuation alone or prompt + continuation.

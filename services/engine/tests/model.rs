@@ -304,3 +304,89 @@ fn perplexity_windows_do_not_overlap<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(perplexity_windows_do_not_overlap);
+
+/// The in-process expert executor equals a plain loop over fully dequantized experts (decoded by
+/// `ninfer-artifact`'s own `to_f32_vec`), for every expert dtype.
+#[test]
+fn cpu_expert_executor_matches_dequantized_loop() {
+    use ninfer_engine::{CpuExpertExecutor, ExpertBatch, ExpertExecutor};
+    let directory = tempfile::tempdir().unwrap();
+    for dtype in [DType::F32, DType::Bf16, DType::Int8, DType::Int4] {
+        let path = directory.path().join(format!("experts-{dtype}.ninfer"));
+        let options = TinyModelOptions {
+            experts_dtype: dtype,
+            ..TinyModelOptions::new(TinyArchitecture::Qwen3Moe)
+        };
+        let config = write_tiny_model(&path, options).unwrap();
+        let common = config.common();
+        let (hidden, intermediate) = (common.hidden_size, common.moe_intermediate_size);
+        let artifact = ninfer_engine::open_artifact(&path).unwrap();
+        let bank = artifact
+            .expert_bank("layers.2.moe.experts")
+            .unwrap()
+            .clone();
+        let tokens = 5;
+        let k = 3;
+        let x: Vec<f32> = (0..tokens * hidden)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
+        let ids: Vec<u32> = (0..tokens * k)
+            .map(|i| ((i * 5 + i / k) % 8) as u32)
+            .collect();
+        let weights: Vec<f32> = (0..tokens * k)
+            .map(|i| 0.1 + (i % 4) as f32 * 0.2)
+            .collect();
+        let executor = CpuExpertExecutor::new(Arc::clone(&artifact));
+        let mut out = vec![0.0f32; tokens * hidden];
+        executor
+            .compute(
+                &ExpertBatch {
+                    layer: 2,
+                    bank: &bank,
+                    hidden_size: hidden,
+                    intermediate_size: intermediate,
+                    hidden: &x,
+                    experts_per_token: k,
+                    expert_ids: &ids,
+                    weights: &weights,
+                },
+                &mut out,
+            )
+            .unwrap();
+        let silu = |v: f32| v / (1.0 + (-v).exp());
+        let mut worst = 0.0f32;
+        for t in 0..tokens {
+            let mut expected = vec![0.0f32; hidden];
+            for j in 0..k {
+                let e = ids[t * k + j];
+                let gate_up = artifact
+                    .tensor(&format!("layers.2.moe.experts.{e}.gate_up"))
+                    .unwrap()
+                    .to_f32_vec();
+                let down = artifact
+                    .tensor(&format!("layers.2.moe.experts.{e}.down"))
+                    .unwrap()
+                    .to_f32_vec();
+                let xt = &x[t * hidden..(t + 1) * hidden];
+                let row = |r: usize| -> f32 {
+                    (0..hidden).map(|c| gate_up[r * hidden + c] * xt[c]).sum()
+                };
+                let activated: Vec<f32> = (0..intermediate)
+                    .map(|i| silu(row(i)) * row(intermediate + i))
+                    .collect();
+                for (o, value) in expected.iter_mut().enumerate() {
+                    let y: f32 = (0..intermediate)
+                        .map(|i| down[o * intermediate + i] * activated[i])
+                        .sum();
+                    *value += weights[t * k + j] * y;
+                }
+            }
+            worst = worst.max(max_abs_difference(
+                &expected,
+                &out[t * hidden..(t + 1) * hidden],
+            ));
+        }
+        println!("expert executor vs dequantized loop, {dtype}: max |Δ| = {worst:.2e}");
+        assert!(worst < 1e-5, "{dtype}: {worst}");
+    }
+}

@@ -144,7 +144,12 @@ impl<'a> WeightMatrix<'a> {
                 .collect();
             handles
                 .into_iter()
-                .map(|handle| handle.join().unwrap_or_default())
+                // A panicking worker is a bug in this file: re-raise it rather than return zeros.
+                .map(|handle| {
+                    handle
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                })
                 .collect()
         });
         for (&(start, end), block) in ranges.iter().zip(&blocks) {
@@ -222,20 +227,32 @@ pub fn worker_threads() -> usize {
         })
 }
 
-/// A weight of the artifact held by name: the artifact stays mapped as long as any handle lives.
+/// A validated weight of the artifact: the artifact stays mapped as long as any handle lives,
+/// and the matrix view is rebuilt from the stored range without a lookup.
 #[derive(Clone)]
 pub struct StoredWeight {
     artifact: Arc<Artifact>,
     name: String,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    layout: Option<QuantizedLayout>,
+    range: std::ops::Range<usize>,
 }
 
 impl StoredWeight {
     pub fn new(artifact: &Arc<Artifact>, name: &str) -> Result<Self, EngineError> {
         let view = artifact.tensor(name)?;
-        WeightMatrix::from_view(&view)?;
+        let matrix = WeightMatrix::from_view(&view)?;
+        let start = view.entry.offset as usize;
         Ok(StoredWeight {
             artifact: Arc::clone(artifact),
             name: name.to_string(),
+            dtype: matrix.dtype,
+            rows: matrix.rows,
+            cols: matrix.cols,
+            layout: matrix.layout,
+            range: start..start + view.bytes.len(),
         })
     }
 
@@ -243,9 +260,56 @@ impl StoredWeight {
         &self.name
     }
 
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
     /// The matrix view (validated at construction).
-    pub fn matrix(&self) -> Result<WeightMatrix<'_>, EngineError> {
-        let view = self.artifact.tensor(&self.name)?;
-        WeightMatrix::from_view(&view)
+    pub fn matrix(&self) -> WeightMatrix<'_> {
+        WeightMatrix {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            bytes: &self.artifact.bytes()[self.range.clone()],
+            layout: self.layout,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The threaded path (large products) equals a plain triple loop.
+    #[test]
+    fn threaded_matmul_equals_plain_loop() {
+        let (rows, cols, tokens) = (300, 64, 256);
+        assert!(rows * cols * tokens >= PARALLEL_WORK_THRESHOLD);
+        let weights: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0) - 0.5)
+            .collect();
+        let bytes = ninfer_artifact::quant::f32_to_bytes(&weights);
+        let matrix = WeightMatrix {
+            dtype: DType::F32,
+            rows,
+            cols,
+            bytes: &bytes,
+            layout: None,
+        };
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i * 104729 % 997) as f32 / 997.0) - 0.5)
+            .collect();
+        let mut out = vec![0.0f32; tokens * rows];
+        matrix.matmul(&x, tokens, &mut out);
+        let mut worst = 0.0f32;
+        for t in 0..tokens {
+            for r in 0..rows {
+                let expected: f32 = (0..cols)
+                    .map(|c| x[t * cols + c] * weights[r * cols + c])
+                    .sum();
+                worst = worst.max((expected - out[t * rows + r]).abs());
+            }
+        }
+        assert!(worst < 1e-5, "{worst}");
     }
 }

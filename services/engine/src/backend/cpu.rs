@@ -328,10 +328,7 @@ impl Backend for CpuBackend {
 
     fn load_matrix(&self, artifact: &Arc<Artifact>, name: &str) -> Result<CpuWeight, EngineError> {
         let stored = StoredWeight::new(artifact, name)?;
-        let (rows, cols) = {
-            let matrix = stored.matrix()?;
-            (matrix.rows, matrix.cols)
-        };
+        let (rows, cols) = stored.shape();
         Ok(CpuWeight {
             stored: Some(stored),
             rows,
@@ -346,10 +343,8 @@ impl Backend for CpuBackend {
         name: &str,
     ) -> Result<CpuWeight, EngineError> {
         let stored = StoredWeight::new(artifact, name)?;
-        let (rows, cols, values) = {
-            let matrix = stored.matrix()?;
-            (matrix.rows, matrix.cols, matrix.to_f32_vec())
-        };
+        let (rows, cols) = stored.shape();
+        let values = stored.matrix().to_f32_vec();
         Ok(CpuWeight {
             stored: Some(stored),
             rows,
@@ -426,7 +421,7 @@ impl Backend for CpuBackend {
 
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
         let mut out = CpuTensor::zeros(ids.len(), table.cols);
-        if let Some(Ok(matrix)) = table.stored.as_ref().map(StoredWeight::matrix) {
+        if let Some(matrix) = table.stored.as_ref().map(StoredWeight::matrix) {
             for (row, &id) in ids.iter().enumerate() {
                 // Ids are checked against the vocabulary by the model before any op runs.
                 if (id as usize) < matrix.rows {
@@ -439,7 +434,7 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &CpuTensor, weight: &CpuWeight) -> CpuTensor {
         let mut out = CpuTensor::zeros(x.rows, weight.rows);
-        if let Some(Ok(matrix)) = weight.stored.as_ref().map(StoredWeight::matrix) {
+        if let Some(matrix) = weight.stored.as_ref().map(StoredWeight::matrix) {
             matmul_into(&matrix, x, &mut out);
         }
         out

@@ -200,6 +200,9 @@ pub fn apply_penalties(logits: &mut [f32], history: &[u32], params: &SamplingPar
 /// The candidates left after temperature, top-k, top-p and min-p, with renormalised
 /// probabilities, most likely first.
 pub fn filtered_distribution(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
+    if logits.is_empty() {
+        return Vec::new();
+    }
     let temperature = params.temperature.max(1e-6) as f64;
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     order.sort_by(|&a, &b| {

@@ -342,6 +342,12 @@ impl Artifact {
         &self.header.model
     }
 
+    /// Identity of the model: XXH3-64 of the header, as 16 hex digits. Two artifacts with the
+    /// same tensors, config and files have the same id; any difference changes it.
+    pub fn model_id(&self) -> String {
+        self.preamble.header_checksum.to_string()
+    }
+
     pub fn total_length(&self) -> u64 {
         self.preamble.total_length
     }

@@ -553,7 +553,8 @@ pub struct RequestView<'a> {
 /// The worker's end: attaches to a segment the engine created.
 pub struct WorkerChannel {
     mapping: Mapping,
-    next_slot: u32,
+    /// Where the next scan starts (round robin); only the serving thread moves it.
+    next_slot: AtomicU32,
 }
 
 impl WorkerChannel {
@@ -608,7 +609,7 @@ impl WorkerChannel {
         header.attach_generation.fetch_add(1, Ordering::AcqRel);
         Ok(WorkerChannel {
             mapping,
-            next_slot: 0,
+            next_slot: AtomicU32::new(0),
         })
     }
 
@@ -635,13 +636,14 @@ impl WorkerChannel {
     }
 
     /// The next posted request, in slot order, waiting at most `timeout` (spin, then futex).
-    pub fn next_request(&mut self, timeout: Duration) -> Option<RequestView<'_>> {
+    pub fn next_request(&self, timeout: Duration) -> Option<RequestView<'_>> {
         let segment = self.mapping.header();
         let slots = self.mapping.geometry.slot_count;
         let started = Instant::now();
         let slot = 'found: loop {
+            let start = self.next_slot.load(Ordering::Relaxed);
             for offset in 0..slots {
-                let slot = (self.next_slot + offset) % slots;
+                let slot = (start + offset) % slots;
                 if self.pending(slot) {
                     break 'found slot;
                 }
@@ -665,7 +667,7 @@ impl WorkerChannel {
             }
             segment.worker_sleeping.store(0, Ordering::SeqCst);
         };
-        self.next_slot = (slot + 1) % slots;
+        self.next_slot.store((slot + 1) % slots, Ordering::Relaxed);
         let geometry = self.mapping.geometry;
         // SAFETY: the request is published (Acquire in `pending`); the engine will not write this
         // slot again until we answer it. Counts are clamped to the slot's capacity here, so the
@@ -765,7 +767,7 @@ mod tests {
         let engine = EngineChannel::create(&unique_name("rt"), geometry).unwrap();
         let name = engine.name().to_string();
         let worker = std::thread::spawn(move || {
-            let mut channel = WorkerChannel::attach(&name, 8).unwrap();
+            let channel = WorkerChannel::attach(&name, 8).unwrap();
             for _ in 0..20 {
                 let request = channel.next_request(Duration::from_secs(5)).unwrap();
                 let (slot, hidden) = (request.slot, request.hidden.to_vec());
@@ -826,7 +828,7 @@ mod tests {
             },
         );
         assert!(matches!(too_big, Err(ChannelError::RequestTooLarge(_))));
-        let mut worker = WorkerChannel::attach(engine.name(), 4).unwrap();
+        let worker = WorkerChannel::attach(engine.name(), 4).unwrap();
         let sequence = engine.corrupt_request_for_tests(0, 1_000_000, 7, 99);
         let request = worker.next_request(Duration::from_secs(1)).unwrap();
         assert_eq!((request.token_count, request.top_k), (1_000_000, 7));

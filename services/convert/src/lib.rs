@@ -160,6 +160,9 @@ pub fn convert_checkpoint(
     if let Some(tokenizer) = &side.tokenizer_json {
         writer.add_file("tokenizer.json", tokenizer)?;
     }
+    if let Some(config) = &side.tokenizer_config_json {
+        writer.add_file("tokenizer_config.json", config)?;
+    }
     if let Some(template) = &side.chat_template {
         writer.add_file("chat_template.jinja", template.as_bytes())?;
     }

@@ -10,6 +10,8 @@ use crate::ConvertProgress;
 
 pub struct SideFiles {
     pub tokenizer_json: Option<Vec<u8>>,
+    /// `tokenizer_config.json` as is (special-token strings the chat template reads).
+    pub tokenizer_config_json: Option<Vec<u8>>,
     pub chat_template: Option<String>,
     pub generation: GenerationDefaults,
 }
@@ -120,8 +122,10 @@ pub fn read_side_files(
         repetition_penalty: float("repetition_penalty"),
         do_sample: generation_config.get("do_sample").and_then(|v| v.as_bool()),
     };
+    let tokenizer_config_json = tokenizer_config.as_ref().and_then(|c| serde_json::to_vec(c).ok());
     Ok(SideFiles {
         tokenizer_json,
+        tokenizer_config_json,
         chat_template,
         generation,
     })

@@ -1,0 +1,391 @@
+//! The serving thread: owns the expert compute (pinned pool + scratch) and the attached channel,
+//! answers channel requests in slot order, and refuses malformed ones with a reason instead of
+//! crashing. A heartbeat thread bumps the channel's liveness word so the engine can tell a busy
+//! worker from a dead or stopped one.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use ninfer_artifact::Artifact;
+use ninfer_channel::{WorkerChannel, NO_EXPERT};
+use ninfer_expert_kernels::routed::{BankView, RoutedExpertComputer};
+use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool, WeightDType};
+use ninfer_protocol::v1::WorkerStatistics;
+
+/// One MoE layer's bank inside the artifact mapping.
+#[derive(Debug, Clone, Copy)]
+struct Bank {
+    offset: usize,
+    length: usize,
+}
+
+/// What the worker computes with.
+pub struct WorkerModel {
+    artifact: Arc<Artifact>,
+    banks: Vec<Option<Bank>>,
+    owned: Range<usize>,
+    hidden_size: usize,
+    top_k: usize,
+    computer: RoutedExpertComputer,
+    banks_locked: bool,
+}
+
+impl WorkerModel {
+    pub fn load(
+        artifact: Arc<Artifact>,
+        owned: Range<usize>,
+        threads: usize,
+        cpus: &[usize],
+        isa: KernelIsa,
+        max_tokens: usize,
+    ) -> anyhow::Result<Self> {
+        let common = artifact.config().common().clone();
+        let mut banks = Vec::with_capacity(common.num_hidden_layers);
+        let mut layout: Option<ExpertLayout> = None;
+        for layer in 0..common.num_hidden_layers {
+            if !common.moe_layers[layer] {
+                banks.push(None);
+                continue;
+            }
+            let prefix = format!("layers.{layer}.moe.experts");
+            let bank = artifact.expert_bank(&prefix).ok_or_else(|| {
+                anyhow!("{}: no expert bank `{prefix}`", artifact.path().display())
+            })?;
+            let bank_layout = ExpertLayout::new(
+                WeightDType::from_artifact(bank.dtype),
+                common.hidden_size,
+                common.moe_intermediate_size,
+            )?;
+            if bank_layout.stride as u64 != bank.expert_stride {
+                anyhow::bail!(
+                    "{}: bank `{prefix}` has stride {}, the kernels expect {}",
+                    artifact.path().display(),
+                    bank.expert_stride,
+                    bank_layout.stride
+                );
+            }
+            layout = Some(bank_layout);
+            banks.push(Some(Bank {
+                offset: bank.offset as usize,
+                length: (bank.num_experts * bank.expert_stride) as usize,
+            }));
+        }
+        let layout = layout
+            .ok_or_else(|| anyhow!("{}: the model has no MoE layer", artifact.path().display()))?;
+        let banks_locked = lock_owned_experts(&artifact, &banks, &owned, layout.stride);
+        let pool =
+            ThreadPool::new(threads, cpus, true).context("starting the expert thread pool")?;
+        let computer = RoutedExpertComputer::new(
+            pool,
+            layout,
+            isa,
+            common.num_experts,
+            max_tokens,
+            common.num_experts_per_tok,
+        )
+        .context("preparing the expert kernels")?;
+        Ok(WorkerModel {
+            artifact,
+            banks,
+            owned,
+            hidden_size: common.hidden_size,
+            top_k: common.num_experts_per_tok,
+            computer,
+            banks_locked,
+        })
+    }
+
+    /// Checks a request against the model and this worker's share; `Err` is sent back to the engine.
+    fn compute(
+        &mut self,
+        layer: u32,
+        token_count: u32,
+        top_k: u32,
+        ids: &[u32],
+        weights: &[f32],
+        hidden: &[f32],
+        output: &mut [f32],
+    ) -> Result<u64, String> {
+        let bank = match self.banks.get(layer as usize) {
+            Some(Some(bank)) => *bank,
+            Some(None) => return Err(format!("layer {layer} is not a MoE layer")),
+            None => {
+                return Err(format!(
+                    "layer {layer} does not exist (the model has {})",
+                    self.banks.len()
+                ))
+            }
+        };
+        let (tokens, k) = (token_count as usize, top_k as usize);
+        if k == 0 || k > self.top_k {
+            return Err(format!("top-k {top_k} is outside 1..={}", self.top_k));
+        }
+        if ids.len() != tokens * k
+            || hidden.len() != tokens * self.hidden_size
+            || output.len() < tokens * self.hidden_size
+        {
+            return Err(format!(
+                "token count {token_count} × top-k {top_k} does not fit the channel slot"
+            ));
+        }
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&id| id != NO_EXPERT && !self.owned.contains(&(id as usize)))
+        {
+            return Err(format!(
+                "expert id {bad} is not owned by this worker (it owns {}..{})",
+                self.owned.start, self.owned.end
+            ));
+        }
+        let bytes = &self.artifact.bytes()[bank.offset..bank.offset + bank.length];
+        let view = BankView {
+            bytes,
+            num_experts: bank.length / self.computer.layout().stride,
+        };
+        self.computer
+            .compute(
+                view,
+                hidden,
+                tokens,
+                k,
+                ids,
+                weights,
+                &mut output[..tokens * self.hidden_size],
+            )
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// `mlock`s the owned experts of every bank; says once, with the fix, when the limit forbids it.
+fn lock_owned_experts(
+    artifact: &Artifact,
+    banks: &[Option<Bank>],
+    owned: &Range<usize>,
+    stride: usize,
+) -> bool {
+    let all = artifact.bytes();
+    for bank in banks.iter().flatten() {
+        let start = bank.offset + owned.start * stride;
+        let end = (bank.offset + owned.end * stride).min(bank.offset + bank.length);
+        let range = &all[start..end];
+        // SAFETY: mlock only pins pages of our own live mapping; it does not change them.
+        let locked =
+            unsafe { nix::sys::mman::mlock(std::ptr::NonNull::from(range).cast(), range.len()) };
+        if let Err(error) = locked {
+            tracing::warn!(
+                "cannot lock the expert banks in RAM ({error}); running unlocked. Raise the limit: \
+                 `LimitMEMLOCK=infinity` in the systemd unit, or `ulimit -l unlimited` in the shell"
+            );
+            return false;
+        }
+    }
+    true
+}
+
+#[derive(Default)]
+struct Counters {
+    batches: AtomicU64,
+    tokens: AtomicU64,
+    bytes: AtomicU64,
+    busy_microseconds: AtomicU64,
+}
+
+enum Command {
+    Attach(String, tokio::sync::oneshot::Sender<anyhow::Result<()>>),
+    Drain(tokio::sync::oneshot::Sender<()>),
+}
+
+/// The gRPC side's handle on the serving thread.
+pub struct ServingHandle {
+    commands: Mutex<mpsc::Sender<Command>>,
+    counters: Arc<Counters>,
+    banks_locked: bool,
+}
+
+impl ServingHandle {
+    pub async fn attach(&self, name: String) -> anyhow::Result<()> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Command::Attach(name, reply))?;
+        answer
+            .await
+            .map_err(|_| anyhow!("the serving thread stopped"))?
+    }
+
+    pub async fn drain(&self) {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        if self.send(Command::Drain(reply)).is_ok() {
+            let _ = answer.await;
+        }
+    }
+
+    fn send(&self, command: Command) -> anyhow::Result<()> {
+        let sender = self
+            .commands
+            .lock()
+            .map_err(|_| anyhow!("serving handle poisoned"))?;
+        sender
+            .send(command)
+            .map_err(|_| anyhow!("the serving thread stopped"))
+    }
+
+    pub fn banks_locked(&self) -> bool {
+        self.banks_locked
+    }
+
+    pub fn statistics(&self) -> WorkerStatistics {
+        WorkerStatistics {
+            batches_computed: self.counters.batches.load(Ordering::Relaxed),
+            tokens_computed: self.counters.tokens.load(Ordering::Relaxed),
+            expert_bytes_streamed: self.counters.bytes.load(Ordering::Relaxed),
+            busy_microseconds: self.counters.busy_microseconds.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Starts the serving and heartbeat threads.
+pub fn start(model: WorkerModel) -> ServingHandle {
+    let (sender, receiver) = mpsc::channel();
+    let counters = Arc::new(Counters::default());
+    let banks_locked = model.banks_locked;
+    let attached: Arc<Mutex<Option<Arc<WorkerChannel>>>> = Arc::new(Mutex::new(None));
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let attached = Arc::clone(&attached);
+        let stop = Arc::clone(&stop);
+        std::thread::Builder::new()
+            .name("ninfer-heartbeat".into())
+            .spawn(move || heartbeat_loop(&attached, &stop))
+            .ok();
+    }
+    let thread_counters = Arc::clone(&counters);
+    let spawned = std::thread::Builder::new()
+        .name("ninfer-serving".into())
+        .spawn(move || serving_loop(model, &receiver, &thread_counters, &attached, &stop));
+    if let Err(error) = spawned {
+        tracing::error!("cannot start the serving thread: {error}");
+    }
+    ServingHandle {
+        commands: Mutex::new(sender),
+        counters,
+        banks_locked,
+    }
+}
+
+fn heartbeat_loop(attached: &Mutex<Option<Arc<WorkerChannel>>>, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        let channel = attached.lock().ok().and_then(|guard| guard.clone());
+        if let Some(channel) = channel {
+            channel.beat();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn serving_loop(
+    mut model: WorkerModel,
+    commands: &mpsc::Receiver<Command>,
+    counters: &Counters,
+    attached: &Mutex<Option<Arc<WorkerChannel>>>,
+    stop: &AtomicBool,
+) {
+    let mut channel: Option<Arc<WorkerChannel>> = None;
+    loop {
+        let command = if channel.is_some() {
+            commands.try_recv().ok()
+        } else {
+            match commands.recv_timeout(Duration::from_millis(100)) {
+                Ok(command) => Some(command),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        };
+        match command {
+            Some(Command::Attach(name, reply)) => {
+                if channel.as_ref().is_some_and(|c| c.name() == name) {
+                    let _ = reply.send(Ok(()));
+                    continue;
+                }
+                match WorkerChannel::attach(&name, model.hidden_size as u32) {
+                    Ok(new_channel) => {
+                        let new_channel = Arc::new(new_channel);
+                        tracing::info!(channel = %name, "attached to the engine's activation channel");
+                        if let Ok(mut slot) = attached.lock() {
+                            *slot = Some(Arc::clone(&new_channel));
+                        }
+                        channel = Some(new_channel);
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err(error) => {
+                        let _ = reply.send(Err(anyhow!(error)));
+                    }
+                }
+            }
+            Some(Command::Drain(reply)) => {
+                // Requests already posted are answered by the loop before we detach: the engine
+                // only drains a worker it stopped sending to.
+                if let Some(current) = channel.take() {
+                    while let Some(request) = current.next_request(Duration::from_millis(1)) {
+                        let slot = request.slot;
+                        current.complete(slot, Err("worker is draining"));
+                    }
+                }
+                if let Ok(mut slot) = attached.lock() {
+                    *slot = None;
+                }
+                tracing::info!("drained: detached from the activation channel");
+                let _ = reply.send(());
+            }
+            None => {}
+        }
+        if let Some(current) = &channel {
+            serve_one(&mut model, current, counters);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+}
+
+fn serve_one(model: &mut WorkerModel, channel: &WorkerChannel, counters: &Counters) {
+    let Some(request) = channel.next_request(Duration::from_millis(20)) else {
+        return;
+    };
+    let started = Instant::now();
+    let slot = request.slot;
+    let (layer, token_count, top_k) = (request.layer, request.token_count, request.top_k);
+    // SAFETY: between next_request and complete for this slot; the output area is disjoint from
+    // the request areas the view borrows.
+    let output = unsafe { channel.output_mut(slot) };
+    let result = model.compute(
+        layer,
+        token_count,
+        top_k,
+        request.expert_ids,
+        request.routing_weights,
+        request.hidden,
+        output,
+    );
+    match result {
+        Ok(bytes) => {
+            counters.batches.fetch_add(1, Ordering::Relaxed);
+            counters
+                .tokens
+                .fetch_add(token_count as u64, Ordering::Relaxed);
+            counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+            counters
+                .busy_microseconds
+                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+            channel.complete(slot, Ok(()));
+        }
+        Err(problem) => {
+            tracing::warn!(
+                layer,
+                token_count,
+                top_k,
+                "refused a channel request: {problem}"
+            );
+            channel.complete(slot, Err(&problem));
+        }
+    }
+}

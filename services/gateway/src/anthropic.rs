@@ -1,0 +1,509 @@
+//! The Anthropic-compatible API: `POST /v1/messages` and `/v1/messages/count_tokens`.
+//!
+//! Owns: Anthropic request/response shapes (system prompt, content blocks, `thinking`,
+//! `tool_use`/`tool_result`, `stop_sequences`), their mapping to the chat template and
+//! [`SamplingOptions`], the exact streaming event sequence (`message_start`, `ping`,
+//! `content_block_start`/`content_block_delta`/`content_block_stop`, `message_delta`,
+//! `message_stop`) and Anthropic error envelopes.
+//! Must not touch: engine selection, stop-string or detokenization logic (see `generation`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value as JsonValue};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::chat_template::ChatTemplateInput;
+use crate::error::{ApiDialect, GatewayError};
+use crate::generation::{
+    build_chat_prompt, collect_generation, reasoning_start_for_prompt, start_generation,
+    token_count_parameter, FinishKind, GenerationEvent, GenerationPlan, GenerationSummary,
+    SamplingOptions,
+};
+use crate::server::{parse_json_body, GatewayState};
+
+/// A string, or a list of content blocks.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum AnthropicContent {
+    Text(String),
+    Blocks(Vec<ContentBlock>),
+}
+
+/// Any content block; which fields matter depends on `type`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentBlock {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    pub thinking: Option<String>,
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub input: Option<minijinja::Value>,
+    #[serde(default)]
+    pub tool_use_id: Option<String>,
+    #[serde(default)]
+    pub content: Option<Box<AnthropicContent>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct AnthropicMessage {
+    pub role: String,
+    pub content: AnthropicContent,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ThinkingConfig {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub budget_tokens: Option<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct AnthropicTool {
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    #[serde(default)]
+    pub input_schema: Option<minijinja::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MessagesRequest {
+    pub model: String,
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    pub messages: Vec<AnthropicMessage>,
+    #[serde(default)]
+    pub system: Option<AnthropicContent>,
+    #[serde(default)]
+    pub stop_sequences: Option<Vec<String>>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub thinking: Option<ThinkingConfig>,
+    #[serde(default)]
+    pub tools: Option<Vec<AnthropicTool>>,
+}
+
+fn anthropic_error(error: GatewayError) -> Response {
+    error.into_response_for(ApiDialect::Anthropic)
+}
+
+/// Concatenated text of blocks of type `text` (and of a plain string).
+fn plain_text(content: &AnthropicContent, where_: &str) -> Result<String, GatewayError> {
+    match content {
+        AnthropicContent::Text(text) => Ok(text.clone()),
+        AnthropicContent::Blocks(blocks) => {
+            let mut text = String::new();
+            for block in blocks {
+                match block.kind.as_str() {
+                    "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
+                    other => {
+                        return Err(GatewayError::invalid(format!(
+                            "{where_}: content blocks of type `{other}` are not supported here"
+                        )))
+                    }
+                }
+            }
+            Ok(text)
+        }
+    }
+}
+
+fn message_value(fields: Vec<(&str, minijinja::Value)>) -> minijinja::Value {
+    minijinja::Value::from_iter(fields)
+}
+
+/// Maps an Anthropic conversation onto the chat template's OpenAI-style messages.
+fn template_input(request: &MessagesRequest) -> Result<ChatTemplateInput, GatewayError> {
+    if request.messages.is_empty() {
+        return Err(GatewayError::invalid(
+            "messages: at least one message is required",
+        ));
+    }
+    let mut messages = Vec::new();
+    if let Some(system) = &request.system {
+        let text = plain_text(system, "system")?;
+        messages.push(message_value(vec![
+            ("role", "system".into()),
+            ("content", text.into()),
+        ]));
+    }
+    for (index, message) in request.messages.iter().enumerate() {
+        let where_ = format!("messages.{index}");
+        match message.role.as_str() {
+            "user" => match &message.content {
+                AnthropicContent::Text(text) => {
+                    messages.push(message_value(vec![
+                        ("role", "user".into()),
+                        ("content", text.as_str().into()),
+                    ]));
+                }
+                AnthropicContent::Blocks(blocks) => {
+                    let mut text = String::new();
+                    for block in blocks {
+                        match block.kind.as_str() {
+                            "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
+                            // Tool results become `tool` messages, as the Qwen template expects.
+                            "tool_result" => {
+                                let result = match &block.content {
+                                    Some(content) => plain_text(content, &where_)?,
+                                    None => String::new(),
+                                };
+                                let mut fields = vec![("role", minijinja::Value::from("tool")), ("content", result.into())];
+                                if let Some(id) = &block.tool_use_id {
+                                    fields.push(("tool_call_id", id.as_str().into()));
+                                }
+                                messages.push(message_value(fields));
+                            }
+                            other => {
+                                return Err(GatewayError::invalid(format!(
+                                    "{where_}: content blocks of type `{other}` are not supported in user messages"
+                                )))
+                            }
+                        }
+                    }
+                    if !text.is_empty() {
+                        messages.push(message_value(vec![
+                            ("role", "user".into()),
+                            ("content", text.into()),
+                        ]));
+                    }
+                }
+            },
+            "assistant" => {
+                let mut text = String::new();
+                let mut reasoning: Option<String> = None;
+                let mut tool_calls = Vec::new();
+                match &message.content {
+                    AnthropicContent::Text(content) => text.push_str(content),
+                    AnthropicContent::Blocks(blocks) => {
+                        for block in blocks {
+                            match block.kind.as_str() {
+                                "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
+                                "thinking" => reasoning.get_or_insert_with(String::new).push_str(block.thinking.as_deref().unwrap_or_default()),
+                                "redacted_thinking" => {}
+                                "tool_use" => {
+                                    let arguments = block.input.clone().unwrap_or_else(|| minijinja::Value::from_iter(Vec::<(String, minijinja::Value)>::new()));
+                                    let function = message_value(vec![
+                                        ("name", block.name.clone().unwrap_or_default().into()),
+                                        ("arguments", arguments),
+                                    ]);
+                                    let mut call = vec![("type", minijinja::Value::from("function")), ("function", function)];
+                                    if let Some(id) = &block.id {
+                                        call.insert(0, ("id", id.as_str().into()));
+                                    }
+                                    tool_calls.push(message_value(call));
+                                }
+                                other => {
+                                    return Err(GatewayError::invalid(format!(
+                                        "{where_}: content blocks of type `{other}` are not supported in assistant messages"
+                                    )))
+                                }
+                            }
+                        }
+                    }
+                }
+                let mut fields = vec![
+                    ("role", minijinja::Value::from("assistant")),
+                    ("content", text.into()),
+                ];
+                if let Some(reasoning) = reasoning {
+                    fields.push(("reasoning_content", reasoning.into()));
+                }
+                if !tool_calls.is_empty() {
+                    fields.push(("tool_calls", minijinja::Value::from(tool_calls)));
+                }
+                messages.push(message_value(fields));
+            }
+            other => {
+                return Err(GatewayError::invalid(format!(
+                    "{where_}.role: `{other}` is not one of user, assistant"
+                )))
+            }
+        }
+    }
+    let tools = request
+        .tools
+        .as_ref()
+        .filter(|tools| !tools.is_empty())
+        .map(|tools| {
+            tools
+                .iter()
+                .map(|tool| {
+                    let mut function = vec![("name", minijinja::Value::from(tool.name.as_str()))];
+                    if let Some(description) = &tool.description {
+                        function.push(("description", description.as_str().into()));
+                    }
+                    if let Some(schema) = &tool.input_schema {
+                        function.push(("parameters", schema.clone()));
+                    }
+                    message_value(vec![
+                        ("type", "function".into()),
+                        ("function", message_value(function)),
+                    ])
+                })
+                .collect()
+        });
+    // Anthropic's default is no extended thinking; `thinking: {type: enabled}` turns it on.
+    let thinking_enabled = request
+        .thinking
+        .as_ref()
+        .is_some_and(|thinking| thinking.kind == "enabled");
+    Ok(ChatTemplateInput {
+        messages,
+        tools,
+        add_generation_prompt: true,
+        extra_variables: vec![(
+            "enable_thinking".to_string(),
+            minijinja::Value::from(thinking_enabled),
+        )],
+        special_tokens: Vec::new(),
+    })
+}
+
+fn stop_reason_text(summary: &GenerationSummary) -> &'static str {
+    match (summary.finish, &summary.matched_stop) {
+        (FinishKind::Stop, Some(_)) => "stop_sequence",
+        (FinishKind::Stop, None) => "end_turn",
+        (FinishKind::Length, _) => "max_tokens",
+        (FinishKind::Cancelled, _) => "end_turn",
+    }
+}
+
+/// `POST /v1/messages`.
+pub async fn messages(
+    State(state): State<Arc<GatewayState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match messages_inner(state, body).await {
+        Ok(response) => response,
+        Err(error) => anthropic_error(error),
+    }
+}
+
+async fn messages_inner(
+    state: Arc<GatewayState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, GatewayError> {
+    let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+    let model = state.backend.snapshot().resolve_model(&request.model)?;
+    let max_tokens = token_count_parameter("max_tokens", request.max_tokens)?.ok_or_else(|| {
+        GatewayError::invalid_parameter("max_tokens", "max_tokens: Field required")
+    })?;
+    let top_k = match request.top_k {
+        None => None,
+        Some(k) if k < 0 => {
+            return Err(GatewayError::invalid_parameter(
+                "top_k",
+                format!("top_k: must be non-negative, got {k}"),
+            ))
+        }
+        Some(k) => Some(
+            u32::try_from(k)
+                .map_err(|_| GatewayError::invalid_parameter("top_k", "top_k: too large"))?,
+        ),
+    };
+    let options = SamplingOptions {
+        temperature: request.temperature,
+        top_p: request.top_p,
+        top_k,
+        max_tokens: Some(max_tokens),
+        stop: request.stop_sequences.clone().unwrap_or_default(),
+        choices: 1,
+        ..Default::default()
+    };
+    let input = template_input(&request)?;
+    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+    let plan = GenerationPlan::new(
+        model,
+        prompt_token_ids,
+        options,
+        Some(reasoning_start_for_prompt(&prompt)),
+    )?;
+    let receiver = start_generation(&state, &plan, 0).await?;
+    let id = format!("msg_{}", plan.request_id);
+    let prompt_tokens = plan.prompt_token_ids.len() as u32;
+    if request.stream.unwrap_or(false) {
+        return Ok(stream_messages(
+            id,
+            plan.model.name.clone(),
+            prompt_tokens,
+            receiver,
+        ));
+    }
+    let generation = collect_generation(receiver).await?;
+    let mut content = Vec::new();
+    if !generation.reasoning.is_empty() {
+        content
+            .push(json!({"type": "thinking", "thinking": generation.reasoning, "signature": ""}));
+    }
+    if !generation.content.is_empty() || content.is_empty() {
+        content.push(json!({"type": "text", "text": generation.content}));
+    }
+    Ok(Json(json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": plan.model.name,
+        "content": content,
+        "stop_reason": stop_reason_text(&generation.summary),
+        "stop_sequence": generation.summary.matched_stop,
+        "usage": {"input_tokens": generation.summary.prompt_tokens, "output_tokens": generation.summary.completion_tokens},
+    }))
+    .into_response())
+}
+
+fn event(name: &str, data: JsonValue) -> Event {
+    Event::default().event(name).data(data.to_string())
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OpenBlock {
+    Thinking,
+    Text,
+}
+
+/// The Anthropic event sequence, produced by a task so a disconnect cancels the generation.
+fn stream_messages(
+    id: String,
+    model: String,
+    prompt_tokens: u32,
+    mut receiver: mpsc::Receiver<Result<GenerationEvent, GatewayError>>,
+) -> Response {
+    let (events, event_receiver) = mpsc::channel::<Event>(64);
+    tokio::spawn(async move {
+        let start = json!({"type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        }});
+        if events.send(event("message_start", start)).await.is_err()
+            || events
+                .send(event("ping", json!({"type": "ping"})))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        let mut open: Option<OpenBlock> = None;
+        let mut block_index: i64 = -1;
+        // Opens a block of `kind` (closing another one first); returns the events to send.
+        let switch_to = |kind: OpenBlock,
+                         open: &mut Option<OpenBlock>,
+                         block_index: &mut i64|
+         -> Vec<Event> {
+            let mut out = Vec::new();
+            if *open == Some(kind) {
+                return out;
+            }
+            if open.is_some() {
+                out.push(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": *block_index}),
+                ));
+            }
+            *block_index += 1;
+            let block = match kind {
+                OpenBlock::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                OpenBlock::Text => json!({"type": "text", "text": ""}),
+            };
+            out.push(event("content_block_start", json!({"type": "content_block_start", "index": *block_index, "content_block": block})));
+            *open = Some(kind);
+            out
+        };
+        while let Some(message) = receiver.recv().await {
+            let mut outgoing = Vec::new();
+            match message {
+                Ok(GenerationEvent::Delta { text, .. }) => {
+                    if !text.reasoning.is_empty() {
+                        outgoing.extend(switch_to(
+                            OpenBlock::Thinking,
+                            &mut open,
+                            &mut block_index,
+                        ));
+                        outgoing.push(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "thinking_delta", "thinking": text.reasoning}}),
+                        ));
+                    }
+                    if !text.content.is_empty() {
+                        outgoing.extend(switch_to(OpenBlock::Text, &mut open, &mut block_index));
+                        outgoing.push(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "text_delta", "text": text.content}}),
+                        ));
+                    }
+                }
+                Ok(GenerationEvent::Finished(summary)) => {
+                    if open.is_none() {
+                        // Always at least one (possibly empty) text block, as the real API does.
+                        outgoing.extend(switch_to(OpenBlock::Text, &mut open, &mut block_index));
+                    }
+                    outgoing.push(event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": block_index}),
+                    ));
+                    outgoing.push(event(
+                        "message_delta",
+                        json!({"type": "message_delta",
+                               "delta": {"stop_reason": stop_reason_text(&summary), "stop_sequence": summary.matched_stop},
+                               "usage": {"output_tokens": summary.completion_tokens}}),
+                    ));
+                    outgoing.push(event("message_stop", json!({"type": "message_stop"})));
+                }
+                Err(error) => outgoing.push(event("error", error.envelope(ApiDialect::Anthropic))),
+            }
+            for item in outgoing {
+                if events.send(item).await.is_err() {
+                    return; // client gone: dropping `receiver` cancels the generation
+                }
+            }
+        }
+    });
+    let stream = ReceiverStream::new(event_receiver).map(Ok::<Event, Infallible>);
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's token count, exactly as `/v1/messages` would send it.
+pub async fn count_tokens(
+    State(state): State<Arc<GatewayState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = async {
+        let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+        let model = state.backend.snapshot().resolve_model(&request.model)?;
+        let input = template_input(&request)?;
+        let (_, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+        Ok::<_, GatewayError>(json!({"input_tokens": prompt_token_ids.len()}))
+    }
+    .await;
+    match result {
+        Ok(body) => Json(body).into_response(),
+        Err(error) => anthropic_error(error),
+    }
+}

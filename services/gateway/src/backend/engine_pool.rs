@@ -1,0 +1,623 @@
+//! The gRPC engine pool: the production [`GenerationBackend`].
+//!
+//! Owns: one lazily-reconnecting tonic channel per `--engine` address, a monitor task per engine
+//! (polls `GetStatus`/`GetModelInfo`, fetches `GetModelFiles` when the engine restarts, streams
+//! routing statistics to the store), and an actor that owns the pool state (readiness, in-flight
+//! counts) behind a channel and hands out the least-loaded ready engine for each request.
+//! An engine that goes away is marked down (requests get 503) and comes back by itself when it
+//! answers again; the gateway never needs a restart.
+//! Must not touch: HTTP, tokenization of requests, or stop strings.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use futures_util::{Stream, StreamExt};
+use ninfer_protocol::v1::engine_client::EngineClient;
+use ninfer_protocol::v1::{
+    CancelRequest, EngineStatus, EngineStatusRequest, FinishReason, GenerateRequest,
+    GeneratedToken, ModelFilesRequest, ModelInfo, ModelInfoRequest, RoutingStatisticsRequest,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tonic::transport::{Channel, Endpoint};
+
+use super::{
+    BackendSnapshot, EngineReport, GenerationBackend, ModelResources, ServedModel, TokenStream,
+};
+use crate::error::{error_from_engine_status, GatewayError};
+use crate::routing_stats::RoutingStatsHandle;
+
+/// Largest message accepted from an engine: `tokenizer.json` of real models is several MiB.
+const MAX_ENGINE_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
+/// Tunables of the pool.
+#[derive(Clone, Debug)]
+pub struct EnginePoolOptions {
+    /// How often each engine is polled for readiness and load.
+    pub poll_interval: Duration,
+    /// Timeout of one poll RPC; an engine slower than this is considered down.
+    pub poll_timeout: Duration,
+    /// Requests in flight across all engines above which new ones get "overloaded".
+    pub max_in_flight_requests: u32,
+    /// Interval asked of `StreamRoutingStatistics`.
+    pub routing_statistics_interval_ms: u32,
+}
+
+impl Default for EnginePoolOptions {
+    fn default() -> Self {
+        EnginePoolOptions {
+            poll_interval: Duration::from_millis(500),
+            poll_timeout: Duration::from_secs(3),
+            max_in_flight_requests: 512,
+            routing_statistics_interval_ms: 1000,
+        }
+    }
+}
+
+/// Handle to the pool actor; cheap to clone.
+#[derive(Clone)]
+pub struct EnginePool {
+    commands: mpsc::UnboundedSender<PoolCommand>,
+    snapshot: watch::Receiver<Arc<BackendSnapshot>>,
+}
+
+enum PoolCommand {
+    Observed {
+        engine_index: usize,
+        observation: Box<EngineObservation>,
+    },
+    Lost {
+        engine_index: usize,
+        error: String,
+    },
+    Acquire {
+        model_name: String,
+        reply: oneshot::Sender<Result<EngineLease, GatewayError>>,
+    },
+    Release {
+        engine_index: usize,
+    },
+}
+
+struct EngineObservation {
+    info: ModelInfo,
+    status: EngineStatus,
+    resources: Arc<ModelResources>,
+}
+
+struct EngineSlot {
+    address: String,
+    client: EngineClient<Channel>,
+    ready: bool,
+    info: Option<ModelInfo>,
+    status: Option<EngineStatus>,
+    resources: Option<Arc<ModelResources>>,
+    in_flight_requests: u32,
+    last_error: Option<String>,
+}
+
+/// The right to send one request to one engine; dropping it tells the actor the request ended.
+pub struct EngineLease {
+    engine_index: usize,
+    client: EngineClient<Channel>,
+    commands: mpsc::UnboundedSender<PoolCommand>,
+}
+
+impl Drop for EngineLease {
+    fn drop(&mut self) {
+        // The actor may already be gone at shutdown; nothing to release then.
+        let _ = self.commands.send(PoolCommand::Release {
+            engine_index: self.engine_index,
+        });
+    }
+}
+
+impl EnginePool {
+    /// Starts the actor and one monitor per address. Must be called inside a tokio runtime.
+    pub fn start(
+        addresses: &[String],
+        options: EnginePoolOptions,
+        routing_stats: Option<RoutingStatsHandle>,
+    ) -> Result<EnginePool, GatewayError> {
+        let (commands, command_receiver) = mpsc::unbounded_channel();
+        let mut slots = Vec::new();
+        for address in addresses {
+            let uri = if address.contains("://") {
+                address.clone()
+            } else {
+                format!("http://{address}")
+            };
+            let endpoint = Endpoint::from_shared(uri)
+                .map_err(|error| {
+                    GatewayError::invalid(format!("bad engine address `{address}`: {error}"))
+                })?
+                .connect_timeout(Duration::from_secs(2))
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_while_idle(true);
+            // Lazy: connects on first use and reconnects after the engine comes back.
+            let client = EngineClient::new(endpoint.connect_lazy())
+                .max_decoding_message_size(MAX_ENGINE_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_ENGINE_MESSAGE_BYTES);
+            slots.push(EngineSlot {
+                address: address.clone(),
+                client,
+                ready: false,
+                info: None,
+                status: None,
+                resources: None,
+                in_flight_requests: 0,
+                last_error: Some("not contacted yet".to_string()),
+            });
+        }
+        let initial = Arc::new(build_snapshot(&slots));
+        let (snapshot_sender, snapshot) = watch::channel(initial);
+        for (engine_index, slot) in slots.iter().enumerate() {
+            tokio::spawn(monitor_engine(
+                engine_index,
+                slot.address.clone(),
+                slot.client.clone(),
+                options.clone(),
+                commands.clone(),
+                routing_stats.clone(),
+            ));
+        }
+        let actor = PoolActor {
+            slots,
+            snapshot_sender,
+            max_in_flight_requests: options.max_in_flight_requests,
+            command_sender: commands.clone(),
+        };
+        tokio::spawn(actor.run(command_receiver));
+        Ok(EnginePool { commands, snapshot })
+    }
+
+    async fn acquire(&self, model_name: &str) -> Result<EngineLease, GatewayError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(PoolCommand::Acquire {
+                model_name: model_name.to_string(),
+                reply,
+            })
+            .map_err(|_| GatewayError::Internal("the engine pool has stopped".to_string()))?;
+        answer
+            .await
+            .map_err(|_| GatewayError::Internal("the engine pool has stopped".to_string()))?
+    }
+
+    fn report_lost(&self, engine_index: usize, error: String) {
+        let _ = self.commands.send(PoolCommand::Lost {
+            engine_index,
+            error,
+        });
+    }
+
+    /// Waits until the snapshot changes (for tests and readiness waits).
+    pub fn subscribe(&self) -> watch::Receiver<Arc<BackendSnapshot>> {
+        self.snapshot.clone()
+    }
+}
+
+impl GenerationBackend for EnginePool {
+    fn generate(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'static, Result<TokenStream, GatewayError>> {
+        let pool = self.clone();
+        Box::pin(async move {
+            // An engine found dead only now (connection refused) is marked down and the request
+            // goes to another one, if any; bounded so a dead pool answers quickly.
+            let mut attempts_left = 3;
+            loop {
+                let lease = pool.acquire(&request.model_name).await?;
+                let mut client = lease.client.clone();
+                match client.generate(request.clone()).await {
+                    Ok(response) => {
+                        let stream = EngineTokenStream {
+                            inner: response.into_inner(),
+                            finished: false,
+                            request_id: request.request_id.clone(),
+                            cancel_client: lease.client.clone(),
+                            _lease: lease,
+                        };
+                        return Ok(Box::pin(stream) as TokenStream);
+                    }
+                    Err(status) if status.code() == tonic::Code::Unavailable => {
+                        pool.report_lost(lease.engine_index, status.message().to_string());
+                        attempts_left -= 1;
+                        if attempts_left == 0 {
+                            return Err(error_from_engine_status(&status));
+                        }
+                    }
+                    Err(status) => return Err(error_from_engine_status(&status)),
+                }
+            }
+        })
+    }
+
+    fn snapshot(&self) -> Arc<BackendSnapshot> {
+        self.snapshot.borrow().clone()
+    }
+}
+
+/// Token stream of one engine call; cancels the sequence on the engine if dropped early.
+struct EngineTokenStream {
+    inner: tonic::Streaming<GeneratedToken>,
+    finished: bool,
+    request_id: String,
+    cancel_client: EngineClient<Channel>,
+    _lease: EngineLease,
+}
+
+impl Stream for EngineTokenStream {
+    type Item = Result<GeneratedToken, GatewayError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Self::Item>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        match self.inner.poll_next_unpin(context) {
+            Poll::Ready(Some(Ok(token))) => {
+                if token.finish_reason != FinishReason::Unspecified as i32 {
+                    self.finished = true;
+                }
+                Poll::Ready(Some(Ok(token)))
+            }
+            Poll::Ready(Some(Err(status))) => {
+                self.finished = true;
+                Poll::Ready(Some(Err(error_from_engine_status(&status))))
+            }
+            Poll::Ready(None) => {
+                self.finished = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for EngineTokenStream {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        // Dropping the HTTP/2 stream already tells the engine; the explicit Cancel makes sure the
+        // KV cache is freed at once even if the engine only notices resets lazily.
+        let mut client = self.cancel_client.clone();
+        let request_id = std::mem::take(&mut self.request_id);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    client.cancel(CancelRequest { request_id }),
+                )
+                .await;
+            });
+        }
+    }
+}
+
+struct PoolActor {
+    slots: Vec<EngineSlot>,
+    snapshot_sender: watch::Sender<Arc<BackendSnapshot>>,
+    max_in_flight_requests: u32,
+    /// For leases, which report their end through the same channel.
+    command_sender: mpsc::UnboundedSender<PoolCommand>,
+}
+
+impl PoolActor {
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<PoolCommand>) {
+        while let Some(command) = commands.recv().await {
+            let changed = self.handle(command);
+            if changed {
+                let _ = self
+                    .snapshot_sender
+                    .send(Arc::new(build_snapshot(&self.slots)));
+            }
+        }
+    }
+
+    /// Applies one command; returns whether the published snapshot must be refreshed.
+    fn handle(&mut self, command: PoolCommand) -> bool {
+        match command {
+            PoolCommand::Observed {
+                engine_index,
+                observation,
+            } => {
+                let Some(slot) = self.slots.get_mut(engine_index) else {
+                    return false;
+                };
+                let was_ready = slot.ready;
+                slot.ready = observation.status.ready;
+                slot.last_error = if observation.status.ready {
+                    None
+                } else {
+                    Some(format!(
+                        "engine not ready: {}",
+                        observation.status.not_ready_reason
+                    ))
+                };
+                slot.info = Some(observation.info);
+                slot.status = Some(observation.status);
+                slot.resources = Some(observation.resources);
+                if slot.ready != was_ready {
+                    tracing::info!(engine = %slot.address, ready = slot.ready, "engine readiness changed");
+                }
+                true
+            }
+            PoolCommand::Lost {
+                engine_index,
+                error,
+            } => {
+                let Some(slot) = self.slots.get_mut(engine_index) else {
+                    return false;
+                };
+                if slot.ready {
+                    tracing::warn!(engine = %slot.address, %error, "engine went away");
+                }
+                slot.ready = false;
+                slot.last_error = Some(error);
+                true
+            }
+            PoolCommand::Acquire { model_name, reply } => {
+                let result = self.pick_engine(&model_name);
+                if let Ok(lease) = &result {
+                    if let Some(slot) = self.slots.get_mut(lease.engine_index) {
+                        slot.in_flight_requests += 1;
+                    }
+                }
+                let _ = reply.send(result);
+                true
+            }
+            PoolCommand::Release { engine_index } => {
+                if let Some(slot) = self.slots.get_mut(engine_index) {
+                    slot.in_flight_requests = slot.in_flight_requests.saturating_sub(1);
+                }
+                true
+            }
+        }
+    }
+
+    /// Least-loaded ready engine serving `model_name` (load = gateway in-flight + engine queue).
+    fn pick_engine(&self, model_name: &str) -> Result<EngineLease, GatewayError> {
+        let total_in_flight: u32 = self.slots.iter().map(|slot| slot.in_flight_requests).sum();
+        if total_in_flight >= self.max_in_flight_requests {
+            return Err(GatewayError::Overloaded(format!(
+                "the gateway has {total_in_flight} requests in flight (limit {}); retry later",
+                self.max_in_flight_requests
+            )));
+        }
+        let serves_model = |slot: &EngineSlot| {
+            model_name.is_empty()
+                || slot
+                    .info
+                    .as_ref()
+                    .is_some_and(|info| info.model_name == model_name)
+        };
+        let best = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, slot)| slot.ready && serves_model(slot))
+            .min_by_key(|(_, slot)| {
+                let engine_queue = slot
+                    .status
+                    .as_ref()
+                    .map(|status| status.queued_sequences)
+                    .unwrap_or(0);
+                slot.in_flight_requests + engine_queue
+            });
+        match best {
+            Some((engine_index, slot)) => Ok(EngineLease {
+                engine_index,
+                client: slot.client.clone(),
+                commands: self.snapshot_commands(),
+            }),
+            None => Err(build_snapshot(&self.slots)
+                .resolve_model(model_name)
+                .err()
+                .unwrap_or_else(|| {
+                    GatewayError::NoEngineAvailable(format!(
+                        "no engine serving `{model_name}` is ready"
+                    ))
+                })),
+        }
+    }
+
+    fn snapshot_commands(&self) -> mpsc::UnboundedSender<PoolCommand> {
+        self.command_sender.clone()
+    }
+}
+
+/// The published view of the pool.
+fn build_snapshot(slots: &[EngineSlot]) -> BackendSnapshot {
+    let mut snapshot = BackendSnapshot::default();
+    for slot in slots {
+        snapshot.engines.push(EngineReport {
+            address: slot.address.clone(),
+            ready: slot.ready,
+            model_name: slot.info.as_ref().map(|info| info.model_name.clone()),
+            status: slot.status.clone(),
+            in_flight_requests: slot.in_flight_requests,
+            last_error: slot.last_error.clone(),
+        });
+        let (Some(info), Some(resources)) = (&slot.info, &slot.resources) else {
+            continue;
+        };
+        let entry = snapshot
+            .models
+            .entry(info.model_name.clone())
+            .or_insert_with(|| ServedModel {
+                name: info.model_name.clone(),
+                architecture: info.architecture.clone(),
+                created_unix_seconds: info.created_unix_seconds,
+                resources: resources.clone(),
+                ready_engines: 0,
+            });
+        if slot.ready {
+            entry.ready_engines += 1;
+            // Prefer the files of an engine that is up (it may have been restarted with new ones).
+            entry.resources = resources.clone();
+        }
+    }
+    snapshot
+}
+
+/// Polls one engine forever: readiness, load, model files when they change, routing statistics.
+async fn monitor_engine(
+    engine_index: usize,
+    address: String,
+    mut client: EngineClient<Channel>,
+    options: EnginePoolOptions,
+    commands: mpsc::UnboundedSender<PoolCommand>,
+    routing_stats: Option<RoutingStatsHandle>,
+) {
+    let mut cached_resources: Option<(String, String, Arc<ModelResources>)> = None;
+    let mut statistics_task: Option<tokio::task::JoinHandle<()>> = None;
+    loop {
+        match tokio::time::timeout(
+            options.poll_timeout,
+            poll_engine(&mut client, &mut cached_resources),
+        )
+        .await
+        {
+            Ok(Ok(observation)) => {
+                let model_name = observation.info.model_name.clone();
+                if commands
+                    .send(PoolCommand::Observed {
+                        engine_index,
+                        observation: Box::new(observation),
+                    })
+                    .is_err()
+                {
+                    return; // the pool is gone: shutting down
+                }
+                if let Some(store) = &routing_stats {
+                    if statistics_task
+                        .as_ref()
+                        .is_none_or(|task| task.is_finished())
+                    {
+                        statistics_task = Some(tokio::spawn(forward_routing_statistics(
+                            address.clone(),
+                            model_name,
+                            client.clone(),
+                            options.routing_statistics_interval_ms,
+                            store.clone(),
+                        )));
+                    }
+                }
+            }
+            Ok(Err(error)) => {
+                if commands
+                    .send(PoolCommand::Lost {
+                        engine_index,
+                        error,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Err(_) => {
+                let error = format!("engine did not answer within {:?}", options.poll_timeout);
+                if commands
+                    .send(PoolCommand::Lost {
+                        engine_index,
+                        error,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(options.poll_interval).await;
+    }
+}
+
+/// One poll: status (optional RPC), model info, and the model files when the engine is new to us.
+async fn poll_engine(
+    client: &mut EngineClient<Channel>,
+    cached_resources: &mut Option<(String, String, Arc<ModelResources>)>,
+) -> Result<EngineObservation, String> {
+    let info = client
+        .get_model_info(ModelInfoRequest {})
+        .await
+        .map_err(|status| format!("GetModelInfo failed: {}", status.message()))?
+        .into_inner();
+    let status = match client.get_status(EngineStatusRequest {}).await {
+        Ok(response) => response.into_inner(),
+        // An engine without GetStatus that answers GetModelInfo is taken as ready.
+        Err(status) if status.code() == tonic::Code::Unimplemented => EngineStatus {
+            ready: true,
+            engine_instance_id: info.engine_instance_id.clone(),
+            ..Default::default()
+        },
+        Err(status) => return Err(format!("GetStatus failed: {}", status.message())),
+    };
+    let files_key = format!("{}|{}", info.model_files_digest, info.model_name);
+    let instance = info.engine_instance_id.clone();
+    let reuse = cached_resources
+        .as_ref()
+        .filter(|(key, cached_instance, _)| {
+            *key == files_key
+                && (!info.model_files_digest.is_empty() || *cached_instance == instance)
+        });
+    let resources = match reuse {
+        Some((_, _, resources)) => resources.clone(),
+        None => {
+            let files = client
+                .get_model_files(ModelFilesRequest {})
+                .await
+                .map_err(|status| format!("GetModelFiles failed: {}", status.message()))?
+                .into_inner();
+            // Parsing a real tokenizer.json takes a while: keep it off the async workers.
+            let resources =
+                tokio::task::spawn_blocking(move || ModelResources::from_model_files(&files))
+                    .await
+                    .map_err(|error| format!("loading model files panicked: {error}"))?
+                    .map_err(|error| error.to_string())?;
+            let resources = Arc::new(resources);
+            *cached_resources = Some((files_key, instance, resources.clone()));
+            resources
+        }
+    };
+    Ok(EngineObservation {
+        info,
+        status,
+        resources,
+    })
+}
+
+/// Streams routing statistics of one engine into the store until the stream ends.
+async fn forward_routing_statistics(
+    address: String,
+    model_name: String,
+    mut client: EngineClient<Channel>,
+    interval_ms: u32,
+    store: RoutingStatsHandle,
+) {
+    let response = match client
+        .stream_routing_statistics(RoutingStatisticsRequest { interval_ms })
+        .await
+    {
+        Ok(response) => response,
+        Err(status) => {
+            tracing::debug!(engine = %address, error = %status.message(), "routing statistics unavailable");
+            // Do not hammer an engine that does not implement it: the monitor retries later.
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            return;
+        }
+    };
+    let mut stream = response.into_inner();
+    while let Some(Ok(mut statistics)) = stream.next().await {
+        if statistics.model_name.is_empty() {
+            statistics.model_name = model_name.clone();
+        }
+        store.observe(address.clone(), statistics);
+    }
+}

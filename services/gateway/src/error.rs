@@ -1,0 +1,209 @@
+//! Typed errors of the gateway and how each API dialect shows them to a client.
+//!
+//! Owns: the one error type every request path returns ([`GatewayError`]), its HTTP status, and the
+//! two JSON envelopes (OpenAI `{"error":{...}}`, Anthropic `{"type":"error","error":{...}}`).
+//! Must not touch: transport or logging decisions; handlers choose the dialect, this module only
+//! renders.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// Everything that can go wrong while serving one request, classified by who is at fault.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GatewayError {
+    /// The request body or a parameter is malformed (400). `parameter` names the offending field.
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        parameter: Option<String>,
+    },
+    /// Missing or wrong API key (401).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The requested model is not served by any engine (404).
+    #[error("The model `{0}` does not exist or is not served by this gateway")]
+    ModelNotFound(String),
+    /// Unknown route (404).
+    #[error("{0}")]
+    RouteNotFound(String),
+    /// The body is larger than the configured limit (413).
+    #[error("request body is larger than the limit of {limit_bytes} bytes")]
+    BodyTooLarge { limit_bytes: usize },
+    /// Prompt (+ requested completion) does not fit the model's context (400, naming the numbers).
+    #[error("This model's maximum context length is {max_context} tokens. However, you requested {requested_total} tokens ({prompt_tokens} in the prompt, {completion_tokens} for the completion). Please reduce the length of the prompt or the completion.")]
+    ContextLengthExceeded {
+        max_context: u32,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        requested_total: u64,
+    },
+    /// The gateway or the engine queue is full (OpenAI 429, Anthropic 529).
+    #[error("{0}")]
+    Overloaded(String),
+    /// No engine is ready to serve the request (503).
+    #[error("{0}")]
+    NoEngineAvailable(String),
+    /// The chat template refused the conversation (`raise_exception`) or failed to render (400).
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    /// Something broke inside the gateway or the engine (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Which API's error envelope and status conventions to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApiDialect {
+    OpenAi,
+    Anthropic,
+}
+
+impl GatewayError {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        GatewayError::InvalidRequest {
+            message: message.into(),
+            parameter: None,
+        }
+    }
+
+    pub fn invalid_parameter(parameter: &str, message: impl Into<String>) -> Self {
+        GatewayError::InvalidRequest {
+            message: message.into(),
+            parameter: Some(parameter.to_string()),
+        }
+    }
+
+    /// HTTP status for this error in the given dialect (only "overloaded" differs).
+    pub fn status(&self, dialect: ApiDialect) -> StatusCode {
+        match self {
+            GatewayError::InvalidRequest { .. }
+            | GatewayError::ChatTemplate(_)
+            | GatewayError::ContextLengthExceeded { .. } => StatusCode::BAD_REQUEST,
+            GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            GatewayError::ModelNotFound(_) | GatewayError::RouteNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
+            GatewayError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::Overloaded(_) => match dialect {
+                ApiDialect::OpenAi => StatusCode::TOO_MANY_REQUESTS,
+                // Anthropic's documented "overloaded_error" status.
+                ApiDialect::Anthropic => {
+                    StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE)
+                }
+            },
+            GatewayError::NoEngineAvailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI `error.type`.
+    fn openai_type(&self) -> &'static str {
+        match self {
+            GatewayError::InvalidRequest { .. }
+            | GatewayError::ChatTemplate(_)
+            | GatewayError::ContextLengthExceeded { .. }
+            | GatewayError::BodyTooLarge { .. }
+            | GatewayError::ModelNotFound(_)
+            | GatewayError::RouteNotFound(_) => "invalid_request_error",
+            GatewayError::Unauthorized(_) => "authentication_error",
+            GatewayError::Overloaded(_) => "rate_limit_error",
+            GatewayError::NoEngineAvailable(_) => "service_unavailable",
+            GatewayError::Internal(_) => "server_error",
+        }
+    }
+
+    /// OpenAI `error.code`.
+    fn openai_code(&self) -> Option<&'static str> {
+        match self {
+            GatewayError::ModelNotFound(_) => Some("model_not_found"),
+            GatewayError::ContextLengthExceeded { .. } => Some("context_length_exceeded"),
+            GatewayError::Unauthorized(_) => Some("invalid_api_key"),
+            GatewayError::BodyTooLarge { .. } => Some("request_too_large"),
+            _ => None,
+        }
+    }
+
+    /// Anthropic `error.type`.
+    fn anthropic_type(&self) -> &'static str {
+        match self {
+            GatewayError::InvalidRequest { .. }
+            | GatewayError::ChatTemplate(_)
+            | GatewayError::ContextLengthExceeded { .. } => "invalid_request_error",
+            GatewayError::Unauthorized(_) => "authentication_error",
+            GatewayError::ModelNotFound(_) | GatewayError::RouteNotFound(_) => "not_found_error",
+            GatewayError::BodyTooLarge { .. } => "request_too_large",
+            GatewayError::Overloaded(_) => "overloaded_error",
+            GatewayError::NoEngineAvailable(_) | GatewayError::Internal(_) => "api_error",
+        }
+    }
+
+    /// The JSON body of this error in the given dialect.
+    pub fn envelope(&self, dialect: ApiDialect) -> serde_json::Value {
+        match dialect {
+            ApiDialect::OpenAi => {
+                let parameter = match self {
+                    GatewayError::InvalidRequest { parameter, .. } => parameter.clone(),
+                    GatewayError::ModelNotFound(_) => Some("model".to_string()),
+                    _ => None,
+                };
+                json!({"error": {
+                    "message": self.to_string(),
+                    "type": self.openai_type(),
+                    "param": parameter,
+                    "code": self.openai_code(),
+                }})
+            }
+            ApiDialect::Anthropic => json!({
+                "type": "error",
+                "error": {"type": self.anthropic_type(), "message": self.to_string()},
+            }),
+        }
+    }
+
+    /// The full HTTP response (status + JSON envelope).
+    pub fn into_response_for(self, dialect: ApiDialect) -> Response {
+        let status = self.status(dialect);
+        (status, axum::Json(self.envelope(dialect))).into_response()
+    }
+
+    /// gRPC status for the public gRPC API.
+    pub fn to_grpc_status(&self) -> tonic::Status {
+        let message = self.to_string();
+        match self {
+            GatewayError::InvalidRequest { .. } | GatewayError::ChatTemplate(_) => {
+                tonic::Status::invalid_argument(message)
+            }
+            GatewayError::ContextLengthExceeded { .. } => tonic::Status::out_of_range(message),
+            GatewayError::Unauthorized(_) => tonic::Status::unauthenticated(message),
+            GatewayError::ModelNotFound(_) | GatewayError::RouteNotFound(_) => {
+                tonic::Status::not_found(message)
+            }
+            GatewayError::BodyTooLarge { .. } => tonic::Status::invalid_argument(message),
+            GatewayError::Overloaded(_) => tonic::Status::resource_exhausted(message),
+            GatewayError::NoEngineAvailable(_) => tonic::Status::unavailable(message),
+            GatewayError::Internal(_) => tonic::Status::internal(message),
+        }
+    }
+}
+
+/// Maps an engine's gRPC status to the gateway's error, following the contract in engine.proto.
+pub fn error_from_engine_status(status: &tonic::Status) -> GatewayError {
+    let message = status.message().to_string();
+    match status.code() {
+        tonic::Code::ResourceExhausted => {
+            GatewayError::Overloaded(format!("the engine is overloaded: {message}"))
+        }
+        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => GatewayError::invalid(message),
+        tonic::Code::NotFound => GatewayError::ModelNotFound(message),
+        tonic::Code::Unavailable
+        | tonic::Code::Cancelled
+        | tonic::Code::DeadlineExceeded
+        | tonic::Code::Unknown => {
+            GatewayError::NoEngineAvailable(format!("the engine is unavailable: {message}"))
+        }
+        _ => GatewayError::Internal(format!("engine error ({:?}): {message}", status.code())),
+    }
+}
+
+pub type GatewayResult<T> = Result<T, GatewayError>;

@@ -1,0 +1,548 @@
+//! The API-independent service layer: validated sampling options, prompt building, context
+//! checks, and the generation driver that turns an engine token stream into text events.
+//!
+//! Owns: [`SamplingOptions`] (what every API maps its parameters to), [`GenerationPlan`] (model +
+//! prompt ids + options, checked against the context), [`start_generation`] (one task per
+//! choice: incremental detokenization, stop strings, reasoning split, metrics, cancellation when
+//! the receiver is dropped), and [`collect_generation`] for non-streaming responses.
+//! Must not touch: JSON shapes of any API, or engine selection (the backend does that).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use ninfer_protocol::v1::{FinishReason, GenerateRequest, SamplingParameters};
+use tokio::sync::mpsc;
+
+use crate::backend::ServedModel;
+use crate::chat_template::ChatTemplateInput;
+use crate::error::GatewayError;
+use crate::reasoning::{ReasoningSplitter, ReasoningStart, SplitText};
+use crate::server::GatewayState;
+use crate::stop_strings::{StopCheck, StopStringMatcher};
+use crate::tokenizer::IncrementalDetokenizer;
+
+/// Longest completion when neither the request nor the model's context bounds it.
+const FALLBACK_MAX_NEW_TOKENS: u32 = 4096;
+/// Most stop strings per request (OpenAI allows 4; be generous but bounded).
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Most choices per request.
+pub const MAX_CHOICES: u32 = 16;
+/// Most alternatives per position.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// Sampling and stopping, validated, in the gateway's own terms.
+#[derive(Debug, Clone, Default)]
+pub struct SamplingOptions {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    /// `None`: as many as fit in the context.
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub logprobs: bool,
+    pub top_logprobs: u32,
+    pub choices: u32,
+}
+
+impl SamplingOptions {
+    /// Checks ranges; each message names the parameter.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        let check_range =
+            |name: &str, value: Option<f32>, low: f32, high: f32| -> Result<(), GatewayError> {
+                match value {
+                    Some(v) if !v.is_finite() || v < low || v > high => {
+                        Err(GatewayError::invalid_parameter(
+                            name,
+                            format!("`{name}` must be between {low} and {high}, got {v}"),
+                        ))
+                    }
+                    _ => Ok(()),
+                }
+            };
+        check_range("temperature", self.temperature, 0.0, 100.0)?;
+        check_range("top_p", self.top_p, 0.0, 1.0)?;
+        check_range("min_p", self.min_p, 0.0, 1.0)?;
+        check_range("repetition_penalty", self.repetition_penalty, 0.0, 100.0)?;
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
+        if matches!(self.top_p, Some(p) if p == 0.0) {
+            return Err(GatewayError::invalid_parameter(
+                "top_p",
+                "`top_p` must be greater than 0",
+            ));
+        }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return Err(GatewayError::invalid_parameter(
+                "stop",
+                format!("at most {MAX_STOP_STRINGS} stop strings are allowed"),
+            ));
+        }
+        if self.choices == 0 || self.choices > MAX_CHOICES {
+            return Err(GatewayError::invalid_parameter(
+                "n",
+                format!("`n` must be between 1 and {MAX_CHOICES}"),
+            ));
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(GatewayError::invalid_parameter(
+                "top_logprobs",
+                format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}"),
+            ));
+        }
+        if matches!(self.max_tokens, Some(0)) {
+            return Err(GatewayError::invalid_parameter(
+                "max_tokens",
+                "`max_tokens` must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Converts a client-given integer to a token count, refusing negatives and absurd values.
+pub fn token_count_parameter(name: &str, value: Option<i64>) -> Result<Option<u32>, GatewayError> {
+    match value {
+        None => Ok(None),
+        Some(v) if v < 1 => Err(GatewayError::invalid_parameter(
+            name,
+            format!("`{name}` must be at least 1, got {v}"),
+        )),
+        Some(v) => u32::try_from(v).map(Some).map_err(|_| {
+            GatewayError::invalid_parameter(name, format!("`{name}` is too large: {v}"))
+        }),
+    }
+}
+
+/// Everything needed to run one request's generations.
+#[derive(Clone)]
+pub struct GenerationPlan {
+    pub model: ServedModel,
+    pub prompt_token_ids: Vec<u32>,
+    pub max_new_tokens: u32,
+    pub options: SamplingOptions,
+    /// `Some` for chat: split `<think>` reasoning from the answer.
+    pub reasoning: Option<ReasoningStart>,
+    pub request_id: String,
+}
+
+impl GenerationPlan {
+    /// Checks the prompt and completion against the context and fixes `max_new_tokens`.
+    pub fn new(
+        model: ServedModel,
+        prompt_token_ids: Vec<u32>,
+        options: SamplingOptions,
+        reasoning: Option<ReasoningStart>,
+    ) -> Result<Self, GatewayError> {
+        options.validate()?;
+        if prompt_token_ids.is_empty() {
+            return Err(GatewayError::invalid_parameter(
+                "prompt",
+                "the prompt is empty",
+            ));
+        }
+        let prompt_tokens = prompt_token_ids.len() as u64;
+        let max_context = model.resources.max_context;
+        let max_new_tokens = if max_context == 0 {
+            options.max_tokens.unwrap_or(FALLBACK_MAX_NEW_TOKENS)
+        } else {
+            let requested_completion = options.max_tokens.map(u64::from).unwrap_or(1);
+            if prompt_tokens + requested_completion > u64::from(max_context) {
+                return Err(GatewayError::ContextLengthExceeded {
+                    max_context,
+                    prompt_tokens: prompt_tokens.min(u64::from(u32::MAX)) as u32,
+                    completion_tokens: requested_completion as u32,
+                    requested_total: prompt_tokens + requested_completion,
+                });
+            }
+            options
+                .max_tokens
+                .unwrap_or((u64::from(max_context) - prompt_tokens) as u32)
+        };
+        Ok(GenerationPlan {
+            model,
+            prompt_token_ids,
+            max_new_tokens,
+            options,
+            reasoning,
+            request_id: new_request_id(),
+        })
+    }
+
+    /// The engine request of choice `choice_index` (seeds differ per choice).
+    pub fn engine_request(&self, choice_index: u32) -> GenerateRequest {
+        let defaults = &self.model.resources.generation_defaults;
+        let options = &self.options;
+        GenerateRequest {
+            request_id: format!("{}-{choice_index}", self.request_id),
+            prompt_token_ids: self.prompt_token_ids.clone(),
+            max_new_tokens: self.max_new_tokens,
+            sampling: Some(SamplingParameters {
+                temperature: options.temperature.or(defaults.temperature).unwrap_or(1.0),
+                top_p: options.top_p.or(defaults.top_p).unwrap_or(1.0),
+                top_k: options.top_k.or(defaults.top_k).unwrap_or(0),
+                min_p: options.min_p.or(defaults.min_p).unwrap_or(0.0),
+                repetition_penalty: options
+                    .repetition_penalty
+                    .or(defaults.repetition_penalty)
+                    .unwrap_or(1.0),
+                presence_penalty: options.presence_penalty.unwrap_or(0.0),
+                frequency_penalty: options.frequency_penalty.unwrap_or(0.0),
+                seed: options
+                    .seed
+                    .map(|seed| seed.wrapping_add(u64::from(choice_index))),
+            }),
+            stop_token_ids: self.model.resources.eos_token_ids.clone(),
+            top_logprobs: if options.logprobs {
+                options.top_logprobs
+            } else {
+                0
+            },
+            return_logprobs: options.logprobs,
+            model_name: self.model.name.clone(),
+        }
+    }
+}
+
+static REQUEST_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Unique enough across gateway restarts: start time in nanoseconds plus a counter.
+pub fn new_request_id() -> String {
+    let sequence = REQUEST_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{:x}{:06x}", nanos & 0xffff_ffff_ffff, sequence & 0xff_ffff)
+}
+
+/// Renders a chat prompt with the model's template and tokenizes it.
+pub fn build_chat_prompt(
+    model: &ServedModel,
+    input: &ChatTemplateInput,
+) -> Result<(String, Vec<u32>), GatewayError> {
+    let template = model.resources.chat_template.as_ref().ok_or_else(|| {
+        GatewayError::invalid(format!(
+            "the model `{}` has no chat template; use /v1/completions",
+            model.name
+        ))
+    })?;
+    let mut input = input.clone();
+    input.special_tokens = model.resources.special_tokens.clone();
+    let prompt = template.render(&input)?;
+    let token_ids = model.resources.tokenizer.encode(&prompt, false)?;
+    Ok((prompt, token_ids))
+}
+
+/// Whether output starts inside a thinking block: the prompt ends with an open `<think>`.
+pub fn reasoning_start_for_prompt(prompt: &str) -> ReasoningStart {
+    let trimmed = prompt.trim_end();
+    if trimmed.ends_with("<think>") {
+        ReasoningStart::InsideThinking
+    } else {
+        ReasoningStart::DetectOpeningTag
+    }
+}
+
+/// Why a choice ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishKind {
+    /// End-of-sequence token or stop string.
+    Stop,
+    /// `max_tokens` or the context was reached.
+    Length,
+    /// The engine cancelled it.
+    Cancelled,
+}
+
+/// Log-probability of one generated token.
+#[derive(Debug, Clone)]
+pub struct TokenLogprobEntry {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// Final accounting of one choice.
+#[derive(Debug, Clone)]
+pub struct GenerationSummary {
+    pub finish: FinishKind,
+    pub matched_stop: Option<String>,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// What a generation task sends to its handler.
+#[derive(Debug, Clone)]
+pub enum GenerationEvent {
+    Delta {
+        text: SplitText,
+        logprobs: Vec<TokenLogprobEntry>,
+    },
+    Finished(GenerationSummary),
+}
+
+/// Starts choice `choice_index` of `plan`. Errors before the first token come back here; later
+/// ones arrive in the channel. Dropping the receiver cancels the generation on the engine.
+pub async fn start_generation(
+    state: &Arc<GatewayState>,
+    plan: &GenerationPlan,
+    choice_index: u32,
+) -> Result<mpsc::Receiver<Result<GenerationEvent, GatewayError>>, GatewayError> {
+    let started = Instant::now();
+    let token_stream = state
+        .backend
+        .generate(plan.engine_request(choice_index))
+        .await?;
+    let (sender, receiver) = mpsc::channel(64);
+    let state = state.clone();
+    let plan = plan.clone();
+    state
+        .metrics
+        .in_flight_requests
+        .fetch_add(1, Ordering::Relaxed);
+    state
+        .metrics
+        .prompt_tokens
+        .fetch_add(plan.prompt_token_ids.len() as u64, Ordering::Relaxed);
+    tokio::spawn(async move {
+        let metrics = state.metrics.clone();
+        run_generation(state, plan, token_stream, sender, started).await;
+        metrics.in_flight_requests.fetch_sub(1, Ordering::Relaxed);
+    });
+    Ok(receiver)
+}
+
+async fn run_generation(
+    state: Arc<GatewayState>,
+    plan: GenerationPlan,
+    mut token_stream: crate::backend::TokenStream,
+    sender: mpsc::Sender<Result<GenerationEvent, GatewayError>>,
+    started: Instant,
+) {
+    let tokenizer = &plan.model.resources.tokenizer;
+    let mut detokenizer = IncrementalDetokenizer::new(true);
+    let mut stop_matcher = StopStringMatcher::new(plan.options.stop.clone());
+    let mut splitter = plan.reasoning.map(ReasoningSplitter::new);
+    let mut completion_tokens: u32 = 0;
+    let mut last_token_at: Option<Instant> = None;
+    let prompt_tokens = plan.prompt_token_ids.len() as u32;
+    let split = |splitter: &mut Option<ReasoningSplitter>, text: &str| -> SplitText {
+        match splitter {
+            Some(splitter) => splitter.push(text),
+            None => SplitText {
+                reasoning: String::new(),
+                content: text.to_string(),
+            },
+        }
+    };
+    loop {
+        let next = tokio::select! {
+            // The client went away: dropping the token stream cancels the engine sequence.
+            _ = sender.closed() => {
+                state.metrics.cancelled_generations.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            next = token_stream.next() => next,
+        };
+        let token = match next {
+            Some(Ok(token)) => token,
+            Some(Err(error)) => {
+                let _ = sender.send(Err(error)).await;
+                return;
+            }
+            None => {
+                // The engine closed the stream without a finish reason: it went away mid-answer.
+                let _ = sender
+                    .send(Err(GatewayError::NoEngineAvailable(
+                        "the engine stopped mid-generation".to_string(),
+                    )))
+                    .await;
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut released = String::new();
+        let mut logprobs = Vec::new();
+        if !token.no_token {
+            completion_tokens += 1;
+            state
+                .metrics
+                .completion_tokens
+                .fetch_add(1, Ordering::Relaxed);
+            match last_token_at {
+                None => state
+                    .metrics
+                    .time_to_first_token
+                    .observe(now.duration_since(started).as_secs_f64()),
+                Some(previous) => state
+                    .metrics
+                    .inter_token_latency
+                    .observe(now.duration_since(previous).as_secs_f64()),
+            }
+            last_token_at = Some(now);
+            match detokenizer.push(tokenizer, token.token_id) {
+                Ok(text) => released.push_str(&text),
+                Err(error) => {
+                    let _ = sender
+                        .send(Err(GatewayError::Internal(format!(
+                            "engine sent an undecodable token: {error}"
+                        ))))
+                        .await;
+                    return;
+                }
+            }
+            if plan.options.logprobs {
+                logprobs.push(TokenLogprobEntry {
+                    token: tokenizer.token_text(token.token_id).unwrap_or_default(),
+                    logprob: token.logprob,
+                    top: token
+                        .top_logprobs
+                        .iter()
+                        .map(|alternative| {
+                            (
+                                tokenizer
+                                    .token_text(alternative.token_id)
+                                    .unwrap_or_default(),
+                                alternative.logprob,
+                            )
+                        })
+                        .collect(),
+                });
+            }
+        }
+        let engine_finish =
+            FinishReason::try_from(token.finish_reason).unwrap_or(FinishReason::Unspecified);
+        if engine_finish != FinishReason::Unspecified {
+            released.push_str(&detokenizer.finish(tokenizer).unwrap_or_default());
+        }
+        let mut text = SplitText::default();
+        let mut matched_stop = None;
+        match stop_matcher.push(&released) {
+            StopCheck::Continue { release } => append(&mut text, split(&mut splitter, &release)),
+            StopCheck::Stopped { release, matched } => {
+                append(&mut text, split(&mut splitter, &release));
+                matched_stop = Some(matched);
+            }
+        }
+        let finish = if matched_stop.is_some() {
+            Some(FinishKind::Stop)
+        } else {
+            match engine_finish {
+                FinishReason::Unspecified => None,
+                FinishReason::StopToken => Some(FinishKind::Stop),
+                FinishReason::Length | FinishReason::ContextFull => Some(FinishKind::Length),
+                FinishReason::Cancelled => Some(FinishKind::Cancelled),
+            }
+        };
+        if let Some(finish) = finish {
+            if matched_stop.is_none() {
+                let rest = stop_matcher.finish();
+                append(&mut text, split(&mut splitter, &rest));
+            }
+            if let Some(splitter) = splitter.as_mut() {
+                append(&mut text, splitter.finish());
+            }
+            if !text.is_empty() || !logprobs.is_empty() {
+                let _ = sender
+                    .send(Ok(GenerationEvent::Delta { text, logprobs }))
+                    .await;
+            }
+            // Engines that count the prompt differently (e.g. cached prefix) still report ours.
+            let completion_tokens = if matched_stop.is_none() && token.completion_tokens > 0 {
+                token.completion_tokens
+            } else {
+                completion_tokens
+            };
+            state
+                .metrics
+                .request_duration
+                .observe(started.elapsed().as_secs_f64());
+            let summary = GenerationSummary {
+                finish,
+                matched_stop,
+                prompt_tokens,
+                completion_tokens,
+            };
+            let _ = sender.send(Ok(GenerationEvent::Finished(summary))).await;
+            // Returning drops the token stream: after a stop string that cancels the engine.
+            return;
+        }
+        if (!text.is_empty() || !logprobs.is_empty())
+            && sender
+                .send(Ok(GenerationEvent::Delta { text, logprobs }))
+                .await
+                .is_err()
+        {
+            state
+                .metrics
+                .cancelled_generations
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    }
+}
+
+fn append(into: &mut SplitText, more: SplitText) {
+    into.reasoning.push_str(&more.reasoning);
+    into.content.push_str(&more.content);
+}
+
+/// A whole choice, for non-streaming responses.
+#[derive(Debug, Clone)]
+pub struct CollectedGeneration {
+    pub content: String,
+    pub reasoning: String,
+    pub logprobs: Vec<TokenLogprobEntry>,
+    pub summary: GenerationSummary,
+}
+
+/// Reads a choice to the end.
+pub async fn collect_generation(
+    mut receiver: mpsc::Receiver<Result<GenerationEvent, GatewayError>>,
+) -> Result<CollectedGeneration, GatewayError> {
+    let mut content = String::new();
+    let mut reasoning = String::new();
+    let mut logprobs = Vec::new();
+    while let Some(event) = receiver.recv().await {
+        match event? {
+            GenerationEvent::Delta {
+                text,
+                logprobs: more,
+            } => {
+                content.push_str(&text.content);
+                reasoning.push_str(&text.reasoning);
+                logprobs.extend(more);
+            }
+            GenerationEvent::Finished(summary) => {
+                return Ok(CollectedGeneration {
+                    content,
+                    reasoning,
+                    logprobs,
+                    summary,
+                })
+            }
+        }
+    }
+    Err(GatewayError::Internal(
+        "generation ended without a result".to_string(),
+    ))
+}
+
+/// Starts all choices of a plan (so their errors surface before any response is sent).
+pub async fn start_all_choices(
+    state: &Arc<GatewayState>,
+    plan: &GenerationPlan,
+) -> Result<Vec<mpsc::Receiver<Result<GenerationEvent, GatewayError>>>, GatewayError> {
+    let mut receivers = Vec::new();
+    for choice_index in 0..plan.options.choices {
+        receivers.push(start_generation(state, plan, choice_index).await?);
+    }
+    Ok(receivers)
+}

@@ -1,0 +1,318 @@
+//! The public gRPC API (`proto/ninfer/v1/gateway.proto`), `grpc.health.v1` and server reflection.
+//!
+//! Owns: the `ninfer.v1.Gateway` service (ListModels, Generate, GenerateStream, Chat, ChatStream)
+//! on top of the same service layer as the HTTP APIs, the health service (SERVING while an engine
+//! is ready), and reflection from `ninfer_protocol::FILE_DESCRIPTOR_SET` so `grpcurl` needs no
+//! proto files. Routed on the gateway's HTTP port by path (`/ninfer.v1.Gateway/...`).
+//! Must not touch: HTTP JSON shapes, authentication (the server's middleware covers gRPC too).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{Stream, StreamExt};
+use ninfer_protocol::v1::gateway_server::{Gateway, GatewayServer};
+use ninfer_protocol::v1::{
+    ChatChunk, ChatRequest, ChatResponse, GatewayFinishReason, GatewayModel,
+    GatewaySamplingOptions, GatewayUsage, ListModelsRequest, ListModelsResponse,
+    TextGenerationChunk, TextGenerationRequest, TextGenerationResponse,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::error::GatewayError;
+use crate::generation::{
+    build_chat_prompt, collect_generation, reasoning_start_for_prompt, start_generation,
+    FinishKind, GenerationEvent, GenerationPlan, GenerationSummary, SamplingOptions,
+};
+use crate::openai::{chat_template_input, MessageContent, OpenAiMessage};
+use crate::server::GatewayState;
+
+/// The `ninfer.v1.Gateway` implementation.
+pub struct GatewayGrpcService {
+    state: Arc<GatewayState>,
+}
+
+/// gRPC routes (public API, health, reflection) as an axum router to merge with the HTTP one.
+/// Must be called inside a tokio runtime (the health reporter runs as a task).
+pub fn grpc_routes(state: Arc<GatewayState>) -> axum::Router {
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    let health_state = state.clone();
+    tokio::spawn(async move {
+        // Mirrors /health: SERVING while at least one engine is ready.
+        let mut last: Option<bool> = None;
+        loop {
+            let ready = health_state.backend.snapshot().any_engine_ready();
+            if last != Some(ready) {
+                if ready {
+                    health_reporter
+                        .set_serving::<GatewayServer<GatewayGrpcService>>()
+                        .await;
+                    health_reporter
+                        .set_service_status("", tonic_health::ServingStatus::Serving)
+                        .await;
+                } else {
+                    health_reporter
+                        .set_not_serving::<GatewayServer<GatewayGrpcService>>()
+                        .await;
+                    health_reporter
+                        .set_service_status("", tonic_health::ServingStatus::NotServing)
+                        .await;
+                }
+                last = Some(ready);
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    let mut routes = tonic::service::Routes::new(GatewayServer::new(GatewayGrpcService { state }))
+        .add_service(health_service);
+    match tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(ninfer_protocol::FILE_DESCRIPTOR_SET)
+        .build_v1()
+    {
+        Ok(reflection) => routes = routes.add_service(reflection),
+        Err(error) => tracing::warn!(%error, "gRPC reflection disabled: descriptor set rejected"),
+    }
+    routes.into_axum_router()
+}
+
+fn sampling_options(options: Option<GatewaySamplingOptions>) -> SamplingOptions {
+    let options = options.unwrap_or_default();
+    SamplingOptions {
+        temperature: options.temperature,
+        top_p: options.top_p,
+        top_k: options.top_k,
+        min_p: options.min_p,
+        repetition_penalty: options.repetition_penalty,
+        presence_penalty: options.presence_penalty,
+        frequency_penalty: options.frequency_penalty,
+        seed: options.seed,
+        max_tokens: if options.max_tokens == 0 {
+            None
+        } else {
+            Some(options.max_tokens)
+        },
+        stop: options.stop,
+        logprobs: false,
+        top_logprobs: 0,
+        choices: 1,
+    }
+}
+
+fn finish_reason(finish: FinishKind) -> i32 {
+    match finish {
+        FinishKind::Stop => GatewayFinishReason::Stop as i32,
+        FinishKind::Length => GatewayFinishReason::Length as i32,
+        FinishKind::Cancelled => GatewayFinishReason::Cancelled as i32,
+    }
+}
+
+fn usage(summary: &GenerationSummary) -> GatewayUsage {
+    GatewayUsage {
+        prompt_tokens: summary.prompt_tokens,
+        completion_tokens: summary.completion_tokens,
+    }
+}
+
+type BoxedStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+impl GatewayGrpcService {
+    async fn text_plan(
+        &self,
+        request: TextGenerationRequest,
+    ) -> Result<GenerationPlan, GatewayError> {
+        let model = self
+            .state
+            .backend
+            .snapshot()
+            .resolve_model(&request.model)?;
+        let prompt_token_ids = model.resources.tokenizer.encode(&request.prompt, true)?;
+        GenerationPlan::new(
+            model,
+            prompt_token_ids,
+            sampling_options(request.options),
+            None,
+        )
+    }
+
+    async fn chat_plan(&self, request: ChatRequest) -> Result<GenerationPlan, GatewayError> {
+        let model = self
+            .state
+            .backend
+            .snapshot()
+            .resolve_model(&request.model)?;
+        let messages: Vec<OpenAiMessage> = request
+            .messages
+            .into_iter()
+            .map(|message| OpenAiMessage {
+                role: message.role,
+                content: Some(MessageContent::Text(message.content)),
+                reasoning_content: if message.reasoning_content.is_empty() {
+                    None
+                } else {
+                    Some(message.reasoning_content)
+                },
+                tool_calls: None,
+                tool_call_id: None,
+                name: None,
+            })
+            .collect();
+        let mut kwargs: Vec<(String, minijinja::Value)> = Vec::new();
+        if !request.chat_template_kwargs_json.trim().is_empty() {
+            let parsed: minijinja::Value = serde_json::from_str(&request.chat_template_kwargs_json)
+                .map_err(|error| {
+                    GatewayError::invalid_parameter(
+                        "chat_template_kwargs_json",
+                        format!("not JSON: {error}"),
+                    )
+                })?;
+            if parsed.kind() != minijinja::value::ValueKind::Map {
+                return Err(GatewayError::invalid_parameter(
+                    "chat_template_kwargs_json",
+                    "must be a JSON object",
+                ));
+            }
+            for key in parsed
+                .try_iter()
+                .map_err(|error| GatewayError::invalid(error.to_string()))?
+            {
+                kwargs.push((key.to_string(), parsed.get_item(&key).unwrap_or_default()));
+            }
+        }
+        if let Some(enable_thinking) = request.enable_thinking {
+            kwargs.push((
+                "enable_thinking".to_string(),
+                minijinja::Value::from(enable_thinking),
+            ));
+        }
+        let kwargs_value: minijinja::Value = kwargs.into_iter().collect();
+        let input = chat_template_input(&messages, None, true, Some(&kwargs_value))?;
+        let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+        GenerationPlan::new(
+            model,
+            prompt_token_ids,
+            sampling_options(request.options),
+            Some(reasoning_start_for_prompt(&prompt)),
+        )
+    }
+}
+
+#[tonic::async_trait]
+impl Gateway for GatewayGrpcService {
+    async fn list_models(
+        &self,
+        _request: Request<ListModelsRequest>,
+    ) -> Result<Response<ListModelsResponse>, Status> {
+        let snapshot = self.state.backend.snapshot();
+        let models = snapshot
+            .models
+            .values()
+            .map(|model| GatewayModel {
+                name: model.name.clone(),
+                max_context: model.resources.max_context,
+                ready_engines: model.ready_engines as u32,
+                architecture: model.architecture.clone(),
+            })
+            .collect();
+        Ok(Response::new(ListModelsResponse { models }))
+    }
+
+    async fn generate(
+        &self,
+        request: Request<TextGenerationRequest>,
+    ) -> Result<Response<TextGenerationResponse>, Status> {
+        let result = async {
+            let plan = self.text_plan(request.into_inner()).await?;
+            let generation =
+                collect_generation(start_generation(&self.state, &plan, 0).await?).await?;
+            Ok::<_, GatewayError>(TextGenerationResponse {
+                text: generation.content,
+                finish_reason: finish_reason(generation.summary.finish),
+                usage: Some(usage(&generation.summary)),
+                matched_stop: generation.summary.matched_stop.unwrap_or_default(),
+            })
+        }
+        .await;
+        result
+            .map(Response::new)
+            .map_err(|error| error.to_grpc_status())
+    }
+
+    type GenerateStreamStream = BoxedStream<TextGenerationChunk>;
+
+    async fn generate_stream(
+        &self,
+        request: Request<TextGenerationRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        let plan = self
+            .text_plan(request.into_inner())
+            .await
+            .map_err(|error| error.to_grpc_status())?;
+        let receiver = start_generation(&self.state, &plan, 0)
+            .await
+            .map_err(|error| error.to_grpc_status())?;
+        let stream = ReceiverStream::new(receiver).map(|event| match event {
+            Ok(GenerationEvent::Delta { text, .. }) => Ok(TextGenerationChunk {
+                text: text.content,
+                ..Default::default()
+            }),
+            Ok(GenerationEvent::Finished(summary)) => Ok(TextGenerationChunk {
+                text: String::new(),
+                finish_reason: finish_reason(summary.finish),
+                usage: Some(usage(&summary)),
+                matched_stop: summary.matched_stop.unwrap_or_default(),
+            }),
+            Err(error) => Err(error.to_grpc_status()),
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn chat(&self, request: Request<ChatRequest>) -> Result<Response<ChatResponse>, Status> {
+        let result = async {
+            let plan = self.chat_plan(request.into_inner()).await?;
+            let generation =
+                collect_generation(start_generation(&self.state, &plan, 0).await?).await?;
+            Ok::<_, GatewayError>(ChatResponse {
+                content: generation.content,
+                reasoning_content: generation.reasoning,
+                finish_reason: finish_reason(generation.summary.finish),
+                usage: Some(usage(&generation.summary)),
+                matched_stop: generation.summary.matched_stop.unwrap_or_default(),
+            })
+        }
+        .await;
+        result
+            .map(Response::new)
+            .map_err(|error| error.to_grpc_status())
+    }
+
+    type ChatStreamStream = BoxedStream<ChatChunk>;
+
+    async fn chat_stream(
+        &self,
+        request: Request<ChatRequest>,
+    ) -> Result<Response<Self::ChatStreamStream>, Status> {
+        let plan = self
+            .chat_plan(request.into_inner())
+            .await
+            .map_err(|error| error.to_grpc_status())?;
+        let receiver = start_generation(&self.state, &plan, 0)
+            .await
+            .map_err(|error| error.to_grpc_status())?;
+        let stream = ReceiverStream::new(receiver).map(|event| match event {
+            Ok(GenerationEvent::Delta { text, .. }) => Ok(ChatChunk {
+                content: text.content,
+                reasoning_content: text.reasoning,
+                ..Default::default()
+            }),
+            Ok(GenerationEvent::Finished(summary)) => Ok(ChatChunk {
+                finish_reason: finish_reason(summary.finish),
+                usage: Some(usage(&summary)),
+                matched_stop: summary.matched_stop.unwrap_or_default(),
+                ..Default::default()
+            }),
+            Err(error) => Err(error.to_grpc_status()),
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}

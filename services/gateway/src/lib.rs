@@ -1,0 +1,32 @@
+//! `ninfer-gateway`: the HTTP/gRPC front door of NInfer-Offload.
+//!
+//! Owns: everything clients see. The OpenAI API (`openai`), the Anthropic API (`anthropic`), the
+//! public gRPC API with health and reflection (`grpc_api`), utility routes, auth and limits
+//! (`server`); the tokenizer and chat template taken from the engine (`tokenizer`,
+//! `chat_template`); stop strings (`stop_strings`), `<think>` splitting (`reasoning`) and the
+//! generation driver (`generation`); the [`backend::GenerationBackend`] seam and its gRPC engine
+//! pool (`backend::engine_pool`); routing statistics (`routing_stats`); Prometheus metrics
+//! (`metrics`); systemd notifications (`sd_notify`).
+//! Must not touch: weights, the artifact, CUDA, or the engine's internals. The gateway depends on
+//! `ninfer-protocol` alone among workspace crates and learns everything about the model
+//! (tokenizer.json, chat template, context length, EOS ids) from the engine over gRPC.
+
+pub mod anthropic;
+pub mod backend;
+pub mod chat_template;
+pub mod error;
+pub mod generation;
+pub mod grpc_api;
+pub mod metrics;
+pub mod openai;
+pub mod reasoning;
+pub mod routing_stats;
+pub mod sd_notify;
+pub mod server;
+pub mod stop_strings;
+pub mod tokenizer;
+
+pub use backend::engine_pool::{EnginePool, EnginePoolOptions};
+pub use backend::GenerationBackend;
+pub use error::GatewayError;
+pub use server::{build_router, serve, GatewaySettings, GatewayState};

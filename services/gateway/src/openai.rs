@@ -1,0 +1,828 @@
+//! The OpenAI-compatible API: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+//!
+//! Owns: OpenAI request/response JSON shapes, their mapping to [`SamplingOptions`] and chat
+//! template input, SSE framing (`data: {...}`, `data: [DONE]`, `stream_options.include_usage`),
+//! `reasoning_content`, logprobs, and OpenAI error envelopes.
+//! Must not touch: engine selection, stop-string or detokenization logic (see `generation`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value as JsonValue};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::chat_template::ChatTemplateInput;
+use crate::error::{ApiDialect, GatewayError};
+use crate::generation::{
+    build_chat_prompt, collect_generation, reasoning_start_for_prompt, start_all_choices,
+    token_count_parameter, FinishKind, GenerationEvent, GenerationPlan, GenerationSummary,
+    SamplingOptions, TokenLogprobEntry,
+};
+use crate::server::{parse_json_body, GatewayState};
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopSequences {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopSequences {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            StopSequences::One(stop) => vec![stop],
+            StopSequences::Many(stops) => stops,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Message content: a string or a list of typed parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallFunction {
+    pub name: String,
+    /// A JSON string (OpenAI) or an object; templates need the object.
+    #[serde(default)]
+    pub arguments: Option<minijinja::Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCall {
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    pub function: ToolCallFunction,
+}
+
+/// One chat message as OpenAI clients send it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct OpenAiMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    #[serde(default, alias = "reasoning")]
+    pub reasoning_content: Option<String>,
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: String,
+    pub messages: Vec<OpenAiMessage>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: OpenAiSampling,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<i64>,
+    #[serde(default)]
+    pub tools: Option<Vec<minijinja::Value>>,
+    /// Extra template variables, e.g. `{"enable_thinking": false}`.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<minijinja::Value>,
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// Sampling fields shared by chat and completions.
+#[derive(Debug, Default, Deserialize)]
+pub struct OpenAiSampling {
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<StopSequences>,
+    #[serde(default)]
+    pub n: Option<i64>,
+}
+
+impl OpenAiSampling {
+    fn to_options(
+        &self,
+        max_tokens: Option<u32>,
+        logprobs: bool,
+        top_logprobs: Option<i64>,
+    ) -> Result<SamplingOptions, GatewayError> {
+        let top_k =
+            match self.top_k {
+                None => None,
+                // -1 is vLLM's spelling of "disabled".
+                Some(-1) | Some(0) => Some(0),
+                Some(k) if k < 0 => {
+                    return Err(GatewayError::invalid_parameter(
+                        "top_k",
+                        format!("`top_k` must be -1, 0 or positive, got {k}"),
+                    ))
+                }
+                Some(k) => Some(u32::try_from(k).map_err(|_| {
+                    GatewayError::invalid_parameter("top_k", "`top_k` is too large")
+                })?),
+            };
+        let choices = match self.n {
+            None => 1,
+            Some(n) => u32::try_from(n).map_err(|_| {
+                GatewayError::invalid_parameter(
+                    "n",
+                    format!("`n` must be between 1 and 16, got {n}"),
+                )
+            })?,
+        };
+        let top_logprobs = match top_logprobs {
+            None => 0,
+            Some(k) => u32::try_from(k).map_err(|_| {
+                GatewayError::invalid_parameter(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be between 0 and 20, got {k}"),
+                )
+            })?,
+        };
+        Ok(SamplingOptions {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            // OpenAI seeds are any integer; the engine takes 64 bits.
+            seed: self.seed.map(|seed| seed as u64),
+            max_tokens,
+            stop: self
+                .stop
+                .clone()
+                .map(StopSequences::into_vec)
+                .unwrap_or_default(),
+            logprobs,
+            top_logprobs,
+            choices,
+        })
+    }
+}
+
+/// Builds the chat template input from OpenAI messages (shared with `/tokenize` and gRPC).
+pub fn chat_template_input(
+    messages: &[OpenAiMessage],
+    tools: Option<&[minijinja::Value]>,
+    add_generation_prompt: bool,
+    template_kwargs: Option<&minijinja::Value>,
+) -> Result<ChatTemplateInput, GatewayError> {
+    if messages.is_empty() {
+        return Err(GatewayError::invalid_parameter(
+            "messages",
+            "`messages` must not be empty",
+        ));
+    }
+    let mut rendered = Vec::new();
+    for (index, message) in messages.iter().enumerate() {
+        if !matches!(
+            message.role.as_str(),
+            "system" | "developer" | "user" | "assistant" | "tool"
+        ) {
+            return Err(GatewayError::invalid_parameter(
+                "messages",
+                format!(
+                    "messages[{index}].role `{}` is not one of system, user, assistant, tool",
+                    message.role
+                ),
+            ));
+        }
+        let role = if message.role == "developer" {
+            "system"
+        } else {
+            message.role.as_str()
+        };
+        let mut fields: Vec<(&str, minijinja::Value)> =
+            vec![("role", minijinja::Value::from(role))];
+        match &message.content {
+            None => fields.push(("content", minijinja::Value::from(()))),
+            Some(MessageContent::Text(text)) => {
+                fields.push(("content", minijinja::Value::from(text.as_str())))
+            }
+            Some(MessageContent::Parts(parts)) => {
+                let mut values = Vec::new();
+                for part in parts {
+                    if part.kind != "text" {
+                        return Err(GatewayError::invalid_parameter(
+                            "messages",
+                            format!("messages[{index}]: content parts of type `{}` are not supported (text only)", part.kind),
+                        ));
+                    }
+                    let text = part.text.clone().unwrap_or_default();
+                    values.push(minijinja::Value::from_iter([
+                        ("type", minijinja::Value::from("text")),
+                        ("text", minijinja::Value::from(text)),
+                    ]));
+                }
+                fields.push(("content", minijinja::Value::from(values)));
+            }
+        }
+        if let Some(reasoning) = &message.reasoning_content {
+            fields.push((
+                "reasoning_content",
+                minijinja::Value::from(reasoning.as_str()),
+            ));
+        }
+        if let Some(tool_calls) = &message.tool_calls {
+            let mut calls = Vec::new();
+            for call in tool_calls {
+                let arguments = match &call.function.arguments {
+                    // OpenAI sends arguments as a JSON string; templates iterate them as a mapping.
+                    Some(value) if value.kind() == minijinja::value::ValueKind::String => {
+                        let text = value.as_str().unwrap_or_default();
+                        serde_json::from_str::<minijinja::Value>(text).map_err(|error| {
+                            GatewayError::invalid_parameter(
+                                "messages",
+                                format!(
+                                    "messages[{index}]: tool call arguments are not JSON: {error}"
+                                ),
+                            )
+                        })?
+                    }
+                    Some(value) => value.clone(),
+                    None => minijinja::Value::from_iter(Vec::<(String, minijinja::Value)>::new()),
+                };
+                let function = minijinja::Value::from_iter([
+                    ("name", minijinja::Value::from(call.function.name.as_str())),
+                    ("arguments", arguments),
+                ]);
+                let mut call_fields: Vec<(&str, minijinja::Value)> = Vec::new();
+                if let Some(id) = &call.id {
+                    call_fields.push(("id", minijinja::Value::from(id.as_str())));
+                }
+                call_fields.push((
+                    "type",
+                    minijinja::Value::from(
+                        call.kind.clone().unwrap_or_else(|| "function".to_string()),
+                    ),
+                ));
+                call_fields.push(("function", function));
+                calls.push(minijinja::Value::from_iter(call_fields));
+            }
+            fields.push(("tool_calls", minijinja::Value::from(calls)));
+        }
+        if let Some(id) = &message.tool_call_id {
+            fields.push(("tool_call_id", minijinja::Value::from(id.as_str())));
+        }
+        if let Some(name) = &message.name {
+            fields.push(("name", minijinja::Value::from(name.as_str())));
+        }
+        rendered.push(minijinja::Value::from_iter(fields));
+    }
+    let mut extra_variables = Vec::new();
+    if let Some(kwargs) = template_kwargs {
+        if kwargs.kind() != minijinja::value::ValueKind::Map {
+            return Err(GatewayError::invalid_parameter(
+                "chat_template_kwargs",
+                "`chat_template_kwargs` must be an object",
+            ));
+        }
+        for key in kwargs
+            .try_iter()
+            .map_err(|error| GatewayError::invalid(error.to_string()))?
+        {
+            let value = kwargs.get_item(&key).unwrap_or_default();
+            extra_variables.push((key.to_string(), value));
+        }
+    }
+    Ok(ChatTemplateInput {
+        messages: rendered,
+        tools: tools
+            .filter(|tools| !tools.is_empty())
+            .map(<[minijinja::Value]>::to_vec),
+        add_generation_prompt,
+        extra_variables,
+        special_tokens: Vec::new(),
+    })
+}
+
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn finish_reason_text(finish: FinishKind) -> &'static str {
+    match finish {
+        FinishKind::Stop => "stop",
+        FinishKind::Length => "length",
+        // OpenAI has no "cancelled"; "abort" is vLLM's word for it.
+        FinishKind::Cancelled => "abort",
+    }
+}
+
+fn usage_json(prompt_tokens: u32, completion_tokens: u32) -> JsonValue {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+}
+
+fn chat_logprobs_json(entries: &[TokenLogprobEntry]) -> JsonValue {
+    let content: Vec<JsonValue> = entries
+        .iter()
+        .map(|entry| {
+            json!({
+                "token": entry.token,
+                "logprob": entry.logprob,
+                "bytes": entry.token.as_bytes(),
+                "top_logprobs": entry.top.iter().map(|(token, logprob)| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()})).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({"content": content})
+}
+
+fn completion_logprobs_json(entries: &[TokenLogprobEntry], text_start: usize) -> JsonValue {
+    let mut offset = text_start;
+    let mut text_offsets = Vec::new();
+    for entry in entries {
+        text_offsets.push(offset);
+        offset += entry.token.len();
+    }
+    json!({
+        "tokens": entries.iter().map(|e| e.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": entries.iter().map(|e| e.top.iter().map(|(t, l)| (t.clone(), JsonValue::from(*l))).collect::<serde_json::Map<String, JsonValue>>()).collect::<Vec<_>>(),
+        "text_offset": text_offsets,
+    })
+}
+
+fn openai_error(error: GatewayError) -> Response {
+    error.into_response_for(ApiDialect::OpenAi)
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<Arc<GatewayState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match chat_completions_inner(state, body).await {
+        Ok(response) => response,
+        Err(error) => openai_error(error),
+    }
+}
+
+async fn chat_completions_inner(
+    state: Arc<GatewayState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, GatewayError> {
+    let request: ChatCompletionRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+    let model = state.backend.snapshot().resolve_model(&request.model)?;
+    let max_tokens =
+        match token_count_parameter("max_completion_tokens", request.max_completion_tokens)? {
+            Some(value) => Some(value),
+            None => token_count_parameter("max_tokens", request.max_tokens)?,
+        };
+    let logprobs = request.logprobs.unwrap_or(false);
+    let options = request
+        .sampling
+        .to_options(max_tokens, logprobs, request.top_logprobs)?;
+    let input = chat_template_input(
+        &request.messages,
+        request.tools.as_deref(),
+        request.add_generation_prompt.unwrap_or(true),
+        request.chat_template_kwargs.as_ref(),
+    )?;
+    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+    let reasoning = Some(reasoning_start_for_prompt(&prompt));
+    let plan = GenerationPlan::new(model, prompt_token_ids, options, reasoning)?;
+    let receivers = start_all_choices(&state, &plan).await?;
+    let id = format!("chatcmpl-{}", plan.request_id);
+    let created = unix_seconds();
+    if request.stream.unwrap_or(false) {
+        let include_usage = request
+            .stream_options
+            .map(|o| o.include_usage)
+            .unwrap_or(false);
+        return Ok(stream_chat(
+            id,
+            created,
+            plan.model.name.clone(),
+            receivers,
+            include_usage,
+            logprobs,
+        ));
+    }
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (index, receiver) in receivers.into_iter().enumerate() {
+        let generation = collect_generation(receiver).await?;
+        prompt_tokens = generation.summary.prompt_tokens;
+        completion_tokens += generation.summary.completion_tokens;
+        let reasoning_content = if generation.reasoning.is_empty() {
+            JsonValue::Null
+        } else {
+            JsonValue::from(generation.reasoning)
+        };
+        choices.push(json!({
+            "index": index,
+            "message": {"role": "assistant", "content": generation.content, "reasoning_content": reasoning_content},
+            "logprobs": if logprobs { chat_logprobs_json(&generation.logprobs) } else { JsonValue::Null },
+            "finish_reason": finish_reason_text(generation.summary.finish),
+            "stop_reason": generation.summary.matched_stop,
+        }));
+    }
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": plan.model.name,
+        "choices": choices,
+        "usage": usage_json(prompt_tokens, completion_tokens),
+    }))
+    .into_response())
+}
+
+type ChoiceReceiver = mpsc::Receiver<Result<GenerationEvent, GatewayError>>;
+
+/// Merges the choices' event channels into one stream of `(choice index, event)`.
+fn merged_choices(
+    receivers: Vec<ChoiceReceiver>,
+) -> impl futures_util::Stream<Item = (usize, Result<GenerationEvent, GatewayError>)> {
+    futures_util::stream::select_all(receivers.into_iter().enumerate().map(|(index, receiver)| {
+        ReceiverStream::new(receiver)
+            .map(move |event| (index, event))
+            .boxed()
+    }))
+}
+
+/// Wraps a producer task's channel as an SSE response. When the client disconnects, axum drops
+/// the stream, the producer's sends fail, it drops the generation channels, and the engines cancel.
+fn sse_response(events: mpsc::Receiver<Event>) -> Response {
+    let stream = ReceiverStream::new(events).map(Ok::<Event, Infallible>);
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+fn json_event(value: &JsonValue) -> Event {
+    Event::default().data(value.to_string())
+}
+
+fn stream_chat(
+    id: String,
+    created: u64,
+    model: String,
+    receivers: Vec<ChoiceReceiver>,
+    include_usage: bool,
+    logprobs: bool,
+) -> Response {
+    let (events, event_receiver) = mpsc::channel::<Event>(64);
+    let choice_count = receivers.len();
+    tokio::spawn(async move {
+        let chunk = |choices: JsonValue, usage: Option<JsonValue>| {
+            let mut value = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices});
+            if include_usage {
+                value["usage"] = usage.unwrap_or(JsonValue::Null);
+            }
+            json_event(&value)
+        };
+        for index in 0..choice_count {
+            let first = chunk(
+                json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+                None,
+            );
+            if events.send(first).await.is_err() {
+                return;
+            }
+        }
+        let mut summaries: Vec<Option<GenerationSummary>> = vec![None; choice_count];
+        let mut merged = merged_choices(receivers);
+        while let Some((index, event)) = merged.next().await {
+            let message = match event {
+                Ok(GenerationEvent::Delta {
+                    text,
+                    logprobs: entries,
+                }) => {
+                    let mut delta = serde_json::Map::new();
+                    if !text.reasoning.is_empty() {
+                        delta.insert(
+                            "reasoning_content".to_string(),
+                            JsonValue::from(text.reasoning),
+                        );
+                    }
+                    if !text.content.is_empty() {
+                        delta.insert("content".to_string(), JsonValue::from(text.content));
+                    }
+                    let logprobs_value = if logprobs {
+                        chat_logprobs_json(&entries)
+                    } else {
+                        JsonValue::Null
+                    };
+                    chunk(
+                        json!([{"index": index, "delta": delta, "logprobs": logprobs_value, "finish_reason": null}]),
+                        None,
+                    )
+                }
+                Ok(GenerationEvent::Finished(summary)) => {
+                    let finish = finish_reason_text(summary.finish);
+                    let stop_reason = summary.matched_stop.clone();
+                    if let Some(slot) = summaries.get_mut(index) {
+                        *slot = Some(summary);
+                    }
+                    chunk(
+                        json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": finish, "stop_reason": stop_reason}]),
+                        None,
+                    )
+                }
+                Err(error) => {
+                    let _ = events
+                        .send(json_event(&error.envelope(ApiDialect::OpenAi)))
+                        .await;
+                    let _ = events.send(Event::default().data("[DONE]")).await;
+                    return;
+                }
+            };
+            if events.send(message).await.is_err() {
+                return; // client gone: dropping `merged` cancels every choice
+            }
+        }
+        if include_usage {
+            let prompt_tokens = summaries
+                .iter()
+                .flatten()
+                .map(|s| s.prompt_tokens)
+                .next()
+                .unwrap_or(0);
+            let completion_tokens: u32 = summaries
+                .iter()
+                .flatten()
+                .map(|s| s.completion_tokens)
+                .sum();
+            let _ = events
+                .send(chunk(
+                    json!([]),
+                    Some(usage_json(prompt_tokens, completion_tokens)),
+                ))
+                .await;
+        }
+        let _ = events.send(Event::default().data("[DONE]")).await;
+    });
+    sse_response(event_receiver)
+}
+
+/// `prompt` of `/v1/completions`: text, or token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum CompletionPrompt {
+    Text(String),
+    Texts(Vec<String>),
+    TokenIds(Vec<u32>),
+    TokenIdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: CompletionPrompt,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: OpenAiSampling,
+    /// Completions API: number of top alternatives (0 = chosen token only).
+    #[serde(default)]
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: Option<bool>,
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<Arc<GatewayState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match completions_inner(state, body).await {
+        Ok(response) => response,
+        Err(error) => openai_error(error),
+    }
+}
+
+async fn completions_inner(
+    state: Arc<GatewayState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, GatewayError> {
+    let request: CompletionRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+    let model = state.backend.snapshot().resolve_model(&request.model)?;
+    if request.echo.unwrap_or(false) {
+        return Err(GatewayError::invalid_parameter(
+            "echo",
+            "`echo` is not supported",
+        ));
+    }
+    // The legacy default of the completions API is 16 tokens.
+    let max_tokens = token_count_parameter("max_tokens", request.max_tokens)?.or(Some(16));
+    let logprobs = request.logprobs.is_some();
+    let options = request
+        .sampling
+        .to_options(max_tokens, logprobs, request.logprobs)?;
+    let prompt_token_ids = match request.prompt {
+        CompletionPrompt::Text(text) => model.resources.tokenizer.encode(&text, true)?,
+        CompletionPrompt::Texts(texts) if texts.len() == 1 => {
+            model.resources.tokenizer.encode(&texts[0], true)?
+        }
+        CompletionPrompt::TokenIds(ids) => {
+            let vocabulary = model.resources.tokenizer.vocabulary_size() as u32;
+            if let Some(bad) = ids.iter().find(|id| **id >= vocabulary) {
+                return Err(GatewayError::invalid_parameter(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary (size {vocabulary})"),
+                ));
+            }
+            ids
+        }
+        CompletionPrompt::TokenIdLists(lists) if lists.len() == 1 => {
+            lists.into_iter().next().unwrap_or_default()
+        }
+        _ => {
+            return Err(GatewayError::invalid_parameter(
+                "prompt",
+                "exactly one prompt per request is supported",
+            ))
+        }
+    };
+    let plan = GenerationPlan::new(model, prompt_token_ids, options, None)?;
+    let receivers = start_all_choices(&state, &plan).await?;
+    let id = format!("cmpl-{}", plan.request_id);
+    let created = unix_seconds();
+    let model_name = plan.model.name.clone();
+    if request.stream.unwrap_or(false) {
+        let include_usage = request
+            .stream_options
+            .map(|o| o.include_usage)
+            .unwrap_or(false);
+        let (events, event_receiver) = mpsc::channel::<Event>(64);
+        tokio::spawn(async move {
+            let chunk = |choices: JsonValue, usage: Option<JsonValue>| {
+                let mut value = json!({"id": id, "object": "text_completion", "created": created, "model": model_name, "choices": choices});
+                if include_usage {
+                    value["usage"] = usage.unwrap_or(JsonValue::Null);
+                }
+                json_event(&value)
+            };
+            let mut text_lengths = vec![0usize; receivers.len()];
+            let (mut prompt_tokens, mut completion_tokens) = (0u32, 0u32);
+            let mut merged = merged_choices(receivers);
+            while let Some((index, event)) = merged.next().await {
+                let message = match event {
+                    Ok(GenerationEvent::Delta {
+                        text,
+                        logprobs: entries,
+                    }) => {
+                        let start = text_lengths.get(index).copied().unwrap_or(0);
+                        if let Some(length) = text_lengths.get_mut(index) {
+                            *length += text.content.len();
+                        }
+                        let logprobs_value = if logprobs {
+                            completion_logprobs_json(&entries, start)
+                        } else {
+                            JsonValue::Null
+                        };
+                        chunk(
+                            json!([{"index": index, "text": text.content, "logprobs": logprobs_value, "finish_reason": null}]),
+                            None,
+                        )
+                    }
+                    Ok(GenerationEvent::Finished(summary)) => {
+                        prompt_tokens = summary.prompt_tokens;
+                        completion_tokens += summary.completion_tokens;
+                        chunk(
+                            json!([{"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason_text(summary.finish), "stop_reason": summary.matched_stop}]),
+                            None,
+                        )
+                    }
+                    Err(error) => {
+                        let _ = events
+                            .send(json_event(&error.envelope(ApiDialect::OpenAi)))
+                            .await;
+                        let _ = events.send(Event::default().data("[DONE]")).await;
+                        return;
+                    }
+                };
+                if events.send(message).await.is_err() {
+                    return;
+                }
+            }
+            if include_usage {
+                let _ = events
+                    .send(chunk(
+                        json!([]),
+                        Some(usage_json(prompt_tokens, completion_tokens)),
+                    ))
+                    .await;
+            }
+            let _ = events.send(Event::default().data("[DONE]")).await;
+        });
+        return Ok(sse_response(event_receiver));
+    }
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (index, receiver) in receivers.into_iter().enumerate() {
+        let generation = collect_generation(receiver).await?;
+        prompt_tokens = generation.summary.prompt_tokens;
+        completion_tokens += generation.summary.completion_tokens;
+        choices.push(json!({
+            "index": index,
+            "text": generation.content,
+            "logprobs": if logprobs { completion_logprobs_json(&generation.logprobs, 0) } else { JsonValue::Null },
+            "finish_reason": finish_reason_text(generation.summary.finish),
+            "stop_reason": generation.summary.matched_stop,
+        }));
+    }
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model_name,
+        "choices": choices,
+        "usage": usage_json(prompt_tokens, completion_tokens),
+    }))
+    .into_response())
+}
+
+fn model_json(model: &crate::backend::ServedModel) -> JsonValue {
+    json!({
+        "id": model.name,
+        "object": "model",
+        "created": model.created_unix_seconds,
+        "owned_by": "ninfer",
+        "max_model_len": model.resources.max_context,
+        "ready": model.ready_engines > 0,
+    })
+}
+
+/// `GET /v1/models`: every model an engine has served since start (with readiness).
+pub async fn list_models(State(state): State<Arc<GatewayState>>) -> Response {
+    let snapshot = state.backend.snapshot();
+    let data: Vec<JsonValue> = snapshot.models.values().map(model_json).collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /v1/models/{model}`.
+pub async fn get_model(
+    State(state): State<Arc<GatewayState>>,
+    Path(model): Path<String>,
+) -> Response {
+    match state.backend.snapshot().models.get(&model) {
+        Some(served) => Json(model_json(served)).into_response(),
+        None => openai_error(GatewayError::ModelNotFound(model)),
+    }
+}

@@ -1,0 +1,397 @@
+//! Assembles the gateway: shared state, the HTTP router (OpenAI, Anthropic, utility routes), the
+//! public gRPC services on the same port, authentication, body limits and request metrics.
+//!
+//! Owns: [`GatewayState`], [`GatewaySettings`], [`build_router`], [`serve`], the API-key check,
+//! and the small utility routes (`/health`, `/metrics`, `/tokenize`, `/detokenize`,
+//! `/v1/stats/experts`).
+//! Must not touch: generation logic (see `generation`) or API request shapes (see `openai`,
+//! `anthropic`, `grpc_api`).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::backend::GenerationBackend;
+use crate::error::{ApiDialect, GatewayError};
+use crate::metrics::GatewayMetrics;
+use crate::routing_stats::RoutingStatsHandle;
+
+/// Settings that do not change while the gateway runs.
+#[derive(Clone, Debug)]
+pub struct GatewaySettings {
+    /// When set, every API route needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    pub api_key: Option<String>,
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+}
+
+impl Default for GatewaySettings {
+    fn default() -> Self {
+        GatewaySettings {
+            api_key: None,
+            max_body_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+/// Shared by every handler.
+pub struct GatewayState {
+    pub backend: Arc<dyn GenerationBackend>,
+    pub metrics: Arc<GatewayMetrics>,
+    pub routing_stats: Option<RoutingStatsHandle>,
+    pub settings: GatewaySettings,
+}
+
+impl GatewayState {
+    pub fn new(
+        backend: Arc<dyn GenerationBackend>,
+        routing_stats: Option<RoutingStatsHandle>,
+        settings: GatewaySettings,
+    ) -> Arc<Self> {
+        Arc::new(GatewayState {
+            backend,
+            metrics: Arc::new(GatewayMetrics::default()),
+            routing_stats,
+            settings,
+        })
+    }
+}
+
+/// The whole service: HTTP routes plus gRPC (public API, health, reflection) on one port.
+pub fn build_router(state: Arc<GatewayState>) -> Router {
+    let http_routes = Router::new()
+        .route(
+            "/v1/chat/completions",
+            post(crate::openai::chat_completions),
+        )
+        .route("/v1/completions", post(crate::openai::completions))
+        .route("/v1/models", get(crate::openai::list_models))
+        .route("/v1/models/{model}", get(crate::openai::get_model))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::anthropic::count_tokens),
+        )
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/stats/experts", get(expert_statistics))
+        .fallback(route_not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.settings.max_body_bytes))
+        .with_state(state.clone());
+    let grpc_routes = crate::grpc_api::grpc_routes(state.clone());
+    http_routes
+        .merge(grpc_routes)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            authenticate_and_count,
+        ))
+}
+
+/// Binds nothing itself: serves `router` on an already bound listener until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Which error envelope a path speaks.
+pub fn dialect_for_path(path: &str) -> ApiDialect {
+    if path.starts_with("/v1/messages") {
+        ApiDialect::Anthropic
+    } else {
+        ApiDialect::OpenAi
+    }
+}
+
+/// Paths anyone may call (probes and scrapers).
+fn is_public_path(path: &str) -> bool {
+    path == "/health"
+        || path == "/metrics"
+        || path.starts_with("/grpc.health.v1.")
+        || path.starts_with("/grpc.reflection.")
+}
+
+fn presented_api_key(headers: &HeaderMap) -> Option<&str> {
+    if let Some(value) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
+        return Some(value.trim());
+    }
+    let authorization = headers.get("authorization").and_then(|v| v.to_str().ok())?;
+    authorization
+        .strip_prefix("Bearer ")
+        .or_else(|| authorization.strip_prefix("bearer "))
+        .map(str::trim)
+}
+
+/// Constant-time comparison, so the key cannot be guessed byte by byte from timings.
+fn keys_match(presented: &str, expected: &str) -> bool {
+    let (a, b) = (presented.as_bytes(), expected.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn authenticate_and_count(
+    State(state): State<Arc<GatewayState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let path = request.uri().path().to_string();
+    let is_grpc = request
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|content_type| content_type.starts_with("application/grpc"));
+    if let Some(expected) = &state.settings.api_key {
+        if !is_public_path(&path) {
+            let authorized =
+                presented_api_key(request.headers()).is_some_and(|key| keys_match(key, expected));
+            if !authorized {
+                let error = GatewayError::Unauthorized(
+                    "Invalid or missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`".to_string(),
+                );
+                if is_grpc {
+                    return grpc_error_response(tonic::Code::Unauthenticated, &error.to_string());
+                }
+                let response = error.into_response_for(dialect_for_path(&path));
+                state
+                    .metrics
+                    .record_request(&metric_endpoint(&path), response.status().as_u16());
+                return response;
+            }
+        }
+    }
+    let response = next.run(request).await;
+    if !is_grpc {
+        state
+            .metrics
+            .record_request(&metric_endpoint(&path), response.status().as_u16());
+    }
+    response
+}
+
+/// A gRPC "trailers-only" error response.
+fn grpc_error_response(code: tonic::Code, message: &str) -> Response {
+    let mut response = StatusCode::OK.into_response();
+    let headers = response.headers_mut();
+    headers.insert("content-type", HeaderValue::from_static("application/grpc"));
+    headers.insert("grpc-status", HeaderValue::from(code as i32));
+    if let Ok(value) = HeaderValue::from_str(message) {
+        headers.insert("grpc-message", value);
+    }
+    response
+}
+
+/// Known endpoints by name; anything else is one label, so clients cannot blow up the label set.
+fn metric_endpoint(path: &str) -> String {
+    const KNOWN: [&str; 11] = [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+        "/v1/stats/experts",
+        "/ninfer.v1.Gateway",
+    ];
+    KNOWN
+        .iter()
+        .find(|known| path == **known)
+        .map(|known| known.to_string())
+        .unwrap_or_else(|| "other".to_string())
+}
+
+/// Reads a body extracted by axum and parses it as JSON, mapping every failure to a 4xx.
+pub fn parse_json_body<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    limit: usize,
+) -> Result<T, GatewayError> {
+    let bytes = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            GatewayError::BodyTooLarge { limit_bytes: limit }
+        } else {
+            GatewayError::invalid(format!("could not read the request body: {rejection}"))
+        }
+    })?;
+    if bytes.is_empty() {
+        return Err(GatewayError::invalid(
+            "the request body is empty; a JSON object is expected",
+        ));
+    }
+    serde_json::from_slice(&bytes).map_err(|error| {
+        GatewayError::invalid(format!(
+            "the request body is not valid JSON for this endpoint: {error}"
+        ))
+    })
+}
+
+async fn route_not_found(request: Request) -> Response {
+    let path = request.uri().path().to_string();
+    GatewayError::RouteNotFound(format!("no route for {} {path}", request.method()))
+        .into_response_for(dialect_for_path(&path))
+}
+
+async fn method_not_allowed(request: Request) -> Response {
+    let path = request.uri().path().to_string();
+    let error = GatewayError::invalid(format!(
+        "method {} is not allowed on {path}",
+        request.method()
+    ));
+    let mut response = error.into_response_for(dialect_for_path(&path));
+    *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+    response
+}
+
+/// 200 when at least one engine is ready, 503 otherwise; the body lists the engines.
+async fn health(State(state): State<Arc<GatewayState>>) -> Response {
+    let snapshot = state.backend.snapshot();
+    let engines: Vec<_> = snapshot
+        .engines
+        .iter()
+        .map(|engine| {
+            json!({
+                "address": engine.address,
+                "ready": engine.ready,
+                "model": engine.model_name,
+                "in_flight_requests": engine.in_flight_requests,
+                "error": engine.last_error,
+            })
+        })
+        .collect();
+    let ready = snapshot.any_engine_ready();
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"status": if ready { "ok" } else { "unavailable" }, "engines": engines})),
+    )
+        .into_response()
+}
+
+async fn metrics(State(state): State<Arc<GatewayState>>) -> Response {
+    let snapshot = state.backend.snapshot();
+    let routing = match &state.routing_stats {
+        Some(store) => store.snapshot().await,
+        None => Vec::new(),
+    };
+    let text = state.metrics.render(&snapshot, &routing);
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+async fn expert_statistics(State(state): State<Arc<GatewayState>>) -> Response {
+    let models = match &state.routing_stats {
+        Some(store) => store.snapshot().await,
+        None => Vec::new(),
+    };
+    Json(json!({"object": "list", "data": models})).into_response()
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    model: Option<String>,
+    /// Raw text to encode.
+    prompt: Option<String>,
+    /// Or a conversation, rendered with the chat template first.
+    messages: Option<Vec<crate::openai::OpenAiMessage>>,
+    #[serde(default = "default_true")]
+    add_special_tokens: bool,
+    #[serde(default = "default_true")]
+    add_generation_prompt: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// The model a utility request means: the named one, or the only one served.
+pub fn pick_model(
+    state: &GatewayState,
+    requested: Option<&str>,
+) -> Result<crate::backend::ServedModel, GatewayError> {
+    let snapshot = state.backend.snapshot();
+    match requested {
+        Some(name) => snapshot.resolve_model(name),
+        None => match snapshot
+            .models
+            .values()
+            .find(|model| model.ready_engines > 0)
+        {
+            Some(model) => Ok(model.clone()),
+            None => Err(GatewayError::NoEngineAvailable(
+                "no engine is ready; retry when /health is 200".to_string(),
+            )),
+        },
+    }
+}
+
+async fn tokenize(
+    State(state): State<Arc<GatewayState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = async {
+        let request: TokenizeRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+        let model = pick_model(&state, request.model.as_deref())?;
+        let tokens = match (request.prompt, request.messages) {
+            (Some(prompt), None) => model.resources.tokenizer.encode(&prompt, request.add_special_tokens)?,
+            (None, Some(messages)) => {
+                let input = crate::openai::chat_template_input(&messages, None, request.add_generation_prompt, None)?;
+                crate::generation::build_chat_prompt(&model, &input)?.1
+            }
+            _ => return Err(GatewayError::invalid("give exactly one of `prompt` or `messages`")),
+        };
+        Ok(json!({"model": model.name, "count": tokens.len(), "max_model_len": model.resources.max_context, "tokens": tokens}))
+    }
+    .await;
+    match result {
+        Ok(body) => Json(body).into_response(),
+        Err(error) => error.into_response_for(ApiDialect::OpenAi),
+    }
+}
+
+#[derive(Deserialize)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+async fn detokenize(
+    State(state): State<Arc<GatewayState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = (|| {
+        let request: DetokenizeRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+        let model = pick_model(&state, request.model.as_deref())?;
+        let text = model.resources.tokenizer.decode(&request.tokens, false)?;
+        Ok::<_, GatewayError>(json!({"model": model.name, "prompt": text}))
+    })();
+    match result {
+        Ok(body) => Json(body).into_response(),
+        Err(error) => error.into_response_for(ApiDialect::OpenAi),
+    }
+}

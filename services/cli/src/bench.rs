@@ -1,8 +1,315 @@
-//! `ninfer bench`: filled in by the CPU-kernel work.
+//! `ninfer bench`: memory read bandwidth (the reference) and routed-expert kernel throughput.
+//!
+//! Owns: the `bench` arguments, model-shape presets and the printed tables / JSON.
+//! Must not touch: the measurements themselves (`ninfer_expert_kernels::bench`).
+
+use anyhow::{bail, Context};
+use ninfer_expert_kernels::bench::{
+    bench_experts, measure_read_bandwidth, BandwidthResult, ExpertBenchConfig, ExpertBenchResult,
+};
+use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool, WeightDType};
 
 #[derive(Debug, clap::Args)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: BenchCommand,
+}
 
-pub fn run(_args: BenchArgs) -> anyhow::Result<()> {
-    anyhow::bail!("ninfer bench is not available yet")
+#[derive(Debug, clap::Subcommand)]
+enum BenchCommand {
+    /// Multi-threaded read bandwidth of this machine (the reference for `bench experts`).
+    Memory(MemoryArgs),
+    /// Routed-expert SwiGLU throughput per kernel path, against the read bandwidth.
+    Experts(ExpertsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct PoolArgs {
+    /// Threads (default: every core of the NUMA node).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// NUMA node whose cores the threads are pinned to (all cores when the machine has none).
+    #[arg(long, default_value_t = 0)]
+    numa_node: usize,
+}
+
+#[derive(Debug, clap::Args)]
+struct MemoryArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+    /// Buffer size in GiB (far above the caches).
+    #[arg(long, default_value_t = 2.0)]
+    buffer_gib: f64,
+    /// Timed passes over the buffer.
+    #[arg(long, default_value_t = 10)]
+    passes: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct ExpertsArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+    /// Model shape: qwen3.5-35b-a3b, qwen3-30b-a3b, qwen3-next-80b-a3b, qwen3-235b-a22b.
+    #[arg(long, default_value = "qwen3.5-35b-a3b")]
+    preset: String,
+    /// Weight dtypes, comma-separated: f32, bf16, int8, int4.
+    #[arg(long, default_value = "int4")]
+    dtype: String,
+    /// Tokens per expert, comma-separated (1 = decode).
+    #[arg(long, default_value = "1")]
+    tokens: String,
+    /// Kernel paths, comma-separated (scalar, avx2, avx512, avx512-vnni, amx), or `all`
+    /// (every path this CPU supports).
+    #[arg(long, default_value = "all")]
+    kernel_isa: String,
+    /// Experts computed per layer (default: the preset's top-k).
+    #[arg(long)]
+    experts_per_layer: Option<usize>,
+    /// Expert weights allocated, GiB; layers rotate so the working set exceeds the caches.
+    #[arg(long, default_value_t = 4.0)]
+    working_set_gib: f64,
+    /// Timed seconds per measurement.
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+    /// Software prefetch distance in bytes for the streaming kernels (0: hardware only).
+    #[arg(long, default_value_t = 0)]
+    prefetch_bytes: usize,
+    /// Reference read bandwidth in GB/s (default: measured first, as `bench memory`).
+    #[arg(long)]
+    bandwidth_gbs: Option<f64>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A model's routed-expert shape.
+struct Preset {
+    name: &'static str,
+    hidden: usize,
+    intermediate: usize,
+    experts: usize,
+    top_k: usize,
+}
+
+const PRESETS: [Preset; 4] = [
+    Preset {
+        name: "qwen3.5-35b-a3b",
+        hidden: 2048,
+        intermediate: 512,
+        experts: 256,
+        top_k: 8,
+    },
+    Preset {
+        name: "qwen3-30b-a3b",
+        hidden: 2048,
+        intermediate: 768,
+        experts: 128,
+        top_k: 8,
+    },
+    Preset {
+        name: "qwen3-next-80b-a3b",
+        hidden: 2048,
+        intermediate: 512,
+        experts: 512,
+        top_k: 10,
+    },
+    Preset {
+        name: "qwen3-235b-a22b",
+        hidden: 4096,
+        intermediate: 1536,
+        experts: 128,
+        top_k: 8,
+    },
+];
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.command {
+        BenchCommand::Memory(args) => run_memory(args),
+        BenchCommand::Experts(args) => run_experts(args),
+    }
+}
+
+fn make_pool(args: &PoolArgs) -> anyhow::Result<ThreadPool> {
+    if args.threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
+    ThreadPool::for_numa_node(args.numa_node, args.threads).context("starting the thread pool")
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn gib_to_bytes(gib: f64, flag: &str) -> anyhow::Result<usize> {
+    if !(gib.is_finite() && gib > 0.0 && gib < 4096.0) {
+        bail!("{flag} must be a positive number of GiB, got {gib}");
+    }
+    Ok((gib * GIB) as usize)
+}
+
+fn run_memory(args: MemoryArgs) -> anyhow::Result<()> {
+    let pool = make_pool(&args.pool)?;
+    let bytes = gib_to_bytes(args.buffer_gib, "--buffer-gib")?;
+    let result = measure_read_bandwidth(&pool, bytes, args.passes.max(1))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+    } else {
+        print_bandwidth(&result, &pool);
+    }
+    Ok(())
+}
+
+fn print_bandwidth(result: &BandwidthResult, pool: &ThreadPool) {
+    println!(
+        "read bandwidth: {:.1} GB/s best, {:.1} GB/s median ({} threads on cpus {}, {:.1} GiB buffer, {} passes)",
+        result.best_gbps,
+        result.median_gbps,
+        result.threads,
+        cpu_summary(pool.cpus()),
+        result.buffer_bytes as f64 / GIB,
+        result.passes
+    );
+}
+
+fn cpu_summary(cpus: &[usize]) -> String {
+    match (cpus.first(), cpus.last()) {
+        (Some(first), Some(last)) if cpus.len() == last - first + 1 => format!("{first}-{last}"),
+        _ => format!("{cpus:?}"),
+    }
+}
+
+fn parse_list<T>(
+    text: &str,
+    flag: &str,
+    parse: impl Fn(&str) -> anyhow::Result<T>,
+) -> anyhow::Result<Vec<T>> {
+    let items: Vec<T> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| parse(item).with_context(|| format!("in {flag}")))
+        .collect::<Result<_, _>>()?;
+    if items.is_empty() {
+        bail!("{flag} names nothing");
+    }
+    Ok(items)
+}
+
+fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
+    let Some(preset) = PRESETS
+        .iter()
+        .find(|p| p.name.eq_ignore_ascii_case(&args.preset))
+    else {
+        let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
+        bail!(
+            "unknown preset `{}` (known: {})",
+            args.preset,
+            names.join(", ")
+        );
+    };
+    let dtypes = parse_list(&args.dtype, "--dtype", |s| Ok(s.parse::<WeightDType>()?))?;
+    let token_counts = parse_list(&args.tokens, "--tokens", |s| {
+        let n: usize = s
+            .parse()
+            .with_context(|| format!("`{s}` is not a token count"))?;
+        if n == 0 || n > 65536 {
+            bail!("token count {n} out of range 1..=65536");
+        }
+        Ok(n)
+    })?;
+    let isas = if args.kernel_isa.trim().eq_ignore_ascii_case("all") {
+        KernelIsa::supported()
+    } else {
+        parse_list(&args.kernel_isa, "--kernel-isa", |s| {
+            Ok(s.parse::<KernelIsa>()?.require_supported()?)
+        })?
+    };
+    let experts_per_layer = args.experts_per_layer.unwrap_or(preset.top_k);
+    if experts_per_layer == 0 || experts_per_layer > preset.experts {
+        bail!("--experts-per-layer must be in 1..={}", preset.experts);
+    }
+    if !(args.seconds.is_finite() && args.seconds > 0.0) {
+        bail!("--seconds must be positive");
+    }
+    let working_set = gib_to_bytes(args.working_set_gib, "--working-set-gib")?;
+    let pool = make_pool(&args.pool)?;
+    ninfer_expert_kernels::set_prefetch_distance(args.prefetch_bytes);
+
+    let bandwidth = match args.bandwidth_gbs {
+        Some(gbs) => BandwidthResult {
+            threads: pool.threads(),
+            buffer_bytes: 0,
+            passes: 0,
+            best_gbps: gbs,
+            median_gbps: gbs,
+        },
+        None => measure_read_bandwidth(&pool, 2 << 30, 10)?,
+    };
+    if !args.json {
+        print_bandwidth(&bandwidth, &pool);
+        println!(
+            "preset {}: H={} Im={} E={} top-{}; {} experts per layer; cpu features: {}",
+            preset.name,
+            preset.hidden,
+            preset.intermediate,
+            preset.experts,
+            preset.top_k,
+            experts_per_layer,
+            KernelIsa::supported()
+                .iter()
+                .map(|i| i.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        println!(
+            "{:<5} {:>6} {:<12} {:>7} {:>10} {:>9} {:>9} {:>9}",
+            "dtype", "tokens", "isa", "layers", "layer µs", "GB/s", "% of bw", "GFLOP/s"
+        );
+    }
+    let mut all: Vec<ExpertBenchResult> = Vec::new();
+    for &dtype in &dtypes {
+        let layout = ExpertLayout::new(dtype, preset.hidden, preset.intermediate)?;
+        for &tokens in &token_counts {
+            let config = ExpertBenchConfig {
+                layout,
+                experts_per_layer,
+                tokens,
+                working_set_bytes: working_set,
+                min_seconds: args.seconds,
+            };
+            let results = bench_experts(&pool, &config, &isas)?;
+            for result in &results {
+                if !args.json {
+                    println!(
+                        "{:<5} {:>6} {:<12} {:>7} {:>10.1} {:>9.1} {:>8.0}% {:>9.1}",
+                        result.dtype.name(),
+                        result.tokens,
+                        result.isa.name(),
+                        result.layers,
+                        result.layer_us,
+                        result.weight_gbps,
+                        100.0 * result.weight_gbps / bandwidth.best_gbps,
+                        result.gflops
+                    );
+                }
+            }
+            all.extend(results);
+        }
+    }
+    if args.json {
+        let report = serde_json::json!({
+            "preset": preset.name,
+            "bandwidth": bandwidth,
+            "results": all.iter().map(|r| {
+                let mut value = serde_json::to_value(r).unwrap_or_default();
+                if let Some(object) = value.as_object_mut() {
+                    object.insert("bandwidth_ratio".into(), (r.weight_gbps / bandwidth.best_gbps).into());
+                }
+                value
+            }).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(())
 }

@@ -14,7 +14,9 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use crate::avx512::{float_weight, group_bytes, load_group, load_scales, D_BF16, D_F32, D_INT4, D_INT8};
+use crate::avx512::{
+    float_weight, group_bytes, load_group, load_scales, D_BF16, D_F32, D_INT4, D_INT8,
+};
 use crate::kernels::ThreadBuffers;
 use crate::layout::{MatrixView, WeightDType, GROUP};
 use crate::prepare::InputRows;
@@ -50,7 +52,12 @@ impl TileConfig {
 /// Dequantizes row `row` into `strip` as bf16, `padded` features, zero past `cols`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
-unsafe fn dequantize_row<const D: u8>(matrix: &MatrixView, row: usize, strip: *mut u16, padded: usize) {
+unsafe fn dequantize_row<const D: u8>(
+    matrix: &MatrixView,
+    row: usize,
+    strip: *mut u16,
+    padded: usize,
+) {
     let cols = matrix.layout.cols;
     let full_groups = cols / GROUP;
     let values = matrix.row_values(row);
@@ -60,11 +67,15 @@ unsafe fn dequantize_row<const D: u8>(matrix: &MatrixView, row: usize, strip: *m
     while group < full_groups {
         let chunk = (full_groups - group).min(16);
         if quantized {
-            _mm512_storeu_ps(scales.as_mut_ptr(), load_scales(matrix.row_scales(row).add(group), chunk));
+            _mm512_storeu_ps(
+                scales.as_mut_ptr(),
+                load_scales(matrix.row_scales(row).add(group), chunk),
+            );
         }
         for (j, &scale) in scales.iter().enumerate().take(chunk) {
             let g = group + j;
-            let (low, high) = load_group::<D>(values.add(g * group_bytes(D)), _mm512_set1_ps(scale));
+            let (low, high) =
+                load_group::<D>(values.add(g * group_bytes(D)), _mm512_set1_ps(scale));
             let packed: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(low));
             _mm256_storeu_si256(strip.add(g * GROUP).cast(), packed);
             let packed: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(high));

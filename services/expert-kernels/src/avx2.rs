@@ -85,15 +85,36 @@ unsafe fn rows_of<const D: u8>(
         let tokens = input.tokens;
         let mut t0 = 0;
         while tokens - t0 >= 4 {
-            row::<D, 4>(matrix, first + local, input, t0, out.add(t0 * token_stride + local), token_stride);
+            row::<D, 4>(
+                matrix,
+                first + local,
+                input,
+                t0,
+                out.add(t0 * token_stride + local),
+                token_stride,
+            );
             t0 += 4;
         }
         if tokens - t0 >= 2 {
-            row::<D, 2>(matrix, first + local, input, t0, out.add(t0 * token_stride + local), token_stride);
+            row::<D, 2>(
+                matrix,
+                first + local,
+                input,
+                t0,
+                out.add(t0 * token_stride + local),
+                token_stride,
+            );
             t0 += 2;
         }
         if tokens - t0 >= 1 {
-            row::<D, 1>(matrix, first + local, input, t0, out.add(t0 * token_stride + local), token_stride);
+            row::<D, 1>(
+                matrix,
+                first + local,
+                input,
+                t0,
+                out.add(t0 * token_stride + local),
+                token_stride,
+            );
         }
     }
 }

@@ -58,7 +58,10 @@ pub(crate) unsafe fn load_scales(scales: *const u16, count: usize) -> __m512 {
 /// nibble order (evens, then odds).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-pub(crate) unsafe fn load_group<const D: u8>(pointer: *const u8, scale: __m512) -> (__m512, __m512) {
+pub(crate) unsafe fn load_group<const D: u8>(
+    pointer: *const u8,
+    scale: __m512,
+) -> (__m512, __m512) {
     match D {
         D_F32 => (
             _mm512_loadu_ps(pointer.cast()),
@@ -202,6 +205,7 @@ unsafe fn float_row<const D: u8, const N: usize>(
     });
     let mut acc = [[_mm512_setzero_ps(); 2]; N];
     let mut scales = [1.0f32; 16];
+    let prefetch = crate::kernels::prefetch_distance();
     let mut group = 0;
     while group < full_groups {
         let chunk = (full_groups - group).min(16);
@@ -213,8 +217,12 @@ unsafe fn float_row<const D: u8, const N: usize>(
         }
         for (j, &scale) in scales.iter().enumerate().take(chunk) {
             let g = group + j;
-            let (w0, w1) =
-                load_group::<D>(values.add(g * group_bytes(D)), _mm512_set1_ps(scale));
+            if prefetch > 0 {
+                _mm_prefetch::<_MM_HINT_T0>(
+                    values.wrapping_add(g * group_bytes(D) + prefetch).cast(),
+                );
+            }
+            let (w0, w1) = load_group::<D>(values.add(g * group_bytes(D)), _mm512_set1_ps(scale));
             for t in 0..N {
                 let xp = x[t].add(g * GROUP);
                 acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), acc[t][0]);
@@ -316,6 +324,8 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
         }
     });
     let mut acc = [_mm512_setzero_ps(); N];
+    let prefetch = crate::kernels::prefetch_distance();
+    let block_bytes = if INT4 { 32 } else { 64 };
     let mut block = 0;
     while block < blocks {
         let chunk = (blocks - block).min(8);
@@ -323,6 +333,10 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
         for j in 0..chunk {
             let b = block + j;
             let both = 2 * b + 1 < groups;
+            if prefetch > 0 {
+                // Addresses past the matrix end are harmless: prefetches never fault.
+                _mm_prefetch::<_MM_HINT_T0>(values.wrapping_add(b * block_bytes + prefetch).cast());
+            }
             let weight_scale = _mm512_permutexvar_ps(
                 _mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * j as i32)),
                 chunk_scales,
@@ -408,11 +422,14 @@ unsafe fn bf16_row<const N: usize>(
     let values = matrix.row_values(row);
     let x: [*const u16; N] = std::array::from_fn(|t| input.bf16_row(t0 + t));
     let mut acc = [_mm512_setzero_ps(); N];
+    let prefetch = crate::kernels::prefetch_distance();
     for g in 0..full_groups {
+        if prefetch > 0 {
+            _mm_prefetch::<_MM_HINT_T0>(values.wrapping_add(g * 64 + prefetch).cast());
+        }
         let weights: __m512bh = std::mem::transmute(_mm512_loadu_si512(values.add(g * 64).cast()));
         for t in 0..N {
-            let xb: __m512bh =
-                std::mem::transmute(_mm512_loadu_si512(x[t].add(g * GROUP).cast()));
+            let xb: __m512bh = std::mem::transmute(_mm512_loadu_si512(x[t].add(g * GROUP).cast()));
             acc[t] = _mm512_dpbf16_ps(acc[t], weights, xb);
         }
     }

@@ -184,7 +184,13 @@ fn request_amx_permission() -> bool {
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM only changes this process's permitted
     // xsave features; it reads no memory of ours.
-    let result = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+    let result = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
     result == 0
 }
 

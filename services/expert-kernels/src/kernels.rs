@@ -4,9 +4,25 @@
 //! Owns: the choice of kernel per (path, weight dtype, token count) and the per-thread scratch
 //! the kernels use. Must not touch: how rows and tokens are shared among threads (`layer`).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::isa::KernelIsa;
 use crate::layout::MatrixView;
 use crate::prepare::InputRows;
+
+/// Software-prefetch distance in bytes ahead of the weight row being read (0 = off).
+static PREFETCH_DISTANCE: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets how far ahead (bytes) the streaming kernels prefetch weights; 0 leaves it to the
+/// hardware prefetchers. A tuning knob for `ninfer bench`.
+pub fn set_prefetch_distance(bytes: usize) {
+    PREFETCH_DISTANCE.store(bytes, Ordering::Relaxed);
+}
+
+#[inline]
+pub(crate) fn prefetch_distance() -> usize {
+    PREFETCH_DISTANCE.load(Ordering::Relaxed)
+}
 
 /// Per-thread buffers, owned by `LayerScratch`; one thread uses one of them at a time.
 #[derive(Clone, Copy)]

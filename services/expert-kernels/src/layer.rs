@@ -23,7 +23,7 @@ use crate::prepare::{FormNeeds, Forms, FormsPtr, InputRows};
 use crate::KernelError;
 
 /// Tokens one row-kernel call handles (bounds the per-thread output buffers).
-const TOKEN_CHUNK: usize = 64;
+const TOKEN_CHUNK: usize = 256;
 /// Output rows per phase-2 work item (one AMX tile of rows).
 const ROW_BLOCK: usize = 16;
 
@@ -148,7 +148,9 @@ impl LayerScratch {
             gate: (0..threads)
                 .map(|_| vec![0.0; TOKEN_CHUNK * GROUP.max(ROW_BLOCK)])
                 .collect(),
-            up: (0..threads).map(|_| vec![0.0; TOKEN_CHUNK * GROUP]).collect(),
+            up: (0..threads)
+                .map(|_| vec![0.0; TOKEN_CHUNK * GROUP])
+                .collect(),
             thread_buffers: Vec::with_capacity(threads),
         };
         for thread in 0..threads {
@@ -379,8 +381,26 @@ impl LayerJob {
                         .amx_input
                         .map(|base| base + (t0 / 16) * self.input.amx_padded / 2 * 16),
                 };
-                matmul_rows(self.isa, &task.gate_up, first, rows, &input, gate, GROUP, buffers);
-                matmul_rows(self.isa, &task.gate_up, im + first, rows, &input, up, GROUP, buffers);
+                matmul_rows(
+                    self.isa,
+                    &task.gate_up,
+                    first,
+                    rows,
+                    &input,
+                    gate,
+                    GROUP,
+                    buffers,
+                );
+                matmul_rows(
+                    self.isa,
+                    &task.gate_up,
+                    im + first,
+                    rows,
+                    &input,
+                    up,
+                    GROUP,
+                    buffers,
+                );
                 for t in 0..tokens {
                     let g = std::slice::from_raw_parts_mut(gate.add(t * GROUP), rows);
                     let u = std::slice::from_raw_parts(up.add(t * GROUP), rows);
@@ -416,7 +436,9 @@ impl LayerJob {
                 for block in blocks.clone() {
                     let first = block * ROW_BLOCK;
                     let rows = ROW_BLOCK.min(h - first);
-                    matmul_rows(self.isa, &task.down, first, rows, &input, y, ROW_BLOCK, buffers);
+                    matmul_rows(
+                        self.isa, &task.down, first, rows, &input, y, ROW_BLOCK, buffers,
+                    );
                     for t in 0..tokens {
                         let token = *task.tokens.add(t0 + t) as usize;
                         let weight = *task.routing_weights.add(t0 + t);

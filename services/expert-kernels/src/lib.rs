@@ -40,6 +40,7 @@ mod avx2;
 mod avx512;
 
 pub use isa::KernelIsa;
+pub use kernels::set_prefetch_distance;
 pub use layer::{compute_layer, ExpertTask, ExpertWeights, LayerScratch, ScratchCapacity};
 pub use layout::{ExpertLayout, MatrixLayout, WeightDType};
 pub use pool::{cpus_of_numa_node, ThreadPool};

@@ -233,7 +233,9 @@ impl ThreadPool {
             spin_or_yield(&mut spins);
         }
         if shared.panicked.load(Ordering::Relaxed) {
-            return Err(KernelError::Pool("a thread panicked while running a job".into()));
+            return Err(KernelError::Pool(
+                "a thread panicked while running a job".into(),
+            ));
         }
         Ok(())
     }
@@ -386,7 +388,10 @@ mod tests {
 
     #[test]
     fn parses_cpulists() {
-        assert_eq!(parse_cpulist("0-3,8,10-11\n").unwrap(), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(
+            parse_cpulist("0-3,8,10-11\n").unwrap(),
+            vec![0, 1, 2, 3, 8, 10, 11]
+        );
         assert!(parse_cpulist("3-1").is_err());
         assert!(parse_cpulist("a").is_err());
     }

@@ -66,7 +66,6 @@ pub(crate) fn nibble_position(element: usize) -> usize {
 /// Owned arrays of one matrix input (`K` features, up to `slots` token rows).
 pub(crate) struct Forms {
     pub needs: FormNeeds,
-    pub features: usize,
     /// Row stride of every per-feature form: `K` rounded up to 64 (two groups, one zmm of
     /// bytes), zero-padded.
     pub padded: usize,
@@ -89,7 +88,6 @@ impl Forms {
         let sized = |flag: bool, len: usize| if flag { len } else { 0 };
         Forms {
             needs,
-            features,
             padded,
             amx_padded,
             f32: vec![0.0; slots * padded],
@@ -243,7 +241,11 @@ impl InputRows {
     #[inline]
     pub fn f32_row(&self, token: usize) -> *const f32 {
         // SAFETY (of the arithmetic): token < tokens, so the slot is inside the forms.
-        unsafe { self.forms.f32.add((self.first_slot + token) * self.forms.padded) }
+        unsafe {
+            self.forms
+                .f32
+                .add((self.first_slot + token) * self.forms.padded)
+        }
     }
     #[inline]
     pub fn f32_nibble_row(&self, token: usize) -> *const f32 {
@@ -255,11 +257,19 @@ impl InputRows {
     }
     #[inline]
     pub fn bf16_row(&self, token: usize) -> *const u16 {
-        unsafe { self.forms.bf16.add((self.first_slot + token) * self.forms.padded) }
+        unsafe {
+            self.forms
+                .bf16
+                .add((self.first_slot + token) * self.forms.padded)
+        }
     }
     #[inline]
     pub fn int8_row(&self, token: usize) -> *const u8 {
-        unsafe { self.forms.int8.add((self.first_slot + token) * self.forms.padded) }
+        unsafe {
+            self.forms
+                .int8
+                .add((self.first_slot + token) * self.forms.padded)
+        }
     }
     #[inline]
     pub fn lane_scale_row(&self, token: usize) -> *const f32 {

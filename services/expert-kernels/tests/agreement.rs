@@ -22,7 +22,9 @@ struct Expert {
 }
 
 fn random_vec(rng: &mut rand::rngs::StdRng, len: usize, scale: f32) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect()
+    (0..len)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect()
 }
 
 fn make_experts(layout: &ExpertLayout, count: usize, seed: u64) -> Vec<Expert> {
@@ -31,8 +33,16 @@ fn make_experts(layout: &ExpertLayout, count: usize, seed: u64) -> Vec<Expert> {
         .map(|_| {
             let h = layout.hidden as f32;
             let im = layout.intermediate as f32;
-            let gate_up = random_vec(&mut rng, layout.gate_up.rows * layout.gate_up.cols, 2.0 / h.sqrt());
-            let down = random_vec(&mut rng, layout.down.rows * layout.down.cols, 2.0 / im.sqrt());
+            let gate_up = random_vec(
+                &mut rng,
+                layout.gate_up.rows * layout.gate_up.cols,
+                2.0 / h.sqrt(),
+            );
+            let down = random_vec(
+                &mut rng,
+                layout.down.rows * layout.down.cols,
+                2.0 / im.sqrt(),
+            );
             Expert {
                 gate_up: encode_matrix(&gate_up, &layout.gate_up).unwrap(),
                 down: encode_matrix(&down, &layout.down).unwrap(),
@@ -52,7 +62,9 @@ fn routing(tokens: usize, seed: u64) -> Vec<(Vec<u32>, Vec<f32>)> {
     lists
         .into_iter()
         .map(|list| {
-            let weights = (0..list.len()).map(|_| rng.random_range(0.1f32..1.0)).collect();
+            let weights = (0..list.len())
+                .map(|_| rng.random_range(0.1f32..1.0))
+                .collect();
             (list, weights)
         })
         .collect()
@@ -90,7 +102,10 @@ fn run_layer(
     // A second call on the same scratch must give the same increment (no stale state).
     let mut again = initial.to_vec();
     compute_layer(pool, &mut scratch, hidden, tokens, &tasks, &mut again).unwrap();
-    assert_eq!(output, again, "{isa}: second call on the same scratch differs");
+    assert_eq!(
+        output, again,
+        "{isa}: second call on the same scratch differs"
+    );
     output
 }
 
@@ -166,15 +181,28 @@ fn check_dtype(dtype: WeightDType, shapes: &[(usize, usize)]) {
             let hidden = random_vec(&mut rng, tokens * hidden_size, 1.0);
             let initial = random_vec(&mut rng, tokens * hidden_size, 0.5);
             let routes = routing(tokens, seed);
-            let reference =
-                run_layer(&pool, KernelIsa::Scalar, &layout, &experts, &routes, &hidden, tokens, &initial);
+            let reference = run_layer(
+                &pool,
+                KernelIsa::Scalar,
+                &layout,
+                &experts,
+                &routes,
+                &hidden,
+                tokens,
+                &initial,
+            );
             if tokens <= 8 {
                 let exact = naive(&layout, &experts, &routes, &hidden, &initial);
                 let error = relative_error(&reference, &exact, &initial);
-                assert!(error < 1e-5, "scalar {dtype} H={hidden_size} Im={intermediate} T={tokens}: {error:e}");
+                assert!(
+                    error < 1e-5,
+                    "scalar {dtype} H={hidden_size} Im={intermediate} T={tokens}: {error:e}"
+                );
             }
             for &isa in supported.iter().filter(|&&i| i != KernelIsa::Scalar) {
-                let value = run_layer(&pool, isa, &layout, &experts, &routes, &hidden, tokens, &initial);
+                let value = run_layer(
+                    &pool, isa, &layout, &experts, &routes, &hidden, tokens, &initial,
+                );
                 let error = relative_error(&value, &reference, &initial);
                 let limit = tolerance(isa, dtype, tokens);
                 println!(
@@ -214,16 +242,37 @@ fn rejects_bad_inputs() {
     let pool = ThreadPool::new(1, &[], false).unwrap();
     let layout = ExpertLayout::new(WeightDType::Int8, 64, 32).unwrap();
     let experts = make_experts(&layout, 1, 1);
-    let capacity = ScratchCapacity { max_tasks: 1, max_pairs: 2 };
+    let capacity = ScratchCapacity {
+        max_tasks: 1,
+        max_pairs: 2,
+    };
     let mut scratch = LayerScratch::new(layout, KernelIsa::Scalar, 1, capacity).unwrap();
     let hidden = vec![0.5f32; 2 * 64];
     let mut output = vec![0.0f32; 2 * 64];
-    let weights = ExpertWeights { gate_up: &experts[0].gate_up, down: &experts[0].down };
-    let out_of_range = [ExpertTask { weights, tokens: &[2], routing_weights: &[1.0] }];
+    let weights = ExpertWeights {
+        gate_up: &experts[0].gate_up,
+        down: &experts[0].down,
+    };
+    let out_of_range = [ExpertTask {
+        weights,
+        tokens: &[2],
+        routing_weights: &[1.0],
+    }];
     assert!(compute_layer(&pool, &mut scratch, &hidden, 2, &out_of_range, &mut output).is_err());
-    let too_many = [ExpertTask { weights, tokens: &[0, 1, 1], routing_weights: &[1.0; 3] }];
+    let too_many = [ExpertTask {
+        weights,
+        tokens: &[0, 1, 1],
+        routing_weights: &[1.0; 3],
+    }];
     assert!(compute_layer(&pool, &mut scratch, &hidden, 2, &too_many, &mut output).is_err());
-    let short = ExpertWeights { gate_up: &experts[0].gate_up[..10], down: &experts[0].down };
-    let short_task = [ExpertTask { weights: short, tokens: &[0], routing_weights: &[1.0] }];
+    let short = ExpertWeights {
+        gate_up: &experts[0].gate_up[..10],
+        down: &experts[0].down,
+    };
+    let short_task = [ExpertTask {
+        weights: short,
+        tokens: &[0],
+        routing_weights: &[1.0],
+    }];
     assert!(compute_layer(&pool, &mut scratch, &hidden, 2, &short_task, &mut output).is_err());
 }

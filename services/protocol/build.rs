@@ -4,7 +4,11 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["ninfer/v1/engine.proto", "ninfer/v1/experts.proto", "ninfer/v1/gateway.proto"];
+    let files = [
+        "ninfer/v1/engine.proto",
+        "ninfer/v1/experts.proto",
+        "ninfer/v1/gateway.proto",
+    ];
     for file in files {
         println!("cargo:rerun-if-changed={}", proto_root.join(file).display());
     }

@@ -12,6 +12,9 @@
 //! * [`spec`] — architecture → graph switches; refusal of unknown architectures.
 //! * [`model`] — weight loading, `SequenceState`, the batched forward pass.
 //! * [`experts`] — the `ExpertExecutor` trait and the in-process CPU executor.
+//! * [`kernel_experts`] — in-process experts on the SIMD kernels (the worker's executor).
+//! * [`remote_experts`] — experts computed by worker processes through the shared-memory channel.
+//! * [`service`] — the gRPC engine service: scheduler actor (continuous batching), routing stats.
 //! * [`sampling`] — greedy / temperature / top-k / top-p / min-p / penalties, seeded.
 //! * [`perplexity`] — windowed NLL of a token stream.
 //! * [`testing`] — `test_device!` and tiny random-weight artifacts for tests.
@@ -19,9 +22,12 @@
 pub mod backend;
 pub mod error;
 pub mod experts;
+pub mod kernel_experts;
 pub mod model;
 pub mod perplexity;
+pub mod remote_experts;
 pub mod sampling;
+pub mod service;
 pub mod spec;
 pub mod testing;
 pub mod weights;

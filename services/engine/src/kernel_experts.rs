@@ -1,0 +1,101 @@
+//! In-process expert executor on the SIMD kernels of `ninfer-expert-kernels` — the same
+//! `RoutedExpertComputer` an expert worker runs, so the in-process engine and engine + workers
+//! produce identical sums (same kernel path, same thread count).
+//!
+//! Owns: one pinned pool and scratch, shared by all layers behind a mutex (the model computes one
+//! layer at a time).
+//! Must not touch: routing, processes.
+
+use std::sync::{Arc, Mutex};
+
+use ninfer_artifact::Artifact;
+use ninfer_expert_kernels::routed::{BankView, RoutedExpertComputer};
+use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool, WeightDType};
+
+use crate::error::EngineError;
+use crate::experts::{ExpertBatch, ExpertExecutor};
+
+/// Experts computed with the SIMD kernels in this process.
+pub struct KernelExpertExecutor {
+    artifact: Arc<Artifact>,
+    computer: Mutex<RoutedExpertComputer>,
+}
+
+impl KernelExpertExecutor {
+    /// `threads` pinned to `cpus` (may be empty: unpinned), kernel path `isa`.
+    pub fn new(
+        artifact: Arc<Artifact>,
+        threads: usize,
+        cpus: &[usize],
+        isa: KernelIsa,
+        max_tokens: usize,
+    ) -> Result<Self, EngineError> {
+        let common = artifact.config().common().clone();
+        let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        let bank = (0..common.num_hidden_layers)
+            .filter(|&layer| common.moe_layers[layer])
+            .find_map(|layer| artifact.expert_bank(&format!("layers.{layer}.moe.experts")))
+            .ok_or_else(|| invalid("the model has no expert bank".into()))?;
+        let layout = ExpertLayout::new(
+            WeightDType::from_artifact(bank.dtype),
+            common.hidden_size,
+            common.moe_intermediate_size,
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        let pool = ThreadPool::new(threads, cpus, false).map_err(|e| invalid(e.to_string()))?;
+        let computer = RoutedExpertComputer::new(
+            pool,
+            layout,
+            isa,
+            common.num_experts,
+            max_tokens,
+            common.num_experts_per_tok,
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        Ok(KernelExpertExecutor {
+            artifact,
+            computer: Mutex::new(computer),
+        })
+    }
+}
+
+impl ExpertExecutor for KernelExpertExecutor {
+    fn name(&self) -> &str {
+        "cpu-kernels-in-process"
+    }
+
+    fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError> {
+        let failure = |problem: String| EngineError::ExpertExecutor {
+            executor: "cpu-kernels-in-process".into(),
+            layer: batch.layer,
+            problem,
+        };
+        let start = batch.bank.offset as usize;
+        let length = (batch.bank.num_experts * batch.bank.expert_stride) as usize;
+        let bytes = self
+            .artifact
+            .bytes()
+            .get(start..start + length)
+            .ok_or_else(|| failure("expert bank outside the artifact".into()))?;
+        let view = BankView {
+            bytes,
+            num_experts: batch.bank.num_experts as usize,
+        };
+        let mut computer = self
+            .computer
+            .lock()
+            .map_err(|_| failure("a previous call panicked".into()))?;
+        computer
+            .compute(
+                view,
+                batch.hidden,
+                batch.tokens(),
+                batch.experts_per_token,
+                batch.expert_ids,
+                batch.weights,
+                out,
+            )
+            .map(|_| ())
+            .map_err(|e| failure(e.to_string()))
+    }
+}

@@ -1,0 +1,276 @@
+//! The engine as a gRPC service (`proto/ninfer/v1/engine.proto`): the gateway's API in front of
+//! the scheduler actor.
+//!
+//! Owns: request validation and translation, the token streams, model info and files for the
+//! gateway, status and routing-statistics streams.
+//! Must not touch: the model's math (scheduler + model), HTTP, text.
+
+pub mod routing_stats;
+pub mod scheduler;
+
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use ninfer_artifact::Artifact;
+use ninfer_protocol::v1::engine_server::Engine;
+use ninfer_protocol::v1::{
+    CancelRequest, CancelResponse, EngineStatus, EngineStatusRequest, GenerateRequest,
+    GeneratedToken, GenerationDefaults, ModelFiles, ModelFilesRequest, ModelInfo, ModelInfoRequest,
+    RoutingStatistics, RoutingStatisticsRequest,
+};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::sampling::SamplingParams;
+use routing_stats::RoutingCounters;
+use scheduler::{GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits};
+
+/// Whether the experts are ready (remote workers registered) and why not.
+pub trait Readiness: Send + Sync {
+    fn not_ready_reason(&self) -> Option<String>;
+    fn cpu_expert_calls(&self) -> u64 {
+        0
+    }
+}
+
+/// Always ready (in-process experts).
+pub struct AlwaysReady;
+impl Readiness for AlwaysReady {
+    fn not_ready_reason(&self) -> Option<String> {
+        None
+    }
+}
+
+impl Readiness for crate::remote_experts::RemoteExpertExecutor {
+    fn not_ready_reason(&self) -> Option<String> {
+        crate::remote_experts::RemoteExpertExecutor::not_ready_reason(self)
+    }
+    fn cpu_expert_calls(&self) -> u64 {
+        self.requests_sent()
+    }
+}
+
+/// Everything the gRPC handlers read.
+pub struct EngineService {
+    pub artifact: Arc<Artifact>,
+    pub model_name: String,
+    pub instance_id: String,
+    pub created_unix_seconds: u64,
+    pub limits: SchedulerLimits,
+    pub scheduler: Mutex<mpsc::Sender<SchedulerCommand>>,
+    pub scheduler_counters: Arc<SchedulerCounters>,
+    pub routing: Arc<RoutingCounters>,
+    pub readiness: Arc<dyn Readiness>,
+}
+
+impl EngineService {
+    fn send(&self, command: SchedulerCommand) -> Result<(), Status> {
+        let sender = self
+            .scheduler
+            .lock()
+            .map_err(|_| Status::internal("scheduler handle poisoned"))?;
+        sender
+            .send(command)
+            .map_err(|_| Status::unavailable("the scheduler has stopped"))
+    }
+
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.artifact.header().generation.eos_token_ids.clone()
+    }
+
+    fn files_digest(&self) -> String {
+        let mut bytes = Vec::new();
+        for name in [
+            "tokenizer.json",
+            "chat_template.jinja",
+            "tokenizer_config.json",
+        ] {
+            bytes.extend_from_slice(self.artifact.file(name).unwrap_or_default());
+            bytes.push(0);
+        }
+        ninfer_artifact::Checksum::of(&bytes).to_string()
+    }
+}
+
+fn sampling_from(request: &GenerateRequest) -> SamplingParams {
+    let Some(s) = &request.sampling else {
+        return SamplingParams::greedy();
+    };
+    // proto3 zero values mean "unset": map them to the neutral setting.
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+        min_p: s.min_p,
+        repetition_penalty: if s.repetition_penalty == 0.0 {
+            1.0
+        } else {
+            s.repetition_penalty
+        },
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed.unwrap_or(0),
+    }
+}
+
+type TokenStream = Pin<Box<dyn Stream<Item = Result<GeneratedToken, Status>> + Send>>;
+type StatisticsStream = Pin<Box<dyn Stream<Item = Result<RoutingStatistics, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Engine for EngineService {
+    type GenerateStream = TokenStream;
+    type StreamRoutingStatisticsStream = StatisticsStream;
+
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<TokenStream>, Status> {
+        let request = request.into_inner();
+        if !request.model_name.is_empty() && request.model_name != self.model_name {
+            return Err(Status::not_found(format!(
+                "this engine serves model `{}`, not `{}`",
+                self.model_name, request.model_name
+            )));
+        }
+        if let Some(reason) = self.readiness.not_ready_reason() {
+            // Requests are held while a worker restarts; before the first registration there
+            // is nothing to hold them for yet, so say so.
+            if self.readiness.cpu_expert_calls() == 0 {
+                return Err(Status::unavailable(format!("not ready: {reason}")));
+            }
+        }
+        let (events, receiver) = tokio::sync::mpsc::channel(4096);
+        let request_id = if request.request_id.is_empty() {
+            format!(
+                "req-{}",
+                self.scheduler_counters
+                    .prompt_tokens
+                    .load(Ordering::Relaxed)
+            )
+        } else {
+            request.request_id.clone()
+        };
+        self.send(SchedulerCommand::Submit(GenerationRequest {
+            request_id,
+            sampling: sampling_from(&request),
+            prompt: request.prompt_token_ids,
+            max_new_tokens: request.max_new_tokens as usize,
+            stop_token_ids: request.stop_token_ids,
+            top_logprobs: request.top_logprobs.min(20) as usize,
+            events,
+        }))?;
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(receiver),
+        )))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<CancelRequest>,
+    ) -> Result<Response<CancelResponse>, Status> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(SchedulerCommand::Cancel(
+            request.into_inner().request_id,
+            reply,
+        ))?;
+        let found = answer.await.unwrap_or(false);
+        Ok(Response::new(CancelResponse { found }))
+    }
+
+    async fn get_model_info(
+        &self,
+        _: Request<ModelInfoRequest>,
+    ) -> Result<Response<ModelInfo>, Status> {
+        let common = self.artifact.config().common();
+        Ok(Response::new(ModelInfo {
+            model_name: self.model_name.clone(),
+            architecture: self.artifact.config().architecture().to_string(),
+            vocab_size: common.vocab_size as u32,
+            max_context: self.limits.max_context as u32,
+            eos_token_ids: self.eos_token_ids(),
+            engine_instance_id: self.instance_id.clone(),
+            model_files_digest: self.files_digest(),
+            created_unix_seconds: self.created_unix_seconds,
+        }))
+    }
+
+    async fn stream_routing_statistics(
+        &self,
+        request: Request<RoutingStatisticsRequest>,
+    ) -> Result<Response<StatisticsStream>, Status> {
+        let interval =
+            Duration::from_millis(request.into_inner().interval_ms.clamp(100, 3_600_000) as u64);
+        let (sender, receiver) = tokio::sync::mpsc::channel(4);
+        let counters = Arc::clone(&self.routing);
+        let (model, instance) = (self.model_name.clone(), self.instance_id.clone());
+        tokio::spawn(async move {
+            loop {
+                if sender
+                    .send(Ok(counters.snapshot(&model, &instance)))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                tokio::time::sleep(interval).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(receiver),
+        )))
+    }
+
+    async fn get_model_files(
+        &self,
+        _: Request<ModelFilesRequest>,
+    ) -> Result<Response<ModelFiles>, Status> {
+        let generation = &self.artifact.header().generation;
+        let text = |name: &str| {
+            String::from_utf8_lossy(self.artifact.file(name).unwrap_or_default()).into_owned()
+        };
+        Ok(Response::new(ModelFiles {
+            model_name: self.model_name.clone(),
+            tokenizer_json: self
+                .artifact
+                .file("tokenizer.json")
+                .unwrap_or_default()
+                .to_vec(),
+            chat_template: text("chat_template.jinja"),
+            tokenizer_config_json: text("tokenizer_config.json"),
+            generation_defaults: Some(GenerationDefaults {
+                temperature: generation.temperature,
+                top_p: generation.top_p,
+                top_k: generation.top_k,
+                min_p: generation.min_p,
+                repetition_penalty: generation.repetition_penalty,
+            }),
+            eos_token_ids: self.eos_token_ids(),
+            max_context: self.limits.max_context as u32,
+            model_files_digest: self.files_digest(),
+        }))
+    }
+
+    async fn get_status(
+        &self,
+        _: Request<EngineStatusRequest>,
+    ) -> Result<Response<EngineStatus>, Status> {
+        let not_ready = self.readiness.not_ready_reason();
+        let counters = &self.scheduler_counters;
+        Ok(Response::new(EngineStatus {
+            ready: not_ready.is_none(),
+            engine_instance_id: self.instance_id.clone(),
+            running_sequences: counters.running.load(Ordering::Relaxed) as u32,
+            queued_sequences: 0,
+            max_sequences: self.limits.max_sequences as u32,
+            prompt_tokens_total: counters.prompt_tokens.load(Ordering::Relaxed),
+            generated_tokens_total: counters.generated_tokens.load(Ordering::Relaxed),
+            cpu_expert_calls_total: self.readiness.cpu_expert_calls(),
+            kv_cache_used_tokens: counters.kv_used_tokens.load(Ordering::Relaxed),
+            kv_cache_capacity_tokens: (self.limits.max_context * self.limits.max_sequences) as u64,
+            not_ready_reason: not_ready.unwrap_or_default(),
+            ..Default::default()
+        }))
+    }
+}

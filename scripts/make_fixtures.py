@@ -14,8 +14,14 @@ transformers in float32, eager attention, eager experts, on CPU, from the checkp
 
 Needs torch + transformers 5.17 + tokenizers + safetensors. Deterministic (fixed seeds, one CPU thread).
 
+Each reference.json also holds `bf16_weights`: the same NLL / last-logits references with the weights rounded to
+bf16 the way `ninfer-convert --experts-dtype bf16 --dense-dtype bf16` stores them (BF16_ROUNDING_RULE).
+
 Usage (repo root):
     CUDA_VISIBLE_DEVICES= python3 scripts/make_fixtures.py --out tests/fixtures [--tar fixtures.tar.gz]
+    CUDA_VISIBLE_DEVICES= python3 scripts/make_fixtures.py --bf16-references   # only (re)compute `bf16_weights`
+                                                 # in the committed reference.json files from the committed
+                                                 # model.safetensors; every other value stays as it is
     python3 scripts/make_fixtures.py --check     # numpy + safetensors only: independent float64 forward
                                                  # (MODELS.md formulas) on the committed files vs reference.json
 Pinned versions: scripts/fixtures_requirements.txt.
@@ -676,6 +682,153 @@ def compute_reference(name, model, tok, tok_json, ids, meta):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# bf16-weights references: the same forward with the weights rounded the way `ninfer-convert --experts-dtype bf16
+# --dense-dtype bf16` stores them (services/convert/src/plan.rs), so a bf16 artifact can be judged against
+# transformers on the *same* weights (the f32 references above differ from it by the weights' rounding alone).
+# ----------------------------------------------------------------------------------------------------------
+
+BF16_ROUNDING_RULE = (
+    "as ninfer-convert --experts-dtype bf16 --dense-dtype bf16 stores the weights (services/convert/src/plan.rs): "
+    "every parameter with >= 2 dims is rounded float32 -> bfloat16 -> float32, round to nearest, ties to even "
+    "(tensor.to(torch.bfloat16).to(torch.float32)): embed_tokens, lm_head, attention q/k/v/o_proj, Gated DeltaNet "
+    "in_proj_* and out_proj, dense MLP, shared expert gate/up/down_proj, routed experts (fused or per-expert); "
+    "EXCEPT, kept float32: every 1-D tensor (RMSNorm weights incl. q_norm/k_norm and the GDN gated norm, A_log, "
+    "dt_bias), linear_attn.conv1d.weight, the router mlp.gate.weight and mlp.shared_expert_gate.weight, and the "
+    "vision tower model.visual.* (the converter keeps its checkpoint dtype; unused by the text forward). "
+    "Activations and the whole forward stay float32."
+)
+
+
+def bf16_rounded(name: str, ndim: int) -> bool:
+    """Whether the converter stores checkpoint/parameter `name` (with `ndim` dims) as bf16 (see BF16_ROUNDING_RULE)."""
+    if ndim < 2:
+        return False
+    if name.startswith(("model.visual.", "visual.")):
+        return False
+    if ".conv1d." in name:
+        return False
+    if name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight")):
+        return False
+    return True
+
+
+def compute_bf16_reference(model, ref: dict, versions: dict) -> dict:
+    """`bf16_weights` entry of reference.json: token NLL of `nll_token_ids` and both prompts' last-position logits
+    from a copy of the float32 `model` (as loaded from the fixture directory) whose weights are bf16-rounded."""
+    import torch
+
+    nll_ids = ref["nll_token_ids"]
+
+    def nll_of(m):
+        with torch.no_grad():
+            lg = m(input_ids=torch.tensor([nll_ids]), use_cache=False).logits[0]
+        lp = torch.log_softmax(lg.double(), dim=-1)
+        return [-float(lp[i - 1, nll_ids[i]]) for i in range(1, len(nll_ids))]
+
+    # The float32 model reproduces the committed f32 references (same loading path; recorded, since another CPU's
+    # float32 kernels may differ in the last bits).
+    f32_again = nll_of(model)
+    f32_repro = max(abs(a - b) for a, b in zip(f32_again, ref["token_nll"]))
+    if f32_repro > 1e-3:
+        raise RuntimeError(f"float32 reload does not reproduce token_nll (max diff {f32_repro})")
+
+    m = copy.deepcopy(model)
+    m.eval()
+    rounded, kept_matrices, kept_1d = [], [], 0
+    with torch.no_grad():
+        for pname, p in m.named_parameters():
+            if bf16_rounded(pname, p.dim()):
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+                rounded.append(pname)
+            elif p.dim() < 2:
+                kept_1d += 1
+            elif not pname.startswith(("model.visual.", "visual.")):
+                kept_matrices.append(pname)
+    routers = [n for n in kept_matrices if n.endswith(".mlp.gate.weight")]
+    if not routers or not any(".experts." in n or n.endswith("experts.gate_up_proj") for n in rounded):
+        raise RuntimeError(f"bf16 rounding rule matched no router or no expert tensor: {kept_matrices}")
+
+    token_nll = nll_of(m)
+    f32_nll = ref["token_nll"]
+    diffs = [abs(a - b) for a, b in zip(token_nll, f32_nll)]
+    prompts = []
+    for p in ref["prompts"]:
+        with torch.no_grad():
+            lg = m(input_ids=torch.tensor([p["prompt_token_ids"]]), use_cache=False).logits[0, -1]
+        ref_lg = torch.tensor(p["last_logits"], dtype=torch.float64)
+        prompts.append(
+            {
+                "kind": p["kind"],
+                "last_logits": flist(lg),
+                "last_logits_max_abs_diff_vs_f32_reference": fnum(float((lg.double() - ref_lg).abs().max())),
+            }
+        )
+    entry = {
+        "description": "references for the weights rounded to bf16 as the converter's bf16 artifact stores them "
+        "(`rounding`), computed like the float32 references above (transformers, float32 forward, eager attention, "
+        "eager experts, CPU, from the checkpoint loaded from this directory with from_pretrained, then rounded in "
+        "memory): token_nll over nll_token_ids, mean_nll, and each prompt's last-position logits",
+        "rounding": BF16_ROUNDING_RULE,
+        "transformers_version": versions["transformers"],
+        "torch_version": versions["torch"],
+        "rounded_parameters": len(rounded),
+        "float32_1d_parameters": kept_1d,
+        "float32_matrices": sorted(kept_matrices),
+        "float32_reload_reproduces_token_nll_max_abs_diff": fnum(f32_repro),
+        "token_nll": [fnum(v) for v in token_nll],
+        "mean_nll": fnum(sum(token_nll) / len(token_nll)),
+        "vs_f32_reference": {
+            "mean_abs_token_nll_diff": fnum(sum(diffs) / len(diffs)),
+            "max_abs_token_nll_diff": fnum(max(diffs)),
+            "mean_nll_diff": fnum(sum(token_nll) / len(token_nll) - sum(f32_nll) / len(f32_nll)),
+        },
+        "prompts": prompts,
+    }
+    log(
+        f"  bf16 weights: {len(rounded)} rounded, {len(kept_matrices)} matrices + {kept_1d} 1-D kept f32; mean NLL "
+        f"{entry['mean_nll']:.6f}; vs f32 reference mean|ΔNLL| {entry['vs_f32_reference']['mean_abs_token_nll_diff']:.3e}"
+        f" max {entry['vs_f32_reference']['max_abs_token_nll_diff']:.3e}; f32 reload repro {f32_repro:.2e}"
+    )
+    return entry
+
+
+def write_reference(d: str, ref: dict):
+    with open(os.path.join(d, "reference.json"), "w", encoding="utf-8") as f:
+        json.dump(ref, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
+def add_bf16_references(out_root: str, names: list, versions: dict) -> list:
+    """--bf16-references: add/replace `bf16_weights` in each committed fixture's reference.json; nothing else
+    changes. Returns the names that failed."""
+    import torch
+    import transformers as T
+
+    failed = []
+    for name in names:
+        d = os.path.join(out_root, name)
+        log(f"== {name}: bf16-weights references from {d}")
+        try:
+            with open(os.path.join(d, "reference.json"), encoding="utf-8") as f:
+                ref = json.load(f)
+            cls = getattr(T, MODEL_CLASS[name])
+            model = cls.from_pretrained(
+                d, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+            )
+            model.eval()
+            ref.pop("bf16_weights", None)
+            ref["bf16_weights"] = compute_bf16_reference(model, ref, versions)
+            write_reference(d, ref)
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            failed.append(name)
+            log(f"!! {name}: bf16-weights references FAILED")
+    return failed
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------
 
@@ -826,9 +979,8 @@ def build_fixture(name, out_root, tok_json, ids, vocab, n_tok, template, version
     }
     ref = compute_reference(name, loaded, tok, tok_json, ids, meta)
     ref["tensors"] = {k: list(v.shape) for k, v in sorted(disk.items())}
-    with open(os.path.join(d, "reference.json"), "w", encoding="utf-8") as f:
-        json.dump(ref, f, indent=1, ensure_ascii=False)
-        f.write("\n")
+    ref["bf16_weights"] = compute_bf16_reference(loaded, ref, versions)
+    write_reference(d, ref)
     st = ref["nll_text_logit_stats"]
     summary[name] = {
         "mean_nll": ref["mean_nll"],
@@ -840,6 +992,7 @@ def build_fixture(name, out_root, tok_json, ids, vocab, n_tok, template, version
         "config_json": cfg_json,
         "tensor_samples": sample_names(disk),
         "save_note": save_note,
+        "bf16_weights": {"mean_nll": ref["bf16_weights"]["mean_nll"], **ref["bf16_weights"]["vs_f32_reference"]},
         **extra,
     }
     log(
@@ -883,6 +1036,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     A("")
     A("```")
     A("CUDA_VISIBLE_DEVICES= python3 scripts/make_fixtures.py --out tests/fixtures")
+    A("CUDA_VISIBLE_DEVICES= python3 scripts/make_fixtures.py --bf16-references   # only (re)compute `bf16_weights`")
     A("```")
     A("")
     A(f"Versions used: transformers {versions['transformers']}, torch {versions['torch']}, tokenizers "
@@ -896,6 +1050,11 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
       "`attn_implementation=\"eager\"`, `experts_implementation=\"eager\"`, on CPU, from the checkpoint *re-loaded "
       "from the fixture directory* with `from_pretrained` (so the on-disk layout is proven loadable by transformers; "
       "the re-loaded model's logits equal the in-memory model's, recorded as `reload_vs_in_memory_max_abs_logit_diff`).")
+    A("")
+    A("`reference.json` → `bf16_weights` repeats the NLL and last-logits references for the same weights rounded to "
+      "bf16 the way the converter's bf16 artifact stores them (below); the forward is float32 there too. "
+      "`--bf16-references` adds it to the committed fixtures from their `model.safetensors` and changes nothing "
+      "else; a full regeneration writes it as well.")
     A("")
     A("## Files in each fixture directory")
     A("")
@@ -978,6 +1137,14 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
       "decoder layer, and the final-norm output (for layer-by-layer debugging).")
     A("* `prefill_decode_check`: last-position logits of the NLL text from the full forward and from prefill n−1 "
       "tokens + 1 decode step through the cache (GDN: chunked prefill then recurrent step), and their max |diff|.")
+    A("* `bf16_weights`: references for the weights rounded as `ninfer-convert --experts-dtype bf16 --dense-dtype "
+      "bf16` stores them (`rounding` states the rule: every weight tensor with ≥ 2 dims f32 → bf16 → f32, round to "
+      "nearest even, i.e. `tensor.to(torch.bfloat16).to(torch.float32)`, except 1-D tensors (norm weights, `A_log`, "
+      "`dt_bias`), `linear_attn.conv1d.weight`, the router `mlp.gate.weight` and `mlp.shared_expert_gate.weight`, "
+      "which stay f32, as in the artifact), computed like the f32 references (transformers, float32 forward, eager, "
+      "CPU): `token_nll`, `mean_nll`, `prompts[i].last_logits`; plus `vs_f32_reference` (how far the rounding alone "
+      "moves the NLL), `float32_matrices` (the ≥ 2-D weights kept f32), parameter counts and versions. The engine's "
+      "golden test judges its bf16 artifact against these and only prints its drift from the f32 references.")
     A(f"* floats are written with {FLOAT_DIGITS} significant digits.")
     A("")
     A("## Independent check")
@@ -986,7 +1153,9 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
       "pass of /work/shared/MODELS.md in float64 directly on the fixture files (per-expert and fused expert "
       "layouts, Qwen3-Next grouped `in_proj_qkvz`/`in_proj_ba`, GDN recurrence, gated attention, partial RoPE) and "
       "compares `token_nll`, `nll_text_hidden_states` and both prompts' `last_logits` with the references "
-      "(tolerance 1e-3; observed max differences ~1e-5, i.e. float32 rounding of transformers' forward).")
+      "(tolerance 1e-3; observed max differences ~1e-5, i.e. float32 rounding of transformers' forward). It "
+      "repeats the forward with the weights bf16-rounded by the same rule (`bf16_rounded()`, numpy bit-level "
+      "round-to-nearest-even) and compares `bf16_weights.token_nll` and its `last_logits` likewise (observed ~1e-5).")
     A("")
     A("## Results")
     A("")
@@ -997,6 +1166,16 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
         A(f"| {n} | {s['mean_nll']} | {s['max_abs_logit']} | {s['mean_std_logit_per_position']} | "
           f"{s['mean_entropy_nats']} | {s['log_vocab_nats']} | {s['prefill_decode_max_abs_diff']} | "
           f"{s['n_tensors']} | {s['safetensors_bytes']} |")
+    A("")
+    A("bf16-rounded weights (`bf16_weights`), and how far the rounding alone moves the per-token NLL from the f32 "
+      "references:")
+    A("")
+    A("| fixture | mean NLL, bf16 weights (nats) | mean NLL − f32 mean NLL | mean abs ΔNLL per token | max abs ΔNLL per token |")
+    A("|---|---|---|---|---|")
+    for n in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+        b = summary[n]["bf16_weights"]
+        A(f"| {n} | {b['mean_nll']} | {b['mean_nll_diff']} | {b['mean_abs_token_nll_diff']} | "
+          f"{b['max_abs_token_nll_diff']} |")
     A("")
     for n in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
         s = summary[n]
@@ -1034,7 +1213,17 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def numpy_forward(fixture_dir: str, name: str, ids: list):
+def bf16_round_np(a):
+    """float32 array -> nearest bfloat16 (ties to even), returned as float32 (finite inputs)."""
+    import numpy as np
+
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+def numpy_forward(fixture_dir: str, name: str, ids: list, bf16_weights: bool = False):
+    """float64 forward on the fixture files; bf16_weights=True first rounds the weights by bf16_rounded()."""
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -1060,7 +1249,10 @@ def numpy_forward(fixture_dir: str, name: str, ids: list):
         out[..., rot // 2 : rot] = b * c + a * s_
         return out
 
-    W = {k: v.astype(np.float64) for k, v in load_file(os.path.join(fixture_dir, "model.safetensors")).items()}
+    W = {
+        k: (bf16_round_np(v) if bf16_weights and bf16_rounded(k, v.ndim) else v).astype(np.float64)
+        for k, v in load_file(os.path.join(fixture_dir, "model.safetensors")).items()
+    }
     with open(os.path.join(fixture_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     if name == "qwen3_5_moe":
@@ -1212,6 +1404,28 @@ def check_fixtures(out_root: str) -> bool:
             f"max|Δlast_logits| plain {d_p[0]:.2e} chat {d_p[1]:.2e}, mean NLL {nll.mean():.6f} vs {ref['mean_nll']} "
             f"-> {'OK' if good else 'MISMATCH'}"
         )
+        b16 = ref.get("bf16_weights")
+        if b16 is None:
+            log(f"{name}: no bf16_weights references (run --bf16-references) -> MISSING")
+            ok = False
+            continue
+        lg, _ = numpy_forward(d, name, ids, bf16_weights=True)
+        lp = lg - lg.max(-1, keepdims=True)
+        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+        nll16 = np.array([-lp[i - 1, ids[i]] for i in range(1, len(ids))])
+        d_nll16 = float(np.abs(nll16 - np.array(b16["token_nll"])).max())
+        d_p16 = []
+        for pr, pr16 in zip(ref["prompts"], b16["prompts"]):
+            lgp, _ = numpy_forward(d, name, pr["prompt_token_ids"], bf16_weights=True)
+            d_p16.append(float(np.abs(lgp[-1] - np.array(pr16["last_logits"])).max()))
+        good16 = d_nll16 < 1e-3 and max(d_p16) < 1e-3
+        ok = ok and good16
+        log(
+            f"{name}: numpy(f64, bf16-rounded weights) vs bf16_weights: max|Δtoken_nll| {d_nll16:.2e}, "
+            f"max|Δlast_logits| plain {d_p16[0]:.2e} chat {d_p16[1]:.2e}, mean NLL {nll16.mean():.6f} vs "
+            f"{b16['mean_nll']} (f32 weights {ref['mean_nll']}; mean|ΔNLL| bf16 vs f32 weights "
+            f"{float(np.abs(nll16 - np.array(ref['token_nll'])).mean()):.3e}) -> {'OK' if good16 else 'MISMATCH'}"
+        )
     return ok
 
 
@@ -1225,9 +1439,18 @@ def main():
         action="store_true",
         help="only verify existing fixtures with the independent numpy forward (needs numpy + safetensors, no torch)",
     )
+    ap.add_argument(
+        "--bf16-references",
+        action="store_true",
+        help="only add/replace the `bf16_weights` references (bf16-rounded weights) in each existing fixture's "
+        "reference.json, from its committed model.safetensors; nothing else is changed (needs torch + transformers)",
+    )
     args = ap.parse_args()
     if args.check:
         sys.exit(0 if check_fixtures(args.out) else 1)
+    names = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"]
+    if args.only:
+        names = [n for n in names if n in args.only.split(",")]
 
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     import safetensors
@@ -1243,6 +1466,13 @@ def main():
         "safetensors": safetensors.__version__,
     }
     log(f"versions: {versions}")
+    if args.bf16_references:
+        failed = add_bf16_references(args.out, names, versions)
+        if len(names) == 3 and not failed and not check_fixtures(args.out):
+            failed.append("numpy-check")
+        if failed:
+            log(f"FAILED: {failed}")
+        sys.exit(1 if failed else 0)
     with open(TEMPLATE_PATH, encoding="utf-8", newline="") as f:
         template = f.read()
     log(f"chat template sha256 {hashlib.sha256(template.encode()).hexdigest()}")
@@ -1253,9 +1483,6 @@ def main():
     vocab = ((size + 63) // 64) * 64
     log(f"tokenizer: {n_bpe} BPE + {len(ADDED_TOKENS)} added = {size}; vocab_size {vocab}; ids {ids}")
 
-    names = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"]
-    if args.only:
-        names = [n for n in names if n in args.only.split(",")]
     summary = {}
     failed = []
     for n in names:

@@ -4,7 +4,9 @@
 //!
 //! Acceptance (issue 3): per-token NLL within 1e-4 (f32 weights) and 2e-2 mean absolute difference
 //! (bf16 weights); last-position logits within 1e-4 relative L2 (f32); 24 greedy tokens identical
-//! (f32); int8 experts move the mean NLL by < 0.02 nats, int4 by < 0.15.
+//! (f32); int8 experts move the mean NLL by < 0.02 nats, int4 by < 0.15. The bf16 artifact (bf16
+//! experts + bf16 dense) is judged against `bf16_weights` in `reference.json`: transformers run on
+//! the same weights rounded to bf16 the way the converter stores them (see the fixtures' README).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -35,6 +37,15 @@ struct Reference {
     token_nll: Vec<f64>,
     mean_nll: f64,
     prompts: Vec<Prompt>,
+    bf16_weights: Bf16Reference,
+}
+
+/// `bf16_weights`: transformers' references for the weights rounded to bf16 as the converter's
+/// `--experts-dtype bf16 --dense-dtype bf16` artifact stores them.
+struct Bf16Reference {
+    token_nll: Vec<f64>,
+    mean_nll: f64,
+    last_logits: Vec<Vec<f32>>,
 }
 
 fn ids(value: &serde_json::Value, what: &str) -> Vec<u32> {
@@ -74,11 +85,35 @@ fn read_reference(directory: &Path) -> Reference {
             greedy: ids(&p["greedy_token_ids"], "greedy_token_ids"),
         })
         .collect();
+    let bf16 = &json["bf16_weights"];
+    assert!(
+        bf16.is_object(),
+        "{}: reference.json has no `bf16_weights` (scripts/make_fixtures.py --bf16-references)",
+        directory.display()
+    );
+    let bf16_weights = Bf16Reference {
+        token_nll: floats(&bf16["token_nll"], "bf16_weights.token_nll"),
+        mean_nll: bf16["mean_nll"]
+            .as_f64()
+            .expect("reference.json: bf16_weights.mean_nll"),
+        last_logits: bf16["prompts"]
+            .as_array()
+            .expect("reference.json: bf16_weights.prompts")
+            .iter()
+            .map(|p| {
+                floats(&p["last_logits"], "bf16_weights last_logits")
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect()
+            })
+            .collect(),
+    };
     Reference {
         nll_token_ids: ids(&json["nll_token_ids"], "nll_token_ids"),
         token_nll: floats(&json["token_nll"], "token_nll"),
         mean_nll: json["mean_nll"].as_f64().expect("reference.json: mean_nll"),
         prompts,
+        bf16_weights,
     }
 }
 
@@ -111,18 +146,34 @@ fn engine_token_nll<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f64> {
         .collect()
 }
 
-/// The reference's per-token NLL aligned with ours (positions 1..N).
-fn aligned_reference(reference: &Reference) -> Vec<f64> {
+/// A reference per-token NLL aligned with ours (positions 1..N).
+fn aligned_reference(reference: &Reference, token_nll: &[f64]) -> Vec<f64> {
     let n = reference.nll_token_ids.len();
-    match reference.token_nll.len() {
-        len if len + 1 == n => reference.token_nll.clone(),
-        len if len == n => reference.token_nll[1..].to_vec(),
+    match token_nll.len() {
+        len if len + 1 == n => token_nll.to_vec(),
+        len if len == n => token_nll[1..].to_vec(),
         len => panic!("token_nll has {len} entries for {n} tokens"),
     }
 }
 
 fn mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len() as f64
+}
+
+fn mean_abs_difference(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "NLL lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / a.len() as f64
+}
+
+/// ‖a − b‖₂ / ‖b‖₂.
+fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "vocab size");
+    let (mut difference, mut norm) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        difference += ((x - y) as f64).powi(2);
+        norm += (*y as f64).powi(2);
+    }
+    (difference / norm.max(1e-30)).sqrt()
 }
 
 /// Greedy continuation of every prompt, all prompts decoded together in one batch.
@@ -174,7 +225,8 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         }
         ran += 1;
         let reference = read_reference(&fixture);
-        let expected_nll = aligned_reference(&reference);
+        let expected_nll = aligned_reference(&reference, &reference.token_nll);
+        let expected_nll_bf16 = aligned_reference(&reference, &reference.bf16_weights.token_nll);
         let work = tempfile::tempdir().unwrap();
         let open = |experts, dense| {
             let path = convert(&fixture, work.path(), experts, dense);
@@ -203,13 +255,8 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         for (index, prompt) in reference.prompts.iter().enumerate() {
             let mut state = model.new_sequence(prompt.tokens.len());
             let logits = model.prefill(&mut state, &prompt.tokens).unwrap();
-            let (mut difference, mut norm) = (0.0f64, 0.0f64);
-            for (a, b) in logits.iter().zip(&prompt.last_logits) {
-                difference += ((a - b) as f64).powi(2);
-                norm += (*b as f64).powi(2);
-            }
             assert_eq!(logits.len(), prompt.last_logits.len(), "{name}: vocab size");
-            let relative = (difference / norm.max(1e-30)).sqrt();
+            let relative = relative_l2(&logits, &prompt.last_logits);
             println!(
                 "{name} f32: prompt {index} ({} tokens): last-logits relative L2 = {relative:.3e}",
                 prompt.tokens.len()
@@ -287,28 +334,51 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         println!("{name} f32: {} prompts × {GREEDY_TOKENS} greedy tokens identical (decoded as one batch)", greedy.len());
         drop(model);
 
-        // bf16 weights. Experts in bf16 (dense f32) are held to the issue's 2e-2. With the dense
-        // weights (embeddings, lm_head, projections) in bf16 too, these sharp random fixtures move
-        // by 2e-2..7e-2 whatever computes them: an independent float64 numpy forward over the same
-        // bf16-rounded weights gives the same figures to 4 digits (see the engine's report), so
-        // that case only gets a sanity bound and its figures printed.
-        for (experts, dense) in [
-            (DType::Bf16, DType::Bf16),
-            (DType::Bf16, DType::F32),
-            (DType::F32, DType::Bf16),
-        ] {
-            let model = open(experts, dense);
-            let nll_bf16 = engine_token_nll(&model, &reference.nll_token_ids);
-            let mean_abs = mean(
-                &nll_bf16
-                    .iter()
-                    .zip(&expected_nll)
-                    .map(|(a, b)| (a - b).abs())
-                    .collect::<Vec<_>>(),
+        // bf16 artifact (bf16 experts + bf16 dense): judged against transformers on the same
+        // bf16-rounded weights (`bf16_weights`). Its drift from the f32 reference (2e-2..7e-2 on
+        // these sharp random fixtures) is the weights' rounding, whatever computes it, so it is
+        // printed for information only.
+        let model = open(DType::Bf16, DType::Bf16);
+        let nll_bf16 = engine_token_nll(&model, &reference.nll_token_ids);
+        let versus_bf16 = mean_abs_difference(&nll_bf16, &expected_nll_bf16);
+        let versus_f32 = mean_abs_difference(&nll_bf16, &expected_nll);
+        println!(
+            "{name} experts bf16 dense bf16: mean |ΔNLL| vs transformers bf16-rounded weights = {versus_bf16:.3e}, mean NLL {:.6} (transformers bf16 weights {:.6})",
+            mean(&nll_bf16),
+            reference.bf16_weights.mean_nll
+        );
+        println!(
+            "{name} experts bf16 dense bf16: (information) mean |ΔNLL| vs transformers f32 weights = {versus_f32:.3e}"
+        );
+        for (index, (prompt, expected)) in reference
+            .prompts
+            .iter()
+            .zip(&reference.bf16_weights.last_logits)
+            .enumerate()
+        {
+            let mut state = model.new_sequence(prompt.tokens.len());
+            let logits = model.prefill(&mut state, &prompt.tokens).unwrap();
+            println!(
+                "{name} experts bf16 dense bf16: (information) prompt {index}: last-logits relative L2 vs transformers bf16 weights = {:.3e}, vs f32 weights = {:.3e}",
+                relative_l2(&logits, expected),
+                relative_l2(&logits, &prompt.last_logits)
             );
+        }
+        assert!(
+            versus_bf16 <= 2e-2,
+            "{name} experts bf16 dense bf16: mean |ΔNLL| vs bf16-weights reference {versus_bf16} > 2e-2"
+        );
+        drop(model);
+
+        // Mixed: bf16 experts with f32 dense weights are held to the issue's 2e-2 against the f32
+        // reference; f32 experts with bf16 dense weights only get a sanity bound.
+        for (experts, dense) in [(DType::Bf16, DType::F32), (DType::F32, DType::Bf16)] {
+            let model = open(experts, dense);
+            let nll_mixed = engine_token_nll(&model, &reference.nll_token_ids);
+            let mean_abs = mean_abs_difference(&nll_mixed, &expected_nll);
             println!(
                 "{name} experts {experts} dense {dense}: mean |ΔNLL| vs transformers f32 = {mean_abs:.3e}, mean NLL {:.6}",
-                mean(&nll_bf16)
+                mean(&nll_mixed)
             );
             let bound = if dense == DType::Bf16 { 0.1 } else { 2e-2 };
             assert!(

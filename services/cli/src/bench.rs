@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use ninfer_expert_kernels::bench::{
     bench_experts, measure_read_bandwidth, BandwidthResult, ExpertBenchConfig, ExpertBenchResult,
 };
-use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool, WeightDType};
+use ninfer_expert_kernels::{DownSplit, ExpertLayout, KernelIsa, ThreadPool, WeightDType};
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
@@ -74,9 +74,14 @@ struct ExpertsArgs {
     /// Timed seconds per measurement.
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
-    /// Software prefetch distance in bytes for the streaming kernels (0: hardware only).
-    #[arg(long, default_value_t = 0)]
-    prefetch_bytes: usize,
+    /// Software prefetch distances in bytes for the streaming kernels, comma-separated; each is
+    /// measured (0: hardware prefetchers only).
+    #[arg(long, default_value = "2048")]
+    prefetch_bytes: String,
+    /// How the down projection is split among threads: `auto` (per expert and row block for
+    /// small batches, then a reduction) or `rows` (output rows only).
+    #[arg(long, default_value = "auto")]
+    down_split: String,
     /// Reference read bandwidth in GB/s (default: measured first, as `bench memory`).
     #[arg(long)]
     bandwidth_gbs: Option<f64>,
@@ -233,8 +238,17 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
         bail!("--seconds must be positive");
     }
     let working_set = gib_to_bytes(args.working_set_gib, "--working-set-gib")?;
+    let down_split = match args.down_split.trim() {
+        "auto" => DownSplit::Auto,
+        "rows" => DownSplit::Rows,
+        other => bail!("--down-split must be auto or rows, got `{other}`"),
+    };
+    ninfer_expert_kernels::set_down_split(down_split);
     let pool = make_pool(&args.pool)?;
-    ninfer_expert_kernels::set_prefetch_distance(args.prefetch_bytes);
+    let prefetches = parse_list(&args.prefetch_bytes, "--prefetch-bytes", |s| {
+        s.parse::<usize>()
+            .with_context(|| format!("`{s}` is not a byte count"))
+    })?;
 
     let bandwidth = match args.bandwidth_gbs {
         Some(gbs) => BandwidthResult {
@@ -263,48 +277,66 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                 .join(", ")
         );
         println!(
-            "{:<5} {:>6} {:<12} {:>7} {:>10} {:>9} {:>9} {:>9}",
-            "dtype", "tokens", "isa", "layers", "layer µs", "GB/s", "% of bw", "GFLOP/s"
+            "{:<5} {:>6} {:<12} {:>8} {:>7} {:>10} {:>9} {:>8} {:>9} {:>21}",
+            "dtype",
+            "tokens",
+            "isa",
+            "prefetch",
+            "layers",
+            "layer µs",
+            "GB/s",
+            "% of bw",
+            "GFLOP/s",
+            "prep/gate_up/down µs"
         );
     }
-    let mut all: Vec<ExpertBenchResult> = Vec::new();
+    let mut all: Vec<(usize, ExpertBenchResult)> = Vec::new();
     for &dtype in &dtypes {
         let layout = ExpertLayout::new(dtype, preset.hidden, preset.intermediate)?;
         for &tokens in &token_counts {
-            let config = ExpertBenchConfig {
-                layout,
-                experts_per_layer,
-                tokens,
-                working_set_bytes: working_set,
-                min_seconds: args.seconds,
-            };
-            let results = bench_experts(&pool, &config, &isas)?;
-            for result in &results {
-                if !args.json {
-                    println!(
-                        "{:<5} {:>6} {:<12} {:>7} {:>10.1} {:>9.1} {:>8.0}% {:>9.1}",
-                        result.dtype.name(),
-                        result.tokens,
-                        result.isa.name(),
-                        result.layers,
-                        result.layer_us,
-                        result.weight_gbps,
-                        100.0 * result.weight_gbps / bandwidth.best_gbps,
-                        result.gflops
-                    );
+            for &prefetch in &prefetches {
+                ninfer_expert_kernels::set_prefetch_distance(prefetch);
+                let config = ExpertBenchConfig {
+                    layout,
+                    experts_per_layer,
+                    tokens,
+                    working_set_bytes: working_set,
+                    min_seconds: args.seconds,
+                };
+                let results = bench_experts(&pool, &config, &isas)?;
+                for result in &results {
+                    if !args.json {
+                        println!(
+                            "{:<5} {:>6} {:<12} {:>8} {:>7} {:>10.1} {:>9.1} {:>7.0}% {:>9.1} {:>21}",
+                            result.dtype.name(),
+                            result.tokens,
+                            result.isa.name(),
+                            prefetch,
+                            result.layers,
+                            result.layer_us,
+                            result.weight_gbps,
+                            100.0 * result.weight_gbps / bandwidth.best_gbps,
+                            result.gflops,
+                            format!(
+                                "{:.1}/{:.1}/{:.1}",
+                                result.phase_us[0], result.phase_us[1], result.phase_us[2]
+                            )
+                        );
+                    }
                 }
+                all.extend(results.into_iter().map(|r| (prefetch, r)));
             }
-            all.extend(results);
         }
     }
     if args.json {
         let report = serde_json::json!({
             "preset": preset.name,
             "bandwidth": bandwidth,
-            "results": all.iter().map(|r| {
+            "results": all.iter().map(|(prefetch, r)| {
                 let mut value = serde_json::to_value(r).unwrap_or_default();
                 if let Some(object) = value.as_object_mut() {
                     object.insert("bandwidth_ratio".into(), (r.weight_gbps / bandwidth.best_gbps).into());
+                    object.insert("prefetch_bytes".into(), (*prefetch).into());
                 }
                 value
             }).collect::<Vec<_>>(),

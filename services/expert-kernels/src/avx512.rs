@@ -314,33 +314,42 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
     );
     // Lanes 0–7 take scale 2j, lanes 8–15 scale 2j+1.
     let pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let scale_index: [__m512i; 8] =
+        std::array::from_fn(|j| _mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * j as i32)));
     let x_bytes: [*const u8; N] = std::array::from_fn(|t| input.int8_row(t0 + t));
     let x_scales: [*const f32; N] = std::array::from_fn(|t| input.lane_scale_row(t0 + t));
-    let x_sums: [*const i32; N] = std::array::from_fn(|t| {
+    let x_offsets: [*const f32; N] = std::array::from_fn(|t| {
         if INT4 {
-            input.lane_sum8_row(t0 + t)
+            input.group_offset_row(t0 + t)
         } else {
             std::ptr::null()
         }
     });
     let mut acc = [_mm512_setzero_ps(); N];
+    let mut offset_acc = [_mm512_setzero_ps(); N];
     let prefetch = crate::kernels::prefetch_distance();
     let block_bytes = if INT4 { 32 } else { 64 };
     let mut block = 0;
     while block < blocks {
         let chunk = (blocks - block).min(8);
-        let chunk_scales = load_scales(scales.add(2 * block), (groups - 2 * block).min(16));
-        for j in 0..chunk {
+        let chunk_groups = (groups - 2 * block).min(16);
+        let chunk_scales = load_scales(scales.add(2 * block), chunk_groups);
+        if INT4 {
+            // Σ_g scale_w · (−8 · scale_x · Σx): the +8 of every nibble, 16 groups per FMA.
+            for t in 0..N {
+                let offsets =
+                    _mm512_maskz_loadu_ps(lane_mask(chunk_groups), x_offsets[t].add(2 * block));
+                offset_acc[t] = _mm512_fmadd_ps(chunk_scales, offsets, offset_acc[t]);
+            }
+        }
+        for (j, index) in scale_index.iter().enumerate().take(chunk) {
             let b = block + j;
             let both = 2 * b + 1 < groups;
             if prefetch > 0 {
                 // Addresses past the matrix end are harmless: prefetches never fault.
                 _mm_prefetch::<_MM_HINT_T0>(values.wrapping_add(b * block_bytes + prefetch).cast());
             }
-            let weight_scale = _mm512_permutexvar_ps(
-                _mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * j as i32)),
-                chunk_scales,
-            );
+            let weight_scale = _mm512_permutexvar_ps(*index, chunk_scales);
             let weights = if INT4 {
                 let bytes = if both {
                     _mm256_loadu_si256(values.add(b * 32).cast())
@@ -367,11 +376,7 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
             for t in 0..N {
                 let xq = _mm512_loadu_si512(x_bytes[t].add(b * 64).cast());
                 let dot = if INT4 {
-                    // Nibbles are code + 8: subtract 8 · Σx per lane.
-                    _mm512_sub_epi32(
-                        _mm512_dpbusd_epi32(zero, weights, xq),
-                        _mm512_loadu_si512(x_sums[t].add(b * 16).cast()),
-                    )
+                    _mm512_dpbusd_epi32(zero, weights, xq)
                 } else {
                     _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xq, weights), weight_sum_128)
                 };
@@ -380,6 +385,9 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
             }
         }
         block += chunk;
+    }
+    for t in 0..N {
+        acc[t] = _mm512_add_ps(acc[t], offset_acc[t]);
     }
     for (t, sum) in acc.iter().enumerate() {
         *out.add(t * token_stride) = _mm512_reduce_add_ps(*sum);

@@ -203,6 +203,8 @@ pub struct ExpertBenchResult {
     pub weight_gbps: f64,
     /// 2 · tokens · experts · 3 · H · Im per second, 10⁹.
     pub gflops: f64,
+    /// Mean time of each phase of a layer (prepare, gate/up + SwiGLU, down), microseconds.
+    pub phase_us: [f64; 3],
 }
 
 /// What `bench_experts` runs.
@@ -333,9 +335,10 @@ pub fn bench_experts(
     for &isa in isas {
         let mut scratch = LayerScratch::new(layout, isa, pool.threads(), capacity)?;
         let mut run_for =
-            |duration: Duration, next: &mut usize| -> Result<(usize, f64), KernelError> {
+            |duration: Duration, next: &mut usize| -> Result<(usize, f64, [f64; 3]), KernelError> {
                 let start = Instant::now();
                 let mut calls = 0;
+                let mut phases = [0.0f64; 3];
                 loop {
                     compute_layer(
                         pool,
@@ -345,17 +348,21 @@ pub fn bench_experts(
                         &layer_tasks[*next % layers],
                         &mut output,
                     )?;
+                    for (sum, time) in phases.iter_mut().zip(scratch.last_phase_times()) {
+                        *sum += time.as_secs_f64();
+                    }
                     *next += 1;
                     calls += 1;
                     let elapsed = start.elapsed();
                     if elapsed >= duration && calls >= 3 {
-                        return Ok((calls, elapsed.as_secs_f64()));
+                        return Ok((calls, elapsed.as_secs_f64(), phases));
                     }
                 }
             };
         let mut next = 0usize;
         run_for(Duration::from_secs_f64(config.min_seconds * 0.2), &mut next)?;
-        let (calls, seconds) = run_for(Duration::from_secs_f64(config.min_seconds), &mut next)?;
+        let (calls, seconds, phases) =
+            run_for(Duration::from_secs_f64(config.min_seconds), &mut next)?;
         let layer_seconds = seconds / calls as f64;
         results.push(ExpertBenchResult {
             isa,
@@ -372,6 +379,7 @@ pub fn bench_experts(
             weight_bytes_per_layer,
             weight_gbps: weight_bytes_per_layer as f64 / layer_seconds / 1e9,
             gflops: flops_per_layer / layer_seconds / 1e9,
+            phase_us: phases.map(|p| p / calls as f64 * 1e6),
         });
     }
     std::hint::black_box(&output);

@@ -15,6 +15,8 @@
 //!
 //! Nothing on this path allocates or locks: all buffers live in `LayerScratch`, sized once.
 
+use std::time::{Duration, Instant};
+
 use crate::isa::{KernelIsa, AMX_MIN_TOKENS};
 use crate::kernels::{matmul_rows, ThreadBuffers};
 use crate::layout::{ExpertLayout, MatrixView, GROUP};
@@ -26,6 +28,32 @@ use crate::KernelError;
 const TOKEN_CHUNK: usize = 256;
 /// Output rows per phase-2 work item (one AMX tile of rows).
 const ROW_BLOCK: usize = 16;
+/// Largest tokens-per-expert for which phase 2 splits (expert, row block) items across threads
+/// and reduces afterwards (see `DownSplit`).
+const REDUCE_MAX_TOKENS: usize = 8;
+
+/// How phase 2 (`down`) shares work among threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DownSplit {
+    /// Small batches (≤ 8 tokens per expert): (expert, 16-row block) items are split across
+    /// threads, so each thread streams one long contiguous run of `down` rows; results go to a
+    /// per-(expert, token) buffer and a fourth phase adds them into the output. Larger batches:
+    /// `Rows`.
+    Auto,
+    /// Output rows split across threads, every thread visits every expert and accumulates into
+    /// its own output columns directly.
+    Rows,
+}
+
+static DOWN_SPLIT_ROWS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Chooses phase 2's work split for every later call (a tuning knob for `ninfer bench`).
+pub fn set_down_split(split: DownSplit) {
+    DOWN_SPLIT_ROWS.store(
+        split == DownSplit::Rows,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
 
 /// The two matrices of one expert, as stored (`docs/FORMAT.md`).
 #[derive(Debug, Clone, Copy)]
@@ -99,6 +127,12 @@ pub struct LayerScratch {
     gate: Vec<Vec<f32>>,
     up: Vec<Vec<f32>>,
     thread_buffers: Vec<ThreadBuffers>,
+    /// `[pairs, H]` down outputs for the reduce split (small batches only).
+    down_out: Vec<f32>,
+    down_out_pairs: usize,
+    /// When thread 0 left barriers 1 and 2 in the last call.
+    marks: [Option<Instant>; 2],
+    last_phases: [Duration; 3],
 }
 
 // SAFETY: the raw pointers inside (task views, thread buffers) point into memory this scratch
@@ -152,6 +186,18 @@ impl LayerScratch {
                 .map(|_| vec![0.0; TOKEN_CHUNK * GROUP])
                 .collect(),
             thread_buffers: Vec::with_capacity(threads),
+            down_out: vec![
+                0.0;
+                capacity
+                    .max_pairs
+                    .min(REDUCE_MAX_TOKENS * capacity.max_tasks)
+                    * layout.hidden
+            ],
+            down_out_pairs: capacity
+                .max_pairs
+                .min(REDUCE_MAX_TOKENS * capacity.max_tasks),
+            marks: [None; 2],
+            last_phases: [Duration::ZERO; 3],
         };
         for thread in 0..threads {
             scratch.thread_buffers.push(ThreadBuffers {
@@ -175,6 +221,11 @@ impl LayerScratch {
     pub fn capacity(&self) -> ScratchCapacity {
         self.capacity
     }
+
+    /// Wall time of the last call's phases: input preparation, gate/up + SwiGLU, down.
+    pub fn last_phase_times(&self) -> [Duration; 3] {
+        self.last_phases
+    }
 }
 
 /// Everything the pool's threads share during one call (raw pointers into the scratch, the
@@ -191,6 +242,9 @@ struct LayerJob {
     input: FormsPtr,
     act: FormsPtr,
     threads: *const ThreadBuffers,
+    marks: *mut [Option<Instant>; 2],
+    /// Null unless phase 2 uses the reduce split.
+    down_out: *mut f32,
 }
 
 // SAFETY: threads only write disjoint parts (their own pairs, units, output columns and thread
@@ -280,6 +334,12 @@ pub fn compute_layer(
     if pairs == 0 {
         return Ok(());
     }
+    let reduce = !DOWN_SPLIT_ROWS.load(std::sync::atomic::Ordering::Relaxed)
+        && pairs <= scratch.down_out_pairs
+        && scratch
+            .tasks
+            .iter()
+            .all(|task| task.count <= REDUCE_MAX_TOKENS);
     let job = LayerJob {
         isa: scratch.isa,
         layout,
@@ -291,12 +351,24 @@ pub fn compute_layer(
         input: scratch.input.pointers(),
         act: scratch.act.pointers(),
         threads: scratch.thread_buffers.as_ptr(),
+        marks: &mut scratch.marks,
+        down_out: if reduce {
+            scratch.down_out.as_mut_ptr()
+        } else {
+            std::ptr::null_mut()
+        },
     };
     let gate_ptrs = GatePointers::of(scratch);
+    let start = Instant::now();
     pool.run(&|context: &WorkerContext<'_>| {
         // SAFETY: see LayerJob: every phase writes only this thread's share.
         unsafe { job.run(context, &gate_ptrs) }
-    })
+    })?;
+    let end = Instant::now();
+    if let [Some(first), Some(second)] = scratch.marks {
+        scratch.last_phases = [first - start, second - first, end - second];
+    }
+    Ok(())
 }
 
 /// Per-thread SwiGLU buffers, indexed by pool thread.
@@ -360,6 +432,9 @@ impl LayerJob {
             }
         }
         context.barrier();
+        if context.index == 0 {
+            (*self.marks)[0] = Some(Instant::now());
+        }
 
         // Phase 1: gate/up rows + SwiGLU, per (expert, 32 intermediate features).
         let units_per_task = im.div_ceil(GROUP);
@@ -416,9 +491,56 @@ impl LayerJob {
             }
         }
         context.barrier();
+        if context.index == 0 {
+            (*self.marks)[1] = Some(Instant::now());
+        }
 
-        // Phase 2: down rows, output features split in blocks of 16.
-        let blocks = split_range(h.div_ceil(ROW_BLOCK), context.index, context.count);
+        let row_blocks = h.div_ceil(ROW_BLOCK);
+        if !self.down_out.is_null() {
+            // Phase 2 (reduce split): (expert, row block) items, one contiguous run per thread.
+            for item in context.split(self.task_count * row_blocks) {
+                let task = self.task(item / row_blocks);
+                let first = (item % row_blocks) * ROW_BLOCK;
+                let rows = ROW_BLOCK.min(h - first);
+                let input = InputRows {
+                    forms: self.act,
+                    first_slot: task.first_slot,
+                    tokens: task.count,
+                    amx_base: None,
+                };
+                let destination = self.down_out.add(task.first_slot * h + first);
+                matmul_rows(
+                    self.isa,
+                    &task.down,
+                    first,
+                    rows,
+                    &input,
+                    destination,
+                    h,
+                    buffers,
+                );
+            }
+            context.barrier();
+            // Phase 3: each thread adds its output columns.
+            let columns = split_range(row_blocks, context.index, context.count);
+            let (first, last) = (columns.start * ROW_BLOCK, (columns.end * ROW_BLOCK).min(h));
+            for task_index in 0..self.task_count {
+                let task = self.task(task_index);
+                for t in 0..task.count {
+                    let token = *task.tokens.add(t) as usize;
+                    let weight = *task.routing_weights.add(t);
+                    let source = self.down_out.add((task.first_slot + t) * h);
+                    let destination = self.output.add(token * h);
+                    for column in first..last {
+                        *destination.add(column) += weight * *source.add(column);
+                    }
+                }
+            }
+            return;
+        }
+
+        // Phase 2 (rows split): output features split in blocks of 16.
+        let blocks = split_range(row_blocks, context.index, context.count);
         let y = gate;
         for task_index in 0..self.task_count {
             let task = self.task(task_index);

@@ -41,7 +41,10 @@ mod avx512;
 
 pub use isa::KernelIsa;
 pub use kernels::set_prefetch_distance;
-pub use layer::{compute_layer, ExpertTask, ExpertWeights, LayerScratch, ScratchCapacity};
+pub use layer::{
+    compute_layer, set_down_split, DownSplit, ExpertTask, ExpertWeights, LayerScratch,
+    ScratchCapacity,
+};
 pub use layout::{ExpertLayout, MatrixLayout, WeightDType};
 pub use pool::{cpus_of_numa_node, ThreadPool};
 

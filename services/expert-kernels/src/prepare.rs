@@ -9,8 +9,8 @@
 //!   one, so the kernels split nibbles without shuffling them back;
 //! - bf16 (AVX-512 BF16 dot products);
 //! - int8 per group of 32 (scale = max|x| / 127, f32): as `x + 128` unsigned for int8 weights,
-//!   in nibble order signed for int4 weights, with per-lane scales and (int4) per-lane sums so
-//!   VNNI `vpdpbusd` results need no horizontal work;
+//!   in nibble order signed for int4 weights, with per-lane scales so VNNI `vpdpbusd` results
+//!   need no horizontal work, and (int4) per-group offset terms;
 //! - AMX B tiles: bf16 pairs `[K/2][16 tokens]` per block of 16 tokens.
 //!
 //! Must not touch: weights.
@@ -76,7 +76,9 @@ pub(crate) struct Forms {
     pub bf16: Vec<u16>,
     pub int8: Vec<u8>,
     pub lane_scale: Vec<f32>,
-    pub lane_sum8: Vec<i32>,
+    /// Int4: per group, `−8 · scale · Σcodes` (the nibbles' +8 offset, folded into one FMA
+    /// per 16 groups against the weight scales).
+    pub group_offset: Vec<f32>,
     pub amx: Vec<u32>,
 }
 
@@ -95,7 +97,7 @@ impl Forms {
             bf16: vec![0; sized(needs.bf16, slots * padded)],
             int8: vec![0; sized(needs.quantized(), slots * padded)],
             lane_scale: vec![0.0; sized(needs.quantized(), slots * lanes)],
-            lane_sum8: vec![0; sized(needs.int4_signed, slots * lanes)],
+            group_offset: vec![0.0; sized(needs.int4_signed, slots * padded / GROUP)],
             amx: vec![0; sized(needs.amx, amx_slots * amx_padded / 2)],
         }
     }
@@ -110,7 +112,7 @@ impl Forms {
             bf16: self.bf16.as_mut_ptr(),
             int8: self.int8.as_mut_ptr(),
             lane_scale: self.lane_scale.as_mut_ptr(),
-            lane_sum8: self.lane_sum8.as_mut_ptr(),
+            group_offset: self.group_offset.as_mut_ptr(),
             amx: self.amx.as_mut_ptr(),
         }
     }
@@ -128,7 +130,7 @@ pub(crate) struct FormsPtr {
     pub bf16: *mut u16,
     pub int8: *mut u8,
     pub lane_scale: *mut f32,
-    pub lane_sum8: *mut i32,
+    pub group_offset: *mut f32,
     pub amx: *mut u32,
 }
 
@@ -179,13 +181,9 @@ impl FormsPtr {
                 for (position, &code) in ordered.iter().enumerate() {
                     *self.int8.add(start + position) = code as u8;
                 }
-                for lane in 0..8 {
-                    let sum: i32 = ordered[lane * 4..lane * 4 + 4]
-                        .iter()
-                        .map(|&c| c as i32)
-                        .sum();
-                    *self.lane_sum8.add(lanes + lane) = 8 * sum;
-                }
+                let sum: i32 = codes.iter().map(|&c| c as i32).sum();
+                *self.group_offset.add(slot * (self.padded / GROUP) + group) =
+                    -8.0 * scale * sum as f32;
             }
             for lane in 0..8 {
                 *self.lane_scale.add(lanes + lane) = scale;
@@ -280,11 +278,11 @@ impl InputRows {
         }
     }
     #[inline]
-    pub fn lane_sum8_row(&self, token: usize) -> *const i32 {
+    pub fn group_offset_row(&self, token: usize) -> *const f32 {
         unsafe {
             self.forms
-                .lane_sum8
-                .add((self.first_slot + token) * (self.forms.padded / 64 * 16))
+                .group_offset
+                .add((self.first_slot + token) * (self.forms.padded / GROUP))
         }
     }
 }

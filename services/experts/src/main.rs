@@ -55,6 +55,9 @@ struct Args {
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
+    /// Test hook: sleep this long before answering each request, so tests can act mid-generation.
+    #[arg(long, hide = true, default_value_t = 0)]
+    test_delay_ms: u64,
 }
 
 /// `all` → every expert; `shard=I/N` → the I-th of N contiguous, near-equal ranges.
@@ -190,7 +193,7 @@ fn main() -> anyhow::Result<()> {
         kernel_isa: isa.name().to_string(),
         pid: std::process::id(),
     };
-    let serving = serving::start(model);
+    let serving = serving::start(model, std::time::Duration::from_millis(args.test_delay_ms));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -246,7 +246,7 @@ impl ServingHandle {
 }
 
 /// Starts the serving and heartbeat threads.
-pub fn start(model: WorkerModel) -> ServingHandle {
+pub fn start(model: WorkerModel, test_delay: Duration) -> ServingHandle {
     let (sender, receiver) = mpsc::channel();
     let counters = Arc::new(Counters::default());
     let banks_locked = model.banks_locked;
@@ -263,7 +263,16 @@ pub fn start(model: WorkerModel) -> ServingHandle {
     let thread_counters = Arc::clone(&counters);
     let spawned = std::thread::Builder::new()
         .name("ninfer-serving".into())
-        .spawn(move || serving_loop(model, &receiver, &thread_counters, &attached, &stop));
+        .spawn(move || {
+            serving_loop(
+                model,
+                &receiver,
+                &thread_counters,
+                &attached,
+                &stop,
+                test_delay,
+            )
+        });
     if let Err(error) = spawned {
         tracing::error!("cannot start the serving thread: {error}");
     }
@@ -290,6 +299,7 @@ fn serving_loop(
     counters: &Counters,
     attached: &Mutex<Option<Arc<WorkerChannel>>>,
     stop: &AtomicBool,
+    test_delay: Duration,
 ) {
     let mut channel: Option<Arc<WorkerChannel>> = None;
     loop {
@@ -341,16 +351,24 @@ fn serving_loop(
             None => {}
         }
         if let Some(current) = &channel {
-            serve_one(&mut model, current, counters);
+            serve_one(&mut model, current, counters, test_delay);
         }
     }
     stop.store(true, Ordering::Relaxed);
 }
 
-fn serve_one(model: &mut WorkerModel, channel: &WorkerChannel, counters: &Counters) {
+fn serve_one(
+    model: &mut WorkerModel,
+    channel: &WorkerChannel,
+    counters: &Counters,
+    test_delay: Duration,
+) {
     let Some(request) = channel.next_request(Duration::from_millis(20)) else {
         return;
     };
+    if !test_delay.is_zero() {
+        std::thread::sleep(test_delay);
+    }
     let started = Instant::now();
     let slot = request.slot;
     let (layer, token_count, top_k) = (request.layer, request.token_count, request.top_k);

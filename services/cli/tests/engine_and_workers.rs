@@ -1,0 +1,547 @@
+//! The process boundary, end to end: `ninfer-engine` and `ninfer-experts` started as real
+//! processes on unix sockets, spoken to over gRPC. Needs the workspace binaries built next to
+//! this test (`scripts/test.sh` / `cargo test --workspace` builds them).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ninfer_protocol::v1::engine_client::EngineClient;
+use ninfer_protocol::v1::expert_worker_client::ExpertWorkerClient;
+use ninfer_protocol::v1::{
+    AttachChannelRequest, EngineStatusRequest, GenerateRequest, WorkerInfoRequest,
+};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// A workspace binary next to this test's executable (target/<profile>/).
+fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join(name);
+    assert!(
+        path.exists(),
+        "{} is not built; run the tests with `scripts/test.sh` (cargo test --workspace)",
+        path.display()
+    );
+    path
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap()).unwrap()
+}
+
+fn prompts(name: &str) -> Vec<Vec<u32>> {
+    reference(name)["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p["prompt_token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Child processes killed on drop, with their logs in the scratch directory.
+struct Stack {
+    directory: tempfile::TempDir,
+    children: Vec<(String, Child)>,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Stack {
+    fn new() -> Self {
+        Stack {
+            directory: tempfile::tempdir().unwrap(),
+            children: Vec::new(),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.directory.path().join(name)
+    }
+
+    /// Converts a fixture (f32 weights: exact comparisons).
+    fn convert(&self, fixture_name: &str) -> PathBuf {
+        let output = self.path(&format!("{fixture_name}.ninfer"));
+        let status = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+            .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
+            .arg(fixture(fixture_name))
+            .arg(&output)
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        output
+    }
+
+    fn spawn(&mut self, label: &str, program: &Path, args: &[String]) {
+        let log = File::create(self.path(&format!("{label}.log"))).unwrap();
+        let child = Command::new(program)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.children.push((label.to_string(), child));
+    }
+
+    fn worker(&mut self, label: &str, model: &Path, shard: &str, extra: &[&str]) -> String {
+        self.worker_on(label, label, model, shard, extra)
+    }
+
+    /// A worker listening on `socket_name.sock` (a restarted worker reuses its predecessor's).
+    fn worker_on(
+        &mut self,
+        label: &str,
+        socket_name: &str,
+        model: &Path,
+        shard: &str,
+        extra: &[&str],
+    ) -> String {
+        let socket = format!(
+            "unix:{}",
+            self.path(&format!("{socket_name}.sock")).display()
+        );
+        let mut args = vec![
+            "--model".to_string(),
+            model.display().to_string(),
+            "--experts".into(),
+            shard.into(),
+            "--listen".into(),
+            socket.clone(),
+            "--moe-threads".into(),
+            "2".into(),
+            "--kernel-isa".into(),
+            "scalar".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        self.spawn(label, &binary("ninfer-experts"), &args);
+        socket
+    }
+
+    fn engine(&mut self, label: &str, model: &Path, workers: &[String], extra: &[&str]) -> String {
+        let socket = format!("unix:{}", self.path(&format!("{label}.sock")).display());
+        let mut args = vec![
+            "--model".to_string(),
+            model.display().to_string(),
+            "--device".into(),
+            "cpu".into(),
+            "--listen".into(),
+            socket.clone(),
+            "--moe-threads".into(),
+            "2".into(),
+            "--kernel-isa".into(),
+            "scalar".into(),
+        ];
+        if !workers.is_empty() {
+            args.push("--experts".into());
+            args.push(workers.join(","));
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        self.spawn(label, &binary("ninfer-engine"), &args);
+        socket
+    }
+
+    fn log(&self, label: &str) -> String {
+        std::fs::read_to_string(self.path(&format!("{label}.log"))).unwrap_or_default()
+    }
+
+    fn child(&mut self, label: &str) -> &mut Child {
+        &mut self
+            .children
+            .iter_mut()
+            .find(|(l, _)| l == label)
+            .unwrap()
+            .1
+    }
+
+    fn signal(&mut self, label: &str, signal: nix::sys::signal::Signal) {
+        let pid = self.child(label).id() as i32;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal).unwrap();
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn client(address: &str) -> EngineClient<tonic::transport::Channel> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(channel) =
+            ninfer_protocol::transport::connect(address, Duration::from_millis(200)).await
+        {
+            let mut client = EngineClient::new(channel);
+            if let Ok(status) = client.get_status(EngineStatusRequest {}).await {
+                if status.get_ref().ready {
+                    return client;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "engine at {address} not ready within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn greedy(prompt: &[u32], max_new_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompt_token_ids: prompt.to_vec(),
+        max_new_tokens,
+        ..Default::default()
+    }
+}
+
+async fn generate(
+    client: &mut EngineClient<tonic::transport::Channel>,
+    request: GenerateRequest,
+) -> Vec<u32> {
+    let mut stream = client.generate(request).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    while let Some(message) = stream.message().await.unwrap() {
+        if !message.no_token {
+            tokens.push(message.token_id);
+        }
+    }
+    tokens
+}
+
+#[test]
+fn greedy_through_workers_equals_in_process() {
+    let rt = runtime();
+    for name in ["qwen3_moe", "qwen3_next", "qwen3_5_moe"] {
+        let mut stack = Stack::new();
+        let model = stack.convert(name);
+        let in_process = stack.engine("engine-local", &model, &[], &[]);
+        let one = stack.worker("worker-all", &model, "all", &[]);
+        let engine_one = stack.engine("engine-one", &model, &[one], &[]);
+        let half0 = stack.worker("worker-half0", &model, "shard=0/2", &[]);
+        let half1 = stack.worker("worker-half1", &model, "shard=1/2", &[]);
+        let engine_two = stack.engine("engine-two", &model, &[half0, half1], &[]);
+        let expected = reference(name);
+        for (index, prompt) in prompts(name).iter().enumerate() {
+            let local = rt.block_on(async {
+                generate(&mut client(&in_process).await, greedy(prompt, 24)).await
+            });
+            let through_one = rt.block_on(async {
+                generate(&mut client(&engine_one).await, greedy(prompt, 24)).await
+            });
+            let through_two = rt.block_on(async {
+                generate(&mut client(&engine_two).await, greedy(prompt, 24)).await
+            });
+            assert_eq!(local.len(), 24);
+            assert_eq!(
+                through_one, local,
+                "{name} prompt {index}: one worker differs from in-process"
+            );
+            assert_eq!(
+                through_two, local,
+                "{name} prompt {index}: two workers differ from in-process"
+            );
+            let transformers: Vec<u32> = expected["prompts"][index]["greedy_token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(
+                local, transformers,
+                "{name} prompt {index}: differs from the transformers greedy tokens"
+            );
+        }
+        assert!(stack.log("engine-two").contains("expert worker registered"));
+    }
+}
+
+#[test]
+fn concurrent_requests_equal_their_solo_results() {
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_next");
+    let worker = stack.worker("worker", &model, "all", &[]);
+    let engine = stack.engine("engine", &model, &[worker], &[]);
+    let base = prompts("qwen3_next");
+    // Eight different prompts: the fixture's two, and prefixes of them.
+    let requests: Vec<Vec<u32>> = (0..8)
+        .map(|i| base[i % 2][..base[i % 2].len() - i / 2].to_vec())
+        .collect();
+    rt.block_on(async {
+        let mut solo = Vec::new();
+        for prompt in &requests {
+            solo.push(generate(&mut client(&engine).await, greedy(prompt, 16)).await);
+        }
+        let connected = client(&engine).await;
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|prompt| {
+                let mut client = connected.clone();
+                let request = greedy(prompt, 16);
+                tokio::spawn(async move { generate(&mut client, request).await })
+            })
+            .collect();
+        for (index, handle) in handles.into_iter().enumerate() {
+            assert_eq!(
+                handle.await.unwrap(),
+                solo[index],
+                "request {index} differs when batched"
+            );
+        }
+    });
+}
+
+#[test]
+fn killed_or_stopped_worker_does_not_change_the_generation() {
+    use nix::sys::signal::Signal;
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let prompt = prompts("qwen3_moe")[0].clone();
+    // Uninterrupted run.
+    let worker = stack.worker("worker", &model, "all", &["--test-delay-ms", "3"]);
+    let engine = stack.engine("engine", &model, std::slice::from_ref(&worker), &[]);
+    let uninterrupted =
+        rt.block_on(async { generate(&mut client(&engine).await, greedy(&prompt, 64)).await });
+    assert_eq!(uninterrupted.len(), 64);
+
+    // kill -9 after 10 tokens, restart on the same socket.
+    let interrupted = rt.block_on(async {
+        let mut client = client(&engine).await;
+        let mut stream = client
+            .generate(greedy(&prompt, 64))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut tokens = Vec::new();
+        while let Some(message) = stream.message().await.unwrap() {
+            if !message.no_token {
+                tokens.push(message.token_id);
+            }
+            if tokens.len() == 10 {
+                stack.signal("worker", Signal::SIGKILL);
+                let _ = stack.child("worker").wait();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                stack.worker_on(
+                    "worker-restarted",
+                    "worker",
+                    &model,
+                    "all",
+                    &["--test-delay-ms", "3"],
+                );
+            }
+        }
+        tokens
+    });
+    assert_eq!(
+        interrupted, uninterrupted,
+        "generation changed across a worker restart"
+    );
+    let log = stack.log("engine");
+    assert!(
+        log.contains("expert worker died"),
+        "engine did not report the death:\n{log}"
+    );
+    assert!(
+        log.contains("replayed"),
+        "engine did not replay the interrupted layer:\n{log}"
+    );
+
+    // SIGSTOP: detected as hung; SIGCONT: work resumes, same tokens.
+    let resumed = rt.block_on(async {
+        let mut client = client(&engine).await;
+        let mut stream = client
+            .generate(greedy(&prompt, 64))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut tokens = Vec::new();
+        while let Some(message) = stream.message().await.unwrap() {
+            if !message.no_token {
+                tokens.push(message.token_id);
+            }
+            if tokens.len() == 5 {
+                stack.signal("worker-restarted", Signal::SIGSTOP);
+                tokio::time::sleep(Duration::from_millis(2000)).await;
+                stack.signal("worker-restarted", Signal::SIGCONT);
+            }
+        }
+        tokens
+    });
+    assert_eq!(resumed, uninterrupted);
+    let log = stack.log("engine");
+    assert!(
+        log.contains("hung"),
+        "engine did not report the hung worker:\n{log}"
+    );
+    assert!(
+        log.contains("resumed"),
+        "engine did not report the resumed worker:\n{log}"
+    );
+}
+
+#[test]
+fn worker_of_another_model_is_refused_with_both_ids() {
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let served = stack.convert("qwen3_moe");
+    let other = stack.convert("qwen3_next");
+    let worker = stack.worker("worker", &other, "all", &[]);
+    let _engine = stack.engine("engine", &served, &[worker.clone()], &[]);
+    let (served_id, other_id) = rt.block_on(async {
+        let connect = |address: String| async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Ok(channel) =
+                    ninfer_protocol::transport::connect(&address, Duration::from_millis(200)).await
+                {
+                    if let Ok(info) = ExpertWorkerClient::new(channel)
+                        .get_worker_info(WorkerInfoRequest {})
+                        .await
+                    {
+                        return info.into_inner().model_id;
+                    }
+                }
+                assert!(Instant::now() < deadline, "worker not up");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let other_id = connect(worker).await;
+        let probe = stack.worker("probe", &served, "all", &[]);
+        (connect(probe).await, other_id)
+    });
+    assert_ne!(served_id, other_id);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = stack.log("engine");
+        if log.contains("refused") && log.contains(&served_id) && log.contains(&other_id) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "engine log does not name both model ids:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn corrupt_channel_requests_are_refused_not_fatal() {
+    use ninfer_channel::{ChannelGeometry, EngineChannel, Request, WaitOutcome, NO_EXPERT};
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let worker = stack.worker("worker", &model, "shard=0/2", &[]);
+    let name = format!("ninfer-test-corrupt-{}", std::process::id());
+    let channel = EngineChannel::create(
+        &name,
+        ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 4,
+            hidden_size: 64,
+            max_top_k: 2,
+        },
+    )
+    .unwrap();
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut client = loop {
+            if let Ok(c) =
+                ninfer_protocol::transport::connect(&worker, Duration::from_millis(200)).await
+            {
+                break ExpertWorkerClient::new(c);
+            }
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let model_id = loop {
+            if let Ok(info) = client.get_worker_info(WorkerInfoRequest {}).await {
+                break info.into_inner().model_id;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        client
+            .attach_channel(AttachChannelRequest {
+                shared_memory_path: channel.name().to_string(),
+                model_id,
+            })
+            .await
+            .unwrap();
+    });
+    let hidden = vec![0.1f32; 64];
+    let cases: [(&str, u32, u32, &[u32]); 3] = [
+        ("not owned", 0, 1, &[7, NO_EXPERT]),
+        ("outside", 0, 1, &[99, NO_EXPERT]),
+        ("not a MoE layer", 1, 1, &[0, NO_EXPERT]),
+    ];
+    for (what, layer, tokens, ids) in cases {
+        let sequence = channel
+            .post(
+                0,
+                &Request {
+                    layer,
+                    token_count: tokens,
+                    top_k: 2,
+                    expert_ids: ids,
+                    routing_weights: &[1.0, 0.0],
+                    hidden: &hidden,
+                },
+            )
+            .unwrap();
+        match channel.wait(0, sequence, Duration::from_secs(10)) {
+            WaitOutcome::Refused(reason) => println!("{what}: refused: {reason}"),
+            other => panic!("{what}: expected a refusal, got {other:?}"),
+        }
+    }
+    // A bad length: more tokens than the slot holds.
+    let sequence = channel.corrupt_request_for_tests(0, 1_000_000, 2, 0);
+    assert!(matches!(
+        channel.wait(0, sequence, Duration::from_secs(10)),
+        WaitOutcome::Refused(_)
+    ));
+    // Still alive and correct afterwards.
+    let sequence = channel
+        .post(
+            0,
+            &Request {
+                layer: 0,
+                token_count: 1,
+                top_k: 2,
+                expert_ids: &[0, 3],
+                routing_weights: &[0.5, 0.5],
+                hidden: &hidden,
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        channel.wait(0, sequence, Duration::from_secs(10)),
+        WaitOutcome::Done
+    );
+    assert!(channel.output(0).iter().any(|v| *v != 0.0));
+    assert!(
+        stack.child("worker").try_wait().unwrap().is_none(),
+        "the worker exited"
+    );
+}

@@ -19,6 +19,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
+use tower::ServiceExt;
 
 use crate::backend::GenerationBackend;
 use crate::error::{ApiDialect, GatewayError};
@@ -68,7 +69,23 @@ impl GatewayState {
 
 /// The whole service: HTTP routes plus gRPC (public API, health, reflection) on one port.
 pub fn build_router(state: Arc<GatewayState>) -> Router {
-    let http_routes = Router::new()
+    // gRPC calls never match an HTTP route: they reach the fallback, which hands anything with a
+    // gRPC content type to the tonic services (public API, health, reflection).
+    let grpc_router = crate::grpc_api::grpc_routes(state.clone());
+    let fallback = move |request: Request| {
+        let grpc_router = grpc_router.clone();
+        async move {
+            if is_grpc_request(&request) {
+                match grpc_router.oneshot(request).await {
+                    Ok(response) => response.into_response(),
+                    Err(never) => match never {},
+                }
+            } else {
+                route_not_found(request).await
+            }
+        }
+    };
+    Router::new()
         .route(
             "/v1/chat/completions",
             post(crate::openai::chat_completions),
@@ -86,17 +103,19 @@ pub fn build_router(state: Arc<GatewayState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/stats/experts", get(expert_statistics))
-        .fallback(route_not_found)
+        .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.max_body_bytes))
-        .with_state(state.clone());
-    let grpc_routes = crate::grpc_api::grpc_routes(state.clone());
-    http_routes
-        .merge(grpc_routes)
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            authenticate_and_count,
-        ))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate_and_count))
+        .with_state(state)
+}
+
+fn is_grpc_request(request: &Request) -> bool {
+    request
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|content_type| content_type.starts_with("application/grpc"))
 }
 
 /// Binds nothing itself: serves `router` on an already bound listener until `shutdown` resolves.
@@ -153,11 +172,7 @@ async fn authenticate_and_count(
     next: Next,
 ) -> Response {
     let path = request.uri().path().to_string();
-    let is_grpc = request
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|content_type| content_type.starts_with("application/grpc"));
+    let is_grpc = is_grpc_request(&request);
     if let Some(expected) = &state.settings.api_key {
         if !is_public_path(&path) {
             let authorized =

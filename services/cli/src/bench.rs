@@ -74,9 +74,10 @@ struct ExpertsArgs {
     /// Timed seconds per measurement.
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
-    /// Software prefetch distances in bytes for the streaming kernels, comma-separated; each is
-    /// measured (0: hardware prefetchers only).
-    #[arg(long, default_value = "2048")]
+    /// Software prefetch distances in bytes for the streaming kernels, comma-separated, each
+    /// optionally suffixed `:l2` to prefetch into L2 instead of L1; each is measured
+    /// (0: hardware prefetchers only).
+    #[arg(long, default_value = "4096")]
     prefetch_bytes: String,
     /// How the down projection is split among threads: `auto` (per expert and row block for
     /// small batches, then a reduction) or `rows` (output rows only).
@@ -246,8 +247,14 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
     ninfer_expert_kernels::set_down_split(down_split);
     let pool = make_pool(&args.pool)?;
     let prefetches = parse_list(&args.prefetch_bytes, "--prefetch-bytes", |s| {
-        s.parse::<usize>()
-            .with_context(|| format!("`{s}` is not a byte count"))
+        let (bytes, into_l2) = match s.strip_suffix(":l2") {
+            Some(bytes) => (bytes, true),
+            None => (s, false),
+        };
+        let bytes = bytes
+            .parse::<usize>()
+            .with_context(|| format!("`{s}` is not a byte count"))?;
+        Ok((bytes, into_l2))
     })?;
 
     let bandwidth = match args.bandwidth_gbs {
@@ -290,12 +297,13 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
             "prep/gate_up/down µs"
         );
     }
-    let mut all: Vec<(usize, ExpertBenchResult)> = Vec::new();
+    let mut all: Vec<(String, ExpertBenchResult)> = Vec::new();
     for &dtype in &dtypes {
         let layout = ExpertLayout::new(dtype, preset.hidden, preset.intermediate)?;
         for &tokens in &token_counts {
-            for &prefetch in &prefetches {
-                ninfer_expert_kernels::set_prefetch_distance(prefetch);
+            for &(prefetch_bytes, into_l2) in &prefetches {
+                ninfer_expert_kernels::set_prefetch_distance(prefetch_bytes, into_l2);
+                let prefetch = format!("{prefetch_bytes}{}", if into_l2 { ":l2" } else { "" });
                 let config = ExpertBenchConfig {
                     layout,
                     experts_per_layer,
@@ -324,7 +332,7 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                         );
                     }
                 }
-                all.extend(results.into_iter().map(|r| (prefetch, r)));
+                all.extend(results.into_iter().map(|r| (prefetch.clone(), r)));
             }
         }
     }
@@ -336,7 +344,7 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                 let mut value = serde_json::to_value(r).unwrap_or_default();
                 if let Some(object) = value.as_object_mut() {
                     object.insert("bandwidth_ratio".into(), (r.weight_gbps / bandwidth.best_gbps).into());
-                    object.insert("prefetch_bytes".into(), (*prefetch).into());
+                    object.insert("prefetch".into(), prefetch.clone().into());
                 }
                 value
             }).collect::<Vec<_>>(),

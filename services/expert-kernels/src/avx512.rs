@@ -18,6 +18,7 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
+use crate::kernels::{prefetch_line, prefetch_row_scales};
 use crate::layout::{MatrixView, WeightDType, GROUP};
 use crate::prepare::InputRows;
 
@@ -206,6 +207,10 @@ unsafe fn float_row<const D: u8, const N: usize>(
     let mut acc = [[_mm512_setzero_ps(); 2]; N];
     let mut scales = [1.0f32; 16];
     let prefetch = crate::kernels::prefetch_distance();
+    let into_l2 = crate::kernels::prefetch_to_l2();
+    if quantized {
+        prefetch_row_scales(matrix, row, prefetch, into_l2);
+    }
     let mut group = 0;
     while group < full_groups {
         let chunk = (full_groups - group).min(16);
@@ -218,9 +223,7 @@ unsafe fn float_row<const D: u8, const N: usize>(
         for (j, &scale) in scales.iter().enumerate().take(chunk) {
             let g = group + j;
             if prefetch > 0 {
-                _mm_prefetch::<_MM_HINT_T0>(
-                    values.wrapping_add(g * group_bytes(D) + prefetch).cast(),
-                );
+                prefetch_line(values.wrapping_add(g * group_bytes(D) + prefetch), into_l2);
             }
             let (w0, w1) = load_group::<D>(values.add(g * group_bytes(D)), _mm512_set1_ps(scale));
             for t in 0..N {
@@ -328,6 +331,8 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
     let mut acc = [_mm512_setzero_ps(); N];
     let mut offset_acc = [_mm512_setzero_ps(); N];
     let prefetch = crate::kernels::prefetch_distance();
+    let into_l2 = crate::kernels::prefetch_to_l2();
+    prefetch_row_scales(matrix, row, prefetch, into_l2);
     let block_bytes = if INT4 { 32 } else { 64 };
     let mut block = 0;
     while block < blocks {
@@ -347,7 +352,7 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
             let both = 2 * b + 1 < groups;
             if prefetch > 0 {
                 // Addresses past the matrix end are harmless: prefetches never fault.
-                _mm_prefetch::<_MM_HINT_T0>(values.wrapping_add(b * block_bytes + prefetch).cast());
+                prefetch_line(values.wrapping_add(b * block_bytes + prefetch), into_l2);
             }
             let weight_scale = _mm512_permutexvar_ps(*index, chunk_scales);
             let weights = if INT4 {
@@ -431,9 +436,10 @@ unsafe fn bf16_row<const N: usize>(
     let x: [*const u16; N] = std::array::from_fn(|t| input.bf16_row(t0 + t));
     let mut acc = [_mm512_setzero_ps(); N];
     let prefetch = crate::kernels::prefetch_distance();
+    let into_l2 = crate::kernels::prefetch_to_l2();
     for g in 0..full_groups {
         if prefetch > 0 {
-            _mm_prefetch::<_MM_HINT_T0>(values.wrapping_add(g * 64 + prefetch).cast());
+            prefetch_line(values.wrapping_add(g * 64 + prefetch), into_l2);
         }
         let weights: __m512bh = std::mem::transmute(_mm512_loadu_si512(values.add(g * 64).cast()));
         for t in 0..N {

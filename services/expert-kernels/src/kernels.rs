@@ -11,18 +11,61 @@ use crate::layout::MatrixView;
 use crate::prepare::InputRows;
 
 /// Software-prefetch distance in bytes ahead of the weight row being read (0 = off).
-static PREFETCH_DISTANCE: AtomicUsize = AtomicUsize::new(2048);
+static PREFETCH_DISTANCE: AtomicUsize = AtomicUsize::new(4096);
+/// 0: prefetch into L1 (`prefetcht0`), 1: into L2 (`prefetcht1`).
+static PREFETCH_TO_L2: AtomicUsize = AtomicUsize::new(0);
 
-/// Sets how far ahead (bytes) the streaming kernels prefetch weights; 0 leaves it to the
-/// hardware prefetchers. A tuning knob for `ninfer bench`; the default (2048) streamed 20%
-/// faster than none on the 16-core Xeon of `docs/BENCHMARKS.md`.
-pub fn set_prefetch_distance(bytes: usize) {
+/// Sets how far ahead (bytes) the streaming kernels prefetch weights, and into which cache
+/// level; 0 bytes leaves it to the hardware prefetchers. A tuning knob for `ninfer bench`; the
+/// default (4096 bytes, L1) streamed 15–20% faster than none on the 16-core Xeon of
+/// `docs/BENCHMARKS.md`.
+pub fn set_prefetch_distance(bytes: usize, into_l2: bool) {
     PREFETCH_DISTANCE.store(bytes, Ordering::Relaxed);
+    PREFETCH_TO_L2.store(into_l2 as usize, Ordering::Relaxed);
 }
 
 #[inline]
 pub(crate) fn prefetch_distance() -> usize {
     PREFETCH_DISTANCE.load(Ordering::Relaxed)
+}
+
+#[inline]
+pub(crate) fn prefetch_to_l2() -> bool {
+    PREFETCH_TO_L2.load(Ordering::Relaxed) != 0
+}
+
+/// Prefetches the line at `address` (any address: prefetches never fault).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_line(address: *const u8, into_l2: bool) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+    // SAFETY: PREFETCH is a hint; it never faults and has no architectural effect.
+    unsafe {
+        if into_l2 {
+            _mm_prefetch::<_MM_HINT_T1>(address.cast());
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(address.cast());
+        }
+    }
+}
+
+/// Prefetches the f16 scales of the row `distance` value-bytes ahead of `row`'s start, so the
+/// scale stream is as far ahead as the value stream.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_row_scales(matrix: &MatrixView, row: usize, distance: usize, into_l2: bool) {
+    let layout = &matrix.layout;
+    let scale_bytes = layout.groups_per_row * 2;
+    if distance == 0 || scale_bytes == 0 {
+        return;
+    }
+    let start =
+        layout.scales_offset + row * scale_bytes + distance * scale_bytes / layout.row_bytes;
+    let mut offset = 0;
+    while offset < scale_bytes + 64 {
+        prefetch_line(matrix.base.wrapping_add(start + offset), into_l2);
+        offset += 64;
+    }
 }
 
 /// Per-thread buffers, owned by `LayerScratch`; one thread uses one of them at a time.

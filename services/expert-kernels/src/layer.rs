@@ -413,21 +413,27 @@ impl LayerJob {
         let im = self.layout.intermediate;
         let int4 = self.layout.dtype == crate::layout::WeightDType::Int4;
 
-        // Phase 0: input rows of (expert, token) pairs.
-        let mine = context.split(self.pairs);
+        // Phase 0: input rows of (expert, token) pairs, split by (pair, group of 32) so even
+        // one decode token is shared by all threads.
+        let groups = h.div_ceil(GROUP);
+        let mine = context.split(self.pairs * groups);
         for task_index in 0..self.task_count {
             let task = self.task(task_index);
-            let start = mine.start.max(task.first_slot);
-            let end = mine.end.min(task.first_slot + task.count);
-            for slot in start..end {
+            let start = mine.start.max(task.first_slot * groups);
+            let end = mine.end.min((task.first_slot + task.count) * groups);
+            for item in start..end {
+                let slot = item / groups;
+                let group = item % groups;
                 let local = slot - task.first_slot;
                 let token = *task.tokens.add(local) as usize;
-                let row = std::slice::from_raw_parts(self.hidden.add(token * h), h);
-                for (group, values) in row.chunks(GROUP).enumerate() {
-                    self.input.write_group(slot, group, values);
-                    if let Some(base) = task.amx_input {
-                        self.input.write_amx(base, local, group, values, int4);
-                    }
+                let first = group * GROUP;
+                let values = std::slice::from_raw_parts(
+                    self.hidden.add(token * h + first),
+                    GROUP.min(h - first),
+                );
+                self.input.write_group(slot, group, values);
+                if let Some(base) = task.amx_input {
+                    self.input.write_amx(base, local, group, values, int4);
                 }
             }
         }

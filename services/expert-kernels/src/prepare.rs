@@ -166,7 +166,10 @@ impl FormsPtr {
             let lanes = slot * (self.padded / 64 * 16) + (group / 2) * 16 + (group % 2) * 8;
             let mut codes = [0i8; GROUP];
             for (index, &value) in values.iter().enumerate() {
-                codes[index] = (value * inverse).round().clamp(-127.0, 127.0) as i8;
+                // Round half away from zero without a libm call (`f32::round` is one on
+                // baseline x86-64); `as` saturates, and |value · inverse| ≤ 127 anyway.
+                let scaled = value * inverse;
+                codes[index] = (scaled + 0.5f32.copysign(scaled)) as i8;
             }
             if self.needs.int8_offset {
                 for (index, &code) in codes.iter().enumerate().take(values.len()) {

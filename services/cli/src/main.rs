@@ -1,4 +1,4 @@
-//! `ninfer`: the command-line front end (`convert`, `inspect`, `perplexity`, `bench`).
+//! `ninfer`: the command-line front end (`convert`, `inspect`, `perplexity`, `bench`, `serve`).
 //!
 //! Owns: argument parsing, progress display and human-readable reports.
 //! Must not touch: model math or file formats directly; it calls the library crates.
@@ -7,6 +7,8 @@ mod bench;
 mod convert;
 mod inspect;
 mod perplexity;
+mod serve;
+mod supervisor;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +33,8 @@ enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Benchmarks: memory bandwidth, expert kernels.
     Bench(bench::BenchArgs),
+    /// Start the expert workers and the engine as supervised processes (the engine's gRPC API).
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -48,6 +52,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(args) => inspect::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

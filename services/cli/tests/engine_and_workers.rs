@@ -545,3 +545,73 @@ fn corrupt_channel_requests_are_refused_not_fatal() {
         "the worker exited"
     );
 }
+
+#[test]
+fn serve_supervises_restarts_and_stops_its_children() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let rt = runtime();
+    let stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let runtime_base = stack.path("runtime");
+    std::fs::create_dir_all(&runtime_base).unwrap();
+    let api = format!("unix:{}", stack.path("api.sock").display());
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(["serve", "--moe-threads", "1", "--listen", &api])
+        .arg(&model)
+        .env("XDG_RUNTIME_DIR", &runtime_base)
+        .stdout(Stdio::null())
+        .stderr(File::create(stack.path("serve.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let prompt = prompts("qwen3_moe")[0].clone();
+    let first = rt.block_on(async { generate(&mut client(&api).await, greedy(&prompt, 8)).await });
+    assert_eq!(first.len(), 8);
+
+    let runtime_dir = runtime_base.join(format!("ninfer-{}", serve.id()));
+    let pid_file = runtime_dir.join("experts-0.pid");
+    let read_pid = || {
+        std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|t| t.trim().parse::<i32>().ok())
+    };
+    let old_pid = read_pid().expect("worker pid file");
+    kill(Pid::from_raw(old_pid), Signal::SIGKILL).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while read_pid() == Some(old_pid) {
+        assert!(Instant::now() < deadline, "the worker was not restarted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let again = rt.block_on(async { generate(&mut client(&api).await, greedy(&prompt, 8)).await });
+    assert_eq!(again, first, "generation changed after the worker restart");
+
+    let engine_pid = std::fs::read_to_string(runtime_dir.join("engine.pid"))
+        .unwrap()
+        .trim()
+        .parse::<i32>()
+        .unwrap();
+    let worker_pid = read_pid().unwrap();
+    kill(Pid::from_raw(serve.id() as i32), Signal::SIGTERM).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ninfer serve did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "ninfer serve exited with {status}");
+    for pid in [engine_pid, worker_pid] {
+        assert!(
+            kill(Pid::from_raw(pid), None).is_err(),
+            "child {pid} still running after serve stopped"
+        );
+    }
+    assert!(
+        !runtime_dir.exists(),
+        "the runtime directory was not removed"
+    );
+}

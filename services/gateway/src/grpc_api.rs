@@ -61,7 +61,7 @@ pub fn grpc_routes(state: Arc<GatewayState>) -> axum::Router {
                 }
                 last = Some(ready);
             }
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
     let mut routes = tonic::service::Routes::new(GatewayServer::new(GatewayGrpcService { state }))

@@ -106,7 +106,10 @@ pub fn build_router(state: Arc<GatewayState>) -> Router {
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.max_body_bytes))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate_and_count))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            authenticate_and_count,
+        ))
         .with_state(state)
 }
 

@@ -107,33 +107,73 @@ async fn hundred_hostile_requests_get_4xx_in_the_right_envelope_and_the_gateway_
     let gateway = RunningGateway::start(&[engine.address], GatewayOptions::default()).await;
     gateway.wait_for_health(200).await;
     let requests = hostile_requests();
-    assert!(requests.len() >= 100, "only {} hostile requests", requests.len());
+    assert!(
+        requests.len() >= 100,
+        "only {} hostile requests",
+        requests.len()
+    );
     let mut statuses = std::collections::BTreeMap::new();
     for (index, (path, body, headers)) in requests.iter().enumerate() {
-        let mut header_refs: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let mut header_refs: Vec<(&str, &str)> =
+            headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
         header_refs.push(("content-type", "application/json"));
         let response = request(gateway.address, "POST", path, &header_refs, body).await;
         let shown = String::from_utf8_lossy(&body[..body.len().min(120)]).to_string();
-        assert!((400..500).contains(&response.status), "#{index} {path} {shown:?}: status {} body {}", response.status, response.text());
+        assert!(
+            (400..500).contains(&response.status),
+            "#{index} {path} {shown:?}: status {} body {}",
+            response.status,
+            response.text()
+        );
         let envelope: serde_json::Value =
-            serde_json::from_slice(&response.body).unwrap_or_else(|e| panic!("#{index} {path} {shown:?}: body not JSON ({e}): {}", response.text()));
+            serde_json::from_slice(&response.body).unwrap_or_else(|e| {
+                panic!(
+                    "#{index} {path} {shown:?}: body not JSON ({e}): {}",
+                    response.text()
+                )
+            });
         if path.starts_with("/v1/messages") {
-            assert_eq!(envelope["type"], "error", "#{index} {path} {shown:?}: {envelope}");
-            assert!(envelope["error"]["type"].is_string() && envelope["error"]["message"].is_string(), "#{index}: {envelope}");
+            assert_eq!(
+                envelope["type"], "error",
+                "#{index} {path} {shown:?}: {envelope}"
+            );
+            assert!(
+                envelope["error"]["type"].is_string() && envelope["error"]["message"].is_string(),
+                "#{index}: {envelope}"
+            );
         } else {
             let error = &envelope["error"];
-            assert!(error["message"].is_string() && error["type"].is_string(), "#{index} {path} {shown:?}: {envelope}");
-            assert!(error.get("param").is_some() && error.get("code").is_some(), "#{index}: {envelope}");
+            assert!(
+                error["message"].is_string() && error["type"].is_string(),
+                "#{index} {path} {shown:?}: {envelope}"
+            );
+            assert!(
+                error.get("param").is_some() && error.get("code").is_some(),
+                "#{index}: {envelope}"
+            );
         }
         *statuses.entry(response.status).or_insert(0) += 1;
     }
     eprintln!("{} hostile requests, statuses {statuses:?}", requests.len());
-    assert!(statuses.contains_key(&404) && statuses.contains_key(&413) && statuses.contains_key(&400), "{statuses:?}");
+    assert!(
+        statuses.contains_key(&404) && statuses.contains_key(&413) && statuses.contains_key(&400),
+        "{statuses:?}"
+    );
     // Still up, and a normal request works.
     gateway.wait_for_health(200).await;
-    let response = post_json(gateway.address, "/v1/chat/completions", &json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})).await;
+    let response = post_json(
+        gateway.address,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+    )
+    .await;
     assert_eq!(response.status, 200, "{}", response.text());
-    let response = post_json(gateway.address, "/v1/messages", &json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})).await;
+    let response = post_json(
+        gateway.address,
+        "/v1/messages",
+        &json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .await;
     assert_eq!(response.status, 200, "{}", response.text());
 }
 

@@ -21,7 +21,9 @@ async fn start() -> (RunningEngine, RunningGateway) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_completion_splits_reasoning_and_counts_usage() {
     let (engine, gateway) = start().await;
-    engine.script.set_text("I think it is four.\n</think>\n\nThe answer is 4.");
+    engine
+        .script
+        .set_text("I think it is four.\n</think>\n\nThe answer is 4.");
     let response = post_json(
         gateway.address,
         "/v1/chat/completions",
@@ -32,19 +34,34 @@ async fn chat_completion_splits_reasoning_and_counts_usage() {
     let body = response.json();
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["content"], "The answer is 4.");
-    assert_eq!(body["choices"][0]["message"]["reasoning_content"], "I think it is four.");
+    assert_eq!(
+        body["choices"][0]["message"]["reasoning_content"],
+        "I think it is four."
+    );
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
     // Prompt = the transformers rendering of the fixture template, tokenized.
     let prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n";
     let request = engine.script.last_request();
-    assert_eq!(body["usage"]["prompt_tokens"], request.prompt_token_ids.len());
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        request.prompt_token_ids.len()
+    );
     assert_eq!(request.prompt_token_ids.len(), count_tokens(prompt));
     let completion = count_tokens("I think it is four.\n</think>\n\nThe answer is 4.") + 1;
     assert_eq!(body["usage"]["completion_tokens"], completion);
-    assert_eq!(body["usage"]["total_tokens"], request.prompt_token_ids.len() + completion);
+    assert_eq!(
+        body["usage"]["total_tokens"],
+        request.prompt_token_ids.len() + completion
+    );
     let sampling = request.sampling.unwrap_or_default();
-    assert_eq!((sampling.temperature, sampling.top_k, sampling.seed), (0.0, 1, Some(7)));
-    assert_eq!(sampling.top_p, 0.95, "generation defaults fill what the request leaves out");
+    assert_eq!(
+        (sampling.temperature, sampling.top_k, sampling.seed),
+        (0.0, 1, Some(7))
+    );
+    assert_eq!(
+        sampling.top_p, 0.95,
+        "generation defaults fill what the request leaves out"
+    );
     assert_eq!(request.stop_token_ids, vec![482, 480]);
     assert_eq!(request.max_new_tokens, 100);
 }
@@ -63,15 +80,25 @@ async fn thinking_off_gives_plain_content() {
     assert_eq!(body["choices"][0]["message"]["content"], "Just the answer.");
     assert!(body["choices"][0]["message"]["reasoning_content"].is_null());
     let request = engine.script.last_request();
-    assert_eq!(request.prompt_token_ids.len(), count_tokens("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+    assert_eq!(
+        request.prompt_token_ids.len(),
+        count_tokens(
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )
+    );
     // No max_tokens: the rest of the context.
-    assert_eq!(request.max_new_tokens as usize, 4096 - request.prompt_token_ids.len());
+    assert_eq!(
+        request.max_new_tokens as usize,
+        4096 - request.prompt_token_ids.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_chat_has_openai_chunk_order_usage_and_done() {
     let (engine, gateway) = start().await;
-    engine.script.set_text("Reasoning here.</think>\n\nFinal words.");
+    engine
+        .script
+        .set_text("Reasoning here.</think>\n\nFinal words.");
     let response = post_json(
         gateway.address,
         "/v1/chat/completions",
@@ -79,11 +106,16 @@ async fn streaming_chat_has_openai_chunk_order_usage_and_done() {
     )
     .await;
     assert_eq!(response.status, 200);
-    assert!(response.header("content-type").unwrap_or("").starts_with("text/event-stream"));
+    assert!(response
+        .header("content-type")
+        .unwrap_or("")
+        .starts_with("text/event-stream"));
     let events = response.sse_events();
     assert_eq!(events.last().map(|(_, data)| data.as_str()), Some("[DONE]"));
-    let chunks: Vec<serde_json::Value> =
-        events[..events.len() - 1].iter().map(|(_, data)| serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"))).collect();
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1]
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}")))
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let mut content = String::new();
     let mut reasoning = String::new();
@@ -100,8 +132,14 @@ async fn streaming_chat_has_openai_chunk_order_usage_and_done() {
     assert_eq!(finish["choices"][0]["finish_reason"], "stop");
     let usage_chunk = &chunks[chunks.len() - 1];
     assert_eq!(usage_chunk["choices"], json!([]));
-    assert_eq!(usage_chunk["usage"]["completion_tokens"], count_tokens("Reasoning here.</think>\n\nFinal words.") + 1);
-    assert!(chunks[0]["usage"].is_null(), "usage is null on content chunks with include_usage");
+    assert_eq!(
+        usage_chunk["usage"]["completion_tokens"],
+        count_tokens("Reasoning here.</think>\n\nFinal words.") + 1
+    );
+    assert!(
+        chunks[0]["usage"].is_null(),
+        "usage is null on content chunks with include_usage"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,7 +175,14 @@ async fn stop_string_across_token_boundaries_is_never_emitted_and_cancels_the_en
             (text_out, finish, stop_reason)
         } else {
             let body = response.json();
-            (body["choices"][0]["text"].as_str().unwrap_or("").to_string(), body["choices"][0]["finish_reason"].clone(), body["choices"][0]["stop_reason"].clone())
+            (
+                body["choices"][0]["text"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+                body["choices"][0]["finish_reason"].clone(),
+                body["choices"][0]["stop_reason"].clone(),
+            )
         };
         assert_eq!(text_out, "The quick brown ", "stream={stream}");
         assert_eq!(finish, "stop");
@@ -149,7 +194,10 @@ async fn stop_string_across_token_boundaries_is_never_emitted_and_cancels_the_en
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert!(engine.script.dropped_streams.load(Ordering::SeqCst) > before_drops, "engine stream not cancelled (stream={stream})");
+        assert!(
+            engine.script.dropped_streams.load(Ordering::SeqCst) > before_drops,
+            "engine stream not cancelled (stream={stream})"
+        );
     }
     assert!(engine.script.cancels.load(Ordering::SeqCst) >= 1);
 }
@@ -169,16 +217,32 @@ async fn completions_length_n_and_logprobs() {
     assert_eq!(body["choices"].as_array().map(Vec::len), Some(2));
     for choice in body["choices"].as_array().cloned().unwrap_or_default() {
         assert_eq!(choice["finish_reason"], "length");
-        assert_eq!(choice["logprobs"]["tokens"].as_array().map(Vec::len), Some(3));
+        assert_eq!(
+            choice["logprobs"]["tokens"].as_array().map(Vec::len),
+            Some(3)
+        );
         assert_eq!(choice["logprobs"]["token_logprobs"][0], -0.5);
-        assert_eq!(choice["logprobs"]["top_logprobs"][0].as_object().map(|m| m.len()), Some(2));
+        assert_eq!(
+            choice["logprobs"]["top_logprobs"][0]
+                .as_object()
+                .map(|m| m.len()),
+            Some(2)
+        );
     }
     assert_eq!(body["usage"]["completion_tokens"], 6);
     assert_eq!(engine.script.last_request().top_logprobs, 2);
     // Token-id prompts work too.
-    let response = post_json(gateway.address, "/v1/completions", &json!({"model": MODEL, "prompt": [72, 101, 108], "max_tokens": 2})).await;
+    let response = post_json(
+        gateway.address,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": [72, 101, 108], "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(response.status, 200, "{}", response.text());
-    assert_eq!(engine.script.last_request().prompt_token_ids, vec![72, 101, 108]);
+    assert_eq!(
+        engine.script.last_request().prompt_token_ids,
+        vec![72, 101, 108]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,7 +263,9 @@ async fn chat_logprobs_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anthropic_messages_with_thinking_and_stop_sequences() {
     let (engine, gateway) = start().await;
-    engine.script.set_text("Let me see.\n</think>\n\nParis is the capital. END more text");
+    engine
+        .script
+        .set_text("Let me see.\n</think>\n\nParis is the capital. END more text");
     let response = post_json(
         gateway.address,
         "/v1/messages",
@@ -211,8 +277,14 @@ async fn anthropic_messages_with_thinking_and_stop_sequences() {
     assert_eq!(response.status, 200, "{}", response.text());
     let body = response.json();
     assert_eq!(body["type"], "message");
-    assert_eq!(body["content"][0], json!({"type": "thinking", "thinking": "Let me see.", "signature": ""}));
-    assert_eq!(body["content"][1], json!({"type": "text", "text": "Paris is the capital. "}));
+    assert_eq!(
+        body["content"][0],
+        json!({"type": "thinking", "thinking": "Let me see.", "signature": ""})
+    );
+    assert_eq!(
+        body["content"][1],
+        json!({"type": "text", "text": "Paris is the capital. "})
+    );
     assert_eq!(body["stop_reason"], "stop_sequence");
     assert_eq!(body["stop_sequence"], "END");
     let prompt_tokens = engine.script.last_request().prompt_token_ids.len();
@@ -241,7 +313,10 @@ async fn anthropic_streaming_event_sequence_is_exact() {
     .await;
     assert_eq!(response.status, 200);
     let events = response.sse_events();
-    let names: Vec<String> = events.iter().map(|(name, _)| name.clone().unwrap_or_default()).collect();
+    let names: Vec<String> = events
+        .iter()
+        .map(|(name, _)| name.clone().unwrap_or_default())
+        .collect();
     // Collapse runs of deltas to check the grammar.
     let mut collapsed: Vec<String> = Vec::new();
     for name in &names {
@@ -264,39 +339,107 @@ async fn anthropic_streaming_event_sequence_is_exact() {
             "message_stop"
         ]
     );
-    let data: Vec<serde_json::Value> = events.iter().map(|(_, d)| serde_json::from_str(d).unwrap_or_default()).collect();
+    let data: Vec<serde_json::Value> = events
+        .iter()
+        .map(|(_, d)| serde_json::from_str(d).unwrap_or_default())
+        .collect();
     for ((name, _), value) in events.iter().zip(&data) {
-        assert_eq!(value["type"].as_str(), name.as_deref(), "event name equals data.type");
+        assert_eq!(
+            value["type"].as_str(),
+            name.as_deref(),
+            "event name equals data.type"
+        );
     }
-    assert_eq!(data[0]["message"]["usage"]["input_tokens"], engine.script.last_request().prompt_token_ids.len());
+    assert_eq!(
+        data[0]["message"]["usage"]["input_tokens"],
+        engine.script.last_request().prompt_token_ids.len()
+    );
     assert_eq!(data[2]["content_block"]["type"], "thinking");
-    let thinking: String = data.iter().filter(|d| d["delta"]["type"] == "thinking_delta").map(|d| d["delta"]["thinking"].as_str().unwrap_or("").to_string()).collect();
-    let text: String = data.iter().filter(|d| d["delta"]["type"] == "text_delta").map(|d| d["delta"]["text"].as_str().unwrap_or("").to_string()).collect();
+    let thinking: String = data
+        .iter()
+        .filter(|d| d["delta"]["type"] == "thinking_delta")
+        .map(|d| d["delta"]["thinking"].as_str().unwrap_or("").to_string())
+        .collect();
+    let text: String = data
+        .iter()
+        .filter(|d| d["delta"]["type"] == "text_delta")
+        .map(|d| d["delta"]["text"].as_str().unwrap_or("").to_string())
+        .collect();
     assert_eq!((thinking.as_str(), text.as_str()), ("Hmm.", "Hello!"));
-    let message_delta = data.iter().find(|d| d["type"] == "message_delta").cloned().unwrap_or_default();
+    let message_delta = data
+        .iter()
+        .find(|d| d["type"] == "message_delta")
+        .cloned()
+        .unwrap_or_default();
     assert_eq!(message_delta["delta"]["stop_reason"], "end_turn");
-    assert_eq!(message_delta["usage"]["output_tokens"], count_tokens("Hmm.</think>\n\nHello!") + 1);
-    let starts: Vec<i64> = data.iter().filter(|d| d["type"] == "content_block_start").map(|d| d["index"].as_i64().unwrap_or(-1)).collect();
+    assert_eq!(
+        message_delta["usage"]["output_tokens"],
+        count_tokens("Hmm.</think>\n\nHello!") + 1
+    );
+    let starts: Vec<i64> = data
+        .iter()
+        .filter(|d| d["type"] == "content_block_start")
+        .map(|d| d["index"].as_i64().unwrap_or(-1))
+        .collect();
     assert_eq!(starts, vec![0, 1]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_key_is_required_in_each_dialect() {
     let engine = RunningEngine::start(Arc::new(EngineScript::default()), None).await;
-    let gateway = RunningGateway::start(&[engine.address], GatewayOptions { api_key: Some("sekret".into()), ..Default::default() }).await;
+    let gateway = RunningGateway::start(
+        &[engine.address],
+        GatewayOptions {
+            api_key: Some("sekret".into()),
+            ..Default::default()
+        },
+    )
+    .await;
     gateway.wait_for_health(200).await; // /health needs no key
-    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).to_string();
-    let response = request(gateway.address, "POST", "/v1/chat/completions", &[], chat.as_bytes()).await;
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            .to_string();
+    let response = request(
+        gateway.address,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        chat.as_bytes(),
+    )
+    .await;
     assert_eq!(response.status, 401);
     assert_eq!(response.json()["error"]["type"], "authentication_error");
-    let response = request(gateway.address, "POST", "/v1/messages", &[("x-api-key", "wrong")], b"{}").await;
+    let response = request(
+        gateway.address,
+        "POST",
+        "/v1/messages",
+        &[("x-api-key", "wrong")],
+        b"{}",
+    )
+    .await;
     assert_eq!(response.status, 401);
     assert_eq!(response.json()["type"], "error");
     assert_eq!(response.json()["error"]["type"], "authentication_error");
-    let response = request(gateway.address, "POST", "/v1/chat/completions", &[("authorization", "Bearer sekret")], chat.as_bytes()).await;
+    let response = request(
+        gateway.address,
+        "POST",
+        "/v1/chat/completions",
+        &[("authorization", "Bearer sekret")],
+        chat.as_bytes(),
+    )
+    .await;
     assert_eq!(response.status, 200, "{}", response.text());
-    let messages = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}).to_string();
-    let response = request(gateway.address, "POST", "/v1/messages", &[("x-api-key", "sekret")], messages.as_bytes()).await;
+    let messages =
+        json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+            .to_string();
+    let response = request(
+        gateway.address,
+        "POST",
+        "/v1/messages",
+        &[("x-api-key", "sekret")],
+        messages.as_bytes(),
+    )
+    .await;
     assert_eq!(response.status, 200, "{}", response.text());
 }
 
@@ -304,42 +447,73 @@ async fn api_key_is_required_in_each_dialect() {
 async fn overloaded_and_too_long_prompts_get_the_right_status() {
     let (engine, gateway) = start().await;
     engine.script.overloaded.store(true, Ordering::SeqCst);
-    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
     let response = post_json(gateway.address, "/v1/chat/completions", &chat).await;
     assert_eq!(response.status, 429);
     assert_eq!(response.json()["error"]["type"], "rate_limit_error");
-    let messages = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]});
+    let messages =
+        json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]});
     let response = post_json(gateway.address, "/v1/messages", &messages).await;
     assert_eq!(response.status, 529);
     assert_eq!(response.json()["error"]["type"], "overloaded_error");
     engine.script.overloaded.store(false, Ordering::SeqCst);
     let long_prompt = "word ".repeat(5000);
-    let response = post_json(gateway.address, "/v1/completions", &json!({"model": MODEL, "prompt": long_prompt, "max_tokens": 10})).await;
+    let response = post_json(
+        gateway.address,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": long_prompt, "max_tokens": 10}),
+    )
+    .await;
     assert_eq!(response.status, 400);
-    let message = response.json()["error"]["message"].as_str().unwrap_or("").to_string();
-    assert!(message.contains("4096") && message.contains("10 for the completion"), "{message}");
+    let message = response.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        message.contains("4096") && message.contains("10 for the completion"),
+        "{message}"
+    );
     assert_eq!(response.json()["error"]["code"], "context_length_exceeded");
-    let response = post_json(gateway.address, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 5000})).await;
+    let response = post_json(
+        gateway.address,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "hi", "max_tokens": 5000}),
+    )
+    .await;
     assert_eq!(response.status, 400, "max_tokens beyond the context");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_cancels_the_generation() {
     let (engine, gateway) = start().await;
-    engine.script.set_text(&"many words to stream slowly ".repeat(40));
+    engine
+        .script
+        .set_text(&"many words to stream slowly ".repeat(40));
     engine.script.set_delay(Duration::from_millis(20));
-    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 500, "stream": true}).to_string();
+    let body =
+        json!({"model": MODEL, "prompt": "x", "max_tokens": 500, "stream": true}).to_string();
     let head = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
-    let mut stream = tokio::net::TcpStream::connect(gateway.address).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut stream = tokio::net::TcpStream::connect(gateway.address)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    stream.write_all(head.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
-    stream.write_all(body.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
+    stream
+        .write_all(head.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    stream
+        .write_all(body.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut buffer = vec![0u8; 4096];
     let read = stream.read(&mut buffer).await.unwrap_or(0);
     assert!(String::from_utf8_lossy(&buffer[..read]).contains("200 OK"));
     drop(stream);
     for _ in 0..200 {
-        if engine.script.dropped_streams.load(Ordering::SeqCst) >= 1 && engine.script.cancels.load(Ordering::SeqCst) >= 1 {
+        if engine.script.dropped_streams.load(Ordering::SeqCst) >= 1
+            && engine.script.cancels.load(Ordering::SeqCst) >= 1
+        {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -354,13 +528,17 @@ async fn client_disconnect_cancels_the_generation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_going_away_gives_503_and_service_resumes_without_restart() {
     // Reserve a port, start the gateway before the engine exists.
-    let placeholder = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+    let placeholder = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let address = placeholder.local_addr().unwrap_or_else(|e| panic!("{e}"));
     drop(placeholder);
     let gateway = RunningGateway::start(&[address], GatewayOptions::default()).await;
     gateway.wait_for_health(503).await;
-    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3});
-    let messages = json!({"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]});
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3});
+    let messages =
+        json!({"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]});
     let response = post_json(gateway.address, "/v1/chat/completions", &chat).await;
     assert_eq!(response.status, 503);
     assert!(response.json()["error"]["message"].is_string());
@@ -371,12 +549,27 @@ async fn engine_going_away_gives_503_and_service_resumes_without_restart() {
     let script = Arc::new(EngineScript::default());
     let engine = RunningEngine::start(script.clone(), Some(address)).await;
     gateway.wait_for_health(200).await;
-    assert_eq!(post_json(gateway.address, "/v1/chat/completions", &chat).await.status, 200);
+    assert_eq!(
+        post_json(gateway.address, "/v1/chat/completions", &chat)
+            .await
+            .status,
+        200
+    );
 
     let address = engine.kill();
     gateway.wait_for_health(503).await;
-    assert_eq!(post_json(gateway.address, "/v1/chat/completions", &chat).await.status, 503);
-    assert_eq!(post_json(gateway.address, "/v1/messages", &messages).await.status, 503);
+    assert_eq!(
+        post_json(gateway.address, "/v1/chat/completions", &chat)
+            .await
+            .status,
+        503
+    );
+    assert_eq!(
+        post_json(gateway.address, "/v1/messages", &messages)
+            .await
+            .status,
+        503
+    );
 
     *script.instance_id.lock().unwrap_or_else(|e| e.into_inner()) = "instance-2".to_string();
     let _engine = RunningEngine::start(script.clone(), Some(address)).await;
@@ -393,22 +586,45 @@ async fn two_engines_share_the_load_and_one_dying_is_invisible() {
     let script_b = Arc::new(EngineScript::default());
     let engine_a = RunningEngine::start(script_a.clone(), None).await;
     let engine_b = RunningEngine::start(script_b.clone(), None).await;
-    let gateway = RunningGateway::start(&[engine_a.address, engine_b.address], GatewayOptions::default()).await;
+    let gateway = RunningGateway::start(
+        &[engine_a.address, engine_b.address],
+        GatewayOptions::default(),
+    )
+    .await;
     for _ in 0..100 {
-        if gateway.state.backend.snapshot().engines.iter().all(|e| e.ready) {
+        if gateway
+            .state
+            .backend
+            .snapshot()
+            .engines
+            .iter()
+            .all(|e| e.ready)
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3});
-    let requests: Vec<_> = (0..6).map(|_| post_json(gateway.address, "/v1/chat/completions", &chat)).collect();
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3});
+    let requests: Vec<_> = (0..6)
+        .map(|_| post_json(gateway.address, "/v1/chat/completions", &chat))
+        .collect();
     for response in futures_util::future::join_all(requests).await {
         assert_eq!(response.status, 200);
     }
-    assert!(script_a.generations.load(Ordering::SeqCst) >= 1 && script_b.generations.load(Ordering::SeqCst) >= 1, "both engines used");
+    assert!(
+        script_a.generations.load(Ordering::SeqCst) >= 1
+            && script_b.generations.load(Ordering::SeqCst) >= 1,
+        "both engines used"
+    );
     engine_a.kill();
     for _ in 0..5 {
-        assert_eq!(post_json(gateway.address, "/v1/chat/completions", &chat).await.status, 200);
+        assert_eq!(
+            post_json(gateway.address, "/v1/chat/completions", &chat)
+                .await
+                .status,
+            200
+        );
     }
 }
 
@@ -416,22 +632,47 @@ async fn two_engines_share_the_load_and_one_dying_is_invisible() {
 async fn models_tokenize_detokenize_metrics_and_expert_statistics() {
     let state_dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let engine = RunningEngine::start(Arc::new(EngineScript::default()), None).await;
-    let gateway = RunningGateway::start(&[engine.address], GatewayOptions { state_dir: Some(state_dir.path().to_path_buf()), ..Default::default() }).await;
+    let gateway = RunningGateway::start(
+        &[engine.address],
+        GatewayOptions {
+            state_dir: Some(state_dir.path().to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .await;
     gateway.wait_for_health(200).await;
     let models = get(gateway.address, "/v1/models").await.json();
     assert_eq!(models["data"][0]["id"], MODEL);
     assert_eq!(models["data"][0]["max_model_len"], 4096);
     assert_eq!(get(gateway.address, "/v1/models/nope").await.status, 404);
 
-    let tokenized = post_json(gateway.address, "/tokenize", &json!({"model": MODEL, "prompt": "Hello world"})).await.json();
+    let tokenized = post_json(
+        gateway.address,
+        "/tokenize",
+        &json!({"model": MODEL, "prompt": "Hello world"}),
+    )
+    .await
+    .json();
     assert_eq!(tokenized["count"], count_tokens("Hello world"));
-    let detokenized = post_json(gateway.address, "/detokenize", &json!({"model": MODEL, "tokens": tokenized["tokens"]})).await.json();
+    let detokenized = post_json(
+        gateway.address,
+        "/detokenize",
+        &json!({"model": MODEL, "tokens": tokenized["tokens"]}),
+    )
+    .await
+    .json();
     assert_eq!(detokenized["prompt"], "Hello world");
     let bad = post_json(gateway.address, "/detokenize", &json!({"tokens": [999999]})).await;
     assert_eq!(bad.status, 400);
 
-    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5});
-    assert_eq!(post_json(gateway.address, "/v1/chat/completions", &chat).await.status, 200);
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5});
+    assert_eq!(
+        post_json(gateway.address, "/v1/chat/completions", &chat)
+            .await
+            .status,
+        200
+    );
     let metrics = get(gateway.address, "/metrics").await.text();
     for name in [
         "ninfer_gateway_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
@@ -457,24 +698,45 @@ async fn models_tokenize_detokenize_metrics_and_expert_statistics() {
     assert_eq!(routed, 5, "{served}");
     assert_eq!(served["data"][0]["layers"]["0"], json!([5, 10, 0, 0]));
     assert_eq!(served["data"][0]["layers"]["1"], json!([5, 10, 0, 1]));
-    gateway.routing_stats.flush().await.unwrap_or_else(|e| panic!("{e}"));
+    gateway
+        .routing_stats
+        .flush()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let persisted: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(state_dir.path().join("expert-stats").join(format!("{MODEL}.json"))).unwrap_or_else(|e| panic!("{e}")),
+        &std::fs::read(
+            state_dir
+                .path()
+                .join("expert-stats")
+                .join(format!("{MODEL}.json")),
+        )
+        .unwrap_or_else(|e| panic!("{e}")),
     )
     .unwrap_or_default();
     assert_eq!(persisted["tokens_routed"], 5);
     assert_eq!(persisted["format"], "ninfer-expert-stats-v1");
-    assert!(get(gateway.address, "/metrics").await.text().contains(&format!("ninfer_routing_tokens_total{{model=\"{MODEL}\"}} 5")));
+    assert!(get(gateway.address, "/metrics")
+        .await
+        .text()
+        .contains(&format!(
+            "ninfer_routing_tokens_total{{model=\"{MODEL}\"}} 5"
+        )));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routing_statistics_survive_a_gateway_restart_and_engine_restarts_are_not_double_counted() {
     let state_dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let store = ninfer_gateway::routing_stats::RoutingStatsHandle::start(Some(state_dir.path().to_path_buf()), Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let store = ninfer_gateway::routing_stats::RoutingStatsHandle::start(
+        Some(state_dir.path().to_path_buf()),
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     let report = |instance: &str, routed: u64| ninfer_protocol::v1::RoutingStatistics {
         tokens_routed: routed,
-        layers: vec![ninfer_protocol::v1::LayerRoutingCounts { layer: 3, expert_token_counts: vec![routed, 1] }],
+        layers: vec![ninfer_protocol::v1::LayerRoutingCounts {
+            layer: 3,
+            expert_token_counts: vec![routed, 1],
+        }],
         model_name: "m/with slash".to_string(),
         engine_instance_id: instance.to_string(),
     };
@@ -487,8 +749,14 @@ async fn routing_statistics_survive_a_gateway_restart_and_engine_restarts_are_no
     let totals = store.snapshot().await;
     assert_eq!(totals[0].tokens_routed, 15 + 4 + 3);
     assert_eq!(totals[0].layers[&3], vec![22, 3]);
-    let reloaded = ninfer_gateway::routing_stats::RoutingStatsHandle::start(Some(state_dir.path().to_path_buf()), Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let reloaded = ninfer_gateway::routing_stats::RoutingStatsHandle::start(
+        Some(state_dir.path().to_path_buf()),
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(reloaded.snapshot().await, totals);
-    assert!(state_dir.path().join("expert-stats/m_with_slash.json").exists());
+    assert!(state_dir
+        .path()
+        .join("expert-stats/m_with_slash.json")
+        .exists());
 }

@@ -60,13 +60,20 @@ impl Default for EngineScript {
 
 impl EngineScript {
     pub fn set_text(&self, text: &str) {
-        *self.completion_text.lock().unwrap_or_else(|e| e.into_inner()) = text.to_string();
+        *self
+            .completion_text
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = text.to_string();
     }
     pub fn set_delay(&self, delay: Duration) {
         *self.token_delay.lock().unwrap_or_else(|e| e.into_inner()) = delay;
     }
     pub fn last_request(&self) -> GenerateRequest {
-        self.last_request.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default()
+        self.last_request
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default()
     }
 }
 
@@ -80,10 +87,18 @@ pub struct ScriptedEngine {
 
 impl ScriptedEngine {
     pub fn new(script: Arc<EngineScript>) -> Self {
-        let tokenizer_json = std::fs::read(fixture_dir().join("tokenizer.json")).unwrap_or_else(|e| panic!("tokenizer.json: {e}"));
-        let tokenizer = tokenizers::Tokenizer::from_bytes(&tokenizer_json).unwrap_or_else(|e| panic!("tokenizer: {e}"));
-        let chat_template = std::fs::read_to_string(fixture_dir().join("chat_template.jinja")).unwrap_or_else(|e| panic!("template: {e}"));
-        ScriptedEngine { script, tokenizer: Arc::new(tokenizer), tokenizer_json: Arc::new(tokenizer_json), chat_template: Arc::new(chat_template) }
+        let tokenizer_json = std::fs::read(fixture_dir().join("tokenizer.json"))
+            .unwrap_or_else(|e| panic!("tokenizer.json: {e}"));
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&tokenizer_json)
+            .unwrap_or_else(|e| panic!("tokenizer: {e}"));
+        let chat_template = std::fs::read_to_string(fixture_dir().join("chat_template.jinja"))
+            .unwrap_or_else(|e| panic!("template: {e}"));
+        ScriptedEngine {
+            script,
+            tokenizer: Arc::new(tokenizer),
+            tokenizer_json: Arc::new(tokenizer_json),
+            chat_template: Arc::new(chat_template),
+        }
     }
 }
 
@@ -96,7 +111,10 @@ struct ScriptedStream {
 
 impl Stream for ScriptedStream {
     type Item = Result<GeneratedToken, Status>;
-    fn poll_next(mut self: Pin<&mut Self>, context: &mut std::task::Context<'_>) -> std::task::Poll<Option<Self::Item>> {
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
         let polled = self.receiver.poll_recv(context);
         if let std::task::Poll::Ready(Some(Ok(token))) = &polled {
             if token.finish_reason != 0 {
@@ -122,17 +140,37 @@ impl Drop for ScriptedStream {
 impl Engine for ScriptedEngine {
     type GenerateStream = Pin<Box<dyn Stream<Item = Result<GeneratedToken, Status>> + Send>>;
 
-    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
         let request = request.into_inner();
-        *self.script.last_request.lock().unwrap_or_else(|e| e.into_inner()) = Some(request.clone());
+        *self
+            .script
+            .last_request
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(request.clone());
         if self.script.overloaded.load(Ordering::SeqCst) {
             return Err(Status::resource_exhausted("queue full"));
         }
         self.script.generations.fetch_add(1, Ordering::SeqCst);
-        let text = self.script.completion_text.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut token_ids = self.tokenizer.encode(text.as_str(), false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+        let text = self
+            .script
+            .completion_text
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut token_ids = self
+            .tokenizer
+            .encode(text.as_str(), false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default();
         token_ids.push(482); // <|im_end|>
-        let delay = *self.script.token_delay.lock().unwrap_or_else(|e| e.into_inner());
+        let delay = *self
+            .script
+            .token_delay
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let prompt_tokens = request.prompt_token_ids.len() as u32;
         let max_new = request.max_new_tokens.max(1) as usize;
         let (sender, receiver) = tokio::sync::mpsc::channel(4);
@@ -152,7 +190,12 @@ impl Engine for ScriptedEngine {
                 let token = GeneratedToken {
                     token_id: *token_id,
                     logprob: -0.5,
-                    top_logprobs: (0..request.top_logprobs).map(|k| TokenLogprob { token_id: 65 + k, logprob: -1.0 - k as f32 }).collect(),
+                    top_logprobs: (0..request.top_logprobs)
+                        .map(|k| TokenLogprob {
+                            token_id: 65 + k,
+                            logprob: -1.0 - k as f32,
+                        })
+                        .collect(),
                     finish_reason,
                     prompt_tokens,
                     completion_tokens: index as u32 + 1,
@@ -167,28 +210,44 @@ impl Engine for ScriptedEngine {
                 }
             }
         });
-        Ok(Response::new(Box::pin(ScriptedStream { receiver, finished: false, script: self.script.clone() })))
+        Ok(Response::new(Box::pin(ScriptedStream {
+            receiver,
+            finished: false,
+            script: self.script.clone(),
+        })))
     }
 
-    async fn cancel(&self, _request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
+    async fn cancel(
+        &self,
+        _request: Request<CancelRequest>,
+    ) -> Result<Response<CancelResponse>, Status> {
         self.script.cancels.fetch_add(1, Ordering::SeqCst);
         Ok(Response::new(CancelResponse { found: true }))
     }
 
-    async fn get_model_info(&self, _request: Request<ModelInfoRequest>) -> Result<Response<ModelInfo>, Status> {
+    async fn get_model_info(
+        &self,
+        _request: Request<ModelInfoRequest>,
+    ) -> Result<Response<ModelInfo>, Status> {
         Ok(Response::new(ModelInfo {
             model_name: MODEL.to_string(),
             architecture: "qwen3_moe".to_string(),
             vocab_size: 512,
             max_context: self.script.max_context.load(Ordering::SeqCst),
             eos_token_ids: vec![482, 480],
-            engine_instance_id: self.script.instance_id.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            engine_instance_id: self
+                .script
+                .instance_id
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             model_files_digest: "digest-1".to_string(),
             created_unix_seconds: 1_700_000_000,
         }))
     }
 
-    type StreamRoutingStatisticsStream = Pin<Box<dyn Stream<Item = Result<RoutingStatistics, Status>> + Send>>;
+    type StreamRoutingStatisticsStream =
+        Pin<Box<dyn Stream<Item = Result<RoutingStatistics, Status>> + Send>>;
 
     async fn stream_routing_statistics(
         &self,
@@ -203,39 +262,65 @@ impl Engine for ScriptedEngine {
                 let routed = script.tokens_routed.load(Ordering::SeqCst);
                 // Two layers, four experts; expert (routed % 4) gets everything: deterministic.
                 let layers = (0..2)
-                    .map(|layer| LayerRoutingCounts { layer, expert_token_counts: vec![routed, routed * 2, 0, u64::from(layer)] })
+                    .map(|layer| LayerRoutingCounts {
+                        layer,
+                        expert_token_counts: vec![routed, routed * 2, 0, u64::from(layer)],
+                    })
                     .collect();
                 let statistics = RoutingStatistics {
                     tokens_routed: routed,
                     layers,
                     model_name: MODEL.to_string(),
-                    engine_instance_id: script.instance_id.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+                    engine_instance_id: script
+                        .instance_id
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone(),
                 };
                 if sender.send(Ok(statistics)).await.is_err() {
                     return;
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(receiver),
+        )))
     }
 
-    async fn get_model_files(&self, _request: Request<ModelFilesRequest>) -> Result<Response<ModelFiles>, Status> {
+    async fn get_model_files(
+        &self,
+        _request: Request<ModelFilesRequest>,
+    ) -> Result<Response<ModelFiles>, Status> {
         Ok(Response::new(ModelFiles {
             model_name: MODEL.to_string(),
             tokenizer_json: self.tokenizer_json.as_ref().clone(),
             chat_template: self.chat_template.as_ref().clone(),
-            tokenizer_config_json: r#"{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}"#.to_string(),
-            generation_defaults: Some(GenerationDefaults { temperature: Some(0.6), top_p: Some(0.95), top_k: Some(20), ..Default::default() }),
+            tokenizer_config_json: r#"{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}"#
+                .to_string(),
+            generation_defaults: Some(GenerationDefaults {
+                temperature: Some(0.6),
+                top_p: Some(0.95),
+                top_k: Some(20),
+                ..Default::default()
+            }),
             eos_token_ids: vec![482, 480],
             max_context: self.script.max_context.load(Ordering::SeqCst),
             model_files_digest: "digest-1".to_string(),
         }))
     }
 
-    async fn get_status(&self, _request: Request<EngineStatusRequest>) -> Result<Response<EngineStatus>, Status> {
+    async fn get_status(
+        &self,
+        _request: Request<EngineStatusRequest>,
+    ) -> Result<Response<EngineStatus>, Status> {
         Ok(Response::new(EngineStatus {
             ready: true,
-            engine_instance_id: self.script.instance_id.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            engine_instance_id: self
+                .script
+                .instance_id
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             expert_cache_hits_total: 7,
             expert_cache_misses_total: 3,
             gpu_expert_slots: 16,
@@ -253,10 +338,16 @@ pub struct RunningEngine {
 
 impl RunningEngine {
     pub async fn start(script: Arc<EngineScript>, address: Option<SocketAddr>) -> RunningEngine {
-        let listener = std::net::TcpListener::bind(address.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))))
-            .unwrap_or_else(|e| panic!("bind engine: {e}"));
-        listener.set_nonblocking(true).unwrap_or_else(|e| panic!("nonblocking: {e}"));
-        let address = listener.local_addr().unwrap_or_else(|e| panic!("addr: {e}"));
+        let listener = std::net::TcpListener::bind(
+            address.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))),
+        )
+        .unwrap_or_else(|e| panic!("bind engine: {e}"));
+        listener
+            .set_nonblocking(true)
+            .unwrap_or_else(|e| panic!("nonblocking: {e}"));
+        let address = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("addr: {e}"));
         let engine = ScriptedEngine::new(script.clone());
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -264,14 +355,19 @@ impl RunningEngine {
             .build()
             .unwrap_or_else(|e| panic!("engine runtime: {e}"));
         runtime.spawn(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap_or_else(|e| panic!("listener: {e}"));
+            let listener = tokio::net::TcpListener::from_std(listener)
+                .unwrap_or_else(|e| panic!("listener: {e}"));
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
             let _ = tonic::transport::Server::builder()
                 .add_service(EngineServer::new(engine).max_encoding_message_size(64 << 20))
                 .serve_with_incoming(incoming)
                 .await;
         });
-        RunningEngine { address, script, runtime: Some(runtime) }
+        RunningEngine {
+            address,
+            script,
+            runtime: Some(runtime),
+        }
     }
 
     /// Stops the engine abruptly (listener and every connection), returning its address.
@@ -306,13 +402,19 @@ pub struct GatewayOptions {
 
 impl Default for GatewayOptions {
     fn default() -> Self {
-        GatewayOptions { api_key: None, state_dir: None, max_in_flight_requests: 512 }
+        GatewayOptions {
+            api_key: None,
+            state_dir: None,
+            max_in_flight_requests: 512,
+        }
     }
 }
 
 impl RunningGateway {
     pub async fn start(engines: &[SocketAddr], options: GatewayOptions) -> RunningGateway {
-        let routing_stats = RoutingStatsHandle::start(options.state_dir.clone(), Duration::from_millis(100)).unwrap_or_else(|e| panic!("stats: {e}"));
+        let routing_stats =
+            RoutingStatsHandle::start(options.state_dir.clone(), Duration::from_millis(100))
+                .unwrap_or_else(|e| panic!("stats: {e}"));
         let pool_options = EnginePoolOptions {
             poll_interval: Duration::from_millis(50),
             poll_timeout: Duration::from_millis(1000),
@@ -320,16 +422,33 @@ impl RunningGateway {
             routing_statistics_interval_ms: 50,
         };
         let addresses: Vec<String> = engines.iter().map(|a| a.to_string()).collect();
-        let pool = EnginePool::start(&addresses, pool_options, Some(routing_stats.clone())).unwrap_or_else(|e| panic!("pool: {e}"));
-        let settings = GatewaySettings { api_key: options.api_key, max_body_bytes: 1024 * 1024 };
-        let state = GatewayState::new(Arc::new(pool.clone()), Some(routing_stats.clone()), settings);
+        let pool = EnginePool::start(&addresses, pool_options, Some(routing_stats.clone()))
+            .unwrap_or_else(|e| panic!("pool: {e}"));
+        let settings = GatewaySettings {
+            api_key: options.api_key,
+            max_body_bytes: 1024 * 1024,
+        };
+        let state = GatewayState::new(
+            Arc::new(pool.clone()),
+            Some(routing_stats.clone()),
+            settings,
+        );
         let router = ninfer_gateway::build_router(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("bind gateway: {e}"));
-        let address = listener.local_addr().unwrap_or_else(|e| panic!("addr: {e}"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("bind gateway: {e}"));
+        let address = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("addr: {e}"));
         tokio::spawn(async move {
             let _ = ninfer_gateway::serve(listener, router, std::future::pending()).await;
         });
-        RunningGateway { address, state, pool, routing_stats }
+        RunningGateway {
+            address,
+            state,
+            pool,
+            routing_stats,
+        }
     }
 
     /// Waits until `/health` has the wanted status (bounded).
@@ -353,13 +472,17 @@ pub struct HttpResponse {
 
 impl HttpResponse {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).to_string()
     }
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
     /// SSE events as (event name, data).
     pub fn sse_events(&self) -> Vec<(Option<String>, String)> {
@@ -386,7 +509,9 @@ impl HttpResponse {
 /// One HTTP/1.1 request with `Connection: close`; the body is written concurrently with reading so
 /// a server that answers early (413) is still heard.
 pub async fn raw_request(address: SocketAddr, head: &str, body: &[u8]) -> HttpResponse {
-    let stream = TcpStream::connect(address).await.unwrap_or_else(|e| panic!("connect: {e}"));
+    let stream = TcpStream::connect(address)
+        .await
+        .unwrap_or_else(|e| panic!("connect: {e}"));
     let (mut reader, mut writer) = stream.into_split();
     let mut request = head.as_bytes().to_vec();
     request.extend_from_slice(body);
@@ -401,7 +526,13 @@ pub async fn raw_request(address: SocketAddr, head: &str, body: &[u8]) -> HttpRe
     parse_response(&raw)
 }
 
-pub async fn request(address: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
+pub async fn request(
+    address: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> HttpResponse {
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
     for (name, value) in headers {
         head.push_str(&format!("{name}: {value}\r\n"));
@@ -411,7 +542,14 @@ pub async fn request(address: SocketAddr, method: &str, path: &str, headers: &[(
 }
 
 pub async fn post_json(address: SocketAddr, path: &str, body: &serde_json::Value) -> HttpResponse {
-    request(address, "POST", path, &[("content-type", "application/json")], body.to_string().as_bytes()).await
+    request(
+        address,
+        "POST",
+        path,
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+    .await
 }
 
 pub async fn get(address: SocketAddr, path: &str) -> HttpResponse {
@@ -420,26 +558,45 @@ pub async fn get(address: SocketAddr, path: &str) -> HttpResponse {
 
 fn parse_response(raw: &[u8]) -> HttpResponse {
     let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return HttpResponse { status: 0, headers: Vec::new(), body: raw.to_vec() };
+        return HttpResponse {
+            status: 0,
+            headers: Vec::new(),
+            body: raw.to_vec(),
+        };
     };
     let head = String::from_utf8_lossy(&raw[..split]).to_string();
     let mut lines = head.split("\r\n");
-    let status = lines.next().and_then(|line| line.split(' ').nth(1)).and_then(|code| code.parse().ok()).unwrap_or(0);
-    let headers: Vec<(String, String)> =
-        lines.filter_map(|line| line.split_once(':')).map(|(n, v)| (n.trim().to_string(), v.trim().to_string())).collect();
+    let status = lines
+        .next()
+        .and_then(|line| line.split(' ').nth(1))
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|line| line.split_once(':'))
+        .map(|(n, v)| (n.trim().to_string(), v.trim().to_string()))
+        .collect();
     let mut body = raw[split + 4..].to_vec();
-    if headers.iter().any(|(n, v)| n.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked")) {
+    if headers
+        .iter()
+        .any(|(n, v)| n.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"))
+    {
         body = dechunk(&body);
     }
-    HttpResponse { status, headers, body }
+    HttpResponse {
+        status,
+        headers,
+        body,
+    }
 }
 
 fn dechunk(mut data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(line_end) = data.windows(2).position(|w| w == b"\r\n") else { break };
+    while let Some(line_end) = data.windows(2).position(|w| w == b"\r\n") {
         let size_text = String::from_utf8_lossy(&data[..line_end]).to_string();
-        let Ok(size) = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16) else { break };
+        let Ok(size) = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+        else {
+            break;
+        };
         data = &data[line_end + 2..];
         if size == 0 || data.len() < size {
             out.extend_from_slice(&data[..size.min(data.len())]);
@@ -453,6 +610,7 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
 
 /// Token count of a text with the fixture tokenizer (no special tokens).
 pub fn count_tokens(text: &str) -> usize {
-    let tokenizer = tokenizers::Tokenizer::from_file(fixture_dir().join("tokenizer.json")).unwrap_or_else(|e| panic!("tokenizer: {e}"));
+    let tokenizer = tokenizers::Tokenizer::from_file(fixture_dir().join("tokenizer.json"))
+        .unwrap_or_else(|e| panic!("tokenizer: {e}"));
     tokenizer.encode(text, false).map(|e| e.len()).unwrap_or(0)
 }

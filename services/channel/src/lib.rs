@@ -703,6 +703,9 @@ impl WorkerChannel {
     /// Only between `next_request` returning this slot and `complete` for it, and not while a
     /// `RequestView` of the same slot is used to write (the areas are disjoint, so reading the
     /// view while writing here is fine).
+    // The output lives in shared memory, not in `self`: the slot protocol, not the borrow of
+    // `self`, is what makes the access exclusive (hence `unsafe` and the contract above).
+    #[allow(clippy::mut_from_ref)]
     pub unsafe fn output_mut(&self, slot: u32) -> &mut [f32] {
         let geometry = self.mapping.geometry;
         std::slice::from_raw_parts_mut(

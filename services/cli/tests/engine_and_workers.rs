@@ -321,7 +321,7 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
     let model = stack.convert("qwen3_moe");
     let prompt = prompts("qwen3_moe")[0].clone();
     // Uninterrupted run.
-    let worker = stack.worker("worker", &model, "all", &["--test-delay-ms", "3"]);
+    let worker = stack.worker("worker", &model, "all", &["--test-delay-ms", "20"]);
     let engine = stack.engine("engine", &model, std::slice::from_ref(&worker), &[]);
     let uninterrupted =
         rt.block_on(async { generate(&mut client(&engine).await, greedy(&prompt, 64)).await });
@@ -349,7 +349,7 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
                     "worker",
                     &model,
                     "all",
-                    &["--test-delay-ms", "3"],
+                    &["--test-delay-ms", "20"],
                 );
             }
         }
@@ -614,4 +614,40 @@ fn serve_supervises_restarts_and_stops_its_children() {
         !runtime_dir.exists(),
         "the runtime directory was not removed"
     );
+}
+
+#[test]
+fn held_requests_fail_clearly_after_the_worker_timeout() {
+    use nix::sys::signal::Signal;
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let prompt = prompts("qwen3_moe")[0].clone();
+    let worker = stack.worker("worker", &model, "all", &[]);
+    let engine = stack.engine("engine", &model, &[worker], &["--worker-timeout", "1"]);
+    rt.block_on(async {
+        let mut client = client(&engine).await;
+        assert_eq!(generate(&mut client, greedy(&prompt, 4)).await.len(), 4);
+        stack.signal("worker", Signal::SIGKILL);
+        let _ = stack.child("worker").wait();
+        let started = Instant::now();
+        let mut stream = client
+            .generate(greedy(&prompt, 4))
+            .await
+            .unwrap()
+            .into_inner();
+        let error = loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the request completed without its worker"),
+                Err(status) => break status,
+            }
+        };
+        let waited = started.elapsed();
+        assert!(error.message().contains("--worker-timeout"), "{error:?}");
+        assert!(
+            waited >= Duration::from_millis(900) && waited < Duration::from_secs(15),
+            "failed after {waited:?}"
+        );
+    });
 }

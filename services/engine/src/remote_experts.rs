@@ -70,9 +70,16 @@ struct RemoteWorker {
     masked_ids: Mutex<Vec<u32>>,
 }
 
+/// Per-call bookkeeping, allocated once.
+struct CallScratch {
+    claimed: Vec<bool>,
+    posted: Vec<(usize, u32)>,
+}
+
 struct Shared {
     options: RemoteExpertsOptions,
     workers: Vec<RemoteWorker>,
+    scratch: Mutex<CallScratch>,
     /// Signalled whenever a worker's health changes.
     changed: Condvar,
     changed_lock: Mutex<()>,
@@ -134,6 +141,10 @@ impl RemoteExpertExecutor {
             });
         }
         let shared = Arc::new(Shared {
+            scratch: Mutex::new(CallScratch {
+                claimed: vec![false; options.num_experts],
+                posted: Vec::with_capacity(workers.len()),
+            }),
             options,
             workers,
             changed: Condvar::new(),
@@ -420,8 +431,10 @@ impl ExpertExecutor for RemoteExpertExecutor {
             let count = (tokens - first).min(chunk_tokens);
             shared.wait_for_coverage(batch.layer)?;
             // Owner of each expert at this moment (first live worker that owns it).
-            let mut posted: Vec<(usize, u32)> = Vec::with_capacity(shared.workers.len());
-            let mut claimed = vec![false; shared.options.num_experts];
+            let mut scratch = shared.scratch.lock().map_err(|_| poisoned(batch.layer))?;
+            let CallScratch { claimed, posted } = &mut *scratch;
+            claimed.iter_mut().for_each(|c| *c = false);
+            posted.clear();
             for (index, worker) in shared.workers.iter().enumerate() {
                 let owned = match worker.state.lock() {
                     Ok(state) if state.health == Health::Up => state.owned.clone(),
@@ -467,7 +480,7 @@ impl ExpertExecutor for RemoteExpertExecutor {
                 shared.requests_sent.fetch_add(1, Ordering::Relaxed);
                 posted.push((index, sequence));
             }
-            for (index, sequence) in posted {
+            for &(index, sequence) in posted.iter() {
                 let worker = &shared.workers[index];
                 self.wait_for_response(worker, sequence, batch.layer)?;
                 let sums = worker.channel.output(0);

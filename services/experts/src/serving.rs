@@ -75,9 +75,11 @@ impl WorkerModel {
         }
         let layout = layout
             .ok_or_else(|| anyhow!("{}: the model has no MoE layer", artifact.path().display()))?;
-        let banks_locked = lock_owned_experts(&artifact, &banks, &owned, layout.stride);
+        // The pool pins this thread to the node first, so the pages `mlock` faults in are
+        // allocated on the node's memory (first touch).
         let pool =
             ThreadPool::new(threads, cpus, true).context("starting the expert thread pool")?;
+        let banks_locked = lock_owned_experts(&artifact, &banks, &owned, layout.stride);
         let computer = RoutedExpertComputer::new(
             pool,
             layout,

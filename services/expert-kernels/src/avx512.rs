@@ -276,20 +276,249 @@ unsafe fn int_rows<const INT4: bool>(
     token_stride: usize,
 ) {
     for local in 0..count {
-        token_blocks!(input, |t0, N| int_row::<INT4, N>(
-            matrix,
-            first + local,
-            input,
-            t0,
-            out.add(t0 * token_stride + local),
-            token_stride
-        ));
+        if INT4 {
+            token_blocks!(input, |t0, N| int4_row::<N>(
+                matrix,
+                first + local,
+                input,
+                t0,
+                out.add(t0 * token_stride + local),
+                token_stride
+            ));
+        } else {
+            token_blocks!(input, |t0, N| int8_row::<N>(
+                matrix,
+                first + local,
+                input,
+                t0,
+                out.add(t0 * token_stride + local),
+                token_stride
+            ));
+        }
     }
 }
 
+/// Int4 × int8 rows, four groups (64 weight bytes) per step: the low nibbles of all 64 bytes
+/// meet the activations' even elements and the high nibbles the odd ones in two `vpdpbusd`
+/// into one accumulator whose lanes 4k..4k+4 belong to group k, so one convert and one FMA
+/// apply the scales of 128 weights.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn int_row<const INT4: bool, const N: usize>(
+unsafe fn int4_row<const N: usize>(
+    matrix: &MatrixView,
+    row: usize,
+    input: &InputRows,
+    t0: usize,
+    out: *mut f32,
+    token_stride: usize,
+) {
+    let groups = matrix.layout.groups_per_row;
+    let blocks = groups.div_ceil(4);
+    let values = matrix.row_values(row);
+    let scales = matrix.row_scales(row);
+    let zero = _mm512_setzero_si512();
+    let low_nibbles = _mm512_set1_epi8(0x0f);
+    let quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let scale_index: [__m512i; 4] =
+        std::array::from_fn(|j| _mm512_add_epi32(quad, _mm512_set1_epi32(4 * j as i32)));
+    let x_bytes: [*const u8; N] = std::array::from_fn(|t| input.int8_row(t0 + t));
+    let x_scales: [*const f32; N] = std::array::from_fn(|t| input.lane_scale_row(t0 + t));
+    let x_offsets: [*const f32; N] = std::array::from_fn(|t| input.group_offset_row(t0 + t));
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut offset_acc = [_mm512_setzero_ps(); N];
+    let prefetch = crate::kernels::prefetch_distance();
+    let into_l2 = crate::kernels::prefetch_to_l2();
+    prefetch_row_scales(matrix, row, prefetch, into_l2);
+    let mut block = 0;
+    while block < blocks {
+        let chunk = (blocks - block).min(4);
+        let chunk_groups = (groups - 4 * block).min(16);
+        let chunk_scales = load_scales(scales.add(4 * block), chunk_groups);
+        for t in 0..N {
+            // Σ_g scale_w · (−8 · scale_x · Σx): the +8 of every nibble, 16 groups per FMA.
+            let offsets =
+                _mm512_maskz_loadu_ps(lane_mask(chunk_groups), x_offsets[t].add(4 * block));
+            offset_acc[t] = _mm512_fmadd_ps(chunk_scales, offsets, offset_acc[t]);
+        }
+        for (j, index) in scale_index.iter().enumerate().take(chunk) {
+            let b = block + j;
+            if prefetch > 0 {
+                // Addresses past the matrix end are harmless: prefetches never fault.
+                prefetch_line(values.wrapping_add(b * 64 + prefetch), into_l2);
+            }
+            let remaining = groups - 4 * b;
+            let bytes = if remaining >= 4 {
+                _mm512_loadu_si512(values.add(b * 64).cast())
+            } else {
+                // Masked-off bytes are neither read nor used: they load as zero weights.
+                _mm512_maskz_loadu_epi8((1u64 << (remaining * 16)) - 1, values.add(b * 64).cast())
+            };
+            let low = _mm512_and_si512(bytes, low_nibbles);
+            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low_nibbles);
+            let weight_scale = _mm512_permutexvar_ps(*index, chunk_scales);
+            for t in 0..N {
+                let x = x_bytes[t].add(b * 128);
+                let dot = _mm512_dpbusd_epi32(
+                    _mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(x.cast())),
+                    high,
+                    _mm512_loadu_si512(x.add(64).cast()),
+                );
+                let scale = _mm512_mul_ps(weight_scale, _mm512_loadu_ps(x_scales[t].add(b * 16)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+            }
+        }
+        block += chunk;
+    }
+    for t in 0..N {
+        *out.add(t * token_stride) = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], offset_acc[t]));
+    }
+}
+
+/// Two int4 rows against one token in one pass (decode): rows `row_a` and `row_b` are two
+/// independent weight streams sharing every activation load, which doubles the misses in
+/// flight per core and halves the per-row overhead.
+///
+/// # Safety
+/// As `kernels::matmul_rows` for both rows, with exactly one token; AVX-512 VNNI present.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+pub(crate) unsafe fn int4_row_pair(
+    matrix: &MatrixView,
+    row_a: usize,
+    row_b: usize,
+    input: &InputRows,
+    out_a: *mut f32,
+    out_b: *mut f32,
+) {
+    let groups = matrix.layout.groups_per_row;
+    let blocks = groups.div_ceil(4);
+    let values = [matrix.row_values(row_a), matrix.row_values(row_b)];
+    let scales = [matrix.row_scales(row_a), matrix.row_scales(row_b)];
+    let zero = _mm512_setzero_si512();
+    let low_nibbles = _mm512_set1_epi8(0x0f);
+    let quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let scale_index: [__m512i; 4] =
+        std::array::from_fn(|j| _mm512_add_epi32(quad, _mm512_set1_epi32(4 * j as i32)));
+    let x_bytes = input.int8_row(0);
+    let x_scales = input.lane_scale_row(0);
+    let x_offsets = input.group_offset_row(0);
+    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut offset_acc = [_mm512_setzero_ps(); 2];
+    let prefetch = crate::kernels::prefetch_distance();
+    let into_l2 = crate::kernels::prefetch_to_l2();
+    prefetch_row_scales(matrix, row_a, prefetch, into_l2);
+    prefetch_row_scales(matrix, row_b, prefetch, into_l2);
+    let mut block = 0;
+    while block < blocks {
+        let chunk = (blocks - block).min(4);
+        let chunk_groups = (groups - 4 * block).min(16);
+        let offsets = _mm512_maskz_loadu_ps(lane_mask(chunk_groups), x_offsets.add(4 * block));
+        let chunk_scales: [__m512; 2] = std::array::from_fn(|r| {
+            let row_scales = load_scales(scales[r].add(4 * block), chunk_groups);
+            offset_acc[r] = _mm512_fmadd_ps(row_scales, offsets, offset_acc[r]);
+            row_scales
+        });
+        for (j, index) in scale_index.iter().enumerate().take(chunk) {
+            let b = block + j;
+            let remaining = groups - 4 * b;
+            let x = x_bytes.add(b * 128);
+            let x_even = _mm512_loadu_si512(x.cast());
+            let x_odd = _mm512_loadu_si512(x.add(64).cast());
+            let x_scale = _mm512_loadu_ps(x_scales.add(b * 16));
+            for r in 0..2 {
+                if prefetch > 0 {
+                    // Addresses past the matrix end are harmless: prefetches never fault.
+                    prefetch_line(values[r].wrapping_add(b * 64 + prefetch), into_l2);
+                }
+                let bytes = if remaining >= 4 {
+                    _mm512_loadu_si512(values[r].add(b * 64).cast())
+                } else {
+                    _mm512_maskz_loadu_epi8(
+                        (1u64 << (remaining * 16)) - 1,
+                        values[r].add(b * 64).cast(),
+                    )
+                };
+                let low = _mm512_and_si512(bytes, low_nibbles);
+                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low_nibbles);
+                let dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, x_even), high, x_odd);
+                let scale = _mm512_mul_ps(_mm512_permutexvar_ps(*index, chunk_scales[r]), x_scale);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+            }
+        }
+        block += chunk;
+    }
+    *out_a = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], offset_acc[0]));
+    *out_b = _mm512_reduce_add_ps(_mm512_add_ps(acc[1], offset_acc[1]));
+}
+
+/// Two int8 rows against one token in one pass (decode); see [`int4_row_pair`].
+///
+/// # Safety
+/// As `kernels::matmul_rows` for both rows, with exactly one token; AVX-512 VNNI present.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+pub(crate) unsafe fn int8_row_pair(
+    matrix: &MatrixView,
+    row_a: usize,
+    row_b: usize,
+    input: &InputRows,
+    out_a: *mut f32,
+    out_b: *mut f32,
+) {
+    let groups = matrix.layout.groups_per_row;
+    let blocks = groups.div_ceil(2);
+    let values = [matrix.row_values(row_a), matrix.row_values(row_b)];
+    let scales = [matrix.row_scales(row_a), matrix.row_scales(row_b)];
+    let zero = _mm512_setzero_si512();
+    let ones = _mm512_set1_epi8(1);
+    let pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let scale_index: [__m512i; 8] =
+        std::array::from_fn(|j| _mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * j as i32)));
+    let x_bytes = input.int8_row(0);
+    let x_scales = input.lane_scale_row(0);
+    let mut acc = [_mm512_setzero_ps(); 2];
+    let prefetch = crate::kernels::prefetch_distance();
+    let into_l2 = crate::kernels::prefetch_to_l2();
+    prefetch_row_scales(matrix, row_a, prefetch, into_l2);
+    prefetch_row_scales(matrix, row_b, prefetch, into_l2);
+    let mut block = 0;
+    while block < blocks {
+        let chunk = (blocks - block).min(8);
+        let chunk_groups = (groups - 2 * block).min(16);
+        let chunk_scales: [__m512; 2] =
+            std::array::from_fn(|r| load_scales(scales[r].add(2 * block), chunk_groups));
+        for (j, index) in scale_index.iter().enumerate().take(chunk) {
+            let b = block + j;
+            let both = 2 * b + 1 < groups;
+            let xq = _mm512_loadu_si512(x_bytes.add(b * 64).cast());
+            let x_scale = _mm512_loadu_ps(x_scales.add(b * 16));
+            for r in 0..2 {
+                if prefetch > 0 {
+                    // Addresses past the matrix end are harmless: prefetches never fault.
+                    prefetch_line(values[r].wrapping_add(b * 64 + prefetch), into_l2);
+                }
+                let weights = if both {
+                    _mm512_loadu_si512(values[r].add(b * 64).cast())
+                } else {
+                    _mm512_zextsi256_si512(_mm256_loadu_si256(values[r].add(b * 64).cast()))
+                };
+                let weight_sum_128 =
+                    _mm512_slli_epi32::<7>(_mm512_dpbusd_epi32(zero, ones, weights));
+                let dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xq, weights), weight_sum_128);
+                let scale = _mm512_mul_ps(_mm512_permutexvar_ps(*index, chunk_scales[r]), x_scale);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+            }
+        }
+        block += chunk;
+    }
+    *out_a = _mm512_reduce_add_ps(acc[0]);
+    *out_b = _mm512_reduce_add_ps(acc[1]);
+}
+
+/// Int8 × int8 rows, two groups (64 weight bytes) per `vpdpbusd`: lanes 0–7 hold group 2b,
+/// lanes 8–15 group 2b+1. Activations are stored as `x + 128` (unsigned), so `128 · Σw` per
+/// lane is subtracted.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn int8_row<const N: usize>(
     matrix: &MatrixView,
     row: usize,
     input: &InputRows,
@@ -303,96 +532,41 @@ unsafe fn int_row<const INT4: bool, const N: usize>(
     let scales = matrix.row_scales(row);
     let zero = _mm512_setzero_si512();
     let ones = _mm512_set1_epi8(1);
-    let low_nibbles = _mm512_set1_epi8(0x0f);
-    // 128-bit lanes 1 and 3 hold the high nibbles: shift their 16-bit words right by 4.
-    let nibble_shift = _mm512_set_epi64(
-        0x0004_0004_0004_0004,
-        0x0004_0004_0004_0004,
-        0,
-        0,
-        0x0004_0004_0004_0004,
-        0x0004_0004_0004_0004,
-        0,
-        0,
-    );
     // Lanes 0–7 take scale 2j, lanes 8–15 scale 2j+1.
     let pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let scale_index: [__m512i; 8] =
         std::array::from_fn(|j| _mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * j as i32)));
     let x_bytes: [*const u8; N] = std::array::from_fn(|t| input.int8_row(t0 + t));
     let x_scales: [*const f32; N] = std::array::from_fn(|t| input.lane_scale_row(t0 + t));
-    let x_offsets: [*const f32; N] = std::array::from_fn(|t| {
-        if INT4 {
-            input.group_offset_row(t0 + t)
-        } else {
-            std::ptr::null()
-        }
-    });
     let mut acc = [_mm512_setzero_ps(); N];
-    let mut offset_acc = [_mm512_setzero_ps(); N];
     let prefetch = crate::kernels::prefetch_distance();
     let into_l2 = crate::kernels::prefetch_to_l2();
     prefetch_row_scales(matrix, row, prefetch, into_l2);
-    let block_bytes = if INT4 { 32 } else { 64 };
     let mut block = 0;
     while block < blocks {
         let chunk = (blocks - block).min(8);
-        let chunk_groups = (groups - 2 * block).min(16);
-        let chunk_scales = load_scales(scales.add(2 * block), chunk_groups);
-        if INT4 {
-            // Σ_g scale_w · (−8 · scale_x · Σx): the +8 of every nibble, 16 groups per FMA.
-            for t in 0..N {
-                let offsets =
-                    _mm512_maskz_loadu_ps(lane_mask(chunk_groups), x_offsets[t].add(2 * block));
-                offset_acc[t] = _mm512_fmadd_ps(chunk_scales, offsets, offset_acc[t]);
-            }
-        }
+        let chunk_scales = load_scales(scales.add(2 * block), (groups - 2 * block).min(16));
         for (j, index) in scale_index.iter().enumerate().take(chunk) {
             let b = block + j;
-            let both = 2 * b + 1 < groups;
             if prefetch > 0 {
                 // Addresses past the matrix end are harmless: prefetches never fault.
-                prefetch_line(values.wrapping_add(b * block_bytes + prefetch), into_l2);
+                prefetch_line(values.wrapping_add(b * 64 + prefetch), into_l2);
             }
-            let weight_scale = _mm512_permutexvar_ps(*index, chunk_scales);
-            let weights = if INT4 {
-                let bytes = if both {
-                    _mm256_loadu_si256(values.add(b * 32).cast())
-                } else {
-                    _mm256_zextsi128_si256(_mm_loadu_si128(values.add(b * 32).cast()))
-                };
-                let wide = _mm512_castsi256_si512(bytes);
-                // [group 2b bytes, group 2b bytes, group 2b+1 bytes, group 2b+1 bytes], then
-                // low nibbles from lanes 0/2 and high nibbles from lanes 1/3: per group, the
-                // even elements then the odd ones (nibble order).
-                let spread = _mm512_shuffle_i64x2::<0x50>(wide, wide);
-                _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), low_nibbles)
-            } else if both {
+            let weights = if 2 * b + 1 < groups {
                 _mm512_loadu_si512(values.add(b * 64).cast())
             } else {
                 _mm512_zextsi256_si512(_mm256_loadu_si256(values.add(b * 64).cast()))
             };
-            let weight_sum_128 = if INT4 {
-                zero
-            } else {
-                // Activations are stored as x + 128: subtract 128 · Σw per lane.
-                _mm512_slli_epi32::<7>(_mm512_dpbusd_epi32(zero, ones, weights))
-            };
+            let weight_scale = _mm512_permutexvar_ps(*index, chunk_scales);
+            let weight_sum_128 = _mm512_slli_epi32::<7>(_mm512_dpbusd_epi32(zero, ones, weights));
             for t in 0..N {
                 let xq = _mm512_loadu_si512(x_bytes[t].add(b * 64).cast());
-                let dot = if INT4 {
-                    _mm512_dpbusd_epi32(zero, weights, xq)
-                } else {
-                    _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xq, weights), weight_sum_128)
-                };
+                let dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xq, weights), weight_sum_128);
                 let scale = _mm512_mul_ps(weight_scale, _mm512_loadu_ps(x_scales[t].add(b * 16)));
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
             }
         }
         block += chunk;
-    }
-    for t in 0..N {
-        acc[t] = _mm512_add_ps(acc[t], offset_acc[t]);
     }
     for (t, sum) in acc.iter().enumerate() {
         *out.add(t * token_stride) = _mm512_reduce_add_ps(*sum);

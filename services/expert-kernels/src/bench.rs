@@ -102,20 +102,20 @@ fn read_sum(bytes: &[u8]) -> u64 {
 #[target_feature(enable = "avx512f")]
 unsafe fn read_sum_avx512(bytes: &[u8]) -> u64 {
     use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_si512(); 4];
-    let blocks = bytes.len() / 256;
+    // Eight independent accumulators (512 bytes per step) keep enough loads in flight.
+    let mut acc = [_mm512_setzero_si512(); 8];
+    let blocks = bytes.len() / 512;
     let pointer = bytes.as_ptr();
     for block in 0..blocks {
         for (lane, slot) in acc.iter_mut().enumerate() {
-            // SAFETY: block·256 + lane·64 + 64 ≤ len.
-            let value = unsafe { _mm512_loadu_si512(pointer.add(block * 256 + lane * 64).cast()) };
+            // SAFETY: block·512 + lane·64 + 64 ≤ len.
+            let value = unsafe { _mm512_loadu_si512(pointer.add(block * 512 + lane * 64).cast()) };
             *slot = _mm512_add_epi64(*slot, value);
         }
     }
-    let total = _mm512_add_epi64(
-        _mm512_add_epi64(acc[0], acc[1]),
-        _mm512_add_epi64(acc[2], acc[3]),
-    );
+    let total = acc.iter().fold(_mm512_setzero_si512(), |sum, &value| {
+        _mm512_add_epi64(sum, value)
+    });
     _mm512_reduce_add_epi64(total) as u64
 }
 

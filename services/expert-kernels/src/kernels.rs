@@ -150,3 +150,62 @@ pub(crate) unsafe fn matmul_rows(
         }
     }
 }
+
+/// Rows `first_a..first_a+count` and `first_b..first_b+count` of `matrix` (two separate weight
+/// streams, e.g. gate and up rows) against every token of `input`, into `out_a` / `out_b`
+/// (same indexing as [`matmul_rows`]). Decode-shaped int8 / int4 on the VNNI / AMX paths runs
+/// both streams in one pass; everything else is two `matmul_rows` calls.
+///
+/// # Safety
+/// As [`matmul_rows`] for both row ranges and outputs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_row_pairs(
+    isa: KernelIsa,
+    matrix: &MatrixView,
+    first_a: usize,
+    first_b: usize,
+    count: usize,
+    input: &InputRows,
+    out_a: *mut f32,
+    out_b: *mut f32,
+    token_stride: usize,
+    buffers: &ThreadBuffers,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let vnni = matches!(isa, KernelIsa::Avx512Vnni | KernelIsa::Amx);
+        let dtype = matrix.layout.dtype;
+        if vnni && input.tokens == 1 && input.amx_base.is_none() && dtype.is_quantized() {
+            for local in 0..count {
+                let (row_a, row_b) = (first_a + local, first_b + local);
+                let (a, b) = (out_a.add(local), out_b.add(local));
+                if dtype == crate::layout::WeightDType::Int4 {
+                    crate::avx512::int4_row_pair(matrix, row_a, row_b, input, a, b);
+                } else {
+                    crate::avx512::int8_row_pair(matrix, row_a, row_b, input, a, b);
+                }
+            }
+            return;
+        }
+    }
+    matmul_rows(
+        isa,
+        matrix,
+        first_a,
+        count,
+        input,
+        out_a,
+        token_stride,
+        buffers,
+    );
+    matmul_rows(
+        isa,
+        matrix,
+        first_b,
+        count,
+        input,
+        out_b,
+        token_stride,
+        buffers,
+    );
+}

@@ -18,7 +18,7 @@
 use std::time::{Duration, Instant};
 
 use crate::isa::{KernelIsa, AMX_MIN_TOKENS};
-use crate::kernels::{matmul_rows, ThreadBuffers};
+use crate::kernels::{matmul_row_pairs, matmul_rows, ThreadBuffers};
 use crate::layout::{ExpertLayout, MatrixView, GROUP};
 use crate::pool::{split_range, ThreadPool, WorkerContext};
 use crate::prepare::{FormNeeds, Forms, FormsPtr, InputRows};
@@ -462,22 +462,14 @@ impl LayerJob {
                         .amx_input
                         .map(|base| base + (t0 / 16) * self.input.amx_padded / 2 * 16),
                 };
-                matmul_rows(
+                matmul_row_pairs(
                     self.isa,
                     &task.gate_up,
                     first,
-                    rows,
-                    &input,
-                    gate,
-                    GROUP,
-                    buffers,
-                );
-                matmul_rows(
-                    self.isa,
-                    &task.gate_up,
                     im + first,
                     rows,
                     &input,
+                    gate,
                     up,
                     GROUP,
                     buffers,
@@ -515,16 +507,33 @@ impl LayerJob {
                     amx_base: None,
                 };
                 let destination = self.down_out.add(task.first_slot * h + first);
-                matmul_rows(
-                    self.isa,
-                    &task.down,
-                    first,
-                    rows,
-                    &input,
-                    destination,
-                    h,
-                    buffers,
-                );
+                if rows == ROW_BLOCK {
+                    // Two 8-row halves as two streams in one pass (see `matmul_row_pairs`).
+                    let half = ROW_BLOCK / 2;
+                    matmul_row_pairs(
+                        self.isa,
+                        &task.down,
+                        first,
+                        first + half,
+                        half,
+                        &input,
+                        destination,
+                        destination.add(half),
+                        h,
+                        buffers,
+                    );
+                } else {
+                    matmul_rows(
+                        self.isa,
+                        &task.down,
+                        first,
+                        rows,
+                        &input,
+                        destination,
+                        h,
+                        buffers,
+                    );
+                }
             }
             context.barrier();
             // Phase 3: each thread adds its output columns.

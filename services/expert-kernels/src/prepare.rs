@@ -66,8 +66,8 @@ pub(crate) fn nibble_position(element: usize) -> usize {
 /// Owned arrays of one matrix input (`K` features, up to `slots` token rows).
 pub(crate) struct Forms {
     pub needs: FormNeeds,
-    /// Row stride of every per-feature form: `K` rounded up to 64 (two groups, one zmm of
-    /// bytes), zero-padded.
+    /// Row stride of every per-feature form: `K` rounded up to one VNNI block (64, or 128 for
+    /// int4), zero-padded.
     pub padded: usize,
     /// `K` rounded up to 32: the AMX tile depth.
     pub amx_padded: usize,
@@ -84,9 +84,10 @@ pub(crate) struct Forms {
 
 impl Forms {
     pub fn new(needs: FormNeeds, features: usize, slots: usize, amx_slots: usize) -> Forms {
-        let padded = features.next_multiple_of(64);
+        // Int4 VNNI blocks hold four groups (128 activations); everything else two.
+        let padded = features.next_multiple_of(if needs.int4_signed { 128 } else { 64 });
         let amx_padded = features.next_multiple_of(32);
-        let lanes = padded / 64 * 16;
+        let lanes = padded / 4;
         let sized = |flag: bool, len: usize| if flag { len } else { 0 };
         Forms {
             needs,
@@ -163,7 +164,7 @@ impl FormsPtr {
             let max_abs = values.iter().fold(0.0f32, |acc, v| acc.max(v.abs()));
             let scale = max_abs / 127.0;
             let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            let lanes = slot * (self.padded / 64 * 16) + (group / 2) * 16 + (group % 2) * 8;
+            let lane_row = slot * (self.padded / 4);
             let mut codes = [0i8; GROUP];
             for (index, &value) in values.iter().enumerate() {
                 // Round half away from zero without a libm call (`f32::round` is one on
@@ -176,20 +177,31 @@ impl FormsPtr {
                     // vpdpbusd multiplies unsigned by signed bytes: store x + 128.
                     *self.int8.add(start + index) = (code as u8) ^ 0x80;
                 }
-            } else {
-                let mut ordered = [0i8; GROUP];
-                for (index, &code) in codes.iter().enumerate() {
-                    ordered[nibble_position(index)] = code;
+                // Two groups per zmm: lanes 0–7 the even group, 8–15 the odd one.
+                let lanes = lane_row + (group / 2) * 16 + (group % 2) * 8;
+                for lane in 0..8 {
+                    *self.lane_scale.add(lanes + lane) = scale;
                 }
-                for (position, &code) in ordered.iter().enumerate() {
-                    *self.int8.add(start + position) = code as u8;
+            } else {
+                // Four groups per 128-byte block: bytes 16k..16k+16 the even elements of group
+                // k, bytes 64+16k.. its odd ones (the low / high nibbles of its 16 weight bytes).
+                let block = slot * self.padded + (group / 4) * 128 + (group % 4) * 16;
+                for (index, &code) in codes.iter().enumerate() {
+                    let position = if index % 2 == 0 {
+                        index / 2
+                    } else {
+                        64 + index / 2
+                    };
+                    *self.int8.add(block + position) = code as u8;
                 }
                 let sum: i32 = codes.iter().map(|&c| c as i32).sum();
                 *self.group_offset.add(slot * (self.padded / GROUP) + group) =
                     -8.0 * scale * sum as f32;
-            }
-            for lane in 0..8 {
-                *self.lane_scale.add(lanes + lane) = scale;
+                // Lanes 4k..4k+4 of a block's dot products hold group k.
+                let lanes = lane_row + (group / 4) * 16 + (group % 4) * 4;
+                for lane in 0..4 {
+                    *self.lane_scale.add(lanes + lane) = scale;
+                }
             }
         }
     }
@@ -277,7 +289,7 @@ impl InputRows {
         unsafe {
             self.forms
                 .lane_scale
-                .add((self.first_slot + token) * (self.forms.padded / 64 * 16))
+                .add((self.first_slot + token) * (self.forms.padded / 4))
         }
     }
     #[inline]

@@ -396,6 +396,9 @@ async fn tokenize(
 struct DetokenizeRequest {
     model: Option<String>,
     tokens: Vec<u32>,
+    /// Drop special tokens (`<|im_end|>`...) as generated text does; default keeps them.
+    #[serde(default)]
+    skip_special_tokens: bool,
 }
 
 async fn detokenize(
@@ -405,7 +408,10 @@ async fn detokenize(
     let result = (|| {
         let request: DetokenizeRequest = parse_json_body(body, state.settings.max_body_bytes)?;
         let model = pick_model(&state, request.model.as_deref())?;
-        let text = model.resources.tokenizer.decode(&request.tokens, false)?;
+        let text = model
+            .resources
+            .tokenizer
+            .decode(&request.tokens, request.skip_special_tokens)?;
         Ok::<_, GatewayError>(json!({"model": model.name, "prompt": text}))
     })();
     match result {

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Smoke test of a running NInfer gateway with the official `openai` and `anthropic` SDKs.
+
+    python3 scripts/sdk_smoke.py --base-url http://127.0.0.1:8080 [--api-key KEY] [--model NAME]
+        [--reference tests/fixtures/qwen3_moe/reference.json]
+
+Checks chat and completions (streaming and not), usage counts, stop strings, `n`, Anthropic
+messages (streaming event order, thinking blocks when present, stop_sequences, count_tokens) and
+error types. Everything is greedy (temperature 0) so streamed and unstreamed answers must agree.
+With --reference, a raw greedy completion of the fixture's plain prompt must equal the
+fixture's reference greedy text. Works against the gateway + test engine
+(services/gateway/tests/sdk_smoke.rs) and against the real stack.
+
+Ends with the line `N passed, M failed` and exits 1 on any failure.
+"""
+
+import argparse
+import json
+import re
+import sys
+import traceback
+import urllib.request
+
+import anthropic
+import openai
+
+RESULTS = []
+# Recent anthropic SDKs no longer take `temperature` as an argument; the gateway still reads it.
+AN_GREEDY = {"temperature": 0.0}
+
+
+def check(name):
+    def wrap(function):
+        def run(*args):
+            try:
+                detail = function(*args)
+                RESULTS.append((name, True, detail or ""))
+                print(f"PASS {name} {detail or ''}")
+            except Exception as error:  # report and go on with the other checks
+                RESULTS.append((name, False, repr(error)))
+                print(f"FAIL {name}: {error!r}")
+                traceback.print_exc()
+
+        return run
+
+    return wrap
+
+
+def http_json(base_url, path, body, api_key):
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json", "authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", required=True, help="gateway root, e.g. http://127.0.0.1:8080")
+    parser.add_argument("--api-key", default="none")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--reference", default=None, help="fixture reference.json for the greedy check")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    args = parser.parse_args()
+    base = args.base_url.rstrip("/")
+    oa = openai.OpenAI(base_url=base + "/v1", api_key=args.api_key, max_retries=0, timeout=120)
+    an = anthropic.Anthropic(base_url=base, api_key=args.api_key, max_retries=0, timeout=120)
+    model = args.model or oa.models.list().data[0].id
+    print(f"model {model}")
+    greedy = dict(temperature=0.0, seed=1)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+    state = {}
+
+    @check("openai.models.list")
+    def models_list():
+        ids = [m.id for m in oa.models.list().data]
+        assert model in ids, ids
+        return f"{ids}"
+
+    @check("openai.chat non-stream + usage")
+    def chat_plain():
+        response = oa.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens, **greedy)
+        choice = response.choices[0]
+        assert choice.message.role == "assistant"
+        assert isinstance(choice.message.content, str)
+        assert choice.finish_reason in ("stop", "length"), choice.finish_reason
+        usage = response.usage
+        assert usage.prompt_tokens > 0 and usage.completion_tokens > 0
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert usage.completion_tokens <= args.max_tokens
+        state["chat"] = (choice.message.content, getattr(choice.message, "reasoning_content", None), usage)
+        return f"content={choice.message.content[:40]!r} usage={usage.prompt_tokens}+{usage.completion_tokens}"
+
+    @check("openai.chat stream + include_usage equals non-stream")
+    def chat_stream():
+        stream = oa.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens, stream=True, stream_options={"include_usage": True}, **greedy)
+        content, reasoning, usage, finish = "", "", None, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                reasoning += getattr(choice.delta, "reasoning_content", None) or (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                finish = choice.finish_reason or finish
+        assert usage is not None, "no usage chunk"
+        want_content, want_reasoning, want_usage = state["chat"]
+        assert content == want_content, (content, want_content)
+        assert reasoning == (want_reasoning or ""), (reasoning, want_reasoning)
+        assert usage.completion_tokens == want_usage.completion_tokens and usage.prompt_tokens == want_usage.prompt_tokens
+        assert finish in ("stop", "length")
+        return f"{len(content)} chars"
+
+    @check("openai.completions non-stream, stream, n=2")
+    def completions():
+        prompt = "The librarian counted the visitors and"
+        plain = oa.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, **greedy)
+        text = plain.choices[0].text
+        streamed = "".join(c.choices[0].text for c in oa.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, stream=True, **greedy) if c.choices)
+        assert streamed == text, (streamed, text)
+        assert plain.usage.completion_tokens <= args.max_tokens
+        two = oa.completions.create(model=model, prompt=prompt, max_tokens=4, n=2, **greedy)
+        assert len(two.choices) == 2 and {c.index for c in two.choices} == {0, 1}
+        state["completion"] = text
+        return f"text={text[:40]!r}"
+
+    @check("openai stop strings")
+    def stop_strings():
+        text = state.get("completion", "")
+        visible = [i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 2].strip() and text[i:i + 2].isprintable()]
+        if not visible:
+            return "skipped: completion too short for a stop string"
+        start = visible[0]
+        stop = text[start:start + 2]
+        expected = text[:text.index(stop)]
+        response = oa.completions.create(model=model, prompt="The librarian counted the visitors and", max_tokens=args.max_tokens, stop=[stop], **greedy)
+        got = response.choices[0].text
+        assert got == expected, (got, expected, stop)
+        assert response.choices[0].finish_reason == "stop"
+        assert stop not in got
+        return f"stop={stop!r} -> {got[-20:]!r}"
+
+    @check("openai unknown model -> NotFoundError")
+    def unknown_model():
+        try:
+            oa.chat.completions.create(model="no-such-model-xyz", messages=messages, max_tokens=2)
+        except openai.NotFoundError as error:
+            return f"{error.status_code}"
+        raise AssertionError("no error")
+
+    @check("anthropic.messages non-stream + count_tokens")
+    def messages_plain():
+        response = an.messages.create(model=model, max_tokens=args.max_tokens, system="You are terse.", messages=[{"role": "user", "content": "What is the capital of France?"}], extra_body=AN_GREEDY)
+        assert response.type == "message" and response.role == "assistant"
+        assert response.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
+        assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
+        counted = an.messages.count_tokens(model=model, system="You are terse.", messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert counted.input_tokens == response.usage.input_tokens, (counted.input_tokens, response.usage.input_tokens)
+        state["message"] = response
+        return f"blocks={[b.type for b in response.content]} usage={response.usage.input_tokens}+{response.usage.output_tokens}"
+
+    @check("anthropic streaming event order")
+    def messages_stream():
+        events = list(an.messages.create(model=model, max_tokens=args.max_tokens, system="You are terse.", messages=[{"role": "user", "content": "What is the capital of France?"}], extra_body=AN_GREEDY, stream=True))
+        kinds = [event.type for event in events]
+        grammar = r"message_start( ping)*( content_block_start( ping)*( content_block_delta)*( ping)* content_block_stop)+( ping)* message_delta( ping)* message_stop"
+        assert re.fullmatch(grammar, " ".join(kinds)), kinds
+        text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+        want = "".join(b.text for b in state["message"].content if b.type == "text")
+        assert text == want, (text, want)
+        indices = [e.index for e in events if e.type == "content_block_start"]
+        assert indices == list(range(len(indices))), indices
+        delta = next(e for e in events if e.type == "message_delta")
+        assert delta.usage.output_tokens == state["message"].usage.output_tokens
+        return " ".join(dict.fromkeys(kinds))
+
+    @check("anthropic thinking blocks (stream helper)")
+    def thinking():
+        with an.messages.stream(model=model, max_tokens=args.max_tokens, messages=[{"role": "user", "content": "Think, then answer: 2+2?"}], thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_message()
+        kinds = [b.type for b in final.content]
+        assert kinds and set(kinds) <= {"thinking", "text"}, kinds
+        return f"blocks={kinds}"
+
+    @check("anthropic stop_sequences")
+    def stop_sequences():
+        text = "".join(b.text for b in state["message"].content if b.type == "text")
+        visible = [i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 2].strip() and text[i:i + 2].isprintable()]
+        if not visible:
+            return "skipped: answer too short"
+        stop = text[visible[0]:visible[0] + 2]
+        response = an.messages.create(model=model, max_tokens=args.max_tokens, system="You are terse.", messages=[{"role": "user", "content": "What is the capital of France?"}], extra_body=AN_GREEDY, stop_sequences=[stop])
+        got = "".join(b.text for b in response.content if b.type == "text")
+        assert response.stop_reason == "stop_sequence" and response.stop_sequence == stop, (response.stop_reason, response.stop_sequence)
+        assert got == text[:text.index(stop)], (got, text, stop)
+        return f"stop={stop!r}"
+
+    @check("anthropic unknown model -> NotFoundError")
+    def anthropic_unknown():
+        try:
+            an.messages.create(model="no-such-model-xyz", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        except anthropic.NotFoundError as error:
+            return f"{error.status_code}"
+        raise AssertionError("no error")
+
+    for step in [models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown]:
+        step()
+
+    if args.reference:
+        @check("raw greedy completion equals the fixture reference")
+        def reference_greedy():
+            reference = json.load(open(args.reference))
+            plain = next(p for p in reference["prompts"] if p["kind"] == "plain")
+            ids = plain["greedy_token_ids"]
+            response = oa.completions.create(model=model, prompt=plain["prompt_token_ids"], max_tokens=len(ids), temperature=0.0)
+            expected = http_json(base, "/detokenize", {"model": model, "tokens": ids, "skip_special_tokens": True}, args.api_key)["prompt"]
+            got = response.choices[0].text
+            assert got == expected, (got, expected)
+            return f"{len(ids)} tokens"
+
+        reference_greedy()
+
+    passed = sum(ok for _, ok, _ in RESULTS)
+    failed = len(RESULTS) - passed
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+//! Runs `scripts/sdk_smoke.py` (the official `openai` and `anthropic` Python SDKs) against the
+//! gateway and the scripted test engine. Skipped, loudly, where the SDKs are not installed.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_sdks_work_against_the_gateway() {
+    let python_has_sdks = Command::new("python3")
+        .args(["-c", "import openai, anthropic"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !python_has_sdks {
+        eprintln!("SKIPPED: python3 with the `openai` and `anthropic` packages is not available (pip install openai anthropic)");
+        return;
+    }
+    let engine = RunningEngine::start(Arc::new(EngineScript::default()), None).await;
+    engine.script.set_text("Let me think about it.\n</think>\n\nThe capital of France is Paris, a lovely city on the Seine.");
+    let gateway = RunningGateway::start(
+        &[engine.address],
+        GatewayOptions {
+            api_key: Some("smoke-key".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    gateway.wait_for_health(200).await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/sdk_smoke.py");
+    let base_url = format!("http://{}", gateway.address);
+    // The SDK calls block: run the script on a blocking thread so the gateway keeps serving.
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(script)
+            .args([
+                "--base-url",
+                &base_url,
+                "--api-key",
+                "smoke-key",
+                "--max-tokens",
+                "64",
+            ])
+            .env("PYTHONUNBUFFERED", "1")
+            .output()
+    })
+    .await
+    .unwrap_or_else(|error| panic!("join: {error}"))
+    .unwrap_or_else(|error| panic!("python3: {error}"));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    eprintln!("{stdout}");
+    assert!(
+        output.status.success(),
+        "sdk_smoke.py failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+}

@@ -122,7 +122,9 @@ pub fn read_side_files(
         repetition_penalty: float("repetition_penalty"),
         do_sample: generation_config.get("do_sample").and_then(|v| v.as_bool()),
     };
-    let tokenizer_config_json = tokenizer_config.as_ref().and_then(|c| serde_json::to_vec(c).ok());
+    let tokenizer_config_json = tokenizer_config
+        .as_ref()
+        .and_then(|c| serde_json::to_vec(c).ok());
     Ok(SideFiles {
         tokenizer_json,
         tokenizer_config_json,

@@ -195,12 +195,17 @@ async fn authenticate_and_count(
             }
         }
     }
+    let method = request.method().clone();
+    let started = std::time::Instant::now();
     let response = next.run(request).await;
-    if !is_grpc {
-        state
-            .metrics
-            .record_request(&metric_endpoint(&path), response.status().as_u16());
-    }
+    let status = response.status().as_u16();
+    let endpoint = if is_grpc {
+        "grpc".to_string()
+    } else {
+        metric_endpoint(&path)
+    };
+    state.metrics.record_request(&endpoint, status);
+    tracing::debug!(%method, %path, status, elapsed_ms = started.elapsed().as_millis() as u64, "request");
     response
 }
 

@@ -479,13 +479,8 @@ async fn monitor_engine(
     let mut cached_resources: Option<(String, String, Arc<ModelResources>)> = None;
     let mut statistics_task: Option<tokio::task::JoinHandle<()>> = None;
     loop {
-        match tokio::time::timeout(
-            options.poll_timeout,
-            poll_engine(&mut client, &mut cached_resources),
-        )
-        .await
-        {
-            Ok(Ok(observation)) => {
+        match poll_engine(&mut client, &mut cached_resources, options.poll_timeout).await {
+            Ok(observation) => {
                 let model_name = observation.info.model_name.clone();
                 if commands
                     .send(PoolCommand::Observed {
@@ -511,19 +506,7 @@ async fn monitor_engine(
                     }
                 }
             }
-            Ok(Err(error)) => {
-                if commands
-                    .send(PoolCommand::Lost {
-                        engine_index,
-                        error,
-                    })
-                    .is_err()
-                {
-                    return;
-                }
-            }
-            Err(_) => {
-                let error = format!("engine did not answer within {:?}", options.poll_timeout);
+            Err(error) => {
                 if commands
                     .send(PoolCommand::Lost {
                         engine_index,
@@ -539,17 +522,28 @@ async fn monitor_engine(
     }
 }
 
-/// One poll: status (optional RPC), model info, and the model files when the engine is new to us.
+/// Longest wait for `GetModelFiles` plus parsing: a real tokenizer.json is several MiB and the
+/// machine may be busy loading weights. Kept apart from the short poll timeout on purpose, so a
+/// slow first download is not mistaken for a dead engine over and over.
+const MODEL_FILES_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One poll: model info, status (optional RPC), and the model files when the engine is new to us.
 async fn poll_engine(
     client: &mut EngineClient<Channel>,
     cached_resources: &mut Option<(String, String, Arc<ModelResources>)>,
+    poll_timeout: Duration,
 ) -> Result<EngineObservation, String> {
-    let info = client
-        .get_model_info(ModelInfoRequest {})
+    let too_slow = |rpc: &str| format!("{rpc} did not answer within {poll_timeout:?}");
+    let info = tokio::time::timeout(poll_timeout, client.get_model_info(ModelInfoRequest {}))
         .await
+        .map_err(|_| too_slow("GetModelInfo"))?
         .map_err(|status| format!("GetModelInfo failed: {}", status.message()))?
         .into_inner();
-    let status = match client.get_status(EngineStatusRequest {}).await {
+    let status_answer =
+        tokio::time::timeout(poll_timeout, client.get_status(EngineStatusRequest {}))
+            .await
+            .map_err(|_| too_slow("GetStatus"))?;
+    let status = match status_answer {
         Ok(response) => response.into_inner(),
         // An engine without GetStatus that answers GetModelInfo is taken as ready.
         Err(status) if status.code() == tonic::Code::Unimplemented => EngineStatus {
@@ -570,11 +564,14 @@ async fn poll_engine(
     let resources = match reuse {
         Some((_, _, resources)) => resources.clone(),
         None => {
-            let files = client
-                .get_model_files(ModelFilesRequest {})
-                .await
-                .map_err(|status| format!("GetModelFiles failed: {}", status.message()))?
-                .into_inner();
+            let files = tokio::time::timeout(
+                MODEL_FILES_TIMEOUT,
+                client.get_model_files(ModelFilesRequest {}),
+            )
+            .await
+            .map_err(|_| format!("GetModelFiles did not answer within {MODEL_FILES_TIMEOUT:?}"))?
+            .map_err(|status| format!("GetModelFiles failed: {}", status.message()))?
+            .into_inner();
             // Parsing a real tokenizer.json takes a while: keep it off the async workers.
             let resources =
                 tokio::task::spawn_blocking(move || ModelResources::from_model_files(&files))

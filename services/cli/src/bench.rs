@@ -77,7 +77,7 @@ struct ExpertsArgs {
     /// Software prefetch distances in bytes for the streaming kernels, comma-separated, each
     /// optionally suffixed `:l2` to prefetch into L2 instead of L1; each is measured
     /// (0: hardware prefetchers only).
-    #[arg(long, default_value = "4096")]
+    #[arg(long, default_value = "4096:l2")]
     prefetch_bytes: String,
     /// How the down projection is split among threads: `auto` (per expert and row block for
     /// small batches, then a reduction) or `rows` (output rows only).

@@ -157,8 +157,8 @@ unsafe fn row<const D: u8, const N: usize>(
             acc[t][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), acc[t][1]);
         }
     }
-    for t in 0..N {
-        let mut sum = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (t, lanes) in acc.iter().enumerate() {
+        let mut sum = hsum(_mm256_add_ps(lanes[0], lanes[1]));
         if !quantized {
             let natural = input.f32_row(t0 + t);
             for column in full_groups * GROUP..cols {

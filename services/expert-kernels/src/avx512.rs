@@ -234,8 +234,8 @@ unsafe fn float_row<const D: u8, const N: usize>(
         }
         group += chunk;
     }
-    for t in 0..N {
-        let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+    for (t, lanes) in acc.iter().enumerate() {
+        let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(lanes[0], lanes[1]));
         if !quantized {
             let natural = input.f32_row(t0 + t);
             for column in full_groups * GROUP..cols {

@@ -13,22 +13,24 @@ use crate::prepare::InputRows;
 /// Software-prefetch distance in bytes ahead of the weight row being read (0 = off).
 static PREFETCH_DISTANCE: AtomicUsize = AtomicUsize::new(4096);
 /// 0: prefetch into L1 (`prefetcht0`), 1: into L2 (`prefetcht1`).
-static PREFETCH_TO_L2: AtomicUsize = AtomicUsize::new(0);
+static PREFETCH_TO_L2: AtomicUsize = AtomicUsize::new(1);
 
 /// Sets how far ahead (bytes) the streaming kernels prefetch weights, and into which cache
 /// level; 0 bytes leaves it to the hardware prefetchers. A tuning knob for `ninfer bench`; the
-/// default (4096 bytes, L1) streamed 15–20% faster than none on the 16-core Xeon of
-/// `docs/BENCHMARKS.md`.
+/// default (4096 bytes ahead, into L2) streamed 13–22% faster than none on the 16-core Xeon of
+/// `docs/BENCHMARKS.md` (decode, int4 and int8).
 pub fn set_prefetch_distance(bytes: usize, into_l2: bool) {
     PREFETCH_DISTANCE.store(bytes, Ordering::Relaxed);
     PREFETCH_TO_L2.store(into_l2 as usize, Ordering::Relaxed);
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline]
 pub(crate) fn prefetch_distance() -> usize {
     PREFETCH_DISTANCE.load(Ordering::Relaxed)
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline]
 pub(crate) fn prefetch_to_l2() -> bool {
     PREFETCH_TO_L2.load(Ordering::Relaxed) != 0
@@ -69,6 +71,7 @@ pub(crate) fn prefetch_row_scales(matrix: &MatrixView, row: usize, distance: usi
 }
 
 /// Per-thread buffers, owned by `LayerScratch`; one thread uses one of them at a time.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // strip / tiles: AMX only
 #[derive(Clone, Copy)]
 pub(crate) struct ThreadBuffers {
     /// `max(H, Im)` f32: a decoded weight row (scalar path).
@@ -90,6 +93,7 @@ unsafe impl Sync for ThreadBuffers {}
 /// Rows are inside the matrix; `input` was prepared for this path and the matrix dtype;
 /// `out` is writable at `t · token_stride + r` for `t < input.tokens`, `r < count`; the
 /// buffers belong to the calling thread. The path is supported by this CPU.
+#[allow(clippy::too_many_arguments)] // one hot-path call with no natural grouping
 pub(crate) unsafe fn matmul_rows(
     isa: KernelIsa,
     matrix: &MatrixView,

@@ -415,7 +415,7 @@ mod tests {
 
     #[test]
     fn split_covers_everything_once() {
-        let mut covered = vec![0; 37];
+        let mut covered = [0; 37];
         for index in 0..5 {
             for i in split_range(37, index, 5) {
                 covered[i] += 1;

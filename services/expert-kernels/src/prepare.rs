@@ -56,7 +56,7 @@ impl FormNeeds {
 /// Position inside a group of 32 in nibble order: element `e` sits at this index.
 #[inline]
 pub(crate) fn nibble_position(element: usize) -> usize {
-    if element % 2 == 0 {
+    if element.is_multiple_of(2) {
         element / 2
     } else {
         16 + element / 2
@@ -187,7 +187,7 @@ impl FormsPtr {
                 // k, bytes 64+16k.. its odd ones (the low / high nibbles of its 16 weight bytes).
                 let block = slot * self.padded + (group / 4) * 128 + (group % 4) * 16;
                 for (index, &code) in codes.iter().enumerate() {
-                    let position = if index % 2 == 0 {
+                    let position = if index.is_multiple_of(2) {
                         index / 2
                     } else {
                         64 + index / 2
@@ -239,7 +239,8 @@ impl FormsPtr {
     }
 }
 
-/// Where one token row's forms are, for the row kernels.
+/// Where one token row's forms are, for the row kernels. The accessors only compute addresses
+/// (`wrapping_add`); the kernels that read them are `unsafe` and require `token < tokens`.
 #[derive(Clone, Copy)]
 pub(crate) struct InputRows {
     pub forms: FormsPtr,
@@ -250,54 +251,43 @@ pub(crate) struct InputRows {
     pub amx_base: Option<usize>,
 }
 
+// Some forms are read only by the x86-64 kernels.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl InputRows {
     #[inline]
     pub fn f32_row(&self, token: usize) -> *const f32 {
-        // SAFETY (of the arithmetic): token < tokens, so the slot is inside the forms.
-        unsafe {
-            self.forms
-                .f32
-                .add((self.first_slot + token) * self.forms.padded)
-        }
+        self.forms
+            .f32
+            .wrapping_add((self.first_slot + token) * self.forms.padded)
     }
     #[inline]
     pub fn f32_nibble_row(&self, token: usize) -> *const f32 {
-        unsafe {
-            self.forms
-                .f32_nibble
-                .add((self.first_slot + token) * self.forms.padded)
-        }
+        self.forms
+            .f32_nibble
+            .wrapping_add((self.first_slot + token) * self.forms.padded)
     }
     #[inline]
     pub fn bf16_row(&self, token: usize) -> *const u16 {
-        unsafe {
-            self.forms
-                .bf16
-                .add((self.first_slot + token) * self.forms.padded)
-        }
+        self.forms
+            .bf16
+            .wrapping_add((self.first_slot + token) * self.forms.padded)
     }
     #[inline]
     pub fn int8_row(&self, token: usize) -> *const u8 {
-        unsafe {
-            self.forms
-                .int8
-                .add((self.first_slot + token) * self.forms.padded)
-        }
+        self.forms
+            .int8
+            .wrapping_add((self.first_slot + token) * self.forms.padded)
     }
     #[inline]
     pub fn lane_scale_row(&self, token: usize) -> *const f32 {
-        unsafe {
-            self.forms
-                .lane_scale
-                .add((self.first_slot + token) * (self.forms.padded / 4))
-        }
+        self.forms
+            .lane_scale
+            .wrapping_add((self.first_slot + token) * (self.forms.padded / 4))
     }
     #[inline]
     pub fn group_offset_row(&self, token: usize) -> *const f32 {
-        unsafe {
-            self.forms
-                .group_offset
-                .add((self.first_slot + token) * (self.forms.padded / GROUP))
-        }
+        self.forms
+            .group_offset
+            .wrapping_add((self.first_slot + token) * (self.forms.padded / GROUP))
     }
 }

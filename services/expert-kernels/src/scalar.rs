@@ -35,7 +35,7 @@ pub(crate) unsafe fn decode_row(matrix: &MatrixView, row: usize, out: &mut [f32]
                         *values.add(column) as i8 as f32
                     } else {
                         let byte = *values.add(column / 2);
-                        let nibble = if column % 2 == 0 {
+                        let nibble = if column.is_multiple_of(2) {
                             byte & 0x0f
                         } else {
                             byte >> 4

@@ -70,16 +70,25 @@ fn routing(tokens: usize, seed: u64) -> Vec<(Vec<u32>, Vec<f32>)> {
         .collect()
 }
 
-fn run_layer(
-    pool: &ThreadPool,
-    isa: KernelIsa,
-    layout: &ExpertLayout,
-    experts: &[Expert],
-    routes: &[(Vec<u32>, Vec<f32>)],
-    hidden: &[f32],
+/// One layer's inputs: experts, routing, hidden states and the output's initial contents.
+struct Case<'a> {
+    layout: &'a ExpertLayout,
+    experts: &'a [Expert],
+    routes: &'a [(Vec<u32>, Vec<f32>)],
+    hidden: &'a [f32],
     tokens: usize,
-    initial: &[f32],
-) -> Vec<f32> {
+    initial: &'a [f32],
+}
+
+fn run_layer(pool: &ThreadPool, isa: KernelIsa, case: &Case<'_>) -> Vec<f32> {
+    let Case {
+        layout,
+        experts,
+        routes,
+        hidden,
+        tokens,
+        initial,
+    } = *case;
     let tasks: Vec<ExpertTask<'_>> = experts
         .iter()
         .zip(routes)
@@ -181,16 +190,15 @@ fn check_dtype(dtype: WeightDType, shapes: &[(usize, usize)]) {
             let hidden = random_vec(&mut rng, tokens * hidden_size, 1.0);
             let initial = random_vec(&mut rng, tokens * hidden_size, 0.5);
             let routes = routing(tokens, seed);
-            let reference = run_layer(
-                &pool,
-                KernelIsa::Scalar,
-                &layout,
-                &experts,
-                &routes,
-                &hidden,
+            let case = Case {
+                layout: &layout,
+                experts: &experts,
+                routes: &routes,
+                hidden: &hidden,
                 tokens,
-                &initial,
-            );
+                initial: &initial,
+            };
+            let reference = run_layer(&pool, KernelIsa::Scalar, &case);
             if tokens <= 8 {
                 let exact = naive(&layout, &experts, &routes, &hidden, &initial);
                 let error = relative_error(&reference, &exact, &initial);
@@ -200,9 +208,7 @@ fn check_dtype(dtype: WeightDType, shapes: &[(usize, usize)]) {
                 );
             }
             for &isa in supported.iter().filter(|&&i| i != KernelIsa::Scalar) {
-                let value = run_layer(
-                    &pool, isa, &layout, &experts, &routes, &hidden, tokens, &initial,
-                );
+                let value = run_layer(&pool, isa, &case);
                 let error = relative_error(&value, &reference, &initial);
                 let limit = tolerance(isa, dtype, tokens);
                 println!(

@@ -14,6 +14,8 @@
 //! - [`pool`]: thread pool pinned to a NUMA node's cores, spin barrier, cpulist parsing.
 //! - [`prepare`]: activation forms the kernels read (f32, permuted f32, bf16, int8 + scales,
 //!   AMX tile packing).
+//! - `kernels`: row-kernel dispatch per (path, dtype, tokens), per-thread buffers, the software
+//!   prefetch knob ([`set_prefetch_distance`]).
 //! - `scalar`, `avx2`, `avx512`, `amx`: the row kernels of each path.
 //! - [`routed`]: one layer from router output (ids + weights per token) — the executor shared by
 //!   the engine's in-process path and the expert worker.

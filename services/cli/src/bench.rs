@@ -21,6 +21,11 @@ enum BenchCommand {
     Memory(MemoryArgs),
     /// Routed-expert SwiGLU throughput per kernel path, against the read bandwidth.
     Experts(ExpertsArgs),
+    /// Round-trip latency of the engine ↔ worker shared-memory channel (two processes).
+    Channel(crate::bench_channel::ChannelBenchArgs),
+    /// The worker half of `bench channel` (started by it).
+    #[command(hide = true)]
+    ChannelEcho(crate::bench_channel::ChannelEchoArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -135,6 +140,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
         BenchCommand::Memory(args) => run_memory(args),
         BenchCommand::Experts(args) => run_experts(args),
+        BenchCommand::Channel(args) => crate::bench_channel::run(args),
+        BenchCommand::ChannelEcho(args) => crate::bench_channel::run_echo(args),
     }
 }
 

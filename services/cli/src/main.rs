@@ -1,12 +1,14 @@
-//! `ninfer`: the command-line front end (`convert`, `inspect`, `perplexity`, `bench`, `serve`).
+//! `ninfer`: the command-line front end (`convert`, `inspect`, `perplexity`, `bench`, `serve`, `run`).
 //!
 //! Owns: argument parsing, progress display and human-readable reports.
 //! Must not touch: model math or file formats directly; it calls the library crates.
 
 mod bench;
+mod bench_channel;
 mod convert;
 mod inspect;
 mod perplexity;
+mod run;
 mod serve;
 mod supervisor;
 
@@ -35,6 +37,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Start the expert workers and the engine as supervised processes (the engine's gRPC API).
     Serve(serve::ServeArgs),
+    /// Start workers, engine and gateway, then chat in the terminal (or `--serve` the API).
+    Run(run::RunArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -53,6 +57,7 @@ fn main() -> std::process::ExitCode {
         Command::Perplexity(args) => perplexity::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Run(args) => run::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -30,6 +30,7 @@ use crate::generation::{
     SamplingOptions,
 };
 use crate::server::{parse_json_body, GatewayState};
+use crate::tool_calls::{split_tool_calls, ToolCallCapture};
 
 /// A string, or a list of content blocks.
 #[derive(Debug, Clone, Deserialize)]
@@ -344,6 +345,8 @@ async fn messages_inner(
         Some(reasoning_start_for_prompt(&prompt)),
     )?;
     let receiver = start_generation(&state, &plan, 0).await?;
+    // With tools declared, `<tool_call>` blocks in the answer become `tool_use` blocks.
+    let tools = input.tools.clone();
     let id = format!("msg_{}", plan.request_id);
     let prompt_tokens = plan.prompt_token_ids.len() as u32;
     if request.stream.unwrap_or(false) {
@@ -352,24 +355,37 @@ async fn messages_inner(
             plan.model.name.clone(),
             prompt_tokens,
             receiver,
+            tools,
         ));
     }
     let generation = collect_generation(receiver).await?;
+    let (text, calls) = match &tools {
+        Some(tools) => split_tool_calls(&generation.content, tools),
+        None => (generation.content.clone(), Vec::new()),
+    };
     let mut content = Vec::new();
     if !generation.reasoning.is_empty() {
         content
             .push(json!({"type": "thinking", "thinking": generation.reasoning, "signature": ""}));
     }
-    if !generation.content.is_empty() || content.is_empty() {
-        content.push(json!({"type": "text", "text": generation.content}));
+    if !text.is_empty() || (content.is_empty() && calls.is_empty()) {
+        content.push(json!({"type": "text", "text": text}));
     }
+    for (position, call) in calls.iter().enumerate() {
+        content.push(json!({"type": "tool_use", "id": format!("toolu_{}_{position}", plan.request_id), "name": call.name, "input": call.arguments}));
+    }
+    let stop_reason = if calls.is_empty() {
+        stop_reason_text(&generation.summary)
+    } else {
+        "tool_use"
+    };
     Ok(Json(json!({
         "id": id,
         "type": "message",
         "role": "assistant",
         "model": plan.model.name,
         "content": content,
-        "stop_reason": stop_reason_text(&generation.summary),
+        "stop_reason": stop_reason,
         "stop_sequence": generation.summary.matched_stop,
         "usage": {"input_tokens": generation.summary.prompt_tokens, "output_tokens": generation.summary.completion_tokens},
     }))
@@ -392,6 +408,7 @@ fn stream_messages(
     model: String,
     prompt_tokens: u32,
     mut receiver: mpsc::Receiver<Result<GenerationEvent, GatewayError>>,
+    tools: Option<Vec<minijinja::Value>>,
 ) -> Response {
     let (events, event_receiver) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
@@ -409,6 +426,7 @@ fn stream_messages(
             return;
         }
         let mut open: Option<OpenBlock> = None;
+        let mut capture = tools.as_ref().map(|_| ToolCallCapture::default());
         let mut block_index: i64 = -1;
         // Opens a block of `kind` (closing another one first); returns the events to send.
         let switch_to = |kind: OpenBlock,
@@ -449,27 +467,69 @@ fn stream_messages(
                             json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "thinking_delta", "thinking": text.reasoning}}),
                         ));
                     }
-                    if !text.content.is_empty() {
+                    let content = match capture.as_mut() {
+                        Some(capture) => capture.push(&text.content),
+                        None => text.content,
+                    };
+                    if !content.is_empty() {
                         outgoing.extend(switch_to(OpenBlock::Text, &mut open, &mut block_index));
                         outgoing.push(event(
                             "content_block_delta",
-                            json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "text_delta", "text": text.content}}),
+                            json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "text_delta", "text": content}}),
                         ));
                     }
                 }
                 Ok(GenerationEvent::Finished(summary)) => {
-                    if open.is_none() {
+                    let (rest, calls) = match (capture.as_mut(), tools.as_ref()) {
+                        (Some(capture), Some(tools)) => capture.finish(tools),
+                        _ => (String::new(), Vec::new()),
+                    };
+                    if !rest.is_empty() {
+                        outgoing.extend(switch_to(OpenBlock::Text, &mut open, &mut block_index));
+                        outgoing.push(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "text_delta", "text": rest}}),
+                        ));
+                    }
+                    if open.is_none() && calls.is_empty() {
                         // Always at least one (possibly empty) text block, as the real API does.
                         outgoing.extend(switch_to(OpenBlock::Text, &mut open, &mut block_index));
                     }
-                    outgoing.push(event(
-                        "content_block_stop",
-                        json!({"type": "content_block_stop", "index": block_index}),
-                    ));
+                    if open.take().is_some() {
+                        outgoing.push(event(
+                            "content_block_stop",
+                            json!({"type": "content_block_stop", "index": block_index}),
+                        ));
+                    }
+                    // Each tool call is one tool_use block: start (empty input), the whole input as
+                    // one input_json_delta, stop.
+                    for (position, call) in calls.iter().enumerate() {
+                        block_index += 1;
+                        let tool_id = format!("toolu_{}_{position}", id.trim_start_matches("msg_"));
+                        outgoing.push(event(
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": block_index,
+                                   "content_block": {"type": "tool_use", "id": tool_id, "name": call.name, "input": {}}}),
+                        ));
+                        outgoing.push(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": block_index,
+                                   "delta": {"type": "input_json_delta", "partial_json": call.arguments_json()}}),
+                        ));
+                        outgoing.push(event(
+                            "content_block_stop",
+                            json!({"type": "content_block_stop", "index": block_index}),
+                        ));
+                    }
+                    let stop_reason = if calls.is_empty() {
+                        stop_reason_text(&summary)
+                    } else {
+                        "tool_use"
+                    };
                     outgoing.push(event(
                         "message_delta",
                         json!({"type": "message_delta",
-                               "delta": {"stop_reason": stop_reason_text(&summary), "stop_sequence": summary.matched_stop},
+                               "delta": {"stop_reason": stop_reason, "stop_sequence": summary.matched_stop},
                                "usage": {"output_tokens": summary.completion_tokens}}),
                     ));
                     outgoing.push(event("message_stop", json!({"type": "message_stop"})));

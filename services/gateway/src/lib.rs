@@ -3,7 +3,7 @@
 //! Owns: everything clients see. The OpenAI API (`openai`), the Anthropic API (`anthropic`), the
 //! public gRPC API with health and reflection (`grpc_api`), utility routes, auth and limits
 //! (`server`); the tokenizer and chat template taken from the engine (`tokenizer`,
-//! `chat_template`); stop strings (`stop_strings`), `<think>` splitting (`reasoning`) and the
+//! `chat_template`); stop strings (`stop_strings`), `<think>` splitting (`reasoning`), tool-call parsing (`tool_calls`) and the
 //! generation driver (`generation`); the [`backend::GenerationBackend`] seam and its gRPC engine
 //! pool (`backend::engine_pool`); routing statistics (`routing_stats`); Prometheus metrics
 //! (`metrics`); systemd notifications (`sd_notify`).
@@ -25,6 +25,7 @@ pub mod sd_notify;
 pub mod server;
 pub mod stop_strings;
 pub mod tokenizer;
+pub mod tool_calls;
 
 pub use backend::engine_pool::{EnginePool, EnginePoolOptions};
 pub use backend::GenerationBackend;

@@ -28,6 +28,7 @@ use crate::generation::{
     SamplingOptions, TokenLogprobEntry,
 };
 use crate::server::{parse_json_body, GatewayState};
+use crate::tool_calls::{split_tool_calls, ParsedToolCall, ToolCallCapture};
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -442,6 +443,9 @@ async fn chat_completions_inner(
     let reasoning = Some(reasoning_start_for_prompt(&prompt));
     let plan = GenerationPlan::new(model, prompt_token_ids, options, reasoning)?;
     let receivers = start_all_choices(&state, &plan).await?;
+    // With tools declared, `<tool_call>` blocks in the answer become `tool_calls`.
+    let tools: Option<Vec<minijinja::Value>> =
+        request.tools.clone().filter(|tools| !tools.is_empty());
     let id = format!("chatcmpl-{}", plan.request_id);
     let created = unix_seconds();
     if request.stream.unwrap_or(false) {
@@ -456,6 +460,7 @@ async fn chat_completions_inner(
             receivers,
             include_usage,
             logprobs,
+            tools,
         ));
     }
     let mut choices = Vec::new();
@@ -469,11 +474,24 @@ async fn chat_completions_inner(
         } else {
             JsonValue::from(generation.reasoning)
         };
+        let (content, calls) = match &tools {
+            Some(tools) => split_tool_calls(&generation.content, tools),
+            None => (generation.content.clone(), Vec::new()),
+        };
+        let mut message = json!({"role": "assistant", "content": content, "reasoning_content": reasoning_content});
+        let mut finish = finish_reason_text(generation.summary.finish);
+        if !calls.is_empty() {
+            message["tool_calls"] = tool_calls_json(&plan.request_id, index, &calls, false);
+            if content.is_empty() {
+                message["content"] = JsonValue::Null;
+            }
+            finish = "tool_calls";
+        }
         choices.push(json!({
             "index": index,
-            "message": {"role": "assistant", "content": generation.content, "reasoning_content": reasoning_content},
+            "message": message,
             "logprobs": if logprobs { chat_logprobs_json(&generation.logprobs) } else { JsonValue::Null },
-            "finish_reason": finish_reason_text(generation.summary.finish),
+            "finish_reason": finish,
             "stop_reason": generation.summary.matched_stop,
         }));
     }
@@ -514,6 +532,31 @@ fn json_event(value: &JsonValue) -> Event {
     Event::default().data(value.to_string())
 }
 
+/// OpenAI `tool_calls` array (`with_index` for streaming deltas).
+fn tool_calls_json(
+    request_id: &str,
+    choice: usize,
+    calls: &[ParsedToolCall],
+    with_index: bool,
+) -> JsonValue {
+    let calls: Vec<JsonValue> = calls
+        .iter()
+        .enumerate()
+        .map(|(position, call)| {
+            let mut value = json!({
+                "id": format!("call_{request_id}_{choice}_{position}"),
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments_json()},
+            });
+            if with_index {
+                value["index"] = JsonValue::from(position);
+            }
+            value
+        })
+        .collect();
+    JsonValue::from(calls)
+}
+
 fn stream_chat(
     id: String,
     created: u64,
@@ -521,10 +564,14 @@ fn stream_chat(
     receivers: Vec<ChoiceReceiver>,
     include_usage: bool,
     logprobs: bool,
+    tools: Option<Vec<minijinja::Value>>,
 ) -> Response {
     let (events, event_receiver) = mpsc::channel::<Event>(64);
     let choice_count = receivers.len();
     tokio::spawn(async move {
+        let mut captures: Vec<Option<ToolCallCapture>> = (0..choice_count)
+            .map(|_| tools.as_ref().map(|_| ToolCallCapture::default()))
+            .collect();
         let chunk = |choices: JsonValue, usage: Option<JsonValue>| {
             let mut value = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices});
             if include_usage {
@@ -556,8 +603,15 @@ fn stream_chat(
                             JsonValue::from(text.reasoning),
                         );
                     }
-                    if !text.content.is_empty() {
-                        delta.insert("content".to_string(), JsonValue::from(text.content));
+                    let content = match captures.get_mut(index).and_then(Option::as_mut) {
+                        Some(capture) => capture.push(&text.content),
+                        None => text.content,
+                    };
+                    if !content.is_empty() {
+                        delta.insert("content".to_string(), JsonValue::from(content));
+                    }
+                    if delta.is_empty() && entries.is_empty() {
+                        continue; // everything held back for tool-call parsing
                     }
                     let logprobs_value = if logprobs {
                         chat_logprobs_json(&entries)
@@ -570,10 +624,36 @@ fn stream_chat(
                     )
                 }
                 Ok(GenerationEvent::Finished(summary)) => {
-                    let finish = finish_reason_text(summary.finish);
+                    let mut finish = finish_reason_text(summary.finish);
                     let stop_reason = summary.matched_stop.clone();
                     if let Some(slot) = summaries.get_mut(index) {
                         *slot = Some(summary);
+                    }
+                    if let (Some(Some(capture)), Some(tools)) =
+                        (captures.get_mut(index), tools.as_ref())
+                    {
+                        let (rest, calls) = capture.finish(tools);
+                        let mut delta = serde_json::Map::new();
+                        if !rest.is_empty() {
+                            delta.insert("content".to_string(), JsonValue::from(rest));
+                        }
+                        if !calls.is_empty() {
+                            let request_id = id.trim_start_matches("chatcmpl-").to_string();
+                            delta.insert(
+                                "tool_calls".to_string(),
+                                tool_calls_json(&request_id, index, &calls, true),
+                            );
+                            finish = "tool_calls";
+                        }
+                        if !delta.is_empty() {
+                            let held = chunk(
+                                json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]),
+                                None,
+                            );
+                            if events.send(held).await.is_err() {
+                                return;
+                            }
+                        }
                     }
                     chunk(
                         json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": finish, "stop_reason": stop_reason}]),

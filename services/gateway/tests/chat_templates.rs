@@ -121,7 +121,9 @@ fn renders_equal_transformers_byte_for_byte() {
 
 #[test]
 fn fixture_templates_are_the_reference_files() {
-    // The copies must stay byte-identical to ../shared/ref (sha256 in SOURCE.md there).
+    // The copies must stay byte-identical to ../shared/ref (sha256 in SOURCE.md there); where
+    // that folder is beside the checkout, compare byte for byte.
+    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/ref");
     for name in [
         "qwen3_5_chat_template.jinja",
         "qwen3_5_small_nothink_chat_template.jinja",
@@ -133,5 +135,12 @@ fn fixture_templates_are_the_reference_files() {
             text.len() > 7000 && !text.ends_with(b"\n"),
             "{name} looks altered"
         );
+        match std::fs::read(shared.join(name)) {
+            Ok(reference) => assert!(
+                reference == text,
+                "{name} differs from ../shared/ref/{name}"
+            ),
+            Err(_) => eprintln!("note: ../shared/ref/{name} not found; compared sizes only"),
+        }
     }
 }

@@ -889,3 +889,41 @@ async fn tool_calls_become_openai_tool_calls_and_anthropic_tool_use() {
         Some(json!("tool_use"))
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_chat_with_two_choices_keeps_them_apart() {
+    let (engine, gateway) = start().await;
+    engine.script.set_text("Same answer for both.");
+    let response = post_json(
+        gateway.address,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": true,
+                "stream_options": {"include_usage": true}, "chat_template_kwargs": {"enable_thinking": false}}),
+    )
+    .await;
+    let events = response.sse_events();
+    let mut texts = [String::new(), String::new()];
+    let mut finishes = 0;
+    for (_, data) in &events[..events.len() - 1] {
+        let chunk: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+        if let Some(choice) = chunk["choices"].get(0) {
+            let index = choice["index"].as_u64().unwrap_or(9) as usize;
+            texts[index].push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+            finishes += usize::from(!choice["finish_reason"].is_null());
+        } else {
+            assert_eq!(
+                chunk["usage"]["completion_tokens"],
+                2 * (count_tokens("Same answer for both.") + 1)
+            );
+        }
+    }
+    assert_eq!(
+        texts,
+        [
+            "Same answer for both.".to_string(),
+            "Same answer for both.".to_string()
+        ]
+    );
+    assert_eq!(finishes, 2);
+    assert_eq!(engine.script.generations.load(Ordering::SeqCst), 2);
+}

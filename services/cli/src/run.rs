@@ -161,7 +161,7 @@ fn free_loopback_port() -> anyhow::Result<u16> {
 async fn wait_until_ready(
     address: &str,
     supervisor: &mut Supervisor,
-) -> anyhow::Result<GatewayClient<tonic::transport::Channel>> {
+) -> anyhow::Result<(GatewayClient<tonic::transport::Channel>, String)> {
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         if stop_requested() {
@@ -173,8 +173,9 @@ async fn wait_until_ready(
         {
             let mut client = GatewayClient::new(channel);
             if let Ok(models) = client.list_models(ListModelsRequest {}).await {
-                if models.get_ref().models.iter().any(|m| m.ready_engines > 0) {
-                    return Ok(client);
+                if let Some(model) = models.get_ref().models.iter().find(|m| m.ready_engines > 0) {
+                    let name = model.name.clone();
+                    return Ok((client, name));
                 }
             }
         }
@@ -191,11 +192,13 @@ async fn wait_until_ready(
 /// Streams one answer to stdout; returns the assistant message for the history.
 async fn answer(
     client: &mut GatewayClient<tonic::transport::Channel>,
+    model: &str,
     history: &[ChatMessage],
     args: &RunArgs,
     thinking: bool,
 ) -> anyhow::Result<ChatMessage> {
     let request = ChatRequest {
+        model: model.to_string(),
         messages: history.to_vec(),
         options: Some(GatewaySamplingOptions {
             temperature: args.temperature,
@@ -282,7 +285,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let mut client = runtime.block_on(wait_until_ready(&api, &mut supervisor))?;
+    let (mut client, model_name) = runtime.block_on(wait_until_ready(&api, &mut supervisor))?;
     if args.serve {
         print_plan(&plan);
         println!(
@@ -301,7 +304,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             content: prompt.clone(),
             ..Default::default()
         });
-        runtime.block_on(answer(&mut client, &history, &args, thinking))?;
+        runtime.block_on(answer(&mut client, &model_name, &history, &args, thinking))?;
         return Ok(());
     }
     println!(
@@ -334,7 +337,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                     ..Default::default()
                 });
                 supervisor.poll();
-                match runtime.block_on(answer(&mut client, &history, &args, thinking)) {
+                match runtime.block_on(answer(&mut client, &model_name, &history, &args, thinking))
+                {
                     Ok(reply) => history.push(reply),
                     Err(error) => {
                         history.pop();

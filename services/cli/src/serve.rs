@@ -29,7 +29,8 @@ pub struct ServeArgs {
     pub engine_args: Vec<String>,
 }
 
-/// MODEL may be the artifact or a directory holding exactly one `.ninfer`.
+/// MODEL may be the artifact, a directory holding exactly one `.ninfer`, or a Hugging Face
+/// checkpoint directory — converted once (bf16) into the user's cache and reused after.
 pub fn resolve_model(path: &std::path::Path) -> anyhow::Result<PathBuf> {
     if !path.is_dir() {
         return Ok(path.to_path_buf());
@@ -41,6 +42,7 @@ pub fn resolve_model(path: &std::path::Path) -> anyhow::Result<PathBuf> {
         .collect();
     match found.as_slice() {
         [one] => Ok(one.clone()),
+        [] if ninfer_convert::is_checkpoint_dir(path) => converted_checkpoint(path),
         [] => anyhow::bail!(
             "{}: no .ninfer artifact in this directory (make one with `ninfer convert`)",
             path.display()
@@ -51,6 +53,58 @@ pub fn resolve_model(path: &std::path::Path) -> anyhow::Result<PathBuf> {
             many.len()
         ),
     }
+}
+
+/// The cached conversion of a checkpoint directory, keyed by its files' names, sizes and times.
+fn converted_checkpoint(directory: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let mut key = directory
+        .canonicalize()
+        .unwrap_or_else(|_| directory.to_path_buf())
+        .display()
+        .to_string();
+    let mut entries: Vec<_> = std::fs::read_dir(directory)?
+        .filter_map(|e| e.ok())
+        .collect();
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        if let Ok(metadata) = entry.metadata() {
+            let modified = metadata
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+            key.push_str(&format!(
+                "|{}:{}:{:?}",
+                entry.file_name().to_string_lossy(),
+                metadata.len(),
+                modified
+            ));
+        }
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("ninfer/converted");
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let name = directory
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let output = cache.join(format!(
+        "{name}-{}.ninfer",
+        ninfer_artifact::Checksum::of(key.as_bytes())
+    ));
+    if !output.exists() {
+        eprintln!(
+            "converting {} into {} (once; later runs reuse it)",
+            directory.display(),
+            output.display()
+        );
+        let options = ninfer_convert::ConvertOptions::new(directory, &output);
+        ninfer_convert::convert_checkpoint(&options, &ninfer_convert::NoProgress)
+            .with_context(|| format!("converting {}", directory.display()))?;
+    }
+    Ok(output)
 }
 
 /// Starts workers and engine under `supervisor`; returns the engine's address.

@@ -11,13 +11,16 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
+use ninfer_engine::backend::cuda::CudaBackend;
 use ninfer_engine::experts::ExpertExecutor;
 use ninfer_engine::kernel_experts::KernelExpertExecutor;
 use ninfer_engine::remote_experts::{RemoteExpertExecutor, RemoteExpertsOptions};
 use ninfer_engine::service::routing_stats::{CountingExecutor, RoutingCounters};
-use ninfer_engine::service::scheduler::{self, SchedulerCounters, SchedulerLimits};
+use ninfer_engine::service::scheduler::{
+    self, SchedulerCommand, SchedulerCounters, SchedulerLimits,
+};
 use ninfer_engine::service::{AlwaysReady, EngineService, Readiness};
-use ninfer_engine::{open_artifact, CpuBackend, Model};
+use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
 use ninfer_expert_kernels::KernelIsa;
 use ninfer_protocol::v1::engine_server::EngineServer;
 
@@ -92,15 +95,8 @@ fn init_logging(json: bool) {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logging(args.log_json);
-    match args.device {
-        Device::Cpu => {}
-        Device::Cuda => {
-            bail!("--device cuda: this build has no CUDA backend yet; use --device cpu (or auto)")
-        }
-        Device::Auto => {
-            tracing::warn!("--device auto: no CUDA backend in this build, running on the CPU")
-        }
-    }
+    // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
+    let device = select_device(args.device)?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let common = artifact.config().common().clone();
@@ -166,18 +162,23 @@ fn main() -> anyhow::Result<()> {
         inner: experts,
         counters: Arc::clone(&routing),
     });
-    let model = Arc::new(Model::load(
-        Arc::new(CpuBackend::new()),
-        Arc::clone(&artifact),
-        counting,
-    )?);
     let limits = SchedulerLimits {
         max_context,
         max_sequences: args.max_sequences.max(1),
     };
     let scheduler_counters = Arc::new(SchedulerCounters::default());
-    let scheduler = scheduler::start(model, limits, Arc::clone(&scheduler_counters))
-        .context("starting the scheduler")?;
+    let scheduler = match device {
+        SelectedDevice::Cpu => start_scheduler(
+            Arc::new(CpuBackend::new()),
+            &artifact,
+            counting,
+            limits,
+            &scheduler_counters,
+        )?,
+        SelectedDevice::Cuda(backend) => {
+            start_scheduler(backend, &artifact, counting, limits, &scheduler_counters)?
+        }
+    };
     let created_unix_seconds = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -221,6 +222,62 @@ fn main() -> anyhow::Result<()> {
             .with_context(|| format!("writing routing statistics to {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Where the dense layers run, decided once at start-up.
+enum SelectedDevice {
+    Cpu,
+    Cuda(Arc<CudaBackend>),
+}
+
+/// `cpu`: the CPU. `cuda`: GPU 0 or a clear error naming what was looked for (driver, NVRTC,
+/// device). `auto`: GPU 0 when it opens, else the CPU with a warning saying why.
+fn select_device(device: Device) -> anyhow::Result<SelectedDevice> {
+    match device {
+        Device::Cpu => Ok(SelectedDevice::Cpu),
+        Device::Cuda => {
+            let backend = CudaBackend::new(0).context(
+                "--device cuda: cannot use the GPU (use --device cpu, or --device auto to fall back)",
+            )?;
+            log_gpu(&backend);
+            Ok(SelectedDevice::Cuda(Arc::new(backend)))
+        }
+        Device::Auto => match CudaBackend::new(0) {
+            Ok(backend) => {
+                log_gpu(&backend);
+                Ok(SelectedDevice::Cuda(Arc::new(backend)))
+            }
+            Err(error) => {
+                tracing::warn!("--device auto: no usable GPU, running on the CPU: {error}");
+                Ok(SelectedDevice::Cpu)
+            }
+        },
+    }
+}
+
+fn log_gpu(backend: &CudaBackend) {
+    let info = backend.info();
+    tracing::info!(
+        gpu = %info.name,
+        arch = format!("sm_{}{}", info.compute_capability.0, info.compute_capability.1),
+        driver = info.driver_version,
+        nvrtc = format!("{}.{} ({})", info.nvrtc_version.0, info.nvrtc_version.1, info.nvrtc_library),
+        kernels_cached = info.kernels_cached,
+        kernels_compiled = info.kernels_compiled,
+        "dense layers on the GPU"
+    );
+}
+
+/// Loads the model on `backend` and starts the scheduler over it.
+fn start_scheduler<B: Backend>(
+    backend: Arc<B>,
+    artifact: &Arc<ninfer_artifact::Artifact>,
+    experts: Arc<dyn ExpertExecutor>,
+    limits: SchedulerLimits,
+    counters: &Arc<SchedulerCounters>,
+) -> anyhow::Result<std::sync::mpsc::Sender<SchedulerCommand>> {
+    let model = Arc::new(Model::load(backend, Arc::clone(artifact), experts)?);
+    scheduler::start(model, limits, Arc::clone(counters)).context("starting the scheduler")
 }
 
 async fn shutdown_signal() {

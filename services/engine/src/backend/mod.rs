@@ -13,6 +13,7 @@
 //! a "varlen" interface that a GPU kernel can take in one launch.
 
 pub mod cpu;
+pub mod cuda;
 
 use std::ops::Range;
 use std::sync::Arc;

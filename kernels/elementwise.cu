@@ -1,0 +1,164 @@
+// Element-wise and row-shuffling ops of the CUDA backend (f32 activations).
+//
+// Every kernel here computes each output element from inputs at fixed positions, so results do
+// not depend on the batch shape (batched and single-sequence forwards give identical bits).
+// Launch shapes: one thread per output element unless a kernel says otherwise; grid-stride
+// loops make any grid size correct.
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// PyTorch's softplus (beta 1, threshold 20).
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+#define GRID_STRIDE(i, n)                                                                   \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
+         i += (long long)blockDim.x * gridDim.x)
+
+// out[r, c] = table[ids[r], c]; ids outside the vocabulary give zeros (the model checks ids
+// before any op runs; this keeps a bad id from reading out of bounds).
+extern "C" __global__ void embed(const float* table, const unsigned int* ids, float* out, int rows,
+                                 int cols, int vocab) {
+    GRID_STRIDE(i, (long long)rows * cols) {
+        long long r = i / cols, c = i % cols;
+        unsigned int id = ids[r];
+        out[i] = id < (unsigned int)vocab ? table[(long long)id * cols + c] : 0.0f;
+    }
+}
+
+// out[r, c] = x[rows[r], c].
+extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, float* out,
+                                       int count, int cols) {
+    GRID_STRIDE(i, (long long)count * cols) {
+        long long r = i / cols, c = i % cols;
+        out[i] = x[(long long)rows[r] * cols + c];
+    }
+}
+
+// out[r, c] = x[r, start + c] for c < width.
+extern "C" __global__ void columns(const float* x, float* out, int rows, int cols, int start,
+                                   int width) {
+    GRID_STRIDE(i, (long long)rows * width) {
+        long long r = i / width, c = i % width;
+        out[i] = x[r * cols + start + c];
+    }
+}
+
+// Row = groups × [first | second] → a = groups × first, b = groups × second.
+extern "C" __global__ void split_interleaved(const float* x, float* a, float* b, int rows,
+                                             int groups, int first, int second) {
+    int width = first + second;
+    GRID_STRIDE(i, (long long)rows * groups * width) {
+        long long r = i / ((long long)groups * width);
+        int rest = (int)(i % ((long long)groups * width));
+        int g = rest / width, c = rest % width;
+        if (c < first) {
+            a[(r * groups + g) * first + c] = x[i];
+        } else {
+            b[(r * groups + g) * second + (c - first)] = x[i];
+        }
+    }
+}
+
+extern "C" __global__ void add_assign(float* a, const float* b, long long n) {
+    GRID_STRIDE(i, n) { a[i] += b[i]; }
+}
+
+// out[r, c] = silu(x[r, c]) * x[r, half + c].
+extern "C" __global__ void silu_mul_halves(const float* x, float* out, int rows, int half) {
+    GRID_STRIDE(i, (long long)rows * half) {
+        long long r = i / half, c = i % half;
+        const float* row = x + r * 2 * half;
+        out[i] = silu_f(row[c]) * row[half + c];
+    }
+}
+
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, long long n) {
+    GRID_STRIDE(i, n) { out[i] = silu_f(gate[i]) * up[i]; }
+}
+
+extern "C" __global__ void mul_sigmoid(const float* x, const float* gate, float* out, long long n) {
+    GRID_STRIDE(i, n) { out[i] = x[i] * sigmoid_f(gate[i]); }
+}
+
+// a[r, c] += sigmoid(gate[r, 0]) * b[r, c].
+extern "C" __global__ void add_sigmoid_scaled_rows(float* a, const float* b, const float* gate,
+                                                   int rows, int cols, int gate_cols) {
+    GRID_STRIDE(i, (long long)rows * cols) {
+        long long r = i / cols;
+        a[i] += sigmoid_f(gate[r * gate_cols]) * b[i];
+    }
+}
+
+// g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b, g, beta are [rows, nv].
+extern "C" __global__ void delta_rule_gates(const float* a, const float* b, const float* a_log,
+                                            const float* dt_bias, float* g, float* beta, int rows,
+                                            int nv) {
+    GRID_STRIDE(i, (long long)rows * nv) {
+        int h = (int)(i % nv);
+        g[i] = -expf(a_log[h]) * softplus_f(a[i] + dt_bias[h]);
+        beta[i] = sigmoid_f(b[i]);
+    }
+}
+
+// Rotate-half RoPE on the first 2*half dims of every head_dim head of row r at positions[r].
+// One thread per (row, head, pair). inv_freq is computed on the host exactly as the CPU backend
+// does (f32 powf), so the angles match it.
+extern "C" __global__ void rope(float* x, const unsigned int* positions, const float* inv_freq,
+                                int rows, int cols, int head_dim, int half) {
+    int heads = cols / head_dim;
+    GRID_STRIDE(i, (long long)rows * heads * half) {
+        long long r = i / ((long long)heads * half);
+        int rest = (int)(i % ((long long)heads * half));
+        int h = rest / half, p = rest % half;
+        float angle = (float)positions[r] * inv_freq[p];
+        float c = cosf(angle), s = sinf(angle);
+        float* head = x + r * cols + (long long)h * head_dim;
+        float u = head[p], v = head[p + half];
+        head[p] = u * c - v * s;
+        head[p + half] = v * c + u * s;
+    }
+}
+
+// Depthwise causal conv1d + SiLU over one sequence's rows [row_start, row_start + n) of x
+// ([*, channels]), continuing from history ([kernel - 1, channels], oldest first) and leaving
+// the last kernel - 1 inputs in it. One thread per channel walks the rows in order, so the
+// history update needs no synchronisation between threads.
+extern "C" __global__ void causal_conv1d_silu(const float* x, const float* taps, float* history,
+                                              float* out, int row_start, int n, int channels,
+                                              int kernel) {
+    int context = kernel - 1;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < channels;
+         c += blockDim.x * gridDim.x) {
+        const float* w = taps + (long long)c * kernel;
+        for (int t = 0; t < n; ++t) {
+            float sum = 0.0f;
+            for (int j = 0; j < kernel; ++j) {
+                int e = t + j;  // index into [history ‖ rows]
+                float v = e < context ? history[(long long)e * channels + c]
+                                      : x[(long long)(row_start + e - context) * channels + c];
+                sum += w[j] * v;
+            }
+            out[(long long)(row_start + t) * channels + c] = silu_f(sum);
+        }
+        // New history row i = extended[n + i]; n >= 1 so index n + i > i is read before row
+        // n + i is overwritten (rows are rewritten in increasing order).
+        for (int i = 0; i < context; ++i) {
+            int e = n + i;
+            float v = e < context ? history[(long long)e * channels + c]
+                                  : x[(long long)(row_start + e - context) * channels + c];
+            history[(long long)i * channels + c] = v;
+        }
+    }
+}
+
+// Appends one sequence's k, v rows [row_start, row_start + n) to its cache at position `at`.
+extern "C" __global__ void kv_append(const float* k, const float* v, float* keys, float* values,
+                                     int row_start, int n, int at, int width) {
+    GRID_STRIDE(i, (long long)n * width) {
+        long long src = (long long)row_start * width + i;
+        long long dst = (long long)at * width + i;
+        keys[dst] = k[src];
+        values[dst] = v[src];
+    }
+}

@@ -1,0 +1,51 @@
+// RMSNorm variants of the CUDA backend. One block per group (a row, or a head of a row for the
+// per-head q/k norms); a fixed-shape tree reduction, so a group's result never depends on how
+// many rows the batch has.
+
+#define NORM_THREADS 256
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ float block_sum(float value) {
+    __shared__ float partial[NORM_THREADS / 32];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        value += __shfl_xor_sync(0xffffffffu, value, offset);
+    }
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) partial[warp] = value;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < NORM_THREADS / 32; ++w) total += partial[w];
+    __syncthreads();  // partial is reused by the next call
+    return total;
+}
+
+// out = x / sqrt(mean(x²) + eps) * (offset + w), per group of `group` values. Launch with
+// NORM_THREADS threads and one block per group (grid-stride over groups).
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, long long groups,
+                                    int group, float eps, float offset) {
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        const float* in = x + g * group;
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) sum += in[i] * in[i];
+        float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+            out[g * group + i] = in[i] * inverse * (offset + w[i]);
+        }
+    }
+}
+
+// GDN output norm: plain-weight RMSNorm per group, times silu(gate) (gate has x's shape).
+extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, const float* w,
+                                          float* out, long long groups, int group, float eps) {
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        const float* in = x + g * group;
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) sum += in[i] * in[i];
+        float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+            long long at = g * group + i;
+            out[at] = in[i] * inverse * w[i] * silu_f(gate[at]);
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! The CUDA C sources of `kernels/`, embedded in the binary, and their compiled cache on disk.
+//!
+//! Owns: the list of kernel files and the functions each must define; compiling them with NVRTC
+//! for the GPU present; the on-disk cache `$XDG_CACHE_HOME/ninfer/kernels/<file>-<hash>.cubin`
+//! (else `$HOME/.cache/...`), keyed by the source, the target arch, the driver version and the
+//! NVRTC version, written under a temporary name and renamed so a crash never leaves a torn file.
+//! Must not touch: kernel launches and tensors (see the backend).
+
+use std::path::{Path, PathBuf};
+
+use super::nvrtc::Nvrtc;
+use super::CudaError;
+
+/// One file of `kernels/` and the `extern "C"` kernels it defines.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub functions: &'static [&'static str],
+}
+
+/// Every kernel file. A kernel added to a file must be listed here so the backend loads it and
+/// the NVRTC test checks that it compiled.
+pub const KERNEL_SOURCES: &[KernelSource] = &[
+    KernelSource {
+        name: "elementwise",
+        source: include_str!("../../../../../kernels/elementwise.cu"),
+        functions: &[
+            "embed",
+            "gather_rows",
+            "columns",
+            "split_interleaved",
+            "add_assign",
+            "silu_mul_halves",
+            "silu_mul",
+            "mul_sigmoid",
+            "add_sigmoid_scaled_rows",
+            "delta_rule_gates",
+            "rope",
+            "causal_conv1d_silu",
+            "kv_append",
+        ],
+    },
+    KernelSource {
+        name: "norm",
+        source: include_str!("../../../../../kernels/norm.cu"),
+        functions: &["rms_norm", "gated_rms_norm"],
+    },
+    KernelSource {
+        name: "matmul",
+        source: include_str!("../../../../../kernels/matmul.cu"),
+        functions: &["matmul"],
+    },
+    KernelSource {
+        name: "attention",
+        source: include_str!("../../../../../kernels/attention.cu"),
+        functions: &["attention"],
+    },
+    KernelSource {
+        name: "delta_rule",
+        source: include_str!("../../../../../kernels/delta_rule.cu"),
+        functions: &["gated_delta_rule_recurrent"],
+    },
+];
+
+/// 64-bit FNV-1a: stable across builds and platforms (std's hasher is not), enough to tell
+/// cache entries apart.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &byte in *part {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // Separator so ("ab", "c") and ("a", "bc") differ.
+        hash ^= 0xff;
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// The cache key of one kernel file compiled for `arch` by this NVRTC for this driver.
+pub fn cache_key(kernel: &KernelSource, arch: u32, driver_version: i32, nvrtc: (i32, i32)) -> u64 {
+    fnv1a(&[
+        kernel.source.as_bytes(),
+        format!("sm_{arch}").as_bytes(),
+        format!("driver {driver_version}").as_bytes(),
+        format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes(),
+    ])
+}
+
+/// `$NINFER_KERNEL_CACHE`, else `$XDG_CACHE_HOME/ninfer/kernels`, else
+/// `$HOME/.cache/ninfer/kernels`, else a folder under the system temp dir.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("NINFER_KERNEL_CACHE") {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir).join("ninfer/kernels");
+    }
+    if let Some(home) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(home).join(".cache/ninfer/kernels");
+    }
+    std::env::temp_dir().join("ninfer-kernels")
+}
+
+/// The cubin of `kernel` for `arch`: read from the cache, or compiled and stored there. Returns
+/// the file's path (the driver loads modules from files) and whether it was a cache hit.
+pub fn cached_cubin(
+    nvrtc: &Nvrtc,
+    kernel: &KernelSource,
+    arch: u32,
+    driver_version: i32,
+) -> Result<(PathBuf, bool), CudaError> {
+    let key = cache_key(kernel, arch, driver_version, nvrtc.version());
+    let file_name = format!("{}-sm_{arch}-{key:016x}.cubin", kernel.name);
+    let preferred = cache_dir();
+    if let Some(path) = existing(&preferred.join(&file_name)) {
+        return Ok((path, true));
+    }
+    let cubin = nvrtc.compile_cubin(kernel.name, kernel.source, arch)?;
+    // An unwritable cache is not fatal: fall back to the temp dir, which every process has.
+    let fallback = std::env::temp_dir().join("ninfer-kernels");
+    let mut last_error = None;
+    for dir in [preferred, fallback] {
+        match store(&dir, &file_name, &cubin) {
+            Ok(path) => return Ok((path, false)),
+            Err(error) => {
+                tracing::warn!(dir = %dir.display(), "cannot write the kernel cache: {error}");
+                last_error = Some(error);
+            }
+        }
+    }
+    Err(CudaError::Cache {
+        path: file_name,
+        problem: last_error.map(|e| e.to_string()).unwrap_or_default(),
+    })
+}
+
+fn existing(path: &Path) -> Option<PathBuf> {
+    let metadata = std::fs::metadata(path).ok()?;
+    (metadata.is_file() && metadata.len() > 0).then(|| path.to_path_buf())
+}
+
+fn store(dir: &Path, file_name: &str, bytes: &[u8]) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(file_name);
+    let temporary = dir.join(format!("{file_name}.tmp{}", std::process::id()));
+    std::fs::write(&temporary, bytes)?;
+    std::fs::rename(&temporary, &path)?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_function_is_defined_in_its_source() {
+        for kernel in KERNEL_SOURCES {
+            for function in kernel.functions {
+                let definition = format!("__global__ void {function}(");
+                assert!(
+                    kernel.source.contains(&definition),
+                    "kernels/{}.cu does not define `{function}`",
+                    kernel.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn cache_keys_change_with_arch_driver_and_nvrtc() {
+        let kernel = &KERNEL_SOURCES[0];
+        let base = cache_key(kernel, 90, 13000, (13, 0));
+        assert_ne!(base, cache_key(kernel, 89, 13000, (13, 0)));
+        assert_ne!(base, cache_key(kernel, 90, 12080, (13, 0)));
+        assert_ne!(base, cache_key(kernel, 90, 13000, (12, 9)));
+        assert_eq!(base, cache_key(kernel, 90, 13000, (13, 0)));
+    }
+}

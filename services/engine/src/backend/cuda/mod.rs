@@ -1,0 +1,58 @@
+//! The CUDA backend: the same [`Backend`](super::Backend) ops as the CPU reference, computed on an
+//! NVIDIA GPU by CUDA C kernels (`kernels/*.cu`) compiled at run time with NVRTC.
+//!
+//! Owns: finding the CUDA libraries ([`loader`]), compiling kernels ([`nvrtc`]) and caching them
+//! on disk ([`kernels`]), device buffers for activations, weights, KV caches and recurrent
+//! states, and every op's launch ([`device`]). Nothing here needs CUDA at build time: the driver
+//! and NVRTC are opened with `dlopen` when a [`CudaBackend`] is created, so a machine without
+//! them builds, tests (the GPU cases skip) and runs on the CPU.
+//! Must not touch: model structure (`crate::model`), routed experts (they stay with the
+//! `ExpertExecutor` on the host: routing comes back to the host after the router), the artifact
+//! byte layout.
+//!
+//! State of this backend (issue 8): f32 activations and weights (weights are decoded to f32 at
+//! load), simple batch-invariant kernels (tiled matmul, one-warp-per-row online-softmax
+//! attention, recurrent delta rule). cuBLAS, bf16 storage, flash-decoding, the chunked delta rule,
+//! GPU expert slots and CUDA graphs are still to come.
+
+pub mod device;
+pub mod kernels;
+pub mod loader;
+pub mod nvrtc;
+
+pub use device::{
+    CudaBackend, CudaConvState, CudaKvCache, CudaRecurrentState, CudaTensor, CudaWeight, DeviceInfo,
+};
+
+/// What went wrong on the CUDA side. Every variant says what was looked for or called.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CudaError {
+    #[error("{library} not found (set ${env_var} to the library file or its folder); tried: {}", .tried.join("; "))]
+    LibraryNotFound {
+        library: String,
+        env_var: String,
+        tried: Vec<String>,
+    },
+    #[error("{library} has no symbol `{symbol}` (too old a version?)")]
+    MissingSymbol { library: String, symbol: String },
+    #[error("NVRTC: {call} failed: {message}")]
+    Nvrtc { call: String, message: String },
+    #[error("kernels/{kernel} does not compile for {arch}:\n{log}")]
+    Compile {
+        kernel: String,
+        arch: String,
+        log: String,
+    },
+    #[error("kernel cache: cannot store {path}: {problem}")]
+    Cache { path: String, problem: String },
+    #[error("CUDA driver: {what}: {message}")]
+    Driver { what: String, message: String },
+    #[error("no usable CUDA device: {problem}")]
+    NoDevice { problem: String },
+    #[error("unsupported GPU: {problem}")]
+    Unsupported { problem: String },
+    #[error("{problem}")]
+    Invalid { problem: String },
+    #[error("this buffer has no data: an earlier CUDA error (see the log) stopped the backend")]
+    Poisoned,
+}

@@ -54,7 +54,7 @@ impl ChatTemplate {
         environment.add_function("raise_exception", raise_exception);
         environment.add_function("strftime_now", strftime_now);
         environment
-            .add_template_owned(TEMPLATE_NAME, source.to_string())
+            .add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
             .map_err(|error| {
                 GatewayError::ChatTemplate(format!(
                     "the model's chat template does not compile: {error:#}"
@@ -97,6 +97,45 @@ impl ChatTemplate {
             .render(context_value)
             .map_err(|error| GatewayError::ChatTemplate(describe_render_error(&error)))
     }
+}
+
+/// transformers' `AssistantTracker` extension adds `{% generation %}…{% endgeneration %}` (it
+/// marks assistant tokens for training masks and renders its body unchanged). minijinja has no
+/// such tag, so it becomes `{% if true %}…{% endif %}`, keeping the whitespace-control marks.
+pub fn rewrite_generation_tags(source: &str) -> String {
+    let mut output = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let Some(length) = rest[start..].find("%}") else {
+            break;
+        };
+        let tag = &rest[start..start + length + 2];
+        let inner = &tag[2..tag.len() - 2];
+        let open_mark = inner.chars().next().filter(|c| *c == '-' || *c == '+');
+        let close_mark = inner.chars().last().filter(|c| *c == '-' || *c == '+');
+        let keyword = inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let replacement = match keyword {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        output.push_str(&rest[..start]);
+        match replacement {
+            Some(body) => {
+                output.push_str("{%");
+                output.extend(open_mark);
+                output.push(' ');
+                output.push_str(body);
+                output.push(' ');
+                output.extend(close_mark);
+                output.push_str("%}");
+            }
+            None => output.push_str(tag),
+        }
+        rest = &rest[start + length + 2..];
+    }
+    output.push_str(rest);
+    output
 }
 
 /// Error text for a failed render: the `raise_exception` message alone, otherwise the jinja error.
@@ -623,6 +662,22 @@ fn write_json_string(output: &mut String, text: &str, ensure_ascii: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generation_tags_render_their_body() {
+        let source =
+            "{%- for m in messages %}{% generation -%} {{ m }} {%- endgeneration %}|{% endfor %}";
+        assert_eq!(
+            rewrite_generation_tags(source),
+            "{%- for m in messages %}{% if true -%} {{ m }} {%- endif %}|{% endfor %}"
+        );
+        let template = ChatTemplate::compile(source).unwrap_or_else(|e| panic!("{e}"));
+        let input = ChatTemplateInput {
+            messages: vec![Value::from("a"), Value::from("b")],
+            ..Default::default()
+        };
+        assert_eq!(template.render(&input).unwrap_or_default(), "a|b|");
+    }
 
     #[test]
     fn float_repr_matches_python() {

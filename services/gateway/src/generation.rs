@@ -229,8 +229,13 @@ pub fn build_chat_prompt(
 ) -> Result<(String, Vec<u32>), GatewayError> {
     let template = model.resources.chat_template.as_ref().ok_or_else(|| {
         GatewayError::invalid(format!(
-            "the model `{}` has no chat template; use /v1/completions",
-            model.name
+            "the model `{}` cannot render chats ({}); use /v1/completions",
+            model.name,
+            model
+                .resources
+                .chat_template_problem
+                .as_deref()
+                .unwrap_or("no chat template")
         ))
     })?;
     let mut input = input.clone();

@@ -42,6 +42,8 @@ pub struct ModelResources {
     pub tokenizer: ModelTokenizer,
     /// `None` when the model has no chat template (chat endpoints answer 400).
     pub chat_template: Option<ChatTemplate>,
+    /// Why there is no chat template (missing, or it does not compile); chat requests get it.
+    pub chat_template_problem: Option<String>,
     pub generation_defaults: GenerationDefaults,
     pub eos_token_ids: Vec<u32>,
     pub max_context: u32,
@@ -54,10 +56,18 @@ impl ModelResources {
     /// Builds the resources from the engine's `ModelFiles` message (parses tokenizer and template).
     pub fn from_model_files(files: &ninfer_protocol::v1::ModelFiles) -> Result<Self, GatewayError> {
         let tokenizer = ModelTokenizer::from_json_bytes(&files.tokenizer_json)?;
-        let chat_template = if files.chat_template.trim().is_empty() {
-            None
+        // A template minijinja cannot compile must not keep the model off the air: raw
+        // completions still work, chat requests get the compile error.
+        let (chat_template, chat_template_problem) = if files.chat_template.trim().is_empty() {
+            (None, Some("the model ships no chat template".to_string()))
         } else {
-            Some(ChatTemplate::compile(&files.chat_template)?)
+            match ChatTemplate::compile(&files.chat_template) {
+                Ok(template) => (Some(template), None),
+                Err(error) => {
+                    tracing::warn!(model = %files.model_name, %error, "chat template unusable");
+                    (None, Some(error.to_string()))
+                }
+            }
         };
         let special_tokens = special_tokens_from_config(&files.tokenizer_config_json);
         let mut eos_token_ids = files.eos_token_ids.clone();
@@ -72,6 +82,7 @@ impl ModelResources {
             model_name: files.model_name.clone(),
             tokenizer,
             chat_template,
+            chat_template_problem,
             generation_defaults: files.generation_defaults.unwrap_or_default(),
             eos_token_ids,
             max_context: files.max_context,

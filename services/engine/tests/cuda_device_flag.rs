@@ -1,0 +1,82 @@
+//! `ninfer-engine --device cuda|auto` on this machine: with no usable GPU, `cuda` exits with an
+//! error that names what it looked for, and `auto` warns and serves from the CPU; with a GPU,
+//! both start on it.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ninfer_engine::backend::cuda::CudaBackend;
+use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+
+/// Starts the engine and returns its stderr lines up to the first one containing any of
+/// `until` (then kills it), or everything it printed if it exits first.
+fn engine_output(device: &str, until: &[&str]) -> (Vec<String>, Option<i32>) {
+    let directory = tempfile::tempdir().unwrap();
+    let model = directory.path().join("tiny.ninfer");
+    write_tiny_model(&model, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
+    let socket = directory.path().join("engine.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ninfer-engine"))
+        .args(["--device", device, "--model"])
+        .arg(&model)
+        .arg("--listen")
+        .arg(format!("unix:{}", socket.display()))
+        .args(["--moe-threads", "1"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut lines = Vec::new();
+    for line in BufReader::new(stderr).lines() {
+        let Ok(line) = line else { break };
+        let done = until.iter().any(|u| line.contains(u));
+        lines.push(line);
+        if done || Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+    }
+    let status = child.wait().unwrap();
+    (lines, status.code())
+}
+
+#[test]
+fn device_cuda_fails_clearly_and_auto_falls_back_without_a_gpu() {
+    let gpu = CudaBackend::shared();
+    let (lines, code) = engine_output("auto", &["engine ready"]);
+    let text = lines.join("\n");
+    match &gpu {
+        Ok(_) => assert!(text.contains("dense layers on the GPU"), "{text}"),
+        Err(_) => assert!(
+            text.contains("--device auto: no usable GPU, running on the CPU"),
+            "{text}"
+        ),
+    }
+    assert!(
+        text.contains("engine ready"),
+        "auto did not start: {code:?}\n{text}"
+    );
+
+    let (lines, code) = engine_output("cuda", &["engine ready"]);
+    let text = lines.join("\n");
+    match gpu {
+        Ok(_) => assert!(text.contains("engine ready"), "{text}"),
+        Err(error) => {
+            assert_ne!(
+                code,
+                Some(0),
+                "--device cuda without a GPU must fail:\n{text}"
+            );
+            assert!(text.contains("--device cuda"), "{text}");
+            // The message says what was looked for: the driver library names, or the device.
+            assert!(
+                text.contains("libcuda.so.1") || text.contains("no usable CUDA device"),
+                "{text}"
+            );
+            println!("--device cuda without a GPU: {error}");
+        }
+    }
+}

@@ -1,0 +1,556 @@
+//! Op-level checks of the CUDA backend against the CPU backend (the reference) on random inputs:
+//! every element-wise and norm op, matmul at several batch sizes, causal GQA attention over
+//! lengths 1..4096 and GQA ratios 1..8 (prefill, decode, sliding window, two sequences in one
+//! batch), the causal conv and the gated delta rule continuing from their states.
+//!
+//! Without a GPU every test prints that it is skipped and passes (fails under
+//! `NINFER_REQUIRE_GPU=1`). Run `cargo test -p ninfer-engine --test cuda_ops -- --nocapture` to
+//! see the figures.
+
+use std::sync::Arc;
+
+use ninfer_engine::backend::cuda::CudaBackend;
+use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, NormStyle, Segment};
+use ninfer_engine::sampling::Xoshiro256;
+use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+use ninfer_engine::{open_artifact, Backend, CpuBackend};
+
+fn gpu(test: &str) -> Option<Arc<CudaBackend>> {
+    match CudaBackend::shared() {
+        Ok(backend) => Some(backend),
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
+            }
+            println!("skipped `{test}` on cuda: {error}");
+            None
+        }
+    }
+}
+
+fn random(rng: &mut Xoshiro256, count: usize, scale: f32) -> Vec<f32> {
+    (0..count)
+        .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// max |gpu − cpu| / max(1, max |cpu|), asserted under `tolerance`; NaN fails.
+fn compare(what: &str, gpu: &[f32], cpu: &[f32], tolerance: f32) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths differ");
+    let scale = cpu.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    let worst = gpu
+        .iter()
+        .zip(cpu)
+        .map(|(a, b)| (a - b).abs())
+        .fold(
+            0.0f32,
+            |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+        );
+    println!("{what}: max |Δ| / scale = {:.2e}", worst / scale);
+    assert!(
+        worst / scale <= tolerance,
+        "{what}: max |Δ| {worst} (scale {scale}) over tolerance {tolerance}"
+    );
+}
+
+/// Element-wise, norm, matmul, embedding, routing and conv ops on the weights of a tiny
+/// qwen3.5-MoE model, loaded by both backends.
+#[test]
+fn dense_ops_match_the_cpu_backend() {
+    let Some(gpu) = gpu("dense_ops_match_the_cpu_backend") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("tiny.ninfer");
+    write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen35Moe)).unwrap();
+    let artifact = open_artifact(&path).unwrap();
+    let mut rng = Xoshiro256::seed_from_u64(11);
+    let up = |values: &[f32], rows, cols| {
+        (
+            gpu.upload(values, rows, cols),
+            cpu.upload(values, rows, cols),
+        )
+    };
+
+    // Embedding and matmuls at decode and prefill batch sizes (97 outputs: a partial tile).
+    let ids: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % 97).collect();
+    let table = (
+        gpu.load_matrix(&artifact, "embed_tokens").unwrap(),
+        cpu.load_matrix(&artifact, "embed_tokens").unwrap(),
+    );
+    compare(
+        "embed",
+        &gpu.download(&gpu.embed(&table.0, &ids)),
+        &cpu.download(&cpu.embed(&table.1, &ids)),
+        0.0,
+    );
+    for name in [
+        "lm_head",
+        "layers.1.attn.q_proj",
+        "layers.0.gdn.in_proj_qkv",
+        "layers.0.gdn.in_proj_b",
+        "layers.0.moe.shared_expert.down_proj",
+    ] {
+        let weight = (
+            gpu.load_matrix(&artifact, name).unwrap(),
+            cpu.load_matrix(&artifact, name).unwrap(),
+        );
+        let (_, cols) = cpu.weight_shape(&weight.1);
+        for rows in [1usize, 5, 37] {
+            let x = random(&mut rng, rows * cols, 1.0);
+            let (xg, xc) = up(&x, rows, cols);
+            compare(
+                &format!("matmul {name} × {rows} rows"),
+                &gpu.download(&gpu.matmul(&xg, &weight.0)),
+                &cpu.download(&cpu.matmul(&xc, &weight.1)),
+                1e-5,
+            );
+        }
+    }
+
+    // Norms: per row (64) and per head (32 of 4·32 columns), both styles; gated (16).
+    let x = random(&mut rng, 7 * 128, 2.0);
+    for (name, cols) in [("layers.0.input_norm", 64), ("layers.1.attn.q_norm", 128)] {
+        let weight = (
+            gpu.load_parameter(&artifact, name).unwrap(),
+            cpu.load_parameter(&artifact, name).unwrap(),
+        );
+        let rows = x.len() / cols;
+        let (xg, xc) = up(&x, rows, cols);
+        for style in [NormStyle::Plain, NormStyle::ZeroCentred] {
+            compare(
+                &format!("rms_norm {name} {style:?}"),
+                &gpu.download(&gpu.rms_norm(&xg, &weight.0, 1e-6, style)),
+                &cpu.download(&cpu.rms_norm(&xc, &weight.1, 1e-6, style)),
+                1e-5,
+            );
+        }
+    }
+    let norm = (
+        gpu.load_parameter(&artifact, "layers.0.gdn.norm").unwrap(),
+        cpu.load_parameter(&artifact, "layers.0.gdn.norm").unwrap(),
+    );
+    let gate = random(&mut rng, 7 * 64, 3.0);
+    let (xg, xc) = up(&x[..7 * 64], 7, 64);
+    let (gg, gc) = up(&gate, 7, 64);
+    compare(
+        "gated_rms_norm",
+        &gpu.download(&gpu.gated_rms_norm(&xg, &gg, &norm.0, 1e-6)),
+        &cpu.download(&cpu.gated_rms_norm(&xc, &gc, &norm.1, 1e-6)),
+        1e-5,
+    );
+
+    // RoPE: partial (8 of 32) and full, positions far apart.
+    let positions: Vec<usize> = (0..7).map(|i| i * 977 + 3).collect();
+    for rotary in [8usize, 32] {
+        let (mut xg, mut xc) = up(&x, 7, 128);
+        gpu.rope(&mut xg, &positions, 32, rotary, 10_000_000.0);
+        cpu.rope(&mut xc, &positions, 32, rotary, 10_000_000.0);
+        compare(
+            &format!("rope rotary {rotary} of 32"),
+            &gpu.download(&xg),
+            &cpu.download(&xc),
+            1e-4,
+        );
+    }
+
+    // Element-wise ops and row / column shuffles.
+    let a = random(&mut rng, 9 * 40, 4.0);
+    let b = random(&mut rng, 9 * 40, 4.0);
+    let (ag, ac) = up(&a, 9, 40);
+    let (bg, bc) = up(&b, 9, 40);
+    compare(
+        "silu_mul",
+        &gpu.download(&gpu.silu_mul(&ag, &bg)),
+        &cpu.download(&cpu.silu_mul(&ac, &bc)),
+        1e-6,
+    );
+    compare(
+        "mul_sigmoid",
+        &gpu.download(&gpu.mul_sigmoid(&ag, &bg)),
+        &cpu.download(&cpu.mul_sigmoid(&ac, &bc)),
+        1e-6,
+    );
+    compare(
+        "silu_mul_halves",
+        &gpu.download(&gpu.silu_mul_halves(&ag)),
+        &cpu.download(&cpu.silu_mul_halves(&ac)),
+        1e-6,
+    );
+    let (mut sum_g, mut sum_c) = up(&a, 9, 40);
+    gpu.add_assign(&mut sum_g, &bg);
+    cpu.add_assign(&mut sum_c, &bc);
+    compare(
+        "add_assign",
+        &gpu.download(&sum_g),
+        &cpu.download(&sum_c),
+        0.0,
+    );
+    let gate_column = random(&mut rng, 9 * 3, 3.0);
+    let (gcg, gcc) = up(&gate_column, 9, 3);
+    gpu.add_sigmoid_scaled_rows(&mut sum_g, &bg, &gcg);
+    cpu.add_sigmoid_scaled_rows(&mut sum_c, &bc, &gcc);
+    compare(
+        "add_sigmoid_scaled_rows",
+        &gpu.download(&sum_g),
+        &cpu.download(&sum_c),
+        1e-6,
+    );
+    let rows = [8usize, 0, 3, 3];
+    compare(
+        "gather_rows",
+        &gpu.download(&gpu.gather_rows(&ag, &rows)),
+        &cpu.download(&cpu.gather_rows(&ac, &rows)),
+        0.0,
+    );
+    compare(
+        "columns",
+        &gpu.download(&gpu.columns(&ag, 7..29)),
+        &cpu.download(&cpu.columns(&ac, 7..29)),
+        0.0,
+    );
+    let (g1, g2) = gpu.split_interleaved(&ag, 4, 6, 4);
+    let (c1, c2) = cpu.split_interleaved(&ac, 4, 6, 4);
+    compare(
+        "split_interleaved first",
+        &gpu.download(&g1),
+        &cpu.download(&c1),
+        0.0,
+    );
+    compare(
+        "split_interleaved second",
+        &gpu.download(&g2),
+        &cpu.download(&c2),
+        0.0,
+    );
+
+    // Router: softmax / top-k / renormalisation give the same experts and weights.
+    let logits = random(&mut rng, 11 * 8, 3.0);
+    let (lg, lc) = up(&logits, 11, 8);
+    for normalize in [false, true] {
+        let (rg, rc) = (
+            gpu.route_top_k(&lg, 3, normalize),
+            cpu.route_top_k(&lc, 3, normalize),
+        );
+        assert_eq!(rg.expert_ids, rc.expert_ids, "router ids");
+        compare("route_top_k weights", &rg.weights, &rc.weights, 1e-6);
+    }
+
+    // Delta-rule gates.
+    let nv = 4;
+    let (av, bv) = (random(&mut rng, 9 * nv, 6.0), random(&mut rng, 9 * nv, 6.0));
+    let (a_g, a_c) = up(&av, 9, nv);
+    let (b_g, b_c) = up(&bv, 9, nv);
+    let a_log = (
+        gpu.load_parameter(&artifact, "layers.0.gdn.A_log").unwrap(),
+        cpu.load_parameter(&artifact, "layers.0.gdn.A_log").unwrap(),
+    );
+    let dt_bias = (
+        gpu.load_parameter(&artifact, "layers.0.gdn.dt_bias")
+            .unwrap(),
+        cpu.load_parameter(&artifact, "layers.0.gdn.dt_bias")
+            .unwrap(),
+    );
+    let (gg, betag) = gpu.delta_rule_gates(&a_g, &b_g, &a_log.0, &dt_bias.0);
+    let (gc, betac) = cpu.delta_rule_gates(&a_c, &b_c, &a_log.1, &dt_bias.1);
+    compare(
+        "delta_rule_gates g",
+        &gpu.download(&gg),
+        &cpu.download(&gc),
+        1e-5,
+    );
+    compare(
+        "delta_rule_gates beta",
+        &gpu.download(&betag),
+        &cpu.download(&betac),
+        1e-6,
+    );
+
+    // Causal conv: two sequences in one batch, then each continued by one token.
+    let taps = (
+        gpu.load_parameter(&artifact, "layers.0.gdn.conv1d")
+            .unwrap(),
+        cpu.load_parameter(&artifact, "layers.0.gdn.conv1d")
+            .unwrap(),
+    );
+    let (channels, kernel) = cpu.weight_shape(&taps.1);
+    let mut states_g = [
+        gpu.new_conv_state(channels, kernel),
+        gpu.new_conv_state(channels, kernel),
+    ];
+    let mut states_c = [
+        cpu.new_conv_state(channels, kernel),
+        cpu.new_conv_state(channels, kernel),
+    ];
+    for (step, lengths) in [[5usize, 2], [1, 1], [2, 9]].iter().enumerate() {
+        let total = lengths[0] + lengths[1];
+        let x = random(&mut rng, total * channels, 2.0);
+        let (xg, xc) = up(&x, total, channels);
+        let [s0, s1] = &mut states_g;
+        let mut segments_g = [
+            Segment {
+                rows: 0..lengths[0],
+                start_position: 0,
+                state: s0,
+            },
+            Segment {
+                rows: lengths[0]..total,
+                start_position: 0,
+                state: s1,
+            },
+        ];
+        let [c0, c1] = &mut states_c;
+        let mut segments_c = [
+            Segment {
+                rows: 0..lengths[0],
+                start_position: 0,
+                state: c0,
+            },
+            Segment {
+                rows: lengths[0]..total,
+                start_position: 0,
+                state: c1,
+            },
+        ];
+        compare(
+            &format!("causal_conv1d_silu step {step} ({lengths:?} rows)"),
+            &gpu.download(&gpu.causal_conv1d_silu(&xg, &taps.0, &mut segments_g)),
+            &cpu.download(&cpu.causal_conv1d_silu(&xc, &taps.1, &mut segments_c)),
+            1e-5,
+        );
+    }
+    gpu.synchronize().unwrap();
+}
+
+/// (heads, kv_heads, head_dim, prefill lengths of the two sequences, decode steps, window)
+type AttentionCase = (usize, usize, usize, [usize; 2], usize, Option<usize>);
+
+/// Causal GQA attention over lengths 1..4096 and GQA ratios 1..8: a prefill, then decode steps,
+/// for two sequences batched together; one case with a sliding window.
+#[test]
+fn attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
+    let Some(gpu) = gpu("attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut rng = Xoshiro256::seed_from_u64(21);
+    let cases: [AttentionCase; 6] = [
+        (4, 4, 32, [1, 1], 3, None),
+        (8, 2, 64, [17, 5], 4, None),
+        (8, 1, 128, [300, 33], 2, None),
+        (16, 2, 256, [129, 64], 2, None),
+        (8, 4, 128, [700, 1], 2, Some(256)),
+        (8, 1, 64, [4096, 0], 1, None),
+    ];
+    for (heads, kv_heads, hd, lengths, decode_steps, window) in cases {
+        let spec = AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            sliding_window: window,
+        };
+        let max_tokens = lengths[0].max(lengths[1]) + decode_steps;
+        let kv_width = kv_heads * hd;
+        let mut caches_g = [
+            gpu.new_kv_cache(max_tokens, kv_width),
+            gpu.new_kv_cache(max_tokens, kv_width),
+        ];
+        let mut caches_c = [
+            cpu.new_kv_cache(max_tokens, kv_width),
+            cpu.new_kv_cache(max_tokens, kv_width),
+        ];
+        let mut positions = [0usize, 0];
+        let mut worst = 0.0f32;
+        for step in 0..=decode_steps {
+            let new = if step == 0 { lengths } else { [1, 1] };
+            // A sequence with nothing to prefill (length 0) joins at its first decode step.
+            let total = new[0] + new[1];
+            let q = random(&mut rng, total * heads * hd, 1.5);
+            let k = random(&mut rng, total * kv_width, 1.5);
+            let v = random(&mut rng, total * kv_width, 1.0);
+            let (qg, kg, vg) = (
+                gpu.upload(&q, total, heads * hd),
+                gpu.upload(&k, total, kv_width),
+                gpu.upload(&v, total, kv_width),
+            );
+            let (qc, kc, vc) = (
+                cpu.upload(&q, total, heads * hd),
+                cpu.upload(&k, total, kv_width),
+                cpu.upload(&v, total, kv_width),
+            );
+            let out_g = {
+                let [c0, c1] = &mut caches_g;
+                let mut segments: Vec<Segment<'_, _>> = Vec::new();
+                if new[0] > 0 {
+                    segments.push(Segment {
+                        rows: 0..new[0],
+                        start_position: positions[0],
+                        state: c0,
+                    });
+                }
+                if new[1] > 0 {
+                    segments.push(Segment {
+                        rows: new[0]..total,
+                        start_position: positions[1],
+                        state: c1,
+                    });
+                }
+                gpu.download(&gpu.attention(&qg, &kg, &vg, &spec, &mut segments).unwrap())
+            };
+            let out_c = {
+                let [c0, c1] = &mut caches_c;
+                let mut segments: Vec<Segment<'_, _>> = Vec::new();
+                if new[0] > 0 {
+                    segments.push(Segment {
+                        rows: 0..new[0],
+                        start_position: positions[0],
+                        state: c0,
+                    });
+                }
+                if new[1] > 0 {
+                    segments.push(Segment {
+                        rows: new[0]..total,
+                        start_position: positions[1],
+                        state: c1,
+                    });
+                }
+                cpu.download(&cpu.attention(&qc, &kc, &vc, &spec, &mut segments).unwrap())
+            };
+            let what = format!(
+                "attention heads {heads}/{kv_heads} hd {hd} lengths {lengths:?} window {window:?} step {step}"
+            );
+            compare(&what, &out_g, &out_c, 2e-5);
+            let scale = out_c.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            worst = out_g
+                .iter()
+                .zip(&out_c)
+                .fold(worst, |m, (a, b)| m.max((a - b).abs() / scale));
+            positions[0] += new[0];
+            positions[1] += new[1];
+        }
+        println!("attention heads {heads}/{kv_heads} (GQA ratio {}) hd {hd} lengths {lengths:?}: worst {worst:.2e}", heads / kv_heads);
+    }
+}
+
+/// The gated delta rule: a multi-token prefill (CPU: chunked, GPU: recurrent) of two sequences
+/// in one batch, then single-token steps continuing from the states.
+#[test]
+fn gated_delta_rule_matches_the_cpu_backend() {
+    let Some(gpu) = gpu("gated_delta_rule_matches_the_cpu_backend") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut rng = Xoshiro256::seed_from_u64(31);
+    let specs = [
+        DeltaRuleSpec {
+            key_heads: 2,
+            value_heads: 4,
+            key_head_dim: 16,
+            value_head_dim: 16,
+        },
+        DeltaRuleSpec {
+            key_heads: 4,
+            value_heads: 8,
+            key_head_dim: 128,
+            value_head_dim: 128,
+        },
+    ];
+    for spec in specs {
+        let (nk, nv, dk, dv) = (
+            spec.key_heads,
+            spec.value_heads,
+            spec.key_head_dim,
+            spec.value_head_dim,
+        );
+        let mut states_g = [
+            gpu.new_recurrent_state(&spec),
+            gpu.new_recurrent_state(&spec),
+        ];
+        let mut states_c = [
+            cpu.new_recurrent_state(&spec),
+            cpu.new_recurrent_state(&spec),
+        ];
+        for (step, lengths) in [[150usize, 70], [1, 1], [1, 1], [3, 65]].iter().enumerate() {
+            let total = lengths[0] + lengths[1];
+            let q = random(&mut rng, total * nk * dk, 1.0);
+            let k = random(&mut rng, total * nk * dk, 1.0);
+            let v = random(&mut rng, total * nv * dv, 1.0);
+            let g: Vec<f32> = random(&mut rng, total * nv, 1.0)
+                .iter()
+                .map(|x| -x.abs() * 0.5)
+                .collect();
+            let beta: Vec<f32> = random(&mut rng, total * nv, 1.0)
+                .iter()
+                .map(|x| 0.5 + 0.5 * x)
+                .collect();
+            let tensors_g = (
+                gpu.upload(&q, total, nk * dk),
+                gpu.upload(&k, total, nk * dk),
+                gpu.upload(&v, total, nv * dv),
+                gpu.upload(&g, total, nv),
+                gpu.upload(&beta, total, nv),
+            );
+            let tensors_c = (
+                cpu.upload(&q, total, nk * dk),
+                cpu.upload(&k, total, nk * dk),
+                cpu.upload(&v, total, nv * dv),
+                cpu.upload(&g, total, nv),
+                cpu.upload(&beta, total, nv),
+            );
+            let [s0, s1] = &mut states_g;
+            let mut segments_g = [
+                Segment {
+                    rows: 0..lengths[0],
+                    start_position: 0,
+                    state: s0,
+                },
+                Segment {
+                    rows: lengths[0]..total,
+                    start_position: 0,
+                    state: s1,
+                },
+            ];
+            let [c0, c1] = &mut states_c;
+            let mut segments_c = [
+                Segment {
+                    rows: 0..lengths[0],
+                    start_position: 0,
+                    state: c0,
+                },
+                Segment {
+                    rows: lengths[0]..total,
+                    start_position: 0,
+                    state: c1,
+                },
+            ];
+            let out_g = gpu.download(&gpu.gated_delta_rule(
+                &tensors_g.0,
+                &tensors_g.1,
+                &tensors_g.2,
+                &tensors_g.3,
+                &tensors_g.4,
+                &spec,
+                DeltaRuleForm::Auto,
+                &mut segments_g,
+            ));
+            let out_c = cpu.download(&cpu.gated_delta_rule(
+                &tensors_c.0,
+                &tensors_c.1,
+                &tensors_c.2,
+                &tensors_c.3,
+                &tensors_c.4,
+                &spec,
+                DeltaRuleForm::Auto,
+                &mut segments_c,
+            ));
+            compare(
+                &format!("gated_delta_rule nk {nk} nv {nv} dk {dk} dv {dv} step {step} ({lengths:?} rows)"),
+                &out_g,
+                &out_c,
+                1e-4,
+            );
+        }
+    }
+    gpu.synchronize().unwrap();
+}

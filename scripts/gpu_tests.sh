@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The engine's GPU test suite (issue 8), in two halves because the GPU machine has no Rust:
+#
+#   scripts/gpu_tests.sh build   here: release test binaries (and the engine binary) → .devbin/
+#   scripts/gpu_tests.sh run     on the GPU machine: runs them with NINFER_REQUIRE_GPU=1 (a GPU
+#                                case that would skip fails instead) and prints a summary table
+#
+# One device call runs the suite:  run(command="scripts/gpu_tests.sh run", carry=[".devbin"]).
+# Logs go to $OUT (the device tool brings them back) or /tmp/gpu_tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# test binary : name filter (only the CUDA cases of the device-parametrized suites)
+SUITES=(
+  "cuda_nvrtc:"
+  "cuda_ops:"
+  "cuda_model:"
+  "golden:::cuda"
+  "model:::cuda"
+  "cuda_device_flag:"
+)
+
+build() {
+  local json=target/gpu_tests_build.json
+  mkdir -p target
+  cargo test --release -p ninfer-engine --no-run --message-format=json >"$json"
+  rm -rf .devbin
+  mkdir -p .devbin
+  python3 - "$json" "${SUITES[@]}" <<'PY'
+import json, shutil, sys
+path, suites = sys.argv[1], [s.split(":", 1)[0] for s in sys.argv[2:]]
+found = {}
+for line in open(path):
+    try:
+        message = json.loads(line)
+    except ValueError:
+        continue
+    if message.get("reason") != "compiler-artifact" or not message.get("executable"):
+        continue
+    target = message["target"]
+    if target["kind"] == ["test"] and target["name"] in suites:
+        found[target["name"]] = message["executable"]
+    elif target["kind"] == ["bin"] and target["name"] == "ninfer-engine":
+        found["ninfer-engine"] = message["executable"]
+missing = [s for s in suites + ["ninfer-engine"] if s not in found]
+if missing:
+    sys.exit(f"no executable built for {missing}")
+for name, executable in found.items():
+    shutil.copy(executable, f".devbin/{name}")
+PY
+  # Debug info is most of the size, and the working tree that travels is capped at 64 MiB.
+  strip --strip-debug .devbin/* 2>/dev/null || true
+  # Paths compiled into the tests (fixtures, the engine binary) point at this checkout.
+  pwd >.devbin/BUILD_ROOT
+  du -sh .devbin
+}
+
+run() {
+  local root out
+  root=$(cat .devbin/BUILD_ROOT)
+  if [ "$root" != "$PWD" ] && [ ! -e "$root" ]; then
+    mkdir -p "$(dirname "$root")"
+    ln -s "$PWD" "$root"
+  fi
+  mkdir -p "$root/target/release"
+  cp .devbin/ninfer-engine "$root/target/release/ninfer-engine"
+  out=${OUT:-/tmp/gpu_tests}
+  mkdir -p "$out"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  export NINFER_REQUIRE_GPU=1 NINFER_REQUIRE_NVRTC=1 RUST_LOG=${RUST_LOG:-warn} RUST_BACKTRACE=1
+  local rows=() status=0
+  for suite in "${SUITES[@]}"; do
+    local name=${suite%%:*} filter=${suite#*:} start end rc summary
+    start=$(date +%s.%N)
+    set +e
+    timeout "${GPU_TEST_TIMEOUT:-150}" ".devbin/$name" $filter --nocapture >"$out/$name.log" 2>&1
+    rc=$?
+    set -e
+    end=$(date +%s.%N)
+    summary=$(grep -E '^test result:' "$out/$name.log" | tail -1 | sed -E 's/^test result: //; s/; [0-9]+ (ignored|measured|filtered out)//g')
+    [ -n "$summary" ] || summary="no result (exit $rc)"
+    [ "$rc" -eq 0 ] || status=1
+    rows+=("$(printf '%-18s %-8s %6.1fs  %s' "$name" "$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)" "$(awk "BEGIN { print $end - $start }")" "$summary")")
+    # A failing suite's tail goes to the console too (the logs may not come back).
+    if [ "$rc" -ne 0 ]; then
+      echo "---- $name (exit $rc), last lines:"
+      grep -vE '^\s+(at |[0-9]+: )' "$out/$name.log" | tail -25
+    fi
+  done
+  echo "---- figures"
+  cat "$out"/*.log | grep -E 'max \||mean \|ΔNLL\||agreement|greedy|worst|NVRTC [0-9]' | grep -v '^test ' | head -80
+  echo
+  printf '%-18s %-8s %7s  %s\n' suite status time result
+  printf '%s\n' "${rows[@]}"
+  return "$status"
+}
+
+case "${1:-}" in
+build) build ;;
+run) run ;;
+*)
+  echo "usage: $0 build|run" >&2
+  exit 2
+  ;;
+esac

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Compiles every CUDA kernel of kernels/ with NVRTC for sm_80, sm_89 and sm_90 — no GPU, no CUDA
+# toolkit: NVRTC comes from the PyPI wheel nvidia-cuda-nvrtc-cu12, installed into target/.
+# A kernel that does not compile fails this (NINFER_REQUIRE_NVRTC=1 also fails a missing NVRTC
+# instead of skipping). CI runs it after scripts/test.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wheel_dir=${NVRTC_WHEEL_DIR:-target/nvrtc-wheel}
+lib_dir="$wheel_dir/nvidia/cuda_nvrtc/lib"
+if ! ls "$lib_dir"/libnvrtc.so.* >/dev/null 2>&1; then
+  python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+    --target "$wheel_dir" "nvidia-cuda-nvrtc-cu12==${NVRTC_WHEEL_VERSION:-12.9.86}"
+fi
+NINFER_NVRTC_PATH="$PWD/$lib_dir" NINFER_REQUIRE_NVRTC=1 \
+  cargo test --locked -p ninfer-engine --test cuda_nvrtc -- --nocapture

@@ -619,12 +619,8 @@ async fn two_engines_share_the_load_and_one_dying_is_invisible() {
     );
     engine_a.kill();
     for _ in 0..5 {
-        assert_eq!(
-            post_json(gateway.address, "/v1/chat/completions", &chat)
-                .await
-                .status,
-            200
-        );
+        let response = post_json(gateway.address, "/v1/chat/completions", &chat).await;
+        assert_eq!(response.status, 200, "{}", response.text());
     }
 }
 
@@ -673,7 +669,15 @@ async fn models_tokenize_detokenize_metrics_and_expert_statistics() {
             .status,
         200
     );
-    let metrics = get(gateway.address, "/metrics").await.text();
+    // The generation task finishes its bookkeeping just after the response: poll briefly.
+    let mut metrics = String::new();
+    for _ in 0..100 {
+        metrics = get(gateway.address, "/metrics").await.text();
+        if metrics.contains("ninfer_gateway_in_flight_requests 0") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     for name in [
         "ninfer_gateway_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
         "ninfer_gateway_time_to_first_token_seconds_count 1",

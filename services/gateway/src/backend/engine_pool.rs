@@ -223,7 +223,9 @@ impl GenerationBackend for EnginePool {
                         };
                         return Ok(Box::pin(stream) as TokenStream);
                     }
-                    Err(status) if status.code() == tonic::Code::Unavailable => {
+                    // A dead engine shows up as Unavailable (cannot connect) or, when its
+                    // connection breaks under the call, as Unknown/Cancelled transport errors.
+                    Err(status) if is_connection_failure(&status) => {
                         pool.report_lost(lease.engine_index, status.message().to_string());
                         attempts_left -= 1;
                         if attempts_left == 0 {
@@ -238,6 +240,28 @@ impl GenerationBackend for EnginePool {
 
     fn snapshot(&self) -> Arc<BackendSnapshot> {
         self.snapshot.borrow().clone()
+    }
+}
+
+fn is_connection_failure(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::Unavailable => true,
+        tonic::Code::Unknown | tonic::Code::Cancelled => {
+            let message = status.message().to_ascii_lowercase();
+            // "operation was canceled": hyper's answer when the connection dies under the call.
+            [
+                "transport",
+                "connection",
+                "broken pipe",
+                "reset",
+                "h2 protocol",
+                "closed",
+                "canceled",
+            ]
+            .iter()
+            .any(|needle| message.contains(needle))
+        }
+        _ => false,
     }
 }
 

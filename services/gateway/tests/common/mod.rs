@@ -451,9 +451,9 @@ impl RunningGateway {
         }
     }
 
-    /// Waits until `/health` has the wanted status (bounded).
+    /// Waits until `/health` has the wanted status (bounded: 20 s, for slow shared CI machines).
     pub async fn wait_for_health(&self, want_status: u16) {
-        for _ in 0..200 {
+        for _ in 0..800 {
             if get(self.address, "/health").await.status == want_status {
                 return;
             }

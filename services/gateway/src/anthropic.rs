@@ -337,7 +337,7 @@ async fn messages_inner(
         ..Default::default()
     };
     let input = template_input(&request)?;
-    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
     let plan = GenerationPlan::new(
         model,
         prompt_token_ids,
@@ -558,7 +558,7 @@ pub async fn count_tokens(
         let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
         let model = state.backend.snapshot().resolve_model(&request.model)?;
         let input = template_input(&request)?;
-        let (_, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+        let (_, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
         Ok::<_, GatewayError>(json!({"input_tokens": prompt_token_ids.len()}))
     }
     .await;

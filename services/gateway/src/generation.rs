@@ -222,10 +222,34 @@ pub fn new_request_id() -> String {
     format!("{:x}{:06x}", nanos & 0xffff_ffff_ffff, sequence & 0xff_ffff)
 }
 
-/// Renders a chat prompt with the model's template and tokenizes it.
-pub fn build_chat_prompt(
+/// Renders a chat prompt with the model's template and tokenizes it, on the blocking pool: a
+/// prompt of megabytes takes long enough to stall other requests on an async worker.
+pub async fn build_chat_prompt(
     model: &ServedModel,
     input: &ChatTemplateInput,
+) -> Result<(String, Vec<u32>), GatewayError> {
+    let model = model.clone();
+    let input = input.clone();
+    tokio::task::spawn_blocking(move || render_and_encode(&model, input))
+        .await
+        .map_err(|error| GatewayError::Internal(format!("prompt rendering failed: {error}")))?
+}
+
+/// Tokenizes raw text on the blocking pool (see [`build_chat_prompt`]).
+pub async fn encode_text(
+    model: &ServedModel,
+    text: String,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, GatewayError> {
+    let resources = model.resources.clone();
+    tokio::task::spawn_blocking(move || resources.tokenizer.encode(&text, add_special_tokens))
+        .await
+        .map_err(|error| GatewayError::Internal(format!("tokenization failed: {error}")))?
+}
+
+fn render_and_encode(
+    model: &ServedModel,
+    mut input: ChatTemplateInput,
 ) -> Result<(String, Vec<u32>), GatewayError> {
     let template = model.resources.chat_template.as_ref().ok_or_else(|| {
         GatewayError::invalid(format!(
@@ -238,7 +262,6 @@ pub fn build_chat_prompt(
                 .unwrap_or("no chat template")
         ))
     })?;
-    let mut input = input.clone();
     input.special_tokens = model.resources.special_tokens.clone();
     let prompt = template.render(&input)?;
     let token_ids = model.resources.tokenizer.encode(&prompt, false)?;

@@ -126,7 +126,7 @@ impl GatewayGrpcService {
             .backend
             .snapshot()
             .resolve_model(&request.model)?;
-        let prompt_token_ids = model.resources.tokenizer.encode(&request.prompt, true)?;
+        let prompt_token_ids = crate::generation::encode_text(&model, request.prompt, true).await?;
         GenerationPlan::new(
             model,
             prompt_token_ids,
@@ -187,7 +187,7 @@ impl GatewayGrpcService {
         }
         let kwargs_value: minijinja::Value = kwargs.into_iter().collect();
         let input = chat_template_input(&messages, None, true, Some(&kwargs_value))?;
-        let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+        let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
         GenerationPlan::new(
             model,
             prompt_token_ids,

@@ -439,7 +439,7 @@ async fn chat_completions_inner(
         request.add_generation_prompt.unwrap_or(true),
         request.chat_template_kwargs.as_ref(),
     )?;
-    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input)?;
+    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
     let reasoning = Some(reasoning_start_for_prompt(&prompt));
     let plan = GenerationPlan::new(model, prompt_token_ids, options, reasoning)?;
     let receivers = start_all_choices(&state, &plan).await?;
@@ -755,9 +755,9 @@ async fn completions_inner(
         .sampling
         .to_options(max_tokens, logprobs, request.logprobs)?;
     let prompt_token_ids = match request.prompt {
-        CompletionPrompt::Text(text) => model.resources.tokenizer.encode(&text, true)?,
+        CompletionPrompt::Text(text) => crate::generation::encode_text(&model, text, true).await?,
         CompletionPrompt::Texts(texts) if texts.len() == 1 => {
-            model.resources.tokenizer.encode(&texts[0], true)?
+            crate::generation::encode_text(&model, texts[0].clone(), true).await?
         }
         CompletionPrompt::TokenIds(ids) => {
             let vocabulary = model.resources.tokenizer.vocabulary_size() as u32;

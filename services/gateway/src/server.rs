@@ -381,10 +381,10 @@ async fn tokenize(
         let request: TokenizeRequest = parse_json_body(body, state.settings.max_body_bytes)?;
         let model = pick_model(&state, request.model.as_deref())?;
         let tokens = match (request.prompt, request.messages) {
-            (Some(prompt), None) => model.resources.tokenizer.encode(&prompt, request.add_special_tokens)?,
+            (Some(prompt), None) => crate::generation::encode_text(&model, prompt, request.add_special_tokens).await?,
             (None, Some(messages)) => {
                 let input = crate::openai::chat_template_input(&messages, None, request.add_generation_prompt, None)?;
-                crate::generation::build_chat_prompt(&model, &input)?.1
+                crate::generation::build_chat_prompt(&model, &input).await?.1
             }
             _ => return Err(GatewayError::invalid("give exactly one of `prompt` or `messages`")),
         };

@@ -26,6 +26,18 @@ extern "C" __global__ void embed(const float* table, const unsigned int* ids, fl
     }
 }
 
+// The same with a bf16 table (bf16 → f32 is exact).
+extern "C" __global__ void embed_bf16(const unsigned short* table, const unsigned int* ids,
+                                      float* out, int rows, int cols, int vocab) {
+    GRID_STRIDE(i, (long long)rows * cols) {
+        long long r = i / cols, c = i % cols;
+        unsigned int id = ids[r];
+        out[i] = id < (unsigned int)vocab
+                     ? __uint_as_float(((unsigned int)table[(long long)id * cols + c]) << 16)
+                     : 0.0f;
+    }
+}
+
 // out[r, c] = x[rows[r], c].
 extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, float* out,
                                        int count, int cols) {

@@ -15,6 +15,7 @@ SUITES=(
   "cuda_nvrtc:"
   "cuda_ops:"
   "cuda_model:"
+  "cuda_golden:"
   "golden:::cuda"
   "model:::cuda"
   "cuda_device_flag:"
@@ -88,7 +89,7 @@ run() {
     fi
   done
   echo "---- figures"
-  cat "$out"/*.log | grep -E 'max \||mean \|ΔNLL\||agreement|greedy|worst|NVRTC [0-9]' | grep -v '^test ' | head -80
+  cat "$out"/*.log | grep -E 'on cuda:|cuda vs cpu|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4' | grep -v '^test ' | head -60
   echo
   printf '%-18s %-8s %7s  %s\n' suite status time result
   printf '%s\n' "${rows[@]}"

@@ -554,3 +554,60 @@ fn gated_delta_rule_matches_the_cpu_backend() {
     }
     gpu.synchronize().unwrap();
 }
+
+/// bf16 matrices stay bf16 on the GPU (half the bytes) and compute what the CPU backend
+/// computes from the same stored weights.
+#[test]
+fn bf16_weights_match_the_cpu_backend() {
+    let Some(gpu) = gpu("bf16_weights_match_the_cpu_backend") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("tiny-bf16.ninfer");
+    let options = TinyModelOptions {
+        dense_dtype: ninfer_artifact::DType::Bf16,
+        ..TinyModelOptions::new(TinyArchitecture::Qwen3Next)
+    };
+    write_tiny_model(&path, options).unwrap();
+    let artifact = open_artifact(&path).unwrap();
+    let mut rng = Xoshiro256::seed_from_u64(41);
+    let ids: Vec<u32> = (0..23).map(|i| (i * 7 + 2) % 97).collect();
+    let table = (
+        gpu.load_matrix(&artifact, "embed_tokens").unwrap(),
+        cpu.load_matrix(&artifact, "embed_tokens").unwrap(),
+    );
+    assert_eq!(
+        table.0.device_bytes(),
+        97 * 64 * 2,
+        "bf16 table not kept as bf16"
+    );
+    compare(
+        "embed bf16",
+        &gpu.download(&gpu.embed(&table.0, &ids)),
+        &cpu.download(&cpu.embed(&table.1, &ids)),
+        0.0,
+    );
+    for rows in [1usize, 23] {
+        let x = random(&mut rng, rows * 64, 1.0);
+        let (xg, xc) = (gpu.upload(&x, rows, 64), cpu.upload(&x, rows, 64));
+        // Tied embeddings: the table is also the lm_head.
+        compare(
+            &format!("matmul bf16 tied lm_head × {rows} rows"),
+            &gpu.download(&gpu.matmul(&xg, &table.0)),
+            &cpu.download(&cpu.matmul(&xc, &table.1)),
+            1e-5,
+        );
+        let weight = (
+            gpu.load_matrix(&artifact, "layers.1.attn.q_proj").unwrap(),
+            cpu.load_matrix(&artifact, "layers.1.attn.q_proj").unwrap(),
+        );
+        compare(
+            &format!("matmul bf16 q_proj × {rows} rows"),
+            &gpu.download(&gpu.matmul(&xg, &weight.0)),
+            &cpu.download(&cpu.matmul(&xc, &weight.1)),
+            1e-5,
+        );
+    }
+    gpu.synchronize().unwrap();
+}

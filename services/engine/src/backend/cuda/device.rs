@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
-use ninfer_artifact::Artifact;
+use ninfer_artifact::{Artifact, DType};
 
 use super::kernels::{cached_cubin, KERNEL_SOURCES};
 use super::loader;
@@ -76,11 +76,38 @@ pub struct CudaTensor {
     data: Option<CudaSlice<f32>>,
 }
 
-/// A weight on the GPU, decoded to f32 at load.
+/// A weight on the GPU: bf16 matrices stay bf16 (half the memory; bf16 → f32 in the kernel is
+/// exact); everything else (f32, int8/int4 dense matrices, and every parameter) is decoded to
+/// f32 at load.
 pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
-    data: CudaSlice<f32>,
+    data: WeightData,
+}
+
+enum WeightData {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl CudaWeight {
+    /// The f32 buffer of a parameter (parameters are always loaded as f32).
+    fn f32(&self) -> Result<&CudaSlice<f32>, CudaError> {
+        match &self.data {
+            WeightData::F32(data) => Ok(data),
+            WeightData::Bf16(_) => Err(CudaError::Invalid {
+                problem: "a bf16 matrix was passed where an f32 parameter is expected".into(),
+            }),
+        }
+    }
+
+    /// Bytes this weight takes on the GPU.
+    pub fn device_bytes(&self) -> usize {
+        match &self.data {
+            WeightData::F32(data) => data.len() * 4,
+            WeightData::Bf16(data) => data.len() * 2,
+        }
+    }
 }
 
 /// Keys and values of one attention layer of one sequence, `[max_tokens, kv_width]` each.
@@ -372,16 +399,44 @@ impl CudaBackend {
         }
     }
 
-    fn load_weight(&self, artifact: &Arc<Artifact>, name: &str) -> Result<CudaWeight, EngineError> {
+    /// Loads a weight; `keep_bf16` keeps a bf16 tensor's bits as they are (matrices), else
+    /// the values are decoded to f32 (parameters, and any other dtype).
+    fn load_weight(
+        &self,
+        artifact: &Arc<Artifact>,
+        name: &str,
+        keep_bf16: bool,
+    ) -> Result<CudaWeight, EngineError> {
         let stored = StoredWeight::new(artifact, name)?;
         let (rows, cols) = stored.shape();
-        let values = stored.matrix().to_f32_vec();
-        let data = self
-            .upload_f32(&values)
-            .map_err(|error| EngineError::InvalidWeight {
-                name: name.to_string(),
-                problem: format!("copying to the GPU: {error}"),
-            })?;
+        let copy_error = |error: CudaError| EngineError::InvalidWeight {
+            name: name.to_string(),
+            problem: format!("copying to the GPU: {error}"),
+        };
+        let data = if keep_bf16 && stored.matrix().dtype == DType::Bf16 {
+            let view = artifact.tensor(name)?;
+            // Little-endian bf16 words, read without assuming the mapping's alignment.
+            let words: Vec<u16> = view
+                .bytes
+                .chunks_exact(2)
+                .map(|pair| u16::from_le_bytes([pair[0], pair[1]]))
+                .collect();
+            if words.is_empty() || words.len() != rows * cols {
+                return Err(EngineError::InvalidWeight {
+                    name: name.to_string(),
+                    problem: format!("{} bf16 values for {rows}×{cols}", words.len()),
+                });
+            }
+            WeightData::Bf16(
+                self.stream
+                    .memcpy_stod(&words)
+                    .map_err(driver_error("copying a bf16 weight to the GPU"))
+                    .map_err(copy_error)?,
+            )
+        } else {
+            let values = stored.matrix().to_f32_vec();
+            WeightData::F32(self.upload_f32(&values).map_err(copy_error)?)
+        };
         Ok(CudaWeight { rows, cols, data })
     }
 
@@ -400,7 +455,7 @@ impl CudaBackend {
         Ok(CudaWeight {
             rows,
             cols,
-            data: self.upload_f32(values)?,
+            data: WeightData::F32(self.upload_f32(values)?),
         })
     }
 
@@ -481,8 +536,12 @@ impl CudaBackend {
                 int(table.rows, "vocab")?,
             );
             let output = present_mut(&mut out.data)?;
-            launch!(self, "embed", elementwise(total);
-                &table.data, &indices, output, &rows, &cols, &vocab)?;
+            match &table.data {
+                WeightData::F32(data) => launch!(self, "embed", elementwise(total);
+                    data, &indices, output, &rows, &cols, &vocab)?,
+                WeightData::Bf16(data) => launch!(self, "embed_bf16", elementwise(total);
+                    data, &indices, output, &rows, &cols, &vocab)?,
+            }
         }
         Ok(out)
     }
@@ -510,7 +569,14 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let output = present_mut(&mut out.data)?;
-        launch!(self, "matmul", config; input, &weight.data, output, &n, &k, &m)?;
+        match &weight.data {
+            WeightData::F32(data) => {
+                launch!(self, "matmul", config; input, data, output, &n, &k, &m)?
+            }
+            WeightData::Bf16(data) => {
+                launch!(self, "matmul_bf16", config; input, data, output, &n, &k, &m)?
+            }
+        }
         Ok(out)
     }
 
@@ -543,7 +609,7 @@ impl CudaBackend {
         let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
         self.try_unary(x, x.cols, |input, output| {
             launch!(self, "rms_norm", Self::norm_config(groups);
-                input, &weight.data, output, &groups_arg, &group_arg, &eps, &offset)
+                input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset)
         })
     }
 
@@ -568,7 +634,7 @@ impl CudaBackend {
         let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
         self.try_unary(x, x.cols, |input, output| {
             launch!(self, "gated_rms_norm", Self::norm_config(groups);
-                input, gate_data, &weight.data, output, &groups_arg, &group_arg, &eps)
+                input, gate_data, weight.f32()?, output, &groups_arg, &group_arg, &eps)
         })
     }
 
@@ -783,7 +849,7 @@ impl CudaBackend {
             let history = present_mut(&mut state.history)?;
             let output = present_mut(&mut out.data)?;
             launch!(self, "causal_conv1d_silu", elementwise(x.cols);
-                input, &weight.data, history, output, &row_start, &rows, &channels, &kernel)?;
+                input, weight.f32()?, history, output, &row_start, &rows, &channels, &kernel)?;
         }
         Ok(out)
     }
@@ -810,7 +876,7 @@ impl CudaBackend {
             let (rows, heads) = (int(a.rows, "rows")?, int(nv, "heads")?);
             let (g_out, beta_out) = (present_mut(&mut g.data)?, present_mut(&mut beta.data)?);
             launch!(self, "delta_rule_gates", elementwise(total);
-                a_data, b_data, &a_log.data, &dt_bias.data, g_out, beta_out, &rows, &heads)?;
+                a_data, b_data, a_log.f32()?, dt_bias.f32()?, g_out, beta_out, &rows, &heads)?;
         }
         Ok((g, beta))
     }
@@ -897,7 +963,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_matrix(&self, artifact: &Arc<Artifact>, name: &str) -> Result<CudaWeight, EngineError> {
-        self.load_weight(artifact, name)
+        self.load_weight(artifact, name, true)
     }
 
     fn load_parameter(
@@ -905,7 +971,7 @@ impl Backend for CudaBackend {
         artifact: &Arc<Artifact>,
         name: &str,
     ) -> Result<CudaWeight, EngineError> {
-        self.load_weight(artifact, name)
+        self.load_weight(artifact, name, false)
     }
 
     fn weight_shape(&self, weight: &CudaWeight) -> (usize, usize) {

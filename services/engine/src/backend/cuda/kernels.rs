@@ -27,6 +27,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         source: include_str!("../../../../../kernels/elementwise.cu"),
         functions: &[
             "embed",
+            "embed_bf16",
             "gather_rows",
             "columns",
             "split_interleaved",
@@ -49,7 +50,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "matmul",
         source: include_str!("../../../../../kernels/matmul.cu"),
-        functions: &["matmul"],
+        functions: &["matmul", "matmul_bf16"],
     },
     KernelSource {
         name: "attention",

@@ -2,4 +2,4 @@
 # The project's test command (README, CI). GPU tests skip themselves, loudly, without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo test --workspace --locked "$@"
+cargo test --workspace --locked --no-fail-fast "$@"

@@ -53,6 +53,7 @@ fn workspace_dependencies_point_one_way() {
                 "ninfer-artifact",
                 "ninfer-expert-kernels",
                 "ninfer-protocol",
+                "ninfer-channel",
             ][..],
         ),
         (
@@ -61,6 +62,7 @@ fn workspace_dependencies_point_one_way() {
                 "ninfer-artifact",
                 "ninfer-expert-kernels",
                 "ninfer-protocol",
+                "ninfer-channel",
             ][..],
         ),
         ("ninfer-gateway", &["ninfer-protocol"][..]),
@@ -72,6 +74,7 @@ fn workspace_dependencies_point_one_way() {
                 "ninfer-engine",
                 "ninfer-expert-kernels",
                 "ninfer-protocol",
+                "ninfer-channel",
             ][..],
         ),
     ]);

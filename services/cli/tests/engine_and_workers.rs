@@ -651,3 +651,44 @@ fn held_requests_fail_clearly_after_the_worker_timeout() {
         );
     });
 }
+
+#[test]
+fn routing_statistics_are_streamed_and_recorded_at_exit() {
+    use ninfer_protocol::v1::RoutingStatisticsRequest;
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let stats_file = stack.path("routing.json");
+    let stats_arg = stats_file.display().to_string();
+    let engine = stack.engine("engine", &model, &[], &["--moe-record-stats", &stats_arg]);
+    let prompt = prompts("qwen3_moe")[0].clone();
+    let streamed = rt.block_on(async {
+        let mut client = client(&engine).await;
+        generate(&mut client, greedy(&prompt, 8)).await;
+        let mut stream = client
+            .stream_routing_statistics(RoutingStatisticsRequest { interval_ms: 100 })
+            .await
+            .unwrap()
+            .into_inner();
+        stream.message().await.unwrap().unwrap()
+    });
+    // qwen3_moe fixture: layer 1 is dense, top-2 routing; prompt + 7 fed-back tokens per MoE layer.
+    let tokens = (prompt.len() + 7) as u64;
+    for layer in &streamed.layers {
+        let total: u64 = layer.expert_token_counts.iter().sum();
+        let expected = if layer.layer == 1 { 0 } else { 2 * tokens };
+        assert_eq!(total, expected, "layer {}", layer.layer);
+    }
+    stack.signal("engine", nix::sys::signal::Signal::SIGTERM);
+    let _ = stack.child("engine").wait();
+    let recorded: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&stats_file).expect("stats file written at exit"))
+            .unwrap();
+    let layer0: u64 = recorded["layers"][0]["expert_token_counts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(layer0, 2 * tokens);
+}

@@ -504,10 +504,11 @@ impl RemoteExpertExecutor {
     ) -> Result<(), EngineError> {
         let shared = &*self.shared;
         let mut lost_since: Option<Instant> = None;
+        let mut interrupted = false;
         loop {
             match worker.channel.wait(0, sequence, Duration::from_millis(25)) {
                 WaitOutcome::Done => {
-                    if lost_since.is_some() {
+                    if interrupted {
                         tracing::info!(worker = %worker.address, layer, "expert worker back; the interrupted layer was replayed");
                     }
                     return Ok(());
@@ -527,9 +528,12 @@ impl RemoteExpertExecutor {
                         .map(|s| s.health == Health::Up)
                         .unwrap_or(false);
                     if healthy {
+                        // Back (or never gone): the timeout clock stops; the replay is logged
+                        // when its answer arrives.
                         lost_since = None;
                         continue;
                     }
+                    interrupted = true;
                     let since = *lost_since.get_or_insert_with(Instant::now);
                     if since.elapsed() > shared.options.worker_timeout {
                         return Err(EngineError::ExpertExecutor {

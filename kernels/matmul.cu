@@ -2,12 +2,18 @@
 // accumulation, weights stored as f32 or bf16 (bf16 → f32 is exact, so both compute the same
 // function as the CPU backend on the same stored weights).
 //
-// A plain shared-memory tiled kernel: every output is one thread's sum over k in increasing
-// order, whatever n is, so a row's result does not depend on the batch it is in (the golden
-// tests require batched and single prefills to agree bit for bit). cuBLAS(Lt) is the fast path
-// still to come; it must keep that property or the tests must relax it.
+// Batch invariance: every output's sum is formed in an order that depends only on k, never on
+// n or on where the row sits in the batch, so a row's result does not depend on the batch it
+// is in (the golden tests require batched and single prefills to agree bit for bit).
+//
+// `matmul` / `matmul_bf16` (used for every n): one warp per (output feature, group of up to
+// ROWS rows); lane l sums k ≡ l (mod 32) in increasing order for each row of the group, then a
+// fixed butterfly adds the 32 lane sums. Weight reads are coalesced (a warp reads 32
+// consecutive values of one row) and each weight is reused for ROWS rows; at decode (n = 1)
+// this streams the weights once. cuBLAS(Lt) with tensor cores is the fast prefill path still to
+// come; it must keep batch invariance or the tests must relax it.
 
-#define TILE 16
+#define ROWS 8
 
 __device__ __forceinline__ float load_weight(const float* w, long long i) { return w[i]; }
 __device__ __forceinline__ float load_weight(const unsigned short* w, long long i) {
@@ -15,33 +21,38 @@ __device__ __forceinline__ float load_weight(const unsigned short* w, long long 
 }
 
 template <typename W>
-__device__ void matmul_tiled(const float* x, const W* w, float* out, int n, int k, int m) {
-    __shared__ float xs[TILE][TILE];
-    __shared__ float ws[TILE][TILE + 1];  // +1: column reads of ws hit different banks
-    int row = blockIdx.y * TILE + threadIdx.y;  // token
-    int col = blockIdx.x * TILE + threadIdx.x;  // output feature
-    float sum = 0.0f;
-    for (int k0 = 0; k0 < k; k0 += TILE) {
-        int kx = k0 + threadIdx.x;
-        xs[threadIdx.y][threadIdx.x] = (row < n && kx < k) ? x[(long long)row * k + kx] : 0.0f;
-        // Thread (y, x) loads W[blockIdx.x*TILE + y, k0 + x]: consecutive threads read
-        // consecutive k, so the loads are coalesced.
-        int wrow = blockIdx.x * TILE + threadIdx.y;
-        ws[threadIdx.y][threadIdx.x] =
-            (wrow < m && kx < k) ? load_weight(w, (long long)wrow * k + kx) : 0.0f;
-        __syncthreads();
-        int steps = min(TILE, k - k0);
-        for (int j = 0; j < steps; ++j) sum += xs[threadIdx.y][j] * ws[threadIdx.x][j];
-        __syncthreads();
+__device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k, int m) {
+    int warps_per_block = blockDim.x / 32;
+    long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    long long groups = (n + ROWS - 1) / ROWS;
+    if (task >= groups * m) return;  // whole warps leave together
+    int col = (int)(task % m);
+    int r0 = (int)(task / m) * ROWS;
+    const W* wr = w + (long long)col * k;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+    for (int kk = lane; kk < k; kk += 32) {
+        float wv = load_weight(wr, kk);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r0 + r < n) acc[r] += wv * x[(long long)(r0 + r) * k + kk];
+        }
     }
-    if (row < n && col < m) out[(long long)row * m + col] = sum;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float v = acc[r];
+        for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+        if (lane == 0 && r0 + r < n) out[(long long)(r0 + r) * m + col] = v;
+    }
 }
 
 extern "C" __global__ void matmul(const float* x, const float* w, float* out, int n, int k, int m) {
-    matmul_tiled(x, w, out, n, k, m);
+    matmul_warp(x, w, out, n, k, m);
 }
 
 extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, float* out, int n,
                                        int k, int m) {
-    matmul_tiled(x, w, out, n, k, m);
+    matmul_warp(x, w, out, n, k, m);
 }

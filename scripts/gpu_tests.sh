@@ -88,6 +88,8 @@ run() {
       grep -vE '^\s+(at |[0-9]+: )' "$out/$name.log" | tail -25
     fi
   done
+  echo "---- matmul figures (not checks)"
+  timeout 60 .devbin/cuda_ops --ignored --nocapture matmul_bandwidth_figures 2>&1 | grep -E '^matmul' || true
   echo "---- figures"
   cat "$out"/*.log | grep -E 'on cuda:|cuda vs cpu|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4' | grep -v '^test ' | head -60
   echo

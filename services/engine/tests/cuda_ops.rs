@@ -611,3 +611,43 @@ fn bf16_weights_match_the_cpu_backend() {
     }
     gpu.synchronize().unwrap();
 }
+
+/// Not a check: prints the matmul kernel's achieved weight bandwidth at decode and small-batch
+/// shapes (run by `scripts/gpu_tests.sh run`: `cuda_ops --ignored matmul_bandwidth_figures`).
+#[test]
+#[ignore = "a figure, not a check; needs a GPU"]
+fn matmul_bandwidth_figures() {
+    let Some(gpu) = gpu("matmul_bandwidth_figures") else {
+        return;
+    };
+    let (out_features, in_features) = (14336usize, 4096usize);
+    let mut rng = Xoshiro256::seed_from_u64(51);
+    let values = random(&mut rng, out_features * in_features, 0.02);
+    let weight = gpu
+        .weight_from_host(&values, out_features, in_features)
+        .unwrap();
+    for rows in [1usize, 8, 64, 512] {
+        let x = gpu.upload(
+            &random(&mut rng, rows * in_features, 1.0),
+            rows,
+            in_features,
+        );
+        let _ = gpu.matmul(&x, &weight);
+        gpu.synchronize().unwrap();
+        let repeats = 20;
+        let start = std::time::Instant::now();
+        for _ in 0..repeats {
+            let _ = gpu.matmul(&x, &weight);
+        }
+        gpu.synchronize().unwrap();
+        let seconds = start.elapsed().as_secs_f64() / repeats as f64;
+        let bytes = (out_features * in_features * 4) as f64;
+        let flops = 2.0 * (rows * out_features * in_features) as f64;
+        println!(
+            "matmul f32 {rows}×{in_features} · ({out_features}×{in_features})ᵀ: {:.3} ms, weights at {:.0} GB/s, {:.2} TFLOP/s",
+            seconds * 1e3,
+            bytes / seconds / 1e9,
+            flops / seconds / 1e12
+        );
+    }
+}

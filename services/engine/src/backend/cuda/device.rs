@@ -35,8 +35,10 @@ use crate::weights::StoredWeight;
 const BLOCK: u32 = 256;
 /// `NORM_THREADS` in `kernels/norm.cu`.
 const NORM_THREADS: u32 = 256;
-/// `TILE` in `kernels/matmul.cu`.
-const MATMUL_TILE: u32 = 16;
+/// `ROWS` in `kernels/matmul.cu`: rows one warp computes together.
+const MATMUL_ROWS: u64 = 8;
+/// Warps per block of the matmul kernel.
+const MATMUL_WARPS: u32 = 8;
 /// Warps per block of `kernels/attention.cu`.
 const ATTENTION_WARPS: u32 = 4;
 /// `32 * MAX_DIMS_PER_LANE` in `kernels/attention.cu`.
@@ -559,13 +561,19 @@ impl CudaBackend {
             int(x.cols, "in")?,
             int(weight.rows, "out")?,
         );
+        // One warp per (output feature, group of MATMUL_ROWS rows); see kernels/matmul.cu.
+        let tasks = (weight.rows as u64) * (x.rows as u64).div_ceil(MATMUL_ROWS);
+        let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
+            CudaError::Invalid {
+                problem: format!(
+                    "matmul of {}×{} by {}×{} is too large",
+                    x.rows, x.cols, weight.rows, weight.cols
+                ),
+            }
+        })?;
         let config = LaunchConfig {
-            grid_dim: (
-                (weight.rows as u32).div_ceil(MATMUL_TILE),
-                (x.rows as u32).div_ceil(MATMUL_TILE),
-                1,
-            ),
-            block_dim: (MATMUL_TILE, MATMUL_TILE, 1),
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MATMUL_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
         let output = present_mut(&mut out.data)?;

@@ -153,6 +153,15 @@ fn print_plan(plan: &Plan) {
     }
 }
 
+/// Where the gateway keeps routing statistics across runs (`$XDG_STATE_HOME/ninfer`).
+fn state_dir() -> PathBuf {
+    std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".local/state")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("ninfer")
+}
+
 fn free_loopback_port() -> anyhow::Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(listener.local_addr()?.port())
@@ -280,6 +289,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             engine_address,
             "--listen".into(),
             api.clone(),
+            "--state-dir".into(),
+            state_dir().display().to_string(),
         ],
     })?;
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -692,3 +692,91 @@ fn routing_statistics_are_streamed_and_recorded_at_exit() {
         .sum();
     assert_eq!(layer0, 2 * tokens);
 }
+
+/// The official `openai` and `anthropic` Python SDKs against `ninfer run --serve` on a fixture:
+/// chat and completions, streaming and not, usage, stop strings, Anthropic event order, and a raw
+/// greedy completion equal to the transformers reference text. `.ci/run` installs the SDKs.
+#[test]
+fn official_sdks_against_the_full_stack() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let have_sdks = Command::new("python3")
+        .args(["-c", "import openai, anthropic"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have_sdks {
+        println!("SKIPPED: python3 with the openai and anthropic packages is not installed (.ci/run installs them)");
+        return;
+    }
+    let rt = runtime();
+    let stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let api = format!("127.0.0.1:{port}");
+    let mut run = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(["run", "--serve", "--moe-threads", "1", "--listen", &api])
+        .arg(&model)
+        .env("XDG_RUNTIME_DIR", stack.path(""))
+        .env("XDG_STATE_HOME", stack.path("state"))
+        .stdout(Stdio::null())
+        .stderr(File::create(stack.path("run.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let ready = rt.block_on(async {
+        use ninfer_protocol::v1::gateway_client::GatewayClient;
+        use ninfer_protocol::v1::ListModelsRequest;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Ok(channel) =
+                ninfer_protocol::transport::connect(&api, Duration::from_millis(200)).await
+            {
+                if let Ok(models) = GatewayClient::new(channel)
+                    .list_models(ListModelsRequest {})
+                    .await
+                {
+                    if models.get_ref().models.iter().any(|m| m.ready_engines > 0) {
+                        return true;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    });
+    let output = ready.then(|| {
+        Command::new("python3")
+            .arg(root.join("scripts/sdk_smoke.py"))
+            .args(["--base-url", &format!("http://{api}")])
+            .arg("--reference")
+            .arg(fixture("qwen3_moe").join("reference.json"))
+            .output()
+            .unwrap()
+    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(run.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let stopped = run.wait().unwrap();
+    assert!(
+        ready,
+        "the stack did not become ready:\n{}",
+        std::fs::read_to_string(stack.path("run.log")).unwrap_or_default()
+    );
+    let output = output.unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    println!("{report}");
+    assert!(output.status.success(), "SDK checks failed:\n{report}");
+    assert!(
+        stopped.success(),
+        "ninfer run did not stop cleanly: {stopped}"
+    );
+}

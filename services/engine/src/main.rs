@@ -4,7 +4,6 @@
 //! Owns: command-line flags, process start-up and shutdown, the routing-statistics file.
 //! Must not touch: model math (library), HTTP (gateway).
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -280,22 +279,6 @@ fn start_scheduler<B: Backend>(
     scheduler::start(model, limits, Arc::clone(counters)).context("starting the scheduler")
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut terminate), Ok(mut interrupt)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = terminate.recv() => {}
-        _ = interrupt.recv() => {}
-    }
-    tracing::info!("shutting down");
-}
-
 async fn serve(listen: &str, service: EngineService) -> anyhow::Result<()> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<EngineServer<EngineService>>().await;
@@ -311,24 +294,10 @@ async fn serve(listen: &str, service: EngineService) -> anyhow::Result<()> {
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(256 << 20),
         );
-    if let Some(path) = listen.strip_prefix("unix:") {
-        let _ = std::fs::remove_file(path);
-        let listener = tokio::net::UnixListener::bind(path)
-            .with_context(|| format!("listening on {listen}"))?;
-        router
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(listener),
-                shutdown_signal(),
-            )
-            .await?;
-        let _ = std::fs::remove_file(path);
-    } else {
-        let address: SocketAddr = listen
-            .parse()
-            .with_context(|| format!("--listen `{listen}`: expected unix:PATH or HOST:PORT"))?;
-        router
-            .serve_with_shutdown(address, shutdown_signal())
-            .await?;
-    }
+    ninfer_protocol::listen::serve(router, listen, async {
+        ninfer_protocol::listen::shutdown_signal().await;
+        tracing::info!("shutting down");
+    })
+    .await?;
     Ok(())
 }

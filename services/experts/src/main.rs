@@ -7,7 +7,6 @@
 
 mod serving;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -202,22 +201,6 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(serve(args.listen.clone(), WorkerService { info, serving }))
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut terminate), Ok(mut interrupt)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = terminate.recv() => {}
-        _ = interrupt.recv() => {}
-    }
-    tracing::info!("shutting down");
-}
-
 async fn serve(listen: String, service: WorkerService) -> anyhow::Result<()> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
@@ -226,24 +209,11 @@ async fn serve(listen: String, service: WorkerService) -> anyhow::Result<()> {
     let router = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(ExpertWorkerServer::new(service));
-    if let Some(path) = listen.strip_prefix("unix:") {
-        // A socket file left by a killed predecessor would make bind fail.
-        let _ = std::fs::remove_file(path);
-        let listener = tokio::net::UnixListener::bind(path)
-            .with_context(|| format!("listening on {listen}"))?;
-        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-        router
-            .serve_with_incoming_shutdown(incoming, shutdown_signal())
-            .await?;
-        let _ = std::fs::remove_file(path);
-    } else {
-        let address: SocketAddr = listen
-            .parse()
-            .with_context(|| format!("--listen `{listen}`: expected unix:PATH or HOST:PORT"))?;
-        router
-            .serve_with_shutdown(address, shutdown_signal())
-            .await?;
-    }
+    ninfer_protocol::listen::serve(router, &listen, async {
+        ninfer_protocol::listen::shutdown_signal().await;
+        tracing::info!("shutting down");
+    })
+    .await?;
     Ok(())
 }
 

@@ -21,7 +21,8 @@ pub mod metrics;
 pub mod openai;
 pub mod reasoning;
 pub mod routing_stats;
-pub mod sd_notify;
+/// systemd notifications live with the other wire protocols, shared by every service binary.
+pub use ninfer_protocol::sd_notify;
 pub mod server;
 pub mod stop_strings;
 pub mod tokenizer;

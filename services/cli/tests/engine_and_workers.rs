@@ -409,7 +409,7 @@ fn worker_of_another_model_is_refused_with_both_ids() {
     let served = stack.convert("qwen3_moe");
     let other = stack.convert("qwen3_next");
     let worker = stack.worker("worker", &other, "all", &[]);
-    let _engine = stack.engine("engine", &served, &[worker.clone()], &[]);
+    let _engine = stack.engine("engine", &served, std::slice::from_ref(&worker), &[]);
     let (served_id, other_id) = rt.block_on(async {
         let connect = |address: String| async move {
             let deadline = Instant::now() + Duration::from_secs(20);

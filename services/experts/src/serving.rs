@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
 use ninfer_artifact::Artifact;
-use ninfer_channel::{WorkerChannel, NO_EXPERT};
+use ninfer_channel::{RequestView, WorkerChannel, NO_EXPERT};
 use ninfer_expert_kernels::routed::{BankView, RoutedExpertComputer};
 use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool, WeightDType};
 use ninfer_protocol::v1::WorkerStatistics;
@@ -101,16 +101,9 @@ impl WorkerModel {
     }
 
     /// Checks a request against the model and this worker's share; `Err` is sent back to the engine.
-    fn compute(
-        &mut self,
-        layer: u32,
-        token_count: u32,
-        top_k: u32,
-        ids: &[u32],
-        weights: &[f32],
-        hidden: &[f32],
-        output: &mut [f32],
-    ) -> Result<u64, String> {
+    fn compute(&mut self, request: &RequestView<'_>, output: &mut [f32]) -> Result<u64, String> {
+        let (layer, token_count, top_k) = (request.layer, request.token_count, request.top_k);
+        let (ids, weights, hidden) = (request.expert_ids, request.routing_weights, request.hidden);
         let bank = match self.banks.get(layer as usize) {
             Some(Some(bank)) => *bank,
             Some(None) => return Err(format!("layer {layer} is not a MoE layer")),
@@ -377,15 +370,7 @@ fn serve_one(
     // SAFETY: between next_request and complete for this slot; the output area is disjoint from
     // the request areas the view borrows.
     let output = unsafe { channel.output_mut(slot) };
-    let result = model.compute(
-        layer,
-        token_count,
-        top_k,
-        request.expert_ids,
-        request.routing_weights,
-        request.hidden,
-        output,
-    );
+    let result = model.compute(&request, output);
     match result {
         Ok(bytes) => {
             counters.batches.fetch_add(1, Ordering::Relaxed);

@@ -7,8 +7,9 @@
 // is in (the golden tests require batched and single prefills to agree bit for bit).
 //
 // `matmul` / `matmul_bf16` (used for every n): one warp per (output feature, group of up to
-// ROWS rows); lane l sums k ≡ l (mod 32) in increasing order for each row of the group, then a
-// fixed butterfly adds the 32 lane sums. Weight reads are coalesced (a warp reads 32
+// ROWS rows); each lane sums its own k positions (4-wide chunks 128 apart when k % 4 == 0, else
+// k ≡ lane mod 32) in increasing order for each row of the group, then a fixed butterfly adds
+// the 32 lane sums. Weight reads are coalesced (a warp reads 32
 // consecutive values of one row) and each weight is reused for ROWS rows; at decode (n = 1)
 // this streams the weights once. cuBLAS(Lt) with tensor cores is the fast prefill path still to
 // come; it must keep batch invariance or the tests must relax it.
@@ -18,6 +19,17 @@
 __device__ __forceinline__ float load_weight(const float* w, long long i) { return w[i]; }
 __device__ __forceinline__ float load_weight(const unsigned short* w, long long i) {
     return __uint_as_float(((unsigned int)w[i]) << 16);
+}
+
+// Four consecutive weights as floats (k % 4 == 0 keeps every row 16-byte (f32) / 8-byte (bf16)
+// aligned: device buffers start 256-byte aligned).
+__device__ __forceinline__ float4 load_weight4(const float* w, long long i) {
+    return *reinterpret_cast<const float4*>(w + i);
+}
+__device__ __forceinline__ float4 load_weight4(const unsigned short* w, long long i) {
+    uint2 raw = *reinterpret_cast<const uint2*>(w + i);  // little-endian: low half first
+    return make_float4(__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
+                       __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
 }
 
 template <typename W>
@@ -33,11 +45,30 @@ __device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    for (int kk = lane; kk < k; kk += 32) {
-        float wv = load_weight(wr, kk);
+    if ((k & 3) == 0) {
+        // Lane l takes k in [4l, 4l + 4) + 128 i: one 16-byte (f32) or 8-byte (bf16) load per
+        // lane per step, several steps in flight.
+#pragma unroll 4
+        for (int kk = lane * 4; kk < k; kk += 128) {
+            float4 wv = load_weight4(wr, kk);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (r0 + r < n) acc[r] += wv * x[(long long)(r0 + r) * k + kk];
+            for (int r = 0; r < ROWS; ++r) {
+                if (r0 + r < n) {
+                    float4 xv = *reinterpret_cast<const float4*>(x + (long long)(r0 + r) * k + kk);
+                    acc[r] += wv.x * xv.x;
+                    acc[r] += wv.y * xv.y;
+                    acc[r] += wv.z * xv.z;
+                    acc[r] += wv.w * xv.w;
+                }
+            }
+        }
+    } else {
+        for (int kk = lane; kk < k; kk += 32) {
+            float wv = load_weight(wr, kk);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r0 + r < n) acc[r] += wv * x[(long long)(r0 + r) * k + kk];
+            }
         }
     }
 #pragma unroll

@@ -109,6 +109,30 @@ fn dense_ops_match_the_cpu_backend() {
         }
     }
 
+    // An input width that is not a multiple of 4 (the kernel's scalar path), against a plain
+    // f64 loop.
+    let (out_features, in_features) = (19usize, 37usize);
+    let w = random(&mut rng, out_features * in_features, 0.5);
+    let odd = gpu.weight_from_host(&w, out_features, in_features).unwrap();
+    for rows in [1usize, 9] {
+        let x = random(&mut rng, rows * in_features, 1.0);
+        let expected: Vec<f32> = (0..rows * out_features)
+            .map(|i| {
+                let (r, o) = (i / out_features, i % out_features);
+                (0..in_features)
+                    .map(|c| f64::from(x[r * in_features + c]) * f64::from(w[o * in_features + c]))
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        let xg = gpu.upload(&x, rows, in_features);
+        compare(
+            &format!("matmul 19×37 (k % 4 ≠ 0) × {rows} rows"),
+            &gpu.download(&gpu.matmul(&xg, &odd)),
+            &expected,
+            1e-5,
+        );
+    }
+
     // Norms: per row (64) and per head (32 of 4·32 columns), both styles; gated (16).
     let x = random(&mut rng, 7 * 128, 2.0);
     for (name, cols) in [("layers.0.input_norm", 64), ("layers.1.attn.q_norm", 128)] {

@@ -10,10 +10,17 @@
 //! `ExpertExecutor` on the host: routing comes back to the host after the router), the artifact
 //! byte layout.
 //!
-//! State of this backend (issue 8): f32 activations and weights (weights are decoded to f32 at
-//! load), simple batch-invariant kernels (tiled matmul, one-warp-per-row online-softmax
-//! attention, recurrent delta rule). cuBLAS, bf16 storage, flash-decoding, the chunked delta rule,
-//! GPU expert slots and CUDA graphs are still to come.
+//! State of this backend (issue 8): f32 activations with f32 accumulation; bf16 matrices stay
+//! bf16 on the GPU, every other weight is decoded to f32 at load; simple batch-invariant kernels
+//! (a warp-per-output matmul that streams the weights once at decode, one-warp-per-row
+//! online-softmax attention, the recurrent delta rule). The router's softmax/top-k runs on the
+//! host (the expert executor needs the routing there). cuBLAS(Lt) for prefill GEMMs, bf16
+//! activations and KV cache, flash-decoding, the chunked delta rule, GPU expert slots and CUDA
+//! graphs are still to come.
+//!
+//! Environment: `NINFER_NVRTC_PATH` / `NINFER_CUDA_DRIVER_PATH` (a library file or its folder,
+//! tried first; see [`loader`]), `NINFER_KERNEL_CACHE` (the compiled-kernel folder; see
+//! [`kernels`]).
 
 pub mod device;
 pub mod kernels;

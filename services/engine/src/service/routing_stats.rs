@@ -60,18 +60,30 @@ impl RoutingCounters {
         }
     }
 
-    /// Writes the snapshot as JSON to `path` (temp file, then rename: never half-written).
+    /// Writes the snapshot to `path` in the gateway's `ninfer-expert-stats-v1` format (temp file,
+    /// then rename: never half-written), so either file can seed `--moe-expert-stats`.
     pub fn write_file(&self, path: &Path, model_name: &str) -> std::io::Result<()> {
         let snapshot = self.snapshot(model_name, "");
-        let layers: Vec<serde_json::Value> = snapshot
+        let layers: serde_json::Map<String, serde_json::Value> = snapshot
             .layers
             .iter()
-            .map(|l| serde_json::json!({"layer": l.layer, "expert_token_counts": l.expert_token_counts}))
+            .map(|l| {
+                (
+                    l.layer.to_string(),
+                    serde_json::json!(l.expert_token_counts),
+                )
+            })
             .collect();
+        let updated_unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
         let body = serde_json::json!({
+            "format": STATS_FORMAT,
             "model": model_name,
             "tokens_routed": snapshot.tokens_routed,
             "layers": layers,
+            "updated_unix_ms": updated_unix_ms,
         });
         let temporary = path.with_extension(format!("tmp-{}", std::process::id()));
         std::fs::write(
@@ -79,6 +91,86 @@ impl RoutingCounters {
             serde_json::to_vec_pretty(&body).unwrap_or_default(),
         )?;
         std::fs::rename(&temporary, path)
+    }
+}
+
+/// Name of the routing-statistics file format shared with the gateway's store.
+pub const STATS_FORMAT: &str = "ninfer-expert-stats-v1";
+
+/// Routing counts read back from a statistics file, for expert placement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertStatistics {
+    /// `[layer][expert]` token counts (layers without data are all zero).
+    pub counts: Vec<Vec<u64>>,
+}
+
+impl ExpertStatistics {
+    /// Reads a `ninfer-expert-stats-v1` file and checks it against the model's shape.
+    pub fn load(path: &Path, layers: usize, experts: usize) -> Result<Self, String> {
+        let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let value: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
+        let format = value.get("format").and_then(|f| f.as_str()).unwrap_or("");
+        if format != STATS_FORMAT {
+            return Err(format!(
+                "{}: field `format` is `{format}`, expected `{STATS_FORMAT}`",
+                path.display()
+            ));
+        }
+        let Some(map) = value.get("layers").and_then(|l| l.as_object()) else {
+            return Err(format!(
+                "{}: field `layers` is missing or not an object",
+                path.display()
+            ));
+        };
+        let mut counts = vec![vec![0u64; experts]; layers];
+        for (key, row) in map {
+            let layer: usize = key.parse().ok().filter(|&l| l < layers).ok_or_else(|| {
+                format!(
+                    "{}: layer `{key}` is not a layer of this {layers}-layer model",
+                    path.display()
+                )
+            })?;
+            let row = row
+                .as_array()
+                .filter(|r| r.len() == experts)
+                .ok_or_else(|| {
+                    format!(
+                        "{}: layer {layer} must list {experts} expert counts",
+                        path.display()
+                    )
+                })?;
+            for (slot, count) in counts[layer].iter_mut().zip(row) {
+                *slot = count.as_u64().ok_or_else(|| {
+                    format!(
+                        "{}: layer {layer} has a non-integer count {count}",
+                        path.display()
+                    )
+                })?;
+            }
+        }
+        Ok(ExpertStatistics { counts })
+    }
+
+    /// Static placement: the `slots` most used experts of each layer, most used first (ties by
+    /// index), and the share of that layer's routed tokens they would serve.
+    pub fn placement(&self, slots: usize) -> Vec<(Vec<u32>, f64)> {
+        self.counts
+            .iter()
+            .map(|row| {
+                let mut order: Vec<u32> = (0..row.len() as u32).collect();
+                order.sort_by(|&a, &b| row[b as usize].cmp(&row[a as usize]).then(a.cmp(&b)));
+                order.truncate(slots);
+                let total: u64 = row.iter().sum();
+                let covered: u64 = order.iter().map(|&e| row[e as usize]).sum();
+                let share = if total == 0 {
+                    0.0
+                } else {
+                    covered as f64 / total as f64
+                };
+                (order, share)
+            })
+            .collect()
     }
 }
 
@@ -117,6 +209,16 @@ mod tests {
         counters.write_file(&path, "m").unwrap();
         let written: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(written["layers"][1]["expert_token_counts"][3], 2);
+        assert_eq!(written["layers"]["1"][3], 2);
+        let read = ExpertStatistics::load(&path, 2, 4).unwrap();
+        assert_eq!(read.counts[1], vec![1, 0, 1, 2]);
+        let placement = read.placement(2);
+        assert_eq!(placement[1].0, vec![3, 0]);
+        assert!((placement[1].1 - 0.75).abs() < 1e-12);
+        assert_eq!(placement[0].1, 0.0);
+        let error = ExpertStatistics::load(&path, 2, 5).unwrap_err();
+        assert!(error.contains("5 expert counts"), "{error}");
+        let error = ExpertStatistics::load(&path, 1, 4).unwrap_err();
+        assert!(error.contains("layer `1`"), "{error}");
     }
 }

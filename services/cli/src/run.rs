@@ -162,6 +162,22 @@ fn state_dir() -> PathBuf {
         .join("ninfer")
 }
 
+/// `--moe-expert-stats` for the engine when the gateway recorded routing for this model before
+/// (the engine's model name is the artifact's file stem).
+fn previous_routing_statistics(model: &std::path::Path) -> Vec<String> {
+    let Some(name) = model.file_stem().map(|s| s.to_string_lossy().into_owned()) else {
+        return Vec::new();
+    };
+    let file = state_dir()
+        .join("expert-stats")
+        .join(format!("{name}.json"));
+    if file.is_file() {
+        vec!["--moe-expert-stats".into(), file.display().to_string()]
+    } else {
+        Vec::new()
+    }
+}
+
 fn free_loopback_port() -> anyhow::Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(listener.local_addr()?.port())
@@ -273,7 +289,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         moe_threads: args.moe_threads,
         max_context: args.max_context,
         no_workers: false,
-        engine_args: Vec::new(),
+        engine_args: previous_routing_statistics(&model),
     };
     start_pipeline(&mut supervisor, &serve_args)?;
     let api = if args.serve {

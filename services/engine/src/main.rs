@@ -14,7 +14,7 @@ use ninfer_engine::backend::cuda::CudaBackend;
 use ninfer_engine::experts::ExpertExecutor;
 use ninfer_engine::kernel_experts::KernelExpertExecutor;
 use ninfer_engine::remote_experts::{RemoteExpertExecutor, RemoteExpertsOptions};
-use ninfer_engine::service::routing_stats::{CountingExecutor, RoutingCounters};
+use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
 use ninfer_engine::service::scheduler::{
     self, SchedulerCommand, SchedulerCounters, SchedulerLimits,
 };
@@ -73,6 +73,10 @@ struct Args {
     /// Write routing statistics (per layer, per expert) to this JSON file every 10 s and at exit.
     #[arg(long)]
     moe_record_stats: Option<PathBuf>,
+    /// Routing statistics of earlier runs (`ninfer-expert-stats-v1`, written by
+    /// `--moe-record-stats` or the gateway's state directory) for static expert placement.
+    #[arg(long)]
+    moe_expert_stats: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -118,6 +122,26 @@ fn main() -> anyhow::Result<()> {
         common.num_hidden_layers,
         common.num_experts,
     ));
+    if let Some(path) = &args.moe_expert_stats {
+        let statistics = ExpertStatistics::load(path, common.num_hidden_layers, common.num_experts)
+            .map_err(|problem| anyhow::anyhow!("--moe-expert-stats: {problem}"))?;
+        // The placement the GPU expert slots start from: the hottest experts of each layer.
+        let slots = (common.num_experts / 4).max(1);
+        let placement = statistics.placement(slots);
+        let moe_layers: Vec<&(Vec<u32>, f64)> = placement
+            .iter()
+            .enumerate()
+            .filter(|(layer, _)| common.moe_layers[*layer])
+            .map(|(_, entry)| entry)
+            .collect();
+        let mean_share =
+            moe_layers.iter().map(|(_, share)| share).sum::<f64>() / moe_layers.len().max(1) as f64;
+        tracing::info!(
+            file = %path.display(),
+            "expert placement from routing statistics: the {slots} hottest experts per layer serve {:.1}% of routed tokens on average",
+            mean_share * 100.0
+        );
+    }
     let (experts, readiness): (Arc<dyn ExpertExecutor>, Arc<dyn Readiness>) =
         if args.experts.is_empty() {
             let isa = match &args.kernel_isa {

@@ -374,25 +374,24 @@ unsafe fn int4_row<const N: usize>(
     }
 }
 
-/// Two int4 rows against one token in one pass (decode): rows `row_a` and `row_b` are two
-/// independent weight streams sharing every activation load, which doubles the misses in
-/// flight per core and halves the per-row overhead.
+/// `R` int4 rows against one token in one pass (decode): the rows are `R` independent weight
+/// streams sharing every activation load, which multiplies the misses in flight per core and
+/// divides the per-row overhead. `R` = 2 (a gate row and its up row, or two 8-row halves of a
+/// `down` block) or 4.
 ///
 /// # Safety
-/// As `kernels::matmul_rows` for both rows, with exactly one token; AVX-512 VNNI present.
+/// As `kernels::matmul_rows` for every row, with exactly one token; AVX-512 VNNI present.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-pub(crate) unsafe fn int4_row_pair(
+pub(crate) unsafe fn int4_rows_one_token<const R: usize>(
     matrix: &MatrixView,
-    row_a: usize,
-    row_b: usize,
+    rows: [usize; R],
     input: &InputRows,
-    out_a: *mut f32,
-    out_b: *mut f32,
+    outs: [*mut f32; R],
 ) {
     let groups = matrix.layout.groups_per_row;
     let blocks = groups.div_ceil(4);
-    let values = [matrix.row_values(row_a), matrix.row_values(row_b)];
-    let scales = [matrix.row_scales(row_a), matrix.row_scales(row_b)];
+    let values: [*const u8; R] = std::array::from_fn(|r| matrix.row_values(rows[r]));
+    let scales: [*const u16; R] = std::array::from_fn(|r| matrix.row_scales(rows[r]));
     let zero = _mm512_setzero_si512();
     let low_nibbles = _mm512_set1_epi8(0x0f);
     let quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -401,18 +400,19 @@ pub(crate) unsafe fn int4_row_pair(
     let x_bytes = input.int8_row(0);
     let x_scales = input.lane_scale_row(0);
     let x_offsets = input.group_offset_row(0);
-    let mut acc = [_mm512_setzero_ps(); 2];
-    let mut offset_acc = [_mm512_setzero_ps(); 2];
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut offset_acc = [_mm512_setzero_ps(); R];
     let prefetch = crate::kernels::prefetch_distance();
     let into_l2 = crate::kernels::prefetch_to_l2();
-    prefetch_row_scales(matrix, row_a, prefetch, into_l2);
-    prefetch_row_scales(matrix, row_b, prefetch, into_l2);
+    for &row in &rows {
+        prefetch_row_scales(matrix, row, prefetch, into_l2);
+    }
     let mut block = 0;
     while block < blocks {
         let chunk = (blocks - block).min(4);
         let chunk_groups = (groups - 4 * block).min(16);
         let offsets = _mm512_maskz_loadu_ps(lane_mask(chunk_groups), x_offsets.add(4 * block));
-        let chunk_scales: [__m512; 2] = std::array::from_fn(|r| {
+        let chunk_scales: [__m512; R] = std::array::from_fn(|r| {
             let row_scales = load_scales(scales[r].add(4 * block), chunk_groups);
             offset_acc[r] = _mm512_fmadd_ps(row_scales, offsets, offset_acc[r]);
             row_scales
@@ -424,7 +424,7 @@ pub(crate) unsafe fn int4_row_pair(
             let x_even = _mm512_loadu_si512(x.cast());
             let x_odd = _mm512_loadu_si512(x.add(64).cast());
             let x_scale = _mm512_loadu_ps(x_scales.add(b * 16));
-            for r in 0..2 {
+            for r in 0..R {
                 if prefetch > 0 {
                     // Addresses past the matrix end are harmless: prefetches never fault.
                     prefetch_line(values[r].wrapping_add(b * 64 + prefetch), into_l2);
@@ -446,11 +446,12 @@ pub(crate) unsafe fn int4_row_pair(
         }
         block += chunk;
     }
-    *out_a = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], offset_acc[0]));
-    *out_b = _mm512_reduce_add_ps(_mm512_add_ps(acc[1], offset_acc[1]));
+    for r in 0..R {
+        *outs[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], offset_acc[r]));
+    }
 }
 
-/// Two int8 rows against one token in one pass (decode); see [`int4_row_pair`].
+/// Two int8 rows against one token in one pass (decode); see [`int4_rows_one_token`].
 ///
 /// # Safety
 /// As `kernels::matmul_rows` for both rows, with exactly one token; AVX-512 VNNI present.

@@ -290,13 +290,50 @@ fn sanitize(bytes: &mut [u8], layout: &MatrixLayout) {
     }
 }
 
+/// Environment variable that sets [`crate::LayerTuning`] for `bench_experts` (and every later
+/// `compute_layer` call of the process): a comma-separated subset of `steal`, `ahead`, `shared`,
+/// `quad` (4 int4 rows per decode pass, [`crate::set_int4_rows_per_pass`]), or `none`. Unset:
+/// the defaults.
+pub const TUNING_ENV: &str = "NINFER_EXPERT_TUNING";
+
+/// Applies [`TUNING_ENV`] if it is set.
+pub fn apply_tuning_env() -> Result<(), KernelError> {
+    let Ok(text) = std::env::var(TUNING_ENV) else {
+        return Ok(());
+    };
+    let mut tuning = crate::LayerTuning {
+        steal: false,
+        prefetch_ahead: false,
+        shared_decode_input: false,
+    };
+    let mut quad = false;
+    for word in text.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+        match word {
+            "steal" => tuning.steal = true,
+            "ahead" => tuning.prefetch_ahead = true,
+            "shared" => tuning.shared_decode_input = true,
+            "quad" => quad = true,
+            "none" => {}
+            other => {
+                return Err(KernelError::Input(format!(
+                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, quad, none)"
+                )))
+            }
+        }
+    }
+    crate::set_layer_tuning(tuning);
+    crate::set_int4_rows_per_pass(if quad { 4 } else { 2 });
+    Ok(())
+}
+
 /// Streams random experts through `compute_layer`, rotating over a bank of at least
-/// `working_set_bytes`, for each path in `isas`.
+/// `working_set_bytes`, for each path in `isas` (with the layer tuning of [`TUNING_ENV`]).
 pub fn bench_experts(
     pool: &ThreadPool,
     config: &ExpertBenchConfig,
     isas: &[KernelIsa],
 ) -> Result<Vec<ExpertBenchResult>, KernelError> {
+    apply_tuning_env()?;
     let layout = config.layout;
     let per_layer = config.experts_per_layer.max(1);
     let layers = config

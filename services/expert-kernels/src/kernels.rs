@@ -70,6 +70,43 @@ pub(crate) fn prefetch_row_scales(matrix: &MatrixView, row: usize, distance: usi
     }
 }
 
+/// Prefetches (into L2) the first `bytes` value bytes of the rows from `row` on, and their
+/// scales: the start of a stream a thread is about to read (see `LayerTuning::prefetch_ahead`).
+pub(crate) fn prefetch_stream_start(matrix: &MatrixView, row: usize, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let layout = &matrix.layout;
+        let start = row * layout.row_bytes;
+        let end = (start + bytes).min(layout.rows * layout.row_bytes);
+        let mut offset = start;
+        while offset < end {
+            prefetch_line(matrix.base.wrapping_add(offset), true);
+            offset += 64;
+        }
+        if layout.groups_per_row > 0 {
+            let scale_bytes = layout.groups_per_row * 2;
+            let first = layout.scales_offset + row * scale_bytes;
+            let last = first + (end - start).div_ceil(layout.row_bytes) * scale_bytes;
+            let mut offset = first & !63;
+            while offset < last {
+                prefetch_line(matrix.base.wrapping_add(offset), true);
+                offset += 64;
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (matrix, row, bytes);
+}
+
+/// Int4 rows per pass of the decode kernels: 2 or 4 (a tuning knob for `ninfer bench`).
+static INT4_ROWS_PER_PASS: AtomicUsize = AtomicUsize::new(2);
+
+/// Sets how many int4 weight rows the decode (one-token) kernels stream in one pass: 2 or 4
+/// (anything else means 2).
+pub fn set_int4_rows_per_pass(rows: usize) {
+    INT4_ROWS_PER_PASS.store(if rows == 4 { 4 } else { 2 }, Ordering::Relaxed);
+}
+
 /// Per-thread buffers, owned by `LayerScratch`; one thread uses one of them at a time.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // strip / tiles: AMX only
 #[derive(Clone, Copy)]
@@ -180,14 +217,35 @@ pub(crate) unsafe fn matmul_row_pairs(
         let vnni = matches!(isa, KernelIsa::Avx512Vnni | KernelIsa::Amx);
         let dtype = matrix.layout.dtype;
         if vnni && input.tokens == 1 && input.amx_base.is_none() && dtype.is_quantized() {
-            for local in 0..count {
+            let mut local = 0;
+            if dtype == crate::layout::WeightDType::Int4
+                && INT4_ROWS_PER_PASS.load(Ordering::Relaxed) == 4
+            {
+                while count - local >= 2 {
+                    let (row_a, row_b) = (first_a + local, first_b + local);
+                    crate::avx512::int4_rows_one_token::<4>(
+                        matrix,
+                        [row_a, row_a + 1, row_b, row_b + 1],
+                        input,
+                        [
+                            out_a.add(local),
+                            out_a.add(local + 1),
+                            out_b.add(local),
+                            out_b.add(local + 1),
+                        ],
+                    );
+                    local += 2;
+                }
+            }
+            while local < count {
                 let (row_a, row_b) = (first_a + local, first_b + local);
                 let (a, b) = (out_a.add(local), out_b.add(local));
                 if dtype == crate::layout::WeightDType::Int4 {
-                    crate::avx512::int4_row_pair(matrix, row_a, row_b, input, a, b);
+                    crate::avx512::int4_rows_one_token::<2>(matrix, [row_a, row_b], input, [a, b]);
                 } else {
                     crate::avx512::int8_row_pair(matrix, row_a, row_b, input, a, b);
                 }
+                local += 1;
             }
             return;
         }

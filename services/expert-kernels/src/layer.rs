@@ -55,6 +55,60 @@ pub fn set_down_split(split: DownSplit) {
     );
 }
 
+/// Scheduling choices of `compute_layer` (tuning knobs for `ninfer bench`; all on by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerTuning {
+    /// A thread that has finished its share of a phase's work items takes unstarted items from
+    /// the other threads' shares (one atomic counter per share), so a phase ends when the work
+    /// does rather than when its slowest thread does.
+    pub steal: bool,
+    /// Before waiting at a barrier (and before preparing the input), each thread prefetches the
+    /// first bytes (the prefetch distance) of its first weight rows of the next phase, so the
+    /// next phase starts with its streams already in flight.
+    pub prefetch_ahead: bool,
+    /// Batch of one token (decode): the token's input forms are prepared once (split across
+    /// threads), not once per expert.
+    pub shared_decode_input: bool,
+}
+
+impl Default for LayerTuning {
+    fn default() -> Self {
+        LayerTuning {
+            steal: true,
+            prefetch_ahead: true,
+            shared_decode_input: true,
+        }
+    }
+}
+
+const TUNE_STEAL: u8 = 1;
+const TUNE_AHEAD: u8 = 2;
+const TUNE_SHARED: u8 = 4;
+static TUNING: std::sync::atomic::AtomicU8 =
+    std::sync::atomic::AtomicU8::new(TUNE_STEAL | TUNE_AHEAD | TUNE_SHARED);
+
+/// Sets `compute_layer`'s scheduling choices for every later call.
+pub fn set_layer_tuning(tuning: LayerTuning) {
+    let bits = (tuning.steal as u8 * TUNE_STEAL)
+        | (tuning.prefetch_ahead as u8 * TUNE_AHEAD)
+        | (tuning.shared_decode_input as u8 * TUNE_SHARED);
+    TUNING.store(bits, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The current scheduling choices.
+pub fn layer_tuning() -> LayerTuning {
+    let bits = TUNING.load(std::sync::atomic::Ordering::Relaxed);
+    LayerTuning {
+        steal: bits & TUNE_STEAL != 0,
+        prefetch_ahead: bits & TUNE_AHEAD != 0,
+        shared_decode_input: bits & TUNE_SHARED != 0,
+    }
+}
+
+/// One thread's claim counter for one phase, alone on its cache lines.
+#[repr(align(128))]
+struct ClaimCounter(std::sync::atomic::AtomicUsize);
+
 /// The two matrices of one expert, as stored (`docs/FORMAT.md`).
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertWeights<'a> {
@@ -130,6 +184,8 @@ pub struct LayerScratch {
     /// `[pairs, H]` down outputs for the reduce split (small batches only).
     down_out: Vec<f32>,
     down_out_pairs: usize,
+    /// `[phase (gate_up, down), thread]`: items of the thread's share claimed so far.
+    claims: Vec<ClaimCounter>,
     /// When thread 0 left barriers 1 and 2 in the last call.
     marks: [Option<Instant>; 2],
     last_phases: [Duration; 3],
@@ -196,6 +252,9 @@ impl LayerScratch {
             down_out_pairs: capacity
                 .max_pairs
                 .min(REDUCE_MAX_TOKENS * capacity.max_tasks),
+            claims: (0..2 * threads)
+                .map(|_| ClaimCounter(std::sync::atomic::AtomicUsize::new(0)))
+                .collect(),
             marks: [None; 2],
             last_phases: [Duration::ZERO; 3],
         };
@@ -243,6 +302,11 @@ struct LayerJob {
     act: FormsPtr,
     threads: *const ThreadBuffers,
     marks: *mut [Option<Instant>; 2],
+    claims: *const ClaimCounter,
+    tuning: LayerTuning,
+    /// Every pair is token 0 of a one-token batch and its input forms are prepared in slot 0
+    /// only (`LayerTuning::shared_decode_input`).
+    shared_input: bool,
     /// Null unless phase 2 uses the reduce split.
     down_out: *mut f32,
 }
@@ -340,6 +404,16 @@ pub fn compute_layer(
             .tasks
             .iter()
             .all(|task| task.count <= REDUCE_MAX_TOKENS);
+    let tuning = layer_tuning();
+    let shared_input = tuning.shared_decode_input
+        && tokens == 1
+        && scratch
+            .tasks
+            .iter()
+            .all(|task| task.count <= 1 && task.amx_input.is_none());
+    for claim in &scratch.claims {
+        claim.0.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
     let job = LayerJob {
         isa: scratch.isa,
         layout,
@@ -352,6 +426,9 @@ pub fn compute_layer(
         act: scratch.act.pointers(),
         threads: scratch.thread_buffers.as_ptr(),
         marks: &mut scratch.marks,
+        claims: scratch.claims.as_ptr(),
+        tuning,
+        shared_input,
         down_out: if reduce {
             scratch.down_out.as_mut_ptr()
         } else {
@@ -407,33 +484,90 @@ impl LayerJob {
         &*self.tasks.add(index)
     }
 
+    /// Claims the next work item of `phase` (0: gate_up, 1: down) out of `0..total`: this
+    /// thread's own share first, in order, then (with `LayerTuning::steal`) unstarted items of
+    /// the other threads' shares. `victim` is the caller's cursor over the shares (start at 0).
+    unsafe fn claim(
+        &self,
+        phase: usize,
+        context: &WorkerContext<'_>,
+        total: usize,
+        victim: &mut usize,
+    ) -> Option<usize> {
+        let count = context.count;
+        let shares = if self.tuning.steal { count } else { 1 };
+        while *victim < shares {
+            let owner = (context.index + *victim) % count;
+            let share = split_range(total, owner, count);
+            let counter = &(*self.claims.add(phase * count + owner)).0;
+            // Relaxed: the counter only hands out indices; data is published by the barriers.
+            let taken = counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if taken < share.len() {
+                return Some(share.start + taken);
+            }
+            *victim += 1;
+        }
+        None
+    }
+
     unsafe fn run(&self, context: &WorkerContext<'_>, gates: &GatePointers) {
         let buffers = &*self.threads.add(context.index);
         let h = self.layout.hidden;
         let im = self.layout.intermediate;
         let int4 = self.layout.dtype == crate::layout::WeightDType::Int4;
 
+        let units_per_task = im.div_ceil(GROUP);
+        let gate_up_items = self.task_count * units_per_task;
+        let row_blocks = h.div_ceil(ROW_BLOCK);
+        let ahead = if self.tuning.prefetch_ahead {
+            crate::kernels::prefetch_distance().max(1024)
+        } else {
+            0
+        };
+        if ahead > 0 {
+            // This thread's first gate_up unit (the start of its own share, which it always
+            // computes itself): gate rows and up rows.
+            let share = context.split(gate_up_items);
+            if !share.is_empty() {
+                let task = self.task(share.start / units_per_task);
+                let first = (share.start % units_per_task) * GROUP;
+                crate::kernels::prefetch_stream_start(&task.gate_up, first, ahead);
+                crate::kernels::prefetch_stream_start(&task.gate_up, im + first, ahead);
+            }
+        }
+
         // Phase 0: input rows of (expert, token) pairs, split by (pair, group of 32) so even
-        // one decode token is shared by all threads.
+        // one decode token is shared by all threads. With a shared decode input only slot 0
+        // (token 0, which every pair reads) is prepared.
         let groups = h.div_ceil(GROUP);
-        let mine = context.split(self.pairs * groups);
-        for task_index in 0..self.task_count {
-            let task = self.task(task_index);
-            let start = mine.start.max(task.first_slot * groups);
-            let end = mine.end.min((task.first_slot + task.count) * groups);
-            for item in start..end {
-                let slot = item / groups;
-                let group = item % groups;
-                let local = slot - task.first_slot;
-                let token = *task.tokens.add(local) as usize;
+        if self.shared_input {
+            let task = self.task(0);
+            for group in context.split(groups) {
                 let first = group * GROUP;
-                let values = std::slice::from_raw_parts(
-                    self.hidden.add(token * h + first),
-                    GROUP.min(h - first),
-                );
-                self.input.write_group(slot, group, values);
-                if let Some(base) = task.amx_input {
-                    self.input.write_amx(base, local, group, values, int4);
+                let values =
+                    std::slice::from_raw_parts(self.hidden.add(first), GROUP.min(h - first));
+                self.input.write_group(task.first_slot, group, values);
+            }
+        } else {
+            let mine = context.split(self.pairs * groups);
+            for task_index in 0..self.task_count {
+                let task = self.task(task_index);
+                let start = mine.start.max(task.first_slot * groups);
+                let end = mine.end.min((task.first_slot + task.count) * groups);
+                for item in start..end {
+                    let slot = item / groups;
+                    let group = item % groups;
+                    let local = slot - task.first_slot;
+                    let token = *task.tokens.add(local) as usize;
+                    let first = group * GROUP;
+                    let values = std::slice::from_raw_parts(
+                        self.hidden.add(token * h + first),
+                        GROUP.min(h - first),
+                    );
+                    self.input.write_group(slot, group, values);
+                    if let Some(base) = task.amx_input {
+                        self.input.write_amx(base, local, group, values, int4);
+                    }
                 }
             }
         }
@@ -443,10 +577,11 @@ impl LayerJob {
         }
 
         // Phase 1: gate/up rows + SwiGLU, per (expert, 32 intermediate features).
-        let units_per_task = im.div_ceil(GROUP);
         let gate = gates.gate[context.index];
         let up = gates.up[context.index];
-        for unit in context.split(self.task_count * units_per_task) {
+        let input_slot0 = self.task(0).first_slot;
+        let mut victim = 0;
+        while let Some(unit) = self.claim(0, context, gate_up_items, &mut victim) {
             let task = self.task(unit / units_per_task);
             let chunk = unit % units_per_task;
             let first = chunk * GROUP;
@@ -456,7 +591,11 @@ impl LayerJob {
                 let tokens = TOKEN_CHUNK.min(task.count - t0);
                 let input = InputRows {
                     forms: self.input,
-                    first_slot: task.first_slot + t0,
+                    first_slot: if self.shared_input {
+                        input_slot0
+                    } else {
+                        task.first_slot + t0
+                    },
                     tokens,
                     amx_base: task
                         .amx_input
@@ -488,15 +627,38 @@ impl LayerJob {
                 t0 += tokens;
             }
         }
+        if ahead > 0 {
+            // This thread's first down rows, while it waits for the others.
+            if !self.down_out.is_null() {
+                let share = context.split(self.task_count * row_blocks);
+                if !share.is_empty() {
+                    let task = self.task(share.start / row_blocks);
+                    let first = (share.start % row_blocks) * ROW_BLOCK;
+                    crate::kernels::prefetch_stream_start(&task.down, first, ahead);
+                    crate::kernels::prefetch_stream_start(&task.down, first + ROW_BLOCK / 2, ahead);
+                }
+            } else {
+                let blocks = split_range(row_blocks, context.index, context.count);
+                if !blocks.is_empty() && self.task_count > 0 {
+                    let task = self.task(0);
+                    crate::kernels::prefetch_stream_start(
+                        &task.down,
+                        blocks.start * ROW_BLOCK,
+                        ahead,
+                    );
+                }
+            }
+        }
         context.barrier();
         if context.index == 0 {
             (*self.marks)[1] = Some(Instant::now());
         }
 
-        let row_blocks = h.div_ceil(ROW_BLOCK);
         if !self.down_out.is_null() {
             // Phase 2 (reduce split): (expert, row block) items, one contiguous run per thread.
-            for item in context.split(self.task_count * row_blocks) {
+            let mut victim = 0;
+            while let Some(item) = self.claim(1, context, self.task_count * row_blocks, &mut victim)
+            {
                 let task = self.task(item / row_blocks);
                 let first = (item % row_blocks) * ROW_BLOCK;
                 let rows = ROW_BLOCK.min(h - first);

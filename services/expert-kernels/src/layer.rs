@@ -13,6 +13,11 @@
 //!    rows of its blocks for every expert and accumulates into its own output columns, so
 //!    threads read disjoint weight memory and write disjoint output without atomics.
 //!
+//! Phases 1 and 2 hand out their work items from per-thread contiguous shares; a thread that
+//! finishes its share takes unstarted items of the others' shares (one claim counter per share,
+//! `LayerTuning::steal`), so a phase ends with its work rather than with its slowest thread. A
+//! one-token batch (decode) prepares its input once, not once per expert.
+//!
 //! Nothing on this path allocates or locks: all buffers live in `LayerScratch`, sized once.
 
 use std::time::{Duration, Instant};
@@ -55,7 +60,9 @@ pub fn set_down_split(split: DownSplit) {
     );
 }
 
-/// Scheduling choices of `compute_layer` (tuning knobs for `ninfer bench`; all on by default).
+/// Scheduling choices of `compute_layer` (tuning knobs for `ninfer bench`). Default: `steal` and
+/// `shared_decode_input` on, `prefetch_ahead` off (it measured slower at decode on the 16-core
+/// Xeon of `docs/BENCHMARKS.md`: its prefetches compete with the threads still streaming).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerTuning {
     /// A thread that has finished its share of a phase's work items takes unstarted items from
@@ -75,7 +82,7 @@ impl Default for LayerTuning {
     fn default() -> Self {
         LayerTuning {
             steal: true,
-            prefetch_ahead: true,
+            prefetch_ahead: false,
             shared_decode_input: true,
         }
     }
@@ -85,7 +92,7 @@ const TUNE_STEAL: u8 = 1;
 const TUNE_AHEAD: u8 = 2;
 const TUNE_SHARED: u8 = 4;
 static TUNING: std::sync::atomic::AtomicU8 =
-    std::sync::atomic::AtomicU8::new(TUNE_STEAL | TUNE_AHEAD | TUNE_SHARED);
+    std::sync::atomic::AtomicU8::new(TUNE_STEAL | TUNE_SHARED);
 
 /// Sets `compute_layer`'s scheduling choices for every later call.
 pub fn set_layer_tuning(tuning: LayerTuning) {

@@ -276,7 +276,8 @@ impl Mapping {
     }
 }
 
-/// One request, as the engine posts it.
+/// One request: as the engine posts it, and as the worker reads it back (then the counts are as
+/// posted, so validate them before use; the slices are clamped to the slot).
 pub struct Request<'a> {
     pub layer: u32,
     pub token_count: u32,
@@ -539,17 +540,6 @@ impl Drop for EngineChannel {
     }
 }
 
-/// A request as the worker sees it. Counts are as posted: validate before use.
-pub struct RequestView<'a> {
-    pub slot: u32,
-    pub layer: u32,
-    pub token_count: u32,
-    pub top_k: u32,
-    pub expert_ids: &'a [u32],
-    pub routing_weights: &'a [f32],
-    pub hidden: &'a [f32],
-}
-
 /// The worker's end: attaches to a segment the engine created.
 pub struct WorkerChannel {
     mapping: Mapping,
@@ -636,7 +626,7 @@ impl WorkerChannel {
     }
 
     /// The next posted request, in slot order, waiting at most `timeout` (spin, then futex).
-    pub fn next_request(&self, timeout: Duration) -> Option<RequestView<'_>> {
+    pub fn next_request(&self, timeout: Duration) -> Option<(u32, Request<'_>)> {
         let segment = self.mapping.header();
         let slots = self.mapping.geometry.slot_count;
         let started = Instant::now();
@@ -679,21 +669,23 @@ impl WorkerChannel {
             let top_k = (*raw).top_k;
             let tokens = (token_count.min(geometry.max_tokens)) as usize;
             let k = (top_k.min(geometry.max_top_k)) as usize;
-            Some(RequestView {
+            Some((
                 slot,
-                layer: (*raw).layer,
-                token_count,
-                top_k,
-                expert_ids: std::slice::from_raw_parts(self.mapping.ids_ptr(slot), tokens * k),
-                routing_weights: std::slice::from_raw_parts(
-                    self.mapping.weights_ptr(slot),
-                    tokens * k,
-                ),
-                hidden: std::slice::from_raw_parts(
-                    self.mapping.hidden_ptr(slot),
-                    tokens * geometry.hidden_size as usize,
-                ),
-            })
+                Request {
+                    layer: (*raw).layer,
+                    token_count,
+                    top_k,
+                    expert_ids: std::slice::from_raw_parts(self.mapping.ids_ptr(slot), tokens * k),
+                    routing_weights: std::slice::from_raw_parts(
+                        self.mapping.weights_ptr(slot),
+                        tokens * k,
+                    ),
+                    hidden: std::slice::from_raw_parts(
+                        self.mapping.hidden_ptr(slot),
+                        tokens * geometry.hidden_size as usize,
+                    ),
+                },
+            ))
         }
     }
 
@@ -701,7 +693,7 @@ impl WorkerChannel {
     ///
     /// # Safety
     /// Only between `next_request` returning this slot and `complete` for it, and not while a
-    /// `RequestView` of the same slot is used to write (the areas are disjoint, so reading the
+    /// `Request` read from the same slot is used to write (the areas are disjoint, so reading the
     /// view while writing here is fine).
     // The output lives in shared memory, not in `self`: the slot protocol, not the borrow of
     // `self`, is what makes the access exclusive (hence `unsafe` and the contract above).
@@ -772,8 +764,8 @@ mod tests {
         let worker = std::thread::spawn(move || {
             let channel = WorkerChannel::attach(&name, 8).unwrap();
             for _ in 0..20 {
-                let request = channel.next_request(Duration::from_secs(5)).unwrap();
-                let (slot, hidden) = (request.slot, request.hidden.to_vec());
+                let (slot, request) = channel.next_request(Duration::from_secs(5)).unwrap();
+                let hidden = request.hidden.to_vec();
                 let scale: f32 = request.routing_weights.iter().sum();
                 // SAFETY: between next_request and complete for this slot.
                 let out = unsafe { channel.output_mut(slot) };
@@ -833,10 +825,9 @@ mod tests {
         assert!(matches!(too_big, Err(ChannelError::RequestTooLarge(_))));
         let worker = WorkerChannel::attach(engine.name(), 4).unwrap();
         let sequence = engine.corrupt_request_for_tests(0, 1_000_000, 7, 99);
-        let request = worker.next_request(Duration::from_secs(1)).unwrap();
+        let (slot, request) = worker.next_request(Duration::from_secs(1)).unwrap();
         assert_eq!((request.token_count, request.top_k), (1_000_000, 7));
         assert!(request.hidden.len() <= 8, "views are clamped to the slot");
-        let slot = request.slot;
         worker.complete(slot, Err("token count 1000000 exceeds 2"));
         assert_eq!(
             engine.wait(0, sequence, Duration::from_secs(1)),

@@ -35,8 +35,7 @@ pub fn run_echo(args: ChannelEchoArgs) -> anyhow::Result<()> {
     let parent = nix::unistd::getppid();
     loop {
         match channel.next_request(Duration::from_millis(200)) {
-            Some(request) => {
-                let slot = request.slot;
+            Some((slot, request)) => {
                 let count = request.hidden.len();
                 let hidden = request.hidden.as_ptr();
                 // SAFETY: between next_request and complete for this slot; input and output

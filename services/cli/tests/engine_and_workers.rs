@@ -220,11 +220,25 @@ async fn generate(
     client: &mut EngineClient<tonic::transport::Channel>,
     request: GenerateRequest,
 ) -> Vec<u32> {
+    generate_acting_after(client, request, usize::MAX, || {}).await
+}
+
+/// Streams a generation and runs `action` once, right after the `after`-th token arrived (it may
+/// block: the engine keeps generating meanwhile).
+async fn generate_acting_after(
+    client: &mut EngineClient<tonic::transport::Channel>,
+    request: GenerateRequest,
+    after: usize,
+    mut action: impl FnMut(),
+) -> Vec<u32> {
     let mut stream = client.generate(request).await.unwrap().into_inner();
     let mut tokens = Vec::new();
     while let Some(message) = stream.message().await.unwrap() {
         if !message.no_token {
             tokens.push(message.token_id);
+            if tokens.len() == after {
+                action();
+            }
         }
     }
     tokens
@@ -330,30 +344,19 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
     // kill -9 after 10 tokens, restart on the same socket.
     let interrupted = rt.block_on(async {
         let mut client = client(&engine).await;
-        let mut stream = client
-            .generate(greedy(&prompt, 64))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut tokens = Vec::new();
-        while let Some(message) = stream.message().await.unwrap() {
-            if !message.no_token {
-                tokens.push(message.token_id);
-            }
-            if tokens.len() == 10 {
-                stack.signal("worker", Signal::SIGKILL);
-                let _ = stack.child("worker").wait();
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                stack.worker_on(
-                    "worker-restarted",
-                    "worker",
-                    &model,
-                    "all",
-                    &["--test-delay-ms", "20"],
-                );
-            }
-        }
-        tokens
+        generate_acting_after(&mut client, greedy(&prompt, 64), 10, || {
+            stack.signal("worker", Signal::SIGKILL);
+            let _ = stack.child("worker").wait();
+            std::thread::sleep(Duration::from_millis(300));
+            stack.worker_on(
+                "worker-restarted",
+                "worker",
+                &model,
+                "all",
+                &["--test-delay-ms", "20"],
+            );
+        })
+        .await
     });
     assert_eq!(
         interrupted, uninterrupted,
@@ -372,23 +375,12 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
     // SIGSTOP: detected as hung; SIGCONT: work resumes, same tokens.
     let resumed = rt.block_on(async {
         let mut client = client(&engine).await;
-        let mut stream = client
-            .generate(greedy(&prompt, 64))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut tokens = Vec::new();
-        while let Some(message) = stream.message().await.unwrap() {
-            if !message.no_token {
-                tokens.push(message.token_id);
-            }
-            if tokens.len() == 5 {
-                stack.signal("worker-restarted", Signal::SIGSTOP);
-                tokio::time::sleep(Duration::from_millis(2000)).await;
-                stack.signal("worker-restarted", Signal::SIGCONT);
-            }
-        }
-        tokens
+        generate_acting_after(&mut client, greedy(&prompt, 64), 5, || {
+            stack.signal("worker-restarted", Signal::SIGSTOP);
+            std::thread::sleep(Duration::from_millis(2000));
+            stack.signal("worker-restarted", Signal::SIGCONT);
+        })
+        .await
     });
     assert_eq!(resumed, uninterrupted);
     let log = stack.log("engine");

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use ninfer_artifact::Artifact;
 use ninfer_expert_kernels::routed::{BankView, RoutedExpertComputer};
-use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool, WeightDType};
+use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool};
 
 use crate::error::EngineError;
 use crate::experts::{ExpertBatch, ExpertExecutor};
@@ -36,12 +36,8 @@ impl KernelExpertExecutor {
             .filter(|&layer| common.moe_layers[layer])
             .find_map(|layer| artifact.expert_bank(&format!("layers.{layer}.moe.experts")))
             .ok_or_else(|| invalid("the model has no expert bank".into()))?;
-        let layout = ExpertLayout::new(
-            WeightDType::from_artifact(bank.dtype),
-            common.hidden_size,
-            common.moe_intermediate_size,
-        )
-        .map_err(|e| invalid(e.to_string()))?;
+        let layout = ExpertLayout::for_bank(bank, common.hidden_size, common.moe_intermediate_size)
+            .map_err(|e| invalid(e.to_string()))?;
         let pool = ThreadPool::new(threads, cpus, false).map_err(|e| invalid(e.to_string()))?;
         let computer = RoutedExpertComputer::new(
             pool,

@@ -84,6 +84,9 @@ struct Shared {
     changed: Condvar,
     changed_lock: Mutex<()>,
     requests_sent: AtomicU64,
+    /// Whether every expert has a live owner, recomputed on each health change so the per-layer
+    /// check is one atomic load.
+    covered: std::sync::atomic::AtomicBool,
 }
 
 /// The executor; cheap to share (`Arc` inside).
@@ -150,6 +153,7 @@ impl RemoteExpertExecutor {
             changed: Condvar::new(),
             changed_lock: Mutex::new(()),
             requests_sent: AtomicU64::new(0),
+            covered: std::sync::atomic::AtomicBool::new(false),
         });
         let registrar = Arc::clone(&shared);
         std::thread::Builder::new()
@@ -163,7 +167,7 @@ impl RemoteExpertExecutor {
 
     /// True when every expert has a registered, live owner.
     pub fn ready(&self) -> bool {
-        self.shared.coverage_complete()
+        self.shared.covered.load(Ordering::Acquire)
     }
 
     /// A one-line description of missing workers, for readiness messages.
@@ -197,8 +201,11 @@ fn rand_suffix() -> u64 {
 }
 
 impl Shared {
+    /// Called on every health change: refreshes `covered` and wakes waiting requests.
     fn notify(&self) {
         let _guard = self.changed_lock.lock();
+        self.covered
+            .store(self.coverage_complete(), Ordering::Release);
         self.changed.notify_all();
     }
 
@@ -220,9 +227,12 @@ impl Shared {
 
     /// Waits until every expert has a live owner, or fails after `worker_timeout`.
     fn wait_for_coverage(&self, layer: usize) -> Result<(), EngineError> {
+        if self.covered.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let deadline = Instant::now() + self.options.worker_timeout;
         let mut guard = self.changed_lock.lock().map_err(|_| poisoned(layer))?;
-        while !self.coverage_complete() {
+        while !self.covered.load(Ordering::Acquire) {
             let now = Instant::now();
             if now >= deadline {
                 return Err(EngineError::ExpertExecutor {

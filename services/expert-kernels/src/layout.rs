@@ -183,6 +183,24 @@ impl ExpertLayout {
         })
     }
 
+    /// The layout of the experts of an artifact's `bank`, checked against the bank's stride, so
+    /// a bank written with another layout is refused instead of misread.
+    pub fn for_bank(
+        bank: &ninfer_artifact::ExpertBank,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<Self, KernelError> {
+        let layout =
+            ExpertLayout::new(WeightDType::from_artifact(bank.dtype), hidden, intermediate)?;
+        if layout.stride as u64 != bank.expert_stride {
+            return Err(KernelError::Layout(format!(
+                "bank `{}` has expert stride {}, the kernels expect {}",
+                bank.prefix, bank.expert_stride, layout.stride
+            )));
+        }
+        Ok(layout)
+    }
+
     /// Weight bytes the kernels stream for one expert (both matrices, values and scales).
     pub fn streamed_bytes(&self) -> usize {
         self.gate_up.streamed_bytes() + self.down.streamed_bytes()

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
 use ninfer_artifact::Artifact;
-use ninfer_channel::{RequestView, WorkerChannel, NO_EXPERT};
+use ninfer_channel::{Request, WorkerChannel, NO_EXPERT};
 use ninfer_expert_kernels::routed::{BankView, RoutedExpertComputer};
-use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool, WeightDType};
+use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool};
 use ninfer_protocol::v1::WorkerStatistics;
 
 /// One MoE layer's bank inside the artifact mapping.
@@ -54,19 +54,9 @@ impl WorkerModel {
             let bank = artifact.expert_bank(&prefix).ok_or_else(|| {
                 anyhow!("{}: no expert bank `{prefix}`", artifact.path().display())
             })?;
-            let bank_layout = ExpertLayout::new(
-                WeightDType::from_artifact(bank.dtype),
-                common.hidden_size,
-                common.moe_intermediate_size,
-            )?;
-            if bank_layout.stride as u64 != bank.expert_stride {
-                anyhow::bail!(
-                    "{}: bank `{prefix}` has stride {}, the kernels expect {}",
-                    artifact.path().display(),
-                    bank.expert_stride,
-                    bank_layout.stride
-                );
-            }
+            let bank_layout =
+                ExpertLayout::for_bank(bank, common.hidden_size, common.moe_intermediate_size)
+                    .with_context(|| artifact.path().display().to_string())?;
             layout = Some(bank_layout);
             banks.push(Some(Bank {
                 offset: bank.offset as usize,
@@ -101,7 +91,7 @@ impl WorkerModel {
     }
 
     /// Checks a request against the model and this worker's share; `Err` is sent back to the engine.
-    fn compute(&mut self, request: &RequestView<'_>, output: &mut [f32]) -> Result<u64, String> {
+    fn compute(&mut self, request: &Request<'_>, output: &mut [f32]) -> Result<u64, String> {
         let (layer, token_count, top_k) = (request.layer, request.token_count, request.top_k);
         let (ids, weights, hidden) = (request.expert_ids, request.routing_weights, request.hidden);
         let bank = match self.banks.get(layer as usize) {
@@ -332,8 +322,7 @@ fn serving_loop(
                 // Requests already posted are answered by the loop before we detach: the engine
                 // only drains a worker it stopped sending to.
                 if let Some(current) = channel.take() {
-                    while let Some(request) = current.next_request(Duration::from_millis(1)) {
-                        let slot = request.slot;
+                    while let Some((slot, _)) = current.next_request(Duration::from_millis(1)) {
                         current.complete(slot, Err("worker is draining"));
                     }
                 }
@@ -358,14 +347,13 @@ fn serve_one(
     counters: &Counters,
     test_delay: Duration,
 ) {
-    let Some(request) = channel.next_request(Duration::from_millis(20)) else {
+    let Some((slot, request)) = channel.next_request(Duration::from_millis(20)) else {
         return;
     };
     if !test_delay.is_zero() {
         std::thread::sleep(test_delay);
     }
     let started = Instant::now();
-    let slot = request.slot;
     let (layer, token_count, top_k) = (request.layer, request.token_count, request.top_k);
     // SAFETY: between next_request and complete for this slot; the output area is disjoint from
     // the request areas the view borrows.

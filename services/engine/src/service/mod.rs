@@ -142,12 +142,13 @@ impl Engine for EngineService {
             }
         }
         let (events, receiver) = tokio::sync::mpsc::channel(4096);
+        // A request without an id still needs a unique one: the scheduler cancels by id.
+        static UNNAMED_REQUESTS: std::sync::atomic::AtomicU64 =
+            std::sync::atomic::AtomicU64::new(0);
         let request_id = if request.request_id.is_empty() {
             format!(
-                "req-{}",
-                self.scheduler_counters
-                    .prompt_tokens
-                    .load(Ordering::Relaxed)
+                "ninfer-unnamed-{}",
+                UNNAMED_REQUESTS.fetch_add(1, Ordering::Relaxed)
             )
         } else {
             request.request_id.clone()

@@ -1,5 +1,6 @@
-//! `ninfer convert HF_DIR OUT.ninfer`: progress display and Ctrl-C handling around
-//! `ninfer_convert::convert_checkpoint`.
+//! `ninfer convert HF_DIR OUT.ninfer` and `ninfer convert --synthetic PRESET OUT.ninfer`: argument
+//! checks, progress display and Ctrl-C handling around `ninfer_convert::convert_checkpoint` and
+//! `ninfer_convert::write_synthetic`.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -9,14 +10,35 @@ use std::sync::Mutex;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use ninfer_artifact::DType;
+use ninfer_convert::synthetic::{Preset, Routing, SyntheticOptions, DEFAULT_SEED};
 use ninfer_convert::{ConvertOptions, ConvertProgress};
 
 #[derive(Debug, clap::Args)]
 pub struct ConvertArgs {
-    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files).
-    pub input_dir: PathBuf,
+    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); left
+    /// out with --synthetic.
+    #[arg(value_name = "HF_DIR")]
+    pub input_dir: Option<PathBuf>,
     /// Output artifact path, e.g. `model.ninfer`.
-    pub output: PathBuf,
+    #[arg(value_name = "OUT.ninfer")]
+    pub output: Option<PathBuf>,
+    /// Write random weights with the exact shapes of a released model instead of converting a
+    /// checkpoint: qwen3-30b-a3b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, qwen3-235b-a22b.
+    #[arg(long, value_name = "PRESET", conflicts_with_all = ["reuse", "skip_vision"])]
+    pub synthetic: Option<Preset>,
+    /// With --synthetic: keep only the first N decoder layers (same layer-type pattern).
+    #[arg(long, value_name = "N", requires = "synthetic")]
+    pub layers: Option<usize>,
+    /// With --synthetic: `zipf[:S]` (expert popularity per layer ~ 1/rank^S, like a trained
+    /// model; S defaults to 1) or `uniform` (plain random router weights).
+    #[arg(long, default_value = "zipf:1", requires = "synthetic")]
+    pub routing: Routing,
+    /// With --synthetic: random seed (same seed and options, same artifact).
+    #[arg(long, default_value_t = DEFAULT_SEED, requires = "synthetic")]
+    pub seed: u64,
+    /// With --synthetic: toy dimensions with the preset's structure (for tests).
+    #[arg(long, hide = true, requires = "synthetic")]
+    pub scale_down: bool,
     /// Storage type of routed experts: f32, bf16, int8 or int4 (group size 32, f16 scales).
     #[arg(long, default_value = "bf16")]
     pub experts_dtype: DType,
@@ -59,6 +81,30 @@ fn install_interrupt_handler() {
 struct CliProgress {
     bar: Option<ProgressBar>,
     total: Mutex<(u64, u64, u64)>,
+}
+
+impl CliProgress {
+    fn new() -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(0);
+            if let Ok(style) = ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} tensors {msg}",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        });
+        CliProgress {
+            bar,
+            total: Mutex::new((0, 0, 0)),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 impl ConvertProgress for CliProgress {
@@ -104,50 +150,103 @@ impl ConvertProgress for CliProgress {
     }
 }
 
+/// A usage error printed the way clap prints its own (with the usage line), exit status 2.
+fn usage_error(message: String) -> ! {
+    use clap::Args;
+    let mut command = ConvertArgs::augment_args(clap::Command::new("ninfer convert"));
+    command
+        .error(clap::error::ErrorKind::ArgumentConflict, message)
+        .exit()
+}
+
+/// `(input_dir, output)`: a checkpoint directory and an output, or (with --synthetic) only the
+/// output.
+fn paths(args: &ConvertArgs) -> (Option<PathBuf>, PathBuf) {
+    match (&args.synthetic, &args.input_dir, &args.output) {
+        (None, Some(input), Some(output)) => (Some(input.clone()), output.clone()),
+        (Some(_), Some(output), None) => (None, output.clone()),
+        (Some(preset), Some(input), Some(_)) => usage_error(format!(
+            "--synthetic {} replaces the checkpoint directory: give only the output path, not `{}` as well",
+            preset.name,
+            input.display()
+        )),
+        (Some(_), None, _) => usage_error("--synthetic PRESET needs the output path".into()),
+        (None, Some(_), None) => usage_error(
+            "missing the output path: `ninfer convert HF_DIR OUT.ninfer`".into(),
+        ),
+        (None, None, _) => usage_error(
+            "give a checkpoint directory and an output path (`ninfer convert HF_DIR OUT.ninfer`), or a preset and an output path (`ninfer convert --synthetic PRESET OUT.ninfer`)".into(),
+        ),
+    }
+}
+
 pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
+    let (input_dir, output) = paths(&args);
     install_interrupt_handler();
     let max_file_bytes = match args.max_file_gb {
         Some(gb) if gb.is_finite() && gb > 0.0 => Some((gb * 1e9) as u64),
         Some(gb) => anyhow::bail!("--max-file-gb must be a positive number, got {gb}"),
         None => None,
     };
+    let progress = CliProgress::new();
+    let started = std::time::Instant::now();
+    let Some(input_dir) = input_dir else {
+        let Some(preset) = args.synthetic.clone() else {
+            anyhow::bail!("--synthetic PRESET is missing");
+        };
+        let name = preset.name;
+        let options = SyntheticOptions {
+            preset: if args.scale_down {
+                preset.scaled_down()
+            } else {
+                preset
+            },
+            output: output.clone(),
+            experts_dtype: args.experts_dtype,
+            dense_dtype: args.dense_dtype,
+            layers: args.layers,
+            routing: args.routing,
+            seed: args.seed,
+            max_file_bytes,
+            threads: None,
+        };
+        let result = ninfer_convert::write_synthetic(&options, &progress);
+        progress.finish();
+        let report = result
+            .with_context(|| format!("writing synthetic {name} into {}", output.display()))?;
+        print_report(&output, &report, started);
+        return Ok(());
+    };
     let options = ConvertOptions {
-        input_dir: args.input_dir.clone(),
-        output: args.output.clone(),
+        input_dir: input_dir.clone(),
+        output: output.clone(),
         experts_dtype: args.experts_dtype,
         dense_dtype: args.dense_dtype,
         max_file_bytes,
         reuse: args.reuse.clone(),
         skip_vision: args.skip_vision,
     };
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let bar = ProgressBar::new(0);
-        if let Ok(style) = ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} tensors {msg}",
-        ) {
-            bar.set_style(style);
-        }
-        bar
-    });
-    let progress = CliProgress {
-        bar,
-        total: Mutex::new((0, 0, 0)),
-    };
-    let started = std::time::Instant::now();
     let result = ninfer_convert::convert_checkpoint(&options, &progress);
-    if let Some(bar) = &progress.bar {
-        bar.finish_and_clear();
-    }
+    progress.finish();
     let report = result.with_context(|| {
         format!(
             "converting {} into {}",
-            args.input_dir.display(),
-            args.output.display()
+            input_dir.display(),
+            output.display()
         )
     })?;
+    print_report(&output, &report, started);
+    Ok(())
+}
+
+fn print_report(
+    output: &std::path::Path,
+    report: &ninfer_convert::ConvertReport,
+    started: std::time::Instant,
+) {
     println!(
         "wrote {} ({}, {} tensors converted, {} reused, {:.2} MiB in {} file(s)) in {:.1}s",
-        args.output.display(),
+        output.display(),
         report.architecture,
         report.tensors_written,
         report.tensors_reused,
@@ -155,5 +254,4 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         report.files.len(),
         started.elapsed().as_secs_f64()
     );
-    Ok(())
 }

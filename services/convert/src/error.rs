@@ -36,6 +36,11 @@ pub enum ConvertError {
         count: usize,
         examples: String,
     },
+    #[error("{option}: {problem}")]
+    InvalidOption {
+        option: &'static str,
+        problem: String,
+    },
     #[error("conversion interrupted; no output was left behind")]
     Interrupted,
     #[error(transparent)]

@@ -178,6 +178,12 @@ pub fn read_config(directory: &Path) -> Result<ParsedConfig, ConvertError> {
         file: file.clone(),
         problem: format!("not valid JSON: {e}"),
     })?;
+    parse_config(&file, &root)
+}
+
+/// Parses a `config.json` value; `file` names it in errors.
+pub fn parse_config(file: &Path, root: &Value) -> Result<ParsedConfig, ConvertError> {
+    let file = file.to_path_buf();
     let Some(root_map) = root.as_object() else {
         return Err(ConvertError::Input {
             file,

@@ -1,7 +1,8 @@
 //! `ninfer convert`: Hugging Face checkpoint directory → `.ninfer` artifact.
 //!
 //! Owns: reading `config.json` / `*.safetensors` / tokenizer files, mapping checkpoint tensor
-//! names onto the artifact's internal names, re-laying and quantizing weights while streaming.
+//! names onto the artifact's internal names, re-laying and quantizing weights while streaming;
+//! random-weight artifacts with released models' shapes (`synthetic`), planned the same way.
 //! Must not touch: the artifact's byte layout (it goes through `ninfer-artifact`'s writer), model
 //! math, processes.
 
@@ -10,6 +11,7 @@ mod hf_config;
 mod plan;
 mod safetensors_file;
 mod side_files;
+pub mod synthetic;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,6 +28,7 @@ use plan::{
     SourceNames,
 };
 use safetensors_file::{Checkpoint, SourceDType};
+pub use synthetic::{write_synthetic, Preset, Routing, SyntheticOptions, PRESETS};
 
 /// What to convert and how.
 #[derive(Debug, Clone)]

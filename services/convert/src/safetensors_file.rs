@@ -110,8 +110,37 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
+    /// A checkpoint with tensor names and shapes but no data, for planning only (synthetic
+    /// models go through the same plan as real checkpoints). Reading its tensors is a bug.
+    pub fn shapes_only(
+        directory: &Path,
+        tensors: impl IntoIterator<Item = (String, Vec<u64>)>,
+    ) -> Self {
+        Checkpoint {
+            directory: directory.to_path_buf(),
+            shards: Vec::new(),
+            tensors: tensors
+                .into_iter()
+                .map(|(name, shape)| {
+                    let tensor = SourceTensor {
+                        name: name.clone(),
+                        shard: 0,
+                        dtype: SourceDType::Bf16,
+                        shape,
+                        start: 0,
+                        end: 0,
+                    };
+                    (name, tensor)
+                })
+                .collect(),
+        }
+    }
+
     pub fn shard_path(&self, tensor: &SourceTensor) -> &Path {
-        &self.shards[tensor.shard].0
+        // A shapes-only checkpoint has no shard files: name its directory instead.
+        self.shards
+            .get(tensor.shard)
+            .map_or(self.directory.as_path(), |(path, _)| path.as_path())
     }
 
     /// Raw little-endian bytes of a tensor.

@@ -1,0 +1,1328 @@
+//! `ninfer convert --synthetic PRESET`: a random-weight artifact with the exact shapes of a real
+//! model, for speed measurements where the real checkpoint cannot be downloaded.
+//!
+//! Owns: the preset shape table (the one place that knows the released models' dimensions; `bench`
+//! may read it), the distributions weights are drawn from, the Zipf routing bias, and the parallel
+//! generate → quantize → in-order write pipeline.
+//! Must not touch: the artifact's byte layout (it goes through `ninfer-artifact`'s writer) or the
+//! tensor names, classes and dtypes: a synthetic model is described as the `config.json` and the
+//! tensor list of a real checkpoint and then goes through the same config parser and plan as a
+//! real conversion, so the engine cannot tell the difference.
+//!
+//! Weights (uniform distributions, std in brackets): matrices [1/√fan_in]; output projections
+//! (`o_proj`, `out_proj`, `down`) [0.5/√(fan_in · layers)], so the residual stream grows by a
+//! bounded amount over the full depth; norm weights at their identity (1 for plain `w`, 0 for
+//! zero-centred `1+w`); `A_log` = ln U(1, 16) and `dt_bias` = softplus⁻¹ of a log-uniform
+//! dt ∈ [0.001, 0.1] (Mamba's initialisation); conv1d U(±1/√Kc); embeddings [1].
+//!
+//! Zipf routing: every embedding row carries a shared component κ·ĉ (ĉ a seeded unit vector, κ =
+//! √H, as much energy as the random part), so every normalised hidden state has x·ĉ ≈ √(H/2).
+//! Router row e = (random row with its ĉ part removed) + α_e·ĉ with α_e·√(H/2) = τ·ln w_e, w_e the
+//! Zipf weight of e's popularity rank (a seeded permutation per layer). The random part gives each
+//! logit noise of std ≈ 0.7, roughly a Gumbel of scale τ, so the top choice follows w_e. `lm_head`
+//! has its ĉ part removed, so the shared component does not bias the output tokens.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+use ninfer_artifact::quant::QuantizedLayout;
+use ninfer_artifact::{
+    ArtifactWriter, DType, GenerationDefaults, ModelConfig, SourceInfo, TensorSpec, WriterOptions,
+};
+use serde_json::{json, Value};
+
+use crate::error::ConvertError;
+use crate::hf_config::parse_config;
+use crate::plan::{
+    build_plan, DTypeChoice, Plan, PlannedBank, PlannedItem, PlannedTensor, SourceNames,
+};
+use crate::safetensors_file::Checkpoint;
+use crate::{encode_expert, encode_float, expert_spec, ConvertProgress, ConvertReport};
+
+/// The Gated DeltaNet dimensions of a hybrid preset.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttentionShape {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+    /// Every this-many-th layer is full attention (the others Gated DeltaNet).
+    pub full_attention_interval: usize,
+}
+
+/// The shapes of one released model, as its `config.json` gives them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preset {
+    pub name: &'static str,
+    /// `qwen3_moe`, `qwen3_next` or `qwen3_5_moe`.
+    pub model_type: &'static str,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// Dense-MLP width (in `config.json`; every layer of these presets is MoE).
+    pub intermediate_size: usize,
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    /// 0 when the model has no shared expert.
+    pub shared_expert_intermediate_size: usize,
+    pub rope_theta: f64,
+    pub partial_rotary_factor: f64,
+    pub max_position_embeddings: usize,
+    pub linear: Option<LinearAttentionShape>,
+    /// Multi-token-prediction layers the released checkpoint carries.
+    pub mtp_layers: usize,
+}
+
+const QWEN3_NEXT_LINEAR: LinearAttentionShape = LinearAttentionShape {
+    key_heads: 16,
+    value_heads: 32,
+    key_head_dim: 128,
+    value_head_dim: 128,
+    conv_kernel: 4,
+    full_attention_interval: 4,
+};
+
+/// The presets, with the values of the released checkpoints' `config.json`.
+pub const PRESETS: [Preset; 4] = [
+    // Qwen/Qwen3-30B-A3B
+    Preset {
+        name: "qwen3-30b-a3b",
+        model_type: "qwen3_moe",
+        vocab_size: 151936,
+        hidden_size: 2048,
+        num_hidden_layers: 48,
+        num_attention_heads: 32,
+        num_key_value_heads: 4,
+        head_dim: 128,
+        intermediate_size: 6144,
+        num_experts: 128,
+        num_experts_per_tok: 8,
+        moe_intermediate_size: 768,
+        shared_expert_intermediate_size: 0,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 40960,
+        linear: None,
+        mtp_layers: 0,
+    },
+    // Qwen/Qwen3.5-35B-A3B (text model of the multimodal release)
+    Preset {
+        name: "qwen3.5-35b-a3b",
+        model_type: "qwen3_5_moe",
+        vocab_size: 248320,
+        hidden_size: 2048,
+        num_hidden_layers: 40,
+        num_attention_heads: 16,
+        num_key_value_heads: 2,
+        head_dim: 256,
+        intermediate_size: 0,
+        num_experts: 256,
+        num_experts_per_tok: 8,
+        moe_intermediate_size: 512,
+        shared_expert_intermediate_size: 512,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262144,
+        linear: Some(QWEN3_NEXT_LINEAR),
+        mtp_layers: 1,
+    },
+    // Qwen/Qwen3-Next-80B-A3B-Instruct
+    Preset {
+        name: "qwen3-next-80b-a3b",
+        model_type: "qwen3_next",
+        vocab_size: 151936,
+        hidden_size: 2048,
+        num_hidden_layers: 48,
+        num_attention_heads: 16,
+        num_key_value_heads: 2,
+        head_dim: 256,
+        intermediate_size: 5120,
+        num_experts: 512,
+        num_experts_per_tok: 10,
+        moe_intermediate_size: 512,
+        shared_expert_intermediate_size: 512,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262144,
+        linear: Some(QWEN3_NEXT_LINEAR),
+        mtp_layers: 1,
+    },
+    // Qwen/Qwen3-235B-A22B
+    Preset {
+        name: "qwen3-235b-a22b",
+        model_type: "qwen3_moe",
+        vocab_size: 151936,
+        hidden_size: 4096,
+        num_hidden_layers: 94,
+        num_attention_heads: 64,
+        num_key_value_heads: 4,
+        head_dim: 128,
+        intermediate_size: 12288,
+        num_experts: 128,
+        num_experts_per_tok: 8,
+        moe_intermediate_size: 1536,
+        shared_expert_intermediate_size: 0,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 40960,
+        linear: None,
+        mtp_layers: 0,
+    },
+];
+
+fn preset_names() -> String {
+    PRESETS
+        .iter()
+        .map(|p| p.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The preset called `name`, or an error listing the valid names.
+pub fn preset(name: &str) -> Result<Preset, ConvertError> {
+    PRESETS
+        .iter()
+        .find(|p| p.name == name)
+        .cloned()
+        .ok_or_else(|| ConvertError::InvalidOption {
+            option: "--synthetic",
+            problem: format!("unknown preset `{name}` (valid: {})", preset_names()),
+        })
+}
+
+impl FromStr for Preset {
+    type Err = ConvertError;
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        preset(name)
+    }
+}
+
+impl Preset {
+    /// The same structure (architecture, layer pattern, MTP, expert count up to 16) at toy
+    /// dimensions, so tests can write and run every preset in well under a second.
+    pub fn scaled_down(&self) -> Preset {
+        let mut small = self.clone();
+        small.vocab_size = 1024;
+        small.hidden_size = 128;
+        small.num_attention_heads = 4;
+        small.num_key_value_heads = 2;
+        small.head_dim = 32;
+        small.intermediate_size = small.intermediate_size.min(256);
+        small.num_experts = self.num_experts.min(16);
+        small.num_experts_per_tok = self.num_experts_per_tok.min(4);
+        small.moe_intermediate_size = 64;
+        if self.shared_expert_intermediate_size > 0 {
+            small.shared_expert_intermediate_size = 64;
+        }
+        if let Some(linear) = &mut small.linear {
+            linear.key_heads = 2;
+            linear.value_heads = 4;
+            linear.key_head_dim = 32;
+            linear.value_head_dim = 32;
+        }
+        small
+    }
+
+    fn layer_is_full_attention(&self, layer: usize) -> bool {
+        match &self.linear {
+            None => true,
+            Some(linear) => (layer + 1) % linear.full_attention_interval == 0,
+        }
+    }
+
+    /// The `config.json` a checkpoint of this model with `layers` decoder layers would carry.
+    pub fn config_json(&self, layers: usize) -> Value {
+        let mut text = json!({
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": true,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": false,
+            "attention_bias": false,
+            "hidden_act": "silu",
+        });
+        let object = text.as_object_mut();
+        let Some(fields) = object else {
+            return text;
+        };
+        match self.model_type {
+            "qwen3_moe" => {
+                fields.insert("model_type".into(), json!("qwen3_moe"));
+                fields.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
+                fields.insert("decoder_sparse_step".into(), json!(1));
+                fields.insert("mlp_only_layers".into(), json!([]));
+                fields.insert("use_sliding_window".into(), json!(false));
+                fields.insert("sliding_window".into(), Value::Null);
+                text
+            }
+            _ => {
+                if let Some(linear) = &self.linear {
+                    for (key, value) in [
+                        ("linear_num_key_heads", linear.key_heads),
+                        ("linear_num_value_heads", linear.value_heads),
+                        ("linear_key_head_dim", linear.key_head_dim),
+                        ("linear_value_head_dim", linear.value_head_dim),
+                        ("linear_conv_kernel_dim", linear.conv_kernel),
+                        ("full_attention_interval", linear.full_attention_interval),
+                    ] {
+                        fields.insert(key.into(), json!(value));
+                    }
+                }
+                fields.insert(
+                    "shared_expert_intermediate_size".into(),
+                    json!(self.shared_expert_intermediate_size),
+                );
+                fields.insert(
+                    "partial_rotary_factor".into(),
+                    json!(self.partial_rotary_factor),
+                );
+                if self.model_type == "qwen3_next" {
+                    fields.insert("model_type".into(), json!("qwen3_next"));
+                    fields.insert("architectures".into(), json!(["Qwen3NextForCausalLM"]));
+                    fields.insert("decoder_sparse_step".into(), json!(1));
+                    fields.insert("mlp_only_layers".into(), json!([]));
+                    return text;
+                }
+                // qwen3_5_moe: the multimodal release keeps the text model under `text_config`,
+                // with explicit `layer_types` and RoPE inside `rope_parameters`.
+                let layer_types: Vec<&str> = (0..layers)
+                    .map(|layer| {
+                        if self.layer_is_full_attention(layer) {
+                            "full_attention"
+                        } else {
+                            "linear_attention"
+                        }
+                    })
+                    .collect();
+                fields.remove("rope_theta");
+                fields.remove("partial_rotary_factor");
+                fields.insert("model_type".into(), json!("qwen3_5_moe_text"));
+                fields.insert("layer_types".into(), json!(layer_types));
+                fields.insert("mtp_num_hidden_layers".into(), json!(self.mtp_layers));
+                fields.insert(
+                    "rope_parameters".into(),
+                    json!({
+                        "rope_type": "default",
+                        "rope_theta": self.rope_theta,
+                        "partial_rotary_factor": self.partial_rotary_factor,
+                        "mrope_section": [11, 11, 10],
+                        "mrope_interleaved": true,
+                    }),
+                );
+                json!({
+                    "model_type": "qwen3_5_moe",
+                    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                    "tie_word_embeddings": false,
+                    "text_config": text,
+                })
+            }
+        }
+    }
+
+    /// The normalised config the converter derives from [`Preset::config_json`].
+    pub fn model_config(&self, layers: usize) -> Result<ModelConfig, ConvertError> {
+        let file = PathBuf::from(format!("<synthetic {}>/config.json", self.name));
+        Ok(parse_config(&file, &self.config_json(layers))?.model)
+    }
+
+    /// Checkpoint tensor names and shapes of this model (`model.*`, fused experts, `mtp.*`).
+    fn checkpoint_tensors(&self, layers: usize) -> Vec<(String, Vec<u64>)> {
+        let u = |values: &[usize]| values.iter().map(|&v| v as u64).collect::<Vec<u64>>();
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let mut tensors = vec![
+            ("model.embed_tokens.weight".to_string(), u(&[v, h])),
+            ("model.norm.weight".to_string(), u(&[h])),
+            ("lm_head.weight".to_string(), u(&[v, h])),
+        ];
+        for layer in 0..layers {
+            let full = self.layer_is_full_attention(layer);
+            self.layer_tensors(&format!("model.layers.{layer}"), full, &mut tensors);
+        }
+        if self.mtp_layers > 0 {
+            tensors.push(("mtp.fc.weight".into(), u(&[h, 2 * h])));
+            for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"] {
+                tensors.push((format!("mtp.{norm}.weight"), u(&[h])));
+            }
+            for layer in 0..self.mtp_layers {
+                self.layer_tensors(&format!("mtp.layers.{layer}"), true, &mut tensors);
+            }
+        }
+        tensors
+    }
+
+    fn layer_tensors(&self, prefix: &str, full: bool, out: &mut Vec<(String, Vec<u64>)>) {
+        let u = |values: &[usize]| values.iter().map(|&v| v as u64).collect::<Vec<u64>>();
+        let (h, nh, nkv, hd) = (
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        );
+        let mut add = |name: &str, shape: Vec<u64>| out.push((format!("{prefix}.{name}"), shape));
+        add("input_layernorm.weight", u(&[h]));
+        add("post_attention_layernorm.weight", u(&[h]));
+        match (&self.linear, full) {
+            (Some(linear), false) => {
+                let (nk, nv, dk, dv, kc) = (
+                    linear.key_heads,
+                    linear.value_heads,
+                    linear.key_head_dim,
+                    linear.value_head_dim,
+                    linear.conv_kernel,
+                );
+                let conv_dim = 2 * nk * dk + nv * dv;
+                if self.model_type == "qwen3_next" {
+                    add(
+                        "linear_attn.in_proj_qkvz.weight",
+                        u(&[2 * nk * dk + 2 * nv * dv, h]),
+                    );
+                    add("linear_attn.in_proj_ba.weight", u(&[2 * nv, h]));
+                } else {
+                    add("linear_attn.in_proj_qkv.weight", u(&[conv_dim, h]));
+                    add("linear_attn.in_proj_z.weight", u(&[nv * dv, h]));
+                    add("linear_attn.in_proj_b.weight", u(&[nv, h]));
+                    add("linear_attn.in_proj_a.weight", u(&[nv, h]));
+                }
+                add("linear_attn.conv1d.weight", u(&[conv_dim, 1, kc]));
+                add("linear_attn.dt_bias", u(&[nv]));
+                add("linear_attn.A_log", u(&[nv]));
+                add("linear_attn.norm.weight", u(&[dv]));
+                add("linear_attn.out_proj.weight", u(&[h, nv * dv]));
+            }
+            _ => {
+                let q_rows = if self.linear.is_some() {
+                    nh * 2 * hd
+                } else {
+                    nh * hd
+                };
+                add("self_attn.q_proj.weight", u(&[q_rows, h]));
+                add("self_attn.k_proj.weight", u(&[nkv * hd, h]));
+                add("self_attn.v_proj.weight", u(&[nkv * hd, h]));
+                add("self_attn.o_proj.weight", u(&[h, nh * hd]));
+                add("self_attn.q_norm.weight", u(&[hd]));
+                add("self_attn.k_norm.weight", u(&[hd]));
+            }
+        }
+        let (e, im) = (self.num_experts, self.moe_intermediate_size);
+        add("mlp.gate.weight", u(&[e, h]));
+        add("mlp.experts.gate_up_proj", u(&[e, 2 * im, h]));
+        add("mlp.experts.down_proj", u(&[e, h, im]));
+        if self.shared_expert_intermediate_size > 0 {
+            let is = self.shared_expert_intermediate_size;
+            add("mlp.shared_expert.gate_proj.weight", u(&[is, h]));
+            add("mlp.shared_expert.up_proj.weight", u(&[is, h]));
+            add("mlp.shared_expert.down_proj.weight", u(&[h, is]));
+            add("mlp.shared_expert_gate.weight", u(&[1, h]));
+        }
+    }
+}
+
+/// How the router weights are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Routing {
+    /// Expert popularity per layer follows a Zipf law with this exponent (a trained model's skew).
+    Zipf { exponent: f64 },
+    /// Plain random router weights: every expert about equally popular.
+    Uniform,
+}
+
+impl Default for Routing {
+    fn default() -> Self {
+        Routing::Zipf { exponent: 1.0 }
+    }
+}
+
+impl std::fmt::Display for Routing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Routing::Zipf { exponent } => write!(f, "zipf:{exponent}"),
+            Routing::Uniform => f.write_str("uniform"),
+        }
+    }
+}
+
+impl FromStr for Routing {
+    type Err = ConvertError;
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let invalid = |why: &str| ConvertError::InvalidOption {
+            option: "--routing",
+            problem: format!(
+                "`{text}` {why} (valid: `zipf`, `zipf:S` with an exponent S in (0, 8], `uniform`)"
+            ),
+        };
+        match text {
+            "uniform" => Ok(Routing::Uniform),
+            "zipf" => Ok(Routing::default()),
+            _ => {
+                let Some(exponent) = text.strip_prefix("zipf:") else {
+                    return Err(invalid("is not a routing mode"));
+                };
+                match exponent.parse::<f64>() {
+                    Ok(s) if s > 0.0 && s <= 8.0 => Ok(Routing::Zipf { exponent: s }),
+                    _ => Err(invalid("has no valid exponent")),
+                }
+            }
+        }
+    }
+}
+
+/// What to generate and where.
+#[derive(Debug, Clone)]
+pub struct SyntheticOptions {
+    pub preset: Preset,
+    pub output: PathBuf,
+    pub experts_dtype: DType,
+    pub dense_dtype: DType,
+    /// Decoder layers to keep (the first `N`, so the layer-type pattern is the model's); all when
+    /// `None`.
+    pub layers: Option<usize>,
+    pub routing: Routing,
+    pub seed: u64,
+    pub max_file_bytes: Option<u64>,
+    /// Generator threads (default: the available cores).
+    pub threads: Option<usize>,
+}
+
+/// Default `--seed`.
+pub const DEFAULT_SEED: u64 = 0x6e69_6e66_6572;
+
+impl SyntheticOptions {
+    pub fn new(preset: Preset, output: impl Into<PathBuf>) -> Self {
+        SyntheticOptions {
+            preset,
+            output: output.into(),
+            experts_dtype: DType::Bf16,
+            dense_dtype: DType::Bf16,
+            layers: None,
+            routing: Routing::default(),
+            seed: DEFAULT_SEED,
+            max_file_bytes: None,
+            threads: None,
+        }
+    }
+}
+
+// The fixtures' byte-level BPE (493 tokens, Qwen's special tokens) and the Qwen3.5 chat template:
+// small, so an installed binary needs no data files. Every preset's vocabulary is larger, as
+// real Qwen embeddings are larger than their tokenizers.
+const TOKENIZER_JSON: &[u8] = include_bytes!("../../../tests/fixtures/qwen3_moe/tokenizer.json");
+const TOKENIZER_CONFIG_JSON: &[u8] =
+    include_bytes!("../../../tests/fixtures/qwen3_moe/tokenizer_config.json");
+const CHAT_TEMPLATE: &[u8] =
+    include_bytes!("../../../tests/fixtures/qwen3_moe/chat_template.jinja");
+
+/// `generation_config.json` of the fixtures: ids of that tokenizer (`<|im_end|>` 482,
+/// `<|endoftext|>` 480) and Qwen's sampling defaults.
+fn generation_defaults() -> GenerationDefaults {
+    GenerationDefaults {
+        bos_token_id: Some(480),
+        eos_token_ids: vec![482, 480],
+        pad_token_id: Some(480),
+        temperature: Some(0.6),
+        top_p: Some(0.95),
+        top_k: Some(20),
+        min_p: None,
+        repetition_penalty: None,
+        do_sample: Some(true),
+    }
+}
+
+/// The model config and conversion plan of a synthetic model (what a real conversion of such a
+/// checkpoint would produce), before any weight exists.
+pub(crate) fn synthetic_plan(
+    options: &SyntheticOptions,
+) -> Result<(ModelConfig, Plan), ConvertError> {
+    let preset = &options.preset;
+    let layers = match options.layers {
+        None => preset.num_hidden_layers,
+        Some(n) if n >= 1 && n <= preset.num_hidden_layers => n,
+        Some(n) => {
+            return Err(ConvertError::InvalidOption {
+                option: "--layers",
+                problem: format!(
+                    "{n} is not between 1 and the {} layers of {}",
+                    preset.num_hidden_layers, preset.name
+                ),
+            })
+        }
+    };
+    if !matches!(options.dense_dtype, DType::Bf16 | DType::F32) {
+        return Err(ConvertError::InvalidOption {
+            option: "--dense-dtype",
+            problem: format!("must be bf16 or f32, not {}", options.dense_dtype),
+        });
+    }
+    let mut model = preset.model_config(layers)?;
+    let directory = PathBuf::from(format!("<synthetic {}>", preset.name));
+    let checkpoint = Checkpoint::shapes_only(&directory, preset.checkpoint_tensors(layers));
+    let mut names = SourceNames::new(&checkpoint);
+    let plan = build_plan(
+        &model,
+        &mut names,
+        DTypeChoice {
+            experts: options.experts_dtype,
+            dense: options.dense_dtype,
+        },
+        false,
+    )?;
+    if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = &mut model {
+        c.mtp_num_layers = plan.mtp_layers;
+    }
+    if options.experts_dtype.is_quantized() {
+        let common = model.common();
+        for cols in [common.hidden_size, common.moe_intermediate_size] {
+            QuantizedLayout::new(options.experts_dtype, 1, cols).map_err(|problem| {
+                ConvertError::InvalidOption {
+                    option: "--experts-dtype",
+                    problem: format!("{}: {problem}", options.experts_dtype),
+                }
+            })?;
+        }
+    }
+    Ok((model, plan))
+}
+
+/// Writes a synthetic artifact. Like [`crate::convert_checkpoint`]: nothing is left behind on
+/// error or cancellation, and the result is a function of the options alone (not of `threads`).
+pub fn write_synthetic(
+    options: &SyntheticOptions,
+    progress: &dyn ConvertProgress,
+) -> Result<ConvertReport, ConvertError> {
+    let (model, plan) = synthetic_plan(options)?;
+    let draw = Drawer::new(options, &model);
+
+    let mut jobs = Vec::new();
+    for item in &plan.items {
+        match item {
+            PlannedItem::Tensor(tensor) => jobs.push(Job::Tensor(tensor)),
+            PlannedItem::Bank(bank) => {
+                jobs.extend((0..bank.experts.len()).map(|index| Job::Expert { bank, index }))
+            }
+        }
+    }
+    let total_tensors: u64 = jobs
+        .iter()
+        .map(|job| match job {
+            Job::Tensor(_) => 1,
+            Job::Expert { .. } => 2,
+        })
+        .sum();
+    progress.start(total_tensors);
+    progress.note(&format!(
+        "synthetic {} ({} layers, {} routing, seed {}): random weights, real shapes",
+        options.preset.name,
+        model.common().num_hidden_layers,
+        options.routing,
+        options.seed
+    ));
+
+    let mut writer = ArtifactWriter::create(
+        &options.output,
+        WriterOptions {
+            max_part_bytes: options.max_file_bytes,
+        },
+    )?;
+    writer.add_file("tokenizer.json", TOKENIZER_JSON)?;
+    // Re-serialised as `convert` does with a checkpoint's tokenizer_config.json.
+    let tokenizer_config: Value =
+        serde_json::from_slice(TOKENIZER_CONFIG_JSON).map_err(|e| ConvertError::Input {
+            file: PathBuf::from("tokenizer_config.json"),
+            problem: format!("built-in file is not valid JSON: {e}"),
+        })?;
+    let tokenizer_config =
+        serde_json::to_vec(&tokenizer_config).map_err(|e| ConvertError::Input {
+            file: PathBuf::from("tokenizer_config.json"),
+            problem: e.to_string(),
+        })?;
+    writer.add_file("tokenizer_config.json", &tokenizer_config)?;
+    writer.add_file("chat_template.jinja", CHAT_TEMPLATE)?;
+
+    let threads = options
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get()))
+        .clamp(1, 64);
+    let queue = Queue::new(threads * 2);
+    let written = std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| queue.work(&jobs, &draw));
+        }
+        // Stops the workers on every way out of the write loop, errors included.
+        let _stop = StopOnDrop(&queue);
+        write_in_order(&mut writer, &plan, &queue, progress)
+    })?;
+
+    let bytes = writer.position();
+    let mut source_options = BTreeMap::new();
+    source_options.insert("experts_dtype".into(), options.experts_dtype.to_string());
+    source_options.insert("dense_dtype".into(), options.dense_dtype.to_string());
+    source_options.insert("skip_vision".into(), "false".into());
+    source_options.insert("synthetic".into(), options.preset.name.to_string());
+    source_options.insert("routing".into(), options.routing.to_string());
+    source_options.insert("seed".into(), options.seed.to_string());
+    let files = writer.finish(
+        model.clone(),
+        generation_defaults(),
+        SourceInfo {
+            converter: format!("ninfer {}", env!("CARGO_PKG_VERSION")),
+            model_type: options.preset.model_type.to_string(),
+            options: source_options,
+        },
+    )?;
+    Ok(ConvertReport {
+        files,
+        architecture: model.architecture().to_string(),
+        tensors_written: written,
+        tensors_reused: 0,
+        bytes,
+        notes: plan.notes.clone(),
+    })
+}
+
+/// The writer side: takes each job's bytes in plan order.
+fn write_in_order(
+    writer: &mut ArtifactWriter,
+    plan: &Plan,
+    queue: &Queue,
+    progress: &dyn ConvertProgress,
+) -> Result<u64, ConvertError> {
+    let mut next = 0;
+    let mut written = 0;
+    for item in &plan.items {
+        match item {
+            PlannedItem::Tensor(tensor) => {
+                let Output::Tensor(bytes) = queue.take(next, progress)? else {
+                    return Err(ConvertError::Interrupted);
+                };
+                next += 1;
+                let length = bytes.len() as u64;
+                writer.add_tensor(
+                    TensorSpec {
+                        name: tensor.name.clone(),
+                        class: tensor.class,
+                        dtype: tensor.dtype,
+                        shape: tensor.shape.clone(),
+                        quantization: None,
+                    },
+                    &bytes,
+                )?;
+                written += 1;
+                progress.tensor_written(&tensor.name, length);
+            }
+            PlannedItem::Bank(bank) => {
+                let (h, im) = (bank.hidden_size, bank.intermediate_size);
+                let gate_up_shape = [2 * im as u64, h as u64];
+                let down_shape = [h as u64, im as u64];
+                let sizes = |shape: &[u64]| {
+                    expert_spec(bank, 0, "x", shape).and_then(|spec| {
+                        ninfer_artifact::writer::expected_tensor_bytes(&spec).map_err(|problem| {
+                            ConvertError::Input {
+                                file: PathBuf::from(&bank.prefix),
+                                problem,
+                            }
+                        })
+                    })
+                };
+                writer.begin_expert_bank(
+                    &bank.prefix,
+                    bank.class,
+                    bank.dtype,
+                    bank.experts.len() as u64,
+                    sizes(&gate_up_shape)?,
+                    sizes(&down_shape)?,
+                )?;
+                for index in 0..bank.experts.len() {
+                    let Output::Expert(gate_up, down) = queue.take(next, progress)? else {
+                        return Err(ConvertError::Interrupted);
+                    };
+                    next += 1;
+                    let length = (gate_up.len() + down.len()) as u64;
+                    writer.add_expert(
+                        expert_spec(bank, index, "gate_up", &gate_up_shape)?,
+                        &gate_up,
+                        expert_spec(bank, index, "down", &down_shape)?,
+                        &down,
+                    )?;
+                    written += 2;
+                    progress.tensor_written(&bank.prefix, length);
+                }
+                writer.end_expert_bank()?;
+            }
+        }
+    }
+    Ok(written)
+}
+
+/// One unit of generation: a whole tensor, or one expert's two matrices.
+enum Job<'p> {
+    Tensor(&'p PlannedTensor),
+    Expert { bank: &'p PlannedBank, index: usize },
+}
+
+enum Output {
+    Tensor(Vec<u8>),
+    Expert(Vec<u8>, Vec<u8>),
+}
+
+/// Jobs are handed out in plan order, at most `window` ahead of the writer, so memory stays at
+/// a few tensors however far generation outruns the disk.
+struct Queue {
+    state: Mutex<QueueState>,
+    changed: Condvar,
+    window: usize,
+}
+
+struct QueueState {
+    next_job: usize,
+    next_write: usize,
+    done: BTreeMap<usize, Output>,
+    stop: bool,
+    failed: bool,
+}
+
+struct StopOnDrop<'q>(&'q Queue);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut state) = self.0.state.lock() {
+            state.stop = true;
+        }
+        self.0.changed.notify_all();
+    }
+}
+
+impl Queue {
+    fn new(window: usize) -> Self {
+        Queue {
+            state: Mutex::new(QueueState {
+                next_job: 0,
+                next_write: 0,
+                done: BTreeMap::new(),
+                stop: false,
+                failed: false,
+            }),
+            changed: Condvar::new(),
+            window,
+        }
+    }
+
+    fn work(&self, jobs: &[Job], draw: &Drawer) {
+        loop {
+            let index = {
+                let Ok(mut state) = self.state.lock() else {
+                    return;
+                };
+                loop {
+                    if state.stop || state.next_job >= jobs.len() {
+                        return;
+                    }
+                    if state.next_job < state.next_write + self.window {
+                        break;
+                    }
+                    state = match self.changed.wait(state) {
+                        Ok(state) => state,
+                        Err(_) => return,
+                    };
+                }
+                state.next_job += 1;
+                state.next_job - 1
+            };
+            // A panicking generator must fail the run, not leave the writer waiting forever.
+            let output =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &jobs[index] {
+                    Job::Tensor(tensor) => Output::Tensor(draw.tensor(tensor)),
+                    Job::Expert { bank, index } => {
+                        let (gate_up, down) = draw.expert(bank, *index);
+                        Output::Expert(gate_up, down)
+                    }
+                }));
+            let Ok(mut state) = self.state.lock() else {
+                return;
+            };
+            match output {
+                Ok(output) => {
+                    state.done.insert(index, output);
+                }
+                Err(_) => {
+                    state.failed = true;
+                    state.stop = true;
+                }
+            }
+            drop(state);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Job `index`'s output, polling `progress` for cancellation while waiting.
+    fn take(&self, index: usize, progress: &dyn ConvertProgress) -> Result<Output, ConvertError> {
+        let poisoned = || ConvertError::Input {
+            file: PathBuf::from("<synthetic>"),
+            problem: "a generator thread panicked".into(),
+        };
+        let mut state = self.state.lock().map_err(|_| poisoned())?;
+        loop {
+            if progress.cancelled() {
+                return Err(ConvertError::Interrupted);
+            }
+            if state.failed {
+                return Err(poisoned());
+            }
+            if let Some(output) = state.done.remove(&index) {
+                state.next_write = index + 1;
+                drop(state);
+                self.changed.notify_all();
+                return Ok(output);
+            }
+            state = self
+                .changed
+                .wait_timeout(state, Duration::from_millis(100))
+                .map_err(|_| poisoned())?
+                .0;
+        }
+    }
+}
+
+/// Deterministic per-tensor random streams and the weight distributions.
+struct Drawer {
+    seed: u64,
+    plain_norms: bool,
+    hidden: usize,
+    /// From the preset's full depth (not `--layers`), so a truncated model's layers equal the
+    /// full model's first layers.
+    output_scale: f32,
+    /// Unit vector ĉ shared by every embedding row (Zipf routing only).
+    direction: Option<Vec<f32>>,
+    zipf_exponent: f64,
+    num_experts: usize,
+}
+
+/// Logit noise of the random router part, as the scale of a Gumbel (see the module doc).
+const ROUTER_TEMPERATURE: f64 = 0.55;
+
+impl Drawer {
+    fn new(options: &SyntheticOptions, model: &ModelConfig) -> Self {
+        let hidden = model.common().hidden_size;
+        let (direction, zipf_exponent) = match options.routing {
+            Routing::Zipf { exponent } => {
+                let mut rng = Rng::for_name(options.seed, "shared direction");
+                let mut c = vec![0.0f32; hidden];
+                rng.fill_uniform(&mut c, 1.0);
+                let norm = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+                c.iter_mut().for_each(|x| *x /= norm);
+                (Some(c), exponent)
+            }
+            Routing::Uniform => (None, 0.0),
+        };
+        Drawer {
+            seed: options.seed,
+            plain_norms: matches!(model, ModelConfig::Qwen3Moe(_)),
+            hidden,
+            output_scale: 0.5 / (options.preset.num_hidden_layers as f32).sqrt(),
+            direction,
+            zipf_exponent,
+            num_experts: model.common().num_experts,
+        }
+    }
+
+    /// The encoded bytes of one planned tensor, generated row by row (no f32 copy of a large
+    /// embedding).
+    fn tensor(&self, tensor: &PlannedTensor) -> Vec<u8> {
+        let rows = tensor.shape[0] as usize;
+        let cols = tensor.shape[1..].iter().product::<u64>().max(1) as usize;
+        let name = tensor.name.as_str();
+        let mut rng = Rng::for_name(self.seed, name);
+        let element = if tensor.dtype == DType::Bf16 { 2 } else { 4 };
+        let mut out = Vec::with_capacity(rows * cols * element);
+        if tensor.shape.len() == 1 {
+            let mut values = vec![0.0f32; rows];
+            self.vector(name, &mut rng, &mut values);
+            return encode_float(&values, tensor.dtype);
+        }
+        let mut row = vec![0.0f32; cols];
+        let router_bias = name
+            .ends_with(".moe.router")
+            .then(|| self.router_bias(name))
+            .flatten();
+        let bound = uniform_bound(self.matrix_std(name, cols));
+        for r in 0..rows {
+            rng.fill_uniform(&mut row, bound);
+            match (name, &self.direction) {
+                ("embed_tokens", Some(c)) => {
+                    let kappa = (self.hidden as f32).sqrt();
+                    row.iter_mut().zip(c).for_each(|(x, c)| *x += kappa * c);
+                }
+                ("lm_head", Some(c)) => remove_component(&mut row, c),
+                _ => {}
+            }
+            if let (Some(bias), Some(c)) = (&router_bias, &self.direction) {
+                remove_component(&mut row, c);
+                row.iter_mut().zip(c).for_each(|(x, c)| *x += bias[r] * c);
+            }
+            out.extend(encode_float(&row, tensor.dtype));
+        }
+        out
+    }
+
+    /// One expert's `[gate; up]` and `down`, encoded in the bank's dtype.
+    fn expert(&self, bank: &PlannedBank, index: usize) -> (Vec<u8>, Vec<u8>) {
+        let (h, im) = (bank.hidden_size, bank.intermediate_size);
+        let mut rng = Rng::for_name(self.seed, &format!("{}.{index}", bank.prefix));
+        let mut gate_up = vec![0.0f32; 2 * im * h];
+        rng.fill_uniform(&mut gate_up, uniform_bound(1.0 / (h as f32).sqrt()));
+        let gate_up = encode_expert(&gate_up, bank.dtype, 2 * im, h);
+        let mut down = vec![0.0f32; h * im];
+        rng.fill_uniform(
+            &mut down,
+            uniform_bound(self.output_scale / (im as f32).sqrt()),
+        );
+        let down = encode_expert(&down, bank.dtype, h, im);
+        (gate_up, down)
+    }
+
+    fn matrix_std(&self, name: &str, fan_in: usize) -> f32 {
+        let base = 1.0 / (fan_in as f32).sqrt();
+        if name == "embed_tokens" {
+            1.0
+        } else if name.ends_with("gdn.conv1d") {
+            // PyTorch's default conv init, U(±1/√Kc), as a std.
+            base / 3f32.sqrt()
+        } else if name.ends_with("o_proj")
+            || name.ends_with("out_proj")
+            || name.ends_with("down_proj")
+        {
+            self.output_scale * base
+        } else {
+            base
+        }
+    }
+
+    /// 1-D tensors: norm weights at identity, GDN decay parameters in Mamba's ranges.
+    fn vector(&self, name: &str, rng: &mut Rng, out: &mut [f32]) {
+        if name.ends_with("gdn.A_log") {
+            // A ~ U(1, 16).
+            for x in out.iter_mut() {
+                *x = (1.0 + 15.0 * rng.unit()).ln();
+            }
+        } else if name.ends_with("gdn.dt_bias") {
+            // dt log-uniform in [1e-3, 0.1]; dt_bias = softplus⁻¹(dt) = ln(e^dt − 1).
+            for x in out.iter_mut() {
+                let dt = (1e-3f32.ln() + (0.1f32.ln() - 1e-3f32.ln()) * rng.unit()).exp();
+                *x = dt.exp_m1().ln();
+            }
+        } else if name.ends_with("gdn.norm") || self.plain_norms {
+            // The gated GDN norm and qwen3_moe's norms are plain `w`.
+            out.fill(1.0);
+        } else {
+            // Zero-centred `1 + w` norms.
+            out.fill(0.0);
+        }
+    }
+
+    /// Per-expert coefficient α_e along ĉ for one router (Zipf routing only).
+    fn router_bias(&self, name: &str) -> Option<Vec<f32>> {
+        self.direction.as_ref()?;
+        let experts = self.num_experts;
+        // Popularity rank of each expert: a seeded permutation per layer.
+        let mut ranks: Vec<usize> = (0..experts).collect();
+        let mut rng = Rng::for_name(self.seed, &format!("{name} popularity"));
+        for i in (1..experts).rev() {
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+            ranks.swap(i, j);
+        }
+        let log_weights: Vec<f64> = ranks
+            .iter()
+            .map(|&rank| -self.zipf_exponent * ((rank + 1) as f64).ln())
+            .collect();
+        let mean = log_weights.iter().sum::<f64>() / experts.max(1) as f64;
+        // x·ĉ of a normalised hidden state (κ = √H: half its energy along ĉ).
+        let along = (self.hidden as f64 / 2.0).sqrt();
+        Some(
+            log_weights
+                .iter()
+                .map(|w| (ROUTER_TEMPERATURE * (w - mean) / along) as f32)
+                .collect(),
+        )
+    }
+}
+
+/// Half-width of a uniform distribution with standard deviation `std`.
+fn uniform_bound(std: f32) -> f32 {
+    std * 3f32.sqrt()
+}
+
+/// `row -= (row·c) c` for a unit vector `c`.
+fn remove_component(row: &mut [f32], c: &[f32]) {
+    let dot: f32 = row.iter().zip(c).map(|(x, c)| x * c).sum();
+    row.iter_mut().zip(c).for_each(|(x, c)| *x -= dot * c);
+}
+
+/// xoshiro256++ seeded through splitmix64: fast, and one independent stream per tensor name.
+struct Rng([u64; 4]);
+
+impl Rng {
+    fn for_name(seed: u64, name: &str) -> Self {
+        // FNV-1a of the name, mixed with the seed.
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        for byte in name.bytes() {
+            hash = (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        let mut state = seed ^ hash.rotate_left(17);
+        let mut next = || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        Rng([next(), next(), next(), next()])
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let result = s[0].wrapping_add(s[3]).rotate_left(23).wrapping_add(s[0]);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+    }
+
+    /// Fills `out` with U(−bound, bound), two values per 64 random bits.
+    fn fill_uniform(&mut self, out: &mut [f32], bound: f32) {
+        let scale = 2.0 * bound / (1u32 << 24) as f32;
+        let mut pairs = out.chunks_exact_mut(2);
+        for pair in &mut pairs {
+            let bits = self.next_u64();
+            pair[0] = ((bits >> 40) as f32) * scale - bound;
+            pair[1] = (((bits >> 8) & 0xff_ffff) as f32) * scale - bound;
+        }
+        for x in pairs.into_remainder() {
+            *x = ((self.next_u64() >> 40) as f32) * scale - bound;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ninfer_artifact::LayerType;
+
+    fn parameters(preset: &Preset) -> (u64, u64) {
+        let options = SyntheticOptions::new(preset.clone(), "unused.ninfer");
+        let (_, plan) = synthetic_plan(&options).unwrap();
+        let mut total = 0;
+        let mut mtp = 0;
+        for item in &plan.items {
+            let (count, is_mtp) = match item {
+                PlannedItem::Tensor(t) => (
+                    t.shape.iter().product::<u64>(),
+                    t.class == ninfer_artifact::TensorClass::Mtp,
+                ),
+                PlannedItem::Bank(b) => (
+                    (3 * b.hidden_size * b.intermediate_size * b.experts.len()) as u64,
+                    b.class == ninfer_artifact::TensorClass::Mtp,
+                ),
+            };
+            total += count;
+            if is_mtp {
+                mtp += count;
+            }
+        }
+        (total, mtp)
+    }
+
+    /// Parameter counts are the released models' (to the published precision), which checks
+    /// every shape at once; MTP weights are extra in the released checkpoints' totals.
+    #[test]
+    fn presets_have_the_released_parameter_counts() {
+        let expected = [
+            ("qwen3-30b-a3b", 30.5e9),
+            ("qwen3.5-35b-a3b", 35.0e9),
+            ("qwen3-next-80b-a3b", 80.0e9),
+            ("qwen3-235b-a22b", 235.1e9),
+        ];
+        for (name, billions) in expected {
+            let (total, mtp) = parameters(&preset(name).unwrap());
+            let main = (total - mtp) as f64;
+            println!(
+                "{name}: {:.2} B parameters without MTP, {:.2} B MTP",
+                main / 1e9,
+                mtp as f64 / 1e9
+            );
+            assert!(
+                (main / billions - 1.0).abs() < 0.02,
+                "{name}: {main} parameters, expected about {billions}"
+            );
+        }
+    }
+
+    #[test]
+    fn preset_configs_are_the_real_ones() {
+        let config = preset("qwen3-30b-a3b").unwrap().model_config(48).unwrap();
+        let ModelConfig::Qwen3Moe(c) = &config else {
+            panic!("{config:?}")
+        };
+        let common = &c.common;
+        assert_eq!(
+            (
+                common.hidden_size,
+                common.num_hidden_layers,
+                common.num_attention_heads
+            ),
+            (2048, 48, 32)
+        );
+        assert_eq!(
+            (
+                common.num_key_value_heads,
+                common.head_dim,
+                common.rotary_dim
+            ),
+            (4, 128, 128)
+        );
+        assert_eq!((common.num_experts, common.num_experts_per_tok), (128, 8));
+        assert_eq!(
+            (common.moe_intermediate_size, common.vocab_size),
+            (768, 151936)
+        );
+        assert_eq!(common.rope_theta, 1e6);
+        assert!(common.norm_topk_prob && !common.tie_word_embeddings);
+        assert!(common.moe_layers.iter().all(|&m| m));
+        assert_eq!(c.sliding_window, None);
+
+        for (name, architecture, experts, top_k, vocab, layers) in [
+            ("qwen3-next-80b-a3b", "qwen3_next", 512, 10, 151936, 48),
+            ("qwen3.5-35b-a3b", "qwen3_5_moe", 256, 8, 248320, 40),
+        ] {
+            let config = preset(name).unwrap().model_config(layers).unwrap();
+            assert_eq!(config.architecture().name(), architecture);
+            let (ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c)) = &config else {
+                panic!("{config:?}")
+            };
+            let common = &c.common;
+            assert_eq!(
+                (common.hidden_size, common.num_hidden_layers),
+                (2048, layers)
+            );
+            assert_eq!(
+                (common.num_attention_heads, common.num_key_value_heads),
+                (16, 2)
+            );
+            assert_eq!((common.head_dim, common.rotary_dim), (256, 64));
+            assert_eq!(
+                (common.num_experts, common.num_experts_per_tok),
+                (experts, top_k)
+            );
+            assert_eq!(
+                (common.moe_intermediate_size, common.vocab_size),
+                (512, vocab)
+            );
+            assert_eq!(common.rope_theta, 1e7);
+            assert!(common.norm_topk_prob && !common.tie_word_embeddings);
+            assert_eq!((c.linear_num_key_heads, c.linear_num_value_heads), (16, 32));
+            assert_eq!((c.linear_key_head_dim, c.linear_value_head_dim), (128, 128));
+            assert_eq!(
+                (c.linear_conv_kernel_dim, c.shared_expert_intermediate_size),
+                (4, 512)
+            );
+            for (layer, kind) in c.layer_types.iter().enumerate() {
+                let full = (layer + 1) % 4 == 0;
+                assert_eq!(
+                    *kind == LayerType::FullAttention,
+                    full,
+                    "{name} layer {layer}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_preset_and_routing_name_the_value_and_the_valid_ones() {
+        let message = preset("qwen9").unwrap_err().to_string();
+        assert!(
+            message.contains("`qwen9`") && message.contains("qwen3-235b-a22b"),
+            "{message}"
+        );
+        for bad in ["zipfian", "zipf:", "zipf:-1", "zipf:abc", ""] {
+            let message = bad.parse::<Routing>().unwrap_err().to_string();
+            assert!(
+                message.contains(&format!("`{bad}`")) && message.contains("uniform"),
+                "{message}"
+            );
+        }
+        assert_eq!(
+            "zipf:1.5".parse::<Routing>().unwrap(),
+            Routing::Zipf { exponent: 1.5 }
+        );
+        assert_eq!("uniform".parse::<Routing>().unwrap(), Routing::Uniform);
+        let mut options = SyntheticOptions::new(preset("qwen3-30b-a3b").unwrap(), "x.ninfer");
+        options.layers = Some(49);
+        let message = synthetic_plan(&options).unwrap_err().to_string();
+        assert!(
+            message.contains("--layers") && message.contains("49"),
+            "{message}"
+        );
+    }
+
+    /// Generation speed at full size (qwen3-30b-a3b, 2 layers, int8 experts, ~2.6 GB written):
+    /// `cargo test --release -p ninfer-convert --lib full_size -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn full_size_generation_speed() {
+        let directory =
+            std::env::temp_dir().join(format!("ninfer-synthetic-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("qwen3-30b-a3b-2layers.ninfer");
+        let mut options = SyntheticOptions::new(preset("qwen3-30b-a3b").unwrap(), &path);
+        options.layers = Some(2);
+        options.experts_dtype = DType::Int8;
+        let started = std::time::Instant::now();
+        let report = write_synthetic(&options, &crate::NoProgress).unwrap();
+        let seconds = started.elapsed().as_secs_f64();
+        let gb = report.bytes as f64 / 1e9;
+        println!(
+            "{gb:.2} GB in {seconds:.1} s with {} threads: {:.1} s/GB",
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            seconds / gb
+        );
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    #[test]
+    fn uniform_fill_has_the_requested_spread() {
+        let mut rng = Rng::for_name(1, "x");
+        let mut values = vec![0.0f32; 100_001];
+        rng.fill_uniform(&mut values, uniform_bound(0.5));
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        let std =
+            (values.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
+        assert!(
+            mean.abs() < 0.01 && (std - 0.5).abs() < 0.01,
+            "{mean} {std}"
+        );
+    }
+}

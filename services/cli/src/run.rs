@@ -51,6 +51,12 @@ pub struct RunArgs {
     /// Start with thinking enabled (toggle with /think).
     #[arg(long)]
     pub think: bool,
+    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit).
+    #[arg(long, value_name = "N|half|all|auto")]
+    pub moe_gpu_experts: Option<String>,
+    /// Behave as if the GPU had this many GiB (stand in for a smaller card).
+    #[arg(long, value_name = "GiB")]
+    pub gpu_mem_budget: Option<f64>,
 }
 
 /// What `run` will start, for `--dry-run` and the start-up banner.
@@ -289,6 +295,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         moe_threads: args.moe_threads,
         max_context: args.max_context,
         no_workers: false,
+        moe_gpu_experts: args.moe_gpu_experts.clone(),
+        gpu_mem_budget: args.gpu_mem_budget,
         engine_args: previous_routing_statistics(&model),
     };
     start_pipeline(&mut supervisor, &serve_args)?;

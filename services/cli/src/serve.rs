@@ -24,6 +24,12 @@ pub struct ServeArgs {
     /// Run the routed experts inside the engine instead of in worker processes.
     #[arg(long)]
     pub no_workers: bool,
+    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit).
+    #[arg(long, value_name = "N|half|all|auto")]
+    pub moe_gpu_experts: Option<String>,
+    /// Behave as if the GPU had this many GiB (stand in for a smaller card).
+    #[arg(long, value_name = "GiB")]
+    pub gpu_mem_budget: Option<f64>,
     /// Extra arguments for the engine (repeat the flag per argument).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
@@ -154,6 +160,12 @@ pub fn start_pipeline(supervisor: &mut Supervisor, args: &ServeArgs) -> anyhow::
     }
     if let Some(context) = args.max_context {
         engine_args.extend(["--max-context".into(), context.to_string()]);
+    }
+    if let Some(count) = &args.moe_gpu_experts {
+        engine_args.extend(["--moe-gpu-experts".into(), count.clone()]);
+    }
+    if let Some(gib) = args.gpu_mem_budget {
+        engine_args.extend(["--gpu-mem-budget".into(), gib.to_string()]);
     }
     engine_args.extend(args.engine_args.iter().cloned());
     supervisor.add(ChildSpec {

@@ -256,6 +256,16 @@ fn greedy_through_workers_equals_in_process() {
         let half0 = stack.worker("worker-half0", &model, "shard=0/2", &[]);
         let half1 = stack.worker("worker-half1", &model, "shard=1/2", &[]);
         let engine_two = stack.engine("engine-two", &model, &[half0, half1], &[]);
+        // Half the experts of every layer resident in the backend's slots, the rest on two
+        // workers of its own: the split must not change the tokens.
+        let split0 = stack.worker("worker-split0", &model, "shard=0/2", &[]);
+        let split1 = stack.worker("worker-split1", &model, "shard=1/2", &[]);
+        let engine_split = stack.engine(
+            "engine-split",
+            &model,
+            &[split0, split1],
+            &["--moe-gpu-experts", "half"],
+        );
         let expected = reference(name);
         for (index, prompt) in prompts(name).iter().enumerate() {
             let local = rt.block_on(async {
@@ -267,7 +277,14 @@ fn greedy_through_workers_equals_in_process() {
             let through_two = rt.block_on(async {
                 generate(&mut client(&engine_two).await, greedy(prompt, 24)).await
             });
+            let through_split = rt.block_on(async {
+                generate(&mut client(&engine_split).await, greedy(prompt, 24)).await
+            });
             assert_eq!(local.len(), 24);
+            assert_eq!(
+                through_split, local,
+                "{name} prompt {index}: half the experts in slots differs from in-process"
+            );
             assert_eq!(
                 through_one, local,
                 "{name} prompt {index}: one worker differs from in-process"
@@ -288,6 +305,9 @@ fn greedy_through_workers_equals_in_process() {
             );
         }
         assert!(stack.log("engine-two").contains("expert worker registered"));
+        assert!(stack
+            .log("engine-split")
+            .contains("GPU expert slots filled"));
     }
 }
 

@@ -36,10 +36,17 @@ impl ExpertBatch<'_> {
     }
 }
 
+/// An expert id that selects nothing: the pair is computed elsewhere (e.g. by a GPU expert
+/// slot) and adds nothing here.
+pub use ninfer_expert_kernels::routed::NO_EXPERT;
+
 /// Computes routed experts. Object-safe; one executor serves every layer and every thread.
 pub trait ExpertExecutor: Send + Sync {
     /// Short name for errors and logs.
     fn name(&self) -> &str;
+    /// Sees the full routing of a layer (`[tokens, k]` ids) before any expert is moved
+    /// elsewhere; routing statistics count here, so they include experts the GPU computes.
+    fn observe_routing(&self, _layer: usize, _expert_ids: &[u32], _tokens: usize) {}
     /// Writes `out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(hidden[t])` (`[tokens, hidden]`).
     fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError>;
 }
@@ -98,7 +105,11 @@ impl ExpertExecutor for CpuExpertExecutor {
             vec![Vec::new(); batch.bank.num_experts as usize];
         for t in 0..tokens {
             for j in 0..k {
-                let expert = batch.expert_ids[t * k + j] as usize;
+                let id = batch.expert_ids[t * k + j];
+                if id == NO_EXPERT {
+                    continue;
+                }
+                let expert = id as usize;
                 let Some(list) = assignments.get_mut(expert) else {
                     return Err(self.failure(
                         batch,

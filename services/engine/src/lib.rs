@@ -14,6 +14,7 @@
 //! * [`experts`] — the `ExpertExecutor` trait and the in-process CPU executor.
 //! * [`kernel_experts`] — in-process experts on the SIMD kernels (the worker's executor).
 //! * [`remote_experts`] — experts computed by worker processes through the shared-memory channel.
+//! * [`gpu_experts`] — `--moe-gpu-experts`: how many experts per layer the GPU holds, and which.
 //! * [`service`] — the gRPC engine service: scheduler actor (continuous batching), routing stats.
 //! * [`sampling`] — greedy / temperature / top-k / top-p / min-p / penalties, seeded.
 //! * [`perplexity`] — windowed NLL of a token stream.
@@ -22,6 +23,7 @@
 pub mod backend;
 pub mod error;
 pub mod experts;
+pub mod gpu_experts;
 pub mod kernel_experts;
 pub mod model;
 pub mod perplexity;

@@ -10,8 +10,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
-use ninfer_engine::backend::cuda::CudaBackend;
+use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::experts::ExpertExecutor;
+use ninfer_engine::gpu_experts::{
+    choose_gpu_experts, experts_per_layer, GpuExpertCount, GpuExpertShape,
+};
 use ninfer_engine::kernel_experts::KernelExpertExecutor;
 use ninfer_engine::remote_experts::{RemoteExpertExecutor, RemoteExpertsOptions};
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
@@ -77,6 +80,20 @@ struct Args {
     /// `--moe-record-stats` or the gateway's state directory) for static expert placement.
     #[arg(long)]
     moe_expert_stats: Option<PathBuf>,
+    /// KV cache element type on the GPU: `bf16` (half the memory; the default) or `f32`. The CPU
+    /// backend always keeps an f32 cache.
+    #[arg(long, value_name = "bf16|f32")]
+    kv_dtype: Option<KvDtype>,
+    /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
+    /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
+    /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
+    #[arg(long, default_value = "0", value_name = "N|half|all|auto")]
+    moe_gpu_experts: GpuExpertCount,
+    /// Behave as if the GPU had this many GiB (to stand in for a 16 or 24 GB card): expert
+    /// slots get what is left after the dense weights, the KV caches of `--max-sequences` full
+    /// contexts and 1 GiB of working memory.
+    #[arg(long, value_name = "GiB")]
+    gpu_mem_budget: Option<f64>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -99,7 +116,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logging(args.log_json);
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
-    let device = select_device(args.device)?;
+    let device = select_device(args.device, args.kv_dtype)?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let common = artifact.config().common().clone();
@@ -122,26 +139,13 @@ fn main() -> anyhow::Result<()> {
         common.num_hidden_layers,
         common.num_experts,
     ));
-    if let Some(path) = &args.moe_expert_stats {
-        let statistics = ExpertStatistics::load(path, common.num_hidden_layers, common.num_experts)
-            .map_err(|problem| anyhow::anyhow!("--moe-expert-stats: {problem}"))?;
-        // The placement the GPU expert slots start from: the hottest experts of each layer.
-        let slots = (common.num_experts / 4).max(1);
-        let placement = statistics.placement(slots);
-        let moe_layers: Vec<&(Vec<u32>, f64)> = placement
-            .iter()
-            .enumerate()
-            .filter(|(layer, _)| common.moe_layers[*layer])
-            .map(|(_, entry)| entry)
-            .collect();
-        let mean_share =
-            moe_layers.iter().map(|(_, share)| share).sum::<f64>() / moe_layers.len().max(1) as f64;
-        tracing::info!(
-            file = %path.display(),
-            "expert placement from routing statistics: the {slots} hottest experts per layer serve {:.1}% of routed tokens on average",
-            mean_share * 100.0
-        );
-    }
+    let statistics = match &args.moe_expert_stats {
+        Some(path) => Some(
+            ExpertStatistics::load(path, common.num_hidden_layers, common.num_experts)
+                .map_err(|problem| anyhow::anyhow!("--moe-expert-stats: {problem}"))?,
+        ),
+        None => None,
+    };
     let (experts, readiness): (Arc<dyn ExpertExecutor>, Arc<dyn Readiness>) =
         if args.experts.is_empty() {
             let isa = match &args.kernel_isa {
@@ -190,16 +194,37 @@ fn main() -> anyhow::Result<()> {
         max_sequences: args.max_sequences.max(1),
     };
     let scheduler_counters = Arc::new(SchedulerCounters::default());
+    let gpu_experts = GpuExpertsRequest {
+        count: args.moe_gpu_experts,
+        budget_gib: args.gpu_mem_budget,
+        statistics,
+        kv_bytes_per_token: kv_bytes_per_token(&artifact, args.kv_dtype),
+        limits,
+    };
     let scheduler = match device {
-        SelectedDevice::Cpu => start_scheduler(
-            Arc::new(CpuBackend::new()),
-            &artifact,
-            counting,
-            limits,
-            &scheduler_counters,
-        )?,
+        SelectedDevice::Cpu => {
+            if args.moe_gpu_experts != GpuExpertCount::Count(0) {
+                tracing::warn!("--moe-gpu-experts on the CPU backend keeps copies of those experts in host memory (useful for tests only)");
+            }
+            start_scheduler(
+                Arc::new(CpuBackend::new()),
+                &artifact,
+                counting,
+                &gpu_experts,
+                || None,
+                &scheduler_counters,
+            )?
+        }
         SelectedDevice::Cuda(backend) => {
-            start_scheduler(backend, &artifact, counting, limits, &scheduler_counters)?
+            let memory = Arc::clone(&backend);
+            start_scheduler(
+                backend,
+                &artifact,
+                counting,
+                &gpu_experts,
+                move || memory.memory_info().ok(),
+                &scheduler_counters,
+            )?
         }
     };
     let created_unix_seconds = std::time::SystemTime::now()
@@ -255,24 +280,34 @@ enum SelectedDevice {
 
 /// `cpu`: the CPU. `cuda`: GPU 0 or a clear error naming what was looked for (driver, NVRTC,
 /// device). `auto`: GPU 0 when it opens, else the CPU with a warning saying why.
-fn select_device(device: Device) -> anyhow::Result<SelectedDevice> {
+fn select_device(device: Device, kv_dtype: Option<KvDtype>) -> anyhow::Result<SelectedDevice> {
+    let options = CudaOptions {
+        kv_dtype: kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
+        ..CudaOptions::default()
+    };
+    let cpu = || {
+        if kv_dtype == Some(KvDtype::Bf16) {
+            tracing::warn!("--kv-dtype bf16 is for the GPU; the CPU backend keeps an f32 KV cache");
+        }
+        Ok(SelectedDevice::Cpu)
+    };
     match device {
-        Device::Cpu => Ok(SelectedDevice::Cpu),
+        Device::Cpu => cpu(),
         Device::Cuda => {
-            let backend = CudaBackend::new(0).context(
+            let backend = CudaBackend::with_options(0, options).context(
                 "--device cuda: cannot use the GPU (use --device cpu, or --device auto to fall back)",
             )?;
             log_gpu(&backend);
             Ok(SelectedDevice::Cuda(Arc::new(backend)))
         }
-        Device::Auto => match CudaBackend::new(0) {
+        Device::Auto => match CudaBackend::with_options(0, options) {
             Ok(backend) => {
                 log_gpu(&backend);
                 Ok(SelectedDevice::Cuda(Arc::new(backend)))
             }
             Err(error) => {
                 tracing::warn!("--device auto: no usable GPU, running on the CPU: {error}");
-                Ok(SelectedDevice::Cpu)
+                cpu()
             }
         },
     }
@@ -287,20 +322,109 @@ fn log_gpu(backend: &CudaBackend) {
         nvrtc = format!("{}.{} ({})", info.nvrtc_version.0, info.nvrtc_version.1, info.nvrtc_library),
         kernels_cached = info.kernels_cached,
         kernels_compiled = info.kernels_compiled,
+        cublas = info.cublas_library.as_deref().unwrap_or("off (the matmul kernel does every GEMM)"),
+        kv_dtype = %info.kv_dtype,
         "dense layers on the GPU"
     );
 }
 
-/// Loads the model on `backend` and starts the scheduler over it.
+/// What `--moe-gpu-experts` and its companions ask for.
+struct GpuExpertsRequest {
+    count: GpuExpertCount,
+    budget_gib: Option<f64>,
+    statistics: Option<ExpertStatistics>,
+    kv_bytes_per_token: u64,
+    limits: SchedulerLimits,
+}
+
+/// KV cache bytes per token over all attention layers (K and V).
+fn kv_bytes_per_token(artifact: &ninfer_artifact::Artifact, kv_dtype: Option<KvDtype>) -> u64 {
+    let config = artifact.config();
+    let common = config.common();
+    let attention_layers = match config {
+        ninfer_artifact::ModelConfig::Qwen3Moe(_) => common.num_hidden_layers,
+        ninfer_artifact::ModelConfig::Qwen3Next(hybrid)
+        | ninfer_artifact::ModelConfig::Qwen35Moe(hybrid) => hybrid
+            .layer_types
+            .iter()
+            .filter(|t| **t == ninfer_artifact::LayerType::FullAttention)
+            .count(),
+    };
+    let element = if kv_dtype == Some(KvDtype::F32) { 4 } else { 2 };
+    (attention_layers * 2 * common.num_key_value_heads * common.head_dim * element) as u64
+}
+
+/// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
+/// `device_memory` gives `(free, total)` GPU bytes (`None`: no limit, the CPU backend).
 fn start_scheduler<B: Backend>(
     backend: Arc<B>,
     artifact: &Arc<ninfer_artifact::Artifact>,
     experts: Arc<dyn ExpertExecutor>,
-    limits: SchedulerLimits,
+    request: &GpuExpertsRequest,
+    device_memory: impl Fn() -> Option<(usize, usize)>,
     counters: &Arc<SchedulerCounters>,
 ) -> anyhow::Result<std::sync::mpsc::Sender<SchedulerCommand>> {
-    let model = Arc::new(Model::load(backend, Arc::clone(artifact), experts)?);
-    scheduler::start(model, limits, Arc::clone(counters)).context("starting the scheduler")
+    let mut model = Model::load(backend, Arc::clone(artifact), experts)?;
+    if request.count != GpuExpertCount::Count(0) {
+        place_gpu_experts(&mut model, request, device_memory())?;
+    }
+    scheduler::start(Arc::new(model), request.limits, Arc::clone(counters))
+        .context("starting the scheduler")
+}
+
+/// Puts `--moe-gpu-experts` experts per MoE layer in GPU slots, within the memory left after
+/// the dense weights, the KV caches and 1 GiB of working memory.
+fn place_gpu_experts<B: Backend>(
+    model: &mut Model<B>,
+    request: &GpuExpertsRequest,
+    device_memory: Option<(usize, usize)>,
+) -> anyhow::Result<()> {
+    let common = model.spec().common.clone();
+    let Some(expert_bytes) = model.expert_slot_bytes() else {
+        bail!("--moe-gpu-experts: the model has no routed experts");
+    };
+    let shape = GpuExpertShape {
+        num_experts: common.num_experts,
+        moe_layers: common.moe_layers.clone(),
+        expert_bytes,
+    };
+    let budget = device_memory.map(|(free, total)| {
+        let used = (total - free.min(total)) as u64;
+        let limit = match request.budget_gib {
+            Some(gib) => ((gib * (1u64 << 30) as f64) as u64).saturating_sub(used),
+            None => free as u64,
+        };
+        let kv = request.kv_bytes_per_token
+            * request.limits.max_context as u64
+            * request.limits.max_sequences as u64;
+        limit.saturating_sub(kv).saturating_sub(1 << 30)
+    });
+    let per_layer = experts_per_layer(request.count, &shape, budget)
+        .map_err(|problem| anyhow::anyhow!("--moe-gpu-experts {}: {problem}", request.count))?;
+    let placement = choose_gpu_experts(&shape, per_layer, request.statistics.as_ref());
+    let started = std::time::Instant::now();
+    let report = model
+        .place_resident_experts(&placement)
+        .context("filling the GPU expert slots")?;
+    let share = request.statistics.as_ref().map(|statistics| {
+        let ranked = statistics.placement(per_layer);
+        let moe: Vec<f64> = ranked
+            .iter()
+            .enumerate()
+            .filter(|(layer, _)| common.moe_layers[*layer])
+            .map(|(_, (_, share))| *share)
+            .collect();
+        moe.iter().sum::<f64>() / moe.len().max(1) as f64
+    });
+    tracing::info!(
+        experts_per_layer = per_layer,
+        layers = report.layers,
+        gib = format!("{:.2}", report.bytes as f64 / (1u64 << 30) as f64),
+        seconds = format!("{:.1}", started.elapsed().as_secs_f64()),
+        routed_share_from_stats = share.map(|s| format!("{:.1}%", 100.0 * s)),
+        "GPU expert slots filled"
+    );
+    Ok(())
 }
 
 async fn serve(listen: &str, service: EngineService) -> anyhow::Result<()> {

@@ -10,10 +10,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ninfer_artifact::{Artifact, ArtifactError, ExpertBank};
+use ninfer_expert_kernels::ExpertLayout;
 
 use crate::backend::{Backend, DeltaRuleForm, Segment};
 use crate::error::EngineError;
-use crate::experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor};
+use crate::experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor, NO_EXPERT};
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
 
 /// Which positions' logits a forward returns.
@@ -64,7 +65,27 @@ enum FeedForward<B: Backend> {
         router: B::Weight,
         bank: ExpertBank,
         shared: Option<SharedExpert<B>>,
+        /// Experts of this layer held in the backend's slots (GPU expert slots), if any.
+        resident: Option<ResidentExperts<B>>,
     },
+}
+
+/// The routed experts of one MoE layer that the backend computes itself, and which they are.
+struct ResidentExperts<B: Backend> {
+    slots: B::ExpertSlots,
+    /// `[num_experts]`: whether the expert is in a slot (the host's view of the slot table).
+    resident: Vec<bool>,
+}
+
+/// What [`Model::place_resident_experts`] put where.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ResidentExpertsReport {
+    /// MoE layers with at least one resident expert.
+    pub layers: usize,
+    /// Resident experts over all layers.
+    pub experts: usize,
+    /// Bytes of expert weights copied to the backend.
+    pub bytes: u64,
 }
 
 struct Layer<B: Backend> {
@@ -217,6 +238,92 @@ impl<B: Backend> Model<B> {
 
     pub fn vocab_size(&self) -> usize {
         self.spec.common.vocab_size
+    }
+
+    /// Puts experts of each MoE layer in the backend's expert slots (GPU expert slots):
+    /// `placement[layer]` lists the experts of that layer to make resident (empty: none; dense
+    /// layers must be empty). Replaces any earlier placement. Resident experts are computed by
+    /// the backend while the expert executor computes the others; the sum is the same.
+    pub fn place_resident_experts(
+        &mut self,
+        placement: &[Vec<u32>],
+    ) -> Result<ResidentExpertsReport, EngineError> {
+        let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        if placement.len() != self.layers.len() {
+            return Err(invalid(format!(
+                "expert placement lists {} layers, the model has {}",
+                placement.len(),
+                self.layers.len()
+            )));
+        }
+        let common = self.spec.common.clone();
+        let mut report = ResidentExpertsReport::default();
+        for (index, (layer, experts)) in self.layers.iter_mut().zip(placement).enumerate() {
+            let FeedForward::Moe { bank, resident, .. } = &mut layer.feed_forward else {
+                if experts.is_empty() {
+                    continue;
+                }
+                return Err(invalid(format!(
+                    "layer {index} has no routed experts, the placement lists {}",
+                    experts.len()
+                )));
+            };
+            *resident = None;
+            if experts.is_empty() {
+                continue;
+            }
+            let mut seen = vec![false; common.num_experts];
+            for &expert in experts {
+                match seen.get_mut(expert as usize) {
+                    Some(flag) if !*flag => *flag = true,
+                    Some(_) => {
+                        return Err(invalid(format!(
+                            "layer {index}: expert {expert} is placed twice"
+                        )))
+                    }
+                    None => {
+                        return Err(invalid(format!(
+                            "layer {index}: expert {expert} is not one of the {} experts",
+                            common.num_experts
+                        )))
+                    }
+                }
+            }
+            let layout =
+                ExpertLayout::for_bank(bank, common.hidden_size, common.moe_intermediate_size)
+                    .map_err(|error| invalid(error.to_string()))?;
+            let mut slots =
+                self.backend
+                    .new_expert_slots(&layout, common.num_experts, experts.len())?;
+            for (slot, &expert) in experts.iter().enumerate() {
+                self.backend.fill_expert_slot(
+                    &mut slots,
+                    slot,
+                    expert as usize,
+                    &self.artifact,
+                    bank,
+                )?;
+            }
+            report.layers += 1;
+            report.experts += experts.len();
+            report.bytes += (experts.len() * layout.stride) as u64;
+            *resident = Some(ResidentExperts {
+                slots,
+                resident: seen,
+            });
+        }
+        Ok(report)
+    }
+
+    /// Bytes one expert of this model takes in a slot (its bank stride), or `None` for a model
+    /// without routed experts.
+    pub fn expert_slot_bytes(&self) -> Option<u64> {
+        self.layers
+            .iter()
+            .find_map(|layer| match &layer.feed_forward {
+                FeedForward::Moe { bank, .. } => Some(bank.expert_stride),
+                FeedForward::Dense { .. } => None,
+            })
     }
 
     /// Forces one form of the gated delta rule (tests compare the two).
@@ -535,6 +642,7 @@ impl<B: Backend> Model<B> {
                 router,
                 bank,
                 shared,
+                resident,
             } => {
                 let common = &self.spec.common;
                 let logits = backend.matmul(x, router);
@@ -543,36 +651,81 @@ impl<B: Backend> Model<B> {
                     common.num_experts_per_tok,
                     self.spec.normalize_routing,
                 );
+                self.experts
+                    .observe_routing(index, &routing.expert_ids, routing_tokens(&routing));
                 let hidden = backend.download(x);
                 let (rows, cols) = backend.shape(x);
-                let mut routed = vec![0.0f32; rows * cols];
-                self.experts.compute(
-                    &ExpertBatch {
-                        layer: index,
-                        bank,
-                        hidden_size: cols,
-                        intermediate_size: common.moe_intermediate_size,
-                        hidden: &hidden,
-                        experts_per_token: routing.experts_per_token,
-                        expert_ids: &routing.expert_ids,
-                        weights: &routing.weights,
-                    },
-                    &mut routed,
-                )?;
-                let mut output = backend.upload(&routed, rows, cols);
-                if let Some(shared) = shared {
+                // Work the backend does itself is queued first (on a GPU it runs while this
+                // thread waits for the expert workers): the resident experts, then the shared
+                // expert.
+                let resident_sum = resident
+                    .as_ref()
+                    .map(|resident| backend.slotted_experts(&resident.slots, x, &routing));
+                let shared_parts = shared.as_ref().map(|shared| {
                     let activated = backend.silu_mul(
                         &backend.matmul(x, &shared.gate_proj),
                         &backend.matmul(x, &shared.up_proj),
                     );
-                    let expert = backend.matmul(&activated, &shared.down_proj);
-                    let gate = backend.matmul(x, &shared.gate);
+                    (
+                        backend.matmul(&activated, &shared.down_proj),
+                        backend.matmul(x, &shared.gate),
+                    )
+                });
+                // The executor gets the other experts; resident ones are masked out.
+                let masked_ids;
+                let expert_ids: &[u32] = match resident {
+                    Some(resident) => {
+                        masked_ids = routing
+                            .expert_ids
+                            .iter()
+                            .map(|&id| {
+                                if resident.resident.get(id as usize).copied().unwrap_or(false) {
+                                    NO_EXPERT
+                                } else {
+                                    id
+                                }
+                            })
+                            .collect::<Vec<u32>>();
+                        &masked_ids
+                    }
+                    None => &routing.expert_ids,
+                };
+                let mut routed = vec![0.0f32; rows * cols];
+                if expert_ids.iter().any(|&id| id != NO_EXPERT) {
+                    self.experts.compute(
+                        &ExpertBatch {
+                            layer: index,
+                            bank,
+                            hidden_size: cols,
+                            intermediate_size: common.moe_intermediate_size,
+                            hidden: &hidden,
+                            experts_per_token: routing.experts_per_token,
+                            expert_ids,
+                            weights: &routing.weights,
+                        },
+                        &mut routed,
+                    )?;
+                }
+                let mut output = backend.upload(&routed, rows, cols);
+                if let Some(resident_sum) = resident_sum {
+                    backend.add_assign(&mut output, &resident_sum);
+                }
+                if let Some((expert, gate)) = shared_parts {
                     backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
                 }
                 Ok(output)
             }
         }
     }
+}
+
+/// Tokens of a routing (`[tokens, k]` entries).
+fn routing_tokens(routing: &crate::backend::Routing) -> usize {
+    routing
+        .expert_ids
+        .len()
+        .checked_div(routing.experts_per_token)
+        .unwrap_or(0)
 }
 
 fn state_mismatch(layer: usize) -> EngineError {
@@ -711,6 +864,7 @@ impl<B: Backend> Loader<'_, B> {
                     router: self.matrix(&name("moe.router"), (common.num_experts, hidden))?,
                     bank,
                     shared,
+                    resident: None,
                 }
             }
         };

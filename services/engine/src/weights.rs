@@ -76,6 +76,42 @@ impl<'a> WeightMatrix<'a> {
         })
     }
 
+    /// Views raw stored bytes (e.g. an expert copied out of its bank) as a `[rows, cols]`
+    /// matrix of `dtype`, checking that they hold exactly that.
+    pub fn from_raw(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self, EngineError> {
+        let invalid = |problem: String| EngineError::InvalidWeight {
+            name: "expert slot".into(),
+            problem,
+        };
+        let (layout, expected) = match dtype {
+            DType::F32 => (None, rows * cols * 4),
+            DType::Bf16 => (None, rows * cols * 2),
+            DType::Int8 | DType::Int4 => {
+                let layout = QuantizedLayout::new(dtype, rows, cols).map_err(invalid)?;
+                let total = layout.total_bytes;
+                (Some(layout), total)
+            }
+        };
+        if bytes.len() < expected {
+            return Err(invalid(format!(
+                "{} bytes do not hold a {rows}×{cols} {dtype} matrix ({expected} bytes)",
+                bytes.len()
+            )));
+        }
+        Ok(WeightMatrix {
+            dtype,
+            rows,
+            cols,
+            bytes: &bytes[..expected],
+            layout,
+        })
+    }
+
     /// Decodes rows `first..first+count` into `out` (`count × cols` f32 values).
     pub fn decode_rows(&self, first: usize, count: usize, out: &mut [f32]) {
         let cols = self.cols;

@@ -11,7 +11,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use ninfer_artifact::Artifact;
+use ninfer_artifact::{Artifact, ExpertBank};
+use ninfer_expert_kernels::ExpertLayout;
 
 use super::{AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, Routing, Segment};
 use crate::error::EngineError;
@@ -101,6 +102,48 @@ pub struct CpuConvState {
 pub struct CpuRecurrentState {
     pub spec: DeltaRuleSpec,
     pub state: Vec<f32>,
+}
+
+/// Expert slots in host memory: each slot a private copy of one expert's stored bytes. The
+/// CPU backend has no faster memory to copy to; the copies exist so the slot logic (table,
+/// placement, split of the routed sum) is exercised and tested the same way on every backend.
+pub struct CpuExpertSlots {
+    layout: ExpertLayout,
+    /// `slots` × `layout.stride` bytes.
+    storage: Vec<u8>,
+    /// Expert → slot, `None` when the expert is not resident.
+    slot_of_expert: Vec<Option<usize>>,
+    /// Slot → expert, to clear the table entry of an evicted expert.
+    expert_in_slot: Vec<Option<usize>>,
+}
+
+impl CpuExpertSlots {
+    /// The slot holding `expert`, if any.
+    pub fn slot_of(&self, expert: usize) -> Option<usize> {
+        self.slot_of_expert.get(expert).copied().flatten()
+    }
+
+    fn expert_matrices(
+        &self,
+        slot: usize,
+    ) -> Result<(WeightMatrix<'_>, WeightMatrix<'_>), EngineError> {
+        let layout = &self.layout;
+        let bytes = &self.storage[slot * layout.stride..(slot + 1) * layout.stride];
+        let dtype = layout.dtype.artifact_dtype();
+        let gate_up = WeightMatrix::from_raw(
+            dtype,
+            layout.gate_up.rows,
+            layout.gate_up.cols,
+            &bytes[..layout.gate_up.total_bytes],
+        )?;
+        let down = WeightMatrix::from_raw(
+            dtype,
+            layout.down.rows,
+            layout.down.cols,
+            &bytes[layout.down_offset..],
+        )?;
+        Ok((gate_up, down))
+    }
 }
 
 fn silu(x: f32) -> f32 {
@@ -321,6 +364,7 @@ impl Backend for CpuBackend {
     type KvCache = CpuKvCache;
     type ConvState = CpuConvState;
     type RecurrentState = CpuRecurrentState;
+    type ExpertSlots = CpuExpertSlots;
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -736,6 +780,146 @@ impl Backend for CpuBackend {
             }
         }
         out
+    }
+
+    fn new_expert_slots(
+        &self,
+        layout: &ExpertLayout,
+        num_experts: usize,
+        slots: usize,
+    ) -> Result<CpuExpertSlots, EngineError> {
+        let bytes = slots
+            .checked_mul(layout.stride)
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: format!("{slots} expert slots of {} bytes overflow", layout.stride),
+            })?;
+        Ok(CpuExpertSlots {
+            layout: *layout,
+            storage: vec![0; bytes],
+            slot_of_expert: vec![None; num_experts],
+            expert_in_slot: vec![None; slots],
+        })
+    }
+
+    fn fill_expert_slot(
+        &self,
+        slots: &mut CpuExpertSlots,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        let source = expert_bytes(artifact, bank, expert, &slots.layout)?;
+        let stride = slots.layout.stride;
+        let (Some(previous), true) = (
+            slots.expert_in_slot.get(slot).copied(),
+            expert < slots.slot_of_expert.len(),
+        ) else {
+            return Err(slot_out_of_range(
+                slot,
+                expert,
+                slots.expert_in_slot.len(),
+                slots.slot_of_expert.len(),
+            ));
+        };
+        if let Some(previous) = previous {
+            slots.slot_of_expert[previous] = None;
+        }
+        if let Some(old_slot) = slots.slot_of_expert[expert] {
+            slots.expert_in_slot[old_slot] = None;
+        }
+        slots.storage[slot * stride..(slot + 1) * stride].copy_from_slice(source);
+        slots.slot_of_expert[expert] = Some(slot);
+        slots.expert_in_slot[slot] = Some(expert);
+        Ok(())
+    }
+
+    fn slotted_experts(
+        &self,
+        slots: &CpuExpertSlots,
+        x: &CpuTensor,
+        routing: &Routing,
+    ) -> CpuTensor {
+        let hidden = slots.layout.hidden;
+        let intermediate = slots.layout.intermediate;
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        let k = routing.experts_per_token;
+        if x.cols != hidden || routing.expert_ids.len() != x.rows * k {
+            // Shapes are validated at model load; an inconsistent call leaves zeros.
+            return out;
+        }
+        let mut gate_up = vec![0.0f32; 2 * intermediate];
+        let mut activated = vec![0.0f32; intermediate];
+        let mut y = vec![0.0f32; hidden];
+        for t in 0..x.rows {
+            for j in 0..k {
+                let expert = routing.expert_ids[t * k + j] as usize;
+                let Some(slot) = slots.slot_of(expert) else {
+                    continue;
+                };
+                let Ok((gate_up_matrix, down_matrix)) = slots.expert_matrices(slot) else {
+                    continue;
+                };
+                gate_up_matrix.matmul(x.row(t), 1, &mut gate_up);
+                for c in 0..intermediate {
+                    activated[c] = silu(gate_up[c]) * gate_up[intermediate + c];
+                }
+                down_matrix.matmul(&activated, 1, &mut y);
+                let weight = routing.weights[t * k + j];
+                for (o, v) in out.row_mut(t).iter_mut().zip(&y) {
+                    *o += weight * v;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The stored bytes of expert `expert` of `bank` (its whole stride), checked against `layout`.
+pub fn expert_bytes<'a>(
+    artifact: &'a Artifact,
+    bank: &ExpertBank,
+    expert: usize,
+    layout: &ExpertLayout,
+) -> Result<&'a [u8], EngineError> {
+    let invalid = |problem: String| EngineError::InvalidWeight {
+        name: bank.prefix.clone(),
+        problem,
+    };
+    if bank.expert_stride != layout.stride as u64 || layout.dtype.artifact_dtype() != bank.dtype {
+        return Err(invalid(format!(
+            "bank has stride {} and dtype {}, the slots expect {} and {}",
+            bank.expert_stride,
+            bank.dtype,
+            layout.stride,
+            layout.dtype.artifact_dtype()
+        )));
+    }
+    if expert as u64 >= bank.num_experts {
+        return Err(invalid(format!(
+            "expert {expert} outside the bank of {}",
+            bank.num_experts
+        )));
+    }
+    let start = bank.offset + expert as u64 * bank.expert_stride;
+    let end = start + bank.expert_stride;
+    let bytes = artifact.bytes();
+    let range = usize::try_from(start).ok().zip(usize::try_from(end).ok());
+    match range {
+        Some((start, end)) if end <= bytes.len() => Ok(&bytes[start..end]),
+        _ => Err(invalid(format!(
+            "expert {expert} ends at byte {end}, past the artifact's {} bytes",
+            bytes.len()
+        ))),
+    }
+}
+
+/// The error for a slot or expert index outside the slots' tables.
+pub fn slot_out_of_range(slot: usize, expert: usize, slots: usize, experts: usize) -> EngineError {
+    EngineError::InvalidConfig {
+        problem: format!(
+            "expert slot {slot} / expert {expert} outside {slots} slots of {experts} experts"
+        ),
     }
 }
 

@@ -18,7 +18,8 @@ pub mod cuda;
 use std::ops::Range;
 use std::sync::Arc;
 
-use ninfer_artifact::Artifact;
+use ninfer_artifact::{Artifact, ExpertBank};
+use ninfer_expert_kernels::ExpertLayout;
 
 use crate::error::EngineError;
 
@@ -90,6 +91,11 @@ pub trait Backend: Send + Sync + 'static {
     type ConvState: Send + Sync;
     /// The fp32 delta-rule state `[nv, dk, dv]` of one GDN layer of one sequence.
     type RecurrentState: Send + Sync;
+    /// Routed experts of one MoE layer resident where the backend computes ("GPU expert
+    /// slots"): room for a fixed number of whole experts in their stored dtype, plus an
+    /// expert → slot table the compute op reads, so which experts are resident can change
+    /// between steps (the dynamic expert cache) without touching the model.
+    type ExpertSlots: Send + Sync;
 
     /// Short name for logs and test output (`cpu`, `cuda:0`).
     fn name(&self) -> String;
@@ -218,5 +224,33 @@ pub trait Backend: Send + Sync + 'static {
         spec: &DeltaRuleSpec,
         form: DeltaRuleForm,
         segments: &mut [Segment<'_, Self::RecurrentState>],
+    ) -> Self::Tensor;
+
+    /// `slots` empty places for experts of `layout` (one MoE layer with `num_experts` experts).
+    fn new_expert_slots(
+        &self,
+        layout: &ExpertLayout,
+        num_experts: usize,
+        slots: usize,
+    ) -> Result<Self::ExpertSlots, EngineError>;
+    /// Copies expert `expert` of `bank` (its whole stride, straight from the artifact mapping)
+    /// into `slot`; the expert that held the slot before leaves the table. May be asynchronous:
+    /// the copy is ordered before any later op of this backend, and `artifact` is kept alive
+    /// until it lands.
+    fn fill_expert_slot(
+        &self,
+        slots: &mut Self::ExpertSlots,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError>;
+    /// `out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(x[t])` over the `(t, j)` whose expert is
+    /// in a slot; the other pairs add nothing (their experts run elsewhere). `[tokens, hidden]`.
+    fn slotted_experts(
+        &self,
+        slots: &Self::ExpertSlots,
+        x: &Self::Tensor,
+        routing: &Routing,
     ) -> Self::Tensor;
 }

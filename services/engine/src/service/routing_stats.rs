@@ -185,9 +185,12 @@ impl ExpertExecutor for CountingExecutor {
         self.inner.name()
     }
 
+    fn observe_routing(&self, layer: usize, expert_ids: &[u32], tokens: usize) {
+        self.counters.record(layer, expert_ids, tokens);
+        self.inner.observe_routing(layer, expert_ids, tokens);
+    }
+
     fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError> {
-        self.counters
-            .record(batch.layer, batch.expert_ids, batch.tokens());
         self.inner.compute(batch, out)
     }
 }

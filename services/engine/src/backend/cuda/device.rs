@@ -18,8 +18,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
-use ninfer_artifact::{Artifact, DType};
+use ninfer_artifact::{Artifact, DType, ExpertBank};
+use ninfer_expert_kernels::ExpertLayout;
 
+use super::cublas::{Cublas, GemmOperands};
 use super::kernels::{cached_cubin, KERNEL_SOURCES};
 use super::loader;
 use super::nvrtc::Nvrtc;
@@ -43,6 +45,79 @@ const MATMUL_WARPS: u32 = 8;
 const ATTENTION_WARPS: u32 = 4;
 /// `32 * MAX_DIMS_PER_LANE` in `kernels/attention.cu`.
 const ATTENTION_MAX_HEAD_DIM: usize = 256;
+/// bf16 matmuls of at least this many rows go through cuBLAS (when it loaded and passed its
+/// start-up check); fewer rows (decode) stay on the matmul kernel, which streams the weights
+/// once for up to `MATMUL_ROWS` rows and keeps f32 activations.
+const CUBLAS_MIN_ROWS: usize = 9;
+
+/// The element type of the KV cache (`--kv-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// Half the memory; keys and values are rounded to bf16 (nearest even) when appended.
+    Bf16,
+    /// Exactly the values the projections produced (the CPU backend's cache).
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::Bf16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::Bf16 => "bf16",
+            KvDtype::F32 => "f32",
+        })
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "bf16" => Ok(KvDtype::Bf16),
+            "f32" => Ok(KvDtype::F32),
+            other => Err(format!("KV cache dtype `{other}`: expected bf16 or f32")),
+        }
+    }
+}
+
+/// How the backend computes where there is a choice. `Default`: bf16 KV cache, cuBLAS for bf16
+/// prefill GEMMs when it loads. [`CudaOptions::exact`]: f32 KV cache and the matmul kernel only,
+/// which computes what the CPU backend computes to f32 rounding, batch invariant (the tests of
+/// issue 3's tolerances use it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    pub kv_dtype: KvDtype,
+    /// Try cuBLAS at start-up (it is still only used if it loads and passes its check).
+    pub cublas: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            kv_dtype: KvDtype::Bf16,
+            cublas: true,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// f32 KV cache, no cuBLAS: the CPU backend's math, batch invariant.
+    pub fn exact() -> Self {
+        CudaOptions {
+            kv_dtype: KvDtype::F32,
+            cublas: false,
+        }
+    }
+}
 
 /// What the backend found at start-up.
 #[derive(Debug, Clone)]
@@ -58,6 +133,10 @@ pub struct DeviceInfo {
     /// Kernel files read from the disk cache / compiled now.
     pub kernels_cached: usize,
     pub kernels_compiled: usize,
+    /// The cuBLAS that loaded and passed the start-up check (path and version), or `None`: not
+    /// found, failed the check, or off in the options (the matmul kernel does everything then).
+    pub cublas_library: Option<String>,
+    pub kv_dtype: KvDtype,
 }
 
 /// The CUDA backend on one GPU. Every op is queued on one stream; `download` and the routing
@@ -69,6 +148,9 @@ pub struct CudaBackend {
     functions: HashMap<&'static str, CudaFunction>,
     info: DeviceInfo,
     error: Mutex<Option<CudaError>>,
+    /// cuBLAS for bf16 prefill GEMMs, only once it passed the start-up check.
+    cublas: Option<Cublas>,
+    options: CudaOptions,
 }
 
 /// A row-major `[rows, cols]` f32 buffer on the GPU; `None` after an earlier error.
@@ -112,13 +194,35 @@ impl CudaWeight {
     }
 }
 
-/// Keys and values of one attention layer of one sequence, `[max_tokens, kv_width]` each.
+/// Keys and values of one attention layer of one sequence, `[max_tokens, kv_width]` each, in
+/// the backend's [`KvDtype`].
 pub struct CudaKvCache {
     pub max_tokens: usize,
     pub kv_width: usize,
     pub len: usize,
-    keys: Option<CudaSlice<f32>>,
-    values: Option<CudaSlice<f32>>,
+    pub dtype: KvDtype,
+    keys: Option<KvBuffer>,
+    values: Option<KvBuffer>,
+}
+
+enum KvBuffer {
+    F32(CudaSlice<f32>),
+    /// bf16 bit patterns.
+    Bf16(CudaSlice<u16>),
+}
+
+impl CudaKvCache {
+    /// Bytes the keys and values take on the GPU.
+    pub fn device_bytes(&self) -> usize {
+        [&self.keys, &self.values]
+            .into_iter()
+            .flatten()
+            .map(|buffer| match buffer {
+                KvBuffer::F32(data) => data.len() * 4,
+                KvBuffer::Bf16(data) => data.len() * 2,
+            })
+            .sum()
+    }
 }
 
 /// The last `kernel − 1` pre-conv inputs, `[kernel − 1, channels]`, oldest first.
@@ -212,11 +316,18 @@ macro_rules! launch {
 }
 
 static SHARED: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
+static SHARED_EXACT: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`: finds the driver and NVRTC, creates a context, and loads every kernel
-    /// (from the disk cache or compiled now for this GPU's architecture).
+    /// Opens GPU `ordinal` with the default [`CudaOptions`] (bf16 KV cache, cuBLAS if present).
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Self::with_options(ordinal, CudaOptions::default())
+    }
+
+    /// Opens GPU `ordinal`: finds the driver and NVRTC, creates a context, and loads every kernel
+    /// (from the disk cache or compiled now for this GPU's architecture); with `options.cublas`,
+    /// loads cuBLAS and keeps it only if it passes a check against the matmul kernel.
+    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<Self, CudaError> {
         let driver = loader::open(&loader::DRIVER)?;
         let context =
             no_panic("binding the CUDA driver", || CudaContext::new(ordinal))?.map_err(|e| {
@@ -287,23 +398,153 @@ impl CudaBackend {
             nvrtc_library: nvrtc.location().to_string(),
             kernels_cached: cached,
             kernels_compiled: compiled,
+            cublas_library: None,
+            kv_dtype: options.kv_dtype,
         };
-        tracing::info!(?info, "CUDA backend ready");
-        Ok(CudaBackend {
+        let mut backend = CudaBackend {
             stream: context.default_stream(),
             _context: context,
             functions,
             info,
             error: Mutex::new(None),
-        })
+            cublas: None,
+            options,
+        };
+        if options.cublas {
+            backend.cublas = backend.start_cublas();
+            backend.info.cublas_library = backend.cublas.as_ref().map(Cublas::describe);
+        }
+        tracing::info!(info = ?backend.info, "CUDA backend ready");
+        Ok(backend)
     }
 
-    /// One backend on GPU 0 for the whole process (tests share it: a context per test would
-    /// cost seconds each). The error, if any, is the one every caller sees.
+    /// cuBLAS if it loads and computes what the matmul kernel computes (to bf16 rounding of the
+    /// activations) on two test shapes; otherwise `None`, with the reason logged: the kernel
+    /// then does every matmul for the life of the process.
+    fn start_cublas(&self) -> Option<Cublas> {
+        let cublas = match Cublas::load(&self.stream) {
+            Ok(cublas) => cublas,
+            Err(error @ CudaError::LibraryNotFound { .. }) => {
+                tracing::info!("cuBLAS not found, the matmul kernel does every GEMM: {error}");
+                return None;
+            }
+            Err(error) => {
+                tracing::warn!("cuBLAS unusable, the matmul kernel does every GEMM: {error}");
+                return None;
+            }
+        };
+        match self.check_cublas(&cublas) {
+            Ok(worst) => {
+                tracing::info!(
+                    cublas = %cublas.describe(),
+                    "cuBLAS passed its start-up check (max |Δ| / scale {worst:.1e} vs the kernel); bf16 GEMMs of {CUBLAS_MIN_ROWS}+ rows use it"
+                );
+                Some(cublas)
+            }
+            Err(error) => {
+                tracing::warn!(
+                    cublas = %cublas.describe(),
+                    "cuBLAS failed its start-up check, the matmul kernel does every GEMM: {error}"
+                );
+                // A failed check may have left an error on the stream or in the slot: clear
+                // the slot (nothing else has run yet) and drain the stream.
+                let _ = self.stream.synchronize();
+                if let Ok(mut slot) = self.error.lock() {
+                    *slot = None;
+                }
+                None
+            }
+        }
+    }
+
+    /// Odd (37×300 · 300×129: no tensor-core alignment) and aligned (64×256 · 256×160) bf16
+    /// GEMMs through cuBLAS and through the kernel; the largest difference relative to the
+    /// largest result must stay under 1e-2 (the activations' bf16 rounding gives ~1e-3).
+    fn check_cublas(&self, cublas: &Cublas) -> Result<f32, CudaError> {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            // xorshift64*: deterministic values in [-1, 1).
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let bits = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+            bits as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let mut worst = 0.0f32;
+        for (n, k, m) in [(37usize, 300usize, 129usize), (64, 256, 160)] {
+            let x: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let w: Vec<u16> = (0..m * k)
+                .map(|_| half::bf16::from_f32(next()).to_bits())
+                .collect();
+            let tensor = CudaTensor {
+                rows: n,
+                cols: k,
+                data: Some(self.upload_f32(&x)?),
+            };
+            let w_data = self
+                .stream
+                .memcpy_stod(&w)
+                .map_err(driver_error("copying the cuBLAS check's weight"))?;
+            let got = self.matmul_cublas(cublas, &tensor, &w_data, m)?;
+            let weight = CudaWeight {
+                rows: m,
+                cols: k,
+                data: WeightData::Bf16(w_data),
+            };
+            let expected = self.matmul_kernel(&tensor, &weight)?;
+            let read = |t: &CudaTensor| {
+                self.stream
+                    .memcpy_dtov(present(&t.data)?)
+                    .map_err(driver_error("reading the cuBLAS check back"))
+            };
+            let (expected, got) = (read(&expected)?, read(&got)?);
+            let scale = expected.iter().fold(1.0f32, |a, v| a.max(v.abs()));
+            let difference = expected
+                .iter()
+                .zip(&got)
+                .take(n * m)
+                .map(|(a, b)| (a - b).abs())
+                .fold(
+                    0.0f32,
+                    |a, d| if d.is_nan() { f32::INFINITY } else { a.max(d) },
+                )
+                / scale;
+            if difference.is_nan() || difference > 1e-2 {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "{n}×{k} · ({m}×{k})ᵀ differs from the kernel by {difference:.2e} of the largest value (allowed 1e-2)"
+                    ),
+                });
+            }
+            worst = worst.max(difference);
+        }
+        Ok(worst)
+    }
+
+    /// One backend on GPU 0 for the whole process, default options (tests share it: a context
+    /// per test would cost seconds each). The error, if any, is the one every caller sees.
     pub fn shared() -> Result<Arc<CudaBackend>, CudaError> {
         SHARED
             .get_or_init(|| CudaBackend::new(0).map(Arc::new))
             .clone()
+    }
+
+    /// Like [`CudaBackend::shared`] with [`CudaOptions::exact`]: for the tests that hold the GPU
+    /// to the CPU backend's f32 results and to batch invariance.
+    pub fn shared_exact() -> Result<Arc<CudaBackend>, CudaError> {
+        SHARED_EXACT
+            .get_or_init(|| CudaBackend::with_options(0, CudaOptions::exact()).map(Arc::new))
+            .clone()
+    }
+
+    /// The options this backend was opened with.
+    pub fn options(&self) -> CudaOptions {
+        self.options
+    }
+
+    /// Whether a bf16 matmul of `rows` rows goes through cuBLAS (tests print it).
+    pub fn uses_cublas_for(&self, rows: usize) -> bool {
+        self.cublas.is_some() && rows >= CUBLAS_MIN_ROWS
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -461,6 +702,34 @@ impl CudaBackend {
         })
     }
 
+    /// A bf16 weight from host values, rounded to nearest even (as the converter stores bf16):
+    /// the op tests' way to reach the bf16 paths (the kernel and cuBLAS) with chosen shapes.
+    pub fn weight_from_host_bf16(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaWeight, CudaError> {
+        if values.len() != rows * cols || values.is_empty() {
+            return Err(CudaError::Invalid {
+                problem: format!("{} values for a {rows}×{cols} weight", values.len()),
+            });
+        }
+        let bits: Vec<u16> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let data = self
+            .stream
+            .memcpy_stod(&bits)
+            .map_err(driver_error("copying a bf16 weight to the GPU"))?;
+        Ok(CudaWeight {
+            rows,
+            cols,
+            data: WeightData::Bf16(data),
+        })
+    }
+
     fn try_unary(
         &self,
         x: &CudaTensor,
@@ -549,6 +818,47 @@ impl CudaBackend {
     }
 
     fn try_matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, CudaError> {
+        // Prefill-sized bf16 GEMMs on tensor cores; a cuBLAS error here is the op's error (the
+        // sticky one): the start-up check already proved the path, so a failure now means the
+        // GPU or the context is in trouble, not that cuBLAS is unsuitable.
+        if let (Some(cublas), WeightData::Bf16(data)) = (&self.cublas, &weight.data) {
+            if x.rows >= CUBLAS_MIN_ROWS && x.cols == weight.cols && weight.rows > 0 && x.cols > 0 {
+                return self.matmul_cublas(cublas, x, data, weight.rows);
+            }
+        }
+        self.matmul_kernel(x, weight)
+    }
+
+    /// `x · wᵀ` through cuBLAS: `x` rounded to bf16 (`f32_to_bf16` in kernels/matmul.cu), f32
+    /// accumulation and result.
+    fn matmul_cublas(
+        &self,
+        cublas: &Cublas,
+        x: &CudaTensor,
+        w: &CudaSlice<u16>,
+        out_features: usize,
+    ) -> Result<CudaTensor, CudaError> {
+        let input = present(&x.data)?;
+        let count = x.rows * x.cols;
+        let mut x_bf16 = self
+            .stream
+            .alloc_zeros::<u16>(count.max(1))
+            .map_err(driver_error(format!("allocating {count} bf16 activations")))?;
+        let count_arg = count as i64;
+        launch!(self, "f32_to_bf16", elementwise(count); input, &mut x_bf16, &count_arg)?;
+        let mut out = self.output(x.rows, out_features)?;
+        cublas.linear(
+            GemmOperands::Bf16 { x: &x_bf16, w },
+            present_mut(&mut out.data)?,
+            x.rows,
+            x.cols,
+            out_features,
+        )?;
+        Ok(out)
+    }
+
+    /// `x · wᵀ` with the matmul kernel (every dtype, every row count).
+    fn matmul_kernel(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, CudaError> {
         let input = present(&x.data)?;
         let mut out = self.output(x.rows, weight.rows)?;
         // Same contract as the CPU backend: an inconsistent call leaves zeros (shapes are
@@ -807,21 +1117,49 @@ impl CudaBackend {
                 int(segment.start_position, "position")?,
                 int(width, "kv width")?,
             );
-            let keys = present_mut(&mut cache.keys)?;
-            launch!(self, "kv_append", elementwise(n * width);
-                k_data, v_data, keys, present_mut(&mut cache.values)?, &row_start, &rows, &at, &width_arg)?;
+            match (
+                present_mut(&mut cache.keys)?,
+                present_mut(&mut cache.values)?,
+            ) {
+                (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
+                    launch!(self, "kv_append", elementwise(n * width);
+                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
+                }
+                (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                    launch!(self, "kv_append_bf16", elementwise(n * width);
+                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
+                }
+                _ => {
+                    return Err(CudaError::Invalid {
+                        problem: "attention: keys and values of one cache differ in dtype".into(),
+                    })
+                }
+            }
             cache.len = end;
-            let tasks = (n * spec.heads) as u32;
+            let tasks = u32::try_from(n * spec.heads).map_err(|_| CudaError::Invalid {
+                problem: format!("attention: {n} rows × {} heads", spec.heads),
+            })?;
             let config = LaunchConfig {
                 grid_dim: (tasks.div_ceil(ATTENTION_WARPS), 1, 1),
                 block_dim: (32 * ATTENTION_WARPS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let (keys, values) = (present(&cache.keys)?, present(&cache.values)?);
             let output = present_mut(&mut out.data)?;
-            launch!(self, "attention", config;
-                q_data, keys, values, output, &row_start, &rows, &at, &heads, &kv_heads,
-                &head_dim, &window, &scale)?;
+            match (present(&cache.keys)?, present(&cache.values)?) {
+                (KvBuffer::F32(keys), KvBuffer::F32(values)) => launch!(self, "attention", config;
+                    q_data, keys, values, output, &row_start, &rows, &at, &heads, &kv_heads,
+                    &head_dim, &window, &scale)?,
+                (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                    launch!(self, "attention_bf16", config;
+                        q_data, keys, values, output, &row_start, &rows, &at, &heads, &kv_heads,
+                        &head_dim, &window, &scale)?
+                }
+                _ => {
+                    return Err(CudaError::Invalid {
+                        problem: "attention: keys and values of one cache differ in dtype".into(),
+                    })
+                }
+            }
         }
         Ok(Ok(out))
     }
@@ -965,6 +1303,7 @@ impl Backend for CudaBackend {
     type KvCache = CudaKvCache;
     type ConvState = CudaConvState;
     type RecurrentState = CudaRecurrentState;
+    type ExpertSlots = CudaExpertSlots;
 
     fn name(&self) -> String {
         format!("cuda:{}", self.info.ordinal)
@@ -1173,17 +1512,31 @@ impl Backend for CudaBackend {
     }
 
     fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> CudaKvCache {
-        let allocate = || match self.alloc(max_tokens * kv_width) {
-            Ok(buffer) => Some(buffer),
-            Err(error) => {
-                self.record(error);
-                None
+        let dtype = self.options.kv_dtype;
+        let count = max_tokens * kv_width;
+        let allocate = || {
+            let buffer = match dtype {
+                KvDtype::F32 => self.alloc(count).map(KvBuffer::F32),
+                // Zero-length device allocations are an error in CUDA: keep one element.
+                KvDtype::Bf16 => self
+                    .stream
+                    .alloc_zeros::<u16>(count.max(1))
+                    .map(KvBuffer::Bf16)
+                    .map_err(driver_error(format!("allocating {count} bf16 KV values"))),
+            };
+            match buffer {
+                Ok(buffer) => Some(buffer),
+                Err(error) => {
+                    self.record(error);
+                    None
+                }
             }
         };
         CudaKvCache {
             max_tokens,
             kv_width,
             len: 0,
+            dtype,
             keys: allocate(),
             values: allocate(),
         }
@@ -1283,4 +1636,39 @@ impl Backend for CudaBackend {
         let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, segments);
         self.settle(result, q.rows, spec.value_heads * spec.value_head_dim)
     }
+
+    fn new_expert_slots(
+        &self,
+        layout: &ExpertLayout,
+        num_experts: usize,
+        slots: usize,
+    ) -> Result<CudaExpertSlots, EngineError> {
+        self.try_new_expert_slots(layout, num_experts, slots)
+            .map_err(Self::engine_error)
+    }
+
+    fn fill_expert_slot(
+        &self,
+        slots: &mut CudaExpertSlots,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        self.try_fill_expert_slot(slots, slot, expert, artifact, bank)
+            .map_err(Self::engine_error)
+    }
+
+    fn slotted_experts(
+        &self,
+        slots: &CudaExpertSlots,
+        x: &CudaTensor,
+        routing: &Routing,
+    ) -> CudaTensor {
+        let result = self.try_slotted_experts(slots, x, routing);
+        self.settle(result, x.rows, x.cols)
+    }
 }
+
+mod expert_slots;
+pub use expert_slots::CudaExpertSlots;

@@ -50,17 +50,22 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "matmul",
         source: include_str!("../../../../../kernels/matmul.cu"),
-        functions: &["matmul", "matmul_bf16"],
+        functions: &["matmul", "matmul_bf16", "f32_to_bf16"],
     },
     KernelSource {
         name: "attention",
         source: include_str!("../../../../../kernels/attention.cu"),
-        functions: &["attention"],
+        functions: &["attention", "attention_bf16", "kv_append_bf16"],
     },
     KernelSource {
         name: "delta_rule",
         source: include_str!("../../../../../kernels/delta_rule.cu"),
         functions: &["gated_delta_rule_recurrent"],
+    },
+    KernelSource {
+        name: "experts",
+        source: include_str!("../../../../../kernels/experts.cu"),
+        functions: &["expert_gate_up", "expert_down", "expert_pair_sum"],
     },
 ];
 

@@ -14,22 +14,28 @@
 //! bf16 on the GPU, every other weight is decoded to f32 at load; simple batch-invariant kernels
 //! (a warp-per-output matmul that streams the weights once at decode, one-warp-per-row
 //! online-softmax attention, the recurrent delta rule). The router's softmax/top-k runs on the
-//! host (the expert executor needs the routing there). cuBLAS(Lt) for prefill GEMMs, bf16
-//! activations and KV cache, flash-decoding, the chunked delta rule, GPU expert slots and CUDA
-//! graphs are still to come.
+//! host (the expert executor needs the routing there). bf16 matrices at prefill sizes go through
+//! cuBLAS ([`cublas`], loaded at run time and checked against the kernel at start-up; the
+//! activations are rounded to bf16 for it); the KV cache is bf16 by default ([`CudaOptions`]).
+//! bf16 activations elsewhere, flash-decoding, the chunked delta rule and CUDA graphs are still
+//! to come.
 //!
-//! Environment: `NINFER_NVRTC_PATH` / `NINFER_CUDA_DRIVER_PATH` (a library file or its folder,
+//! Environment: `NINFER_NVRTC_PATH` / `NINFER_CUDA_DRIVER_PATH` / `NINFER_CUBLAS_PATH` (a library file or its folder,
 //! tried first; see [`loader`]), `NINFER_KERNEL_CACHE` (the compiled-kernel folder; see
 //! [`kernels`]).
 
+pub mod cublas;
 pub mod device;
 pub mod kernels;
 pub mod loader;
 pub mod nvrtc;
 
 pub use device::{
-    CudaBackend, CudaConvState, CudaKvCache, CudaRecurrentState, CudaTensor, CudaWeight, DeviceInfo,
+    CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache, CudaRecurrentState, CudaTensor,
+    CudaWeight, DeviceInfo,
 };
+
+pub use device::{CudaOptions, KvDtype};
 
 /// What went wrong on the CUDA side. Every variant says what was looked for or called.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -42,6 +48,8 @@ pub enum CudaError {
     },
     #[error("{library} has no symbol `{symbol}` (too old a version?)")]
     MissingSymbol { library: String, symbol: String },
+    #[error("cuBLAS: {call} failed: {message}")]
+    Cublas { call: String, message: String },
     #[error("NVRTC: {call} failed: {message}")]
     Nvrtc { call: String, message: String },
     #[error("kernels/{kernel} does not compile for {arch}:\n{log}")]

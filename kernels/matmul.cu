@@ -11,8 +11,12 @@
 // k ≡ lane mod 32) in increasing order for each row of the group, then a fixed butterfly adds
 // the 32 lane sums. Weight reads are coalesced (a warp reads 32
 // consecutive values of one row) and each weight is reused for ROWS rows; at decode (n = 1)
-// this streams the weights once. cuBLAS(Lt) with tensor cores is the fast prefill path still to
-// come; it must keep batch invariance or the tests must relax it.
+// this streams the weights once.
+//
+// Prefill with bf16 weights goes through cuBLAS instead (device.rs, above a row threshold): the
+// activations are rounded to bf16 by `f32_to_bf16` below and multiplied on tensor cores with f32
+// accumulation. That path is neither batch invariant nor bit-equal to this kernel; the tests that
+// need either run with cuBLAS off (`CudaOptions::exact`).
 
 #define ROWS 8
 
@@ -86,4 +90,20 @@ extern "C" __global__ void matmul(const float* x, const float* w, float* out, in
 extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, float* out, int n,
                                        int k, int m) {
     matmul_warp(x, w, out, n, k, m);
+}
+
+// Round to nearest even, as `half::bf16::from_f32` and PyTorch do; NaN stays a (quiet) NaN.
+__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// out[i] = bf16(x[i]) for the cuBLAS path's activations. One thread per element, grid-stride.
+extern "C" __global__ void f32_to_bf16(const float* x, unsigned short* out, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        out[i] = f32_to_bf16_bits(x[i]);
+    }
 }

@@ -91,7 +91,7 @@ run() {
   echo "---- matmul figures (not checks)"
   timeout 60 .devbin/cuda_ops --ignored --nocapture matmul_bandwidth_figures 2>&1 | grep -E '^matmul' || true
   echo "---- figures"
-  cat "$out"/*.log | grep -E 'on cuda:|cuda vs cpu|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4' | grep -v '^test ' | head -60
+  cat "$out"/*.log | grep -E 'on cuda:|vs cpu over|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4|cuBLAS|options: KV|cuda backend: KV' | grep -v '^test ' | head -120
   echo
   printf '%-18s %-8s %7s  %s\n' suite status time result
   printf '%s\n' "${rows[@]}"

@@ -3,7 +3,9 @@
 //! backend — per-token NLL within 2e-2 mean absolute difference of transformers (on the same
 //! weights: the f32 reference, or `bf16_weights` for the bf16 artifact), top-1 next-token
 //! agreement with the CPU backend ≥ 99% under teacher forcing, and the CPU backend's greedy
-//! tokens for the first 16 tokens of every prompt. Prints one line per fixture and dtype.
+//! tokens for the first 16 tokens of every prompt. Prints one line per fixture and dtype. Runs
+//! with the default options, as `ninfer-engine --device cuda` does: bf16 KV cache, cuBLAS for
+//! bf16 prefill GEMMs when it is present (printed first).
 //! Skipped without a GPU (fails under `NINFER_REQUIRE_GPU=1`).
 
 use std::path::{Path, PathBuf};
@@ -75,6 +77,11 @@ fn golden_fixtures_through_cuda_meet_issue_8_acceptance() {
             return;
         }
     };
+    println!(
+        "cuda backend: KV cache {}, cuBLAS {}",
+        gpu.info().kv_dtype,
+        gpu.info().cublas_library.as_deref().unwrap_or("off")
+    );
     let cpu = Arc::new(CpuBackend::new());
     let work = tempfile::tempdir().unwrap();
     let mut ran = 0;

@@ -2,7 +2,11 @@
 //! every architecture (f32 and bf16 dense weights, bf16 and int8 experts), teacher-forced
 //! per-token NLL and top-1 agreement, and greedy decoding of 16 tokens (issue 8's acceptance,
 //! with the CPU backend as the reference; `golden.rs` runs the transformers fixtures through
-//! both backends). Skipped without a GPU (fails under `NINFER_REQUIRE_GPU=1`).
+//! both backends). Twice: with `CudaOptions::exact` (f32 KV cache, matmul kernel only) held to
+//! f32 tolerances (mean |ΔNLL| < 1e-3, top-1 ≥ 99%, identical greedy tokens), and with the
+//! default options (bf16 KV cache, cuBLAS for bf16 prefill GEMMs) held to bf16 tolerances (mean
+//! |ΔNLL| ≤ 2e-2, top-1 ≥ 95%; greedy agreement printed: on random tiny models a near-tie can
+//! flip under bf16 rounding). Skipped without a GPU (fails under `NINFER_REQUIRE_GPU=1`).
 
 use std::sync::Arc;
 
@@ -45,18 +49,55 @@ fn greedy<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Vec<u32> {
     out
 }
 
+/// What one run is held to.
+struct Bars {
+    mean_nll: f64,
+    top1: f64,
+    greedy_identical: bool,
+}
+
 #[test]
 fn tiny_models_on_cuda_match_the_cpu_backend() {
-    let gpu = match CudaBackend::shared() {
-        Ok(backend) => backend,
-        Err(error) => {
-            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
+    for (label, backend, bars) in [
+        (
+            "exact",
+            CudaBackend::shared_exact(),
+            Bars {
+                mean_nll: 1e-3,
+                top1: 0.99,
+                greedy_identical: true,
+            },
+        ),
+        (
+            "default",
+            CudaBackend::shared(),
+            Bars {
+                mean_nll: 2e-2,
+                top1: 0.95,
+                greedy_identical: false,
+            },
+        ),
+    ] {
+        let gpu = match backend {
+            Ok(backend) => backend,
+            Err(error) => {
+                if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                    panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
+                }
+                println!("skipped `tiny_models_on_cuda_match_the_cpu_backend` on cuda: {error}");
+                return;
             }
-            println!("skipped `tiny_models_on_cuda_match_the_cpu_backend` on cuda: {error}");
-            return;
-        }
-    };
+        };
+        println!(
+            "{label} options: KV cache {}, cuBLAS {}",
+            gpu.info().kv_dtype,
+            gpu.info().cublas_library.as_deref().unwrap_or("off")
+        );
+        compare_tiny_models(&gpu, label, &bars);
+    }
+}
+
+fn compare_tiny_models(gpu: &Arc<CudaBackend>, label: &str, bars: &Bars) {
     let cpu = Arc::new(CpuBackend::new());
     let directory = tempfile::tempdir().unwrap();
     let tokens: Vec<u32> = (0..96u32).map(|i| (i * 37 + 11) % 97).collect();
@@ -80,7 +121,7 @@ fn tiny_models_on_cuda_match_the_cpu_backend() {
                 .path()
                 .join(format!("{architecture:?}-{experts}-{dense}.ninfer"));
             write_tiny_model(&path, options).unwrap();
-            let on_gpu = Model::open(Arc::clone(&gpu), &path).unwrap();
+            let on_gpu = Model::open(Arc::clone(gpu), &path).unwrap();
             let on_cpu = Model::open(Arc::clone(&cpu), &path).unwrap();
 
             let (logits_g, logits_c) = (
@@ -109,21 +150,23 @@ fn tiny_models_on_cuda_match_the_cpu_backend() {
                 .take_while(|(a, b)| a == b)
                 .count();
             println!(
-                "{architecture:?} experts {experts} dense {dense}: cuda vs cpu over {scored} teacher-forced tokens: mean |ΔNLL| {mean_nll_difference:.2e}, max |Δlogit| {worst_logit:.2e}, top-1 agreement {:.1}%, greedy tokens identical {same_greedy}/{GREEDY_TOKENS}",
+                "{architecture:?} experts {experts} dense {dense}: cuda ({label}) vs cpu over {scored} teacher-forced tokens: mean |ΔNLL| {mean_nll_difference:.2e}, max |Δlogit| {worst_logit:.2e}, top-1 agreement {:.1}%, greedy tokens identical {same_greedy}/{GREEDY_TOKENS}",
                 100.0 * agreement
             );
             assert!(
-                mean_nll_difference < 1e-3,
-                "{architecture:?} {experts}/{dense}: mean |ΔNLL| {mean_nll_difference}"
+                mean_nll_difference <= bars.mean_nll,
+                "{architecture:?} {experts}/{dense} ({label}): mean |ΔNLL| {mean_nll_difference}"
             );
             assert!(
-                agreement >= 0.99,
-                "{architecture:?} {experts}/{dense}: top-1 agreement {agreement}"
+                agreement >= bars.top1,
+                "{architecture:?} {experts}/{dense} ({label}): top-1 agreement {agreement}"
             );
-            assert_eq!(
-                greedy_g, greedy_c,
-                "{architecture:?} {experts}/{dense}: greedy tokens differ"
-            );
+            if bars.greedy_identical {
+                assert_eq!(
+                    greedy_g, greedy_c,
+                    "{architecture:?} {experts}/{dense} ({label}): greedy tokens differ"
+                );
+            }
         }
     }
     gpu.synchronize().unwrap();

@@ -1,7 +1,11 @@
 //! Op-level checks of the CUDA backend against the CPU backend (the reference) on random inputs:
 //! every element-wise and norm op, matmul at several batch sizes, causal GQA attention over
 //! lengths 1..4096 and GQA ratios 1..8 (prefill, decode, sliding window, two sequences in one
-//! batch), the causal conv and the gated delta rule continuing from their states.
+//! batch), the causal conv and the gated delta rule continuing from their states. These run on
+//! the backend with `CudaOptions::exact` (f32 KV cache, matmul kernel only), held to f32
+//! tolerances. The default options (bf16 KV cache, cuBLAS for bf16 prefill GEMMs) are checked
+//! by `cublas_matmul_matches_a_host_reference` and
+//! `bf16_kv_attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios`.
 //!
 //! Without a GPU every test prints that it is skipped and passes (fails under
 //! `NINFER_REQUIRE_GPU=1`). Run `cargo test -p ninfer-engine --test cuda_ops -- --nocapture` to
@@ -9,14 +13,27 @@
 
 use std::sync::Arc;
 
-use ninfer_engine::backend::cuda::CudaBackend;
+use ninfer_engine::backend::cuda::{CudaBackend, CudaError, KvDtype};
 use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, NormStyle, Segment};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
 use ninfer_engine::{open_artifact, Backend, CpuBackend};
 
+/// The exact backend (f32 KV cache, no cuBLAS), or `None` after printing why the test skips.
 fn gpu(test: &str) -> Option<Arc<CudaBackend>> {
-    match CudaBackend::shared() {
+    skip_unless(test, CudaBackend::shared_exact())
+}
+
+/// The backend with the default options (what `ninfer-engine --device cuda` runs).
+fn gpu_default(test: &str) -> Option<Arc<CudaBackend>> {
+    skip_unless(test, CudaBackend::shared())
+}
+
+fn skip_unless(
+    test: &str,
+    backend: Result<Arc<CudaBackend>, CudaError>,
+) -> Option<Arc<CudaBackend>> {
+    match backend {
         Ok(backend) => Some(backend),
         Err(error) => {
             if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
@@ -351,12 +368,53 @@ fn dense_ops_match_the_cpu_backend() {
 type AttentionCase = (usize, usize, usize, [usize; 2], usize, Option<usize>);
 
 /// Causal GQA attention over lengths 1..4096 and GQA ratios 1..8: a prefill, then decode steps,
-/// for two sequences batched together; one case with a sliding window.
+/// for two sequences batched together; one case with a sliding window. f32 KV cache.
 #[test]
 fn attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
     let Some(gpu) = gpu("attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios") else {
         return;
     };
+    assert_eq!(gpu.info().kv_dtype, KvDtype::F32);
+    attention_cases(&gpu);
+}
+
+/// The same cases with the default bf16 KV cache (half the bytes). The CPU reference gets the
+/// keys and values already rounded to bf16 (nearest even, as the append kernel rounds), so the
+/// check stays tight (2e-5); the difference from the unrounded reference is printed and held to
+/// 2e-2.
+#[test]
+fn bf16_kv_attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
+    let Some(gpu) =
+        gpu_default("bf16_kv_attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios")
+    else {
+        return;
+    };
+    assert_eq!(
+        gpu.info().kv_dtype,
+        KvDtype::Bf16,
+        "bf16 is the default KV dtype"
+    );
+    let cache = gpu.new_kv_cache(100, 3 * 64);
+    assert_eq!(
+        cache.device_bytes(),
+        2 * 100 * 3 * 64 * 2,
+        "bf16 cache not 2 bytes a value"
+    );
+    attention_cases(&gpu);
+    gpu.synchronize().unwrap();
+}
+
+fn round_to_bf16(values: &[f32]) -> Vec<f32> {
+    values
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect()
+}
+
+/// Runs the attention cases on `gpu` against the CPU backend, with the CPU's keys and values
+/// rounded to bf16 when the GPU's cache is bf16.
+fn attention_cases(gpu: &CudaBackend) {
+    let bf16 = gpu.info().kv_dtype == KvDtype::Bf16;
     let cpu = CpuBackend::new();
     let mut rng = Xoshiro256::seed_from_u64(21);
     let cases: [AttentionCase; 6] = [
@@ -384,6 +442,12 @@ fn attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
             cpu.new_kv_cache(max_tokens, kv_width),
             cpu.new_kv_cache(max_tokens, kv_width),
         ];
+        // The unrounded reference of the bf16 case (how far bf16 K/V move the result).
+        let mut caches_u = [
+            cpu.new_kv_cache(max_tokens, kv_width),
+            cpu.new_kv_cache(max_tokens, kv_width),
+        ];
+        let mut drift = 0.0f32;
         let mut positions = [0usize, 0];
         let mut worst = 0.0f32;
         for step in 0..=decode_steps {
@@ -398,8 +462,17 @@ fn attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
                 gpu.upload(&k, total, kv_width),
                 gpu.upload(&v, total, kv_width),
             );
+            let (k_ref, v_ref) = if bf16 {
+                (round_to_bf16(&k), round_to_bf16(&v))
+            } else {
+                (k.clone(), v.clone())
+            };
             let (qc, kc, vc) = (
                 cpu.upload(&q, total, heads * hd),
+                cpu.upload(&k_ref, total, kv_width),
+                cpu.upload(&v_ref, total, kv_width),
+            );
+            let (ku, vu) = (
                 cpu.upload(&k, total, kv_width),
                 cpu.upload(&v, total, kv_width),
             );
@@ -441,10 +514,38 @@ fn attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
                 }
                 cpu.download(&cpu.attention(&qc, &kc, &vc, &spec, &mut segments).unwrap())
             };
+            let out_u = {
+                let [c0, c1] = &mut caches_u;
+                let mut segments: Vec<Segment<'_, _>> = Vec::new();
+                if new[0] > 0 {
+                    segments.push(Segment {
+                        rows: 0..new[0],
+                        start_position: positions[0],
+                        state: c0,
+                    });
+                }
+                if new[1] > 0 {
+                    segments.push(Segment {
+                        rows: new[0]..total,
+                        start_position: positions[1],
+                        state: c1,
+                    });
+                }
+                cpu.download(&cpu.attention(&qc, &ku, &vu, &spec, &mut segments).unwrap())
+            };
             let what = format!(
-                "attention heads {heads}/{kv_heads} hd {hd} lengths {lengths:?} window {window:?} step {step}"
+                "attention ({} KV) heads {heads}/{kv_heads} hd {hd} lengths {lengths:?} window {window:?} step {step}",
+                gpu.info().kv_dtype
             );
             compare(&what, &out_g, &out_c, 2e-5);
+            if bf16 {
+                compare(&format!("{what} vs unrounded K/V"), &out_g, &out_u, 2e-2);
+            }
+            let scale_u = out_u.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            drift = out_g
+                .iter()
+                .zip(&out_u)
+                .fold(drift, |m, (a, b)| m.max((a - b).abs() / scale_u));
             let scale = out_c.iter().fold(1.0f32, |m, x| m.max(x.abs()));
             worst = out_g
                 .iter()
@@ -453,7 +554,11 @@ fn attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
             positions[0] += new[0];
             positions[1] += new[1];
         }
-        println!("attention heads {heads}/{kv_heads} (GQA ratio {}) hd {hd} lengths {lengths:?}: worst {worst:.2e}", heads / kv_heads);
+        println!(
+            "attention ({} KV) heads {heads}/{kv_heads} (GQA ratio {}) hd {hd} lengths {lengths:?}: worst {worst:.2e} (vs unrounded K/V {drift:.2e})",
+            gpu.info().kv_dtype,
+            heads / kv_heads
+        );
     }
 }
 
@@ -636,6 +741,73 @@ fn bf16_weights_match_the_cpu_backend() {
     gpu.synchronize().unwrap();
 }
 
+/// bf16 matmuls on the default backend: odd shapes (no tensor-core alignment) and aligned ones,
+/// at 1, 9, 64 and 300 rows. Rows at or above the cuBLAS threshold go through cuBLAS when it
+/// loaded (the activations are rounded to bf16 first), fewer through the kernel; each is held
+/// tightly (2e-5) to an f64 host reference (the CPU backend's math, on the host) on exactly the
+/// operands that path multiplies, and to 1e-2 against the unrounded activations. Prints which
+/// path each case took; `NINFER_REQUIRE_CUBLAS=1` fails it when cuBLAS is not in use.
+#[test]
+fn cublas_matmul_matches_a_host_reference() {
+    let Some(gpu) = gpu_default("cublas_matmul_matches_a_host_reference") else {
+        return;
+    };
+    println!(
+        "cuBLAS: {}",
+        gpu.info()
+            .cublas_library
+            .as_deref()
+            .unwrap_or("not in use (not found or failed its start-up check; see the log)")
+    );
+    if std::env::var("NINFER_REQUIRE_CUBLAS").is_ok_and(|v| v == "1") {
+        assert!(
+            gpu.info().cublas_library.is_some(),
+            "NINFER_REQUIRE_CUBLAS=1 but cuBLAS is not in use"
+        );
+    }
+    let mut rng = Xoshiro256::seed_from_u64(61);
+    for (out_features, in_features) in [(129usize, 300usize), (19, 37), (97, 64), (256, 512)] {
+        let w = round_to_bf16(&random(&mut rng, out_features * in_features, 0.5));
+        let weight = gpu
+            .weight_from_host_bf16(&w, out_features, in_features)
+            .unwrap();
+        assert_eq!(weight.device_bytes(), out_features * in_features * 2);
+        for rows in [1usize, 9, 64, 300] {
+            let x = random(&mut rng, rows * in_features, 1.0);
+            let through_cublas = gpu.uses_cublas_for(rows);
+            let multiplied = if through_cublas {
+                round_to_bf16(&x)
+            } else {
+                x.clone()
+            };
+            let reference = |x: &[f32]| -> Vec<f32> {
+                (0..rows * out_features)
+                    .map(|i| {
+                        let (r, o) = (i / out_features, i % out_features);
+                        (0..in_features)
+                            .map(|c| {
+                                f64::from(x[r * in_features + c])
+                                    * f64::from(w[o * in_features + c])
+                            })
+                            .sum::<f64>() as f32
+                    })
+                    .collect()
+            };
+            let got = gpu.download(&gpu.matmul(&gpu.upload(&x, rows, in_features), &weight));
+            let path = if through_cublas { "cuBLAS" } else { "kernel" };
+            let what = format!("matmul bf16 {out_features}×{in_features} × {rows} rows ({path})");
+            compare(&what, &got, &reference(&multiplied), 2e-5);
+            compare(
+                &format!("{what} vs f32 activations"),
+                &got,
+                &reference(&x),
+                1e-2,
+            );
+        }
+    }
+    gpu.synchronize().unwrap();
+}
+
 /// Not a check: prints the matmul kernel's achieved weight bandwidth at decode and small-batch
 /// shapes (run by `scripts/gpu_tests.sh run`: `cuda_ops --ignored matmul_bandwidth_figures`).
 #[test]
@@ -669,6 +841,42 @@ fn matmul_bandwidth_figures() {
         let flops = 2.0 * (rows * out_features * in_features) as f64;
         println!(
             "matmul f32 {rows}×{in_features} · ({out_features}×{in_features})ᵀ: {:.3} ms, weights at {:.0} GB/s, {:.2} TFLOP/s",
+            seconds * 1e3,
+            bytes / seconds / 1e9,
+            flops / seconds / 1e12
+        );
+    }
+    // bf16 weights on the default backend: the kernel at decode sizes, cuBLAS above.
+    let Some(gpu) = gpu_default("matmul_bandwidth_figures") else {
+        return;
+    };
+    let weight = gpu
+        .weight_from_host_bf16(&values, out_features, in_features)
+        .unwrap();
+    for rows in [1usize, 8, 64, 512, 2048] {
+        let x = gpu.upload(
+            &random(&mut rng, rows * in_features, 1.0),
+            rows,
+            in_features,
+        );
+        let _ = gpu.matmul(&x, &weight);
+        gpu.synchronize().unwrap();
+        let repeats = 20;
+        let start = std::time::Instant::now();
+        for _ in 0..repeats {
+            let _ = gpu.matmul(&x, &weight);
+        }
+        gpu.synchronize().unwrap();
+        let seconds = start.elapsed().as_secs_f64() / repeats as f64;
+        let bytes = (out_features * in_features * 2) as f64;
+        let flops = 2.0 * (rows * out_features * in_features) as f64;
+        let path = if gpu.uses_cublas_for(rows) {
+            "cuBLAS"
+        } else {
+            "kernel"
+        };
+        println!(
+            "matmul bf16 ({path}) {rows}×{in_features} · ({out_features}×{in_features})ᵀ: {:.3} ms, weights at {:.0} GB/s, {:.2} TFLOP/s",
             seconds * 1e3,
             bytes / seconds / 1e9,
             flops / seconds / 1e12

@@ -1,7 +1,7 @@
 //! Finding and opening the CUDA shared libraries at run time.
 //!
-//! Owns: the search for `libcuda` (driver) and `libnvrtc` (run-time compiler) across CUDA 12 and
-//! CUDA 13 installs, pip wheels and the paths users point at, and the exact list of what was
+//! Owns: the search for `libcuda` (driver), `libnvrtc` (run-time compiler) and `libcublas` (with
+//! the `libcublasLt` it needs) across CUDA 12 and CUDA 13 installs, pip wheels and the paths users point at, and the exact list of what was
 //! tried when nothing is found. Libraries are opened with `dlopen` and never closed (function
 //! pointers taken from them stay valid for the life of the process).
 //! Must not touch: anything that needs a GPU; CUDA calls beyond looking up symbols.
@@ -9,13 +9,14 @@
 //! Why not cudarc's own loader alone: cudarc 0.17 built for CUDA 12.8 tries `libnvrtc.so`,
 //! `libnvrtc.so.12`, `.so.11`, `.so.10`, `.so.1` through the system search path only, so a
 //! CUDA 13 install (`libnvrtc.so.13`) or a pip wheel outside `LD_LIBRARY_PATH` is missed, and it
-//! panics when nothing loads. This loader searches more places and returns a typed error. The
+//! panics when nothing loads (its cuBLAS loader has the same gaps). This loader searches more places and returns a typed error. The
 //! driver itself is still used through cudarc: once `libcuda.so.1` is open here (by full path if
 //! need be, with `RTLD_GLOBAL`), cudarc's `dlopen("libcuda.so.1")` finds the loaded object by
 //! its soname.
 //!
 //! Environment variables read: `NINFER_NVRTC_PATH` (a `libnvrtc` file or a folder holding one,
-//! tried first), `NINFER_CUDA_DRIVER_PATH` (same for `libcuda`), `CUDA_PATH`, `CUDA_HOME`,
+//! tried first), `NINFER_CUDA_DRIVER_PATH` (same for `libcuda`), `NINFER_CUBLAS_PATH` (same for
+//! `libcublas`; `libcublasLt` is taken from the same folder), `CUDA_PATH`, `CUDA_HOME`,
 //! `LD_LIBRARY_PATH`, `VIRTUAL_ENV`, `HOME`.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -104,6 +105,10 @@ pub struct LibrarySpec {
     pub env_var: &'static str,
     /// Sub-folders of a pip `site-packages` that hold this library.
     pub pip_dirs: &'static [&'static str],
+    /// Stem of a library this one links against that may not be on the system search path
+    /// (`cublasLt` for `cublas`): before a file is opened by full path, the file of the same
+    /// version in the same folder is opened first, so the dependency resolves by soname to it.
+    pub companion: Option<&'static str>,
 }
 
 pub const NVRTC: LibrarySpec = LibrarySpec {
@@ -116,6 +121,7 @@ pub const NVRTC: LibrarySpec = LibrarySpec {
         "nvidia/cuda_nvrtc/lib",
         "nvidia/cu12/lib",
     ],
+    companion: None,
 };
 
 pub const DRIVER: LibrarySpec = LibrarySpec {
@@ -124,6 +130,16 @@ pub const DRIVER: LibrarySpec = LibrarySpec {
     names: &["libcuda.so.1", "libcuda.so"],
     env_var: "NINFER_CUDA_DRIVER_PATH",
     pip_dirs: &[],
+    companion: None,
+};
+
+pub const CUBLAS: LibrarySpec = LibrarySpec {
+    what: "cuBLAS",
+    stem: "cublas",
+    names: &["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
+    env_var: "NINFER_CUBLAS_PATH",
+    pip_dirs: &["nvidia/cu13/lib", "nvidia/cublas/lib", "nvidia/cu12/lib"],
+    companion: Some("cublasLt"),
 };
 
 /// Folders that may hold CUDA libraries, in the order they are searched.
@@ -244,15 +260,34 @@ fn candidates_in(dir: &Path, spec: &LibrarySpec) -> Vec<PathBuf> {
     files
 }
 
+/// `libcublasLt.so.12` next to `libcublas.so.12`: the companion's file of the same version
+/// suffix in the same folder, if the spec has a companion and that file exists.
+fn companion_of(file: &Path, spec: &LibrarySpec) -> Option<PathBuf> {
+    let companion = spec.companion?;
+    let name = file.file_name()?.to_str()?;
+    let suffix = name.strip_prefix(&format!("lib{}.so", spec.stem))?;
+    let sibling = file.with_file_name(format!("lib{companion}.so{suffix}"));
+    sibling.is_file().then_some(sibling)
+}
+
 /// Opens the library: `$env_var` first (file or folder), then the bare names through the system
 /// loader, then every folder of [`search_dirs`]. The error lists every attempt.
 pub fn open(spec: &LibrarySpec) -> Result<Library, CudaError> {
     let mut tried: Vec<String> = Vec::new();
-    let attempt = |candidate: String, tried: &mut Vec<String>| match try_open(&candidate) {
-        Ok(library) => Some(library),
-        Err(reason) => {
-            tried.push(format!("{candidate} ({reason})"));
-            None
+    let attempt = |candidate: String, tried: &mut Vec<String>| {
+        // A full path: open its companion from the same folder first (a pip wheel's folder is
+        // not on the system search path, so the dependency would not resolve otherwise).
+        if let Some(companion) = companion_of(Path::new(&candidate), spec) {
+            if let Err(reason) = try_open(&companion.to_string_lossy()) {
+                tried.push(format!("{} ({reason})", companion.display()));
+            }
+        }
+        match try_open(&candidate) {
+            Ok(library) => Some(library),
+            Err(reason) => {
+                tried.push(format!("{candidate} ({reason})"));
+                None
+            }
         }
     };
     if let Some(value) = std::env::var_os(spec.env_var) {
@@ -331,6 +366,7 @@ mod tests {
             names: &["libninfer-does-not-exist.so.1"],
             env_var: "NINFER_TEST_NO_SUCH_LIBRARY_PATH",
             pip_dirs: &[],
+            companion: None,
         };
         let error = open(&spec).map(|_| ()).unwrap_err().to_string();
         assert!(error.contains("libninfer-does-not-exist.so.1"), "{error}");
@@ -338,5 +374,25 @@ mod tests {
             error.contains("NINFER_TEST_NO_SUCH_LIBRARY_PATH"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn cublas_search_covers_cuda_12_13_and_pip_wheels() {
+        assert!(CUBLAS.names.contains(&"libcublas.so.13"));
+        assert!(CUBLAS.names.contains(&"libcublas.so.12"));
+        assert!(CUBLAS.pip_dirs.contains(&"nvidia/cublas/lib"));
+        assert_eq!(CUBLAS.env_var, "NINFER_CUBLAS_PATH");
+    }
+
+    #[test]
+    fn the_companion_is_the_same_version_in_the_same_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let cublas = dir.path().join("libcublas.so.12");
+        let lt = dir.path().join("libcublasLt.so.12");
+        std::fs::write(&cublas, b"").unwrap();
+        assert_eq!(companion_of(&cublas, &CUBLAS), None, "no sibling yet");
+        std::fs::write(&lt, b"").unwrap();
+        assert_eq!(companion_of(&cublas, &CUBLAS), Some(lt));
+        assert_eq!(companion_of(&cublas, &NVRTC), None);
     }
 }

@@ -1,4 +1,5 @@
-//! Expert slots ("GPU expert slots", `--moe-gpu-experts`), one body per backend:
+//! The MoE ops of a backend, one body per backend:
+//! * the router (softmax / top-k / renormalisation) against the host reference, ties included;
 //! * the slotted-expert op against the f32 reference executor, per stored dtype, on random
 //!   inputs, including a slot refilled with another expert;
 //! * the golden fixtures with 0, half and all experts resident: the split must not change the
@@ -9,6 +10,7 @@ use std::sync::Arc;
 
 use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
 use ninfer_engine::experts::NO_EXPERT;
 use ninfer_engine::perplexity::negative_log_likelihood;
@@ -147,6 +149,46 @@ fn slotted_experts_match_the_reference_per_dtype<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(slotted_experts_match_the_reference_per_dtype);
+
+/// The backend's router picks the same experts as the host reference (ties → lower id) with
+/// the same weights, for router widths of the supported models (8…512 experts, top-1…10).
+fn router_matches_the_host_reference<B: Backend>(backend: Arc<B>) {
+    let mut rng = Xoshiro256::seed_from_u64(11);
+    for (experts, k) in [(8, 2), (64, 8), (128, 8), (256, 8), (512, 10), (1500, 8)] {
+        let tokens = 33;
+        let mut logits: Vec<f32> = uniform(&mut rng, tokens * experts)
+            .into_iter()
+            .map(|v| 4.0 * v)
+            .collect();
+        // An all-equal row and a row with a tie at the top.
+        logits[..experts].iter_mut().for_each(|v| *v = 0.5);
+        logits[experts + 3] = 9.0;
+        logits[experts + 1] = 9.0;
+        let tensor = backend.upload(&logits, tokens, experts);
+        for normalize in [false, true] {
+            let got = backend.route_top_k(&tensor, k, normalize);
+            let expected = route_top_k_host(&logits, experts, k, normalize);
+            assert_eq!(got.experts_per_token, expected.experts_per_token);
+            assert_eq!(
+                got.expert_ids, expected.expert_ids,
+                "{experts} experts top-{k}: different experts"
+            );
+            assert_eq!(&got.expert_ids[..k.min(3)], &[0, 1, 2][..k.min(3)]);
+            assert_eq!(got.expert_ids[k], 1, "tie at the top → lower id first");
+            let worst = got
+                .weights
+                .iter()
+                .zip(&expected.weights)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-5,
+                "{experts} experts top-{k} normalize={normalize}: weights differ by {worst}"
+            );
+        }
+    }
+}
+test_device!(router_matches_the_host_reference);
 
 fn fixture_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -67,6 +67,11 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         source: include_str!("../../../../../kernels/experts.cu"),
         functions: &["expert_gate_up", "expert_down", "expert_pair_sum"],
     },
+    KernelSource {
+        name: "router",
+        source: include_str!("../../../../../kernels/router.cu"),
+        functions: &["route_top_k"],
+    },
 ];
 
 /// 64-bit FNV-1a: stable across builds and platforms (std's hasher is not), enough to tell

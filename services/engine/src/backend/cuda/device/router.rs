@@ -1,0 +1,80 @@
+//! The MoE router on the GPU (`kernels/router.cu`): softmax, top-k and renormalisation per
+//! token, so only `[tokens, k]` ids and weights come back to the host.
+//!
+//! Owns: the launch and the read-back of the routing.
+//! Must not touch: what the routing is used for (the model splits it between slots and workers).
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{driver_error, int, present, CudaBackend, CudaTensor};
+use crate::backend::cuda::CudaError;
+use crate::backend::Routing;
+
+/// `ROUTER_MAX_EXPERTS` in `kernels/router.cu`: the row lives in shared memory.
+pub(super) const ROUTER_MAX_EXPERTS: usize = 1024;
+/// `ROUTER_THREADS` in `kernels/router.cu` (a power of two: tree reductions).
+const ROUTER_THREADS: u32 = 256;
+/// Most experts per token the kernel keeps (`chosen_probability[32]`).
+pub(super) const ROUTER_MAX_TOP_K: usize = 32;
+
+impl CudaBackend {
+    /// Routing of every row of `logits` (`[tokens, experts]`) computed on the GPU.
+    pub(super) fn try_route_top_k_on_device(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        normalize: bool,
+    ) -> Result<Routing, CudaError> {
+        let (tokens, experts) = (logits.rows, logits.cols);
+        let k = k.min(experts);
+        if tokens == 0 || k == 0 {
+            return Ok(Routing {
+                experts_per_token: k,
+                expert_ids: Vec::new(),
+                weights: Vec::new(),
+            });
+        }
+        if experts > ROUTER_MAX_EXPERTS || k > ROUTER_MAX_TOP_K {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "the GPU router takes at most {ROUTER_MAX_EXPERTS} experts and top-{ROUTER_MAX_TOP_K}, not {experts} and top-{k}"
+                ),
+            });
+        }
+        let input = present(&logits.data)?;
+        let mut ids = self
+            .stream
+            .alloc_zeros::<u32>(tokens * k)
+            .map_err(driver_error("allocating the routing ids"))?;
+        let mut weights = self.alloc(tokens * k)?;
+        let blocks = u32::try_from(tokens).map_err(|_| CudaError::Invalid {
+            problem: format!("{tokens} tokens in one routing launch"),
+        })?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (ROUTER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (experts_arg, k_arg, normalize_arg) = (
+            int(experts, "experts")?,
+            int(k, "top-k")?,
+            i32::from(normalize),
+        );
+        launch!(self, "route_top_k", config;
+            input, &mut ids, &mut weights, &experts_arg, &k_arg, &normalize_arg)?;
+        let expert_ids = self
+            .stream
+            .memcpy_dtov(&ids)
+            .map_err(driver_error("copying the routing ids to the host"))?;
+        let mut weights = self
+            .stream
+            .memcpy_dtov(&weights)
+            .map_err(driver_error("copying the routing weights to the host"))?;
+        weights.truncate(tokens * k);
+        Ok(Routing {
+            experts_per_token: k,
+            expert_ids,
+            weights,
+        })
+    }
+}

@@ -291,7 +291,7 @@ fn sanitize(bytes: &mut [u8], layout: &MatrixLayout) {
 }
 
 /// Environment variable that sets [`crate::LayerTuning`] for `bench_experts` (and every later
-/// `compute_layer` call of the process): a comma-separated subset of `steal`, `ahead`, `shared`,
+/// `compute_layer` call of the process): a comma-separated subset of `steal`, `ahead`, `shared`, `flow`,
 /// `quad` (4 int4 rows per decode pass, [`crate::set_int4_rows_per_pass`]), or `none`. Unset:
 /// the defaults.
 pub const TUNING_ENV: &str = "NINFER_EXPERT_TUNING";
@@ -305,6 +305,7 @@ pub fn apply_tuning_env() -> Result<(), KernelError> {
         steal: false,
         prefetch_ahead: false,
         shared_decode_input: false,
+        flow: false,
     };
     let mut quad = false;
     for word in text.split(',').map(str::trim).filter(|w| !w.is_empty()) {
@@ -313,10 +314,11 @@ pub fn apply_tuning_env() -> Result<(), KernelError> {
             "ahead" => tuning.prefetch_ahead = true,
             "shared" => tuning.shared_decode_input = true,
             "quad" => quad = true,
+            "flow" => tuning.flow = true,
             "none" => {}
             other => {
                 return Err(KernelError::Input(format!(
-                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, quad, none)"
+                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, flow, quad, none)"
                 )))
             }
         }

@@ -76,6 +76,12 @@ pub struct LayerTuning {
     /// Batch of one token (decode): the token's input forms are prepared once (split across
     /// threads), not once per expert.
     pub shared_decode_input: bool,
+    /// Small batches (the reduce split): no barrier after `gate_up` or after `down`. A `down`
+    /// item waits only for its own expert's `gate_up` units (a per-expert counter), and the
+    /// thread that finishes the last `down` item of a row block adds that block into the output
+    /// (a per-block counter), so threads keep streaming instead of idling at two global
+    /// barriers. Same sums in the same order as with the barriers.
+    pub flow: bool,
 }
 
 impl Default for LayerTuning {
@@ -84,6 +90,7 @@ impl Default for LayerTuning {
             steal: true,
             prefetch_ahead: false,
             shared_decode_input: true,
+            flow: false,
         }
     }
 }
@@ -91,6 +98,7 @@ impl Default for LayerTuning {
 const TUNE_STEAL: u8 = 1;
 const TUNE_AHEAD: u8 = 2;
 const TUNE_SHARED: u8 = 4;
+const TUNE_FLOW: u8 = 8;
 static TUNING: std::sync::atomic::AtomicU8 =
     std::sync::atomic::AtomicU8::new(TUNE_STEAL | TUNE_SHARED);
 
@@ -98,7 +106,8 @@ static TUNING: std::sync::atomic::AtomicU8 =
 pub fn set_layer_tuning(tuning: LayerTuning) {
     let bits = (tuning.steal as u8 * TUNE_STEAL)
         | (tuning.prefetch_ahead as u8 * TUNE_AHEAD)
-        | (tuning.shared_decode_input as u8 * TUNE_SHARED);
+        | (tuning.shared_decode_input as u8 * TUNE_SHARED)
+        | (tuning.flow as u8 * TUNE_FLOW);
     TUNING.store(bits, std::sync::atomic::Ordering::Relaxed);
 }
 
@@ -109,6 +118,7 @@ pub fn layer_tuning() -> LayerTuning {
         steal: bits & TUNE_STEAL != 0,
         prefetch_ahead: bits & TUNE_AHEAD != 0,
         shared_decode_input: bits & TUNE_SHARED != 0,
+        flow: bits & TUNE_FLOW != 0,
     }
 }
 
@@ -193,6 +203,10 @@ pub struct LayerScratch {
     down_out_pairs: usize,
     /// `[phase (gate_up, down), thread]`: items of the thread's share claimed so far.
     claims: Vec<ClaimCounter>,
+    /// `LayerTuning::flow`: `gate_up` units finished per expert task.
+    expert_done: Vec<ClaimCounter>,
+    /// `LayerTuning::flow`: `down` items finished per row block.
+    block_done: Vec<ClaimCounter>,
     /// When thread 0 left barriers 1 and 2 in the last call.
     marks: [Option<Instant>; 2],
     last_phases: [Duration; 3],
@@ -262,6 +276,12 @@ impl LayerScratch {
             claims: (0..2 * threads)
                 .map(|_| ClaimCounter(std::sync::atomic::AtomicUsize::new(0)))
                 .collect(),
+            expert_done: (0..capacity.max_tasks)
+                .map(|_| ClaimCounter(std::sync::atomic::AtomicUsize::new(0)))
+                .collect(),
+            block_done: (0..layout.hidden.div_ceil(ROW_BLOCK))
+                .map(|_| ClaimCounter(std::sync::atomic::AtomicUsize::new(0)))
+                .collect(),
             marks: [None; 2],
             last_phases: [Duration::ZERO; 3],
         };
@@ -316,6 +336,10 @@ struct LayerJob {
     shared_input: bool,
     /// Null unless phase 2 uses the reduce split.
     down_out: *mut f32,
+    /// `LayerTuning::flow` applies to this call (reduce split only).
+    flow: bool,
+    expert_done: *const ClaimCounter,
+    block_done: *const ClaimCounter,
 }
 
 // SAFETY: threads only write disjoint parts (their own pairs, units, output columns and thread
@@ -418,7 +442,13 @@ pub fn compute_layer(
             .tasks
             .iter()
             .all(|task| task.count <= 1 && task.amx_input.is_none());
-    for claim in &scratch.claims {
+    let flow = tuning.flow && reduce;
+    for claim in scratch
+        .claims
+        .iter()
+        .chain(&scratch.expert_done)
+        .chain(&scratch.block_done)
+    {
         claim.0.store(0, std::sync::atomic::Ordering::Relaxed);
     }
     let job = LayerJob {
@@ -441,6 +471,9 @@ pub fn compute_layer(
         } else {
             std::ptr::null_mut()
         },
+        flow,
+        expert_done: scratch.expert_done.as_ptr(),
+        block_done: scratch.block_done.as_ptr(),
     };
     let gate_ptrs = GatePointers::of(scratch);
     let start = Instant::now();
@@ -515,6 +548,24 @@ impl LayerJob {
             *victim += 1;
         }
         None
+    }
+
+    /// Adds `Σ_task weight · down_out` of the given row blocks into the output, tasks in order.
+    unsafe fn add_down_outputs(&self, blocks: std::ops::Range<usize>) {
+        let h = self.layout.hidden;
+        let (first, last) = (blocks.start * ROW_BLOCK, (blocks.end * ROW_BLOCK).min(h));
+        for task_index in 0..self.task_count {
+            let task = self.task(task_index);
+            for t in 0..task.count {
+                let token = *task.tokens.add(t) as usize;
+                let weight = *task.routing_weights.add(t);
+                let source = self.down_out.add((task.first_slot + t) * h);
+                let destination = self.output.add(token * h);
+                for column in first..last {
+                    *destination.add(column) += weight * *source.add(column);
+                }
+            }
+        }
     }
 
     unsafe fn run(&self, context: &WorkerContext<'_>, gates: &GatePointers) {
@@ -633,6 +684,12 @@ impl LayerJob {
                 }
                 t0 += tokens;
             }
+            if self.flow {
+                // Publishes this unit's activations to the `down` items of its expert.
+                (*self.expert_done.add(unit / units_per_task))
+                    .0
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
+            }
         }
         if ahead > 0 {
             // This thread's first down rows, while it waits for the others.
@@ -656,7 +713,9 @@ impl LayerJob {
                 }
             }
         }
-        context.barrier();
+        if !self.flow {
+            context.barrier();
+        }
         if context.index == 0 {
             (*self.marks)[1] = Some(Instant::now());
         }
@@ -669,6 +728,12 @@ impl LayerJob {
                 let task = self.task(item / row_blocks);
                 let first = (item % row_blocks) * ROW_BLOCK;
                 let rows = ROW_BLOCK.min(h - first);
+                if self.flow {
+                    let done = &(*self.expert_done.add(item / row_blocks)).0;
+                    context.wait_until(|| {
+                        done.load(std::sync::atomic::Ordering::Acquire) >= units_per_task
+                    });
+                }
                 let input = InputRows {
                     forms: self.act,
                     first_slot: task.first_slot,
@@ -703,23 +768,24 @@ impl LayerJob {
                         buffers,
                     );
                 }
-            }
-            context.barrier();
-            // Phase 3: each thread adds its output columns.
-            let columns = split_range(row_blocks, context.index, context.count);
-            let (first, last) = (columns.start * ROW_BLOCK, (columns.end * ROW_BLOCK).min(h));
-            for task_index in 0..self.task_count {
-                let task = self.task(task_index);
-                for t in 0..task.count {
-                    let token = *task.tokens.add(t) as usize;
-                    let weight = *task.routing_weights.add(t);
-                    let source = self.down_out.add((task.first_slot + t) * h);
-                    let destination = self.output.add(token * h);
-                    for column in first..last {
-                        *destination.add(column) += weight * *source.add(column);
+                if self.flow {
+                    // The last expert to finish this row block adds it into the output
+                    // (AcqRel: sees every other expert's rows of the block).
+                    let block = item % row_blocks;
+                    let finished = (*self.block_done.add(block))
+                        .0
+                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                    if finished + 1 == self.task_count {
+                        self.add_down_outputs(block..block + 1);
                     }
                 }
             }
+            if self.flow {
+                return;
+            }
+            context.barrier();
+            // Phase 3: each thread adds its output columns.
+            self.add_down_outputs(split_range(row_blocks, context.index, context.count));
             return;
         }
 

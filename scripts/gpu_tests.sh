@@ -18,6 +18,7 @@ SUITES=(
   "cuda_golden:"
   "golden:::cuda"
   "model:::cuda"
+  "expert_slots:::cuda"
   "cuda_device_flag:"
 )
 
@@ -69,33 +70,53 @@ run() {
   mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   export NINFER_REQUIRE_GPU=1 NINFER_REQUIRE_NVRTC=1 RUST_LOG=${RUST_LOG:-warn} RUST_BACKTRACE=1
-  local rows=() status=0
+  local status=0 suite
+  # GPU_TEST_PARALLEL=1 runs the suites at once (one CUDA context each; the wall time is the
+  # slowest suite's, which matters when device time is scarce).
   for suite in "${SUITES[@]}"; do
-    local name=${suite%%:*} filter=${suite#*:} start end rc summary
-    start=$(date +%s.%N)
-    set +e
-    timeout "${GPU_TEST_TIMEOUT:-150}" ".devbin/$name" $filter --nocapture >"$out/$name.log" 2>&1
-    rc=$?
-    set -e
-    end=$(date +%s.%N)
-    summary=$(grep -E '^test result:' "$out/$name.log" | tail -1 | sed -E 's/^test result: //; s/; [0-9]+ (ignored|measured|filtered out)//g')
-    [ -n "$summary" ] || summary="no result (exit $rc)"
-    [ "$rc" -eq 0 ] || status=1
-    rows+=("$(printf '%-18s %-8s %6.1fs  %s' "$name" "$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)" "$(awk "BEGIN { print $end - $start }")" "$summary")")
-    # A failing suite's tail goes to the console too (the logs may not come back).
-    if [ "$rc" -ne 0 ]; then
-      echo "---- $name (exit $rc), last lines:"
+    if [ "${GPU_TEST_PARALLEL:-0}" = 1 ]; then
+      run_suite "$suite" "$out" &
+    else
+      run_suite "$suite" "$out"
+    fi
+  done
+  wait
+  for suite in "${SUITES[@]}"; do
+    local name=${suite%%:*}
+    if ! grep -q ' PASS ' "$out/$name.row" 2>/dev/null; then
+      status=1
+      echo "---- $name failed, last lines:"
       grep -vE '^\s+(at |[0-9]+: )' "$out/$name.log" | tail -25
     fi
   done
-  echo "---- matmul figures (not checks)"
-  timeout 60 .devbin/cuda_ops --ignored --nocapture matmul_bandwidth_figures 2>&1 | grep -E '^matmul' || true
+  if [ "${GPU_TEST_FIGURES:-1}" = 1 ]; then
+    echo "---- matmul figures (not checks)"
+    timeout 60 .devbin/cuda_ops --ignored --nocapture matmul_bandwidth_figures 2>&1 | grep -E '^matmul' || true
+  fi
   echo "---- figures"
-  cat "$out"/*.log | grep -E 'on cuda:|vs cpu over|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4|cuBLAS|options: KV|cuda backend: KV' | grep -v '^test ' | head -120
+  cat "$out"/*.log | grep -E 'on cuda:|vs cpu over|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4|cuBLAS|options: KV|cuda backend: KV|slotted vs reference|resident vs 0' | grep -v '^test ' | head -120
   echo
   printf '%-18s %-8s %7s  %s\n' suite status time result
-  printf '%s\n' "${rows[@]}"
+  for suite in "${SUITES[@]}"; do
+    cat "$out/${suite%%:*}.row" 2>/dev/null || printf '%-18s %-8s\n' "${suite%%:*}" "NO RESULT"
+  done
   return "$status"
+}
+
+# One suite: its log in $2/NAME.log, its summary row in $2/NAME.row.
+run_suite() {
+  local suite=$1 out=$2
+  local name=${suite%%:*} filter=${suite#*:} start end rc summary
+  start=$(date +%s.%N)
+  set +e
+  timeout "${GPU_TEST_TIMEOUT:-150}" ".devbin/$name" $filter --nocapture >"$out/$name.log" 2>&1
+  rc=$?
+  set -e
+  end=$(date +%s.%N)
+  summary=$(grep -E '^test result:' "$out/$name.log" | tail -1 | sed -E 's/^test result: //; s/; [0-9]+ (ignored|measured|filtered out)//g')
+  [ -n "$summary" ] || summary="no result (exit $rc)"
+  printf '%-18s %-8s %6.1fs  %s\n' "$name" "$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)" \
+    "$(awk "BEGIN { print $end - $start }")" "$summary" >"$out/$name.row"
 }
 
 case "${1:-}" in

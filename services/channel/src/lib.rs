@@ -17,6 +17,11 @@
 //! …             slot i at 4096 + i · slot_stride (slot_stride a multiple of 4096)
 //! ```
 //!
+//! The segment header starts with the magic `NICHAN02`; the number is the layout version, bumped
+//! whenever a header changes (02: the slot header's response half gained `compute_nanos`, the
+//! worker's compute time for the answered request), so an engine and a worker of different
+//! layouts refuse each other at attach instead of misreading bytes.
+//!
 //! Per slot, `[max_tokens, max_top_k]` u32 expert ids (`u32::MAX` = unused entry),
 //! `[max_tokens, max_top_k]` f32 routing weights, `[max_tokens, hidden]` f32 hidden states in and
 //! `[max_tokens, hidden]` f32 weighted sums out.
@@ -51,7 +56,7 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"NICHAN01");
+const MAGIC: u64 = u64::from_le_bytes(*b"NICHAN02");
 const HEADER_BYTES: usize = 4096;
 const SLOT_HEADER_BYTES: usize = 256;
 const ERROR_TEXT_BYTES: usize = 192;
@@ -130,6 +135,9 @@ struct SlotHeader {
     status: u32,
     error_length: u32,
     error_text: [u8; ERROR_TEXT_BYTES],
+    /// Response half: nanoseconds the worker spent computing the answer (0 when it does not
+    /// say), so the engine can split its wait into compute and channel time.
+    compute_nanos: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<SlotHeader>() <= SLOT_HEADER_BYTES);
@@ -490,6 +498,14 @@ impl EngineChannel {
         }
     }
 
+    /// Nanoseconds the worker reported computing the last answered request on `slot` (call after
+    /// `wait` returned `Done`; 0 when the worker did not time it).
+    pub fn compute_nanos(&self, slot: u32) -> u64 {
+        // SAFETY: as in `output`: the response is published and the worker will not write the
+        // slot again until we post.
+        unsafe { (*self.mapping.slot_header_mut(slot)).compute_nanos }
+    }
+
     /// The weighted sums of the last answered request on `slot` (`[token_count, hidden]`).
     pub fn output(&self, slot: u32) -> &[f32] {
         let geometry = self.mapping.geometry;
@@ -708,11 +724,17 @@ impl WorkerChannel {
 
     /// Publishes the answer to the request on `slot`: `Ok` or a refusal with a reason.
     pub fn complete(&self, slot: u32, result: Result<(), &str>) {
+        self.complete_timed(slot, result, Duration::ZERO);
+    }
+
+    /// [`Self::complete`], also telling the engine how long computing the answer took.
+    pub fn complete_timed(&self, slot: u32, result: Result<(), &str>, compute: Duration) {
         let header = self.mapping.slot_header(slot);
         let sequence = header.request_sequence.load(Ordering::Acquire);
         // SAFETY: we own the slot's response half until the Release store below.
         unsafe {
             let raw = self.mapping.slot_header_mut(slot);
+            (*raw).compute_nanos = u64::try_from(compute.as_nanos()).unwrap_or(u64::MAX);
             match result {
                 Ok(()) => {
                     (*raw).status = 0;
@@ -772,7 +794,7 @@ mod tests {
                 for (o, h) in out.iter_mut().zip(&hidden) {
                     *o = h * scale;
                 }
-                channel.complete(slot, Ok(()));
+                channel.complete_timed(slot, Ok(()), Duration::from_nanos(1000 + slot as u64));
             }
         });
         for round in 0..20u32 {
@@ -797,6 +819,7 @@ mod tests {
             );
             let expected: Vec<f32> = hidden.iter().map(|h| h * 1.75).collect();
             assert_eq!(engine.output(slot), &expected[..]);
+            assert_eq!(engine.compute_nanos(slot), 1000 + slot as u64);
         }
         worker.join().unwrap();
         assert_eq!(engine.worker_pid(), std::process::id());
@@ -849,6 +872,18 @@ mod tests {
             Err(ChannelError::Geometry { .. })
         ));
         assert!(WorkerChannel::attach("/ninfer-test-does-not-exist", 4).is_err());
+        // A segment of the previous layout (magic `NICHAN01`) is refused, not misread.
+        use std::io::{Seek, Write};
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/dev/shm{}", engine.name()))
+            .unwrap();
+        file.seek(std::io::SeekFrom::Start(0)).unwrap();
+        file.write_all(b"NICHAN01").unwrap();
+        assert!(matches!(
+            WorkerChannel::attach(engine.name(), 4),
+            Err(ChannelError::NotAChannel { .. })
+        ));
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! `ninfer bench`: memory read bandwidth (the reference) and routed-expert kernel throughput.
+//! `ninfer bench`: memory read bandwidth (the reference), routed-expert kernel throughput,
+//! the channel round trip, and `ninfer bench MODEL` (the whole pipeline, `bench_model.rs`).
 //!
 //! Owns: the `bench` arguments, model-shape presets and the printed tables / JSON.
 //! Must not touch: the measurements themselves (`ninfer_expert_kernels::bench`).
@@ -9,10 +10,15 @@ use ninfer_expert_kernels::bench::{
 };
 use ninfer_expert_kernels::{DownSplit, ExpertLayout, KernelIsa, ThreadPool, WeightDType};
 
+/// `ninfer bench MODEL [flags]` benchmarks a model end to end; `ninfer bench memory|experts|
+/// channel` the parts. A MODEL file named like a subcommand needs a path (`./memory`).
 #[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct BenchArgs {
     #[command(subcommand)]
-    command: BenchCommand,
+    command: Option<BenchCommand>,
+    #[command(flatten)]
+    model: crate::bench_model::ModelBenchArgs,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -138,10 +144,11 @@ const PRESETS: [Preset; 4] = [
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
-        BenchCommand::Memory(args) => run_memory(args),
-        BenchCommand::Experts(args) => run_experts(args),
-        BenchCommand::Channel(args) => crate::bench_channel::run(args),
-        BenchCommand::ChannelEcho(args) => crate::bench_channel::run_echo(args),
+        Some(BenchCommand::Memory(args)) => run_memory(args),
+        Some(BenchCommand::Experts(args)) => run_experts(args),
+        Some(BenchCommand::Channel(args)) => crate::bench_channel::run(args),
+        Some(BenchCommand::ChannelEcho(args)) => crate::bench_channel::run_echo(args),
+        None => crate::bench_model::run(args.model),
     }
 }
 
@@ -173,7 +180,7 @@ fn run_memory(args: MemoryArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_bandwidth(result: &BandwidthResult, pool: &ThreadPool) {
+pub(crate) fn print_bandwidth(result: &BandwidthResult, pool: &ThreadPool) {
     println!(
         "read bandwidth: {:.1} GB/s best, {:.1} GB/s median ({} threads on cpus {}, {:.1} GiB buffer, {} passes)",
         result.best_gbps,

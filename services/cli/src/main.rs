@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_channel;
+mod bench_model;
 mod convert;
 mod inspect;
 mod perplexity;
@@ -33,7 +34,7 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Mean negative log-likelihood of a text file under a model.
     Perplexity(perplexity::PerplexityArgs),
-    /// Benchmarks: memory bandwidth, expert kernels.
+    /// Benchmarks: a model end to end (`bench MODEL`), memory bandwidth, expert kernels, channel.
     Bench(bench::BenchArgs),
     /// Start the expert workers and the engine as supervised processes (the engine's gRPC API).
     Serve(serve::ServeArgs),

@@ -55,6 +55,8 @@ struct Supervised {
 pub struct Supervisor {
     runtime_dir: PathBuf,
     children: Vec<Supervised>,
+    /// Label of the first child that exited (for callers that treat any exit as failure).
+    first_exited: Option<String>,
 }
 
 /// A program of this installation: next to the running `ninfer`, else on `PATH`.
@@ -85,6 +87,7 @@ impl Supervisor {
         Ok(Supervisor {
             runtime_dir,
             children: Vec::new(),
+            first_exited: None,
         })
     }
 
@@ -151,6 +154,8 @@ impl Supervisor {
             };
             if let Some(status) = exited {
                 let supervised = &mut self.children[index];
+                self.first_exited
+                    .get_or_insert_with(|| supervised.spec.label.clone());
                 supervised.child = None;
                 supervised.restarts += 1;
                 let delay = Duration::from_millis(200 * u64::from(supervised.restarts.min(25)));
@@ -165,6 +170,11 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    /// The first child seen exiting by [`Self::poll`], if any (it was restarted meanwhile).
+    pub fn first_exited(&self) -> Option<String> {
+        self.first_exited.clone()
     }
 
     /// Runs until a stop signal, supervising; then stops every child.

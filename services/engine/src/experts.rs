@@ -49,6 +49,12 @@ pub trait ExpertExecutor: Send + Sync {
     fn observe_routing(&self, _layer: usize, _expert_ids: &[u32], _tokens: usize) {}
     /// Writes `out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(hidden[t])` (`[tokens, hidden]`).
     fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError>;
+    /// Cumulative nanoseconds of expert computation proper, for executors that run it elsewhere
+    /// and can tell it from the waiting (worker processes report theirs per request). `None`:
+    /// all the time spent in [`Self::compute`] is computation (in-process executors).
+    fn compute_nanos(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Reads experts straight from the mmapped artifact and computes them with the f32 reference

@@ -11,6 +11,7 @@
 //! * [`weights`] — host views of stored f32/bf16/int8/int4 weights and the CPU matmul.
 //! * [`spec`] — architecture → graph switches; refusal of unknown architectures.
 //! * [`model`] — weight loading, `SequenceState`, the batched forward pass.
+//! * [`profile`] — always-on forward counters (time split, expert bytes) for `ninfer bench`.
 //! * [`experts`] — the `ExpertExecutor` trait and the in-process CPU executor.
 //! * [`kernel_experts`] — in-process experts on the SIMD kernels (the worker's executor).
 //! * [`remote_experts`] — experts computed by worker processes through the shared-memory channel.
@@ -27,6 +28,7 @@ pub mod gpu_experts;
 pub mod kernel_experts;
 pub mod model;
 pub mod perplexity;
+pub mod profile;
 pub mod remote_experts;
 pub mod sampling;
 pub mod service;

@@ -16,12 +16,15 @@ use ninfer_engine::gpu_experts::{
     choose_gpu_experts, experts_per_layer, GpuExpertCount, GpuExpertShape,
 };
 use ninfer_engine::kernel_experts::KernelExpertExecutor;
+use ninfer_engine::profile::ForwardProfile;
 use ninfer_engine::remote_experts::{RemoteExpertExecutor, RemoteExpertsOptions};
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
 use ninfer_engine::service::scheduler::{
     self, SchedulerCommand, SchedulerCounters, SchedulerLimits,
 };
-use ninfer_engine::service::{AlwaysReady, EngineService, Readiness};
+use ninfer_engine::service::{
+    AlwaysReady, DeviceBandwidthProbe, EngineService, Profiling, Readiness,
+};
 use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
 use ninfer_expert_kernels::KernelIsa;
 use ninfer_protocol::v1::engine_server::EngineServer;
@@ -185,6 +188,7 @@ fn main() -> anyhow::Result<()> {
                 remote as Arc<dyn Readiness>,
             )
         };
+    let expert_executor = experts.name().to_string();
     let counting = Arc::new(CountingExecutor {
         inner: experts,
         counters: Arc::clone(&routing),
@@ -201,30 +205,39 @@ fn main() -> anyhow::Result<()> {
         kv_bytes_per_token: kv_bytes_per_token(&artifact, args.kv_dtype),
         limits,
     };
-    let scheduler = match device {
+    let ((scheduler, profile, expert_stride_bytes), (device_name, device_bandwidth)) = match device
+    {
         SelectedDevice::Cpu => {
             if args.moe_gpu_experts != GpuExpertCount::Count(0) {
                 tracing::warn!("--moe-gpu-experts on the CPU backend keeps copies of those experts in host memory (useful for tests only)");
             }
-            start_scheduler(
+            let scheduler = start_scheduler(
                 Arc::new(CpuBackend::new()),
                 &artifact,
                 counting,
                 &gpu_experts,
                 || None,
                 &scheduler_counters,
-            )?
+            )?;
+            (scheduler, ("cpu", None))
         }
         SelectedDevice::Cuda(backend) => {
             let memory = Arc::clone(&backend);
-            start_scheduler(
+            let probed = Arc::clone(&backend);
+            let probe: DeviceBandwidthProbe = Box::new(move || {
+                probed
+                    .measure_copy_bandwidth()
+                    .map_err(|error| error.to_string())
+            });
+            let scheduler = start_scheduler(
                 backend,
                 &artifact,
                 counting,
                 &gpu_experts,
                 move || memory.memory_info().ok(),
                 &scheduler_counters,
-            )?
+            )?;
+            (scheduler, ("cuda", Some(probe)))
         }
     };
     let created_unix_seconds = std::time::SystemTime::now()
@@ -244,6 +257,13 @@ fn main() -> anyhow::Result<()> {
         scheduler_counters,
         routing: Arc::clone(&routing),
         readiness,
+        profiling: Profiling {
+            counters: profile,
+            device: device_name.into(),
+            expert_stride_bytes,
+            expert_executor,
+            device_bandwidth,
+        },
     };
     tracing::info!(model = %args.model.display(), name = %model_name, listen = %args.listen, max_context, "engine ready");
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -356,6 +376,7 @@ fn kv_bytes_per_token(artifact: &ninfer_artifact::Artifact, kv_dtype: Option<KvD
 
 /// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
 /// `device_memory` gives `(free, total)` GPU bytes (`None`: no limit, the CPU backend).
+/// Returns the scheduler's sender, the model's profile counters and its expert stride.
 fn start_scheduler<B: Backend>(
     backend: Arc<B>,
     artifact: &Arc<ninfer_artifact::Artifact>,
@@ -363,13 +384,20 @@ fn start_scheduler<B: Backend>(
     request: &GpuExpertsRequest,
     device_memory: impl Fn() -> Option<(usize, usize)>,
     counters: &Arc<SchedulerCounters>,
-) -> anyhow::Result<std::sync::mpsc::Sender<SchedulerCommand>> {
+) -> anyhow::Result<(
+    std::sync::mpsc::Sender<SchedulerCommand>,
+    Arc<ForwardProfile>,
+    u64,
+)> {
     let mut model = Model::load(backend, Arc::clone(artifact), experts)?;
     if request.count != GpuExpertCount::Count(0) {
         place_gpu_experts(&mut model, request, device_memory())?;
     }
-    scheduler::start(Arc::new(model), request.limits, Arc::clone(counters))
-        .context("starting the scheduler")
+    let profile = Arc::clone(model.profile());
+    let stride = model.expert_slot_bytes().unwrap_or(0);
+    let sender = scheduler::start(Arc::new(model), request.limits, Arc::clone(counters))
+        .context("starting the scheduler")?;
+    Ok((sender, profile, stride))
 }
 
 /// Puts `--moe-gpu-experts` experts per MoE layer in GPU slots, within the memory left after

@@ -8,13 +8,15 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
-use ninfer_artifact::{Artifact, ArtifactError, ExpertBank};
+use ninfer_artifact::{Artifact, ArtifactError, ExpertBank, TensorClass};
 use ninfer_expert_kernels::ExpertLayout;
 
 use crate::backend::{Backend, DeltaRuleForm, Segment};
 use crate::error::EngineError;
 use crate::experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor, NO_EXPERT};
+use crate::profile::{distinct_experts, nanos, ForwardProfile, Phase, PhaseTotals};
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
 
 /// Which positions' logits a forward returns.
@@ -139,6 +141,7 @@ pub struct Model<B: Backend> {
     layers: Vec<Layer<B>>,
     experts: Arc<dyn ExpertExecutor>,
     delta_rule_form: DeltaRuleForm,
+    profile: Arc<ForwardProfile>,
 }
 
 /// Opens an artifact; if the reader rejects its header, says which architecture it names when
@@ -211,6 +214,10 @@ impl<B: Backend> Model<B> {
         for layer in 0..spec.layers() {
             layers.push(loader.layer(&spec, layer)?);
         }
+        let profile = Arc::new(ForwardProfile::new(dense_weight_bytes(
+            &artifact,
+            common.tie_word_embeddings,
+        )));
         Ok(Model {
             backend,
             artifact,
@@ -221,7 +228,13 @@ impl<B: Backend> Model<B> {
             layers,
             experts,
             delta_rule_form: DeltaRuleForm::Auto,
+            profile,
         })
+    }
+
+    /// The always-on profile counters of this model's forwards.
+    pub fn profile(&self) -> &Arc<ForwardProfile> {
+        &self.profile
     }
 
     pub fn spec(&self) -> &ModelSpec {
@@ -431,6 +444,8 @@ impl<B: Backend> Model<B> {
             });
         }
 
+        let started = Instant::now();
+        let mut tally = PhaseTotals::default();
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
@@ -447,7 +462,7 @@ impl<B: Backend> Model<B> {
             };
             backend.add_assign(&mut hidden, &mixed);
             let x = backend.rms_norm(&hidden, &layer.post_attention_norm, eps, style);
-            let fed = self.feed_forward(index, &layer.feed_forward, &x)?;
+            let fed = self.feed_forward(index, &layer.feed_forward, &x, &mut tally)?;
             backend.add_assign(&mut hidden, &fed);
         }
 
@@ -471,6 +486,15 @@ impl<B: Backend> Model<B> {
             row += rows;
             item.state.position += range.len();
         }
+        tally.forwards = 1;
+        tally.tokens = ids.len() as u64;
+        tally.forward_nanos = nanos(started.elapsed());
+        let phase = if ids.len() == batch.len() {
+            Phase::Decode
+        } else {
+            Phase::Prefill
+        };
+        self.profile.record(phase, &tally);
         Ok(out)
     }
 
@@ -626,6 +650,7 @@ impl<B: Backend> Model<B> {
         index: usize,
         feed_forward: &FeedForward<B>,
         x: &B::Tensor,
+        tally: &mut PhaseTotals,
     ) -> Result<B::Tensor, EngineError> {
         let backend = &*self.backend;
         match feed_forward {
@@ -653,7 +678,21 @@ impl<B: Backend> Model<B> {
                 );
                 self.experts
                     .observe_routing(index, &routing.expert_ids, routing_tokens(&routing));
+                let (cpu_experts, resident_experts) = distinct_experts(
+                    &routing.expert_ids,
+                    resident.as_ref().map(|r| &r.resident[..]),
+                    common.num_experts,
+                );
+                tally.moe_layer_calls += 1;
+                tally.cpu_experts += cpu_experts;
+                tally.resident_experts += resident_experts;
+                tally.cpu_expert_bytes += cpu_experts * bank.expert_stride;
+                tally.resident_expert_bytes += resident_experts * bank.expert_stride;
+                // On a GPU this download waits for the queued work before it (the profile's
+                // transfer time includes that wait; docs/BENCHMARKS.md says so).
+                let copying = Instant::now();
                 let hidden = backend.download(x);
+                tally.transfer_nanos += nanos(copying.elapsed());
                 let (rows, cols) = backend.shape(x);
                 // Work the backend does itself is queued first (on a GPU it runs while this
                 // thread waits for the expert workers): the resident experts, then the shared
@@ -692,6 +731,8 @@ impl<B: Backend> Model<B> {
                 };
                 let mut routed = vec![0.0f32; rows * cols];
                 if expert_ids.iter().any(|&id| id != NO_EXPERT) {
+                    let reported_before = self.experts.compute_nanos();
+                    let waiting = Instant::now();
                     self.experts.compute(
                         &ExpertBatch {
                             layer: index,
@@ -705,8 +746,20 @@ impl<B: Backend> Model<B> {
                         },
                         &mut routed,
                     )?;
+                    let waited = nanos(waiting.elapsed());
+                    tally.expert_wait_nanos += waited;
+                    tally.expert_compute_nanos +=
+                        match (reported_before, self.experts.compute_nanos()) {
+                            (Some(before), Some(after)) => {
+                                self.profile.note_compute_reported();
+                                after.saturating_sub(before).min(waited)
+                            }
+                            _ => waited,
+                        };
                 }
+                let copying = Instant::now();
                 let mut output = backend.upload(&routed, rows, cols);
+                tally.transfer_nanos += nanos(copying.elapsed());
                 if let Some(resident_sum) = resident_sum {
                     backend.add_assign(&mut output, &resident_sum);
                 }
@@ -717,6 +770,23 @@ impl<B: Backend> Model<B> {
             }
         }
     }
+}
+
+/// Bytes of the non-expert weights a forward reads, as the artifact stores them (see
+/// [`crate::profile::ProfileSnapshot::dense_weight_bytes_per_forward`]).
+fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
+    artifact
+        .header()
+        .tensors
+        .iter()
+        .filter(|tensor| match tensor.class {
+            TensorClass::Dense => true,
+            // Looking up embeddings reads a few rows; the table is read whole only as the head.
+            TensorClass::Embedding => tied_embeddings || tensor.name != "embed_tokens",
+            TensorClass::RoutedExpert | TensorClass::Mtp | TensorClass::Vision => false,
+        })
+        .map(|tensor| tensor.length)
+        .sum()
 }
 
 /// Tokens of a routing (`[tokens, k]` entries).

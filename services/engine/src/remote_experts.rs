@@ -84,6 +84,9 @@ struct Shared {
     changed: Condvar,
     changed_lock: Mutex<()>,
     requests_sent: AtomicU64,
+    /// Worker compute time as the workers report it per response; per chunk the slowest
+    /// worker's (they compute in parallel, so that is what the engine waited for).
+    worker_compute_nanos: AtomicU64,
     /// Whether every expert has a live owner, recomputed on each health change so the per-layer
     /// check is one atomic load.
     covered: std::sync::atomic::AtomicBool,
@@ -153,6 +156,7 @@ impl RemoteExpertExecutor {
             changed: Condvar::new(),
             changed_lock: Mutex::new(()),
             requests_sent: AtomicU64::new(0),
+            worker_compute_nanos: AtomicU64::new(0),
             covered: std::sync::atomic::AtomicBool::new(false),
         });
         let registrar = Arc::clone(&shared);
@@ -490,17 +494,26 @@ impl ExpertExecutor for RemoteExpertExecutor {
                 shared.requests_sent.fetch_add(1, Ordering::Relaxed);
                 posted.push((index, sequence));
             }
+            let mut slowest = 0u64;
             for &(index, sequence) in posted.iter() {
                 let worker = &shared.workers[index];
                 self.wait_for_response(worker, sequence, batch.layer)?;
+                slowest = slowest.max(worker.channel.compute_nanos(0));
                 let sums = worker.channel.output(0);
                 for (target, value) in out[first * h..(first + count) * h].iter_mut().zip(sums) {
                     *target += value;
                 }
             }
+            shared
+                .worker_compute_nanos
+                .fetch_add(slowest, Ordering::Relaxed);
             first += count;
         }
         Ok(())
+    }
+
+    fn compute_nanos(&self) -> Option<u64> {
+        Some(self.shared.worker_compute_nanos.load(Ordering::Relaxed))
     }
 }
 

@@ -361,6 +361,7 @@ fn serve_one(
     let result = model.compute(&request, output);
     match result {
         Ok(bytes) => {
+            let busy = started.elapsed();
             counters.batches.fetch_add(1, Ordering::Relaxed);
             counters
                 .tokens
@@ -368,8 +369,8 @@ fn serve_one(
             counters.bytes.fetch_add(bytes, Ordering::Relaxed);
             counters
                 .busy_microseconds
-                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-            channel.complete(slot, Ok(()));
+                .fetch_add(busy.as_micros() as u64, Ordering::Relaxed);
+            channel.complete_timed(slot, Ok(()), busy);
         }
         Err(problem) => {
             tracing::warn!(

@@ -16,13 +16,14 @@ use std::time::Duration;
 use ninfer_artifact::Artifact;
 use ninfer_protocol::v1::engine_server::Engine;
 use ninfer_protocol::v1::{
-    CancelRequest, CancelResponse, EngineStatus, EngineStatusRequest, GenerateRequest,
-    GeneratedToken, GenerationDefaults, ModelFiles, ModelFilesRequest, ModelInfo, ModelInfoRequest,
-    RoutingStatistics, RoutingStatisticsRequest,
+    CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest,
+    GenerateRequest, GeneratedToken, GenerationDefaults, ModelFiles, ModelFilesRequest, ModelInfo,
+    ModelInfoRequest, PhaseProfile, ProfileRequest, RoutingStatistics, RoutingStatisticsRequest,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use crate::profile::{ForwardProfile, PhaseTotals};
 use crate::sampling::SamplingParams;
 use routing_stats::RoutingCounters;
 use scheduler::{GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits};
@@ -63,6 +64,37 @@ pub struct EngineService {
     pub scheduler_counters: Arc<SchedulerCounters>,
     pub routing: Arc<RoutingCounters>,
     pub readiness: Arc<dyn Readiness>,
+    pub profiling: Profiling,
+}
+
+/// Times a device-to-device copy on the GPU: bytes per second, or why not.
+pub type DeviceBandwidthProbe = Box<dyn Fn() -> Result<f64, String> + Send + Sync>;
+
+/// What `GetProfile` reports besides the counters.
+pub struct Profiling {
+    pub counters: Arc<ForwardProfile>,
+    /// `cpu` or `cuda`.
+    pub device: String,
+    pub expert_stride_bytes: u64,
+    pub expert_executor: String,
+    /// `None` on the CPU device.
+    pub device_bandwidth: Option<DeviceBandwidthProbe>,
+}
+
+fn phase_message(totals: &PhaseTotals) -> PhaseProfile {
+    PhaseProfile {
+        forwards: totals.forwards,
+        tokens: totals.tokens,
+        forward_nanos: totals.forward_nanos,
+        expert_wait_nanos: totals.expert_wait_nanos,
+        expert_compute_nanos: totals.expert_compute_nanos,
+        transfer_nanos: totals.transfer_nanos,
+        moe_layer_calls: totals.moe_layer_calls,
+        cpu_experts: totals.cpu_experts,
+        resident_experts: totals.resident_experts,
+        cpu_expert_bytes: totals.cpu_expert_bytes,
+        resident_expert_bytes: totals.resident_expert_bytes,
+    }
 }
 
 impl EngineService {
@@ -272,6 +304,37 @@ impl Engine for EngineService {
             kv_cache_capacity_tokens: (self.limits.max_context * self.limits.max_sequences) as u64,
             not_ready_reason: not_ready.unwrap_or_default(),
             ..Default::default()
+        }))
+    }
+
+    async fn get_profile(
+        &self,
+        request: Request<ProfileRequest>,
+    ) -> Result<Response<EngineProfile>, Status> {
+        let request = request.into_inner();
+        let profiling = &self.profiling;
+        let (mut bandwidth, mut bandwidth_error) = (0.0, String::new());
+        if request.measure_device_bandwidth {
+            match &profiling.device_bandwidth {
+                // The copy blocks for a fraction of a second: off the async workers.
+                Some(probe) => match tokio::task::block_in_place(probe) {
+                    Ok(bytes_per_second) => bandwidth = bytes_per_second,
+                    Err(problem) => bandwidth_error = problem,
+                },
+                None => bandwidth_error = format!("the {} device has no GPU", profiling.device),
+            }
+        }
+        let snapshot = profiling.counters.snapshot(request.reset);
+        Ok(Response::new(EngineProfile {
+            device: profiling.device.clone(),
+            prefill: Some(phase_message(&snapshot.prefill)),
+            decode: Some(phase_message(&snapshot.decode)),
+            dense_weight_bytes_per_forward: snapshot.dense_weight_bytes_per_forward,
+            expert_stride_bytes: profiling.expert_stride_bytes,
+            expert_compute_reported: snapshot.expert_compute_reported,
+            expert_executor: profiling.expert_executor.clone(),
+            device_copy_bytes_per_second: bandwidth,
+            device_bandwidth_error: bandwidth_error,
         }))
     }
 }

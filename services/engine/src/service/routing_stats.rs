@@ -193,6 +193,10 @@ impl ExpertExecutor for CountingExecutor {
     fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError> {
         self.inner.compute(batch, out)
     }
+
+    fn compute_nanos(&self) -> Option<u64> {
+        self.inner.compute_nanos()
+    }
 }
 
 #[cfg(test)]

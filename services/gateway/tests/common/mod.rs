@@ -327,6 +327,15 @@ impl Engine for ScriptedEngine {
             ..Default::default()
         }))
     }
+
+    async fn get_profile(
+        &self,
+        _request: Request<ProfileRequest>,
+    ) -> Result<Response<EngineProfile>, Status> {
+        Err(Status::unimplemented(
+            "the scripted engine keeps no profile",
+        ))
+    }
 }
 
 /// A running scripted engine on its own runtime, so `kill` drops every connection like a crash.

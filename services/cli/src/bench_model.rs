@@ -1,0 +1,710 @@
+//! `ninfer bench MODEL`: end-to-end prefill and decode speed of the real pipeline (expert
+//! workers + engine, as `ninfer serve` starts them, no gateway), with the decode time per token
+//! split into its parts and the roofline ratio against this machine's measured bandwidths.
+//!
+//! Owns: the benchmark's flags, the random prompts, the timing at the client, the arithmetic
+//! from the engine's profile counters (`GetProfile`) to the reported figures, the table / JSON.
+//! Must not touch: the counters themselves (`ninfer_engine::profile`), the RAM bandwidth
+//! measurement (`ninfer_expert_kernels::bench::measure_read_bandwidth`, as `bench memory`) or
+//! the device one (`CudaBackend::measure_copy_bandwidth`, run by the engine).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use ninfer_expert_kernels::bench::{measure_read_bandwidth, BandwidthResult};
+use ninfer_expert_kernels::ThreadPool;
+use ninfer_protocol::v1::engine_client::EngineClient;
+use ninfer_protocol::v1::{
+    EngineProfile, EngineStatusRequest, FinishReason, GenerateRequest, ModelInfoRequest,
+    PhaseProfile, ProfileRequest, SamplingParameters,
+};
+use serde::Serialize;
+use tonic::transport::Channel;
+
+use crate::serve::{resolve_model, start_pipeline, ServeArgs};
+use crate::supervisor::{install_stop_handler, stop_requested, Supervisor};
+
+#[derive(Debug, clap::Args)]
+pub struct ModelBenchArgs {
+    /// The `.ninfer` artifact to benchmark (`ninfer bench MODEL`; a file named like a bench
+    /// subcommand needs a path: `./memory`).
+    #[arg(value_name = "MODEL")]
+    pub model: Option<PathBuf>,
+    /// Where the dense layers run: cpu, cuda or auto (the GPU when one opens).
+    #[arg(long, default_value = "auto", value_parser = ["cpu", "cuda", "auto"])]
+    pub device: String,
+    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit).
+    #[arg(long, value_name = "N|half|all|auto")]
+    pub moe_gpu_experts: Option<String>,
+    /// Behave as if the GPU had this many GiB (stand in for a smaller card).
+    #[arg(long, value_name = "GiB")]
+    pub gpu_mem_budget: Option<f64>,
+    /// Compute threads of the CPU experts (per worker, or in-process) and of the RAM
+    /// bandwidth reference (default: every core of the NUMA node).
+    #[arg(long)]
+    pub moe_threads: Option<usize>,
+    /// Compute the routed experts inside the engine instead of in worker processes.
+    #[arg(long)]
+    pub no_workers: bool,
+    /// Prompt lengths in tokens, comma-separated; each is one row.
+    #[arg(long, default_value = "512,4096")]
+    pub prompt_lengths: String,
+    /// Tokens decoded (batch 1) after each prompt.
+    #[arg(long, default_value_t = 64)]
+    pub decode_tokens: usize,
+    /// Runs per prompt length (a fresh sequence each time); rows report their totals, and each
+    /// run's tok/s is listed so reproducibility shows.
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
+    /// Seed of the random prompts and of the sampling (temperature 1, so routing keeps
+    /// changing as it does in real text; greedy decoding of a random model loops).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Buffer of the RAM bandwidth reference, GiB (as `bench memory --buffer-gib`).
+    #[arg(long, default_value_t = 8.0)]
+    pub ram_buffer_gib: f64,
+    /// Timed passes of the RAM bandwidth reference.
+    #[arg(long, default_value_t = 10)]
+    pub ram_passes: usize,
+    /// NUMA node of the RAM bandwidth reference's threads.
+    #[arg(long, default_value_t = 0)]
+    pub numa_node: usize,
+    /// Seconds to wait for the engine (and workers) to load the model.
+    #[arg(long, default_value_t = 900.0)]
+    pub ready_timeout: f64,
+    /// Extra arguments for the engine (repeat the flag per argument).
+    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Decode time per token, split (milliseconds). The parts add up to `engine_forward` and
+/// `engine_forward + other` = the measured time per token.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+struct Split {
+    /// Forward time outside the MoE layers' expert wait and copies: attention, dense layers,
+    /// routers, shared experts, GPU-resident experts not hidden behind the CPU, the head.
+    gpu_dense: f64,
+    /// CPU expert computation (as the workers report it; in-process: all of the expert wait).
+    cpu_experts: f64,
+    /// Expert wait minus expert computation: the channel round trip and the slowest-worker wait.
+    channel_wait: f64,
+    /// Host ↔ device copies of the MoE input and the CPU experts' sum (on a GPU, including the
+    /// wait for the work queued before the download).
+    transfers: f64,
+    /// Outside the engine's forwards: sampling, scheduling, gRPC to the client.
+    other: f64,
+}
+
+/// Figures of one phase over all repeats of one prompt length.
+#[derive(Debug, Clone, Serialize)]
+struct PhaseFigures {
+    tokens: u64,
+    forwards: u64,
+    /// Client-side wall time of the phase, all repeats (ms).
+    wall_ms: f64,
+    tok_per_s: f64,
+    /// Each repeat's tok/s.
+    tok_per_s_per_repeat: Vec<f64>,
+    /// Engine forward time per token (ms).
+    engine_forward_ms_per_token: f64,
+    /// Wall time per token at the client (ms).
+    ms_per_token: f64,
+    split_ms_per_token: Split,
+    /// Distinct experts per token computed on the CPU side, summed over MoE layers.
+    cpu_experts_per_token: f64,
+    /// … and from GPU-resident slots.
+    gpu_experts_per_token: f64,
+    /// `cpu_experts_per_token` × expert stride: expert weight bytes read from RAM.
+    cpu_expert_bytes_per_token: f64,
+    /// Resident expert bytes read from device memory per token.
+    gpu_expert_bytes_per_token: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    prompt_tokens: usize,
+    decode_tokens: usize,
+    repeats: usize,
+    prefill: PhaseFigures,
+    decode: PhaseFigures,
+    /// Prefill tok/s at the client (prompt tokens ÷ time to the first token).
+    prefill_tok_s: f64,
+    /// Decode tok/s at the client (batch 1).
+    decode_tok_s: f64,
+    /// Bytes a decoded token must move from RAM and from device memory, and the time that
+    /// takes at the measured bandwidths (ms).
+    ram_bytes_per_token: f64,
+    device_bytes_per_token: f64,
+    ideal_ms_per_token: Option<f64>,
+    /// ideal ÷ measured time per decoded token (1 = at the bandwidth limit).
+    roofline_ratio: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    architecture: String,
+    device: String,
+    expert_executor: String,
+    moe_gpu_experts: String,
+    gpu_mem_budget_gib: Option<f64>,
+    expert_stride_bytes: u64,
+    dense_weight_bytes_per_forward: u64,
+    expert_compute_reported_by_workers: bool,
+    ram_bandwidth: BandwidthResult,
+    /// `2 · size / time` of a device-to-device copy on the GPU (null on the CPU device).
+    device_bandwidth_gbps: Option<f64>,
+    device_bandwidth_error: Option<String>,
+    roofline: RooflineBasis,
+    results: Vec<Row>,
+}
+
+#[derive(Debug, Serialize)]
+struct RooflineBasis {
+    ratio: &'static str,
+    denominator: &'static str,
+    ideal: String,
+}
+
+fn parse_lengths(text: &str) -> anyhow::Result<Vec<usize>> {
+    let lengths: Vec<usize> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            item.parse::<usize>()
+                .ok()
+                // One token would make the prompt's forward look like a decode step.
+                .filter(|&n| n >= 2)
+                .with_context(|| {
+                    format!("--prompt-lengths: `{item}` is not a length of at least 2 tokens")
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    if lengths.is_empty() {
+        bail!("--prompt-lengths names nothing");
+    }
+    Ok(lengths)
+}
+
+/// Seeded pseudo-random token ids below `vocab` (splitmix64).
+fn random_tokens(count: usize, vocab: u32, seed: u64) -> Vec<u32> {
+    let mut state = seed;
+    (0..count)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % u64::from(vocab.max(1))) as u32
+        })
+        .collect()
+}
+
+pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
+    let Some(model_arg) = args.model.clone() else {
+        bail!("name a MODEL (`ninfer bench MODEL`) or a subcommand (memory, experts, channel)");
+    };
+    let lengths = parse_lengths(&args.prompt_lengths)?;
+    if args.decode_tokens == 0 {
+        bail!("--decode-tokens must be at least 1");
+    }
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
+    if args.moe_threads == Some(0) {
+        bail!("--moe-threads must be at least 1");
+    }
+    if !(args.ram_buffer_gib.is_finite() && args.ram_buffer_gib > 0.0) {
+        bail!("--ram-buffer-gib must be a positive number of GiB");
+    }
+    if !(model_arg.exists()) {
+        bail!(
+            "{}: no such model file (make one with `ninfer convert`)",
+            model_arg.display()
+        );
+    }
+    let model = resolve_model(&model_arg)?;
+    let artifact = ninfer_artifact::Artifact::open(&model)
+        .with_context(|| format!("opening {}", model.display()))?;
+    let architecture = artifact.config().architecture().to_string();
+    drop(artifact);
+
+    // The reference first, while nothing else runs; its pool is gone before the workers pin
+    // their threads.
+    let ram_bandwidth = {
+        let pool = ThreadPool::for_numa_node(args.numa_node, args.moe_threads)
+            .context("starting the RAM bandwidth threads")?;
+        let bytes = (args.ram_buffer_gib * (1u64 << 30) as f64) as usize;
+        let result = measure_read_bandwidth(&pool, bytes, args.ram_passes.max(1))
+            .context("measuring RAM read bandwidth")?;
+        if !args.json {
+            crate::bench::print_bandwidth(&result, &pool);
+        }
+        result
+    };
+
+    install_stop_handler();
+    let mut supervisor = Supervisor::new()?;
+    let longest = lengths.iter().copied().max().unwrap_or(1);
+    let mut engine_args = vec![
+        "--device".to_string(),
+        args.device.clone(),
+        // Batch 1: one sequence's KV cache, so `--gpu-mem-budget` leaves the rest to experts.
+        "--max-sequences".into(),
+        "1".into(),
+    ];
+    if args.no_workers {
+        if let Some(threads) = args.moe_threads {
+            engine_args.extend(["--moe-threads".into(), threads.to_string()]);
+        }
+    }
+    engine_args.extend(args.engine_args.iter().cloned());
+    let serve = ServeArgs {
+        model: model.clone(),
+        listen: supervisor.socket("engine"),
+        moe_threads: args.moe_threads,
+        max_context: Some(longest + args.decode_tokens + 1),
+        no_workers: args.no_workers,
+        moe_gpu_experts: args.moe_gpu_experts.clone(),
+        gpu_mem_budget: args.gpu_mem_budget,
+        engine_args,
+    };
+    let address = start_pipeline(&mut supervisor, &serve)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(measure(
+        &args,
+        &lengths,
+        &address,
+        &mut supervisor,
+        ram_bandwidth,
+        model.display().to_string(),
+        architecture,
+    ));
+    supervisor.stop_all(Duration::from_secs(10));
+    let report = result?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(())
+}
+
+/// The last lines of a child's log, for a failure message.
+fn log_tail(supervisor: &Supervisor, label: &str) -> String {
+    let path = supervisor.runtime_dir().join(format!("{label}.log"));
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// Waits until the engine answers and says it is ready; fails early when a child died.
+async fn connect_when_ready(
+    address: &str,
+    supervisor: &mut Supervisor,
+    timeout: Duration,
+) -> anyhow::Result<EngineClient<Channel>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if stop_requested() {
+            bail!("interrupted while the pipeline started");
+        }
+        supervisor.poll();
+        if let Some(label) = supervisor.first_exited() {
+            bail!(
+                "{label} exited while starting; the end of its log:\n{}",
+                log_tail(supervisor, &label)
+            );
+        }
+        if let Ok(channel) =
+            ninfer_protocol::transport::connect(address, Duration::from_millis(500)).await
+        {
+            let mut client = EngineClient::new(channel)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20);
+            if let Ok(status) = client.get_status(EngineStatusRequest {}).await {
+                if status.get_ref().ready {
+                    return Ok(client);
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the engine was not ready within {:.0} s (--ready-timeout); the end of its log:\n{}",
+                timeout.as_secs_f64(),
+                log_tail(supervisor, "engine")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Client-side times of one generation.
+struct Timing {
+    prefill: Duration,
+    decode: Duration,
+    decoded: usize,
+}
+
+async fn generate(
+    client: &mut EngineClient<Channel>,
+    prompt: Vec<u32>,
+    new_tokens: usize,
+    seed: u64,
+) -> anyhow::Result<Timing> {
+    let request = GenerateRequest {
+        request_id: format!("bench-{seed}-{}", prompt.len()),
+        prompt_token_ids: prompt,
+        max_new_tokens: new_tokens as u32,
+        sampling: Some(SamplingParameters {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let mut stream = client
+        .generate(request)
+        .await
+        .context("starting a generation")?
+        .into_inner();
+    let (mut first, mut last, mut tokens) = (None, started, 0usize);
+    while let Some(message) = stream.message().await.context("generating")? {
+        if !message.no_token {
+            tokens += 1;
+            last = Instant::now();
+            first.get_or_insert(last);
+        }
+        let reason =
+            FinishReason::try_from(message.finish_reason).unwrap_or(FinishReason::Unspecified);
+        if reason != FinishReason::Unspecified && reason != FinishReason::Length {
+            bail!("the generation ended early ({reason:?}) after {tokens} tokens");
+        }
+    }
+    let Some(first) = first else {
+        bail!("the engine produced no token");
+    };
+    if tokens != new_tokens {
+        bail!("asked for {new_tokens} tokens, the engine produced {tokens}");
+    }
+    Ok(Timing {
+        prefill: first - started,
+        decode: last - first,
+        decoded: tokens - 1,
+    })
+}
+
+async fn profile(
+    client: &mut EngineClient<Channel>,
+    reset: bool,
+    measure_device_bandwidth: bool,
+) -> anyhow::Result<EngineProfile> {
+    Ok(client
+        .get_profile(ProfileRequest {
+            reset,
+            measure_device_bandwidth,
+        })
+        .await
+        .context("reading the engine's profile (GetProfile)")?
+        .into_inner())
+}
+
+fn add_phase(total: &mut PhaseProfile, part: &PhaseProfile) {
+    total.forwards += part.forwards;
+    total.tokens += part.tokens;
+    total.forward_nanos += part.forward_nanos;
+    total.expert_wait_nanos += part.expert_wait_nanos;
+    total.expert_compute_nanos += part.expert_compute_nanos;
+    total.transfer_nanos += part.transfer_nanos;
+    total.moe_layer_calls += part.moe_layer_calls;
+    total.cpu_experts += part.cpu_experts;
+    total.resident_experts += part.resident_experts;
+    total.cpu_expert_bytes += part.cpu_expert_bytes;
+    total.resident_expert_bytes += part.resident_expert_bytes;
+}
+
+/// The figures of a phase: `counters` from the engine, `wall` at the client for `tokens`.
+fn phase_figures(
+    counters: &PhaseProfile,
+    tokens: u64,
+    wall: Duration,
+    per_repeat: Vec<f64>,
+) -> PhaseFigures {
+    let per_token = |nanos: u64| nanos as f64 / 1e6 / tokens.max(1) as f64;
+    let ms_per_token = wall.as_secs_f64() * 1e3 / tokens.max(1) as f64;
+    let forward = per_token(counters.forward_nanos);
+    let wait = per_token(counters.expert_wait_nanos);
+    let compute = per_token(
+        counters
+            .expert_compute_nanos
+            .min(counters.expert_wait_nanos),
+    );
+    let transfers = per_token(counters.transfer_nanos);
+    let count = |value: u64| value as f64 / tokens.max(1) as f64;
+    PhaseFigures {
+        tokens,
+        forwards: counters.forwards,
+        wall_ms: wall.as_secs_f64() * 1e3,
+        tok_per_s: tokens as f64 / wall.as_secs_f64().max(1e-12),
+        tok_per_s_per_repeat: per_repeat,
+        engine_forward_ms_per_token: forward,
+        ms_per_token,
+        split_ms_per_token: Split {
+            gpu_dense: (forward - wait - transfers).max(0.0),
+            cpu_experts: compute,
+            channel_wait: wait - compute,
+            transfers,
+            other: (ms_per_token - forward).max(0.0),
+        },
+        cpu_experts_per_token: count(counters.cpu_experts),
+        gpu_experts_per_token: count(counters.resident_experts),
+        cpu_expert_bytes_per_token: count(counters.cpu_expert_bytes),
+        gpu_expert_bytes_per_token: count(counters.resident_expert_bytes),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn measure(
+    args: &ModelBenchArgs,
+    lengths: &[usize],
+    address: &str,
+    supervisor: &mut Supervisor,
+    ram_bandwidth: BandwidthResult,
+    model: String,
+    architecture: String,
+) -> anyhow::Result<Report> {
+    let mut client = connect_when_ready(
+        address,
+        supervisor,
+        Duration::from_secs_f64(args.ready_timeout.clamp(1.0, 86_400.0)),
+    )
+    .await?;
+    let vocab = client
+        .get_model_info(ModelInfoRequest {})
+        .await
+        .context("reading the model's info")?
+        .into_inner()
+        .vocab_size;
+    let first = profile(&mut client, false, false).await?;
+    let on_gpu = first.device == "cuda";
+    let (device_bandwidth_gbps, device_bandwidth_error) = if on_gpu {
+        let measured = profile(&mut client, false, true).await?;
+        if measured.device_copy_bytes_per_second > 0.0 {
+            (Some(measured.device_copy_bytes_per_second / 1e9), None)
+        } else {
+            (None, Some(measured.device_bandwidth_error))
+        }
+    } else {
+        (None, None)
+    };
+    if !args.json {
+        match (device_bandwidth_gbps, &device_bandwidth_error) {
+            (Some(gbps), _) => println!("device copy bandwidth: {gbps:.1} GB/s (2 · size / time)"),
+            (None, Some(problem)) => println!("device copy bandwidth: not measured: {problem}"),
+            (None, None) => {}
+        }
+    }
+    // Warm-up: first touches of weights and kernels are not the steady state.
+    generate(
+        &mut client,
+        random_tokens(lengths[0].min(32), vocab, args.seed ^ 0xa5a5),
+        2,
+        args.seed,
+    )
+    .await
+    .context("warm-up generation")?;
+    profile(&mut client, true, false).await?;
+
+    let ram_bytes_per_second = ram_bandwidth.best_gbps * 1e9;
+    let mut rows = Vec::new();
+    let mut last = first;
+    for &length in lengths {
+        let (mut prefill, mut decode) = (PhaseProfile::default(), PhaseProfile::default());
+        let (mut prefill_wall, mut decode_wall) = (Duration::ZERO, Duration::ZERO);
+        let (mut prefill_rates, mut decode_rates) = (Vec::new(), Vec::new());
+        let mut decoded = 0u64;
+        for repeat in 0..args.repeats {
+            if stop_requested() {
+                bail!("interrupted");
+            }
+            let seed = args
+                .seed
+                .wrapping_mul(1_000_003)
+                .wrapping_add((length as u64) << 8 | repeat as u64);
+            let prompt = random_tokens(length, vocab, seed);
+            // One token more than decoded: the first comes from the prefill forward.
+            let timing = generate(&mut client, prompt, args.decode_tokens + 1, seed)
+                .await
+                .with_context(|| format!("prompt of {length} tokens, run {}", repeat + 1))?;
+            let counters = profile(&mut client, true, false).await?;
+            add_phase(&mut prefill, &counters.prefill.clone().unwrap_or_default());
+            add_phase(&mut decode, &counters.decode.clone().unwrap_or_default());
+            prefill_wall += timing.prefill;
+            decode_wall += timing.decode;
+            decoded += timing.decoded as u64;
+            prefill_rates.push(length as f64 / timing.prefill.as_secs_f64().max(1e-12));
+            decode_rates.push(timing.decoded as f64 / timing.decode.as_secs_f64().max(1e-12));
+            last = counters;
+        }
+        let prompt_tokens = (length * args.repeats) as u64;
+        let prefill = phase_figures(&prefill, prompt_tokens, prefill_wall, prefill_rates);
+        let decode = phase_figures(&decode, decoded, decode_wall, decode_rates);
+        let dense = last.dense_weight_bytes_per_forward as f64;
+        // Where each byte of a decoded token is read from: CPU experts from RAM; dense
+        // weights and resident experts from the device's memory (RAM on the CPU device).
+        let (ram_bytes, device_bytes) = if on_gpu {
+            (
+                decode.cpu_expert_bytes_per_token,
+                dense + decode.gpu_expert_bytes_per_token,
+            )
+        } else {
+            (
+                decode.cpu_expert_bytes_per_token + dense + decode.gpu_expert_bytes_per_token,
+                0.0,
+            )
+        };
+        let ideal_seconds = match device_bandwidth_gbps {
+            _ if !on_gpu => Some(ram_bytes / ram_bytes_per_second),
+            Some(gbps) => Some(ram_bytes / ram_bytes_per_second + device_bytes / (gbps * 1e9)),
+            None => None,
+        };
+        let ideal_ms = ideal_seconds.map(|s| s * 1e3);
+        rows.push(Row {
+            prompt_tokens: length,
+            decode_tokens: args.decode_tokens,
+            repeats: args.repeats,
+            prefill_tok_s: prefill.tok_per_s,
+            decode_tok_s: decode.tok_per_s,
+            ram_bytes_per_token: ram_bytes,
+            device_bytes_per_token: device_bytes,
+            roofline_ratio: ideal_ms.map(|ideal| ideal / decode.ms_per_token.max(1e-12)),
+            ideal_ms_per_token: ideal_ms,
+            prefill,
+            decode,
+        });
+    }
+    Ok(Report {
+        model,
+        architecture,
+        device: last.device.clone(),
+        expert_executor: last.expert_executor.clone(),
+        moe_gpu_experts: args
+            .moe_gpu_experts
+            .clone()
+            .unwrap_or_else(|| "0".into()),
+        gpu_mem_budget_gib: args.gpu_mem_budget,
+        expert_stride_bytes: last.expert_stride_bytes,
+        dense_weight_bytes_per_forward: last.dense_weight_bytes_per_forward,
+        expert_compute_reported_by_workers: last.expert_compute_reported,
+        ram_bandwidth,
+        device_bandwidth_gbps,
+        device_bandwidth_error,
+        roofline: RooflineBasis {
+            ratio: "ideal time per decoded token / measured time per decoded token (1 = at the bandwidth limit)",
+            denominator: "wall time per decoded token at the client (batch 1, gRPC stream, sampling included)",
+            ideal: if on_gpu {
+                "CPU expert bytes / RAM bandwidth (best of the reference) + (dense bytes + resident expert bytes) / device copy bandwidth".into()
+            } else {
+                "(CPU expert bytes + dense bytes) / RAM bandwidth (best of the reference); the CPU device reads every weight from RAM".into()
+            },
+        },
+        results: rows,
+    })
+}
+
+fn print_report(report: &Report) {
+    let mb = |bytes: f64| bytes / 1e6;
+    println!(
+        "model {} ({}), device {}, experts {}{}, GPU experts per layer: {}{}",
+        report.model,
+        report.architecture,
+        report.device,
+        report.expert_executor,
+        if report.expert_compute_reported_by_workers {
+            " (compute time reported by the workers)"
+        } else {
+            ""
+        },
+        report.moe_gpu_experts,
+        report
+            .gpu_mem_budget_gib
+            .map(|gib| format!(" (budget {gib} GiB)"))
+            .unwrap_or_default()
+    );
+    println!(
+        "dense weights {:.1} MB per forward; one expert {:.2} MB",
+        mb(report.dense_weight_bytes_per_forward as f64),
+        mb(report.expert_stride_bytes as f64)
+    );
+    println!(
+        "{:>7} {:>9} {:>8} {:>8} | {:>9} {:>8} {:>8} {:>9} {:>7} | {:>9} {:>9} {:>8} {:>8}",
+        "prompt",
+        "prefill",
+        "decode",
+        "ms/tok",
+        "gpu/dense",
+        "cpu exp",
+        "channel",
+        "transfers",
+        "other",
+        "RAM MB/t",
+        "GPU MB/t",
+        "ideal ms",
+        "roofline"
+    );
+    for row in &report.results {
+        let split = &row.decode.split_ms_per_token;
+        println!(
+            "{:>7} {:>9.1} {:>8.2} {:>8.2} | {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>7.2} | {:>9.1} {:>9.1} {:>8} {:>8}",
+            row.prompt_tokens,
+            row.prefill_tok_s,
+            row.decode_tok_s,
+            row.decode.ms_per_token,
+            split.gpu_dense,
+            split.cpu_experts,
+            split.channel_wait,
+            split.transfers,
+            split.other,
+            mb(row.ram_bytes_per_token),
+            mb(row.device_bytes_per_token),
+            row.ideal_ms_per_token
+                .map(|ms| format!("{ms:.2}"))
+                .unwrap_or_else(|| "-".into()),
+            row.roofline_ratio
+                .map(|r| format!("{:.0}%", 100.0 * r))
+                .unwrap_or_else(|| "-".into()),
+        );
+        if row.repeats > 1 {
+            let list = |rates: &[f64]| {
+                rates
+                    .iter()
+                    .map(|r| format!("{r:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            println!(
+                "        per run: prefill {} tok/s; decode {} tok/s",
+                list(&row.prefill.tok_per_s_per_repeat),
+                list(&row.decode.tok_per_s_per_repeat)
+            );
+        }
+    }
+    println!(
+        "prefill/decode: tok/s at the client (decode at batch 1, {} tokens after the prompt). \
+         Columns after ms/tok: decode time per token in ms. roofline = {}; measured = {}; ideal = {}.",
+        report.results.first().map(|r| r.decode_tokens).unwrap_or(0),
+        report.roofline.ratio,
+        report.roofline.denominator,
+        report.roofline.ideal
+    );
+}

@@ -1670,5 +1670,6 @@ impl Backend for CudaBackend {
     }
 }
 
+mod bandwidth;
 mod expert_slots;
 pub use expert_slots::CudaExpertSlots;

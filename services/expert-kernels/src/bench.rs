@@ -291,7 +291,7 @@ fn sanitize(bytes: &mut [u8], layout: &MatrixLayout) {
 }
 
 /// Environment variable that sets [`crate::LayerTuning`] for `bench_experts` (and every later
-/// `compute_layer` call of the process): a comma-separated subset of `steal`, `ahead`, `shared`, `flow`,
+/// `compute_layer` call of the process): a comma-separated subset of `steal`, `ahead`, `shared`, `flow`, `private`,
 /// `quad` (4 int4 rows per decode pass, [`crate::set_int4_rows_per_pass`]), or `none`. Unset:
 /// the defaults.
 pub const TUNING_ENV: &str = "NINFER_EXPERT_TUNING";
@@ -306,6 +306,7 @@ pub fn apply_tuning_env() -> Result<(), KernelError> {
         prefetch_ahead: false,
         shared_decode_input: false,
         flow: false,
+        private_input: false,
     };
     let mut quad = false;
     for word in text.split(',').map(str::trim).filter(|w| !w.is_empty()) {
@@ -315,10 +316,11 @@ pub fn apply_tuning_env() -> Result<(), KernelError> {
             "shared" => tuning.shared_decode_input = true,
             "quad" => quad = true,
             "flow" => tuning.flow = true,
+            "private" => tuning.private_input = true,
             "none" => {}
             other => {
                 return Err(KernelError::Input(format!(
-                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, flow, quad, none)"
+                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, flow, private, quad, none)"
                 )))
             }
         }

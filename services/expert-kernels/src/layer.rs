@@ -82,6 +82,10 @@ pub struct LayerTuning {
     /// (a per-block counter), so threads keep streaming instead of idling at two global
     /// barriers. Same sums in the same order as with the barriers.
     pub flow: bool,
+    /// With `shared_decode_input`: every thread prepares the whole decode input itself (2
+    /// KiB of f32 → a few hundred ns) into its own slot instead of a share of one copy, so no
+    /// barrier separates preparation from `gate_up`.
+    pub private_input: bool,
 }
 
 impl Default for LayerTuning {
@@ -91,6 +95,7 @@ impl Default for LayerTuning {
             prefetch_ahead: false,
             shared_decode_input: true,
             flow: false,
+            private_input: false,
         }
     }
 }
@@ -99,6 +104,7 @@ const TUNE_STEAL: u8 = 1;
 const TUNE_AHEAD: u8 = 2;
 const TUNE_SHARED: u8 = 4;
 const TUNE_FLOW: u8 = 8;
+const TUNE_PRIVATE: u8 = 16;
 static TUNING: std::sync::atomic::AtomicU8 =
     std::sync::atomic::AtomicU8::new(TUNE_STEAL | TUNE_SHARED);
 
@@ -107,7 +113,8 @@ pub fn set_layer_tuning(tuning: LayerTuning) {
     let bits = (tuning.steal as u8 * TUNE_STEAL)
         | (tuning.prefetch_ahead as u8 * TUNE_AHEAD)
         | (tuning.shared_decode_input as u8 * TUNE_SHARED)
-        | (tuning.flow as u8 * TUNE_FLOW);
+        | (tuning.flow as u8 * TUNE_FLOW)
+        | (tuning.private_input as u8 * TUNE_PRIVATE);
     TUNING.store(bits, std::sync::atomic::Ordering::Relaxed);
 }
 
@@ -119,6 +126,7 @@ pub fn layer_tuning() -> LayerTuning {
         prefetch_ahead: bits & TUNE_AHEAD != 0,
         shared_decode_input: bits & TUNE_SHARED != 0,
         flow: bits & TUNE_FLOW != 0,
+        private_input: bits & TUNE_PRIVATE != 0,
     }
 }
 
@@ -233,7 +241,13 @@ impl LayerScratch {
         let needs = FormNeeds::of(isa, layout.dtype);
         // AMX tiles pad each expert's tokens to a multiple of 16.
         let amx_slots = capacity.max_pairs + 16 * capacity.max_tasks;
-        let input = Forms::new(needs, layout.hidden, capacity.max_pairs, amx_slots);
+        // One input slot per thread at least (`LayerTuning::private_input`).
+        let input = Forms::new(
+            needs,
+            layout.hidden,
+            capacity.max_pairs.max(threads),
+            amx_slots,
+        );
         let act = Forms::new(needs, layout.intermediate, capacity.max_pairs, amx_slots);
         let widest = layout.hidden.max(layout.intermediate);
         let mut scratch = LayerScratch {
@@ -338,6 +352,8 @@ struct LayerJob {
     down_out: *mut f32,
     /// `LayerTuning::flow` applies to this call (reduce split only).
     flow: bool,
+    /// `LayerTuning::private_input` applies (with `shared_input`): thread i's input is slot i.
+    private_input: bool,
     expert_done: *const ClaimCounter,
     block_done: *const ClaimCounter,
 }
@@ -472,6 +488,7 @@ pub fn compute_layer(
             std::ptr::null_mut()
         },
         flow,
+        private_input: shared_input && tuning.private_input,
         expert_done: scratch.expert_done.as_ptr(),
         block_done: scratch.block_done.as_ptr(),
     };
@@ -598,7 +615,14 @@ impl LayerJob {
         // one decode token is shared by all threads. With a shared decode input only slot 0
         // (token 0, which every pair reads) is prepared.
         let groups = h.div_ceil(GROUP);
-        if self.shared_input {
+        if self.private_input {
+            for group in 0..groups {
+                let first = group * GROUP;
+                let values =
+                    std::slice::from_raw_parts(self.hidden.add(first), GROUP.min(h - first));
+                self.input.write_group(context.index, group, values);
+            }
+        } else if self.shared_input {
             let task = self.task(0);
             for group in context.split(groups) {
                 let first = group * GROUP;
@@ -629,7 +653,9 @@ impl LayerJob {
                 }
             }
         }
-        context.barrier();
+        if !self.private_input {
+            context.barrier();
+        }
         if context.index == 0 {
             (*self.marks)[0] = Some(Instant::now());
         }
@@ -637,7 +663,11 @@ impl LayerJob {
         // Phase 1: gate/up rows + SwiGLU, per (expert, 32 intermediate features).
         let gate = gates.gate[context.index];
         let up = gates.up[context.index];
-        let input_slot0 = self.task(0).first_slot;
+        let input_slot0 = if self.private_input {
+            context.index
+        } else {
+            self.task(0).first_slot
+        };
         let mut victim = 0;
         while let Some(unit) = self.claim(0, context, gate_up_items, &mut victim) {
             let task = self.task(unit / units_per_task);

@@ -253,12 +253,13 @@ fn int4_paths_agree_with_scalar() {
 /// (The knobs are process-wide; tests running beside this one are correct under any of them.)
 #[test]
 fn layer_tunings_agree_with_scalar() {
-    for bits in 0..32u32 {
+    for bits in 0..64u32 {
         ninfer_expert_kernels::set_layer_tuning(ninfer_expert_kernels::LayerTuning {
             steal: bits & 1 != 0,
             prefetch_ahead: bits & 2 != 0,
             shared_decode_input: bits & 4 != 0,
             flow: bits & 16 != 0,
+            private_input: bits & 32 != 0,
         });
         ninfer_expert_kernels::set_int4_rows_per_pass(if bits & 8 != 0 { 4 } else { 2 });
         check_dtype(WeightDType::Int4, &[(96, 160)]);

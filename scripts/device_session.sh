@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything this session measures on the GPU machine, in one device call (device time is
+# scarce: one cold start, the CPU benchmarks first while the machine is quiet, then the GPU
+# suites in parallel). Build here first:
+#
+#   scripts/gpu_tests.sh build && cargo build --release -p ninfer -p ninfer-experts \
+#     && cp target/release/ninfer target/release/ninfer-experts .devbin/
+#
+# then run(command="scripts/device_session.sh", carry=[".devbin"]). Logs and tables go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/device_session}
+mkdir -p "$out"
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/session.log"; }
+
+log "machine: $(nproc) cpus, $(free -g | awk '/Mem:/ {print $2}') GiB"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$out/session.log"
+
+# --- Issue 6: CPU expert kernels at decode (quiet machine: nothing else runs yet) ---------------
+if [ "${SKIP_EXPERT_BENCH:-0}" != 1 ]; then
+  log "bench memory"
+  timeout 60 .devbin/ninfer bench memory 2>&1 | tee -a "$out/experts.log"
+  # A/B of the decode scheduling (fixed reference: read the µs column), two rounds.
+  for round in 1 2; do
+    for tuning in steal,shared steal,shared,flow steal,shared,flow,private; do
+      log "tuning $tuning round $round"
+      NINFER_EXPERT_TUNING=$tuning timeout 40 .devbin/ninfer bench experts --preset qwen3.5-35b-a3b \
+        --dtype int4,int8 --tokens 1 --kernel-isa avx512-vnni --working-set-gib 4 --seconds 0.5 \
+        --bandwidth-gbs 100 2>&1 | grep -E '^int' | sed "s/^/$tuning r$round  /" | tee -a "$out/experts_ab.log"
+    done
+  done
+  # The tuning with the lowest mean int4 layer time, then issue 6's standard command 3 times.
+  best=$(awk '$3 == "int4" { sum[$1] += $8; n[$1]++ } END { for (t in sum) print sum[t] / n[t], t }' \
+    "$out/experts_ab.log" | sort -n | head -1 | awk '{print $2}')
+  best=${best:-steal,shared}
+  log "best int4 tuning: $best; issue 6 standard command x3"
+  for i in 1 2 3; do
+    NINFER_EXPERT_TUNING=$best timeout 60 .devbin/ninfer bench experts --preset qwen3.5-35b-a3b \
+      --dtype int4,int8 --tokens 1 --kernel-isa avx512-vnni 2>&1 | grep -E '^(int|read)' \
+      | tee -a "$out/experts.log"
+  done
+  timeout 60 .devbin/ninfer bench memory 2>&1 | tee -a "$out/experts.log"
+fi
+
+# --- Issue 8: the GPU suites, all at once ----------------------------------------------------
+log "GPU test suites"
+GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-120} \
+  scripts/gpu_tests.sh run 2>&1 | tee "$out/gpu_tests.log" | tail -60
+log "done"

@@ -547,8 +547,8 @@ async fn measure(
                 .await
                 .with_context(|| format!("prompt of {length} tokens, run {}", repeat + 1))?;
             let counters = profile(&mut client, true, false).await?;
-            add_phase(&mut prefill, &counters.prefill.clone().unwrap_or_default());
-            add_phase(&mut decode, &counters.decode.clone().unwrap_or_default());
+            add_phase(&mut prefill, &counters.prefill.unwrap_or_default());
+            add_phase(&mut decode, &counters.decode.unwrap_or_default());
             prefill_wall += timing.prefill;
             decode_wall += timing.decode;
             decoded += timing.decoded as u64;

@@ -1,0 +1,211 @@
+//! `ninfer bench MODEL` on a tiny synthetic qwen3-30b-a3b (2 layers, shrunk): with expert
+//! workers and in-process, the JSON report has every field, positive speeds, a time split that
+//! adds up to no more than the measured time per token, expert bytes per decoded token equal to
+//! (distinct CPU experts per token × stride) — top-k per MoE layer at batch 1 — and a roofline
+//! ratio in (0, 1.5]; a missing MODEL fails naming the file. Speeds are not judged here.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+/// A workspace binary next to this test's executable (target/<profile>/).
+fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join(name);
+    assert!(
+        path.exists(),
+        "{} is not built; run the tests with `scripts/test.sh` (cargo test --workspace)",
+        path.display()
+    );
+    path
+}
+
+fn ninfer(args: &[&str], directory: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(args)
+        .current_dir(directory)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("running ninfer")
+}
+
+fn number(value: &Value, path: &str) -> f64 {
+    let mut current = value;
+    for key in path.split('.') {
+        current = current
+            .get(key)
+            .unwrap_or_else(|| panic!("`{path}` missing in the report: {value:#}"));
+    }
+    current
+        .as_f64()
+        .unwrap_or_else(|| panic!("`{path}` is not a number: {current}"))
+}
+
+fn check_report(report: &Value, executor: &str, top_k: f64, moe_layers: f64) {
+    assert_eq!(report["device"], "cpu");
+    assert_eq!(report["expert_executor"], executor);
+    for key in [
+        "model",
+        "architecture",
+        "moe_gpu_experts",
+        "expert_stride_bytes",
+        "dense_weight_bytes_per_forward",
+        "ram_bandwidth",
+        "device_bandwidth_gbps",
+        "roofline",
+    ] {
+        assert!(report.get(key).is_some(), "`{key}` missing: {report:#}");
+    }
+    assert!(report["roofline"]["denominator"].is_string());
+    assert!(number(report, "ram_bandwidth.best_gbps") > 0.0);
+    let stride = number(report, "expert_stride_bytes");
+    assert!(stride > 0.0);
+    let results = report["results"].as_array().expect("results");
+    assert_eq!(results.len(), 1);
+    let row = &results[0];
+    assert_eq!(number(row, "prompt_tokens"), 16.0);
+    assert!(number(row, "prefill_tok_s") > 0.0);
+    assert!(number(row, "decode_tok_s") > 0.0);
+    for phase in ["prefill", "decode"] {
+        let figures = &row[phase];
+        let measured = number(figures, "ms_per_token");
+        let engine = number(figures, "engine_forward_ms_per_token");
+        assert!(measured > 0.0 && engine > 0.0, "{figures:#}");
+        let split = &figures["split_ms_per_token"];
+        let parts = ["gpu_dense", "cpu_experts", "channel_wait", "transfers"];
+        let mut sum = 0.0;
+        for part in parts {
+            let value = number(split, part);
+            assert!(value >= 0.0, "{phase}.{part} = {value}");
+            sum += value;
+        }
+        // The engine's parts add up to its forward time, which the client's time includes.
+        assert!(
+            (sum - engine).abs() <= 1e-6 + 1e-9 * engine,
+            "{phase}: parts {sum} vs forward {engine}"
+        );
+        // The client's clock starts and stops a message delivery later than the engine's, so
+        // allow that much (on this tiny model a token takes well under a millisecond).
+        assert!(
+            sum <= measured * 1.1 + 0.05,
+            "{phase}: parts {sum} ms > measured {measured} ms"
+        );
+        let other = number(split, "other");
+        assert!(other >= 0.0 && sum + other >= measured - 1e-6);
+        assert_eq!(number(figures, "gpu_experts_per_token"), 0.0);
+    }
+    let decode = &row["decode"];
+    assert_eq!(number(decode, "tokens"), 4.0);
+    assert_eq!(number(decode, "forwards"), 4.0);
+    // Batch 1: each MoE layer computes the token's top-k experts, all distinct, all on the CPU.
+    let experts = number(decode, "cpu_experts_per_token");
+    assert_eq!(experts, top_k * moe_layers);
+    let bytes = number(decode, "cpu_expert_bytes_per_token");
+    assert!(bytes > 0.0);
+    assert_eq!(bytes, experts * stride);
+    let ratio = number(row, "roofline_ratio");
+    assert!(ratio > 0.0 && ratio <= 1.5, "roofline ratio {ratio}");
+    let ideal = number(row, "ideal_ms_per_token");
+    let ram = number(row, "ram_bytes_per_token");
+    // The CPU device reads experts and dense weights from RAM.
+    assert_eq!(
+        ram,
+        bytes + number(report, "dense_weight_bytes_per_forward")
+    );
+    let expected_ideal = ram / (number(report, "ram_bandwidth.best_gbps") * 1e9) * 1e3;
+    assert!((ideal - expected_ideal).abs() <= 1e-9 + 1e-6 * expected_ideal);
+}
+
+#[test]
+fn bench_model_reports_every_figure_with_and_without_workers() {
+    // The worker is started from next to `ninfer`; make sure it is there.
+    binary("ninfer-experts");
+    binary("ninfer-engine");
+    let directory = tempfile::tempdir().unwrap();
+    let dir = directory.path();
+    let output = ninfer(
+        &[
+            "convert",
+            "--synthetic",
+            "qwen3-30b-a3b",
+            "--scale-down",
+            "--layers",
+            "2",
+            "--experts-dtype",
+            "int8",
+            "--routing",
+            "uniform",
+            "model.ninfer",
+        ],
+        dir,
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let artifact = ninfer_artifact::Artifact::open(&dir.join("model.ninfer")).unwrap();
+    let common = artifact.config().common().clone();
+    let top_k = common.num_experts_per_tok as f64;
+    let moe_layers = common.moe_layers.iter().filter(|&&m| m).count() as f64;
+    drop(artifact);
+
+    for (extra, executor) in [
+        (None, "remote-workers"),
+        (Some("--no-workers"), "cpu-kernels-in-process"),
+    ] {
+        let mut args = vec![
+            "bench",
+            "model.ninfer",
+            "--device",
+            "cpu",
+            "--prompt-lengths",
+            "16",
+            "--decode-tokens",
+            "4",
+            "--moe-threads",
+            "1",
+            "--ram-buffer-gib",
+            "0.0625",
+            "--ram-passes",
+            "2",
+            "--json",
+        ];
+        args.extend(extra);
+        let output = ninfer(&args, dir);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{args:?}: {stderr}");
+        let report: Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stderr}"));
+        check_report(&report, executor, top_k, moe_layers);
+        if extra.is_none() {
+            assert_eq!(report["expert_compute_reported_by_workers"], true);
+        }
+    }
+}
+
+#[test]
+fn bench_model_names_a_missing_model_file() {
+    let directory = tempfile::tempdir().unwrap();
+    let output = ninfer(
+        &["bench", "no-such-model.ninfer", "--device", "cpu", "--json"],
+        directory.path(),
+    );
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("no-such-model.ninfer"),
+        "the error names the file: {stderr}"
+    );
+    assert!(output.stdout.is_empty());
+    // Not a model at all: the artifact reader's refusal, still naming the file.
+    std::fs::write(directory.path().join("junk.ninfer"), b"not an artifact").unwrap();
+    let output = ninfer(
+        &["bench", "junk.ninfer", "--device", "cpu"],
+        directory.path(),
+    );
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("junk.ninfer"), "{stderr}");
+}

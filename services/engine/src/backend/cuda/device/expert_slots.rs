@@ -229,6 +229,12 @@ impl CudaBackend {
                     .to_string(),
             });
         }
+        // The raw driver calls below (register, async copy) need the context on this thread;
+        // cudarc's safe calls bind it themselves.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver_error("binding the CUDA context"))?;
         self.pin_bank(slots, artifact, bank);
         if !slots
             .sources

@@ -137,6 +137,12 @@ pub struct DeviceInfo {
     /// found, failed the check, or off in the options (the matmul kernel does everything then).
     pub cublas_library: Option<String>,
     pub kv_dtype: KvDtype,
+    /// The kernel multi-token delta-rule segments run: `"chunked"` (it passed its start-up check
+    /// against the recurrent kernel) or `"recurrent"` (every form; the check failed or the
+    /// GPU's shared memory is too small, with a warning logged).
+    pub delta_rule_path: &'static str,
+    /// Dynamic shared memory a block may use (opt-in maximum), bytes.
+    pub shared_memory_per_block: usize,
 }
 
 /// The CUDA backend on one GPU. Every op is queued on one stream; `download` and the routing
@@ -400,6 +406,8 @@ impl CudaBackend {
             kernels_compiled: compiled,
             cublas_library: None,
             kv_dtype: options.kv_dtype,
+            delta_rule_path: delta_rule::PATH_RECURRENT,
+            shared_memory_per_block: 0,
         };
         let mut backend = CudaBackend {
             stream: context.default_stream(),
@@ -414,6 +422,7 @@ impl CudaBackend {
             backend.cublas = backend.start_cublas();
             backend.info.cublas_library = backend.cublas.as_ref().map(Cublas::describe);
         }
+        backend.start_chunked_delta_rule();
         tracing::info!(info = ?backend.info, "CUDA backend ready");
         Ok(backend)
     }
@@ -1226,59 +1235,6 @@ impl CudaBackend {
         }
         Ok((g, beta))
     }
-
-    #[allow(clippy::too_many_arguments)]
-    fn try_gated_delta_rule(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        g: &CudaTensor,
-        beta: &CudaTensor,
-        spec: &DeltaRuleSpec,
-        segments: &mut [Segment<'_, CudaRecurrentState>],
-    ) -> Result<CudaTensor, CudaError> {
-        let (dk, dv, nv, nk) = (
-            spec.key_head_dim,
-            spec.value_head_dim,
-            spec.value_heads,
-            spec.key_heads,
-        );
-        if dv == 0 || dv > 1024 || dk == 0 || nk == 0 || nv == 0 {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "gated_delta_rule: dk {dk}, dv {dv} (at most 1024), nk {nk}, nv {nv}"
-                ),
-            });
-        }
-        let (q_data, k_data, v_data) = (present(&q.data)?, present(&k.data)?, present(&v.data)?);
-        let (g_data, beta_data) = (present(&g.data)?, present(&beta.data)?);
-        let mut out = self.output(q.rows, nv * dv)?;
-        let (nk_arg, nv_arg, dk_arg, dv_arg) = (
-            int(nk, "key heads")?,
-            int(nv, "value heads")?,
-            int(dk, "dk")?,
-            int(dv, "dv")?,
-        );
-        let config = LaunchConfig {
-            grid_dim: (nv as u32, 1, 1),
-            block_dim: ((dv as u32).div_ceil(32) * 32, 1, 1),
-            shared_mem_bytes: (2 * dk * std::mem::size_of::<f32>()) as u32,
-        };
-        for segment in segments.iter_mut() {
-            let n = segment.rows.len();
-            if n == 0 {
-                continue;
-            }
-            let (row_start, rows) = (int(segment.rows.start, "row")?, int(n, "rows")?);
-            let state = present_mut(&mut segment.state.state)?;
-            let output = present_mut(&mut out.data)?;
-            launch!(self, "gated_delta_rule_recurrent", config;
-                q_data, k_data, v_data, g_data, beta_data, state, output, &row_start, &rows,
-                &nk_arg, &nv_arg, &dk_arg, &dv_arg)?;
-        }
-        Ok(out)
-    }
 }
 
 fn load_module(
@@ -1628,12 +1584,12 @@ impl Backend for CudaBackend {
         g: &CudaTensor,
         beta: &CudaTensor,
         spec: &DeltaRuleSpec,
-        // Only the recurrent kernel exists yet; the chunked form computes the same function
-        // (checked on the CPU by `chunked_and_recurrent_delta_rule_agree`).
-        _form: DeltaRuleForm,
+        form: DeltaRuleForm,
         segments: &mut [Segment<'_, CudaRecurrentState>],
     ) -> CudaTensor {
-        let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, segments);
+        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
+        // else the recurrent kernel (device/delta_rule.rs).
+        let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, form, segments);
         self.settle(result, q.rows, spec.value_heads * spec.value_head_dim)
     }
 
@@ -1671,5 +1627,6 @@ impl Backend for CudaBackend {
 }
 
 mod bandwidth;
+mod delta_rule;
 mod expert_slots;
 pub use expert_slots::CudaExpertSlots;

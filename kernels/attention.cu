@@ -1,11 +1,30 @@
 // Causal GQA attention of the CUDA backend over a sequence's KV cache.
 //
-// One warp per (query row, head) walks the visible keys in order with an online softmax, so no
-// score matrix is ever stored and each output depends only on its own row's keys (batch
-// invariant). Each lane holds head_dim / 32 output dims; head_dim ≤ 32 * MAX_DIMS_PER_LANE.
-// This is the simple correct kernel; split-K decoding and tiled prefill come later.
+// Three kernel families, all over one segment (one sequence's rows) per launch:
 //
-// The cache holds f32 (`attention`, `kv_append` in elementwise.cu) or bf16 (`attention_bf16`,
+// * `attention` / `attention_bf16` — the reference: one warp per (query row, head) walks the
+//   visible keys in order with an online softmax. Simple and obviously right; the start-up
+//   self-check (device/attention.rs) holds the two faster paths to it, and the backend falls back
+//   to it for the life of the process if they disagree.
+// * `attention_split[_bf16]` + `attention_combine` — decode (segments of at most a few rows):
+//   split-K / flash-decoding. The keys of a row are cut into chunks aligned to absolute key
+//   positions (`chunk` keys, a multiple of SPLIT_TILE, chosen by the host from the segment's last
+//   position only); one block per (chunk, kv head × slice of its q heads, row) scores its chunk
+//   against up to SPLIT_HEADS q heads of the group (each K/V element read once per group) and
+//   writes an unnormalised partial (max, sum, Σ p·v); the combine kernel merges a row's chunks in
+//   ascending order with the log-sum-exp rule.
+// * `attention_tiled[_bf16]` — prefill: a block takes TILE_ROWS query rows of one head and walks
+//   key tiles of TILE_KEYS keys (aligned to absolute key positions) staged in shared memory,
+//   each K and V tile loaded once and used by all rows of the block; online softmax per row, the
+//   causal mask and sliding window per element, and no key tile past the block's last row.
+//
+// Batch invariance: every row's arithmetic depends only on its own position, window and key
+// range (and, for the split path, the segment's chunk size), never on the other rows of the
+// block or the batch: key tiles/chunks are aligned to absolute positions, a key tile that is
+// fully masked for a row leaves its state bit-for-bit unchanged (correction 1, p 0), and every
+// reduction runs in a fixed order. f32 accumulation everywhere.
+//
+// The cache holds f32 (`attention`, `kv_append` in elementwise.cu) or bf16 (`*_bf16`,
 // `kv_append_bf16` here: half the memory; keys and values are rounded to nearest even when they
 // are appended, and widened exactly when read, so the math after the read is the same f32).
 
@@ -112,4 +131,380 @@ extern "C" __global__ void attention_bf16(const float* q, const unsigned short* 
                                           int hd, int window, float scale) {
     attention_warp(q, keys, values, out, row_start, n, start_position, heads, kv_heads, hd, window,
                    scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers of the split and tiled kernels.
+
+extern __shared__ float attention_smem[];
+
+__device__ __forceinline__ float attention_warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float attention_warp_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split-K decode.
+
+#define SPLIT_THREADS 128
+#define SPLIT_WARPS 4
+// Keys scored together (shared-memory scores [SPLIT_HEADS][SPLIT_TILE]); `chunk` is a multiple.
+#define SPLIT_TILE 128
+// q heads one block serves (a whole GQA group up to this size, else a slice of it).
+#define SPLIT_HEADS 8
+// hd ≤ SPLIT_THREADS * SPLIT_DIMS.
+#define SPLIT_DIMS 2
+
+// Grid: x = chunk (absolute: keys [x·chunk, x·chunk + chunk) ∩ the row's visible keys),
+// y = kv_head · slices + slice (slices = ceil(group / SPLIT_HEADS)), z = row t of the segment.
+// Partial (t, head, chunk) sits at index part_base + (t·heads + head)·chunks + chunk:
+// part_o[index·hd + d] = Σ p·v (relative to the max), part_ml[2·index] = max,
+// part_ml[2·index + 1] = Σ p. Dynamic shared memory: `split_smem_bytes` (attention.rs).
+template <typename KV>
+__device__ void attention_split_block(const float* q, const KV* keys, const KV* values,
+                                      float* part_o, float* part_ml, int row_start,
+                                      int start_position, int heads, int kv_heads, int hd,
+                                      int window, float scale, int chunk, int chunks,
+                                      int part_base) {
+    float* q_s = attention_smem;                   // [SPLIT_HEADS][hd]
+    float* p_s = q_s + SPLIT_HEADS * hd;           // [SPLIT_HEADS][SPLIT_TILE]
+    float* m_s = p_s + SPLIT_HEADS * SPLIT_TILE;   // running max per head
+    float* l_s = m_s + SPLIT_HEADS;                // running sum per head
+    float* c_s = l_s + SPLIT_HEADS;                // this tile's correction per head
+
+    int group = heads / kv_heads;
+    int slices = (group + SPLIT_HEADS - 1) / SPLIT_HEADS;
+    int c = blockIdx.x;
+    int kv_head = blockIdx.y / slices;
+    int h0 = (blockIdx.y % slices) * SPLIT_HEADS;  // first q head of the slice, within the group
+    int hg = min(SPLIT_HEADS, group - h0);
+    int t = blockIdx.z;
+    int position = start_position + t;
+    int first = window > 0 ? max(0, position + 1 - window) : 0;
+    int k0 = max(c * chunk, first);
+    int k1 = min(c * chunk + chunk - 1, position);
+    if (k0 > k1) return;  // the whole block: nothing of this row in this chunk
+
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    int q_width = heads * hd, kv_width = kv_heads * hd;
+    int head0 = kv_head * group + h0;
+    // The slice's q heads are consecutive in the row (head-major).
+    const float* query = q + (long long)(row_start + t) * q_width + (long long)head0 * hd;
+    for (int i = tid; i < hg * hd; i += SPLIT_THREADS) q_s[i] = query[i];
+    if (tid < SPLIT_HEADS) {
+        m_s[tid] = __int_as_float(0xff800000);  // -inf
+        l_s[tid] = 0.0f;
+        c_s[tid] = 0.0f;
+    }
+    float acc[SPLIT_HEADS][SPLIT_DIMS];
+#pragma unroll
+    for (int h = 0; h < SPLIT_HEADS; ++h) {
+#pragma unroll
+        for (int e = 0; e < SPLIT_DIMS; ++e) acc[h][e] = 0.0f;
+    }
+    __syncthreads();
+
+    for (int s0 = k0; s0 <= k1; s0 += SPLIT_TILE) {
+        int len = min(SPLIT_TILE, k1 - s0 + 1);
+        // Scores: one warp per key (coalesced row read), every head of the slice.
+        for (int j = warp; j < len; j += SPLIT_WARPS) {
+            const KV* kr = keys + (long long)(s0 + j) * kv_width + (long long)kv_head * hd;
+            float kd[MAX_DIMS_PER_LANE];
+#pragma unroll
+            for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
+                int d = lane + 32 * i;
+                kd[i] = d < hd ? load_kv(kr, d) : 0.0f;
+            }
+            for (int h = 0; h < hg; ++h) {
+                float partial = 0.0f;
+#pragma unroll
+                for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
+                    int d = lane + 32 * i;
+                    if (d < hd) partial += q_s[h * hd + d] * kd[i];
+                }
+                partial = attention_warp_sum(partial);
+                if (lane == 0) p_s[h * SPLIT_TILE + j] = partial * scale;
+            }
+        }
+        __syncthreads();
+        // Online softmax statistics: one warp per head. Every tile holds at least one key, so
+        // the new max is finite.
+        for (int h = warp; h < hg; h += SPLIT_WARPS) {
+            float old_max = m_s[h], old_sum = l_s[h];
+            float tile_max = __int_as_float(0xff800000);
+            for (int j = lane; j < len; j += 32) tile_max = fmaxf(tile_max, p_s[h * SPLIT_TILE + j]);
+            tile_max = attention_warp_max(tile_max);
+            float new_max = fmaxf(old_max, tile_max);
+            float sum = 0.0f;
+            for (int j = lane; j < len; j += 32) {
+                float p = expf(p_s[h * SPLIT_TILE + j] - new_max);
+                p_s[h * SPLIT_TILE + j] = p;
+                sum += p;
+            }
+            sum = attention_warp_sum(sum);
+            if (lane == 0) {
+                float correction = expf(old_max - new_max);  // 0 on the first tile
+                c_s[h] = correction;
+                l_s[h] = old_sum * correction + sum;
+                m_s[h] = new_max;
+            }
+        }
+        __syncthreads();
+        // Σ p·v: thread ↔ output dims, every head of the slice; each V row read once.
+#pragma unroll
+        for (int h = 0; h < SPLIT_HEADS; ++h) {
+            float correction = h < hg ? c_s[h] : 0.0f;
+#pragma unroll
+            for (int e = 0; e < SPLIT_DIMS; ++e) acc[h][e] *= correction;
+        }
+#pragma unroll 4
+        for (int j = 0; j < len; ++j) {
+            const KV* vr = values + (long long)(s0 + j) * kv_width + (long long)kv_head * hd;
+            float v[SPLIT_DIMS];
+#pragma unroll
+            for (int e = 0; e < SPLIT_DIMS; ++e) {
+                int d = tid + SPLIT_THREADS * e;
+                v[e] = d < hd ? load_kv(vr, d) : 0.0f;
+            }
+#pragma unroll
+            for (int h = 0; h < SPLIT_HEADS; ++h) {
+                if (h < hg) {
+                    float p = p_s[h * SPLIT_TILE + j];
+#pragma unroll
+                    for (int e = 0; e < SPLIT_DIMS; ++e) acc[h][e] += p * v[e];
+                }
+            }
+        }
+        __syncthreads();  // p_s and c_s are rewritten by the next tile
+    }
+
+#pragma unroll
+    for (int h = 0; h < SPLIT_HEADS; ++h) {
+        if (h < hg) {
+            long long index =
+                (long long)part_base + ((long long)t * heads + head0 + h) * chunks + c;
+#pragma unroll
+            for (int e = 0; e < SPLIT_DIMS; ++e) {
+                int d = tid + SPLIT_THREADS * e;
+                if (d < hd) part_o[index * hd + d] = acc[h][e];
+            }
+            if (tid == 0) {
+                part_ml[2 * index] = m_s[h];
+                part_ml[2 * index + 1] = l_s[h];
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+    attention_split(const float* q, const float* keys, const float* values, float* part_o,
+                    float* part_ml, int row_start, int start_position, int heads, int kv_heads,
+                    int hd, int window, float scale, int chunk, int chunks, int part_base) {
+    attention_split_block(q, keys, values, part_o, part_ml, row_start, start_position, heads,
+                          kv_heads, hd, window, scale, chunk, chunks, part_base);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+    attention_split_bf16(const float* q, const unsigned short* keys,
+                         const unsigned short* values, float* part_o, float* part_ml,
+                         int row_start, int start_position, int heads, int kv_heads, int hd,
+                         int window, float scale, int chunk, int chunks, int part_base) {
+    attention_split_block(q, keys, values, part_o, part_ml, row_start, start_position, heads,
+                          kv_heads, hd, window, scale, chunk, chunks, part_base);
+}
+
+// One block per (row t, head) of the segment (grid x = n·heads), threads over the head dims:
+// merges the row's chunks first/chunk ..= position/chunk (every one of them non-empty) in
+// ascending order: M = max m_c, L = Σ l_c·e^(m_c − M), out = Σ o_c·e^(m_c − M) / L.
+extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml,
+                                             float* out, int row_start, int n,
+                                             int start_position, int heads, int hd, int window,
+                                             int chunk, int chunks, int part_base) {
+    int task = blockIdx.x;
+    if (task >= n * heads) return;
+    int t = task / heads, head = task % heads;
+    int position = start_position + t;
+    int first = window > 0 ? max(0, position + 1 - window) : 0;
+    int c0 = first / chunk, c1 = position / chunk;
+    long long base = (long long)part_base + ((long long)t * heads + head) * chunks;
+    float top = __int_as_float(0xff800000);
+    for (int c = c0; c <= c1; ++c) top = fmaxf(top, part_ml[2 * (base + c)]);
+    float total = 0.0f;
+    for (int c = c0; c <= c1; ++c)
+        total += part_ml[2 * (base + c) + 1] * expf(part_ml[2 * (base + c)] - top);
+    float inverse = 1.0f / total;
+    float* o = out + (long long)(row_start + t) * heads * hd + (long long)head * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int c = c0; c <= c1; ++c)
+            sum += part_o[(base + c) * hd + d] * expf(part_ml[2 * (base + c)] - top);
+        o[d] = sum * inverse;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled prefill.
+
+#define TILE_THREADS 128
+#define TILE_WARPS 4
+#define TILE_ROWS_PER_WARP 8
+#define TILE_ROWS (TILE_WARPS * TILE_ROWS_PER_WARP)
+// One key per lane when scoring.
+#define TILE_KEYS 32
+
+// Grid: x = tile of TILE_ROWS rows of the segment, y = head. Dynamic shared memory:
+// TILE_ROWS·hd (q) + TILE_KEYS·(hd + 1) (the K tile, then the V tile; +1 keeps the lanes'
+// rows on distinct banks) + TILE_ROWS·TILE_KEYS (p) floats.
+template <typename KV>
+__device__ void attention_tiled_block(const float* q, const KV* keys, const KV* values,
+                                      float* out, int row_start, int n, int start_position,
+                                      int heads, int kv_heads, int hd, int window, float scale) {
+    int stride = hd + 1;
+    float* q_s = attention_smem;               // [TILE_ROWS][hd]
+    float* kv_s = q_s + TILE_ROWS * hd;         // [TILE_KEYS][hd + 1]
+    float* p_s = kv_s + TILE_KEYS * stride;     // [TILE_ROWS][TILE_KEYS]
+
+    int group = heads / kv_heads;
+    int head = blockIdx.y, kv_head = head / group;
+    int t0 = blockIdx.x * TILE_ROWS;
+    if (t0 >= n) return;
+    int t_last = min(t0 + TILE_ROWS, n) - 1;
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    int q_width = heads * hd, kv_width = kv_heads * hd;
+    const float neg_inf = __int_as_float(0xff800000);
+
+    for (int i = tid; i < TILE_ROWS * hd; i += TILE_THREADS) {
+        int r = i / hd, d = i - r * hd;
+        int t = t0 + r;
+        q_s[i] = t < n ? q[(long long)(row_start + t) * q_width + (long long)head * hd + d] : 0.0f;
+    }
+    // Keys any row of the block sees: from the first row's window start to the last row.
+    int first_key = window > 0 ? max(0, start_position + t0 + 1 - window) : 0;
+    int last_key = start_position + t_last;
+
+    float row_max[TILE_ROWS_PER_WARP], row_sum[TILE_ROWS_PER_WARP];
+    float acc[TILE_ROWS_PER_WARP][MAX_DIMS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < TILE_ROWS_PER_WARP; ++i) {
+        row_max[i] = neg_inf;
+        row_sum[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) acc[i][e] = 0.0f;
+    }
+
+    for (int tile = first_key / TILE_KEYS; tile <= last_key / TILE_KEYS; ++tile) {
+        int key0 = tile * TILE_KEYS;
+        __syncthreads();  // q_s stored (first tile); the previous tile's V reads done
+        for (int i = tid; i < TILE_KEYS * hd; i += TILE_THREADS) {
+            int j = i / hd, d = i - j * hd;
+            int key = key0 + j;
+            kv_s[j * stride + d] =
+                key <= last_key
+                    ? load_kv(keys, (long long)key * kv_width + (long long)kv_head * hd + d)
+                    : 0.0f;
+        }
+        __syncthreads();
+        // Scores: lane ↔ key, the warp's rows.
+        float s[TILE_ROWS_PER_WARP];
+#pragma unroll
+        for (int i = 0; i < TILE_ROWS_PER_WARP; ++i) s[i] = 0.0f;
+        const float* kr = kv_s + lane * stride;
+        const float* qr = q_s + warp * TILE_ROWS_PER_WARP * hd;
+        for (int d = 0; d < hd; ++d) {
+            float kd = kr[d];
+#pragma unroll
+            for (int i = 0; i < TILE_ROWS_PER_WARP; ++i) s[i] += qr[i * hd + d] * kd;
+        }
+        int key = key0 + lane;
+        float correction[TILE_ROWS_PER_WARP];
+#pragma unroll
+        for (int i = 0; i < TILE_ROWS_PER_WARP; ++i) {
+            int r = warp * TILE_ROWS_PER_WARP + i;
+            int t = t0 + r;
+            int position = start_position + t;
+            int first = window > 0 ? max(0, position + 1 - window) : 0;
+            bool visible = t < n && key >= first && key <= position;
+            float score = visible ? s[i] * scale : neg_inf;
+            float new_max = fmaxf(row_max[i], attention_warp_max(score));
+            float p = 0.0f;
+            correction[i] = 1.0f;
+            // Warp-uniform. A tile with nothing visible for this row leaves its state exactly
+            // as it was (correction e^0 = 1 or the -inf guard, p = 0).
+            if (new_max != neg_inf) {
+                correction[i] = expf(row_max[i] - new_max);
+                p = visible ? expf(score - new_max) : 0.0f;
+            }
+            row_sum[i] = row_sum[i] * correction[i] + attention_warp_sum(p);
+            row_max[i] = new_max;
+            p_s[r * TILE_KEYS + lane] = p;
+        }
+        __syncthreads();  // every warp done with the K tile
+        for (int i = tid; i < TILE_KEYS * hd; i += TILE_THREADS) {
+            int j = i / hd, d = i - j * hd;
+            int k = key0 + j;
+            kv_s[j * stride + d] =
+                k <= last_key
+                    ? load_kv(values, (long long)k * kv_width + (long long)kv_head * hd + d)
+                    : 0.0f;
+        }
+        __syncthreads();
+        // Σ p·v: lane ↔ output dims, the warp's rows.
+#pragma unroll
+        for (int i = 0; i < TILE_ROWS_PER_WARP; ++i) {
+#pragma unroll
+            for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) acc[i][e] *= correction[i];
+        }
+        const float* pr = p_s + warp * TILE_ROWS_PER_WARP * TILE_KEYS;
+        for (int j = 0; j < TILE_KEYS; ++j) {
+            float v[MAX_DIMS_PER_LANE];
+#pragma unroll
+            for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) {
+                int d = lane + 32 * e;
+                v[e] = d < hd ? kv_s[j * stride + d] : 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < TILE_ROWS_PER_WARP; ++i) {
+                float p = pr[i * TILE_KEYS + j];
+#pragma unroll
+                for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) acc[i][e] += p * v[e];
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < TILE_ROWS_PER_WARP; ++i) {
+        int t = t0 + warp * TILE_ROWS_PER_WARP + i;
+        if (t < n) {
+            float* o = out + (long long)(row_start + t) * q_width + (long long)head * hd;
+            float inverse = 1.0f / row_sum[i];
+#pragma unroll
+            for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) {
+                int d = lane + 32 * e;
+                if (d < hd) o[d] = acc[i][e] * inverse;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TILE_THREADS)
+    attention_tiled(const float* q, const float* keys, const float* values, float* out,
+                    int row_start, int n, int start_position, int heads, int kv_heads, int hd,
+                    int window, float scale) {
+    attention_tiled_block(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
+                          hd, window, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(TILE_THREADS)
+    attention_tiled_bf16(const float* q, const unsigned short* keys,
+                         const unsigned short* values, float* out, int row_start, int n,
+                         int start_position, int heads, int kv_heads, int hd, int window,
+                         float scale) {
+    attention_tiled_block(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
+                          hd, window, scale);
 }

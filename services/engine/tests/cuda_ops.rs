@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use ninfer_engine::backend::cuda::{CudaBackend, CudaError, KvDtype};
+use ninfer_engine::backend::cuda::{AttentionPath, CudaBackend, CudaError, KvDtype};
 use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, NormStyle, Segment};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
@@ -414,6 +414,7 @@ fn round_to_bf16(values: &[f32]) -> Vec<f32> {
 /// Runs the attention cases on `gpu` against the CPU backend, with the CPU's keys and values
 /// rounded to bf16 when the GPU's cache is bf16.
 fn attention_cases(gpu: &CudaBackend) {
+    require_flash_attention(gpu);
     let bf16 = gpu.info().kv_dtype == KvDtype::Bf16;
     let cpu = CpuBackend::new();
     let mut rng = Xoshiro256::seed_from_u64(21);
@@ -562,9 +563,8 @@ fn attention_cases(gpu: &CudaBackend) {
     }
 }
 
-/// The gated delta rule: a multi-token prefill (`Auto`: chunked on both backends, once the GPU's
-/// chunked kernel passed its start-up check) of two sequences in one batch, then single-token
-/// steps (recurrent) continuing from the states.
+/// The gated delta rule: a multi-token prefill (CPU: chunked, GPU: recurrent) of two sequences
+/// in one batch, then single-token steps continuing from the states.
 #[test]
 fn gated_delta_rule_matches_the_cpu_backend() {
     let Some(gpu) = gpu("gated_delta_rule_matches_the_cpu_backend") else {
@@ -683,224 +683,6 @@ fn gated_delta_rule_matches_the_cpu_backend() {
         }
     }
     gpu.synchronize().unwrap();
-}
-
-/// Random inputs of one delta-rule step: `(q, k, v, g, beta)` for `total` tokens.
-fn delta_rule_inputs(
-    rng: &mut Xoshiro256,
-    spec: &DeltaRuleSpec,
-    total: usize,
-) -> [(Vec<f32>, usize); 5] {
-    let (nk, nv, dk, dv) = (
-        spec.key_heads,
-        spec.value_heads,
-        spec.key_head_dim,
-        spec.value_head_dim,
-    );
-    let g: Vec<f32> = random(rng, total * nv, 1.0)
-        .iter()
-        .map(|x| -x.abs() * 0.5)
-        .collect();
-    let beta: Vec<f32> = random(rng, total * nv, 1.0)
-        .iter()
-        .map(|x| 0.5 + 0.5 * x)
-        .collect();
-    [
-        (random(rng, total * nk * dk, 1.0), nk * dk),
-        (random(rng, total * nk * dk, 1.0), nk * dk),
-        (random(rng, total * nv * dv, 1.0), nv * dv),
-        (g, nv),
-        (beta, nv),
-    ]
-}
-
-/// One step of the delta rule on `backend` over segments of `lengths` tokens (one state each).
-fn delta_rule_step<B: Backend>(
-    backend: &B,
-    inputs: &[(Vec<f32>, usize); 5],
-    spec: &DeltaRuleSpec,
-    form: DeltaRuleForm,
-    lengths: &[usize],
-    states: &mut [B::RecurrentState],
-) -> Vec<f32> {
-    let total: usize = lengths.iter().sum();
-    let tensors: Vec<B::Tensor> = inputs
-        .iter()
-        .map(|(values, cols)| backend.upload(values, total, *cols))
-        .collect();
-    let mut start = 0;
-    let mut segments = Vec::new();
-    for (state, &length) in states.iter_mut().zip(lengths) {
-        segments.push(Segment {
-            rows: start..start + length,
-            start_position: 0,
-            state,
-        });
-        start += length;
-    }
-    backend.download(&backend.gated_delta_rule(
-        &tensors[0],
-        &tensors[1],
-        &tensors[2],
-        &tensors[3],
-        &tensors[4],
-        spec,
-        form,
-        &mut segments,
-    ))
-}
-
-/// The GPU's chunked kernel (`DeltaRuleForm::Chunked`) against the CPU's recurrent and chunked
-/// forms: segments of 1, 63, 64, 65, 200 and 700 tokens (one-token, partial, exact and
-/// multi-chunk), four sequences per batch, the second step continuing from the non-zero states
-/// the first left, then two decode steps (`Auto`: recurrent) reading the chunked kernel's final
-/// states; dk/dv 32..128, nk:nv 1:1 and 1:2. Tolerance 1e-4 of max(1, max |cpu|): the forms
-/// differ only by f32 reassociation (~1e-7 measured on the CPU and in an emulation of the
-/// kernel). Under `NINFER_REQUIRE_GPU=1` the chunked kernel must also have passed its start-up
-/// check (`DeviceInfo::delta_rule_path == "chunked"`).
-#[test]
-fn chunked_delta_rule_matches_the_cpu_backend_over_lengths_and_head_ratios() {
-    let Some(gpu) = gpu("chunked_delta_rule_matches_the_cpu_backend_over_lengths_and_head_ratios")
-    else {
-        return;
-    };
-    println!(
-        "cuda delta rule path: {} (shared memory per block {} bytes)",
-        gpu.info().delta_rule_path,
-        gpu.info().shared_memory_per_block
-    );
-    if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        assert_eq!(
-            gpu.info().delta_rule_path,
-            "chunked",
-            "the chunked delta rule kernel failed its start-up check (see the warning in the log)"
-        );
-    }
-    let cpu = CpuBackend::new();
-    let mut rng = Xoshiro256::seed_from_u64(37);
-    let specs = [
-        (2, 2, 32, 32),
-        (1, 2, 64, 48),
-        (2, 4, 128, 128),
-        (2, 2, 96, 128),
-    ];
-    let steps: [(&[usize], DeltaRuleForm); 4] = [
-        (&[64, 1, 200, 63], DeltaRuleForm::Chunked),
-        (&[65, 700, 1, 64], DeltaRuleForm::Chunked),
-        (&[1, 1, 1, 1], DeltaRuleForm::Auto),
-        (&[1, 1, 1, 1], DeltaRuleForm::Auto),
-    ];
-    for (nk, nv, dk, dv) in specs {
-        let spec = DeltaRuleSpec {
-            key_heads: nk,
-            value_heads: nv,
-            key_head_dim: dk,
-            value_head_dim: dv,
-        };
-        let mut states_g: Vec<_> = (0..4).map(|_| gpu.new_recurrent_state(&spec)).collect();
-        let mut states_recurrent: Vec<_> = (0..4).map(|_| cpu.new_recurrent_state(&spec)).collect();
-        let mut states_chunked: Vec<_> = (0..4).map(|_| cpu.new_recurrent_state(&spec)).collect();
-        for (step, (lengths, form)) in steps.iter().enumerate() {
-            let inputs = delta_rule_inputs(&mut rng, &spec, lengths.iter().sum());
-            let out_g = delta_rule_step(&*gpu, &inputs, &spec, *form, lengths, &mut states_g);
-            let cpu_form = if *form == DeltaRuleForm::Auto {
-                DeltaRuleForm::Auto
-            } else {
-                DeltaRuleForm::Recurrent
-            };
-            let out_recurrent = delta_rule_step(
-                &cpu,
-                &inputs,
-                &spec,
-                cpu_form,
-                lengths,
-                &mut states_recurrent,
-            );
-            let out_chunked =
-                delta_rule_step(&cpu, &inputs, &spec, *form, lengths, &mut states_chunked);
-            let what = format!(
-                "delta rule nk {nk} nv {nv} dk {dk} dv {dv} step {step} {lengths:?} ({form:?})"
-            );
-            compare(
-                &format!("{what}: gpu vs cpu recurrent"),
-                &out_g,
-                &out_recurrent,
-                1e-4,
-            );
-            compare(
-                &format!("{what}: gpu vs cpu chunked"),
-                &out_g,
-                &out_chunked,
-                1e-4,
-            );
-        }
-    }
-    gpu.synchronize().unwrap();
-}
-
-/// Not a check: prefill time of one 4096-token sequence through the chunked and the recurrent
-/// kernels at Qwen3.5's shape (nk 16, nv 32, dk = dv = 128), one GDN layer (run by
-/// `cuda_ops --ignored --nocapture delta_rule_prefill_figures`).
-#[test]
-#[ignore = "a figure, not a check; needs a GPU"]
-fn delta_rule_prefill_figures() {
-    let Some(gpu) = gpu("delta_rule_prefill_figures") else {
-        return;
-    };
-    let spec = DeltaRuleSpec {
-        key_heads: 16,
-        value_heads: 32,
-        key_head_dim: 128,
-        value_head_dim: 128,
-    };
-    let tokens = 4096;
-    let mut rng = Xoshiro256::seed_from_u64(53);
-    let inputs = delta_rule_inputs(&mut rng, &spec, tokens);
-    let tensors: Vec<_> = inputs
-        .iter()
-        .map(|(values, cols)| gpu.upload(values, tokens, *cols))
-        .collect();
-    let mut times = Vec::new();
-    for form in [DeltaRuleForm::Chunked, DeltaRuleForm::Recurrent] {
-        let mut state = gpu.new_recurrent_state(&spec);
-        let run = |state: &mut _| {
-            let mut segments = [Segment {
-                rows: 0..tokens,
-                start_position: 0,
-                state,
-            }];
-            let _ = gpu.gated_delta_rule(
-                &tensors[0],
-                &tensors[1],
-                &tensors[2],
-                &tensors[3],
-                &tensors[4],
-                &spec,
-                form,
-                &mut segments,
-            );
-        };
-        run(&mut state);
-        gpu.synchronize().unwrap();
-        let repeats = 3;
-        let start = std::time::Instant::now();
-        for _ in 0..repeats {
-            run(&mut state);
-        }
-        gpu.synchronize().unwrap();
-        let seconds = start.elapsed().as_secs_f64() / repeats as f64;
-        times.push(seconds);
-        println!(
-            "delta rule prefill {tokens} tokens (nk 16, nv 32, dk 128, dv 128), {form:?} form (path {}): {:.3} ms, {:.0} tokens/s per layer",
-            gpu.info().delta_rule_path,
-            seconds * 1e3,
-            tokens as f64 / seconds
-        );
-    }
-    println!(
-        "delta rule prefill: chunked is {:.1}× the recurrent kernel's speed",
-        times[1] / times[0]
-    );
 }
 
 /// bf16 matrices stay bf16 on the GPU (half the bytes) and compute what the CPU backend
@@ -1100,5 +882,287 @@ fn matmul_bandwidth_figures() {
             bytes / seconds / 1e9,
             flops / seconds / 1e12
         );
+    }
+}
+
+/// Prints the attention path; under `NINFER_REQUIRE_GPU=1` it must be the flash kernels (the
+/// reference means their start-up self-check failed: the log says why).
+fn require_flash_attention(gpu: &CudaBackend) {
+    println!(
+        "attention path ({} KV): {}",
+        gpu.info().kv_dtype,
+        gpu.info().attention_path
+    );
+    if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        assert_eq!(
+            gpu.info().attention_path,
+            AttentionPath::Flash,
+            "the flash attention kernels failed their start-up check (see the warning in the log)"
+        );
+    }
+}
+
+/// Runs one attention call over `segments` (rows in order, `(length, start position)` each)
+/// through `path`, each segment on its own cache.
+fn attention_through(
+    gpu: &CudaBackend,
+    path: AttentionPath,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    spec: &AttentionSpec,
+    caches: &mut [ninfer_engine::backend::cuda::CudaKvCache],
+    segments: &[(usize, usize)],
+) -> Vec<f32> {
+    let total: usize = segments.iter().map(|s| s.0).sum();
+    let kv_width = spec.kv_heads * spec.head_dim;
+    let (qg, kg, vg) = (
+        gpu.upload(q, total, spec.heads * spec.head_dim),
+        gpu.upload(k, total, kv_width),
+        gpu.upload(v, total, kv_width),
+    );
+    let mut row = 0;
+    let mut batch: Vec<Segment<'_, _>> = Vec::new();
+    for (cache, &(length, start_position)) in caches.iter_mut().zip(segments) {
+        batch.push(Segment {
+            rows: row..row + length,
+            start_position,
+            state: cache,
+        });
+        row += length;
+    }
+    let out = gpu
+        .attention_with_path(path, &qg, &kg, &vg, spec, &mut batch)
+        .unwrap();
+    gpu.download(&out)
+}
+
+/// The flash kernels (split-K decode, tiled prefill) against the reference kernel on long
+/// contexts: segments of 1, 255, 256, 257, 1000 and 4096 rows prefilled in one batch, then a
+/// second batch continuing them from their different start positions (split rows and tiled
+/// rows), then a decode step of every segment; GQA 1, 2, 4, 8 at head_dim 64, 128, 256, and a
+/// sliding window. f32 KV (exact backend) within 1e-5 of the largest value, bf16 KV (default
+/// backend) within 2e-5. Also checks batch invariance: a segment's rows computed alone equal
+/// (bit for bit) the same rows computed in the batch.
+#[test]
+fn flash_attention_matches_the_reference_kernel_on_long_contexts() {
+    let test = "flash_attention_matches_the_reference_kernel_on_long_contexts";
+    let Some(exact) = gpu(test) else {
+        return;
+    };
+    let Some(default) = gpu_default(test) else {
+        return;
+    };
+    let mut rng = Xoshiro256::seed_from_u64(77);
+    let prefill = [1usize, 255, 256, 257, 1000, 4096];
+    let more = [300usize, 1, 8, 9, 3, 33];
+    let mut configs: Vec<(usize, usize, usize, Option<usize>)> = Vec::new();
+    for hd in [64usize, 128, 256] {
+        for ratio in [1usize, 2, 4, 8] {
+            configs.push((2 * ratio, 2, hd, None));
+        }
+    }
+    configs.push((8, 2, 128, Some(300)));
+    configs.push((16, 1, 64, Some(1)));
+    for (gpu, tolerance) in [(&exact, 1e-5f32), (&default, 2e-5)] {
+        require_flash_attention(gpu);
+        for &(heads, kv_heads, hd, window) in &configs {
+            let spec = AttentionSpec {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                sliding_window: window,
+            };
+            let kv_width = kv_heads * hd;
+            let max_tokens = 4096 + 300 + 40;
+            let new_caches = || -> Vec<_> {
+                (0..prefill.len())
+                    .map(|_| gpu.new_kv_cache(max_tokens, kv_width))
+                    .collect()
+            };
+            let (mut flash, mut reference) = (new_caches(), new_caches());
+            let mut positions = [0usize; 6];
+            let mut worst = 0.0f32;
+            for (step, lengths) in [prefill, more, [1; 6]].into_iter().enumerate() {
+                let segments: Vec<(usize, usize)> =
+                    lengths.iter().copied().zip(positions).collect();
+                let total: usize = lengths.iter().sum();
+                let q = random(&mut rng, total * heads * hd, 1.5);
+                let k = random(&mut rng, total * kv_width, 1.5);
+                let v = random(&mut rng, total * kv_width, 1.0);
+                let inputs = (&q[..], &k[..], &v[..]);
+                let got = attention_through(
+                    gpu,
+                    AttentionPath::Flash,
+                    inputs,
+                    &spec,
+                    &mut flash,
+                    &segments,
+                );
+                let expected = attention_through(
+                    gpu,
+                    AttentionPath::Reference,
+                    inputs,
+                    &spec,
+                    &mut reference,
+                    &segments,
+                );
+                let what = format!(
+                    "flash vs reference ({} KV) heads {heads}/{kv_heads} hd {hd} window {window:?} step {step} segments {segments:?}",
+                    gpu.info().kv_dtype
+                );
+                let scale = expected.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+                let difference =
+                    got.iter()
+                        .zip(&expected)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(
+                            0.0f32,
+                            |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+                        );
+                assert!(
+                    difference / scale <= tolerance,
+                    "{what}: max |Δ| {difference} (scale {scale}) over {tolerance}"
+                );
+                worst = worst.max(difference / scale);
+                // Batch invariance: the 1000-row sequence (index 4) alone. Its cache already
+                // holds these keys and values; appending them again rewrites the same values.
+                let width = heads * hd;
+                let before: usize = lengths[..4].iter().sum();
+                let rows = before..before + lengths[4];
+                let alone = attention_through(
+                    gpu,
+                    AttentionPath::Flash,
+                    (
+                        &q[rows.start * width..rows.end * width],
+                        &k[rows.start * kv_width..rows.end * kv_width],
+                        &v[rows.start * kv_width..rows.end * kv_width],
+                    ),
+                    &spec,
+                    &mut flash[4..5],
+                    &segments[4..5],
+                );
+                assert!(
+                    alone
+                        .iter()
+                        .zip(&got[rows.start * width..rows.end * width])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: the 1000-token sequence alone differs from it in the batch"
+                );
+                for (position, length) in positions.iter_mut().zip(lengths) {
+                    *position += length;
+                }
+            }
+            println!(
+                "flash vs reference ({} KV) heads {heads}/{kv_heads} (GQA {}) hd {hd} window {window:?}: worst {worst:.2e}",
+                gpu.info().kv_dtype,
+                heads / kv_heads
+            );
+        }
+        gpu.synchronize().unwrap();
+    }
+}
+
+/// Not a check: time per decode step (one attention call) at a 4096-token context, reference
+/// kernel vs flash (split-K), for 1 and 16 sequences, f32 and bf16 KV (run by hand:
+/// `cuda_ops -- --ignored attention_decode_figures --nocapture`).
+#[test]
+#[ignore = "a figure, not a check; needs a GPU"]
+fn attention_decode_figures() {
+    let test = "attention_decode_figures";
+    let Some(exact) = gpu(test) else {
+        return;
+    };
+    let Some(default) = gpu_default(test) else {
+        return;
+    };
+    let context = 4096usize;
+    let mut rng = Xoshiro256::seed_from_u64(99);
+    for gpu in [&exact, &default] {
+        println!("attention path in use: {}", gpu.info().attention_path);
+        // (heads, kv_heads, head_dim): Qwen3-30B-A3B and Qwen3-Next / Qwen3.5 shapes.
+        for (heads, kv_heads, hd) in [(32usize, 4usize, 128usize), (16, 2, 256)] {
+            let spec = AttentionSpec {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                sliding_window: None,
+            };
+            let kv_width = kv_heads * hd;
+            for sequences in [1usize, 16] {
+                let mut caches: Vec<_> = (0..sequences)
+                    .map(|_| gpu.new_kv_cache(context, kv_width))
+                    .collect();
+                // Fill the caches (flash prefill, the same keys for every sequence), then time
+                // the decode step at the last position.
+                let rows = context - 1;
+                let (pq, pk, pv) = (
+                    gpu.upload(&random(&mut rng, rows * heads * hd, 1.0), rows, heads * hd),
+                    gpu.upload(&random(&mut rng, rows * kv_width, 1.0), rows, kv_width),
+                    gpu.upload(&random(&mut rng, rows * kv_width, 1.0), rows, kv_width),
+                );
+                for cache in caches.iter_mut() {
+                    let mut batch = vec![Segment {
+                        rows: 0..rows,
+                        start_position: 0,
+                        state: cache,
+                    }];
+                    let _ = gpu
+                        .attention_with_path(AttentionPath::Flash, &pq, &pk, &pv, &spec, &mut batch)
+                        .unwrap();
+                }
+                let (q, k, v) = (
+                    gpu.upload(
+                        &random(&mut rng, sequences * heads * hd, 1.0),
+                        sequences,
+                        heads * hd,
+                    ),
+                    gpu.upload(
+                        &random(&mut rng, sequences * kv_width, 1.0),
+                        sequences,
+                        kv_width,
+                    ),
+                    gpu.upload(
+                        &random(&mut rng, sequences * kv_width, 1.0),
+                        sequences,
+                        kv_width,
+                    ),
+                );
+                let mut timings = Vec::new();
+                for path in [AttentionPath::Reference, AttentionPath::Flash] {
+                    let mut step = || {
+                        let mut batch: Vec<Segment<'_, _>> = caches
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(i, cache)| Segment {
+                                rows: i..i + 1,
+                                start_position: context - 1,
+                                state: cache,
+                            })
+                            .collect();
+                        let _ = gpu
+                            .attention_with_path(path, &q, &k, &v, &spec, &mut batch)
+                            .unwrap();
+                    };
+                    step();
+                    gpu.synchronize().unwrap();
+                    let repeats = 50;
+                    let start = std::time::Instant::now();
+                    for _ in 0..repeats {
+                        step();
+                    }
+                    gpu.synchronize().unwrap();
+                    timings.push(start.elapsed().as_secs_f64() / repeats as f64);
+                }
+                let bytes =
+                    (2 * sequences * context * kv_width * gpu.info().kv_dtype.bytes()) as f64;
+                println!(
+                    "attention decode ({} KV) heads {heads}/{kv_heads} hd {hd}, {sequences} sequence(s) at {context} tokens: reference {:.3} ms, flash {:.3} ms ({:.1}×; K/V read at {:.0} GB/s)",
+                    gpu.info().kv_dtype,
+                    timings[0] * 1e3,
+                    timings[1] * 1e3,
+                    timings[0] / timings[1],
+                    bytes / timings[1] / 1e9
+                );
+            }
+        }
     }
 }

@@ -98,6 +98,9 @@ pub struct CudaOptions {
     pub kv_dtype: KvDtype,
     /// Try cuBLAS at start-up (it is still only used if it loads and passes its check).
     pub cublas: bool,
+    /// Run every attention through the reference kernel (one warp per row and head) instead of
+    /// the split-K decode / tiled prefill kernels.
+    pub reference_attention: bool,
 }
 
 impl Default for CudaOptions {
@@ -105,6 +108,7 @@ impl Default for CudaOptions {
         CudaOptions {
             kv_dtype: KvDtype::Bf16,
             cublas: true,
+            reference_attention: false,
         }
     }
 }
@@ -115,6 +119,8 @@ impl CudaOptions {
         CudaOptions {
             kv_dtype: KvDtype::F32,
             cublas: false,
+            // The flash kernels are batch invariant and agree with the CPU to f32 rounding.
+            reference_attention: false,
         }
     }
 }
@@ -137,12 +143,9 @@ pub struct DeviceInfo {
     /// found, failed the check, or off in the options (the matmul kernel does everything then).
     pub cublas_library: Option<String>,
     pub kv_dtype: KvDtype,
-    /// The kernel multi-token delta-rule segments run: `"chunked"` (it passed its start-up check
-    /// against the recurrent kernel) or `"recurrent"` (every form; the check failed or the
-    /// GPU's shared memory is too small, with a warning logged).
-    pub delta_rule_path: &'static str,
-    /// Dynamic shared memory a block may use (opt-in maximum), bytes.
-    pub shared_memory_per_block: usize,
+    /// The attention kernels in use: `flash` (split-K decode, tiled prefill) once they passed
+    /// their start-up check against the reference, else `reference`.
+    pub attention_path: AttentionPath,
 }
 
 /// The CUDA backend on one GPU. Every op is queued on one stream; `download` and the routing
@@ -406,8 +409,7 @@ impl CudaBackend {
             kernels_compiled: compiled,
             cublas_library: None,
             kv_dtype: options.kv_dtype,
-            delta_rule_path: delta_rule::PATH_RECURRENT,
-            shared_memory_per_block: 0,
+            attention_path: AttentionPath::Reference,
         };
         let mut backend = CudaBackend {
             stream: context.default_stream(),
@@ -422,7 +424,7 @@ impl CudaBackend {
             backend.cublas = backend.start_cublas();
             backend.info.cublas_library = backend.cublas.as_ref().map(Cublas::describe);
         }
-        backend.start_chunked_delta_rule();
+        backend.info.attention_path = backend.start_attention();
         tracing::info!(info = ?backend.info, "CUDA backend ready");
         Ok(backend)
     }
@@ -1083,94 +1085,8 @@ impl CudaBackend {
         spec: &AttentionSpec,
         segments: &mut [Segment<'_, CudaKvCache>],
     ) -> Result<Result<CudaTensor, EngineError>, CudaError> {
-        let hd = spec.head_dim;
-        if hd == 0
-            || hd > ATTENTION_MAX_HEAD_DIM
-            || spec.kv_heads == 0
-            || spec.heads % spec.kv_heads != 0
-        {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "attention: head_dim {hd} (at most {ATTENTION_MAX_HEAD_DIM}), {} heads over {} kv heads",
-                    spec.heads, spec.kv_heads
-                ),
-            });
-        }
-        let (q_data, k_data, v_data) = (present(&q.data)?, present(&k.data)?, present(&v.data)?);
-        let mut out = self.output(q.rows, spec.heads * hd)?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (heads, kv_heads, head_dim) = (
-            int(spec.heads, "heads")?,
-            int(spec.kv_heads, "kv heads")?,
-            int(hd, "head_dim")?,
-        );
-        let window = int(spec.sliding_window.unwrap_or(0), "sliding window")?;
-        for segment in segments.iter_mut() {
-            let cache = &mut *segment.state;
-            let n = segment.rows.len();
-            let end = segment.start_position + n;
-            if end > cache.max_tokens {
-                return Ok(Err(EngineError::ContextFull {
-                    held: segment.start_position,
-                    added: n,
-                    max_context: cache.max_tokens,
-                }));
-            }
-            if n == 0 {
-                continue;
-            }
-            let width = cache.kv_width;
-            let (row_start, rows, at, width_arg) = (
-                int(segment.rows.start, "row")?,
-                int(n, "rows")?,
-                int(segment.start_position, "position")?,
-                int(width, "kv width")?,
-            );
-            match (
-                present_mut(&mut cache.keys)?,
-                present_mut(&mut cache.values)?,
-            ) {
-                (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
-                    launch!(self, "kv_append", elementwise(n * width);
-                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
-                }
-                (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
-                    launch!(self, "kv_append_bf16", elementwise(n * width);
-                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
-                }
-                _ => {
-                    return Err(CudaError::Invalid {
-                        problem: "attention: keys and values of one cache differ in dtype".into(),
-                    })
-                }
-            }
-            cache.len = end;
-            let tasks = u32::try_from(n * spec.heads).map_err(|_| CudaError::Invalid {
-                problem: format!("attention: {n} rows × {} heads", spec.heads),
-            })?;
-            let config = LaunchConfig {
-                grid_dim: (tasks.div_ceil(ATTENTION_WARPS), 1, 1),
-                block_dim: (32 * ATTENTION_WARPS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let output = present_mut(&mut out.data)?;
-            match (present(&cache.keys)?, present(&cache.values)?) {
-                (KvBuffer::F32(keys), KvBuffer::F32(values)) => launch!(self, "attention", config;
-                    q_data, keys, values, output, &row_start, &rows, &at, &heads, &kv_heads,
-                    &head_dim, &window, &scale)?,
-                (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
-                    launch!(self, "attention_bf16", config;
-                        q_data, keys, values, output, &row_start, &rows, &at, &heads, &kv_heads,
-                        &head_dim, &window, &scale)?
-                }
-                _ => {
-                    return Err(CudaError::Invalid {
-                        problem: "attention: keys and values of one cache differ in dtype".into(),
-                    })
-                }
-            }
-        }
-        Ok(Ok(out))
+        // The launches live in `attention.rs`.
+        self.attention_on(self.info.attention_path, q, k, v, spec, segments)
     }
 
     fn try_causal_conv(
@@ -1234,6 +1150,59 @@ impl CudaBackend {
                 a_data, b_data, a_log.f32()?, dt_bias.f32()?, g_out, beta_out, &rows, &heads)?;
         }
         Ok((g, beta))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn try_gated_delta_rule(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        spec: &DeltaRuleSpec,
+        segments: &mut [Segment<'_, CudaRecurrentState>],
+    ) -> Result<CudaTensor, CudaError> {
+        let (dk, dv, nv, nk) = (
+            spec.key_head_dim,
+            spec.value_head_dim,
+            spec.value_heads,
+            spec.key_heads,
+        );
+        if dv == 0 || dv > 1024 || dk == 0 || nk == 0 || nv == 0 {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "gated_delta_rule: dk {dk}, dv {dv} (at most 1024), nk {nk}, nv {nv}"
+                ),
+            });
+        }
+        let (q_data, k_data, v_data) = (present(&q.data)?, present(&k.data)?, present(&v.data)?);
+        let (g_data, beta_data) = (present(&g.data)?, present(&beta.data)?);
+        let mut out = self.output(q.rows, nv * dv)?;
+        let (nk_arg, nv_arg, dk_arg, dv_arg) = (
+            int(nk, "key heads")?,
+            int(nv, "value heads")?,
+            int(dk, "dk")?,
+            int(dv, "dv")?,
+        );
+        let config = LaunchConfig {
+            grid_dim: (nv as u32, 1, 1),
+            block_dim: ((dv as u32).div_ceil(32) * 32, 1, 1),
+            shared_mem_bytes: (2 * dk * std::mem::size_of::<f32>()) as u32,
+        };
+        for segment in segments.iter_mut() {
+            let n = segment.rows.len();
+            if n == 0 {
+                continue;
+            }
+            let (row_start, rows) = (int(segment.rows.start, "row")?, int(n, "rows")?);
+            let state = present_mut(&mut segment.state.state)?;
+            let output = present_mut(&mut out.data)?;
+            launch!(self, "gated_delta_rule_recurrent", config;
+                q_data, k_data, v_data, g_data, beta_data, state, output, &row_start, &rows,
+                &nk_arg, &nv_arg, &dk_arg, &dv_arg)?;
+        }
+        Ok(out)
     }
 }
 
@@ -1584,12 +1553,12 @@ impl Backend for CudaBackend {
         g: &CudaTensor,
         beta: &CudaTensor,
         spec: &DeltaRuleSpec,
-        form: DeltaRuleForm,
+        // Only the recurrent kernel exists yet; the chunked form computes the same function
+        // (checked on the CPU by `chunked_and_recurrent_delta_rule_agree`).
+        _form: DeltaRuleForm,
         segments: &mut [Segment<'_, CudaRecurrentState>],
     ) -> CudaTensor {
-        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
-        // else the recurrent kernel (device/delta_rule.rs).
-        let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, form, segments);
+        let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, segments);
         self.settle(result, q.rows, spec.value_heads * spec.value_head_dim)
     }
 
@@ -1627,6 +1596,7 @@ impl Backend for CudaBackend {
 }
 
 mod bandwidth;
-mod delta_rule;
 mod expert_slots;
+mod attention;
+pub use attention::AttentionPath;
 pub use expert_slots::CudaExpertSlots;

@@ -55,12 +55,21 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "attention",
         source: include_str!("../../../../../kernels/attention.cu"),
-        functions: &["attention", "attention_bf16", "kv_append_bf16"],
+        functions: &[
+            "attention",
+            "attention_bf16",
+            "kv_append_bf16",
+            "attention_split",
+            "attention_split_bf16",
+            "attention_combine",
+            "attention_tiled",
+            "attention_tiled_bf16",
+        ],
     },
     KernelSource {
         name: "delta_rule",
         source: include_str!("../../../../../kernels/delta_rule.cu"),
-        functions: &["gated_delta_rule_recurrent", "gated_delta_rule_chunked"],
+        functions: &["gated_delta_rule_recurrent"],
     },
     KernelSource {
         name: "experts",

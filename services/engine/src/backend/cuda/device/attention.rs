@@ -1,0 +1,519 @@
+//! Attention on the GPU (`kernels/attention.cu`): the KV append, the choice between the reference
+//! kernel and the "flash" kernels (split-K decode + combine, tiled prefill), their launches, and
+//! the start-up self-check that holds the flash kernels to the reference.
+//!
+//! Owns: how a batch's segments map onto attention launches, the split workspace, and which
+//! path is active ([`AttentionPath`], in [`DeviceInfo`](super::DeviceInfo)).
+//! Must not touch: the model's use of attention (q/k/v projections, gating, RoPE).
+//!
+//! Path per segment (flash): at most [`SPLIT_MAX_ROWS`] rows (decode, a few speculative rows) go
+//! through split-K with a chunk size chosen from the segment's last position only; longer
+//! segments (prefill) through the tiled kernel. Both compute each row from its own keys in an
+//! order fixed by absolute key positions, so a row's result never depends on the other
+//! sequences of the batch (batch invariance, as the matmul kernel).
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{
+    driver_error, elementwise, int, present, present_mut, CudaBackend, CudaKvCache, CudaTensor,
+    KvBuffer, KvDtype, ATTENTION_MAX_HEAD_DIM, ATTENTION_WARPS,
+};
+use crate::backend::cuda::CudaError;
+use crate::backend::{AttentionSpec, Segment};
+use crate::error::EngineError;
+
+/// `SPLIT_THREADS` in `kernels/attention.cu`.
+const SPLIT_THREADS: u32 = 128;
+/// `SPLIT_TILE`: keys scored together; chunks are multiples of it.
+const SPLIT_TILE: usize = 128;
+/// `SPLIT_HEADS`: q heads one split block serves.
+const SPLIT_HEADS: usize = 8;
+/// Segments of at most this many rows take the split-K path (one block row per query row).
+pub(super) const SPLIT_MAX_ROWS: usize = 8;
+/// At most this many chunks per row (the chunk grows with the context beyond
+/// `SPLIT_MAX_CHUNKS · SPLIT_TILE` keys, which bounds the workspace).
+const SPLIT_MAX_CHUNKS: usize = 64;
+/// `TILE_THREADS`, `TILE_ROWS`, `TILE_KEYS` in `kernels/attention.cu`.
+const TILE_THREADS: u32 = 128;
+const TILE_ROWS: usize = 32;
+const TILE_KEYS: usize = 32;
+/// Relative difference the self-check allows between the flash and reference kernels.
+const SELF_CHECK_TOLERANCE: f32 = 1e-4;
+
+/// Which attention kernels the backend runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionPath {
+    /// Split-K decode + tiled prefill (the default once the start-up self-check passed).
+    Flash,
+    /// One warp per (row, head) over all keys: forced by `CudaOptions::reference_attention`,
+    /// or the fallback when the flash kernels failed their self-check.
+    Reference,
+}
+
+impl std::fmt::Display for AttentionPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AttentionPath::Flash => "flash",
+            AttentionPath::Reference => "reference",
+        })
+    }
+}
+
+/// Keys per split chunk for a segment whose last row sits at `last_position`: one tile up to
+/// `SPLIT_MAX_CHUNKS` tiles of keys, then as many tiles as keep the chunk count at that bound.
+fn split_chunk(last_position: usize) -> usize {
+    let tiles = (last_position + 1).div_ceil(SPLIT_TILE);
+    tiles.div_ceil(SPLIT_MAX_CHUNKS).max(1) * SPLIT_TILE
+}
+
+/// Dynamic shared memory of a split block.
+fn split_smem_bytes(hd: usize) -> usize {
+    (SPLIT_HEADS * hd + SPLIT_HEADS * SPLIT_TILE + 3 * SPLIT_HEADS) * 4
+}
+
+/// Dynamic shared memory of a tiled block.
+fn tiled_smem_bytes(hd: usize) -> usize {
+    (TILE_ROWS * hd + TILE_KEYS * (hd + 1) + TILE_ROWS * TILE_KEYS) * 4
+}
+
+/// A self-check case: (heads, kv_heads, head_dim, prefill lengths of two sequences, window).
+type CheckCase = (usize, usize, usize, [usize; 2], Option<usize>);
+
+/// Where one split segment's partials sit in the workspace.
+struct SplitPlan {
+    chunk: usize,
+    chunks: usize,
+    part_base: usize,
+}
+
+impl CudaBackend {
+    /// Picks the attention path at start-up: allows the tiled kernels their shared memory, then
+    /// (unless the options force the reference) runs the self-check; any failure is logged and
+    /// leaves the reference kernel for the life of the process.
+    pub(super) fn start_attention(&self) -> AttentionPath {
+        if let Err(error) = self.allow_tiled_shared_memory() {
+            tracing::warn!(
+                "flash attention unusable, the reference kernel does all attention: {error}"
+            );
+            return AttentionPath::Reference;
+        }
+        if self.options.reference_attention {
+            tracing::info!("attention: the reference kernel (forced by the options)");
+            return AttentionPath::Reference;
+        }
+        match self.check_flash_attention() {
+            Ok(worst) => {
+                tracing::info!(
+                    "flash attention passed its start-up check (max |Δ| / scale {worst:.1e} vs the reference kernel)"
+                );
+                AttentionPath::Flash
+            }
+            Err(error) => {
+                tracing::warn!(
+                    "flash attention failed its start-up check, the reference kernel does all attention: {error}"
+                );
+                let _ = self.stream.synchronize();
+                if let Ok(mut slot) = self.error.lock() {
+                    *slot = None;
+                }
+                AttentionPath::Reference
+            }
+        }
+    }
+
+    /// The tiled kernels need more than the default 48 KiB of dynamic shared memory at
+    /// head_dim 256.
+    fn allow_tiled_shared_memory(&self) -> Result<(), CudaError> {
+        let bytes = tiled_smem_bytes(ATTENTION_MAX_HEAD_DIM);
+        for name in ["attention_tiled", "attention_tiled_bf16"] {
+            self.function(name)?
+                .set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(driver_error(format!(
+                    "allowing `{name}` {bytes} bytes of shared memory"
+                )))?;
+        }
+        Ok(())
+    }
+
+    /// Two sequences (a 37-row and a 700-row prefill, then one decode step each) at GQA 4,
+    /// head_dim 128, and a short one at GQA 8, head_dim 256, with f32 and bf16 caches, through
+    /// the flash and the reference kernels: the largest difference relative to the largest
+    /// output must stay under `SELF_CHECK_TOLERANCE`.
+    fn check_flash_attention(&self) -> Result<f32, CudaError> {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let bits = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+            bits as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let mut worst = 0.0f32;
+        let cases: [CheckCase; 3] = [
+            (8, 2, 128, [37, 700], None),
+            (16, 2, 256, [70, 1], None),
+            (4, 1, 64, [300, 9], Some(100)),
+        ];
+        for (heads, kv_heads, hd, lengths, window) in cases {
+            let spec = AttentionSpec {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                sliding_window: window,
+            };
+            let kv_width = kv_heads * hd;
+            let max_tokens = lengths[0].max(lengths[1]) + 1;
+            for dtype in [KvDtype::F32, KvDtype::Bf16] {
+                let mut flash = [
+                    self.kv_cache_of(dtype, max_tokens, kv_width)?,
+                    self.kv_cache_of(dtype, max_tokens, kv_width)?,
+                ];
+                let mut reference = [
+                    self.kv_cache_of(dtype, max_tokens, kv_width)?,
+                    self.kv_cache_of(dtype, max_tokens, kv_width)?,
+                ];
+                let mut positions = [0usize; 2];
+                for step in 0..2 {
+                    let new = if step == 0 { lengths } else { [1, 1] };
+                    let total = new[0] + new[1];
+                    let mut tensor = |cols: usize| -> Result<CudaTensor, CudaError> {
+                        let values: Vec<f32> = (0..total * cols).map(|_| 1.5 * next()).collect();
+                        Ok(CudaTensor {
+                            rows: total,
+                            cols,
+                            data: Some(self.upload_f32(&values)?),
+                        })
+                    };
+                    let (q, k, v) = (tensor(heads * hd)?, tensor(kv_width)?, tensor(kv_width)?);
+                    let mut outputs = Vec::new();
+                    for (path, caches) in [
+                        (AttentionPath::Flash, &mut flash),
+                        (AttentionPath::Reference, &mut reference),
+                    ] {
+                        let [c0, c1] = caches;
+                        let mut segments = vec![
+                            Segment {
+                                rows: 0..new[0],
+                                start_position: positions[0],
+                                state: c0,
+                            },
+                            Segment {
+                                rows: new[0]..total,
+                                start_position: positions[1],
+                                state: c1,
+                            },
+                        ];
+                        let out = self
+                            .attention_on(path, &q, &k, &v, &spec, &mut segments)?
+                            .map_err(|error| CudaError::Invalid {
+                                problem: format!("attention self-check: {error}"),
+                            })?;
+                        outputs.push(
+                            self.stream
+                                .memcpy_dtov(present(&out.data)?)
+                                .map_err(driver_error("reading the attention check back"))?,
+                        );
+                    }
+                    let (got, expected) = (&outputs[0], &outputs[1]);
+                    let scale = expected.iter().fold(1.0f32, |a, x| a.max(x.abs()));
+                    let difference = got
+                        .iter()
+                        .zip(expected)
+                        .take(total * heads * hd)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(
+                            0.0f32,
+                            |a, d| if d.is_nan() { f32::INFINITY } else { a.max(d) },
+                        )
+                        / scale;
+                    if difference.is_nan() || difference > SELF_CHECK_TOLERANCE {
+                        return Err(CudaError::Invalid {
+                            problem: format!(
+                                "heads {heads}/{kv_heads} head_dim {hd} window {window:?} {dtype} KV, rows {new:?} at positions {positions:?}: flash differs from the reference by {difference:.2e} of the largest value (allowed {SELF_CHECK_TOLERANCE:.0e})"
+                            ),
+                        });
+                    }
+                    worst = worst.max(difference);
+                    positions[0] += new[0];
+                    positions[1] += new[1];
+                }
+            }
+        }
+        Ok(worst)
+    }
+
+    /// An empty cache of `dtype`, whatever the backend's option (the self-check runs both).
+    fn kv_cache_of(
+        &self,
+        dtype: KvDtype,
+        max_tokens: usize,
+        kv_width: usize,
+    ) -> Result<CudaKvCache, CudaError> {
+        let count = max_tokens * kv_width;
+        let allocate = || -> Result<KvBuffer, CudaError> {
+            Ok(match dtype {
+                KvDtype::F32 => KvBuffer::F32(self.alloc(count)?),
+                KvDtype::Bf16 => KvBuffer::Bf16(
+                    self.stream
+                        .alloc_zeros::<u16>(count.max(1))
+                        .map_err(driver_error(format!("allocating {count} bf16 KV values")))?,
+                ),
+            })
+        };
+        Ok(CudaKvCache {
+            max_tokens,
+            kv_width,
+            len: 0,
+            dtype,
+            keys: Some(allocate()?),
+            values: Some(allocate()?),
+        })
+    }
+
+    /// [`Backend::attention`](crate::backend::Backend::attention) through the given path,
+    /// whatever path the backend chose at start-up (the tests compare the two).
+    pub fn attention_with_path(
+        &self,
+        path: AttentionPath,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        spec: &AttentionSpec,
+        segments: &mut [Segment<'_, CudaKvCache>],
+    ) -> Result<CudaTensor, EngineError> {
+        if let Some(error) = self.error() {
+            return Err(Self::engine_error(error));
+        }
+        match self.attention_on(path, q, k, v, spec, segments) {
+            Ok(result) => result,
+            Err(error) => {
+                self.record(error.clone());
+                Err(Self::engine_error(error))
+            }
+        }
+    }
+
+    /// Appends each segment's keys and values to its cache, then attention of its rows through
+    /// `path`. A segment that does not fit its cache fails the call before anything is appended.
+    pub(super) fn attention_on(
+        &self,
+        path: AttentionPath,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        spec: &AttentionSpec,
+        segments: &mut [Segment<'_, CudaKvCache>],
+    ) -> Result<Result<CudaTensor, EngineError>, CudaError> {
+        let hd = spec.head_dim;
+        if hd == 0
+            || hd > ATTENTION_MAX_HEAD_DIM
+            || spec.kv_heads == 0
+            || spec.heads % spec.kv_heads != 0
+        {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "attention: head_dim {hd} (at most {ATTENTION_MAX_HEAD_DIM}), {} heads over {} kv heads",
+                    spec.heads, spec.kv_heads
+                ),
+            });
+        }
+        for segment in segments.iter() {
+            let n = segment.rows.len();
+            if segment.start_position + n > segment.state.max_tokens {
+                return Ok(Err(EngineError::ContextFull {
+                    held: segment.start_position,
+                    added: n,
+                    max_context: segment.state.max_tokens,
+                }));
+            }
+        }
+        let (q_data, k_data, v_data) = (present(&q.data)?, present(&k.data)?, present(&v.data)?);
+        let mut out = self.output(q.rows, spec.heads * hd)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (heads, kv_heads, head_dim) = (
+            int(spec.heads, "heads")?,
+            int(spec.kv_heads, "kv heads")?,
+            int(hd, "head_dim")?,
+        );
+        let window = int(spec.sliding_window.unwrap_or(0), "sliding window")?;
+
+        // Appends (each segment's rows touch only its own cache).
+        for segment in segments.iter_mut() {
+            let cache = &mut *segment.state;
+            let n = segment.rows.len();
+            if n == 0 {
+                continue;
+            }
+            let width = cache.kv_width;
+            let (row_start, rows, at, width_arg) = (
+                int(segment.rows.start, "row")?,
+                int(n, "rows")?,
+                int(segment.start_position, "position")?,
+                int(width, "kv width")?,
+            );
+            match (
+                present_mut(&mut cache.keys)?,
+                present_mut(&mut cache.values)?,
+            ) {
+                (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
+                    launch!(self, "kv_append", elementwise(n * width);
+                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
+                }
+                (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                    launch!(self, "kv_append_bf16", elementwise(n * width);
+                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
+                }
+                _ => {
+                    return Err(CudaError::Invalid {
+                        problem: "attention: keys and values of one cache differ in dtype".into(),
+                    })
+                }
+            }
+            cache.len = segment.start_position + n;
+        }
+
+        // The split workspace: every split segment's partials in one pair of buffers.
+        let mut plans: Vec<Option<SplitPlan>> = Vec::with_capacity(segments.len());
+        let mut entries = 0usize;
+        for segment in segments.iter() {
+            let n = segment.rows.len();
+            if path == AttentionPath::Flash && n > 0 && n <= SPLIT_MAX_ROWS {
+                let last = segment.start_position + n - 1;
+                let chunk = split_chunk(last);
+                let chunks = last / chunk + 1;
+                plans.push(Some(SplitPlan {
+                    chunk,
+                    chunks,
+                    part_base: entries,
+                }));
+                entries += n * spec.heads * chunks;
+            } else {
+                plans.push(None);
+            }
+        }
+        let mut workspace: Option<(CudaSlice<f32>, CudaSlice<f32>)> = if entries > 0 {
+            int(entries * hd, "split workspace")?;
+            Some((self.alloc(entries * hd)?, self.alloc(2 * entries)?))
+        } else {
+            None
+        };
+
+        for (segment, plan) in segments.iter().zip(&plans) {
+            let cache = &*segment.state;
+            let n = segment.rows.len();
+            if n == 0 {
+                continue;
+            }
+            let (row_start, rows, at) = (
+                int(segment.rows.start, "row")?,
+                int(n, "rows")?,
+                int(segment.start_position, "position")?,
+            );
+            let output = present_mut(&mut out.data)?;
+            let (keys, values) = (present(&cache.keys)?, present(&cache.values)?);
+            if !matches!(
+                (keys, values),
+                (KvBuffer::F32(_), KvBuffer::F32(_)) | (KvBuffer::Bf16(_), KvBuffer::Bf16(_))
+            ) {
+                return Err(CudaError::Invalid {
+                    problem: "attention: keys and values of one cache differ in dtype".into(),
+                });
+            }
+            match (path, plan, workspace.as_mut()) {
+                (AttentionPath::Flash, Some(plan), Some((part_o, part_ml))) => {
+                    let group = spec.heads / spec.kv_heads;
+                    let slices = group.div_ceil(SPLIT_HEADS);
+                    let (chunk, chunks, part_base) = (
+                        int(plan.chunk, "chunk")?,
+                        int(plan.chunks, "chunks")?,
+                        int(plan.part_base, "split base")?,
+                    );
+                    let config = LaunchConfig {
+                        grid_dim: (
+                            plan.chunks as u32,
+                            (spec.kv_heads * slices) as u32,
+                            n as u32,
+                        ),
+                        block_dim: (SPLIT_THREADS, 1, 1),
+                        shared_mem_bytes: split_smem_bytes(hd) as u32,
+                    };
+                    match (keys, values) {
+                        (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
+                            launch!(self, "attention_split", config;
+                                q_data, keys, values, &mut *part_o, &mut *part_ml, &row_start,
+                                &at, &heads, &kv_heads, &head_dim, &window, &scale, &chunk,
+                                &chunks, &part_base)?
+                        }
+                        (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                            launch!(self, "attention_split_bf16", config;
+                                q_data, keys, values, &mut *part_o, &mut *part_ml, &row_start,
+                                &at, &heads, &kv_heads, &head_dim, &window, &scale, &chunk,
+                                &chunks, &part_base)?
+                        }
+                        _ => unreachable!("checked above"),
+                    }
+                    let combine = LaunchConfig {
+                        grid_dim: ((n * spec.heads) as u32, 1, 1),
+                        block_dim: ((hd.div_ceil(32) * 32) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    launch!(self, "attention_combine", combine;
+                        &*part_o, &*part_ml, output, &row_start, &rows, &at, &heads, &head_dim,
+                        &window, &chunk, &chunks, &part_base)?;
+                }
+                (AttentionPath::Flash, _, _) => {
+                    let tiles =
+                        u32::try_from(n.div_ceil(TILE_ROWS)).map_err(|_| CudaError::Invalid {
+                            problem: format!("attention: {n} rows"),
+                        })?;
+                    let config = LaunchConfig {
+                        grid_dim: (tiles, spec.heads as u32, 1),
+                        block_dim: (TILE_THREADS, 1, 1),
+                        shared_mem_bytes: tiled_smem_bytes(hd) as u32,
+                    };
+                    match (keys, values) {
+                        (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
+                            launch!(self, "attention_tiled", config;
+                                q_data, keys, values, output, &row_start, &rows, &at, &heads,
+                                &kv_heads, &head_dim, &window, &scale)?
+                        }
+                        (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                            launch!(self, "attention_tiled_bf16", config;
+                                q_data, keys, values, output, &row_start, &rows, &at, &heads,
+                                &kv_heads, &head_dim, &window, &scale)?
+                        }
+                        _ => unreachable!("checked above"),
+                    }
+                }
+                (AttentionPath::Reference, _, _) => {
+                    let tasks = u32::try_from(n * spec.heads).map_err(|_| CudaError::Invalid {
+                        problem: format!("attention: {n} rows × {} heads", spec.heads),
+                    })?;
+                    let config = LaunchConfig {
+                        grid_dim: (tasks.div_ceil(ATTENTION_WARPS), 1, 1),
+                        block_dim: (32 * ATTENTION_WARPS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    match (keys, values) {
+                        (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
+                            launch!(self, "attention", config;
+                                q_data, keys, values, output, &row_start, &rows, &at, &heads,
+                                &kv_heads, &head_dim, &window, &scale)?
+                        }
+                        (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                            launch!(self, "attention_bf16", config;
+                                q_data, keys, values, output, &row_start, &rows, &at, &heads,
+                                &kv_heads, &head_dim, &window, &scale)?
+                        }
+                        _ => unreachable!("checked above"),
+                    }
+                }
+            }
+        }
+        Ok(Ok(out))
+    }
+}

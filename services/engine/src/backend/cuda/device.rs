@@ -143,6 +143,12 @@ pub struct DeviceInfo {
     /// found, failed the check, or off in the options (the matmul kernel does everything then).
     pub cublas_library: Option<String>,
     pub kv_dtype: KvDtype,
+    /// The kernel multi-token delta-rule segments run: `"chunked"` (it passed its start-up check
+    /// against the recurrent kernel) or `"recurrent"` (every form; the check failed or the
+    /// GPU's shared memory is too small, with a warning logged).
+    pub delta_rule_path: &'static str,
+    /// Dynamic shared memory a block may use (opt-in maximum), bytes.
+    pub shared_memory_per_block: usize,
     /// The attention kernels in use: `flash` (split-K decode, tiled prefill) once they passed
     /// their start-up check against the reference, else `reference`.
     pub attention_path: AttentionPath,
@@ -409,6 +415,8 @@ impl CudaBackend {
             kernels_compiled: compiled,
             cublas_library: None,
             kv_dtype: options.kv_dtype,
+            delta_rule_path: delta_rule::PATH_RECURRENT,
+            shared_memory_per_block: 0,
             attention_path: AttentionPath::Reference,
         };
         let mut backend = CudaBackend {
@@ -424,6 +432,7 @@ impl CudaBackend {
             backend.cublas = backend.start_cublas();
             backend.info.cublas_library = backend.cublas.as_ref().map(Cublas::describe);
         }
+        backend.start_chunked_delta_rule();
         backend.info.attention_path = backend.start_attention();
         tracing::info!(info = ?backend.info, "CUDA backend ready");
         Ok(backend)
@@ -1151,59 +1160,6 @@ impl CudaBackend {
         }
         Ok((g, beta))
     }
-
-    #[allow(clippy::too_many_arguments)]
-    fn try_gated_delta_rule(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        g: &CudaTensor,
-        beta: &CudaTensor,
-        spec: &DeltaRuleSpec,
-        segments: &mut [Segment<'_, CudaRecurrentState>],
-    ) -> Result<CudaTensor, CudaError> {
-        let (dk, dv, nv, nk) = (
-            spec.key_head_dim,
-            spec.value_head_dim,
-            spec.value_heads,
-            spec.key_heads,
-        );
-        if dv == 0 || dv > 1024 || dk == 0 || nk == 0 || nv == 0 {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "gated_delta_rule: dk {dk}, dv {dv} (at most 1024), nk {nk}, nv {nv}"
-                ),
-            });
-        }
-        let (q_data, k_data, v_data) = (present(&q.data)?, present(&k.data)?, present(&v.data)?);
-        let (g_data, beta_data) = (present(&g.data)?, present(&beta.data)?);
-        let mut out = self.output(q.rows, nv * dv)?;
-        let (nk_arg, nv_arg, dk_arg, dv_arg) = (
-            int(nk, "key heads")?,
-            int(nv, "value heads")?,
-            int(dk, "dk")?,
-            int(dv, "dv")?,
-        );
-        let config = LaunchConfig {
-            grid_dim: (nv as u32, 1, 1),
-            block_dim: ((dv as u32).div_ceil(32) * 32, 1, 1),
-            shared_mem_bytes: (2 * dk * std::mem::size_of::<f32>()) as u32,
-        };
-        for segment in segments.iter_mut() {
-            let n = segment.rows.len();
-            if n == 0 {
-                continue;
-            }
-            let (row_start, rows) = (int(segment.rows.start, "row")?, int(n, "rows")?);
-            let state = present_mut(&mut segment.state.state)?;
-            let output = present_mut(&mut out.data)?;
-            launch!(self, "gated_delta_rule_recurrent", config;
-                q_data, k_data, v_data, g_data, beta_data, state, output, &row_start, &rows,
-                &nk_arg, &nv_arg, &dk_arg, &dv_arg)?;
-        }
-        Ok(out)
-    }
 }
 
 fn load_module(
@@ -1430,8 +1386,14 @@ impl Backend for CudaBackend {
     }
 
     fn route_top_k(&self, logits: &CudaTensor, k: usize, normalize: bool) -> Routing {
-        // The expert executor needs the routing on the host; the router logits are small
-        // ([tokens, experts]), so softmax/top-k run there, exactly as on the CPU backend.
+        // Softmax/top-k on the GPU; only the routing comes back to the host (the expert
+        // executor needs it there). Routers wider than the kernel takes run on the host.
+        if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
+            match self.try_route_top_k_on_device(logits, k, normalize) {
+                Ok(routing) => return routing,
+                Err(error) => self.record(error),
+            }
+        }
         let values = self.download(logits);
         route_top_k_host(&values, logits.cols, k, normalize)
     }
@@ -1553,12 +1515,12 @@ impl Backend for CudaBackend {
         g: &CudaTensor,
         beta: &CudaTensor,
         spec: &DeltaRuleSpec,
-        // Only the recurrent kernel exists yet; the chunked form computes the same function
-        // (checked on the CPU by `chunked_and_recurrent_delta_rule_agree`).
-        _form: DeltaRuleForm,
+        form: DeltaRuleForm,
         segments: &mut [Segment<'_, CudaRecurrentState>],
     ) -> CudaTensor {
-        let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, segments);
+        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
+        // else the recurrent kernel (device/delta_rule.rs).
+        let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, form, segments);
         self.settle(result, q.rows, spec.value_heads * spec.value_head_dim)
     }
 
@@ -1595,8 +1557,10 @@ impl Backend for CudaBackend {
     }
 }
 
-mod bandwidth;
-mod expert_slots;
 mod attention;
+mod bandwidth;
+mod delta_rule;
+mod expert_slots;
 pub use attention::AttentionPath;
+mod router;
 pub use expert_slots::CudaExpertSlots;

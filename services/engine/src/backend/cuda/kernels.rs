@@ -69,7 +69,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "delta_rule",
         source: include_str!("../../../../../kernels/delta_rule.cu"),
-        functions: &["gated_delta_rule_recurrent"],
+        functions: &["gated_delta_rule_recurrent", "gated_delta_rule_chunked"],
     },
     KernelSource {
         name: "experts",

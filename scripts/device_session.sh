@@ -42,7 +42,18 @@ if [ "${SKIP_EXPERT_BENCH:-0}" != 1 ]; then
   timeout 60 .devbin/ninfer bench memory 2>&1 | tee -a "$out/experts.log"
 fi
 
-# --- Issue 8: the GPU suites, all at once ----------------------------------------------------
+# --- Issue 8: a canary first (compiles and caches the kernels, runs the start-up self-checks;
+# a self-check kernel that faults would poison every suite's context), then every suite at once.
+log "canary: backend start-up + dense ops"
+RUST_LOG=info NINFER_REQUIRE_GPU=1 timeout 120 .devbin/cuda_ops dense_ops_match_the_cpu_backend \
+  --nocapture >"$out/canary.log" 2>&1
+canary=$?
+grep -E 'CUDA backend ready|self-check|falls? back|fallback|WARN|ERROR|test result' "$out/canary.log" \
+  | cut -c1-600 | tee -a "$out/session.log"
+if [ "$canary" -ne 0 ] && grep -q 'NINFER_CUDA_REFERENCE_KERNELS' "$out/canary.log"; then
+  log "canary: the newer kernels broke the context; the suites run with the reference kernels only"
+  export NINFER_CUDA_REFERENCE_KERNELS=1
+fi
 log "GPU test suites"
 GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-120} \
   scripts/gpu_tests.sh run 2>&1 | tee "$out/gpu_tests.log" | tail -60

@@ -428,12 +428,28 @@ impl CudaBackend {
             cublas: None,
             options,
         };
-        if options.cublas {
-            backend.cublas = backend.start_cublas();
-            backend.info.cublas_library = backend.cublas.as_ref().map(Cublas::describe);
+        // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
+        // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
+        // the newer kernels faults in its self-check and takes the context down with it.
+        let reference_only = std::env::var("NINFER_CUDA_REFERENCE_KERNELS").is_ok_and(|v| v == "1");
+        if reference_only {
+            tracing::warn!("NINFER_CUDA_REFERENCE_KERNELS=1: reference kernels only");
+        } else {
+            if options.cublas {
+                backend.cublas = backend.start_cublas();
+                backend.info.cublas_library = backend.cublas.as_ref().map(Cublas::describe);
+            }
+            backend.start_chunked_delta_rule();
+            backend.info.attention_path = backend.start_attention();
         }
-        backend.start_chunked_delta_rule();
-        backend.info.attention_path = backend.start_attention();
+        // A self-check kernel that faulted leaves the context unusable (sticky error): say so
+        // here, naming the switch, rather than at the first op.
+        backend.stream.synchronize().map_err(|error| CudaError::NoDevice {
+            problem: format!(
+                "the GPU context failed during the kernels' start-up self-checks ({}); set NINFER_CUDA_REFERENCE_KERNELS=1 to run the reference kernels only",
+                describe(&error)
+            ),
+        })?;
         tracing::info!(info = ?backend.info, "CUDA backend ready");
         Ok(backend)
     }

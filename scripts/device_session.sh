@@ -57,4 +57,21 @@ fi
 log "GPU test suites"
 GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-120} \
   scripts/gpu_tests.sh run 2>&1 | tee "$out/gpu_tests.log" | tail -60
+
+# --- Issue 7, a first look only (not its acceptance: that needs the full-size artifacts and more
+# device time): 8 layers of qwen3-30b-a3b, int8 experts, uniform routing, CPU vs all-GPU experts.
+if [ "${SKIP_PIPELINE_BENCH:-0}" != 1 ] && [ -x .devbin/ninfer ] && [ -x .devbin/ninfer-experts ]; then
+  log "synthetic qwen3-30b-a3b, 8 layers"
+  work=${TMPDIR:-/tmp}/ninfer-bench
+  mkdir -p "$work"
+  timeout 120 .devbin/ninfer convert --synthetic qwen3-30b-a3b "$work/q30-l8.ninfer" --layers 8 \
+    --experts-dtype int8 --routing uniform 2>&1 | tail -2 | tee -a "$out/session.log"
+  for experts in 0 all; do
+    log "ninfer bench --moe-gpu-experts $experts"
+    timeout 120 .devbin/ninfer bench "$work/q30-l8.ninfer" --device cuda --moe-threads 16 \
+      --prompt-lengths 512 --decode-tokens 32 --moe-gpu-experts "$experts" \
+      >"$out/bench_q30_l8_gpu_$experts.txt" 2>&1
+    tail -8 "$out/bench_q30_l8_gpu_$experts.txt" | tee -a "$out/session.log"
+  done
+fi
 log "done"

@@ -107,3 +107,17 @@ extern "C" __global__ void f32_to_bf16(const float* x, unsigned short* out, long
         out[i] = f32_to_bf16_bits(x[i]);
     }
 }
+
+// x = hi + lo with hi = bf16(x), lo = bf16(x − hi): two bf16 GEMMs (hi, then lo accumulated)
+// carry ~16 mantissa bits of the activations instead of 8, so the tensor-core prefill path
+// stays within f32-level tolerance of the exact kernel (bf16 weights are exact either way).
+extern "C" __global__ void f32_to_bf16_split(const float* x, unsigned short* hi, unsigned short* lo,
+                                             long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        unsigned short h = f32_to_bf16_bits(x[i]);
+        float rest = x[i] - __uint_as_float(((unsigned int)h) << 16);
+        hi[i] = h;
+        lo[i] = f32_to_bf16_bits(rest);
+    }
+}

@@ -259,6 +259,19 @@ impl Cublas {
         k: usize,
         m: usize,
     ) -> Result<(), CudaError> {
+        self.linear_into(operands, y, n, k, m, false)
+    }
+
+    /// [`Self::linear`], adding into `y` (`β = 1`) when `accumulate`.
+    pub fn linear_into(
+        &self,
+        operands: GemmOperands<'_>,
+        y: &mut CudaSlice<f32>,
+        n: usize,
+        k: usize,
+        m: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
         let (x_len, w_len) = match &operands {
             GemmOperands::Bf16 { x, w } => (x.len(), w.len()),
             GemmOperands::F32 { x, w } => (x.len(), w.len()),
@@ -277,7 +290,7 @@ impl Cublas {
             })
         };
         let (n, k, m) = (int(n, "n")?, int(k, "k")?, int(m, "m")?);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let stream = &*self.stream;
         stream
             .context()

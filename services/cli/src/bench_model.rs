@@ -57,8 +57,9 @@ pub struct ModelBenchArgs {
     /// run's tok/s is listed so reproducibility shows.
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
-    /// Seed of the random prompts and of the sampling (temperature 1, so routing keeps
-    /// changing as it does in real text; greedy decoding of a random model loops).
+    /// Seed of the random prompts and of the sampling (temperature 1, top-k 20 as in Qwen's
+    /// generation configs, so routing keeps changing as it does in real text; greedy decoding
+    /// of a random model loops).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Buffer of the RAM bandwidth reference, GiB (as `bench memory --buffer-gib`).
@@ -367,6 +368,7 @@ async fn generate(
         max_new_tokens: new_tokens as u32,
         sampling: Some(SamplingParameters {
             temperature: 1.0,
+            top_k: 20,
             seed: Some(seed),
             ..Default::default()
         }),

@@ -43,6 +43,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    supervisor::remember_startup_affinity();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

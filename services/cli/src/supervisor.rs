@@ -5,12 +5,25 @@
 //! Owns: child processes, their pid files and logs under the runtime directory.
 //! Must not touch: what the children do.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
+
+/// The CPUs `ninfer` was started with (`taskset` and cgroups respected), read once at start-up.
+static STARTUP_AFFINITY: std::sync::OnceLock<Option<CpuSet>> = std::sync::OnceLock::new();
+
+/// Records the process's CPU affinity before anything pins a thread (call first in `main`).
+/// Children start with it, not with whatever the spawning thread was pinned to since (a
+/// bandwidth measurement pins its threads; a pipeline inheriting one CPU ran ~100× slower).
+pub fn remember_startup_affinity() {
+    STARTUP_AFFINITY.get_or_init(|| sched_getaffinity(Pid::from_raw(0)).ok());
+}
 
 static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
 
@@ -125,11 +138,24 @@ fn start_child(runtime_dir: &Path, supervised: &mut Supervised) -> anyhow::Resul
             .append(true)
             .open(&log_path)
             .with_context(|| format!("opening {}", log_path.display()))?;
-        let child = Command::new(&spec.program)
+        let mut command = Command::new(&spec.program);
+        command
             .args(&spec.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
-            .stderr(log)
+            .stderr(log);
+        if let Some(Some(startup)) = STARTUP_AFFINITY.get().copied() {
+            // SAFETY: runs in the forked child before exec; sched_setaffinity is a plain
+            // system call (async-signal-safe) on a mask copied into the closure.
+            unsafe {
+                command.pre_exec(move || {
+                    // A mask the child cannot take is not a reason to fail its start.
+                    let _ = sched_setaffinity(Pid::from_raw(0), &startup);
+                    Ok(())
+                });
+            }
+        }
+        let child = command
             .spawn()
             .with_context(|| format!("starting {} ({})", spec.label, spec.program.display()))?;
         std::fs::write(

@@ -23,6 +23,19 @@ const SPINS_BEFORE_PARK: u32 = 1 << 16;
 
 type Job = dyn Fn(&WorkerContext<'_>) + Sync;
 
+/// How long an idle worker keeps spinning before it parks (`NINFER_POOL_IDLE_SPIN_US`,
+/// default 0: park after `SPINS_BEFORE_PARK` spins).
+fn idle_spin() -> Duration {
+    static IDLE_SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *IDLE_SPIN.get_or_init(|| {
+        std::env::var("NINFER_POOL_IDLE_SPIN_US")
+            .ok()
+            .and_then(|text| text.parse::<u64>().ok())
+            .map(Duration::from_micros)
+            .unwrap_or(Duration::ZERO)
+    })
+}
+
 /// What a job sees on each thread.
 pub struct WorkerContext<'a> {
     /// 0 for the calling thread, 1.. for workers.
@@ -137,6 +150,10 @@ pub struct ThreadPool {
     workers: Vec<JoinHandle<()>>,
     handles: Vec<Thread>,
     cpus: Vec<usize>,
+    /// The caller's affinity before `pin_caller` pinned it, restored on drop: a thread pinned
+    /// for one pool (a bandwidth measurement, say) must not stay pinned — every thread and
+    /// child process it starts later would inherit that one CPU.
+    caller_affinity: Option<CallerAffinity>,
     /// Serialises `run` callers (a pool runs one job at a time); taken once per job, outside
     /// the threads' hot loops.
     dispatch: std::sync::Mutex<()>,
@@ -156,9 +173,13 @@ impl ThreadPool {
             barrier: SpinBarrier::new(threads),
             parked: (0..threads).map(|_| AtomicBool::new(false)).collect(),
         });
-        if pin_caller && !cpus.is_empty() {
+        let caller_affinity = if pin_caller && !cpus.is_empty() {
+            let saved = CallerAffinity::of_current_thread();
             pin_current_thread(cpus[0])?;
-        }
+            saved
+        } else {
+            None
+        };
         let mut workers = Vec::with_capacity(threads - 1);
         let mut handles = Vec::with_capacity(threads - 1);
         for index in 1..threads {
@@ -182,6 +203,7 @@ impl ThreadPool {
             workers,
             handles,
             cpus: cpus.to_vec(),
+            caller_affinity,
             dispatch: std::sync::Mutex::new(()),
         })
     }
@@ -263,6 +285,54 @@ impl Drop for ThreadPool {
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
+        if let Some(saved) = self.caller_affinity.take() {
+            saved.restore();
+        }
+    }
+}
+
+/// A thread's CPU affinity mask, to put back later (from any thread: by thread id).
+struct CallerAffinity {
+    #[cfg(target_os = "linux")]
+    thread: libc::pid_t,
+    #[cfg(target_os = "linux")]
+    mask: libc::cpu_set_t,
+}
+
+impl CallerAffinity {
+    fn of_current_thread() -> Option<Self> {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size;
+            // gettid has no preconditions.
+            unsafe {
+                let mut mask: libc::cpu_set_t = std::mem::zeroed();
+                if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut mask)
+                    != 0
+                {
+                    return None;
+                }
+                Some(CallerAffinity {
+                    thread: libc::gettid(),
+                    mask,
+                })
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        None
+    }
+
+    fn restore(&self) {
+        #[cfg(target_os = "linux")]
+        // SAFETY: the mask came from sched_getaffinity; a thread that has exited makes the call
+        // fail harmlessly (ESRCH).
+        unsafe {
+            let _ = libc::sched_setaffinity(
+                self.thread,
+                std::mem::size_of::<libc::cpu_set_t>(),
+                &self.mask,
+            );
+        }
     }
 }
 
@@ -270,6 +340,7 @@ fn worker_loop(shared: &PoolShared, index: usize, threads: usize) {
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;
+        let mut idle_since: Option<std::time::Instant> = None;
         let epoch = loop {
             let epoch = shared.epoch.load(Ordering::Acquire);
             if epoch != seen {
@@ -277,6 +348,14 @@ fn worker_loop(shared: &PoolShared, index: usize, threads: usize) {
             }
             if spins < SPINS_BEFORE_PARK {
                 spins += 1;
+                std::hint::spin_loop();
+            } else if idle_since
+                .get_or_insert_with(std::time::Instant::now)
+                .elapsed()
+                < idle_spin()
+            {
+                // Still within the idle-spin window: stay awake (waking a parked thread costs a
+                // scheduler round trip, on a VM a halted vCPU's wake-up, per layer).
                 std::hint::spin_loop();
             } else {
                 shared.parked[index].store(true, Ordering::SeqCst);
@@ -397,6 +476,15 @@ pub fn pin_current_thread(cpu: usize) -> Result<(), KernelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pinned_caller_gets_its_affinity_back_when_the_pool_goes() {
+        let before = allowed_cpus();
+        let pool = ThreadPool::new(2, &[before[0]], true).unwrap();
+        assert_eq!(allowed_cpus(), vec![before[0]]);
+        drop(pool);
+        assert_eq!(allowed_cpus(), before);
+    }
 
     #[test]
     fn parses_cpulists() {

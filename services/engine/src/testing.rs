@@ -51,6 +51,63 @@ macro_rules! test_device {
     };
 }
 
+/// The golden fixtures (`tests/fixtures/<name>/`, transformers references).
+pub const GOLDEN_FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
+
+/// `tests/fixtures/<name>` of this checkout.
+pub fn golden_fixture_dir(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// The numbers of a JSON array (empty for anything else).
+pub fn json_numbers(value: &serde_json::Value) -> Vec<f64> {
+    value
+        .as_array()
+        .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
+        .unwrap_or_default()
+}
+
+/// Logits after every token of `tokens` (one prefill), one `[vocab]` row per position.
+pub fn teacher_forced_logits<B: crate::Backend>(
+    model: &crate::Model<B>,
+    tokens: &[u32],
+) -> Result<Vec<Vec<f32>>, EngineError> {
+    let mut state = model.new_sequence(tokens.len());
+    let mut batch = [crate::SequenceInput {
+        state: &mut state,
+        tokens,
+    }];
+    let logits = model
+        .forward(&mut batch, crate::LogitsSelection::All)?
+        .pop()
+        .unwrap_or_default();
+    Ok(logits
+        .chunks(model.vocab_size().max(1))
+        .map(<[f32]>::to_vec)
+        .collect())
+}
+
+/// `count` greedy tokens after `prompt`: a prefill, then one decode step per token.
+pub fn greedy_tokens<B: crate::Backend>(
+    model: &crate::Model<B>,
+    prompt: &[u32],
+    count: usize,
+) -> Result<Vec<u32>, EngineError> {
+    let mut state = model.new_sequence(prompt.len() + count);
+    let mut logits = model.prefill(&mut state, prompt)?;
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        let next = crate::sampling::argmax(&logits);
+        out.push(next);
+        if out.len() < count {
+            logits = model.prefill(&mut state, &[next])?;
+        }
+    }
+    Ok(out)
+}
+
 /// Why CUDA test cases are skipped in this build.
 pub const CUDA_UNAVAILABLE: &str = "this build has no CUDA backend yet (CPU-only)";
 

@@ -8,7 +8,6 @@
 //! bf16 prefill GEMMs when it is present (printed first).
 //! Skipped without a GPU (fails under `NINFER_REQUIRE_GPU=1`).
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ninfer_artifact::DType;
@@ -16,52 +15,12 @@ use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::backend::cuda::CudaBackend;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::argmax;
-use ninfer_engine::{Backend, CpuBackend, LogitsSelection, Model, SequenceInput};
+use ninfer_engine::testing::{
+    golden_fixture_dir, greedy_tokens, json_numbers, teacher_forced_logits, GOLDEN_FIXTURES,
+};
+use ninfer_engine::{CpuBackend, Model};
 
-const FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
 const GREEDY_TOKENS: usize = 16;
-
-fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn numbers(value: &serde_json::Value) -> Vec<f64> {
-    value
-        .as_array()
-        .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
-        .unwrap_or_default()
-}
-
-fn teacher_forced<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut state = model.new_sequence(tokens.len());
-    let mut batch = [SequenceInput {
-        state: &mut state,
-        tokens,
-    }];
-    let logits = model
-        .forward(&mut batch, LogitsSelection::All)
-        .unwrap()
-        .remove(0);
-    logits
-        .chunks(model.vocab_size())
-        .map(<[f32]>::to_vec)
-        .collect()
-}
-
-fn greedy<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Vec<u32> {
-    let mut state = model.new_sequence(prompt.len() + GREEDY_TOKENS);
-    let mut logits = model.prefill(&mut state, prompt).unwrap();
-    let mut out = Vec::new();
-    while out.len() < GREEDY_TOKENS {
-        out.push(argmax(&logits));
-        if out.len() < GREEDY_TOKENS {
-            logits = model.prefill(&mut state, &out[out.len() - 1..]).unwrap();
-        }
-    }
-    out
-}
 
 #[test]
 fn golden_fixtures_through_cuda_meet_issue_8_acceptance() {
@@ -85,15 +44,15 @@ fn golden_fixtures_through_cuda_meet_issue_8_acceptance() {
     let cpu = Arc::new(CpuBackend::new());
     let work = tempfile::tempdir().unwrap();
     let mut ran = 0;
-    for name in FIXTURES {
-        let fixture = fixture_dir(name);
+    for name in GOLDEN_FIXTURES {
+        let fixture = golden_fixture_dir(name);
         let Ok(text) = std::fs::read_to_string(fixture.join("reference.json")) else {
             println!("SKIPPED golden fixture `{name}`: no reference.json");
             continue;
         };
         ran += 1;
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let tokens: Vec<u32> = numbers(&json["nll_token_ids"])
+        let tokens: Vec<u32> = json_numbers(&json["nll_token_ids"])
             .into_iter()
             .map(|x| x as u32)
             .collect();
@@ -102,15 +61,18 @@ fn golden_fixtures_through_cuda_meet_issue_8_acceptance() {
             .unwrap()
             .iter()
             .map(|p| {
-                numbers(&p["prompt_token_ids"])
+                json_numbers(&p["prompt_token_ids"])
                     .into_iter()
                     .map(|x| x as u32)
                     .collect()
             })
             .collect();
         for (dtype, reference) in [
-            (DType::F32, numbers(&json["token_nll"])),
-            (DType::Bf16, numbers(&json["bf16_weights"]["token_nll"])),
+            (DType::F32, json_numbers(&json["token_nll"])),
+            (
+                DType::Bf16,
+                json_numbers(&json["bf16_weights"]["token_nll"]),
+            ),
         ] {
             // References store N−1 values (positions 1..N) or N (a leading placeholder).
             let reference = if reference.len() == tokens.len() {
@@ -133,8 +95,8 @@ fn golden_fixtures_through_cuda_meet_issue_8_acceptance() {
             let on_gpu = Model::open(Arc::clone(&gpu), &path).unwrap();
             let on_cpu = Model::open(Arc::clone(&cpu), &path).unwrap();
             let (logits_g, logits_c) = (
-                teacher_forced(&on_gpu, &tokens),
-                teacher_forced(&on_cpu, &tokens),
+                teacher_forced_logits(&on_gpu, &tokens).unwrap(),
+                teacher_forced_logits(&on_cpu, &tokens).unwrap(),
             );
             let scored = tokens.len() - 1;
             let mut nll_difference = 0.0f64;
@@ -148,7 +110,10 @@ fn golden_fixtures_through_cuda_meet_issue_8_acceptance() {
             let agreement = agree as f64 / scored as f64;
             let mut greedy_same = 0;
             for prompt in &prompts {
-                let (g, c) = (greedy(&on_gpu, prompt), greedy(&on_cpu, prompt));
+                let (g, c) = (
+                    greedy_tokens(&on_gpu, prompt, GREEDY_TOKENS).unwrap(),
+                    greedy_tokens(&on_cpu, prompt, GREEDY_TOKENS).unwrap(),
+                );
                 greedy_same += g.iter().zip(&c).take_while(|(a, b)| a == b).count();
                 assert_eq!(
                     g, c,

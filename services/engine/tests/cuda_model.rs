@@ -14,40 +14,12 @@ use ninfer_artifact::DType;
 use ninfer_engine::backend::cuda::CudaBackend;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::argmax;
-use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
-use ninfer_engine::{Backend, CpuBackend, LogitsSelection, Model, SequenceInput};
+use ninfer_engine::testing::{
+    greedy_tokens, teacher_forced_logits, write_tiny_model, TinyArchitecture, TinyModelOptions,
+};
+use ninfer_engine::{CpuBackend, Model};
 
 const GREEDY_TOKENS: usize = 16;
-
-fn teacher_forced<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut state = model.new_sequence(tokens.len());
-    let mut batch = [SequenceInput {
-        state: &mut state,
-        tokens,
-    }];
-    let logits = model
-        .forward(&mut batch, LogitsSelection::All)
-        .unwrap()
-        .remove(0);
-    logits
-        .chunks(model.vocab_size())
-        .map(<[f32]>::to_vec)
-        .collect()
-}
-
-fn greedy<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Vec<u32> {
-    let mut state = model.new_sequence(prompt.len() + GREEDY_TOKENS);
-    let mut logits = model.prefill(&mut state, prompt).unwrap();
-    let mut out = Vec::new();
-    while out.len() < GREEDY_TOKENS {
-        let next = argmax(&logits);
-        out.push(next);
-        if out.len() < GREEDY_TOKENS {
-            logits = model.prefill(&mut state, &[next]).unwrap();
-        }
-    }
-    out
-}
 
 /// What one run is held to.
 struct Bars {
@@ -125,8 +97,8 @@ fn compare_tiny_models(gpu: &Arc<CudaBackend>, label: &str, bars: &Bars) {
             let on_cpu = Model::open(Arc::clone(&cpu), &path).unwrap();
 
             let (logits_g, logits_c) = (
-                teacher_forced(&on_gpu, &tokens),
-                teacher_forced(&on_cpu, &tokens),
+                teacher_forced_logits(&on_gpu, &tokens).unwrap(),
+                teacher_forced_logits(&on_cpu, &tokens).unwrap(),
             );
             let (mut nll_difference, mut agree, mut worst_logit) = (0.0f64, 0usize, 0.0f32);
             for t in 0..tokens.len() - 1 {
@@ -143,7 +115,10 @@ fn compare_tiny_models(gpu: &Arc<CudaBackend>, label: &str, bars: &Bars) {
             let scored = tokens.len() - 1;
             let mean_nll_difference = nll_difference / scored as f64;
             let agreement = agree as f64 / scored as f64;
-            let (greedy_g, greedy_c) = (greedy(&on_gpu, prompt), greedy(&on_cpu, prompt));
+            let (greedy_g, greedy_c) = (
+                greedy_tokens(&on_gpu, prompt, GREEDY_TOKENS).unwrap(),
+                greedy_tokens(&on_cpu, prompt, GREEDY_TOKENS).unwrap(),
+            );
             let same_greedy = greedy_g
                 .iter()
                 .zip(&greedy_c)

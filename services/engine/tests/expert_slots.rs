@@ -5,7 +5,6 @@
 //! * the golden fixtures with 0, half and all experts resident: the split must not change the
 //!   math (teacher-forced NLL and greedy tokens agree; NLL within 2e-2 of transformers).
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ninfer_artifact::DType;
@@ -14,15 +13,16 @@ use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
 use ninfer_engine::experts::NO_EXPERT;
 use ninfer_engine::perplexity::negative_log_likelihood;
-use ninfer_engine::sampling::{argmax, Xoshiro256};
-use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+use ninfer_engine::sampling::Xoshiro256;
+use ninfer_engine::testing::{
+    golden_fixture_dir, greedy_tokens, json_numbers, teacher_forced_logits, write_tiny_model,
+    TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
+};
 use ninfer_engine::{
-    open_artifact, test_device, Backend, CpuExpertExecutor, ExpertBatch, ExpertExecutor,
-    LogitsSelection, Model, SequenceInput,
+    open_artifact, test_device, Backend, CpuExpertExecutor, ExpertBatch, ExpertExecutor, Model,
 };
 use ninfer_expert_kernels::ExpertLayout;
 
-const FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
 const GREEDY_TOKENS: usize = 16;
 
 fn uniform(rng: &mut Xoshiro256, count: usize) -> Vec<f32> {
@@ -190,73 +190,31 @@ fn router_matches_the_host_reference<B: Backend>(backend: Arc<B>) {
 }
 test_device!(router_matches_the_host_reference);
 
-fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn numbers(value: &serde_json::Value) -> Vec<f64> {
-    value
-        .as_array()
-        .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
-        .unwrap_or_default()
-}
-
-fn teacher_forced_nll<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f64> {
-    let mut state = model.new_sequence(tokens.len());
-    let mut batch = [SequenceInput {
-        state: &mut state,
-        tokens,
-    }];
-    let logits = model
-        .forward(&mut batch, LogitsSelection::All)
-        .unwrap()
-        .remove(0);
-    let vocab = model.vocab_size();
-    (1..tokens.len())
-        .map(|t| negative_log_likelihood(&logits[(t - 1) * vocab..t * vocab], tokens[t]))
-        .collect()
-}
-
-fn greedy<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Vec<u32> {
-    let mut state = model.new_sequence(prompt.len() + GREEDY_TOKENS);
-    let mut logits = model.prefill(&mut state, prompt).unwrap();
-    let mut out = Vec::new();
-    while out.len() < GREEDY_TOKENS {
-        out.push(argmax(&logits));
-        if out.len() < GREEDY_TOKENS {
-            logits = model.prefill(&mut state, &out[out.len() - 1..]).unwrap();
-        }
-    }
-    out
-}
-
 /// `--moe-gpu-experts` 0, half and all on the golden fixtures: the same NLL (within f32
 /// rounding for f32 experts, within bf16-level tolerance for quantized ones), the same greedy
 /// tokens, and for f32 experts the transformers reference within 2e-2.
 fn resident_expert_split_does_not_change_the_model<B: Backend>(backend: Arc<B>) {
     let work = tempfile::tempdir().unwrap();
     let mut ran = 0;
-    for name in FIXTURES {
-        let fixture = fixture_dir(name);
+    for name in GOLDEN_FIXTURES {
+        let fixture = golden_fixture_dir(name);
         let Ok(text) = std::fs::read_to_string(fixture.join("reference.json")) else {
             println!("SKIPPED golden fixture `{name}`: no reference.json");
             continue;
         };
         ran += 1;
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let tokens: Vec<u32> = numbers(&json["nll_token_ids"])
+        let tokens: Vec<u32> = json_numbers(&json["nll_token_ids"])
             .into_iter()
             .map(|x| x as u32)
             .collect();
-        let reference = numbers(&json["token_nll"]);
+        let reference = json_numbers(&json["token_nll"]);
         let reference = if reference.len() == tokens.len() {
             reference[1..].to_vec()
         } else {
             reference
         };
-        let prompt: Vec<u32> = numbers(&json["prompts"][0]["prompt_token_ids"])
+        let prompt: Vec<u32> = json_numbers(&json["prompts"][0]["prompt_token_ids"])
             .into_iter()
             .map(|x| x as u32)
             .collect();
@@ -296,8 +254,13 @@ fn resident_expert_split_does_not_change_the_model<B: Backend>(backend: Arc<B>) 
                     .collect();
                 let report = model.place_resident_experts(&placement).unwrap();
                 assert_eq!(report.experts, chosen.len() * report.layers);
-                let nll = teacher_forced_nll(&model, &tokens);
-                let tokens_out = greedy(&model, &prompt);
+                let nll: Vec<f64> = teacher_forced_logits(&model, &tokens)
+                    .unwrap()
+                    .iter()
+                    .zip(&tokens[1..])
+                    .map(|(logits, &next)| negative_log_likelihood(logits, next))
+                    .collect();
+                let tokens_out = greedy_tokens(&model, &prompt, GREEDY_TOKENS).unwrap();
                 results.push((label, nll, tokens_out));
             }
             let (_, base_nll, base_tokens) = &results[0];

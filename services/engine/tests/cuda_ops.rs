@@ -13,7 +13,9 @@
 
 use std::sync::Arc;
 
-use ninfer_engine::backend::cuda::{AttentionPath, CudaBackend, CudaError, KvDtype};
+use ninfer_engine::backend::cuda::{
+    AttentionPath, CudaBackend, CudaError, CudaTensor, CudaWeight, KvDtype,
+};
 use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, NormStyle, Segment};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
@@ -411,6 +413,32 @@ fn round_to_bf16(values: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// The batch's segments: sequence 0's `new[0]` rows then sequence 1's, each at its position;
+/// a sequence without new rows is left out.
+fn two_segments<S>(
+    caches: &mut [S; 2],
+    new: [usize; 2],
+    positions: [usize; 2],
+) -> Vec<Segment<'_, S>> {
+    let [c0, c1] = caches;
+    let mut segments = Vec::new();
+    if new[0] > 0 {
+        segments.push(Segment {
+            rows: 0..new[0],
+            start_position: positions[0],
+            state: c0,
+        });
+    }
+    if new[1] > 0 {
+        segments.push(Segment {
+            rows: new[0]..new[0] + new[1],
+            start_position: positions[1],
+            state: c1,
+        });
+    }
+    segments
+}
+
 /// Runs the attention cases on `gpu` against the CPU backend, with the CPU's keys and values
 /// rounded to bf16 when the GPU's cache is bf16.
 fn attention_cases(gpu: &CudaBackend) {
@@ -478,60 +506,15 @@ fn attention_cases(gpu: &CudaBackend) {
                 cpu.upload(&v, total, kv_width),
             );
             let out_g = {
-                let [c0, c1] = &mut caches_g;
-                let mut segments: Vec<Segment<'_, _>> = Vec::new();
-                if new[0] > 0 {
-                    segments.push(Segment {
-                        rows: 0..new[0],
-                        start_position: positions[0],
-                        state: c0,
-                    });
-                }
-                if new[1] > 0 {
-                    segments.push(Segment {
-                        rows: new[0]..total,
-                        start_position: positions[1],
-                        state: c1,
-                    });
-                }
+                let mut segments = two_segments(&mut caches_g, new, positions);
                 gpu.download(&gpu.attention(&qg, &kg, &vg, &spec, &mut segments).unwrap())
             };
             let out_c = {
-                let [c0, c1] = &mut caches_c;
-                let mut segments: Vec<Segment<'_, _>> = Vec::new();
-                if new[0] > 0 {
-                    segments.push(Segment {
-                        rows: 0..new[0],
-                        start_position: positions[0],
-                        state: c0,
-                    });
-                }
-                if new[1] > 0 {
-                    segments.push(Segment {
-                        rows: new[0]..total,
-                        start_position: positions[1],
-                        state: c1,
-                    });
-                }
+                let mut segments = two_segments(&mut caches_c, new, positions);
                 cpu.download(&cpu.attention(&qc, &kc, &vc, &spec, &mut segments).unwrap())
             };
             let out_u = {
-                let [c0, c1] = &mut caches_u;
-                let mut segments: Vec<Segment<'_, _>> = Vec::new();
-                if new[0] > 0 {
-                    segments.push(Segment {
-                        rows: 0..new[0],
-                        start_position: positions[0],
-                        state: c0,
-                    });
-                }
-                if new[1] > 0 {
-                    segments.push(Segment {
-                        rows: new[0]..total,
-                        start_position: positions[1],
-                        state: c1,
-                    });
-                }
+                let mut segments = two_segments(&mut caches_u, new, positions);
                 cpu.download(&cpu.attention(&qc, &ku, &vu, &spec, &mut segments).unwrap())
             };
             let what = format!(
@@ -1032,6 +1015,19 @@ fn cublas_matmul_matches_a_host_reference() {
     gpu.synchronize().unwrap();
 }
 
+/// Mean seconds of `x · weightᵀ` over 20 calls, after one warm-up.
+fn seconds_per_matmul(gpu: &CudaBackend, x: &CudaTensor, weight: &CudaWeight) -> f64 {
+    let _ = gpu.matmul(x, weight);
+    gpu.synchronize().unwrap();
+    let repeats = 20;
+    let start = std::time::Instant::now();
+    for _ in 0..repeats {
+        let _ = gpu.matmul(x, weight);
+    }
+    gpu.synchronize().unwrap();
+    start.elapsed().as_secs_f64() / repeats as f64
+}
+
 /// Not a check: prints the matmul kernel's achieved weight bandwidth at decode and small-batch
 /// shapes (run by `scripts/gpu_tests.sh run`: `cuda_ops --ignored matmul_bandwidth_figures`).
 #[test]
@@ -1052,15 +1048,7 @@ fn matmul_bandwidth_figures() {
             rows,
             in_features,
         );
-        let _ = gpu.matmul(&x, &weight);
-        gpu.synchronize().unwrap();
-        let repeats = 20;
-        let start = std::time::Instant::now();
-        for _ in 0..repeats {
-            let _ = gpu.matmul(&x, &weight);
-        }
-        gpu.synchronize().unwrap();
-        let seconds = start.elapsed().as_secs_f64() / repeats as f64;
+        let seconds = seconds_per_matmul(&gpu, &x, &weight);
         let bytes = (out_features * in_features * 4) as f64;
         let flops = 2.0 * (rows * out_features * in_features) as f64;
         println!(
@@ -1083,15 +1071,7 @@ fn matmul_bandwidth_figures() {
             rows,
             in_features,
         );
-        let _ = gpu.matmul(&x, &weight);
-        gpu.synchronize().unwrap();
-        let repeats = 20;
-        let start = std::time::Instant::now();
-        for _ in 0..repeats {
-            let _ = gpu.matmul(&x, &weight);
-        }
-        gpu.synchronize().unwrap();
-        let seconds = start.elapsed().as_secs_f64() / repeats as f64;
+        let seconds = seconds_per_matmul(&gpu, &x, &weight);
         let bytes = (out_features * in_features * 2) as f64;
         let flops = 2.0 * (rows * out_features * in_features) as f64;
         let path = if gpu.uses_cublas_for(rows) {

@@ -23,19 +23,6 @@ const SPINS_BEFORE_PARK: u32 = 1 << 16;
 
 type Job = dyn Fn(&WorkerContext<'_>) + Sync;
 
-/// How long an idle worker keeps spinning before it parks (`NINFER_POOL_IDLE_SPIN_US`,
-/// default 0: park after `SPINS_BEFORE_PARK` spins).
-fn idle_spin() -> Duration {
-    static IDLE_SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *IDLE_SPIN.get_or_init(|| {
-        std::env::var("NINFER_POOL_IDLE_SPIN_US")
-            .ok()
-            .and_then(|text| text.parse::<u64>().ok())
-            .map(Duration::from_micros)
-            .unwrap_or(Duration::ZERO)
-    })
-}
-
 /// What a job sees on each thread.
 pub struct WorkerContext<'a> {
     /// 0 for the calling thread, 1.. for workers.
@@ -340,7 +327,6 @@ fn worker_loop(shared: &PoolShared, index: usize, threads: usize) {
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;
-        let mut idle_since: Option<std::time::Instant> = None;
         let epoch = loop {
             let epoch = shared.epoch.load(Ordering::Acquire);
             if epoch != seen {
@@ -348,14 +334,6 @@ fn worker_loop(shared: &PoolShared, index: usize, threads: usize) {
             }
             if spins < SPINS_BEFORE_PARK {
                 spins += 1;
-                std::hint::spin_loop();
-            } else if idle_since
-                .get_or_insert_with(std::time::Instant::now)
-                .elapsed()
-                < idle_spin()
-            {
-                // Still within the idle-spin window: stay awake (waking a parked thread costs a
-                // scheduler round trip, on a VM a halted vCPU's wake-up, per layer).
                 std::hint::spin_loop();
             } else {
                 shared.parked[index].store(true, Ordering::SeqCst);

@@ -25,6 +25,7 @@ use ninfer_engine::service::scheduler::{
 use ninfer_engine::service::{
     AlwaysReady, DeviceBandwidthProbe, EngineService, Profiling, Readiness,
 };
+use ninfer_engine::spec::MixerKind;
 use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
 use ninfer_expert_kernels::KernelIsa;
 use ninfer_protocol::v1::engine_server::EngineServer;
@@ -202,7 +203,11 @@ fn main() -> anyhow::Result<()> {
         count: args.moe_gpu_experts,
         budget_gib: args.gpu_mem_budget,
         statistics,
-        kv_bytes_per_token: kv_bytes_per_token(&artifact, args.kv_dtype),
+        kv_element_bytes: if args.kv_dtype == Some(KvDtype::F32) {
+            4
+        } else {
+            2
+        },
         limits,
     };
     let ((scheduler, profile, expert_stride_bytes), (device_name, device_bandwidth)) = match device
@@ -353,25 +358,9 @@ struct GpuExpertsRequest {
     count: GpuExpertCount,
     budget_gib: Option<f64>,
     statistics: Option<ExpertStatistics>,
-    kv_bytes_per_token: u64,
+    /// Bytes of one cached key or value element (`--kv-dtype`).
+    kv_element_bytes: u64,
     limits: SchedulerLimits,
-}
-
-/// KV cache bytes per token over all attention layers (K and V).
-fn kv_bytes_per_token(artifact: &ninfer_artifact::Artifact, kv_dtype: Option<KvDtype>) -> u64 {
-    let config = artifact.config();
-    let common = config.common();
-    let attention_layers = match config {
-        ninfer_artifact::ModelConfig::Qwen3Moe(_) => common.num_hidden_layers,
-        ninfer_artifact::ModelConfig::Qwen3Next(hybrid)
-        | ninfer_artifact::ModelConfig::Qwen35Moe(hybrid) => hybrid
-            .layer_types
-            .iter()
-            .filter(|t| **t == ninfer_artifact::LayerType::FullAttention)
-            .count(),
-    };
-    let element = if kv_dtype == Some(KvDtype::F32) { 4 } else { 2 };
-    (attention_layers * 2 * common.num_key_value_heads * common.head_dim * element) as u64
 }
 
 /// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
@@ -422,7 +411,18 @@ fn place_gpu_experts<B: Backend>(
             Some(gib) => ((gib * (1u64 << 30) as f64) as u64).saturating_sub(used),
             None => free as u64,
         };
-        let kv = request.kv_bytes_per_token
+        // K and V of every attention layer, per token of every sequence's full context.
+        let spec = model.spec();
+        let attention_layers = spec
+            .mixers
+            .iter()
+            .filter(|mixer| **mixer == MixerKind::Attention)
+            .count() as u64;
+        let kv_bytes_per_token = attention_layers
+            * 2
+            * (spec.attention.kv_heads * spec.attention.head_dim) as u64
+            * request.kv_element_bytes;
+        let kv = kv_bytes_per_token
             * request.limits.max_context as u64
             * request.limits.max_sequences as u64;
         limit.saturating_sub(kv).saturating_sub(1 << 30)

@@ -14,7 +14,10 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_expert_kernels::ExpertLayout;
 
-use super::{AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, Routing, Segment};
+use super::{
+    expert_bytes, slot_out_of_range, AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec,
+    NormStyle, Routing, Segment,
+};
 use crate::error::EngineError;
 use crate::weights::{dot, StoredWeight, WeightMatrix};
 
@@ -848,16 +851,20 @@ impl Backend for CpuBackend {
             // Shapes are validated at model load; an inconsistent call leaves zeros.
             return out;
         }
+        // Each slot's matrix views once per call, not once per (token, choice).
+        let matrices: Vec<_> = (0..slots.expert_in_slot.len())
+            .map(|slot| slots.expert_matrices(slot).ok())
+            .collect();
         let mut gate_up = vec![0.0f32; 2 * intermediate];
         let mut activated = vec![0.0f32; intermediate];
         let mut y = vec![0.0f32; hidden];
         for t in 0..x.rows {
             for j in 0..k {
                 let expert = routing.expert_ids[t * k + j] as usize;
-                let Some(slot) = slots.slot_of(expert) else {
-                    continue;
-                };
-                let Ok((gate_up_matrix, down_matrix)) = slots.expert_matrices(slot) else {
+                let Some((gate_up_matrix, down_matrix)) = slots
+                    .slot_of(expert)
+                    .and_then(|slot| matrices.get(slot).copied().flatten())
+                else {
                     continue;
                 };
                 gate_up_matrix.matmul(x.row(t), 1, &mut gate_up);
@@ -872,54 +879,6 @@ impl Backend for CpuBackend {
             }
         }
         out
-    }
-}
-
-/// The stored bytes of expert `expert` of `bank` (its whole stride), checked against `layout`.
-pub fn expert_bytes<'a>(
-    artifact: &'a Artifact,
-    bank: &ExpertBank,
-    expert: usize,
-    layout: &ExpertLayout,
-) -> Result<&'a [u8], EngineError> {
-    let invalid = |problem: String| EngineError::InvalidWeight {
-        name: bank.prefix.clone(),
-        problem,
-    };
-    if bank.expert_stride != layout.stride as u64 || layout.dtype.artifact_dtype() != bank.dtype {
-        return Err(invalid(format!(
-            "bank has stride {} and dtype {}, the slots expect {} and {}",
-            bank.expert_stride,
-            bank.dtype,
-            layout.stride,
-            layout.dtype.artifact_dtype()
-        )));
-    }
-    if expert as u64 >= bank.num_experts {
-        return Err(invalid(format!(
-            "expert {expert} outside the bank of {}",
-            bank.num_experts
-        )));
-    }
-    let start = bank.offset + expert as u64 * bank.expert_stride;
-    let end = start + bank.expert_stride;
-    let bytes = artifact.bytes();
-    let range = usize::try_from(start).ok().zip(usize::try_from(end).ok());
-    match range {
-        Some((start, end)) if end <= bytes.len() => Ok(&bytes[start..end]),
-        _ => Err(invalid(format!(
-            "expert {expert} ends at byte {end}, past the artifact's {} bytes",
-            bytes.len()
-        ))),
-    }
-}
-
-/// The error for a slot or expert index outside the slots' tables.
-pub fn slot_out_of_range(slot: usize, expert: usize, slots: usize, experts: usize) -> EngineError {
-    EngineError::InvalidConfig {
-        problem: format!(
-            "expert slot {slot} / expert {expert} outside {slots} slots of {experts} experts"
-        ),
     }
 }
 

@@ -78,6 +78,54 @@ pub struct Routing {
     pub weights: Vec<f32>,
 }
 
+/// The stored bytes of expert `expert` of `bank` (its whole stride), checked against `layout`.
+pub fn expert_bytes<'a>(
+    artifact: &'a Artifact,
+    bank: &ExpertBank,
+    expert: usize,
+    layout: &ExpertLayout,
+) -> Result<&'a [u8], EngineError> {
+    let invalid = |problem: String| EngineError::InvalidWeight {
+        name: bank.prefix.clone(),
+        problem,
+    };
+    if bank.expert_stride != layout.stride as u64 || layout.dtype.artifact_dtype() != bank.dtype {
+        return Err(invalid(format!(
+            "bank has stride {} and dtype {}, the slots expect {} and {}",
+            bank.expert_stride,
+            bank.dtype,
+            layout.stride,
+            layout.dtype.artifact_dtype()
+        )));
+    }
+    if expert as u64 >= bank.num_experts {
+        return Err(invalid(format!(
+            "expert {expert} outside the bank of {}",
+            bank.num_experts
+        )));
+    }
+    let start = bank.offset + expert as u64 * bank.expert_stride;
+    let end = start + bank.expert_stride;
+    let bytes = artifact.bytes();
+    let range = usize::try_from(start).ok().zip(usize::try_from(end).ok());
+    match range {
+        Some((start, end)) if end <= bytes.len() => Ok(&bytes[start..end]),
+        _ => Err(invalid(format!(
+            "expert {expert} ends at byte {end}, past the artifact's {} bytes",
+            bytes.len()
+        ))),
+    }
+}
+
+/// The error for a slot or expert index outside the slots' tables.
+pub fn slot_out_of_range(slot: usize, expert: usize, slots: usize, experts: usize) -> EngineError {
+    EngineError::InvalidConfig {
+        problem: format!(
+            "expert slot {slot} / expert {expert} outside {slots} slots of {experts} experts"
+        ),
+    }
+}
+
 /// A compute backend. Object safety is not needed (models are generic over the backend);
 /// `Send + Sync` is, so one model can serve several threads.
 pub trait Backend: Send + Sync + 'static {

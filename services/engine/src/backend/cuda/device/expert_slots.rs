@@ -17,9 +17,9 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_expert_kernels::{ExpertLayout, WeightDType};
 
 use super::{driver_error, elementwise, int, present, present_mut, CudaBackend, CudaTensor};
-use crate::backend::cpu::{expert_bytes, slot_out_of_range};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
+use crate::backend::{expert_bytes, slot_out_of_range};
 
 /// Warps per block of `expert_gate_up` / `expert_down`: one output row per warp.
 const EXPERT_WARPS: u32 = 8;

@@ -15,16 +15,10 @@ use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::argmax;
+use ninfer_engine::testing::{golden_fixture_dir, GOLDEN_FIXTURES};
 use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
 
-const FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
 const GREEDY_TOKENS: usize = 24;
-
-fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
 
 struct Prompt {
     tokens: Vec<u32>,
@@ -214,8 +208,8 @@ fn greedy_batched<B: Backend>(model: &Model<B>, prompts: &[Prompt]) -> Vec<Vec<u
 
 fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
     let mut ran = 0;
-    for name in FIXTURES {
-        let fixture = fixture_dir(name);
+    for name in GOLDEN_FIXTURES {
+        let fixture = golden_fixture_dir(name);
         if !fixture.join("reference.json").exists() {
             println!(
                 "SKIPPED golden fixture `{name}`: {} does not exist",

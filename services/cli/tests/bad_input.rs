@@ -151,6 +151,28 @@ fn missing_tensor_is_named() {
     );
 }
 
+/// A missing tensor of the multimodal release is named as that checkpoint spells it
+/// (`model.language_model.*`), and a missing fused expert tensor by its fused name.
+#[test]
+fn missing_tensor_is_named_as_the_checkpoint_spells_it() {
+    for (removed, named) in [
+        (
+            "model.language_model.layers.1.mlp.experts.gate_up_proj",
+            "missing tensor `model.language_model.layers.1.mlp.experts.gate_up_proj`",
+        ),
+        (
+            "model.language_model.layers.3.self_attn.q_proj.weight",
+            "missing tensor `model.language_model.layers.3.self_attn.q_proj.weight`",
+        ),
+    ] {
+        let case = case("qwen3_5_moe");
+        edit_safetensors_header(&case.checkpoint.join("model.safetensors"), |header| {
+            assert!(header.remove(removed).is_some(), "{removed} not in fixture");
+        });
+        assert_clean_failure(&convert(&case), &[named], &case.output_dir);
+    }
+}
+
 #[test]
 fn unknown_model_type_is_named() {
     let case = case("qwen3_5_moe");

@@ -83,6 +83,8 @@ pub struct SourceNames<'a> {
     checkpoint: &'a Checkpoint,
     canonical: BTreeMap<String, String>,
     used: BTreeSet<String>,
+    /// The checkpoint spells its text model `model.language_model.*` (multimodal release).
+    language_model_prefix: bool,
 }
 
 impl<'a> SourceNames<'a> {
@@ -98,10 +100,25 @@ impl<'a> SourceNames<'a> {
                 (short, name.clone())
             })
             .collect();
+        let language_model_prefix = checkpoint
+            .tensors
+            .keys()
+            .any(|name| name.starts_with("model.language_model."));
         SourceNames {
             checkpoint,
             canonical,
             used: BTreeSet::new(),
+            language_model_prefix,
+        }
+    }
+
+    /// A canonical name as this checkpoint would spell it (for messages about missing tensors).
+    fn spelled(&self, canonical: &str) -> String {
+        match canonical.strip_prefix("model.") {
+            Some(rest) if self.language_model_prefix && !rest.starts_with("visual.") => {
+                format!("model.language_model.{rest}")
+            }
+            _ => canonical.to_string(),
         }
     }
 
@@ -120,7 +137,7 @@ impl<'a> SourceNames<'a> {
             .find(canonical)
             .ok_or_else(|| ConvertError::MissingTensor {
                 directory: self.checkpoint.directory.clone(),
-                name: canonical.to_string(),
+                name: self.spelled(canonical),
             })?;
         if tensor.shape != expected {
             return Err(ConvertError::WrongShape {
@@ -702,12 +719,27 @@ fn plan_bank(
         common.moe_intermediate_size,
     );
     let experts_prefix = format!("{source}.mlp.experts");
+    let fused_down = [
+        format!("{experts_prefix}.down_proj"),
+        format!("{experts_prefix}.down_proj.weight"),
+    ]
+    .into_iter()
+    .find(|name| names.has(name));
     let fused_gate_up = [
         format!("{experts_prefix}.gate_up_proj"),
         format!("{experts_prefix}.gate_up_proj.weight"),
     ]
     .into_iter()
-    .find(|name| names.has(name));
+    .find(|name| names.has(name))
+    // A fused `down_proj` without per-expert tensors means the layer is fused: report the
+    // missing fused `gate_up_proj`, not a per-expert name the checkpoint never had.
+    .or_else(|| {
+        let per_expert = names.has(&format!("{experts_prefix}.0.gate_proj.weight"));
+        match &fused_down {
+            Some(down) if !per_expert => Some(down.replace("down_proj", "gate_up_proj")),
+            _ => None,
+        }
+    });
     let experts = if let Some(gate_up_name) = fused_gate_up {
         let down_name = if gate_up_name.ends_with(".weight") {
             format!("{experts_prefix}.down_proj.weight")

@@ -327,6 +327,47 @@ mod tests {
     }
 
     #[test]
+    fn temperature_scales_the_logits_before_the_softmax() {
+        let logits = [2.0f32, 1.0, 0.0, -1.0];
+        for temperature in [0.5f32, 1.0, 2.0] {
+            let candidates = filtered_distribution(
+                &logits,
+                &SamplingParams {
+                    temperature,
+                    ..SamplingParams::default()
+                },
+            );
+            let total: f64 = logits
+                .iter()
+                .map(|&x| (x as f64 / temperature as f64).exp())
+                .sum();
+            for (token, probability) in candidates {
+                let expected = (logits[token as usize] as f64 / temperature as f64).exp() / total;
+                assert!(
+                    (probability - expected).abs() < 1e-12,
+                    "T={temperature} token {token}: {probability} vs {expected}"
+                );
+            }
+        }
+        // Draws follow the tempered distribution: at T = 2, p(1)/p(0) = e^-0.5 ≈ 0.607.
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            seed: 11,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        let ones = (0..20000)
+            .filter(|_| sampler.sample(&[1.0, 0.0], &[]).unwrap() == 1)
+            .count();
+        let expected = 1.0 / (1.0 + 0.5f64.exp());
+        let fraction = ones as f64 / 20000.0;
+        assert!(
+            (fraction - expected).abs() < 0.02,
+            "{fraction} vs {expected}"
+        );
+    }
+
+    #[test]
     fn sampling_follows_the_distribution() {
         let logits = [0.0f32, (3.0f32).ln()]; // p = [0.25, 0.75]
         let mut sampler = Sampler::new(SamplingParams {

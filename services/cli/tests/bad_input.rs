@@ -173,6 +173,36 @@ fn missing_tensor_is_named_as_the_checkpoint_spells_it() {
     }
 }
 
+/// `--reuse` with an artifact of another model would copy its weights by name: refused, naming
+/// the old artifact, before anything is written.
+#[test]
+fn reuse_of_another_models_artifact_is_refused() {
+    let other = case("qwen3_next");
+    let converted = ninfer(&[Path::new("convert"), &other.checkpoint, &other.output]);
+    assert!(
+        converted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&converted.stderr)
+    );
+    let case = case("qwen3_moe");
+    let output = ninfer(&[
+        Path::new("convert"),
+        &case.checkpoint,
+        &case.output,
+        Path::new("--reuse"),
+        &other.output,
+    ]);
+    assert_clean_failure(
+        &output,
+        &[
+            &other.output.display().to_string(),
+            "--reuse needs an artifact of the same model",
+            "qwen3_next",
+        ],
+        &case.output_dir,
+    );
+}
+
 #[test]
 fn unknown_model_type_is_named() {
     let case = case("qwen3_5_moe");

@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 
 use ninfer_artifact::quant::{f32_to_bf16_bytes, f32_to_bytes, quantize_matrix, QuantizedLayout};
 use ninfer_artifact::{
-    Artifact, ArtifactWriter, DType, SourceInfo, TensorClass, TensorSpec, WriterOptions,
+    Artifact, ArtifactWriter, DType, ModelConfig, SourceInfo, TensorClass, TensorSpec,
+    WriterOptions,
 };
 
 pub use error::ConvertError;
@@ -40,7 +41,9 @@ pub struct ConvertOptions {
     pub dense_dtype: DType,
     /// Split the output into parts of at most this many bytes.
     pub max_file_bytes: Option<u64>,
-    /// Copy tensors that already exist (same name, dtype, shape) from this artifact.
+    /// Copy tensors that already exist (same name, dtype, shape) from this artifact. It must
+    /// be a conversion of the same model: same architecture and normalised config (the MTP
+    /// layer count aside, so MTP can be added later); anything else is refused.
     pub reuse: Option<PathBuf>,
     pub skip_vision: bool,
 }
@@ -137,7 +140,11 @@ pub fn convert_checkpoint(
     }
     let side = side_files::read_side_files(&options.input_dir, progress)?;
     let reuse = match &options.reuse {
-        Some(path) => Some(Artifact::open(path)?),
+        Some(path) => {
+            let old = Artifact::open(path)?;
+            check_same_model(path, old.config(), &options.input_dir, &model)?;
+            Some(old)
+        }
         None => None,
     };
 
@@ -374,6 +381,46 @@ impl Run<'_> {
             }
         }
     }
+}
+
+/// `--reuse` copies tensors by name: an artifact of another model (architecture or config)
+/// would put its weights into this one, so it is refused. The MTP layer count may differ (an
+/// old artifact made without MTP is how MTP gets added).
+fn check_same_model(
+    reuse_path: &Path,
+    old: &ModelConfig,
+    input_dir: &Path,
+    new: &ModelConfig,
+) -> Result<(), ConvertError> {
+    let without_mtp = |config: &ModelConfig| {
+        let mut config = config.clone();
+        if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = &mut config {
+            c.mtp_num_layers = 0;
+        }
+        config
+    };
+    if without_mtp(old) == without_mtp(new) {
+        return Ok(());
+    }
+    let describe = |config: &ModelConfig| {
+        let common = config.common();
+        format!(
+            "{}, {} layers, hidden {}, {} experts",
+            config.architecture(),
+            common.num_hidden_layers,
+            common.hidden_size,
+            common.num_experts
+        )
+    };
+    Err(ConvertError::Input {
+        file: reuse_path.to_path_buf(),
+        problem: format!(
+            "--reuse needs an artifact of the same model, but this one holds a different model ({}) than {} ({})",
+            describe(old),
+            input_dir.display(),
+            describe(new)
+        ),
+    })
 }
 
 /// The bytes of an identical tensor in the `--reuse` artifact, checksum-verified.

@@ -164,6 +164,29 @@ impl Stack {
         std::fs::read_to_string(self.path(&format!("{label}.log"))).unwrap_or_default()
     }
 
+    /// How often `needle` occurs in `label`'s log now.
+    fn log_count(&self, label: &str, needle: &str) -> usize {
+        self.log(label).matches(needle).count()
+    }
+
+    /// Polls `label`'s log until `needle` occurs more than `before` times (5 s at most); the
+    /// time since `since`.
+    fn wait_for_log(
+        &self,
+        label: &str,
+        needle: &str,
+        before: usize,
+        since: Instant,
+    ) -> Option<Duration> {
+        while since.elapsed() < Duration::from_secs(5) {
+            if self.log(label).matches(needle).count() > before {
+                return Some(since.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
     fn child(&mut self, label: &str) -> &mut Child {
         &mut self
             .children
@@ -361,13 +384,17 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
         rt.block_on(async { generate(&mut client(&engine).await, greedy(&prompt, 64)).await });
     assert_eq!(uninterrupted.len(), 64);
 
-    // kill -9 after 10 tokens, restart on the same socket.
+    // kill -9 after 10 tokens: noticed within a second; then restart on the same socket.
+    let mut death_noticed_after = None;
     let interrupted = rt.block_on(async {
         let mut client = client(&engine).await;
         generate_acting_after(&mut client, greedy(&prompt, 64), 10, || {
+            let before = stack.log_count("engine", "expert worker died");
+            let killed_at = Instant::now();
             stack.signal("worker", Signal::SIGKILL);
             let _ = stack.child("worker").wait();
-            std::thread::sleep(Duration::from_millis(300));
+            death_noticed_after =
+                stack.wait_for_log("engine", "expert worker died", before, killed_at);
             stack.worker_on(
                 "worker-restarted",
                 "worker",
@@ -383,31 +410,42 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
         "generation changed across a worker restart"
     );
     let log = stack.log("engine");
+    let noticed = death_noticed_after
+        .unwrap_or_else(|| panic!("engine did not report the death within 5 s:\n{log}"));
     assert!(
-        log.contains("expert worker died"),
-        "engine did not report the death:\n{log}"
+        noticed < Duration::from_secs(1),
+        "the dead worker was noticed after {noticed:?}, not within a second"
     );
+    println!("killed worker noticed after {noticed:?}");
     assert!(
         log.contains("replayed"),
         "engine did not replay the interrupted layer:\n{log}"
     );
 
-    // SIGSTOP: detected as hung; SIGCONT: work resumes, same tokens.
+    // SIGSTOP: detected as hung within a second; SIGCONT: work resumes, same tokens.
+    let mut hang_noticed_after = None;
     let resumed = rt.block_on(async {
         let mut client = client(&engine).await;
         generate_acting_after(&mut client, greedy(&prompt, 64), 5, || {
+            let before = stack.log_count("engine", "expert worker hung");
+            let stopped_at = Instant::now();
             stack.signal("worker-restarted", Signal::SIGSTOP);
-            std::thread::sleep(Duration::from_millis(2000));
+            hang_noticed_after =
+                stack.wait_for_log("engine", "expert worker hung", before, stopped_at);
+            std::thread::sleep(Duration::from_millis(300));
             stack.signal("worker-restarted", Signal::SIGCONT);
         })
         .await
     });
     assert_eq!(resumed, uninterrupted);
     let log = stack.log("engine");
+    let noticed = hang_noticed_after
+        .unwrap_or_else(|| panic!("engine did not report the hung worker within 5 s:\n{log}"));
     assert!(
-        log.contains("hung"),
-        "engine did not report the hung worker:\n{log}"
+        noticed < Duration::from_secs(1),
+        "the stopped worker was noticed after {noticed:?}, not within a second"
     );
+    println!("stopped worker noticed after {noticed:?}");
     assert!(
         log.contains("resumed"),
         "engine did not report the resumed worker:\n{log}"
@@ -556,6 +594,138 @@ fn corrupt_channel_requests_are_refused_not_fatal() {
         stack.child("worker").try_wait().unwrap().is_none(),
         "the worker exited"
     );
+}
+
+/// The worker's control side: `grpc.health.v1` says SERVING; a worker that may not lock memory
+/// (`ulimit -l 0`) says so once, with the fix, and serves unlocked; statistics count exactly the
+/// tokens the engine routed to it; drain detaches it without ending the process.
+#[test]
+fn worker_control_health_statistics_drain_and_memlock() {
+    use ninfer_protocol::v1::{DrainRequest, RoutingStatisticsRequest, WorkerStatisticsRequest};
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let socket = format!("unix:{}", stack.path("worker.sock").display());
+    let mut args = vec![
+        "-c".to_string(),
+        // Root locks regardless of the limit (CAP_IPC_LOCK): drop the capability too.
+        "ulimit -l 0 && if command -v setpriv >/dev/null; then exec setpriv --bounding-set \
+         -ipc_lock \"$0\" \"$@\"; else exec \"$0\" \"$@\"; fi"
+            .into(),
+        binary("ninfer-experts").display().to_string(),
+    ];
+    args.extend(
+        [
+            "--model",
+            &model.display().to_string(),
+            "--experts",
+            "all",
+            "--listen",
+            &socket,
+            "--moe-threads",
+            "1",
+            "--kernel-isa",
+            "scalar",
+        ]
+        .map(String::from),
+    );
+    stack.spawn("worker", Path::new("/bin/sh"), &args);
+    let engine = stack.engine("engine", &model, std::slice::from_ref(&socket), &[]);
+    let prompt = prompts("qwen3_moe")[0].clone();
+    let can_lock_anyway = rt.block_on(async {
+        let mut engine_client = client(&engine).await;
+        assert_eq!(
+            generate(&mut engine_client, greedy(&prompt, 6)).await.len(),
+            6
+        );
+        let channel = ninfer_protocol::transport::connect(&socket, Duration::from_secs(2))
+            .await
+            .unwrap();
+        let mut health = HealthClient::new(channel.clone());
+        for service in ["", "ninfer.v1.ExpertWorker"] {
+            let status = health
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status;
+            assert_eq!(status, ServingStatus::Serving as i32, "service {service:?}");
+        }
+        let mut worker = ExpertWorkerClient::new(channel);
+        let info = worker
+            .get_worker_info(WorkerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let can_lock_anyway = can_lock_regardless_of_the_limit(info.pid);
+        if can_lock_anyway {
+            println!("memlock part skipped: the worker kept CAP_IPC_LOCK (no setpriv)");
+        } else {
+            assert!(!info.banks_locked, "banks locked under `ulimit -l 0`");
+        }
+        // Every token of every MoE layer went to this worker (it owns all experts, top-2).
+        let routed = engine_client
+            .stream_routing_statistics(RoutingStatisticsRequest { interval_ms: 100 })
+            .await
+            .unwrap()
+            .into_inner()
+            .message()
+            .await
+            .unwrap()
+            .unwrap();
+        let routed_tokens: u64 = routed
+            .layers
+            .iter()
+            .map(|layer| layer.expert_token_counts.iter().sum::<u64>())
+            .sum::<u64>()
+            / 2;
+        assert!(routed_tokens > 0);
+        let statistics = worker
+            .get_statistics(WorkerStatisticsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(statistics.tokens_computed, routed_tokens, "{statistics:?}");
+        assert!(statistics.batches_computed > 0 && statistics.expert_bytes_streamed > 0);
+        worker.drain(DrainRequest {}).await.unwrap();
+        let after = worker
+            .get_worker_info(WorkerInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(after.pid, info.pid, "the drained worker still answers");
+        can_lock_anyway
+    });
+    let log = stack.log("worker");
+    if !can_lock_anyway {
+        assert_eq!(
+            log.matches("cannot lock the expert banks").count(),
+            1,
+            "the memlock refusal is said exactly once:\n{log}"
+        );
+        assert!(log.contains("LimitMEMLOCK=infinity"), "{log}");
+    }
+    assert!(log.contains("drained"), "{log}");
+    assert!(
+        stack.child("worker").try_wait().unwrap().is_none(),
+        "the worker exited after the drain"
+    );
+}
+
+/// Whether process `pid` holds CAP_IPC_LOCK (bit 14 of its effective set), which lets it
+/// `mlock` past RLIMIT_MEMLOCK.
+fn can_lock_regardless_of_the_limit(pid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 14) != 0)
 }
 
 #[test]

@@ -71,8 +71,9 @@ struct Args {
     /// Fail requests held for a missing expert worker after this many seconds.
     #[arg(long, default_value_t = 120.0)]
     worker_timeout: f64,
-    /// A worker without a heartbeat for this many milliseconds counts as hung.
-    #[arg(long, default_value_t = 1000)]
+    /// A worker without a heartbeat for this many milliseconds counts as hung (workers beat
+    /// every 10 ms; with the registrar's 100 ms check a hang is noticed well within a second).
+    #[arg(long, default_value_t = 500)]
     worker_hang_ms: u64,
     /// Tokens per activation-channel request (bigger batches go in chunks).
     #[arg(long, default_value_t = 256)]

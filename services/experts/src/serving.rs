@@ -319,8 +319,8 @@ fn serving_loop(
                 }
             }
             Some(Command::Drain(reply)) => {
-                // Requests already posted are answered by the loop before we detach: the engine
-                // only drains a worker it stopped sending to.
+                // Requests still posted when the drain arrives are refused ("worker is
+                // draining"), not computed: the engine drains only a worker it stopped sending to.
                 if let Some(current) = channel.take() {
                     while let Some((slot, _)) = current.next_request(Duration::from_millis(1)) {
                         current.complete(slot, Err("worker is draining"));

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ninfer_artifact::{Artifact, TensorClass};
+use ninfer_engine::gpu_experts::GpuExpertCount;
 use ninfer_protocol::v1::gateway_client::GatewayClient;
 use ninfer_protocol::v1::{ChatMessage, ChatRequest, GatewaySamplingOptions, ListModelsRequest};
 
@@ -66,7 +67,11 @@ struct Plan {
     architecture: String,
     parameters: u64,
     device: String,
-    gpu_experts_per_layer: usize,
+    /// What `--moe-gpu-experts` asked for (`0` when not given).
+    gpu_experts: String,
+    /// Experts per MoE layer in GPU slots; `None` for `auto` (the engine fits them at start).
+    gpu_experts_per_layer: Option<usize>,
+    gpu_mem_budget_gib: Option<f64>,
     numa_nodes: Vec<usize>,
     expert_workers: Vec<WorkerPlan>,
     max_context: usize,
@@ -97,6 +102,22 @@ fn plan(args: &RunArgs, model: &std::path::Path) -> anyhow::Result<Plan> {
             TensorClass::Mtp | TensorClass::Vision => {}
         }
     }
+    let gpu_request: GpuExpertCount = args
+        .moe_gpu_experts
+        .as_deref()
+        .unwrap_or("0")
+        .parse()
+        .map_err(|problem| anyhow::anyhow!("--moe-gpu-experts: {problem}"))?;
+    let gpu_experts_per_layer = match gpu_request {
+        GpuExpertCount::Count(count) if count > common.num_experts => bail!(
+            "--moe-gpu-experts: {count} experts per layer asked for, the model has {}",
+            common.num_experts
+        ),
+        GpuExpertCount::Count(count) => Some(count),
+        GpuExpertCount::Half => Some(common.num_experts / 2),
+        GpuExpertCount::All => Some(common.num_experts),
+        GpuExpertCount::Auto => None,
+    };
     let expert_workers = nodes
         .iter()
         .enumerate()
@@ -119,8 +140,10 @@ fn plan(args: &RunArgs, model: &std::path::Path) -> anyhow::Result<Plan> {
         model: model.display().to_string(),
         architecture: artifact.config().architecture().to_string(),
         parameters,
-        device: "cpu (this build has no CUDA backend yet)".into(),
-        gpu_experts_per_layer: 0,
+        device: planned_device(),
+        gpu_experts: gpu_request.to_string(),
+        gpu_experts_per_layer,
+        gpu_mem_budget_gib: args.gpu_mem_budget,
         numa_nodes: nodes,
         expert_workers,
         max_context: args
@@ -132,6 +155,19 @@ fn plan(args: &RunArgs, model: &std::path::Path) -> anyhow::Result<Plan> {
     })
 }
 
+/// The engine runs with `--device auto`: the GPU when one opens, else the CPU. Without a CUDA
+/// driver library it is the CPU for certain; with one, the engine decides at start.
+fn planned_device() -> String {
+    use ninfer_engine::backend::cuda::loader;
+    match loader::open(&loader::DRIVER) {
+        Ok(driver) => format!(
+            "auto: the GPU when one opens, else the CPU (CUDA driver {})",
+            driver.opened_as
+        ),
+        Err(_) => "cpu (no CUDA driver library found)".into(),
+    }
+}
+
 fn print_plan(plan: &Plan) {
     let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
     println!(
@@ -141,7 +177,13 @@ fn print_plan(plan: &Plan) {
         plan.parameters as f64 / 1e9
     );
     println!("device        {}", plan.device);
-    println!("gpu experts   {} per layer", plan.gpu_experts_per_layer);
+    match plan.gpu_experts_per_layer {
+        Some(count) => println!("gpu experts   {count} per MoE layer"),
+        None => println!("gpu experts   auto (as many per MoE layer as fit; the engine decides)"),
+    }
+    if let Some(gib) = plan.gpu_mem_budget_gib {
+        println!("gpu memory    budget {gib} GiB");
+    }
     for worker in &plan.expert_workers {
         println!(
             "expert worker NUMA node {}: experts {}, {} threads",

@@ -875,6 +875,84 @@ fn routing_statistics_are_streamed_and_recorded_at_exit() {
     assert_eq!(layer0, 2 * tokens);
 }
 
+/// `ninfer run` on the shipped fixture as the README says: `--prompt` answers once (the
+/// checkpoint directory converted once into the cache, then reused); the terminal chat answers
+/// the same prompt with the same greedy text, toggles `/think`, forgets with `/reset`, leaves on
+/// `/exit`; `--dry-run --json` prints the plan; the runtime directory is gone afterwards.
+#[test]
+fn run_answers_a_prompt_chats_and_prints_its_plan() {
+    use std::io::Write;
+    let stack = Stack::new();
+    let runtime_base = stack.path("runtime");
+    std::fs::create_dir_all(&runtime_base).unwrap();
+    let ninfer = |extra: &[&str], stdin: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ninfer"));
+        command
+            .arg("run")
+            .arg(fixture("qwen3_moe"))
+            .args([
+                "--moe-threads",
+                "1",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "12",
+            ])
+            .args(extra)
+            .env("XDG_RUNTIME_DIR", &runtime_base)
+            .env("XDG_CACHE_HOME", stack.path("cache"))
+            .env("XDG_STATE_HOME", stack.path("state"))
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command.spawn().unwrap();
+        if let Some(text) = stdin {
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(text.as_bytes())
+                .unwrap();
+        }
+        let output = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(
+            output.status.success(),
+            "ninfer run {extra:?} failed ({}):\n{stdout}\n{stderr}",
+            output.status
+        );
+        (stdout, stderr)
+    };
+
+    let (answer, stderr) = ninfer(&["--prompt", "Hello"], None);
+    assert!(stderr.contains("converting"), "{stderr}");
+    let answer = answer.strip_suffix('\n').unwrap_or(&answer).to_string();
+    assert!(!answer.trim().is_empty(), "no answer to --prompt");
+
+    let (chat, stderr) = ninfer(&[], Some("Hello\n/think\n/think\n/reset\nHello\n/exit\n"));
+    assert!(!stderr.contains("converting"), "converted twice:\n{stderr}");
+    let expected = format!(
+        "qwen3_moe ready. /think toggles thinking, /reset clears the conversation, /exit quits.\n\
+         > {answer}\n> (thinking on)\n> (thinking off)\n> (conversation cleared)\n> {answer}\n> "
+    );
+    assert_eq!(chat, expected);
+
+    let (plan, _) = ninfer(&["--dry-run", "--json", "--moe-gpu-experts", "half"], None);
+    let plan: serde_json::Value = serde_json::from_str(&plan).unwrap();
+    assert_eq!(plan["architecture"], "qwen3_moe");
+    assert_eq!(plan["gpu_experts_per_layer"], 4, "{plan}");
+    assert_eq!(plan["expert_workers"][0]["threads"], 1, "{plan}");
+    assert!(plan["device"].is_string() && plan["max_context"].as_u64() > Some(0));
+
+    let left: Vec<_> = std::fs::read_dir(&runtime_base).unwrap().collect();
+    assert!(left.is_empty(), "runtime directories left behind: {left:?}");
+}
+
 /// The official `openai` and `anthropic` Python SDKs against `ninfer run --serve` on a fixture:
 /// chat and completions, streaming and not, usage, stop strings, Anthropic event order, and a raw
 /// greedy completion equal to the transformers reference text. `.ci/run` installs the SDKs.

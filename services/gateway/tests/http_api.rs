@@ -67,6 +67,57 @@ async fn chat_completion_splits_reasoning_and_counts_usage() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sampling_parameter_reaches_the_engine() {
+    let (engine, gateway) = start().await;
+    engine.script.set_text("Fine.");
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let mut body = json!({"model": MODEL, "max_completion_tokens": 7, "temperature": 0.7,
+            "top_p": 0.8, "top_k": 5, "min_p": 0.05, "presence_penalty": 0.5,
+            "frequency_penalty": 0.25, "repetition_penalty": 1.1, "seed": 42});
+        if path == "/v1/completions" {
+            body["prompt"] = json!("Hello");
+            body["max_tokens"] = body["max_completion_tokens"].take();
+        } else {
+            body["messages"] = json!([{"role": "user", "content": "Hello"}]);
+        }
+        let response = post_json(gateway.address, path, &body).await;
+        assert_eq!(response.status, 200, "{path}: {}", response.text());
+        let request = engine.script.last_request();
+        let sampling = request.sampling.unwrap_or_default();
+        assert_eq!(
+            (
+                sampling.temperature,
+                sampling.top_p,
+                sampling.top_k,
+                sampling.min_p,
+                sampling.presence_penalty,
+                sampling.frequency_penalty,
+                sampling.repetition_penalty,
+                sampling.seed,
+            ),
+            (0.7, 0.8, 5, 0.05, 0.5, 0.25, 1.1, Some(42)),
+            "{path}"
+        );
+        assert_eq!(request.max_new_tokens, 7, "{path}");
+    }
+    let response = post_json(
+        gateway.address,
+        "/v1/messages",
+        &json!({"model": MODEL, "max_tokens": 9, "temperature": 0.3, "top_p": 0.6, "top_k": 11,
+                "messages": [{"role": "user", "content": "Hello"}]}),
+    )
+    .await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    let request = engine.script.last_request();
+    let sampling = request.sampling.unwrap_or_default();
+    assert_eq!(
+        (sampling.temperature, sampling.top_p, sampling.top_k),
+        (0.3, 0.6, 11)
+    );
+    assert_eq!(request.max_new_tokens, 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thinking_off_gives_plain_content() {
     let (engine, gateway) = start().await;
     engine.script.set_text("Just the answer.");

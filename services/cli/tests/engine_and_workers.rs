@@ -138,7 +138,22 @@ impl Stack {
     }
 
     fn engine(&mut self, label: &str, model: &Path, workers: &[String], extra: &[&str]) -> String {
-        let socket = format!("unix:{}", self.path(&format!("{label}.sock")).display());
+        self.engine_on(label, label, model, workers, extra)
+    }
+
+    /// An engine listening on `socket_name.sock` (a restarted engine reuses its predecessor's).
+    fn engine_on(
+        &mut self,
+        label: &str,
+        socket_name: &str,
+        model: &Path,
+        workers: &[String],
+        extra: &[&str],
+    ) -> String {
+        let socket = format!(
+            "unix:{}",
+            self.path(&format!("{socket_name}.sock")).display()
+        );
         let mut args = vec![
             "--model".to_string(),
             model.display().to_string(),
@@ -873,6 +888,108 @@ fn routing_statistics_are_streamed_and_recorded_at_exit() {
         .map(|v| v.as_u64().unwrap())
         .sum();
     assert_eq!(layer0, 2 * tokens);
+}
+
+/// One HTTP/1.1 request over a fresh connection: (status, body).
+fn http(address: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// Polls `GET /health` until it answers `want` (30 s at most).
+fn wait_for_health(address: &str, want: u16) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if std::net::TcpStream::connect(address).is_ok()
+            && http(address, "GET", "/health", "").0 == want
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/health did not answer {want} within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Issue 5's acceptance with real processes: `kill -9` the engine behind a running
+/// `ninfer-gateway`: `/health` turns 503 and requests get 503 in each API's envelope; start the
+/// engine again on the same address: service resumes, same greedy answer, same gateway process.
+#[test]
+fn killed_engine_gives_503_and_its_restart_resumes_service_without_the_gateway_restarting() {
+    use nix::sys::signal::Signal;
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let engine = stack.engine("engine", &model, &[], &[]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let api = format!("127.0.0.1:{port}");
+    let state = stack.path("state").display().to_string();
+    stack.spawn(
+        "gateway",
+        &binary("ninfer-gateway"),
+        &["--engine", &engine, "--listen", &api, "--state-dir", &state].map(String::from),
+    );
+    wait_for_health(&api, 200);
+    let chat = r#"{"model": "qwen3_moe", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}"#;
+    let messages = r#"{"model": "qwen3_moe", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}"#;
+    let (status, before) = http(&api, "POST", "/v1/chat/completions", chat);
+    assert_eq!(status, 200, "{before}");
+    let before: serde_json::Value = serde_json::from_str(&before).unwrap();
+
+    stack.signal("engine", Signal::SIGKILL);
+    let _ = stack.child("engine").wait();
+    wait_for_health(&api, 503);
+    let (status, body) = http(&api, "POST", "/v1/chat/completions", chat);
+    assert_eq!(status, 503, "{body}");
+    let envelope: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(envelope["error"]["message"].is_string(), "{envelope}");
+    let (status, body) = http(&api, "POST", "/v1/messages", messages);
+    assert_eq!(status, 503, "{body}");
+    let envelope: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(envelope["type"], "error", "{envelope}");
+
+    stack.engine_on("engine-restarted", "engine", &model, &[], &[]);
+    wait_for_health(&api, 200);
+    let (status, after) = http(&api, "POST", "/v1/chat/completions", chat);
+    assert_eq!(status, 200, "{after}");
+    let after: serde_json::Value = serde_json::from_str(&after).unwrap();
+    assert_eq!(
+        after["choices"][0]["message"],
+        before["choices"][0]["message"]
+    );
+    let (status, body) = http(&api, "POST", "/v1/messages", messages);
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        stack.child("gateway").try_wait().unwrap().is_none(),
+        "the gateway exited"
+    );
 }
 
 /// `ninfer run` on the shipped fixture as the README says: `--prompt` answers once (the

@@ -20,7 +20,7 @@ use ninfer_gateway::{sd_notify, EnginePool, EnginePoolOptions, GatewaySettings, 
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Flags {
-    /// Engine gRPC addresses, comma separated (host:port or http://host:port).
+    /// Engine gRPC addresses, comma separated (unix:PATH, host:port or http://host:port).
     #[arg(long, value_delimiter = ',', required = true, env = "NINFER_ENGINES")]
     engine: Vec<String>,
     /// Address to serve HTTP and gRPC on.

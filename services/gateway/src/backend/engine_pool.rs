@@ -113,6 +113,41 @@ impl Drop for EngineLease {
     }
 }
 
+/// A lazily connecting channel to `unix:PATH` or `HOST:PORT` (optionally with a scheme): the
+/// same address forms the engine's `--listen` takes.
+fn lazy_channel(address: &str) -> Result<Channel, GatewayError> {
+    let tuned = |endpoint: Endpoint| {
+        endpoint
+            .connect_timeout(Duration::from_secs(2))
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_while_idle(true)
+    };
+    if let Some(path) = address.strip_prefix("unix:") {
+        let path = path.to_string();
+        // The URI is ignored for unix sockets; the connector dials the path.
+        return Ok(
+            tuned(Endpoint::from_static("http://localhost")).connect_with_connector_lazy(
+                tower::service_fn(move |_: tonic::transport::Uri| {
+                    let path = path.clone();
+                    async move {
+                        let stream = tokio::net::UnixStream::connect(path).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                    }
+                }),
+            ),
+        );
+    }
+    let uri = if address.contains("://") {
+        address.to_string()
+    } else {
+        format!("http://{address}")
+    };
+    let endpoint = Endpoint::from_shared(uri).map_err(|error| {
+        GatewayError::invalid(format!("bad engine address `{address}`: {error}"))
+    })?;
+    Ok(tuned(endpoint).tcp_nodelay(true).connect_lazy())
+}
+
 impl EnginePool {
     /// Starts the actor and one monitor per address. Must be called inside a tokio runtime.
     pub fn start(
@@ -123,21 +158,8 @@ impl EnginePool {
         let (commands, command_receiver) = mpsc::unbounded_channel();
         let mut slots = Vec::new();
         for address in addresses {
-            let uri = if address.contains("://") {
-                address.clone()
-            } else {
-                format!("http://{address}")
-            };
-            let endpoint = Endpoint::from_shared(uri)
-                .map_err(|error| {
-                    GatewayError::invalid(format!("bad engine address `{address}`: {error}"))
-                })?
-                .connect_timeout(Duration::from_secs(2))
-                .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .keep_alive_while_idle(true);
             // Lazy: connects on first use and reconnects after the engine comes back.
-            let client = EngineClient::new(endpoint.connect_lazy())
+            let client = EngineClient::new(lazy_channel(address)?)
                 .max_decoding_message_size(MAX_ENGINE_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_ENGINE_MESSAGE_BYTES);
             slots.push(EngineSlot {

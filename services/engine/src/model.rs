@@ -688,29 +688,7 @@ impl<B: Backend> Model<B> {
                 tally.resident_experts += resident_experts;
                 tally.cpu_expert_bytes += cpu_experts * bank.expert_stride;
                 tally.resident_expert_bytes += resident_experts * bank.expert_stride;
-                // On a GPU this download waits for the queued work before it (the profile's
-                // transfer time includes that wait; docs/BENCHMARKS.md says so).
-                let copying = Instant::now();
-                let hidden = backend.download(x);
-                tally.transfer_nanos += nanos(copying.elapsed());
-                let (rows, cols) = backend.shape(x);
-                // Work the backend does itself is queued first (on a GPU it runs while this
-                // thread waits for the expert workers): the resident experts, then the shared
-                // expert.
-                let resident_sum = resident
-                    .as_ref()
-                    .map(|resident| backend.slotted_experts(&resident.slots, x, &routing));
-                let shared_parts = shared.as_ref().map(|shared| {
-                    let activated = backend.silu_mul(
-                        &backend.matmul(x, &shared.gate_proj),
-                        &backend.matmul(x, &shared.up_proj),
-                    );
-                    (
-                        backend.matmul(&activated, &shared.down_proj),
-                        backend.matmul(x, &shared.gate),
-                    )
-                });
-                // The executor gets the other experts; resident ones are masked out.
+                // The executor gets the experts not resident on the backend (those masked out).
                 let masked_ids;
                 let expert_ids: &[u32] = match resident {
                     Some(resident) => {
@@ -729,46 +707,98 @@ impl<B: Backend> Model<B> {
                     }
                     None => &routing.expert_ids,
                 };
-                let mut routed = vec![0.0f32; rows * cols];
-                if expert_ids.iter().any(|&id| id != NO_EXPERT) {
-                    let reported_before = self.experts.compute_nanos();
-                    let waiting = Instant::now();
-                    self.experts.compute(
-                        &ExpertBatch {
-                            layer: index,
-                            bank,
-                            hidden_size: cols,
-                            intermediate_size: common.moe_intermediate_size,
-                            hidden: &hidden,
-                            experts_per_token: routing.experts_per_token,
-                            expert_ids,
-                            weights: &routing.weights,
-                        },
-                        &mut routed,
-                    )?;
-                    let waited = nanos(waiting.elapsed());
-                    tally.expert_wait_nanos += waited;
-                    tally.expert_compute_nanos +=
-                        match (reported_before, self.experts.compute_nanos()) {
-                            (Some(before), Some(after)) => {
-                                self.profile.note_compute_reported();
-                                after.saturating_sub(before).min(waited)
-                            }
-                            _ => waited,
-                        };
-                }
+                // With every chosen expert resident the hidden states never leave the backend.
+                let needs_executor = expert_ids.iter().any(|&id| id != NO_EXPERT);
+                // On a GPU this download waits for the queued work before it (the profile's
+                // transfer time includes that wait; docs/BENCHMARKS.md says so).
                 let copying = Instant::now();
-                let mut output = backend.upload(&routed, rows, cols);
+                let hidden = if needs_executor {
+                    backend.download(x)
+                } else {
+                    Vec::new()
+                };
                 tally.transfer_nanos += nanos(copying.elapsed());
-                if let Some(resident_sum) = resident_sum {
-                    backend.add_assign(&mut output, &resident_sum);
-                }
+                let (rows, cols) = backend.shape(x);
+                // Work the backend does itself is queued first (on a GPU it runs while this
+                // thread waits for the expert workers): the resident experts, then the shared
+                // expert.
+                let resident_sum = resident
+                    .as_ref()
+                    .map(|resident| backend.slotted_experts(&resident.slots, x, &routing));
+                let shared_parts = shared.as_ref().map(|shared| {
+                    let activated = backend.silu_mul(
+                        &backend.matmul(x, &shared.gate_proj),
+                        &backend.matmul(x, &shared.up_proj),
+                    );
+                    (
+                        backend.matmul(&activated, &shared.down_proj),
+                        backend.matmul(x, &shared.gate),
+                    )
+                });
+                let mut output = match (needs_executor, resident_sum) {
+                    (false, Some(resident_sum)) => resident_sum,
+                    (_, resident_sum) => {
+                        let routed = self.routed_on_executor(
+                            index, bank, &hidden, expert_ids, &routing, tally,
+                        )?;
+                        let copying = Instant::now();
+                        let mut output = backend.upload(&routed, rows, cols);
+                        tally.transfer_nanos += nanos(copying.elapsed());
+                        if let Some(resident_sum) = resident_sum {
+                            backend.add_assign(&mut output, &resident_sum);
+                        }
+                        output
+                    }
+                };
                 if let Some((expert, gate)) = shared_parts {
                     backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
                 }
                 Ok(output)
             }
         }
+    }
+
+    /// The routed experts the executor computes (the CPU workers, or in-process), summed per
+    /// token; zeros where it has none. Counts its wait and the workers' compute time.
+    fn routed_on_executor(
+        &self,
+        layer: usize,
+        bank: &ExpertBank,
+        hidden: &[f32],
+        expert_ids: &[u32],
+        routing: &crate::backend::Routing,
+        tally: &mut PhaseTotals,
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut routed = vec![0.0f32; hidden.len()];
+        if expert_ids.iter().all(|&id| id == NO_EXPERT) {
+            return Ok(routed);
+        }
+        let common = &self.spec.common;
+        let reported_before = self.experts.compute_nanos();
+        let waiting = Instant::now();
+        self.experts.compute(
+            &ExpertBatch {
+                layer,
+                bank,
+                hidden_size: common.hidden_size,
+                intermediate_size: common.moe_intermediate_size,
+                hidden,
+                experts_per_token: routing.experts_per_token,
+                expert_ids,
+                weights: &routing.weights,
+            },
+            &mut routed,
+        )?;
+        let waited = nanos(waiting.elapsed());
+        tally.expert_wait_nanos += waited;
+        tally.expert_compute_nanos += match (reported_before, self.experts.compute_nanos()) {
+            (Some(before), Some(after)) => {
+                self.profile.note_compute_reported();
+                after.saturating_sub(before).min(waited)
+            }
+            _ => waited,
+        };
+        Ok(routed)
     }
 }
 

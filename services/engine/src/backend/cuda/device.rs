@@ -166,6 +166,8 @@ pub struct CudaBackend {
     /// cuBLAS for bf16 prefill GEMMs, only once it passed the start-up check.
     cublas: Option<Cublas>,
     options: CudaOptions,
+    /// `NINFER_CUDA_OP_TIMING`: per-op timing for profiling (device/op_timing.rs).
+    op_timing: Option<op_timing::OpTiming>,
 }
 
 /// A row-major `[rows, cols]` f32 buffer on the GPU; `None` after an earlier error.
@@ -330,6 +332,33 @@ macro_rules! launch {
     }};
 }
 
+/// Stream-ordered allocations come from the device's default memory pool, whose release
+/// threshold is 0: every synchronisation (two per MoE layer at decode) hands the freed memory
+/// back to the driver and the next allocation maps it again. Keeping it makes an op's output
+/// allocation a pool lookup. Failure only costs speed, so it is logged, not raised.
+fn keep_freed_device_memory(context: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the context (and so the driver) is live; valid out pointer.
+    let status = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device()) };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        tracing::debug!("no default memory pool ({status:?}); allocations stay synchronous");
+        return;
+    }
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` came from the driver; the attribute takes a pointer to a cuuint64_t.
+    let status = unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        tracing::warn!("could not keep freed GPU memory in the pool ({status:?})");
+    }
+}
+
 static SHARED: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
 static SHARED_EXACT: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
 
@@ -354,6 +383,12 @@ impl CudaBackend {
                     ),
                 }
             })?;
+        // One stream does all the work, so cudarc's per-buffer events (two created per
+        // allocation, waited on and destroyed at every free) only cost driver calls.
+        // SAFETY: nothing in this backend creates a second stream (the stream order is the
+        // only synchronisation the buffers need).
+        unsafe { context.disable_event_tracking() };
+        keep_freed_device_memory(&context);
         let name = context.name().unwrap_or_else(|_| "unknown GPU".into());
         let (major, minor) = context
             .compute_capability()
@@ -427,6 +462,7 @@ impl CudaBackend {
             error: Mutex::new(None),
             cublas: None,
             options,
+            op_timing: None,
         };
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
         // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
@@ -450,6 +486,7 @@ impl CudaBackend {
                 describe(&error)
             ),
         })?;
+        backend.op_timing = op_timing::OpTiming::from_env();
         tracing::info!(info = ?backend.info, "CUDA backend ready");
         Ok(backend)
     }
@@ -1233,6 +1270,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, values: &[f32], rows: usize, cols: usize) -> CudaTensor {
+        let _timer = self.op_timer("upload");
         let result = if values.len() == rows * cols {
             self.upload_f32(values).map(|data| CudaTensor {
                 rows,
@@ -1248,6 +1286,7 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, tensor: &CudaTensor) -> Vec<f32> {
+        let _timer = self.op_timer("download");
         let len = tensor.rows * tensor.cols;
         if len == 0 {
             return Vec::new();
@@ -1275,11 +1314,13 @@ impl Backend for CudaBackend {
     }
 
     fn gather_rows(&self, tensor: &CudaTensor, rows: &[usize]) -> CudaTensor {
+        let _timer = self.op_timer("gather_rows");
         let result = self.try_gather_rows(tensor, rows);
         self.settle(result, rows.len(), tensor.cols)
     }
 
     fn columns(&self, tensor: &CudaTensor, range: Range<usize>) -> CudaTensor {
+        let _timer = self.op_timer("columns");
         let width = range.len();
         let result = if range.end > tensor.cols {
             Err(CudaError::Invalid {
@@ -1305,6 +1346,7 @@ impl Backend for CudaBackend {
         first: usize,
         second: usize,
     ) -> (CudaTensor, CudaTensor) {
+        let _timer = self.op_timer("split_interleaved");
         match self.try_split_interleaved(tensor, groups, first, second) {
             Ok(pair) => pair,
             Err(error) => {
@@ -1320,11 +1362,26 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
+        let _timer = self.op_timer("embed");
         let result = self.try_embed(table, ids);
         self.settle(result, ids.len(), table.cols)
     }
 
     fn matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> CudaTensor {
+        let _timer = self.op_timer_named(|| {
+            format!(
+                "matmul {}x{} by {}x{}{}",
+                x.rows,
+                x.cols,
+                weight.rows,
+                weight.cols,
+                if self.uses_cublas_for(x.rows) {
+                    " (cublas)"
+                } else {
+                    ""
+                }
+            )
+        });
         let result = self.try_matmul(x, weight);
         self.settle(result, x.rows, weight.rows)
     }
@@ -1336,6 +1393,7 @@ impl Backend for CudaBackend {
         eps: f32,
         style: NormStyle,
     ) -> CudaTensor {
+        let _timer = self.op_timer("rms_norm");
         let result = self.try_rms_norm(x, weight, eps, style);
         self.settle(result, x.rows, x.cols)
     }
@@ -1347,6 +1405,7 @@ impl Backend for CudaBackend {
         weight: &CudaWeight,
         eps: f32,
     ) -> CudaTensor {
+        let _timer = self.op_timer("gated_rms_norm");
         let result = self.try_gated_rms_norm(x, gate, weight, eps);
         self.settle(result, x.rows, x.cols)
     }
@@ -1359,6 +1418,7 @@ impl Backend for CudaBackend {
         rotary_dim: usize,
         theta: f64,
     ) {
+        let _timer = self.op_timer("rope");
         if let Err(error) = self.try_rope(x, positions, head_dim, rotary_dim, theta) {
             self.record(error);
             x.data = None;
@@ -1366,6 +1426,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) {
+        let _timer = self.op_timer("add_assign");
         if let Err(error) = self.try_add_assign(a, b) {
             self.record(error);
             a.data = None;
@@ -1373,6 +1434,7 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul_halves(&self, gate_up: &CudaTensor) -> CudaTensor {
+        let _timer = self.op_timer("silu_mul_halves");
         let half = gate_up.cols / 2;
         let result = int(gate_up.rows, "rows").and_then(|rows| {
             let half_arg = half as i32;
@@ -1385,6 +1447,7 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        let _timer = self.op_timer("silu_mul");
         let result = self.try_binary(
             gate,
             up,
@@ -1395,6 +1458,7 @@ impl Backend for CudaBackend {
     }
 
     fn mul_sigmoid(&self, x: &CudaTensor, gate: &CudaTensor) -> CudaTensor {
+        let _timer = self.op_timer("mul_sigmoid");
         let result = self.try_binary(
             x,
             gate,
@@ -1405,6 +1469,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_sigmoid_scaled_rows(&self, a: &mut CudaTensor, b: &CudaTensor, gate: &CudaTensor) {
+        let _timer = self.op_timer("add_sigmoid_scaled_rows");
         if let Err(error) = self.try_add_sigmoid_scaled_rows(a, b, gate) {
             self.record(error);
             a.data = None;
@@ -1412,6 +1477,7 @@ impl Backend for CudaBackend {
     }
 
     fn route_top_k(&self, logits: &CudaTensor, k: usize, normalize: bool) -> Routing {
+        let _timer = self.op_timer("route_top_k");
         // Softmax/top-k on the GPU; only the routing comes back to the host (the expert
         // executor needs it there). Routers wider than the kernel takes run on the host.
         if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
@@ -1463,6 +1529,8 @@ impl Backend for CudaBackend {
         spec: &AttentionSpec,
         segments: &mut [Segment<'_, CudaKvCache>],
     ) -> Result<CudaTensor, EngineError> {
+        let _timer = self
+            .op_timer_named(|| format!("attention ({} rows)", if q.rows == 1 { "1" } else { "n" }));
         if let Some(error) = self.error() {
             return Err(Self::engine_error(error));
         }
@@ -1496,6 +1564,7 @@ impl Backend for CudaBackend {
         weight: &CudaWeight,
         segments: &mut [Segment<'_, CudaConvState>],
     ) -> CudaTensor {
+        let _timer = self.op_timer("causal_conv1d_silu");
         let result = self.try_causal_conv(x, weight, segments);
         self.settle(result, x.rows, x.cols)
     }
@@ -1507,6 +1576,7 @@ impl Backend for CudaBackend {
         a_log: &CudaWeight,
         dt_bias: &CudaWeight,
     ) -> (CudaTensor, CudaTensor) {
+        let _timer = self.op_timer("delta_rule_gates");
         match self.try_delta_rule_gates(a, b, a_log, dt_bias) {
             Ok(pair) => pair,
             Err(error) => {
@@ -1544,6 +1614,12 @@ impl Backend for CudaBackend {
         form: DeltaRuleForm,
         segments: &mut [Segment<'_, CudaRecurrentState>],
     ) -> CudaTensor {
+        let _timer = self.op_timer_named(|| {
+            format!(
+                "gated_delta_rule ({} rows)",
+                if q.rows == 1 { "1" } else { "n" }
+            )
+        });
         // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
         // else the recurrent kernel (device/delta_rule.rs).
         let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, form, segments);
@@ -1578,6 +1654,12 @@ impl Backend for CudaBackend {
         x: &CudaTensor,
         routing: &Routing,
     ) -> CudaTensor {
+        let _timer = self.op_timer_named(|| {
+            format!(
+                "slotted_experts ({} rows)",
+                if x.rows == 1 { "1" } else { "n" }
+            )
+        });
         let result = self.try_slotted_experts(slots, x, routing);
         self.settle(result, x.rows, x.cols)
     }
@@ -1588,5 +1670,6 @@ mod bandwidth;
 mod delta_rule;
 mod expert_slots;
 pub use attention::AttentionPath;
+mod op_timing;
 mod router;
 pub use expert_slots::CudaExpertSlots;

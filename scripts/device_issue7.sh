@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Issue 7's acceptance runs on the GPU machine, in as few device calls as the 10-minute limit
+# allows (the machine is fresh for every call, so each call makes the artifact it needs).
+# Build here first (see scripts/device_session.sh), then for example
+#
+#   run(command="STAGES=q30 scripts/device_issue7.sh", carry=[".devbin"])
+#   run(command="STAGES=q35 scripts/device_issue7.sh", carry=[".devbin"])
+#
+# STAGES (comma-separated): gpu (the GPU test suites first, while the artifact is written),
+# q30 (qwen3-30b-a3b int8 uniform: (a) 0, (b) 16 GiB budget, (c) all GPU experts),
+# q35 (qwen3.5-35b-a3b int4 zipf, a 16 GiB card, placed by recorded statistics),
+# profile (with q30: op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs).
+# Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/device_issue7}
+mkdir -p "$out"
+stages=",${STAGES:-q30},"
+work=${WORK:-/tmp/ninfer-bench}
+mkdir -p "$work"
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/session.log"; }
+has() { [[ "$stages" == *",$1,"* ]]; }
+
+log "machine: $(nproc) cpus, $(free -g | awk '/Mem:/ {print $2}') GiB, $(df -h "$work" | awk 'NR==2 {print $4}') free in $work"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$out/session.log"
+
+convert() { # convert NAME ARGS...: writes $work/NAME.ninfer, logs its time
+  local name=$1
+  shift
+  # A warm machine (a call soon after the last) may still have it.
+  if [ -s "$work/$name.ninfer" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
+    log "convert $name: reusing $work/$name.ninfer"
+    return
+  fi
+  log "convert $name: $*"
+  local start=$SECONDS
+  timeout "${CONVERT_TIMEOUT:-240}" .devbin/ninfer convert --synthetic "$@" "$work/$name.ninfer" \
+    >"$out/convert_$name.log" 2>&1
+  log "convert $name: exit $? after $((SECONDS - start)) s, $(du -sh "$work/$name.ninfer" 2>/dev/null | cut -f1)"
+  tail -3 "$out/convert_$name.log" | tee -a "$out/session.log"
+}
+
+bench() { # bench LABEL TIMEOUT ARGS...
+  local label=$1 limit=$2
+  shift 2
+  log "bench $label: $*"
+  local start=$SECONDS
+  timeout "$limit" .devbin/ninfer bench "$@" >"$out/bench_$label.txt" 2>&1
+  log "bench $label: exit $? after $((SECONDS - start)) s"
+  grep -v '^\s*$' "$out/bench_$label.txt" | tail -14 | tee -a "$out/session.log"
+}
+
+gpu_pid=
+if has gpu; then
+  log "GPU test suites (background)"
+  (GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-150} \
+    scripts/gpu_tests.sh run >"$out/gpu_tests.log" 2>&1) &
+  gpu_pid=$!
+fi
+
+if has q30 || has profile; then
+  convert q30 qwen3-30b-a3b --experts-dtype int8 --routing uniform
+  if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; gpu_pid=; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
+  B=(q30 --device cuda --moe-threads 16 --prompt-lengths "${PROMPTS:-4096}"
+    --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}")
+  B[0]="$work/q30.ninfer"
+  if has profile; then
+    # Op-by-op timing (every op synchronises: slow; where the time goes, not how fast).
+    for experts in 0 all; do
+      NINFER_CUDA_OP_TIMING="$out/op_timing_q30_$experts.txt" bench "q30_profile_$experts" 120 \
+        "$work/q30.ninfer" --device cuda --moe-threads 16 --prompt-lengths 1024 --decode-tokens 32 \
+        --moe-gpu-experts "$experts"
+      head -40 "$out/op_timing_q30_$experts.txt" | tee -a "$out/session.log"
+    done
+  fi
+  if has q30; then
+    bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 0
+    bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --gpu-mem-budget 16 --moe-gpu-experts auto
+    bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts all
+  fi
+  [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*
+fi
+
+if has q35; then
+  convert q35 qwen3.5-35b-a3b --experts-dtype int4
+  if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; gpu_pid=; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
+  Q=("$work/q35.ninfer" --device cuda --moe-threads 16)
+  bench q35_stats "${STATS_TIMEOUT:-120}" "${Q[@]}" --prompt-lengths 2048 --decode-tokens 128 \
+    --engine-arg=--moe-record-stats --engine-arg="$work/q35-stats.json"
+  cp "$work/q35-stats.json" "$out/" 2>/dev/null
+  bench q35_budget16 "${BENCH_TIMEOUT:-150}" "${Q[@]}" --prompt-lengths "${PROMPTS:-4096}" \
+    --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}" --gpu-mem-budget 16 \
+    --moe-gpu-experts auto --engine-arg=--moe-expert-stats --engine-arg="$work/q35-stats.json"
+fi
+
+if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
+log "done"
+# The device tool brings back a limited number of files: one archive of everything else.
+archive=$(mktemp /tmp/results.XXXXXX.tgz)
+(cd "$out" && tar czf "$archive" --exclude=session.log . && \
+  find . -type f ! -name session.log -delete && mv "$archive" results.tgz)

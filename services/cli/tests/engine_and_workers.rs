@@ -382,6 +382,54 @@ fn concurrent_requests_equal_their_solo_results() {
                 "request {index} differs when batched"
             );
         }
+
+        // A request that arrives while another decodes joins the running batch: the late, short
+        // one finishes while the long one is still streaming, and neither changes.
+        let long_solo = generate(&mut connected.clone(), greedy(&requests[0], 48)).await;
+        let short_solo = solo[3][..8].to_vec();
+        let mut stream = connected
+            .clone()
+            .generate(greedy(&requests[0], 48))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut long = Vec::new();
+        let mut late = None;
+        let mut long_tokens_when_late_finished = None;
+        while let Some(message) = stream.message().await.unwrap() {
+            if message.no_token {
+                continue;
+            }
+            long.push(message.token_id);
+            if long.len() == 4 {
+                let mut client = connected.clone();
+                let request = greedy(&requests[3], 8);
+                late = Some(tokio::spawn(
+                    async move { generate(&mut client, request).await },
+                ));
+            }
+            if long_tokens_when_late_finished.is_none()
+                && late.as_ref().is_some_and(|handle| handle.is_finished())
+            {
+                long_tokens_when_late_finished = Some(long.len());
+            }
+        }
+        assert_eq!(
+            long, long_solo,
+            "the running request changed when one joined"
+        );
+        assert_eq!(
+            late.unwrap().await.unwrap(),
+            short_solo,
+            "the late request differs"
+        );
+        let at = long_tokens_when_late_finished
+            .unwrap_or_else(|| panic!("the late request finished only after the long one"));
+        assert!(
+            at < 48,
+            "the late request waited for the long one ({at} tokens)"
+        );
+        println!("late 8-token request finished while the long one was at token {at} of 48");
     });
 }
 

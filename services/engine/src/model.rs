@@ -671,10 +671,17 @@ impl<B: Backend> Model<B> {
             } => {
                 let common = &self.spec.common;
                 let logits = backend.matmul(x, router);
-                let routing = backend.route_top_k(
+                // The hidden states go to the executor unless every expert of the layer is
+                // resident; read back with the routing, one wait on a GPU.
+                let read_hidden = resident
+                    .as_ref()
+                    .is_none_or(|resident| !resident.resident.iter().all(|&r| r));
+                let (routing, hidden) = backend.route_top_k_and_read_back(
                     &logits,
                     common.num_experts_per_tok,
                     self.spec.normalize_routing,
+                    x,
+                    read_hidden,
                 );
                 self.experts
                     .observe_routing(index, &routing.expert_ids, routing_tokens(&routing));
@@ -707,17 +714,8 @@ impl<B: Backend> Model<B> {
                     }
                     None => &routing.expert_ids,
                 };
-                // With every chosen expert resident the hidden states never leave the backend.
-                let needs_executor = expert_ids.iter().any(|&id| id != NO_EXPERT);
-                // On a GPU this download waits for the queued work before it (the profile's
-                // transfer time includes that wait; docs/BENCHMARKS.md says so).
-                let copying = Instant::now();
-                let hidden = if needs_executor {
-                    backend.download(x)
-                } else {
-                    Vec::new()
-                };
-                tally.transfer_nanos += nanos(copying.elapsed());
+                // With every chosen expert resident the executor has nothing to do.
+                let needs_executor = read_hidden && expert_ids.iter().any(|&id| id != NO_EXPERT);
                 let (rows, cols) = backend.shape(x);
                 // Work the backend does itself is queued first (on a GPU it runs while this
                 // thread waits for the expert workers): the resident experts, then the shared

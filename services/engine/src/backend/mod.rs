@@ -226,6 +226,26 @@ pub trait Backend: Send + Sync + 'static {
     /// the expert executor (possibly another process) needs it there.
     fn route_top_k(&self, logits: &Self::Tensor, k: usize, normalize: bool) -> Routing;
 
+    /// [`Backend::route_top_k`], and with `read_hidden` the values of `hidden` too (what the
+    /// expert executor needs), brought to the host together: on a GPU one wait per MoE layer
+    /// instead of one per read-back. Without `read_hidden` the vector is empty.
+    fn route_top_k_and_read_back(
+        &self,
+        logits: &Self::Tensor,
+        k: usize,
+        normalize: bool,
+        hidden: &Self::Tensor,
+        read_hidden: bool,
+    ) -> (Routing, Vec<f32>) {
+        let routing = self.route_top_k(logits, k, normalize);
+        let values = if read_hidden {
+            self.download(hidden)
+        } else {
+            Vec::new()
+        };
+        (routing, values)
+    }
+
     /// Empty KV cache with room for `max_tokens` positions of `kv_heads · head_dim` keys/values.
     fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Self::KvCache;
     /// Appends each segment's `k`, `v` rows to its cache at its start position, then causal GQA

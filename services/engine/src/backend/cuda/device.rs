@@ -168,6 +168,16 @@ pub struct CudaBackend {
     options: CudaOptions,
     /// `NINFER_CUDA_OP_TIMING`: per-op timing for profiling (device/op_timing.rs).
     op_timing: Option<op_timing::OpTiming>,
+    /// Page-locked buffer the read-backs go through (device/readback.rs).
+    staging: readback::StagingSlot,
+    /// Rope's device tables: inverse frequencies per (rotary dim, θ), the last positions.
+    rope_tables: Mutex<RopeTables>,
+}
+
+#[derive(Default)]
+struct RopeTables {
+    inverse: HashMap<(usize, u64), CudaSlice<f32>>,
+    positions: Option<(Vec<u32>, CudaSlice<u32>)>,
 }
 
 /// A row-major `[rows, cols]` f32 buffer on the GPU; `None` after an earlier error.
@@ -463,6 +473,8 @@ impl CudaBackend {
             cublas: None,
             options,
             op_timing: None,
+            staging: Default::default(),
+            rope_tables: Default::default(),
         };
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
         // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
@@ -707,6 +719,34 @@ impl CudaBackend {
                 data: None,
             }
         })
+    }
+
+    /// Every value of `tensor`, through the page-locked staging buffer.
+    fn try_download(&self, tensor: &CudaTensor) -> Result<Vec<f32>, CudaError> {
+        let len = tensor.rows * tensor.cols;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let data = present(&tensor.data)?;
+        // Big read-backs (a prefill's logits) go straight to pageable memory rather than grow
+        // the page-locked buffer for good.
+        if len * 4 > readback::STAGING_MAX_BYTES {
+            let mut values = self
+                .stream
+                .memcpy_dtov(data)
+                .map_err(driver_error("copying to the host"))?;
+            values.truncate(len);
+            return Ok(values);
+        }
+        match self
+            .read_back_together(&[readback::ReadBack::F32(data, len)])?
+            .pop()
+        {
+            Some(readback::HostValues::F32(values)) => Ok(values),
+            _ => Err(CudaError::Invalid {
+                problem: "a read-back came back in the wrong shape".into(),
+            }),
+        }
     }
 
     fn engine_error(error: CudaError) -> EngineError {
@@ -1060,9 +1100,31 @@ impl CudaBackend {
                 ),
             });
         }
-        let inverse = self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?;
+        // Every attention layer of a forward rotates q and k with the same tables and
+        // positions: upload each once, not twice per layer.
         let positions: Vec<u32> = positions[..rows].iter().map(|&p| p as u32).collect();
-        let positions = self.upload_u32(&positions)?;
+        let mut tables = self.rope_tables.lock().map_err(|_| CudaError::Invalid {
+            problem: "the rope cache's lock is poisoned".into(),
+        })?;
+        let key = (rotary_dim, theta.to_bits());
+        if let std::collections::hash_map::Entry::Vacant(entry) = tables.inverse.entry(key) {
+            entry.insert(self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?);
+        }
+        if tables
+            .positions
+            .as_ref()
+            .is_none_or(|(held, _)| *held != positions)
+        {
+            let uploaded = self.upload_u32(&positions)?;
+            tables.positions = Some((positions, uploaded));
+        }
+        let (Some(inverse), Some((_, positions))) =
+            (tables.inverse.get(&key), tables.positions.as_ref())
+        else {
+            return Err(CudaError::Invalid {
+                problem: "rope tables missing after upload".into(),
+            });
+        };
         let total = rows * (x.cols / head_dim) * half;
         let (rows, cols, head_dim, half) = (
             int(rows, "rows")?,
@@ -1072,7 +1134,7 @@ impl CudaBackend {
         );
         let data = present_mut(&mut x.data)?;
         launch!(self, "rope", elementwise(total);
-            data, &positions, &inverse, &rows, &cols, &head_dim, &half)
+            data, positions, inverse, &rows, &cols, &head_dim, &half)
     }
 
     fn check_same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<(), CudaError> {
@@ -1291,16 +1353,8 @@ impl Backend for CudaBackend {
         if len == 0 {
             return Vec::new();
         }
-        let result = present(&tensor.data).and_then(|data| {
-            self.stream
-                .memcpy_dtov(data)
-                .map_err(driver_error("copying to the host"))
-        });
-        match result {
-            Ok(mut values) => {
-                values.truncate(len);
-                values
-            }
+        match self.try_download(tensor) {
+            Ok(values) => values,
             Err(error) => {
                 self.record(error);
                 // NaN, not zeros: a failed read-back must not look like a plausible result.
@@ -1474,6 +1528,31 @@ impl Backend for CudaBackend {
             self.record(error);
             a.data = None;
         }
+    }
+
+    fn route_top_k_and_read_back(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        normalize: bool,
+        hidden: &CudaTensor,
+        read_hidden: bool,
+    ) -> (Routing, Vec<f32>) {
+        let _timer = self.op_timer("route_top_k_and_read_back");
+        if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
+            let hidden_part = read_hidden.then_some(hidden);
+            match self.try_route_and_read_back(logits, k, normalize, hidden_part) {
+                Ok(result) => return result,
+                Err(error) => self.record(error),
+            }
+        }
+        let routing = self.route_top_k(logits, k, normalize);
+        let values = if read_hidden {
+            self.download(hidden)
+        } else {
+            Vec::new()
+        };
+        (routing, values)
     }
 
     fn route_top_k(&self, logits: &CudaTensor, k: usize, normalize: bool) -> Routing {
@@ -1671,5 +1750,6 @@ mod delta_rule;
 mod expert_slots;
 pub use attention::AttentionPath;
 mod op_timing;
+mod readback;
 mod router;
 pub use expert_slots::CudaExpertSlots;

@@ -6,6 +6,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::readback::{HostValues, ReadBack};
 use super::{driver_error, int, present, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
@@ -25,14 +26,32 @@ impl CudaBackend {
         k: usize,
         normalize: bool,
     ) -> Result<Routing, CudaError> {
+        self.try_route_and_read_back(logits, k, normalize, None)
+            .map(|(routing, _)| routing)
+    }
+
+    /// The routing of `logits` and, if given, the values of `hidden`, read back with one wait
+    /// (device/readback.rs).
+    pub(super) fn try_route_and_read_back(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        normalize: bool,
+        hidden: Option<&CudaTensor>,
+    ) -> Result<(Routing, Vec<f32>), CudaError> {
         let (tokens, experts) = (logits.rows, logits.cols);
         let k = k.min(experts);
         if tokens == 0 || k == 0 {
-            return Ok(Routing {
+            let values = match hidden {
+                Some(hidden) => self.try_download(hidden)?,
+                None => Vec::new(),
+            };
+            let routing = Routing {
                 experts_per_token: k,
                 expert_ids: Vec::new(),
                 weights: Vec::new(),
-            });
+            };
+            return Ok((routing, values));
         }
         if experts > ROUTER_MAX_EXPERTS || k > ROUTER_MAX_TOP_K {
             return Err(CudaError::Invalid {
@@ -62,19 +81,33 @@ impl CudaBackend {
         );
         launch!(self, "route_top_k", config;
             input, &mut ids, &mut weights, &experts_arg, &k_arg, &normalize_arg)?;
-        let expert_ids = self
-            .stream
-            .memcpy_dtov(&ids)
-            .map_err(driver_error("copying the routing ids to the host"))?;
-        let mut weights = self
-            .stream
-            .memcpy_dtov(&weights)
-            .map_err(driver_error("copying the routing weights to the host"))?;
-        weights.truncate(tokens * k);
-        Ok(Routing {
+        let mut parts = vec![
+            ReadBack::U32(&ids, tokens * k),
+            ReadBack::F32(&weights, tokens * k),
+        ];
+        if let Some(hidden) = hidden {
+            parts.push(ReadBack::F32(
+                present(&hidden.data)?,
+                hidden.rows * hidden.cols,
+            ));
+        }
+        let mut values = self.read_back_together(&parts)?.into_iter();
+        let (Some(HostValues::U32(expert_ids)), Some(HostValues::F32(weights))) =
+            (values.next(), values.next())
+        else {
+            return Err(CudaError::Invalid {
+                problem: "the routing read-back came back in the wrong shape".into(),
+            });
+        };
+        let hidden_values = match values.next() {
+            Some(HostValues::F32(values)) => values,
+            _ => Vec::new(),
+        };
+        let routing = Routing {
             experts_per_token: k,
             expert_ids,
             weights,
-        })
+        };
+        Ok((routing, hidden_values))
     }
 }

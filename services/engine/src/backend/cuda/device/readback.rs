@@ -1,0 +1,159 @@
+//! Read-backs through one page-locked staging buffer: several device buffers copied with
+//! async copies and one wait, instead of one synchronous pageable copy (and one wait) each.
+//! The MoE layer's routing ids, routing weights and hidden states come back this way.
+//!
+//! Owns: the staging buffer (grown on demand, never shrunk) and its lock.
+//! Must not touch: what the values are (callers decode the bytes).
+
+use std::sync::Mutex;
+
+use cudarc::driver::{sys, CudaSlice, DevicePtr};
+
+use super::{driver_error, CudaBackend, CudaError};
+
+/// Page-locked host memory from `cuMemAllocHost` (cached: the host reads it; cudarc's own
+/// pinned slices are write-combined, which is slow to read).
+pub(crate) struct PinnedStaging {
+    pointer: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: the pointer is owned memory used only under the backend's mutex.
+unsafe impl Send for PinnedStaging {}
+
+impl Drop for PinnedStaging {
+    fn drop(&mut self) {
+        if !self.pointer.is_null() {
+            // SAFETY: allocated by cuMemAllocHost below; no copy is pending (every use waits).
+            unsafe { sys::cuMemFreeHost(self.pointer.cast()) };
+        }
+    }
+}
+
+/// Largest read-back that goes through the staging buffer.
+pub(super) const STAGING_MAX_BYTES: usize = 64 << 20;
+
+pub(crate) type StagingSlot = Mutex<Option<PinnedStaging>>;
+
+/// One device buffer to read back: its first `len` elements.
+pub(super) enum ReadBack<'a> {
+    F32(&'a CudaSlice<f32>, usize),
+    U32(&'a CudaSlice<u32>, usize),
+}
+
+impl ReadBack<'_> {
+    fn bytes(&self) -> usize {
+        match self {
+            ReadBack::F32(_, len) | ReadBack::U32(_, len) => len * 4,
+        }
+    }
+}
+
+/// The values read back, in the order asked.
+pub(super) enum HostValues {
+    F32(Vec<f32>),
+    U32(Vec<u32>),
+}
+
+impl CudaBackend {
+    /// Queues a copy of every part into the staging buffer, waits once for the stream, and
+    /// returns the parts' values.
+    pub(super) fn read_back_together(
+        &self,
+        parts: &[ReadBack<'_>],
+    ) -> Result<Vec<HostValues>, CudaError> {
+        // 256-byte aligned offsets keep every copy's destination aligned.
+        let mut offsets = Vec::with_capacity(parts.len());
+        let mut total = 0usize;
+        for part in parts {
+            offsets.push(total);
+            total += part.bytes().div_ceil(256) * 256;
+        }
+        let mut slot = self.staging.lock().map_err(|_| CudaError::Invalid {
+            problem: "the read-back staging buffer's lock is poisoned".into(),
+        })?;
+        if slot.as_ref().is_none_or(|staging| staging.bytes < total) {
+            // Free the old one first (no copy is pending: every use ends with a wait).
+            *slot = None;
+            let bytes = total.max(1 << 20).next_power_of_two();
+            self._context
+                .bind_to_thread()
+                .map_err(driver_error("binding the CUDA context"))?;
+            let mut pointer: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: the context is current on this thread (bound above); valid out pointer.
+            let status = unsafe { sys::cuMemAllocHost_v2(&mut pointer, bytes) };
+            if status != sys::CUresult::CUDA_SUCCESS || pointer.is_null() {
+                return Err(CudaError::Driver {
+                    what: format!("cuMemAllocHost of {bytes} bytes for read-backs"),
+                    message: format!("{status:?}"),
+                });
+            }
+            *slot = Some(PinnedStaging {
+                pointer: pointer.cast(),
+                bytes,
+            });
+        }
+        let staging = slot.as_ref().ok_or_else(|| CudaError::Invalid {
+            problem: "no read-back staging buffer".into(),
+        })?;
+        for (part, &offset) in parts.iter().zip(&offsets) {
+            let bytes = part.bytes();
+            if bytes == 0 {
+                continue;
+            }
+            let source = match part {
+                ReadBack::F32(buffer, len) => {
+                    check_length(buffer.len(), *len)?;
+                    buffer.device_ptr(&self.stream).0
+                }
+                ReadBack::U32(buffer, len) => {
+                    check_length(buffer.len(), *len)?;
+                    buffer.device_ptr(&self.stream).0
+                }
+            };
+            // SAFETY: destination inside the staging allocation (offsets sum to ≤ its size);
+            // the source holds at least `bytes` (checked above); the wait below ends the copy
+            // before the host reads or the buffer is reused.
+            let status = unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    staging.pointer.add(offset).cast(),
+                    source,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            };
+            if status != sys::CUresult::CUDA_SUCCESS {
+                return Err(CudaError::Driver {
+                    what: "queueing a read-back copy".into(),
+                    message: format!("{status:?}"),
+                });
+            }
+        }
+        self.stream
+            .synchronize()
+            .map_err(driver_error("waiting for the read-back"))?;
+        let mut values = Vec::with_capacity(parts.len());
+        for (part, &offset) in parts.iter().zip(&offsets) {
+            // SAFETY: the copies into [offset, offset + bytes) completed (the wait above).
+            let bytes =
+                unsafe { std::slice::from_raw_parts(staging.pointer.add(offset), part.bytes()) };
+            let words = bytes
+                .chunks_exact(4)
+                .map(|word| [word[0], word[1], word[2], word[3]]);
+            values.push(match part {
+                ReadBack::F32(..) => HostValues::F32(words.map(f32::from_ne_bytes).collect()),
+                ReadBack::U32(..) => HostValues::U32(words.map(u32::from_ne_bytes).collect()),
+            });
+        }
+        Ok(values)
+    }
+}
+
+fn check_length(available: usize, wanted: usize) -> Result<(), CudaError> {
+    if wanted > available {
+        return Err(CudaError::Invalid {
+            problem: format!("read-back of {wanted} values from a buffer of {available}"),
+        });
+    }
+    Ok(())
+}

@@ -66,12 +66,16 @@ pub fn grpc_routes(state: Arc<GatewayState>) -> axum::Router {
     });
     let mut routes = tonic::service::Routes::new(GatewayServer::new(GatewayGrpcService { state }))
         .add_service(health_service);
-    match tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(ninfer_protocol::FILE_DESCRIPTOR_SET)
-        .build_v1()
-    {
-        Ok(reflection) => routes = routes.add_service(reflection),
-        Err(error) => tracing::warn!(%error, "gRPC reflection disabled: descriptor set rejected"),
+    // Both reflection versions: grpcurl before 1.9 and some GUI clients speak only v1alpha.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(ninfer_protocol::FILE_DESCRIPTOR_SET)
+    };
+    match (reflection().build_v1(), reflection().build_v1alpha()) {
+        (Ok(v1), Ok(v1alpha)) => routes = routes.add_service(v1).add_service(v1alpha),
+        (Err(error), _) | (_, Err(error)) => {
+            tracing::warn!(%error, "gRPC reflection disabled: descriptor set rejected")
+        }
     }
     routes.into_axum_router()
 }

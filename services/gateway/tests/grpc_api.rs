@@ -159,6 +159,7 @@ async fn public_grpc_api_health_and_reflection() {
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
     use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let channel_for_alpha = channel.clone();
     let mut reflection = ServerReflectionClient::new(channel);
     let request = ServerReflectionRequest {
         host: String::new(),
@@ -182,6 +183,53 @@ async fn public_grpc_api_health_and_reflection() {
         names.contains(&"ninfer.v1.Gateway".to_string()),
         "{names:?}"
     );
+    // What `grpcurl describe` asks next: the file defining the service, no proto files needed.
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::FileContainingSymbol(
+            "ninfer.v1.Gateway".into(),
+        )),
+    };
+    let response = reflection
+        .server_reflection_info(futures_util::stream::iter(vec![request]))
+        .await
+        .unwrap_or_else(|e| panic!("reflection: {e}"))
+        .into_inner()
+        .next()
+        .await
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("no reflection answer"));
+    let Some(MessageResponse::FileDescriptorResponse(files)) = response.message_response else {
+        panic!("unexpected reflection answer: {response:?}")
+    };
+    // A FileDescriptorProto carries its file name and service names as plain strings.
+    let contains =
+        |bytes: &[u8], text: &str| bytes.windows(text.len()).any(|w| w == text.as_bytes());
+    let described = files.file_descriptor_proto.iter().any(|bytes| {
+        contains(bytes, "ninfer/v1/gateway.proto") && contains(bytes, "GenerateStream")
+    });
+    assert!(described, "no descriptor defines ninfer.v1.Gateway");
+    // The older v1alpha protocol too.
+    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient as Alpha;
+    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest as AlphaRequest;
+    use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse as AlphaResponse;
+    let request = tonic_reflection::pb::v1alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(AlphaRequest::ListServices(String::new())),
+    };
+    let response = Alpha::new(channel_for_alpha)
+        .server_reflection_info(futures_util::stream::iter(vec![request]))
+        .await
+        .unwrap_or_else(|e| panic!("v1alpha reflection: {e}"))
+        .into_inner()
+        .next()
+        .await
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("no v1alpha reflection answer"));
+    let Some(AlphaResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected v1alpha answer")
+    };
+    assert!(list.service.iter().any(|s| s.name == "ninfer.v1.Gateway"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -215,6 +215,11 @@ def main():
             expected = http_json(base, "/detokenize", {"model": model, "tokens": ids, "skip_special_tokens": True}, args.api_key)["prompt"]
             got = response.choices[0].text
             assert got == expected, (got, expected)
+            # The gateway's detokenizer agrees with transformers' decode of the same ids.
+            with_special = http_json(base, "/detokenize", {"model": model, "tokens": ids, "skip_special_tokens": False}, args.api_key)["prompt"]
+            assert with_special == plain["greedy_text"], (with_special, plain["greedy_text"])
+            # And the completion's tokens are the reference tokens (not merely the same text).
+            assert response.usage.completion_tokens == len(ids), response.usage
             return f"{len(ids)} tokens"
 
         reference_greedy()

@@ -99,6 +99,13 @@ struct Args {
     /// contexts and 1 GiB of working memory.
     #[arg(long, value_name = "GiB")]
     gpu_mem_budget: Option<f64>,
+    /// On the GPU: batches of at least this many tokens (long prompts) copy the routed experts
+    /// they need over PCIe into one layer-sized set of staging slots and compute them on the
+    /// GPU instead of the expert workers (0: never). The default is about where PCIe wins:
+    /// one layer's experts cross PCIe in ~12 ms (qwen3-30b-a3b int8, ~55 GB/s) while the CPU
+    /// needs ~60 µs per token per layer (AMX, docs/BENCHMARKS.md).
+    #[arg(long, default_value_t = 256, value_name = "TOKENS")]
+    moe_prefill_gpu_min_tokens: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -210,6 +217,7 @@ fn main() -> anyhow::Result<()> {
             2
         },
         limits,
+        prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
     };
     let ((scheduler, profile, expert_stride_bytes), (device_name, device_bandwidth)) = match device
     {
@@ -221,7 +229,10 @@ fn main() -> anyhow::Result<()> {
                 Arc::new(CpuBackend::new()),
                 &artifact,
                 counting,
-                &gpu_experts,
+                &GpuExpertsRequest {
+                    prefill_staging_min_tokens: 0,
+                    ..gpu_experts
+                },
                 || None,
                 &scheduler_counters,
             )?;
@@ -362,6 +373,8 @@ struct GpuExpertsRequest {
     /// Bytes of one cached key or value element (`--kv-dtype`).
     kv_element_bytes: u64,
     limits: SchedulerLimits,
+    /// `--moe-prefill-gpu-min-tokens` (0: off; always off on the CPU backend).
+    prefill_staging_min_tokens: usize,
 }
 
 /// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
@@ -380,6 +393,17 @@ fn start_scheduler<B: Backend>(
     u64,
 )> {
     let mut model = Model::load(backend, Arc::clone(artifact), experts)?;
+    if request.prefill_staging_min_tokens > 0 {
+        // Before the expert slots, so their budget sees this memory as used.
+        let bytes = model
+            .enable_prefill_staging(request.prefill_staging_min_tokens)
+            .context("allocating the prefill staging slots")?;
+        tracing::info!(
+            min_tokens = request.prefill_staging_min_tokens,
+            mib = bytes >> 20,
+            "prefill staging: big batches compute their routed experts on the GPU"
+        );
+    }
     if request.count != GpuExpertCount::Count(0) {
         place_gpu_experts(&mut model, request, device_memory())?;
     }

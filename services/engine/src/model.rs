@@ -7,7 +7,7 @@
 //! Must not touch: op implementations (backends), sampling, tokenization.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ninfer_artifact::{Artifact, ArtifactError, ExpertBank, TensorClass};
@@ -142,6 +142,9 @@ pub struct Model<B: Backend> {
     experts: Arc<dyn ExpertExecutor>,
     delta_rule_form: DeltaRuleForm,
     profile: Arc<ForwardProfile>,
+    /// Batches of at least this many rows compute their non-resident routed experts on the
+    /// backend from one layer-sized set of staging slots ([`Model::enable_prefill_staging`]).
+    prefill_staging: Option<(usize, Mutex<B::ExpertSlots>)>,
 }
 
 /// Opens an artifact; if the reader rejects its header, says which architecture it names when
@@ -229,6 +232,7 @@ impl<B: Backend> Model<B> {
             experts,
             delta_rule_form: DeltaRuleForm::Auto,
             profile,
+            prefill_staging: None,
         })
     }
 
@@ -326,6 +330,45 @@ impl<B: Backend> Model<B> {
             });
         }
         Ok(report)
+    }
+
+    /// From batches of `min_tokens` rows on (a long prompt's prefill), every MoE layer copies
+    /// the non-resident experts its tokens route to into one set of backend slots (room for all
+    /// experts of one layer, reused layer after layer) and computes them there, instead of
+    /// sending the batch to the expert executor. On a GPU the copies are DMAs from the
+    /// page-locked banks: a layer's experts cross PCIe in milliseconds, where the CPU would
+    /// need tens of milliseconds per hundred tokens (DESIGN.md, "Prefill of long prompts").
+    /// Returns the bytes the slots take; a model without routed experts needs none.
+    pub fn enable_prefill_staging(&mut self, min_tokens: usize) -> Result<u64, EngineError> {
+        let common = &self.spec.common;
+        let mut layouts = self
+            .layers
+            .iter()
+            .filter_map(|layer| match &layer.feed_forward {
+                FeedForward::Moe { bank, .. } => Some(ExpertLayout::for_bank(
+                    bank,
+                    common.hidden_size,
+                    common.moe_intermediate_size,
+                )),
+                FeedForward::Dense { .. } => None,
+            });
+        let Some(first) = layouts.next() else {
+            return Ok(0);
+        };
+        let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        let layout = first.map_err(|error| invalid(error.to_string()))?;
+        for other in layouts {
+            if other.map_err(|error| invalid(error.to_string()))? != layout {
+                return Err(invalid(
+                    "prefill staging needs every MoE layer's experts in one layout".into(),
+                ));
+            }
+        }
+        let slots =
+            self.backend
+                .new_expert_slots(&layout, common.num_experts, common.num_experts)?;
+        self.prefill_staging = Some((min_tokens.max(1), Mutex::new(slots)));
+        Ok((common.num_experts * layout.stride) as u64)
     }
 
     /// Bytes one expert of this model takes in a slot (its bank stride), or `None` for a model
@@ -671,11 +714,18 @@ impl<B: Backend> Model<B> {
             } => {
                 let common = &self.spec.common;
                 let logits = backend.matmul(x, router);
-                // The hidden states go to the executor unless every expert of the layer is
-                // resident; read back with the routing, one wait on a GPU.
-                let read_hidden = resident
+                let staging = self
+                    .prefill_staging
                     .as_ref()
-                    .is_none_or(|resident| !resident.resident.iter().all(|&r| r));
+                    .filter(|(min_tokens, _)| backend.shape(x).0 >= *min_tokens)
+                    .map(|(_, slots)| slots);
+                // The hidden states go to the executor unless every expert of the layer is
+                // resident or the batch is staged; read back with the routing, one wait on a
+                // GPU.
+                let read_hidden = staging.is_none()
+                    && resident
+                        .as_ref()
+                        .is_none_or(|resident| !resident.resident.iter().all(|&r| r));
                 let (routing, hidden) = backend.route_top_k_and_read_back(
                     &logits,
                     common.num_experts_per_tok,
@@ -733,9 +783,19 @@ impl<B: Backend> Model<B> {
                         backend.matmul(x, &shared.gate),
                     )
                 });
-                let mut output = match (needs_executor, resident_sum) {
-                    (false, Some(resident_sum)) => resident_sum,
-                    (_, resident_sum) => {
+                let staged_sum = match staging {
+                    Some(staging) => self.staged_experts(staging, bank, x, expert_ids, &routing)?,
+                    None => None,
+                };
+                let mut output = match (needs_executor, resident_sum, staged_sum) {
+                    (_, resident_sum, Some(mut staged_sum)) => {
+                        if let Some(resident_sum) = resident_sum {
+                            backend.add_assign(&mut staged_sum, &resident_sum);
+                        }
+                        staged_sum
+                    }
+                    (false, Some(resident_sum), None) => resident_sum,
+                    (_, resident_sum, None) => {
                         let routed = self.routed_on_executor(
                             index, bank, &hidden, expert_ids, &routing, tally,
                         )?;
@@ -754,6 +814,43 @@ impl<B: Backend> Model<B> {
                 Ok(output)
             }
         }
+    }
+
+    /// The non-resident routed experts of a staged batch (`expert_ids`, resident ones masked)
+    /// copied into the staging slots and computed on the backend; `None` when the batch routes
+    /// to resident experts only. Each routed expert goes to the slot of its own index, so the
+    /// table never points at an expert of another layer for an id this batch uses.
+    fn staged_experts(
+        &self,
+        staging: &Mutex<B::ExpertSlots>,
+        bank: &ExpertBank,
+        x: &B::Tensor,
+        expert_ids: &[u32],
+        routing: &crate::backend::Routing,
+    ) -> Result<Option<B::Tensor>, EngineError> {
+        let num_experts = self.spec.common.num_experts;
+        let mut wanted = vec![false; num_experts];
+        for &id in expert_ids {
+            if let Some(flag) = wanted.get_mut(id as usize) {
+                *flag = true;
+            }
+        }
+        if !wanted.contains(&true) {
+            return Ok(None);
+        }
+        let mut slots = staging.lock().map_err(|_| EngineError::InvalidConfig {
+            problem: "the prefill staging slots' lock is poisoned".into(),
+        })?;
+        for (expert, _) in wanted.iter().enumerate().filter(|(_, &wanted)| wanted) {
+            self.backend
+                .fill_expert_slot(&mut slots, expert, expert, &self.artifact, bank)?;
+        }
+        let masked = crate::backend::Routing {
+            experts_per_token: routing.experts_per_token,
+            expert_ids: expert_ids.to_vec(),
+            weights: routing.weights.clone(),
+        };
+        Ok(Some(self.backend.slotted_experts(&slots, x, &masked)))
     }
 
     /// The routed experts the executor computes (the CPU workers, or in-process), summed per

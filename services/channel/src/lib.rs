@@ -60,8 +60,23 @@ const MAGIC: u64 = u64::from_le_bytes(*b"NICHAN02");
 const HEADER_BYTES: usize = 4096;
 const SLOT_HEADER_BYTES: usize = 256;
 const ERROR_TEXT_BYTES: usize = 192;
-/// How long a waiter spins before it sleeps on the futex.
-const SPIN_FOR: Duration = Duration::from_micros(50);
+/// How long a waiter spins before it sleeps on the futex: `NINFER_CHANNEL_SPIN_US`, else 1 ms
+/// on machines with more than 4 CPUs (a decode step's MoE layers come every few hundred µs,
+/// and a futex wake-up on each side costs tens of µs per layer), else 50 µs (on a small
+/// machine the spinning side would take a core the other side needs).
+fn spin_for() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let configured = std::env::var("NINFER_CHANNEL_SPIN_US")
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok());
+        let default = match std::thread::available_parallelism() {
+            Ok(cpus) if cpus.get() > 4 => 1000,
+            _ => 50,
+        };
+        Duration::from_micros(configured.unwrap_or(default))
+    })
+}
 
 /// An expert-id entry that carries no expert (the token's other experts live elsewhere).
 pub const NO_EXPERT: u32 = u32::MAX;
@@ -461,6 +476,7 @@ impl EngineChannel {
     pub fn wait(&self, slot: u32, sequence: u32, timeout: Duration) -> WaitOutcome {
         let header = self.mapping.slot_header(slot);
         let started = Instant::now();
+        let spin = spin_for();
         loop {
             let answered = header.response_sequence.load(Ordering::Acquire);
             if answered == sequence {
@@ -482,7 +498,7 @@ impl EngineChannel {
             if elapsed >= timeout {
                 return WaitOutcome::TimedOut;
             }
-            if elapsed < SPIN_FOR {
+            if elapsed < spin {
                 std::hint::spin_loop();
                 continue;
             }
@@ -646,6 +662,7 @@ impl WorkerChannel {
         let segment = self.mapping.header();
         let slots = self.mapping.geometry.slot_count;
         let started = Instant::now();
+        let spin = spin_for();
         let slot = 'found: loop {
             let start = self.next_slot.load(Ordering::Relaxed);
             for offset in 0..slots {
@@ -658,7 +675,7 @@ impl WorkerChannel {
             if elapsed >= timeout {
                 return None;
             }
-            if elapsed < SPIN_FOR {
+            if elapsed < spin {
                 std::hint::spin_loop();
                 continue;
             }

@@ -1,4 +1,4 @@
-// Routed experts held in GPU slots (see services/engine/src/backend/cuda/expert_slots.rs).
+// Routed experts held in GPU slots (see services/engine/src/backend/cuda/device/expert_slots.rs).
 //
 // Slots are one device buffer of `slots × stride` bytes; each slot holds one expert exactly as
 // its bank stores it (docs/FORMAT.md): `gate_up` [2·I, H] at offset 0, `down` [H, I] at
@@ -8,18 +8,46 @@
 // the launches. Weights are dequantized in the kernel, accumulation is f32.
 //
 // One MoE layer is three launches over all (token, choice) pairs of the batch at once:
-//   expert_gate_up  activated[p, c] = silu(gate_c · x_t) · (up_c · x_t)     (slotted pairs only)
-//   expert_down     pair_out[p, r]  = w_p · (down_r · activated[p])         (0 for other pairs)
-//   expert_pair_sum out[t, r]       = Σ_j pair_out[t·k + j, r]              (fixed order)
-// Each warp computes one output row of one pair; its lanes read consecutive groups of the row
-// (coalesced), the pair's input vector sits in shared memory. Summing the pairs in a fixed
-// order (no atomics) keeps results deterministic and independent of the batch.
+//   gate_up   activated[p, c] = silu(gate_c · x_t) · (up_c · x_t)     (slotted pairs only)
+//   down      pair_out[p, r]  = w_p · (down_r · activated[p])         (0 for other pairs)
+//   expert_pair_sum out[t, r] = Σ_j pair_out[t·k + j, r]              (fixed order)
+// with two kernels for gate_up and down:
+//   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes one
+//     output row of one pair, the pair's input vector sits in shared memory. Every pair reads
+//     its expert's whole matrices.
+//   * grouped (`expert_gate_up_grouped`, `expert_down_grouped`; prefill): the host groups the
+//     slotted pairs by expert and cuts each expert's list into tiles of ≤ TILE_TOKENS pairs
+//     (`tiles[3·i ..]` = first index into `order`, count, slot; `order` = pair indices). A block
+//     takes one tile and a range of output rows; the tile's inputs are staged in shared memory
+//     CHUNK inputs at a time and each warp keeps GROUPED_ROWS rows × TILE_TOKENS accumulators in
+//     registers, so each weight is read once per tile instead of once per pair.
+//
+// Reduction order (the same in both kernels, so results do not depend on the batch or on which
+// kernel ran): lane l of a warp accumulates, in increasing input order, the inputs c ≡ l mod 32
+// (f32, bf16) or the 16-input segments s ≡ l mod 32 (int8, int4: the weight is dequantized
+// exactly, q · scale, then multiplied), with explicit fused multiply-adds; then the 32 lane sums
+// are added by one xor butterfly. This depends only on the reduction length. Summing the pairs
+// in a fixed order (no atomics) keeps results deterministic and independent of the batch.
+//
+// Inputs in shared memory are padded: input c lives at (c / 16) · 20 + c % 16, so the 16-input
+// segments of 32 lanes fall in distinct banks (quantized reads are float4, conflict-free).
 
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_INT8 2
 #define DTYPE_INT4 3
 #define GROUP 32
+#define SEG 16
+#define SEG_STRIDE 20
+
+// Grouped kernels: pairs per tile, inputs staged per pass (one 16-input segment per lane),
+// warps per block and weight rows per warp. expert_slots.rs mirrors TILE_TOKENS, GROUPED_WARPS
+// and the rows per block (GROUPED_WARPS · 2 columns for gate_up, GROUPED_WARPS · 4 rows for down).
+#define TILE_TOKENS 16
+#define CHUNK 512
+#define CHUNK_STRIDE (CHUNK / SEG * SEG_STRIDE)
+#define GROUPED_WARPS 8
+#define GROUPED_ROWS 4
 
 __device__ __forceinline__ float f16_bits_to_float(unsigned short bits) {
     float value;
@@ -33,67 +61,99 @@ __device__ __forceinline__ float bf16_bits_to_float(unsigned int bits) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// Sum over the warp; every lane gets the total.
+// Sum over the warp; every lane gets the same total (each step adds two equal-valued
+// operands in either order, and float addition is commutative).
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
 }
 
+// Where input c sits in a padded shared vector.
+__device__ __forceinline__ int padded(int c) { return (c >> 4) * SEG_STRIDE + (c & 15); }
+
+// Element c of row `row` of a float-typed [rows, cols] matrix.
+__device__ __forceinline__ float float_weight(const unsigned char* matrix, int dtype, int row,
+                                              int cols, int c) {
+    long long at = (long long)row * cols + c;
+    if (dtype == DTYPE_F32) return reinterpret_cast<const float*>(matrix)[at];
+    return bf16_bits_to_float(reinterpret_cast<const unsigned short*>(matrix)[at]);
+}
+
+// Quantized [rows, cols] matrices: cols is a multiple of 32 (the format requires it), rows
+// start 16-byte aligned; the 16-input segment s uses the f16 scale of group s / 2.
+__device__ __forceinline__ float segment_scale(const unsigned char* matrix, long long scales,
+                                               int row, int cols, int s) {
+    const unsigned short* scale_row =
+        reinterpret_cast<const unsigned short*>(matrix + scales) + (long long)row * (cols / GROUP);
+    return f16_bits_to_float(scale_row[s >> 1]);
+}
+
+// The raw bits of segment s of row `row` (int8: 16 bytes; int4: 8 bytes in .x, .y).
+template <int DT>
+__device__ __forceinline__ uint4 segment_bits(const unsigned char* matrix, int row, int cols,
+                                              int s) {
+    if (DT == DTYPE_INT8)
+        return *reinterpret_cast<const uint4*>(matrix + (long long)row * cols + s * SEG);
+    uint2 half = *reinterpret_cast<const uint2*>(matrix + (long long)row * (cols / 2) +
+                                                 s * (SEG / 2));
+    return make_uint4(half.x, half.y, 0u, 0u);
+}
+
+__device__ __forceinline__ unsigned int word_of(uint4 bits, int i) {
+    return i == 0 ? bits.x : i == 1 ? bits.y : i == 2 ? bits.z : bits.w;
+}
+
+// Weights 4q … 4q+3 of a segment, dequantized exactly: q · scale.
+template <int DT>
+__device__ __forceinline__ void quad_weights(uint4 bits, float scale, int q, float w[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        int value;
+        if (DT == DTYPE_INT8) {
+            value = (int)(signed char)((word_of(bits, q) >> (8 * e)) & 0xffu);
+        } else {
+            value = (int)((word_of(bits, q >> 1) >> (4 * (4 * (q & 1) + e))) & 0xfu) - 8;
+        }
+        w[e] = __fmul_rn((float)value, scale);
+    }
+}
+
+// The 16 weights of segment s (inputs 16·s …) of row `row`, dequantized exactly (|q| ≤ 128
+// times an f16 scale fits a float's mantissa).
+template <int DT>
+__device__ __forceinline__ void segment_weights(const unsigned char* matrix, long long scales,
+                                                int row, int cols, int s, float w[SEG]) {
+    uint4 bits = segment_bits<DT>(matrix, row, cols, s);
+    float scale = segment_scale(matrix, scales, row, cols, s);
+#pragma unroll
+    for (int q = 0; q < SEG / 4; ++q) quad_weights<DT>(bits, scale, q, w + 4 * q);
+}
+
 // Lane's share of `row · x` for row `row` of a [rows, cols] matrix starting at `matrix`, whose
-// f16 scales (quantized dtypes) start `scales` bytes after `matrix`. `x` is in shared memory.
+// f16 scales (quantized dtypes) start `scales` bytes after `matrix`. `x` is in shared memory,
+// padded. The order is the one described at the top of the file.
 __device__ float row_dot_partial(const unsigned char* matrix, long long scales, int dtype, int row,
                                  int cols, const float* x, int lane) {
     float acc = 0.0f;
-    if (dtype == DTYPE_F32) {
-        const float* w = reinterpret_cast<const float*>(matrix) + (long long)row * cols;
-        for (int c = lane; c < cols; c += 32) acc += w[c] * x[c];
-    } else if (dtype == DTYPE_BF16) {
-        const unsigned short* w =
-            reinterpret_cast<const unsigned short*>(matrix) + (long long)row * cols;
-        for (int c = lane; c < cols; c += 32) acc += bf16_bits_to_float(w[c]) * x[c];
+    if (dtype == DTYPE_F32 || dtype == DTYPE_BF16) {
+        for (int c = lane; c < cols; c += 32)
+            acc = __fmaf_rn(float_weight(matrix, dtype, row, cols, c), x[padded(c)], acc);
     } else {
-        // cols is a multiple of 32 (the format requires it for quantized matrices).
-        int groups = cols / GROUP;
-        const unsigned short* scale_row =
-            reinterpret_cast<const unsigned short*>(matrix + scales) + (long long)row * groups;
-        if (dtype == DTYPE_INT8) {
-            const unsigned char* values = matrix + (long long)row * cols;
-            for (int g = lane; g < groups; g += 32) {
-                // 32 signed bytes: two 16-byte loads (rows start 32-byte aligned).
-                const uint4* p = reinterpret_cast<const uint4*>(values + g * GROUP);
-                uint4 words[2] = {p[0], p[1]};
-                const unsigned int* u = reinterpret_cast<const unsigned int*>(words);
-                const float* xg = x + g * GROUP;
-                float sum = 0.0f;
+        int segments = cols / SEG;
+        for (int s = lane; s < segments; s += 32) {
+            float w[SEG];
+            if (dtype == DTYPE_INT8)
+                segment_weights<DTYPE_INT8>(matrix, scales, row, cols, s, w);
+            else
+                segment_weights<DTYPE_INT4>(matrix, scales, row, cols, s, w);
+            const float4* xs = reinterpret_cast<const float4*>(x + s * SEG_STRIDE);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    unsigned int word = u[i];
-#pragma unroll
-                    for (int b = 0; b < 4; ++b) {
-                        int q = (int)(signed char)((word >> (8 * b)) & 0xffu);
-                        sum += (float)q * xg[4 * i + b];
-                    }
-                }
-                acc += sum * f16_bits_to_float(scale_row[g]);
-            }
-        } else {
-            const unsigned char* values = matrix + (long long)row * (cols / 2);
-            for (int g = lane; g < groups; g += 32) {
-                // 32 nibbles = 16 bytes, one load; element 2j is byte j's low nibble, stored + 8.
-                uint4 word4 = *reinterpret_cast<const uint4*>(values + g * (GROUP / 2));
-                const unsigned int* u = reinterpret_cast<const unsigned int*>(&word4);
-                const float* xg = x + g * GROUP;
-                float sum = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    unsigned int word = u[i];
-#pragma unroll
-                    for (int b = 0; b < 8; ++b) {
-                        int q = (int)((word >> (4 * b)) & 0xfu) - 8;
-                        sum += (float)q * xg[8 * i + b];
-                    }
-                }
-                acc += sum * f16_bits_to_float(scale_row[g]);
+            for (int q = 0; q < SEG / 4; ++q) {
+                float4 v = xs[q];
+                acc = __fmaf_rn(w[4 * q], v.x, acc);
+                acc = __fmaf_rn(w[4 * q + 1], v.y, acc);
+                acc = __fmaf_rn(w[4 * q + 2], v.z, acc);
+                acc = __fmaf_rn(w[4 * q + 3], v.w, acc);
             }
         }
     }
@@ -108,18 +168,18 @@ __device__ __forceinline__ int pair_slot(const int* slot_of_expert, const unsign
     return slot_of_expert[expert];
 }
 
-// grid (ceil(intermediate / warps), pairs), dynamic shared memory hidden floats.
+// grid (ceil(intermediate / warps), pairs), dynamic shared memory ceil(hidden / 16) · 20 floats.
 extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int* slot_of_expert,
                                           const unsigned int* ids, const float* x,
                                           float* activated, int top_k, int num_experts,
                                           int hidden, int intermediate, long long stride,
                                           int dtype, long long gate_up_scales) {
-    extern __shared__ float shared_x[];
+    extern __shared__ __align__(16) float shared_x[];
     int p = blockIdx.y;
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
     if (slot < 0) return;  // the whole block leaves together
     const float* xt = x + (long long)(p / top_k) * hidden;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) shared_x[c] = xt[c];
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) shared_x[padded(c)] = xt[c];
     __syncthreads();
     int warps = blockDim.x / 32;
     int lane = threadIdx.x % 32;
@@ -132,13 +192,13 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     if (lane == 0) activated[(long long)p * intermediate + c] = silu(gate) * up;
 }
 
-// grid (ceil(hidden / warps), pairs), dynamic shared memory intermediate floats.
+// grid (ceil(hidden / warps), pairs), dynamic shared memory ceil(intermediate / 16) · 20 floats.
 extern "C" __global__ void expert_down(const unsigned char* slots, const int* slot_of_expert,
                                        const unsigned int* ids, const float* weights,
                                        const float* activated, float* pair_out, int num_experts,
                                        int hidden, int intermediate, long long stride, int dtype,
                                        long long down_offset, long long down_scales) {
-    extern __shared__ float shared_a[];
+    extern __shared__ __align__(16) float shared_a[];
     int p = blockIdx.y;
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
     int warps = blockDim.x / 32;
@@ -150,12 +210,183 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
         return;
     }
     const float* ap = activated + (long long)p * intermediate;
-    for (int c = threadIdx.x; c < intermediate; c += blockDim.x) shared_a[c] = ap[c];
+    for (int c = threadIdx.x; c < intermediate; c += blockDim.x) shared_a[padded(c)] = ap[c];
     __syncthreads();
     if (r >= hidden) return;
     const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
     float y = warp_sum(row_dot_partial(matrix, down_scales, dtype, r, intermediate, shared_a, lane));
     if (lane == 0) pair_out[(long long)p * hidden + r] = weights[p] * y;
+}
+
+// Grouped kernels. -----------------------------------------------------------------------------
+
+// Stages inputs [k0, k0 + kc) of the tile's vectors — row order[first + t] / divisor of `src`
+// ([*, cols]) for t < count — into xs[t · CHUNK_STRIDE + padded(j)]; the rest is 0.
+__device__ __forceinline__ void stage_tile(float* xs, const float* src, const unsigned int* order,
+                                           int first, int count, unsigned int divisor, int cols,
+                                           int k0, int kc) {
+    for (int idx = threadIdx.x; idx < TILE_TOKENS * CHUNK; idx += blockDim.x) {
+        int t = idx / CHUNK;
+        int j = idx % CHUNK;
+        float v = 0.0f;
+        if (t < count && j < kc)
+            v = src[(long long)(order[first + t] / divisor) * cols + k0 + j];
+        xs[t * CHUNK_STRIDE + padded(j)] = v;
+    }
+}
+
+// acc[r][t] += rows[r][k0, k0 + kc) · xs[t], lane's share, quantized dtypes: lane l takes the
+// chunk's segment l (global segment k0 / 16 + l), as row_dot_partial does.
+template <int DT>
+__device__ __forceinline__ void quantized_chunk(const unsigned char* matrix, long long scales,
+                                                const int (&rows)[GROUPED_ROWS], int cols, int k0,
+                                                int kc, const float* xs, int lane,
+                                                float (&acc)[GROUPED_ROWS][TILE_TOKENS]) {
+    if (lane >= kc / SEG) return;
+    int s = k0 / SEG + lane;
+    uint4 bits[GROUPED_ROWS];
+    float scale[GROUPED_ROWS];
+#pragma unroll
+    for (int r = 0; r < GROUPED_ROWS; ++r) {
+        bits[r] = segment_bits<DT>(matrix, rows[r], cols, s);
+        scale[r] = segment_scale(matrix, scales, rows[r], cols, s);
+    }
+    const float* xl = xs + lane * SEG_STRIDE;
+#pragma unroll
+    for (int q = 0; q < SEG / 4; ++q) {
+        float w[GROUPED_ROWS][4];
+#pragma unroll
+        for (int r = 0; r < GROUPED_ROWS; ++r) quad_weights<DT>(bits[r], scale[r], q, w[r]);
+#pragma unroll
+        for (int t = 0; t < TILE_TOKENS; ++t) {
+            float4 xv = *reinterpret_cast<const float4*>(xl + t * CHUNK_STRIDE + 4 * q);
+#pragma unroll
+            for (int r = 0; r < GROUPED_ROWS; ++r) {
+                float a = acc[r][t];
+                a = __fmaf_rn(w[r][0], xv.x, a);
+                a = __fmaf_rn(w[r][1], xv.y, a);
+                a = __fmaf_rn(w[r][2], xv.z, a);
+                a = __fmaf_rn(w[r][3], xv.w, a);
+                acc[r][t] = a;
+            }
+        }
+    }
+}
+
+// As quantized_chunk for f32 / bf16: lane l takes inputs k0 + l, k0 + l + 32, …
+__device__ __forceinline__ void float_chunk(const unsigned char* matrix, int dtype,
+                                            const int (&rows)[GROUPED_ROWS], int cols, int k0,
+                                            int kc, const float* xs, int lane,
+                                            float (&acc)[GROUPED_ROWS][TILE_TOKENS]) {
+    for (int c = lane; c < kc; c += 32) {
+        float w[GROUPED_ROWS];
+#pragma unroll
+        for (int r = 0; r < GROUPED_ROWS; ++r)
+            w[r] = float_weight(matrix, dtype, rows[r], cols, k0 + c);
+        const float* xc = xs + padded(c);
+#pragma unroll
+        for (int t = 0; t < TILE_TOKENS; ++t) {
+            float xv = xc[t * CHUNK_STRIDE];
+#pragma unroll
+            for (int r = 0; r < GROUPED_ROWS; ++r) acc[r][t] = __fmaf_rn(w[r], xv, acc[r][t]);
+        }
+    }
+}
+
+// Lane's shares of rows[r] · v_t for the tile's vectors v_t (see stage_tile), all of `cols`.
+// Every thread of the block calls it (it synchronises the block).
+__device__ __forceinline__ void grouped_rows(const unsigned char* matrix, long long scales,
+                                             int dtype, const int (&rows)[GROUPED_ROWS], int cols,
+                                             const float* src, const unsigned int* order,
+                                             int first, int count, unsigned int divisor,
+                                             float* xs, int lane,
+                                             float (&acc)[GROUPED_ROWS][TILE_TOKENS]) {
+    for (int k0 = 0; k0 < cols; k0 += CHUNK) {
+        int kc = min(CHUNK, cols - k0);
+        __syncthreads();  // the previous chunk is consumed
+        stage_tile(xs, src, order, first, count, divisor, cols, k0, kc);
+        __syncthreads();
+        if (dtype == DTYPE_INT8)
+            quantized_chunk<DTYPE_INT8>(matrix, scales, rows, cols, k0, kc, xs, lane, acc);
+        else if (dtype == DTYPE_INT4)
+            quantized_chunk<DTYPE_INT4>(matrix, scales, rows, cols, k0, kc, xs, lane, acc);
+        else
+            float_chunk(matrix, dtype, rows, cols, k0, kc, xs, lane, acc);
+    }
+}
+
+// grid (ceil(intermediate / (2 · GROUPED_WARPS)), tiles), GROUPED_WARPS warps, no dynamic
+// shared memory. Each warp: gate and up rows of 2 output columns, for the tile's ≤ TILE_TOKENS
+// pairs; activated[p, c] as expert_gate_up computes it (same order, same bits).
+extern "C" __global__ void __launch_bounds__(GROUPED_WARPS * 32, 2)
+    expert_gate_up_grouped(const unsigned char* slots, const int* tiles,
+                           const unsigned int* order, const float* x, float* activated,
+                           int top_k, int hidden, int intermediate, long long stride, int dtype,
+                           long long gate_up_scales) {
+    __shared__ __align__(16) float xs[TILE_TOKENS * CHUNK_STRIDE];
+    const int* tile = tiles + 3 * (long long)blockIdx.y;
+    int first = tile[0], count = tile[1], slot = tile[2];
+    int lane = threadIdx.x % 32;
+    int c0 = (blockIdx.x * GROUPED_WARPS + threadIdx.x / 32) * 2;
+    // Columns past the end compute a valid row and are not written.
+    int ca = min(c0, intermediate - 1), cb = min(c0 + 1, intermediate - 1);
+    int rows[GROUPED_ROWS] = {ca, intermediate + ca, cb, intermediate + cb};
+    float acc[GROUPED_ROWS][TILE_TOKENS];
+#pragma unroll
+    for (int r = 0; r < GROUPED_ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < TILE_TOKENS; ++t) acc[r][t] = 0.0f;
+    const unsigned char* matrix = slots + (long long)slot * stride;
+    grouped_rows(matrix, gate_up_scales, dtype, rows, hidden, x, order, first, count,
+                 (unsigned int)top_k, xs, lane, acc);
+#pragma unroll
+    for (int t = 0; t < TILE_TOKENS; ++t) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float gate = warp_sum(acc[2 * j][t]);
+            float up = warp_sum(acc[2 * j + 1][t]);
+            int c = c0 + j;
+            if (lane == t && t < count && c < intermediate)
+                activated[(long long)order[first + t] * intermediate + c] = silu(gate) * up;
+        }
+    }
+}
+
+// grid (ceil(hidden / (GROUPED_ROWS · GROUPED_WARPS)), tiles), GROUPED_WARPS warps, no dynamic
+// shared memory. Each warp: GROUPED_ROWS output rows for the tile's pairs; pair_out[p, r] as
+// expert_down computes it. Rows of pairs not in any tile are not written (the host zeroes them).
+extern "C" __global__ void __launch_bounds__(GROUPED_WARPS * 32, 2)
+    expert_down_grouped(const unsigned char* slots, const int* tiles, const unsigned int* order,
+                        const float* weights, const float* activated, float* pair_out,
+                        int hidden, int intermediate, long long stride, int dtype,
+                        long long down_offset, long long down_scales) {
+    __shared__ __align__(16) float xs[TILE_TOKENS * CHUNK_STRIDE];
+    const int* tile = tiles + 3 * (long long)blockIdx.y;
+    int first = tile[0], count = tile[1], slot = tile[2];
+    int lane = threadIdx.x % 32;
+    int r0 = (blockIdx.x * GROUPED_WARPS + threadIdx.x / 32) * GROUPED_ROWS;
+    int rows[GROUPED_ROWS];
+#pragma unroll
+    for (int r = 0; r < GROUPED_ROWS; ++r) rows[r] = min(r0 + r, hidden - 1);
+    float acc[GROUPED_ROWS][TILE_TOKENS];
+#pragma unroll
+    for (int r = 0; r < GROUPED_ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < TILE_TOKENS; ++t) acc[r][t] = 0.0f;
+    const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
+    grouped_rows(matrix, down_scales, dtype, rows, intermediate, activated, order, first, count,
+                 1u, xs, lane, acc);
+#pragma unroll
+    for (int t = 0; t < TILE_TOKENS; ++t) {
+#pragma unroll
+        for (int r = 0; r < GROUPED_ROWS; ++r) {
+            float y = warp_sum(acc[r][t]);
+            if (lane == t && t < count && r0 + r < hidden) {
+                unsigned int p = order[first + t];
+                pair_out[(long long)p * hidden + r0 + r] = weights[p] * y;
+            }
+        }
+    }
 }
 
 // out[t, r] = Σ_j pair_out[t·k + j, r], j in increasing order. One thread per output,

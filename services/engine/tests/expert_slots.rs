@@ -2,12 +2,16 @@
 //! * the router (softmax / top-k / renormalisation) against the host reference, ties included;
 //! * the slotted-expert op against the f32 reference executor, per stored dtype, on random
 //!   inputs, including a slot refilled with another expert;
+//! * the same for prefill-sized batches (16, 77 and 300 tokens: the CUDA backend's grouped
+//!   kernels) with uneven experts — one with most tokens, one with a single token, a resident
+//!   one with none — and hidden > 512 (several staged input chunks), each token's row equal
+//!   bit for bit to that token computed alone (the per-pair kernels);
 //! * the golden fixtures with 0, half and all experts resident: the split must not change the
 //!   math (teacher-forced NLL and greedy tokens agree; NLL within 2e-2 of transformers).
 
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
+use ninfer_artifact::{DType, ModelConfig};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
@@ -15,8 +19,8 @@ use ninfer_engine::experts::NO_EXPERT;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
-    golden_fixture_dir, greedy_tokens, json_numbers, teacher_forced_logits, write_tiny_model,
-    TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
+    golden_fixture_dir, greedy_tokens, json_numbers, teacher_forced_logits, tiny_config,
+    write_model, write_tiny_model, TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
 };
 use ninfer_engine::{
     open_artifact, test_device, Backend, CpuExpertExecutor, ExpertBatch, ExpertExecutor, Model,
@@ -149,6 +153,168 @@ fn slotted_experts_match_the_reference_per_dtype<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(slotted_experts_match_the_reference_per_dtype);
+
+/// Prefill-sized batches: every dtype, 16 / 77 / 300 tokens over 10 experts (top-4), hidden 544
+/// (two input chunks of the grouped kernels, the second partial), moe intermediate 96. Resident:
+/// expert 0 (in ~80% of the tokens: many full tiles and a partial one), 3 (one token), 6 (no
+/// token), 7 and 9 (9 refilled over 2); token 0 has no resident expert. The batch must match
+/// the reference executor restricted to the resident experts, and each token's row must equal,
+/// bit for bit, the same token computed alone: on CUDA the batch takes the grouped kernels and
+/// the single token the per-pair ones, which sum in the same order.
+fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let mut config = tiny_config(TinyArchitecture::Qwen3Moe);
+    let ModelConfig::Qwen3Moe(ref mut qwen3) = config else {
+        unreachable!("tiny Qwen3Moe config")
+    };
+    qwen3.common.hidden_size = 544;
+    qwen3.common.moe_intermediate_size = 96;
+    qwen3.common.num_experts = 10;
+    qwen3.common.num_experts_per_tok = 4;
+    let common = config.common().clone();
+    let (h, k) = (common.hidden_size, common.num_experts_per_tok);
+    for dtype in [DType::F32, DType::Bf16, DType::Int8, DType::Int4] {
+        let path = directory.path().join(format!("wide-{dtype}.ninfer"));
+        let options = TinyModelOptions {
+            experts_dtype: dtype,
+            ..TinyModelOptions::new(TinyArchitecture::Qwen3Moe)
+        };
+        write_model(&path, &config, options).unwrap();
+        let artifact = open_artifact(&path).unwrap();
+        let layer = (0..common.num_hidden_layers)
+            .find(|&l| common.moe_layers[l])
+            .unwrap();
+        let bank = artifact
+            .expert_bank(&format!("layers.{layer}.moe.experts"))
+            .unwrap()
+            .clone();
+        let layout =
+            ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size)
+                .unwrap();
+        let mut slots = backend
+            .new_expert_slots(&layout, common.num_experts, 5)
+            .unwrap();
+        for (slot, expert) in [(0, 0), (1, 3), (2, 6), (3, 7), (4, 2), (4, 9)] {
+            backend
+                .fill_expert_slot(&mut slots, slot, expert, &artifact, &bank)
+                .unwrap();
+        }
+        let resident = [0u32, 3, 6, 7, 9];
+        for tokens in [16usize, 77, 300] {
+            let mut rng = Xoshiro256::seed_from_u64(tokens as u64);
+            let hidden_values = uniform(&mut rng, tokens * h);
+            let single = tokens / 2;
+            let mut routing = Routing {
+                experts_per_token: k,
+                expert_ids: Vec::new(),
+                weights: Vec::new(),
+            };
+            for t in 0..tokens {
+                let mut chosen: Vec<u32> = if t == 0 {
+                    vec![1, 2, 4, 5]
+                } else if t == single {
+                    vec![3]
+                } else if rng.next_u64() % 10 < 8 {
+                    vec![0]
+                } else {
+                    Vec::new()
+                };
+                while chosen.len() < k {
+                    let id = [1u32, 2, 4, 5, 7, 8, 9][(rng.next_u64() % 7) as usize];
+                    if !chosen.contains(&id) {
+                        chosen.push(id);
+                    }
+                }
+                // The popular expert at varying positions of the token's choices.
+                chosen.rotate_left(t % k);
+                routing.expert_ids.extend(&chosen);
+                routing
+                    .weights
+                    .extend((0..k).map(|_| 0.1 + (rng.next_u64() % 1000) as f32 / 1000.0));
+            }
+            // The CUDA backend's grouped path needs ≥ 16 tokens and ≥ 4 slotted pairs per
+            // distinct slotted expert (GROUPED_MIN_* in device/expert_slots.rs).
+            let slotted: Vec<u32> = routing
+                .expert_ids
+                .iter()
+                .copied()
+                .filter(|id| resident.contains(id))
+                .collect();
+            let mut distinct = slotted.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            assert!(tokens >= 16 && slotted.len() >= 4 * distinct.len());
+            assert_eq!(slotted.iter().filter(|&&id| id == 3).count(), 1);
+            assert!(!slotted.contains(&6));
+
+            let x = backend.upload(&hidden_values, tokens, h);
+            let got = backend.download(&backend.slotted_experts(&slots, &x, &routing));
+            let masked: Vec<u32> = routing
+                .expert_ids
+                .iter()
+                .map(|id| {
+                    if resident.contains(id) {
+                        *id
+                    } else {
+                        NO_EXPERT
+                    }
+                })
+                .collect();
+            let mut expected = vec![0.0f32; tokens * h];
+            CpuExpertExecutor::new(Arc::clone(&artifact))
+                .compute(
+                    &ExpertBatch {
+                        layer,
+                        bank: &bank,
+                        hidden_size: h,
+                        intermediate_size: common.moe_intermediate_size,
+                        hidden: &hidden_values,
+                        experts_per_token: k,
+                        expert_ids: &masked,
+                        weights: &routing.weights,
+                    },
+                    &mut expected,
+                )
+                .unwrap();
+            let scale = expected.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&expected)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            println!(
+                "{} {dtype} experts, {tokens} tokens: slotted vs reference max |Δ| / max |ref| = {:.2e}",
+                backend.name(),
+                worst / scale
+            );
+            assert!(
+                worst / scale < 1e-4,
+                "{dtype}, {tokens} tokens: slotted experts differ from the reference by {worst} (scale {scale})"
+            );
+            assert!(
+                got[..h].iter().all(|&v| v == 0.0),
+                "token 0 has no resident expert"
+            );
+            for t in 0..tokens {
+                let one = Routing {
+                    experts_per_token: k,
+                    expert_ids: routing.expert_ids[t * k..(t + 1) * k].to_vec(),
+                    weights: routing.weights[t * k..(t + 1) * k].to_vec(),
+                };
+                let x_one = backend.upload(&hidden_values[t * h..(t + 1) * h], 1, h);
+                let alone = backend.download(&backend.slotted_experts(&slots, &x_one, &one));
+                let row = &got[t * h..(t + 1) * h];
+                if let Some(r) = (0..h).find(|&r| row[r].to_bits() != alone[r].to_bits()) {
+                    panic!(
+                        "{dtype}, {tokens} tokens: token {t} row {r} is {} in the batch but {} alone (the batch must not change the bits)",
+                        row[r], alone[r]
+                    );
+                }
+            }
+        }
+    }
+}
+test_device!(grouped_slotted_experts_match_the_reference_and_single_tokens);
 
 /// The backend's router picks the same experts as the host reference (ties → lower id) with
 /// the same weights, for router widths of the supported models (8…512 experts, top-1…10).

@@ -74,7 +74,13 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "experts",
         source: include_str!("../../../../../kernels/experts.cu"),
-        functions: &["expert_gate_up", "expert_down", "expert_pair_sum"],
+        functions: &[
+            "expert_gate_up",
+            "expert_down",
+            "expert_gate_up_grouped",
+            "expert_down_grouped",
+            "expert_pair_sum",
+        ],
     },
     KernelSource {
         name: "router",

@@ -5,7 +5,9 @@
 //! stores it, so bf16 / int8 / int4 stay in their stored form and are dequantized in the
 //! kernel), the expert → slot table on the GPU with its host mirror, page-locking the source
 //! banks (`cuMemHostRegister`, read-only, on the artifact's shared file mapping) so slot fills
-//! are asynchronous DMA, and the three launches of a layer's slotted experts.
+//! are asynchronous DMA, and the three launches of a layer's slotted experts: per pair for small
+//! batches, grouped by expert (each weight read once per tile of up to `TILE_TOKENS` pairs) from
+//! `GROUPED_MIN_TOKENS` tokens on. Both paths give the same bits (see `kernels/experts.cu`).
 //! Must not touch: which experts go to slots (the model's placement), routing, the CPU side.
 
 use std::sync::Arc;
@@ -23,8 +25,27 @@ use crate::backend::{expert_bytes, slot_out_of_range};
 
 /// Warps per block of `expert_gate_up` / `expert_down`: one output row per warp.
 const EXPERT_WARPS: u32 = 8;
-/// Pairs (token × choice) per launch: the grid's y dimension is limited to 65 535, and the
-/// per-pair scratch (`pairs × (hidden + intermediate)` floats) stays bounded at prefill.
+/// Batches of at least this many tokens (per launch chunk) take the grouped kernels
+/// (`expert_gate_up_grouped` / `expert_down_grouped`) when their slotted pairs average at least
+/// `GROUPED_MIN_PAIRS_PER_EXPERT` per distinct slotted expert: below that a tile of
+/// `TILE_TOKENS` holds a pair or two, its FMAs on padding cost more than the weight reads it
+/// saves, and the per-pair kernels (one warp per output row, memory-bound) are faster. The
+/// choice never changes the result: both paths sum in the same order.
+const GROUPED_MIN_TOKENS: usize = 16;
+const GROUPED_MIN_PAIRS_PER_EXPERT: usize = 4;
+/// Pairs per tile of the grouped kernels (`TILE_TOKENS` in kernels/experts.cu).
+const TILE_TOKENS: usize = 16;
+/// Warps per block of the grouped kernels (`GROUPED_WARPS`): each warp computes 2 activated
+/// columns (their gate and up rows) in `expert_gate_up_grouped` and `GROUPED_ROWS` = 4 output
+/// rows in `expert_down_grouped`.
+const GROUPED_WARPS: u32 = 8;
+const GROUPED_COLUMNS_PER_BLOCK: u32 = 2 * GROUPED_WARPS;
+const GROUPED_ROWS_PER_BLOCK: u32 = 4 * GROUPED_WARPS;
+/// The grid's y dimension (tiles or pairs per launch).
+const MAX_GRID_Y: usize = 65_535;
+/// Pairs (token × choice) per launch: the grid's y dimension (pairs, or tiles of the grouped
+/// kernels, at most one per pair) is limited to 65 535, and the per-pair scratch
+/// (`pairs × (hidden + intermediate)` floats) stays bounded at prefill.
 const MAX_PAIRS_PER_LAUNCH: usize = 16_384;
 
 /// A host range pinned with `cuMemHostRegister`, unpinned on drop.
@@ -109,6 +130,96 @@ fn dtype_code(dtype: WeightDType) -> i32 {
 fn long(value: usize) -> i64 {
     // Byte offsets of an expert are far below 2^63.
     i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// The slotted pairs of one launch grouped by expert, for the grouped kernels.
+#[derive(Debug, PartialEq, Eq)]
+struct PairGroups {
+    /// Pair indices (within the launch), expert by expert in increasing expert id, each
+    /// expert's pairs in increasing pair index.
+    order: Vec<u32>,
+    /// `[first index into order, count ≤ TILE_TOKENS, slot]` per tile; a tile holds pairs of
+    /// one expert.
+    tiles: Vec<i32>,
+    /// Distinct experts with a slotted pair.
+    experts: usize,
+}
+
+impl PairGroups {
+    fn tile_count(&self) -> usize {
+        self.tiles.len() / 3
+    }
+
+    /// Whether the grouped kernels pay off for `tokens` tokens (see `GROUPED_MIN_TOKENS`).
+    fn worth_it(&self, tokens: usize) -> bool {
+        tokens >= GROUPED_MIN_TOKENS
+            && self.order.len() >= GROUPED_MIN_PAIRS_PER_EXPERT.saturating_mul(self.experts)
+    }
+}
+
+fn too_large(what: &str, value: usize) -> CudaError {
+    CudaError::Invalid {
+        problem: format!("{what} = {value} does not fit a kernel argument"),
+    }
+}
+
+/// Groups the pairs with expert ids `ids` whose expert has a slot (`slot_of`; ids of no expert
+/// have none) by expert, cut into tiles of at most `TILE_TOKENS`.
+fn group_pairs(
+    ids: &[u32],
+    num_experts: usize,
+    slot_of: impl Fn(usize) -> Option<usize>,
+) -> Result<PairGroups, CudaError> {
+    let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); num_experts];
+    for (pair, &id) in ids.iter().enumerate() {
+        let expert = id as usize;
+        if expert < num_experts && slot_of(expert).is_some() {
+            let pair = u32::try_from(pair).map_err(|_| too_large("pair index", pair))?;
+            by_expert[expert].push(pair);
+        }
+    }
+    let mut groups = PairGroups {
+        order: Vec::new(),
+        tiles: Vec::new(),
+        experts: 0,
+    };
+    for (expert, pairs) in by_expert.iter().enumerate() {
+        let Some(slot) = slot_of(expert).filter(|_| !pairs.is_empty()) else {
+            continue;
+        };
+        groups.experts += 1;
+        let slot = i32::try_from(slot).map_err(|_| too_large("slot", slot))?;
+        for tile in pairs.chunks(TILE_TOKENS) {
+            let first = groups.order.len();
+            groups.tiles.extend([
+                i32::try_from(first).map_err(|_| too_large("tile start", first))?,
+                i32::try_from(tile.len()).map_err(|_| too_large("tile size", tile.len()))?,
+                slot,
+            ]);
+            groups.order.extend_from_slice(tile);
+        }
+    }
+    Ok(groups)
+}
+
+/// `value` (1 ..= `max`) as a grid dimension.
+fn grid(value: usize, max: usize, what: &str) -> Result<u32, CudaError> {
+    if value == 0 || value > max {
+        return Err(too_large(what, value));
+    }
+    u32::try_from(value).map_err(|_| too_large(what, value))
+}
+
+/// The grid's x dimension limit.
+const MAX_GRID_X: usize = (1 << 31) - 1;
+
+/// Dynamic shared memory for a padded vector of `len` inputs (kernels/experts.cu: 20 floats per
+/// 16 inputs, `SEG_STRIDE` / `SEG`).
+fn shared_bytes(len: usize) -> Result<u32, CudaError> {
+    len.div_ceil(16)
+        .checked_mul(20 * 4)
+        .and_then(|bytes| u32::try_from(bytes).ok())
+        .ok_or_else(|| too_large("shared memory bytes", len))
 }
 
 impl CudaBackend {
@@ -293,8 +404,9 @@ impl CudaBackend {
         if x.cols != hidden
             || k == 0
             || tokens == 0
-            || routing.expert_ids.len() != tokens * k
-            || routing.weights.len() != tokens * k
+            || intermediate == 0
+            || tokens.checked_mul(k) != Some(routing.expert_ids.len())
+            || routing.weights.len() != routing.expert_ids.len()
         {
             // Same contract as the CPU backend: an inconsistent call leaves zeros.
             return Ok(out);
@@ -313,8 +425,15 @@ impl CudaBackend {
         let table = present(&slots.table)?;
         let chunk_tokens = (MAX_PAIRS_PER_LAUNCH / k).max(1);
         let chunk_pairs = chunk_tokens.min(tokens) * k;
-        let mut activated = self.alloc(chunk_pairs * intermediate)?;
-        let mut pair_out = self.alloc(chunk_pairs * hidden)?;
+        let scratch = |width: usize| {
+            chunk_pairs
+                .checked_mul(width)
+                .ok_or_else(|| CudaError::Invalid {
+                    problem: format!("{chunk_pairs} expert pairs × {width} floats overflow"),
+                })
+        };
+        let mut activated = self.alloc(scratch(intermediate)?)?;
+        let mut pair_out = self.alloc(scratch(hidden)?)?;
         let (hidden_arg, intermediate_arg) =
             (int(hidden, "hidden")?, int(intermediate, "intermediate")?);
         let (top_k, num_experts) = (int(k, "top-k")?, int(slots.num_experts, "experts")?);
@@ -328,28 +447,108 @@ impl CudaBackend {
         while first < tokens {
             let count = chunk_tokens.min(tokens - first);
             let pairs = count * k;
-            let ids = self.upload_u32(&routing.expert_ids[first * k..(first + count) * k])?;
+            let chunk_ids = &routing.expert_ids[first * k..(first + count) * k];
             let weights = self.upload_f32(&routing.weights[first * k..(first + count) * k])?;
             let x_chunk = input.slice(first * hidden..(first + count) * hidden);
-            let pairs_arg = u32::try_from(pairs).map_err(|_| CudaError::Invalid {
-                problem: format!("{pairs} expert pairs in one launch"),
-            })?;
-            let gate_up_config = LaunchConfig {
-                grid_dim: ((intermediate as u32).div_ceil(EXPERT_WARPS), pairs_arg, 1),
-                block_dim: (32 * EXPERT_WARPS, 1, 1),
-                shared_mem_bytes: (hidden * 4) as u32,
+            let groups = if count >= GROUPED_MIN_TOKENS {
+                Some(group_pairs(chunk_ids, slots.num_experts, |e| {
+                    slots.slot_of(e)
+                })?)
+            } else {
+                None
             };
-            launch!(self, "expert_gate_up", gate_up_config;
-                storage, table, &ids, &x_chunk, &mut activated, &top_k, &num_experts,
-                &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
-            let down_config = LaunchConfig {
-                grid_dim: ((hidden as u32).div_ceil(EXPERT_WARPS), pairs_arg, 1),
-                block_dim: (32 * EXPERT_WARPS, 1, 1),
-                shared_mem_bytes: (intermediate * 4) as u32,
-            };
-            launch!(self, "expert_down", down_config;
-                storage, table, &ids, &weights, &activated, &mut pair_out, &num_experts,
-                &hidden_arg, &intermediate_arg, &stride, &dtype, &down_offset, &down_scales)?;
+            match groups {
+                Some(groups) if groups.worth_it(count) => {
+                    if groups.order.is_empty() {
+                        // Nothing resident in this chunk: its rows of `out` stay zero.
+                        first += count;
+                        continue;
+                    }
+                    if groups.order.len() < pairs {
+                        // The grouped down kernel writes only slotted pairs; the others add 0.
+                        let mut rows = pair_out.slice_mut(0..pairs * hidden);
+                        self.stream
+                            .memset_zeros(&mut rows)
+                            .map_err(driver_error("zeroing the expert pair outputs"))?;
+                    }
+                    let order = self.upload_u32(&groups.order)?;
+                    let tiles = self
+                        .stream
+                        .memcpy_stod(&groups.tiles)
+                        .map_err(driver_error("copying the expert tiles to the GPU"))?;
+                    let tile_count = grid(groups.tile_count(), MAX_GRID_Y, "expert tiles")?;
+                    let gate_up_config = LaunchConfig {
+                        grid_dim: (
+                            grid(
+                                intermediate.div_ceil(GROUPED_COLUMNS_PER_BLOCK as usize),
+                                MAX_GRID_X,
+                                "expert column blocks",
+                            )?,
+                            tile_count,
+                            1,
+                        ),
+                        block_dim: (32 * GROUPED_WARPS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    launch!(self, "expert_gate_up_grouped", gate_up_config;
+                        storage, &tiles, &order, &x_chunk, &mut activated, &top_k,
+                        &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
+                    let down_config = LaunchConfig {
+                        grid_dim: (
+                            grid(
+                                hidden.div_ceil(GROUPED_ROWS_PER_BLOCK as usize),
+                                MAX_GRID_X,
+                                "expert row blocks",
+                            )?,
+                            tile_count,
+                            1,
+                        ),
+                        block_dim: (32 * GROUPED_WARPS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    launch!(self, "expert_down_grouped", down_config;
+                        storage, &tiles, &order, &weights, &activated, &mut pair_out,
+                        &hidden_arg, &intermediate_arg, &stride, &dtype, &down_offset,
+                        &down_scales)?;
+                }
+                _ => {
+                    let ids = self.upload_u32(chunk_ids)?;
+                    let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
+                    let gate_up_config = LaunchConfig {
+                        grid_dim: (
+                            grid(
+                                intermediate.div_ceil(EXPERT_WARPS as usize),
+                                MAX_GRID_X,
+                                "expert row blocks",
+                            )?,
+                            pairs_arg,
+                            1,
+                        ),
+                        block_dim: (32 * EXPERT_WARPS, 1, 1),
+                        shared_mem_bytes: shared_bytes(hidden)?,
+                    };
+                    launch!(self, "expert_gate_up", gate_up_config;
+                        storage, table, &ids, &x_chunk, &mut activated, &top_k, &num_experts,
+                        &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
+                    let down_config = LaunchConfig {
+                        grid_dim: (
+                            grid(
+                                hidden.div_ceil(EXPERT_WARPS as usize),
+                                MAX_GRID_X,
+                                "expert row blocks",
+                            )?,
+                            pairs_arg,
+                            1,
+                        ),
+                        block_dim: (32 * EXPERT_WARPS, 1, 1),
+                        shared_mem_bytes: shared_bytes(intermediate)?,
+                    };
+                    launch!(self, "expert_down", down_config;
+                        storage, table, &ids, &weights, &activated, &mut pair_out,
+                        &num_experts, &hidden_arg, &intermediate_arg, &stride, &dtype,
+                        &down_offset, &down_scales)?;
+                }
+            }
             let mut out_chunk = output.slice_mut(first * hidden..(first + count) * hidden);
             let count_arg = int(count, "tokens")?;
             launch!(self, "expert_pair_sum", elementwise(count * hidden);
@@ -357,5 +556,44 @@ impl CudaBackend {
             first += count;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_group_by_expert_in_tiles_of_at_most_tile_tokens() {
+        // Experts 0..5; 1, 3 and 4 have slots 7, 0, 2. Expert 3 gets 35 pairs (three tiles),
+        // expert 1 one pair, expert 4 none; expert 9 does not exist.
+        let slot_of = |e: usize| match e {
+            1 => Some(7),
+            3 => Some(0),
+            4 => Some(2),
+            _ => None,
+        };
+        let mut ids = vec![3u32; 35];
+        ids.extend([0, 1, 2, 9, 5]);
+        ids.swap(3, 36); // pair 3 → expert 1, pair 36 → expert 3
+        let groups = group_pairs(&ids, 6, slot_of).unwrap();
+        assert_eq!(groups.experts, 2);
+        let expected_order: Vec<u32> = std::iter::once(3)
+            .chain((0..37).filter(|&p| p != 3 && p != 35))
+            .collect();
+        assert_eq!(groups.order, expected_order);
+        assert_eq!(
+            groups.tiles,
+            vec![0, 1, 7, 1, 16, 0, 17, 16, 0, 33, 3, 0],
+            "[first, count, slot] per tile"
+        );
+        assert!(groups.worth_it(GROUPED_MIN_TOKENS));
+        assert!(!groups.worth_it(GROUPED_MIN_TOKENS - 1));
+        let none = group_pairs(&[0, 2, 5], 6, slot_of).unwrap();
+        assert!(none.order.is_empty() && none.tiles.is_empty() && none.experts == 0);
+        // One pair for each of many experts: tiles of one pair, not worth grouping.
+        let sparse = group_pairs(&[1, 3, 4], 6, slot_of).unwrap();
+        assert_eq!(sparse.tile_count(), 3);
+        assert!(!sparse.worth_it(64));
     }
 }

@@ -66,17 +66,23 @@ if has q30 || has profile; then
   B[0]="$work/q30.ninfer"
   if has profile; then
     # Op-by-op timing (every op synchronises: slow; where the time goes, not how fast).
-    for experts in 0 all; do
-      NINFER_CUDA_OP_TIMING="$out/op_timing_q30_$experts.txt" bench "q30_profile_$experts" 120 \
-        "$work/q30.ninfer" --device cuda --moe-threads 16 --prompt-lengths 1024 --decode-tokens 32 \
-        --moe-gpu-experts "$experts"
-      head -40 "$out/op_timing_q30_$experts.txt" | tee -a "$out/session.log"
+    # sync: each op's launch + GPU time; host: the host time inside each op (no waits added).
+    for run in 0:sync all:sync all:host; do
+      experts=${run%%:*} mode=${run#*:}
+      NINFER_CUDA_OP_TIMING="$out/op_timing_q30_${experts}_$mode.txt" NINFER_CUDA_OP_TIMING_MODE=$mode \
+        bench "q30_profile_${experts}_$mode" 120 "$work/q30.ninfer" --device cuda --moe-threads 16 \
+        --prompt-lengths 1024 --decode-tokens 32 --moe-gpu-experts "$experts"
+      head -32 "$out/op_timing_q30_${experts}_$mode.txt" | tee -a "$out/session.log"
     done
   fi
   if has q30; then
     bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 0
     bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --gpu-mem-budget 16 --moe-gpu-experts auto
     bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts all
+    if has spin; then
+      # A/B of the channel's spin before the futex (default 1 ms on this machine).
+      NINFER_CHANNEL_SPIN_US=50 bench q30_a_spin50 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 0
+    fi
   fi
   [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*
 fi

@@ -52,6 +52,9 @@ const MAX_PAIRS_PER_LAUNCH: usize = 16_384;
 struct PinnedRange {
     context: Arc<CudaContext>,
     start: *mut std::ffi::c_void,
+    /// Registered by this range (unregistered on drop), or found already registered by another
+    /// slot set of the same bank (the prefill staging slots share the resident slots' banks).
+    owned: bool,
     // Keeps the mapping the range lies in alive while it is registered.
     _artifact: Arc<Artifact>,
 }
@@ -64,7 +67,7 @@ unsafe impl Sync for PinnedRange {}
 
 impl Drop for PinnedRange {
     fn drop(&mut self) {
-        if self.context.bind_to_thread().is_ok() {
+        if self.owned && self.context.bind_to_thread().is_ok() {
             // SAFETY: `start` is exactly the address a successful cuMemHostRegister took.
             unsafe {
                 let _ = cudarc::driver::sys::cuMemHostUnregister(self.start);
@@ -303,10 +306,13 @@ impl CudaBackend {
                     cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
                 )
             };
-            if status == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            let already =
+                status == cudarc::driver::sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+            if status == cudarc::driver::sys::CUresult::CUDA_SUCCESS || already {
                 Some(PinnedRange {
                     context: Arc::clone(self.stream.context()),
                     start: pointer,
+                    owned: !already,
                     _artifact: Arc::clone(artifact),
                 })
             } else {

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
+use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
 use ninfer_engine::experts::ExpertExecutor;
 use ninfer_engine::gpu_experts::{
     choose_gpu_experts, experts_per_layer, GpuExpertCount, GpuExpertShape,
@@ -99,6 +100,12 @@ struct Args {
     /// contexts and 1 GiB of working memory.
     #[arg(long, value_name = "GiB")]
     gpu_mem_budget: Option<f64>,
+    /// Reserve this many MiB of page-locked, device-mapped host memory for KV caches: attention
+    /// layers' caches go to the GPU first and, once its share (free memory, within
+    /// `--gpu-mem-budget`, less 1 GiB) is used up, to this pool, which the attention kernels
+    /// read over PCIe. 0: every KV cache on the GPU. The CPU backend ignores it.
+    #[arg(long, default_value_t = 0, value_name = "MiB")]
+    host_kv_mib: u64,
     /// On the GPU: batches of at least this many tokens (long prompts) copy the routed experts
     /// they need over PCIe into one layer-sized set of staging slots and compute them on the
     /// GPU instead of the expert workers (0: never). The default is about where PCIe wins:
@@ -207,6 +214,10 @@ fn main() -> anyhow::Result<()> {
         max_sequences: args.max_sequences.max(1),
     };
     let scheduler_counters = Arc::new(SchedulerCounters::default());
+    let host_kv_bytes = args
+        .host_kv_mib
+        .checked_mul(1 << 20)
+        .with_context(|| format!("--host-kv-mib {} is too large", args.host_kv_mib))?;
     let gpu_experts = GpuExpertsRequest {
         count: args.moe_gpu_experts,
         budget_gib: args.gpu_mem_budget,
@@ -218,6 +229,15 @@ fn main() -> anyhow::Result<()> {
         },
         limits,
         prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
+        host_kv_bytes,
+    };
+    let host_kv = HostKvRequest {
+        host_bytes: host_kv_bytes,
+        device_share: DeviceKvShare::Auto {
+            budget_bytes: args
+                .gpu_mem_budget
+                .map(|gib| (gib * (1u64 << 30) as f64) as u64),
+        },
     };
     let ((scheduler, profile, expert_stride_bytes), (device_name, device_bandwidth)) = match device
     {
@@ -225,8 +245,10 @@ fn main() -> anyhow::Result<()> {
             if args.moe_gpu_experts != GpuExpertCount::Count(0) {
                 tracing::warn!("--moe-gpu-experts on the CPU backend keeps copies of those experts in host memory (useful for tests only)");
             }
+            let backend = Arc::new(CpuBackend::new());
+            backend.reserve_host_kv(&host_kv)?;
             let scheduler = start_scheduler(
-                Arc::new(CpuBackend::new()),
+                backend,
                 &artifact,
                 counting,
                 &GpuExpertsRequest {
@@ -239,6 +261,11 @@ fn main() -> anyhow::Result<()> {
             (scheduler, ("cpu", None))
         }
         SelectedDevice::Cuda(backend) => {
+            if host_kv.host_bytes > 0 {
+                backend
+                    .reserve_host_kv(&host_kv)
+                    .context("--host-kv-mib: reserving page-locked host memory")?;
+            }
             let memory = Arc::clone(&backend);
             let probed = Arc::clone(&backend);
             let probe: DeviceBandwidthProbe = Box::new(move || {
@@ -375,6 +402,8 @@ struct GpuExpertsRequest {
     limits: SchedulerLimits,
     /// `--moe-prefill-gpu-min-tokens` (0: off; always off on the CPU backend).
     prefill_staging_min_tokens: usize,
+    /// `--host-kv-mib`: KV caches that may live in host memory instead.
+    host_kv_bytes: u64,
 }
 
 /// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
@@ -450,6 +479,7 @@ fn place_gpu_experts<B: Backend>(
         let kv = kv_bytes_per_token
             * request.limits.max_context as u64
             * request.limits.max_sequences as u64;
+        let kv = kv.saturating_sub(request.host_kv_bytes);
         limit.saturating_sub(kv).saturating_sub(1 << 30)
     });
     let per_layer = experts_per_layer(request.count, &shape, budget)

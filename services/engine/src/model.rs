@@ -436,6 +436,44 @@ impl<B: Backend> Model<B> {
         selection: LogitsSelection,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let vocab = self.vocab_size();
+        let rows: Vec<usize> = batch
+            .iter()
+            .map(|item| match selection {
+                LogitsSelection::Last => 1,
+                LogitsSelection::All => item.tokens.len(),
+            })
+            .collect();
+        let logits = self.forward_then(batch, selection, |backend, logits| {
+            Ok(backend.download(&logits))
+        })?;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut row = 0;
+        for rows in rows {
+            let part = logits.get(row * vocab..(row + rows) * vocab);
+            out.push(part.map(<[f32]>::to_vec).unwrap_or_default());
+            row += rows;
+        }
+        Ok(out)
+    }
+
+    /// [`Model::forward`] with `LogitsSelection::Last`, the logits left on the backend
+    /// (`[sequences, vocab]`): sampling reads back only what it needs
+    /// ([`Backend::logit_candidates`]).
+    pub fn forward_logits_on_backend(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+    ) -> Result<B::Tensor, EngineError> {
+        self.forward_then(batch, LogitsSelection::Last, |_, logits| Ok(logits))
+    }
+
+    /// The forward pass; `finish` takes the logits where [`Model::forward`] reads them back.
+    fn forward_then<T>(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        selection: LogitsSelection,
+        finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let vocab = self.vocab_size();
         let mut ids = Vec::new();
         let mut ranges = Vec::with_capacity(batch.len());
         let mut positions = Vec::new();
@@ -516,17 +554,8 @@ impl<B: Backend> Model<B> {
         let selected = backend.gather_rows(&hidden, &selected_rows);
         let normed = backend.rms_norm(&selected, &self.final_norm, eps, style);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let logits = backend.download(&backend.matmul(&normed, head));
-
-        let mut out = Vec::with_capacity(batch.len());
-        let mut row = 0;
+        let out = finish(backend, backend.matmul(&normed, head))?;
         for (item, range) in batch.iter_mut().zip(&ranges) {
-            let rows = match selection {
-                LogitsSelection::Last => 1,
-                LogitsSelection::All => range.len(),
-            };
-            out.push(logits[row * vocab..(row + rows) * vocab].to_vec());
-            row += rows;
             item.state.position += range.len();
         }
         tally.forwards = 1;

@@ -5,6 +5,7 @@
 //! tokens whatever crate versions are linked.
 //! Must not touch: the model, tokenization, stop strings.
 
+use crate::backend::LogitCandidates;
 use crate::error::EngineError;
 
 /// Sampling settings of one request. `temperature == 0` means greedy.
@@ -149,16 +150,133 @@ impl Sampler {
             return Ok(argmax(&logits));
         }
         let candidates = filtered_distribution(&logits, &self.params);
+        Ok(self.draw(&candidates))
+    }
+
+    /// One draw from a filtered distribution.
+    fn draw(&mut self, candidates: &[(u32, f64)]) -> u32 {
         let draw = self.rng.next_f64();
         let mut cumulative = 0.0f64;
-        for &(token, probability) in &candidates {
+        for &(token, probability) in candidates {
             cumulative += probability;
             if draw < cumulative {
-                return Ok(token);
+                return token;
             }
         }
         // Rounding left the cumulative sum a hair under 1: the last candidate takes the rest.
-        Ok(candidates.last().map(|&(token, _)| token).unwrap_or(0))
+        candidates.last().map(|&(token, _)| token).unwrap_or(0)
+    }
+
+    /// True when any penalty changes logits (then the penalised tokens must come with the
+    /// candidates: [`Sampler::penalised_tokens`]).
+    pub fn penalises(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
+    }
+
+    /// Whether [`Sampler::sample_from_candidates`] can pick this request's tokens from
+    /// candidates with `k` largest logits (it may still ask for the whole row when penalties
+    /// push too many of them down): greedy, or `0 < top_k ≤ k`.
+    pub fn candidates_suffice(&self, k: usize) -> bool {
+        self.params.temperature == 0.0 || (self.params.top_k > 0 && self.params.top_k <= k)
+    }
+
+    /// The distinct tokens of `history` inside a `vocab`-token row that penalties change,
+    /// ascending (none without penalties): the extra logits a candidate read-back must carry.
+    pub fn penalised_tokens(&self, history: &[u32], vocab: usize) -> Vec<u32> {
+        if !self.penalises() {
+            return Vec::new();
+        }
+        let mut tokens: Vec<u32> = history
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < vocab)
+            .collect();
+        tokens.sort_unstable();
+        tokens.dedup();
+        tokens
+    }
+
+    /// [`Sampler::sample`] from the row's [`LogitCandidates`] (made with the extra tokens of
+    /// [`Sampler::penalised_tokens`]): the same token and the same random draws as `sample` on
+    /// the whole row, or `Ok(None)` without drawing when the candidates cannot decide exactly
+    /// (not [`Sampler::candidates_suffice`], a penalised token missing, or fewer than `top_k`
+    /// (greedy: 1) unpenalised tokens among the largest logits); then the caller samples from
+    /// the whole row.
+    ///
+    /// Why it is exact: tokens outside the candidates keep their logits (no penalty applies to
+    /// them) and each comes after every unpenalised candidate in `sample`'s order, so with at
+    /// least `top_k` unpenalised candidates none of them survives top-k.
+    pub fn sample_from_candidates(
+        &mut self,
+        candidates: &LogitCandidates,
+        history: &[u32],
+    ) -> Result<Option<u32>, EngineError> {
+        if candidates.vocab == 0 || candidates.top.is_empty() {
+            return Err(EngineError::EmptyInput {
+                what: "no logits to sample from".into(),
+            });
+        }
+        if candidates.covers_vocab() {
+            let mut row = vec![f32::NEG_INFINITY; candidates.vocab];
+            for &(token, logit) in &candidates.top {
+                if let Some(slot) = row.get_mut(token as usize) {
+                    *slot = logit;
+                }
+            }
+            return self.sample(&row, history).map(Some);
+        }
+        if !self.candidates_suffice(candidates.top.len()) {
+            return Ok(None);
+        }
+        let mut values: std::collections::BTreeMap<u32, f32> = candidates
+            .top
+            .iter()
+            .chain(&candidates.extra)
+            .copied()
+            .collect();
+        let mut unpenalised = candidates.top.len();
+        if self.penalises() {
+            let mut counts = std::collections::HashMap::<u32, u32>::new();
+            for &token in history {
+                if (token as usize) < candidates.vocab {
+                    *counts.entry(token).or_default() += 1;
+                }
+            }
+            for (&token, &count) in &counts {
+                let Some(logit) = values.get_mut(&token) else {
+                    return Ok(None);
+                };
+                penalise(logit, count, &self.params);
+            }
+            unpenalised = candidates
+                .top
+                .iter()
+                .filter(|(token, _)| !counts.contains_key(token))
+                .count();
+        }
+        if self.params.temperature == 0.0 {
+            if unpenalised == 0 {
+                return Ok(None);
+            }
+            // `argmax` over the candidates in token order: the lowest token among equal maxima.
+            let mut best: Option<(u32, f32)> = None;
+            for (&token, &logit) in &values {
+                if best.is_none_or(|(_, value)| logit > value) {
+                    best = Some((token, logit));
+                }
+            }
+            return Ok(best.map(|(token, _)| token));
+        }
+        let top_k = self.params.top_k;
+        if unpenalised < top_k {
+            return Ok(None);
+        }
+        let mut order: Vec<u32> = values.keys().copied().collect();
+        order.sort_unstable_by(|a, b| values[b].total_cmp(&values[a]).then(a.cmp(b)));
+        order.truncate(top_k);
+        let distribution = distribution_of_order(&order, |t| values[&t], &self.params);
+        Ok(Some(self.draw(&distribution)))
     }
 }
 
@@ -185,16 +303,20 @@ pub fn apply_penalties(logits: &mut [f32], history: &[u32], params: &SamplingPar
         }
     }
     for (&token, &count) in &counts {
-        let logit = &mut logits[token as usize];
-        if params.repetition_penalty != 1.0 {
-            *logit = if *logit > 0.0 {
-                *logit / params.repetition_penalty
-            } else {
-                *logit * params.repetition_penalty
-            };
-        }
-        *logit -= params.presence_penalty + params.frequency_penalty * count as f32;
+        penalise(&mut logits[token as usize], count, params);
     }
+}
+
+/// The penalties of a token seen `count` times, on its logit.
+fn penalise(logit: &mut f32, count: u32, params: &SamplingParams) {
+    if params.repetition_penalty != 1.0 {
+        *logit = if *logit > 0.0 {
+            *logit / params.repetition_penalty
+        } else {
+            *logit * params.repetition_penalty
+        };
+    }
+    *logit -= params.presence_penalty + params.frequency_penalty * count as f32;
 }
 
 /// The candidates left after temperature, top-k, top-p and min-p, with renormalised
@@ -203,7 +325,6 @@ pub fn filtered_distribution(logits: &[f32], params: &SamplingParams) -> Vec<(u3
     if logits.is_empty() {
         return Vec::new();
     }
-    let temperature = params.temperature.max(1e-6) as f64;
     let most_likely_first = |a: &u32, b: &u32| {
         logits[*b as usize]
             .total_cmp(&logits[*a as usize])
@@ -217,10 +338,24 @@ pub fn filtered_distribution(logits: &[f32], params: &SamplingParams) -> Vec<(u3
         order.truncate(params.top_k);
     }
     order.sort_unstable_by(most_likely_first);
-    let max = logits[order[0] as usize] as f64;
+    distribution_of_order(&order, |t| logits[t as usize], params)
+}
+
+/// The rest of [`filtered_distribution`] once `order` holds the surviving tokens (after top-k),
+/// most likely first: temperature, softmax, top-p, min-p, renormalisation.
+fn distribution_of_order(
+    order: &[u32],
+    logit: impl Fn(u32) -> f32,
+    params: &SamplingParams,
+) -> Vec<(u32, f64)> {
+    let Some(&first) = order.first() else {
+        return Vec::new();
+    };
+    let temperature = params.temperature.max(1e-6) as f64;
+    let max = logit(first) as f64;
     let mut candidates: Vec<(u32, f64)> = order
         .iter()
-        .map(|&t| (t, ((logits[t as usize] as f64 - max) / temperature).exp()))
+        .map(|&t| (t, ((logit(t) as f64 - max) / temperature).exp()))
         .collect();
     let normalise = |candidates: &mut Vec<(u32, f64)>| {
         let total: f64 = candidates.iter().map(|c| c.1).sum();
@@ -404,6 +539,168 @@ mod tests {
         })
         .unwrap();
         assert_eq!(sampler.sample(&[2.0, 1.0], &[0]).unwrap(), 1);
+    }
+
+    fn random_row(rng: &mut Xoshiro256, vocab: usize) -> Vec<f32> {
+        (0..vocab)
+            .map(|_| (rng.next_f64() * 16.0 - 8.0) as f32)
+            .collect()
+    }
+
+    /// Draws `steps` tokens twice with the same seed, once from whole rows (`sample`) and once
+    /// from candidates (`sample_from_candidates`, the whole row only when it says `None`), on
+    /// fresh random logits each step with the drawn tokens added to the history. Returns how
+    /// often the candidates could not decide.
+    fn candidates_follow_the_whole_row(
+        params: &SamplingParams,
+        vocab: usize,
+        steps: usize,
+    ) -> usize {
+        let mut whole = Sampler::new(params.clone()).unwrap();
+        let mut from_candidates = Sampler::new(params.clone()).unwrap();
+        let mut rng = Xoshiro256::seed_from_u64(params.seed ^ 0x5eed);
+        // A history whose tokens are often among the largest logits (a low token id gets a
+        // boost below), so penalties move candidates.
+        let mut history: Vec<u32> = (0..30).map(|i| (i * 7) % 50).collect();
+        let mut undecided = 0;
+        for step in 0..steps {
+            let mut row = random_row(&mut rng, vocab);
+            for (token, logit) in row.iter_mut().enumerate().take(50) {
+                *logit += 4.0 + (token % 3) as f32;
+            }
+            let expected = whole.sample(&row, &history).unwrap();
+            let extra = from_candidates.penalised_tokens(&history, vocab);
+            // As many largest logits as the scheduler asks for.
+            let k = (params.top_k * 2).clamp(
+                crate::backend::candidates::DEFAULT_CANDIDATES,
+                crate::backend::candidates::MAX_CANDIDATES,
+            );
+            let candidates = crate::backend::candidates::row_candidates(&row, k, &extra);
+            let got = match from_candidates
+                .sample_from_candidates(&candidates, &history)
+                .unwrap()
+            {
+                Some(token) => token,
+                None => {
+                    undecided += 1;
+                    from_candidates.sample(&row, &history).unwrap()
+                }
+            };
+            assert_eq!(got, expected, "{params:?}: step {step}");
+            history.push(expected);
+        }
+        // Same random stream consumed: the next draws agree too.
+        assert_eq!(whole.rng, from_candidates.rng, "{params:?}");
+        undecided
+    }
+
+    #[test]
+    fn sampling_from_candidates_equals_sampling_from_the_whole_row() {
+        let penalties = SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.2,
+            ..SamplingParams::default()
+        };
+        let mut cases = vec![SamplingParams::greedy(), penalties.clone()];
+        for (seed, temperature) in [(1u64, 0.7f32), (2, 1.0), (3, 1.6)] {
+            for top_k in [1usize, 5, 40, 64] {
+                for (top_p, min_p) in [(1.0f32, 0.0f32), (0.9, 0.0), (1.0, 0.05), (0.8, 0.1)] {
+                    let plain = SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                        seed: seed * 100 + top_k as u64,
+                        ..SamplingParams::default()
+                    };
+                    cases.push(SamplingParams {
+                        repetition_penalty: penalties.repetition_penalty,
+                        presence_penalty: penalties.presence_penalty,
+                        frequency_penalty: penalties.frequency_penalty,
+                        ..plain.clone()
+                    });
+                    cases.push(plain);
+                }
+            }
+        }
+        // A repetition penalty below 1 raises seen tokens; a negative presence penalty too.
+        cases.push(SamplingParams {
+            temperature: 1.0,
+            top_k: 20,
+            repetition_penalty: 0.7,
+            presence_penalty: -0.5,
+            seed: 9,
+            ..SamplingParams::default()
+        });
+        let mut undecided = 0;
+        for params in &cases {
+            undecided += candidates_follow_the_whole_row(params, 1000, 60);
+        }
+        // Fallbacks happen only when penalties push enough of the largest logits down (this
+        // history is made to: its tokens are the likeliest).
+        println!(
+            "{undecided} of {} draws needed the whole row",
+            cases.len() * 60
+        );
+        assert!(undecided * 5 < cases.len() * 60, "{undecided} fallbacks");
+        // A row smaller than the candidate count is covered whole: any parameters work.
+        let open = SamplingParams {
+            temperature: 1.0,
+            seed: 4,
+            ..SamplingParams::default()
+        };
+        assert_eq!(candidates_follow_the_whole_row(&open, 50, 40), 0);
+    }
+
+    #[test]
+    fn candidates_that_cannot_decide_say_so_without_drawing() {
+        let mut rng = Xoshiro256::seed_from_u64(8);
+        let row = random_row(&mut rng, 500);
+        let candidates = crate::backend::candidates::row_candidates(&row, 64, &[]);
+        // No top-k with a temperature: the whole row decides.
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 1,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        let rng_before = sampler.rng.clone();
+        assert_eq!(
+            sampler.sample_from_candidates(&candidates, &[]).unwrap(),
+            None
+        );
+        assert_eq!(sampler.rng, rng_before);
+        // Every one of the 64 largest logits penalised, top-k 10: tokens outside may win.
+        let history: Vec<u32> = candidates.top.iter().map(|c| c.0).collect();
+        let mut penalised = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 10,
+            presence_penalty: 20.0,
+            seed: 1,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        let extra = penalised.penalised_tokens(&history, 500);
+        let candidates = crate::backend::candidates::row_candidates(&row, 64, &extra);
+        assert_eq!(
+            penalised
+                .sample_from_candidates(&candidates, &history)
+                .unwrap(),
+            None
+        );
+        // A penalised token missing from the candidates: no guess either.
+        let without_extra = crate::backend::candidates::row_candidates(&row, 64, &[]);
+        let outside: Vec<u32> = (0..500)
+            .filter(|&t| without_extra.logit(t).is_none())
+            .take(3)
+            .collect();
+        assert_eq!(
+            penalised
+                .sample_from_candidates(&without_extra, &outside)
+                .unwrap(),
+            None
+        );
     }
 
     #[test]

@@ -880,6 +880,28 @@ impl Backend for CpuBackend {
         }
         out
     }
+
+    fn logit_candidates(
+        &self,
+        logits: &CpuTensor,
+        k: usize,
+        extra: &[Vec<u32>],
+    ) -> Result<Vec<super::LogitCandidates>, EngineError> {
+        super::candidates::check_candidate_request(logits.rows, logits.cols, k, extra)?;
+        super::candidates::host_candidates(&logits.data, logits.cols, k, extra)
+    }
+
+    fn reserve_host_kv(&self, request: &super::HostKvRequest) -> Result<(), EngineError> {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        if request.host_bytes > 0 {
+            LOGGED.call_once(|| {
+                tracing::info!(
+                    "--host-kv-mib is for the GPU; the CPU backend keeps every KV cache in host memory"
+                )
+            });
+        }
+        Ok(())
+    }
 }
 
 /// `out = x · Wᵀ`.

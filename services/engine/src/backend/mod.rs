@@ -12,8 +12,10 @@
 //! whole batch tensor plus one [`Segment`] per sequence (its row range, first position and state),
 //! a "varlen" interface that a GPU kernel can take in one launch.
 
+pub mod candidates;
 pub mod cpu;
 pub mod cuda;
+pub mod kv_placement;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -22,6 +24,9 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_expert_kernels::ExpertLayout;
 
 use crate::error::EngineError;
+
+pub use candidates::LogitCandidates;
+pub use kv_placement::{DeviceKvShare, HostKvRequest, KvPlacement};
 
 /// How an RMSNorm applies its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -321,4 +326,29 @@ pub trait Backend: Send + Sync + 'static {
         x: &Self::Tensor,
         routing: &Routing,
     ) -> Self::Tensor;
+
+    /// For each row of `logits` (`[rows, vocab]`): its `k` largest logits, max and log-sum-exp,
+    /// and the logits of the ids in `extra[row]` (see [`LogitCandidates`]): what sampling needs
+    /// instead of the whole row. `k` in `1..=candidates::MAX_CANDIDATES`; one `extra` list per
+    /// row, every id inside the row.
+    fn logit_candidates(
+        &self,
+        logits: &Self::Tensor,
+        k: usize,
+        extra: &[Vec<u32>],
+    ) -> Result<Vec<LogitCandidates>, EngineError>;
+
+    /// `--host-kv-mib`: KV caches made from now on go to a pool of page-locked host memory the
+    /// GPU reads over PCIe once the device share is used up (whole caches: one attention layer
+    /// of one sequence). Replaces an earlier request; caches already made stay where they are.
+    /// Backends that keep KV caches in host memory anyway ignore it.
+    fn reserve_host_kv(&self, request: &HostKvRequest) -> Result<(), EngineError> {
+        let _ = request;
+        Ok(())
+    }
+
+    /// Where the live KV caches are, for backends with a host KV pool (`None` otherwise).
+    fn kv_placement(&self) -> Option<KvPlacement> {
+        None
+    }
 }

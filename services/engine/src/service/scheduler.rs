@@ -14,8 +14,9 @@ use ninfer_protocol::v1::{FinishReason, GeneratedToken, TokenLogprob};
 use tokio::sync::mpsc as async_mpsc;
 use tonic::Status;
 
-use crate::backend::Backend;
-use crate::model::{LogitsSelection, Model, SequenceInput, SequenceState};
+use crate::backend::candidates::{DEFAULT_CANDIDATES, MAX_CANDIDATES};
+use crate::backend::{Backend, KvPlacement, LogitCandidates};
+use crate::model::{Model, SequenceInput, SequenceState};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// One generation request as the scheduler sees it.
@@ -112,6 +113,16 @@ fn run<B: Backend>(
         if running.is_empty() {
             continue;
         }
+        // Sampling on the backend's candidates when every request allows it (a few KB per
+        // token read back instead of the whole logits rows).
+        let candidate_k = candidate_count(&running);
+        let extra: Vec<Vec<u32>> = match candidate_k {
+            Some(_) => running
+                .iter()
+                .map(|r| r.sampler.penalised_tokens(&r.history, vocab))
+                .collect(),
+            None => Vec::new(),
+        };
         let mut batch: Vec<SequenceInput<'_, B>> = running
             .iter_mut()
             .map(|r| SequenceInput {
@@ -119,7 +130,7 @@ fn run<B: Backend>(
                 tokens: &r.pending,
             })
             .collect();
-        let result = model.forward(&mut batch, LogitsSelection::Last);
+        let result = model.forward_logits_on_backend(&mut batch);
         drop(batch);
         let logits = match result {
             Ok(logits) => logits,
@@ -134,10 +145,41 @@ fn run<B: Backend>(
                 continue;
             }
         };
+        let backend = model.backend();
+        let candidates = candidate_k.and_then(|k| {
+            backend
+                .logit_candidates(&logits, k, &extra)
+                .map_err(|error| {
+                    tracing::warn!("logit candidates failed, sampling from the whole rows: {error}")
+                })
+                .ok()
+        });
+        // Without candidates every row comes back at once, as one read-back.
+        let all_rows = candidates.is_none().then(|| backend.download(&logits));
+        let row_of = |index: usize| match &all_rows {
+            Some(values) => values
+                .get(index * vocab..(index + 1) * vocab)
+                .map(<[f32]>::to_vec)
+                .unwrap_or_default(),
+            None => backend.download(&backend.gather_rows(&logits, &[index])),
+        };
         let mut finished = Vec::new();
         let mut kv_used = 0u64;
-        for (index, (r, row)) in running.iter_mut().zip(logits).enumerate() {
-            let token = match r.sampler.sample(&row, &r.history) {
+        for (index, r) in running.iter_mut().enumerate() {
+            let row_candidates = candidates.as_ref().and_then(|c| c.get(index));
+            let mut row: Option<Vec<f32>> = None;
+            let sampled = match row_candidates {
+                Some(c) => r.sampler.sample_from_candidates(c, &r.history),
+                None => Ok(None),
+            };
+            let sampled = match sampled {
+                Ok(Some(token)) => Ok(token),
+                Ok(None) => r
+                    .sampler
+                    .sample(row.get_or_insert_with(|| row_of(index)), &r.history),
+                Err(error) => Err(error),
+            };
+            let token = match sampled {
                 Ok(token) => token,
                 Err(error) => {
                     let _ = r
@@ -153,7 +195,16 @@ fn run<B: Backend>(
             r.pending.clear();
             r.pending.push(token);
             counters.generated_tokens.fetch_add(1, Ordering::Relaxed);
-            let (logprob, top) = logprobs(&row, token, r.request.top_logprobs);
+            let top_logprobs = r.request.top_logprobs;
+            let (logprob, top) =
+                match row_candidates.and_then(|c| candidate_logprobs(c, token, top_logprobs)) {
+                    Some(found) => found,
+                    None => logprobs(
+                        row.get_or_insert_with(|| row_of(index)),
+                        token,
+                        top_logprobs,
+                    ),
+                };
             let reason = if r.request.stop_token_ids.contains(&token) {
                 FinishReason::StopToken
             } else if r.generated >= r.request.max_new_tokens {
@@ -248,7 +299,9 @@ fn handle<B: Backend>(
             counters
                 .prompt_tokens
                 .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
+            let before = model.backend().kv_placement();
             let state = model.new_sequence(needed);
+            log_host_kv(model, before, &request.request_id);
             running.push(Running {
                 history: request.prompt.clone(),
                 pending: request.prompt.clone(),
@@ -259,6 +312,84 @@ fn handle<B: Backend>(
             });
         }
     }
+}
+
+/// With a host KV pool (`--host-kv-mib`): where the new sequence's KV caches went, and the
+/// totals, when any of them is in host memory.
+fn log_host_kv<B: Backend>(model: &Model<B>, before: Option<KvPlacement>, request_id: &str) {
+    let (Some(before), Some(after)) = (before, model.backend().kv_placement()) else {
+        return;
+    };
+    let host_layers = after.host_caches.saturating_sub(before.host_caches);
+    if host_layers == 0 {
+        return;
+    }
+    let mib = |bytes: u64| format!("{:.1}", bytes as f64 / (1u64 << 20) as f64);
+    tracing::info!(
+        request_id,
+        host_layers,
+        device_layers = after.device_caches.saturating_sub(before.device_caches),
+        host_kv_mib = mib(after.host_bytes.saturating_sub(before.host_bytes)),
+        total_host_layers = after.host_caches,
+        total_host_kv_mib = mib(after.host_bytes),
+        total_device_kv_mib = mib(after.device_bytes),
+        pool_mib = mib(after.host_pool_bytes),
+        "attention layers' KV caches in page-locked host memory"
+    );
+}
+
+/// The number of largest logits to read back per row when every running request can sample
+/// from candidates ([`Sampler::candidates_suffice`], `top_logprobs` within them), with room for
+/// penalised tokens among them; `None`: read back whole rows. `NINFER_FULL_LOGITS=1` always
+/// reads whole rows.
+fn candidate_count<B: Backend>(running: &[Running<B>]) -> Option<usize> {
+    if std::env::var("NINFER_FULL_LOGITS").is_ok_and(|v| v == "1") {
+        return None;
+    }
+    let mut needed = 1usize;
+    for r in running {
+        if !r.sampler.candidates_suffice(MAX_CANDIDATES) || r.request.top_logprobs > MAX_CANDIDATES
+        {
+            return None;
+        }
+        let top_k = if r.sampler.params().temperature == 0.0 {
+            1
+        } else {
+            r.sampler.params().top_k
+        };
+        needed = needed.max(top_k).max(r.request.top_logprobs);
+    }
+    Some(
+        needed
+            .saturating_mul(2)
+            .clamp(DEFAULT_CANDIDATES, MAX_CANDIDATES),
+    )
+}
+
+/// [`logprobs`] from a row's candidates: the same values when they carry `token` and the `top`
+/// largest logits (else `None`: the caller reads the row).
+fn candidate_logprobs(
+    candidates: &LogitCandidates,
+    token: u32,
+    top: usize,
+) -> Option<(f32, Vec<TokenLogprob>)> {
+    let log_sum = candidates.log_sum_exp;
+    let logprob = candidates.logit(token)? - log_sum;
+    let top = if candidates.covers_vocab() {
+        top.min(candidates.top.len())
+    } else {
+        top
+    };
+    let top = candidates
+        .top
+        .get(..top)?
+        .iter()
+        .map(|&(id, logit)| TokenLogprob {
+            token_id: id,
+            logprob: logit - log_sum,
+        })
+        .collect();
+    Some((logprob, top))
 }
 
 /// Log-probability of `token` and the `top` most likely tokens, from raw logits.
@@ -292,4 +423,40 @@ fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<TokenLogprob>) 
         })
         .collect();
     (logprob, top)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::candidates::row_candidates;
+    use crate::sampling::Xoshiro256;
+
+    #[test]
+    fn candidate_logprobs_equal_the_whole_row_logprobs() {
+        let mut rng = Xoshiro256::seed_from_u64(5);
+        for vocab in [40usize, 1000, 20_000] {
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| (rng.next_f64() * 30.0 - 15.0) as f32)
+                .collect();
+            let extra = [3u32, 17, 39];
+            let candidates = row_candidates(&row, DEFAULT_CANDIDATES, &extra);
+            let tokens = candidates.top.iter().map(|c| c.0).take(5).chain(extra);
+            for token in tokens {
+                for top in [0usize, 1, 5, 64] {
+                    let expected = logprobs(&row, token, top);
+                    let got = candidate_logprobs(&candidates, token, top);
+                    if top > candidates.top.len() && !candidates.covers_vocab() {
+                        assert_eq!(got, None);
+                        continue;
+                    }
+                    assert_eq!(got, Some(expected), "vocab {vocab} token {token} top {top}");
+                }
+            }
+            // A token the candidates do not carry sends the caller to the row.
+            let outside = (0..vocab as u32).find(|&t| candidates.logit(t).is_none());
+            if let Some(outside) = outside {
+                assert_eq!(candidate_logprobs(&candidates, outside, 1), None);
+            }
+        }
+    }
 }

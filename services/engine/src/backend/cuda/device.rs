@@ -172,6 +172,8 @@ pub struct CudaBackend {
     staging: readback::StagingSlot,
     /// Rope's device tables: inverse frequencies per (rotary dim, θ), the last positions.
     rope_tables: Mutex<RopeTables>,
+    /// `--host-kv-mib`: the page-locked KV pool and placement counters (device/host_kv.rs).
+    host_kv: host_kv::HostKvSlot,
 }
 
 #[derive(Default)]
@@ -230,6 +232,8 @@ pub struct CudaKvCache {
     pub dtype: KvDtype,
     keys: Option<KvBuffer>,
     values: Option<KvBuffer>,
+    /// GPU memory or the host KV pool (device/host_kv.rs).
+    placement: host_kv::KvPlacementToken,
 }
 
 enum KvBuffer {
@@ -475,6 +479,7 @@ impl CudaBackend {
             op_timing: None,
             staging: Default::default(),
             rope_tables: Default::default(),
+            host_kv: Default::default(),
         };
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
         // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
@@ -1570,6 +1575,10 @@ impl Backend for CudaBackend {
     }
 
     fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> CudaKvCache {
+        let placement = match self.place_kv_cache(max_tokens, kv_width) {
+            host_kv::KvPlace::Host(cache) => return cache,
+            host_kv::KvPlace::Device(placement) => placement,
+        };
         let dtype = self.options.kv_dtype;
         let count = max_tokens * kv_width;
         let allocate = || {
@@ -1597,6 +1606,7 @@ impl Backend for CudaBackend {
             dtype,
             keys: allocate(),
             values: allocate(),
+            placement,
         }
     }
 
@@ -1742,12 +1752,38 @@ impl Backend for CudaBackend {
         let result = self.try_slotted_experts(slots, x, routing);
         self.settle(result, x.rows, x.cols)
     }
+
+    fn logit_candidates(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        extra: &[Vec<u32>],
+    ) -> Result<Vec<crate::backend::LogitCandidates>, EngineError> {
+        let _timer = self.op_timer("logit_candidates");
+        crate::backend::candidates::check_candidate_request(logits.rows, logits.cols, k, extra)?;
+        self.try_logit_candidates(logits, k, extra)
+            .map_err(|error| {
+                self.record(error.clone());
+                Self::engine_error(error)
+            })
+    }
+
+    fn reserve_host_kv(&self, request: &crate::backend::HostKvRequest) -> Result<(), EngineError> {
+        self.try_reserve_host_kv(request)
+            .map_err(Self::engine_error)
+    }
+
+    fn kv_placement(&self) -> Option<crate::backend::KvPlacement> {
+        self.host_kv_placement()
+    }
 }
 
 mod attention;
 mod bandwidth;
 mod delta_rule;
 mod expert_slots;
+mod host_kv;
+mod sampling;
 pub use attention::AttentionPath;
 mod op_timing;
 mod readback;

@@ -87,6 +87,11 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         source: include_str!("../../../../../kernels/router.cu"),
         functions: &["route_top_k"],
     },
+    KernelSource {
+        name: "sampling",
+        source: include_str!("../../../../../kernels/sampling.cu"),
+        functions: &["logit_candidates_partial", "logit_candidates_merge"],
+    },
 ];
 
 /// 64-bit FNV-1a: stable across builds and platforms (std's hasher is not), enough to tell

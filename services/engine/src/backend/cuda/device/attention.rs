@@ -271,6 +271,7 @@ impl CudaBackend {
             dtype,
             keys: Some(allocate()?),
             values: Some(allocate()?),
+            placement: Default::default(),
         })
     }
 

@@ -1,0 +1,377 @@
+//! `--host-kv-mib`: KV caches in page-locked, device-mapped host memory. One `cuMemHostAlloc`
+//! (`DEVICEMAP`) region is the pool; a KV cache placed there is an ordinary [`CudaKvCache`] whose
+//! key and value buffers point into the region's device mapping, so the attention kernels read
+//! and write it over PCIe unchanged. Caches go to the GPU first; once the GPU's share of KV
+//! memory is used up, whole caches (one attention layer of one sequence) go to the pool while it
+//! has room, then to the GPU again (as without a pool).
+//!
+//! Owns: the pool (first-fit ranges, returned when a cache is dropped), the device share and the
+//! placement counters.
+//! Must not touch: the cache layout and the kernels (device.rs, attention.rs).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaStream};
+
+use super::{driver_error, CudaBackend, CudaKvCache, KvBuffer, KvDtype};
+use crate::backend::cuda::CudaError;
+use crate::backend::{DeviceKvShare, HostKvRequest, KvPlacement};
+
+/// Every range of the pool starts on this many bytes.
+const ALIGN: usize = 256;
+/// GPU memory `DeviceKvShare::Auto` leaves for everything else (activations, workspaces).
+const WORKING_MEMORY: u64 = 1 << 30;
+
+/// The page-locked region and its free ranges.
+pub(crate) struct HostKvPool {
+    host: *mut u8,
+    device: sys::CUdeviceptr,
+    bytes: usize,
+    /// Free `(offset, len)` ranges, sorted by offset, never adjacent.
+    free: Mutex<Vec<(usize, usize)>>,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: the region is owned by the pool and only reached through the GPU (stream-ordered) or
+// the free list (behind its mutex).
+unsafe impl Send for HostKvPool {}
+unsafe impl Sync for HostKvPool {}
+
+impl Drop for HostKvPool {
+    fn drop(&mut self) {
+        // No kernel may still read a cache of the region (every lease holds the pool).
+        let _ = self.stream.synchronize();
+        // SAFETY: allocated by cuMemHostAlloc in `HostKvPool::new`, freed once.
+        unsafe { sys::cuMemFreeHost(self.host.cast()) };
+    }
+}
+
+impl HostKvPool {
+    fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self, CudaError> {
+        let failed = |call: &str, status: sys::CUresult| CudaError::Driver {
+            what: format!("{call} of {bytes} bytes for --host-kv-mib"),
+            message: format!("{status:?}"),
+        };
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver_error("binding the CUDA context"))?;
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: the driver is loaded (the context exists); valid out pointer.
+        let status =
+            unsafe { sys::cuMemHostAlloc(&mut host, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) };
+        if status != sys::CUresult::CUDA_SUCCESS || host.is_null() {
+            return Err(failed("cuMemHostAlloc", status));
+        }
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` is a live DEVICEMAP allocation; valid out pointer.
+        let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: allocated just above.
+            unsafe { sys::cuMemFreeHost(host) };
+            return Err(failed("cuMemHostGetDevicePointer", status));
+        }
+        Ok(HostKvPool {
+            host: host.cast(),
+            device,
+            bytes,
+            free: Mutex::new(vec![(0, bytes)]),
+            stream: Arc::clone(stream),
+        })
+    }
+
+    /// First fit of `bytes` (rounded up to [`ALIGN`]): `(offset, leased bytes)`.
+    fn allocate(&self, bytes: usize) -> Option<(usize, usize)> {
+        allocate_range(&mut *self.free.lock().ok()?, bytes)
+    }
+
+    fn release(&self, offset: usize, bytes: usize) {
+        if let Ok(mut free) = self.free.lock() {
+            release_range(&mut free, offset, bytes);
+        }
+    }
+}
+
+/// First fit of `bytes` rounded up to [`ALIGN`] in the sorted free ranges.
+fn allocate_range(free: &mut Vec<(usize, usize)>, bytes: usize) -> Option<(usize, usize)> {
+    let bytes = bytes.checked_next_multiple_of(ALIGN)?.max(ALIGN);
+    let index = free.iter().position(|&(_, len)| len >= bytes)?;
+    let (offset, len) = free[index];
+    if len == bytes {
+        free.remove(index);
+    } else {
+        free[index] = (offset + bytes, len - bytes);
+    }
+    Some((offset, bytes))
+}
+
+/// Returns a range to the sorted free ranges, merged with its neighbours.
+fn release_range(free: &mut Vec<(usize, usize)>, offset: usize, bytes: usize) {
+    let index = free.partition_point(|&(start, _)| start < offset);
+    free.insert(index, (offset, bytes));
+    if index + 1 < free.len() && free[index].0 + free[index].1 == free[index + 1].0 {
+        free[index].1 += free[index + 1].1;
+        free.remove(index + 1);
+    }
+    if index > 0 && free[index - 1].0 + free[index - 1].1 == free[index].0 {
+        free[index - 1].1 += free[index].1;
+        free.remove(index);
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    device_caches: AtomicUsize,
+    device_bytes: AtomicU64,
+    host_caches: AtomicUsize,
+    host_bytes: AtomicU64,
+}
+
+/// The backend's `--host-kv-mib` state (`None`: no pool, caches on the GPU, nothing counted).
+pub(crate) struct HostKv {
+    pool: Arc<HostKvPool>,
+    share: DeviceKvShare,
+    /// The share in bytes, decided at the first cache.
+    resolved: Option<u64>,
+    counters: Arc<Counters>,
+}
+
+pub(crate) type HostKvSlot = Mutex<Option<HostKv>>;
+
+/// Where one KV cache is, counted while it lives.
+#[derive(Default)]
+pub(crate) enum KvPlacementToken {
+    /// No pool: nothing counted.
+    #[default]
+    Untracked,
+    Device {
+        counters: Arc<Counters>,
+        bytes: u64,
+    },
+    Host {
+        counters: Arc<Counters>,
+        pool: Arc<HostKvPool>,
+        offset: usize,
+        bytes: usize,
+    },
+}
+
+impl Drop for KvPlacementToken {
+    fn drop(&mut self) {
+        match self {
+            KvPlacementToken::Untracked => {}
+            KvPlacementToken::Device { counters, bytes } => {
+                counters.device_caches.fetch_sub(1, Ordering::Relaxed);
+                counters.device_bytes.fetch_sub(*bytes, Ordering::Relaxed);
+            }
+            KvPlacementToken::Host {
+                counters,
+                pool,
+                offset,
+                bytes,
+            } => {
+                counters.host_caches.fetch_sub(1, Ordering::Relaxed);
+                counters
+                    .host_bytes
+                    .fetch_sub(*bytes as u64, Ordering::Relaxed);
+                // Stream order: kernels queued later that reuse the range run after the ones
+                // queued for this cache.
+                pool.release(*offset, *bytes);
+            }
+        }
+    }
+}
+
+impl Drop for CudaKvCache {
+    fn drop(&mut self) {
+        if matches!(self.placement, KvPlacementToken::Host { .. }) {
+            // The buffers point into the host pool: never hand them to cuMemFree.
+            for buffer in [self.keys.take(), self.values.take()].into_iter().flatten() {
+                match buffer {
+                    KvBuffer::F32(slice) => {
+                        slice.leak();
+                    }
+                    KvBuffer::Bf16(slice) => {
+                        slice.leak();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Where [`CudaBackend::place_kv_cache`] put a new cache.
+pub(super) enum KvPlace {
+    /// In the host pool, ready.
+    Host(CudaKvCache),
+    /// To be allocated on the GPU, counted by this token.
+    Device(KvPlacementToken),
+}
+
+impl CudaBackend {
+    /// [`crate::backend::Backend::reserve_host_kv`].
+    pub(super) fn try_reserve_host_kv(&self, request: &HostKvRequest) -> Result<(), CudaError> {
+        let pool = if request.host_bytes == 0 {
+            None
+        } else {
+            let bytes = usize::try_from(request.host_bytes).map_err(|_| CudaError::Invalid {
+                problem: format!("--host-kv-mib: {} bytes", request.host_bytes),
+            })?;
+            Some(HostKvPool::new(&self.stream, bytes)?)
+        };
+        let mut slot = self.host_kv.lock().map_err(|_| CudaError::Invalid {
+            problem: "the host KV lock is poisoned".into(),
+        })?;
+        *slot = pool.map(|pool| {
+            tracing::info!(
+                host_kv_mib = request.host_bytes >> 20,
+                device_share = ?request.device_share,
+                "host KV pool: page-locked, device-mapped; attention layers' KV caches go there once the GPU's share is used up"
+            );
+            HostKv {
+                pool: Arc::new(pool),
+                share: request.device_share,
+                resolved: None,
+                counters: Arc::default(),
+            }
+        });
+        Ok(())
+    }
+
+    /// [`crate::backend::Backend::kv_placement`].
+    pub(super) fn host_kv_placement(&self) -> Option<KvPlacement> {
+        let slot = self.host_kv.lock().ok()?;
+        let state = slot.as_ref()?;
+        let counters = &state.counters;
+        Some(KvPlacement {
+            device_caches: counters.device_caches.load(Ordering::Relaxed),
+            device_bytes: counters.device_bytes.load(Ordering::Relaxed),
+            host_caches: counters.host_caches.load(Ordering::Relaxed),
+            host_bytes: counters.host_bytes.load(Ordering::Relaxed),
+            host_pool_bytes: state.pool.bytes as u64,
+            device_share_bytes: state.resolved,
+        })
+    }
+
+    /// Where a new `[max_tokens, kv_width]` K/V cache goes (see the module doc).
+    pub(super) fn place_kv_cache(&self, max_tokens: usize, kv_width: usize) -> KvPlace {
+        let Ok(mut slot) = self.host_kv.lock() else {
+            return KvPlace::Device(KvPlacementToken::Untracked);
+        };
+        let Some(state) = slot.as_mut() else {
+            return KvPlace::Device(KvPlacementToken::Untracked);
+        };
+        let dtype = self.options.kv_dtype;
+        let count = (max_tokens * kv_width).max(1);
+        let buffer_bytes = count * dtype.bytes();
+        let bytes = 2 * buffer_bytes as u64;
+        let share = match (state.resolved, state.share) {
+            (Some(share), _) => share,
+            (None, DeviceKvShare::Bytes(share)) => share,
+            (None, DeviceKvShare::Auto { budget_bytes }) => {
+                let (free, total) = self.memory_info().unwrap_or((0, 0));
+                let used = total.saturating_sub(free) as u64;
+                let available = match budget_bytes {
+                    Some(budget) => budget.saturating_sub(used).min(free as u64),
+                    None => free as u64,
+                };
+                available.saturating_sub(WORKING_MEMORY)
+            }
+        };
+        if state.resolved.is_none() {
+            state.resolved = Some(share);
+            tracing::info!(
+                device_share_mib = share >> 20,
+                "GPU share of KV caches decided; caches beyond it go to the host KV pool"
+            );
+        }
+        let counters = Arc::clone(&state.counters);
+        let device_bytes = counters.device_bytes.load(Ordering::Relaxed);
+        let device = || {
+            counters.device_caches.fetch_add(1, Ordering::Relaxed);
+            counters.device_bytes.fetch_add(bytes, Ordering::Relaxed);
+            KvPlace::Device(KvPlacementToken::Device {
+                counters: Arc::clone(&counters),
+                bytes,
+            })
+        };
+        if device_bytes.saturating_add(bytes) <= share {
+            return device();
+        }
+        let aligned = buffer_bytes.next_multiple_of(ALIGN);
+        let Some((offset, leased)) = state.pool.allocate(2 * aligned) else {
+            // The pool is full too: the GPU, as without a pool.
+            return device();
+        };
+        let pool = Arc::clone(&state.pool);
+        drop(slot);
+        let placement = KvPlacementToken::Host {
+            counters: Arc::clone(&counters),
+            pool: Arc::clone(&pool),
+            offset,
+            bytes: leased,
+        };
+        counters.host_caches.fetch_add(1, Ordering::Relaxed);
+        counters
+            .host_bytes
+            .fetch_add(leased as u64, Ordering::Relaxed);
+        let keys_at = pool.device + offset as u64;
+        let values_at = keys_at + aligned as u64;
+        // The region may hold an earlier cache's values: zero it, in stream order.
+        // SAFETY: the range lies inside the live mapping (`allocate` checked it).
+        let status =
+            unsafe { sys::cuMemsetD8Async(keys_at, 0, 2 * aligned, self.stream.cu_stream()) };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            self.record(CudaError::Driver {
+                what: "clearing a host KV cache".into(),
+                message: format!("{status:?}"),
+            });
+        }
+        // SAFETY: both ranges lie inside the pool's device mapping, each `count` elements, and
+        // the cache never frees them (`Drop for CudaKvCache` leaks host-placed buffers; the
+        // token returns the range to the pool).
+        let (keys, values) = unsafe {
+            match dtype {
+                KvDtype::F32 => (
+                    KvBuffer::F32(self.stream.upgrade_device_ptr(keys_at, count)),
+                    KvBuffer::F32(self.stream.upgrade_device_ptr(values_at, count)),
+                ),
+                KvDtype::Bf16 => (
+                    KvBuffer::Bf16(self.stream.upgrade_device_ptr(keys_at, count)),
+                    KvBuffer::Bf16(self.stream.upgrade_device_ptr(values_at, count)),
+                ),
+            }
+        };
+        KvPlace::Host(CudaKvCache {
+            max_tokens,
+            kv_width,
+            len: 0,
+            dtype,
+            keys: Some(keys),
+            values: Some(values),
+            placement,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_aligned_first_fit_and_merge_back_into_one() {
+        let mut free = vec![(0usize, 4096usize)];
+        let a = allocate_range(&mut free, 1000).unwrap();
+        let b = allocate_range(&mut free, 1).unwrap();
+        let c = allocate_range(&mut free, 2048).unwrap();
+        assert_eq!((a, b, c), ((0, 1024), (1024, 256), (1280, 2048)));
+        assert_eq!(allocate_range(&mut free, 1024), None);
+        release_range(&mut free, b.0, b.1);
+        assert_eq!(allocate_range(&mut free, 256), Some((1024, 256)));
+        release_range(&mut free, 1024, 256);
+        release_range(&mut free, c.0, c.1);
+        release_range(&mut free, a.0, a.1);
+        assert_eq!(free, vec![(0, 4096)]);
+    }
+}

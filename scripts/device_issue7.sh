@@ -13,8 +13,17 @@
 # Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/device_issue7}
-mkdir -p "$out"
+# Logs collect in $out (not $OUT: the device tool brings back only a few files); after every
+# step they are archived into $OUT/results.tgz, so a call cut short still returns them.
+final=${OUT:-/tmp/device_issue7}
+out=$(mktemp -d /tmp/issue7-logs.XXXXXX)
+mkdir -p "$final"
+archive() {
+  local archive
+  archive=$(mktemp /tmp/results.XXXXXX.tgz)
+  tar czf "$archive" -C "$out" . 2>/dev/null && mv "$archive" "$final/results.tgz"
+  cp "$out/session.log" "$final/session.log" 2>/dev/null
+}
 stages=",${STAGES:-q30},"
 work=${WORK:-/tmp/ninfer-bench}
 mkdir -p "$work"
@@ -47,13 +56,15 @@ bench() { # bench LABEL TIMEOUT ARGS...
   local start=$SECONDS
   timeout "$limit" .devbin/ninfer bench "$@" >"$out/bench_$label.txt" 2>&1
   log "bench $label: exit $? after $((SECONDS - start)) s"
-  grep -v '^\s*$' "$out/bench_$label.txt" | tail -14 | tee -a "$out/session.log"
+  grep -v '^\s*$' "$out/bench_$label.txt" | grep -v ' INFO ' | tail -9 | tee -a "$out/session.log"
+  cp /tmp/ninfer-*/engine.log "$out/engine_$label.log" 2>/dev/null
+  archive
 }
 
 gpu_pid=
 if has gpu; then
   log "GPU test suites (background)"
-  (GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-150} \
+  (OUT="$out/gpu" GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-150} \
     scripts/gpu_tests.sh run >"$out/gpu_tests.log" 2>&1) &
   gpu_pid=$!
 fi
@@ -101,7 +112,4 @@ fi
 
 if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
 log "done"
-# The device tool brings back a limited number of files: one archive of everything else.
-archive=$(mktemp /tmp/results.XXXXXX.tgz)
-(cd "$out" && tar czf "$archive" --exclude=session.log . && \
-  find . -type f ! -name session.log -delete && mv "$archive" results.tgz)
+archive

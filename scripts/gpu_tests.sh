@@ -20,6 +20,8 @@ SUITES=(
   "model:::cuda"
   "expert_slots:::cuda"
   "cuda_device_flag:"
+  "prefill_staging:::cuda"
+  "candidates_and_host_kv:::cuda"
 )
 
 build() {

@@ -13,7 +13,7 @@ use std::time::Instant;
 use ninfer_artifact::{Artifact, ArtifactError, ExpertBank, TensorClass};
 use ninfer_expert_kernels::ExpertLayout;
 
-use crate::backend::{Backend, DeltaRuleForm, Segment};
+use crate::backend::{Backend, DeltaRuleForm, Routing, Segment};
 use crate::error::EngineError;
 use crate::experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor, NO_EXPERT};
 use crate::profile::{distinct_experts, nanos, ForwardProfile, Phase, PhaseTotals};
@@ -77,6 +77,13 @@ struct ResidentExperts<B: Backend> {
     slots: B::ExpertSlots,
     /// `[num_experts]`: whether the expert is in a slot (the host's view of the slot table).
     resident: Vec<bool>,
+}
+
+/// A MoE layer's routing left on the backend because nothing waits for it mid-forward (all of
+/// the layer's experts are resident): finished and counted at the forward's end.
+struct DeferredRouting<B: Backend> {
+    layer: usize,
+    pending: B::PendingRouting,
 }
 
 /// What [`Model::place_resident_experts`] put where.
@@ -364,9 +371,22 @@ impl<B: Backend> Model<B> {
                 ));
             }
         }
-        let slots =
+        let mut slots =
             self.backend
                 .new_expert_slots(&layout, common.num_experts, common.num_experts)?;
+        // Ready every bank now (on a GPU: page-lock it), so the first long prompt does not
+        // pay for it: the first 4K prefill measured 30% slower than the second before this.
+        let started = std::time::Instant::now();
+        for layer in &self.layers {
+            if let FeedForward::Moe { bank, .. } = &layer.feed_forward {
+                self.backend
+                    .prepare_expert_source(&mut slots, &self.artifact, bank);
+            }
+        }
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            "prefill staging: expert banks readied as copy sources"
+        );
         self.prefill_staging = Some((min_tokens.max(1), Mutex::new(slots)));
         Ok((common.num_experts * layout.stride) as u64)
     }
@@ -527,6 +547,7 @@ impl<B: Backend> Model<B> {
 
         let started = Instant::now();
         let mut tally = PhaseTotals::default();
+        let mut deferred = Vec::new();
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
@@ -543,7 +564,7 @@ impl<B: Backend> Model<B> {
             };
             backend.add_assign(&mut hidden, &mixed);
             let x = backend.rms_norm(&hidden, &layer.post_attention_norm, eps, style);
-            let fed = self.feed_forward(index, &layer.feed_forward, &x, &mut tally)?;
+            let fed = self.feed_forward(index, &layer.feed_forward, &x, &mut tally, &mut deferred)?;
             backend.add_assign(&mut hidden, &fed);
         }
 
@@ -555,6 +576,11 @@ impl<B: Backend> Model<B> {
         let normed = backend.rms_norm(&selected, &self.final_norm, eps, style);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         let out = finish(backend, backend.matmul(&normed, head))?;
+        // The routings of the layers that did not wait for theirs: landed by now.
+        for DeferredRouting { layer, pending } in deferred {
+            let (routing, _) = backend.finish_routing(pending);
+            self.account_routing(layer, &routing, &mut tally);
+        }
         for (item, range) in batch.iter_mut().zip(&ranges) {
             item.state.position += range.len();
         }
@@ -723,6 +749,7 @@ impl<B: Backend> Model<B> {
         feed_forward: &FeedForward<B>,
         x: &B::Tensor,
         tally: &mut PhaseTotals,
+        deferred: &mut Vec<DeferredRouting<B>>,
     ) -> Result<B::Tensor, EngineError> {
         let backend = &*self.backend;
         match feed_forward {
@@ -748,32 +775,53 @@ impl<B: Backend> Model<B> {
                     .as_ref()
                     .filter(|(min_tokens, _)| backend.shape(x).0 >= *min_tokens)
                     .map(|(_, slots)| slots);
+                let all_resident = resident
+                    .as_ref()
+                    .is_some_and(|resident| resident.resident.iter().all(|&r| r));
                 // The hidden states go to the executor unless every expert of the layer is
-                // resident or the batch is staged; read back with the routing, one wait on a
-                // GPU.
-                let read_hidden = staging.is_none()
-                    && resident
-                        .as_ref()
-                        .is_none_or(|resident| !resident.resident.iter().all(|&r| r));
-                let (routing, hidden) = backend.route_top_k_and_read_back(
+                // resident or the batch is staged; they come back with the routing, one wait
+                // on a GPU.
+                let read_hidden = staging.is_none() && !all_resident;
+                let pending = backend.start_routing(
                     &logits,
                     common.num_experts_per_tok,
                     self.spec.normalize_routing,
                     x,
                     read_hidden,
                 );
-                self.experts
-                    .observe_routing(index, &routing.expert_ids, routing_tokens(&routing));
-                let (cpu_experts, resident_experts) = distinct_experts(
-                    &routing.expert_ids,
-                    resident.as_ref().map(|r| &r.resident[..]),
-                    common.num_experts,
-                );
-                tally.moe_layer_calls += 1;
-                tally.cpu_experts += cpu_experts;
-                tally.resident_experts += resident_experts;
-                tally.cpu_expert_bytes += cpu_experts * bank.expert_stride;
-                tally.resident_expert_bytes += resident_experts * bank.expert_stride;
+                // Work the backend does itself is queued before anything waits for the routing
+                // (on a GPU it runs while this thread reads the routing and then waits for the
+                // expert workers): the resident experts, then the shared expert.
+                let resident_sum = resident.as_ref().map(|resident| {
+                    backend.slotted_experts_by_pending_routing(&resident.slots, x, &pending)
+                });
+                let shared_parts = shared.as_ref().map(|shared| {
+                    let activated = backend.silu_mul(
+                        &backend.matmul(x, &shared.gate_proj),
+                        &backend.matmul(x, &shared.up_proj),
+                    );
+                    (
+                        backend.matmul(&activated, &shared.down_proj),
+                        backend.matmul(x, &shared.gate),
+                    )
+                });
+                let resident_sum = match (all_resident, staging, resident_sum) {
+                    (true, None, Some(mut output)) => {
+                        // Nothing for the executor: the routing is wanted only for the
+                        // statistics, read at the forward's end, so this layer does not wait.
+                        deferred.push(DeferredRouting {
+                            layer: index,
+                            pending,
+                        });
+                        if let Some((expert, gate)) = shared_parts {
+                            backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
+                        }
+                        return Ok(output);
+                    }
+                    (_, _, resident_sum) => resident_sum,
+                };
+                let (routing, hidden) = backend.finish_routing(pending);
+                self.account_routing(index, &routing, tally);
                 // The executor gets the experts not resident on the backend (those masked out).
                 let masked_ids;
                 let expert_ids: &[u32] = match resident {
@@ -796,22 +844,6 @@ impl<B: Backend> Model<B> {
                 // With every chosen expert resident the executor has nothing to do.
                 let needs_executor = read_hidden && expert_ids.iter().any(|&id| id != NO_EXPERT);
                 let (rows, cols) = backend.shape(x);
-                // Work the backend does itself is queued first (on a GPU it runs while this
-                // thread waits for the expert workers): the resident experts, then the shared
-                // expert.
-                let resident_sum = resident
-                    .as_ref()
-                    .map(|resident| backend.slotted_experts(&resident.slots, x, &routing));
-                let shared_parts = shared.as_ref().map(|shared| {
-                    let activated = backend.silu_mul(
-                        &backend.matmul(x, &shared.gate_proj),
-                        &backend.matmul(x, &shared.up_proj),
-                    );
-                    (
-                        backend.matmul(&activated, &shared.down_proj),
-                        backend.matmul(x, &shared.gate),
-                    )
-                });
                 let staged_sum = match staging {
                     Some(staging) => self.staged_experts(staging, bank, x, expert_ids, &routing)?,
                     None => None,
@@ -845,6 +877,29 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Counts one MoE layer call's routing: the executor's routing statistics (every routed
+    /// choice, before the split between the backend's slots and the executor) and the
+    /// profile's expert tallies.
+    fn account_routing(&self, index: usize, routing: &Routing, tally: &mut PhaseTotals) {
+        let Some(FeedForward::Moe { bank, resident, .. }) =
+            self.layers.get(index).map(|layer| &layer.feed_forward)
+        else {
+            return;
+        };
+        self.experts
+            .observe_routing(index, &routing.expert_ids, routing_tokens(routing));
+        let (cpu_experts, resident_experts) = distinct_experts(
+            &routing.expert_ids,
+            resident.as_ref().map(|r| &r.resident[..]),
+            self.spec.common.num_experts,
+        );
+        tally.moe_layer_calls += 1;
+        tally.cpu_experts += cpu_experts;
+        tally.resident_experts += resident_experts;
+        tally.cpu_expert_bytes += cpu_experts * bank.expert_stride;
+        tally.resident_expert_bytes += resident_experts * bank.expert_stride;
+    }
+
     /// The non-resident routed experts of a staged batch (`expert_ids`, resident ones masked)
     /// copied into the staging slots and computed on the backend; `None` when the batch routes
     /// to resident experts only. Each routed expert goes to the slot of its own index, so the
@@ -855,7 +910,7 @@ impl<B: Backend> Model<B> {
         bank: &ExpertBank,
         x: &B::Tensor,
         expert_ids: &[u32],
-        routing: &crate::backend::Routing,
+        routing: &Routing,
     ) -> Result<Option<B::Tensor>, EngineError> {
         let num_experts = self.spec.common.num_experts;
         let mut wanted = vec![false; num_experts];
@@ -874,7 +929,7 @@ impl<B: Backend> Model<B> {
             self.backend
                 .fill_expert_slot(&mut slots, expert, expert, &self.artifact, bank)?;
         }
-        let masked = crate::backend::Routing {
+        let masked = Routing {
             experts_per_token: routing.experts_per_token,
             expert_ids: expert_ids.to_vec(),
             weights: routing.weights.clone(),
@@ -890,7 +945,7 @@ impl<B: Backend> Model<B> {
         bank: &ExpertBank,
         hidden: &[f32],
         expert_ids: &[u32],
-        routing: &crate::backend::Routing,
+        routing: &Routing,
         tally: &mut PhaseTotals,
     ) -> Result<Vec<f32>, EngineError> {
         let mut routed = vec![0.0f32; hidden.len()];

@@ -6,6 +6,9 @@
 //!   kernels) with uneven experts — one with most tokens, one with a single token, a resident
 //!   one with none — and hidden > 512 (several staged input chunks), each token's row equal
 //!   bit for bit to that token computed alone (the per-pair kernels);
+//! * a routing started on the backend and finished later (several in flight, one dropped)
+//!   against the one-shot read-back, and the slotted experts computed from it before it reached
+//!   the host against the op fed the host routing;
 //! * the golden fixtures with 0, half and all experts resident: the split must not change the
 //!   math (teacher-forced NLL and greedy tokens agree; NLL within 2e-2 of transformers).
 
@@ -355,6 +358,108 @@ fn router_matches_the_host_reference<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(router_matches_the_host_reference);
+
+/// A routing started on the backend and finished later gives what the one-shot read-back
+/// gives, and the slotted experts computed from it before it reached the host equal the op fed
+/// the host routing: decode-sized batches (1, 3, 8 tokens: on a GPU straight from the device
+/// routing) and a grouped one (40 tokens: through the host). Several routings may be in flight
+/// at once and finish in any order (layers whose routing waits for the forward's end), and one
+/// dropped unfinished leaves the backend usable.
+fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("tiny-int8.ninfer");
+    let options = TinyModelOptions {
+        experts_dtype: DType::Int8,
+        ..TinyModelOptions::new(TinyArchitecture::Qwen3Moe)
+    };
+    let config = write_tiny_model(&path, options).unwrap();
+    let common = config.common().clone();
+    let artifact = open_artifact(&path).unwrap();
+    let layer = (0..common.num_hidden_layers)
+        .find(|&l| common.moe_layers[l])
+        .unwrap();
+    let bank = artifact
+        .expert_bank(&format!("layers.{layer}.moe.experts"))
+        .unwrap()
+        .clone();
+    let layout =
+        ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size).unwrap();
+    let mut slots = backend
+        .new_expert_slots(&layout, common.num_experts, 3)
+        .unwrap();
+    for (slot, expert) in [(0, 1), (1, 4), (2, 6)] {
+        backend
+            .fill_expert_slot(&mut slots, slot, expert, &artifact, &bank)
+            .unwrap();
+    }
+    let (experts, k, hidden) = (common.num_experts, common.num_experts_per_tok, common.hidden_size);
+    let mut rng = Xoshiro256::seed_from_u64(23);
+    let mut in_flight = Vec::new();
+    for tokens in [1usize, 3, 8, 40] {
+        let logits_values: Vec<f32> = uniform(&mut rng, tokens * experts)
+            .into_iter()
+            .map(|v| 3.0 * v)
+            .collect();
+        let hidden_values = uniform(&mut rng, tokens * hidden);
+        let logits = backend.upload(&logits_values, tokens, experts);
+        let x = backend.upload(&hidden_values, tokens, hidden);
+        let pending = backend.start_routing(&logits, k, true, &x, true);
+        let by_pending = backend.slotted_experts_by_pending_routing(&slots, &x, &pending);
+        in_flight.push((tokens, x, hidden_values, logits_values, pending, by_pending));
+    }
+    // An unfinished routing dropped mid-way must not disturb the others.
+    let dropped_logits = backend.upload(&uniform(&mut rng, 5 * experts), 5, experts);
+    let dropped_x = backend.upload(&uniform(&mut rng, 5 * hidden), 5, hidden);
+    drop(backend.start_routing(&dropped_logits, k, true, &dropped_x, false));
+    // Finished newest first.
+    while let Some((tokens, x, hidden_values, logits_values, pending, by_pending)) =
+        in_flight.pop()
+    {
+        let (routing, read_hidden) = backend.finish_routing(pending);
+        let expected = route_top_k_host(&logits_values, experts, k, true);
+        assert_eq!(routing.experts_per_token, k);
+        assert_eq!(routing.expert_ids, expected.expert_ids, "{tokens} tokens: experts");
+        let worst_weight = routing
+            .weights
+            .iter()
+            .zip(&expected.weights)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst_weight < 1e-5, "{tokens} tokens: weights differ by {worst_weight}");
+        assert_eq!(read_hidden, hidden_values, "{tokens} tokens: hidden states read back");
+        let by_host = backend.download(&backend.slotted_experts(&slots, &x, &routing));
+        let by_pending = backend.download(&by_pending);
+        assert_eq!(by_pending.len(), by_host.len());
+        let worst = by_pending
+            .iter()
+            .zip(&by_host)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        println!(
+            "{} {tokens} tokens: slotted experts by pending vs host routing max |Δ| = {worst:.2e}",
+            backend.name()
+        );
+        assert!(worst <= 1e-6, "{tokens} tokens: the two routings' experts differ by {worst}");
+        if tokens == 40 {
+            assert!(
+                by_host.iter().any(|v| v.abs() > 0.0),
+                "the test routed nothing to resident experts"
+            );
+        }
+    }
+    // Without the hidden states the read-back is the routing alone.
+    let logits_values = uniform(&mut rng, 2 * experts);
+    let logits = backend.upload(&logits_values, 2, experts);
+    let x = backend.upload(&uniform(&mut rng, 2 * hidden), 2, hidden);
+    let (routing, read_hidden) =
+        backend.finish_routing(backend.start_routing(&logits, k, false, &x, false));
+    assert!(read_hidden.is_empty());
+    assert_eq!(
+        routing.expert_ids,
+        route_top_k_host(&logits_values, experts, k, false).expert_ids
+    );
+}
+test_device!(pending_routing_matches_the_routing_read_back);
 
 /// `--moe-gpu-experts` 0, half and all on the golden fixtures: the same NLL (within f32
 /// rounding for f32 experts, within bf16-level tolerance for quantized ones), the same greedy

@@ -368,6 +368,8 @@ impl Backend for CpuBackend {
     type ConvState = CpuConvState;
     type RecurrentState = CpuRecurrentState;
     type ExpertSlots = CpuExpertSlots;
+    /// Computed at once: the host is where this backend computes.
+    type PendingRouting = (Routing, Vec<f32>);
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -582,6 +584,36 @@ impl Backend for CpuBackend {
 
     fn route_top_k(&self, logits: &CpuTensor, k: usize, normalize: bool) -> Routing {
         route_top_k_host(&logits.data, logits.cols, k, normalize)
+    }
+
+    fn start_routing(
+        &self,
+        logits: &CpuTensor,
+        k: usize,
+        normalize: bool,
+        hidden: &CpuTensor,
+        read_hidden: bool,
+    ) -> (Routing, Vec<f32>) {
+        let routing = self.route_top_k(logits, k, normalize);
+        let values = if read_hidden {
+            hidden.data.clone()
+        } else {
+            Vec::new()
+        };
+        (routing, values)
+    }
+
+    fn slotted_experts_by_pending_routing(
+        &self,
+        slots: &CpuExpertSlots,
+        x: &CpuTensor,
+        routing: &(Routing, Vec<f32>),
+    ) -> CpuTensor {
+        self.slotted_experts(slots, x, &routing.0)
+    }
+
+    fn finish_routing(&self, routing: (Routing, Vec<f32>)) -> (Routing, Vec<f32>) {
+        routing
     }
 
     fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> CpuKvCache {

@@ -149,6 +149,8 @@ pub trait Backend: Send + Sync + 'static {
     /// expert → slot table the compute op reads, so which experts are resident can change
     /// between steps (the dynamic expert cache) without touching the model.
     type ExpertSlots: Send + Sync;
+    /// A routing computed by [`Backend::start_routing`] and not yet brought to the host.
+    type PendingRouting: Send;
 
     /// Short name for logs and test output (`cpu`, `cuda:0`).
     fn name(&self) -> String;
@@ -242,14 +244,35 @@ pub trait Backend: Send + Sync + 'static {
         hidden: &Self::Tensor,
         read_hidden: bool,
     ) -> (Routing, Vec<f32>) {
-        let routing = self.route_top_k(logits, k, normalize);
-        let values = if read_hidden {
-            self.download(hidden)
-        } else {
-            Vec::new()
-        };
-        (routing, values)
+        let pending = self.start_routing(logits, k, normalize, hidden, read_hidden);
+        self.finish_routing(pending)
     }
+
+    /// Starts [`Backend::route_top_k_and_read_back`] without waiting for it: the routing is
+    /// computed where the backend computes and stays there too, so work that needs it only
+    /// there ([`Backend::slotted_experts_by_pending_routing`]) is queued before the host waits
+    /// ([`Backend::finish_routing`]), and a layer whose experts are all resident need not wait
+    /// at all until the forward's end. On a GPU the copies to the host are queued right behind
+    /// the router, and finishing waits for them alone, not for what was queued after them.
+    fn start_routing(
+        &self,
+        logits: &Self::Tensor,
+        k: usize,
+        normalize: bool,
+        hidden: &Self::Tensor,
+        read_hidden: bool,
+    ) -> Self::PendingRouting;
+    /// [`Backend::slotted_experts`] with a routing [`Backend::start_routing`] started (same
+    /// result; nothing waits for the routing's read-back on small batches).
+    fn slotted_experts_by_pending_routing(
+        &self,
+        slots: &Self::ExpertSlots,
+        x: &Self::Tensor,
+        routing: &Self::PendingRouting,
+    ) -> Self::Tensor;
+    /// The routing (and the hidden values, when asked) of a [`Backend::start_routing`], on
+    /// the host.
+    fn finish_routing(&self, routing: Self::PendingRouting) -> (Routing, Vec<f32>);
 
     /// Empty KV cache with room for `max_tokens` positions of `kv_heads · head_dim` keys/values.
     fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Self::KvCache;
@@ -318,6 +341,17 @@ pub trait Backend: Send + Sync + 'static {
         artifact: &Arc<Artifact>,
         bank: &ExpertBank,
     ) -> Result<(), EngineError>;
+    /// Readies `bank` in `artifact` as a source of later [`Backend::fill_expert_slot`] calls into
+    /// `slots`, so the first fill does not pay for it (on a GPU: page-locks the bank's bytes now,
+    /// at load, instead of inside the first long prompt's prefill). Failure to ready a bank is
+    /// not an error: fills from it then take a slower path, as they would have anyway.
+    fn prepare_expert_source(
+        &self,
+        _slots: &mut Self::ExpertSlots,
+        _artifact: &Arc<Artifact>,
+        _bank: &ExpertBank,
+    ) {
+    }
     /// `out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(x[t])` over the `(t, j)` whose expert is
     /// in a slot; the other pairs add nothing (their experts run elsewhere). `[tokens, hidden]`.
     fn slotted_experts(

@@ -170,6 +170,8 @@ pub struct CudaBackend {
     op_timing: Option<op_timing::OpTiming>,
     /// Page-locked buffer the read-backs go through (device/readback.rs).
     staging: readback::StagingSlot,
+    /// Page-locked buffers of the routings started and not finished (device/pending_routing.rs).
+    routing_staging: pending_routing::RoutingStagingPool,
     /// Rope's device tables: inverse frequencies per (rotary dim, θ), the last positions.
     rope_tables: Mutex<RopeTables>,
     /// `--host-kv-mib`: the page-locked KV pool and placement counters (device/host_kv.rs).
@@ -478,6 +480,7 @@ impl CudaBackend {
             options,
             op_timing: None,
             staging: Default::default(),
+            routing_staging: Default::default(),
             rope_tables: Default::default(),
             host_kv: Default::default(),
         };
@@ -1315,6 +1318,7 @@ impl Backend for CudaBackend {
     type ConvState = CudaConvState;
     type RecurrentState = CudaRecurrentState;
     type ExpertSlots = CudaExpertSlots;
+    type PendingRouting = CudaPendingRouting;
 
     fn name(&self) -> String {
         format!("cuda:{}", self.info.ordinal)
@@ -1535,29 +1539,58 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn route_top_k_and_read_back(
+    fn start_routing(
         &self,
         logits: &CudaTensor,
         k: usize,
         normalize: bool,
         hidden: &CudaTensor,
         read_hidden: bool,
-    ) -> (Routing, Vec<f32>) {
-        let _timer = self.op_timer("route_top_k_and_read_back");
+    ) -> CudaPendingRouting {
+        let _timer = self.op_timer("start_routing");
+        let hidden_part = read_hidden.then_some(hidden);
         if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
-            let hidden_part = read_hidden.then_some(hidden);
-            match self.try_route_and_read_back(logits, k, normalize, hidden_part) {
-                Ok(result) => return result,
+            match self.try_start_routing(logits, k, normalize, hidden_part) {
+                Ok(pending) => return pending,
                 Err(error) => self.record(error),
             }
         }
-        let routing = self.route_top_k(logits, k, normalize);
-        let values = if read_hidden {
+        // Routers wider than the kernel takes (and the path after an error) run on the host.
+        let values = self.download(logits);
+        let routing = route_top_k_host(&values, logits.cols, k, normalize);
+        let hidden = if read_hidden {
             self.download(hidden)
         } else {
             Vec::new()
         };
-        (routing, values)
+        Self::ready_routing(routing, hidden)
+    }
+
+    fn slotted_experts_by_pending_routing(
+        &self,
+        slots: &CudaExpertSlots,
+        x: &CudaTensor,
+        routing: &CudaPendingRouting,
+    ) -> CudaTensor {
+        let _timer = self.op_timer_named(|| {
+            format!(
+                "slotted_experts_by_pending_routing ({} rows)",
+                if x.rows == 1 { "1" } else { "n" }
+            )
+        });
+        let result = self.try_slotted_experts_by_pending_routing(slots, x, routing);
+        self.settle(result, x.rows, x.cols)
+    }
+
+    fn finish_routing(&self, mut routing: CudaPendingRouting) -> (Routing, Vec<f32>) {
+        let _timer = self.op_timer("finish_routing");
+        match self.try_finish_routing(&mut routing) {
+            Ok(result) => result,
+            Err(error) => {
+                self.record(error);
+                routing.zeros()
+            }
+        }
     }
 
     fn route_top_k(&self, logits: &CudaTensor, k: usize, normalize: bool) -> Routing {
@@ -1737,6 +1770,23 @@ impl Backend for CudaBackend {
             .map_err(Self::engine_error)
     }
 
+    fn prepare_expert_source(
+        &self,
+        slots: &mut CudaExpertSlots,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) {
+        // The raw register call needs the context on this thread.
+        match self.stream.context().bind_to_thread() {
+            Ok(()) => self.pin_bank(slots, artifact, bank),
+            Err(error) => tracing::warn!(
+                bank = %bank.prefix,
+                "not page-locking this expert bank ahead of time: binding the CUDA context failed: {}",
+                describe(&error)
+            ),
+        }
+    }
+
     fn slotted_experts(
         &self,
         slots: &CudaExpertSlots,
@@ -1786,6 +1836,8 @@ mod host_kv;
 mod sampling;
 pub use attention::AttentionPath;
 mod op_timing;
+mod pending_routing;
 mod readback;
 mod router;
 pub use expert_slots::CudaExpertSlots;
+pub use pending_routing::CudaPendingRouting;

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaSlice, CudaStream, CudaView, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_expert_kernels::{ExpertLayout, WeightDType};
@@ -274,7 +274,7 @@ impl CudaBackend {
 
     /// Page-locks `bank`'s bytes in `artifact`'s mapping, once per bank; a failure is logged
     /// and remembered (copies from that bank then go through pageable memory).
-    fn pin_bank(&self, slots: &mut CudaExpertSlots, artifact: &Arc<Artifact>, bank: &ExpertBank) {
+    pub(super) fn pin_bank(&self, slots: &mut CudaExpertSlots, artifact: &Arc<Artifact>, bank: &ExpertBank) {
         if slots
             .pinned
             .iter()
@@ -428,7 +428,6 @@ impl CudaBackend {
         }
         let input = present(&x.data)?;
         let storage = present(&slots.storage)?;
-        let table = present(&slots.table)?;
         let chunk_tokens = (MAX_PAIRS_PER_LAUNCH / k).max(1);
         let chunk_pairs = chunk_tokens.min(tokens) * k;
         let scratch = |width: usize| {
@@ -442,7 +441,7 @@ impl CudaBackend {
         let mut pair_out = self.alloc(scratch(hidden)?)?;
         let (hidden_arg, intermediate_arg) =
             (int(hidden, "hidden")?, int(intermediate, "intermediate")?);
-        let (top_k, num_experts) = (int(k, "top-k")?, int(slots.num_experts, "experts")?);
+        let top_k = int(k, "top-k")?;
         let stride = long(layout.stride);
         let dtype = dtype_code(layout.dtype);
         let gate_up_scales = long(layout.gate_up.scales_offset);
@@ -519,40 +518,16 @@ impl CudaBackend {
                 }
                 _ => {
                     let ids = self.upload_u32(chunk_ids)?;
-                    let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
-                    let gate_up_config = LaunchConfig {
-                        grid_dim: (
-                            grid(
-                                intermediate.div_ceil(EXPERT_WARPS as usize),
-                                MAX_GRID_X,
-                                "expert row blocks",
-                            )?,
-                            pairs_arg,
-                            1,
-                        ),
-                        block_dim: (32 * EXPERT_WARPS, 1, 1),
-                        shared_mem_bytes: shared_bytes(hidden)?,
-                    };
-                    launch!(self, "expert_gate_up", gate_up_config;
-                        storage, table, &ids, &x_chunk, &mut activated, &top_k, &num_experts,
-                        &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
-                    let down_config = LaunchConfig {
-                        grid_dim: (
-                            grid(
-                                hidden.div_ceil(EXPERT_WARPS as usize),
-                                MAX_GRID_X,
-                                "expert row blocks",
-                            )?,
-                            pairs_arg,
-                            1,
-                        ),
-                        block_dim: (32 * EXPERT_WARPS, 1, 1),
-                        shared_mem_bytes: shared_bytes(intermediate)?,
-                    };
-                    launch!(self, "expert_down", down_config;
-                        storage, table, &ids, &weights, &activated, &mut pair_out,
-                        &num_experts, &hidden_arg, &intermediate_arg, &stride, &dtype,
-                        &down_offset, &down_scales)?;
+                    self.launch_pairwise_experts(
+                        slots,
+                        &ids.slice(..),
+                        &weights.slice(..),
+                        &x_chunk,
+                        pairs,
+                        k,
+                        &mut activated,
+                        &mut pair_out,
+                    )?;
                 }
             }
             let mut out_chunk = output.slice_mut(first * hidden..(first + count) * hidden);
@@ -561,6 +536,127 @@ impl CudaBackend {
                 &pair_out, &mut out_chunk, &count_arg, &top_k, &hidden_arg)?;
             first += count;
         }
+        Ok(out)
+    }
+
+    /// The per-pair kernels: one block row per (token, choice) pair of `ids` / `weights`
+    /// (`pairs` of them, `k` per token of `x`), the gated-up activations into `activated` and
+    /// each pair's weighted down projection into `pair_out`; a pair whose expert has no slot
+    /// writes zeros. Each pair streams its expert's weights: the decode shape.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_pairwise_experts(
+        &self,
+        slots: &CudaExpertSlots,
+        ids: &CudaView<'_, u32>,
+        weights: &CudaView<'_, f32>,
+        x: &CudaView<'_, f32>,
+        pairs: usize,
+        k: usize,
+        activated: &mut CudaSlice<f32>,
+        pair_out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let layout = &slots.layout;
+        let (hidden, intermediate) = (layout.hidden, layout.intermediate);
+        let storage = present(&slots.storage)?;
+        let table = present(&slots.table)?;
+        let (hidden_arg, intermediate_arg) =
+            (int(hidden, "hidden")?, int(intermediate, "intermediate")?);
+        let (top_k, num_experts) = (int(k, "top-k")?, int(slots.num_experts, "experts")?);
+        let stride = long(layout.stride);
+        let dtype = dtype_code(layout.dtype);
+        let gate_up_scales = long(layout.gate_up.scales_offset);
+        let down_offset = long(layout.down_offset);
+        let down_scales = long(layout.down.scales_offset);
+        let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
+        let gate_up_config = LaunchConfig {
+            grid_dim: (
+                grid(
+                    intermediate.div_ceil(EXPERT_WARPS as usize),
+                    MAX_GRID_X,
+                    "expert row blocks",
+                )?,
+                pairs_arg,
+                1,
+            ),
+            block_dim: (32 * EXPERT_WARPS, 1, 1),
+            shared_mem_bytes: shared_bytes(hidden)?,
+        };
+        launch!(self, "expert_gate_up", gate_up_config;
+            storage, table, ids, x, &mut *activated, &top_k, &num_experts,
+            &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
+        let down_config = LaunchConfig {
+            grid_dim: (
+                grid(
+                    hidden.div_ceil(EXPERT_WARPS as usize),
+                    MAX_GRID_X,
+                    "expert row blocks",
+                )?,
+                pairs_arg,
+                1,
+            ),
+            block_dim: (32 * EXPERT_WARPS, 1, 1),
+            shared_mem_bytes: shared_bytes(intermediate)?,
+        };
+        launch!(self, "expert_down", down_config;
+            storage, table, ids, weights, &*activated, pair_out,
+            &num_experts, &hidden_arg, &intermediate_arg, &stride, &dtype,
+            &down_offset, &down_scales)
+    }
+
+    /// Whether a batch of `tokens` tokens with `k` choices each runs the per-pair kernels in
+    /// one launch (what [`CudaBackend::try_slotted_experts_by_device_routing`] takes).
+    pub(super) fn pairwise_in_one_launch(tokens: usize, k: usize) -> bool {
+        tokens < GROUPED_MIN_TOKENS && tokens.saturating_mul(k) <= MAX_PAIRS_PER_LAUNCH
+    }
+
+    /// [`CudaBackend::try_slotted_experts`] with the routing still on the GPU (`ids` and
+    /// `weights`, `[tokens, k]`): no read-back, so nothing waits. Only for batches that
+    /// [`CudaBackend::pairwise_in_one_launch`] takes; an empty slot set skips the launches.
+    pub(super) fn try_slotted_experts_by_device_routing(
+        &self,
+        slots: &CudaExpertSlots,
+        x: &CudaTensor,
+        ids: &CudaSlice<u32>,
+        weights: &CudaSlice<f32>,
+        k: usize,
+    ) -> Result<CudaTensor, CudaError> {
+        let layout = &slots.layout;
+        let (hidden, intermediate) = (layout.hidden, layout.intermediate);
+        let tokens = x.rows;
+        let mut out = self.output(tokens, x.cols)?;
+        let pairs = tokens * k;
+        if x.cols != hidden
+            || k == 0
+            || tokens == 0
+            || intermediate == 0
+            || ids.len() < pairs
+            || weights.len() < pairs
+            || !Self::pairwise_in_one_launch(tokens, k)
+        {
+            // Same contract as the host-routing op: an inconsistent call leaves zeros.
+            return Ok(out);
+        }
+        if slots.expert_in_slot.iter().all(Option::is_none) {
+            return Ok(out);
+        }
+        let input = present(&x.data)?;
+        let mut activated = self.alloc(pairs * intermediate)?;
+        let mut pair_out = self.alloc(pairs * hidden)?;
+        self.launch_pairwise_experts(
+            slots,
+            &ids.slice(0..pairs),
+            &weights.slice(0..pairs),
+            &input.slice(0..tokens * hidden),
+            pairs,
+            k,
+            &mut activated,
+            &mut pair_out,
+        )?;
+        let output = present_mut(&mut out.data)?;
+        let (count_arg, top_k, hidden_arg) =
+            (int(tokens, "tokens")?, int(k, "top-k")?, int(hidden, "hidden")?);
+        launch!(self, "expert_pair_sum", elementwise(tokens * hidden);
+            &pair_out, output, &count_arg, &top_k, &hidden_arg)?;
         Ok(out)
     }
 }

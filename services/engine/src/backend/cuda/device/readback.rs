@@ -55,6 +55,95 @@ pub(super) enum HostValues {
     U32(Vec<u32>),
 }
 
+impl PinnedStaging {
+    /// `bytes` of page-locked, cached host memory in the current context of `backend`.
+    pub(super) fn allocate(backend: &CudaBackend, bytes: usize) -> Result<Self, CudaError> {
+        backend
+            ._context
+            .bind_to_thread()
+            .map_err(driver_error("binding the CUDA context"))?;
+        let mut pointer: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: the context is current on this thread (bound above); valid out pointer.
+        let status = unsafe { sys::cuMemAllocHost_v2(&mut pointer, bytes) };
+        if status != sys::CUresult::CUDA_SUCCESS || pointer.is_null() {
+            return Err(CudaError::Driver {
+                what: format!("cuMemAllocHost of {bytes} bytes for read-backs"),
+                message: format!("{status:?}"),
+            });
+        }
+        Ok(PinnedStaging {
+            pointer: pointer.cast(),
+            bytes,
+        })
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// The element type and count of one part of a read-back, without its device buffer.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum ReadBackShape {
+    F32(usize),
+    U32(usize),
+}
+
+impl ReadBack<'_> {
+    pub(super) fn shape(&self) -> ReadBackShape {
+        match self {
+            ReadBack::F32(_, len) => ReadBackShape::F32(*len),
+            ReadBack::U32(_, len) => ReadBackShape::U32(*len),
+        }
+    }
+}
+
+impl ReadBackShape {
+    fn bytes(&self) -> usize {
+        match self {
+            ReadBackShape::F32(len) | ReadBackShape::U32(len) => len * 4,
+        }
+    }
+}
+
+/// Each part's offset in a staging buffer (256-byte aligned, so every copy's destination is
+/// aligned) and the bytes they take together.
+pub(super) fn staging_layout(shapes: &[ReadBackShape]) -> (Vec<usize>, usize) {
+    let mut offsets = Vec::with_capacity(shapes.len());
+    let mut total = 0usize;
+    for shape in shapes {
+        offsets.push(total);
+        total += shape.bytes().div_ceil(256) * 256;
+    }
+    (offsets, total)
+}
+
+/// The values of the parts copied into `staging` at `offsets`.
+///
+/// # Safety
+/// Every copy into `staging` at those offsets must have completed (a wait on the stream or on
+/// an event recorded after the copies).
+pub(super) unsafe fn decode_staged(
+    staging: &PinnedStaging,
+    shapes: &[ReadBackShape],
+    offsets: &[usize],
+) -> Vec<HostValues> {
+    let mut values = Vec::with_capacity(shapes.len());
+    for (shape, &offset) in shapes.iter().zip(offsets) {
+        // SAFETY: [offset, offset + bytes) lies inside the allocation (staging_layout) and its
+        // copy completed (the caller's contract).
+        let bytes = unsafe { std::slice::from_raw_parts(staging.pointer.add(offset), shape.bytes()) };
+        let words = bytes
+            .chunks_exact(4)
+            .map(|word| [word[0], word[1], word[2], word[3]]);
+        values.push(match shape {
+            ReadBackShape::F32(_) => HostValues::F32(words.map(f32::from_ne_bytes).collect()),
+            ReadBackShape::U32(_) => HostValues::U32(words.map(u32::from_ne_bytes).collect()),
+        });
+    }
+    values
+}
+
 impl CudaBackend {
     /// Queues a copy of every part into the staging buffer, waits once for the stream, and
     /// returns the parts' values.
@@ -62,13 +151,8 @@ impl CudaBackend {
         &self,
         parts: &[ReadBack<'_>],
     ) -> Result<Vec<HostValues>, CudaError> {
-        // 256-byte aligned offsets keep every copy's destination aligned.
-        let mut offsets = Vec::with_capacity(parts.len());
-        let mut total = 0usize;
-        for part in parts {
-            offsets.push(total);
-            total += part.bytes().div_ceil(256) * 256;
-        }
+        let shapes: Vec<ReadBackShape> = parts.iter().map(ReadBack::shape).collect();
+        let (offsets, total) = staging_layout(&shapes);
         let mut slot = self.staging.lock().map_err(|_| CudaError::Invalid {
             problem: "the read-back staging buffer's lock is poisoned".into(),
         })?;
@@ -76,30 +160,39 @@ impl CudaBackend {
             // Free the old one first (no copy is pending: every use ends with a wait).
             *slot = None;
             let bytes = total.max(1 << 20).next_power_of_two();
-            self._context
-                .bind_to_thread()
-                .map_err(driver_error("binding the CUDA context"))?;
-            let mut pointer: *mut std::ffi::c_void = std::ptr::null_mut();
-            // SAFETY: the context is current on this thread (bound above); valid out pointer.
-            let status = unsafe { sys::cuMemAllocHost_v2(&mut pointer, bytes) };
-            if status != sys::CUresult::CUDA_SUCCESS || pointer.is_null() {
-                return Err(CudaError::Driver {
-                    what: format!("cuMemAllocHost of {bytes} bytes for read-backs"),
-                    message: format!("{status:?}"),
-                });
-            }
-            *slot = Some(PinnedStaging {
-                pointer: pointer.cast(),
-                bytes,
-            });
+            *slot = Some(PinnedStaging::allocate(self, bytes)?);
         }
         let staging = slot.as_ref().ok_or_else(|| CudaError::Invalid {
             problem: "no read-back staging buffer".into(),
         })?;
-        for (part, &offset) in parts.iter().zip(&offsets) {
+        self.queue_read_backs(staging, parts, &offsets)?;
+        self.stream
+            .synchronize()
+            .map_err(driver_error("waiting for the read-back"))?;
+        // SAFETY: the copies completed (the wait above).
+        Ok(unsafe { decode_staged(staging, &shapes, &offsets) })
+    }
+
+    /// Queues the device-to-host copy of every part into `staging` at `offsets` (from
+    /// [`staging_layout`]); the caller waits before reading or reusing `staging`.
+    pub(super) fn queue_read_backs(
+        &self,
+        staging: &PinnedStaging,
+        parts: &[ReadBack<'_>],
+        offsets: &[usize],
+    ) -> Result<(), CudaError> {
+        for (part, &offset) in parts.iter().zip(offsets) {
             let bytes = part.bytes();
             if bytes == 0 {
                 continue;
+            }
+            if offset + bytes > staging.bytes {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "a read-back of {bytes} bytes at {offset} overruns its {}-byte staging buffer",
+                        staging.bytes
+                    ),
+                });
             }
             let source = match part {
                 ReadBack::F32(buffer, len) => {
@@ -111,9 +204,9 @@ impl CudaBackend {
                     buffer.device_ptr(&self.stream).0
                 }
             };
-            // SAFETY: destination inside the staging allocation (offsets sum to ≤ its size);
-            // the source holds at least `bytes` (checked above); the wait below ends the copy
-            // before the host reads or the buffer is reused.
+            // SAFETY: destination inside the staging allocation (checked above); the source
+            // holds at least `bytes` (checked above); the caller waits for the copy before the
+            // host reads or the buffer is reused.
             let status = unsafe {
                 sys::cuMemcpyDtoHAsync_v2(
                     staging.pointer.add(offset).cast(),
@@ -129,23 +222,7 @@ impl CudaBackend {
                 });
             }
         }
-        self.stream
-            .synchronize()
-            .map_err(driver_error("waiting for the read-back"))?;
-        let mut values = Vec::with_capacity(parts.len());
-        for (part, &offset) in parts.iter().zip(&offsets) {
-            // SAFETY: the copies into [offset, offset + bytes) completed (the wait above).
-            let bytes =
-                unsafe { std::slice::from_raw_parts(staging.pointer.add(offset), part.bytes()) };
-            let words = bytes
-                .chunks_exact(4)
-                .map(|word| [word[0], word[1], word[2], word[3]]);
-            values.push(match part {
-                ReadBack::F32(..) => HostValues::F32(words.map(f32::from_ne_bytes).collect()),
-                ReadBack::U32(..) => HostValues::U32(words.map(u32::from_ne_bytes).collect()),
-            });
-        }
-        Ok(values)
+        Ok(())
     }
 }
 

@@ -1,0 +1,311 @@
+//! Routing that stays on the GPU until the host needs it ([`Backend::start_routing`]).
+//!
+//! The router's ids and weights are device buffers the slotted-expert kernels read directly;
+//! their copies to the host (with the hidden states, when the expert workers need them) go
+//! into a page-locked buffer of their own, queued right behind the router, with an event
+//! recorded after them. Finishing waits for that event only, so the resident and shared
+//! experts queued after the router run while the host reads the routing and posts the CPU
+//! experts; a layer whose experts are all resident is finished at the forward's end, when
+//! every copy has long landed, so its forward never waits mid-way.
+//!
+//! Owns: the pool of page-locked buffers pending routings copy into, and the pending state.
+//! Must not touch: what the routing is used for (the model splits it between slots and
+//! workers).
+//!
+//! [`Backend::start_routing`]: crate::backend::Backend::start_routing
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::readback::{
+    decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,
+};
+use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_THREADS};
+use super::{driver_error, int, present, CudaBackend, CudaTensor};
+use crate::backend::cuda::CudaError;
+use crate::backend::Routing;
+
+/// Page-locked buffers free for the next pending routing (one per routing in flight: at most
+/// one per MoE layer of a forward).
+pub(crate) type RoutingStagingPool = Arc<Mutex<Vec<PinnedStaging>>>;
+
+/// Smallest buffer the pool hands out: a decode step's routing is a few hundred bytes, and
+/// one size for all keeps the pool from growing a buffer per size.
+const SMALLEST_ROUTING_STAGING: usize = 64 << 10;
+
+/// A routing [`CudaBackend`] started and has not brought to the host yet.
+pub struct CudaPendingRouting {
+    experts_per_token: usize,
+    state: PendingState,
+}
+
+enum PendingState {
+    /// Already on the host: the host router (wide routers), an empty batch, or an error.
+    Ready { routing: Routing, hidden: Vec<f32> },
+    OnDevice(OnDevice),
+}
+
+struct OnDevice {
+    tokens: usize,
+    ids: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    /// `None` only while being returned to the pool.
+    staging: Option<PinnedStaging>,
+    /// ids, weights and (when asked) the hidden states, in that order.
+    shapes: Vec<ReadBackShape>,
+    offsets: Vec<usize>,
+    /// Recorded right after the copies into `staging`.
+    copied: CudaEvent,
+    pool: RoutingStagingPool,
+}
+
+impl Drop for OnDevice {
+    fn drop(&mut self) {
+        // Copies into `staging` may still be in flight (a pending routing dropped unfinished,
+        // on an error path): wait for them before the buffer is handed out again. If the wait
+        // fails the context is broken and no copy will land; the buffer is freed.
+        if let Some(staging) = self.staging.take() {
+            if self.copied.synchronize().is_ok() {
+                if let Ok(mut pool) = self.pool.lock() {
+                    pool.push(staging);
+                }
+            }
+        }
+    }
+}
+
+impl OnDevice {
+    /// The first `parts` parts, once their copies landed.
+    fn read(&self, parts: usize) -> Result<Vec<HostValues>, CudaError> {
+        self.copied
+            .synchronize()
+            .map_err(driver_error("waiting for the routing's read-back"))?;
+        let staging = self.staging.as_ref().ok_or_else(|| CudaError::Invalid {
+            problem: "a pending routing lost its staging buffer".into(),
+        })?;
+        let parts = parts.min(self.shapes.len());
+        // SAFETY: the copies into `staging` at these offsets were queued before `copied` was
+        // recorded, and the wait above saw it complete.
+        Ok(unsafe { decode_staged(staging, &self.shapes[..parts], &self.offsets[..parts]) })
+    }
+}
+
+fn routing_of(
+    values: &mut impl Iterator<Item = HostValues>,
+    experts_per_token: usize,
+) -> Result<Routing, CudaError> {
+    match (values.next(), values.next()) {
+        (Some(HostValues::U32(expert_ids)), Some(HostValues::F32(weights))) => Ok(Routing {
+            experts_per_token,
+            expert_ids,
+            weights,
+        }),
+        _ => Err(CudaError::Invalid {
+            problem: "the routing read-back came back in the wrong shape".into(),
+        }),
+    }
+}
+
+impl CudaBackend {
+    /// A free page-locked buffer of at least `bytes`, from the pool or newly allocated.
+    fn take_routing_staging(&self, bytes: usize) -> Result<PinnedStaging, CudaError> {
+        if let Ok(mut pool) = self.routing_staging.lock() {
+            if let Some(index) = pool.iter().position(|staging| staging.bytes() >= bytes) {
+                return Ok(pool.swap_remove(index));
+            }
+        }
+        PinnedStaging::allocate(self, bytes.max(SMALLEST_ROUTING_STAGING).next_power_of_two())
+    }
+
+    /// The router kernel on `logits` and the queued copies of its result (and of `hidden`).
+    pub(super) fn try_start_routing(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        normalize: bool,
+        hidden: Option<&CudaTensor>,
+    ) -> Result<CudaPendingRouting, CudaError> {
+        let (tokens, experts) = (logits.rows, logits.cols);
+        let k = k.min(experts);
+        if tokens == 0 || k == 0 {
+            let hidden = match hidden {
+                Some(hidden) => self.try_download(hidden)?,
+                None => Vec::new(),
+            };
+            return Ok(CudaPendingRouting {
+                experts_per_token: k,
+                state: PendingState::Ready {
+                    routing: Routing {
+                        experts_per_token: k,
+                        expert_ids: Vec::new(),
+                        weights: Vec::new(),
+                    },
+                    hidden,
+                },
+            });
+        }
+        if experts > ROUTER_MAX_EXPERTS || k > ROUTER_MAX_TOP_K {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "the GPU router takes at most {ROUTER_MAX_EXPERTS} experts and top-{ROUTER_MAX_TOP_K}, not {experts} and top-{k}"
+                ),
+            });
+        }
+        let input = present(&logits.data)?;
+        // Every element is written by the router kernel.
+        let mut ids = self
+            .stream
+            .alloc_zeros::<u32>(tokens * k)
+            .map_err(driver_error("allocating the routing ids"))?;
+        let mut weights = self.alloc(tokens * k)?;
+        let blocks = u32::try_from(tokens).map_err(|_| CudaError::Invalid {
+            problem: format!("{tokens} tokens in one routing launch"),
+        })?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (ROUTER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (experts_arg, k_arg, normalize_arg) = (
+            int(experts, "experts")?,
+            int(k, "top-k")?,
+            i32::from(normalize),
+        );
+        launch!(self, "route_top_k", config;
+            input, &mut ids, &mut weights, &experts_arg, &k_arg, &normalize_arg)?;
+        let mut parts = vec![
+            ReadBack::U32(&ids, tokens * k),
+            ReadBack::F32(&weights, tokens * k),
+        ];
+        if let Some(hidden) = hidden {
+            parts.push(ReadBack::F32(
+                present(&hidden.data)?,
+                hidden.rows * hidden.cols,
+            ));
+        }
+        let shapes: Vec<ReadBackShape> = parts.iter().map(ReadBack::shape).collect();
+        let (offsets, total) = staging_layout(&shapes);
+        let staging = self.take_routing_staging(total)?;
+        let queued = self.queue_read_backs(&staging, &parts, &offsets).and_then(|()| {
+            self.stream
+                .record_event(None)
+                .map_err(driver_error("recording the routing read-back's event"))
+        });
+        drop(parts);
+        let copied = match queued {
+            Ok(event) => event,
+            Err(error) => {
+                // A copy may be queued: let it land before the buffer is freed.
+                let _ = self.stream.synchronize();
+                return Err(error);
+            }
+        };
+        Ok(CudaPendingRouting {
+            experts_per_token: k,
+            state: PendingState::OnDevice(OnDevice {
+                tokens,
+                ids,
+                weights,
+                staging: Some(staging),
+                shapes,
+                offsets,
+                copied,
+                pool: Arc::clone(&self.routing_staging),
+            }),
+        })
+    }
+
+    /// A routing computed on the host (wide routers, or after the device path failed).
+    pub(super) fn ready_routing(routing: Routing, hidden: Vec<f32>) -> CudaPendingRouting {
+        CudaPendingRouting {
+            experts_per_token: routing.experts_per_token,
+            state: PendingState::Ready { routing, hidden },
+        }
+    }
+
+    /// The routing and hidden values on the host; waits for their copies only. A routing
+    /// already on the host is moved out (left empty).
+    pub(super) fn try_finish_routing(
+        &self,
+        pending: &mut CudaPendingRouting,
+    ) -> Result<(Routing, Vec<f32>), CudaError> {
+        let k = pending.experts_per_token;
+        match &mut pending.state {
+            PendingState::Ready { routing, hidden } => {
+                let empty = Routing {
+                    experts_per_token: k,
+                    expert_ids: Vec::new(),
+                    weights: Vec::new(),
+                };
+                Ok((std::mem::replace(routing, empty), std::mem::take(hidden)))
+            }
+            PendingState::OnDevice(on_device) => {
+                let mut values = on_device.read(on_device.shapes.len())?.into_iter();
+                let routing = routing_of(&mut values, k)?;
+                let hidden = match values.next() {
+                    Some(HostValues::F32(values)) => values,
+                    _ => Vec::new(),
+                };
+                Ok((routing, hidden))
+            }
+        }
+    }
+
+    /// Slotted experts by a pending routing: straight from the device routing for decode-sized
+    /// batches, through the host routing (a wait for its copies) for bigger ones, which group
+    /// their pairs by expert on the host.
+    pub(super) fn try_slotted_experts_by_pending_routing(
+        &self,
+        slots: &super::CudaExpertSlots,
+        x: &CudaTensor,
+        pending: &CudaPendingRouting,
+    ) -> Result<CudaTensor, CudaError> {
+        match &pending.state {
+            PendingState::Ready { routing, .. } => self.try_slotted_experts(slots, x, routing),
+            PendingState::OnDevice(on_device)
+                if on_device.tokens == x.rows
+                    && Self::pairwise_in_one_launch(x.rows, pending.experts_per_token) =>
+            {
+                self.try_slotted_experts_by_device_routing(
+                    slots,
+                    x,
+                    &on_device.ids,
+                    &on_device.weights,
+                    pending.experts_per_token,
+                )
+            }
+            PendingState::OnDevice(on_device) => {
+                let mut values = on_device.read(2)?.into_iter();
+                let routing = routing_of(&mut values, pending.experts_per_token)?;
+                self.try_slotted_experts(slots, x, &routing)
+            }
+        }
+    }
+}
+
+impl CudaPendingRouting {
+    /// Zero routing and hidden values of the shapes this routing promised: what a failed
+    /// finish gives (the error is recorded; the request fails when the forward ends).
+    pub(super) fn zeros(&self) -> (Routing, Vec<f32>) {
+        let k = self.experts_per_token;
+        let (pairs, hidden) = match &self.state {
+            PendingState::Ready { routing, hidden } => (routing.expert_ids.len(), hidden.len()),
+            PendingState::OnDevice(on_device) => (
+                on_device.tokens * k,
+                match on_device.shapes.get(2) {
+                    Some(ReadBackShape::F32(len)) => *len,
+                    _ => 0,
+                },
+            ),
+        };
+        (
+            Routing {
+                experts_per_token: k,
+                expert_ids: vec![0; pairs],
+                weights: vec![0.0; pairs],
+            },
+            vec![0.0; hidden],
+        )
+    }
+}

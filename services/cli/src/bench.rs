@@ -97,6 +97,11 @@ struct ExpertsArgs {
     /// Reference read bandwidth in GB/s (default: measured first, as `bench memory`).
     #[arg(long)]
     bandwidth_gbs: Option<f64>,
+    /// Rounds: each measures the reference bandwidth again right before its kernel runs and
+    /// states the kernels against it (on a shared machine the bandwidth moves between
+    /// seconds; a ratio against a reference taken minutes apart mixes two machines).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -271,94 +276,147 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
         Ok((bytes, into_l2))
     })?;
 
-    let bandwidth = match args.bandwidth_gbs {
-        Some(gbs) => BandwidthResult {
-            threads: pool.threads(),
-            buffer_bytes: 0,
-            passes: 0,
-            best_gbps: gbs,
-            median_gbps: gbs,
-        },
-        None => measure_read_bandwidth(&pool, 8 << 30, 10)?,
-    };
-    if !args.json {
-        print_bandwidth(&bandwidth, &pool);
-        println!(
-            "preset {}: H={} Im={} E={} top-{}; {} experts per layer; cpu features: {}",
-            preset.name,
-            preset.hidden,
-            preset.intermediate,
-            preset.experts,
-            preset.top_k,
-            experts_per_layer,
-            KernelIsa::supported()
-                .iter()
-                .map(|i| i.name())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        println!(
-            "{:<5} {:>6} {:<12} {:>8} {:>7} {:>10} {:>9} {:>8} {:>9} {:>21}",
-            "dtype",
-            "tokens",
-            "isa",
-            "prefetch",
-            "layers",
-            "layer µs",
-            "GB/s",
-            "% of bw",
-            "GFLOP/s",
-            "prep/gate_up/down µs"
-        );
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
     }
-    let mut all: Vec<(String, ExpertBenchResult)> = Vec::new();
-    for &dtype in &dtypes {
-        let layout = ExpertLayout::new(dtype, preset.hidden, preset.intermediate)?;
-        for &tokens in &token_counts {
-            for &(prefetch_bytes, into_l2) in &prefetches {
-                ninfer_expert_kernels::set_prefetch_distance(prefetch_bytes, into_l2);
-                let prefetch = format!("{prefetch_bytes}{}", if into_l2 { ":l2" } else { "" });
-                let config = ExpertBenchConfig {
-                    layout,
-                    experts_per_layer,
-                    tokens,
-                    working_set_bytes: working_set,
-                    min_seconds: args.seconds,
-                };
-                let results = bench_experts(&pool, &config, &isas)?;
-                for result in &results {
-                    if !args.json {
-                        println!(
-                            "{:<5} {:>6} {:<12} {:>8} {:>7} {:>10.1} {:>9.1} {:>7.0}% {:>9.1} {:>21}",
-                            result.dtype.name(),
-                            result.tokens,
-                            result.isa.name(),
-                            prefetch,
-                            result.layers,
-                            result.layer_us,
-                            result.weight_gbps,
-                            100.0 * result.weight_gbps / bandwidth.best_gbps,
-                            result.gflops,
-                            format!(
-                                "{:.1}/{:.1}/{:.1}",
-                                result.phase_us[0], result.phase_us[1], result.phase_us[2]
-                            )
-                        );
-                    }
-                }
-                all.extend(results.into_iter().map(|r| (prefetch.clone(), r)));
+    let measure_bandwidth = || -> anyhow::Result<BandwidthResult> {
+        Ok(match args.bandwidth_gbs {
+            Some(gbs) => BandwidthResult {
+                threads: pool.threads(),
+                buffer_bytes: 0,
+                passes: 0,
+                best_gbps: gbs,
+                median_gbps: gbs,
+            },
+            None => measure_read_bandwidth(&pool, 8 << 30, 10)?,
+        })
+    };
+    let mut all: Vec<(usize, BandwidthResult, String, ExpertBenchResult)> = Vec::new();
+    for round in 1..=args.rounds {
+        let bandwidth = measure_bandwidth()?;
+        if !args.json {
+            if args.rounds > 1 {
+                println!("round {round} of {}", args.rounds);
             }
+            print_bandwidth(&bandwidth, &pool);
+            if round == 1 {
+                println!(
+                    "preset {}: H={} Im={} E={} top-{}; {} experts per layer; cpu features: {}",
+                    preset.name,
+                    preset.hidden,
+                    preset.intermediate,
+                    preset.experts,
+                    preset.top_k,
+                    experts_per_layer,
+                    KernelIsa::supported()
+                        .iter()
+                        .map(|i| i.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            println!(
+                "{:<5} {:>6} {:<12} {:>8} {:>7} {:>10} {:>9} {:>8} {:>9} {:>21}",
+                "dtype",
+                "tokens",
+                "isa",
+                "prefetch",
+                "layers",
+                "layer µs",
+                "GB/s",
+                "% of bw",
+                "GFLOP/s",
+                "prep/gate_up/down µs"
+            );
+        }
+        for &dtype in &dtypes {
+            let layout = ExpertLayout::new(dtype, preset.hidden, preset.intermediate)?;
+            for &tokens in &token_counts {
+                for &(prefetch_bytes, into_l2) in &prefetches {
+                    ninfer_expert_kernels::set_prefetch_distance(prefetch_bytes, into_l2);
+                    let prefetch = format!("{prefetch_bytes}{}", if into_l2 { ":l2" } else { "" });
+                    let config = ExpertBenchConfig {
+                        layout,
+                        experts_per_layer,
+                        tokens,
+                        working_set_bytes: working_set,
+                        min_seconds: args.seconds,
+                    };
+                    let results = bench_experts(&pool, &config, &isas)?;
+                    for result in &results {
+                        if !args.json {
+                            println!(
+                                "{:<5} {:>6} {:<12} {:>8} {:>7} {:>10.1} {:>9.1} {:>7.0}% {:>9.1} {:>21}",
+                                result.dtype.name(),
+                                result.tokens,
+                                result.isa.name(),
+                                prefetch,
+                                result.layers,
+                                result.layer_us,
+                                result.weight_gbps,
+                                100.0 * result.weight_gbps / bandwidth.best_gbps,
+                                result.gflops,
+                                format!(
+                                    "{:.1}/{:.1}/{:.1}",
+                                    result.phase_us[0], result.phase_us[1], result.phase_us[2]
+                                )
+                            );
+                        }
+                    }
+                    all.extend(
+                        results
+                            .into_iter()
+                            .map(|r| (round, bandwidth.clone(), prefetch.clone(), r)),
+                    );
+                }
+            }
+        }
+    }
+    if !args.json && args.rounds > 1 {
+        // Each path's ratio per round, against that round's reference.
+        let mut paths: Vec<(String, usize, String, String)> = Vec::new();
+        for (_, _, prefetch, r) in &all {
+            let key = (
+                r.dtype.name().to_string(),
+                r.tokens,
+                r.isa.name().to_string(),
+                prefetch.clone(),
+            );
+            if !paths.contains(&key) {
+                paths.push(key);
+            }
+        }
+        println!("% of the same round's reference bandwidth, per round:");
+        for (dtype, tokens, isa, prefetch) in &paths {
+            let ratios: Vec<String> = all
+                .iter()
+                .filter(|(_, _, p, r)| {
+                    r.dtype.name() == dtype
+                        && r.tokens == *tokens
+                        && r.isa.name() == isa
+                        && p == prefetch
+                })
+                .map(|(_, bandwidth, _, r)| {
+                    format!("{:.0}%", 100.0 * r.weight_gbps / bandwidth.best_gbps)
+                })
+                .collect();
+            println!(
+                "{dtype:<5} {tokens:>6} {isa:<12} {prefetch:>8}: {}",
+                ratios.join(" ")
+            );
         }
     }
     if args.json {
         let report = serde_json::json!({
             "preset": preset.name,
-            "bandwidth": bandwidth,
-            "results": all.iter().map(|(prefetch, r)| {
+            "bandwidth": all.first().map(|(_, bandwidth, _, _)| bandwidth.clone()),
+            "results": all.iter().map(|(round, bandwidth, prefetch, r)| {
                 let mut value = serde_json::to_value(r).unwrap_or_default();
                 if let Some(object) = value.as_object_mut() {
                     object.insert("bandwidth_ratio".into(), (r.weight_gbps / bandwidth.best_gbps).into());
                     object.insert("prefetch".into(), prefetch.clone().into());
+                    object.insert("round".into(), (*round).into());
+                    object.insert("round_bandwidth".into(), serde_json::to_value(bandwidth).unwrap_or_default());
                 }
                 value
             }).collect::<Vec<_>>(),

@@ -564,7 +564,8 @@ impl<B: Backend> Model<B> {
             };
             backend.add_assign(&mut hidden, &mixed);
             let x = backend.rms_norm(&hidden, &layer.post_attention_norm, eps, style);
-            let fed = self.feed_forward(index, &layer.feed_forward, &x, &mut tally, &mut deferred)?;
+            let fed =
+                self.feed_forward(index, &layer.feed_forward, &x, &mut tally, &mut deferred)?;
             backend.add_assign(&mut hidden, &fed);
         }
 

@@ -392,7 +392,11 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
             .fill_expert_slot(&mut slots, slot, expert, &artifact, &bank)
             .unwrap();
     }
-    let (experts, k, hidden) = (common.num_experts, common.num_experts_per_tok, common.hidden_size);
+    let (experts, k, hidden) = (
+        common.num_experts,
+        common.num_experts_per_tok,
+        common.hidden_size,
+    );
     let mut rng = Xoshiro256::seed_from_u64(23);
     let mut in_flight = Vec::new();
     for tokens in [1usize, 3, 8, 40] {
@@ -412,21 +416,29 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
     let dropped_x = backend.upload(&uniform(&mut rng, 5 * hidden), 5, hidden);
     drop(backend.start_routing(&dropped_logits, k, true, &dropped_x, false));
     // Finished newest first.
-    while let Some((tokens, x, hidden_values, logits_values, pending, by_pending)) =
-        in_flight.pop()
+    while let Some((tokens, x, hidden_values, logits_values, pending, by_pending)) = in_flight.pop()
     {
         let (routing, read_hidden) = backend.finish_routing(pending);
         let expected = route_top_k_host(&logits_values, experts, k, true);
         assert_eq!(routing.experts_per_token, k);
-        assert_eq!(routing.expert_ids, expected.expert_ids, "{tokens} tokens: experts");
+        assert_eq!(
+            routing.expert_ids, expected.expert_ids,
+            "{tokens} tokens: experts"
+        );
         let worst_weight = routing
             .weights
             .iter()
             .zip(&expected.weights)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
-        assert!(worst_weight < 1e-5, "{tokens} tokens: weights differ by {worst_weight}");
-        assert_eq!(read_hidden, hidden_values, "{tokens} tokens: hidden states read back");
+        assert!(
+            worst_weight < 1e-5,
+            "{tokens} tokens: weights differ by {worst_weight}"
+        );
+        assert_eq!(
+            read_hidden, hidden_values,
+            "{tokens} tokens: hidden states read back"
+        );
         let by_host = backend.download(&backend.slotted_experts(&slots, &x, &routing));
         let by_pending = backend.download(&by_pending);
         assert_eq!(by_pending.len(), by_host.len());
@@ -439,7 +451,10 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
             "{} {tokens} tokens: slotted experts by pending vs host routing max |Δ| = {worst:.2e}",
             backend.name()
         );
-        assert!(worst <= 1e-6, "{tokens} tokens: the two routings' experts differ by {worst}");
+        assert!(
+            worst <= 1e-6,
+            "{tokens} tokens: the two routings' experts differ by {worst}"
+        );
         if tokens == 40 {
             assert!(
                 by_host.iter().any(|v| v.abs() > 0.0),

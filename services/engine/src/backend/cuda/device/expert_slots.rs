@@ -274,7 +274,12 @@ impl CudaBackend {
 
     /// Page-locks `bank`'s bytes in `artifact`'s mapping, once per bank; a failure is logged
     /// and remembered (copies from that bank then go through pageable memory).
-    pub(super) fn pin_bank(&self, slots: &mut CudaExpertSlots, artifact: &Arc<Artifact>, bank: &ExpertBank) {
+    pub(super) fn pin_bank(
+        &self,
+        slots: &mut CudaExpertSlots,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) {
         if slots
             .pinned
             .iter()
@@ -653,8 +658,11 @@ impl CudaBackend {
             &mut pair_out,
         )?;
         let output = present_mut(&mut out.data)?;
-        let (count_arg, top_k, hidden_arg) =
-            (int(tokens, "tokens")?, int(k, "top-k")?, int(hidden, "hidden")?);
+        let (count_arg, top_k, hidden_arg) = (
+            int(tokens, "tokens")?,
+            int(k, "top-k")?,
+            int(hidden, "hidden")?,
+        );
         launch!(self, "expert_pair_sum", elementwise(tokens * hidden);
             &pair_out, output, &count_arg, &top_k, &hidden_arg)?;
         Ok(out)

@@ -42,7 +42,10 @@ pub struct CudaPendingRouting {
 
 enum PendingState {
     /// Already on the host: the host router (wide routers), an empty batch, or an error.
-    Ready { routing: Routing, hidden: Vec<f32> },
+    Ready {
+        routing: Routing,
+        hidden: Vec<f32>,
+    },
     OnDevice(OnDevice),
 }
 
@@ -115,7 +118,10 @@ impl CudaBackend {
                 return Ok(pool.swap_remove(index));
             }
         }
-        PinnedStaging::allocate(self, bytes.max(SMALLEST_ROUTING_STAGING).next_power_of_two())
+        PinnedStaging::allocate(
+            self,
+            bytes.max(SMALLEST_ROUTING_STAGING).next_power_of_two(),
+        )
     }
 
     /// The router kernel on `logits` and the queued copies of its result (and of `hidden`).
@@ -187,11 +193,13 @@ impl CudaBackend {
         let shapes: Vec<ReadBackShape> = parts.iter().map(ReadBack::shape).collect();
         let (offsets, total) = staging_layout(&shapes);
         let staging = self.take_routing_staging(total)?;
-        let queued = self.queue_read_backs(&staging, &parts, &offsets).and_then(|()| {
-            self.stream
-                .record_event(None)
-                .map_err(driver_error("recording the routing read-back's event"))
-        });
+        let queued = self
+            .queue_read_backs(&staging, &parts, &offsets)
+            .and_then(|()| {
+                self.stream
+                    .record_event(None)
+                    .map_err(driver_error("recording the routing read-back's event"))
+            });
         drop(parts);
         let copied = match queued {
             Ok(event) => event,

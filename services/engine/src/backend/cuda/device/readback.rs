@@ -132,7 +132,8 @@ pub(super) unsafe fn decode_staged(
     for (shape, &offset) in shapes.iter().zip(offsets) {
         // SAFETY: [offset, offset + bytes) lies inside the allocation (staging_layout) and its
         // copy completed (the caller's contract).
-        let bytes = unsafe { std::slice::from_raw_parts(staging.pointer.add(offset), shape.bytes()) };
+        let bytes =
+            unsafe { std::slice::from_raw_parts(staging.pointer.add(offset), shape.bytes()) };
         let words = bytes
             .chunks_exact(4)
             .map(|word| [word[0], word[1], word[2], word[3]]);

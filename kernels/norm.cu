@@ -35,6 +35,27 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     }
 }
 
+// The residual add and the next RMSNorm in one pass: x += delta (written back), then
+// out = rms_norm(x) exactly as `rms_norm` computes it (same threads, same summation order), so
+// the fused op equals `add_assign` followed by `rms_norm` bit for bit.
+extern "C" __global__ void add_rms_norm(float* x, const float* delta, const float* w, float* out,
+                                        long long groups, int group, float eps, float offset) {
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        float* in = x + g * group;
+        const float* d = delta + g * group;
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+            float v = in[i] + d[i];
+            in[i] = v;
+            sum += v * v;
+        }
+        float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+            out[g * group + i] = in[i] * inverse * (offset + w[i]);
+        }
+    }
+}
+
 // GDN output norm: plain-weight RMSNorm per group, times silu(gate) (gate has x's shape).
 extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, const float* w,
                                           float* out, long long groups, int group, float eps) {

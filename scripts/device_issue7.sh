@@ -9,7 +9,8 @@
 # STAGES (comma-separated): gpu (the GPU test suites first, while the artifact is written),
 # q30 (qwen3-30b-a3b int8 uniform: (a) 0, (b) 16 GiB budget, (c) all GPU experts),
 # q35 (qwen3.5-35b-a3b int4 zipf, a 16 GiB card, placed by recorded statistics),
-# profile (with q30: op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs).
+# profile (with q30: op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs),
+# experts (issue 6: `ninfer bench experts`, first, on a quiet machine).
 # Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +61,22 @@ bench() { # bench LABEL TIMEOUT ARGS...
   cp /tmp/ninfer-*/engine.log "$out/engine_$label.log" 2>/dev/null
   archive
 }
+
+if has experts; then
+  # Issue 6 first, while nothing else runs: decode-shape expert streaming against the read
+  # bandwidth, each round against a reference measured right before it; then AMX vs AVX-512.
+  for invocation in 1 2; do
+    log "bench experts (issue 6), invocation $invocation"
+    timeout 120 .devbin/ninfer bench experts --preset qwen3.5-35b-a3b --dtype int4,int8 --tokens 1 \
+      --kernel-isa avx512-vnni --working-set-gib 4 --rounds 3 >"$out/experts_$invocation.txt" 2>&1
+    log "bench experts: exit $?"
+    tail -4 "$out/experts_$invocation.txt" | tee -a "$out/session.log"
+  done
+  timeout 120 .devbin/ninfer bench experts --preset qwen3.5-35b-a3b --dtype int8,int4 --tokens 32,128 \
+    --kernel-isa avx512-vnni,amx --working-set-gib 4 --seconds 0.5 >"$out/experts_batch.txt" 2>&1
+  tail -10 "$out/experts_batch.txt" | tee -a "$out/session.log"
+  archive
+fi
 
 gpu_pid=
 if has gpu; then

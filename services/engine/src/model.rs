@@ -552,8 +552,16 @@ impl<B: Backend> Model<B> {
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
         let mut hidden = backend.embed(&self.embed_tokens, &ids);
+        // Each residual add is fused with the norm after it (Backend::add_rms_norm): `next`
+        // holds the next layer's normed input.
+        let mut next = self
+            .layers
+            .first()
+            .map(|layer| backend.rms_norm(&hidden, &layer.input_norm, eps, style));
         for (index, layer) in self.layers.iter().enumerate() {
-            let x = backend.rms_norm(&hidden, &layer.input_norm, eps, style);
+            let x = next.take().ok_or_else(|| EngineError::InvalidConfig {
+                problem: format!("layer {index} has no normed input"),
+            })?;
             let mixed = match &layer.mixer {
                 Mixer::Attention { .. } => {
                     self.attention(index, &layer.mixer, &x, &positions, batch, &ranges)?
@@ -562,11 +570,22 @@ impl<B: Backend> Model<B> {
                     self.gated_delta_net(index, &layer.mixer, &x, batch, &ranges)?
                 }
             };
-            backend.add_assign(&mut hidden, &mixed);
-            let x = backend.rms_norm(&hidden, &layer.post_attention_norm, eps, style);
+            let x =
+                backend.add_rms_norm(&mut hidden, &mixed, &layer.post_attention_norm, eps, style);
             let fed =
                 self.feed_forward(index, &layer.feed_forward, &x, &mut tally, &mut deferred)?;
-            backend.add_assign(&mut hidden, &fed);
+            match self.layers.get(index + 1) {
+                Some(following) => {
+                    next = Some(backend.add_rms_norm(
+                        &mut hidden,
+                        &fed,
+                        &following.input_norm,
+                        eps,
+                        style,
+                    ));
+                }
+                None => backend.add_assign(&mut hidden, &fed),
+            }
         }
 
         let selected_rows: Vec<usize> = match selection {

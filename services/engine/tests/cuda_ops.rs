@@ -170,6 +170,47 @@ fn dense_ops_match_the_cpu_backend() {
             );
         }
     }
+    // The residual add fused with the norm after it: the same bits as the two ops on the GPU
+    // (same threads, same summation order), the CPU backend's values to rounding, and the sum
+    // written back.
+    let weight = (
+        gpu.load_parameter(&artifact, "layers.0.input_norm")
+            .unwrap(),
+        cpu.load_parameter(&artifact, "layers.0.input_norm")
+            .unwrap(),
+    );
+    let delta = random(&mut rng, 7 * 128, 1.0);
+    for (rows, cols) in [(1usize, 64usize), (14, 64)] {
+        let len = rows * cols;
+        let (dg, dc) = up(&delta[..len], rows, cols);
+        for style in [NormStyle::Plain, NormStyle::ZeroCentred] {
+            let (mut fused_x, mut xc) = up(&x[..len], rows, cols);
+            let fused = gpu.add_rms_norm(&mut fused_x, &dg, &weight.0, 1e-6, style);
+            let mut split_x = gpu.upload(&x[..len], rows, cols);
+            gpu.add_assign(&mut split_x, &dg);
+            let split = gpu.rms_norm(&split_x, &weight.0, 1e-6, style);
+            let what = format!("add_rms_norm {rows}×{cols} {style:?}");
+            assert_eq!(
+                gpu.download(&fused),
+                gpu.download(&split),
+                "{what}: fused differs from add_assign + rms_norm"
+            );
+            assert_eq!(
+                gpu.download(&fused_x),
+                gpu.download(&split_x),
+                "{what}: residual"
+            );
+            let expected = cpu.add_rms_norm(&mut xc, &dc, &weight.1, 1e-6, style);
+            compare(&what, &gpu.download(&fused), &cpu.download(&expected), 1e-5);
+            compare(
+                &format!("{what} residual"),
+                &gpu.download(&fused_x),
+                &cpu.download(&xc),
+                0.0,
+            );
+        }
+    }
+
     let norm = (
         gpu.load_parameter(&artifact, "layers.0.gdn.norm").unwrap(),
         cpu.load_parameter(&artifact, "layers.0.gdn.norm").unwrap(),

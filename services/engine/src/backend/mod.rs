@@ -200,6 +200,20 @@ pub trait Backend: Send + Sync + 'static {
         eps: f32,
         style: NormStyle,
     ) -> Self::Tensor;
+    /// `x += delta`, then [`Backend::rms_norm`] of the new `x`: a residual add and the norm
+    /// that follows it, which a backend may do in one pass (the CUDA backend does: one launch
+    /// instead of two, twice per layer). Same values as the two ops.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Self::Tensor {
+        self.add_assign(x, delta);
+        self.rms_norm(x, weight, eps, style)
+    }
     /// GDN output norm: plain-weight RMSNorm per group of `len(weight)`, times `silu(gate)`.
     fn gated_rms_norm(
         &self,

@@ -172,6 +172,8 @@ pub struct CudaBackend {
     staging: readback::StagingSlot,
     /// Page-locked buffers of the routings started and not finished (device/pending_routing.rs).
     routing_staging: pending_routing::RoutingStagingPool,
+    /// Buffers of dead op outputs, reused by the next op of the same length.
+    tensor_pool: Arc<tensor_pool::TensorPool>,
     /// Rope's device tables: inverse frequencies per (rotary dim, θ), the last positions.
     rope_tables: Mutex<RopeTables>,
     /// `--host-kv-mib`: the page-locked KV pool and placement counters (device/host_kv.rs).
@@ -189,6 +191,17 @@ pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
     data: Option<CudaSlice<f32>>,
+    /// Where the buffer goes when the tensor dies (op outputs: device/tensor_pool.rs); `None`:
+    /// freed.
+    pool: Option<Arc<tensor_pool::TensorPool>>,
+}
+
+impl Drop for CudaTensor {
+    fn drop(&mut self) {
+        if let (Some(pool), Some(data)) = (self.pool.take(), self.data.take()) {
+            pool.give_back(data);
+        }
+    }
 }
 
 /// A weight on the GPU: bf16 matrices stay bf16 (half the memory; bf16 → f32 in the kernel is
@@ -481,6 +494,7 @@ impl CudaBackend {
             op_timing: None,
             staging: Default::default(),
             routing_staging: Default::default(),
+            tensor_pool: Default::default(),
             rope_tables: Default::default(),
             host_kv: Default::default(),
         };
@@ -573,6 +587,7 @@ impl CudaBackend {
                 rows: n,
                 cols: k,
                 data: Some(self.upload_f32(&x)?),
+                pool: None,
             };
             let w_data = self
                 .stream
@@ -682,11 +697,32 @@ impl CudaBackend {
             .map_err(driver_error(format!("allocating {len} floats")))
     }
 
+    /// A zeroed `[rows, cols]` output (a recycled buffer and a memset when one is free).
     fn output(&self, rows: usize, cols: usize) -> Result<CudaTensor, CudaError> {
+        let mut tensor = self.output_uninit(rows, cols)?;
+        self.stream
+            .memset_zeros(present_mut(&mut tensor.data)?)
+            .map_err(driver_error("zeroing an op's output"))?;
+        Ok(tensor)
+    }
+
+    /// A `[rows, cols]` output with unspecified contents, for ops whose kernels write every
+    /// element: a recycled buffer (no driver call at all) or a new allocation.
+    fn output_uninit(&self, rows: usize, cols: usize) -> Result<CudaTensor, CudaError> {
+        // Zero-length device allocations are an error in CUDA: keep one element.
+        let len = (rows * cols).max(1);
+        let data = match self.tensor_pool.take(len) {
+            Some(data) => data,
+            // SAFETY: the caller's kernel writes every element before anything reads it (the
+            // contract of this function); the buffer is never read uninitialised.
+            None => unsafe { self.stream.alloc::<f32>(len) }
+                .map_err(driver_error(format!("allocating {len} floats")))?,
+        };
         Ok(CudaTensor {
             rows,
             cols,
-            data: Some(self.alloc(rows * cols)?),
+            data: Some(data),
+            pool: Some(Arc::clone(&self.tensor_pool)),
         })
     }
 
@@ -725,6 +761,7 @@ impl CudaBackend {
                 rows,
                 cols,
                 data: None,
+                pool: None,
             }
         })
     }
@@ -858,7 +895,8 @@ impl CudaBackend {
         run: impl FnOnce(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<(), CudaError>,
     ) -> Result<CudaTensor, CudaError> {
         let input = present(&x.data)?;
-        let mut out = self.output(x.rows, out_cols)?;
+        // Every unary kernel writes each element of its output (grid-stride or per group).
+        let mut out = self.output_uninit(x.rows, out_cols)?;
         if x.rows * out_cols > 0 {
             run(input, present_mut(&mut out.data)?)?;
         }
@@ -874,7 +912,8 @@ impl CudaBackend {
         }
         let indices: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let indices = self.upload_u32(&indices)?;
-        let mut out = self.output(rows.len(), x.cols)?;
+        // `gather_rows` writes every element.
+        let mut out = self.output_uninit(rows.len(), x.cols)?;
         let total = rows.len() * x.cols;
         if total > 0 {
             let (count, cols) = (int(rows.len(), "rows")?, int(x.cols, "cols")?);
@@ -900,8 +939,9 @@ impl CudaBackend {
                 ),
             });
         }
-        let mut a = self.output(x.rows, groups * first)?;
-        let mut b = self.output(x.rows, groups * second)?;
+        // `split_interleaved` writes every element of both.
+        let mut a = self.output_uninit(x.rows, groups * first)?;
+        let mut b = self.output_uninit(x.rows, groups * second)?;
         let total = x.rows * x.cols;
         if total > 0 {
             let rows = int(x.rows, "rows")?;
@@ -919,7 +959,8 @@ impl CudaBackend {
 
     fn try_embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, CudaError> {
         let indices = self.upload_u32(ids)?;
-        let mut out = self.output(ids.len(), table.cols)?;
+        // `embed` writes every element (zero for an id outside the table).
+        let mut out = self.output_uninit(ids.len(), table.cols)?;
         let total = ids.len() * table.cols;
         if total > 0 {
             let (rows, cols, vocab) = (
@@ -974,7 +1015,8 @@ impl CudaBackend {
         let count_arg = count as i64;
         launch!(self, "f32_to_bf16_split", elementwise(count);
             input, &mut x_hi, &mut x_lo, &count_arg)?;
-        let mut out = self.output(x.rows, out_features)?;
+        // The first GEMM overwrites every element (beta 0), the second adds to it.
+        let mut out = self.output_uninit(x.rows, out_features)?;
         for (part, accumulate) in [(&x_hi, false), (&x_lo, true)] {
             cublas.linear_into(
                 GemmOperands::Bf16 { x: part, w },
@@ -991,12 +1033,13 @@ impl CudaBackend {
     /// `x · wᵀ` with the matmul kernel (every dtype, every row count).
     fn matmul_kernel(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, CudaError> {
         let input = present(&x.data)?;
-        let mut out = self.output(x.rows, weight.rows)?;
         // Same contract as the CPU backend: an inconsistent call leaves zeros (shapes are
         // validated at model load).
         if x.cols != weight.cols || x.rows == 0 || weight.rows == 0 {
-            return Ok(out);
+            return self.output(x.rows, weight.rows);
         }
+        // One warp per (output, row group) writes each element.
+        let mut out = self.output_uninit(x.rows, weight.rows)?;
         let (n, k, m) = (
             int(x.rows, "rows")?,
             int(x.cols, "in")?,
@@ -1060,6 +1103,39 @@ impl CudaBackend {
             launch!(self, "rms_norm", Self::norm_config(groups);
                 input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset)
         })
+    }
+
+    fn try_add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        delta: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CudaTensor, CudaError> {
+        Self::check_same_shape(x, delta, "add_rms_norm")?;
+        let group = weight.rows * weight.cols;
+        if group == 0 || (x.rows * x.cols) % group != 0 {
+            return Err(CudaError::Invalid {
+                problem: format!("add_rms_norm: weight of {group} over rows of {}", x.cols),
+            });
+        }
+        let groups = x.rows * x.cols / group;
+        let offset: f32 = match style {
+            NormStyle::Plain => 0.0,
+            NormStyle::ZeroCentred => 1.0,
+        };
+        let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
+        let other = present(&delta.data)?;
+        // Every group's every element is written.
+        let mut out = self.output_uninit(x.rows, x.cols)?;
+        if groups > 0 {
+            let residual = present_mut(&mut x.data)?;
+            launch!(self, "add_rms_norm", Self::norm_config(groups);
+                residual, other, weight.f32()?, present_mut(&mut out.data)?, &groups_arg,
+                &group_arg, &eps, &offset)?;
+        }
+        Ok(out)
     }
 
     fn try_gated_rms_norm(
@@ -1347,6 +1423,7 @@ impl Backend for CudaBackend {
                 rows,
                 cols,
                 data: Some(data),
+                pool: None,
             })
         } else {
             Err(CudaError::Invalid {
@@ -1418,6 +1495,7 @@ impl Backend for CudaBackend {
                     rows: tensor.rows,
                     cols,
                     data: None,
+                    pool: None,
                 };
                 (empty(groups * first), empty(groups * second))
             }
@@ -1458,6 +1536,22 @@ impl Backend for CudaBackend {
     ) -> CudaTensor {
         let _timer = self.op_timer("rms_norm");
         let result = self.try_rms_norm(x, weight, eps, style);
+        self.settle(result, x.rows, x.cols)
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        delta: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+    ) -> CudaTensor {
+        let _timer = self.op_timer("add_rms_norm");
+        let result = self.try_add_rms_norm(x, delta, weight, eps, style);
+        if result.is_err() {
+            x.data = None;
+        }
         self.settle(result, x.rows, x.cols)
     }
 
@@ -1707,6 +1801,7 @@ impl Backend for CudaBackend {
                     rows: a.rows,
                     cols: a.cols,
                     data: None,
+                    pool: None,
                 };
                 (empty(), empty())
             }
@@ -1839,5 +1934,6 @@ mod op_timing;
 mod pending_routing;
 mod readback;
 mod router;
+mod tensor_pool;
 pub use expert_slots::CudaExpertSlots;
 pub use pending_routing::CudaPendingRouting;

@@ -45,7 +45,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "norm",
         source: include_str!("../../../../../kernels/norm.cu"),
-        functions: &["rms_norm", "gated_rms_norm"],
+        functions: &["rms_norm", "add_rms_norm", "gated_rms_norm"],
     },
     KernelSource {
         name: "matmul",

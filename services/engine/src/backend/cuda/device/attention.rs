@@ -13,7 +13,7 @@
 //! sequences of the batch (batch invariance, as the matmul kernel).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
     driver_error, elementwise, int, present, present_mut, CudaBackend, CudaKvCache, CudaTensor,
@@ -186,6 +186,7 @@ impl CudaBackend {
                             rows: total,
                             cols,
                             data: Some(self.upload_f32(&values)?),
+                            pool: None,
                         })
                     };
                     let (q, k, v) = (tensor(heads * hd)?, tensor(kv_width)?, tensor(kv_width)?);
@@ -396,9 +397,10 @@ impl CudaBackend {
                 plans.push(None);
             }
         }
-        let mut workspace: Option<(CudaSlice<f32>, CudaSlice<f32>)> = if entries > 0 {
+        // Recycled buffers (zeroed): a decode step asks for the same sizes layer after layer.
+        let mut workspace: Option<(CudaTensor, CudaTensor)> = if entries > 0 {
             int(entries * hd, "split workspace")?;
-            Some((self.alloc(entries * hd)?, self.alloc(2 * entries)?))
+            Some((self.output(1, entries * hd)?, self.output(1, 2 * entries)?))
         } else {
             None
         };
@@ -426,6 +428,10 @@ impl CudaBackend {
             }
             match (path, plan, workspace.as_mut()) {
                 (AttentionPath::Flash, Some(plan), Some((part_o, part_ml))) => {
+                    let (part_o, part_ml) = (
+                        present_mut(&mut part_o.data)?,
+                        present_mut(&mut part_ml.data)?,
+                    );
                     let group = spec.heads / spec.kv_heads;
                     let slices = group.div_ceil(SPLIT_HEADS);
                     let (chunk, chunks, part_base) = (

@@ -293,6 +293,7 @@ impl CudaBackend {
                 rows: total,
                 cols,
                 data: Some(self.upload_f32(values)?),
+                pool: None,
             })
         };
         let inputs = (

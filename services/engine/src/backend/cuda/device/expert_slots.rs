@@ -442,8 +442,13 @@ impl CudaBackend {
                     problem: format!("{chunk_pairs} expert pairs × {width} floats overflow"),
                 })
         };
-        let mut activated = self.alloc(scratch(intermediate)?)?;
-        let mut pair_out = self.alloc(scratch(hidden)?)?;
+        // Recycled scratch: the kernels write every element a later kernel reads (activations
+        // of slotted pairs; pair outputs of every pair, zeroed below where the grouped kernel
+        // skips pairs).
+        let mut activated_buffer = self.output_uninit(1, scratch(intermediate)?)?;
+        let mut pair_out_buffer = self.output_uninit(1, scratch(hidden)?)?;
+        let activated = present_mut(&mut activated_buffer.data)?;
+        let pair_out = present_mut(&mut pair_out_buffer.data)?;
         let (hidden_arg, intermediate_arg) =
             (int(hidden, "hidden")?, int(intermediate, "intermediate")?);
         let top_k = int(k, "top-k")?;
@@ -501,7 +506,7 @@ impl CudaBackend {
                         shared_mem_bytes: 0,
                     };
                     launch!(self, "expert_gate_up_grouped", gate_up_config;
-                        storage, &tiles, &order, &x_chunk, &mut activated, &top_k,
+                        storage, &tiles, &order, &x_chunk, &mut *activated, &top_k,
                         &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
                     let down_config = LaunchConfig {
                         grid_dim: (
@@ -517,7 +522,7 @@ impl CudaBackend {
                         shared_mem_bytes: 0,
                     };
                     launch!(self, "expert_down_grouped", down_config;
-                        storage, &tiles, &order, &weights, &activated, &mut pair_out,
+                        storage, &tiles, &order, &weights, &*activated, &mut *pair_out,
                         &hidden_arg, &intermediate_arg, &stride, &dtype, &down_offset,
                         &down_scales)?;
                 }
@@ -530,15 +535,15 @@ impl CudaBackend {
                         &x_chunk,
                         pairs,
                         k,
-                        &mut activated,
-                        &mut pair_out,
+                        &mut *activated,
+                        &mut *pair_out,
                     )?;
                 }
             }
             let mut out_chunk = output.slice_mut(first * hidden..(first + count) * hidden);
             let count_arg = int(count, "tokens")?;
             launch!(self, "expert_pair_sum", elementwise(count * hidden);
-                &pair_out, &mut out_chunk, &count_arg, &top_k, &hidden_arg)?;
+                &*pair_out, &mut out_chunk, &count_arg, &top_k, &hidden_arg)?;
             first += count;
         }
         Ok(out)
@@ -614,15 +619,15 @@ impl CudaBackend {
         tokens < GROUPED_MIN_TOKENS && tokens.saturating_mul(k) <= MAX_PAIRS_PER_LAUNCH
     }
 
-    /// [`CudaBackend::try_slotted_experts`] with the routing still on the GPU (`ids` and
-    /// `weights`, `[tokens, k]`): no read-back, so nothing waits. Only for batches that
+    /// [`CudaBackend::try_slotted_experts`] with the routing still on the GPU (`ids`, u32 bits
+    /// in an f32 buffer, and `weights`, `[tokens, k]`): no read-back, so nothing waits. Only for batches that
     /// [`CudaBackend::pairwise_in_one_launch`] takes; an empty slot set skips the launches.
     pub(super) fn try_slotted_experts_by_device_routing(
         &self,
         slots: &CudaExpertSlots,
         x: &CudaTensor,
-        ids: &CudaSlice<u32>,
-        weights: &CudaSlice<f32>,
+        ids: &CudaTensor,
+        weights: &CudaTensor,
         k: usize,
     ) -> Result<CudaTensor, CudaError> {
         let layout = &slots.layout;
@@ -634,8 +639,8 @@ impl CudaBackend {
             || k == 0
             || tokens == 0
             || intermediate == 0
-            || ids.len() < pairs
-            || weights.len() < pairs
+            || ids.rows * ids.cols < pairs
+            || weights.rows * weights.cols < pairs
             || !Self::pairwise_in_one_launch(tokens, k)
         {
             // Same contract as the host-routing op: an inconsistent call leaves zeros.
@@ -645,17 +650,26 @@ impl CudaBackend {
             return Ok(out);
         }
         let input = present(&x.data)?;
-        let mut activated = self.alloc(pairs * intermediate)?;
-        let mut pair_out = self.alloc(pairs * hidden)?;
+        // SAFETY: u32 and f32 have the same size and every bit pattern is valid in both.
+        let ids = unsafe { present(&ids.data)?.transmute::<u32>(pairs) }.ok_or_else(|| {
+            CudaError::Invalid {
+                problem: "the routing ids' buffer is too small".into(),
+            }
+        })?;
+        let weights = present(&weights.data)?;
+        // Recycled scratch: the per-pair kernels write every element the next one reads.
+        let mut activated = self.output_uninit(1, pairs * intermediate)?;
+        let mut pair_out = self.output_uninit(1, pairs * hidden)?;
+        let pair_out = present_mut(&mut pair_out.data)?;
         self.launch_pairwise_experts(
             slots,
-            &ids.slice(0..pairs),
+            &ids,
             &weights.slice(0..pairs),
             &input.slice(0..tokens * hidden),
             pairs,
             k,
-            &mut activated,
-            &mut pair_out,
+            present_mut(&mut activated.data)?,
+            pair_out,
         )?;
         let output = present_mut(&mut out.data)?;
         let (count_arg, top_k, hidden_arg) = (
@@ -664,7 +678,7 @@ impl CudaBackend {
             int(hidden, "hidden")?,
         );
         launch!(self, "expert_pair_sum", elementwise(tokens * hidden);
-            &pair_out, output, &count_arg, &top_k, &hidden_arg)?;
+            &*pair_out, output, &count_arg, &top_k, &hidden_arg)?;
         Ok(out)
     }
 }

@@ -3,7 +3,7 @@
 //! With the variable set, every backend op is followed by a stream synchronisation and its wall
 //! time (launch + GPU execution + the synchronisation) is added to its row; the time between
 //! two ops (the model's host code, the expert executor, sampling) gets a row of its own. The
-//! table is rewritten to FILE (temp file, then rename) every two seconds. It slows everything
+//! table is rewritten to FILE (temp file, then rename) every 200 ms. It slows everything
 //! down and is for finding a bottleneck, never for quoting speeds.
 //!
 //! `NINFER_CUDA_OP_TIMING_MODE=host` leaves the synchronisations out: each row is then the host
@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use super::CudaBackend;
 
-const WRITE_EVERY: Duration = Duration::from_secs(2);
+// Often enough that a run of a second or two leaves a table (the bench kills the engine).
+const WRITE_EVERY: Duration = Duration::from_millis(200);
 const BETWEEN_OPS: &str = "(host, between ops)";
 
 pub(crate) struct OpTiming {

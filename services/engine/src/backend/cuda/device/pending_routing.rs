@@ -16,19 +16,20 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
 
 use super::readback::{
     decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,
 };
 use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_THREADS};
-use super::{driver_error, int, present, CudaBackend, CudaTensor};
+use super::{driver_error, int, present, present_mut, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
 
-/// Page-locked buffers free for the next pending routing (one per routing in flight: at most
-/// one per MoE layer of a forward).
-pub(crate) type RoutingStagingPool = Arc<Mutex<Vec<PinnedStaging>>>;
+/// Page-locked buffers, each with the event its copies are waited by, free for the next
+/// pending routing (one per routing in flight: at most one per MoE layer of a forward). Kept,
+/// not made per layer: allocating page-locked memory or an event is a driver call.
+pub(crate) type RoutingStagingPool = Arc<Mutex<Vec<(PinnedStaging, CudaEvent)>>>;
 
 /// Smallest buffer the pool hands out: a decode step's routing is a few hundred bytes, and
 /// one size for all keeps the pool from growing a buffer per size.
@@ -51,27 +52,27 @@ enum PendingState {
 
 struct OnDevice {
     tokens: usize,
-    ids: CudaSlice<u32>,
-    weights: CudaSlice<f32>,
+    /// `[tokens, k]` expert ids (u32 bits in a recycled f32 buffer) and routing weights.
+    ids: CudaTensor,
+    weights: CudaTensor,
+    /// The page-locked buffer the copies go to and the event recorded right after them;
     /// `None` only while being returned to the pool.
-    staging: Option<PinnedStaging>,
+    staging: Option<(PinnedStaging, CudaEvent)>,
     /// ids, weights and (when asked) the hidden states, in that order.
     shapes: Vec<ReadBackShape>,
     offsets: Vec<usize>,
-    /// Recorded right after the copies into `staging`.
-    copied: CudaEvent,
     pool: RoutingStagingPool,
 }
 
 impl Drop for OnDevice {
     fn drop(&mut self) {
-        // Copies into `staging` may still be in flight (a pending routing dropped unfinished,
+        // Copies into the buffer may still be in flight (a pending routing dropped unfinished,
         // on an error path): wait for them before the buffer is handed out again. If the wait
         // fails the context is broken and no copy will land; the buffer is freed.
-        if let Some(staging) = self.staging.take() {
-            if self.copied.synchronize().is_ok() {
+        if let Some((staging, copied)) = self.staging.take() {
+            if copied.synchronize().is_ok() {
                 if let Ok(mut pool) = self.pool.lock() {
-                    pool.push(staging);
+                    pool.push((staging, copied));
                 }
             }
         }
@@ -81,12 +82,12 @@ impl Drop for OnDevice {
 impl OnDevice {
     /// The first `parts` parts, once their copies landed.
     fn read(&self, parts: usize) -> Result<Vec<HostValues>, CudaError> {
-        self.copied
-            .synchronize()
-            .map_err(driver_error("waiting for the routing's read-back"))?;
-        let staging = self.staging.as_ref().ok_or_else(|| CudaError::Invalid {
+        let (staging, copied) = self.staging.as_ref().ok_or_else(|| CudaError::Invalid {
             problem: "a pending routing lost its staging buffer".into(),
         })?;
+        copied
+            .synchronize()
+            .map_err(driver_error("waiting for the routing's read-back"))?;
         let parts = parts.min(self.shapes.len());
         // SAFETY: the copies into `staging` at these offsets were queued before `copied` was
         // recorded, and the wait above saw it complete.
@@ -111,17 +112,26 @@ fn routing_of(
 }
 
 impl CudaBackend {
-    /// A free page-locked buffer of at least `bytes`, from the pool or newly allocated.
-    fn take_routing_staging(&self, bytes: usize) -> Result<PinnedStaging, CudaError> {
+    /// A free page-locked buffer of at least `bytes` and its event, from the pool or new.
+    fn take_routing_staging(&self, bytes: usize) -> Result<(PinnedStaging, CudaEvent), CudaError> {
         if let Ok(mut pool) = self.routing_staging.lock() {
-            if let Some(index) = pool.iter().position(|staging| staging.bytes() >= bytes) {
+            if let Some(index) = pool
+                .iter()
+                .position(|(staging, _)| staging.bytes() >= bytes)
+            {
                 return Ok(pool.swap_remove(index));
             }
         }
-        PinnedStaging::allocate(
+        let staging = PinnedStaging::allocate(
             self,
             bytes.max(SMALLEST_ROUTING_STAGING).next_power_of_two(),
-        )
+        )?;
+        let event = self
+            .stream
+            .context()
+            .new_event(None)
+            .map_err(driver_error("creating the routing read-back's event"))?;
+        Ok((staging, event))
     }
 
     /// The router kernel on `logits` and the queued copies of its result (and of `hidden`).
@@ -159,12 +169,9 @@ impl CudaBackend {
             });
         }
         let input = present(&logits.data)?;
-        // Every element is written by the router kernel.
-        let mut ids = self
-            .stream
-            .alloc_zeros::<u32>(tokens * k)
-            .map_err(driver_error("allocating the routing ids"))?;
-        let mut weights = self.alloc(tokens * k)?;
+        // Recycled buffers: the router kernel writes every element of both.
+        let mut ids = self.output_uninit(tokens, k)?;
+        let mut weights = self.output_uninit(tokens, k)?;
         let blocks = u32::try_from(tokens).map_err(|_| CudaError::Invalid {
             problem: format!("{tokens} tokens in one routing launch"),
         })?;
@@ -178,11 +185,22 @@ impl CudaBackend {
             int(k, "top-k")?,
             i32::from(normalize),
         );
-        launch!(self, "route_top_k", config;
-            input, &mut ids, &mut weights, &experts_arg, &k_arg, &normalize_arg)?;
+        {
+            let ids_data = present_mut(&mut ids.data)?;
+            // SAFETY: u32 and f32 have the same size and every bit pattern is valid in both.
+            let mut ids_view =
+                unsafe { ids_data.transmute_mut::<u32>(tokens * k) }.ok_or_else(|| {
+                    CudaError::Invalid {
+                        problem: "the routing ids' buffer is too small".into(),
+                    }
+                })?;
+            launch!(self, "route_top_k", config;
+                input, &mut ids_view, present_mut(&mut weights.data)?, &experts_arg, &k_arg,
+                &normalize_arg)?;
+        }
         let mut parts = vec![
-            ReadBack::U32(&ids, tokens * k),
-            ReadBack::F32(&weights, tokens * k),
+            ReadBack::U32Bits(present(&ids.data)?, tokens * k),
+            ReadBack::F32(present(&weights.data)?, tokens * k),
         ];
         if let Some(hidden) = hidden {
             parts.push(ReadBack::F32(
@@ -192,33 +210,29 @@ impl CudaBackend {
         }
         let shapes: Vec<ReadBackShape> = parts.iter().map(ReadBack::shape).collect();
         let (offsets, total) = staging_layout(&shapes);
-        let staging = self.take_routing_staging(total)?;
+        let (staging, copied) = self.take_routing_staging(total)?;
         let queued = self
             .queue_read_backs(&staging, &parts, &offsets)
             .and_then(|()| {
-                self.stream
-                    .record_event(None)
+                copied
+                    .record(&self.stream)
                     .map_err(driver_error("recording the routing read-back's event"))
             });
         drop(parts);
-        let copied = match queued {
-            Ok(event) => event,
-            Err(error) => {
-                // A copy may be queued: let it land before the buffer is freed.
-                let _ = self.stream.synchronize();
-                return Err(error);
-            }
-        };
+        if let Err(error) = queued {
+            // A copy may be queued: let it land before the buffer is freed.
+            let _ = self.stream.synchronize();
+            return Err(error);
+        }
         Ok(CudaPendingRouting {
             experts_per_token: k,
             state: PendingState::OnDevice(OnDevice {
                 tokens,
                 ids,
                 weights,
-                staging: Some(staging),
+                staging: Some((staging, copied)),
                 shapes,
                 offsets,
-                copied,
                 pool: Arc::clone(&self.routing_staging),
             }),
         })

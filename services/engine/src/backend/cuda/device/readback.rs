@@ -38,13 +38,14 @@ pub(crate) type StagingSlot = Mutex<Option<PinnedStaging>>;
 /// One device buffer to read back: its first `len` elements.
 pub(super) enum ReadBack<'a> {
     F32(&'a CudaSlice<f32>, usize),
-    U32(&'a CudaSlice<u32>, usize),
+    /// u32 values kept in an f32 buffer (a recycled tensor buffer; any bits are valid in both).
+    U32Bits(&'a CudaSlice<f32>, usize),
 }
 
 impl ReadBack<'_> {
     fn bytes(&self) -> usize {
         match self {
-            ReadBack::F32(_, len) | ReadBack::U32(_, len) => len * 4,
+            ReadBack::F32(_, len) | ReadBack::U32Bits(_, len) => len * 4,
         }
     }
 }
@@ -93,7 +94,7 @@ impl ReadBack<'_> {
     pub(super) fn shape(&self) -> ReadBackShape {
         match self {
             ReadBack::F32(_, len) => ReadBackShape::F32(*len),
-            ReadBack::U32(_, len) => ReadBackShape::U32(*len),
+            ReadBack::U32Bits(_, len) => ReadBackShape::U32(*len),
         }
     }
 }
@@ -196,11 +197,7 @@ impl CudaBackend {
                 });
             }
             let source = match part {
-                ReadBack::F32(buffer, len) => {
-                    check_length(buffer.len(), *len)?;
-                    buffer.device_ptr(&self.stream).0
-                }
-                ReadBack::U32(buffer, len) => {
+                ReadBack::F32(buffer, len) | ReadBack::U32Bits(buffer, len) => {
                     check_length(buffer.len(), *len)?;
                     buffer.device_ptr(&self.stream).0
                 }

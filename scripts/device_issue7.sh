@@ -31,7 +31,7 @@ mkdir -p "$work"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/session.log"; }
 has() { [[ "$stages" == *",$1,"* ]]; }
 
-log "machine: $(nproc) cpus, $(free -g | awk '/Mem:/ {print $2}') GiB, $(df -h "$work" | awk 'NR==2 {print $4}') free in $work"
+log "machine: $(uname -r), $(nproc) cpus, $(free -g | awk '/Mem:/ {print $2}') GiB, $(df -h "$work" | awk 'NR==2 {print $4}') free in $work"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$out/session.log"
 
 convert() { # convert NAME ARGS...: writes $work/NAME.ninfer, logs its time
@@ -95,12 +95,12 @@ if has q30 || has profile; then
   if has profile; then
     # Op-by-op timing (every op synchronises: slow; where the time goes, not how fast).
     # sync: each op's launch + GPU time; host: the host time inside each op (no waits added).
-    for run in 0:sync all:sync all:host; do
+    for run in ${PROFILE_RUNS:-0:sync all:sync all:host}; do
       experts=${run%%:*} mode=${run#*:}
       NINFER_CUDA_OP_TIMING="$out/op_timing_q30_${experts}_$mode.txt" NINFER_CUDA_OP_TIMING_MODE=$mode \
         bench "q30_profile_${experts}_$mode" 120 "$work/q30.ninfer" --device cuda --moe-threads 16 \
-        --prompt-lengths 1024 --decode-tokens 32 --moe-gpu-experts "$experts"
-      head -32 "$out/op_timing_q30_${experts}_$mode.txt" | tee -a "$out/session.log"
+        --prompt-lengths 1024 --decode-tokens 64 --moe-gpu-experts "$experts"
+      head -40 "$out/op_timing_q30_${experts}_$mode.txt" | tee -a "$out/session.log"
     done
   fi
   if has q30; then

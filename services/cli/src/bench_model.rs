@@ -520,11 +520,14 @@ async fn measure(
             (None, None) => {}
         }
     }
-    // Warm-up: first touches of weights and kernels are not the steady state.
+    // Warm-up, not measured: first touches of weights and kernels, and the growth of the
+    // engine's buffer pools for a prompt of the first measured length, are not the steady
+    // state (the first of two measured runs was 6% slower at decode before this was a whole
+    // prompt; docs/BENCHMARKS.md).
     generate(
         &mut client,
-        random_tokens(lengths[0].min(32), vocab, args.seed ^ 0xa5a5),
-        2,
+        random_tokens(lengths[0], vocab, args.seed ^ 0xa5a5),
+        args.decode_tokens.min(16) + 1,
         args.seed,
     )
     .await

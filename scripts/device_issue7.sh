@@ -72,6 +72,18 @@ if has experts; then
     log "bench experts: exit $?"
     tail -4 "$out/experts_$invocation.txt" | tee -a "$out/session.log"
   done
+  if [ "${HUGE_PAGES_AB:-1}" = 1 ]; then
+    # The same with the reference and the working set on 2 MiB pages (NINFER_HUGE_PAGES=huge):
+    # does the page size explain the reference's two modes (99-111 / 138-149 GB/s)?
+    for policy in huge small; do
+      log "bench experts, NINFER_HUGE_PAGES=$policy"
+      NINFER_HUGE_PAGES=$policy timeout 120 .devbin/ninfer bench experts --preset qwen3.5-35b-a3b \
+        --dtype int4,int8 --tokens 1 --kernel-isa avx512-vnni --working-set-gib 4 --rounds 3 \
+        >"$out/experts_pages_$policy.txt" 2>&1
+      grep "read bandwidth\|2 MiB" "$out/experts_pages_$policy.txt" | tee -a "$out/session.log"
+      tail -3 "$out/experts_pages_$policy.txt" | tee -a "$out/session.log"
+    done
+  fi
   timeout 120 .devbin/ninfer bench experts --preset qwen3.5-35b-a3b --dtype int8,int4 --tokens 32,128 \
     --kernel-isa avx512-vnni,amx --working-set-gib 4 --seconds 0.5 >"$out/experts_batch.txt" 2>&1
   tail -10 "$out/experts_batch.txt" | tee -a "$out/session.log"

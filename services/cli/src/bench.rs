@@ -186,8 +186,21 @@ fn run_memory(args: MemoryArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn print_bandwidth(result: &BandwidthResult, pool: &ThreadPool) {
+    let huge_pages = match result.huge_page_bytes {
+        Some(bytes) => format!(
+            ", {:.1} GiB of the process on 2 MiB pages{}",
+            bytes as f64 / GIB,
+            std::env::var(ninfer_expert_kernels::buffer::HUGE_PAGES_VARIABLE)
+                .map(|policy| format!(
+                    " ({}={policy})",
+                    ninfer_expert_kernels::buffer::HUGE_PAGES_VARIABLE
+                ))
+                .unwrap_or_default()
+        ),
+        None => String::new(),
+    };
     println!(
-        "read bandwidth: {:.1} GB/s best, {:.1} GB/s median ({} threads on cpus {}, {:.1} GiB buffer, {} passes)",
+        "read bandwidth: {:.1} GB/s best, {:.1} GB/s median ({} threads on cpus {}, {:.1} GiB buffer, {} passes{huge_pages})",
         result.best_gbps,
         result.median_gbps,
         result.threads,
@@ -287,6 +300,7 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                 passes: 0,
                 best_gbps: gbs,
                 median_gbps: gbs,
+                huge_page_bytes: None,
             },
             None => measure_read_bandwidth(&pool, 8 << 30, 10)?,
         })
@@ -343,6 +357,14 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                         min_seconds: args.seconds,
                     };
                     let results = bench_experts(&pool, &config, &isas)?;
+                    if let (false, Some(bytes)) =
+                        (args.json, results.first().and_then(|r| r.huge_page_bytes))
+                    {
+                        println!(
+                            "  ({:.1} GiB of the process on 2 MiB pages while the working set was streamed)",
+                            bytes as f64 / GIB
+                        );
+                    }
                     for result in &results {
                         if !args.json {
                             println!(

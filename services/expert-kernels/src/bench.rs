@@ -25,6 +25,9 @@ pub struct BandwidthResult {
     /// Best pass, 10⁹ bytes per second.
     pub best_gbps: f64,
     pub median_gbps: f64,
+    /// The process's anonymous memory on 2 MiB pages while the buffer was read (see
+    /// `buffer::HUGE_PAGES_VARIABLE`); `None` where the kernel does not say.
+    pub huge_page_bytes: Option<u64>,
 }
 
 /// Sends a raw pointer to the pool's threads (each touches a disjoint range).
@@ -172,12 +175,16 @@ pub fn measure_read_bandwidth(
     }
     std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
     rates.sort_by(|a, b| a.total_cmp(b));
+    // While the buffer is alive: how much of it (and of the rest) sits on huge pages.
+    let huge_page_bytes = crate::buffer::anonymous_huge_page_bytes();
+    drop(buffer);
     Ok(BandwidthResult {
         threads: pool.threads(),
         buffer_bytes: len,
         passes: rates.len(),
         best_gbps: rates.last().copied().unwrap_or(0.0),
         median_gbps: rates[rates.len() / 2],
+        huge_page_bytes,
     })
 }
 
@@ -205,6 +212,8 @@ pub struct ExpertBenchResult {
     pub gflops: f64,
     /// Mean time of each phase of a layer (prepare, gate/up + SwiGLU, down), microseconds.
     pub phase_us: [f64; 3],
+    /// The process's anonymous memory on 2 MiB pages while the working set was streamed.
+    pub huge_page_bytes: Option<u64>,
 }
 
 /// What `bench_experts` runs.
@@ -421,6 +430,7 @@ pub fn bench_experts(
             weight_gbps: weight_bytes_per_layer as f64 / layer_seconds / 1e9,
             gflops: flops_per_layer / layer_seconds / 1e9,
             phase_us: phases.map(|p| p / calls as f64 * 1e6),
+            huge_page_bytes: crate::buffer::anonymous_huge_page_bytes(),
         });
     }
     std::hint::black_box(&output);

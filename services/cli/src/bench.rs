@@ -395,37 +395,25 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
         }
     }
     if !args.json && args.rounds > 1 {
-        // Each path's ratio per round, against that round's reference.
-        let mut paths: Vec<(String, usize, String, String)> = Vec::new();
-        for (_, _, prefetch, r) in &all {
-            let key = (
-                r.dtype.name().to_string(),
+        // Each path's ratio per round, against that round's reference, in first-seen order.
+        let mut paths: Vec<(String, Vec<String>)> = Vec::new();
+        for (_, bandwidth, prefetch, r) in &all {
+            let path = format!(
+                "{:<5} {:>6} {:<12} {:>8}",
+                r.dtype.name(),
                 r.tokens,
-                r.isa.name().to_string(),
-                prefetch.clone(),
+                r.isa.name(),
+                prefetch
             );
-            if !paths.contains(&key) {
-                paths.push(key);
+            let ratio = format!("{:.0}%", 100.0 * r.weight_gbps / bandwidth.best_gbps);
+            match paths.iter_mut().find(|(known, _)| *known == path) {
+                Some((_, ratios)) => ratios.push(ratio),
+                None => paths.push((path, vec![ratio])),
             }
         }
         println!("% of the same round's reference bandwidth, per round:");
-        for (dtype, tokens, isa, prefetch) in &paths {
-            let ratios: Vec<String> = all
-                .iter()
-                .filter(|(_, _, p, r)| {
-                    r.dtype.name() == dtype
-                        && r.tokens == *tokens
-                        && r.isa.name() == isa
-                        && p == prefetch
-                })
-                .map(|(_, bandwidth, _, r)| {
-                    format!("{:.0}%", 100.0 * r.weight_gbps / bandwidth.best_gbps)
-                })
-                .collect();
-            println!(
-                "{dtype:<5} {tokens:>6} {isa:<12} {prefetch:>8}: {}",
-                ratios.join(" ")
-            );
+        for (path, ratios) in &paths {
+            println!("{path}: {}", ratios.join(" "));
         }
     }
     if args.json {

@@ -12,9 +12,10 @@
 //! * the golden fixtures with 0, half and all experts resident: the split must not change the
 //!   math (teacher-forced NLL and greedy tokens agree; NLL within 2e-2 of transformers).
 
+use std::path::Path;
 use std::sync::Arc;
 
-use ninfer_artifact::{DType, ModelConfig};
+use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
@@ -61,6 +62,46 @@ fn random_routing(rng: &mut Xoshiro256, tokens: usize, k: usize, experts: usize)
     routing
 }
 
+/// The artifact at `path`, its first MoE layer, that layer's expert bank and the bank's layout.
+fn first_moe_bank(
+    path: &Path,
+    common: &CommonConfig,
+) -> (Arc<Artifact>, usize, ExpertBank, ExpertLayout) {
+    let artifact = open_artifact(path).unwrap();
+    let layer = (0..common.num_hidden_layers)
+        .find(|&l| common.moe_layers[l])
+        .unwrap();
+    let bank = artifact
+        .expert_bank(&format!("layers.{layer}.moe.experts"))
+        .unwrap()
+        .clone();
+    let layout =
+        ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size).unwrap();
+    (artifact, layer, bank, layout)
+}
+
+/// `slots` slots of `layout` filled by `(slot, expert)` in order (a later fill of a slot
+/// replaces its expert).
+fn filled_slots<B: Backend>(
+    backend: &B,
+    common: &CommonConfig,
+    layout: &ExpertLayout,
+    slots: usize,
+    fills: &[(usize, usize)],
+    artifact: &Arc<Artifact>,
+    bank: &ExpertBank,
+) -> B::ExpertSlots {
+    let mut expert_slots = backend
+        .new_expert_slots(layout, common.num_experts, slots)
+        .unwrap();
+    for &(slot, expert) in fills {
+        backend
+            .fill_expert_slot(&mut expert_slots, slot, expert, artifact, bank)
+            .unwrap();
+    }
+    expert_slots
+}
+
 /// The slotted-expert op equals the reference executor restricted to the resident experts, for
 /// every stored dtype (both dequantize the same stored values and accumulate in f32).
 fn slotted_experts_match_the_reference_per_dtype<B: Backend>(backend: Arc<B>) {
@@ -73,27 +114,11 @@ fn slotted_experts_match_the_reference_per_dtype<B: Backend>(backend: Arc<B>) {
         };
         let config = write_tiny_model(&path, options).unwrap();
         let common = config.common().clone();
-        let artifact = open_artifact(&path).unwrap();
-        let layer = (0..common.num_hidden_layers)
-            .find(|&l| common.moe_layers[l])
-            .unwrap();
-        let bank = artifact
-            .expert_bank(&format!("layers.{layer}.moe.experts"))
-            .unwrap()
-            .clone();
-        let layout =
-            ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size)
-                .unwrap();
-        let mut slots = backend
-            .new_expert_slots(&layout, common.num_experts, 4)
-            .unwrap();
+        let (artifact, layer, bank, layout) = first_moe_bank(&path, &common);
         // Expert 1 first goes to slot 0, then slot 0 is refilled with expert 6: expert 1 must
         // no longer count as resident.
-        for (slot, expert) in [(0, 1), (1, 2), (2, 5), (3, 7), (0, 6)] {
-            backend
-                .fill_expert_slot(&mut slots, slot, expert, &artifact, &bank)
-                .unwrap();
-        }
+        let fills = [(0, 1), (1, 2), (2, 5), (3, 7), (0, 6)];
+        let slots = filled_slots(&*backend, &common, &layout, 4, &fills, &artifact, &bank);
         let resident = [2u32, 5, 6, 7];
         let mut rng = Xoshiro256::seed_from_u64(7);
         let tokens = 7;
@@ -183,25 +208,9 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
             ..TinyModelOptions::new(TinyArchitecture::Qwen3Moe)
         };
         write_model(&path, &config, options).unwrap();
-        let artifact = open_artifact(&path).unwrap();
-        let layer = (0..common.num_hidden_layers)
-            .find(|&l| common.moe_layers[l])
-            .unwrap();
-        let bank = artifact
-            .expert_bank(&format!("layers.{layer}.moe.experts"))
-            .unwrap()
-            .clone();
-        let layout =
-            ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size)
-                .unwrap();
-        let mut slots = backend
-            .new_expert_slots(&layout, common.num_experts, 5)
-            .unwrap();
-        for (slot, expert) in [(0, 0), (1, 3), (2, 6), (3, 7), (4, 2), (4, 9)] {
-            backend
-                .fill_expert_slot(&mut slots, slot, expert, &artifact, &bank)
-                .unwrap();
-        }
+        let (artifact, layer, bank, layout) = first_moe_bank(&path, &common);
+        let fills = [(0, 0), (1, 3), (2, 6), (3, 7), (4, 2), (4, 9)];
+        let slots = filled_slots(&*backend, &common, &layout, 5, &fills, &artifact, &bank);
         let resident = [0u32, 3, 6, 7, 9];
         for tokens in [16usize, 77, 300] {
             let mut rng = Xoshiro256::seed_from_u64(tokens as u64);
@@ -374,24 +383,9 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
     };
     let config = write_tiny_model(&path, options).unwrap();
     let common = config.common().clone();
-    let artifact = open_artifact(&path).unwrap();
-    let layer = (0..common.num_hidden_layers)
-        .find(|&l| common.moe_layers[l])
-        .unwrap();
-    let bank = artifact
-        .expert_bank(&format!("layers.{layer}.moe.experts"))
-        .unwrap()
-        .clone();
-    let layout =
-        ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size).unwrap();
-    let mut slots = backend
-        .new_expert_slots(&layout, common.num_experts, 3)
-        .unwrap();
-    for (slot, expert) in [(0, 1), (1, 4), (2, 6)] {
-        backend
-            .fill_expert_slot(&mut slots, slot, expert, &artifact, &bank)
-            .unwrap();
-    }
+    let (artifact, _, bank, layout) = first_moe_bank(&path, &common);
+    let fills = [(0, 1), (1, 4), (2, 6)];
+    let slots = filled_slots(&*backend, &common, &layout, 3, &fills, &artifact, &bank);
     let (experts, k, hidden) = (
         common.num_experts,
         common.num_experts_per_tok,

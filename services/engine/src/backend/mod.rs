@@ -247,27 +247,13 @@ pub trait Backend: Send + Sync + 'static {
     /// the expert executor (possibly another process) needs it there.
     fn route_top_k(&self, logits: &Self::Tensor, k: usize, normalize: bool) -> Routing;
 
-    /// [`Backend::route_top_k`], and with `read_hidden` the values of `hidden` too (what the
-    /// expert executor needs), brought to the host together: on a GPU one wait per MoE layer
-    /// instead of one per read-back. Without `read_hidden` the vector is empty.
-    fn route_top_k_and_read_back(
-        &self,
-        logits: &Self::Tensor,
-        k: usize,
-        normalize: bool,
-        hidden: &Self::Tensor,
-        read_hidden: bool,
-    ) -> (Routing, Vec<f32>) {
-        let pending = self.start_routing(logits, k, normalize, hidden, read_hidden);
-        self.finish_routing(pending)
-    }
-
-    /// Starts [`Backend::route_top_k_and_read_back`] without waiting for it: the routing is
-    /// computed where the backend computes and stays there too, so work that needs it only
-    /// there ([`Backend::slotted_experts_by_pending_routing`]) is queued before the host waits
+    /// Starts [`Backend::route_top_k`] of `logits` and, with `read_hidden`, the read-back of
+    /// `hidden` (what the expert executor needs), without waiting: the routing is computed
+    /// where the backend computes and stays there too, so work that needs it only there
+    /// ([`Backend::slotted_experts_by_pending_routing`]) is queued before the host waits
     /// ([`Backend::finish_routing`]), and a layer whose experts are all resident need not wait
-    /// at all until the forward's end. On a GPU the copies to the host are queued right behind
-    /// the router, and finishing waits for them alone, not for what was queued after them.
+    /// at all until the forward's end. On a GPU the routing and the hidden states are copied to
+    /// the host together, right behind the router, and finishing waits for those copies alone.
     fn start_routing(
         &self,
         logits: &Self::Tensor,

@@ -312,6 +312,29 @@ fn present_mut<T>(data: &mut Option<T>) -> Result<&mut T, CudaError> {
     data.as_mut().ok_or(CudaError::Poisoned)
 }
 
+/// What the RMSNorm kernels take for `x` normed in groups of `weight`'s length: the group
+/// count (as a count and as the kernel's `long long`), the group length, and the offset
+/// `style` adds to the weight.
+fn norm_groups(
+    x: &CudaTensor,
+    weight: &CudaWeight,
+    style: NormStyle,
+    op: &str,
+) -> Result<(usize, i64, i32, f32), CudaError> {
+    let group = weight.rows * weight.cols;
+    if group == 0 || (x.rows * x.cols) % group != 0 {
+        return Err(CudaError::Invalid {
+            problem: format!("{op}: weight of {group} over rows of {}", x.cols),
+        });
+    }
+    let groups = x.rows * x.cols / group;
+    let offset = match style {
+        NormStyle::Plain => 0.0,
+        NormStyle::ZeroCentred => 1.0,
+    };
+    Ok((groups, groups as i64, int(group, "group")?, offset))
+}
+
 /// Kernel arguments are C `int`: refuse sizes that do not fit rather than wrap.
 fn int(value: usize, what: &str) -> Result<i32, CudaError> {
     i32::try_from(value).map_err(|_| CudaError::Invalid {
@@ -1087,18 +1110,7 @@ impl CudaBackend {
         eps: f32,
         style: NormStyle,
     ) -> Result<CudaTensor, CudaError> {
-        let group = weight.rows * weight.cols;
-        if group == 0 || (x.rows * x.cols) % group != 0 {
-            return Err(CudaError::Invalid {
-                problem: format!("rms_norm: weight of {group} over rows of {}", x.cols),
-            });
-        }
-        let groups = x.rows * x.cols / group;
-        let offset: f32 = match style {
-            NormStyle::Plain => 0.0,
-            NormStyle::ZeroCentred => 1.0,
-        };
-        let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
+        let (groups, groups_arg, group_arg, offset) = norm_groups(x, weight, style, "rms_norm")?;
         self.try_unary(x, x.cols, |input, output| {
             launch!(self, "rms_norm", Self::norm_config(groups);
                 input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset)
@@ -1114,18 +1126,8 @@ impl CudaBackend {
         style: NormStyle,
     ) -> Result<CudaTensor, CudaError> {
         Self::check_same_shape(x, delta, "add_rms_norm")?;
-        let group = weight.rows * weight.cols;
-        if group == 0 || (x.rows * x.cols) % group != 0 {
-            return Err(CudaError::Invalid {
-                problem: format!("add_rms_norm: weight of {group} over rows of {}", x.cols),
-            });
-        }
-        let groups = x.rows * x.cols / group;
-        let offset: f32 = match style {
-            NormStyle::Plain => 0.0,
-            NormStyle::ZeroCentred => 1.0,
-        };
-        let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
+        let (groups, groups_arg, group_arg, offset) =
+            norm_groups(x, weight, style, "add_rms_norm")?;
         let other = present(&delta.data)?;
         // Every group's every element is written.
         let mut out = self.output_uninit(x.rows, x.cols)?;
@@ -1649,9 +1651,9 @@ impl Backend for CudaBackend {
                 Err(error) => self.record(error),
             }
         }
-        // Routers wider than the kernel takes (and the path after an error) run on the host.
-        let values = self.download(logits);
-        let routing = route_top_k_host(&values, logits.cols, k, normalize);
+        // Routers wider than the kernel takes (and the path after an error): `route_top_k`
+        // routes them on the host.
+        let routing = self.route_top_k(logits, k, normalize);
         let hidden = if read_hidden {
             self.download(hidden)
         } else {

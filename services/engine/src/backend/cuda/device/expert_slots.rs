@@ -13,7 +13,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, CudaView, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_expert_kernels::{ExpertLayout, WeightDType};
@@ -223,6 +224,52 @@ fn shared_bytes(len: usize) -> Result<u32, CudaError> {
         .checked_mul(20 * 4)
         .and_then(|bytes| u32::try_from(bytes).ok())
         .ok_or_else(|| too_large("shared memory bytes", len))
+}
+
+/// The expert layout's scalars as the expert kernels take them.
+struct ExpertKernelArgs {
+    hidden: i32,
+    intermediate: i32,
+    stride: i64,
+    dtype: i32,
+    gate_up_scales: i64,
+    down_offset: i64,
+    down_scales: i64,
+}
+
+impl ExpertKernelArgs {
+    fn new(layout: &ExpertLayout) -> Result<Self, CudaError> {
+        Ok(ExpertKernelArgs {
+            hidden: int(layout.hidden, "hidden")?,
+            intermediate: int(layout.intermediate, "intermediate")?,
+            stride: long(layout.stride),
+            dtype: dtype_code(layout.dtype),
+            gate_up_scales: long(layout.gate_up.scales_offset),
+            down_offset: long(layout.down_offset),
+            down_scales: long(layout.down.scales_offset),
+        })
+    }
+}
+
+/// A launch over `outputs` outputs in blocks of `per_block` (x) for each of `rows` pairs or
+/// tiles (y), `warps` warps per block.
+fn expert_launch(
+    outputs: usize,
+    per_block: u32,
+    rows: u32,
+    warps: u32,
+    shared_mem_bytes: u32,
+    what: &str,
+) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (
+            grid(outputs.div_ceil(per_block as usize), MAX_GRID_X, what)?,
+            rows,
+            1,
+        ),
+        block_dim: (32 * warps, 1, 1),
+        shared_mem_bytes,
+    })
 }
 
 impl CudaBackend {
@@ -449,14 +496,8 @@ impl CudaBackend {
         let mut pair_out_buffer = self.output_uninit(1, scratch(hidden)?)?;
         let activated = present_mut(&mut activated_buffer.data)?;
         let pair_out = present_mut(&mut pair_out_buffer.data)?;
-        let (hidden_arg, intermediate_arg) =
-            (int(hidden, "hidden")?, int(intermediate, "intermediate")?);
+        let args = ExpertKernelArgs::new(layout)?;
         let top_k = int(k, "top-k")?;
-        let stride = long(layout.stride);
-        let dtype = dtype_code(layout.dtype);
-        let gate_up_scales = long(layout.gate_up.scales_offset);
-        let down_offset = long(layout.down_offset);
-        let down_scales = long(layout.down.scales_offset);
         let output = present_mut(&mut out.data)?;
         let mut first = 0;
         while first < tokens {
@@ -492,39 +533,30 @@ impl CudaBackend {
                         .memcpy_stod(&groups.tiles)
                         .map_err(driver_error("copying the expert tiles to the GPU"))?;
                     let tile_count = grid(groups.tile_count(), MAX_GRID_Y, "expert tiles")?;
-                    let gate_up_config = LaunchConfig {
-                        grid_dim: (
-                            grid(
-                                intermediate.div_ceil(GROUPED_COLUMNS_PER_BLOCK as usize),
-                                MAX_GRID_X,
-                                "expert column blocks",
-                            )?,
-                            tile_count,
-                            1,
-                        ),
-                        block_dim: (32 * GROUPED_WARPS, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
+                    let gate_up_config = expert_launch(
+                        intermediate,
+                        GROUPED_COLUMNS_PER_BLOCK,
+                        tile_count,
+                        GROUPED_WARPS,
+                        0,
+                        "expert column blocks",
+                    )?;
                     launch!(self, "expert_gate_up_grouped", gate_up_config;
                         storage, &tiles, &order, &x_chunk, &mut *activated, &top_k,
-                        &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
-                    let down_config = LaunchConfig {
-                        grid_dim: (
-                            grid(
-                                hidden.div_ceil(GROUPED_ROWS_PER_BLOCK as usize),
-                                MAX_GRID_X,
-                                "expert row blocks",
-                            )?,
-                            tile_count,
-                            1,
-                        ),
-                        block_dim: (32 * GROUPED_WARPS, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
+                        &args.hidden, &args.intermediate, &args.stride, &args.dtype,
+                        &args.gate_up_scales)?;
+                    let down_config = expert_launch(
+                        hidden,
+                        GROUPED_ROWS_PER_BLOCK,
+                        tile_count,
+                        GROUPED_WARPS,
+                        0,
+                        "expert row blocks",
+                    )?;
                     launch!(self, "expert_down_grouped", down_config;
                         storage, &tiles, &order, &weights, &*activated, &mut *pair_out,
-                        &hidden_arg, &intermediate_arg, &stride, &dtype, &down_offset,
-                        &down_scales)?;
+                        &args.hidden, &args.intermediate, &args.stride, &args.dtype,
+                        &args.down_offset, &args.down_scales)?;
                 }
                 _ => {
                     let ids = self.upload_u32(chunk_ids)?;
@@ -541,9 +573,7 @@ impl CudaBackend {
                 }
             }
             let mut out_chunk = output.slice_mut(first * hidden..(first + count) * hidden);
-            let count_arg = int(count, "tokens")?;
-            launch!(self, "expert_pair_sum", elementwise(count * hidden);
-                &*pair_out, &mut out_chunk, &count_arg, &top_k, &hidden_arg)?;
+            self.launch_pair_sum(pair_out, &mut out_chunk, count, k, hidden)?;
             first += count;
         }
         Ok(out)
@@ -569,48 +599,32 @@ impl CudaBackend {
         let (hidden, intermediate) = (layout.hidden, layout.intermediate);
         let storage = present(&slots.storage)?;
         let table = present(&slots.table)?;
-        let (hidden_arg, intermediate_arg) =
-            (int(hidden, "hidden")?, int(intermediate, "intermediate")?);
+        let args = ExpertKernelArgs::new(layout)?;
         let (top_k, num_experts) = (int(k, "top-k")?, int(slots.num_experts, "experts")?);
-        let stride = long(layout.stride);
-        let dtype = dtype_code(layout.dtype);
-        let gate_up_scales = long(layout.gate_up.scales_offset);
-        let down_offset = long(layout.down_offset);
-        let down_scales = long(layout.down.scales_offset);
         let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
-        let gate_up_config = LaunchConfig {
-            grid_dim: (
-                grid(
-                    intermediate.div_ceil(EXPERT_WARPS as usize),
-                    MAX_GRID_X,
-                    "expert row blocks",
-                )?,
-                pairs_arg,
-                1,
-            ),
-            block_dim: (32 * EXPERT_WARPS, 1, 1),
-            shared_mem_bytes: shared_bytes(hidden)?,
-        };
+        let gate_up_config = expert_launch(
+            intermediate,
+            EXPERT_WARPS,
+            pairs_arg,
+            EXPERT_WARPS,
+            shared_bytes(hidden)?,
+            "expert row blocks",
+        )?;
         launch!(self, "expert_gate_up", gate_up_config;
             storage, table, ids, x, &mut *activated, &top_k, &num_experts,
-            &hidden_arg, &intermediate_arg, &stride, &dtype, &gate_up_scales)?;
-        let down_config = LaunchConfig {
-            grid_dim: (
-                grid(
-                    hidden.div_ceil(EXPERT_WARPS as usize),
-                    MAX_GRID_X,
-                    "expert row blocks",
-                )?,
-                pairs_arg,
-                1,
-            ),
-            block_dim: (32 * EXPERT_WARPS, 1, 1),
-            shared_mem_bytes: shared_bytes(intermediate)?,
-        };
+            &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales)?;
+        let down_config = expert_launch(
+            hidden,
+            EXPERT_WARPS,
+            pairs_arg,
+            EXPERT_WARPS,
+            shared_bytes(intermediate)?,
+            "expert row blocks",
+        )?;
         launch!(self, "expert_down", down_config;
             storage, table, ids, weights, &*activated, pair_out,
-            &num_experts, &hidden_arg, &intermediate_arg, &stride, &dtype,
-            &down_offset, &down_scales)
+            &num_experts, &args.hidden, &args.intermediate, &args.stride, &args.dtype,
+            &args.down_offset, &args.down_scales)
     }
 
     /// Whether a batch of `tokens` tokens with `k` choices each runs the per-pair kernels in
@@ -672,14 +686,32 @@ impl CudaBackend {
             pair_out,
         )?;
         let output = present_mut(&mut out.data)?;
+        self.launch_pair_sum(
+            pair_out,
+            &mut output.slice_mut(0..tokens * hidden),
+            tokens,
+            k,
+            hidden,
+        )?;
+        Ok(out)
+    }
+
+    /// `out[t] = Σ_j pair_out[t·k + j]` for `tokens` tokens of `hidden` values, j in order.
+    fn launch_pair_sum(
+        &self,
+        pair_out: &CudaSlice<f32>,
+        out: &mut CudaViewMut<'_, f32>,
+        tokens: usize,
+        k: usize,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
         let (count_arg, top_k, hidden_arg) = (
             int(tokens, "tokens")?,
             int(k, "top-k")?,
             int(hidden, "hidden")?,
         );
         launch!(self, "expert_pair_sum", elementwise(tokens * hidden);
-            &*pair_out, output, &count_arg, &top_k, &hidden_arg)?;
-        Ok(out)
+            pair_out, out, &count_arg, &top_k, &hidden_arg)
     }
 }
 

@@ -44,9 +44,7 @@ pub(super) enum ReadBack<'a> {
 
 impl ReadBack<'_> {
     fn bytes(&self) -> usize {
-        match self {
-            ReadBack::F32(_, len) | ReadBack::U32Bits(_, len) => len * 4,
-        }
+        self.shape().bytes()
     }
 }
 

@@ -385,6 +385,21 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                             );
                         }
                     }
+                    if let (false, Some(first)) = (args.json, results.first()) {
+                        println!(
+                            "  (plain read of this working set right after: {:.1} GB/s; the kernels \
+                             streamed {} of it)",
+                            first.working_set_read_gbps,
+                            results
+                                .iter()
+                                .map(|r| format!(
+                                    "{:.0}%",
+                                    100.0 * r.weight_gbps / first.working_set_read_gbps.max(1e-9)
+                                ))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        );
+                    }
                     all.extend(
                         results
                             .into_iter()

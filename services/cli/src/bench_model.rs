@@ -132,6 +132,8 @@ struct Row {
     repeats: usize,
     prefill: PhaseFigures,
     decode: PhaseFigures,
+    /// Each repeat's decode split (ms per token), in run order.
+    decode_split_per_repeat: Vec<Split>,
     /// Prefill tok/s at the client (prompt tokens ÷ time to the first token).
     prefill_tok_s: f64,
     /// Decode tok/s at the client (batch 1).
@@ -520,14 +522,15 @@ async fn measure(
             (None, None) => {}
         }
     }
-    // Warm-up, not measured: first touches of weights and kernels, and the growth of the
-    // engine's buffer pools for a prompt of the first measured length, are not the steady
-    // state (the first of two measured runs was 6% slower at decode before this was a whole
-    // prompt; docs/BENCHMARKS.md).
+    // Warm-up, not measured: one whole run of the first measured shape (prompt and every
+    // decoded token). First touches of weights and kernels, and the growth of the engine's
+    // buffer pools and KV cache up to that shape, are not the steady state: with a 16-token
+    // warm-up the first of two measured runs decoded 6–9% slower than the second in every
+    // pair (docs/BENCHMARKS.md).
     generate(
         &mut client,
         random_tokens(lengths[0], vocab, args.seed ^ 0xa5a5),
-        args.decode_tokens.min(16) + 1,
+        args.decode_tokens + 1,
         args.seed,
     )
     .await
@@ -542,6 +545,7 @@ async fn measure(
         let (mut prefill_wall, mut decode_wall) = (Duration::ZERO, Duration::ZERO);
         let (mut prefill_rates, mut decode_rates) = (Vec::new(), Vec::new());
         let mut decoded = 0u64;
+        let mut decode_split_per_repeat = Vec::new();
         for repeat in 0..args.repeats {
             if stop_requested() {
                 bail!("interrupted");
@@ -563,6 +567,17 @@ async fn measure(
             decoded += timing.decoded as u64;
             prefill_rates.push(length as f64 / timing.prefill.as_secs_f64().max(1e-12));
             decode_rates.push(timing.decoded as f64 / timing.decode.as_secs_f64().max(1e-12));
+            // Each run's own split shows which part moves when two runs differ.
+            let run_decode = counters.decode.unwrap_or_default();
+            decode_split_per_repeat.push(
+                phase_figures(
+                    &run_decode,
+                    timing.decoded as u64,
+                    timing.decode,
+                    Vec::new(),
+                )
+                .split_ms_per_token,
+            );
             last = counters;
         }
         let prompt_tokens = (length * args.repeats) as u64;
@@ -600,6 +615,7 @@ async fn measure(
             ideal_ms_per_token: ideal_ms,
             prefill,
             decode,
+            decode_split_per_repeat,
         });
     }
     Ok(Report {
@@ -701,10 +717,21 @@ fn print_report(report: &Report) {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
+            let splits = |part: fn(&Split) -> f64| {
+                row.decode_split_per_repeat
+                    .iter()
+                    .map(|split| format!("{:.2}", part(split)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
             println!(
-                "        per run: prefill {} tok/s; decode {} tok/s",
+                "        per run: prefill {} tok/s; decode {} tok/s; decode ms/tok: gpu/dense {}, \
+                 cpu exp {}, channel {}",
                 list(&row.prefill.tok_per_s_per_repeat),
-                list(&row.decode.tok_per_s_per_repeat)
+                list(&row.decode.tok_per_s_per_repeat),
+                splits(|split| split.gpu_dense),
+                splits(|split| split.cpu_experts),
+                splits(|split| split.channel_wait),
             );
         }
     }

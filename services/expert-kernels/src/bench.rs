@@ -154,38 +154,39 @@ pub fn measure_read_bandwidth(
 ) -> Result<BandwidthResult, KernelError> {
     let mut buffer = AlignedBuffer::zeroed(buffer_bytes)?;
     fill_random(pool, &mut buffer, 1)?;
-    let len = buffer.len();
-    let base = SharedPointer(buffer.as_mut_ptr());
-    let sink = std::sync::atomic::AtomicU64::new(0);
-    let mut rates = Vec::with_capacity(passes + 1);
-    for pass in 0..passes.max(1) + 1 {
-        let start = Instant::now();
-        pool.run(&|context: &WorkerContext<'_>| {
-            let range = thread_share(len, context.index, context.count);
-            // SAFETY: read-only access to this thread's range of a live buffer.
-            let bytes =
-                unsafe { std::slice::from_raw_parts(base.get().add(range.start), range.len()) };
-            sink.fetch_add(read_sum(bytes), std::sync::atomic::Ordering::Relaxed);
-        })?;
-        let seconds = start.elapsed().as_secs_f64();
-        if pass > 0 {
-            // Pass 0 warms TLBs and wakes the threads.
-            rates.push(len as f64 / seconds / 1e9);
-        }
-    }
-    std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
-    rates.sort_by(|a, b| a.total_cmp(b));
+    let rates = read_rates_of(pool, buffer.as_slice(), passes)?;
     // While the buffer is alive: how much of it (and of the rest) sits on huge pages.
     let huge_page_bytes = crate::buffer::anonymous_huge_page_bytes();
     drop(buffer);
     Ok(BandwidthResult {
         threads: pool.threads(),
-        buffer_bytes: len,
+        buffer_bytes,
         passes: rates.len(),
         best_gbps: rates.last().copied().unwrap_or(0.0),
         median_gbps: rates[rates.len() / 2],
         huge_page_bytes,
     })
+}
+
+/// GB/s of `passes` timed multi-threaded read passes over `bytes` (each thread a contiguous
+/// share), sorted ascending; an untimed pass first warms TLBs and wakes the threads.
+fn read_rates_of(pool: &ThreadPool, bytes: &[u8], passes: usize) -> Result<Vec<f64>, KernelError> {
+    let sink = std::sync::atomic::AtomicU64::new(0);
+    let mut rates = Vec::with_capacity(passes + 1);
+    for pass in 0..passes.max(1) + 1 {
+        let start = Instant::now();
+        pool.run(&|context: &WorkerContext<'_>| {
+            let share = &bytes[thread_share(bytes.len(), context.index, context.count)];
+            sink.fetch_add(read_sum(share), std::sync::atomic::Ordering::Relaxed);
+        })?;
+        let seconds = start.elapsed().as_secs_f64();
+        if pass > 0 {
+            rates.push(bytes.len() as f64 / seconds / 1e9);
+        }
+    }
+    std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
+    rates.sort_by(|a, b| a.total_cmp(b));
+    Ok(rates)
 }
 
 /// One expert-throughput measurement.
@@ -214,6 +215,10 @@ pub struct ExpertBenchResult {
     pub phase_us: [f64; 3],
     /// The process's anonymous memory on 2 MiB pages while the working set was streamed.
     pub huge_page_bytes: Option<u64>,
+    /// Best of a few plain multi-threaded read passes over this very working set, right after
+    /// the kernels streamed it (GB/s): on a VM whose bandwidth depends on which memory backs a
+    /// buffer, the like-for-like reference.
+    pub working_set_read_gbps: f64,
 }
 
 /// What `bench_experts` runs.
@@ -381,7 +386,7 @@ pub fn bench_experts(
     let weight_bytes_per_layer = per_layer * layout.streamed_bytes();
     let flops_per_layer =
         2.0 * tokens as f64 * per_layer as f64 * 3.0 * h as f64 * layout.intermediate as f64;
-    let mut results = Vec::new();
+    let mut results: Vec<ExpertBenchResult> = Vec::new();
     for &isa in isas {
         let mut scratch = LayerScratch::new(layout, isa, pool.threads(), capacity)?;
         let mut run_for =
@@ -431,9 +436,17 @@ pub fn bench_experts(
             gflops: flops_per_layer / layer_seconds / 1e9,
             phase_us: phases.map(|p| p / calls as f64 * 1e6),
             huge_page_bytes: crate::buffer::anonymous_huge_page_bytes(),
+            working_set_read_gbps: 0.0,
         });
     }
     std::hint::black_box(&output);
+    let working_set_read = read_rates_of(pool, bank.buffer.as_slice(), 5)?
+        .last()
+        .copied()
+        .unwrap_or(0.0);
+    for result in &mut results {
+        result.working_set_read_gbps = working_set_read;
+    }
     Ok(results)
 }
 

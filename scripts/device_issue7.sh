@@ -10,7 +10,8 @@
 # q30 (qwen3-30b-a3b int8 uniform: (a) 0, (b) 16 GiB budget, (c) all GPU experts),
 # q35 (qwen3.5-35b-a3b int4 zipf, a 16 GiB card, placed by recorded statistics),
 # profile (with q30: op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs),
-# experts (issue 6: `ninfer bench experts`, first, on a quiet machine).
+# experts (issue 6: `ninfer bench experts`, first, on a quiet machine),
+# experts_ab (issue 6: a kernel change against .devbin/ninfer-before, the previous build).
 # Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +96,32 @@ if has experts; then
   timeout 120 .devbin/ninfer bench experts --preset qwen3.5-35b-a3b --dtype int8,int4 --tokens 32,128 \
     --kernel-isa avx512-vnni,amx --working-set-gib 4 --seconds 0.5 >"$out/experts_batch.txt" 2>&1
   tail -10 "$out/experts_batch.txt" | tee -a "$out/session.log"
+  archive
+fi
+
+if has experts_ab; then
+  # A/B of a kernel change: .devbin/ninfer-before (the previous build, copied there by hand)
+  # against .devbin/ninfer, alternating, then the new build's knobs and an 8-thread run.
+  lscpu | grep -i "model name\|thread(s) per core\|core(s) per socket\|socket(s)\|numa node(s)" | tee -a "$out/session.log"
+  E=(bench experts --preset qwen3.5-35b-a3b --dtype int4,int8 --tokens 1 --kernel-isa avx512-vnni
+    --working-set-gib 4 --rounds 2)
+  for pass in 1 2; do
+    for build in ninfer-before ninfer; do
+      [ -x ".devbin/$build" ] || continue
+      log "experts A/B pass $pass: $build"
+      timeout 120 ".devbin/$build" "${E[@]}" >"$out/experts_ab_${pass}_$build.txt" 2>&1
+      grep "read bandwidth\|plain read\|^int" "$out/experts_ab_${pass}_$build.txt" | tee -a "$out/session.log"
+    done
+  done
+  for tuning in nogfni quad; do
+    log "experts, NINFER_EXPERT_TUNING=$tuning"
+    NINFER_EXPERT_TUNING=$tuning timeout 120 .devbin/ninfer "${E[@]}" >"$out/experts_tuning_$tuning.txt" 2>&1
+    grep "read bandwidth\|plain read\|^int" "$out/experts_tuning_$tuning.txt" | tee -a "$out/session.log"
+  done
+  log "experts, 8 threads"
+  timeout 120 .devbin/ninfer bench experts --threads 8 --preset qwen3.5-35b-a3b --dtype int4,int8 --tokens 1 \
+    --kernel-isa avx512-vnni --working-set-gib 4 >"$out/experts_8_threads.txt" 2>&1
+  grep "read bandwidth\|plain read\|^int" "$out/experts_8_threads.txt" | tee -a "$out/session.log"
   archive
 fi
 

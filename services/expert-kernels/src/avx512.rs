@@ -379,76 +379,124 @@ unsafe fn int4_row<const N: usize>(
 /// divides the per-row overhead. `R` = 2 (a gate row and its up row, or two 8-row halves of a
 /// `down` block) or 4.
 ///
+/// Decode at int4 is bound by instructions per weight byte on a busy core, so the inner step is
+/// kept short: the weight × activation scales are multiplied once per 16 groups (compact
+/// `group_scale`) and only permuted per block, and with GFNI the high nibbles take one affine
+/// byte shift instead of a word shift and a mask.
+///
 /// # Safety
 /// As `kernels::matmul_rows` for every row, with exactly one token; AVX-512 VNNI present.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 pub(crate) unsafe fn int4_rows_one_token<const R: usize>(
     matrix: &MatrixView,
     rows: [usize; R],
     input: &InputRows,
     outs: [*mut f32; R],
 ) {
-    let groups = matrix.layout.groups_per_row;
-    let blocks = groups.div_ceil(4);
-    let values: [*const u8; R] = std::array::from_fn(|r| matrix.row_values(rows[r]));
-    let scales: [*const u16; R] = std::array::from_fn(|r| matrix.row_scales(rows[r]));
-    let zero = _mm512_setzero_si512();
-    let low_nibbles = _mm512_set1_epi8(0x0f);
-    let quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    let scale_index: [__m512i; 4] =
-        std::array::from_fn(|j| _mm512_add_epi32(quad, _mm512_set1_epi32(4 * j as i32)));
-    let x_bytes = input.int8_row(0);
-    let x_scales = input.lane_scale_row(0);
-    let x_offsets = input.group_offset_row(0);
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut offset_acc = [_mm512_setzero_ps(); R];
-    let prefetch = crate::kernels::prefetch_distance();
-    let into_l2 = crate::kernels::prefetch_to_l2();
-    for &row in &rows {
-        prefetch_row_scales(matrix, row, prefetch, into_l2);
+    if crate::kernels::int4_gfni() {
+        int4_rows_one_token_gfni::<R>(matrix, rows, input, outs)
+    } else {
+        int4_rows_one_token_shift::<R>(matrix, rows, input, outs)
     }
-    let mut block = 0;
-    while block < blocks {
-        let chunk = (blocks - block).min(4);
-        let chunk_groups = (groups - 4 * block).min(16);
-        let offsets = _mm512_maskz_loadu_ps(lane_mask(chunk_groups), x_offsets.add(4 * block));
-        let chunk_scales: [__m512; R] = std::array::from_fn(|r| {
-            let row_scales = load_scales(scales[r].add(4 * block), chunk_groups);
-            offset_acc[r] = _mm512_fmadd_ps(row_scales, offsets, offset_acc[r]);
-            row_scales
-        });
-        for (j, index) in scale_index.iter().enumerate().take(chunk) {
-            let b = block + j;
-            let remaining = groups - 4 * b;
-            let x = x_bytes.add(b * 128);
-            let x_even = _mm512_loadu_si512(x.cast());
-            let x_odd = _mm512_loadu_si512(x.add(64).cast());
-            let x_scale = _mm512_loadu_ps(x_scales.add(b * 16));
-            for r in 0..R {
-                if prefetch > 0 {
-                    // Addresses past the matrix end are harmless: prefetches never fault.
-                    prefetch_line(values[r].wrapping_add(b * 64 + prefetch), into_l2);
-                }
-                let bytes = if remaining >= 4 {
-                    _mm512_loadu_si512(values[r].add(b * 64).cast())
-                } else {
-                    _mm512_maskz_loadu_epi8(
-                        (1u64 << (remaining * 16)) - 1,
-                        values[r].add(b * 64).cast(),
-                    )
-                };
-                let low = _mm512_and_si512(bytes, low_nibbles);
-                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low_nibbles);
-                let dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, x_even), high, x_odd);
-                let scale = _mm512_mul_ps(_mm512_permutexvar_ps(*index, chunk_scales[r]), x_scale);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
-            }
+}
+
+/// The body of [`int4_rows_one_token`], with `$high` turning a zmm of weight bytes into their
+/// high nibbles (one function per instruction set, each with its own `target_feature`).
+macro_rules! int4_rows_one_token_body {
+    ($matrix:ident, $rows:ident, $input:ident, $outs:ident, $R:ident, |$bytes:ident| $high:expr) => {{
+        let groups = $matrix.layout.groups_per_row;
+        let blocks = groups.div_ceil(4);
+        let values: [*const u8; $R] = std::array::from_fn(|r| $matrix.row_values($rows[r]));
+        let scales: [*const u16; $R] = std::array::from_fn(|r| $matrix.row_scales($rows[r]));
+        let zero = _mm512_setzero_si512();
+        let low_nibbles = _mm512_set1_epi8(0x0f);
+        let quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let scale_index: [__m512i; 4] =
+            std::array::from_fn(|j| _mm512_add_epi32(quad, _mm512_set1_epi32(4 * j as i32)));
+        let x_bytes = $input.int8_row(0);
+        let x_group_scales = $input.group_scale_row(0);
+        let x_offsets = $input.group_offset_row(0);
+        let mut acc = [_mm512_setzero_ps(); $R];
+        let mut offset_acc = [_mm512_setzero_ps(); $R];
+        let prefetch = crate::kernels::prefetch_distance();
+        let into_l2 = crate::kernels::prefetch_to_l2();
+        for &row in &$rows {
+            prefetch_row_scales($matrix, row, prefetch, into_l2);
         }
-        block += chunk;
-    }
-    for r in 0..R {
-        *outs[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], offset_acc[r]));
-    }
+        let mut block = 0;
+        while block < blocks {
+            let chunk = (blocks - block).min(4);
+            let chunk_groups = (groups - 4 * block).min(16);
+            let mask = lane_mask(chunk_groups);
+            let offsets = _mm512_maskz_loadu_ps(mask, x_offsets.add(4 * block));
+            let x_scales = _mm512_maskz_loadu_ps(mask, x_group_scales.add(4 * block));
+            // Per row, the 16 groups' weight scale × activation scale, in one multiply.
+            let chunk_scales: [__m512; $R] = std::array::from_fn(|r| {
+                let row_scales = load_scales(scales[r].add(4 * block), chunk_groups);
+                offset_acc[r] = _mm512_fmadd_ps(row_scales, offsets, offset_acc[r]);
+                _mm512_mul_ps(row_scales, x_scales)
+            });
+            for (j, index) in scale_index.iter().enumerate().take(chunk) {
+                let b = block + j;
+                let remaining = groups - 4 * b;
+                let x = x_bytes.add(b * 128);
+                let x_even = _mm512_loadu_si512(x.cast());
+                let x_odd = _mm512_loadu_si512(x.add(64).cast());
+                for r in 0..$R {
+                    if prefetch > 0 {
+                        // Addresses past the matrix end are harmless: prefetches never fault.
+                        prefetch_line(values[r].wrapping_add(b * 64 + prefetch), into_l2);
+                    }
+                    let $bytes = if remaining >= 4 {
+                        _mm512_loadu_si512(values[r].add(b * 64).cast())
+                    } else {
+                        _mm512_maskz_loadu_epi8(
+                            (1u64 << (remaining * 16)) - 1,
+                            values[r].add(b * 64).cast(),
+                        )
+                    };
+                    let low = _mm512_and_si512($bytes, low_nibbles);
+                    let high = $high;
+                    let dot =
+                        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, x_even), high, x_odd);
+                    let scale = _mm512_permutexvar_ps(*index, chunk_scales[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                }
+            }
+            block += chunk;
+        }
+        for r in 0..$R {
+            *$outs[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], offset_acc[r]));
+        }
+    }};
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn int4_rows_one_token_shift<const R: usize>(
+    matrix: &MatrixView,
+    rows: [usize; R],
+    input: &InputRows,
+    outs: [*mut f32; R],
+) {
+    int4_rows_one_token_body!(matrix, rows, input, outs, R, |bytes| _mm512_and_si512(
+        _mm512_srli_epi16::<4>(bytes),
+        _mm512_set1_epi8(0x0f)
+    ))
+}
+
+/// GF(2⁸) affine matrix whose product with a byte is the byte shifted right by 4: output bit
+/// `i` (matrix byte `7 − i`) takes input bit `i + 4` for `i < 4`, nothing above.
+const SHIFT_RIGHT_4_AFFINE: i64 = 0x1020_4080_0000_0000;
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,gfni")]
+unsafe fn int4_rows_one_token_gfni<const R: usize>(
+    matrix: &MatrixView,
+    rows: [usize; R],
+    input: &InputRows,
+    outs: [*mut f32; R],
+) {
+    int4_rows_one_token_body!(matrix, rows, input, outs, R, |bytes| {
+        _mm512_gf2p8affine_epi64_epi8::<0>(bytes, _mm512_set1_epi64(SHIFT_RIGHT_4_AFFINE))
+    })
 }
 
 /// Two int8 rows against one token in one pass (decode); see [`int4_rows_one_token`].

@@ -4,7 +4,7 @@
 //! Owns: the choice of kernel per (path, weight dtype, token count) and the per-thread scratch
 //! the kernels use. Must not touch: how rows and tokens are shared among threads (`layer`).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::isa::KernelIsa;
 use crate::layout::MatrixView;
@@ -105,6 +105,23 @@ static INT4_ROWS_PER_PASS: AtomicUsize = AtomicUsize::new(2);
 /// (anything else means 2).
 pub fn set_int4_rows_per_pass(rows: usize) {
     INT4_ROWS_PER_PASS.store(if rows == 4 { 4 } else { 2 }, Ordering::Relaxed);
+}
+
+/// Whether the int4 decode kernel may use GFNI where the CPU has it (a knob for `ninfer bench`
+/// and the tests, which compare both forms on one machine).
+static INT4_GFNI_ALLOWED: AtomicBool = AtomicBool::new(true);
+
+/// Allows or forbids the GFNI form of the int4 decode kernel (allowed by default; used only
+/// where the CPU has GFNI).
+pub fn set_int4_gfni(allowed: bool) {
+    INT4_GFNI_ALLOWED.store(allowed, Ordering::Relaxed);
+}
+
+/// The int4 decode kernel's GFNI form is allowed and this CPU has GFNI.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn int4_gfni() -> bool {
+    INT4_GFNI_ALLOWED.load(Ordering::Relaxed) && std::arch::is_x86_feature_detected!("gfni")
 }
 
 /// Per-thread buffers, owned by `LayerScratch`; one thread uses one of them at a time.

@@ -42,7 +42,7 @@ mod avx2;
 mod avx512;
 
 pub use isa::KernelIsa;
-pub use kernels::{set_int4_rows_per_pass, set_prefetch_distance};
+pub use kernels::{set_int4_gfni, set_int4_rows_per_pass, set_prefetch_distance};
 pub use layer::{
     compute_layer, layer_tuning, set_down_split, set_layer_tuning, DownSplit, ExpertTask,
     ExpertWeights, LayerScratch, LayerTuning, ScratchCapacity,

@@ -79,6 +79,10 @@ pub(crate) struct Forms {
     /// Int4: per group, `−8 · scale · Σcodes` (the nibbles' +8 offset, folded into one FMA
     /// per 16 groups against the weight scales).
     pub group_offset: Vec<f32>,
+    /// Int4: per group, the activations' scale (compact: 16 groups per zmm, where
+    /// `lane_scale` repeats each four times), so the one-token kernel multiplies it with the
+    /// weights' scales once per 16 groups instead of once per 4.
+    pub group_scale: Vec<f32>,
     pub amx: Vec<u32>,
 }
 
@@ -99,6 +103,7 @@ impl Forms {
             int8: vec![0; sized(needs.quantized(), slots * padded)],
             lane_scale: vec![0.0; sized(needs.quantized(), slots * lanes)],
             group_offset: vec![0.0; sized(needs.int4_signed, slots * padded / GROUP)],
+            group_scale: vec![0.0; sized(needs.int4_signed, slots * padded / GROUP)],
             amx: vec![0; sized(needs.amx, amx_slots * amx_padded / 2)],
         }
     }
@@ -114,6 +119,7 @@ impl Forms {
             int8: self.int8.as_mut_ptr(),
             lane_scale: self.lane_scale.as_mut_ptr(),
             group_offset: self.group_offset.as_mut_ptr(),
+            group_scale: self.group_scale.as_mut_ptr(),
             amx: self.amx.as_mut_ptr(),
         }
     }
@@ -132,6 +138,7 @@ pub(crate) struct FormsPtr {
     pub int8: *mut u8,
     pub lane_scale: *mut f32,
     pub group_offset: *mut f32,
+    pub group_scale: *mut f32,
     pub amx: *mut u32,
 }
 
@@ -197,6 +204,7 @@ impl FormsPtr {
                 let sum: i32 = codes.iter().map(|&c| c as i32).sum();
                 *self.group_offset.add(slot * (self.padded / GROUP) + group) =
                     -8.0 * scale * sum as f32;
+                *self.group_scale.add(slot * (self.padded / GROUP) + group) = scale;
                 // Lanes 4k..4k+4 of a block's dot products hold group k.
                 let lanes = lane_row + (group / 4) * 16 + (group % 4) * 4;
                 for lane in 0..4 {
@@ -288,6 +296,12 @@ impl InputRows {
     pub fn group_offset_row(&self, token: usize) -> *const f32 {
         self.forms
             .group_offset
+            .wrapping_add((self.first_slot + token) * (self.forms.padded / GROUP))
+    }
+    #[inline]
+    pub fn group_scale_row(&self, token: usize) -> *const f32 {
+        self.forms
+            .group_scale
             .wrapping_add((self.first_slot + token) * (self.forms.padded / GROUP))
     }
 }

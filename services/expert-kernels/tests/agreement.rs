@@ -249,11 +249,12 @@ fn int4_paths_agree_with_scalar() {
     check_dtype(WeightDType::Int4, &[(96, 160), (64, 32)]);
 }
 
-/// Every scheduling choice and the 4-rows-per-pass int4 decode kernel compute the same layer.
-/// (The knobs are process-wide; tests running beside this one are correct under any of them.)
+/// Every scheduling choice, the 4-rows-per-pass int4 decode kernel and its forms with and
+/// without GFNI compute the same layer. (The knobs are process-wide; tests running beside this
+/// one are correct under any of them.)
 #[test]
 fn layer_tunings_agree_with_scalar() {
-    for bits in 0..64u32 {
+    for bits in 0..128u32 {
         ninfer_expert_kernels::set_layer_tuning(ninfer_expert_kernels::LayerTuning {
             steal: bits & 1 != 0,
             prefetch_ahead: bits & 2 != 0,
@@ -262,11 +263,13 @@ fn layer_tunings_agree_with_scalar() {
             private_input: bits & 32 != 0,
         });
         ninfer_expert_kernels::set_int4_rows_per_pass(if bits & 8 != 0 { 4 } else { 2 });
+        ninfer_expert_kernels::set_int4_gfni(bits & 64 == 0);
         check_dtype(WeightDType::Int4, &[(96, 160)]);
         check_dtype(WeightDType::Int8, &[(64, 32)]);
     }
     ninfer_expert_kernels::set_layer_tuning(Default::default());
     ninfer_expert_kernels::set_int4_rows_per_pass(2);
+    ninfer_expert_kernels::set_int4_gfni(true);
 }
 
 #[test]

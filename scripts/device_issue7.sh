@@ -113,7 +113,7 @@ if has experts_ab; then
       grep "read bandwidth\|plain read\|^int" "$out/experts_ab_${pass}_$build.txt" | tee -a "$out/session.log"
     done
   done
-  for tuning in nogfni quad; do
+  for tuning in nogfni quad octo; do
     log "experts, NINFER_EXPERT_TUNING=$tuning"
     NINFER_EXPERT_TUNING=$tuning timeout 120 .devbin/ninfer "${E[@]}" >"$out/experts_tuning_$tuning.txt" 2>&1
     grep "read bandwidth\|plain read\|^int" "$out/experts_tuning_$tuning.txt" | tee -a "$out/session.log"

@@ -377,7 +377,8 @@ unsafe fn int4_row<const N: usize>(
 /// `R` int4 rows against one token in one pass (decode): the rows are `R` independent weight
 /// streams sharing every activation load, which multiplies the misses in flight per core and
 /// divides the per-row overhead. `R` = 2 (a gate row and its up row, or two 8-row halves of a
-/// `down` block) or 4.
+/// `down` block), 4 or 8 (half gate and half up rows, or two runs of a `down` block); at 4 and 8
+/// the rows' sums come out of one transpose-and-add tree instead of `R` horizontal sums.
 ///
 /// Decode at int4 is bound by instructions per weight byte on a busy core, so the inner step is
 /// kept short: the weight × activation scales are multiplied once per 16 groups (compact
@@ -415,8 +416,8 @@ macro_rules! int4_rows_one_token_body {
         let x_bytes = $input.int8_row(0);
         let x_group_scales = $input.group_scale_row(0);
         let x_offsets = $input.group_offset_row(0);
+        // The nibbles' offset terms go into the same accumulators: everything is summed.
         let mut acc = [_mm512_setzero_ps(); $R];
-        let mut offset_acc = [_mm512_setzero_ps(); $R];
         let prefetch = crate::kernels::prefetch_distance();
         let into_l2 = crate::kernels::prefetch_to_l2();
         for &row in &$rows {
@@ -432,7 +433,7 @@ macro_rules! int4_rows_one_token_body {
             // Per row, the 16 groups' weight scale × activation scale, in one multiply.
             let chunk_scales: [__m512; $R] = std::array::from_fn(|r| {
                 let row_scales = load_scales(scales[r].add(4 * block), chunk_groups);
-                offset_acc[r] = _mm512_fmadd_ps(row_scales, offsets, offset_acc[r]);
+                acc[r] = _mm512_fmadd_ps(row_scales, offsets, acc[r]);
                 _mm512_mul_ps(row_scales, x_scales)
             });
             for (j, index) in scale_index.iter().enumerate().take(chunk) {
@@ -464,10 +465,57 @@ macro_rules! int4_rows_one_token_body {
             }
             block += chunk;
         }
+        let sums = sum_each::<$R>(&acc);
         for r in 0..$R {
-            *$outs[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], offset_acc[r]));
+            *$outs[r] = sums[r];
         }
     }};
+}
+
+/// The sum of each of `R` zmm: for `R` = 4 or 8 a transpose-and-add tree (pairs, then quads
+/// within each 128-bit lane, then across lanes), about a third of `R` separate horizontal sums.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_each<const R: usize>(acc: &[__m512; R]) -> [f32; R] {
+    let mut sums = [0.0f32; R];
+    if R != 4 && R != 8 {
+        for (sum, &value) in sums.iter_mut().zip(acc) {
+            *sum = _mm512_reduce_add_ps(value);
+        }
+        return sums;
+    }
+    // Two vectors → per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3].
+    let pair =
+        |a: __m512, b: __m512| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    // Two pairs → per 128-bit lane [a, b, c, d], each the sum of that lane's four elements.
+    let quad = |ab: __m512, cd: __m512| {
+        let (ab, cd) = (_mm512_castps_pd(ab), _mm512_castps_pd(cd));
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)),
+        )
+    };
+    let abcd = quad(pair(acc[0], acc[1]), pair(acc[2], acc[3]));
+    if R == 4 {
+        // Add the four 128-bit lanes: swap halves, then neighbours.
+        let halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4::<0x4e>(abcd, abcd));
+        let total = _mm512_add_ps(halves, _mm512_shuffle_f32x4::<0xb1>(halves, halves));
+        _mm_storeu_ps(sums.as_mut_ptr(), _mm512_castps512_ps128(total));
+    } else {
+        let efgh = quad(pair(acc[4], acc[5]), pair(acc[6], acc[7]));
+        // [abcd L0+L1, abcd L2+L3, efgh L0+L1, efgh L2+L3], then the low 256 bits hold
+        // [a..d totals, e..h totals].
+        let s = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(abcd, efgh),
+            _mm512_shuffle_f32x4::<0xdd>(abcd, efgh),
+        );
+        let total = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(s, s),
+            _mm512_shuffle_f32x4::<0xdd>(s, s),
+        );
+        _mm256_storeu_ps(sums.as_mut_ptr(), _mm512_castps512_ps256(total));
+    }
+    sums
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]

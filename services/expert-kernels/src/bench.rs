@@ -306,7 +306,7 @@ fn sanitize(bytes: &mut [u8], layout: &MatrixLayout) {
 
 /// Environment variable that sets [`crate::LayerTuning`] for `bench_experts` (and every later
 /// `compute_layer` call of the process): a comma-separated subset of `steal`, `ahead`, `shared`, `flow`, `private`,
-/// `quad` (4 int4 rows per decode pass, [`crate::set_int4_rows_per_pass`]), `nogfni` (the
+/// `quad` / `octo` (4 / 8 int4 rows per decode pass, [`crate::set_int4_rows_per_pass`]), `nogfni` (the
 /// int4 decode kernel without GFNI, [`crate::set_int4_gfni`]), or `none`. Unset: the defaults.
 pub const TUNING_ENV: &str = "NINFER_EXPERT_TUNING";
 
@@ -322,26 +322,27 @@ pub fn apply_tuning_env() -> Result<(), KernelError> {
         flow: false,
         private_input: false,
     };
-    let (mut quad, mut gfni) = (false, true);
+    let (mut int4_rows, mut gfni) = (2, true);
     for word in text.split(',').map(str::trim).filter(|w| !w.is_empty()) {
         match word {
             "steal" => tuning.steal = true,
             "ahead" => tuning.prefetch_ahead = true,
             "shared" => tuning.shared_decode_input = true,
-            "quad" => quad = true,
+            "quad" => int4_rows = 4,
+            "octo" => int4_rows = 8,
             "nogfni" => gfni = false,
             "flow" => tuning.flow = true,
             "private" => tuning.private_input = true,
             "none" => {}
             other => {
                 return Err(KernelError::Input(format!(
-                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, flow, private, quad, nogfni, none)"
+                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, flow, private, quad, octo, nogfni, none)"
                 )))
             }
         }
     }
     crate::set_layer_tuning(tuning);
-    crate::set_int4_rows_per_pass(if quad { 4 } else { 2 });
+    crate::set_int4_rows_per_pass(int4_rows);
     crate::set_int4_gfni(gfni);
     Ok(())
 }

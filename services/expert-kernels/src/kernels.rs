@@ -98,13 +98,14 @@ pub(crate) fn prefetch_stream_start(matrix: &MatrixView, row: usize, bytes: usiz
     let _ = (matrix, row, bytes);
 }
 
-/// Int4 rows per pass of the decode kernels: 2 or 4 (a tuning knob for `ninfer bench`).
+/// Int4 rows per pass of the decode kernels: 2, 4 or 8 (a tuning knob for `ninfer bench`).
 static INT4_ROWS_PER_PASS: AtomicUsize = AtomicUsize::new(2);
 
-/// Sets how many int4 weight rows the decode (one-token) kernels stream in one pass: 2 or 4
+/// Sets how many int4 weight rows the decode (one-token) kernels stream in one pass: 2, 4 or 8
 /// (anything else means 2).
 pub fn set_int4_rows_per_pass(rows: usize) {
-    INT4_ROWS_PER_PASS.store(if rows == 4 { 4 } else { 2 }, Ordering::Relaxed);
+    let rows = if rows == 4 || rows == 8 { rows } else { 2 };
+    INT4_ROWS_PER_PASS.store(rows, Ordering::Relaxed);
 }
 
 /// Whether the int4 decode kernel may use GFNI where the CPU has it (a knob for `ninfer bench`
@@ -235,9 +236,23 @@ pub(crate) unsafe fn matmul_row_pairs(
         let dtype = matrix.layout.dtype;
         if vnni && input.tokens == 1 && input.amx_base.is_none() && dtype.is_quantized() {
             let mut local = 0;
-            if dtype == crate::layout::WeightDType::Int4
-                && INT4_ROWS_PER_PASS.load(Ordering::Relaxed) == 4
-            {
+            let int4_rows = INT4_ROWS_PER_PASS.load(Ordering::Relaxed);
+            if dtype == crate::layout::WeightDType::Int4 && int4_rows == 8 {
+                while count - local >= 4 {
+                    let (a, b) = (first_a + local, first_b + local);
+                    crate::avx512::int4_rows_one_token::<8>(
+                        matrix,
+                        [a, a + 1, a + 2, a + 3, b, b + 1, b + 2, b + 3],
+                        input,
+                        std::array::from_fn(|i| {
+                            let out = if i < 4 { out_a } else { out_b };
+                            out.add(local + i % 4)
+                        }),
+                    );
+                    local += 4;
+                }
+            }
+            if dtype == crate::layout::WeightDType::Int4 && int4_rows >= 4 {
                 while count - local >= 2 {
                     let (row_a, row_b) = (first_a + local, first_b + local);
                     crate::avx512::int4_rows_one_token::<4>(

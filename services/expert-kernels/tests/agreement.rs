@@ -249,12 +249,12 @@ fn int4_paths_agree_with_scalar() {
     check_dtype(WeightDType::Int4, &[(96, 160), (64, 32)]);
 }
 
-/// Every scheduling choice, the 4-rows-per-pass int4 decode kernel and its forms with and
+/// Every scheduling choice, the 4- and 8-rows-per-pass int4 decode kernels and their forms with and
 /// without GFNI compute the same layer. (The knobs are process-wide; tests running beside this
 /// one are correct under any of them.)
 #[test]
 fn layer_tunings_agree_with_scalar() {
-    for bits in 0..128u32 {
+    for bits in 0..256u32 {
         ninfer_expert_kernels::set_layer_tuning(ninfer_expert_kernels::LayerTuning {
             steal: bits & 1 != 0,
             prefetch_ahead: bits & 2 != 0,
@@ -262,7 +262,11 @@ fn layer_tunings_agree_with_scalar() {
             flow: bits & 16 != 0,
             private_input: bits & 32 != 0,
         });
-        ninfer_expert_kernels::set_int4_rows_per_pass(if bits & 8 != 0 { 4 } else { 2 });
+        ninfer_expert_kernels::set_int4_rows_per_pass(match (bits & 8 != 0, bits & 128 != 0) {
+            (false, false) => 2,
+            (true, false) => 4,
+            (_, true) => 8,
+        });
         ninfer_expert_kernels::set_int4_gfni(bits & 64 == 0);
         check_dtype(WeightDType::Int4, &[(96, 160)]);
         check_dtype(WeightDType::Int8, &[(64, 32)]);

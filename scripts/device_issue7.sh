@@ -113,7 +113,8 @@ if has experts_ab; then
       grep "read bandwidth\|plain read\|^int" "$out/experts_ab_${pass}_$build.txt" | tee -a "$out/session.log"
     done
   done
-  for tuning in nogfni quad octo; do
+  # A tuning list replaces the defaults (steal, shared): name them too.
+  for tuning in steal,shared,nogfni steal,shared,quad steal,shared,octo; do
     log "experts, NINFER_EXPERT_TUNING=$tuning"
     NINFER_EXPERT_TUNING=$tuning timeout 120 .devbin/ninfer "${E[@]}" >"$out/experts_tuning_$tuning.txt" 2>&1
     grep "read bandwidth\|plain read\|^int" "$out/experts_tuning_$tuning.txt" | tee -a "$out/session.log"

@@ -61,7 +61,7 @@ bench() { # bench LABEL TIMEOUT ARGS...
   grep -v '^\s*$' "$out/bench_$label.txt" | grep -v ' INFO ' | tail -9 | tee -a "$out/session.log"
   # The newest run directory of the supervisor: the engine's and the workers' logs.
   local logs
-  logs=$(ls -td /tmp/ninfer-*/ 2>/dev/null | head -1)
+  logs=$(ls -td /tmp/ninfer-[0-9]*/ 2>/dev/null | head -1)
   if [ -n "$logs" ]; then
     cp "$logs/engine.log" "$out/engine_$label.log" 2>/dev/null
     for worker in "$logs"/experts-*.log; do

@@ -134,6 +134,21 @@ if has gpu; then
   gpu_pid=$!
 fi
 
+run_q35() {
+  convert q35 qwen3.5-35b-a3b --experts-dtype int4
+  if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; gpu_pid=; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
+  Q=("$work/q35.ninfer" --device cuda --moe-threads 16)
+  bench q35_stats "${STATS_TIMEOUT:-120}" "${Q[@]}" --prompt-lengths 2048 --decode-tokens 128 \
+    --engine-arg=--moe-record-stats --engine-arg="$work/q35-stats.json"
+  cp "$work/q35-stats.json" "$out/" 2>/dev/null
+  bench q35_budget16 "${BENCH_TIMEOUT:-150}" "${Q[@]}" --prompt-lengths "${PROMPTS:-4096}" \
+    --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}" --gpu-mem-budget 16 \
+    --moe-gpu-experts auto --engine-arg=--moe-expert-stats --engine-arg="$work/q35-stats.json"
+}
+
+# Q35_FIRST=1: the q35 stage before q30 (when a call may be cut short).
+if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
+
 if has q30 || has profile; then
   convert q30 qwen3-30b-a3b --experts-dtype int8 --routing uniform
   if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; gpu_pid=; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
@@ -163,17 +178,7 @@ if has q30 || has profile; then
   [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*
 fi
 
-if has q35; then
-  convert q35 qwen3.5-35b-a3b --experts-dtype int4
-  if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; gpu_pid=; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
-  Q=("$work/q35.ninfer" --device cuda --moe-threads 16)
-  bench q35_stats "${STATS_TIMEOUT:-120}" "${Q[@]}" --prompt-lengths 2048 --decode-tokens 128 \
-    --engine-arg=--moe-record-stats --engine-arg="$work/q35-stats.json"
-  cp "$work/q35-stats.json" "$out/" 2>/dev/null
-  bench q35_budget16 "${BENCH_TIMEOUT:-150}" "${Q[@]}" --prompt-lengths "${PROMPTS:-4096}" \
-    --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}" --gpu-mem-budget 16 \
-    --moe-gpu-experts auto --engine-arg=--moe-expert-stats --engine-arg="$work/q35-stats.json"
-fi
+if has q35 && [ "${Q35_FIRST:-0}" != 1 ]; then run_q35; fi
 
 if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
 log "done"

@@ -411,7 +411,7 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
     }
     if !args.json && args.rounds > 1 {
         // Each path's ratio per round, against that round's reference, in first-seen order.
-        let mut paths: Vec<(String, Vec<String>)> = Vec::new();
+        let mut paths: Vec<(String, Vec<f64>)> = Vec::new();
         for (_, bandwidth, prefetch, r) in &all {
             let path = format!(
                 "{:<5} {:>6} {:<12} {:>8}",
@@ -420,15 +420,25 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                 r.isa.name(),
                 prefetch
             );
-            let ratio = format!("{:.0}%", 100.0 * r.weight_gbps / bandwidth.best_gbps);
+            let ratio = 100.0 * r.weight_gbps / bandwidth.best_gbps;
             match paths.iter_mut().find(|(known, _)| *known == path) {
                 Some((_, ratios)) => ratios.push(ratio),
                 None => paths.push((path, vec![ratio])),
             }
         }
-        println!("% of the same round's reference bandwidth, per round:");
+        // The median is the figure to quote on a machine whose bandwidth moves between rounds.
+        println!("% of the same round's reference bandwidth, per round, and their median:");
         for (path, ratios) in &paths {
-            println!("{path}: {}", ratios.join(" "));
+            let mut sorted = ratios.clone();
+            sorted.sort_by(|a, b| a.total_cmp(b));
+            let middle = sorted.len() / 2;
+            let median = if sorted.len() % 2 == 1 {
+                sorted[middle]
+            } else {
+                (sorted[middle - 1] + sorted[middle]) / 2.0
+            };
+            let listed: Vec<String> = ratios.iter().map(|r| format!("{r:.0}%")).collect();
+            println!("{path}: {}; median {median:.0}%", listed.join(" "));
         }
     }
     if args.json {

@@ -56,18 +56,9 @@ bench() { # bench LABEL TIMEOUT ARGS...
   shift 2
   log "bench $label: $*"
   local start=$SECONDS
-  timeout "$limit" .devbin/ninfer bench "$@" >"$out/bench_$label.txt" 2>&1
+  NINFER_KEEP_LOGS="$out/logs_$label" timeout "$limit" .devbin/ninfer bench "$@" >"$out/bench_$label.txt" 2>&1
   log "bench $label: exit $? after $((SECONDS - start)) s"
   grep -v '^\s*$' "$out/bench_$label.txt" | grep -v ' INFO ' | tail -9 | tee -a "$out/session.log"
-  # The newest run directory of the supervisor: the engine's and the workers' logs.
-  local logs
-  logs=$(ls -td /tmp/ninfer-[0-9]*/ 2>/dev/null | head -1)
-  if [ -n "$logs" ]; then
-    cp "$logs/engine.log" "$out/engine_$label.log" 2>/dev/null
-    for worker in "$logs"/experts-*.log; do
-      [ -e "$worker" ] && cp "$worker" "$out/${label}_$(basename "$worker")"
-    done
-  fi
   archive
 }
 

@@ -243,10 +243,39 @@ impl Supervisor {
     }
 }
 
+/// A directory that receives the children's logs when the supervisor removes its runtime
+/// directory (benchmarks on a machine that is gone afterwards).
+pub const KEEP_LOGS_VARIABLE: &str = "NINFER_KEEP_LOGS";
+
 impl Drop for Supervisor {
     fn drop(&mut self) {
         self.stop_all(Duration::from_secs(5));
+        if let Some(keep) = std::env::var_os(KEEP_LOGS_VARIABLE) {
+            keep_logs(&self.runtime_dir, Path::new(&keep));
+        }
         let _ = std::fs::remove_dir_all(&self.runtime_dir);
+    }
+}
+
+/// Copies every `*.log` of `runtime_dir` into `keep` (best effort: a failure is logged, the
+/// shutdown goes on).
+fn keep_logs(runtime_dir: &Path, keep: &Path) {
+    let copied = std::fs::create_dir_all(keep).and_then(|()| {
+        for entry in std::fs::read_dir(runtime_dir)? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|extension| extension == "log") {
+                if let Some(name) = path.file_name() {
+                    std::fs::copy(&path, keep.join(name))?;
+                }
+            }
+        }
+        Ok(())
+    });
+    if let Err(error) = copied {
+        tracing::warn!(
+            "{KEEP_LOGS_VARIABLE}: keeping the logs in {}: {error}",
+            keep.display()
+        );
     }
 }
 
@@ -266,4 +295,31 @@ pub fn numa_nodes() -> Vec<usize> {
         nodes.push(0);
     }
     nodes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_logs_copies_only_the_logs() {
+        let base = std::env::temp_dir().join(format!("ninfer-keep-logs-{}", std::process::id()));
+        let (runtime, keep) = (base.join("runtime"), base.join("kept/deeper"));
+        std::fs::create_dir_all(&runtime).unwrap();
+        std::fs::write(runtime.join("engine.log"), "engine says hi").unwrap();
+        std::fs::write(runtime.join("experts-0.log"), "worker says hi").unwrap();
+        std::fs::write(runtime.join("channel.shm"), "not a log").unwrap();
+        keep_logs(&runtime, &keep);
+        let mut kept: Vec<String> = std::fs::read_dir(&keep)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        kept.sort();
+        assert_eq!(kept, ["engine.log", "experts-0.log"]);
+        assert_eq!(
+            std::fs::read_to_string(keep.join("engine.log")).unwrap(),
+            "engine says hi"
+        );
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 }

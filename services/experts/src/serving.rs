@@ -166,16 +166,20 @@ fn lock_owned_experts(
             return false;
         }
     }
-    let bytes: usize = banks
+    tracing::info!(
+        "locked {:.1} MiB of expert banks in RAM",
+        owned_bytes(banks, owned, stride) as f64 / (1u64 << 20) as f64
+    );
+    true
+}
+
+/// Bytes of the owned experts over every bank.
+fn owned_bytes(banks: &[Option<Bank>], owned: &Range<usize>, stride: usize) -> usize {
+    banks
         .iter()
         .flatten()
         .map(|bank| owned_range(bank, owned, stride).len())
-        .sum();
-    tracing::info!(
-        "locked {:.2} GiB of expert banks in RAM",
-        bytes as f64 / (1u64 << 30) as f64
-    );
-    true
+        .sum()
 }
 
 /// The owned experts' byte range inside the mapping.
@@ -187,8 +191,15 @@ fn owned_range(bank: &Bank, owned: &Range<usize>, stride: usize) -> Range<usize>
 
 /// Without `mlock`, maps every owned page now: otherwise the first tokens that route to an
 /// expert pay its page faults (seconds over a whole model), which shows as a slow first run.
+/// Skipped when the owned experts would not fit in RAM: touching them all would only stream
+/// the file through the page cache once.
 fn fault_in_owned_experts(all: &[u8], banks: &[Option<Bank>], owned: &Range<usize>, stride: usize) {
     const PAGE: usize = 4096;
+    let bytes = owned_bytes(banks, owned, stride);
+    if physical_memory_bytes().is_some_and(|total| bytes as u64 > total / 10 * 9) {
+        tracing::info!("the owned expert banks exceed 90% of RAM; their pages are mapped on use");
+        return;
+    }
     let started = Instant::now();
     let mut checksum = 0u8;
     for bank in banks.iter().flatten() {
@@ -202,6 +213,14 @@ fn fault_in_owned_experts(all: &[u8], banks: &[Option<Bank>], owned: &Range<usiz
         "mapped the unlocked expert banks' pages in {:.1} s (checksum {checksum})",
         started.elapsed().as_secs_f64()
     );
+}
+
+/// `MemTotal` of `/proc/meminfo`, bytes (`None` off Linux or when unreadable).
+fn physical_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|line| line.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 #[derive(Default)]

@@ -160,6 +160,9 @@ if has q30 || has profile; then
   if has q30; then
     bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 0
     bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --gpu-mem-budget 16 --moe-gpu-experts auto
+    # The (b): exactly 53 experts per layer (its "expert bytes of a 16 GB card"); our
+    # 16 GiB budget places fewer (it also reserves the prefill staging slots and 1 GiB).
+    bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 53
     bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts all
     if has spin; then
       # A/B of the channel's spin before the futex (default 1 ms on this machine).

@@ -155,6 +155,8 @@ struct Report {
     expert_executor: String,
     moe_gpu_experts: String,
     gpu_mem_budget_gib: Option<f64>,
+    /// Routed experts per MoE layer the engine placed in GPU slots (`moe_gpu_experts` resolved).
+    gpu_experts_per_layer: u32,
     expert_stride_bytes: u64,
     dense_weight_bytes_per_forward: u64,
     expert_compute_reported_by_workers: bool,
@@ -628,6 +630,7 @@ async fn measure(
             .clone()
             .unwrap_or_else(|| "0".into()),
         gpu_mem_budget_gib: args.gpu_mem_budget,
+        gpu_experts_per_layer: last.gpu_experts_per_layer,
         expert_stride_bytes: last.expert_stride_bytes,
         dense_weight_bytes_per_forward: last.dense_weight_bytes_per_forward,
         expert_compute_reported_by_workers: last.expert_compute_reported,
@@ -650,7 +653,7 @@ async fn measure(
 fn print_report(report: &Report) {
     let mb = |bytes: f64| bytes / 1e6;
     println!(
-        "model {} ({}), device {}, experts {}{}, GPU experts per layer: {}{}",
+        "model {} ({}), device {}, experts {}{}, GPU experts per layer: {}{}: {} placed",
         report.model,
         report.architecture,
         report.device,
@@ -664,7 +667,8 @@ fn print_report(report: &Report) {
         report
             .gpu_mem_budget_gib
             .map(|gib| format!(" (budget {gib} GiB)"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        report.gpu_experts_per_layer
     );
     println!(
         "dense weights {:.1} MB per forward; one expert {:.2} MB",

@@ -42,7 +42,8 @@ fn number(value: &Value, path: &str) -> f64 {
         .unwrap_or_else(|| panic!("`{path}` is not a number: {current}"))
 }
 
-fn check_report(report: &Value, executor: &str, top_k: f64, moe_layers: f64) {
+/// `placed`: routed experts per layer in (host-backed) "GPU" slots.
+fn check_report(report: &Value, executor: &str, top_k: f64, moe_layers: f64, placed: u64) {
     assert_eq!(report["device"], "cpu");
     assert_eq!(report["expert_executor"], executor);
     for key in [
@@ -99,25 +100,31 @@ fn check_report(report: &Value, executor: &str, top_k: f64, moe_layers: f64) {
         );
         let other = number(split, "other");
         assert!(other >= 0.0 && sum + other >= measured - 1e-6);
-        assert_eq!(number(figures, "gpu_experts_per_token"), 0.0);
+        if placed == 0 {
+            assert_eq!(number(figures, "gpu_experts_per_token"), 0.0);
+        }
     }
     let decode = &row["decode"];
     assert_eq!(number(decode, "tokens"), 4.0);
     assert_eq!(number(decode, "forwards"), 4.0);
-    // Batch 1: each MoE layer computes the token's top-k experts, all distinct, all on the CPU.
+    // Batch 1: each MoE layer computes the token's top-k experts, all distinct: on the CPU, or
+    // from the slots when placed there.
     let experts = number(decode, "cpu_experts_per_token");
-    assert_eq!(experts, top_k * moe_layers);
+    let resident = number(decode, "gpu_experts_per_token");
+    assert_eq!(experts + resident, top_k * moe_layers);
     let bytes = number(decode, "cpu_expert_bytes_per_token");
-    assert!(bytes > 0.0);
+    assert!(bytes > 0.0 || placed > 0);
     assert_eq!(bytes, experts * stride);
+    let resident_bytes = number(decode, "gpu_expert_bytes_per_token");
+    assert_eq!(resident_bytes, resident * stride);
     let ratio = number(row, "roofline_ratio");
     assert!(ratio > 0.0 && ratio <= 1.5, "roofline ratio {ratio}");
     let ideal = number(row, "ideal_ms_per_token");
     let ram = number(row, "ram_bytes_per_token");
-    // The CPU device reads experts and dense weights from RAM.
+    // The CPU device reads experts (both kinds) and dense weights from RAM.
     assert_eq!(
         ram,
-        bytes + number(report, "dense_weight_bytes_per_forward")
+        bytes + number(report, "dense_weight_bytes_per_forward") + resident_bytes
     );
     let expected_ideal = ram / (number(report, "ram_bandwidth.best_gbps") * 1e9) * 1e3;
     assert!((ideal - expected_ideal).abs() <= 1e-9 + 1e-6 * expected_ideal);
@@ -157,9 +164,12 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
     let moe_layers = common.moe_layers.iter().filter(|&&m| m).count() as f64;
     drop(artifact);
 
-    for (extra, executor) in [
-        (None, "remote-workers"),
-        (Some("--no-workers"), "cpu-kernels-in-process"),
+    let half = (common.num_experts / 2) as u64;
+    for (extra, executor, placed) in [
+        (&[][..], "remote-workers", 0),
+        (&["--no-workers"][..], "cpu-kernels-in-process", 0),
+        // The CPU backend keeps "GPU" slots in host memory: the split logic runs anyway.
+        (&["--moe-gpu-experts", "half"][..], "remote-workers", half),
     ] {
         let mut args = vec![
             "bench",
@@ -178,14 +188,15 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
             "2",
             "--json",
         ];
-        args.extend(extra);
+        args.extend_from_slice(extra);
         let output = ninfer(&args, dir);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "{args:?}: {stderr}");
         let report: Value = serde_json::from_slice(&output.stdout)
             .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stderr}"));
-        check_report(&report, executor, top_k, moe_layers);
-        if extra.is_none() {
+        assert_eq!(report["gpu_experts_per_layer"], placed, "{args:?}");
+        check_report(&report, executor, top_k, moe_layers, placed);
+        if executor == "remote-workers" {
             assert_eq!(report["expert_compute_reported_by_workers"], true);
         }
     }

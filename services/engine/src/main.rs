@@ -239,15 +239,14 @@ fn main() -> anyhow::Result<()> {
                 .map(|gib| (gib * (1u64 << 30) as f64) as u64),
         },
     };
-    let ((scheduler, profile, expert_stride_bytes), (device_name, device_bandwidth)) = match device
-    {
+    let (started, (device_name, device_bandwidth)) = match device {
         SelectedDevice::Cpu => {
             if args.moe_gpu_experts != GpuExpertCount::Count(0) {
                 tracing::warn!("--moe-gpu-experts on the CPU backend keeps copies of those experts in host memory (useful for tests only)");
             }
             let backend = Arc::new(CpuBackend::new());
             backend.reserve_host_kv(&host_kv)?;
-            let scheduler = start_scheduler(
+            let started = start_scheduler(
                 backend,
                 &artifact,
                 counting,
@@ -258,7 +257,7 @@ fn main() -> anyhow::Result<()> {
                 || None,
                 &scheduler_counters,
             )?;
-            (scheduler, ("cpu", None))
+            (started, ("cpu", None))
         }
         SelectedDevice::Cuda(backend) => {
             if host_kv.host_bytes > 0 {
@@ -273,7 +272,7 @@ fn main() -> anyhow::Result<()> {
                     .measure_copy_bandwidth()
                     .map_err(|error| error.to_string())
             });
-            let scheduler = start_scheduler(
+            let started = start_scheduler(
                 backend,
                 &artifact,
                 counting,
@@ -281,7 +280,7 @@ fn main() -> anyhow::Result<()> {
                 move || memory.memory_info().ok(),
                 &scheduler_counters,
             )?;
-            (scheduler, ("cuda", Some(probe)))
+            (started, ("cuda", Some(probe)))
         }
     };
     let created_unix_seconds = std::time::SystemTime::now()
@@ -297,14 +296,15 @@ fn main() -> anyhow::Result<()> {
         ),
         created_unix_seconds,
         limits,
-        scheduler: Mutex::new(scheduler),
+        scheduler: Mutex::new(started.sender),
         scheduler_counters,
         routing: Arc::clone(&routing),
         readiness,
         profiling: Profiling {
-            counters: profile,
+            counters: started.profile,
             device: device_name.into(),
-            expert_stride_bytes,
+            expert_stride_bytes: started.expert_stride_bytes,
+            gpu_experts_per_layer: started.gpu_experts_per_layer,
             expert_executor,
             device_bandwidth,
         },
@@ -406,9 +406,16 @@ struct GpuExpertsRequest {
     host_kv_bytes: u64,
 }
 
+/// A started scheduler and what `GetProfile` reports about its model.
+struct StartedScheduler {
+    sender: std::sync::mpsc::Sender<SchedulerCommand>,
+    profile: Arc<ForwardProfile>,
+    expert_stride_bytes: u64,
+    gpu_experts_per_layer: u32,
+}
+
 /// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
 /// `device_memory` gives `(free, total)` GPU bytes (`None`: no limit, the CPU backend).
-/// Returns the scheduler's sender, the model's profile counters and its expert stride.
 fn start_scheduler<B: Backend>(
     backend: Arc<B>,
     artifact: &Arc<ninfer_artifact::Artifact>,
@@ -416,11 +423,7 @@ fn start_scheduler<B: Backend>(
     request: &GpuExpertsRequest,
     device_memory: impl Fn() -> Option<(usize, usize)>,
     counters: &Arc<SchedulerCounters>,
-) -> anyhow::Result<(
-    std::sync::mpsc::Sender<SchedulerCommand>,
-    Arc<ForwardProfile>,
-    u64,
-)> {
+) -> anyhow::Result<StartedScheduler> {
     let mut model = Model::load(backend, Arc::clone(artifact), experts)?;
     if request.prefill_staging_min_tokens > 0 {
         // Before the expert slots, so their budget sees this memory as used.
@@ -433,23 +436,30 @@ fn start_scheduler<B: Backend>(
             "prefill staging: big batches compute their routed experts on the GPU"
         );
     }
-    if request.count != GpuExpertCount::Count(0) {
-        place_gpu_experts(&mut model, request, device_memory())?;
-    }
+    let gpu_experts_per_layer = if request.count != GpuExpertCount::Count(0) {
+        place_gpu_experts(&mut model, request, device_memory())?
+    } else {
+        0
+    };
     let profile = Arc::clone(model.profile());
     let stride = model.expert_slot_bytes().unwrap_or(0);
     let sender = scheduler::start(Arc::new(model), request.limits, Arc::clone(counters))
         .context("starting the scheduler")?;
-    Ok((sender, profile, stride))
+    Ok(StartedScheduler {
+        sender,
+        profile,
+        expert_stride_bytes: stride,
+        gpu_experts_per_layer,
+    })
 }
 
 /// Puts `--moe-gpu-experts` experts per MoE layer in GPU slots, within the memory left after
-/// the dense weights, the KV caches and 1 GiB of working memory.
+/// the dense weights, the KV caches and 1 GiB of working memory; returns how many per layer.
 fn place_gpu_experts<B: Backend>(
     model: &mut Model<B>,
     request: &GpuExpertsRequest,
     device_memory: Option<(usize, usize)>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<u32> {
     let common = model.spec().common.clone();
     let Some(expert_bytes) = model.expert_slot_bytes() else {
         bail!("--moe-gpu-experts: the model has no routed experts");
@@ -507,7 +517,7 @@ fn place_gpu_experts<B: Backend>(
         routed_share_from_stats = share.map(|s| format!("{:.1}%", 100.0 * s)),
         "GPU expert slots filled"
     );
-    Ok(())
+    Ok(u32::try_from(per_layer).unwrap_or(u32::MAX))
 }
 
 async fn serve(listen: &str, service: EngineService) -> anyhow::Result<()> {

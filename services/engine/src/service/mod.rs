@@ -76,6 +76,8 @@ pub struct Profiling {
     /// `cpu` or `cuda`.
     pub device: String,
     pub expert_stride_bytes: u64,
+    /// Routed experts per MoE layer placed in GPU slots at load.
+    pub gpu_experts_per_layer: u32,
     pub expert_executor: String,
     /// `None` on the CPU device.
     pub device_bandwidth: Option<DeviceBandwidthProbe>,
@@ -335,6 +337,7 @@ impl Engine for EngineService {
             expert_executor: profiling.expert_executor.clone(),
             device_copy_bytes_per_second: bandwidth,
             device_bandwidth_error: bandwidth_error,
+            gpu_experts_per_layer: profiling.gpu_experts_per_layer,
         }))
     }
 }

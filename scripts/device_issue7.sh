@@ -11,7 +11,8 @@
 # q35 (qwen3.5-35b-a3b int4 zipf, a 16 GiB card, placed by recorded statistics),
 # profile (with q30: op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs),
 # experts (issue 6: `ninfer bench experts`, first, on a quiet machine),
-# experts_ab (issue 6: a kernel change against .devbin/ninfer-before, the previous build).
+# experts_ab (issue 6: a kernel change against .devbin/ninfer-before, the previous build),
+# spin (with q30: (b) again with the worker spinning 1 ms for its next request).
 # Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -165,8 +166,10 @@ if has q30 || has profile; then
     bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 53
     bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts all
     if has spin; then
-      # A/B of the channel's spin before the futex (default 1 ms on this machine).
-      NINFER_CHANNEL_SPIN_US=50 bench q30_a_spin50 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 0
+      # A/B of the worker's spin for its next request (default: the channel's 50 µs): the
+      # worker waits while the engine runs a layer's GPU part (~230 µs), its cores idle.
+      NINFER_WORKER_SPIN_US=1000 bench q30_b_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
+        --gpu-mem-budget 16 --moe-gpu-experts auto
     fi
   fi
   [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*

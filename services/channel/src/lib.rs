@@ -74,6 +74,21 @@ fn spin_for() -> Duration {
     })
 }
 
+/// How long a worker spins for its next request before it sleeps: `NINFER_WORKER_SPIN_US`,
+/// else the channel's spin. Separate because the worker waits while the engine runs the GPU
+/// part of a layer, when its cores are idle, whereas the engine waits while the experts run on
+/// every core (a long engine spin is what made decode slower). Not yet measured on the device.
+fn request_spin_for() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        std::env::var("NINFER_WORKER_SPIN_US")
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok())
+            .map(Duration::from_micros)
+            .unwrap_or_else(spin_for)
+    })
+}
+
 /// An expert-id entry that carries no expert (the token's other experts live elsewhere).
 pub const NO_EXPERT: u32 = u32::MAX;
 
@@ -658,7 +673,7 @@ impl WorkerChannel {
         let segment = self.mapping.header();
         let slots = self.mapping.geometry.slot_count;
         let started = Instant::now();
-        let spin = spin_for();
+        let spin = request_spin_for();
         let slot = 'found: loop {
             let start = self.next_slot.load(Ordering::Relaxed);
             for offset in 0..slots {

@@ -12,7 +12,8 @@
 # profile (with q30: op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs),
 # experts (issue 6: `ninfer bench experts`, first, on a quiet machine),
 # experts_ab (issue 6: a kernel change against .devbin/ninfer-before, the previous build),
-# spin (with q30: (b) again with the worker spinning 1 ms for its next request).
+# spin (with q30: (b) again with the worker spinning 1 ms for its next request),
+# b53 (without q30: only the issue's (b) as stated, 53 experts per layer).
 # Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -141,7 +142,7 @@ run_q35() {
 # Q35_FIRST=1: the q35 stage before q30 (when a call may be cut short).
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
 
-if has q30 || has profile; then
+if has q30 || has profile || has b53; then
   convert q30 qwen3-30b-a3b --experts-dtype int8 --routing uniform
   if [ -n "$gpu_pid" ]; then wait "$gpu_pid"; gpu_pid=; tail -30 "$out/gpu_tests.log" >>"$out/session.log"; fi
   B=(q30 --device cuda --moe-threads 16 --prompt-lengths "${PROMPTS:-4096}"
@@ -171,6 +172,9 @@ if has q30 || has profile; then
       NINFER_WORKER_SPIN_US=1000 bench q30_b_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
         --gpu-mem-budget 16 --moe-gpu-experts auto
     fi
+  fi
+  if has b53 && ! has q30; then
+    bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 53
   fi
   [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*
 fi

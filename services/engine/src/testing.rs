@@ -54,6 +54,15 @@ macro_rules! test_device {
 /// The golden fixtures (`tests/fixtures/<name>/`, transformers references).
 pub const GOLDEN_FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
 
+/// The largest `|a[i] − b[i]|` (the slices must be the same length).
+pub fn max_abs_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "compared slices differ in length");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
 /// `tests/fixtures/<name>` of this checkout.
 pub fn golden_fixture_dir(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

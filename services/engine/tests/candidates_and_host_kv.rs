@@ -10,7 +10,9 @@ use ninfer_engine::backend::candidates::{row_candidates, LogitCandidates, MAX_CA
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::spec::MixerKind;
-use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+use ninfer_engine::testing::{
+    max_abs_difference, write_tiny_model, TinyArchitecture, TinyModelOptions,
+};
 use ninfer_engine::{test_device, Backend, Model};
 
 fn random_rows(seed: u64, rows: usize, cols: usize) -> Vec<f32> {
@@ -178,11 +180,7 @@ fn host_kv_gives_the_same_logits<B: Backend>(backend: Arc<B>) {
             drop(state);
             for (step, (got, expected)) in got.iter().zip(&expected).enumerate() {
                 let scale = expected.iter().fold(1.0f32, |m, x| m.max(x.abs()));
-                let difference = got
-                    .iter()
-                    .zip(expected)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
+                let difference = max_abs_difference(got, expected);
                 assert!(
                     difference <= 1e-6 * scale,
                     "{architecture:?} {label} step {step}: max |Δlogit| {difference}"

@@ -23,8 +23,9 @@ use ninfer_engine::experts::NO_EXPERT;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
-    golden_fixture_dir, greedy_tokens, json_numbers, teacher_forced_logits, tiny_config,
-    write_model, write_tiny_model, TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
+    golden_fixture_dir, greedy_tokens, json_numbers, max_abs_difference, teacher_forced_logits,
+    tiny_config, write_model, write_tiny_model, TinyArchitecture, TinyModelOptions,
+    GOLDEN_FIXTURES,
 };
 use ninfer_engine::{
     open_artifact, test_device, Backend, CpuExpertExecutor, ExpertBatch, ExpertExecutor, Model,
@@ -160,11 +161,7 @@ fn slotted_experts_match_the_reference_per_dtype<B: Backend>(backend: Arc<B>) {
             )
             .unwrap();
         let scale = expected.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-        let worst = got
-            .iter()
-            .zip(&expected)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs_difference(&got, &expected);
         println!(
             "{} {dtype} experts: slotted vs reference max |Δ| / max |ref| = {:.2e}",
             backend.name(),
@@ -289,11 +286,7 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
                 )
                 .unwrap();
             let scale = expected.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&expected)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let worst = max_abs_difference(&got, &expected);
             println!(
                 "{} {dtype} experts, {tokens} tokens: slotted vs reference max |Δ| / max |ref| = {:.2e}",
                 backend.name(),
@@ -353,12 +346,7 @@ fn router_matches_the_host_reference<B: Backend>(backend: Arc<B>) {
             );
             assert_eq!(&got.expert_ids[..k.min(3)], &[0, 1, 2][..k.min(3)]);
             assert_eq!(got.expert_ids[k], 1, "tie at the top → lower id first");
-            let worst = got
-                .weights
-                .iter()
-                .zip(&expected.weights)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let worst = max_abs_difference(&got.weights, &expected.weights);
             assert!(
                 worst < 1e-5,
                 "{experts} experts top-{k} normalize={normalize}: weights differ by {worst}"
@@ -419,12 +407,7 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
             routing.expert_ids, expected.expert_ids,
             "{tokens} tokens: experts"
         );
-        let worst_weight = routing
-            .weights
-            .iter()
-            .zip(&expected.weights)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst_weight = max_abs_difference(&routing.weights, &expected.weights);
         assert!(
             worst_weight < 1e-5,
             "{tokens} tokens: weights differ by {worst_weight}"
@@ -436,11 +419,7 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
         let by_host = backend.download(&backend.slotted_experts(&slots, &x, &routing));
         let by_pending = backend.download(&by_pending);
         assert_eq!(by_pending.len(), by_host.len());
-        let worst = by_pending
-            .iter()
-            .zip(&by_host)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs_difference(&by_pending, &by_host);
         println!(
             "{} {tokens} tokens: slotted experts by pending vs host routing max |Δ| = {worst:.2e}",
             backend.name()

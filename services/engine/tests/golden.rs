@@ -15,7 +15,7 @@ use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::argmax;
-use ninfer_engine::testing::{golden_fixture_dir, GOLDEN_FIXTURES};
+use ninfer_engine::testing::{golden_fixture_dir, max_abs_difference, GOLDEN_FIXTURES};
 use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
 
 const GREEDY_TOKENS: usize = 24;
@@ -269,11 +269,7 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         let decoded = model
             .prefill(&mut stepped, &tokens[tokens.len() - 1..])
             .unwrap();
-        let worst = expected
-            .iter()
-            .zip(&decoded)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs_difference(&expected, &decoded);
         // Relative to the largest logit (~15 here, where one f32 ulp is ~1e-6).
         let scale = expected.iter().fold(1.0f32, |m, x| m.max(x.abs()));
         println!(

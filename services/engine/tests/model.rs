@@ -5,7 +5,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ninfer_artifact::DType;
-use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+use ninfer_engine::testing::{
+    max_abs_difference, write_tiny_model, TinyArchitecture, TinyModelOptions,
+};
 use ninfer_engine::{
     test_device, Backend, DeltaRuleForm, EngineError, LogitsSelection, Model, SequenceInput,
 };
@@ -40,14 +42,6 @@ fn prompt(length: usize, salt: u32) -> Vec<u32> {
 fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
     let scale = a.iter().fold(1.0f32, |m, x| m.max(x.abs()));
     max_abs_difference(a, b) / scale
-}
-
-fn max_abs_difference(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max)
 }
 
 /// Prefill of N tokens then one decode step equals a prefill of N+1 tokens at the last position;

@@ -1668,12 +1668,7 @@ impl Backend for CudaBackend {
         x: &CudaTensor,
         routing: &CudaPendingRouting,
     ) -> CudaTensor {
-        let _timer = self.op_timer_named(|| {
-            format!(
-                "slotted_experts_by_pending_routing ({} rows)",
-                if x.rows == 1 { "1" } else { "n" }
-            )
-        });
+        let _timer = self.op_timer_by_rows("slotted_experts_by_pending_routing", x.rows);
         let result = self.try_slotted_experts_by_pending_routing(slots, x, routing);
         self.settle(result, x.rows, x.cols)
     }
@@ -1747,8 +1742,7 @@ impl Backend for CudaBackend {
         spec: &AttentionSpec,
         segments: &mut [Segment<'_, CudaKvCache>],
     ) -> Result<CudaTensor, EngineError> {
-        let _timer = self
-            .op_timer_named(|| format!("attention ({} rows)", if q.rows == 1 { "1" } else { "n" }));
+        let _timer = self.op_timer_by_rows("attention", q.rows);
         if let Some(error) = self.error() {
             return Err(Self::engine_error(error));
         }
@@ -1833,12 +1827,7 @@ impl Backend for CudaBackend {
         form: DeltaRuleForm,
         segments: &mut [Segment<'_, CudaRecurrentState>],
     ) -> CudaTensor {
-        let _timer = self.op_timer_named(|| {
-            format!(
-                "gated_delta_rule ({} rows)",
-                if q.rows == 1 { "1" } else { "n" }
-            )
-        });
+        let _timer = self.op_timer_by_rows("gated_delta_rule", q.rows);
         // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
         // else the recurrent kernel (device/delta_rule.rs).
         let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, form, segments);
@@ -1890,12 +1879,7 @@ impl Backend for CudaBackend {
         x: &CudaTensor,
         routing: &Routing,
     ) -> CudaTensor {
-        let _timer = self.op_timer_named(|| {
-            format!(
-                "slotted_experts ({} rows)",
-                if x.rows == 1 { "1" } else { "n" }
-            )
-        });
+        let _timer = self.op_timer_by_rows("slotted_experts", x.rows);
         let result = self.try_slotted_experts(slots, x, routing);
         self.settle(result, x.rows, x.cols)
     }

@@ -134,6 +134,12 @@ impl CudaBackend {
             running,
         }
     }
+
+    /// As [`CudaBackend::op_timer`], one row apart from many (decode from prefill): `op (1 rows)`
+    /// or `op (n rows)`.
+    pub(crate) fn op_timer_by_rows(&self, op: &str, rows: usize) -> OpTimer<'_> {
+        self.op_timer_named(|| format!("{op} ({} rows)", if rows == 1 { "1" } else { "n" }))
+    }
 }
 
 impl Drop for OpTimer<'_> {

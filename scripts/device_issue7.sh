@@ -9,10 +9,11 @@
 # STAGES (comma-separated): gpu (the GPU test suites first, while the artifact is written),
 # q30 (qwen3-30b-a3b int8 uniform: (a) 0, (b) 16 GiB budget, (c) all GPU experts),
 # q35 (qwen3.5-35b-a3b int4 zipf, a 16 GiB card, placed by recorded statistics),
-# profile (with q30: op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs),
+# profile (op-by-op GPU timing, NINFER_CUDA_OP_TIMING, before the measured runs; PROFILE_RUNS,
+# PROFILE_PROMPT),
 # experts (issue 6: `ninfer bench experts`, first, on a quiet machine),
 # experts_ab (issue 6: a kernel change against .devbin/ninfer-before, the previous build),
-# spin (with q30: (b) again with the worker spinning 1 ms for its next request),
+# spin (with q30 or b53: (b) again with the worker spinning 1 ms for its next request),
 # b53 (without q30: only the issue's (b) as stated, 53 experts per layer).
 # Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
 set -uo pipefail
@@ -155,7 +156,7 @@ if has q30 || has profile || has b53; then
       experts=${run%%:*} mode=${run#*:}
       NINFER_CUDA_OP_TIMING="$out/op_timing_q30_${experts}_$mode.txt" NINFER_CUDA_OP_TIMING_MODE=$mode \
         bench "q30_profile_${experts}_$mode" 120 "$work/q30.ninfer" --device cuda --moe-threads 16 \
-        --prompt-lengths 1024 --decode-tokens 64 --moe-gpu-experts "$experts"
+        --prompt-lengths "${PROFILE_PROMPT:-1024}" --decode-tokens 64 --moe-gpu-experts "$experts"
       head -40 "$out/op_timing_q30_${experts}_$mode.txt" | tee -a "$out/session.log"
     done
   fi
@@ -175,6 +176,10 @@ if has q30 || has profile || has b53; then
   fi
   if has b53 && ! has q30; then
     bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-gpu-experts 53
+    if has spin; then
+      NINFER_WORKER_SPIN_US=1000 bench q30_b53_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
+        --moe-gpu-experts 53
+    fi
   fi
   [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*
 fi

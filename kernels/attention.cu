@@ -151,32 +151,71 @@ __device__ __forceinline__ float attention_warp_max(float v) {
 
 // ---------------------------------------------------------------------------------------------
 // Split-K decode.
+//
+// Decode is bound by latency, not bytes (a 4K context is 8 MB of bf16 K/V per layer, ~3 µs of
+// HBM): so many small blocks, each staging its whole key tile with asynchronous copies (every
+// load in flight at once, `cp.async`, sm_80+), then scoring from shared memory with no
+// cross-lane reductions.
 
 #define SPLIT_THREADS 128
 #define SPLIT_WARPS 4
-// Keys scored together (shared-memory scores [SPLIT_HEADS][SPLIT_TILE]); `chunk` is a multiple.
-#define SPLIT_TILE 128
-// q heads one block serves (a whole GQA group up to this size, else a slice of it).
+// Keys staged and scored together (one per lane); `chunk` is a multiple.
+#define SPLIT_TILE 32
+// q heads one block serves (a whole GQA group up to this size, else a slice of it); each warp
+// scores heads warp and warp + SPLIT_WARPS.
 #define SPLIT_HEADS 8
 // hd ≤ SPLIT_THREADS * SPLIT_DIMS.
 #define SPLIT_DIMS 2
+
+// The cache's elements as 4-byte words: one f32, or two bf16 (element 2w in the low half).
+template <typename KV> struct KvWords;
+template <> struct KvWords<float> {
+    static constexpr int per_word = 1;
+    __device__ static __forceinline__ void widen(unsigned int word, float* x) {
+        x[0] = __uint_as_float(word);
+    }
+};
+template <> struct KvWords<unsigned short> {
+    static constexpr int per_word = 2;
+    __device__ static __forceinline__ void widen(unsigned int word, float* x) {
+        x[0] = __uint_as_float(word << 16);
+        x[1] = __uint_as_float(word & 0xffff0000u);
+    }
+};
+
+// A 4-byte global → shared copy that does not wait (sm_80+); `split_copies_wait` waits for all.
+__device__ __forceinline__ void split_copy_word(unsigned int* shared_word,
+                                                const unsigned int* global_word) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(shared_word);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(global_word)
+                 : "memory");
+}
+__device__ __forceinline__ void split_copies_wait() {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
 
 // Grid: x = chunk (absolute: keys [x·chunk, x·chunk + chunk) ∩ the row's visible keys),
 // y = kv_head · slices + slice (slices = ceil(group / SPLIT_HEADS)), z = row t of the segment.
 // Partial (t, head, chunk) sits at index part_base + (t·heads + head)·chunks + chunk:
 // part_o[index·hd + d] = Σ p·v (relative to the max), part_ml[2·index] = max,
-// part_ml[2·index + 1] = Σ p. Dynamic shared memory: `split_smem_bytes` (attention.rs).
+// part_ml[2·index + 1] = Σ p. Dynamic shared memory: `split_smem_bytes` (attention.rs). For bf16
+// the host sends only an even hd here (a row is whole words).
 template <typename KV>
 __device__ void attention_split_block(const float* q, const KV* keys, const KV* values,
                                       float* part_o, float* part_ml, int row_start,
                                       int start_position, int heads, int kv_heads, int hd,
                                       int window, float scale, int chunk, int chunks,
                                       int part_base) {
-    float* q_s = attention_smem;                   // [SPLIT_HEADS][hd]
-    float* p_s = q_s + SPLIT_HEADS * hd;           // [SPLIT_HEADS][SPLIT_TILE]
-    float* m_s = p_s + SPLIT_HEADS * SPLIT_TILE;   // running max per head
-    float* l_s = m_s + SPLIT_HEADS;                // running sum per head
-    float* c_s = l_s + SPLIT_HEADS;                // this tile's correction per head
+    const int per_word = KvWords<KV>::per_word;
+    const int words = hd / per_word;  // of one K or V row of one kv head
+    const int stride = words + 1;     // odd: lane j's row starts on bank j (conflict-free)
+    float* q_s = attention_smem;                                   // [SPLIT_HEADS][hd]
+    float* p_s = q_s + SPLIT_HEADS * hd;                           // [SPLIT_HEADS][SPLIT_TILE]
+    float* m_s = p_s + SPLIT_HEADS * SPLIT_TILE;                   // running max per head
+    float* l_s = m_s + SPLIT_HEADS;                                // running sum per head
+    float* c_s = l_s + SPLIT_HEADS;                                // this tile's correction
+    unsigned int* k_s = (unsigned int*)(c_s + SPLIT_HEADS);        // [SPLIT_TILE][stride]
+    unsigned int* v_s = k_s + SPLIT_TILE * stride;                 // [SPLIT_TILE][stride]
 
     int group = heads / kv_heads;
     int slices = (group + SPLIT_HEADS - 1) / SPLIT_HEADS;
@@ -192,7 +231,10 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
     if (k0 > k1) return;  // the whole block: nothing of this row in this chunk
 
     int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    int q_width = heads * hd, kv_width = kv_heads * hd;
+    int q_width = heads * hd;
+    long long kv_row_words = (long long)kv_heads * words;
+    const unsigned int* key_words = (const unsigned int*)keys + (long long)kv_head * words;
+    const unsigned int* value_words = (const unsigned int*)values + (long long)kv_head * words;
     int head0 = kv_head * group + h0;
     // The slice's q heads are consecutive in the row (head-major).
     const float* query = q + (long long)(row_start + t) * q_width + (long long)head0 * hd;
@@ -208,28 +250,41 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
 #pragma unroll
         for (int e = 0; e < SPLIT_DIMS; ++e) acc[h][e] = 0.0f;
     }
-    __syncthreads();
 
     for (int s0 = k0; s0 <= k1; s0 += SPLIT_TILE) {
         int len = min(SPLIT_TILE, k1 - s0 + 1);
-        // Scores: one warp per key (coalesced row read), every head of the slice.
+        // Stage the tile's K and V rows: every copy issued before any is waited for.
         for (int j = warp; j < len; j += SPLIT_WARPS) {
-            const KV* kr = keys + (long long)(s0 + j) * kv_width + (long long)kv_head * hd;
-            float kd[MAX_DIMS_PER_LANE];
-#pragma unroll
-            for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
-                int d = lane + 32 * i;
-                kd[i] = d < hd ? load_kv(kr, d) : 0.0f;
+            const unsigned int* kr = key_words + (long long)(s0 + j) * kv_row_words;
+            const unsigned int* vr = value_words + (long long)(s0 + j) * kv_row_words;
+            for (int w = lane; w < words; w += 32) {
+                split_copy_word(k_s + j * stride + w, kr + w);
+                split_copy_word(v_s + j * stride + w, vr + w);
             }
-            for (int h = 0; h < hg; ++h) {
-                float partial = 0.0f;
+        }
+        split_copies_wait();
+        __syncthreads();  // the tile (and, the first time, q_s) visible to every thread
+        // Scores: lane ↔ key, warp ↔ heads warp and warp + SPLIT_WARPS; q_s reads broadcast.
+        if (lane < len) {
+            const unsigned int* kr = k_s + lane * stride;
+            int ha = warp, hb = warp + SPLIT_WARPS;
+            const float* qa = q_s + ha * hd;
+            const float* qb = q_s + hb * hd;
+            float sa = 0.0f, sb = 0.0f;
+            bool has_b = hb < hg;
+            if (ha < hg) {
+#pragma unroll 4
+                for (int w = 0; w < words; ++w) {
+                    float x[2];
+                    KvWords<KV>::widen(kr[w], x);
 #pragma unroll
-                for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
-                    int d = lane + 32 * i;
-                    if (d < hd) partial += q_s[h * hd + d] * kd[i];
+                    for (int e = 0; e < per_word; ++e) {
+                        sa += qa[w * per_word + e] * x[e];
+                        if (has_b) sb += qb[w * per_word + e] * x[e];
+                    }
                 }
-                partial = attention_warp_sum(partial);
-                if (lane == 0) p_s[h * SPLIT_TILE + j] = partial * scale;
+                p_s[ha * SPLIT_TILE + lane] = sa * scale;
+                if (has_b) p_s[hb * SPLIT_TILE + lane] = sb * scale;
             }
         }
         __syncthreads();
@@ -237,17 +292,11 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
         // the new max is finite.
         for (int h = warp; h < hg; h += SPLIT_WARPS) {
             float old_max = m_s[h], old_sum = l_s[h];
-            float tile_max = __int_as_float(0xff800000);
-            for (int j = lane; j < len; j += 32) tile_max = fmaxf(tile_max, p_s[h * SPLIT_TILE + j]);
-            tile_max = attention_warp_max(tile_max);
-            float new_max = fmaxf(old_max, tile_max);
-            float sum = 0.0f;
-            for (int j = lane; j < len; j += 32) {
-                float p = expf(p_s[h * SPLIT_TILE + j] - new_max);
-                p_s[h * SPLIT_TILE + j] = p;
-                sum += p;
-            }
-            sum = attention_warp_sum(sum);
+            float score = lane < len ? p_s[h * SPLIT_TILE + lane] : __int_as_float(0xff800000);
+            float new_max = fmaxf(old_max, attention_warp_max(score));
+            float p = lane < len ? expf(score - new_max) : 0.0f;
+            if (lane < len) p_s[h * SPLIT_TILE + lane] = p;
+            float sum = attention_warp_sum(p);
             if (lane == 0) {
                 float correction = expf(old_max - new_max);  // 0 on the first tile
                 c_s[h] = correction;
@@ -256,21 +305,21 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
             }
         }
         __syncthreads();
-        // Σ p·v: thread ↔ output dims, every head of the slice; each V row read once.
+        // Σ p·v: thread ↔ output dims, every head of the slice; V from shared memory.
 #pragma unroll
         for (int h = 0; h < SPLIT_HEADS; ++h) {
             float correction = h < hg ? c_s[h] : 0.0f;
 #pragma unroll
             for (int e = 0; e < SPLIT_DIMS; ++e) acc[h][e] *= correction;
         }
-#pragma unroll 4
+        const KV* v_tile = (const KV*)v_s;
+#pragma unroll 8
         for (int j = 0; j < len; ++j) {
-            const KV* vr = values + (long long)(s0 + j) * kv_width + (long long)kv_head * hd;
             float v[SPLIT_DIMS];
 #pragma unroll
             for (int e = 0; e < SPLIT_DIMS; ++e) {
                 int d = tid + SPLIT_THREADS * e;
-                v[e] = d < hd ? load_kv(vr, d) : 0.0f;
+                v[e] = d < hd ? load_kv(v_tile, (long long)j * stride * per_word + d) : 0.0f;
             }
 #pragma unroll
             for (int h = 0; h < SPLIT_HEADS; ++h) {
@@ -281,7 +330,7 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
                 }
             }
         }
-        __syncthreads();  // p_s and c_s are rewritten by the next tile
+        __syncthreads();  // k_s, v_s, p_s and c_s are rewritten by the next tile
     }
 
 #pragma unroll
@@ -319,31 +368,49 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
                           kv_heads, hd, window, scale, chunk, chunks, part_base);
 }
 
-// One block per (row t, head) of the segment (grid x = n·heads), threads over the head dims:
-// merges the row's chunks first/chunk ..= position/chunk (every one of them non-empty) in
-// ascending order: M = max m_c, L = Σ l_c·e^(m_c − M), out = Σ o_c·e^(m_c − M) / L.
+// At most this many chunks per row (`SPLIT_MAX_CHUNKS` in attention.rs).
+#define COMBINE_MAX_CHUNKS 128
+
+// One block per (row t, head) of the segment (grid x = n·heads), threads over the head dims
+// (a multiple of 32): merges the row's chunks first/chunk ..= position/chunk (every one of them
+// non-empty): M = max m_c, L = Σ l_c·e^(m_c − M), out = Σ o_c·e^(m_c − M) / L. The first warp
+// computes the chunks' weights once into shared memory (and L, by a fixed lane tree); the
+// output sums run in ascending chunk order.
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml,
                                              float* out, int row_start, int n,
                                              int start_position, int heads, int hd, int window,
                                              int chunk, int chunks, int part_base) {
+    __shared__ float weight_s[COMBINE_MAX_CHUNKS];
+    __shared__ float scalar_s[1];  // 1 / L
     int task = blockIdx.x;
     if (task >= n * heads) return;
     int t = task / heads, head = task % heads;
     int position = start_position + t;
     int first = window > 0 ? max(0, position + 1 - window) : 0;
     int c0 = first / chunk, c1 = position / chunk;
-    long long base = (long long)part_base + ((long long)t * heads + head) * chunks;
-    float top = __int_as_float(0xff800000);
-    for (int c = c0; c <= c1; ++c) top = fmaxf(top, part_ml[2 * (base + c)]);
-    float total = 0.0f;
-    for (int c = c0; c <= c1; ++c)
-        total += part_ml[2 * (base + c) + 1] * expf(part_ml[2 * (base + c)] - top);
-    float inverse = 1.0f / total;
+    int count = c1 - c0 + 1;
+    long long base = (long long)part_base + ((long long)t * heads + head) * chunks + c0;
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x;
+        float top = __int_as_float(0xff800000);
+        for (int i = lane; i < count; i += 32) top = fmaxf(top, part_ml[2 * (base + i)]);
+        top = attention_warp_max(top);
+        float total = 0.0f;
+        for (int i = lane; i < count; i += 32) {
+            float weight = expf(part_ml[2 * (base + i)] - top);
+            weight_s[i] = weight;
+            total += part_ml[2 * (base + i) + 1] * weight;
+        }
+        total = attention_warp_sum(total);
+        if (lane == 0) scalar_s[0] = 1.0f / total;
+    }
+    __syncthreads();
+    float inverse = scalar_s[0];
     float* o = out + (long long)(row_start + t) * heads * hd + (long long)head * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float sum = 0.0f;
-        for (int c = c0; c <= c1; ++c)
-            sum += part_o[(base + c) * hd + d] * expf(part_ml[2 * (base + c)] - top);
+#pragma unroll 16
+        for (int i = 0; i < count; ++i) sum += part_o[(base + i) * hd + d] * weight_s[i];
         o[d] = sum * inverse;
     }
 }

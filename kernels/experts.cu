@@ -140,6 +140,9 @@ __device__ float row_dot_partial(const unsigned char* matrix, long long scales, 
             acc = __fmaf_rn(float_weight(matrix, dtype, row, cols, c), x[padded(c)], acc);
     } else {
         int segments = cols / SEG;
+        // Unrolled so several segments' loads are in flight (decode is latency-bound); the
+        // order of the additions is unchanged.
+#pragma unroll 4
         for (int s = lane; s < segments; s += 32) {
             float w[SEG];
             if (dtype == DTYPE_INT8)
@@ -186,9 +189,12 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     int c = blockIdx.x * warps + threadIdx.x / 32;
     if (c >= intermediate) return;
     const unsigned char* matrix = slots + (long long)slot * stride;
-    float gate = warp_sum(row_dot_partial(matrix, gate_up_scales, dtype, c, hidden, shared_x, lane));
-    float up = warp_sum(
-        row_dot_partial(matrix, gate_up_scales, dtype, intermediate + c, hidden, shared_x, lane));
+    // Both rows' loads before either butterfly.
+    float gate_partial = row_dot_partial(matrix, gate_up_scales, dtype, c, hidden, shared_x, lane);
+    float up_partial =
+        row_dot_partial(matrix, gate_up_scales, dtype, intermediate + c, hidden, shared_x, lane);
+    float gate = warp_sum(gate_partial);
+    float up = warp_sum(up_partial);
     if (lane == 0) activated[(long long)p * intermediate + c] = silu(gate) * up;
 }
 

@@ -7,9 +7,9 @@
 // is in (the golden tests require batched and single prefills to agree bit for bit).
 //
 // `matmul` / `matmul_bf16` (used for every n): one warp per (output feature, group of up to
-// ROWS rows); each lane sums its own k positions (4-wide chunks 128 apart when k % 4 == 0, else
-// k ≡ lane mod 32) in increasing order for each row of the group, then a fixed butterfly adds
-// the 32 lane sums. Weight reads are coalesced (a warp reads 32
+// ROWS rows); each lane sums its own k positions (bf16 with k % 8 == 0: 8-wide chunks 256
+// apart; else 4-wide chunks 128 apart when k % 4 == 0; else k ≡ lane mod 32) in increasing
+// order for each row of the group, then a fixed butterfly adds the 32 lane sums. Weight reads are coalesced (a warp reads 32
 // consecutive values of one row) and each weight is reused for ROWS rows; at decode (n = 1)
 // this streams the weights once.
 //
@@ -26,7 +26,7 @@ __device__ __forceinline__ float load_weight(const unsigned short* w, long long 
 }
 
 // Four consecutive weights as floats (k % 4 == 0 keeps every row 16-byte (f32) / 8-byte (bf16)
-// aligned: device buffers start 256-byte aligned).
+// aligned, k % 8 == 0 a bf16 row 16-byte aligned: device buffers start 256-byte aligned).
 __device__ __forceinline__ float4 load_weight4(const float* w, long long i) {
     return *reinterpret_cast<const float4*>(w + i);
 }
@@ -49,7 +49,36 @@ __device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    if ((k & 3) == 0) {
+    bool eight_wide = false;
+    if constexpr (sizeof(W) == 2) eight_wide = (k & 7) == 0;
+    if (eight_wide) {
+        // bf16, k % 8 == 0: lane l takes k in [8l, 8l + 8) + 256 i, one 16-byte load per lane
+        // per step (decode is bound by the bytes in flight, and 8-byte loads halved them).
+#pragma unroll 4
+        for (int kk = lane * 8; kk < k; kk += 256) {
+            uint4 raw = *reinterpret_cast<const uint4*>(wr + kk);
+            float wv[8] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
+                           __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u),
+                           __uint_as_float(raw.z << 16), __uint_as_float(raw.z & 0xffff0000u),
+                           __uint_as_float(raw.w << 16), __uint_as_float(raw.w & 0xffff0000u)};
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r0 + r < n) {
+                    const float* xr = x + (long long)(r0 + r) * k + kk;
+                    float4 xa = *reinterpret_cast<const float4*>(xr);
+                    float4 xb = *reinterpret_cast<const float4*>(xr + 4);
+                    acc[r] += wv[0] * xa.x;
+                    acc[r] += wv[1] * xa.y;
+                    acc[r] += wv[2] * xa.z;
+                    acc[r] += wv[3] * xa.w;
+                    acc[r] += wv[4] * xb.x;
+                    acc[r] += wv[5] * xb.y;
+                    acc[r] += wv[6] * xb.z;
+                    acc[r] += wv[7] * xb.w;
+                }
+            }
+        }
+    } else if ((k & 3) == 0) {
         // Lane l takes k in [4l, 4l + 4) + 128 i: one 16-byte (f32) or 8-byte (bf16) load per
         // lane per step, several steps in flight.
 #pragma unroll 4

@@ -123,7 +123,7 @@ fi
 gpu_pid=
 if has gpu; then
   log "GPU test suites (background)"
-  (OUT="$out/gpu" GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-150} \
+  (OUT="$out/gpu" GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=${GPU_TEST_FIGURES:-0} GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-150} \
     scripts/gpu_tests.sh run >"$out/gpu_tests.log" 2>&1) &
   gpu_pid=$!
 fi

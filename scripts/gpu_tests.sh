@@ -94,6 +94,8 @@ run() {
   if [ "${GPU_TEST_FIGURES:-1}" = 1 ]; then
     echo "---- matmul figures (not checks)"
     timeout 60 .devbin/cuda_ops --ignored --nocapture matmul_bandwidth_figures 2>&1 | grep -E '^matmul' || true
+    echo "---- attention decode figures (not checks)"
+    timeout 90 .devbin/cuda_ops --ignored --nocapture attention_decode_figures 2>&1 | grep -E '^attention' || true
   fi
   echo "---- figures"
   cat "$out"/*.log | grep -E 'on cuda:|vs cpu over|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4|cuBLAS|options: KV|cuda backend: KV|slotted vs reference|resident vs 0' | grep -v '^test ' | head -120

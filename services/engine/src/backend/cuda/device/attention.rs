@@ -25,15 +25,17 @@ use crate::error::EngineError;
 
 /// `SPLIT_THREADS` in `kernels/attention.cu`.
 const SPLIT_THREADS: u32 = 128;
-/// `SPLIT_TILE`: keys scored together; chunks are multiples of it.
-const SPLIT_TILE: usize = 128;
+/// `SPLIT_TILE`: keys staged and scored together (one per lane); chunks are multiples of it.
+const SPLIT_TILE: usize = 32;
 /// `SPLIT_HEADS`: q heads one split block serves.
 const SPLIT_HEADS: usize = 8;
 /// Segments of at most this many rows take the split-K path (one block row per query row).
 pub(super) const SPLIT_MAX_ROWS: usize = 8;
 /// At most this many chunks per row (the chunk grows with the context beyond
 /// `SPLIT_MAX_CHUNKS · SPLIT_TILE` keys, which bounds the workspace).
-const SPLIT_MAX_CHUNKS: usize = 64;
+/// Decode is latency-bound, so a row's keys are cut into many small blocks: 4K keys still make
+/// 128 one-tile chunks per kv head. `COMBINE_MAX_CHUNKS` in `kernels/attention.cu`.
+const SPLIT_MAX_CHUNKS: usize = 128;
 /// `TILE_THREADS`, `TILE_ROWS`, `TILE_KEYS` in `kernels/attention.cu`.
 const TILE_THREADS: u32 = 128;
 const TILE_ROWS: usize = 32;
@@ -68,8 +70,12 @@ fn split_chunk(last_position: usize) -> usize {
 }
 
 /// Dynamic shared memory of a split block.
-fn split_smem_bytes(hd: usize) -> usize {
-    (SPLIT_HEADS * hd + SPLIT_HEADS * SPLIT_TILE + 3 * SPLIT_HEADS) * 4
+/// q, scores and statistics in f32, then the staged K and V tiles as 4-byte words with one
+/// word of padding per row.
+fn split_smem_bytes(hd: usize, dtype: KvDtype) -> usize {
+    let words_per_row = (hd * dtype.bytes()).div_ceil(4) + 1;
+    (SPLIT_HEADS * hd + SPLIT_HEADS * SPLIT_TILE + 3 * SPLIT_HEADS + 2 * SPLIT_TILE * words_per_row)
+        * 4
 }
 
 /// Dynamic shared memory of a tiled block.
@@ -122,11 +128,22 @@ impl CudaBackend {
         }
     }
 
-    /// The tiled kernels need more than the default 48 KiB of dynamic shared memory at
-    /// head_dim 256.
+    /// The tiled kernels, and the split kernel over an f32 cache, need more than the default
+    /// 48 KiB of dynamic shared memory at head_dim 256.
     fn allow_tiled_shared_memory(&self) -> Result<(), CudaError> {
-        let bytes = tiled_smem_bytes(ATTENTION_MAX_HEAD_DIM);
-        for name in ["attention_tiled", "attention_tiled_bf16"] {
+        let tiled = tiled_smem_bytes(ATTENTION_MAX_HEAD_DIM);
+        for (name, bytes) in [
+            ("attention_tiled", tiled),
+            ("attention_tiled_bf16", tiled),
+            (
+                "attention_split",
+                split_smem_bytes(ATTENTION_MAX_HEAD_DIM, KvDtype::F32),
+            ),
+            (
+                "attention_split_bf16",
+                split_smem_bytes(ATTENTION_MAX_HEAD_DIM, KvDtype::Bf16),
+            ),
+        ] {
             self.function(name)?
                 .set_attribute(
                     CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -383,7 +400,10 @@ impl CudaBackend {
         let mut entries = 0usize;
         for segment in segments.iter() {
             let n = segment.rows.len();
-            if path == AttentionPath::Flash && n > 0 && n <= SPLIT_MAX_ROWS {
+            // The split kernel stages whole 4-byte words: a bf16 row needs an even head_dim
+            // (any real model's); an odd one takes the tiled kernel.
+            let whole_words = segment.state.dtype == KvDtype::F32 || hd % 2 == 0;
+            if path == AttentionPath::Flash && n > 0 && n <= SPLIT_MAX_ROWS && whole_words {
                 let last = segment.start_position + n - 1;
                 let chunk = split_chunk(last);
                 let chunks = last / chunk + 1;
@@ -397,10 +417,14 @@ impl CudaBackend {
                 plans.push(None);
             }
         }
-        // Recycled buffers (zeroed): a decode step asks for the same sizes layer after layer.
+        // Recycled buffers, not zeroed: the combine reads only the partials of non-empty
+        // chunks, and the split kernel writes every one of those.
         let mut workspace: Option<(CudaTensor, CudaTensor)> = if entries > 0 {
             int(entries * hd, "split workspace")?;
-            Some((self.output(1, entries * hd)?, self.output(1, 2 * entries)?))
+            Some((
+                self.output_uninit(1, entries * hd)?,
+                self.output_uninit(1, 2 * entries)?,
+            ))
         } else {
             None
         };
@@ -446,7 +470,7 @@ impl CudaBackend {
                             n as u32,
                         ),
                         block_dim: (SPLIT_THREADS, 1, 1),
-                        shared_mem_bytes: split_smem_bytes(hd) as u32,
+                        shared_mem_bytes: split_smem_bytes(hd, cache.dtype) as u32,
                     };
                     match (keys, values) {
                         (KvBuffer::F32(keys), KvBuffer::F32(values)) => {

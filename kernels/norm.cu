@@ -35,6 +35,33 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     }
 }
 
+// `rms_norm` with one group per head (group = head_dim, `heads` groups per row) followed by
+// `rope` (elementwise.cu) of the head's first 2·half dims at positions[row], in one launch: the
+// same arithmetic as the two kernels, in the same order.
+extern "C" __global__ void rms_norm_rope(const float* x, const float* w, float* out,
+                                         long long groups, int group, float eps, float offset,
+                                         const unsigned int* positions, const float* inv_freq,
+                                         int heads, int half) {
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        const float* in = x + g * group;
+        float* o = out + g * group;
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) sum += in[i] * in[i];
+        float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) o[i] = in[i] * inverse * (offset + w[i]);
+        __syncthreads();  // the rotation pairs values other threads normalised
+        float position = (float)positions[g / heads];
+        for (int p = threadIdx.x; p < half; p += NORM_THREADS) {
+            float angle = position * inv_freq[p];
+            float c = cosf(angle), s = sinf(angle);
+            float u = o[p], v = o[p + half];
+            o[p] = u * c - v * s;
+            o[p + half] = v * c + u * s;
+        }
+        __syncthreads();  // before the next group's block_sum reuses shared memory
+    }
+}
+
 // The residual add and the next RMSNorm in one pass: x += delta (written back), then
 // out = rms_norm(x) exactly as `rms_norm` computes it (same threads, same summation order), so
 // the fused op equals `add_assign` followed by `rms_norm` bit for bit.

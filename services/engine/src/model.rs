@@ -13,7 +13,7 @@ use std::time::Instant;
 use ninfer_artifact::{Artifact, ArtifactError, ExpertBank, TensorClass};
 use ninfer_expert_kernels::ExpertLayout;
 
-use crate::backend::{Backend, DeltaRuleForm, Routing, Segment};
+use crate::backend::{Backend, DeltaRuleForm, Rotation, Routing, Segment};
 use crate::error::EngineError;
 use crate::experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor, NO_EXPERT};
 use crate::profile::{distinct_experts, nanos, ForwardProfile, Phase, PhaseTotals};
@@ -647,24 +647,15 @@ impl<B: Backend> Model<B> {
         } else {
             (projected, None)
         };
-        let mut q = backend.rms_norm(&q, q_norm, eps, style);
-        let mut k = backend.rms_norm(&backend.matmul(x, k_proj), k_norm, eps, style);
+        let rotation = Rotation {
+            positions,
+            head_dim: spec.head_dim,
+            rotary_dim: self.spec.common.rotary_dim,
+            theta: self.spec.common.rope_theta,
+        };
+        let q = backend.rms_norm_rope(&q, q_norm, eps, style, &rotation);
+        let k = backend.rms_norm_rope(&backend.matmul(x, k_proj), k_norm, eps, style, &rotation);
         let v = backend.matmul(x, v_proj);
-        let common = &self.spec.common;
-        backend.rope(
-            &mut q,
-            positions,
-            spec.head_dim,
-            common.rotary_dim,
-            common.rope_theta,
-        );
-        backend.rope(
-            &mut k,
-            positions,
-            spec.head_dim,
-            common.rotary_dim,
-            common.rope_theta,
-        );
         let mut segments = Vec::with_capacity(batch.len());
         for (item, range) in batch.iter_mut().zip(ranges) {
             let start_position = item.state.position;

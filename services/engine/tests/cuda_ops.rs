@@ -16,7 +16,9 @@ use std::sync::Arc;
 use ninfer_engine::backend::cuda::{
     AttentionPath, CudaBackend, CudaError, CudaTensor, CudaWeight, KvDtype,
 };
-use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, NormStyle, Segment};
+use ninfer_engine::backend::{
+    AttentionSpec, DeltaRuleForm, DeltaRuleSpec, NormStyle, Rotation, Segment,
+};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
 use ninfer_engine::{open_artifact, Backend, CpuBackend};
@@ -237,6 +239,38 @@ fn dense_ops_match_the_cpu_backend() {
             &cpu.download(&xc),
             1e-4,
         );
+    }
+
+    // The per-head norm fused with the rotation after it: the CPU backend's two ops (its
+    // default `rms_norm_rope`) and the GPU's own two ops, partial and full rotation, both styles.
+    let q_norm = (
+        gpu.load_parameter(&artifact, "layers.1.attn.q_norm")
+            .unwrap(),
+        cpu.load_parameter(&artifact, "layers.1.attn.q_norm")
+            .unwrap(),
+    );
+    let head_dim = q_norm.0.rows * q_norm.0.cols;
+    for rotary in [8usize, head_dim] {
+        for style in [NormStyle::Plain, NormStyle::ZeroCentred] {
+            let rotation = Rotation {
+                positions: &positions,
+                head_dim,
+                rotary_dim: rotary,
+                theta: 10_000_000.0,
+            };
+            let (xg, xc) = up(&x, 7, 128);
+            let fused = gpu.download(&gpu.rms_norm_rope(&xg, &q_norm.0, 1e-6, style, &rotation));
+            let mut split = gpu.rms_norm(&xg, &q_norm.0, 1e-6, style);
+            gpu.rope(&mut split, &positions, head_dim, rotary, 10_000_000.0);
+            let what = format!("rms_norm_rope rotary {rotary} of {head_dim} {style:?}");
+            compare(&what, &fused, &gpu.download(&split), 1e-6);
+            compare(
+                &what,
+                &fused,
+                &cpu.download(&cpu.rms_norm_rope(&xc, &q_norm.1, 1e-6, style, &rotation)),
+                1e-4,
+            );
+        }
     }
 
     // Element-wise ops and row / column shuffles.

@@ -67,6 +67,16 @@ pub enum DeltaRuleForm {
     Recurrent,
 }
 
+/// What [`Backend::rope`] takes besides the tensor: row `r` at `positions[r]`, the first
+/// `rotary_dim` dims of each `head_dim` head rotated with base `theta`.
+#[derive(Debug, Clone, Copy)]
+pub struct Rotation<'a> {
+    pub positions: &'a [usize],
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub theta: f64,
+}
+
 /// One sequence's part of a batched op: its rows in the batch tensor, the position of its first
 /// row, and its state for this layer.
 pub struct Segment<'s, S> {
@@ -213,6 +223,28 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Self::Tensor {
         self.add_assign(x, delta);
         self.rms_norm(x, weight, eps, style)
+    }
+    /// [`Backend::rms_norm`] per head, then [`Backend::rope`] of the result: the q / k norms of
+    /// an attention layer and their rotation, which a backend may do in one pass (the CUDA
+    /// backend does when `len(weight)` is the head size: one launch instead of two, twice per
+    /// layer). Same values as the two ops.
+    fn rms_norm_rope(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+        style: NormStyle,
+        rotation: &Rotation<'_>,
+    ) -> Self::Tensor {
+        let mut out = self.rms_norm(x, weight, eps, style);
+        self.rope(
+            &mut out,
+            rotation.positions,
+            rotation.head_dim,
+            rotation.rotary_dim,
+            rotation.theta,
+        );
+        out
     }
     /// GDN output norm: plain-weight RMSNorm per group of `len(weight)`, times `silu(gate)`.
     fn gated_rms_norm(

@@ -28,7 +28,7 @@ use super::nvrtc::Nvrtc;
 use super::CudaError;
 use crate::backend::cpu::{rope_inverse_frequencies, route_top_k_host};
 use crate::backend::{
-    AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, Routing, Segment,
+    AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, Rotation, Routing, Segment,
 };
 use crate::error::EngineError;
 use crate::weights::StoredWeight;
@@ -1186,9 +1186,36 @@ impl CudaBackend {
                 ),
             });
         }
-        // Every attention layer of a forward rotates q and k with the same tables and
-        // positions: upload each once, not twice per layer.
-        let positions: Vec<u32> = positions[..rows].iter().map(|&p| p as u32).collect();
+        let total = rows * (x.cols / head_dim) * half;
+        let (rows_arg, cols, head_dim, half) = (
+            int(rows, "rows")?,
+            int(x.cols, "cols")?,
+            int(head_dim, "head_dim")?,
+            int(half, "rotary half")?,
+        );
+        let data = present_mut(&mut x.data)?;
+        self.with_rope_tables(
+            &positions[..rows],
+            rotary_dim,
+            theta,
+            |positions, inverse| {
+                launch!(self, "rope", elementwise(total);
+                data, positions, inverse, &rows_arg, &cols, &head_dim, &half)
+            },
+        )
+    }
+
+    /// Runs `launch` with the device tables of a rotation: `positions` as u32 (uploaded when
+    /// they differ from the last ones: every attention layer of a forward rotates q and k at
+    /// the same positions) and the inverse frequencies of `(rotary_dim, theta)` (uploaded once).
+    fn with_rope_tables<T>(
+        &self,
+        positions: &[usize],
+        rotary_dim: usize,
+        theta: f64,
+        launch: impl FnOnce(&CudaSlice<u32>, &CudaSlice<f32>) -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
+        let positions: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let mut tables = self.rope_tables.lock().map_err(|_| CudaError::Invalid {
             problem: "the rope cache's lock is poisoned".into(),
         })?;
@@ -1211,16 +1238,52 @@ impl CudaBackend {
                 problem: "rope tables missing after upload".into(),
             });
         };
-        let total = rows * (x.cols / head_dim) * half;
-        let (rows, cols, head_dim, half) = (
-            int(rows, "rows")?,
-            int(x.cols, "cols")?,
-            int(head_dim, "head_dim")?,
-            int(half, "rotary half")?,
-        );
-        let data = present_mut(&mut x.data)?;
-        launch!(self, "rope", elementwise(total);
-            data, positions, inverse, &rows, &cols, &head_dim, &half)
+        launch(positions, inverse)
+    }
+
+    /// `rms_norm` per head then `rope`, in one launch where the norm's groups are the heads
+    /// and every row has a position; otherwise the two ops.
+    fn try_rms_norm_rope(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+        rotation: &Rotation<'_>,
+    ) -> Result<CudaTensor, CudaError> {
+        let group = weight.rows * weight.cols;
+        let half = rotation.rotary_dim / 2;
+        if group != rotation.head_dim
+            || x.rows == 0
+            || half == 0
+            || rotation.rotary_dim > rotation.head_dim
+            || rotation.positions.len() < x.rows
+        {
+            let mut out = self.try_rms_norm(x, weight, eps, style)?;
+            self.try_rope(
+                &mut out,
+                rotation.positions,
+                rotation.head_dim,
+                rotation.rotary_dim,
+                rotation.theta,
+            )?;
+            return Ok(out);
+        }
+        let (groups, groups_arg, group_arg, offset) =
+            norm_groups(x, weight, style, "rms_norm_rope")?;
+        let (heads, half) = (int(x.cols / group, "heads")?, int(half, "rotary half")?);
+        self.with_rope_tables(
+            &rotation.positions[..x.rows],
+            rotation.rotary_dim,
+            rotation.theta,
+            |positions, inverse| {
+                self.try_unary(x, x.cols, |input, output| {
+                    launch!(self, "rms_norm_rope", Self::norm_config(groups);
+                        input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset,
+                        positions, inverse, &heads, &half)
+                })
+            },
+        )
     }
 
     fn check_same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<(), CudaError> {
@@ -1582,6 +1645,19 @@ impl Backend for CudaBackend {
             self.record(error);
             x.data = None;
         }
+    }
+
+    fn rms_norm_rope(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+        rotation: &Rotation<'_>,
+    ) -> CudaTensor {
+        let _timer = self.op_timer("rms_norm_rope");
+        let result = self.try_rms_norm_rope(x, weight, eps, style, rotation);
+        self.settle(result, x.rows, x.cols)
     }
 
     fn add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) {

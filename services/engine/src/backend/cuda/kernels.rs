@@ -45,7 +45,12 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "norm",
         source: include_str!("../../../../../kernels/norm.cu"),
-        functions: &["rms_norm", "add_rms_norm", "gated_rms_norm"],
+        functions: &[
+            "rms_norm",
+            "add_rms_norm",
+            "gated_rms_norm",
+            "rms_norm_rope",
+        ],
     },
     KernelSource {
         name: "matmul",

@@ -36,15 +36,10 @@ __device__ __forceinline__ float4 load_weight4(const unsigned short* w, long lon
                        __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
 }
 
+// Output feature `col` of rows r0 .. r0 + ROWS (those < n) of out[n, m] = x · wᵀ, by one warp.
 template <typename W>
-__device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k, int m) {
-    int warps_per_block = blockDim.x / 32;
-    long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    long long groups = (n + ROWS - 1) / ROWS;
-    if (task >= groups * m) return;  // whole warps leave together
-    int col = (int)(task % m);
-    int r0 = (int)(task / m) * ROWS;
+__device__ void matmul_output(const float* x, const W* w, float* out, int n, int k, int m, int col,
+                              int r0, int lane) {
     const W* wr = w + (long long)col * k;
     float acc[ROWS];
 #pragma unroll
@@ -112,6 +107,15 @@ __device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k
     }
 }
 
+template <typename W>
+__device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k, int m) {
+    int warps_per_block = blockDim.x / 32;
+    long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
+    long long groups = (n + ROWS - 1) / ROWS;
+    if (task >= groups * m) return;  // whole warps leave together
+    matmul_output(x, w, out, n, k, m, (int)(task % m), (int)(task / m) * ROWS, threadIdx.x % 32);
+}
+
 extern "C" __global__ void matmul(const float* x, const float* w, float* out, int n, int k, int m) {
     matmul_warp(x, w, out, n, k, m);
 }
@@ -119,6 +123,30 @@ extern "C" __global__ void matmul(const float* x, const float* w, float* out, in
 extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, float* out, int n,
                                        int k, int m) {
     matmul_warp(x, w, out, n, k, m);
+}
+
+// Three projections of one input in one launch (an attention layer's q, k and v at decode):
+// out_i[n, m_i] = x · w_iᵀ, each output computed exactly as `matmul_bf16` computes it (the same
+// warp body), so the values equal three launches'. A matrix with m_i = 0 is skipped.
+extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0,
+                                        const unsigned short* w1, const unsigned short* w2,
+                                        float* out0, float* out1, float* out2, int n, int k,
+                                        int m0, int m1, int m2) {
+    int warps_per_block = blockDim.x / 32;
+    long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
+    long long groups = (n + ROWS - 1) / ROWS;
+    int total = m0 + m1 + m2;
+    if (task >= groups * total) return;  // whole warps leave together
+    int col = (int)(task % total);
+    int r0 = (int)(task / total) * ROWS;
+    int lane = threadIdx.x % 32;
+    if (col < m0) {
+        matmul_output(x, w0, out0, n, k, m0, col, r0, lane);
+    } else if (col < m0 + m1) {
+        matmul_output(x, w1, out1, n, k, m1, col - m0, r0, lane);
+    } else {
+        matmul_output(x, w2, out2, n, k, m2, col - m0 - m1, r0, lane);
+    }
 }
 
 // Round to nearest even, as `half::bf16::from_f32` and PyTorch do; NaN stays a (quiet) NaN.

@@ -639,7 +639,7 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let spec = &self.spec.attention;
         let (eps, style) = (self.spec.eps(), self.spec.norm_style);
-        let projected = backend.matmul(x, q_proj);
+        let [projected, k, v] = backend.matmul3(x, [q_proj, k_proj, v_proj]);
         let (q, gate) = if self.spec.gated_attention {
             let (q, gate) =
                 backend.split_interleaved(&projected, spec.heads, spec.head_dim, spec.head_dim);
@@ -654,8 +654,7 @@ impl<B: Backend> Model<B> {
             theta: self.spec.common.rope_theta,
         };
         let q = backend.rms_norm_rope(&q, q_norm, eps, style, &rotation);
-        let k = backend.rms_norm_rope(&backend.matmul(x, k_proj), k_norm, eps, style, &rotation);
-        let v = backend.matmul(x, v_proj);
+        let k = backend.rms_norm_rope(&k, k_norm, eps, style, &rotation);
         let mut segments = Vec::with_capacity(batch.len());
         for (item, range) in batch.iter_mut().zip(ranges) {
             let start_position = item.state.position;

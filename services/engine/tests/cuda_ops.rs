@@ -1103,6 +1103,42 @@ fn seconds_per_matmul(gpu: &CudaBackend, x: &CudaTensor, weight: &CudaWeight) ->
     start.elapsed().as_secs_f64() / repeats as f64
 }
 
+/// Three projections of one input in one launch (`Backend::matmul3`, the CUDA backend's
+/// `matmul3_bf16` at decode sizes) against three `matmul`s: 1, 3 and 8 rows (the kernel) and 20
+/// (cuBLAS, three calls), k on the 8-wide, 4-wide and scalar paths, a small third matrix.
+#[test]
+fn matmul3_equals_three_matmuls() {
+    let Some(gpu) = gpu_default("matmul3_equals_three_matmuls") else {
+        return;
+    };
+    let mut rng = Xoshiro256::seed_from_u64(33);
+    for k in [256usize, 100, 98] {
+        let features = [512usize, 64, 24];
+        let weights: Vec<_> = features
+            .iter()
+            .map(|&m| {
+                gpu.weight_from_host(&random(&mut rng, m * k, 0.1), m, k)
+                    .unwrap()
+            })
+            .collect();
+        for rows in [1usize, 3, 8, 20] {
+            let x = gpu.upload(&random(&mut rng, rows * k, 1.0), rows, k);
+            let fused = gpu.matmul3(&x, [&weights[0], &weights[1], &weights[2]]);
+            for (index, (out, weight)) in fused.iter().zip(&weights).enumerate() {
+                let (got, expected) = (gpu.download(out), gpu.download(&gpu.matmul(&x, weight)));
+                let what = format!("matmul3 k {k} rows {rows} projection {index}");
+                compare(&what, &got, &expected, 1e-6);
+                let identical = got
+                    .iter()
+                    .zip(&expected)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                println!("{what}: bit-identical to matmul: {identical}");
+            }
+        }
+    }
+    gpu.synchronize().unwrap();
+}
+
 /// Not a check: prints the matmul kernel's achieved weight bandwidth at decode and small-batch
 /// shapes (run by `scripts/gpu_tests.sh run`: `cuda_ops --ignored matmul_bandwidth_figures`).
 #[test]

@@ -201,6 +201,12 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
     /// `x · Wᵀ`: `[n, in] × [out, in] → [n, out]`, f32 accumulation.
     fn matmul(&self, x: &Self::Tensor, weight: &Self::Weight) -> Self::Tensor;
+    /// `x · wᵀ` for three weights of the same input (an attention layer's q, k and v
+    /// projections), which a backend may do in one pass (the CUDA backend does at decode: one
+    /// launch instead of three). Same values as three [`Backend::matmul`]s.
+    fn matmul3(&self, x: &Self::Tensor, weights: [&Self::Weight; 3]) -> [Self::Tensor; 3] {
+        weights.map(|weight| self.matmul(x, weight))
+    }
     /// RMSNorm over consecutive groups of `len(weight)` columns (so per-head norms take
     /// `[n, heads·hd]` with a `[hd]` weight).
     fn rms_norm(

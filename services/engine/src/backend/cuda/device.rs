@@ -1095,6 +1095,66 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// Three bf16 projections of `x` in one `matmul3_bf16` launch, where the matmul kernel
+    /// (not cuBLAS) would compute each and their shapes agree; `None` where they are not.
+    fn try_matmul3(
+        &self,
+        x: &CudaTensor,
+        weights: [&CudaWeight; 3],
+    ) -> Result<Option<[CudaTensor; 3]>, CudaError> {
+        let [WeightData::Bf16(w0), WeightData::Bf16(w1), WeightData::Bf16(w2)] =
+            weights.map(|weight| &weight.data)
+        else {
+            return Ok(None);
+        };
+        if x.rows == 0
+            || self.uses_cublas_for(x.rows)
+            || weights
+                .iter()
+                .any(|weight| weight.cols != x.cols || weight.rows == 0)
+        {
+            return Ok(None);
+        }
+        let input = present(&x.data)?;
+        // One warp per (output feature of any of the three, row group) writes each element.
+        let mut outputs = [
+            self.output_uninit(x.rows, weights[0].rows)?,
+            self.output_uninit(x.rows, weights[1].rows)?,
+            self.output_uninit(x.rows, weights[2].rows)?,
+        ];
+        let features: usize = weights.iter().map(|weight| weight.rows).sum();
+        let (n, k, m0, m1, m2) = (
+            int(x.rows, "rows")?,
+            int(x.cols, "in")?,
+            int(weights[0].rows, "out")?,
+            int(weights[1].rows, "out")?,
+            int(weights[2].rows, "out")?,
+        );
+        int(features, "outputs of three projections")?;
+        let tasks = (features as u64) * (x.rows as u64).div_ceil(MATMUL_ROWS);
+        let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
+            CudaError::Invalid {
+                problem: format!("three projections of {}×{} are too large", x.rows, x.cols),
+            }
+        })?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MATMUL_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let [out0, out1, out2] = &mut outputs;
+            let (o0, o1, o2) = (
+                present_mut(&mut out0.data)?,
+                present_mut(&mut out1.data)?,
+                present_mut(&mut out2.data)?,
+            );
+            launch!(self, "matmul3_bf16", config;
+                input, w0, w1, w2, o0, o1, o2, &n, &k, &m0, &m1, &m2)?;
+        }
+        Ok(Some(outputs))
+    }
+
     fn norm_config(groups: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (groups.clamp(1, 1 << 20) as u32, 1, 1),
@@ -1590,6 +1650,31 @@ impl Backend for CudaBackend {
         });
         let result = self.try_matmul(x, weight);
         self.settle(result, x.rows, weight.rows)
+    }
+
+    fn matmul3(&self, x: &CudaTensor, weights: [&CudaWeight; 3]) -> [CudaTensor; 3] {
+        let fused = {
+            let _timer = self.op_timer_named(|| {
+                format!(
+                    "matmul3 {}x{} by {}+{}+{}x{}",
+                    x.rows, x.cols, weights[0].rows, weights[1].rows, weights[2].rows, x.cols
+                )
+            });
+            self.try_matmul3(x, weights)
+        };
+        match fused {
+            Ok(Some(outputs)) => outputs,
+            Ok(None) => weights.map(|weight| self.matmul(x, weight)),
+            Err(error) => {
+                self.record(error);
+                weights.map(|weight| CudaTensor {
+                    rows: x.rows,
+                    cols: weight.rows,
+                    data: None,
+                    pool: None,
+                })
+            }
+        }
     }
 
     fn rms_norm(

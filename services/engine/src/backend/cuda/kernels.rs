@@ -55,7 +55,13 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "matmul",
         source: include_str!("../../../../../kernels/matmul.cu"),
-        functions: &["matmul", "matmul_bf16", "f32_to_bf16", "f32_to_bf16_split"],
+        functions: &[
+            "matmul",
+            "matmul_bf16",
+            "matmul3_bf16",
+            "f32_to_bf16",
+            "f32_to_bf16_split",
+        ],
     },
     KernelSource {
         name: "attention",

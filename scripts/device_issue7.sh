@@ -14,7 +14,8 @@
 # experts (issue 6: `ninfer bench experts`, first, on a quiet machine),
 # experts_ab (issue 6: a kernel change against .devbin/ninfer-before, the previous build),
 # spin (with q30 or b53: (b) again with the worker spinning 1 ms for its next request),
-# b53 (without q30: only the issue's (b) as stated, 53 experts per layer).
+# b53 (without q30: only the issue's (b) as stated, 53 experts per layer),
+# threads (with b53: the same with --moe-threads 15).
 # Every step has its own timeout so a slow one cannot eat the call; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -179,6 +180,13 @@ if has q30 || has profile || has b53; then
     if has spin; then
       NINFER_WORKER_SPIN_US=1000 bench q30_b53_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
         --moe-gpu-experts 53
+    fi
+    if has threads; then
+      # One core left to the engine's host thread (the workers' idle threads spin between
+      # layers on all 16 cores otherwise).
+      T=("${B[@]}")
+      T[3]=15  # B = (artifact --device cuda --moe-threads 16 …)
+      bench q30_b53_15_threads "${BENCH_TIMEOUT:-150}" "${T[@]}" --moe-gpu-experts 53
     fi
   fi
   [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*

@@ -185,7 +185,7 @@ if has q30 || has profile || has b53; then
       # One core left to the engine's host thread (the workers' idle threads spin between
       # layers on all 16 cores otherwise).
       T=("${B[@]}")
-      T[3]=15  # B = (artifact --device cuda --moe-threads 16 …)
+      T[4]=15  # B = (artifact --device cuda --moe-threads 16 …)
       bench q30_b53_15_threads "${BENCH_TIMEOUT:-150}" "${T[@]}" --moe-gpu-experts 53
     fi
   fi

@@ -1314,6 +1314,7 @@ impl CudaBackend {
         let group = weight.rows * weight.cols;
         let half = rotation.rotary_dim / 2;
         if group != rotation.head_dim
+            || x.cols % group != 0
             || x.rows == 0
             || half == 0
             || rotation.rotary_dim > rotation.head_dim

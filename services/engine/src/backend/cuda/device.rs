@@ -1313,7 +1313,8 @@ impl CudaBackend {
     ) -> Result<CudaTensor, CudaError> {
         let group = weight.rows * weight.cols;
         let half = rotation.rotary_dim / 2;
-        if group != rotation.head_dim
+        if group == 0
+            || group != rotation.head_dim
             || x.cols % group != 0
             || x.rows == 0
             || half == 0

@@ -2086,3 +2086,22 @@ mod router;
 mod tensor_pool;
 pub use expert_slots::CudaExpertSlots;
 pub use pending_routing::CudaPendingRouting;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use super::super::kernels::kernel_define;
+        assert_eq!(
+            i64::from(NORM_THREADS),
+            kernel_define("norm", "NORM_THREADS")
+        );
+        assert_eq!(MATMUL_ROWS as i64, kernel_define("matmul", "ROWS"));
+        assert_eq!(
+            ATTENTION_MAX_HEAD_DIM as i64,
+            32 * kernel_define("attention", "MAX_DIMS_PER_LANE")
+        );
+    }
+}

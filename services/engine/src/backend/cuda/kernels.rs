@@ -193,9 +193,131 @@ fn store(dir: &Path, file_name: &str, bytes: &[u8]) -> std::io::Result<PathBuf> 
     Ok(path)
 }
 
+/// The value of `#define NAME …` in `kernels/FILE.cu`, for the tests that hold the host's
+/// mirrored constants to the kernels' (a launch sized from a stale mirror reads or writes out of
+/// bounds on the GPU, where no test on this machine would see it). Understands integer literals
+/// (decimal or hex, optional `u`), other defines of the same file, `+ - * /` and parentheses;
+/// panics on anything else.
+#[cfg(test)]
+pub(crate) fn kernel_define(file: &str, name: &str) -> i64 {
+    let source = KERNEL_SOURCES
+        .iter()
+        .find(|kernel| kernel.name == file)
+        .unwrap_or_else(|| panic!("no kernel file `{file}`"))
+        .source;
+    let body = source
+        .lines()
+        .find_map(|line| {
+            let rest = line.trim_start().strip_prefix("#define ")?;
+            let (defined, value) = rest.split_once(char::is_whitespace)?;
+            (defined == name).then(|| value.split("//").next().unwrap_or("").trim())
+        })
+        .unwrap_or_else(|| panic!("kernels/{file}.cu has no `#define {name}`"));
+    let mut tokens: Vec<String> = Vec::new();
+    let mut chars = body.chars().peekable();
+    while let Some(&c) = chars.peek() {
+        if c.is_whitespace() {
+            chars.next();
+        } else if c.is_ascii_alphanumeric() || c == '_' {
+            let mut token = String::new();
+            while let Some(&c) = chars
+                .peek()
+                .filter(|c| c.is_ascii_alphanumeric() || **c == '_')
+            {
+                token.push(c);
+                chars.next();
+            }
+            tokens.push(token);
+        } else {
+            tokens.push(c.to_string());
+            chars.next();
+        }
+    }
+    let mut at = 0;
+    let value = define_sum(file, &tokens, &mut at);
+    assert_eq!(
+        at,
+        tokens.len(),
+        "`#define {name} {body}`: unexpected `{:?}`",
+        tokens.get(at)
+    );
+    value
+}
+
+#[cfg(test)]
+fn define_sum(file: &str, tokens: &[String], at: &mut usize) -> i64 {
+    let mut value = define_product(file, tokens, at);
+    while let Some(op) = tokens.get(*at).filter(|t| *t == "+" || *t == "-").cloned() {
+        *at += 1;
+        let right = define_product(file, tokens, at);
+        value = if op == "+" {
+            value + right
+        } else {
+            value - right
+        };
+    }
+    value
+}
+
+#[cfg(test)]
+fn define_product(file: &str, tokens: &[String], at: &mut usize) -> i64 {
+    let mut value = define_factor(file, tokens, at);
+    while let Some(op) = tokens.get(*at).filter(|t| *t == "*" || *t == "/").cloned() {
+        *at += 1;
+        let right = define_factor(file, tokens, at);
+        value = if op == "*" {
+            value * right
+        } else {
+            value / right
+        };
+    }
+    value
+}
+
+#[cfg(test)]
+fn define_factor(file: &str, tokens: &[String], at: &mut usize) -> i64 {
+    let token = tokens
+        .get(*at)
+        .unwrap_or_else(|| panic!("a define of kernels/{file}.cu ends early"))
+        .clone();
+    *at += 1;
+    if token == "(" {
+        let value = define_sum(file, tokens, at);
+        assert_eq!(
+            tokens.get(*at).map(String::as_str),
+            Some(")"),
+            "unbalanced parentheses"
+        );
+        *at += 1;
+        return value;
+    }
+    let digits = token.trim_end_matches(['u', 'U']);
+    if let Some(hex) = digits
+        .strip_prefix("0x")
+        .or_else(|| digits.strip_prefix("0X"))
+    {
+        return i64::from_str_radix(hex, 16).unwrap_or_else(|_| panic!("`{token}`"));
+    }
+    if digits.starts_with(|c: char| c.is_ascii_digit()) {
+        return digits.parse().unwrap_or_else(|_| panic!("`{token}`"));
+    }
+    kernel_define(file, &token)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_defines_evaluate_literals_and_expressions() {
+        assert_eq!(kernel_define("attention", "TILE_ROWS"), 32);
+        assert_eq!(kernel_define("experts", "CHUNK_STRIDE"), 512 / 16 * 20);
+        assert_eq!(kernel_define("sampling", "SAMPLING_NONE"), 0xffff_ffff);
+        assert_eq!(
+            kernel_define("delta_rule", "DR_ROWS_PER_WARP"),
+            64 / (256 / 32)
+        );
+    }
 
     #[test]
     fn every_listed_function_is_defined_in_its_source() {

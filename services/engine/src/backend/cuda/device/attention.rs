@@ -560,3 +560,29 @@ impl CudaBackend {
         Ok(Ok(out))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use crate::backend::cuda::kernels::kernel_define;
+        let define = |name| kernel_define("attention", name);
+        assert_eq!(i64::from(SPLIT_THREADS), define("SPLIT_THREADS"));
+        assert_eq!(SPLIT_TILE as i64, define("SPLIT_TILE"));
+        assert_eq!(SPLIT_HEADS as i64, define("SPLIT_HEADS"));
+        assert_eq!(SPLIT_MAX_CHUNKS as i64, define("COMBINE_MAX_CHUNKS"));
+        assert_eq!(i64::from(TILE_THREADS), define("TILE_THREADS"));
+        assert_eq!(TILE_ROWS as i64, define("TILE_ROWS"));
+        assert_eq!(TILE_KEYS as i64, define("TILE_KEYS"));
+        // The split kernel's threads cover a head's dims, its warps a tile's keys (one per lane).
+        assert!(define("SPLIT_THREADS") * define("SPLIT_DIMS") >= ATTENTION_MAX_HEAD_DIM as i64);
+        assert_eq!(define("SPLIT_WARPS") * 32, define("SPLIT_THREADS"));
+        assert_eq!(define("SPLIT_TILE"), 32);
+        // Every row's chunks fit the combine's weights.
+        for last in [0usize, 31, 32, 4095, 4096, 100_000, 1_000_000] {
+            assert!(last / split_chunk(last) < SPLIT_MAX_CHUNKS, "{last}");
+        }
+    }
+}

@@ -367,3 +367,22 @@ impl CudaBackend {
         Ok(difference)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use crate::backend::cuda::kernels::kernel_define;
+        assert_eq!(CHUNK as i64, kernel_define("delta_rule", "DR_CHUNK"));
+        assert_eq!(
+            CHUNK_COLUMNS as i64,
+            kernel_define("delta_rule", "DR_COLUMNS")
+        );
+        assert_eq!(
+            i64::from(CHUNK_THREADS),
+            kernel_define("delta_rule", "DR_THREADS")
+        );
+    }
+}

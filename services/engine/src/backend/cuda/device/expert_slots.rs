@@ -720,6 +720,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn constants_match_the_kernels() {
+        use crate::backend::cuda::kernels::kernel_define;
+        assert_eq!(TILE_TOKENS as i64, kernel_define("experts", "TILE_TOKENS"));
+        assert_eq!(
+            i64::from(GROUPED_WARPS),
+            kernel_define("experts", "GROUPED_WARPS")
+        );
+        assert_eq!(
+            i64::from(GROUPED_ROWS_PER_BLOCK),
+            kernel_define("experts", "GROUPED_ROWS") * kernel_define("experts", "GROUPED_WARPS")
+        );
+    }
+
+    #[test]
     fn pairs_group_by_expert_in_tiles_of_at_most_tile_tokens() {
         // Experts 0..5; 1, 3 and 4 have slots 7, 0, 2. Expert 3 gets 35 pairs (three tiles),
         // expert 1 one pair, expert 4 none; expert 9 does not exist.

@@ -29,3 +29,21 @@ impl CudaBackend {
             .map(|(routing, _)| routing)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use crate::backend::cuda::kernels::kernel_define;
+        assert_eq!(
+            ROUTER_MAX_EXPERTS as i64,
+            kernel_define("router", "ROUTER_MAX_EXPERTS")
+        );
+        assert_eq!(
+            i64::from(ROUTER_THREADS),
+            kernel_define("router", "ROUTER_THREADS")
+        );
+    }
+}

@@ -175,6 +175,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn constants_match_the_kernels() {
+        use crate::backend::cuda::kernels::kernel_define;
+        assert_eq!(
+            i64::from(SAMPLING_THREADS),
+            kernel_define("sampling", "SAMPLING_THREADS")
+        );
+        assert_eq!(
+            SAMPLING_PER_THREAD as i64,
+            kernel_define("sampling", "SAMPLING_PER_THREAD")
+        );
+        assert_eq!(i64::from(NONE), kernel_define("sampling", "SAMPLING_NONE"));
+    }
+
+    #[test]
     fn long_rows_fit_the_merge() {
         for cols in [1usize, 97, 256, 4096, 151_936, 262_144, 1 << 20] {
             let (chunk_len, chunks) = chunking(cols);

@@ -69,7 +69,15 @@ impl WorkerModel {
         // allocated on the node's memory (first touch).
         let pool =
             ThreadPool::new(threads, cpus, true).context("starting the expert thread pool")?;
-        let banks_locked = lock_owned_experts(&artifact, &banks, &owned, layout.stride);
+        let residency = make_owned_experts_resident(
+            artifact.bytes(),
+            &banks,
+            &owned,
+            layout.stride,
+            mlock_pages,
+            physical_memory_bytes(),
+        );
+        let banks_locked = matches!(residency, BankResidency::Locked { .. });
         let computer = RoutedExpertComputer::new(
             pool,
             layout,
@@ -144,33 +152,49 @@ impl WorkerModel {
     }
 }
 
-/// `mlock`s the owned experts of every bank; says once, with the fix, when the limit forbids it.
-fn lock_owned_experts(
-    artifact: &Artifact,
+/// How the owned experts' pages became resident at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BankResidency {
+    /// `mlock`ed: resident for the worker's life.
+    Locked { bytes: usize },
+    /// `mlock` refused: every owned page read once, so the first tokens pay no page faults.
+    FaultedIn { pages: usize },
+    /// `mlock` refused and the owned experts exceed 90% of RAM: pages are mapped on use.
+    MappedOnUse,
+}
+
+/// `mlock` of a range of our own mapping.
+fn mlock_pages(range: &[u8]) -> nix::Result<()> {
+    // SAFETY: mlock only pins pages of our own live mapping; it does not change them.
+    unsafe { nix::sys::mman::mlock(std::ptr::NonNull::from(range).cast(), range.len()) }
+}
+
+/// Locks the owned experts of every bank in RAM with `lock`; where it is refused (the
+/// `RLIMIT_MEMLOCK` of an unprivileged user), says once how to raise the limit and faults the
+/// pages in instead when they fit in `ram_bytes`.
+fn make_owned_experts_resident(
+    all: &[u8],
     banks: &[Option<Bank>],
     owned: &Range<usize>,
     stride: usize,
-) -> bool {
-    let all = artifact.bytes();
+    lock: impl Fn(&[u8]) -> nix::Result<()>,
+    ram_bytes: Option<u64>,
+) -> BankResidency {
     for bank in banks.iter().flatten() {
-        let range = &all[owned_range(bank, owned, stride)];
-        // SAFETY: mlock only pins pages of our own live mapping; it does not change them.
-        let locked =
-            unsafe { nix::sys::mman::mlock(std::ptr::NonNull::from(range).cast(), range.len()) };
-        if let Err(error) = locked {
+        if let Err(error) = lock(&all[owned_range(bank, owned, stride)]) {
             tracing::warn!(
                 "cannot lock the expert banks in RAM ({error}); running unlocked. Raise the limit: \
                  `LimitMEMLOCK=infinity` in the systemd unit, or `ulimit -l unlimited` in the shell"
             );
-            fault_in_owned_experts(all, banks, owned, stride);
-            return false;
+            return fault_in_owned_experts(all, banks, owned, stride, ram_bytes);
         }
     }
+    let bytes = owned_bytes(banks, owned, stride);
     tracing::info!(
         "locked {:.1} MiB of expert banks in RAM",
-        owned_bytes(banks, owned, stride) as f64 / (1u64 << 20) as f64
+        bytes as f64 / (1u64 << 20) as f64
     );
-    true
+    BankResidency::Locked { bytes }
 }
 
 /// Bytes of the owned experts over every bank.
@@ -193,26 +217,34 @@ fn owned_range(bank: &Bank, owned: &Range<usize>, stride: usize) -> Range<usize>
 /// expert pay its page faults (seconds over a whole model), which shows as a slow first run.
 /// Skipped when the owned experts would not fit in RAM: touching them all would only stream
 /// the file through the page cache once.
-fn fault_in_owned_experts(all: &[u8], banks: &[Option<Bank>], owned: &Range<usize>, stride: usize) {
+fn fault_in_owned_experts(
+    all: &[u8],
+    banks: &[Option<Bank>],
+    owned: &Range<usize>,
+    stride: usize,
+    ram_bytes: Option<u64>,
+) -> BankResidency {
     const PAGE: usize = 4096;
     let bytes = owned_bytes(banks, owned, stride);
-    if physical_memory_bytes().is_some_and(|total| bytes as u64 > total / 10 * 9) {
+    if ram_bytes.is_some_and(|total| bytes as u64 > total / 10 * 9) {
         tracing::info!("the owned expert banks exceed 90% of RAM; their pages are mapped on use");
-        return;
+        return BankResidency::MappedOnUse;
     }
     let started = Instant::now();
-    let mut checksum = 0u8;
+    let (mut checksum, mut pages) = (0u8, 0usize);
     for bank in banks.iter().flatten() {
         for offset in owned_range(bank, owned, stride).step_by(PAGE) {
             // A volatile read per page so the loop cannot be optimised away.
             // SAFETY: a bounds-checked reference into the live read-only mapping.
             checksum ^= unsafe { std::ptr::read_volatile(&all[offset]) };
+            pages += 1;
         }
     }
     tracing::info!(
-        "mapped the unlocked expert banks' pages in {:.1} s (checksum {checksum})",
+        "mapped the unlocked expert banks' pages in {:.1} s ({pages} pages, checksum {checksum})",
         started.elapsed().as_secs_f64()
     );
+    BankResidency::FaultedIn { pages }
 }
 
 /// `MemTotal` of `/proc/meminfo`, bytes (`None` off Linux or when unreadable).
@@ -434,5 +466,73 @@ fn serve_one(
             );
             channel.complete(slot, Err(&problem));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two banks of 4 experts of 5000 bytes; this worker owns experts 1..3 (10,000 bytes, 3
+    /// pages, of each bank).
+    fn two_banks() -> (Vec<u8>, Vec<Option<Bank>>, Range<usize>, usize) {
+        let stride = 5000;
+        let banks = vec![
+            Some(Bank {
+                offset: 0,
+                length: 4 * stride,
+            }),
+            None,
+            Some(Bank {
+                offset: 4 * stride,
+                length: 4 * stride,
+            }),
+        ];
+        (vec![1u8; 8 * stride], banks, 1..3, stride)
+    }
+
+    #[test]
+    fn a_refused_lock_faults_the_owned_pages_in_or_leaves_them_when_ram_is_short() {
+        let (all, banks, owned, stride) = two_banks();
+        let locked = std::cell::RefCell::new(Vec::new());
+        let lock = |range: &[u8]| {
+            locked.borrow_mut().push(range.len());
+            Ok(())
+        };
+        assert_eq!(
+            make_owned_experts_resident(&all, &banks, &owned, stride, lock, Some(1 << 30)),
+            BankResidency::Locked { bytes: 20_000 }
+        );
+        assert_eq!(
+            *locked.borrow(),
+            vec![10_000, 10_000],
+            "each bank's owned range"
+        );
+
+        let refused = |_: &[u8]| Err(nix::errno::Errno::EPERM);
+        assert_eq!(
+            make_owned_experts_resident(&all, &banks, &owned, stride, refused, Some(1 << 30)),
+            BankResidency::FaultedIn { pages: 6 }
+        );
+        assert_eq!(
+            make_owned_experts_resident(&all, &banks, &owned, stride, refused, Some(20_000)),
+            BankResidency::MappedOnUse,
+            "20,000 owned bytes exceed 90% of 20,000"
+        );
+        assert_eq!(
+            make_owned_experts_resident(&all, &banks, &owned, stride, refused, None),
+            BankResidency::FaultedIn { pages: 6 },
+            "RAM unknown: fault in"
+        );
+    }
+
+    #[test]
+    fn owned_ranges_stop_at_the_bank_end() {
+        let bank = Bank {
+            offset: 100,
+            length: 250,
+        };
+        assert_eq!(owned_range(&bank, &(1..4), 100), 200..350);
+        assert_eq!(owned_range(&bank, &(5..6), 100), 600..600);
     }
 }

@@ -9,9 +9,9 @@
 // `matmul` / `matmul_bf16` (used for every n): one warp per (output feature, group of up to
 // ROWS rows); each lane sums its own k positions (bf16 with k % 8 == 0: 8-wide chunks 256
 // apart; else 4-wide chunks 128 apart when k % 4 == 0; else k ≡ lane mod 32) in increasing
-// order for each row of the group, then a fixed butterfly adds the 32 lane sums. Weight reads are coalesced (a warp reads 32
-// consecutive values of one row) and each weight is reused for ROWS rows; at decode (n = 1)
-// this streams the weights once.
+// order for each row of the group, then a fixed butterfly adds the 32 lane sums. Weight reads
+// are coalesced (a warp reads 32 consecutive values of one row) and each weight is reused for
+// ROWS rows; at decode (n = 1) this streams the weights once.
 //
 // Prefill with bf16 weights goes through cuBLAS instead (device.rs, above a row threshold): the
 // activations are rounded to bf16 by `f32_to_bf16` below and multiplied on tensor cores with f32

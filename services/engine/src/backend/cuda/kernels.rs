@@ -246,29 +246,36 @@ pub(crate) fn kernel_define(file: &str, name: &str) -> i64 {
 
 #[cfg(test)]
 fn define_sum(file: &str, tokens: &[String], at: &mut usize) -> i64 {
-    let mut value = define_product(file, tokens, at);
-    while let Some(op) = tokens.get(*at).filter(|t| *t == "+" || *t == "-").cloned() {
-        *at += 1;
-        let right = define_product(file, tokens, at);
-        value = if op == "+" {
-            value + right
-        } else {
-            value - right
-        };
-    }
-    value
+    define_left_fold(file, tokens, at, ["+", "-"], define_product)
 }
 
 #[cfg(test)]
 fn define_product(file: &str, tokens: &[String], at: &mut usize) -> i64 {
-    let mut value = define_factor(file, tokens, at);
-    while let Some(op) = tokens.get(*at).filter(|t| *t == "*" || *t == "/").cloned() {
+    define_left_fold(file, tokens, at, ["*", "/"], define_factor)
+}
+
+/// `operand (op operand)*` for one precedence level's two operators, left to right as C does.
+#[cfg(test)]
+fn define_left_fold(
+    file: &str,
+    tokens: &[String],
+    at: &mut usize,
+    operators: [&str; 2],
+    operand: fn(&str, &[String], &mut usize) -> i64,
+) -> i64 {
+    let mut value = operand(file, tokens, at);
+    while let Some(op) = tokens
+        .get(*at)
+        .filter(|token| operators.contains(&token.as_str()))
+        .cloned()
+    {
         *at += 1;
-        let right = define_factor(file, tokens, at);
-        value = if op == "*" {
-            value * right
-        } else {
-            value / right
+        let right = operand(file, tokens, at);
+        value = match op.as_str() {
+            "+" => value + right,
+            "-" => value - right,
+            "*" => value * right,
+            _ => value / right,
         };
     }
     value

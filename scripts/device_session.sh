@@ -3,8 +3,8 @@
 # scarce: one cold start, the CPU benchmarks first while the machine is quiet, then the GPU
 # suites in parallel). Build here first:
 #
-#   scripts/gpu_tests.sh build && cargo build --release -p ninfer -p ninfer-experts \
-#     && cp target/release/ninfer target/release/ninfer-experts .devbin/
+#   scripts/gpu_tests.sh build && cargo build --release -p ninfer -p ninfer-expert-worker \
+#     && cp target/release/ninfer target/release/ninfer-expert-worker .devbin/
 #
 # then run(command="scripts/device_session.sh", carry=[".devbin"]). Logs and tables go to $OUT.
 set -uo pipefail
@@ -58,7 +58,7 @@ GPU_TEST_PARALLEL=1 GPU_TEST_FIGURES=0 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-100}
 
 # --- Issue 7, a first look only (not its acceptance: that needs the full-size artifacts and more
 # device time): 8 layers of qwen3-30b-a3b, int8 experts, uniform routing, CPU vs all-GPU experts.
-if [ "${SKIP_PIPELINE_BENCH:-0}" != 1 ] && [ -x .devbin/ninfer ] && [ -x .devbin/ninfer-experts ]; then
+if [ "${SKIP_PIPELINE_BENCH:-0}" != 1 ] && [ -x .devbin/ninfer ] && [ -x .devbin/ninfer-expert-worker ]; then
   log "synthetic qwen3-30b-a3b, 8 layers"
   work=${TMPDIR:-/tmp}/ninfer-bench
   mkdir -p "$work"

@@ -2,13 +2,13 @@
 //! the channel round trip, and `ninfer bench MODEL` (the whole pipeline, `bench_model.rs`).
 //!
 //! Owns: the `bench` arguments, model-shape presets and the printed tables / JSON.
-//! Must not touch: the measurements themselves (`ninfer_expert_kernels::bench`).
+//! Must not touch: the measurements themselves (`ninfer_cpu_experts::bench`).
 
 use anyhow::{bail, Context};
-use ninfer_expert_kernels::bench::{
+use ninfer_cpu_experts::bench::{
     bench_experts, measure_read_bandwidth, BandwidthResult, ExpertBenchConfig, ExpertBenchResult,
 };
-use ninfer_expert_kernels::{DownSplit, ExpertLayout, KernelIsa, ThreadPool, WeightDType};
+use ninfer_cpu_experts::{DownSplit, ExpertLayout, KernelIsa, ThreadPool, WeightDType};
 
 /// `ninfer bench MODEL [flags]` benchmarks a model end to end; `ninfer bench memory|experts|
 /// channel` the parts. A MODEL file named like a subcommand needs a path (`./memory`).
@@ -190,10 +190,10 @@ pub(crate) fn print_bandwidth(result: &BandwidthResult, pool: &ThreadPool) {
         Some(bytes) => format!(
             ", {:.1} GiB of the process on 2 MiB pages{}",
             bytes as f64 / GIB,
-            std::env::var(ninfer_expert_kernels::buffer::HUGE_PAGES_VARIABLE)
+            std::env::var(ninfer_cpu_experts::buffer::HUGE_PAGES_VARIABLE)
                 .map(|policy| format!(
                     " ({}={policy})",
-                    ninfer_expert_kernels::buffer::HUGE_PAGES_VARIABLE
+                    ninfer_cpu_experts::buffer::HUGE_PAGES_VARIABLE
                 ))
                 .unwrap_or_default()
         ),
@@ -276,7 +276,7 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
         "rows" => DownSplit::Rows,
         other => bail!("--down-split must be auto or rows, got `{other}`"),
     };
-    ninfer_expert_kernels::set_down_split(down_split);
+    ninfer_cpu_experts::set_down_split(down_split);
     let pool = make_pool(&args.pool)?;
     let prefetches = parse_list(&args.prefetch_bytes, "--prefetch-bytes", |s| {
         let (bytes, into_l2) = match s.strip_suffix(":l2") {
@@ -347,7 +347,7 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
             let layout = ExpertLayout::new(dtype, preset.hidden, preset.intermediate)?;
             for &tokens in &token_counts {
                 for &(prefetch_bytes, into_l2) in &prefetches {
-                    ninfer_expert_kernels::set_prefetch_distance(prefetch_bytes, into_l2);
+                    ninfer_cpu_experts::set_prefetch_distance(prefetch_bytes, into_l2);
                     let prefetch = format!("{prefetch_bytes}{}", if into_l2 { ":l2" } else { "" });
                     let config = ExpertBenchConfig {
                         layout,

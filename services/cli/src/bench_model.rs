@@ -5,15 +5,15 @@
 //! Owns: the benchmark's flags, the random prompts, the timing at the client, the arithmetic
 //! from the engine's profile counters (`GetProfile`) to the reported figures, the table / JSON.
 //! Must not touch: the counters themselves (`ninfer_engine::profile`), the RAM bandwidth
-//! measurement (`ninfer_expert_kernels::bench::measure_read_bandwidth`, as `bench memory`) or
+//! measurement (`ninfer_cpu_experts::bench::measure_read_bandwidth`, as `bench memory`) or
 //! the device one (`CudaBackend::measure_copy_bandwidth`, run by the engine).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ninfer_expert_kernels::bench::{measure_read_bandwidth, BandwidthResult};
-use ninfer_expert_kernels::ThreadPool;
+use ninfer_cpu_experts::bench::{measure_read_bandwidth, BandwidthResult};
+use ninfer_cpu_experts::ThreadPool;
 use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::{
     EngineProfile, EngineStatusRequest, FinishReason, GenerateRequest, ModelInfoRequest,

@@ -129,7 +129,7 @@ fn plan(args: &RunArgs, model: &std::path::Path) -> anyhow::Result<Plan> {
                 format!("shard={index}/{}", nodes.len())
             },
             threads: args.moe_threads.unwrap_or_else(|| {
-                ninfer_expert_kernels::cpus_of_numa_node(node)
+                ninfer_cpu_experts::cpus_of_numa_node(node)
                     .map(|c| c.len())
                     .unwrap_or(1)
                     .max(1)

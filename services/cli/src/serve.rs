@@ -143,7 +143,7 @@ pub fn start_pipeline(supervisor: &mut Supervisor, args: &ServeArgs) -> anyhow::
             }
             supervisor.add(ChildSpec {
                 label: format!("experts-{node}"),
-                program: sibling_binary("ninfer-experts"),
+                program: sibling_binary("ninfer-expert-worker"),
                 args: worker_args,
             })?;
             worker_addresses.push(address);

@@ -10,7 +10,10 @@ fn workspace_root() -> PathBuf {
 /// Crate directory → (package name, dependency names of `[dependencies]`).
 fn manifests() -> BTreeMap<String, (String, Vec<String>)> {
     let mut crates = BTreeMap::new();
-    for entry in std::fs::read_dir(workspace_root().join("services")).unwrap() {
+    let services = workspace_root().join("services");
+    let programs = std::fs::read_dir(&services).unwrap();
+    let libraries = std::fs::read_dir(services.join("lib")).unwrap();
+    for entry in programs.chain(libraries) {
         let directory = entry.unwrap().path();
         let Ok(text) = std::fs::read_to_string(directory.join("Cargo.toml")) else {
             continue;
@@ -31,7 +34,11 @@ fn manifests() -> BTreeMap<String, (String, Vec<String>)> {
             }
         }
         crates.insert(
-            directory.file_name().unwrap().to_string_lossy().to_string(),
+            directory
+                .strip_prefix(&services)
+                .unwrap()
+                .to_string_lossy()
+                .to_string(),
             (name, dependencies),
         );
     }
@@ -46,21 +53,21 @@ fn workspace_dependencies_point_one_way() {
         ("ninfer-protocol", &[][..]),
         ("ninfer-channel", &[][..]),
         ("ninfer-convert", &["ninfer-artifact"][..]),
-        ("ninfer-expert-kernels", &["ninfer-artifact"][..]),
+        ("ninfer-cpu-experts", &["ninfer-artifact"][..]),
         (
             "ninfer-engine",
             &[
                 "ninfer-artifact",
-                "ninfer-expert-kernels",
+                "ninfer-cpu-experts",
                 "ninfer-protocol",
                 "ninfer-channel",
             ][..],
         ),
         (
-            "ninfer-experts",
+            "ninfer-expert-worker",
             &[
                 "ninfer-artifact",
-                "ninfer-expert-kernels",
+                "ninfer-cpu-experts",
                 "ninfer-protocol",
                 "ninfer-channel",
             ][..],
@@ -72,7 +79,7 @@ fn workspace_dependencies_point_one_way() {
                 "ninfer-artifact",
                 "ninfer-convert",
                 "ninfer-engine",
-                "ninfer-expert-kernels",
+                "ninfer-cpu-experts",
                 "ninfer-protocol",
                 "ninfer-channel",
             ][..],
@@ -115,7 +122,7 @@ fn gateway_never_touches_weights() {
     for forbidden in [
         "ninfer-artifact",
         "ninfer-engine",
-        "ninfer-expert-kernels",
+        "ninfer-cpu-experts",
         "memmap2",
     ] {
         assert!(

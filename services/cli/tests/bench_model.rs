@@ -133,7 +133,7 @@ fn check_report(report: &Value, executor: &str, top_k: f64, moe_layers: f64, pla
 #[test]
 fn bench_model_reports_every_figure_with_and_without_workers() {
     // The worker is started from next to `ninfer`; make sure it is there.
-    binary("ninfer-experts");
+    binary("ninfer-expert-worker");
     binary("ninfer-engine");
     let directory = tempfile::tempdir().unwrap();
     let dir = directory.path();

@@ -1,4 +1,4 @@
-//! The process boundary, end to end: `ninfer-engine` and `ninfer-experts` started as real
+//! The process boundary, end to end: `ninfer-engine` and `ninfer-expert-worker` started as real
 //! processes on unix sockets, spoken to over gRPC. Needs the workspace binaries built next to
 //! this test (`scripts/test.sh` / `cargo test --workspace` builds them).
 
@@ -133,7 +133,7 @@ impl Stack {
             "scalar".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        self.spawn(label, &binary("ninfer-experts"), &args);
+        self.spawn(label, &binary("ninfer-expert-worker"), &args);
         socket
     }
 
@@ -678,7 +678,7 @@ fn worker_control_health_statistics_drain_and_memlock() {
         "ulimit -l 0 && if command -v setpriv >/dev/null; then exec setpriv --bounding-set \
          -ipc_lock \"$0\" \"$@\"; else exec \"$0\" \"$@\"; fi"
             .into(),
-        binary("ninfer-experts").display().to_string(),
+        binary("ninfer-expert-worker").display().to_string(),
     ];
     args.extend(
         [

@@ -3,7 +3,7 @@
 //! Owns: the contract "hidden states + per-token expert ids + routing weights of one MoE layer →
 //! weighted sum of the selected experts' SwiGLU outputs". The engine calls it once per MoE layer
 //! per forward; the expert-worker work puts the same trait in front of a shared-memory channel,
-//! and `ninfer-expert-kernels` will plug its SIMD kernels in behind it.
+//! and `ninfer-cpu-experts` will plug its SIMD kernels in behind it.
 //! Must not touch: routing (the model decides ids and weights), the artifact byte layout.
 
 use std::sync::Arc;
@@ -38,7 +38,7 @@ impl ExpertBatch<'_> {
 
 /// An expert id that selects nothing: the pair is computed elsewhere (e.g. by a GPU expert
 /// slot) and adds nothing here.
-pub use ninfer_expert_kernels::routed::NO_EXPERT;
+pub use ninfer_cpu_experts::routed::NO_EXPERT;
 
 /// Computes routed experts. Object-safe; one executor serves every layer and every thread.
 pub trait ExpertExecutor: Send + Sync {

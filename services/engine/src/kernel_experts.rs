@@ -1,4 +1,4 @@
-//! In-process expert executor on the SIMD kernels of `ninfer-expert-kernels` — the same
+//! In-process expert executor on the SIMD kernels of `ninfer-cpu-experts` — the same
 //! `RoutedExpertComputer` an expert worker runs, so the in-process engine and engine + workers
 //! produce identical sums (same kernel path, same thread count).
 //!
@@ -9,8 +9,8 @@
 use std::sync::{Arc, Mutex};
 
 use ninfer_artifact::Artifact;
-use ninfer_expert_kernels::routed::{BankView, RoutedExpertComputer};
-use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool};
+use ninfer_cpu_experts::routed::{BankView, RoutedExpertComputer};
+use ninfer_cpu_experts::{ExpertLayout, KernelIsa, ThreadPool};
 
 use crate::error::EngineError;
 use crate::experts::{ExpertBatch, ExpertExecutor};

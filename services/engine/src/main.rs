@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
+use ninfer_cpu_experts::KernelIsa;
 use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
 use ninfer_engine::experts::ExpertExecutor;
@@ -28,7 +29,6 @@ use ninfer_engine::service::{
 };
 use ninfer_engine::spec::MixerKind;
 use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
-use ninfer_expert_kernels::KernelIsa;
 use ninfer_protocol::v1::engine_server::EngineServer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ninfer_artifact::{Artifact, ArtifactError, ExpertBank, TensorClass};
-use ninfer_expert_kernels::ExpertLayout;
+use ninfer_cpu_experts::ExpertLayout;
 
 use crate::backend::{Backend, DeltaRuleForm, Rotation, Routing, Segment};
 use crate::error::EngineError;

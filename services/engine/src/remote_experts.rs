@@ -4,7 +4,7 @@
 //! Owns: one channel per worker (the segment lives in this process, so it survives worker
 //! restarts), worker registration (model-id check, ownership), liveness (process gone, or no
 //! heartbeat within the hang bound) and holding/replaying work across a worker restart.
-//! Must not touch: expert math (the workers run `ninfer-expert-kernels`), routing.
+//! Must not touch: expert math (the workers run `ninfer-cpu-experts`), routing.
 //!
 //! Failure model: when a worker dies or hangs mid-request, the request stays posted in its slot.
 //! The registrar thread keeps dialing the worker's address; a restarted worker attaches to the

@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_cpu_experts::ExpertLayout;
 use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
 use ninfer_engine::experts::NO_EXPERT;
@@ -30,7 +31,6 @@ use ninfer_engine::testing::{
 use ninfer_engine::{
     open_artifact, test_device, Backend, CpuExpertExecutor, ExpertBatch, ExpertExecutor, Model,
 };
-use ninfer_expert_kernels::ExpertLayout;
 
 const GREEDY_TOKENS: usize = 16;
 

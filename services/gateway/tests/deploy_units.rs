@@ -21,7 +21,7 @@ fn has_line(text: &str, line: &str) -> bool {
 
 #[test]
 fn units_carry_the_required_settings() {
-    let experts = read("ninfer-experts@.service");
+    let experts = read("ninfer-expert-worker@.service");
     for line in [
         "LimitMEMLOCK=infinity",
         "Restart=on-failure",
@@ -31,14 +31,14 @@ fn units_carry_the_required_settings() {
     ] {
         assert!(
             has_line(&experts, line),
-            "ninfer-experts@.service lacks {line}"
+            "ninfer-expert-worker@.service lacks {line}"
         );
     }
     assert!(experts.contains("--numa-node %i"));
     for unit in [
         "ninfer-engine.service",
         "ninfer-gateway.service",
-        "ninfer-experts@.service",
+        "ninfer-expert-worker@.service",
     ] {
         let text = read(unit);
         for line in [
@@ -58,7 +58,7 @@ fn units_carry_the_required_settings() {
     assert!(
         target.contains("ninfer-gateway.service")
             && target.contains("ninfer-engine.service")
-            && target.contains("ninfer-experts@0.service")
+            && target.contains("ninfer-expert-worker@0.service")
     );
     let environment = read("ninfer.env");
     for key in [
@@ -90,7 +90,7 @@ fn units_pass_systemd_analyze_verify() {
     let scratch = tempfile::tempdir().unwrap_or_else(|error| panic!("tempdir: {error}"));
     let bin = scratch.path().join("bin");
     std::fs::create_dir(&bin).unwrap_or_else(|error| panic!("{error}"));
-    for program in ["ninfer-experts", "ninfer-engine", "ninfer-gateway"] {
+    for program in ["ninfer-expert-worker", "ninfer-engine", "ninfer-gateway"] {
         let path = bin.join(program);
         std::fs::write(&path, "#!/bin/sh\n").unwrap_or_else(|error| panic!("{error}"));
         let mut permissions = std::fs::metadata(&path)
@@ -103,7 +103,7 @@ fn units_pass_systemd_analyze_verify() {
         "ninfer.target",
         "ninfer-engine.service",
         "ninfer-gateway.service",
-        "ninfer-experts@.service",
+        "ninfer-expert-worker@.service",
     ] {
         let text = read(unit).replace("/usr/local/bin/", &format!("{}/", bin.display()));
         std::fs::write(scratch.path().join(unit), text).unwrap_or_else(|error| panic!("{error}"));
@@ -116,8 +116,8 @@ fn units_pass_systemd_analyze_verify() {
             "ninfer.target",
             "ninfer-engine.service",
             "ninfer-gateway.service",
-            "ninfer-experts@0.service",
-            "ninfer-experts@1.service",
+            "ninfer-expert-worker@0.service",
+            "ninfer-expert-worker@1.service",
         ])
         .env("SYSTEMD_LOG_LEVEL", "notice")
         .output()

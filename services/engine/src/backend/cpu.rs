@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use ninfer_artifact::{Artifact, ExpertBank};
-use ninfer_expert_kernels::ExpertLayout;
+use ninfer_cpu_experts::ExpertLayout;
 
 use super::{
     expert_bytes, slot_out_of_range, AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec,

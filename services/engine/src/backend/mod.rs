@@ -21,7 +21,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use ninfer_artifact::{Artifact, ExpertBank};
-use ninfer_expert_kernels::ExpertLayout;
+use ninfer_cpu_experts::ExpertLayout;
 
 use crate::error::EngineError;
 

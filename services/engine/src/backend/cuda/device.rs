@@ -19,7 +19,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use ninfer_artifact::{Artifact, DType, ExpertBank};
-use ninfer_expert_kernels::ExpertLayout;
+use ninfer_cpu_experts::ExpertLayout;
 
 use super::cublas::{Cublas, GemmOperands};
 use super::kernels::{cached_cubin, KERNEL_SOURCES};

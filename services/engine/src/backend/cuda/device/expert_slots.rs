@@ -17,7 +17,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 use ninfer_artifact::{Artifact, ExpertBank};
-use ninfer_expert_kernels::{ExpertLayout, WeightDType};
+use ninfer_cpu_experts::{ExpertLayout, WeightDType};
 
 use super::{driver_error, elementwise, int, present, present_mut, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;

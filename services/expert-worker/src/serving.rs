@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context};
 use ninfer_artifact::Artifact;
 use ninfer_channel::{Request, WorkerChannel, NO_EXPERT};
-use ninfer_expert_kernels::routed::{BankView, RoutedExpertComputer};
-use ninfer_expert_kernels::{ExpertLayout, KernelIsa, ThreadPool};
+use ninfer_cpu_experts::routed::{BankView, RoutedExpertComputer};
+use ninfer_cpu_experts::{ExpertLayout, KernelIsa, ThreadPool};
 use ninfer_protocol::v1::WorkerStatistics;
 
 /// One MoE layer's bank inside the artifact mapping.

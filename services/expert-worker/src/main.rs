@@ -1,4 +1,4 @@
-//! `ninfer-experts`: a CPU expert worker process, one per NUMA node.
+//! `ninfer-expert-worker`: a CPU expert worker process, one per NUMA node.
 //!
 //! Owns: its share of the routed-expert banks (mapped from the artifact, locked in RAM), a thread
 //! pool pinned to its node, the worker end of the shared-memory activation channel, and the
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use clap::Parser;
 use ninfer_artifact::Artifact;
-use ninfer_expert_kernels::KernelIsa;
+use ninfer_cpu_experts::KernelIsa;
 use ninfer_protocol::v1::expert_worker_server::{ExpertWorker, ExpertWorkerServer};
 use ninfer_protocol::v1::{
     AttachChannelRequest, AttachChannelResponse, DrainRequest, DrainResponse, WorkerInfo,
@@ -25,7 +25,7 @@ use serving::{ServingHandle, WorkerModel};
 
 #[derive(Debug, Parser)]
 #[command(
-    name = "ninfer-experts",
+    name = "ninfer-expert-worker",
     version,
     about = "CPU expert worker of NInfer-Offload"
 )]
@@ -146,7 +146,7 @@ fn main() -> anyhow::Result<()> {
     );
     let common = artifact.config().common().clone();
     let owned = owned_range(&args.experts, common.num_experts)?;
-    let cpus = ninfer_expert_kernels::cpus_of_numa_node(args.numa_node).unwrap_or_default();
+    let cpus = ninfer_cpu_experts::cpus_of_numa_node(args.numa_node).unwrap_or_default();
     let threads = args
         .moe_threads
         .unwrap_or(if cpus.is_empty() { 1 } else { cpus.len() })

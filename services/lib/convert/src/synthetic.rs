@@ -523,11 +523,11 @@ impl SyntheticOptions {
 // The fixtures' byte-level BPE (493 tokens, Qwen's special tokens) and the Qwen3.5 chat template:
 // small, so an installed binary needs no data files. Every preset's vocabulary is larger, as
 // real Qwen embeddings are larger than their tokenizers.
-const TOKENIZER_JSON: &[u8] = include_bytes!("../../../tests/fixtures/qwen3_moe/tokenizer.json");
+const TOKENIZER_JSON: &[u8] = include_bytes!("../../../../tests/fixtures/qwen3_moe/tokenizer.json");
 const TOKENIZER_CONFIG_JSON: &[u8] =
-    include_bytes!("../../../tests/fixtures/qwen3_moe/tokenizer_config.json");
+    include_bytes!("../../../../tests/fixtures/qwen3_moe/tokenizer_config.json");
 const CHAT_TEMPLATE: &[u8] =
-    include_bytes!("../../../tests/fixtures/qwen3_moe/chat_template.jinja");
+    include_bytes!("../../../../tests/fixtures/qwen3_moe/chat_template.jinja");
 
 /// `generation_config.json` of the fixtures: ids of that tokenizer (`<|im_end|>` 482,
 /// `<|endoftext|>` 480) and Qwen's sampling defaults.

@@ -9,8 +9,8 @@
 //!   avx512-vnni and on AMX below 16 tokens per expert): 2e-2 (each activation is off by at most
 //!   max|group| / 254, twice: before `gate_up` and before `down`).
 
-use ninfer_expert_kernels::layout::{decode_matrix, encode_matrix};
-use ninfer_expert_kernels::{
+use ninfer_cpu_experts::layout::{decode_matrix, encode_matrix};
+use ninfer_cpu_experts::{
     compute_layer, ExpertLayout, ExpertTask, ExpertWeights, KernelIsa, LayerScratch,
     ScratchCapacity, ThreadPool, WeightDType,
 };
@@ -255,25 +255,25 @@ fn int4_paths_agree_with_scalar() {
 #[test]
 fn layer_tunings_agree_with_scalar() {
     for bits in 0..256u32 {
-        ninfer_expert_kernels::set_layer_tuning(ninfer_expert_kernels::LayerTuning {
+        ninfer_cpu_experts::set_layer_tuning(ninfer_cpu_experts::LayerTuning {
             steal: bits & 1 != 0,
             prefetch_ahead: bits & 2 != 0,
             shared_decode_input: bits & 4 != 0,
             flow: bits & 16 != 0,
             private_input: bits & 32 != 0,
         });
-        ninfer_expert_kernels::set_int4_rows_per_pass(match (bits & 8 != 0, bits & 128 != 0) {
+        ninfer_cpu_experts::set_int4_rows_per_pass(match (bits & 8 != 0, bits & 128 != 0) {
             (false, false) => 2,
             (true, false) => 4,
             (_, true) => 8,
         });
-        ninfer_expert_kernels::set_int4_gfni(bits & 64 == 0);
+        ninfer_cpu_experts::set_int4_gfni(bits & 64 == 0);
         check_dtype(WeightDType::Int4, &[(96, 160)]);
         check_dtype(WeightDType::Int8, &[(64, 32)]);
     }
-    ninfer_expert_kernels::set_layer_tuning(Default::default());
-    ninfer_expert_kernels::set_int4_rows_per_pass(2);
-    ninfer_expert_kernels::set_int4_gfni(true);
+    ninfer_cpu_experts::set_layer_tuning(Default::default());
+    ninfer_cpu_experts::set_int4_rows_per_pass(2);
+    ninfer_cpu_experts::set_int4_gfni(true);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../proto");
     let files = [
         "ninfer/v1/engine.proto",
         "ninfer/v1/experts.proto",

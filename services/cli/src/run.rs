@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ninfer_artifact::{Artifact, TensorClass};
-use ninfer_engine::gpu_experts::GpuExpertCount;
+use ninfer_engine::moe::placement::GpuExpertCount;
 use ninfer_protocol::v1::gateway_client::GatewayClient;
 use ninfer_protocol::v1::{ChatMessage, ChatRequest, GatewaySamplingOptions, ListModelsRequest};
 

@@ -562,7 +562,8 @@ fn worker_of_another_model_is_refused_with_both_ids() {
 
 #[test]
 fn corrupt_channel_requests_are_refused_not_fatal() {
-    use ninfer_channel::{ChannelGeometry, EngineChannel, Request, WaitOutcome, NO_EXPERT};
+    use ninfer_artifact::NO_EXPERT;
+    use ninfer_channel::{ChannelGeometry, EngineChannel, Request, WaitOutcome};
     let rt = runtime();
     let mut stack = Stack::new();
     let model = stack.convert("qwen3_moe");

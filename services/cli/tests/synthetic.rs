@@ -10,12 +10,13 @@ use ninfer_artifact::{Artifact, DType, ModelConfig};
 use ninfer_convert::synthetic::{preset, Routing, SyntheticOptions, PRESETS};
 use ninfer_convert::{write_synthetic, NoProgress};
 use ninfer_engine::{
-    open_artifact, CpuBackend, CpuExpertExecutor, EngineError, ExpertBatch, ExpertExecutor, Model,
+    open_artifact, CpuBackend, EngineError, ExpertBatch, ExpertExecutor, Model,
+    ReferenceExpertExecutor,
 };
 
 /// Delegates to the reference executor and counts which experts the model routed to.
 struct CountingExecutor {
-    inner: CpuExpertExecutor,
+    inner: ReferenceExpertExecutor,
     /// `[layer][expert]` selections.
     counts: Mutex<Vec<Vec<u64>>>,
 }
@@ -39,7 +40,7 @@ fn open_counting(path: &Path) -> (Model<CpuBackend>, Arc<CountingExecutor>) {
     let artifact = open_artifact(path).unwrap();
     let common = artifact.config().common().clone();
     let executor = Arc::new(CountingExecutor {
-        inner: CpuExpertExecutor::new(Arc::clone(&artifact)),
+        inner: ReferenceExpertExecutor::new(Arc::clone(&artifact)),
         counts: Mutex::new(vec![vec![0; common.num_experts]; common.num_hidden_layers]),
     });
     let model = Model::load(

@@ -1,6 +1,6 @@
 //! The engine: model graphs of the supported architectures over a backend trait, per-sequence
-//! state, the expert-executor interface, sampling and perplexity; (later) the engine service with
-//! its scheduler.
+//! state, the MoE path (expert executors, GPU expert placement), sampling, perplexity, and the
+//! engine service with its scheduler.
 //!
 //! Owns: all model math and the only process that talks to the GPU.
 //! Must not touch: HTTP, tokenizer-level text handling (gateway), the artifact byte layout
@@ -12,10 +12,9 @@
 //! * [`spec`] — architecture → graph switches; refusal of unknown architectures.
 //! * [`model`] — weight loading, `SequenceState`, the batched forward pass.
 //! * [`profile`] — always-on forward counters (time split, expert bytes) for `ninfer bench`.
-//! * [`experts`] — the `ExpertExecutor` trait and the in-process CPU executor.
-//! * [`kernel_experts`] — in-process experts on the SIMD kernels (the worker's executor).
-//! * [`remote_experts`] — experts computed by worker processes through the shared-memory channel.
-//! * [`gpu_experts`] — `--moe-gpu-experts`: how many experts per layer the GPU holds, and which.
+//! * [`moe`] — a MoE layer's forward over its route (GPU expert slots / prefill staging / expert
+//!   executor), the three expert executors (f32 reference, SIMD kernels in-process, worker
+//!   processes) and `--moe-gpu-experts` placement with its memory budget.
 //! * [`service`] — the gRPC engine service: scheduler actor (continuous batching), routing stats.
 //! * [`sampling`] — greedy / temperature / top-k / top-p / min-p / penalties, seeded.
 //! * [`perplexity`] — windowed NLL of a token stream.
@@ -23,13 +22,10 @@
 
 pub mod backend;
 pub mod error;
-pub mod experts;
-pub mod gpu_experts;
-pub mod kernel_experts;
 pub mod model;
+pub mod moe;
 pub mod perplexity;
 pub mod profile;
-pub mod remote_experts;
 pub mod sampling;
 pub mod service;
 pub mod spec;
@@ -39,8 +35,8 @@ pub mod weights;
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, DeltaRuleForm};
 pub use error::EngineError;
-pub use experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor};
 pub use model::{open_artifact, LogitsSelection, Model, SequenceInput, SequenceState};
+pub use moe::{ExpertBatch, ExpertExecutor, ReferenceExpertExecutor};
 pub use perplexity::{token_nlls, PerplexityOptions, TokenNll};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{ModelSpec, SUPPORTED_ARCHITECTURES};

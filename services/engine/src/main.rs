@@ -13,13 +13,14 @@ use clap::{Parser, ValueEnum};
 use ninfer_cpu_experts::KernelIsa;
 use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
-use ninfer_engine::experts::ExpertExecutor;
-use ninfer_engine::gpu_experts::{
-    choose_gpu_experts, experts_per_layer, GpuExpertCount, GpuExpertShape,
+use ninfer_engine::moe::placement::{
+    choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
+    GpuExpertCount, GpuExpertShape, SlotMemoryBudget,
 };
-use ninfer_engine::kernel_experts::KernelExpertExecutor;
+use ninfer_engine::moe::{
+    ExpertExecutor, KernelExpertExecutor, WorkerExpertExecutor, WorkerExpertExecutorOptions,
+};
 use ninfer_engine::profile::ForwardProfile;
-use ninfer_engine::remote_experts::{RemoteExpertExecutor, RemoteExpertsOptions};
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
 use ninfer_engine::service::scheduler::{
     self, SchedulerCommand, SchedulerCounters, SchedulerLimits,
@@ -27,7 +28,6 @@ use ninfer_engine::service::scheduler::{
 use ninfer_engine::service::{
     AlwaysReady, DeviceBandwidthProbe, EngineService, Profiling, Readiness,
 };
-use ninfer_engine::spec::MixerKind;
 use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
 use ninfer_protocol::v1::engine_server::EngineServer;
 
@@ -189,7 +189,7 @@ fn main() -> anyhow::Result<()> {
             )?;
             (Arc::new(executor), Arc::new(AlwaysReady))
         } else {
-            let remote = Arc::new(RemoteExpertExecutor::start(RemoteExpertsOptions {
+            let remote = Arc::new(WorkerExpertExecutor::start(WorkerExpertExecutorOptions {
                 addresses: args.experts.clone(),
                 model_id: artifact.model_id(),
                 hidden_size: common.hidden_size,
@@ -234,9 +234,7 @@ fn main() -> anyhow::Result<()> {
     let host_kv = HostKvRequest {
         host_bytes: host_kv_bytes,
         device_share: DeviceKvShare::Auto {
-            budget_bytes: args
-                .gpu_mem_budget
-                .map(|gib| (gib * (1u64 << 30) as f64) as u64),
+            budget_bytes: args.gpu_mem_budget.map(gib_to_bytes),
         },
     };
     let (started, (device_name, device_bandwidth)) = match device {
@@ -470,27 +468,18 @@ fn place_gpu_experts<B: Backend>(
         expert_bytes,
     };
     let budget = device_memory.map(|(free, total)| {
-        let used = (total - free.min(total)) as u64;
-        let limit = match request.budget_gib {
-            Some(gib) => ((gib * (1u64 << 30) as f64) as u64).saturating_sub(used),
-            None => free as u64,
-        };
-        // K and V of every attention layer, per token of every sequence's full context.
-        let spec = model.spec();
-        let attention_layers = spec
-            .mixers
-            .iter()
-            .filter(|mixer| **mixer == MixerKind::Attention)
-            .count() as u64;
-        let kv_bytes_per_token = attention_layers
-            * 2
-            * (spec.attention.kv_heads * spec.attention.head_dim) as u64
-            * request.kv_element_bytes;
-        let kv = kv_bytes_per_token
-            * request.limits.max_context as u64
-            * request.limits.max_sequences as u64;
-        let kv = kv.saturating_sub(request.host_kv_bytes);
-        limit.saturating_sub(kv).saturating_sub(1 << 30)
+        expert_slot_budget(&SlotMemoryBudget {
+            free_bytes: free as u64,
+            total_bytes: total as u64,
+            limit_gib: request.budget_gib,
+            kv_cache_bytes: kv_cache_bytes(
+                model.spec(),
+                request.kv_element_bytes,
+                request.limits.max_context,
+                request.limits.max_sequences,
+            ),
+            host_kv_bytes: request.host_kv_bytes,
+        })
     });
     let per_layer = experts_per_layer(request.count, &shape, budget)
         .map_err(|problem| anyhow::anyhow!("--moe-gpu-experts {}: {problem}", request.count))?;

@@ -3,20 +3,22 @@
 //! Owns: loading the weights a model needs (by the artifact's internal names), per-sequence state
 //! (`SequenceState`: KV caches, conv and recurrent states sized from a max context), and the
 //! batched forward pass (prefill, continuation and single-token decode of several sequences at
-//! once). Routed experts go through an [`ExpertExecutor`].
-//! Must not touch: op implementations (backends), sampling, tokenization.
+//! once). A MoE layer's feed-forward is `MoeLayer::forward` (`crate::moe::layer`): this module
+//! loads its weights, places its resident experts and calls it.
+//! Must not touch: op implementations (backends), how routed experts are split and computed
+//! (`crate::moe`), sampling, tokenization.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ninfer_artifact::{Artifact, ArtifactError, ExpertBank, TensorClass};
-use ninfer_cpu_experts::ExpertLayout;
+use ninfer_artifact::{Artifact, ArtifactError, TensorClass};
 
-use crate::backend::{Backend, DeltaRuleForm, Rotation, Routing, Segment};
+use crate::backend::{Backend, DeltaRuleForm, Rotation, Segment};
 use crate::error::EngineError;
-use crate::experts::{CpuExpertExecutor, ExpertBatch, ExpertExecutor, NO_EXPERT};
-use crate::profile::{distinct_experts, nanos, ForwardProfile, Phase, PhaseTotals};
+use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer, PrefillStaging, SharedExpert};
+use crate::moe::{ExpertExecutor, ReferenceExpertExecutor};
+use crate::profile::{nanos, ForwardProfile, Phase, PhaseTotals};
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
 
 /// Which positions' logits a forward returns.
@@ -50,40 +52,13 @@ enum Mixer<B: Backend> {
     },
 }
 
-struct SharedExpert<B: Backend> {
-    gate_proj: B::Weight,
-    up_proj: B::Weight,
-    down_proj: B::Weight,
-    gate: B::Weight,
-}
-
 enum FeedForward<B: Backend> {
     Dense {
         gate_proj: B::Weight,
         up_proj: B::Weight,
         down_proj: B::Weight,
     },
-    Moe {
-        router: B::Weight,
-        bank: ExpertBank,
-        shared: Option<SharedExpert<B>>,
-        /// Experts of this layer held in the backend's slots (GPU expert slots), if any.
-        resident: Option<ResidentExperts<B>>,
-    },
-}
-
-/// The routed experts of one MoE layer that the backend computes itself, and which they are.
-struct ResidentExperts<B: Backend> {
-    slots: B::ExpertSlots,
-    /// `[num_experts]`: whether the expert is in a slot (the host's view of the slot table).
-    resident: Vec<bool>,
-}
-
-/// A MoE layer's routing left on the backend because nothing waits for it mid-forward (all of
-/// the layer's experts are resident): finished and counted at the forward's end.
-struct DeferredRouting<B: Backend> {
-    layer: usize,
-    pending: B::PendingRouting,
+    Moe(MoeLayer<B>),
 }
 
 /// What [`Model::place_resident_experts`] put where.
@@ -149,9 +124,9 @@ pub struct Model<B: Backend> {
     experts: Arc<dyn ExpertExecutor>,
     delta_rule_form: DeltaRuleForm,
     profile: Arc<ForwardProfile>,
-    /// Batches of at least this many rows compute their non-resident routed experts on the
-    /// backend from one layer-sized set of staging slots ([`Model::enable_prefill_staging`]).
-    prefill_staging: Option<(usize, Mutex<B::ExpertSlots>)>,
+    /// Batches of at least its `min_tokens` rows compute their non-resident routed experts on
+    /// the backend from one layer-sized set of staging slots ([`Model::enable_prefill_staging`]).
+    prefill_staging: Option<PrefillStaging<B>>,
 }
 
 /// Opens an artifact; if the reader rejects its header, says which architecture it names when
@@ -192,11 +167,11 @@ fn header_architecture(path: &Path) -> Option<String> {
 }
 
 impl<B: Backend> Model<B> {
-    /// Opens the artifact at `path` and loads it with the in-process CPU expert executor.
+    /// Opens the artifact at `path` and loads it with the f32 reference expert executor.
     pub fn open(backend: Arc<B>, path: &Path) -> Result<Self, EngineError> {
         let artifact = open_artifact(path)?;
         let experts: Arc<dyn ExpertExecutor> =
-            Arc::new(CpuExpertExecutor::new(Arc::clone(&artifact)));
+            Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact)));
         Self::load(backend, artifact, experts)
     }
 
@@ -283,7 +258,7 @@ impl<B: Backend> Model<B> {
         let common = self.spec.common.clone();
         let mut report = ResidentExpertsReport::default();
         for (index, (layer, experts)) in self.layers.iter_mut().zip(placement).enumerate() {
-            let FeedForward::Moe { bank, resident, .. } = &mut layer.feed_forward else {
+            let FeedForward::Moe(moe) = &mut layer.feed_forward else {
                 if experts.is_empty() {
                     continue;
                 }
@@ -292,49 +267,13 @@ impl<B: Backend> Model<B> {
                     experts.len()
                 )));
             };
-            *resident = None;
-            if experts.is_empty() {
-                continue;
+            let bytes =
+                moe.place_resident(&self.backend, &self.artifact, &common, index, experts)?;
+            if !experts.is_empty() {
+                report.layers += 1;
+                report.experts += experts.len();
+                report.bytes += bytes;
             }
-            let mut seen = vec![false; common.num_experts];
-            for &expert in experts {
-                match seen.get_mut(expert as usize) {
-                    Some(flag) if !*flag => *flag = true,
-                    Some(_) => {
-                        return Err(invalid(format!(
-                            "layer {index}: expert {expert} is placed twice"
-                        )))
-                    }
-                    None => {
-                        return Err(invalid(format!(
-                            "layer {index}: expert {expert} is not one of the {} experts",
-                            common.num_experts
-                        )))
-                    }
-                }
-            }
-            let layout =
-                ExpertLayout::for_bank(bank, common.hidden_size, common.moe_intermediate_size)
-                    .map_err(|error| invalid(error.to_string()))?;
-            let mut slots =
-                self.backend
-                    .new_expert_slots(&layout, common.num_experts, experts.len())?;
-            for (slot, &expert) in experts.iter().enumerate() {
-                self.backend.fill_expert_slot(
-                    &mut slots,
-                    slot,
-                    expert as usize,
-                    &self.artifact,
-                    bank,
-                )?;
-            }
-            report.layers += 1;
-            report.experts += experts.len();
-            report.bytes += (experts.len() * layout.stride) as u64;
-            *resident = Some(ResidentExperts {
-                slots,
-                resident: seen,
-            });
         }
         Ok(report)
     }
@@ -348,27 +287,16 @@ impl<B: Backend> Model<B> {
     /// Returns the bytes the slots take; a model without routed experts needs none.
     pub fn enable_prefill_staging(&mut self, min_tokens: usize) -> Result<u64, EngineError> {
         let common = &self.spec.common;
-        let mut layouts = self
-            .layers
-            .iter()
-            .filter_map(|layer| match &layer.feed_forward {
-                FeedForward::Moe { bank, .. } => Some(ExpertLayout::for_bank(
-                    bank,
-                    common.hidden_size,
-                    common.moe_intermediate_size,
-                )),
-                FeedForward::Dense { .. } => None,
-            });
+        let mut layouts = self.moe_layers().map(|moe| moe.layout(common));
         let Some(first) = layouts.next() else {
             return Ok(0);
         };
-        let invalid = |problem: String| EngineError::InvalidConfig { problem };
-        let layout = first.map_err(|error| invalid(error.to_string()))?;
+        let layout = first?;
         for other in layouts {
-            if other.map_err(|error| invalid(error.to_string()))? != layout {
-                return Err(invalid(
-                    "prefill staging needs every MoE layer's experts in one layout".into(),
-                ));
+            if other? != layout {
+                return Err(EngineError::InvalidConfig {
+                    problem: "prefill staging needs every MoE layer's experts in one layout".into(),
+                });
             }
         }
         let mut slots =
@@ -377,29 +305,48 @@ impl<B: Backend> Model<B> {
         // Ready every bank now (on a GPU: page-lock it), so the first long prompt does not
         // pay for it: the first 4K prefill measured 30% slower than the second before this.
         let started = std::time::Instant::now();
-        for layer in &self.layers {
-            if let FeedForward::Moe { bank, .. } = &layer.feed_forward {
-                self.backend
-                    .prepare_expert_source(&mut slots, &self.artifact, bank);
-            }
+        for moe in self.moe_layers() {
+            self.backend
+                .prepare_expert_source(&mut slots, &self.artifact, &moe.bank);
         }
         tracing::info!(
             seconds = started.elapsed().as_secs_f64(),
             "prefill staging: expert banks readied as copy sources"
         );
-        self.prefill_staging = Some((min_tokens.max(1), Mutex::new(slots)));
+        self.prefill_staging = Some(PrefillStaging {
+            min_tokens: min_tokens.max(1),
+            slots: Mutex::new(slots),
+        });
         Ok((common.num_experts * layout.stride) as u64)
     }
 
     /// Bytes one expert of this model takes in a slot (its bank stride), or `None` for a model
     /// without routed experts.
     pub fn expert_slot_bytes(&self) -> Option<u64> {
+        self.moe_layers().next().map(|moe| moe.bank.expert_stride)
+    }
+
+    /// The MoE layers, in order.
+    fn moe_layers(&self) -> impl Iterator<Item = &MoeLayer<B>> {
         self.layers
             .iter()
-            .find_map(|layer| match &layer.feed_forward {
-                FeedForward::Moe { bank, .. } => Some(bank.expert_stride),
+            .filter_map(|layer| match &layer.feed_forward {
+                FeedForward::Moe(moe) => Some(moe),
                 FeedForward::Dense { .. } => None,
             })
+    }
+
+    /// What the MoE layers use during a forward.
+    fn moe_context(&self) -> MoeContext<'_, B> {
+        MoeContext {
+            backend: &self.backend,
+            artifact: &self.artifact,
+            executor: &*self.experts,
+            profile: &self.profile,
+            common: &self.spec.common,
+            normalize_routing: self.spec.normalize_routing,
+            staging: self.prefill_staging.as_ref(),
+        }
     }
 
     /// Forces one form of the gated delta rule (tests compare the two).
@@ -548,6 +495,7 @@ impl<B: Backend> Model<B> {
         let started = Instant::now();
         let mut tally = PhaseTotals::default();
         let mut deferred = Vec::new();
+        let moe_context = self.moe_context();
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
@@ -572,8 +520,20 @@ impl<B: Backend> Model<B> {
             };
             let x =
                 backend.add_rms_norm(&mut hidden, &mixed, &layer.post_attention_norm, eps, style);
-            let fed =
-                self.feed_forward(index, &layer.feed_forward, &x, &mut tally, &mut deferred)?;
+            let fed = match &layer.feed_forward {
+                FeedForward::Dense {
+                    gate_proj,
+                    up_proj,
+                    down_proj,
+                } => {
+                    let activated = backend
+                        .silu_mul(&backend.matmul(&x, gate_proj), &backend.matmul(&x, up_proj));
+                    backend.matmul(&activated, down_proj)
+                }
+                FeedForward::Moe(moe) => {
+                    moe.forward(&moe_context, index, &x, &mut tally, &mut deferred)?
+                }
+            };
             match self.layers.get(index + 1) {
                 Some(following) => {
                     next = Some(backend.add_rms_norm(
@@ -599,7 +559,9 @@ impl<B: Backend> Model<B> {
         // The routings of the layers that did not wait for theirs: landed by now.
         for DeferredRouting { layer, pending } in deferred {
             let (routing, _) = backend.finish_routing(pending);
-            self.account_routing(layer, &routing, &mut tally);
+            if let Some(FeedForward::Moe(moe)) = self.layers.get(layer).map(|l| &l.feed_forward) {
+                moe.account_routing(&moe_context, layer, &routing, &mut tally);
+            }
         }
         for (item, range) in batch.iter_mut().zip(&ranges) {
             item.state.position += range.len();
@@ -752,243 +714,6 @@ impl<B: Backend> Model<B> {
         let normed = backend.gated_rms_norm(&output, &z, norm, self.spec.eps());
         Ok(backend.matmul(&normed, out_proj))
     }
-
-    fn feed_forward(
-        &self,
-        index: usize,
-        feed_forward: &FeedForward<B>,
-        x: &B::Tensor,
-        tally: &mut PhaseTotals,
-        deferred: &mut Vec<DeferredRouting<B>>,
-    ) -> Result<B::Tensor, EngineError> {
-        let backend = &*self.backend;
-        match feed_forward {
-            FeedForward::Dense {
-                gate_proj,
-                up_proj,
-                down_proj,
-            } => {
-                let activated =
-                    backend.silu_mul(&backend.matmul(x, gate_proj), &backend.matmul(x, up_proj));
-                Ok(backend.matmul(&activated, down_proj))
-            }
-            FeedForward::Moe {
-                router,
-                bank,
-                shared,
-                resident,
-            } => {
-                let common = &self.spec.common;
-                let logits = backend.matmul(x, router);
-                let staging = self
-                    .prefill_staging
-                    .as_ref()
-                    .filter(|(min_tokens, _)| backend.shape(x).0 >= *min_tokens)
-                    .map(|(_, slots)| slots);
-                let all_resident = resident
-                    .as_ref()
-                    .is_some_and(|resident| resident.resident.iter().all(|&r| r));
-                // The hidden states go to the executor unless every expert of the layer is
-                // resident or the batch is staged; they come back with the routing, one wait
-                // on a GPU.
-                let read_hidden = staging.is_none() && !all_resident;
-                let pending = backend.start_routing(
-                    &logits,
-                    common.num_experts_per_tok,
-                    self.spec.normalize_routing,
-                    x,
-                    read_hidden,
-                );
-                // Work the backend does itself is queued before anything waits for the routing
-                // (on a GPU it runs while this thread reads the routing and then waits for the
-                // expert workers): the resident experts, then the shared expert.
-                let resident_sum = resident.as_ref().map(|resident| {
-                    backend.slotted_experts_by_pending_routing(&resident.slots, x, &pending)
-                });
-                let shared_parts = shared.as_ref().map(|shared| {
-                    let activated = backend.silu_mul(
-                        &backend.matmul(x, &shared.gate_proj),
-                        &backend.matmul(x, &shared.up_proj),
-                    );
-                    (
-                        backend.matmul(&activated, &shared.down_proj),
-                        backend.matmul(x, &shared.gate),
-                    )
-                });
-                let resident_sum = match (all_resident, staging, resident_sum) {
-                    (true, None, Some(mut output)) => {
-                        // Nothing for the executor: the routing is wanted only for the
-                        // statistics, read at the forward's end, so this layer does not wait.
-                        deferred.push(DeferredRouting {
-                            layer: index,
-                            pending,
-                        });
-                        if let Some((expert, gate)) = shared_parts {
-                            backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
-                        }
-                        return Ok(output);
-                    }
-                    (_, _, resident_sum) => resident_sum,
-                };
-                let (routing, hidden) = backend.finish_routing(pending);
-                self.account_routing(index, &routing, tally);
-                // The executor gets the experts not resident on the backend (those masked out).
-                let masked_ids;
-                let expert_ids: &[u32] = match resident {
-                    Some(resident) => {
-                        masked_ids = routing
-                            .expert_ids
-                            .iter()
-                            .map(|&id| {
-                                if resident.resident.get(id as usize).copied().unwrap_or(false) {
-                                    NO_EXPERT
-                                } else {
-                                    id
-                                }
-                            })
-                            .collect::<Vec<u32>>();
-                        &masked_ids
-                    }
-                    None => &routing.expert_ids,
-                };
-                // With every chosen expert resident the executor has nothing to do.
-                let needs_executor = read_hidden && expert_ids.iter().any(|&id| id != NO_EXPERT);
-                let (rows, cols) = backend.shape(x);
-                let staged_sum = match staging {
-                    Some(staging) => self.staged_experts(staging, bank, x, expert_ids, &routing)?,
-                    None => None,
-                };
-                let mut output = match (needs_executor, resident_sum, staged_sum) {
-                    (_, resident_sum, Some(mut staged_sum)) => {
-                        if let Some(resident_sum) = resident_sum {
-                            backend.add_assign(&mut staged_sum, &resident_sum);
-                        }
-                        staged_sum
-                    }
-                    (false, Some(resident_sum), None) => resident_sum,
-                    (_, resident_sum, None) => {
-                        let routed = self.routed_on_executor(
-                            index, bank, &hidden, expert_ids, &routing, tally,
-                        )?;
-                        let copying = Instant::now();
-                        let mut output = backend.upload(&routed, rows, cols);
-                        tally.transfer_nanos += nanos(copying.elapsed());
-                        if let Some(resident_sum) = resident_sum {
-                            backend.add_assign(&mut output, &resident_sum);
-                        }
-                        output
-                    }
-                };
-                if let Some((expert, gate)) = shared_parts {
-                    backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
-                }
-                Ok(output)
-            }
-        }
-    }
-
-    /// Counts one MoE layer call's routing: the executor's routing statistics (every routed
-    /// choice, before the split between the backend's slots and the executor) and the
-    /// profile's expert tallies.
-    fn account_routing(&self, index: usize, routing: &Routing, tally: &mut PhaseTotals) {
-        let Some(FeedForward::Moe { bank, resident, .. }) =
-            self.layers.get(index).map(|layer| &layer.feed_forward)
-        else {
-            return;
-        };
-        self.experts
-            .observe_routing(index, &routing.expert_ids, routing_tokens(routing));
-        let (cpu_experts, resident_experts) = distinct_experts(
-            &routing.expert_ids,
-            resident.as_ref().map(|r| &r.resident[..]),
-            self.spec.common.num_experts,
-        );
-        tally.moe_layer_calls += 1;
-        tally.cpu_experts += cpu_experts;
-        tally.resident_experts += resident_experts;
-        tally.cpu_expert_bytes += cpu_experts * bank.expert_stride;
-        tally.resident_expert_bytes += resident_experts * bank.expert_stride;
-    }
-
-    /// The non-resident routed experts of a staged batch (`expert_ids`, resident ones masked)
-    /// copied into the staging slots and computed on the backend; `None` when the batch routes
-    /// to resident experts only. Each routed expert goes to the slot of its own index, so the
-    /// table never points at an expert of another layer for an id this batch uses.
-    fn staged_experts(
-        &self,
-        staging: &Mutex<B::ExpertSlots>,
-        bank: &ExpertBank,
-        x: &B::Tensor,
-        expert_ids: &[u32],
-        routing: &Routing,
-    ) -> Result<Option<B::Tensor>, EngineError> {
-        let num_experts = self.spec.common.num_experts;
-        let mut wanted = vec![false; num_experts];
-        for &id in expert_ids {
-            if let Some(flag) = wanted.get_mut(id as usize) {
-                *flag = true;
-            }
-        }
-        if !wanted.contains(&true) {
-            return Ok(None);
-        }
-        let mut slots = staging.lock().map_err(|_| EngineError::InvalidConfig {
-            problem: "the prefill staging slots' lock is poisoned".into(),
-        })?;
-        for (expert, _) in wanted.iter().enumerate().filter(|(_, &wanted)| wanted) {
-            self.backend
-                .fill_expert_slot(&mut slots, expert, expert, &self.artifact, bank)?;
-        }
-        let masked = Routing {
-            experts_per_token: routing.experts_per_token,
-            expert_ids: expert_ids.to_vec(),
-            weights: routing.weights.clone(),
-        };
-        Ok(Some(self.backend.slotted_experts(&slots, x, &masked)))
-    }
-
-    /// The routed experts the executor computes (the CPU workers, or in-process), summed per
-    /// token; zeros where it has none. Counts its wait and the workers' compute time.
-    fn routed_on_executor(
-        &self,
-        layer: usize,
-        bank: &ExpertBank,
-        hidden: &[f32],
-        expert_ids: &[u32],
-        routing: &Routing,
-        tally: &mut PhaseTotals,
-    ) -> Result<Vec<f32>, EngineError> {
-        let mut routed = vec![0.0f32; hidden.len()];
-        if expert_ids.iter().all(|&id| id == NO_EXPERT) {
-            return Ok(routed);
-        }
-        let common = &self.spec.common;
-        let reported_before = self.experts.compute_nanos();
-        let waiting = Instant::now();
-        self.experts.compute(
-            &ExpertBatch {
-                layer,
-                bank,
-                hidden_size: common.hidden_size,
-                intermediate_size: common.moe_intermediate_size,
-                hidden,
-                experts_per_token: routing.experts_per_token,
-                expert_ids,
-                weights: &routing.weights,
-            },
-            &mut routed,
-        )?;
-        let waited = nanos(waiting.elapsed());
-        tally.expert_wait_nanos += waited;
-        tally.expert_compute_nanos += match (reported_before, self.experts.compute_nanos()) {
-            (Some(before), Some(after)) => {
-                self.profile.note_compute_reported();
-                after.saturating_sub(before).min(waited)
-            }
-            _ => waited,
-        };
-        Ok(routed)
-    }
 }
 
 /// Bytes of the non-expert weights a forward reads, as the artifact stores them (see
@@ -1006,15 +731,6 @@ fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
         })
         .map(|tensor| tensor.length)
         .sum()
-}
-
-/// Tokens of a routing (`[tokens, k]` entries).
-fn routing_tokens(routing: &crate::backend::Routing) -> usize {
-    routing
-        .expert_ids
-        .len()
-        .checked_div(routing.experts_per_token)
-        .unwrap_or(0)
 }
 
 fn state_mismatch(layer: usize) -> EngineError {
@@ -1149,12 +865,12 @@ impl<B: Backend> Loader<'_, B> {
                 } else {
                     None
                 };
-                FeedForward::Moe {
+                FeedForward::Moe(MoeLayer {
                     router: self.matrix(&name("moe.router"), (common.num_experts, hidden))?,
                     bank,
                     shared,
                     resident: None,
-                }
+                })
             }
         };
         Ok(Layer {

@@ -11,6 +11,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::backend::ExpertSlotTable;
+
 /// Which counters a forward goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -172,8 +174,12 @@ impl ForwardProfile {
 }
 
 /// Distinct experts among `ids` (`NO_EXPERT` and out-of-range ids skipped): `(elsewhere,
-/// resident)`, where `resident[e]` says expert `e` is in the backend's slots.
-pub fn distinct_experts(ids: &[u32], resident: Option<&[bool]>, num_experts: usize) -> (u64, u64) {
+/// resident)`, where `resident` says which experts are in the backend's slots.
+pub fn distinct_experts(
+    ids: &[u32],
+    resident: Option<&ExpertSlotTable>,
+    num_experts: usize,
+) -> (u64, u64) {
     // A stack bitset covers every released model (≤ 1024 experts per layer); larger ones
     // allocate.
     const WORDS: usize = 16;
@@ -196,11 +202,7 @@ pub fn distinct_experts(ids: &[u32], resident: Option<&[bool]>, num_experts: usi
             continue;
         }
         seen[word] |= bit;
-        if resident
-            .and_then(|r| r.get(expert))
-            .copied()
-            .unwrap_or(false)
-        {
+        if resident.is_some_and(|table| table.is_resident(expert)) {
             in_slots += 1;
         } else {
             elsewhere += 1;
@@ -217,9 +219,9 @@ mod tests {
     fn distinct_experts_split_by_residence() {
         let ids = [3, 1, 3, u32::MAX, 7, 1, 99];
         assert_eq!(distinct_experts(&ids, None, 8), (3, 0));
-        let mut resident = vec![false; 8];
-        resident[7] = true;
-        resident[1] = true;
+        let mut resident = ExpertSlotTable::new(8, 2);
+        resident.assign(0, 7).unwrap();
+        resident.assign(1, 1).unwrap();
         assert_eq!(distinct_experts(&ids, Some(&resident), 8), (1, 2));
         let many: Vec<u32> = (0..2000).chain(0..2000).collect();
         assert_eq!(distinct_experts(&many, None, 1500), (1500, 0));

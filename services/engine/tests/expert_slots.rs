@@ -15,12 +15,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig};
+use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig, NO_EXPERT};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_cpu_experts::ExpertLayout;
 use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
-use ninfer_engine::experts::NO_EXPERT;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
@@ -29,7 +28,8 @@ use ninfer_engine::testing::{
     GOLDEN_FIXTURES,
 };
 use ninfer_engine::{
-    open_artifact, test_device, Backend, CpuExpertExecutor, ExpertBatch, ExpertExecutor, Model,
+    open_artifact, test_device, Backend, ExpertBatch, ExpertExecutor, Model,
+    ReferenceExpertExecutor,
 };
 
 const GREEDY_TOKENS: usize = 16;
@@ -145,7 +145,7 @@ fn slotted_experts_match_the_reference_per_dtype<B: Backend>(backend: Arc<B>) {
             })
             .collect();
         let mut expected = vec![0.0f32; tokens * common.hidden_size];
-        CpuExpertExecutor::new(Arc::clone(&artifact))
+        ReferenceExpertExecutor::new(Arc::clone(&artifact))
             .compute(
                 &ExpertBatch {
                     layer,
@@ -270,7 +270,7 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
                 })
                 .collect();
             let mut expected = vec![0.0f32; tokens * h];
-            CpuExpertExecutor::new(Arc::clone(&artifact))
+            ReferenceExpertExecutor::new(Arc::clone(&artifact))
                 .compute(
                     &ExpertBatch {
                         layer,

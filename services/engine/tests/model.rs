@@ -303,7 +303,7 @@ test_device!(perplexity_windows_do_not_overlap);
 /// `ninfer-artifact`'s own `to_f32_vec`), for every expert dtype.
 #[test]
 fn cpu_expert_executor_matches_dequantized_loop() {
-    use ninfer_engine::{CpuExpertExecutor, ExpertBatch, ExpertExecutor};
+    use ninfer_engine::{ExpertBatch, ExpertExecutor, ReferenceExpertExecutor};
     let directory = tempfile::tempdir().unwrap();
     for dtype in [DType::F32, DType::Bf16, DType::Int8, DType::Int4] {
         let path = directory.path().join(format!("experts-{dtype}.ninfer"));
@@ -330,7 +330,7 @@ fn cpu_expert_executor_matches_dequantized_loop() {
         let weights: Vec<f32> = (0..tokens * k)
             .map(|i| 0.1 + (i % 4) as f32 * 0.2)
             .collect();
-        let executor = CpuExpertExecutor::new(Arc::clone(&artifact));
+        let executor = ReferenceExpertExecutor::new(Arc::clone(&artifact));
         let mut out = vec![0.0f32; tokens * hidden];
         executor
             .compute(

@@ -9,13 +9,13 @@ use std::sync::{Arc, Mutex};
 use ninfer_artifact::TensorClass;
 use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
 use ninfer_engine::{
-    open_artifact, CpuBackend, CpuExpertExecutor, EngineError, ExpertBatch, ExpertExecutor, Model,
-    SequenceInput,
+    open_artifact, CpuBackend, EngineError, ExpertBatch, ExpertExecutor, Model,
+    ReferenceExpertExecutor, SequenceInput,
 };
 
 /// Records the full routing of every MoE layer call, and pretends to report compute time.
 struct Recording {
-    inner: CpuExpertExecutor,
+    inner: ReferenceExpertExecutor,
     /// One entry per layer call: the `[tokens, k]` ids as routed.
     calls: Mutex<Vec<Vec<u32>>>,
     reported_nanos: AtomicU64,
@@ -57,7 +57,7 @@ fn counters_match_the_routing_and_the_placement() {
     let artifact = open_artifact(&path).unwrap();
     let common = artifact.config().common().clone();
     let executor = Arc::new(Recording {
-        inner: CpuExpertExecutor::new(Arc::clone(&artifact)),
+        inner: ReferenceExpertExecutor::new(Arc::clone(&artifact)),
         calls: Mutex::new(Vec::new()),
         reported_nanos: AtomicU64::new(0),
     });

@@ -9,8 +9,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
-use ninfer_artifact::Artifact;
-use ninfer_channel::{Request, WorkerChannel, NO_EXPERT};
+use ninfer_artifact::{Artifact, NO_EXPERT};
+use ninfer_channel::{Request, WorkerChannel};
 use ninfer_cpu_experts::routed::{BankView, RoutedExpertComputer};
 use ninfer_cpu_experts::{ExpertLayout, KernelIsa, ThreadPool};
 use ninfer_protocol::v1::WorkerStatistics;

@@ -16,7 +16,7 @@ use ninfer_cpu_experts::ExpertLayout;
 
 use super::{
     expert_bytes, slot_out_of_range, AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec,
-    NormStyle, Routing, Segment,
+    ExpertSlotTable, NormStyle, Routing, Segment, WithExpertSlotTable,
 };
 use crate::error::EngineError;
 use crate::weights::{dot, StoredWeight, WeightMatrix};
@@ -114,18 +114,16 @@ pub struct CpuExpertSlots {
     layout: ExpertLayout,
     /// `slots` × `layout.stride` bytes.
     storage: Vec<u8>,
-    /// Expert → slot, `None` when the expert is not resident.
-    slot_of_expert: Vec<Option<usize>>,
-    /// Slot → expert, to clear the table entry of an evicted expert.
-    expert_in_slot: Vec<Option<usize>>,
+    table: ExpertSlotTable,
+}
+
+impl WithExpertSlotTable for CpuExpertSlots {
+    fn slot_table(&self) -> &ExpertSlotTable {
+        &self.table
+    }
 }
 
 impl CpuExpertSlots {
-    /// The slot holding `expert`, if any.
-    pub fn slot_of(&self, expert: usize) -> Option<usize> {
-        self.slot_of_expert.get(expert).copied().flatten()
-    }
-
     fn expert_matrices(
         &self,
         slot: usize,
@@ -831,8 +829,7 @@ impl Backend for CpuBackend {
         Ok(CpuExpertSlots {
             layout: *layout,
             storage: vec![0; bytes],
-            slot_of_expert: vec![None; num_experts],
-            expert_in_slot: vec![None; slots],
+            table: ExpertSlotTable::new(num_experts, slots),
         })
     }
 
@@ -846,26 +843,12 @@ impl Backend for CpuBackend {
     ) -> Result<(), EngineError> {
         let source = expert_bytes(artifact, bank, expert, &slots.layout)?;
         let stride = slots.layout.stride;
-        let (Some(previous), true) = (
-            slots.expert_in_slot.get(slot).copied(),
-            expert < slots.slot_of_expert.len(),
-        ) else {
-            return Err(slot_out_of_range(
-                slot,
-                expert,
-                slots.expert_in_slot.len(),
-                slots.slot_of_expert.len(),
-            ));
-        };
-        if let Some(previous) = previous {
-            slots.slot_of_expert[previous] = None;
-        }
-        if let Some(old_slot) = slots.slot_of_expert[expert] {
-            slots.expert_in_slot[old_slot] = None;
-        }
+        slots.table.check(slot, expert).map_err(slot_out_of_range)?;
         slots.storage[slot * stride..(slot + 1) * stride].copy_from_slice(source);
-        slots.slot_of_expert[expert] = Some(slot);
-        slots.expert_in_slot[slot] = Some(expert);
+        slots
+            .table
+            .assign(slot, expert)
+            .map_err(slot_out_of_range)?;
         Ok(())
     }
 
@@ -884,7 +867,7 @@ impl Backend for CpuBackend {
             return out;
         }
         // Each slot's matrix views once per call, not once per (token, choice).
-        let matrices: Vec<_> = (0..slots.expert_in_slot.len())
+        let matrices: Vec<_> = (0..slots.table.slot_count())
             .map(|slot| slots.expert_matrices(slot).ok())
             .collect();
         let mut gate_up = vec![0.0f32; 2 * intermediate];
@@ -894,6 +877,7 @@ impl Backend for CpuBackend {
             for j in 0..k {
                 let expert = routing.expert_ids[t * k + j] as usize;
                 let Some((gate_up_matrix, down_matrix)) = slots
+                    .table
                     .slot_of(expert)
                     .and_then(|slot| matrices.get(slot).copied().flatten())
                 else {

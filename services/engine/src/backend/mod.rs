@@ -15,6 +15,7 @@
 pub mod candidates;
 pub mod cpu;
 pub mod cuda;
+pub mod expert_slot_table;
 pub mod kv_placement;
 
 use std::ops::Range;
@@ -26,6 +27,7 @@ use ninfer_cpu_experts::ExpertLayout;
 use crate::error::EngineError;
 
 pub use candidates::LogitCandidates;
+pub use expert_slot_table::{ExpertSlotTable, SlotOutOfRange, WithExpertSlotTable};
 pub use kv_placement::{DeviceKvShare, HostKvRequest, KvPlacement};
 
 /// How an RMSNorm applies its weight.
@@ -133,11 +135,9 @@ pub fn expert_bytes<'a>(
 }
 
 /// The error for a slot or expert index outside the slots' tables.
-pub fn slot_out_of_range(slot: usize, expert: usize, slots: usize, experts: usize) -> EngineError {
+pub fn slot_out_of_range(error: SlotOutOfRange) -> EngineError {
     EngineError::InvalidConfig {
-        problem: format!(
-            "expert slot {slot} / expert {expert} outside {slots} slots of {experts} experts"
-        ),
+        problem: error.to_string(),
     }
 }
 
@@ -158,7 +158,7 @@ pub trait Backend: Send + Sync + 'static {
     /// slots"): room for a fixed number of whole experts in their stored dtype, plus an
     /// expert → slot table the compute op reads, so which experts are resident can change
     /// between steps (the dynamic expert cache) without touching the model.
-    type ExpertSlots: Send + Sync;
+    type ExpertSlots: Send + Sync + WithExpertSlotTable;
     /// A routing computed by [`Backend::start_routing`] and not yet brought to the host.
     type PendingRouting: Send;
 

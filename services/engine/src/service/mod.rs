@@ -44,9 +44,9 @@ impl Readiness for AlwaysReady {
     }
 }
 
-impl Readiness for crate::remote_experts::RemoteExpertExecutor {
+impl Readiness for crate::moe::WorkerExpertExecutor {
     fn not_ready_reason(&self) -> Option<String> {
-        crate::remote_experts::RemoteExpertExecutor::not_ready_reason(self)
+        crate::moe::WorkerExpertExecutor::not_ready_reason(self)
     }
     fn cpu_expert_calls(&self) -> u64 {
         self.requests_sent()

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ninfer_protocol::v1::{LayerRoutingCounts, RoutingStatistics};
 
 use crate::error::EngineError;
-use crate::experts::{ExpertBatch, ExpertExecutor};
+use crate::moe::{ExpertBatch, ExpertExecutor};
 
 /// Per-layer, per-expert token counts.
 pub struct RoutingCounters {

@@ -193,6 +193,11 @@ pub struct ExpertBank {
     pub dtype: DType,
 }
 
+/// The expert id that names no expert: ids index an [`ExpertBank`] (`0..num_experts`, far below
+/// `u32::MAX`), so this value is free to mark a routing entry whose expert is computed elsewhere
+/// (on another worker, in a GPU slot). Every crate that reads routed expert ids uses this one.
+pub const NO_EXPERT: u32 = u32::MAX;
+
 /// Where the artifact came from (informational).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct SourceInfo {

@@ -20,6 +20,7 @@ pub use config::{
 pub use error::ArtifactError;
 pub use header::{
     Checksum, DType, ExpertBank, Header, QuantizationParams, SourceInfo, TensorClass, TensorEntry,
+    NO_EXPERT,
 };
 pub use quant::{QuantizedLayout, GROUP_SIZE};
 pub use reader::{Artifact, TensorView};

@@ -22,7 +22,7 @@
 //! worker's compute time for the answered request), so an engine and a worker of different
 //! layouts refuse each other at attach instead of misreading bytes.
 //!
-//! Per slot, `[max_tokens, max_top_k]` u32 expert ids (`u32::MAX` = unused entry),
+//! Per slot, `[max_tokens, max_top_k]` u32 expert ids (`u32::MAX`, `ninfer_artifact::NO_EXPERT`: an unused entry),
 //! `[max_tokens, max_top_k]` f32 routing weights, `[max_tokens, hidden]` f32 hidden states in and
 //! `[max_tokens, hidden]` f32 weighted sums out.
 //!
@@ -88,9 +88,6 @@ fn request_spin_for() -> Duration {
             .unwrap_or_else(spin_for)
     })
 }
-
-/// An expert-id entry that carries no expert (the token's other experts live elsewhere).
-pub const NO_EXPERT: u32 = u32::MAX;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ChannelError {
@@ -316,7 +313,7 @@ pub struct Request<'a> {
     pub layer: u32,
     pub token_count: u32,
     pub top_k: u32,
-    /// `[token_count, top_k]`; `NO_EXPERT` for entries this worker does not own.
+    /// `[token_count, top_k]`; `ninfer_artifact::NO_EXPERT` for entries this worker does not own.
     pub expert_ids: &'a [u32],
     /// `[token_count, top_k]`.
     pub routing_weights: &'a [f32],
@@ -791,6 +788,7 @@ impl WorkerChannel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ninfer_artifact::NO_EXPERT;
 
     fn unique_name(tag: &str) -> String {
         format!(

@@ -6,13 +6,12 @@
 //! the scratch, validation of ids against the bank.
 //! Must not touch: where the ids come from (router, channel) or who owns which expert.
 
+use ninfer_artifact::NO_EXPERT;
+
 use crate::layer::{compute_layer, ExpertTask, ExpertWeights, LayerScratch, ScratchCapacity};
 use crate::layout::ExpertLayout;
 use crate::pool::ThreadPool;
 use crate::{KernelError, KernelIsa};
-
-/// An id in the routing table that selects no expert (the expert lives on another worker).
-pub const NO_EXPERT: u32 = u32::MAX;
 
 /// One layer's expert bank: the bytes from the bank offset, `num_experts · stride` long.
 #[derive(Debug, Clone, Copy)]

@@ -22,7 +22,7 @@ use ninfer_cpu_experts::{ExpertLayout, WeightDType};
 use super::{driver_error, elementwise, int, present, present_mut, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
-use crate::backend::{expert_bytes, slot_out_of_range};
+use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotTable, WithExpertSlotTable};
 
 /// Warps per block of `expert_gate_up` / `expert_down`: one output row per warp.
 const EXPERT_WARPS: u32 = 8;
@@ -80,13 +80,10 @@ impl Drop for PinnedRange {
 /// Experts of one MoE layer in GPU memory. See the module doc.
 pub struct CudaExpertSlots {
     layout: ExpertLayout,
-    num_experts: usize,
-    slot_count: usize,
     storage: Option<CudaSlice<u8>>,
-    /// Expert → slot (−1: not resident), read by the kernels.
+    /// The GPU copy of `slot_table` ([`ExpertSlotTable::slot_entries`]), read by the kernels.
     table: Option<CudaSlice<i32>>,
-    slot_of_expert: Vec<i32>,
-    expert_in_slot: Vec<Option<usize>>,
+    slot_table: ExpertSlotTable,
     /// Banks pinned for DMA (by bank prefix), or `None` when pinning failed (copies then go
     /// through the driver's staging buffer, synchronously).
     pinned: Vec<(String, Option<PinnedRange>)>,
@@ -102,17 +99,16 @@ impl Drop for CudaExpertSlots {
     }
 }
 
-impl CudaExpertSlots {
-    /// The slot holding `expert`, if any.
-    pub fn slot_of(&self, expert: usize) -> Option<usize> {
-        self.slot_of_expert
-            .get(expert)
-            .and_then(|&slot| usize::try_from(slot).ok())
+impl WithExpertSlotTable for CudaExpertSlots {
+    fn slot_table(&self) -> &ExpertSlotTable {
+        &self.slot_table
     }
+}
 
+impl CudaExpertSlots {
     /// GPU bytes of the slot buffer.
     pub fn device_bytes(&self) -> usize {
-        self.slot_count * self.layout.stride
+        self.slot_table.slot_count() * self.layout.stride
     }
 
     /// Whether fills of the banks seen so far are DMA from page-locked memory.
@@ -167,17 +163,14 @@ fn too_large(what: &str, value: usize) -> CudaError {
     }
 }
 
-/// Groups the pairs with expert ids `ids` whose expert has a slot (`slot_of`; ids of no expert
+/// Groups the pairs with expert ids `ids` whose expert has a slot in `table` (ids of no expert
 /// have none) by expert, cut into tiles of at most `TILE_TOKENS`.
-fn group_pairs(
-    ids: &[u32],
-    num_experts: usize,
-    slot_of: impl Fn(usize) -> Option<usize>,
-) -> Result<PairGroups, CudaError> {
+fn group_pairs(ids: &[u32], table: &ExpertSlotTable) -> Result<PairGroups, CudaError> {
+    let num_experts = table.num_experts();
     let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); num_experts];
     for (pair, &id) in ids.iter().enumerate() {
         let expert = id as usize;
-        if expert < num_experts && slot_of(expert).is_some() {
+        if table.is_resident(expert) {
             let pair = u32::try_from(pair).map_err(|_| too_large("pair index", pair))?;
             by_expert[expert].push(pair);
         }
@@ -188,7 +181,7 @@ fn group_pairs(
         experts: 0,
     };
     for (expert, pairs) in by_expert.iter().enumerate() {
-        let Some(slot) = slot_of(expert).filter(|_| !pairs.is_empty()) else {
+        let Some(slot) = table.slot_of(expert).filter(|_| !pairs.is_empty()) else {
             continue;
         };
         groups.experts += 1;
@@ -307,12 +300,9 @@ impl CudaBackend {
             .map_err(driver_error("copying the expert slot table"))?;
         Ok(CudaExpertSlots {
             layout: *layout,
-            num_experts,
-            slot_count: slots,
             storage: Some(storage),
             table: Some(table),
-            slot_of_expert: vec![-1; num_experts],
-            expert_in_slot: vec![None; slots],
+            slot_table: ExpertSlotTable::new(num_experts, slots),
             pinned: Vec::new(),
             sources: Vec::new(),
             stream: Arc::clone(&self.stream),
@@ -392,12 +382,12 @@ impl CudaBackend {
                 problem: error.to_string(),
             }
         })?;
-        if slot >= slots.slot_count || expert >= slots.num_experts {
-            return Err(CudaError::Invalid {
-                problem: slot_out_of_range(slot, expert, slots.slot_count, slots.num_experts)
-                    .to_string(),
-            });
-        }
+        slots
+            .slot_table
+            .check(slot, expert)
+            .map_err(|error| CudaError::Invalid {
+                problem: slot_out_of_range(error).to_string(),
+            })?;
         // The raw driver calls below (register, async copy) need the context on this thread;
         // cudarc's safe calls bind it themselves.
         self.stream
@@ -433,17 +423,15 @@ impl CudaBackend {
                 .memcpy_htod(source, &mut destination)
                 .map_err(driver_error("copying an expert into its GPU slot"))?;
         }
-        if let Some(previous) = slots.expert_in_slot[slot] {
-            slots.slot_of_expert[previous] = -1;
-        }
-        if let Some(old_slot) = slots.slot_of(expert) {
-            slots.expert_in_slot[old_slot] = None;
-        }
-        slots.slot_of_expert[expert] = slot as i32;
-        slots.expert_in_slot[slot] = Some(expert);
+        slots
+            .slot_table
+            .assign(slot, expert)
+            .map_err(|error| CudaError::Invalid {
+                problem: slot_out_of_range(error).to_string(),
+            })?;
         let table = present_mut(&mut slots.table)?;
         self.stream
-            .memcpy_htod(&slots.slot_of_expert, table)
+            .memcpy_htod(slots.slot_table.slot_entries(), table)
             .map_err(driver_error("updating the expert slot table"))?;
         Ok(())
     }
@@ -474,7 +462,7 @@ impl CudaBackend {
         if !routing
             .expert_ids
             .iter()
-            .any(|&id| slots.slot_of(id as usize).is_some())
+            .any(|&id| slots.slot_table.is_resident(id as usize))
         {
             return Ok(out);
         }
@@ -507,9 +495,7 @@ impl CudaBackend {
             let weights = self.upload_f32(&routing.weights[first * k..(first + count) * k])?;
             let x_chunk = input.slice(first * hidden..(first + count) * hidden);
             let groups = if count >= GROUPED_MIN_TOKENS {
-                Some(group_pairs(chunk_ids, slots.num_experts, |e| {
-                    slots.slot_of(e)
-                })?)
+                Some(group_pairs(chunk_ids, &slots.slot_table)?)
             } else {
                 None
             };
@@ -600,7 +586,10 @@ impl CudaBackend {
         let storage = present(&slots.storage)?;
         let table = present(&slots.table)?;
         let args = ExpertKernelArgs::new(layout)?;
-        let (top_k, num_experts) = (int(k, "top-k")?, int(slots.num_experts, "experts")?);
+        let (top_k, num_experts) = (
+            int(k, "top-k")?,
+            int(slots.slot_table.num_experts(), "experts")?,
+        );
         let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
         let gate_up_config = expert_launch(
             intermediate,
@@ -660,7 +649,7 @@ impl CudaBackend {
             // Same contract as the host-routing op: an inconsistent call leaves zeros.
             return Ok(out);
         }
-        if slots.expert_in_slot.iter().all(Option::is_none) {
+        if slots.slot_table.is_empty() {
             return Ok(out);
         }
         let input = present(&x.data)?;
@@ -737,16 +726,14 @@ mod tests {
     fn pairs_group_by_expert_in_tiles_of_at_most_tile_tokens() {
         // Experts 0..5; 1, 3 and 4 have slots 7, 0, 2. Expert 3 gets 35 pairs (three tiles),
         // expert 1 one pair, expert 4 none; expert 9 does not exist.
-        let slot_of = |e: usize| match e {
-            1 => Some(7),
-            3 => Some(0),
-            4 => Some(2),
-            _ => None,
-        };
+        let mut table = ExpertSlotTable::new(6, 8);
+        for (slot, expert) in [(7, 1), (0, 3), (2, 4)] {
+            table.assign(slot, expert).unwrap();
+        }
         let mut ids = vec![3u32; 35];
         ids.extend([0, 1, 2, 9, 5]);
         ids.swap(3, 36); // pair 3 → expert 1, pair 36 → expert 3
-        let groups = group_pairs(&ids, 6, slot_of).unwrap();
+        let groups = group_pairs(&ids, &table).unwrap();
         assert_eq!(groups.experts, 2);
         let expected_order: Vec<u32> = std::iter::once(3)
             .chain((0..37).filter(|&p| p != 3 && p != 35))
@@ -759,10 +746,10 @@ mod tests {
         );
         assert!(groups.worth_it(GROUPED_MIN_TOKENS));
         assert!(!groups.worth_it(GROUPED_MIN_TOKENS - 1));
-        let none = group_pairs(&[0, 2, 5], 6, slot_of).unwrap();
+        let none = group_pairs(&[0, 2, 5], &table).unwrap();
         assert!(none.order.is_empty() && none.tiles.is_empty() && none.experts == 0);
         // One pair for each of many experts: tiles of one pair, not worth grouping.
-        let sparse = group_pairs(&[1, 3, 4], 6, slot_of).unwrap();
+        let sparse = group_pairs(&[1, 3, 4], &table).unwrap();
         assert_eq!(sparse.tile_count(), 3);
         assert!(!sparse.worth_it(64));
     }

@@ -16,16 +16,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use ninfer_channel::{ChannelGeometry, EngineChannel, Request, WaitOutcome, NO_EXPERT};
+use ninfer_artifact::NO_EXPERT;
+use ninfer_channel::{ChannelGeometry, EngineChannel, Request, WaitOutcome};
 use ninfer_protocol::v1::expert_worker_client::ExpertWorkerClient;
 use ninfer_protocol::v1::{AttachChannelRequest, WorkerInfoRequest};
 
 use crate::error::EngineError;
-use crate::experts::{ExpertBatch, ExpertExecutor};
+use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 
 /// How to reach and supervise the workers.
 #[derive(Debug, Clone)]
-pub struct RemoteExpertsOptions {
+pub struct WorkerExpertExecutorOptions {
     /// One address per worker: `unix:PATH` or `HOST:PORT`.
     pub addresses: Vec<String>,
     /// The engine's artifact identity; a worker serving another model is refused.
@@ -63,7 +64,7 @@ struct WorkerState {
     last_refusal: Option<String>,
 }
 
-struct RemoteWorker {
+struct WorkerConnection {
     address: String,
     channel: EngineChannel,
     state: Mutex<WorkerState>,
@@ -77,8 +78,8 @@ struct CallScratch {
 }
 
 struct Shared {
-    options: RemoteExpertsOptions,
-    workers: Vec<RemoteWorker>,
+    options: WorkerExpertExecutorOptions,
+    workers: Vec<WorkerConnection>,
     scratch: Mutex<CallScratch>,
     /// Signalled whenever a worker's health changes.
     changed: Condvar,
@@ -93,7 +94,7 @@ struct Shared {
 }
 
 /// The executor; cheap to share (`Arc` inside).
-pub struct RemoteExpertExecutor {
+pub struct WorkerExpertExecutor {
     shared: Arc<Shared>,
 }
 
@@ -107,10 +108,10 @@ fn process_exists(pid: u32) -> bool {
     )
 }
 
-impl RemoteExpertExecutor {
+impl WorkerExpertExecutor {
     /// Creates one channel per worker and starts the registrar thread. Does not wait for the
     /// workers: work is held until they register.
-    pub fn start(options: RemoteExpertsOptions) -> Result<Self, EngineError> {
+    pub fn start(options: WorkerExpertExecutorOptions) -> Result<Self, EngineError> {
         if options.addresses.is_empty() {
             return Err(EngineError::InvalidConfig {
                 problem: "no expert worker address given".into(),
@@ -129,7 +130,7 @@ impl RemoteExpertExecutor {
                 EngineChannel::create(&name, geometry).map_err(|e| EngineError::InvalidConfig {
                     problem: format!("activation channel for worker {address}: {e}"),
                 })?;
-            workers.push(RemoteWorker {
+            workers.push(WorkerConnection {
                 address: address.clone(),
                 channel,
                 state: Mutex::new(WorkerState {
@@ -166,7 +167,7 @@ impl RemoteExpertExecutor {
             .map_err(|e| EngineError::InvalidConfig {
                 problem: format!("cannot start the worker registrar: {e}"),
             })?;
-        Ok(RemoteExpertExecutor { shared })
+        Ok(WorkerExpertExecutor { shared })
     }
 
     /// True when every expert has a registered, live owner.
@@ -258,7 +259,7 @@ impl Shared {
     }
 
     /// Updates a worker's health from its pid and heartbeat; logs transitions.
-    fn check_liveness(&self, worker: &RemoteWorker) {
+    fn check_liveness(&self, worker: &WorkerConnection) {
         let Ok(mut state) = worker.state.lock() else {
             return;
         };
@@ -367,7 +368,7 @@ enum Refusal {
 
 async fn register(
     shared: &Shared,
-    worker: &RemoteWorker,
+    worker: &WorkerConnection,
 ) -> Result<(std::ops::Range<usize>, u32), Refusal> {
     let options = &shared.options;
     let channel = ninfer_protocol::transport::connect(&worker.address, Duration::from_millis(500))
@@ -417,7 +418,7 @@ async fn register(
     Ok((owned, info.pid))
 }
 
-impl ExpertExecutor for RemoteExpertExecutor {
+impl ExpertExecutor for WorkerExpertExecutor {
     fn name(&self) -> &str {
         "remote-workers"
     }
@@ -517,11 +518,11 @@ impl ExpertExecutor for RemoteExpertExecutor {
     }
 }
 
-impl RemoteExpertExecutor {
+impl WorkerExpertExecutor {
     /// Waits for `sequence` on the worker's slot, riding out a restart of the worker.
     fn wait_for_response(
         &self,
-        worker: &RemoteWorker,
+        worker: &WorkerConnection,
         sequence: u32,
         layer: usize,
     ) -> Result<(), EngineError> {

@@ -13,7 +13,7 @@ use ninfer_cpu_experts::routed::{BankView, RoutedExpertComputer};
 use ninfer_cpu_experts::{ExpertLayout, KernelIsa, ThreadPool};
 
 use crate::error::EngineError;
-use crate::experts::{ExpertBatch, ExpertExecutor};
+use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 
 /// Experts computed with the SIMD kernels in this process.
 pub struct KernelExpertExecutor {

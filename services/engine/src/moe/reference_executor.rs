@@ -1,72 +1,28 @@
-//! The expert executor interface and its in-process CPU implementation.
+//! The f32 reference expert executor: experts read straight from the mapped artifact and
+//! computed with the reference kernels of `crate::weights`. Tests hold the other executors and
+//! the backends' slotted experts equal to it.
 //!
-//! Owns: the contract "hidden states + per-token expert ids + routing weights of one MoE layer →
-//! weighted sum of the selected experts' SwiGLU outputs". The engine calls it once per MoE layer
-//! per forward; the expert-worker work puts the same trait in front of a shared-memory channel,
-//! and `ninfer-cpu-experts` will plug its SIMD kernels in behind it.
-//! Must not touch: routing (the model decides ids and weights), the artifact byte layout.
+//! Owns: grouping a batch's tokens by expert so each expert's rows are decoded once per call.
+//! Must not touch: routing, processes, the SIMD kernels.
 
 use std::sync::Arc;
 
-use ninfer_artifact::{Artifact, ExpertBank};
+use ninfer_artifact::{Artifact, NO_EXPERT};
 
 use crate::error::EngineError;
+use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 use crate::weights::WeightMatrix;
-
-/// One MoE layer's routed-expert work for a batch of tokens (all host memory, row-major).
-pub struct ExpertBatch<'a> {
-    /// Layer index in the model.
-    pub layer: usize,
-    /// The artifact's bank of this layer (prefix, offset, stride, count, dtype).
-    pub bank: &'a ExpertBank,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    /// `[tokens, hidden_size]`.
-    pub hidden: &'a [f32],
-    pub experts_per_token: usize,
-    /// `[tokens, experts_per_token]`.
-    pub expert_ids: &'a [u32],
-    /// `[tokens, experts_per_token]`.
-    pub weights: &'a [f32],
-}
-
-impl ExpertBatch<'_> {
-    pub fn tokens(&self) -> usize {
-        self.hidden.len() / self.hidden_size.max(1)
-    }
-}
-
-/// An expert id that selects nothing: the pair is computed elsewhere (e.g. by a GPU expert
-/// slot) and adds nothing here.
-pub use ninfer_cpu_experts::routed::NO_EXPERT;
-
-/// Computes routed experts. Object-safe; one executor serves every layer and every thread.
-pub trait ExpertExecutor: Send + Sync {
-    /// Short name for errors and logs.
-    fn name(&self) -> &str;
-    /// Sees the full routing of a layer (`[tokens, k]` ids) before any expert is moved
-    /// elsewhere; routing statistics count here, so they include experts the GPU computes.
-    fn observe_routing(&self, _layer: usize, _expert_ids: &[u32], _tokens: usize) {}
-    /// Writes `out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(hidden[t])` (`[tokens, hidden]`).
-    fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError>;
-    /// Cumulative nanoseconds of expert computation proper, for executors that run it elsewhere
-    /// and can tell it from the waiting (worker processes report theirs per request). `None`:
-    /// all the time spent in [`Self::compute`] is computation (in-process executors).
-    fn compute_nanos(&self) -> Option<u64> {
-        None
-    }
-}
 
 /// Reads experts straight from the mmapped artifact and computes them with the f32 reference
 /// kernels of `crate::weights`. Tokens are grouped by expert so each expert's rows are decoded
 /// once per call.
-pub struct CpuExpertExecutor {
+pub struct ReferenceExpertExecutor {
     artifact: Arc<Artifact>,
 }
 
-impl CpuExpertExecutor {
+impl ReferenceExpertExecutor {
     pub fn new(artifact: Arc<Artifact>) -> Self {
-        CpuExpertExecutor { artifact }
+        ReferenceExpertExecutor { artifact }
     }
 
     fn failure(&self, batch: &ExpertBatch<'_>, problem: String) -> EngineError {
@@ -82,7 +38,7 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-impl ExpertExecutor for CpuExpertExecutor {
+impl ExpertExecutor for ReferenceExpertExecutor {
     fn name(&self) -> &str {
         "cpu-in-process"
     }

@@ -1,0 +1,159 @@
+//! The expert ↔ slot table of one set of expert slots: which expert each slot holds and which
+//! slot holds each expert. Both backends' slot code keep their table in this type, and the model
+//! reads it (through [`WithExpertSlotTable`]) to split a routing between the slots and the
+//! expert executor.
+//!
+//! Owns: the two directions of the map and keeping them consistent when a slot is refilled
+//! (the slot's previous expert loses its entry; an expert moved to another slot leaves its old
+//! one empty).
+//! Must not touch: slot storage (backends), which experts go to slots (placement), routing.
+
+/// The entry of an expert without a slot in [`ExpertSlotTable::slot_entries`], as the expert
+/// kernels read it.
+pub const NO_SLOT: i32 = -1;
+
+/// Expert ↔ slot map of one set of expert slots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertSlotTable {
+    /// Expert → slot, [`NO_SLOT`] where the expert has none: the form the GPU kernels read, so
+    /// a device copy of the table is this slice.
+    slot_of_expert: Vec<i32>,
+    /// Slot → expert.
+    expert_in_slot: Vec<Option<usize>>,
+}
+
+/// A slot or expert index outside the table.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expert slot {slot} / expert {expert} outside {slots} slots of {experts} experts")]
+pub struct SlotOutOfRange {
+    pub slot: usize,
+    pub expert: usize,
+    pub slots: usize,
+    pub experts: usize,
+}
+
+impl ExpertSlotTable {
+    /// An empty table for `num_experts` experts and `slots` slots.
+    pub fn new(num_experts: usize, slots: usize) -> Self {
+        ExpertSlotTable {
+            slot_of_expert: vec![NO_SLOT; num_experts],
+            expert_in_slot: vec![None; slots],
+        }
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.slot_of_expert.len()
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.expert_in_slot.len()
+    }
+
+    /// The slot holding `expert`, if any (`None` also for ids outside the table, such as
+    /// `NO_EXPERT`).
+    pub fn slot_of(&self, expert: usize) -> Option<usize> {
+        self.slot_of_expert
+            .get(expert)
+            .and_then(|&slot| usize::try_from(slot).ok())
+    }
+
+    /// The expert in `slot`, if any.
+    pub fn expert_in(&self, slot: usize) -> Option<usize> {
+        self.expert_in_slot.get(slot).copied().flatten()
+    }
+
+    /// Whether `expert` has a slot.
+    pub fn is_resident(&self, expert: usize) -> bool {
+        self.slot_of(expert).is_some()
+    }
+
+    /// Whether every expert has a slot (then nothing is left for the expert executor).
+    pub fn every_expert_resident(&self) -> bool {
+        self.slot_of_expert.iter().all(|&slot| slot != NO_SLOT)
+    }
+
+    /// Whether no slot holds an expert.
+    pub fn is_empty(&self) -> bool {
+        self.expert_in_slot.iter().all(Option::is_none)
+    }
+
+    /// Whether [`Self::assign`] takes `slot` and `expert` (checked before the slot's storage is
+    /// written). A slot index must also fit the kernels' `i32`.
+    pub fn check(&self, slot: usize, expert: usize) -> Result<(), SlotOutOfRange> {
+        if slot < self.expert_in_slot.len()
+            && expert < self.slot_of_expert.len()
+            && i32::try_from(slot).is_ok()
+        {
+            return Ok(());
+        }
+        Err(SlotOutOfRange {
+            slot,
+            expert,
+            slots: self.expert_in_slot.len(),
+            experts: self.slot_of_expert.len(),
+        })
+    }
+
+    /// Records `expert` in `slot`: the slot's previous expert loses its entry, and an expert
+    /// already in another slot leaves that one empty.
+    pub fn assign(&mut self, slot: usize, expert: usize) -> Result<(), SlotOutOfRange> {
+        self.check(slot, expert)?;
+        let slot_entry = slot as i32; // fits: checked above
+        if let Some(previous) = self.expert_in_slot[slot] {
+            self.slot_of_expert[previous] = NO_SLOT;
+        }
+        if let Some(old_slot) = self.slot_of(expert) {
+            self.expert_in_slot[old_slot] = None;
+        }
+        self.slot_of_expert[expert] = slot_entry;
+        self.expert_in_slot[slot] = Some(expert);
+        Ok(())
+    }
+
+    /// `[num_experts]` slot per expert, [`NO_SLOT`] where none: the GPU copy of the table.
+    pub fn slot_entries(&self) -> &[i32] {
+        &self.slot_of_expert
+    }
+}
+
+/// Expert slots that keep an [`ExpertSlotTable`]: the bound on `Backend::ExpertSlots` through
+/// which the model sees which experts a set of slots holds.
+pub trait WithExpertSlotTable {
+    fn slot_table(&self) -> &ExpertSlotTable;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refilling_a_slot_keeps_both_directions_consistent() {
+        let mut table = ExpertSlotTable::new(6, 2);
+        assert!(table.is_empty() && !table.every_expert_resident());
+        table.assign(0, 4).unwrap();
+        table.assign(1, 2).unwrap();
+        assert_eq!((table.slot_of(4), table.slot_of(2)), (Some(0), Some(1)));
+        assert_eq!(table.slot_entries(), &[-1, -1, 1, -1, 0, -1]);
+        // Slot 0 gets expert 5: expert 4 loses its slot.
+        table.assign(0, 5).unwrap();
+        assert_eq!((table.slot_of(4), table.expert_in(0)), (None, Some(5)));
+        // Expert 5 moves to slot 1: slot 0 is empty, expert 2 has none.
+        table.assign(1, 5).unwrap();
+        assert_eq!(table.expert_in(0), None);
+        assert_eq!(table.slot_of(2), None);
+        assert_eq!(table.slot_of(5), Some(1));
+        assert_eq!(table.slot_entries(), &[-1, -1, -1, -1, -1, 1]);
+        assert!(!table.is_resident(u32::MAX as usize));
+        assert!(table.assign(2, 0).is_err() && table.assign(0, 6).is_err());
+        assert!(table.check(1, 5).is_ok() && table.check(2, 0).is_err());
+    }
+
+    #[test]
+    fn a_table_with_every_expert_in_a_slot_says_so() {
+        let mut table = ExpertSlotTable::new(3, 3);
+        for expert in 0..3 {
+            table.assign(expert, expert).unwrap();
+        }
+        assert!(table.every_expert_resident() && !table.is_empty());
+    }
+}

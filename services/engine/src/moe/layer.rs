@@ -1,0 +1,414 @@
+//! One MoE layer's forward: the router, the routed experts split between the backend's expert
+//! slots and the expert executor, and the shared expert.
+//!
+//! Owns: choosing each layer call's [`Route`], queueing the backend's own work before anything
+//! waits for the routing, masking resident experts out of the executor's batch, copying a big
+//! batch's experts into the prefill staging slots, adding the parts, and counting a call's
+//! routing (routing statistics and the forward profile).
+//! Must not touch: the graph around the layer and weight loading (`crate::model`), op
+//! implementations (backends), which experts are resident (`crate::moe::placement`).
+
+use std::borrow::Cow;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use ninfer_artifact::{Artifact, CommonConfig, ExpertBank, NO_EXPERT};
+use ninfer_cpu_experts::ExpertLayout;
+
+use crate::backend::{Backend, ExpertSlotTable, Routing, WithExpertSlotTable};
+use crate::error::EngineError;
+use crate::moe::executor::{ExpertBatch, ExpertExecutor};
+use crate::profile::{distinct_experts, nanos, ForwardProfile, PhaseTotals};
+
+/// The shared expert of a MoE layer (qwen3_next, qwen3_5_moe), gated per token.
+pub(crate) struct SharedExpert<B: Backend> {
+    pub gate_proj: B::Weight,
+    pub up_proj: B::Weight,
+    pub down_proj: B::Weight,
+    pub gate: B::Weight,
+}
+
+/// A MoE layer's weights and its resident experts.
+pub(crate) struct MoeLayer<B: Backend> {
+    pub router: B::Weight,
+    pub bank: ExpertBank,
+    pub shared: Option<SharedExpert<B>>,
+    /// Experts of this layer held in the backend's slots (GPU expert slots), if any.
+    pub resident: Option<B::ExpertSlots>,
+}
+
+/// One layer-sized set of backend slots that batches of at least `min_tokens` rows copy their
+/// non-resident experts into (a long prompt's prefill), reused layer after layer.
+pub(crate) struct PrefillStaging<B: Backend> {
+    pub min_tokens: usize,
+    pub slots: Mutex<B::ExpertSlots>,
+}
+
+/// A MoE layer's routing left on the backend because nothing waits for it mid-forward
+/// ([`Route::Resident`]): finished and counted at the forward's end.
+pub(crate) struct DeferredRouting<B: Backend> {
+    pub layer: usize,
+    pub pending: B::PendingRouting,
+}
+
+/// What every MoE layer of a model uses during a forward.
+pub(crate) struct MoeContext<'a, B: Backend> {
+    pub backend: &'a B,
+    pub artifact: &'a Arc<Artifact>,
+    pub executor: &'a dyn ExpertExecutor,
+    pub profile: &'a ForwardProfile,
+    pub common: &'a CommonConfig,
+    pub normalize_routing: bool,
+    pub staging: Option<&'a PrefillStaging<B>>,
+}
+
+/// Where a layer call's routed experts are computed.
+pub(crate) enum Route<'a, B: Backend> {
+    /// Every expert of the layer is in the backend's slots: the backend computes them all and
+    /// the routing stays on the backend until the forward's end (it is wanted only for the
+    /// statistics), so this layer does not wait.
+    Resident,
+    /// The batch has at least the staging threshold of rows: the non-resident experts it routes
+    /// to are copied into the staging slots and computed on the backend, beside the resident
+    /// ones.
+    Staged(&'a Mutex<B::ExpertSlots>),
+    /// The expert executor computes the experts not in slots (it gets the hidden states with
+    /// the routing, one wait on a GPU); the backend sums the resident ones.
+    Executor,
+}
+
+impl<'a, B: Backend> Route<'a, B> {
+    /// Staging first (a big batch), then all-resident, else the executor.
+    fn choose(layer: &MoeLayer<B>, staging: Option<&'a PrefillStaging<B>>, rows: usize) -> Self {
+        if let Some(staging) = staging.filter(|staging| rows >= staging.min_tokens) {
+            return Route::Staged(&staging.slots);
+        }
+        let every_expert_resident = layer
+            .resident
+            .as_ref()
+            .is_some_and(|slots| slots.slot_table().every_expert_resident());
+        if every_expert_resident {
+            Route::Resident
+        } else {
+            Route::Executor
+        }
+    }
+}
+
+impl<B: Backend> MoeLayer<B> {
+    /// The table of the layer's resident experts, if it has any slots.
+    fn resident_table(&self) -> Option<&ExpertSlotTable> {
+        self.resident.as_ref().map(WithExpertSlotTable::slot_table)
+    }
+
+    /// The routed experts and the shared expert of `x` (`[rows, hidden]`), summed.
+    pub fn forward(
+        &self,
+        context: &MoeContext<'_, B>,
+        index: usize,
+        x: &B::Tensor,
+        tally: &mut PhaseTotals,
+        deferred: &mut Vec<DeferredRouting<B>>,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = context.backend;
+        let logits = backend.matmul(x, &self.router);
+        let route = Route::choose(self, context.staging, backend.shape(x).0);
+        let pending = backend.start_routing(
+            &logits,
+            context.common.num_experts_per_tok,
+            context.normalize_routing,
+            x,
+            matches!(route, Route::Executor),
+        );
+        // Work the backend does itself is queued before anything waits for the routing (on a
+        // GPU it runs while this thread reads the routing and then waits for the expert
+        // workers): the resident experts, then the shared expert.
+        let resident_sum = self
+            .resident
+            .as_ref()
+            .map(|slots| backend.slotted_experts_by_pending_routing(slots, x, &pending));
+        let shared_parts = self.shared.as_ref().map(|shared| {
+            let activated = backend.silu_mul(
+                &backend.matmul(x, &shared.gate_proj),
+                &backend.matmul(x, &shared.up_proj),
+            );
+            (
+                backend.matmul(&activated, &shared.down_proj),
+                backend.matmul(x, &shared.gate),
+            )
+        });
+        let mut output = match route {
+            Route::Resident => {
+                deferred.push(DeferredRouting {
+                    layer: index,
+                    pending,
+                });
+                resident_sum.ok_or_else(|| EngineError::InvalidConfig {
+                    problem: format!("MoE layer {index}: resident route without expert slots"),
+                })?
+            }
+            Route::Staged(staging) => {
+                let (routing, hidden) = backend.finish_routing(pending);
+                self.account_routing(context, index, &routing, tally);
+                let expert_ids = self.executor_expert_ids(&routing.expert_ids);
+                match self.staged_experts(context, staging, x, &expert_ids, &routing)? {
+                    Some(mut staged_sum) => {
+                        if let Some(resident_sum) = resident_sum {
+                            backend.add_assign(&mut staged_sum, &resident_sum);
+                        }
+                        staged_sum
+                    }
+                    None => match resident_sum {
+                        Some(resident_sum) => resident_sum,
+                        None => self.executor_part(
+                            context,
+                            index,
+                            x,
+                            &hidden,
+                            &expert_ids,
+                            &routing,
+                            None,
+                            tally,
+                        )?,
+                    },
+                }
+            }
+            Route::Executor => {
+                let (routing, hidden) = backend.finish_routing(pending);
+                self.account_routing(context, index, &routing, tally);
+                let expert_ids = self.executor_expert_ids(&routing.expert_ids);
+                // With every chosen expert resident the executor has nothing to do.
+                let nothing_for_executor = expert_ids.iter().all(|&id| id == NO_EXPERT);
+                match resident_sum {
+                    Some(resident_sum) if nothing_for_executor => resident_sum,
+                    resident_sum => self.executor_part(
+                        context,
+                        index,
+                        x,
+                        &hidden,
+                        &expert_ids,
+                        &routing,
+                        resident_sum,
+                        tally,
+                    )?,
+                }
+            }
+        };
+        if let Some((expert, gate)) = shared_parts {
+            backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
+        }
+        Ok(output)
+    }
+
+    /// The routing's expert ids with the resident experts masked out ([`NO_EXPERT`]): what is
+    /// left for the executor or the staging slots.
+    fn executor_expert_ids<'r>(&self, expert_ids: &'r [u32]) -> Cow<'r, [u32]> {
+        match self.resident_table() {
+            Some(table) => Cow::Owned(
+                expert_ids
+                    .iter()
+                    .map(|&id| {
+                        if table.is_resident(id as usize) {
+                            NO_EXPERT
+                        } else {
+                            id
+                        }
+                    })
+                    .collect(),
+            ),
+            None => Cow::Borrowed(expert_ids),
+        }
+    }
+
+    /// Counts one layer call's routing: the executor's routing statistics (every routed choice,
+    /// before the split between the backend's slots and the executor) and the profile's expert
+    /// tallies.
+    pub fn account_routing(
+        &self,
+        context: &MoeContext<'_, B>,
+        index: usize,
+        routing: &Routing,
+        tally: &mut PhaseTotals,
+    ) {
+        context
+            .executor
+            .observe_routing(index, &routing.expert_ids, routing_tokens(routing));
+        let (cpu_experts, resident_experts) = distinct_experts(
+            &routing.expert_ids,
+            self.resident_table(),
+            context.common.num_experts,
+        );
+        tally.moe_layer_calls += 1;
+        tally.cpu_experts += cpu_experts;
+        tally.resident_experts += resident_experts;
+        tally.cpu_expert_bytes += cpu_experts * self.bank.expert_stride;
+        tally.resident_expert_bytes += resident_experts * self.bank.expert_stride;
+    }
+
+    /// The non-resident routed experts of a staged batch (`expert_ids`, resident ones masked)
+    /// copied into the staging slots and computed on the backend; `None` when the batch routes
+    /// to resident experts only. Each routed expert goes to the slot of its own index, so the
+    /// table never points at an expert of another layer for an id this batch uses.
+    fn staged_experts(
+        &self,
+        context: &MoeContext<'_, B>,
+        staging: &Mutex<B::ExpertSlots>,
+        x: &B::Tensor,
+        expert_ids: &[u32],
+        routing: &Routing,
+    ) -> Result<Option<B::Tensor>, EngineError> {
+        let mut wanted = vec![false; context.common.num_experts];
+        for &id in expert_ids {
+            if let Some(flag) = wanted.get_mut(id as usize) {
+                *flag = true;
+            }
+        }
+        if !wanted.contains(&true) {
+            return Ok(None);
+        }
+        let mut slots = staging.lock().map_err(|_| EngineError::InvalidConfig {
+            problem: "the prefill staging slots' lock is poisoned".into(),
+        })?;
+        for (expert, _) in wanted.iter().enumerate().filter(|(_, &wanted)| wanted) {
+            context.backend.fill_expert_slot(
+                &mut slots,
+                expert,
+                expert,
+                context.artifact,
+                &self.bank,
+            )?;
+        }
+        let masked = Routing {
+            experts_per_token: routing.experts_per_token,
+            expert_ids: expert_ids.to_vec(),
+            weights: routing.weights.clone(),
+        };
+        Ok(Some(context.backend.slotted_experts(&slots, x, &masked)))
+    }
+
+    /// The executor's part uploaded to the backend, plus the resident experts' sum if any.
+    #[allow(clippy::too_many_arguments)]
+    fn executor_part(
+        &self,
+        context: &MoeContext<'_, B>,
+        index: usize,
+        x: &B::Tensor,
+        hidden: &[f32],
+        expert_ids: &[u32],
+        routing: &Routing,
+        resident_sum: Option<B::Tensor>,
+        tally: &mut PhaseTotals,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = context.backend;
+        let (rows, cols) = backend.shape(x);
+        let routed = self.routed_on_executor(context, index, hidden, expert_ids, routing, tally)?;
+        let copying = Instant::now();
+        let mut output = backend.upload(&routed, rows, cols);
+        tally.transfer_nanos += nanos(copying.elapsed());
+        if let Some(resident_sum) = resident_sum {
+            backend.add_assign(&mut output, &resident_sum);
+        }
+        Ok(output)
+    }
+
+    /// The routed experts the executor computes (the CPU workers, or in-process), summed per
+    /// token; zeros where it has none. Counts its wait and the workers' compute time.
+    fn routed_on_executor(
+        &self,
+        context: &MoeContext<'_, B>,
+        layer: usize,
+        hidden: &[f32],
+        expert_ids: &[u32],
+        routing: &Routing,
+        tally: &mut PhaseTotals,
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut routed = vec![0.0f32; hidden.len()];
+        if expert_ids.iter().all(|&id| id == NO_EXPERT) {
+            return Ok(routed);
+        }
+        let executor = context.executor;
+        let reported_before = executor.compute_nanos();
+        let waiting = Instant::now();
+        executor.compute(
+            &ExpertBatch {
+                layer,
+                bank: &self.bank,
+                hidden_size: context.common.hidden_size,
+                intermediate_size: context.common.moe_intermediate_size,
+                hidden,
+                experts_per_token: routing.experts_per_token,
+                expert_ids,
+                weights: &routing.weights,
+            },
+            &mut routed,
+        )?;
+        let waited = nanos(waiting.elapsed());
+        tally.expert_wait_nanos += waited;
+        tally.expert_compute_nanos += match (reported_before, executor.compute_nanos()) {
+            (Some(before), Some(after)) => {
+                context.profile.note_compute_reported();
+                after.saturating_sub(before).min(waited)
+            }
+            _ => waited,
+        };
+        Ok(routed)
+    }
+
+    /// The slot layout of this layer's experts.
+    pub fn layout(&self, common: &CommonConfig) -> Result<ExpertLayout, EngineError> {
+        ExpertLayout::for_bank(&self.bank, common.hidden_size, common.moe_intermediate_size)
+            .map_err(|error| EngineError::InvalidConfig {
+                problem: error.to_string(),
+            })
+    }
+
+    /// Puts `experts` of this layer (layer `index`) in new backend slots, replacing any earlier
+    /// ones (none for an empty list). Returns the bytes copied.
+    pub fn place_resident(
+        &mut self,
+        backend: &B,
+        artifact: &Arc<Artifact>,
+        common: &CommonConfig,
+        index: usize,
+        experts: &[u32],
+    ) -> Result<u64, EngineError> {
+        let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        self.resident = None;
+        if experts.is_empty() {
+            return Ok(0);
+        }
+        let mut seen = vec![false; common.num_experts];
+        for &expert in experts {
+            match seen.get_mut(expert as usize) {
+                Some(flag) if !*flag => *flag = true,
+                Some(_) => {
+                    return Err(invalid(format!(
+                        "layer {index}: expert {expert} is placed twice"
+                    )))
+                }
+                None => {
+                    return Err(invalid(format!(
+                        "layer {index}: expert {expert} is not one of the {} experts",
+                        common.num_experts
+                    )))
+                }
+            }
+        }
+        let layout = self.layout(common)?;
+        let mut slots = backend.new_expert_slots(&layout, common.num_experts, experts.len())?;
+        for (slot, &expert) in experts.iter().enumerate() {
+            backend.fill_expert_slot(&mut slots, slot, expert as usize, artifact, &self.bank)?;
+        }
+        self.resident = Some(slots);
+        Ok((experts.len() * layout.stride) as u64)
+    }
+}
+
+/// Tokens of a routing (`[tokens, k]` entries).
+fn routing_tokens(routing: &Routing) -> usize {
+    routing
+        .expert_ids
+        .len()
+        .checked_div(routing.experts_per_token)
+        .unwrap_or(0)
+}

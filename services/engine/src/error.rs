@@ -3,6 +3,8 @@
 
 use ninfer_artifact::ArtifactError;
 
+use crate::backend::cuda::CudaError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("architecture `{name}` is not supported by this engine (it runs qwen3_moe, qwen3_next and qwen3_5_moe)")]
@@ -31,6 +33,14 @@ pub enum EngineError {
     },
     #[error("invalid sampling parameters: {problem}")]
     InvalidSampling { problem: String },
+    /// A backend op failed on its device; `source` is the device's own error, unchanged (an
+    /// out-of-memory says so, with the bytes asked for).
+    #[error("{op} on the GPU: {source}")]
+    Device {
+        op: &'static str,
+        #[source]
+        source: CudaError,
+    },
     #[error(transparent)]
     Artifact(#[from] ArtifactError),
 }

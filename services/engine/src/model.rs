@@ -355,29 +355,33 @@ impl<B: Backend> Model<B> {
     }
 
     /// Empty state for a sequence of at most `max_context` tokens.
-    pub fn new_sequence(&self, max_context: usize) -> SequenceState<B> {
+    pub fn new_sequence(&self, max_context: usize) -> Result<SequenceState<B>, EngineError> {
         let kv_width = self.spec.attention.kv_heads * self.spec.attention.head_dim;
         let layers = self
             .spec
             .mixers
             .iter()
-            .map(|mixer| match (mixer, &self.spec.delta_rule) {
-                (MixerKind::GatedDeltaNet, Some(delta)) => {
-                    let channels = 2 * delta.key_heads * delta.key_head_dim
-                        + delta.value_heads * delta.value_head_dim;
-                    LayerState::GatedDeltaNet {
-                        conv: self.backend.new_conv_state(channels, self.spec.conv_kernel),
-                        recurrent: self.backend.new_recurrent_state(delta),
+            .map(|mixer| {
+                Ok(match (mixer, &self.spec.delta_rule) {
+                    (MixerKind::GatedDeltaNet, Some(delta)) => {
+                        let channels = 2 * delta.key_heads * delta.key_head_dim
+                            + delta.value_heads * delta.value_head_dim;
+                        LayerState::GatedDeltaNet {
+                            conv: self
+                                .backend
+                                .new_conv_state(channels, self.spec.conv_kernel)?,
+                            recurrent: self.backend.new_recurrent_state(delta)?,
+                        }
                     }
-                }
-                _ => LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)),
+                    _ => LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)?),
+                })
             })
-            .collect();
-        SequenceState {
+            .collect::<Result<_, EngineError>>()?;
+        Ok(SequenceState {
             max_context,
             position: 0,
             layers,
-        }
+        })
     }
 
     /// Prefill (or continue) one sequence; returns the logits of its last token.
@@ -411,7 +415,7 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         let logits = self.forward_then(batch, selection, |backend, logits| {
-            Ok(backend.download(&logits))
+            backend.download(&logits)
         })?;
         let mut out = Vec::with_capacity(rows.len());
         let mut row = 0;
@@ -499,13 +503,14 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
-        let mut hidden = backend.embed(&self.embed_tokens, &ids);
+        let mut hidden = backend.embed(&self.embed_tokens, &ids)?;
         // Each residual add is fused with the norm after it (Backend::add_rms_norm): `next`
         // holds the next layer's normed input.
         let mut next = self
             .layers
             .first()
-            .map(|layer| backend.rms_norm(&hidden, &layer.input_norm, eps, style));
+            .map(|layer| backend.rms_norm(&hidden, &layer.input_norm, eps, style))
+            .transpose()?;
         for (index, layer) in self.layers.iter().enumerate() {
             let x = next.take().ok_or_else(|| EngineError::InvalidConfig {
                 problem: format!("layer {index} has no normed input"),
@@ -518,17 +523,24 @@ impl<B: Backend> Model<B> {
                     self.gated_delta_net(index, &layer.mixer, &x, batch, &ranges)?
                 }
             };
-            let x =
-                backend.add_rms_norm(&mut hidden, &mixed, &layer.post_attention_norm, eps, style);
+            let x = backend.add_rms_norm(
+                &mut hidden,
+                &mixed,
+                &layer.post_attention_norm,
+                eps,
+                style,
+            )?;
             let fed = match &layer.feed_forward {
                 FeedForward::Dense {
                     gate_proj,
                     up_proj,
                     down_proj,
                 } => {
-                    let activated = backend
-                        .silu_mul(&backend.matmul(&x, gate_proj), &backend.matmul(&x, up_proj));
-                    backend.matmul(&activated, down_proj)
+                    let activated = backend.silu_mul(
+                        &backend.matmul(&x, gate_proj)?,
+                        &backend.matmul(&x, up_proj)?,
+                    )?;
+                    backend.matmul(&activated, down_proj)?
                 }
                 FeedForward::Moe(moe) => {
                     moe.forward(&moe_context, index, &x, &mut tally, &mut deferred)?
@@ -542,9 +554,9 @@ impl<B: Backend> Model<B> {
                         &following.input_norm,
                         eps,
                         style,
-                    ));
+                    )?);
                 }
-                None => backend.add_assign(&mut hidden, &fed),
+                None => backend.add_assign(&mut hidden, &fed)?,
             }
         }
 
@@ -552,13 +564,13 @@ impl<B: Backend> Model<B> {
             LogitsSelection::Last => ranges.iter().map(|r| r.end - 1).collect(),
             LogitsSelection::All => (0..ids.len()).collect(),
         };
-        let selected = backend.gather_rows(&hidden, &selected_rows);
-        let normed = backend.rms_norm(&selected, &self.final_norm, eps, style);
+        let selected = backend.gather_rows(&hidden, &selected_rows)?;
+        let normed = backend.rms_norm(&selected, &self.final_norm, eps, style)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let out = finish(backend, backend.matmul(&normed, head))?;
+        let out = finish(backend, backend.matmul(&normed, head)?)?;
         // The routings of the layers that did not wait for theirs: landed by now.
         for DeferredRouting { layer, pending } in deferred {
-            let (routing, _) = backend.finish_routing(pending);
+            let (routing, _) = backend.finish_routing(pending)?;
             if let Some(FeedForward::Moe(moe)) = self.layers.get(layer).map(|l| &l.feed_forward) {
                 moe.account_routing(&moe_context, layer, &routing, &mut tally);
             }
@@ -601,10 +613,10 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let spec = &self.spec.attention;
         let (eps, style) = (self.spec.eps(), self.spec.norm_style);
-        let [projected, k, v] = backend.matmul3(x, [q_proj, k_proj, v_proj]);
+        let [projected, k, v] = backend.matmul3(x, [q_proj, k_proj, v_proj])?;
         let (q, gate) = if self.spec.gated_attention {
             let (q, gate) =
-                backend.split_interleaved(&projected, spec.heads, spec.head_dim, spec.head_dim);
+                backend.split_interleaved(&projected, spec.heads, spec.head_dim, spec.head_dim)?;
             (q, Some(gate))
         } else {
             (projected, None)
@@ -615,8 +627,8 @@ impl<B: Backend> Model<B> {
             rotary_dim: self.spec.common.rotary_dim,
             theta: self.spec.common.rope_theta,
         };
-        let q = backend.rms_norm_rope(&q, q_norm, eps, style, &rotation);
-        let k = backend.rms_norm_rope(&k, k_norm, eps, style, &rotation);
+        let q = backend.rms_norm_rope(&q, q_norm, eps, style, &rotation)?;
+        let k = backend.rms_norm_rope(&k, k_norm, eps, style, &rotation)?;
         let mut segments = Vec::with_capacity(batch.len());
         for (item, range) in batch.iter_mut().zip(ranges) {
             let start_position = item.state.position;
@@ -631,9 +643,9 @@ impl<B: Backend> Model<B> {
         }
         let mut output = backend.attention(&q, &k, &v, spec, &mut segments)?;
         if let Some(gate) = gate {
-            output = backend.mul_sigmoid(&output, &gate);
+            output = backend.mul_sigmoid(&output, &gate)?;
         }
-        Ok(backend.matmul(&output, o_proj))
+        backend.matmul(&output, o_proj)
     }
 
     fn gated_delta_net(
@@ -662,10 +674,10 @@ impl<B: Backend> Model<B> {
             return Err(state_mismatch(index));
         };
         let backend = &*self.backend;
-        let qkv = backend.matmul(x, in_proj_qkv);
-        let z = backend.matmul(x, in_proj_z);
-        let b = backend.matmul(x, in_proj_b);
-        let a = backend.matmul(x, in_proj_a);
+        let qkv = backend.matmul(x, in_proj_qkv)?;
+        let z = backend.matmul(x, in_proj_z)?;
+        let b = backend.matmul(x, in_proj_b)?;
+        let a = backend.matmul(x, in_proj_a)?;
 
         let mut conv_segments = Vec::with_capacity(batch.len());
         for (item, range) in batch.iter_mut().zip(ranges) {
@@ -679,15 +691,15 @@ impl<B: Backend> Model<B> {
                 LayerState::Attention(_) => return Err(state_mismatch(index)),
             }
         }
-        let convolved = backend.causal_conv1d_silu(&qkv, conv1d, &mut conv_segments);
+        let convolved = backend.causal_conv1d_silu(&qkv, conv1d, &mut conv_segments)?;
         drop(conv_segments);
 
         let key_width = delta.key_heads * delta.key_head_dim;
         let value_width = delta.value_heads * delta.value_head_dim;
-        let q = backend.columns(&convolved, 0..key_width);
-        let k = backend.columns(&convolved, key_width..2 * key_width);
-        let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width);
-        let (g, beta) = backend.delta_rule_gates(&a, &b, a_log, dt_bias);
+        let q = backend.columns(&convolved, 0..key_width)?;
+        let k = backend.columns(&convolved, key_width..2 * key_width)?;
+        let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width)?;
+        let (g, beta) = backend.delta_rule_gates(&a, &b, a_log, dt_bias)?;
 
         let mut recurrent_segments = Vec::with_capacity(batch.len());
         for (item, range) in batch.iter_mut().zip(ranges) {
@@ -710,9 +722,9 @@ impl<B: Backend> Model<B> {
             delta,
             self.delta_rule_form,
             &mut recurrent_segments,
-        );
-        let normed = backend.gated_rms_norm(&output, &z, norm, self.spec.eps());
-        Ok(backend.matmul(&normed, out_proj))
+        )?;
+        let normed = backend.gated_rms_norm(&output, &z, norm, self.spec.eps())?;
+        backend.matmul(&normed, out_proj)
     }
 }
 

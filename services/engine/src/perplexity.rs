@@ -64,7 +64,7 @@ pub fn token_nlls<B: Backend>(
     let mut scored = Vec::with_capacity(tokens.len());
     for (window_index, window) in tokens.chunks(options.max_context).enumerate() {
         let window_start = window_index * options.max_context;
-        let mut state = model.new_sequence(window.len());
+        let mut state = model.new_sequence(window.len())?;
         let mut fed = 0;
         while fed < window.len() {
             let end = (fed + chunk).min(window.len());

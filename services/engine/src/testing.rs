@@ -83,7 +83,7 @@ pub fn teacher_forced_logits<B: crate::Backend>(
     model: &crate::Model<B>,
     tokens: &[u32],
 ) -> Result<Vec<Vec<f32>>, EngineError> {
-    let mut state = model.new_sequence(tokens.len());
+    let mut state = model.new_sequence(tokens.len())?;
     let mut batch = [crate::SequenceInput {
         state: &mut state,
         tokens,
@@ -104,7 +104,7 @@ pub fn greedy_tokens<B: crate::Backend>(
     prompt: &[u32],
     count: usize,
 ) -> Result<Vec<u32>, EngineError> {
-    let mut state = model.new_sequence(prompt.len() + count);
+    let mut state = model.new_sequence(prompt.len() + count)?;
     let mut logits = model.prefill(&mut state, prompt)?;
     let mut out = Vec::with_capacity(count);
     while out.len() < count {

@@ -67,7 +67,7 @@ fn logit_candidates_match_the_host<B: Backend>(backend: Arc<B>) {
                     .collect()
             })
             .collect();
-        let logits = backend.upload(&values, rows, cols);
+        let logits = backend.upload(&values, rows, cols).unwrap();
         let got = backend.logit_candidates(&logits, k, &extra).unwrap();
         assert_eq!(got.len(), rows);
         for (row, got) in got.iter().enumerate() {
@@ -80,7 +80,7 @@ fn logit_candidates_match_the_host<B: Backend>(backend: Arc<B>) {
         }
         println!("{}: {rows}×{cols} k={k} ok", backend.name());
     }
-    let logits = backend.upload(&random_rows(9, 2, 50), 2, 50);
+    let logits = backend.upload(&random_rows(9, 2, 50), 2, 50).unwrap();
     assert!(backend
         .logit_candidates(&logits, 0, &[vec![], vec![]])
         .is_err());
@@ -95,7 +95,7 @@ fn logit_candidates_match_the_host<B: Backend>(backend: Arc<B>) {
 test_device!(logit_candidates_match_the_host);
 
 fn logits_of<B: Backend>(model: &Model<B>, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
-    let mut state = model.new_sequence(prompt.len() + steps);
+    let mut state = model.new_sequence(prompt.len() + steps).unwrap();
     let mut out = vec![model.prefill(&mut state, prompt).unwrap()];
     for step in 0..steps {
         let next = (step as u32 * 13 + 5) % model.vocab_size() as u32;
@@ -137,7 +137,7 @@ fn host_kv_gives_the_same_logits<B: Backend>(backend: Arc<B>) {
                     device_share: DeviceKvShare::Bytes(u64::MAX),
                 })
                 .unwrap();
-            let state = model.new_sequence(context);
+            let state = model.new_sequence(context).unwrap();
             let placement = backend.kv_placement();
             drop(state);
             placement.map(|p| p.device_bytes / p.device_caches.max(1) as u64)
@@ -156,7 +156,7 @@ fn host_kv_gives_the_same_logits<B: Backend>(backend: Arc<B>) {
                     device_share: DeviceKvShare::Bytes(share),
                 })
                 .unwrap();
-            let mut state = model.new_sequence(context);
+            let mut state = model.new_sequence(context).unwrap();
             match backend.kv_placement() {
                 Some(placement) => {
                     println!("{architecture:?} {label}: {placement:?}");

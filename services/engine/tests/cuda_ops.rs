@@ -89,8 +89,8 @@ fn dense_ops_match_the_cpu_backend() {
     let mut rng = Xoshiro256::seed_from_u64(11);
     let up = |values: &[f32], rows, cols| {
         (
-            gpu.upload(values, rows, cols),
-            cpu.upload(values, rows, cols),
+            gpu.upload(values, rows, cols).unwrap(),
+            cpu.upload(values, rows, cols).unwrap(),
         )
     };
 
@@ -102,8 +102,8 @@ fn dense_ops_match_the_cpu_backend() {
     );
     compare(
         "embed",
-        &gpu.download(&gpu.embed(&table.0, &ids)),
-        &cpu.download(&cpu.embed(&table.1, &ids)),
+        &gpu.download(&gpu.embed(&table.0, &ids).unwrap()).unwrap(),
+        &cpu.download(&cpu.embed(&table.1, &ids).unwrap()).unwrap(),
         0.0,
     );
     for name in [
@@ -123,8 +123,8 @@ fn dense_ops_match_the_cpu_backend() {
             let (xg, xc) = up(&x, rows, cols);
             compare(
                 &format!("matmul {name} × {rows} rows"),
-                &gpu.download(&gpu.matmul(&xg, &weight.0)),
-                &cpu.download(&cpu.matmul(&xc, &weight.1)),
+                &gpu.download(&gpu.matmul(&xg, &weight.0).unwrap()).unwrap(),
+                &cpu.download(&cpu.matmul(&xc, &weight.1).unwrap()).unwrap(),
                 1e-5,
             );
         }
@@ -145,10 +145,10 @@ fn dense_ops_match_the_cpu_backend() {
                     .sum::<f64>() as f32
             })
             .collect();
-        let xg = gpu.upload(&x, rows, in_features);
+        let xg = gpu.upload(&x, rows, in_features).unwrap();
         compare(
             &format!("matmul 19×37 (k % 4 ≠ 0) × {rows} rows"),
-            &gpu.download(&gpu.matmul(&xg, &odd)),
+            &gpu.download(&gpu.matmul(&xg, &odd).unwrap()).unwrap(),
             &expected,
             1e-5,
         );
@@ -166,8 +166,10 @@ fn dense_ops_match_the_cpu_backend() {
         for style in [NormStyle::Plain, NormStyle::ZeroCentred] {
             compare(
                 &format!("rms_norm {name} {style:?}"),
-                &gpu.download(&gpu.rms_norm(&xg, &weight.0, 1e-6, style)),
-                &cpu.download(&cpu.rms_norm(&xc, &weight.1, 1e-6, style)),
+                &gpu.download(&gpu.rms_norm(&xg, &weight.0, 1e-6, style).unwrap())
+                    .unwrap(),
+                &cpu.download(&cpu.rms_norm(&xc, &weight.1, 1e-6, style).unwrap())
+                    .unwrap(),
                 1e-5,
             );
         }
@@ -187,27 +189,36 @@ fn dense_ops_match_the_cpu_backend() {
         let (dg, dc) = up(&delta[..len], rows, cols);
         for style in [NormStyle::Plain, NormStyle::ZeroCentred] {
             let (mut fused_x, mut xc) = up(&x[..len], rows, cols);
-            let fused = gpu.add_rms_norm(&mut fused_x, &dg, &weight.0, 1e-6, style);
-            let mut split_x = gpu.upload(&x[..len], rows, cols);
-            gpu.add_assign(&mut split_x, &dg);
-            let split = gpu.rms_norm(&split_x, &weight.0, 1e-6, style);
+            let fused = gpu
+                .add_rms_norm(&mut fused_x, &dg, &weight.0, 1e-6, style)
+                .unwrap();
+            let mut split_x = gpu.upload(&x[..len], rows, cols).unwrap();
+            gpu.add_assign(&mut split_x, &dg).unwrap();
+            let split = gpu.rms_norm(&split_x, &weight.0, 1e-6, style).unwrap();
             let what = format!("add_rms_norm {rows}×{cols} {style:?}");
             assert_eq!(
-                gpu.download(&fused),
-                gpu.download(&split),
+                gpu.download(&fused).unwrap(),
+                gpu.download(&split).unwrap(),
                 "{what}: fused differs from add_assign + rms_norm"
             );
             assert_eq!(
-                gpu.download(&fused_x),
-                gpu.download(&split_x),
+                gpu.download(&fused_x).unwrap(),
+                gpu.download(&split_x).unwrap(),
                 "{what}: residual"
             );
-            let expected = cpu.add_rms_norm(&mut xc, &dc, &weight.1, 1e-6, style);
-            compare(&what, &gpu.download(&fused), &cpu.download(&expected), 1e-5);
+            let expected = cpu
+                .add_rms_norm(&mut xc, &dc, &weight.1, 1e-6, style)
+                .unwrap();
+            compare(
+                &what,
+                &gpu.download(&fused).unwrap(),
+                &cpu.download(&expected).unwrap(),
+                1e-5,
+            );
             compare(
                 &format!("{what} residual"),
-                &gpu.download(&fused_x),
-                &cpu.download(&xc),
+                &gpu.download(&fused_x).unwrap(),
+                &cpu.download(&xc).unwrap(),
                 0.0,
             );
         }
@@ -222,8 +233,10 @@ fn dense_ops_match_the_cpu_backend() {
     let (gg, gc) = up(&gate, 7, 64);
     compare(
         "gated_rms_norm",
-        &gpu.download(&gpu.gated_rms_norm(&xg, &gg, &norm.0, 1e-6)),
-        &cpu.download(&cpu.gated_rms_norm(&xc, &gc, &norm.1, 1e-6)),
+        &gpu.download(&gpu.gated_rms_norm(&xg, &gg, &norm.0, 1e-6).unwrap())
+            .unwrap(),
+        &cpu.download(&cpu.gated_rms_norm(&xc, &gc, &norm.1, 1e-6).unwrap())
+            .unwrap(),
         1e-5,
     );
 
@@ -231,12 +244,14 @@ fn dense_ops_match_the_cpu_backend() {
     let positions: Vec<usize> = (0..7).map(|i| i * 977 + 3).collect();
     for rotary in [8usize, 32] {
         let (mut xg, mut xc) = up(&x, 7, 128);
-        gpu.rope(&mut xg, &positions, 32, rotary, 10_000_000.0);
-        cpu.rope(&mut xc, &positions, 32, rotary, 10_000_000.0);
+        gpu.rope(&mut xg, &positions, 32, rotary, 10_000_000.0)
+            .unwrap();
+        cpu.rope(&mut xc, &positions, 32, rotary, 10_000_000.0)
+            .unwrap();
         compare(
             &format!("rope rotary {rotary} of 32"),
-            &gpu.download(&xg),
-            &cpu.download(&xc),
+            &gpu.download(&xg).unwrap(),
+            &cpu.download(&xc).unwrap(),
             1e-4,
         );
     }
@@ -259,15 +274,25 @@ fn dense_ops_match_the_cpu_backend() {
                 theta: 10_000_000.0,
             };
             let (xg, xc) = up(&x, 7, 128);
-            let fused = gpu.download(&gpu.rms_norm_rope(&xg, &q_norm.0, 1e-6, style, &rotation));
-            let mut split = gpu.rms_norm(&xg, &q_norm.0, 1e-6, style);
-            gpu.rope(&mut split, &positions, head_dim, rotary, 10_000_000.0);
+            let fused = gpu
+                .download(
+                    &gpu.rms_norm_rope(&xg, &q_norm.0, 1e-6, style, &rotation)
+                        .unwrap(),
+                )
+                .unwrap();
+            let mut split = gpu.rms_norm(&xg, &q_norm.0, 1e-6, style).unwrap();
+            gpu.rope(&mut split, &positions, head_dim, rotary, 10_000_000.0)
+                .unwrap();
             let what = format!("rms_norm_rope rotary {rotary} of {head_dim} {style:?}");
-            compare(&what, &fused, &gpu.download(&split), 1e-6);
+            compare(&what, &fused, &gpu.download(&split).unwrap(), 1e-6);
             compare(
                 &what,
                 &fused,
-                &cpu.download(&cpu.rms_norm_rope(&xc, &q_norm.1, 1e-6, style, &rotation)),
+                &cpu.download(
+                    &cpu.rms_norm_rope(&xc, &q_norm.1, 1e-6, style, &rotation)
+                        .unwrap(),
+                )
+                .unwrap(),
                 1e-4,
             );
         }
@@ -280,66 +305,66 @@ fn dense_ops_match_the_cpu_backend() {
     let (bg, bc) = up(&b, 9, 40);
     compare(
         "silu_mul",
-        &gpu.download(&gpu.silu_mul(&ag, &bg)),
-        &cpu.download(&cpu.silu_mul(&ac, &bc)),
+        &gpu.download(&gpu.silu_mul(&ag, &bg).unwrap()).unwrap(),
+        &cpu.download(&cpu.silu_mul(&ac, &bc).unwrap()).unwrap(),
         1e-6,
     );
     compare(
         "mul_sigmoid",
-        &gpu.download(&gpu.mul_sigmoid(&ag, &bg)),
-        &cpu.download(&cpu.mul_sigmoid(&ac, &bc)),
+        &gpu.download(&gpu.mul_sigmoid(&ag, &bg).unwrap()).unwrap(),
+        &cpu.download(&cpu.mul_sigmoid(&ac, &bc).unwrap()).unwrap(),
         1e-6,
     );
     compare(
         "silu_mul_halves",
-        &gpu.download(&gpu.silu_mul_halves(&ag)),
-        &cpu.download(&cpu.silu_mul_halves(&ac)),
+        &gpu.download(&gpu.silu_mul_halves(&ag).unwrap()).unwrap(),
+        &cpu.download(&cpu.silu_mul_halves(&ac).unwrap()).unwrap(),
         1e-6,
     );
     let (mut sum_g, mut sum_c) = up(&a, 9, 40);
-    gpu.add_assign(&mut sum_g, &bg);
-    cpu.add_assign(&mut sum_c, &bc);
+    gpu.add_assign(&mut sum_g, &bg).unwrap();
+    cpu.add_assign(&mut sum_c, &bc).unwrap();
     compare(
         "add_assign",
-        &gpu.download(&sum_g),
-        &cpu.download(&sum_c),
+        &gpu.download(&sum_g).unwrap(),
+        &cpu.download(&sum_c).unwrap(),
         0.0,
     );
     let gate_column = random(&mut rng, 9 * 3, 3.0);
     let (gcg, gcc) = up(&gate_column, 9, 3);
-    gpu.add_sigmoid_scaled_rows(&mut sum_g, &bg, &gcg);
-    cpu.add_sigmoid_scaled_rows(&mut sum_c, &bc, &gcc);
+    gpu.add_sigmoid_scaled_rows(&mut sum_g, &bg, &gcg).unwrap();
+    cpu.add_sigmoid_scaled_rows(&mut sum_c, &bc, &gcc).unwrap();
     compare(
         "add_sigmoid_scaled_rows",
-        &gpu.download(&sum_g),
-        &cpu.download(&sum_c),
+        &gpu.download(&sum_g).unwrap(),
+        &cpu.download(&sum_c).unwrap(),
         1e-6,
     );
     let rows = [8usize, 0, 3, 3];
     compare(
         "gather_rows",
-        &gpu.download(&gpu.gather_rows(&ag, &rows)),
-        &cpu.download(&cpu.gather_rows(&ac, &rows)),
+        &gpu.download(&gpu.gather_rows(&ag, &rows).unwrap()).unwrap(),
+        &cpu.download(&cpu.gather_rows(&ac, &rows).unwrap()).unwrap(),
         0.0,
     );
     compare(
         "columns",
-        &gpu.download(&gpu.columns(&ag, 7..29)),
-        &cpu.download(&cpu.columns(&ac, 7..29)),
+        &gpu.download(&gpu.columns(&ag, 7..29).unwrap()).unwrap(),
+        &cpu.download(&cpu.columns(&ac, 7..29).unwrap()).unwrap(),
         0.0,
     );
-    let (g1, g2) = gpu.split_interleaved(&ag, 4, 6, 4);
-    let (c1, c2) = cpu.split_interleaved(&ac, 4, 6, 4);
+    let (g1, g2) = gpu.split_interleaved(&ag, 4, 6, 4).unwrap();
+    let (c1, c2) = cpu.split_interleaved(&ac, 4, 6, 4).unwrap();
     compare(
         "split_interleaved first",
-        &gpu.download(&g1),
-        &cpu.download(&c1),
+        &gpu.download(&g1).unwrap(),
+        &cpu.download(&c1).unwrap(),
         0.0,
     );
     compare(
         "split_interleaved second",
-        &gpu.download(&g2),
-        &cpu.download(&c2),
+        &gpu.download(&g2).unwrap(),
+        &cpu.download(&c2).unwrap(),
         0.0,
     );
 
@@ -348,8 +373,8 @@ fn dense_ops_match_the_cpu_backend() {
     let (lg, lc) = up(&logits, 11, 8);
     for normalize in [false, true] {
         let (rg, rc) = (
-            gpu.route_top_k(&lg, 3, normalize),
-            cpu.route_top_k(&lc, 3, normalize),
+            gpu.route_top_k(&lg, 3, normalize).unwrap(),
+            cpu.route_top_k(&lc, 3, normalize).unwrap(),
         );
         assert_eq!(rg.expert_ids, rc.expert_ids, "router ids");
         compare("route_top_k weights", &rg.weights, &rc.weights, 1e-6);
@@ -370,18 +395,22 @@ fn dense_ops_match_the_cpu_backend() {
         cpu.load_parameter(&artifact, "layers.0.gdn.dt_bias")
             .unwrap(),
     );
-    let (gg, betag) = gpu.delta_rule_gates(&a_g, &b_g, &a_log.0, &dt_bias.0);
-    let (gc, betac) = cpu.delta_rule_gates(&a_c, &b_c, &a_log.1, &dt_bias.1);
+    let (gg, betag) = gpu
+        .delta_rule_gates(&a_g, &b_g, &a_log.0, &dt_bias.0)
+        .unwrap();
+    let (gc, betac) = cpu
+        .delta_rule_gates(&a_c, &b_c, &a_log.1, &dt_bias.1)
+        .unwrap();
     compare(
         "delta_rule_gates g",
-        &gpu.download(&gg),
-        &cpu.download(&gc),
+        &gpu.download(&gg).unwrap(),
+        &cpu.download(&gc).unwrap(),
         1e-5,
     );
     compare(
         "delta_rule_gates beta",
-        &gpu.download(&betag),
-        &cpu.download(&betac),
+        &gpu.download(&betag).unwrap(),
+        &cpu.download(&betac).unwrap(),
         1e-6,
     );
 
@@ -394,12 +423,12 @@ fn dense_ops_match_the_cpu_backend() {
     );
     let (channels, kernel) = cpu.weight_shape(&taps.1);
     let mut states_g = [
-        gpu.new_conv_state(channels, kernel),
-        gpu.new_conv_state(channels, kernel),
+        gpu.new_conv_state(channels, kernel).unwrap(),
+        gpu.new_conv_state(channels, kernel).unwrap(),
     ];
     let mut states_c = [
-        cpu.new_conv_state(channels, kernel),
-        cpu.new_conv_state(channels, kernel),
+        cpu.new_conv_state(channels, kernel).unwrap(),
+        cpu.new_conv_state(channels, kernel).unwrap(),
     ];
     for (step, lengths) in [[5usize, 2], [1, 1], [2, 9]].iter().enumerate() {
         let total = lengths[0] + lengths[1];
@@ -433,8 +462,16 @@ fn dense_ops_match_the_cpu_backend() {
         ];
         compare(
             &format!("causal_conv1d_silu step {step} ({lengths:?} rows)"),
-            &gpu.download(&gpu.causal_conv1d_silu(&xg, &taps.0, &mut segments_g)),
-            &cpu.download(&cpu.causal_conv1d_silu(&xc, &taps.1, &mut segments_c)),
+            &gpu.download(
+                &gpu.causal_conv1d_silu(&xg, &taps.0, &mut segments_g)
+                    .unwrap(),
+            )
+            .unwrap(),
+            &cpu.download(
+                &cpu.causal_conv1d_silu(&xc, &taps.1, &mut segments_c)
+                    .unwrap(),
+            )
+            .unwrap(),
             1e-5,
         );
     }
@@ -471,7 +508,7 @@ fn bf16_kv_attention_matches_the_cpu_backend_over_lengths_and_gqa_ratios() {
         KvDtype::Bf16,
         "bf16 is the default KV dtype"
     );
-    let cache = gpu.new_kv_cache(100, 3 * 64);
+    let cache = gpu.new_kv_cache(100, 3 * 64).unwrap();
     assert_eq!(
         cache.device_bytes(),
         2 * 100 * 3 * 64 * 2,
@@ -539,17 +576,17 @@ fn attention_cases(gpu: &CudaBackend) {
         let max_tokens = lengths[0].max(lengths[1]) + decode_steps;
         let kv_width = kv_heads * hd;
         let mut caches_g = [
-            gpu.new_kv_cache(max_tokens, kv_width),
-            gpu.new_kv_cache(max_tokens, kv_width),
+            gpu.new_kv_cache(max_tokens, kv_width).unwrap(),
+            gpu.new_kv_cache(max_tokens, kv_width).unwrap(),
         ];
         let mut caches_c = [
-            cpu.new_kv_cache(max_tokens, kv_width),
-            cpu.new_kv_cache(max_tokens, kv_width),
+            cpu.new_kv_cache(max_tokens, kv_width).unwrap(),
+            cpu.new_kv_cache(max_tokens, kv_width).unwrap(),
         ];
         // The unrounded reference of the bf16 case (how far bf16 K/V move the result).
         let mut caches_u = [
-            cpu.new_kv_cache(max_tokens, kv_width),
-            cpu.new_kv_cache(max_tokens, kv_width),
+            cpu.new_kv_cache(max_tokens, kv_width).unwrap(),
+            cpu.new_kv_cache(max_tokens, kv_width).unwrap(),
         ];
         let mut drift = 0.0f32;
         let mut positions = [0usize, 0];
@@ -562,9 +599,9 @@ fn attention_cases(gpu: &CudaBackend) {
             let k = random(&mut rng, total * kv_width, 1.5);
             let v = random(&mut rng, total * kv_width, 1.0);
             let (qg, kg, vg) = (
-                gpu.upload(&q, total, heads * hd),
-                gpu.upload(&k, total, kv_width),
-                gpu.upload(&v, total, kv_width),
+                gpu.upload(&q, total, heads * hd).unwrap(),
+                gpu.upload(&k, total, kv_width).unwrap(),
+                gpu.upload(&v, total, kv_width).unwrap(),
             );
             let (k_ref, v_ref) = if bf16 {
                 (round_to_bf16(&k), round_to_bf16(&v))
@@ -572,25 +609,28 @@ fn attention_cases(gpu: &CudaBackend) {
                 (k.clone(), v.clone())
             };
             let (qc, kc, vc) = (
-                cpu.upload(&q, total, heads * hd),
-                cpu.upload(&k_ref, total, kv_width),
-                cpu.upload(&v_ref, total, kv_width),
+                cpu.upload(&q, total, heads * hd).unwrap(),
+                cpu.upload(&k_ref, total, kv_width).unwrap(),
+                cpu.upload(&v_ref, total, kv_width).unwrap(),
             );
             let (ku, vu) = (
-                cpu.upload(&k, total, kv_width),
-                cpu.upload(&v, total, kv_width),
+                cpu.upload(&k, total, kv_width).unwrap(),
+                cpu.upload(&v, total, kv_width).unwrap(),
             );
             let out_g = {
                 let mut segments = two_segments(&mut caches_g, new, positions);
                 gpu.download(&gpu.attention(&qg, &kg, &vg, &spec, &mut segments).unwrap())
+                    .unwrap()
             };
             let out_c = {
                 let mut segments = two_segments(&mut caches_c, new, positions);
                 cpu.download(&cpu.attention(&qc, &kc, &vc, &spec, &mut segments).unwrap())
+                    .unwrap()
             };
             let out_u = {
                 let mut segments = two_segments(&mut caches_u, new, positions);
                 cpu.download(&cpu.attention(&qc, &ku, &vu, &spec, &mut segments).unwrap())
+                    .unwrap()
             };
             let what = format!(
                 "attention ({} KV) heads {heads}/{kv_heads} hd {hd} lengths {lengths:?} window {window:?} step {step}",
@@ -653,12 +693,12 @@ fn gated_delta_rule_matches_the_cpu_backend() {
             spec.value_head_dim,
         );
         let mut states_g = [
-            gpu.new_recurrent_state(&spec),
-            gpu.new_recurrent_state(&spec),
+            gpu.new_recurrent_state(&spec).unwrap(),
+            gpu.new_recurrent_state(&spec).unwrap(),
         ];
         let mut states_c = [
-            cpu.new_recurrent_state(&spec),
-            cpu.new_recurrent_state(&spec),
+            cpu.new_recurrent_state(&spec).unwrap(),
+            cpu.new_recurrent_state(&spec).unwrap(),
         ];
         for (step, lengths) in [[150usize, 70], [1, 1], [1, 1], [3, 65]].iter().enumerate() {
             let total = lengths[0] + lengths[1];
@@ -674,18 +714,18 @@ fn gated_delta_rule_matches_the_cpu_backend() {
                 .map(|x| 0.5 + 0.5 * x)
                 .collect();
             let tensors_g = (
-                gpu.upload(&q, total, nk * dk),
-                gpu.upload(&k, total, nk * dk),
-                gpu.upload(&v, total, nv * dv),
-                gpu.upload(&g, total, nv),
-                gpu.upload(&beta, total, nv),
+                gpu.upload(&q, total, nk * dk).unwrap(),
+                gpu.upload(&k, total, nk * dk).unwrap(),
+                gpu.upload(&v, total, nv * dv).unwrap(),
+                gpu.upload(&g, total, nv).unwrap(),
+                gpu.upload(&beta, total, nv).unwrap(),
             );
             let tensors_c = (
-                cpu.upload(&q, total, nk * dk),
-                cpu.upload(&k, total, nk * dk),
-                cpu.upload(&v, total, nv * dv),
-                cpu.upload(&g, total, nv),
-                cpu.upload(&beta, total, nv),
+                cpu.upload(&q, total, nk * dk).unwrap(),
+                cpu.upload(&k, total, nk * dk).unwrap(),
+                cpu.upload(&v, total, nv * dv).unwrap(),
+                cpu.upload(&g, total, nv).unwrap(),
+                cpu.upload(&beta, total, nv).unwrap(),
             );
             let [s0, s1] = &mut states_g;
             let mut segments_g = [
@@ -713,26 +753,36 @@ fn gated_delta_rule_matches_the_cpu_backend() {
                     state: c1,
                 },
             ];
-            let out_g = gpu.download(&gpu.gated_delta_rule(
-                &tensors_g.0,
-                &tensors_g.1,
-                &tensors_g.2,
-                &tensors_g.3,
-                &tensors_g.4,
-                &spec,
-                DeltaRuleForm::Auto,
-                &mut segments_g,
-            ));
-            let out_c = cpu.download(&cpu.gated_delta_rule(
-                &tensors_c.0,
-                &tensors_c.1,
-                &tensors_c.2,
-                &tensors_c.3,
-                &tensors_c.4,
-                &spec,
-                DeltaRuleForm::Auto,
-                &mut segments_c,
-            ));
+            let out_g = gpu
+                .download(
+                    &gpu.gated_delta_rule(
+                        &tensors_g.0,
+                        &tensors_g.1,
+                        &tensors_g.2,
+                        &tensors_g.3,
+                        &tensors_g.4,
+                        &spec,
+                        DeltaRuleForm::Auto,
+                        &mut segments_g,
+                    )
+                    .unwrap(),
+                )
+                .unwrap();
+            let out_c = cpu
+                .download(
+                    &cpu.gated_delta_rule(
+                        &tensors_c.0,
+                        &tensors_c.1,
+                        &tensors_c.2,
+                        &tensors_c.3,
+                        &tensors_c.4,
+                        &spec,
+                        DeltaRuleForm::Auto,
+                        &mut segments_c,
+                    )
+                    .unwrap(),
+                )
+                .unwrap();
             compare(
                 &format!("gated_delta_rule nk {nk} nv {nv} dk {dk} dv {dv} step {step} ({lengths:?} rows)"),
                 &out_g,
@@ -785,7 +835,7 @@ fn delta_rule_step<B: Backend>(
     let total: usize = lengths.iter().sum();
     let tensors: Vec<B::Tensor> = inputs
         .iter()
-        .map(|(values, cols)| backend.upload(values, total, *cols))
+        .map(|(values, cols)| backend.upload(values, total, *cols).unwrap())
         .collect();
     let mut start = 0;
     let mut segments = Vec::new();
@@ -797,16 +847,22 @@ fn delta_rule_step<B: Backend>(
         });
         start += length;
     }
-    backend.download(&backend.gated_delta_rule(
-        &tensors[0],
-        &tensors[1],
-        &tensors[2],
-        &tensors[3],
-        &tensors[4],
-        spec,
-        form,
-        &mut segments,
-    ))
+    backend
+        .download(
+            &backend
+                .gated_delta_rule(
+                    &tensors[0],
+                    &tensors[1],
+                    &tensors[2],
+                    &tensors[3],
+                    &tensors[4],
+                    spec,
+                    form,
+                    &mut segments,
+                )
+                .unwrap(),
+        )
+        .unwrap()
 }
 
 /// The GPU's chunked kernel (`DeltaRuleForm::Chunked`) against the CPU's recurrent and chunked
@@ -856,9 +912,15 @@ fn chunked_delta_rule_matches_the_cpu_backend_over_lengths_and_head_ratios() {
             key_head_dim: dk,
             value_head_dim: dv,
         };
-        let mut states_g: Vec<_> = (0..4).map(|_| gpu.new_recurrent_state(&spec)).collect();
-        let mut states_recurrent: Vec<_> = (0..4).map(|_| cpu.new_recurrent_state(&spec)).collect();
-        let mut states_chunked: Vec<_> = (0..4).map(|_| cpu.new_recurrent_state(&spec)).collect();
+        let mut states_g: Vec<_> = (0..4)
+            .map(|_| gpu.new_recurrent_state(&spec).unwrap())
+            .collect();
+        let mut states_recurrent: Vec<_> = (0..4)
+            .map(|_| cpu.new_recurrent_state(&spec).unwrap())
+            .collect();
+        let mut states_chunked: Vec<_> = (0..4)
+            .map(|_| cpu.new_recurrent_state(&spec).unwrap())
+            .collect();
         for (step, (lengths, form)) in steps.iter().enumerate() {
             let inputs = delta_rule_inputs(&mut rng, &spec, lengths.iter().sum());
             let out_g = delta_rule_step(&*gpu, &inputs, &spec, *form, lengths, &mut states_g);
@@ -917,27 +979,29 @@ fn delta_rule_prefill_figures() {
     let inputs = delta_rule_inputs(&mut rng, &spec, tokens);
     let tensors: Vec<_> = inputs
         .iter()
-        .map(|(values, cols)| gpu.upload(values, tokens, *cols))
+        .map(|(values, cols)| gpu.upload(values, tokens, *cols).unwrap())
         .collect();
     let mut times = Vec::new();
     for form in [DeltaRuleForm::Chunked, DeltaRuleForm::Recurrent] {
-        let mut state = gpu.new_recurrent_state(&spec);
+        let mut state = gpu.new_recurrent_state(&spec).unwrap();
         let run = |state: &mut _| {
             let mut segments = [Segment {
                 rows: 0..tokens,
                 start_position: 0,
                 state,
             }];
-            let _ = gpu.gated_delta_rule(
-                &tensors[0],
-                &tensors[1],
-                &tensors[2],
-                &tensors[3],
-                &tensors[4],
-                &spec,
-                form,
-                &mut segments,
-            );
+            let _ = gpu
+                .gated_delta_rule(
+                    &tensors[0],
+                    &tensors[1],
+                    &tensors[2],
+                    &tensors[3],
+                    &tensors[4],
+                    &spec,
+                    form,
+                    &mut segments,
+                )
+                .unwrap();
         };
         run(&mut state);
         gpu.synchronize().unwrap();
@@ -991,18 +1055,21 @@ fn bf16_weights_match_the_cpu_backend() {
     );
     compare(
         "embed bf16",
-        &gpu.download(&gpu.embed(&table.0, &ids)),
-        &cpu.download(&cpu.embed(&table.1, &ids)),
+        &gpu.download(&gpu.embed(&table.0, &ids).unwrap()).unwrap(),
+        &cpu.download(&cpu.embed(&table.1, &ids).unwrap()).unwrap(),
         0.0,
     );
     for rows in [1usize, 23] {
         let x = random(&mut rng, rows * 64, 1.0);
-        let (xg, xc) = (gpu.upload(&x, rows, 64), cpu.upload(&x, rows, 64));
+        let (xg, xc) = (
+            gpu.upload(&x, rows, 64).unwrap(),
+            cpu.upload(&x, rows, 64).unwrap(),
+        );
         // Tied embeddings: the table is also the lm_head.
         compare(
             &format!("matmul bf16 tied lm_head × {rows} rows"),
-            &gpu.download(&gpu.matmul(&xg, &table.0)),
-            &cpu.download(&cpu.matmul(&xc, &table.1)),
+            &gpu.download(&gpu.matmul(&xg, &table.0).unwrap()).unwrap(),
+            &cpu.download(&cpu.matmul(&xc, &table.1).unwrap()).unwrap(),
             1e-5,
         );
         let weight = (
@@ -1011,8 +1078,8 @@ fn bf16_weights_match_the_cpu_backend() {
         );
         compare(
             &format!("matmul bf16 q_proj × {rows} rows"),
-            &gpu.download(&gpu.matmul(&xg, &weight.0)),
-            &cpu.download(&cpu.matmul(&xc, &weight.1)),
+            &gpu.download(&gpu.matmul(&xg, &weight.0).unwrap()).unwrap(),
+            &cpu.download(&cpu.matmul(&xc, &weight.1).unwrap()).unwrap(),
             1e-5,
         );
     }
@@ -1075,7 +1142,12 @@ fn cublas_matmul_matches_a_host_reference() {
                     })
                     .collect()
             };
-            let got = gpu.download(&gpu.matmul(&gpu.upload(&x, rows, in_features), &weight));
+            let got = gpu
+                .download(
+                    &gpu.matmul(&gpu.upload(&x, rows, in_features).unwrap(), &weight)
+                        .unwrap(),
+                )
+                .unwrap();
             let path = if through_cublas { "cuBLAS" } else { "kernel" };
             let what = format!("matmul bf16 {out_features}×{in_features} × {rows} rows ({path})");
             compare(&what, &got, &reference(&multiplied), 2e-5);
@@ -1092,12 +1164,12 @@ fn cublas_matmul_matches_a_host_reference() {
 
 /// Mean seconds of `x · weightᵀ` over 20 calls, after one warm-up.
 fn seconds_per_matmul(gpu: &CudaBackend, x: &CudaTensor, weight: &CudaWeight) -> f64 {
-    let _ = gpu.matmul(x, weight);
+    let _ = gpu.matmul(x, weight).unwrap();
     gpu.synchronize().unwrap();
     let repeats = 20;
     let start = std::time::Instant::now();
     for _ in 0..repeats {
-        let _ = gpu.matmul(x, weight);
+        let _ = gpu.matmul(x, weight).unwrap();
     }
     gpu.synchronize().unwrap();
     start.elapsed().as_secs_f64() / repeats as f64
@@ -1122,10 +1194,17 @@ fn matmul3_equals_three_matmuls() {
             })
             .collect();
         for rows in [1usize, 3, 8, 20] {
-            let x = gpu.upload(&random(&mut rng, rows * k, 1.0), rows, k);
-            let fused = gpu.matmul3(&x, [&weights[0], &weights[1], &weights[2]]);
+            let x = gpu
+                .upload(&random(&mut rng, rows * k, 1.0), rows, k)
+                .unwrap();
+            let fused = gpu
+                .matmul3(&x, [&weights[0], &weights[1], &weights[2]])
+                .unwrap();
             for (index, (out, weight)) in fused.iter().zip(&weights).enumerate() {
-                let (got, expected) = (gpu.download(out), gpu.download(&gpu.matmul(&x, weight)));
+                let (got, expected) = (
+                    gpu.download(out).unwrap(),
+                    gpu.download(&gpu.matmul(&x, weight).unwrap()).unwrap(),
+                );
                 let what = format!("matmul3 k {k} rows {rows} projection {index}");
                 compare(&what, &got, &expected, 1e-6);
                 let identical = got
@@ -1154,11 +1233,13 @@ fn matmul_bandwidth_figures() {
         .weight_from_host(&values, out_features, in_features)
         .unwrap();
     for rows in [1usize, 8, 64, 512] {
-        let x = gpu.upload(
-            &random(&mut rng, rows * in_features, 1.0),
-            rows,
-            in_features,
-        );
+        let x = gpu
+            .upload(
+                &random(&mut rng, rows * in_features, 1.0),
+                rows,
+                in_features,
+            )
+            .unwrap();
         let seconds = seconds_per_matmul(&gpu, &x, &weight);
         let bytes = (out_features * in_features * 4) as f64;
         let flops = 2.0 * (rows * out_features * in_features) as f64;
@@ -1177,11 +1258,13 @@ fn matmul_bandwidth_figures() {
         .weight_from_host_bf16(&values, out_features, in_features)
         .unwrap();
     for rows in [1usize, 8, 64, 512, 2048] {
-        let x = gpu.upload(
-            &random(&mut rng, rows * in_features, 1.0),
-            rows,
-            in_features,
-        );
+        let x = gpu
+            .upload(
+                &random(&mut rng, rows * in_features, 1.0),
+                rows,
+                in_features,
+            )
+            .unwrap();
         let seconds = seconds_per_matmul(&gpu, &x, &weight);
         let bytes = (out_features * in_features * 2) as f64;
         let flops = 2.0 * (rows * out_features * in_features) as f64;
@@ -1229,9 +1312,9 @@ fn attention_through(
     let total: usize = segments.iter().map(|s| s.0).sum();
     let kv_width = spec.kv_heads * spec.head_dim;
     let (qg, kg, vg) = (
-        gpu.upload(q, total, spec.heads * spec.head_dim),
-        gpu.upload(k, total, kv_width),
-        gpu.upload(v, total, kv_width),
+        gpu.upload(q, total, spec.heads * spec.head_dim).unwrap(),
+        gpu.upload(k, total, kv_width).unwrap(),
+        gpu.upload(v, total, kv_width).unwrap(),
     );
     let mut row = 0;
     let mut batch: Vec<Segment<'_, _>> = Vec::new();
@@ -1246,7 +1329,7 @@ fn attention_through(
     let out = gpu
         .attention_with_path(path, &qg, &kg, &vg, spec, &mut batch)
         .unwrap();
-    gpu.download(&out)
+    gpu.download(&out).unwrap()
 }
 
 /// The flash kernels (split-K decode, tiled prefill) against the reference kernel on long
@@ -1289,7 +1372,7 @@ fn flash_attention_matches_the_reference_kernel_on_long_contexts() {
             let max_tokens = 4096 + 300 + 40;
             let new_caches = || -> Vec<_> {
                 (0..prefill.len())
-                    .map(|_| gpu.new_kv_cache(max_tokens, kv_width))
+                    .map(|_| gpu.new_kv_cache(max_tokens, kv_width).unwrap())
                     .collect()
             };
             let (mut flash, mut reference) = (new_caches(), new_caches());
@@ -1403,15 +1486,18 @@ fn attention_decode_figures() {
             let kv_width = kv_heads * hd;
             for sequences in [1usize, 16] {
                 let mut caches: Vec<_> = (0..sequences)
-                    .map(|_| gpu.new_kv_cache(context, kv_width))
+                    .map(|_| gpu.new_kv_cache(context, kv_width).unwrap())
                     .collect();
                 // Fill the caches (flash prefill, the same keys for every sequence), then time
                 // the decode step at the last position.
                 let rows = context - 1;
                 let (pq, pk, pv) = (
-                    gpu.upload(&random(&mut rng, rows * heads * hd, 1.0), rows, heads * hd),
-                    gpu.upload(&random(&mut rng, rows * kv_width, 1.0), rows, kv_width),
-                    gpu.upload(&random(&mut rng, rows * kv_width, 1.0), rows, kv_width),
+                    gpu.upload(&random(&mut rng, rows * heads * hd, 1.0), rows, heads * hd)
+                        .unwrap(),
+                    gpu.upload(&random(&mut rng, rows * kv_width, 1.0), rows, kv_width)
+                        .unwrap(),
+                    gpu.upload(&random(&mut rng, rows * kv_width, 1.0), rows, kv_width)
+                        .unwrap(),
                 );
                 for cache in caches.iter_mut() {
                     let mut batch = vec![Segment {
@@ -1428,17 +1514,20 @@ fn attention_decode_figures() {
                         &random(&mut rng, sequences * heads * hd, 1.0),
                         sequences,
                         heads * hd,
-                    ),
+                    )
+                    .unwrap(),
                     gpu.upload(
                         &random(&mut rng, sequences * kv_width, 1.0),
                         sequences,
                         kv_width,
-                    ),
+                    )
+                    .unwrap(),
                     gpu.upload(
                         &random(&mut rng, sequences * kv_width, 1.0),
                         sequences,
                         kv_width,
-                    ),
+                    )
+                    .unwrap(),
                 );
                 let mut timings = Vec::new();
                 for path in [AttentionPath::Reference, AttentionPath::Flash] {

@@ -130,8 +130,12 @@ fn slotted_experts_match_the_reference_per_dtype<B: Backend>(backend: Arc<B>) {
             common.num_experts_per_tok,
             common.num_experts,
         );
-        let x = backend.upload(&hidden_values, tokens, common.hidden_size);
-        let got = backend.download(&backend.slotted_experts(&slots, &x, &routing));
+        let x = backend
+            .upload(&hidden_values, tokens, common.hidden_size)
+            .unwrap();
+        let got = backend
+            .download(&backend.slotted_experts(&slots, &x, &routing).unwrap())
+            .unwrap();
 
         let masked: Vec<u32> = routing
             .expert_ids
@@ -256,8 +260,10 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
             assert_eq!(slotted.iter().filter(|&&id| id == 3).count(), 1);
             assert!(!slotted.contains(&6));
 
-            let x = backend.upload(&hidden_values, tokens, h);
-            let got = backend.download(&backend.slotted_experts(&slots, &x, &routing));
+            let x = backend.upload(&hidden_values, tokens, h).unwrap();
+            let got = backend
+                .download(&backend.slotted_experts(&slots, &x, &routing).unwrap())
+                .unwrap();
             let masked: Vec<u32> = routing
                 .expert_ids
                 .iter()
@@ -306,8 +312,12 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
                     expert_ids: routing.expert_ids[t * k..(t + 1) * k].to_vec(),
                     weights: routing.weights[t * k..(t + 1) * k].to_vec(),
                 };
-                let x_one = backend.upload(&hidden_values[t * h..(t + 1) * h], 1, h);
-                let alone = backend.download(&backend.slotted_experts(&slots, &x_one, &one));
+                let x_one = backend
+                    .upload(&hidden_values[t * h..(t + 1) * h], 1, h)
+                    .unwrap();
+                let alone = backend
+                    .download(&backend.slotted_experts(&slots, &x_one, &one).unwrap())
+                    .unwrap();
                 let row = &got[t * h..(t + 1) * h];
                 if let Some(r) = (0..h).find(|&r| row[r].to_bits() != alone[r].to_bits()) {
                     panic!(
@@ -335,9 +345,9 @@ fn router_matches_the_host_reference<B: Backend>(backend: Arc<B>) {
         logits[..experts].iter_mut().for_each(|v| *v = 0.5);
         logits[experts + 3] = 9.0;
         logits[experts + 1] = 9.0;
-        let tensor = backend.upload(&logits, tokens, experts);
+        let tensor = backend.upload(&logits, tokens, experts).unwrap();
         for normalize in [false, true] {
-            let got = backend.route_top_k(&tensor, k, normalize);
+            let got = backend.route_top_k(&tensor, k, normalize).unwrap();
             let expected = route_top_k_host(&logits, experts, k, normalize);
             assert_eq!(got.experts_per_token, expected.experts_per_token);
             assert_eq!(
@@ -387,20 +397,30 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
             .map(|v| 3.0 * v)
             .collect();
         let hidden_values = uniform(&mut rng, tokens * hidden);
-        let logits = backend.upload(&logits_values, tokens, experts);
-        let x = backend.upload(&hidden_values, tokens, hidden);
-        let pending = backend.start_routing(&logits, k, true, &x, true);
-        let by_pending = backend.slotted_experts_by_pending_routing(&slots, &x, &pending);
+        let logits = backend.upload(&logits_values, tokens, experts).unwrap();
+        let x = backend.upload(&hidden_values, tokens, hidden).unwrap();
+        let pending = backend.start_routing(&logits, k, true, &x, true).unwrap();
+        let by_pending = backend
+            .slotted_experts_by_pending_routing(&slots, &x, &pending)
+            .unwrap();
         in_flight.push((tokens, x, hidden_values, logits_values, pending, by_pending));
     }
     // An unfinished routing dropped mid-way must not disturb the others.
-    let dropped_logits = backend.upload(&uniform(&mut rng, 5 * experts), 5, experts);
-    let dropped_x = backend.upload(&uniform(&mut rng, 5 * hidden), 5, hidden);
-    drop(backend.start_routing(&dropped_logits, k, true, &dropped_x, false));
+    let dropped_logits = backend
+        .upload(&uniform(&mut rng, 5 * experts), 5, experts)
+        .unwrap();
+    let dropped_x = backend
+        .upload(&uniform(&mut rng, 5 * hidden), 5, hidden)
+        .unwrap();
+    drop(
+        backend
+            .start_routing(&dropped_logits, k, true, &dropped_x, false)
+            .unwrap(),
+    );
     // Finished newest first.
     while let Some((tokens, x, hidden_values, logits_values, pending, by_pending)) = in_flight.pop()
     {
-        let (routing, read_hidden) = backend.finish_routing(pending);
+        let (routing, read_hidden) = backend.finish_routing(pending).unwrap();
         let expected = route_top_k_host(&logits_values, experts, k, true);
         assert_eq!(routing.experts_per_token, k);
         assert_eq!(
@@ -416,8 +436,10 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
             read_hidden, hidden_values,
             "{tokens} tokens: hidden states read back"
         );
-        let by_host = backend.download(&backend.slotted_experts(&slots, &x, &routing));
-        let by_pending = backend.download(&by_pending);
+        let by_host = backend
+            .download(&backend.slotted_experts(&slots, &x, &routing).unwrap())
+            .unwrap();
+        let by_pending = backend.download(&by_pending).unwrap();
         assert_eq!(by_pending.len(), by_host.len());
         let worst = max_abs_difference(&by_pending, &by_host);
         println!(
@@ -437,10 +459,13 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
     }
     // Without the hidden states the read-back is the routing alone.
     let logits_values = uniform(&mut rng, 2 * experts);
-    let logits = backend.upload(&logits_values, 2, experts);
-    let x = backend.upload(&uniform(&mut rng, 2 * hidden), 2, hidden);
-    let (routing, read_hidden) =
-        backend.finish_routing(backend.start_routing(&logits, k, false, &x, false));
+    let logits = backend.upload(&logits_values, 2, experts).unwrap();
+    let x = backend
+        .upload(&uniform(&mut rng, 2 * hidden), 2, hidden)
+        .unwrap();
+    let (routing, read_hidden) = backend
+        .finish_routing(backend.start_routing(&logits, k, false, &x, false).unwrap())
+        .unwrap();
     assert!(read_hidden.is_empty());
     assert_eq!(
         routing.expert_ids,

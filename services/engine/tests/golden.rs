@@ -125,7 +125,7 @@ fn convert(fixture: &Path, output: &Path, experts: DType, dense: DType) -> PathB
 
 /// NLL of tokens 1.. of `tokens` given their prefixes, from one prefill.
 fn engine_token_nll<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f64> {
-    let mut state = model.new_sequence(tokens.len());
+    let mut state = model.new_sequence(tokens.len()).unwrap();
     let mut batch = [SequenceInput {
         state: &mut state,
         tokens,
@@ -174,7 +174,7 @@ fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
 fn greedy_batched<B: Backend>(model: &Model<B>, prompts: &[Prompt]) -> Vec<Vec<u32>> {
     let mut states: Vec<_> = prompts
         .iter()
-        .map(|p| model.new_sequence(p.tokens.len() + GREEDY_TOKENS))
+        .map(|p| model.new_sequence(p.tokens.len() + GREEDY_TOKENS).unwrap())
         .collect();
     let mut batch: Vec<SequenceInput<'_, B>> = states
         .iter_mut()
@@ -245,7 +245,7 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         );
 
         for (index, prompt) in reference.prompts.iter().enumerate() {
-            let mut state = model.new_sequence(prompt.tokens.len());
+            let mut state = model.new_sequence(prompt.tokens.len()).unwrap();
             let logits = model.prefill(&mut state, &prompt.tokens).unwrap();
             assert_eq!(logits.len(), prompt.last_logits.len(), "{name}: vocab size");
             let relative = relative_l2(&logits, &prompt.last_logits);
@@ -260,9 +260,9 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         }
         // Prefill N−1 then decode one equals prefill N (GDN: chunked prefill, recurrent step).
         let tokens = &reference.nll_token_ids;
-        let mut full = model.new_sequence(tokens.len());
+        let mut full = model.new_sequence(tokens.len()).unwrap();
         let expected = model.prefill(&mut full, tokens).unwrap();
-        let mut stepped = model.new_sequence(tokens.len());
+        let mut stepped = model.new_sequence(tokens.len()).unwrap();
         model
             .prefill(&mut stepped, &tokens[..tokens.len() - 1])
             .unwrap();
@@ -286,7 +286,7 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         let mut states: Vec<_> = reference
             .prompts
             .iter()
-            .map(|p| model.new_sequence(p.tokens.len()))
+            .map(|p| model.new_sequence(p.tokens.len()).unwrap())
             .collect();
         let mut batch: Vec<SequenceInput<'_, B>> = states
             .iter_mut()
@@ -298,7 +298,7 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
             .collect();
         let batched = model.forward(&mut batch, LogitsSelection::Last).unwrap();
         for (prompt, logits) in reference.prompts.iter().zip(&batched) {
-            let mut state = model.new_sequence(prompt.tokens.len());
+            let mut state = model.new_sequence(prompt.tokens.len()).unwrap();
             let alone = model.prefill(&mut state, &prompt.tokens).unwrap();
             assert_eq!(
                 &alone, logits,
@@ -344,7 +344,7 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
             .zip(&reference.bf16_weights.last_logits)
             .enumerate()
         {
-            let mut state = model.new_sequence(prompt.tokens.len());
+            let mut state = model.new_sequence(prompt.tokens.len()).unwrap();
             let logits = model.prefill(&mut state, &prompt.tokens).unwrap();
             println!(
                 "{name} experts bf16 dense bf16: (information) prompt {index}: last-logits relative L2 vs transformers bf16 weights = {:.3e}, vs f32 weights = {:.3e}",

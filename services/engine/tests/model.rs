@@ -56,9 +56,9 @@ fn prefill_then_decode_equals_longer_prefill<B: Backend>(backend: Arc<B>) {
         );
         for n in [1usize, 7, 70] {
             let tokens = prompt(n + 3, 1);
-            let mut full = model.new_sequence(128);
+            let mut full = model.new_sequence(128).unwrap();
             let expected = model.prefill(&mut full, &tokens[..n + 1]).unwrap();
-            let mut stepped = model.new_sequence(128);
+            let mut stepped = model.new_sequence(128).unwrap();
             model.prefill(&mut stepped, &tokens[..n]).unwrap();
             let decoded = model.prefill(&mut stepped, &tokens[n..n + 1]).unwrap();
             let difference = max_relative_difference(&expected, &decoded);
@@ -89,7 +89,7 @@ fn chunked_and_recurrent_delta_rule_give_the_same_logits<B: Backend>(backend: Ar
         let tokens = prompt(100, 2);
         let mut run = |form| {
             model.set_delta_rule_form(form);
-            let mut state = model.new_sequence(128);
+            let mut state = model.new_sequence(128).unwrap();
             let mut batch = [SequenceInput {
                 state: &mut state,
                 tokens: &tokens,
@@ -122,12 +122,12 @@ fn results_do_not_depend_on_batching<B: Backend>(backend: Arc<B>) {
         let continuations = [prompt(1, 4), prompt(1, 5), prompt(3, 6)];
         let mut alone = Vec::new();
         for (p, c) in prompts.iter().zip(&continuations) {
-            let mut state = model.new_sequence(64);
+            let mut state = model.new_sequence(64).unwrap();
             let first = model.prefill(&mut state, p).unwrap();
             let second = model.prefill(&mut state, c).unwrap();
             alone.push((first, second));
         }
-        let mut states: Vec<_> = (0..3).map(|_| model.new_sequence(64)).collect();
+        let mut states: Vec<_> = (0..3).map(|_| model.new_sequence(64).unwrap()).collect();
         let mut batch: Vec<SequenceInput<'_, B>> = states
             .iter_mut()
             .zip(&prompts)
@@ -199,7 +199,7 @@ fn overlong_prompt_names_both_numbers<B: Backend>(backend: Arc<B>) {
         directory.path(),
         TinyModelOptions::new(TinyArchitecture::Qwen35Moe),
     );
-    let mut state = model.new_sequence(16);
+    let mut state = model.new_sequence(16).unwrap();
     let error = model.prefill(&mut state, &prompt(17, 1)).unwrap_err();
     assert!(matches!(
         error,
@@ -219,7 +219,7 @@ fn overlong_prompt_names_both_numbers<B: Backend>(backend: Arc<B>) {
     let message = error.to_string();
     assert!(message.contains("16") && message.contains('1'), "{message}");
     // Token ids outside the vocabulary are an error, not a panic.
-    let mut fresh = model.new_sequence(16);
+    let mut fresh = model.new_sequence(16).unwrap();
     let error = model.prefill(&mut fresh, &[5, 1000]).unwrap_err();
     assert!(error.to_string().contains("1000"), "{error}");
 }
@@ -278,7 +278,7 @@ fn perplexity_windows_do_not_overlap<B: Backend>(backend: Arc<B>) {
     let expected: Vec<usize> = (0..50).filter(|p| p % 20 != 0).collect();
     assert_eq!(positions, expected);
     // Same as a single prefill of the window, scored directly.
-    let mut state = model.new_sequence(20);
+    let mut state = model.new_sequence(20).unwrap();
     let mut batch = [SequenceInput {
         state: &mut state,
         tokens: &tokens[20..40],

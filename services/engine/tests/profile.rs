@@ -94,8 +94,8 @@ fn counters_match_the_routing_and_the_placement() {
 
     // A prefill of 7 tokens, then 3 decode steps, one sequence; then a batch of two sequences
     // decoding one token each (a decode forward of 2 tokens).
-    let mut first = model.new_sequence(32);
-    let mut second = model.new_sequence(32);
+    let mut first = model.new_sequence(32).unwrap();
+    let mut second = model.new_sequence(32).unwrap();
     model
         .prefill(&mut first, &[3, 9, 27, 81, 5, 15, 45])
         .unwrap();

@@ -404,44 +404,44 @@ impl Backend for CpuBackend {
         (weight.rows, weight.cols)
     }
 
-    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> CpuTensor {
-        CpuTensor {
+    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> Result<CpuTensor, EngineError> {
+        Ok(CpuTensor {
             rows,
             cols,
             data: values.to_vec(),
-        }
+        })
     }
 
-    fn download(&self, tensor: &CpuTensor) -> Vec<f32> {
-        tensor.data.clone()
+    fn download(&self, tensor: &CpuTensor) -> Result<Vec<f32>, EngineError> {
+        Ok(tensor.data.clone())
     }
 
     fn shape(&self, tensor: &CpuTensor) -> (usize, usize) {
         (tensor.rows, tensor.cols)
     }
 
-    fn gather_rows(&self, tensor: &CpuTensor, rows: &[usize]) -> CpuTensor {
+    fn gather_rows(&self, tensor: &CpuTensor, rows: &[usize]) -> Result<CpuTensor, EngineError> {
         let mut data = Vec::with_capacity(rows.len() * tensor.cols);
         for &row in rows {
             data.extend_from_slice(tensor.row(row));
         }
-        CpuTensor {
+        Ok(CpuTensor {
             rows: rows.len(),
             cols: tensor.cols,
             data,
-        }
+        })
     }
 
-    fn columns(&self, tensor: &CpuTensor, range: Range<usize>) -> CpuTensor {
+    fn columns(&self, tensor: &CpuTensor, range: Range<usize>) -> Result<CpuTensor, EngineError> {
         let mut data = Vec::with_capacity(tensor.rows * range.len());
         for row in 0..tensor.rows {
             data.extend_from_slice(&tensor.row(row)[range.clone()]);
         }
-        CpuTensor {
+        Ok(CpuTensor {
             rows: tensor.rows,
             cols: range.len(),
             data,
-        }
+        })
     }
 
     fn split_interleaved(
@@ -450,7 +450,7 @@ impl Backend for CpuBackend {
         groups: usize,
         first: usize,
         second: usize,
-    ) -> (CpuTensor, CpuTensor) {
+    ) -> Result<(CpuTensor, CpuTensor), EngineError> {
         let mut a = CpuTensor::zeros(tensor.rows, groups * first);
         let mut b = CpuTensor::zeros(tensor.rows, groups * second);
         for row in 0..tensor.rows {
@@ -463,10 +463,10 @@ impl Backend for CpuBackend {
                     .copy_from_slice(&source[base + first..base + first + second]);
             }
         }
-        (a, b)
+        Ok((a, b))
     }
 
-    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
+    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor, EngineError> {
         let mut out = CpuTensor::zeros(ids.len(), table.cols);
         if let Some(matrix) = table.stored.as_ref().map(StoredWeight::matrix) {
             for (row, &id) in ids.iter().enumerate() {
@@ -476,18 +476,24 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        out
+        Ok(out)
     }
 
-    fn matmul(&self, x: &CpuTensor, weight: &CpuWeight) -> CpuTensor {
+    fn matmul(&self, x: &CpuTensor, weight: &CpuWeight) -> Result<CpuTensor, EngineError> {
         let mut out = CpuTensor::zeros(x.rows, weight.rows);
         if let Some(matrix) = weight.stored.as_ref().map(StoredWeight::matrix) {
             matmul_into(&matrix, x, &mut out);
         }
-        out
+        Ok(out)
     }
 
-    fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32, style: NormStyle) -> CpuTensor {
+    fn rms_norm(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuWeight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CpuTensor, EngineError> {
         let w = weight.parameter();
         let group = w.len().max(1);
         let offset = match style {
@@ -502,7 +508,7 @@ impl Backend for CpuBackend {
                 *value = *value * inverse * (offset + wi);
             }
         }
-        out
+        Ok(out)
     }
 
     fn gated_rms_norm(
@@ -511,9 +517,9 @@ impl Backend for CpuBackend {
         gate: &CpuTensor,
         weight: &CpuWeight,
         eps: f32,
-    ) -> CpuTensor {
-        let normed = self.rms_norm(x, weight, eps, NormStyle::Plain);
-        self.zip(&normed, gate, |value, z| value * silu(z))
+    ) -> Result<CpuTensor, EngineError> {
+        let normed = self.rms_norm(x, weight, eps, NormStyle::Plain)?;
+        Ok(self.zip(&normed, gate, |value, z| value * silu(z)))
     }
 
     fn rope(
@@ -523,7 +529,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         rotary_dim: usize,
         theta: f64,
-    ) {
+    ) -> Result<(), EngineError> {
         let inverse_frequencies = rope_inverse_frequencies(rotary_dim, theta);
         let half = rotary_dim / 2;
         let mut cos = vec![0.0f32; half];
@@ -542,15 +548,17 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        Ok(())
     }
 
-    fn add_assign(&self, a: &mut CpuTensor, b: &CpuTensor) {
+    fn add_assign(&self, a: &mut CpuTensor, b: &CpuTensor) -> Result<(), EngineError> {
         for (x, y) in a.data.iter_mut().zip(&b.data) {
             *x += y;
         }
+        Ok(())
     }
 
-    fn silu_mul_halves(&self, gate_up: &CpuTensor) -> CpuTensor {
+    fn silu_mul_halves(&self, gate_up: &CpuTensor) -> Result<CpuTensor, EngineError> {
         let half = gate_up.cols / 2;
         let mut out = CpuTensor::zeros(gate_up.rows, half);
         for row in 0..gate_up.rows {
@@ -559,18 +567,23 @@ impl Backend for CpuBackend {
                 *o = silu(source[i]) * source[half + i];
             }
         }
-        out
+        Ok(out)
     }
 
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        self.zip(gate, up, |g, u| silu(g) * u)
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor, EngineError> {
+        Ok(self.zip(gate, up, |g, u| silu(g) * u))
     }
 
-    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor) -> CpuTensor {
-        self.zip(x, gate, |v, g| v * sigmoid(g))
+    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor) -> Result<CpuTensor, EngineError> {
+        Ok(self.zip(x, gate, |v, g| v * sigmoid(g)))
     }
 
-    fn add_sigmoid_scaled_rows(&self, a: &mut CpuTensor, b: &CpuTensor, gate: &CpuTensor) {
+    fn add_sigmoid_scaled_rows(
+        &self,
+        a: &mut CpuTensor,
+        b: &CpuTensor,
+        gate: &CpuTensor,
+    ) -> Result<(), EngineError> {
         for row in 0..a.rows {
             let scale = sigmoid(gate.data[row * gate.cols]);
             let source = b.row(row).to_vec();
@@ -578,10 +591,16 @@ impl Backend for CpuBackend {
                 *x += scale * y;
             }
         }
+        Ok(())
     }
 
-    fn route_top_k(&self, logits: &CpuTensor, k: usize, normalize: bool) -> Routing {
-        route_top_k_host(&logits.data, logits.cols, k, normalize)
+    fn route_top_k(
+        &self,
+        logits: &CpuTensor,
+        k: usize,
+        normalize: bool,
+    ) -> Result<Routing, EngineError> {
+        Ok(route_top_k_host(&logits.data, logits.cols, k, normalize))
     }
 
     fn start_routing(
@@ -591,14 +610,14 @@ impl Backend for CpuBackend {
         normalize: bool,
         hidden: &CpuTensor,
         read_hidden: bool,
-    ) -> (Routing, Vec<f32>) {
-        let routing = self.route_top_k(logits, k, normalize);
+    ) -> Result<(Routing, Vec<f32>), EngineError> {
+        let routing = self.route_top_k(logits, k, normalize)?;
         let values = if read_hidden {
             hidden.data.clone()
         } else {
             Vec::new()
         };
-        (routing, values)
+        Ok((routing, values))
     }
 
     fn slotted_experts_by_pending_routing(
@@ -606,22 +625,25 @@ impl Backend for CpuBackend {
         slots: &CpuExpertSlots,
         x: &CpuTensor,
         routing: &(Routing, Vec<f32>),
-    ) -> CpuTensor {
+    ) -> Result<CpuTensor, EngineError> {
         self.slotted_experts(slots, x, &routing.0)
     }
 
-    fn finish_routing(&self, routing: (Routing, Vec<f32>)) -> (Routing, Vec<f32>) {
-        routing
+    fn finish_routing(
+        &self,
+        routing: (Routing, Vec<f32>),
+    ) -> Result<(Routing, Vec<f32>), EngineError> {
+        Ok(routing)
     }
 
-    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> CpuKvCache {
-        CpuKvCache {
+    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Result<CpuKvCache, EngineError> {
+        Ok(CpuKvCache {
             max_tokens,
             kv_width,
             len: 0,
             keys: vec![0.0; max_tokens * kv_width],
             values: vec![0.0; max_tokens * kv_width],
-        }
+        })
     }
 
     fn attention(
@@ -689,12 +711,12 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn new_conv_state(&self, channels: usize, kernel: usize) -> CpuConvState {
-        CpuConvState {
+    fn new_conv_state(&self, channels: usize, kernel: usize) -> Result<CpuConvState, EngineError> {
+        Ok(CpuConvState {
             channels,
             kernel,
             history: vec![0.0; kernel.saturating_sub(1) * channels],
-        }
+        })
     }
 
     fn causal_conv1d_silu(
@@ -702,7 +724,7 @@ impl Backend for CpuBackend {
         x: &CpuTensor,
         weight: &CpuWeight,
         segments: &mut [Segment<'_, CpuConvState>],
-    ) -> CpuTensor {
+    ) -> Result<CpuTensor, EngineError> {
         let taps = weight.parameter();
         let channels = x.cols;
         let mut out = CpuTensor::zeros(x.rows, channels);
@@ -728,7 +750,7 @@ impl Backend for CpuBackend {
             let total_rows = extended.len() / channels;
             state.history = extended[(total_rows - context) * channels..].to_vec();
         }
-        out
+        Ok(out)
     }
 
     fn delta_rule_gates(
@@ -737,7 +759,7 @@ impl Backend for CpuBackend {
         b: &CpuTensor,
         a_log: &CpuWeight,
         dt_bias: &CpuWeight,
-    ) -> (CpuTensor, CpuTensor) {
+    ) -> Result<(CpuTensor, CpuTensor), EngineError> {
         let a_log = a_log.parameter();
         let dt_bias = dt_bias.parameter();
         let mut g = CpuTensor::zeros(a.rows, a.cols);
@@ -747,14 +769,14 @@ impl Backend for CpuBackend {
                 *value = -a_log[h].exp() * softplus(source[h] + dt_bias[h]);
             }
         }
-        (g, self.map(b, sigmoid))
+        Ok((g, self.map(b, sigmoid)))
     }
 
-    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> CpuRecurrentState {
-        CpuRecurrentState {
+    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Result<CpuRecurrentState, EngineError> {
+        Ok(CpuRecurrentState {
             spec: *spec,
             state: vec![0.0; spec.value_heads * spec.key_head_dim * spec.value_head_dim],
-        }
+        })
     }
 
     fn gated_delta_rule(
@@ -767,7 +789,7 @@ impl Backend for CpuBackend {
         spec: &DeltaRuleSpec,
         form: DeltaRuleForm,
         segments: &mut [Segment<'_, CpuRecurrentState>],
-    ) -> CpuTensor {
+    ) -> Result<CpuTensor, EngineError> {
         let (dk, dv, nv) = (spec.key_head_dim, spec.value_head_dim, spec.value_heads);
         let ratio = (nv / spec.key_heads.max(1)).max(1);
         let scale = 1.0 / (dk as f32).sqrt();
@@ -812,7 +834,7 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        out
+        Ok(out)
     }
 
     fn new_expert_slots(
@@ -857,14 +879,14 @@ impl Backend for CpuBackend {
         slots: &CpuExpertSlots,
         x: &CpuTensor,
         routing: &Routing,
-    ) -> CpuTensor {
+    ) -> Result<CpuTensor, EngineError> {
         let hidden = slots.layout.hidden;
         let intermediate = slots.layout.intermediate;
         let mut out = CpuTensor::zeros(x.rows, x.cols);
         let k = routing.experts_per_token;
         if x.cols != hidden || routing.expert_ids.len() != x.rows * k {
             // Shapes are validated at model load; an inconsistent call leaves zeros.
-            return out;
+            return Ok(out);
         }
         // Each slot's matrix views once per call, not once per (token, choice).
         let matrices: Vec<_> = (0..slots.table.slot_count())
@@ -894,7 +916,7 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        out
+        Ok(out)
     }
 
     fn logit_candidates(
@@ -1108,7 +1130,7 @@ mod tests {
             data: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
         };
         // rotary_dim 4 of head_dim 8: pairs (0,2), (1,3); dims 4..8 untouched.
-        backend.rope(&mut x, &[3], 8, 4, 10000.0);
+        backend.rope(&mut x, &[3], 8, 4, 10000.0).unwrap();
         let inverse = rope_inverse_frequencies(4, 10000.0);
         let (c0, s0) = ((3.0 * inverse[0]).cos(), (3.0 * inverse[0]).sin());
         assert!((x.data[0] - (1.0 * c0 - 3.0 * s0)).abs() < 1e-6);
@@ -1129,36 +1151,42 @@ mod tests {
         };
         let taps = random(&mut rng, channels * kernel, 1.0);
         let weight = CpuWeight::from_parameter(taps, channels, kernel);
-        let mut whole_state = backend.new_conv_state(channels, kernel);
-        let whole = backend.causal_conv1d_silu(
-            &x,
-            &weight,
-            &mut [Segment {
-                rows: 0..n,
-                start_position: 0,
-                state: &mut whole_state,
-            }],
-        );
-        let mut split_state = backend.new_conv_state(channels, kernel);
-        let first = backend.causal_conv1d_silu(
-            &backend.gather_rows(&x, &[0, 1]),
-            &weight,
-            &mut [Segment {
-                rows: 0..2,
-                start_position: 0,
-                state: &mut split_state,
-            }],
-        );
+        let mut whole_state = backend.new_conv_state(channels, kernel).unwrap();
+        let whole = backend
+            .causal_conv1d_silu(
+                &x,
+                &weight,
+                &mut [Segment {
+                    rows: 0..n,
+                    start_position: 0,
+                    state: &mut whole_state,
+                }],
+            )
+            .unwrap();
+        let mut split_state = backend.new_conv_state(channels, kernel).unwrap();
+        let first = backend
+            .causal_conv1d_silu(
+                &backend.gather_rows(&x, &[0, 1]).unwrap(),
+                &weight,
+                &mut [Segment {
+                    rows: 0..2,
+                    start_position: 0,
+                    state: &mut split_state,
+                }],
+            )
+            .unwrap();
         let rest: Vec<usize> = (2..n).collect();
-        let second = backend.causal_conv1d_silu(
-            &backend.gather_rows(&x, &rest),
-            &weight,
-            &mut [Segment {
-                rows: 0..n - 2,
-                start_position: 2,
-                state: &mut split_state,
-            }],
-        );
+        let second = backend
+            .causal_conv1d_silu(
+                &backend.gather_rows(&x, &rest).unwrap(),
+                &weight,
+                &mut [Segment {
+                    rows: 0..n - 2,
+                    start_position: 2,
+                    state: &mut split_state,
+                }],
+            )
+            .unwrap();
         let mut joined = first.data.clone();
         joined.extend_from_slice(&second.data);
         assert_eq!(joined, whole.data);

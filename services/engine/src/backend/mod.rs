@@ -4,9 +4,12 @@
 //! `Backend::Tensor` (2-D, f32 semantics, `[rows, cols]`, one row per token); stored weights are
 //! `Backend::Weight` handles loaded once from the artifact; per-sequence state lives in
 //! `Backend::KvCache`, `Backend::ConvState` and `Backend::RecurrentState`. A backend keeps all of
-//! these wherever it computes (host memory for `cpu`, GPU memory for the coming CUDA backend), so
+//! these wherever it computes (host memory for `cpu`, GPU memory for `cuda`), so
 //! the model code never moves data except where it says so (`download`, routing, experts).
 //! Must not touch: model structure (which op follows which), the artifact byte layout.
+//!
+//! Errors: every op that touches the device returns a `Result`; a backend's own error travels
+//! unchanged inside [`EngineError::Device`].
 //!
 //! Batched sequences: ops that mix tokens along time (attention, causal conv, delta rule) take the
 //! whole batch tensor plus one [`Segment`] per sequence (its row range, first position and state),
@@ -180,13 +183,22 @@ pub trait Backend: Send + Sync + 'static {
     /// `(rows, cols)` of a weight (a 1-D parameter is one row).
     fn weight_shape(&self, weight: &Self::Weight) -> (usize, usize);
 
-    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> Self::Tensor;
-    fn download(&self, tensor: &Self::Tensor) -> Vec<f32>;
+    fn upload(&self, values: &[f32], rows: usize, cols: usize)
+        -> Result<Self::Tensor, EngineError>;
+    fn download(&self, tensor: &Self::Tensor) -> Result<Vec<f32>, EngineError>;
     fn shape(&self, tensor: &Self::Tensor) -> (usize, usize);
     /// Copies of the given rows, in order.
-    fn gather_rows(&self, tensor: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    fn gather_rows(
+        &self,
+        tensor: &Self::Tensor,
+        rows: &[usize],
+    ) -> Result<Self::Tensor, EngineError>;
     /// Columns `range` of every row.
-    fn columns(&self, tensor: &Self::Tensor, range: Range<usize>) -> Self::Tensor;
+    fn columns(
+        &self,
+        tensor: &Self::Tensor,
+        range: Range<usize>,
+    ) -> Result<Self::Tensor, EngineError>;
     /// Splits each row made of `groups` groups of `first + second` columns into the two parts,
     /// group-major: `[a_0 b_0 a_1 b_1 …] → ([a_0 a_1 …], [b_0 b_1 …])` (gated attention's q_proj).
     fn split_interleaved(
@@ -195,17 +207,26 @@ pub trait Backend: Send + Sync + 'static {
         groups: usize,
         first: usize,
         second: usize,
-    ) -> (Self::Tensor, Self::Tensor);
+    ) -> Result<(Self::Tensor, Self::Tensor), EngineError>;
 
     /// Rows of an embedding table for the given token ids.
-    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, EngineError>;
     /// `x · Wᵀ`: `[n, in] × [out, in] → [n, out]`, f32 accumulation.
-    fn matmul(&self, x: &Self::Tensor, weight: &Self::Weight) -> Self::Tensor;
+    fn matmul(&self, x: &Self::Tensor, weight: &Self::Weight) -> Result<Self::Tensor, EngineError>;
     /// `x · wᵀ` for three weights of the same input (an attention layer's q, k and v
     /// projections), which a backend may do in one pass (the CUDA backend does at decode: one
     /// launch instead of three). Same values as three [`Backend::matmul`]s.
-    fn matmul3(&self, x: &Self::Tensor, weights: [&Self::Weight; 3]) -> [Self::Tensor; 3] {
-        weights.map(|weight| self.matmul(x, weight))
+    fn matmul3(
+        &self,
+        x: &Self::Tensor,
+        weights: [&Self::Weight; 3],
+    ) -> Result<[Self::Tensor; 3], EngineError> {
+        let [w0, w1, w2] = weights;
+        Ok([
+            self.matmul(x, w0)?,
+            self.matmul(x, w1)?,
+            self.matmul(x, w2)?,
+        ])
     }
     /// RMSNorm over consecutive groups of `len(weight)` columns (so per-head norms take
     /// `[n, heads·hd]` with a `[hd]` weight).
@@ -215,7 +236,7 @@ pub trait Backend: Send + Sync + 'static {
         weight: &Self::Weight,
         eps: f32,
         style: NormStyle,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor, EngineError>;
     /// `x += delta`, then [`Backend::rms_norm`] of the new `x`: a residual add and the norm
     /// that follows it, which a backend may do in one pass (the CUDA backend does: one launch
     /// instead of two, twice per layer). Same values as the two ops.
@@ -226,8 +247,8 @@ pub trait Backend: Send + Sync + 'static {
         weight: &Self::Weight,
         eps: f32,
         style: NormStyle,
-    ) -> Self::Tensor {
-        self.add_assign(x, delta);
+    ) -> Result<Self::Tensor, EngineError> {
+        self.add_assign(x, delta)?;
         self.rms_norm(x, weight, eps, style)
     }
     /// [`Backend::rms_norm`] per head, then [`Backend::rope`] of the result: the q / k norms of
@@ -241,16 +262,16 @@ pub trait Backend: Send + Sync + 'static {
         eps: f32,
         style: NormStyle,
         rotation: &Rotation<'_>,
-    ) -> Self::Tensor {
-        let mut out = self.rms_norm(x, weight, eps, style);
+    ) -> Result<Self::Tensor, EngineError> {
+        let mut out = self.rms_norm(x, weight, eps, style)?;
         self.rope(
             &mut out,
             rotation.positions,
             rotation.head_dim,
             rotation.rotary_dim,
             rotation.theta,
-        );
-        out
+        )?;
+        Ok(out)
     }
     /// GDN output norm: plain-weight RMSNorm per group of `len(weight)`, times `silu(gate)`.
     fn gated_rms_norm(
@@ -259,7 +280,7 @@ pub trait Backend: Send + Sync + 'static {
         gate: &Self::Tensor,
         weight: &Self::Weight,
         eps: f32,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor, EngineError>;
     /// Rotate-half RoPE on the first `rotary_dim` dims of each `head_dim` head; row `r` is at
     /// `positions[r]`.
     fn rope(
@@ -269,21 +290,36 @@ pub trait Backend: Send + Sync + 'static {
         head_dim: usize,
         rotary_dim: usize,
         theta: f64,
-    );
+    ) -> Result<(), EngineError>;
     /// `a += b`.
-    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor);
+    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor) -> Result<(), EngineError>;
     /// `silu(gate) ⊙ up` where `gate_up` rows are `[gate ‖ up]` halves.
-    fn silu_mul_halves(&self, gate_up: &Self::Tensor) -> Self::Tensor;
+    fn silu_mul_halves(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor, EngineError>;
     /// `silu(gate) ⊙ up`, same shapes.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor)
+        -> Result<Self::Tensor, EngineError>;
     /// `x ⊙ sigmoid(gate)`, same shapes.
-    fn mul_sigmoid(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Self::Tensor;
+    fn mul_sigmoid(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+    ) -> Result<Self::Tensor, EngineError>;
     /// `a += sigmoid(gate[r, 0]) · b` per row (shared-expert gate).
-    fn add_sigmoid_scaled_rows(&self, a: &mut Self::Tensor, b: &Self::Tensor, gate: &Self::Tensor);
+    fn add_sigmoid_scaled_rows(
+        &self,
+        a: &mut Self::Tensor,
+        b: &Self::Tensor,
+        gate: &Self::Tensor,
+    ) -> Result<(), EngineError>;
 
     /// Softmax over each row, top-k, optional renormalisation (fp32). Routing goes to the host:
     /// the expert executor (possibly another process) needs it there.
-    fn route_top_k(&self, logits: &Self::Tensor, k: usize, normalize: bool) -> Routing;
+    fn route_top_k(
+        &self,
+        logits: &Self::Tensor,
+        k: usize,
+        normalize: bool,
+    ) -> Result<Routing, EngineError>;
 
     /// Starts [`Backend::route_top_k`] of `logits` and, with `read_hidden`, the read-back of
     /// `hidden` (what the expert executor needs), without waiting: the routing is computed
@@ -299,7 +335,7 @@ pub trait Backend: Send + Sync + 'static {
         normalize: bool,
         hidden: &Self::Tensor,
         read_hidden: bool,
-    ) -> Self::PendingRouting;
+    ) -> Result<Self::PendingRouting, EngineError>;
     /// [`Backend::slotted_experts`] with a routing [`Backend::start_routing`] started (same
     /// result; nothing waits for the routing's read-back on small batches).
     fn slotted_experts_by_pending_routing(
@@ -307,13 +343,20 @@ pub trait Backend: Send + Sync + 'static {
         slots: &Self::ExpertSlots,
         x: &Self::Tensor,
         routing: &Self::PendingRouting,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor, EngineError>;
     /// The routing (and the hidden values, when asked) of a [`Backend::start_routing`], on
     /// the host.
-    fn finish_routing(&self, routing: Self::PendingRouting) -> (Routing, Vec<f32>);
+    fn finish_routing(
+        &self,
+        routing: Self::PendingRouting,
+    ) -> Result<(Routing, Vec<f32>), EngineError>;
 
     /// Empty KV cache with room for `max_tokens` positions of `kv_heads · head_dim` keys/values.
-    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Self::KvCache;
+    fn new_kv_cache(
+        &self,
+        max_tokens: usize,
+        kv_width: usize,
+    ) -> Result<Self::KvCache, EngineError>;
     /// Appends each segment's `k`, `v` rows to its cache at its start position, then causal GQA
     /// attention of its `q` rows over everything cached. Returns `[n, heads·hd]`.
     fn attention(
@@ -325,7 +368,11 @@ pub trait Backend: Send + Sync + 'static {
         segments: &mut [Segment<'_, Self::KvCache>],
     ) -> Result<Self::Tensor, EngineError>;
 
-    fn new_conv_state(&self, channels: usize, kernel: usize) -> Self::ConvState;
+    fn new_conv_state(
+        &self,
+        channels: usize,
+        kernel: usize,
+    ) -> Result<Self::ConvState, EngineError>;
     /// Depthwise causal conv1d (`weight` `[channels, Kc]`, last tap = current token) + SiLU, per
     /// segment, continuing from and updating each segment's conv state.
     fn causal_conv1d_silu(
@@ -333,7 +380,7 @@ pub trait Backend: Send + Sync + 'static {
         x: &Self::Tensor,
         weight: &Self::Weight,
         segments: &mut [Segment<'_, Self::ConvState>],
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor, EngineError>;
 
     /// `g = −exp(A_log) · softplus(a + dt_bias)`, `β = sigmoid(b)`; `a`, `b` are `[n, nv]`.
     fn delta_rule_gates(
@@ -342,8 +389,11 @@ pub trait Backend: Send + Sync + 'static {
         b: &Self::Tensor,
         a_log: &Self::Weight,
         dt_bias: &Self::Weight,
-    ) -> (Self::Tensor, Self::Tensor);
-    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Self::RecurrentState;
+    ) -> Result<(Self::Tensor, Self::Tensor), EngineError>;
+    fn new_recurrent_state(
+        &self,
+        spec: &DeltaRuleSpec,
+    ) -> Result<Self::RecurrentState, EngineError>;
     /// The gated delta rule (q/k l2-normalised inside, q scaled by `dk^-0.5`, v-head `j` uses
     /// k-head `j / (nv/nk)`), continuing from and updating each segment's state.
     /// `q`, `k`: `[n, nk·dk]`, `v`: `[n, nv·dv]`, `g`, `beta`: `[n, nv]` → `[n, nv·dv]`.
@@ -358,7 +408,7 @@ pub trait Backend: Send + Sync + 'static {
         spec: &DeltaRuleSpec,
         form: DeltaRuleForm,
         segments: &mut [Segment<'_, Self::RecurrentState>],
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor, EngineError>;
 
     /// `slots` empty places for experts of `layout` (one MoE layer with `num_experts` experts).
     fn new_expert_slots(
@@ -397,7 +447,7 @@ pub trait Backend: Send + Sync + 'static {
         slots: &Self::ExpertSlots,
         x: &Self::Tensor,
         routing: &Routing,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor, EngineError>;
 
     /// For each row of `logits` (`[rows, vocab]`): its `k` largest logits, max and log-sum-exp,
     /// and the logits of the ids in `extra[row]` (see [`LogitCandidates`]): what sampling needs

@@ -111,7 +111,7 @@ impl<B: Backend> MoeLayer<B> {
         deferred: &mut Vec<DeferredRouting<B>>,
     ) -> Result<B::Tensor, EngineError> {
         let backend = context.backend;
-        let logits = backend.matmul(x, &self.router);
+        let logits = backend.matmul(x, &self.router)?;
         let route = Route::choose(self, context.staging, backend.shape(x).0);
         let pending = backend.start_routing(
             &logits,
@@ -119,24 +119,29 @@ impl<B: Backend> MoeLayer<B> {
             context.normalize_routing,
             x,
             matches!(route, Route::Executor),
-        );
+        )?;
         // Work the backend does itself is queued before anything waits for the routing (on a
         // GPU it runs while this thread reads the routing and then waits for the expert
         // workers): the resident experts, then the shared expert.
         let resident_sum = self
             .resident
             .as_ref()
-            .map(|slots| backend.slotted_experts_by_pending_routing(slots, x, &pending));
-        let shared_parts = self.shared.as_ref().map(|shared| {
-            let activated = backend.silu_mul(
-                &backend.matmul(x, &shared.gate_proj),
-                &backend.matmul(x, &shared.up_proj),
-            );
-            (
-                backend.matmul(&activated, &shared.down_proj),
-                backend.matmul(x, &shared.gate),
-            )
-        });
+            .map(|slots| backend.slotted_experts_by_pending_routing(slots, x, &pending))
+            .transpose()?;
+        let shared_parts = self
+            .shared
+            .as_ref()
+            .map(|shared| -> Result<_, EngineError> {
+                let activated = backend.silu_mul(
+                    &backend.matmul(x, &shared.gate_proj)?,
+                    &backend.matmul(x, &shared.up_proj)?,
+                )?;
+                Ok((
+                    backend.matmul(&activated, &shared.down_proj)?,
+                    backend.matmul(x, &shared.gate)?,
+                ))
+            })
+            .transpose()?;
         let mut output = match route {
             Route::Resident => {
                 deferred.push(DeferredRouting {
@@ -148,13 +153,13 @@ impl<B: Backend> MoeLayer<B> {
                 })?
             }
             Route::Staged(staging) => {
-                let (routing, hidden) = backend.finish_routing(pending);
+                let (routing, hidden) = backend.finish_routing(pending)?;
                 self.account_routing(context, index, &routing, tally);
                 let expert_ids = self.executor_expert_ids(&routing.expert_ids);
                 match self.staged_experts(context, staging, x, &expert_ids, &routing)? {
                     Some(mut staged_sum) => {
                         if let Some(resident_sum) = resident_sum {
-                            backend.add_assign(&mut staged_sum, &resident_sum);
+                            backend.add_assign(&mut staged_sum, &resident_sum)?;
                         }
                         staged_sum
                     }
@@ -174,7 +179,7 @@ impl<B: Backend> MoeLayer<B> {
                 }
             }
             Route::Executor => {
-                let (routing, hidden) = backend.finish_routing(pending);
+                let (routing, hidden) = backend.finish_routing(pending)?;
                 self.account_routing(context, index, &routing, tally);
                 let expert_ids = self.executor_expert_ids(&routing.expert_ids);
                 // With every chosen expert resident the executor has nothing to do.
@@ -195,7 +200,7 @@ impl<B: Backend> MoeLayer<B> {
             }
         };
         if let Some((expert, gate)) = shared_parts {
-            backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate);
+            backend.add_sigmoid_scaled_rows(&mut output, &expert, &gate)?;
         }
         Ok(output)
     }
@@ -283,7 +288,7 @@ impl<B: Backend> MoeLayer<B> {
             expert_ids: expert_ids.to_vec(),
             weights: routing.weights.clone(),
         };
-        Ok(Some(context.backend.slotted_experts(&slots, x, &masked)))
+        Ok(Some(context.backend.slotted_experts(&slots, x, &masked)?))
     }
 
     /// The executor's part uploaded to the backend, plus the resident experts' sum if any.
@@ -303,10 +308,10 @@ impl<B: Backend> MoeLayer<B> {
         let (rows, cols) = backend.shape(x);
         let routed = self.routed_on_executor(context, index, hidden, expert_ids, routing, tally)?;
         let copying = Instant::now();
-        let mut output = backend.upload(&routed, rows, cols);
+        let mut output = backend.upload(&routed, rows, cols)?;
         tally.transfer_nanos += nanos(copying.elapsed());
         if let Some(resident_sum) = resident_sum {
-            backend.add_assign(&mut output, &resident_sum);
+            backend.add_assign(&mut output, &resident_sum)?;
         }
         Ok(output)
     }

@@ -16,6 +16,7 @@ use tonic::Status;
 
 use crate::backend::candidates::{DEFAULT_CANDIDATES, MAX_CANDIDATES};
 use crate::backend::{Backend, KvPlacement, LogitCandidates};
+use crate::error::EngineError;
 use crate::model::{Model, SequenceInput, SequenceState};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -136,12 +137,7 @@ fn run<B: Backend>(
             Ok(logits) => logits,
             Err(error) => {
                 tracing::error!("forward pass failed: {error}");
-                for r in running.drain(..) {
-                    let _ = r
-                        .request
-                        .events
-                        .try_send(Err(Status::internal(format!("generation failed: {error}"))));
-                }
+                fail_all(&mut running, &error);
                 continue;
             }
         };
@@ -155,13 +151,24 @@ fn run<B: Backend>(
                 .ok()
         });
         // Without candidates every row comes back at once, as one read-back.
-        let all_rows = candidates.is_none().then(|| backend.download(&logits));
+        let all_rows = match candidates
+            .is_none()
+            .then(|| backend.download(&logits))
+            .transpose()
+        {
+            Ok(all_rows) => all_rows,
+            Err(error) => {
+                tracing::error!("reading the logits back failed: {error}");
+                fail_all(&mut running, &error);
+                continue;
+            }
+        };
         let row_of = |index: usize| match &all_rows {
-            Some(values) => values
+            Some(values) => Ok(values
                 .get(index * vocab..(index + 1) * vocab)
                 .map(<[f32]>::to_vec)
-                .unwrap_or_default(),
-            None => backend.download(&backend.gather_rows(&logits, &[index])),
+                .unwrap_or_default()),
+            None => backend.download(&backend.gather_rows(&logits, &[index])?),
         };
         let mut finished = Vec::new();
         let mut kv_used = 0u64;
@@ -174,9 +181,14 @@ fn run<B: Backend>(
             };
             let sampled = match sampled {
                 Ok(Some(token)) => Ok(token),
-                Ok(None) => r
-                    .sampler
-                    .sample(row.get_or_insert_with(|| row_of(index)), &r.history),
+                Ok(None) => match row_of(index) {
+                    Ok(values) => r.sampler.sample(row.insert(values), &r.history),
+                    Err(error) => {
+                        fail(r, &error);
+                        finished.push(index);
+                        continue;
+                    }
+                },
                 Err(error) => Err(error),
             };
             let token = match sampled {
@@ -199,11 +211,17 @@ fn run<B: Backend>(
             let (logprob, top) =
                 match row_candidates.and_then(|c| candidate_logprobs(c, token, top_logprobs)) {
                     Some(found) => found,
-                    None => logprobs(
-                        row.get_or_insert_with(|| row_of(index)),
-                        token,
-                        top_logprobs,
-                    ),
+                    None => {
+                        let values = match row.take().map_or_else(|| row_of(index), Ok) {
+                            Ok(values) => values,
+                            Err(error) => {
+                                fail(r, &error);
+                                finished.push(index);
+                                continue;
+                            }
+                        };
+                        logprobs(&values, token, top_logprobs)
+                    }
                 };
             let reason = if r.request.stop_token_ids.contains(&token) {
                 FinishReason::StopToken
@@ -237,6 +255,21 @@ fn run<B: Backend>(
         }
         counters.running.store(running.len(), Ordering::Relaxed);
     }
+}
+
+/// Ends every running sequence with `error` (a failed forward or read-back).
+fn fail_all<B: Backend>(running: &mut Vec<Running<B>>, error: &EngineError) {
+    for r in running.drain(..) {
+        fail(&r, error);
+    }
+}
+
+/// Ends one sequence's stream with `error`.
+fn fail<B: Backend>(r: &Running<B>, error: &EngineError) {
+    let _ = r
+        .request
+        .events
+        .try_send(Err(Status::internal(format!("generation failed: {error}"))));
 }
 
 fn handle<B: Backend>(
@@ -300,7 +333,12 @@ fn handle<B: Backend>(
                 .prompt_tokens
                 .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
             let before = model.backend().kv_placement();
-            let state = model.new_sequence(needed);
+            let state = match model.new_sequence(needed) {
+                Ok(state) => state,
+                Err(error) => {
+                    return reject(Status::internal(format!("generation failed: {error}")))
+                }
+            };
             log_host_kv(model, before, &request.request_id);
             running.push(Running {
                 history: request.prompt.clone(),

@@ -5,13 +5,12 @@
 //! and the mapping of each op onto the kernels of `kernels/*.cu`.
 //! Must not touch: model structure, routed experts, the artifact byte layout.
 //!
-//! Errors: most [`Backend`] ops cannot return an error, so a failed launch or allocation is
-//! recorded (the first one is kept, logged, and readable with [`CudaBackend::error`]), the op's
-//! output carries no data, and every later op that reads it fails the same way; `attention`,
-//! which returns a `Result`, turns a recorded error into an `EngineError`. A CUDA context that hit
-//! a launch error is unusable anyway, so nothing tries to recover.
+//! Errors: every op returns its error as [`EngineError::Device`], naming the op and keeping the
+//! [`CudaError`] (an out-of-memory says so, with the bytes asked for). A CUDA context that hit a
+//! launch error is unusable anyway, so nothing tries to recover.
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -162,7 +161,6 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
     info: DeviceInfo,
-    error: Mutex<Option<CudaError>>,
     /// cuBLAS for bf16 prefill GEMMs, only once it passed the start-up check.
     cublas: Option<Cublas>,
     options: CudaOptions,
@@ -186,20 +184,37 @@ struct RopeTables {
     positions: Option<(Vec<u32>, CudaSlice<u32>)>,
 }
 
-/// A row-major `[rows, cols]` f32 buffer on the GPU; `None` after an earlier error.
+/// A row-major `[rows, cols]` f32 buffer on the GPU.
 pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
-    data: Option<CudaSlice<f32>>,
+    /// Dropped by hand: `Drop` hands it to `pool` instead when there is one.
+    data: ManuallyDrop<CudaSlice<f32>>,
     /// Where the buffer goes when the tensor dies (op outputs: device/tensor_pool.rs); `None`:
     /// freed.
     pool: Option<Arc<tensor_pool::TensorPool>>,
 }
 
+impl CudaTensor {
+    /// A tensor that owns `data` and frees it when it dies.
+    fn unpooled(rows: usize, cols: usize, data: CudaSlice<f32>) -> Self {
+        CudaTensor {
+            rows,
+            cols,
+            data: ManuallyDrop::new(data),
+            pool: None,
+        }
+    }
+}
+
 impl Drop for CudaTensor {
     fn drop(&mut self) {
-        if let (Some(pool), Some(data)) = (self.pool.take(), self.data.take()) {
-            pool.give_back(data);
+        // SAFETY: `data` is taken or dropped exactly once, here, and never used after.
+        unsafe {
+            match self.pool.take() {
+                Some(pool) => pool.give_back(ManuallyDrop::take(&mut self.data)),
+                None => ManuallyDrop::drop(&mut self.data),
+            }
         }
     }
 }
@@ -245,8 +260,9 @@ pub struct CudaKvCache {
     pub kv_width: usize,
     pub len: usize,
     pub dtype: KvDtype,
-    keys: Option<KvBuffer>,
-    values: Option<KvBuffer>,
+    /// Dropped by hand: host-pool buffers must never reach `cuMemFree` (device/host_kv.rs).
+    keys: ManuallyDrop<KvBuffer>,
+    values: ManuallyDrop<KvBuffer>,
     /// GPU memory or the host KV pool (device/host_kv.rs).
     placement: host_kv::KvPlacementToken,
 }
@@ -260,9 +276,8 @@ enum KvBuffer {
 impl CudaKvCache {
     /// Bytes the keys and values take on the GPU.
     pub fn device_bytes(&self) -> usize {
-        [&self.keys, &self.values]
+        [&*self.keys, &*self.values]
             .into_iter()
-            .flatten()
             .map(|buffer| match buffer {
                 KvBuffer::F32(data) => data.len() * 4,
                 KvBuffer::Bf16(data) => data.len() * 2,
@@ -275,13 +290,13 @@ impl CudaKvCache {
 pub struct CudaConvState {
     pub channels: usize,
     pub kernel: usize,
-    history: Option<CudaSlice<f32>>,
+    history: CudaSlice<f32>,
 }
 
 /// The delta-rule state `[nv, dk, dv]` (row index = key dim).
 pub struct CudaRecurrentState {
     pub spec: DeltaRuleSpec,
-    state: Option<CudaSlice<f32>>,
+    state: CudaSlice<f32>,
 }
 
 fn driver_error(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
@@ -302,14 +317,6 @@ fn describe(error: &cudarc::driver::DriverError) -> String {
         Ok(text) => format!("{name} ({})", text.to_string_lossy()),
         Err(_) => name,
     }
-}
-
-fn present<T>(data: &Option<T>) -> Result<&T, CudaError> {
-    data.as_ref().ok_or(CudaError::Poisoned)
-}
-
-fn present_mut<T>(data: &mut Option<T>) -> Result<&mut T, CudaError> {
-    data.as_mut().ok_or(CudaError::Poisoned)
 }
 
 /// What the RMSNorm kernels take for `x` normed in groups of `weight`'s length: the group
@@ -511,7 +518,6 @@ impl CudaBackend {
             _context: context,
             functions,
             info,
-            error: Mutex::new(None),
             cublas: None,
             options,
             op_timing: None,
@@ -576,12 +582,8 @@ impl CudaBackend {
                     cublas = %cublas.describe(),
                     "cuBLAS failed its start-up check, the matmul kernel does every GEMM: {error}"
                 );
-                // A failed check may have left an error on the stream or in the slot: clear
-                // the slot (nothing else has run yet) and drain the stream.
+                // A failed check may have left an error on the stream: drain it.
                 let _ = self.stream.synchronize();
-                if let Ok(mut slot) = self.error.lock() {
-                    *slot = None;
-                }
                 None
             }
         }
@@ -606,12 +608,7 @@ impl CudaBackend {
             let w: Vec<u16> = (0..m * k)
                 .map(|_| half::bf16::from_f32(next()).to_bits())
                 .collect();
-            let tensor = CudaTensor {
-                rows: n,
-                cols: k,
-                data: Some(self.upload_f32(&x)?),
-                pool: None,
-            };
+            let tensor = CudaTensor::unpooled(n, k, self.upload_f32(&x)?);
             let w_data = self
                 .stream
                 .memcpy_stod(&w)
@@ -625,7 +622,7 @@ impl CudaBackend {
             let expected = self.matmul_kernel(&tensor, &weight)?;
             let read = |t: &CudaTensor| {
                 self.stream
-                    .memcpy_dtov(present(&t.data)?)
+                    .memcpy_dtov(&*t.data)
                     .map_err(driver_error("reading the cuBLAS check back"))
             };
             let (expected, got) = (read(&expected)?, read(&got)?);
@@ -682,29 +679,11 @@ impl CudaBackend {
         &self.info
     }
 
-    /// The first error any op hit, if one did.
-    pub fn error(&self) -> Option<CudaError> {
-        self.error.lock().ok().and_then(|slot| slot.clone())
-    }
-
     /// Waits for every queued op; reports a launch failure that surfaced late.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream
             .synchronize()
-            .map_err(driver_error("synchronising the stream"))?;
-        match self.error() {
-            Some(error) => Err(error),
-            None => Ok(()),
-        }
-    }
-
-    fn record(&self, error: CudaError) {
-        if let Ok(mut slot) = self.error.lock() {
-            if slot.is_none() {
-                tracing::error!("CUDA backend: {error}");
-                *slot = Some(error);
-            }
-        }
+            .map_err(driver_error("synchronising the stream"))
     }
 
     fn function(&self, name: &str) -> Result<&CudaFunction, CudaError> {
@@ -717,14 +696,17 @@ impl CudaBackend {
         // Zero-length device allocations are an error in CUDA: keep one element.
         self.stream
             .alloc_zeros::<f32>(len.max(1))
-            .map_err(driver_error(format!("allocating {len} floats")))
+            .map_err(driver_error(format!(
+                "allocating {len} floats ({} bytes)",
+                len * 4
+            )))
     }
 
     /// A zeroed `[rows, cols]` output (a recycled buffer and a memset when one is free).
     fn output(&self, rows: usize, cols: usize) -> Result<CudaTensor, CudaError> {
         let mut tensor = self.output_uninit(rows, cols)?;
         self.stream
-            .memset_zeros(present_mut(&mut tensor.data)?)
+            .memset_zeros(&mut *tensor.data)
             .map_err(driver_error("zeroing an op's output"))?;
         Ok(tensor)
     }
@@ -738,13 +720,15 @@ impl CudaBackend {
             Some(data) => data,
             // SAFETY: the caller's kernel writes every element before anything reads it (the
             // contract of this function); the buffer is never read uninitialised.
-            None => unsafe { self.stream.alloc::<f32>(len) }
-                .map_err(driver_error(format!("allocating {len} floats")))?,
+            None => unsafe { self.stream.alloc::<f32>(len) }.map_err(driver_error(format!(
+                "allocating {len} floats ({} bytes)",
+                len * 4
+            )))?,
         };
         Ok(CudaTensor {
             rows,
             cols,
-            data: Some(data),
+            data: ManuallyDrop::new(data),
             pool: Some(Arc::clone(&self.tensor_pool)),
         })
     }
@@ -771,31 +755,66 @@ impl CudaBackend {
             .map_err(driver_error("copying to the GPU"))
     }
 
-    /// The op's output, or a data-less tensor of the same shape after recording the error.
-    fn settle(
+    /// `values` as a new `[rows, cols]` tensor.
+    fn upload_tensor(
         &self,
-        result: Result<CudaTensor, CudaError>,
+        values: &[f32],
         rows: usize,
         cols: usize,
-    ) -> CudaTensor {
-        result.unwrap_or_else(|error| {
-            self.record(error);
-            CudaTensor {
-                rows,
-                cols,
-                data: None,
-                pool: None,
-            }
+    ) -> Result<CudaTensor, CudaError> {
+        if values.len() != rows * cols {
+            return Err(CudaError::Invalid {
+                problem: format!("upload: {} values for {rows}×{cols}", values.len()),
+            });
+        }
+        Ok(CudaTensor::unpooled(rows, cols, self.upload_f32(values)?))
+    }
+
+    /// An empty K/V cache in the backend's [`KvDtype`]: in GPU memory, or in the host KV pool
+    /// once the device share is used up (device/host_kv.rs).
+    fn allocate_kv_cache(
+        &self,
+        max_tokens: usize,
+        kv_width: usize,
+    ) -> Result<CudaKvCache, CudaError> {
+        let placement = match self.place_kv_cache(max_tokens, kv_width)? {
+            host_kv::KvPlace::Host(cache) => return Ok(cache),
+            host_kv::KvPlace::Device(placement) => placement,
+        };
+        let dtype = self.options.kv_dtype;
+        let count = max_tokens * kv_width;
+        let allocate = || -> Result<KvBuffer, CudaError> {
+            Ok(match dtype {
+                KvDtype::F32 => KvBuffer::F32(self.alloc(count)?),
+                // Zero-length device allocations are an error in CUDA: keep one element.
+                KvDtype::Bf16 => {
+                    KvBuffer::Bf16(self.stream.alloc_zeros::<u16>(count.max(1)).map_err(
+                        driver_error(format!(
+                            "allocating {count} bf16 KV values ({} bytes)",
+                            count * 2
+                        )),
+                    )?)
+                }
+            })
+        };
+        Ok(CudaKvCache {
+            max_tokens,
+            kv_width,
+            len: 0,
+            dtype,
+            keys: ManuallyDrop::new(allocate()?),
+            values: ManuallyDrop::new(allocate()?),
+            placement,
         })
     }
 
     /// Every value of `tensor`, through the page-locked staging buffer.
-    fn try_download(&self, tensor: &CudaTensor) -> Result<Vec<f32>, CudaError> {
+    fn download_values(&self, tensor: &CudaTensor) -> Result<Vec<f32>, CudaError> {
         let len = tensor.rows * tensor.cols;
         if len == 0 {
             return Ok(Vec::new());
         }
-        let data = present(&tensor.data)?;
+        let data = &*tensor.data;
         // Big read-backs (a prefill's logits) go straight to pageable memory rather than grow
         // the page-locked buffer for good.
         if len * 4 > readback::STAGING_MAX_BYTES {
@@ -814,12 +833,6 @@ impl CudaBackend {
             _ => Err(CudaError::Invalid {
                 problem: "a read-back came back in the wrong shape".into(),
             }),
-        }
-    }
-
-    fn engine_error(error: CudaError) -> EngineError {
-        EngineError::InvalidConfig {
-            problem: format!("CUDA backend: {error}"),
         }
     }
 
@@ -911,23 +924,23 @@ impl CudaBackend {
         })
     }
 
-    fn try_unary(
+    fn unary(
         &self,
         x: &CudaTensor,
         out_cols: usize,
         run: impl FnOnce(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<(), CudaError>,
     ) -> Result<CudaTensor, CudaError> {
-        let input = present(&x.data)?;
+        let input = &*x.data;
         // Every unary kernel writes each element of its output (grid-stride or per group).
         let mut out = self.output_uninit(x.rows, out_cols)?;
         if x.rows * out_cols > 0 {
-            run(input, present_mut(&mut out.data)?)?;
+            run(input, &mut out.data)?;
         }
         Ok(out)
     }
 
-    fn try_gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor, CudaError> {
-        let input = present(&x.data)?;
+    fn launch_gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor, CudaError> {
+        let input = &*x.data;
         if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
             return Err(CudaError::Invalid {
                 problem: format!("gather_rows: row {bad} of a {}-row tensor", x.rows),
@@ -940,20 +953,45 @@ impl CudaBackend {
         let total = rows.len() * x.cols;
         if total > 0 {
             let (count, cols) = (int(rows.len(), "rows")?, int(x.cols, "cols")?);
-            let output = present_mut(&mut out.data)?;
+            let output = &mut *out.data;
             launch!(self, "gather_rows", elementwise(total); input, &indices, output, &count, &cols)?;
         }
         Ok(out)
     }
 
-    fn try_split_interleaved(
+    fn launch_columns(&self, x: &CudaTensor, range: Range<usize>) -> Result<CudaTensor, CudaError> {
+        if range.end > x.cols {
+            return Err(CudaError::Invalid {
+                problem: format!("columns {range:?} of a {}-column tensor", x.cols),
+            });
+        }
+        let width = range.len();
+        let rows = int(x.rows, "rows")?;
+        let (cols, start, width_arg) = (x.cols as i32, range.start as i32, width as i32);
+        self.unary(x, width, |input, output| {
+            launch!(self, "columns", elementwise(x.rows * width);
+                input, output, &rows, &cols, &start, &width_arg)
+        })
+    }
+
+    fn launch_silu_mul_halves(&self, gate_up: &CudaTensor) -> Result<CudaTensor, CudaError> {
+        let half = gate_up.cols / 2;
+        let rows = int(gate_up.rows, "rows")?;
+        let half_arg = half as i32;
+        self.unary(gate_up, half, |input, output| {
+            launch!(self, "silu_mul_halves", elementwise(gate_up.rows * half);
+                input, output, &rows, &half_arg)
+        })
+    }
+
+    fn launch_split_interleaved(
         &self,
         x: &CudaTensor,
         groups: usize,
         first: usize,
         second: usize,
     ) -> Result<(CudaTensor, CudaTensor), CudaError> {
-        let input = present(&x.data)?;
+        let input = &*x.data;
         if groups * (first + second) != x.cols {
             return Err(CudaError::Invalid {
                 problem: format!(
@@ -973,14 +1011,14 @@ impl CudaBackend {
                 int(first, "first")?,
                 int(second, "second")?,
             );
-            let (out_a, out_b) = (present_mut(&mut a.data)?, present_mut(&mut b.data)?);
+            let (out_a, out_b) = (&mut *a.data, &mut *b.data);
             launch!(self, "split_interleaved", elementwise(total);
                 input, out_a, out_b, &rows, &groups, &first, &second)?;
         }
         Ok((a, b))
     }
 
-    fn try_embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, CudaError> {
+    fn launch_embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, CudaError> {
         let indices = self.upload_u32(ids)?;
         // `embed` writes every element (zero for an id outside the table).
         let mut out = self.output_uninit(ids.len(), table.cols)?;
@@ -991,7 +1029,7 @@ impl CudaBackend {
                 int(table.cols, "hidden")?,
                 int(table.rows, "vocab")?,
             );
-            let output = present_mut(&mut out.data)?;
+            let output = &mut *out.data;
             match &table.data {
                 WeightData::F32(data) => launch!(self, "embed", elementwise(total);
                     data, &indices, output, &rows, &cols, &vocab)?,
@@ -1002,7 +1040,7 @@ impl CudaBackend {
         Ok(out)
     }
 
-    fn try_matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, CudaError> {
+    fn launch_matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, CudaError> {
         // Prefill-sized bf16 GEMMs on tensor cores; a cuBLAS error here is the op's error (the
         // sticky one): the start-up check already proved the path, so a failure now means the
         // GPU or the context is in trouble, not that cuBLAS is unsuitable.
@@ -1025,7 +1063,7 @@ impl CudaBackend {
         w: &CudaSlice<u16>,
         out_features: usize,
     ) -> Result<CudaTensor, CudaError> {
-        let input = present(&x.data)?;
+        let input = &*x.data;
         let count = x.rows * x.cols;
         let mut x_hi = self
             .stream
@@ -1043,7 +1081,7 @@ impl CudaBackend {
         for (part, accumulate) in [(&x_hi, false), (&x_lo, true)] {
             cublas.linear_into(
                 GemmOperands::Bf16 { x: part, w },
-                present_mut(&mut out.data)?,
+                &mut out.data,
                 x.rows,
                 x.cols,
                 out_features,
@@ -1055,7 +1093,7 @@ impl CudaBackend {
 
     /// `x · wᵀ` with the matmul kernel (every dtype, every row count).
     fn matmul_kernel(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, CudaError> {
-        let input = present(&x.data)?;
+        let input = &*x.data;
         // Same contract as the CPU backend: an inconsistent call leaves zeros (shapes are
         // validated at model load).
         if x.cols != weight.cols || x.rows == 0 || weight.rows == 0 {
@@ -1083,7 +1121,7 @@ impl CudaBackend {
             block_dim: (32 * MATMUL_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let output = present_mut(&mut out.data)?;
+        let output = &mut *out.data;
         match &weight.data {
             WeightData::F32(data) => {
                 launch!(self, "matmul", config; input, data, output, &n, &k, &m)?
@@ -1097,7 +1135,7 @@ impl CudaBackend {
 
     /// Three bf16 projections of `x` in one `matmul3_bf16` launch, where the matmul kernel
     /// (not cuBLAS) would compute each and their shapes agree; `None` where they are not.
-    fn try_matmul3(
+    fn launch_matmul3(
         &self,
         x: &CudaTensor,
         weights: [&CudaWeight; 3],
@@ -1115,7 +1153,7 @@ impl CudaBackend {
         {
             return Ok(None);
         }
-        let input = present(&x.data)?;
+        let input = &*x.data;
         // One warp per (output feature of any of the three, row group) writes each element.
         let mut outputs = [
             self.output_uninit(x.rows, weights[0].rows)?,
@@ -1144,11 +1182,7 @@ impl CudaBackend {
         };
         {
             let [out0, out1, out2] = &mut outputs;
-            let (o0, o1, o2) = (
-                present_mut(&mut out0.data)?,
-                present_mut(&mut out1.data)?,
-                present_mut(&mut out2.data)?,
-            );
+            let (o0, o1, o2) = (&mut *out0.data, &mut *out1.data, &mut *out2.data);
             launch!(self, "matmul3_bf16", config;
                 input, w0, w1, w2, o0, o1, o2, &n, &k, &m0, &m1, &m2)?;
         }
@@ -1163,7 +1197,7 @@ impl CudaBackend {
         }
     }
 
-    fn try_rms_norm(
+    fn launch_rms_norm(
         &self,
         x: &CudaTensor,
         weight: &CudaWeight,
@@ -1171,13 +1205,13 @@ impl CudaBackend {
         style: NormStyle,
     ) -> Result<CudaTensor, CudaError> {
         let (groups, groups_arg, group_arg, offset) = norm_groups(x, weight, style, "rms_norm")?;
-        self.try_unary(x, x.cols, |input, output| {
+        self.unary(x, x.cols, |input, output| {
             launch!(self, "rms_norm", Self::norm_config(groups);
                 input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset)
         })
     }
 
-    fn try_add_rms_norm(
+    fn launch_add_rms_norm(
         &self,
         x: &mut CudaTensor,
         delta: &CudaTensor,
@@ -1188,26 +1222,26 @@ impl CudaBackend {
         Self::check_same_shape(x, delta, "add_rms_norm")?;
         let (groups, groups_arg, group_arg, offset) =
             norm_groups(x, weight, style, "add_rms_norm")?;
-        let other = present(&delta.data)?;
+        let other = &*delta.data;
         // Every group's every element is written.
         let mut out = self.output_uninit(x.rows, x.cols)?;
         if groups > 0 {
-            let residual = present_mut(&mut x.data)?;
+            let residual = &mut *x.data;
             launch!(self, "add_rms_norm", Self::norm_config(groups);
-                residual, other, weight.f32()?, present_mut(&mut out.data)?, &groups_arg,
+                residual, other, weight.f32()?, &mut *out.data, &groups_arg,
                 &group_arg, &eps, &offset)?;
         }
         Ok(out)
     }
 
-    fn try_gated_rms_norm(
+    fn launch_gated_rms_norm(
         &self,
         x: &CudaTensor,
         gate: &CudaTensor,
         weight: &CudaWeight,
         eps: f32,
     ) -> Result<CudaTensor, CudaError> {
-        let gate_data = present(&gate.data)?;
+        let gate_data = &*gate.data;
         let group = weight.rows * weight.cols;
         if group == 0
             || (x.rows * x.cols) % group != 0
@@ -1219,13 +1253,13 @@ impl CudaBackend {
         }
         let groups = x.rows * x.cols / group;
         let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
-        self.try_unary(x, x.cols, |input, output| {
+        self.unary(x, x.cols, |input, output| {
             launch!(self, "gated_rms_norm", Self::norm_config(groups);
                 input, gate_data, weight.f32()?, output, &groups_arg, &group_arg, &eps)
         })
     }
 
-    fn try_rope(
+    fn launch_rope(
         &self,
         x: &mut CudaTensor,
         positions: &[usize],
@@ -1253,7 +1287,7 @@ impl CudaBackend {
             int(head_dim, "head_dim")?,
             int(half, "rotary half")?,
         );
-        let data = present_mut(&mut x.data)?;
+        let data = &mut *x.data;
         self.with_rope_tables(
             &positions[..rows],
             rotary_dim,
@@ -1303,7 +1337,7 @@ impl CudaBackend {
 
     /// `rms_norm` per head then `rope`, in one launch where the norm's groups are the heads
     /// and every row has a position; otherwise the two ops.
-    fn try_rms_norm_rope(
+    fn launch_rms_norm_rope(
         &self,
         x: &CudaTensor,
         weight: &CudaWeight,
@@ -1321,8 +1355,8 @@ impl CudaBackend {
             || rotation.rotary_dim > rotation.head_dim
             || rotation.positions.len() < x.rows
         {
-            let mut out = self.try_rms_norm(x, weight, eps, style)?;
-            self.try_rope(
+            let mut out = self.launch_rms_norm(x, weight, eps, style)?;
+            self.launch_rope(
                 &mut out,
                 rotation.positions,
                 rotation.head_dim,
@@ -1339,7 +1373,7 @@ impl CudaBackend {
             rotation.rotary_dim,
             rotation.theta,
             |positions, inverse| {
-                self.try_unary(x, x.cols, |input, output| {
+                self.unary(x, x.cols, |input, output| {
                     launch!(self, "rms_norm_rope", Self::norm_config(groups);
                         input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset,
                         positions, inverse, &heads, &half)
@@ -1360,19 +1394,19 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn try_add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) -> Result<(), CudaError> {
+    fn launch_add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) -> Result<(), CudaError> {
         Self::check_same_shape(a, b, "add_assign")?;
-        let other = present(&b.data)?;
+        let other = &*b.data;
         let total = a.rows * a.cols;
         let n = total as i64;
-        let data = present_mut(&mut a.data)?;
+        let data = &mut *a.data;
         if total > 0 {
             launch!(self, "add_assign", elementwise(total); data, other, &n)?;
         }
         Ok(())
     }
 
-    fn try_binary(
+    fn binary(
         &self,
         a: &CudaTensor,
         b: &CudaTensor,
@@ -1385,14 +1419,14 @@ impl CudaBackend {
         ) -> Result<(), CudaError>,
     ) -> Result<CudaTensor, CudaError> {
         Self::check_same_shape(a, b, op)?;
-        let other = present(&b.data)?;
+        let other = &*b.data;
         let total = a.rows * a.cols;
-        self.try_unary(a, a.cols, |input, output| {
+        self.unary(a, a.cols, |input, output| {
             run(input, other, output, total as i64)
         })
     }
 
-    fn try_add_sigmoid_scaled_rows(
+    fn launch_add_sigmoid_scaled_rows(
         &self,
         a: &mut CudaTensor,
         b: &CudaTensor,
@@ -1407,14 +1441,14 @@ impl CudaBackend {
                 ),
             });
         }
-        let (other, gate_data) = (present(&b.data)?, present(&gate.data)?);
+        let (other, gate_data) = (&*b.data, &*gate.data);
         let total = a.rows * a.cols;
         let (rows, cols, gate_cols) = (
             int(a.rows, "rows")?,
             int(a.cols, "cols")?,
             int(gate.cols, "gate cols")?,
         );
-        let data = present_mut(&mut a.data)?;
+        let data = &mut *a.data;
         if total > 0 {
             launch!(self, "add_sigmoid_scaled_rows", elementwise(total);
                 data, other, gate_data, &rows, &cols, &gate_cols)?;
@@ -1422,25 +1456,13 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn try_attention(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        spec: &AttentionSpec,
-        segments: &mut [Segment<'_, CudaKvCache>],
-    ) -> Result<Result<CudaTensor, EngineError>, CudaError> {
-        // The launches live in `attention.rs`.
-        self.attention_on(self.info.attention_path, q, k, v, spec, segments)
-    }
-
-    fn try_causal_conv(
+    fn launch_causal_conv1d_silu(
         &self,
         x: &CudaTensor,
         weight: &CudaWeight,
         segments: &mut [Segment<'_, CudaConvState>],
     ) -> Result<CudaTensor, CudaError> {
-        let input = present(&x.data)?;
+        let input = &*x.data;
         let mut out = self.output(x.rows, x.cols)?;
         for segment in segments.iter_mut() {
             let state = &mut *segment.state;
@@ -1462,15 +1484,15 @@ impl CudaBackend {
                 int(x.cols, "channels")?,
                 int(state.kernel, "kernel")?,
             );
-            let history = present_mut(&mut state.history)?;
-            let output = present_mut(&mut out.data)?;
+            let history = &mut state.history;
+            let output = &mut *out.data;
             launch!(self, "causal_conv1d_silu", elementwise(x.cols);
                 input, weight.f32()?, history, output, &row_start, &rows, &channels, &kernel)?;
         }
         Ok(out)
     }
 
-    fn try_delta_rule_gates(
+    fn launch_delta_rule_gates(
         &self,
         a: &CudaTensor,
         b: &CudaTensor,
@@ -1484,13 +1506,13 @@ impl CudaBackend {
                 problem: format!("delta_rule_gates: {nv} heads, A_log / dt_bias sizes differ"),
             });
         }
-        let (a_data, b_data) = (present(&a.data)?, present(&b.data)?);
+        let (a_data, b_data) = (&*a.data, &*b.data);
         let mut g = self.output(a.rows, nv)?;
         let mut beta = self.output(a.rows, nv)?;
         let total = a.rows * nv;
         if total > 0 {
             let (rows, heads) = (int(a.rows, "rows")?, int(nv, "heads")?);
-            let (g_out, beta_out) = (present_mut(&mut g.data)?, present_mut(&mut beta.data)?);
+            let (g_out, beta_out) = (&mut *g.data, &mut *beta.data);
             launch!(self, "delta_rule_gates", elementwise(total);
                 a_data, b_data, a_log.f32()?, dt_bias.f32()?, g_out, beta_out, &rows, &heads)?;
         }
@@ -1512,6 +1534,11 @@ fn load_module(
     context
         .load_module(cudarc::nvrtc::Ptx::from_file(path))
         .map_err(driver_error(format!("loading module {}", path.display())))
+}
+
+/// Maps a CUDA error to the engine's, naming the backend op it failed in.
+fn device(op: &'static str) -> impl FnOnce(CudaError) -> EngineError {
+    move |source| EngineError::Device { op, source }
 }
 
 impl Backend for CudaBackend {
@@ -1543,67 +1570,31 @@ impl Backend for CudaBackend {
         (weight.rows, weight.cols)
     }
 
-    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> CudaTensor {
+    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("upload");
-        let result = if values.len() == rows * cols {
-            self.upload_f32(values).map(|data| CudaTensor {
-                rows,
-                cols,
-                data: Some(data),
-                pool: None,
-            })
-        } else {
-            Err(CudaError::Invalid {
-                problem: format!("upload: {} values for {rows}×{cols}", values.len()),
-            })
-        };
-        self.settle(result, rows, cols)
+        self.upload_tensor(values, rows, cols)
+            .map_err(device("upload"))
     }
 
-    fn download(&self, tensor: &CudaTensor) -> Vec<f32> {
+    fn download(&self, tensor: &CudaTensor) -> Result<Vec<f32>, EngineError> {
         let _timer = self.op_timer("download");
-        let len = tensor.rows * tensor.cols;
-        if len == 0 {
-            return Vec::new();
-        }
-        match self.try_download(tensor) {
-            Ok(values) => values,
-            Err(error) => {
-                self.record(error);
-                // NaN, not zeros: a failed read-back must not look like a plausible result.
-                vec![f32::NAN; len]
-            }
-        }
+        self.download_values(tensor).map_err(device("download"))
     }
 
     fn shape(&self, tensor: &CudaTensor) -> (usize, usize) {
         (tensor.rows, tensor.cols)
     }
 
-    fn gather_rows(&self, tensor: &CudaTensor, rows: &[usize]) -> CudaTensor {
+    fn gather_rows(&self, tensor: &CudaTensor, rows: &[usize]) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("gather_rows");
-        let result = self.try_gather_rows(tensor, rows);
-        self.settle(result, rows.len(), tensor.cols)
+        self.launch_gather_rows(tensor, rows)
+            .map_err(device("gather_rows"))
     }
 
-    fn columns(&self, tensor: &CudaTensor, range: Range<usize>) -> CudaTensor {
+    fn columns(&self, tensor: &CudaTensor, range: Range<usize>) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("columns");
-        let width = range.len();
-        let result = if range.end > tensor.cols {
-            Err(CudaError::Invalid {
-                problem: format!("columns {range:?} of a {}-column tensor", tensor.cols),
-            })
-        } else {
-            int(tensor.rows, "rows").and_then(|rows| {
-                let (cols, start, width_arg) =
-                    (tensor.cols as i32, range.start as i32, width as i32);
-                self.try_unary(tensor, width, |input, output| {
-                    launch!(self, "columns", elementwise(tensor.rows * width);
-                        input, output, &rows, &cols, &start, &width_arg)
-                })
-            })
-        };
-        self.settle(result, tensor.rows, width)
+        self.launch_columns(tensor, range)
+            .map_err(device("columns"))
     }
 
     fn split_interleaved(
@@ -1612,30 +1603,18 @@ impl Backend for CudaBackend {
         groups: usize,
         first: usize,
         second: usize,
-    ) -> (CudaTensor, CudaTensor) {
+    ) -> Result<(CudaTensor, CudaTensor), EngineError> {
         let _timer = self.op_timer("split_interleaved");
-        match self.try_split_interleaved(tensor, groups, first, second) {
-            Ok(pair) => pair,
-            Err(error) => {
-                self.record(error);
-                let empty = |cols| CudaTensor {
-                    rows: tensor.rows,
-                    cols,
-                    data: None,
-                    pool: None,
-                };
-                (empty(groups * first), empty(groups * second))
-            }
-        }
+        self.launch_split_interleaved(tensor, groups, first, second)
+            .map_err(device("split_interleaved"))
     }
 
-    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
+    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("embed");
-        let result = self.try_embed(table, ids);
-        self.settle(result, ids.len(), table.cols)
+        self.launch_embed(table, ids).map_err(device("embed"))
     }
 
-    fn matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> CudaTensor {
+    fn matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer_named(|| {
             format!(
                 "matmul {}x{} by {}x{}{}",
@@ -1650,11 +1629,14 @@ impl Backend for CudaBackend {
                 }
             )
         });
-        let result = self.try_matmul(x, weight);
-        self.settle(result, x.rows, weight.rows)
+        self.launch_matmul(x, weight).map_err(device("matmul"))
     }
 
-    fn matmul3(&self, x: &CudaTensor, weights: [&CudaWeight; 3]) -> [CudaTensor; 3] {
+    fn matmul3(
+        &self,
+        x: &CudaTensor,
+        weights: [&CudaWeight; 3],
+    ) -> Result<[CudaTensor; 3], EngineError> {
         let fused = {
             let _timer = self.op_timer_named(|| {
                 format!(
@@ -1662,19 +1644,17 @@ impl Backend for CudaBackend {
                     x.rows, x.cols, weights[0].rows, weights[1].rows, weights[2].rows, x.cols
                 )
             });
-            self.try_matmul3(x, weights)
+            self.launch_matmul3(x, weights).map_err(device("matmul3"))?
         };
         match fused {
-            Ok(Some(outputs)) => outputs,
-            Ok(None) => weights.map(|weight| self.matmul(x, weight)),
-            Err(error) => {
-                self.record(error);
-                weights.map(|weight| CudaTensor {
-                    rows: x.rows,
-                    cols: weight.rows,
-                    data: None,
-                    pool: None,
-                })
+            Some(outputs) => Ok(outputs),
+            None => {
+                let [w0, w1, w2] = weights;
+                Ok([
+                    self.matmul(x, w0)?,
+                    self.matmul(x, w1)?,
+                    self.matmul(x, w2)?,
+                ])
             }
         }
     }
@@ -1685,10 +1665,10 @@ impl Backend for CudaBackend {
         weight: &CudaWeight,
         eps: f32,
         style: NormStyle,
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("rms_norm");
-        let result = self.try_rms_norm(x, weight, eps, style);
-        self.settle(result, x.rows, x.cols)
+        self.launch_rms_norm(x, weight, eps, style)
+            .map_err(device("rms_norm"))
     }
 
     fn add_rms_norm(
@@ -1698,13 +1678,10 @@ impl Backend for CudaBackend {
         weight: &CudaWeight,
         eps: f32,
         style: NormStyle,
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("add_rms_norm");
-        let result = self.try_add_rms_norm(x, delta, weight, eps, style);
-        if result.is_err() {
-            x.data = None;
-        }
-        self.settle(result, x.rows, x.cols)
+        self.launch_add_rms_norm(x, delta, weight, eps, style)
+            .map_err(device("add_rms_norm"))
     }
 
     fn gated_rms_norm(
@@ -1713,10 +1690,10 @@ impl Backend for CudaBackend {
         gate: &CudaTensor,
         weight: &CudaWeight,
         eps: f32,
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("gated_rms_norm");
-        let result = self.try_gated_rms_norm(x, gate, weight, eps);
-        self.settle(result, x.rows, x.cols)
+        self.launch_gated_rms_norm(x, gate, weight, eps)
+            .map_err(device("gated_rms_norm"))
     }
 
     fn rope(
@@ -1726,12 +1703,10 @@ impl Backend for CudaBackend {
         head_dim: usize,
         rotary_dim: usize,
         theta: f64,
-    ) {
+    ) -> Result<(), EngineError> {
         let _timer = self.op_timer("rope");
-        if let Err(error) = self.try_rope(x, positions, head_dim, rotary_dim, theta) {
-            self.record(error);
-            x.data = None;
-        }
+        self.launch_rope(x, positions, head_dim, rotary_dim, theta)
+            .map_err(device("rope"))
     }
 
     fn rms_norm_rope(
@@ -1741,61 +1716,54 @@ impl Backend for CudaBackend {
         eps: f32,
         style: NormStyle,
         rotation: &Rotation<'_>,
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("rms_norm_rope");
-        let result = self.try_rms_norm_rope(x, weight, eps, style, rotation);
-        self.settle(result, x.rows, x.cols)
+        self.launch_rms_norm_rope(x, weight, eps, style, rotation)
+            .map_err(device("rms_norm_rope"))
     }
 
-    fn add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) {
+    fn add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) -> Result<(), EngineError> {
         let _timer = self.op_timer("add_assign");
-        if let Err(error) = self.try_add_assign(a, b) {
-            self.record(error);
-            a.data = None;
-        }
+        self.launch_add_assign(a, b).map_err(device("add_assign"))
     }
 
-    fn silu_mul_halves(&self, gate_up: &CudaTensor) -> CudaTensor {
+    fn silu_mul_halves(&self, gate_up: &CudaTensor) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("silu_mul_halves");
-        let half = gate_up.cols / 2;
-        let result = int(gate_up.rows, "rows").and_then(|rows| {
-            let half_arg = half as i32;
-            self.try_unary(gate_up, half, |input, output| {
-                launch!(self, "silu_mul_halves", elementwise(gate_up.rows * half);
-                    input, output, &rows, &half_arg)
-            })
-        });
-        self.settle(result, gate_up.rows, half)
+        self.launch_silu_mul_halves(gate_up)
+            .map_err(device("silu_mul_halves"))
     }
 
-    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("silu_mul");
-        let result = self.try_binary(
+        self.binary(
             gate,
             up,
             "silu_mul",
             |a, b, out, n| launch!(self, "silu_mul", elementwise(n as usize); a, b, out, &n),
-        );
-        self.settle(result, gate.rows, gate.cols)
+        )
+        .map_err(device("silu_mul"))
     }
 
-    fn mul_sigmoid(&self, x: &CudaTensor, gate: &CudaTensor) -> CudaTensor {
+    fn mul_sigmoid(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("mul_sigmoid");
-        let result = self.try_binary(
+        self.binary(
             x,
             gate,
             "mul_sigmoid",
             |a, b, out, n| launch!(self, "mul_sigmoid", elementwise(n as usize); a, b, out, &n),
-        );
-        self.settle(result, x.rows, x.cols)
+        )
+        .map_err(device("mul_sigmoid"))
     }
 
-    fn add_sigmoid_scaled_rows(&self, a: &mut CudaTensor, b: &CudaTensor, gate: &CudaTensor) {
+    fn add_sigmoid_scaled_rows(
+        &self,
+        a: &mut CudaTensor,
+        b: &CudaTensor,
+        gate: &CudaTensor,
+    ) -> Result<(), EngineError> {
         let _timer = self.op_timer("add_sigmoid_scaled_rows");
-        if let Err(error) = self.try_add_sigmoid_scaled_rows(a, b, gate) {
-            self.record(error);
-            a.data = None;
-        }
+        self.launch_add_sigmoid_scaled_rows(a, b, gate)
+            .map_err(device("add_sigmoid_scaled_rows"))
     }
 
     fn start_routing(
@@ -1805,24 +1773,22 @@ impl Backend for CudaBackend {
         normalize: bool,
         hidden: &CudaTensor,
         read_hidden: bool,
-    ) -> CudaPendingRouting {
+    ) -> Result<CudaPendingRouting, EngineError> {
         let _timer = self.op_timer("start_routing");
-        let hidden_part = read_hidden.then_some(hidden);
         if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
-            match self.try_start_routing(logits, k, normalize, hidden_part) {
-                Ok(pending) => return pending,
-                Err(error) => self.record(error),
-            }
+            let hidden_part = read_hidden.then_some(hidden);
+            return self
+                .launch_routing_and_read_back(logits, k, normalize, hidden_part)
+                .map_err(device("start_routing"));
         }
-        // Routers wider than the kernel takes (and the path after an error): `route_top_k`
-        // routes them on the host.
-        let routing = self.route_top_k(logits, k, normalize);
+        // Routers wider than the kernel takes: `route_top_k` routes them on the host.
+        let routing = self.route_top_k(logits, k, normalize)?;
         let hidden = if read_hidden {
-            self.download(hidden)
+            self.download(hidden)?
         } else {
             Vec::new()
         };
-        Self::ready_routing(routing, hidden)
+        Ok(Self::ready_routing(routing, hidden))
     }
 
     fn slotted_experts_by_pending_routing(
@@ -1830,71 +1796,42 @@ impl Backend for CudaBackend {
         slots: &CudaExpertSlots,
         x: &CudaTensor,
         routing: &CudaPendingRouting,
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer_by_rows("slotted_experts_by_pending_routing", x.rows);
-        let result = self.try_slotted_experts_by_pending_routing(slots, x, routing);
-        self.settle(result, x.rows, x.cols)
+        self.launch_slotted_experts_by_pending_routing(slots, x, routing)
+            .map_err(device("slotted_experts_by_pending_routing"))
     }
 
-    fn finish_routing(&self, mut routing: CudaPendingRouting) -> (Routing, Vec<f32>) {
+    fn finish_routing(
+        &self,
+        mut routing: CudaPendingRouting,
+    ) -> Result<(Routing, Vec<f32>), EngineError> {
         let _timer = self.op_timer("finish_routing");
-        match self.try_finish_routing(&mut routing) {
-            Ok(result) => result,
-            Err(error) => {
-                self.record(error);
-                routing.zeros()
-            }
-        }
+        self.read_routing(&mut routing)
+            .map_err(device("finish_routing"))
     }
 
-    fn route_top_k(&self, logits: &CudaTensor, k: usize, normalize: bool) -> Routing {
+    fn route_top_k(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        normalize: bool,
+    ) -> Result<Routing, EngineError> {
         let _timer = self.op_timer("route_top_k");
         // Softmax/top-k on the GPU; only the routing comes back to the host (the expert
         // executor needs it there). Routers wider than the kernel takes run on the host.
         if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
-            match self.try_route_top_k_on_device(logits, k, normalize) {
-                Ok(routing) => return routing,
-                Err(error) => self.record(error),
-            }
+            return self
+                .route_top_k_on_device(logits, k, normalize)
+                .map_err(device("route_top_k"));
         }
-        let values = self.download(logits);
-        route_top_k_host(&values, logits.cols, k, normalize)
+        let values = self.download(logits)?;
+        Ok(route_top_k_host(&values, logits.cols, k, normalize))
     }
 
-    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> CudaKvCache {
-        let placement = match self.place_kv_cache(max_tokens, kv_width) {
-            host_kv::KvPlace::Host(cache) => return cache,
-            host_kv::KvPlace::Device(placement) => placement,
-        };
-        let dtype = self.options.kv_dtype;
-        let count = max_tokens * kv_width;
-        let allocate = || {
-            let buffer = match dtype {
-                KvDtype::F32 => self.alloc(count).map(KvBuffer::F32),
-                // Zero-length device allocations are an error in CUDA: keep one element.
-                KvDtype::Bf16 => self
-                    .stream
-                    .alloc_zeros::<u16>(count.max(1))
-                    .map(KvBuffer::Bf16)
-                    .map_err(driver_error(format!("allocating {count} bf16 KV values"))),
-            };
-            match buffer {
-                Ok(buffer) => Some(buffer),
-                Err(error) => {
-                    self.record(error);
-                    None
-                }
-            }
-        };
-        CudaKvCache {
-            max_tokens,
-            kv_width,
-            len: 0,
-            dtype,
-            keys: allocate(),
-            values: allocate(),
-            placement,
-        }
+    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Result<CudaKvCache, EngineError> {
+        self.allocate_kv_cache(max_tokens, kv_width)
+            .map_err(device("new_kv_cache"))
     }
 
     fn attention(
@@ -1906,31 +1843,19 @@ impl Backend for CudaBackend {
         segments: &mut [Segment<'_, CudaKvCache>],
     ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer_by_rows("attention", q.rows);
-        if let Some(error) = self.error() {
-            return Err(Self::engine_error(error));
-        }
-        match self.try_attention(q, k, v, spec, segments) {
-            Ok(result) => result,
-            Err(error) => {
-                self.record(error.clone());
-                Err(Self::engine_error(error))
-            }
-        }
+        // The launches live in `attention.rs`.
+        self.attention_on(self.info.attention_path, q, k, v, spec, segments)
     }
 
-    fn new_conv_state(&self, channels: usize, kernel: usize) -> CudaConvState {
-        let history = match self.alloc(kernel.saturating_sub(1) * channels) {
-            Ok(buffer) => Some(buffer),
-            Err(error) => {
-                self.record(error);
-                None
-            }
-        };
-        CudaConvState {
+    fn new_conv_state(&self, channels: usize, kernel: usize) -> Result<CudaConvState, EngineError> {
+        let history = self
+            .alloc(kernel.saturating_sub(1) * channels)
+            .map_err(device("new_conv_state"))?;
+        Ok(CudaConvState {
             channels,
             kernel,
             history,
-        }
+        })
     }
 
     fn causal_conv1d_silu(
@@ -1938,10 +1863,10 @@ impl Backend for CudaBackend {
         x: &CudaTensor,
         weight: &CudaWeight,
         segments: &mut [Segment<'_, CudaConvState>],
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("causal_conv1d_silu");
-        let result = self.try_causal_conv(x, weight, segments);
-        self.settle(result, x.rows, x.cols)
+        self.launch_causal_conv1d_silu(x, weight, segments)
+            .map_err(device("causal_conv1d_silu"))
     }
 
     fn delta_rule_gates(
@@ -1950,33 +1875,16 @@ impl Backend for CudaBackend {
         b: &CudaTensor,
         a_log: &CudaWeight,
         dt_bias: &CudaWeight,
-    ) -> (CudaTensor, CudaTensor) {
+    ) -> Result<(CudaTensor, CudaTensor), EngineError> {
         let _timer = self.op_timer("delta_rule_gates");
-        match self.try_delta_rule_gates(a, b, a_log, dt_bias) {
-            Ok(pair) => pair,
-            Err(error) => {
-                self.record(error);
-                let empty = || CudaTensor {
-                    rows: a.rows,
-                    cols: a.cols,
-                    data: None,
-                    pool: None,
-                };
-                (empty(), empty())
-            }
-        }
+        self.launch_delta_rule_gates(a, b, a_log, dt_bias)
+            .map_err(device("delta_rule_gates"))
     }
 
-    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> CudaRecurrentState {
+    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Result<CudaRecurrentState, EngineError> {
         let size = spec.value_heads * spec.key_head_dim * spec.value_head_dim;
-        let state = match self.alloc(size) {
-            Ok(buffer) => Some(buffer),
-            Err(error) => {
-                self.record(error);
-                None
-            }
-        };
-        CudaRecurrentState { spec: *spec, state }
+        let state = self.alloc(size).map_err(device("new_recurrent_state"))?;
+        Ok(CudaRecurrentState { spec: *spec, state })
     }
 
     fn gated_delta_rule(
@@ -1989,12 +1897,12 @@ impl Backend for CudaBackend {
         spec: &DeltaRuleSpec,
         form: DeltaRuleForm,
         segments: &mut [Segment<'_, CudaRecurrentState>],
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer_by_rows("gated_delta_rule", q.rows);
         // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
         // else the recurrent kernel (device/delta_rule.rs).
-        let result = self.try_gated_delta_rule(q, k, v, g, beta, spec, form, segments);
-        self.settle(result, q.rows, spec.value_heads * spec.value_head_dim)
+        self.launch_gated_delta_rule(q, k, v, g, beta, spec, form, segments)
+            .map_err(device("gated_delta_rule"))
     }
 
     fn new_expert_slots(
@@ -2003,8 +1911,8 @@ impl Backend for CudaBackend {
         num_experts: usize,
         slots: usize,
     ) -> Result<CudaExpertSlots, EngineError> {
-        self.try_new_expert_slots(layout, num_experts, slots)
-            .map_err(Self::engine_error)
+        self.allocate_expert_slots(layout, num_experts, slots)
+            .map_err(device("new_expert_slots"))
     }
 
     fn fill_expert_slot(
@@ -2015,8 +1923,7 @@ impl Backend for CudaBackend {
         artifact: &Arc<Artifact>,
         bank: &ExpertBank,
     ) -> Result<(), EngineError> {
-        self.try_fill_expert_slot(slots, slot, expert, artifact, bank)
-            .map_err(Self::engine_error)
+        self.copy_expert_into_slot(slots, slot, expert, artifact, bank)
     }
 
     fn prepare_expert_source(
@@ -2041,10 +1948,10 @@ impl Backend for CudaBackend {
         slots: &CudaExpertSlots,
         x: &CudaTensor,
         routing: &Routing,
-    ) -> CudaTensor {
+    ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer_by_rows("slotted_experts", x.rows);
-        let result = self.try_slotted_experts(slots, x, routing);
-        self.settle(result, x.rows, x.cols)
+        self.launch_slotted_experts(slots, x, routing)
+            .map_err(device("slotted_experts"))
     }
 
     fn logit_candidates(
@@ -2055,16 +1962,13 @@ impl Backend for CudaBackend {
     ) -> Result<Vec<crate::backend::LogitCandidates>, EngineError> {
         let _timer = self.op_timer("logit_candidates");
         crate::backend::candidates::check_candidate_request(logits.rows, logits.cols, k, extra)?;
-        self.try_logit_candidates(logits, k, extra)
-            .map_err(|error| {
-                self.record(error.clone());
-                Self::engine_error(error)
-            })
+        self.launch_logit_candidates(logits, k, extra)
+            .map_err(device("logit_candidates"))
     }
 
     fn reserve_host_kv(&self, request: &crate::backend::HostKvRequest) -> Result<(), EngineError> {
-        self.try_reserve_host_kv(request)
-            .map_err(Self::engine_error)
+        self.reserve_host_kv_pool(request)
+            .map_err(device("reserve_host_kv"))
     }
 
     fn kv_placement(&self) -> Option<crate::backend::KvPlacement> {

@@ -69,6 +69,4 @@ pub enum CudaError {
     Unsupported { problem: String },
     #[error("{problem}")]
     Invalid { problem: String },
-    #[error("this buffer has no data: an earlier CUDA error (see the log) stopped the backend")]
-    Poisoned,
 }

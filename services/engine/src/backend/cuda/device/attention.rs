@@ -16,8 +16,8 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
-    driver_error, elementwise, int, present, present_mut, CudaBackend, CudaKvCache, CudaTensor,
-    KvBuffer, KvDtype, ATTENTION_MAX_HEAD_DIM, ATTENTION_WARPS,
+    driver_error, elementwise, int, CudaBackend, CudaKvCache, CudaTensor, KvBuffer, KvDtype,
+    ATTENTION_MAX_HEAD_DIM, ATTENTION_WARPS,
 };
 use crate::backend::cuda::CudaError;
 use crate::backend::{AttentionSpec, Segment};
@@ -120,9 +120,6 @@ impl CudaBackend {
                     "flash attention failed its start-up check, the reference kernel does all attention: {error}"
                 );
                 let _ = self.stream.synchronize();
-                if let Ok(mut slot) = self.error.lock() {
-                    *slot = None;
-                }
                 AttentionPath::Reference
             }
         }
@@ -202,7 +199,7 @@ impl CudaBackend {
                         Ok(CudaTensor {
                             rows: total,
                             cols,
-                            data: Some(self.upload_f32(&values)?),
+                            data: std::mem::ManuallyDrop::new(self.upload_f32(&values)?),
                             pool: None,
                         })
                     };
@@ -226,13 +223,13 @@ impl CudaBackend {
                             },
                         ];
                         let out = self
-                            .attention_on(path, &q, &k, &v, &spec, &mut segments)?
+                            .attention_on(path, &q, &k, &v, &spec, &mut segments)
                             .map_err(|error| CudaError::Invalid {
                                 problem: format!("attention self-check: {error}"),
                             })?;
                         outputs.push(
                             self.stream
-                                .memcpy_dtov(present(&out.data)?)
+                                .memcpy_dtov(&*out.data)
                                 .map_err(driver_error("reading the attention check back"))?,
                         );
                     }
@@ -287,8 +284,8 @@ impl CudaBackend {
             kv_width,
             len: 0,
             dtype,
-            keys: Some(allocate()?),
-            values: Some(allocate()?),
+            keys: std::mem::ManuallyDrop::new(allocate()?),
+            values: std::mem::ManuallyDrop::new(allocate()?),
             placement: Default::default(),
         })
     }
@@ -304,16 +301,7 @@ impl CudaBackend {
         spec: &AttentionSpec,
         segments: &mut [Segment<'_, CudaKvCache>],
     ) -> Result<CudaTensor, EngineError> {
-        if let Some(error) = self.error() {
-            return Err(Self::engine_error(error));
-        }
-        match self.attention_on(path, q, k, v, spec, segments) {
-            Ok(result) => result,
-            Err(error) => {
-                self.record(error.clone());
-                Err(Self::engine_error(error))
-            }
-        }
+        self.attention_on(path, q, k, v, spec, segments)
     }
 
     /// Appends each segment's keys and values to its cache, then attention of its rows through
@@ -326,31 +314,50 @@ impl CudaBackend {
         v: &CudaTensor,
         spec: &AttentionSpec,
         segments: &mut [Segment<'_, CudaKvCache>],
-    ) -> Result<Result<CudaTensor, EngineError>, CudaError> {
+    ) -> Result<CudaTensor, EngineError> {
+        let device = |source| EngineError::Device {
+            op: "attention",
+            source,
+        };
         let hd = spec.head_dim;
         if hd == 0
             || hd > ATTENTION_MAX_HEAD_DIM
             || spec.kv_heads == 0
             || spec.heads % spec.kv_heads != 0
         {
-            return Err(CudaError::Invalid {
+            return Err(device(CudaError::Invalid {
                 problem: format!(
                     "attention: head_dim {hd} (at most {ATTENTION_MAX_HEAD_DIM}), {} heads over {} kv heads",
                     spec.heads, spec.kv_heads
                 ),
-            });
+            }));
         }
         for segment in segments.iter() {
             let n = segment.rows.len();
             if segment.start_position + n > segment.state.max_tokens {
-                return Ok(Err(EngineError::ContextFull {
+                return Err(EngineError::ContextFull {
                     held: segment.start_position,
                     added: n,
                     max_context: segment.state.max_tokens,
-                }));
+                });
             }
         }
-        let (q_data, k_data, v_data) = (present(&q.data)?, present(&k.data)?, present(&v.data)?);
+        self.launch_attention(path, q, k, v, spec, segments)
+            .map_err(device)
+    }
+
+    /// The appends and attention launches of [`CudaBackend::attention_on`], its checks passed.
+    fn launch_attention(
+        &self,
+        path: AttentionPath,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        spec: &AttentionSpec,
+        segments: &mut [Segment<'_, CudaKvCache>],
+    ) -> Result<CudaTensor, CudaError> {
+        let hd = spec.head_dim;
+        let (q_data, k_data, v_data) = (&*q.data, &*k.data, &*v.data);
         // Every kernel writes all of its segment's rows; when the segments tile the rows in
         // order (every forward's batch), the output needs no zeroing launch.
         let mut next_row = 0;
@@ -386,10 +393,7 @@ impl CudaBackend {
                 int(segment.start_position, "position")?,
                 int(width, "kv width")?,
             );
-            match (
-                present_mut(&mut cache.keys)?,
-                present_mut(&mut cache.values)?,
-            ) {
+            match (&mut *cache.keys, &mut *cache.values) {
                 (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
                     launch!(self, "kv_append", elementwise(n * width);
                         k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
@@ -452,8 +456,8 @@ impl CudaBackend {
                 int(n, "rows")?,
                 int(segment.start_position, "position")?,
             );
-            let output = present_mut(&mut out.data)?;
-            let (keys, values) = (present(&cache.keys)?, present(&cache.values)?);
+            let output = &mut *out.data;
+            let (keys, values) = (&*cache.keys, &*cache.values);
             if !matches!(
                 (keys, values),
                 (KvBuffer::F32(_), KvBuffer::F32(_)) | (KvBuffer::Bf16(_), KvBuffer::Bf16(_))
@@ -464,10 +468,7 @@ impl CudaBackend {
             }
             match (path, plan, workspace.as_mut()) {
                 (AttentionPath::Flash, Some(plan), Some((part_o, part_ml))) => {
-                    let (part_o, part_ml) = (
-                        present_mut(&mut part_o.data)?,
-                        present_mut(&mut part_ml.data)?,
-                    );
+                    let (part_o, part_ml) = (&mut *part_o.data, &mut *part_ml.data);
                     let group = spec.heads / spec.kv_heads;
                     let slices = group.div_ceil(SPLIT_HEADS);
                     let (chunk, chunks, part_base) = (
@@ -557,7 +558,7 @@ impl CudaBackend {
                 }
             }
         }
-        Ok(Ok(out))
+        Ok(out)
     }
 }
 

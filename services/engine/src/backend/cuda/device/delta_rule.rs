@@ -18,7 +18,7 @@
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{driver_error, int, present, present_mut, CudaBackend, CudaRecurrentState, CudaTensor};
+use super::{driver_error, int, CudaBackend, CudaRecurrentState, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::{DeltaRuleForm, DeltaRuleSpec, Segment};
 
@@ -71,7 +71,7 @@ impl CudaBackend {
     /// The gated delta rule of [`crate::backend::Backend::gated_delta_rule`] over `segments`,
     /// each segment in the form `form` asks for where the chunked kernel is available.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn try_gated_delta_rule(
+    pub(super) fn launch_gated_delta_rule(
         &self,
         q: &CudaTensor,
         k: &CudaTensor,
@@ -140,8 +140,8 @@ impl CudaBackend {
                 });
             }
         }
-        let (q_data, k_data, v_data) = (present(&q.data)?, present(&k.data)?, present(&v.data)?);
-        let (g_data, beta_data) = (present(&g.data)?, present(&beta.data)?);
+        let (q_data, k_data, v_data) = (&*q.data, &*k.data, &*v.data);
+        let (g_data, beta_data) = (&*g.data, &*beta.data);
         let mut out = self.output(rows, nv * dv)?;
         let (nk_arg, nv_arg, dk_arg, dv_arg) = (
             int(nk, "key heads")?,
@@ -173,8 +173,8 @@ impl CudaBackend {
                 });
             }
             let (row_start, n_arg) = (int(segment.rows.start, "row")?, int(n, "rows")?);
-            let state = present_mut(&mut segment.state.state)?;
-            let output = present_mut(&mut out.data)?;
+            let state = &mut segment.state.state;
+            let output = &mut *out.data;
             match choose(n) {
                 Kernel::Chunked => {
                     if !self.chunked_fits(dk) {
@@ -220,9 +220,6 @@ impl CudaBackend {
                 // A failed check may have left an error on the stream or in the slot: drain the
                 // stream and clear the slot (nothing else has run yet).
                 let _ = self.stream.synchronize();
-                if let Ok(mut slot) = self.error.lock() {
-                    *slot = None;
-                }
             }
         }
     }
@@ -292,7 +289,7 @@ impl CudaBackend {
             Ok(CudaTensor {
                 rows: total,
                 cols,
-                data: Some(self.upload_f32(values)?),
+                data: std::mem::ManuallyDrop::new(self.upload_f32(values)?),
                 pool: None,
             })
         };
@@ -314,7 +311,7 @@ impl CudaBackend {
             for initial in &states {
                 owned.push(CudaRecurrentState {
                     spec,
-                    state: Some(self.upload_f32(initial)?),
+                    state: self.upload_f32(initial)?,
                 });
             }
             let mut start = 0;
@@ -340,9 +337,9 @@ impl CudaBackend {
             self.stream
                 .synchronize()
                 .map_err(driver_error("running the delta rule check"))?;
-            let mut values = read(present(&out.data)?)?;
+            let mut values = read(&out.data)?;
             for state in &owned {
-                values.extend(read(present(&state.state)?)?);
+                values.extend(read(&state.state)?);
             }
             results.push(values);
         }

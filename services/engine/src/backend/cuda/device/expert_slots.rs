@@ -19,10 +19,11 @@ use cudarc::driver::{
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::{ExpertLayout, WeightDType};
 
-use super::{driver_error, elementwise, int, present, present_mut, CudaBackend, CudaTensor};
+use super::{driver_error, elementwise, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
 use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotTable, WithExpertSlotTable};
+use crate::error::EngineError;
 
 /// Warps per block of `expert_gate_up` / `expert_down`: one output row per warp.
 const EXPERT_WARPS: u32 = 8;
@@ -80,9 +81,9 @@ impl Drop for PinnedRange {
 /// Experts of one MoE layer in GPU memory. See the module doc.
 pub struct CudaExpertSlots {
     layout: ExpertLayout,
-    storage: Option<CudaSlice<u8>>,
+    storage: CudaSlice<u8>,
     /// The GPU copy of `slot_table` ([`ExpertSlotTable::slot_entries`]), read by the kernels.
-    table: Option<CudaSlice<i32>>,
+    table: CudaSlice<i32>,
     slot_table: ExpertSlotTable,
     /// Banks pinned for DMA (by bank prefix), or `None` when pinning failed (copies then go
     /// through the driver's staging buffer, synchronously).
@@ -275,7 +276,7 @@ impl CudaBackend {
         cudarc::driver::result::mem_get_info().map_err(driver_error("reading free GPU memory"))
     }
 
-    pub(super) fn try_new_expert_slots(
+    pub(super) fn allocate_expert_slots(
         &self,
         layout: &ExpertLayout,
         num_experts: usize,
@@ -290,7 +291,7 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<u8>(bytes.max(1))
             .map_err(driver_error(format!(
-                "allocating {slots} expert slots ({:.1} MiB)",
+                "allocating {slots} expert slots ({bytes} bytes, {:.1} MiB)",
                 bytes as f64 / (1 << 20) as f64
             )))?;
         let empty = vec![-1i32; num_experts.max(1)];
@@ -300,8 +301,8 @@ impl CudaBackend {
             .map_err(driver_error("copying the expert slot table"))?;
         Ok(CudaExpertSlots {
             layout: *layout,
-            storage: Some(storage),
-            table: Some(table),
+            storage,
+            table,
             slot_table: ExpertSlotTable::new(num_experts, slots),
             pinned: Vec::new(),
             sources: Vec::new(),
@@ -369,31 +370,30 @@ impl CudaBackend {
         slots.pinned.push((bank.prefix.clone(), pinned));
     }
 
-    pub(super) fn try_fill_expert_slot(
+    pub(super) fn copy_expert_into_slot(
         &self,
         slots: &mut CudaExpertSlots,
         slot: usize,
         expert: usize,
         artifact: &Arc<Artifact>,
         bank: &ExpertBank,
-    ) -> Result<(), CudaError> {
-        let source = expert_bytes(artifact, bank, expert, &slots.layout).map_err(|error| {
-            CudaError::Invalid {
-                problem: error.to_string(),
-            }
-        })?;
+    ) -> Result<(), EngineError> {
+        let device = |source| EngineError::Device {
+            op: "fill_expert_slot",
+            source,
+        };
+        let source = expert_bytes(artifact, bank, expert, &slots.layout)?;
         slots
             .slot_table
             .check(slot, expert)
-            .map_err(|error| CudaError::Invalid {
-                problem: slot_out_of_range(error).to_string(),
-            })?;
+            .map_err(slot_out_of_range)?;
         // The raw driver calls below (register, async copy) need the context on this thread;
         // cudarc's safe calls bind it themselves.
         self.stream
             .context()
             .bind_to_thread()
-            .map_err(driver_error("binding the CUDA context"))?;
+            .map_err(driver_error("binding the CUDA context"))
+            .map_err(device)?;
         self.pin_bank(slots, artifact, bank);
         if !slots
             .sources
@@ -407,7 +407,7 @@ impl CudaBackend {
             .iter()
             .any(|(prefix, range)| *prefix == bank.prefix && range.is_some());
         let stride = slots.layout.stride;
-        let storage = present_mut(&mut slots.storage)?;
+        let storage = &mut slots.storage;
         let mut destination = storage.slice_mut(slot * stride..(slot + 1) * stride);
         if pinned {
             let (pointer, _record) = destination.device_ptr_mut(&self.stream);
@@ -417,26 +417,26 @@ impl CudaBackend {
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(pointer, source, self.stream.cu_stream())
             }
-            .map_err(driver_error("copying an expert into its GPU slot"))?;
+            .map_err(driver_error("copying an expert into its GPU slot"))
+            .map_err(device)?;
         } else {
             self.stream
                 .memcpy_htod(source, &mut destination)
-                .map_err(driver_error("copying an expert into its GPU slot"))?;
+                .map_err(driver_error("copying an expert into its GPU slot"))
+                .map_err(device)?;
         }
         slots
             .slot_table
             .assign(slot, expert)
-            .map_err(|error| CudaError::Invalid {
-                problem: slot_out_of_range(error).to_string(),
-            })?;
-        let table = present_mut(&mut slots.table)?;
+            .map_err(slot_out_of_range)?;
         self.stream
-            .memcpy_htod(slots.slot_table.slot_entries(), table)
-            .map_err(driver_error("updating the expert slot table"))?;
+            .memcpy_htod(slots.slot_table.slot_entries(), &mut slots.table)
+            .map_err(driver_error("updating the expert slot table"))
+            .map_err(device)?;
         Ok(())
     }
 
-    pub(super) fn try_slotted_experts(
+    pub(super) fn launch_slotted_experts(
         &self,
         slots: &CudaExpertSlots,
         x: &CudaTensor,
@@ -466,8 +466,8 @@ impl CudaBackend {
         {
             return Ok(out);
         }
-        let input = present(&x.data)?;
-        let storage = present(&slots.storage)?;
+        let input = &*x.data;
+        let storage = &slots.storage;
         let chunk_tokens = (MAX_PAIRS_PER_LAUNCH / k).max(1);
         let chunk_pairs = chunk_tokens.min(tokens) * k;
         let scratch = |width: usize| {
@@ -482,11 +482,11 @@ impl CudaBackend {
         // skips pairs).
         let mut activated_buffer = self.output_uninit(1, scratch(intermediate)?)?;
         let mut pair_out_buffer = self.output_uninit(1, scratch(hidden)?)?;
-        let activated = present_mut(&mut activated_buffer.data)?;
-        let pair_out = present_mut(&mut pair_out_buffer.data)?;
+        let activated = &mut *activated_buffer.data;
+        let pair_out = &mut *pair_out_buffer.data;
         let args = ExpertKernelArgs::new(layout)?;
         let top_k = int(k, "top-k")?;
-        let output = present_mut(&mut out.data)?;
+        let output = &mut *out.data;
         let mut first = 0;
         while first < tokens {
             let count = chunk_tokens.min(tokens - first);
@@ -583,8 +583,8 @@ impl CudaBackend {
     ) -> Result<(), CudaError> {
         let layout = &slots.layout;
         let (hidden, intermediate) = (layout.hidden, layout.intermediate);
-        let storage = present(&slots.storage)?;
-        let table = present(&slots.table)?;
+        let storage = &slots.storage;
+        let table = &slots.table;
         let args = ExpertKernelArgs::new(layout)?;
         let (top_k, num_experts) = (
             int(k, "top-k")?,
@@ -617,15 +617,15 @@ impl CudaBackend {
     }
 
     /// Whether a batch of `tokens` tokens with `k` choices each runs the per-pair kernels in
-    /// one launch (what [`CudaBackend::try_slotted_experts_by_device_routing`] takes).
+    /// one launch (what [`CudaBackend::launch_slotted_experts_by_device_routing`] takes).
     pub(super) fn pairwise_in_one_launch(tokens: usize, k: usize) -> bool {
         tokens < GROUPED_MIN_TOKENS && tokens.saturating_mul(k) <= MAX_PAIRS_PER_LAUNCH
     }
 
-    /// [`CudaBackend::try_slotted_experts`] with the routing still on the GPU (`ids`, u32 bits
+    /// [`CudaBackend::launch_slotted_experts`] with the routing still on the GPU (`ids`, u32 bits
     /// in an f32 buffer, and `weights`, `[tokens, k]`): no read-back, so nothing waits. Only for batches that
     /// [`CudaBackend::pairwise_in_one_launch`] takes; an empty slot set skips the launches.
-    pub(super) fn try_slotted_experts_by_device_routing(
+    pub(super) fn launch_slotted_experts_by_device_routing(
         &self,
         slots: &CudaExpertSlots,
         x: &CudaTensor,
@@ -652,18 +652,17 @@ impl CudaBackend {
         if slots.slot_table.is_empty() {
             return Ok(out);
         }
-        let input = present(&x.data)?;
+        let input = &*x.data;
         // SAFETY: u32 and f32 have the same size and every bit pattern is valid in both.
-        let ids = unsafe { present(&ids.data)?.transmute::<u32>(pairs) }.ok_or_else(|| {
-            CudaError::Invalid {
+        let ids =
+            unsafe { ids.data.transmute::<u32>(pairs) }.ok_or_else(|| CudaError::Invalid {
                 problem: "the routing ids' buffer is too small".into(),
-            }
-        })?;
-        let weights = present(&weights.data)?;
+            })?;
+        let weights = &*weights.data;
         // Recycled scratch: the per-pair kernels write every element the next one reads.
         let mut activated = self.output_uninit(1, pairs * intermediate)?;
         let mut pair_out = self.output_uninit(1, pairs * hidden)?;
-        let pair_out = present_mut(&mut pair_out.data)?;
+        let pair_out = &mut *pair_out.data;
         self.launch_pairwise_experts(
             slots,
             &ids,
@@ -671,10 +670,10 @@ impl CudaBackend {
             &input.slice(0..tokens * hidden),
             pairs,
             k,
-            present_mut(&mut activated.data)?,
+            &mut activated.data,
             pair_out,
         )?;
-        let output = present_mut(&mut out.data)?;
+        let output = &mut *out.data;
         self.launch_pair_sum(
             pair_out,
             &mut output.slice_mut(0..tokens * hidden),

@@ -185,9 +185,13 @@ impl Drop for KvPlacementToken {
 
 impl Drop for CudaKvCache {
     fn drop(&mut self) {
-        if matches!(self.placement, KvPlacementToken::Host { .. }) {
-            // The buffers point into the host pool: never hand them to cuMemFree.
-            for buffer in [self.keys.take(), self.values.take()].into_iter().flatten() {
+        let in_host_pool = matches!(self.placement, KvPlacementToken::Host { .. });
+        for buffer in [&mut self.keys, &mut self.values] {
+            // SAFETY: each buffer is taken exactly once, here, and never used after.
+            let buffer = unsafe { std::mem::ManuallyDrop::take(buffer) };
+            // The buffers of a host-pool cache point into the pool: never hand them to
+            // cuMemFree.
+            if in_host_pool {
                 match buffer {
                     KvBuffer::F32(slice) => {
                         slice.leak();
@@ -211,7 +215,7 @@ pub(super) enum KvPlace {
 
 impl CudaBackend {
     /// [`crate::backend::Backend::reserve_host_kv`].
-    pub(super) fn try_reserve_host_kv(&self, request: &HostKvRequest) -> Result<(), CudaError> {
+    pub(super) fn reserve_host_kv_pool(&self, request: &HostKvRequest) -> Result<(), CudaError> {
         let pool = if request.host_bytes == 0 {
             None
         } else {
@@ -255,12 +259,16 @@ impl CudaBackend {
     }
 
     /// Where a new `[max_tokens, kv_width]` K/V cache goes (see the module doc).
-    pub(super) fn place_kv_cache(&self, max_tokens: usize, kv_width: usize) -> KvPlace {
+    pub(super) fn place_kv_cache(
+        &self,
+        max_tokens: usize,
+        kv_width: usize,
+    ) -> Result<KvPlace, CudaError> {
         let Ok(mut slot) = self.host_kv.lock() else {
-            return KvPlace::Device(KvPlacementToken::Untracked);
+            return Ok(KvPlace::Device(KvPlacementToken::Untracked));
         };
         let Some(state) = slot.as_mut() else {
-            return KvPlace::Device(KvPlacementToken::Untracked);
+            return Ok(KvPlace::Device(KvPlacementToken::Untracked));
         };
         let dtype = self.options.kv_dtype;
         let count = (max_tokens * kv_width).max(1);
@@ -297,12 +305,12 @@ impl CudaBackend {
             })
         };
         if device_bytes.saturating_add(bytes) <= share {
-            return device();
+            return Ok(device());
         }
         let aligned = buffer_bytes.next_multiple_of(ALIGN);
         let Some((offset, leased)) = state.pool.allocate(2 * aligned) else {
             // The pool is full too: the GPU, as without a pool.
-            return device();
+            return Ok(device());
         };
         let pool = Arc::clone(&state.pool);
         drop(slot);
@@ -323,7 +331,7 @@ impl CudaBackend {
         let status =
             unsafe { sys::cuMemsetD8Async(keys_at, 0, 2 * aligned, self.stream.cu_stream()) };
         if status != sys::CUresult::CUDA_SUCCESS {
-            self.record(CudaError::Driver {
+            return Err(CudaError::Driver {
                 what: "clearing a host KV cache".into(),
                 message: format!("{status:?}"),
             });
@@ -343,15 +351,15 @@ impl CudaBackend {
                 ),
             }
         };
-        KvPlace::Host(CudaKvCache {
+        Ok(KvPlace::Host(CudaKvCache {
             max_tokens,
             kv_width,
             len: 0,
             dtype,
-            keys: Some(keys),
-            values: Some(values),
+            keys: std::mem::ManuallyDrop::new(keys),
+            values: std::mem::ManuallyDrop::new(values),
             placement,
-        })
+        }))
     }
 }
 

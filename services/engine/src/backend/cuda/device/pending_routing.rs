@@ -22,7 +22,7 @@ use super::readback::{
     decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,
 };
 use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_THREADS};
-use super::{driver_error, int, present, present_mut, CudaBackend, CudaTensor};
+use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
 
@@ -135,7 +135,7 @@ impl CudaBackend {
     }
 
     /// The router kernel on `logits` and the queued copies of its result (and of `hidden`).
-    pub(super) fn try_start_routing(
+    pub(super) fn launch_routing_and_read_back(
         &self,
         logits: &CudaTensor,
         k: usize,
@@ -146,7 +146,7 @@ impl CudaBackend {
         let k = k.min(experts);
         if tokens == 0 || k == 0 {
             let hidden = match hidden {
-                Some(hidden) => self.try_download(hidden)?,
+                Some(hidden) => self.download_values(hidden)?,
                 None => Vec::new(),
             };
             return Ok(CudaPendingRouting {
@@ -168,7 +168,7 @@ impl CudaBackend {
                 ),
             });
         }
-        let input = present(&logits.data)?;
+        let input = &*logits.data;
         // Recycled buffers: the router kernel writes every element of both.
         let mut ids = self.output_uninit(tokens, k)?;
         let mut weights = self.output_uninit(tokens, k)?;
@@ -186,7 +186,7 @@ impl CudaBackend {
             i32::from(normalize),
         );
         {
-            let ids_data = present_mut(&mut ids.data)?;
+            let ids_data = &mut *ids.data;
             // SAFETY: u32 and f32 have the same size and every bit pattern is valid in both.
             let mut ids_view =
                 unsafe { ids_data.transmute_mut::<u32>(tokens * k) }.ok_or_else(|| {
@@ -195,18 +195,15 @@ impl CudaBackend {
                     }
                 })?;
             launch!(self, "route_top_k", config;
-                input, &mut ids_view, present_mut(&mut weights.data)?, &experts_arg, &k_arg,
+                input, &mut ids_view, &mut *weights.data, &experts_arg, &k_arg,
                 &normalize_arg)?;
         }
         let mut parts = vec![
-            ReadBack::U32Bits(present(&ids.data)?, tokens * k),
-            ReadBack::F32(present(&weights.data)?, tokens * k),
+            ReadBack::U32Bits(&ids.data, tokens * k),
+            ReadBack::F32(&weights.data, tokens * k),
         ];
         if let Some(hidden) = hidden {
-            parts.push(ReadBack::F32(
-                present(&hidden.data)?,
-                hidden.rows * hidden.cols,
-            ));
+            parts.push(ReadBack::F32(&hidden.data, hidden.rows * hidden.cols));
         }
         let shapes: Vec<ReadBackShape> = parts.iter().map(ReadBack::shape).collect();
         let (offsets, total) = staging_layout(&shapes);
@@ -238,7 +235,7 @@ impl CudaBackend {
         })
     }
 
-    /// A routing computed on the host (wide routers, or after the device path failed).
+    /// A routing computed on the host (routers wider than the kernel takes).
     pub(super) fn ready_routing(routing: Routing, hidden: Vec<f32>) -> CudaPendingRouting {
         CudaPendingRouting {
             experts_per_token: routing.experts_per_token,
@@ -248,7 +245,7 @@ impl CudaBackend {
 
     /// The routing and hidden values on the host; waits for their copies only. A routing
     /// already on the host is moved out (left empty).
-    pub(super) fn try_finish_routing(
+    pub(super) fn read_routing(
         &self,
         pending: &mut CudaPendingRouting,
     ) -> Result<(Routing, Vec<f32>), CudaError> {
@@ -277,19 +274,19 @@ impl CudaBackend {
     /// Slotted experts by a pending routing: straight from the device routing for decode-sized
     /// batches, through the host routing (a wait for its copies) for bigger ones, which group
     /// their pairs by expert on the host.
-    pub(super) fn try_slotted_experts_by_pending_routing(
+    pub(super) fn launch_slotted_experts_by_pending_routing(
         &self,
         slots: &super::CudaExpertSlots,
         x: &CudaTensor,
         pending: &CudaPendingRouting,
     ) -> Result<CudaTensor, CudaError> {
         match &pending.state {
-            PendingState::Ready { routing, .. } => self.try_slotted_experts(slots, x, routing),
+            PendingState::Ready { routing, .. } => self.launch_slotted_experts(slots, x, routing),
             PendingState::OnDevice(on_device)
                 if on_device.tokens == x.rows
                     && Self::pairwise_in_one_launch(x.rows, pending.experts_per_token) =>
             {
-                self.try_slotted_experts_by_device_routing(
+                self.launch_slotted_experts_by_device_routing(
                     slots,
                     x,
                     &on_device.ids,
@@ -300,34 +297,8 @@ impl CudaBackend {
             PendingState::OnDevice(on_device) => {
                 let mut values = on_device.read(2)?.into_iter();
                 let routing = routing_of(&mut values, pending.experts_per_token)?;
-                self.try_slotted_experts(slots, x, &routing)
+                self.launch_slotted_experts(slots, x, &routing)
             }
         }
-    }
-}
-
-impl CudaPendingRouting {
-    /// Zero routing and hidden values of the shapes this routing promised: what a failed
-    /// finish gives (the error is recorded; the request fails when the forward ends).
-    pub(super) fn zeros(&self) -> (Routing, Vec<f32>) {
-        let k = self.experts_per_token;
-        let (pairs, hidden) = match &self.state {
-            PendingState::Ready { routing, hidden } => (routing.expert_ids.len(), hidden.len()),
-            PendingState::OnDevice(on_device) => (
-                on_device.tokens * k,
-                match on_device.shapes.get(2) {
-                    Some(ReadBackShape::F32(len)) => *len,
-                    _ => 0,
-                },
-            ),
-        };
-        (
-            Routing {
-                experts_per_token: k,
-                expert_ids: vec![0; pairs],
-                weights: vec![0.0; pairs],
-            },
-            vec![0.0; hidden],
-        )
     }
 }

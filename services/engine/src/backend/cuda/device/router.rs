@@ -18,15 +18,14 @@ pub(super) const ROUTER_MAX_TOP_K: usize = 32;
 
 impl CudaBackend {
     /// Routing of every row of `logits` (`[tokens, experts]`) computed on the GPU.
-    pub(super) fn try_route_top_k_on_device(
+    pub(super) fn route_top_k_on_device(
         &self,
         logits: &CudaTensor,
         k: usize,
         normalize: bool,
     ) -> Result<Routing, CudaError> {
-        let mut pending = self.try_start_routing(logits, k, normalize, None)?;
-        self.try_finish_routing(&mut pending)
-            .map(|(routing, _)| routing)
+        let mut pending = self.launch_routing_and_read_back(logits, k, normalize, None)?;
+        self.read_routing(&mut pending).map(|(routing, _)| routing)
     }
 }
 

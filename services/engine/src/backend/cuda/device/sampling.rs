@@ -7,7 +7,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{driver_error, int, present, CudaBackend, CudaTensor};
+use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::candidates::{LogitCandidates, MAX_CANDIDATES};
 use crate::backend::cuda::CudaError;
 
@@ -33,7 +33,7 @@ fn chunking(cols: usize) -> (usize, usize) {
 
 impl CudaBackend {
     /// [`crate::backend::Backend::logit_candidates`] on the GPU (arguments already checked).
-    pub(super) fn try_logit_candidates(
+    pub(super) fn launch_logit_candidates(
         &self,
         logits: &CudaTensor,
         k: usize,
@@ -57,7 +57,7 @@ impl CudaBackend {
                 extra.len()
             )));
         }
-        let input = present(&logits.data)?;
+        let input = &*logits.data;
         let parts = rows * chunks;
         let mut part_ids = self
             .stream

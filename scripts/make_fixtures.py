@@ -683,12 +683,12 @@ def compute_reference(name, model, tok, tok_json, ids, meta):
 
 # ----------------------------------------------------------------------------------------------------------
 # bf16-weights references: the same forward with the weights rounded the way `ninfer-convert --experts-dtype bf16
-# --dense-dtype bf16` stores them (services/convert/src/plan.rs), so a bf16 artifact can be judged against
+# --dense-dtype bf16` stores them (services/lib/convert/src/plan.rs), so a bf16 artifact can be judged against
 # transformers on the *same* weights (the f32 references above differ from it by the weights' rounding alone).
 # ----------------------------------------------------------------------------------------------------------
 
 BF16_ROUNDING_RULE = (
-    "as ninfer-convert --experts-dtype bf16 --dense-dtype bf16 stores the weights (services/convert/src/plan.rs): "
+    "as ninfer-convert --experts-dtype bf16 --dense-dtype bf16 stores the weights (services/lib/convert/src/plan.rs): "
     "every parameter with >= 2 dims is rounded float32 -> bfloat16 -> float32, round to nearest, ties to even "
     "(tensor.to(torch.bfloat16).to(torch.float32)): embed_tokens, lm_head, attention q/k/v/o_proj, Gated DeltaNet "
     "in_proj_* and out_proj, dense MLP, shared expert gate/up/down_proj, routed experts (fused or per-expert); "

@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# The engine's GPU test suite (issue 8), in two halves because the GPU machine has no Rust:
+# The engine's GPU test suites, in two halves, so that the GPU machine needs no Rust toolchain:
 #
-#   scripts/gpu_tests.sh build   here: release test binaries (and the engine binary) → .devbin/
-#   scripts/gpu_tests.sh run     on the GPU machine: runs them with NINFER_REQUIRE_GPU=1 (a GPU
-#                                case that would skip fails instead) and prints a summary table
+#   scripts/gpu_tests.sh build   on a machine with Rust: release test binaries (and the engine
+#                                binary) → $NINFER_BUNDLE (default target/gpu-bundle)
+#   scripts/gpu_tests.sh run     on the GPU machine, in a copy of this checkout holding that
+#                                folder: runs them with NINFER_REQUIRE_GPU=1 (a GPU case that
+#                                would skip fails instead) and prints a summary table
 #
-# One device call runs the suite:  run(command="scripts/gpu_tests.sh run", carry=[".devbin"]).
-# Logs go to $OUT (the device tool brings them back) or /tmp/gpu_tests.
+# Knobs of `run`: OUT (logs, default /tmp/gpu_tests), GPU_TEST_PARALLEL=1 (every suite at once,
+# one CUDA context each: the wall time is the slowest suite's), GPU_TEST_TIMEOUT (seconds per
+# suite, default 150), GPU_TEST_FIGURES=0 (skip the matmul and attention figures, which are
+# measurements, not checks), GPU_TEST_CANARY=1 (first one small suite, which compiles and caches
+# the kernels and runs the backend's start-up self-checks; when it fails and the log points at
+# NINFER_CUDA_REFERENCE_KERNELS, the suites run with the reference kernels only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bundle=${NINFER_BUNDLE:-target/gpu-bundle}
 
 # test binary : name filter (only the CUDA cases of the device-parametrized suites)
 SUITES=(
@@ -25,14 +32,13 @@ SUITES=(
 )
 
 build() {
-  local json=target/gpu_tests_build.json
-  mkdir -p target
+  local json=target/gpu_tests_build.json suite
+  mkdir -p target "$bundle"
   cargo test --release -p ninfer-engine --no-run --message-format=json >"$json"
-  rm -rf .devbin
-  mkdir -p .devbin
-  python3 - "$json" "${SUITES[@]}" <<'PY'
+  for suite in "${SUITES[@]}"; do rm -f "$bundle/${suite%%:*}"; done
+  python3 - "$json" "$bundle" "${SUITES[@]}" <<'PY'
 import json, shutil, sys
-path, suites = sys.argv[1], [s.split(":", 1)[0] for s in sys.argv[2:]]
+path, bundle, suites = sys.argv[1], sys.argv[2], [s.split(":", 1)[0] for s in sys.argv[3:]]
 found = {}
 for line in open(path):
     try:
@@ -50,31 +56,34 @@ missing = [s for s in suites + ["ninfer-engine"] if s not in found]
 if missing:
     sys.exit(f"no executable built for {missing}")
 for name, executable in found.items():
-    shutil.copy(executable, f".devbin/{name}")
+    shutil.copy(executable, f"{bundle}/{name}")
 PY
-  # Debug info is most of the size, and the working tree that travels is capped at 64 MiB.
-  strip --strip-debug .devbin/* 2>/dev/null || true
+  # Debug info is most of the size of a test binary.
+  strip --strip-debug "$bundle"/* 2>/dev/null || true
   # Paths compiled into the tests (fixtures, the engine binary) point at this checkout.
-  pwd >.devbin/BUILD_ROOT
-  du -sh .devbin
+  pwd >"$bundle/BUILD_ROOT"
+  du -sh "$bundle"
 }
 
 run() {
   local root out
-  root=$(cat .devbin/BUILD_ROOT)
+  root=$(cat "$bundle/BUILD_ROOT")
   if [ "$root" != "$PWD" ] && [ ! -e "$root" ]; then
     mkdir -p "$(dirname "$root")"
     ln -s "$PWD" "$root"
   fi
   mkdir -p "$root/target/release"
-  cp .devbin/ninfer-engine "$root/target/release/ninfer-engine"
+  if [ ! "$bundle/ninfer-engine" -ef "$root/target/release/ninfer-engine" ]; then
+    cp "$bundle/ninfer-engine" "$root/target/release/ninfer-engine"
+  fi
   out=${OUT:-/tmp/gpu_tests}
   mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   export NINFER_REQUIRE_GPU=1 NINFER_REQUIRE_NVRTC=1 RUST_LOG=${RUST_LOG:-warn} RUST_BACKTRACE=1
+  if [ "${GPU_TEST_CANARY:-0}" = 1 ]; then
+    canary "$out"
+  fi
   local status=0 suite
-  # GPU_TEST_PARALLEL=1 runs the suites at once (one CUDA context each; the wall time is the
-  # slowest suite's, which matters when device time is scarce).
   for suite in "${SUITES[@]}"; do
     if [ "${GPU_TEST_PARALLEL:-0}" = 1 ]; then
       run_suite "$suite" "$out" &
@@ -93,9 +102,9 @@ run() {
   done
   if [ "${GPU_TEST_FIGURES:-1}" = 1 ]; then
     echo "---- matmul figures (not checks)"
-    timeout 60 .devbin/cuda_ops --ignored --nocapture matmul_bandwidth_figures 2>&1 | grep -E '^matmul' || true
+    timeout 60 "$bundle/cuda_ops" --ignored --nocapture matmul_bandwidth_figures 2>&1 | grep -E '^matmul' || true
     echo "---- attention decode figures (not checks)"
-    timeout 90 .devbin/cuda_ops --ignored --nocapture attention_decode_figures 2>&1 | grep -E '^attention' || true
+    timeout 90 "$bundle/cuda_ops" --ignored --nocapture attention_decode_figures 2>&1 | grep -E '^attention' || true
   fi
   echo "---- figures"
   cat "$out"/*.log | grep -E 'on cuda:|vs cpu over|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4|cuBLAS|options: KV|cuda backend: KV|slotted vs reference|resident vs 0' | grep -v '^test ' | head -120
@@ -107,13 +116,31 @@ run() {
   return "$status"
 }
 
+# The backend's start-up (kernel compilation, self-checks) and the dense ops, alone, first: a
+# self-check kernel that faults would poison every suite's CUDA context.
+canary() {
+  local out=$1 rc
+  echo "---- canary: backend start-up + dense ops"
+  set +e
+  RUST_LOG=info timeout 120 "$bundle/cuda_ops" dense_ops_match_the_cpu_backend --nocapture \
+    >"$out/canary.log" 2>&1
+  rc=$?
+  set -e
+  grep -E 'CUDA backend ready|self-check|falls? back|fallback|WARN|ERROR|test result' "$out/canary.log" \
+    | cut -c1-600 || true
+  if [ "$rc" -ne 0 ] && grep -q 'NINFER_CUDA_REFERENCE_KERNELS' "$out/canary.log"; then
+    echo "canary: the newer kernels broke the context; the suites run with the reference kernels only"
+    export NINFER_CUDA_REFERENCE_KERNELS=1
+  fi
+}
+
 # One suite: its log in $2/NAME.log, its summary row in $2/NAME.row.
 run_suite() {
   local suite=$1 out=$2
   local name=${suite%%:*} filter=${suite#*:} start end rc summary
   start=$(date +%s.%N)
   set +e
-  timeout "${GPU_TEST_TIMEOUT:-150}" ".devbin/$name" $filter --nocapture >"$out/$name.log" 2>&1
+  timeout "${GPU_TEST_TIMEOUT:-150}" "$bundle/$name" $filter --nocapture >"$out/$name.log" 2>&1
   rc=$?
   set -e
   end=$(date +%s.%N)

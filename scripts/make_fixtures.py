@@ -23,7 +23,7 @@ Usage (repo root):
                                                  # in the committed reference.json files from the committed
                                                  # model.safetensors; every other value stays as it is
     python3 scripts/make_fixtures.py --check     # numpy + safetensors only: independent float64 forward
-                                                 # (MODELS.md formulas) on the committed files vs reference.json
+                                                 # (docs/MODELS.md formulas) on the committed files vs reference.json
 Pinned versions: scripts/fixtures_requirements.txt.
 """
 
@@ -683,12 +683,12 @@ def compute_reference(name, model, tok, tok_json, ids, meta):
 
 # ----------------------------------------------------------------------------------------------------------
 # bf16-weights references: the same forward with the weights rounded the way `ninfer-convert --experts-dtype bf16
-# --dense-dtype bf16` stores them (services/convert/src/plan.rs), so a bf16 artifact can be judged against
+# --dense-dtype bf16` stores them (services/lib/convert/src/plan.rs), so a bf16 artifact can be judged against
 # transformers on the *same* weights (the f32 references above differ from it by the weights' rounding alone).
 # ----------------------------------------------------------------------------------------------------------
 
 BF16_ROUNDING_RULE = (
-    "as ninfer-convert --experts-dtype bf16 --dense-dtype bf16 stores the weights (services/convert/src/plan.rs): "
+    "as ninfer-convert --experts-dtype bf16 --dense-dtype bf16 stores the weights (services/lib/convert/src/plan.rs): "
     "every parameter with >= 2 dims is rounded float32 -> bfloat16 -> float32, round to nearest, ties to even "
     "(tensor.to(torch.bfloat16).to(torch.float32)): embed_tokens, lm_head, attention q/k/v/o_proj, Gated DeltaNet "
     "in_proj_* and out_proj, dense MLP, shared expert gate/up/down_proj, routed experts (fused or per-expert); "
@@ -1064,7 +1064,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     A("| `model.safetensors` | float32 weights, written by the script (layouts below), metadata `format=pt` |")
     A("| `tokenizer.json` | the shared byte-level BPE (same file in all three) |")
     A("| `tokenizer_config.json` | `tokenizer_class` Qwen2Tokenizer, `eos_token` `<|im_end|>`, `pad_token` `<|endoftext|>`, `chat_template` = Qwen3.5 template |")
-    A("| `chat_template.jinja` | byte-identical copy of `tests/fixtures/qwen3_5_chat_template.jinja` (= `/work/shared/ref/qwen3_5_chat_template.jinja`, sha256 a4aee8af…f715) |")
+    A("| `chat_template.jinja` | byte-identical copy of `tests/fixtures/qwen3_5_chat_template.jinja` (the template released with Qwen3.5, sha256 a4aee8af…f715) |")
     A("| `generation_config.json` | eos `[<|im_end|>, <|endoftext|>]`, temperature 0.6, top_p 0.95, top_k 20, do_sample true |")
     A("| `reference.json` | references (below) + provenance + `tensors` (name → shape of every tensor in model.safetensors) |")
     A("")
@@ -1104,7 +1104,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
       "`mtp_num_hidden_layers` 1), text weights `model.language_model.*`, vision `model.visual.*` (real, random), "
       "`lm_head.weight` top level, routed experts **fused** (`...mlp.experts.gate_up_proj [E, 2·Im, H]`, "
       "`...mlp.experts.down_proj [E, H, Im]`, no `.weight`; gate = first Im rows). Random MTP block `mtp.*` "
-      "(MODELS.md §7.1 names; `mtp.layers.0` is a full-attention layer with **per-expert** experts, shared expert "
+      "(the MTP tensor names of docs/MODELS.md; `mtp.layers.0` is a full-attention layer with **per-expert** experts, shared expert "
       "and router). transformers ignores `mtp.*` (and the text-only class ignores `model.visual.*`), so the "
       "references do not involve them; there is no MTP reference.")
     A("")
@@ -1150,7 +1150,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     A("## Independent check")
     A("")
     A("`python3 scripts/make_fixtures.py --check` (numpy + safetensors only, no torch) re-implements the forward "
-      "pass of /work/shared/MODELS.md in float64 directly on the fixture files (per-expert and fused expert "
+      "pass of docs/MODELS.md in float64 directly on the fixture files (per-expert and fused expert "
       "layouts, Qwen3-Next grouped `in_proj_qkvz`/`in_proj_ba`, GDN recurrence, gated attention, partial RoPE) and "
       "compares `token_nll`, `nll_text_hidden_states` and both prompts' `last_logits` with the references "
       "(tolerance 1e-3; observed max differences ~1e-5, i.e. float32 rounding of transformers' forward). It "
@@ -1209,7 +1209,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
 
 # ----------------------------------------------------------------------------------------------------------
 # Independent check (numpy + safetensors only, no torch/transformers): re-implements the forward pass from
-# /work/shared/MODELS.md in float64 directly on the fixture files and compares with reference.json.
+# docs/MODELS.md in float64 directly on the fixture files and compares with reference.json.
 # ----------------------------------------------------------------------------------------------------------
 
 

@@ -11,8 +11,8 @@ Usage (repo root):
     python3 scripts/render_templates.py --backend jinja2 --out /tmp/renders.json
         # development only: jinja2 configured the way transformers configures it (no transformers)
 
-Templates: every tests/fixtures/chat_templates/*.jinja (byte-identical copies of the Qwen3.5 / 3.6
-templates in ../shared/ref, see SOURCE.md there). Conversations: CASES below.
+Templates: every tests/fixtures/chat_templates/*.jinja (byte-identical copies of the chat templates
+released with Qwen3.5 / 3.6). Conversations: CASES below.
 """
 
 import argparse

@@ -1,5 +1,5 @@
 //! `config.json` → the artifact's normalised config, resolving every default the way
-//! `transformers` 5.17 does (MODELS.md §2.1, §3.1, §4.1).
+//! `transformers` 5.17 does (`docs/MODELS.md`, each architecture's configuration).
 
 use std::path::Path;
 
@@ -119,7 +119,7 @@ impl Fields<'_> {
         Ok((theta, partial))
     }
 
-    /// MoE-vs-dense per layer (MODELS.md §2.1): MoE iff not in `mlp_only_layers`, experts > 0 and
+    /// MoE-vs-dense per layer (`docs/MODELS.md`, Qwen3-MoE): MoE iff not in `mlp_only_layers`, experts > 0 and
     /// `(i+1) % decoder_sparse_step == 0`.
     fn moe_layers(&self, layers: usize, experts: usize) -> Result<Vec<bool>, ConvertError> {
         let mlp_only = self.usize_list("mlp_only_layers")?;

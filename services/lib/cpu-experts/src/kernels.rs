@@ -17,8 +17,8 @@ static PREFETCH_TO_L2: AtomicUsize = AtomicUsize::new(1);
 
 /// Sets how far ahead (bytes) the streaming kernels prefetch weights, and into which cache
 /// level; 0 bytes leaves it to the hardware prefetchers. A tuning knob for `ninfer bench`; the
-/// default (4096 bytes ahead, into L2) streamed 13–22% faster than none on the 16-core Xeon of
-/// `docs/BENCHMARKS.md` (decode, int4 and int8).
+/// default (4096 bytes ahead, into L2) streamed 13–22% faster than none at decode (int4 and
+/// int8) on the 16-core Xeon of `docs/BENCHMARKS.md`.
 pub fn set_prefetch_distance(bytes: usize, into_l2: bool) {
     PREFETCH_DISTANCE.store(bytes, Ordering::Relaxed);
     PREFETCH_TO_L2.store(into_l2 as usize, Ordering::Relaxed);

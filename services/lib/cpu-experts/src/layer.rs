@@ -61,8 +61,8 @@ pub fn set_down_split(split: DownSplit) {
 }
 
 /// Scheduling choices of `compute_layer` (tuning knobs for `ninfer bench`). Default: `steal` and
-/// `shared_decode_input` on, `prefetch_ahead` off (it measured slower at decode on the 16-core
-/// Xeon of `docs/BENCHMARKS.md`: its prefetches compete with the threads still streaming).
+/// `shared_decode_input` on, `prefetch_ahead` off (it measured slower at decode on a 16-core
+/// Xeon: its prefetches compete with the threads still streaming).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerTuning {
     /// A thread that has finished its share of a phase's work items takes unstarted items from

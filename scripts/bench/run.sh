@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# The benchmark suite on a GPU machine: CPU expert kernels, the GPU test suites, and whole-pipeline
+# `ninfer bench` runs on synthetic artifacts with released models' shapes (docs/BENCHMARKS.md says
+# what each figure means). Build first with scripts/bench/build.sh on a machine with Rust, copy
+# the checkout with its bundle folder over, then for example
+#
+#   STAGES=experts,q30 scripts/bench/run.sh
+#   STAGES=q35 PROMPTS=512,4096 DECODE=512 scripts/bench/run.sh
+#   STAGES=llama LLAMA_CPP_BENCH=~/llama.cpp/build/bin/llama-bench LLAMA_CPP_MODEL=q30.gguf scripts/bench/run.sh
+#
+# STAGES (comma-separated, run in the order below whatever the order given):
+#   experts     `ninfer bench experts`: decode-shape expert streaming against the RAM read
+#               bandwidth (two invocations of 3 rounds, each round against its own reference),
+#               the same with the benchmark's buffers on 2 MiB pages and on small pages
+#               (HUGE_PAGES_AB=0 skips), then AMX against AVX-512 VNNI at 32 and 128 tokens.
+#               Run it first: it wants a quiet machine.
+#   tuning      the decode kernels' scheduling variants (NINFER_EXPERT_TUNING) in TUNINGS
+#               (space-separated; default "steal,shared steal,shared,quad"), two rounds at a
+#               fixed reference, then the standard decode command 3 times with the fastest.
+#   experts_ab  a kernel change: the bundle's ninfer-baseline (build.sh BASELINE=) against
+#               ninfer, alternating, two passes; then AB_TUNINGS and an 8-thread run.
+#   gpu         the GPU test suites (scripts/gpu_tests.sh run, all at once, a canary first),
+#               in the background while the first artifact is written.
+#   quick       a first look: 8 layers of qwen3-30b-a3b (int8, uniform), 0 against all experts
+#               on the GPU, 512-token prompt, 32 tokens.
+#   profile     op-by-op GPU timing (NINFER_CUDA_OP_TIMING) of qwen3-30b-a3b int8 uniform;
+#               PROFILE_RUNS (default "0:sync all:sync all:host": GPU experts:mode; sync = each
+#               op's launch + GPU time, host = the host time inside each op), PROFILE_PROMPT.
+#   q30         qwen3-30b-a3b, int8 experts, uniform routing: (a) every routed expert on the
+#               CPU, (b) a 16 GiB card (--gpu-mem-budget 16, auto), (b) 53 experts per layer,
+#               (c) every expert on the GPU.
+#   b53         (without q30) only (b) at 53 experts per layer.
+#   spin        (with q30 or b53) (b) again with the worker spinning 1 ms for its next request.
+#   threads     (with b53) (b) at 53 with --moe-threads 15 (one core left to the engine).
+#   q35         qwen3.5-35b-a3b, int4 experts, zipf routing, a 16 GiB card: a first run records
+#               routing statistics, the measured run places GPU experts by them.
+#   llama       llama.cpp's llama-bench side by side, when LLAMA_CPP_BENCH (the binary) and
+#               LLAMA_CPP_MODEL (a GGUF of the same model) are given: all experts on the CPU
+#               (-ot exps=CPU), LLAMA_CPP_CPU_MOE layers' experts on the CPU (--n-cpu-moe, if
+#               set), everything on the GPU; same prompt length, decode tokens, threads and
+#               repeats; LLAMA_CPP_ARGS adds arguments to each.
+#
+# Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (16), BENCH_TIMEOUT (150 s
+# per bench), STATS_TIMEOUT (120), CONVERT_TIMEOUT (240), WORK (artifacts, default
+# /tmp/ninfer-bench; REUSE_ARTIFACTS=0 rewrites them, KEEP_ARTIFACTS=0 deletes q30's after use),
+# Q35_FIRST=1 (q35 before q30), GPU_TEST_FIGURES, GPU_TEST_TIMEOUT (passed to gpu_tests.sh),
+# NINFER_BUNDLE (the binaries, default target/gpu-bundle), OUT (results, default
+# /tmp/ninfer-bench-results: summary.log, one log per step; ARCHIVE=1 keeps the step logs in a
+# temporary folder and refreshes $OUT/results.tgz after every step instead, so that a run cut
+# short keeps what it measured in two files). Every step has its own timeout.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bundle=${NINFER_BUNDLE:-target/gpu-bundle}
+ninfer=$bundle/ninfer
+final=${OUT:-/tmp/ninfer-bench-results}
+mkdir -p "$final"
+if [ "${ARCHIVE:-0}" = 1 ]; then
+  out=$(mktemp -d /tmp/ninfer-bench-logs.XXXXXX)
+else
+  out=$final
+fi
+archive() {
+  [ "${ARCHIVE:-0}" = 1 ] || return 0
+  local archive
+  archive=$(mktemp /tmp/ninfer-bench-results.XXXXXX.tgz)
+  tar czf "$archive" -C "$out" . 2>/dev/null && mv "$archive" "$final/results.tgz"
+  cp "$out/summary.log" "$final/summary.log" 2>/dev/null
+}
+stages=",${STAGES:-q30},"
+work=${WORK:-/tmp/ninfer-bench}
+threads=${THREADS:-16}
+mkdir -p "$work"
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/summary.log"; }
+has() { [[ "$stages" == *",$1,"* ]]; }
+
+[ -x "$ninfer" ] || { echo "no $ninfer: build with scripts/bench/build.sh first" >&2; exit 2; }
+log "machine: $(uname -r), $(nproc) cpus, $(free -g | awk '/Mem:/ {print $2}') GiB, $(df -h "$work" | awk 'NR==2 {print $4}') free in $work"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$out/summary.log"
+
+convert() { # convert NAME ARGS...: writes $work/NAME.ninfer, logs its time
+  local name=$1
+  shift
+  if [ -s "$work/$name.ninfer" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
+    log "convert $name: reusing $work/$name.ninfer"
+    return
+  fi
+  log "convert $name: $*"
+  local start=$SECONDS
+  timeout "${CONVERT_TIMEOUT:-240}" "$ninfer" convert --synthetic "$@" "$work/$name.ninfer" \
+    >"$out/convert_$name.log" 2>&1
+  log "convert $name: exit $? after $((SECONDS - start)) s, $(du -sh "$work/$name.ninfer" 2>/dev/null | cut -f1)"
+  tail -3 "$out/convert_$name.log" | tee -a "$out/summary.log"
+}
+
+bench() { # bench LABEL TIMEOUT ARGS...: one `ninfer bench`, its engine and worker logs kept
+  local label=$1 limit=$2
+  shift 2
+  log "bench $label: $*"
+  local start=$SECONDS
+  NINFER_KEEP_LOGS="$out/logs_$label" timeout "$limit" "$ninfer" bench "$@" >"$out/bench_$label.txt" 2>&1
+  log "bench $label: exit $? after $((SECONDS - start)) s"
+  grep -v '^\s*$' "$out/bench_$label.txt" | grep -v ' INFO ' | tail -9 | tee -a "$out/summary.log"
+  archive
+}
+
+# The decode shape of qwen3.5-35b-a3b's experts: 8 per layer, one token.
+DECODE_EXPERTS=(bench experts --preset qwen3.5-35b-a3b --dtype int4,int8 --tokens 1
+  --kernel-isa avx512-vnni --working-set-gib 4)
+
+if has experts; then
+  for invocation in 1 2; do
+    log "bench experts, invocation $invocation"
+    timeout 120 "$ninfer" "${DECODE_EXPERTS[@]}" --rounds 3 >"$out/experts_$invocation.txt" 2>&1
+    log "bench experts: exit $?"
+    tail -4 "$out/experts_$invocation.txt" | tee -a "$out/summary.log"
+  done
+  if [ "${HUGE_PAGES_AB:-1}" = 1 ]; then
+    # The reference buffer and the working set on 2 MiB pages, then on small pages.
+    for policy in huge small; do
+      log "bench experts, NINFER_HUGE_PAGES=$policy"
+      NINFER_HUGE_PAGES=$policy timeout 120 "$ninfer" "${DECODE_EXPERTS[@]}" --rounds 3 \
+        >"$out/experts_pages_$policy.txt" 2>&1
+      grep "read bandwidth\|2 MiB" "$out/experts_pages_$policy.txt" | tee -a "$out/summary.log"
+      tail -3 "$out/experts_pages_$policy.txt" | tee -a "$out/summary.log"
+    done
+  fi
+  timeout 120 "$ninfer" bench experts --preset qwen3.5-35b-a3b --dtype int8,int4 --tokens 32,128 \
+    --kernel-isa avx512-vnni,amx --working-set-gib 4 --seconds 0.5 >"$out/experts_batch.txt" 2>&1
+  tail -10 "$out/experts_batch.txt" | tee -a "$out/summary.log"
+  archive
+fi
+
+if has tuning; then
+  # Two rounds at a fixed reference (--bandwidth-gbs: compare the µs column), each variant in
+  # its own process.
+  for round in 1 2; do
+    for tuning in ${TUNINGS:-steal,shared steal,shared,quad}; do
+      log "tuning $tuning round $round"
+      NINFER_EXPERT_TUNING=$tuning timeout 40 "$ninfer" "${DECODE_EXPERTS[@]}" --seconds 0.5 \
+        --bandwidth-gbs 100 2>&1 | grep -E '^int' | sed "s/^/$tuning r$round  /" | tee -a "$out/tuning.log"
+    done
+  done
+  # The variant with the lowest mean int4 layer time, then the standard command 3 times (each
+  # measures its own read-bandwidth reference first).
+  best=$(awk '$3 == "int4" { sum[$1] += $8; n[$1]++ } END { for (t in sum) print sum[t] / n[t], t }' \
+    "$out/tuning.log" | sort -n | head -1 | awk '{print $2}')
+  best=${best:-steal,shared}
+  log "fastest int4 tuning: $best; the standard decode command x3"
+  for i in 1 2 3; do
+    NINFER_EXPERT_TUNING=$best timeout 60 "$ninfer" "${DECODE_EXPERTS[@]}" 2>&1 \
+      | grep -E '^(int|read)' | tee -a "$out/tuning_best.log"
+  done
+  archive
+fi
+
+if has experts_ab; then
+  lscpu | grep -i "model name\|thread(s) per core\|core(s) per socket\|socket(s)\|numa node(s)" | tee -a "$out/summary.log"
+  for pass in 1 2; do
+    for build in ninfer-baseline ninfer; do
+      [ -x "$bundle/$build" ] || continue
+      log "experts A/B pass $pass: $build"
+      timeout 120 "$bundle/$build" "${DECODE_EXPERTS[@]}" --rounds 2 >"$out/experts_ab_${pass}_$build.txt" 2>&1
+      grep "read bandwidth\|plain read\|^int" "$out/experts_ab_${pass}_$build.txt" | tee -a "$out/summary.log"
+    done
+  done
+  # A tuning list replaces the defaults (steal, shared): name them too.
+  for tuning in ${AB_TUNINGS:-steal,shared,nogfni steal,shared,quad steal,shared,octo}; do
+    log "experts, NINFER_EXPERT_TUNING=$tuning"
+    NINFER_EXPERT_TUNING=$tuning timeout 120 "$ninfer" "${DECODE_EXPERTS[@]}" --rounds 2 \
+      >"$out/experts_tuning_$tuning.txt" 2>&1
+    grep "read bandwidth\|plain read\|^int" "$out/experts_tuning_$tuning.txt" | tee -a "$out/summary.log"
+  done
+  log "experts, 8 threads"
+  timeout 120 "$ninfer" "${DECODE_EXPERTS[@]}" --threads 8 >"$out/experts_8_threads.txt" 2>&1
+  grep "read bandwidth\|plain read\|^int" "$out/experts_8_threads.txt" | tee -a "$out/summary.log"
+  archive
+fi
+
+gpu_pid=
+if has gpu; then
+  log "GPU test suites (background)"
+  (OUT="$out/gpu" NINFER_BUNDLE="$bundle" GPU_TEST_PARALLEL=1 GPU_TEST_CANARY=1 \
+    GPU_TEST_FIGURES=${GPU_TEST_FIGURES:-0} GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-150} \
+    scripts/gpu_tests.sh run >"$out/gpu_tests.log" 2>&1) &
+  gpu_pid=$!
+fi
+wait_for_gpu_tests() {
+  if [ -n "$gpu_pid" ]; then
+    wait "$gpu_pid"
+    gpu_pid=
+    tail -30 "$out/gpu_tests.log" >>"$out/summary.log"
+  fi
+}
+
+if has quick; then
+  convert q30-l8 qwen3-30b-a3b --layers 8 --experts-dtype int8 --routing uniform
+  wait_for_gpu_tests
+  for experts in 0 all; do
+    bench "q30_l8_gpu_$experts" 120 "$work/q30-l8.ninfer" --device cuda --moe-threads "$threads" \
+      --prompt-lengths 512 --decode-tokens 32 --moe-gpu-experts "$experts"
+  done
+fi
+
+run_q35() {
+  convert q35 qwen3.5-35b-a3b --experts-dtype int4
+  wait_for_gpu_tests
+  Q=("$work/q35.ninfer" --device cuda --moe-threads "$threads")
+  bench q35_stats "${STATS_TIMEOUT:-120}" "${Q[@]}" --prompt-lengths 2048 --decode-tokens 128 \
+    --engine-arg=--moe-record-stats --engine-arg="$work/q35-stats.json"
+  cp "$work/q35-stats.json" "$out/" 2>/dev/null
+  bench q35_budget16 "${BENCH_TIMEOUT:-150}" "${Q[@]}" --prompt-lengths "${PROMPTS:-4096}" \
+    --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}" --gpu-mem-budget 16 \
+    --moe-gpu-experts auto --engine-arg=--moe-expert-stats --engine-arg="$work/q35-stats.json"
+}
+
+if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
+
+if has q30 || has profile || has b53; then
+  convert q30 qwen3-30b-a3b --experts-dtype int8 --routing uniform
+  wait_for_gpu_tests
+  B=("$work/q30.ninfer" --device cuda --prompt-lengths "${PROMPTS:-4096}"
+    --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}")
+  if has profile; then
+    # Every op synchronises: slow; this says where the time goes, not how fast it is.
+    for profile_run in ${PROFILE_RUNS:-0:sync all:sync all:host}; do
+      experts=${profile_run%%:*} mode=${profile_run#*:}
+      NINFER_CUDA_OP_TIMING="$out/op_timing_q30_${experts}_$mode.txt" NINFER_CUDA_OP_TIMING_MODE=$mode \
+        bench "q30_profile_${experts}_$mode" 120 "$work/q30.ninfer" --device cuda --moe-threads "$threads" \
+        --prompt-lengths "${PROFILE_PROMPT:-1024}" --decode-tokens 64 --moe-gpu-experts "$experts"
+      head -40 "$out/op_timing_q30_${experts}_$mode.txt" | tee -a "$out/summary.log"
+    done
+  fi
+  if has q30; then
+    bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 0
+    bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --gpu-mem-budget 16 --moe-gpu-experts auto
+    # The expert bytes of a 16 GB card as 53 experts per layer; the 16 GiB budget places fewer
+    # (it also reserves the prefill staging slots, the KV cache and 1 GiB of working memory).
+    bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 53
+    bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts all
+    if has spin; then
+      # The worker spinning 1 ms for its next request instead of the channel's default.
+      NINFER_WORKER_SPIN_US=1000 bench q30_b_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
+        --moe-threads "$threads" --gpu-mem-budget 16 --moe-gpu-experts auto
+    fi
+  fi
+  if has b53 && ! has q30; then
+    bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 53
+    if has spin; then
+      NINFER_WORKER_SPIN_US=1000 bench q30_b53_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
+        --moe-threads "$threads" --moe-gpu-experts 53
+    fi
+    if has threads; then
+      bench "q30_b53_$((threads - 1))_threads" "${BENCH_TIMEOUT:-150}" "${B[@]}" \
+        --moe-threads "$((threads - 1))" --moe-gpu-experts 53
+    fi
+  fi
+  [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*
+fi
+
+if has q35 && [ "${Q35_FIRST:-0}" != 1 ]; then run_q35; fi
+
+if has llama; then
+  if [ -z "${LLAMA_CPP_BENCH:-}" ] || [ -z "${LLAMA_CPP_MODEL:-}" ]; then
+    log "llama: skipped (set LLAMA_CPP_BENCH to llama-bench and LLAMA_CPP_MODEL to a GGUF)"
+  else
+    wait_for_gpu_tests
+    L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${PROMPTS:-4096}" -n "${DECODE:-64}"
+      -t "$threads" -r "${REPEATS:-2}" -ngl 99 ${LLAMA_CPP_ARGS:-})
+    llama() { # llama LABEL ARGS...
+      local label=$1
+      shift
+      log "llama-bench $label: ${L[*]} $*"
+      timeout "${BENCH_TIMEOUT:-150}" "${L[@]}" "$@" >"$out/llama_$label.txt" 2>&1
+      log "llama-bench $label: exit $?"
+      grep '|' "$out/llama_$label.txt" | tee -a "$out/summary.log"
+      archive
+    }
+    llama cpu_experts -ot 'exps=CPU'
+    if [ -n "${LLAMA_CPP_CPU_MOE:-}" ]; then
+      llama "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
+    fi
+    llama all_gpu
+  fi
+fi
+
+wait_for_gpu_tests
+log "done"
+archive

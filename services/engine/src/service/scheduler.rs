@@ -3,21 +3,84 @@
 //! prefill runs in the same forward as the others' decode steps).
 //!
 //! Owns: admission (context and queue limits), per-sequence state, sampling, finish reasons,
-//! cancellation (explicit, or the client's stream going away).
-//! Must not touch: transport (the gRPC layer turns these events into messages), text.
+//! cancellation (explicit, or the client's stream going away), and its own event and error types
+//! ([`SchedulerEvent`], [`SchedulerError`]).
+//! Must not touch: transport (the gRPC service converts the events and errors to messages and
+//! statuses at its edge), text.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use ninfer_protocol::v1::{FinishReason, GeneratedToken, TokenLogprob};
 use tokio::sync::mpsc as async_mpsc;
-use tonic::Status;
 
 use crate::backend::candidates::{DEFAULT_CANDIDATES, MAX_CANDIDATES};
 use crate::backend::{Backend, KvPlacement, LogitCandidates};
 use crate::model::{Model, SequenceInput, SequenceState};
 use crate::sampling::{Sampler, SamplingParams};
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SequenceFinish {
+    /// It emitted one of its stop tokens (sent with the event).
+    StopToken,
+    /// `max_new_tokens` reached.
+    Length,
+    /// The sequence filled its context.
+    ContextFull,
+    /// Cancelled by request.
+    Cancelled,
+}
+
+/// The log-probability of one token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenProbability {
+    pub token_id: u32,
+    pub logprob: f32,
+}
+
+/// A token the scheduler sampled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub top_logprobs: Vec<TokenProbability>,
+}
+
+/// One step of a sequence: a token, an end, or both.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerEvent {
+    /// `None` for an end without a token (cancellation).
+    pub token: Option<SampledToken>,
+    /// `Some` on the last event of the sequence.
+    pub finish: Option<SequenceFinish>,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// Why the scheduler refused or dropped a request.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SchedulerError {
+    /// The request itself is unusable (empty prompt, unknown token, bad sampling settings).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// Prompt plus completion do not fit the context.
+    #[error("prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} = {needed} exceeds the maximum context of {max_context} tokens", needed = prompt_tokens + max_new_tokens)]
+    ContextExceeded {
+        prompt_tokens: usize,
+        max_new_tokens: usize,
+        max_context: usize,
+    },
+    /// Every sequence slot is taken.
+    #[error("the engine is running its maximum of {max_sequences} sequences; retry later")]
+    Busy { max_sequences: usize },
+    /// The forward pass failed; every running sequence is dropped.
+    #[error("generation failed: {0}")]
+    GenerationFailed(String),
+}
+
+/// What a request's event channel carries.
+pub type SchedulerResult = Result<SchedulerEvent, SchedulerError>;
 
 /// One generation request as the scheduler sees it.
 pub struct GenerationRequest {
@@ -27,7 +90,7 @@ pub struct GenerationRequest {
     pub sampling: SamplingParams,
     pub stop_token_ids: Vec<u32>,
     pub top_logprobs: usize,
-    pub events: async_mpsc::Sender<Result<GeneratedToken, Status>>,
+    pub events: async_mpsc::Sender<SchedulerResult>,
 }
 
 pub enum SchedulerCommand {
@@ -78,13 +141,12 @@ where
     Ok(sender)
 }
 
-fn finish_message(reason: FinishReason, prompt: usize, generated: usize) -> GeneratedToken {
-    GeneratedToken {
-        finish_reason: reason as i32,
+fn finish_message(reason: SequenceFinish, prompt: usize, generated: usize) -> SchedulerEvent {
+    SchedulerEvent {
+        token: None,
+        finish: Some(reason),
         prompt_tokens: prompt as u32,
         completion_tokens: generated as u32,
-        no_token: true,
-        ..Default::default()
     }
 }
 
@@ -140,7 +202,7 @@ fn run<B: Backend>(
                     let _ = r
                         .request
                         .events
-                        .try_send(Err(Status::internal(format!("generation failed: {error}"))));
+                        .try_send(Err(SchedulerError::GenerationFailed(error.to_string())));
                 }
                 continue;
             }
@@ -185,7 +247,7 @@ fn run<B: Backend>(
                     let _ = r
                         .request
                         .events
-                        .try_send(Err(Status::invalid_argument(error.to_string())));
+                        .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
                     finished.push(index);
                     continue;
                 }
@@ -205,28 +267,27 @@ fn run<B: Backend>(
                         top_logprobs,
                     ),
                 };
-            let reason = if r.request.stop_token_ids.contains(&token) {
-                FinishReason::StopToken
+            let finish = if r.request.stop_token_ids.contains(&token) {
+                Some(SequenceFinish::StopToken)
             } else if r.generated >= r.request.max_new_tokens {
-                FinishReason::Length
+                Some(SequenceFinish::Length)
             } else if r.state.position() >= r.state.max_context() {
-                FinishReason::ContextFull
+                Some(SequenceFinish::ContextFull)
             } else {
-                FinishReason::Unspecified
+                None
             };
-            let message = GeneratedToken {
-                token_id: token,
-                logprob,
-                top_logprobs: top,
-                finish_reason: reason as i32,
+            let message = SchedulerEvent {
+                token: Some(SampledToken {
+                    token_id: token,
+                    logprob,
+                    top_logprobs: top,
+                }),
+                finish,
                 prompt_tokens: r.request.prompt.len() as u32,
                 completion_tokens: r.generated as u32,
-                no_token: false,
             };
             // The gRPC layer keeps a deep buffer; a full one means a stalled client, treated as gone.
-            if r.request.events.try_send(Ok(message)).is_err()
-                || reason != FinishReason::Unspecified
-            {
+            if r.request.events.try_send(Ok(message)).is_err() || finish.is_some() {
                 finished.push(index);
             }
             kv_used += r.state.position() as u64;
@@ -253,7 +314,7 @@ fn handle<B: Backend>(
             if let Some(index) = position {
                 let r = running.swap_remove(index);
                 let _ = r.request.events.try_send(Ok(finish_message(
-                    FinishReason::Cancelled,
+                    SequenceFinish::Cancelled,
                     r.request.prompt.len(),
                     r.generated,
                 )));
@@ -261,40 +322,40 @@ fn handle<B: Backend>(
             let _ = reply.send(position.is_some());
         }
         SchedulerCommand::Submit(request) => {
-            let reject = |status: Status| {
-                let _ = request.events.try_send(Err(status));
+            let reject = |error: SchedulerError| {
+                let _ = request.events.try_send(Err(error));
             };
             if request.prompt.is_empty() {
-                return reject(Status::invalid_argument("the prompt has no tokens"));
+                return reject(SchedulerError::InvalidRequest(
+                    "the prompt has no tokens".to_string(),
+                ));
             }
             if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
-                return reject(Status::invalid_argument(format!(
+                return reject(SchedulerError::InvalidRequest(format!(
                     "token id {bad} is outside the vocabulary of {vocab} tokens"
                 )));
             }
             if request.max_new_tokens == 0 {
-                return reject(Status::invalid_argument(
-                    "max_new_tokens must be at least 1",
+                return reject(SchedulerError::InvalidRequest(
+                    "max_new_tokens must be at least 1".to_string(),
                 ));
             }
             let needed = request.prompt.len() + request.max_new_tokens;
             if needed > limits.max_context {
-                return reject(Status::out_of_range(format!(
-                    "prompt of {} tokens + max_new_tokens {} = {needed} exceeds the maximum context of {} tokens",
-                    request.prompt.len(),
-                    request.max_new_tokens,
-                    limits.max_context
-                )));
+                return reject(SchedulerError::ContextExceeded {
+                    prompt_tokens: request.prompt.len(),
+                    max_new_tokens: request.max_new_tokens,
+                    max_context: limits.max_context,
+                });
             }
             if running.len() >= limits.max_sequences {
-                return reject(Status::resource_exhausted(format!(
-                    "the engine is running its maximum of {} sequences; retry later",
-                    limits.max_sequences
-                )));
+                return reject(SchedulerError::Busy {
+                    max_sequences: limits.max_sequences,
+                });
             }
             let sampler = match Sampler::new(request.sampling.clone()) {
                 Ok(sampler) => sampler,
-                Err(error) => return reject(Status::invalid_argument(error.to_string())),
+                Err(error) => return reject(SchedulerError::InvalidRequest(error.to_string())),
             };
             counters
                 .prompt_tokens
@@ -372,7 +433,7 @@ fn candidate_logprobs(
     candidates: &LogitCandidates,
     token: u32,
     top: usize,
-) -> Option<(f32, Vec<TokenLogprob>)> {
+) -> Option<(f32, Vec<TokenProbability>)> {
     let log_sum = candidates.log_sum_exp;
     let logprob = candidates.logit(token)? - log_sum;
     let top = if candidates.covers_vocab() {
@@ -384,7 +445,7 @@ fn candidate_logprobs(
         .top
         .get(..top)?
         .iter()
-        .map(|&(id, logit)| TokenLogprob {
+        .map(|&(id, logit)| TokenProbability {
             token_id: id,
             logprob: logit - log_sum,
         })
@@ -393,7 +454,7 @@ fn candidate_logprobs(
 }
 
 /// Log-probability of `token` and the `top` most likely tokens, from raw logits.
-fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<TokenLogprob>) {
+fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<TokenProbability>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let log_sum = logits
         .iter()
@@ -417,7 +478,7 @@ fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<TokenLogprob>) 
     order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
     let top = order
         .into_iter()
-        .map(|id| TokenLogprob {
+        .map(|id| TokenProbability {
             token_id: id,
             logprob: logits[id as usize] - log_sum,
         })

@@ -211,6 +211,8 @@ impl GenerationPlan {
             },
             return_logprobs: options.logprobs,
             model_name: self.model.name.clone(),
+            // Padded embedding rows past the tokenizer decode to nothing: never sample them.
+            sampleable_vocabulary_size: self.model.resources.tokenizer.vocabulary_size() as u32,
         }
     }
 }

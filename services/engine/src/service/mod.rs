@@ -246,6 +246,7 @@ impl Engine for EngineService {
             max_new_tokens: request.max_new_tokens as usize,
             stop_token_ids: request.stop_token_ids,
             top_logprobs: request.top_logprobs.min(20) as usize,
+            sampleable_vocabulary: request.sampleable_vocabulary_size as usize,
             events,
         }))?;
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(

@@ -90,6 +90,10 @@ pub struct GenerationRequest {
     pub sampling: SamplingParams,
     pub stop_token_ids: Vec<u32>,
     pub top_logprobs: usize,
+    /// Ids at or above this are never sampled: a model's embedding rows are often padded past
+    /// its tokenizer (to a multiple of 64 or 128), and those ids decode to nothing. 0 or more
+    /// than the model's vocabulary: the whole vocabulary.
+    pub sampleable_vocabulary: usize,
     pub events: async_mpsc::Sender<SchedulerResult>,
 }
 
@@ -228,8 +232,18 @@ fn run<B: Backend>(
         let mut finished = Vec::new();
         let mut kv_used = 0u64;
         for (index, r) in running.iter_mut().enumerate() {
-            let row_candidates = candidates.as_ref().and_then(|c| c.get(index));
+            let sampleable = sampleable_vocabulary(r.request.sampleable_vocabulary, vocab);
+            let masked_candidates = candidates
+                .as_ref()
+                .and_then(|c| c.get(index))
+                .map(|c| without_unsampleable(c, sampleable));
+            let row_candidates = masked_candidates.as_deref();
             let mut row: Option<Vec<f32>> = None;
+            let row_of = |index: usize| {
+                let mut row = row_of(index);
+                mask_unsampleable(&mut row, sampleable);
+                row
+            };
             let sampled = match row_candidates {
                 Some(c) => r.sampler.sample_from_candidates(c, &r.history),
                 None => Ok(None),
@@ -375,6 +389,43 @@ fn handle<B: Backend>(
     }
 }
 
+/// The number of ids a request may sample: its limit, or the whole vocabulary.
+fn sampleable_vocabulary(requested: usize, vocab: usize) -> usize {
+    if requested == 0 {
+        vocab
+    } else {
+        requested.min(vocab)
+    }
+}
+
+/// Sets the logits of ids at or above `sampleable` to −∞, so no sampler can pick them.
+fn mask_unsampleable(row: &mut [f32], sampleable: usize) {
+    if let Some(padded) = row.get_mut(sampleable..) {
+        padded.fill(f32::NEG_INFINITY);
+    }
+}
+
+/// `candidates` without ids at or above `sampleable`. Sampling from what is left stays exact:
+/// masked ids sort after every other token, so dropping them removes nothing a sampler could
+/// pick. (`log_sum_exp` still counts their mass, so logprobs from candidates are those of the
+/// unmasked row.)
+fn without_unsampleable(
+    candidates: &LogitCandidates,
+    sampleable: usize,
+) -> std::borrow::Cow<'_, LogitCandidates> {
+    if sampleable >= candidates.vocab {
+        return std::borrow::Cow::Borrowed(candidates);
+    }
+    let keep = |&(id, _): &(u32, f32)| (id as usize) < sampleable;
+    std::borrow::Cow::Owned(LogitCandidates {
+        vocab: candidates.vocab,
+        top: candidates.top.iter().copied().filter(keep).collect(),
+        max: candidates.max,
+        log_sum_exp: candidates.log_sum_exp,
+        extra: candidates.extra.iter().copied().filter(keep).collect(),
+    })
+}
+
 /// With a host KV pool (`--host-kv-mib`): where the new sequence's KV caches went, and the
 /// totals, when any of them is in host memory.
 fn log_host_kv<B: Backend>(model: &Model<B>, before: Option<KvPlacement>, request_id: &str) {
@@ -491,6 +542,84 @@ mod tests {
     use super::*;
     use crate::backend::candidates::row_candidates;
     use crate::sampling::Xoshiro256;
+    use crate::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+
+    /// Samples `tokens` tokens at a high temperature from a tiny random model (97 ids) through
+    /// the scheduler thread, with `top_k` (0: whole rows; >0: the candidates path).
+    fn sampled_tokens<B: Backend + 'static>(
+        backend: Arc<B>,
+        sampleable_vocabulary: usize,
+        top_k: usize,
+        tokens: usize,
+    ) -> Vec<u32>
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("tiny.ninfer");
+        write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
+        let model = Arc::new(Model::open(backend, &path).unwrap());
+        let limits = SchedulerLimits {
+            max_context: 256,
+            max_sequences: 4,
+        };
+        let commands = start(model, limits, Arc::new(SchedulerCounters::default())).unwrap();
+        let (events, mut receiver) = async_mpsc::channel(4096);
+        let request = GenerationRequest {
+            request_id: "padded".to_string(),
+            prompt: vec![1, 2, 3, 4],
+            max_new_tokens: tokens,
+            sampling: SamplingParams {
+                temperature: 20.0,
+                top_k,
+                seed: 3,
+                ..SamplingParams::default()
+            },
+            stop_token_ids: Vec::new(),
+            top_logprobs: 0,
+            sampleable_vocabulary,
+            events,
+        };
+        commands.send(SchedulerCommand::Submit(request)).unwrap();
+        let mut sampled = Vec::new();
+        while let Some(event) = receiver.blocking_recv() {
+            let event = event.unwrap();
+            sampled.extend(event.token.map(|token| token.token_id));
+            if event.finish.is_some() {
+                break;
+            }
+        }
+        assert_eq!(sampled.len(), tokens);
+        sampled
+    }
+
+    /// Ids at or above the request's sampleable vocabulary never come out, on the whole-row and
+    /// the candidates paths; without the limit the same sampling does produce them (so the
+    /// check can fail).
+    fn padded_vocabulary_ids_are_never_sampled<B: Backend + 'static>(backend: Arc<B>)
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let limit = 40usize;
+        for top_k in [0usize, 8] {
+            let unmasked = sampled_tokens(Arc::clone(&backend), 0, top_k, 64);
+            assert!(
+                unmasked.iter().any(|&id| id as usize >= limit),
+                "top_k {top_k}: the unmasked run never reached the padded ids: {unmasked:?}"
+            );
+            let masked = sampled_tokens(Arc::clone(&backend), limit, top_k, 64);
+            assert!(
+                masked.iter().all(|&id| (id as usize) < limit),
+                "top_k {top_k}: a padded id was sampled: {masked:?}"
+            );
+        }
+    }
+
+    crate::test_device!(padded_vocabulary_ids_are_never_sampled);
 
     #[test]
     fn candidate_logprobs_equal_the_whole_row_logprobs() {

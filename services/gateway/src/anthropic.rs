@@ -1,7 +1,9 @@
 //! The Anthropic-compatible API: `POST /v1/messages` and `/v1/messages/count_tokens`.
 //!
-//! Owns: Anthropic request/response shapes (system prompt, content blocks, `thinking`,
-//! `tool_use`/`tool_result`, `stop_sequences`), their mapping to the chat template and
+//! Owns: Anthropic request/response shapes (system prompt — the `system` field and `system`
+//! messages anywhere in `messages` — content blocks, `thinking`,
+//! `tool_use`/`tool_result`, images and documents stood in for as text, `stop_sequences`),
+//! their mapping to the neutral chat model and
 //! [`SamplingOptions`], the exact streaming event sequence (`message_start`, `ping`,
 //! `content_block_start`/`content_block_delta`/`content_block_stop`, `message_delta`,
 //! `message_stop`) and Anthropic error envelopes.
@@ -22,7 +24,9 @@ use serde_json::{json, Value as JsonValue};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::chat::{ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall};
+use crate::chat::{
+    ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall, NonTextContent,
+};
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
     build_chat_prompt, collect_generation, token_count_parameter, ChoiceReceiver, FinishKind,
@@ -59,6 +63,9 @@ pub struct ContentBlock {
     pub tool_use_id: Option<String>,
     #[serde(default)]
     pub content: Option<Box<AnthropicContent>>,
+    /// Of `image` and `document` blocks.
+    #[serde(default)]
+    pub source: Option<serde_json::Map<String, JsonValue>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -133,28 +140,95 @@ fn plain_text(content: &AnthropicContent, where_: &str) -> Result<String, Gatewa
     }
 }
 
+/// The text standing for an `image` or `document` block: a plain-text document's own text, a
+/// placeholder (or a refusal) for the rest. A block without a `source` object is malformed.
+fn media_text(
+    block: &ContentBlock,
+    where_: &str,
+    non_text: NonTextContent,
+) -> Result<String, GatewayError> {
+    let source = block
+        .source
+        .as_ref()
+        .filter(|source| source.get("type").is_some_and(JsonValue::is_string))
+        .ok_or_else(|| {
+            GatewayError::invalid(format!(
+                "{where_}: `{}` blocks need a `source` object with a `type`",
+                block.kind
+            ))
+        })?;
+    if block.kind == "document" && source.get("type").and_then(JsonValue::as_str) == Some("text") {
+        if let Some(data) = source.get("data").and_then(JsonValue::as_str) {
+            return Ok(data.to_string());
+        }
+    }
+    non_text.stand_in(&block.kind, where_)
+}
+
+/// A tool result's text: its text blocks, with images and documents stood in for.
+fn tool_result_text(
+    content: &AnthropicContent,
+    where_: &str,
+    non_text: NonTextContent,
+) -> Result<String, GatewayError> {
+    match content {
+        AnthropicContent::Text(text) => Ok(text.clone()),
+        AnthropicContent::Blocks(blocks) => {
+            let mut parts = Vec::new();
+            for block in blocks {
+                match block.kind.as_str() {
+                    "text" => parts.push(block.text.clone().unwrap_or_default()),
+                    "image" | "document" => parts.push(media_text(block, where_, non_text)?),
+                    other => {
+                        return Err(GatewayError::invalid(format!(
+                            "{where_}: content blocks of type `{other}` are not supported in tool results"
+                        )))
+                    }
+                }
+            }
+            Ok(parts.join("\n"))
+        }
+    }
+}
+
 fn empty_mapping() -> minijinja::Value {
     minijinja::Value::from_iter(Vec::<(String, minijinja::Value)>::new())
 }
 
 /// Converts an Anthropic conversation to the neutral one (tool results become `tool` messages,
 /// as the Qwen template expects).
-fn chat_conversation(request: &MessagesRequest) -> Result<ChatConversation, GatewayError> {
+fn chat_conversation(
+    request: &MessagesRequest,
+    non_text: NonTextContent,
+) -> Result<ChatConversation, GatewayError> {
     if request.messages.is_empty() {
         return Err(GatewayError::invalid(
             "messages: at least one message is required",
         ));
     }
-    let mut messages = Vec::new();
+    // The system prompt: the `system` field, then every `role: "system"` message (clients such
+    // as Claude Code send them inside `messages`), joined in order. Chat templates accept one
+    // system message, first, so they all become that one.
+    let mut system_parts = Vec::new();
     if let Some(system) = &request.system {
+        system_parts.push(plain_text(system, "system")?);
+    }
+    for (index, message) in request.messages.iter().enumerate() {
+        if message.role == "system" {
+            system_parts.push(plain_text(&message.content, &format!("messages.{index}"))?);
+        }
+    }
+    let mut messages = Vec::new();
+    if !system_parts.is_empty() {
         messages.push(ChatMessage::text(
             ChatRole::System,
-            plain_text(system, "system")?,
+            system_parts.join("\n\n"),
         ));
     }
     for (index, message) in request.messages.iter().enumerate() {
         let where_ = format!("messages.{index}");
         match message.role.as_str() {
+            "system" => {}
             "user" => match &message.content {
                 AnthropicContent::Text(text) => {
                     messages.push(ChatMessage::text(ChatRole::User, text.as_str()));
@@ -164,9 +238,15 @@ fn chat_conversation(request: &MessagesRequest) -> Result<ChatConversation, Gate
                     for block in blocks {
                         match block.kind.as_str() {
                             "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
+                            "image" | "document" => {
+                                if !text.is_empty() {
+                                    text.push('\n');
+                                }
+                                text.push_str(&media_text(block, &where_, non_text)?);
+                            }
                             "tool_result" => {
                                 let result = match &block.content {
-                                    Some(content) => plain_text(content, &where_)?,
+                                    Some(content) => tool_result_text(content, &where_, non_text)?,
                                     None => String::new(),
                                 };
                                 let mut tool = ChatMessage::text(ChatRole::Tool, result);
@@ -219,12 +299,21 @@ fn chat_conversation(request: &MessagesRequest) -> Result<ChatConversation, Gate
                 }
                 messages.push(assistant);
             }
-            other => {
+            _ => {
+                // Anthropic's own wording for a role it does not know.
                 return Err(GatewayError::invalid(format!(
-                    "{where_}.role: `{other}` is not one of user, assistant"
-                )))
+                    "{where_}.role: Input should be 'user', 'assistant' or 'system'"
+                )));
             }
         }
+    }
+    if !messages
+        .iter()
+        .any(|message| message.role != ChatRole::System)
+    {
+        return Err(GatewayError::invalid(
+            "messages: at least one user or assistant message is required",
+        ));
     }
     let tools = request
         .tools
@@ -305,7 +394,7 @@ async fn messages_inner(
         choices: 1,
         ..Default::default()
     };
-    let conversation = chat_conversation(&request)?;
+    let conversation = chat_conversation(&request, state.settings.non_text_content)?;
     let plan = state
         .generator
         .plan_chat(model, &conversation, options)
@@ -523,7 +612,8 @@ pub async fn count_tokens(
     let result = async {
         let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
         let model = state.generator.resolve_model(&request.model)?;
-        let input = chat_conversation(&request)?.template_input()?;
+        let input =
+            chat_conversation(&request, state.settings.non_text_content)?.template_input()?;
         let (_, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
         Ok::<_, GatewayError>(json!({"input_tokens": prompt_token_ids.len()}))
     }

@@ -53,6 +53,31 @@ impl ChatRole {
     }
 }
 
+/// What a text-only model's gateway does with images and documents a client sends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NonTextContent {
+    /// Replace each with a short bracketed note the model reads, so a conversation that carries
+    /// one (a screenshot a tool read, a PDF) still goes on.
+    #[default]
+    Placeholder,
+    /// Refuse the request (400).
+    Reject,
+}
+
+impl NonTextContent {
+    /// The text standing for a `kind` (`image`, `document`) block, or the refusal.
+    pub fn stand_in(self, kind: &str, where_: &str) -> Result<String, GatewayError> {
+        match self {
+            NonTextContent::Placeholder => {
+                Ok(format!("[{kind} omitted: this model reads text only]"))
+            }
+            NonTextContent::Reject => Err(GatewayError::invalid(format!(
+                "{where_}: this model reads text only and the gateway is set to refuse {kind} content"
+            ))),
+        }
+    }
+}
+
 /// One part of a message's content.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ChatContentPart {

@@ -135,6 +135,9 @@ pub struct GenerationPlan {
     /// `Some` for chat: split `<think>` reasoning from the answer.
     pub reasoning: Option<ReasoningStart>,
     pub request_id: String,
+    /// Choice `i` samples with `seed + i`: the client's seed (reproducible), or fresh entropy
+    /// when it gave none, so unseeded retries and the `n` choices all differ.
+    pub seed: u64,
 }
 
 impl GenerationPlan {
@@ -174,9 +177,10 @@ impl GenerationPlan {
             model,
             prompt_token_ids,
             max_new_tokens,
-            options,
             reasoning,
             request_id: new_request_id(),
+            seed: options.seed.unwrap_or_else(fresh_seed),
+            options,
         })
     }
 
@@ -199,9 +203,7 @@ impl GenerationPlan {
                     .unwrap_or(1.0),
                 presence_penalty: options.presence_penalty.unwrap_or(0.0),
                 frequency_penalty: options.frequency_penalty.unwrap_or(0.0),
-                seed: options
-                    .seed
-                    .map(|seed| seed.wrapping_add(u64::from(choice_index))),
+                seed: Some(self.seed.wrapping_add(u64::from(choice_index))),
             }),
             stop_token_ids: self.model.resources.eos_token_ids.clone(),
             top_logprobs: if options.logprobs {
@@ -227,6 +229,22 @@ pub fn new_request_id() -> String {
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     format!("{:x}{:06x}", nanos & 0xffff_ffff_ffff, sequence & 0xff_ffff)
+}
+
+/// A seed no earlier request had: the standard library's per-process random hash keys (drawn
+/// from the operating system) over the clock and a counter.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(DRAWS.fetch_add(1, Ordering::Relaxed));
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    hasher.finish()
 }
 
 /// Renders a chat prompt with the model's template and tokenizes it, on the blocking pool: a
@@ -331,20 +349,75 @@ pub type ChoiceReceiver = mpsc::Receiver<Result<GenerationEvent, GatewayError>>;
 pub struct Generator {
     backend: Arc<dyn GenerationBackend>,
     metrics: Arc<GatewayMetrics>,
+    aliases: ModelAliases,
+}
+
+/// Other names for served models: `NAME=MODEL`, where a `NAME` ending in `*` matches every
+/// name with that prefix (`claude-*=qwen3` answers whatever Claude model a client asks for).
+/// A served model's own name always wins; among aliases the first match does.
+#[derive(Debug, Clone, Default)]
+pub struct ModelAliases {
+    aliases: Vec<(String, String)>,
+}
+
+impl ModelAliases {
+    /// Parses `NAME=MODEL` entries (both sides non-empty).
+    pub fn parse(entries: &[String]) -> Result<Self, GatewayError> {
+        let mut aliases = Vec::new();
+        for entry in entries {
+            match entry.split_once('=') {
+                Some((name, model)) if !name.trim().is_empty() && !model.trim().is_empty() => {
+                    aliases.push((name.trim().to_string(), model.trim().to_string()))
+                }
+                _ => {
+                    return Err(GatewayError::invalid(format!(
+                        "model alias `{entry}` is not NAME=MODEL"
+                    )))
+                }
+            }
+        }
+        Ok(ModelAliases { aliases })
+    }
+
+    /// The model `requested` stands for, if an alias matches it.
+    pub fn target(&self, requested: &str) -> Option<&str> {
+        self.aliases.iter().find_map(|(name, model)| {
+            let matches = match name.strip_suffix('*') {
+                Some(prefix) => requested.starts_with(prefix),
+                None => requested == name,
+            };
+            matches.then_some(model.as_str())
+        })
+    }
 }
 
 impl Generator {
-    pub fn new(backend: Arc<dyn GenerationBackend>, metrics: Arc<GatewayMetrics>) -> Self {
-        Generator { backend, metrics }
+    pub fn new(
+        backend: Arc<dyn GenerationBackend>,
+        metrics: Arc<GatewayMetrics>,
+        aliases: ModelAliases,
+    ) -> Self {
+        Generator {
+            backend,
+            metrics,
+            aliases,
+        }
     }
 
     pub fn backend(&self) -> &Arc<dyn GenerationBackend> {
         &self.backend
     }
 
-    /// The served model a request names (404/503 as [`crate::backend::BackendSnapshot::resolve_model`]).
+    /// The served model a request names, directly or through an alias (404/503 as
+    /// [`crate::backend::BackendSnapshot::resolve_model`]).
     pub fn resolve_model(&self, requested: &str) -> Result<ServedModel, GatewayError> {
-        self.backend.snapshot().resolve_model(requested)
+        let snapshot = self.backend.snapshot();
+        if !snapshot.models.contains_key(requested) {
+            if let Some(target) = self.aliases.target(requested) {
+                return snapshot.resolve_model(target);
+            }
+        }
+        snapshot.resolve_model(requested)
     }
 
     /// Renders and tokenizes a conversation and checks it against the model's context.

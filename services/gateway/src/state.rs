@@ -7,7 +7,8 @@
 use std::sync::Arc;
 
 use crate::backend::GenerationBackend;
-use crate::generation::Generator;
+use crate::chat::NonTextContent;
+use crate::generation::{Generator, ModelAliases};
 use crate::metrics::GatewayMetrics;
 use crate::routing_stats::RoutingStatsHandle;
 
@@ -18,6 +19,10 @@ pub struct GatewaySettings {
     pub api_key: Option<String>,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
+    /// Other names clients may use for served models (`sonnet`, `claude-*`).
+    pub model_aliases: ModelAliases,
+    /// Images and documents sent to the text-only model: a placeholder, or a 400.
+    pub non_text_content: NonTextContent,
 }
 
 impl Default for GatewaySettings {
@@ -25,6 +30,8 @@ impl Default for GatewaySettings {
         GatewaySettings {
             api_key: None,
             max_body_bytes: 8 * 1024 * 1024,
+            model_aliases: ModelAliases::default(),
+            non_text_content: NonTextContent::default(),
         }
     }
 }
@@ -47,7 +54,11 @@ impl GatewayState {
     ) -> Arc<Self> {
         let metrics = Arc::new(GatewayMetrics::default());
         Arc::new(GatewayState {
-            generator: Generator::new(backend.clone(), metrics.clone()),
+            generator: Generator::new(
+                backend.clone(),
+                metrics.clone(),
+                settings.model_aliases.clone(),
+            ),
             backend,
             metrics,
             routing_stats,

@@ -59,6 +59,7 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--reference", default=None, help="fixture reference.json for the greedy check")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--claude-model", default=None, help="a Claude model name the gateway aliases (--model-alias) to check")
     args = parser.parse_args()
     base = args.base_url.rstrip("/")
     oa = openai.OpenAI(base_url=base + "/v1", api_key=args.api_key, max_retries=0, timeout=120)
@@ -202,7 +203,52 @@ def main():
             return f"{error.status_code}"
         raise AssertionError("no error")
 
-    for step in [models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown]:
+    @check("anthropic system message inside messages (Claude Code)")
+    def system_in_messages():
+        response = an.messages.create(model=model, max_tokens=4, messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}], extra_body=AN_GREEDY)
+        assert response.type == "message", response
+        return f"stop_reason={response.stop_reason}"
+
+    # The sentences Claude Code parses to lower max_tokens or to compact the conversation.
+    overflow_pattern = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)")
+    too_long_pattern = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum")
+
+    @check("anthropic context overflow in Anthropic's words")
+    def context_overflow():
+        context = http_json(base, "/tokenize", {"model": model, "prompt": "x"}, args.api_key)["max_model_len"]
+        try:
+            an.messages.create(model=model, max_tokens=context, messages=[{"role": "user", "content": "Hi"}])
+            raise AssertionError("no error for max_tokens = the whole context")
+        except anthropic.BadRequestError as error:
+            found = overflow_pattern.search(str(error))
+            assert found and int(found.group(2)) == context and int(found.group(3)) == context, str(error)
+        try:
+            an.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "word " * (context + 64)}])
+            raise AssertionError("no error for a prompt longer than the context")
+        except anthropic.BadRequestError as error:
+            found = too_long_pattern.search(str(error))
+            assert found and int(found.group(1)) > context and int(found.group(2)) == context, str(error)
+        return f"context {context}"
+
+    @check("anthropic image in a tool result does not fail the request")
+    def image_tool_result():
+        tools = [{"name": "Read", "description": "Reads a file", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}]
+        conversation = [
+            {"role": "user", "content": "Look at shot.png"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "shot.png"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+        ]
+        response = an.messages.create(model=model, max_tokens=4, tools=tools, messages=conversation, extra_body=AN_GREEDY)
+        return f"stop_reason={response.stop_reason}"
+
+    @check("anthropic model alias")
+    def model_alias():
+        if not args.claude_model:
+            return "skipped: no --claude-model given"
+        response = an.messages.create(model=args.claude_model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}], extra_body=AN_GREEDY)
+        return f"{args.claude_model} -> {response.model}"
+
+    for step in [models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias]:
         step()
 
     if args.reference:

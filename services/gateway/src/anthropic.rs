@@ -1,7 +1,9 @@
 //! The Anthropic-compatible API: `POST /v1/messages` and `/v1/messages/count_tokens`.
 //!
-//! Owns: Anthropic request/response shapes (system prompt, content blocks, `thinking`,
-//! `tool_use`/`tool_result`, `stop_sequences`), their mapping to the chat template and
+//! Owns: Anthropic request/response shapes (system prompt — the `system` field and `system`
+//! messages anywhere in `messages` — content blocks, `thinking`,
+//! `tool_use`/`tool_result`, images and documents stood in for as text, `stop_sequences`),
+//! their mapping to the neutral chat model and
 //! [`SamplingOptions`], the exact streaming event sequence (`message_start`, `ping`,
 //! `content_block_start`/`content_block_delta`/`content_block_stop`, `message_delta`,
 //! `message_stop`) and Anthropic error envelopes.
@@ -22,14 +24,16 @@ use serde_json::{json, Value as JsonValue};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::chat_template::ChatTemplateInput;
+use crate::chat::{
+    ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall, NonTextContent,
+};
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
-    build_chat_prompt, collect_generation, reasoning_start_for_prompt, start_generation,
-    token_count_parameter, FinishKind, GenerationEvent, GenerationPlan, GenerationSummary,
-    SamplingOptions,
+    build_chat_prompt, collect_generation, token_count_parameter, ChoiceReceiver, FinishKind,
+    GenerationEvent, GenerationSummary, SamplingOptions,
 };
-use crate::server::{parse_json_body, GatewayState};
+use crate::server::parse_json_body;
+use crate::state::GatewayState;
 use crate::tool_calls::{split_tool_calls, ToolCallCapture};
 
 /// A string, or a list of content blocks.
@@ -59,6 +63,9 @@ pub struct ContentBlock {
     pub tool_use_id: Option<String>,
     #[serde(default)]
     pub content: Option<Box<AnthropicContent>>,
+    /// Of `image` and `document` blocks.
+    #[serde(default)]
+    pub source: Option<serde_json::Map<String, JsonValue>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -133,51 +140,118 @@ fn plain_text(content: &AnthropicContent, where_: &str) -> Result<String, Gatewa
     }
 }
 
-fn message_value(fields: Vec<(&str, minijinja::Value)>) -> minijinja::Value {
-    minijinja::Value::from_iter(fields)
+/// The text standing for an `image` or `document` block: a plain-text document's own text, a
+/// placeholder (or a refusal) for the rest. A block without a `source` object is malformed.
+fn media_text(
+    block: &ContentBlock,
+    where_: &str,
+    non_text: NonTextContent,
+) -> Result<String, GatewayError> {
+    let source = block
+        .source
+        .as_ref()
+        .filter(|source| source.get("type").is_some_and(JsonValue::is_string))
+        .ok_or_else(|| {
+            GatewayError::invalid(format!(
+                "{where_}: `{}` blocks need a `source` object with a `type`",
+                block.kind
+            ))
+        })?;
+    if block.kind == "document" && source.get("type").and_then(JsonValue::as_str) == Some("text") {
+        if let Some(data) = source.get("data").and_then(JsonValue::as_str) {
+            return Ok(data.to_string());
+        }
+    }
+    non_text.stand_in(&block.kind, where_)
 }
 
-/// Maps an Anthropic conversation onto the chat template's OpenAI-style messages.
-fn template_input(request: &MessagesRequest) -> Result<ChatTemplateInput, GatewayError> {
+/// A tool result's text: its text blocks, with images and documents stood in for.
+fn tool_result_text(
+    content: &AnthropicContent,
+    where_: &str,
+    non_text: NonTextContent,
+) -> Result<String, GatewayError> {
+    match content {
+        AnthropicContent::Text(text) => Ok(text.clone()),
+        AnthropicContent::Blocks(blocks) => {
+            let mut parts = Vec::new();
+            for block in blocks {
+                match block.kind.as_str() {
+                    "text" => parts.push(block.text.clone().unwrap_or_default()),
+                    "image" | "document" => parts.push(media_text(block, where_, non_text)?),
+                    other => {
+                        return Err(GatewayError::invalid(format!(
+                            "{where_}: content blocks of type `{other}` are not supported in tool results"
+                        )))
+                    }
+                }
+            }
+            Ok(parts.join("\n"))
+        }
+    }
+}
+
+fn empty_mapping() -> minijinja::Value {
+    minijinja::Value::from_iter(Vec::<(String, minijinja::Value)>::new())
+}
+
+/// Converts an Anthropic conversation to the neutral one (tool results become `tool` messages,
+/// as the Qwen template expects).
+fn chat_conversation(
+    request: &MessagesRequest,
+    non_text: NonTextContent,
+) -> Result<ChatConversation, GatewayError> {
     if request.messages.is_empty() {
         return Err(GatewayError::invalid(
             "messages: at least one message is required",
         ));
     }
-    let mut messages = Vec::new();
+    // The system prompt: the `system` field, then every `role: "system"` message (clients such
+    // as Claude Code send them inside `messages`), joined in order. Chat templates accept one
+    // system message, first, so they all become that one.
+    let mut system_parts = Vec::new();
     if let Some(system) = &request.system {
-        let text = plain_text(system, "system")?;
-        messages.push(message_value(vec![
-            ("role", "system".into()),
-            ("content", text.into()),
-        ]));
+        system_parts.push(plain_text(system, "system")?);
+    }
+    for (index, message) in request.messages.iter().enumerate() {
+        if message.role == "system" {
+            system_parts.push(plain_text(&message.content, &format!("messages.{index}"))?);
+        }
+    }
+    let mut messages = Vec::new();
+    if !system_parts.is_empty() {
+        messages.push(ChatMessage::text(
+            ChatRole::System,
+            system_parts.join("\n\n"),
+        ));
     }
     for (index, message) in request.messages.iter().enumerate() {
         let where_ = format!("messages.{index}");
         match message.role.as_str() {
+            "system" => {}
             "user" => match &message.content {
                 AnthropicContent::Text(text) => {
-                    messages.push(message_value(vec![
-                        ("role", "user".into()),
-                        ("content", text.as_str().into()),
-                    ]));
+                    messages.push(ChatMessage::text(ChatRole::User, text.as_str()));
                 }
                 AnthropicContent::Blocks(blocks) => {
                     let mut text = String::new();
                     for block in blocks {
                         match block.kind.as_str() {
                             "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
-                            // Tool results become `tool` messages, as the Qwen template expects.
+                            "image" | "document" => {
+                                if !text.is_empty() {
+                                    text.push('\n');
+                                }
+                                text.push_str(&media_text(block, &where_, non_text)?);
+                            }
                             "tool_result" => {
                                 let result = match &block.content {
-                                    Some(content) => plain_text(content, &where_)?,
+                                    Some(content) => tool_result_text(content, &where_, non_text)?,
                                     None => String::new(),
                                 };
-                                let mut fields = vec![("role", minijinja::Value::from("tool")), ("content", result.into())];
-                                if let Some(id) = &block.tool_use_id {
-                                    fields.push(("tool_call_id", id.as_str().into()));
-                                }
-                                messages.push(message_value(fields));
+                                let mut tool = ChatMessage::text(ChatRole::Tool, result);
+                                tool.tool_call_id = block.tool_use_id.clone();
+                                messages.push(tool);
                             }
                             other => {
                                 return Err(GatewayError::invalid(format!(
@@ -187,10 +261,7 @@ fn template_input(request: &MessagesRequest) -> Result<ChatTemplateInput, Gatewa
                         }
                     }
                     if !text.is_empty() {
-                        messages.push(message_value(vec![
-                            ("role", "user".into()),
-                            ("content", text.into()),
-                        ]));
+                        messages.push(ChatMessage::text(ChatRole::User, text));
                     }
                 }
             },
@@ -206,18 +277,12 @@ fn template_input(request: &MessagesRequest) -> Result<ChatTemplateInput, Gatewa
                                 "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
                                 "thinking" => reasoning.get_or_insert_with(String::new).push_str(block.thinking.as_deref().unwrap_or_default()),
                                 "redacted_thinking" => {}
-                                "tool_use" => {
-                                    let arguments = block.input.clone().unwrap_or_else(|| minijinja::Value::from_iter(Vec::<(String, minijinja::Value)>::new()));
-                                    let function = message_value(vec![
-                                        ("name", block.name.clone().unwrap_or_default().into()),
-                                        ("arguments", arguments),
-                                    ]);
-                                    let mut call = vec![("type", minijinja::Value::from("function")), ("function", function)];
-                                    if let Some(id) = &block.id {
-                                        call.insert(0, ("id", id.as_str().into()));
-                                    }
-                                    tool_calls.push(message_value(call));
-                                }
+                                "tool_use" => tool_calls.push(ChatToolCall {
+                                    id: block.id.clone(),
+                                    kind: "function".to_string(),
+                                    name: block.name.clone().unwrap_or_default(),
+                                    arguments: block.input.clone().unwrap_or_else(empty_mapping),
+                                }),
                                 other => {
                                     return Err(GatewayError::invalid(format!(
                                         "{where_}: content blocks of type `{other}` are not supported in assistant messages"
@@ -227,61 +292,54 @@ fn template_input(request: &MessagesRequest) -> Result<ChatTemplateInput, Gatewa
                         }
                     }
                 }
-                let mut fields = vec![
-                    ("role", minijinja::Value::from("assistant")),
-                    ("content", text.into()),
-                ];
-                if let Some(reasoning) = reasoning {
-                    fields.push(("reasoning_content", reasoning.into()));
-                }
+                let mut assistant = ChatMessage::text(ChatRole::Assistant, text);
+                assistant.reasoning = reasoning;
                 if !tool_calls.is_empty() {
-                    fields.push(("tool_calls", minijinja::Value::from(tool_calls)));
+                    assistant.tool_calls = Some(tool_calls);
                 }
-                messages.push(message_value(fields));
+                messages.push(assistant);
             }
-            other => {
+            _ => {
+                // Anthropic's own wording for a role it does not know.
                 return Err(GatewayError::invalid(format!(
-                    "{where_}.role: `{other}` is not one of user, assistant"
-                )))
+                    "{where_}.role: Input should be 'user', 'assistant' or 'system'"
+                )));
             }
         }
     }
+    if !messages
+        .iter()
+        .any(|message| message.role != ChatRole::System)
+    {
+        return Err(GatewayError::invalid(
+            "messages: at least one user or assistant message is required",
+        ));
+    }
     let tools = request
         .tools
-        .as_ref()
-        .filter(|tools| !tools.is_empty())
-        .map(|tools| {
-            tools
-                .iter()
-                .map(|tool| {
-                    let mut function = vec![("name", minijinja::Value::from(tool.name.as_str()))];
-                    if let Some(description) = &tool.description {
-                        function.push(("description", description.as_str().into()));
-                    }
-                    if let Some(schema) = &tool.input_schema {
-                        function.push(("parameters", schema.clone()));
-                    }
-                    message_value(vec![
-                        ("type", "function".into()),
-                        ("function", message_value(function)),
-                    ])
-                })
-                .collect()
-        });
+        .iter()
+        .flatten()
+        .map(|tool| {
+            ChatTool::function(
+                &tool.name,
+                tool.description.as_deref(),
+                tool.input_schema.clone(),
+            )
+        })
+        .collect();
     // Anthropic's default is no extended thinking; `thinking: {type: enabled}` turns it on.
     let thinking_enabled = request
         .thinking
         .as_ref()
         .is_some_and(|thinking| thinking.kind == "enabled");
-    Ok(ChatTemplateInput {
+    Ok(ChatConversation {
         messages,
         tools,
         add_generation_prompt: true,
-        extra_variables: vec![(
+        template_variables: vec![(
             "enable_thinking".to_string(),
             minijinja::Value::from(thinking_enabled),
         )],
-        special_tokens: Vec::new(),
     })
 }
 
@@ -310,7 +368,7 @@ async fn messages_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, GatewayError> {
     let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
-    let model = state.backend.snapshot().resolve_model(&request.model)?;
+    let model = state.generator.resolve_model(&request.model)?;
     let max_tokens = token_count_parameter("max_tokens", request.max_tokens)?.ok_or_else(|| {
         GatewayError::invalid_parameter("max_tokens", "max_tokens: Field required")
     })?;
@@ -336,17 +394,14 @@ async fn messages_inner(
         choices: 1,
         ..Default::default()
     };
-    let input = template_input(&request)?;
-    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
-    let plan = GenerationPlan::new(
-        model,
-        prompt_token_ids,
-        options,
-        Some(reasoning_start_for_prompt(&prompt)),
-    )?;
-    let receiver = start_generation(&state, &plan, 0).await?;
+    let conversation = chat_conversation(&request, state.settings.non_text_content)?;
+    let plan = state
+        .generator
+        .plan_chat(model, &conversation, options)
+        .await?;
+    let receiver = state.generator.start_choice(&plan, 0).await?;
     // With tools declared, `<tool_call>` blocks in the answer become `tool_use` blocks.
-    let tools = input.tools.clone();
+    let tools = conversation.tool_definitions();
     let id = format!("msg_{}", plan.request_id);
     let prompt_tokens = plan.prompt_token_ids.len() as u32;
     if request.stream.unwrap_or(false) {
@@ -407,7 +462,7 @@ fn stream_messages(
     id: String,
     model: String,
     prompt_tokens: u32,
-    mut receiver: mpsc::Receiver<Result<GenerationEvent, GatewayError>>,
+    mut receiver: ChoiceReceiver,
     tools: Option<Vec<minijinja::Value>>,
 ) -> Response {
     let (events, event_receiver) = mpsc::channel::<Event>(64);
@@ -556,8 +611,9 @@ pub async fn count_tokens(
 ) -> Response {
     let result = async {
         let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
-        let model = state.backend.snapshot().resolve_model(&request.model)?;
-        let input = template_input(&request)?;
+        let model = state.generator.resolve_model(&request.model)?;
+        let input =
+            chat_conversation(&request, state.settings.non_text_content)?.template_input()?;
         let (_, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
         Ok::<_, GatewayError>(json!({"input_tokens": prompt_token_ids.len()}))
     }

@@ -138,6 +138,30 @@ impl GatewayError {
         }
     }
 
+    /// The message in Anthropic's words. Context overflows use the two sentences Anthropic's
+    /// API answers with, which clients parse to shrink `max_tokens` or compact the conversation:
+    /// "input length and `max_tokens` exceed context limit: P + M > L" and "prompt is too long:
+    /// N tokens > M maximum".
+    fn anthropic_message(&self) -> String {
+        match self {
+            GatewayError::ContextLengthExceeded {
+                max_context,
+                prompt_tokens,
+                completion_tokens,
+                ..
+            } => {
+                if prompt_tokens > max_context {
+                    format!("prompt is too long: {prompt_tokens} tokens > {max_context} maximum")
+                } else {
+                    format!(
+                        "input length and `max_tokens` exceed context limit: {prompt_tokens} + {completion_tokens} > {max_context}, decrease input length or `max_tokens` and try again"
+                    )
+                }
+            }
+            _ => self.to_string(),
+        }
+    }
+
     /// The JSON body of this error in the given dialect.
     pub fn envelope(&self, dialect: ApiDialect) -> serde_json::Value {
         match dialect {
@@ -156,7 +180,7 @@ impl GatewayError {
             }
             ApiDialect::Anthropic => json!({
                 "type": "error",
-                "error": {"type": self.anthropic_type(), "message": self.to_string()},
+                "error": {"type": self.anthropic_type(), "message": self.anthropic_message()},
             }),
         }
     }

@@ -1,11 +1,15 @@
-//! The API-independent service layer: validated sampling options, prompt building, context
-//! checks, and the generation driver that turns an engine token stream into text events.
+//! The API-independent service layer (the shape of the TGI router's `Infer`): validate, render
+//! and tokenize, schedule through the [`GenerationBackend`], and turn the engine's token stream
+//! into a stream of neutral text events.
 //!
-//! Owns: [`SamplingOptions`] (what every API maps its parameters to), [`GenerationPlan`] (model +
-//! prompt ids + options, checked against the context), [`start_generation`] (one task per
-//! choice: incremental detokenization, stop strings, reasoning split, metrics, cancellation when
-//! the receiver is dropped), and [`collect_generation`] for non-streaming responses.
-//! Must not touch: JSON shapes of any API, or engine selection (the backend does that).
+//! Owns: [`Generator`] (the one entry every API uses: [`Generator::plan_chat`],
+//! [`Generator::plan_text`], [`Generator::start_all_choices`]), [`SamplingOptions`] (what every
+//! API maps its parameters to), [`GenerationPlan`] (model + prompt ids + options, checked against
+//! the context), the per-choice task (incremental detokenization, stop strings, reasoning split,
+//! metrics, cancellation when the receiver is dropped), and [`collect_generation`] for
+//! non-streaming responses.
+//! Must not touch: JSON shapes of any API, the gateway's HTTP state, or engine selection (the
+//! backend does that).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,11 +19,12 @@ use futures_util::StreamExt;
 use ninfer_protocol::v1::{FinishReason, GenerateRequest, SamplingParameters};
 use tokio::sync::mpsc;
 
-use crate::backend::ServedModel;
+use crate::backend::{GenerationBackend, ServedModel};
+use crate::chat::ChatConversation;
 use crate::chat_template::ChatTemplateInput;
 use crate::error::GatewayError;
+use crate::metrics::GatewayMetrics;
 use crate::reasoning::{ReasoningSplitter, ReasoningStart, SplitText};
-use crate::server::GatewayState;
 use crate::stop_strings::{StopCheck, StopStringMatcher};
 use crate::tokenizer::IncrementalDetokenizer;
 
@@ -130,6 +135,9 @@ pub struct GenerationPlan {
     /// `Some` for chat: split `<think>` reasoning from the answer.
     pub reasoning: Option<ReasoningStart>,
     pub request_id: String,
+    /// Choice `i` samples with `seed + i`: the client's seed (reproducible), or fresh entropy
+    /// when it gave none, so unseeded retries and the `n` choices all differ.
+    pub seed: u64,
 }
 
 impl GenerationPlan {
@@ -169,9 +177,10 @@ impl GenerationPlan {
             model,
             prompt_token_ids,
             max_new_tokens,
-            options,
             reasoning,
             request_id: new_request_id(),
+            seed: options.seed.unwrap_or_else(fresh_seed),
+            options,
         })
     }
 
@@ -194,9 +203,7 @@ impl GenerationPlan {
                     .unwrap_or(1.0),
                 presence_penalty: options.presence_penalty.unwrap_or(0.0),
                 frequency_penalty: options.frequency_penalty.unwrap_or(0.0),
-                seed: options
-                    .seed
-                    .map(|seed| seed.wrapping_add(u64::from(choice_index))),
+                seed: Some(self.seed.wrapping_add(u64::from(choice_index))),
             }),
             stop_token_ids: self.model.resources.eos_token_ids.clone(),
             top_logprobs: if options.logprobs {
@@ -206,6 +213,8 @@ impl GenerationPlan {
             },
             return_logprobs: options.logprobs,
             model_name: self.model.name.clone(),
+            // Padded embedding rows past the tokenizer decode to nothing: never sample them.
+            sampleable_vocabulary_size: self.model.resources.tokenizer.vocabulary_size() as u32,
         }
     }
 }
@@ -220,6 +229,22 @@ pub fn new_request_id() -> String {
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     format!("{:x}{:06x}", nanos & 0xffff_ffff_ffff, sequence & 0xff_ffff)
+}
+
+/// A seed no earlier request had: the standard library's per-process random hash keys (drawn
+/// from the operating system) over the clock and a counter.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(DRAWS.fetch_add(1, Ordering::Relaxed));
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    hasher.finish()
 }
 
 /// Renders a chat prompt with the model's template and tokenizes it, on the blocking pool: a
@@ -316,39 +341,154 @@ pub enum GenerationEvent {
     Finished(GenerationSummary),
 }
 
-/// Starts choice `choice_index` of `plan`. Errors before the first token come back here; later
-/// ones arrive in the channel. Dropping the receiver cancels the generation on the engine.
-pub async fn start_generation(
-    state: &Arc<GatewayState>,
-    plan: &GenerationPlan,
-    choice_index: u32,
-) -> Result<mpsc::Receiver<Result<GenerationEvent, GatewayError>>, GatewayError> {
-    let started = Instant::now();
-    let token_stream = state
-        .backend
-        .generate(plan.engine_request(choice_index))
-        .await?;
-    let (sender, receiver) = mpsc::channel(64);
-    let state = state.clone();
-    let plan = plan.clone();
-    state
-        .metrics
-        .in_flight_requests
-        .fetch_add(1, Ordering::Relaxed);
-    state
-        .metrics
-        .prompt_tokens
-        .fetch_add(plan.prompt_token_ids.len() as u64, Ordering::Relaxed);
-    tokio::spawn(async move {
-        let metrics = state.metrics.clone();
-        run_generation(state, plan, token_stream, sender, started).await;
-        metrics.in_flight_requests.fetch_sub(1, Ordering::Relaxed);
-    });
-    Ok(receiver)
+/// One choice's events, in order; dropping the receiver cancels the generation on the engine.
+pub type ChoiceReceiver = mpsc::Receiver<Result<GenerationEvent, GatewayError>>;
+
+/// Validates, renders, tokenizes and schedules requests for every API; knows nothing of HTTP.
+#[derive(Clone)]
+pub struct Generator {
+    backend: Arc<dyn GenerationBackend>,
+    metrics: Arc<GatewayMetrics>,
+    aliases: ModelAliases,
+}
+
+/// Other names for served models: `NAME=MODEL`, where a `NAME` ending in `*` matches every
+/// name with that prefix (`claude-*=qwen3` answers whatever Claude model a client asks for).
+/// A served model's own name always wins; among aliases the first match does.
+#[derive(Debug, Clone, Default)]
+pub struct ModelAliases {
+    aliases: Vec<(String, String)>,
+}
+
+impl ModelAliases {
+    /// Parses `NAME=MODEL` entries (both sides non-empty).
+    pub fn parse(entries: &[String]) -> Result<Self, GatewayError> {
+        let mut aliases = Vec::new();
+        for entry in entries {
+            match entry.split_once('=') {
+                Some((name, model)) if !name.trim().is_empty() && !model.trim().is_empty() => {
+                    aliases.push((name.trim().to_string(), model.trim().to_string()))
+                }
+                _ => {
+                    return Err(GatewayError::invalid(format!(
+                        "model alias `{entry}` is not NAME=MODEL"
+                    )))
+                }
+            }
+        }
+        Ok(ModelAliases { aliases })
+    }
+
+    /// The model `requested` stands for, if an alias matches it.
+    pub fn target(&self, requested: &str) -> Option<&str> {
+        self.aliases.iter().find_map(|(name, model)| {
+            let matches = match name.strip_suffix('*') {
+                Some(prefix) => requested.starts_with(prefix),
+                None => requested == name,
+            };
+            matches.then_some(model.as_str())
+        })
+    }
+}
+
+impl Generator {
+    pub fn new(
+        backend: Arc<dyn GenerationBackend>,
+        metrics: Arc<GatewayMetrics>,
+        aliases: ModelAliases,
+    ) -> Self {
+        Generator {
+            backend,
+            metrics,
+            aliases,
+        }
+    }
+
+    pub fn backend(&self) -> &Arc<dyn GenerationBackend> {
+        &self.backend
+    }
+
+    /// The served model a request names, directly or through an alias (404/503 as
+    /// [`crate::backend::BackendSnapshot::resolve_model`]).
+    pub fn resolve_model(&self, requested: &str) -> Result<ServedModel, GatewayError> {
+        let snapshot = self.backend.snapshot();
+        if !snapshot.models.contains_key(requested) {
+            if let Some(target) = self.aliases.target(requested) {
+                return snapshot.resolve_model(target);
+            }
+        }
+        snapshot.resolve_model(requested)
+    }
+
+    /// Renders and tokenizes a conversation and checks it against the model's context.
+    pub async fn plan_chat(
+        &self,
+        model: ServedModel,
+        conversation: &ChatConversation,
+        options: SamplingOptions,
+    ) -> Result<GenerationPlan, GatewayError> {
+        let input = conversation.template_input()?;
+        let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
+        GenerationPlan::new(
+            model,
+            prompt_token_ids,
+            options,
+            Some(reasoning_start_for_prompt(&prompt)),
+        )
+    }
+
+    /// Tokenizes a raw prompt and checks it against the model's context.
+    pub async fn plan_text(
+        &self,
+        model: ServedModel,
+        prompt: String,
+        options: SamplingOptions,
+    ) -> Result<GenerationPlan, GatewayError> {
+        let prompt_token_ids = encode_text(&model, prompt, true).await?;
+        GenerationPlan::new(model, prompt_token_ids, options, None)
+    }
+
+    /// Starts choice `choice_index` of `plan`. Errors before the first token come back here;
+    /// later ones arrive in the channel. Dropping the receiver cancels the generation.
+    pub async fn start_choice(
+        &self,
+        plan: &GenerationPlan,
+        choice_index: u32,
+    ) -> Result<ChoiceReceiver, GatewayError> {
+        let started = Instant::now();
+        let token_stream = self
+            .backend
+            .generate(plan.engine_request(choice_index))
+            .await?;
+        let (sender, receiver) = mpsc::channel(64);
+        let metrics = self.metrics.clone();
+        let plan = plan.clone();
+        metrics.in_flight_requests.fetch_add(1, Ordering::Relaxed);
+        metrics
+            .prompt_tokens
+            .fetch_add(plan.prompt_token_ids.len() as u64, Ordering::Relaxed);
+        tokio::spawn(async move {
+            run_generation(&metrics, plan, token_stream, sender, started).await;
+            metrics.in_flight_requests.fetch_sub(1, Ordering::Relaxed);
+        });
+        Ok(receiver)
+    }
+
+    /// Starts all choices of a plan (so their errors surface before any response is sent).
+    pub async fn start_all_choices(
+        &self,
+        plan: &GenerationPlan,
+    ) -> Result<Vec<ChoiceReceiver>, GatewayError> {
+        let mut receivers = Vec::new();
+        for choice_index in 0..plan.options.choices {
+            receivers.push(self.start_choice(plan, choice_index).await?);
+        }
+        Ok(receivers)
+    }
 }
 
 async fn run_generation(
-    state: Arc<GatewayState>,
+    metrics: &GatewayMetrics,
     plan: GenerationPlan,
     mut token_stream: crate::backend::TokenStream,
     sender: mpsc::Sender<Result<GenerationEvent, GatewayError>>,
@@ -374,7 +514,7 @@ async fn run_generation(
         let next = tokio::select! {
             // The client went away: dropping the token stream cancels the engine sequence.
             _ = sender.closed() => {
-                state.metrics.cancelled_generations.fetch_add(1, Ordering::Relaxed);
+                metrics.cancelled_generations.fetch_add(1, Ordering::Relaxed);
                 return;
             }
             next = token_stream.next() => next,
@@ -400,17 +540,12 @@ async fn run_generation(
         let mut logprobs = Vec::new();
         if !token.no_token {
             completion_tokens += 1;
-            state
-                .metrics
-                .completion_tokens
-                .fetch_add(1, Ordering::Relaxed);
+            metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
             match last_token_at {
-                None => state
-                    .metrics
+                None => metrics
                     .time_to_first_token
                     .observe(now.duration_since(started).as_secs_f64()),
-                Some(previous) => state
-                    .metrics
+                Some(previous) => metrics
                     .inter_token_latency
                     .observe(now.duration_since(previous).as_secs_f64()),
             }
@@ -488,8 +623,7 @@ async fn run_generation(
             } else {
                 completion_tokens
             };
-            state
-                .metrics
+            metrics
                 .request_duration
                 .observe(started.elapsed().as_secs_f64());
             let summary = GenerationSummary {
@@ -508,8 +642,7 @@ async fn run_generation(
                 .await
                 .is_err()
         {
-            state
-                .metrics
+            metrics
                 .cancelled_generations
                 .fetch_add(1, Ordering::Relaxed);
             return;
@@ -533,7 +666,7 @@ pub struct CollectedGeneration {
 
 /// Reads a choice to the end.
 pub async fn collect_generation(
-    mut receiver: mpsc::Receiver<Result<GenerationEvent, GatewayError>>,
+    mut receiver: ChoiceReceiver,
 ) -> Result<CollectedGeneration, GatewayError> {
     let mut content = String::new();
     let mut reasoning = String::new();
@@ -561,16 +694,4 @@ pub async fn collect_generation(
     Err(GatewayError::Internal(
         "generation ended without a result".to_string(),
     ))
-}
-
-/// Starts all choices of a plan (so their errors surface before any response is sent).
-pub async fn start_all_choices(
-    state: &Arc<GatewayState>,
-    plan: &GenerationPlan,
-) -> Result<Vec<mpsc::Receiver<Result<GenerationEvent, GatewayError>>>, GatewayError> {
-    let mut receivers = Vec::new();
-    for choice_index in 0..plan.options.choices {
-        receivers.push(start_generation(state, plan, choice_index).await?);
-    }
-    Ok(receivers)
 }

@@ -1,7 +1,8 @@
 //! The public gRPC API (`proto/ninfer/v1/gateway.proto`), `grpc.health.v1` and server reflection.
 //!
 //! Owns: the `ninfer.v1.Gateway` service (ListModels, Generate, GenerateStream, Chat, ChatStream)
-//! on top of the same service layer as the HTTP APIs, the health service (SERVING while an engine
+//! on top of the same [`crate::generation::Generator`] as the HTTP APIs (converting its messages
+//! to the neutral chat model), the health service (SERVING while an engine
 //! is ready), and reflection from `ninfer_protocol::FILE_DESCRIPTOR_SET` so `grpcurl` needs no
 //! proto files. Routed on the gateway's HTTP port by path (`/ninfer.v1.Gateway/...`).
 //! Must not touch: HTTP JSON shapes, authentication (the server's middleware covers gRPC too).
@@ -20,13 +21,13 @@ use ninfer_protocol::v1::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::chat::{template_variables_from_object, ChatConversation, ChatMessage, ChatRole};
 use crate::error::GatewayError;
 use crate::generation::{
-    build_chat_prompt, collect_generation, reasoning_start_for_prompt, start_generation,
-    FinishKind, GenerationEvent, GenerationPlan, GenerationSummary, SamplingOptions,
+    collect_generation, FinishKind, GenerationEvent, GenerationPlan, GenerationSummary,
+    SamplingOptions,
 };
-use crate::openai::{chat_template_input, MessageContent, OpenAiMessage};
-use crate::server::GatewayState;
+use crate::state::GatewayState;
 
 /// The `ninfer.v1.Gateway` implementation.
 pub struct GatewayGrpcService {
@@ -125,80 +126,70 @@ impl GatewayGrpcService {
         &self,
         request: TextGenerationRequest,
     ) -> Result<GenerationPlan, GatewayError> {
-        let model = self
-            .state
-            .backend
-            .snapshot()
-            .resolve_model(&request.model)?;
-        let prompt_token_ids = crate::generation::encode_text(&model, request.prompt, true).await?;
-        GenerationPlan::new(
-            model,
-            prompt_token_ids,
-            sampling_options(request.options),
-            None,
-        )
+        let generator = &self.state.generator;
+        let model = generator.resolve_model(&request.model)?;
+        generator
+            .plan_text(model, request.prompt, sampling_options(request.options))
+            .await
     }
 
     async fn chat_plan(&self, request: ChatRequest) -> Result<GenerationPlan, GatewayError> {
-        let model = self
-            .state
-            .backend
-            .snapshot()
-            .resolve_model(&request.model)?;
-        let messages: Vec<OpenAiMessage> = request
-            .messages
-            .into_iter()
-            .map(|message| OpenAiMessage {
-                role: message.role,
-                content: Some(MessageContent::Text(message.content)),
-                reasoning_content: if message.reasoning_content.is_empty() {
-                    None
-                } else {
-                    Some(message.reasoning_content)
-                },
-                tool_calls: None,
-                tool_call_id: None,
-                name: None,
-            })
-            .collect();
-        let mut kwargs: Vec<(String, minijinja::Value)> = Vec::new();
-        if !request.chat_template_kwargs_json.trim().is_empty() {
-            let parsed: minijinja::Value = serde_json::from_str(&request.chat_template_kwargs_json)
-                .map_err(|error| {
-                    GatewayError::invalid_parameter(
-                        "chat_template_kwargs_json",
-                        format!("not JSON: {error}"),
-                    )
-                })?;
-            if parsed.kind() != minijinja::value::ValueKind::Map {
-                return Err(GatewayError::invalid_parameter(
-                    "chat_template_kwargs_json",
-                    "must be a JSON object",
-                ));
-            }
-            for key in parsed
-                .try_iter()
-                .map_err(|error| GatewayError::invalid(error.to_string()))?
-            {
-                kwargs.push((key.to_string(), parsed.get_item(&key).unwrap_or_default()));
-            }
+        let generator = &self.state.generator;
+        let model = generator.resolve_model(&request.model)?;
+        let conversation = chat_conversation(&request)?;
+        generator
+            .plan_chat(model, &conversation, sampling_options(request.options))
+            .await
+    }
+}
+
+/// Converts a gRPC chat request to the neutral conversation.
+fn chat_conversation(request: &ChatRequest) -> Result<ChatConversation, GatewayError> {
+    if request.messages.is_empty() {
+        return Err(GatewayError::invalid_parameter(
+            "messages",
+            "`messages` must not be empty",
+        ));
+    }
+    let mut messages = Vec::new();
+    for (index, message) in request.messages.iter().enumerate() {
+        let role = ChatRole::from_name(&message.role)
+            .ok_or_else(|| ChatRole::unknown_role_error(index, &message.role))?;
+        let mut converted = ChatMessage::text(role, message.content.as_str());
+        if !message.reasoning_content.is_empty() {
+            converted.reasoning = Some(message.reasoning_content.clone());
         }
-        if let Some(enable_thinking) = request.enable_thinking {
-            kwargs.push((
-                "enable_thinking".to_string(),
-                minijinja::Value::from(enable_thinking),
+        messages.push(converted);
+    }
+    let mut template_variables = Vec::new();
+    if !request.chat_template_kwargs_json.trim().is_empty() {
+        let parsed: minijinja::Value = serde_json::from_str(&request.chat_template_kwargs_json)
+            .map_err(|error| {
+                GatewayError::invalid_parameter(
+                    "chat_template_kwargs_json",
+                    format!("not JSON: {error}"),
+                )
+            })?;
+        if parsed.kind() != minijinja::value::ValueKind::Map {
+            return Err(GatewayError::invalid_parameter(
+                "chat_template_kwargs_json",
+                "must be a JSON object",
             ));
         }
-        let kwargs_value: minijinja::Value = kwargs.into_iter().collect();
-        let input = chat_template_input(&messages, None, true, Some(&kwargs_value))?;
-        let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
-        GenerationPlan::new(
-            model,
-            prompt_token_ids,
-            sampling_options(request.options),
-            Some(reasoning_start_for_prompt(&prompt)),
-        )
+        template_variables = template_variables_from_object("chat_template_kwargs_json", &parsed)?;
     }
+    if let Some(enable_thinking) = request.enable_thinking {
+        template_variables.push((
+            "enable_thinking".to_string(),
+            minijinja::Value::from(enable_thinking),
+        ));
+    }
+    Ok(ChatConversation {
+        messages,
+        tools: Vec::new(),
+        add_generation_prompt: true,
+        template_variables,
+    })
 }
 
 #[tonic::async_trait]
@@ -228,7 +219,7 @@ impl Gateway for GatewayGrpcService {
         let result = async {
             let plan = self.text_plan(request.into_inner()).await?;
             let generation =
-                collect_generation(start_generation(&self.state, &plan, 0).await?).await?;
+                collect_generation(self.state.generator.start_choice(&plan, 0).await?).await?;
             Ok::<_, GatewayError>(TextGenerationResponse {
                 text: generation.content,
                 finish_reason: finish_reason(generation.summary.finish),
@@ -252,7 +243,10 @@ impl Gateway for GatewayGrpcService {
             .text_plan(request.into_inner())
             .await
             .map_err(|error| error.to_grpc_status())?;
-        let receiver = start_generation(&self.state, &plan, 0)
+        let receiver = self
+            .state
+            .generator
+            .start_choice(&plan, 0)
             .await
             .map_err(|error| error.to_grpc_status())?;
         let stream = ReceiverStream::new(receiver).map(|event| match event {
@@ -275,7 +269,7 @@ impl Gateway for GatewayGrpcService {
         let result = async {
             let plan = self.chat_plan(request.into_inner()).await?;
             let generation =
-                collect_generation(start_generation(&self.state, &plan, 0).await?).await?;
+                collect_generation(self.state.generator.start_choice(&plan, 0).await?).await?;
             Ok::<_, GatewayError>(ChatResponse {
                 content: generation.content,
                 reasoning_content: generation.reasoning,
@@ -300,7 +294,10 @@ impl Gateway for GatewayGrpcService {
             .chat_plan(request.into_inner())
             .await
             .map_err(|error| error.to_grpc_status())?;
-        let receiver = start_generation(&self.state, &plan, 0)
+        let receiver = self
+            .state
+            .generator
+            .start_choice(&plan, 0)
             .await
             .map_err(|error| error.to_grpc_status())?;
         let stream = ReceiverStream::new(receiver).map(|event| match event {

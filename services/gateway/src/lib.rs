@@ -1,10 +1,12 @@
 //! `ninfer-gateway`: the HTTP/gRPC front door of NInfer-Offload.
 //!
 //! Owns: everything clients see. The OpenAI API (`openai`), the Anthropic API (`anthropic`), the
-//! public gRPC API with health and reflection (`grpc_api`), utility routes, auth and limits
-//! (`server`); the tokenizer and chat template taken from the engine (`tokenizer`,
-//! `chat_template`); stop strings (`stop_strings`), `<think>` splitting (`reasoning`), tool-call parsing (`tool_calls`) and the
-//! generation driver (`generation`); the [`backend::GenerationBackend`] seam and its gRPC engine
+//! public gRPC API with health and reflection (`grpc_api`) — each only converts its wire types to
+//! and from the neutral chat model (`chat`) and the generator's events; utility routes, auth and
+//! limits (`server`); shared state (`state`); the tokenizer and chat template taken from the
+//! engine (`tokenizer`, `chat_template`); stop strings (`stop_strings`), `<think>` splitting
+//! (`reasoning`), tool-call parsing (`tool_calls`) and the [`generation::Generator`] every API
+//! generates through; the [`backend::GenerationBackend`] seam and its gRPC engine
 //! pool (`backend::engine_pool`); routing statistics (`routing_stats`); Prometheus metrics
 //! (`metrics`); systemd notifications (`sd_notify`).
 //! Must not touch: weights, the artifact, CUDA, or the engine's internals. The gateway depends on
@@ -13,6 +15,7 @@
 
 pub mod anthropic;
 pub mod backend;
+pub mod chat;
 pub mod chat_template;
 pub mod error;
 pub mod generation;
@@ -24,6 +27,7 @@ pub mod routing_stats;
 /// systemd notifications live with the other wire protocols, shared by every service binary.
 pub use ninfer_protocol::sd_notify;
 pub mod server;
+pub mod state;
 pub mod stop_strings;
 pub mod tokenizer;
 pub mod tool_calls;
@@ -31,4 +35,5 @@ pub mod tool_calls;
 pub use backend::engine_pool::{EnginePool, EnginePoolOptions};
 pub use backend::GenerationBackend;
 pub use error::GatewayError;
-pub use server::{build_router, serve, GatewaySettings, GatewayState};
+pub use server::{build_router, serve};
+pub use state::{GatewaySettings, GatewayState};

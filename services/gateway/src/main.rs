@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use ninfer_gateway::chat::NonTextContent;
+use ninfer_gateway::generation::ModelAliases;
 use ninfer_gateway::routing_stats::RoutingStatsHandle;
 use ninfer_gateway::{sd_notify, EnginePool, EnginePoolOptions, GatewaySettings, GatewayState};
 
@@ -44,6 +46,19 @@ struct Flags {
     /// How often routing statistics are written to the state directory, in seconds.
     #[arg(long, default_value_t = 30)]
     stats_persist_seconds: u64,
+    /// Another name for a served model, `NAME=MODEL` (repeat, or comma separate). A NAME ending
+    /// in `*` matches every name with that prefix: `claude-*=MODEL` serves Claude Code whatever
+    /// model it asks for.
+    #[arg(
+        long = "model-alias",
+        value_delimiter = ',',
+        env = "NINFER_MODEL_ALIASES"
+    )]
+    model_aliases: Vec<String>,
+    /// Refuse (400) requests carrying images or documents instead of showing the model a
+    /// placeholder note where each was.
+    #[arg(long, env = "NINFER_REJECT_NON_TEXT")]
+    reject_non_text_content: bool,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -84,6 +99,13 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let settings = GatewaySettings {
         api_key: flags.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: flags.max_body_bytes,
+        model_aliases: ModelAliases::parse(&flags.model_aliases)
+            .context("reading --model-alias")?,
+        non_text_content: if flags.reject_non_text_content {
+            NonTextContent::Reject
+        } else {
+            NonTextContent::Placeholder
+        },
     };
     let state = GatewayState::new(Arc::new(pool), Some(routing_stats.clone()), settings);
     let router = ninfer_gateway::build_router(state);

@@ -20,14 +20,17 @@ use serde_json::{json, Value as JsonValue};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::chat_template::ChatTemplateInput;
+use crate::chat::{
+    template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
+    ChatRole, ChatTool, ChatToolCall,
+};
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
-    build_chat_prompt, collect_generation, reasoning_start_for_prompt, start_all_choices,
-    token_count_parameter, FinishKind, GenerationEvent, GenerationPlan, GenerationSummary,
-    SamplingOptions, TokenLogprobEntry,
+    collect_generation, token_count_parameter, ChoiceReceiver, FinishKind, GenerationEvent,
+    GenerationPlan, GenerationSummary, SamplingOptions, TokenLogprobEntry,
 };
-use crate::server::{parse_json_body, GatewayState};
+use crate::server::parse_json_body;
+use crate::state::GatewayState;
 use crate::tool_calls::{split_tool_calls, ParsedToolCall, ToolCallCapture};
 
 /// `stop`: one string or a list.
@@ -217,47 +220,29 @@ impl OpenAiSampling {
     }
 }
 
-/// Builds the chat template input from OpenAI messages (shared with `/tokenize` and gRPC).
-pub fn chat_template_input(
+/// Converts OpenAI messages (and tools, template switches) to the neutral conversation (shared
+/// with `/tokenize`).
+pub fn chat_conversation(
     messages: &[OpenAiMessage],
     tools: Option<&[minijinja::Value]>,
     add_generation_prompt: bool,
     template_kwargs: Option<&minijinja::Value>,
-) -> Result<ChatTemplateInput, GatewayError> {
+) -> Result<ChatConversation, GatewayError> {
     if messages.is_empty() {
         return Err(GatewayError::invalid_parameter(
             "messages",
             "`messages` must not be empty",
         ));
     }
-    let mut rendered = Vec::new();
+    let mut converted = Vec::new();
     for (index, message) in messages.iter().enumerate() {
-        if !matches!(
-            message.role.as_str(),
-            "system" | "developer" | "user" | "assistant" | "tool"
-        ) {
-            return Err(GatewayError::invalid_parameter(
-                "messages",
-                format!(
-                    "messages[{index}].role `{}` is not one of system, user, assistant, tool",
-                    message.role
-                ),
-            ));
-        }
-        let role = if message.role == "developer" {
-            "system"
-        } else {
-            message.role.as_str()
-        };
-        let mut fields: Vec<(&str, minijinja::Value)> =
-            vec![("role", minijinja::Value::from(role))];
-        match &message.content {
-            None => fields.push(("content", minijinja::Value::from(()))),
-            Some(MessageContent::Text(text)) => {
-                fields.push(("content", minijinja::Value::from(text.as_str())))
-            }
+        let role = ChatRole::from_name(&message.role)
+            .ok_or_else(|| ChatRole::unknown_role_error(index, &message.role))?;
+        let content = match &message.content {
+            None => None,
+            Some(MessageContent::Text(text)) => Some(ChatContent::Text(text.clone())),
             Some(MessageContent::Parts(parts)) => {
-                let mut values = Vec::new();
+                let mut converted_parts = Vec::new();
                 for part in parts {
                     if part.kind != "text" {
                         return Err(GatewayError::invalid_parameter(
@@ -265,91 +250,69 @@ pub fn chat_template_input(
                             format!("messages[{index}]: content parts of type `{}` are not supported (text only)", part.kind),
                         ));
                     }
-                    let text = part.text.clone().unwrap_or_default();
-                    values.push(minijinja::Value::from_iter([
-                        ("type", minijinja::Value::from("text")),
-                        ("text", minijinja::Value::from(text)),
-                    ]));
+                    converted_parts
+                        .push(ChatContentPart::Text(part.text.clone().unwrap_or_default()));
                 }
-                fields.push(("content", minijinja::Value::from(values)));
+                Some(ChatContent::Parts(converted_parts))
             }
-        }
-        if let Some(reasoning) = &message.reasoning_content {
-            fields.push((
-                "reasoning_content",
-                minijinja::Value::from(reasoning.as_str()),
-            ));
-        }
-        if let Some(tool_calls) = &message.tool_calls {
-            let mut calls = Vec::new();
-            for call in tool_calls {
-                let arguments = match &call.function.arguments {
-                    // OpenAI sends arguments as a JSON string; templates iterate them as a mapping.
-                    Some(value) if value.kind() == minijinja::value::ValueKind::String => {
-                        let text = value.as_str().unwrap_or_default();
-                        serde_json::from_str::<minijinja::Value>(text).map_err(|error| {
-                            GatewayError::invalid_parameter(
-                                "messages",
-                                format!(
-                                    "messages[{index}]: tool call arguments are not JSON: {error}"
-                                ),
-                            )
-                        })?
-                    }
-                    Some(value) => value.clone(),
-                    None => minijinja::Value::from_iter(Vec::<(String, minijinja::Value)>::new()),
-                };
-                let function = minijinja::Value::from_iter([
-                    ("name", minijinja::Value::from(call.function.name.as_str())),
-                    ("arguments", arguments),
-                ]);
-                let mut call_fields: Vec<(&str, minijinja::Value)> = Vec::new();
-                if let Some(id) = &call.id {
-                    call_fields.push(("id", minijinja::Value::from(id.as_str())));
+        };
+        let tool_calls = match &message.tool_calls {
+            None => None,
+            Some(tool_calls) => {
+                let mut calls = Vec::new();
+                for call in tool_calls {
+                    let arguments = match &call.function.arguments {
+                        // OpenAI sends arguments as a JSON string; templates iterate them as a mapping.
+                        Some(value) if value.kind() == minijinja::value::ValueKind::String => {
+                            let text = value.as_str().unwrap_or_default();
+                            serde_json::from_str::<minijinja::Value>(text).map_err(|error| {
+                                GatewayError::invalid_parameter(
+                                    "messages",
+                                    format!(
+                                        "messages[{index}]: tool call arguments are not JSON: {error}"
+                                    ),
+                                )
+                            })?
+                        }
+                        Some(value) => value.clone(),
+                        None => {
+                            minijinja::Value::from_iter(Vec::<(String, minijinja::Value)>::new())
+                        }
+                    };
+                    calls.push(ChatToolCall {
+                        id: call.id.clone(),
+                        kind: call.kind.clone().unwrap_or_else(|| "function".to_string()),
+                        name: call.function.name.clone(),
+                        arguments,
+                    });
                 }
-                call_fields.push((
-                    "type",
-                    minijinja::Value::from(
-                        call.kind.clone().unwrap_or_else(|| "function".to_string()),
-                    ),
-                ));
-                call_fields.push(("function", function));
-                calls.push(minijinja::Value::from_iter(call_fields));
+                Some(calls)
             }
-            fields.push(("tool_calls", minijinja::Value::from(calls)));
-        }
-        if let Some(id) = &message.tool_call_id {
-            fields.push(("tool_call_id", minijinja::Value::from(id.as_str())));
-        }
-        if let Some(name) = &message.name {
-            fields.push(("name", minijinja::Value::from(name.as_str())));
-        }
-        rendered.push(minijinja::Value::from_iter(fields));
+        };
+        converted.push(ChatMessage {
+            role,
+            content,
+            reasoning: message.reasoning_content.clone(),
+            tool_calls,
+            tool_call_id: message.tool_call_id.clone(),
+            name: message.name.clone(),
+        });
     }
-    let mut extra_variables = Vec::new();
-    if let Some(kwargs) = template_kwargs {
-        if kwargs.kind() != minijinja::value::ValueKind::Map {
-            return Err(GatewayError::invalid_parameter(
-                "chat_template_kwargs",
-                "`chat_template_kwargs` must be an object",
-            ));
-        }
-        for key in kwargs
-            .try_iter()
-            .map_err(|error| GatewayError::invalid(error.to_string()))?
-        {
-            let value = kwargs.get_item(&key).unwrap_or_default();
-            extra_variables.push((key.to_string(), value));
-        }
-    }
-    Ok(ChatTemplateInput {
-        messages: rendered,
+    let template_variables = match template_kwargs {
+        Some(kwargs) => template_variables_from_object("chat_template_kwargs", kwargs)?,
+        None => Vec::new(),
+    };
+    Ok(ChatConversation {
+        messages: converted,
         tools: tools
-            .filter(|tools| !tools.is_empty())
-            .map(<[minijinja::Value]>::to_vec),
+            .unwrap_or_default()
+            .iter()
+            .map(|definition| ChatTool {
+                definition: definition.clone(),
+            })
+            .collect(),
         add_generation_prompt,
-        extra_variables,
-        special_tokens: Vec::new(),
+        template_variables,
     })
 }
 
@@ -423,7 +386,7 @@ async fn chat_completions_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, GatewayError> {
     let request: ChatCompletionRequest = parse_json_body(body, state.settings.max_body_bytes)?;
-    let model = state.backend.snapshot().resolve_model(&request.model)?;
+    let model = state.generator.resolve_model(&request.model)?;
     let max_tokens =
         match token_count_parameter("max_completion_tokens", request.max_completion_tokens)? {
             Some(value) => Some(value),
@@ -433,19 +396,19 @@ async fn chat_completions_inner(
     let options = request
         .sampling
         .to_options(max_tokens, logprobs, request.top_logprobs)?;
-    let input = chat_template_input(
+    let conversation = chat_conversation(
         &request.messages,
         request.tools.as_deref(),
         request.add_generation_prompt.unwrap_or(true),
         request.chat_template_kwargs.as_ref(),
     )?;
-    let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
-    let reasoning = Some(reasoning_start_for_prompt(&prompt));
-    let plan = GenerationPlan::new(model, prompt_token_ids, options, reasoning)?;
-    let receivers = start_all_choices(&state, &plan).await?;
+    let plan = state
+        .generator
+        .plan_chat(model, &conversation, options)
+        .await?;
+    let receivers = state.generator.start_all_choices(&plan).await?;
     // With tools declared, `<tool_call>` blocks in the answer become `tool_calls`.
-    let tools: Option<Vec<minijinja::Value>> =
-        request.tools.clone().filter(|tools| !tools.is_empty());
+    let tools = conversation.tool_definitions();
     let id = format!("chatcmpl-{}", plan.request_id);
     let created = unix_seconds();
     if request.stream.unwrap_or(false) {
@@ -505,8 +468,6 @@ async fn chat_completions_inner(
     }))
     .into_response())
 }
-
-type ChoiceReceiver = mpsc::Receiver<Result<GenerationEvent, GatewayError>>;
 
 /// Merges the choices' event channels into one stream of `(choice index, event)`.
 fn merged_choices(
@@ -741,7 +702,7 @@ async fn completions_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, GatewayError> {
     let request: CompletionRequest = parse_json_body(body, state.settings.max_body_bytes)?;
-    let model = state.backend.snapshot().resolve_model(&request.model)?;
+    let model = state.generator.resolve_model(&request.model)?;
     if request.echo.unwrap_or(false) {
         return Err(GatewayError::invalid_parameter(
             "echo",
@@ -780,7 +741,7 @@ async fn completions_inner(
         }
     };
     let plan = GenerationPlan::new(model, prompt_token_ids, options, None)?;
-    let receivers = start_all_choices(&state, &plan).await?;
+    let receivers = state.generator.start_all_choices(&plan).await?;
     let id = format!("cmpl-{}", plan.request_id);
     let created = unix_seconds();
     let model_name = plan.model.name.clone();

@@ -1,7 +1,7 @@
-//! Assembles the gateway: shared state, the HTTP router (OpenAI, Anthropic, utility routes), the
-//! public gRPC services on the same port, authentication, body limits and request metrics.
+//! Assembles the gateway: the HTTP router (OpenAI, Anthropic, utility routes), the public gRPC
+//! services on the same port, authentication, body limits and request metrics.
 //!
-//! Owns: [`GatewayState`], [`GatewaySettings`], [`build_router`], [`serve`], the API-key check,
+//! Owns: [`build_router`], [`serve`], the API-key check,
 //! and the small utility routes (`/health`, `/metrics`, `/tokenize`, `/detokenize`,
 //! `/v1/stats/experts`).
 //! Must not touch: generation logic (see `generation`) or API request shapes (see `openai`,
@@ -21,51 +21,8 @@ use serde::Deserialize;
 use serde_json::json;
 use tower::ServiceExt;
 
-use crate::backend::GenerationBackend;
 use crate::error::{ApiDialect, GatewayError};
-use crate::metrics::GatewayMetrics;
-use crate::routing_stats::RoutingStatsHandle;
-
-/// Settings that do not change while the gateway runs.
-#[derive(Clone, Debug)]
-pub struct GatewaySettings {
-    /// When set, every API route needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
-    pub api_key: Option<String>,
-    /// Largest request body accepted (413 above).
-    pub max_body_bytes: usize,
-}
-
-impl Default for GatewaySettings {
-    fn default() -> Self {
-        GatewaySettings {
-            api_key: None,
-            max_body_bytes: 8 * 1024 * 1024,
-        }
-    }
-}
-
-/// Shared by every handler.
-pub struct GatewayState {
-    pub backend: Arc<dyn GenerationBackend>,
-    pub metrics: Arc<GatewayMetrics>,
-    pub routing_stats: Option<RoutingStatsHandle>,
-    pub settings: GatewaySettings,
-}
-
-impl GatewayState {
-    pub fn new(
-        backend: Arc<dyn GenerationBackend>,
-        routing_stats: Option<RoutingStatsHandle>,
-        settings: GatewaySettings,
-    ) -> Arc<Self> {
-        Arc::new(GatewayState {
-            backend,
-            metrics: Arc::new(GatewayMetrics::default()),
-            routing_stats,
-            settings,
-        })
-    }
-}
+use crate::state::GatewayState;
 
 /// The whole service: HTTP routes plus gRPC (public API, health, reflection) on one port.
 pub fn build_router(state: Arc<GatewayState>) -> Router {
@@ -383,8 +340,8 @@ async fn tokenize(
         let tokens = match (request.prompt, request.messages) {
             (Some(prompt), None) => crate::generation::encode_text(&model, prompt, request.add_special_tokens).await?,
             (None, Some(messages)) => {
-                let input = crate::openai::chat_template_input(&messages, None, request.add_generation_prompt, None)?;
-                crate::generation::build_chat_prompt(&model, &input).await?.1
+                let conversation = crate::openai::chat_conversation(&messages, None, request.add_generation_prompt, None)?;
+                crate::generation::build_chat_prompt(&model, &conversation.template_input()?).await?.1
             }
             _ => return Err(GatewayError::invalid("give exactly one of `prompt` or `messages`")),
         };

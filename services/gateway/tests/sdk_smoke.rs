@@ -26,6 +26,7 @@ async fn official_sdks_work_against_the_gateway() {
         &[engine.address],
         GatewayOptions {
             api_key: Some("smoke-key".into()),
+            model_aliases: vec!["claude-*=test-model".into()],
             ..Default::default()
         },
     )
@@ -44,6 +45,8 @@ async fn official_sdks_work_against_the_gateway() {
                 "smoke-key",
                 "--max-tokens",
                 "64",
+                "--claude-model",
+                "claude-sonnet-4-5",
             ])
             .env("PYTHONUNBUFFERED", "1")
             .output()

@@ -1,7 +1,8 @@
 //! The engine as a gRPC service (`proto/ninfer/v1/engine.proto`): the gateway's API in front of
 //! the scheduler actor.
 //!
-//! Owns: request validation and translation, the token streams, model info and files for the
+//! Owns: request validation and translation, the token streams (the scheduler's events and errors
+//! converted to messages and statuses here, at the edge), model info and files for the
 //! gateway, status and routing-statistics streams.
 //! Must not touch: the model's math (scheduler + model), HTTP, text.
 
@@ -16,9 +17,10 @@ use std::time::Duration;
 use ninfer_artifact::Artifact;
 use ninfer_protocol::v1::engine_server::Engine;
 use ninfer_protocol::v1::{
-    CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest,
+    CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest, FinishReason,
     GenerateRequest, GeneratedToken, GenerationDefaults, ModelFiles, ModelFilesRequest, ModelInfo,
     ModelInfoRequest, PhaseProfile, ProfileRequest, RoutingStatistics, RoutingStatisticsRequest,
+    TokenLogprob,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -26,7 +28,10 @@ use tonic::{Request, Response, Status};
 use crate::profile::{ForwardProfile, PhaseTotals};
 use crate::sampling::SamplingParams;
 use routing_stats::RoutingCounters;
-use scheduler::{GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits};
+use scheduler::{
+    GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerError, SchedulerEvent,
+    SchedulerLimits, SequenceFinish,
+};
 
 /// Whether the experts are ready (remote workers registered) and why not.
 pub trait Readiness: Send + Sync {
@@ -149,6 +154,53 @@ fn sampling_from(request: &GenerateRequest) -> SamplingParams {
     }
 }
 
+/// A scheduler event as the wire message of engine.proto.
+fn generated_token(event: SchedulerEvent) -> GeneratedToken {
+    let finish_reason = match event.finish {
+        None => FinishReason::Unspecified,
+        Some(SequenceFinish::StopToken) => FinishReason::StopToken,
+        Some(SequenceFinish::Length) => FinishReason::Length,
+        Some(SequenceFinish::ContextFull) => FinishReason::ContextFull,
+        Some(SequenceFinish::Cancelled) => FinishReason::Cancelled,
+    };
+    let (token_id, logprob, top_logprobs, no_token) = match event.token {
+        Some(token) => (
+            token.token_id,
+            token.logprob,
+            token
+                .top_logprobs
+                .into_iter()
+                .map(|alternative| TokenLogprob {
+                    token_id: alternative.token_id,
+                    logprob: alternative.logprob,
+                })
+                .collect(),
+            false,
+        ),
+        None => (0, 0.0, Vec::new(), true),
+    };
+    GeneratedToken {
+        token_id,
+        logprob,
+        top_logprobs,
+        finish_reason: finish_reason as i32,
+        prompt_tokens: event.prompt_tokens,
+        completion_tokens: event.completion_tokens,
+        no_token,
+    }
+}
+
+/// A scheduler error as the gRPC status the engine.proto contract names for it.
+fn status_of(error: &SchedulerError) -> Status {
+    let message = error.to_string();
+    match error {
+        SchedulerError::InvalidRequest(_) => Status::invalid_argument(message),
+        SchedulerError::ContextExceeded { .. } => Status::out_of_range(message),
+        SchedulerError::Busy { .. } => Status::resource_exhausted(message),
+        SchedulerError::GenerationFailed(_) => Status::internal(message),
+    }
+}
+
 type TokenStream = Pin<Box<dyn Stream<Item = Result<GeneratedToken, Status>> + Send>>;
 type StatisticsStream = Pin<Box<dyn Stream<Item = Result<RoutingStatistics, Status>> + Send>>;
 
@@ -194,11 +246,17 @@ impl Engine for EngineService {
             max_new_tokens: request.max_new_tokens as usize,
             stop_token_ids: request.stop_token_ids,
             top_logprobs: request.top_logprobs.min(20) as usize,
+            sampleable_vocabulary: request.sampleable_vocabulary_size as usize,
             events,
         }))?;
-        Ok(Response::new(Box::pin(
+        Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
             tokio_stream::wrappers::ReceiverStream::new(receiver),
-        )))
+            |event| {
+                event
+                    .map(generated_token)
+                    .map_err(|error| status_of(&error))
+            },
+        ))))
     }
 
     async fn cancel(

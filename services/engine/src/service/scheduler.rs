@@ -3,22 +3,85 @@
 //! prefill runs in the same forward as the others' decode steps).
 //!
 //! Owns: admission (context and queue limits), per-sequence state, sampling, finish reasons,
-//! cancellation (explicit, or the client's stream going away).
-//! Must not touch: transport (the gRPC layer turns these events into messages), text.
+//! cancellation (explicit, or the client's stream going away), and its own event and error types
+//! ([`SchedulerEvent`], [`SchedulerError`]).
+//! Must not touch: transport (the gRPC service converts the events and errors to messages and
+//! statuses at its edge), text.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use ninfer_protocol::v1::{FinishReason, GeneratedToken, TokenLogprob};
 use tokio::sync::mpsc as async_mpsc;
-use tonic::Status;
 
 use crate::backend::candidates::{DEFAULT_CANDIDATES, MAX_CANDIDATES};
 use crate::backend::{Backend, KvPlacement, LogitCandidates};
 use crate::error::EngineError;
 use crate::model::{Model, SequenceInput, SequenceState};
 use crate::sampling::{Sampler, SamplingParams};
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SequenceFinish {
+    /// It emitted one of its stop tokens (sent with the event).
+    StopToken,
+    /// `max_new_tokens` reached.
+    Length,
+    /// The sequence filled its context.
+    ContextFull,
+    /// Cancelled by request.
+    Cancelled,
+}
+
+/// The log-probability of one token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenProbability {
+    pub token_id: u32,
+    pub logprob: f32,
+}
+
+/// A token the scheduler sampled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub top_logprobs: Vec<TokenProbability>,
+}
+
+/// One step of a sequence: a token, an end, or both.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerEvent {
+    /// `None` for an end without a token (cancellation).
+    pub token: Option<SampledToken>,
+    /// `Some` on the last event of the sequence.
+    pub finish: Option<SequenceFinish>,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// Why the scheduler refused or dropped a request.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SchedulerError {
+    /// The request itself is unusable (empty prompt, unknown token, bad sampling settings).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// Prompt plus completion do not fit the context.
+    #[error("prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} = {needed} exceeds the maximum context of {max_context} tokens", needed = prompt_tokens + max_new_tokens)]
+    ContextExceeded {
+        prompt_tokens: usize,
+        max_new_tokens: usize,
+        max_context: usize,
+    },
+    /// Every sequence slot is taken.
+    #[error("the engine is running its maximum of {max_sequences} sequences; retry later")]
+    Busy { max_sequences: usize },
+    /// The forward pass failed; every running sequence is dropped.
+    #[error("generation failed: {0}")]
+    GenerationFailed(String),
+}
+
+/// What a request's event channel carries.
+pub type SchedulerResult = Result<SchedulerEvent, SchedulerError>;
 
 /// One generation request as the scheduler sees it.
 pub struct GenerationRequest {
@@ -28,7 +91,11 @@ pub struct GenerationRequest {
     pub sampling: SamplingParams,
     pub stop_token_ids: Vec<u32>,
     pub top_logprobs: usize,
-    pub events: async_mpsc::Sender<Result<GeneratedToken, Status>>,
+    /// Ids at or above this are never sampled: a model's embedding rows are often padded past
+    /// its tokenizer (to a multiple of 64 or 128), and those ids decode to nothing. 0 or more
+    /// than the model's vocabulary: the whole vocabulary.
+    pub sampleable_vocabulary: usize,
+    pub events: async_mpsc::Sender<SchedulerResult>,
 }
 
 pub enum SchedulerCommand {
@@ -79,13 +146,12 @@ where
     Ok(sender)
 }
 
-fn finish_message(reason: FinishReason, prompt: usize, generated: usize) -> GeneratedToken {
-    GeneratedToken {
-        finish_reason: reason as i32,
+fn finish_message(reason: SequenceFinish, prompt: usize, generated: usize) -> SchedulerEvent {
+    SchedulerEvent {
+        token: None,
+        finish: Some(reason),
         prompt_tokens: prompt as u32,
         completion_tokens: generated as u32,
-        no_token: true,
-        ..Default::default()
     }
 }
 
@@ -173,8 +239,19 @@ fn run<B: Backend>(
         let mut finished = Vec::new();
         let mut kv_used = 0u64;
         for (index, r) in running.iter_mut().enumerate() {
-            let row_candidates = candidates.as_ref().and_then(|c| c.get(index));
+            let sampleable = sampleable_vocabulary(r.request.sampleable_vocabulary, vocab);
+            let masked_candidates = candidates
+                .as_ref()
+                .and_then(|c| c.get(index))
+                .map(|c| without_unsampleable(c, sampleable));
+            let row_candidates = masked_candidates.as_deref();
             let mut row: Option<Vec<f32>> = None;
+            let row_of = |index: usize| {
+                row_of(index).map(|mut row| {
+                    mask_unsampleable(&mut row, sampleable);
+                    row
+                })
+            };
             let sampled = match row_candidates {
                 Some(c) => r.sampler.sample_from_candidates(c, &r.history),
                 None => Ok(None),
@@ -197,7 +274,7 @@ fn run<B: Backend>(
                     let _ = r
                         .request
                         .events
-                        .try_send(Err(Status::invalid_argument(error.to_string())));
+                        .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
                     finished.push(index);
                     continue;
                 }
@@ -223,28 +300,27 @@ fn run<B: Backend>(
                         logprobs(&values, token, top_logprobs)
                     }
                 };
-            let reason = if r.request.stop_token_ids.contains(&token) {
-                FinishReason::StopToken
+            let finish = if r.request.stop_token_ids.contains(&token) {
+                Some(SequenceFinish::StopToken)
             } else if r.generated >= r.request.max_new_tokens {
-                FinishReason::Length
+                Some(SequenceFinish::Length)
             } else if r.state.position() >= r.state.max_context() {
-                FinishReason::ContextFull
+                Some(SequenceFinish::ContextFull)
             } else {
-                FinishReason::Unspecified
+                None
             };
-            let message = GeneratedToken {
-                token_id: token,
-                logprob,
-                top_logprobs: top,
-                finish_reason: reason as i32,
+            let message = SchedulerEvent {
+                token: Some(SampledToken {
+                    token_id: token,
+                    logprob,
+                    top_logprobs: top,
+                }),
+                finish,
                 prompt_tokens: r.request.prompt.len() as u32,
                 completion_tokens: r.generated as u32,
-                no_token: false,
             };
             // The gRPC layer keeps a deep buffer; a full one means a stalled client, treated as gone.
-            if r.request.events.try_send(Ok(message)).is_err()
-                || reason != FinishReason::Unspecified
-            {
+            if r.request.events.try_send(Ok(message)).is_err() || finish.is_some() {
                 finished.push(index);
             }
             kv_used += r.state.position() as u64;
@@ -269,7 +345,7 @@ fn fail<B: Backend>(r: &Running<B>, error: &EngineError) {
     let _ = r
         .request
         .events
-        .try_send(Err(Status::internal(format!("generation failed: {error}"))));
+        .try_send(Err(SchedulerError::GenerationFailed(error.to_string())));
 }
 
 fn handle<B: Backend>(
@@ -286,7 +362,7 @@ fn handle<B: Backend>(
             if let Some(index) = position {
                 let r = running.swap_remove(index);
                 let _ = r.request.events.try_send(Ok(finish_message(
-                    FinishReason::Cancelled,
+                    SequenceFinish::Cancelled,
                     r.request.prompt.len(),
                     r.generated,
                 )));
@@ -294,40 +370,40 @@ fn handle<B: Backend>(
             let _ = reply.send(position.is_some());
         }
         SchedulerCommand::Submit(request) => {
-            let reject = |status: Status| {
-                let _ = request.events.try_send(Err(status));
+            let reject = |error: SchedulerError| {
+                let _ = request.events.try_send(Err(error));
             };
             if request.prompt.is_empty() {
-                return reject(Status::invalid_argument("the prompt has no tokens"));
+                return reject(SchedulerError::InvalidRequest(
+                    "the prompt has no tokens".to_string(),
+                ));
             }
             if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
-                return reject(Status::invalid_argument(format!(
+                return reject(SchedulerError::InvalidRequest(format!(
                     "token id {bad} is outside the vocabulary of {vocab} tokens"
                 )));
             }
             if request.max_new_tokens == 0 {
-                return reject(Status::invalid_argument(
-                    "max_new_tokens must be at least 1",
+                return reject(SchedulerError::InvalidRequest(
+                    "max_new_tokens must be at least 1".to_string(),
                 ));
             }
             let needed = request.prompt.len() + request.max_new_tokens;
             if needed > limits.max_context {
-                return reject(Status::out_of_range(format!(
-                    "prompt of {} tokens + max_new_tokens {} = {needed} exceeds the maximum context of {} tokens",
-                    request.prompt.len(),
-                    request.max_new_tokens,
-                    limits.max_context
-                )));
+                return reject(SchedulerError::ContextExceeded {
+                    prompt_tokens: request.prompt.len(),
+                    max_new_tokens: request.max_new_tokens,
+                    max_context: limits.max_context,
+                });
             }
             if running.len() >= limits.max_sequences {
-                return reject(Status::resource_exhausted(format!(
-                    "the engine is running its maximum of {} sequences; retry later",
-                    limits.max_sequences
-                )));
+                return reject(SchedulerError::Busy {
+                    max_sequences: limits.max_sequences,
+                });
             }
             let sampler = match Sampler::new(request.sampling.clone()) {
                 Ok(sampler) => sampler,
-                Err(error) => return reject(Status::invalid_argument(error.to_string())),
+                Err(error) => return reject(SchedulerError::InvalidRequest(error.to_string())),
             };
             counters
                 .prompt_tokens
@@ -335,9 +411,7 @@ fn handle<B: Backend>(
             let before = model.backend().kv_placement();
             let state = match model.new_sequence(needed) {
                 Ok(state) => state,
-                Err(error) => {
-                    return reject(Status::internal(format!("generation failed: {error}")))
-                }
+                Err(error) => return reject(SchedulerError::GenerationFailed(error.to_string())),
             };
             log_host_kv(model, before, &request.request_id);
             running.push(Running {
@@ -350,6 +424,43 @@ fn handle<B: Backend>(
             });
         }
     }
+}
+
+/// The number of ids a request may sample: its limit, or the whole vocabulary.
+fn sampleable_vocabulary(requested: usize, vocab: usize) -> usize {
+    if requested == 0 {
+        vocab
+    } else {
+        requested.min(vocab)
+    }
+}
+
+/// Sets the logits of ids at or above `sampleable` to −∞, so no sampler can pick them.
+fn mask_unsampleable(row: &mut [f32], sampleable: usize) {
+    if let Some(padded) = row.get_mut(sampleable..) {
+        padded.fill(f32::NEG_INFINITY);
+    }
+}
+
+/// `candidates` without ids at or above `sampleable`. Sampling from what is left stays exact:
+/// masked ids sort after every other token, so dropping them removes nothing a sampler could
+/// pick. (`log_sum_exp` still counts their mass, so logprobs from candidates are those of the
+/// unmasked row.)
+fn without_unsampleable(
+    candidates: &LogitCandidates,
+    sampleable: usize,
+) -> std::borrow::Cow<'_, LogitCandidates> {
+    if sampleable >= candidates.vocab {
+        return std::borrow::Cow::Borrowed(candidates);
+    }
+    let keep = |&(id, _): &(u32, f32)| (id as usize) < sampleable;
+    std::borrow::Cow::Owned(LogitCandidates {
+        vocab: candidates.vocab,
+        top: candidates.top.iter().copied().filter(keep).collect(),
+        max: candidates.max,
+        log_sum_exp: candidates.log_sum_exp,
+        extra: candidates.extra.iter().copied().filter(keep).collect(),
+    })
 }
 
 /// With a host KV pool (`--host-kv-mib`): where the new sequence's KV caches went, and the
@@ -410,7 +521,7 @@ fn candidate_logprobs(
     candidates: &LogitCandidates,
     token: u32,
     top: usize,
-) -> Option<(f32, Vec<TokenLogprob>)> {
+) -> Option<(f32, Vec<TokenProbability>)> {
     let log_sum = candidates.log_sum_exp;
     let logprob = candidates.logit(token)? - log_sum;
     let top = if candidates.covers_vocab() {
@@ -422,7 +533,7 @@ fn candidate_logprobs(
         .top
         .get(..top)?
         .iter()
-        .map(|&(id, logit)| TokenLogprob {
+        .map(|&(id, logit)| TokenProbability {
             token_id: id,
             logprob: logit - log_sum,
         })
@@ -431,7 +542,7 @@ fn candidate_logprobs(
 }
 
 /// Log-probability of `token` and the `top` most likely tokens, from raw logits.
-fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<TokenLogprob>) {
+fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<TokenProbability>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let log_sum = logits
         .iter()
@@ -455,7 +566,7 @@ fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<TokenLogprob>) 
     order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
     let top = order
         .into_iter()
-        .map(|id| TokenLogprob {
+        .map(|id| TokenProbability {
             token_id: id,
             logprob: logits[id as usize] - log_sum,
         })
@@ -468,6 +579,84 @@ mod tests {
     use super::*;
     use crate::backend::candidates::row_candidates;
     use crate::sampling::Xoshiro256;
+    use crate::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+
+    /// Samples `tokens` tokens at a high temperature from a tiny random model (97 ids) through
+    /// the scheduler thread, with `top_k` (0: whole rows; >0: the candidates path).
+    fn sampled_tokens<B: Backend + 'static>(
+        backend: Arc<B>,
+        sampleable_vocabulary: usize,
+        top_k: usize,
+        tokens: usize,
+    ) -> Vec<u32>
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("tiny.ninfer");
+        write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
+        let model = Arc::new(Model::open(backend, &path).unwrap());
+        let limits = SchedulerLimits {
+            max_context: 256,
+            max_sequences: 4,
+        };
+        let commands = start(model, limits, Arc::new(SchedulerCounters::default())).unwrap();
+        let (events, mut receiver) = async_mpsc::channel(4096);
+        let request = GenerationRequest {
+            request_id: "padded".to_string(),
+            prompt: vec![1, 2, 3, 4],
+            max_new_tokens: tokens,
+            sampling: SamplingParams {
+                temperature: 20.0,
+                top_k,
+                seed: 3,
+                ..SamplingParams::default()
+            },
+            stop_token_ids: Vec::new(),
+            top_logprobs: 0,
+            sampleable_vocabulary,
+            events,
+        };
+        commands.send(SchedulerCommand::Submit(request)).unwrap();
+        let mut sampled = Vec::new();
+        while let Some(event) = receiver.blocking_recv() {
+            let event = event.unwrap();
+            sampled.extend(event.token.map(|token| token.token_id));
+            if event.finish.is_some() {
+                break;
+            }
+        }
+        assert_eq!(sampled.len(), tokens);
+        sampled
+    }
+
+    /// Ids at or above the request's sampleable vocabulary never come out, on the whole-row and
+    /// the candidates paths; without the limit the same sampling does produce them (so the
+    /// check can fail).
+    fn padded_vocabulary_ids_are_never_sampled<B: Backend + 'static>(backend: Arc<B>)
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let limit = 40usize;
+        for top_k in [0usize, 8] {
+            let unmasked = sampled_tokens(Arc::clone(&backend), 0, top_k, 64);
+            assert!(
+                unmasked.iter().any(|&id| id as usize >= limit),
+                "top_k {top_k}: the unmasked run never reached the padded ids: {unmasked:?}"
+            );
+            let masked = sampled_tokens(Arc::clone(&backend), limit, top_k, 64);
+            assert!(
+                masked.iter().all(|&id| (id as usize) < limit),
+                "top_k {top_k}: a padded id was sampled: {masked:?}"
+            );
+        }
+    }
+
+    crate::test_device!(padded_vocabulary_ids_are_never_sampled);
 
     #[test]
     fn candidate_logprobs_equal_the_whole_row_logprobs() {

@@ -160,6 +160,15 @@ impl Engine for ScriptedEngine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
+        // `{seed}` in the script stands for the seed the request carries (distinct samples show
+        // as distinct texts).
+        let seed = request
+            .sampling
+            .as_ref()
+            .and_then(|sampling| sampling.seed)
+            .map(|seed| seed.to_string())
+            .unwrap_or_default();
+        let text = text.replace("{seed}", &seed);
         let mut token_ids = self
             .tokenizer
             .encode(text.as_str(), false)
@@ -405,6 +414,9 @@ pub struct RunningGateway {
 
 pub struct GatewayOptions {
     pub api_key: Option<String>,
+    /// `NAME=MODEL` entries, as `--model-alias` takes them.
+    pub model_aliases: Vec<String>,
+    pub non_text_content: ninfer_gateway::chat::NonTextContent,
     pub state_dir: Option<PathBuf>,
     pub max_in_flight_requests: u32,
 }
@@ -413,6 +425,8 @@ impl Default for GatewayOptions {
     fn default() -> Self {
         GatewayOptions {
             api_key: None,
+            model_aliases: Vec::new(),
+            non_text_content: Default::default(),
             state_dir: None,
             max_in_flight_requests: 512,
         }
@@ -436,6 +450,9 @@ impl RunningGateway {
         let settings = GatewaySettings {
             api_key: options.api_key,
             max_body_bytes: 1024 * 1024,
+            model_aliases: ninfer_gateway::generation::ModelAliases::parse(&options.model_aliases)
+                .unwrap_or_else(|e| panic!("aliases: {e}")),
+            non_text_content: options.non_text_content,
         };
         let state = GatewayState::new(
             Arc::new(pool.clone()),

@@ -1,0 +1,295 @@
+//! The gateway's own chat model: the conversation every API converts its wire types into before
+//! generation, and what the chat template receives from it.
+//!
+//! Owns: [`ChatConversation`] (messages, tools, template switches), [`ChatMessage`],
+//! [`ChatContent`], [`ChatToolCall`], [`ChatTool`], and their one rendering into
+//! [`ChatTemplateInput`] (the transformers message/tool format chat templates are written for).
+//! Must not touch: any API's JSON shapes (the `openai`, `anthropic` and `grpc_api` modules convert
+//! to and from this model), sampling, or engines.
+
+use minijinja::Value;
+
+use crate::chat_template::ChatTemplateInput;
+use crate::error::GatewayError;
+
+/// Who speaks a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatRole {
+    System,
+    User,
+    Assistant,
+    /// The result of a tool call, sent back to the model.
+    Tool,
+}
+
+impl ChatRole {
+    /// The role a client names: `system` (or OpenAI's `developer`), `user`, `assistant`, `tool`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "system" | "developer" => Some(ChatRole::System),
+            "user" => Some(ChatRole::User),
+            "assistant" => Some(ChatRole::Assistant),
+            "tool" => Some(ChatRole::Tool),
+            _ => None,
+        }
+    }
+
+    /// The refusal of a role no API accepts, naming the message.
+    pub fn unknown_role_error(index: usize, name: &str) -> GatewayError {
+        GatewayError::invalid_parameter(
+            "messages",
+            format!("messages[{index}].role `{name}` is not one of system, user, assistant, tool"),
+        )
+    }
+
+    /// The role's name as chat templates compare it.
+    pub fn template_name(self) -> &'static str {
+        match self {
+            ChatRole::System => "system",
+            ChatRole::User => "user",
+            ChatRole::Assistant => "assistant",
+            ChatRole::Tool => "tool",
+        }
+    }
+}
+
+/// What a text-only model's gateway does with images and documents a client sends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NonTextContent {
+    /// Replace each with a short bracketed note the model reads, so a conversation that carries
+    /// one (a screenshot a tool read, a PDF) still goes on.
+    #[default]
+    Placeholder,
+    /// Refuse the request (400).
+    Reject,
+}
+
+impl NonTextContent {
+    /// The text standing for a `kind` (`image`, `document`) block, or the refusal.
+    pub fn stand_in(self, kind: &str, where_: &str) -> Result<String, GatewayError> {
+        match self {
+            NonTextContent::Placeholder => {
+                Ok(format!("[{kind} omitted: this model reads text only]"))
+            }
+            NonTextContent::Reject => Err(GatewayError::invalid(format!(
+                "{where_}: this model reads text only and the gateway is set to refuse {kind} content"
+            ))),
+        }
+    }
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatContentPart {
+    Text(String),
+}
+
+/// A message's content. Templates treat a plain string and a list of parts differently, so the
+/// distinction a client made is kept.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatContent {
+    Text(String),
+    Parts(Vec<ChatContentPart>),
+}
+
+impl ChatContent {
+    fn template_value(&self) -> Value {
+        match self {
+            ChatContent::Text(text) => Value::from(text.as_str()),
+            ChatContent::Parts(parts) => Value::from(
+                parts
+                    .iter()
+                    .map(|part| match part {
+                        ChatContentPart::Text(text) => Value::from_iter([
+                            ("type", Value::from("text")),
+                            ("text", Value::from(text.as_str())),
+                        ]),
+                    })
+                    .collect::<Vec<_>>(),
+            ),
+        }
+    }
+}
+
+/// A call the assistant made, as it appears in the conversation history.
+#[derive(Debug, Clone)]
+pub struct ChatToolCall {
+    pub id: Option<String>,
+    /// `function` for every API the gateway speaks.
+    pub kind: String,
+    pub name: String,
+    /// The arguments as a mapping (templates iterate them).
+    pub arguments: Value,
+}
+
+/// A tool the model may call: the function definition in the transformers tool format
+/// (`{"type": "function", "function": {"name", "description", "parameters"}}`), the form chat
+/// templates render and the tool-call parser reads parameter types from.
+#[derive(Debug, Clone)]
+pub struct ChatTool {
+    pub definition: Value,
+}
+
+impl ChatTool {
+    /// A tool from its parts (APIs whose tools are not already in the transformers format).
+    pub fn function(name: &str, description: Option<&str>, parameters: Option<Value>) -> Self {
+        let mut function = vec![("name", Value::from(name))];
+        if let Some(description) = description {
+            function.push(("description", Value::from(description)));
+        }
+        if let Some(parameters) = parameters {
+            function.push(("parameters", parameters));
+        }
+        ChatTool {
+            definition: Value::from_iter([
+                ("type", Value::from("function")),
+                ("function", Value::from_iter(function)),
+            ]),
+        }
+    }
+
+    /// The function's name (`None` for a definition without one).
+    pub fn name(&self) -> Option<String> {
+        let function = self.definition.get_attr("function").ok()?;
+        let name = function.get_attr("name").ok()?;
+        name.as_str().map(str::to_string)
+    }
+}
+
+/// One message of a conversation.
+#[derive(Debug, Clone)]
+pub struct ChatMessage {
+    pub role: ChatRole,
+    /// `None`: no content at all (an assistant turn that only calls tools).
+    pub content: Option<ChatContent>,
+    pub reasoning: Option<String>,
+    /// `Some` (even empty) when the client sent a list.
+    pub tool_calls: Option<Vec<ChatToolCall>>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message with text content and nothing else.
+    pub fn text(role: ChatRole, text: impl Into<String>) -> Self {
+        ChatMessage {
+            role,
+            content: Some(ChatContent::Text(text.into())),
+            reasoning: None,
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
+
+    fn template_value(&self) -> Value {
+        let mut fields: Vec<(&str, Value)> = vec![("role", Value::from(self.role.template_name()))];
+        fields.push((
+            "content",
+            self.content
+                .as_ref()
+                .map(ChatContent::template_value)
+                .unwrap_or(Value::from(())),
+        ));
+        if let Some(reasoning) = &self.reasoning {
+            fields.push(("reasoning_content", Value::from(reasoning.as_str())));
+        }
+        if let Some(tool_calls) = &self.tool_calls {
+            let calls: Vec<Value> = tool_calls
+                .iter()
+                .map(|call| {
+                    let mut call_fields: Vec<(&str, Value)> = Vec::new();
+                    if let Some(id) = &call.id {
+                        call_fields.push(("id", Value::from(id.as_str())));
+                    }
+                    call_fields.push(("type", Value::from(call.kind.as_str())));
+                    call_fields.push((
+                        "function",
+                        Value::from_iter([
+                            ("name", Value::from(call.name.as_str())),
+                            ("arguments", call.arguments.clone()),
+                        ]),
+                    ));
+                    Value::from_iter(call_fields)
+                })
+                .collect();
+            fields.push(("tool_calls", Value::from(calls)));
+        }
+        if let Some(id) = &self.tool_call_id {
+            fields.push(("tool_call_id", Value::from(id.as_str())));
+        }
+        if let Some(name) = &self.name {
+            fields.push(("name", Value::from(name.as_str())));
+        }
+        Value::from_iter(fields)
+    }
+}
+
+/// A whole chat request in the gateway's terms, ready for the template.
+#[derive(Debug, Clone, Default)]
+pub struct ChatConversation {
+    pub messages: Vec<ChatMessage>,
+    pub tools: Vec<ChatTool>,
+    pub add_generation_prompt: bool,
+    /// Extra template variables (`enable_thinking`, `preserve_thinking`, ...).
+    pub template_variables: Vec<(String, Value)>,
+}
+
+impl ChatConversation {
+    /// The tool definitions as the template and the tool-call parser take them (`None`: no tools).
+    pub fn tool_definitions(&self) -> Option<Vec<Value>> {
+        if self.tools.is_empty() {
+            None
+        } else {
+            Some(
+                self.tools
+                    .iter()
+                    .map(|tool| tool.definition.clone())
+                    .collect(),
+            )
+        }
+    }
+
+    /// The template's input (special tokens are filled in from the model at render time).
+    pub fn template_input(&self) -> Result<ChatTemplateInput, GatewayError> {
+        if self.messages.is_empty() {
+            return Err(GatewayError::invalid_parameter(
+                "messages",
+                "`messages` must not be empty",
+            ));
+        }
+        Ok(ChatTemplateInput {
+            messages: self
+                .messages
+                .iter()
+                .map(ChatMessage::template_value)
+                .collect(),
+            tools: self.tool_definitions(),
+            add_generation_prompt: self.add_generation_prompt,
+            extra_variables: self.template_variables.clone(),
+            special_tokens: Vec::new(),
+        })
+    }
+}
+
+/// Reads a JSON object of template variables (`chat_template_kwargs`) into name/value pairs.
+pub fn template_variables_from_object(
+    parameter: &str,
+    object: &Value,
+) -> Result<Vec<(String, Value)>, GatewayError> {
+    if object.kind() != minijinja::value::ValueKind::Map {
+        return Err(GatewayError::invalid_parameter(
+            parameter,
+            format!("`{parameter}` must be an object"),
+        ));
+    }
+    let mut variables = Vec::new();
+    for key in object
+        .try_iter()
+        .map_err(|error| GatewayError::invalid(error.to_string()))?
+    {
+        let value = object.get_item(&key).unwrap_or_default();
+        variables.push((key.to_string(), value));
+    }
+    Ok(variables)
+}

@@ -1,20 +1,33 @@
 //! `ninfer serve MODEL`: one expert worker per NUMA node plus the engine, as supervised child
-//! processes on a private runtime directory; the engine's gRPC API on `--listen`.
+//! processes on a private runtime directory; the engine's gRPC API on `--listen`. Also the engine
+//! flags `serve` and `run` share, and how they become the children's command lines.
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::supervisor::{install_stop_handler, numa_nodes, sibling_binary, ChildSpec, Supervisor};
+use crate::model_facts::{locate_model, ModelFacts, ModelLocation};
+use crate::plan::{plan, print_plan, Machine, Plan, Request};
+use crate::supervisor::{
+    install_stop_handler, sibling_binary, stop_requested, ChildSpec, Supervisor,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    /// The `.ninfer` artifact, or a directory holding exactly one.
+    /// The `.ninfer` artifact, a directory holding exactly one, or a checkpoint directory.
     pub model: PathBuf,
     /// Address of the engine's gRPC API: `unix:PATH` or `HOST:PORT`.
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub listen: String,
+    #[command(flatten)]
+    pub engine: EngineFlags,
+}
+
+/// The engine and worker flags `serve` and `run` take; each is checked by the plan before
+/// anything starts.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct EngineFlags {
     /// Compute threads per expert worker (default: every core of its node).
     #[arg(long)]
     pub moe_threads: Option<usize>,
@@ -24,41 +37,57 @@ pub struct ServeArgs {
     /// Run the routed experts inside the engine instead of in worker processes.
     #[arg(long)]
     pub no_workers: bool,
-    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit).
+    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit;
+    /// the default when a GPU is found, else 0).
     #[arg(long, value_name = "N|half|all|auto")]
     pub moe_gpu_experts: Option<String>,
     /// Behave as if the GPU had this many GiB (stand in for a smaller card).
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
     /// Extra arguments for the engine (repeat the flag per argument).
-    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    #[arg(long = "engine-arg", allow_hyphen_values = true, value_name = "ARG")]
     pub engine_args: Vec<String>,
+}
+
+impl EngineFlags {
+    /// The plan's view of these flags.
+    pub fn request(&self, api: Option<String>) -> Request {
+        Request {
+            max_context: self.max_context,
+            moe_threads: self.moe_threads,
+            moe_gpu_experts: self.moe_gpu_experts.clone(),
+            gpu_mem_budget: self.gpu_mem_budget,
+            host_kv_mib: None,
+            kv_element_bytes: 2,
+            max_sequences: 32,
+            no_workers: self.no_workers,
+            api,
+        }
+    }
+}
+
+/// Locates MODEL, reads its facts (headers only) and plans on this machine: every value is
+/// checked here, before anything converts or starts.
+pub fn plan_for(model: &Path, request: &Request) -> anyhow::Result<(ModelLocation, Plan)> {
+    let location = locate_model(model)?;
+    let facts = ModelFacts::read(&location)?;
+    let plan = plan(&facts, &Machine::probe(), request)?;
+    Ok((location, plan))
+}
+
+/// The artifact to run: the one located, or the checkpoint converted once (bf16) into the
+/// user's cache and reused after.
+pub fn artifact_of(location: &ModelLocation) -> anyhow::Result<PathBuf> {
+    match location {
+        ModelLocation::Artifact(path) => Ok(path.clone()),
+        ModelLocation::Checkpoint(directory) => converted_checkpoint(directory),
+    }
 }
 
 /// MODEL may be the artifact, a directory holding exactly one `.ninfer`, or a Hugging Face
 /// checkpoint directory — converted once (bf16) into the user's cache and reused after.
-pub fn resolve_model(path: &std::path::Path) -> anyhow::Result<PathBuf> {
-    if !path.is_dir() {
-        return Ok(path.to_path_buf());
-    }
-    let found: Vec<PathBuf> = std::fs::read_dir(path)
-        .with_context(|| format!("listing {}", path.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "ninfer"))
-        .collect();
-    match found.as_slice() {
-        [one] => Ok(one.clone()),
-        [] if ninfer_convert::is_checkpoint_dir(path) => converted_checkpoint(path),
-        [] => anyhow::bail!(
-            "{}: no .ninfer artifact in this directory (make one with `ninfer convert`)",
-            path.display()
-        ),
-        many => anyhow::bail!(
-            "{}: {} .ninfer artifacts here; name one",
-            path.display(),
-            many.len()
-        ),
-    }
+pub fn resolve_model(path: &Path) -> anyhow::Result<PathBuf> {
+    artifact_of(&locate_model(path)?)
 }
 
 /// The cached conversion of a checkpoint directory, keyed by its files' names, sizes and times.
@@ -113,78 +142,151 @@ fn converted_checkpoint(directory: &std::path::Path) -> anyhow::Result<PathBuf> 
     Ok(output)
 }
 
-/// Starts workers and engine under `supervisor`; returns the engine's address.
-pub fn start_pipeline(supervisor: &mut Supervisor, args: &ServeArgs) -> anyhow::Result<String> {
-    let model = resolve_model(&args.model)?;
+/// Starts workers and engine under `supervisor` for the artifact `model`; returns the engine's
+/// address.
+pub fn start_pipeline(
+    supervisor: &mut Supervisor,
+    model: &Path,
+    listen: &str,
+    flags: &EngineFlags,
+    plan: &Plan,
+) -> anyhow::Result<String> {
     // Fail here, with the file named, rather than in a child's log.
-    ninfer_artifact::Artifact::open(&model)
+    ninfer_artifact::Artifact::open(model)
         .with_context(|| format!("opening {}", model.display()))?;
-    let nodes = numa_nodes();
     let mut worker_addresses = Vec::new();
-    if !args.no_workers {
-        for (index, node) in nodes.iter().enumerate() {
-            let address = supervisor.socket(&format!("experts-{node}"));
-            let mut worker_args = vec![
-                "--model".to_string(),
-                model.display().to_string(),
-                "--numa-node".into(),
-                node.to_string(),
-                "--experts".into(),
-                if nodes.len() == 1 {
-                    "all".into()
-                } else {
-                    format!("shard={index}/{}", nodes.len())
-                },
-                "--listen".into(),
-                address.clone(),
-            ];
-            if let Some(threads) = args.moe_threads {
-                worker_args.extend(["--moe-threads".into(), threads.to_string()]);
-            }
-            supervisor.add(ChildSpec {
-                label: format!("experts-{node}"),
-                program: sibling_binary("ninfer-expert-worker"),
-                args: worker_args,
-            })?;
-            worker_addresses.push(address);
+    for worker in &plan.expert_workers {
+        let node = worker.numa_node;
+        let address = supervisor.socket(&format!("experts-{node}"));
+        let mut worker_args = vec![
+            "--model".to_string(),
+            model.display().to_string(),
+            "--numa-node".into(),
+            node.to_string(),
+            "--experts".into(),
+            worker.experts.clone(),
+            "--listen".into(),
+            address.clone(),
+        ];
+        if let Some(threads) = flags.moe_threads {
+            worker_args.extend(["--moe-threads".into(), threads.to_string()]);
         }
+        supervisor.add(ChildSpec {
+            label: format!("experts-{node}"),
+            program: sibling_binary("ninfer-expert-worker"),
+            args: worker_args,
+        })?;
+        worker_addresses.push(address);
     }
-    let mut engine_args = vec![
-        "--model".to_string(),
-        model.display().to_string(),
-        "--listen".into(),
-        args.listen.clone(),
-    ];
-    if !worker_addresses.is_empty() {
-        engine_args.extend(["--experts".into(), worker_addresses.join(",")]);
-    }
-    if let Some(context) = args.max_context {
-        engine_args.extend(["--max-context".into(), context.to_string()]);
-    }
-    if let Some(count) = &args.moe_gpu_experts {
-        engine_args.extend(["--moe-gpu-experts".into(), count.clone()]);
-    }
-    if let Some(gib) = args.gpu_mem_budget {
-        engine_args.extend(["--gpu-mem-budget".into(), gib.to_string()]);
-    }
-    engine_args.extend(args.engine_args.iter().cloned());
     supervisor.add(ChildSpec {
         label: "engine".into(),
         program: sibling_binary("ninfer-engine"),
-        args: engine_args,
+        args: engine_command_line(model, listen, &worker_addresses, flags, plan),
     })?;
-    Ok(args.listen.clone())
+    Ok(listen.to_string())
+}
+
+/// Whether the engine arguments the user passed through name `flag` (as `--flag` or
+/// `--flag=VALUE`): the user's value then wins over the plan's default.
+fn passes(arguments: &[String], flag: &str) -> bool {
+    arguments
+        .iter()
+        .any(|argument| argument == flag || argument.starts_with(&format!("{flag}=")))
+}
+
+/// The engine's arguments: model, address, workers, the flags given, the plan's defaults the
+/// user did not override, then the user's own engine arguments verbatim.
+pub fn engine_command_line(
+    model: &Path,
+    listen: &str,
+    worker_addresses: &[String],
+    flags: &EngineFlags,
+    plan: &Plan,
+) -> Vec<String> {
+    let extra = &flags.engine_args;
+    let mut arguments = vec![
+        "--model".to_string(),
+        model.display().to_string(),
+        "--listen".into(),
+        listen.to_string(),
+    ];
+    if !worker_addresses.is_empty() {
+        arguments.extend(["--experts".into(), worker_addresses.join(",")]);
+    }
+    if let Some(context) = flags.max_context {
+        arguments.extend(["--max-context".into(), context.to_string()]);
+    }
+    if flags.no_workers {
+        if let Some(threads) = flags.moe_threads {
+            arguments.extend(["--moe-threads".into(), threads.to_string()]);
+        }
+    }
+    match &flags.moe_gpu_experts {
+        Some(count) => arguments.extend(["--moe-gpu-experts".into(), count.clone()]),
+        // `auto` by default where the plan saw a GPU.
+        None if plan.gpu_experts != "0" && !passes(extra, "--moe-gpu-experts") => {
+            arguments.extend(["--moe-gpu-experts".into(), plan.gpu_experts.clone()])
+        }
+        None => {}
+    }
+    if let Some(gib) = flags.gpu_mem_budget {
+        arguments.extend(["--gpu-mem-budget".into(), gib.to_string()]);
+    }
+    arguments.extend(extra.iter().cloned());
+    arguments
+}
+
+/// True when something accepts connections at `address` (`unix:PATH` or `HOST:PORT`): the
+/// engine and the gateway listen only once they can serve.
+pub fn listening(address: &str) -> bool {
+    if let Some(path) = address.strip_prefix("unix:") {
+        return std::os::unix::net::UnixStream::connect(path).is_ok();
+    }
+    use std::net::ToSocketAddrs;
+    let Ok(mut resolved) = address.to_socket_addrs() else {
+        return false;
+    };
+    resolved.any(|socket| {
+        std::net::TcpStream::connect_timeout(&socket, Duration::from_millis(200)).is_ok()
+    })
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let (location, plan) = plan_for(&args.model, &args.engine.request(None))?;
+    let model = artifact_of(&location)?;
     install_stop_handler();
     let mut supervisor = Supervisor::new()?;
-    let address = start_pipeline(&mut supervisor, &args)?;
+    let address = start_pipeline(&mut supervisor, &model, &args.listen, &args.engine, &plan)?;
     println!(
-        "engine API on {address}; logs in {}; Ctrl-C stops everything",
-        supervisor.runtime_dir().display()
+        "starting: engine API on {address}; logs in {}; Ctrl-C stops everything",
+        supervisor.log_dir().display()
     );
-    supervisor.run_until_stopped();
-    supervisor.stop_all(Duration::from_secs(10));
+    let result = wait_then_supervise(&mut supervisor, &address, &plan);
+    supervisor.stop_all();
+    result
+}
+
+/// Waits for the engine to listen (a child that dies meanwhile is reported, not restarted),
+/// then supervises until a stop signal.
+fn wait_then_supervise(
+    supervisor: &mut Supervisor,
+    address: &str,
+    plan: &Plan,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while !listening(address) {
+        if stop_requested() {
+            return Ok(());
+        }
+        supervisor.poll()?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    supervisor.mark_healthy();
+    print_plan(plan);
+    println!(
+        "ready after {:.1}s: engine API on {address}",
+        started.elapsed().as_secs_f64()
+    );
+    supervisor.run_until_stopped()?;
     Ok(())
 }

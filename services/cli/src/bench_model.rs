@@ -272,6 +272,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         moe_gpu_experts: Some(args.moe_gpu_experts.clone().unwrap_or_else(|| "0".into())),
         gpu_mem_budget: args.gpu_mem_budget,
         engine_args,
+        ..EngineFlags::default()
     };
     let (_, plan) = plan_for(&model, &flags.request(None))?;
     let listen = supervisor.socket("engine");

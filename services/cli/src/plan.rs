@@ -120,6 +120,9 @@ pub struct Request {
     pub kv_element_bytes: u64,
     pub max_sequences: usize,
     pub no_workers: bool,
+    /// `--device cpu`: no GPU experts by default, whatever the machine has.
+    pub cpu_only: bool,
+    pub moe_expert_stats: Option<std::path::PathBuf>,
     pub api: Option<String>,
 }
 
@@ -202,7 +205,16 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
             );
         }
     }
-    let default_count = if machine.gpu.is_some() { "auto" } else { "0" };
+    if let Some(path) = &request.moe_expert_stats {
+        if !path.is_file() {
+            bail!("--moe-expert-stats {}: no such file", path.display());
+        }
+    }
+    let default_count = if machine.gpu.is_some() && !request.cpu_only {
+        "auto"
+    } else {
+        "0"
+    };
     let gpu_request: GpuExpertCount = request
         .moe_gpu_experts
         .as_deref()

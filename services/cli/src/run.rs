@@ -199,7 +199,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut supervisor = Supervisor::new()?;
     let engine_address = format!("127.0.0.1:{}", free_loopback_port()?);
     let mut engine = args.engine.clone();
-    if !engine.engine_args.iter().any(|a| a == "--moe-expert-stats") {
+    let user_stats = engine.moe_expert_stats.is_some()
+        || engine
+            .user_engine_args()
+            .iter()
+            .any(|a| a.starts_with("--moe-expert-stats"));
+    if !user_stats {
         engine
             .engine_args
             .extend(previous_routing_statistics(&model));

@@ -44,12 +44,60 @@ pub struct EngineFlags {
     /// Behave as if the GPU had this many GiB (stand in for a smaller card).
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
+    /// Element type of the GPU's KV cache.
+    #[arg(long, value_name = "bf16|f32", value_parser = ["bf16", "f32"])]
+    pub kv_dtype: Option<String>,
+    /// Keep this many MiB of the KV cache in page-locked host RAM (frees GPU memory for
+    /// experts; recommended with offload on a small card).
+    #[arg(long, value_name = "MiB")]
+    pub host_kv_mib: Option<u64>,
+    /// Most sequences decoded at once.
+    #[arg(long, value_name = "N")]
+    pub max_sequences: Option<usize>,
+    /// Routing statistics to place the GPU experts by (a file `--moe-record-stats` wrote).
+    #[arg(long, value_name = "FILE")]
+    pub moe_expert_stats: Option<PathBuf>,
+    /// Record routing statistics into this file (every 10 s and at exit).
+    #[arg(long, value_name = "FILE")]
+    pub moe_record_stats: Option<PathBuf>,
+    /// Routed experts live in host RAM and are computed by the expert workers, the GPU holding
+    /// `--moe-gpu-experts` of them per layer. This is how ninfer always runs; the flag is
+    /// accepted so command lines written for the seeds' tool keep working.
+    #[arg(long)]
+    pub moe_offload: bool,
+    /// Where the dense layers run.
+    #[arg(long, value_name = "cpu|cuda|auto", value_parser = ["cpu", "cuda", "auto"])]
+    pub device: Option<String>,
     /// Extra arguments for the engine (repeat the flag per argument).
     #[arg(long = "engine-arg", allow_hyphen_values = true, value_name = "ARG")]
     pub engine_args: Vec<String>,
+    /// Everything after `--` goes to the engine verbatim.
+    #[arg(last = true, value_name = "ENGINE ARGS")]
+    pub passthrough: Vec<String>,
 }
 
+/// The engine's `--max-sequences` when none is given.
+const ENGINE_DEFAULT_MAX_SEQUENCES: usize = 32;
+
 impl EngineFlags {
+    /// Whether the user's own engine arguments say `--device cpu`.
+    fn passes_device_cpu(&self) -> bool {
+        let arguments = self.user_engine_args();
+        arguments.iter().any(|a| a == "--device=cpu")
+            || arguments
+                .windows(2)
+                .any(|pair| pair[0] == "--device" && pair[1] == "cpu")
+    }
+
+    /// The user's own engine arguments: `--engine-arg` values, then those after `--`.
+    pub fn user_engine_args(&self) -> Vec<String> {
+        self.engine_args
+            .iter()
+            .chain(&self.passthrough)
+            .cloned()
+            .collect()
+    }
+
     /// The plan's view of these flags.
     pub fn request(&self, api: Option<String>) -> Request {
         Request {
@@ -57,10 +105,16 @@ impl EngineFlags {
             moe_threads: self.moe_threads,
             moe_gpu_experts: self.moe_gpu_experts.clone(),
             gpu_mem_budget: self.gpu_mem_budget,
-            host_kv_mib: None,
-            kv_element_bytes: 2,
-            max_sequences: 32,
+            host_kv_mib: self.host_kv_mib,
+            kv_element_bytes: if self.kv_dtype.as_deref() == Some("f32") {
+                4
+            } else {
+                2
+            },
+            max_sequences: self.max_sequences.unwrap_or(ENGINE_DEFAULT_MAX_SEQUENCES),
             no_workers: self.no_workers,
+            cpu_only: self.device.as_deref() == Some("cpu") || self.passes_device_cpu(),
+            moe_expert_stats: self.moe_expert_stats.clone(),
             api,
         }
     }
@@ -203,7 +257,7 @@ pub fn engine_command_line(
     flags: &EngineFlags,
     plan: &Plan,
 ) -> Vec<String> {
-    let extra = &flags.engine_args;
+    let extra = &flags.user_engine_args();
     let mut arguments = vec![
         "--model".to_string(),
         model.display().to_string(),
@@ -231,6 +285,37 @@ pub fn engine_command_line(
     }
     if let Some(gib) = flags.gpu_mem_budget {
         arguments.extend(["--gpu-mem-budget".into(), gib.to_string()]);
+    }
+    let valued = [
+        ("--kv-dtype", flags.kv_dtype.clone()),
+        (
+            "--host-kv-mib",
+            flags.host_kv_mib.map(|mib| mib.to_string()),
+        ),
+        (
+            "--max-sequences",
+            flags.max_sequences.map(|n| n.to_string()),
+        ),
+        (
+            "--moe-expert-stats",
+            flags
+                .moe_expert_stats
+                .as_ref()
+                .map(|p| p.display().to_string()),
+        ),
+        (
+            "--moe-record-stats",
+            flags
+                .moe_record_stats
+                .as_ref()
+                .map(|p| p.display().to_string()),
+        ),
+        ("--device", flags.device.clone()),
+    ];
+    for (flag, value) in valued {
+        if let Some(value) = value {
+            arguments.extend([flag.to_string(), value]);
+        }
     }
     arguments.extend(extra.iter().cloned());
     arguments
@@ -289,4 +374,103 @@ fn wait_then_supervise(
     );
     supervisor.run_until_stopped()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Command {
+        model: PathBuf,
+        #[command(flatten)]
+        engine: EngineFlags,
+    }
+
+    fn engine_arguments(command_line: &[&str], gpu: bool) -> Vec<String> {
+        let command = Command::try_parse_from(command_line).unwrap();
+        let fixture =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+        let facts = ModelFacts::read(&locate_model(&fixture).unwrap()).unwrap();
+        let mut machine = Machine::probe();
+        machine.gpu = gpu.then_some(crate::plan::Gpu {
+            free_bytes: 20 << 30,
+            total_bytes: 24 << 30,
+        });
+        let plan = plan(&facts, &machine, &command.engine.request(None)).unwrap();
+        engine_command_line(
+            Path::new("m.ninfer"),
+            "127.0.0.1:1",
+            &[],
+            &command.engine,
+            &plan,
+        )
+    }
+
+    #[test]
+    fn every_engine_flag_reaches_the_engine() {
+        let arguments = engine_arguments(
+            &[
+                "ninfer",
+                "model",
+                "--kv-dtype",
+                "f32",
+                "--host-kv-mib",
+                "64",
+                "--max-sequences",
+                "2",
+                "--moe-record-stats",
+                "out.json",
+                "--moe-offload",
+                "--device",
+                "cpu",
+                "--engine-arg",
+                "--worker-hang-ms",
+                "--engine-arg",
+                "700",
+                "--",
+                "--channel-max-tokens",
+                "64",
+            ],
+            false,
+        );
+        let joined = arguments.join(" ");
+        for expected in [
+            "--kv-dtype f32",
+            "--host-kv-mib 64",
+            "--max-sequences 2",
+            "--moe-record-stats out.json",
+            "--device cpu",
+            "--worker-hang-ms 700 --channel-max-tokens 64",
+        ] {
+            assert!(joined.contains(expected), "{expected:?} not in {joined}");
+        }
+        assert!(
+            !joined.contains("--moe-offload"),
+            "the engine has no such flag: {joined}"
+        );
+    }
+
+    #[test]
+    fn gpu_experts_default_to_auto_on_a_gpu_unless_the_user_says() {
+        assert!(engine_arguments(&["ninfer", "m"], true)
+            .join(" ")
+            .contains("--moe-gpu-experts auto"));
+        assert!(!engine_arguments(&["ninfer", "m"], false)
+            .join(" ")
+            .contains("--moe-gpu-experts"));
+        let passed = engine_arguments(&["ninfer", "m", "--", "--moe-gpu-experts", "3"], true);
+        assert_eq!(
+            passed.iter().filter(|a| *a == "--moe-gpu-experts").count(),
+            1,
+            "{passed:?}"
+        );
+        for cpu in [
+            engine_arguments(&["ninfer", "m", "--device", "cpu"], true),
+            engine_arguments(&["ninfer", "m", "--", "--device", "cpu"], true),
+        ] {
+            assert!(!cpu.join(" ").contains("--moe-gpu-experts"), "{cpu:?}");
+        }
+    }
 }

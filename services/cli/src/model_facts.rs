@@ -20,6 +20,56 @@ pub enum ModelLocation {
     Checkpoint(PathBuf),
 }
 
+/// Environment variable naming the models directory (`--models-dir` wins over it).
+pub const MODELS_DIR_VARIABLE: &str = "NINFER_MODELS_DIR";
+
+/// Where models named `ORG/NAME` live: `--models-dir`, else `$NINFER_MODELS_DIR`, else
+/// `~/ninfer-models`.
+pub fn models_dir(flag: Option<&Path>) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(MODELS_DIR_VARIABLE).map(PathBuf::from))
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join("ninfer-models")))
+        .unwrap_or_else(|| PathBuf::from("ninfer-models"))
+}
+
+/// `ORG/NAME` as the hub spells a repository: relative, exactly two plain components.
+fn repository_id(path: &Path) -> Option<(String, String)> {
+    let text = path.to_str()?;
+    let (organisation, name) = text.split_once('/')?;
+    let plain = |part: &str| {
+        !part.is_empty()
+            && part != "."
+            && part != ".."
+            && part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
+    (plain(organisation) && plain(name)).then(|| (organisation.to_string(), name.to_string()))
+}
+
+/// MODEL may be the artifact, a directory holding exactly one `.ninfer`, a Hugging Face
+/// checkpoint directory, or a repository id `ORG/NAME` found as `MODELS_DIR/ORG/NAME`.
+pub fn locate_model_in(path: &Path, models_dir: &Path) -> anyhow::Result<ModelLocation> {
+    if !path.exists() {
+        if let Some((organisation, name)) = repository_id(path) {
+            let local = models_dir.join(&organisation).join(&name);
+            if local.exists() {
+                return locate_model(&local);
+            }
+            bail!(
+                "{organisation}/{name}: not in the models directory {} (ninfer does not download \
+                 models: put the checkpoint or its .ninfer conversion in {}, e.g. with \
+                 `huggingface-cli download {organisation}/{name} --local-dir {}`, or name another \
+                 directory with --models-dir or {MODELS_DIR_VARIABLE})",
+                models_dir.display(),
+                local.display(),
+                local.display()
+            );
+        }
+    }
+    locate_model(path)
+}
+
 /// MODEL may be the artifact, a directory holding exactly one `.ninfer`, or a Hugging Face
 /// checkpoint directory.
 pub fn locate_model(path: &Path) -> anyhow::Result<ModelLocation> {
@@ -245,6 +295,30 @@ mod tests {
         ] {
             assert_eq!(checkpoint_tensor_class(name), class, "{name}");
         }
+    }
+
+    #[test]
+    fn a_repository_id_is_found_in_the_models_directory() {
+        let models = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(models.path().join("Qwen")).unwrap();
+        std::os::unix::fs::symlink(fixture("qwen3_moe"), models.path().join("Qwen/Tiny-MoE"))
+            .unwrap();
+        let location = locate_model_in(Path::new("Qwen/Tiny-MoE"), models.path()).unwrap();
+        assert_eq!(
+            location,
+            ModelLocation::Checkpoint(models.path().join("Qwen/Tiny-MoE"))
+        );
+        let error = locate_model_in(Path::new("Qwen/Absent-1B"), models.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("Qwen/Absent-1B")
+                && error.contains(&models.path().display().to_string()),
+            "{error}"
+        );
+        assert_eq!(repository_id(Path::new("../x")), None);
+        assert_eq!(repository_id(Path::new("/abs/x")), None);
+        assert_eq!(repository_id(Path::new("a/b/c")), None);
     }
 
     #[test]

@@ -18,7 +18,8 @@ use crate::supervisor::{
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// The `.ninfer` artifact, a directory holding exactly one, or a checkpoint directory.
+    /// The `.ninfer` artifact, a directory holding exactly one, a checkpoint directory, or
+    /// `ORG/NAME` in the models directory (`--models-dir`).
     pub model: std::path::PathBuf,
     /// Answer this prompt once and exit.
     #[arg(long)]
@@ -184,7 +185,11 @@ async fn answer(
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let api_for_plan = args.serve.then(|| format!("http://{}", args.listen));
-    let (location, plan) = plan_for(&args.model, &args.engine.request(api_for_plan))?;
+    let (location, plan) = plan_for(
+        &args.model,
+        &args.engine,
+        &args.engine.request(api_for_plan),
+    )?;
     let max_tokens = check_chat_values(&args, plan.max_context)?;
     if args.dry_run {
         if args.json {

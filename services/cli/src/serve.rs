@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::model_facts::{locate_model, ModelFacts, ModelLocation};
+use crate::model_facts::{locate_model, locate_model_in, models_dir, ModelFacts, ModelLocation};
 use crate::plan::{plan, print_plan, Machine, Plan, Request};
 use crate::supervisor::{
     install_stop_handler, sibling_binary, stop_requested, ChildSpec, Supervisor,
@@ -15,7 +15,8 @@ use crate::supervisor::{
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    /// The `.ninfer` artifact, a directory holding exactly one, or a checkpoint directory.
+    /// The `.ninfer` artifact, a directory holding exactly one, a checkpoint directory, or
+    /// `ORG/NAME` in the models directory.
     pub model: PathBuf,
     /// Address of the engine's gRPC API: `unix:PATH` or `HOST:PORT`.
     #[arg(long, default_value = "127.0.0.1:50051")]
@@ -28,6 +29,10 @@ pub struct ServeArgs {
 /// anything starts.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct EngineFlags {
+    /// Where models named `ORG/NAME` live (default: `$NINFER_MODELS_DIR`, else
+    /// `~/ninfer-models`).
+    #[arg(long, value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
     /// Compute threads per expert worker (default: every core of its node).
     #[arg(long)]
     pub moe_threads: Option<usize>,
@@ -122,8 +127,12 @@ impl EngineFlags {
 
 /// Locates MODEL, reads its facts (headers only) and plans on this machine: every value is
 /// checked here, before anything converts or starts.
-pub fn plan_for(model: &Path, request: &Request) -> anyhow::Result<(ModelLocation, Plan)> {
-    let location = locate_model(model)?;
+pub fn plan_for(
+    model: &Path,
+    flags: &EngineFlags,
+    request: &Request,
+) -> anyhow::Result<(ModelLocation, Plan)> {
+    let location = locate_model_in(model, &models_dir(flags.models_dir.as_deref()))?;
     let facts = ModelFacts::read(&location)?;
     let plan = plan(&facts, &Machine::probe(), request)?;
     Ok((location, plan))
@@ -337,7 +346,7 @@ pub fn listening(address: &str) -> bool {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let (location, plan) = plan_for(&args.model, &args.engine.request(None))?;
+    let (location, plan) = plan_for(&args.model, &args.engine, &args.engine.request(None))?;
     let model = artifact_of(&location)?;
     install_stop_handler();
     let mut supervisor = Supervisor::new()?;

@@ -107,3 +107,38 @@ fn named_and_passed_through_flags_reach_the_engine() {
     assert!(!output.status.success());
     assert!(stderr.contains("--no-such-engine-flag"), "{stderr}");
 }
+
+/// `ninfer run ORG/NAME` finds the model under `--models-dir` (or `$NINFER_MODELS_DIR`) and
+/// says where it looked when it is not there.
+#[test]
+fn a_model_by_name_resolves_in_the_models_directory() {
+    let scratch = tempfile::tempdir().unwrap();
+    let models = scratch.path().join("models");
+    std::fs::create_dir_all(models.join("Qwen")).unwrap();
+    std::os::unix::fs::symlink(fixture("qwen3_moe"), models.join("Qwen/Tiny-MoE")).unwrap();
+    let by_flag = ninfer(scratch.path())
+        .args([
+            "run",
+            "Qwen/Tiny-MoE",
+            "--dry-run",
+            "--json",
+            "--models-dir",
+        ])
+        .arg(&models)
+        .output()
+        .unwrap();
+    assert!(by_flag.status.success(), "{by_flag:?}");
+    let plan: serde_json::Value = serde_json::from_slice(&by_flag.stdout).unwrap();
+    assert_eq!(plan["architecture"], "qwen3_moe");
+    let by_variable = ninfer(scratch.path())
+        .args(["serve", "Qwen/Absent-1B"])
+        .env("NINFER_MODELS_DIR", &models)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&by_variable.stderr);
+    assert!(!by_variable.status.success());
+    assert!(
+        stderr.contains("Qwen/Absent-1B") && stderr.contains(&models.display().to_string()),
+        "{stderr}"
+    );
+}

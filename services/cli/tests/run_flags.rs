@@ -142,3 +142,33 @@ fn a_model_by_name_resolves_in_the_models_directory() {
         "{stderr}"
     );
 }
+
+/// Linked as the seeds' `ninfer-run` (and `ninfer-serve`, `ninfer-perplexity`), the binary
+/// behaves as `ninfer run` (`serve`, `perplexity`).
+#[test]
+fn the_seeds_program_names_answer() {
+    let scratch = tempfile::tempdir().unwrap();
+    for (name, expected) in [
+        ("ninfer-run", "--dry-run"),
+        ("ninfer-serve", "--listen"),
+        ("ninfer-perplexity", "--token-nll"),
+    ] {
+        let link = scratch.path().join(name);
+        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ninfer"), &link).unwrap();
+        let output = Command::new(&link).arg("--help").output().unwrap();
+        let help = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && help.contains(expected),
+            "{name}:\n{help}"
+        );
+    }
+    let output = Command::new(scratch.path().join("ninfer-run"))
+        .args(["--dry-run", "--json"])
+        .arg(fixture("qwen3_moe"))
+        .env("XDG_CACHE_HOME", scratch.path().join("cache"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let plan: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(plan["architecture"], "qwen3_moe");
+}

@@ -1,7 +1,7 @@
 //! The plan of `ninfer run` / `ninfer serve`: the machine probed (CPUs, NUMA nodes, RAM, the
-//! GPU's free memory through the CUDA driver), every user value checked against the model and the
-//! machine before anything starts (the message names the flag and the limit), and what will run
-//! where — expert workers, GPU expert slots, context.
+//! GPU's free memory as the NVIDIA driver reports it), every user value checked against the model
+//! and the machine before anything starts (the message names the flag and the limit), and what
+//! will run where — expert workers, GPU expert slots, context.
 //!
 //! Owns: the machine probe, the value checks, the plan and its printing.
 //! Must not touch: processes (the supervisor starts them), model files (`model_facts` reads them).
@@ -46,7 +46,7 @@ pub struct Gpu {
 }
 
 impl Machine {
-    /// Reads this machine: `/proc/meminfo`, `/sys/devices/system/node`, the CUDA driver.
+    /// Reads this machine: `/proc/meminfo`, `/sys/devices/system/node`, `nvidia-smi`.
     pub fn probe() -> Self {
         let (ram_total_bytes, ram_available_bytes) = read_meminfo().unwrap_or((0, 0));
         let numa_nodes = crate::supervisor::numa_nodes()
@@ -82,30 +82,36 @@ fn read_meminfo() -> Option<(u64, u64)> {
     Some((field("MemTotal:")?, field("MemAvailable:")?))
 }
 
-/// Free and total memory of GPU 0 through the CUDA driver; `None` without a driver or a GPU.
+/// Free and total memory of GPU 0 as the NVIDIA driver reports it (`nvidia-smi`: only the
+/// engine links CUDA); `None` without a driver or a GPU.
 fn probe_gpu() -> Option<Gpu> {
-    use ninfer_engine::backend::cuda::loader;
-    // cudarc's dynamic loading panics when the library is absent: look for it first.
-    loader::open(&loader::DRIVER).ok()?;
-    let probe = || -> Result<Gpu, cudarc::driver::DriverError> {
-        use cudarc::driver::result;
-        result::init()?;
-        let device = result::device::get(0)?;
-        // SAFETY: `device` was returned by the driver for ordinal 0; the primary context is
-        // retained, made current for the query and released before returning.
-        unsafe {
-            let context = result::primary_ctx::retain(device)?;
-            result::ctx::set_current(context)?;
-            let info = result::mem_get_info();
-            result::primary_ctx::release(device)?;
-            let (free, total) = info?;
-            Ok(Gpu {
-                free_bytes: free as u64,
-                total_bytes: total as u64,
-            })
-        }
-    };
-    std::panic::catch_unwind(probe).ok()?.ok()
+    let output = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=memory.free,memory.total",
+            "--format=csv,noheader,nounits",
+            "--id=0",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    parse_gpu_memory(&String::from_utf8_lossy(&output.stdout))
+}
+
+/// `FREE, TOTAL` in MiB, as `nvidia-smi --format=csv,noheader,nounits` prints them.
+fn parse_gpu_memory(text: &str) -> Option<Gpu> {
+    let mut fields = text
+        .lines()
+        .next()?
+        .split(',')
+        .map(|f| f.trim().parse::<u64>());
+    let (free, total) = (fields.next()?.ok()?, fields.next()?.ok()?);
+    Some(Gpu {
+        free_bytes: free * MIB,
+        total_bytes: total * MIB,
+    })
 }
 
 /// The user's values that the plan depends on (shared by `run` and `serve`).
@@ -512,6 +518,17 @@ mod tests {
             ..request()
         });
         assert!(message.contains("--max-context 0"), "{message}");
+    }
+
+    #[test]
+    fn gpu_memory_is_read_from_the_driver_report() {
+        let gpu = parse_gpu_memory("140511, 143771\n").unwrap();
+        assert_eq!(
+            (gpu.free_bytes, gpu.total_bytes),
+            (140511 * MIB, 143771 * MIB)
+        );
+        assert!(parse_gpu_memory("[N/A], [N/A]").is_none());
+        assert!(parse_gpu_memory("").is_none());
     }
 
     #[test]

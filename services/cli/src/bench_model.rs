@@ -22,7 +22,7 @@ use ninfer_protocol::v1::{
 use serde::Serialize;
 use tonic::transport::Channel;
 
-use crate::serve::{resolve_model, start_pipeline, ServeArgs};
+use crate::serve::{plan_for, resolve_model, start_pipeline, EngineFlags};
 use crate::supervisor::{install_stop_handler, stop_requested, Supervisor};
 
 #[derive(Debug, clap::Args)]
@@ -263,23 +263,20 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         "--max-sequences".into(),
         "1".into(),
     ];
-    if args.no_workers {
-        if let Some(threads) = args.moe_threads {
-            engine_args.extend(["--moe-threads".into(), threads.to_string()]);
-        }
-    }
     engine_args.extend(args.engine_args.iter().cloned());
-    let serve = ServeArgs {
-        model: model.clone(),
-        listen: supervisor.socket("engine"),
+    let flags = EngineFlags {
         moe_threads: args.moe_threads,
         max_context: Some(longest + args.decode_tokens + 1),
         no_workers: args.no_workers,
-        moe_gpu_experts: args.moe_gpu_experts.clone(),
+        // Exactly what was asked (0 when not given): the benchmark's figures name it.
+        moe_gpu_experts: Some(args.moe_gpu_experts.clone().unwrap_or_else(|| "0".into())),
         gpu_mem_budget: args.gpu_mem_budget,
         engine_args,
+        ..EngineFlags::default()
     };
-    let address = start_pipeline(&mut supervisor, &serve)?;
+    let (_, plan) = plan_for(&model, &flags, &flags.request(None))?;
+    let listen = supervisor.socket("engine");
+    let address = start_pipeline(&mut supervisor, &model, &listen, &flags, &plan)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -294,7 +291,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         model.display().to_string(),
         architecture,
     ));
-    supervisor.stop_all(Duration::from_secs(10));
+    supervisor.stop_all();
     let report = result?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -306,10 +303,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
 
 /// The last lines of a child's log, for a failure message.
 fn log_tail(supervisor: &Supervisor, label: &str) -> String {
-    let path = supervisor.runtime_dir().join(format!("{label}.log"));
-    let text = std::fs::read_to_string(&path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
+    crate::supervisor::file_tail(&supervisor.log_path(label), 15)
 }
 
 /// Waits until the engine answers and says it is ready; fails early when a child died.
@@ -323,13 +317,7 @@ async fn connect_when_ready(
         if stop_requested() {
             bail!("interrupted while the pipeline started");
         }
-        supervisor.poll();
-        if let Some(label) = supervisor.first_exited() {
-            bail!(
-                "{label} exited while starting; the end of its log:\n{}",
-                log_tail(supervisor, &label)
-            );
-        }
+        supervisor.poll()?;
         if let Ok(channel) =
             ninfer_protocol::transport::connect(address, Duration::from_millis(500)).await
         {

@@ -8,7 +8,9 @@ mod bench_channel;
 mod bench_model;
 mod convert;
 mod inspect;
+mod model_facts;
 mod perplexity;
+mod plan;
 mod run;
 mod serve;
 mod supervisor;
@@ -42,6 +44,32 @@ enum Command {
     Run(run::RunArgs),
 }
 
+/// Program names of the seeds' tool and the subcommand each stands for: a link to `ninfer`
+/// under one of these names behaves as `ninfer SUBCOMMAND`.
+const SEEDS_NAMES: [(&str, &str); 3] = [
+    ("ninfer-run", "run"),
+    ("ninfer-serve", "serve"),
+    ("ninfer-perplexity", "perplexity"),
+];
+
+/// The command line, with the subcommand put in when invoked under one of [`SEEDS_NAMES`].
+fn arguments_with_seeds_names(
+    arguments: impl Iterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let mut arguments: Vec<std::ffi::OsString> = arguments.collect();
+    let invoked_as = arguments
+        .first()
+        .and_then(|program| std::path::Path::new(program).file_name())
+        .and_then(|name| name.to_str())
+        .map(str::to_string);
+    if let Some(invoked_as) = invoked_as {
+        if let Some((_, subcommand)) = SEEDS_NAMES.iter().find(|(name, _)| *name == invoked_as) {
+            arguments.insert(1, (*subcommand).into());
+        }
+    }
+    arguments
+}
+
 fn main() -> std::process::ExitCode {
     supervisor::remember_startup_affinity();
     tracing_subscriber::fmt()
@@ -52,7 +80,7 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(arguments_with_seeds_names(std::env::args_os()));
     let result = match cli.command {
         Command::Convert(args) => convert::run(args),
         Command::Inspect(args) => inspect::run(args),

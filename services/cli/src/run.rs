@@ -4,24 +4,23 @@
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::net::TcpListener;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ninfer_artifact::{Artifact, TensorClass};
-use ninfer_engine::moe::placement::GpuExpertCount;
 use ninfer_protocol::v1::gateway_client::GatewayClient;
 use ninfer_protocol::v1::{ChatMessage, ChatRequest, GatewaySamplingOptions, ListModelsRequest};
 
-use crate::serve::{resolve_model, start_pipeline, ServeArgs};
+use crate::plan::print_plan;
+use crate::serve::{artifact_of, plan_for, start_pipeline, EngineFlags};
 use crate::supervisor::{
-    install_stop_handler, numa_nodes, sibling_binary, stop_requested, ChildSpec, Supervisor,
+    install_stop_handler, sibling_binary, state_dir, stop_requested, ChildSpec, Supervisor,
 };
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// The `.ninfer` artifact, or a directory holding exactly one.
-    pub model: PathBuf,
+    /// The `.ninfer` artifact, a directory holding exactly one, a checkpoint directory, or
+    /// `ORG/NAME` in the models directory (`--models-dir`).
+    pub model: std::path::PathBuf,
     /// Answer this prompt once and exit.
     #[arg(long)]
     pub prompt: Option<String>,
@@ -31,183 +30,49 @@ pub struct RunArgs {
     /// API address (with --serve; otherwise a free loopback port).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: String,
-    /// Print the plan and exit.
+    /// Print the plan and exit (reads only headers: nothing is converted or started).
     #[arg(long)]
     pub dry_run: bool,
     /// With --dry-run: the plan as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Longest prompt + completion per sequence, in tokens.
+    /// Most tokens per answer in the chat (default: 1024, or half the context when shorter).
     #[arg(long)]
-    pub max_context: Option<usize>,
-    /// Compute threads per expert worker (default: every core of its node).
-    #[arg(long)]
-    pub moe_threads: Option<usize>,
-    /// Most tokens per answer in the chat.
-    #[arg(long, default_value_t = 1024)]
-    pub max_tokens: u32,
+    pub max_tokens: Option<u32>,
     /// Sampling temperature of the chat (default: the model's generation config).
     #[arg(long)]
     pub temperature: Option<f32>,
     /// Start with thinking enabled (toggle with /think).
     #[arg(long)]
     pub think: bool,
-    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit).
-    #[arg(long, value_name = "N|half|all|auto")]
-    pub moe_gpu_experts: Option<String>,
-    /// Behave as if the GPU had this many GiB (stand in for a smaller card).
-    #[arg(long, value_name = "GiB")]
-    pub gpu_mem_budget: Option<f64>,
+    #[command(flatten)]
+    pub engine: EngineFlags,
 }
 
-/// What `run` will start, for `--dry-run` and the start-up banner.
-#[derive(Debug, serde::Serialize)]
-struct Plan {
-    model: String,
-    architecture: String,
-    parameters: u64,
-    device: String,
-    /// What `--moe-gpu-experts` asked for (`0` when not given).
-    gpu_experts: String,
-    /// Experts per MoE layer in GPU slots; `None` for `auto` (the engine fits them at start).
-    gpu_experts_per_layer: Option<usize>,
-    gpu_mem_budget_gib: Option<f64>,
-    numa_nodes: Vec<usize>,
-    expert_workers: Vec<WorkerPlan>,
-    max_context: usize,
-    expert_bank_bytes: u64,
-    dense_bytes: u64,
-    api: Option<String>,
-}
+/// Answer length when `--max-tokens` is not given.
+const DEFAULT_MAX_TOKENS: u32 = 1024;
 
-#[derive(Debug, serde::Serialize)]
-struct WorkerPlan {
-    numa_node: usize,
-    experts: String,
-    threads: usize,
-}
-
-fn plan(args: &RunArgs, model: &std::path::Path) -> anyhow::Result<Plan> {
-    let artifact = Artifact::open(model).with_context(|| format!("opening {}", model.display()))?;
-    let common = artifact.config().common();
-    let nodes = numa_nodes();
-    let mut expert_bank_bytes = 0;
-    let mut dense_bytes = 0;
-    let mut parameters = 0;
-    for tensor in &artifact.header().tensors {
-        parameters += tensor.element_count();
-        match tensor.class {
-            TensorClass::RoutedExpert => expert_bank_bytes += tensor.length,
-            TensorClass::Embedding | TensorClass::Dense => dense_bytes += tensor.length,
-            TensorClass::Mtp | TensorClass::Vision => {}
+/// The chat's own values, checked before anything starts; returns the answer length.
+fn check_chat_values(args: &RunArgs, max_context: usize) -> anyhow::Result<u32> {
+    let max_tokens = match args.max_tokens {
+        Some(0) => bail!("--max-tokens 0: an answer needs at least 1 token"),
+        Some(tokens) if tokens as usize >= max_context => bail!(
+            "--max-tokens {tokens}: must be below the context of {max_context} tokens (--max-context)"
+        ),
+        Some(tokens) => tokens,
+        None => DEFAULT_MAX_TOKENS.min(u32::try_from(max_context / 2).unwrap_or(u32::MAX).max(1)),
+    };
+    if let Some(temperature) = args.temperature {
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            bail!("--temperature {temperature}: give 0 (greedy) or a positive number");
         }
     }
-    let gpu_request: GpuExpertCount = args
-        .moe_gpu_experts
-        .as_deref()
-        .unwrap_or("0")
-        .parse()
-        .map_err(|problem| anyhow::anyhow!("--moe-gpu-experts: {problem}"))?;
-    let gpu_experts_per_layer = match gpu_request {
-        GpuExpertCount::Count(count) if count > common.num_experts => bail!(
-            "--moe-gpu-experts: {count} experts per layer asked for, the model has {}",
-            common.num_experts
-        ),
-        GpuExpertCount::Count(count) => Some(count),
-        GpuExpertCount::Half => Some(common.num_experts / 2),
-        GpuExpertCount::All => Some(common.num_experts),
-        GpuExpertCount::Auto => None,
-    };
-    let expert_workers = nodes
-        .iter()
-        .enumerate()
-        .map(|(index, &node)| WorkerPlan {
-            numa_node: node,
-            experts: if nodes.len() == 1 {
-                "all".into()
-            } else {
-                format!("shard={index}/{}", nodes.len())
-            },
-            threads: args.moe_threads.unwrap_or_else(|| {
-                ninfer_cpu_experts::cpus_of_numa_node(node)
-                    .map(|c| c.len())
-                    .unwrap_or(1)
-                    .max(1)
-            }),
-        })
-        .collect();
-    Ok(Plan {
-        model: model.display().to_string(),
-        architecture: artifact.config().architecture().to_string(),
-        parameters,
-        device: planned_device(),
-        gpu_experts: gpu_request.to_string(),
-        gpu_experts_per_layer,
-        gpu_mem_budget_gib: args.gpu_mem_budget,
-        numa_nodes: nodes,
-        expert_workers,
-        max_context: args
-            .max_context
-            .unwrap_or(common.max_position_embeddings.min(8192)),
-        expert_bank_bytes,
-        dense_bytes,
-        api: args.serve.then(|| format!("http://{}", args.listen)),
-    })
-}
-
-/// The engine runs with `--device auto`: the GPU when one opens, else the CPU. Without a CUDA
-/// driver library it is the CPU for certain; with one, the engine decides at start.
-fn planned_device() -> String {
-    use ninfer_engine::backend::cuda::loader;
-    match loader::open(&loader::DRIVER) {
-        Ok(driver) => format!(
-            "auto: the GPU when one opens, else the CPU (CUDA driver {})",
-            driver.opened_as
-        ),
-        Err(_) => "cpu (no CUDA driver library found)".into(),
+    if args.serve && !args.dry_run {
+        if let Err(error) = TcpListener::bind(&args.listen) {
+            bail!("--listen {}: cannot listen there: {error}", args.listen);
+        }
     }
-}
-
-fn print_plan(plan: &Plan) {
-    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
-    println!(
-        "model         {} ({}, {:.2}B parameters)",
-        plan.model,
-        plan.architecture,
-        plan.parameters as f64 / 1e9
-    );
-    println!("device        {}", plan.device);
-    match plan.gpu_experts_per_layer {
-        Some(count) => println!("gpu experts   {count} per MoE layer"),
-        None => println!("gpu experts   auto (as many per MoE layer as fit; the engine decides)"),
-    }
-    if let Some(gib) = plan.gpu_mem_budget_gib {
-        println!("gpu memory    budget {gib} GiB");
-    }
-    for worker in &plan.expert_workers {
-        println!(
-            "expert worker NUMA node {}: experts {}, {} threads",
-            worker.numa_node, worker.experts, worker.threads
-        );
-    }
-    println!(
-        "memory        expert banks {:.2} GiB (locked by the workers), dense {:.2} GiB (engine)",
-        gib(plan.expert_bank_bytes),
-        gib(plan.dense_bytes)
-    );
-    println!("context       {} tokens per sequence", plan.max_context);
-    if let Some(api) = &plan.api {
-        println!("api           {api} (OpenAI /v1/chat/completions, Anthropic /v1/messages, gRPC)");
-    }
-}
-
-/// Where the gateway keeps routing statistics across runs (`$XDG_STATE_HOME/ninfer`).
-fn state_dir() -> PathBuf {
-    std::env::var_os("XDG_STATE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".local/state")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("ninfer")
+    Ok(max_tokens)
 }
 
 /// `--moe-expert-stats` for the engine when the gateway recorded routing for this model before
@@ -240,7 +105,7 @@ async fn wait_until_ready(
         if stop_requested() {
             bail!("interrupted while starting");
         }
-        supervisor.poll();
+        supervisor.poll()?;
         if let Ok(channel) =
             ninfer_protocol::transport::connect(address, Duration::from_millis(300)).await
         {
@@ -255,7 +120,7 @@ async fn wait_until_ready(
         if Instant::now() > deadline {
             bail!(
                 "the services did not become ready within 5 minutes; logs are in {}",
-                supervisor.runtime_dir().display()
+                supervisor.log_dir().display()
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -268,6 +133,7 @@ async fn answer(
     model: &str,
     history: &[ChatMessage],
     args: &RunArgs,
+    max_tokens: u32,
     thinking: bool,
 ) -> anyhow::Result<ChatMessage> {
     let request = ChatRequest {
@@ -275,7 +141,7 @@ async fn answer(
         messages: history.to_vec(),
         options: Some(GatewaySamplingOptions {
             temperature: args.temperature,
-            max_tokens: args.max_tokens,
+            max_tokens,
             ..Default::default()
         }),
         enable_thinking: Some(thinking),
@@ -318,8 +184,13 @@ async fn answer(
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let model = resolve_model(&args.model)?;
-    let plan = plan(&args, &model)?;
+    let api_for_plan = args.serve.then(|| format!("http://{}", args.listen));
+    let (location, plan) = plan_for(
+        &args.model,
+        &args.engine,
+        &args.engine.request(api_for_plan),
+    )?;
+    let max_tokens = check_chat_values(&args, plan.max_context)?;
     if args.dry_run {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&plan)?);
@@ -328,49 +199,89 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    let model = artifact_of(&location)?;
     install_stop_handler();
     let mut supervisor = Supervisor::new()?;
     let engine_address = format!("127.0.0.1:{}", free_loopback_port()?);
-    let serve_args = ServeArgs {
-        model: model.clone(),
-        listen: engine_address.clone(),
-        moe_threads: args.moe_threads,
-        max_context: args.max_context,
-        no_workers: false,
-        moe_gpu_experts: args.moe_gpu_experts.clone(),
-        gpu_mem_budget: args.gpu_mem_budget,
-        engine_args: previous_routing_statistics(&model),
-    };
-    start_pipeline(&mut supervisor, &serve_args)?;
+    let mut engine = args.engine.clone();
+    let user_stats = engine.moe_expert_stats.is_some()
+        || engine
+            .user_engine_args()
+            .iter()
+            .any(|a| a.starts_with("--moe-expert-stats"));
+    if !user_stats {
+        engine
+            .engine_args
+            .extend(previous_routing_statistics(&model));
+    }
     let api = if args.serve {
         args.listen.clone()
     } else {
         format!("127.0.0.1:{}", free_loopback_port()?)
     };
+    let session = Session {
+        args: &args,
+        plan: &plan,
+        model: &model,
+        engine: &engine,
+        engine_address: &engine_address,
+        api: &api,
+        max_tokens,
+    };
+    let result = start_and_chat(&session, &mut supervisor);
+    supervisor.stop_all();
+    result
+}
+
+/// What one `run` starts and how it chats.
+struct Session<'a> {
+    args: &'a RunArgs,
+    plan: &'a crate::plan::Plan,
+    model: &'a std::path::Path,
+    engine: &'a EngineFlags,
+    engine_address: &'a str,
+    api: &'a str,
+    max_tokens: u32,
+}
+
+fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow::Result<()> {
+    let Session {
+        args,
+        plan,
+        model,
+        engine,
+        engine_address,
+        api,
+        max_tokens,
+    } = *session;
+    start_pipeline(supervisor, model, engine_address, engine, plan)?;
     supervisor.add(ChildSpec {
         label: "gateway".into(),
         program: sibling_binary("ninfer-gateway"),
         args: vec![
             "--engine".into(),
-            engine_address,
+            engine_address.to_string(),
             "--listen".into(),
-            api.clone(),
+            api.to_string(),
             "--state-dir".into(),
             state_dir().display().to_string(),
         ],
     })?;
+    if args.serve {
+        eprintln!("starting; logs in {}", supervisor.log_dir().display());
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let (mut client, model_name) = runtime.block_on(wait_until_ready(&api, &mut supervisor))?;
+    let (mut client, model_name) = runtime.block_on(wait_until_ready(api, supervisor))?;
+    supervisor.mark_healthy();
     if args.serve {
-        print_plan(&plan);
+        print_plan(plan);
         println!(
             "ready: http://{api} — Ctrl-C stops everything (logs in {})",
-            supervisor.runtime_dir().display()
+            supervisor.log_dir().display()
         );
-        supervisor.run_until_stopped();
-        supervisor.stop_all(Duration::from_secs(10));
+        supervisor.run_until_stopped()?;
         return Ok(());
     }
     let mut thinking = args.think;
@@ -381,7 +292,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             content: prompt.clone(),
             ..Default::default()
         });
-        runtime.block_on(answer(&mut client, &model_name, &history, &args, thinking))?;
+        runtime.block_on(answer(
+            &mut client,
+            &model_name,
+            &history,
+            args,
+            max_tokens,
+            thinking,
+        ))?;
         return Ok(());
     }
     println!(
@@ -413,9 +331,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                     content: text.to_string(),
                     ..Default::default()
                 });
-                supervisor.poll();
-                match runtime.block_on(answer(&mut client, &model_name, &history, &args, thinking))
-                {
+                supervisor.poll()?;
+                match runtime.block_on(answer(
+                    &mut client,
+                    &model_name,
+                    &history,
+                    args,
+                    max_tokens,
+                    thinking,
+                )) {
                     Ok(reply) => history.push(reply),
                     Err(error) => {
                         history.pop();

@@ -1,20 +1,38 @@
 //! `ninfer serve MODEL`: one expert worker per NUMA node plus the engine, as supervised child
-//! processes on a private runtime directory; the engine's gRPC API on `--listen`.
+//! processes on a private runtime directory; the engine's gRPC API on `--listen`. Also the engine
+//! flags `serve` and `run` share, and how they become the children's command lines.
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::supervisor::{install_stop_handler, numa_nodes, sibling_binary, ChildSpec, Supervisor};
+use crate::model_facts::{locate_model, locate_model_in, models_dir, ModelFacts, ModelLocation};
+use crate::plan::{plan, print_plan, Machine, Plan, Request};
+use crate::supervisor::{
+    install_stop_handler, sibling_binary, stop_requested, ChildSpec, Supervisor,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    /// The `.ninfer` artifact, or a directory holding exactly one.
+    /// The `.ninfer` artifact, a directory holding exactly one, a checkpoint directory, or
+    /// `ORG/NAME` in the models directory.
     pub model: PathBuf,
     /// Address of the engine's gRPC API: `unix:PATH` or `HOST:PORT`.
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub listen: String,
+    #[command(flatten)]
+    pub engine: EngineFlags,
+}
+
+/// The engine and worker flags `serve` and `run` take; each is checked by the plan before
+/// anything starts.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct EngineFlags {
+    /// Where models named `ORG/NAME` live (default: `$NINFER_MODELS_DIR`, else
+    /// `~/ninfer-models`).
+    #[arg(long, value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
     /// Compute threads per expert worker (default: every core of its node).
     #[arg(long)]
     pub moe_threads: Option<usize>,
@@ -24,41 +42,115 @@ pub struct ServeArgs {
     /// Run the routed experts inside the engine instead of in worker processes.
     #[arg(long)]
     pub no_workers: bool,
-    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit).
+    /// Routed experts per MoE layer on the GPU: N, `half`, `all` or `auto` (as many as fit;
+    /// the default when a GPU is found, else 0).
     #[arg(long, value_name = "N|half|all|auto")]
     pub moe_gpu_experts: Option<String>,
     /// Behave as if the GPU had this many GiB (stand in for a smaller card).
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
+    /// Element type of the GPU's KV cache.
+    #[arg(long, value_name = "bf16|f32", value_parser = ["bf16", "f32"])]
+    pub kv_dtype: Option<String>,
+    /// Keep this many MiB of the KV cache in page-locked host RAM (frees GPU memory for
+    /// experts; recommended with offload on a small card).
+    #[arg(long, value_name = "MiB")]
+    pub host_kv_mib: Option<u64>,
+    /// Most sequences decoded at once.
+    #[arg(long, value_name = "N")]
+    pub max_sequences: Option<usize>,
+    /// Routing statistics to place the GPU experts by (a file `--moe-record-stats` wrote).
+    #[arg(long, value_name = "FILE")]
+    pub moe_expert_stats: Option<PathBuf>,
+    /// Record routing statistics into this file (every 10 s and at exit).
+    #[arg(long, value_name = "FILE")]
+    pub moe_record_stats: Option<PathBuf>,
+    /// Routed experts live in host RAM and are computed by the expert workers, the GPU holding
+    /// `--moe-gpu-experts` of them per layer. This is how ninfer always runs; the flag is
+    /// accepted so command lines written for the seeds' tool keep working.
+    #[arg(long)]
+    pub moe_offload: bool,
+    /// Where the dense layers run.
+    #[arg(long, value_name = "cpu|cuda|auto", value_parser = ["cpu", "cuda", "auto"])]
+    pub device: Option<String>,
     /// Extra arguments for the engine (repeat the flag per argument).
-    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    #[arg(long = "engine-arg", allow_hyphen_values = true, value_name = "ARG")]
     pub engine_args: Vec<String>,
+    /// Everything after `--` goes to the engine verbatim.
+    #[arg(last = true, value_name = "ENGINE ARGS")]
+    pub passthrough: Vec<String>,
+}
+
+/// The engine's `--max-sequences` when none is given.
+const ENGINE_DEFAULT_MAX_SEQUENCES: usize = 32;
+
+impl EngineFlags {
+    /// Whether the user's own engine arguments say `--device cpu`.
+    fn passes_device_cpu(&self) -> bool {
+        let arguments = self.user_engine_args();
+        arguments.iter().any(|a| a == "--device=cpu")
+            || arguments
+                .windows(2)
+                .any(|pair| pair[0] == "--device" && pair[1] == "cpu")
+    }
+
+    /// The user's own engine arguments: `--engine-arg` values, then those after `--`.
+    pub fn user_engine_args(&self) -> Vec<String> {
+        self.engine_args
+            .iter()
+            .chain(&self.passthrough)
+            .cloned()
+            .collect()
+    }
+
+    /// The plan's view of these flags.
+    pub fn request(&self, api: Option<String>) -> Request {
+        Request {
+            max_context: self.max_context,
+            moe_threads: self.moe_threads,
+            moe_gpu_experts: self.moe_gpu_experts.clone(),
+            gpu_mem_budget: self.gpu_mem_budget,
+            host_kv_mib: self.host_kv_mib,
+            kv_element_bytes: if self.kv_dtype.as_deref() == Some("f32") {
+                4
+            } else {
+                2
+            },
+            max_sequences: self.max_sequences.unwrap_or(ENGINE_DEFAULT_MAX_SEQUENCES),
+            no_workers: self.no_workers,
+            cpu_only: self.device.as_deref() == Some("cpu") || self.passes_device_cpu(),
+            moe_expert_stats: self.moe_expert_stats.clone(),
+            api,
+        }
+    }
+}
+
+/// Locates MODEL, reads its facts (headers only) and plans on this machine: every value is
+/// checked here, before anything converts or starts.
+pub fn plan_for(
+    model: &Path,
+    flags: &EngineFlags,
+    request: &Request,
+) -> anyhow::Result<(ModelLocation, Plan)> {
+    let location = locate_model_in(model, &models_dir(flags.models_dir.as_deref()))?;
+    let facts = ModelFacts::read(&location)?;
+    let plan = plan(&facts, &Machine::probe(), request)?;
+    Ok((location, plan))
+}
+
+/// The artifact to run: the one located, or the checkpoint converted once (bf16) into the
+/// user's cache and reused after.
+pub fn artifact_of(location: &ModelLocation) -> anyhow::Result<PathBuf> {
+    match location {
+        ModelLocation::Artifact(path) => Ok(path.clone()),
+        ModelLocation::Checkpoint(directory) => converted_checkpoint(directory),
+    }
 }
 
 /// MODEL may be the artifact, a directory holding exactly one `.ninfer`, or a Hugging Face
 /// checkpoint directory — converted once (bf16) into the user's cache and reused after.
-pub fn resolve_model(path: &std::path::Path) -> anyhow::Result<PathBuf> {
-    if !path.is_dir() {
-        return Ok(path.to_path_buf());
-    }
-    let found: Vec<PathBuf> = std::fs::read_dir(path)
-        .with_context(|| format!("listing {}", path.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "ninfer"))
-        .collect();
-    match found.as_slice() {
-        [one] => Ok(one.clone()),
-        [] if ninfer_convert::is_checkpoint_dir(path) => converted_checkpoint(path),
-        [] => anyhow::bail!(
-            "{}: no .ninfer artifact in this directory (make one with `ninfer convert`)",
-            path.display()
-        ),
-        many => anyhow::bail!(
-            "{}: {} .ninfer artifacts here; name one",
-            path.display(),
-            many.len()
-        ),
-    }
+pub fn resolve_model(path: &Path) -> anyhow::Result<PathBuf> {
+    artifact_of(&locate_model(path)?)
 }
 
 /// The cached conversion of a checkpoint directory, keyed by its files' names, sizes and times.
@@ -113,78 +205,281 @@ fn converted_checkpoint(directory: &std::path::Path) -> anyhow::Result<PathBuf> 
     Ok(output)
 }
 
-/// Starts workers and engine under `supervisor`; returns the engine's address.
-pub fn start_pipeline(supervisor: &mut Supervisor, args: &ServeArgs) -> anyhow::Result<String> {
-    let model = resolve_model(&args.model)?;
+/// Starts workers and engine under `supervisor` for the artifact `model`; returns the engine's
+/// address.
+pub fn start_pipeline(
+    supervisor: &mut Supervisor,
+    model: &Path,
+    listen: &str,
+    flags: &EngineFlags,
+    plan: &Plan,
+) -> anyhow::Result<String> {
     // Fail here, with the file named, rather than in a child's log.
-    ninfer_artifact::Artifact::open(&model)
+    ninfer_artifact::Artifact::open(model)
         .with_context(|| format!("opening {}", model.display()))?;
-    let nodes = numa_nodes();
     let mut worker_addresses = Vec::new();
-    if !args.no_workers {
-        for (index, node) in nodes.iter().enumerate() {
-            let address = supervisor.socket(&format!("experts-{node}"));
-            let mut worker_args = vec![
-                "--model".to_string(),
-                model.display().to_string(),
-                "--numa-node".into(),
-                node.to_string(),
-                "--experts".into(),
-                if nodes.len() == 1 {
-                    "all".into()
-                } else {
-                    format!("shard={index}/{}", nodes.len())
-                },
-                "--listen".into(),
-                address.clone(),
-            ];
-            if let Some(threads) = args.moe_threads {
-                worker_args.extend(["--moe-threads".into(), threads.to_string()]);
-            }
-            supervisor.add(ChildSpec {
-                label: format!("experts-{node}"),
-                program: sibling_binary("ninfer-expert-worker"),
-                args: worker_args,
-            })?;
-            worker_addresses.push(address);
+    for worker in &plan.expert_workers {
+        let node = worker.numa_node;
+        let address = supervisor.socket(&format!("experts-{node}"));
+        let mut worker_args = vec![
+            "--model".to_string(),
+            model.display().to_string(),
+            "--numa-node".into(),
+            node.to_string(),
+            "--experts".into(),
+            worker.experts.clone(),
+            "--listen".into(),
+            address.clone(),
+        ];
+        if let Some(threads) = flags.moe_threads {
+            worker_args.extend(["--moe-threads".into(), threads.to_string()]);
         }
+        supervisor.add(ChildSpec {
+            label: format!("experts-{node}"),
+            program: sibling_binary("ninfer-expert-worker"),
+            args: worker_args,
+        })?;
+        worker_addresses.push(address);
     }
-    let mut engine_args = vec![
-        "--model".to_string(),
-        model.display().to_string(),
-        "--listen".into(),
-        args.listen.clone(),
-    ];
-    if !worker_addresses.is_empty() {
-        engine_args.extend(["--experts".into(), worker_addresses.join(",")]);
-    }
-    if let Some(context) = args.max_context {
-        engine_args.extend(["--max-context".into(), context.to_string()]);
-    }
-    if let Some(count) = &args.moe_gpu_experts {
-        engine_args.extend(["--moe-gpu-experts".into(), count.clone()]);
-    }
-    if let Some(gib) = args.gpu_mem_budget {
-        engine_args.extend(["--gpu-mem-budget".into(), gib.to_string()]);
-    }
-    engine_args.extend(args.engine_args.iter().cloned());
     supervisor.add(ChildSpec {
         label: "engine".into(),
         program: sibling_binary("ninfer-engine"),
-        args: engine_args,
+        args: engine_command_line(model, listen, &worker_addresses, flags, plan),
     })?;
-    Ok(args.listen.clone())
+    Ok(listen.to_string())
+}
+
+/// Whether the engine arguments the user passed through name `flag` (as `--flag` or
+/// `--flag=VALUE`): the user's value then wins over the plan's default.
+fn passes(arguments: &[String], flag: &str) -> bool {
+    arguments
+        .iter()
+        .any(|argument| argument == flag || argument.starts_with(&format!("{flag}=")))
+}
+
+/// The engine's arguments: model, address, workers, the flags given, the plan's defaults the
+/// user did not override, then the user's own engine arguments verbatim.
+pub fn engine_command_line(
+    model: &Path,
+    listen: &str,
+    worker_addresses: &[String],
+    flags: &EngineFlags,
+    plan: &Plan,
+) -> Vec<String> {
+    let extra = &flags.user_engine_args();
+    let mut arguments = vec![
+        "--model".to_string(),
+        model.display().to_string(),
+        "--listen".into(),
+        listen.to_string(),
+    ];
+    if !worker_addresses.is_empty() {
+        arguments.extend(["--experts".into(), worker_addresses.join(",")]);
+    }
+    if let Some(context) = flags.max_context {
+        arguments.extend(["--max-context".into(), context.to_string()]);
+    }
+    if flags.no_workers {
+        if let Some(threads) = flags.moe_threads {
+            arguments.extend(["--moe-threads".into(), threads.to_string()]);
+        }
+    }
+    match &flags.moe_gpu_experts {
+        Some(count) => arguments.extend(["--moe-gpu-experts".into(), count.clone()]),
+        // `auto` by default where the plan saw a GPU.
+        None if plan.gpu_experts != "0" && !passes(extra, "--moe-gpu-experts") => {
+            arguments.extend(["--moe-gpu-experts".into(), plan.gpu_experts.clone()])
+        }
+        None => {}
+    }
+    if let Some(gib) = flags.gpu_mem_budget {
+        arguments.extend(["--gpu-mem-budget".into(), gib.to_string()]);
+    }
+    let valued = [
+        ("--kv-dtype", flags.kv_dtype.clone()),
+        (
+            "--host-kv-mib",
+            flags.host_kv_mib.map(|mib| mib.to_string()),
+        ),
+        (
+            "--max-sequences",
+            flags.max_sequences.map(|n| n.to_string()),
+        ),
+        (
+            "--moe-expert-stats",
+            flags
+                .moe_expert_stats
+                .as_ref()
+                .map(|p| p.display().to_string()),
+        ),
+        (
+            "--moe-record-stats",
+            flags
+                .moe_record_stats
+                .as_ref()
+                .map(|p| p.display().to_string()),
+        ),
+        ("--device", flags.device.clone()),
+    ];
+    for (flag, value) in valued {
+        if let Some(value) = value {
+            arguments.extend([flag.to_string(), value]);
+        }
+    }
+    arguments.extend(extra.iter().cloned());
+    arguments
+}
+
+/// True when something accepts connections at `address` (`unix:PATH` or `HOST:PORT`): the
+/// engine and the gateway listen only once they can serve.
+pub fn listening(address: &str) -> bool {
+    if let Some(path) = address.strip_prefix("unix:") {
+        return std::os::unix::net::UnixStream::connect(path).is_ok();
+    }
+    use std::net::ToSocketAddrs;
+    let Ok(mut resolved) = address.to_socket_addrs() else {
+        return false;
+    };
+    resolved.any(|socket| {
+        std::net::TcpStream::connect_timeout(&socket, Duration::from_millis(200)).is_ok()
+    })
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let (location, plan) = plan_for(&args.model, &args.engine, &args.engine.request(None))?;
+    let model = artifact_of(&location)?;
     install_stop_handler();
     let mut supervisor = Supervisor::new()?;
-    let address = start_pipeline(&mut supervisor, &args)?;
+    let address = start_pipeline(&mut supervisor, &model, &args.listen, &args.engine, &plan)?;
     println!(
-        "engine API on {address}; logs in {}; Ctrl-C stops everything",
-        supervisor.runtime_dir().display()
+        "starting: engine API on {address}; logs in {}; Ctrl-C stops everything",
+        supervisor.log_dir().display()
     );
-    supervisor.run_until_stopped();
-    supervisor.stop_all(Duration::from_secs(10));
+    let result = wait_then_supervise(&mut supervisor, &address, &plan);
+    supervisor.stop_all();
+    result
+}
+
+/// Waits for the engine to listen (a child that dies meanwhile is reported, not restarted),
+/// then supervises until a stop signal.
+fn wait_then_supervise(
+    supervisor: &mut Supervisor,
+    address: &str,
+    plan: &Plan,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while !listening(address) {
+        if stop_requested() {
+            return Ok(());
+        }
+        supervisor.poll()?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    supervisor.mark_healthy();
+    print_plan(plan);
+    println!(
+        "ready after {:.1}s: engine API on {address}",
+        started.elapsed().as_secs_f64()
+    );
+    supervisor.run_until_stopped()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Command {
+        model: PathBuf,
+        #[command(flatten)]
+        engine: EngineFlags,
+    }
+
+    fn engine_arguments(command_line: &[&str], gpu: bool) -> Vec<String> {
+        let command = Command::try_parse_from(command_line).unwrap();
+        let fixture =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+        let facts = ModelFacts::read(&locate_model(&fixture).unwrap()).unwrap();
+        let mut machine = Machine::probe();
+        machine.gpu = gpu.then_some(crate::plan::Gpu {
+            free_bytes: 20 << 30,
+            total_bytes: 24 << 30,
+        });
+        let plan = plan(&facts, &machine, &command.engine.request(None)).unwrap();
+        engine_command_line(
+            Path::new("m.ninfer"),
+            "127.0.0.1:1",
+            &[],
+            &command.engine,
+            &plan,
+        )
+    }
+
+    #[test]
+    fn every_engine_flag_reaches_the_engine() {
+        let arguments = engine_arguments(
+            &[
+                "ninfer",
+                "model",
+                "--kv-dtype",
+                "f32",
+                "--host-kv-mib",
+                "64",
+                "--max-sequences",
+                "2",
+                "--moe-record-stats",
+                "out.json",
+                "--moe-offload",
+                "--device",
+                "cpu",
+                "--engine-arg",
+                "--worker-hang-ms",
+                "--engine-arg",
+                "700",
+                "--",
+                "--channel-max-tokens",
+                "64",
+            ],
+            false,
+        );
+        let joined = arguments.join(" ");
+        for expected in [
+            "--kv-dtype f32",
+            "--host-kv-mib 64",
+            "--max-sequences 2",
+            "--moe-record-stats out.json",
+            "--device cpu",
+            "--worker-hang-ms 700 --channel-max-tokens 64",
+        ] {
+            assert!(joined.contains(expected), "{expected:?} not in {joined}");
+        }
+        assert!(
+            !joined.contains("--moe-offload"),
+            "the engine has no such flag: {joined}"
+        );
+    }
+
+    #[test]
+    fn gpu_experts_default_to_auto_on_a_gpu_unless_the_user_says() {
+        assert!(engine_arguments(&["ninfer", "m"], true)
+            .join(" ")
+            .contains("--moe-gpu-experts auto"));
+        assert!(!engine_arguments(&["ninfer", "m"], false)
+            .join(" ")
+            .contains("--moe-gpu-experts"));
+        let passed = engine_arguments(&["ninfer", "m", "--", "--moe-gpu-experts", "3"], true);
+        assert_eq!(
+            passed.iter().filter(|a| *a == "--moe-gpu-experts").count(),
+            1,
+            "{passed:?}"
+        );
+        for cpu in [
+            engine_arguments(&["ninfer", "m", "--device", "cpu"], true),
+            engine_arguments(&["ninfer", "m", "--", "--device", "cpu"], true),
+        ] {
+            assert!(!cpu.join(" ").contains("--moe-gpu-experts"), "{cpu:?}");
+        }
+    }
 }

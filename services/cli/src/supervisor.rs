@@ -1,8 +1,11 @@
-//! A tiny process supervisor for `ninfer serve`: starts the service processes on a private
-//! runtime directory, restarts one that dies (as systemd's `Restart=on-failure` would), and stops
-//! them all — SIGTERM, then SIGKILL after a grace period — on Ctrl-C or SIGTERM.
+//! A tiny process supervisor for `ninfer serve` and `ninfer run`: starts the service processes on
+//! a private runtime directory, reports a child that dies before the pipeline was ever ready (with
+//! the end of its log) instead of restarting it, restarts a child that dies after it was healthy
+//! (as systemd's `Restart=on-failure` would), and stops them all — in reverse start order, SIGTERM
+//! then SIGKILL, within [`STOP_BUDGET`] — on Ctrl-C, SIGTERM or SIGHUP.
 //!
-//! Owns: child processes, their pid files and logs under the runtime directory.
+//! Owns: child processes, their pid files under the runtime directory, their logs under a
+//! persistent log directory, and the shared-memory segments a stopped child left behind.
 //! Must not touch: what the children do.
 
 use std::os::unix::process::CommandExt;
@@ -31,7 +34,8 @@ extern "C" fn on_stop_signal(_signal: nix::libc::c_int) {
     STOP_REQUESTED.store(true, Ordering::SeqCst);
 }
 
-/// Ctrl-C and SIGTERM ask the supervisor to stop its children and exit.
+/// Ctrl-C, SIGTERM and SIGHUP (the terminal closed) ask the supervisor to stop its children and
+/// exit.
 pub fn install_stop_handler() {
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
     let action = SigAction::new(
@@ -39,7 +43,7 @@ pub fn install_stop_handler() {
         SaFlags::empty(),
         SigSet::empty(),
     );
-    for signal in [Signal::SIGINT, Signal::SIGTERM] {
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         let _ = unsafe { sigaction(signal, &action) };
     }
@@ -48,6 +52,15 @@ pub fn install_stop_handler() {
 pub fn stop_requested() -> bool {
     STOP_REQUESTED.load(Ordering::SeqCst)
 }
+
+/// How long stopping every child may take, SIGTERM to the last SIGKILL.
+pub const STOP_BUDGET: Duration = Duration::from_millis(1800);
+
+/// Lines of a child's log quoted when it fails during start-up.
+const LOG_TAIL_LINES: usize = 20;
+
+/// How many run log directories are kept under the log root (the oldest are removed).
+const KEPT_LOG_RUNS: usize = 20;
 
 /// One supervised process.
 #[derive(Debug, Clone)]
@@ -60,17 +73,45 @@ pub struct ChildSpec {
 struct Supervised {
     spec: ChildSpec,
     child: Option<Child>,
+    /// Pid of the last process started for this child (for the shared-memory sweep).
+    last_pid: Option<u32>,
     restarts: u32,
     next_start: Instant,
+    /// Set once the pipeline answered; only a healthy child is restarted when it exits.
+    healthy: bool,
 }
 
-/// A private runtime directory (removed on drop) with the supervised children.
+/// A private runtime directory (sockets and pid files, removed on drop), a persistent log
+/// directory, and the supervised children.
 pub struct Supervisor {
     runtime_dir: PathBuf,
+    log_dir: PathBuf,
     children: Vec<Supervised>,
-    /// Label of the first child that exited (for callers that treat any exit as failure).
-    first_exited: Option<String>,
 }
+
+/// A child exited before the pipeline was ready: said at once, never restarted.
+#[derive(Debug)]
+pub struct StartupFailure {
+    pub label: String,
+    pub status: String,
+    pub log: PathBuf,
+    pub log_tail: String,
+}
+
+impl std::fmt::Display for StartupFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} exited while starting ({}); the end of its log {}:",
+            self.label,
+            self.status,
+            self.log.display()
+        )?;
+        write!(f, "{}", self.log_tail)
+    }
+}
+
+impl std::error::Error for StartupFailure {}
 
 /// A program of this installation: next to the running `ninfer`, else on `PATH`.
 pub fn sibling_binary(name: &str) -> PathBuf {
@@ -85,8 +126,50 @@ pub fn sibling_binary(name: &str) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Where `ninfer` keeps state across runs (routing statistics, logs): `$XDG_STATE_HOME/ninfer`,
+/// else `~/.local/state/ninfer`.
+pub fn state_dir() -> PathBuf {
+    std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".local/state")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("ninfer")
+}
+
+/// The last `lines` lines of a file (empty when it cannot be read).
+pub fn file_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn seconds_since_epoch() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Removes the oldest run directories under `root` so that at most `keep` remain (best effort).
+fn prune_log_runs(root: &Path, keep: usize) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    let mut runs: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect();
+    // Names start with the start time in seconds, zero-padded, so the name order is the age order.
+    runs.sort();
+    let excess = runs.len().saturating_sub(keep);
+    for old in &runs[..excess] {
+        let _ = std::fs::remove_dir_all(old);
+    }
+}
+
 impl Supervisor {
-    /// Creates `$XDG_RUNTIME_DIR/ninfer-<pid>` (or under the temp dir), mode 0700.
+    /// Creates `$XDG_RUNTIME_DIR/ninfer-<pid>` (or under the temp dir), mode 0700, and the log
+    /// directory `<state dir>/logs/<start time>-<pid>`, which is kept after the run.
     pub fn new() -> anyhow::Result<Self> {
         let base = std::env::var_os("XDG_RUNTIME_DIR")
             .map(PathBuf::from)
@@ -97,15 +180,30 @@ impl Supervisor {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&runtime_dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("securing {}", runtime_dir.display()))?;
+        let log_root = state_dir().join("logs");
+        prune_log_runs(&log_root, KEPT_LOG_RUNS.saturating_sub(1));
+        let log_dir = log_root.join(format!(
+            "{:012}-{}",
+            seconds_since_epoch(),
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&log_dir)
+            .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
         Ok(Supervisor {
             runtime_dir,
+            log_dir,
             children: Vec::new(),
-            first_exited: None,
         })
     }
 
-    pub fn runtime_dir(&self) -> &Path {
-        &self.runtime_dir
+    /// Where the children's logs are written; it outlives the supervisor.
+    pub fn log_dir(&self) -> &Path {
+        &self.log_dir
+    }
+
+    /// The log file of the child `label`.
+    pub fn log_path(&self, label: &str) -> PathBuf {
+        self.log_dir.join(format!("{label}.log"))
     }
 
     /// A unix-socket address inside the runtime directory.
@@ -120,57 +218,77 @@ impl Supervisor {
         let mut supervised = Supervised {
             spec,
             child: None,
+            last_pid: None,
             restarts: 0,
             next_start: Instant::now(),
+            healthy: false,
         };
-        start_child(&self.runtime_dir, &mut supervised)?;
+        start_child(&self.runtime_dir, &self.log_dir, &mut supervised)?;
         self.children.push(supervised);
         Ok(())
     }
-}
 
-fn start_child(runtime_dir: &Path, supervised: &mut Supervised) -> anyhow::Result<()> {
-    {
-        let spec = &supervised.spec;
-        let log_path = runtime_dir.join(format!("{}.log", spec.label));
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .with_context(|| format!("opening {}", log_path.display()))?;
-        let mut command = Command::new(&spec.program);
-        command
-            .args(&spec.args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        if let Some(Some(startup)) = STARTUP_AFFINITY.get().copied() {
-            // SAFETY: runs in the forked child before exec; sched_setaffinity is a plain
-            // system call (async-signal-safe) on a mask copied into the closure.
-            unsafe {
-                command.pre_exec(move || {
-                    // A mask the child cannot take is not a reason to fail its start.
-                    let _ = sched_setaffinity(Pid::from_raw(0), &startup);
-                    Ok(())
-                });
-            }
+    /// The pipeline answered: from now on a child that exits is restarted, not reported.
+    pub fn mark_healthy(&mut self) {
+        for supervised in &mut self.children {
+            supervised.healthy = true;
         }
-        let child = command
-            .spawn()
-            .with_context(|| format!("starting {} ({})", spec.label, spec.program.display()))?;
-        std::fs::write(
-            runtime_dir.join(format!("{}.pid", spec.label)),
-            child.id().to_string(),
-        )?;
-        tracing::info!(child = %spec.label, pid = child.id(), log = %log_path.display(), "started");
-        supervised.child = Some(child);
-        Ok(())
     }
 }
 
+fn start_child(
+    runtime_dir: &Path,
+    log_dir: &Path,
+    supervised: &mut Supervised,
+) -> anyhow::Result<()> {
+    let spec = &supervised.spec;
+    let log_path = log_dir.join(format!("{}.log", spec.label));
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let mut command = Command::new(&spec.program);
+    command
+        .args(&spec.args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        // Its own process group: a terminal's Ctrl-C reaches only `ninfer`, which stops the
+        // children in order (gateway first, so the engine has no client left to wait for).
+        .process_group(0);
+    let startup = STARTUP_AFFINITY.get().copied().flatten();
+    // SAFETY: runs in the forked child before exec; prctl and sched_setaffinity are plain
+    // system calls (async-signal-safe) on values copied into the closure.
+    unsafe {
+        command.pre_exec(move || {
+            // The child goes when `ninfer` goes, even when `ninfer` is killed outright.
+            let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
+            if let Some(startup) = &startup {
+                // A mask the child cannot take is not a reason to fail its start.
+                let _ = sched_setaffinity(Pid::from_raw(0), startup);
+            }
+            Ok(())
+        });
+    }
+    let child = command
+        .spawn()
+        .with_context(|| format!("starting {} ({})", spec.label, spec.program.display()))?;
+    std::fs::write(
+        runtime_dir.join(format!("{}.pid", spec.label)),
+        child.id().to_string(),
+    )?;
+    tracing::debug!(child = %spec.label, pid = child.id(), log = %log_path.display(), "started");
+    supervised.last_pid = Some(child.id());
+    supervised.child = Some(child);
+    Ok(())
+}
+
 impl Supervisor {
-    /// Restarts children that exited, with a growing delay for one that keeps dying.
-    pub fn poll(&mut self) {
+    /// Notices children that exited: one that was never healthy is a [`StartupFailure`] (the
+    /// caller stops everything and says why); a healthy one is restarted, with a growing delay
+    /// for one that keeps dying.
+    pub fn poll(&mut self) -> Result<(), StartupFailure> {
         let now = Instant::now();
         for index in 0..self.children.len() {
             let exited = match self.children[index].child.as_mut().map(|c| c.try_wait()) {
@@ -180,9 +298,16 @@ impl Supervisor {
             };
             if let Some(status) = exited {
                 let supervised = &mut self.children[index];
-                self.first_exited
-                    .get_or_insert_with(|| supervised.spec.label.clone());
                 supervised.child = None;
+                if !supervised.healthy {
+                    let log = self.log_dir.join(format!("{}.log", supervised.spec.label));
+                    return Err(StartupFailure {
+                        label: supervised.spec.label.clone(),
+                        status,
+                        log_tail: file_tail(&log, LOG_TAIL_LINES),
+                        log,
+                    });
+                }
                 supervised.restarts += 1;
                 let delay = Duration::from_millis(200 * u64::from(supervised.restarts.min(25)));
                 supervised.next_start = now + delay;
@@ -190,78 +315,95 @@ impl Supervisor {
             }
             let supervised = &mut self.children[index];
             if supervised.child.is_none() && now >= supervised.next_start {
-                if let Err(error) = start_child(&self.runtime_dir, supervised) {
+                if let Err(error) = start_child(&self.runtime_dir, &self.log_dir, supervised) {
                     tracing::error!("{error:#}");
                     supervised.next_start = now + Duration::from_secs(2);
                 }
             }
         }
+        Ok(())
     }
 
-    /// The first child seen exiting by [`Self::poll`], if any (it was restarted meanwhile).
-    pub fn first_exited(&self) -> Option<String> {
-        self.first_exited.clone()
-    }
-
-    /// Runs until a stop signal, supervising; then stops every child.
-    pub fn run_until_stopped(&mut self) {
+    /// Runs until a stop signal, supervising; a start-up failure ends it early.
+    pub fn run_until_stopped(&mut self) -> Result<(), StartupFailure> {
         while !stop_requested() {
-            self.poll();
-            std::thread::sleep(Duration::from_millis(100));
+            self.poll()?;
+            std::thread::sleep(Duration::from_millis(50));
         }
         tracing::info!("stopping");
+        Ok(())
     }
 
-    /// SIGTERM to every child, SIGKILL to those still running after `grace`.
-    pub fn stop_all(&mut self, grace: Duration) {
+    /// Stops every child in reverse start order — the gateway, then the engine, then the
+    /// workers — each with SIGTERM and a share of [`STOP_BUDGET`], then SIGKILL; removes the
+    /// shared-memory segments the stopped processes left behind.
+    pub fn stop_all(&mut self) {
         use nix::sys::signal::{kill, Signal};
-        for supervised in self.children.iter().rev() {
-            if let Some(child) = &supervised.child {
-                let _ = kill(
-                    nix::unistd::Pid::from_raw(child.id() as i32),
-                    Signal::SIGTERM,
-                );
-            }
-        }
-        let deadline = Instant::now() + grace;
-        for supervised in &mut self.children {
-            if let Some(child) = supervised.child.as_mut() {
-                while Instant::now() < deadline {
-                    if let Ok(Some(_)) = child.try_wait() {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
+        let deadline = Instant::now() + STOP_BUDGET;
+        let count = self.children.len().max(1) as u32;
+        for (position, supervised) in self.children.iter_mut().rev().enumerate() {
+            let Some(child) = supervised.child.as_mut() else {
+                continue;
+            };
+            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+            // Each child may use its share of what is left, the last one all of it.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let share = left / (count - position as u32).max(1);
+            let own_deadline = Instant::now() + share;
+            while Instant::now() < own_deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
                 }
-                if let Ok(None) = child.try_wait() {
-                    tracing::warn!(child = %supervised.spec.label, "did not stop in time; killing");
-                    let _ = child.kill();
-                }
-                let _ = child.wait();
+                std::thread::sleep(Duration::from_millis(10));
             }
+            if let Ok(None) = child.try_wait() {
+                tracing::warn!(child = %supervised.spec.label, "did not stop in time; killing");
+                let _ = child.kill();
+            }
+            let _ = child.wait();
             supervised.child = None;
+        }
+        for supervised in &self.children {
+            if let Some(pid) = supervised.last_pid {
+                remove_shared_memory_of(pid);
+            }
         }
     }
 }
 
-/// A directory that receives the children's logs when the supervisor removes its runtime
-/// directory (benchmarks on a machine that is gone afterwards).
+/// Removes `/dev/shm/ninfer-<pid>-*`: the channel segments a process creates are named after
+/// its pid and unlinked when it exits cleanly; a killed one leaves them.
+fn remove_shared_memory_of(pid: u32) {
+    let prefix = format!("ninfer-{pid}-");
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    for entry in entries.filter_map(|e| e.ok()) {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// A directory that receives the children's logs when the supervisor stops (benchmarks on a
+/// machine that is gone afterwards).
 pub const KEEP_LOGS_VARIABLE: &str = "NINFER_KEEP_LOGS";
 
 impl Drop for Supervisor {
     fn drop(&mut self) {
-        self.stop_all(Duration::from_secs(5));
+        self.stop_all();
         if let Some(keep) = std::env::var_os(KEEP_LOGS_VARIABLE) {
-            keep_logs(&self.runtime_dir, Path::new(&keep));
+            keep_logs(&self.log_dir, Path::new(&keep));
         }
         let _ = std::fs::remove_dir_all(&self.runtime_dir);
     }
 }
 
-/// Copies every `*.log` of `runtime_dir` into `keep` (best effort: a failure is logged, the
+/// Copies every `*.log` of `log_dir` into `keep` (best effort: a failure is logged, the
 /// shutdown goes on).
-fn keep_logs(runtime_dir: &Path, keep: &Path) {
+fn keep_logs(log_dir: &Path, keep: &Path) {
     let copied = std::fs::create_dir_all(keep).and_then(|()| {
-        for entry in std::fs::read_dir(runtime_dir)? {
+        for entry in std::fs::read_dir(log_dir)? {
             let path = entry?.path();
             if path.extension().is_some_and(|extension| extension == "log") {
                 if let Some(name) = path.file_name() {

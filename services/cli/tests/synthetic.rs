@@ -105,7 +105,7 @@ fn every_preset_loads_in_the_engine_and_generates_finite_logits() {
         drop(artifact);
 
         let (model, executor) = open_counting(&path);
-        let mut state = model.new_sequence(64);
+        let mut state = model.new_sequence(64).unwrap();
         let mut logits = model
             .prefill(&mut state, &tokens(12, small.vocab_size, 1))
             .unwrap();
@@ -190,7 +190,7 @@ fn zipf_routing_skews_the_selected_experts_and_uniform_does_not() {
         write_synthetic(&options, &NoProgress).unwrap();
         let (model, executor) = open_counting(&path);
         for sequence in 0..3 {
-            let mut state = model.new_sequence(64);
+            let mut state = model.new_sequence(64).unwrap();
             model
                 .prefill(&mut state, &tokens(64, shape.vocab_size, sequence))
                 .unwrap();
@@ -229,7 +229,7 @@ fn zipf_skew_through_the_full_depth() {
         write_synthetic(&options, &NoProgress).unwrap();
         let (model, executor) = open_counting(&path);
         for sequence in 0..4 {
-            let mut state = model.new_sequence(128);
+            let mut state = model.new_sequence(128).unwrap();
             let logits = model
                 .prefill(&mut state, &tokens(128, shape.vocab_size, sequence))
                 .unwrap();

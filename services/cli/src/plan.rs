@@ -1,0 +1,546 @@
+//! The plan of `ninfer run` / `ninfer serve`: the machine probed (CPUs, NUMA nodes, RAM, the
+//! GPU's free memory as the NVIDIA driver reports it), every user value checked against the model
+//! and the machine before anything starts (the message names the flag and the limit), and what
+//! will run where — expert workers, GPU expert slots, context.
+//!
+//! Owns: the machine probe, the value checks, the plan and its printing.
+//! Must not touch: processes (the supervisor starts them), model files (`model_facts` reads them).
+
+use anyhow::bail;
+use ninfer_engine::moe::placement::GpuExpertCount;
+
+use crate::model_facts::{ModelFacts, ModelLocation};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// GPU memory the engine keeps for its own working buffers, besides weights, KV and slots.
+const GPU_WORKING_BYTES: u64 = GIB;
+
+/// Context length used when `--max-context` is not given (or the model's limit when lower).
+pub const DEFAULT_MAX_CONTEXT: usize = 8192;
+
+/// What the plan knows about this machine.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Machine {
+    /// CPUs this process may run on.
+    pub cpus: usize,
+    /// NUMA nodes and the CPUs of each.
+    pub numa_nodes: Vec<NumaNode>,
+    pub ram_total_bytes: u64,
+    pub ram_available_bytes: u64,
+    /// GPU 0, when the CUDA driver opens and reports it.
+    pub gpu: Option<Gpu>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NumaNode {
+    pub node: usize,
+    pub cpus: usize,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Gpu {
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+}
+
+impl Machine {
+    /// Reads this machine: `/proc/meminfo`, `/sys/devices/system/node`, `nvidia-smi`.
+    pub fn probe() -> Self {
+        let (ram_total_bytes, ram_available_bytes) = read_meminfo().unwrap_or((0, 0));
+        let numa_nodes = crate::supervisor::numa_nodes()
+            .into_iter()
+            .map(|node| NumaNode {
+                node,
+                cpus: ninfer_cpu_experts::cpus_of_numa_node(node)
+                    .map(|cpus| cpus.len())
+                    .unwrap_or(1)
+                    .max(1),
+            })
+            .collect();
+        Machine {
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            numa_nodes,
+            ram_total_bytes,
+            ram_available_bytes,
+            gpu: probe_gpu(),
+        }
+    }
+}
+
+/// `(MemTotal, MemAvailable)` in bytes.
+fn read_meminfo() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|line| line.starts_with(name))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    };
+    Some((field("MemTotal:")?, field("MemAvailable:")?))
+}
+
+/// Free and total memory of GPU 0 as the NVIDIA driver reports it (`nvidia-smi`: only the
+/// engine links CUDA); `None` without a driver or a GPU.
+fn probe_gpu() -> Option<Gpu> {
+    let output = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=memory.free,memory.total",
+            "--format=csv,noheader,nounits",
+            "--id=0",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    parse_gpu_memory(&String::from_utf8_lossy(&output.stdout))
+}
+
+/// `FREE, TOTAL` in MiB, as `nvidia-smi --format=csv,noheader,nounits` prints them.
+fn parse_gpu_memory(text: &str) -> Option<Gpu> {
+    let mut fields = text
+        .lines()
+        .next()?
+        .split(',')
+        .map(|f| f.trim().parse::<u64>());
+    let (free, total) = (fields.next()?.ok()?, fields.next()?.ok()?);
+    Some(Gpu {
+        free_bytes: free * MIB,
+        total_bytes: total * MIB,
+    })
+}
+
+/// The user's values that the plan depends on (shared by `run` and `serve`).
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    pub max_context: Option<usize>,
+    pub moe_threads: Option<usize>,
+    pub moe_gpu_experts: Option<String>,
+    pub gpu_mem_budget: Option<f64>,
+    pub host_kv_mib: Option<u64>,
+    /// Bytes per cached K/V element (4 for `--kv-dtype f32`, else 2).
+    pub kv_element_bytes: u64,
+    pub max_sequences: usize,
+    pub no_workers: bool,
+    /// `--device cpu`: no GPU experts by default, whatever the machine has.
+    pub cpu_only: bool,
+    pub moe_expert_stats: Option<std::path::PathBuf>,
+    pub api: Option<String>,
+}
+
+/// What will start.
+#[derive(Debug, serde::Serialize)]
+pub struct Plan {
+    pub model: String,
+    /// The checkpoint is converted before the run (`--dry-run` does not convert).
+    pub needs_conversion: bool,
+    pub architecture: String,
+    pub parameters: u64,
+    pub device: String,
+    /// What `--moe-gpu-experts` asked for (`auto` by default on a machine with a GPU, else `0`).
+    pub gpu_experts: String,
+    /// Experts per MoE layer in GPU slots; `None` for `auto` (the engine fits them at start).
+    pub gpu_experts_per_layer: Option<usize>,
+    /// For `auto`: how many per layer fit in the GPU's free memory now, by the plan's estimate.
+    pub gpu_experts_estimate: Option<usize>,
+    pub gpu_mem_budget_gib: Option<f64>,
+    pub numa_nodes: Vec<usize>,
+    pub expert_workers: Vec<WorkerPlan>,
+    pub max_context: usize,
+    pub expert_bank_bytes: u64,
+    pub dense_bytes: u64,
+    pub host_kv_mib: u64,
+    /// Whether the expert banks fit in the RAM available now (else the workers read on use).
+    pub expert_banks_fit_in_ram: bool,
+    pub machine: Machine,
+    pub api: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct WorkerPlan {
+    pub numa_node: usize,
+    pub experts: String,
+    pub threads: usize,
+}
+
+/// Checks every value against the model and the machine, then plans.
+pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow::Result<Plan> {
+    let common = &facts.common;
+    let limit = common.max_position_embeddings;
+    let max_context = match request.max_context {
+        Some(0) => bail!("--max-context 0: a sequence needs at least 1 token"),
+        Some(context) if context > limit => bail!(
+            "--max-context {context}: the model handles at most {limit} tokens \
+             (max_position_embeddings in its config)"
+        ),
+        Some(context) => context,
+        None => limit.min(DEFAULT_MAX_CONTEXT),
+    };
+    if let Some(threads) = request.moe_threads {
+        if threads == 0 {
+            bail!("--moe-threads 0: give at least 1 (leave it out for every core of each node)");
+        }
+        if threads > machine.cpus {
+            bail!(
+                "--moe-threads {threads}: this machine lets ninfer use {} CPUs",
+                machine.cpus
+            );
+        }
+    }
+    if let Some(gib) = request.gpu_mem_budget {
+        if !(gib.is_finite() && gib > 0.0) {
+            bail!("--gpu-mem-budget {gib}: give a positive number of GiB");
+        }
+        if let Some(gpu) = &machine.gpu {
+            let total = gpu.total_bytes as f64 / GIB as f64;
+            if gib > total {
+                bail!("--gpu-mem-budget {gib}: the GPU has {total:.1} GiB");
+            }
+        }
+    }
+    let host_kv_mib = request.host_kv_mib.unwrap_or(0);
+    if host_kv_mib > 0 && machine.ram_available_bytes > 0 {
+        let available_mib = machine.ram_available_bytes / MIB;
+        if host_kv_mib > available_mib {
+            bail!(
+                "--host-kv-mib {host_kv_mib}: this machine has {available_mib} MiB of RAM available"
+            );
+        }
+    }
+    if let Some(path) = &request.moe_expert_stats {
+        if !path.is_file() {
+            bail!("--moe-expert-stats {}: no such file", path.display());
+        }
+    }
+    let default_count = if machine.gpu.is_some() && !request.cpu_only {
+        "auto"
+    } else {
+        "0"
+    };
+    let gpu_request: GpuExpertCount = request
+        .moe_gpu_experts
+        .as_deref()
+        .unwrap_or(default_count)
+        .parse()
+        .map_err(|problem| anyhow::anyhow!("--moe-gpu-experts: {problem}"))?;
+    let gpu_experts_per_layer = match gpu_request {
+        GpuExpertCount::Count(count) if count > common.num_experts => bail!(
+            "--moe-gpu-experts {count}: the model has {} experts per layer",
+            common.num_experts
+        ),
+        GpuExpertCount::Count(count) => Some(count),
+        GpuExpertCount::Half => Some(common.num_experts / 2),
+        GpuExpertCount::All => Some(common.num_experts),
+        GpuExpertCount::Auto => None,
+    };
+    let gpu_experts_estimate = match gpu_request {
+        GpuExpertCount::Auto => machine
+            .gpu
+            .as_ref()
+            .map(|gpu| fitting_gpu_experts(facts, gpu, request, max_context, host_kv_mib)),
+        _ => None,
+    };
+    let nodes = &machine.numa_nodes;
+    let expert_workers = if request.no_workers {
+        Vec::new()
+    } else {
+        nodes
+            .iter()
+            .enumerate()
+            .map(|(index, node)| WorkerPlan {
+                numa_node: node.node,
+                experts: if nodes.len() == 1 {
+                    "all".into()
+                } else {
+                    format!("shard={index}/{}", nodes.len())
+                },
+                threads: request.moe_threads.unwrap_or(node.cpus),
+            })
+            .collect()
+    };
+    let (model, needs_conversion) = match &facts.location {
+        ModelLocation::Artifact(path) => (path.display().to_string(), false),
+        ModelLocation::Checkpoint(path) => (path.display().to_string(), true),
+    };
+    Ok(Plan {
+        model,
+        needs_conversion,
+        architecture: facts.architecture.clone(),
+        parameters: facts.parameters,
+        device: match &machine.gpu {
+            Some(gpu) => format!(
+                "cuda: GPU 0, {:.1} of {:.1} GiB free",
+                gpu.free_bytes as f64 / GIB as f64,
+                gpu.total_bytes as f64 / GIB as f64
+            ),
+            None => "cpu (no CUDA driver or GPU found)".into(),
+        },
+        gpu_experts: gpu_request.to_string(),
+        gpu_experts_per_layer,
+        gpu_experts_estimate,
+        gpu_mem_budget_gib: request.gpu_mem_budget,
+        numa_nodes: nodes.iter().map(|node| node.node).collect(),
+        expert_workers,
+        max_context,
+        expert_bank_bytes: facts.expert_bank_bytes,
+        dense_bytes: facts.dense_bytes,
+        host_kv_mib,
+        expert_banks_fit_in_ram: machine.ram_available_bytes == 0
+            || facts.expert_bank_bytes <= machine.ram_available_bytes,
+        machine: machine.clone(),
+        api: request.api.clone(),
+    })
+}
+
+/// Experts per MoE layer that fit in the GPU memory left after the dense weights, the KV caches
+/// of every sequence at full context (less what `--host-kv-mib` keeps in host RAM) and the
+/// engine's working memory. An estimate for the plan: the engine measures again at start.
+fn fitting_gpu_experts(
+    facts: &ModelFacts,
+    gpu: &Gpu,
+    request: &Request,
+    max_context: usize,
+    host_kv_mib: u64,
+) -> usize {
+    let common = &facts.common;
+    let budget = match request.gpu_mem_budget {
+        Some(gib) => {
+            let used = gpu.total_bytes.saturating_sub(gpu.free_bytes);
+            ((gib * GIB as f64) as u64).saturating_sub(used)
+        }
+        None => gpu.free_bytes,
+    };
+    // Every layer counted as attention: an upper bound for hybrid models.
+    let kv_per_token = common.num_hidden_layers as u64
+        * 2
+        * (common.num_key_value_heads * common.head_dim) as u64
+        * request.kv_element_bytes.max(1);
+    let kv = (kv_per_token * max_context as u64 * request.max_sequences.max(1) as u64)
+        .saturating_sub(host_kv_mib * MIB);
+    let left = budget
+        .saturating_sub(facts.dense_bytes)
+        .saturating_sub(kv)
+        .saturating_sub(GPU_WORKING_BYTES);
+    let per_expert_everywhere = (facts.expert_bank_bytes / common.num_experts.max(1) as u64).max(1);
+    ((left / per_expert_everywhere) as usize).min(common.num_experts)
+}
+
+pub fn print_plan(plan: &Plan) {
+    let gib = |bytes: u64| bytes as f64 / GIB as f64;
+    println!(
+        "model         {} ({}, {:.2}B parameters)",
+        plan.model,
+        plan.architecture,
+        plan.parameters as f64 / 1e9
+    );
+    if plan.needs_conversion {
+        println!("              a checkpoint: converted once (bf16) before the first run");
+    }
+    println!("device        {}", plan.device);
+    match (plan.gpu_experts_per_layer, plan.gpu_experts_estimate) {
+        (Some(count), _) => println!("gpu experts   {count} per MoE layer"),
+        (None, Some(estimate)) => println!(
+            "gpu experts   auto: about {estimate} per MoE layer fit now (the engine fits them at start)"
+        ),
+        (None, None) => {
+            println!("gpu experts   auto (as many per MoE layer as fit; the engine decides)")
+        }
+    }
+    if let Some(gib) = plan.gpu_mem_budget_gib {
+        println!("gpu memory    budget {gib} GiB");
+    }
+    for worker in &plan.expert_workers {
+        println!(
+            "expert worker NUMA node {}: experts {}, {} threads",
+            worker.numa_node, worker.experts, worker.threads
+        );
+    }
+    println!(
+        "memory        expert banks {:.2} GiB (locked by the workers), dense {:.2} GiB (engine)",
+        gib(plan.expert_bank_bytes),
+        gib(plan.dense_bytes)
+    );
+    if plan.machine.ram_total_bytes > 0 {
+        println!(
+            "ram           {:.1} GiB available of {:.1} GiB{}",
+            gib(plan.machine.ram_available_bytes),
+            gib(plan.machine.ram_total_bytes),
+            if plan.expert_banks_fit_in_ram {
+                ""
+            } else {
+                " — the expert banks do not fit: the workers read them from disk on use (slow)"
+            }
+        );
+    }
+    if plan.host_kv_mib > 0 {
+        println!("kv cache      {} MiB in host RAM", plan.host_kv_mib);
+    }
+    println!("context       {} tokens per sequence", plan.max_context);
+    if let Some(api) = &plan.api {
+        println!("api           {api} (OpenAI /v1/chat/completions, Anthropic /v1/messages, gRPC)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn facts() -> ModelFacts {
+        let config = ninfer_convert::read_config(
+            &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe"),
+        )
+        .unwrap();
+        let mut common = config.model.common().clone();
+        // A large model's proportions: 128 experts, 48 layers, 60 GiB of banks, 4 GiB dense.
+        common.num_experts = 128;
+        common.num_hidden_layers = 48;
+        common.moe_layers = vec![true; 48];
+        common.num_key_value_heads = 4;
+        common.head_dim = 128;
+        common.max_position_embeddings = 32768;
+        ModelFacts {
+            location: ModelLocation::Artifact(PathBuf::from("big.ninfer")),
+            architecture: "qwen3_moe".into(),
+            common,
+            parameters: 30_000_000_000,
+            expert_bank_bytes: 60 * GIB,
+            dense_bytes: 4 * GIB,
+        }
+    }
+
+    fn machine(gpu_gib: Option<u64>, ram_gib: u64, nodes: usize) -> Machine {
+        Machine {
+            cpus: 16 * nodes,
+            numa_nodes: (0..nodes).map(|node| NumaNode { node, cpus: 16 }).collect(),
+            ram_total_bytes: ram_gib * GIB,
+            ram_available_bytes: ram_gib * GIB - 2 * GIB,
+            gpu: gpu_gib.map(|gib| Gpu {
+                free_bytes: gib * GIB - GIB / 2,
+                total_bytes: gib * GIB,
+            }),
+        }
+    }
+
+    fn request() -> Request {
+        Request {
+            kv_element_bytes: 2,
+            max_sequences: 32,
+            ..Request::default()
+        }
+    }
+
+    /// Three machines: a laptop without a GPU, a workstation with a 24 GiB card, a two-socket
+    /// server with an 80 GiB card.
+    #[test]
+    fn plans_for_three_machines() {
+        let facts = facts();
+        let cpu_only = plan(&facts, &machine(None, 32, 1), &request()).unwrap();
+        assert_eq!(cpu_only.gpu_experts, "0");
+        assert_eq!(cpu_only.gpu_experts_per_layer, Some(0));
+        assert!(
+            !cpu_only.expert_banks_fit_in_ram,
+            "60 GiB of banks in 30 GiB"
+        );
+        assert_eq!(cpu_only.max_context, DEFAULT_MAX_CONTEXT);
+
+        let workstation = plan(&facts, &machine(Some(24), 128, 1), &request()).unwrap();
+        assert_eq!(workstation.gpu_experts, "auto");
+        assert_eq!(workstation.gpu_experts_per_layer, None);
+        // 23.5 GiB free − 4 dense − 1 working − 24 KV (32 × 8192 tokens × 96 KiB) → none fit.
+        assert_eq!(workstation.gpu_experts_estimate, Some(0));
+        assert!(workstation.expert_banks_fit_in_ram);
+        let single_sequence = Request {
+            max_sequences: 1,
+            ..request()
+        };
+        let workstation = plan(&facts, &machine(Some(24), 128, 1), &single_sequence).unwrap();
+        // 23.5 − 4 − 1 − 0.75 = 17.75 GiB over 0.47 GiB per expert across layers → 37.
+        assert_eq!(workstation.gpu_experts_estimate, Some(37));
+
+        let server = plan(&facts, &machine(Some(80), 512, 2), &request()).unwrap();
+        // 79.5 − 4 − 1 − 24 = 50.5 GiB → 107 per layer.
+        assert_eq!(server.gpu_experts_estimate, Some(107));
+        assert_eq!(server.expert_workers.len(), 2);
+        assert_eq!(server.expert_workers[1].experts, "shard=1/2");
+        let json = serde_json::to_value(&server).unwrap();
+        assert_eq!(json["machine"]["gpu"]["total_bytes"], 80 * GIB);
+    }
+
+    #[test]
+    fn nonsense_values_name_the_flag_and_the_limit() {
+        let facts = facts();
+        let machine = machine(Some(24), 64, 1);
+        let refuse = |request: Request| plan(&facts, &machine, &request).unwrap_err().to_string();
+        let message = refuse(Request {
+            max_context: Some(40000),
+            ..request()
+        });
+        assert!(
+            message.contains("--max-context 40000") && message.contains("32768"),
+            "{message}"
+        );
+        let message = refuse(Request {
+            moe_threads: Some(99),
+            ..request()
+        });
+        assert!(
+            message.contains("--moe-threads 99") && message.contains("16"),
+            "{message}"
+        );
+        let message = refuse(Request {
+            moe_gpu_experts: Some("129".into()),
+            ..request()
+        });
+        assert!(
+            message.contains("--moe-gpu-experts 129") && message.contains("128"),
+            "{message}"
+        );
+        let message = refuse(Request {
+            gpu_mem_budget: Some(30.0),
+            ..request()
+        });
+        assert!(
+            message.contains("--gpu-mem-budget 30") && message.contains("24.0"),
+            "{message}"
+        );
+        let message = refuse(Request {
+            host_kv_mib: Some(1 << 20),
+            ..request()
+        });
+        assert!(message.contains("--host-kv-mib 1048576"), "{message}");
+        let message = refuse(Request {
+            max_context: Some(0),
+            ..request()
+        });
+        assert!(message.contains("--max-context 0"), "{message}");
+    }
+
+    #[test]
+    fn gpu_memory_is_read_from_the_driver_report() {
+        let gpu = parse_gpu_memory("140511, 143771\n").unwrap();
+        assert_eq!(
+            (gpu.free_bytes, gpu.total_bytes),
+            (140511 * MIB, 143771 * MIB)
+        );
+        assert!(parse_gpu_memory("[N/A], [N/A]").is_none());
+        assert!(parse_gpu_memory("").is_none());
+    }
+
+    #[test]
+    fn host_kv_leaves_room_for_experts() {
+        let facts = facts();
+        let machine = machine(Some(24), 128, 1);
+        let with_host_kv = Request {
+            host_kv_mib: Some(24 * 1024),
+            ..request()
+        };
+        let planned = plan(&facts, &machine, &with_host_kv).unwrap();
+        // 23.5 − 4 − 1 − (24 − 24) = 18.5 GiB → 39 per layer.
+        assert_eq!(planned.gpu_experts_estimate, Some(39));
+    }
+}

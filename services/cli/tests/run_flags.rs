@@ -1,0 +1,174 @@
+//! Every engine flag is reachable from `ninfer run` / `ninfer serve`: the named ones (including
+//! the seeds' `--moe-offload`), `--engine-arg`, and everything after `--`, verbatim. Needs the
+//! workspace binaries built next to `ninfer` (`cargo build --workspace --bins`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn ninfer(scratch: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ninfer"));
+    std::fs::create_dir_all(scratch.join("runtime")).unwrap();
+    command
+        .env("XDG_RUNTIME_DIR", scratch.join("runtime"))
+        .env("XDG_CACHE_HOME", scratch.join("cache"))
+        .env("XDG_STATE_HOME", scratch.join("state"))
+        .stdin(Stdio::null());
+    command
+}
+
+#[test]
+fn help_lists_the_engine_flags() {
+    for subcommand in ["run", "serve"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+            .args([subcommand, "--help"])
+            .output()
+            .unwrap();
+        let help = String::from_utf8_lossy(&output.stdout);
+        for flag in [
+            "--kv-dtype",
+            "--host-kv-mib",
+            "--moe-expert-stats",
+            "--moe-record-stats",
+            "--moe-offload",
+            "--max-sequences",
+            "--engine-arg",
+            "[ENGINE ARGS]...",
+        ] {
+            assert!(
+                help.contains(flag),
+                "ninfer {subcommand} --help lacks {flag}:\n{help}"
+            );
+        }
+    }
+}
+
+/// A prompt answered with the named flags and a pass-through flag; the engine wrote the
+/// routing statistics `--moe-record-stats` asked for at its clean exit.
+#[test]
+fn named_and_passed_through_flags_reach_the_engine() {
+    let scratch = tempfile::tempdir().unwrap();
+    let artifact = scratch.path().join("qwen3_moe.ninfer");
+    let status = ninfer(scratch.path())
+        .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
+        .arg(fixture("qwen3_moe"))
+        .arg(&artifact)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let stats = scratch.path().join("routing.json");
+    let output = ninfer(scratch.path())
+        .arg("run")
+        .arg(&artifact)
+        .args([
+            "--moe-offload",
+            "--moe-threads",
+            "1",
+            "--kv-dtype",
+            "f32",
+            "--max-sequences",
+            "2",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--prompt",
+            "Hello",
+            "--moe-record-stats",
+        ])
+        .arg(&stats)
+        .args(["--", "--worker-hang-ms", "900"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let recorded = std::fs::read_to_string(&stats).unwrap_or_else(|error| {
+        panic!(
+            "no routing statistics in {}: {error}\n{stderr}",
+            stats.display()
+        )
+    });
+    assert!(recorded.contains("qwen3_moe"), "{recorded}");
+
+    // A flag the engine does not know, after `--`, reaches it (and is refused there, quoted).
+    let output = ninfer(scratch.path())
+        .arg("run")
+        .arg(&artifact)
+        .args(["--moe-threads", "1", "--", "--no-such-engine-flag"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--no-such-engine-flag"), "{stderr}");
+}
+
+/// `ninfer run ORG/NAME` finds the model under `--models-dir` (or `$NINFER_MODELS_DIR`) and
+/// says where it looked when it is not there.
+#[test]
+fn a_model_by_name_resolves_in_the_models_directory() {
+    let scratch = tempfile::tempdir().unwrap();
+    let models = scratch.path().join("models");
+    std::fs::create_dir_all(models.join("Qwen")).unwrap();
+    std::os::unix::fs::symlink(fixture("qwen3_moe"), models.join("Qwen/Tiny-MoE")).unwrap();
+    let by_flag = ninfer(scratch.path())
+        .args([
+            "run",
+            "Qwen/Tiny-MoE",
+            "--dry-run",
+            "--json",
+            "--models-dir",
+        ])
+        .arg(&models)
+        .output()
+        .unwrap();
+    assert!(by_flag.status.success(), "{by_flag:?}");
+    let plan: serde_json::Value = serde_json::from_slice(&by_flag.stdout).unwrap();
+    assert_eq!(plan["architecture"], "qwen3_moe");
+    let by_variable = ninfer(scratch.path())
+        .args(["serve", "Qwen/Absent-1B"])
+        .env("NINFER_MODELS_DIR", &models)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&by_variable.stderr);
+    assert!(!by_variable.status.success());
+    assert!(
+        stderr.contains("Qwen/Absent-1B") && stderr.contains(&models.display().to_string()),
+        "{stderr}"
+    );
+}
+
+/// Linked as the seeds' `ninfer-run` (and `ninfer-serve`, `ninfer-perplexity`), the binary
+/// behaves as `ninfer run` (`serve`, `perplexity`).
+#[test]
+fn the_seeds_program_names_answer() {
+    let scratch = tempfile::tempdir().unwrap();
+    for (name, expected) in [
+        ("ninfer-run", "--dry-run"),
+        ("ninfer-serve", "--listen"),
+        ("ninfer-perplexity", "--token-nll"),
+    ] {
+        let link = scratch.path().join(name);
+        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ninfer"), &link).unwrap();
+        let output = Command::new(&link).arg("--help").output().unwrap();
+        let help = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && help.contains(expected),
+            "{name}:\n{help}"
+        );
+    }
+    let output = Command::new(scratch.path().join("ninfer-run"))
+        .args(["--dry-run", "--json"])
+        .arg(fixture("qwen3_moe"))
+        .env("XDG_CACHE_HOME", scratch.path().join("cache"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let plan: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(plan["architecture"], "qwen3_moe");
+}

@@ -29,8 +29,9 @@ pub struct ConvertArgs {
     /// With --synthetic: keep only the first N decoder layers (same layer-type pattern).
     #[arg(long, value_name = "N", requires = "synthetic")]
     pub layers: Option<usize>,
-    /// With --synthetic: `zipf[:S]` (expert popularity per layer ~ 1/rank^S, like a trained
-    /// model; S defaults to 1) or `uniform` (plain random router weights).
+    /// With --synthetic: `zipf[:S]` (expert popularity per layer ~ 1/rank^S; S defaults to 1),
+    /// `trained` (each layer's popularity by rank as measured on the trained test fixture, at the
+    /// same relative depth) or `uniform` (plain random router weights).
     #[arg(long, default_value = "zipf:1", requires = "synthetic")]
     pub routing: Routing,
     /// With --synthetic: random seed (same seed and options, same artifact).

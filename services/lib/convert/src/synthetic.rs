@@ -2,7 +2,8 @@
 //! model, for speed measurements where the real checkpoint cannot be downloaded.
 //!
 //! Owns: the preset shape table (the one place that knows the released models' dimensions; `bench`
-//! may read it), the distributions weights are drawn from, the Zipf routing bias, and the parallel
+//! may read it), the distributions weights are drawn from, the Zipf and trained routing biases
+//! (with the trained fixture's measured popularity table), and the parallel
 //! generate → quantize → in-order write pipeline.
 //! Must not touch: the artifact's byte layout (it goes through `ninfer-artifact`'s writer) or the
 //! tensor names, classes and dtypes: a synthetic model is described as the `config.json` and the
@@ -21,6 +22,12 @@
 //! Zipf weight of e's popularity rank (a seeded permutation per layer). The random part gives each
 //! logit noise of std ≈ 0.7, roughly a Gumbel of scale τ, so the top choice follows w_e. `lm_head`
 //! has its ĉ part removed, so the shared component does not bias the output tokens.
+//!
+//! Trained routing: the same mechanism with ln w_e taken from the popularity-by-rank profile that
+//! `tests/fixtures/qwen3_5_moe_trained` measured on held-out text (layer at the same relative
+//! depth, profile resampled to the preset's expert count so ln E − H, the distance from uniform,
+//! is kept). It sets popularity only: how often consecutive tokens share experts is then what
+//! popularity alone gives, not the extra short-range reuse the trained model shows.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -442,6 +449,10 @@ pub enum Routing {
     Zipf { exponent: f64 },
     /// Plain random router weights: every expert about equally popular.
     Uniform,
+    /// Expert popularity per layer follows the rank profile measured on the trained fixture
+    /// (`tests/fixtures/qwen3_5_moe_trained`, held-out Python code and documentation), stretched
+    /// to the preset's expert count and depth.
+    Trained,
 }
 
 impl Default for Routing {
@@ -455,6 +466,7 @@ impl std::fmt::Display for Routing {
         match self {
             Routing::Zipf { exponent } => write!(f, "zipf:{exponent}"),
             Routing::Uniform => f.write_str("uniform"),
+            Routing::Trained => f.write_str("trained"),
         }
     }
 }
@@ -462,14 +474,17 @@ impl std::fmt::Display for Routing {
 impl FromStr for Routing {
     type Err = ConvertError;
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let invalid = |why: &str| ConvertError::InvalidOption {
+        let invalid = |why: &str| {
+            ConvertError::InvalidOption {
             option: "--routing",
             problem: format!(
-                "`{text}` {why} (valid: `zipf`, `zipf:S` with an exponent S in (0, 8], `uniform`)"
+                "`{text}` {why} (valid: `zipf`, `zipf:S` with an exponent S in (0, 8], `uniform`, `trained`)"
             ),
+        }
         };
         match text {
             "uniform" => Ok(Routing::Uniform),
+            "trained" => Ok(Routing::Trained),
             "zipf" => Ok(Routing::default()),
             _ => {
                 let Some(exponent) = text.strip_prefix("zipf:") else {
@@ -907,10 +922,12 @@ struct Drawer {
     /// From the preset's full depth (not `--layers`), so a truncated model's layers equal the
     /// full model's first layers.
     output_scale: f32,
-    /// Unit vector ĉ shared by every embedding row (Zipf routing only).
+    /// Unit vector ĉ shared by every embedding row (Zipf and trained routing).
     direction: Option<Vec<f32>>,
-    zipf_exponent: f64,
+    routing: Routing,
     num_experts: usize,
+    /// The preset's full depth (the trained profile is stretched over it).
+    num_layers: usize,
 }
 
 /// Logit noise of the random router part, as the scale of a Gumbel (see the module doc).
@@ -919,16 +936,16 @@ const ROUTER_TEMPERATURE: f64 = 0.55;
 impl Drawer {
     fn new(options: &SyntheticOptions, model: &ModelConfig) -> Self {
         let hidden = model.common().hidden_size;
-        let (direction, zipf_exponent) = match options.routing {
-            Routing::Zipf { exponent } => {
+        let direction = match options.routing {
+            Routing::Zipf { .. } | Routing::Trained => {
                 let mut rng = Rng::for_name(options.seed, "shared direction");
                 let mut c = vec![0.0f32; hidden];
                 rng.fill_uniform(&mut c, 1.0);
                 let norm = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
                 c.iter_mut().for_each(|x| *x /= norm);
-                (Some(c), exponent)
+                Some(c)
             }
-            Routing::Uniform => (None, 0.0),
+            Routing::Uniform => None,
         };
         Drawer {
             seed: options.seed,
@@ -936,8 +953,9 @@ impl Drawer {
             hidden,
             output_scale: 0.5 / (options.preset.num_hidden_layers as f32).sqrt(),
             direction,
-            zipf_exponent,
+            routing: options.routing,
             num_experts: model.common().num_experts,
+            num_layers: options.preset.num_hidden_layers,
         }
     }
 
@@ -1035,7 +1053,7 @@ impl Drawer {
         }
     }
 
-    /// Per-expert coefficient α_e along ĉ for one router (Zipf routing only).
+    /// Per-expert coefficient α_e along ĉ for one router (Zipf and trained routing).
     fn router_bias(&self, name: &str) -> Option<Vec<f32>> {
         self.direction.as_ref()?;
         let experts = self.num_experts;
@@ -1046,10 +1064,16 @@ impl Drawer {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             ranks.swap(i, j);
         }
-        let log_weights: Vec<f64> = ranks
-            .iter()
-            .map(|&rank| -self.zipf_exponent * ((rank + 1) as f64).ln())
-            .collect();
+        let by_rank: Vec<f64> = match self.routing {
+            Routing::Zipf { exponent } => (0..experts)
+                .map(|rank| -exponent * ((rank + 1) as f64).ln())
+                .collect(),
+            Routing::Trained => {
+                trained_log_shares(router_layer(name), self.num_layers.max(1), experts)
+            }
+            Routing::Uniform => return None,
+        };
+        let log_weights: Vec<f64> = ranks.iter().map(|&rank| by_rank[rank]).collect();
         let mean = log_weights.iter().sum::<f64>() / experts.max(1) as f64;
         // x·ĉ of a normalised hidden state (κ = √H: half its energy along ĉ).
         let along = (self.hidden as f64 / 2.0).sqrt();
@@ -1060,6 +1084,90 @@ impl Drawer {
                 .collect(),
         )
     }
+}
+
+/// Expert share by popularity rank (most popular first) of each MoE layer of the trained fixture
+/// (`tests/fixtures/qwen3_5_moe_trained/reference.json` → `routing.layers[i].share_by_rank`,
+/// rounded): 32 experts, top-4, measured over held-out Python code and documentation.
+const TRAINED_SHARE_BY_RANK: [[f64; 32]; 8] = [
+    [
+        0.08442, 0.07724, 0.06058, 0.05637, 0.05301, 0.05048, 0.04918, 0.04860, 0.04825, 0.04472,
+        0.04162, 0.03913, 0.03305, 0.02972, 0.02790, 0.02701, 0.02362, 0.02312, 0.02308, 0.02141,
+        0.02126, 0.02067, 0.01423, 0.01306, 0.01102, 0.01050, 0.00938, 0.00882, 0.00880, 0.00754,
+        0.00719, 0.00503,
+    ],
+    [
+        0.07168, 0.06297, 0.05735, 0.05359, 0.05332, 0.05245, 0.04628, 0.04153, 0.04109, 0.03963,
+        0.03814, 0.03800, 0.03499, 0.03465, 0.03436, 0.03421, 0.02344, 0.02324, 0.02191, 0.01986,
+        0.01887, 0.01873, 0.01865, 0.01865, 0.01861, 0.01641, 0.01419, 0.01382, 0.01260, 0.00961,
+        0.00946, 0.00770,
+    ],
+    [
+        0.07327, 0.06460, 0.06383, 0.05970, 0.05935, 0.05553, 0.05309, 0.04502, 0.04388, 0.04241,
+        0.04164, 0.03887, 0.03651, 0.03297, 0.02943, 0.02466, 0.02449, 0.02049, 0.02030, 0.01945,
+        0.01823, 0.01664, 0.01435, 0.01340, 0.01245, 0.01206, 0.01163, 0.01133, 0.01126, 0.01054,
+        0.01001, 0.00860,
+    ],
+    [
+        0.10367, 0.06450, 0.06386, 0.05958, 0.04762, 0.04663, 0.04589, 0.04004, 0.03715, 0.03672,
+        0.03500, 0.03389, 0.03085, 0.02794, 0.02705, 0.02687, 0.02681, 0.02663, 0.02517, 0.02368,
+        0.01806, 0.01726, 0.01679, 0.01657, 0.01631, 0.01545, 0.01471, 0.01393, 0.01153, 0.01149,
+        0.01053, 0.00784,
+    ],
+    [
+        0.09339, 0.07798, 0.07063, 0.05872, 0.04529, 0.04295, 0.03951, 0.03886, 0.03619, 0.03275,
+        0.03267, 0.02864, 0.02844, 0.02752, 0.02746, 0.02538, 0.02443, 0.02356, 0.02324, 0.02323,
+        0.02181, 0.02111, 0.02002, 0.01915, 0.01730, 0.01698, 0.01690, 0.01618, 0.01504, 0.01217,
+        0.01182, 0.01067,
+    ],
+    [
+        0.07999, 0.06408, 0.06270, 0.05454, 0.05045, 0.04955, 0.03740, 0.03661, 0.03390, 0.03272,
+        0.03139, 0.03034, 0.02996, 0.02994, 0.02958, 0.02749, 0.02710, 0.02649, 0.02644, 0.02563,
+        0.02508, 0.02425, 0.02413, 0.02279, 0.01631, 0.01615, 0.01608, 0.01411, 0.01406, 0.01399,
+        0.01355, 0.01318,
+    ],
+    [
+        0.07165, 0.05265, 0.05137, 0.05097, 0.05022, 0.04808, 0.04571, 0.04453, 0.04413, 0.03868,
+        0.03832, 0.03638, 0.03598, 0.03075, 0.03018, 0.03014, 0.02761, 0.02566, 0.02463, 0.02355,
+        0.02163, 0.02080, 0.02068, 0.01922, 0.01901, 0.01858, 0.01680, 0.01578, 0.01494, 0.01445,
+        0.00856, 0.00839,
+    ],
+    [
+        0.06915, 0.06883, 0.06169, 0.05062, 0.05055, 0.04426, 0.04375, 0.03941, 0.03680, 0.03543,
+        0.03238, 0.03235, 0.03225, 0.03199, 0.02961, 0.02961, 0.02916, 0.02827, 0.02823, 0.02567,
+        0.02406, 0.01906, 0.01905, 0.01743, 0.01708, 0.01702, 0.01646, 0.01570, 0.01554, 0.01484,
+        0.01452, 0.00923,
+    ],
+];
+
+/// The decoder layer a router tensor belongs to (`layers.{i}.…`; 0 when the name has none).
+fn router_layer(name: &str) -> usize {
+    name.split('.')
+        .skip_while(|part| *part != "layers")
+        .nth(1)
+        .and_then(|index| index.parse().ok())
+        .unwrap_or(0)
+}
+
+/// ln(share) by rank for layer `layer` of `layers` with `experts` experts: the trained layer at
+/// the same relative depth, its rank profile resampled at the rank quantiles (r + ½)/E and
+/// renormalised, so the shape (share relative to the mean) survives any expert count.
+fn trained_log_shares(layer: usize, layers: usize, experts: usize) -> Vec<f64> {
+    let trained_layers = TRAINED_SHARE_BY_RANK.len();
+    let profile = &TRAINED_SHARE_BY_RANK[(layer * trained_layers / layers).min(trained_layers - 1)];
+    let last = profile.len() - 1;
+    let shares: Vec<f64> = (0..experts)
+        .map(|rank| {
+            let position = ((rank as f64 + 0.5) / experts as f64 * profile.len() as f64 - 0.5)
+                .clamp(0.0, last as f64);
+            let low = position.floor() as usize;
+            let high = (low + 1).min(last);
+            let fraction = position - low as f64;
+            profile[low] * (1.0 - fraction) + profile[high] * fraction
+        })
+        .collect();
+    let total: f64 = shares.iter().sum();
+    shares.iter().map(|s| (s / total).ln()).collect()
 }
 
 /// Half-width of a uniform distribution with standard deviation `std`.
@@ -1279,6 +1387,8 @@ mod tests {
             Routing::Zipf { exponent: 1.5 }
         );
         assert_eq!("uniform".parse::<Routing>().unwrap(), Routing::Uniform);
+        assert_eq!("trained".parse::<Routing>().unwrap(), Routing::Trained);
+        assert_eq!(Routing::Trained.to_string(), "trained");
         let mut options = SyntheticOptions::new(preset("qwen3-30b-a3b").unwrap(), "x.ninfer");
         options.layers = Some(49);
         let message = synthetic_plan(&options).unwrap_err().to_string();
@@ -1310,6 +1420,40 @@ mod tests {
             seconds / gb
         );
         std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    #[test]
+    fn trained_profile_keeps_its_shape_at_any_expert_count() {
+        // How far below uniform the popularity is, ln E − H: the same for any E when the shape
+        // (share relative to the mean) is kept.
+        let below_uniform = |log_shares: &[f64]| {
+            let entropy: f64 = log_shares.iter().map(|l| -l.exp() * l).sum();
+            (log_shares.len() as f64).ln() - entropy
+        };
+        for (layer, profile) in TRAINED_SHARE_BY_RANK.iter().enumerate() {
+            let total: f64 = profile.iter().sum();
+            assert!((total - 1.0).abs() < 1e-3, "layer {layer} sums to {total}");
+            assert!(
+                profile.windows(2).all(|w| w[0] >= w[1]),
+                "layer {layer} not by rank"
+            );
+            // Same count and depth: the measured profile itself.
+            let same = trained_log_shares(layer, 8, 32);
+            for (l, p) in same.iter().zip(profile) {
+                assert!((l.exp() - p / total).abs() < 1e-12);
+            }
+            // A 256-expert, 40-layer preset: the layer at the same depth, the same shape.
+            let stretched = trained_log_shares(layer * 5, 40, 256);
+            let (a, b) = (below_uniform(&same), below_uniform(&stretched));
+            assert!((a - b).abs() < 0.01, "layer {layer}: ln E − H {a} vs {b}");
+            let top_ratio = stretched[0].exp() * 256.0 / (same[0].exp() * 32.0);
+            assert!(
+                (0.8..=1.05).contains(&top_ratio),
+                "layer {layer}: top share ratio {top_ratio}"
+            );
+        }
+        assert_eq!(router_layer("layers.17.moe.router"), 17);
+        assert_eq!(router_layer("mtp.layers.0.moe.router"), 0);
     }
 
     #[test]

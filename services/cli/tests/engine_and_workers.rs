@@ -984,7 +984,7 @@ fn wait_for_health(address: &str, want: u16) {
     }
 }
 
-/// Issue 5's acceptance with real processes: `kill -9` the engine behind a running
+/// Engine restarts behind a running gateway, with real processes: `kill -9` the engine behind a running
 /// `ninfer-gateway`: `/health` turns 503 and requests get 503 in each API's envelope; start the
 /// engine again on the same address: service resumes, same greedy answer, same gateway process.
 #[test]

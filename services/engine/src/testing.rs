@@ -19,7 +19,7 @@ use crate::sampling::Xoshiro256;
 /// `NAME::cpu` and `NAME::cuda`. The CUDA case runs on GPU 0 (one backend shared by the whole
 /// test binary) with `CudaOptions::exact` (f32 KV cache, no cuBLAS): these bodies hold both
 /// backends to the same f32 tolerances and to batch invariance; `tests/cuda_*.rs` cover the
-/// default options against issue 8's bf16 tolerances. Without a usable GPU it prints that it
+/// default options against the CUDA bf16 tolerances. Without a usable GPU it prints that it
 /// is skipped and why, and passes, unless
 /// `NINFER_REQUIRE_GPU=1` (the GPU test script sets it), where it fails.
 #[macro_export]

@@ -1,4 +1,4 @@
-//! Issue 8's acceptance on the golden fixtures (`tests/fixtures/<arch>/`, transformers
+//! The CUDA backend's fidelity bars on the golden fixtures (`tests/fixtures/<arch>/`, transformers
 //! references): every fixture, converted with f32 and with bf16 weights, through the CUDA
 //! backend — per-token NLL within 2e-2 mean absolute difference of transformers (on the same
 //! weights: the f32 reference, or `bf16_weights` for the bf16 artifact), top-1 next-token

@@ -2,7 +2,7 @@
 //! checkpoint in f32 plus `reference.json`) is converted with `ninfer-convert` and run through the
 //! engine. Run with `cargo test -p ninfer-engine --test golden -- --nocapture` to see the figures.
 //!
-//! Acceptance (issue 3): per-token NLL within 1e-4 (f32 weights) and 2e-2 mean absolute difference
+//! The bars: per-token NLL within 1e-4 (f32 weights) and 2e-2 mean absolute difference
 //! (bf16 weights); last-position logits within 1e-4 relative L2 (f32); 24 greedy tokens identical
 //! (f32); int8 experts move the mean NLL by < 0.02 nats, int4 by < 0.15. The bf16 artifact (bf16
 //! experts + bf16 dense) is judged against `bf16_weights` in `reference.json`: transformers run on

@@ -1,5 +1,5 @@
 //! deploy/: the systemd units verify with `systemd-analyze` (where it exists), carry the settings
-//! issue 5 asks for, and the gateway binary talks sd_notify (READY=1, WATCHDOG=1).
+//! a production deployment needs, and the gateway binary talks sd_notify (READY=1, WATCHDOG=1).
 
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};

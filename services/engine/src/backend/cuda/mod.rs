@@ -10,7 +10,7 @@
 //! `ExpertExecutor` on the host: routing comes back to the host after the router), the artifact
 //! byte layout.
 //!
-//! State of this backend (issue 8): f32 activations with f32 accumulation (bf16 activations
+//! Numerics of this backend: f32 activations with f32 accumulation (bf16 activations
 //! were measured to fail the golden fixtures' 99% top-1 bar, see `cublas`); bf16 matrices stay
 //! bf16 on the GPU, every other weight is decoded to f32 at load. Decode runs batch-invariant
 //! kernels (a warp-per-output matmul that streams the weights once, split-K flash-decoding over

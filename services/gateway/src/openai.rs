@@ -22,7 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat::{
     template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
-    ChatRole, ChatTool, ChatToolCall,
+    ChatRole, ChatTool, ChatToolCall, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
@@ -130,6 +130,34 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<minijinja::Value>,
     #[serde(default)]
     pub add_generation_prompt: Option<bool>,
+    /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`.
+    #[serde(default)]
+    pub tool_choice: Option<JsonValue>,
+}
+
+/// OpenAI's `tool_choice` in the gateway's terms.
+fn tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
+    let invalid = || {
+        GatewayError::invalid_parameter(
+            "tool_choice",
+            "`tool_choice` must be `none`, `auto`, `required` or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        )
+    };
+    match value {
+        None | Some(JsonValue::Null) => Ok(ToolChoice::Auto),
+        Some(JsonValue::String(text)) => match text.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            _ => Err(invalid()),
+        },
+        Some(object) => object
+            .get("function")
+            .and_then(|function| function.get("name"))
+            .and_then(JsonValue::as_str)
+            .map(|name| ToolChoice::Function(name.to_string()))
+            .ok_or_else(invalid),
+    }
 }
 
 /// Sampling fields shared by chat and completions.
@@ -313,6 +341,7 @@ pub fn chat_conversation(
             .collect(),
         add_generation_prompt,
         template_variables,
+        tool_choice: ToolChoice::Auto,
     })
 }
 
@@ -396,19 +425,21 @@ async fn chat_completions_inner(
     let options = request
         .sampling
         .to_options(max_tokens, logprobs, request.top_logprobs)?;
-    let conversation = chat_conversation(
+    let mut conversation = chat_conversation(
         &request.messages,
         request.tools.as_deref(),
         request.add_generation_prompt.unwrap_or(true),
         request.chat_template_kwargs.as_ref(),
     )?;
+    conversation.tool_choice = tool_choice(request.tool_choice.as_ref())?;
+    conversation.check_tool_choice("tool_choice")?;
     let plan = state
         .generator
         .plan_chat(model, &conversation, options)
         .await?;
     let receivers = state.generator.start_all_choices(&plan).await?;
     // With tools declared, `<tool_call>` blocks in the answer become `tool_calls`.
-    let tools = conversation.tool_definitions();
+    let tools = conversation.callable_tool_definitions();
     let id = format!("chatcmpl-{}", plan.request_id);
     let created = unix_seconds();
     if request.stream.unwrap_or(false) {

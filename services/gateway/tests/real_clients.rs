@@ -270,3 +270,102 @@ async fn unseeded_requests_draw_fresh_seeds_and_seeded_ones_stay_reproducible() 
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_choice_is_checked_and_none_keeps_calls_as_text() {
+    let (engine, gateway) = start_with(GatewayOptions::default()).await;
+    engine.script.set_text(
+        "</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+    );
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let chat = |tool_choice: serde_json::Value| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+               "tools": tools, "tool_choice": tool_choice})
+    };
+    // OpenAI: an unknown function, `required` without tools, and a malformed choice are 400s.
+    let unknown = chat(json!({"type": "function", "function": {"name": "no_such_tool"}}));
+    let response = post_json(gateway.address, "/v1/chat/completions", &unknown).await;
+    assert_eq!(response.status, 400, "{}", response.text());
+    assert_eq!(response.json()["error"]["param"], "tool_choice");
+    let mut without_tools = chat(json!("required"));
+    without_tools["tools"] = json!([]);
+    let response = post_json(gateway.address, "/v1/chat/completions", &without_tools).await;
+    assert_eq!(response.status, 400, "{}", response.text());
+    let response = post_json(
+        gateway.address,
+        "/v1/chat/completions",
+        &chat(json!("sometimes")),
+    )
+    .await;
+    assert_eq!(response.status, 400);
+    // Named and required choices of declared tools are taken, and the call parses.
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+        json!("auto"),
+    ] {
+        let body = post_json(
+            gateway.address,
+            "/v1/chat/completions",
+            &chat(choice.clone()),
+        )
+        .await
+        .json();
+        assert_eq!(
+            body["choices"][0]["finish_reason"], "tool_calls",
+            "{choice}: {body}"
+        );
+    }
+    // `none`: no tool calls; the text stays text.
+    let body = post_json(
+        gateway.address,
+        "/v1/chat/completions",
+        &chat(json!("none")),
+    )
+    .await
+    .json();
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    assert!(
+        body["choices"][0]["message"]["tool_calls"].is_null(),
+        "{body}"
+    );
+    assert!(body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("<tool_call>"));
+
+    // Anthropic: tool with an unknown name, tool without a name, an unknown type are 400s.
+    let anthropic_tools = json!([{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+    let message = |tool_choice: serde_json::Value| {
+        json!({"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+               "tools": anthropic_tools, "tool_choice": tool_choice})
+    };
+    for bad in [
+        json!({"type": "tool", "name": "no_such_tool"}),
+        json!({"type": "tool"}),
+        json!({"type": "often"}),
+    ] {
+        let response = post_json(gateway.address, "/v1/messages", &message(bad.clone())).await;
+        assert_eq!(response.status, 400, "{bad}: {}", response.text());
+        assert_eq!(response.json()["error"]["type"], "invalid_request_error");
+    }
+    for good in [
+        json!({"type": "any"}),
+        json!({"type": "tool", "name": "get_weather"}),
+        json!({"type": "auto"}),
+    ] {
+        let body = post_json(gateway.address, "/v1/messages", &message(good.clone()))
+            .await
+            .json();
+        assert_eq!(body["stop_reason"], "tool_use", "{good}: {body}");
+    }
+    let body = post_json(
+        gateway.address,
+        "/v1/messages",
+        &message(json!({"type": "none"})),
+    )
+    .await
+    .json();
+    assert_eq!(body["stop_reason"], "end_turn", "{body}");
+}

@@ -257,7 +257,16 @@ def main():
             return f"{error.status_code}"
         raise AssertionError("no error")
 
-    for step in [tool_choice_unknown, models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias]:
+    @check("openai logit_bias accepted, out-of-range refused")
+    def logit_bias():
+        oa.chat.completions.create(model=model, messages=messages, max_tokens=4, logit_bias={"11": -100}, **greedy)
+        try:
+            oa.chat.completions.create(model=model, messages=messages, max_tokens=4, logit_bias={"11": 500})
+        except openai.BadRequestError as error:
+            return f"{error.status_code}"
+        raise AssertionError("no error for a bias of 500")
+
+    for step in [tool_choice_unknown, logit_bias, models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias]:
         step()
 
     if args.reference:

@@ -101,6 +101,7 @@ fn sampling_options(options: Option<GatewaySamplingOptions>) -> SamplingOptions 
         logprobs: false,
         top_logprobs: 0,
         choices: 1,
+        logit_bias: Vec::new(),
     }
 }
 

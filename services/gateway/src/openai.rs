@@ -183,6 +183,9 @@ pub struct OpenAiSampling {
     pub stop: Option<StopSequences>,
     #[serde(default)]
     pub n: Option<i64>,
+    /// Token id (as a string) → bias, -100..100.
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 impl OpenAiSampling {
@@ -225,6 +228,16 @@ impl OpenAiSampling {
                 )
             })?,
         };
+        let mut logit_bias = Vec::new();
+        for (token, bias) in self.logit_bias.iter().flatten() {
+            let token = token.trim().parse::<u32>().map_err(|_| {
+                GatewayError::invalid_parameter(
+                    "logit_bias",
+                    format!("`logit_bias` keys are token ids, got `{token}`"),
+                )
+            })?;
+            logit_bias.push((token, *bias));
+        }
         Ok(SamplingOptions {
             temperature: self.temperature,
             top_p: self.top_p,
@@ -244,6 +257,7 @@ impl OpenAiSampling {
             logprobs,
             top_logprobs,
             choices,
+            logit_bias,
         })
     }
 }

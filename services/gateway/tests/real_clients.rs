@@ -369,3 +369,32 @@ async fn tool_choice_is_checked_and_none_keeps_calls_as_text() {
     .json();
     assert_eq!(body["stop_reason"], "end_turn", "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_reaches_the_engine_and_bad_entries_are_refused() {
+    let (engine, gateway) = start_with(GatewayOptions::default()).await;
+    let chat = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                      "logit_bias": {"11": 100, "42": -100, "7": 2.5}});
+    let response = post_json(gateway.address, "/v1/chat/completions", &chat).await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    let bias = engine.script.last_request().logit_bias;
+    assert_eq!(bias.len(), 3);
+    assert_eq!(bias.get(&11), Some(&100.0));
+    assert_eq!(bias.get(&42), Some(&-100.0));
+    assert_eq!(bias.get(&7), Some(&2.5));
+    let completion =
+        json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": -1}});
+    let response = post_json(gateway.address, "/v1/completions", &completion).await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(engine.script.last_request().logit_bias.get(&5), Some(&-1.0));
+    for bad in [
+        json!({"abc": 1}),
+        json!({"11": 150}),
+        json!({"99999999": 1}),
+    ] {
+        let chat = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], "logit_bias": bad});
+        let response = post_json(gateway.address, "/v1/chat/completions", &chat).await;
+        assert_eq!(response.status, 400, "{bad}: {}", response.text());
+        assert_eq!(response.json()["error"]["param"], "logit_bias");
+    }
+}

@@ -895,11 +895,61 @@ fn model_json(model: &crate::backend::ServedModel) -> JsonValue {
     })
 }
 
-/// `GET /v1/models`: every model an engine has served since start (with readiness).
-pub async fn list_models(State(state): State<Arc<GatewayState>>) -> Response {
+/// `GET /v1/models`: every model an engine has served since start (with readiness). Anthropic's
+/// SDKs share the path and send `anthropic-version`: they get Anthropic's list shape.
+pub async fn list_models(
+    State(state): State<Arc<GatewayState>>,
+    headers: axum::http::HeaderMap,
+) -> Response {
     let snapshot = state.backend.snapshot();
+    if headers.contains_key("anthropic-version") {
+        let data: Vec<JsonValue> = snapshot
+            .models
+            .values()
+            .map(|model| {
+                json!({
+                    "type": "model",
+                    "id": model.name,
+                    "display_name": model.name,
+                    "created_at": rfc3339_utc(model.created_unix_seconds),
+                })
+            })
+            .collect();
+        let first_id = data.first().map(|model| model["id"].clone());
+        let last_id = data.last().map(|model| model["id"].clone());
+        return Json(
+            json!({"data": data, "has_more": false, "first_id": first_id, "last_id": last_id}),
+        )
+        .into_response();
+    }
     let data: Vec<JsonValue> = snapshot.models.values().map(model_json).collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (days to civil date, Howard Hinnant's algorithm).
+fn rfc3339_utc(unix_seconds: u64) -> String {
+    let days = (unix_seconds / 86_400) as i64;
+    let seconds_of_day = unix_seconds % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
+    let month = if month_index < 10 {
+        month_index + 3
+    } else {
+        month_index - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        seconds_of_day / 3600,
+        seconds_of_day / 60 % 60,
+        seconds_of_day % 60
+    )
 }
 
 /// `GET /v1/models/{model}`.
@@ -910,5 +960,15 @@ pub async fn get_model(
     match state.backend.snapshot().models.get(&model) {
         Some(served) => Json(model_json(served)).into_response(),
         None => openai_error(GatewayError::ModelNotFound(model)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rfc3339_dates_of_known_instants() {
+        assert_eq!(super::rfc3339_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::rfc3339_utc(1_764_763_199), "2025-12-03T11:59:59Z");
     }
 }

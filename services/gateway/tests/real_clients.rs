@@ -398,3 +398,31 @@ async fn logit_bias_reaches_the_engine_and_bad_entries_are_refused() {
         assert_eq!(response.json()["error"]["param"], "logit_bias");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_clients_get_anthropics_model_list() {
+    let (_engine, gateway) = start_with(GatewayOptions::default()).await;
+    let response = request(
+        gateway.address,
+        "GET",
+        "/v1/models",
+        &[("anthropic-version", "2023-06-01")],
+        b"",
+    )
+    .await;
+    assert_eq!(response.status, 200);
+    let body = response.json();
+    assert_eq!(body["data"][0]["type"], "model", "{body}");
+    assert_eq!(body["data"][0]["id"], MODEL);
+    assert!(body["data"][0]["created_at"]
+        .as_str()
+        .unwrap_or_default()
+        .ends_with('Z'));
+    assert_eq!(body["has_more"], false);
+    assert_eq!(body["first_id"], MODEL);
+    // OpenAI clients keep OpenAI's shape.
+    assert_eq!(
+        get(gateway.address, "/v1/models").await.json()["object"],
+        "list"
+    );
+}

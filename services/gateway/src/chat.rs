@@ -225,7 +225,9 @@ impl ChatMessage {
     }
 }
 
-/// Whether and which tool the model is asked to call.
+/// Whether and which tool the client asks the model to call. `None` is honoured (no call is
+/// parsed); `Required` and `Function` are checked against the declared tools but not forced on
+/// the tokens.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum ToolChoice {
     /// The model decides (the default).

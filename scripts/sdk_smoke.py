@@ -248,7 +248,25 @@ def main():
         response = an.messages.create(model=args.claude_model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}], extra_body=AN_GREEDY)
         return f"{args.claude_model} -> {response.model}"
 
-    for step in [models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias]:
+    @check("openai tool_choice naming an unknown function -> BadRequestError")
+    def tool_choice_unknown():
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+        try:
+            oa.chat.completions.create(model=model, messages=messages, max_tokens=4, tools=tools, tool_choice={"type": "function", "function": {"name": "no_such_tool"}})
+        except openai.BadRequestError as error:
+            return f"{error.status_code}"
+        raise AssertionError("no error")
+
+    @check("openai logit_bias accepted, out-of-range refused")
+    def logit_bias():
+        oa.chat.completions.create(model=model, messages=messages, max_tokens=4, logit_bias={"11": -100}, **greedy)
+        try:
+            oa.chat.completions.create(model=model, messages=messages, max_tokens=4, logit_bias={"11": 500})
+        except openai.BadRequestError as error:
+            return f"{error.status_code}"
+        raise AssertionError("no error for a bias of 500")
+
+    for step in [tool_choice_unknown, logit_bias, models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias]:
         step()
 
     if args.reference:

@@ -83,7 +83,7 @@ fn convert(output: &Path, experts: DType, dense: DType) -> PathBuf {
 
 /// NLL of tokens 1.. of `tokens` given their prefixes, from one prefill.
 fn engine_token_nll<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f64> {
-    let mut state = model.new_sequence(tokens.len());
+    let mut state = model.new_sequence(tokens.len()).unwrap();
     let mut batch = [SequenceInput {
         state: &mut state,
         tokens,

@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat::{
-    ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall, NonTextContent,
+    ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall, NonTextContent, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
@@ -113,6 +113,36 @@ pub struct MessagesRequest {
     pub thinking: Option<ThinkingConfig>,
     #[serde(default)]
     pub tools: Option<Vec<AnthropicTool>>,
+    #[serde(default)]
+    pub tool_choice: Option<AnthropicToolChoice>,
+}
+
+/// `{"type": "auto" | "any" | "tool" | "none", "name": ...}`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AnthropicToolChoice {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+impl AnthropicToolChoice {
+    fn to_tool_choice(&self) -> Result<ToolChoice, GatewayError> {
+        match (self.kind.as_str(), &self.name) {
+            ("auto", _) => Ok(ToolChoice::Auto),
+            ("none", _) => Ok(ToolChoice::None),
+            ("any", _) => Ok(ToolChoice::Required),
+            ("tool", Some(name)) => Ok(ToolChoice::Function(name.clone())),
+            ("tool", None) => Err(GatewayError::invalid_parameter(
+                "tool_choice",
+                "tool_choice.name: Field required",
+            )),
+            (other, _) => Err(GatewayError::invalid_parameter(
+                "tool_choice",
+                format!("tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none', got '{other}'"),
+            )),
+        }
+    }
 }
 
 fn anthropic_error(error: GatewayError) -> Response {
@@ -340,6 +370,10 @@ fn chat_conversation(
             "enable_thinking".to_string(),
             minijinja::Value::from(thinking_enabled),
         )],
+        tool_choice: match &request.tool_choice {
+            Some(choice) => choice.to_tool_choice()?,
+            None => ToolChoice::Auto,
+        },
     })
 }
 
@@ -395,13 +429,14 @@ async fn messages_inner(
         ..Default::default()
     };
     let conversation = chat_conversation(&request, state.settings.non_text_content)?;
+    conversation.check_tool_choice("tool_choice")?;
     let plan = state
         .generator
         .plan_chat(model, &conversation, options)
         .await?;
     let receiver = state.generator.start_choice(&plan, 0).await?;
     // With tools declared, `<tool_call>` blocks in the answer become `tool_use` blocks.
-    let tools = conversation.tool_definitions();
+    let tools = conversation.callable_tool_definitions();
     let id = format!("msg_{}", plan.request_id);
     let prompt_tokens = plan.prompt_token_ids.len() as u32;
     if request.stream.unwrap_or(false) {

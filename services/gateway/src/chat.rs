@@ -225,6 +225,22 @@ impl ChatMessage {
     }
 }
 
+/// Whether and which tool the client asks the model to call. `None` is honoured (no call is
+/// parsed); `Required` and `Function` are checked against the declared tools but not forced on
+/// the tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model decides (the default).
+    #[default]
+    Auto,
+    /// No tool calls: the answer stays text, `<tool_call>` blocks included.
+    None,
+    /// Some tool must be called (OpenAI `required`, Anthropic `any`).
+    Required,
+    /// This tool must be called.
+    Function(String),
+}
+
 /// A whole chat request in the gateway's terms, ready for the template.
 #[derive(Debug, Clone, Default)]
 pub struct ChatConversation {
@@ -233,6 +249,7 @@ pub struct ChatConversation {
     pub add_generation_prompt: bool,
     /// Extra template variables (`enable_thinking`, `preserve_thinking`, ...).
     pub template_variables: Vec<(String, Value)>,
+    pub tool_choice: ToolChoice,
 }
 
 impl ChatConversation {
@@ -247,6 +264,42 @@ impl ChatConversation {
                     .map(|tool| tool.definition.clone())
                     .collect(),
             )
+        }
+    }
+
+    /// The tools whose calls are parsed out of the answer: none when `tool_choice` is `none`.
+    pub fn callable_tool_definitions(&self) -> Option<Vec<Value>> {
+        match self.tool_choice {
+            ToolChoice::None => None,
+            _ => self.tool_definitions(),
+        }
+    }
+
+    /// Refuses a tool choice that names no declared tool, or requires a call without tools.
+    pub fn check_tool_choice(&self, parameter: &str) -> Result<(), GatewayError> {
+        match &self.tool_choice {
+            ToolChoice::Auto | ToolChoice::None => Ok(()),
+            ToolChoice::Required if self.tools.is_empty() => Err(GatewayError::invalid_parameter(
+                parameter,
+                format!("`{parameter}` requires a tool call but no `tools` are given"),
+            )),
+            ToolChoice::Required => Ok(()),
+            ToolChoice::Function(name) => {
+                if self
+                    .tools
+                    .iter()
+                    .any(|tool| tool.name().as_deref() == Some(name.as_str()))
+                {
+                    Ok(())
+                } else {
+                    Err(GatewayError::invalid_parameter(
+                        parameter,
+                        format!(
+                            "`{parameter}` names the tool `{name}`, which is not among `tools`"
+                        ),
+                    ))
+                }
+            }
         }
     }
 

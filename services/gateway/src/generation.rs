@@ -54,6 +54,8 @@ pub struct SamplingOptions {
     pub logprobs: bool,
     pub top_logprobs: u32,
     pub choices: u32,
+    /// `(token, bias)` added to the logits; -100 bans, 100 selects exclusively.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl SamplingOptions {
@@ -99,6 +101,16 @@ impl SamplingOptions {
             return Err(GatewayError::invalid_parameter(
                 "top_logprobs",
                 format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}"),
+            ));
+        }
+        if let Some((token, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, bias)| !bias.is_finite() || !(-100.0..=100.0).contains(bias))
+        {
+            return Err(GatewayError::invalid_parameter(
+                "logit_bias",
+                format!("`logit_bias` values must be between -100 and 100, got {bias} for token {token}"),
             ));
         }
         if matches!(self.max_tokens, Some(0)) {
@@ -153,6 +165,17 @@ impl GenerationPlan {
             return Err(GatewayError::invalid_parameter(
                 "prompt",
                 "the prompt is empty",
+            ));
+        }
+        let vocabulary = model.resources.tokenizer.vocabulary_size() as u32;
+        if let Some((token, _)) = options
+            .logit_bias
+            .iter()
+            .find(|(token, _)| *token >= vocabulary)
+        {
+            return Err(GatewayError::invalid_parameter(
+                "logit_bias",
+                format!("`logit_bias` names token {token}, outside the vocabulary of {vocabulary} tokens"),
             ));
         }
         let prompt_tokens = prompt_token_ids.len() as u64;
@@ -215,6 +238,7 @@ impl GenerationPlan {
             model_name: self.model.name.clone(),
             // Padded embedding rows past the tokenizer decode to nothing: never sample them.
             sampleable_vocabulary_size: self.model.resources.tokenizer.vocabulary_size() as u32,
+            logit_bias: options.logit_bias.iter().copied().collect(),
         }
     }
 }

@@ -101,6 +101,7 @@ fn sampling_options(options: Option<GatewaySamplingOptions>) -> SamplingOptions 
         logprobs: false,
         top_logprobs: 0,
         choices: 1,
+        logit_bias: Vec::new(),
     }
 }
 
@@ -189,6 +190,7 @@ fn chat_conversation(request: &ChatRequest) -> Result<ChatConversation, GatewayE
         tools: Vec::new(),
         add_generation_prompt: true,
         template_variables,
+        tool_choice: Default::default(),
     })
 }
 

@@ -22,7 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat::{
     template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
-    ChatRole, ChatTool, ChatToolCall,
+    ChatRole, ChatTool, ChatToolCall, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
@@ -130,6 +130,34 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<minijinja::Value>,
     #[serde(default)]
     pub add_generation_prompt: Option<bool>,
+    /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`.
+    #[serde(default)]
+    pub tool_choice: Option<JsonValue>,
+}
+
+/// OpenAI's `tool_choice` in the gateway's terms.
+fn tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
+    let invalid = || {
+        GatewayError::invalid_parameter(
+            "tool_choice",
+            "`tool_choice` must be `none`, `auto`, `required` or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        )
+    };
+    match value {
+        None | Some(JsonValue::Null) => Ok(ToolChoice::Auto),
+        Some(JsonValue::String(text)) => match text.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            _ => Err(invalid()),
+        },
+        Some(object) => object
+            .get("function")
+            .and_then(|function| function.get("name"))
+            .and_then(JsonValue::as_str)
+            .map(|name| ToolChoice::Function(name.to_string()))
+            .ok_or_else(invalid),
+    }
 }
 
 /// Sampling fields shared by chat and completions.
@@ -155,6 +183,9 @@ pub struct OpenAiSampling {
     pub stop: Option<StopSequences>,
     #[serde(default)]
     pub n: Option<i64>,
+    /// Token id (as a string) → bias, -100..100.
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 impl OpenAiSampling {
@@ -197,6 +228,16 @@ impl OpenAiSampling {
                 )
             })?,
         };
+        let mut logit_bias = Vec::new();
+        for (token, bias) in self.logit_bias.iter().flatten() {
+            let token = token.trim().parse::<u32>().map_err(|_| {
+                GatewayError::invalid_parameter(
+                    "logit_bias",
+                    format!("`logit_bias` keys are token ids, got `{token}`"),
+                )
+            })?;
+            logit_bias.push((token, *bias));
+        }
         Ok(SamplingOptions {
             temperature: self.temperature,
             top_p: self.top_p,
@@ -216,6 +257,7 @@ impl OpenAiSampling {
             logprobs,
             top_logprobs,
             choices,
+            logit_bias,
         })
     }
 }
@@ -313,6 +355,7 @@ pub fn chat_conversation(
             .collect(),
         add_generation_prompt,
         template_variables,
+        tool_choice: ToolChoice::Auto,
     })
 }
 
@@ -396,19 +439,21 @@ async fn chat_completions_inner(
     let options = request
         .sampling
         .to_options(max_tokens, logprobs, request.top_logprobs)?;
-    let conversation = chat_conversation(
+    let mut conversation = chat_conversation(
         &request.messages,
         request.tools.as_deref(),
         request.add_generation_prompt.unwrap_or(true),
         request.chat_template_kwargs.as_ref(),
     )?;
+    conversation.tool_choice = tool_choice(request.tool_choice.as_ref())?;
+    conversation.check_tool_choice("tool_choice")?;
     let plan = state
         .generator
         .plan_chat(model, &conversation, options)
         .await?;
     let receivers = state.generator.start_all_choices(&plan).await?;
     // With tools declared, `<tool_call>` blocks in the answer become `tool_calls`.
-    let tools = conversation.tool_definitions();
+    let tools = conversation.callable_tool_definitions();
     let id = format!("chatcmpl-{}", plan.request_id);
     let created = unix_seconds();
     if request.stream.unwrap_or(false) {
@@ -850,11 +895,61 @@ fn model_json(model: &crate::backend::ServedModel) -> JsonValue {
     })
 }
 
-/// `GET /v1/models`: every model an engine has served since start (with readiness).
-pub async fn list_models(State(state): State<Arc<GatewayState>>) -> Response {
+/// `GET /v1/models`: every model an engine has served since start (with readiness). Anthropic's
+/// SDKs share the path and send `anthropic-version`: they get Anthropic's list shape.
+pub async fn list_models(
+    State(state): State<Arc<GatewayState>>,
+    headers: axum::http::HeaderMap,
+) -> Response {
     let snapshot = state.backend.snapshot();
+    if headers.contains_key("anthropic-version") {
+        let data: Vec<JsonValue> = snapshot
+            .models
+            .values()
+            .map(|model| {
+                json!({
+                    "type": "model",
+                    "id": model.name,
+                    "display_name": model.name,
+                    "created_at": rfc3339_utc(model.created_unix_seconds),
+                })
+            })
+            .collect();
+        let first_id = data.first().map(|model| model["id"].clone());
+        let last_id = data.last().map(|model| model["id"].clone());
+        return Json(
+            json!({"data": data, "has_more": false, "first_id": first_id, "last_id": last_id}),
+        )
+        .into_response();
+    }
     let data: Vec<JsonValue> = snapshot.models.values().map(model_json).collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (days to civil date, Howard Hinnant's algorithm).
+fn rfc3339_utc(unix_seconds: u64) -> String {
+    let days = (unix_seconds / 86_400) as i64;
+    let seconds_of_day = unix_seconds % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
+    let month = if month_index < 10 {
+        month_index + 3
+    } else {
+        month_index - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        seconds_of_day / 3600,
+        seconds_of_day / 60 % 60,
+        seconds_of_day % 60
+    )
 }
 
 /// `GET /v1/models/{model}`.
@@ -865,5 +960,15 @@ pub async fn get_model(
     match state.backend.snapshot().models.get(&model) {
         Some(served) => Json(model_json(served)).into_response(),
         None => openai_error(GatewayError::ModelNotFound(model)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rfc3339_dates_of_known_instants() {
+        assert_eq!(super::rfc3339_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::rfc3339_utc(1_764_763_199), "2025-12-03T11:59:59Z");
     }
 }

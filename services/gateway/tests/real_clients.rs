@@ -270,3 +270,159 @@ async fn unseeded_requests_draw_fresh_seeds_and_seeded_ones_stay_reproducible() 
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_choice_is_checked_and_none_keeps_calls_as_text() {
+    let (engine, gateway) = start_with(GatewayOptions::default()).await;
+    engine.script.set_text(
+        "</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+    );
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let chat = |tool_choice: serde_json::Value| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+               "tools": tools, "tool_choice": tool_choice})
+    };
+    // OpenAI: an unknown function, `required` without tools, and a malformed choice are 400s.
+    let unknown = chat(json!({"type": "function", "function": {"name": "no_such_tool"}}));
+    let response = post_json(gateway.address, "/v1/chat/completions", &unknown).await;
+    assert_eq!(response.status, 400, "{}", response.text());
+    assert_eq!(response.json()["error"]["param"], "tool_choice");
+    let mut without_tools = chat(json!("required"));
+    without_tools["tools"] = json!([]);
+    let response = post_json(gateway.address, "/v1/chat/completions", &without_tools).await;
+    assert_eq!(response.status, 400, "{}", response.text());
+    let response = post_json(
+        gateway.address,
+        "/v1/chat/completions",
+        &chat(json!("sometimes")),
+    )
+    .await;
+    assert_eq!(response.status, 400);
+    // Named and required choices of declared tools are taken, and the call parses.
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+        json!("auto"),
+    ] {
+        let body = post_json(
+            gateway.address,
+            "/v1/chat/completions",
+            &chat(choice.clone()),
+        )
+        .await
+        .json();
+        assert_eq!(
+            body["choices"][0]["finish_reason"], "tool_calls",
+            "{choice}: {body}"
+        );
+    }
+    // `none`: no tool calls; the text stays text.
+    let body = post_json(
+        gateway.address,
+        "/v1/chat/completions",
+        &chat(json!("none")),
+    )
+    .await
+    .json();
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    assert!(
+        body["choices"][0]["message"]["tool_calls"].is_null(),
+        "{body}"
+    );
+    assert!(body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("<tool_call>"));
+
+    // Anthropic: tool with an unknown name, tool without a name, an unknown type are 400s.
+    let anthropic_tools = json!([{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+    let message = |tool_choice: serde_json::Value| {
+        json!({"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+               "tools": anthropic_tools, "tool_choice": tool_choice})
+    };
+    for bad in [
+        json!({"type": "tool", "name": "no_such_tool"}),
+        json!({"type": "tool"}),
+        json!({"type": "often"}),
+    ] {
+        let response = post_json(gateway.address, "/v1/messages", &message(bad.clone())).await;
+        assert_eq!(response.status, 400, "{bad}: {}", response.text());
+        assert_eq!(response.json()["error"]["type"], "invalid_request_error");
+    }
+    for good in [
+        json!({"type": "any"}),
+        json!({"type": "tool", "name": "get_weather"}),
+        json!({"type": "auto"}),
+    ] {
+        let body = post_json(gateway.address, "/v1/messages", &message(good.clone()))
+            .await
+            .json();
+        assert_eq!(body["stop_reason"], "tool_use", "{good}: {body}");
+    }
+    let body = post_json(
+        gateway.address,
+        "/v1/messages",
+        &message(json!({"type": "none"})),
+    )
+    .await
+    .json();
+    assert_eq!(body["stop_reason"], "end_turn", "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_reaches_the_engine_and_bad_entries_are_refused() {
+    let (engine, gateway) = start_with(GatewayOptions::default()).await;
+    let chat = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                      "logit_bias": {"11": 100, "42": -100, "7": 2.5}});
+    let response = post_json(gateway.address, "/v1/chat/completions", &chat).await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    let bias = engine.script.last_request().logit_bias;
+    assert_eq!(bias.len(), 3);
+    assert_eq!(bias.get(&11), Some(&100.0));
+    assert_eq!(bias.get(&42), Some(&-100.0));
+    assert_eq!(bias.get(&7), Some(&2.5));
+    let completion =
+        json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": -1}});
+    let response = post_json(gateway.address, "/v1/completions", &completion).await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(engine.script.last_request().logit_bias.get(&5), Some(&-1.0));
+    for bad in [
+        json!({"abc": 1}),
+        json!({"11": 150}),
+        json!({"99999999": 1}),
+    ] {
+        let chat = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], "logit_bias": bad});
+        let response = post_json(gateway.address, "/v1/chat/completions", &chat).await;
+        assert_eq!(response.status, 400, "{bad}: {}", response.text());
+        assert_eq!(response.json()["error"]["param"], "logit_bias");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_clients_get_anthropics_model_list() {
+    let (_engine, gateway) = start_with(GatewayOptions::default()).await;
+    let response = request(
+        gateway.address,
+        "GET",
+        "/v1/models",
+        &[("anthropic-version", "2023-06-01")],
+        b"",
+    )
+    .await;
+    assert_eq!(response.status, 200);
+    let body = response.json();
+    assert_eq!(body["data"][0]["type"], "model", "{body}");
+    assert_eq!(body["data"][0]["id"], MODEL);
+    assert!(body["data"][0]["created_at"]
+        .as_str()
+        .unwrap_or_default()
+        .ends_with('Z'));
+    assert_eq!(body["has_more"], false);
+    assert_eq!(body["first_id"], MODEL);
+    // OpenAI clients keep OpenAI's shape.
+    assert_eq!(
+        get(gateway.address, "/v1/models").await.json()["object"],
+        "list"
+    );
+}

@@ -247,6 +247,7 @@ impl Engine for EngineService {
             stop_token_ids: request.stop_token_ids,
             top_logprobs: request.top_logprobs.min(20) as usize,
             sampleable_vocabulary: request.sampleable_vocabulary_size as usize,
+            logit_bias: request.logit_bias.into_iter().collect(),
             events,
         }))?;
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(

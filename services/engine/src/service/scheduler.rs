@@ -95,6 +95,9 @@ pub struct GenerationRequest {
     /// its tokenizer (to a multiple of 64 or 128), and those ids decode to nothing. 0 or more
     /// than the model's vocabulary: the whole vocabulary.
     pub sampleable_vocabulary: usize,
+    /// `(token, bias)` added to the logits before sampling. A biased request samples from whole
+    /// rows (the candidates are the unbiased largest logits).
+    pub logit_bias: Vec<(u32, f32)>,
     pub events: async_mpsc::Sender<SchedulerResult>,
 }
 
@@ -246,8 +249,10 @@ fn run<B: Backend>(
                 .map(|c| without_unsampleable(c, sampleable));
             let row_candidates = masked_candidates.as_deref();
             let mut row: Option<Vec<f32>> = None;
+            let logit_bias = &r.request.logit_bias;
             let row_of = |index: usize| {
                 row_of(index).map(|mut row| {
+                    apply_logit_bias(&mut row, logit_bias);
                     mask_unsampleable(&mut row, sampleable);
                     row
                 })
@@ -435,6 +440,38 @@ fn sampleable_vocabulary(requested: usize, vocab: usize) -> usize {
     }
 }
 
+/// Adds each `(token, bias)` to the row. As OpenAI documents `logit_bias`, -100 bans a token
+/// and 100 selects it exclusively (among the tokens biased by 100) whatever the temperature:
+/// those become −∞ for the banned, and for everything else respectively.
+fn apply_logit_bias(row: &mut [f32], logit_bias: &[(u32, f32)]) {
+    if logit_bias.is_empty() {
+        return;
+    }
+    let exclusive: Vec<u32> = logit_bias
+        .iter()
+        .filter(|(_, bias)| *bias >= 100.0)
+        .map(|&(token, _)| token)
+        .collect();
+    if !exclusive.is_empty() {
+        for (token, logit) in row.iter_mut().enumerate() {
+            if !exclusive.contains(&(token as u32)) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+    }
+    for &(token, bias) in logit_bias {
+        if let Some(logit) = row.get_mut(token as usize) {
+            *logit = if bias <= -100.0 {
+                f32::NEG_INFINITY
+            } else if bias >= 100.0 {
+                *logit
+            } else {
+                *logit + bias
+            };
+        }
+    }
+}
+
 /// Sets the logits of ids at or above `sampleable` to −∞, so no sampler can pick them.
 fn mask_unsampleable(row: &mut [f32], sampleable: usize) {
     if let Some(padded) = row.get_mut(sampleable..) {
@@ -497,7 +534,9 @@ fn candidate_count<B: Backend>(running: &[Running<B>]) -> Option<usize> {
     }
     let mut needed = 1usize;
     for r in running {
-        if !r.sampler.candidates_suffice(MAX_CANDIDATES) || r.request.top_logprobs > MAX_CANDIDATES
+        if !r.sampler.candidates_suffice(MAX_CANDIDATES)
+            || r.request.top_logprobs > MAX_CANDIDATES
+            || !r.request.logit_bias.is_empty()
         {
             return None;
         }
@@ -588,6 +627,7 @@ mod tests {
         sampleable_vocabulary: usize,
         top_k: usize,
         tokens: usize,
+        logit_bias: &[(u32, f32)],
     ) -> Vec<u32>
     where
         B::Tensor: Send,
@@ -617,6 +657,7 @@ mod tests {
             stop_token_ids: Vec::new(),
             top_logprobs: 0,
             sampleable_vocabulary,
+            logit_bias: logit_bias.to_vec(),
             events,
         };
         commands.send(SchedulerCommand::Submit(request)).unwrap();
@@ -643,12 +684,12 @@ mod tests {
     {
         let limit = 40usize;
         for top_k in [0usize, 8] {
-            let unmasked = sampled_tokens(Arc::clone(&backend), 0, top_k, 64);
+            let unmasked = sampled_tokens(Arc::clone(&backend), 0, top_k, 64, &[]);
             assert!(
                 unmasked.iter().any(|&id| id as usize >= limit),
                 "top_k {top_k}: the unmasked run never reached the padded ids: {unmasked:?}"
             );
-            let masked = sampled_tokens(Arc::clone(&backend), limit, top_k, 64);
+            let masked = sampled_tokens(Arc::clone(&backend), limit, top_k, 64, &[]);
             assert!(
                 masked.iter().all(|&id| (id as usize) < limit),
                 "top_k {top_k}: a padded id was sampled: {masked:?}"
@@ -657,6 +698,32 @@ mod tests {
     }
 
     crate::test_device!(padded_vocabulary_ids_are_never_sampled);
+
+    /// A +100 bias makes its token the only one drawn even at a high temperature; a -100 bias
+    /// (the OpenAI ban) keeps a token out, on both sampling paths.
+    fn logit_bias_pulls_and_bans_tokens<B: Backend + 'static>(backend: Arc<B>)
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        for top_k in [0usize, 8] {
+            let pulled = sampled_tokens(Arc::clone(&backend), 0, top_k, 16, &[(11, 100.0)]);
+            assert!(
+                pulled.iter().all(|&id| id == 11),
+                "top_k {top_k}: {pulled:?}"
+            );
+            let free = sampled_tokens(Arc::clone(&backend), 0, top_k, 64, &[]);
+            let banned: Vec<(u32, f32)> = free.iter().map(|&id| (id, -100.0)).collect();
+            let after = sampled_tokens(Arc::clone(&backend), 0, top_k, 64, &banned);
+            assert!(
+                after.iter().all(|id| !free.contains(id)),
+                "top_k {top_k}: banned ids came back: {after:?} (banned {free:?})"
+            );
+        }
+    }
+
+    crate::test_device!(logit_bias_pulls_and_bans_tokens);
 
     #[test]
     fn candidate_logprobs_equal_the_whole_row_logprobs() {

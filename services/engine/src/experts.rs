@@ -11,6 +11,7 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, ExpertBank};
 
 use crate::error::EngineError;
+use crate::host_math::swiglu_halves;
 use crate::weights::WeightMatrix;
 
 /// One MoE layer's routed-expert work for a batch of tokens (all host memory, row-major).
@@ -76,10 +77,6 @@ impl CpuExpertExecutor {
             problem,
         }
     }
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 impl ExpertExecutor for CpuExpertExecutor {
@@ -160,10 +157,10 @@ impl ExpertExecutor for CpuExpertExecutor {
             gate_up.matmul(&x, n, &mut gu);
             let mut activated = vec![0.0f32; n * intermediate];
             for i in 0..n {
-                let row = &gu[i * 2 * intermediate..(i + 1) * 2 * intermediate];
-                for c in 0..intermediate {
-                    activated[i * intermediate + c] = silu(row[c]) * row[intermediate + c];
-                }
+                swiglu_halves(
+                    &gu[i * 2 * intermediate..(i + 1) * 2 * intermediate],
+                    &mut activated[i * intermediate..(i + 1) * intermediate],
+                );
             }
             let mut y = vec![0.0f32; n * hidden_size];
             down.matmul(&activated, n, &mut y);

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_cpu_experts::ExpertLayout;
-use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
 use ninfer_engine::experts::NO_EXPERT;
+use ninfer_engine::host_math::route_top_k_host;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{

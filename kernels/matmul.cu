@@ -18,6 +18,8 @@
 // accumulation. That path is neither batch invariant nor bit-equal to this kernel; the tests that
 // need either run with cuBLAS off (`CudaOptions::exact`).
 
+#include "common.cuh"
+
 #define ROWS 8
 
 __device__ __forceinline__ float load_weight(const float* w, long long i) { return w[i]; }
@@ -147,14 +149,6 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
     } else {
         matmul_output(x, w2, out2, n, k, m2, col - m0 - m1, r0, lane);
     }
-}
-
-// Round to nearest even, as `half::bf16::from_f32` and PyTorch do; NaN stays a (quiet) NaN.
-__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
 }
 
 // out[i] = bf16(x[i]) for the cuBLAS path's activations. One thread per element, grid-stride.

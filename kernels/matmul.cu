@@ -13,7 +13,7 @@
 // are coalesced (a warp reads 32 consecutive values of one row) and each weight is reused for
 // ROWS rows; at decode (n = 1) this streams the weights once.
 //
-// Prefill with bf16 weights goes through cuBLAS instead (device.rs, above a row threshold): the
+// Prefill with bf16 weights goes through cuBLAS instead (device/matmul.rs, above a row threshold): the
 // activations are rounded to bf16 by `f32_to_bf16` below and multiplied on tensor cores with f32
 // accumulation. That path is neither batch invariant nor bit-equal to this kernel; the tests that
 // need either run with cuBLAS off (`CudaOptions::exact`).

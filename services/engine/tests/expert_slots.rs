@@ -246,7 +246,7 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
                     .extend((0..k).map(|_| 0.1 + (rng.next_u64() % 1000) as f32 / 1000.0));
             }
             // The CUDA backend's grouped path needs ≥ 16 tokens and ≥ 4 slotted pairs per
-            // distinct slotted expert (GROUPED_MIN_* in device/expert_slots.rs).
+            // distinct slotted expert (GROUPED_MIN_* in device/experts.rs).
             let slotted: Vec<u32> = routing
                 .expert_ids
                 .iter()

@@ -26,8 +26,8 @@ impl CudaBackend {
         x: &CudaTensor,
         weight: &CudaWeight,
     ) -> Result<CudaTensor, CudaError> {
-        // Prefill-sized bf16 GEMMs on tensor cores; a cuBLAS error here is the op's error (the
-        // sticky one): the start-up check already proved the path, so a failure now means the
+        // Prefill-sized bf16 GEMMs on tensor cores; a cuBLAS error here is the op's error (no
+        // fallback): the start-up check already proved the path, so a failure now means the
         // GPU or the context is in trouble, not that cuBLAS is unsuitable.
         if let (Some(cublas), WeightData::Bf16(data)) = (&self.cublas, &weight.data) {
             if x.rows >= CUBLAS_MIN_ROWS && x.cols == weight.cols && weight.rows > 0 && x.cols > 0 {

@@ -28,20 +28,13 @@
 // `kv_append_bf16` here: half the memory; keys and values are rounded to nearest even when they
 // are appended, and widened exactly when read, so the math after the read is the same f32).
 
+#include "common.cuh"
+
 #define MAX_DIMS_PER_LANE 8
 
 __device__ __forceinline__ float load_kv(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float load_kv(const unsigned short* p, long long i) {
     return __uint_as_float(((unsigned int)p[i]) << 16);
-}
-
-// Round to nearest even, as `half::bf16::from_f32` does; NaN stays a (quiet) NaN. (Same as in
-// matmul.cu: every kernel file is compiled on its own.)
-__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
 }
 
 // Appends one sequence's k, v rows [row_start, row_start + n) ([*, width] f32) to its bf16
@@ -138,16 +131,6 @@ extern "C" __global__ void attention_bf16(const float* q, const unsigned short* 
 
 extern __shared__ float attention_smem[];
 
-__device__ __forceinline__ float attention_warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
-
-__device__ __forceinline__ float attention_warp_max(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    return v;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Split-K decode.
@@ -293,10 +276,10 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
         for (int h = warp; h < hg; h += SPLIT_WARPS) {
             float old_max = m_s[h], old_sum = l_s[h];
             float score = lane < len ? p_s[h * SPLIT_TILE + lane] : __int_as_float(0xff800000);
-            float new_max = fmaxf(old_max, attention_warp_max(score));
+            float new_max = fmaxf(old_max, warp_max(score));
             float p = lane < len ? expf(score - new_max) : 0.0f;
             if (lane < len) p_s[h * SPLIT_TILE + lane] = p;
-            float sum = attention_warp_sum(p);
+            float sum = warp_sum(p);
             if (lane == 0) {
                 float correction = expf(old_max - new_max);  // 0 on the first tile
                 c_s[h] = correction;
@@ -394,14 +377,14 @@ extern "C" __global__ void attention_combine(const float* part_o, const float* p
         int lane = threadIdx.x;
         float top = __int_as_float(0xff800000);
         for (int i = lane; i < count; i += 32) top = fmaxf(top, part_ml[2 * (base + i)]);
-        top = attention_warp_max(top);
+        top = warp_max(top);
         float total = 0.0f;
         for (int i = lane; i < count; i += 32) {
             float weight = expf(part_ml[2 * (base + i)] - top);
             weight_s[i] = weight;
             total += part_ml[2 * (base + i) + 1] * weight;
         }
-        total = attention_warp_sum(total);
+        total = warp_sum(total);
         if (lane == 0) scalar_s[0] = 1.0f / total;
     }
     __syncthreads();
@@ -498,7 +481,7 @@ __device__ void attention_tiled_block(const float* q, const KV* keys, const KV* 
             int first = window > 0 ? max(0, position + 1 - window) : 0;
             bool visible = t < n && key >= first && key <= position;
             float score = visible ? s[i] * scale : neg_inf;
-            float new_max = fmaxf(row_max[i], attention_warp_max(score));
+            float new_max = fmaxf(row_max[i], warp_max(score));
             float p = 0.0f;
             correction[i] = 1.0f;
             // Warp-uniform. A tile with nothing visible for this row leaves its state exactly
@@ -507,7 +490,7 @@ __device__ void attention_tiled_block(const float* q, const KV* keys, const KV* 
                 correction[i] = expf(row_max[i] - new_max);
                 p = visible ? expf(score - new_max) : 0.0f;
             }
-            row_sum[i] = row_sum[i] * correction[i] + attention_warp_sum(p);
+            row_sum[i] = row_sum[i] * correction[i] + warp_sum(p);
             row_max[i] = new_max;
             p_s[r * TILE_KEYS + lane] = p;
         }

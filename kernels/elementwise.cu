@@ -5,11 +5,7 @@
 // Launch shapes: one thread per output element unless a kernel says otherwise; grid-stride
 // loops make any grid size correct.
 
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// PyTorch's softplus (beta 1, threshold 20).
-__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+#include "common.cuh"
 
 #define GRID_STRIDE(i, n)                                                                   \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \

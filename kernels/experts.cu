@@ -1,4 +1,4 @@
-// Routed experts held in GPU slots (see services/engine/src/backend/cuda/device/expert_slots.rs).
+// Routed experts held in GPU slots (see services/engine/src/backend/cuda/device/experts.rs).
 //
 // Slots are one device buffer of `slots × stride` bytes; each slot holds one expert exactly as
 // its bank stores it (docs/FORMAT.md): `gate_up` [2·I, H] at offset 0, `down` [H, I] at
@@ -32,6 +32,8 @@
 // Inputs in shared memory are padded: input c lives at (c / 16) · 20 + c % 16, so the 16-input
 // segments of 32 lanes fall in distinct banks (quantized reads are float4, conflict-free).
 
+#include "common.cuh"
+
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_INT8 2
@@ -41,7 +43,7 @@
 #define SEG_STRIDE 20
 
 // Grouped kernels: pairs per tile, inputs staged per pass (one 16-input segment per lane),
-// warps per block and weight rows per warp. expert_slots.rs mirrors TILE_TOKENS, GROUPED_WARPS
+// warps per block and weight rows per warp. experts.rs mirrors TILE_TOKENS, GROUPED_WARPS
 // and the rows per block (GROUPED_WARPS · 2 columns for gate_up, GROUPED_WARPS · 4 rows for down).
 #define TILE_TOKENS 16
 #define CHUNK 512
@@ -55,18 +57,8 @@ __device__ __forceinline__ float f16_bits_to_float(unsigned short bits) {
     return value;
 }
 
-__device__ __forceinline__ float bf16_bits_to_float(unsigned int bits) {
-    return __uint_as_float(bits << 16);
-}
-
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// Sum over the warp; every lane gets the same total (each step adds two equal-valued
-// operands in either order, and float addition is commutative).
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
 
 // Where input c sits in a padded shared vector.
 __device__ __forceinline__ int padded(int c) { return (c >> 4) * SEG_STRIDE + (c & 15); }

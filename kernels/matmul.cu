@@ -13,10 +13,12 @@
 // are coalesced (a warp reads 32 consecutive values of one row) and each weight is reused for
 // ROWS rows; at decode (n = 1) this streams the weights once.
 //
-// Prefill with bf16 weights goes through cuBLAS instead (device.rs, above a row threshold): the
+// Prefill with bf16 weights goes through cuBLAS instead (device/matmul.rs, above a row threshold): the
 // activations are rounded to bf16 by `f32_to_bf16` below and multiplied on tensor cores with f32
 // accumulation. That path is neither batch invariant nor bit-equal to this kernel; the tests that
 // need either run with cuBLAS off (`CudaOptions::exact`).
+
+#include "common.cuh"
 
 #define ROWS 8
 
@@ -147,14 +149,6 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
     } else {
         matmul_output(x, w2, out2, n, k, m2, col - m0 - m1, r0, lane);
     }
-}
-
-// Round to nearest even, as `half::bf16::from_f32` and PyTorch do; NaN stays a (quiet) NaN.
-__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
 }
 
 // out[i] = bf16(x[i]) for the cuBLAS path's activations. One thread per element, grid-stride.

@@ -2,9 +2,9 @@
 // per-head q/k norms); a fixed-shape tree reduction, so a group's result never depends on how
 // many rows the batch has.
 
-#define NORM_THREADS 256
+#include "common.cuh"
 
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+#define NORM_THREADS 256
 
 __device__ float block_sum(float value) {
     __shared__ float partial[NORM_THREADS / 32];

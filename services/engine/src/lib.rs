@@ -8,6 +8,8 @@
 //!
 //! Module map:
 //! * [`backend`] — the `Backend` trait (ops over device-resident buffers) and [`backend::cpu`].
+//! * [`host_math`] — activations, SwiGLU, RoPE frequencies and the host router, shared by the
+//!   backends and the executors.
 //! * [`weights`] — host views of stored f32/bf16/int8/int4 weights and the CPU matmul.
 //! * [`spec`] — architecture → graph switches; refusal of unknown architectures.
 //! * [`model`] — weight loading, `SequenceState`, the batched forward pass.
@@ -22,6 +24,7 @@
 
 pub mod backend;
 pub mod error;
+pub mod host_math;
 pub mod model;
 pub mod moe;
 pub mod perplexity;

@@ -5,7 +5,7 @@
 //! Without NVRTC the test prints that it is skipped and passes, unless `NINFER_REQUIRE_NVRTC=1`
 //! (CI sets it, so a missing wheel cannot pass silently).
 
-use ninfer_engine::backend::cuda::kernels::KERNEL_SOURCES;
+use ninfer_engine::backend::cuda::kernels::{KERNEL_HEADERS, KERNEL_SOURCES};
 use ninfer_engine::backend::cuda::nvrtc::Nvrtc;
 
 const ARCHES: [u32; 3] = [80, 89, 90];
@@ -31,7 +31,7 @@ fn every_kernel_compiles_with_nvrtc_for_sm80_sm89_sm90() {
     let mut failures = Vec::new();
     for kernel in KERNEL_SOURCES {
         for arch in ARCHES {
-            match nvrtc.compile_cubin(kernel.name, kernel.source, arch) {
+            match nvrtc.compile_cubin(kernel.name, kernel.source, KERNEL_HEADERS, arch) {
                 Ok(cubin) => {
                     let missing: Vec<&str> = kernel
                         .functions

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig, NO_EXPERT};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_cpu_experts::ExpertLayout;
-use ninfer_engine::backend::cpu::route_top_k_host;
 use ninfer_engine::backend::Routing;
+use ninfer_engine::host_math::route_top_k_host;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
@@ -246,7 +246,7 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
                     .extend((0..k).map(|_| 0.1 + (rng.next_u64() % 1000) as f32 / 1000.0));
             }
             // The CUDA backend's grouped path needs ≥ 16 tokens and ≥ 4 slotted pairs per
-            // distinct slotted expert (GROUPED_MIN_* in device/expert_slots.rs).
+            // distinct slotted expert (GROUPED_MIN_* in device/experts.rs).
             let slotted: Vec<u32> = routing
                 .expert_ids
                 .iter()

@@ -19,6 +19,9 @@ use super::{
     ExpertSlotTable, NormStyle, Routing, Segment, WithExpertSlotTable,
 };
 use crate::error::EngineError;
+use crate::host_math::{
+    rope_inverse_frequencies, route_top_k_host, sigmoid, silu, softplus, swiglu_halves,
+};
 use crate::weights::{dot, StoredWeight, WeightMatrix};
 
 /// Chunk length of the chunked delta rule (transformers' `chunk_size`).
@@ -145,31 +148,6 @@ impl CpuExpertSlots {
         )?;
         Ok((gate_up, down))
     }
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// PyTorch's softplus (beta 1, threshold 20).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
-/// RoPE inverse frequencies as transformers computes them (f32 exponent and power).
-pub fn rope_inverse_frequencies(rotary_dim: usize, theta: f64) -> Vec<f32> {
-    let base = theta as f32;
-    (0..rotary_dim / 2)
-        .map(|i| 1.0 / base.powf((2 * i) as f32 / rotary_dim as f32))
-        .collect()
 }
 
 /// `x · rsqrt(Σx² + 1e-6)` (the delta rule's fixed-eps l2 norm), times `scale`.
@@ -563,9 +541,7 @@ impl Backend for CpuBackend {
         let mut out = CpuTensor::zeros(gate_up.rows, half);
         for row in 0..gate_up.rows {
             let source = gate_up.row(row);
-            for (i, o) in out.row_mut(row).iter_mut().enumerate() {
-                *o = silu(source[i]) * source[half + i];
-            }
+            swiglu_halves(&source[..2 * half], out.row_mut(row));
         }
         Ok(out)
     }
@@ -906,9 +882,7 @@ impl Backend for CpuBackend {
                     continue;
                 };
                 gate_up_matrix.matmul(x.row(t), 1, &mut gate_up);
-                for c in 0..intermediate {
-                    activated[c] = silu(gate_up[c]) * gate_up[intermediate + c];
-                }
+                swiglu_halves(&gate_up, &mut activated);
                 down_matrix.matmul(&activated, 1, &mut y);
                 let weight = routing.weights[t * k + j];
                 for (o, v) in out.row_mut(t).iter_mut().zip(&y) {
@@ -949,45 +923,6 @@ fn matmul_into(matrix: &WeightMatrix<'_>, x: &CpuTensor, out: &mut CpuTensor) {
         return;
     }
     matrix.matmul(&x.data, x.rows, &mut out.data);
-}
-
-/// Router on host values: softmax per row (fp32), top-k (ties → lower expert id), optional
-/// renormalisation.
-pub fn route_top_k_host(logits: &[f32], experts: usize, k: usize, normalize: bool) -> Routing {
-    let tokens = logits.len().checked_div(experts).unwrap_or(0);
-    let k = k.min(experts);
-    let mut routing = Routing {
-        experts_per_token: k,
-        expert_ids: Vec::with_capacity(tokens * k),
-        weights: Vec::with_capacity(tokens * k),
-    };
-    let mut order: Vec<usize> = Vec::with_capacity(experts);
-    for row in logits.chunks_exact(experts.max(1)).take(tokens) {
-        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let exps: Vec<f32> = row.iter().map(|&x| (x - max).exp()).collect();
-        let total: f32 = exps.iter().sum();
-        let probabilities: Vec<f32> = exps.iter().map(|e| e / total).collect();
-        order.clear();
-        order.extend(0..experts);
-        order.sort_by(|&a, &b| {
-            probabilities[b]
-                .partial_cmp(&probabilities[a])
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(a.cmp(&b))
-        });
-        let chosen = &order[..k];
-        let sum: f32 = chosen.iter().map(|&e| probabilities[e]).sum();
-        for &expert in chosen {
-            routing.expert_ids.push(expert as u32);
-            let weight = probabilities[expert];
-            routing.weights.push(if normalize && sum > 0.0 {
-                weight / sum
-            } else {
-                weight
-            });
-        }
-    }
-    routing
 }
 
 #[cfg(test)]

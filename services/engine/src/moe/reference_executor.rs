@@ -10,6 +10,7 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, NO_EXPERT};
 
 use crate::error::EngineError;
+use crate::host_math::swiglu_halves;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 use crate::weights::WeightMatrix;
 
@@ -32,10 +33,6 @@ impl ReferenceExpertExecutor {
             problem,
         }
     }
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 impl ExpertExecutor for ReferenceExpertExecutor {
@@ -116,10 +113,10 @@ impl ExpertExecutor for ReferenceExpertExecutor {
             gate_up.matmul(&x, n, &mut gu);
             let mut activated = vec![0.0f32; n * intermediate];
             for i in 0..n {
-                let row = &gu[i * 2 * intermediate..(i + 1) * 2 * intermediate];
-                for c in 0..intermediate {
-                    activated[i * intermediate + c] = silu(row[c]) * row[intermediate + c];
-                }
+                swiglu_halves(
+                    &gu[i * 2 * intermediate..(i + 1) * 2 * intermediate],
+                    &mut activated[i * intermediate..(i + 1) * intermediate],
+                );
             }
             let mut y = vec![0.0f32; n * hidden_size];
             down.matmul(&activated, n, &mut y);

@@ -7,8 +7,8 @@
 //! row-major linear layer onto column-major GEMM arguments. Every entry point used here has the
 //! same C signature in cuBLAS 12.x and 13.x.
 //! Must not touch: kernel launches, the choice of when to use cuBLAS and the self-check against
-//! the kernels (the backend, `device.rs`), the sticky error (the caller records what this
-//! returns).
+//! the kernels (`device/matmul.rs`, `device/self_checks.rs`), what the op's caller does with an
+//! error this returns.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, Mutex};

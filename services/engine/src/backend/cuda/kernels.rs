@@ -21,6 +21,13 @@ pub struct KernelSource {
 
 /// Every kernel file. A kernel added to a file must be listed here so the backend loads it and
 /// the NVRTC test checks that it compiled.
+/// Headers every kernel file may `#include`, as (include name, source): handed to NVRTC with
+/// each compile (it reads no files) and part of every cache key.
+pub const KERNEL_HEADERS: &[(&str, &str)] = &[(
+    "common.cuh",
+    include_str!("../../../../../kernels/common.cuh"),
+)];
+
 pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "elementwise",
@@ -123,12 +130,17 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 
 /// The cache key of one kernel file compiled for `arch` by this NVRTC for this driver.
 pub fn cache_key(kernel: &KernelSource, arch: u32, driver_version: i32, nvrtc: (i32, i32)) -> u64 {
-    fnv1a(&[
-        kernel.source.as_bytes(),
-        format!("sm_{arch}").as_bytes(),
-        format!("driver {driver_version}").as_bytes(),
-        format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes(),
-    ])
+    let settings = [
+        format!("sm_{arch}"),
+        format!("driver {driver_version}"),
+        format!("nvrtc {}.{}", nvrtc.0, nvrtc.1),
+    ];
+    let parts: Vec<&[u8]> = std::iter::once(kernel.source)
+        .chain(KERNEL_HEADERS.iter().map(|(_, header)| *header))
+        .map(str::as_bytes)
+        .chain(settings.iter().map(|setting| setting.as_bytes()))
+        .collect();
+    fnv1a(&parts)
 }
 
 /// `$NINFER_KERNEL_CACHE`, else `$XDG_CACHE_HOME/ninfer/kernels`, else
@@ -160,7 +172,7 @@ pub fn cached_cubin(
     if let Some(path) = existing(&preferred.join(&file_name)) {
         return Ok((path, true));
     }
-    let cubin = nvrtc.compile_cubin(kernel.name, kernel.source, arch)?;
+    let cubin = nvrtc.compile_cubin(kernel.name, kernel.source, KERNEL_HEADERS, arch)?;
     // An unwritable cache is not fatal: fall back to the temp dir, which every process has.
     let fallback = std::env::temp_dir().join("ninfer-kernels");
     let mut last_error = None;
@@ -205,14 +217,16 @@ pub(crate) fn kernel_define(file: &str, name: &str) -> i64 {
         .find(|kernel| kernel.name == file)
         .unwrap_or_else(|| panic!("no kernel file `{file}`"))
         .source;
-    let body = source
-        .lines()
+    // The file's own defines, then those of the headers it is compiled with.
+    let body = std::iter::once(source)
+        .chain(KERNEL_HEADERS.iter().map(|(_, header)| *header))
+        .flat_map(str::lines)
         .find_map(|line| {
             let rest = line.trim_start().strip_prefix("#define ")?;
             let (defined, value) = rest.split_once(char::is_whitespace)?;
             (defined == name).then(|| value.split("//").next().unwrap_or("").trim())
         })
-        .unwrap_or_else(|| panic!("kernels/{file}.cu has no `#define {name}`"));
+        .unwrap_or_else(|| panic!("kernels/{file}.cu and its headers have no `#define {name}`"));
     let mut tokens: Vec<String> = Vec::new();
     let mut chars = body.chars().peekable();
     while let Some(&c) = chars.peek() {

@@ -10,16 +10,15 @@
 //! `ExpertExecutor` on the host: routing comes back to the host after the router), the artifact
 //! byte layout.
 //!
-//! Numerics of this backend: f32 activations with f32 accumulation (bf16 activations
-//! were measured to fail the golden fixtures' 99% top-1 bar, see `cublas`); bf16 matrices stay
-//! bf16 on the GPU, every other weight is decoded to f32 at load. Decode runs batch-invariant
-//! kernels (a warp-per-output matmul that streams the weights once, split-K flash-decoding over
-//! the bf16 KV cache, the recurrent delta rule); prefill runs cuBLAS for bf16 matrices (the
-//! activations split into two bf16 terms, [`cublas`]), tiled causal attention and the chunked
-//! delta rule, each behind a start-up self-check against the reference kernel. The router runs
-//! on the GPU and its routing stays there until the host needs it
-//! (`device/pending_routing.rs`); op outputs are recycled (`device/tensor_pool.rs`). Still to
-//! come: CUDA graphs and more fused ops (decode is bound by the number of kernels, not bytes).
+//! What it computes: f32 activations with f32 accumulation (bf16 activations fail the golden
+//! fixtures' 99% top-1 bar, see `cublas`); bf16 matrices stay bf16 on the GPU, every other
+//! weight is decoded to f32 at load. Decode runs batch-invariant kernels (a warp-per-output
+//! matmul that streams the weights once, split-K flash-decoding over the bf16 KV cache, the
+//! recurrent delta rule); prefill runs cuBLAS for bf16 matrices (the activations split into two
+//! bf16 terms, [`cublas`]), tiled causal attention and the chunked delta rule, each behind a
+//! start-up self-check against the reference kernel. The router runs on the GPU and its routing
+//! stays there until the host needs it (`device/pending_routing.rs`); op outputs are recycled
+//! (`device/tensor_pool.rs`). Every op returns its error (`EngineError::Device`).
 //!
 //! Environment: `NINFER_NVRTC_PATH` / `NINFER_CUDA_DRIVER_PATH` / `NINFER_CUBLAS_PATH` (a library file or its folder,
 //! tried first; see [`loader`]), `NINFER_KERNEL_CACHE` (the compiled-kernel folder; see

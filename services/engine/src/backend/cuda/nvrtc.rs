@@ -122,9 +122,16 @@ impl Nvrtc {
         })
     }
 
-    /// Compiles `source` (named `name` in messages) to a cubin for `sm_{arch}` (e.g. 90).
+    /// Compiles `source` (named `name` in messages) to a cubin for `sm_{arch}` (e.g. 90), with
+    /// `headers` (include name, source) available to its `#include "…"`s.
     /// A source that does not compile gives [`CudaError::Compile`] with NVRTC's log.
-    pub fn compile_cubin(&self, name: &str, source: &str, arch: u32) -> Result<Vec<u8>, CudaError> {
+    pub fn compile_cubin(
+        &self,
+        name: &str,
+        source: &str,
+        headers: &[(&str, &str)],
+        arch: u32,
+    ) -> Result<Vec<u8>, CudaError> {
         let invalid = |what: &str| CudaError::Nvrtc {
             call: "nvrtcCreateProgram".into(),
             message: format!("{what} contains a NUL byte"),
@@ -139,17 +146,29 @@ impl Nvrtc {
         .map(|o| CString::new(o).map_err(|_| invalid("option")))
         .collect::<Result<_, _>>()?;
         let option_pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+        let header_names: Vec<CString> = headers
+            .iter()
+            .map(|(include, _)| CString::new(*include).map_err(|_| invalid("header name")))
+            .collect::<Result<_, _>>()?;
+        let header_sources: Vec<CString> = headers
+            .iter()
+            .map(|(_, text)| CString::new(*text).map_err(|_| invalid("header source")))
+            .collect::<Result<_, _>>()?;
+        let name_pointers: Vec<*const c_char> = header_names.iter().map(|h| h.as_ptr()).collect();
+        let source_pointers: Vec<*const c_char> =
+            header_sources.iter().map(|h| h.as_ptr()).collect();
 
         let mut program: Program = std::ptr::null_mut();
-        // SAFETY: valid NUL-terminated strings; zero headers.
+        // SAFETY: valid NUL-terminated strings; the two header arrays have `headers.len()`
+        // entries each and outlive the call (NVRTC copies them).
         let status = unsafe {
             (self.create)(
                 &mut program,
                 c_source.as_ptr(),
                 c_name.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
+                headers.len() as c_int,
+                source_pointers.as_ptr(),
+                name_pointers.as_ptr(),
             )
         };
         self.check(status, "nvrtcCreateProgram")?;

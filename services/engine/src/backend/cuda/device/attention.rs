@@ -17,12 +17,15 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
     driver_error, elementwise, int, CudaBackend, CudaKvCache, CudaTensor, KvBuffer, KvDtype,
-    ATTENTION_MAX_HEAD_DIM, ATTENTION_WARPS,
 };
 use crate::backend::cuda::CudaError;
 use crate::backend::{AttentionSpec, Segment};
 use crate::error::EngineError;
 
+/// Warps per block of `kernels/attention.cu`.
+pub(super) const ATTENTION_WARPS: u32 = 4;
+/// `32 * MAX_DIMS_PER_LANE` in `kernels/attention.cu`.
+pub(super) const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// `SPLIT_THREADS` in `kernels/attention.cu`.
 const SPLIT_THREADS: u32 = 128;
 /// `SPLIT_TILE`: keys staged and scored together (one per lane); chunks are multiples of it.
@@ -94,6 +97,44 @@ struct SplitPlan {
 }
 
 impl CudaBackend {
+    /// An empty K/V cache in the backend's [`KvDtype`]: in GPU memory, or in the host KV pool
+    /// once the device share is used up (device/host_kv.rs).
+    pub(super) fn allocate_kv_cache(
+        &self,
+        max_tokens: usize,
+        kv_width: usize,
+    ) -> Result<CudaKvCache, CudaError> {
+        let placement = match self.place_kv_cache(max_tokens, kv_width)? {
+            super::host_kv::KvPlace::Host(cache) => return Ok(cache),
+            super::host_kv::KvPlace::Device(placement) => placement,
+        };
+        let dtype = self.options.kv_dtype;
+        let count = max_tokens * kv_width;
+        let allocate = || -> Result<KvBuffer, CudaError> {
+            Ok(match dtype {
+                KvDtype::F32 => KvBuffer::F32(self.alloc(count)?),
+                // Zero-length device allocations are an error in CUDA: keep one element.
+                KvDtype::Bf16 => {
+                    KvBuffer::Bf16(self.stream.alloc_zeros::<u16>(count.max(1)).map_err(
+                        driver_error(format!(
+                            "allocating {count} bf16 KV values ({} bytes)",
+                            count * 2
+                        )),
+                    )?)
+                }
+            })
+        };
+        Ok(CudaKvCache {
+            max_tokens,
+            kv_width,
+            len: 0,
+            dtype,
+            keys: std::mem::ManuallyDrop::new(allocate()?),
+            values: std::mem::ManuallyDrop::new(allocate()?),
+            placement,
+        })
+    }
+
     /// Picks the attention path at start-up: allows the tiled kernels their shared memory, then
     /// (unless the options force the reference) runs the self-check; any failure is logged and
     /// leaves the reference kernel for the life of the process.
@@ -577,6 +618,10 @@ mod tests {
         assert_eq!(i64::from(TILE_THREADS), define("TILE_THREADS"));
         assert_eq!(TILE_ROWS as i64, define("TILE_ROWS"));
         assert_eq!(TILE_KEYS as i64, define("TILE_KEYS"));
+        assert_eq!(
+            ATTENTION_MAX_HEAD_DIM as i64,
+            32 * define("MAX_DIMS_PER_LANE")
+        );
         // The split kernel's threads cover a head's dims, its warps a tile's keys (one per lane).
         assert!(define("SPLIT_THREADS") * define("SPLIT_DIMS") >= ATTENTION_MAX_HEAD_DIM as i64);
         assert_eq!(define("SPLIT_WARPS") * 32, define("SPLIT_THREADS"));

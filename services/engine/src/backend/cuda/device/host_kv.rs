@@ -7,7 +7,7 @@
 //!
 //! Owns: the pool (first-fit ranges, returned when a cache is dropped), the device share and the
 //! placement counters.
-//! Must not touch: the cache layout and the kernels (device.rs, attention.rs).
+//! Must not touch: the cache layout and the kernels (device/mod.rs, attention.rs).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

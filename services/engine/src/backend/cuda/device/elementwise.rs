@@ -1,0 +1,325 @@
+//! Launches of `kernels/elementwise.cu`: row gathers and column slices, embedding, RoPE (with
+//! its device tables), residual adds, SiLU / sigmoid gating, the causal conv1d of Gated
+//! DeltaNet and its delta-rule gates.
+//!
+//! Owns: each of these ops' shape checks and launch geometry, and the rope tables' cache.
+//! Must not touch: the norm kernels (`norm.rs`), matmuls (`matmul.rs`).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::super::CudaError;
+use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};
+use crate::backend::Segment;
+use crate::host_math::rope_inverse_frequencies;
+
+#[derive(Default)]
+pub(super) struct RopeTables {
+    inverse: HashMap<(usize, u64), CudaSlice<f32>>,
+    positions: Option<(Vec<u32>, CudaSlice<u32>)>,
+}
+
+impl CudaBackend {
+    pub(super) fn launch_gather_rows(
+        &self,
+        x: &CudaTensor,
+        rows: &[usize],
+    ) -> Result<CudaTensor, CudaError> {
+        let input = &*x.data;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(CudaError::Invalid {
+                problem: format!("gather_rows: row {bad} of a {}-row tensor", x.rows),
+            });
+        }
+        let indices: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let indices = self.upload_u32(&indices)?;
+        // `gather_rows` writes every element.
+        let mut out = self.output_uninit(rows.len(), x.cols)?;
+        let total = rows.len() * x.cols;
+        if total > 0 {
+            let (count, cols) = (int(rows.len(), "rows")?, int(x.cols, "cols")?);
+            let output = &mut *out.data;
+            launch!(self, "gather_rows", elementwise(total); input, &indices, output, &count, &cols)?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn launch_columns(
+        &self,
+        x: &CudaTensor,
+        range: Range<usize>,
+    ) -> Result<CudaTensor, CudaError> {
+        if range.end > x.cols {
+            return Err(CudaError::Invalid {
+                problem: format!("columns {range:?} of a {}-column tensor", x.cols),
+            });
+        }
+        let width = range.len();
+        let rows = int(x.rows, "rows")?;
+        let (cols, start, width_arg) = (x.cols as i32, range.start as i32, width as i32);
+        self.unary(x, width, |input, output| {
+            launch!(self, "columns", elementwise(x.rows * width);
+                input, output, &rows, &cols, &start, &width_arg)
+        })
+    }
+
+    pub(super) fn launch_silu_mul_halves(
+        &self,
+        gate_up: &CudaTensor,
+    ) -> Result<CudaTensor, CudaError> {
+        let half = gate_up.cols / 2;
+        let rows = int(gate_up.rows, "rows")?;
+        let half_arg = half as i32;
+        self.unary(gate_up, half, |input, output| {
+            launch!(self, "silu_mul_halves", elementwise(gate_up.rows * half);
+                input, output, &rows, &half_arg)
+        })
+    }
+
+    pub(super) fn launch_split_interleaved(
+        &self,
+        x: &CudaTensor,
+        groups: usize,
+        first: usize,
+        second: usize,
+    ) -> Result<(CudaTensor, CudaTensor), CudaError> {
+        let input = &*x.data;
+        if groups * (first + second) != x.cols {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "split_interleaved: {groups}×({first}+{second}) columns of a {}-column tensor",
+                    x.cols
+                ),
+            });
+        }
+        // `split_interleaved` writes every element of both.
+        let mut a = self.output_uninit(x.rows, groups * first)?;
+        let mut b = self.output_uninit(x.rows, groups * second)?;
+        let total = x.rows * x.cols;
+        if total > 0 {
+            let rows = int(x.rows, "rows")?;
+            let (groups, first, second) = (
+                int(groups, "groups")?,
+                int(first, "first")?,
+                int(second, "second")?,
+            );
+            let (out_a, out_b) = (&mut *a.data, &mut *b.data);
+            launch!(self, "split_interleaved", elementwise(total);
+                input, out_a, out_b, &rows, &groups, &first, &second)?;
+        }
+        Ok((a, b))
+    }
+
+    pub(super) fn launch_embed(
+        &self,
+        table: &CudaWeight,
+        ids: &[u32],
+    ) -> Result<CudaTensor, CudaError> {
+        let indices = self.upload_u32(ids)?;
+        // `embed` writes every element (zero for an id outside the table).
+        let mut out = self.output_uninit(ids.len(), table.cols)?;
+        let total = ids.len() * table.cols;
+        if total > 0 {
+            let (rows, cols, vocab) = (
+                int(ids.len(), "tokens")?,
+                int(table.cols, "hidden")?,
+                int(table.rows, "vocab")?,
+            );
+            let output = &mut *out.data;
+            match &table.data {
+                WeightData::F32(data) => launch!(self, "embed", elementwise(total);
+                    data, &indices, output, &rows, &cols, &vocab)?,
+                WeightData::Bf16(data) => launch!(self, "embed_bf16", elementwise(total);
+                    data, &indices, output, &rows, &cols, &vocab)?,
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn launch_rope(
+        &self,
+        x: &mut CudaTensor,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+    ) -> Result<(), CudaError> {
+        let half = rotary_dim / 2;
+        let rows = positions.len().min(x.rows);
+        if half == 0 || rows == 0 || head_dim == 0 {
+            return Ok(());
+        }
+        if rotary_dim > head_dim || x.cols % head_dim != 0 {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "rope: rotary_dim {rotary_dim}, head_dim {head_dim}, {} columns",
+                    x.cols
+                ),
+            });
+        }
+        let total = rows * (x.cols / head_dim) * half;
+        let (rows_arg, cols, head_dim, half) = (
+            int(rows, "rows")?,
+            int(x.cols, "cols")?,
+            int(head_dim, "head_dim")?,
+            int(half, "rotary half")?,
+        );
+        let data = &mut *x.data;
+        self.with_rope_tables(
+            &positions[..rows],
+            rotary_dim,
+            theta,
+            |positions, inverse| {
+                launch!(self, "rope", elementwise(total);
+                data, positions, inverse, &rows_arg, &cols, &head_dim, &half)
+            },
+        )
+    }
+
+    /// Runs `launch` with the device tables of a rotation: `positions` as u32 (uploaded when
+    /// they differ from the last ones: every attention layer of a forward rotates q and k at
+    /// the same positions) and the inverse frequencies of `(rotary_dim, theta)` (uploaded once).
+    pub(super) fn with_rope_tables<T>(
+        &self,
+        positions: &[usize],
+        rotary_dim: usize,
+        theta: f64,
+        launch: impl FnOnce(&CudaSlice<u32>, &CudaSlice<f32>) -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
+        let positions: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let mut tables = self.rope_tables.lock().map_err(|_| CudaError::Invalid {
+            problem: "the rope cache's lock is poisoned".into(),
+        })?;
+        let key = (rotary_dim, theta.to_bits());
+        if let std::collections::hash_map::Entry::Vacant(entry) = tables.inverse.entry(key) {
+            entry.insert(self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?);
+        }
+        if tables
+            .positions
+            .as_ref()
+            .is_none_or(|(held, _)| *held != positions)
+        {
+            let uploaded = self.upload_u32(&positions)?;
+            tables.positions = Some((positions, uploaded));
+        }
+        let (Some(inverse), Some((_, positions))) =
+            (tables.inverse.get(&key), tables.positions.as_ref())
+        else {
+            return Err(CudaError::Invalid {
+                problem: "rope tables missing after upload".into(),
+            });
+        };
+        launch(positions, inverse)
+    }
+
+    pub(super) fn launch_add_assign(
+        &self,
+        a: &mut CudaTensor,
+        b: &CudaTensor,
+    ) -> Result<(), CudaError> {
+        Self::check_same_shape(a, b, "add_assign")?;
+        let other = &*b.data;
+        let total = a.rows * a.cols;
+        let n = total as i64;
+        let data = &mut *a.data;
+        if total > 0 {
+            launch!(self, "add_assign", elementwise(total); data, other, &n)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn launch_add_sigmoid_scaled_rows(
+        &self,
+        a: &mut CudaTensor,
+        b: &CudaTensor,
+        gate: &CudaTensor,
+    ) -> Result<(), CudaError> {
+        Self::check_same_shape(a, b, "add_sigmoid_scaled_rows")?;
+        if gate.rows != a.rows || gate.cols == 0 {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "add_sigmoid_scaled_rows: gate {}×{} for {} rows",
+                    gate.rows, gate.cols, a.rows
+                ),
+            });
+        }
+        let (other, gate_data) = (&*b.data, &*gate.data);
+        let total = a.rows * a.cols;
+        let (rows, cols, gate_cols) = (
+            int(a.rows, "rows")?,
+            int(a.cols, "cols")?,
+            int(gate.cols, "gate cols")?,
+        );
+        let data = &mut *a.data;
+        if total > 0 {
+            launch!(self, "add_sigmoid_scaled_rows", elementwise(total);
+                data, other, gate_data, &rows, &cols, &gate_cols)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn launch_causal_conv1d_silu(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        segments: &mut [Segment<'_, CudaConvState>],
+    ) -> Result<CudaTensor, CudaError> {
+        let input = &*x.data;
+        let mut out = self.output(x.rows, x.cols)?;
+        for segment in segments.iter_mut() {
+            let state = &mut *segment.state;
+            if state.channels != x.cols || weight.rows != x.cols || weight.cols != state.kernel {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "causal_conv1d: {} channels, taps {}×{}, state {}×{}",
+                        x.cols, weight.rows, weight.cols, state.channels, state.kernel
+                    ),
+                });
+            }
+            let n = segment.rows.len();
+            if n == 0 {
+                continue;
+            }
+            let (row_start, rows, channels, kernel) = (
+                int(segment.rows.start, "row")?,
+                int(n, "rows")?,
+                int(x.cols, "channels")?,
+                int(state.kernel, "kernel")?,
+            );
+            let history = &mut state.history;
+            let output = &mut *out.data;
+            launch!(self, "causal_conv1d_silu", elementwise(x.cols);
+                input, weight.f32()?, history, output, &row_start, &rows, &channels, &kernel)?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn launch_delta_rule_gates(
+        &self,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaWeight,
+        dt_bias: &CudaWeight,
+    ) -> Result<(CudaTensor, CudaTensor), CudaError> {
+        Self::check_same_shape(a, b, "delta_rule_gates")?;
+        let nv = a.cols;
+        if a_log.rows * a_log.cols != nv || dt_bias.rows * dt_bias.cols != nv {
+            return Err(CudaError::Invalid {
+                problem: format!("delta_rule_gates: {nv} heads, A_log / dt_bias sizes differ"),
+            });
+        }
+        let (a_data, b_data) = (&*a.data, &*b.data);
+        let mut g = self.output(a.rows, nv)?;
+        let mut beta = self.output(a.rows, nv)?;
+        let total = a.rows * nv;
+        if total > 0 {
+            let (rows, heads) = (int(a.rows, "rows")?, int(nv, "heads")?);
+            let (g_out, beta_out) = (&mut *g.data, &mut *beta.data);
+            launch!(self, "delta_rule_gates", elementwise(total);
+                a_data, b_data, a_log.f32()?, dt_bias.f32()?, g_out, beta_out, &rows, &heads)?;
+        }
+        Ok((g, beta))
+    }
+}

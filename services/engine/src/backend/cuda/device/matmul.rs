@@ -1,0 +1,191 @@
+//! Launches of `kernels/matmul.cu` and the cuBLAS path: `x · Wᵀ` for every weight dtype, the
+//! three-projection `matmul3`, and prefill-sized bf16 GEMMs on tensor cores.
+//!
+//! Owns: the choice between the matmul kernel and cuBLAS per call, and the kernel's launch
+//! geometry.
+//! Must not touch: cuBLAS loading and its start-up check (`cublas.rs`, `self_checks.rs`).
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::super::cublas::{Cublas, GemmOperands};
+use super::super::CudaError;
+use super::{driver_error, elementwise, int, CudaBackend, CudaTensor, CudaWeight, WeightData};
+
+/// `ROWS` in `kernels/matmul.cu`: rows one warp computes together.
+pub(super) const MATMUL_ROWS: u64 = 8;
+/// Warps per block of the matmul kernel.
+pub(super) const MATMUL_WARPS: u32 = 8;
+/// bf16 matmuls of at least this many rows go through cuBLAS (when it loaded and passed its
+/// start-up check); fewer rows (decode) stay on the matmul kernel, which streams the weights
+/// once for up to `MATMUL_ROWS` rows and keeps f32 activations.
+pub(super) const CUBLAS_MIN_ROWS: usize = 9;
+
+impl CudaBackend {
+    pub(super) fn launch_matmul(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<CudaTensor, CudaError> {
+        // Prefill-sized bf16 GEMMs on tensor cores; a cuBLAS error here is the op's error (no
+        // fallback): the start-up check already proved the path, so a failure now means the
+        // GPU or the context is in trouble, not that cuBLAS is unsuitable.
+        if let (Some(cublas), WeightData::Bf16(data)) = (&self.cublas, &weight.data) {
+            if x.rows >= CUBLAS_MIN_ROWS && x.cols == weight.cols && weight.rows > 0 && x.cols > 0 {
+                return self.matmul_cublas(cublas, x, data, weight.rows);
+            }
+        }
+        self.matmul_kernel(x, weight)
+    }
+
+    /// `x · wᵀ` through cuBLAS on tensor cores: `x` split into two bf16 terms `hi + lo`
+    /// (`f32_to_bf16_split` in kernels/matmul.cu) and multiplied twice, the second GEMM adding
+    /// into the first, so the activations keep ~16 mantissa bits (one bf16 term alone moved
+    /// the tiny models' logits by up to 0.9); f32 accumulation and result.
+    pub(super) fn matmul_cublas(
+        &self,
+        cublas: &Cublas,
+        x: &CudaTensor,
+        w: &CudaSlice<u16>,
+        out_features: usize,
+    ) -> Result<CudaTensor, CudaError> {
+        let input = &*x.data;
+        let count = x.rows * x.cols;
+        let mut x_hi = self
+            .stream
+            .alloc_zeros::<u16>(count.max(1))
+            .map_err(driver_error(format!("allocating {count} bf16 activations")))?;
+        let mut x_lo = self
+            .stream
+            .alloc_zeros::<u16>(count.max(1))
+            .map_err(driver_error(format!("allocating {count} bf16 activations")))?;
+        let count_arg = count as i64;
+        launch!(self, "f32_to_bf16_split", elementwise(count);
+            input, &mut x_hi, &mut x_lo, &count_arg)?;
+        // The first GEMM overwrites every element (beta 0), the second adds to it.
+        let mut out = self.output_uninit(x.rows, out_features)?;
+        for (part, accumulate) in [(&x_hi, false), (&x_lo, true)] {
+            cublas.linear_into(
+                GemmOperands::Bf16 { x: part, w },
+                &mut out.data,
+                x.rows,
+                x.cols,
+                out_features,
+                accumulate,
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// `x · wᵀ` with the matmul kernel (every dtype, every row count).
+    pub(super) fn matmul_kernel(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<CudaTensor, CudaError> {
+        let input = &*x.data;
+        // Same contract as the CPU backend: an inconsistent call leaves zeros (shapes are
+        // validated at model load).
+        if x.cols != weight.cols || x.rows == 0 || weight.rows == 0 {
+            return self.output(x.rows, weight.rows);
+        }
+        // One warp per (output, row group) writes each element.
+        let mut out = self.output_uninit(x.rows, weight.rows)?;
+        let (n, k, m) = (
+            int(x.rows, "rows")?,
+            int(x.cols, "in")?,
+            int(weight.rows, "out")?,
+        );
+        // One warp per (output feature, group of MATMUL_ROWS rows); see kernels/matmul.cu.
+        let tasks = (weight.rows as u64) * (x.rows as u64).div_ceil(MATMUL_ROWS);
+        let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
+            CudaError::Invalid {
+                problem: format!(
+                    "matmul of {}×{} by {}×{} is too large",
+                    x.rows, x.cols, weight.rows, weight.cols
+                ),
+            }
+        })?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MATMUL_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let output = &mut *out.data;
+        match &weight.data {
+            WeightData::F32(data) => {
+                launch!(self, "matmul", config; input, data, output, &n, &k, &m)?
+            }
+            WeightData::Bf16(data) => {
+                launch!(self, "matmul_bf16", config; input, data, output, &n, &k, &m)?
+            }
+        }
+        Ok(out)
+    }
+
+    /// Three bf16 projections of `x` in one `matmul3_bf16` launch, where the matmul kernel
+    /// (not cuBLAS) would compute each and their shapes agree; `None` where they are not.
+    pub(super) fn launch_matmul3(
+        &self,
+        x: &CudaTensor,
+        weights: [&CudaWeight; 3],
+    ) -> Result<Option<[CudaTensor; 3]>, CudaError> {
+        let [WeightData::Bf16(w0), WeightData::Bf16(w1), WeightData::Bf16(w2)] =
+            weights.map(|weight| &weight.data)
+        else {
+            return Ok(None);
+        };
+        if x.rows == 0
+            || self.uses_cublas_for(x.rows)
+            || weights
+                .iter()
+                .any(|weight| weight.cols != x.cols || weight.rows == 0)
+        {
+            return Ok(None);
+        }
+        let input = &*x.data;
+        // One warp per (output feature of any of the three, row group) writes each element.
+        let mut outputs = [
+            self.output_uninit(x.rows, weights[0].rows)?,
+            self.output_uninit(x.rows, weights[1].rows)?,
+            self.output_uninit(x.rows, weights[2].rows)?,
+        ];
+        let features: usize = weights.iter().map(|weight| weight.rows).sum();
+        let (n, k, m0, m1, m2) = (
+            int(x.rows, "rows")?,
+            int(x.cols, "in")?,
+            int(weights[0].rows, "out")?,
+            int(weights[1].rows, "out")?,
+            int(weights[2].rows, "out")?,
+        );
+        int(features, "outputs of three projections")?;
+        let tasks = (features as u64) * (x.rows as u64).div_ceil(MATMUL_ROWS);
+        let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
+            CudaError::Invalid {
+                problem: format!("three projections of {}×{} are too large", x.rows, x.cols),
+            }
+        })?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MATMUL_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let [out0, out1, out2] = &mut outputs;
+            let (o0, o1, o2) = (&mut *out0.data, &mut *out1.data, &mut *out2.data);
+            launch!(self, "matmul3_bf16", config;
+                input, w0, w1, w2, o0, o1, o2, &n, &k, &m0, &m1, &m2)?;
+        }
+        Ok(Some(outputs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use super::super::super::kernels::kernel_define;
+        assert_eq!(MATMUL_ROWS as i64, kernel_define("matmul", "ROWS"));
+    }
+}

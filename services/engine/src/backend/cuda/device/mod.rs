@@ -1,0 +1,983 @@
+//! [`CudaBackend`]: the backend's types (tensors, weights, KV caches, states) and every
+//! [`Backend`] op as kernel launches on one stream.
+//!
+//! Owns: device buffers (`CudaSlice<f32>`) behind the backend's types, the shared launch
+//! helpers (output buffers, uploads, read-back, `launch!`), and the `Backend` impl, which maps
+//! each op onto its family's module. The families mirror `kernels/*.cu` one to one:
+//! `attention`, `delta_rule`, `elementwise`, `experts`, `matmul`, `norm`, `router`, `sampling`.
+//! Beside them: `options` (what the backend is opened with), `start_up` (driver, context,
+//! kernels), `self_checks` (cuBLAS), and the buffers' helpers (`readback`, `pending_routing`,
+//! `tensor_pool`, `host_kv`, `op_timing`, `bandwidth`).
+//! Must not touch: model structure, routed experts, the artifact byte layout.
+//!
+//! Errors: every op returns its error as [`EngineError::Device`], naming the op and keeping the
+//! [`CudaError`] (an out-of-memory says so, with the bytes asked for). A CUDA context that hit a
+//! launch error is unusable anyway, so nothing tries to recover.
+
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use ninfer_artifact::{Artifact, DType, ExpertBank};
+use ninfer_cpu_experts::ExpertLayout;
+
+use super::cublas::Cublas;
+use super::CudaError;
+use crate::backend::{
+    AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, Rotation, Routing, Segment,
+};
+use crate::error::EngineError;
+use crate::host_math::route_top_k_host;
+use crate::weights::StoredWeight;
+use elementwise::RopeTables;
+use matmul::CUBLAS_MIN_ROWS;
+
+/// Threads per block of the element-wise kernels.
+const BLOCK: u32 = 256;
+
+/// The CUDA backend on one GPU. Every op is queued on one stream; `download` and the routing
+/// read-back synchronise.
+pub struct CudaBackend {
+    // Kept so the context outlives every buffer and module made from it.
+    _context: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+    info: DeviceInfo,
+    /// cuBLAS for bf16 prefill GEMMs, only once it passed the start-up check.
+    cublas: Option<Cublas>,
+    options: CudaOptions,
+    /// `NINFER_CUDA_OP_TIMING`: per-op timing for profiling (device/op_timing.rs).
+    op_timing: Option<op_timing::OpTiming>,
+    /// Page-locked buffer the read-backs go through (device/readback.rs).
+    staging: readback::StagingSlot,
+    /// Page-locked buffers of the routings started and not finished (device/pending_routing.rs).
+    routing_staging: pending_routing::RoutingStagingPool,
+    /// Buffers of dead op outputs, reused by the next op of the same length.
+    tensor_pool: Arc<tensor_pool::TensorPool>,
+    /// Rope's device tables: inverse frequencies per (rotary dim, θ), the last positions.
+    rope_tables: Mutex<RopeTables>,
+    /// `--host-kv-mib`: the page-locked KV pool and placement counters (device/host_kv.rs).
+    host_kv: host_kv::HostKvSlot,
+}
+
+/// A row-major `[rows, cols]` f32 buffer on the GPU.
+pub struct CudaTensor {
+    pub rows: usize,
+    pub cols: usize,
+    /// Dropped by hand: `Drop` hands it to `pool` instead when there is one.
+    data: ManuallyDrop<CudaSlice<f32>>,
+    /// Where the buffer goes when the tensor dies (op outputs: device/tensor_pool.rs); `None`:
+    /// freed.
+    pool: Option<Arc<tensor_pool::TensorPool>>,
+}
+
+impl CudaTensor {
+    /// A tensor that owns `data` and frees it when it dies.
+    fn unpooled(rows: usize, cols: usize, data: CudaSlice<f32>) -> Self {
+        CudaTensor {
+            rows,
+            cols,
+            data: ManuallyDrop::new(data),
+            pool: None,
+        }
+    }
+}
+
+impl Drop for CudaTensor {
+    fn drop(&mut self) {
+        // SAFETY: `data` is taken or dropped exactly once, here, and never used after.
+        unsafe {
+            match self.pool.take() {
+                Some(pool) => pool.give_back(ManuallyDrop::take(&mut self.data)),
+                None => ManuallyDrop::drop(&mut self.data),
+            }
+        }
+    }
+}
+
+/// A weight on the GPU: bf16 matrices stay bf16 (half the memory; bf16 → f32 in the kernel is
+/// exact); everything else (f32, int8/int4 dense matrices, and every parameter) is decoded to
+/// f32 at load.
+pub struct CudaWeight {
+    pub rows: usize,
+    pub cols: usize,
+    data: WeightData,
+}
+
+enum WeightData {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl CudaWeight {
+    /// The f32 buffer of a parameter (parameters are always loaded as f32).
+    fn f32(&self) -> Result<&CudaSlice<f32>, CudaError> {
+        match &self.data {
+            WeightData::F32(data) => Ok(data),
+            WeightData::Bf16(_) => Err(CudaError::Invalid {
+                problem: "a bf16 matrix was passed where an f32 parameter is expected".into(),
+            }),
+        }
+    }
+
+    /// Bytes this weight takes on the GPU.
+    pub fn device_bytes(&self) -> usize {
+        match &self.data {
+            WeightData::F32(data) => data.len() * 4,
+            WeightData::Bf16(data) => data.len() * 2,
+        }
+    }
+}
+
+/// Keys and values of one attention layer of one sequence, `[max_tokens, kv_width]` each, in
+/// the backend's [`KvDtype`].
+pub struct CudaKvCache {
+    pub max_tokens: usize,
+    pub kv_width: usize,
+    pub len: usize,
+    pub dtype: KvDtype,
+    /// Dropped by hand: host-pool buffers must never reach `cuMemFree` (device/host_kv.rs).
+    keys: ManuallyDrop<KvBuffer>,
+    values: ManuallyDrop<KvBuffer>,
+    /// GPU memory or the host KV pool (device/host_kv.rs).
+    placement: host_kv::KvPlacementToken,
+}
+
+enum KvBuffer {
+    F32(CudaSlice<f32>),
+    /// bf16 bit patterns.
+    Bf16(CudaSlice<u16>),
+}
+
+impl CudaKvCache {
+    /// Bytes the keys and values take on the GPU.
+    pub fn device_bytes(&self) -> usize {
+        [&*self.keys, &*self.values]
+            .into_iter()
+            .map(|buffer| match buffer {
+                KvBuffer::F32(data) => data.len() * 4,
+                KvBuffer::Bf16(data) => data.len() * 2,
+            })
+            .sum()
+    }
+}
+
+/// The last `kernel − 1` pre-conv inputs, `[kernel − 1, channels]`, oldest first.
+pub struct CudaConvState {
+    pub channels: usize,
+    pub kernel: usize,
+    history: CudaSlice<f32>,
+}
+
+/// The delta-rule state `[nv, dk, dv]` (row index = key dim).
+pub struct CudaRecurrentState {
+    pub spec: DeltaRuleSpec,
+    state: CudaSlice<f32>,
+}
+
+fn driver_error(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+    let what = what.into();
+    move |error| CudaError::Driver {
+        what,
+        message: describe(&error),
+    }
+}
+
+/// `CUDA_ERROR_OUT_OF_MEMORY (out of memory)`: cudarc's `Display` needs its `std` feature.
+fn describe(error: &cudarc::driver::DriverError) -> String {
+    let name = error
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", error.0));
+    match error.error_string() {
+        Ok(text) => format!("{name} ({})", text.to_string_lossy()),
+        Err(_) => name,
+    }
+}
+
+/// Kernel arguments are C `int`: refuse sizes that do not fit rather than wrap.
+fn int(value: usize, what: &str) -> Result<i32, CudaError> {
+    i32::try_from(value).map_err(|_| CudaError::Invalid {
+        problem: format!("{what} = {value} does not fit a 32-bit kernel argument"),
+    })
+}
+
+/// One thread per element, grid-stride beyond 2^16 blocks.
+fn elementwise(count: usize) -> LaunchConfig {
+    let blocks = count.div_ceil(BLOCK as usize).clamp(1, 1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Runs `f`, turning a panic inside cudarc (it panics when its own loader misses a library or a
+/// symbol) into a typed error.
+fn no_panic<T>(what: &str, f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T, CudaError> {
+    std::panic::catch_unwind(f).map_err(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panicked".into());
+        CudaError::Driver {
+            what: what.to_string(),
+            message,
+        }
+    })
+}
+
+/// Queues one kernel launch. Arguments are references to locals (cudarc keeps pointers to
+/// them until the launch call returns).
+macro_rules! launch {
+    ($backend:expr, $kernel:literal, $config:expr; $($arg:expr),* $(,)?) => {{
+        let function = $backend.function($kernel)?;
+        let mut builder = $backend.stream.launch_builder(function);
+        $( builder.arg($arg); )*
+        // SAFETY: the argument list matches the kernel's C signature in kernels/*.cu (types and
+        // order; the op tests exercise every launch), and the caller sized every buffer for the
+        // launch's index range.
+        unsafe { builder.launch($config) }
+            .map(|_| ())
+            .map_err($crate::backend::cuda::device::driver_error(concat!("launching `", $kernel, "`")))
+    }};
+}
+
+impl CudaBackend {
+    /// The options this backend was opened with.
+    pub fn options(&self) -> CudaOptions {
+        self.options
+    }
+
+    /// Whether a bf16 matmul of `rows` rows goes through cuBLAS (tests print it).
+    pub fn uses_cublas_for(&self, rows: usize) -> bool {
+        self.cublas.is_some() && rows >= CUBLAS_MIN_ROWS
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Waits for every queued op; reports a launch failure that surfaced late.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(driver_error("synchronising the stream"))
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction, CudaError> {
+        self.functions.get(name).ok_or_else(|| CudaError::Invalid {
+            problem: format!("kernel `{name}` is not loaded"),
+        })
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        // Zero-length device allocations are an error in CUDA: keep one element.
+        self.stream
+            .alloc_zeros::<f32>(len.max(1))
+            .map_err(driver_error(format!(
+                "allocating {len} floats ({} bytes)",
+                len * 4
+            )))
+    }
+
+    /// A zeroed `[rows, cols]` output (a recycled buffer and a memset when one is free).
+    fn output(&self, rows: usize, cols: usize) -> Result<CudaTensor, CudaError> {
+        let mut tensor = self.output_uninit(rows, cols)?;
+        self.stream
+            .memset_zeros(&mut *tensor.data)
+            .map_err(driver_error("zeroing an op's output"))?;
+        Ok(tensor)
+    }
+
+    /// A `[rows, cols]` output with unspecified contents, for ops whose kernels write every
+    /// element: a recycled buffer (no driver call at all) or a new allocation.
+    fn output_uninit(&self, rows: usize, cols: usize) -> Result<CudaTensor, CudaError> {
+        // Zero-length device allocations are an error in CUDA: keep one element.
+        let len = (rows * cols).max(1);
+        let data = match self.tensor_pool.take(len) {
+            Some(data) => data,
+            // SAFETY: the caller's kernel writes every element before anything reads it (the
+            // contract of this function); the buffer is never read uninitialised.
+            None => unsafe { self.stream.alloc::<f32>(len) }.map_err(driver_error(format!(
+                "allocating {len} floats ({} bytes)",
+                len * 4
+            )))?,
+        };
+        Ok(CudaTensor {
+            rows,
+            cols,
+            data: ManuallyDrop::new(data),
+            pool: Some(Arc::clone(&self.tensor_pool)),
+        })
+    }
+
+    fn upload_u32(&self, values: &[u32]) -> Result<CudaSlice<u32>, CudaError> {
+        let padded;
+        let values = if values.is_empty() {
+            padded = [0u32];
+            &padded[..]
+        } else {
+            values
+        };
+        self.stream
+            .memcpy_stod(values)
+            .map_err(driver_error("copying indices to the GPU"))
+    }
+
+    fn upload_f32(&self, values: &[f32]) -> Result<CudaSlice<f32>, CudaError> {
+        if values.is_empty() {
+            return self.alloc(0);
+        }
+        self.stream
+            .memcpy_stod(values)
+            .map_err(driver_error("copying to the GPU"))
+    }
+
+    /// `values` as a new `[rows, cols]` tensor.
+    fn upload_tensor(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaTensor, CudaError> {
+        if values.len() != rows * cols {
+            return Err(CudaError::Invalid {
+                problem: format!("upload: {} values for {rows}×{cols}", values.len()),
+            });
+        }
+        Ok(CudaTensor::unpooled(rows, cols, self.upload_f32(values)?))
+    }
+
+    /// Every value of `tensor`, through the page-locked staging buffer.
+    fn download_values(&self, tensor: &CudaTensor) -> Result<Vec<f32>, CudaError> {
+        let len = tensor.rows * tensor.cols;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let data = &*tensor.data;
+        // Big read-backs (a prefill's logits) go straight to pageable memory rather than grow
+        // the page-locked buffer for good.
+        if len * 4 > readback::STAGING_MAX_BYTES {
+            let mut values = self
+                .stream
+                .memcpy_dtov(data)
+                .map_err(driver_error("copying to the host"))?;
+            values.truncate(len);
+            return Ok(values);
+        }
+        match self
+            .read_back_together(&[readback::ReadBack::F32(data, len)])?
+            .pop()
+        {
+            Some(readback::HostValues::F32(values)) => Ok(values),
+            _ => Err(CudaError::Invalid {
+                problem: "a read-back came back in the wrong shape".into(),
+            }),
+        }
+    }
+
+    /// Loads a weight; `keep_bf16` keeps a bf16 tensor's bits as they are (matrices), else
+    /// the values are decoded to f32 (parameters, and any other dtype).
+    fn load_weight(
+        &self,
+        artifact: &Arc<Artifact>,
+        name: &str,
+        keep_bf16: bool,
+    ) -> Result<CudaWeight, EngineError> {
+        let stored = StoredWeight::new(artifact, name)?;
+        let (rows, cols) = stored.shape();
+        let copy_error = |error: CudaError| EngineError::InvalidWeight {
+            name: name.to_string(),
+            problem: format!("copying to the GPU: {error}"),
+        };
+        let data = if keep_bf16 && stored.matrix().dtype == DType::Bf16 {
+            let view = artifact.tensor(name)?;
+            // Little-endian bf16 words, read without assuming the mapping's alignment.
+            let words: Vec<u16> = view
+                .bytes
+                .chunks_exact(2)
+                .map(|pair| u16::from_le_bytes([pair[0], pair[1]]))
+                .collect();
+            if words.is_empty() || words.len() != rows * cols {
+                return Err(EngineError::InvalidWeight {
+                    name: name.to_string(),
+                    problem: format!("{} bf16 values for {rows}×{cols}", words.len()),
+                });
+            }
+            WeightData::Bf16(
+                self.stream
+                    .memcpy_stod(&words)
+                    .map_err(driver_error("copying a bf16 weight to the GPU"))
+                    .map_err(copy_error)?,
+            )
+        } else {
+            let values = stored.matrix().to_f32_vec();
+            WeightData::F32(self.upload_f32(&values).map_err(copy_error)?)
+        };
+        Ok(CudaWeight { rows, cols, data })
+    }
+
+    /// A weight from host values (op tests compare against the CPU backend on the same values).
+    pub fn weight_from_host(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaWeight, CudaError> {
+        if values.len() != rows * cols {
+            return Err(CudaError::Invalid {
+                problem: format!("{} values for a {rows}×{cols} weight", values.len()),
+            });
+        }
+        Ok(CudaWeight {
+            rows,
+            cols,
+            data: WeightData::F32(self.upload_f32(values)?),
+        })
+    }
+
+    /// A bf16 weight from host values, rounded to nearest even (as the converter stores bf16):
+    /// the op tests' way to reach the bf16 paths (the kernel and cuBLAS) with chosen shapes.
+    pub fn weight_from_host_bf16(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaWeight, CudaError> {
+        if values.len() != rows * cols || values.is_empty() {
+            return Err(CudaError::Invalid {
+                problem: format!("{} values for a {rows}×{cols} weight", values.len()),
+            });
+        }
+        let bits: Vec<u16> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let data = self
+            .stream
+            .memcpy_stod(&bits)
+            .map_err(driver_error("copying a bf16 weight to the GPU"))?;
+        Ok(CudaWeight {
+            rows,
+            cols,
+            data: WeightData::Bf16(data),
+        })
+    }
+
+    fn unary(
+        &self,
+        x: &CudaTensor,
+        out_cols: usize,
+        run: impl FnOnce(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<(), CudaError>,
+    ) -> Result<CudaTensor, CudaError> {
+        let input = &*x.data;
+        // Every unary kernel writes each element of its output (grid-stride or per group).
+        let mut out = self.output_uninit(x.rows, out_cols)?;
+        if x.rows * out_cols > 0 {
+            run(input, &mut out.data)?;
+        }
+        Ok(out)
+    }
+
+    fn check_same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<(), CudaError> {
+        if (a.rows, a.cols) != (b.rows, b.cols) {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "{op}: shapes {}×{} and {}×{}",
+                    a.rows, a.cols, b.rows, b.cols
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn binary(
+        &self,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        op: &str,
+        run: impl FnOnce(
+            &CudaSlice<f32>,
+            &CudaSlice<f32>,
+            &mut CudaSlice<f32>,
+            i64,
+        ) -> Result<(), CudaError>,
+    ) -> Result<CudaTensor, CudaError> {
+        Self::check_same_shape(a, b, op)?;
+        let other = &*b.data;
+        let total = a.rows * a.cols;
+        self.unary(a, a.cols, |input, output| {
+            run(input, other, output, total as i64)
+        })
+    }
+}
+
+/// Maps a CUDA error to the engine's, naming the backend op it failed in.
+fn device(op: &'static str) -> impl FnOnce(CudaError) -> EngineError {
+    move |source| EngineError::Device { op, source }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type KvCache = CudaKvCache;
+    type ConvState = CudaConvState;
+    type RecurrentState = CudaRecurrentState;
+    type ExpertSlots = CudaExpertSlots;
+    type PendingRouting = CudaPendingRouting;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.info.ordinal)
+    }
+
+    fn load_matrix(&self, artifact: &Arc<Artifact>, name: &str) -> Result<CudaWeight, EngineError> {
+        self.load_weight(artifact, name, true)
+    }
+
+    fn load_parameter(
+        &self,
+        artifact: &Arc<Artifact>,
+        name: &str,
+    ) -> Result<CudaWeight, EngineError> {
+        self.load_weight(artifact, name, false)
+    }
+
+    fn weight_shape(&self, weight: &CudaWeight) -> (usize, usize) {
+        (weight.rows, weight.cols)
+    }
+
+    fn upload(&self, values: &[f32], rows: usize, cols: usize) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("upload");
+        self.upload_tensor(values, rows, cols)
+            .map_err(device("upload"))
+    }
+
+    fn download(&self, tensor: &CudaTensor) -> Result<Vec<f32>, EngineError> {
+        let _timer = self.op_timer("download");
+        self.download_values(tensor).map_err(device("download"))
+    }
+
+    fn shape(&self, tensor: &CudaTensor) -> (usize, usize) {
+        (tensor.rows, tensor.cols)
+    }
+
+    fn gather_rows(&self, tensor: &CudaTensor, rows: &[usize]) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("gather_rows");
+        self.launch_gather_rows(tensor, rows)
+            .map_err(device("gather_rows"))
+    }
+
+    fn columns(&self, tensor: &CudaTensor, range: Range<usize>) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("columns");
+        self.launch_columns(tensor, range)
+            .map_err(device("columns"))
+    }
+
+    fn split_interleaved(
+        &self,
+        tensor: &CudaTensor,
+        groups: usize,
+        first: usize,
+        second: usize,
+    ) -> Result<(CudaTensor, CudaTensor), EngineError> {
+        let _timer = self.op_timer("split_interleaved");
+        self.launch_split_interleaved(tensor, groups, first, second)
+            .map_err(device("split_interleaved"))
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("embed");
+        self.launch_embed(table, ids).map_err(device("embed"))
+    }
+
+    fn matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer_named(|| {
+            format!(
+                "matmul {}x{} by {}x{}{}",
+                x.rows,
+                x.cols,
+                weight.rows,
+                weight.cols,
+                if self.uses_cublas_for(x.rows) {
+                    " (cublas)"
+                } else {
+                    ""
+                }
+            )
+        });
+        self.launch_matmul(x, weight).map_err(device("matmul"))
+    }
+
+    fn matmul3(
+        &self,
+        x: &CudaTensor,
+        weights: [&CudaWeight; 3],
+    ) -> Result<[CudaTensor; 3], EngineError> {
+        let fused = {
+            let _timer = self.op_timer_named(|| {
+                format!(
+                    "matmul3 {}x{} by {}+{}+{}x{}",
+                    x.rows, x.cols, weights[0].rows, weights[1].rows, weights[2].rows, x.cols
+                )
+            });
+            self.launch_matmul3(x, weights).map_err(device("matmul3"))?
+        };
+        match fused {
+            Some(outputs) => Ok(outputs),
+            None => {
+                let [w0, w1, w2] = weights;
+                Ok([
+                    self.matmul(x, w0)?,
+                    self.matmul(x, w1)?,
+                    self.matmul(x, w2)?,
+                ])
+            }
+        }
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("rms_norm");
+        self.launch_rms_norm(x, weight, eps, style)
+            .map_err(device("rms_norm"))
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        delta: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("add_rms_norm");
+        self.launch_add_rms_norm(x, delta, weight, eps, style)
+            .map_err(device("add_rms_norm"))
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("gated_rms_norm");
+        self.launch_gated_rms_norm(x, gate, weight, eps)
+            .map_err(device("gated_rms_norm"))
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaTensor,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+    ) -> Result<(), EngineError> {
+        let _timer = self.op_timer("rope");
+        self.launch_rope(x, positions, head_dim, rotary_dim, theta)
+            .map_err(device("rope"))
+    }
+
+    fn rms_norm_rope(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+        rotation: &Rotation<'_>,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("rms_norm_rope");
+        self.launch_rms_norm_rope(x, weight, eps, style, rotation)
+            .map_err(device("rms_norm_rope"))
+    }
+
+    fn add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) -> Result<(), EngineError> {
+        let _timer = self.op_timer("add_assign");
+        self.launch_add_assign(a, b).map_err(device("add_assign"))
+    }
+
+    fn silu_mul_halves(&self, gate_up: &CudaTensor) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("silu_mul_halves");
+        self.launch_silu_mul_halves(gate_up)
+            .map_err(device("silu_mul_halves"))
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("silu_mul");
+        self.binary(
+            gate,
+            up,
+            "silu_mul",
+            |a, b, out, n| launch!(self, "silu_mul", elementwise(n as usize); a, b, out, &n),
+        )
+        .map_err(device("silu_mul"))
+    }
+
+    fn mul_sigmoid(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("mul_sigmoid");
+        self.binary(
+            x,
+            gate,
+            "mul_sigmoid",
+            |a, b, out, n| launch!(self, "mul_sigmoid", elementwise(n as usize); a, b, out, &n),
+        )
+        .map_err(device("mul_sigmoid"))
+    }
+
+    fn add_sigmoid_scaled_rows(
+        &self,
+        a: &mut CudaTensor,
+        b: &CudaTensor,
+        gate: &CudaTensor,
+    ) -> Result<(), EngineError> {
+        let _timer = self.op_timer("add_sigmoid_scaled_rows");
+        self.launch_add_sigmoid_scaled_rows(a, b, gate)
+            .map_err(device("add_sigmoid_scaled_rows"))
+    }
+
+    fn start_routing(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        normalize: bool,
+        hidden: &CudaTensor,
+        read_hidden: bool,
+    ) -> Result<CudaPendingRouting, EngineError> {
+        let _timer = self.op_timer("start_routing");
+        if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
+            let hidden_part = read_hidden.then_some(hidden);
+            return self
+                .launch_routing_and_read_back(logits, k, normalize, hidden_part)
+                .map_err(device("start_routing"));
+        }
+        // Routers wider than the kernel takes: `route_top_k` routes them on the host.
+        let routing = self.route_top_k(logits, k, normalize)?;
+        let hidden = if read_hidden {
+            self.download(hidden)?
+        } else {
+            Vec::new()
+        };
+        Ok(Self::ready_routing(routing, hidden))
+    }
+
+    fn slotted_experts_by_pending_routing(
+        &self,
+        slots: &CudaExpertSlots,
+        x: &CudaTensor,
+        routing: &CudaPendingRouting,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer_by_rows("slotted_experts_by_pending_routing", x.rows);
+        self.launch_slotted_experts_by_pending_routing(slots, x, routing)
+            .map_err(device("slotted_experts_by_pending_routing"))
+    }
+
+    fn finish_routing(
+        &self,
+        mut routing: CudaPendingRouting,
+    ) -> Result<(Routing, Vec<f32>), EngineError> {
+        let _timer = self.op_timer("finish_routing");
+        self.read_routing(&mut routing)
+            .map_err(device("finish_routing"))
+    }
+
+    fn route_top_k(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        normalize: bool,
+    ) -> Result<Routing, EngineError> {
+        let _timer = self.op_timer("route_top_k");
+        // Softmax/top-k on the GPU; only the routing comes back to the host (the expert
+        // executor needs it there). Routers wider than the kernel takes run on the host.
+        if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
+            return self
+                .route_top_k_on_device(logits, k, normalize)
+                .map_err(device("route_top_k"));
+        }
+        let values = self.download(logits)?;
+        Ok(route_top_k_host(&values, logits.cols, k, normalize))
+    }
+
+    fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Result<CudaKvCache, EngineError> {
+        self.allocate_kv_cache(max_tokens, kv_width)
+            .map_err(device("new_kv_cache"))
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        spec: &AttentionSpec,
+        segments: &mut [Segment<'_, CudaKvCache>],
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer_by_rows("attention", q.rows);
+        // The launches live in `attention.rs`.
+        self.attention_on(self.info.attention_path, q, k, v, spec, segments)
+    }
+
+    fn new_conv_state(&self, channels: usize, kernel: usize) -> Result<CudaConvState, EngineError> {
+        let history = self
+            .alloc(kernel.saturating_sub(1) * channels)
+            .map_err(device("new_conv_state"))?;
+        Ok(CudaConvState {
+            channels,
+            kernel,
+            history,
+        })
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        segments: &mut [Segment<'_, CudaConvState>],
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("causal_conv1d_silu");
+        self.launch_causal_conv1d_silu(x, weight, segments)
+            .map_err(device("causal_conv1d_silu"))
+    }
+
+    fn delta_rule_gates(
+        &self,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaWeight,
+        dt_bias: &CudaWeight,
+    ) -> Result<(CudaTensor, CudaTensor), EngineError> {
+        let _timer = self.op_timer("delta_rule_gates");
+        self.launch_delta_rule_gates(a, b, a_log, dt_bias)
+            .map_err(device("delta_rule_gates"))
+    }
+
+    fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Result<CudaRecurrentState, EngineError> {
+        let size = spec.value_heads * spec.key_head_dim * spec.value_head_dim;
+        let state = self.alloc(size).map_err(device("new_recurrent_state"))?;
+        Ok(CudaRecurrentState { spec: *spec, state })
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        spec: &DeltaRuleSpec,
+        form: DeltaRuleForm,
+        segments: &mut [Segment<'_, CudaRecurrentState>],
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer_by_rows("gated_delta_rule", q.rows);
+        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
+        // else the recurrent kernel (device/delta_rule.rs).
+        self.launch_gated_delta_rule(q, k, v, g, beta, spec, form, segments)
+            .map_err(device("gated_delta_rule"))
+    }
+
+    fn new_expert_slots(
+        &self,
+        layout: &ExpertLayout,
+        num_experts: usize,
+        slots: usize,
+    ) -> Result<CudaExpertSlots, EngineError> {
+        self.allocate_expert_slots(layout, num_experts, slots)
+            .map_err(device("new_expert_slots"))
+    }
+
+    fn fill_expert_slot(
+        &self,
+        slots: &mut CudaExpertSlots,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        self.copy_expert_into_slot(slots, slot, expert, artifact, bank)
+    }
+
+    fn prepare_expert_source(
+        &self,
+        slots: &mut CudaExpertSlots,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) {
+        // The raw register call needs the context on this thread.
+        match self.stream.context().bind_to_thread() {
+            Ok(()) => self.pin_bank(slots, artifact, bank),
+            Err(error) => tracing::warn!(
+                bank = %bank.prefix,
+                "not page-locking this expert bank ahead of time: binding the CUDA context failed: {}",
+                describe(&error)
+            ),
+        }
+    }
+
+    fn slotted_experts(
+        &self,
+        slots: &CudaExpertSlots,
+        x: &CudaTensor,
+        routing: &Routing,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer_by_rows("slotted_experts", x.rows);
+        self.launch_slotted_experts(slots, x, routing)
+            .map_err(device("slotted_experts"))
+    }
+
+    fn logit_candidates(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        extra: &[Vec<u32>],
+    ) -> Result<Vec<crate::backend::LogitCandidates>, EngineError> {
+        let _timer = self.op_timer("logit_candidates");
+        crate::backend::candidates::check_candidate_request(logits.rows, logits.cols, k, extra)?;
+        self.launch_logit_candidates(logits, k, extra)
+            .map_err(device("logit_candidates"))
+    }
+
+    fn reserve_host_kv(&self, request: &crate::backend::HostKvRequest) -> Result<(), EngineError> {
+        self.reserve_host_kv_pool(request)
+            .map_err(device("reserve_host_kv"))
+    }
+
+    fn kv_placement(&self) -> Option<crate::backend::KvPlacement> {
+        self.host_kv_placement()
+    }
+}
+
+mod attention;
+mod bandwidth;
+mod delta_rule;
+mod elementwise;
+mod experts;
+mod host_kv;
+mod matmul;
+mod norm;
+mod op_timing;
+mod options;
+mod pending_routing;
+mod readback;
+mod router;
+mod sampling;
+mod self_checks;
+mod start_up;
+mod tensor_pool;
+
+pub use attention::AttentionPath;
+pub use experts::CudaExpertSlots;
+pub use options::{CudaOptions, KvDtype};
+pub use pending_routing::CudaPendingRouting;
+pub use start_up::DeviceInfo;

@@ -1,0 +1,170 @@
+//! Launches of `kernels/norm.cu`: RMSNorm, its fused forms (residual add + norm, per-head norm
+//! + RoPE) and the gated GDN output norm.
+//!
+//! Owns: how a tensor's rows split into norm groups, and the norm kernels' launch geometry.
+//! Must not touch: RoPE's tables (`elementwise.rs`).
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::super::CudaError;
+use super::{int, CudaBackend, CudaTensor, CudaWeight};
+use crate::backend::{NormStyle, Rotation};
+
+/// `NORM_THREADS` in `kernels/norm.cu`.
+const NORM_THREADS: u32 = 256;
+
+/// What the RMSNorm kernels take for `x` normed in groups of `weight`'s length: the group
+/// count (as a count and as the kernel's `long long`), the group length, and the offset
+/// `style` adds to the weight.
+fn norm_groups(
+    x: &CudaTensor,
+    weight: &CudaWeight,
+    style: NormStyle,
+    op: &str,
+) -> Result<(usize, i64, i32, f32), CudaError> {
+    let group = weight.rows * weight.cols;
+    if group == 0 || (x.rows * x.cols) % group != 0 {
+        return Err(CudaError::Invalid {
+            problem: format!("{op}: weight of {group} over rows of {}", x.cols),
+        });
+    }
+    let groups = x.rows * x.cols / group;
+    let offset = match style {
+        NormStyle::Plain => 0.0,
+        NormStyle::ZeroCentred => 1.0,
+    };
+    Ok((groups, groups as i64, int(group, "group")?, offset))
+}
+
+impl CudaBackend {
+    pub(super) fn norm_config(groups: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (groups.clamp(1, 1 << 20) as u32, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub(super) fn launch_rms_norm(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CudaTensor, CudaError> {
+        let (groups, groups_arg, group_arg, offset) = norm_groups(x, weight, style, "rms_norm")?;
+        self.unary(x, x.cols, |input, output| {
+            launch!(self, "rms_norm", Self::norm_config(groups);
+                input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset)
+        })
+    }
+
+    pub(super) fn launch_add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        delta: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CudaTensor, CudaError> {
+        Self::check_same_shape(x, delta, "add_rms_norm")?;
+        let (groups, groups_arg, group_arg, offset) =
+            norm_groups(x, weight, style, "add_rms_norm")?;
+        let other = &*delta.data;
+        // Every group's every element is written.
+        let mut out = self.output_uninit(x.rows, x.cols)?;
+        if groups > 0 {
+            let residual = &mut *x.data;
+            launch!(self, "add_rms_norm", Self::norm_config(groups);
+                residual, other, weight.f32()?, &mut *out.data, &groups_arg,
+                &group_arg, &eps, &offset)?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn launch_gated_rms_norm(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+    ) -> Result<CudaTensor, CudaError> {
+        let gate_data = &*gate.data;
+        let group = weight.rows * weight.cols;
+        if group == 0
+            || (x.rows * x.cols) % group != 0
+            || (gate.rows, gate.cols) != (x.rows, x.cols)
+        {
+            return Err(CudaError::Invalid {
+                problem: format!("gated_rms_norm: weight of {group} over rows of {}", x.cols),
+            });
+        }
+        let groups = x.rows * x.cols / group;
+        let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
+        self.unary(x, x.cols, |input, output| {
+            launch!(self, "gated_rms_norm", Self::norm_config(groups);
+                input, gate_data, weight.f32()?, output, &groups_arg, &group_arg, &eps)
+        })
+    }
+
+    /// `rms_norm` per head then `rope`, in one launch where the norm's groups are the heads
+    /// and every row has a position; otherwise the two ops.
+    pub(super) fn launch_rms_norm_rope(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+        rotation: &Rotation<'_>,
+    ) -> Result<CudaTensor, CudaError> {
+        let group = weight.rows * weight.cols;
+        let half = rotation.rotary_dim / 2;
+        if group == 0
+            || group != rotation.head_dim
+            || x.cols % group != 0
+            || x.rows == 0
+            || half == 0
+            || rotation.rotary_dim > rotation.head_dim
+            || rotation.positions.len() < x.rows
+        {
+            let mut out = self.launch_rms_norm(x, weight, eps, style)?;
+            self.launch_rope(
+                &mut out,
+                rotation.positions,
+                rotation.head_dim,
+                rotation.rotary_dim,
+                rotation.theta,
+            )?;
+            return Ok(out);
+        }
+        let (groups, groups_arg, group_arg, offset) =
+            norm_groups(x, weight, style, "rms_norm_rope")?;
+        let (heads, half) = (int(x.cols / group, "heads")?, int(half, "rotary half")?);
+        self.with_rope_tables(
+            &rotation.positions[..x.rows],
+            rotation.rotary_dim,
+            rotation.theta,
+            |positions, inverse| {
+                self.unary(x, x.cols, |input, output| {
+                    launch!(self, "rms_norm_rope", Self::norm_config(groups);
+                        input, weight.f32()?, output, &groups_arg, &group_arg, &eps, &offset,
+                        positions, inverse, &heads, &half)
+                })
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use super::super::super::kernels::kernel_define;
+        assert_eq!(
+            i64::from(NORM_THREADS),
+            kernel_define("norm", "NORM_THREADS")
+        );
+    }
+}

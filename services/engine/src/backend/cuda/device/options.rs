@@ -1,0 +1,80 @@
+//! The choices a [`CudaBackend`](super::CudaBackend) is opened with: the KV cache's element type
+//! and which kernels may run where there is a choice ([`CudaOptions`]).
+//!
+//! Owns: the option types and their defaults.
+//! Must not touch: how the options are applied (start-up, the op modules).
+
+/// The element type of the KV cache (`--kv-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// Half the memory; keys and values are rounded to bf16 (nearest even) when appended.
+    Bf16,
+    /// Exactly the values the projections produced (the CPU backend's cache).
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::Bf16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::Bf16 => "bf16",
+            KvDtype::F32 => "f32",
+        })
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "bf16" => Ok(KvDtype::Bf16),
+            "f32" => Ok(KvDtype::F32),
+            other => Err(format!("KV cache dtype `{other}`: expected bf16 or f32")),
+        }
+    }
+}
+
+/// How the backend computes where there is a choice. `Default`: bf16 KV cache, cuBLAS for bf16
+/// prefill GEMMs when it loads. [`CudaOptions::exact`]: f32 KV cache and the matmul kernel only,
+/// which computes what the CPU backend computes to f32 rounding, batch invariant (the tests that
+/// hold the GPU to the CPU backend's tolerances use it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    pub kv_dtype: KvDtype,
+    /// Try cuBLAS at start-up (it is still only used if it loads and passes its check).
+    pub cublas: bool,
+    /// Run every attention through the reference kernel (one warp per row and head) instead of
+    /// the split-K decode / tiled prefill kernels.
+    pub reference_attention: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            kv_dtype: KvDtype::Bf16,
+            cublas: true,
+            reference_attention: false,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// f32 KV cache, no cuBLAS: the CPU backend's math, batch invariant.
+    pub fn exact() -> Self {
+        CudaOptions {
+            kv_dtype: KvDtype::F32,
+            cublas: false,
+            // The flash kernels are batch invariant and agree with the CPU to f32 rounding.
+            reference_attention: false,
+        }
+    }
+}

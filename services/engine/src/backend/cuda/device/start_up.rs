@@ -1,0 +1,246 @@
+//! Opening a GPU: the driver and NVRTC, a context and its stream, every kernel (from the disk
+//! cache or compiled now), then the optional paths behind their self-checks (`self_checks.rs`,
+//! `attention.rs`, `delta_rule.rs`); the process-wide shared backends the tests use.
+//!
+//! Owns: [`DeviceInfo`], [`CudaBackend::with_options`] and the memory-pool setting.
+//! Must not touch: op launches.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::CudaContext;
+
+use super::super::cublas::Cublas;
+use super::super::kernels::{cached_cubin, KERNEL_SOURCES};
+use super::super::loader;
+use super::super::nvrtc::Nvrtc;
+use super::super::CudaError;
+use super::{
+    delta_rule, describe, driver_error, no_panic, op_timing, AttentionPath, CudaBackend,
+    CudaOptions, KvDtype,
+};
+
+/// What the backend found at start-up.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    /// `cuDriverGetVersion`, e.g. 13000 for CUDA 13.0.
+    pub driver_version: i32,
+    pub driver_library: String,
+    pub nvrtc_version: (i32, i32),
+    pub nvrtc_library: String,
+    /// Kernel files read from the disk cache / compiled now.
+    pub kernels_cached: usize,
+    pub kernels_compiled: usize,
+    /// The cuBLAS that loaded and passed the start-up check (path and version), or `None`: not
+    /// found, failed the check, or off in the options (the matmul kernel does everything then).
+    pub cublas_library: Option<String>,
+    pub kv_dtype: KvDtype,
+    /// The kernel multi-token delta-rule segments run: `"chunked"` (it passed its start-up check
+    /// against the recurrent kernel) or `"recurrent"` (every form; the check failed or the
+    /// GPU's shared memory is too small, with a warning logged).
+    pub delta_rule_path: &'static str,
+    /// Dynamic shared memory a block may use (opt-in maximum), bytes.
+    pub shared_memory_per_block: usize,
+    /// The attention kernels in use: `flash` (split-K decode, tiled prefill) once they passed
+    /// their start-up check against the reference, else `reference`.
+    pub attention_path: AttentionPath,
+}
+
+/// Stream-ordered allocations come from the device's default memory pool, whose release
+/// threshold is 0: every synchronisation (two per MoE layer at decode) hands the freed memory
+/// back to the driver and the next allocation maps it again. Keeping it makes an op's output
+/// allocation a pool lookup. Failure only costs speed, so it is logged, not raised.
+fn keep_freed_device_memory(context: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the context (and so the driver) is live; valid out pointer.
+    let status = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device()) };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        tracing::debug!("no default memory pool ({status:?}); allocations stay synchronous");
+        return;
+    }
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` came from the driver; the attribute takes a pointer to a cuuint64_t.
+    let status = unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        tracing::warn!("could not keep freed GPU memory in the pool ({status:?})");
+    }
+}
+
+static SHARED: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
+static SHARED_EXACT: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` with the default [`CudaOptions`] (bf16 KV cache, cuBLAS if present).
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Self::with_options(ordinal, CudaOptions::default())
+    }
+
+    /// Opens GPU `ordinal`: finds the driver and NVRTC, creates a context, and loads every kernel
+    /// (from the disk cache or compiled now for this GPU's architecture); with `options.cublas`,
+    /// loads cuBLAS and keeps it only if it passes a check against the matmul kernel.
+    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<Self, CudaError> {
+        let driver = loader::open(&loader::DRIVER)?;
+        let context =
+            no_panic("binding the CUDA driver", || CudaContext::new(ordinal))?.map_err(|e| {
+                CudaError::NoDevice {
+                    problem: format!(
+                        "the driver ({}) is present but opening GPU {ordinal} failed: {}",
+                        driver.opened_as,
+                        describe(&e)
+                    ),
+                }
+            })?;
+        // One stream does all the work, so cudarc's per-buffer events (two created per
+        // allocation, waited on and destroyed at every free) only cost driver calls.
+        // SAFETY: nothing in this backend creates a second stream (the stream order is the
+        // only synchronisation the buffers need).
+        unsafe { context.disable_event_tracking() };
+        keep_freed_device_memory(&context);
+        let name = context.name().unwrap_or_else(|_| "unknown GPU".into());
+        let (major, minor) = context
+            .compute_capability()
+            .map_err(driver_error("reading the compute capability"))?;
+        if major < 8 {
+            return Err(CudaError::Unsupported {
+                problem: format!(
+                    "{name} is sm_{major}{minor}; the kernels need sm_80 (Ampere) or newer"
+                ),
+            });
+        }
+        let mut driver_version = 0;
+        // SAFETY: the driver library is loaded (the context exists); valid out pointer.
+        let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) };
+        if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(CudaError::Driver {
+                what: "cuDriverGetVersion".into(),
+                message: format!("{status:?}"),
+            });
+        }
+        let nvrtc = Nvrtc::load()?;
+        let arch = (major * 10 + minor) as u32;
+        let mut functions = HashMap::new();
+        let (mut cached, mut compiled) = (0, 0);
+        for kernel in KERNEL_SOURCES {
+            let (path, hit) = cached_cubin(&nvrtc, kernel, arch, driver_version)?;
+            let module = match load_module(&context, &path) {
+                Ok(module) => module,
+                Err(error) if hit => {
+                    // A stale or torn cache entry: drop it and compile afresh once.
+                    tracing::warn!(file = %path.display(), "cached kernel did not load ({error}); recompiling");
+                    let _ = std::fs::remove_file(&path);
+                    let (path, _) = cached_cubin(&nvrtc, kernel, arch, driver_version)?;
+                    load_module(&context, &path)?
+                }
+                Err(error) => return Err(error),
+            };
+            if hit {
+                cached += 1;
+            } else {
+                compiled += 1;
+            }
+            for &function in kernel.functions {
+                let loaded = module
+                    .load_function(function)
+                    .map_err(driver_error(format!("loading kernel `{function}`")))?;
+                functions.insert(function, loaded);
+            }
+        }
+        let info = DeviceInfo {
+            ordinal,
+            name,
+            compute_capability: (major, minor),
+            driver_version,
+            driver_library: driver.opened_as.clone(),
+            nvrtc_version: nvrtc.version(),
+            nvrtc_library: nvrtc.location().to_string(),
+            kernels_cached: cached,
+            kernels_compiled: compiled,
+            cublas_library: None,
+            kv_dtype: options.kv_dtype,
+            delta_rule_path: delta_rule::PATH_RECURRENT,
+            shared_memory_per_block: 0,
+            attention_path: AttentionPath::Reference,
+        };
+        let mut backend = CudaBackend {
+            stream: context.default_stream(),
+            _context: context,
+            functions,
+            info,
+            cublas: None,
+            options,
+            op_timing: None,
+            staging: Default::default(),
+            routing_staging: Default::default(),
+            tensor_pool: Default::default(),
+            rope_tables: Default::default(),
+            host_kv: Default::default(),
+        };
+        // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
+        // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
+        // the newer kernels faults in its self-check and takes the context down with it.
+        let reference_only = std::env::var("NINFER_CUDA_REFERENCE_KERNELS").is_ok_and(|v| v == "1");
+        if reference_only {
+            tracing::warn!("NINFER_CUDA_REFERENCE_KERNELS=1: reference kernels only");
+        } else {
+            if options.cublas {
+                backend.cublas = backend.start_cublas();
+                backend.info.cublas_library = backend.cublas.as_ref().map(Cublas::describe);
+            }
+            backend.start_chunked_delta_rule();
+            backend.info.attention_path = backend.start_attention();
+        }
+        // A self-check kernel that faulted leaves the context unusable (sticky error): say so
+        // here, naming the switch, rather than at the first op.
+        backend.stream.synchronize().map_err(|error| CudaError::NoDevice {
+            problem: format!(
+                "the GPU context failed during the kernels' start-up self-checks ({}); set NINFER_CUDA_REFERENCE_KERNELS=1 to run the reference kernels only",
+                describe(&error)
+            ),
+        })?;
+        backend.op_timing = op_timing::OpTiming::from_env();
+        tracing::info!(info = ?backend.info, "CUDA backend ready");
+        Ok(backend)
+    }
+
+    /// One backend on GPU 0 for the whole process, default options (tests share it: a context
+    /// per test would cost seconds each). The error, if any, is the one every caller sees.
+    pub fn shared() -> Result<Arc<CudaBackend>, CudaError> {
+        SHARED
+            .get_or_init(|| CudaBackend::new(0).map(Arc::new))
+            .clone()
+    }
+
+    /// Like [`CudaBackend::shared`] with [`CudaOptions::exact`]: for the tests that hold the GPU
+    /// to the CPU backend's f32 results and to batch invariance.
+    pub fn shared_exact() -> Result<Arc<CudaBackend>, CudaError> {
+        SHARED_EXACT
+            .get_or_init(|| CudaBackend::with_options(0, CudaOptions::exact()).map(Arc::new))
+            .clone()
+    }
+}
+
+fn load_module(
+    context: &Arc<CudaContext>,
+    path: &std::path::Path,
+) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+    // cudarc hands the path to cuModuleLoad as UTF-8 (and would panic on anything else).
+    if path.to_str().is_none() {
+        return Err(CudaError::Cache {
+            path: path.display().to_string(),
+            problem: "the kernel cache path is not UTF-8 (set NINFER_KERNEL_CACHE)".into(),
+        });
+    }
+    context
+        .load_module(cudarc::nvrtc::Ptx::from_file(path))
+        .map_err(driver_error(format!("loading module {}", path.display())))
+}

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::isa::{KernelIsa, AMX_MIN_TOKENS};
 use crate::kernels::{matmul_row_pairs, matmul_rows, ThreadBuffers};
-use crate::layout::{ExpertLayout, MatrixView, GROUP};
+use crate::layout::{ExpertLayout, MatrixView, WeightDType, GROUP};
 use crate::pool::{split_range, ThreadPool, WorkerContext};
 use crate::prepare::{FormNeeds, Forms, FormsPtr, InputRows};
 use crate::KernelError;
@@ -414,7 +414,11 @@ pub fn compute_layer(
                 "expert task {index}: token {bad} out of range (batch of {tokens})"
             )));
         }
-        let uses_amx = scratch.isa == KernelIsa::Amx && count >= AMX_MIN_TOKENS;
+        // AMX multiplies bf16 tiles: f32 experts would lose their precision there (near-tied
+        // logits of an f32 model then flip), so they stay on the f32 FMA kernels.
+        let uses_amx = scratch.isa == KernelIsa::Amx
+            && count >= AMX_MIN_TOKENS
+            && layout.dtype != WeightDType::F32;
         let (task_amx_input, task_amx_act) = if uses_amx {
             let slots = count.next_multiple_of(16);
             let bases = (amx_input, amx_act);

@@ -257,8 +257,9 @@ pub fn python_strftime(format: &str, unix_seconds: i64) -> String {
     output
 }
 
-/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar.
-fn civil_from_days(days_since_epoch: i64) -> (i64, i64, i64) {
+/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar (Howard
+/// Hinnant's algorithm).
+pub(crate) fn civil_from_days(days_since_epoch: i64) -> (i64, i64, i64) {
     let shifted = days_since_epoch + 719_468;
     let era = shifted.div_euclid(146_097);
     let day_of_era = shifted.rem_euclid(146_097);

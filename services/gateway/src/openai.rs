@@ -926,24 +926,10 @@ pub async fn list_models(
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (days to civil date, Howard Hinnant's algorithm).
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time.
 fn rfc3339_utc(unix_seconds: u64) -> String {
-    let days = (unix_seconds / 86_400) as i64;
+    let (year, month, day) = crate::chat_template::civil_from_days((unix_seconds / 86_400) as i64);
     let seconds_of_day = unix_seconds % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let day_of_era = z.rem_euclid(146_097);
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let month_index = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
-    let month = if month_index < 10 {
-        month_index + 3
-    } else {
-        month_index - 9
-    };
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
     format!(
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
         seconds_of_day / 3600,

@@ -15,6 +15,7 @@
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::self_checks::self_check_values;
 use super::{
     driver_error, elementwise, int, CudaBackend, CudaKvCache, CudaTensor, KvBuffer, KvDtype,
 };
@@ -199,14 +200,7 @@ impl CudaBackend {
     /// the flash and the reference kernels: the largest difference relative to the largest
     /// output must stay under `SELF_CHECK_TOLERANCE`.
     fn check_flash_attention(&self) -> Result<f32, CudaError> {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            let bits = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
-            bits as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut next = self_check_values(0x2545_f491_4f6c_dd1d);
         let mut worst = 0.0f32;
         let cases: [CheckCase; 3] = [
             (8, 2, 128, [37, 700], None),

@@ -18,6 +18,7 @@
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::self_checks::self_check_values;
 use super::{driver_error, int, CudaBackend, CudaRecurrentState, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::{DeltaRuleForm, DeltaRuleSpec, Segment};
@@ -263,15 +264,7 @@ impl CudaBackend {
         };
         let lengths = [1usize, 150];
         let total: usize = lengths.iter().sum();
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            // xorshift64*: deterministic values in [-1, 1).
-            seed ^= seed >> 12;
-            seed ^= seed << 25;
-            seed ^= seed >> 27;
-            let bits = seed.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
-            bits as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut next = self_check_values(0x2545_f491_4f6c_dd1d);
         let mut values = |count: usize, map: &dyn Fn(f32) -> f32| -> Vec<f32> {
             (0..count).map(|_| map(next())).collect()
         };

@@ -50,15 +50,7 @@ impl CudaBackend {
     /// GEMMs through cuBLAS and through the kernel; the largest difference relative to the
     /// largest result must stay under 1e-2 (the activations' bf16 rounding gives ~1e-3).
     pub(super) fn check_cublas(&self, cublas: &Cublas) -> Result<f32, CudaError> {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            // xorshift64*: deterministic values in [-1, 1).
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            let bits = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
-            bits as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut next = self_check_values(0x9e37_79b9_7f4a_7c15);
         let mut worst = 0.0f32;
         for (n, k, m) in [(37usize, 300usize, 129usize), (64, 256, 160)] {
             let x: Vec<f32> = (0..n * k).map(|_| next()).collect();
@@ -104,5 +96,16 @@ impl CudaBackend {
             worst = worst.max(difference);
         }
         Ok(worst)
+    }
+}
+
+/// Deterministic values in [-1, 1) for the start-up self-checks (xorshift64* from `seed`).
+pub(super) fn self_check_values(mut state: u64) -> impl FnMut() -> f32 {
+    move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        let bits = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+        bits as f32 / (1u64 << 23) as f32 - 1.0
     }
 }

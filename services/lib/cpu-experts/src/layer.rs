@@ -19,6 +19,8 @@
 //! one-token batch (decode) prepares its input once, not once per expert.
 //!
 //! Nothing on this path allocates or locks: all buffers live in `LayerScratch`, sized once.
+//! The scheduling and prefetch choices are the scratch's `KernelTuning` value, set by whoever
+//! builds the scratch (`LayerScratch::with_tuning`); this module keeps no tuning state of its own.
 
 use std::time::{Duration, Instant};
 
@@ -217,7 +219,7 @@ impl LayerScratch {
         self.capacity
     }
 
-    /// This scratch with `tuning` for every later `compute_layer` call (new scratch runs
+    /// This scratch with `tuning` for every later `compute_layer` call (a new scratch runs
     /// `KernelTuning::default()`).
     pub fn with_tuning(mut self, tuning: KernelTuning) -> Self {
         self.tuning = tuning;

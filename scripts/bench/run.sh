@@ -15,10 +15,11 @@
 #               (HUGE_PAGES_AB=0 skips), then AMX against AVX-512 VNNI at 32 and 128 tokens.
 #               Run it first: it wants a quiet machine.
 #   tuning      the decode kernels' scheduling variants (NINFER_EXPERT_TUNING) in TUNINGS
-#               (space-separated; default "steal,shared steal,shared,quad"), two rounds at a
+#               (space-separated; words steal, shared, none; default "steal,shared"), two rounds at a
 #               fixed reference, then the standard decode command 3 times with the fastest.
 #   experts_ab  a kernel change: the bundle's ninfer-baseline (build.sh BASELINE=) against
-#               ninfer, alternating, two passes; then AB_TUNINGS and an 8-thread run.
+#               ninfer, alternating, two passes; then AB_TUNINGS (none by default) and an
+#               8-thread run.
 #   gpu         the GPU test suites (scripts/gpu_tests.sh run, all at once, a canary first),
 #               in the background while the first artifact is written.
 #   quick       a first look: 8 layers of qwen3-30b-a3b (int8, uniform), 0 against all experts
@@ -134,7 +135,7 @@ if has tuning; then
   # Two rounds at a fixed reference (--bandwidth-gbs: compare the µs column), each variant in
   # its own process.
   for round in 1 2; do
-    for tuning in ${TUNINGS:-steal,shared steal,shared,quad}; do
+    for tuning in ${TUNINGS:-steal,shared}; do
       log "tuning $tuning round $round"
       NINFER_EXPERT_TUNING=$tuning timeout 40 "$ninfer" "${DECODE_EXPERTS[@]}" --seconds 0.5 \
         --bandwidth-gbs 100 2>&1 | grep -E '^int' | sed "s/^/$tuning r$round  /" | tee -a "$out/tuning.log"
@@ -164,7 +165,7 @@ if has experts_ab; then
     done
   done
   # A tuning list replaces the defaults (steal, shared): name them too.
-  for tuning in ${AB_TUNINGS:-steal,shared,nogfni steal,shared,quad steal,shared,octo}; do
+  for tuning in ${AB_TUNINGS:-}; do
     log "experts, NINFER_EXPERT_TUNING=$tuning"
     NINFER_EXPERT_TUNING=$tuning timeout 120 "$ninfer" "${DECODE_EXPERTS[@]}" --rounds 2 \
       >"$out/experts_tuning_$tuning.txt" 2>&1

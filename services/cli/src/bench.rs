@@ -8,7 +8,9 @@ use anyhow::{bail, Context};
 use ninfer_cpu_experts::bench::{
     bench_experts, measure_read_bandwidth, BandwidthResult, ExpertBenchConfig, ExpertBenchResult,
 };
-use ninfer_cpu_experts::{DownSplit, ExpertLayout, KernelIsa, ThreadPool, WeightDType};
+use ninfer_cpu_experts::{
+    DownSplit, ExpertLayout, KernelIsa, KernelTuning, Prefetch, ThreadPool, WeightDType,
+};
 
 /// `ninfer bench MODEL [flags]` benchmarks a model end to end; `ninfer bench memory|experts|
 /// channel` the parts. A MODEL file named like a subcommand needs a path (`./memory`).
@@ -234,6 +236,19 @@ fn parse_list<T>(
     Ok(items)
 }
 
+/// Environment variable naming the expert kernels' scheduling choices for `bench experts`: a
+/// comma-separated subset of `steal` and `shared` (see `KernelTuning`), or `none`. Unset: the
+/// defaults (both on), as every other program runs.
+const TUNING_ENV: &str = "NINFER_EXPERT_TUNING";
+
+/// The scheduling choices of [`TUNING_ENV`], or the defaults when it is unset.
+fn scheduling_from_env() -> anyhow::Result<KernelTuning> {
+    match std::env::var(TUNING_ENV) {
+        Ok(text) => KernelTuning::from_scheduling_words(&text).context(TUNING_ENV),
+        Err(_) => Ok(KernelTuning::default()),
+    }
+}
+
 fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
     let Some(preset) = PRESETS
         .iter()
@@ -276,7 +291,10 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
         "rows" => DownSplit::Rows,
         other => bail!("--down-split must be auto or rows, got `{other}`"),
     };
-    ninfer_cpu_experts::set_down_split(down_split);
+    let tuning = KernelTuning {
+        down_split,
+        ..scheduling_from_env()?
+    };
     let pool = make_pool(&args.pool)?;
     let prefetches = parse_list(&args.prefetch_bytes, "--prefetch-bytes", |s| {
         let (bytes, into_l2) = match s.strip_suffix(":l2") {
@@ -347,7 +365,6 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
             let layout = ExpertLayout::new(dtype, preset.hidden, preset.intermediate)?;
             for &tokens in &token_counts {
                 for &(prefetch_bytes, into_l2) in &prefetches {
-                    ninfer_cpu_experts::set_prefetch_distance(prefetch_bytes, into_l2);
                     let prefetch = format!("{prefetch_bytes}{}", if into_l2 { ":l2" } else { "" });
                     let config = ExpertBenchConfig {
                         layout,
@@ -355,6 +372,13 @@ fn run_experts(args: ExpertsArgs) -> anyhow::Result<()> {
                         tokens,
                         working_set_bytes: working_set,
                         min_seconds: args.seconds,
+                        tuning: KernelTuning {
+                            prefetch: Prefetch {
+                                distance_bytes: prefetch_bytes,
+                                into_l2,
+                            },
+                            ..tuning
+                        },
                     };
                     let results = bench_experts(&pool, &config, &isas)?;
                     if let (false, Some(bytes)) =

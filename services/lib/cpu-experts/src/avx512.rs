@@ -21,6 +21,7 @@ use half::bf16;
 use crate::kernels::{prefetch_line, prefetch_row_scales};
 use crate::layout::{MatrixView, WeightDType, GROUP};
 use crate::prepare::InputRows;
+use crate::tuning::Prefetch;
 
 pub(crate) const D_F32: u8 = 0;
 pub(crate) const D_BF16: u8 = 1;
@@ -153,12 +154,21 @@ pub(crate) unsafe fn rows_float(
     input: &InputRows,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     match matrix.layout.dtype {
-        WeightDType::F32 => float_rows::<D_F32>(matrix, first, count, input, out, token_stride),
-        WeightDType::Bf16 => float_rows::<D_BF16>(matrix, first, count, input, out, token_stride),
-        WeightDType::Int8 => float_rows::<D_INT8>(matrix, first, count, input, out, token_stride),
-        WeightDType::Int4 => float_rows::<D_INT4>(matrix, first, count, input, out, token_stride),
+        WeightDType::F32 => {
+            float_rows::<D_F32>(matrix, first, count, input, out, token_stride, prefetch)
+        }
+        WeightDType::Bf16 => {
+            float_rows::<D_BF16>(matrix, first, count, input, out, token_stride, prefetch)
+        }
+        WeightDType::Int8 => {
+            float_rows::<D_INT8>(matrix, first, count, input, out, token_stride, prefetch)
+        }
+        WeightDType::Int4 => {
+            float_rows::<D_INT4>(matrix, first, count, input, out, token_stride, prefetch)
+        }
     }
 }
 
@@ -170,6 +180,7 @@ unsafe fn float_rows<const D: u8>(
     input: &InputRows,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     for local in 0..count {
         token_blocks!(input, |t0, N| float_row::<D, N>(
@@ -178,7 +189,8 @@ unsafe fn float_rows<const D: u8>(
             input,
             t0,
             out.add(t0 * token_stride + local),
-            token_stride
+            token_stride,
+            prefetch
         ));
     }
 }
@@ -192,6 +204,7 @@ unsafe fn float_row<const D: u8, const N: usize>(
     t0: usize,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     let cols = matrix.layout.cols;
     let full_groups = cols / GROUP;
@@ -206,8 +219,8 @@ unsafe fn float_row<const D: u8, const N: usize>(
     });
     let mut acc = [[_mm512_setzero_ps(); 2]; N];
     let mut scales = [1.0f32; 16];
-    let prefetch = crate::kernels::prefetch_distance();
-    let into_l2 = crate::kernels::prefetch_to_l2();
+    let into_l2 = prefetch.into_l2;
+    let prefetch = prefetch.distance_bytes;
     if quantized {
         prefetch_row_scales(matrix, row, prefetch, into_l2);
     }
@@ -257,12 +270,19 @@ pub(crate) unsafe fn rows_vnni(
     input: &InputRows,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     match matrix.layout.dtype {
-        WeightDType::F32 => float_rows::<D_F32>(matrix, first, count, input, out, token_stride),
-        WeightDType::Bf16 => bf16_rows(matrix, first, count, input, out, token_stride),
-        WeightDType::Int8 => int_rows::<false>(matrix, first, count, input, out, token_stride),
-        WeightDType::Int4 => int_rows::<true>(matrix, first, count, input, out, token_stride),
+        WeightDType::F32 => {
+            float_rows::<D_F32>(matrix, first, count, input, out, token_stride, prefetch)
+        }
+        WeightDType::Bf16 => bf16_rows(matrix, first, count, input, out, token_stride, prefetch),
+        WeightDType::Int8 => {
+            int_rows::<false>(matrix, first, count, input, out, token_stride, prefetch)
+        }
+        WeightDType::Int4 => {
+            int_rows::<true>(matrix, first, count, input, out, token_stride, prefetch)
+        }
     }
 }
 
@@ -274,6 +294,7 @@ unsafe fn int_rows<const INT4: bool>(
     input: &InputRows,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     for local in 0..count {
         if INT4 {
@@ -283,7 +304,8 @@ unsafe fn int_rows<const INT4: bool>(
                 input,
                 t0,
                 out.add(t0 * token_stride + local),
-                token_stride
+                token_stride,
+                prefetch
             ));
         } else {
             token_blocks!(input, |t0, N| int8_row::<N>(
@@ -292,7 +314,8 @@ unsafe fn int_rows<const INT4: bool>(
                 input,
                 t0,
                 out.add(t0 * token_stride + local),
-                token_stride
+                token_stride,
+                prefetch
             ));
         }
     }
@@ -311,6 +334,7 @@ unsafe fn int4_row<const N: usize>(
     t0: usize,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     let groups = matrix.layout.groups_per_row;
     let blocks = groups.div_ceil(4);
@@ -326,8 +350,8 @@ unsafe fn int4_row<const N: usize>(
     let x_offsets: [*const f32; N] = std::array::from_fn(|t| input.group_offset_row(t0 + t));
     let mut acc = [_mm512_setzero_ps(); N];
     let mut offset_acc = [_mm512_setzero_ps(); N];
-    let prefetch = crate::kernels::prefetch_distance();
-    let into_l2 = crate::kernels::prefetch_to_l2();
+    let into_l2 = prefetch.into_l2;
+    let prefetch = prefetch.distance_bytes;
     prefetch_row_scales(matrix, row, prefetch, into_l2);
     let mut block = 0;
     while block < blocks {
@@ -376,9 +400,8 @@ unsafe fn int4_row<const N: usize>(
 
 /// `R` int4 rows against one token in one pass (decode): the rows are `R` independent weight
 /// streams sharing every activation load, which multiplies the misses in flight per core and
-/// divides the per-row overhead. `R` = 2 (a gate row and its up row, or two 8-row halves of a
-/// `down` block), 4 or 8 (half gate and half up rows, or two runs of a `down` block); at 4 and 8
-/// the rows' sums come out of one transpose-and-add tree instead of `R` horizontal sums.
+/// divides the per-row overhead. The dispatch passes `R` = 2: a gate row and its up row, or
+/// two 8-row halves of a `down` block (4 and 8 rows per pass measured no faster).
 ///
 /// Decode at int4 is bound by instructions per weight byte on a busy core, so the inner step is
 /// kept short: the weight × activation scales are multiplied once per 16 groups (compact
@@ -392,18 +415,19 @@ pub(crate) unsafe fn int4_rows_one_token<const R: usize>(
     rows: [usize; R],
     input: &InputRows,
     outs: [*mut f32; R],
+    prefetch: Prefetch,
 ) {
-    if crate::kernels::int4_gfni() {
-        int4_rows_one_token_gfni::<R>(matrix, rows, input, outs)
+    if std::arch::is_x86_feature_detected!("gfni") {
+        int4_rows_one_token_gfni::<R>(matrix, rows, input, outs, prefetch)
     } else {
-        int4_rows_one_token_shift::<R>(matrix, rows, input, outs)
+        int4_rows_one_token_shift::<R>(matrix, rows, input, outs, prefetch)
     }
 }
 
 /// The body of [`int4_rows_one_token`], with `$high` turning a zmm of weight bytes into their
 /// high nibbles (one function per instruction set, each with its own `target_feature`).
 macro_rules! int4_rows_one_token_body {
-    ($matrix:ident, $rows:ident, $input:ident, $outs:ident, $R:ident, |$bytes:ident| $high:expr) => {{
+    ($matrix:ident, $rows:ident, $input:ident, $outs:ident, $prefetch:ident, $R:ident, |$bytes:ident| $high:expr) => {{
         let groups = $matrix.layout.groups_per_row;
         let blocks = groups.div_ceil(4);
         let values: [*const u8; $R] = std::array::from_fn(|r| $matrix.row_values($rows[r]));
@@ -418,8 +442,8 @@ macro_rules! int4_rows_one_token_body {
         let x_offsets = $input.group_offset_row(0);
         // The nibbles' offset terms go into the same accumulators: everything is summed.
         let mut acc = [_mm512_setzero_ps(); $R];
-        let prefetch = crate::kernels::prefetch_distance();
-        let into_l2 = crate::kernels::prefetch_to_l2();
+        let into_l2 = $prefetch.into_l2;
+        let prefetch = $prefetch.distance_bytes;
         for &row in &$rows {
             prefetch_row_scales($matrix, row, prefetch, into_l2);
         }
@@ -472,48 +496,13 @@ macro_rules! int4_rows_one_token_body {
     }};
 }
 
-/// The sum of each of `R` zmm: for `R` = 4 or 8 a transpose-and-add tree (pairs, then quads
-/// within each 128-bit lane, then across lanes), about a third of `R` separate horizontal sums.
+/// The horizontal sum of each of `R` zmm.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn sum_each<const R: usize>(acc: &[__m512; R]) -> [f32; R] {
     let mut sums = [0.0f32; R];
-    if R != 4 && R != 8 {
-        for (sum, &value) in sums.iter_mut().zip(acc) {
-            *sum = _mm512_reduce_add_ps(value);
-        }
-        return sums;
-    }
-    // Two vectors → per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3].
-    let pair =
-        |a: __m512, b: __m512| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    // Two pairs → per 128-bit lane [a, b, c, d], each the sum of that lane's four elements.
-    let quad = |ab: __m512, cd: __m512| {
-        let (ab, cd) = (_mm512_castps_pd(ab), _mm512_castps_pd(cd));
-        _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)),
-        )
-    };
-    let abcd = quad(pair(acc[0], acc[1]), pair(acc[2], acc[3]));
-    if R == 4 {
-        // Add the four 128-bit lanes: swap halves, then neighbours.
-        let halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4::<0x4e>(abcd, abcd));
-        let total = _mm512_add_ps(halves, _mm512_shuffle_f32x4::<0xb1>(halves, halves));
-        _mm_storeu_ps(sums.as_mut_ptr(), _mm512_castps512_ps128(total));
-    } else {
-        let efgh = quad(pair(acc[4], acc[5]), pair(acc[6], acc[7]));
-        // [abcd L0+L1, abcd L2+L3, efgh L0+L1, efgh L2+L3], then the low 256 bits hold
-        // [a..d totals, e..h totals].
-        let s = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(abcd, efgh),
-            _mm512_shuffle_f32x4::<0xdd>(abcd, efgh),
-        );
-        let total = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(s, s),
-            _mm512_shuffle_f32x4::<0xdd>(s, s),
-        );
-        _mm256_storeu_ps(sums.as_mut_ptr(), _mm512_castps512_ps256(total));
+    for (sum, &value) in sums.iter_mut().zip(acc) {
+        *sum = _mm512_reduce_add_ps(value);
     }
     sums
 }
@@ -524,11 +513,11 @@ unsafe fn int4_rows_one_token_shift<const R: usize>(
     rows: [usize; R],
     input: &InputRows,
     outs: [*mut f32; R],
+    prefetch: Prefetch,
 ) {
-    int4_rows_one_token_body!(matrix, rows, input, outs, R, |bytes| _mm512_and_si512(
-        _mm512_srli_epi16::<4>(bytes),
-        _mm512_set1_epi8(0x0f)
-    ))
+    int4_rows_one_token_body!(matrix, rows, input, outs, prefetch, R, |bytes| {
+        _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), _mm512_set1_epi8(0x0f))
+    })
 }
 
 /// GF(2⁸) affine matrix whose product with a byte is the byte shifted right by 4: output bit
@@ -541,8 +530,9 @@ unsafe fn int4_rows_one_token_gfni<const R: usize>(
     rows: [usize; R],
     input: &InputRows,
     outs: [*mut f32; R],
+    prefetch: Prefetch,
 ) {
-    int4_rows_one_token_body!(matrix, rows, input, outs, R, |bytes| {
+    int4_rows_one_token_body!(matrix, rows, input, outs, prefetch, R, |bytes| {
         _mm512_gf2p8affine_epi64_epi8::<0>(bytes, _mm512_set1_epi64(SHIFT_RIGHT_4_AFFINE))
     })
 }
@@ -559,6 +549,7 @@ pub(crate) unsafe fn int8_row_pair(
     input: &InputRows,
     out_a: *mut f32,
     out_b: *mut f32,
+    prefetch: Prefetch,
 ) {
     let groups = matrix.layout.groups_per_row;
     let blocks = groups.div_ceil(2);
@@ -572,8 +563,8 @@ pub(crate) unsafe fn int8_row_pair(
     let x_bytes = input.int8_row(0);
     let x_scales = input.lane_scale_row(0);
     let mut acc = [_mm512_setzero_ps(); 2];
-    let prefetch = crate::kernels::prefetch_distance();
-    let into_l2 = crate::kernels::prefetch_to_l2();
+    let into_l2 = prefetch.into_l2;
+    let prefetch = prefetch.distance_bytes;
     prefetch_row_scales(matrix, row_a, prefetch, into_l2);
     prefetch_row_scales(matrix, row_b, prefetch, into_l2);
     let mut block = 0;
@@ -622,6 +613,7 @@ unsafe fn int8_row<const N: usize>(
     t0: usize,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     let groups = matrix.layout.groups_per_row;
     let blocks = groups.div_ceil(2);
@@ -636,8 +628,8 @@ unsafe fn int8_row<const N: usize>(
     let x_bytes: [*const u8; N] = std::array::from_fn(|t| input.int8_row(t0 + t));
     let x_scales: [*const f32; N] = std::array::from_fn(|t| input.lane_scale_row(t0 + t));
     let mut acc = [_mm512_setzero_ps(); N];
-    let prefetch = crate::kernels::prefetch_distance();
-    let into_l2 = crate::kernels::prefetch_to_l2();
+    let into_l2 = prefetch.into_l2;
+    let prefetch = prefetch.distance_bytes;
     prefetch_row_scales(matrix, row, prefetch, into_l2);
     let mut block = 0;
     while block < blocks {
@@ -678,6 +670,7 @@ unsafe fn bf16_rows(
     input: &InputRows,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     for local in 0..count {
         token_blocks!(input, |t0, N| bf16_row::<N>(
@@ -686,7 +679,8 @@ unsafe fn bf16_rows(
             input,
             t0,
             out.add(t0 * token_stride + local),
-            token_stride
+            token_stride,
+            prefetch
         ));
     }
 }
@@ -700,14 +694,15 @@ unsafe fn bf16_row<const N: usize>(
     t0: usize,
     out: *mut f32,
     token_stride: usize,
+    prefetch: Prefetch,
 ) {
     let cols = matrix.layout.cols;
     let full_groups = cols / GROUP;
     let values = matrix.row_values(row);
     let x: [*const u16; N] = std::array::from_fn(|t| input.bf16_row(t0 + t));
     let mut acc = [_mm512_setzero_ps(); N];
-    let prefetch = crate::kernels::prefetch_distance();
-    let into_l2 = crate::kernels::prefetch_to_l2();
+    let into_l2 = prefetch.into_l2;
+    let prefetch = prefetch.distance_bytes;
     for g in 0..full_groups {
         if prefetch > 0 {
             prefetch_line(values.wrapping_add(g * 64 + prefetch), into_l2);

@@ -229,6 +229,8 @@ pub struct ExpertBenchConfig {
     pub tokens: usize,
     pub working_set_bytes: usize,
     pub min_seconds: f64,
+    /// The kernels' tuning for every call.
+    pub tuning: crate::KernelTuning,
 }
 
 /// A bank of random, valid expert weights: `layers × experts_per_layer` experts.
@@ -304,57 +306,13 @@ fn sanitize(bytes: &mut [u8], layout: &MatrixLayout) {
     }
 }
 
-/// Environment variable that sets [`crate::LayerTuning`] for `bench_experts` (and every later
-/// `compute_layer` call of the process): a comma-separated subset of `steal`, `ahead`, `shared`, `flow`, `private`,
-/// `quad` / `octo` (4 / 8 int4 rows per decode pass, [`crate::set_int4_rows_per_pass`]), `nogfni` (the
-/// int4 decode kernel without GFNI, [`crate::set_int4_gfni`]), or `none`. Unset: the defaults.
-pub const TUNING_ENV: &str = "NINFER_EXPERT_TUNING";
-
-/// Applies [`TUNING_ENV`] if it is set.
-pub fn apply_tuning_env() -> Result<(), KernelError> {
-    let Ok(text) = std::env::var(TUNING_ENV) else {
-        return Ok(());
-    };
-    let mut tuning = crate::LayerTuning {
-        steal: false,
-        prefetch_ahead: false,
-        shared_decode_input: false,
-        flow: false,
-        private_input: false,
-    };
-    let (mut int4_rows, mut gfni) = (2, true);
-    for word in text.split(',').map(str::trim).filter(|w| !w.is_empty()) {
-        match word {
-            "steal" => tuning.steal = true,
-            "ahead" => tuning.prefetch_ahead = true,
-            "shared" => tuning.shared_decode_input = true,
-            "quad" => int4_rows = 4,
-            "octo" => int4_rows = 8,
-            "nogfni" => gfni = false,
-            "flow" => tuning.flow = true,
-            "private" => tuning.private_input = true,
-            "none" => {}
-            other => {
-                return Err(KernelError::Input(format!(
-                    "{TUNING_ENV}: unknown choice `{other}` (expected steal, ahead, shared, flow, private, quad, octo, nogfni, none)"
-                )))
-            }
-        }
-    }
-    crate::set_layer_tuning(tuning);
-    crate::set_int4_rows_per_pass(int4_rows);
-    crate::set_int4_gfni(gfni);
-    Ok(())
-}
-
 /// Streams random experts through `compute_layer`, rotating over a bank of at least
-/// `working_set_bytes`, for each path in `isas` (with the layer tuning of [`TUNING_ENV`]).
+/// `working_set_bytes`, for each path in `isas`, with `config.tuning`.
 pub fn bench_experts(
     pool: &ThreadPool,
     config: &ExpertBenchConfig,
     isas: &[KernelIsa],
 ) -> Result<Vec<ExpertBenchResult>, KernelError> {
-    apply_tuning_env()?;
     let layout = config.layout;
     let per_layer = config.experts_per_layer.max(1);
     let layers = config
@@ -391,7 +349,8 @@ pub fn bench_experts(
         2.0 * tokens as f64 * per_layer as f64 * 3.0 * h as f64 * layout.intermediate as f64;
     let mut results: Vec<ExpertBenchResult> = Vec::new();
     for &isa in isas {
-        let mut scratch = LayerScratch::new(layout, isa, pool.threads(), capacity)?;
+        let mut scratch =
+            LayerScratch::new(layout, isa, pool.threads(), capacity)?.with_tuning(config.tuning);
         let mut run_for =
             |duration: Duration, next: &mut usize| -> Result<(usize, f64, [f64; 3]), KernelError> {
                 let start = Instant::now();
@@ -469,6 +428,7 @@ mod tests {
             tokens: 2,
             working_set_bytes: 1 << 16,
             min_seconds: 0.01,
+            tuning: Default::default(),
         };
         let results = bench_experts(&pool, &config, &KernelIsa::supported()).unwrap();
         assert_eq!(results.len(), KernelIsa::supported().len());

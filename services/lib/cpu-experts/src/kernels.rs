@@ -4,37 +4,10 @@
 //! Owns: the choice of kernel per (path, weight dtype, token count) and the per-thread scratch
 //! the kernels use. Must not touch: how rows and tokens are shared among threads (`layer`).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
 use crate::isa::KernelIsa;
 use crate::layout::MatrixView;
 use crate::prepare::InputRows;
-
-/// Software-prefetch distance in bytes ahead of the weight row being read (0 = off).
-static PREFETCH_DISTANCE: AtomicUsize = AtomicUsize::new(4096);
-/// 0: prefetch into L1 (`prefetcht0`), 1: into L2 (`prefetcht1`).
-static PREFETCH_TO_L2: AtomicUsize = AtomicUsize::new(1);
-
-/// Sets how far ahead (bytes) the streaming kernels prefetch weights, and into which cache
-/// level; 0 bytes leaves it to the hardware prefetchers. A tuning knob for `ninfer bench`; the
-/// default (4096 bytes ahead, into L2) streamed 13–22% faster than none at decode (int4 and
-/// int8) on the 16-core Xeon of `docs/BENCHMARKS.md`.
-pub fn set_prefetch_distance(bytes: usize, into_l2: bool) {
-    PREFETCH_DISTANCE.store(bytes, Ordering::Relaxed);
-    PREFETCH_TO_L2.store(into_l2 as usize, Ordering::Relaxed);
-}
-
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-#[inline]
-pub(crate) fn prefetch_distance() -> usize {
-    PREFETCH_DISTANCE.load(Ordering::Relaxed)
-}
-
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-#[inline]
-pub(crate) fn prefetch_to_l2() -> bool {
-    PREFETCH_TO_L2.load(Ordering::Relaxed) != 0
-}
+use crate::tuning::Prefetch;
 
 /// Prefetches the line at `address` (any address: prefetches never fault).
 #[cfg(target_arch = "x86_64")]
@@ -70,61 +43,6 @@ pub(crate) fn prefetch_row_scales(matrix: &MatrixView, row: usize, distance: usi
     }
 }
 
-/// Prefetches (into L2) the first `bytes` value bytes of the rows from `row` on, and their
-/// scales: the start of a stream a thread is about to read (see `LayerTuning::prefetch_ahead`).
-pub(crate) fn prefetch_stream_start(matrix: &MatrixView, row: usize, bytes: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let layout = &matrix.layout;
-        let start = row * layout.row_bytes;
-        let end = (start + bytes).min(layout.rows * layout.row_bytes);
-        let mut offset = start;
-        while offset < end {
-            prefetch_line(matrix.base.wrapping_add(offset), true);
-            offset += 64;
-        }
-        if layout.groups_per_row > 0 {
-            let scale_bytes = layout.groups_per_row * 2;
-            let first = layout.scales_offset + row * scale_bytes;
-            let last = first + (end - start).div_ceil(layout.row_bytes) * scale_bytes;
-            let mut offset = first & !63;
-            while offset < last {
-                prefetch_line(matrix.base.wrapping_add(offset), true);
-                offset += 64;
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (matrix, row, bytes);
-}
-
-/// Int4 rows per pass of the decode kernels: 2, 4 or 8 (a tuning knob for `ninfer bench`).
-static INT4_ROWS_PER_PASS: AtomicUsize = AtomicUsize::new(2);
-
-/// Sets how many int4 weight rows the decode (one-token) kernels stream in one pass: 2, 4 or 8
-/// (anything else means 2).
-pub fn set_int4_rows_per_pass(rows: usize) {
-    let rows = if rows == 4 || rows == 8 { rows } else { 2 };
-    INT4_ROWS_PER_PASS.store(rows, Ordering::Relaxed);
-}
-
-/// Whether the int4 decode kernel may use GFNI where the CPU has it (a knob for `ninfer bench`
-/// and the tests, which compare both forms on one machine).
-static INT4_GFNI_ALLOWED: AtomicBool = AtomicBool::new(true);
-
-/// Allows or forbids the GFNI form of the int4 decode kernel (allowed by default; used only
-/// where the CPU has GFNI).
-pub fn set_int4_gfni(allowed: bool) {
-    INT4_GFNI_ALLOWED.store(allowed, Ordering::Relaxed);
-}
-
-/// The int4 decode kernel's GFNI form is allowed and this CPU has GFNI.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-pub(crate) fn int4_gfni() -> bool {
-    INT4_GFNI_ALLOWED.load(Ordering::Relaxed) && std::arch::is_x86_feature_detected!("gfni")
-}
-
 /// Per-thread buffers, owned by `LayerScratch`; one thread uses one of them at a time.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // strip / tiles: AMX only
 #[derive(Clone, Copy)]
@@ -158,6 +76,7 @@ pub(crate) unsafe fn matmul_rows(
     out: *mut f32,
     token_stride: usize,
     buffers: &ThreadBuffers,
+    prefetch: Prefetch,
 ) {
     match isa {
         KernelIsa::Scalar => {
@@ -168,11 +87,11 @@ pub(crate) unsafe fn matmul_rows(
         KernelIsa::Avx2 => crate::avx2::rows(matrix, first, count, input, out, token_stride),
         #[cfg(target_arch = "x86_64")]
         KernelIsa::Avx512 => {
-            crate::avx512::rows_float(matrix, first, count, input, out, token_stride)
+            crate::avx512::rows_float(matrix, first, count, input, out, token_stride, prefetch)
         }
         #[cfg(target_arch = "x86_64")]
         KernelIsa::Avx512Vnni => {
-            crate::avx512::rows_vnni(matrix, first, count, input, out, token_stride)
+            crate::avx512::rows_vnni(matrix, first, count, input, out, token_stride, prefetch)
         }
         #[cfg(target_arch = "x86_64")]
         KernelIsa::Amx => {
@@ -198,6 +117,7 @@ pub(crate) unsafe fn matmul_rows(
                     input,
                     out.add(done),
                     token_stride,
+                    prefetch,
                 );
             }
         }
@@ -229,6 +149,7 @@ pub(crate) unsafe fn matmul_row_pairs(
     out_b: *mut f32,
     token_stride: usize,
     buffers: &ThreadBuffers,
+    prefetch: Prefetch,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -236,46 +157,19 @@ pub(crate) unsafe fn matmul_row_pairs(
         let dtype = matrix.layout.dtype;
         if vnni && input.tokens == 1 && input.amx_base.is_none() && dtype.is_quantized() {
             let mut local = 0;
-            let int4_rows = INT4_ROWS_PER_PASS.load(Ordering::Relaxed);
-            if dtype == crate::layout::WeightDType::Int4 && int4_rows == 8 {
-                while count - local >= 4 {
-                    let (a, b) = (first_a + local, first_b + local);
-                    crate::avx512::int4_rows_one_token::<8>(
-                        matrix,
-                        [a, a + 1, a + 2, a + 3, b, b + 1, b + 2, b + 3],
-                        input,
-                        std::array::from_fn(|i| {
-                            let out = if i < 4 { out_a } else { out_b };
-                            out.add(local + i % 4)
-                        }),
-                    );
-                    local += 4;
-                }
-            }
-            if dtype == crate::layout::WeightDType::Int4 && int4_rows >= 4 {
-                while count - local >= 2 {
-                    let (row_a, row_b) = (first_a + local, first_b + local);
-                    crate::avx512::int4_rows_one_token::<4>(
-                        matrix,
-                        [row_a, row_a + 1, row_b, row_b + 1],
-                        input,
-                        [
-                            out_a.add(local),
-                            out_a.add(local + 1),
-                            out_b.add(local),
-                            out_b.add(local + 1),
-                        ],
-                    );
-                    local += 2;
-                }
-            }
             while local < count {
                 let (row_a, row_b) = (first_a + local, first_b + local);
                 let (a, b) = (out_a.add(local), out_b.add(local));
                 if dtype == crate::layout::WeightDType::Int4 {
-                    crate::avx512::int4_rows_one_token::<2>(matrix, [row_a, row_b], input, [a, b]);
+                    crate::avx512::int4_rows_one_token::<2>(
+                        matrix,
+                        [row_a, row_b],
+                        input,
+                        [a, b],
+                        prefetch,
+                    );
                 } else {
-                    crate::avx512::int8_row_pair(matrix, row_a, row_b, input, a, b);
+                    crate::avx512::int8_row_pair(matrix, row_a, row_b, input, a, b, prefetch);
                 }
                 local += 1;
             }
@@ -291,6 +185,7 @@ pub(crate) unsafe fn matmul_row_pairs(
         out_a,
         token_stride,
         buffers,
+        prefetch,
     );
     matmul_rows(
         isa,
@@ -301,5 +196,6 @@ pub(crate) unsafe fn matmul_row_pairs(
         out_b,
         token_stride,
         buffers,
+        prefetch,
     );
 }

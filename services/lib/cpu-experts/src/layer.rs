@@ -15,10 +15,12 @@
 //!
 //! Phases 1 and 2 hand out their work items from per-thread contiguous shares; a thread that
 //! finishes its share takes unstarted items of the others' shares (one claim counter per share,
-//! `LayerTuning::steal`), so a phase ends with its work rather than with its slowest thread. A
+//! `KernelTuning::steal`), so a phase ends with its work rather than with its slowest thread. A
 //! one-token batch (decode) prepares its input once, not once per expert.
 //!
 //! Nothing on this path allocates or locks: all buffers live in `LayerScratch`, sized once.
+//! The scheduling and prefetch choices are the scratch's `KernelTuning` value, set by whoever
+//! builds the scratch (`LayerScratch::with_tuning`); this module keeps no tuning state of its own.
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +29,7 @@ use crate::kernels::{matmul_row_pairs, matmul_rows, ThreadBuffers};
 use crate::layout::{ExpertLayout, MatrixView, WeightDType, GROUP};
 use crate::pool::{split_range, ThreadPool, WorkerContext};
 use crate::prepare::{FormNeeds, Forms, FormsPtr, InputRows};
+use crate::tuning::{DownSplit, KernelTuning};
 use crate::KernelError;
 
 /// Tokens one row-kernel call handles (bounds the per-thread output buffers).
@@ -34,101 +37,8 @@ const TOKEN_CHUNK: usize = 256;
 /// Output rows per phase-2 work item (one AMX tile of rows).
 const ROW_BLOCK: usize = 16;
 /// Largest tokens-per-expert for which phase 2 splits (expert, row block) items across threads
-/// and reduces afterwards (see `DownSplit`).
+/// and reduces afterwards (see `KernelTuning::down_split`).
 const REDUCE_MAX_TOKENS: usize = 8;
-
-/// How phase 2 (`down`) shares work among threads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DownSplit {
-    /// Small batches (≤ 8 tokens per expert): (expert, 16-row block) items are split across
-    /// threads, so each thread streams one long contiguous run of `down` rows; results go to a
-    /// per-(expert, token) buffer and a fourth phase adds them into the output. Larger batches:
-    /// `Rows`.
-    Auto,
-    /// Output rows split across threads, every thread visits every expert and accumulates into
-    /// its own output columns directly.
-    Rows,
-}
-
-static DOWN_SPLIT_ROWS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Chooses phase 2's work split for every later call (a tuning knob for `ninfer bench`).
-pub fn set_down_split(split: DownSplit) {
-    DOWN_SPLIT_ROWS.store(
-        split == DownSplit::Rows,
-        std::sync::atomic::Ordering::Relaxed,
-    );
-}
-
-/// Scheduling choices of `compute_layer` (tuning knobs for `ninfer bench`). Default: `steal` and
-/// `shared_decode_input` on, `prefetch_ahead` off (it measured slower at decode on a 16-core
-/// Xeon: its prefetches compete with the threads still streaming).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LayerTuning {
-    /// A thread that has finished its share of a phase's work items takes unstarted items from
-    /// the other threads' shares (one atomic counter per share), so a phase ends when the work
-    /// does rather than when its slowest thread does.
-    pub steal: bool,
-    /// Before waiting at a barrier (and before preparing the input), each thread prefetches the
-    /// first bytes (the prefetch distance) of its first weight rows of the next phase, so the
-    /// next phase starts with its streams already in flight.
-    pub prefetch_ahead: bool,
-    /// Batch of one token (decode): the token's input forms are prepared once (split across
-    /// threads), not once per expert.
-    pub shared_decode_input: bool,
-    /// Small batches (the reduce split): no barrier after `gate_up` or after `down`. A `down`
-    /// item waits only for its own expert's `gate_up` units (a per-expert counter), and the
-    /// thread that finishes the last `down` item of a row block adds that block into the output
-    /// (a per-block counter), so threads keep streaming instead of idling at two global
-    /// barriers. Same sums in the same order as with the barriers.
-    pub flow: bool,
-    /// With `shared_decode_input`: every thread prepares the whole decode input itself (2
-    /// KiB of f32 → a few hundred ns) into its own slot instead of a share of one copy, so no
-    /// barrier separates preparation from `gate_up`.
-    pub private_input: bool,
-}
-
-impl Default for LayerTuning {
-    fn default() -> Self {
-        LayerTuning {
-            steal: true,
-            prefetch_ahead: false,
-            shared_decode_input: true,
-            flow: false,
-            private_input: false,
-        }
-    }
-}
-
-const TUNE_STEAL: u8 = 1;
-const TUNE_AHEAD: u8 = 2;
-const TUNE_SHARED: u8 = 4;
-const TUNE_FLOW: u8 = 8;
-const TUNE_PRIVATE: u8 = 16;
-static TUNING: std::sync::atomic::AtomicU8 =
-    std::sync::atomic::AtomicU8::new(TUNE_STEAL | TUNE_SHARED);
-
-/// Sets `compute_layer`'s scheduling choices for every later call.
-pub fn set_layer_tuning(tuning: LayerTuning) {
-    let bits = (tuning.steal as u8 * TUNE_STEAL)
-        | (tuning.prefetch_ahead as u8 * TUNE_AHEAD)
-        | (tuning.shared_decode_input as u8 * TUNE_SHARED)
-        | (tuning.flow as u8 * TUNE_FLOW)
-        | (tuning.private_input as u8 * TUNE_PRIVATE);
-    TUNING.store(bits, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The current scheduling choices.
-pub fn layer_tuning() -> LayerTuning {
-    let bits = TUNING.load(std::sync::atomic::Ordering::Relaxed);
-    LayerTuning {
-        steal: bits & TUNE_STEAL != 0,
-        prefetch_ahead: bits & TUNE_AHEAD != 0,
-        shared_decode_input: bits & TUNE_SHARED != 0,
-        flow: bits & TUNE_FLOW != 0,
-        private_input: bits & TUNE_PRIVATE != 0,
-    }
-}
 
 /// One thread's claim counter for one phase, alone on its cache lines.
 #[repr(align(128))]
@@ -211,10 +121,8 @@ pub struct LayerScratch {
     down_out_pairs: usize,
     /// `[phase (gate_up, down), thread]`: items of the thread's share claimed so far.
     claims: Vec<ClaimCounter>,
-    /// `LayerTuning::flow`: `gate_up` units finished per expert task.
-    expert_done: Vec<ClaimCounter>,
-    /// `LayerTuning::flow`: `down` items finished per row block.
-    block_done: Vec<ClaimCounter>,
+    /// The choices every `compute_layer` call with this scratch runs with.
+    tuning: KernelTuning,
     /// When thread 0 left barriers 1 and 2 in the last call.
     marks: [Option<Instant>; 2],
     last_phases: [Duration; 3],
@@ -241,13 +149,7 @@ impl LayerScratch {
         let needs = FormNeeds::of(isa, layout.dtype);
         // AMX tiles pad each expert's tokens to a multiple of 16.
         let amx_slots = capacity.max_pairs + 16 * capacity.max_tasks;
-        // One input slot per thread at least (`LayerTuning::private_input`).
-        let input = Forms::new(
-            needs,
-            layout.hidden,
-            capacity.max_pairs.max(threads),
-            amx_slots,
-        );
+        let input = Forms::new(needs, layout.hidden, capacity.max_pairs, amx_slots);
         let act = Forms::new(needs, layout.intermediate, capacity.max_pairs, amx_slots);
         let widest = layout.hidden.max(layout.intermediate);
         let mut scratch = LayerScratch {
@@ -290,12 +192,7 @@ impl LayerScratch {
             claims: (0..2 * threads)
                 .map(|_| ClaimCounter(std::sync::atomic::AtomicUsize::new(0)))
                 .collect(),
-            expert_done: (0..capacity.max_tasks)
-                .map(|_| ClaimCounter(std::sync::atomic::AtomicUsize::new(0)))
-                .collect(),
-            block_done: (0..layout.hidden.div_ceil(ROW_BLOCK))
-                .map(|_| ClaimCounter(std::sync::atomic::AtomicUsize::new(0)))
-                .collect(),
+            tuning: KernelTuning::default(),
             marks: [None; 2],
             last_phases: [Duration::ZERO; 3],
         };
@@ -322,6 +219,17 @@ impl LayerScratch {
         self.capacity
     }
 
+    /// This scratch with `tuning` for every later `compute_layer` call (a new scratch runs
+    /// `KernelTuning::default()`).
+    pub fn with_tuning(mut self, tuning: KernelTuning) -> Self {
+        self.tuning = tuning;
+        self
+    }
+
+    pub fn tuning(&self) -> KernelTuning {
+        self.tuning
+    }
+
     /// Wall time of the last call's phases: input preparation, gate/up + SwiGLU, down.
     pub fn last_phase_times(&self) -> [Duration; 3] {
         self.last_phases
@@ -344,18 +252,12 @@ struct LayerJob {
     threads: *const ThreadBuffers,
     marks: *mut [Option<Instant>; 2],
     claims: *const ClaimCounter,
-    tuning: LayerTuning,
+    tuning: KernelTuning,
     /// Every pair is token 0 of a one-token batch and its input forms are prepared in slot 0
-    /// only (`LayerTuning::shared_decode_input`).
+    /// only (`KernelTuning::shared_decode_input`).
     shared_input: bool,
     /// Null unless phase 2 uses the reduce split.
     down_out: *mut f32,
-    /// `LayerTuning::flow` applies to this call (reduce split only).
-    flow: bool,
-    /// `LayerTuning::private_input` applies (with `shared_input`): thread i's input is slot i.
-    private_input: bool,
-    expert_done: *const ClaimCounter,
-    block_done: *const ClaimCounter,
 }
 
 // SAFETY: threads only write disjoint parts (their own pairs, units, output columns and thread
@@ -449,26 +351,20 @@ pub fn compute_layer(
     if pairs == 0 {
         return Ok(());
     }
-    let reduce = !DOWN_SPLIT_ROWS.load(std::sync::atomic::Ordering::Relaxed)
+    let tuning = scratch.tuning;
+    let reduce = tuning.down_split == DownSplit::Auto
         && pairs <= scratch.down_out_pairs
         && scratch
             .tasks
             .iter()
             .all(|task| task.count <= REDUCE_MAX_TOKENS);
-    let tuning = layer_tuning();
     let shared_input = tuning.shared_decode_input
         && tokens == 1
         && scratch
             .tasks
             .iter()
             .all(|task| task.count <= 1 && task.amx_input.is_none());
-    let flow = tuning.flow && reduce;
-    for claim in scratch
-        .claims
-        .iter()
-        .chain(&scratch.expert_done)
-        .chain(&scratch.block_done)
-    {
+    for claim in &scratch.claims {
         claim.0.store(0, std::sync::atomic::Ordering::Relaxed);
     }
     let job = LayerJob {
@@ -491,10 +387,6 @@ pub fn compute_layer(
         } else {
             std::ptr::null_mut()
         },
-        flow,
-        private_input: shared_input && tuning.private_input,
-        expert_done: scratch.expert_done.as_ptr(),
-        block_done: scratch.block_done.as_ptr(),
     };
     let gate_ptrs = GatePointers::of(scratch);
     let start = Instant::now();
@@ -546,7 +438,7 @@ impl LayerJob {
     }
 
     /// Claims the next work item of `phase` (0: gate_up, 1: down) out of `0..total`: this
-    /// thread's own share first, in order, then (with `LayerTuning::steal`) unstarted items of
+    /// thread's own share first, in order, then (with `KernelTuning::steal`) unstarted items of
     /// the other threads' shares. `victim` is the caller's cursor over the shares (start at 0).
     unsafe fn claim(
         &self,
@@ -598,35 +490,11 @@ impl LayerJob {
         let units_per_task = im.div_ceil(GROUP);
         let gate_up_items = self.task_count * units_per_task;
         let row_blocks = h.div_ceil(ROW_BLOCK);
-        let ahead = if self.tuning.prefetch_ahead {
-            crate::kernels::prefetch_distance().max(1024)
-        } else {
-            0
-        };
-        if ahead > 0 {
-            // This thread's first gate_up unit (the start of its own share, which it always
-            // computes itself): gate rows and up rows.
-            let share = context.split(gate_up_items);
-            if !share.is_empty() {
-                let task = self.task(share.start / units_per_task);
-                let first = (share.start % units_per_task) * GROUP;
-                crate::kernels::prefetch_stream_start(&task.gate_up, first, ahead);
-                crate::kernels::prefetch_stream_start(&task.gate_up, im + first, ahead);
-            }
-        }
-
         // Phase 0: input rows of (expert, token) pairs, split by (pair, group of 32) so even
         // one decode token is shared by all threads. With a shared decode input only slot 0
         // (token 0, which every pair reads) is prepared.
         let groups = h.div_ceil(GROUP);
-        if self.private_input {
-            for group in 0..groups {
-                let first = group * GROUP;
-                let values =
-                    std::slice::from_raw_parts(self.hidden.add(first), GROUP.min(h - first));
-                self.input.write_group(context.index, group, values);
-            }
-        } else if self.shared_input {
+        if self.shared_input {
             let task = self.task(0);
             for group in context.split(groups) {
                 let first = group * GROUP;
@@ -657,9 +525,7 @@ impl LayerJob {
                 }
             }
         }
-        if !self.private_input {
-            context.barrier();
-        }
+        context.barrier();
         if context.index == 0 {
             (*self.marks)[0] = Some(Instant::now());
         }
@@ -667,11 +533,7 @@ impl LayerJob {
         // Phase 1: gate/up rows + SwiGLU, per (expert, 32 intermediate features).
         let gate = gates.gate[context.index];
         let up = gates.up[context.index];
-        let input_slot0 = if self.private_input {
-            context.index
-        } else {
-            self.task(0).first_slot
-        };
+        let input_slot0 = self.task(0).first_slot;
         let mut victim = 0;
         while let Some(unit) = self.claim(0, context, gate_up_items, &mut victim) {
             let task = self.task(unit / units_per_task);
@@ -704,6 +566,7 @@ impl LayerJob {
                     up,
                     GROUP,
                     buffers,
+                    self.tuning.prefetch,
                 );
                 for t in 0..tokens {
                     let g = std::slice::from_raw_parts_mut(gate.add(t * GROUP), rows);
@@ -718,38 +581,8 @@ impl LayerJob {
                 }
                 t0 += tokens;
             }
-            if self.flow {
-                // Publishes this unit's activations to the `down` items of its expert.
-                (*self.expert_done.add(unit / units_per_task))
-                    .0
-                    .fetch_add(1, std::sync::atomic::Ordering::Release);
-            }
         }
-        if ahead > 0 {
-            // This thread's first down rows, while it waits for the others.
-            if !self.down_out.is_null() {
-                let share = context.split(self.task_count * row_blocks);
-                if !share.is_empty() {
-                    let task = self.task(share.start / row_blocks);
-                    let first = (share.start % row_blocks) * ROW_BLOCK;
-                    crate::kernels::prefetch_stream_start(&task.down, first, ahead);
-                    crate::kernels::prefetch_stream_start(&task.down, first + ROW_BLOCK / 2, ahead);
-                }
-            } else {
-                let blocks = split_range(row_blocks, context.index, context.count);
-                if !blocks.is_empty() && self.task_count > 0 {
-                    let task = self.task(0);
-                    crate::kernels::prefetch_stream_start(
-                        &task.down,
-                        blocks.start * ROW_BLOCK,
-                        ahead,
-                    );
-                }
-            }
-        }
-        if !self.flow {
-            context.barrier();
-        }
+        context.barrier();
         if context.index == 0 {
             (*self.marks)[1] = Some(Instant::now());
         }
@@ -762,12 +595,6 @@ impl LayerJob {
                 let task = self.task(item / row_blocks);
                 let first = (item % row_blocks) * ROW_BLOCK;
                 let rows = ROW_BLOCK.min(h - first);
-                if self.flow {
-                    let done = &(*self.expert_done.add(item / row_blocks)).0;
-                    context.wait_until(|| {
-                        done.load(std::sync::atomic::Ordering::Acquire) >= units_per_task
-                    });
-                }
                 let input = InputRows {
                     forms: self.act,
                     first_slot: task.first_slot,
@@ -789,6 +616,7 @@ impl LayerJob {
                         destination.add(half),
                         h,
                         buffers,
+                        self.tuning.prefetch,
                     );
                 } else {
                     matmul_rows(
@@ -800,22 +628,9 @@ impl LayerJob {
                         destination,
                         h,
                         buffers,
+                        self.tuning.prefetch,
                     );
                 }
-                if self.flow {
-                    // The last expert to finish this row block adds it into the output
-                    // (AcqRel: sees every other expert's rows of the block).
-                    let block = item % row_blocks;
-                    let finished = (*self.block_done.add(block))
-                        .0
-                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                    if finished + 1 == self.task_count {
-                        self.add_down_outputs(block..block + 1);
-                    }
-                }
-            }
-            if self.flow {
-                return;
             }
             context.barrier();
             // Phase 3: each thread adds its output columns.
@@ -843,7 +658,15 @@ impl LayerJob {
                     let first = block * ROW_BLOCK;
                     let rows = ROW_BLOCK.min(h - first);
                     matmul_rows(
-                        self.isa, &task.down, first, rows, &input, y, ROW_BLOCK, buffers,
+                        self.isa,
+                        &task.down,
+                        first,
+                        rows,
+                        &input,
+                        y,
+                        ROW_BLOCK,
+                        buffers,
+                        self.tuning.prefetch,
                     );
                     for t in 0..tokens {
                         let token = *task.tokens.add(t0 + t) as usize;

@@ -14,8 +14,10 @@
 //! - [`pool`]: thread pool pinned to a NUMA node's cores, spin barrier, cpulist parsing.
 //! - [`prepare`]: activation forms the kernels read (f32, permuted f32, bf16, int8 + scales,
 //!   AMX tile packing).
-//! - `kernels`: row-kernel dispatch per (path, dtype, tokens), per-thread buffers, the software
-//!   prefetch knob ([`set_prefetch_distance`]).
+//! - [`tuning`]: [`KernelTuning`], the value that chooses work stealing, the shared decode input,
+//!   phase 2's split and software prefetch; the caller builds it and hands it to
+//!   [`LayerScratch::with_tuning`] (no process-wide tuning state exists).
+//! - `kernels`: row-kernel dispatch per (path, dtype, tokens), per-thread buffers.
 //! - `scalar`, `avx2`, `avx512`, `amx`: the row kernels of each path.
 //! - [`routed`]: one layer from router output (ids + weights per token) — the executor shared by
 //!   the engine's in-process path and the expert worker.
@@ -30,6 +32,7 @@ pub mod layout;
 pub mod pool;
 pub mod prepare;
 pub mod routed;
+pub mod tuning;
 
 mod kernels;
 mod scalar;
@@ -42,13 +45,10 @@ mod avx2;
 mod avx512;
 
 pub use isa::KernelIsa;
-pub use kernels::{set_int4_gfni, set_int4_rows_per_pass, set_prefetch_distance};
-pub use layer::{
-    compute_layer, layer_tuning, set_down_split, set_layer_tuning, DownSplit, ExpertTask,
-    ExpertWeights, LayerScratch, LayerTuning, ScratchCapacity,
-};
+pub use layer::{compute_layer, ExpertTask, ExpertWeights, LayerScratch, ScratchCapacity};
 pub use layout::{ExpertLayout, MatrixLayout, WeightDType};
 pub use pool::{cpus_of_numa_node, ThreadPool};
+pub use tuning::{DownSplit, KernelTuning, Prefetch};
 
 /// Errors of this crate: every one names the bad value and what was expected.
 #[derive(Debug, thiserror::Error)]

@@ -38,18 +38,6 @@ impl WorkerContext<'_> {
         self.barrier.wait();
     }
 
-    /// Spins (yielding on an oversubscribed machine) until `done` holds. Returns early when
-    /// another thread of the job panicked (it would never make `done` true).
-    pub fn wait_until(&self, mut done: impl FnMut() -> bool) {
-        let mut spins = 0u32;
-        while !done() {
-            if self.barrier.poisoned.load(Ordering::Relaxed) {
-                return;
-            }
-            spin_or_yield(&mut spins);
-        }
-    }
-
     /// This thread's contiguous share of `0..total` (shares differ by at most one).
     pub fn split(&self, total: usize) -> Range<usize> {
         split_range(total, self.index, self.count)

@@ -11,8 +11,8 @@
 
 use ninfer_cpu_experts::layout::{decode_matrix, encode_matrix};
 use ninfer_cpu_experts::{
-    compute_layer, ExpertLayout, ExpertTask, ExpertWeights, KernelIsa, LayerScratch,
-    ScratchCapacity, ThreadPool, WeightDType,
+    compute_layer, DownSplit, ExpertLayout, ExpertTask, ExpertWeights, KernelIsa, KernelTuning,
+    LayerScratch, Prefetch, ScratchCapacity, ThreadPool, WeightDType,
 };
 use rand::{Rng, SeedableRng};
 use std::io::Write;
@@ -81,7 +81,7 @@ struct Case<'a> {
     initial: &'a [f32],
 }
 
-fn run_layer(pool: &ThreadPool, isa: KernelIsa, case: &Case<'_>) -> Vec<f32> {
+fn run_layer(pool: &ThreadPool, isa: KernelIsa, tuning: KernelTuning, case: &Case<'_>) -> Vec<f32> {
     let Case {
         layout,
         experts,
@@ -106,7 +106,9 @@ fn run_layer(pool: &ThreadPool, isa: KernelIsa, case: &Case<'_>) -> Vec<f32> {
         max_tasks: tasks.len(),
         max_pairs: routes.iter().map(|r| r.0.len()).sum(),
     };
-    let mut scratch = LayerScratch::new(*layout, isa, pool.threads(), capacity).unwrap();
+    let mut scratch = LayerScratch::new(*layout, isa, pool.threads(), capacity)
+        .unwrap()
+        .with_tuning(tuning);
     let mut output = initial.to_vec();
     compute_layer(pool, &mut scratch, hidden, tokens, &tasks, &mut output).unwrap();
     // A second call on the same scratch must give the same increment (no stale state).
@@ -175,6 +177,10 @@ fn tolerance(isa: KernelIsa, dtype: WeightDType, tokens_per_expert_max: usize) -
 }
 
 fn check_dtype(dtype: WeightDType, shapes: &[(usize, usize)]) {
+    check_dtype_tuned(dtype, shapes, KernelTuning::default());
+}
+
+fn check_dtype_tuned(dtype: WeightDType, shapes: &[(usize, usize)], tuning: KernelTuning) {
     let pool = ThreadPool::new(3, &[], false).unwrap();
     let supported = KernelIsa::supported();
     for isa in KernelIsa::ALL {
@@ -204,7 +210,7 @@ fn check_dtype(dtype: WeightDType, shapes: &[(usize, usize)]) {
                 tokens,
                 initial: &initial,
             };
-            let reference = run_layer(&pool, KernelIsa::Scalar, &case);
+            let reference = run_layer(&pool, KernelIsa::Scalar, tuning, &case);
             if tokens <= 8 {
                 let exact = naive(&layout, &experts, &routes, &hidden, &initial);
                 let error = relative_error(&reference, &exact, &initial);
@@ -214,7 +220,7 @@ fn check_dtype(dtype: WeightDType, shapes: &[(usize, usize)]) {
                 );
             }
             for &isa in supported.iter().filter(|&&i| i != KernelIsa::Scalar) {
-                let value = run_layer(&pool, isa, &case);
+                let value = run_layer(&pool, isa, tuning, &case);
                 let error = relative_error(&value, &reference, &initial);
                 let limit = tolerance(isa, dtype, tokens);
                 println!(
@@ -249,31 +255,30 @@ fn int4_paths_agree_with_scalar() {
     check_dtype(WeightDType::Int4, &[(96, 160), (64, 32)]);
 }
 
-/// Every scheduling choice, the 4- and 8-rows-per-pass int4 decode kernels and their forms with and
-/// without GFNI compute the same layer. (The knobs are process-wide; tests running beside this
-/// one are correct under any of them.)
+/// Every combination of the tuning's choices computes the same layer.
 #[test]
 fn layer_tunings_agree_with_scalar() {
-    for bits in 0..256u32 {
-        ninfer_cpu_experts::set_layer_tuning(ninfer_cpu_experts::LayerTuning {
+    for bits in 0..16u32 {
+        let tuning = KernelTuning {
             steal: bits & 1 != 0,
-            prefetch_ahead: bits & 2 != 0,
-            shared_decode_input: bits & 4 != 0,
-            flow: bits & 16 != 0,
-            private_input: bits & 32 != 0,
-        });
-        ninfer_cpu_experts::set_int4_rows_per_pass(match (bits & 8 != 0, bits & 128 != 0) {
-            (false, false) => 2,
-            (true, false) => 4,
-            (_, true) => 8,
-        });
-        ninfer_cpu_experts::set_int4_gfni(bits & 64 == 0);
-        check_dtype(WeightDType::Int4, &[(96, 160)]);
-        check_dtype(WeightDType::Int8, &[(64, 32)]);
+            shared_decode_input: bits & 2 != 0,
+            down_split: if bits & 4 != 0 {
+                DownSplit::Rows
+            } else {
+                DownSplit::Auto
+            },
+            prefetch: if bits & 8 != 0 {
+                Prefetch {
+                    distance_bytes: 0,
+                    into_l2: false,
+                }
+            } else {
+                Prefetch::default()
+            },
+        };
+        check_dtype_tuned(WeightDType::Int4, &[(96, 160)], tuning);
+        check_dtype_tuned(WeightDType::Int8, &[(64, 32)], tuning);
     }
-    ninfer_cpu_experts::set_layer_tuning(Default::default());
-    ninfer_cpu_experts::set_int4_rows_per_pass(2);
-    ninfer_cpu_experts::set_int4_gfni(true);
 }
 
 #[test]

@@ -419,5 +419,5 @@ fn the_word_checks_find_what_they_should() {
     assert!(!contains_word("incoming requests", "coming"));
     assert!(contains_word("it (later) serves", "(later)"));
     assert!(!contains_word("finished later", "(later)"));
-    assert!(contains_word("this Session's", "session"));
+    assert!(contains_word("this Backend's", "backend"));
 }

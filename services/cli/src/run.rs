@@ -127,6 +127,47 @@ async fn wait_until_ready(
     }
 }
 
+/// A conversation with the gateway: the history it sends and the settings of its turns.
+struct Chat<'a> {
+    client: GatewayClient<tonic::transport::Channel>,
+    model_name: String,
+    args: &'a RunArgs,
+    max_tokens: u32,
+    thinking: bool,
+    history: Vec<ChatMessage>,
+}
+
+impl Chat<'_> {
+    /// One user turn: the answer is printed as it streams and kept in the history; a failed
+    /// turn leaves the history as it was.
+    async fn ask(&mut self, text: &str) -> anyhow::Result<()> {
+        self.history.push(ChatMessage {
+            role: "user".into(),
+            content: text.to_string(),
+            ..Default::default()
+        });
+        let answered = answer(
+            &mut self.client,
+            &self.model_name,
+            &self.history,
+            self.args,
+            self.max_tokens,
+            self.thinking,
+        )
+        .await;
+        match answered {
+            Ok(reply) => {
+                self.history.push(reply);
+                Ok(())
+            }
+            Err(error) => {
+                self.history.pop();
+                Err(error)
+            }
+        }
+    }
+}
+
 /// Streams one answer to stdout; returns the assistant message for the history.
 async fn answer(
     client: &mut GatewayClient<tonic::transport::Channel>,
@@ -273,7 +314,7 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let (mut client, model_name) = runtime.block_on(wait_until_ready(api, supervisor))?;
+    let (client, model_name) = runtime.block_on(wait_until_ready(api, supervisor))?;
     supervisor.mark_healthy();
     if args.serve {
         print_plan(plan);
@@ -284,22 +325,16 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
         supervisor.run_until_stopped()?;
         return Ok(());
     }
-    let mut thinking = args.think;
-    let mut history: Vec<ChatMessage> = Vec::new();
+    let mut chat = Chat {
+        client,
+        model_name,
+        args,
+        max_tokens,
+        thinking: args.think,
+        history: Vec::new(),
+    };
     if let Some(prompt) = &args.prompt {
-        history.push(ChatMessage {
-            role: "user".into(),
-            content: prompt.clone(),
-            ..Default::default()
-        });
-        runtime.block_on(answer(
-            &mut client,
-            &model_name,
-            &history,
-            args,
-            max_tokens,
-            thinking,
-        ))?;
+        runtime.block_on(chat.ask(prompt))?;
         return Ok(());
     }
     println!(
@@ -318,33 +353,17 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
-                history.clear();
+                chat.history.clear();
                 println!("(conversation cleared)");
             }
             "/think" => {
-                thinking = !thinking;
-                println!("(thinking {})", if thinking { "on" } else { "off" });
+                chat.thinking = !chat.thinking;
+                println!("(thinking {})", if chat.thinking { "on" } else { "off" });
             }
             text => {
-                history.push(ChatMessage {
-                    role: "user".into(),
-                    content: text.to_string(),
-                    ..Default::default()
-                });
                 supervisor.poll()?;
-                match runtime.block_on(answer(
-                    &mut client,
-                    &model_name,
-                    &history,
-                    args,
-                    max_tokens,
-                    thinking,
-                )) {
-                    Ok(reply) => history.push(reply),
-                    Err(error) => {
-                        history.pop();
-                        eprintln!("error: {error:#}");
-                    }
+                if let Err(error) = runtime.block_on(chat.ask(text)) {
+                    eprintln!("error: {error:#}");
                 }
             }
         }

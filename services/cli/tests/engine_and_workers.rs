@@ -2,6 +2,9 @@
 //! processes on unix sockets, spoken to over gRPC. Needs the workspace binaries built next to
 //! this test (`scripts/test.sh` / `cargo test --workspace` builds them).
 
+mod common;
+use common::fixture;
+
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -12,12 +15,6 @@ use ninfer_protocol::v1::expert_worker_client::ExpertWorkerClient;
 use ninfer_protocol::v1::{
     AttachChannelRequest, EngineStatusRequest, GenerateRequest, WorkerInfoRequest,
 };
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
 
 /// A workspace binary next to this test's executable (target/<profile>/).
 fn binary(name: &str) -> PathBuf {
@@ -81,14 +78,7 @@ impl Stack {
     /// Converts a fixture (f32 weights: exact comparisons).
     fn convert(&self, fixture_name: &str) -> PathBuf {
         let output = self.path(&format!("{fixture_name}.ninfer"));
-        let status = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-            .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
-            .arg(fixture(fixture_name))
-            .arg(&output)
-            .stderr(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        common::convert_fixture_f32(fixture_name, &output);
         output
     }
 

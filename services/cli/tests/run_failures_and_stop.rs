@@ -4,15 +4,12 @@
 //! process within 2 s and leaves no shared-memory segment. Needs the workspace binaries built
 //! next to `ninfer` (`cargo build --workspace --bins`).
 
+mod common;
+use common::fixture;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
 
 /// A scratch home for one test: runtime, cache and state directories of its own.
 struct Scratch {
@@ -45,15 +42,7 @@ impl Scratch {
     /// The fixture converted (f32) into the scratch directory.
     fn artifact(&self) -> PathBuf {
         let output = self.path("qwen3_moe.ninfer");
-        let status = self
-            .ninfer()
-            .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
-            .arg(fixture("qwen3_moe"))
-            .arg(&output)
-            .stderr(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        common::convert_fixture_f32("qwen3_moe", &output);
         output
     }
 

@@ -2,14 +2,11 @@
 //! the seeds' `--moe-offload`), `--engine-arg`, and everything after `--`, verbatim. Needs the
 //! workspace binaries built next to `ninfer` (`cargo build --workspace --bins`).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+mod common;
+use common::fixture;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
+use std::path::Path;
+use std::process::{Command, Stdio};
 
 fn ninfer(scratch: &Path) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ninfer"));

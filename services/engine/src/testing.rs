@@ -98,6 +98,31 @@ pub fn teacher_forced_logits<B: crate::Backend>(
         .collect())
 }
 
+/// NLL of tokens `1..` of `tokens` given their prefixes, from one prefill.
+pub fn token_negative_log_likelihoods<B: crate::Backend>(
+    model: &crate::Model<B>,
+    tokens: &[u32],
+) -> Result<Vec<f64>, EngineError> {
+    let logits = teacher_forced_logits(model, tokens)?;
+    Ok(tokens
+        .iter()
+        .skip(1)
+        .zip(&logits)
+        .map(|(&token, row)| crate::perplexity::negative_log_likelihood(row, token))
+        .collect())
+}
+
+/// The mean of `values` (0 for none).
+pub fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len().max(1) as f64
+}
+
+/// The mean `|a[i] − b[i]|` (the slices must be the same length).
+pub fn mean_abs_difference(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "compared slices differ in length");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / a.len().max(1) as f64
+}
+
 /// `count` greedy tokens after `prompt`: a prefill, then one decode step per token.
 pub fn greedy_tokens<B: crate::Backend>(
     model: &crate::Model<B>,

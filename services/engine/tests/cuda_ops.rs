@@ -244,10 +244,14 @@ fn dense_ops_match_the_cpu_backend() {
     let positions: Vec<usize> = (0..7).map(|i| i * 977 + 3).collect();
     for rotary in [8usize, 32] {
         let (mut xg, mut xc) = up(&x, 7, 128);
-        gpu.rope(&mut xg, &positions, 32, rotary, 10_000_000.0)
-            .unwrap();
-        cpu.rope(&mut xc, &positions, 32, rotary, 10_000_000.0)
-            .unwrap();
+        let rotation = Rotation {
+            positions: &positions,
+            head_dim: 32,
+            rotary_dim: rotary,
+            theta: 10_000_000.0,
+        };
+        gpu.rope(&mut xg, &rotation).unwrap();
+        cpu.rope(&mut xc, &rotation).unwrap();
         compare(
             &format!("rope rotary {rotary} of 32"),
             &gpu.download(&xg).unwrap(),
@@ -281,8 +285,7 @@ fn dense_ops_match_the_cpu_backend() {
                 )
                 .unwrap();
             let mut split = gpu.rms_norm(&xg, &q_norm.0, 1e-6, style).unwrap();
-            gpu.rope(&mut split, &positions, head_dim, rotary, 10_000_000.0)
-                .unwrap();
+            gpu.rope(&mut split, &rotation).unwrap();
             let what = format!("rms_norm_rope rotary {rotary} of {head_dim} {style:?}");
             compare(&what, &fused, &gpu.download(&split).unwrap(), 1e-6);
             compare(

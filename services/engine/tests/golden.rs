@@ -13,9 +13,11 @@ use std::sync::Arc;
 
 use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
-use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::argmax;
-use ninfer_engine::testing::{golden_fixture_dir, max_abs_difference, GOLDEN_FIXTURES};
+use ninfer_engine::testing::{
+    golden_fixture_dir, max_abs_difference, mean, mean_abs_difference,
+    token_negative_log_likelihoods, GOLDEN_FIXTURES,
+};
 use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
 
 const GREEDY_TOKENS: usize = 24;
@@ -123,23 +125,6 @@ fn convert(fixture: &Path, output: &Path, experts: DType, dense: DType) -> PathB
     path
 }
 
-/// NLL of tokens 1.. of `tokens` given their prefixes, from one prefill.
-fn engine_token_nll<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f64> {
-    let mut state = model.new_sequence(tokens.len()).unwrap();
-    let mut batch = [SequenceInput {
-        state: &mut state,
-        tokens,
-    }];
-    let logits = model
-        .forward(&mut batch, LogitsSelection::All)
-        .unwrap()
-        .remove(0);
-    let vocab = model.vocab_size();
-    (1..tokens.len())
-        .map(|t| negative_log_likelihood(&logits[(t - 1) * vocab..t * vocab], tokens[t]))
-        .collect()
-}
-
 /// A reference per-token NLL aligned with ours (positions 1..N).
 fn aligned_reference(reference: &Reference, token_nll: &[f64]) -> Vec<f64> {
     let n = reference.nll_token_ids.len();
@@ -148,15 +133,6 @@ fn aligned_reference(reference: &Reference, token_nll: &[f64]) -> Vec<f64> {
         len if len == n => token_nll[1..].to_vec(),
         len => panic!("token_nll has {len} entries for {n} tokens"),
     }
-}
-
-fn mean(values: &[f64]) -> f64 {
-    values.iter().sum::<f64>() / values.len() as f64
-}
-
-fn mean_abs_difference(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "NLL lengths differ");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / a.len() as f64
 }
 
 /// ‖a − b‖₂ / ‖b‖₂.
@@ -227,7 +203,8 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
 
         // f32 weights: per-token NLL, last logits, greedy tokens.
         let model = open(DType::F32, DType::F32);
-        let nll = engine_token_nll(&model, &reference.nll_token_ids);
+        let nll =
+            token_negative_log_likelihoods(&model, &reference.nll_token_ids).expect("forward");
         let worst_nll = nll
             .iter()
             .zip(&expected_nll)
@@ -327,7 +304,8 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         // these sharp random fixtures) is the weights' rounding, whatever computes it, so it is
         // printed for information only.
         let model = open(DType::Bf16, DType::Bf16);
-        let nll_bf16 = engine_token_nll(&model, &reference.nll_token_ids);
+        let nll_bf16 =
+            token_negative_log_likelihoods(&model, &reference.nll_token_ids).expect("forward");
         let versus_bf16 = mean_abs_difference(&nll_bf16, &expected_nll_bf16);
         let versus_f32 = mean_abs_difference(&nll_bf16, &expected_nll);
         println!(
@@ -362,7 +340,8 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         // reference; f32 experts with bf16 dense weights only get a sanity bound.
         for (experts, dense) in [(DType::Bf16, DType::F32), (DType::F32, DType::Bf16)] {
             let model = open(experts, dense);
-            let nll_mixed = engine_token_nll(&model, &reference.nll_token_ids);
+            let nll_mixed =
+                token_negative_log_likelihoods(&model, &reference.nll_token_ids).expect("forward");
             let mean_abs = mean_abs_difference(&nll_mixed, &expected_nll);
             println!(
                 "{name} experts {experts} dense {dense}: mean |ΔNLL| vs transformers f32 = {mean_abs:.3e}, mean NLL {:.6}",
@@ -378,7 +357,9 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         // Quantized experts, f32 dense weights.
         for (experts, bound) in [(DType::Int8, 0.02), (DType::Int4, 0.15)] {
             let model = open(experts, DType::F32);
-            let quantized_mean = mean(&engine_token_nll(&model, &reference.nll_token_ids));
+            let quantized_mean = mean(
+                &token_negative_log_likelihoods(&model, &reference.nll_token_ids).expect("forward"),
+            );
             let delta = quantized_mean - f32_mean;
             println!("{name} {experts} experts: mean NLL {quantized_mean:.6}, Δ vs f32 = {delta:+.5} nats (bound {bound})");
             assert!(

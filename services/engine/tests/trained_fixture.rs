@@ -17,9 +17,11 @@ use std::sync::Arc;
 
 use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
-use ninfer_engine::perplexity::negative_log_likelihood;
-use ninfer_engine::testing::{golden_fixture_dir, greedy_tokens, json_numbers};
-use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
+use ninfer_engine::testing::{
+    golden_fixture_dir, greedy_tokens, json_numbers, mean, mean_abs_difference,
+    token_negative_log_likelihoods,
+};
+use ninfer_engine::{test_device, Backend, Model};
 
 const FIXTURE: &str = "qwen3_5_moe_trained";
 /// A reference greedy pick closer than this to the runner-up may flip under f32 reordering.
@@ -81,32 +83,6 @@ fn convert(output: &Path, experts: DType, dense: DType) -> PathBuf {
     path
 }
 
-/// NLL of tokens 1.. of `tokens` given their prefixes, from one prefill.
-fn engine_token_nll<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f64> {
-    let mut state = model.new_sequence(tokens.len()).unwrap();
-    let mut batch = [SequenceInput {
-        state: &mut state,
-        tokens,
-    }];
-    let logits = model
-        .forward(&mut batch, LogitsSelection::All)
-        .expect("forward")
-        .remove(0);
-    let vocab = model.vocab_size();
-    (1..tokens.len())
-        .map(|t| negative_log_likelihood(&logits[(t - 1) * vocab..t * vocab], tokens[t]))
-        .collect()
-}
-
-fn mean(values: &[f64]) -> f64 {
-    values.iter().sum::<f64>() / values.len().max(1) as f64
-}
-
-fn mean_abs_difference(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "NLL lengths differ");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / a.len() as f64
-}
-
 /// Tokens that must match: all of them, or those before the reference's first near-tie.
 fn comparable_prefix(prompt: &Prompt) -> usize {
     prompt
@@ -137,7 +113,7 @@ fn trained_fixture_matches_transformers<B: Backend>(backend: Arc<B>) {
     let mut f32_nll: Vec<Vec<f64>> = Vec::new();
     let mut worst_mean_abs = 0.0f64;
     for text in &texts {
-        let nll = engine_token_nll(&model, &text.tokens);
+        let nll = token_negative_log_likelihoods(&model, &text.tokens).expect("forward");
         let mean_abs = mean_abs_difference(&nll, &text.token_nll);
         let max_abs = nll
             .iter()
@@ -188,7 +164,7 @@ fn trained_fixture_matches_transformers<B: Backend>(backend: Arc<B>) {
             .expect("open artifact");
         let nll: Vec<Vec<f64>> = texts
             .iter()
-            .map(|t| engine_token_nll(&model, &t.tokens))
+            .map(|t| token_negative_log_likelihoods(&model, &t.tokens).expect("forward"))
             .collect();
         let quantized_mean = mean(&nll.concat());
         let delta = quantized_mean - f32_mean;

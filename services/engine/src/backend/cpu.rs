@@ -16,7 +16,7 @@ use ninfer_cpu_experts::ExpertLayout;
 
 use super::{
     expert_bytes, slot_out_of_range, AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec,
-    ExpertSlotTable, NormStyle, Routing, Segment, WithExpertSlotTable,
+    ExpertSlotTable, NormStyle, Rotation, Routing, Segment, WithExpertSlotTable,
 };
 use crate::error::EngineError;
 use crate::host_math::{
@@ -500,14 +500,9 @@ impl Backend for CpuBackend {
         Ok(self.zip(&normed, gate, |value, z| value * silu(z)))
     }
 
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        positions: &[usize],
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f64,
-    ) -> Result<(), EngineError> {
+    fn rope(&self, x: &mut CpuTensor, rotation: &Rotation<'_>) -> Result<(), EngineError> {
+        let (positions, head_dim) = (rotation.positions, rotation.head_dim);
+        let (rotary_dim, theta) = (rotation.rotary_dim, rotation.theta);
         let inverse_frequencies = rope_inverse_frequencies(rotary_dim, theta);
         let half = rotary_dim / 2;
         let mut cos = vec![0.0f32; half];
@@ -1065,7 +1060,13 @@ mod tests {
             data: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
         };
         // rotary_dim 4 of head_dim 8: pairs (0,2), (1,3); dims 4..8 untouched.
-        backend.rope(&mut x, &[3], 8, 4, 10000.0).unwrap();
+        let rotation = Rotation {
+            positions: &[3],
+            head_dim: 8,
+            rotary_dim: 4,
+            theta: 10000.0,
+        };
+        backend.rope(&mut x, &rotation).unwrap();
         let inverse = rope_inverse_frequencies(4, 10000.0);
         let (c0, s0) = ((3.0 * inverse[0]).cos(), (3.0 * inverse[0]).sin());
         assert!((x.data[0] - (1.0 * c0 - 3.0 * s0)).abs() < 1e-6);

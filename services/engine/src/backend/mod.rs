@@ -264,13 +264,7 @@ pub trait Backend: Send + Sync + 'static {
         rotation: &Rotation<'_>,
     ) -> Result<Self::Tensor, EngineError> {
         let mut out = self.rms_norm(x, weight, eps, style)?;
-        self.rope(
-            &mut out,
-            rotation.positions,
-            rotation.head_dim,
-            rotation.rotary_dim,
-            rotation.theta,
-        )?;
+        self.rope(&mut out, rotation)?;
         Ok(out)
     }
     /// GDN output norm: plain-weight RMSNorm per group of `len(weight)`, times `silu(gate)`.
@@ -283,14 +277,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor, EngineError>;
     /// Rotate-half RoPE on the first `rotary_dim` dims of each `head_dim` head; row `r` is at
     /// `positions[r]`.
-    fn rope(
-        &self,
-        x: &mut Self::Tensor,
-        positions: &[usize],
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f64,
-    ) -> Result<(), EngineError>;
+    fn rope(&self, x: &mut Self::Tensor, rotation: &Rotation<'_>) -> Result<(), EngineError>;
     /// `a += b`.
     fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor) -> Result<(), EngineError>;
     /// `silu(gate) ⊙ up` where `gate_up` rows are `[gate ‖ up]` halves.

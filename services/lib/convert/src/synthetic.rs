@@ -1088,57 +1088,25 @@ impl Drawer {
 
 /// Expert share by popularity rank (most popular first) of each MoE layer of the trained fixture
 /// (`tests/fixtures/qwen3_5_moe_trained/reference.json` → `routing.layers[i].share_by_rank`,
-/// rounded): 32 experts, top-4, measured over held-out Python code and documentation.
-const TRAINED_SHARE_BY_RANK: [[f64; 32]; 8] = [
-    [
-        0.08442, 0.07724, 0.06058, 0.05637, 0.05301, 0.05048, 0.04918, 0.04860, 0.04825, 0.04472,
-        0.04162, 0.03913, 0.03305, 0.02972, 0.02790, 0.02701, 0.02362, 0.02312, 0.02308, 0.02141,
-        0.02126, 0.02067, 0.01423, 0.01306, 0.01102, 0.01050, 0.00938, 0.00882, 0.00880, 0.00754,
-        0.00719, 0.00503,
-    ],
-    [
-        0.07168, 0.06297, 0.05735, 0.05359, 0.05332, 0.05245, 0.04628, 0.04153, 0.04109, 0.03963,
-        0.03814, 0.03800, 0.03499, 0.03465, 0.03436, 0.03421, 0.02344, 0.02324, 0.02191, 0.01986,
-        0.01887, 0.01873, 0.01865, 0.01865, 0.01861, 0.01641, 0.01419, 0.01382, 0.01260, 0.00961,
-        0.00946, 0.00770,
-    ],
-    [
-        0.07327, 0.06460, 0.06383, 0.05970, 0.05935, 0.05553, 0.05309, 0.04502, 0.04388, 0.04241,
-        0.04164, 0.03887, 0.03651, 0.03297, 0.02943, 0.02466, 0.02449, 0.02049, 0.02030, 0.01945,
-        0.01823, 0.01664, 0.01435, 0.01340, 0.01245, 0.01206, 0.01163, 0.01133, 0.01126, 0.01054,
-        0.01001, 0.00860,
-    ],
-    [
-        0.10367, 0.06450, 0.06386, 0.05958, 0.04762, 0.04663, 0.04589, 0.04004, 0.03715, 0.03672,
-        0.03500, 0.03389, 0.03085, 0.02794, 0.02705, 0.02687, 0.02681, 0.02663, 0.02517, 0.02368,
-        0.01806, 0.01726, 0.01679, 0.01657, 0.01631, 0.01545, 0.01471, 0.01393, 0.01153, 0.01149,
-        0.01053, 0.00784,
-    ],
-    [
-        0.09339, 0.07798, 0.07063, 0.05872, 0.04529, 0.04295, 0.03951, 0.03886, 0.03619, 0.03275,
-        0.03267, 0.02864, 0.02844, 0.02752, 0.02746, 0.02538, 0.02443, 0.02356, 0.02324, 0.02323,
-        0.02181, 0.02111, 0.02002, 0.01915, 0.01730, 0.01698, 0.01690, 0.01618, 0.01504, 0.01217,
-        0.01182, 0.01067,
-    ],
-    [
-        0.07999, 0.06408, 0.06270, 0.05454, 0.05045, 0.04955, 0.03740, 0.03661, 0.03390, 0.03272,
-        0.03139, 0.03034, 0.02996, 0.02994, 0.02958, 0.02749, 0.02710, 0.02649, 0.02644, 0.02563,
-        0.02508, 0.02425, 0.02413, 0.02279, 0.01631, 0.01615, 0.01608, 0.01411, 0.01406, 0.01399,
-        0.01355, 0.01318,
-    ],
-    [
-        0.07165, 0.05265, 0.05137, 0.05097, 0.05022, 0.04808, 0.04571, 0.04453, 0.04413, 0.03868,
-        0.03832, 0.03638, 0.03598, 0.03075, 0.03018, 0.03014, 0.02761, 0.02566, 0.02463, 0.02355,
-        0.02163, 0.02080, 0.02068, 0.01922, 0.01901, 0.01858, 0.01680, 0.01578, 0.01494, 0.01445,
-        0.00856, 0.00839,
-    ],
-    [
-        0.06915, 0.06883, 0.06169, 0.05062, 0.05055, 0.04426, 0.04375, 0.03941, 0.03680, 0.03543,
-        0.03238, 0.03235, 0.03225, 0.03199, 0.02961, 0.02961, 0.02916, 0.02827, 0.02823, 0.02567,
-        0.02406, 0.01906, 0.01905, 0.01743, 0.01708, 0.01702, 0.01646, 0.01570, 0.01554, 0.01484,
-        0.01452, 0.00923,
-    ],
-];
+/// rounded): 32 experts, top-4, measured over held-out Python code and documentation. One
+/// layer per line.
+const TRAINED_SHARE_BY_RANK_TEXT: &str = include_str!("trained_share_by_rank.txt");
+
+/// [`TRAINED_SHARE_BY_RANK_TEXT`] as numbers, one row per layer.
+fn trained_share_by_rank() -> &'static [Vec<f64>] {
+    static TABLE: std::sync::OnceLock<Vec<Vec<f64>>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        TRAINED_SHARE_BY_RANK_TEXT
+            .lines()
+            .map(|line| {
+                line.split_whitespace()
+                    .filter_map(|word| word.parse().ok())
+                    .collect()
+            })
+            .filter(|row: &Vec<f64>| !row.is_empty())
+            .collect()
+    })
+}
 
 /// The decoder layer a router tensor belongs to (`layers.{i}.…`; 0 when the name has none).
 fn router_layer(name: &str) -> usize {
@@ -1153,8 +1121,9 @@ fn router_layer(name: &str) -> usize {
 /// the same relative depth, its rank profile resampled at the rank quantiles (r + ½)/E and
 /// renormalised, so the shape (share relative to the mean) survives any expert count.
 fn trained_log_shares(layer: usize, layers: usize, experts: usize) -> Vec<f64> {
-    let trained_layers = TRAINED_SHARE_BY_RANK.len();
-    let profile = &TRAINED_SHARE_BY_RANK[(layer * trained_layers / layers).min(trained_layers - 1)];
+    let table = trained_share_by_rank();
+    let trained_layers = table.len();
+    let profile = &table[(layer * trained_layers / layers).min(trained_layers - 1)];
     let last = profile.len() - 1;
     let shares: Vec<f64> = (0..experts)
         .map(|rank| {
@@ -1423,6 +1392,30 @@ mod tests {
     }
 
     #[test]
+    fn trained_share_table_is_the_fixtures_measurement_rounded() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../tests/fixtures/qwen3_5_moe_trained/reference.json"
+        );
+        let reference: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).expect("reading the trained reference"))
+                .expect("parsing the trained reference");
+        let layers = reference["routing"]["layers"]
+            .as_array()
+            .expect("routing layers");
+        let table = trained_share_by_rank();
+        assert_eq!(table.len(), layers.len());
+        for (row, layer) in table.iter().zip(layers) {
+            let measured = layer["share_by_rank"].as_array().expect("share_by_rank");
+            assert_eq!(row.len(), measured.len());
+            for (rounded, exact) in row.iter().zip(measured) {
+                let exact = exact.as_f64().expect("a share");
+                assert!((rounded - exact).abs() <= 5e-6, "{rounded} vs {exact}");
+            }
+        }
+    }
+
+    #[test]
     fn trained_profile_keeps_its_shape_at_any_expert_count() {
         // How far below uniform the popularity is, ln E − H: the same for any E when the shape
         // (share relative to the mean) is kept.
@@ -1430,7 +1423,7 @@ mod tests {
             let entropy: f64 = log_shares.iter().map(|l| -l.exp() * l).sum();
             (log_shares.len() as f64).ln() - entropy
         };
-        for (layer, profile) in TRAINED_SHARE_BY_RANK.iter().enumerate() {
+        for (layer, profile) in trained_share_by_rank().iter().enumerate() {
             let total: f64 = profile.iter().sum();
             assert!((total - 1.0).abs() < 1e-3, "layer {layer} sums to {total}");
             assert!(

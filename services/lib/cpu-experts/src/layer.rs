@@ -463,6 +463,34 @@ impl LayerJob {
         None
     }
 
+    /// Rows `first..first + rows` of a task's down projection times `input`, with this
+    /// layer's kernel and prefetch distance.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn down_rows(
+        &self,
+        task: &TaskInfo,
+        first: usize,
+        rows: usize,
+        input: &InputRows,
+        out: *mut f32,
+        token_stride: usize,
+        buffers: &ThreadBuffers,
+    ) {
+        let prefetch = self.tuning.prefetch;
+        matmul_rows(
+            self.isa,
+            &task.down,
+            first,
+            rows,
+            input,
+            out,
+            token_stride,
+            buffers,
+            prefetch,
+        );
+    }
+
     /// Adds `Σ_task weight · down_out` of the given row blocks into the output, tasks in order.
     unsafe fn add_down_outputs(&self, blocks: std::ops::Range<usize>) {
         let h = self.layout.hidden;
@@ -619,17 +647,7 @@ impl LayerJob {
                         self.tuning.prefetch,
                     );
                 } else {
-                    matmul_rows(
-                        self.isa,
-                        &task.down,
-                        first,
-                        rows,
-                        &input,
-                        destination,
-                        h,
-                        buffers,
-                        self.tuning.prefetch,
-                    );
+                    self.down_rows(task, first, rows, &input, destination, h, buffers);
                 }
             }
             context.barrier();
@@ -657,17 +675,7 @@ impl LayerJob {
                 for block in blocks.clone() {
                     let first = block * ROW_BLOCK;
                     let rows = ROW_BLOCK.min(h - first);
-                    matmul_rows(
-                        self.isa,
-                        &task.down,
-                        first,
-                        rows,
-                        &input,
-                        y,
-                        ROW_BLOCK,
-                        buffers,
-                        self.tuning.prefetch,
-                    );
+                    self.down_rows(task, first, rows, &input, y, ROW_BLOCK, buffers);
                     for t in 0..tokens {
                         let token = *task.tokens.add(t0 + t) as usize;
                         let weight = *task.routing_weights.add(t0 + t);

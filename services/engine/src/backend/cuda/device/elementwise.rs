@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::super::CudaError;
 use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};
-use crate::backend::Segment;
+use crate::backend::{Rotation, Segment};
 use crate::host_math::rope_inverse_frequencies;
 
 #[derive(Default)]
@@ -141,11 +141,10 @@ impl CudaBackend {
     pub(super) fn launch_rope(
         &self,
         x: &mut CudaTensor,
-        positions: &[usize],
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f64,
+        rotation: &Rotation<'_>,
     ) -> Result<(), CudaError> {
+        let (positions, head_dim) = (rotation.positions, rotation.head_dim);
+        let (rotary_dim, theta) = (rotation.rotary_dim, rotation.theta);
         let half = rotary_dim / 2;
         let rows = positions.len().min(x.rows);
         if half == 0 || rows == 0 || head_dim == 0 {

@@ -523,6 +523,25 @@ fn device(op: &'static str) -> impl FnOnce(CudaError) -> EngineError {
     move |source| EngineError::Device { op, source }
 }
 
+/// Writes the `Backend` methods that are one `launch_*` call: the same arguments passed on,
+/// timed under the op's name (by rows where the cost follows the batch), and a CUDA error
+/// turned into [`EngineError::Device`] naming the op.
+macro_rules! timed_launches {
+    ($($op:ident($($arg:ident: $type:ty),* $(,)?) -> $output:ty
+        = $launch:ident $(, timed by rows of $rows:ident)?;)*) => {$(
+        fn $op(&self, $($arg: $type),*) -> Result<$output, EngineError> {
+            let _timer = timed_launches!(@timer self, $op $(, $rows)?);
+            self.$launch($($arg),*).map_err(device(stringify!($op)))
+        }
+    )*};
+    (@timer $backend:ident, $op:ident) => {
+        $backend.op_timer(stringify!($op))
+    };
+    (@timer $backend:ident, $op:ident, $rows:ident) => {
+        $backend.op_timer_by_rows(stringify!($op), $rows.rows)
+    };
+}
+
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
@@ -567,33 +586,42 @@ impl Backend for CudaBackend {
         (tensor.rows, tensor.cols)
     }
 
-    fn gather_rows(&self, tensor: &CudaTensor, rows: &[usize]) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("gather_rows");
-        self.launch_gather_rows(tensor, rows)
-            .map_err(device("gather_rows"))
-    }
-
-    fn columns(&self, tensor: &CudaTensor, range: Range<usize>) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("columns");
-        self.launch_columns(tensor, range)
-            .map_err(device("columns"))
-    }
-
-    fn split_interleaved(
-        &self,
-        tensor: &CudaTensor,
-        groups: usize,
-        first: usize,
-        second: usize,
-    ) -> Result<(CudaTensor, CudaTensor), EngineError> {
-        let _timer = self.op_timer("split_interleaved");
-        self.launch_split_interleaved(tensor, groups, first, second)
-            .map_err(device("split_interleaved"))
-    }
-
-    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("embed");
-        self.launch_embed(table, ids).map_err(device("embed"))
+    // The ops that are one launch: each times itself and names itself in its error.
+    timed_launches! {
+        gather_rows(tensor: &CudaTensor, rows: &[usize]) -> CudaTensor = launch_gather_rows;
+        columns(tensor: &CudaTensor, range: Range<usize>) -> CudaTensor = launch_columns;
+        split_interleaved(tensor: &CudaTensor, groups: usize, first: usize, second: usize)
+            -> (CudaTensor, CudaTensor) = launch_split_interleaved;
+        embed(table: &CudaWeight, ids: &[u32]) -> CudaTensor = launch_embed;
+        rms_norm(x: &CudaTensor, weight: &CudaWeight, eps: f32, style: NormStyle)
+            -> CudaTensor = launch_rms_norm;
+        add_rms_norm(x: &mut CudaTensor, delta: &CudaTensor, weight: &CudaWeight, eps: f32,
+            style: NormStyle) -> CudaTensor = launch_add_rms_norm;
+        gated_rms_norm(x: &CudaTensor, gate: &CudaTensor, weight: &CudaWeight, eps: f32)
+            -> CudaTensor = launch_gated_rms_norm;
+        rope(x: &mut CudaTensor, rotation: &Rotation<'_>) -> () = launch_rope;
+        rms_norm_rope(x: &CudaTensor, weight: &CudaWeight, eps: f32, style: NormStyle,
+            rotation: &Rotation<'_>) -> CudaTensor = launch_rms_norm_rope;
+        add_assign(a: &mut CudaTensor, b: &CudaTensor) -> () = launch_add_assign;
+        silu_mul_halves(gate_up: &CudaTensor) -> CudaTensor = launch_silu_mul_halves;
+        add_sigmoid_scaled_rows(a: &mut CudaTensor, b: &CudaTensor, gate: &CudaTensor)
+            -> () = launch_add_sigmoid_scaled_rows;
+        slotted_experts_by_pending_routing(slots: &CudaExpertSlots, x: &CudaTensor,
+            routing: &CudaPendingRouting) -> CudaTensor
+            = launch_slotted_experts_by_pending_routing, timed by rows of x;
+        causal_conv1d_silu(x: &CudaTensor, weight: &CudaWeight,
+            segments: &mut [Segment<'_, CudaConvState>]) -> CudaTensor
+            = launch_causal_conv1d_silu;
+        delta_rule_gates(a: &CudaTensor, b: &CudaTensor, a_log: &CudaWeight,
+            dt_bias: &CudaWeight) -> (CudaTensor, CudaTensor) = launch_delta_rule_gates;
+        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
+        // else the recurrent kernel (device/delta_rule.rs).
+        gated_delta_rule(q: &CudaTensor, k: &CudaTensor, v: &CudaTensor, g: &CudaTensor,
+            beta: &CudaTensor, spec: &DeltaRuleSpec, form: DeltaRuleForm,
+            segments: &mut [Segment<'_, CudaRecurrentState>]) -> CudaTensor
+            = launch_gated_delta_rule, timed by rows of q;
+        slotted_experts(slots: &CudaExpertSlots, x: &CudaTensor, routing: &Routing)
+            -> CudaTensor = launch_slotted_experts, timed by rows of x;
     }
 
     fn matmul(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor, EngineError> {
@@ -641,80 +669,6 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn rms_norm(
-        &self,
-        x: &CudaTensor,
-        weight: &CudaWeight,
-        eps: f32,
-        style: NormStyle,
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("rms_norm");
-        self.launch_rms_norm(x, weight, eps, style)
-            .map_err(device("rms_norm"))
-    }
-
-    fn add_rms_norm(
-        &self,
-        x: &mut CudaTensor,
-        delta: &CudaTensor,
-        weight: &CudaWeight,
-        eps: f32,
-        style: NormStyle,
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("add_rms_norm");
-        self.launch_add_rms_norm(x, delta, weight, eps, style)
-            .map_err(device("add_rms_norm"))
-    }
-
-    fn gated_rms_norm(
-        &self,
-        x: &CudaTensor,
-        gate: &CudaTensor,
-        weight: &CudaWeight,
-        eps: f32,
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("gated_rms_norm");
-        self.launch_gated_rms_norm(x, gate, weight, eps)
-            .map_err(device("gated_rms_norm"))
-    }
-
-    fn rope(
-        &self,
-        x: &mut CudaTensor,
-        positions: &[usize],
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f64,
-    ) -> Result<(), EngineError> {
-        let _timer = self.op_timer("rope");
-        self.launch_rope(x, positions, head_dim, rotary_dim, theta)
-            .map_err(device("rope"))
-    }
-
-    fn rms_norm_rope(
-        &self,
-        x: &CudaTensor,
-        weight: &CudaWeight,
-        eps: f32,
-        style: NormStyle,
-        rotation: &Rotation<'_>,
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("rms_norm_rope");
-        self.launch_rms_norm_rope(x, weight, eps, style, rotation)
-            .map_err(device("rms_norm_rope"))
-    }
-
-    fn add_assign(&self, a: &mut CudaTensor, b: &CudaTensor) -> Result<(), EngineError> {
-        let _timer = self.op_timer("add_assign");
-        self.launch_add_assign(a, b).map_err(device("add_assign"))
-    }
-
-    fn silu_mul_halves(&self, gate_up: &CudaTensor) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("silu_mul_halves");
-        self.launch_silu_mul_halves(gate_up)
-            .map_err(device("silu_mul_halves"))
-    }
-
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("silu_mul");
         self.binary(
@@ -735,17 +689,6 @@ impl Backend for CudaBackend {
             |a, b, out, n| launch!(self, "mul_sigmoid", elementwise(n as usize); a, b, out, &n),
         )
         .map_err(device("mul_sigmoid"))
-    }
-
-    fn add_sigmoid_scaled_rows(
-        &self,
-        a: &mut CudaTensor,
-        b: &CudaTensor,
-        gate: &CudaTensor,
-    ) -> Result<(), EngineError> {
-        let _timer = self.op_timer("add_sigmoid_scaled_rows");
-        self.launch_add_sigmoid_scaled_rows(a, b, gate)
-            .map_err(device("add_sigmoid_scaled_rows"))
     }
 
     fn start_routing(
@@ -771,17 +714,6 @@ impl Backend for CudaBackend {
             Vec::new()
         };
         Ok(Self::ready_routing(routing, hidden))
-    }
-
-    fn slotted_experts_by_pending_routing(
-        &self,
-        slots: &CudaExpertSlots,
-        x: &CudaTensor,
-        routing: &CudaPendingRouting,
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer_by_rows("slotted_experts_by_pending_routing", x.rows);
-        self.launch_slotted_experts_by_pending_routing(slots, x, routing)
-            .map_err(device("slotted_experts_by_pending_routing"))
     }
 
     fn finish_routing(
@@ -840,51 +772,10 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn causal_conv1d_silu(
-        &self,
-        x: &CudaTensor,
-        weight: &CudaWeight,
-        segments: &mut [Segment<'_, CudaConvState>],
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer("causal_conv1d_silu");
-        self.launch_causal_conv1d_silu(x, weight, segments)
-            .map_err(device("causal_conv1d_silu"))
-    }
-
-    fn delta_rule_gates(
-        &self,
-        a: &CudaTensor,
-        b: &CudaTensor,
-        a_log: &CudaWeight,
-        dt_bias: &CudaWeight,
-    ) -> Result<(CudaTensor, CudaTensor), EngineError> {
-        let _timer = self.op_timer("delta_rule_gates");
-        self.launch_delta_rule_gates(a, b, a_log, dt_bias)
-            .map_err(device("delta_rule_gates"))
-    }
-
     fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Result<CudaRecurrentState, EngineError> {
         let size = spec.value_heads * spec.key_head_dim * spec.value_head_dim;
         let state = self.alloc(size).map_err(device("new_recurrent_state"))?;
         Ok(CudaRecurrentState { spec: *spec, state })
-    }
-
-    fn gated_delta_rule(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        g: &CudaTensor,
-        beta: &CudaTensor,
-        spec: &DeltaRuleSpec,
-        form: DeltaRuleForm,
-        segments: &mut [Segment<'_, CudaRecurrentState>],
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer_by_rows("gated_delta_rule", q.rows);
-        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
-        // else the recurrent kernel (device/delta_rule.rs).
-        self.launch_gated_delta_rule(q, k, v, g, beta, spec, form, segments)
-            .map_err(device("gated_delta_rule"))
     }
 
     fn new_expert_slots(
@@ -923,17 +814,6 @@ impl Backend for CudaBackend {
                 describe(&error)
             ),
         }
-    }
-
-    fn slotted_experts(
-        &self,
-        slots: &CudaExpertSlots,
-        x: &CudaTensor,
-        routing: &Routing,
-    ) -> Result<CudaTensor, EngineError> {
-        let _timer = self.op_timer_by_rows("slotted_experts", x.rows);
-        self.launch_slotted_experts(slots, x, routing)
-            .map_err(device("slotted_experts"))
     }
 
     fn logit_candidates(

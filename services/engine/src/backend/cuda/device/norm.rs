@@ -128,13 +128,7 @@ impl CudaBackend {
             || rotation.positions.len() < x.rows
         {
             let mut out = self.launch_rms_norm(x, weight, eps, style)?;
-            self.launch_rope(
-                &mut out,
-                rotation.positions,
-                rotation.head_dim,
-                rotation.rotary_dim,
-                rotation.theta,
-            )?;
+            self.launch_rope(&mut out, rotation)?;
             return Ok(out);
         }
         let (groups, groups_arg, group_arg, offset) =

@@ -1,0 +1,26 @@
+//! Helpers shared by the CLI's integration tests: the repository's fixtures, converted with the
+//! `ninfer` binary under test.
+// Each test binary uses a different part of this module.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// `tests/fixtures/<name>` of this checkout.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// Converts the fixture `name` to `output` with f32 weights (exact comparisons), by `ninfer convert`.
+pub fn convert_fixture_f32(name: &str, output: &Path) {
+    let status = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
+        .arg(fixture(name))
+        .arg(output)
+        .stderr(Stdio::null())
+        .status()
+        .expect("running ninfer convert");
+    assert!(status.success(), "ninfer convert {name} failed");
+}

@@ -29,6 +29,7 @@ SUITES=(
   "cuda_device_flag:"
   "prefill_staging:::cuda"
   "candidates_and_host_kv:::cuda"
+  "trained_fixture:::cuda"
 )
 
 build() {

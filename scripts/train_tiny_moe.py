@@ -77,7 +77,7 @@ GREEDY = 32
 CODE_PROMPTS = [
     "def read_lines(path):\n    with open(path",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "import os\n\nfor name in sorted(os.listdir(directory)):\n    if name.endswith('.py'):\n",
+    "def main():\n    import argparse\n    parser = argparse.ArgumentParser(",
 ]
 TEXT_PROMPT = "The with statement is used to"
 CHAT_MESSAGES = [{"role": "user", "content": "How do I open a file in Python?"}]

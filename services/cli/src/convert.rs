@@ -46,7 +46,8 @@ pub struct ConvertArgs {
     /// Storage type of embeddings and dense matrices: bf16 or f32.
     #[arg(long, default_value = "bf16")]
     pub dense_dtype: DType,
-    /// Split the artifact into files of at most this many GB (10^9 bytes).
+    /// Split the artifact into files of at most this many GB (10^9 bytes; default 32, which
+    /// every common file system takes).
     #[arg(long)]
     pub max_file_gb: Option<f64>,
     /// Copy tensors already converted in this artifact; convert only what is new.
@@ -181,14 +182,22 @@ fn paths(args: &ConvertArgs) -> (Option<PathBuf>, PathBuf) {
     }
 }
 
+/// The file size `convert` splits at when not told: the seeds' 32 GB.
+const DEFAULT_MAX_FILE_GB: f64 = 32.0;
+
+/// `--max-file-gb` in bytes; a value that is not a positive number is refused by name.
+pub(crate) fn max_file_bytes(gb: Option<f64>) -> anyhow::Result<Option<u64>> {
+    match gb {
+        Some(gb) if gb.is_finite() && gb > 0.0 => Ok(Some((gb * 1e9) as u64)),
+        Some(gb) => anyhow::bail!("--max-file-gb must be a positive number, got {gb}"),
+        None => Ok(None),
+    }
+}
+
 pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
     let (input_dir, output) = paths(&args);
     install_interrupt_handler();
-    let max_file_bytes = match args.max_file_gb {
-        Some(gb) if gb.is_finite() && gb > 0.0 => Some((gb * 1e9) as u64),
-        Some(gb) => anyhow::bail!("--max-file-gb must be a positive number, got {gb}"),
-        None => None,
-    };
+    let max_file_bytes = max_file_bytes(Some(args.max_file_gb.unwrap_or(DEFAULT_MAX_FILE_GB)))?;
     let progress = CliProgress::new();
     let started = std::time::Instant::now();
     let Some(input_dir) = input_dir else {

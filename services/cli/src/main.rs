@@ -1,4 +1,5 @@
-//! `ninfer`: the command-line front end (`convert`, `inspect`, `perplexity`, `bench`, `serve`, `run`).
+//! `ninfer`: the command-line front end (`convert`, `reshard`, `inspect`, `perplexity`, `bench`,
+//! `serve`, `run`).
 //!
 //! Owns: argument parsing, progress display and human-readable reports.
 //! Must not touch: model math or file formats directly; it calls the library crates.
@@ -11,6 +12,7 @@ mod inspect;
 mod model_facts;
 mod perplexity;
 mod plan;
+mod reshard;
 mod run;
 mod serve;
 mod supervisor;
@@ -32,6 +34,8 @@ struct Cli {
 enum Command {
     /// Convert a Hugging Face checkpoint directory into a `.ninfer` artifact.
     Convert(convert::ConvertArgs),
+    /// Re-split an artifact into files of another size (no checkpoint needed).
+    Reshard(reshard::ReshardArgs),
     /// Print an artifact's architecture, parameter counts and bytes per tensor class.
     Inspect(inspect::InspectArgs),
     /// Mean negative log-likelihood of a text file under a model.
@@ -84,6 +88,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Convert(args) => convert::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Reshard(args) => reshard::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve::run(args),

@@ -348,6 +348,11 @@ impl Artifact {
         self.preamble.header_checksum.to_string()
     }
 
+    /// The preamble: where the header is, and how the logical space is split into files.
+    pub fn preamble(&self) -> &Preamble {
+        &self.preamble
+    }
+
     pub fn total_length(&self) -> u64 {
         self.preamble.total_length
     }

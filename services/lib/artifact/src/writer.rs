@@ -371,6 +371,11 @@ impl ArtifactWriter {
                 total_length
             },
         };
+        self.seal(&preamble)
+    }
+
+    /// Writes `preamble` over the placeholder, syncs every part and renames them into place.
+    fn seal(&mut self, preamble: &Preamble) -> Result<Vec<PathBuf>, ArtifactError> {
         for part in &mut self.parts {
             part.writer
                 .flush()
@@ -394,12 +399,55 @@ impl ArtifactWriter {
             std::fs::rename(&part.temporary_path, &part.final_path)
                 .map_err(|e| ArtifactError::io(&part.final_path, "renaming into place", e))?;
         }
-        remove_stale_parts(&self.final_path, part_count);
+        remove_stale_parts(&self.final_path, preamble.part_count);
         let first = &self.parts[0];
         std::fs::rename(&first.temporary_path, &first.final_path)
             .map_err(|e| ArtifactError::io(&first.final_path, "renaming into place", e))?;
         self.finished = true;
         Ok(self.parts.iter().map(|p| p.final_path.clone()).collect())
+    }
+
+    /// Writes `input` again at `output` split into files of at most `max_part_bytes` (one file
+    /// when `None`), without its checkpoint: the logical byte space, and with it the header and
+    /// every offset and checksum, is copied unchanged; only the preamble's part count and part
+    /// size differ. `output` must not be one of `input`'s files.
+    pub fn reshard(
+        input: &crate::Artifact,
+        output: &Path,
+        max_part_bytes: Option<u64>,
+    ) -> Result<Vec<PathBuf>, ArtifactError> {
+        let same_file = |path: &Path| match (path.canonicalize(), output.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if input.part_paths().iter().any(|path| same_file(path)) {
+            return Err(ArtifactError::Write {
+                file: output.to_path_buf(),
+                problem: "is a file of the artifact being resharded; write to another path".into(),
+            });
+        }
+        let mut writer = ArtifactWriter::create(output, WriterOptions { max_part_bytes })?;
+        let old = input.preamble();
+        let bytes = input.bytes();
+        let total = usize::try_from(old.total_length)
+            .ok()
+            .filter(|&total| total <= bytes.len())
+            .ok_or_else(|| writer.write_error("the input's length exceeds its mapping".into()))?;
+        // Chunks keep the copy's resident memory small on a 100 GB artifact.
+        for chunk in bytes[PREAMBLE_LENGTH as usize..total].chunks(64 << 20) {
+            writer.write_bytes(chunk)?;
+        }
+        let part_count = writer.parts.len() as u32;
+        let preamble = Preamble {
+            part_count,
+            part_size: if part_count > 1 {
+                writer.part_size
+            } else {
+                old.total_length
+            },
+            ..*old
+        };
+        writer.seal(&preamble)
     }
 }
 

@@ -215,6 +215,55 @@ fn split_artifact_reads_identical_tensors_across_part_boundaries() {
     );
 }
 
+#[test]
+fn resharding_keeps_every_byte_and_changes_only_the_split() {
+    let directory = tempfile::tempdir().unwrap();
+    let single_path = directory.path().join("single.ninfer");
+    let split_path = directory.path().join("split.ninfer");
+    let joined_path = directory.path().join("joined.ninfer");
+    write_sample(&single_path, WriterOptions::default());
+    let single = Artifact::open(&single_path).unwrap();
+
+    // One file → parts of 64 KiB, then back to one file: byte-identical to the original.
+    let split_files = ArtifactWriter::reshard(&single, &split_path, Some(64 * 1024)).unwrap();
+    assert!(
+        split_files.len() >= 2,
+        "expected several parts, got {split_files:?}"
+    );
+    for file in &split_files[..split_files.len() - 1] {
+        assert_eq!(std::fs::metadata(file).unwrap().len(), 64 * 1024);
+    }
+    let split = Artifact::open(&split_path).unwrap();
+    split.verify(|_| {}).unwrap();
+    assert_eq!(split.header(), single.header());
+    assert_eq!(split.preamble().part_count as usize, split_files.len());
+    for tensor in single.tensors() {
+        assert_eq!(tensor.bytes, split.tensor(tensor.name()).unwrap().bytes);
+    }
+    let joined_files = ArtifactWriter::reshard(&split, &joined_path, None).unwrap();
+    assert_eq!(joined_files, vec![joined_path.clone()]);
+    assert_eq!(
+        std::fs::read(&joined_path).unwrap(),
+        std::fs::read(&single_path).unwrap(),
+        "split then joined must give the original file back"
+    );
+
+    // Fewer parts than an earlier artifact at the same path: its extra parts are removed.
+    ArtifactWriter::reshard(&single, &split_path, Some(256 * 1024)).unwrap();
+    let fewer = Artifact::open(&split_path).unwrap();
+    let count = fewer.preamble().part_count;
+    assert!(count < split_files.len() as u32);
+    assert!(!part_path(&split_path, count).exists());
+
+    // Writing over one of the input's own files is refused, and leaves it intact.
+    let error = ArtifactWriter::reshard(&single, &single_path, Some(64 * 1024)).unwrap_err();
+    assert!(error.to_string().contains("single.ninfer"), "{error}");
+    Artifact::open(&single_path)
+        .unwrap()
+        .verify(|_| {})
+        .unwrap();
+}
+
 fn expect_error(path: &Path) -> ArtifactError {
     match Artifact::open(path) {
         Ok(_) => panic!("{} opened although it is damaged", path.display()),

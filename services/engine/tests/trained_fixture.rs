@@ -192,3 +192,149 @@ fn trained_fixture_matches_transformers<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(trained_fixture_matches_transformers);
+
+/// One reference MTP sequence: the main model's greedy continuation of an opening, and the
+/// transformers-side chained drafts at every position (`drafts[j][t]` predicts token `t + 2 + j`).
+struct MtpSequence {
+    tokens: Vec<u32>,
+    drafts: Vec<Vec<u32>>,
+}
+
+fn read_mtp_sequences(directory: &Path) -> Vec<MtpSequence> {
+    let text = std::fs::read_to_string(directory.join("reference.json")).expect("reference.json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("reference.json is JSON");
+    json["mtp"]["sequences"]
+        .as_array()
+        .expect("reference.json: mtp.sequences")
+        .iter()
+        .map(|s| MtpSequence {
+            tokens: token_ids(&s["token_ids"]),
+            drafts: s["drafts"]
+                .as_array()
+                .map_or_else(Vec::new, |depths| depths.iter().map(token_ids).collect()),
+        })
+        .collect()
+}
+
+/// The argmax of each `vocab`-wide row and its lead over the runner-up.
+fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<(u32, f32)> {
+    logits
+        .chunks(vocab)
+        .map(|row| {
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            (order[0] as u32, row[order[0]] - row[order[1]])
+        })
+        .collect()
+}
+
+/// Tallies drafts against the reference: a draft that differs must be a near-tie on our side.
+#[derive(Default)]
+struct DraftAgreement {
+    equal: usize,
+    near_tie: usize,
+}
+
+impl DraftAgreement {
+    fn check(&mut self, what: &str, ours: (u32, f32), reference: u32) {
+        if ours.0 == reference {
+            self.equal += 1;
+        } else {
+            assert!(
+                f64::from(ours.1) < NEAR_TIE,
+                "{what}: draft {} where transformers drafts {reference}, with a lead of {}",
+                ours.0,
+                ours.1
+            );
+            self.near_tie += 1;
+        }
+    }
+}
+
+/// The engine's MTP head drafts what the transformers-side reference math drafts: depth 1 for
+/// every position of each sequence in one pass, and chains of three drafts (each fed the
+/// previous draft's output and token one position later) from a sample of positions.
+fn mtp_drafts_match_the_reference<B: Backend>(backend: Arc<B>) {
+    let sequences = read_mtp_sequences(&golden_fixture_dir(FIXTURE));
+    assert!(!sequences.is_empty(), "no MTP sequences in the reference");
+    let work = tempfile::tempdir().expect("temporary directory");
+    let model = Model::open(
+        Arc::clone(&backend),
+        &convert(work.path(), DType::F32, DType::F32),
+    )
+    .expect("open f32 artifact");
+    assert!(model.has_mtp(), "the trained fixture has an MTP head");
+    let vocab = model.vocab_size();
+    let (mut depth_one, mut chained) = (DraftAgreement::default(), DraftAgreement::default());
+    // Three code openings and three documentation openings.
+    for (index, sequence) in sequences.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        let tokens = &sequence.tokens;
+        let pairs = tokens.len() - 1;
+        assert_eq!(
+            sequence.drafts.len(),
+            3,
+            "sequence {index}: three draft depths"
+        );
+        let mut state = model.new_sequence(tokens.len()).expect("state");
+        let hidden = model
+            .forward_hidden(&mut [ninfer_engine::SequenceInput {
+                state: &mut state,
+                tokens,
+            }])
+            .expect("main forward");
+        let all_pairs: Vec<usize> = (0..pairs).collect();
+        let pair_hidden = backend.gather_rows(&hidden, &all_pairs).expect("gather");
+
+        let mut mtp = model.new_mtp_state(tokens.len()).expect("MTP state");
+        let out = model
+            .mtp_forward(&mut mtp, &pair_hidden, &tokens[1..])
+            .expect("MTP forward");
+        let drafts = argmax_rows(&model.head_logits(&out).expect("head"), vocab);
+        for (t, &draft) in drafts.iter().enumerate() {
+            depth_one.check(
+                &format!("sequence {index} depth 1 at {t}"),
+                draft,
+                sequence.drafts[0][t],
+            );
+        }
+
+        for t in (0..pairs).step_by(11) {
+            let mut mtp = model.new_mtp_state(t + 4).expect("MTP state");
+            let prefix: Vec<usize> = (0..=t).collect();
+            let out = model
+                .mtp_forward(
+                    &mut mtp,
+                    &backend.gather_rows(&hidden, &prefix).expect("gather"),
+                    &tokens[1..=t + 1],
+                )
+                .expect("MTP forward");
+            let mut last = backend.gather_rows(&out, &[t]).expect("gather");
+            let mut draft = argmax_rows(&model.head_logits(&last).expect("head"), vocab)[0];
+            for depth in 1..3 {
+                last = model
+                    .mtp_forward(&mut mtp, &last, &[draft.0])
+                    .expect("MTP draft step");
+                draft = argmax_rows(&model.head_logits(&last).expect("head"), vocab)[0];
+                if t + 2 + depth < tokens.len() {
+                    chained.check(
+                        &format!("sequence {index} depth {} at {t}", depth + 1),
+                        draft,
+                        sequence.drafts[depth][t],
+                    );
+                }
+            }
+        }
+    }
+    println!(
+        "trained MTP drafts on {}: depth 1 {}/{} equal to transformers ({} near-ties), chained depths 2–3 {}/{} ({} near-ties)",
+        backend.name(),
+        depth_one.equal,
+        depth_one.equal + depth_one.near_tie,
+        depth_one.near_tie,
+        chained.equal,
+        chained.equal + chained.near_tie,
+        chained.near_tie
+    );
+    assert!(depth_one.equal > 0 && chained.equal > 0, "nothing compared");
+}
+test_device!(mtp_drafts_match_the_reference);

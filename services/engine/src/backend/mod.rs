@@ -213,6 +213,27 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, EngineError>;
     /// `x · Wᵀ`: `[n, in] × [out, in] → [n, out]`, f32 accumulation.
     fn matmul(&self, x: &Self::Tensor, weight: &Self::Weight) -> Result<Self::Tensor, EngineError>;
+    /// `[a | b]`: the columns of `b` after those of `a`, row by row (the rows must agree).
+    /// The default goes through the host; a backend may do it in place.
+    fn concat_columns(
+        &self,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+    ) -> Result<Self::Tensor, EngineError> {
+        let ((rows, a_cols), (b_rows, b_cols)) = (self.shape(a), self.shape(b));
+        if rows != b_rows {
+            return Err(EngineError::InvalidConfig {
+                problem: format!("concat_columns of {rows} rows and {b_rows} rows"),
+            });
+        }
+        let (a_values, b_values) = (self.download(a)?, self.download(b)?);
+        let mut joined = Vec::with_capacity(rows * (a_cols + b_cols));
+        for row in 0..rows {
+            joined.extend_from_slice(&a_values[row * a_cols..(row + 1) * a_cols]);
+            joined.extend_from_slice(&b_values[row * b_cols..(row + 1) * b_cols]);
+        }
+        self.upload(&joined, rows, a_cols + b_cols)
+    }
     /// `x · wᵀ` for three weights of the same input (an attention layer's q, k and v
     /// projections), which a backend may do in one pass (the CUDA backend does at decode: one
     /// launch instead of three). Same values as three [`Backend::matmul`]s.

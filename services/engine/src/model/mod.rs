@@ -3,7 +3,7 @@
 //! Owns: loading the weights a model needs (by the artifact's internal names), per-sequence state
 //! (`SequenceState`: KV caches, conv and recurrent states sized from a max context), and the
 //! batched forward pass (prefill, continuation and single-token decode of several sequences at
-//! once). A MoE layer's feed-forward is `MoeLayer::forward` (`crate::moe::layer`): this module
+//! once), and the MTP draft head (`mtp`). A MoE layer's feed-forward is `MoeLayer::forward` (`crate::moe::layer`): this module
 //! loads its weights, places its resident experts and calls it.
 //! Must not touch: op implementations (backends), how routed experts are split and computed
 //! (`crate::moe`), sampling, tokenization.
@@ -20,6 +20,9 @@ use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer, PrefillStaging, S
 use crate::moe::{ExpertExecutor, ReferenceExpertExecutor};
 use crate::profile::{nanos, ForwardProfile, Phase, PhaseTotals};
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
+
+mod mtp;
+pub use mtp::MtpState;
 
 /// Which positions' logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,6 +124,8 @@ pub struct Model<B: Backend> {
     lm_head: Option<B::Weight>,
     final_norm: B::Weight,
     layers: Vec<Layer<B>>,
+    /// The MTP draft head, when the artifact has one.
+    mtp: Option<mtp::MtpHead<B>>,
     experts: Arc<dyn ExpertExecutor>,
     delta_rule_form: DeltaRuleForm,
     profile: Arc<ForwardProfile>,
@@ -199,6 +204,7 @@ impl<B: Backend> Model<B> {
         for layer in 0..spec.layers() {
             layers.push(loader.layer(&spec, layer)?);
         }
+        let mtp = loader.mtp_head(&spec)?;
         let profile = Arc::new(ForwardProfile::new(dense_weight_bytes(
             &artifact,
             common.tie_word_embeddings,
@@ -211,6 +217,7 @@ impl<B: Backend> Model<B> {
             lm_head,
             final_norm,
             layers,
+            mtp,
             experts,
             delta_rule_form: DeltaRuleForm::Auto,
             profile,
@@ -414,8 +421,8 @@ impl<B: Backend> Model<B> {
                 LogitsSelection::All => item.tokens.len(),
             })
             .collect();
-        let logits = self.forward_then(batch, selection, |backend, logits| {
-            backend.download(&logits)
+        let logits = self.forward_then(batch, selection, |backend, normed| {
+            backend.download(&backend.matmul(&normed, self.head())?)
         })?;
         let mut out = Vec::with_capacity(rows.len());
         let mut row = 0;
@@ -434,7 +441,82 @@ impl<B: Backend> Model<B> {
         &self,
         batch: &mut [SequenceInput<'_, B>],
     ) -> Result<B::Tensor, EngineError> {
-        self.forward_then(batch, LogitsSelection::Last, |_, logits| Ok(logits))
+        self.forward_then(batch, LogitsSelection::Last, |backend, normed| {
+            backend.matmul(&normed, self.head())
+        })
+    }
+
+    /// [`Model::forward`] with `LogitsSelection::All`, stopping before the head: every new
+    /// row's last hidden state after the final norm (`[new tokens, hidden]`, sequences in batch
+    /// order), what the head and the MTP head read.
+    pub fn forward_hidden(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+    ) -> Result<B::Tensor, EngineError> {
+        self.forward_then(batch, LogitsSelection::All, |_, normed| Ok(normed))
+    }
+
+    /// The output projection (`lm_head`, or the embedding when they are tied).
+    fn head(&self) -> &B::Weight {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// The logits of final-normed hidden rows (`[rows · vocab]`).
+    pub fn head_logits(&self, normed: &B::Tensor) -> Result<Vec<f32>, EngineError> {
+        let backend = &*self.backend;
+        backend.download(&backend.matmul(normed, self.head())?)
+    }
+
+    /// Finishes the routings left on the backend during a forward and counts them.
+    fn finish_deferred_routing(
+        &self,
+        moe_context: &MoeContext<'_, B>,
+        deferred: Vec<DeferredRouting<B>>,
+        tally: &mut PhaseTotals,
+    ) -> Result<(), EngineError> {
+        for DeferredRouting { layer, pending } in deferred {
+            let (routing, _) = self.backend.finish_routing(pending)?;
+            if let Some(FeedForward::Moe(moe)) = self.moe_layer_at(layer) {
+                moe.account_routing(moe_context, layer, &routing, tally);
+            }
+        }
+        Ok(())
+    }
+
+    /// The feed-forward of layer `index`: the decoder layers, then the MTP layer after them.
+    fn moe_layer_at(&self, index: usize) -> Option<&FeedForward<B>> {
+        match self.layers.get(index) {
+            Some(layer) => Some(&layer.feed_forward),
+            None if index == self.layers.len() => {
+                self.mtp.as_ref().map(|head| &head.layer.feed_forward)
+            }
+            None => None,
+        }
+    }
+
+    /// A layer's feed-forward of its post-attention-normed input `x`.
+    fn feed_forward(
+        &self,
+        moe_context: &MoeContext<'_, B>,
+        index: usize,
+        feed_forward: &FeedForward<B>,
+        x: &B::Tensor,
+        tally: &mut PhaseTotals,
+        deferred: &mut Vec<DeferredRouting<B>>,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = &*self.backend;
+        match feed_forward {
+            FeedForward::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } => {
+                let activated = backend
+                    .silu_mul(&backend.matmul(x, gate_proj)?, &backend.matmul(x, up_proj)?)?;
+                backend.matmul(&activated, down_proj)
+            }
+            FeedForward::Moe(moe) => moe.forward(moe_context, index, x, tally, deferred),
+        }
     }
 
     /// The forward pass; `finish` takes the logits where [`Model::forward`] reads them back.
@@ -530,22 +612,14 @@ impl<B: Backend> Model<B> {
                 eps,
                 style,
             )?;
-            let fed = match &layer.feed_forward {
-                FeedForward::Dense {
-                    gate_proj,
-                    up_proj,
-                    down_proj,
-                } => {
-                    let activated = backend.silu_mul(
-                        &backend.matmul(&x, gate_proj)?,
-                        &backend.matmul(&x, up_proj)?,
-                    )?;
-                    backend.matmul(&activated, down_proj)?
-                }
-                FeedForward::Moe(moe) => {
-                    moe.forward(&moe_context, index, &x, &mut tally, &mut deferred)?
-                }
-            };
+            let fed = self.feed_forward(
+                &moe_context,
+                index,
+                &layer.feed_forward,
+                &x,
+                &mut tally,
+                &mut deferred,
+            )?;
             match self.layers.get(index + 1) {
                 Some(following) => {
                     next = Some(backend.add_rms_norm(
@@ -566,15 +640,8 @@ impl<B: Backend> Model<B> {
         };
         let selected = backend.gather_rows(&hidden, &selected_rows)?;
         let normed = backend.rms_norm(&selected, &self.final_norm, eps, style)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let out = finish(backend, backend.matmul(&normed, head)?)?;
-        // The routings of the layers that did not wait for theirs: landed by now.
-        for DeferredRouting { layer, pending } in deferred {
-            let (routing, _) = backend.finish_routing(pending)?;
-            if let Some(FeedForward::Moe(moe)) = self.layers.get(layer).map(|l| &l.feed_forward) {
-                moe.account_routing(&moe_context, layer, &routing, &mut tally);
-            }
-        }
+        let out = finish(backend, normed)?;
+        self.finish_deferred_routing(&moe_context, deferred, &mut tally)?;
         for (item, range) in batch.iter_mut().zip(&ranges) {
             item.state.position += range.len();
         }
@@ -598,6 +665,30 @@ impl<B: Backend> Model<B> {
         positions: &[usize],
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
+    ) -> Result<B::Tensor, EngineError> {
+        let mut segments = Vec::with_capacity(batch.len());
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let start_position = item.state.position;
+            match &mut item.state.layers[index] {
+                LayerState::Attention(cache) => segments.push(Segment {
+                    rows: range.clone(),
+                    start_position,
+                    state: cache,
+                }),
+                LayerState::GatedDeltaNet { .. } => return Err(state_mismatch(index)),
+            }
+        }
+        self.attention_over(index, mixer, x, positions, &mut segments)
+    }
+
+    /// An attention mixer over rows whose caches the caller hands in (`positions` per row).
+    fn attention_over(
+        &self,
+        index: usize,
+        mixer: &Mixer<B>,
+        x: &B::Tensor,
+        positions: &[usize],
+        segments: &mut [Segment<'_, B::KvCache>],
     ) -> Result<B::Tensor, EngineError> {
         let Mixer::Attention {
             q_proj,
@@ -629,19 +720,7 @@ impl<B: Backend> Model<B> {
         };
         let q = backend.rms_norm_rope(&q, q_norm, eps, style, &rotation)?;
         let k = backend.rms_norm_rope(&k, k_norm, eps, style, &rotation)?;
-        let mut segments = Vec::with_capacity(batch.len());
-        for (item, range) in batch.iter_mut().zip(ranges) {
-            let start_position = item.state.position;
-            match &mut item.state.layers[index] {
-                LayerState::Attention(cache) => segments.push(Segment {
-                    rows: range.clone(),
-                    start_position,
-                    state: cache,
-                }),
-                LayerState::GatedDeltaNet { .. } => return Err(state_mismatch(index)),
-            }
-        }
-        let mut output = backend.attention(&q, &k, &v, spec, &mut segments)?;
+        let mut output = backend.attention(&q, &k, &v, spec, segments)?;
         if let Some(gate) = gate {
             output = backend.mul_sigmoid(&output, &gate)?;
         }
@@ -791,11 +870,26 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     fn layer(&self, spec: &ModelSpec, layer: usize) -> Result<Layer<B>, EngineError> {
+        self.decoder_layer(
+            spec,
+            &format!("layers.{layer}"),
+            spec.mixers[layer],
+            spec.feed_forwards[layer],
+        )
+    }
+
+    /// A decoder layer whose tensors are named `{prefix}.…` (a main layer, or the MTP block's).
+    fn decoder_layer(
+        &self,
+        spec: &ModelSpec,
+        prefix: &str,
+        mixer_kind: MixerKind,
+        feed_forward_kind: FeedForwardKind,
+    ) -> Result<Layer<B>, EngineError> {
         let common = &spec.common;
         let hidden = common.hidden_size;
-        let prefix = format!("layers.{layer}");
         let name = |suffix: &str| format!("{prefix}.{suffix}");
-        let mixer = match spec.mixers[layer] {
+        let mixer = match mixer_kind {
             MixerKind::Attention => {
                 let attention = &spec.attention;
                 let (hd, heads, kv) = (attention.head_dim, attention.heads, attention.kv_heads);
@@ -816,7 +910,7 @@ impl<B: Backend> Loader<'_, B> {
             MixerKind::GatedDeltaNet => {
                 let Some(delta) = &spec.delta_rule else {
                     return Err(EngineError::InvalidConfig {
-                        problem: format!("layer {layer} is linear attention in a model without linear-attention dimensions"),
+                        problem: format!("{prefix} is linear attention in a model without linear-attention dimensions"),
                     });
                 };
                 let key_width = delta.key_heads * delta.key_head_dim;
@@ -836,7 +930,7 @@ impl<B: Backend> Loader<'_, B> {
                 }
             }
         };
-        let feed_forward = match spec.feed_forwards[layer] {
+        let feed_forward = match feed_forward_kind {
             FeedForwardKind::Dense => {
                 let intermediate = common.intermediate_size;
                 FeedForward::Dense {

@@ -1,0 +1,177 @@
+//! The MTP draft head (`mtp.*`): from the main model's last hidden state at position `t` and the
+//! token at `t + 1`, the hidden state whose logits draft the token at `t + 2`.
+//!
+//! Owns: loading the head (two pre-norms, the `fc` projection of their concatenation, one
+//! full-attention decoder layer with the model's usual feed-forward, a final norm; the embedding
+//! and the head are the main model's), its per-sequence state (the layer's own KV cache and
+//! position), and its forward. Chaining drafts, verifying them and rolling states back belong to
+//! the caller.
+//! Must not touch: the main model's layers or sequence state, op implementations, sampling.
+
+use super::{Layer, Model};
+use crate::backend::{Backend, Segment};
+use crate::error::EngineError;
+use crate::moe::layer::DeferredRouting;
+use crate::profile::PhaseTotals;
+use crate::spec::{FeedForwardKind, MixerKind, ModelSpec};
+
+/// The MTP block's weights.
+pub(super) struct MtpHead<B: Backend> {
+    pre_fc_norm_embedding: B::Weight,
+    pre_fc_norm_hidden: B::Weight,
+    /// `[hidden, 2 · hidden]`: the embedding half first, then the hidden-state half.
+    fc: B::Weight,
+    pub(super) layer: Layer<B>,
+    norm: B::Weight,
+}
+
+/// One sequence's MTP state: the MTP layer's KV cache over the pairs it has processed.
+pub struct MtpState<B: Backend> {
+    max_context: usize,
+    position: usize,
+    cache: B::KvCache,
+}
+
+impl<B: Backend> MtpState<B> {
+    /// Pairs processed so far (= the position of the next one).
+    pub fn position(&self) -> usize {
+        self.position
+    }
+}
+
+impl<B: Backend> super::Loader<'_, B> {
+    /// The MTP head, when the artifact has one (`mtp.fc` present).
+    pub(super) fn mtp_head(&self, spec: &ModelSpec) -> Result<Option<MtpHead<B>>, EngineError> {
+        if self.artifact.get("mtp.fc").is_none() {
+            return Ok(None);
+        }
+        let hidden = spec.common.hidden_size;
+        // The head's layer is full attention with the model's usual feed-forward.
+        let feed_forward = if spec.feed_forwards.contains(&FeedForwardKind::Moe) {
+            FeedForwardKind::Moe
+        } else {
+            FeedForwardKind::Dense
+        };
+        Ok(Some(MtpHead {
+            pre_fc_norm_embedding: self.parameter("mtp.pre_fc_norm_embedding", (1, hidden))?,
+            pre_fc_norm_hidden: self.parameter("mtp.pre_fc_norm_hidden", (1, hidden))?,
+            fc: self.matrix("mtp.fc", (hidden, 2 * hidden))?,
+            layer: self.decoder_layer(spec, "mtp.layers.0", MixerKind::Attention, feed_forward)?,
+            norm: self.parameter("mtp.norm", (1, hidden))?,
+        }))
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Whether the artifact carries an MTP head.
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    fn mtp_head(&self) -> Result<&MtpHead<B>, EngineError> {
+        self.mtp.as_ref().ok_or_else(|| EngineError::InvalidConfig {
+            problem: "this model has no MTP head (no `mtp.*` tensors in the artifact)".into(),
+        })
+    }
+
+    /// Empty MTP state for a sequence of at most `max_context` positions.
+    pub fn new_mtp_state(&self, max_context: usize) -> Result<MtpState<B>, EngineError> {
+        self.mtp_head()?;
+        let attention = &self.spec.attention;
+        let cache = self
+            .backend
+            .new_kv_cache(max_context, attention.kv_heads * attention.head_dim)?;
+        Ok(MtpState {
+            max_context,
+            position: 0,
+            cache,
+        })
+    }
+
+    /// The MTP head over `hidden.rows` consecutive pairs starting at the state's position: row
+    /// `r` pairs `hidden[r]` (the main model's final-normed state at position `p + r`, or an
+    /// earlier draft's output) with `next_tokens[r]` (the token at `p + r + 1`). Returns the
+    /// rows after `mtp.norm` (`[rows, hidden]`): [`Model::head_logits`] of row `r` drafts the
+    /// token at `p + r + 2`, and the row itself is the `hidden` of the next draft step.
+    pub fn mtp_forward(
+        &self,
+        state: &mut MtpState<B>,
+        hidden: &B::Tensor,
+        next_tokens: &[u32],
+    ) -> Result<B::Tensor, EngineError> {
+        let head = self.mtp_head()?;
+        let backend = &*self.backend;
+        let (rows, width) = backend.shape(hidden);
+        let vocab = self.vocab_size();
+        if rows == 0 || rows != next_tokens.len() || width != self.spec.common.hidden_size {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "MTP input of {rows}×{width} hidden rows with {} next tokens (hidden size {})",
+                    next_tokens.len(),
+                    self.spec.common.hidden_size
+                ),
+            });
+        }
+        if let Some(&token) = next_tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::TokenOutOfVocabulary {
+                token,
+                vocab_size: vocab,
+            });
+        }
+        let end = state.position + rows;
+        if end > state.max_context {
+            return Err(EngineError::ContextFull {
+                held: state.position,
+                added: rows,
+                max_context: state.max_context,
+            });
+        }
+        let (eps, style) = (self.spec.eps(), self.spec.norm_style);
+        let embedded = backend.rms_norm(
+            &backend.embed(&self.embed_tokens, next_tokens)?,
+            &head.pre_fc_norm_embedding,
+            eps,
+            style,
+        )?;
+        let normed_hidden = backend.rms_norm(hidden, &head.pre_fc_norm_hidden, eps, style)?;
+        let mut residual = backend.matmul(
+            &backend.concat_columns(&embedded, &normed_hidden)?,
+            &head.fc,
+        )?;
+
+        // One decoder layer, the main layers' code; its index follows the main layers.
+        let index = self.layers.len();
+        let layer = &head.layer;
+        let positions: Vec<usize> = (state.position..end).collect();
+        let x = backend.rms_norm(&residual, &layer.input_norm, eps, style)?;
+        let mut segments = [Segment {
+            rows: 0..rows,
+            start_position: state.position,
+            state: &mut state.cache,
+        }];
+        let mixed = self.attention_over(index, &layer.mixer, &x, &positions, &mut segments)?;
+        let x = backend.add_rms_norm(
+            &mut residual,
+            &mixed,
+            &layer.post_attention_norm,
+            eps,
+            style,
+        )?;
+        let moe_context = self.moe_context();
+        let mut tally = PhaseTotals::default();
+        let mut deferred: Vec<DeferredRouting<B>> = Vec::new();
+        let fed = self.feed_forward(
+            &moe_context,
+            index,
+            &layer.feed_forward,
+            &x,
+            &mut tally,
+            &mut deferred,
+        )?;
+        backend.add_assign(&mut residual, &fed)?;
+        let out = backend.rms_norm(&residual, &head.norm, eps, style)?;
+        self.finish_deferred_routing(&moe_context, deferred, &mut tally)?;
+        state.position = end;
+        Ok(out)
+    }
+}

@@ -338,3 +338,49 @@ fn mtp_drafts_match_the_reference<B: Backend>(backend: Arc<B>) {
     assert!(depth_one.equal > 0 && chained.equal > 0, "nothing compared");
 }
 test_device!(mtp_drafts_match_the_reference);
+
+/// Greedy speculative decoding with the MTP head gives plain greedy decoding's tokens, token for
+/// token, at 1, 2 and 3 drafts per step, on every reference prompt.
+fn speculative_greedy_equals_plain_greedy<B: Backend>(backend: Arc<B>) {
+    let (_, prompts) = read_reference(&golden_fixture_dir(FIXTURE));
+    let work = tempfile::tempdir().expect("temporary directory");
+    let model = Model::open(
+        Arc::clone(&backend),
+        &convert(work.path(), DType::F32, DType::F32),
+    )
+    .expect("open f32 artifact");
+    for draft_tokens in 1..=3 {
+        let (mut tokens, mut steps) = (0usize, 0usize);
+        let mut accepted = vec![0usize; draft_tokens];
+        let mut drafted = vec![0usize; draft_tokens];
+        for (index, prompt) in prompts.iter().enumerate() {
+            let plain = greedy_tokens(&model, &prompt.tokens, 48).expect("greedy decoding");
+            let speculative =
+                ninfer_engine::model::greedy_with_mtp(&model, &prompt.tokens, 48, draft_tokens)
+                    .expect("speculative decoding");
+            assert_eq!(
+                speculative.tokens, plain,
+                "prompt {index}, {draft_tokens} drafts: speculative greedy differs from greedy"
+            );
+            tokens += speculative.tokens.len() - 1;
+            steps += speculative.verifications;
+            for depth in 0..draft_tokens {
+                accepted[depth] += speculative.accepted[depth];
+                drafted[depth] += speculative.drafted[depth];
+            }
+        }
+        let rates: Vec<String> = accepted
+            .iter()
+            .zip(&drafted)
+            .map(|(a, d)| format!("{:.2}", *a as f64 / (*d).max(1) as f64))
+            .collect();
+        println!(
+            "trained MTP on {}: {draft_tokens} drafts per step, acceptance by depth {}, {:.2} tokens per main step, greedy output identical",
+            backend.name(),
+            rates.join(" / "),
+            tokens as f64 / steps.max(1) as f64
+        );
+        assert!(accepted[0] > 0, "no draft was ever accepted");
+    }
+}
+test_device!(speculative_greedy_equals_plain_greedy);

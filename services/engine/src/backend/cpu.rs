@@ -743,6 +743,24 @@ impl Backend for CpuBackend {
         Ok((g, self.map(b, sigmoid)))
     }
 
+    fn copy_conv_state(&self, state: &CpuConvState) -> Result<CpuConvState, EngineError> {
+        Ok(CpuConvState {
+            channels: state.channels,
+            kernel: state.kernel,
+            history: state.history.clone(),
+        })
+    }
+
+    fn copy_recurrent_state(
+        &self,
+        state: &CpuRecurrentState,
+    ) -> Result<CpuRecurrentState, EngineError> {
+        Ok(CpuRecurrentState {
+            spec: state.spec,
+            state: state.state.clone(),
+        })
+    }
+
     fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Result<CpuRecurrentState, EngineError> {
         Ok(CpuRecurrentState {
             spec: *spec,

@@ -389,7 +389,13 @@ pub trait Backend: Send + Sync + 'static {
         weight: &Self::Weight,
         segments: &mut [Segment<'_, Self::ConvState>],
     ) -> Result<Self::Tensor, EngineError>;
-
+    /// A copy of a conv state (a sequence's checkpoint).
+    fn copy_conv_state(&self, state: &Self::ConvState) -> Result<Self::ConvState, EngineError>;
+    /// A copy of a delta-rule state (a sequence's checkpoint).
+    fn copy_recurrent_state(
+        &self,
+        state: &Self::RecurrentState,
+    ) -> Result<Self::RecurrentState, EngineError>;
     /// `g = −exp(A_log) · softplus(a + dt_bias)`, `β = sigmoid(b)`; `a`, `b` are `[n, nv]`.
     fn delta_rule_gates(
         &self,

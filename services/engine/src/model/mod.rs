@@ -22,7 +22,9 @@ use crate::profile::{nanos, ForwardProfile, Phase, PhaseTotals};
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
 
 mod mtp;
+mod speculative;
 pub use mtp::MtpState;
+pub use speculative::{greedy_with_mtp, SpeculativeOutcome};
 
 /// Which positions' logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +109,13 @@ impl<B: Backend> SequenceState<B> {
     pub fn max_context(&self) -> usize {
         self.max_context
     }
+}
+
+/// A sequence's state at one point, to go back to ([`Model::checkpoint`], [`Model::restore`]).
+pub struct SequenceCheckpoint<B: Backend> {
+    position: usize,
+    /// Per layer: copies of a Gated DeltaNet layer's conv and recurrent states.
+    layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
 }
 
 /// New tokens of one sequence in a batched forward.
@@ -421,9 +430,10 @@ impl<B: Backend> Model<B> {
                 LogitsSelection::All => item.tokens.len(),
             })
             .collect();
-        let logits = self.forward_then(batch, selection, |backend, normed| {
-            backend.download(&backend.matmul(&normed, self.head())?)
-        })?;
+        let logits =
+            self.forward_then(batch, selection, self.delta_rule_form, |backend, normed| {
+                backend.download(&backend.matmul(&normed, self.head())?)
+            })?;
         let mut out = Vec::with_capacity(rows.len());
         let mut row = 0;
         for rows in rows {
@@ -441,9 +451,12 @@ impl<B: Backend> Model<B> {
         &self,
         batch: &mut [SequenceInput<'_, B>],
     ) -> Result<B::Tensor, EngineError> {
-        self.forward_then(batch, LogitsSelection::Last, |backend, normed| {
-            backend.matmul(&normed, self.head())
-        })
+        self.forward_then(
+            batch,
+            LogitsSelection::Last,
+            self.delta_rule_form,
+            |backend, normed| backend.matmul(&normed, self.head()),
+        )
     }
 
     /// [`Model::forward`] with `LogitsSelection::All`, stopping before the head: every new
@@ -453,7 +466,74 @@ impl<B: Backend> Model<B> {
         &self,
         batch: &mut [SequenceInput<'_, B>],
     ) -> Result<B::Tensor, EngineError> {
-        self.forward_then(batch, LogitsSelection::All, |_, normed| Ok(normed))
+        self.forward_then(
+            batch,
+            LogitsSelection::All,
+            self.delta_rule_form,
+            |_, normed| Ok(normed),
+        )
+    }
+
+    /// [`Model::forward_hidden`] with the gated delta rule token by token whatever the rows:
+    /// every row gets the bits a one-token forward would give it (speculative verification).
+    pub fn forward_hidden_token_by_token(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+    ) -> Result<B::Tensor, EngineError> {
+        self.forward_then(
+            batch,
+            LogitsSelection::All,
+            DeltaRuleForm::Recurrent,
+            |_, normed| Ok(normed),
+        )
+    }
+
+    /// What [`Model::restore`] needs to put `state` back where it is now: its position, and a
+    /// copy of every Gated DeltaNet state (attention caches are cut back by position alone).
+    pub fn checkpoint(
+        &self,
+        state: &SequenceState<B>,
+    ) -> Result<SequenceCheckpoint<B>, EngineError> {
+        let backend = &*self.backend;
+        let layers = state
+            .layers
+            .iter()
+            .map(|layer| match layer {
+                LayerState::Attention(_) => Ok(None),
+                LayerState::GatedDeltaNet { conv, recurrent } => Ok(Some((
+                    backend.copy_conv_state(conv)?,
+                    backend.copy_recurrent_state(recurrent)?,
+                ))),
+            })
+            .collect::<Result<_, EngineError>>()?;
+        Ok(SequenceCheckpoint {
+            position: state.position,
+            layers,
+        })
+    }
+
+    /// Puts `state` back to `checkpoint` (taken from it by [`Model::checkpoint`]): what it
+    /// processed after that is forgotten.
+    pub fn restore(
+        &self,
+        state: &mut SequenceState<B>,
+        checkpoint: SequenceCheckpoint<B>,
+    ) -> Result<(), EngineError> {
+        if checkpoint.layers.len() != state.layers.len() || checkpoint.position > state.position {
+            return Err(EngineError::InvalidConfig {
+                problem: "a checkpoint restored into a sequence it was not taken from".into(),
+            });
+        }
+        for (layer, saved) in state.layers.iter_mut().zip(checkpoint.layers) {
+            if let (LayerState::GatedDeltaNet { conv, recurrent }, Some((saved_conv, saved))) =
+                (layer, saved)
+            {
+                *conv = saved_conv;
+                *recurrent = saved;
+            }
+        }
+        state.position = checkpoint.position;
+        Ok(())
     }
 
     /// The output projection (`lm_head`, or the embedding when they are tied).
@@ -524,6 +604,7 @@ impl<B: Backend> Model<B> {
         &self,
         batch: &mut [SequenceInput<'_, B>],
         selection: LogitsSelection,
+        delta_rule_form: DeltaRuleForm,
         finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
         let vocab = self.vocab_size();
@@ -602,7 +683,7 @@ impl<B: Backend> Model<B> {
                     self.attention(index, &layer.mixer, &x, &positions, batch, &ranges)?
                 }
                 Mixer::GatedDeltaNet { .. } => {
-                    self.gated_delta_net(index, &layer.mixer, &x, batch, &ranges)?
+                    self.gated_delta_net(index, &layer.mixer, &x, batch, &ranges, delta_rule_form)?
                 }
             };
             let x = backend.add_rms_norm(
@@ -734,6 +815,7 @@ impl<B: Backend> Model<B> {
         x: &B::Tensor,
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
+        delta_rule_form: DeltaRuleForm,
     ) -> Result<B::Tensor, EngineError> {
         let (
             Mixer::GatedDeltaNet {
@@ -799,7 +881,7 @@ impl<B: Backend> Model<B> {
             &g,
             &beta,
             delta,
-            self.delta_rule_form,
+            delta_rule_form,
             &mut recurrent_segments,
         )?;
         let normed = backend.gated_rms_norm(&output, &z, norm, self.spec.eps())?;

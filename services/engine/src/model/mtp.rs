@@ -37,6 +37,11 @@ impl<B: Backend> MtpState<B> {
     pub fn position(&self) -> usize {
         self.position
     }
+
+    /// Forgets the pairs at `position` and after (attention caches are cut back by position).
+    pub fn truncate(&mut self, position: usize) {
+        self.position = self.position.min(position);
+    }
 }
 
 impl<B: Backend> super::Loader<'_, B> {

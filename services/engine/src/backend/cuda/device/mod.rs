@@ -772,6 +772,34 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn copy_conv_state(&self, state: &CudaConvState) -> Result<CudaConvState, EngineError> {
+        let history = self
+            .stream
+            .clone_dtod(&state.history)
+            .map_err(driver_error("copying a conv state"))
+            .map_err(device("copy_conv_state"))?;
+        Ok(CudaConvState {
+            channels: state.channels,
+            kernel: state.kernel,
+            history,
+        })
+    }
+
+    fn copy_recurrent_state(
+        &self,
+        state: &CudaRecurrentState,
+    ) -> Result<CudaRecurrentState, EngineError> {
+        let copy = self
+            .stream
+            .clone_dtod(&state.state)
+            .map_err(driver_error("copying a delta-rule state"))
+            .map_err(device("copy_recurrent_state"))?;
+        Ok(CudaRecurrentState {
+            spec: state.spec,
+            state: copy,
+        })
+    }
+
     fn new_recurrent_state(&self, spec: &DeltaRuleSpec) -> Result<CudaRecurrentState, EngineError> {
         let size = spec.value_heads * spec.key_head_dim * spec.value_head_dim;
         let state = self.alloc(size).map_err(device("new_recurrent_state"))?;

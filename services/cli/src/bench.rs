@@ -1,5 +1,6 @@
 //! `ninfer bench`: memory read bandwidth (the reference), routed-expert kernel throughput,
-//! the channel round trip, and `ninfer bench MODEL` (the whole pipeline, `bench_model.rs`).
+//! the channel round trip, MTP drafting (`bench_mtp.rs`), and `ninfer bench MODEL` (the whole
+//! pipeline, `bench_model.rs`).
 //!
 //! Owns: the `bench` arguments, model-shape presets and the printed tables / JSON.
 //! Must not touch: the measurements themselves (`ninfer_cpu_experts::bench`).
@@ -31,6 +32,8 @@ enum BenchCommand {
     Experts(ExpertsArgs),
     /// Round-trip latency of the engine ↔ worker shared-memory channel (two processes).
     Channel(crate::bench_channel::ChannelBenchArgs),
+    /// Greedy decode speed with the MTP head drafting 0, 1, 2, 3… tokens per step (in-process).
+    Mtp(crate::bench_mtp::MtpBenchArgs),
     /// The worker half of `bench channel` (started by it).
     #[command(hide = true)]
     ChannelEcho(crate::bench_channel::ChannelEchoArgs),
@@ -154,6 +157,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(BenchCommand::Memory(args)) => run_memory(args),
         Some(BenchCommand::Experts(args)) => run_experts(args),
         Some(BenchCommand::Channel(args)) => crate::bench_channel::run(args),
+        Some(BenchCommand::Mtp(args)) => crate::bench_mtp::run(args),
         Some(BenchCommand::ChannelEcho(args)) => crate::bench_channel::run_echo(args),
         None => crate::bench_model::run(args.model),
     }

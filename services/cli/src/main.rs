@@ -7,6 +7,7 @@
 mod bench;
 mod bench_channel;
 mod bench_model;
+mod bench_mtp;
 mod convert;
 mod inspect;
 mod model_facts;

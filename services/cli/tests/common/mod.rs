@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 /// `tests/fixtures/<name>` of this checkout.
 pub fn fixture(name: &str) -> PathBuf {
@@ -15,12 +15,15 @@ pub fn fixture(name: &str) -> PathBuf {
 
 /// Converts the fixture `name` to `output` with f32 weights (exact comparisons), by `ninfer convert`.
 pub fn convert_fixture_f32(name: &str, output: &Path) {
-    let status = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+    let result = Command::new(env!("CARGO_BIN_EXE_ninfer"))
         .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
         .arg(fixture(name))
         .arg(output)
-        .stderr(Stdio::null())
-        .status()
+        .output()
         .expect("running ninfer convert");
-    assert!(status.success(), "ninfer convert {name} failed");
+    assert!(
+        result.status.success(),
+        "ninfer convert {name} failed: {}",
+        String::from_utf8_lossy(&result.stderr)
+    );
 }

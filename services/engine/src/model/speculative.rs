@@ -25,6 +25,8 @@ pub struct SpeculativeOutcome {
     pub drafted: Vec<usize>,
     /// `accepted[j]`: chains whose drafts 1..=j+1 were all accepted.
     pub accepted: Vec<usize>,
+    /// Wall time after the prompt's forward and first token: drafting and verifying.
+    pub decode_time: std::time::Duration,
 }
 
 impl SpeculativeOutcome {
@@ -73,6 +75,7 @@ pub fn greedy_with_mtp<B: Backend>(
     // The MTP head's next input: (h_t, token t + 1) for every position the main model has done.
     let mut pair_hidden = hidden;
     let mut pair_tokens: Vec<u32> = prompt[1..].iter().copied().chain([pending]).collect();
+    let decode_started = std::time::Instant::now();
 
     while outcome.tokens.len() < count {
         let wanted = draft_tokens.min(count - outcome.tokens.len() - 1);
@@ -140,5 +143,6 @@ pub fn greedy_with_mtp<B: Backend>(
             .tokens
             .extend(pair_tokens.iter().copied().take(room));
     }
+    outcome.decode_time = decode_started.elapsed();
     Ok(outcome)
 }

@@ -384,3 +384,93 @@ fn speculative_greedy_equals_plain_greedy<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(speculative_greedy_equals_plain_greedy);
+
+/// Sampled speculative decoding: with top-k 1 it is greedy decoding; otherwise the first two
+/// tokens (the second goes through a draft's verification) are distributed as plain sampling's
+/// (two-sample χ² over the token pairs, top-k 4).
+fn speculative_sampling_follows_plain_sampling<B: Backend>(backend: Arc<B>) {
+    use ninfer_engine::model::sample_with_mtp;
+    use ninfer_engine::{Sampler, SamplingParams};
+    let (_, prompts) = read_reference(&golden_fixture_dir(FIXTURE));
+    let work = tempfile::tempdir().expect("temporary directory");
+    let model = Model::open(
+        Arc::clone(&backend),
+        &convert(work.path(), DType::F32, DType::F32),
+    )
+    .expect("open f32 artifact");
+    let prompt = &prompts[0].tokens;
+    let top_one = SamplingParams {
+        temperature: 1.0,
+        top_k: 1,
+        ..SamplingParams::default()
+    };
+    assert_eq!(
+        sample_with_mtp(&model, prompt, 24, 2, top_one)
+            .expect("sampling")
+            .tokens,
+        greedy_tokens(&model, prompt, 24).expect("greedy"),
+        "top-k 1 sampling with drafts must be greedy decoding"
+    );
+
+    // A high temperature spreads the pairs over more cells.
+    let params = |seed: u64| SamplingParams {
+        temperature: 2.0,
+        top_k: 4,
+        seed,
+        ..SamplingParams::default()
+    };
+    let runs = 500u64;
+    let mut pairs: std::collections::BTreeMap<(u32, u32), [u64; 2]> = Default::default();
+    for seed in 0..runs {
+        let drafted = sample_with_mtp(&model, prompt, 2, 1, params(seed)).expect("sampling");
+        pairs
+            .entry((drafted.tokens[0], drafted.tokens[1]))
+            .or_default()[0] += 1;
+        let mut sampler = Sampler::new(params(seed + runs)).expect("sampler");
+        let mut state = model.new_sequence(prompt.len() + 2).expect("state");
+        let first = sampler
+            .sample(&model.prefill(&mut state, prompt).expect("prefill"), &[])
+            .expect("sample");
+        let second = sampler
+            .sample(
+                &model.prefill(&mut state, &[first]).expect("decode"),
+                &[first],
+            )
+            .expect("sample");
+        pairs.entry((first, second)).or_default()[1] += 1;
+    }
+    // Cells with too few expected counts are pooled into one.
+    let (mut statistic, mut cells, mut pooled) = (0.0f64, 0usize, [0u64; 2]);
+    let mut add = |counts: [u64; 2]| {
+        let total = (counts[0] + counts[1]) as f64;
+        for count in counts {
+            let expected = total / 2.0;
+            statistic += (count as f64 - expected).powi(2) / expected;
+        }
+        cells += 1;
+    };
+    for counts in pairs.values() {
+        if counts[0] + counts[1] >= 10 {
+            add(*counts);
+        } else {
+            pooled[0] += counts[0];
+            pooled[1] += counts[1];
+        }
+    }
+    if pooled[0] + pooled[1] > 0 {
+        add(pooled);
+    }
+    // The 0.1% point of χ² with cells − 1 degrees of freedom (Wilson–Hilferty).
+    let df = cells.saturating_sub(1).max(1) as f64;
+    let bound = df * (1.0 - 2.0 / (9.0 * df) + 3.09 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    println!(
+        "trained MTP sampling on {}: first two tokens over {runs} runs each, {cells} cells, χ² {statistic:.1} (bound {bound:.1})",
+        backend.name()
+    );
+    assert!(cells >= 3, "too few distinct token pairs to compare");
+    assert!(
+        statistic < bound,
+        "χ² {statistic:.1} ≥ {bound:.1}: {pairs:?}"
+    );
+}
+test_device!(speculative_sampling_follows_plain_sampling);

@@ -24,7 +24,9 @@ use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec
 mod mtp;
 mod speculative;
 pub use mtp::MtpState;
-pub use speculative::{greedy_with_mtp, SpeculativeOutcome};
+pub use speculative::{
+    greedy_with_mtp, sample_with_mtp, speculative_sampling_step, SpeculativeOutcome,
+};
 
 /// Which positions' logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

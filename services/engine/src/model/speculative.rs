@@ -1,18 +1,24 @@
-//! Greedy speculative decoding with the model's MTP head: draft `N` tokens, verify them with one
-//! forward of `N + 1` rows, keep the longest agreeing prefix and the main model's next token.
+//! Speculative decoding with the model's MTP head: draft `N` tokens, verify them with one forward
+//! of `N + 1` rows, keep what the verification accepts and one token of the main model's.
+//! Greedy keeps the longest agreeing prefix and the main model's next token; sampled decoding
+//! uses the speculative-sampling rule (accept a draft `x` with probability `min(1, p(x)/q(x))`,
+//! else draw from the normalised `max(0, p − q)`; a bonus draw from `p` after all were
+//! accepted), so its tokens follow exactly the distribution of sampling without drafts.
 //!
-//! Owns: the draft → verify → accept → roll back loop of one sequence, and its counts.
+//! Owns: the draft → verify → accept → roll back loop of one sequence, the sampling rule, and
+//! the counts.
 //! Rolling back: attention caches are cut back by position; Gated DeltaNet states are restored
 //! from a checkpoint taken before the verification and the accepted rows recomputed (one extra
 //! forward of `k + 1` rows when a draft is rejected, instead of a state copy per draft position).
 //! The verification runs the delta rule token by token, so every row gets the bits a one-token
 //! decode gives it and the output equals plain greedy decoding token for token.
-//! Must not touch: sampling other than greedy, the scheduler, how the head and layers compute.
+//! Must not touch: the scheduler, how logits are filtered (`crate::sampling`), how the head and
+//! layers compute.
 
 use super::{Model, SequenceInput};
 use crate::backend::Backend;
 use crate::error::EngineError;
-use crate::sampling::argmax;
+use crate::sampling::{apply_penalties, argmax, filtered_distribution, SamplingParams, Xoshiro256};
 
 /// What a speculative generation produced, and how the drafts fared.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -36,14 +42,123 @@ impl SpeculativeOutcome {
     }
 }
 
-/// The greedy argmax of each row of final-normed hidden states.
-fn greedy_rows<B: Backend>(model: &Model<B>, hidden: &B::Tensor) -> Result<Vec<u32>, EngineError> {
-    let vocab = model.vocab_size().max(1);
-    Ok(model
-        .head_logits(hidden)?
-        .chunks(vocab)
-        .map(argmax)
-        .collect())
+/// How a speculative generation picks tokens from logits rows.
+enum Picker {
+    Greedy,
+    Sampled {
+        params: SamplingParams,
+        rng: Xoshiro256,
+    },
+}
+
+/// A draft and the distribution it was drawn from (empty for greedy).
+struct Draft {
+    token: u32,
+    distribution: Vec<(u32, f64)>,
+}
+
+impl Picker {
+    /// The request's distribution of one logits row after `history` (penalties, temperature,
+    /// top-k, top-p, min-p).
+    fn distribution(params: &SamplingParams, row: &[f32], history: &[u32]) -> Vec<(u32, f64)> {
+        let mut row = row.to_vec();
+        apply_penalties(&mut row, history, params);
+        filtered_distribution(&row, params)
+    }
+
+    /// A token from one row (the prompt's next token, a draft, or the bonus token).
+    fn pick(&mut self, row: &[f32], history: &[u32]) -> Draft {
+        match self {
+            Picker::Greedy => Draft {
+                token: argmax(row),
+                distribution: Vec::new(),
+            },
+            Picker::Sampled { params, rng } => {
+                let distribution = Self::distribution(params, row, history);
+                Draft {
+                    token: draw(&distribution, rng),
+                    distribution,
+                }
+            }
+        }
+    }
+
+    /// Verifies `drafts` against the main model's rows (`rows[j]` follows the input before
+    /// draft `j`; there is one row more than drafts): how many are accepted, and the token that
+    /// follows them.
+    fn verify(&mut self, rows: &[&[f32]], drafts: &[Draft], history: &[u32]) -> (usize, u32) {
+        let mut seen = history.to_vec();
+        for (j, draft) in drafts.iter().enumerate() {
+            match self {
+                Picker::Greedy => {
+                    let main = argmax(rows[j]);
+                    if main != draft.token {
+                        return (j, main);
+                    }
+                }
+                Picker::Sampled { params, rng } => {
+                    let target = Self::distribution(params, rows[j], &seen);
+                    let (token, accepted) =
+                        speculative_sampling_step(&target, &draft.distribution, draft.token, rng);
+                    if !accepted {
+                        return (j, token);
+                    }
+                }
+            }
+            seen.push(draft.token);
+        }
+        let bonus = self.pick(rows[drafts.len()], &seen).token;
+        (drafts.len(), bonus)
+    }
+}
+
+/// One draw from a distribution (the last token takes a rounding remainder).
+fn draw(distribution: &[(u32, f64)], rng: &mut Xoshiro256) -> u32 {
+    let point = rng.next_f64() * distribution.iter().map(|&(_, p)| p).sum::<f64>();
+    let mut cumulative = 0.0;
+    for &(token, probability) in distribution {
+        cumulative += probability;
+        if point < cumulative {
+            return token;
+        }
+    }
+    distribution.last().map_or(0, |&(token, _)| token)
+}
+
+/// The speculative-sampling rule for one draft `x ~ q`: accepted with probability
+/// `min(1, p(x) / q(x))`; else a token from the normalised residual `max(0, p − q)`. The token
+/// that comes out is distributed as `p` (Leviathan et al., Chen et al.). Returns it and whether
+/// the draft was accepted.
+pub fn speculative_sampling_step(
+    target: &[(u32, f64)],
+    draft_distribution: &[(u32, f64)],
+    draft: u32,
+    rng: &mut Xoshiro256,
+) -> (u32, bool) {
+    let probability = |distribution: &[(u32, f64)], token: u32| {
+        distribution
+            .iter()
+            .find(|&&(t, _)| t == token)
+            .map_or(0.0, |&(_, p)| p)
+    };
+    let (p, q) = (
+        probability(target, draft),
+        probability(draft_distribution, draft),
+    );
+    if q > 0.0 && rng.next_f64() < (p / q).min(1.0) {
+        return (draft, true);
+    }
+    let residual: Vec<(u32, f64)> = target
+        .iter()
+        .map(|&(token, p)| (token, (p - probability(draft_distribution, token)).max(0.0)))
+        .filter(|&(_, r)| r > 0.0)
+        .collect();
+    let token = if residual.is_empty() {
+        draw(target, rng)
+    } else {
+        draw(&residual, rng)
+    };
+    (token, false)
 }
 
 /// `count` greedy tokens after `prompt`, drafting up to `draft_tokens` per step with the MTP head.
@@ -52,6 +167,37 @@ pub fn greedy_with_mtp<B: Backend>(
     prompt: &[u32],
     count: usize,
     draft_tokens: usize,
+) -> Result<SpeculativeOutcome, EngineError> {
+    speculate(model, prompt, count, draft_tokens, Picker::Greedy)
+}
+
+/// `count` tokens sampled with `params` after `prompt`, drafting up to `draft_tokens` per step
+/// with the MTP head; the tokens follow the distribution of sampling without drafts (the same
+/// distribution, not the same draws: the random stream is used differently).
+pub fn sample_with_mtp<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    count: usize,
+    draft_tokens: usize,
+    params: SamplingParams,
+) -> Result<SpeculativeOutcome, EngineError> {
+    params.validate()?;
+    let rng = Xoshiro256::seed_from_u64(params.seed);
+    speculate(
+        model,
+        prompt,
+        count,
+        draft_tokens,
+        Picker::Sampled { params, rng },
+    )
+}
+
+fn speculate<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    count: usize,
+    draft_tokens: usize,
+    mut picker: Picker,
 ) -> Result<SpeculativeOutcome, EngineError> {
     let mut outcome = SpeculativeOutcome {
         drafted: vec![0; draft_tokens],
@@ -69,8 +215,9 @@ pub fn greedy_with_mtp<B: Backend>(
         state: &mut state,
         tokens: prompt,
     }])?;
+    let vocab = model.vocab_size().max(1);
     let last = backend.gather_rows(&hidden, &[prompt.len() - 1])?;
-    let mut pending = greedy_rows(model, &last)?[0];
+    let mut pending = picker.pick(&model.head_logits(&last)?, &[]).token;
     outcome.tokens.push(pending);
     // The MTP head's next input: (h_t, token t + 1) for every position the main model has done.
     let mut pair_hidden = hidden;
@@ -87,10 +234,13 @@ pub fn greedy_with_mtp<B: Backend>(
             let mut chain = backend.gather_rows(&out, &[rows - 1])?;
             let committed_after_pairs = mtp.position();
             while drafts.len() < wanted {
-                let draft = greedy_rows(model, &chain)?[0];
+                let mut history = outcome.tokens.clone();
+                history.extend(drafts.iter().map(|d: &Draft| d.token));
+                let draft = picker.pick(&model.head_logits(&chain)?, &history);
+                let token = draft.token;
                 drafts.push(draft);
                 if drafts.len() < wanted {
-                    chain = model.mtp_forward(&mut mtp, &chain, &[draft])?;
+                    chain = model.mtp_forward(&mut mtp, &chain, &[token])?;
                 }
             }
             // The chain's own pairs are guesses: the next step pairs the verified states.
@@ -101,26 +251,23 @@ pub fn greedy_with_mtp<B: Backend>(
 
         let checkpoint = model.checkpoint(&state)?;
         let input: Vec<u32> = std::iter::once(pending)
-            .chain(drafts.iter().copied())
+            .chain(drafts.iter().map(|d| d.token))
             .collect();
         let verified = model.forward_hidden_token_by_token(&mut [SequenceInput {
             state: &mut state,
             tokens: &input,
         }])?;
         outcome.verifications += 1;
-        let predictions = greedy_rows(model, &verified)?;
-        let accepted = drafts
-            .iter()
-            .zip(&predictions)
-            .take_while(|(draft, prediction)| draft == prediction)
-            .count();
+        let logits = model.head_logits(&verified)?;
+        let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
+        let (accepted, next) = picker.verify(&rows, &drafts, &outcome.tokens);
         for depth in 0..drafts.len() {
             outcome.drafted[depth] += 1;
             if depth < accepted {
                 outcome.accepted[depth] += 1;
             }
         }
-        let rows: Vec<usize> = (0..=accepted).collect();
+        let kept: Vec<usize> = (0..=accepted).collect();
         pair_hidden = if accepted < drafts.len() {
             // A rejected draft's rows are in the state: back to the checkpoint, then the
             // accepted rows again.
@@ -130,14 +277,14 @@ pub fn greedy_with_mtp<B: Backend>(
                 tokens: &input[..=accepted],
             }])?
         } else {
-            backend.gather_rows(&verified, &rows)?
+            backend.gather_rows(&verified, &kept)?
         };
         pair_tokens = drafts[..accepted]
             .iter()
-            .copied()
-            .chain([predictions[accepted]])
+            .map(|d| d.token)
+            .chain([next])
             .collect();
-        pending = predictions[accepted];
+        pending = next;
         let room = count - outcome.tokens.len();
         outcome
             .tokens
@@ -145,4 +292,53 @@ pub fn greedy_with_mtp<B: Backend>(
     }
     outcome.decode_time = decode_started.elapsed();
     Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pearson's statistic of `counts` against the probabilities `expected`.
+    fn chi_square(counts: &[u64], expected: &[f64]) -> f64 {
+        let total: u64 = counts.iter().sum();
+        counts
+            .iter()
+            .zip(expected)
+            .filter(|(_, &p)| p > 0.0)
+            .map(|(&count, &p)| {
+                let e = p * total as f64;
+                (count as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    #[test]
+    fn the_speculative_sampling_rule_gives_the_target_distribution() {
+        // p and q disagree everywhere, and each has a token the other gives no mass to.
+        let target = [
+            (0, 0.35),
+            (1, 0.25),
+            (2, 0.2),
+            (3, 0.15),
+            (4, 0.05),
+            (5, 0.0),
+        ];
+        let draft = [(0, 0.1), (1, 0.4), (2, 0.05), (3, 0.0), (4, 0.3), (5, 0.15)];
+        let expected: Vec<f64> = target.iter().map(|&(_, p)| p).collect();
+        let mut rng = Xoshiro256::seed_from_u64(7);
+        let (mut counts, mut naive) = ([0u64; 6], [0u64; 6]);
+        let trials = 200_000;
+        for _ in 0..trials {
+            let drafted = draw(&draft, &mut rng);
+            let (token, _) = speculative_sampling_step(&target, &draft, drafted, &mut rng);
+            counts[token as usize] += 1;
+            naive[drafted as usize] += 1;
+        }
+        assert_eq!(counts[5], 0, "a token the target excludes came out");
+        // 5 degrees of freedom: 20.5 is the 0.1% point.
+        let statistic = chi_square(&counts, &expected);
+        assert!(statistic < 20.5, "χ² {statistic:.1} over {counts:?}");
+        // The same test rejects keeping every draft (the draft distribution), so it has power.
+        assert!(chi_square(&naive, &expected) > 1000.0);
+    }
 }

@@ -1,18 +1,17 @@
 //! `ninfer bench mtp MODEL`: decode speed with the model's MTP head drafting 0 (off), 1, 2, 3…
 //! tokens per step, greedy, in this process, on the CPU or the GPU.
 //!
-//! Owns: the arguments, the in-process model set-up (every routed expert resident on the GPU,
-//! or the SIMD expert kernels on the CPU) and the printed table. Must not touch: the drafting
+//! Owns: the arguments and the printed table (the model is opened by `crate::in_process`: every
+//! routed expert resident on the GPU, or the SIMD expert kernels on the CPU). Must not touch: the drafting
 //! and verification (`ninfer_engine::model::greedy_with_mtp`).
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use ninfer_cpu_experts::KernelIsa;
 use ninfer_engine::model::{greedy_with_mtp, SpeculativeOutcome};
-use ninfer_engine::moe::KernelExpertExecutor;
-use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
+use ninfer_engine::{Backend, Model};
+
+use crate::in_process::{self, with_model, CpuExperts};
 
 #[derive(Debug, clap::Args)]
 pub struct MtpBenchArgs {
@@ -53,35 +52,11 @@ pub fn run(args: MtpBenchArgs) -> anyhow::Result<()> {
     if args.tokens < 2 || args.repeats == 0 {
         bail!("--tokens must be at least 2 and --repeats at least 1");
     }
-    let artifact =
-        open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
-    let threads = match args.moe_threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
+    let cpu_experts = CpuExperts::Kernels {
+        threads: args.moe_threads,
     };
-    let experts = Arc::new(
-        KernelExpertExecutor::new(Arc::clone(&artifact), threads, &[], KernelIsa::best(), 4096)
-            .context("starting the CPU expert kernels")?,
-    );
-    match args.device.as_str() {
-        "cuda" => {
-            let backend = ninfer_engine::backend::cuda::CudaBackend::new(0)
-                .context("--device cuda: cannot use the GPU")?;
-            let mut model = Model::load(Arc::new(backend), artifact, experts)?;
-            let common = model.spec().common.clone();
-            let every_expert: Vec<Vec<u32>> = (0..common.num_hidden_layers)
-                .map(|_| (0..common.num_experts as u32).collect())
-                .collect();
-            model
-                .place_resident_experts(&every_expert)
-                .context("placing every routed expert on the GPU")?;
-            measure(&model, &args, &draft_counts)
-        }
-        _ => {
-            let model = Model::load(Arc::new(CpuBackend::new()), artifact, experts)?;
-            measure(&model, &args, &draft_counts)
-        }
-    }
+    let model = in_process::open(&args.model, &args.device, cpu_experts, None)?;
+    with_model!(&model, |model| measure(model, &args, &draft_counts))
 }
 
 fn measure<B: Backend>(

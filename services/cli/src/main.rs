@@ -9,6 +9,7 @@ mod bench_channel;
 mod bench_model;
 mod bench_mtp;
 mod convert;
+mod in_process;
 mod inspect;
 mod model_facts;
 mod perplexity;

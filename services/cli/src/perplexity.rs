@@ -1,5 +1,6 @@
 //! `ninfer perplexity MODEL TEXT_FILE`: mean negative log-likelihood of a text under a model, on
-//! the CPU reference backend.
+//! the CPU (the f32 reference experts, exact) or the GPU (`--device cuda`: routed experts resident
+//! up to `--moe-gpu-experts`, the rest on the CPU expert kernels).
 //!
 //! Tokenizes with the artifact's embedded `tokenizer.json` (no special tokens added), then scores
 //! the tokens in **non-overlapping windows** of `--max-context` tokens: each window starts from an
@@ -7,11 +8,12 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use ninfer_engine::{CpuBackend, Model, PerplexityOptions};
+use ninfer_engine::{Backend, Model, PerplexityOptions};
+
+use crate::in_process::{self, with_model, CpuExperts};
 
 #[derive(Debug, clap::Args)]
 pub struct PerplexityArgs {
@@ -28,6 +30,16 @@ pub struct PerplexityArgs {
     /// Write one line per scored token to this file: `position<TAB>token_id<TAB>nll`.
     #[arg(long)]
     pub token_nll: Option<PathBuf>,
+    /// cpu, cuda, or auto (the GPU when one opens).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "auto"])]
+    pub device: String,
+    /// On the GPU: routed experts per layer kept there (`all`, or a number); the rest are
+    /// computed by the CPU expert kernels.
+    #[arg(long, default_value = "all")]
+    pub moe_gpu_experts: String,
+    /// Threads of the CPU expert kernels on the GPU path (0: every core).
+    #[arg(long, default_value_t = 0)]
+    pub moe_threads: usize,
 }
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
@@ -40,8 +52,24 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.text_file)
         .with_context(|| format!("reading {}", args.text_file.display()))?;
     let started = Instant::now();
-    let model = Model::open(Arc::new(CpuBackend::new()), &args.model)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let gpu_experts = in_process::parse_gpu_experts(&args.moe_gpu_experts)?;
+    // The CPU keeps the exact f32 reference experts; beside a GPU the kernels are the fast path.
+    let cpu_experts = match args.device.as_str() {
+        "cpu" => CpuExperts::Reference,
+        _ => CpuExperts::Kernels {
+            threads: args.moe_threads,
+        },
+    };
+    let model = in_process::open(&args.model, &args.device, cpu_experts, gpu_experts)?;
+    with_model!(&model, |model| score(model, &args, &text, started))
+}
+
+fn score<B: Backend>(
+    model: &Model<B>,
+    args: &PerplexityArgs,
+    text: &str,
+    started: Instant,
+) -> anyhow::Result<()> {
     let tokenizer_json = model
         .artifact()
         .file("tokenizer.json")
@@ -49,14 +77,15 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
         .map_err(|e| anyhow::anyhow!("{}: invalid tokenizer.json: {e}", args.model.display()))?;
     let encoding = tokenizer
-        .encode(text.as_str(), false)
+        .encode(text, false)
         .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", args.text_file.display()))?;
     let tokens = encoding.get_ids().to_vec();
     eprintln!(
-        "{}: {} tokens; model {} loaded in {:.1}s; windows of {} tokens (non-overlapping)",
+        "{}: {} tokens; model {} on {} loaded in {:.1}s; windows of {} tokens (non-overlapping)",
         args.text_file.display(),
         tokens.len(),
         model.spec().architecture,
+        model.backend().name(),
         started.elapsed().as_secs_f64(),
         args.max_context
     );
@@ -86,7 +115,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
             last_report = Instant::now();
         }
     };
-    let scored = ninfer_engine::token_nlls(&model, &tokens, options, &mut progress)?;
+    let scored = ninfer_engine::token_nlls(model, &tokens, options, &mut progress)?;
     if interactive {
         eprintln!();
     }

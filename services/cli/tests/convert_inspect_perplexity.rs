@@ -297,6 +297,26 @@ fn perplexity_matches_transformers_and_windows_long_texts() {
             "{name}: mean {mean} vs {expected_mean}"
         );
 
+        // The in-process GPU path: on a machine without one, `auto` falls back to the CPU with
+        // the expert kernels, and `cuda` is refused by name.
+        let (stdout, _) = succeed(&["perplexity", &artifact, text, "--device", "auto"]);
+        let (auto_mean, _) = parse_mean(&stdout);
+        assert!(
+            (auto_mean - expected_mean).abs() < 2e-3,
+            "{name}: --device auto mean {auto_mean} vs {expected_mean}"
+        );
+        let output = ninfer(&["perplexity", &artifact, text, "--device", "cuda"]);
+        if output.status.success() {
+            let (cuda_mean, _) = parse_mean(&String::from_utf8_lossy(&output.stdout));
+            assert!(
+                (cuda_mean - expected_mean).abs() < 2e-2,
+                "{name}: cuda {cuda_mean}"
+            );
+        } else {
+            let message = String::from_utf8_lossy(&output.stderr);
+            assert!(message.contains("--device cuda"), "{message}");
+        }
+
         // A context shorter than the text: non-overlapping windows, first token of each unscored.
         let (stdout, _) = succeed(&[
             "perplexity",

@@ -70,12 +70,7 @@ fn measure<B: Backend>(
             args.model.display()
         );
     }
-    let tokenizer_json = model
-        .artifact()
-        .file("tokenizer.json")
-        .with_context(|| format!("{} has no embedded tokenizer.json", args.model.display()))?;
-    let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-        .map_err(|e| anyhow::anyhow!("{}: invalid tokenizer.json: {e}", args.model.display()))?;
+    let tokenizer = in_process::tokenizer(model, &args.model)?;
     let prompt = tokenizer
         .encode(args.prompt.as_str(), false)
         .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?

@@ -108,6 +108,19 @@ pub fn open(
     Ok(InProcessModel::Cuda(Box::new(model)))
 }
 
+/// The tokenizer embedded in the artifact at `path` (`tokenizer.json`).
+pub fn tokenizer<B: ninfer_engine::Backend>(
+    model: &Model<B>,
+    path: &Path,
+) -> anyhow::Result<tokenizers::Tokenizer> {
+    let json = model
+        .artifact()
+        .file("tokenizer.json")
+        .with_context(|| format!("{} has no embedded tokenizer.json", path.display()))?;
+    tokenizers::Tokenizer::from_bytes(json)
+        .map_err(|e| anyhow::anyhow!("{}: invalid tokenizer.json: {e}", path.display()))
+}
+
 /// Runs `$body` with `$model` bound to the `Model<B>` inside an [`InProcessModel`].
 macro_rules! with_model {
     ($in_process:expr, |$model:ident| $body:expr) => {

@@ -70,12 +70,7 @@ fn score<B: Backend>(
     text: &str,
     started: Instant,
 ) -> anyhow::Result<()> {
-    let tokenizer_json = model
-        .artifact()
-        .file("tokenizer.json")
-        .with_context(|| format!("{} has no embedded tokenizer.json", args.model.display()))?;
-    let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-        .map_err(|e| anyhow::anyhow!("{}: invalid tokenizer.json: {e}", args.model.display()))?;
+    let tokenizer = in_process::tokenizer(model, &args.model)?;
     let encoding = tokenizer
         .encode(text, false)
         .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", args.text_file.display()))?;

@@ -93,6 +93,12 @@ fn comparable_prefix(prompt: &Prompt) -> usize {
         .min(prompt.greedy.len())
 }
 
+/// The fixture converted with f32 weights (under `work`) and opened on `backend`.
+fn open_f32<B: Backend>(backend: &Arc<B>, work: &Path) -> Model<B> {
+    Model::open(Arc::clone(backend), &convert(work, DType::F32, DType::F32))
+        .expect("open f32 artifact")
+}
+
 /// How many leading tokens two greedy continuations share.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -258,11 +264,7 @@ fn mtp_drafts_match_the_reference<B: Backend>(backend: Arc<B>) {
     let sequences = read_mtp_sequences(&golden_fixture_dir(FIXTURE));
     assert!(!sequences.is_empty(), "no MTP sequences in the reference");
     let work = tempfile::tempdir().expect("temporary directory");
-    let model = Model::open(
-        Arc::clone(&backend),
-        &convert(work.path(), DType::F32, DType::F32),
-    )
-    .expect("open f32 artifact");
+    let model = open_f32(&backend, work.path());
     assert!(model.has_mtp(), "the trained fixture has an MTP head");
     let vocab = model.vocab_size();
     let (mut depth_one, mut chained) = (DraftAgreement::default(), DraftAgreement::default());
@@ -277,10 +279,13 @@ fn mtp_drafts_match_the_reference<B: Backend>(backend: Arc<B>) {
         );
         let mut state = model.new_sequence(tokens.len()).expect("state");
         let hidden = model
-            .forward_hidden(&mut [ninfer_engine::SequenceInput {
-                state: &mut state,
-                tokens,
-            }])
+            .forward_hidden(
+                &mut [ninfer_engine::SequenceInput {
+                    state: &mut state,
+                    tokens,
+                }],
+                None,
+            )
             .expect("main forward");
         let all_pairs: Vec<usize> = (0..pairs).collect();
         let pair_hidden = backend.gather_rows(&hidden, &all_pairs).expect("gather");
@@ -344,11 +349,7 @@ test_device!(mtp_drafts_match_the_reference);
 fn speculative_greedy_equals_plain_greedy<B: Backend>(backend: Arc<B>) {
     let (_, prompts) = read_reference(&golden_fixture_dir(FIXTURE));
     let work = tempfile::tempdir().expect("temporary directory");
-    let model = Model::open(
-        Arc::clone(&backend),
-        &convert(work.path(), DType::F32, DType::F32),
-    )
-    .expect("open f32 artifact");
+    let model = open_f32(&backend, work.path());
     for draft_tokens in 1..=3 {
         let (mut tokens, mut steps) = (0usize, 0usize);
         let mut accepted = vec![0usize; draft_tokens];
@@ -393,11 +394,7 @@ fn speculative_sampling_follows_plain_sampling<B: Backend>(backend: Arc<B>) {
     use ninfer_engine::{Sampler, SamplingParams};
     let (_, prompts) = read_reference(&golden_fixture_dir(FIXTURE));
     let work = tempfile::tempdir().expect("temporary directory");
-    let model = Model::open(
-        Arc::clone(&backend),
-        &convert(work.path(), DType::F32, DType::F32),
-    )
-    .expect("open f32 artifact");
+    let model = open_f32(&backend, work.path());
     let prompt = &prompts[0].tokens;
     let top_one = SamplingParams {
         temperature: 1.0,

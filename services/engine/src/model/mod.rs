@@ -113,6 +113,24 @@ impl<B: Backend> SequenceState<B> {
     }
 }
 
+/// What the layers of one forward share: the MoE context, and what the MoE layers count and
+/// leave to be finished at the end.
+struct LayerScratch<'a, B: Backend> {
+    moe_context: MoeContext<'a, B>,
+    tally: PhaseTotals,
+    deferred: Vec<DeferredRouting<B>>,
+}
+
+impl<'a, B: Backend> LayerScratch<'a, B> {
+    fn new(moe_context: MoeContext<'a, B>) -> Self {
+        LayerScratch {
+            moe_context,
+            tally: PhaseTotals::default(),
+            deferred: Vec::new(),
+        }
+    }
+}
+
 /// A sequence's state at one point, to go back to ([`Model::checkpoint`], [`Model::restore`]).
 pub struct SequenceCheckpoint<B: Backend> {
     position: usize,
@@ -463,31 +481,16 @@ impl<B: Backend> Model<B> {
 
     /// [`Model::forward`] with `LogitsSelection::All`, stopping before the head: every new
     /// row's last hidden state after the final norm (`[new tokens, hidden]`, sequences in batch
-    /// order), what the head and the MTP head read.
+    /// order), what the head and the MTP head read. `delta_rule_form` overrides the model's
+    /// (`Recurrent`: every row gets the bits a one-token forward gives it, as speculative
+    /// verification needs).
     pub fn forward_hidden(
         &self,
         batch: &mut [SequenceInput<'_, B>],
+        delta_rule_form: Option<DeltaRuleForm>,
     ) -> Result<B::Tensor, EngineError> {
-        self.forward_then(
-            batch,
-            LogitsSelection::All,
-            self.delta_rule_form,
-            |_, normed| Ok(normed),
-        )
-    }
-
-    /// [`Model::forward_hidden`] with the gated delta rule token by token whatever the rows:
-    /// every row gets the bits a one-token forward would give it (speculative verification).
-    pub fn forward_hidden_token_by_token(
-        &self,
-        batch: &mut [SequenceInput<'_, B>],
-    ) -> Result<B::Tensor, EngineError> {
-        self.forward_then(
-            batch,
-            LogitsSelection::All,
-            DeltaRuleForm::Recurrent,
-            |_, normed| Ok(normed),
-        )
+        let form = delta_rule_form.unwrap_or(self.delta_rule_form);
+        self.forward_then(batch, LogitsSelection::All, form, |_, normed| Ok(normed))
     }
 
     /// What [`Model::restore`] needs to put `state` back where it is now: its position, and a
@@ -552,14 +555,12 @@ impl<B: Backend> Model<B> {
     /// Finishes the routings left on the backend during a forward and counts them.
     fn finish_deferred_routing(
         &self,
-        moe_context: &MoeContext<'_, B>,
-        deferred: Vec<DeferredRouting<B>>,
-        tally: &mut PhaseTotals,
+        scratch: &mut LayerScratch<'_, B>,
     ) -> Result<(), EngineError> {
-        for DeferredRouting { layer, pending } in deferred {
+        for DeferredRouting { layer, pending } in scratch.deferred.drain(..) {
             let (routing, _) = self.backend.finish_routing(pending)?;
             if let Some(FeedForward::Moe(moe)) = self.moe_layer_at(layer) {
-                moe.account_routing(moe_context, layer, &routing, tally);
+                moe.account_routing(&scratch.moe_context, layer, &routing, &mut scratch.tally);
             }
         }
         Ok(())
@@ -579,12 +580,10 @@ impl<B: Backend> Model<B> {
     /// A layer's feed-forward of its post-attention-normed input `x`.
     fn feed_forward(
         &self,
-        moe_context: &MoeContext<'_, B>,
+        scratch: &mut LayerScratch<'_, B>,
         index: usize,
         feed_forward: &FeedForward<B>,
         x: &B::Tensor,
-        tally: &mut PhaseTotals,
-        deferred: &mut Vec<DeferredRouting<B>>,
     ) -> Result<B::Tensor, EngineError> {
         let backend = &*self.backend;
         match feed_forward {
@@ -597,7 +596,13 @@ impl<B: Backend> Model<B> {
                     .silu_mul(&backend.matmul(x, gate_proj)?, &backend.matmul(x, up_proj)?)?;
                 backend.matmul(&activated, down_proj)
             }
-            FeedForward::Moe(moe) => moe.forward(moe_context, index, x, tally, deferred),
+            FeedForward::Moe(moe) => moe.forward(
+                &scratch.moe_context,
+                index,
+                x,
+                &mut scratch.tally,
+                &mut scratch.deferred,
+            ),
         }
     }
 
@@ -662,9 +667,7 @@ impl<B: Backend> Model<B> {
         }
 
         let started = Instant::now();
-        let mut tally = PhaseTotals::default();
-        let mut deferred = Vec::new();
-        let moe_context = self.moe_context();
+        let mut scratch = LayerScratch::new(self.moe_context());
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
@@ -695,14 +698,7 @@ impl<B: Backend> Model<B> {
                 eps,
                 style,
             )?;
-            let fed = self.feed_forward(
-                &moe_context,
-                index,
-                &layer.feed_forward,
-                &x,
-                &mut tally,
-                &mut deferred,
-            )?;
+            let fed = self.feed_forward(&mut scratch, index, &layer.feed_forward, &x)?;
             match self.layers.get(index + 1) {
                 Some(following) => {
                     next = Some(backend.add_rms_norm(
@@ -724,7 +720,8 @@ impl<B: Backend> Model<B> {
         let selected = backend.gather_rows(&hidden, &selected_rows)?;
         let normed = backend.rms_norm(&selected, &self.final_norm, eps, style)?;
         let out = finish(backend, normed)?;
-        self.finish_deferred_routing(&moe_context, deferred, &mut tally)?;
+        self.finish_deferred_routing(&mut scratch)?;
+        let mut tally = scratch.tally;
         for (item, range) in batch.iter_mut().zip(&ranges) {
             item.state.position += range.len();
         }
@@ -749,18 +746,10 @@ impl<B: Backend> Model<B> {
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
     ) -> Result<B::Tensor, EngineError> {
-        let mut segments = Vec::with_capacity(batch.len());
-        for (item, range) in batch.iter_mut().zip(ranges) {
-            let start_position = item.state.position;
-            match &mut item.state.layers[index] {
-                LayerState::Attention(cache) => segments.push(Segment {
-                    rows: range.clone(),
-                    start_position,
-                    state: cache,
-                }),
-                LayerState::GatedDeltaNet { .. } => return Err(state_mismatch(index)),
-            }
-        }
+        let mut segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::Attention(cache) => Some(cache),
+            LayerState::GatedDeltaNet { .. } => None,
+        })?;
         self.attention_over(index, mixer, x, positions, &mut segments)
     }
 
@@ -842,18 +831,10 @@ impl<B: Backend> Model<B> {
         let b = backend.matmul(x, in_proj_b)?;
         let a = backend.matmul(x, in_proj_a)?;
 
-        let mut conv_segments = Vec::with_capacity(batch.len());
-        for (item, range) in batch.iter_mut().zip(ranges) {
-            let start_position = item.state.position;
-            match &mut item.state.layers[index] {
-                LayerState::GatedDeltaNet { conv, .. } => conv_segments.push(Segment {
-                    rows: range.clone(),
-                    start_position,
-                    state: conv,
-                }),
-                LayerState::Attention(_) => return Err(state_mismatch(index)),
-            }
-        }
+        let mut conv_segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::GatedDeltaNet { conv, .. } => Some(conv),
+            LayerState::Attention(_) => None,
+        })?;
         let convolved = backend.causal_conv1d_silu(&qkv, conv1d, &mut conv_segments)?;
         drop(conv_segments);
 
@@ -864,18 +845,10 @@ impl<B: Backend> Model<B> {
         let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width)?;
         let (g, beta) = backend.delta_rule_gates(&a, &b, a_log, dt_bias)?;
 
-        let mut recurrent_segments = Vec::with_capacity(batch.len());
-        for (item, range) in batch.iter_mut().zip(ranges) {
-            let start_position = item.state.position;
-            match &mut item.state.layers[index] {
-                LayerState::GatedDeltaNet { recurrent, .. } => recurrent_segments.push(Segment {
-                    rows: range.clone(),
-                    start_position,
-                    state: recurrent,
-                }),
-                LayerState::Attention(_) => return Err(state_mismatch(index)),
-            }
-        }
+        let mut recurrent_segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::GatedDeltaNet { recurrent, .. } => Some(recurrent),
+            LayerState::Attention(_) => None,
+        })?;
         let output = backend.gated_delta_rule(
             &q,
             &k,
@@ -906,6 +879,27 @@ fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
         })
         .map(|tensor| tensor.length)
         .sum()
+}
+
+/// Layer `index`'s state of every sequence in `batch`, as the segments of a batched op (`pick`
+/// returns `None` for a state of the wrong kind).
+fn layer_segments<'s, B: Backend, S>(
+    batch: &'s mut [SequenceInput<'_, B>],
+    ranges: &[std::ops::Range<usize>],
+    index: usize,
+    pick: impl Fn(&mut LayerState<B>) -> Option<&mut S>,
+) -> Result<Vec<Segment<'s, S>>, EngineError> {
+    let mut segments = Vec::with_capacity(batch.len());
+    for (item, range) in batch.iter_mut().zip(ranges) {
+        let start_position = item.state.position;
+        let state = pick(&mut item.state.layers[index]).ok_or_else(|| state_mismatch(index))?;
+        segments.push(Segment {
+            rows: range.clone(),
+            start_position,
+            state,
+        });
+    }
+    Ok(segments)
 }
 
 fn state_mismatch(layer: usize) -> EngineError {

@@ -8,11 +8,9 @@
 //! the caller.
 //! Must not touch: the main model's layers or sequence state, op implementations, sampling.
 
-use super::{Layer, Model};
+use super::{Layer, LayerScratch, Model};
 use crate::backend::{Backend, Segment};
 use crate::error::EngineError;
-use crate::moe::layer::DeferredRouting;
-use crate::profile::PhaseTotals;
 use crate::spec::{FeedForwardKind, MixerKind, ModelSpec};
 
 /// The MTP block's weights.
@@ -162,20 +160,11 @@ impl<B: Backend> Model<B> {
             eps,
             style,
         )?;
-        let moe_context = self.moe_context();
-        let mut tally = PhaseTotals::default();
-        let mut deferred: Vec<DeferredRouting<B>> = Vec::new();
-        let fed = self.feed_forward(
-            &moe_context,
-            index,
-            &layer.feed_forward,
-            &x,
-            &mut tally,
-            &mut deferred,
-        )?;
+        let mut scratch = LayerScratch::new(self.moe_context());
+        let fed = self.feed_forward(&mut scratch, index, &layer.feed_forward, &x)?;
         backend.add_assign(&mut residual, &fed)?;
         let out = backend.rms_norm(&residual, &head.norm, eps, style)?;
-        self.finish_deferred_routing(&moe_context, deferred, &mut tally)?;
+        self.finish_deferred_routing(&mut scratch)?;
         state.position = end;
         Ok(out)
     }

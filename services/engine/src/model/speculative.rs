@@ -16,7 +16,7 @@
 //! layers compute.
 
 use super::{Model, SequenceInput};
-use crate::backend::Backend;
+use crate::backend::{Backend, DeltaRuleForm};
 use crate::error::EngineError;
 use crate::sampling::{apply_penalties, argmax, filtered_distribution, SamplingParams, Xoshiro256};
 
@@ -211,10 +211,13 @@ fn speculate<B: Backend>(
     let max_context = prompt.len() + count + draft_tokens + 1;
     let mut state = model.new_sequence(max_context)?;
     let mut mtp = model.new_mtp_state(max_context)?;
-    let hidden = model.forward_hidden(&mut [SequenceInput {
-        state: &mut state,
-        tokens: prompt,
-    }])?;
+    let hidden = model.forward_hidden(
+        &mut [SequenceInput {
+            state: &mut state,
+            tokens: prompt,
+        }],
+        None,
+    )?;
     let vocab = model.vocab_size().max(1);
     let last = backend.gather_rows(&hidden, &[prompt.len() - 1])?;
     let mut pending = picker.pick(&model.head_logits(&last)?, &[]).token;
@@ -253,10 +256,13 @@ fn speculate<B: Backend>(
         let input: Vec<u32> = std::iter::once(pending)
             .chain(drafts.iter().map(|d| d.token))
             .collect();
-        let verified = model.forward_hidden_token_by_token(&mut [SequenceInput {
-            state: &mut state,
-            tokens: &input,
-        }])?;
+        let verified = model.forward_hidden(
+            &mut [SequenceInput {
+                state: &mut state,
+                tokens: &input,
+            }],
+            Some(DeltaRuleForm::Recurrent),
+        )?;
         outcome.verifications += 1;
         let logits = model.head_logits(&verified)?;
         let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
@@ -272,10 +278,13 @@ fn speculate<B: Backend>(
             // A rejected draft's rows are in the state: back to the checkpoint, then the
             // accepted rows again.
             model.restore(&mut state, checkpoint)?;
-            model.forward_hidden_token_by_token(&mut [SequenceInput {
-                state: &mut state,
-                tokens: &input[..=accepted],
-            }])?
+            model.forward_hidden(
+                &mut [SequenceInput {
+                    state: &mut state,
+                    tokens: &input[..=accepted],
+                }],
+                Some(DeltaRuleForm::Recurrent),
+            )?
         } else {
             backend.gather_rows(&verified, &kept)?
         };

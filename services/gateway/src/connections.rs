@@ -57,7 +57,7 @@ impl Default for ConnectionLimits {
             body_read_timeout: Duration::from_secs(60),
             body_idle_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
-            drain_deadline: Duration::from_millis(1500),
+            drain_deadline: Duration::from_millis(1200),
         }
     }
 }

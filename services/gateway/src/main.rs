@@ -79,7 +79,7 @@ struct Flags {
     #[arg(long, default_value_t = 60.0)]
     idle_timeout_seconds: f64,
     /// At shutdown, seconds requests in flight get to finish before their connections are cut.
-    #[arg(long, default_value_t = 1.5)]
+    #[arg(long, default_value_t = 1.2)]
     drain_seconds: f64,
     /// Requests that may wait for a free engine sequence when every one is busy; more get 429.
     #[arg(long, default_value_t = 256)]
@@ -87,6 +87,10 @@ struct Flags {
     /// Longest wait for a free engine sequence, in milliseconds, before a 429.
     #[arg(long, default_value_t = 5000)]
     queue_timeout_ms: u64,
+    /// File holding the engines' control secret, sent with every engine call (also
+    /// `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`).
+    #[arg(long, value_name = "FILE")]
+    control_secret_file: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -151,6 +155,10 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         } else {
             TypedControlTokens::AsText
         },
+        control_secret: ninfer_protocol::control_secret::load(
+            flags.control_secret_file.as_deref(),
+        )
+        .context("--control-secret-file")?,
         ..Default::default()
     };
     let limits = ConnectionLimits {
@@ -200,10 +208,11 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         .await
         .context("serving")?;
     let _ = sd_notify::notify("STOPPING=1");
-    routing_stats
-        .flush()
-        .await
-        .context("writing routing statistics at shutdown")?;
+    // Bounded, so a slow disk cannot hold the exit past the stop deadline.
+    match tokio::time::timeout(Duration::from_millis(300), routing_stats.flush()).await {
+        Ok(flushed) => flushed.context("writing routing statistics at shutdown")?,
+        Err(_) => tracing::warn!("routing statistics not written: the disk is too slow at shutdown"),
+    }
     Ok(())
 }
 

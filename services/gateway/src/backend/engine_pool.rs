@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::{Stream, StreamExt};
+use ninfer_protocol::control_secret::SendSecret;
 use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::{
     CancelRequest, EngineStatus, EngineStatusRequest, FinishReason, GenerateRequest,
@@ -28,6 +29,9 @@ use super::{
 use crate::error::{error_from_engine_status, GatewayError};
 use crate::routing_stats::RoutingStatsHandle;
 use crate::tokenizer::TypedControlTokens;
+
+/// An engine client that sends the control secret (when one is set) with every call.
+type EngineRpc = EngineClient<tonic::service::interceptor::InterceptedService<Channel, SendSecret>>;
 
 /// Pause before asking a busy engine again.
 const ENGINE_BUSY_RETRY: Duration = Duration::from_millis(20);
@@ -53,6 +57,8 @@ pub struct EnginePoolOptions {
     pub routing_statistics_interval_ms: u32,
     /// How control tokens typed in chat messages are encoded (as text unless the operator opts in).
     pub typed_control_tokens: TypedControlTokens,
+    /// The engines' control secret, sent with every call (engines on TCP ask for it).
+    pub control_secret: Option<String>,
 }
 
 impl Default for EnginePoolOptions {
@@ -65,6 +71,7 @@ impl Default for EnginePoolOptions {
             queue_timeout: Duration::from_secs(5),
             routing_statistics_interval_ms: 1000,
             typed_control_tokens: TypedControlTokens::default(),
+            control_secret: None,
         }
     }
 }
@@ -162,7 +169,7 @@ struct EngineObservation {
 
 struct EngineSlot {
     address: String,
-    client: EngineClient<Channel>,
+    client: EngineRpc,
     ready: bool,
     info: Option<ModelInfo>,
     status: Option<EngineStatus>,
@@ -174,7 +181,7 @@ struct EngineSlot {
 /// The right to send one request to one engine; dropping it tells the actor the request ended.
 pub struct EngineLease {
     engine_index: usize,
-    client: EngineClient<Channel>,
+    client: EngineRpc,
     commands: mpsc::UnboundedSender<PoolCommand>,
 }
 
@@ -233,7 +240,10 @@ impl EnginePool {
         let mut slots = Vec::new();
         for address in addresses {
             // Lazy: connects on first use and reconnects after the engine comes back.
-            let client = EngineClient::new(lazy_channel(address)?)
+            let client = EngineClient::with_interceptor(
+                lazy_channel(address)?,
+                SendSecret::new(options.control_secret.as_deref()),
+            )
                 .max_decoding_message_size(MAX_ENGINE_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_ENGINE_MESSAGE_BYTES);
             slots.push(EngineSlot {
@@ -399,7 +409,7 @@ struct EngineTokenStream {
     inner: tonic::Streaming<GeneratedToken>,
     finished: bool,
     request_id: String,
-    cancel_client: EngineClient<Channel>,
+    cancel_client: EngineRpc,
     _lease: EngineLease,
 }
 
@@ -696,7 +706,7 @@ fn build_snapshot(slots: &[EngineSlot]) -> BackendSnapshot {
 async fn monitor_engine(
     engine_index: usize,
     address: String,
-    mut client: EngineClient<Channel>,
+    mut client: EngineRpc,
     options: EnginePoolOptions,
     commands: mpsc::UnboundedSender<PoolCommand>,
     routing_stats: Option<RoutingStatsHandle>,
@@ -754,7 +764,7 @@ const MODEL_FILES_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One poll: model info, status (optional RPC), and the model files when the engine is new to us.
 async fn poll_engine(
-    client: &mut EngineClient<Channel>,
+    client: &mut EngineRpc,
     cached_resources: &mut Option<(String, String, Arc<ModelResources>)>,
     options: &EnginePoolOptions,
 ) -> Result<EngineObservation, String> {
@@ -822,7 +832,7 @@ async fn poll_engine(
 async fn forward_routing_statistics(
     address: String,
     model_name: String,
-    mut client: EngineClient<Channel>,
+    mut client: EngineRpc,
     interval_ms: u32,
     store: RoutingStatsHandle,
 ) {

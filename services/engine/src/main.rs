@@ -142,7 +142,10 @@ fn main() -> anyhow::Result<()> {
     // Segments of engines killed outright (their pid is gone) would stay in /dev/shm for good.
     let stale = ninfer_channel::remove_stale_segments("ninfer");
     if stale > 0 {
-        tracing::info!(segments = stale, "removed shared-memory segments of engines that no longer run");
+        tracing::info!(
+            segments = stale,
+            "removed shared-memory segments of engines that no longer run"
+        );
     }
     let result = run(args);
     // Every way out unlinks this engine's channel segments: threads still hold the channels,

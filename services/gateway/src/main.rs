@@ -155,10 +155,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         } else {
             TypedControlTokens::AsText
         },
-        control_secret: ninfer_protocol::control_secret::load(
-            flags.control_secret_file.as_deref(),
-        )
-        .context("--control-secret-file")?,
+        control_secret: ninfer_protocol::control_secret::load(flags.control_secret_file.as_deref())
+            .context("--control-secret-file")?,
         ..Default::default()
     };
     let limits = ConnectionLimits {
@@ -211,7 +209,9 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     // Bounded, so a slow disk cannot hold the exit past the stop deadline.
     match tokio::time::timeout(Duration::from_millis(300), routing_stats.flush()).await {
         Ok(flushed) => flushed.context("writing routing statistics at shutdown")?,
-        Err(_) => tracing::warn!("routing statistics not written: the disk is too slow at shutdown"),
+        Err(_) => {
+            tracing::warn!("routing statistics not written: the disk is too slow at shutdown")
+        }
     }
     Ok(())
 }

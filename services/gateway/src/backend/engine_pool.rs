@@ -244,8 +244,8 @@ impl EnginePool {
                 lazy_channel(address)?,
                 SendSecret::new(options.control_secret.as_deref()),
             )
-                .max_decoding_message_size(MAX_ENGINE_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_ENGINE_MESSAGE_BYTES);
+            .max_decoding_message_size(MAX_ENGINE_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_ENGINE_MESSAGE_BYTES);
             slots.push(EngineSlot {
                 address: address.clone(),
                 client,

@@ -447,7 +447,9 @@ impl EngineChannel {
         if pid == 0 {
             return false;
         }
-        let known = reading.heartbeat_thread.filter(|(known_pid, _)| *known_pid == pid);
+        let known = reading
+            .heartbeat_thread
+            .filter(|(known_pid, _)| *known_pid == pid);
         let tid = match known {
             Some((_, tid)) => tid,
             None => match find_thread(pid, HEARTBEAT_THREAD_NAME) {
@@ -936,6 +938,14 @@ mod tests {
     use super::*;
     use ninfer_artifact::NO_EXPERT;
 
+    /// Segment tests run one at a time: one of them unlinks every segment this process made.
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static SEGMENT_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        SEGMENT_TESTS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     fn unique_name(tag: &str) -> String {
         format!(
             "ninfer-test-{tag}-{}-{:?}",
@@ -946,7 +956,90 @@ mod tests {
     }
 
     #[test]
+    fn a_starved_heartbeat_thread_counts_as_alive_and_a_blocked_one_does_not() {
+        let _serial = serial();
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let geometry = ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 1,
+            hidden_size: 8,
+            max_top_k: 1,
+        };
+        let engine = EngineChannel::create(&unique_name("beat"), geometry).unwrap();
+        // The "worker" is this process: attaching writes its pid.
+        let _worker = WorkerChannel::attach(engine.name(), 8).unwrap();
+        let spinning = Arc::new(AtomicBool::new(true));
+        let spin = Arc::clone(&spinning);
+        // A heartbeat thread that never beats but is always runnable: what the engine sees of
+        // a worker whose heartbeat is starved of CPU.
+        let thread = std::thread::Builder::new()
+            .name(HEARTBEAT_THREAD_NAME.into())
+            .spawn(move || {
+                while spin.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+                // Then blocked: asleep without beating, as a hung worker's thread would be.
+                std::thread::sleep(Duration::from_secs(2));
+            })
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let mut readings = vec![engine.heartbeat()];
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(5));
+            readings.push(engine.heartbeat());
+        }
+        assert!(
+            readings.windows(2).any(|pair| pair[1] != pair[0]),
+            "a runnable heartbeat thread did not count as progress: {readings:?}"
+        );
+        spinning.store(false, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(100));
+        let blocked = engine.heartbeat();
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            engine.heartbeat(),
+            blocked,
+            "a sleeping heartbeat thread counted as progress"
+        );
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn segments_are_unlinked_on_exit_and_stale_ones_removed() {
+        let _serial = serial();
+        let geometry = ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 1,
+            hidden_size: 8,
+            max_top_k: 1,
+        };
+        let engine = EngineChannel::create(&unique_name("exit"), geometry).unwrap();
+        let path = format!("/dev/shm{}", engine.name());
+        assert!(std::path::Path::new(&path).exists());
+        assert!(unlink_created_segments() >= 1);
+        assert!(!std::path::Path::new(&path).exists(), "{path} left behind");
+        std::mem::forget(engine);
+        // A segment named after a process that is gone.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = child.id();
+        child.wait().unwrap();
+        let stale = format!("/dev/shm/ninfer-stale-test-{dead_pid}-w0-1");
+        let live = format!("/dev/shm/ninfer-stale-test-{}-w0-1", std::process::id());
+        std::fs::write(&stale, b"").unwrap();
+        std::fs::write(&live, b"").unwrap();
+        assert_eq!(remove_stale_segments("ninfer-stale-test"), 1);
+        assert!(!std::path::Path::new(&stale).exists());
+        assert!(
+            std::path::Path::new(&live).exists(),
+            "a live process's segment was removed"
+        );
+        std::fs::remove_file(&live).unwrap();
+    }
+
+    #[test]
     fn round_trip_between_threads() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 2,
             max_tokens: 4,
@@ -999,6 +1092,7 @@ mod tests {
 
     #[test]
     fn refusal_is_reported_and_oversized_requests_are_rejected() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 1,
             max_tokens: 2,
@@ -1032,6 +1126,7 @@ mod tests {
 
     #[test]
     fn attach_checks_the_segment() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 1,
             max_tokens: 1,
@@ -1060,6 +1155,7 @@ mod tests {
 
     #[test]
     fn wait_times_out_without_a_worker() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 1,
             max_tokens: 1,

@@ -46,15 +46,16 @@ pub mod control_secret {
         let from_file = file
             .map(|path| path.to_path_buf())
             .or_else(|| std::env::var_os(SECRET_FILE_VARIABLE).map(Into::into));
-        let secret = match from_file {
-            Some(path) => Some(std::fs::read_to_string(&path).map_err(|source| {
-                SecretError::Unreadable {
-                    path: path.display().to_string(),
-                    source,
-                }
-            })?),
-            None => std::env::var(SECRET_VARIABLE).ok(),
-        };
+        let secret =
+            match from_file {
+                Some(path) => Some(std::fs::read_to_string(&path).map_err(|source| {
+                    SecretError::Unreadable {
+                        path: path.display().to_string(),
+                        source,
+                    }
+                })?),
+                None => std::env::var(SECRET_VARIABLE).ok(),
+            };
         match secret.map(|text| text.trim().to_string()) {
             None => Ok(None),
             Some(text) if text.is_empty() || bearer(&text).is_none() => Err(SecretError::Unusable),
@@ -270,7 +271,8 @@ pub mod listen {
             // Created with no access for anyone but the owner, so no other user can connect in
             // the moment between bind and chmod.
             let listener = {
-                let previous = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+                let previous =
+                    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
                 let bound = tokio::net::UnixListener::bind(path);
                 nix::sys::stat::umask(previous);
                 bound.map_err(|e| failed("listening on", &e))?

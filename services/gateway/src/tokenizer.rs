@@ -115,6 +115,15 @@ impl ModelTokenizer {
         template: &ChatTemplate,
         mut input: ChatTemplateInput,
     ) -> Result<(String, Vec<u32>), GatewayError> {
+        // What the client sent is in the prompt whatever the template adds: refuse a conversation
+        // too long for the context from its size, before rendering copies it around.
+        let client_bytes: usize = input
+            .messages
+            .iter()
+            .chain(input.tools.iter().flatten())
+            .map(string_bytes)
+            .sum();
+        self.check_size(client_bytes)?;
         if self.typed_control_tokens == TypedControlTokens::AsControlTokens
             || self.special_token_texts.is_empty()
         {
@@ -257,6 +266,18 @@ impl ModelTokenizer {
         out
     }
 
+    /// Refuses text of `bytes` bytes when even at the most bytes a token can cover it has more
+    /// tokens than the limit.
+    fn check_size(&self, bytes: usize) -> Result<(), GatewayError> {
+        if let (Some(limit), Some(most_bytes)) = (self.token_limit, self.most_bytes_per_token) {
+            let fewest_tokens = bytes / most_bytes.max(1);
+            if fewest_tokens > limit {
+                return Err(too_long(limit, fewest_tokens));
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses `texts` (plus `control_tokens` single tokens) when they have more tokens than the
     /// limit, doing work and using memory in proportion to the limit, not to the text: first
     /// from the length alone (when a token's bytes are bounded), then by counting chunk by chunk
@@ -271,12 +292,7 @@ impl ModelTokenizer {
             return Ok(());
         };
         let bytes: usize = texts.iter().map(|text| text.len()).sum();
-        if let Some(most_bytes) = self.most_bytes_per_token {
-            let fewest_tokens = bytes / most_bytes.max(1) + control_tokens;
-            if fewest_tokens > limit {
-                return Err(too_long(limit, fewest_tokens));
-            }
-        }
+        self.check_size(bytes + control_tokens * self.most_bytes_per_token.unwrap_or(0))?;
         if bytes <= CHUNK_BYTES {
             return Ok(());
         }
@@ -326,6 +342,32 @@ impl ModelTokenizer {
 
     pub fn vocabulary_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)
+    }
+}
+
+/// Bytes of every string inside a template value (messages, tool definitions).
+fn string_bytes(value: &Value) -> usize {
+    match value.kind() {
+        ValueKind::String => value.as_str().map_or(0, str::len),
+        ValueKind::Seq | ValueKind::Map => value.try_iter().map_or(0, |items| {
+            items
+                .map(|item| {
+                    let nested = if value.kind() == ValueKind::Map {
+                        value.get_item(&item).unwrap_or_default()
+                    } else {
+                        item.clone()
+                    };
+                    // Keys are the client's too (tool argument names).
+                    let key = if value.kind() == ValueKind::Map {
+                        string_bytes(&item)
+                    } else {
+                        0
+                    };
+                    key + string_bytes(&nested)
+                })
+                .sum()
+        }),
+        _ => 0,
     }
 }
 
@@ -476,5 +518,74 @@ impl IncrementalDetokenizer {
         } else {
             Ok(String::new())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_tokenizer() -> ModelTokenizer {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen3_moe/tokenizer.json");
+        let bytes = std::fs::read(path).unwrap_or_else(|error| panic!("{error}"));
+        ModelTokenizer::from_json_bytes(&bytes).unwrap_or_else(|error| panic!("{error}"))
+    }
+
+    #[test]
+    fn chunks_end_where_the_whole_text_would_split_anyway() {
+        let tokenizer = fixture_tokenizer();
+        let text = "lorem ipsum dolor sit amet, consectetur adipiscing elit. ".repeat(4000);
+        let whole = tokenizer.encode(&text, false).unwrap_or_default().len();
+        let mut chunked = 0;
+        let mut rest = text.as_str();
+        while !rest.is_empty() {
+            let cut = chunk_end(rest, 10_000);
+            chunked += tokenizer
+                .encode(&rest[..cut], false)
+                .unwrap_or_default()
+                .len();
+            rest = &rest[cut..];
+        }
+        assert_eq!(chunked, whole);
+    }
+
+    #[test]
+    fn a_text_over_the_limit_is_refused_from_its_size_or_after_counting_about_the_limit() {
+        let limit = 4096;
+        let mut tokenizer = fixture_tokenizer().with_token_limit(limit);
+        assert!(tokenizer.most_bytes_per_token.is_some());
+        let huge = "lorem ipsum ".repeat(600_000);
+        let started = std::time::Instant::now();
+        let refused = tokenizer.encode(&huge, false);
+        assert!(
+            matches!(refused, Err(GatewayError::ContextLengthExceeded { .. })),
+            "{refused:?}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_millis(50));
+        // Without a byte bound (a tokenizer whose tokens may cover any length) the text is
+        // counted chunk by chunk and refused once past the limit.
+        tokenizer.most_bytes_per_token = None;
+        let started = std::time::Instant::now();
+        let refused = tokenizer.encode(&huge, false);
+        let counted = started.elapsed();
+        match refused {
+            Err(GatewayError::ContextLengthExceeded { prompt_tokens, .. }) => {
+                assert!(prompt_tokens as usize > limit);
+                // It stopped within a chunk or two of the limit, not at the 1.2 M tokens.
+                assert!(
+                    (prompt_tokens as usize) < limit + 2 * CHUNK_BYTES,
+                    "{prompt_tokens}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(counted < std::time::Duration::from_secs(2), "{counted:?}");
+        // A text within the limit is encoded exactly as without one.
+        let fits = "lorem ipsum ".repeat(300);
+        assert_eq!(
+            tokenizer.encode(&fits, false).unwrap_or_default(),
+            fixture_tokenizer().encode(&fits, false).unwrap_or_default()
+        );
     }
 }

@@ -208,15 +208,25 @@ impl ServedConnection {
     async fn run(mut self, stream: tokio::net::TcpStream) {
         let activity = Arc::new(Activity::new());
         let requests = Arc::new(AtomicU64::new(0));
+        // Handlers still computing an answer (a non-streaming generation may send nothing for
+        // minutes): the connection is not idle while one runs.
+        let answering = Arc::new(AtomicUsize::new(0));
         let io = TokioIo::new(ActivityIo {
             inner: stream,
             activity: activity.clone(),
         });
         let (router, limits, counted) = (self.router.clone(), self.limits, requests.clone());
+        let in_handler = answering.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             counted.fetch_add(1, Ordering::Relaxed);
             let request: Request = request.map(|body| Body::new(DeadlineBody::new(body, &limits)));
-            router.clone().oneshot(request)
+            let answer = router.clone().oneshot(request);
+            let guard = Answering::new(in_handler.clone());
+            async move {
+                let response = answer.await;
+                drop(guard);
+                response
+            }
         });
         let connection = self.builder.serve_connection_with_upgrades(io, service);
         tokio::pin!(connection);
@@ -240,6 +250,9 @@ impl ServedConnection {
                         // Connected but never sent a whole request: drop it outright.
                         break;
                     }
+                    if answering.load(Ordering::Relaxed) > 0 {
+                        continue;
+                    }
                     if !closing && activity.quiet_for() > self.limits.idle_timeout {
                         closing = true;
                         connection.as_mut().graceful_shutdown();
@@ -253,6 +266,22 @@ impl ServedConnection {
             }
         }
         self.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Counts a handler as running until dropped (also when its future is dropped unfinished).
+struct Answering(Arc<AtomicUsize>);
+
+impl Answering {
+    fn new(counter: Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Answering(counter)
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

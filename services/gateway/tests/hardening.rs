@@ -417,3 +417,47 @@ async fn control_tokens_typed_in_messages_are_text_unless_allowed() {
         decoded.text()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_close_but_a_slow_answer_is_not_cut() {
+    let script = Arc::new(EngineScript::default());
+    let engine = RunningEngine::start(script.clone(), None).await;
+    let limits = ConnectionLimits {
+        idle_timeout: Duration::from_millis(500),
+        drain_deadline: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let (gateway, _) = gateway_with(engine.address, fast_polling(), limits).await;
+    // A keep-alive connection left silent after its answer is closed by the gateway.
+    let mut idle = TcpStream::connect(gateway)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), idle.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "an idle keep-alive connection stayed open");
+    assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+    // A non-streaming answer that sends nothing for longer than the idle timeout still arrives.
+    script.set_delay(Duration::from_millis(400));
+    let slow = post_json(
+        gateway,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .await;
+    assert_eq!(slow.status, 200, "{}", slow.text());
+    assert_eq!(
+        slow.json()["choices"][0]["finish_reason"],
+        "stop",
+        "{}",
+        slow.text()
+    );
+}

@@ -340,8 +340,9 @@ impl GenerationBackend for EnginePool {
                 match client.generate(request.clone()).await {
                     Ok(response) => {
                         let stream = EngineTokenStream {
-                            inner: response.into_inner(),
+                            inner: Some(response.into_inner()),
                             finished: false,
+                            ended: false,
                             request_id: request.request_id.clone(),
                             cancel_client: lease.client.clone(),
                             _lease: lease,
@@ -406,8 +407,12 @@ fn is_connection_failure(status: &tonic::Status) -> bool {
 
 /// Token stream of one engine call; cancels the sequence on the engine if dropped early.
 struct EngineTokenStream {
-    inner: tonic::Streaming<GeneratedToken>,
+    /// `None` once handed to the task that reads its end (see `Drop`).
+    inner: Option<tonic::Streaming<GeneratedToken>>,
+    /// The last token (or an error) arrived.
     finished: bool,
+    /// The HTTP/2 stream itself ended (trailers read).
+    ended: bool,
     request_id: String,
     cancel_client: EngineRpc,
     _lease: EngineLease,
@@ -423,7 +428,10 @@ impl Stream for EngineTokenStream {
         if self.finished {
             return Poll::Ready(None);
         }
-        match self.inner.poll_next_unpin(context) {
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match inner.poll_next_unpin(context) {
             Poll::Ready(Some(Ok(token))) => {
                 if token.finish_reason != FinishReason::Unspecified as i32 {
                     self.finished = true;
@@ -432,10 +440,12 @@ impl Stream for EngineTokenStream {
             }
             Poll::Ready(Some(Err(status))) => {
                 self.finished = true;
+                self.ended = true;
                 Poll::Ready(Some(Err(error_from_engine_status(&status))))
             }
             Poll::Ready(None) => {
                 self.finished = true;
+                self.ended = true;
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,
@@ -446,6 +456,20 @@ impl Stream for EngineTokenStream {
 impl Drop for EngineTokenStream {
     fn drop(&mut self) {
         if self.finished {
+            // The last token came but the stream's trailers may not have: read them rather
+            // than reset the stream. Frames arriving on streams the client reset count against
+            // HTTP/2's limit of such resets, and past it the whole engine connection is torn
+            // down, failing every generation on it.
+            if let (false, Some(mut inner)) = (self.ended, self.inner.take()) {
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        let _ = tokio::time::timeout(Duration::from_secs(5), async move {
+                            while inner.next().await.is_some() {}
+                        })
+                        .await;
+                    });
+                }
+            }
             return;
         }
         // Dropping the HTTP/2 stream already tells the engine; the explicit Cancel makes sure the

@@ -190,8 +190,32 @@ impl ModelTokenizer {
             .map(|(at, special, id)| (at, special.as_str(), id))
     }
 
-    /// `value` with every special token inside its strings replaced by a placeholder.
+    /// Whether any string inside `value` holds a special token.
+    fn holds_special_token(&self, value: &Value) -> bool {
+        match value.kind() {
+            ValueKind::String => value
+                .as_str()
+                .is_some_and(|text| self.first_special_token(text).is_some()),
+            ValueKind::Seq | ValueKind::Map => value.try_iter().is_ok_and(|mut items| {
+                items.any(|item| {
+                    let nested = if value.kind() == ValueKind::Map {
+                        value.get_item(&item).unwrap_or_default()
+                    } else {
+                        item
+                    };
+                    self.holds_special_token(&nested)
+                })
+            }),
+            _ => false,
+        }
+    }
+
+    /// `value` with every special token inside its strings replaced by a placeholder; values
+    /// without one are kept as they are (not rebuilt).
     fn neutralize_value(&self, value: &Value) -> Value {
+        if !self.holds_special_token(value) {
+            return value.clone();
+        }
         match value.kind() {
             ValueKind::String => match value.as_str() {
                 Some(text) if self.first_special_token(text).is_some() => {

@@ -273,3 +273,55 @@ fn an_engine_on_tcp_refuses_callers_without_its_secret_and_stops_with_a_gateway_
     let took = exit_time(&mut gateway, Duration::from_secs(2), "the gateway");
     eprintln!("gateway stopped {took:?} after SIGTERM");
 }
+
+#[test]
+fn a_grpc_client_idle_past_the_idle_timeout_carries_on() {
+    // The gateway closes a silent connection (GOAWAY); the client's next call must not fail.
+    let api = format!("127.0.0.1:{}", free_port());
+    let mut gateway = Command::new(binary("ninfer-gateway"))
+        .args([
+            "--engine",
+            "127.0.0.1:1",
+            "--listen",
+            &api,
+            "--idle-timeout-seconds",
+            "0.5",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| panic!("gateway: {error}"));
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|error| panic!("{error}"));
+    let outcome = tokio.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let channel = loop {
+            match ninfer_protocol::transport::connect(&api, Duration::from_millis(300)).await {
+                Ok(channel) => break channel,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(error) => panic!("the gateway never listened: {error}"),
+            }
+        };
+        let mut client = GatewayClient::new(channel);
+        let mut answers = Vec::new();
+        for _ in 0..3 {
+            answers.push(client.list_models(ListModelsRequest {}).await.map(|_| ()));
+            // Idle long enough for the gateway to close the connection.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+        answers
+    });
+    sigterm(gateway.id());
+    exit_time(&mut gateway, Duration::from_secs(2), "the gateway");
+    for (call, answer) in outcome.iter().enumerate() {
+        assert!(
+            answer.is_ok(),
+            "call {call} after an idle close failed: {answer:?}"
+        );
+    }
+}

@@ -325,3 +325,113 @@ fn a_grpc_client_idle_past_the_idle_timeout_carries_on() {
         );
     }
 }
+
+/// `GET /health` of a gateway: (status, body), or `None` while it does not answer.
+fn health(api: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(api).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    stream
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    let status = answer.split(' ').nth(1)?.parse().ok()?;
+    Some((status, answer))
+}
+
+#[test]
+fn another_user_cannot_reach_the_engine_socket() {
+    let effective_uid = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status
+                .lines()
+                .find(|line| line.starts_with("Uid:"))?
+                .to_string();
+            line.split_whitespace().nth(2).map(str::to_string)
+        });
+    if effective_uid.as_deref() != Some("0") {
+        eprintln!("SKIPPED: switching to another user needs root; the socket mode is checked in the SIGTERM test");
+        return;
+    }
+    let scratch = tempfile::tempdir().unwrap_or_else(|error| panic!("{error}"));
+    // The directory lets anyone through: only the socket's own mode keeps others out.
+    std::fs::set_permissions(
+        scratch.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    let model = artifact(scratch.path());
+    let socket = scratch.path().join("engine.sock");
+    let address = format!("unix:{}", socket.display());
+    let mut engine = Command::new(binary("ninfer-engine"))
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--device",
+            "cpu",
+            "--moe-threads",
+            "1",
+            "--listen",
+            &address,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| panic!("engine: {error}"));
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|error| panic!("{error}"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while tokio
+        .block_on(async {
+            let channel = ninfer_protocol::transport::connect(&address, Duration::from_millis(300))
+                .await
+                .ok()?;
+            EngineClient::new(channel)
+                .get_model_info(ModelInfoRequest {})
+                .await
+                .ok()
+        })
+        .is_none()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the engine never answered its owner"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A gateway run by user `nobody` cannot open the socket: the engine stays unreachable.
+    let api = format!("127.0.0.1:{}", free_port());
+    let mut stranger = {
+        use std::os::unix::process::CommandExt;
+        Command::new(binary("ninfer-gateway"))
+            .args(["--engine", &address, "--listen", &api])
+            .uid(65534)
+            .gid(65534)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| panic!("gateway as nobody: {error}"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (status, body) = loop {
+        match health(&api) {
+            Some((status, body)) if body.to_ascii_lowercase().contains("permission denied") => {
+                break (status, body)
+            }
+            Some((200, body)) => panic!("a gateway run by another user reached the engine: {body}"),
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            other => panic!("the stranger's gateway never reported the refusal: {other:?}"),
+        }
+    };
+    assert_eq!(status, 503, "{body}");
+    sigterm(stranger.id());
+    exit_time(&mut stranger, Duration::from_secs(2), "the gateway");
+    sigterm(engine.id());
+    exit_time(&mut engine, Duration::from_secs(2), "the engine");
+}

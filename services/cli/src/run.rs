@@ -243,7 +243,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let model = artifact_of(&location)?;
     install_stop_handler();
     let mut supervisor = Supervisor::new()?;
-    let engine_address = format!("127.0.0.1:{}", free_loopback_port()?);
+    // A socket in the private runtime directory: only this user can reach the engine.
+    let engine_address = supervisor.socket("engine");
     let mut engine = args.engine.clone();
     let user_stats = engine.moe_expert_stats.is_some()
         || engine

@@ -1,8 +1,9 @@
 //! A tiny process supervisor for `ninfer serve` and `ninfer run`: starts the service processes on
 //! a private runtime directory, reports a child that dies before the pipeline was ever ready (with
 //! the end of its log) instead of restarting it, restarts a child that dies after it was healthy
-//! (as systemd's `Restart=on-failure` would), and stops them all — in reverse start order, SIGTERM
-//! then SIGKILL, within [`STOP_BUDGET`] — on Ctrl-C, SIGTERM or SIGHUP.
+//! (as systemd's `Restart=on-failure` would), and stops them all — SIGTERM to every child at
+//! once (each drains within its own deadline), SIGKILL for any still running at [`STOP_BUDGET`]
+//! — on Ctrl-C, SIGTERM or SIGHUP.
 //!
 //! Owns: child processes, their pid files under the runtime directory, their logs under a
 //! persistent log directory, and the shared-memory segments a stopped child left behind.
@@ -334,28 +335,34 @@ impl Supervisor {
         Ok(())
     }
 
-    /// Stops every child in reverse start order — the gateway, then the engine, then the
-    /// workers — each with SIGTERM and a share of [`STOP_BUDGET`], then SIGKILL; removes the
-    /// shared-memory segments the stopped processes left behind.
+    /// Stops every child: SIGTERM to all of them at once, gateway first (each service drains
+    /// within its own deadline, well inside [`STOP_BUDGET`]), SIGKILL for any still running at
+    /// the budget; removes the shared-memory segments the stopped processes left behind.
     pub fn stop_all(&mut self) {
         use nix::sys::signal::{kill, Signal};
         let deadline = Instant::now() + STOP_BUDGET;
-        let count = self.children.len().max(1) as u32;
-        for (position, supervised) in self.children.iter_mut().rev().enumerate() {
+        for supervised in self.children.iter().rev() {
+            if let Some(child) = supervised.child.as_ref() {
+                let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+            }
+        }
+        while Instant::now() < deadline {
+            let running = self
+                .children
+                .iter_mut()
+                .filter_map(|supervised| supervised.child.as_mut())
+                .map(|child| matches!(child.try_wait(), Ok(None)))
+                .filter(|still_running| *still_running)
+                .count();
+            if running == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for supervised in self.children.iter_mut().rev() {
             let Some(child) = supervised.child.as_mut() else {
                 continue;
             };
-            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-            // Each child may use its share of what is left, the last one all of it.
-            let left = deadline.saturating_duration_since(Instant::now());
-            let share = left / (count - position as u32).max(1);
-            let own_deadline = Instant::now() + share;
-            while Instant::now() < own_deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
             if let Ok(None) = child.try_wait() {
                 tracing::warn!(child = %supervised.spec.label, "did not stop in time; killing");
                 let _ = child.kill();

@@ -113,6 +113,11 @@ struct Args {
     /// needs ~60 µs per token per layer (AMX, docs/BENCHMARKS.md).
     #[arg(long, default_value_t = 256, value_name = "TOKENS")]
     moe_prefill_gpu_min_tokens: usize,
+    /// File holding the shared secret every caller must send (`authorization: Bearer SECRET`);
+    /// also `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`. Needed when `--listen` is
+    /// TCP and other users can reach it; a `unix:PATH` socket is owner-only without it.
+    #[arg(long, value_name = "FILE")]
+    control_secret_file: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -134,6 +139,27 @@ fn init_logging(json: bool) {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logging(args.log_json);
+    // Segments of engines killed outright (their pid is gone) would stay in /dev/shm for good.
+    let stale = ninfer_channel::remove_stale_segments("ninfer");
+    if stale > 0 {
+        tracing::info!(
+            segments = stale,
+            "removed shared-memory segments of engines that no longer run"
+        );
+    }
+    let result = run(args);
+    // Every way out unlinks this engine's channel segments: threads still hold the channels,
+    // so their own drop would never run.
+    ninfer_channel::unlink_created_segments();
+    result
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let control_secret = ninfer_protocol::control_secret::load(args.control_secret_file.as_deref())
+        .context("--control-secret-file")?;
+    if control_secret.is_none() && !args.listen.starts_with("unix:") {
+        tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: any local user can generate, cancel and read the model files (prefer --listen unix:PATH, or set --control-secret-file)");
+    }
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
     let device = select_device(args.device, args.kv_dtype)?;
     let artifact =
@@ -306,6 +332,7 @@ fn main() -> anyhow::Result<()> {
             expert_executor,
             device_bandwidth,
         },
+        sequence_permits: Arc::new(tokio::sync::Semaphore::new(limits.max_sequences)),
     };
     tracing::info!(model = %args.model.display(), name = %model_name, listen = %args.listen, max_context, "engine ready");
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -325,7 +352,10 @@ fn main() -> anyhow::Result<()> {
             }
         });
     }
-    runtime.block_on(serve(&args.listen, service))?;
+    let served = runtime.block_on(serve(&args.listen, service, control_secret));
+    // Connection tasks and blocking calls left after the drain must not hold the exit.
+    runtime.shutdown_timeout(Duration::from_millis(100));
+    served?;
     if let Some(path) = stats_file {
         routing
             .write_file(&path, &model_name)
@@ -509,7 +539,13 @@ fn place_gpu_experts<B: Backend>(
     Ok(u32::try_from(per_layer).unwrap_or(u32::MAX))
 }
 
-async fn serve(listen: &str, service: EngineService) -> anyhow::Result<()> {
+async fn serve(
+    listen: &str,
+    service: EngineService,
+    control_secret: Option<String>,
+) -> anyhow::Result<()> {
+    use tonic::service::interceptor::InterceptedService;
+    let secret = ninfer_protocol::control_secret::RequireSecret::new(control_secret);
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<EngineServer<EngineService>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -517,13 +553,14 @@ async fn serve(listen: &str, service: EngineService) -> anyhow::Result<()> {
         .build_v1()
         .context("building gRPC reflection")?;
     let router = tonic::transport::Server::builder()
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(
+        .add_service(InterceptedService::new(health, secret.clone()))
+        .add_service(InterceptedService::new(reflection, secret.clone()))
+        .add_service(InterceptedService::new(
             EngineServer::new(service)
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(256 << 20),
-        );
+            secret,
+        ));
     ninfer_protocol::listen::serve(router, listen, async {
         ninfer_protocol::listen::shutdown_signal().await;
         tracing::info!("shutting down");

@@ -198,7 +198,10 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the control runtime")?;
-    runtime.block_on(serve(args.listen.clone(), WorkerService { info, serving }))
+    let served = runtime.block_on(serve(args.listen.clone(), WorkerService { info, serving }));
+    // Connection tasks left after the drain must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    served
 }
 
 async fn serve(listen: String, service: WorkerService) -> anyhow::Result<()> {

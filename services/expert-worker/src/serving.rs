@@ -326,7 +326,8 @@ pub fn start(model: WorkerModel, test_delay: Duration) -> ServingHandle {
         let attached = Arc::clone(&attached);
         let stop = Arc::clone(&stop);
         std::thread::Builder::new()
-            .name("ninfer-heartbeat".into())
+            // Its name is how the engine finds it in /proc to tell a starved beat from a hang.
+            .name(ninfer_channel::HEARTBEAT_THREAD_NAME.into())
             .spawn(move || heartbeat_loop(&attached, &stop))
             .ok();
     }
@@ -456,6 +457,9 @@ fn serve_one(
                 .busy_microseconds
                 .fetch_add(busy.as_micros() as u64, Ordering::Relaxed);
             channel.complete_timed(slot, Ok(()), busy);
+            // An answer is progress too: a worker that answers is alive even when its heartbeat
+            // thread waits for a CPU.
+            channel.beat();
         }
         Err(problem) => {
             tracing::warn!(

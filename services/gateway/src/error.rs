@@ -188,7 +188,15 @@ impl GatewayError {
     /// The full HTTP response (status + JSON envelope).
     pub fn into_response_for(self, dialect: ApiDialect) -> Response {
         let status = self.status(dialect);
-        (status, axum::Json(self.envelope(dialect))).into_response()
+        let mut response = (status, axum::Json(self.envelope(dialect))).into_response();
+        if matches!(self, GatewayError::Overloaded(_)) {
+            // Clients (the OpenAI and Anthropic SDKs among them) back off by this header.
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
     }
 
     /// gRPC status for the public gRPC API.

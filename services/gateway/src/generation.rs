@@ -312,9 +312,10 @@ fn render_and_encode(
         ))
     })?;
     input.special_tokens = model.resources.special_tokens.clone();
-    let prompt = template.render(&input)?;
-    let token_ids = model.resources.tokenizer.encode(&prompt, false)?;
-    Ok((prompt, token_ids))
+    model
+        .resources
+        .tokenizer
+        .render_and_encode_chat(template, input)
 }
 
 /// Whether output starts inside a thinking block: the prompt ends with an open `<think>`.

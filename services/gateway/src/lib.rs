@@ -3,8 +3,9 @@
 //! Owns: everything clients see. The OpenAI API (`openai`), the Anthropic API (`anthropic`), the
 //! public gRPC API with health and reflection (`grpc_api`) — each only converts its wire types to
 //! and from the neutral chat model (`chat`) and the generator's events; utility routes, auth and
-//! limits (`server`); shared state (`state`); the tokenizer and chat template taken from the
-//! engine (`tokenizer`, `chat_template`); stop strings (`stop_strings`), `<think>` splitting
+//! limits (`server`); connection limits, timeouts and the shutdown drain (`connections`);
+//! shared state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`,
+//! `chat_template`); stop strings (`stop_strings`), `<think>` splitting
 //! (`reasoning`), tool-call parsing (`tool_calls`) and the [`generation::Generator`] every API
 //! generates through; the [`backend::GenerationBackend`] seam and its gRPC engine
 //! pool (`backend::engine_pool`); routing statistics (`routing_stats`); Prometheus metrics
@@ -17,6 +18,7 @@ pub mod anthropic;
 pub mod backend;
 pub mod chat;
 pub mod chat_template;
+pub mod connections;
 pub mod error;
 pub mod generation;
 pub mod grpc_api;

@@ -11,8 +11,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use ninfer_gateway::chat::NonTextContent;
+use ninfer_gateway::connections::{raise_open_file_limit, ConnectionLimits};
 use ninfer_gateway::generation::ModelAliases;
 use ninfer_gateway::routing_stats::RoutingStatsHandle;
+use ninfer_gateway::tokenizer::TypedControlTokens;
 use ninfer_gateway::{sd_notify, EnginePool, EnginePoolOptions, GatewaySettings, GatewayState};
 
 /// The NInfer-Offload gateway: OpenAI, Anthropic and gRPC APIs in front of one or more engines.
@@ -59,12 +61,63 @@ struct Flags {
     /// placeholder note where each was.
     #[arg(long, env = "NINFER_REJECT_NON_TEXT")]
     reject_non_text_content: bool,
+    /// Encode control tokens typed in chat messages (`<|im_end|>`...) as control tokens, which
+    /// lets a client forge chat-role boundaries. Default: they are encoded as the text they spell.
+    #[arg(long, env = "NINFER_ALLOW_CONTROL_TOKENS_IN_MESSAGES")]
+    allow_control_tokens_in_messages: bool,
+    /// Open client connections at most (lowered to what the open-file limit allows); one more
+    /// gets a 503 and is closed.
+    #[arg(long, default_value_t = 8192)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's headers before its connection is closed.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout_seconds: f64,
+    /// Seconds a request body may take in all (it may never pause for more than 10 s).
+    #[arg(long, default_value_t = 60.0)]
+    body_timeout_seconds: f64,
+    /// Seconds a connection may stay silent before it is closed.
+    #[arg(long, default_value_t = 60.0)]
+    idle_timeout_seconds: f64,
+    /// At shutdown, seconds requests in flight get to finish before their connections are cut.
+    #[arg(long, default_value_t = 1.2)]
+    drain_seconds: f64,
+    /// Requests that may wait for a free engine sequence when every one is busy; more get 429.
+    #[arg(long, default_value_t = 256)]
+    max_queued_requests: u32,
+    /// Longest wait for a free engine sequence, in milliseconds, before a 429.
+    #[arg(long, default_value_t = 5000)]
+    queue_timeout_ms: u64,
+    /// File holding the engines' control secret, sent with every engine call (also
+    /// `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`).
+    #[arg(long, value_name = "FILE")]
+    control_secret_file: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
 }
 
+/// A duration flag in seconds, refusing what `Duration` cannot hold.
+fn seconds_flag(name: &str, seconds: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|duration| !duration.is_zero())
+        .with_context(|| format!("--{name} {seconds}: give a positive number of seconds"))
+}
+
+/// Makes the allocator give large buffers back to the system when they are freed: glibc's
+/// adaptive threshold otherwise serves the next multi-megabyte request bodies from its heap and
+/// keeps that memory for good (a few large prompts left the gateway at a gigabyte).
+fn return_large_allocations_to_the_system() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; called before other threads start.
+    unsafe {
+        nix::libc::mallopt(nix::libc::M_MMAP_THRESHOLD, 256 * 1024);
+        nix::libc::mallopt(nix::libc::M_TRIM_THRESHOLD, 1024 * 1024);
+    }
+}
+
 fn main() -> anyhow::Result<()> {
+    return_large_allocations_to_the_system();
     let flags = Flags::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -80,7 +133,10 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    runtime.block_on(run(flags))
+    let result = runtime.block_on(run(flags));
+    // Blocking tasks (a tokenization) must not hold the exit past the drain.
+    runtime.shutdown_timeout(Duration::from_millis(100));
+    result
 }
 
 async fn run(flags: Flags) -> anyhow::Result<()> {
@@ -92,8 +148,27 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let pool_options = EnginePoolOptions {
         poll_interval: Duration::from_millis(flags.engine_poll_ms.max(50)),
         max_in_flight_requests: flags.max_in_flight_requests,
+        max_queued_requests: flags.max_queued_requests,
+        queue_timeout: Duration::from_millis(flags.queue_timeout_ms),
+        typed_control_tokens: if flags.allow_control_tokens_in_messages {
+            TypedControlTokens::AsControlTokens
+        } else {
+            TypedControlTokens::AsText
+        },
+        control_secret: ninfer_protocol::control_secret::load(flags.control_secret_file.as_deref())
+            .context("--control-secret-file")?,
         ..Default::default()
     };
+    let limits = ConnectionLimits {
+        max_connections: flags.max_connections.max(1),
+        header_read_timeout: seconds_flag("header-timeout-seconds", flags.header_timeout_seconds)?,
+        body_read_timeout: seconds_flag("body-timeout-seconds", flags.body_timeout_seconds)?,
+        idle_timeout: seconds_flag("idle-timeout-seconds", flags.idle_timeout_seconds)?,
+        drain_deadline: seconds_flag("drain-seconds", flags.drain_seconds)?,
+        ..Default::default()
+    };
+    raise_open_file_limit();
+    let limits = limits.within_open_file_limit();
     let pool = EnginePool::start(&flags.engine, pool_options, Some(routing_stats.clone()))
         .context("starting the engine pool")?;
     let settings = GatewaySettings {
@@ -127,14 +202,17 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             }
         });
     }
-    ninfer_gateway::serve(listener, router, shutdown_signal())
+    ninfer_gateway::connections::serve_connections(listener, router, shutdown_signal(), limits)
         .await
         .context("serving")?;
     let _ = sd_notify::notify("STOPPING=1");
-    routing_stats
-        .flush()
-        .await
-        .context("writing routing statistics at shutdown")?;
+    // Bounded, so a slow disk cannot hold the exit past the stop deadline.
+    match tokio::time::timeout(Duration::from_millis(300), routing_stats.flush()).await {
+        Ok(flushed) => flushed.context("writing routing statistics at shutdown")?,
+        Err(_) => {
+            tracing::warn!("routing statistics not written: the disk is too slow at shutdown")
+        }
+    }
     Ok(())
 }
 

@@ -21,6 +21,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tower::ServiceExt;
 
+use crate::connections::{serve_connections, ConnectionLimits};
 use crate::error::{ApiDialect, GatewayError};
 use crate::state::GatewayState;
 
@@ -78,15 +79,14 @@ fn is_grpc_request(request: &Request) -> bool {
         .is_some_and(|content_type| content_type.starts_with("application/grpc"))
 }
 
-/// Binds nothing itself: serves `router` on an already bound listener until `shutdown` resolves.
+/// Binds nothing itself: serves `router` on an already bound listener until `shutdown` resolves,
+/// within the default [`ConnectionLimits`], then drains (see [`serve_connections`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_connections(listener, router, shutdown, ConnectionLimits::default()).await
 }
 
 /// Which error envelope a path speaks.

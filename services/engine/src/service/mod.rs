@@ -70,6 +70,10 @@ pub struct EngineService {
     pub routing: Arc<RoutingCounters>,
     pub readiness: Arc<dyn Readiness>,
     pub profiling: Profiling,
+    /// One permit per sequence the scheduler may run (`--max-sequences`): a request that finds
+    /// none is refused before its response starts, so the gateway can answer 429 instead of
+    /// an error inside a 200 stream.
+    pub sequence_permits: Arc<tokio::sync::Semaphore>,
 }
 
 /// Times a device-to-device copy on the GPU: bytes per second, or why not.
@@ -190,6 +194,37 @@ fn generated_token(event: SchedulerEvent) -> GeneratedToken {
     }
 }
 
+/// Forwards a sequence's events to its response and keeps `permit` until the scheduler lets go
+/// of the sequence (drops its sender), not merely until the client leaves: the scheduler frees
+/// the sequence at its next step, and admitting a new one before that would overfill it.
+fn hold_permit_while_scheduled(
+    mut from_scheduler: tokio::sync::mpsc::Receiver<scheduler::SchedulerResult>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> tokio::sync::mpsc::Receiver<scheduler::SchedulerResult> {
+    let (to_client, receiver) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                event = from_scheduler.recv() => match event {
+                    Some(event) => {
+                        if to_client.send(event).await.is_err() {
+                            break;
+                        }
+                    }
+                    None => break,
+                },
+                // The client went away: tell the scheduler (its sender sees the channel
+                // closed, which cancels the sequence), then wait for it to let go.
+                () = to_client.closed() => break,
+            }
+        }
+        from_scheduler.close();
+        while from_scheduler.recv().await.is_some() {}
+        drop(permit);
+    });
+    receiver
+}
+
 /// A scheduler error as the gRPC status the engine.proto contract names for it.
 fn status_of(error: &SchedulerError) -> Status {
     let message = error.to_string();
@@ -227,7 +262,15 @@ impl Engine for EngineService {
                 return Err(Status::unavailable(format!("not ready: {reason}")));
             }
         }
-        let (events, receiver) = tokio::sync::mpsc::channel(4096);
+        let permit = Arc::clone(&self.sequence_permits)
+            .try_acquire_owned()
+            .map_err(|_| {
+                status_of(&SchedulerError::Busy {
+                    max_sequences: self.limits.max_sequences,
+                })
+            })?;
+        let (events, from_scheduler) = tokio::sync::mpsc::channel(4096);
+        let receiver = hold_permit_while_scheduled(from_scheduler, permit);
         // A request without an id still needs a unique one: the scheduler cancels by id.
         static UNNAMED_REQUESTS: std::sync::atomic::AtomicU64 =
             std::sync::atomic::AtomicU64::new(0);

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::{Stream, StreamExt};
+use ninfer_protocol::control_secret::SendSecret;
 use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::{
     CancelRequest, EngineStatus, EngineStatusRequest, FinishReason, GenerateRequest,
@@ -27,6 +28,13 @@ use super::{
 };
 use crate::error::{error_from_engine_status, GatewayError};
 use crate::routing_stats::RoutingStatsHandle;
+use crate::tokenizer::TypedControlTokens;
+
+/// An engine client that sends the control secret (when one is set) with every call.
+type EngineRpc = EngineClient<tonic::service::interceptor::InterceptedService<Channel, SendSecret>>;
+
+/// Pause before asking a busy engine again.
+const ENGINE_BUSY_RETRY: Duration = Duration::from_millis(20);
 
 /// Largest message accepted from an engine: `tokenizer.json` of real models is several MiB.
 const MAX_ENGINE_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
@@ -38,10 +46,19 @@ pub struct EnginePoolOptions {
     pub poll_interval: Duration,
     /// Timeout of one poll RPC; an engine slower than this is considered down.
     pub poll_timeout: Duration,
-    /// Requests in flight across all engines above which new ones get "overloaded".
+    /// Requests in flight across all engines above which new ones wait (or get "overloaded").
     pub max_in_flight_requests: u32,
+    /// Requests that may wait for a free sequence when every engine runs its
+    /// `--max-sequences`; one more is refused at once ("overloaded": 429 before any body).
+    pub max_queued_requests: u32,
+    /// Longest wait in that queue before "overloaded".
+    pub queue_timeout: Duration,
     /// Interval asked of `StreamRoutingStatistics`.
     pub routing_statistics_interval_ms: u32,
+    /// How control tokens typed in chat messages are encoded (as text unless the operator opts in).
+    pub typed_control_tokens: TypedControlTokens,
+    /// The engines' control secret, sent with every call (engines on TCP ask for it).
+    pub control_secret: Option<String>,
 }
 
 impl Default for EnginePoolOptions {
@@ -50,7 +67,11 @@ impl Default for EnginePoolOptions {
             poll_interval: Duration::from_millis(500),
             poll_timeout: Duration::from_secs(3),
             max_in_flight_requests: 512,
+            max_queued_requests: 256,
+            queue_timeout: Duration::from_secs(5),
             routing_statistics_interval_ms: 1000,
+            typed_control_tokens: TypedControlTokens::default(),
+            control_secret: None,
         }
     }
 }
@@ -60,6 +81,52 @@ impl Default for EnginePoolOptions {
 pub struct EnginePool {
     commands: mpsc::UnboundedSender<PoolCommand>,
     snapshot: watch::Receiver<Arc<BackendSnapshot>>,
+    queue_timeout: Duration,
+    overload_log: Arc<OverloadLog>,
+}
+
+/// Logs refusals for overload once per burst (the first one, then a summary when the next
+/// burst starts), so an overload shows in the log without flooding it.
+#[derive(Default)]
+pub struct OverloadLog {
+    state: std::sync::Mutex<OverloadBurst>,
+}
+
+#[derive(Default)]
+struct OverloadBurst {
+    last_refusal: Option<std::time::Instant>,
+    refused_in_burst: u64,
+}
+
+/// Quiet time after which the next refusal starts a new burst (and is logged).
+const OVERLOAD_BURST_GAP: Duration = Duration::from_secs(10);
+
+impl OverloadLog {
+    /// Records one refusal; logs it when it starts a burst.
+    pub fn refused(&self, reason: &str) {
+        let Ok(mut burst) = self.state.lock() else {
+            return;
+        };
+        let now = std::time::Instant::now();
+        let new_burst = burst
+            .last_refusal
+            .is_none_or(|last| now.duration_since(last) > OVERLOAD_BURST_GAP);
+        if new_burst {
+            if burst.refused_in_burst > 1 {
+                tracing::info!(
+                    refused = burst.refused_in_burst,
+                    "the previous overload burst ended"
+                );
+            }
+            tracing::warn!(
+                reason,
+                "overloaded: refusing requests with 429 (logged once per burst)"
+            );
+            burst.refused_in_burst = 0;
+        }
+        burst.refused_in_burst += 1;
+        burst.last_refusal = Some(now);
+    }
 }
 
 enum PoolCommand {
@@ -80,6 +147,20 @@ enum PoolCommand {
     },
 }
 
+/// A request waiting for a free engine sequence.
+struct Waiter {
+    model_name: String,
+    reply: oneshot::Sender<Result<EngineLease, GatewayError>>,
+}
+
+/// What picking an engine found.
+enum Pick {
+    Leased(EngineLease),
+    /// Engines serving the model are up but all run their maximum of sequences.
+    Full(String),
+    Refused(GatewayError),
+}
+
 struct EngineObservation {
     info: ModelInfo,
     status: EngineStatus,
@@ -88,7 +169,7 @@ struct EngineObservation {
 
 struct EngineSlot {
     address: String,
-    client: EngineClient<Channel>,
+    client: EngineRpc,
     ready: bool,
     info: Option<ModelInfo>,
     status: Option<EngineStatus>,
@@ -100,7 +181,7 @@ struct EngineSlot {
 /// The right to send one request to one engine; dropping it tells the actor the request ended.
 pub struct EngineLease {
     engine_index: usize,
-    client: EngineClient<Channel>,
+    client: EngineRpc,
     commands: mpsc::UnboundedSender<PoolCommand>,
 }
 
@@ -159,9 +240,12 @@ impl EnginePool {
         let mut slots = Vec::new();
         for address in addresses {
             // Lazy: connects on first use and reconnects after the engine comes back.
-            let client = EngineClient::new(lazy_channel(address)?)
-                .max_decoding_message_size(MAX_ENGINE_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_ENGINE_MESSAGE_BYTES);
+            let client = EngineClient::with_interceptor(
+                lazy_channel(address)?,
+                SendSecret::new(options.control_secret.as_deref()),
+            )
+            .max_decoding_message_size(MAX_ENGINE_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_ENGINE_MESSAGE_BYTES);
             slots.push(EngineSlot {
                 address: address.clone(),
                 client,
@@ -185,14 +269,23 @@ impl EnginePool {
                 routing_stats.clone(),
             ));
         }
+        let overload_log = Arc::new(OverloadLog::default());
         let actor = PoolActor {
             slots,
             snapshot_sender,
             max_in_flight_requests: options.max_in_flight_requests,
+            max_queued_requests: options.max_queued_requests as usize,
+            waiting: std::collections::VecDeque::new(),
+            overload_log: overload_log.clone(),
             command_sender: commands.clone(),
         };
         tokio::spawn(actor.run(command_receiver));
-        Ok(EnginePool { commands, snapshot })
+        Ok(EnginePool {
+            commands,
+            snapshot,
+            queue_timeout: options.queue_timeout,
+            overload_log,
+        })
     }
 
     async fn acquire(&self, model_name: &str) -> Result<EngineLease, GatewayError> {
@@ -203,9 +296,18 @@ impl EnginePool {
                 reply,
             })
             .map_err(|_| GatewayError::Internal("the engine pool has stopped".to_string()))?;
-        answer
-            .await
-            .map_err(|_| GatewayError::Internal("the engine pool has stopped".to_string()))?
+        match tokio::time::timeout(self.queue_timeout, answer).await {
+            Ok(answer) => answer
+                .map_err(|_| GatewayError::Internal("the engine pool has stopped".to_string()))?,
+            Err(_) => {
+                let reason = format!(
+                    "every engine sequence stayed busy for {:.1}s; retry later",
+                    self.queue_timeout.as_secs_f64()
+                );
+                self.overload_log.refused(&reason);
+                Err(GatewayError::Overloaded(reason))
+            }
+        }
     }
 
     fn report_lost(&self, engine_index: usize, error: String) {
@@ -231,14 +333,16 @@ impl GenerationBackend for EnginePool {
             // An engine found dead only now (connection refused) is marked down and the request
             // goes to another one, if any; bounded so a dead pool answers quickly.
             let mut attempts_left = 3;
+            let busy_deadline = tokio::time::Instant::now() + pool.queue_timeout;
             loop {
                 let lease = pool.acquire(&request.model_name).await?;
                 let mut client = lease.client.clone();
                 match client.generate(request.clone()).await {
                     Ok(response) => {
                         let stream = EngineTokenStream {
-                            inner: response.into_inner(),
+                            inner: Some(response.into_inner()),
                             finished: false,
+                            ended: false,
                             request_id: request.request_id.clone(),
                             cancel_client: lease.client.clone(),
                             _lease: lease,
@@ -254,7 +358,21 @@ impl GenerationBackend for EnginePool {
                             return Err(error_from_engine_status(&status));
                         }
                     }
-                    Err(status) => return Err(error_from_engine_status(&status)),
+                    // The engine still holds a sequence the gateway saw end (it frees it at its
+                    // next step): wait a moment for it, within the queue's deadline.
+                    Err(status)
+                        if status.code() == tonic::Code::ResourceExhausted
+                            && tokio::time::Instant::now() + ENGINE_BUSY_RETRY < busy_deadline =>
+                    {
+                        drop(lease);
+                        tokio::time::sleep(ENGINE_BUSY_RETRY).await;
+                    }
+                    Err(status) => {
+                        if status.code() == tonic::Code::ResourceExhausted {
+                            pool.overload_log.refused(status.message());
+                        }
+                        return Err(error_from_engine_status(&status));
+                    }
                 }
             }
         })
@@ -289,10 +407,14 @@ fn is_connection_failure(status: &tonic::Status) -> bool {
 
 /// Token stream of one engine call; cancels the sequence on the engine if dropped early.
 struct EngineTokenStream {
-    inner: tonic::Streaming<GeneratedToken>,
+    /// `None` once handed to the task that reads its end (see `Drop`).
+    inner: Option<tonic::Streaming<GeneratedToken>>,
+    /// The last token (or an error) arrived.
     finished: bool,
+    /// The HTTP/2 stream itself ended (trailers read).
+    ended: bool,
     request_id: String,
-    cancel_client: EngineClient<Channel>,
+    cancel_client: EngineRpc,
     _lease: EngineLease,
 }
 
@@ -306,7 +428,10 @@ impl Stream for EngineTokenStream {
         if self.finished {
             return Poll::Ready(None);
         }
-        match self.inner.poll_next_unpin(context) {
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match inner.poll_next_unpin(context) {
             Poll::Ready(Some(Ok(token))) => {
                 if token.finish_reason != FinishReason::Unspecified as i32 {
                     self.finished = true;
@@ -315,10 +440,12 @@ impl Stream for EngineTokenStream {
             }
             Poll::Ready(Some(Err(status))) => {
                 self.finished = true;
+                self.ended = true;
                 Poll::Ready(Some(Err(error_from_engine_status(&status))))
             }
             Poll::Ready(None) => {
                 self.finished = true;
+                self.ended = true;
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,
@@ -329,6 +456,20 @@ impl Stream for EngineTokenStream {
 impl Drop for EngineTokenStream {
     fn drop(&mut self) {
         if self.finished {
+            // The last token came but the stream's trailers may not have: read them rather
+            // than reset the stream. Frames arriving on streams the client reset count against
+            // HTTP/2's limit of such resets, and past it the whole engine connection is torn
+            // down, failing every generation on it.
+            if let (false, Some(mut inner)) = (self.ended, self.inner.take()) {
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        let _ = tokio::time::timeout(Duration::from_secs(5), async move {
+                            while inner.next().await.is_some() {}
+                        })
+                        .await;
+                    });
+                }
+            }
             return;
         }
         // Dropping the HTTP/2 stream already tells the engine; the explicit Cancel makes sure the
@@ -351,6 +492,10 @@ struct PoolActor {
     slots: Vec<EngineSlot>,
     snapshot_sender: watch::Sender<Arc<BackendSnapshot>>,
     max_in_flight_requests: u32,
+    max_queued_requests: usize,
+    /// Requests waiting for a free sequence, oldest first.
+    waiting: std::collections::VecDeque<Waiter>,
+    overload_log: Arc<OverloadLog>,
     /// For leases, which report their end through the same channel.
     command_sender: mpsc::UnboundedSender<PoolCommand>,
 }
@@ -393,6 +538,7 @@ impl PoolActor {
                 if slot.ready != was_ready {
                     tracing::info!(engine = %slot.address, ready = slot.ready, "engine readiness changed");
                 }
+                self.serve_waiters();
                 true
             }
             PoolCommand::Lost {
@@ -410,32 +556,76 @@ impl PoolActor {
                 true
             }
             PoolCommand::Acquire { model_name, reply } => {
-                let result = self.pick_engine(&model_name);
-                if let Ok(lease) = &result {
-                    if let Some(slot) = self.slots.get_mut(lease.engine_index) {
-                        slot.in_flight_requests += 1;
+                // Waiters that gave up (deadline, client gone) hold no place in the queue.
+                self.waiting.retain(|waiter| !waiter.reply.is_closed());
+                // First come, first served: nobody overtakes a waiter.
+                let pick = if self.waiting.is_empty() {
+                    self.pick_engine(&model_name)
+                } else {
+                    Pick::Full("requests are already waiting".to_string())
+                };
+                match pick {
+                    Pick::Leased(lease) => {
+                        let _ = reply.send(Ok(lease));
+                    }
+                    Pick::Refused(error) => {
+                        let _ = reply.send(Err(error));
+                    }
+                    Pick::Full(_) if self.waiting.len() < self.max_queued_requests => {
+                        self.waiting.push_back(Waiter { model_name, reply });
+                    }
+                    Pick::Full(why) => {
+                        let reason = format!(
+                            "{why}, and {} requests wait already; retry later",
+                            self.waiting.len()
+                        );
+                        self.overload_log.refused(&reason);
+                        let _ = reply.send(Err(GatewayError::Overloaded(reason)));
                     }
                 }
-                let _ = reply.send(result);
                 true
             }
             PoolCommand::Release { engine_index } => {
                 if let Some(slot) = self.slots.get_mut(engine_index) {
                     slot.in_flight_requests = slot.in_flight_requests.saturating_sub(1);
                 }
+                self.serve_waiters();
                 true
             }
         }
     }
 
-    /// Least-loaded ready engine serving `model_name` (load = gateway in-flight + engine queue).
-    fn pick_engine(&self, model_name: &str) -> Result<EngineLease, GatewayError> {
+    /// Hands free sequences to waiters, oldest first, until none is free.
+    fn serve_waiters(&mut self) {
+        while let Some(waiter) = self.waiting.pop_front() {
+            if waiter.reply.is_closed() {
+                continue;
+            }
+            match self.pick_engine(&waiter.model_name) {
+                // A waiter that left meanwhile drops the lease, which releases it again.
+                Pick::Leased(lease) => {
+                    let _ = waiter.reply.send(Ok(lease));
+                }
+                Pick::Refused(error) => {
+                    let _ = waiter.reply.send(Err(error));
+                }
+                Pick::Full(_) => {
+                    self.waiting.push_front(waiter);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Least-loaded ready engine serving `model_name` with a sequence free (load = gateway
+    /// in-flight + engine queue); counts the lease in.
+    fn pick_engine(&mut self, model_name: &str) -> Pick {
         let total_in_flight: u32 = self.slots.iter().map(|slot| slot.in_flight_requests).sum();
         if total_in_flight >= self.max_in_flight_requests {
-            return Err(GatewayError::Overloaded(format!(
-                "the gateway has {total_in_flight} requests in flight (limit {}); retry later",
+            return Pick::Full(format!(
+                "the gateway has {total_in_flight} requests in flight (limit {})",
                 self.max_in_flight_requests
-            )));
+            ));
         }
         let serves_model = |slot: &EngineSlot| {
             model_name.is_empty()
@@ -444,11 +634,23 @@ impl PoolActor {
                     .as_ref()
                     .is_some_and(|info| info.model_name == model_name)
         };
-        let best = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, slot)| slot.ready && serves_model(slot))
+        // The engine's own bound (`--max-sequences`); 0 = it did not say.
+        let has_free_sequence = |slot: &EngineSlot| {
+            let max_sequences = slot
+                .status
+                .as_ref()
+                .map_or(0, |status| status.max_sequences);
+            max_sequences == 0 || slot.in_flight_requests < max_sequences
+        };
+        let candidates = || {
+            self.slots
+                .iter()
+                .enumerate()
+                .filter(|(_, slot)| slot.ready && serves_model(slot))
+        };
+        let any_ready = candidates().next().is_some();
+        let best = candidates()
+            .filter(|(_, slot)| has_free_sequence(slot))
             .min_by_key(|(_, slot)| {
                 let engine_queue = slot
                     .status
@@ -456,21 +658,32 @@ impl PoolActor {
                     .map(|status| status.queued_sequences)
                     .unwrap_or(0);
                 slot.in_flight_requests + engine_queue
-            });
+            })
+            .map(|(engine_index, slot)| (engine_index, slot.client.clone()));
         match best {
-            Some((engine_index, slot)) => Ok(EngineLease {
-                engine_index,
-                client: slot.client.clone(),
-                commands: self.snapshot_commands(),
-            }),
-            None => Err(build_snapshot(&self.slots)
-                .resolve_model(model_name)
-                .err()
-                .unwrap_or_else(|| {
-                    GatewayError::NoEngineAvailable(format!(
-                        "no engine serving `{model_name}` is ready"
-                    ))
-                })),
+            Some((engine_index, client)) => {
+                if let Some(slot) = self.slots.get_mut(engine_index) {
+                    slot.in_flight_requests += 1;
+                }
+                Pick::Leased(EngineLease {
+                    engine_index,
+                    client,
+                    commands: self.snapshot_commands(),
+                })
+            }
+            None if any_ready => Pick::Full(format!(
+                "every engine serving `{model_name}` runs its maximum of sequences"
+            )),
+            None => Pick::Refused(
+                build_snapshot(&self.slots)
+                    .resolve_model(model_name)
+                    .err()
+                    .unwrap_or_else(|| {
+                        GatewayError::NoEngineAvailable(format!(
+                            "no engine serving `{model_name}` is ready"
+                        ))
+                    }),
+            ),
         }
     }
 
@@ -517,7 +730,7 @@ fn build_snapshot(slots: &[EngineSlot]) -> BackendSnapshot {
 async fn monitor_engine(
     engine_index: usize,
     address: String,
-    mut client: EngineClient<Channel>,
+    mut client: EngineRpc,
     options: EnginePoolOptions,
     commands: mpsc::UnboundedSender<PoolCommand>,
     routing_stats: Option<RoutingStatsHandle>,
@@ -525,7 +738,7 @@ async fn monitor_engine(
     let mut cached_resources: Option<(String, String, Arc<ModelResources>)> = None;
     let mut statistics_task: Option<tokio::task::JoinHandle<()>> = None;
     loop {
-        match poll_engine(&mut client, &mut cached_resources, options.poll_timeout).await {
+        match poll_engine(&mut client, &mut cached_resources, &options).await {
             Ok(observation) => {
                 let model_name = observation.info.model_name.clone();
                 if commands
@@ -575,10 +788,12 @@ const MODEL_FILES_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One poll: model info, status (optional RPC), and the model files when the engine is new to us.
 async fn poll_engine(
-    client: &mut EngineClient<Channel>,
+    client: &mut EngineRpc,
     cached_resources: &mut Option<(String, String, Arc<ModelResources>)>,
-    poll_timeout: Duration,
+    options: &EnginePoolOptions,
 ) -> Result<EngineObservation, String> {
+    let poll_timeout = options.poll_timeout;
+    let typed_control_tokens = options.typed_control_tokens;
     let too_slow = |rpc: &str| format!("{rpc} did not answer within {poll_timeout:?}");
     let info = tokio::time::timeout(poll_timeout, client.get_model_info(ModelInfoRequest {}))
         .await
@@ -619,11 +834,12 @@ async fn poll_engine(
             .map_err(|status| format!("GetModelFiles failed: {}", status.message()))?
             .into_inner();
             // Parsing a real tokenizer.json takes a while: keep it off the async workers.
-            let resources =
-                tokio::task::spawn_blocking(move || ModelResources::from_model_files(&files))
-                    .await
-                    .map_err(|error| format!("loading model files panicked: {error}"))?
-                    .map_err(|error| error.to_string())?;
+            let resources = tokio::task::spawn_blocking(move || {
+                ModelResources::from_model_files(&files, typed_control_tokens)
+            })
+            .await
+            .map_err(|error| format!("loading model files panicked: {error}"))?
+            .map_err(|error| error.to_string())?;
             let resources = Arc::new(resources);
             *cached_resources = Some((files_key, instance, resources.clone()));
             resources
@@ -640,7 +856,7 @@ async fn poll_engine(
 async fn forward_routing_statistics(
     address: String,
     model_name: String,
-    mut client: EngineClient<Channel>,
+    mut client: EngineRpc,
     interval_ms: u32,
     store: RoutingStatsHandle,
 ) {

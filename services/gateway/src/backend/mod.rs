@@ -18,7 +18,7 @@ use ninfer_protocol::v1::{EngineStatus, GenerateRequest, GeneratedToken, Generat
 
 use crate::chat_template::ChatTemplate;
 use crate::error::GatewayError;
-use crate::tokenizer::ModelTokenizer;
+use crate::tokenizer::{ModelTokenizer, TypedControlTokens};
 
 /// Tokens of one generation, in order. Dropping it before the end cancels the generation.
 pub type TokenStream = Pin<Box<dyn Stream<Item = Result<GeneratedToken, GatewayError>> + Send>>;
@@ -54,8 +54,16 @@ pub struct ModelResources {
 
 impl ModelResources {
     /// Builds the resources from the engine's `ModelFiles` message (parses tokenizer and template).
-    pub fn from_model_files(files: &ninfer_protocol::v1::ModelFiles) -> Result<Self, GatewayError> {
-        let tokenizer = ModelTokenizer::from_json_bytes(&files.tokenizer_json)?;
+    /// Prompts longer than the model's context are refused by the tokenizer before it does work
+    /// in proportion to their length; `typed_control_tokens` says how control tokens typed in
+    /// chat messages are encoded.
+    pub fn from_model_files(
+        files: &ninfer_protocol::v1::ModelFiles,
+        typed_control_tokens: TypedControlTokens,
+    ) -> Result<Self, GatewayError> {
+        let tokenizer = ModelTokenizer::from_json_bytes(&files.tokenizer_json)?
+            .with_token_limit(files.max_context as usize)
+            .with_typed_control_tokens(typed_control_tokens);
         // A template minijinja cannot compile must not keep the model off the air: raw
         // completions still work, chat requests get the compile error.
         let (chat_template, chat_template_problem) = if files.chat_template.trim().is_empty() {

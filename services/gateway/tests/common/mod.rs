@@ -32,6 +32,8 @@ pub struct EngineScript {
     pub token_delay: Mutex<Duration>,
     pub overloaded: AtomicBool,
     pub max_context: AtomicU32,
+    /// What `GetStatus` reports as `max_sequences` (0: unknown).
+    pub max_sequences: AtomicU32,
     pub last_request: Mutex<Option<GenerateRequest>>,
     pub cancels: AtomicU32,
     /// Generations whose stream the gateway dropped before the end.
@@ -48,6 +50,7 @@ impl Default for EngineScript {
             token_delay: Mutex::new(Duration::from_millis(1)),
             overloaded: AtomicBool::new(false),
             max_context: AtomicU32::new(4096),
+            max_sequences: AtomicU32::new(0),
             last_request: Mutex::new(None),
             cancels: AtomicU32::new(0),
             dropped_streams: AtomicU32::new(0),
@@ -333,6 +336,7 @@ impl Engine for ScriptedEngine {
             expert_cache_hits_total: 7,
             expert_cache_misses_total: 3,
             gpu_expert_slots: 16,
+            max_sequences: self.script.max_sequences.load(Ordering::SeqCst),
             ..Default::default()
         }))
     }
@@ -443,6 +447,7 @@ impl RunningGateway {
             poll_timeout: Duration::from_millis(1000),
             max_in_flight_requests: options.max_in_flight_requests,
             routing_statistics_interval_ms: 50,
+            ..Default::default()
         };
         let addresses: Vec<String> = engines.iter().map(|a| a.to_string()).collect();
         let pool = EnginePool::start(&addresses, pool_options, Some(routing_stats.clone()))

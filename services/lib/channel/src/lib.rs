@@ -336,6 +336,17 @@ pub enum WaitOutcome {
 pub struct EngineChannel {
     mapping: Mapping,
     shm_name: String,
+    /// The heartbeat word last read and how many checks found the worker's heartbeat thread
+    /// waiting for a CPU since (see [`EngineChannel::heartbeat`]).
+    liveness: std::sync::Mutex<LivenessReading>,
+}
+
+#[derive(Default)]
+struct LivenessReading {
+    last_word: u64,
+    starved_checks: u64,
+    /// `(pid, tid)` of the worker's heartbeat thread, found once per worker process.
+    heartbeat_thread: Option<(u32, u32)>,
 }
 
 impl EngineChannel {
@@ -381,7 +392,12 @@ impl EngineChannel {
             (*header).max_top_k = geometry.max_top_k;
             (*header).slot_stride = geometry.slot_stride() as u64;
         }
-        Ok(EngineChannel { mapping, shm_name })
+        register_created_segment(&shm_name);
+        Ok(EngineChannel {
+            mapping,
+            shm_name,
+            liveness: std::sync::Mutex::new(LivenessReading::default()),
+        })
     }
 
     /// The name to send to the worker.
@@ -405,8 +421,46 @@ impl EngineChannel {
             .load(Ordering::Acquire)
     }
 
+    /// The worker's liveness counter: it moves while the worker lives and stands still while it
+    /// is stopped or stuck. It is the heartbeat word the worker bumps (its heartbeat thread every
+    /// few milliseconds, its serving thread after every answer), advanced also by every check that
+    /// finds the heartbeat thread runnable but not yet run: on a saturated machine the beat is
+    /// late, not missing, and a wall-clock bound alone would call the worker hung.
     pub fn heartbeat(&self) -> u64 {
-        self.mapping.header().heartbeat.load(Ordering::Acquire)
+        let word = self.mapping.header().heartbeat.load(Ordering::Acquire);
+        let Ok(mut reading) = self.liveness.lock() else {
+            return word;
+        };
+        if word != reading.last_word {
+            reading.last_word = word;
+        } else if self.heartbeat_thread_waits_for_a_cpu(&mut reading) {
+            reading.starved_checks += 1;
+        }
+        word.wrapping_add(reading.starved_checks)
+    }
+
+    /// Whether the attached worker's heartbeat thread is runnable (state `R` in `/proc`): ready
+    /// to beat, kept from it only by other work on the CPUs. A stopped (`T`) or blocked (`S`,
+    /// `D`) thread is not.
+    fn heartbeat_thread_waits_for_a_cpu(&self, reading: &mut LivenessReading) -> bool {
+        let pid = self.worker_pid();
+        if pid == 0 {
+            return false;
+        }
+        let known = reading
+            .heartbeat_thread
+            .filter(|(known_pid, _)| *known_pid == pid);
+        let tid = match known {
+            Some((_, tid)) => tid,
+            None => match find_thread(pid, HEARTBEAT_THREAD_NAME) {
+                Some(tid) => {
+                    reading.heartbeat_thread = Some((pid, tid));
+                    tid
+                }
+                None => return false,
+            },
+        };
+        thread_state(pid, tid) == Some('R')
     }
 
     /// True when the slot's last request has been answered.
@@ -574,9 +628,103 @@ impl EngineChannel {
 
 impl Drop for EngineChannel {
     fn drop(&mut self) {
+        forget_created_segment(&self.shm_name);
         if let Ok(c_name) = CString::new(self.shm_name.clone()) {
             let _ = shm_unlink(c_name.as_c_str());
         }
+    }
+}
+
+/// The name the worker gives its heartbeat thread (what `/proc/PID/task/TID/comm` shows: the
+/// kernel keeps 15 bytes of a thread's name).
+pub const HEARTBEAT_THREAD_NAME: &str = "ninfer-heartbea";
+
+/// The thread of process `pid` named `name`, if any.
+fn find_thread(pid: u32, name: &str) -> Option<u32> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    tasks.filter_map(|task| task.ok()).find_map(|task| {
+        let tid: u32 = task.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+        (comm.trim_end() == name).then_some(tid)
+    })
+}
+
+/// The scheduler state letter of one thread (`R`, `S`, `D`, `T`, `Z`...).
+fn thread_state(pid: u32, tid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    // The name field is in parentheses and may itself hold spaces and parentheses.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Segments this process created and has not unlinked: the exit paths unlink them even when
+/// the channels themselves are never dropped (threads still hold them at exit).
+static CREATED_SEGMENTS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn register_created_segment(name: &str) {
+    if let Ok(mut names) = CREATED_SEGMENTS.lock() {
+        names.push(name.to_string());
+    }
+}
+
+fn forget_created_segment(name: &str) {
+    if let Ok(mut names) = CREATED_SEGMENTS.lock() {
+        names.retain(|known| known != name);
+    }
+}
+
+/// Unlinks every segment this process created (call on the way out: a clean exit, a signal, a
+/// fatal error). Workers still attached keep their mapping; the name is gone from `/dev/shm`.
+pub fn unlink_created_segments() -> usize {
+    let names = match CREATED_SEGMENTS.lock() {
+        Ok(mut names) => std::mem::take(&mut *names),
+        Err(_) => return 0,
+    };
+    let mut unlinked = 0;
+    for name in names {
+        if let Ok(c_name) = CString::new(name) {
+            if shm_unlink(c_name.as_c_str()).is_ok() {
+                unlinked += 1;
+            }
+        }
+    }
+    unlinked
+}
+
+/// Removes `/dev/shm/PREFIX-PID-*` segments whose creator (`PID`) no longer runs: what an
+/// engine killed outright (SIGKILL, a crash) left behind. Returns how many were removed.
+pub fn remove_stale_segments(prefix: &str) -> usize {
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.filter_map(|entry| entry.ok()) {
+        let file_name = entry.file_name();
+        let Some(name) = file_name.to_str() else {
+            continue;
+        };
+        let Some(pid) = name
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_prefix('-'))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if pid > 0 && !process_runs(pid) && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Whether a process with this pid exists (a zombie counts as gone).
+fn process_runs(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_none_or(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        // No /proc (not Linux): ask the kernel directly.
+        Err(_) => nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok(),
     }
 }
 
@@ -790,6 +938,14 @@ mod tests {
     use super::*;
     use ninfer_artifact::NO_EXPERT;
 
+    /// Segment tests run one at a time: one of them unlinks every segment this process made.
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static SEGMENT_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        SEGMENT_TESTS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     fn unique_name(tag: &str) -> String {
         format!(
             "ninfer-test-{tag}-{}-{:?}",
@@ -800,7 +956,90 @@ mod tests {
     }
 
     #[test]
+    fn a_starved_heartbeat_thread_counts_as_alive_and_a_blocked_one_does_not() {
+        let _serial = serial();
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let geometry = ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 1,
+            hidden_size: 8,
+            max_top_k: 1,
+        };
+        let engine = EngineChannel::create(&unique_name("beat"), geometry).unwrap();
+        // The "worker" is this process: attaching writes its pid.
+        let _worker = WorkerChannel::attach(engine.name(), 8).unwrap();
+        let spinning = Arc::new(AtomicBool::new(true));
+        let spin = Arc::clone(&spinning);
+        // A heartbeat thread that never beats but is always runnable: what the engine sees of
+        // a worker whose heartbeat is starved of CPU.
+        let thread = std::thread::Builder::new()
+            .name(HEARTBEAT_THREAD_NAME.into())
+            .spawn(move || {
+                while spin.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+                // Then blocked: asleep without beating, as a hung worker's thread would be.
+                std::thread::sleep(Duration::from_secs(2));
+            })
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let mut readings = vec![engine.heartbeat()];
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(5));
+            readings.push(engine.heartbeat());
+        }
+        assert!(
+            readings.windows(2).any(|pair| pair[1] != pair[0]),
+            "a runnable heartbeat thread did not count as progress: {readings:?}"
+        );
+        spinning.store(false, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(100));
+        let blocked = engine.heartbeat();
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            engine.heartbeat(),
+            blocked,
+            "a sleeping heartbeat thread counted as progress"
+        );
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn segments_are_unlinked_on_exit_and_stale_ones_removed() {
+        let _serial = serial();
+        let geometry = ChannelGeometry {
+            slot_count: 1,
+            max_tokens: 1,
+            hidden_size: 8,
+            max_top_k: 1,
+        };
+        let engine = EngineChannel::create(&unique_name("exit"), geometry).unwrap();
+        let path = format!("/dev/shm{}", engine.name());
+        assert!(std::path::Path::new(&path).exists());
+        assert!(unlink_created_segments() >= 1);
+        assert!(!std::path::Path::new(&path).exists(), "{path} left behind");
+        std::mem::forget(engine);
+        // A segment named after a process that is gone.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = child.id();
+        child.wait().unwrap();
+        let stale = format!("/dev/shm/ninfer-stale-test-{dead_pid}-w0-1");
+        let live = format!("/dev/shm/ninfer-stale-test-{}-w0-1", std::process::id());
+        std::fs::write(&stale, b"").unwrap();
+        std::fs::write(&live, b"").unwrap();
+        assert_eq!(remove_stale_segments("ninfer-stale-test"), 1);
+        assert!(!std::path::Path::new(&stale).exists());
+        assert!(
+            std::path::Path::new(&live).exists(),
+            "a live process's segment was removed"
+        );
+        std::fs::remove_file(&live).unwrap();
+    }
+
+    #[test]
     fn round_trip_between_threads() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 2,
             max_tokens: 4,
@@ -853,6 +1092,7 @@ mod tests {
 
     #[test]
     fn refusal_is_reported_and_oversized_requests_are_rejected() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 1,
             max_tokens: 2,
@@ -886,6 +1126,7 @@ mod tests {
 
     #[test]
     fn attach_checks_the_segment() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 1,
             max_tokens: 1,
@@ -914,6 +1155,7 @@ mod tests {
 
     #[test]
     fn wait_times_out_without_a_worker() {
+        let _serial = serial();
         let geometry = ChannelGeometry {
             slot_count: 1,
             max_tokens: 1,

@@ -1,0 +1,448 @@
+//! The gateway's HTTP connections: accepting, limiting and closing them.
+//!
+//! Owns: [`ConnectionLimits`] and [`serve_connections`], the accept loop that replaces
+//! `axum::serve` so that no client can hold the server: a cap on open connections (one over it
+//! gets a 503 and is closed at once), a deadline for a request's headers (a connection that has
+//! not sent a whole request in time is closed), a deadline for a request's body (slow bodies and
+//! a `Content-Length` larger than what is sent end in an error, not a wait), idle keep-alive
+//! connections (HTTP/1.1 and HTTP/2) closed after a quiet spell, and a graceful drain with a
+//! deadline at shutdown (idle connections close at once, requests in flight get until the
+//! deadline, then every connection is dropped).
+//! Must not touch: routes, authentication or API shapes (see `server`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::Router;
+use bytes::Bytes;
+use http_body::Frame;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tower::ServiceExt;
+
+/// How long connections and requests may take; see the module doc.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    /// Open connections at most; one more is answered 503 and closed.
+    pub max_connections: usize,
+    /// A connection must deliver a request's headers within this (HTTP/1.1: each request's;
+    /// any connection: its first request), else it is closed.
+    pub header_read_timeout: Duration,
+    /// A request body must arrive whole within this, and never pause longer than
+    /// [`Self::body_idle_timeout`]; else the request fails (400) and the connection closes.
+    pub body_read_timeout: Duration,
+    pub body_idle_timeout: Duration,
+    /// A connection that moved no byte for this long is closed gracefully (requests on it
+    /// finish first).
+    pub idle_timeout: Duration,
+    /// At shutdown, requests in flight get this long before every connection is dropped.
+    pub drain_deadline: Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max_connections: 8192,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(60),
+            body_idle_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            drain_deadline: Duration::from_millis(1200),
+        }
+    }
+}
+
+impl ConnectionLimits {
+    /// The cap, lowered to what the process's open-file limit allows (a few descriptors are
+    /// kept for the engines, logs and the state directory).
+    pub fn within_open_file_limit(mut self) -> Self {
+        if let Some(soft) = open_file_limit() {
+            let usable = soft.saturating_sub(64).max(16);
+            if usable < self.max_connections as u64 {
+                tracing::warn!(
+                    open_file_limit = soft,
+                    "the connection cap is lowered to {usable} by the open-file limit (raise LimitNOFILE / ulimit -n)"
+                );
+                self.max_connections = usable as usize;
+            }
+        }
+        self
+    }
+}
+
+/// Raises the soft open-file limit to the hard one (systemd and shells start services with a
+/// soft limit of 1024 while allowing far more); returns the limit now in force.
+pub fn raise_open_file_limit() -> Option<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).ok()?;
+    if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+        return Some(hard);
+    }
+    Some(soft)
+}
+
+fn open_file_limit() -> Option<u64> {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .ok()
+        .map(|(soft, _)| soft)
+}
+
+/// What a refused connection reads before it is closed.
+fn too_many_connections_response() -> Vec<u8> {
+    let body = r#"{"error":{"message":"the gateway has too many open connections; retry later","type":"service_unavailable","param":null,"code":null}}"#;
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Serves `router` on `listener` within `limits` until `shutdown` resolves, then drains.
+pub async fn serve_connections(
+    listener: TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    limits: ConnectionLimits,
+) -> std::io::Result<()> {
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let (stop_sender, stop) = watch::channel(false);
+    let open = Arc::new(AtomicUsize::new(0));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true);
+    // No server pings on HTTP/2: they would count as traffic and keep idle connections open;
+    // a dead peer's connection goes with the idle timeout.
+    builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let (stream, _peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of descriptors (or a connection reset before accept): pause instead of
+                // spinning; the header deadline frees descriptors soon.
+                tracing::debug!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            refuse_connection(stream);
+            continue;
+        };
+        let connection = ServedConnection {
+            router: router.clone(),
+            builder: builder.clone(),
+            limits,
+            stop: stop.clone(),
+            open: open.clone(),
+        };
+        open.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(async move {
+            connection.run(stream).await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    let _ = stop_sender.send(true);
+    let deadline = Instant::now() + limits.drain_deadline;
+    while open.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let left = open.load(Ordering::SeqCst);
+    if left > 0 {
+        tracing::warn!(
+            connections = left,
+            "requests still in flight at the drain deadline; closing their connections"
+        );
+    }
+    Ok(())
+}
+
+/// Answers 503 and closes, without reading the request (best effort, bounded in time).
+fn refuse_connection(mut stream: tokio::net::TcpStream) {
+    static REFUSED: AtomicU64 = AtomicU64::new(0);
+    let refused = REFUSED.fetch_add(1, Ordering::Relaxed);
+    if refused.is_power_of_two() {
+        tracing::warn!(
+            refused_connections = refused + 1,
+            "connection cap reached; refusing connections with 503"
+        );
+    }
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            let _ = stream.write_all(&too_many_connections_response()).await;
+            let _ = stream.shutdown().await;
+        })
+        .await;
+    });
+}
+
+struct ServedConnection {
+    router: Router,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    limits: ConnectionLimits,
+    stop: watch::Receiver<bool>,
+    open: Arc<AtomicUsize>,
+}
+
+impl ServedConnection {
+    async fn run(mut self, stream: tokio::net::TcpStream) {
+        let activity = Arc::new(Activity::new());
+        let requests = Arc::new(AtomicU64::new(0));
+        // Handlers still computing an answer (a non-streaming generation may send nothing for
+        // minutes): the connection is not idle while one runs.
+        let answering = Arc::new(AtomicUsize::new(0));
+        let io = TokioIo::new(ActivityIo {
+            inner: stream,
+            activity: activity.clone(),
+        });
+        let (router, limits, counted) = (self.router.clone(), self.limits, requests.clone());
+        let in_handler = answering.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            let request: Request = request.map(|body| Body::new(DeadlineBody::new(body, &limits)));
+            let answer = router.clone().oneshot(request);
+            let guard = Answering::new(in_handler.clone());
+            async move {
+                let response = answer.await;
+                drop(guard);
+                response
+            }
+        });
+        let connection = self.builder.serve_connection_with_upgrades(io, service);
+        tokio::pin!(connection);
+        let started = Instant::now();
+        let mut closing = false;
+        let mut check = tokio::time::interval(Duration::from_millis(250));
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = connection.as_mut() => break,
+                changed = self.stop.changed(), if !closing => {
+                    // The server is stopping (or gone): finish what is in flight, take nothing new.
+                    let _ = changed;
+                    closing = true;
+                    connection.as_mut().graceful_shutdown();
+                }
+                _ = check.tick() => {
+                    if requests.load(Ordering::Relaxed) == 0
+                        && started.elapsed() > self.limits.header_read_timeout
+                    {
+                        // Connected but never sent a whole request: drop it outright.
+                        break;
+                    }
+                    if answering.load(Ordering::Relaxed) > 0 {
+                        continue;
+                    }
+                    if !closing && activity.quiet_for() > self.limits.idle_timeout {
+                        closing = true;
+                        connection.as_mut().graceful_shutdown();
+                    } else if closing
+                        && activity.quiet_for() > self.limits.idle_timeout + self.limits.drain_deadline
+                    {
+                        // A peer that ignores the close (no FIN, no GOAWAY answer).
+                        break;
+                    }
+                }
+            }
+        }
+        self.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Counts a handler as running until dropped (also when its future is dropped unfinished).
+struct Answering(Arc<AtomicUsize>);
+
+impl Answering {
+    fn new(counter: Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Answering(counter)
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// When a connection last moved a byte.
+struct Activity {
+    epoch: Instant,
+    last_millis: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            epoch: Instant::now(),
+            last_millis: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        self.last_millis.store(now, Ordering::Relaxed);
+    }
+
+    fn quiet_for(&self) -> Duration {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_millis.load(Ordering::Relaxed)))
+    }
+}
+
+/// A socket that records when bytes move in either direction.
+struct ActivityIo {
+    inner: tokio::net::TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for ActivityIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buffer: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buffer.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(context, buffer);
+        if buffer.filled().len() > before {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for ActivityIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(context, data);
+        if matches!(polled, Poll::Ready(Ok(written)) if written > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buffers: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(context, buffers);
+        if matches!(polled, Poll::Ready(Ok(written)) if written > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(context)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(context)
+    }
+}
+
+/// Why a request body was cut off.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyReadError {
+    #[error("the request body did not arrive within {0:?}")]
+    TooSlow(Duration),
+    #[error("the request body stalled for {0:?} (is Content-Length larger than the body?)")]
+    Stalled(Duration),
+    #[error("reading the request body: {0}")]
+    Transport(#[from] hyper::Error),
+}
+
+/// A request body that fails when it takes too long in all, or pauses too long.
+struct DeadlineBody {
+    inner: Incoming,
+    total: Duration,
+    idle: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    idle_deadline: Pin<Box<tokio::time::Sleep>>,
+    total_deadline: tokio::time::Instant,
+}
+
+impl DeadlineBody {
+    fn new(inner: Incoming, limits: &ConnectionLimits) -> Self {
+        let now = tokio::time::Instant::now();
+        DeadlineBody {
+            inner,
+            total: limits.body_read_timeout,
+            idle: limits.body_idle_timeout,
+            deadline: Box::pin(tokio::time::sleep_until(now + limits.body_read_timeout)),
+            idle_deadline: Box::pin(tokio::time::sleep_until(now + limits.body_idle_timeout)),
+            total_deadline: now + limits.body_read_timeout,
+        }
+    }
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = BodyReadError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyReadError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(context) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let next_idle = (tokio::time::Instant::now() + this.idle).min(this.total_deadline);
+                this.idle_deadline.as_mut().reset(next_idle);
+                return Poll::Ready(Some(Ok(frame)));
+            }
+            Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error.into()))),
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Pending => {}
+        }
+        if this.deadline.as_mut().poll(context).is_ready() {
+            return Poll::Ready(Some(Err(BodyReadError::TooSlow(this.total))));
+        }
+        if this.idle_deadline.as_mut().poll(context).is_ready() {
+            return Poll::Ready(Some(Err(BodyReadError::Stalled(this.idle))));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -298,6 +298,7 @@ fn main() -> anyhow::Result<()> {
         scheduler_counters,
         routing: Arc::clone(&routing),
         readiness,
+        guidance: Default::default(),
         profiling: Profiling {
             counters: started.profile,
             device: device_name.into(),

@@ -369,11 +369,13 @@ def main():
         @check("anthropic thinking budget closes the thinking block")
         def thinking_budget():
             message = an.messages.create(model=model, max_tokens=64, messages=[{"role": "user", "content": "Think briefly."}], thinking={"type": "enabled", "budget_tokens": 8})
+            kinds = [block.type for block in message.content]
             thinking_text = "".join(block.thinking for block in message.content if block.type == "thinking")
-            tokens = len(http_json(base, "/tokenize", {"model": model, "prompt": thinking_text}, args.api_key)["tokens"])
-            # The budget counts the block's tokens; the close the engine adds is not reasoning.
-            assert tokens <= 12, (tokens, thinking_text)
-            return f"{tokens} thinking tokens, stop {message.stop_reason}"
+            # A random model left alone thinks to max_tokens; with the budget the block is closed
+            # after 8 tokens and the answer follows (or the turn ends).
+            assert kinds[0] == "thinking" and len(thinking_text) < 200, (kinds, thinking_text)
+            assert "text" in kinds or message.stop_reason == "end_turn", (kinds, message.stop_reason)
+            return f"blocks {kinds}, {len(thinking_text)} thinking chars, stop {message.stop_reason}"
 
         @check("openai.responses text.format json_schema")
         def responses_schema():

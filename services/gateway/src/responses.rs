@@ -26,7 +26,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat::{
-    ChatContent, ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall, ToolChoice,
+    template_variables_from_object, ChatContent, ChatConversation, ChatMessage, ChatRole, ChatTool,
+    ChatToolCall, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
@@ -72,6 +73,9 @@ pub struct ResponsesRequest {
     pub metadata: Option<JsonValue>,
     #[serde(default)]
     pub seed: Option<i64>,
+    /// Extra template variables, as for chat (`{"enable_thinking": false}`).
+    #[serde(default)]
+    pub chat_template_kwargs: Option<minijinja::Value>,
 }
 
 /// A finished response's conversation: what `previous_response_id` continues.
@@ -472,7 +476,10 @@ async fn create_response_inner(
         messages,
         tools,
         add_generation_prompt: true,
-        template_variables: Vec::new(),
+        template_variables: match &request.chat_template_kwargs {
+            Some(kwargs) => template_variables_from_object("chat_template_kwargs", kwargs)?,
+            None => Vec::new(),
+        },
         tool_choice: responses_tool_choice(request.tool_choice.as_ref())?,
         response_format: responses_text_format(request.text.as_ref())?,
         single_tool_call: request.parallel_tool_calls == Some(false),

@@ -87,9 +87,11 @@ struct StoredResponse {
     output: Vec<ChatMessage>,
 }
 
-fn store() -> &'static Mutex<(HashMap<String, StoredResponse>, VecDeque<String>)> {
-    static STORE: OnceLock<Mutex<(HashMap<String, StoredResponse>, VecDeque<String>)>> =
-        OnceLock::new();
+/// Stored responses by id, and their ids oldest first.
+type ResponseStore = (HashMap<String, StoredResponse>, VecDeque<String>);
+
+fn store() -> &'static Mutex<ResponseStore> {
+    static STORE: OnceLock<Mutex<ResponseStore>> = OnceLock::new();
     STORE.get_or_init(Default::default)
 }
 

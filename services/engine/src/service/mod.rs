@@ -137,7 +137,7 @@ impl EngineService {
 
     /// The request's output grammar and reasoning block, compiled off the async workers (the
     /// first one also builds the vocabulary's token trie).
-    async fn guide(&self, request: &GenerateRequest) -> Result<Option<Guide>, Status> {
+    async fn guide(&self, request: &GenerateRequest) -> Result<Option<Box<Guide>>, Status> {
         let reasoning = request.reasoning.as_ref().map(|r| ReasoningRule {
             start_token: r.start_token_id,
             end_token: r.end_token_id,
@@ -167,6 +167,7 @@ impl EngineService {
         })
         .await
         .map_err(|error| Status::internal(format!("compiling the output grammar failed: {error}")))?
+        .map(|guide| guide.map(Box::new))
         .map_err(|error| Status::invalid_argument(error.to_string()))
     }
 }

@@ -101,7 +101,7 @@ pub struct GenerationRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// The output grammar and reasoning block, if any: a guided step samples from its whole
     /// row, masked to what the guide allows.
-    pub guide: Option<Guide>,
+    pub guide: Option<Box<Guide>>,
     pub events: async_mpsc::Sender<SchedulerResult>,
 }
 
@@ -133,7 +133,7 @@ struct Running<B: Backend> {
     history: Vec<u32>,
     pending: Vec<u32>,
     generated: usize,
-    guide: Option<Guide>,
+    guide: Option<Box<Guide>>,
 }
 
 /// Starts the scheduler thread; returns the command sender.
@@ -192,7 +192,7 @@ fn run<B: Backend>(
         let mut allowed = Vec::with_capacity(running.len());
         let mut refused = Vec::new();
         for (index, r) in running.iter_mut().enumerate() {
-            match r.guide.as_mut().map(Guide::allowed).transpose() {
+            match r.guide.as_mut().map(|guide| guide.allowed()).transpose() {
                 Ok(step) => allowed.push(step.unwrap_or(Allowed::Any)),
                 Err(error) => {
                     let _ = r
@@ -783,7 +783,7 @@ mod tests {
     /// under `guide`, and returns the tokens and the finish.
     fn guided_tokens<B: Backend + 'static>(
         backend: Arc<B>,
-        guide: Option<Guide>,
+        guide: Option<Box<Guide>>,
         sampling: SamplingParams,
         max_new_tokens: usize,
     ) -> (Vec<u32>, Option<SequenceFinish>)
@@ -890,8 +890,12 @@ mod tests {
             }
         }
         for sampling in settings {
-            let (tokens, finish) =
-                guided_tokens(Arc::clone(&backend), guide(), sampling.clone(), 200);
+            let (tokens, finish) = guided_tokens(
+                Arc::clone(&backend),
+                guide().map(Box::new),
+                sampling.clone(),
+                200,
+            );
             let text = text_of(&tokens);
             assert_eq!(
                 finish,
@@ -964,7 +968,7 @@ mod tests {
             seed: 5,
             ..SamplingParams::default()
         };
-        let (tokens, finish) = guided_tokens(backend, guide, sampling, 40);
+        let (tokens, finish) = guided_tokens(backend, guide.map(Box::new), sampling, 40);
         assert_eq!(tokens[4], 484, "{tokens:?}");
         assert!(!tokens[..4].contains(&484), "{tokens:?}");
         assert_eq!(finish, Some(SequenceFinish::StopToken), "{tokens:?}");

@@ -1,6 +1,6 @@
 //! Unmodified Claude Code (`claude -p`, print mode, JSON output) against the gateway, with the
 //! scripted engine answering a `<tool_call>` for its Bash tool and then a plain answer once the
-//! tool's result comes back: the tool runs, its result is sent, the session ends cleanly.
+//! tool's result comes back: the tool runs, its result is sent, and Claude Code exits cleanly.
 //!
 //! Claude Code is found at `$NINFER_CLAUDE_CODE` or as `claude` on `PATH` (`.ci/run` installs
 //! it from the npm registry); without it the test says SKIPPED and why.

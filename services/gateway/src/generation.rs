@@ -729,7 +729,8 @@ async fn run_generation(
                 let rest = stop_matcher.finish();
                 append(&mut text, split(&mut splitter, &rest));
             }
-            if let Some(splitter) = splitter.as_mut() {
+            // After the one allowed tool call nothing held back belongs to the answer.
+            if let Some(splitter) = splitter.as_mut().filter(|_| !tool_call_closed) {
                 append(&mut text, splitter.finish());
             }
             if !text.is_empty() || !logprobs.is_empty() {

@@ -333,7 +333,7 @@ pub fn forced_tool_grammar(
         alternatives.push(rule.clone());
         let body = match syntax {
             ToolCallSyntax::Json => json_call_body(tool),
-            ToolCallSyntax::Xml => xml_call_body(tool, index, &mut rules),
+            ToolCallSyntax::Xml => xml_call_body(tool, index, &mut rules)?,
         };
         rules.push(format!(
             "{rule}: \"<tool_call>\\n\" {body} \"\\n</tool_call>\""
@@ -377,7 +377,11 @@ fn json_call_body(tool: &ToolSpec) -> String {
 /// (required ones always, others optionally, in declaration order), then `</function>`.
 /// String values are raw text without `<` (so the block's tags stay unambiguous); others are
 /// compact JSON for their schema.
-fn xml_call_body(tool: &ToolSpec, index: usize, rules: &mut Vec<String>) -> String {
+fn xml_call_body(
+    tool: &ToolSpec,
+    index: usize,
+    rules: &mut Vec<String>,
+) -> Result<String, GatewayError> {
     let strict_parameters = strict(&tool.parameters);
     let definitions: Map<String, JsonValue> = ["$defs", "definitions"]
         .iter()
@@ -398,11 +402,28 @@ fn xml_call_body(tool: &ToolSpec, index: usize, rules: &mut Vec<String>) -> Stri
         .unwrap_or_default();
     for (position, (key, schema)) in properties.iter().enumerate() {
         let rule = format!("param_{index}_{position}");
-        let value = if schema.get("type").and_then(JsonValue::as_str) == Some("string")
-            && schema.get("enum").is_none()
-            && schema.get("pattern").is_none()
-            && schema.get("format").is_none()
-        {
+        let is_string = schema.get("type").and_then(JsonValue::as_str) == Some("string")
+            && schema.get("enum").is_none();
+        if is_string && schema.get("format").is_some() {
+            // The value is raw text here, not a JSON string the format's grammar describes.
+            return Err(GatewayError::invalid_parameter(
+                "tool_choice",
+                format!(
+                    "tool `{}`: `format` on the string parameter `{key}` cannot be enforced in this model's tool-call syntax",
+                    tool.name
+                ),
+            ));
+        }
+        let pattern = schema
+            .get("pattern")
+            .and_then(JsonValue::as_str)
+            .filter(|_| is_string);
+        let value = if let Some(pattern) = pattern {
+            // A whole-value match also matches the (unanchored) JSON-schema pattern.
+            let body = pattern.strip_prefix('^').unwrap_or(pattern);
+            let body = body.strip_suffix('$').unwrap_or(body);
+            format!("/{}/", body.replace('/', "\\/"))
+        } else if is_string && schema.get("pattern").is_none() {
             let max = schema
                 .get("maxLength")
                 .and_then(JsonValue::as_u64)
@@ -446,7 +467,7 @@ fn xml_call_body(tool: &ToolSpec, index: usize, rules: &mut Vec<String>) -> Stri
         }
     }
     parts.push(literal("</function>"));
-    parts.join(" ")
+    Ok(parts.join(" "))
 }
 
 /// `schema` with every unbounded `number` / `integer` limited to ±10^15: the arguments parser

@@ -84,8 +84,9 @@ fn weather_tools() -> Vec<Value> {
                 "city": {"type": "string", "maxLength": 12},
                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                 "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                "detailed": {"type": "boolean"}
-            }, "required": ["city", "unit"]}}}),
+                "detailed": {"type": "boolean"},
+                "airport": {"type": "string", "pattern": "^[A-Z]{3}$"}
+            }, "required": ["city", "unit", "airport"]}}}),
         json!({"type": "function", "function": {"name": "add", "parameters": {"type": "object",
             "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}),
     ]
@@ -124,9 +125,14 @@ fn check_arguments(name: &str, arguments: &serde_json::Map<String, Value>) {
             if let Some(detailed) = arguments.get("detailed") {
                 assert!(detailed.is_boolean(), "{arguments:?}");
             }
+            let airport = arguments["airport"].as_str().unwrap_or_default();
+            assert!(
+                airport.len() == 3 && airport.chars().all(|c| c.is_ascii_uppercase()),
+                "{arguments:?}"
+            );
             for key in arguments.keys() {
                 assert!(
-                    ["city", "unit", "days", "detailed"].contains(&key.as_str()),
+                    ["city", "unit", "days", "detailed", "airport"].contains(&key.as_str()),
                     "{arguments:?}"
                 );
             }
@@ -192,6 +198,17 @@ fn forced_tool_calls_in_both_syntaxes_always_parse_and_fit_their_schemas() {
             }
         }
     }
+    // A string `format` cannot be enforced on the XML syntax's raw values: refused by name.
+    let dated = vec![ToolSpec {
+        name: "when".into(),
+        parameters: json!({"type": "object", "properties": {"day": {"type": "string", "format": "date"}}}),
+    }];
+    let error =
+        forced_tool_grammar(&ToolChoice::Required, &dated, ToolCallSyntax::Xml, false).unwrap_err();
+    assert!(error.to_string().contains("`format`"), "{error}");
+    assert!(
+        forced_tool_grammar(&ToolChoice::Required, &dated, ToolCallSyntax::Json, false).is_ok()
+    );
     // A forced choice of an undeclared tool is refused, not ignored.
     assert!(forced_tool_grammar(
         &ToolChoice::Function("nope".into()),

@@ -266,10 +266,128 @@ def main():
             return f"{error.status_code}"
         raise AssertionError("no error for a bias of 500")
 
-    for step in [tool_choice_unknown, logit_bias, models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias]:
+    @check("openai.responses non-stream equals chat, stream events")
+    def responses():
+        response = oa.responses.create(model=model, instructions="You are terse.", input="What is the capital of France?", max_output_tokens=args.max_tokens, temperature=0.0)
+        assert response.object == "response" and response.id.startswith("resp_")
+        assert response.status in ("completed", "incomplete"), response.status
+        want_content = state["chat"][0]
+        assert response.output_text == want_content, (response.output_text, want_content)
+        assert response.usage.input_tokens == state["chat"][2].prompt_tokens, response.usage
+        events = list(oa.responses.create(model=model, instructions="You are terse.", input=[{"role": "user", "content": "What is the capital of France?"}], max_output_tokens=args.max_tokens, temperature=0.0, stream=True))
+        kinds = [event.type for event in events]
+        assert kinds[0] == "response.created" and kinds[1] == "response.in_progress", kinds
+        assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+        assert [event.sequence_number for event in events] == list(range(len(events)))
+        streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+        assert streamed == want_content, (streamed, want_content)
+        assert events[-1].response.output_text == want_content
+        state["response_id"] = response.id
+        return f"{len(events)} events"
+
+    @check("openai.responses tool round trip and previous_response_id")
+    def responses_tools():
+        tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+        items = [{"role": "user", "content": "Weather in Paris?"},
+                 {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+                 {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}]
+        answer = oa.responses.create(model=model, input=items, tools=tools, max_output_tokens=args.max_tokens, temperature=0.0)
+        assert answer.status in ("completed", "incomplete"), answer.status
+        follow = oa.responses.create(model=model, previous_response_id=state["response_id"], input="And of Italy?", max_output_tokens=4, temperature=0.0)
+        assert follow.previous_response_id == state["response_id"]
+        assert follow.usage.input_tokens > state["chat"][2].prompt_tokens, follow.usage
+        try:
+            oa.responses.create(model=model, previous_response_id="resp_unknown", input="x", max_output_tokens=4)
+            raise AssertionError("an unknown previous_response_id was accepted")
+        except openai.BadRequestError as error:
+            assert error.body and "previous_response_id" in json.dumps(error.body), error.body
+        return f"answer={answer.output_text[:30]!r}"
+
+    for step in [tool_choice_unknown, logit_bias, models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias, responses, responses_tools]:
         step()
 
     if args.reference:
+        # A real (random-weight) model: what the engine enforces on the tokens. Thinking is off
+        # so the grammar applies from the first token (a random model may never close a block).
+        no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+
+        @check("openai chat.completions.parse with a Pydantic schema")
+        def structured_parse():
+            from typing import List, Literal
+            import pydantic
+
+            class City(pydantic.BaseModel):
+                name: pydantic.constr(max_length=16)
+                population: pydantic.conint(ge=0, le=100000000)
+                capital: bool
+                tags: pydantic.conlist(Literal["old", "big", "river"], max_length=3)
+
+            parsed = []
+            for seed in range(3):
+                completion = oa.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Describe Paris."}], response_format=City, max_tokens=300, temperature=1.0, seed=seed, extra_body=no_think)
+                message = completion.choices[0].message
+                assert message.parsed is not None, message.content
+                City.model_validate_json(message.content)
+                parsed.append(message.parsed)
+            objects = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}], response_format={"type": "json_object"}, max_tokens=300, seed=7, extra_body=no_think)
+            assert isinstance(json.loads(objects.choices[0].message.content), dict)
+            return f"{parsed[0]!r}"
+
+        @check("forced tool calls always parse (OpenAI required / named, Anthropic any)")
+        def forced_tools():
+            tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city", "unit"]}}},
+                     {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["a", "b"]}}}]
+            names = set()
+            for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "add"}}, "required", "required"]):
+                response = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "Use a tool."}], tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed, extra_body=no_think)
+                message = response.choices[0].message
+                assert response.choices[0].finish_reason == "tool_calls", (response.choices[0].finish_reason, message.content)
+                assert len(message.tool_calls) == 1, message.tool_calls
+                call = message.tool_calls[0]
+                arguments = json.loads(call.function.arguments)
+                if isinstance(choice, dict):
+                    assert call.function.name == "add"
+                if call.function.name == "add":
+                    assert set(arguments) == {"a", "b"} and all(isinstance(v, int) and 0 <= v <= 999 for v in arguments.values()), arguments
+                else:
+                    assert call.function.name == "get_weather" and arguments["unit"] in ("c", "f") and len(arguments["city"]) <= 20, arguments
+                names.add(call.function.name)
+            message = an.messages.create(model=model, max_tokens=300, messages=[{"role": "user", "content": "Use a tool."}],
+                                         tools=[{"name": "lookup", "input_schema": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 10}}, "required": ["q"]}}],
+                                         tool_choice={"type": "any"})
+            uses = [block for block in message.content if block.type == "tool_use"]
+            assert message.stop_reason == "tool_use" and len(uses) >= 1 and uses[0].name == "lookup" and isinstance(uses[0].input["q"], str), message.content
+            return f"tools {sorted(names)}"
+
+        @check("n=3 unseeded samples differ")
+        def three_samples():
+            response = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say something."}], n=3, max_tokens=12, temperature=1.0, extra_body=no_think)
+            texts = [choice.message.content for choice in response.choices]
+            assert len(set(texts)) == 3, texts
+            return f"{texts}"
+
+        @check("anthropic thinking budget closes the thinking block")
+        def thinking_budget():
+            message = an.messages.create(model=model, max_tokens=64, messages=[{"role": "user", "content": "Think briefly."}], thinking={"type": "enabled", "budget_tokens": 8})
+            kinds = [block.type for block in message.content]
+            thinking_text = "".join(block.thinking for block in message.content if block.type == "thinking")
+            # A random model left alone thinks to max_tokens; with the budget the block is closed
+            # after 8 tokens and the answer follows (or the turn ends).
+            assert kinds[0] == "thinking" and len(thinking_text) < 200, (kinds, thinking_text)
+            assert "text" in kinds or message.stop_reason == "end_turn", (kinds, message.stop_reason)
+            return f"blocks {kinds}, {len(thinking_text)} thinking chars, stop {message.stop_reason}"
+
+        @check("openai.responses text.format json_schema")
+        def responses_schema():
+            response = oa.responses.create(model=model, input="A city as JSON.", max_output_tokens=300, temperature=1.0, extra_body=no_think,
+                                           text={"format": {"type": "json_schema", "name": "city", "strict": True, "schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "big": {"type": "boolean"}}, "required": ["name", "big"], "additionalProperties": False}}})
+            value = json.loads(response.output_text)
+            assert set(value) == {"name", "big"} and isinstance(value["big"], bool), value
+            return f"{value}"
+
+        for step in [structured_parse, forced_tools, three_samples, thinking_budget, responses_schema]:
+            step()
+
         @check("raw greedy completion equals the fixture reference")
         def reference_greedy():
             reference = json.load(open(args.reference))

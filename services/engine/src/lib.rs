@@ -19,10 +19,13 @@
 //!   processes) and `--moe-gpu-experts` placement with its memory budget.
 //! * [`service`] — the gRPC engine service: scheduler actor (continuous batching), routing stats.
 //! * [`sampling`] — greedy / temperature / top-k / top-p / min-p / penalties, seeded.
+//! * [`constraint`] — constrained decoding: token masks from a grammar (llguidance), the
+//!   reasoning block and its budget.
 //! * [`perplexity`] — windowed NLL of a token stream.
 //! * [`testing`] — `test_device!` and tiny random-weight artifacts for tests.
 
 pub mod backend;
+pub mod constraint;
 pub mod error;
 pub mod host_math;
 pub mod model;

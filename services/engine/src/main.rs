@@ -324,6 +324,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         scheduler_counters,
         routing: Arc::clone(&routing),
         readiness,
+        guidance: Default::default(),
         profiling: Profiling {
             counters: started.profile,
             device: device_name.into(),

@@ -124,6 +124,9 @@ pub struct AnthropicToolChoice {
     pub kind: String,
     #[serde(default)]
     pub name: Option<String>,
+    /// `true`: at most one tool call.
+    #[serde(default)]
+    pub disable_parallel_tool_use: Option<bool>,
 }
 
 impl AnthropicToolChoice {
@@ -357,11 +360,32 @@ fn chat_conversation(
             )
         })
         .collect();
-    // Anthropic's default is no extended thinking; `thinking: {type: enabled}` turns it on.
+    // Anthropic's default is no extended thinking; `thinking: {type: enabled}` (or `adaptive`)
+    // turns it on, with `budget_tokens` as the most the thinking block may take.
     let thinking_enabled = request
         .thinking
         .as_ref()
-        .is_some_and(|thinking| thinking.kind == "enabled");
+        .is_some_and(|thinking| matches!(thinking.kind.as_str(), "enabled" | "adaptive"));
+    let reasoning_budget = match request.thinking.as_ref() {
+        Some(thinking) if thinking_enabled => match thinking.budget_tokens {
+            None => None,
+            Some(budget) => Some(u32::try_from(budget).ok().filter(|&b| b >= 1).ok_or_else(
+                || {
+                    GatewayError::invalid_parameter(
+                        "thinking.budget_tokens",
+                        format!("thinking.budget_tokens: Input should be a positive integer, got {budget}"),
+                    )
+                },
+            )?),
+        },
+        Some(thinking) if thinking.kind != "disabled" => {
+            return Err(GatewayError::invalid_parameter(
+                "thinking.type",
+                format!("thinking.type: Input should be 'enabled', 'adaptive' or 'disabled', got '{}'", thinking.kind),
+            ))
+        }
+        _ => None,
+    };
     Ok(ChatConversation {
         messages,
         tools,
@@ -374,6 +398,12 @@ fn chat_conversation(
             Some(choice) => choice.to_tool_choice()?,
             None => ToolChoice::Auto,
         },
+        single_tool_call: request
+            .tool_choice
+            .as_ref()
+            .is_some_and(|choice| choice.disable_parallel_tool_use == Some(true)),
+        reasoning_budget,
+        ..Default::default()
     })
 }
 

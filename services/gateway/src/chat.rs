@@ -11,6 +11,7 @@ use minijinja::Value;
 
 use crate::chat_template::ChatTemplateInput;
 use crate::error::GatewayError;
+use crate::structured::ResponseFormat;
 
 /// Who speaks a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,8 +227,8 @@ impl ChatMessage {
 }
 
 /// Whether and which tool the client asks the model to call. `None` is honoured (no call is
-/// parsed); `Required` and `Function` are checked against the declared tools but not forced on
-/// the tokens.
+/// parsed); `Required` and `Function` are checked against the declared tools and forced on the
+/// tokens (a grammar of the model's tool-call syntax, see [`crate::structured`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum ToolChoice {
     /// The model decides (the default).
@@ -250,6 +251,13 @@ pub struct ChatConversation {
     /// Extra template variables (`enable_thinking`, `preserve_thinking`, ...).
     pub template_variables: Vec<(String, Value)>,
     pub tool_choice: ToolChoice,
+    /// The answer's required shape (OpenAI `response_format`).
+    pub response_format: ResponseFormat,
+    /// At most one tool call (`parallel_tool_calls: false`, Anthropic
+    /// `disable_parallel_tool_use`).
+    pub single_tool_call: bool,
+    /// Most tokens of reasoning before the model is made to close its thinking block.
+    pub reasoning_budget: Option<u32>,
 }
 
 impl ChatConversation {

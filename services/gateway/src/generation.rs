@@ -16,17 +16,21 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::StreamExt;
-use ninfer_protocol::v1::{FinishReason, GenerateRequest, SamplingParameters};
+use ninfer_protocol::v1::{FinishReason, GenerateRequest, Reasoning, SamplingParameters};
 use tokio::sync::mpsc;
 
 use crate::backend::{GenerationBackend, ServedModel};
-use crate::chat::ChatConversation;
+use crate::chat::{ChatConversation, ToolChoice};
 use crate::chat_template::ChatTemplateInput;
 use crate::error::GatewayError;
 use crate::metrics::GatewayMetrics;
 use crate::reasoning::{ReasoningSplitter, ReasoningStart, SplitText};
 use crate::stop_strings::{StopCheck, StopStringMatcher};
+use crate::structured::{forced_tool_grammar, response_format_grammar, tool_specs};
 use crate::tokenizer::IncrementalDetokenizer;
+
+/// Where a tool call ends (both Qwen syntaxes).
+const TOOL_CALL_CLOSE: &str = "</tool_call>";
 
 /// Longest completion when neither the request nor the model's context bounds it.
 const FALLBACK_MAX_NEW_TOKENS: u32 = 4096;
@@ -150,6 +154,21 @@ pub struct GenerationPlan {
     /// Choice `i` samples with `seed + i`: the client's seed (reproducible), or fresh entropy
     /// when it gave none, so unseeded retries and the `n` choices all differ.
     pub seed: u64,
+    /// What the engine enforces on the tokens beyond sampling.
+    pub guidance: Guidance,
+}
+
+/// Constraints a chat request puts on the answer, enforced by the engine per token.
+#[derive(Debug, Clone, Default)]
+pub struct Guidance {
+    /// The answer's grammar (llguidance Lark): a JSON format or forced tool calls.
+    pub grammar: Option<String>,
+    /// Most reasoning tokens before the engine closes the thinking block.
+    pub reasoning_budget: Option<u32>,
+    /// The prompt already closed the thinking block (thinking turned off): no block to skip.
+    pub thinking_closed: bool,
+    /// Stop after the first complete tool call.
+    pub single_tool_call: bool,
 }
 
 impl GenerationPlan {
@@ -204,6 +223,38 @@ impl GenerationPlan {
             request_id: new_request_id(),
             seed: options.seed.unwrap_or_else(fresh_seed),
             options,
+            guidance: Guidance::default(),
+        })
+    }
+
+    /// The engine's reasoning-block settings: when a grammar must wait for the end of the
+    /// thinking block, or a budget closes it. `None` for raw completions, models without
+    /// `<think>` tokens, and prompts that closed the block already.
+    fn engine_reasoning(&self) -> Option<Reasoning> {
+        let start = self.reasoning?;
+        let guidance = &self.guidance;
+        if guidance.thinking_closed
+            || (guidance.grammar.is_none() && guidance.reasoning_budget.is_none())
+        {
+            return None;
+        }
+        let tokenizer = &self.model.resources.tokenizer;
+        let open = tokenizer.token_to_id("<think>")?;
+        let end = tokenizer.token_to_id("</think>")?;
+        // Closed the way the template writes a finished block, so the answer reads as usual.
+        let close = tokenizer
+            .encode("\n</think>\n\n", false)
+            .ok()
+            .filter(|ids| ids.contains(&end))
+            .unwrap_or_else(|| vec![end]);
+        Some(Reasoning {
+            start_token_id: match start {
+                ReasoningStart::InsideThinking => None,
+                ReasoningStart::DetectOpeningTag => Some(open),
+            },
+            end_token_id: end,
+            budget_tokens: guidance.reasoning_budget.unwrap_or(0),
+            close_token_ids: close,
         })
     }
 
@@ -239,6 +290,8 @@ impl GenerationPlan {
             // Padded embedding rows past the tokenizer decode to nothing: never sample them.
             sampleable_vocabulary_size: self.model.resources.tokenizer.vocabulary_size() as u32,
             logit_bias: options.logit_bias.iter().copied().collect(),
+            reasoning: self.engine_reasoning(),
+            lark_grammar: self.guidance.grammar.clone().unwrap_or_default(),
         }
     }
 }
@@ -316,6 +369,27 @@ fn render_and_encode(
         .resources
         .tokenizer
         .render_and_encode_chat(template, input)
+}
+
+/// The grammar a conversation puts on the answer: forced tool calls (in the model's syntax)
+/// before a JSON `response_format`; `None` for free text.
+fn answer_grammar(
+    model: &ServedModel,
+    conversation: &ChatConversation,
+) -> Result<Option<String>, GatewayError> {
+    if matches!(
+        conversation.tool_choice,
+        ToolChoice::Required | ToolChoice::Function(_)
+    ) {
+        let definitions = conversation.tool_definitions().unwrap_or_default();
+        return forced_tool_grammar(
+            &conversation.tool_choice,
+            &tool_specs(&definitions)?,
+            model.resources.tool_call_syntax,
+            !conversation.single_tool_call,
+        );
+    }
+    Ok(response_format_grammar(&conversation.response_format))
 }
 
 /// Whether output starts inside a thinking block: the prompt ends with an open `<think>`.
@@ -453,13 +527,21 @@ impl Generator {
         options: SamplingOptions,
     ) -> Result<GenerationPlan, GatewayError> {
         let input = conversation.template_input()?;
+        let grammar = answer_grammar(&model, conversation)?;
         let (prompt, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
-        GenerationPlan::new(
+        let mut plan = GenerationPlan::new(
             model,
             prompt_token_ids,
             options,
             Some(reasoning_start_for_prompt(&prompt)),
-        )
+        )?;
+        plan.guidance = Guidance {
+            grammar,
+            reasoning_budget: conversation.reasoning_budget,
+            thinking_closed: prompt.trim_end().ends_with("</think>"),
+            single_tool_call: conversation.single_tool_call && !conversation.tools.is_empty(),
+        };
+        Ok(plan)
     }
 
     /// Tokenizes a raw prompt and checks it against the model's context.
@@ -525,6 +607,9 @@ async fn run_generation(
     let mut splitter = plan.reasoning.map(ReasoningSplitter::new);
     let mut completion_tokens: u32 = 0;
     let mut last_token_at: Option<Instant> = None;
+    // With one tool call allowed, the answer ends at the first `</tool_call>`.
+    let mut answer_so_far = String::new();
+    let single_tool_call = plan.guidance.single_tool_call;
     let prompt_tokens = plan.prompt_token_ids.len() as u32;
     let split = |splitter: &mut Option<ReasoningSplitter>, text: &str| -> SplitText {
         match splitter {
@@ -619,7 +704,18 @@ async fn run_generation(
                 matched_stop = Some(matched);
             }
         }
-        let finish = if matched_stop.is_some() {
+        let mut tool_call_closed = false;
+        if single_tool_call {
+            let before = answer_so_far.len();
+            answer_so_far.push_str(&text.content);
+            if let Some(close) = answer_so_far.find(TOOL_CALL_CLOSE) {
+                let end = close + TOOL_CALL_CLOSE.len();
+                text.content
+                    .truncate(end.saturating_sub(before).min(text.content.len()));
+                tool_call_closed = true;
+            }
+        }
+        let finish = if matched_stop.is_some() || tool_call_closed {
             Some(FinishKind::Stop)
         } else {
             match engine_finish {
@@ -630,11 +726,12 @@ async fn run_generation(
             }
         };
         if let Some(finish) = finish {
-            if matched_stop.is_none() {
+            if matched_stop.is_none() && !tool_call_closed {
                 let rest = stop_matcher.finish();
                 append(&mut text, split(&mut splitter, &rest));
             }
-            if let Some(splitter) = splitter.as_mut() {
+            // After the one allowed tool call nothing held back belongs to the answer.
+            if let Some(splitter) = splitter.as_mut().filter(|_| !tool_call_closed) {
                 append(&mut text, splitter.finish());
             }
             if !text.is_empty() || !logprobs.is_empty() {

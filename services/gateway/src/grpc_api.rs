@@ -190,7 +190,7 @@ fn chat_conversation(request: &ChatRequest) -> Result<ChatConversation, GatewayE
         tools: Vec::new(),
         add_generation_prompt: true,
         template_variables,
-        tool_choice: Default::default(),
+        ..Default::default()
     })
 }
 

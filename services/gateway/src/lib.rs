@@ -6,7 +6,9 @@
 //! limits (`server`); connection limits, timeouts and the shutdown drain (`connections`);
 //! shared state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`,
 //! `chat_template`); stop strings (`stop_strings`), `<think>` splitting
-//! (`reasoning`), tool-call parsing (`tool_calls`) and the [`generation::Generator`] every API
+//! (`reasoning`), tool-call parsing (`tool_calls`), structured output and forced tool calls as
+//! grammars for the engine (`structured`), the OpenAI Responses API (`responses`) and the
+//! [`generation::Generator`] every API
 //! generates through; the [`backend::GenerationBackend`] seam and its gRPC engine
 //! pool (`backend::engine_pool`); routing statistics (`routing_stats`); Prometheus metrics
 //! (`metrics`); systemd notifications (`sd_notify`).
@@ -25,12 +27,14 @@ pub mod grpc_api;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;
+pub mod responses;
 pub mod routing_stats;
 /// systemd notifications live with the other wire protocols, shared by every service binary.
 pub use ninfer_protocol::sd_notify;
 pub mod server;
 pub mod state;
 pub mod stop_strings;
+pub mod structured;
 pub mod tokenizer;
 pub mod tool_calls;
 

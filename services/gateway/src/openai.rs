@@ -31,6 +31,7 @@ use crate::generation::{
 };
 use crate::server::parse_json_body;
 use crate::state::GatewayState;
+use crate::structured::openai_response_format;
 use crate::tool_calls::{split_tool_calls, ParsedToolCall, ToolCallCapture};
 
 /// `stop`: one string or a list.
@@ -133,10 +134,16 @@ pub struct ChatCompletionRequest {
     /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`.
     #[serde(default)]
     pub tool_choice: Option<JsonValue>,
+    /// `false`: at most one tool call.
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`, enforced on the tokens.
+    #[serde(default)]
+    pub response_format: Option<JsonValue>,
 }
 
 /// OpenAI's `tool_choice` in the gateway's terms.
-fn tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
+pub fn tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
     let invalid = || {
         GatewayError::invalid_parameter(
             "tool_choice",
@@ -356,6 +363,7 @@ pub fn chat_conversation(
         add_generation_prompt,
         template_variables,
         tool_choice: ToolChoice::Auto,
+        ..Default::default()
     })
 }
 
@@ -447,6 +455,8 @@ async fn chat_completions_inner(
     )?;
     conversation.tool_choice = tool_choice(request.tool_choice.as_ref())?;
     conversation.check_tool_choice("tool_choice")?;
+    conversation.response_format = openai_response_format(request.response_format.as_ref())?;
+    conversation.single_tool_call = request.parallel_tool_calls == Some(false);
     let plan = state
         .generator
         .plan_chat(model, &conversation, options)

@@ -49,6 +49,7 @@ pub fn build_router(state: Arc<GatewayState>) -> Router {
             post(crate::openai::chat_completions),
         )
         .route("/v1/completions", post(crate::openai::completions))
+        .route("/v1/responses", post(crate::responses::create_response))
         .route("/v1/models", get(crate::openai::list_models))
         .route("/v1/models/{model}", get(crate::openai::get_model))
         .route("/v1/messages", post(crate::anthropic::messages))
@@ -180,9 +181,10 @@ fn grpc_error_response(code: tonic::Code, message: &str) -> Response {
 
 /// Known endpoints by name; anything else is one label, so clients cannot blow up the label set.
 fn metric_endpoint(path: &str) -> String {
-    const KNOWN: [&str; 11] = [
+    const KNOWN: [&str; 12] = [
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
         "/v1/models",
         "/v1/messages",
         "/v1/messages/count_tokens",

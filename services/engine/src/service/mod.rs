@@ -25,6 +25,7 @@ use ninfer_protocol::v1::{
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use crate::constraint::{guide_for_request, GuidanceCache, Guide, ReasoningRule};
 use crate::profile::{ForwardProfile, PhaseTotals};
 use crate::sampling::SamplingParams;
 use routing_stats::RoutingCounters;
@@ -74,6 +75,8 @@ pub struct EngineService {
     /// none is refused before its response starts, so the gateway can answer 429 instead of
     /// an error inside a 200 stream.
     pub sequence_permits: Arc<tokio::sync::Semaphore>,
+    /// The model's tokens for constrained decoding, built on the first constrained request.
+    pub guidance: Arc<GuidanceCache>,
 }
 
 /// Times a device-to-device copy on the GPU: bytes per second, or why not.
@@ -134,6 +137,42 @@ impl EngineService {
             bytes.push(0);
         }
         ninfer_artifact::Checksum::of(&bytes).to_string()
+    }
+
+    /// The request's output grammar and reasoning block, compiled off the async workers (the
+    /// first one also builds the vocabulary's token trie).
+    async fn guide(&self, request: &GenerateRequest) -> Result<Option<Box<Guide>>, Status> {
+        let reasoning = request.reasoning.as_ref().map(|r| ReasoningRule {
+            start_token: r.start_token_id,
+            end_token: r.end_token_id,
+            budget: r.budget_tokens as usize,
+            close_tokens: r.close_token_ids.clone(),
+        });
+        if request.lark_grammar.is_empty() && reasoning.as_ref().is_none_or(|r| r.budget == 0) {
+            return Ok(None);
+        }
+        let artifact = Arc::clone(&self.artifact);
+        let cache = Arc::clone(&self.guidance);
+        let grammar = request.lark_grammar.clone();
+        let stop_tokens = request.stop_token_ids.clone();
+        let eos = self.eos_token_ids();
+        tokio::task::spawn_blocking(move || {
+            let vocab = artifact.config().common().vocab_size;
+            let tokenizer = artifact.file("tokenizer.json").unwrap_or_default();
+            guide_for_request(
+                &cache,
+                tokenizer,
+                vocab,
+                &eos,
+                reasoning,
+                &grammar,
+                stop_tokens,
+            )
+        })
+        .await
+        .map_err(|error| Status::internal(format!("compiling the output grammar failed: {error}")))?
+        .map(|guide| guide.map(Box::new))
+        .map_err(|error| Status::invalid_argument(error.to_string()))
     }
 }
 
@@ -282,7 +321,9 @@ impl Engine for EngineService {
         } else {
             request.request_id.clone()
         };
+        let guide = self.guide(&request).await?;
         self.send(SchedulerCommand::Submit(GenerationRequest {
+            guide,
             request_id,
             sampling: sampling_from(&request),
             prompt: request.prompt_token_ids,

@@ -16,6 +16,7 @@ use tokio::sync::mpsc as async_mpsc;
 
 use crate::backend::candidates::{DEFAULT_CANDIDATES, MAX_CANDIDATES};
 use crate::backend::{Backend, KvPlacement, LogitCandidates};
+use crate::constraint::{Allowed, Guide};
 use crate::error::EngineError;
 use crate::model::{Model, SequenceInput, SequenceState};
 use crate::sampling::{Sampler, SamplingParams};
@@ -98,6 +99,9 @@ pub struct GenerationRequest {
     /// `(token, bias)` added to the logits before sampling. A biased request samples from whole
     /// rows (the candidates are the unbiased largest logits).
     pub logit_bias: Vec<(u32, f32)>,
+    /// The output grammar and reasoning block, if any: a guided step samples from its whole
+    /// row, masked to what the guide allows.
+    pub guide: Option<Box<Guide>>,
     pub events: async_mpsc::Sender<SchedulerResult>,
 }
 
@@ -129,6 +133,7 @@ struct Running<B: Backend> {
     history: Vec<u32>,
     pending: Vec<u32>,
     generated: usize,
+    guide: Option<Box<Guide>>,
 }
 
 /// Starts the scheduler thread; returns the command sender.
@@ -183,9 +188,32 @@ fn run<B: Backend>(
         if running.is_empty() {
             continue;
         }
+        // What each guided sequence may sample this step (a grammar mask, a forced token).
+        let mut allowed = Vec::with_capacity(running.len());
+        let mut refused = Vec::new();
+        for (index, r) in running.iter_mut().enumerate() {
+            match r.guide.as_mut().map(|guide| guide.allowed()).transpose() {
+                Ok(step) => allowed.push(step.unwrap_or(Allowed::Any)),
+                Err(error) => {
+                    let _ = r
+                        .request
+                        .events
+                        .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
+                    refused.push(index);
+                    allowed.push(Allowed::Any);
+                }
+            }
+        }
+        for index in refused.into_iter().rev() {
+            running.swap_remove(index);
+            allowed.swap_remove(index);
+        }
+        if running.is_empty() {
+            continue;
+        }
         // Sampling on the backend's candidates when every request allows it (a few KB per
-        // token read back instead of the whole logits rows).
-        let candidate_k = candidate_count(&running);
+        // token read back instead of the whole logits rows). Guided rows are read whole.
+        let candidate_k = candidate_count(&running, &allowed);
         let extra: Vec<Vec<u32>> = match candidate_k {
             Some(_) => running
                 .iter()
@@ -243,18 +271,24 @@ fn run<B: Backend>(
         let mut kv_used = 0u64;
         for (index, r) in running.iter_mut().enumerate() {
             let sampleable = sampleable_vocabulary(r.request.sampleable_vocabulary, vocab);
+            let step = &allowed[index];
             let masked_candidates = candidates
                 .as_ref()
+                .filter(|_| step.is_any())
                 .and_then(|c| c.get(index))
                 .map(|c| without_unsampleable(c, sampleable));
             let row_candidates = masked_candidates.as_deref();
             let mut row: Option<Vec<f32>> = None;
             let logit_bias = &r.request.logit_bias;
             let row_of = |index: usize| {
-                row_of(index).map(|mut row| {
+                row_of(index).and_then(|mut row| {
                     apply_logit_bias(&mut row, logit_bias);
                     mask_unsampleable(&mut row, sampleable);
-                    row
+                    step.apply(&mut row)
+                        .map_err(|error| EngineError::InvalidSampling {
+                            problem: error.to_string(),
+                        })?;
+                    Ok(row)
                 })
             };
             let sampled = match row_candidates {
@@ -284,6 +318,16 @@ fn run<B: Backend>(
                     continue;
                 }
             };
+            if let Some(guide) = r.guide.as_mut() {
+                if let Err(error) = guide.accept(token) {
+                    let _ = r
+                        .request
+                        .events
+                        .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
+                    finished.push(index);
+                    continue;
+                }
+            }
             r.generated += 1;
             r.history.push(token);
             r.pending.clear();
@@ -347,10 +391,12 @@ fn fail_all<B: Backend>(running: &mut Vec<Running<B>>, error: &EngineError) {
 
 /// Ends one sequence's stream with `error`.
 fn fail<B: Backend>(r: &Running<B>, error: &EngineError) {
-    let _ = r
-        .request
-        .events
-        .try_send(Err(SchedulerError::GenerationFailed(error.to_string())));
+    let error = match error {
+        // The request's own settings leave nothing to sample (a constraint against its bans).
+        EngineError::InvalidSampling { .. } => SchedulerError::InvalidRequest(error.to_string()),
+        _ => SchedulerError::GenerationFailed(error.to_string()),
+    };
+    let _ = r.request.events.try_send(Err(error));
 }
 
 fn handle<B: Backend>(
@@ -419,7 +465,10 @@ fn handle<B: Backend>(
                 Err(error) => return reject(SchedulerError::GenerationFailed(error.to_string())),
             };
             log_host_kv(model, before, &request.request_id);
+            let mut request = request;
+            let guide = request.guide.take();
             running.push(Running {
+                guide,
                 history: request.prompt.clone(),
                 pending: request.prompt.clone(),
                 request,
@@ -528,12 +577,16 @@ fn log_host_kv<B: Backend>(model: &Model<B>, before: Option<KvPlacement>, reques
 /// from candidates ([`Sampler::candidates_suffice`], `top_logprobs` within them), with room for
 /// penalised tokens among them; `None`: read back whole rows. `NINFER_FULL_LOGITS=1` always
 /// reads whole rows.
-fn candidate_count<B: Backend>(running: &[Running<B>]) -> Option<usize> {
+fn candidate_count<B: Backend>(running: &[Running<B>], allowed: &[Allowed]) -> Option<usize> {
     if std::env::var("NINFER_FULL_LOGITS").is_ok_and(|v| v == "1") {
         return None;
     }
     let mut needed = 1usize;
-    for r in running {
+    for (r, step) in running.iter().zip(allowed) {
+        if !step.is_any() {
+            // Read whole on its own; the others keep their candidates.
+            continue;
+        }
         if !r.sampler.candidates_suffice(MAX_CANDIDATES)
             || r.request.top_logprobs > MAX_CANDIDATES
             || !r.request.logit_bias.is_empty()
@@ -658,6 +711,7 @@ mod tests {
             top_logprobs: 0,
             sampleable_vocabulary,
             logit_bias: logit_bias.to_vec(),
+            guide: None,
             events,
         };
         commands.send(SchedulerCommand::Submit(request)).unwrap();
@@ -724,6 +778,204 @@ mod tests {
     }
 
     crate::test_device!(logit_bias_pulls_and_bans_tokens);
+
+    /// Generates from a tiny random model whose rows match the fixtures' tokenizer (512 ids),
+    /// under `guide`, and returns the tokens and the finish.
+    fn guided_tokens<B: Backend + 'static>(
+        backend: Arc<B>,
+        guide: Option<Box<Guide>>,
+        sampling: SamplingParams,
+        max_new_tokens: usize,
+    ) -> (Vec<u32>, Option<SequenceFinish>)
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("tiny512.ninfer");
+        let mut config = crate::testing::tiny_config(TinyArchitecture::Qwen3Moe);
+        if let ninfer_artifact::ModelConfig::Qwen3Moe(c) = &mut config {
+            c.common.vocab_size = 512;
+        }
+        crate::testing::write_model(
+            &path,
+            &config,
+            TinyModelOptions::new(TinyArchitecture::Qwen3Moe),
+        )
+        .unwrap();
+        let model = Arc::new(Model::open(backend, &path).unwrap());
+        let limits = SchedulerLimits {
+            max_context: 512,
+            max_sequences: 4,
+        };
+        let commands = start(model, limits, Arc::new(SchedulerCounters::default())).unwrap();
+        let (events, mut receiver) = async_mpsc::channel(4096);
+        commands
+            .send(SchedulerCommand::Submit(GenerationRequest {
+                request_id: "guided".to_string(),
+                prompt: vec![481, 100, 200, 300, 482],
+                max_new_tokens,
+                sampling,
+                stop_token_ids: vec![482, 480],
+                top_logprobs: 0,
+                sampleable_vocabulary: 493,
+                logit_bias: Vec::new(),
+                guide,
+                events,
+            }))
+            .unwrap();
+        let mut tokens = Vec::new();
+        while let Some(event) = receiver.blocking_recv() {
+            let event = event.unwrap_or_else(|e| panic!("{e}"));
+            tokens.extend(event.token.map(|token| token.token_id));
+            if event.finish.is_some() {
+                return (tokens, event.finish);
+            }
+        }
+        (tokens, None)
+    }
+
+    /// A random-weight model under a JSON schema (greedy and sampled, whole-row and candidate
+    /// settings alike) writes JSON that parses and fits the schema, then stops; without the
+    /// grammar the same model writes no JSON at all (so the check can fail).
+    fn json_schema_output_is_valid_json<B: Backend + 'static>(backend: Arc<B>)
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let path = crate::testing::golden_fixture_dir("qwen3_moe").join("tokenizer.json");
+        let tokenizer_json = std::fs::read(path).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&tokenizer_json).unwrap();
+        let words = crate::constraint::token_bytes(&json).unwrap();
+        let text_of = |tokens: &[u32]| -> String {
+            let bytes: Vec<u8> = tokens
+                .iter()
+                .filter(|&&t| t != 482 && t != 480)
+                .flat_map(|&t| words[t as usize].clone())
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        };
+        let cache = crate::constraint::GuidanceCache::default();
+        let grammar = r#"start: %json {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "member": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
+            "nothing": {"type": "null"}},
+            "required": ["name", "age", "member", "tags", "nothing"], "additionalProperties": false,
+            "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}}"#;
+        let guide = || {
+            crate::constraint::guide_for_request(
+                &cache,
+                &tokenizer_json,
+                512,
+                &[482, 480],
+                None,
+                grammar,
+                vec![482, 480],
+            )
+            .unwrap()
+        };
+        let mut settings = vec![SamplingParams::greedy()];
+        for seed in 0..4u64 {
+            for top_k in [0usize, 20] {
+                settings.push(SamplingParams {
+                    temperature: 1.5,
+                    top_k,
+                    seed,
+                    ..SamplingParams::default()
+                });
+            }
+        }
+        for sampling in settings {
+            let (tokens, finish) = guided_tokens(
+                Arc::clone(&backend),
+                guide().map(Box::new),
+                sampling.clone(),
+                200,
+            );
+            let text = text_of(&tokens);
+            assert_eq!(
+                finish,
+                Some(SequenceFinish::StopToken),
+                "{sampling:?}: {text:?}"
+            );
+            let value: serde_json::Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("{sampling:?}: {e}: {text:?}"));
+            let object = value.as_object().unwrap();
+            assert_eq!(object.len(), 5, "{text}");
+            assert!(
+                object["name"]
+                    .as_str()
+                    .is_some_and(|n| n.chars().count() <= 12),
+                "{text}"
+            );
+            assert!(
+                object["age"]
+                    .as_i64()
+                    .is_some_and(|a| (0..=99).contains(&a)),
+                "{text}"
+            );
+            assert!(object["member"].is_boolean(), "{text}");
+            assert!(
+                object["tags"]
+                    .as_array()
+                    .is_some_and(|t| t.len() <= 2 && t.iter().all(|v| v == "red" || v == "green")),
+                "{text}"
+            );
+            assert!(object["nothing"].is_null(), "{text}");
+        }
+        let (free, _) = guided_tokens(Arc::clone(&backend), None, SamplingParams::greedy(), 60);
+        let free = text_of(&free);
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&free).is_err(),
+            "{free:?}"
+        );
+    }
+
+    crate::test_device!(json_schema_output_is_valid_json);
+
+    /// A reasoning budget of 4: four free tokens, then the forced close, then the grammar.
+    fn reasoning_budget_closes_the_block<B: Backend + 'static>(backend: Arc<B>)
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let path = crate::testing::golden_fixture_dir("qwen3_moe").join("tokenizer.json");
+        let tokenizer_json = std::fs::read(path).unwrap();
+        let cache = crate::constraint::GuidanceCache::default();
+        let rule = crate::constraint::ReasoningRule {
+            start_token: None,
+            end_token: 484,
+            budget: 4,
+            close_tokens: vec![484],
+        };
+        let guide = crate::constraint::guide_for_request(
+            &cache,
+            &tokenizer_json,
+            512,
+            &[482],
+            Some(rule),
+            r#"start: "yes" | "no""#,
+            vec![482],
+        )
+        .unwrap();
+        let sampling = SamplingParams {
+            temperature: 1.0,
+            seed: 5,
+            ..SamplingParams::default()
+        };
+        let (tokens, finish) = guided_tokens(backend, guide.map(Box::new), sampling, 40);
+        assert_eq!(tokens[4], 484, "{tokens:?}");
+        assert!(!tokens[..4].contains(&484), "{tokens:?}");
+        assert_eq!(finish, Some(SequenceFinish::StopToken), "{tokens:?}");
+        assert_eq!(tokens.last(), Some(&482), "{tokens:?}");
+    }
+
+    crate::test_device!(reasoning_budget_closes_the_block);
 
     #[test]
     fn candidate_logprobs_equal_the_whole_row_logprobs() {

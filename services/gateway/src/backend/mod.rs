@@ -18,6 +18,7 @@ use ninfer_protocol::v1::{EngineStatus, GenerateRequest, GeneratedToken, Generat
 
 use crate::chat_template::ChatTemplate;
 use crate::error::GatewayError;
+use crate::structured::ToolCallSyntax;
 use crate::tokenizer::{ModelTokenizer, TypedControlTokens};
 
 /// Tokens of one generation, in order. Dropping it before the end cancels the generation.
@@ -50,6 +51,8 @@ pub struct ModelResources {
     /// `bos_token`, `eos_token`, ... from tokenizer_config.json, passed to the template.
     pub special_tokens: Vec<(String, String)>,
     pub files_digest: String,
+    /// How the chat template teaches the model to write tool calls (forced calls use it).
+    pub tool_call_syntax: ToolCallSyntax,
 }
 
 impl ModelResources {
@@ -96,6 +99,7 @@ impl ModelResources {
             max_context: files.max_context,
             special_tokens,
             files_digest: files.model_files_digest.clone(),
+            tool_call_syntax: ToolCallSyntax::of_template(&files.chat_template),
         })
     }
 }

@@ -29,6 +29,9 @@ pub fn fixture_dir() -> PathBuf {
 pub struct EngineScript {
     /// The completion text, tokenized and sent one token at a time, then EOS.
     pub completion_text: Mutex<String>,
+    /// When set: the completion once the last user turn carries a tool result (a client's tool
+    /// round trip ends instead of calling the tool again).
+    pub completion_after_tool_result: Mutex<Option<String>>,
     pub token_delay: Mutex<Duration>,
     pub overloaded: AtomicBool,
     pub max_context: AtomicU32,
@@ -47,6 +50,7 @@ impl Default for EngineScript {
     fn default() -> Self {
         EngineScript {
             completion_text: Mutex::new("Hello there, friend.".to_string()),
+            completion_after_tool_result: Mutex::new(None),
             token_delay: Mutex::new(Duration::from_millis(1)),
             overloaded: AtomicBool::new(false),
             max_context: AtomicU32::new(4096),
@@ -157,12 +161,28 @@ impl Engine for ScriptedEngine {
             return Err(Status::resource_exhausted("queue full"));
         }
         self.script.generations.fetch_add(1, Ordering::SeqCst);
-        let text = self
+        let mut text = self
             .script
             .completion_text
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
+        let after_tool = self
+            .script
+            .completion_after_tool_result
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(after_tool) = after_tool {
+            let prompt = self
+                .tokenizer
+                .decode(&request.prompt_token_ids, false)
+                .unwrap_or_default();
+            let last_user_turn = prompt.rsplit("<|im_start|>user").next().unwrap_or_default();
+            if last_user_turn.contains("<tool_response>") {
+                text = after_tool;
+            }
+        }
         // `{seed}` in the script stands for the seed the request carries (distinct samples show
         // as distinct texts).
         let seed = request

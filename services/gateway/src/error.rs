@@ -113,14 +113,21 @@ impl GatewayError {
         }
     }
 
-    /// OpenAI `error.code`.
-    fn openai_code(&self) -> Option<&'static str> {
+    /// OpenAI `error.code`: never null, so a client can tell errors apart also inside a stream
+    /// that began with a 200.
+    fn openai_code(&self) -> &'static str {
         match self {
-            GatewayError::ModelNotFound(_) => Some("model_not_found"),
-            GatewayError::ContextLengthExceeded { .. } => Some("context_length_exceeded"),
-            GatewayError::Unauthorized(_) => Some("invalid_api_key"),
-            GatewayError::BodyTooLarge { .. } => Some("request_too_large"),
-            _ => None,
+            GatewayError::ModelNotFound(_) => "model_not_found",
+            GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
+            GatewayError::Unauthorized(_) => "invalid_api_key",
+            GatewayError::BodyTooLarge { .. } => "request_too_large",
+            GatewayError::InvalidRequest { .. } | GatewayError::ChatTemplate(_) => {
+                "invalid_request"
+            }
+            GatewayError::RouteNotFound(_) => "not_found",
+            GatewayError::Overloaded(_) => "rate_limit_exceeded",
+            GatewayError::NoEngineAvailable(_) => "service_unavailable",
+            GatewayError::Internal(_) => "server_error",
         }
     }
 
@@ -239,3 +246,41 @@ pub fn error_from_engine_status(status: &tonic::Status) -> GatewayError {
 }
 
 pub type GatewayResult<T> = Result<T, GatewayError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_openai_error_has_a_code() {
+        let errors = [
+            GatewayError::InvalidRequest {
+                message: "bad".into(),
+                parameter: None,
+            },
+            GatewayError::Unauthorized("no key".into()),
+            GatewayError::ModelNotFound("m".into()),
+            GatewayError::RouteNotFound("/x".into()),
+            GatewayError::BodyTooLarge { limit_bytes: 1 },
+            GatewayError::ContextLengthExceeded {
+                max_context: 1,
+                prompt_tokens: 2,
+                completion_tokens: 0,
+                requested_total: 2,
+            },
+            GatewayError::Overloaded("busy".into()),
+            GatewayError::NoEngineAvailable("none".into()),
+            GatewayError::ChatTemplate("refused".into()),
+            GatewayError::Internal("broke".into()),
+        ];
+        for error in errors {
+            let envelope = error.envelope(ApiDialect::OpenAi);
+            assert!(
+                envelope["error"]["code"]
+                    .as_str()
+                    .is_some_and(|c| !c.is_empty()),
+                "{error:?}: {envelope}"
+            );
+        }
+    }
+}

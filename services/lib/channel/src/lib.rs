@@ -946,6 +946,20 @@ mod tests {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    fn geometry(
+        slot_count: u32,
+        max_tokens: u32,
+        hidden_size: u32,
+        max_top_k: u32,
+    ) -> ChannelGeometry {
+        ChannelGeometry {
+            slot_count,
+            max_tokens,
+            hidden_size,
+            max_top_k,
+        }
+    }
+
     fn unique_name(tag: &str) -> String {
         format!(
             "ninfer-test-{tag}-{}-{:?}",
@@ -960,12 +974,7 @@ mod tests {
         let _serial = serial();
         use std::sync::atomic::AtomicBool;
         use std::sync::Arc;
-        let geometry = ChannelGeometry {
-            slot_count: 1,
-            max_tokens: 1,
-            hidden_size: 8,
-            max_top_k: 1,
-        };
+        let geometry = geometry(1, 1, 8, 1);
         let engine = EngineChannel::create(&unique_name("beat"), geometry).unwrap();
         // The "worker" is this process: attaching writes its pid.
         let _worker = WorkerChannel::attach(engine.name(), 8).unwrap();
@@ -1008,12 +1017,7 @@ mod tests {
     #[test]
     fn segments_are_unlinked_on_exit_and_stale_ones_removed() {
         let _serial = serial();
-        let geometry = ChannelGeometry {
-            slot_count: 1,
-            max_tokens: 1,
-            hidden_size: 8,
-            max_top_k: 1,
-        };
+        let geometry = geometry(1, 1, 8, 1);
         let engine = EngineChannel::create(&unique_name("exit"), geometry).unwrap();
         let path = format!("/dev/shm{}", engine.name());
         assert!(std::path::Path::new(&path).exists());
@@ -1040,12 +1044,7 @@ mod tests {
     #[test]
     fn round_trip_between_threads() {
         let _serial = serial();
-        let geometry = ChannelGeometry {
-            slot_count: 2,
-            max_tokens: 4,
-            hidden_size: 8,
-            max_top_k: 2,
-        };
+        let geometry = geometry(2, 4, 8, 2);
         let engine = EngineChannel::create(&unique_name("rt"), geometry).unwrap();
         let name = engine.name().to_string();
         let worker = std::thread::spawn(move || {
@@ -1093,12 +1092,7 @@ mod tests {
     #[test]
     fn refusal_is_reported_and_oversized_requests_are_rejected() {
         let _serial = serial();
-        let geometry = ChannelGeometry {
-            slot_count: 1,
-            max_tokens: 2,
-            hidden_size: 4,
-            max_top_k: 1,
-        };
+        let geometry = geometry(1, 2, 4, 1);
         let engine = EngineChannel::create(&unique_name("refuse"), geometry).unwrap();
         let too_big = engine.post(
             0,
@@ -1127,12 +1121,7 @@ mod tests {
     #[test]
     fn attach_checks_the_segment() {
         let _serial = serial();
-        let geometry = ChannelGeometry {
-            slot_count: 1,
-            max_tokens: 1,
-            hidden_size: 4,
-            max_top_k: 1,
-        };
+        let geometry = geometry(1, 1, 4, 1);
         let engine = EngineChannel::create(&unique_name("geo"), geometry).unwrap();
         assert!(matches!(
             WorkerChannel::attach(engine.name(), 8),
@@ -1156,12 +1145,7 @@ mod tests {
     #[test]
     fn wait_times_out_without_a_worker() {
         let _serial = serial();
-        let geometry = ChannelGeometry {
-            slot_count: 1,
-            max_tokens: 1,
-            hidden_size: 4,
-            max_top_k: 1,
-        };
+        let geometry = geometry(1, 1, 4, 1);
         let engine = EngineChannel::create(&unique_name("timeout"), geometry).unwrap();
         let sequence = engine
             .post(

@@ -45,36 +45,21 @@ const STORED_RESPONSES: usize = 1024;
 #[derive(Debug, Deserialize)]
 pub struct ResponsesRequest {
     pub model: String,
-    #[serde(default)]
     pub input: Option<JsonValue>,
-    #[serde(default)]
     pub instructions: Option<String>,
-    #[serde(default)]
     pub max_output_tokens: Option<i64>,
-    #[serde(default)]
     pub temperature: Option<f32>,
-    #[serde(default)]
     pub top_p: Option<f32>,
-    #[serde(default)]
     pub tools: Option<Vec<JsonValue>>,
-    #[serde(default)]
     pub tool_choice: Option<JsonValue>,
-    #[serde(default)]
     pub parallel_tool_calls: Option<bool>,
-    #[serde(default)]
     pub stream: Option<bool>,
-    #[serde(default)]
     pub text: Option<JsonValue>,
-    #[serde(default)]
     pub previous_response_id: Option<String>,
-    #[serde(default)]
     pub store: Option<bool>,
-    #[serde(default)]
     pub metadata: Option<JsonValue>,
-    #[serde(default)]
     pub seed: Option<i64>,
     /// Extra template variables, as for chat (`{"enable_thinking": false}`).
-    #[serde(default)]
     pub chat_template_kwargs: Option<minijinja::Value>,
 }
 
@@ -661,20 +646,12 @@ fn stream_response(
                 None => delta.content,
             };
             if !shown.is_empty() {
-                let index = match message_index {
-                    Some(index) => index,
-                    None => {
-                        output.push(json!({"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}));
-                        let index = output.len() - 1;
-                        pending.push((
-                            "response.output_item.added",
-                            json!({"output_index": index, "item": output[index]}),
-                        ));
-                        pending.push(("response.content_part.added", json!({"item_id": message_id, "output_index": index, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})));
-                        message_index = Some(index);
-                        index
-                    }
-                };
+                let index = message_output_index(
+                    &mut message_index,
+                    &mut output,
+                    &mut pending,
+                    &message_id,
+                );
                 text.push_str(&shown);
                 pending.push(("response.output_text.delta", json!({"item_id": message_id, "output_index": index, "content_index": 0, "delta": shown, "logprobs": []})));
             }
@@ -699,20 +676,8 @@ fn stream_response(
             ));
         }
         if !rest.is_empty() || (message_index.is_none() && calls.is_empty()) {
-            let index = match message_index {
-                Some(index) => index,
-                None => {
-                    output.push(json!({"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}));
-                    let index = output.len() - 1;
-                    pending.push((
-                        "response.output_item.added",
-                        json!({"output_index": index, "item": output[index]}),
-                    ));
-                    pending.push(("response.content_part.added", json!({"item_id": message_id, "output_index": index, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})));
-                    message_index = Some(index);
-                    index
-                }
-            };
+            let index =
+                message_output_index(&mut message_index, &mut output, &mut pending, &message_id);
             if !rest.is_empty() {
                 text.push_str(&rest);
                 pending.push(("response.output_text.delta", json!({"item_id": message_id, "output_index": index, "content_index": 0, "delta": rest, "logprobs": []})));
@@ -779,4 +744,26 @@ fn stream_response(
     Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+/// The index of the answer's message item in `output`: added, with its two announcing events,
+/// the first time text needs it.
+fn message_output_index(
+    message_index: &mut Option<usize>,
+    output: &mut Vec<JsonValue>,
+    pending: &mut Vec<(&'static str, JsonValue)>,
+    message_id: &str,
+) -> usize {
+    if let Some(index) = *message_index {
+        return index;
+    }
+    output.push(json!({"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}));
+    let index = output.len() - 1;
+    pending.push((
+        "response.output_item.added",
+        json!({"output_index": index, "item": output[index]}),
+    ));
+    pending.push(("response.content_part.added", json!({"item_id": message_id, "output_index": index, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})));
+    *message_index = Some(index);
+    index
 }

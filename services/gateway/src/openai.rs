@@ -144,10 +144,24 @@ pub struct ChatCompletionRequest {
 
 /// OpenAI's `tool_choice` in the gateway's terms.
 pub fn tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
+    tool_choice_naming(
+        value,
+        |object| object.get("function")?.get("name")?.as_str(),
+        "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+    )
+}
+
+/// `tool_choice` as `none` / `auto` / `required` or an object that `function_name` reads a
+/// function's name from (chat and the Responses API nest it differently, `shape` says how).
+pub fn tool_choice_naming(
+    value: Option<&JsonValue>,
+    function_name: impl Fn(&JsonValue) -> Option<&str>,
+    shape: &str,
+) -> Result<ToolChoice, GatewayError> {
     let invalid = || {
         GatewayError::invalid_parameter(
             "tool_choice",
-            "`tool_choice` must be `none`, `auto`, `required` or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            format!("`tool_choice` must be `none`, `auto`, `required` or {shape}"),
         )
     };
     match value {
@@ -158,10 +172,7 @@ pub fn tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError
             "required" => Ok(ToolChoice::Required),
             _ => Err(invalid()),
         },
-        Some(object) => object
-            .get("function")
-            .and_then(|function| function.get("name"))
-            .and_then(JsonValue::as_str)
+        Some(object) => function_name(object)
             .map(|name| ToolChoice::Function(name.to_string()))
             .ok_or_else(invalid),
     }

@@ -274,20 +274,11 @@ fn chat_tools(tools: Option<&[JsonValue]>) -> Result<Vec<ChatTool>, GatewayError
 
 /// `auto` / `none` / `required` / `{"type": "function", "name": ...}`.
 fn responses_tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
-    match value {
-        None | Some(JsonValue::Null) => Ok(ToolChoice::Auto),
-        Some(JsonValue::String(text)) => match text.as_str() {
-            "auto" => Ok(ToolChoice::Auto),
-            "none" => Ok(ToolChoice::None),
-            "required" => Ok(ToolChoice::Required),
-            _ => Err(invalid("tool_choice", "`tool_choice` must be `none`, `auto`, `required` or {\"type\": \"function\", \"name\": ...}")),
-        },
-        Some(object) => object
-            .get("name")
-            .and_then(JsonValue::as_str)
-            .map(|name| ToolChoice::Function(name.to_string()))
-            .ok_or_else(|| invalid("tool_choice", "`tool_choice.name` is required")),
-    }
+    crate::openai::tool_choice_naming(
+        value,
+        |object| object.get("name")?.as_str(),
+        "{\"type\": \"function\", \"name\": ...}",
+    )
 }
 
 fn unix_seconds() -> u64 {

@@ -307,6 +307,19 @@ struct ResponseFrame {
 }
 
 impl ResponseFrame {
+    /// Keeps the finished conversation for `previous_response_id`, when the request asked to.
+    fn remember(&self, history: Vec<ChatMessage>, text: &str, calls: &[(String, ParsedToolCall)]) {
+        if self.store {
+            remember(
+                &self.id,
+                StoredResponse {
+                    messages: history,
+                    output: output_messages(text, calls),
+                },
+            );
+        }
+    }
+
     fn object(
         &self,
         status: &str,
@@ -551,15 +564,7 @@ async fn create_response_inner(
         named_calls.push((call_id, call));
     }
     let body = frame.object(status, output, Some(usage(&summary)), incomplete);
-    if frame.store {
-        remember(
-            &frame.id,
-            StoredResponse {
-                messages: history,
-                output: output_messages(&text, &named_calls),
-            },
-        );
-    }
+    frame.remember(history, &text, &named_calls);
     Ok(Json(body).into_response())
 }
 
@@ -716,15 +721,7 @@ fn stream_response(
             "response.incomplete"
         };
         pending.push((last, json!({"response": finished})));
-        if frame.store {
-            remember(
-                &frame.id,
-                StoredResponse {
-                    messages: history,
-                    output: output_messages(&text, &named_calls),
-                },
-            );
-        }
+        frame.remember(history, &text, &named_calls);
         for (kind, value) in pending {
             if events.send(send(kind, value)).await.is_err() {
                 return;

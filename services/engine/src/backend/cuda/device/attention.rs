@@ -109,31 +109,9 @@ impl CudaBackend {
             super::host_kv::KvPlace::Host(cache) => return Ok(cache),
             super::host_kv::KvPlace::Device(placement) => placement,
         };
-        let dtype = self.options.kv_dtype;
-        let count = max_tokens * kv_width;
-        let allocate = || -> Result<KvBuffer, CudaError> {
-            Ok(match dtype {
-                KvDtype::F32 => KvBuffer::F32(self.alloc(count)?),
-                // Zero-length device allocations are an error in CUDA: keep one element.
-                KvDtype::Bf16 => {
-                    KvBuffer::Bf16(self.stream.alloc_zeros::<u16>(count.max(1)).map_err(
-                        driver_error(format!(
-                            "allocating {count} bf16 KV values ({} bytes)",
-                            count * 2
-                        )),
-                    )?)
-                }
-            })
-        };
-        Ok(CudaKvCache {
-            max_tokens,
-            kv_width,
-            len: 0,
-            dtype,
-            keys: std::mem::ManuallyDrop::new(allocate()?),
-            values: std::mem::ManuallyDrop::new(allocate()?),
-            placement,
-        })
+        let mut cache = self.kv_cache_of(self.options.kv_dtype, max_tokens, kv_width)?;
+        cache.placement = placement;
+        Ok(cache)
     }
 
     /// Picks the attention path at start-up: allows the tiled kernels their shared memory, then
@@ -296,7 +274,8 @@ impl CudaBackend {
         Ok(worst)
     }
 
-    /// An empty cache of `dtype`, whatever the backend's option (the self-check runs both).
+    /// An empty cache of `dtype` in GPU memory, whatever the backend's option (the self-check
+    /// runs both).
     fn kv_cache_of(
         &self,
         dtype: KvDtype,
@@ -307,11 +286,15 @@ impl CudaBackend {
         let allocate = || -> Result<KvBuffer, CudaError> {
             Ok(match dtype {
                 KvDtype::F32 => KvBuffer::F32(self.alloc(count)?),
-                KvDtype::Bf16 => KvBuffer::Bf16(
-                    self.stream
-                        .alloc_zeros::<u16>(count.max(1))
-                        .map_err(driver_error(format!("allocating {count} bf16 KV values")))?,
-                ),
+                // Zero-length device allocations are an error in CUDA: keep one element.
+                KvDtype::Bf16 => {
+                    KvBuffer::Bf16(self.stream.alloc_zeros::<u16>(count.max(1)).map_err(
+                        driver_error(format!(
+                            "allocating {count} bf16 KV values ({} bytes)",
+                            count * 2
+                        )),
+                    )?)
+                }
             })
         };
         Ok(CudaKvCache {

@@ -38,10 +38,13 @@ __device__ __forceinline__ float load_kv(const unsigned short* p, long long i) {
 }
 
 // Appends one sequence's k, v rows [row_start, row_start + n) ([*, width] f32) to its bf16
-// cache ([max_tokens, width]) at position `at`. One thread per element, grid-stride.
+// cache ([max_tokens, width]) at position `at` (`row_positions[row_start]` when
+// `row_positions` is given: a step graph's positions live in device memory). One thread per
+// element, grid-stride.
 extern "C" __global__ void kv_append_bf16(const float* k, const float* v, unsigned short* keys,
                                           unsigned short* values, int row_start, int n, int at,
-                                          int width) {
+                                          int width, const unsigned int* row_positions) {
+    if (row_positions) at = (int)row_positions[row_start];
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)n * width;
          i += (long long)blockDim.x * gridDim.x) {
         long long src = (long long)row_start * width + i;
@@ -149,6 +152,16 @@ extern __shared__ float attention_smem[];
 #define SPLIT_HEADS 8
 // hd ≤ SPLIT_THREADS * SPLIT_DIMS.
 #define SPLIT_DIMS 2
+// At most this many chunks per row (`SPLIT_MAX_CHUNKS` in attention.rs).
+#define COMBINE_MAX_CHUNKS 128
+
+// Keys per chunk for a segment whose last row sits at `last_position`: `split_chunk` in
+// attention.rs, so a step graph's rows get the bits the uncaptured launches give them.
+__device__ __forceinline__ int split_chunk(int last_position) {
+    int tiles = (last_position + 1 + SPLIT_TILE - 1) / SPLIT_TILE;
+    int per_chunk = (tiles + COMBINE_MAX_CHUNKS - 1) / COMBINE_MAX_CHUNKS;
+    return (per_chunk > 1 ? per_chunk : 1) * SPLIT_TILE;
+}
 
 // The cache's elements as 4-byte words: one f32, or two bf16 (element 2w in the low half).
 template <typename KV> struct KvWords;
@@ -188,7 +201,13 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
                                       float* part_o, float* part_ml, int row_start,
                                       int start_position, int heads, int kv_heads, int hd,
                                       int window, float scale, int chunk, int chunks,
-                                      int part_base) {
+                                      int part_base, const unsigned int* row_positions) {
+    if (row_positions) {
+        // A step graph: the position comes from device memory, the chunk from it as the host
+        // chooses it (`split_chunk`), and the grid covers `chunks` = SPLIT_MAX_CHUNKS.
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + (int)gridDim.z - 1);
+    }
     const int per_word = KvWords<KV>::per_word;
     const int words = hd / per_word;  // of one K or V row of one kv head
     const int stride = words + 1;     // odd: lane j's row starts on bank j (conflict-free)
@@ -337,22 +356,22 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
     attention_split(const float* q, const float* keys, const float* values, float* part_o,
                     float* part_ml, int row_start, int start_position, int heads, int kv_heads,
-                    int hd, int window, float scale, int chunk, int chunks, int part_base) {
+                    int hd, int window, float scale, int chunk, int chunks, int part_base,
+                    const unsigned int* row_positions) {
     attention_split_block(q, keys, values, part_o, part_ml, row_start, start_position, heads,
-                          kv_heads, hd, window, scale, chunk, chunks, part_base);
+                          kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
     attention_split_bf16(const float* q, const unsigned short* keys,
                          const unsigned short* values, float* part_o, float* part_ml,
                          int row_start, int start_position, int heads, int kv_heads, int hd,
-                         int window, float scale, int chunk, int chunks, int part_base) {
+                         int window, float scale, int chunk, int chunks, int part_base,
+                         const unsigned int* row_positions) {
     attention_split_block(q, keys, values, part_o, part_ml, row_start, start_position, heads,
-                          kv_heads, hd, window, scale, chunk, chunks, part_base);
+                          kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
 }
 
-// At most this many chunks per row (`SPLIT_MAX_CHUNKS` in attention.rs).
-#define COMBINE_MAX_CHUNKS 128
 
 // One block per (row t, head) of the segment (grid x = n·heads), threads over the head dims
 // (a multiple of 32): merges the row's chunks first/chunk ..= position/chunk (every one of them
@@ -362,8 +381,13 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml,
                                              float* out, int row_start, int n,
                                              int start_position, int heads, int hd, int window,
-                                             int chunk, int chunks, int part_base) {
+                                             int chunk, int chunks, int part_base,
+                                             const unsigned int* row_positions) {
     __shared__ float weight_s[COMBINE_MAX_CHUNKS];
+    if (row_positions) {
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + n - 1);
+    }
     __shared__ float scalar_s[1];  // 1 / L
     int task = blockIdx.x;
     if (task >= n * heads) return;

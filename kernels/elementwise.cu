@@ -160,9 +160,12 @@ extern "C" __global__ void causal_conv1d_silu(const float* x, const float* taps,
     }
 }
 
-// Appends one sequence's k, v rows [row_start, row_start + n) to its cache at position `at`.
+// Appends one sequence's k, v rows [row_start, row_start + n) to its cache at position `at`
+// (`row_positions[row_start]` when given: a step graph's positions live in device memory).
 extern "C" __global__ void kv_append(const float* k, const float* v, float* keys, float* values,
-                                     int row_start, int n, int at, int width) {
+                                     int row_start, int n, int at, int width,
+                                     const unsigned int* row_positions) {
+    if (row_positions) at = (int)row_positions[row_start];
     GRID_STRIDE(i, (long long)n * width) {
         long long src = (long long)row_start * width + i;
         long long dst = (long long)at * width + i;

@@ -90,6 +90,11 @@ struct Args {
     /// backend always keeps an f32 cache.
     #[arg(long, value_name = "bf16|f32")]
     kv_dtype: Option<KvDtype>,
+    /// Decode steps whose host has no part inside the forward (every routed expert on the GPU)
+    /// run as recorded CUDA graphs: `on` (the default) or `off` (every op launched by the
+    /// host; the same tokens).
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off)]
+    cuda_graphs: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -161,7 +166,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: any local user can generate, cancel and read the model files (prefer --listen unix:PATH, or set --control-secret-file)");
     }
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
-    let device = select_device(args.device, args.kv_dtype)?;
+    let device = select_device(args.device, args.kv_dtype, args.cuda_graphs)?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let common = artifact.config().common().clone();
@@ -371,11 +376,25 @@ enum SelectedDevice {
     Cuda(Arc<CudaBackend>),
 }
 
+/// `on` or `off`.
+fn parse_on_off(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("`{other}`: expected on or off")),
+    }
+}
+
 /// `cpu`: the CPU. `cuda`: GPU 0 or a clear error naming what was looked for (driver, NVRTC,
 /// device). `auto`: GPU 0 when it opens, else the CPU with a warning saying why.
-fn select_device(device: Device, kv_dtype: Option<KvDtype>) -> anyhow::Result<SelectedDevice> {
+fn select_device(
+    device: Device,
+    kv_dtype: Option<KvDtype>,
+    cuda_graphs: bool,
+) -> anyhow::Result<SelectedDevice> {
     let options = CudaOptions {
         kv_dtype: kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
+        step_graphs: cuda_graphs,
         ..CudaOptions::default()
     };
     let cpu = || {

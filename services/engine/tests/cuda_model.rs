@@ -17,7 +17,7 @@ use ninfer_engine::sampling::argmax;
 use ninfer_engine::testing::{
     greedy_tokens, teacher_forced_logits, write_tiny_model, TinyArchitecture, TinyModelOptions,
 };
-use ninfer_engine::{CpuBackend, Model};
+use ninfer_engine::{Backend, CpuBackend, Model, SequenceInput};
 
 const GREEDY_TOKENS: usize = 16;
 
@@ -145,4 +145,105 @@ fn compare_tiny_models(gpu: &Arc<CudaBackend>, label: &str, bars: &Bars) {
         }
     }
     gpu.synchronize().unwrap();
+}
+
+/// Decode steps through step graphs (CUDA graphs: a shaped step, a recorded step, then
+/// replays) give the logits of the same steps launched op by op, bit for bit, for every
+/// architecture, a batch of one and a batch of three sequences, every routed expert resident.
+#[test]
+fn step_graphs_give_the_logits_of_uncaptured_steps() {
+    let gpu = match CudaBackend::shared() {
+        Ok(backend) => backend,
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
+            }
+            println!("skipped `step_graphs_give_the_logits_of_uncaptured_steps` on cuda: {error}");
+            return;
+        }
+    };
+    let directory = tempfile::tempdir().unwrap();
+    for architecture in [
+        TinyArchitecture::Qwen3Moe,
+        TinyArchitecture::Qwen3Next,
+        TinyArchitecture::Qwen35Moe,
+    ] {
+        let options = TinyModelOptions {
+            experts_dtype: DType::Int8,
+            dense_dtype: DType::Bf16,
+            ..TinyModelOptions::new(architecture)
+        };
+        let path = directory.path().join(format!("{architecture:?}.ninfer"));
+        write_tiny_model(&path, options).unwrap();
+        let open = |graphs: bool| {
+            let mut model = Model::open(Arc::clone(&gpu), &path).unwrap();
+            let common = &model.spec().common;
+            let every_expert: Vec<u32> = (0..common.num_experts as u32).collect();
+            let placement: Vec<Vec<u32>> = common
+                .moe_layers
+                .iter()
+                .map(|&moe| if moe { every_expert.clone() } else { Vec::new() })
+                .collect();
+            model.place_resident_experts(&placement).unwrap();
+            model.set_step_graphs(graphs);
+            model
+        };
+        let (with_graphs, without) = (open(true), open(false));
+        for sequences in [1usize, 3] {
+            let prompts: Vec<Vec<u32>> = (0..sequences as u32)
+                .map(|s| (0..9 + 4 * s).map(|i| (i * 31 + 7 * s + 3) % 97).collect())
+                .collect();
+            let graph_steps = decode_on_backend(&with_graphs, &prompts, 20);
+            let plain_steps = decode_on_backend(&without, &prompts, 20);
+            for (step, (graph, plain)) in graph_steps.iter().zip(&plain_steps).enumerate() {
+                let same_bits = graph.len() == plain.len()
+                    && graph.iter().zip(plain).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same_bits,
+                    "{architecture:?}, {sequences} sequences: step {step}'s logits differ with step graphs"
+                );
+            }
+        }
+        let counts = with_graphs.step_graph_counts();
+        println!("{architecture:?}: step graphs {counts:?}");
+        assert_eq!(counts.abandoned, 0, "{architecture:?}: a recording failed");
+        assert!(counts.replayed >= 30, "{architecture:?}: {counts:?}");
+        assert_eq!(without.step_graph_counts().replayed, 0);
+    }
+}
+
+/// Prefills each prompt alone, then decodes all of them together greedily for `steps` steps
+/// through `forward_logits_on_backend` (the scheduler's call); every step's logits, all rows.
+fn decode_on_backend(
+    model: &Model<CudaBackend>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> Vec<Vec<f32>> {
+    let mut states: Vec<_> = prompts
+        .iter()
+        .map(|_| model.new_sequence(64).unwrap())
+        .collect();
+    let mut next: Vec<u32> = states
+        .iter_mut()
+        .zip(prompts)
+        .map(|(state, prompt)| argmax(&model.prefill(state, prompt).unwrap()))
+        .collect();
+    let vocab = model.vocab_size();
+    let mut out = Vec::new();
+    for _ in 0..steps {
+        let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut batch: Vec<SequenceInput<'_, CudaBackend>> = states
+            .iter_mut()
+            .zip(&tokens)
+            .map(|(state, token)| SequenceInput {
+                state,
+                tokens: token,
+            })
+            .collect();
+        let logits = model.forward_logits_on_backend(&mut batch).unwrap();
+        let values = model.backend().download(&logits).unwrap();
+        next = values.chunks(vocab).map(argmax).collect();
+        out.push(values);
+    }
+    out
 }

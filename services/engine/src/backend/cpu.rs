@@ -346,6 +346,8 @@ impl Backend for CpuBackend {
     type ExpertSlots = CpuExpertSlots;
     /// Computed at once: the host is where this backend computes.
     type PendingRouting = (Routing, Vec<f32>);
+    /// The CPU runs every op as it comes: it has no step graphs.
+    type StepGraph = std::convert::Infallible;
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -605,6 +607,27 @@ impl Backend for CpuBackend {
         routing: (Routing, Vec<f32>),
     ) -> Result<(Routing, Vec<f32>), EngineError> {
         Ok(routing)
+    }
+
+    fn peek_routing(&self, pending: &(Routing, Vec<f32>)) -> Result<Routing, EngineError> {
+        Ok(pending.0.clone())
+    }
+
+    fn begin_step_graph(
+        &self,
+        graph: &mut Self::StepGraph,
+        _ids: &[u32],
+        _positions: &[usize],
+    ) -> Result<crate::backend::StepGraphRun, EngineError> {
+        match *graph {}
+    }
+
+    fn end_step_graph(
+        &self,
+        graph: &mut Self::StepGraph,
+        _ops_succeeded: bool,
+    ) -> Result<crate::backend::StepGraphEnd, EngineError> {
+        match *graph {}
     }
 
     fn new_kv_cache(&self, max_tokens: usize, kv_width: usize) -> Result<CpuKvCache, EngineError> {

@@ -33,6 +33,27 @@ pub use candidates::LogitCandidates;
 pub use expert_slot_table::{ExpertSlotTable, SlotOutOfRange, WithExpertSlotTable};
 pub use kv_placement::{DeviceKvShare, HostKvRequest, KvPlacement};
 
+/// What [`Backend::begin_step_graph`] asks of the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepGraphRun {
+    /// The recorded step is queued: the step's outputs are the graph's.
+    Replayed,
+    /// Run the step's ops now, then call [`Backend::end_step_graph`].
+    RunOps,
+}
+
+/// How the ops run between [`Backend::begin_step_graph`] and [`Backend::end_step_graph`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepGraphEnd {
+    /// They ran as usual (in the graph's shape, so the next step can record them).
+    Ran,
+    /// They were recorded, and the recording was queued once: the step ran, and the outputs
+    /// the ops returned are the graph's (kept by the caller for the replays).
+    Recorded,
+    /// Recording failed or an op failed: nothing ran, the graph will not be used again.
+    Abandoned,
+}
+
 /// How an RMSNorm applies its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NormStyle {
@@ -164,6 +185,9 @@ pub trait Backend: Send + Sync + 'static {
     type ExpertSlots: Send + Sync + WithExpertSlotTable;
     /// A routing computed by [`Backend::start_routing`] and not yet brought to the host.
     type PendingRouting: Send;
+    /// A decode step recorded once and replayed with new token ids and positions (CUDA
+    /// graphs); an uninhabited type on a backend that runs every op as it comes.
+    type StepGraph: Send;
 
     /// Short name for logs and test output (`cpu`, `cuda:0`).
     fn name(&self) -> String;
@@ -487,4 +511,40 @@ pub trait Backend: Send + Sync + 'static {
     fn kv_placement(&self) -> Option<KvPlacement> {
         None
     }
+
+    /// A step graph for decode steps of `rows` one-token sequences, or `None` where this
+    /// backend does not replay steps (then the model runs every step op by op).
+    fn new_step_graph(&self, rows: usize) -> Result<Option<Self::StepGraph>, EngineError> {
+        let _ = rows;
+        Ok(None)
+    }
+
+    /// Starts a decode step through `graph` with these token ids and positions (one per row).
+    /// [`StepGraphRun::Replayed`]: the recorded step is queued and nothing else is needed.
+    /// [`StepGraphRun::RunOps`]: the caller runs the step's ops now, exactly as it would without
+    /// a graph, and then calls [`Backend::end_step_graph`]; the backend runs them in the graph's
+    /// shape (positions read from device memory) or records them.
+    fn begin_step_graph(
+        &self,
+        graph: &mut Self::StepGraph,
+        ids: &[u32],
+        positions: &[usize],
+    ) -> Result<StepGraphRun, EngineError>;
+
+    /// Ends what [`Backend::begin_step_graph`] began with `RunOps`; `ops_succeeded` says whether
+    /// every op of the step returned `Ok`.
+    fn end_step_graph(
+        &self,
+        graph: &mut Self::StepGraph,
+        ops_succeeded: bool,
+    ) -> Result<StepGraphEnd, EngineError>;
+
+    /// Waits until every queued op has run.
+    fn wait_for_queued_ops(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    /// The routing of `pending` as its copies left it, without finishing it: a step graph
+    /// keeps its pending routings and refreshes them at every replay.
+    fn peek_routing(&self, pending: &Self::PendingRouting) -> Result<Routing, EngineError>;
 }

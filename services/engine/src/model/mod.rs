@@ -23,7 +23,9 @@ use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec
 
 mod mtp;
 mod speculative;
+mod step_graphs;
 pub use mtp::MtpState;
+pub use step_graphs::StepGraphCounts;
 pub use speculative::{
     greedy_with_mtp, sample_with_mtp, speculative_sampling_step, SpeculativeOutcome,
 };
@@ -100,6 +102,9 @@ pub struct SequenceState<B: Backend> {
     max_context: usize,
     position: usize,
     layers: Vec<LayerState<B>>,
+    /// Names these states' buffers for the step graphs that record them: new for every new
+    /// sequence and whenever a buffer is replaced ([`Model::restore`]).
+    graph_key: u64,
 }
 
 impl<B: Backend> SequenceState<B> {
@@ -138,6 +143,14 @@ pub struct SequenceCheckpoint<B: Backend> {
     layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
 }
 
+/// A checked batch: its token ids, each sequence's rows, each row's position.
+#[derive(Default)]
+struct BatchPlan {
+    ids: Vec<u32>,
+    ranges: Vec<std::ops::Range<usize>>,
+    positions: Vec<usize>,
+}
+
 /// New tokens of one sequence in a batched forward.
 pub struct SequenceInput<'a, B: Backend> {
     pub state: &'a mut SequenceState<B>,
@@ -161,6 +174,8 @@ pub struct Model<B: Backend> {
     /// Batches of at least its `min_tokens` rows compute their non-resident routed experts on
     /// the backend from one layer-sized set of staging slots ([`Model::enable_prefill_staging`]).
     prefill_staging: Option<PrefillStaging<B>>,
+    /// Decode steps recorded once and replayed, per batch of sequences (`step_graphs`).
+    step_graphs: Mutex<step_graphs::StepGraphs<B>>,
 }
 
 /// Opens an artifact; if the reader rejects its header, says which architecture it names when
@@ -251,6 +266,7 @@ impl<B: Backend> Model<B> {
             delta_rule_form: DeltaRuleForm::Auto,
             profile,
             prefill_staging: None,
+            step_graphs: Default::default(),
         })
     }
 
@@ -417,6 +433,7 @@ impl<B: Backend> Model<B> {
             max_context,
             position: 0,
             layers,
+            graph_key: step_graphs::new_graph_key(),
         })
     }
 
@@ -471,6 +488,9 @@ impl<B: Backend> Model<B> {
         &self,
         batch: &mut [SequenceInput<'_, B>],
     ) -> Result<B::Tensor, EngineError> {
+        if let Some(logits) = self.decode_through_step_graph(batch)? {
+            return Ok(logits);
+        }
         self.forward_then(
             batch,
             LogitsSelection::Last,
@@ -538,6 +558,8 @@ impl<B: Backend> Model<B> {
             }
         }
         state.position = checkpoint.position;
+        // The Gated DeltaNet states are new buffers: no recorded step may write the old ones.
+        state.graph_key = step_graphs::new_graph_key();
         Ok(())
     }
 
@@ -614,10 +636,20 @@ impl<B: Backend> Model<B> {
         delta_rule_form: DeltaRuleForm,
         finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
+        let plan = self.batch_plan(batch)?;
+        let started = Instant::now();
+        let mut scratch = LayerScratch::new(self.moe_context());
+        let out = self.run_layers(batch, &plan, selection, delta_rule_form, &mut scratch, finish)?;
+        self.finish_deferred_routing(&mut scratch)?;
+        self.account_forward(batch, &plan, scratch.tally, started);
+        Ok(out)
+    }
+
+    /// The token ids, row ranges and positions of a batch, once every input was checked: a
+    /// batch that fails here leaves every sequence as it was.
+    fn batch_plan(&self, batch: &[SequenceInput<'_, B>]) -> Result<BatchPlan, EngineError> {
         let vocab = self.vocab_size();
-        let mut ids = Vec::new();
-        let mut ranges = Vec::with_capacity(batch.len());
-        let mut positions = Vec::new();
+        let mut plan = BatchPlan::default();
         for item in batch.iter() {
             let state = &*item.state;
             if item.tokens.is_empty() {
@@ -655,23 +687,39 @@ impl<B: Backend> Model<B> {
                     vocab_size: vocab,
                 });
             }
-            let first = ids.len();
-            ids.extend_from_slice(item.tokens);
-            ranges.push(first..ids.len());
-            positions.extend(state.position..end);
+            let first = plan.ids.len();
+            plan.ids.extend_from_slice(item.tokens);
+            plan.ranges.push(first..plan.ids.len());
+            plan.positions.extend(state.position..end);
         }
-        if ids.is_empty() {
+        if plan.ids.is_empty() {
             return Err(EngineError::EmptyInput {
                 what: "the batch has no sequences".into(),
             });
         }
+        Ok(plan)
+    }
 
-        let started = Instant::now();
-        let mut scratch = LayerScratch::new(self.moe_context());
+    /// Every layer's ops and the final norm, then `finish`; the routings of all-resident MoE
+    /// layers are left in `scratch.deferred`, and no sequence's position moves.
+    fn run_layers<T>(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        plan: &BatchPlan,
+        selection: LogitsSelection,
+        delta_rule_form: DeltaRuleForm,
+        scratch: &mut LayerScratch<'_, B>,
+        finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let BatchPlan {
+            ids,
+            ranges,
+            positions,
+        } = plan;
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
-        let mut hidden = backend.embed(&self.embed_tokens, &ids)?;
+        let mut hidden = backend.embed(&self.embed_tokens, ids)?;
         // Each residual add is fused with the norm after it (Backend::add_rms_norm): `next`
         // holds the next layer's normed input.
         let mut next = self
@@ -685,10 +733,10 @@ impl<B: Backend> Model<B> {
             })?;
             let mixed = match &layer.mixer {
                 Mixer::Attention { .. } => {
-                    self.attention(index, &layer.mixer, &x, &positions, batch, &ranges)?
+                    self.attention(index, &layer.mixer, &x, positions, batch, ranges)?
                 }
                 Mixer::GatedDeltaNet { .. } => {
-                    self.gated_delta_net(index, &layer.mixer, &x, batch, &ranges, delta_rule_form)?
+                    self.gated_delta_net(index, &layer.mixer, &x, batch, ranges, delta_rule_form)?
                 }
             };
             let x = backend.add_rms_norm(
@@ -698,7 +746,7 @@ impl<B: Backend> Model<B> {
                 eps,
                 style,
             )?;
-            let fed = self.feed_forward(&mut scratch, index, &layer.feed_forward, &x)?;
+            let fed = self.feed_forward(scratch, index, &layer.feed_forward, &x)?;
             match self.layers.get(index + 1) {
                 Some(following) => {
                     next = Some(backend.add_rms_norm(
@@ -717,24 +765,38 @@ impl<B: Backend> Model<B> {
             LogitsSelection::Last => ranges.iter().map(|r| r.end - 1).collect(),
             LogitsSelection::All => (0..ids.len()).collect(),
         };
-        let selected = backend.gather_rows(&hidden, &selected_rows)?;
-        let normed = backend.rms_norm(&selected, &self.final_norm, eps, style)?;
-        let out = finish(backend, normed)?;
-        self.finish_deferred_routing(&mut scratch)?;
-        let mut tally = scratch.tally;
-        for (item, range) in batch.iter_mut().zip(&ranges) {
+        // Every row, in order (decode): no gather.
+        let every_row = selected_rows.iter().copied().eq(0..ids.len());
+        let normed = if every_row {
+            backend.rms_norm(&hidden, &self.final_norm, eps, style)?
+        } else {
+            let selected = backend.gather_rows(&hidden, &selected_rows)?;
+            backend.rms_norm(&selected, &self.final_norm, eps, style)?
+        };
+        finish(backend, normed)
+    }
+
+    /// After a forward's ops: every sequence moves past its new tokens, and the forward is
+    /// counted in the profile.
+    fn account_forward(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        plan: &BatchPlan,
+        mut tally: PhaseTotals,
+        started: Instant,
+    ) {
+        for (item, range) in batch.iter_mut().zip(&plan.ranges) {
             item.state.position += range.len();
         }
         tally.forwards = 1;
-        tally.tokens = ids.len() as u64;
+        tally.tokens = plan.ids.len() as u64;
         tally.forward_nanos = nanos(started.elapsed());
-        let phase = if ids.len() == batch.len() {
+        let phase = if plan.ids.len() == batch.len() {
             Phase::Decode
         } else {
             Phase::Prefill
         };
         self.profile.record(phase, &tally);
-        Ok(out)
     }
 
     fn attention(

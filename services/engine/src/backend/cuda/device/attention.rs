@@ -397,6 +397,22 @@ impl CudaBackend {
         );
         let window = int(spec.sliding_window.unwrap_or(0), "sliding window")?;
 
+        // In a step graph the positions are device memory (`row_positions[row]`), read by the
+        // kernels; 0 (null) otherwise.
+        let step_graph = self.active_step_graph();
+        let row_positions: u64 = step_graph.as_ref().map_or(0, |graph| graph.positions);
+        if let Some(graph) = &step_graph {
+            let decode_rows = segments
+                .iter()
+                .all(|segment| segment.rows.len() <= 1 && segment.rows.end <= graph.rows);
+            if path != AttentionPath::Flash || !decode_rows {
+                return Err(CudaError::Invalid {
+                    problem: "a step graph takes one-row segments through the flash kernels only"
+                        .into(),
+                });
+            }
+        }
+
         // Appends (each segment's rows touch only its own cache).
         for segment in segments.iter_mut() {
             let cache = &mut *segment.state;
@@ -414,11 +430,13 @@ impl CudaBackend {
             match (&mut *cache.keys, &mut *cache.values) {
                 (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
                     launch!(self, "kv_append", elementwise(n * width);
-                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
+                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg,
+                        &row_positions)?
                 }
                 (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
                     launch!(self, "kv_append_bf16", elementwise(n * width);
-                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg)?
+                        k_data, v_data, keys, values, &row_start, &rows, &at, &width_arg,
+                        &row_positions)?
                 }
                 _ => {
                     return Err(CudaError::Invalid {
@@ -440,7 +458,13 @@ impl CudaBackend {
             if path == AttentionPath::Flash && n > 0 && n <= SPLIT_MAX_ROWS && whole_words {
                 let last = segment.start_position + n - 1;
                 let chunk = split_chunk(last);
-                let chunks = last / chunk + 1;
+                // A step graph serves every position: its grid covers the most chunks a row
+                // can have, and the kernels skip the chunks past the row's position.
+                let chunks = if step_graph.is_some() {
+                    SPLIT_MAX_CHUNKS
+                } else {
+                    last / chunk + 1
+                };
                 plans.push(Some(SplitPlan {
                     chunk,
                     chunks,
@@ -508,13 +532,13 @@ impl CudaBackend {
                             launch!(self, "attention_split", config;
                                 q_data, keys, values, &mut *part_o, &mut *part_ml, &row_start,
                                 &at, &heads, &kv_heads, &head_dim, &window, &scale, &chunk,
-                                &chunks, &part_base)?
+                                &chunks, &part_base, &row_positions)?
                         }
                         (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
                             launch!(self, "attention_split_bf16", config;
                                 q_data, keys, values, &mut *part_o, &mut *part_ml, &row_start,
                                 &at, &heads, &kv_heads, &head_dim, &window, &scale, &chunk,
-                                &chunks, &part_base)?
+                                &chunks, &part_base, &row_positions)?
                         }
                         _ => unreachable!("checked above"),
                     }
@@ -525,7 +549,7 @@ impl CudaBackend {
                     };
                     launch!(self, "attention_combine", combine;
                         &*part_o, &*part_ml, output, &row_start, &rows, &at, &heads, &head_dim,
-                        &window, &chunk, &chunks, &part_base)?;
+                        &window, &chunk, &chunks, &part_base, &row_positions)?;
                 }
                 (AttentionPath::Flash, _, _) => {
                     let tiles =

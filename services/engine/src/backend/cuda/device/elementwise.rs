@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 
 use super::super::CudaError;
 use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};
@@ -117,7 +117,24 @@ impl CudaBackend {
         table: &CudaWeight,
         ids: &[u32],
     ) -> Result<CudaTensor, CudaError> {
-        let indices = self.upload_u32(ids)?;
+        // A step graph's ids are its device inputs; otherwise they are uploaded.
+        let uploaded;
+        let indices: u64 = match self.active_step_graph() {
+            Some(graph) if graph.rows == ids.len() => graph.ids,
+            Some(graph) => {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "embedding {} ids in a step graph of {} rows",
+                        ids.len(),
+                        graph.rows
+                    ),
+                })
+            }
+            None => {
+                uploaded = self.upload_u32(ids)?;
+                uploaded.device_ptr(&self.stream).0
+            }
+        };
         // `embed` writes every element (zero for an id outside the table).
         let mut out = self.output_uninit(ids.len(), table.cols)?;
         let total = ids.len() * table.cols;
@@ -185,9 +202,8 @@ impl CudaBackend {
         positions: &[usize],
         rotary_dim: usize,
         theta: f64,
-        launch: impl FnOnce(&CudaSlice<u32>, &CudaSlice<f32>) -> Result<T, CudaError>,
+        launch: impl FnOnce(&u64, &CudaSlice<f32>) -> Result<T, CudaError>,
     ) -> Result<T, CudaError> {
-        let positions: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let mut tables = self.rope_tables.lock().map_err(|_| CudaError::Invalid {
             problem: "the rope cache's lock is poisoned".into(),
         })?;
@@ -195,6 +211,23 @@ impl CudaBackend {
         if let std::collections::hash_map::Entry::Vacant(entry) = tables.inverse.entry(key) {
             entry.insert(self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?);
         }
+        // A step graph's positions are its device inputs (one per row, the rows in order).
+        if let Some(graph) = self.active_step_graph() {
+            if positions.len() > graph.rows {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "rope over {} rows in a step graph of {}",
+                        positions.len(),
+                        graph.rows
+                    ),
+                });
+            }
+            let inverse = tables.inverse.get(&key).ok_or_else(|| CudaError::Invalid {
+                problem: "rope tables missing after upload".into(),
+            })?;
+            return launch(&graph.positions, inverse);
+        }
+        let positions: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         if tables
             .positions
             .as_ref()
@@ -210,7 +243,8 @@ impl CudaBackend {
                 problem: "rope tables missing after upload".into(),
             });
         };
-        launch(positions, inverse)
+        let positions = positions.device_ptr(&self.stream).0;
+        launch(&positions, inverse)
     }
 
     pub(super) fn launch_add_assign(

@@ -62,6 +62,8 @@ pub struct CudaBackend {
     rope_tables: Mutex<RopeTables>,
     /// `--host-kv-mib`: the page-locked KV pool and placement counters (device/host_kv.rs).
     host_kv: host_kv::HostKvSlot,
+    /// The step graph the current step's ops run in (device/step_graph.rs), if any.
+    active_step_graph: Mutex<Option<step_graph::ActiveStepGraph>>,
 }
 
 /// A row-major `[rows, cols]` f32 buffer on the GPU.
@@ -300,8 +302,21 @@ impl CudaBackend {
     fn output_uninit(&self, rows: usize, cols: usize) -> Result<CudaTensor, CudaError> {
         // Zero-length device allocations are an error in CUDA: keep one element.
         let len = (rows * cols).max(1);
-        let data = match self.tensor_pool.take(len) {
+        // A step running through a graph draws from the graph's own pool.
+        let active = self.active_step_graph();
+        let pool = match &active {
+            Some(active) => &active.pool,
+            None => &self.tensor_pool,
+        };
+        let data = match pool.take(len) {
             Some(data) => data,
+            None if active.as_ref().is_some_and(|active| active.recording) => {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "a recorded step asked for a buffer of {len} floats its first step did not use"
+                    ),
+                })
+            }
             // SAFETY: the caller's kernel writes every element before anything reads it (the
             // contract of this function); the buffer is never read uninitialised.
             None => unsafe { self.stream.alloc::<f32>(len) }.map_err(driver_error(format!(
@@ -313,7 +328,7 @@ impl CudaBackend {
             rows,
             cols,
             data: ManuallyDrop::new(data),
-            pool: Some(Arc::clone(&self.tensor_pool)),
+            pool: Some(Arc::clone(pool)),
         })
     }
 
@@ -550,6 +565,7 @@ impl Backend for CudaBackend {
     type RecurrentState = CudaRecurrentState;
     type ExpertSlots = CudaExpertSlots;
     type PendingRouting = CudaPendingRouting;
+    type StepGraph = CudaStepGraph;
 
     fn name(&self) -> String {
         format!("cuda:{}", self.info.ordinal)
@@ -864,6 +880,38 @@ impl Backend for CudaBackend {
     fn kv_placement(&self) -> Option<crate::backend::KvPlacement> {
         self.host_kv_placement()
     }
+
+    fn new_step_graph(&self, rows: usize) -> Result<Option<CudaStepGraph>, EngineError> {
+        self.create_step_graph(rows).map_err(device("new_step_graph"))
+    }
+
+    fn begin_step_graph(
+        &self,
+        graph: &mut CudaStepGraph,
+        ids: &[u32],
+        positions: &[usize],
+    ) -> Result<crate::backend::StepGraphRun, EngineError> {
+        self.start_step_graph(graph, ids, positions)
+            .map_err(device("begin_step_graph"))
+    }
+
+    fn end_step_graph(
+        &self,
+        graph: &mut CudaStepGraph,
+        ops_succeeded: bool,
+    ) -> Result<crate::backend::StepGraphEnd, EngineError> {
+        self.finish_step_graph(graph, ops_succeeded)
+            .map_err(device("end_step_graph"))
+    }
+
+    fn wait_for_queued_ops(&self) -> Result<(), EngineError> {
+        self.synchronize().map_err(device("wait_for_queued_ops"))
+    }
+
+    fn peek_routing(&self, pending: &CudaPendingRouting) -> Result<Routing, EngineError> {
+        self.peek_pending_routing(pending)
+            .map_err(device("peek_routing"))
+    }
 }
 
 mod attention;
@@ -882,6 +930,7 @@ mod router;
 mod sampling;
 mod self_checks;
 mod start_up;
+mod step_graph;
 mod tensor_pool;
 
 pub use attention::AttentionPath;
@@ -889,3 +938,4 @@ pub use experts::CudaExpertSlots;
 pub use options::{CudaOptions, KvDtype};
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;
+pub use step_graph::CudaStepGraph;

@@ -55,6 +55,9 @@ pub struct CudaOptions {
     /// Run every attention through the reference kernel (one warp per row and head) instead of
     /// the split-K decode / tiled prefill kernels.
     pub reference_attention: bool,
+    /// Run repeated decode steps of one batch as recorded CUDA graphs (device/step_graph.rs);
+    /// the same bits as op by op.
+    pub step_graphs: bool,
 }
 
 impl Default for CudaOptions {
@@ -63,6 +66,7 @@ impl Default for CudaOptions {
             kv_dtype: KvDtype::Bf16,
             cublas: true,
             reference_attention: false,
+            step_graphs: true,
         }
     }
 }
@@ -75,6 +79,7 @@ impl CudaOptions {
             cublas: false,
             // The flash kernels are batch invariant and agree with the CPU to f32 rounding.
             reference_attention: false,
+            step_graphs: true,
         }
     }
 }

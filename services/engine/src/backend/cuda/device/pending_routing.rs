@@ -271,6 +271,20 @@ impl CudaBackend {
         }
     }
 
+    /// The routing of `pending` as its copies left it, without finishing it (a step graph's
+    /// pending routings are refreshed by every replay; the caller waited for the replay).
+    pub(super) fn peek_pending_routing(
+        &self,
+        pending: &CudaPendingRouting,
+    ) -> Result<Routing, CudaError> {
+        match &pending.state {
+            PendingState::Ready { routing, .. } => Ok(routing.clone()),
+            PendingState::OnDevice(on_device) => {
+                routing_of(&mut on_device.read(2)?.into_iter(), pending.experts_per_token)
+            }
+        }
+    }
+
     /// Slotted experts by a pending routing: straight from the device routing for decode-sized
     /// batches, through the host routing (a wait for its copies) for bigger ones, which group
     /// their pairs by expert on the host.

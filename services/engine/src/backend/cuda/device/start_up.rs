@@ -172,7 +172,10 @@ impl CudaBackend {
             attention_path: AttentionPath::Reference,
         };
         let mut backend = CudaBackend {
-            stream: context.default_stream(),
+            // A stream of its own: the legacy default stream cannot be recorded into a graph.
+            stream: context
+                .new_stream()
+                .map_err(driver_error("creating the backend's stream"))?,
             _context: context,
             functions,
             info,
@@ -183,6 +186,7 @@ impl CudaBackend {
             routing_staging: Default::default(),
             tensor_pool: Default::default(),
             rope_tables: Default::default(),
+            active_step_graph: Default::default(),
             host_kv: Default::default(),
         };
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked

@@ -1,0 +1,251 @@
+//! Decode steps through the backend's step graphs ([`Backend::begin_step_graph`]): a batch of
+//! one-token sequences that decodes step after step gets one graph, which runs the step's ops
+//! in the graph's shape once, records them the next step, and replays them from then on.
+//!
+//! Only steps the host has no part in inside the forward go through a graph: every row one new
+//! token, and every MoE layer's routed experts resident (nothing for the expert executor). A
+//! graph is keyed by its sequences' graph keys in batch order, so a batch that changes (a
+//! sequence joins, leaves or is restored to a checkpoint) gets a new one; the least recently
+//! used of at most [`MOST_STEP_GRAPHS`] is dropped.
+//!
+//! Owns: which steps use a graph, the graphs per batch, the recorded step's outputs, and the
+//! host bookkeeping a replay skips (positions, routing counts, the profile).
+//! Must not touch: how a backend records or replays.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use super::{LayerScratch, LogitsSelection, Model, SequenceInput};
+use crate::backend::{Backend, StepGraphEnd, StepGraphRun, WithExpertSlotTable};
+use crate::error::EngineError;
+use crate::moe::layer::DeferredRouting;
+use crate::profile::PhaseTotals;
+
+/// Step graphs kept at once (one per batch of sequences seen decoding recently).
+pub(super) const MOST_STEP_GRAPHS: usize = 8;
+
+static NEXT_GRAPH_KEY: AtomicU64 = AtomicU64::new(1);
+
+/// A key no other sequence state has had.
+pub(super) fn new_graph_key() -> u64 {
+    NEXT_GRAPH_KEY.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The model's step graphs.
+pub(super) struct StepGraphs<B: Backend> {
+    entries: Vec<StepGraphEntry<B>>,
+    /// Counts lookups, to find the least recently used entry.
+    clock: u64,
+    /// The backend has no step graphs, or they were turned off ([`Model::set_step_graphs`]).
+    off: bool,
+    counts: StepGraphCounts,
+}
+
+/// How decode steps went through step graphs so far ([`Model::step_graph_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepGraphCounts {
+    /// Steps run in a graph's shape before recording.
+    pub shaped: u64,
+    /// Steps recorded (and run once).
+    pub recorded: u64,
+    /// Steps replayed.
+    pub replayed: u64,
+    /// Recordings that failed (those batches run op by op).
+    pub abandoned: u64,
+}
+
+impl<B: Backend> Default for StepGraphs<B> {
+    fn default() -> Self {
+        StepGraphs {
+            entries: Vec::new(),
+            clock: 0,
+            off: false,
+            counts: StepGraphCounts::default(),
+        }
+    }
+}
+
+struct StepGraphEntry<B: Backend> {
+    keys: Vec<u64>,
+    /// `None`: recording failed or an op failed; this batch runs op by op.
+    graph: Option<B::StepGraph>,
+    /// The recorded step's outputs, which every replay rewrites: the logits, and the routings
+    /// of the MoE layers (finished by the host after each replay, to count them).
+    recorded: Option<(B::Tensor, Vec<DeferredRouting<B>>)>,
+    last_used: u64,
+}
+
+impl<B: Backend> Model<B> {
+    /// Turns step graphs on (the default, where the backend has them) or off: with them off
+    /// every decode step runs op by op (the tests compare the two).
+    pub fn set_step_graphs(&self, on: bool) {
+        if let Ok(mut graphs) = self.step_graphs.lock() {
+            graphs.off = !on;
+            if !on {
+                graphs.entries.clear();
+            }
+        }
+    }
+
+    /// How decode steps went through step graphs so far.
+    pub fn step_graph_counts(&self) -> StepGraphCounts {
+        self.step_graphs
+            .lock()
+            .map(|graphs| graphs.counts)
+            .unwrap_or_default()
+    }
+
+    /// Whether the host has no part inside this batch's forward: one token per sequence, and
+    /// every MoE layer's routed experts resident.
+    fn step_graph_fits(&self, batch: &[SequenceInput<'_, B>]) -> bool {
+        !batch.is_empty()
+            && batch.iter().all(|item| item.tokens.len() == 1)
+            && self.moe_layers().all(|layer| {
+                layer
+                    .resident
+                    .as_ref()
+                    .is_some_and(|slots| slots.slot_table().every_expert_resident())
+            })
+    }
+
+    /// A decode step of `batch` through its step graph, with the logits left on the backend
+    /// (as [`Model::forward_logits_on_backend`]); `None` when the step must run op by op (the
+    /// batch does not fit a graph, the backend has none, or recording failed: then nothing
+    /// ran and no state changed).
+    pub(super) fn decode_through_step_graph(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+    ) -> Result<Option<B::Tensor>, EngineError> {
+        if !self.step_graph_fits(batch) {
+            return Ok(None);
+        }
+        let mut graphs = self
+            .step_graphs
+            .lock()
+            .map_err(|_| EngineError::InvalidConfig {
+                problem: "the step graphs' lock is poisoned".into(),
+            })?;
+        if graphs.off {
+            return Ok(None);
+        }
+        let plan = self.batch_plan(batch)?;
+        let keys: Vec<u64> = batch.iter().map(|item| item.state.graph_key).collect();
+        graphs.clock += 1;
+        let now = graphs.clock;
+        let index = match graphs.entries.iter().position(|entry| entry.keys == keys) {
+            Some(index) => index,
+            None => {
+                let Some(graph) = self.backend.new_step_graph(keys.len())? else {
+                    graphs.off = true;
+                    return Ok(None);
+                };
+                if graphs.entries.len() >= MOST_STEP_GRAPHS {
+                    // A dropped graph's buffers may still be in use by a queued replay.
+                    self.backend.wait_for_queued_ops()?;
+                    if let Some(oldest) = (0..graphs.entries.len())
+                        .min_by_key(|&index| graphs.entries[index].last_used)
+                    {
+                        graphs.entries.swap_remove(oldest);
+                    }
+                }
+                graphs.entries.push(StepGraphEntry {
+                    keys,
+                    graph: Some(graph),
+                    recorded: None,
+                    last_used: now,
+                });
+                graphs.entries.len() - 1
+            }
+        };
+        let StepGraphs {
+            entries, counts, ..
+        } = &mut *graphs;
+        let entry = &mut entries[index];
+        entry.last_used = now;
+        let StepGraphEntry {
+            graph: Some(graph),
+            recorded,
+            ..
+        } = entry
+        else {
+            return Ok(None);
+        };
+        let started = Instant::now();
+        let backend = &*self.backend;
+        match backend.begin_step_graph(graph, &plan.ids, &plan.positions)? {
+            StepGraphRun::Replayed => {
+                counts.replayed += 1;
+                let (logits, deferred) =
+                    recorded.as_ref().ok_or_else(|| EngineError::InvalidConfig {
+                        problem: "a replayed step graph has no recorded outputs".into(),
+                    })?;
+                backend.wait_for_queued_ops()?;
+                let mut tally = PhaseTotals::default();
+                self.count_recorded_routings(deferred, &mut tally)?;
+                self.account_forward(batch, &plan, tally, started);
+                // The caller owns what it gets; the graph's logits are rewritten next step.
+                let (_, vocab) = backend.shape(logits);
+                Ok(Some(backend.columns(logits, 0..vocab)?))
+            }
+            StepGraphRun::RunOps => {
+                let mut scratch = LayerScratch::new(self.moe_context());
+                let result = self.run_layers(
+                    batch,
+                    &plan,
+                    LogitsSelection::Last,
+                    self.delta_rule_form,
+                    &mut scratch,
+                    |backend, normed| backend.matmul(&normed, self.head()),
+                );
+                let end = backend.end_step_graph(graph, result.is_ok())?;
+                match end {
+                    StepGraphEnd::Ran => {
+                        counts.shaped += 1;
+                        if result.is_err() {
+                            entry.graph = None;
+                        }
+                        let logits = result?;
+                        self.finish_deferred_routing(&mut scratch)?;
+                        self.account_forward(batch, &plan, scratch.tally, started);
+                        Ok(Some(logits))
+                    }
+                    StepGraphEnd::Recorded => {
+                        counts.recorded += 1;
+                        let logits = result?;
+                        backend.wait_for_queued_ops()?;
+                        let deferred = std::mem::take(&mut scratch.deferred);
+                        let mut tally = scratch.tally;
+                        self.count_recorded_routings(&deferred, &mut tally)?;
+                        self.account_forward(batch, &plan, tally, started);
+                        let (_, vocab) = backend.shape(&logits);
+                        let copy = backend.columns(&logits, 0..vocab)?;
+                        *recorded = Some((logits, deferred));
+                        Ok(Some(copy))
+                    }
+                    StepGraphEnd::Abandoned => {
+                        counts.abandoned += 1;
+                        // Nothing ran: the positions never moved, and the step runs op by op.
+                        entry.graph = None;
+                        Ok(None)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts the routings a replay left in the recorded step's pending routings.
+    fn count_recorded_routings(
+        &self,
+        deferred: &[DeferredRouting<B>],
+        tally: &mut PhaseTotals,
+    ) -> Result<(), EngineError> {
+        let context = self.moe_context();
+        for DeferredRouting { layer, pending } in deferred {
+            let routing = self.backend.peek_routing(pending)?;
+            if let Some(super::FeedForward::Moe(moe)) = self.moe_layer_at(*layer) {
+                moe.account_routing(&context, *layer, &routing, tally);
+            }
+        }
+        Ok(())
+    }
+}

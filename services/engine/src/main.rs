@@ -93,7 +93,8 @@ struct Args {
     /// Decode steps whose host has no part inside the forward (every routed expert on the GPU)
     /// run as recorded CUDA graphs: `on` (the default) or `off` (every op launched by the
     /// host; the same tokens).
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off)]
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
     cuda_graphs: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`

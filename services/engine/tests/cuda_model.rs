@@ -195,12 +195,21 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
                 .collect();
             let graph_steps = decode_on_backend(&with_graphs, &prompts, 20);
             let plain_steps = decode_on_backend(&without, &prompts, 20);
+            println!(
+                "{architecture:?}, {sequences} sequences: step graphs {:?}, last recording failure: {:?}",
+                with_graphs.step_graph_counts(),
+                with_graphs.step_graph_last_abandoned()
+            );
             for (step, (graph, plain)) in graph_steps.iter().zip(&plain_steps).enumerate() {
                 let same_bits = graph.len() == plain.len()
                     && graph.iter().zip(plain).all(|(a, b)| a.to_bits() == b.to_bits());
+                let worst = graph
+                    .iter()
+                    .zip(plain)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
                 assert!(
                     same_bits,
-                    "{architecture:?}, {sequences} sequences: step {step}'s logits differ with step graphs"
+                    "{architecture:?}, {sequences} sequences: step {step}'s logits differ with step graphs (max |Δ| {worst:e})"
                 );
             }
         }

@@ -39,6 +39,8 @@ pub(super) struct StepGraphs<B: Backend> {
     /// The backend has no step graphs, or they were turned off ([`Model::set_step_graphs`]).
     off: bool,
     counts: StepGraphCounts,
+    /// Why the last recording failed.
+    last_abandoned: Option<String>,
 }
 
 /// How decode steps went through step graphs so far ([`Model::step_graph_counts`]).
@@ -61,6 +63,7 @@ impl<B: Backend> Default for StepGraphs<B> {
             clock: 0,
             off: false,
             counts: StepGraphCounts::default(),
+            last_abandoned: None,
         }
     }
 }
@@ -93,6 +96,14 @@ impl<B: Backend> Model<B> {
             .lock()
             .map(|graphs| graphs.counts)
             .unwrap_or_default()
+    }
+
+    /// Why the last recording of a step graph failed, if one did.
+    pub fn step_graph_last_abandoned(&self) -> Option<String> {
+        self.step_graphs
+            .lock()
+            .ok()
+            .and_then(|graphs| graphs.last_abandoned.clone())
     }
 
     /// Whether the host has no part inside this batch's forward: one token per sequence, and
@@ -158,7 +169,10 @@ impl<B: Backend> Model<B> {
             }
         };
         let StepGraphs {
-            entries, counts, ..
+            entries,
+            counts,
+            last_abandoned,
+            ..
         } = &mut *graphs;
         let entry = &mut entries[index];
         entry.last_used = now;
@@ -224,6 +238,14 @@ impl<B: Backend> Model<B> {
                     }
                     StepGraphEnd::Abandoned => {
                         counts.abandoned += 1;
+                        let reason = match &result {
+                            Err(error) => error.to_string(),
+                            Ok(_) => "the driver refused the recording".to_string(),
+                        };
+                        tracing::warn!(
+                            "a decode step could not be recorded as a graph; this batch runs op by op: {reason}"
+                        );
+                        *last_abandoned = Some(reason);
                         // Nothing ran: the positions never moved, and the step runs op by op.
                         entry.graph = None;
                         Ok(None)

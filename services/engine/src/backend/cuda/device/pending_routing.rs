@@ -82,15 +82,28 @@ impl Drop for OnDevice {
 impl OnDevice {
     /// The first `parts` parts, once their copies landed.
     fn read(&self, parts: usize) -> Result<Vec<HostValues>, CudaError> {
-        let (staging, copied) = self.staging.as_ref().ok_or_else(|| CudaError::Invalid {
+        let (_, copied) = self.staging.as_ref().ok_or_else(|| CudaError::Invalid {
             problem: "a pending routing lost its staging buffer".into(),
         })?;
         copied
             .synchronize()
             .map_err(driver_error("waiting for the routing's read-back"))?;
+        // SAFETY: the wait above saw the copies complete.
+        unsafe { self.read_landed(parts) }
+    }
+
+    /// The first `parts` parts, as the copies left them, without waiting on the event (an
+    /// event recorded while a step graph was being recorded cannot be waited on).
+    ///
+    /// # Safety
+    /// Every copy into the buffer must have completed (the caller waited for the stream).
+    unsafe fn read_landed(&self, parts: usize) -> Result<Vec<HostValues>, CudaError> {
+        let (staging, _) = self.staging.as_ref().ok_or_else(|| CudaError::Invalid {
+            problem: "a pending routing lost its staging buffer".into(),
+        })?;
         let parts = parts.min(self.shapes.len());
-        // SAFETY: the copies into `staging` at these offsets were queued before `copied` was
-        // recorded, and the wait above saw it complete.
+        // SAFETY: the copies into `staging` at these offsets completed (this function's
+        // contract).
         Ok(unsafe { decode_staged(staging, &self.shapes[..parts], &self.offsets[..parts]) })
     }
 }
@@ -280,7 +293,10 @@ impl CudaBackend {
         match &pending.state {
             PendingState::Ready { routing, .. } => Ok(routing.clone()),
             PendingState::OnDevice(on_device) => {
-                routing_of(&mut on_device.read(2)?.into_iter(), pending.experts_per_token)
+                self.synchronize()?;
+                // SAFETY: the stream is idle, so every copy queued into the buffer landed.
+                let values = unsafe { on_device.read_landed(2)? };
+                routing_of(&mut values.into_iter(), pending.experts_per_token)
             }
         }
     }

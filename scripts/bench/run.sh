@@ -47,7 +47,7 @@
 #               of decode tok/s: llama.cpp, ninfer and their ratio per placement.
 #
 # Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (16), Q30_LAYERS (q30's
-# decoder layers, default all 48; at 48 the artifact and the GGUF take ~32 GB each: a 64 GiB disk
+# decoder layers, default all 48; at 48 the artifact and the GGUF take ~33 GB each: a 64 GiB disk
 # needs KEEP_ARTIFACTS=0 or fewer layers), BENCH_TIMEOUT (150 s per bench), STATS_TIMEOUT (120),
 # CONVERT_TIMEOUT (240), GGUF_TIMEOUT (600), WORK (artifacts, default /tmp/ninfer-bench;
 # REUSE_ARTIFACTS=0 rewrites them, KEEP_ARTIFACTS=0 deletes q30's and the GGUF after use),

@@ -7,6 +7,7 @@
 #   STAGES=experts,q30 scripts/bench/run.sh
 #   STAGES=q35 PROMPTS=512,4096 DECODE=512 scripts/bench/run.sh
 #   STAGES=llama LLAMA_CPP_BENCH=~/llama.cpp/build/bin/llama-bench LLAMA_CPP_MODEL=q30.gguf scripts/bench/run.sh
+#   STAGES=q30,llama Q30_LAYERS=16 LLAMA_CPP_BENCH=... LLAMA_CPP_WRITE_GGUF=1 LLAMA_CPP_CPU_MOE=10 scripts/bench/run.sh
 #
 # STAGES (comma-separated, run in the order below whatever the order given):
 #   experts     `ninfer bench experts`: decode-shape expert streaming against the RAM read
@@ -39,11 +40,17 @@
 #               LLAMA_CPP_MODEL (a GGUF of the same model) are given: all experts on the CPU
 #               (-ot exps=CPU), LLAMA_CPP_CPU_MOE layers' experts on the CPU (--n-cpu-moe, if
 #               set), everything on the GPU; same prompt length, decode tokens, threads and
-#               repeats; LLAMA_CPP_ARGS adds arguments to each.
+#               repeats; LLAMA_CPP_ARGS adds arguments to each, LLAMA_CPP_DEPTH=N decodes after N
+#               tokens of context (-d N) instead of an empty one. LLAMA_CPP_WRITE_GGUF=1 (with no
+#               LLAMA_CPP_MODEL) writes the GGUF with scripts/bench/write_gguf.py at q30's layers
+#               (Q8_0 experts, bf16 dense: the artifact's bytes). After q30 and llama, one table
+#               of decode tok/s: llama.cpp, ninfer and their ratio per placement.
 #
-# Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (16), BENCH_TIMEOUT (150 s
-# per bench), STATS_TIMEOUT (120), CONVERT_TIMEOUT (240), WORK (artifacts, default
-# /tmp/ninfer-bench; REUSE_ARTIFACTS=0 rewrites them, KEEP_ARTIFACTS=0 deletes q30's after use),
+# Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (16), Q30_LAYERS (q30's
+# decoder layers, default all 48; at 48 the artifact and the GGUF take ~33 GB each: a 64 GiB disk
+# needs KEEP_ARTIFACTS=0 or fewer layers), BENCH_TIMEOUT (150 s per bench), STATS_TIMEOUT (120),
+# CONVERT_TIMEOUT (240), GGUF_TIMEOUT (600), WORK (artifacts, default /tmp/ninfer-bench;
+# REUSE_ARTIFACTS=0 rewrites them, KEEP_ARTIFACTS=0 deletes q30's and the GGUF after use),
 # Q35_FIRST=1 (q35 before q30), GPU_TEST_FIGURES, GPU_TEST_TIMEOUT (passed to gpu_tests.sh),
 # NINFER_BUNDLE (the binaries, default target/gpu-bundle), OUT (results, default
 # /tmp/ninfer-bench-results: summary.log, one log per step; ARCHIVE=1 keeps the step logs in a
@@ -216,17 +223,18 @@ run_q35() {
 
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
 
+q30=q30${Q30_LAYERS:+-l$Q30_LAYERS}
 if has q30 || has profile || has b53; then
-  convert q30 qwen3-30b-a3b --experts-dtype int8 --routing uniform
+  convert "$q30" qwen3-30b-a3b ${Q30_LAYERS:+--layers "$Q30_LAYERS"} --experts-dtype int8 --routing uniform
   wait_for_gpu_tests
-  B=("$work/q30.ninfer" --device cuda --prompt-lengths "${PROMPTS:-4096}"
+  B=("$work/$q30.ninfer" --device cuda --prompt-lengths "${PROMPTS:-4096}"
     --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}")
   if has profile; then
     # Every op synchronises: slow; this says where the time goes, not how fast it is.
     for profile_run in ${PROFILE_RUNS:-0:sync all:sync all:host}; do
       experts=${profile_run%%:*} mode=${profile_run#*:}
       NINFER_CUDA_OP_TIMING="$out/op_timing_q30_${experts}_$mode.txt" NINFER_CUDA_OP_TIMING_MODE=$mode \
-        bench "q30_profile_${experts}_$mode" 120 "$work/q30.ninfer" --device cuda --moe-threads "$threads" \
+        bench "q30_profile_${experts}_$mode" 120 "$work/$q30.ninfer" --device cuda --moe-threads "$threads" \
         --prompt-lengths "${PROFILE_PROMPT:-1024}" --decode-tokens 64 --moe-gpu-experts "$experts"
       head -40 "$out/op_timing_q30_${experts}_$mode.txt" | tee -a "$out/summary.log"
     done
@@ -255,10 +263,23 @@ if has q30 || has profile || has b53; then
         --moe-threads "$((threads - 1))" --moe-gpu-experts 53
     fi
   fi
-  [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/q30.ninfer"*
+  [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/$q30.ninfer"*
 fi
 
 if has q35 && [ "${Q35_FIRST:-0}" != 1 ]; then run_q35; fi
+
+if has llama && [ "${LLAMA_CPP_WRITE_GGUF:-0}" = 1 ] && [ -z "${LLAMA_CPP_MODEL:-}" ]; then
+  LLAMA_CPP_MODEL=$work/$q30.gguf
+  if [ -s "$LLAMA_CPP_MODEL" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
+    log "write GGUF: reusing $LLAMA_CPP_MODEL"
+  else
+    log "write GGUF: $LLAMA_CPP_MODEL, ${Q30_LAYERS:-48} layers"
+    timeout "${GGUF_TIMEOUT:-600}" python3 scripts/bench/write_gguf.py "$LLAMA_CPP_MODEL" \
+      --layers "${Q30_LAYERS:-48}" >"$out/write_gguf.log" 2>&1
+    log "write GGUF: exit $?"
+    tail -1 "$out/write_gguf.log" | tee -a "$out/summary.log"
+  fi
+fi
 
 if has llama; then
   if [ -z "${LLAMA_CPP_BENCH:-}" ] || [ -z "${LLAMA_CPP_MODEL:-}" ]; then
@@ -266,7 +287,7 @@ if has llama; then
   else
     wait_for_gpu_tests
     L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${PROMPTS:-4096}" -n "${DECODE:-64}"
-      -t "$threads" -r "${REPEATS:-2}" -ngl 99 ${LLAMA_CPP_ARGS:-})
+      -t "$threads" -r "${REPEATS:-2}" -ngl 99 ${LLAMA_CPP_DEPTH:+-d "$LLAMA_CPP_DEPTH"} ${LLAMA_CPP_ARGS:-})
     llama() { # llama LABEL ARGS...
       local label=$1
       shift
@@ -281,6 +302,27 @@ if has llama; then
       llama "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
     fi
     llama all_gpu
+    [ "${KEEP_ARTIFACTS:-1}" = 1 ] || [ "$LLAMA_CPP_MODEL" != "$work/$q30.gguf" ] || rm -f "$LLAMA_CPP_MODEL"
+    # Decode tok/s: llama-bench's tg row (last column, mean); ninfer's row of the first prompt length.
+    llama_tok_s() { awk -F'|' '/ tg[0-9]/ { split($(NF - 1), mean, " "); print mean[1]; exit }' "$out/llama_$1.txt" 2>/dev/null; }
+    prompts=${PROMPTS:-4096}
+    ninfer_tok_s() { awk -v prompt="${prompts%%,*}" '$1 == prompt && $5 == "|" { print $3; exit }' "$out/bench_$1.txt" 2>/dev/null; }
+    compare() { # compare PLACEMENT LLAMA_LABEL NINFER_LABEL
+      local ours theirs
+      theirs=$(llama_tok_s "$2") ours=$(ninfer_tok_s "$3")
+      awk -v p="$1" -v l="${theirs:--}" -v n="${ours:--}" 'BEGIN {
+        r = (l + 0 > 0 && n + 0 > 0) ? sprintf("%.2fx", n / l) : "-"
+        printf "| %s | %s | %s | %s |\n", p, l, n, r }' | tee -a "$out/summary.log"
+    }
+    if has q30 || has b53; then
+      log "decode tok/s, batch 1, ${DECODE:-64} tokens (llama.cpp's test: $(grep -o ' tg[0-9][^|]*' "$out/llama_all_gpu.txt" 2>/dev/null | head -1 | xargs))"
+      echo "| placement | llama.cpp | ninfer | ninfer / llama.cpp |" | tee -a "$out/summary.log"
+      echo "|---|---|---|---|" | tee -a "$out/summary.log"
+      compare "all experts on the CPU" cpu_experts q30_a
+      [ -z "${LLAMA_CPP_CPU_MOE:-}" ] ||
+        compare "llama.cpp --n-cpu-moe $LLAMA_CPP_CPU_MOE; ninfer 53 per layer" "cpu_moe_$LLAMA_CPP_CPU_MOE" q30_b53
+      compare "all on the GPU" all_gpu q30_c
+    fi
   fi
 fi
 

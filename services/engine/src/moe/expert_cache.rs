@@ -33,10 +33,10 @@ use crate::service::routing_stats::ExpertStatistics;
 
 /// `--moe-cache-fills-per-layer` by default.
 pub const DEFAULT_FILLS_PER_LAYER: usize = 2;
-/// How much an expert's use count keeps per routed token: about the last 1 / (1 − 0.95) = 20
-/// tokens' routing weigh as much as everything before (the trained fixture's curve peaks near
-/// there, docs/BENCHMARKS.md).
-pub const DEFAULT_DECAY_PER_TOKEN: f64 = 0.95;
+/// How much an expert's use count keeps per routed token: about the last 1 / (1 − 0.98) = 50
+/// tokens' routing weigh as much as everything before (the trained fixture's hit rate peaks
+/// there, with a quarter of the fills of 0.9; docs/BENCHMARKS.md).
+pub const DEFAULT_DECAY_PER_TOKEN: f64 = 0.98;
 
 /// How the cache behaves.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -239,11 +239,18 @@ pub struct ExpertCacheCounters {
     pub layers: Vec<LayerCacheCounters>,
     /// Fills per layer and step (0: `--moe-static-experts`).
     pub fills_per_layer: usize,
-    /// Slots of each MoE layer.
+    /// Slots of each MoE layer that has slots.
     pub slots_per_layer: usize,
+    /// Layers with slots.
+    pub slot_layers: usize,
 }
 
 impl ExpertCacheCounters {
+    /// Slots over all layers.
+    pub fn total_slots(&self) -> usize {
+        self.slots_per_layer * self.slot_layers
+    }
+
     pub fn per_layer(&self) -> Vec<CacheCounts> {
         self.layers.iter().map(LayerCacheCounters::counts).collect()
     }
@@ -331,6 +338,7 @@ impl ExpertCache {
                     .collect(),
                 fills_per_layer: options.fills_per_layer,
                 slots_per_layer,
+                slot_layers: slot_layers.iter().filter(|&&has| has).count(),
             }),
         }
     }

@@ -17,16 +17,16 @@ use std::time::Duration;
 use ninfer_artifact::Artifact;
 use ninfer_protocol::v1::engine_server::Engine;
 use ninfer_protocol::v1::{
-    CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest, FinishReason,
-    GenerateRequest, GeneratedToken, GenerationDefaults, ModelFiles, ModelFilesRequest, ModelInfo,
-    ModelInfoRequest, PhaseProfile, ProfileRequest, RoutingStatistics, RoutingStatisticsRequest,
-    TokenLogprob,
+    CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest,
+    ExpertCacheLayerCounts, FinishReason, GenerateRequest, GeneratedToken, GenerationDefaults,
+    ModelFiles, ModelFilesRequest, ModelInfo, ModelInfoRequest, PhaseProfile, ProfileRequest,
+    RoutingStatistics, RoutingStatisticsRequest, TokenLogprob,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::constraint::{guide_for_request, GuidanceCache, Guide, ReasoningRule};
-use crate::moe::expert_cache::ExpertCacheCounters;
+use crate::moe::expert_cache::{CacheCounts, ExpertCacheCounters};
 use crate::profile::{ForwardProfile, PhaseTotals};
 use crate::sampling::SamplingParams;
 use routing_stats::RoutingCounters;
@@ -441,6 +441,23 @@ impl Engine for EngineService {
         let counters = &self.scheduler_counters;
         let expert_cache = self.profiling.expert_cache.as_deref();
         let cache = expert_cache.map(|c| c.total()).unwrap_or_default();
+        let expert_cache_layers = expert_cache
+            .map(|c| {
+                c.per_layer()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, counts)| **counts != CacheCounts::default())
+                    .map(|(layer, counts)| ExpertCacheLayerCounts {
+                        layer: layer as u32,
+                        hits: counts.hits,
+                        misses: counts.misses,
+                        fills: counts.fills,
+                        evictions: counts.evictions,
+                        bytes_copied: counts.bytes_copied,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let gpu_expert_slots =
             expert_cache.map_or(0, |c| u32::try_from(c.total_slots()).unwrap_or(u32::MAX));
         Ok(Response::new(EngineStatus {
@@ -459,6 +476,9 @@ impl Engine for EngineService {
             kv_cache_used_tokens: counters.kv_used_tokens.load(Ordering::Relaxed),
             kv_cache_capacity_tokens: (self.limits.max_context * self.limits.max_sequences) as u64,
             not_ready_reason: not_ready.unwrap_or_default(),
+            expert_cache_evictions_total: cache.evictions,
+            expert_cache_bytes_copied_total: cache.bytes_copied,
+            expert_cache_layers,
         }))
     }
 

@@ -5,6 +5,8 @@
 //! * greedy decoding with the cache gives the tokens of static placement and of another start
 //!   placement, and two runs with the cache give the same logits bit for bit, with and without a
 //!   slow copy (which side computes an expert never depends on timing);
+//! * a background fill leaves its slot out of the table until completed, then computes what a
+//!   direct fill computes, bit for bit (CPU and CUDA: the copy stream and its event);
 //! * a fill is never waited for by the step that started it (a CPU backend whose copies sleep);
 //! * the hit / miss / fill / eviction counters equal the routing replayed through
 //!   [`simulate_hit_rates`] with the documented timing, and hits + misses equal the routed
@@ -20,6 +22,8 @@ use std::time::{Duration, Instant};
 
 use ninfer_artifact::{Artifact, DType};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_cpu_experts::ExpertLayout;
+use ninfer_engine::backend::{ExpertSlotFills, Routing, WithExpertSlotTable};
 use ninfer_engine::moe::expert_cache::{
     simulate_hit_rates, CacheCounts, ExpertCacheCounters, ExpertCacheOptions, LayerRoutingTrace,
 };
@@ -285,6 +289,77 @@ fn the_cache_moves_experts_never_the_tokens<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(the_cache_moves_experts_never_the_tokens);
+
+/// Background fills ([`ExpertSlotFills`]) leave the slot out of the table until completed, then
+/// compute what direct fills compute, bit for bit; a refill evicts the slot's expert at its start.
+fn background_fills_equal_direct_fills<B: Backend>(backend: Arc<B>) {
+    let work = tempfile::tempdir().unwrap();
+    let Some(path) = converted(work.path()) else {
+        return;
+    };
+    let artifact = open_artifact(&path).unwrap();
+    let common = artifact.config().common().clone();
+    let layer = (0..common.num_hidden_layers)
+        .find(|&l| common.moe_layers[l])
+        .unwrap();
+    let bank = artifact
+        .expert_bank(&format!("layers.{layer}.moe.experts"))
+        .unwrap()
+        .clone();
+    let layout =
+        ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size).unwrap();
+    let placed = [(0, 5), (1, 9), (2, 17)];
+    let mut direct = backend
+        .new_expert_slots(&layout, common.num_experts, 3)
+        .unwrap();
+    let mut background = backend
+        .new_expert_slots(&layout, common.num_experts, 3)
+        .unwrap();
+    for (slot, expert) in placed {
+        backend
+            .fill_expert_slot(&mut direct, slot, expert, &artifact, &bank)
+            .unwrap();
+        backend
+            .fill_expert_slot(&mut background, slot, expert, &artifact, &bank)
+            .unwrap();
+    }
+    // Slot 1: expert 9 → 30, directly and in the background.
+    backend
+        .fill_expert_slot(&mut direct, 1, 30, &artifact, &bank)
+        .unwrap();
+    background.start_fill(1, 30, &artifact, &bank).unwrap();
+    assert_eq!(background.fills_in_flight(), 1);
+    let table = background.slot_table();
+    assert!(!table.is_resident(9) && !table.is_resident(30) && table.expert_in(1).is_none());
+    background.complete_fills().unwrap();
+    assert_eq!(background.fills_in_flight(), 0);
+    assert_eq!(background.slot_table(), direct.slot_table());
+    let tokens = 5;
+    let k = common.num_experts_per_tok;
+    let x: Vec<f32> = (0..tokens * common.hidden_size)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+        .collect();
+    let routing = Routing {
+        experts_per_token: k,
+        expert_ids: (0..tokens * k)
+            .map(|i| [5u32, 9, 17, 30, 2, 11][i % 6])
+            .collect(),
+        weights: (0..tokens * k).map(|i| 0.1 + 0.05 * i as f32).collect(),
+    };
+    let x = backend.upload(&x, tokens, common.hidden_size).unwrap();
+    let expected = backend
+        .download(&backend.slotted_experts(&direct, &x, &routing).unwrap())
+        .unwrap();
+    let got = backend
+        .download(&backend.slotted_experts(&background, &x, &routing).unwrap())
+        .unwrap();
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    assert!(expected.iter().any(|&v| v != 0.0));
+}
+test_device!(background_fills_equal_direct_fills);
 
 /// With copies that sleep far longer than a step, the step that starts fills returns before
 /// they land, and the results equal those of instant copies bit for bit.

@@ -136,6 +136,9 @@ impl LayerCachePolicy {
         let mut missed: Vec<usize> = (0..self.scores.len().min(table.num_experts()))
             .filter(|&expert| routed[expert] && !table.is_resident(expert))
             .collect();
+        if missed.is_empty() {
+            return Vec::new();
+        }
         missed.sort_by(by_score_descending);
         let mut free: Vec<usize> = (0..table.slot_count())
             .filter(|&slot| table.expert_in(slot).is_none())
@@ -145,8 +148,16 @@ impl LayerCachePolicy {
             .filter_map(|slot| table.expert_in(slot).map(|expert| (slot, expert)))
             .filter(|&(_, expert)| !routed.get(expert).copied().unwrap_or(false))
             .collect();
-        // Popped from the end: the lowest score (ties: lower id) last.
-        victims.sort_by(|(_, a), (_, b)| by_score_descending(a, b));
+        // Only the `max_fills` coldest can go (a total order: the same ones every time), popped
+        // coldest first.
+        let coldest_first = |(_, a): &(usize, usize), (_, b): &(usize, usize)| {
+            self.scores[*a].total_cmp(&self.scores[*b]).then(a.cmp(b))
+        };
+        if victims.len() > max_fills {
+            victims.select_nth_unstable_by(max_fills, coldest_first);
+            victims.truncate(max_fills);
+        }
+        victims.sort_by(|a, b| coldest_first(b, a));
         let mut fills = Vec::new();
         for expert in missed {
             if fills.len() == max_fills {

@@ -16,8 +16,10 @@
 //!   ([`ExpertSlotFills::complete_fills`]); only there does anything wait for the copy (on a GPU
 //!   the compute stream waits for its event; it has long landed in practice).
 //!
-//! A step is one model forward. The resident and CPU computations of an expert give the same
-//! bits, so the cache changes where an expert is computed, never the tokens.
+//! A step is one model forward. Two runs with the same steps give the same bits. An expert's
+//! output is the same wherever it is computed; only the order in which the resident and CPU parts
+//! of a token are summed follows the placement (f32 rounding), so greedy tokens stay those of
+//! static placement (`tests/expert_cache.rs`).
 //! Must not touch: slot storage and copies (backends), the start-up placement
 //! (`crate::moe::placement`), the routing itself.
 

@@ -30,6 +30,7 @@ SUITES=(
   "prefill_staging:::cuda"
   "candidates_and_host_kv:::cuda"
   "trained_fixture:::cuda"
+  "expert_cache:::cuda"
 )
 
 build() {

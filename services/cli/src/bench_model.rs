@@ -16,8 +16,8 @@ use ninfer_cpu_experts::bench::{measure_read_bandwidth, BandwidthResult};
 use ninfer_cpu_experts::ThreadPool;
 use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::{
-    EngineProfile, EngineStatusRequest, FinishReason, GenerateRequest, ModelInfoRequest,
-    PhaseProfile, ProfileRequest, SamplingParameters,
+    EngineProfile, EngineStatus, EngineStatusRequest, FinishReason, GenerateRequest,
+    ModelInfoRequest, PhaseProfile, ProfileRequest, SamplingParameters,
 };
 use serde::Serialize;
 use tonic::transport::Channel;
@@ -166,6 +166,59 @@ struct Report {
     device_bandwidth_error: Option<String>,
     roofline: RooflineBasis,
     results: Vec<Row>,
+    /// The dynamic expert cache over the measured runs (null without GPU expert slots).
+    expert_cache: Option<ExpertCacheFigures>,
+}
+
+/// The engine's expert cache counters (`GetStatus`) over the measured runs.
+#[derive(Debug, Serialize)]
+struct ExpertCacheFigures {
+    gpu_expert_slots: u32,
+    /// Routed choices whose expert was in a GPU slot / was not.
+    hits: u64,
+    misses: u64,
+    hit_rate: f64,
+    fills: u64,
+    /// Bytes the fills copied per second of measured time (the PCIe load the cache adds).
+    fill_gb_per_s: f64,
+}
+
+impl ExpertCacheFigures {
+    fn between(
+        before: &EngineStatus,
+        after: &EngineStatus,
+        stride: u64,
+        elapsed: Duration,
+    ) -> Option<Self> {
+        if after.gpu_expert_slots == 0 {
+            return None;
+        }
+        let hits = after
+            .expert_cache_hits_total
+            .saturating_sub(before.expert_cache_hits_total);
+        let misses = after
+            .expert_cache_misses_total
+            .saturating_sub(before.expert_cache_misses_total);
+        let fills = after
+            .expert_slot_refills_total
+            .saturating_sub(before.expert_slot_refills_total);
+        Some(ExpertCacheFigures {
+            gpu_expert_slots: after.gpu_expert_slots,
+            hits,
+            misses,
+            hit_rate: hits as f64 / (hits + misses).max(1) as f64,
+            fills,
+            fill_gb_per_s: (fills * stride) as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9,
+        })
+    }
+}
+
+async fn engine_status(client: &mut EngineClient<Channel>) -> anyhow::Result<EngineStatus> {
+    Ok(client
+        .get_status(EngineStatusRequest {})
+        .await
+        .context("reading the engine's status (GetStatus)")?
+        .into_inner())
 }
 
 #[derive(Debug, Serialize)]
@@ -528,6 +581,8 @@ async fn measure(
     profile(&mut client, true, false).await?;
 
     let ram_bytes_per_second = ram_bandwidth.best_gbps * 1e9;
+    let status_before = engine_status(&mut client).await?;
+    let measuring = Instant::now();
     let mut rows = Vec::new();
     let mut last = first;
     for &length in lengths {
@@ -608,7 +663,14 @@ async fn measure(
             decode_split_per_repeat,
         });
     }
+    let expert_cache = ExpertCacheFigures::between(
+        &status_before,
+        &engine_status(&mut client).await?,
+        last.expert_stride_bytes,
+        measuring.elapsed(),
+    );
     Ok(Report {
+        expert_cache,
         model,
         architecture,
         device: last.device.clone(),
@@ -663,6 +725,17 @@ fn print_report(report: &Report) {
         mb(report.dense_weight_bytes_per_forward as f64),
         mb(report.expert_stride_bytes as f64)
     );
+    if let Some(cache) = &report.expert_cache {
+        println!(
+            "expert cache ({} GPU slots): hit rate {:.1}% ({} hits, {} misses), {} fills, fill bandwidth {:.2} GB/s",
+            cache.gpu_expert_slots,
+            100.0 * cache.hit_rate,
+            cache.hits,
+            cache.misses,
+            cache.fills,
+            cache.fill_gb_per_s
+        );
+    }
     println!(
         "{:>7} {:>9} {:>8} {:>8} | {:>9} {:>8} {:>8} {:>9} {:>7} | {:>9} {:>9} {:>8} {:>8}",
         "prompt",

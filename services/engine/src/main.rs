@@ -13,6 +13,9 @@ use clap::{Parser, ValueEnum};
 use ninfer_cpu_experts::KernelIsa;
 use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
+use ninfer_engine::moe::expert_cache::{
+    ExpertCacheCounters, ExpertCacheOptions, DEFAULT_FILLS_PER_LAYER,
+};
 use ninfer_engine::moe::placement::{
     choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
     GpuExpertCount, GpuExpertShape, SlotMemoryBudget,
@@ -101,6 +104,20 @@ struct Args {
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
     #[arg(long, default_value = "0", value_name = "N|half|all|auto")]
     moe_gpu_experts: GpuExpertCount,
+    /// Keep the start-up placement of `--moe-gpu-experts` for the whole run. Without it the
+    /// slots follow the routing (the dynamic expert cache) whenever some experts of a layer
+    /// are in slots and some are not.
+    #[arg(long)]
+    moe_static_experts: bool,
+    /// Dynamic expert cache: at most this many experts copied into each MoE layer's slots per
+    /// step (from the page-locked banks, beside the steps; 0 acts as `--moe-static-experts`).
+    #[arg(long, default_value_t = DEFAULT_FILLS_PER_LAYER, value_name = "N")]
+    moe_cache_fills_per_layer: usize,
+    /// Routed experts in host RAM, computed by the CPU, the GPU holding `--moe-gpu-experts` of
+    /// them per layer: how the engine always runs; accepted for command lines written for the
+    /// seeds' tool.
+    #[arg(long)]
+    moe_offload: bool,
     /// Behave as if the GPU had this many GiB (to stand in for a 16 or 24 GB card): expert
     /// slots get what is left after the dense weights, the KV caches of `--max-sequences` full
     /// contexts and 1 GiB of working memory.
@@ -262,6 +279,11 @@ fn run(args: Args) -> anyhow::Result<()> {
         limits,
         prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
         host_kv_bytes,
+        cache_fills_per_layer: if args.moe_static_experts {
+            0
+        } else {
+            args.moe_cache_fills_per_layer
+        },
     };
     let host_kv = HostKvRequest {
         host_bytes: host_kv_bytes,
@@ -313,6 +335,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             (started, ("cuda", Some(probe)))
         }
     };
+    let started_cache = started.expert_cache.clone();
     let created_unix_seconds = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -338,6 +361,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             gpu_experts_per_layer: started.gpu_experts_per_layer,
             expert_executor,
             device_bandwidth,
+            expert_cache: started.expert_cache.clone(),
         },
         sequence_permits: Arc::new(tokio::sync::Semaphore::new(limits.max_sequences)),
     };
@@ -362,6 +386,9 @@ fn run(args: Args) -> anyhow::Result<()> {
     let served = runtime.block_on(serve(&args.listen, service, control_secret));
     // Connection tasks and blocking calls left after the drain must not hold the exit.
     runtime.shutdown_timeout(Duration::from_millis(100));
+    if let Some(cache) = &started_cache {
+        tracing::info!("expert cache: {}", cache.summary());
+    }
     served?;
     if let Some(path) = stats_file {
         routing
@@ -453,6 +480,8 @@ struct GpuExpertsRequest {
     prefill_staging_min_tokens: usize,
     /// `--host-kv-mib`: KV caches that may live in host memory instead.
     host_kv_bytes: u64,
+    /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
+    cache_fills_per_layer: usize,
 }
 
 /// A started scheduler and what `GetProfile` reports about its model.
@@ -461,6 +490,7 @@ struct StartedScheduler {
     profile: Arc<ForwardProfile>,
     expert_stride_bytes: u64,
     gpu_experts_per_layer: u32,
+    expert_cache: Option<Arc<ExpertCacheCounters>>,
 }
 
 /// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
@@ -490,6 +520,34 @@ fn start_scheduler<B: Backend>(
     } else {
         0
     };
+    // The cache counts whenever experts are in slots; it moves them only when some of a
+    // layer's experts are in slots and some are not.
+    let num_experts = model.spec().common.num_experts;
+    let expert_cache = if gpu_experts_per_layer > 0 {
+        let fills_per_layer = if gpu_experts_per_layer as usize >= num_experts {
+            0
+        } else {
+            request.cache_fills_per_layer
+        };
+        let counters = model
+            .enable_expert_cache(
+                ExpertCacheOptions {
+                    fills_per_layer,
+                    ..ExpertCacheOptions::default()
+                },
+                request.statistics.as_ref(),
+            )
+            .context("starting the expert cache")?;
+        if fills_per_layer > 0 {
+            tracing::info!(
+                fills_per_layer,
+                "dynamic expert cache: the GPU expert slots follow the routing (--moe-static-experts keeps the placement)"
+            );
+        }
+        Some(counters)
+    } else {
+        None
+    };
     let profile = Arc::clone(model.profile());
     let stride = model.expert_slot_bytes().unwrap_or(0);
     let sender = scheduler::start(Arc::new(model), request.limits, Arc::clone(counters))
@@ -499,6 +557,7 @@ fn start_scheduler<B: Backend>(
         profile,
         expert_stride_bytes: stride,
         gpu_experts_per_layer,
+        expert_cache,
     })
 }
 

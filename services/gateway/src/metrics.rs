@@ -187,7 +187,7 @@ fn render_engines(output: &mut String, snapshot: &BackendSnapshot) {
         &'static str,
         fn(&ninfer_protocol::v1::EngineStatus) -> u64,
     );
-    let fields: [Field; 9] = [
+    let fields: [Field; 11] = [
         (
             "ninfer_engine_running_sequences",
             "gauge",
@@ -217,6 +217,18 @@ fn render_engines(output: &mut String, snapshot: &BackendSnapshot) {
             "counter",
             "GPU expert slot refills.",
             |s| s.expert_slot_refills_total,
+        ),
+        (
+            "ninfer_engine_expert_cache_evictions_total",
+            "counter",
+            "GPU expert slot refills that replaced a resident expert.",
+            |s| s.expert_cache_evictions_total,
+        ),
+        (
+            "ninfer_engine_expert_cache_bytes_copied_total",
+            "counter",
+            "Expert weight bytes copied into GPU slots by refills.",
+            |s| s.expert_cache_bytes_copied_total,
         ),
         (
             "ninfer_engine_gpu_expert_slots",
@@ -261,6 +273,60 @@ fn render_engines(output: &mut String, snapshot: &BackendSnapshot) {
                     "{name}{{engine=\"{}\"}} {}",
                     escape_label(&engine.address),
                     read(status)
+                );
+            }
+        }
+    }
+    render_expert_cache_layers(output, snapshot);
+}
+
+/// The expert cache's counters per engine and MoE layer.
+fn render_expert_cache_layers(output: &mut String, snapshot: &BackendSnapshot) {
+    type LayerField = (
+        &'static str,
+        &'static str,
+        fn(&ninfer_protocol::v1::ExpertCacheLayerCounts) -> u64,
+    );
+    let fields: [LayerField; 5] = [
+        (
+            "ninfer_engine_expert_cache_layer_hits_total",
+            "Routed-expert lookups of one MoE layer served from a GPU slot.",
+            |l| l.hits,
+        ),
+        (
+            "ninfer_engine_expert_cache_layer_misses_total",
+            "Routed-expert lookups of one MoE layer sent to the CPU.",
+            |l| l.misses,
+        ),
+        (
+            "ninfer_engine_expert_cache_layer_fills_total",
+            "GPU expert slot refills of one MoE layer.",
+            |l| l.fills,
+        ),
+        (
+            "ninfer_engine_expert_cache_layer_evictions_total",
+            "Refills of one MoE layer that replaced a resident expert.",
+            |l| l.evictions,
+        ),
+        (
+            "ninfer_engine_expert_cache_layer_bytes_copied_total",
+            "Expert weight bytes copied into one MoE layer's GPU slots.",
+            |l| l.bytes_copied,
+        ),
+    ];
+    for (name, help, read) in fields {
+        let _ = writeln!(output, "# HELP {name} {help}\n# TYPE {name} counter");
+        for engine in &snapshot.engines {
+            let Some(status) = &engine.status else {
+                continue;
+            };
+            for layer in &status.expert_cache_layers {
+                let _ = writeln!(
+                    output,
+                    "{name}{{engine=\"{}\",layer=\"{}\"}} {}",
+                    escape_label(&engine.address),
+                    layer.layer,
+                    read(layer)
                 );
             }
         }

@@ -736,6 +736,8 @@ async fn models_tokenize_detokenize_metrics_and_expert_statistics() {
         "ninfer_gateway_completion_tokens_total 5",
         "ninfer_gateway_in_flight_requests 0",
         "ninfer_engine_expert_cache_hits_total{engine=",
+        "ninfer_engine_expert_cache_bytes_copied_total{engine=",
+        "\",layer=\"3\"} 2",
         "ninfer_engine_up{engine=",
     ] {
         assert!(metrics.contains(name), "metrics lack {name}:\n{metrics}");

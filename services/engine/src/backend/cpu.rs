@@ -10,13 +10,15 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
 use super::{
     expert_bytes, slot_out_of_range, AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec,
-    ExpertSlotTable, NormStyle, Rotation, Routing, Segment, WithExpertSlotTable,
+    ExpertSlotFills, ExpertSlotTable, NormStyle, Rotation, Routing, Segment, WithExpertSlotTable,
 };
 use crate::error::EngineError;
 use crate::host_math::{
@@ -29,11 +31,22 @@ pub const DELTA_RULE_CHUNK: usize = 64;
 
 /// The CPU backend. Stateless: every op allocates its output.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// Added to every [`ExpertSlotFills::start_fill`] copy (tests: a slow PCIe copy).
+    expert_fill_delay: Duration,
+}
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+
+    /// A backend whose background expert slot fills ([`ExpertSlotFills::start_fill`]) each take
+    /// at least `delay`: stands in for a slow copy in tests that a fill never holds up a step.
+    pub fn with_expert_fill_delay(delay: Duration) -> Self {
+        CpuBackend {
+            expert_fill_delay: delay,
+        }
     }
 }
 
@@ -118,11 +131,76 @@ pub struct CpuExpertSlots {
     /// `slots` × `layout.stride` bytes.
     storage: Vec<u8>,
     table: ExpertSlotTable,
+    /// Background fills: a thread copies the expert's bytes (the CPU's stand-in for a DMA), the
+    /// slot takes them at [`ExpertSlotFills::complete_fills`].
+    fills_in_flight: Vec<CpuSlotFill>,
+    /// [`CpuBackend::with_expert_fill_delay`].
+    fill_delay: Duration,
+}
+
+/// One background fill of a CPU expert slot.
+struct CpuSlotFill {
+    slot: usize,
+    expert: usize,
+    copy: JoinHandle<Vec<u8>>,
 }
 
 impl WithExpertSlotTable for CpuExpertSlots {
     fn slot_table(&self) -> &ExpertSlotTable {
         &self.table
+    }
+}
+
+impl ExpertSlotFills for CpuExpertSlots {
+    fn start_fill(
+        &mut self,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        let source = expert_bytes(artifact, bank, expert, &self.layout)?;
+        self.table.check(slot, expert).map_err(slot_out_of_range)?;
+        // The source's place in the mapping, so the copying thread can hold the artifact.
+        let start = source.as_ptr() as usize - artifact.bytes().as_ptr() as usize;
+        let range = start..start + source.len();
+        self.table.clear(slot);
+        if let Some(old_slot) = self.table.slot_of(expert) {
+            self.table.clear(old_slot);
+        }
+        let (artifact, delay) = (Arc::clone(artifact), self.fill_delay);
+        let copy = std::thread::Builder::new()
+            .name("expert-slot-fill".into())
+            .spawn(move || {
+                if !delay.is_zero() {
+                    std::thread::sleep(delay);
+                }
+                artifact.bytes()[range].to_vec()
+            })
+            .map_err(|error| EngineError::InvalidConfig {
+                problem: format!("starting an expert slot fill: {error}"),
+            })?;
+        self.fills_in_flight
+            .push(CpuSlotFill { slot, expert, copy });
+        Ok(())
+    }
+
+    fn complete_fills(&mut self) -> Result<(), EngineError> {
+        let stride = self.layout.stride;
+        for fill in std::mem::take(&mut self.fills_in_flight) {
+            let bytes = fill.copy.join().map_err(|_| EngineError::InvalidConfig {
+                problem: format!("the fill of expert slot {} panicked", fill.slot),
+            })?;
+            self.storage[fill.slot * stride..(fill.slot + 1) * stride].copy_from_slice(&bytes);
+            self.table
+                .assign(fill.slot, fill.expert)
+                .map_err(slot_out_of_range)?;
+        }
+        Ok(())
+    }
+
+    fn fills_in_flight(&self) -> usize {
+        self.fills_in_flight.len()
     }
 }
 
@@ -864,6 +942,8 @@ impl Backend for CpuBackend {
             layout: *layout,
             storage: vec![0; bytes],
             table: ExpertSlotTable::new(num_experts, slots),
+            fills_in_flight: Vec::new(),
+            fill_delay: self.expert_fill_delay,
         })
     }
 

@@ -6,7 +6,15 @@
 //! Owns: the two directions of the map and keeping them consistent when a slot is refilled
 //! (the slot's previous expert loses its entry; an expert moved to another slot leaves its old
 //! one empty).
+//! [`ExpertSlotFills`] is the other half of the slots' interface: fills that run beside the
+//! steps (the dynamic expert cache), entering the table only when the caller says.
 //! Must not touch: slot storage (backends), which experts go to slots (placement), routing.
+
+use std::sync::Arc;
+
+use ninfer_artifact::{Artifact, ExpertBank};
+
+use crate::error::EngineError;
 
 /// The entry of an expert without a slot in [`ExpertSlotTable::slot_entries`], as the expert
 /// kernels read it.
@@ -110,6 +118,13 @@ impl ExpertSlotTable {
         Ok(())
     }
 
+    /// Empties `slot`: its expert (if any) loses its entry. Returns that expert.
+    pub fn clear(&mut self, slot: usize) -> Option<usize> {
+        let previous = self.expert_in_slot.get_mut(slot)?.take()?;
+        self.slot_of_expert[previous] = NO_SLOT;
+        Some(previous)
+    }
+
     /// `[num_experts]` slot per expert, [`NO_SLOT`] where none: the GPU copy of the table.
     pub fn slot_entries(&self) -> &[i32] {
         &self.slot_of_expert
@@ -120,6 +135,31 @@ impl ExpertSlotTable {
 /// which the model sees which experts a set of slots holds.
 pub trait WithExpertSlotTable {
     fn slot_table(&self) -> &ExpertSlotTable;
+}
+
+/// Expert slots refilled beside the steps (the dynamic expert cache): a fill is started after
+/// one step and its expert enters the table only at [`ExpertSlotFills::complete_fills`], which
+/// the caller makes at a fixed point (the start of a later step), so which experts are resident
+/// in a step never depends on how long a copy took.
+pub trait ExpertSlotFills {
+    /// Starts copying expert `expert` of `bank` into `slot` without waiting for it: the slot's
+    /// expert leaves the table now (no op from here on reads the slot), the new one enters it at
+    /// the next [`ExpertSlotFills::complete_fills`]. On a GPU the copy runs on a copy stream,
+    /// after the work already queued that may read the slot.
+    fn start_fill(
+        &mut self,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError>;
+
+    /// Enters every started fill's expert in the table. Waits only for copies not yet landed
+    /// (on a GPU the compute stream waits for the copy's event; the host does not).
+    fn complete_fills(&mut self) -> Result<(), EngineError>;
+
+    /// Fills started and not yet completed.
+    fn fills_in_flight(&self) -> usize;
 }
 
 #[cfg(test)]
@@ -146,6 +186,10 @@ mod tests {
         assert!(!table.is_resident(u32::MAX as usize));
         assert!(table.assign(2, 0).is_err() && table.assign(0, 6).is_err());
         assert!(table.check(1, 5).is_ok() && table.check(2, 0).is_err());
+        assert_eq!(table.clear(1), Some(5));
+        assert_eq!((table.slot_of(5), table.expert_in(1)), (None, None));
+        assert_eq!((table.clear(1), table.clear(7)), (None, None));
+        assert!(table.is_empty());
     }
 
     #[test]

@@ -30,7 +30,9 @@ use ninfer_cpu_experts::ExpertLayout;
 use crate::error::EngineError;
 
 pub use candidates::LogitCandidates;
-pub use expert_slot_table::{ExpertSlotTable, SlotOutOfRange, WithExpertSlotTable};
+pub use expert_slot_table::{
+    ExpertSlotFills, ExpertSlotTable, SlotOutOfRange, WithExpertSlotTable,
+};
 pub use kv_placement::{DeviceKvShare, HostKvRequest, KvPlacement};
 
 /// What [`Backend::begin_step_graph`] asks of the caller.
@@ -182,7 +184,7 @@ pub trait Backend: Send + Sync + 'static {
     /// slots"): room for a fixed number of whole experts in their stored dtype, plus an
     /// expert → slot table the compute op reads, so which experts are resident can change
     /// between steps (the dynamic expert cache) without touching the model.
-    type ExpertSlots: Send + Sync + WithExpertSlotTable;
+    type ExpertSlots: Send + Sync + WithExpertSlotTable + ExpertSlotFills;
     /// A routing computed by [`Backend::start_routing`] and not yet brought to the host.
     type PendingRouting: Send;
     /// A decode step recorded once and replayed with new token ids and positions (CUDA

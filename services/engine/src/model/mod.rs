@@ -14,11 +14,13 @@ use std::time::Instant;
 
 use ninfer_artifact::{Artifact, ArtifactError, TensorClass};
 
-use crate::backend::{Backend, DeltaRuleForm, Rotation, Segment};
+use crate::backend::{Backend, DeltaRuleForm, Rotation, Segment, WithExpertSlotTable};
 use crate::error::EngineError;
+use crate::moe::expert_cache::{ExpertCache, ExpertCacheCounters, ExpertCacheOptions};
 use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer, PrefillStaging, SharedExpert};
 use crate::moe::{ExpertExecutor, ReferenceExpertExecutor};
 use crate::profile::{nanos, ForwardProfile, Phase, PhaseTotals};
+use crate::service::routing_stats::ExpertStatistics;
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
 
 mod mtp;
@@ -176,6 +178,8 @@ pub struct Model<B: Backend> {
     prefill_staging: Option<PrefillStaging<B>>,
     /// Decode steps recorded once and replayed, per batch of sequences (`step_graphs`).
     step_graphs: Mutex<step_graphs::StepGraphs<B>>,
+    /// The dynamic expert cache over the resident slots ([`Model::enable_expert_cache`]).
+    expert_cache: Option<ExpertCache>,
 }
 
 /// Opens an artifact; if the reader rejects its header, says which architecture it names when
@@ -267,6 +271,7 @@ impl<B: Backend> Model<B> {
             profile,
             prefill_staging: None,
             step_graphs: Default::default(),
+            expert_cache: None,
         })
     }
 
@@ -372,6 +377,42 @@ impl<B: Backend> Model<B> {
         Ok((common.num_experts * layout.stride) as u64)
     }
 
+    /// Turns on the dynamic expert cache over the experts placed by
+    /// [`Model::place_resident_experts`] (call it after): from the next forward on, the slots
+    /// follow the routing (`options.fills_per_layer` 0: they keep the placement, only the
+    /// counters count). Scores start from `statistics`. Returns the counters.
+    pub fn enable_expert_cache(
+        &mut self,
+        options: ExpertCacheOptions,
+        statistics: Option<&ExpertStatistics>,
+    ) -> Result<Arc<ExpertCacheCounters>, EngineError> {
+        let mut slot_layers = Vec::with_capacity(self.layers.len());
+        let mut slots_per_layer = 0;
+        for layer in &self.layers {
+            let slots = match &layer.feed_forward {
+                FeedForward::Moe(moe) => moe
+                    .resident_slots_mut()?
+                    .as_ref()
+                    .map(|slots| slots.slot_table().slot_count()),
+                FeedForward::Dense { .. } => None,
+            };
+            slots_per_layer = slots_per_layer.max(slots.unwrap_or(0));
+            slot_layers.push(slots.is_some());
+        }
+        let common = &self.spec.common;
+        let cache = ExpertCache::new(
+            options,
+            &slot_layers,
+            slots_per_layer,
+            common.num_experts,
+            common.num_experts_per_tok,
+            statistics,
+        );
+        let counters = Arc::clone(cache.counters());
+        self.expert_cache = Some(cache);
+        Ok(counters)
+    }
+
     /// Bytes one expert of this model takes in a slot (its bank stride), or `None` for a model
     /// without routed experts.
     pub fn expert_slot_bytes(&self) -> Option<u64> {
@@ -398,6 +439,7 @@ impl<B: Backend> Model<B> {
             common: &self.spec.common,
             normalize_routing: self.spec.normalize_routing,
             staging: self.prefill_staging.as_ref(),
+            expert_cache: self.expert_cache.as_ref(),
         }
     }
 
@@ -582,7 +624,12 @@ impl<B: Backend> Model<B> {
         for DeferredRouting { layer, pending } in scratch.deferred.drain(..) {
             let (routing, _) = self.backend.finish_routing(pending)?;
             if let Some(FeedForward::Moe(moe)) = self.moe_layer_at(layer) {
-                moe.account_routing(&scratch.moe_context, layer, &routing, &mut scratch.tally);
+                moe.account_deferred_routing(
+                    &scratch.moe_context,
+                    layer,
+                    &routing,
+                    &mut scratch.tally,
+                )?;
             }
         }
         Ok(())
@@ -638,11 +685,25 @@ impl<B: Backend> Model<B> {
     ) -> Result<T, EngineError> {
         let plan = self.batch_plan(batch)?;
         let started = Instant::now();
+        self.expert_cache_between_steps()?;
         let mut scratch = LayerScratch::new(self.moe_context());
         let out = self.run_layers(batch, &plan, selection, delta_rule_form, &mut scratch, finish)?;
         self.finish_deferred_routing(&mut scratch)?;
         self.account_forward(batch, &plan, scratch.tally, started);
         Ok(out)
+    }
+
+    /// The expert cache's work between two steps (fills decided, finished fills put in the
+    /// slot tables): before any op of the next step, outside any step graph.
+    fn expert_cache_between_steps(&self) -> Result<(), EngineError> {
+        if let Some(cache) = &self.expert_cache {
+            for (index, layer) in self.layers.iter().enumerate() {
+                if let FeedForward::Moe(moe) = &layer.feed_forward {
+                    cache.between_steps(index, moe, &self.artifact)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The token ids, row ranges and positions of a batch, once every input was checked: a
@@ -1115,7 +1176,7 @@ impl<B: Backend> Loader<'_, B> {
                     router: self.matrix(&name("moe.router"), (common.num_experts, hidden))?,
                     bank,
                     shared,
-                    resident: None,
+                    resident: Default::default(),
                 })
             }
         };

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use super::{LayerScratch, LogitsSelection, Model, SequenceInput};
-use crate::backend::{Backend, StepGraphEnd, StepGraphRun, WithExpertSlotTable};
+use crate::backend::{Backend, StepGraphEnd, StepGraphRun};
 use crate::error::EngineError;
 use crate::moe::layer::DeferredRouting;
 use crate::profile::PhaseTotals;
@@ -111,12 +111,7 @@ impl<B: Backend> Model<B> {
     fn step_graph_fits(&self, batch: &[SequenceInput<'_, B>]) -> bool {
         !batch.is_empty()
             && batch.iter().all(|item| item.tokens.len() == 1)
-            && self.moe_layers().all(|layer| {
-                layer
-                    .resident
-                    .as_ref()
-                    .is_some_and(|slots| slots.slot_table().every_expert_resident())
-            })
+            && self.moe_layers().all(|layer| layer.every_expert_resident())
     }
 
     /// A decode step of `batch` through its step graph, with the logits left on the backend
@@ -185,6 +180,8 @@ impl<B: Backend> Model<B> {
             return Ok(None);
         };
         let started = Instant::now();
+        // Slot table changes happen between steps, before the graph (which reads the table).
+        self.expert_cache_between_steps()?;
         let backend = &*self.backend;
         match backend.begin_step_graph(graph, &plan.ids, &plan.positions)? {
             StepGraphRun::Replayed => {
@@ -265,7 +262,7 @@ impl<B: Backend> Model<B> {
         for DeferredRouting { layer, pending } in deferred {
             let routing = self.backend.peek_routing(pending)?;
             if let Some(super::FeedForward::Moe(moe)) = self.moe_layer_at(*layer) {
-                moe.account_routing(&context, *layer, &routing, tally);
+                moe.account_deferred_routing(&context, *layer, &routing, tally)?;
             }
         }
         Ok(())

@@ -9,7 +9,7 @@
 //! implementations (backends), which experts are resident (`crate::moe::placement`).
 
 use std::borrow::Cow;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use ninfer_artifact::{Artifact, CommonConfig, ExpertBank, NO_EXPERT};
@@ -18,6 +18,7 @@ use ninfer_cpu_experts::ExpertLayout;
 use crate::backend::{Backend, ExpertSlotTable, Routing, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
+use crate::moe::expert_cache::ExpertCache;
 use crate::profile::{distinct_experts, nanos, ForwardProfile, PhaseTotals};
 
 /// The shared expert of a MoE layer (qwen3_next, qwen3_5_moe), gated per token.
@@ -33,8 +34,9 @@ pub(crate) struct MoeLayer<B: Backend> {
     pub router: B::Weight,
     pub bank: ExpertBank,
     pub shared: Option<SharedExpert<B>>,
-    /// Experts of this layer held in the backend's slots (GPU expert slots), if any.
-    pub resident: Option<B::ExpertSlots>,
+    /// Experts of this layer held in the backend's slots (GPU expert slots), if any. Written
+    /// only between steps (placement, the expert cache's hook); a forward reads it.
+    pub resident: RwLock<Option<B::ExpertSlots>>,
 }
 
 /// One layer-sized set of backend slots that batches of at least `min_tokens` rows copy their
@@ -60,6 +62,8 @@ pub(crate) struct MoeContext<'a, B: Backend> {
     pub common: &'a CommonConfig,
     pub normalize_routing: bool,
     pub staging: Option<&'a PrefillStaging<B>>,
+    /// The dynamic expert cache, counting each layer call's routing against its slots.
+    pub expert_cache: Option<&'a ExpertCache>,
 }
 
 /// Where a layer call's routed experts are computed.
@@ -79,14 +83,16 @@ pub(crate) enum Route<'a, B: Backend> {
 
 impl<'a, B: Backend> Route<'a, B> {
     /// Staging first (a big batch), then all-resident, else the executor.
-    fn choose(layer: &MoeLayer<B>, staging: Option<&'a PrefillStaging<B>>, rows: usize) -> Self {
+    fn choose(
+        resident: Option<&B::ExpertSlots>,
+        staging: Option<&'a PrefillStaging<B>>,
+        rows: usize,
+    ) -> Self {
         if let Some(staging) = staging.filter(|staging| rows >= staging.min_tokens) {
             return Route::Staged(&staging.slots);
         }
-        let every_expert_resident = layer
-            .resident
-            .as_ref()
-            .is_some_and(|slots| slots.slot_table().every_expert_resident());
+        let every_expert_resident =
+            resident.is_some_and(|slots| slots.slot_table().every_expert_resident());
         if every_expert_resident {
             Route::Resident
         } else {
@@ -96,9 +102,26 @@ impl<'a, B: Backend> Route<'a, B> {
 }
 
 impl<B: Backend> MoeLayer<B> {
-    /// The table of the layer's resident experts, if it has any slots.
-    fn resident_table(&self) -> Option<&ExpertSlotTable> {
-        self.resident.as_ref().map(WithExpertSlotTable::slot_table)
+    /// The layer's resident slots for reading (a forward).
+    fn resident_slots(&self) -> Result<RwLockReadGuard<'_, Option<B::ExpertSlots>>, EngineError> {
+        self.resident.read().map_err(|_| poisoned())
+    }
+
+    /// The layer's resident slots for changing (between steps).
+    pub(crate) fn resident_slots_mut(
+        &self,
+    ) -> Result<RwLockWriteGuard<'_, Option<B::ExpertSlots>>, EngineError> {
+        self.resident.write().map_err(|_| poisoned())
+    }
+
+    /// Whether every routed expert of the layer is in its resident slots (nothing for the
+    /// executor; a poisoned lock says no).
+    pub fn every_expert_resident(&self) -> bool {
+        self.resident_slots().is_ok_and(|resident| {
+            resident
+                .as_ref()
+                .is_some_and(|slots| slots.slot_table().every_expert_resident())
+        })
     }
 
     /// The routed experts and the shared expert of `x` (`[rows, hidden]`), summed.
@@ -111,8 +134,11 @@ impl<B: Backend> MoeLayer<B> {
         deferred: &mut Vec<DeferredRouting<B>>,
     ) -> Result<B::Tensor, EngineError> {
         let backend = context.backend;
+        let resident = self.resident_slots()?;
+        let resident = resident.as_ref();
+        let resident_table = resident.map(WithExpertSlotTable::slot_table);
         let logits = backend.matmul(x, &self.router)?;
-        let route = Route::choose(self, context.staging, backend.shape(x).0);
+        let route = Route::choose(resident, context.staging, backend.shape(x).0);
         let pending = backend.start_routing(
             &logits,
             context.common.num_experts_per_tok,
@@ -123,9 +149,7 @@ impl<B: Backend> MoeLayer<B> {
         // Work the backend does itself is queued before anything waits for the routing (on a
         // GPU it runs while this thread reads the routing and then waits for the expert
         // workers): the resident experts, then the shared expert.
-        let resident_sum = self
-            .resident
-            .as_ref()
+        let resident_sum = resident
             .map(|slots| backend.slotted_experts_by_pending_routing(slots, x, &pending))
             .transpose()?;
         let shared_parts = self
@@ -154,8 +178,8 @@ impl<B: Backend> MoeLayer<B> {
             }
             Route::Staged(staging) => {
                 let (routing, hidden) = backend.finish_routing(pending)?;
-                self.account_routing(context, index, &routing, tally);
-                let expert_ids = self.executor_expert_ids(&routing.expert_ids);
+                self.account_routing(context, index, &routing, resident_table, tally);
+                let expert_ids = executor_expert_ids(resident_table, &routing.expert_ids);
                 match self.staged_experts(context, staging, x, &expert_ids, &routing)? {
                     Some(mut staged_sum) => {
                         if let Some(resident_sum) = resident_sum {
@@ -180,8 +204,8 @@ impl<B: Backend> MoeLayer<B> {
             }
             Route::Executor => {
                 let (routing, hidden) = backend.finish_routing(pending)?;
-                self.account_routing(context, index, &routing, tally);
-                let expert_ids = self.executor_expert_ids(&routing.expert_ids);
+                self.account_routing(context, index, &routing, resident_table, tally);
+                let expert_ids = executor_expert_ids(resident_table, &routing.expert_ids);
                 // With every chosen expert resident the executor has nothing to do.
                 let nothing_for_executor = expert_ids.iter().all(|&id| id == NO_EXPERT);
                 match resident_sum {
@@ -205,42 +229,42 @@ impl<B: Backend> MoeLayer<B> {
         Ok(output)
     }
 
-    /// The routing's expert ids with the resident experts masked out ([`NO_EXPERT`]): what is
-    /// left for the executor or the staging slots.
-    fn executor_expert_ids<'r>(&self, expert_ids: &'r [u32]) -> Cow<'r, [u32]> {
-        match self.resident_table() {
-            Some(table) => Cow::Owned(
-                expert_ids
-                    .iter()
-                    .map(|&id| {
-                        if table.is_resident(id as usize) {
-                            NO_EXPERT
-                        } else {
-                            id
-                        }
-                    })
-                    .collect(),
-            ),
-            None => Cow::Borrowed(expert_ids),
-        }
-    }
-
-    /// Counts one layer call's routing: the executor's routing statistics (every routed choice,
-    /// before the split between the backend's slots and the executor) and the profile's expert
-    /// tallies.
-    pub fn account_routing(
+    /// Counts the routing of a call whose routing was left on the backend
+    /// ([`DeferredRouting`]), against the layer's slots.
+    pub fn account_deferred_routing(
         &self,
         context: &MoeContext<'_, B>,
         index: usize,
         routing: &Routing,
         tally: &mut PhaseTotals,
+    ) -> Result<(), EngineError> {
+        let resident = self.resident_slots()?;
+        let table = resident.as_ref().map(WithExpertSlotTable::slot_table);
+        self.account_routing(context, index, routing, table, tally);
+        Ok(())
+    }
+
+    /// Counts one layer call's routing: the executor's routing statistics (every routed choice,
+    /// before the split between the backend's slots and the executor) and the profile's expert
+    /// tallies.
+    fn account_routing(
+        &self,
+        context: &MoeContext<'_, B>,
+        index: usize,
+        routing: &Routing,
+        resident_table: Option<&ExpertSlotTable>,
+        tally: &mut PhaseTotals,
     ) {
+        let tokens = routing_tokens(routing);
         context
             .executor
-            .observe_routing(index, &routing.expert_ids, routing_tokens(routing));
+            .observe_routing(index, &routing.expert_ids, tokens);
+        if let Some(cache) = context.expert_cache {
+            cache.observe(index, &routing.expert_ids, tokens, resident_table);
+        }
         let (cpu_experts, resident_experts) = distinct_experts(
             &routing.expert_ids,
-            self.resident_table(),
+            resident_table,
             context.common.num_experts,
         );
         tally.moe_layer_calls += 1;
@@ -378,7 +402,8 @@ impl<B: Backend> MoeLayer<B> {
         experts: &[u32],
     ) -> Result<u64, EngineError> {
         let invalid = |problem: String| EngineError::InvalidConfig { problem };
-        self.resident = None;
+        let mut resident = self.resident_slots_mut()?;
+        *resident = None;
         if experts.is_empty() {
             return Ok(0);
         }
@@ -404,8 +429,37 @@ impl<B: Backend> MoeLayer<B> {
         for (slot, &expert) in experts.iter().enumerate() {
             backend.fill_expert_slot(&mut slots, slot, expert as usize, artifact, &self.bank)?;
         }
-        self.resident = Some(slots);
+        *resident = Some(slots);
         Ok((experts.len() * layout.stride) as u64)
+    }
+}
+
+fn poisoned() -> EngineError {
+    EngineError::InvalidConfig {
+        problem: "a MoE layer's expert slot lock is poisoned".into(),
+    }
+}
+
+/// The routing's expert ids with the experts resident in `table` masked out ([`NO_EXPERT`]):
+/// what is left for the executor or the staging slots.
+fn executor_expert_ids<'r>(
+    table: Option<&ExpertSlotTable>,
+    expert_ids: &'r [u32],
+) -> Cow<'r, [u32]> {
+    match table {
+        Some(table) => Cow::Owned(
+            expert_ids
+                .iter()
+                .map(|&id| {
+                    if table.is_resident(id as usize) {
+                        NO_EXPERT
+                    } else {
+                        id
+                    }
+                })
+                .collect(),
+        ),
+        None => Cow::Borrowed(expert_ids),
     }
 }
 

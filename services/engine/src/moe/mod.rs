@@ -11,6 +11,8 @@
 //! * [`worker_executor`] — expert worker processes over the shared-memory channel, with
 //!   restart and replay.
 //! * [`placement`] — `--moe-gpu-experts`: the slot memory budget, experts per layer, and which.
+//! * [`expert_cache`] — the dynamic expert cache: which experts the slots hold from step to
+//!   step, its timing, counters and hit-rate simulation.
 //!
 //! The expert ↔ slot table both backends keep is [`crate::backend::ExpertSlotTable`] (the
 //! backends sit below this module).
@@ -19,6 +21,7 @@
 //! (`ninfer-channel`).
 
 pub mod executor;
+pub mod expert_cache;
 pub mod kernel_executor;
 pub mod layer;
 pub mod placement;

@@ -17,15 +17,16 @@ use std::time::Duration;
 use ninfer_artifact::Artifact;
 use ninfer_protocol::v1::engine_server::Engine;
 use ninfer_protocol::v1::{
-    CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest, FinishReason,
-    GenerateRequest, GeneratedToken, GenerationDefaults, ModelFiles, ModelFilesRequest, ModelInfo,
-    ModelInfoRequest, PhaseProfile, ProfileRequest, RoutingStatistics, RoutingStatisticsRequest,
-    TokenLogprob,
+    CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest,
+    ExpertCacheLayerCounts, FinishReason, GenerateRequest, GeneratedToken, GenerationDefaults,
+    ModelFiles, ModelFilesRequest, ModelInfo, ModelInfoRequest, PhaseProfile, ProfileRequest,
+    RoutingStatistics, RoutingStatisticsRequest, TokenLogprob,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::constraint::{guide_for_request, GuidanceCache, Guide, ReasoningRule};
+use crate::moe::expert_cache::{CacheCounts, ExpertCacheCounters};
 use crate::profile::{ForwardProfile, PhaseTotals};
 use crate::sampling::SamplingParams;
 use routing_stats::RoutingCounters;
@@ -93,6 +94,8 @@ pub struct Profiling {
     pub expert_executor: String,
     /// `None` on the CPU device.
     pub device_bandwidth: Option<DeviceBandwidthProbe>,
+    /// The dynamic expert cache's counters, when some experts are in slots.
+    pub expert_cache: Option<Arc<ExpertCacheCounters>>,
 }
 
 fn phase_message(totals: &PhaseTotals) -> PhaseProfile {
@@ -436,6 +439,27 @@ impl Engine for EngineService {
     ) -> Result<Response<EngineStatus>, Status> {
         let not_ready = self.readiness.not_ready_reason();
         let counters = &self.scheduler_counters;
+        let expert_cache = self.profiling.expert_cache.as_deref();
+        let cache = expert_cache.map(|c| c.total()).unwrap_or_default();
+        let expert_cache_layers = expert_cache
+            .map(|c| {
+                c.per_layer()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, counts)| **counts != CacheCounts::default())
+                    .map(|(layer, counts)| ExpertCacheLayerCounts {
+                        layer: layer as u32,
+                        hits: counts.hits,
+                        misses: counts.misses,
+                        fills: counts.fills,
+                        evictions: counts.evictions,
+                        bytes_copied: counts.bytes_copied,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let gpu_expert_slots =
+            expert_cache.map_or(0, |c| u32::try_from(c.total_slots()).unwrap_or(u32::MAX));
         Ok(Response::new(EngineStatus {
             ready: not_ready.is_none(),
             engine_instance_id: self.instance_id.clone(),
@@ -445,10 +469,16 @@ impl Engine for EngineService {
             prompt_tokens_total: counters.prompt_tokens.load(Ordering::Relaxed),
             generated_tokens_total: counters.generated_tokens.load(Ordering::Relaxed),
             cpu_expert_calls_total: self.readiness.cpu_expert_calls(),
+            expert_cache_hits_total: cache.hits,
+            expert_cache_misses_total: cache.misses,
+            expert_slot_refills_total: cache.fills,
+            gpu_expert_slots,
             kv_cache_used_tokens: counters.kv_used_tokens.load(Ordering::Relaxed),
             kv_cache_capacity_tokens: (self.limits.max_context * self.limits.max_sequences) as u64,
             not_ready_reason: not_ready.unwrap_or_default(),
-            ..Default::default()
+            expert_cache_evictions_total: cache.evictions,
+            expert_cache_bytes_copied_total: cache.bytes_copied,
+            expert_cache_layers,
         }))
     }
 

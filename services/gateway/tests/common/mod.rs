@@ -356,6 +356,11 @@ impl Engine for ScriptedEngine {
             expert_cache_hits_total: 7,
             expert_cache_misses_total: 3,
             gpu_expert_slots: 16,
+            expert_cache_layers: vec![ExpertCacheLayerCounts {
+                layer: 3,
+                hits: 2,
+                ..Default::default()
+            }],
             max_sequences: self.script.max_sequences.load(Ordering::SeqCst),
             ..Default::default()
         }))

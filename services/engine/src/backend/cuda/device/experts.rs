@@ -8,13 +8,17 @@
 //! are asynchronous DMA, and the three launches of a layer's slotted experts: per pair for small
 //! batches, grouped by expert (each weight read once per tile of up to `TILE_TOKENS` pairs) from
 //! `GROUPED_MIN_TOKENS` tokens on. Both paths give the same bits (see `kernels/experts.cu`).
+//! Background fills of the dynamic expert cache ([`ExpertSlotFills`]) run on the slots' own copy
+//! stream and enter the table when the compute stream has waited for their event; the slot
+//! buffer and the table's device buffer are allocated once and only ever written in place (a
+//! captured CUDA graph holds their addresses).
 //! Must not touch: which experts go to slots (the model's placement), routing, the CPU side.
 
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
 };
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::{ExpertLayout, WeightDType};
@@ -22,7 +26,9 @@ use ninfer_cpu_experts::{ExpertLayout, WeightDType};
 use super::{driver_error, elementwise, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
-use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotTable, WithExpertSlotTable};
+use crate::backend::{
+    expert_bytes, slot_out_of_range, ExpertSlotFills, ExpertSlotTable, WithExpertSlotTable,
+};
 use crate::error::EngineError;
 
 /// Warps per block of `expert_gate_up` / `expert_down`: one output row per warp.
@@ -91,12 +97,163 @@ pub struct CudaExpertSlots {
     /// Artifacts whose bytes asynchronous copies read: kept alive as long as the slots.
     sources: Vec<Arc<Artifact>>,
     stream: Arc<CudaStream>,
+    /// The stream of background fills ([`ExpertSlotFills`]), made at the first one.
+    copy_stream: Option<Arc<CudaStream>>,
+    /// Background fills started and not yet in the table: slot, expert, the copy's event.
+    fills_in_flight: Vec<(usize, usize, CudaEvent)>,
 }
 
 impl Drop for CudaExpertSlots {
     fn drop(&mut self) {
         // A copy still in flight must land before its source is unpinned and unmapped.
+        if let Some(copy_stream) = &self.copy_stream {
+            let _ = copy_stream.synchronize();
+        }
         let _ = self.stream.synchronize();
+    }
+}
+
+impl CudaExpertSlots {
+    /// Pins `bank` and remembers `artifact` as a copy source; whether the bank is page-locked.
+    fn ready_source(
+        &mut self,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<bool, CudaError> {
+        // The raw driver calls (register, async copy) need the context on this thread.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver_error("binding the CUDA context"))?;
+        let stream = Arc::clone(&self.stream);
+        pin_bank(&stream, self, artifact, bank);
+        if !self
+            .sources
+            .iter()
+            .any(|known| Arc::ptr_eq(known, artifact))
+        {
+            self.sources.push(Arc::clone(artifact));
+        }
+        Ok(self
+            .pinned
+            .iter()
+            .any(|(prefix, range)| *prefix == bank.prefix && range.is_some()))
+    }
+
+    /// The table's device copy rewritten in place from the host table, on the compute stream
+    /// (ordered between the steps' kernels).
+    fn upload_table(&mut self) -> Result<(), CudaError> {
+        self.stream
+            .memcpy_htod(self.slot_table.slot_entries(), &mut self.table)
+            .map_err(driver_error("updating the expert slot table"))
+    }
+
+    fn background_fill(
+        &mut self,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), CudaError> {
+        let source = expert_bytes(artifact, bank, expert, &self.layout).map_err(|error| {
+            CudaError::Invalid {
+                problem: error.to_string(),
+            }
+        })?;
+        self.slot_table
+            .check(slot, expert)
+            .map_err(|error| CudaError::Invalid {
+                problem: error.to_string(),
+            })?;
+        let pinned = self.ready_source(artifact, bank)?;
+        let copy_stream = match &self.copy_stream {
+            Some(stream) => Arc::clone(stream),
+            None => {
+                let stream = self
+                    .stream
+                    .context()
+                    .new_stream()
+                    .map_err(driver_error("creating the expert fill stream"))?;
+                self.copy_stream = Some(Arc::clone(&stream));
+                stream
+            }
+        };
+        // The slot leaves the table before the copy may start, and the copy waits for every
+        // kernel queued so far (they may read the slot's old expert).
+        self.slot_table.clear(slot);
+        if let Some(old_slot) = self.slot_table.slot_of(expert) {
+            self.slot_table.clear(old_slot);
+        }
+        self.upload_table()?;
+        let queued = self
+            .stream
+            .record_event(None)
+            .map_err(driver_error("recording the expert fill's start"))?;
+        copy_stream
+            .wait(&queued)
+            .map_err(driver_error("ordering the expert fill"))?;
+        let stride = self.layout.stride;
+        let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
+        if pinned {
+            let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
+            // SAFETY: `source` is page-locked and lives in an artifact mapping the slots keep
+            // alive (`sources`) until they are dropped, after the copy stream is synchronized;
+            // the destination range is inside the slot buffer.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(pointer, source, copy_stream.cu_stream())
+            }
+            .map_err(driver_error("copying an expert into its GPU slot"))?;
+        } else {
+            copy_stream
+                .memcpy_htod(source, &mut destination)
+                .map_err(driver_error("copying an expert into its GPU slot"))?;
+        }
+        let landed = copy_stream
+            .record_event(None)
+            .map_err(driver_error("recording the expert fill's end"))?;
+        self.fills_in_flight.push((slot, expert, landed));
+        Ok(())
+    }
+}
+
+impl ExpertSlotFills for CudaExpertSlots {
+    fn start_fill(
+        &mut self,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        self.background_fill(slot, expert, artifact, bank)
+            .map_err(|source| EngineError::Device {
+                op: "start_fill",
+                source,
+            })
+    }
+
+    fn complete_fills(&mut self) -> Result<(), EngineError> {
+        if self.fills_in_flight.is_empty() {
+            return Ok(());
+        }
+        let device = |source| EngineError::Device {
+            op: "complete_fills",
+            source,
+        };
+        for (slot, expert, landed) in std::mem::take(&mut self.fills_in_flight) {
+            // The GPU waits for the copy, not the host (it has long landed in practice).
+            self.stream
+                .wait(&landed)
+                .map_err(driver_error("waiting for an expert fill"))
+                .map_err(device)?;
+            self.slot_table
+                .assign(slot, expert)
+                .map_err(slot_out_of_range)?;
+        }
+        self.upload_table().map_err(device)
+    }
+
+    fn fills_in_flight(&self) -> usize {
+        self.fills_in_flight.len()
     }
 }
 
@@ -266,6 +423,65 @@ fn expert_launch(
     })
 }
 
+/// [`CudaBackend::pin_bank`] for slots of the context of `stream`.
+fn pin_bank(
+    stream: &Arc<CudaStream>,
+    slots: &mut CudaExpertSlots,
+    artifact: &Arc<Artifact>,
+    bank: &ExpertBank,
+) {
+    if slots
+        .pinned
+        .iter()
+        .any(|(prefix, _)| *prefix == bank.prefix)
+    {
+        return;
+    }
+    let bytes = artifact.bytes();
+    let page = 4096usize;
+    let start = usize::try_from(bank.offset).unwrap_or(usize::MAX);
+    let length =
+        usize::try_from(bank.num_experts.saturating_mul(bank.expert_stride)).unwrap_or(usize::MAX);
+    let range = match start.checked_add(length) {
+        Some(end) if end <= bytes.len() && length > 0 => {
+            let aligned_start = start / page * page;
+            let aligned_end = end.next_multiple_of(page).min(bytes.len());
+            Some((aligned_start, aligned_end - aligned_start))
+        }
+        _ => None,
+    };
+    let pinned = range.and_then(|(offset, length)| {
+        let pointer = bytes[offset..].as_ptr() as *mut std::ffi::c_void;
+        // SAFETY: [pointer, pointer + length) lies inside the live mapping (checked above);
+        // READ_ONLY because the mapping is read-only (the device only reads from it).
+        let status = unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                pointer,
+                length,
+                cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
+            )
+        };
+        let already =
+            status == cudarc::driver::sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+        if status == cudarc::driver::sys::CUresult::CUDA_SUCCESS || already {
+            Some(PinnedRange {
+                context: Arc::clone(stream.context()),
+                start: pointer,
+                owned: !already,
+                _artifact: Arc::clone(artifact),
+            })
+        } else {
+            tracing::warn!(
+                bank = %bank.prefix,
+                "cuMemHostRegister (read-only) of {:.1} MiB failed ({status:?}); expert slot fills from this bank are synchronous copies",
+                length as f64 / (1 << 20) as f64
+            );
+            None
+        }
+    });
+    slots.pinned.push((bank.prefix.clone(), pinned));
+}
+
 impl CudaBackend {
     /// `(free, total)` bytes of GPU memory now (`cuMemGetInfo`).
     pub fn memory_info(&self) -> Result<(usize, usize), CudaError> {
@@ -307,6 +523,8 @@ impl CudaBackend {
             pinned: Vec::new(),
             sources: Vec::new(),
             stream: Arc::clone(&self.stream),
+            copy_stream: None,
+            fills_in_flight: Vec::new(),
         })
     }
 
@@ -318,56 +536,7 @@ impl CudaBackend {
         artifact: &Arc<Artifact>,
         bank: &ExpertBank,
     ) {
-        if slots
-            .pinned
-            .iter()
-            .any(|(prefix, _)| *prefix == bank.prefix)
-        {
-            return;
-        }
-        let bytes = artifact.bytes();
-        let page = 4096usize;
-        let start = usize::try_from(bank.offset).unwrap_or(usize::MAX);
-        let length = usize::try_from(bank.num_experts.saturating_mul(bank.expert_stride))
-            .unwrap_or(usize::MAX);
-        let range = match start.checked_add(length) {
-            Some(end) if end <= bytes.len() && length > 0 => {
-                let aligned_start = start / page * page;
-                let aligned_end = end.next_multiple_of(page).min(bytes.len());
-                Some((aligned_start, aligned_end - aligned_start))
-            }
-            _ => None,
-        };
-        let pinned = range.and_then(|(offset, length)| {
-            let pointer = bytes[offset..].as_ptr() as *mut std::ffi::c_void;
-            // SAFETY: [pointer, pointer + length) lies inside the live mapping (checked above);
-            // READ_ONLY because the mapping is read-only (the device only reads from it).
-            let status = unsafe {
-                cudarc::driver::sys::cuMemHostRegister_v2(
-                    pointer,
-                    length,
-                    cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
-                )
-            };
-            let already =
-                status == cudarc::driver::sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
-            if status == cudarc::driver::sys::CUresult::CUDA_SUCCESS || already {
-                Some(PinnedRange {
-                    context: Arc::clone(self.stream.context()),
-                    start: pointer,
-                    owned: !already,
-                    _artifact: Arc::clone(artifact),
-                })
-            } else {
-                tracing::warn!(
-                    bank = %bank.prefix,
-                    "cuMemHostRegister (read-only) of {:.1} MiB failed ({status:?}); expert slot fills from this bank are synchronous copies",
-                    length as f64 / (1 << 20) as f64
-                );
-                None
-            }
-        });
-        slots.pinned.push((bank.prefix.clone(), pinned));
+        pin_bank(&self.stream, slots, artifact, bank)
     }
 
     pub(super) fn copy_expert_into_slot(

@@ -1,0 +1,548 @@
+//! The dynamic expert cache on a real model: the trained fixture
+//! (`tests/fixtures/qwen3_5_moe_trained/`, real routing with preferences and reuse), converted
+//! with f32 experts.
+//!
+//! * greedy decoding with the cache gives the tokens of static placement and of another start
+//!   placement, and two runs with the cache give the same logits bit for bit, with and without a
+//!   slow copy (which side computes an expert never depends on timing);
+//! * a background fill leaves its slot out of the table until completed, then computes what a
+//!   direct fill computes, bit for bit (CPU and CUDA: the copy stream and its event);
+//! * a fill is never waited for by the step that started it (a CPU backend whose copies sleep);
+//! * the hit / miss / fill / eviction counters equal the routing replayed through
+//!   [`simulate_hit_rates`] with the documented timing, and hits + misses equal the routed
+//!   choices;
+//! * `hit_rate_curve_on_the_trained_fixture` (ignored; run it with
+//!   `cargo test --release -p ninfer-engine --test expert_cache -- --ignored --nocapture`)
+//!   prints the hit rate against the slot count, static placement by statistics vs the cache,
+//!   the table in docs/BENCHMARKS.md.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ninfer_artifact::{Artifact, DType};
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_cpu_experts::ExpertLayout;
+use ninfer_engine::backend::{ExpertSlotFills, Routing, WithExpertSlotTable};
+use ninfer_engine::moe::expert_cache::{
+    simulate_hit_rates, CacheCounts, ExpertCacheCounters, ExpertCacheOptions, LayerRoutingTrace,
+};
+use ninfer_engine::moe::placement::{choose_gpu_experts, GpuExpertShape};
+use ninfer_engine::sampling::argmax;
+use ninfer_engine::service::routing_stats::ExpertStatistics;
+use ninfer_engine::testing::{golden_fixture_dir, json_numbers};
+use ninfer_engine::{
+    open_artifact, test_device, Backend, CpuBackend, EngineError, ExpertBatch, ExpertExecutor,
+    Model, ReferenceExpertExecutor,
+};
+
+const FIXTURE: &str = "qwen3_5_moe_trained";
+const DECODE_STEPS: usize = 24;
+
+/// The fixture converted once per test (f32 dense weights and experts), or `None` when it is
+/// not committed.
+fn converted(work: &Path) -> Option<PathBuf> {
+    let fixture = golden_fixture_dir(FIXTURE);
+    if !fixture.join("config.json").exists() {
+        println!("SKIPPED: the trained fixture is not under tests/fixtures/");
+        return None;
+    }
+    let path = work.join("trained-f32.ninfer");
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(&fixture, &path)
+    };
+    convert_checkpoint(&options, &NoProgress).unwrap();
+    Some(path)
+}
+
+/// The fixture's held-out texts (`code`, `docs`) and its prompts, as token ids.
+fn reference_tokens() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let text = std::fs::read_to_string(golden_fixture_dir(FIXTURE).join("reference.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |value: &serde_json::Value| -> Vec<u32> {
+        json_numbers(value).into_iter().map(|x| x as u32).collect()
+    };
+    let texts = json["nll_texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| ids(&t["token_ids"]))
+        .collect();
+    let prompts = json["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| ids(&p["prompt_token_ids"]))
+        .collect();
+    (texts, prompts)
+}
+
+/// The reference executor, recording every layer call's routing in order.
+struct RecordingExecutor {
+    inner: ReferenceExpertExecutor,
+    /// `[layer]` → one entry per call (a step).
+    trace: Mutex<Vec<LayerRoutingTrace>>,
+}
+
+impl RecordingExecutor {
+    fn new(artifact: &Arc<Artifact>, layers: usize) -> Self {
+        RecordingExecutor {
+            inner: ReferenceExpertExecutor::new(Arc::clone(artifact)),
+            trace: Mutex::new(vec![Vec::new(); layers]),
+        }
+    }
+
+    fn trace(&self) -> Vec<LayerRoutingTrace> {
+        self.trace.lock().unwrap().clone()
+    }
+}
+
+impl ExpertExecutor for RecordingExecutor {
+    fn name(&self) -> &str {
+        "recording-reference"
+    }
+
+    fn observe_routing(&self, layer: usize, expert_ids: &[u32], tokens: usize) {
+        if let Some(calls) = self.trace.lock().unwrap().get_mut(layer) {
+            calls.push((expert_ids.to_vec(), tokens));
+        }
+    }
+
+    fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError> {
+        self.inner.compute(batch, out)
+    }
+}
+
+/// How a run places and moves the experts.
+#[derive(Clone, Copy)]
+struct Setup<'a> {
+    slots: usize,
+    statistics: Option<&'a ExpertStatistics>,
+    fills_per_layer: usize,
+}
+
+struct Run {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    counters: Arc<ExpertCacheCounters>,
+    trace: Vec<LayerRoutingTrace>,
+    /// Per forward: its time and the fills its start-of-step hook started.
+    forward_times: Vec<(Duration, u64)>,
+}
+
+/// Prefill `prompt`, then `DECODE_STEPS` greedy steps, on a model set up by `setup`.
+fn greedy_run<B: Backend>(backend: Arc<B>, path: &Path, prompt: &[u32], setup: Setup) -> Run {
+    let artifact = open_artifact(path).unwrap();
+    let common = artifact.config().common().clone();
+    let recording = Arc::new(RecordingExecutor::new(&artifact, common.num_hidden_layers));
+    let mut model = Model::load(backend, artifact, Arc::clone(&recording) as _).unwrap();
+    let shape = GpuExpertShape {
+        num_experts: common.num_experts,
+        moe_layers: common.moe_layers.clone(),
+        expert_bytes: model.expert_slot_bytes().unwrap(),
+    };
+    let placement = choose_gpu_experts(&shape, setup.slots, setup.statistics);
+    model.place_resident_experts(&placement).unwrap();
+    let counters = model
+        .enable_expert_cache(
+            ExpertCacheOptions {
+                fills_per_layer: setup.fills_per_layer,
+                ..ExpertCacheOptions::default()
+            },
+            setup.statistics,
+        )
+        .unwrap();
+    let mut state = model.new_sequence(prompt.len() + DECODE_STEPS).unwrap();
+    let mut forward_times = Vec::new();
+    let mut timed = |tokens: &[u32], state: &mut _| {
+        let fills_before = counters.total().fills;
+        let started = Instant::now();
+        let logits = model.prefill(state, tokens).unwrap();
+        forward_times.push((started.elapsed(), counters.total().fills - fills_before));
+        logits
+    };
+    let mut logits = vec![timed(prompt, &mut state)];
+    let mut tokens = Vec::new();
+    while tokens.len() < DECODE_STEPS {
+        let next = argmax(logits.last().unwrap());
+        tokens.push(next);
+        logits.push(timed(&[next], &mut state));
+    }
+    Run {
+        tokens,
+        logits,
+        counters: Arc::clone(&counters),
+        trace: recording.trace(),
+        forward_times,
+    }
+}
+
+/// Routing statistics of `tokens` in one forward with no slots (the seed a previous run leaves).
+fn statistics_of(path: &Path, tokens: &[u32]) -> ExpertStatistics {
+    let artifact = open_artifact(path).unwrap();
+    let common = artifact.config().common().clone();
+    let recording = Arc::new(RecordingExecutor::new(&artifact, common.num_hidden_layers));
+    let model = Model::load(
+        Arc::new(CpuBackend::new()),
+        artifact,
+        Arc::clone(&recording) as _,
+    )
+    .unwrap();
+    let mut state = model.new_sequence(tokens.len()).unwrap();
+    model.prefill(&mut state, tokens).unwrap();
+    let counts = recording
+        .trace()
+        .iter()
+        .map(|calls| {
+            let mut row = vec![0u64; common.num_experts];
+            for (ids, _) in calls {
+                for &id in ids {
+                    if let Some(count) = row.get_mut(id as usize) {
+                        *count += 1;
+                    }
+                }
+            }
+            row
+        })
+        .collect();
+    ExpertStatistics { counts }
+}
+
+fn bits(logits: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    logits
+        .iter()
+        .map(|row| row.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+/// Greedy tokens with the cache equal static placement's and another placement's; two cache
+/// runs give the same bits.
+fn the_cache_moves_experts_never_the_tokens<B: Backend>(backend: Arc<B>) {
+    let work = tempfile::tempdir().unwrap();
+    let Some(path) = converted(work.path()) else {
+        return;
+    };
+    let (texts, prompts) = reference_tokens();
+    let statistics = statistics_of(&path, &texts[1]);
+    let prompt = &prompts[0];
+    let slots = 8;
+    let static_run = greedy_run(
+        Arc::clone(&backend),
+        &path,
+        prompt,
+        Setup {
+            slots,
+            statistics: Some(&statistics),
+            fills_per_layer: 0,
+        },
+    );
+    let cached = |statistics| {
+        greedy_run(
+            Arc::clone(&backend),
+            &path,
+            prompt,
+            Setup {
+                slots,
+                statistics,
+                fills_per_layer: 2,
+            },
+        )
+    };
+    let cache_run = cached(Some(&statistics));
+    let again = cached(Some(&statistics));
+    let other_start = cached(None);
+    let (fixed, moving) = (static_run.counters.total(), cache_run.counters.total());
+    println!(
+        "{} on {}: static hit rate {:.1}%, cache {:.1}% ({} fills, {} evictions)",
+        FIXTURE,
+        backend.name(),
+        100.0 * fixed.hit_rate(),
+        100.0 * moving.hit_rate(),
+        moving.fills,
+        moving.evictions
+    );
+    assert_eq!(fixed.fills, 0, "--moe-static-experts moved experts");
+    assert!(moving.fills > 0, "the cache never filled a slot");
+    assert_eq!(
+        cache_run.tokens, static_run.tokens,
+        "cache vs static placement"
+    );
+    assert_eq!(
+        other_start.tokens, static_run.tokens,
+        "cache from another placement"
+    );
+    assert_eq!(
+        bits(&again.logits),
+        bits(&cache_run.logits),
+        "two runs of the cache differ"
+    );
+    assert_eq!(again.counters.per_layer(), cache_run.counters.per_layer());
+    for (cached, fixed) in cache_run.logits.iter().zip(&static_run.logits) {
+        let largest = cached
+            .iter()
+            .zip(fixed)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(largest < 1e-3, "logits moved by {largest} with the cache");
+    }
+}
+test_device!(the_cache_moves_experts_never_the_tokens);
+
+/// Background fills ([`ExpertSlotFills`]) leave the slot out of the table until completed, then
+/// compute what direct fills compute, bit for bit; a refill evicts the slot's expert at its start.
+fn background_fills_equal_direct_fills<B: Backend>(backend: Arc<B>) {
+    let work = tempfile::tempdir().unwrap();
+    let Some(path) = converted(work.path()) else {
+        return;
+    };
+    let artifact = open_artifact(&path).unwrap();
+    let common = artifact.config().common().clone();
+    let layer = (0..common.num_hidden_layers)
+        .find(|&l| common.moe_layers[l])
+        .unwrap();
+    let bank = artifact
+        .expert_bank(&format!("layers.{layer}.moe.experts"))
+        .unwrap()
+        .clone();
+    let layout =
+        ExpertLayout::for_bank(&bank, common.hidden_size, common.moe_intermediate_size).unwrap();
+    let placed = [(0, 5), (1, 9), (2, 17)];
+    let mut direct = backend
+        .new_expert_slots(&layout, common.num_experts, 3)
+        .unwrap();
+    let mut background = backend
+        .new_expert_slots(&layout, common.num_experts, 3)
+        .unwrap();
+    for (slot, expert) in placed {
+        backend
+            .fill_expert_slot(&mut direct, slot, expert, &artifact, &bank)
+            .unwrap();
+        backend
+            .fill_expert_slot(&mut background, slot, expert, &artifact, &bank)
+            .unwrap();
+    }
+    // Slot 1: expert 9 → 30, directly and in the background.
+    backend
+        .fill_expert_slot(&mut direct, 1, 30, &artifact, &bank)
+        .unwrap();
+    background.start_fill(1, 30, &artifact, &bank).unwrap();
+    assert_eq!(background.fills_in_flight(), 1);
+    let table = background.slot_table();
+    assert!(!table.is_resident(9) && !table.is_resident(30) && table.expert_in(1).is_none());
+    background.complete_fills().unwrap();
+    assert_eq!(background.fills_in_flight(), 0);
+    assert_eq!(background.slot_table(), direct.slot_table());
+    let tokens = 5;
+    let k = common.num_experts_per_tok;
+    let x: Vec<f32> = (0..tokens * common.hidden_size)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+        .collect();
+    let routing = Routing {
+        experts_per_token: k,
+        expert_ids: (0..tokens * k)
+            .map(|i| [5u32, 9, 17, 30, 2, 11][i % 6])
+            .collect(),
+        weights: (0..tokens * k).map(|i| 0.1 + 0.05 * i as f32).collect(),
+    };
+    let x = backend.upload(&x, tokens, common.hidden_size).unwrap();
+    let expected = backend
+        .download(&backend.slotted_experts(&direct, &x, &routing).unwrap())
+        .unwrap();
+    let got = backend
+        .download(&backend.slotted_experts(&background, &x, &routing).unwrap())
+        .unwrap();
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    assert!(expected.iter().any(|&v| v != 0.0));
+}
+test_device!(background_fills_equal_direct_fills);
+
+/// With copies that sleep far longer than a step, the step that starts fills returns before
+/// they land, and the results equal those of instant copies bit for bit.
+#[test]
+fn a_slow_fill_is_never_waited_for_by_the_step_that_started_it() {
+    let work = tempfile::tempdir().unwrap();
+    let Some(path) = converted(work.path()) else {
+        return;
+    };
+    let (_, prompts) = reference_tokens();
+    let delay = Duration::from_millis(400);
+    let setup = Setup {
+        slots: 8,
+        statistics: None,
+        fills_per_layer: 2,
+    };
+    let slow = greedy_run(
+        Arc::new(CpuBackend::with_expert_fill_delay(delay)),
+        &path,
+        &prompts[1],
+        setup,
+    );
+    let fast = greedy_run(Arc::new(CpuBackend::new()), &path, &prompts[1], setup);
+    assert_eq!(bits(&slow.logits), bits(&fast.logits));
+    assert_eq!(slow.counters.per_layer(), fast.counters.per_layer());
+    // The first forward that starts fills (the second: the hook after the prompt's routing)
+    // has nothing earlier to complete, so its time is its own.
+    let (elapsed, fills) = slow.forward_times[1];
+    assert!(fills > 0, "the step after the prompt started no fill");
+    assert!(
+        elapsed < delay,
+        "the step that started {fills} fills took {elapsed:?}: it waited for a {delay:?} copy"
+    );
+}
+
+/// The counters equal the recorded routing replayed through the simulation (same placement,
+/// policy and timing), and hits + misses are every routed choice.
+#[test]
+fn metric_counts_equal_the_routing() {
+    let work = tempfile::tempdir().unwrap();
+    let Some(path) = converted(work.path()) else {
+        return;
+    };
+    let (texts, prompts) = reference_tokens();
+    let statistics = statistics_of(&path, &texts[0]);
+    let common = open_artifact(&path).unwrap().config().common().clone();
+    for (slots, fills_per_layer) in [(4, 2), (12, 1), (8, 0)] {
+        let run = greedy_run(
+            Arc::new(CpuBackend::new()),
+            &path,
+            &prompts[2],
+            Setup {
+                slots,
+                statistics: Some(&statistics),
+                fills_per_layer,
+            },
+        );
+        let per_layer = run.counters.per_layer();
+        for (layer, trace) in run.trace.iter().enumerate() {
+            if !common.moe_layers[layer] {
+                continue;
+            }
+            let routed: usize = trace.iter().map(|(ids, _)| ids.len()).sum();
+            let counts = per_layer[layer];
+            assert_eq!(counts.hits + counts.misses, routed as u64, "layer {layer}");
+            let (fixed, moving) = simulate_hit_rates(
+                trace,
+                common.num_experts,
+                common.num_experts_per_tok,
+                Some(&statistics.counts[layer]),
+                slots,
+                ExpertCacheOptions {
+                    fills_per_layer,
+                    ..ExpertCacheOptions::default()
+                },
+            );
+            let simulated = if fills_per_layer == 0 { fixed } else { moving };
+            let stride = counts.bytes_copied.checked_div(counts.fills).unwrap_or(0);
+            assert_eq!(
+                counts,
+                CacheCounts {
+                    bytes_copied: simulated.fills * stride,
+                    ..simulated
+                },
+                "layer {layer}, {slots} slots, {fills_per_layer} fills per step"
+            );
+        }
+    }
+}
+
+/// Hit rate against slots per layer on the trained fixture, decode-like (one token a step),
+/// static placement by statistics vs the cache: the statistics of one held-out text seed the
+/// other (both ways), every MoE layer counted.
+#[test]
+#[ignore = "prints the curve of docs/BENCHMARKS.md; run with --ignored --nocapture"]
+fn hit_rate_curve_on_the_trained_fixture() {
+    let work = tempfile::tempdir().unwrap();
+    let Some(path) = converted(work.path()) else {
+        return;
+    };
+    let (texts, _) = reference_tokens();
+    let common = open_artifact(&path).unwrap().config().common().clone();
+    let k = common.num_experts_per_tok;
+    let statistics: Vec<ExpertStatistics> = texts.iter().map(|t| statistics_of(&path, t)).collect();
+    // One token a step: the prefill's routing cut per token.
+    let traces: Vec<Vec<LayerRoutingTrace>> = statistics
+        .iter()
+        .zip(&texts)
+        .map(|(_, text)| {
+            let artifact = open_artifact(&path).unwrap();
+            let recording = Arc::new(RecordingExecutor::new(&artifact, common.num_hidden_layers));
+            let model = Model::load(
+                Arc::new(CpuBackend::new()),
+                artifact,
+                Arc::clone(&recording) as _,
+            )
+            .unwrap();
+            let mut state = model.new_sequence(text.len()).unwrap();
+            model.prefill(&mut state, text).unwrap();
+            recording
+                .trace()
+                .into_iter()
+                .map(|calls| {
+                    calls
+                        .iter()
+                        .flat_map(|(ids, _)| ids.chunks(k).map(|token| (token.to_vec(), 1)))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    let decays = [0.9, 0.98, 0.99, 0.995];
+    println!(
+        "slots/layer | static by statistics | cache (decay {})",
+        decays.map(|d| d.to_string()).join(" / ")
+    );
+    for slots in [2, 4, 6, 8, 12, 16, 24] {
+        let mut fixed = CacheCounts::default();
+        let mut moving = vec![CacheCounts::default(); decays.len()];
+        for (measured, seed) in [(0, 1), (1, 0)] {
+            for (layer, trace) in traces[measured].iter().enumerate() {
+                if !common.moe_layers[layer] {
+                    continue;
+                }
+                for (index, &decay_per_token) in decays.iter().enumerate() {
+                    let (f, m) = simulate_hit_rates(
+                        trace,
+                        common.num_experts,
+                        k,
+                        Some(&statistics[seed].counts[layer]),
+                        slots,
+                        ExpertCacheOptions {
+                            fills_per_layer: 2,
+                            decay_per_token,
+                        },
+                    );
+                    if index == 0 {
+                        add(&mut fixed, &f);
+                    }
+                    add(&mut moving[index], &m);
+                }
+            }
+        }
+        println!(
+            "{slots:>2} of {} | {:.1}% | {}",
+            common.num_experts,
+            100.0 * fixed.hit_rate(),
+            moving
+                .iter()
+                .map(|m| format!(
+                    "{:.1}% ({:.2} fills/layer/token)",
+                    100.0 * m.hit_rate(),
+                    m.fills as f64 / ((m.hits + m.misses) as f64 / k as f64)
+                ))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        );
+    }
+}
+
+fn add(total: &mut CacheCounts, part: &CacheCounts) {
+    total.hits += part.hits;
+    total.misses += part.misses;
+    total.fills += part.fills;
+    total.evictions += part.evictions;
+}

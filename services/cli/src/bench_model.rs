@@ -74,6 +74,10 @@ pub struct ModelBenchArgs {
     /// Seconds to wait for the engine (and workers) to load the model.
     #[arg(long, default_value_t = 900.0)]
     pub ready_timeout: f64,
+    /// Also decode this many sequences at once (after the batch-1 runs): the aggregate decode
+    /// rate while all of them decode, from the first prompt length. 1: batch 1 only.
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
     /// Extra arguments for the engine (repeat the flag per argument).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
@@ -149,6 +153,9 @@ struct Row {
 
 #[derive(Debug, Serialize)]
 struct Report {
+    /// `--concurrency` above 1: the aggregate decode of that many sequences at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    concurrent_decode: Option<ConcurrentDecode>,
     model: String,
     architecture: String,
     device: String,
@@ -312,9 +319,10 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
     let mut engine_args = vec![
         "--device".to_string(),
         args.device.clone(),
-        // Batch 1: one sequence's KV cache, so `--gpu-mem-budget` leaves the rest to experts.
+        // One sequence's KV cache per sequence decoded at once, so `--gpu-mem-budget` leaves
+        // the rest to experts.
         "--max-sequences".into(),
-        "1".into(),
+        args.concurrency.max(1).to_string(),
     ];
     engine_args.extend(args.engine_args.iter().cloned());
     let flags = EngineFlags {
@@ -394,6 +402,18 @@ async fn connect_when_ready(
     }
 }
 
+/// Decode of several sequences at once, from the client's token arrival times.
+#[derive(Debug, Serialize)]
+struct ConcurrentDecode {
+    sequences: usize,
+    prompt_tokens: usize,
+    /// Tokens of every sequence over the window in which all of them were decoding (from the
+    /// last first token to the first last token), per second.
+    aggregate_tok_s: f64,
+    /// Per sequence in that window.
+    per_sequence_tok_s: f64,
+}
+
 /// Client-side times of one generation.
 struct Timing {
     prefill: Duration,
@@ -448,6 +468,91 @@ async fn generate(
         prefill: first - started,
         decode: last - first,
         decoded: tokens - 1,
+    })
+}
+
+/// The arrival time of every token of one generation.
+async fn token_arrivals(
+    mut client: EngineClient<Channel>,
+    prompt: Vec<u32>,
+    new_tokens: usize,
+    seed: u64,
+) -> anyhow::Result<Vec<Instant>> {
+    let request = GenerateRequest {
+        request_id: format!("bench-concurrent-{seed}"),
+        prompt_token_ids: prompt,
+        max_new_tokens: new_tokens as u32,
+        sampling: Some(SamplingParameters {
+            temperature: 1.0,
+            top_k: 20,
+            seed: Some(seed),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut stream = client
+        .generate(request)
+        .await
+        .context("starting a generation")?
+        .into_inner();
+    let mut arrivals = Vec::with_capacity(new_tokens);
+    while let Some(message) = stream.message().await.context("generating")? {
+        if !message.no_token {
+            arrivals.push(Instant::now());
+        }
+    }
+    if arrivals.len() != new_tokens {
+        bail!(
+            "asked for {new_tokens} tokens, the engine produced {}",
+            arrivals.len()
+        );
+    }
+    Ok(arrivals)
+}
+
+/// `sequences` generations at once: the decode rate over the window in which every one of
+/// them was decoding.
+async fn measure_concurrent_decode(
+    client: &EngineClient<Channel>,
+    sequences: usize,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+    vocab: u32,
+    seed: u64,
+) -> anyhow::Result<ConcurrentDecode> {
+    let runs: Vec<_> = (0..sequences)
+        .map(|index| {
+            let seed = seed.wrapping_mul(7_919).wrapping_add(index as u64);
+            tokio::spawn(token_arrivals(
+                client.clone(),
+                random_tokens(prompt_tokens, vocab, seed),
+                decode_tokens + 1,
+                seed,
+            ))
+        })
+        .collect();
+    let mut arrivals = Vec::with_capacity(sequences);
+    for run in runs {
+        arrivals.push(run.await.context("a concurrent generation's task")??);
+    }
+    let start = arrivals.iter().filter_map(|a| a.first()).max().copied();
+    let end = arrivals.iter().filter_map(|a| a.last()).min().copied();
+    let (Some(start), Some(end)) = (start, end) else {
+        bail!("a concurrent generation produced no token");
+    };
+    if end <= start {
+        bail!("the concurrent generations never decoded at the same time (a shorter run finished before a later one began)");
+    }
+    let tokens: usize = arrivals
+        .iter()
+        .map(|a| a.iter().filter(|&&t| t > start && t <= end).count())
+        .sum();
+    let seconds = (end - start).as_secs_f64();
+    Ok(ConcurrentDecode {
+        sequences,
+        prompt_tokens,
+        aggregate_tok_s: tokens as f64 / seconds,
+        per_sequence_tok_s: tokens as f64 / seconds / sequences as f64,
     })
 }
 
@@ -663,6 +768,22 @@ async fn measure(
             decode_split_per_repeat,
         });
     }
+    let concurrent_decode = if args.concurrency > 1 {
+        let figures = measure_concurrent_decode(
+            &client,
+            args.concurrency,
+            lengths[0],
+            args.decode_tokens,
+            vocab,
+            args.seed,
+        )
+        .await
+        .with_context(|| format!("decoding {} sequences at once", args.concurrency))?;
+        profile(&mut client, true, false).await?;
+        Some(figures)
+    } else {
+        None
+    };
     let expert_cache = ExpertCacheFigures::between(
         &status_before,
         &engine_status(&mut client).await?,
@@ -670,6 +791,7 @@ async fn measure(
         measuring.elapsed(),
     );
     Ok(Report {
+        concurrent_decode,
         expert_cache,
         model,
         architecture,
@@ -725,6 +847,12 @@ fn print_report(report: &Report) {
         mb(report.dense_weight_bytes_per_forward as f64),
         mb(report.expert_stride_bytes as f64)
     );
+    if let Some(batch) = &report.concurrent_decode {
+        println!(
+            "{} sequences at once (prompts of {} tokens): aggregate decode {:.1} tok/s, {:.1} tok/s per sequence",
+            batch.sequences, batch.prompt_tokens, batch.aggregate_tok_s, batch.per_sequence_tok_s
+        );
+    }
     if let Some(cache) = &report.expert_cache {
         println!(
             "expert cache ({} GPU slots): hit rate {:.1}% ({} hits, {} misses), {} fills, fill bandwidth {:.2} GB/s",

@@ -25,7 +25,8 @@ mod mtp;
 mod speculative;
 pub use mtp::MtpState;
 pub use speculative::{
-    greedy_with_mtp, sample_with_mtp, speculative_sampling_step, SpeculativeOutcome,
+    greedy_with_mtp, pick_draft, sample_with_mtp, speculative_sampling_step, verify_drafts,
+    DraftController, DraftToken, SpeculativeOutcome,
 };
 
 /// Which positions' logits a forward returns.
@@ -541,6 +542,27 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// Forgets what `state` processed at `position` and after, on a model whose every layer is
+    /// attention (its caches are cut back by position; linear attention needs
+    /// [`Model::checkpoint`] and [`Model::restore`]).
+    pub fn truncate_attention_sequence(
+        &self,
+        state: &mut SequenceState<B>,
+        position: usize,
+    ) -> Result<(), EngineError> {
+        if state
+            .layers
+            .iter()
+            .any(|layer| matches!(layer, LayerState::GatedDeltaNet { .. }))
+        {
+            return Err(EngineError::InvalidConfig {
+                problem: "a sequence with linear-attention layers cut back by position".into(),
+            });
+        }
+        state.position = state.position.min(position);
+        Ok(())
+    }
+
     /// The output projection (`lm_head`, or the embedding when they are tied).
     fn head(&self) -> &B::Weight {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
@@ -550,6 +572,11 @@ impl<B: Backend> Model<B> {
     pub fn head_logits(&self, normed: &B::Tensor) -> Result<Vec<f32>, EngineError> {
         let backend = &*self.backend;
         backend.download(&backend.matmul(normed, self.head())?)
+    }
+
+    /// [`Model::head_logits`] left on the backend (`[rows, vocab]`).
+    pub fn head_logits_on_backend(&self, normed: &B::Tensor) -> Result<B::Tensor, EngineError> {
+        self.backend.matmul(normed, self.head())
     }
 
     /// Finishes the routings left on the backend during a forward and counts them.

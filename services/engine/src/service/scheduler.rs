@@ -800,10 +800,15 @@ fn step_group<B: Backend>(
         let r = &mut running[index];
         let rows = r.pending.len();
         let picked_rows = if r.generated == 0 { 1 } else { rows };
-        let own_hidden = &hidden_rows[hidden_at * hidden_size..(hidden_at + rows) * hidden_size];
-        let own_logits = &logits[logits_at * vocab..(logits_at + picked_rows) * vocab];
+        let own_hidden = hidden_rows.get(hidden_at * hidden_size..(hidden_at + rows) * hidden_size);
+        let own_logits = logits.get(logits_at * vocab..(logits_at + picked_rows) * vocab);
         hidden_at += rows;
         logits_at += picked_rows;
+        let (Some(own_hidden), Some(own_logits)) = (own_hidden, own_logits) else {
+            return Err(EngineError::InvalidConfig {
+                problem: "the backend returned fewer rows than the forward had".into(),
+            });
+        };
         match verify_and_emit(model, r, own_hidden, own_logits, checkpoint, counters) {
             Ok(Verified::Continues { rollback: None }) => {}
             Ok(Verified::Continues {
@@ -847,7 +852,10 @@ fn verify_and_emit<B: Backend>(
             problem: "verification of a sequence that does not speculate".into(),
         });
     };
-    let mut rows: Vec<Vec<f32>> = logits.chunks(vocab).map(<[f32]>::to_vec).collect();
+    // Tokens are picked from the rows with the request's bias and mask; logprobs are those of
+    // the unmodified logits (as engine.proto defines them).
+    let raw_rows: Vec<&[f32]> = logits.chunks(vocab).collect();
+    let mut rows: Vec<Vec<f32>> = raw_rows.iter().map(|row| row.to_vec()).collect();
     for row in &mut rows {
         prepare_row(row, &r.request, vocab);
     }
@@ -882,7 +890,7 @@ fn verify_and_emit<B: Backend>(
     };
     r.pending.push(next);
     let emitted = drafts[..accepted].iter().map(|d| d.token).chain([next]);
-    for (row, token) in rows.iter().zip(emitted) {
+    for (row, token) in raw_rows.into_iter().zip(emitted) {
         let (logprob, top) = logprobs(row, token, r.request.top_logprobs);
         if !emit(r, token, logprob, top, counters) {
             return Ok(Verified::Ended);

@@ -542,27 +542,6 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// Forgets what `state` processed at `position` and after, on a model whose every layer is
-    /// attention (its caches are cut back by position; linear attention needs
-    /// [`Model::checkpoint`] and [`Model::restore`]).
-    pub fn truncate_attention_sequence(
-        &self,
-        state: &mut SequenceState<B>,
-        position: usize,
-    ) -> Result<(), EngineError> {
-        if state
-            .layers
-            .iter()
-            .any(|layer| matches!(layer, LayerState::GatedDeltaNet { .. }))
-        {
-            return Err(EngineError::InvalidConfig {
-                problem: "a sequence with linear-attention layers cut back by position".into(),
-            });
-        }
-        state.position = state.position.min(position);
-        Ok(())
-    }
-
     /// The output projection (`lm_head`, or the embedding when they are tied).
     fn head(&self) -> &B::Weight {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)

@@ -695,8 +695,8 @@ fn speculative_step<B: Backend>(
         return Ok(());
     }
     // The states went back to before the verification; the accepted rows go through again so
-    // the linear-attention states hold exactly them (their outputs were already taken from the
-    // verification, which computed the same bits).
+    // the states hold exactly them (their outputs were already taken from the verification,
+    // which computed the same bits).
     rollbacks.sort_unstable_by_key(|(index, _)| *index);
     let mut batch: Vec<SequenceInput<'_, B>> = running
         .iter_mut()
@@ -735,14 +735,12 @@ fn step_group<B: Backend>(
     let vocab = model.vocab_size();
     let hidden_size = model.spec().common.hidden_size;
     // Linear-attention states cannot be cut back: a copy before a verification, to go back to
-    // when drafts are rejected (attention caches are cut back by position).
-    let linear_attention = model.spec().mixers.contains(&MixerKind::GatedDeltaNet);
+    // when drafts are rejected (attention caches need only the position).
     let mut checkpoints = Vec::with_capacity(members.len());
     for &index in members {
         let r = &running[index];
         let drafted = r.speculating.as_ref().is_some_and(|s| !s.drafts.is_empty());
-        let checkpoint = (drafted && linear_attention).then(|| model.checkpoint(&r.state));
-        checkpoints.push(checkpoint.transpose()?);
+        checkpoints.push(drafted.then(|| model.checkpoint(&r.state)).transpose()?);
     }
     let mut batch: Vec<SequenceInput<'_, B>> = running
         .iter_mut()
@@ -835,8 +833,8 @@ enum Verified {
 
 /// Verifies a speculating sequence's drafts against its rows of the forward (`hidden`: every
 /// input row; `logits`: the rows that pick tokens), emits the accepted drafts and the token
-/// after them, keeps the verified rows as the MTP head's next pairs, and forgets the rejected
-/// rows: back to the checkpoint when there is one (linear attention), else cut back by position.
+/// after them, keeps the verified rows as the MTP head's next pairs, and puts the sequence back
+/// to its checkpoint when drafts were rejected (the caller recomputes the accepted rows).
 fn verify_and_emit<B: Backend>(
     model: &Model<B>,
     r: &mut Running<B>,
@@ -882,10 +880,9 @@ fn verify_and_emit<B: Backend>(
             Some(input[..kept].to_vec())
         }
         None => {
-            let rejected = input.len() - kept;
-            let position = r.state.position() - rejected;
-            model.truncate_attention_sequence(&mut r.state, position)?;
-            None
+            return Err(EngineError::InvalidConfig {
+                problem: "rejected drafts without a checkpoint".into(),
+            })
         }
     };
     r.pending.push(next);

@@ -356,6 +356,9 @@ impl Engine for ScriptedEngine {
             expert_cache_hits_total: 7,
             expert_cache_misses_total: 3,
             gpu_expert_slots: 16,
+            speculative_steps_total: 8,
+            drafted_tokens_by_depth: vec![8, 5],
+            accepted_tokens_by_depth: vec![6, 3],
             max_sequences: self.script.max_sequences.load(Ordering::SeqCst),
             ..Default::default()
         }))

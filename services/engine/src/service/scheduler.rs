@@ -754,59 +754,87 @@ fn step_group<B: Backend>(
     let hidden = model.forward_hidden(&mut batch, form)?;
     drop(batch);
 
-    // Rows of the forward: plain sequences need their last, speculating ones all of theirs.
-    let (mut plain, mut plain_rows) = (Vec::new(), Vec::new());
-    let (mut speculating, mut speculating_rows) = (Vec::new(), Vec::new());
+    // Rows of the forward. A sequence without drafts this step picks its token from its last
+    // row as plain decoding does (backend candidates when they suffice); a speculating one also
+    // keeps every row it processed for the MTP head. A verification reads all its rows.
+    let (mut picking, mut picking_rows) = (Vec::new(), Vec::new());
+    // Speculating sequences: (index, its input, where its rows start among the kept rows,
+    // whether it verifies drafts).
+    let mut speculating: Vec<(usize, Vec<u32>, usize, bool)> = Vec::new();
+    let mut kept_rows = Vec::new();
     let mut start = 0;
     for &index in members {
         let r = &running[index];
         let end = start + r.pending.len();
+        let verifies = r.speculating.as_ref().is_some_and(|s| !s.drafts.is_empty());
+        if !verifies {
+            picking.push(index);
+            picking_rows.push(end - 1);
+        }
         if r.speculating.is_some() {
-            speculating.push(index);
-            speculating_rows.extend(start..end);
-        } else {
-            plain.push(index);
-            plain_rows.push(end - 1);
+            speculating.push((index, r.pending.clone(), kept_rows.len(), verifies));
+            kept_rows.extend(start..end);
         }
         start = end;
     }
-    if !plain.is_empty() {
-        let logits = model.head_logits_on_backend(&backend.gather_rows(&hidden, &plain_rows)?)?;
-        sample_rows(model, running, &plain, &logits, allowed, counters, finished)?;
+    let kept = (!kept_rows.is_empty())
+        .then(|| backend.gather_rows(&hidden, &kept_rows))
+        .transpose()?;
+    let kept_host = kept.as_ref().map(|k| backend.download(k)).transpose()?;
+    let verify_rows: Vec<usize> = speculating
+        .iter()
+        .filter(|(_, _, _, verifies)| *verifies)
+        .flat_map(|(_, input, at, _)| *at..*at + input.len())
+        .collect();
+    let verify_logits = match &kept {
+        Some(kept) if !verify_rows.is_empty() => {
+            Some(model.head_logits(&backend.gather_rows(kept, &verify_rows)?)?)
+        }
+        _ => None,
+    };
+    if !picking.is_empty() {
+        let logits = model.head_logits_on_backend(&backend.gather_rows(&hidden, &picking_rows)?)?;
+        sample_rows(
+            model, running, &picking, &logits, allowed, counters, finished,
+        )?;
     }
-    if speculating.is_empty() {
-        return Ok(());
-    }
-    let gathered = backend.gather_rows(&hidden, &speculating_rows)?;
-    let hidden_rows = backend.download(&gathered)?;
-    // Logits of the rows that pick tokens: a prompt's last, every row of a verification.
-    let mut logits_rows = Vec::new();
-    let mut start = 0;
-    for &index in &speculating {
-        let r = &running[index];
-        let end = start + r.pending.len();
-        let first = if r.generated == 0 { end - 1 } else { start };
-        logits_rows.extend(first..end);
-        start = end;
-    }
-    let logits = model.head_logits(&backend.gather_rows(&gathered, &logits_rows)?)?;
-    let (mut hidden_at, mut logits_at) = (0, 0);
-    for (&index, checkpoint) in members.iter().zip(checkpoints) {
-        if running[index].speculating.is_none() {
+    let short = || EngineError::InvalidConfig {
+        problem: "the backend returned fewer rows than the forward had".into(),
+    };
+    let mut checkpoints: std::collections::HashMap<usize, SequenceCheckpoint<B>> = members
+        .iter()
+        .copied()
+        .zip(checkpoints)
+        .filter_map(|(index, checkpoint)| checkpoint.map(|c| (index, c)))
+        .collect();
+    let mut logits_at = 0;
+    for (index, input, at, verifies) in speculating {
+        let rows = input.len();
+        let own_hidden = kept_host
+            .as_ref()
+            .and_then(|values| values.get(at * hidden_size..(at + rows) * hidden_size))
+            .ok_or_else(short)?;
+        if !verifies {
+            // Picked like a plain sequence: every row it processed pairs with the token after it.
+            if finished.contains(&index) {
+                continue;
+            }
+            let r = &mut running[index];
+            let (Some(s), Some(&token)) = (r.speculating.as_mut(), r.pending.first()) else {
+                continue;
+            };
+            s.pair_hidden.extend_from_slice(own_hidden);
+            s.pair_tokens.extend_from_slice(&input[1..]);
+            s.pair_tokens.push(token);
             continue;
         }
+        let own_logits = verify_logits
+            .as_ref()
+            .and_then(|values| values.get(logits_at * vocab..(logits_at + rows) * vocab))
+            .ok_or_else(short)?;
+        logits_at += rows;
         let r = &mut running[index];
-        let rows = r.pending.len();
-        let picked_rows = if r.generated == 0 { 1 } else { rows };
-        let own_hidden = hidden_rows.get(hidden_at * hidden_size..(hidden_at + rows) * hidden_size);
-        let own_logits = logits.get(logits_at * vocab..(logits_at + picked_rows) * vocab);
-        hidden_at += rows;
-        logits_at += picked_rows;
-        let (Some(own_hidden), Some(own_logits)) = (own_hidden, own_logits) else {
-            return Err(EngineError::InvalidConfig {
-                problem: "the backend returned fewer rows than the forward had".into(),
-            });
-        };
+        let checkpoint = checkpoints.remove(&index);
         match verify_and_emit(model, r, own_hidden, own_logits, checkpoint, counters) {
             Ok(Verified::Continues { rollback: None }) => {}
             Ok(Verified::Continues {

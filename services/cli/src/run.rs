@@ -1,6 +1,8 @@
 //! `ninfer run MODEL`: plan, start expert workers + engine + gateway on a private runtime
 //! directory, wait until they answer, then chat in the terminal (`--prompt` answers once,
-//! `--serve` keeps the API up, `--dry-run` only prints the plan).
+//! `--serve` keeps the API up, `--dry-run` only prints the plan). A model with an MTP head
+//! decodes with one speculative draft per step unless `--no-mtp` (or `--spec`/`--draft-tokens`
+//! say otherwise).
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::net::TcpListener;
@@ -11,7 +13,7 @@ use ninfer_protocol::v1::gateway_client::GatewayClient;
 use ninfer_protocol::v1::{ChatMessage, ChatRequest, GatewaySamplingOptions, ListModelsRequest};
 
 use crate::plan::print_plan;
-use crate::serve::{artifact_of, plan_for, start_pipeline, EngineFlags};
+use crate::serve::{artifact_of, has_mtp_head, plan_for, start_pipeline, EngineFlags};
 use crate::supervisor::{
     install_stop_handler, sibling_binary, state_dir, stop_requested, ChildSpec, Supervisor,
 };
@@ -89,6 +91,23 @@ fn previous_routing_statistics(model: &std::path::Path) -> Vec<String> {
     } else {
         Vec::new()
     }
+}
+
+/// Whether `run` turns MTP speculative decoding on with one draft: the model has the head and
+/// neither `--no-mtp` nor the user's own flags decide otherwise.
+fn mtp_by_default(engine: &EngineFlags, model: &std::path::Path) -> anyhow::Result<bool> {
+    let user_arguments = engine.user_engine_args();
+    if engine.no_mtp
+        || engine.speculates()
+        || user_arguments
+            .iter()
+            .any(|a| a.starts_with("--spec") || a.starts_with("--draft-tokens"))
+    {
+        return Ok(false);
+    }
+    let artifact = ninfer_artifact::Artifact::open(model)
+        .with_context(|| format!("opening {}", model.display()))?;
+    Ok(has_mtp_head(&artifact))
 }
 
 fn free_loopback_port() -> anyhow::Result<u16> {
@@ -255,6 +274,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         engine
             .engine_args
             .extend(previous_routing_statistics(&model));
+    }
+    if mtp_by_default(&engine, &model)? {
+        engine.spec = Some("mtp".into());
     }
     let api = if args.serve {
         args.listen.clone()

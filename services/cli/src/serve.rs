@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 
 use crate::model_facts::{locate_model, locate_model_in, models_dir, ModelFacts, ModelLocation};
 use crate::plan::{plan, print_plan, Machine, Plan, Request};
@@ -73,6 +73,18 @@ pub struct EngineFlags {
     /// Where the dense layers run.
     #[arg(long, value_name = "cpu|cuda|auto", value_parser = ["cpu", "cuda", "auto"])]
     pub device: Option<String>,
+    /// Speculative decoding: `mtp` drafts tokens with the model's MTP head and verifies them in
+    /// one batched step (greedy output unchanged). `ninfer run` turns it on with one draft when
+    /// the model has the head.
+    #[arg(long, value_name = "mtp", value_parser = ["mtp"], conflicts_with = "no_mtp")]
+    pub spec: Option<String>,
+    /// Most MTP drafts per step (1..=8, default 1; implies `--spec mtp`). Sequences whose
+    /// drafts are rejected draft fewer.
+    #[arg(long, value_name = "N", conflicts_with = "no_mtp")]
+    pub draft_tokens: Option<usize>,
+    /// No MTP speculative decoding, also where `ninfer run` would turn it on.
+    #[arg(long)]
+    pub no_mtp: bool,
     /// Extra arguments for the engine (repeat the flag per argument).
     #[arg(long = "engine-arg", allow_hyphen_values = true, value_name = "ARG")]
     pub engine_args: Vec<String>,
@@ -92,6 +104,11 @@ impl EngineFlags {
             || arguments
                 .windows(2)
                 .any(|pair| pair[0] == "--device" && pair[1] == "cpu")
+    }
+
+    /// Whether these flags ask for MTP speculative decoding (`--spec mtp` or `--draft-tokens`).
+    pub fn speculates(&self) -> bool {
+        !self.no_mtp && (self.spec.is_some() || self.draft_tokens.is_some())
     }
 
     /// The user's own engine arguments: `--engine-arg` values, then those after `--`.
@@ -215,8 +232,19 @@ pub fn start_pipeline(
     plan: &Plan,
 ) -> anyhow::Result<String> {
     // Fail here, with the file named, rather than in a child's log.
-    ninfer_artifact::Artifact::open(model)
+    let artifact = ninfer_artifact::Artifact::open(model)
         .with_context(|| format!("opening {}", model.display()))?;
+    if flags.speculates() && !has_mtp_head(&artifact) {
+        bail!(
+            "--spec mtp: {} has no MTP head (no `mtp.*` tensors); drop --spec/--draft-tokens, or convert a checkpoint that has one",
+            model.display()
+        );
+    }
+    if let Some(n) = flags.draft_tokens {
+        if !(1..=8).contains(&n) {
+            bail!("--draft-tokens {n}: give 1..=8");
+        }
+    }
     let mut worker_addresses = Vec::new();
     for worker in &plan.expert_workers {
         let node = worker.numa_node;
@@ -247,6 +275,11 @@ pub fn start_pipeline(
         args: engine_command_line(model, listen, &worker_addresses, flags, plan),
     })?;
     Ok(listen.to_string())
+}
+
+/// Whether the artifact carries the MTP draft head.
+pub fn has_mtp_head(artifact: &ninfer_artifact::Artifact) -> bool {
+    artifact.get("mtp.fc").is_some()
 }
 
 /// Whether the engine arguments the user passed through name `flag` (as `--flag` or
@@ -320,6 +353,8 @@ pub fn engine_command_line(
                 .map(|p| p.display().to_string()),
         ),
         ("--device", flags.device.clone()),
+        ("--spec", flags.speculates().then(|| "mtp".to_string())),
+        ("--draft-tokens", flags.draft_tokens.map(|n| n.to_string())),
     ];
     for (flag, value) in valued {
         if let Some(value) = value {
@@ -459,6 +494,21 @@ mod tests {
             !joined.contains("--moe-offload"),
             "the engine has no such flag: {joined}"
         );
+    }
+
+    #[test]
+    fn mtp_flags_reach_the_engine() {
+        let joined = |line: &[&str]| engine_arguments(line, false).join(" ");
+        assert!(
+            joined(&["ninfer", "m", "--spec", "mtp", "--draft-tokens", "2"])
+                .contains("--spec mtp --draft-tokens 2")
+        );
+        assert!(
+            joined(&["ninfer", "m", "--draft-tokens", "3"]).contains("--spec mtp --draft-tokens 3")
+        );
+        assert!(!joined(&["ninfer", "m", "--no-mtp"]).contains("--spec"));
+        assert!(!joined(&["ninfer", "m"]).contains("--spec"));
+        assert!(Command::try_parse_from(["ninfer", "m", "--spec", "mtp", "--no-mtp"]).is_err());
     }
 
     #[test]

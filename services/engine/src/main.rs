@@ -26,13 +26,21 @@ use ninfer_engine::moe::{
 use ninfer_engine::profile::ForwardProfile;
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
 use ninfer_engine::service::scheduler::{
-    self, SchedulerCommand, SchedulerCounters, SchedulerLimits,
+    self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SpeculativeDecoding,
+    MAX_DRAFT_TOKENS,
 };
 use ninfer_engine::service::{
     AlwaysReady, DeviceBandwidthProbe, EngineService, Profiling, Readiness,
 };
 use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
 use ninfer_protocol::v1::engine_server::EngineServer;
+
+/// A way of drafting tokens for speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Speculation {
+    /// The model's own multi-token-prediction head (`mtp.*` tensors).
+    Mtp,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Device {
@@ -141,6 +149,15 @@ struct Args {
     /// TCP and other users can reach it; a `unix:PATH` socket is owner-only without it.
     #[arg(long, value_name = "FILE")]
     control_secret_file: Option<PathBuf>,
+    /// Speculative decoding: `mtp` drafts tokens with the model's MTP head and verifies them in
+    /// one batched forward (greedy output is the same token for token; sampled output follows
+    /// the same distribution). Requests may ask for fewer drafts or none.
+    #[arg(long, value_enum)]
+    spec: Option<Speculation>,
+    /// With `--spec mtp`: most drafts per step and sequence (1..=8); a sequence whose drafts
+    /// are rejected drafts fewer, down to none.
+    #[arg(long, default_value_t = 1, requires = "spec", value_name = "N")]
+    draft_tokens: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -187,6 +204,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     let device = select_device(args.device, args.kv_dtype, args.cuda_graphs)?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
+    let speculation = speculation_of(&args, &artifact)?;
     let common = artifact.config().common().clone();
     let model_name = args.model_name.clone().unwrap_or_else(|| {
         args.model
@@ -263,6 +281,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         max_sequences: args.max_sequences.max(1),
     };
     let scheduler_counters = Arc::new(SchedulerCounters::default());
+    let exit_counters = Arc::clone(&scheduler_counters);
     let host_kv_bytes = args
         .host_kv_mib
         .checked_mul(1 << 20)
@@ -277,6 +296,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             2
         },
         limits,
+        speculation,
         prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
         host_kv_bytes,
         cache_fills_per_layer: if args.moe_static_experts {
@@ -389,6 +409,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     if let Some(cache) = &started_cache {
         tracing::info!("expert cache: {}", cache.summary());
     }
+    exit_counters.log_speculation_summary();
     served?;
     if let Some(path) = stats_file {
         routing
@@ -396,6 +417,32 @@ fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("writing routing statistics to {}", path.display()))?;
     }
     Ok(())
+}
+
+/// `--spec mtp --draft-tokens N`, checked against the artifact: a clear error for a model
+/// without an MTP head.
+fn speculation_of(
+    args: &Args,
+    artifact: &ninfer_artifact::Artifact,
+) -> anyhow::Result<SpeculativeDecoding> {
+    let Some(Speculation::Mtp) = args.spec else {
+        return Ok(SpeculativeDecoding::default());
+    };
+    if !(1..=MAX_DRAFT_TOKENS).contains(&args.draft_tokens) {
+        bail!(
+            "--draft-tokens {}: give 1..={MAX_DRAFT_TOKENS}",
+            args.draft_tokens
+        );
+    }
+    if artifact.get("mtp.fc").is_none() {
+        bail!(
+            "--spec mtp: {} has no MTP head (no `mtp.*` tensors); drop --spec, or convert a checkpoint that has one",
+            args.model.display()
+        );
+    }
+    Ok(SpeculativeDecoding {
+        max_draft_tokens: args.draft_tokens,
+    })
 }
 
 /// Where the dense layers run, decided once at start-up.
@@ -476,6 +523,8 @@ struct GpuExpertsRequest {
     /// Bytes of one cached key or value element (`--kv-dtype`).
     kv_element_bytes: u64,
     limits: SchedulerLimits,
+    /// `--spec mtp --draft-tokens N`.
+    speculation: SpeculativeDecoding,
     /// `--moe-prefill-gpu-min-tokens` (0: off; always off on the CPU backend).
     prefill_staging_min_tokens: usize,
     /// `--host-kv-mib`: KV caches that may live in host memory instead.
@@ -550,8 +599,19 @@ fn start_scheduler<B: Backend>(
     };
     let profile = Arc::clone(model.profile());
     let stride = model.expert_slot_bytes().unwrap_or(0);
-    let sender = scheduler::start(Arc::new(model), request.limits, Arc::clone(counters))
-        .context("starting the scheduler")?;
+    if request.speculation.max_draft_tokens > 0 {
+        tracing::info!(
+            draft_tokens = request.speculation.max_draft_tokens,
+            "speculative decoding with the MTP head"
+        );
+    }
+    let sender = scheduler::start_speculative(
+        Arc::new(model),
+        request.limits,
+        request.speculation,
+        Arc::clone(counters),
+    )
+    .context("starting the scheduler")?;
     Ok(StartedScheduler {
         sender,
         profile,

@@ -15,6 +15,9 @@ use ninfer_cpu_experts::routed::{BankView, RoutedExpertComputer};
 use ninfer_cpu_experts::{ExpertLayout, KernelIsa, ThreadPool};
 use ninfer_protocol::v1::WorkerStatistics;
 
+/// The MTP head's routed experts in the artifact.
+const MTP_EXPERT_BANK: &str = "mtp.layers.0.moe.experts";
+
 /// One MoE layer's bank inside the artifact mapping.
 #[derive(Debug, Clone, Copy)]
 struct Bank {
@@ -65,6 +68,23 @@ impl WorkerModel {
         }
         let layout = layout
             .ok_or_else(|| anyhow!("{}: the model has no MoE layer", artifact.path().display()))?;
+        // The MTP head's layer, when it has routed experts, is the layer after the decoder
+        // layers (the engine numbers it so): its experts go where the main model's go.
+        if let Some(bank) = artifact.expert_bank(MTP_EXPERT_BANK) {
+            let bank_layout =
+                ExpertLayout::for_bank(bank, common.hidden_size, common.moe_intermediate_size)
+                    .with_context(|| artifact.path().display().to_string())?;
+            if bank_layout != layout || bank.num_experts as usize != common.num_experts {
+                anyhow::bail!(
+                    "{}: the MTP expert bank `{MTP_EXPERT_BANK}` is laid out unlike the decoder layers' banks",
+                    artifact.path().display()
+                );
+            }
+            banks.push(Some(Bank {
+                offset: bank.offset as usize,
+                length: (bank.num_experts * bank.expert_stride) as usize,
+            }));
+        }
         // The pool pins this thread to the node first, so the pages `mlock` faults in are
         // allocated on the node's memory (first touch).
         let pool =

@@ -60,6 +60,9 @@ pub struct SamplingOptions {
     pub choices: u32,
     /// `(token, bias)` added to the logits; -100 bans, 100 selects exclusively.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Most MTP drafts per step (the engine caps it at its own; 0: no speculation); `None`:
+    /// the engine's setting.
+    pub draft_tokens: Option<u32>,
 }
 
 impl SamplingOptions {
@@ -292,6 +295,7 @@ impl GenerationPlan {
             logit_bias: options.logit_bias.iter().copied().collect(),
             reasoning: self.engine_reasoning(),
             lark_grammar: self.guidance.grammar.clone().unwrap_or_default(),
+            draft_tokens: options.draft_tokens,
         }
     }
 }

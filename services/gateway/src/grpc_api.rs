@@ -102,6 +102,7 @@ fn sampling_options(options: Option<GatewaySamplingOptions>) -> SamplingOptions 
         top_logprobs: 0,
         choices: 1,
         logit_bias: Vec::new(),
+        draft_tokens: None,
     }
 }
 

@@ -204,6 +204,10 @@ pub struct OpenAiSampling {
     /// Token id (as a string) → bias, -100..100.
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// NInfer extension: most MTP speculative drafts per step for this request (0: none),
+    /// capped by the engine's `--draft-tokens`.
+    #[serde(default)]
+    pub draft_tokens: Option<u32>,
 }
 
 impl OpenAiSampling {
@@ -276,6 +280,7 @@ impl OpenAiSampling {
             top_logprobs,
             choices,
             logit_bias,
+            draft_tokens: self.draft_tokens,
         })
     }
 }

@@ -739,8 +739,24 @@ async fn models_tokenize_detokenize_metrics_and_expert_statistics() {
         "ninfer_engine_expert_cache_bytes_copied_total{engine=",
         "\",layer=\"3\"} 2",
         "ninfer_engine_up{engine=",
+        "ninfer_engine_speculative_steps_total{engine=",
+        "ninfer_engine_draft_tokens_by_depth_total{engine=",
+        "depth=\"2\"} 5",
+        "ninfer_engine_draft_tokens_accepted_by_depth_total{engine=",
     ] {
         assert!(metrics.contains(name), "metrics lack {name}:\n{metrics}");
+    }
+    // The totals add the depths up (the scripted engine drafted 8 + 5, accepted 6 + 3).
+    for (name, total) in [
+        ("ninfer_engine_draft_tokens_total{", " 13"),
+        ("ninfer_engine_draft_tokens_accepted_total{", " 9"),
+    ] {
+        assert!(
+            metrics
+                .lines()
+                .any(|line| line.starts_with(name) && line.ends_with(total)),
+            "metrics lack {name}…{total}:\n{metrics}"
+        );
     }
     // Routing statistics: streamed from the engine, merged, served and persisted.
     let mut served = serde_json::Value::Null;

@@ -29,7 +29,8 @@ mod step_graphs;
 pub use mtp::MtpState;
 pub use step_graphs::StepGraphCounts;
 pub use speculative::{
-    greedy_with_mtp, sample_with_mtp, speculative_sampling_step, SpeculativeOutcome,
+    greedy_with_mtp, pick_draft, sample_with_mtp, speculative_sampling_step, verify_drafts,
+    DraftController, DraftToken, SpeculativeOutcome,
 };
 
 /// Which positions' logits a forward returns.
@@ -614,6 +615,11 @@ impl<B: Backend> Model<B> {
     pub fn head_logits(&self, normed: &B::Tensor) -> Result<Vec<f32>, EngineError> {
         let backend = &*self.backend;
         backend.download(&backend.matmul(normed, self.head())?)
+    }
+
+    /// [`Model::head_logits`] left on the backend (`[rows, vocab]`).
+    pub fn head_logits_on_backend(&self, normed: &B::Tensor) -> Result<B::Tensor, EngineError> {
+        self.backend.matmul(normed, self.head())
     }
 
     /// Finishes the routings left on the backend during a forward and counts them.

@@ -12,13 +12,173 @@
 //! forward of `k + 1` rows when a draft is rejected, instead of a state copy per draft position).
 //! The verification runs the delta rule token by token, so every row gets the bits a one-token
 //! decode gives it and the output equals plain greedy decoding token for token.
+//! The scheduler serves the same rules one step at a time ([`pick_draft`], [`verify_drafts`])
+//! and sizes each sequence's drafts with a [`DraftController`].
 //! Must not touch: the scheduler, how logits are filtered (`crate::sampling`), how the head and
 //! layers compute.
 
 use super::{Model, SequenceInput};
 use crate::backend::{Backend, DeltaRuleForm};
 use crate::error::EngineError;
-use crate::sampling::{apply_penalties, argmax, filtered_distribution, SamplingParams, Xoshiro256};
+use crate::sampling::{
+    apply_penalties, argmax, filtered_distribution, Sampler, SamplingParams, Xoshiro256,
+};
+
+/// A drafted token and the distribution it was drawn from (empty when drafted greedily).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftToken {
+    pub token: u32,
+    pub distribution: Vec<(u32, f64)>,
+}
+
+/// Drafts one token from an MTP logits row (the request's bias and masks already applied):
+/// greedy requests take the penalised argmax, sampled ones draw from the request's distribution
+/// after `history` with `rng` and keep that distribution for [`verify_drafts`].
+pub fn pick_draft(
+    params: &SamplingParams,
+    row: &[f32],
+    history: &[u32],
+    rng: &mut Xoshiro256,
+) -> DraftToken {
+    if params.temperature == 0.0 {
+        let mut row = row.to_vec();
+        apply_penalties(&mut row, history, params);
+        return DraftToken {
+            token: argmax(&row),
+            distribution: Vec::new(),
+        };
+    }
+    let distribution = Picker::distribution(params, row, history);
+    DraftToken {
+        token: draw(&distribution, rng),
+        distribution,
+    }
+}
+
+/// Verifies `drafts` against the main model's rows of one verification (`rows[j]` follows the
+/// input before draft `j`; one row more than drafts; bias and masks already applied): how many
+/// drafts are accepted, and the token that follows them. Greedy requests accept a draft when it
+/// is the token `sampler` picks from the row (so the tokens are those of plain greedy decoding);
+/// sampled ones use [`speculative_sampling_step`] with `rng`. The token after the accepted
+/// drafts, when all were accepted, is `sampler`'s pick from the last row.
+pub fn verify_drafts(
+    sampler: &mut Sampler,
+    rng: &mut Xoshiro256,
+    rows: &[Vec<f32>],
+    drafts: &[DraftToken],
+    history: &[u32],
+) -> Result<(usize, u32), EngineError> {
+    if rows.len() != drafts.len() + 1 {
+        return Err(EngineError::InvalidConfig {
+            problem: format!(
+                "{} verification rows for {} drafts",
+                rows.len(),
+                drafts.len()
+            ),
+        });
+    }
+    let mut seen = history.to_vec();
+    for (j, draft) in drafts.iter().enumerate() {
+        if sampler.params().temperature == 0.0 {
+            let main = sampler.sample(&rows[j], &seen)?;
+            if main != draft.token {
+                return Ok((j, main));
+            }
+        } else {
+            let target = Picker::distribution(sampler.params(), &rows[j], &seen);
+            let (token, accepted) =
+                speculative_sampling_step(&target, &draft.distribution, draft.token, rng);
+            if !accepted {
+                return Ok((j, token));
+            }
+        }
+        seen.push(draft.token);
+    }
+    Ok((drafts.len(), sampler.sample(&rows[drafts.len()], &seen)?))
+}
+
+/// How many drafts one sequence makes per step, from the acceptance it has seen.
+///
+/// The rule: with a per-draft acceptance rate `a` (drafts accepted independently), a step with
+/// `n` drafts yields `1 + a + … + aⁿ` tokens on average and costs about `1 + DRAFT_COST · n`
+/// plain decode steps (a draft costs an MTP-layer forward and one more verified row; rejections
+/// cost a recompute on models with linear attention, which `DRAFT_COST` includes). The
+/// controller picks the `n` in `0..=max` with the most tokens per unit of cost, so drafts stop
+/// where `a` falls below about `DRAFT_COST`. `a` is a decayed count of accepted drafts over
+/// verified draft positions (each step adds its accepted drafts, and its first rejected one),
+/// starting from an even prior, so the rate follows what the sequence is writing (code drafts
+/// well, prose less). At 0 drafts nothing would be measured any more: every
+/// `PROBE_INTERVAL`-th step then drafts one token to look again, which bounds what a sequence
+/// whose drafts are never accepted pays to about `DRAFT_COST / PROBE_INTERVAL`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftController {
+    max_drafts: usize,
+    accepted: f64,
+    verified: f64,
+    steps_without_drafts: usize,
+}
+
+impl DraftController {
+    /// Cost of one draft position relative to a plain decode step.
+    pub const DRAFT_COST: f64 = 0.25;
+    /// Steps at 0 drafts before a one-draft probe.
+    pub const PROBE_INTERVAL: usize = 32;
+    /// Weight the history keeps per verification (about the last 10 verifications count).
+    const DECAY: f64 = 0.9;
+
+    pub fn new(max_drafts: usize) -> Self {
+        DraftController {
+            max_drafts,
+            accepted: 1.0,
+            verified: 2.0,
+            steps_without_drafts: 0,
+        }
+    }
+
+    /// The running acceptance estimate.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted / self.verified.max(f64::MIN_POSITIVE)
+    }
+
+    /// Drafts for the next step, at most `room` (what the request and its context leave).
+    pub fn next_drafts(&mut self, room: usize) -> usize {
+        let limit = self.max_drafts.min(room);
+        if limit == 0 {
+            return 0;
+        }
+        let a = self.acceptance();
+        let mut best = (0usize, 1.0f64);
+        let (mut expected_tokens, mut power) = (1.0f64, 1.0f64);
+        for n in 1..=limit {
+            power *= a;
+            expected_tokens += power;
+            let gain = expected_tokens / (1.0 + Self::DRAFT_COST * n as f64);
+            if gain > best.1 {
+                best = (n, gain);
+            }
+        }
+        if best.0 > 0 {
+            self.steps_without_drafts = 0;
+            return best.0;
+        }
+        self.steps_without_drafts += 1;
+        if self.steps_without_drafts >= Self::PROBE_INTERVAL {
+            self.steps_without_drafts = 0;
+            return 1;
+        }
+        0
+    }
+
+    /// Records a verification of `drafted` drafts of which the first `accepted` were accepted.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let rejected = usize::from(accepted < drafted);
+        self.accepted = Self::DECAY * self.accepted + accepted as f64;
+        self.verified = Self::DECAY * self.verified + (accepted + rejected) as f64;
+    }
+}
 
 /// What a speculative generation produced, and how the drafts fared.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -319,6 +479,50 @@ mod tests {
                 (count as f64 - e).powi(2) / e
             })
             .sum()
+    }
+
+    #[test]
+    fn drafts_shrink_to_zero_when_rejected_and_grow_when_accepted() {
+        let mut controller = DraftController::new(3);
+        // The even prior drafts.
+        assert!(controller.next_drafts(3) > 0);
+        // Every draft rejected: down to 0 within a few steps, then only a probe every
+        // PROBE_INTERVAL steps.
+        for _ in 0..20 {
+            let n = controller.next_drafts(3);
+            controller.record(n, 0);
+        }
+        assert!(controller.acceptance() < DraftController::DRAFT_COST);
+        let drafted: usize = (0..4 * DraftController::PROBE_INTERVAL)
+            .map(|_| {
+                let n = controller.next_drafts(3);
+                controller.record(n, 0);
+                n
+            })
+            .sum();
+        assert_eq!(drafted, 4, "one single-draft probe per interval");
+        // Every draft accepted from then on: a probe finds it and the count climbs to the
+        // maximum.
+        let mut last = 0;
+        for _ in 0..3 * DraftController::PROBE_INTERVAL {
+            last = controller.next_drafts(3);
+            controller.record(last, last);
+        }
+        assert_eq!(last, 3);
+        assert!(controller.acceptance() > 0.9);
+        // Never more than the room the request leaves.
+        assert_eq!(controller.next_drafts(1), 1);
+        assert_eq!(controller.next_drafts(0), 0);
+        // The count follows the rate: 1 + a + … + aⁿ over 1 + n/4 is best at n = 1 for
+        // a = 0.5, n = 2 for a = 0.7 and n = 3 for a = 0.8; none below a = 1/4.
+        for (rate, expected) in [(0.2, 0), (0.5, 1), (0.7, 2), (0.8, 3)] {
+            let mut controller = DraftController {
+                accepted: 100.0 * rate,
+                verified: 100.0,
+                ..DraftController::new(3)
+            };
+            assert_eq!(controller.next_drafts(3), expected, "rate {rate}");
+        }
     }
 
     #[test]

@@ -200,6 +200,15 @@ fn sampling_from(request: &GenerateRequest) -> SamplingParams {
     }
 }
 
+/// Per-depth draft counters up to the deepest depth that drafted.
+fn depth_counts(counters: &[std::sync::atomic::AtomicU64]) -> Vec<u64> {
+    let mut counts: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    while counts.last() == Some(&0) {
+        counts.pop();
+    }
+    counts
+}
+
 /// A scheduler event as the wire message of engine.proto.
 fn generated_token(event: SchedulerEvent) -> GeneratedToken {
     let finish_reason = match event.finish {
@@ -335,6 +344,7 @@ impl Engine for EngineService {
             top_logprobs: request.top_logprobs.min(20) as usize,
             sampleable_vocabulary: request.sampleable_vocabulary_size as usize,
             logit_bias: request.logit_bias.into_iter().collect(),
+            draft_tokens: request.draft_tokens.map(|n| n as usize),
             events,
         }))?;
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
@@ -479,6 +489,9 @@ impl Engine for EngineService {
             expert_cache_evictions_total: cache.evictions,
             expert_cache_bytes_copied_total: cache.bytes_copied,
             expert_cache_layers,
+            speculative_steps_total: counters.speculative_steps.load(Ordering::Relaxed),
+            drafted_tokens_by_depth: depth_counts(&counters.drafted_at_depth),
+            accepted_tokens_by_depth: depth_counts(&counters.accepted_at_depth),
         }))
     }
 

@@ -5,6 +5,10 @@
 //! Owns: admission (context and queue limits), per-sequence state, sampling, finish reasons,
 //! cancellation (explicit, or the client's stream going away), and its own event and error types
 //! ([`SchedulerEvent`], [`SchedulerError`]).
+//! With speculative decoding ([`start_speculative`]) a sequence drafts tokens with the model's
+//! MTP head, verifies them in the same batched forward as the other sequences' steps and emits
+//! every accepted draft and the main model's next token; sequences that do not speculate (a
+//! guided request, a request that turned it off) batch with them unchanged.
 //! Must not touch: transport (the gRPC service converts the events and errors to messages and
 //! statuses at its edge), text.
 
@@ -15,11 +19,16 @@ use std::sync::Arc;
 use tokio::sync::mpsc as async_mpsc;
 
 use crate::backend::candidates::{DEFAULT_CANDIDATES, MAX_CANDIDATES};
+use crate::backend::DeltaRuleForm;
 use crate::backend::{Backend, KvPlacement, LogitCandidates};
 use crate::constraint::{Allowed, Guide};
 use crate::error::EngineError;
-use crate::model::{Model, SequenceInput, SequenceState};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::model::{
+    pick_draft, verify_drafts, DraftController, DraftToken, Model, MtpState, SequenceCheckpoint,
+    SequenceInput, SequenceState,
+};
+use crate::sampling::{Sampler, SamplingParams, Xoshiro256};
+use crate::spec::MixerKind;
 
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,8 +109,11 @@ pub struct GenerationRequest {
     /// rows (the candidates are the unbiased largest logits).
     pub logit_bias: Vec<(u32, f32)>,
     /// The output grammar and reasoning block, if any: a guided step samples from its whole
-    /// row, masked to what the guide allows.
+    /// row, masked to what the guide allows. Guided requests do not speculate.
     pub guide: Option<Box<Guide>>,
+    /// Most MTP drafts per step for this request, capped by the engine's; `None`: the
+    /// engine's. 0 turns speculation off for it.
+    pub draft_tokens: Option<usize>,
     pub events: async_mpsc::Sender<SchedulerResult>,
 }
 
@@ -117,7 +129,78 @@ pub struct SchedulerCounters {
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub kv_used_tokens: AtomicU64,
+    /// Verification steps of sequences that drafted.
+    pub speculative_steps: AtomicU64,
+    /// `drafted_at_depth[j]`: drafts made at depth `j + 1` of a chain.
+    pub drafted_at_depth: [AtomicU64; MAX_DRAFT_TOKENS],
+    /// `accepted_at_depth[j]`: chains whose drafts `1..=j + 1` were all accepted.
+    pub accepted_at_depth: [AtomicU64; MAX_DRAFT_TOKENS],
 }
+
+impl SchedulerCounters {
+    /// Counts one verification of `drafted` drafts whose first `accepted` were accepted.
+    pub fn record_verification(&self, drafted: usize, accepted: usize) {
+        self.speculative_steps.fetch_add(1, Ordering::Relaxed);
+        for depth in 0..drafted.min(MAX_DRAFT_TOKENS) {
+            self.drafted_at_depth[depth].fetch_add(1, Ordering::Relaxed);
+            if depth < accepted {
+                self.accepted_at_depth[depth].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// `(drafted, accepted)` over every depth.
+    pub fn draft_totals(&self) -> (u64, u64) {
+        let sum = |counters: &[AtomicU64]| {
+            counters
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .sum::<u64>()
+        };
+        (sum(&self.drafted_at_depth), sum(&self.accepted_at_depth))
+    }
+
+    /// Logs the drafts' acceptance overall and per depth (nothing when no sequence drafted).
+    pub fn log_speculation_summary(&self) {
+        let (drafted, accepted) = self.draft_totals();
+        let steps = self.speculative_steps.load(Ordering::Relaxed);
+        if drafted == 0 {
+            return;
+        }
+        let per_depth: Vec<String> = self
+            .drafted_at_depth
+            .iter()
+            .zip(&self.accepted_at_depth)
+            .map(|(d, a)| (d.load(Ordering::Relaxed), a.load(Ordering::Relaxed)))
+            .take_while(|&(d, _)| d > 0)
+            .map(|(d, a)| format!("{:.1}%", 100.0 * a as f64 / d as f64))
+            .collect();
+        tracing::info!(
+            drafted,
+            accepted,
+            acceptance = format!("{:.1}%", 100.0 * accepted as f64 / drafted as f64),
+            acceptance_per_depth = per_depth.join(" "),
+            tokens_per_speculative_step =
+                format!("{:.2}", (steps + accepted) as f64 / steps.max(1) as f64),
+            "MTP speculative decoding"
+        );
+    }
+}
+
+/// Most MTP drafts per step the engine takes (`--draft-tokens`).
+pub const MAX_DRAFT_TOKENS: usize = 8;
+
+/// Speculative decoding with the model's MTP head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SpeculativeDecoding {
+    /// Most drafts per step and sequence, at most [`MAX_DRAFT_TOKENS`] (0: off). Each
+    /// sequence drafts fewer while its drafts are rejected ([`DraftController`]).
+    pub max_draft_tokens: usize,
+}
+
+/// Verified pairs a sequence that is not drafting keeps for the MTP head before feeding them
+/// to it anyway (bounds the host memory they take).
+const PAIRS_HELD_WITHOUT_DRAFTS: usize = 64;
 
 /// Limits of admission.
 #[derive(Debug, Clone, Copy)]
@@ -131,9 +214,32 @@ struct Running<B: Backend> {
     state: SequenceState<B>,
     sampler: Sampler,
     history: Vec<u32>,
+    /// The next forward's input: the prompt, or the last token and this step's drafts.
     pending: Vec<u32>,
     generated: usize,
     guide: Option<Box<Guide>>,
+    speculating: Option<Speculating<B>>,
+}
+
+/// A speculating sequence's MTP side.
+struct Speculating<B: Backend> {
+    mtp: MtpState<B>,
+    controller: DraftController,
+    /// Draws of the drafts and of the rejection rule (the sampler keeps its own stream).
+    rng: Xoshiro256,
+    /// Pairs the MTP head has not seen: the main model's final-normed hidden rows (host,
+    /// `[rows, hidden]`) and the token after each.
+    pair_hidden: Vec<f32>,
+    pair_tokens: Vec<u32>,
+    /// This step's drafts (the tail of `pending`).
+    drafts: Vec<DraftToken>,
+}
+
+/// What admission checks against.
+struct Admission {
+    limits: SchedulerLimits,
+    speculation: SpeculativeDecoding,
+    vocab: usize,
 }
 
 /// Starts the scheduler thread; returns the command sender.
@@ -147,10 +253,33 @@ where
     SequenceState<B>: Send,
     Model<B>: Send + Sync,
 {
+    start_speculative(model, limits, SpeculativeDecoding::default(), counters)
+}
+
+/// [`start`] with speculative decoding: requests draft with the model's MTP head (the caller
+/// checks that the model has one; without it requests do not speculate).
+pub fn start_speculative<B: Backend + 'static>(
+    model: Arc<Model<B>>,
+    limits: SchedulerLimits,
+    speculation: SpeculativeDecoding,
+    counters: Arc<SchedulerCounters>,
+) -> std::io::Result<mpsc::Sender<SchedulerCommand>>
+where
+    B::Tensor: Send,
+    SequenceState<B>: Send,
+    Model<B>: Send + Sync,
+{
+    let speculation = SpeculativeDecoding {
+        max_draft_tokens: if model.has_mtp() {
+            speculation.max_draft_tokens.min(MAX_DRAFT_TOKENS)
+        } else {
+            0
+        },
+    };
     let (sender, receiver) = mpsc::channel();
     std::thread::Builder::new()
         .name("ninfer-scheduler".into())
-        .spawn(move || run(&model, limits, &counters, &receiver))?;
+        .spawn(move || run(&model, limits, speculation, &counters, &receiver))?;
     Ok(sender)
 }
 
@@ -166,27 +295,50 @@ fn finish_message(reason: SequenceFinish, prompt: usize, generated: usize) -> Sc
 fn run<B: Backend>(
     model: &Model<B>,
     limits: SchedulerLimits,
+    speculation: SpeculativeDecoding,
     counters: &SchedulerCounters,
     commands: &mpsc::Receiver<SchedulerCommand>,
 ) {
     let vocab = model.vocab_size();
+    let admission = Admission {
+        limits,
+        speculation,
+        vocab,
+    };
     let mut running: Vec<Running<B>> = Vec::new();
     loop {
         // Block only when idle; otherwise take what arrived and go on decoding.
         if running.is_empty() {
             match commands.recv() {
-                Ok(command) => handle(model, command, &mut running, limits, vocab, counters),
+                Ok(command) => handle(model, command, &mut running, &admission, counters),
                 Err(_) => return,
             }
         }
         while let Ok(command) = commands.try_recv() {
-            handle(model, command, &mut running, limits, vocab, counters);
+            handle(model, command, &mut running, &admission, counters);
         }
         // A client that went away cancels its sequence.
         running.retain(|r| !r.request.events.is_closed());
         counters.running.store(running.len(), Ordering::Relaxed);
         if running.is_empty() {
             continue;
+        }
+        // Speculating sequences draft with the MTP head first: the drafts join their input.
+        if speculation.max_draft_tokens > 0 {
+            let mut failed = Vec::new();
+            for (index, r) in running.iter_mut().enumerate() {
+                if let Err(error) = draft(model, r) {
+                    tracing::error!(request_id = %r.request.request_id, "drafting failed: {error}");
+                    fail(r, &error);
+                    failed.push(index);
+                }
+            }
+            for index in failed.into_iter().rev() {
+                running.swap_remove(index);
+            }
+            if running.is_empty() {
+                continue;
+            }
         }
         // What each guided sequence may sample this step (a grammar mask, a forced token).
         let mut allowed = Vec::with_capacity(running.len());
@@ -211,175 +363,565 @@ fn run<B: Backend>(
         if running.is_empty() {
             continue;
         }
-        // Sampling on the backend's candidates when every request allows it (a few KB per
-        // token read back instead of the whole logits rows). Guided rows are read whole.
-        let candidate_k = candidate_count(&running, &allowed);
-        let extra: Vec<Vec<u32>> = match candidate_k {
-            Some(_) => running
-                .iter()
-                .map(|r| r.sampler.penalised_tokens(&r.history, vocab))
-                .collect(),
-            None => Vec::new(),
-        };
-        let mut batch: Vec<SequenceInput<'_, B>> = running
-            .iter_mut()
-            .map(|r| SequenceInput {
-                state: &mut r.state,
-                tokens: &r.pending,
-            })
-            .collect();
-        let result = model.forward_logits_on_backend(&mut batch);
-        drop(batch);
-        let logits = match result {
-            Ok(logits) => logits,
-            Err(error) => {
-                tracing::error!("forward pass failed: {error}");
-                fail_all(&mut running, &error);
-                continue;
-            }
-        };
-        let backend = model.backend();
-        let candidates = candidate_k.and_then(|k| {
-            backend
-                .logit_candidates(&logits, k, &extra)
-                .map_err(|error| {
-                    tracing::warn!("logit candidates failed, sampling from the whole rows: {error}")
-                })
-                .ok()
-        });
-        // Without candidates every row comes back at once, as one read-back.
-        let all_rows = match candidates
-            .is_none()
-            .then(|| backend.download(&logits))
-            .transpose()
-        {
-            Ok(all_rows) => all_rows,
-            Err(error) => {
-                tracing::error!("reading the logits back failed: {error}");
-                fail_all(&mut running, &error);
-                continue;
-            }
-        };
-        let row_of = |index: usize| match &all_rows {
-            Some(values) => Ok(values
-                .get(index * vocab..(index + 1) * vocab)
-                .map(<[f32]>::to_vec)
-                .unwrap_or_default()),
-            None => backend.download(&backend.gather_rows(&logits, &[index])?),
-        };
         let mut finished = Vec::new();
-        let mut kv_used = 0u64;
-        for (index, r) in running.iter_mut().enumerate() {
-            let sampleable = sampleable_vocabulary(r.request.sampleable_vocabulary, vocab);
-            let step = &allowed[index];
-            let masked_candidates = candidates
-                .as_ref()
-                .filter(|_| step.is_any())
-                .and_then(|c| c.get(index))
-                .map(|c| without_unsampleable(c, sampleable));
-            let row_candidates = masked_candidates.as_deref();
-            let mut row: Option<Vec<f32>> = None;
-            let logit_bias = &r.request.logit_bias;
-            let row_of = |index: usize| {
-                row_of(index).and_then(|mut row| {
-                    apply_logit_bias(&mut row, logit_bias);
-                    mask_unsampleable(&mut row, sampleable);
-                    step.apply(&mut row)
-                        .map_err(|error| EngineError::InvalidSampling {
-                            problem: error.to_string(),
-                        })?;
-                    Ok(row)
-                })
-            };
-            let sampled = match row_candidates {
-                Some(c) => r.sampler.sample_from_candidates(c, &r.history),
-                None => Ok(None),
-            };
-            let sampled = match sampled {
-                Ok(Some(token)) => Ok(token),
-                Ok(None) => match row_of(index) {
-                    Ok(values) => r.sampler.sample(row.insert(values), &r.history),
-                    Err(error) => {
-                        fail(r, &error);
-                        finished.push(index);
-                        continue;
-                    }
-                },
-                Err(error) => Err(error),
-            };
-            let token = match sampled {
-                Ok(token) => token,
-                Err(error) => {
-                    let _ = r
-                        .request
-                        .events
-                        .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
-                    finished.push(index);
-                    continue;
-                }
-            };
-            if let Some(guide) = r.guide.as_mut() {
-                if let Err(error) = guide.accept(token) {
-                    let _ = r
-                        .request
-                        .events
-                        .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
-                    finished.push(index);
-                    continue;
-                }
-            }
-            r.generated += 1;
-            r.history.push(token);
-            r.pending.clear();
-            r.pending.push(token);
-            counters.generated_tokens.fetch_add(1, Ordering::Relaxed);
-            let top_logprobs = r.request.top_logprobs;
-            let (logprob, top) =
-                match row_candidates.and_then(|c| candidate_logprobs(c, token, top_logprobs)) {
-                    Some(found) => found,
-                    None => {
-                        let values = match row.take().map_or_else(|| row_of(index), Ok) {
-                            Ok(values) => values,
-                            Err(error) => {
-                                fail(r, &error);
-                                finished.push(index);
-                                continue;
-                            }
-                        };
-                        logprobs(&values, token, top_logprobs)
-                    }
-                };
-            let finish = if r.request.stop_token_ids.contains(&token) {
-                Some(SequenceFinish::StopToken)
-            } else if r.generated >= r.request.max_new_tokens {
-                Some(SequenceFinish::Length)
-            } else if r.state.position() >= r.state.max_context() {
-                Some(SequenceFinish::ContextFull)
-            } else {
-                None
-            };
-            let message = SchedulerEvent {
-                token: Some(SampledToken {
-                    token_id: token,
-                    logprob,
-                    top_logprobs: top,
-                }),
-                finish,
-                prompt_tokens: r.request.prompt.len() as u32,
-                completion_tokens: r.generated as u32,
-            };
-            // The gRPC layer keeps a deep buffer; a full one means a stalled client, treated as gone.
-            if r.request.events.try_send(Ok(message)).is_err() || finish.is_some() {
-                finished.push(index);
-            }
-            kv_used += r.state.position() as u64;
+        let stepped = if speculation.max_draft_tokens == 0 {
+            plain_step(model, &mut running, &allowed, counters, &mut finished)
+        } else {
+            speculative_step(model, &mut running, &allowed, counters, &mut finished)
+        };
+        if let Err(error) = stepped {
+            tracing::error!("forward pass failed: {error}");
+            fail_all(&mut running, &error);
+            continue;
         }
+        let kv_used: u64 = running.iter().map(|r| r.state.position() as u64).sum();
         counters.kv_used_tokens.store(kv_used, Ordering::Relaxed);
+        finished.sort_unstable();
+        finished.dedup();
         for index in finished.into_iter().rev() {
             running.swap_remove(index);
         }
         counters.running.store(running.len(), Ordering::Relaxed);
     }
+}
+
+/// One forward of every running sequence's pending tokens and one token sampled per sequence.
+fn plain_step<B: Backend>(
+    model: &Model<B>,
+    running: &mut [Running<B>],
+    allowed: &[Allowed],
+    counters: &SchedulerCounters,
+    finished: &mut Vec<usize>,
+) -> Result<(), EngineError> {
+    let mut batch: Vec<SequenceInput<'_, B>> = running
+        .iter_mut()
+        .map(|r| SequenceInput {
+            state: &mut r.state,
+            tokens: &r.pending,
+        })
+        .collect();
+    let logits = model.forward_logits_on_backend(&mut batch)?;
+    drop(batch);
+    let members: Vec<usize> = (0..running.len()).collect();
+    sample_rows(
+        model, running, &members, &logits, allowed, counters, finished,
+    )
+}
+
+/// Samples one token for each of `members` (indices into `running`) from `logits` (row `i`:
+/// the last position of `running[members[i]]`), sends the events and pushes the sequences that
+/// end (finished, failed, or gone) to `finished`. `Err`: the logits could not be read back.
+fn sample_rows<B: Backend>(
+    model: &Model<B>,
+    running: &mut [Running<B>],
+    members: &[usize],
+    logits: &B::Tensor,
+    allowed: &[Allowed],
+    counters: &SchedulerCounters,
+    finished: &mut Vec<usize>,
+) -> Result<(), EngineError> {
+    let vocab = model.vocab_size();
+    let backend = model.backend();
+    // Sampling on the backend's candidates when every request allows it (a few KB per
+    // token read back instead of the whole logits rows). Guided rows are read whole.
+    let candidate_k = candidate_count(running, members, allowed);
+    let extra: Vec<Vec<u32>> = match candidate_k {
+        Some(_) => members
+            .iter()
+            .map(|&index| {
+                let r = &running[index];
+                r.sampler.penalised_tokens(&r.history, vocab)
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let candidates = candidate_k.and_then(|k| {
+        backend
+            .logit_candidates(logits, k, &extra)
+            .map_err(|error| {
+                tracing::warn!("logit candidates failed, sampling from the whole rows: {error}")
+            })
+            .ok()
+    });
+    // Without candidates every row comes back at once, as one read-back.
+    let all_rows = candidates
+        .is_none()
+        .then(|| backend.download(logits))
+        .transpose()
+        .inspect_err(|error| tracing::error!("reading the logits back failed: {error}"))?;
+    let row_of = |row: usize| match &all_rows {
+        Some(values) => Ok(values
+            .get(row * vocab..(row + 1) * vocab)
+            .map(<[f32]>::to_vec)
+            .unwrap_or_default()),
+        None => backend.download(&backend.gather_rows(logits, &[row])?),
+    };
+    for (logits_row, &index) in members.iter().enumerate() {
+        let r = &mut running[index];
+        let sampleable = sampleable_vocabulary(r.request.sampleable_vocabulary, vocab);
+        let step = &allowed[index];
+        let masked_candidates = candidates
+            .as_ref()
+            .filter(|_| step.is_any())
+            .and_then(|c| c.get(logits_row))
+            .map(|c| without_unsampleable(c, sampleable));
+        let row_candidates = masked_candidates.as_deref();
+        let mut row: Option<Vec<f32>> = None;
+        let logit_bias = &r.request.logit_bias;
+        let row_of = || {
+            row_of(logits_row).and_then(|mut row| {
+                apply_logit_bias(&mut row, logit_bias);
+                mask_unsampleable(&mut row, sampleable);
+                step.apply(&mut row)
+                    .map_err(|error| EngineError::InvalidSampling {
+                        problem: error.to_string(),
+                    })?;
+                Ok(row)
+            })
+        };
+        let sampled = match row_candidates {
+            Some(c) => r.sampler.sample_from_candidates(c, &r.history),
+            None => Ok(None),
+        };
+        let sampled = match sampled {
+            Ok(Some(token)) => Ok(token),
+            Ok(None) => match row_of() {
+                Ok(values) => r.sampler.sample(row.insert(values), &r.history),
+                Err(error) => {
+                    fail(r, &error);
+                    finished.push(index);
+                    continue;
+                }
+            },
+            Err(error) => Err(error),
+        };
+        let token = match sampled {
+            Ok(token) => token,
+            Err(error) => {
+                let _ = r
+                    .request
+                    .events
+                    .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
+                finished.push(index);
+                continue;
+            }
+        };
+        if let Some(guide) = r.guide.as_mut() {
+            if let Err(error) = guide.accept(token) {
+                let _ = r
+                    .request
+                    .events
+                    .try_send(Err(SchedulerError::InvalidRequest(error.to_string())));
+                finished.push(index);
+                continue;
+            }
+        }
+        let top_logprobs = r.request.top_logprobs;
+        let (logprob, top) =
+            match row_candidates.and_then(|c| candidate_logprobs(c, token, top_logprobs)) {
+                Some(found) => found,
+                None => {
+                    let values = match row.take().map_or_else(row_of, Ok) {
+                        Ok(values) => values,
+                        Err(error) => {
+                            fail(r, &error);
+                            finished.push(index);
+                            continue;
+                        }
+                    };
+                    logprobs(&values, token, top_logprobs)
+                }
+            };
+        r.pending.clear();
+        r.pending.push(token);
+        if !emit(r, token, logprob, top, counters) {
+            finished.push(index);
+        }
+    }
+    Ok(())
+}
+
+/// Counts `token` as generated and sends its event; `false` when the sequence ends with it (a
+/// finish, or a client that no longer takes events).
+fn emit<B: Backend>(
+    r: &mut Running<B>,
+    token: u32,
+    logprob: f32,
+    top_logprobs: Vec<TokenProbability>,
+    counters: &SchedulerCounters,
+) -> bool {
+    r.generated += 1;
+    r.history.push(token);
+    counters.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    // The position the sequence would be at without drafts: the prompt and every generated
+    // token but this one processed.
+    let position = r.request.prompt.len() + r.generated - 1;
+    let finish = if r.request.stop_token_ids.contains(&token) {
+        Some(SequenceFinish::StopToken)
+    } else if r.generated >= r.request.max_new_tokens {
+        Some(SequenceFinish::Length)
+    } else if position >= r.state.max_context() {
+        Some(SequenceFinish::ContextFull)
+    } else {
+        None
+    };
+    let message = SchedulerEvent {
+        token: Some(SampledToken {
+            token_id: token,
+            logprob,
+            top_logprobs,
+        }),
+        finish,
+        prompt_tokens: r.request.prompt.len() as u32,
+        completion_tokens: r.generated as u32,
+    };
+    // The gRPC layer keeps a deep buffer; a full one means a stalled client, treated as gone.
+    r.request.events.try_send(Ok(message)).is_ok() && finish.is_none()
+}
+
+/// The request's bias and vocabulary limit on one logits row (what every speculative row gets
+/// before a token is picked from it; guided requests do not speculate).
+fn prepare_row(row: &mut [f32], request: &GenerationRequest, vocab: usize) {
+    apply_logit_bias(row, &request.logit_bias);
+    mask_unsampleable(
+        row,
+        sampleable_vocabulary(request.sampleable_vocabulary, vocab),
+    );
+}
+
+/// Drafts this step's tokens of a speculating sequence with the MTP head and appends them to
+/// its pending input: first the pairs the head has not seen (the main model's verified rows),
+/// then a chain of drafts, each from the head's output for the one before. The chain's own
+/// pairs are guesses and are cut off again; the next step pairs the verified rows.
+fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<(), EngineError> {
+    let Running {
+        request,
+        sampler,
+        history,
+        pending,
+        generated,
+        speculating: Some(s),
+        ..
+    } = r
+    else {
+        return Ok(());
+    };
+    s.drafts.clear();
+    if *generated == 0 {
+        // The prompt's step: nothing to draft from yet.
+        return Ok(());
+    }
+    let backend = model.backend();
+    let hidden_size = model.spec().common.hidden_size;
+    let vocab = model.vocab_size();
+    // The request's last token is a plain pick: at most `remaining - 1` drafts.
+    let room = request.max_new_tokens.saturating_sub(*generated + 1);
+    let count = s.controller.next_drafts(room);
+    let pairs = s.pair_tokens.len();
+    if pairs == 0 || (count == 0 && pairs < PAIRS_HELD_WITHOUT_DRAFTS) {
+        return Ok(());
+    }
+    let hidden = backend.upload(&s.pair_hidden, pairs, hidden_size)?;
+    let out = model.mtp_forward(&mut s.mtp, &hidden, &s.pair_tokens)?;
+    s.pair_hidden.clear();
+    s.pair_tokens.clear();
+    if count == 0 {
+        return Ok(());
+    }
+    let committed = s.mtp.position();
+    let mut chain = backend.gather_rows(&out, &[pairs - 1])?;
+    let mut seen = history.clone();
+    while s.drafts.len() < count {
+        let mut row = model.head_logits(&chain)?;
+        prepare_row(&mut row, request, vocab);
+        let drafted = pick_draft(sampler.params(), &row, &seen, &mut s.rng);
+        let token = drafted.token;
+        seen.push(token);
+        s.drafts.push(drafted);
+        if s.drafts.len() < count {
+            chain = model.mtp_forward(&mut s.mtp, &chain, &[token])?;
+        }
+    }
+    s.mtp.truncate(committed);
+    pending.extend(s.drafts.iter().map(|d| d.token));
+    Ok(())
+}
+
+/// One step with speculating sequences: forwards, verification of the drafts, rollback of the
+/// rejected rows.
+///
+/// Verification rows run the gated delta rule token by token (every row gets the bits a
+/// one-token decode gives it), prompts the model's usual form, and the form is one per forward:
+/// on a model with linear attention, a step with both goes in two forwards (prompts first).
+/// Otherwise every sequence is in one forward, speculating or not.
+fn speculative_step<B: Backend>(
+    model: &Model<B>,
+    running: &mut [Running<B>],
+    allowed: &[Allowed],
+    counters: &SchedulerCounters,
+    finished: &mut Vec<usize>,
+) -> Result<(), EngineError> {
+    let verifying: Vec<bool> = running
+        .iter()
+        .map(|r| r.speculating.as_ref().is_some_and(|s| !s.drafts.is_empty()))
+        .collect();
+    let prompt = |r: &Running<B>| r.generated == 0 && r.pending.len() > 1;
+    let linear_attention = model.spec().mixers.contains(&MixerKind::GatedDeltaNet);
+    let any_verifying = verifying.contains(&true);
+    let groups: Vec<(Vec<usize>, Option<DeltaRuleForm>)> =
+        if linear_attention && any_verifying && running.iter().any(prompt) {
+            let (verify, rest): (Vec<usize>, Vec<usize>) =
+                (0..running.len()).partition(|&index| verifying[index]);
+            vec![(rest, None), (verify, Some(DeltaRuleForm::Recurrent))]
+        } else {
+            let form = any_verifying.then_some(DeltaRuleForm::Recurrent);
+            vec![((0..running.len()).collect(), form)]
+        };
+    let mut rollbacks: Vec<(usize, Vec<u32>)> = Vec::new();
+    for (members, form) in groups {
+        step_group(
+            model,
+            running,
+            &members,
+            form,
+            allowed,
+            counters,
+            finished,
+            &mut rollbacks,
+        )?;
+    }
+    rollbacks.retain(|(index, _)| !finished.contains(index));
+    if rollbacks.is_empty() {
+        return Ok(());
+    }
+    // The states went back to before the verification; the accepted rows go through again so
+    // the states hold exactly them (their outputs were already taken from the verification,
+    // which computed the same bits).
+    rollbacks.sort_unstable_by_key(|(index, _)| *index);
+    let mut batch: Vec<SequenceInput<'_, B>> = running
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(index, r)| {
+            let at = rollbacks
+                .binary_search_by_key(&index, |(index, _)| *index)
+                .ok()?;
+            Some(SequenceInput {
+                state: &mut r.state,
+                tokens: &rollbacks[at].1,
+            })
+        })
+        .collect();
+    model.forward_hidden(&mut batch, Some(DeltaRuleForm::Recurrent))?;
+    Ok(())
+}
+
+/// One forward of `members` (ascending indices into `running`) and what follows it: a token for
+/// each plain sequence, verification for each speculating one.
+#[allow(clippy::too_many_arguments)]
+fn step_group<B: Backend>(
+    model: &Model<B>,
+    running: &mut [Running<B>],
+    members: &[usize],
+    form: Option<DeltaRuleForm>,
+    allowed: &[Allowed],
+    counters: &SchedulerCounters,
+    finished: &mut Vec<usize>,
+    rollbacks: &mut Vec<(usize, Vec<u32>)>,
+) -> Result<(), EngineError> {
+    if members.is_empty() {
+        return Ok(());
+    }
+    let backend = model.backend();
+    let vocab = model.vocab_size();
+    let hidden_size = model.spec().common.hidden_size;
+    // Linear-attention states cannot be cut back: a copy before a verification, to go back to
+    // when drafts are rejected (attention caches need only the position).
+    let mut checkpoints = Vec::with_capacity(members.len());
+    for &index in members {
+        let r = &running[index];
+        let drafted = r.speculating.as_ref().is_some_and(|s| !s.drafts.is_empty());
+        checkpoints.push(drafted.then(|| model.checkpoint(&r.state)).transpose()?);
+    }
+    let mut batch: Vec<SequenceInput<'_, B>> = running
+        .iter_mut()
+        .enumerate()
+        .filter(|(index, _)| members.binary_search(index).is_ok())
+        .map(|(_, r)| SequenceInput {
+            state: &mut r.state,
+            tokens: &r.pending,
+        })
+        .collect();
+    let hidden = model.forward_hidden(&mut batch, form)?;
+    drop(batch);
+
+    // Rows of the forward. A sequence without drafts this step picks its token from its last
+    // row as plain decoding does (backend candidates when they suffice); a speculating one also
+    // keeps every row it processed for the MTP head. A verification reads all its rows.
+    let (mut picking, mut picking_rows) = (Vec::new(), Vec::new());
+    // Speculating sequences: (index, its input, where its rows start among the kept rows,
+    // whether it verifies drafts).
+    let mut speculating: Vec<(usize, Vec<u32>, usize, bool)> = Vec::new();
+    let mut kept_rows = Vec::new();
+    let mut start = 0;
+    for &index in members {
+        let r = &running[index];
+        let end = start + r.pending.len();
+        let verifies = r.speculating.as_ref().is_some_and(|s| !s.drafts.is_empty());
+        if !verifies {
+            picking.push(index);
+            picking_rows.push(end - 1);
+        }
+        if r.speculating.is_some() {
+            speculating.push((index, r.pending.clone(), kept_rows.len(), verifies));
+            kept_rows.extend(start..end);
+        }
+        start = end;
+    }
+    let kept = (!kept_rows.is_empty())
+        .then(|| backend.gather_rows(&hidden, &kept_rows))
+        .transpose()?;
+    let kept_host = kept.as_ref().map(|k| backend.download(k)).transpose()?;
+    let verify_rows: Vec<usize> = speculating
+        .iter()
+        .filter(|(_, _, _, verifies)| *verifies)
+        .flat_map(|(_, input, at, _)| *at..*at + input.len())
+        .collect();
+    let verify_logits = match &kept {
+        Some(kept) if !verify_rows.is_empty() => {
+            Some(model.head_logits(&backend.gather_rows(kept, &verify_rows)?)?)
+        }
+        _ => None,
+    };
+    if !picking.is_empty() {
+        let logits = model.head_logits_on_backend(&backend.gather_rows(&hidden, &picking_rows)?)?;
+        sample_rows(
+            model, running, &picking, &logits, allowed, counters, finished,
+        )?;
+    }
+    let short = || EngineError::InvalidConfig {
+        problem: "the backend returned fewer rows than the forward had".into(),
+    };
+    let mut checkpoints: std::collections::HashMap<usize, SequenceCheckpoint<B>> = members
+        .iter()
+        .copied()
+        .zip(checkpoints)
+        .filter_map(|(index, checkpoint)| checkpoint.map(|c| (index, c)))
+        .collect();
+    let mut logits_at = 0;
+    for (index, input, at, verifies) in speculating {
+        let rows = input.len();
+        let own_hidden = kept_host
+            .as_ref()
+            .and_then(|values| values.get(at * hidden_size..(at + rows) * hidden_size))
+            .ok_or_else(short)?;
+        if !verifies {
+            // Picked like a plain sequence: every row it processed pairs with the token after it.
+            if finished.contains(&index) {
+                continue;
+            }
+            let r = &mut running[index];
+            let (Some(s), Some(&token)) = (r.speculating.as_mut(), r.pending.first()) else {
+                continue;
+            };
+            s.pair_hidden.extend_from_slice(own_hidden);
+            s.pair_tokens.extend_from_slice(&input[1..]);
+            s.pair_tokens.push(token);
+            continue;
+        }
+        let own_logits = verify_logits
+            .as_ref()
+            .and_then(|values| values.get(logits_at * vocab..(logits_at + rows) * vocab))
+            .ok_or_else(short)?;
+        logits_at += rows;
+        let r = &mut running[index];
+        let checkpoint = checkpoints.remove(&index);
+        match verify_and_emit(model, r, own_hidden, own_logits, checkpoint, counters) {
+            Ok(Verified::Continues { rollback: None }) => {}
+            Ok(Verified::Continues {
+                rollback: Some(tokens),
+            }) => rollbacks.push((index, tokens)),
+            Ok(Verified::Ended) => finished.push(index),
+            Err(error) => {
+                fail(r, &error);
+                finished.push(index);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What became of a speculating sequence after its verification.
+enum Verified {
+    /// It goes on; `rollback`: the accepted input its linear-attention states must process
+    /// again (some drafts were rejected and the state went back to its checkpoint).
+    Continues { rollback: Option<Vec<u32>> },
+    /// It finished or its client went away.
+    Ended,
+}
+
+/// Verifies a speculating sequence's drafts against its rows of the forward (`hidden`: every
+/// input row; `logits`: the rows that pick tokens), emits the accepted drafts and the token
+/// after them, keeps the verified rows as the MTP head's next pairs, and puts the sequence back
+/// to its checkpoint when drafts were rejected (the caller recomputes the accepted rows).
+fn verify_and_emit<B: Backend>(
+    model: &Model<B>,
+    r: &mut Running<B>,
+    hidden: &[f32],
+    logits: &[f32],
+    checkpoint: Option<SequenceCheckpoint<B>>,
+    counters: &SchedulerCounters,
+) -> Result<Verified, EngineError> {
+    let vocab = model.vocab_size();
+    let hidden_size = model.spec().common.hidden_size;
+    let Some(s) = r.speculating.as_mut() else {
+        return Err(EngineError::InvalidConfig {
+            problem: "verification of a sequence that does not speculate".into(),
+        });
+    };
+    // Tokens are picked from the rows with the request's bias and mask; logprobs are those of
+    // the unmodified logits (as engine.proto defines them).
+    let raw_rows: Vec<&[f32]> = logits.chunks(vocab).collect();
+    let mut rows: Vec<Vec<f32>> = raw_rows.iter().map(|row| row.to_vec()).collect();
+    for row in &mut rows {
+        prepare_row(row, &r.request, vocab);
+    }
+    let drafts = std::mem::take(&mut s.drafts);
+    let (accepted, next) = verify_drafts(&mut r.sampler, &mut s.rng, &rows, &drafts, &r.history)
+        .map_err(|error| EngineError::InvalidSampling {
+            problem: error.to_string(),
+        })?;
+    if !drafts.is_empty() {
+        s.controller.record(drafts.len(), accepted);
+        counters.record_verification(drafts.len(), accepted);
+    }
+    // The rows the sequence keeps, and the token after each: the MTP head's next pairs.
+    let input = std::mem::take(&mut r.pending);
+    let kept = input.len() - drafts.len() + accepted;
+    s.pair_hidden
+        .extend_from_slice(&hidden[..kept * hidden_size]);
+    s.pair_tokens.extend_from_slice(&input[1..kept]);
+    s.pair_tokens.push(next);
+    let rollback = match checkpoint {
+        _ if accepted == drafts.len() => None,
+        Some(checkpoint) => {
+            model.restore(&mut r.state, checkpoint)?;
+            Some(input[..kept].to_vec())
+        }
+        None => {
+            return Err(EngineError::InvalidConfig {
+                problem: "rejected drafts without a checkpoint".into(),
+            })
+        }
+    };
+    r.pending.push(next);
+    let emitted = drafts[..accepted].iter().map(|d| d.token).chain([next]);
+    for (row, token) in raw_rows.into_iter().zip(emitted) {
+        let (logprob, top) = logprobs(row, token, r.request.top_logprobs);
+        if !emit(r, token, logprob, top, counters) {
+            return Ok(Verified::Ended);
+        }
+    }
+    Ok(Verified::Continues { rollback })
 }
 
 /// Ends every running sequence with `error` (a failed forward or read-back).
@@ -403,10 +945,10 @@ fn handle<B: Backend>(
     model: &Model<B>,
     command: SchedulerCommand,
     running: &mut Vec<Running<B>>,
-    limits: SchedulerLimits,
-    vocab: usize,
+    admission: &Admission,
     counters: &SchedulerCounters,
 ) {
+    let (limits, vocab) = (admission.limits, admission.vocab);
     match command {
         SchedulerCommand::Cancel(id, reply) => {
             let position = running.iter().position(|r| r.request.request_id == id);
@@ -465,6 +1007,27 @@ fn handle<B: Backend>(
                 Err(error) => return reject(SchedulerError::GenerationFailed(error.to_string())),
             };
             log_host_kv(model, before, &request.request_id);
+            let max_drafts = admission.speculation.max_draft_tokens;
+            let drafts = request
+                .draft_tokens
+                .map_or(max_drafts, |n| n.min(max_drafts));
+            let speculating = if drafts > 0 && request.guide.is_none() {
+                match model.new_mtp_state(needed + drafts + 1) {
+                    Ok(mtp) => Some(Speculating {
+                        mtp,
+                        controller: DraftController::new(drafts),
+                        rng: Xoshiro256::seed_from_u64(request.sampling.seed ^ DRAFT_STREAM),
+                        pair_hidden: Vec::new(),
+                        pair_tokens: Vec::new(),
+                        drafts: Vec::new(),
+                    }),
+                    Err(error) => {
+                        return reject(SchedulerError::GenerationFailed(error.to_string()))
+                    }
+                }
+            } else {
+                None
+            };
             let mut request = request;
             let guide = request.guide.take();
             running.push(Running {
@@ -475,10 +1038,14 @@ fn handle<B: Backend>(
                 state,
                 sampler,
                 generated: 0,
+                speculating,
             });
         }
     }
 }
+
+/// Mixed into a request's seed for its drafts' stream, so it differs from the sampler's.
+const DRAFT_STREAM: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// The number of ids a request may sample: its limit, or the whole vocabulary.
 fn sampleable_vocabulary(requested: usize, vocab: usize) -> usize {
@@ -575,14 +1142,22 @@ fn log_host_kv<B: Backend>(model: &Model<B>, before: Option<KvPlacement>, reques
 
 /// The number of largest logits to read back per row when every running request can sample
 /// from candidates ([`Sampler::candidates_suffice`], `top_logprobs` within them), with room for
-/// penalised tokens among them; `None`: read back whole rows. `NINFER_FULL_LOGITS=1` always
+/// penalised tokens among them (`members`: the sequences whose rows are read); `None`: read
+/// back whole rows. `NINFER_FULL_LOGITS=1` always
 /// reads whole rows.
-fn candidate_count<B: Backend>(running: &[Running<B>], allowed: &[Allowed]) -> Option<usize> {
+fn candidate_count<B: Backend>(
+    running: &[Running<B>],
+    members: &[usize],
+    allowed: &[Allowed],
+) -> Option<usize> {
     if std::env::var("NINFER_FULL_LOGITS").is_ok_and(|v| v == "1") {
         return None;
     }
     let mut needed = 1usize;
-    for (r, step) in running.iter().zip(allowed) {
+    for (r, step) in members
+        .iter()
+        .map(|&index| (&running[index], &allowed[index]))
+    {
         if !step.is_any() {
             // Read whole on its own; the others keep their candidates.
             continue;
@@ -712,6 +1287,7 @@ mod tests {
             sampleable_vocabulary,
             logit_bias: logit_bias.to_vec(),
             guide: None,
+            draft_tokens: None,
             events,
         };
         commands.send(SchedulerCommand::Submit(request)).unwrap();
@@ -822,6 +1398,7 @@ mod tests {
                 sampleable_vocabulary: 493,
                 logit_bias: Vec::new(),
                 guide,
+                draft_tokens: None,
                 events,
             }))
             .unwrap();

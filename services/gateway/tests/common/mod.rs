@@ -361,6 +361,9 @@ impl Engine for ScriptedEngine {
                 hits: 2,
                 ..Default::default()
             }],
+            speculative_steps_total: 8,
+            drafted_tokens_by_depth: vec![8, 5],
+            accepted_tokens_by_depth: vec![6, 3],
             max_sequences: self.script.max_sequences.load(Ordering::SeqCst),
             ..Default::default()
         }))

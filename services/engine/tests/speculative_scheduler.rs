@@ -1,0 +1,369 @@
+//! MTP speculative decoding served by the scheduler, on the fixtures with an MTP head (the trained
+//! Qwen3.5-MoE fixture, whose drafts are often right, and the random golden one, whose drafts are
+//! almost always wrong): greedy output equals plain greedy decoding token for token at 1, 2 and 3
+//! drafts, with speculating and plain sequences batched together and prompts arriving while
+//! others verify drafts; sampled output follows plain sampling's distribution.
+//!
+//! `cargo test -p ninfer-engine --test speculative_scheduler -- --nocapture` prints the
+//! acceptance per draft depth.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ninfer_artifact::DType;
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::service::scheduler::{
+    self, GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits, SchedulerResult,
+    SpeculativeDecoding,
+};
+use ninfer_engine::testing::{golden_fixture_dir, greedy_tokens, json_numbers};
+use ninfer_engine::{test_device, Backend, Model, Sampler, SamplingParams, SequenceState};
+use tokio::sync::mpsc as async_mpsc;
+
+/// `fixture` converted with f32 weights under `work` and opened on `backend`.
+fn open_fixture<B: Backend>(backend: &Arc<B>, fixture: &str, work: &Path) -> Arc<Model<B>> {
+    let path: PathBuf = work.join(format!("{fixture}.ninfer"));
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
+    };
+    convert_checkpoint(&options, &NoProgress)
+        .unwrap_or_else(|e| panic!("converting {fixture}: {e}"));
+    let model = Model::open(Arc::clone(backend), &path).expect("open the artifact");
+    assert!(model.has_mtp(), "{fixture} has an MTP head");
+    Arc::new(model)
+}
+
+/// The trained fixture's reference prompts.
+fn trained_prompts() -> Vec<Vec<u32>> {
+    let path = golden_fixture_dir("qwen3_5_moe_trained").join("reference.json");
+    let text = std::fs::read_to_string(&path).expect("reference.json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("reference.json is JSON");
+    json["prompts"]
+        .as_array()
+        .expect("reference.json: prompts")
+        .iter()
+        .map(|p| {
+            json_numbers(&p["prompt_token_ids"])
+                .into_iter()
+                .map(|x| x as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// One request of a run.
+struct Submission {
+    prompt: Vec<u32>,
+    max_new_tokens: usize,
+    sampling: SamplingParams,
+    /// The request's own draft limit (`None`: the engine's).
+    draft_tokens: Option<usize>,
+    /// Submitted once the first request has streamed this many tokens (0: at once).
+    after_tokens: usize,
+}
+
+fn request(
+    submission: &Submission,
+    id: usize,
+) -> (GenerationRequest, async_mpsc::Receiver<SchedulerResult>) {
+    let (events, receiver) = async_mpsc::channel(4096);
+    let request = GenerationRequest {
+        request_id: format!("request-{id}"),
+        prompt: submission.prompt.clone(),
+        max_new_tokens: submission.max_new_tokens,
+        sampling: submission.sampling.clone(),
+        stop_token_ids: Vec::new(),
+        top_logprobs: 0,
+        sampleable_vocabulary: 0,
+        logit_bias: Vec::new(),
+        guide: None,
+        draft_tokens: submission.draft_tokens,
+        events,
+    };
+    (request, receiver)
+}
+
+/// Streams every event of one request; returns its tokens.
+fn collect(receiver: &mut async_mpsc::Receiver<SchedulerResult>, limit: usize) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    while tokens.len() < limit {
+        let Some(event) = receiver.blocking_recv() else {
+            break;
+        };
+        let event = event.unwrap_or_else(|e| panic!("{e}"));
+        tokens.extend(event.token.map(|t| t.token_id));
+        if event.finish.is_some() {
+            break;
+        }
+    }
+    tokens
+}
+
+/// Runs `submissions` through one scheduler with up to `draft_tokens` drafts; returns every
+/// request's tokens and the counters.
+fn serve<B: Backend + 'static>(
+    model: &Arc<Model<B>>,
+    draft_tokens: usize,
+    submissions: &[Submission],
+) -> (Vec<Vec<u32>>, Arc<SchedulerCounters>)
+where
+    B::Tensor: Send,
+    SequenceState<B>: Send,
+    Model<B>: Send + Sync,
+{
+    let counters = Arc::new(SchedulerCounters::default());
+    let limits = SchedulerLimits {
+        max_context: 1024,
+        max_sequences: 32,
+    };
+    let commands = scheduler::start_speculative(
+        Arc::clone(model),
+        limits,
+        SpeculativeDecoding {
+            max_draft_tokens: draft_tokens,
+        },
+        Arc::clone(&counters),
+    )
+    .expect("start the scheduler");
+    let mut receivers = Vec::new();
+    for (id, submission) in submissions.iter().enumerate() {
+        if submission.after_tokens > 0 {
+            continue;
+        }
+        let (request, receiver) = request(submission, id);
+        commands
+            .send(SchedulerCommand::Submit(request))
+            .expect("submit");
+        receivers.push((id, receiver));
+    }
+    // The late requests arrive while the first one is decoding (and drafting).
+    let mut first_tokens = Vec::new();
+    let mut late: Vec<usize> = (0..submissions.len())
+        .filter(|&id| submissions[id].after_tokens > 0)
+        .collect();
+    late.sort_by_key(|&id| submissions[id].after_tokens);
+    let mut late_receivers = Vec::new();
+    if !late.is_empty() {
+        let (_, first) = receivers.first_mut().expect("a request submitted at once");
+        for id in late {
+            let wanted = submissions[id].after_tokens;
+            let more = wanted.saturating_sub(first_tokens.len());
+            first_tokens.extend(collect(first, more));
+            let (request, receiver) = request(&submissions[id], id);
+            commands
+                .send(SchedulerCommand::Submit(request))
+                .expect("submit");
+            late_receivers.push((id, receiver));
+        }
+    }
+    receivers.extend(late_receivers);
+    let mut outputs = vec![Vec::new(); submissions.len()];
+    for (position, (id, mut receiver)) in receivers.into_iter().enumerate() {
+        let mut tokens = if position == 0 {
+            std::mem::take(&mut first_tokens)
+        } else {
+            Vec::new()
+        };
+        tokens.extend(collect(&mut receiver, usize::MAX));
+        outputs[id] = tokens;
+    }
+    (outputs, counters)
+}
+
+fn acceptance_by_depth(counters: &SchedulerCounters) -> Vec<String> {
+    counters
+        .drafted_at_depth
+        .iter()
+        .zip(&counters.accepted_at_depth)
+        .map(|(d, a)| (d.load(Ordering::Relaxed), a.load(Ordering::Relaxed)))
+        .take_while(|&(d, _)| d > 0)
+        .map(|(d, a)| format!("{:.2}", a as f64 / d as f64))
+        .collect()
+}
+
+/// Greedy requests through the speculating scheduler give plain greedy decoding's tokens, at 1,
+/// 2 and 3 drafts, with one request that does not speculate in the same batch and two that
+/// arrive (and prefill) while the others verify drafts.
+fn greedy_output_is_plain_greedy_output<B: Backend + 'static>(backend: Arc<B>)
+where
+    B::Tensor: Send,
+    SequenceState<B>: Send,
+    Model<B>: Send + Sync,
+{
+    let work = tempfile::tempdir().expect("temporary directory");
+    let trained = trained_prompts();
+    let cases: [(&str, Vec<Vec<u32>>); 2] = [
+        (
+            "qwen3_5_moe_trained",
+            trained.iter().take(4).cloned().collect(),
+        ),
+        (
+            "qwen3_5_moe",
+            vec![
+                vec![1, 2, 3, 4, 5],
+                vec![7, 8, 9],
+                vec![10, 3, 3, 3, 3, 3, 3, 3],
+                vec![11],
+            ],
+        ),
+    ];
+    for (fixture, prompts) in cases {
+        let model = open_fixture(&backend, fixture, work.path());
+        let new_tokens = 24;
+        let expected: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|prompt| greedy_tokens(&model, prompt, new_tokens).expect("greedy decoding"))
+            .collect();
+        let submissions: Vec<Submission> = prompts
+            .iter()
+            .enumerate()
+            .map(|(index, prompt)| Submission {
+                prompt: prompt.clone(),
+                max_new_tokens: new_tokens,
+                sampling: SamplingParams::greedy(),
+                // The second request does not speculate; the last two arrive late.
+                draft_tokens: (index == 1).then_some(0),
+                after_tokens: match index {
+                    2 => 3,
+                    3 => 9,
+                    _ => 0,
+                },
+            })
+            .collect();
+        for draft_tokens in 1..=3 {
+            let (outputs, counters) = serve(&model, draft_tokens, &submissions);
+            for (index, (output, expected)) in outputs.iter().zip(&expected).enumerate() {
+                assert_eq!(
+                    output, expected,
+                    "{fixture}, {draft_tokens} drafts, request {index}: speculative greedy differs from greedy"
+                );
+            }
+            let (drafted, accepted) = counters.draft_totals();
+            let steps = counters.speculative_steps.load(Ordering::Relaxed);
+            println!(
+                "{fixture} on {}: up to {draft_tokens} drafts, {drafted} drafted, {accepted} accepted, acceptance by depth {}, {:.2} tokens per speculative step",
+                backend.name(),
+                acceptance_by_depth(&counters).join(" / "),
+                (steps + accepted) as f64 / steps.max(1) as f64
+            );
+            assert!(drafted > 0, "{fixture}: nothing was drafted");
+            if fixture == "qwen3_5_moe_trained" {
+                assert!(accepted > 0, "{fixture}: no draft was accepted");
+            }
+        }
+    }
+}
+test_device!(greedy_output_is_plain_greedy_output);
+
+/// Sampled requests through the speculating scheduler: top-k 1 is greedy decoding; at a high
+/// temperature the first three tokens (the later ones through verifications) are distributed as
+/// plain sampling's (two-sample χ² over the first-token/third-token pairs of many seeds).
+fn sampled_output_follows_plain_sampling<B: Backend + 'static>(backend: Arc<B>)
+where
+    B::Tensor: Send,
+    SequenceState<B>: Send,
+    Model<B>: Send + Sync,
+{
+    let work = tempfile::tempdir().expect("temporary directory");
+    let model = open_fixture(&backend, "qwen3_5_moe_trained", work.path());
+    let prompt = trained_prompts().swap_remove(0);
+    let top_one = Submission {
+        prompt: prompt.clone(),
+        max_new_tokens: 16,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            seed: 3,
+            ..SamplingParams::default()
+        },
+        draft_tokens: None,
+        after_tokens: 0,
+    };
+    let (outputs, _) = serve(&model, 2, &[top_one]);
+    assert_eq!(
+        outputs[0],
+        greedy_tokens(&model, &prompt, 16).expect("greedy"),
+        "top-k 1 sampling with drafts must be greedy decoding"
+    );
+
+    let params = |seed: u64| SamplingParams {
+        temperature: 2.0,
+        top_k: 3,
+        seed,
+        ..SamplingParams::default()
+    };
+    let runs = 480u64;
+    let tokens = 3;
+    let mut pairs: std::collections::BTreeMap<(u32, u32), [u64; 2]> = Default::default();
+    let batch = 32u64;
+    let mut drafted_total = 0;
+    for first_seed in (0..runs).step_by(batch as usize) {
+        let submissions: Vec<Submission> = (first_seed..first_seed + batch)
+            .map(|seed| Submission {
+                prompt: prompt.clone(),
+                max_new_tokens: tokens,
+                sampling: params(seed),
+                draft_tokens: None,
+                after_tokens: 0,
+            })
+            .collect();
+        let (outputs, counters) = serve(&model, 2, &submissions);
+        drafted_total += counters.draft_totals().0;
+        for output in outputs {
+            pairs.entry((output[0], output[2])).or_default()[0] += 1;
+        }
+    }
+    assert!(drafted_total > 0, "nothing was drafted");
+    for seed in runs..2 * runs {
+        let mut sampler = Sampler::new(params(seed)).expect("sampler");
+        let mut state = model.new_sequence(prompt.len() + tokens).expect("state");
+        let mut history = prompt.clone();
+        let mut logits = model.prefill(&mut state, &prompt).expect("prefill");
+        let mut output = Vec::new();
+        for _ in 0..tokens {
+            let token = sampler.sample(&logits, &history).expect("sample");
+            output.push(token);
+            history.push(token);
+            if output.len() < tokens {
+                logits = model.prefill(&mut state, &[token]).expect("decode");
+            }
+        }
+        pairs.entry((output[0], output[2])).or_default()[1] += 1;
+    }
+    // Cells with too few counts are pooled into one.
+    let (mut statistic, mut cells, mut pooled) = (0.0f64, 0usize, [0u64; 2]);
+    let mut add = |counts: [u64; 2]| {
+        let expected = (counts[0] + counts[1]) as f64 / 2.0;
+        for count in counts {
+            statistic += (count as f64 - expected).powi(2) / expected;
+        }
+        cells += 1;
+    };
+    for counts in pairs.values() {
+        if counts[0] + counts[1] >= 10 {
+            add(*counts);
+        } else {
+            pooled[0] += counts[0];
+            pooled[1] += counts[1];
+        }
+    }
+    if pooled[0] + pooled[1] > 0 {
+        add(pooled);
+    }
+    // The 0.1% point of χ² with cells − 1 degrees of freedom (Wilson–Hilferty).
+    let df = cells.saturating_sub(1).max(1) as f64;
+    let bound = df * (1.0 - 2.0 / (9.0 * df) + 3.09 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    println!(
+        "scheduler MTP sampling on {}: tokens 1 and 3 over {runs} runs each, {cells} cells, χ² {statistic:.1} (bound {bound:.1})",
+        backend.name()
+    );
+    assert!(cells >= 3, "too few distinct token pairs to compare");
+    assert!(
+        statistic < bound,
+        "χ² {statistic:.1} ≥ {bound:.1}: {pairs:?}"
+    );
+}
+test_device!(sampled_output_follows_plain_sampling);

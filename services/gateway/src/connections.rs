@@ -122,6 +122,7 @@ pub async fn serve_connections(
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let (stop_sender, stop) = watch::channel(false);
     let (cut_sender, cut_streams) = watch::channel(false);
+    let event_streams = Arc::new(AtomicUsize::new(0));
     let open = Arc::new(AtomicUsize::new(0));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -160,6 +161,7 @@ pub async fn serve_connections(
             limits,
             stop: stop.clone(),
             cut_streams: cut_streams.clone(),
+            event_streams: event_streams.clone(),
             open: open.clone(),
         };
         open.fetch_add(1, Ordering::SeqCst);
@@ -180,10 +182,15 @@ pub async fn serve_connections(
             connections = left,
             "requests still in flight at the drain deadline; ending their streams with an error event and closing their connections"
         );
-        let _ = cut_sender.send(true);
-        let grace_end = Instant::now() + FINAL_EVENT_GRACE;
-        while open.load(Ordering::SeqCst) > 0 && Instant::now() < grace_end {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        // Only streams are waited for: an idle peer that ignores the close holds nothing.
+        if event_streams.load(Ordering::SeqCst) > 0 {
+            let _ = cut_sender.send(true);
+            let grace_end = Instant::now() + FINAL_EVENT_GRACE;
+            while event_streams.load(Ordering::SeqCst) > 0 && Instant::now() < grace_end {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // The last event leaves the connection's buffers.
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
     Ok(())
@@ -215,6 +222,8 @@ struct ServedConnection {
     stop: watch::Receiver<bool>,
     /// Turns true at the drain deadline: streaming answers end with a final error event.
     cut_streams: watch::Receiver<bool>,
+    /// Streaming answers not yet ended (on every connection).
+    event_streams: Arc<AtomicUsize>,
     open: Arc<AtomicUsize>,
 }
 
@@ -232,6 +241,7 @@ impl ServedConnection {
         let (router, limits, counted) = (self.router.clone(), self.limits, requests.clone());
         let in_handler = answering.clone();
         let cut_streams = self.cut_streams.clone();
+        let event_streams = self.event_streams.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             counted.fetch_add(1, Ordering::Relaxed);
             let path = request.uri().path().to_string();
@@ -239,13 +249,19 @@ impl ServedConnection {
             let answer = router.clone().oneshot(request);
             let guard = Answering::new(in_handler.clone());
             let cut_streams = cut_streams.clone();
+            let event_streams = event_streams.clone();
             async move {
                 let response = answer.await;
                 drop(guard);
                 response.map(|response| {
                     if is_event_stream(&response) {
                         response.map(|body| {
-                            Body::new(StreamCutAtDeadline::new(body, cut_streams, &path))
+                            Body::new(StreamCutAtDeadline::new(
+                                body,
+                                cut_streams,
+                                event_streams,
+                                &path,
+                            ))
                         })
                     } else {
                         response
@@ -309,10 +325,18 @@ struct StreamCutAtDeadline {
     deadline: Pin<Box<dyn Future<Output = ()> + Send>>,
     final_event: Option<Bytes>,
     finished: bool,
+    /// Counts this stream until it is dropped.
+    event_streams: Arc<AtomicUsize>,
 }
 
 impl StreamCutAtDeadline {
-    fn new(inner: Body, mut cut_streams: watch::Receiver<bool>, path: &str) -> Self {
+    fn new(
+        inner: Body,
+        mut cut_streams: watch::Receiver<bool>,
+        event_streams: Arc<AtomicUsize>,
+        path: &str,
+    ) -> Self {
+        event_streams.fetch_add(1, Ordering::SeqCst);
         let final_event = crate::error::GatewayError::ShuttingDown(
             "the gateway is shutting down; this answer was cut at the drain deadline".to_string(),
         )
@@ -325,7 +349,14 @@ impl StreamCutAtDeadline {
             }),
             final_event: Some(Bytes::from(final_event)),
             finished: false,
+            event_streams,
         }
+    }
+}
+
+impl Drop for StreamCutAtDeadline {
+    fn drop(&mut self) {
+        self.event_streams.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

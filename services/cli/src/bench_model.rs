@@ -335,7 +335,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         engine_args,
         ..EngineFlags::default()
     };
-    let (_, plan) = plan_for(&model, &flags, &flags.request(None))?;
+    let (_, plan) = plan_for(&model, &flags, &flags.request(None), false)?;
     let listen = supervisor.socket("engine");
     let address = start_pipeline(&mut supervisor, &model, &listen, &flags, &plan)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

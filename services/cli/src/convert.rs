@@ -15,8 +15,9 @@ use ninfer_convert::{ConvertOptions, ConvertProgress};
 
 #[derive(Debug, clap::Args)]
 pub struct ConvertArgs {
-    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); left
-    /// out with --synthetic.
+    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), or
+    /// `ORG/NAME`: found in the models directory, else downloaded there first; left out with
+    /// --synthetic.
     #[arg(value_name = "HF_DIR")]
     pub input_dir: Option<PathBuf>,
     /// Output artifact path, e.g. `model.ninfer`.
@@ -56,6 +57,14 @@ pub struct ConvertArgs {
     /// Drop vision-tower tensors (logged) instead of keeping them as class `vision`.
     #[arg(long)]
     pub skip_vision: bool,
+    /// Where models named `ORG/NAME` live (default: `$NINFER_MODELS_DIR`, else
+    /// `~/ninfer-models`).
+    #[arg(long, value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
+    /// Where a model named `ORG/NAME` that is not in the models directory is downloaded from
+    /// (default: `$NINFER_SOURCE`, else Hugging Face).
+    #[arg(long, value_enum)]
+    pub source: Option<crate::download::ModelSource>,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -227,6 +236,7 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         print_report(&output, &report, started);
         return Ok(());
     };
+    let input_dir = checkpoint_of(&input_dir, &args)?;
     let options = ConvertOptions {
         input_dir: input_dir.clone(),
         output: output.clone(),
@@ -247,6 +257,20 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
     })?;
     print_report(&output, &report, started);
     Ok(())
+}
+
+/// The checkpoint directory HF_DIR names: itself, or for `ORG/NAME` its directory in the
+/// models directory (downloaded there first when missing).
+fn checkpoint_of(input: &std::path::Path, args: &ConvertArgs) -> anyhow::Result<PathBuf> {
+    if input.exists() {
+        return Ok(input.to_path_buf());
+    }
+    let models_dir = crate::model_facts::models_dir(args.models_dir.as_deref());
+    crate::serve::download_if_named(input, &models_dir, args.source)?;
+    match crate::model_facts::repository_id(input) {
+        Some((organisation, name)) => Ok(models_dir.join(organisation).join(name)),
+        None => Ok(input.to_path_buf()),
+    }
 }
 
 fn print_report(

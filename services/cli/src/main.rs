@@ -1,5 +1,5 @@
 //! `ninfer`: the command-line front end (`convert`, `reshard`, `inspect`, `perplexity`, `bench`,
-//! `serve`, `run`).
+//! `serve`, `run`), which also downloads models named `ORG/NAME` (`download`).
 //!
 //! Owns: argument parsing, progress display and human-readable reports.
 //! Must not touch: model math or file formats directly; it calls the library crates.
@@ -9,6 +9,7 @@ mod bench_channel;
 mod bench_model;
 mod bench_mtp;
 mod convert;
+mod download;
 mod in_process;
 mod inspect;
 mod model_facts;

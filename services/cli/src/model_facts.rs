@@ -33,7 +33,7 @@ pub fn models_dir(flag: Option<&Path>) -> PathBuf {
 }
 
 /// `ORG/NAME` as the hub spells a repository: relative, exactly two plain components.
-fn repository_id(path: &Path) -> Option<(String, String)> {
+pub fn repository_id(path: &Path) -> Option<(String, String)> {
     let text = path.to_str()?;
     let (organisation, name) = text.split_once('/')?;
     let plain = |part: &str| {
@@ -57,12 +57,10 @@ pub fn locate_model_in(path: &Path, models_dir: &Path) -> anyhow::Result<ModelLo
                 return locate_model(&local);
             }
             bail!(
-                "{organisation}/{name}: not in the models directory {} (ninfer does not download \
-                 models: put the checkpoint or its .ninfer conversion in {}, e.g. with \
-                 `huggingface-cli download {organisation}/{name} --local-dir {}`, or name another \
-                 directory with --models-dir or {MODELS_DIR_VARIABLE})",
+                "{organisation}/{name}: not in the models directory {} (a run without --dry-run \
+                 downloads it into {}; or put the checkpoint or its .ninfer conversion there, or \
+                 name another directory with --models-dir or {MODELS_DIR_VARIABLE})",
                 models_dir.display(),
-                local.display(),
                 local.display()
             );
         }
@@ -112,6 +110,16 @@ pub struct ModelFacts {
     pub expert_bank_bytes: u64,
     /// Bytes of the embeddings and dense weights (what the engine loads).
     pub dense_bytes: u64,
+    /// Multi-token-prediction layers the model carries (0: none).
+    pub mtp_layers: usize,
+}
+
+fn mtp_layers_of(config: &ninfer_artifact::ModelConfig) -> usize {
+    match config {
+        ninfer_artifact::ModelConfig::Qwen3Moe(_) => 0,
+        ninfer_artifact::ModelConfig::Qwen3Next(hybrid)
+        | ninfer_artifact::ModelConfig::Qwen35Moe(hybrid) => hybrid.mtp_num_layers,
+    }
 }
 
 impl ModelFacts {
@@ -132,6 +140,7 @@ impl ModelFacts {
             parameters: 0,
             expert_bank_bytes: 0,
             dense_bytes: 0,
+            mtp_layers: mtp_layers_of(artifact.config()),
         };
         for tensor in &artifact.header().tensors {
             facts.parameters += tensor.element_count();
@@ -154,6 +163,7 @@ impl ModelFacts {
             parameters: 0,
             expert_bank_bytes: 0,
             dense_bytes: 0,
+            mtp_layers: mtp_layers_of(&parsed.model),
         };
         let mut shards: Vec<PathBuf> = std::fs::read_dir(directory)
             .with_context(|| format!("listing {}", directory.display()))?

@@ -71,6 +71,90 @@ impl Machine {
     }
 }
 
+/// A machine described in a file (`--machine-profile`), to plan for hardware this one lacks.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MachineProfile {
+    cpus: usize,
+    #[serde(default = "one")]
+    numa_nodes: usize,
+    ram_gib: f64,
+    /// Default: all of `ram_gib`.
+    ram_available_gib: Option<f64>,
+    /// No GPU when left out.
+    gpu_vram_gib: Option<f64>,
+    /// Default: all of `gpu_vram_gib`.
+    gpu_free_gib: Option<f64>,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl Machine {
+    /// The machine a profile file describes; its CPUs are split evenly over its NUMA nodes.
+    pub fn from_profile_file(file: &std::path::Path) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("--machine-profile {}", file.display()))?;
+        let profile: MachineProfile = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "--machine-profile {}: expected {{\"cpus\": N, \"numa_nodes\": N, \"ram_gib\": G, \"gpu_vram_gib\": G}}",
+                file.display()
+            )
+        })?;
+        Self::from_profile(&profile)
+            .with_context(|| format!("--machine-profile {}", file.display()))
+    }
+
+    fn from_profile(profile: &MachineProfile) -> anyhow::Result<Self> {
+        let bytes = |gib: f64, what: &str| -> anyhow::Result<u64> {
+            if !(gib.is_finite() && gib >= 0.0) {
+                bail!("{what} {gib}: give a number of GiB");
+            }
+            Ok((gib * GIB as f64) as u64)
+        };
+        if profile.cpus == 0 || profile.numa_nodes == 0 || profile.numa_nodes > profile.cpus {
+            bail!(
+                "cpus {} over numa_nodes {}: give at least one CPU per node",
+                profile.cpus,
+                profile.numa_nodes
+            );
+        }
+        let ram_total_bytes = bytes(profile.ram_gib, "ram_gib")?;
+        let ram_available_bytes = match profile.ram_available_gib {
+            Some(gib) => bytes(gib, "ram_available_gib")?.min(ram_total_bytes),
+            None => ram_total_bytes,
+        };
+        let gpu = match profile.gpu_vram_gib {
+            None => None,
+            Some(gib) => {
+                let total_bytes = bytes(gib, "gpu_vram_gib")?;
+                let free_bytes = match profile.gpu_free_gib {
+                    Some(free) => bytes(free, "gpu_free_gib")?.min(total_bytes),
+                    None => total_bytes,
+                };
+                Some(Gpu {
+                    free_bytes,
+                    total_bytes,
+                })
+            }
+        };
+        Ok(Machine {
+            cpus: profile.cpus,
+            numa_nodes: (0..profile.numa_nodes)
+                .map(|node| NumaNode {
+                    node,
+                    cpus: profile.cpus / profile.numa_nodes,
+                })
+                .collect(),
+            ram_total_bytes,
+            ram_available_bytes,
+            gpu,
+        })
+    }
+}
+
 /// `(MemTotal, MemAvailable)` in bytes.
 fn read_meminfo() -> Option<(u64, u64)> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -151,9 +235,16 @@ pub struct Plan {
     pub numa_nodes: Vec<usize>,
     pub expert_workers: Vec<WorkerPlan>,
     pub max_context: usize,
+    /// Element type of the KV cache (`--kv-dtype`).
+    pub kv_dtype: String,
+    /// Tokens the model's multi-token-prediction head drafts per step (0: it has none).
+    pub mtp_draft_tokens: usize,
     pub expert_bank_bytes: u64,
     pub dense_bytes: u64,
     pub host_kv_mib: u64,
+    /// Host RAM the run uses: the expert banks the workers map and lock, the KV kept in host
+    /// RAM, and the dense weights when they run on the CPU.
+    pub host_ram_bytes: u64,
     /// Whether the expert banks fit in the RAM available now (else the workers read on use).
     pub expert_banks_fit_in_ram: bool,
     pub machine: Machine,
@@ -266,6 +357,10 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         ModelLocation::Artifact(path) => (path.display().to_string(), false),
         ModelLocation::Checkpoint(path) => (path.display().to_string(), true),
     };
+    let dense_on_cpu = machine.gpu.is_none() || request.cpu_only;
+    let host_ram_bytes = facts.expert_bank_bytes
+        + host_kv_mib * MIB
+        + if dense_on_cpu { facts.dense_bytes } else { 0 };
     Ok(Plan {
         model,
         needs_conversion,
@@ -286,9 +381,16 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         numa_nodes: nodes.iter().map(|node| node.node).collect(),
         expert_workers,
         max_context,
+        kv_dtype: if request.kv_element_bytes == 4 {
+            "f32".into()
+        } else {
+            "bf16".into()
+        },
+        mtp_draft_tokens: usize::from(facts.mtp_layers > 0),
         expert_bank_bytes: facts.expert_bank_bytes,
         dense_bytes: facts.dense_bytes,
         host_kv_mib,
+        host_ram_bytes,
         expert_banks_fit_in_ram: machine.ram_available_bytes == 0
             || facts.expert_bank_bytes <= machine.ram_available_bytes,
         machine: machine.clone(),
@@ -410,6 +512,7 @@ mod tests {
             parameters: 30_000_000_000,
             expert_bank_bytes: 60 * GIB,
             dense_bytes: 4 * GIB,
+            mtp_layers: 1,
         }
     }
 

@@ -36,7 +36,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub dry_run: bool,
     /// With --dry-run: the plan as JSON.
-    #[arg(long)]
+    #[arg(long, alias = "plan-json")]
     pub json: bool,
     /// Most tokens per answer in the chat (default: 1024, or half the context when shorter).
     #[arg(long)]
@@ -249,6 +249,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         &args.model,
         &args.engine,
         &args.engine.request(api_for_plan),
+        !args.dry_run,
     )?;
     let max_tokens = check_chat_values(&args, plan.max_context)?;
     if args.dry_run {

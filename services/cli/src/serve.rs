@@ -33,6 +33,16 @@ pub struct EngineFlags {
     /// `~/ninfer-models`).
     #[arg(long, value_name = "DIR")]
     pub models_dir: Option<PathBuf>,
+    /// Where a model named `ORG/NAME` that is not in the models directory is downloaded from
+    /// (default: `$NINFER_SOURCE`, else Hugging Face; `HF_ENDPOINT` names a mirror, `HF_TOKEN`
+    /// opens gated models).
+    #[arg(long, value_enum)]
+    pub source: Option<crate::download::ModelSource>,
+    /// Plan for the machine this JSON file describes instead of this one (`{"cpus": 16,
+    /// "numa_nodes": 1, "ram_gib": 64, "gpu_vram_gib": 16}`; optional `ram_available_gib`,
+    /// `gpu_free_gib`): what `--dry-run` would plan there.
+    #[arg(long, value_name = "FILE")]
+    pub machine_profile: Option<PathBuf>,
     /// Compute threads per expert worker (default: every core of its node).
     #[arg(long)]
     pub moe_threads: Option<usize>,
@@ -142,17 +152,46 @@ impl EngineFlags {
     }
 }
 
-/// Locates MODEL, reads its facts (headers only) and plans on this machine: every value is
-/// checked here, before anything converts or starts.
+/// Locates MODEL (downloading a model named `ORG/NAME` into the models directory first when
+/// `may_download` and it is not there), reads its facts (headers only) and plans on this
+/// machine, or the one `--machine-profile` describes: every value is checked here, before
+/// anything converts or starts.
 pub fn plan_for(
     model: &Path,
     flags: &EngineFlags,
     request: &Request,
+    may_download: bool,
 ) -> anyhow::Result<(ModelLocation, Plan)> {
-    let location = locate_model_in(model, &models_dir(flags.models_dir.as_deref()))?;
+    let models_dir = models_dir(flags.models_dir.as_deref());
+    if may_download {
+        download_if_named(model, &models_dir, flags.source)?;
+    }
+    let location = locate_model_in(model, &models_dir)?;
     let facts = ModelFacts::read(&location)?;
-    let plan = plan(&facts, &Machine::probe(), request)?;
+    let machine = match &flags.machine_profile {
+        Some(file) => Machine::from_profile_file(file)?,
+        None => Machine::probe(),
+    };
+    let plan = plan(&facts, &machine, request)?;
     Ok((location, plan))
+}
+
+/// Downloads the model `ORG/NAME` names into the models directory when it is not there yet.
+pub fn download_if_named(
+    model: &Path,
+    models_dir: &Path,
+    source: Option<crate::download::ModelSource>,
+) -> anyhow::Result<()> {
+    if let Some((repository, local)) = crate::download::repository_to_download(model, models_dir) {
+        let source = crate::download::ModelSource::chosen(source)?;
+        crate::download::download_model(&repository, &local, source).with_context(|| {
+            format!(
+                "{repository} is not in the models directory {}; downloading it failed",
+                models_dir.display()
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// The artifact to run: the one located, or the checkpoint converted once (bf16) into the
@@ -381,7 +420,7 @@ pub fn listening(address: &str) -> bool {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let (location, plan) = plan_for(&args.model, &args.engine, &args.engine.request(None))?;
+    let (location, plan) = plan_for(&args.model, &args.engine, &args.engine.request(None), true)?;
     let model = artifact_of(&location)?;
     install_stop_handler();
     let mut supervisor = Supervisor::new()?;

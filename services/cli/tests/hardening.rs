@@ -2,7 +2,9 @@
 //! clients on the gateway and on the engine stops every process within 2 s of SIGTERM (each one
 //! by itself, none killed) and leaves no shared-memory segment; the engine's socket is
 //! owner-only; an engine on TCP with a control secret refuses callers without it, serves the
-//! gateway that has it, and still exits within 2 s of SIGTERM while that gateway is connected.
+//! gateway that has it, and still exits within 2 s of SIGTERM while that gateway is connected;
+//! an expert worker on TCP with a control secret refuses callers without it, and an engine with
+//! the wrong secret says so and stays unready while one with the right secret registers it.
 //! Needs the workspace binaries built next to `ninfer` (`cargo build --workspace --bins`).
 
 use std::io::{BufRead, BufReader};
@@ -10,9 +12,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ninfer_protocol::control_secret::SendSecret;
 use ninfer_protocol::v1::engine_client::EngineClient;
+use ninfer_protocol::v1::expert_worker_client::ExpertWorkerClient;
 use ninfer_protocol::v1::gateway_client::GatewayClient;
-use ninfer_protocol::v1::{ListModelsRequest, ModelInfoRequest};
+use ninfer_protocol::v1::{ListModelsRequest, ModelInfoRequest, WorkerInfoRequest};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -434,4 +438,131 @@ fn another_user_cannot_reach_the_engine_socket() {
     exit_time(&mut stranger, Duration::from_secs(2), "the gateway");
     sigterm(engine.id());
     exit_time(&mut engine, Duration::from_secs(2), "the engine");
+}
+
+/// Waits until `log` holds `needle` (the process writing it may still be starting).
+fn wait_for_log(log: &Path, needle: &str, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "`{needle}` never appeared in {}:\n{text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn an_expert_worker_on_tcp_refuses_callers_without_its_secret() {
+    let scratch = tempfile::tempdir().unwrap_or_else(|error| panic!("{error}"));
+    let model = artifact(scratch.path());
+    let secret = "worker secret 42";
+    let secret_file = scratch.path().join("control-secret");
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap_or_else(|error| panic!("{error}"));
+    let worker_address = format!("127.0.0.1:{}", free_port());
+    // The secret comes from the environment (a file named there), never the command line.
+    let mut worker = Command::new(binary("ninfer-expert-worker"))
+        .arg("--model")
+        .arg(&model)
+        .args(["--listen", &worker_address, "--moe-threads", "1"])
+        .env("NINFER_CONTROL_SECRET_FILE", &secret_file)
+        .env_remove("NINFER_CONTROL_SECRET")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| panic!("worker: {error}"));
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|error| panic!("{error}"));
+    let worker_info = |secret: Option<&str>| {
+        tokio.block_on(async {
+            let channel =
+                ninfer_protocol::transport::connect(&worker_address, Duration::from_millis(300))
+                    .await
+                    .ok()?;
+            Some(
+                ExpertWorkerClient::with_interceptor(channel, SendSecret::new(secret))
+                    .get_worker_info(WorkerInfoRequest {})
+                    .await,
+            )
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let refusal = loop {
+        match worker_info(None) {
+            Some(answer) => break answer,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            None => panic!("the worker never listened"),
+        }
+    };
+    let status = refusal.expect_err("a caller without the secret was served");
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("shared secret"), "{status:?}");
+    let wrong = worker_info(Some("guess")).map(|answer| answer.map(|_| ()));
+    assert!(
+        matches!(&wrong, Some(Err(status)) if status.code() == tonic::Code::Unauthenticated),
+        "{wrong:?}"
+    );
+    let served = worker_info(Some(secret)).map(|answer| answer.map(|info| info.into_inner().pid));
+    assert!(
+        matches!(served, Some(Ok(pid)) if pid == worker.id()),
+        "{served:?}"
+    );
+
+    // An engine with another secret is refused, says why, and stays unready.
+    let engine = |label: &str, secret: &str| {
+        let log = scratch.path().join(format!("{label}.log"));
+        let log_file = std::fs::File::create(&log).unwrap_or_else(|error| panic!("{error}"));
+        let child = Command::new(binary("ninfer-engine"))
+            .arg("--model")
+            .arg(&model)
+            .args([
+                "--device",
+                "cpu",
+                "--moe-threads",
+                "1",
+                "--experts",
+                &worker_address,
+            ])
+            .arg("--listen")
+            .arg(format!(
+                "unix:{}",
+                scratch.path().join(format!("{label}.sock")).display()
+            ))
+            .env("NINFER_CONTROL_SECRET", secret)
+            .env_remove("NINFER_CONTROL_SECRET_FILE")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .unwrap_or_else(|error| panic!("engine: {error}"));
+        (child, log)
+    };
+    let (mut refused_engine, log) = engine("engine-wrong-secret", "not the worker's");
+    let text = wait_for_log(
+        &log,
+        "refuses this engine's control secret",
+        Duration::from_secs(60),
+    );
+    assert!(!text.contains("expert worker registered"), "{text}");
+    assert!(
+        !text.contains("not the worker's"),
+        "the secret was logged: {text}"
+    );
+    sigterm(refused_engine.id());
+    exit_time(&mut refused_engine, Duration::from_secs(2), "the engine");
+    // With the worker's secret, the engine registers it.
+    let (mut engine, log) = engine("engine-right-secret", secret);
+    wait_for_log(&log, "expert worker registered", Duration::from_secs(60));
+    sigterm(engine.id());
+    exit_time(&mut engine, Duration::from_secs(2), "the engine");
+    sigterm(worker.id());
+    exit_time(&mut worker, Duration::from_secs(2), "the worker");
 }

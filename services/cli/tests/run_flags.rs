@@ -130,6 +130,9 @@ fn a_model_by_name_resolves_in_the_models_directory() {
     let by_variable = ninfer(scratch.path())
         .args(["serve", "Qwen/Absent-1B"])
         .env("NINFER_MODELS_DIR", &models)
+        // Not in the models directory, so it is downloaded: from a hub that is not there.
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env_remove("NINFER_SOURCE")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&by_variable.stderr);

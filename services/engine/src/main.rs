@@ -20,6 +20,7 @@ use ninfer_engine::moe::placement::{
     choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
     GpuExpertCount, GpuExpertShape, SlotMemoryBudget,
 };
+use ninfer_engine::moe::worker_executor::ControlSecret;
 use ninfer_engine::moe::{
     ExpertExecutor, KernelExpertExecutor, WorkerExpertExecutor, WorkerExpertExecutorOptions,
 };
@@ -265,6 +266,7 @@ fn run(args: Args) -> anyhow::Result<()> {
                 max_tokens_per_request: args.channel_max_tokens,
                 hang_timeout: Duration::from_millis(args.worker_hang_ms),
                 worker_timeout: Duration::from_secs_f64(args.worker_timeout.max(0.0)),
+                control_secret: control_secret.clone().map(ControlSecret::new),
             })?);
             (
                 Arc::clone(&remote) as Arc<dyn ExpertExecutor>,

@@ -2,7 +2,8 @@
 //!
 //! Owns: its share of the routed-expert banks (mapped from the artifact, locked in RAM), a thread
 //! pool pinned to its node, the worker end of the shared-memory activation channel, and the
-//! `ExpertWorker` gRPC control service (info, attach, statistics, drain) with `grpc.health.v1`.
+//! `ExpertWorker` gRPC control service (info, attach, statistics, drain) with `grpc.health.v1`,
+//! open only to callers with the control secret when one is set (needed on TCP).
 //! Must not touch: the GPU, attention, routing decisions, anything outside the experts it owns.
 
 mod serving;
@@ -51,6 +52,12 @@ struct Args {
     /// Largest token count of one channel request (the engine chunks bigger batches).
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
+    /// File holding the shared secret every caller (the engine) must send (`authorization:
+    /// Bearer SECRET`); also `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`. Needed
+    /// when `--listen` is TCP: a caller could attach the worker to any channel segment;
+    /// a `unix:PATH` socket is owner-only without it.
+    #[arg(long, value_name = "FILE")]
+    control_secret_file: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -141,6 +148,11 @@ fn init_logging(json: bool) {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logging(args.log_json);
+    let control_secret = ninfer_protocol::control_secret::load(args.control_secret_file.as_deref())
+        .context("--control-secret-file")?;
+    if control_secret.is_none() && !args.listen.starts_with("unix:") {
+        tracing::warn!(listen = %args.listen, "the worker listens on TCP without a control secret: any local user can attach it to a channel and read its statistics (prefer --listen unix:PATH, or set --control-secret-file)");
+    }
     let artifact = Arc::new(
         Artifact::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
     );
@@ -198,20 +210,31 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the control runtime")?;
-    let served = runtime.block_on(serve(args.listen.clone(), WorkerService { info, serving }));
+    let served = runtime.block_on(serve(
+        args.listen.clone(),
+        WorkerService { info, serving },
+        control_secret,
+    ));
     // Connection tasks left after the drain must not hold the exit.
     runtime.shutdown_timeout(std::time::Duration::from_millis(100));
     served
 }
 
-async fn serve(listen: String, service: WorkerService) -> anyhow::Result<()> {
+async fn serve(
+    listen: String,
+    service: WorkerService,
+    control_secret: Option<String>,
+) -> anyhow::Result<()> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_serving::<ExpertWorkerServer<WorkerService>>()
         .await;
     let router = tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(ExpertWorkerServer::new(service));
+        .add_service(ExpertWorkerServer::with_interceptor(
+            service,
+            ninfer_protocol::control_secret::RequireSecret::new(control_secret),
+        ));
     ninfer_protocol::listen::serve(router, &listen, async {
         ninfer_protocol::listen::shutdown_signal().await;
         tracing::info!("shutting down");

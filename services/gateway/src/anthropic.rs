@@ -12,8 +12,6 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -32,6 +30,7 @@ use crate::generation::{
     build_chat_prompt, collect_generation, token_count_parameter, ChoiceReceiver, FinishKind,
     GenerationEvent, GenerationSummary, SamplingOptions,
 };
+use crate::request_body::JsonRequestBody;
 use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::tool_calls::{split_tool_calls, ToolCallCapture};
@@ -417,10 +416,7 @@ fn stop_reason_text(summary: &GenerationSummary) -> &'static str {
 }
 
 /// `POST /v1/messages`.
-pub async fn messages(
-    State(state): State<Arc<GatewayState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub async fn messages(State(state): State<Arc<GatewayState>>, body: JsonRequestBody) -> Response {
     match messages_inner(state, body).await {
         Ok(response) => response,
         Err(error) => anthropic_error(error),
@@ -429,9 +425,9 @@ pub async fn messages(
 
 async fn messages_inner(
     state: Arc<GatewayState>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Result<Response, GatewayError> {
-    let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+    let request: MessagesRequest = parse_json_body(body)?;
     let model = state.generator.resolve_model(&request.model)?;
     let max_tokens = token_count_parameter("max_tokens", request.max_tokens)?.ok_or_else(|| {
         GatewayError::invalid_parameter("max_tokens", "max_tokens: Field required")
@@ -672,10 +668,10 @@ fn stream_messages(
 /// `POST /v1/messages/count_tokens`: the prompt's token count, exactly as `/v1/messages` would send it.
 pub async fn count_tokens(
     State(state): State<Arc<GatewayState>>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Response {
     let result = async {
-        let request: MessagesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+        let request: MessagesRequest = parse_json_body(body)?;
         let model = state.generator.resolve_model(&request.model)?;
         let input =
             chat_conversation(&request, state.settings.non_text_content)?.template_input()?;

@@ -7,7 +7,8 @@
 //! a `Content-Length` larger than what is sent end in an error, not a wait), idle keep-alive
 //! connections (HTTP/1.1 and HTTP/2) closed after a quiet spell, and a graceful drain with a
 //! deadline at shutdown (idle connections close at once, requests in flight get until the
-//! deadline, then every connection is dropped).
+//! deadline; an answer still streaming then ends with its API's error event, and every
+//! connection is dropped).
 //! Must not touch: routes, authentication or API shapes (see `server`).
 
 use std::future::Future;
@@ -48,6 +49,10 @@ pub struct ConnectionLimits {
     /// At shutdown, requests in flight get this long before every connection is dropped.
     pub drain_deadline: Duration,
 }
+
+/// After the drain deadline, how long streams get to write their final error event and end
+/// before their connections are dropped.
+const FINAL_EVENT_GRACE: Duration = Duration::from_millis(250);
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
@@ -116,6 +121,8 @@ pub async fn serve_connections(
 ) -> std::io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let (stop_sender, stop) = watch::channel(false);
+    let (cut_sender, cut_streams) = watch::channel(false);
+    let event_streams = Arc::new(AtomicUsize::new(0));
     let open = Arc::new(AtomicUsize::new(0));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -153,6 +160,8 @@ pub async fn serve_connections(
             builder: builder.clone(),
             limits,
             stop: stop.clone(),
+            cut_streams: cut_streams.clone(),
+            event_streams: event_streams.clone(),
             open: open.clone(),
         };
         open.fetch_add(1, Ordering::SeqCst);
@@ -171,8 +180,18 @@ pub async fn serve_connections(
     if left > 0 {
         tracing::warn!(
             connections = left,
-            "requests still in flight at the drain deadline; closing their connections"
+            "requests still in flight at the drain deadline; ending their streams with an error event and closing their connections"
         );
+        // Only streams are waited for: an idle peer that ignores the close holds nothing.
+        if event_streams.load(Ordering::SeqCst) > 0 {
+            let _ = cut_sender.send(true);
+            let grace_end = Instant::now() + FINAL_EVENT_GRACE;
+            while event_streams.load(Ordering::SeqCst) > 0 && Instant::now() < grace_end {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // The last event leaves the connection's buffers.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     Ok(())
 }
@@ -201,6 +220,10 @@ struct ServedConnection {
     builder: Arc<auto::Builder<TokioExecutor>>,
     limits: ConnectionLimits,
     stop: watch::Receiver<bool>,
+    /// Turns true at the drain deadline: streaming answers end with a final error event.
+    cut_streams: watch::Receiver<bool>,
+    /// Streaming answers not yet ended (on every connection).
+    event_streams: Arc<AtomicUsize>,
     open: Arc<AtomicUsize>,
 }
 
@@ -217,15 +240,33 @@ impl ServedConnection {
         });
         let (router, limits, counted) = (self.router.clone(), self.limits, requests.clone());
         let in_handler = answering.clone();
+        let cut_streams = self.cut_streams.clone();
+        let event_streams = self.event_streams.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             counted.fetch_add(1, Ordering::Relaxed);
+            let path = request.uri().path().to_string();
             let request: Request = request.map(|body| Body::new(DeadlineBody::new(body, &limits)));
             let answer = router.clone().oneshot(request);
             let guard = Answering::new(in_handler.clone());
+            let cut_streams = cut_streams.clone();
+            let event_streams = event_streams.clone();
             async move {
                 let response = answer.await;
                 drop(guard);
-                response
+                response.map(|response| {
+                    if is_event_stream(&response) {
+                        response.map(|body| {
+                            Body::new(StreamCutAtDeadline::new(
+                                body,
+                                cut_streams,
+                                event_streams,
+                                &path,
+                            ))
+                        })
+                    } else {
+                        response
+                    }
+                })
             }
         });
         let connection = self.builder.serve_connection_with_upgrades(io, service);
@@ -266,6 +307,85 @@ impl ServedConnection {
             }
         }
         self.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn is_event_stream(response: &axum::response::Response) -> bool {
+    response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("text/event-stream"))
+}
+
+/// A streaming answer that, at the drain deadline, ends with its API's error event (so a
+/// client learns the answer was cut, not finished) and drops the generation behind it.
+struct StreamCutAtDeadline {
+    inner: Body,
+    deadline: Pin<Box<dyn Future<Output = ()> + Send>>,
+    final_event: Option<Bytes>,
+    finished: bool,
+    /// Counts this stream until it is dropped.
+    event_streams: Arc<AtomicUsize>,
+}
+
+impl StreamCutAtDeadline {
+    fn new(
+        inner: Body,
+        mut cut_streams: watch::Receiver<bool>,
+        event_streams: Arc<AtomicUsize>,
+        path: &str,
+    ) -> Self {
+        event_streams.fetch_add(1, Ordering::SeqCst);
+        let final_event = crate::error::GatewayError::ShuttingDown(
+            "the gateway is shutting down; this answer was cut at the drain deadline".to_string(),
+        )
+        .final_stream_event(path);
+        StreamCutAtDeadline {
+            inner,
+            deadline: Box::pin(async move {
+                // Also when the server is gone without saying so.
+                let _ = cut_streams.wait_for(|cut| *cut).await;
+            }),
+            final_event: Some(Bytes::from(final_event)),
+            finished: false,
+            event_streams,
+        }
+    }
+}
+
+impl Drop for StreamCutAtDeadline {
+    fn drop(&mut self) {
+        self.event_streams.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl http_body::Body for StreamCutAtDeadline {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        if self.deadline.as_mut().poll(context).is_ready() {
+            self.finished = true;
+            // Dropping the answer's body cancels its generation.
+            self.inner = Body::empty();
+            return Poll::Ready(self.final_event.take().map(|event| Ok(Frame::data(event))));
+        }
+        let polled = Pin::new(&mut self.inner).poll_frame(context);
+        if let Poll::Ready(None) = polled {
+            self.finished = true;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished
     }
 }
 

@@ -50,6 +50,10 @@ pub enum GatewayError {
     /// Something broke inside the gateway or the engine (500).
     #[error("{0}")]
     Internal(String),
+    /// The gateway is stopping: an answer still streaming at the drain deadline is cut with
+    /// this (503 where a status can still be chosen).
+    #[error("{0}")]
+    ShuttingDown(String),
 }
 
 /// Which API's error envelope and status conventions to use.
@@ -92,7 +96,9 @@ impl GatewayError {
                     StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE)
                 }
             },
-            GatewayError::NoEngineAvailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::NoEngineAvailable(_) | GatewayError::ShuttingDown(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -108,7 +114,9 @@ impl GatewayError {
             | GatewayError::RouteNotFound(_) => "invalid_request_error",
             GatewayError::Unauthorized(_) => "authentication_error",
             GatewayError::Overloaded(_) => "rate_limit_error",
-            GatewayError::NoEngineAvailable(_) => "service_unavailable",
+            GatewayError::NoEngineAvailable(_) | GatewayError::ShuttingDown(_) => {
+                "service_unavailable"
+            }
             GatewayError::Internal(_) => "server_error",
         }
     }
@@ -127,6 +135,7 @@ impl GatewayError {
             GatewayError::RouteNotFound(_) => "not_found",
             GatewayError::Overloaded(_) => "rate_limit_exceeded",
             GatewayError::NoEngineAvailable(_) => "service_unavailable",
+            GatewayError::ShuttingDown(_) => "server_shutting_down",
             GatewayError::Internal(_) => "server_error",
         }
     }
@@ -140,7 +149,8 @@ impl GatewayError {
             GatewayError::Unauthorized(_) => "authentication_error",
             GatewayError::ModelNotFound(_) | GatewayError::RouteNotFound(_) => "not_found_error",
             GatewayError::BodyTooLarge { .. } => "request_too_large",
-            GatewayError::Overloaded(_) => "overloaded_error",
+            // Anthropic's word for "try again shortly", which a stopping gateway means too.
+            GatewayError::Overloaded(_) | GatewayError::ShuttingDown(_) => "overloaded_error",
             GatewayError::NoEngineAvailable(_) | GatewayError::Internal(_) => "api_error",
         }
     }
@@ -220,9 +230,34 @@ impl GatewayError {
             }
             GatewayError::BodyTooLarge { .. } => tonic::Status::invalid_argument(message),
             GatewayError::Overloaded(_) => tonic::Status::resource_exhausted(message),
-            GatewayError::NoEngineAvailable(_) => tonic::Status::unavailable(message),
+            GatewayError::NoEngineAvailable(_) | GatewayError::ShuttingDown(_) => {
+                tonic::Status::unavailable(message)
+            }
             GatewayError::Internal(_) => tonic::Status::internal(message),
         }
+    }
+
+    /// The last bytes of a server-sent-event stream on `path` that this error ends, in the
+    /// shape that API's streams report errors: OpenAI chat and completions a `data:` error
+    /// object (with its code) and `[DONE]`, the Responses API an `error` event, Anthropic an
+    /// `error` event with its envelope.
+    pub fn final_stream_event(&self, path: &str) -> String {
+        if path.starts_with("/v1/messages") {
+            let envelope = self.envelope(ApiDialect::Anthropic);
+            return format!("event: error\ndata: {envelope}\n\n");
+        }
+        let envelope = self.envelope(ApiDialect::OpenAi);
+        if path.starts_with("/v1/responses") {
+            let detail = &envelope["error"];
+            let event = json!({
+                "type": "error",
+                "code": detail["code"],
+                "message": detail["message"],
+                "param": detail["param"],
+            });
+            return format!("event: error\ndata: {event}\n\n");
+        }
+        format!("data: {envelope}\n\ndata: [DONE]\n\n")
     }
 }
 
@@ -272,6 +307,7 @@ mod tests {
             GatewayError::NoEngineAvailable("none".into()),
             GatewayError::ChatTemplate("refused".into()),
             GatewayError::Internal("broke".into()),
+            GatewayError::ShuttingDown("stopping".into()),
         ];
         for error in errors {
             let envelope = error.envelope(ApiDialect::OpenAi);

@@ -3,7 +3,8 @@
 //! Owns: everything clients see. The OpenAI API (`openai`), the Anthropic API (`anthropic`), the
 //! public gRPC API with health and reflection (`grpc_api`) — each only converts its wire types to
 //! and from the neutral chat model (`chat`) and the generator's events; utility routes, auth and
-//! limits (`server`); connection limits, timeouts and the shutdown drain (`connections`);
+//! limits (`server`); reading request bodies within their limit, refusing a prompt too long
+//! for the context while it arrives (`request_body`); connection limits, timeouts and the shutdown drain (`connections`);
 //! shared state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`,
 //! `chat_template`); stop strings (`stop_strings`), `<think>` splitting
 //! (`reasoning`), tool-call parsing (`tool_calls`), structured output and forced tool calls as
@@ -27,6 +28,7 @@ pub mod grpc_api;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;
+pub mod request_body;
 pub mod responses;
 pub mod routing_stats;
 /// systemd notifications live with the other wire protocols, shared by every service binary.

@@ -8,8 +8,6 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -29,6 +27,7 @@ use crate::generation::{
     collect_generation, token_count_parameter, ChoiceReceiver, FinishKind, GenerationEvent,
     GenerationPlan, GenerationSummary, SamplingOptions, TokenLogprobEntry,
 };
+use crate::request_body::JsonRequestBody;
 use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::structured::openai_response_format;
@@ -440,7 +439,7 @@ fn openai_error(error: GatewayError) -> Response {
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(state): State<Arc<GatewayState>>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Response {
     match chat_completions_inner(state, body).await {
         Ok(response) => response,
@@ -450,9 +449,9 @@ pub async fn chat_completions(
 
 async fn chat_completions_inner(
     state: Arc<GatewayState>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Result<Response, GatewayError> {
-    let request: ChatCompletionRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+    let request: ChatCompletionRequest = parse_json_body(body)?;
     let model = state.generator.resolve_model(&request.model)?;
     let max_tokens =
         match token_count_parameter("max_completion_tokens", request.max_completion_tokens)? {
@@ -760,7 +759,7 @@ pub struct CompletionRequest {
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<Arc<GatewayState>>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Response {
     match completions_inner(state, body).await {
         Ok(response) => response,
@@ -770,9 +769,9 @@ pub async fn completions(
 
 async fn completions_inner(
     state: Arc<GatewayState>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Result<Response, GatewayError> {
-    let request: CompletionRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+    let request: CompletionRequest = parse_json_body(body)?;
     let model = state.generator.resolve_model(&request.model)?;
     if request.echo.unwrap_or(false) {
         return Err(GatewayError::invalid_parameter(

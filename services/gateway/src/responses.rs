@@ -13,8 +13,6 @@ use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -34,6 +32,7 @@ use crate::generation::{
     token_count_parameter, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
     SamplingOptions,
 };
+use crate::request_body::JsonRequestBody;
 use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::structured::responses_text_format;
@@ -423,7 +422,7 @@ fn output_messages(text: &str, calls: &[(String, ParsedToolCall)]) -> Vec<ChatMe
 /// `POST /v1/responses`.
 pub async fn create_response(
     State(state): State<Arc<GatewayState>>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Response {
     match create_response_inner(state, body).await {
         Ok(response) => response,
@@ -433,9 +432,9 @@ pub async fn create_response(
 
 async fn create_response_inner(
     state: Arc<GatewayState>,
-    body: Result<Bytes, BytesRejection>,
+    body: JsonRequestBody,
 ) -> Result<Response, GatewayError> {
-    let request: ResponsesRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+    let request: ResponsesRequest = parse_json_body(body)?;
     let model = state.generator.resolve_model(&request.model)?;
     let max_output_tokens = token_count_parameter("max_output_tokens", request.max_output_tokens)?;
     let mut history = Vec::new();

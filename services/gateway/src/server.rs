@@ -9,8 +9,6 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
@@ -23,6 +21,7 @@ use tower::ServiceExt;
 
 use crate::connections::{serve_connections, ConnectionLimits};
 use crate::error::{ApiDialect, GatewayError};
+use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
 
 /// The whole service: HTTP routes plus gRPC (public API, health, reflection) on one port.
@@ -202,18 +201,12 @@ fn metric_endpoint(path: &str) -> String {
         .unwrap_or_else(|| "other".to_string())
 }
 
-/// Reads a body extracted by axum and parses it as JSON, mapping every failure to a 4xx.
+/// Parses a body read by [`JsonRequestBody`] as JSON, mapping every failure to a 4xx (or the
+/// refusal the body's reading already decided).
 pub fn parse_json_body<T: serde::de::DeserializeOwned>(
-    body: Result<Bytes, BytesRejection>,
-    limit: usize,
+    body: JsonRequestBody,
 ) -> Result<T, GatewayError> {
-    let bytes = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            GatewayError::BodyTooLarge { limit_bytes: limit }
-        } else {
-            GatewayError::invalid(format!("could not read the request body: {rejection}"))
-        }
-    })?;
+    let bytes = body.0?;
     if bytes.is_empty() {
         return Err(GatewayError::invalid(
             "the request body is empty; a JSON object is expected",
@@ -332,12 +325,9 @@ pub fn pick_model(
     }
 }
 
-async fn tokenize(
-    State(state): State<Arc<GatewayState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn tokenize(State(state): State<Arc<GatewayState>>, body: JsonRequestBody) -> Response {
     let result = async {
-        let request: TokenizeRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+        let request: TokenizeRequest = parse_json_body(body)?;
         let model = pick_model(&state, request.model.as_deref())?;
         let tokens = match (request.prompt, request.messages) {
             (Some(prompt), None) => crate::generation::encode_text(&model, prompt, request.add_special_tokens).await?,
@@ -365,12 +355,9 @@ struct DetokenizeRequest {
     skip_special_tokens: bool,
 }
 
-async fn detokenize(
-    State(state): State<Arc<GatewayState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn detokenize(State(state): State<Arc<GatewayState>>, body: JsonRequestBody) -> Response {
     let result = (|| {
-        let request: DetokenizeRequest = parse_json_body(body, state.settings.max_body_bytes)?;
+        let request: DetokenizeRequest = parse_json_body(body)?;
         let model = pick_model(&state, request.model.as_deref())?;
         let text = model
             .resources

@@ -291,7 +291,12 @@ impl ModelTokenizer {
     }
 
     /// Refuses text of `bytes` bytes when even at the most bytes a token can cover it has more
-    /// tokens than the limit.
+    /// tokens than the limit (the same refusal as encoding it would give; `Ok` when it may fit
+    /// or a token's bytes are not bounded).
+    pub fn check_size_alone(&self, bytes: usize) -> Result<(), GatewayError> {
+        self.check_size(bytes)
+    }
+
     fn check_size(&self, bytes: usize) -> Result<(), GatewayError> {
         if let (Some(limit), Some(most_bytes)) = (self.token_limit, self.most_bytes_per_token) {
             let fewest_tokens = bytes / most_bytes.max(1);

@@ -3,7 +3,8 @@
 //! header deadline while `/health` keeps answering; a body shorter than its `Content-Length`
 //! is cut off; connections over the cap get a 503; more streams than engine sequences get a
 //! 429 with `Retry-After` before any body byte, counted as 429 in `/metrics`; control tokens
-//! typed in messages are encoded as text unless the operator opts in.
+//! typed in messages are encoded as text unless the operator opts in; streams still running at
+//! the drain deadline of a shutdown end with their API's error event.
 
 mod common;
 
@@ -48,6 +49,37 @@ async fn gateway_with(
     for _ in 0..800 {
         if get(address, "/health").await.status == 200 {
             return (address, state);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the gateway never became healthy");
+}
+
+/// Like [`gateway_with`], stopping (and draining) when `stop` fires.
+async fn stoppable_gateway(
+    engine: SocketAddr,
+    limits: ConnectionLimits,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) -> (SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let pool = EnginePool::start(&[engine.to_string()], fast_polling(), None)
+        .unwrap_or_else(|e| panic!("pool: {e}"));
+    let state = GatewayState::new(Arc::new(pool), None, GatewaySettings::default());
+    let router = ninfer_gateway::build_router(state);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("bind: {e}"));
+    let address = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    let server = tokio::spawn(serve_connections(
+        listener,
+        router,
+        async move {
+            let _ = stop.await;
+        },
+        limits,
+    ));
+    for _ in 0..800 {
+        if get(address, "/health").await.status == 200 {
+            return (address, server);
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
@@ -471,5 +503,105 @@ async fn idle_connections_close_but_a_slow_answer_is_not_cut() {
         "stop",
         "{}",
         slow.text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_cut_at_the_drain_deadline_end_with_an_error_event() {
+    let script = Arc::new(EngineScript::default());
+    // An answer far longer than the drain deadline.
+    script.set_text(&"word ".repeat(400));
+    script.set_delay(Duration::from_millis(50));
+    let engine = RunningEngine::start(script.clone(), None).await;
+    let limits = ConnectionLimits {
+        drain_deadline: Duration::from_millis(400),
+        ..Default::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let (gateway, server) = stoppable_gateway(engine.address, limits, stopped).await;
+    let user = json!([{"role": "user", "content": "Tell me a story"}]);
+    let requests = [
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "stream": true, "messages": user}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "stream": true, "max_tokens": 1000, "prompt": "Once"}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": MODEL, "stream": true, "max_tokens": 1000, "messages": user}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "stream": true, "input": "Tell me a story"}),
+        ),
+    ];
+    let streams: Vec<_> = requests
+        .into_iter()
+        .map(|(path, body)| {
+            tokio::spawn(async move { (path, post_json(gateway, path, &body).await) })
+        })
+        .collect();
+    // Let every stream start, then stop the gateway.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let stopping = Instant::now();
+    let _ = stop.send(());
+    for stream in streams {
+        let (path, response) = stream.await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(response.status, 200, "{path}: {}", response.text());
+        let events = response.sse_events();
+        assert!(
+            events.len() > 2,
+            "{path}: the stream never started: {}",
+            response.text()
+        );
+        match path {
+            "/v1/messages" => {
+                let (name, data) = events.last().cloned().unwrap_or_default();
+                assert_eq!(
+                    name.as_deref(),
+                    Some("error"),
+                    "{path}: {}",
+                    response.text()
+                );
+                let error: serde_json::Value =
+                    serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"));
+                assert_eq!(error["type"], "error");
+                assert_eq!(error["error"]["type"], "overloaded_error");
+            }
+            "/v1/responses" => {
+                let (name, data) = events.last().cloned().unwrap_or_default();
+                assert_eq!(
+                    name.as_deref(),
+                    Some("error"),
+                    "{path}: {}",
+                    response.text()
+                );
+                let error: serde_json::Value =
+                    serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"));
+                assert_eq!(error["code"], "server_shutting_down");
+            }
+            _ => {
+                assert_eq!(
+                    events.last().map(|e| e.1.as_str()),
+                    Some("[DONE]"),
+                    "{path}"
+                );
+                let data = &events[events.len() - 2].1;
+                let error: serde_json::Value =
+                    serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+                assert_eq!(error["error"]["code"], "server_shutting_down", "{path}");
+                assert_eq!(error["error"]["type"], "service_unavailable", "{path}");
+            }
+        }
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(5), server).await;
+    assert!(ended.is_ok(), "the server did not stop");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        stopping.elapsed()
     );
 }

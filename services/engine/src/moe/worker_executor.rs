@@ -2,7 +2,8 @@
 //! (token, expert) pairs it owns through its shared-memory channel; their sums are added here.
 //!
 //! Owns: one channel per worker (the segment lives in this process, so it survives worker
-//! restarts), worker registration (model-id check, ownership), liveness (process gone, or no
+//! restarts), worker registration (the control secret a worker on TCP asks for, model-id
+//! check, ownership), liveness (process gone, or no
 //! heartbeat within the hang bound) and holding/replaying work across a worker restart.
 //! Must not touch: expert math (the workers run `ninfer-cpu-experts`), routing.
 //!
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use ninfer_artifact::NO_EXPERT;
 use ninfer_channel::{ChannelGeometry, EngineChannel, Request, WaitOutcome};
+use ninfer_protocol::control_secret::SendSecret;
 use ninfer_protocol::v1::expert_worker_client::ExpertWorkerClient;
 use ninfer_protocol::v1::{AttachChannelRequest, WorkerInfoRequest};
 
@@ -40,6 +42,25 @@ pub struct WorkerExpertExecutorOptions {
     pub hang_timeout: Duration,
     /// Requests held for a missing worker fail after this long.
     pub worker_timeout: Duration,
+    /// Sent to every worker (`authorization: Bearer SECRET`); workers on TCP refuse callers
+    /// without their secret.
+    pub control_secret: Option<ControlSecret>,
+}
+
+/// A shared secret that never shows in logs or `Debug` output.
+#[derive(Clone)]
+pub struct ControlSecret(String);
+
+impl ControlSecret {
+    pub fn new(secret: String) -> Self {
+        ControlSecret(secret)
+    }
+}
+
+impl std::fmt::Debug for ControlSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ControlSecret(..)")
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -374,14 +395,27 @@ async fn register(
     let channel = ninfer_protocol::transport::connect(&worker.address, Duration::from_millis(500))
         .await
         .map_err(|_| Refusal::Unreachable)?;
-    let mut client = ExpertWorkerClient::new(channel);
+    let secret = options
+        .control_secret
+        .as_ref()
+        .map(|secret| secret.0.as_str());
+    let mut client = ExpertWorkerClient::with_interceptor(channel, SendSecret::new(secret));
     let info = tokio::time::timeout(
         Duration::from_secs(2),
         client.get_worker_info(WorkerInfoRequest {}),
     )
     .await
     .map_err(|_| Refusal::Unreachable)?
-    .map_err(|_| Refusal::Unreachable)?
+    .map_err(|status| {
+        if status.code() == tonic::Code::Unauthenticated {
+            Refusal::Refused(format!(
+                "it refuses this engine's control secret ({}); give the engine and its workers the same secret (--control-secret-file, NINFER_CONTROL_SECRET_FILE or NINFER_CONTROL_SECRET)",
+                status.message()
+            ))
+        } else {
+            Refusal::Unreachable
+        }
+    })?
     .into_inner();
     if info.model_id != options.model_id {
         return Err(Refusal::Refused(format!(

@@ -31,6 +31,7 @@ SUITES=(
   "candidates_and_host_kv:::cuda"
   "trained_fixture:::cuda"
   "expert_cache:::cuda"
+  "speculative_scheduler:::cuda"
 )
 
 build() {

@@ -182,7 +182,13 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
             let placement: Vec<Vec<u32>> = common
                 .moe_layers
                 .iter()
-                .map(|&moe| if moe { every_expert.clone() } else { Vec::new() })
+                .map(|&moe| {
+                    if moe {
+                        every_expert.clone()
+                    } else {
+                        Vec::new()
+                    }
+                })
                 .collect();
             model.place_resident_experts(&placement).unwrap();
             model.set_step_graphs(graphs);
@@ -202,7 +208,10 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
             );
             for (step, (graph, plain)) in graph_steps.iter().zip(&plain_steps).enumerate() {
                 let same_bits = graph.len() == plain.len()
-                    && graph.iter().zip(plain).all(|(a, b)| a.to_bits() == b.to_bits());
+                    && graph
+                        .iter()
+                        .zip(plain)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
                 let worst = graph
                     .iter()
                     .zip(plain)

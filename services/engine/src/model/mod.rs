@@ -27,11 +27,11 @@ mod mtp;
 mod speculative;
 mod step_graphs;
 pub use mtp::MtpState;
-pub use step_graphs::StepGraphCounts;
 pub use speculative::{
     greedy_with_mtp, pick_draft, sample_with_mtp, speculative_sampling_step, verify_drafts,
     DraftController, DraftToken, SpeculativeOutcome,
 };
+pub use step_graphs::StepGraphCounts;
 
 /// Which positions' logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -693,7 +693,14 @@ impl<B: Backend> Model<B> {
         let started = Instant::now();
         self.expert_cache_between_steps()?;
         let mut scratch = LayerScratch::new(self.moe_context());
-        let out = self.run_layers(batch, &plan, selection, delta_rule_form, &mut scratch, finish)?;
+        let out = self.run_layers(
+            batch,
+            &plan,
+            selection,
+            delta_rule_form,
+            &mut scratch,
+            finish,
+        )?;
         self.finish_deferred_routing(&mut scratch)?;
         self.account_forward(batch, &plan, scratch.tally, started);
         Ok(out)

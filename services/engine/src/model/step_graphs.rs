@@ -187,9 +187,11 @@ impl<B: Backend> Model<B> {
             StepGraphRun::Replayed => {
                 counts.replayed += 1;
                 let (logits, deferred) =
-                    recorded.as_ref().ok_or_else(|| EngineError::InvalidConfig {
-                        problem: "a replayed step graph has no recorded outputs".into(),
-                    })?;
+                    recorded
+                        .as_ref()
+                        .ok_or_else(|| EngineError::InvalidConfig {
+                            problem: "a replayed step graph has no recorded outputs".into(),
+                        })?;
                 backend.wait_for_queued_ops()?;
                 let mut tally = PhaseTotals::default();
                 self.count_recorded_routings(deferred, &mut tally)?;

@@ -882,7 +882,8 @@ impl Backend for CudaBackend {
     }
 
     fn new_step_graph(&self, rows: usize) -> Result<Option<CudaStepGraph>, EngineError> {
-        self.create_step_graph(rows).map_err(device("new_step_graph"))
+        self.create_step_graph(rows)
+            .map_err(device("new_step_graph"))
     }
 
     fn begin_step_graph(

@@ -91,7 +91,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    pub(super) fn create_step_graph(&self, rows: usize) -> Result<Option<CudaStepGraph>, CudaError> {
+    pub(super) fn create_step_graph(
+        &self,
+        rows: usize,
+    ) -> Result<Option<CudaStepGraph>, CudaError> {
         if !self.options.step_graphs || self.op_timing.is_some() || rows == 0 {
             return Ok(None);
         }

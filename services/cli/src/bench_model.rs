@@ -427,18 +427,12 @@ async fn generate(
     new_tokens: usize,
     seed: u64,
 ) -> anyhow::Result<Timing> {
-    let request = GenerateRequest {
-        request_id: format!("bench-{seed}-{}", prompt.len()),
-        prompt_token_ids: prompt,
-        max_new_tokens: new_tokens as u32,
-        sampling: Some(SamplingParameters {
-            temperature: 1.0,
-            top_k: 20,
-            seed: Some(seed),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
+    let request = bench_request(
+        format!("bench-{seed}-{}", prompt.len()),
+        prompt,
+        new_tokens,
+        seed,
+    );
     let started = Instant::now();
     let mut stream = client
         .generate(request)
@@ -471,15 +465,16 @@ async fn generate(
     })
 }
 
-/// The arrival time of every token of one generation.
-async fn token_arrivals(
-    mut client: EngineClient<Channel>,
+/// A bench generation: `new_tokens` sampled at temperature 1 (top-20) with `seed` (greedy
+/// decoding of random weights loops over a few tokens, and so over a few experts).
+fn bench_request(
+    request_id: String,
     prompt: Vec<u32>,
     new_tokens: usize,
     seed: u64,
-) -> anyhow::Result<Vec<Instant>> {
-    let request = GenerateRequest {
-        request_id: format!("bench-concurrent-{seed}"),
+) -> GenerateRequest {
+    GenerateRequest {
+        request_id,
         prompt_token_ids: prompt,
         max_new_tokens: new_tokens as u32,
         sampling: Some(SamplingParameters {
@@ -489,7 +484,17 @@ async fn token_arrivals(
             ..Default::default()
         }),
         ..Default::default()
-    };
+    }
+}
+
+/// The arrival time of every token of one generation.
+async fn token_arrivals(
+    mut client: EngineClient<Channel>,
+    prompt: Vec<u32>,
+    new_tokens: usize,
+    seed: u64,
+) -> anyhow::Result<Vec<Instant>> {
+    let request = bench_request(format!("bench-concurrent-{seed}"), prompt, new_tokens, seed);
     let mut stream = client
         .generate(request)
         .await

@@ -407,6 +407,11 @@ impl ExpertCache {
         let Some(slots) = resident.as_mut() else {
             return Ok(());
         };
+        // Every expert resident and nothing moving: no fill can be decided, and the step pays
+        // nothing for the cache (all-GPU decode replays its graph at once).
+        if slots.fills_in_flight() == 0 && slots.slot_table().every_expert_resident() {
+            return Ok(());
+        }
         slots.complete_fills()?;
         let fills = {
             let mut policies = self

@@ -592,17 +592,22 @@ impl<B: Backend> Model<B> {
                 problem: "a checkpoint restored into a sequence it was not taken from".into(),
             });
         }
+        let mut replaced_buffers = false;
         for (layer, saved) in state.layers.iter_mut().zip(checkpoint.layers) {
             if let (LayerState::GatedDeltaNet { conv, recurrent }, Some((saved_conv, saved))) =
                 (layer, saved)
             {
                 *conv = saved_conv;
                 *recurrent = saved;
+                replaced_buffers = true;
             }
         }
         state.position = checkpoint.position;
-        // The Gated DeltaNet states are new buffers: no recorded step may write the old ones.
-        state.graph_key = step_graphs::new_graph_key();
+        if replaced_buffers {
+            // New Gated DeltaNet buffers: no recorded step may write the old ones. (Attention
+            // caches are cut back by position alone and keep their buffers.)
+            state.graph_key = step_graphs::new_graph_key();
+        }
         Ok(())
     }
 

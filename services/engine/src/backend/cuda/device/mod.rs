@@ -140,6 +140,8 @@ impl CudaWeight {
 pub struct CudaKvCache {
     pub max_tokens: usize,
     pub kv_width: usize,
+    /// Positions held after the last append launched op by op (for inspection: the kernels
+    /// take positions from the segments, and a step graph's replays append on the device).
     pub len: usize,
     pub dtype: KvDtype,
     /// Dropped by hand: host-pool buffers must never reach `cuMemFree` (device/host_kv.rs).

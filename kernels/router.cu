@@ -3,6 +3,12 @@
 // and weights per token go back to the host (the expert executor needs them there), instead of
 // the whole [tokens, experts] logits.
 //
+// The host copy is written by this kernel itself when `mapped_ids` is not null: page-locked host
+// memory mapped into the device's address space, stored to directly (a few bytes per token, and
+// the token's hidden row when `mapped_hidden` is not null). A decode step then has no copy
+// between the router and the experts that follow it: a device-to-host copy on the stream costs
+// several microseconds per MoE layer, a store over the bus nothing the stream waits for.
+//
 // One block per token; the row lives in shared memory (experts ≤ ROUTER_MAX_EXPERTS). Top-k is k
 // rounds of a block-wide argmax over the experts not taken yet.
 
@@ -20,7 +26,10 @@ __device__ __forceinline__ void better(float& value, int& index, float other_val
 }
 
 extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert_ids, float* weights,
-                                       int experts, int k, int normalize) {
+                                       int experts, int k, int normalize,
+                                       unsigned int* mapped_ids, float* mapped_weights,
+                                       const float* hidden, float* mapped_hidden,
+                                       int hidden_width) {
     __shared__ float probabilities[ROUTER_MAX_EXPERTS];
     __shared__ unsigned char taken[ROUTER_MAX_EXPERTS];
     __shared__ float reduce_value[ROUTER_THREADS];
@@ -28,6 +37,11 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
     __shared__ float chosen_probability[32];
     const float* row = logits + (long long)blockIdx.x * experts;
     int tid = threadIdx.x;
+    if (mapped_hidden) {
+        const float* from = hidden + (long long)blockIdx.x * hidden_width;
+        float* to = mapped_hidden + (long long)blockIdx.x * hidden_width;
+        for (int i = tid; i < hidden_width; i += blockDim.x) to[i] = from[i];
+    }
 
     // max
     float local_max = NEGATIVE_INFINITY;
@@ -88,6 +102,7 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
             int chosen = reduce_index[0] < 0 ? 0 : reduce_index[0];
             taken[chosen] = 1;
             expert_ids[(long long)blockIdx.x * k + round] = (unsigned int)chosen;
+            if (mapped_ids) mapped_ids[(long long)blockIdx.x * k + round] = (unsigned int)chosen;
             chosen_probability[round] = probabilities[chosen];
         }
         __syncthreads();
@@ -97,7 +112,9 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
         for (int j = 0; j < k; ++j) sum += chosen_probability[j];
         for (int j = 0; j < k; ++j) {
             float w = chosen_probability[j];
-            weights[(long long)blockIdx.x * k + j] = (normalize && sum > 0.0f) ? w / sum : w;
+            float weight = (normalize && sum > 0.0f) ? w / sum : w;
+            weights[(long long)blockIdx.x * k + j] = weight;
+            if (mapped_weights) mapped_weights[(long long)blockIdx.x * k + j] = weight;
         }
     }
 }

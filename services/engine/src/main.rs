@@ -108,6 +108,12 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_graphs: bool,
+    /// `on`: the router kernel stores each MoE layer's routing (and a decode step's hidden
+    /// states) straight into page-locked host memory instead of the stream copying them back
+    /// after it. `off` (the default): copies. The same values either way.
+    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_routing_stores: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -202,7 +208,12 @@ fn run(args: Args) -> anyhow::Result<()> {
         tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: any local user can generate, cancel and read the model files (prefer --listen unix:PATH, or set --control-secret-file)");
     }
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
-    let device = select_device(args.device, args.kv_dtype, args.cuda_graphs)?;
+    let device = select_device(
+        args.device,
+        args.kv_dtype,
+        args.cuda_graphs,
+        args.cuda_routing_stores,
+    )?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let speculation = speculation_of(&args, &artifact)?;
@@ -468,10 +479,12 @@ fn select_device(
     device: Device,
     kv_dtype: Option<KvDtype>,
     cuda_graphs: bool,
+    cuda_routing_stores: bool,
 ) -> anyhow::Result<SelectedDevice> {
     let options = CudaOptions {
         kv_dtype: kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
         step_graphs: cuda_graphs,
+        routing_stores: cuda_routing_stores,
         ..CudaOptions::default()
     };
     let cpu = || {

@@ -123,6 +123,37 @@ pub fn mean_abs_difference(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / a.len().max(1) as f64
 }
 
+/// A two-sample χ² test of two samplers' outcome counts (`[first sampler, second]` per
+/// outcome, equal run counts): cells with fewer than 10 counts pooled into one. Returns the
+/// statistic, the cell count and the 0.1% point of χ² with cells − 1 degrees of freedom
+/// (Wilson–Hilferty); the samplers agree when the statistic stays below that bound.
+pub fn two_sample_chi_square<'a>(
+    counts: impl IntoIterator<Item = &'a [u64; 2]>,
+) -> (f64, usize, f64) {
+    let (mut statistic, mut cells, mut pooled) = (0.0f64, 0usize, [0u64; 2]);
+    let mut add = |counts: [u64; 2]| {
+        let expected = (counts[0] + counts[1]) as f64 / 2.0;
+        for count in counts {
+            statistic += (count as f64 - expected).powi(2) / expected;
+        }
+        cells += 1;
+    };
+    for counts in counts {
+        if counts[0] + counts[1] >= 10 {
+            add(*counts);
+        } else {
+            pooled[0] += counts[0];
+            pooled[1] += counts[1];
+        }
+    }
+    if pooled[0] + pooled[1] > 0 {
+        add(pooled);
+    }
+    let df = cells.saturating_sub(1).max(1) as f64;
+    let bound = df * (1.0 - 2.0 / (9.0 * df) + 3.09 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    (statistic, cells, bound)
+}
+
 /// `count` greedy tokens after `prompt`: a prefill, then one decode step per token.
 pub fn greedy_tokens<B: crate::Backend>(
     model: &crate::Model<B>,

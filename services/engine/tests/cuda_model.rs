@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use ninfer_artifact::DType;
-use ninfer_engine::backend::cuda::CudaBackend;
+use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions};
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::argmax;
 use ninfer_engine::testing::{
@@ -227,6 +227,75 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
         assert_eq!(counts.abandoned, 0, "{architecture:?}: a recording failed");
         assert!(counts.replayed >= 30, "{architecture:?}: {counts:?}");
         assert_eq!(without.step_graph_counts().replayed, 0);
+    }
+}
+
+/// The router kernel storing the routing (and a decode step's hidden states) into mapped
+/// page-locked memory gives the bits the stream's copies give: every routed expert on the GPU
+/// (the routing read at the forward's end, with and without step graphs) and half of them
+/// (the in-process expert executor computes the rest from the stored hidden states, every
+/// layer waiting for the routing mid-forward).
+#[test]
+fn routing_stored_by_the_router_equals_routing_copied_back() {
+    let (copies, stores) = match CudaBackend::shared().and_then(|copies| {
+        let options = CudaOptions {
+            routing_stores: true,
+            ..CudaOptions::default()
+        };
+        Ok((copies, Arc::new(CudaBackend::with_options(0, options)?)))
+    }) {
+        Ok(backends) => backends,
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
+            }
+            println!("skipped `routing_stored_by_the_router_equals_routing_copied_back` on cuda: {error}");
+            return;
+        }
+    };
+    let directory = tempfile::tempdir().unwrap();
+    for architecture in [TinyArchitecture::Qwen3Moe, TinyArchitecture::Qwen35Moe] {
+        let options = TinyModelOptions {
+            experts_dtype: DType::Int8,
+            dense_dtype: DType::Bf16,
+            ..TinyModelOptions::new(architecture)
+        };
+        let path = directory.path().join(format!("{architecture:?}.ninfer"));
+        write_tiny_model(&path, options).unwrap();
+        for (label, resident_share, graphs) in [
+            ("every expert resident, graphs", 1, true),
+            ("every expert resident, no graphs", 1, false),
+            ("half resident", 2, false),
+        ] {
+            let open = |backend: &Arc<CudaBackend>| {
+                let mut model = Model::open(Arc::clone(backend), &path).unwrap();
+                let common = &model.spec().common;
+                let resident: Vec<u32> = (0..common.num_experts as u32)
+                    .filter(|expert| expert % resident_share == 0)
+                    .collect();
+                let placement: Vec<Vec<u32>> = common
+                    .moe_layers
+                    .iter()
+                    .map(|&moe| if moe { resident.clone() } else { Vec::new() })
+                    .collect();
+                model.place_resident_experts(&placement).unwrap();
+                model.set_step_graphs(graphs);
+                model
+            };
+            let (by_copies, by_stores) = (open(&copies), open(&stores));
+            let prompts: Vec<Vec<u32>> = (0..3u32)
+                .map(|s| (0..9 + 4 * s).map(|i| (i * 31 + 7 * s + 3) % 97).collect())
+                .collect();
+            let copied_steps = decode_on_backend(&by_copies, &prompts, 12);
+            let stored_steps = decode_on_backend(&by_stores, &prompts, 12);
+            for (step, (copied, stored)) in copied_steps.iter().zip(&stored_steps).enumerate() {
+                assert!(
+                    copied.len() == stored.len()
+                        && copied.iter().zip(stored).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{architecture:?}, {label}: step {step}'s logits differ with the routing stored by the router"
+                );
+            }
+        }
     }
 }
 

@@ -436,30 +436,8 @@ fn speculative_sampling_follows_plain_sampling<B: Backend>(backend: Arc<B>) {
             .expect("sample");
         pairs.entry((first, second)).or_default()[1] += 1;
     }
-    // Cells with too few expected counts are pooled into one.
-    let (mut statistic, mut cells, mut pooled) = (0.0f64, 0usize, [0u64; 2]);
-    let mut add = |counts: [u64; 2]| {
-        let total = (counts[0] + counts[1]) as f64;
-        for count in counts {
-            let expected = total / 2.0;
-            statistic += (count as f64 - expected).powi(2) / expected;
-        }
-        cells += 1;
-    };
-    for counts in pairs.values() {
-        if counts[0] + counts[1] >= 10 {
-            add(*counts);
-        } else {
-            pooled[0] += counts[0];
-            pooled[1] += counts[1];
-        }
-    }
-    if pooled[0] + pooled[1] > 0 {
-        add(pooled);
-    }
-    // The 0.1% point of χ² with cells − 1 degrees of freedom (Wilson–Hilferty).
-    let df = cells.saturating_sub(1).max(1) as f64;
-    let bound = df * (1.0 - 2.0 / (9.0 * df) + 3.09 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    // Cells with too few counts pooled; the bound is χ²'s 0.1% point.
+    let (statistic, cells, bound) = ninfer_engine::testing::two_sample_chi_square(pairs.values());
     println!(
         "trained MTP sampling on {}: first two tokens over {runs} runs each, {cells} cells, χ² {statistic:.1} (bound {bound:.1})",
         backend.name()

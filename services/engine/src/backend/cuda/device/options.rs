@@ -58,6 +58,12 @@ pub struct CudaOptions {
     /// Run repeated decode steps of one batch as recorded CUDA graphs (device/step_graph.rs);
     /// the same bits as op by op.
     pub step_graphs: bool,
+    /// The router kernel stores a MoE layer's routing (and a small batch's hidden states) into
+    /// page-locked host memory mapped into the device, instead of the stream copying them
+    /// back after it: no copy between the router and the expert kernels that follow it. Off
+    /// until the GPU suites hold it equal to the copies on every backend test
+    /// (`routing_stored_by_the_router_equals_routing_copied_back`).
+    pub routing_stores: bool,
 }
 
 impl Default for CudaOptions {
@@ -67,6 +73,7 @@ impl Default for CudaOptions {
             cublas: true,
             reference_attention: false,
             step_graphs: true,
+            routing_stores: false,
         }
     }
 }
@@ -80,6 +87,7 @@ impl CudaOptions {
             // The flash kernels are batch invariant and agree with the CPU to f32 rounding.
             reference_attention: false,
             step_graphs: true,
+            routing_stores: false,
         }
     }
 }

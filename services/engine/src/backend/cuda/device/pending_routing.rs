@@ -16,7 +16,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::readback::{
     decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,
@@ -30,6 +30,9 @@ use crate::backend::Routing;
 /// pending routing (one per routing in flight: at most one per MoE layer of a forward). Kept,
 /// not made per layer: allocating page-locked memory or an event is a driver call.
 pub(crate) type RoutingStagingPool = Arc<Mutex<Vec<(PinnedStaging, CudaEvent)>>>;
+
+/// Most rows whose hidden states the router kernel stores into the staging buffer itself.
+const KERNEL_WRITTEN_HIDDEN_MAX_ROWS: usize = 64;
 
 /// Smallest buffer the pool hands out: a decode step's routing is a few hundred bytes, and
 /// one size for all keeps the pool from growing a buffer per size.
@@ -185,6 +188,37 @@ impl CudaBackend {
         // Recycled buffers: the router kernel writes every element of both.
         let mut ids = self.output_uninit(tokens, k)?;
         let mut weights = self.output_uninit(tokens, k)?;
+        let mut shapes = vec![
+            ReadBackShape::U32(tokens * k),
+            ReadBackShape::F32(tokens * k),
+        ];
+        if let Some(hidden) = hidden {
+            shapes.push(ReadBackShape::F32(hidden.rows * hidden.cols));
+        }
+        let (offsets, total) = staging_layout(&shapes);
+        let (staging, copied) = self.take_routing_staging(total)?;
+        // With `routing_stores` the kernel stores ids and weights into the mapped staging buffer
+        // itself, and a small batch's hidden rows too; a big batch's hidden states go by a
+        // copy (the copy engine moves megabytes faster than stores from a handful of blocks).
+        let stores = self.options.routing_stores;
+        let hidden_by_kernel =
+            hidden.filter(|_| stores && tokens <= KERNEL_WRITTEN_HIDDEN_MAX_ROWS);
+        let (mapped_ids, mapped_weights) = if stores {
+            (
+                staging.device_address(offsets[0])?,
+                staging.device_address(offsets[1])?,
+            )
+        } else {
+            (0, 0)
+        };
+        let (hidden_source, mapped_hidden, hidden_width) = match hidden_by_kernel {
+            Some(hidden) => (
+                hidden.data.device_ptr(&self.stream).0,
+                staging.device_address(offsets[2])?,
+                int(hidden.cols, "hidden width")?,
+            ),
+            None => (0, 0, 0),
+        };
         let blocks = u32::try_from(tokens).map_err(|_| CudaError::Invalid {
             problem: format!("{tokens} tokens in one routing launch"),
         })?;
@@ -198,31 +232,34 @@ impl CudaBackend {
             int(k, "top-k")?,
             i32::from(normalize),
         );
-        {
-            let ids_data = &mut *ids.data;
-            // SAFETY: u32 and f32 have the same size and every bit pattern is valid in both.
-            let mut ids_view =
-                unsafe { ids_data.transmute_mut::<u32>(tokens * k) }.ok_or_else(|| {
-                    CudaError::Invalid {
+        let launched =
+            {
+                let ids_data = &mut *ids.data;
+                // SAFETY: u32 and f32 have the same size and every bit pattern is valid in both.
+                let mut ids_view = unsafe { ids_data.transmute_mut::<u32>(tokens * k) }
+                    .ok_or_else(|| CudaError::Invalid {
                         problem: "the routing ids' buffer is too small".into(),
-                    }
-                })?;
-            launch!(self, "route_top_k", config;
+                    })?;
+                launch!(self, "route_top_k", config;
                 input, &mut ids_view, &mut *weights.data, &experts_arg, &k_arg,
-                &normalize_arg)?;
+                &normalize_arg, &mapped_ids, &mapped_weights, &hidden_source, &mapped_hidden,
+                &hidden_width)
+            };
+        // What the kernel did not store goes by copies, into the same places.
+        let mut copies: Vec<(ReadBack<'_>, usize)> = Vec::new();
+        if !stores {
+            copies.push((ReadBack::U32Bits(&ids.data, tokens * k), offsets[0]));
+            copies.push((ReadBack::F32(&weights.data, tokens * k), offsets[1]));
         }
-        let mut parts = vec![
-            ReadBack::U32Bits(&ids.data, tokens * k),
-            ReadBack::F32(&weights.data, tokens * k),
-        ];
-        if let Some(hidden) = hidden {
-            parts.push(ReadBack::F32(&hidden.data, hidden.rows * hidden.cols));
+        if let Some(hidden) = hidden.filter(|_| hidden_by_kernel.is_none()) {
+            copies.push((
+                ReadBack::F32(&hidden.data, hidden.rows * hidden.cols),
+                offsets[2],
+            ));
         }
-        let shapes: Vec<ReadBackShape> = parts.iter().map(ReadBack::shape).collect();
-        let (offsets, total) = staging_layout(&shapes);
-        let (staging, copied) = self.take_routing_staging(total)?;
-        let queued = self
-            .queue_read_backs(&staging, &parts, &offsets)
+        let (parts, part_offsets): (Vec<ReadBack<'_>>, Vec<usize>) = copies.into_iter().unzip();
+        let queued = launched
+            .and_then(|()| self.queue_read_backs(&staging, &parts, &part_offsets))
             .and_then(|()| {
                 copied
                     .record(&self.stream)
@@ -230,7 +267,7 @@ impl CudaBackend {
             });
         drop(parts);
         if let Err(error) = queued {
-            // A copy may be queued: let it land before the buffer is freed.
+            // A store or copy may be queued: let it land before the buffer is freed.
             let _ = self.stream.synchronize();
             return Err(error);
         }

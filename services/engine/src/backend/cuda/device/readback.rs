@@ -12,9 +12,12 @@ use cudarc::driver::{sys, CudaSlice, DevicePtr};
 use super::{driver_error, CudaBackend, CudaError};
 
 /// Page-locked host memory from `cuMemAllocHost` (cached: the host reads it; cudarc's own
-/// pinned slices are write-combined, which is slow to read).
+/// pinned slices are write-combined, which is slow to read), mapped into the device's address
+/// space so kernels can store to it directly.
 pub(crate) struct PinnedStaging {
     pointer: *mut u8,
+    /// The same memory as the device addresses it.
+    device_pointer: u64,
     bytes: usize,
 }
 
@@ -70,14 +73,42 @@ impl PinnedStaging {
                 message: format!("{status:?}"),
             });
         }
-        Ok(PinnedStaging {
+        let mut staging = PinnedStaging {
             pointer: pointer.cast(),
+            device_pointer: 0,
             bytes,
-        })
+        };
+        let mut device_pointer: sys::CUdeviceptr = 0;
+        // SAFETY: `pointer` is page-locked memory of this context (allocated above); valid out
+        // pointer; flags must be 0.
+        let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_pointer, pointer, 0) };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            // `staging` frees the memory on the way out.
+            return Err(CudaError::Driver {
+                what: format!("mapping {bytes} bytes of page-locked memory into the device"),
+                message: format!("{status:?}"),
+            });
+        }
+        staging.device_pointer = device_pointer;
+        Ok(staging)
     }
 
     pub(super) fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The device address of byte `offset` (kernels store to it; the host reads it after a
+    /// wait on the stream or on an event recorded after those kernels).
+    pub(super) fn device_address(&self, offset: usize) -> Result<u64, CudaError> {
+        if offset >= self.bytes {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "offset {offset} is outside a {}-byte staging buffer",
+                    self.bytes
+                ),
+            });
+        }
+        Ok(self.device_pointer + offset as u64)
     }
 }
 

@@ -33,9 +33,9 @@ const WINDOWS: [usize; 3] = [1, 4, 16];
 /// Reuse within this of the fixture's, per layer and window. 450 decoded tokens with a
 /// topic-like component lasting ~100 tokens spread the estimate by about ±0.03 (other prompt
 /// and sampling seeds move single figures that much). The Gated DeltaNet carrier measures
-/// within 0.03 of the fixture; the attention carrier runs high in layers 3–7 by up to 0.06 on
-/// reuse 1 and 0.09 on reuse 4 (an all-attention model's random attention layers add context
-/// averages of their own), hence its wider bound.
+/// within 0.03 of the fixture; the attention carrier runs high in layers 3–7, by up to 0.06 on
+/// reuse 1 and 0.09 on reuse 4 (probably the context averages that the all-attention model's
+/// seven random attention layers add), hence its wider bound.
 const REUSE_TOLERANCE_DELTA_NET: f64 = 0.05;
 const REUSE_TOLERANCE_ATTENTION: f64 = 0.10;
 /// Popularity entropy (fraction of ln E) within this of the fixture's. The fixture counted
@@ -230,7 +230,7 @@ fn measure(shape: &Preset, routing: Routing, directory: &Path) -> Vec<(f64, [f64
     let mut options = SyntheticOptions::new(shape.clone(), &path);
     options.routing = routing;
     options.experts_dtype = DType::Bf16;
-    options.dense_dtype = DType::F32;
+    options.dense_dtype = DType::Bf16;
     write_synthetic(&options, &NoProgress).unwrap();
     let layers = shape.num_hidden_layers;
     let picks = decode_routing(&path, layers, shape.num_experts_per_tok);

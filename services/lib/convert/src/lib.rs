@@ -9,6 +9,7 @@
 mod error;
 mod hf_config;
 mod plan;
+mod routing_locality;
 mod safetensors_file;
 mod side_files;
 pub mod synthetic;

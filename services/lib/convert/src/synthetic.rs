@@ -23,11 +23,14 @@
 //! logit noise of std ≈ 0.7, roughly a Gumbel of scale τ, so the top choice follows w_e. `lm_head`
 //! has its ĉ part removed, so the shared component does not bias the output tokens.
 //!
-//! Trained routing: the same mechanism with ln w_e taken from the popularity-by-rank profile that
-//! `tests/fixtures/qwen3_5_moe_trained` measured on held-out text (layer at the same relative
-//! depth, profile resampled to the preset's expert count so ln E − H, the distance from uniform,
-//! is kept). It sets popularity only: how often consecutive tokens share experts is then what
-//! popularity alone gives, not the extra short-range reuse the trained model shows.
+//! Trained routing: popularity from the profile that `tests/fixtures/qwen3_5_moe_trained`
+//! measured on held-out text (layer at the same relative depth, profile resampled to the
+//! preset's expert count so ln E − H, the distance from uniform, is kept), through probit biases
+//! along ĉ that fit top-k selection better than τ·ln w. It also reproduces the fixture's
+//! temporal reuse (how often a token's experts were picked by the previous 1, 4, 16 tokens):
+//! layer 0's mixer writes short and long running averages of the tokens' states into two
+//! reserved blocks of the hidden state, and each router reads a share of its logit noise from
+//! them. The layout, the carrier weights and the fitted shares are in `routing_locality`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -46,6 +49,7 @@ use crate::hf_config::parse_config;
 use crate::plan::{
     build_plan, DTypeChoice, Plan, PlannedBank, PlannedItem, PlannedTensor, SourceNames,
 };
+use crate::routing_locality::{probit_biases, Locality, TRAINED_CONTEXT_SHARES};
 use crate::safetensors_file::Checkpoint;
 use crate::{encode_expert, encode_float, expert_spec, ConvertProgress, ConvertReport};
 
@@ -928,6 +932,10 @@ struct Drawer {
     num_experts: usize,
     /// The preset's full depth (the trained profile is stretched over it).
     num_layers: usize,
+    experts_per_token: usize,
+    /// Trained routing: the hidden layout and layer-0 carrier of the temporal reuse (`None`
+    /// for the other modes, or when the shape cannot carry context).
+    locality: Option<Locality>,
 }
 
 /// Logit noise of the random router part, as the scale of a Gumbel (see the module doc).
@@ -936,16 +944,22 @@ const ROUTER_TEMPERATURE: f64 = 0.55;
 impl Drawer {
     fn new(options: &SyntheticOptions, model: &ModelConfig) -> Self {
         let hidden = model.common().hidden_size;
-        let direction = match options.routing {
-            Routing::Zipf { .. } | Routing::Trained => {
-                let mut rng = Rng::for_name(options.seed, "shared direction");
-                let mut c = vec![0.0f32; hidden];
-                rng.fill_uniform(&mut c, 1.0);
-                let norm = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-                c.iter_mut().for_each(|x| *x /= norm);
-                Some(c)
-            }
-            Routing::Uniform => None,
+        let unit_vector = |len: usize| {
+            let mut rng = Rng::for_name(options.seed, "shared direction");
+            let mut c = vec![0.0f32; len];
+            rng.fill_uniform(&mut c, 1.0);
+            let norm = c.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+            c.iter_mut().for_each(|x| *x /= norm);
+            c
+        };
+        let locality = match options.routing {
+            Routing::Trained => Locality::new(model, unit_vector),
+            Routing::Zipf { .. } | Routing::Uniform => None,
+        };
+        let direction = match (&options.routing, &locality) {
+            (Routing::Uniform, _) => None,
+            (_, Some(locality)) => Some(locality.direction().to_vec()),
+            (Routing::Zipf { .. } | Routing::Trained, None) => Some(unit_vector(hidden)),
         };
         Drawer {
             seed: options.seed,
@@ -956,6 +970,8 @@ impl Drawer {
             routing: options.routing,
             num_experts: model.common().num_experts,
             num_layers: options.preset.num_hidden_layers,
+            experts_per_token: model.common().num_experts_per_tok,
+            locality,
         }
     }
 
@@ -969,9 +985,23 @@ impl Drawer {
         let element = if tensor.dtype == DType::Bf16 { 2 } else { 4 };
         let mut out = Vec::with_capacity(rows * cols * element);
         if tensor.shape.len() == 1 {
+            if let Some(values) = self
+                .locality
+                .as_ref()
+                .and_then(|locality| locality.carrier_vector(name, rows))
+            {
+                return encode_float(&values, tensor.dtype);
+            }
             let mut values = vec![0.0f32; rows];
             self.vector(name, &mut rng, &mut values);
             return encode_float(&values, tensor.dtype);
+        }
+        if let Some(matrix) = self
+            .locality
+            .as_ref()
+            .and_then(|locality| locality.carrier_matrix(name, rows, cols))
+        {
+            return encode_float(&matrix, tensor.dtype);
         }
         let mut row = vec![0.0f32; cols];
         let router_bias = name
@@ -980,6 +1010,36 @@ impl Drawer {
             .flatten();
         let bound = uniform_bound(self.matrix_std(name, cols));
         for r in 0..rows {
+            if let (Some(locality), Some(bias), Some(c)) =
+                (&self.locality, &router_bias, &self.direction)
+            {
+                // Trained routing with a carrier: fresh part on the token coordinates, context
+                // parts on the carried blocks, popularity along ĉ.
+                let shares = context_shares(name, self.num_layers.max(1));
+                let fresh = locality.token_coordinates();
+                let fresh_std = ((1.0 - shares.0 - shares.1) / fresh as f64).sqrt() as f32;
+                row.fill(0.0);
+                rng.fill_uniform(&mut row[..fresh], uniform_bound(fresh_std));
+                remove_component(&mut row, c);
+                locality.add_context_parts(&mut row, shares, |values, bound| {
+                    rng.fill_uniform(values, bound)
+                });
+                row.iter_mut().zip(c).for_each(|(x, c)| *x += bias[r] * c);
+                out.extend(encode_float(&row, tensor.dtype));
+                continue;
+            }
+            if let (Some(locality), "embed_tokens", Some(c)) =
+                (&self.locality, name, &self.direction)
+            {
+                // Nothing on the carried blocks: the carrier writes them.
+                let fresh = locality.token_coordinates();
+                row.fill(0.0);
+                rng.fill_uniform(&mut row[..fresh], bound);
+                let kappa = (self.hidden as f32).sqrt();
+                row.iter_mut().zip(c).for_each(|(x, c)| *x += kappa * c);
+                out.extend(encode_float(&row, tensor.dtype));
+                continue;
+            }
             rng.fill_uniform(&mut row, bound);
             match (name, &self.direction) {
                 ("embed_tokens", Some(c)) => {
@@ -1064,19 +1124,32 @@ impl Drawer {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             ranks.swap(i, j);
         }
+        // x·ĉ of a normalised hidden state (κ = √H: half its energy along ĉ).
+        let along = (self.hidden as f64 / 2.0).sqrt();
         let by_rank: Vec<f64> = match self.routing {
             Routing::Zipf { exponent } => (0..experts)
                 .map(|rank| -exponent * ((rank + 1) as f64).ln())
                 .collect(),
             Routing::Trained => {
-                trained_log_shares(router_layer(name), self.num_layers.max(1), experts)
+                let shares: Vec<f64> =
+                    trained_log_shares(router_layer(name), self.num_layers.max(1), experts)
+                        .iter()
+                        .map(|l| l.exp())
+                        .collect();
+                // The logit noise has variance ½ (a unit-norm row against x with |x|² = H,
+                // half of it along ĉ).
+                let biases = probit_biases(&shares, self.experts_per_token, 0.5f64.sqrt());
+                return Some(
+                    ranks
+                        .iter()
+                        .map(|&rank| (biases[rank] / along) as f32)
+                        .collect(),
+                );
             }
             Routing::Uniform => return None,
         };
         let log_weights: Vec<f64> = ranks.iter().map(|&rank| by_rank[rank]).collect();
         let mean = log_weights.iter().sum::<f64>() / experts.max(1) as f64;
-        // x·ĉ of a normalised hidden state (κ = √H: half its energy along ĉ).
-        let along = (self.hidden as f64 / 2.0).sqrt();
         Some(
             log_weights
                 .iter()
@@ -1115,6 +1188,17 @@ fn router_layer(name: &str) -> usize {
         .nth(1)
         .and_then(|index| index.parse().ok())
         .unwrap_or(0)
+}
+
+/// The context shares of a router (`layers.{i}.moe.router`): the trained layer at the same
+/// relative depth as for popularity. MTP routers read no context: their input is not a decoder
+/// layer's residual stream.
+fn context_shares(name: &str, layers: usize) -> (f64, f64) {
+    if !name.starts_with("layers.") {
+        return (0.0, 0.0);
+    }
+    let table = &TRAINED_CONTEXT_SHARES;
+    table[(router_layer(name) * table.len() / layers).min(table.len() - 1)]
 }
 
 /// ln(share) by rank for layer `layer` of `layers` with `experts` experts: the trained layer at

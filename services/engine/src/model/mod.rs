@@ -28,8 +28,9 @@ mod speculative;
 mod step_graphs;
 pub use mtp::MtpState;
 pub use speculative::{
-    greedy_with_mtp, pick_draft, sample_with_mtp, speculative_sampling_step, verify_drafts,
-    DraftController, DraftToken, SpeculativeOutcome,
+    greedy_with_mtp, greedy_with_mtp_options, pick_draft, sample_with_mtp,
+    speculative_sampling_step, verify_drafts, DraftController, DraftToken, ForcedAcceptance,
+    SpeculationOptions, SpeculativeOutcome,
 };
 pub use step_graphs::StepGraphCounts;
 

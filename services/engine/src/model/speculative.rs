@@ -14,6 +14,10 @@
 //! decode gives it and the output equals plain greedy decoding token for token.
 //! The scheduler serves the same rules one step at a time ([`pick_draft`], [`verify_drafts`])
 //! and sizes each sequence's drafts with a [`DraftController`].
+//! Benchmarks only: [`ForcedAcceptance`] overrides the accept / reject decision at given rates
+//! (a random-weight model's head drafts tokens its main model almost never accepts), keeping
+//! every cost: drafts are still computed and verified, and the rollback runs as for a real
+//! rejection.
 //! Must not touch: the scheduler, how logits are filtered (`crate::sampling`), how the head and
 //! layers compute.
 
@@ -180,6 +184,91 @@ impl DraftController {
     }
 }
 
+/// FOR BENCHMARKS ONLY: replaces the verifier's accept / reject decision by seeded coin flips at
+/// given rates per draft depth, so a model whose head drafts badly (random weights) can be
+/// measured at a trained head's acceptance. Everything else is real: the drafts are computed by
+/// the MTP head and verified by one batched forward, the accepted drafts become the sequence's
+/// tokens (whatever the main model would have picked), the token after them is the main model's
+/// pick from the row that follows them, and a rejection rolls the states back as a real one.
+///
+/// The rates are the fractions a benchmark reports per depth: `rates[j]` is the share of chains
+/// whose drafts `1..=j+1` are all accepted (the trained fixture measures 0.80 / 0.56 / 0.41).
+/// Draft `j + 1` is therefore accepted, after draft `j` was, with probability
+/// `rates[j] / rates[j − 1]`; depths past the list keep the last conditional probability.
+#[derive(Debug, Clone)]
+pub struct ForcedAcceptance {
+    rates_by_depth: Vec<f64>,
+    /// `conditional[j]`: probability of accepting draft `j + 1` once drafts `1..=j` were.
+    conditional: Vec<f64>,
+    rng: Xoshiro256,
+}
+
+impl ForcedAcceptance {
+    /// Rates per depth (each in `0..=1`, none above the one before it) and the coin's seed.
+    pub fn new(rates_by_depth: &[f64], seed: u64) -> Result<Self, EngineError> {
+        let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        if rates_by_depth.is_empty() {
+            return Err(invalid("forced acceptance: no rate given".into()));
+        }
+        let mut conditional = Vec::with_capacity(rates_by_depth.len());
+        let mut before = 1.0f64;
+        for (depth, &rate) in rates_by_depth.iter().enumerate() {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(invalid(format!(
+                    "forced acceptance at depth {}: {rate} is not a rate in 0..=1",
+                    depth + 1
+                )));
+            }
+            if rate > before {
+                return Err(invalid(format!(
+                    "forced acceptance at depth {}: {rate} is above depth {}'s {before} (a chain \
+                     reaches depth {} only through every depth before it)",
+                    depth + 1,
+                    depth,
+                    depth + 1
+                )));
+            }
+            conditional.push(if before > 0.0 { rate / before } else { 0.0 });
+            before = rate;
+        }
+        Ok(ForcedAcceptance {
+            rates_by_depth: rates_by_depth.to_vec(),
+            conditional,
+            rng: Xoshiro256::seed_from_u64(seed),
+        })
+    }
+
+    /// The rates it was made with.
+    pub fn rates_by_depth(&self) -> &[f64] {
+        &self.rates_by_depth
+    }
+
+    /// How many of `drafts` drafts to accept: coin flips down the chain until one fails.
+    fn accepted_drafts(&mut self, drafts: usize) -> usize {
+        let last = self.conditional.last().copied().unwrap_or(0.0);
+        for depth in 0..drafts {
+            let probability = self.conditional.get(depth).copied().unwrap_or(last);
+            // `<` never accepts at 0 and always at 1.
+            if self.rng.next_f64() >= probability {
+                return depth;
+            }
+        }
+        drafts
+    }
+}
+
+/// How a speculative generation drafts, beyond the sampling rule.
+#[derive(Debug, Clone, Default)]
+pub struct SpeculationOptions {
+    /// Most drafts per step (0: no drafting).
+    pub draft_tokens: usize,
+    /// Size each step's drafts with a [`DraftController`] (as the server does) instead of
+    /// always drafting `draft_tokens`.
+    pub adaptive: bool,
+    /// FOR BENCHMARKS ONLY: see [`ForcedAcceptance`].
+    pub forced_acceptance: Option<ForcedAcceptance>,
+}
+
 /// What a speculative generation produced, and how the drafts fared.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SpeculativeOutcome {
@@ -193,12 +282,30 @@ pub struct SpeculativeOutcome {
     pub accepted: Vec<usize>,
     /// Wall time after the prompt's forward and first token: drafting and verifying.
     pub decode_time: std::time::Duration,
+    /// Rows of the verification forwards (the pending token and the drafts), summed.
+    pub verified_rows: u64,
+    /// MoE layer calls of the verification forwards (MoE layers × verifications).
+    pub verify_moe_layer_calls: u64,
+    /// Distinct routed experts the verification forwards read, summed over their MoE layer calls
+    /// (per call: the union over its rows, as the model's profile counts it).
+    pub verify_distinct_experts: u64,
 }
 
 impl SpeculativeOutcome {
     /// Tokens per main-model step after the prompt (1 without drafts).
     pub fn tokens_per_step(&self) -> f64 {
         self.tokens.len().saturating_sub(1) as f64 / self.verifications.max(1) as f64
+    }
+
+    /// Mean distinct routed experts one MoE layer reads per verification: the union of the
+    /// experts its rows route to (top-k without drafts; up to `(drafts + 1) · top-k`).
+    pub fn experts_per_verify_layer(&self) -> f64 {
+        self.verify_distinct_experts as f64 / self.verify_moe_layer_calls.max(1) as f64
+    }
+
+    /// Mean rows per verification (1 + drafts).
+    pub fn rows_per_verification(&self) -> f64 {
+        self.verified_rows as f64 / self.verifications.max(1) as f64
     }
 }
 
@@ -328,7 +435,26 @@ pub fn greedy_with_mtp<B: Backend>(
     count: usize,
     draft_tokens: usize,
 ) -> Result<SpeculativeOutcome, EngineError> {
-    speculate(model, prompt, count, draft_tokens, Picker::Greedy)
+    greedy_with_mtp_options(
+        model,
+        prompt,
+        count,
+        SpeculationOptions {
+            draft_tokens,
+            ..SpeculationOptions::default()
+        },
+    )
+}
+
+/// [`greedy_with_mtp`] with every drafting option: adaptive drafts, and (benchmarks only)
+/// forced acceptance, under which the tokens are no longer greedy decoding's.
+pub fn greedy_with_mtp_options<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    count: usize,
+    options: SpeculationOptions,
+) -> Result<SpeculativeOutcome, EngineError> {
+    speculate(model, prompt, count, options, Picker::Greedy)
 }
 
 /// `count` tokens sampled with `params` after `prompt`, drafting up to `draft_tokens` per step
@@ -347,7 +473,10 @@ pub fn sample_with_mtp<B: Backend>(
         model,
         prompt,
         count,
-        draft_tokens,
+        SpeculationOptions {
+            draft_tokens,
+            ..SpeculationOptions::default()
+        },
         Picker::Sampled { params, rng },
     )
 }
@@ -356,9 +485,15 @@ fn speculate<B: Backend>(
     model: &Model<B>,
     prompt: &[u32],
     count: usize,
-    draft_tokens: usize,
+    options: SpeculationOptions,
     mut picker: Picker,
 ) -> Result<SpeculativeOutcome, EngineError> {
+    let SpeculationOptions {
+        draft_tokens,
+        adaptive,
+        mut forced_acceptance,
+    } = options;
+    let mut controller = adaptive.then(|| DraftController::new(draft_tokens));
     let mut outcome = SpeculativeOutcome {
         drafted: vec![0; draft_tokens],
         accepted: vec![0; draft_tokens],
@@ -388,7 +523,12 @@ fn speculate<B: Backend>(
     let decode_started = std::time::Instant::now();
 
     while outcome.tokens.len() < count {
-        let wanted = draft_tokens.min(count - outcome.tokens.len() - 1);
+        // Drafts past the last wanted token would be thrown away.
+        let draft_room = count - outcome.tokens.len() - 1;
+        let wanted = match controller.as_mut() {
+            Some(controller) => controller.next_drafts(draft_room),
+            None => draft_tokens.min(draft_room),
+        };
         let committed = mtp.position();
         let mut drafts = Vec::with_capacity(wanted);
         if wanted > 0 {
@@ -416,6 +556,9 @@ fn speculate<B: Backend>(
         let input: Vec<u32> = std::iter::once(pending)
             .chain(drafts.iter().map(|d| d.token))
             .collect();
+        // The profile's expert counts around the verification alone (this loop is the
+        // model's only user while it runs).
+        let profile_before = model.profile().snapshot(false);
         let verified = model.forward_hidden(
             &mut [SequenceInput {
                 state: &mut state,
@@ -423,10 +566,39 @@ fn speculate<B: Backend>(
             }],
             Some(DeltaRuleForm::Recurrent),
         )?;
+        let profile_after = model.profile().snapshot(false);
+        let experts = |snapshot: &crate::profile::ProfileSnapshot| {
+            let (prefill, decode) = (&snapshot.prefill, &snapshot.decode);
+            (
+                prefill.moe_layer_calls + decode.moe_layer_calls,
+                prefill.cpu_experts
+                    + prefill.resident_experts
+                    + decode.cpu_experts
+                    + decode.resident_experts,
+            )
+        };
+        let ((calls_before, distinct_before), (calls_after, distinct_after)) =
+            (experts(&profile_before), experts(&profile_after));
+        outcome.verify_moe_layer_calls += calls_after.saturating_sub(calls_before);
+        outcome.verify_distinct_experts += distinct_after.saturating_sub(distinct_before);
+        outcome.verified_rows += input.len() as u64;
         outcome.verifications += 1;
         let logits = model.head_logits(&verified)?;
         let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
-        let (accepted, next) = picker.verify(&rows, &drafts, &outcome.tokens);
+        let (accepted, next) = match forced_acceptance.as_mut() {
+            // Only the decision is forced: the token after the accepted drafts is still the
+            // main model's, from the row that follows them.
+            Some(forced) => {
+                let accepted = forced.accepted_drafts(drafts.len());
+                let mut history = outcome.tokens.clone();
+                history.extend(drafts[..accepted].iter().map(|d| d.token));
+                (accepted, picker.pick(rows[accepted], &history).token)
+            }
+            None => picker.verify(&rows, &drafts, &outcome.tokens),
+        };
+        if let Some(controller) = controller.as_mut() {
+            controller.record(drafts.len(), accepted);
+        }
         for depth in 0..drafts.len() {
             outcome.drafted[depth] += 1;
             if depth < accepted {

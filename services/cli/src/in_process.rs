@@ -11,7 +11,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use ninfer_cpu_experts::KernelIsa;
 use ninfer_engine::backend::cuda::CudaBackend;
-use ninfer_engine::moe::KernelExpertExecutor;
+use ninfer_engine::moe::{KernelExpertExecutor, NoRoutedExperts};
 use ninfer_engine::spec::FeedForwardKind;
 use ninfer_engine::{open_artifact, CpuBackend, ExpertExecutor, Model, ReferenceExpertExecutor};
 
@@ -51,7 +51,10 @@ pub fn open(
     gpu_experts: Option<usize>,
 ) -> anyhow::Result<InProcessModel> {
     let artifact = open_artifact(path).with_context(|| format!("loading {}", path.display()))?;
+    let common = artifact.config().common();
+    let has_moe_layers = common.num_experts > 0 && common.moe_layers.iter().any(|&moe| moe);
     let executor: Arc<dyn ExpertExecutor> = match cpu_experts {
+        _ if !has_moe_layers => Arc::new(NoRoutedExperts),
         CpuExperts::Reference => Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact))),
         CpuExperts::Kernels { threads } => {
             let threads = match threads {

@@ -352,10 +352,7 @@ pub fn write_model(
     options: TinyModelOptions,
 ) -> Result<(), EngineError> {
     let common = config.common().clone();
-    let hybrid = match config {
-        ModelConfig::Qwen3Moe(_) => None,
-        ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => Some(c.clone()),
-    };
+    let hybrid = config.hybrid().cloned();
     let zero_centred = hybrid.is_some();
     let mut w = TinyWriter {
         writer: ArtifactWriter::create(path, WriterOptions::default())?,

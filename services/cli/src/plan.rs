@@ -477,11 +477,18 @@ pub fn print_plan(plan: &Plan) {
     } else {
         String::new()
     };
-    println!(
-        "memory        expert banks {:.2} GiB (locked by the workers), dense {:.2} GiB (engine{dense_mlp})",
-        gib(plan.expert_bank_bytes),
-        gib(plan.dense_bytes)
-    );
+    if plan.expert_bank_bytes == 0 {
+        println!(
+            "memory        dense {:.2} GiB (engine{dense_mlp}); no expert banks",
+            gib(plan.dense_bytes)
+        );
+    } else {
+        println!(
+            "memory        expert banks {:.2} GiB (locked by the workers), dense {:.2} GiB (engine{dense_mlp})",
+            gib(plan.expert_bank_bytes),
+            gib(plan.dense_bytes)
+        );
+    }
     if plan.machine.ram_total_bytes > 0 {
         println!(
             "ram           {:.1} GiB available of {:.1} GiB{}",

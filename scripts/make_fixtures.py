@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Build the golden test fixtures under tests/fixtures/ (tiny random Qwen MoE checkpoints + references).
+"""Build the golden test fixtures under tests/fixtures/ (tiny random Qwen checkpoints + references).
 
-Three Hugging Face-style checkpoint directories are produced:
+Four Hugging Face-style checkpoint directories are produced:
 
   qwen3_moe/    Qwen3MoeForCausalLM                  (model_type qwen3_moe), per-expert expert tensors on disk
   qwen3_next/   Qwen3NextForCausalLM                 (model_type qwen3_next), per-expert expert tensors on disk
   qwen3_5_moe/  Qwen3_5MoeForConditionalGeneration   (model_type qwen3_5_moe, multimodal release layout),
                 fused expert tensors on disk, tiny vision tower, random MTP block (mtp.*)
+  qwen3_5/      Qwen3_5ForConditionalGeneration      (model_type qwen3_5, the dense Qwen3.5/3.6 in the multimodal
+                release layout): every layer a dense SwiGLU MLP, tiny vision tower, random MTP block with a
+                dense MLP
 
 Each holds config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json,
 chat_template.jinja, generation_config.json and reference.json (logits / NLL / greedy tokens computed with
@@ -46,7 +49,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATE_PATH = os.path.join(REPO, "tests", "fixtures", "qwen3_5_chat_template.jinja")
 
-SEEDS = {"tokenizer": 0, "qwen3_moe": 1001, "qwen3_next": 1002, "qwen3_5_moe": 1003}
+SEEDS = {"tokenizer": 0, "qwen3_moe": 1001, "qwen3_next": 1002, "qwen3_5_moe": 1003, "qwen3_5": 1004}
+# Generation order; `--only` picks a subset (the README is rewritten only when all are built).
+FIXTURES = ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5"]
+# Multimodal release layout: text config under `text_config`, text weights under `model.language_model.`.
+MULTIMODAL = ("qwen3_5_moe", "qwen3_5")
 FLOAT_DIGITS = 9  # significant digits written for floats (f32 round-trips with 9)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -318,6 +325,51 @@ def make_config(name: str, vocab: int, ids: dict):
             mlp_only_layers=[1],
             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
         )
+    if name == "qwen3_5":
+        # Qwen3_5TextConfig has no expert fields: pass none (extra keys would land in config.json).
+        dense_common = {
+            k: v
+            for k, v in common.items()
+            if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        }
+        dense_linear = {k: v for k, v in linear.items() if k != "shared_expert_intermediate_size"}
+        text = T.Qwen3_5TextConfig(
+            **dense_common,
+            **dense_linear,
+            intermediate_size=I_DENSE,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": ROPE_THETA,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            mtp_num_hidden_layers=1,
+            mtp_use_dedicated_embeddings=False,
+        )
+        vision = T.Qwen3_5VisionConfig(
+            depth=1,
+            hidden_size=32,
+            hidden_act="gelu_pytorch_tanh",
+            intermediate_size=64,
+            num_heads=2,
+            in_channels=3,
+            patch_size=8,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=H,
+            num_position_embeddings=16,
+        )
+        return T.Qwen3_5Config(
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=False,
+        )
     if name == "qwen3_5_moe":
         text = T.Qwen3_5MoeTextConfig(
             **common,
@@ -362,7 +414,10 @@ MODEL_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
+# The text-only class of each multimodal fixture (cross-check: it loads the multimodal checkpoint).
+TEXT_ONLY_CLASS = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
 
 # ----------------------------------------------------------------------------------------------------------
 # Weight randomisation
@@ -486,7 +541,8 @@ def disk_state_dict(name: str, model, gen, rand_report: dict) -> dict:
             else:
                 out[k] = v.clone()
         return out
-    # qwen3_5_moe: fused experts as in memory (multimodal names), plus a random MTP block.
+    # qwen3_5_moe / qwen3_5: as in memory (multimodal names; qwen3_5_moe's experts fused), plus a random MTP
+    # block whose layer is a copy of a full-attention layer (qwen3_5: with its dense MLP), re-randomised.
     for k, v in sd.items():
         out[k] = v.clone()
     text = model.model.language_model
@@ -745,8 +801,13 @@ def compute_bf16_reference(model, ref: dict, versions: dict) -> dict:
             elif not pname.startswith(("model.visual.", "visual.")):
                 kept_matrices.append(pname)
     routers = [n for n in kept_matrices if n.endswith(".mlp.gate.weight")]
-    if not routers or not any(".experts." in n or n.endswith("experts.gate_up_proj") for n in rounded):
+    has_experts = any(n.endswith(".mlp.gate.weight") for n, _ in m.named_parameters())
+    if has_experts and (
+        not routers or not any(".experts." in n or n.endswith("experts.gate_up_proj") for n in rounded)
+    ):
         raise RuntimeError(f"bf16 rounding rule matched no router or no expert tensor: {kept_matrices}")
+    if not has_experts and not any(n.endswith(".mlp.down_proj.weight") for n in rounded):
+        raise RuntimeError(f"bf16 rounding rule matched no dense MLP tensor: {kept_matrices}")
 
     token_nll = nll_of(m)
     f32_nll = ref["token_nll"]
@@ -945,16 +1006,17 @@ def build_fixture(name, out_root, tok_json, ids, vocab, n_tok, template, version
         raise RuntimeError(f"{name}: reloaded model differs from in-memory model ({reload_diff})")
 
     extra = {}
-    if name == "qwen3_5_moe":
+    if name in TEXT_ONLY_CLASS:
         # Cross-check: the text-only class loads the multimodal checkpoint (PrefixChange language_model).
+        text_only = TEXT_ONLY_CLASS[name]
         try:
-            tl = T.Qwen3_5MoeForCausalLM.from_pretrained(d, **ld_kwargs)
+            tl = getattr(T, text_only).from_pretrained(d, **ld_kwargs)
             tl.eval()
             with torch.no_grad():
                 c = tl(input_ids=x, use_cache=False).logits
-            extra["text_only_Qwen3_5MoeForCausalLM_max_abs_diff"] = fnum(float((c - b).abs().max()))
+            extra[f"text_only_{text_only}_max_abs_diff"] = fnum(float((c - b).abs().max()))
         except Exception as ex:
-            extra["text_only_Qwen3_5MoeForCausalLM_error"] = f"{type(ex).__name__}: {ex}"
+            extra[f"text_only_{text_only}_error"] = f"{type(ex).__name__}: {ex}"
         log(f"  text-only class cross-check: {extra}")
 
     meta = {
@@ -1026,6 +1088,73 @@ def sample_names(disk: dict) -> list:
     return [f"{k} {list(disk[k].shape)}" for k in picks]
 
 
+QWEN3_5_BULLET = (
+    "`qwen3_5`: the dense Qwen3.5/3.6 (every layer a dense SwiGLU MLP of width 96, no experts), built as "
+    "`Qwen3_5ForConditionalGeneration` with the same tiny vision config and saved in the same multimodal release "
+    "layout as `qwen3_5_moe` (`model_type` qwen3_5, text config `qwen3_5_text` under `text_config`, `layer_types` "
+    "[linear, linear, full, linear], `mrope_section` [2,1,1], `mtp_num_hidden_layers` 1, text weights "
+    "`model.language_model.*`, dense MLPs `...mlp.{gate,up,down}_proj.weight`). Random MTP block `mtp.*` whose "
+    "layer is a full-attention layer with a dense MLP. Generated alone (`--only qwen3_5`, after the other three), "
+    "so its figures are in `qwen3_5/README.md`."
+)
+
+
+def text_only_lines(name: str, s: dict) -> list:
+    """README lines on the text-only class cross-check of a multimodal fixture (none for the others)."""
+    text_only = TEXT_ONLY_CLASS.get(name)
+    if text_only is None:
+        return []
+    if f"text_only_{text_only}_max_abs_diff" in s:
+        return ["", f"`{text_only}.from_pretrained` (text-only class) on this directory gives the same logits "
+                f"(max diff {s[f'text_only_{text_only}_max_abs_diff']})."]
+    if f"text_only_{text_only}_error" in s:
+        return ["", f"`{text_only}.from_pretrained` on this directory failed: "
+                f"`{s[f'text_only_{text_only}_error'][:300]}`"]
+    return []
+
+
+def write_fixture_readme(out_root, name, versions, summary, argv):
+    """README.md inside one fixture directory: what it is and its figures (for a fixture generated alone)."""
+    s = summary[name]
+    b = s["bf16_weights"]
+    lines = [
+        f"# Golden fixture `{name}`",
+        "",
+        "Generated by `scripts/make_fixtures.py`; do not edit by hand. Regenerate with (repo root, torch + "
+        "transformers 5.17 installed; CPU is enough and is what was used):",
+        "",
+        "```",
+        f"CUDA_VISIBLE_DEVICES= python3 scripts/make_fixtures.py --out tests/fixtures --only {name}",
+        "```",
+        "",
+        f"Versions used: transformers {versions['transformers']}, torch {versions['torch']}, tokenizers "
+        f"{versions['tokenizers']}, safetensors {versions['safetensors']}, Python {platform.python_version()}. "
+        f"Model seed {SEEDS[name]}; the tokenizer (seed {SEEDS['tokenizer']}) and every other convention — files, "
+        "dims, weight randomisation, `reference.json` fields, bf16 rounding, the numpy `--check` — are those of "
+        "`../README.md`.",
+        "",
+        "* " + QWEN3_5_BULLET.replace(" so its figures are in `qwen3_5/README.md`.", " so its figures are here."),
+        "",
+        "| mean NLL (nats) | max abs logit | mean logit std | mean entropy (nats) | log V | prefill/decode max diff "
+        "| tensors | model.safetensors bytes |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {s['mean_nll']} | {s['max_abs_logit']} | {s['mean_std_logit_per_position']} | {s['mean_entropy_nats']} | "
+        f"{s['log_vocab_nats']} | {s['prefill_decode_max_abs_diff']} | {s['n_tensors']} | {s['safetensors_bytes']} |",
+        "",
+        "bf16-rounded weights (`bf16_weights`): mean NLL "
+        f"{b['mean_nll']} (− f32 mean NLL: {b['mean_nll_diff']}), mean abs ΔNLL per token "
+        f"{b['mean_abs_token_nll_diff']}, max {b['max_abs_token_nll_diff']}.",
+        "",
+        "Tensor name samples (on disk):",
+        "",
+    ]
+    lines += [f"* `{t}`" for t in s["tensor_samples"]]
+    lines += text_only_lines(name, s)
+    lines += ["", f"Command line of this generation: `{' '.join(argv)}`", ""]
+    with open(os.path.join(out_root, name, "README.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
 def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     lines = []
     A = lines.append
@@ -1062,7 +1191,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     A("|---|---|")
     A("| `config.json` | written by transformers' `save_pretrained` (all `__post_init__` keys included) |")
     A("| `model.safetensors` | float32 weights, written by the script (layouts below), metadata `format=pt` |")
-    A("| `tokenizer.json` | the shared byte-level BPE (same file in all three) |")
+    A("| `tokenizer.json` | the shared byte-level BPE (same file in all four) |")
     A("| `tokenizer_config.json` | `tokenizer_class` Qwen2Tokenizer, `eos_token` `<|im_end|>`, `pad_token` `<|endoftext|>`, `chat_template` = Qwen3.5 template |")
     A("| `chat_template.jinja` | byte-identical copy of `tests/fixtures/qwen3_5_chat_template.jinja` (the template released with Qwen3.5, sha256 a4aee8af…f715) |")
     A("| `generation_config.json` | eos `[<|im_end|>, <|endoftext|>]`, temperature 0.6, top_p 0.95, top_k 20, do_sample true |")
@@ -1084,7 +1213,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     A("")
     A(", ".join(f"`{c}` {ids[c]} ({'special' if s else 'not special'})" for c, s in ADDED_TOKENS))
     A("")
-    A("## Model dims (all three)")
+    A("## Model dims (all four)")
     A("")
     A(f"hidden {H}, 4 layers, heads {NH}, kv heads {NKV}, head_dim {HD}, dense intermediate {I_DENSE}, experts {E}, "
       f"top-k {TOPK}, moe_intermediate {IM}, shared_expert_intermediate {IS} (Next/3.5), linear k-heads {NK}, "
@@ -1107,6 +1236,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
       "(the MTP tensor names of docs/MODELS.md; `mtp.layers.0` is a full-attention layer with **per-expert** experts, shared expert "
       "and router). transformers ignores `mtp.*` (and the text-only class ignores `model.visual.*`), so the "
       "references do not involve them; there is no MTP reference.")
+    A("* " + QWEN3_5_BULLET)
     A("")
     A(f"Vocabulary padding rows (ids {n_bpe + len(ADDED_TOKENS)}..{vocab - 1}) of `embed_tokens` and `lm_head` are zero, "
       "so their logits are exactly 0 and greedy decoding never produces them.")
@@ -1161,7 +1291,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     A("")
     A("| fixture | mean NLL (nats) | max abs logit | mean logit std | mean entropy (nats) | log V | prefill/decode max diff | tensors | model.safetensors bytes |")
     A("|---|---|---|---|---|---|---|---|---|")
-    for n in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+    for n in FIXTURES:
         s = summary[n]
         A(f"| {n} | {s['mean_nll']} | {s['max_abs_logit']} | {s['mean_std_logit_per_position']} | "
           f"{s['mean_entropy_nats']} | {s['log_vocab_nats']} | {s['prefill_decode_max_abs_diff']} | "
@@ -1172,12 +1302,12 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
     A("")
     A("| fixture | mean NLL, bf16 weights (nats) | mean NLL − f32 mean NLL | mean abs ΔNLL per token | max abs ΔNLL per token |")
     A("|---|---|---|---|---|")
-    for n in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+    for n in FIXTURES:
         b = summary[n]["bf16_weights"]
         A(f"| {n} | {b['mean_nll']} | {b['mean_nll_diff']} | {b['mean_abs_token_nll_diff']} | "
           f"{b['max_abs_token_nll_diff']} |")
     A("")
-    for n in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+    for n in FIXTURES:
         s = summary[n]
         A(f"### {n}: tensor name samples (on disk)")
         A("")
@@ -1192,14 +1322,7 @@ def write_readme(out_root, versions, summary, vocab, n_bpe, ids, argv):
             A("")
             A("`config.json` edits after `save_pretrained` (release-style spellings; transformers re-loads it "
               "identically): " + "; ".join(sn["config_json_edits_after_save_pretrained"]) + ".")
-        if "text_only_Qwen3_5MoeForCausalLM_max_abs_diff" in s:
-            A("")
-            A(f"`Qwen3_5MoeForCausalLM.from_pretrained` (text-only class) on this directory gives the same logits "
-              f"(max diff {s['text_only_Qwen3_5MoeForCausalLM_max_abs_diff']}).")
-        if "text_only_Qwen3_5MoeForCausalLM_error" in s:
-            A("")
-            A(f"`Qwen3_5MoeForCausalLM.from_pretrained` on this directory failed: "
-              f"`{s['text_only_Qwen3_5MoeForCausalLM_error'][:300]}`")
+        lines.extend(text_only_lines(n, s))
         A("")
     A(f"Command line of this generation: `{' '.join(argv)}`")
     A("")
@@ -1255,7 +1378,7 @@ def numpy_forward(fixture_dir: str, name: str, ids: list, bf16_weights: bool = F
     }
     with open(os.path.join(fixture_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    if name == "qwen3_5_moe":
+    if name in MULTIMODAL:
         cfg, pre = cfg["text_config"], "model.language_model."
     else:
         pre = "model."
@@ -1366,18 +1489,19 @@ def numpy_forward(fixture_dir: str, name: str, ids: list, bf16_weights: bool = F
         x = nrm(h, W[p + "input_layernorm.weight"])
         h = h + (attn(x, p + "self_attn.") if layer_types[i] == "full_attention" else gdn(x, p + "linear_attn."))
         x = nrm(h, W[p + "post_attention_layernorm.weight"])
-        h = h + (mlp(x, p + "mlp.") if i in (cfg.get("mlp_only_layers") or []) else moe(x, p + "mlp."))
+        dense = name == "qwen3_5" or i in (cfg.get("mlp_only_layers") or [])
+        h = h + (mlp(x, p + "mlp.") if dense else moe(x, p + "mlp."))
         hidden.append(h)
     h = nrm(h, W[pre + "norm.weight"])
     hidden.append(h)
     return h @ W["lm_head.weight"].T, hidden
 
 
-def check_fixtures(out_root: str) -> bool:
+def check_fixtures(out_root: str, names=None) -> bool:
     import numpy as np
 
     ok = True
-    for name in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+    for name in names or FIXTURES:
         d = os.path.join(out_root, name)
         with open(os.path.join(d, "reference.json"), encoding="utf-8") as f:
             ref = json.load(f)
@@ -1448,7 +1572,7 @@ def main():
     args = ap.parse_args()
     if args.check:
         sys.exit(0 if check_fixtures(args.out) else 1)
-    names = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"]
+    names = list(FIXTURES)
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
 
@@ -1468,7 +1592,7 @@ def main():
     log(f"versions: {versions}")
     if args.bf16_references:
         failed = add_bf16_references(args.out, names, versions)
-        if len(names) == 3 and not failed and not check_fixtures(args.out):
+        if names == FIXTURES and not failed and not check_fixtures(args.out):
             failed.append("numpy-check")
         if failed:
             log(f"FAILED: {failed}")
@@ -1494,9 +1618,12 @@ def main():
             traceback.print_exc()
             failed.append(n)
             log(f"!! fixture {n} FAILED")
-    if len(summary) == 3:
-        if not check_fixtures(args.out):
-            failed.append("numpy-check")
+    if not failed and not check_fixtures(args.out, names):
+        failed.append("numpy-check")
+    if "qwen3_5" in summary:
+        write_fixture_readme(args.out, "qwen3_5", versions, summary,
+                             ["python3", "scripts/make_fixtures.py"] + sys.argv[1:])
+    if len(summary) == len(FIXTURES):
         write_readme(args.out, versions, summary, vocab, n_bpe, ids, ["python3", "scripts/make_fixtures.py"] + sys.argv[1:])
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)

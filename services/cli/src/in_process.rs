@@ -21,7 +21,7 @@ use ninfer_engine::moe::placement::{
     choose_gpu_experts, expert_slot_budget, experts_per_layer, kv_cache_bytes, GpuExpertCount,
     GpuExpertShape, SlotMemoryBudget,
 };
-use ninfer_engine::moe::KernelExpertExecutor;
+use ninfer_engine::moe::{KernelExpertExecutor, NoRoutedExperts};
 use ninfer_engine::spec::FeedForwardKind;
 use ninfer_engine::{open_artifact, CpuBackend, ExpertExecutor, Model, ReferenceExpertExecutor};
 
@@ -191,7 +191,10 @@ fn place<B: ninfer_engine::Backend>(
 /// The model on its backend, every routed expert with the executor.
 fn load(path: &Path, device: &str, cpu_experts: CpuExperts) -> anyhow::Result<InProcessModel> {
     let artifact = open_artifact(path).with_context(|| format!("loading {}", path.display()))?;
+    let common = artifact.config().common();
+    let has_moe_layers = common.num_experts > 0 && common.moe_layers.iter().any(|&moe| moe);
     let executor: Arc<dyn ExpertExecutor> = match cpu_experts {
+        _ if !has_moe_layers => Arc::new(NoRoutedExperts),
         CpuExperts::Reference => Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact))),
         CpuExperts::Kernels { threads } => {
             let threads = match threads {

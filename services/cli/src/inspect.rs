@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use ninfer_artifact::summary::totals_by_class_and_dtype;
-use ninfer_artifact::{Artifact, ModelConfig};
+use ninfer_artifact::Artifact;
 
 #[derive(Debug, clap::Args)]
 pub struct InspectArgs {
@@ -56,11 +56,23 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         common.vocab_size
     );
     let moe_layers = common.moe_layers.iter().filter(|&&m| m).count();
-    println!(
-        "experts:       {} per MoE layer, top-{}, intermediate {} ({} MoE layers)",
-        common.num_experts, common.num_experts_per_tok, common.moe_intermediate_size, moe_layers
-    );
-    if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = artifact.config() {
+    let dense_layers = common.num_hidden_layers - moe_layers;
+    if moe_layers > 0 {
+        println!(
+            "experts:       {} per MoE layer, top-{}, intermediate {} ({} MoE layers)",
+            common.num_experts,
+            common.num_experts_per_tok,
+            common.moe_intermediate_size,
+            moe_layers
+        );
+    }
+    if dense_layers > 0 {
+        println!(
+            "dense MLP:     intermediate {} ({dense_layers} dense-MLP layers)",
+            common.intermediate_size
+        );
+    }
+    if let Some(c) = artifact.config().hybrid() {
         let linear = c
             .layer_types
             .iter()

@@ -110,16 +110,14 @@ pub struct ModelFacts {
     pub expert_bank_bytes: u64,
     /// Bytes of the embeddings and dense weights (what the engine loads).
     pub dense_bytes: u64,
+    /// The part of `dense_bytes` that is dense-MLP layers' matrices (class `dense_mlp`).
+    pub dense_mlp_bytes: u64,
     /// Multi-token-prediction layers the model carries (0: none).
     pub mtp_layers: usize,
 }
 
 fn mtp_layers_of(config: &ninfer_artifact::ModelConfig) -> usize {
-    match config {
-        ninfer_artifact::ModelConfig::Qwen3Moe(_) => 0,
-        ninfer_artifact::ModelConfig::Qwen3Next(hybrid)
-        | ninfer_artifact::ModelConfig::Qwen35Moe(hybrid) => hybrid.mtp_num_layers,
-    }
+    config.hybrid().map_or(0, |hybrid| hybrid.mtp_num_layers)
 }
 
 impl ModelFacts {
@@ -140,6 +138,7 @@ impl ModelFacts {
             parameters: 0,
             expert_bank_bytes: 0,
             dense_bytes: 0,
+            dense_mlp_bytes: 0,
             mtp_layers: mtp_layers_of(artifact.config()),
         };
         for tensor in &artifact.header().tensors {
@@ -147,6 +146,10 @@ impl ModelFacts {
             match tensor.class {
                 TensorClass::RoutedExpert => facts.expert_bank_bytes += tensor.length,
                 TensorClass::Embedding | TensorClass::Dense => facts.dense_bytes += tensor.length,
+                TensorClass::DenseMlp => {
+                    facts.dense_bytes += tensor.length;
+                    facts.dense_mlp_bytes += tensor.length;
+                }
                 TensorClass::Mtp | TensorClass::Vision => {}
             }
         }
@@ -163,6 +166,7 @@ impl ModelFacts {
             parameters: 0,
             expert_bank_bytes: 0,
             dense_bytes: 0,
+            dense_mlp_bytes: 0,
             mtp_layers: mtp_layers_of(&parsed.model),
         };
         let mut shards: Vec<PathBuf> = std::fs::read_dir(directory)
@@ -182,6 +186,10 @@ impl ModelFacts {
                     TensorClass::Embedding | TensorClass::Dense => {
                         facts.dense_bytes += tensor.bytes
                     }
+                    TensorClass::DenseMlp => {
+                        facts.dense_bytes += tensor.bytes;
+                        facts.dense_mlp_bytes += tensor.bytes;
+                    }
                     TensorClass::Mtp | TensorClass::Vision => {}
                 }
             }
@@ -198,6 +206,11 @@ fn checkpoint_tensor_class(name: &str) -> TensorClass {
         TensorClass::Vision
     } else if name.contains(".experts.") && !name.contains("shared_expert") {
         TensorClass::RoutedExpert
+    } else if [".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj."]
+        .iter()
+        .any(|part| name.contains(part))
+    {
+        TensorClass::DenseMlp
     } else {
         TensorClass::Dense
     }
@@ -302,6 +315,11 @@ mod tests {
             ),
             ("model.visual.blocks.0.attn.qkv.weight", TensorClass::Vision),
             ("model.embed_tokens.weight", TensorClass::Dense),
+            (
+                "model.language_model.layers.3.mlp.down_proj.weight",
+                TensorClass::DenseMlp,
+            ),
+            ("mtp.layers.0.mlp.gate_proj.weight", TensorClass::Mtp),
         ] {
             assert_eq!(checkpoint_tensor_class(name), class, "{name}");
         }

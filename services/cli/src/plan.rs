@@ -241,6 +241,8 @@ pub struct Plan {
     pub mtp_draft_tokens: usize,
     pub expert_bank_bytes: u64,
     pub dense_bytes: u64,
+    /// The dense-MLP layers' share of `dense_bytes`.
+    pub dense_mlp_bytes: u64,
     pub host_kv_mib: u64,
     /// Host RAM the run uses: the expert banks the workers map and lock, the KV kept in host
     /// RAM, and the dense weights when they run on the CPU.
@@ -307,7 +309,8 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
             bail!("--moe-expert-stats {}: no such file", path.display());
         }
     }
-    let default_count = if machine.gpu.is_some() && !request.cpu_only {
+    let has_experts = common.num_experts > 0 && common.moe_layers.iter().any(|&moe| moe);
+    let default_count = if machine.gpu.is_some() && !request.cpu_only && has_experts {
         "auto"
     } else {
         "0"
@@ -319,6 +322,9 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         .parse()
         .map_err(|problem| anyhow::anyhow!("--moe-gpu-experts: {problem}"))?;
     let gpu_experts_per_layer = match gpu_request {
+        GpuExpertCount::Count(count) if count > 0 && !has_experts => bail!(
+            "--moe-gpu-experts {count}: the model has no routed experts (every layer is a dense MLP)"
+        ),
         GpuExpertCount::Count(count) if count > common.num_experts => bail!(
             "--moe-gpu-experts {count}: the model has {} experts per layer",
             common.num_experts
@@ -329,14 +335,15 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         GpuExpertCount::Auto => None,
     };
     let gpu_experts_estimate = match gpu_request {
-        GpuExpertCount::Auto => machine
+        GpuExpertCount::Auto if has_experts => machine
             .gpu
             .as_ref()
             .map(|gpu| fitting_gpu_experts(facts, gpu, request, max_context, host_kv_mib)),
         _ => None,
     };
     let nodes = &machine.numa_nodes;
-    let expert_workers = if request.no_workers {
+    // A model without routed experts gives the workers nothing to compute.
+    let expert_workers = if request.no_workers || !has_experts {
         Vec::new()
     } else {
         nodes
@@ -389,6 +396,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         mtp_draft_tokens: usize::from(facts.mtp_layers > 0),
         expert_bank_bytes: facts.expert_bank_bytes,
         dense_bytes: facts.dense_bytes,
+        dense_mlp_bytes: facts.dense_mlp_bytes,
         host_kv_mib,
         host_ram_bytes,
         expert_banks_fit_in_ram: machine.ram_available_bytes == 0
@@ -444,6 +452,9 @@ pub fn print_plan(plan: &Plan) {
     }
     println!("device        {}", plan.device);
     match (plan.gpu_experts_per_layer, plan.gpu_experts_estimate) {
+        _ if plan.expert_bank_bytes == 0 => {
+            println!("gpu experts   none (no routed experts: every layer is a dense MLP)")
+        }
         (Some(count), _) => println!("gpu experts   {count} per MoE layer"),
         (None, Some(estimate)) => println!(
             "gpu experts   auto: about {estimate} per MoE layer fit now (the engine fits them at start)"
@@ -461,11 +472,23 @@ pub fn print_plan(plan: &Plan) {
             worker.numa_node, worker.experts, worker.threads
         );
     }
-    println!(
-        "memory        expert banks {:.2} GiB (locked by the workers), dense {:.2} GiB (engine)",
-        gib(plan.expert_bank_bytes),
-        gib(plan.dense_bytes)
-    );
+    let dense_mlp = if plan.dense_mlp_bytes > 0 {
+        format!(", {:.2} GiB of it dense MLPs", gib(plan.dense_mlp_bytes))
+    } else {
+        String::new()
+    };
+    if plan.expert_bank_bytes == 0 {
+        println!(
+            "memory        dense {:.2} GiB (engine{dense_mlp}); no expert banks",
+            gib(plan.dense_bytes)
+        );
+    } else {
+        println!(
+            "memory        expert banks {:.2} GiB (locked by the workers), dense {:.2} GiB (engine{dense_mlp})",
+            gib(plan.expert_bank_bytes),
+            gib(plan.dense_bytes)
+        );
+    }
     if plan.machine.ram_total_bytes > 0 {
         println!(
             "ram           {:.1} GiB available of {:.1} GiB{}",
@@ -512,8 +535,24 @@ mod tests {
             parameters: 30_000_000_000,
             expert_bank_bytes: 60 * GIB,
             dense_bytes: 4 * GIB,
+            dense_mlp_bytes: 0,
             mtp_layers: 1,
         }
+    }
+
+    /// A dense model's proportions: 64 layers, no experts, 50 GiB of dense weights (40 of them
+    /// dense MLPs).
+    fn dense_facts() -> ModelFacts {
+        let mut facts = facts();
+        facts.architecture = "qwen3_5".into();
+        facts.common.num_experts = 0;
+        facts.common.num_experts_per_tok = 0;
+        facts.common.num_hidden_layers = 64;
+        facts.common.moe_layers = vec![false; 64];
+        facts.expert_bank_bytes = 0;
+        facts.dense_bytes = 50 * GIB;
+        facts.dense_mlp_bytes = 40 * GIB;
+        facts
     }
 
     fn machine(gpu_gib: Option<u64>, ram_gib: u64, nodes: usize) -> Machine {
@@ -621,6 +660,39 @@ mod tests {
             ..request()
         });
         assert!(message.contains("--max-context 0"), "{message}");
+    }
+
+    #[test]
+    fn a_model_without_experts_plans_no_workers_and_no_gpu_experts() {
+        let facts = dense_facts();
+        for machine in [machine(None, 128, 1), machine(Some(80), 512, 2)] {
+            let planned = plan(&facts, &machine, &request()).unwrap();
+            assert!(planned.expert_workers.is_empty(), "{planned:?}");
+            assert_eq!(planned.gpu_experts, "0");
+            assert_eq!(planned.gpu_experts_per_layer, Some(0));
+            assert_eq!(planned.gpu_experts_estimate, None);
+            assert_eq!(planned.dense_mlp_bytes, 40 * GIB);
+        }
+        let auto = Request {
+            moe_gpu_experts: Some("auto".into()),
+            ..request()
+        };
+        let planned = plan(&facts, &machine(Some(80), 512, 1), &auto).unwrap();
+        assert_eq!(planned.gpu_experts_estimate, None);
+        let message = plan(
+            &facts,
+            &machine(Some(80), 512, 1),
+            &Request {
+                moe_gpu_experts: Some("4".into()),
+                ..request()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            message.contains("--moe-gpu-experts 4") && message.contains("no routed experts"),
+            "{message}"
+        );
     }
 
     #[test]

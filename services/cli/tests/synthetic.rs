@@ -68,7 +68,14 @@ fn tokens(count: usize, vocab: usize, salt: u64) -> Vec<u32> {
 #[test]
 fn every_preset_loads_in_the_engine_and_generates_finite_logits() {
     let directory = tempfile::tempdir().unwrap();
-    let dtypes = [DType::Int4, DType::Int8, DType::Bf16, DType::Int4];
+    let dtypes = [
+        DType::Int4,
+        DType::Int8,
+        DType::Bf16,
+        DType::Int4,
+        DType::Int8,
+    ];
+    assert_eq!(dtypes.len(), PRESETS.len());
     for (preset, experts_dtype) in PRESETS.iter().zip(dtypes) {
         let small = preset.scaled_down();
         // Four layers hold one full-attention layer of the hybrid patterns.
@@ -82,20 +89,28 @@ fn every_preset_loads_in_the_engine_and_generates_finite_logits() {
         // The header holds exactly the config a conversion of such a checkpoint gives.
         let artifact = Artifact::open(&path).unwrap();
         let mut expected = small.model_config(layers).unwrap();
-        if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = &mut expected {
+        if let Some(c) = expected.hybrid_mut() {
             c.mtp_num_layers = small.mtp_layers;
         }
         assert_eq!(artifact.config(), &expected, "{}", preset.name);
         let (v, h) = (small.vocab_size as u64, small.hidden_size as u64);
         assert_eq!(artifact.tensor("embed_tokens").unwrap().shape(), [v, h]);
         assert_eq!(artifact.tensor("lm_head").unwrap().shape(), [v, h]);
-        let bank = artifact.expert_bank("layers.0.moe.experts").unwrap();
-        assert_eq!(
-            (bank.num_experts, bank.dtype),
-            (small.num_experts as u64, experts_dtype)
-        );
-        let gate_up = artifact.tensor("layers.0.moe.experts.0.gate_up").unwrap();
-        assert_eq!(gate_up.shape(), [2 * small.moe_intermediate_size as u64, h]);
+        if small.num_experts > 0 {
+            let bank = artifact.expert_bank("layers.0.moe.experts").unwrap();
+            assert_eq!(
+                (bank.num_experts, bank.dtype),
+                (small.num_experts as u64, experts_dtype)
+            );
+            let gate_up = artifact.tensor("layers.0.moe.experts.0.gate_up").unwrap();
+            assert_eq!(gate_up.shape(), [2 * small.moe_intermediate_size as u64, h]);
+        } else {
+            // A dense preset: no banks, every layer's MLP in the `dense_mlp` class.
+            assert!(artifact.header().expert_banks.is_empty(), "{}", preset.name);
+            let up = artifact.tensor("layers.0.mlp.up_proj").unwrap();
+            assert_eq!(up.shape(), [small.intermediate_size as u64, h]);
+            assert_eq!(up.entry.class, ninfer_artifact::TensorClass::DenseMlp);
+        }
         assert!(artifact.file("tokenizer.json").is_some());
         assert!(artifact.file("chat_template.jinja").is_some());
         assert_eq!(

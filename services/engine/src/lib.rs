@@ -42,7 +42,7 @@ pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, DeltaRuleForm};
 pub use error::EngineError;
 pub use model::{open_artifact, LogitsSelection, Model, SequenceInput, SequenceState};
-pub use moe::{ExpertBatch, ExpertExecutor, ReferenceExpertExecutor};
+pub use moe::{ExpertBatch, ExpertExecutor, NoRoutedExperts, ReferenceExpertExecutor};
 pub use perplexity::{token_nlls, PerplexityOptions, TokenNll};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{ModelSpec, SUPPORTED_ARCHITECTURES};

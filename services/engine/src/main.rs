@@ -22,7 +22,8 @@ use ninfer_engine::moe::placement::{
 };
 use ninfer_engine::moe::worker_executor::ControlSecret;
 use ninfer_engine::moe::{
-    ExpertExecutor, KernelExpertExecutor, WorkerExpertExecutor, WorkerExpertExecutorOptions,
+    ExpertExecutor, KernelExpertExecutor, NoRoutedExperts, WorkerExpertExecutor,
+    WorkerExpertExecutorOptions,
 };
 use ninfer_engine::profile::ForwardProfile;
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
@@ -244,46 +245,51 @@ fn run(args: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let (experts, readiness): (Arc<dyn ExpertExecutor>, Arc<dyn Readiness>) =
-        if args.experts.is_empty() {
-            let isa = match &args.kernel_isa {
-                Some(name) => name
-                    .parse::<KernelIsa>()
-                    .map_err(|e| anyhow::anyhow!("--kernel-isa: {e}"))?,
-                None => KernelIsa::best(),
-            };
-            let threads = if args.moe_threads == 0 {
-                std::thread::available_parallelism()
-                    .map(|n| n.get())
-                    .unwrap_or(1)
-            } else {
-                args.moe_threads
-            };
-            let executor = KernelExpertExecutor::new(
-                Arc::clone(&artifact),
-                threads,
-                &[],
-                isa,
-                args.channel_max_tokens,
-            )?;
-            (Arc::new(executor), Arc::new(AlwaysReady))
-        } else {
-            let remote = Arc::new(WorkerExpertExecutor::start(WorkerExpertExecutorOptions {
-                addresses: args.experts.clone(),
-                model_id: artifact.model_id(),
-                hidden_size: common.hidden_size,
-                num_experts: common.num_experts,
-                top_k: common.num_experts_per_tok,
-                max_tokens_per_request: args.channel_max_tokens,
-                hang_timeout: Duration::from_millis(args.worker_hang_ms),
-                worker_timeout: Duration::from_secs_f64(args.worker_timeout.max(0.0)),
-                control_secret: control_secret.clone().map(ControlSecret::new),
-            })?);
-            (
-                Arc::clone(&remote) as Arc<dyn ExpertExecutor>,
-                remote as Arc<dyn Readiness>,
-            )
+    let has_moe_layers = common.num_experts > 0 && common.moe_layers.iter().any(|&moe| moe);
+    let (experts, readiness): (Arc<dyn ExpertExecutor>, Arc<dyn Readiness>) = if !has_moe_layers {
+        if !args.experts.is_empty() {
+            tracing::warn!("--experts: the model has no routed experts; the workers go unused");
+        }
+        (Arc::new(NoRoutedExperts), Arc::new(AlwaysReady))
+    } else if args.experts.is_empty() {
+        let isa = match &args.kernel_isa {
+            Some(name) => name
+                .parse::<KernelIsa>()
+                .map_err(|e| anyhow::anyhow!("--kernel-isa: {e}"))?,
+            None => KernelIsa::best(),
         };
+        let threads = if args.moe_threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            args.moe_threads
+        };
+        let executor = KernelExpertExecutor::new(
+            Arc::clone(&artifact),
+            threads,
+            &[],
+            isa,
+            args.channel_max_tokens,
+        )?;
+        (Arc::new(executor), Arc::new(AlwaysReady))
+    } else {
+        let remote = Arc::new(WorkerExpertExecutor::start(WorkerExpertExecutorOptions {
+            addresses: args.experts.clone(),
+            model_id: artifact.model_id(),
+            hidden_size: common.hidden_size,
+            num_experts: common.num_experts,
+            top_k: common.num_experts_per_tok,
+            max_tokens_per_request: args.channel_max_tokens,
+            hang_timeout: Duration::from_millis(args.worker_hang_ms),
+            worker_timeout: Duration::from_secs_f64(args.worker_timeout.max(0.0)),
+            control_secret: control_secret.clone().map(ControlSecret::new),
+        })?);
+        (
+            Arc::clone(&remote) as Arc<dyn ExpertExecutor>,
+            remote as Arc<dyn Readiness>,
+        )
+    };
     let expert_executor = experts.name().to_string();
     let counting = Arc::new(CountingExecutor {
         inner: experts,
@@ -579,7 +585,19 @@ fn start_scheduler<B: Backend>(
             "prefill staging: big batches compute their routed experts on the GPU"
         );
     }
-    let gpu_experts_per_layer = if request.count != GpuExpertCount::Count(0) {
+    let gpu_experts_per_layer = if !model.spec().has_moe_layers() {
+        // An all-dense model: `auto` (the CLI's default on a GPU) has nothing to place.
+        if !matches!(
+            request.count,
+            GpuExpertCount::Count(0) | GpuExpertCount::Auto
+        ) {
+            tracing::warn!(
+                count = %request.count,
+                "--moe-gpu-experts: the model has no routed experts, nothing to place"
+            );
+        }
+        0
+    } else if request.count != GpuExpertCount::Count(0) {
         place_gpu_experts(&mut model, request, device_memory())?
     } else {
         0

@@ -11,7 +11,8 @@ use crate::backend::{AttentionSpec, DeltaRuleSpec, NormStyle};
 use crate::error::EngineError;
 
 /// Architectures this engine implements, by their artifact names.
-pub const SUPPORTED_ARCHITECTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
+pub const SUPPORTED_ARCHITECTURES: [&str; 4] =
+    ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5"];
 
 /// Refuses an architecture name the engine does not implement (the artifact format may know
 /// more architectures than this engine runs).
@@ -112,7 +113,7 @@ impl ModelSpec {
                 normalize_routing: common.norm_topk_prob,
                 common,
             },
-            ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => {
+            ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
                 if c.layer_types.len() != layers {
                     return Err(invalid(format!(
                         "layer_types has {} entries for {layers} layers",
@@ -170,8 +171,18 @@ impl ModelSpec {
         self.common.num_hidden_layers
     }
 
+    /// Whether the MoE layers have a sigmoid-gated shared expert (qwen3_5 has no MoE layers).
     pub fn has_shared_expert(&self) -> bool {
-        self.architecture != Architecture::Qwen3Moe
+        matches!(
+            self.architecture,
+            Architecture::Qwen3Next | Architecture::Qwen35Moe
+        )
+    }
+
+    /// Whether any layer is MoE (false for an all-dense model: nothing for expert workers or
+    /// expert slots).
+    pub fn has_moe_layers(&self) -> bool {
+        self.feed_forwards.contains(&FeedForwardKind::Moe)
     }
 
     pub fn eps(&self) -> f32 {

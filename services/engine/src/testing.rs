@@ -52,7 +52,11 @@ macro_rules! test_device {
 }
 
 /// The golden fixtures (`tests/fixtures/<name>/`, transformers references).
-pub const GOLDEN_FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
+pub const GOLDEN_FIXTURES: [&str; 4] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5"];
+
+/// The golden fixtures with routed experts (for tests of where experts are computed; the dense
+/// `qwen3_5` has none).
+pub const MOE_GOLDEN_FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
 
 /// The largest `|a[i] − b[i]|` (the slices must be the same length).
 pub fn max_abs_difference(a: &[f32], b: &[f32]) -> f32 {
@@ -379,10 +383,7 @@ pub fn write_model(
     options: TinyModelOptions,
 ) -> Result<(), EngineError> {
     let common = config.common().clone();
-    let hybrid = match config {
-        ModelConfig::Qwen3Moe(_) => None,
-        ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => Some(c.clone()),
-    };
+    let hybrid = config.hybrid().cloned();
     let zero_centred = hybrid.is_some();
     let mut w = TinyWriter {
         writer: ArtifactWriter::create(path, WriterOptions::default())?,

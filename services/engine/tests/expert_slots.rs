@@ -25,7 +25,7 @@ use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
     golden_fixture_dir, greedy_tokens, json_numbers, max_abs_difference, teacher_forced_logits,
     tiny_config, write_model, write_tiny_model, TinyArchitecture, TinyModelOptions,
-    GOLDEN_FIXTURES,
+    MOE_GOLDEN_FIXTURES,
 };
 use ninfer_engine::{
     open_artifact, test_device, Backend, ExpertBatch, ExpertExecutor, Model,
@@ -480,7 +480,7 @@ test_device!(pending_routing_matches_the_routing_read_back);
 fn resident_expert_split_does_not_change_the_model<B: Backend>(backend: Arc<B>) {
     let work = tempfile::tempdir().unwrap();
     let mut ran = 0;
-    for name in GOLDEN_FIXTURES {
+    for name in MOE_GOLDEN_FIXTURES {
         let fixture = golden_fixture_dir(name);
         let Ok(text) = std::fs::read_to_string(fixture.join("reference.json")) else {
             println!("SKIPPED golden fixture `{name}`: no reference.json");

@@ -11,7 +11,7 @@ use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::testing::{
-    golden_fixture_dir, greedy_tokens, json_numbers, teacher_forced_logits, GOLDEN_FIXTURES,
+    golden_fixture_dir, greedy_tokens, json_numbers, teacher_forced_logits, MOE_GOLDEN_FIXTURES,
 };
 use ninfer_engine::{test_device, Backend, Model};
 
@@ -19,7 +19,7 @@ const GREEDY_TOKENS: usize = 12;
 
 fn staged_prefill_does_not_change_the_model<B: Backend>(backend: Arc<B>) {
     let work = tempfile::tempdir().unwrap();
-    for name in GOLDEN_FIXTURES {
+    for name in MOE_GOLDEN_FIXTURES {
         let fixture = golden_fixture_dir(name);
         let text = std::fs::read_to_string(fixture.join("reference.json"))
             .unwrap_or_else(|error| panic!("golden fixture `{name}`: {error}"));

@@ -1,6 +1,6 @@
 //! MTP speculative decoding served by the scheduler, on the fixtures with an MTP head (the trained
-//! Qwen3.5-MoE fixture, whose drafts are often right, and the random golden one, whose drafts are
-//! almost always wrong): greedy output equals plain greedy decoding token for token at 1, 2 and 3
+//! Qwen3.5-MoE fixture, whose drafts are often right, and the random golden ones — MoE and dense,
+//! whose drafts are almost always wrong): greedy output equals plain greedy decoding token for token at 1, 2 and 3
 //! drafts, with speculating and plain sequences batched together and prompts arriving while
 //! others verify drafts; sampled output follows plain sampling's distribution.
 //!
@@ -195,20 +195,20 @@ where
 {
     let work = tempfile::tempdir().expect("temporary directory");
     let trained = trained_prompts();
-    let cases: [(&str, Vec<Vec<u32>>); 2] = [
+    let random_prompts = vec![
+        vec![1, 2, 3, 4, 5],
+        vec![7, 8, 9],
+        vec![10, 3, 3, 3, 3, 3, 3, 3],
+        vec![11],
+    ];
+    // The dense `qwen3_5` fixture's MTP layer has a dense MLP instead of experts.
+    let cases: [(&str, Vec<Vec<u32>>); 3] = [
         (
             "qwen3_5_moe_trained",
             trained.iter().take(4).cloned().collect(),
         ),
-        (
-            "qwen3_5_moe",
-            vec![
-                vec![1, 2, 3, 4, 5],
-                vec![7, 8, 9],
-                vec![10, 3, 3, 3, 3, 3, 3, 3],
-                vec![11],
-            ],
-        ),
+        ("qwen3_5_moe", random_prompts.clone()),
+        ("qwen3_5", random_prompts),
     ];
     for (fixture, prompts) in cases {
         let model = open_fixture(&backend, fixture, work.path());

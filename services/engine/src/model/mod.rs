@@ -1,4 +1,5 @@
-//! The model graph of qwen3_moe, qwen3_next and qwen3_5_moe, written once over [`Backend`].
+//! The model graph of qwen3_moe, qwen3_next, qwen3_5_moe and the dense qwen3_5, written once
+//! over [`Backend`].
 //!
 //! Owns: loading the weights a model needs (by the artifact's internal names), per-sequence state
 //! (`SequenceState`: KV caches, conv and recurrent states sized from a max context), and the
@@ -1014,7 +1015,7 @@ fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
         .tensors
         .iter()
         .filter(|tensor| match tensor.class {
-            TensorClass::Dense => true,
+            TensorClass::Dense | TensorClass::DenseMlp => true,
             // Looking up embeddings reads a few rows; the table is read whole only as the head.
             TensorClass::Embedding => tied_embeddings || tensor.name != "embed_tokens",
             TensorClass::RoutedExpert | TensorClass::Mtp | TensorClass::Vision => false,

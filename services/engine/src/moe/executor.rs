@@ -5,7 +5,7 @@
 //! per forward (see [`crate::moe::layer`]); three executors implement it: the f32 reference
 //! ([`crate::moe::reference_executor`]), the SIMD kernels in this process
 //! ([`crate::moe::kernel_executor`]) and expert worker processes
-//! ([`crate::moe::worker_executor`]).
+//! ([`crate::moe::worker_executor`]); a model without MoE layers gets [`NoRoutedExperts`].
 //! Must not touch: routing (the model decides ids and weights), the artifact byte layout.
 
 use ninfer_artifact::ExpertBank;
@@ -49,5 +49,24 @@ pub trait ExpertExecutor: Send + Sync {
     /// all the time spent in [`Self::compute`] is computation (in-process executors).
     fn compute_nanos(&self) -> Option<u64> {
         None
+    }
+}
+
+/// The executor of a model without MoE layers (every layer a dense MLP): nothing ever calls it,
+/// and a call would be a bug, answered with an error rather than made-up numbers.
+pub struct NoRoutedExperts;
+
+impl ExpertExecutor for NoRoutedExperts {
+    fn name(&self) -> &str {
+        "none (no routed experts)"
+    }
+
+    fn compute(&self, batch: &ExpertBatch<'_>, _out: &mut [f32]) -> Result<(), EngineError> {
+        Err(EngineError::InvalidConfig {
+            problem: format!(
+                "layer {}: routed experts requested from a model without MoE layers",
+                batch.layer
+            ),
+        })
     }
 }

@@ -28,7 +28,7 @@ pub mod placement;
 pub mod reference_executor;
 pub mod worker_executor;
 
-pub use executor::{ExpertBatch, ExpertExecutor};
+pub use executor::{ExpertBatch, ExpertExecutor, NoRoutedExperts};
 pub use kernel_executor::KernelExpertExecutor;
 pub use reference_executor::ReferenceExpertExecutor;
 pub use worker_executor::{WorkerExpertExecutor, WorkerExpertExecutorOptions};

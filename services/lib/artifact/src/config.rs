@@ -12,6 +12,9 @@ pub enum Architecture {
     Qwen3Next,
     #[serde(rename = "qwen3_5_moe")]
     Qwen35Moe,
+    /// Qwen3.5 dense: the qwen3_5_moe layers with a dense SwiGLU MLP in place of every MoE block.
+    #[serde(rename = "qwen3_5")]
+    Qwen35,
 }
 
 impl Architecture {
@@ -20,6 +23,7 @@ impl Architecture {
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Qwen3Next => "qwen3_next",
             Architecture::Qwen35Moe => "qwen3_5_moe",
+            Architecture::Qwen35 => "qwen3_5",
         }
     }
 }
@@ -38,6 +42,9 @@ pub enum ModelConfig {
     Qwen3Next(HybridConfig),
     #[serde(rename = "qwen3_5_moe")]
     Qwen35Moe(HybridConfig),
+    /// Every layer dense (`moe_layers` all false, no experts, no shared expert).
+    #[serde(rename = "qwen3_5")]
+    Qwen35(HybridConfig),
 }
 
 impl ModelConfig {
@@ -46,6 +53,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(_) => Architecture::Qwen3Moe,
             ModelConfig::Qwen3Next(_) => Architecture::Qwen3Next,
             ModelConfig::Qwen35Moe(_) => Architecture::Qwen35Moe,
+            ModelConfig::Qwen35(_) => Architecture::Qwen35,
         }
     }
 
@@ -53,7 +61,28 @@ impl ModelConfig {
     pub fn common(&self) -> &CommonConfig {
         match self {
             ModelConfig::Qwen3Moe(c) => &c.common,
-            ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => &c.common,
+            ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
+                &c.common
+            }
+        }
+    }
+
+    /// The hybrid (Gated DeltaNet + gated attention) config, for the architectures that have one.
+    pub fn hybrid(&self) -> Option<&HybridConfig> {
+        match self {
+            ModelConfig::Qwen3Moe(_) => None,
+            ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
+                Some(c)
+            }
+        }
+    }
+
+    pub fn hybrid_mut(&mut self) -> Option<&mut HybridConfig> {
+        match self {
+            ModelConfig::Qwen3Moe(_) => None,
+            ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
+                Some(c)
+            }
         }
     }
 }
@@ -101,8 +130,8 @@ pub enum LayerType {
     FullAttention,
 }
 
-/// `qwen3_next` and `qwen3_5_moe`: Gated DeltaNet + gated attention, zero-centred norms,
-/// MoE with a sigmoid-gated shared expert. The checkpoint's projection layouts are normalised
+/// `qwen3_next`, `qwen3_5_moe` and `qwen3_5`: Gated DeltaNet + gated attention, zero-centred
+/// norms, then MoE with a sigmoid-gated shared expert (`qwen3_5`: a dense SwiGLU MLP instead). The checkpoint's projection layouts are normalised
 /// by the converter (qwen3_next's grouped `in_proj_qkvz` becomes the flat qwen3.5 layout).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HybridConfig {

@@ -71,7 +71,12 @@ impl std::str::FromStr for DType {
 #[serde(rename_all = "snake_case")]
 pub enum TensorClass {
     Embedding,
+    /// Every other weight the engine reads for each token: norms, token mixers, routers, shared
+    /// experts, the final norm.
     Dense,
+    /// A dense-MLP layer's SwiGLU matrices (`layers.L.mlp.*`): per-token weights like `dense`, kept
+    /// apart so placement can size or move them separately from the token mixers.
+    DenseMlp,
     RoutedExpert,
     Mtp,
     Vision,
@@ -82,6 +87,7 @@ impl TensorClass {
         match self {
             TensorClass::Embedding => "embedding",
             TensorClass::Dense => "dense",
+            TensorClass::DenseMlp => "dense_mlp",
             TensorClass::RoutedExpert => "routed_expert",
             TensorClass::Mtp => "mtp",
             TensorClass::Vision => "vision",

@@ -205,13 +205,14 @@ pub fn parse_config(file: &Path, root: &Value) -> Result<ParsedConfig, ConvertEr
         "qwen3_5_moe_text" => {
             ModelConfig::Qwen35Moe(hybrid(&top, HybridDefaults::QWEN3_5_MOE, None)?)
         }
-        "qwen3_5_moe" => {
+        "qwen3_5_text" => ModelConfig::Qwen35(hybrid(&top, HybridDefaults::QWEN3_5, None)?),
+        "qwen3_5_moe" | "qwen3_5" => {
             // Multimodal release: the text model lives under `text_config`; tying is decided at
             // the top level (MODELS.md §4.1).
             let Some(text) = root_map.get("text_config").and_then(|v| v.as_object()) else {
                 return Err(top.error(
                     "text_config",
-                    "missing (qwen3_5_moe configs keep the text model there)",
+                    format!("missing ({model_type} configs keep the text model there)"),
                 ));
             };
             let fields = Fields {
@@ -222,7 +223,11 @@ pub fn parse_config(file: &Path, root: &Value) -> Result<ParsedConfig, ConvertEr
                 "tie_word_embeddings",
                 fields.bool_or("tie_word_embeddings", false)?,
             )?;
-            ModelConfig::Qwen35Moe(hybrid(&fields, HybridDefaults::QWEN3_5_MOE, Some(tie))?)
+            if model_type == "qwen3_5" {
+                ModelConfig::Qwen35(hybrid(&fields, HybridDefaults::QWEN3_5, Some(tie))?)
+            } else {
+                ModelConfig::Qwen35Moe(hybrid(&fields, HybridDefaults::QWEN3_5_MOE, Some(tie))?)
+            }
         }
         "" => return Err(top.error("model_type", "missing")),
         other => {
@@ -250,18 +255,27 @@ fn common(
             .unwrap_or(hidden_size / num_attention_heads),
     )?;
     let num_hidden_layers = fields.positive_or("num_hidden_layers", defaults.num_hidden_layers)?;
-    let num_experts = fields.usize_or(
-        "num_experts",
-        fields.usize_or("num_local_experts", defaults.num_experts)?,
-    )?;
-    let num_experts_per_tok =
-        fields.positive_or("num_experts_per_tok", defaults.num_experts_per_tok)?;
-    if num_experts_per_tok > num_experts {
-        return Err(fields.error(
-            "num_experts_per_tok",
-            format!("{num_experts_per_tok} exceeds num_experts {num_experts}"),
-        ));
-    }
+    // A dense architecture has no expert fields in its config class: any such keys in
+    // `config.json` are extra attributes its model never reads.
+    let (num_experts, num_experts_per_tok, moe_intermediate_size) = if defaults.routed_experts {
+        let num_experts = fields.usize_or(
+            "num_experts",
+            fields.usize_or("num_local_experts", defaults.num_experts)?,
+        )?;
+        let num_experts_per_tok =
+            fields.positive_or("num_experts_per_tok", defaults.num_experts_per_tok)?;
+        if num_experts_per_tok > num_experts {
+            return Err(fields.error(
+                "num_experts_per_tok",
+                format!("{num_experts_per_tok} exceeds num_experts {num_experts}"),
+            ));
+        }
+        let moe_intermediate_size =
+            fields.positive_or("moe_intermediate_size", defaults.moe_intermediate_size)?;
+        (num_experts, num_experts_per_tok, moe_intermediate_size)
+    } else {
+        (0, 0, 0)
+    };
     let (rope_theta, partial) = fields.rope(rotary_factor_default)?;
     let rotary_dim = (head_dim as f64 * partial) as usize;
     if rotary_dim % 2 != 0 || rotary_dim == 0 {
@@ -290,12 +304,17 @@ fn common(
         rotary_dim,
         rope_theta,
         rms_norm_eps: fields.f64_or("rms_norm_eps", 1e-6)?,
-        intermediate_size: fields.usize_or("intermediate_size", defaults.intermediate_size)?,
+        intermediate_size: if defaults.routed_experts {
+            fields.usize_or("intermediate_size", defaults.intermediate_size)?
+        } else {
+            // Every layer is a dense MLP of this width.
+            fields.positive_or("intermediate_size", defaults.intermediate_size)?
+        },
         num_experts,
         num_experts_per_tok,
-        moe_intermediate_size: fields
-            .positive_or("moe_intermediate_size", defaults.moe_intermediate_size)?,
-        norm_topk_prob: fields.bool_or("norm_topk_prob", defaults.norm_topk_prob)?,
+        moe_intermediate_size,
+        norm_topk_prob: defaults.routed_experts
+            && fields.bool_or("norm_topk_prob", defaults.norm_topk_prob)?,
         moe_layers: Vec::new(),
         tie_word_embeddings: fields.bool_or("tie_word_embeddings", false)?,
         max_position_embeddings: fields
@@ -316,6 +335,8 @@ struct CommonDefaults {
     moe_intermediate_size: usize,
     norm_topk_prob: bool,
     max_position_embeddings: usize,
+    /// False for an all-dense architecture: no expert fields are read, all are 0.
+    routed_experts: bool,
 }
 
 fn qwen3_moe(fields: &Fields) -> Result<Qwen3MoeConfig, ConvertError> {
@@ -332,6 +353,7 @@ fn qwen3_moe(fields: &Fields) -> Result<Qwen3MoeConfig, ConvertError> {
         moe_intermediate_size: 768,
         norm_topk_prob: false,
         max_position_embeddings: 32768,
+        routed_experts: true,
     };
     // qwen3_moe ignores partial_rotary_factor: rot = head_dim.
     let mut common = common(fields, &defaults, 1.0)?;
@@ -351,8 +373,18 @@ fn qwen3_moe(fields: &Fields) -> Result<Qwen3MoeConfig, ConvertError> {
 struct HybridDefaults {
     common: CommonDefaults,
     shared_expert_intermediate_size: usize,
-    /// qwen3_5_moe has no `mlp_only_layers` and always renormalises.
-    every_layer_moe_and_normalised: bool,
+    layers: HybridLayers,
+}
+
+/// Which layers of a hybrid architecture are MoE.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HybridLayers {
+    /// qwen3_next: as `mlp_only_layers` / `decoder_sparse_step` say.
+    MlpOnlyLayersDense,
+    /// qwen3_5_moe: no `mlp_only_layers`, and the router always renormalises.
+    EveryLayerMoeNormalised,
+    /// qwen3_5: no experts at all.
+    EveryLayerDense,
 }
 
 impl HybridDefaults {
@@ -370,9 +402,10 @@ impl HybridDefaults {
             moe_intermediate_size: 512,
             norm_topk_prob: true,
             max_position_embeddings: 32768,
+            routed_experts: true,
         },
         shared_expert_intermediate_size: 512,
-        every_layer_moe_and_normalised: false,
+        layers: HybridLayers::MlpOnlyLayersDense,
     };
     const QWEN3_5_MOE: HybridDefaults = HybridDefaults {
         common: CommonDefaults {
@@ -388,9 +421,30 @@ impl HybridDefaults {
             moe_intermediate_size: 512,
             norm_topk_prob: true,
             max_position_embeddings: 262144,
+            routed_experts: true,
         },
         shared_expert_intermediate_size: 512,
-        every_layer_moe_and_normalised: true,
+        layers: HybridLayers::EveryLayerMoeNormalised,
+    };
+    /// `Qwen3_5TextConfig` (MODELS.md §4.1): every layer a dense MLP of `intermediate_size`.
+    const QWEN3_5: HybridDefaults = HybridDefaults {
+        common: CommonDefaults {
+            vocab_size: 248320,
+            hidden_size: 4096,
+            intermediate_size: 12288,
+            num_hidden_layers: 32,
+            num_attention_heads: 16,
+            num_key_value_heads: 4,
+            head_dim: Some(256),
+            num_experts: 0,
+            num_experts_per_tok: 0,
+            moe_intermediate_size: 0,
+            norm_topk_prob: false,
+            max_position_embeddings: 32768,
+            routed_experts: false,
+        },
+        shared_expert_intermediate_size: 0,
+        layers: HybridLayers::EveryLayerDense,
     };
 }
 
@@ -403,15 +457,30 @@ fn hybrid(
     if let Some(tie) = tie_override {
         common.tie_word_embeddings = tie;
     }
-    if defaults.every_layer_moe_and_normalised {
-        common.norm_topk_prob = true;
-        common.moe_layers = vec![true; common.num_hidden_layers];
-        if common.num_experts == 0 {
-            return Err(fields.error("num_experts", "qwen3_5_moe needs routed experts"));
+    let shared_expert_intermediate_size = match defaults.layers {
+        HybridLayers::EveryLayerMoeNormalised => {
+            common.norm_topk_prob = true;
+            common.moe_layers = vec![true; common.num_hidden_layers];
+            if common.num_experts == 0 {
+                return Err(fields.error("num_experts", "qwen3_5_moe needs routed experts"));
+            }
+            fields.usize_or(
+                "shared_expert_intermediate_size",
+                defaults.shared_expert_intermediate_size,
+            )?
         }
-    } else {
-        common.moe_layers = fields.moe_layers(common.num_hidden_layers, common.num_experts)?;
-    }
+        HybridLayers::MlpOnlyLayersDense => {
+            common.moe_layers = fields.moe_layers(common.num_hidden_layers, common.num_experts)?;
+            fields.usize_or(
+                "shared_expert_intermediate_size",
+                defaults.shared_expert_intermediate_size,
+            )?
+        }
+        HybridLayers::EveryLayerDense => {
+            common.moe_layers = vec![false; common.num_hidden_layers];
+            0
+        }
+    };
     let layer_types = fields.layer_types(common.num_hidden_layers)?;
     let linear_num_key_heads = fields.positive_or("linear_num_key_heads", 16)?;
     let linear_num_value_heads = fields.positive_or("linear_num_value_heads", 32)?;
@@ -429,11 +498,116 @@ fn hybrid(
         linear_key_head_dim: fields.positive_or("linear_key_head_dim", 128)?,
         linear_value_head_dim: fields.positive_or("linear_value_head_dim", 128)?,
         linear_conv_kernel_dim: fields.positive_or("linear_conv_kernel_dim", 4)?,
-        shared_expert_intermediate_size: fields.usize_or(
-            "shared_expert_intermediate_size",
-            defaults.shared_expert_intermediate_size,
-        )?,
+        shared_expert_intermediate_size,
         // Counted from the tensors actually converted (see `plan`).
         mtp_num_layers: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(value: Value) -> Result<ParsedConfig, ConvertError> {
+        parse_config(Path::new("config.json"), &value)
+    }
+
+    /// The dense Qwen3.5 text config: every layer dense, no expert fields read (an expert key in
+    /// the file is an extra attribute `Qwen3_5TextConfig` never uses), transformers' defaults.
+    #[test]
+    fn dense_qwen3_5_text_has_no_experts_and_transformers_defaults() {
+        let parsed = parse(json!({
+            "model_type": "qwen3_5_text",
+            "num_hidden_layers": 8,
+            "num_experts": 64,
+        }))
+        .unwrap();
+        let ModelConfig::Qwen35(c) = &parsed.model else {
+            panic!("{:?}", parsed.model)
+        };
+        let common = &c.common;
+        assert_eq!(
+            (
+                common.vocab_size,
+                common.hidden_size,
+                common.intermediate_size
+            ),
+            (248320, 4096, 12288)
+        );
+        assert_eq!(
+            (
+                common.num_attention_heads,
+                common.num_key_value_heads,
+                common.head_dim,
+                common.rotary_dim
+            ),
+            (16, 4, 256, 64)
+        );
+        assert_eq!(
+            (
+                common.num_experts,
+                common.num_experts_per_tok,
+                common.moe_intermediate_size,
+                c.shared_expert_intermediate_size
+            ),
+            (0, 0, 0, 0)
+        );
+        assert_eq!(common.moe_layers, vec![false; 8]);
+        let full: Vec<usize> = (0..8)
+            .filter(|&l| c.layer_types[l] == LayerType::FullAttention)
+            .collect();
+        assert_eq!(full, vec![3, 7]);
+        assert_eq!((c.linear_num_key_heads, c.linear_num_value_heads), (16, 32));
+    }
+
+    /// The multimodal release: the text model under `text_config`, tying decided at the top.
+    #[test]
+    fn multimodal_qwen3_5_reads_its_text_config() {
+        let parsed = parse(json!({
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": true,
+            "text_config": {
+                "model_type": "qwen3_5_text",
+                "hidden_size": 5120,
+                "intermediate_size": 17408,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 24,
+                "num_key_value_heads": 4,
+                "linear_num_value_heads": 48,
+                "tie_word_embeddings": false,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                    "partial_rotary_factor": 0.25},
+            },
+        }))
+        .unwrap();
+        assert_eq!(parsed.model_type, "qwen3_5");
+        assert_eq!(parsed.model.architecture().name(), "qwen3_5");
+        let common = parsed.model.common();
+        assert_eq!(
+            (common.hidden_size, common.intermediate_size),
+            (5120, 17408)
+        );
+        assert_eq!(common.rope_theta, 1e7);
+        assert!(common.tie_word_embeddings);
+        assert_eq!(
+            parsed.model.hybrid().map(|h| h.linear_num_value_heads),
+            Some(48)
+        );
+    }
+
+    #[test]
+    fn dense_qwen3_5_errors_name_the_field() {
+        let error = parse(json!({"model_type": "qwen3_5_text", "intermediate_size": 0}))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("intermediate_size"), "{error}");
+        let error = parse(json!({"model_type": "qwen3_5"}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("text_config") && error.contains("qwen3_5"),
+            "{error}"
+        );
+    }
 }

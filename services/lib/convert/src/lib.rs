@@ -122,13 +122,12 @@ pub fn convert_checkpoint(
         },
         options.skip_vision,
     )?;
-    if let ninfer_artifact::ModelConfig::Qwen3Next(c) | ninfer_artifact::ModelConfig::Qwen35Moe(c) =
-        &mut model
-    {
+    if let Some(c) = model.hybrid_mut() {
         c.mtp_num_layers = plan.mtp_layers;
     }
     // Quantized experts need whole groups along both matrices' input dims: check before writing.
-    if options.experts_dtype.is_quantized() {
+    // (A model without routed experts has nothing the experts dtype applies to.)
+    if options.experts_dtype.is_quantized() && model.common().num_experts > 0 {
         let common = model.common();
         for cols in [common.hidden_size, common.moe_intermediate_size] {
             QuantizedLayout::new(options.experts_dtype, 1, cols).map_err(|problem| {
@@ -395,7 +394,7 @@ fn check_same_model(
 ) -> Result<(), ConvertError> {
     let without_mtp = |config: &ModelConfig| {
         let mut config = config.clone();
-        if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = &mut config {
+        if let Some(c) = config.hybrid_mut() {
             c.mtp_num_layers = 0;
         }
         config
@@ -477,9 +476,10 @@ fn encode_expert(values: &[f32], dtype: DType, rows: usize, cols: usize) -> Vec<
 }
 
 /// Tensor classes in the order `inspect` prints them.
-pub const CLASS_ORDER: [TensorClass; 5] = [
+pub const CLASS_ORDER: [TensorClass; 6] = [
     TensorClass::Embedding,
     TensorClass::Dense,
+    TensorClass::DenseMlp,
     TensorClass::RoutedExpert,
     TensorClass::Mtp,
     TensorClass::Vision,

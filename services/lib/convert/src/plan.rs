@@ -244,10 +244,7 @@ pub fn build_plan(
         &u(&[common.vocab_size, h]),
     )?;
 
-    let hybrid = match config {
-        ModelConfig::Qwen3Moe(_) => None,
-        ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => Some(c.clone()),
-    };
+    let hybrid = config.hybrid().cloned();
     let is_next = matches!(config, ModelConfig::Qwen3Next(_));
     let mut banks = Vec::new();
     for layer in 0..common.num_hidden_layers {
@@ -277,24 +274,12 @@ pub fn build_plan(
                 dtypes.experts,
             )?);
         } else {
-            let i = common.intermediate_size;
-            planner.copy(
-                &format!("{target}.mlp.gate_proj"),
-                TensorClass::Dense,
-                &format!("{source}.mlp.gate_proj.weight"),
-                &u(&[i, h]),
-            )?;
-            planner.copy(
-                &format!("{target}.mlp.up_proj"),
-                TensorClass::Dense,
-                &format!("{source}.mlp.up_proj.weight"),
-                &u(&[i, h]),
-            )?;
-            planner.copy(
-                &format!("{target}.mlp.down_proj"),
-                TensorClass::Dense,
-                &format!("{source}.mlp.down_proj.weight"),
-                &u(&[h, i]),
+            plan_dense_mlp(
+                &mut planner,
+                config,
+                &source,
+                &target,
+                TensorClass::DenseMlp,
             )?;
         }
     }
@@ -321,7 +306,10 @@ pub fn build_plan(
         .items
         .extend(banks.into_iter().map(PlannedItem::Bank));
 
-    // MTP block (qwen3_next / qwen3_5_moe): kept as class `mtp`, experts packed like routed ones.
+    // MTP block (hybrid architectures): kept as class `mtp`; its layer has the model's usual
+    // feed-forward (MODELS.md §7.1): MoE with experts packed like routed ones, or a dense MLP
+    // when no main layer is MoE (qwen3_5).
+    let mtp_is_moe = common.moe_layers.iter().any(|&moe| moe);
     let mut mtp_layers = 0;
     if hybrid.is_some() {
         while planner
@@ -353,6 +341,10 @@ pub fn build_plan(
                     false,
                     TensorClass::Mtp,
                 )?;
+                if !mtp_is_moe {
+                    plan_dense_mlp(&mut planner, config, &source, &target, TensorClass::Mtp)?;
+                    continue;
+                }
                 plan_moe_dense(&mut planner, config, &source, &target, TensorClass::Mtp)?;
                 mtp_banks.push(plan_bank(
                     planner.names,
@@ -506,7 +498,7 @@ fn plan_layer_body(
             )?;
         }
         LayerType::LinearAttention => {
-            let (ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c)) = config else {
+            let Some(c) = config.hybrid() else {
                 return Ok(());
             };
             let (nk, nv, dk, dv, kc) = (
@@ -641,6 +633,39 @@ fn plan_layer_body(
             )?;
         }
     }
+    Ok(())
+}
+
+/// The SwiGLU matrices of a dense-MLP layer (`intermediate_size` wide).
+fn plan_dense_mlp(
+    planner: &mut Planner,
+    config: &ModelConfig,
+    source: &str,
+    target: &str,
+    class: TensorClass,
+) -> Result<(), ConvertError> {
+    let (h, i) = (
+        config.common().hidden_size,
+        config.common().intermediate_size,
+    );
+    planner.copy(
+        &format!("{target}.mlp.gate_proj"),
+        class,
+        &format!("{source}.mlp.gate_proj.weight"),
+        &u(&[i, h]),
+    )?;
+    planner.copy(
+        &format!("{target}.mlp.up_proj"),
+        class,
+        &format!("{source}.mlp.up_proj.weight"),
+        &u(&[i, h]),
+    )?;
+    planner.copy(
+        &format!("{target}.mlp.down_proj"),
+        class,
+        &format!("{source}.mlp.down_proj.weight"),
+        &u(&[h, i]),
+    )?;
     Ok(())
 }
 

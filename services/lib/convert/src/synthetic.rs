@@ -69,7 +69,7 @@ pub struct LinearAttentionShape {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Preset {
     pub name: &'static str,
-    /// `qwen3_moe`, `qwen3_next` or `qwen3_5_moe`.
+    /// `qwen3_moe`, `qwen3_next`, `qwen3_5_moe` or `qwen3_5` (dense: no experts).
     pub model_type: &'static str,
     pub vocab_size: usize,
     pub hidden_size: usize,
@@ -77,8 +77,10 @@ pub struct Preset {
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
-    /// Dense-MLP width (in `config.json`; every layer of these presets is MoE).
+    /// Dense-MLP width: every layer of a `qwen3_5` preset; only written to `config.json` for
+    /// the MoE presets, whose every layer is MoE.
     pub intermediate_size: usize,
+    /// 0 for a dense preset (and then `num_experts_per_tok` and `moe_intermediate_size` too).
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
     pub moe_intermediate_size: usize,
@@ -101,8 +103,18 @@ const QWEN3_NEXT_LINEAR: LinearAttentionShape = LinearAttentionShape {
     full_attention_interval: 4,
 };
 
+/// The Gated DeltaNet of the dense Qwen3.5/3.6 27B: 48 value heads over 16 key heads.
+const QWEN3_5_27B_LINEAR: LinearAttentionShape = LinearAttentionShape {
+    key_heads: 16,
+    value_heads: 48,
+    key_head_dim: 128,
+    value_head_dim: 128,
+    conv_kernel: 4,
+    full_attention_interval: 4,
+};
+
 /// The presets, with the values of the released checkpoints' `config.json`.
-pub const PRESETS: [Preset; 4] = [
+pub const PRESETS: [Preset; 5] = [
     // Qwen/Qwen3-30B-A3B
     Preset {
         name: "qwen3-30b-a3b",
@@ -187,6 +199,34 @@ pub const PRESETS: [Preset; 4] = [
         linear: None,
         mtp_layers: 0,
     },
+    // Qwen/Qwen3.6-27B (text model of the multimodal release; Qwen3.5-27B has the same
+    // shapes). Every value is the `text_config` of Qwen/Qwen3.6-27B's config.json (revision
+    // 6a9e13bd6fc8f0983b9b99948120bc37f49c13e9): hidden 5120, intermediate 17408, 64 layers with
+    // full_attention_interval 4, 24 query / 4 key-value heads of 256, linear 16 key / 48 value
+    // heads of 128, conv kernel 4, rope_theta 1e7 with partial_rotary_factor 0.25, vocab 248320,
+    // max_position_embeddings 262144, untied head, mtp_num_hidden_layers 1. The attention,
+    // width, depth, RoPE and vocabulary figures match THUDM/slime's
+    // scripts/models/qwen3.5-27B.sh as well.
+    Preset {
+        name: "qwen3.6-27b",
+        model_type: "qwen3_5",
+        vocab_size: 248320,
+        hidden_size: 5120,
+        num_hidden_layers: 64,
+        num_attention_heads: 24,
+        num_key_value_heads: 4,
+        head_dim: 256,
+        intermediate_size: 17408,
+        num_experts: 0,
+        num_experts_per_tok: 0,
+        moe_intermediate_size: 0,
+        shared_expert_intermediate_size: 0,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262144,
+        linear: Some(QWEN3_5_27B_LINEAR),
+        mtp_layers: 1,
+    },
 ];
 
 fn preset_names() -> String {
@@ -229,7 +269,7 @@ impl Preset {
         small.intermediate_size = small.intermediate_size.min(256);
         small.num_experts = self.num_experts.min(16);
         small.num_experts_per_tok = self.num_experts_per_tok.min(4);
-        small.moe_intermediate_size = 64;
+        small.moe_intermediate_size = if self.num_experts > 0 { 64 } else { 0 };
         if self.shared_expert_intermediate_size > 0 {
             small.shared_expert_intermediate_size = 64;
         }
@@ -312,7 +352,7 @@ impl Preset {
                     fields.insert("mlp_only_layers".into(), json!([]));
                     return text;
                 }
-                // qwen3_5_moe: the multimodal release keeps the text model under `text_config`,
+                // qwen3_5(_moe): the multimodal release keeps the text model under `text_config`,
                 // with explicit `layer_types` and RoPE inside `rope_parameters`.
                 let layer_types: Vec<&str> = (0..layers)
                     .map(|layer| {
@@ -325,7 +365,29 @@ impl Preset {
                     .collect();
                 fields.remove("rope_theta");
                 fields.remove("partial_rotary_factor");
-                fields.insert("model_type".into(), json!("qwen3_5_moe_text"));
+                let dense = self.model_type == "qwen3_5";
+                if dense {
+                    // Qwen3_5TextConfig has no expert fields.
+                    for key in [
+                        "num_experts",
+                        "num_experts_per_tok",
+                        "moe_intermediate_size",
+                        "norm_topk_prob",
+                        "shared_expert_intermediate_size",
+                    ] {
+                        fields.remove(key);
+                    }
+                }
+                let (text_type, top_type, class) = if dense {
+                    ("qwen3_5_text", "qwen3_5", "Qwen3_5ForConditionalGeneration")
+                } else {
+                    (
+                        "qwen3_5_moe_text",
+                        "qwen3_5_moe",
+                        "Qwen3_5MoeForConditionalGeneration",
+                    )
+                };
+                fields.insert("model_type".into(), json!(text_type));
                 fields.insert("layer_types".into(), json!(layer_types));
                 fields.insert("mtp_num_hidden_layers".into(), json!(self.mtp_layers));
                 fields.insert(
@@ -339,8 +401,8 @@ impl Preset {
                     }),
                 );
                 json!({
-                    "model_type": "qwen3_5_moe",
-                    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                    "model_type": top_type,
+                    "architectures": [class],
                     "tie_word_embeddings": false,
                     "text_config": text,
                 })
@@ -431,6 +493,13 @@ impl Preset {
                 add("self_attn.q_norm.weight", u(&[hd]));
                 add("self_attn.k_norm.weight", u(&[hd]));
             }
+        }
+        if self.num_experts == 0 {
+            let i = self.intermediate_size;
+            add("mlp.gate_proj.weight", u(&[i, h]));
+            add("mlp.up_proj.weight", u(&[i, h]));
+            add("mlp.down_proj.weight", u(&[h, i]));
+            return;
         }
         let (e, im) = (self.num_experts, self.moe_intermediate_size);
         add("mlp.gate.weight", u(&[e, h]));
@@ -602,10 +671,10 @@ pub(crate) fn synthetic_plan(
         },
         false,
     )?;
-    if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = &mut model {
+    if let Some(c) = model.hybrid_mut() {
         c.mtp_num_layers = plan.mtp_layers;
     }
-    if options.experts_dtype.is_quantized() {
+    if options.experts_dtype.is_quantized() && model.common().num_experts > 0 {
         let common = model.common();
         for cols in [common.hidden_size, common.moe_intermediate_size] {
             QuantizedLayout::new(options.experts_dtype, 1, cols).map_err(|problem| {
@@ -952,11 +1021,14 @@ impl Drawer {
             c.iter_mut().for_each(|x| *x /= norm);
             c
         };
+        // Without routers (a dense model) there is no popularity or reuse to steer.
+        let has_routers = model.common().num_experts > 0;
         let locality = match options.routing {
-            Routing::Trained => Locality::new(model, unit_vector),
-            Routing::Zipf { .. } | Routing::Uniform => None,
+            Routing::Trained if has_routers => Locality::new(model, unit_vector),
+            Routing::Trained | Routing::Zipf { .. } | Routing::Uniform => None,
         };
         let direction = match (&options.routing, &locality) {
+            _ if !has_routers => None,
             (Routing::Uniform, _) => None,
             (_, Some(locality)) => Some(locality.direction().to_vec()),
             (Routing::Zipf { .. } | Routing::Trained, None) => Some(unit_vector(hidden)),
@@ -1326,6 +1398,8 @@ mod tests {
             ("qwen3.5-35b-a3b", 35.0e9),
             ("qwen3-next-80b-a3b", 80.0e9),
             ("qwen3-235b-a22b", 235.1e9),
+            // The 27B of the name counts the vision tower (about 0.4 B) as well.
+            ("qwen3.6-27b", 26.9e9),
         ];
         for (name, billions) in expected {
             let (total, mtp) = parameters(&preset(name).unwrap());
@@ -1419,6 +1493,67 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_dense_preset_is_the_released_qwen3_6_27b() {
+        let config = preset("qwen3.6-27b").unwrap().model_config(64).unwrap();
+        let ModelConfig::Qwen35(c) = &config else {
+            panic!("{config:?}")
+        };
+        let common = &c.common;
+        assert_eq!(
+            (
+                common.hidden_size,
+                common.intermediate_size,
+                common.num_hidden_layers
+            ),
+            (5120, 17408, 64)
+        );
+        assert_eq!(
+            (
+                common.num_attention_heads,
+                common.num_key_value_heads,
+                common.head_dim,
+                common.rotary_dim
+            ),
+            (24, 4, 256, 64)
+        );
+        assert_eq!((common.vocab_size, common.rope_theta), (248320, 1e7));
+        assert_eq!(
+            (
+                common.num_experts,
+                common.num_experts_per_tok,
+                c.shared_expert_intermediate_size
+            ),
+            (0, 0, 0)
+        );
+        assert!(common.moe_layers.iter().all(|&moe| !moe));
+        assert_eq!((c.linear_num_key_heads, c.linear_num_value_heads), (16, 48));
+        assert_eq!((c.linear_key_head_dim, c.linear_value_head_dim), (128, 128));
+        let full: Vec<usize> = (0..64)
+            .filter(|&l| c.layer_types[l] == LayerType::FullAttention)
+            .collect();
+        assert_eq!(full, (0..16).map(|i| 4 * i + 3).collect::<Vec<_>>());
+        // The plan: dense MLPs of their own class, no expert banks, a dense MTP layer.
+        let options = SyntheticOptions::new(preset("qwen3.6-27b").unwrap(), "unused.ninfer");
+        let (model, plan) = synthetic_plan(&options).unwrap();
+        assert_eq!(model.hybrid().map(|h| h.mtp_num_layers), Some(1));
+        assert!(plan
+            .items
+            .iter()
+            .all(|item| matches!(item, PlannedItem::Tensor(_))));
+        let dense_mlp = plan
+            .items
+            .iter()
+            .filter(|item| {
+                matches!(item, PlannedItem::Tensor(t) if t.class == ninfer_artifact::TensorClass::DenseMlp)
+            })
+            .count();
+        assert_eq!(dense_mlp, 3 * 64);
+        assert!(plan.items.iter().any(
+            |item| matches!(item, PlannedItem::Tensor(t) if t.name == "mtp.layers.0.mlp.down_proj")
+        ));
     }
 
     #[test]

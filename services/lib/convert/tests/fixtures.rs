@@ -10,7 +10,7 @@ use ninfer_artifact::quant::{quantization_error_bound, GROUP_SIZE};
 use ninfer_artifact::{Artifact, DType, ModelConfig, TensorClass};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 
-const FIXTURES: [&str; 3] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"];
+const FIXTURES: [&str; 4] = ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -168,10 +168,33 @@ fn every_fixture_converts_with_every_experts_dtype() {
                 (moe_layers * e * 3 * h * im) as u64,
                 "{name}: routed-expert parameters"
             );
-            assert!(
-                moe_layers >= 1 && moe_layers < common.num_hidden_layers || name == "qwen3_5_moe",
-                "{name}: the fixture should mix dense and MoE layers"
-            );
+            match name {
+                "qwen3_5_moe" => assert_eq!(moe_layers, common.num_hidden_layers),
+                "qwen3_5" => assert_eq!(moe_layers, 0, "qwen3_5 is dense"),
+                _ => assert!(
+                    moe_layers >= 1 && moe_layers < common.num_hidden_layers,
+                    "{name}: the fixture should mix dense and MoE layers"
+                ),
+            }
+            // Dense-MLP layers: their three matrices, class `dense_mlp`, the checkpoint's values.
+            let i = common.intermediate_size;
+            for layer in (0..common.num_hidden_layers).filter(|&l| !common.moe_layers[l]) {
+                for (which, cols) in [("gate_proj", h), ("up_proj", h), ("down_proj", i)] {
+                    let stored = artifact
+                        .tensor(&format!("layers.{layer}.mlp.{which}"))
+                        .unwrap();
+                    assert_eq!(stored.entry.class, TensorClass::DenseMlp, "{name}");
+                    let source = tensors
+                        .iter()
+                        .find(|(n, _)| {
+                            !n.starts_with("mtp.")
+                                && n.ends_with(&format!("layers.{layer}.mlp.{which}.weight"))
+                        })
+                        .map(|(_, (_, values))| values)
+                        .unwrap();
+                    assert_matches(stored.name(), dense, &stored.to_f32_vec(), source, cols);
+                }
+            }
             assert_eq!(
                 artifact
                     .header()
@@ -193,7 +216,10 @@ fn every_fixture_converts_with_every_experts_dtype() {
                 .filter(|t| {
                     matches!(
                         t.entry.class,
-                        TensorClass::Embedding | TensorClass::Dense | TensorClass::RoutedExpert
+                        TensorClass::Embedding
+                            | TensorClass::Dense
+                            | TensorClass::DenseMlp
+                            | TensorClass::RoutedExpert
                     )
                 })
                 .map(|t| t.entry.element_count())
@@ -250,12 +276,18 @@ fn every_fixture_converts_with_every_experts_dtype() {
                     );
                 }
             }
-            if let ModelConfig::Qwen35Moe(hybrid) = &config {
+            if let ModelConfig::Qwen35Moe(hybrid) | ModelConfig::Qwen35(hybrid) = &config {
                 assert_eq!(
                     hybrid.mtp_num_layers, 1,
-                    "the qwen3_5_moe fixture carries one MTP layer"
+                    "the {name} fixture carries one MTP layer"
                 );
-                assert!(artifact.expert_bank("mtp.layers.0.moe.experts").is_some());
+                // The MTP layer has the model's usual feed-forward: experts, or a dense MLP.
+                let dense = matches!(config, ModelConfig::Qwen35(_));
+                assert_eq!(
+                    artifact.expert_bank("mtp.layers.0.moe.experts").is_some(),
+                    !dense
+                );
+                assert_eq!(artifact.get("mtp.layers.0.mlp.down_proj").is_some(), dense);
                 assert!(
                     artifact
                         .tensors()

@@ -129,8 +129,8 @@ fn oracle_selection(
     };
     let rotate = |values: &mut Vec<f32>, position: usize| {
         let original = values.clone();
-        for i in 0..half {
-            let angle = position as f32 * frequencies[i];
+        for (i, frequency) in frequencies.iter().enumerate() {
+            let angle = position as f32 * frequency;
             let (sin, cos) = angle.sin_cos();
             values[i] = original[i] * cos - original[i + half] * sin;
             values[i + half] = original[i + half] * cos + original[i] * sin;
@@ -148,8 +148,8 @@ fn oracle_selection(
     for (block_index, block) in blocks.iter().enumerate() {
         let mut mean = vec![0.0f32; width];
         for &token in block.iter() {
-            for d in 0..width {
-                mean[d] += raw_keys[token * width + d];
+            for (sum, value) in mean.iter_mut().zip(&raw_keys[token * width..]) {
+                *sum += value;
             }
         }
         for value in &mut mean {
@@ -160,8 +160,8 @@ fn oracle_selection(
         let mut score = 0.0f32;
         for q in &query_heads {
             let mut dot = 0.0f32;
-            for d in 0..width {
-                dot += q[d] * key[d];
+            for (a, b) in q.iter().zip(&key) {
+                dot += a * b;
             }
             score += if dot > 0.0 { dot } else { 0.0 };
         }
@@ -440,7 +440,7 @@ fn ngram_row_ids_match_transformers() {
             .as_array()
             .expect("row_ids")
             .iter()
-            .flat_map(|row| integers(row))
+            .flat_map(integers)
             .collect();
         assert_eq!(
             row_ids, expected,

@@ -25,6 +25,7 @@ use crate::service::routing_stats::ExpertStatistics;
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
 
 mod mtp;
+pub mod qwen4_exp;
 mod speculative;
 mod step_graphs;
 pub use mtp::MtpState;

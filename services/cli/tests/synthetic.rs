@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
-use ninfer_artifact::{Artifact, DType, ModelConfig};
+use ninfer_artifact::{Artifact, DType};
 use ninfer_convert::synthetic::{preset, Routing, SyntheticOptions, PRESETS};
 use ninfer_convert::{write_synthetic, NoProgress};
 use ninfer_engine::{

@@ -156,6 +156,8 @@ impl Locality {
         let common = model.common();
         let hidden = common.hidden_size;
         let (carrier, carried) = match model {
+            // Dense: no routers to carry context to.
+            ModelConfig::Qwen35(_) => return None,
             ModelConfig::Qwen3Moe(_) => attention_carrier(model, false, true)?,
             ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => {
                 match c.layer_types.first()? {

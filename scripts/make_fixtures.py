@@ -276,6 +276,33 @@ def generation_config(ids: dict, tf_version: str) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def multimodal_config(config_class, vision_class, text, ids: dict, hidden: int):
+    """The multimodal release layout around a text config: a tiny vision tower and the image and
+    video token ids (the converter skips the tower)."""
+    vision = vision_class(
+        depth=1,
+        hidden_size=32,
+        hidden_act="gelu_pytorch_tanh",
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=8,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=hidden,
+        num_position_embeddings=16,
+    )
+    return config_class(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
 def make_config(name: str, vocab: int, ids: dict):
     import transformers as T
 
@@ -348,28 +375,7 @@ def make_config(name: str, vocab: int, ids: dict):
             mtp_num_hidden_layers=1,
             mtp_use_dedicated_embeddings=False,
         )
-        vision = T.Qwen3_5VisionConfig(
-            depth=1,
-            hidden_size=32,
-            hidden_act="gelu_pytorch_tanh",
-            intermediate_size=64,
-            num_heads=2,
-            in_channels=3,
-            patch_size=8,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=H,
-            num_position_embeddings=16,
-        )
-        return T.Qwen3_5Config(
-            text_config=text.to_dict(),
-            vision_config=vision.to_dict(),
-            image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"],
-            tie_word_embeddings=False,
-        )
+        return multimodal_config(T.Qwen3_5Config, T.Qwen3_5VisionConfig, text, ids, H)
     if name == "qwen3_5_moe":
         text = T.Qwen3_5MoeTextConfig(
             **common,
@@ -385,28 +391,7 @@ def make_config(name: str, vocab: int, ids: dict):
             mtp_num_hidden_layers=1,
             mtp_use_dedicated_embeddings=False,
         )
-        vision = T.Qwen3_5MoeVisionConfig(
-            depth=1,
-            hidden_size=32,
-            hidden_act="gelu_pytorch_tanh",
-            intermediate_size=64,
-            num_heads=2,
-            in_channels=3,
-            patch_size=8,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=H,
-            num_position_embeddings=16,
-        )
-        return T.Qwen3_5MoeConfig(
-            text_config=text.to_dict(),
-            vision_config=vision.to_dict(),
-            image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"],
-            tie_word_embeddings=False,
-        )
+        return multimodal_config(T.Qwen3_5MoeConfig, T.Qwen3_5MoeVisionConfig, text, ids, H)
     raise ValueError(name)
 
 

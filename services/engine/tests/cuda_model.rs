@@ -152,15 +152,11 @@ fn compare_tiny_models(gpu: &Arc<CudaBackend>, label: &str, bars: &Bars) {
 /// architecture, a batch of one and a batch of three sequences, every routed expert resident.
 #[test]
 fn step_graphs_give_the_logits_of_uncaptured_steps() {
-    let gpu = match CudaBackend::shared() {
-        Ok(backend) => backend,
-        Err(error) => {
-            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
-            }
-            println!("skipped `step_graphs_give_the_logits_of_uncaptured_steps` on cuda: {error}");
-            return;
-        }
+    let Some(gpu) = gpu_or_skip(
+        CudaBackend::shared(),
+        "step_graphs_give_the_logits_of_uncaptured_steps",
+    ) else {
+        return;
     };
     let directory = tempfile::tempdir().unwrap();
     for architecture in [
@@ -168,33 +164,11 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
         TinyArchitecture::Qwen3Next,
         TinyArchitecture::Qwen35Moe,
     ] {
-        let options = TinyModelOptions {
-            experts_dtype: DType::Int8,
-            dense_dtype: DType::Bf16,
-            ..TinyModelOptions::new(architecture)
-        };
-        let path = directory.path().join(format!("{architecture:?}.ninfer"));
-        write_tiny_model(&path, options).unwrap();
-        let open = |graphs: bool| {
-            let mut model = Model::open(Arc::clone(&gpu), &path).unwrap();
-            let common = &model.spec().common;
-            let every_expert: Vec<u32> = (0..common.num_experts as u32).collect();
-            let placement: Vec<Vec<u32>> = common
-                .moe_layers
-                .iter()
-                .map(|&moe| {
-                    if moe {
-                        every_expert.clone()
-                    } else {
-                        Vec::new()
-                    }
-                })
-                .collect();
-            model.place_resident_experts(&placement).unwrap();
-            model.set_step_graphs(graphs);
-            model
-        };
-        let (with_graphs, without) = (open(true), open(false));
+        let path = write_int8_model(directory.path(), architecture);
+        let (with_graphs, without) = (
+            open_with_resident_experts(&gpu, &path, 1, true),
+            open_with_resident_experts(&gpu, &path, 1, false),
+        );
         for sequences in [1usize, 3] {
             let prompts: Vec<Vec<u32>> = (0..sequences as u32)
                 .map(|s| (0..9 + 4 * s).map(|i| (i * 31 + 7 * s + 3) % 97).collect())
@@ -237,52 +211,29 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
 /// layer waiting for the routing mid-forward).
 #[test]
 fn routing_stored_by_the_router_equals_routing_copied_back() {
-    let (copies, stores) = match CudaBackend::shared().and_then(|copies| {
+    let backends = CudaBackend::shared().and_then(|copies| {
         let options = CudaOptions {
             routing_stores: true,
             ..CudaOptions::default()
         };
         Ok((copies, Arc::new(CudaBackend::with_options(0, options)?)))
-    }) {
-        Ok(backends) => backends,
-        Err(error) => {
-            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
-            }
-            println!("skipped `routing_stored_by_the_router_equals_routing_copied_back` on cuda: {error}");
-            return;
-        }
+    });
+    let Some((copies, stores)) = gpu_or_skip(
+        backends,
+        "routing_stored_by_the_router_equals_routing_copied_back",
+    ) else {
+        return;
     };
     let directory = tempfile::tempdir().unwrap();
     for architecture in [TinyArchitecture::Qwen3Moe, TinyArchitecture::Qwen35Moe] {
-        let options = TinyModelOptions {
-            experts_dtype: DType::Int8,
-            dense_dtype: DType::Bf16,
-            ..TinyModelOptions::new(architecture)
-        };
-        let path = directory.path().join(format!("{architecture:?}.ninfer"));
-        write_tiny_model(&path, options).unwrap();
+        let path = write_int8_model(directory.path(), architecture);
         for (label, resident_share, graphs) in [
             ("every expert resident, graphs", 1, true),
             ("every expert resident, no graphs", 1, false),
             ("half resident", 2, false),
         ] {
-            let open = |backend: &Arc<CudaBackend>| {
-                let mut model = Model::open(Arc::clone(backend), &path).unwrap();
-                let common = &model.spec().common;
-                let resident: Vec<u32> = (0..common.num_experts as u32)
-                    .filter(|expert| expert % resident_share == 0)
-                    .collect();
-                let placement: Vec<Vec<u32>> = common
-                    .moe_layers
-                    .iter()
-                    .map(|&moe| if moe { resident.clone() } else { Vec::new() })
-                    .collect();
-                model.place_resident_experts(&placement).unwrap();
-                model.set_step_graphs(graphs);
-                model
-            };
-            let (by_copies, by_stores) = (open(&copies), open(&stores));
+            let by_copies = open_with_resident_experts(&copies, &path, resident_share, graphs);
+            let by_stores = open_with_resident_experts(&stores, &path, resident_share, graphs);
             let prompts: Vec<Vec<u32>> = (0..3u32)
                 .map(|s| (0..9 + 4 * s).map(|i| (i * 31 + 7 * s + 3) % 97).collect())
                 .collect();
@@ -297,6 +248,62 @@ fn routing_stored_by_the_router_equals_routing_copied_back() {
             }
         }
     }
+}
+
+/// The GPU value, or `None` after saying why the test is skipped (a panic instead under
+/// `NINFER_REQUIRE_GPU=1`).
+fn gpu_or_skip<T>(
+    opened: Result<T, ninfer_engine::backend::cuda::CudaError>,
+    test: &str,
+) -> Option<T> {
+    match opened {
+        Ok(value) => Some(value),
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
+            }
+            println!("skipped `{test}` on cuda: {error}");
+            None
+        }
+    }
+}
+
+/// A tiny model of `architecture` with int8 experts and bf16 dense weights, written in `directory`.
+fn write_int8_model(
+    directory: &std::path::Path,
+    architecture: TinyArchitecture,
+) -> std::path::PathBuf {
+    let options = TinyModelOptions {
+        experts_dtype: DType::Int8,
+        dense_dtype: DType::Bf16,
+        ..TinyModelOptions::new(architecture)
+    };
+    let path = directory.join(format!("{architecture:?}.ninfer"));
+    write_tiny_model(&path, options).unwrap();
+    path
+}
+
+/// The model at `path` on `backend` with every `share`-th expert of each MoE layer resident
+/// (1: all of them) and step graphs on or off.
+fn open_with_resident_experts(
+    backend: &Arc<CudaBackend>,
+    path: &std::path::Path,
+    share: u32,
+    graphs: bool,
+) -> Model<CudaBackend> {
+    let mut model = Model::open(Arc::clone(backend), path).unwrap();
+    let common = &model.spec().common;
+    let resident: Vec<u32> = (0..common.num_experts as u32)
+        .filter(|expert| expert % share == 0)
+        .collect();
+    let placement: Vec<Vec<u32>> = common
+        .moe_layers
+        .iter()
+        .map(|&moe| if moe { resident.clone() } else { Vec::new() })
+        .collect();
+    model.place_resident_experts(&placement).unwrap();
+    model.set_step_graphs(graphs);
+    model
 }
 
 /// Prefills each prompt alone, then decodes all of them together greedily for `steps` steps

@@ -648,24 +648,18 @@ fn plan_dense_mlp(
         config.common().hidden_size,
         config.common().intermediate_size,
     );
-    planner.copy(
-        &format!("{target}.mlp.gate_proj"),
-        class,
-        &format!("{source}.mlp.gate_proj.weight"),
-        &u(&[i, h]),
-    )?;
-    planner.copy(
-        &format!("{target}.mlp.up_proj"),
-        class,
-        &format!("{source}.mlp.up_proj.weight"),
-        &u(&[i, h]),
-    )?;
-    planner.copy(
-        &format!("{target}.mlp.down_proj"),
-        class,
-        &format!("{source}.mlp.down_proj.weight"),
-        &u(&[h, i]),
-    )?;
+    for (name, shape) in [
+        ("gate_proj", [i, h]),
+        ("up_proj", [i, h]),
+        ("down_proj", [h, i]),
+    ] {
+        planner.copy(
+            &format!("{target}.mlp.{name}"),
+            class,
+            &format!("{source}.mlp.{name}.weight"),
+            &u(&shape),
+        )?;
+    }
     Ok(())
 }
 

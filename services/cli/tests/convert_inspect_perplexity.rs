@@ -97,9 +97,29 @@ fn expected_class(name: &str) -> &'static str {
         "embedding"
     } else if text.contains(".mlp.experts.") {
         "routed_expert"
+    } else if is_dense_mlp_matrix(&text) {
+        "dense_mlp"
     } else {
         "dense"
     }
+}
+
+/// `model.layers.N.mlp.{gate,up,down}_proj.weight`: a dense-MLP layer's matrices (a MoE layer's
+/// shared expert sits under `mlp.shared_expert.`).
+fn is_dense_mlp_matrix(text: &str) -> bool {
+    let Some(rest) = text.strip_prefix("model.layers.") else {
+        return false;
+    };
+    let Some((layer, tail)) = rest.split_once('.') else {
+        return false;
+    };
+    layer.chars().all(|c| c.is_ascii_digit())
+        && [
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ]
+        .contains(&tail)
 }
 
 /// `ninfer inspect`'s table: (class, dtype) → (tensors, parameters, bytes text), and the total.

@@ -179,11 +179,11 @@ fn greedy_run<B: Backend>(backend: Arc<B>, path: &Path, prompt: &[u32], setup: S
     }
 }
 
-/// Routing statistics of `tokens` in one forward with no slots (the seed a previous run leaves).
-fn statistics_of(path: &Path, tokens: &[u32]) -> ExpertStatistics {
+/// Every layer's routing calls in one prefill of `tokens` with no slots.
+fn prefill_routing(path: &Path, tokens: &[u32]) -> Vec<LayerRoutingTrace> {
     let artifact = open_artifact(path).unwrap();
-    let common = artifact.config().common().clone();
-    let recording = Arc::new(RecordingExecutor::new(&artifact, common.num_hidden_layers));
+    let layers = artifact.config().common().num_hidden_layers;
+    let recording = Arc::new(RecordingExecutor::new(&artifact, layers));
     let model = Model::load(
         Arc::new(CpuBackend::new()),
         artifact,
@@ -192,8 +192,13 @@ fn statistics_of(path: &Path, tokens: &[u32]) -> ExpertStatistics {
     .unwrap();
     let mut state = model.new_sequence(tokens.len()).unwrap();
     model.prefill(&mut state, tokens).unwrap();
-    let counts = recording
-        .trace()
+    recording.trace()
+}
+
+/// Routing statistics of `tokens` in one forward with no slots (the seed a previous run leaves).
+fn statistics_of(path: &Path, tokens: &[u32]) -> ExpertStatistics {
+    let common = open_artifact(path).unwrap().config().common().clone();
+    let counts = prefill_routing(path, tokens)
         .iter()
         .map(|calls| {
             let mut row = vec![0u64; common.num_experts];
@@ -465,22 +470,10 @@ fn hit_rate_curve_on_the_trained_fixture() {
     let k = common.num_experts_per_tok;
     let statistics: Vec<ExpertStatistics> = texts.iter().map(|t| statistics_of(&path, t)).collect();
     // One token a step: the prefill's routing cut per token.
-    let traces: Vec<Vec<LayerRoutingTrace>> = statistics
+    let traces: Vec<Vec<LayerRoutingTrace>> = texts
         .iter()
-        .zip(&texts)
-        .map(|(_, text)| {
-            let artifact = open_artifact(&path).unwrap();
-            let recording = Arc::new(RecordingExecutor::new(&artifact, common.num_hidden_layers));
-            let model = Model::load(
-                Arc::new(CpuBackend::new()),
-                artifact,
-                Arc::clone(&recording) as _,
-            )
-            .unwrap();
-            let mut state = model.new_sequence(text.len()).unwrap();
-            model.prefill(&mut state, text).unwrap();
-            recording
-                .trace()
+        .map(|text| {
+            prefill_routing(&path, text)
                 .into_iter()
                 .map(|calls| {
                     calls

@@ -186,6 +186,14 @@ __device__ __forceinline__ void split_copy_word(unsigned int* shared_word,
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(global_word)
                  : "memory");
 }
+// A 16-byte global → shared copy that does not wait (both addresses 16-byte aligned).
+__device__ __forceinline__ void split_copy_quad(unsigned int* shared_words,
+                                                const unsigned int* global_words) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(shared_words);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address),
+                 "l"(global_words)
+                 : "memory");
+}
 __device__ __forceinline__ void split_copies_wait() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
@@ -210,7 +218,12 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
     }
     const int per_word = KvWords<KV>::per_word;
     const int words = hd / per_word;  // of one K or V row of one kv head
-    const int stride = words + 1;     // odd: lane j's row starts on bank j (conflict-free)
+    // Rows of whole 16-byte quads (`quads`) are staged and scored 16 bytes at a time, with a
+    // stride of words + 4: 8 lanes reading 16 bytes each hit distinct bank quads when
+    // words / 4 is even. Otherwise 4 bytes at a time with an odd stride (lane j's row starts
+    // on bank j). `split_smem_bytes` in attention.rs mirrors the stride.
+    const bool quads = (words & 3) == 0;
+    const int stride = quads ? words + 4 : words + 1;
     float* q_s = attention_smem;                                   // [SPLIT_HEADS][hd]
     float* p_s = q_s + SPLIT_HEADS * hd;                           // [SPLIT_HEADS][SPLIT_TILE]
     float* m_s = p_s + SPLIT_HEADS * SPLIT_TILE;                   // running max per head
@@ -256,12 +269,22 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
     for (int s0 = k0; s0 <= k1; s0 += SPLIT_TILE) {
         int len = min(SPLIT_TILE, k1 - s0 + 1);
         // Stage the tile's K and V rows: every copy issued before any is waited for.
-        for (int j = warp; j < len; j += SPLIT_WARPS) {
-            const unsigned int* kr = key_words + (long long)(s0 + j) * kv_row_words;
-            const unsigned int* vr = value_words + (long long)(s0 + j) * kv_row_words;
-            for (int w = lane; w < words; w += 32) {
-                split_copy_word(k_s + j * stride + w, kr + w);
-                split_copy_word(v_s + j * stride + w, vr + w);
+        if (quads) {
+            int row_quads = words / 4;
+            for (int i = tid; i < len * row_quads; i += SPLIT_THREADS) {
+                int j = i / row_quads, w = (i % row_quads) * 4;
+                long long row = (long long)(s0 + j) * kv_row_words;
+                split_copy_quad(k_s + j * stride + w, key_words + row + w);
+                split_copy_quad(v_s + j * stride + w, value_words + row + w);
+            }
+        } else {
+            for (int j = warp; j < len; j += SPLIT_WARPS) {
+                const unsigned int* kr = key_words + (long long)(s0 + j) * kv_row_words;
+                const unsigned int* vr = value_words + (long long)(s0 + j) * kv_row_words;
+                for (int w = lane; w < words; w += 32) {
+                    split_copy_word(k_s + j * stride + w, kr + w);
+                    split_copy_word(v_s + j * stride + w, vr + w);
+                }
             }
         }
         split_copies_wait();
@@ -274,7 +297,33 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
             const float* qb = q_s + hb * hd;
             float sa = 0.0f, sb = 0.0f;
             bool has_b = hb < hg;
-            if (ha < hg) {
+            if (ha < hg && quads) {
+                // The same products in the same order as below, read 16 bytes at a time (q rows
+                // are 16-byte aligned: hd · 4 bytes is a multiple of 16 here).
+                const int per_quad = 4 * per_word;  // elements in 16 bytes of the cache
+#pragma unroll 2
+                for (int w = 0; w < words; w += 4) {
+                    uint4 quad = *reinterpret_cast<const uint4*>(kr + w);
+                    unsigned int quad_words[4] = {quad.x, quad.y, quad.z, quad.w};
+                    float x[8], a[8], b[8];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) KvWords<KV>::widen(quad_words[u], x + u * per_word);
+#pragma unroll
+                    for (int f = 0; f < per_quad; f += 4) {
+                        float4 qa4 = *reinterpret_cast<const float4*>(qa + w * per_word + f);
+                        a[f] = qa4.x, a[f + 1] = qa4.y, a[f + 2] = qa4.z, a[f + 3] = qa4.w;
+                        if (has_b) {
+                            float4 qb4 = *reinterpret_cast<const float4*>(qb + w * per_word + f);
+                            b[f] = qb4.x, b[f + 1] = qb4.y, b[f + 2] = qb4.z, b[f + 3] = qb4.w;
+                        }
+                    }
+#pragma unroll
+                    for (int e = 0; e < per_quad; ++e) {
+                        sa += a[e] * x[e];
+                        if (has_b) sb += b[e] * x[e];
+                    }
+                }
+            } else if (ha < hg) {
 #pragma unroll 4
                 for (int w = 0; w < words; ++w) {
                     float x[2];
@@ -285,6 +334,8 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
                         if (has_b) sb += qb[w * per_word + e] * x[e];
                     }
                 }
+            }
+            if (ha < hg) {
                 p_s[ha * SPLIT_TILE + lane] = sa * scale;
                 if (has_b) p_s[hb * SPLIT_TILE + lane] = sb * scale;
             }
@@ -373,22 +424,27 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 }
 
 
-// One block per (row t, head) of the segment (grid x = n·heads), threads over the head dims
-// (a multiple of 32): merges the row's chunks first/chunk ..= position/chunk (every one of them
-// non-empty): M = max m_c, L = Σ l_c·e^(m_c − M), out = Σ o_c·e^(m_c − M) / L. The first warp
-// computes the chunks' weights once into shared memory (and L, by a fixed lane tree); the
-// output sums run in ascending chunk order.
-extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml,
-                                             float* out, int row_start, int n,
-                                             int start_position, int heads, int hd, int window,
-                                             int chunk, int chunks, int part_base,
-                                             const unsigned int* row_positions) {
+// Warps of a combine block; each sums every COMBINE_WARPS-th chunk.
+#define COMBINE_WARPS 8
+
+// One block per (row t, head, 32 of the head's dims) of the segment (grid x = n·heads,
+// y = ceil(hd / 32)), COMBINE_WARPS warps: merges the row's chunks first/chunk ..= position/chunk
+// (every one of them non-empty): M = max m_c, L = Σ l_c·e^(m_c − M),
+// out = Σ o_c·e^(m_c − M) / L. The first warp computes the chunks' weights once into shared
+// memory (and L, by a fixed lane tree); warp w sums chunks w, w + COMBINE_WARPS, … in ascending
+// order for its lane's dim, and the warps' sums are added in warp order: a fixed order that
+// depends only on the chunk count, with every chunk's load in flight at once.
+extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
+    attention_combine(const float* part_o, const float* part_ml, float* out, int row_start, int n,
+                      int start_position, int heads, int hd, int window, int chunk, int chunks,
+                      int part_base, const unsigned int* row_positions) {
     __shared__ float weight_s[COMBINE_MAX_CHUNKS];
+    __shared__ float partial_s[COMBINE_WARPS][32];
+    __shared__ float scalar_s[1];  // 1 / L
     if (row_positions) {
         start_position = (int)row_positions[row_start];
         chunk = split_chunk(start_position + n - 1);
     }
-    __shared__ float scalar_s[1];  // 1 / L
     int task = blockIdx.x;
     if (task >= n * heads) return;
     int t = task / heads, head = task % heads;
@@ -397,8 +453,8 @@ extern "C" __global__ void attention_combine(const float* part_o, const float* p
     int c0 = first / chunk, c1 = position / chunk;
     int count = c1 - c0 + 1;
     long long base = (long long)part_base + ((long long)t * heads + head) * chunks + c0;
-    if (threadIdx.x < 32) {
-        int lane = threadIdx.x;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp == 0) {
         float top = __int_as_float(0xff800000);
         for (int i = lane; i < count; i += 32) top = fmaxf(top, part_ml[2 * (base + i)]);
         top = warp_max(top);
@@ -412,13 +468,21 @@ extern "C" __global__ void attention_combine(const float* part_o, const float* p
         if (lane == 0) scalar_s[0] = 1.0f / total;
     }
     __syncthreads();
-    float inverse = scalar_s[0];
-    float* o = out + (long long)(row_start + t) * heads * hd + (long long)head * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float sum = 0.0f;
+    int d = blockIdx.y * 32 + lane;
+    float sum = 0.0f;
+    if (d < hd) {
 #pragma unroll 16
-        for (int i = 0; i < count; ++i) sum += part_o[(base + i) * hd + d] * weight_s[i];
-        o[d] = sum * inverse;
+        for (int i = warp; i < count; i += COMBINE_WARPS)
+            sum += part_o[(base + i) * hd + d] * weight_s[i];
+    }
+    partial_s[warp][lane] = sum;
+    __syncthreads();
+    if (warp == 0 && d < hd) {
+        float total = partial_s[0][lane];
+#pragma unroll
+        for (int w = 1; w < COMBINE_WARPS; ++w) total += partial_s[w][lane];
+        out[(long long)(row_start + t) * heads * hd + (long long)head * hd + d] =
+            total * scalar_s[0];
     }
 }
 

@@ -13,7 +13,8 @@
 //   expert_pair_sum out[t, r] = Σ_j pair_out[t·k + j, r]              (fixed order)
 // with two kernels for gate_up and down:
 //   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes one
-//     output row of one pair, the pair's input vector sits in shared memory. Every pair reads
+//     activated column (gate_up) or DOWN_ROWS output rows (down) of one pair, the pair's input
+//     vector sits in shared memory. Every pair reads
 //     its expert's whole matrices.
 //   * grouped (`expert_gate_up_grouped`, `expert_down_grouped`; prefill): the host groups the
 //     slotted pairs by expert and cuts each expert's list into tiles of ≤ TILE_TOKENS pairs
@@ -41,6 +42,8 @@
 #define GROUP 32
 #define SEG 16
 #define SEG_STRIDE 20
+// Output rows per warp of `expert_down` (experts.rs mirrors it).
+#define DOWN_ROWS 4
 
 // Grouped kernels: pairs per tile, inputs staged per pass (one 16-input segment per lane),
 // warps per block and weight rows per warp. experts.rs mirrors TILE_TOKENS, GROUPED_WARPS
@@ -124,7 +127,7 @@ __device__ __forceinline__ void segment_weights(const unsigned char* matrix, lon
 // Lane's share of `row · x` for row `row` of a [rows, cols] matrix starting at `matrix`, whose
 // f16 scales (quantized dtypes) start `scales` bytes after `matrix`. `x` is in shared memory,
 // padded. The order is the one described at the top of the file.
-__device__ float row_dot_partial(const unsigned char* matrix, long long scales, int dtype, int row,
+__device__ __forceinline__ float row_dot_partial(const unsigned char* matrix, long long scales, int dtype, int row,
                                  int cols, const float* x, int lane) {
     float acc = 0.0f;
     if (dtype == DTYPE_F32 || dtype == DTYPE_BF16) {
@@ -190,7 +193,10 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     if (lane == 0) activated[(long long)p * intermediate + c] = silu(gate) * up;
 }
 
-// grid (ceil(hidden / warps), pairs), dynamic shared memory ceil(intermediate / 16) · 20 floats.
+// grid (ceil(hidden / (warps · DOWN_ROWS)), pairs), dynamic shared memory
+// ceil(intermediate / 16) · 20 floats. Each warp computes DOWN_ROWS consecutive output rows (a
+// row is short, intermediate values: several rows' loads in flight per warp), each row's sum
+// formed exactly as one row per warp would form it.
 extern "C" __global__ void expert_down(const unsigned char* slots, const int* slot_of_expert,
                                        const unsigned int* ids, const float* weights,
                                        const float* activated, float* pair_out, int num_experts,
@@ -201,19 +207,30 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
     int warps = blockDim.x / 32;
     int lane = threadIdx.x % 32;
-    int r = blockIdx.x * warps + threadIdx.x / 32;
+    int r0 = (blockIdx.x * warps + threadIdx.x / 32) * DOWN_ROWS;
     if (slot < 0) {
         // Other pairs add nothing: their experts run elsewhere.
-        if (r < hidden && lane == 0) pair_out[(long long)p * hidden + r] = 0.0f;
+        if (lane < DOWN_ROWS && r0 + lane < hidden) pair_out[(long long)p * hidden + r0 + lane] = 0.0f;
         return;
     }
     const float* ap = activated + (long long)p * intermediate;
     for (int c = threadIdx.x; c < intermediate; c += blockDim.x) shared_a[padded(c)] = ap[c];
     __syncthreads();
-    if (r >= hidden) return;
+    if (r0 >= hidden) return;
     const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
-    float y = warp_sum(row_dot_partial(matrix, down_scales, dtype, r, intermediate, shared_a, lane));
-    if (lane == 0) pair_out[(long long)p * hidden + r] = weights[p] * y;
+    float partial[DOWN_ROWS];
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS; ++i) {
+        partial[i] = r0 + i < hidden
+                         ? row_dot_partial(matrix, down_scales, dtype, r0 + i, intermediate,
+                                           shared_a, lane)
+                         : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS; ++i) {
+        float y = warp_sum(partial[i]);
+        if (lane == 0 && r0 + i < hidden) pair_out[(long long)p * hidden + r0 + i] = weights[p] * y;
+    }
 }
 
 // Grouped kernels. -----------------------------------------------------------------------------

@@ -6,8 +6,8 @@
 // n or on where the row sits in the batch, so a row's result does not depend on the batch it
 // is in (the golden tests require batched and single prefills to agree bit for bit).
 //
-// `matmul` / `matmul_bf16` (used for every n): one warp per (output feature, group of up to
-// ROWS rows); each lane sums its own k positions (bf16 with k % 8 == 0: 8-wide chunks 256
+// `matmul` / `matmul_bf16` (used for every n): one warp per (1 or MAX_COLS output features,
+// group of up to ROWS rows); each lane sums its own k positions (bf16 with k % 8 == 0: 8-wide chunks 256
 // apart; else 4-wide chunks 128 apart when k % 4 == 0; else k ≡ lane mod 32) in increasing
 // order for each row of the group, then a fixed butterfly adds the 32 lane sums. Weight reads
 // are coalesced (a warp reads 32 consecutive values of one row) and each weight is reused for
@@ -21,6 +21,17 @@
 #include "common.cuh"
 
 #define ROWS 8
+// Most output features one warp computes together (more weight loads in flight per warp; the
+// values do not depend on it).
+#define MAX_COLS 2
+// Steps of a lane's k loop unrolled (loads in flight per feature). Overridable so the kernel
+// bench can compare settings.
+#ifndef UNROLL
+#define UNROLL 4
+#endif
+#define MATMUL_STRINGIFY(text) #text
+#define MATMUL_PRAGMA(text) _Pragma(MATMUL_STRINGIFY(text))
+#define UNROLL_STEPS MATMUL_PRAGMA(unroll UNROLL)
 
 __device__ __forceinline__ float load_weight(const float* w, long long i) { return w[i]; }
 __device__ __forceinline__ float load_weight(const unsigned short* w, long long i) {
@@ -38,116 +49,189 @@ __device__ __forceinline__ float4 load_weight4(const unsigned short* w, long lon
                        __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
 }
 
-// Output feature `col` of rows r0 .. r0 + ROWS (those < n) of out[n, m] = x · wᵀ, by one warp.
-template <typename W>
+// Output features col .. col + C (those < m) of rows r0 .. r0 + R (those < n) of
+// out[n, m] = x · wᵀ, by one warp. Each output's sum is formed exactly the same way whatever C
+// and R are (the same lane chunks in the same order, then the same butterfly): C only puts more
+// weight loads in flight per warp and reuses each activation load for C features, and R is the
+// row group's size rounded up (a warp with one row runs no code for seven others).
+template <typename W, int C, int R>
 __device__ void matmul_output(const float* x, const W* w, float* out, int n, int k, int m, int col,
                               int r0, int lane) {
-    const W* wr = w + (long long)col * k;
-    float acc[ROWS];
+    const W* wr[C];
+    bool live[C];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+    for (int c = 0; c < C; ++c) {
+        live[c] = col + c < m;
+        wr[c] = w + (long long)(live[c] ? col + c : col) * k;
+    }
+    float acc[C][R];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[c][r] = 0.0f;
+    }
     bool eight_wide = false;
     if constexpr (sizeof(W) == 2) eight_wide = (k & 7) == 0;
     if (eight_wide) {
         // bf16, k % 8 == 0: lane l takes k in [8l, 8l + 8) + 256 i, one 16-byte load per lane
-        // per step (decode is bound by the bytes in flight, and 8-byte loads halved them).
-#pragma unroll 4
+        // per step and feature (decode is bound by the bytes in flight).
+        UNROLL_STEPS
         for (int kk = lane * 8; kk < k; kk += 256) {
-            uint4 raw = *reinterpret_cast<const uint4*>(wr + kk);
-            float wv[8] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
-                           __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u),
-                           __uint_as_float(raw.z << 16), __uint_as_float(raw.z & 0xffff0000u),
-                           __uint_as_float(raw.w << 16), __uint_as_float(raw.w & 0xffff0000u)};
+            float wv[C][8];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
+            for (int c = 0; c < C; ++c) {
+                uint4 raw = live[c] ? *reinterpret_cast<const uint4*>(wr[c] + kk) : make_uint4(0, 0, 0, 0);
+                wv[c][0] = __uint_as_float(raw.x << 16);
+                wv[c][1] = __uint_as_float(raw.x & 0xffff0000u);
+                wv[c][2] = __uint_as_float(raw.y << 16);
+                wv[c][3] = __uint_as_float(raw.y & 0xffff0000u);
+                wv[c][4] = __uint_as_float(raw.z << 16);
+                wv[c][5] = __uint_as_float(raw.z & 0xffff0000u);
+                wv[c][6] = __uint_as_float(raw.w << 16);
+                wv[c][7] = __uint_as_float(raw.w & 0xffff0000u);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
                 if (r0 + r < n) {
                     const float* xr = x + (long long)(r0 + r) * k + kk;
                     float4 xa = *reinterpret_cast<const float4*>(xr);
                     float4 xb = *reinterpret_cast<const float4*>(xr + 4);
-                    acc[r] += wv[0] * xa.x;
-                    acc[r] += wv[1] * xa.y;
-                    acc[r] += wv[2] * xa.z;
-                    acc[r] += wv[3] * xa.w;
-                    acc[r] += wv[4] * xb.x;
-                    acc[r] += wv[5] * xb.y;
-                    acc[r] += wv[6] * xb.z;
-                    acc[r] += wv[7] * xb.w;
+#pragma unroll
+                    for (int c = 0; c < C; ++c) {
+                        acc[c][r] += wv[c][0] * xa.x;
+                        acc[c][r] += wv[c][1] * xa.y;
+                        acc[c][r] += wv[c][2] * xa.z;
+                        acc[c][r] += wv[c][3] * xa.w;
+                        acc[c][r] += wv[c][4] * xb.x;
+                        acc[c][r] += wv[c][5] * xb.y;
+                        acc[c][r] += wv[c][6] * xb.z;
+                        acc[c][r] += wv[c][7] * xb.w;
+                    }
                 }
             }
         }
     } else if ((k & 3) == 0) {
         // Lane l takes k in [4l, 4l + 4) + 128 i: one 16-byte (f32) or 8-byte (bf16) load per
-        // lane per step, several steps in flight.
-#pragma unroll 4
+        // lane per step and feature, several steps in flight.
+        UNROLL_STEPS
         for (int kk = lane * 4; kk < k; kk += 128) {
-            float4 wv = load_weight4(wr, kk);
+            float4 wv[C];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
+            for (int c = 0; c < C; ++c)
+                wv[c] = live[c] ? load_weight4(wr[c], kk) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
                 if (r0 + r < n) {
                     float4 xv = *reinterpret_cast<const float4*>(x + (long long)(r0 + r) * k + kk);
-                    acc[r] += wv.x * xv.x;
-                    acc[r] += wv.y * xv.y;
-                    acc[r] += wv.z * xv.z;
-                    acc[r] += wv.w * xv.w;
+#pragma unroll
+                    for (int c = 0; c < C; ++c) {
+                        acc[c][r] += wv[c].x * xv.x;
+                        acc[c][r] += wv[c].y * xv.y;
+                        acc[c][r] += wv[c].z * xv.z;
+                        acc[c][r] += wv[c].w * xv.w;
+                    }
                 }
             }
         }
     } else {
         for (int kk = lane; kk < k; kk += 32) {
-            float wv = load_weight(wr, kk);
+            float wv[C];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r0 + r < n) acc[r] += wv * x[(long long)(r0 + r) * k + kk];
+            for (int c = 0; c < C; ++c) wv[c] = live[c] ? load_weight(wr[c], kk) : 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (r0 + r < n) {
+                    float xv = x[(long long)(r0 + r) * k + kk];
+#pragma unroll
+                    for (int c = 0; c < C; ++c) acc[c][r] += wv[c] * xv;
+                }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        float v = acc[r];
-        for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-        if (lane == 0 && r0 + r < n) out[(long long)(r0 + r) * m + col] = v;
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float v = acc[c][r];
+            for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+            if (lane == 0 && live[c] && r0 + r < n) out[(long long)(r0 + r) * m + col + c] = v;
+        }
     }
 }
 
+// The row group r0 .. min(r0 + ROWS, n) with R = its size rounded up to 1, 2, 4 or ROWS.
+template <typename W, int C>
+__device__ void matmul_row_group(const float* x, const W* w, float* out, int n, int k, int m,
+                                 int col, int r0, int lane) {
+    int rows_here = n - r0;
+    if (rows_here == 1) {
+        matmul_output<W, C, 1>(x, w, out, n, k, m, col, r0, lane);
+    } else if (rows_here <= 2) {
+        matmul_output<W, C, 2>(x, w, out, n, k, m, col, r0, lane);
+    } else if (rows_here <= 4) {
+        matmul_output<W, C, 4>(x, w, out, n, k, m, col, r0, lane);
+    } else {
+        matmul_output<W, C, ROWS>(x, w, out, n, k, m, col, r0, lane);
+    }
+}
+
+// `cols` output features per warp: 1, or MAX_COLS (the host's choice per shape: more features
+// per warp means fewer warps, which pays only when there are many).
 template <typename W>
-__device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k, int m) {
+__device__ void matmul_task(const float* x, const W* w, float* out, int n, int k, int m, int cols,
+                            int col, int r0, int lane) {
+    if (cols == MAX_COLS) {
+        matmul_row_group<W, MAX_COLS>(x, w, out, n, k, m, col, r0, lane);
+    } else {
+        matmul_row_group<W, 1>(x, w, out, n, k, m, col, r0, lane);
+    }
+}
+
+// Tasks: (group of `cols` output features, group of ROWS rows), feature groups fastest.
+template <typename W>
+__device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k, int m, int cols) {
     int warps_per_block = blockDim.x / 32;
     long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
     long long groups = (n + ROWS - 1) / ROWS;
-    if (task >= groups * m) return;  // whole warps leave together
-    matmul_output(x, w, out, n, k, m, (int)(task % m), (int)(task / m) * ROWS, threadIdx.x % 32);
+    long long column_groups = (m + cols - 1) / cols;
+    if (task >= groups * column_groups) return;  // whole warps leave together
+    matmul_task(x, w, out, n, k, m, cols, (int)(task % column_groups) * cols,
+                (int)(task / column_groups) * ROWS, threadIdx.x % 32);
 }
 
-extern "C" __global__ void matmul(const float* x, const float* w, float* out, int n, int k, int m) {
-    matmul_warp(x, w, out, n, k, m);
+extern "C" __global__ void matmul(const float* x, const float* w, float* out, int n, int k, int m,
+                                  int cols) {
+    matmul_warp(x, w, out, n, k, m, cols);
 }
 
 extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, float* out, int n,
-                                       int k, int m) {
-    matmul_warp(x, w, out, n, k, m);
+                                       int k, int m, int cols) {
+    matmul_warp(x, w, out, n, k, m, cols);
 }
 
 // Three projections of one input in one launch (an attention layer's q, k and v at decode):
 // out_i[n, m_i] = x · w_iᵀ, each output computed exactly as `matmul_bf16` computes it (the same
-// warp body), so the values equal three launches'. A matrix with m_i = 0 is skipped.
+// warp body), so the values equal three launches'. A matrix with m_i = 0 is skipped. Feature
+// groups never straddle two matrices: each matrix has ceil(m_i / cols) of them.
 extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0,
                                         const unsigned short* w1, const unsigned short* w2,
                                         float* out0, float* out1, float* out2, int n, int k,
-                                        int m0, int m1, int m2) {
+                                        int m0, int m1, int m2, int cols) {
     int warps_per_block = blockDim.x / 32;
     long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
     long long groups = (n + ROWS - 1) / ROWS;
-    int total = m0 + m1 + m2;
+    int g0 = (m0 + cols - 1) / cols, g1 = (m1 + cols - 1) / cols, g2 = (m2 + cols - 1) / cols;
+    int total = g0 + g1 + g2;
     if (task >= groups * total) return;  // whole warps leave together
-    int col = (int)(task % total);
+    int column_group = (int)(task % total);
     int r0 = (int)(task / total) * ROWS;
     int lane = threadIdx.x % 32;
-    if (col < m0) {
-        matmul_output(x, w0, out0, n, k, m0, col, r0, lane);
-    } else if (col < m0 + m1) {
-        matmul_output(x, w1, out1, n, k, m1, col - m0, r0, lane);
+    if (column_group < g0) {
+        matmul_task(x, w0, out0, n, k, m0, cols, column_group * cols, r0, lane);
+    } else if (column_group < g0 + g1) {
+        matmul_task(x, w1, out1, n, k, m1, cols, (column_group - g0) * cols, r0, lane);
     } else {
-        matmul_output(x, w2, out2, n, k, m2, col - m0 - m1, r0, lane);
+        matmul_task(x, w2, out2, n, k, m2, cols, (column_group - g0 - g1) * cols, r0, lane);
     }
 }
 

@@ -5,6 +5,10 @@
 #include "common.cuh"
 
 #define NORM_THREADS 256
+// Values a thread keeps in registers from the sum pass to the scaling pass: every load of a
+// group is issued before the first is waited for (one block per row at decode is latency-bound),
+// and x is not re-read. Groups past NORM_THREADS · NORM_CACHED values re-read the rest.
+#define NORM_CACHED 16
 
 __device__ float block_sum(float value) {
     __shared__ float partial[NORM_THREADS / 32];
@@ -26,10 +30,26 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
                                     int group, float eps, float offset) {
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         const float* in = x + g * group;
+        float cached[NORM_CACHED];
         float sum = 0.0f;
-        for (int i = threadIdx.x; i < group; i += NORM_THREADS) sum += in[i] * in[i];
+#pragma unroll
+        for (int j = 0; j < NORM_CACHED; ++j) {
+            int i = threadIdx.x + j * NORM_THREADS;
+            cached[j] = i < group ? in[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_CACHED; ++j) {
+            if (threadIdx.x + j * NORM_THREADS < group) sum += cached[j] * cached[j];
+        }
+        for (int i = threadIdx.x + NORM_CACHED * NORM_THREADS; i < group; i += NORM_THREADS)
+            sum += in[i] * in[i];
         float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
-        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+#pragma unroll
+        for (int j = 0; j < NORM_CACHED; ++j) {
+            int i = threadIdx.x + j * NORM_THREADS;
+            if (i < group) out[g * group + i] = cached[j] * inverse * (offset + w[i]);
+        }
+        for (int i = threadIdx.x + NORM_CACHED * NORM_THREADS; i < group; i += NORM_THREADS) {
             out[g * group + i] = in[i] * inverse * (offset + w[i]);
         }
     }
@@ -70,14 +90,32 @@ extern "C" __global__ void add_rms_norm(float* x, const float* delta, const floa
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         float* in = x + g * group;
         const float* d = delta + g * group;
+        float cached[NORM_CACHED];
         float sum = 0.0f;
-        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+#pragma unroll
+        for (int j = 0; j < NORM_CACHED; ++j) {
+            int i = threadIdx.x + j * NORM_THREADS;
+            cached[j] = i < group ? in[i] + d[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_CACHED; ++j) {
+            if (threadIdx.x + j * NORM_THREADS < group) sum += cached[j] * cached[j];
+        }
+        for (int i = threadIdx.x + NORM_CACHED * NORM_THREADS; i < group; i += NORM_THREADS) {
             float v = in[i] + d[i];
             in[i] = v;
             sum += v * v;
         }
         float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
-        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+#pragma unroll
+        for (int j = 0; j < NORM_CACHED; ++j) {
+            int i = threadIdx.x + j * NORM_THREADS;
+            if (i < group) {
+                in[i] = cached[j];
+                out[g * group + i] = cached[j] * inverse * (offset + w[i]);
+            }
+        }
+        for (int i = threadIdx.x + NORM_CACHED * NORM_THREADS; i < group; i += NORM_THREADS) {
             out[g * group + i] = in[i] * inverse * (offset + w[i]);
         }
     }

@@ -9,14 +9,25 @@
 // between the router and the experts that follow it: a device-to-host copy on the stream costs
 // several microseconds per MoE layer, a store over the bus nothing the stream waits for.
 //
-// One block per token; the row lives in shared memory (experts ≤ ROUTER_MAX_EXPERTS). Top-k is k
-// rounds of a block-wide argmax over the experts not taken yet.
+// One warp per token (ROUTER_WARPS tokens per block); the row lives in shared memory (experts ≤
+// ROUTER_MAX_EXPERTS) and lane l owns the experts e ≡ l (mod 32), so no step but the
+// reductions crosses lanes. Top-k is k rounds of a warp-wide argmax over the experts not taken
+// yet (a total order, so the winner does not depend on the reduction's shape).
+//
+// The softmax denominator is summed by the fixed tree of a ROUTER_TREE_WIDTH-thread block
+// (position t sums e = t, t + W, … in order, then pairs t and t + s for s = W/2 … 1), kept
+// lane-wise in registers and shuffles: the same additions as the one-block-per-token kernel this
+// replaced, so the routing weights keep their bits.
 
-#define ROUTER_THREADS 256
+#include "common.cuh"
+
+#define ROUTER_WARPS 4
+#define ROUTER_TREE_WIDTH 256
 #define ROUTER_MAX_EXPERTS 1024
+#define ROUTER_MAX_TOP_K 32
 #define NEGATIVE_INFINITY __int_as_float(0xff800000)
 
-// Block-wide reduction of (value, index): larger value wins, ties → lower index.
+// (value, index) reduction: larger value wins, ties → lower index; index < 0 is "none".
 __device__ __forceinline__ void better(float& value, int& index, float other_value, int other_index) {
     if (other_index < 0) return;
     if (index < 0 || other_value > value || (other_value == value && other_index < index)) {
@@ -26,95 +37,86 @@ __device__ __forceinline__ void better(float& value, int& index, float other_val
 }
 
 extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert_ids, float* weights,
-                                       int experts, int k, int normalize,
+                                       int tokens, int experts, int k, int normalize,
                                        unsigned int* mapped_ids, float* mapped_weights,
                                        const float* hidden, float* mapped_hidden,
                                        int hidden_width) {
-    __shared__ float probabilities[ROUTER_MAX_EXPERTS];
-    __shared__ unsigned char taken[ROUTER_MAX_EXPERTS];
-    __shared__ float reduce_value[ROUTER_THREADS];
-    __shared__ int reduce_index[ROUTER_THREADS];
-    __shared__ float chosen_probability[32];
-    const float* row = logits + (long long)blockIdx.x * experts;
-    int tid = threadIdx.x;
+    __shared__ float probabilities_of[ROUTER_WARPS][ROUTER_MAX_EXPERTS];
+    __shared__ float chosen_probability_of[ROUTER_WARPS][ROUTER_MAX_TOP_K];
+    const int slots = ROUTER_TREE_WIDTH / 32;  // tree positions per lane
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    long long token = (long long)blockIdx.x * ROUTER_WARPS + warp;
+    if (token >= tokens) return;  // whole warps leave together
+    float* probabilities = probabilities_of[warp];
+    float* chosen_probability = chosen_probability_of[warp];
+    const float* row = logits + token * experts;
     if (mapped_hidden) {
-        const float* from = hidden + (long long)blockIdx.x * hidden_width;
-        float* to = mapped_hidden + (long long)blockIdx.x * hidden_width;
-        for (int i = tid; i < hidden_width; i += blockDim.x) to[i] = from[i];
+        const float* from = hidden + token * hidden_width;
+        float* to = mapped_hidden + token * hidden_width;
+        for (int i = lane; i < hidden_width; i += 32) to[i] = from[i];
     }
 
-    // max
     float local_max = NEGATIVE_INFINITY;
-    for (int e = tid; e < experts; e += blockDim.x) {
+    for (int e = lane; e < experts; e += 32) {
         float v = row[e];
         probabilities[e] = v;
-        taken[e] = 0;
         local_max = fmaxf(local_max, v);
     }
-    reduce_value[tid] = local_max;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (tid < stride) reduce_value[tid] = fmaxf(reduce_value[tid], reduce_value[tid + stride]);
-        __syncthreads();
-    }
-    float row_max = reduce_value[0];
-    __syncthreads();
+    float row_max = warp_max(local_max);
 
-    // Σ exp
-    float local_sum = 0.0f;
-    for (int e = tid; e < experts; e += blockDim.x) {
-        float v = expf(probabilities[e] - row_max);
-        probabilities[e] = v;
-        local_sum += v;
+    // Σ exp, tree position t = lane + 32·m held in tree[m].
+    float tree[slots];
+#pragma unroll
+    for (int m = 0; m < slots; ++m) {
+        float sum = 0.0f;
+        for (int e = lane + 32 * m; e < experts; e += ROUTER_TREE_WIDTH) {
+            float v = expf(probabilities[e] - row_max);
+            probabilities[e] = v;
+            sum += v;
+        }
+        tree[m] = sum;
     }
-    reduce_value[tid] = local_sum;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (tid < stride) reduce_value[tid] += reduce_value[tid + stride];
-        __syncthreads();
+#pragma unroll
+    for (int stride = slots / 2; stride > 0; stride >>= 1) {
+#pragma unroll
+        for (int m = 0; m < stride; ++m) tree[m] = tree[m] + tree[m + stride];
     }
-    float total = reduce_value[0];
-    __syncthreads();
-    for (int e = tid; e < experts; e += blockDim.x) probabilities[e] = probabilities[e] / total;
-    __syncthreads();
+    float partial = tree[0];
+    for (int stride = 16; stride > 0; stride >>= 1)
+        partial = partial + __shfl_down_sync(0xffffffffu, partial, stride);
+    float total = __shfl_sync(0xffffffffu, partial, 0);
+    for (int e = lane; e < experts; e += 32) probabilities[e] = probabilities[e] / total;
 
-    // k rounds of argmax over the experts not taken yet.
+    // k rounds of argmax; lane l's taken experts l + 32·i as bit i.
+    unsigned int taken = 0;
     for (int round = 0; round < k; ++round) {
         float best_value = NEGATIVE_INFINITY;
         int best_index = -1;
-        for (int e = tid; e < experts; e += blockDim.x) {
-            if (!taken[e]) better(best_value, best_index, probabilities[e], e);
+        for (int e = lane, i = 0; e < experts; e += 32, ++i) {
+            if (!((taken >> i) & 1u)) better(best_value, best_index, probabilities[e], e);
         }
-        reduce_value[tid] = best_value;
-        reduce_index[tid] = best_index;
-        __syncthreads();
-        for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-            if (tid < stride) {
-                float v = reduce_value[tid];
-                int i = reduce_index[tid];
-                better(v, i, reduce_value[tid + stride], reduce_index[tid + stride]);
-                reduce_value[tid] = v;
-                reduce_index[tid] = i;
-            }
-            __syncthreads();
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            float other_value = __shfl_xor_sync(0xffffffffu, best_value, offset);
+            int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+            better(best_value, best_index, other_value, other_index);
         }
-        if (tid == 0) {
-            int chosen = reduce_index[0] < 0 ? 0 : reduce_index[0];
-            taken[chosen] = 1;
-            expert_ids[(long long)blockIdx.x * k + round] = (unsigned int)chosen;
-            if (mapped_ids) mapped_ids[(long long)blockIdx.x * k + round] = (unsigned int)chosen;
+        int chosen = best_index < 0 ? 0 : best_index;
+        if (chosen % 32 == lane) {
+            taken |= 1u << (chosen / 32);
+            expert_ids[token * k + round] = (unsigned int)chosen;
+            if (mapped_ids) mapped_ids[token * k + round] = (unsigned int)chosen;
             chosen_probability[round] = probabilities[chosen];
         }
-        __syncthreads();
     }
-    if (tid == 0) {
+    __syncwarp();
+    if (lane == 0) {
         float sum = 0.0f;
         for (int j = 0; j < k; ++j) sum += chosen_probability[j];
         for (int j = 0; j < k; ++j) {
             float w = chosen_probability[j];
             float weight = (normalize && sum > 0.0f) ? w / sum : w;
-            weights[(long long)blockIdx.x * k + j] = weight;
-            if (mapped_weights) mapped_weights[(long long)blockIdx.x * k + j] = weight;
+            weights[token * k + j] = weight;
+            if (mapped_weights) mapped_weights[token * k + j] = weight;
         }
     }
 }

@@ -53,7 +53,8 @@ for line in open(path):
     target = message["target"]
     if target["kind"] == ["test"] and target["name"] in suites:
         found[target["name"]] = message["executable"]
-    elif target["kind"] == ["bin"] and target["name"] == "ninfer-engine":
+    elif (target["kind"] == ["bin"] and target["name"] == "ninfer-engine"
+          and not message["profile"]["test"]):  # the binary, not its unit-test harness
         found["ninfer-engine"] = message["executable"]
 missing = [s for s in suites + ["ninfer-engine"] if s not in found]
 if missing:
@@ -110,7 +111,7 @@ run() {
     timeout 90 "$bundle/cuda_ops" --ignored --nocapture attention_decode_figures 2>&1 | grep -E '^attention' || true
   fi
   echo "---- figures"
-  cat "$out"/*.log | grep -E '^trained |on cuda:|vs cpu over|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4|cuBLAS|options: KV|cuda backend: KV|slotted vs reference|resident vs 0' | grep -v '^test ' | head -120
+  cat "$out"/*.log | grep -E '^trained |on cuda:|vs cpu over|worst|NVRTC [0-9]|bf16 (tied|q_proj)|embed bf16|gated_delta_rule nk 4|cuBLAS|options: KV|cuda backend: KV|slotted vs reference|resident vs 0' | grep -v '^test ' | head -120 || true
   echo
   printf '%-18s %-8s %7s  %s\n' suite status time result
   for suite in "${SUITES[@]}"; do

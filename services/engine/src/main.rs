@@ -109,10 +109,10 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_graphs: bool,
-    /// `on`: the router kernel stores each MoE layer's routing (and a decode step's hidden
-    /// states) straight into page-locked host memory instead of the stream copying them back
-    /// after it. `off` (the default): copies. The same values either way.
-    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+    /// `on` (the default): the router kernel stores each MoE layer's routing (and a decode
+    /// step's hidden states) straight into page-locked host memory instead of the stream copying
+    /// them back after it. `off`: copies. The same values either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_routing_stores: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the

@@ -211,12 +211,14 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
 /// layer waiting for the routing mid-forward).
 #[test]
 fn routing_stored_by_the_router_equals_routing_copied_back() {
-    let backends = CudaBackend::shared().and_then(|copies| {
+    // The shared backend has the default options (stores on); the other one copies.
+    let backends = CudaBackend::shared().and_then(|stores| {
+        assert!(CudaOptions::default().routing_stores);
         let options = CudaOptions {
-            routing_stores: true,
+            routing_stores: false,
             ..CudaOptions::default()
         };
-        Ok((copies, Arc::new(CudaBackend::with_options(0, options)?)))
+        Ok((Arc::new(CudaBackend::with_options(0, options)?), stores))
     });
     let Some((copies, stores)) = gpu_or_skip(
         backends,

@@ -40,6 +40,9 @@ pub(super) const SPLIT_MAX_ROWS: usize = 8;
 /// Decode is latency-bound, so a row's keys are cut into many small blocks: 4K keys still make
 /// 128 one-tile chunks per kv head. `COMBINE_MAX_CHUNKS` in `kernels/attention.cu`.
 const SPLIT_MAX_CHUNKS: usize = 128;
+/// `COMBINE_WARPS` in `kernels/attention.cu`: warps of a combine block (each sums a share of
+/// the chunks for 32 of a head's dims).
+const COMBINE_WARPS: u32 = 8;
 /// `TILE_THREADS`, `TILE_ROWS`, `TILE_KEYS` in `kernels/attention.cu`.
 const TILE_THREADS: u32 = 128;
 const TILE_ROWS: usize = 32;
@@ -75,9 +78,11 @@ fn split_chunk(last_position: usize) -> usize {
 
 /// Dynamic shared memory of a split block.
 /// q, scores and statistics in f32, then the staged K and V tiles as 4-byte words with one
-/// word of padding per row.
+/// quad (rows of whole 16-byte quads) or one word of padding per row.
 fn split_smem_bytes(hd: usize, dtype: KvDtype) -> usize {
-    let words_per_row = (hd * dtype.bytes()).div_ceil(4) + 1;
+    // The kernel's row stride: whole 16-byte quads are padded by one quad, else by one word.
+    let words = (hd * dtype.bytes()).div_ceil(4);
+    let words_per_row = if words % 4 == 0 { words + 4 } else { words + 1 };
     (SPLIT_HEADS * hd + SPLIT_HEADS * SPLIT_TILE + 3 * SPLIT_HEADS + 2 * SPLIT_TILE * words_per_row)
         * 4
 }
@@ -543,8 +548,8 @@ impl CudaBackend {
                         _ => unreachable!("checked above"),
                     }
                     let combine = LaunchConfig {
-                        grid_dim: ((n * spec.heads) as u32, 1, 1),
-                        block_dim: ((hd.div_ceil(32) * 32) as u32, 1, 1),
+                        grid_dim: ((n * spec.heads) as u32, hd.div_ceil(32) as u32, 1),
+                        block_dim: (32 * COMBINE_WARPS, 1, 1),
                         shared_mem_bytes: 0,
                     };
                     launch!(self, "attention_combine", combine;
@@ -616,6 +621,7 @@ mod tests {
         assert_eq!(SPLIT_TILE as i64, define("SPLIT_TILE"));
         assert_eq!(SPLIT_HEADS as i64, define("SPLIT_HEADS"));
         assert_eq!(SPLIT_MAX_CHUNKS as i64, define("COMBINE_MAX_CHUNKS"));
+        assert_eq!(i64::from(COMBINE_WARPS), define("COMBINE_WARPS"));
         assert_eq!(i64::from(TILE_THREADS), define("TILE_THREADS"));
         assert_eq!(TILE_ROWS as i64, define("TILE_ROWS"));
         assert_eq!(TILE_KEYS as i64, define("TILE_KEYS"));

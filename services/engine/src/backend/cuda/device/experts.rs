@@ -31,8 +31,11 @@ use crate::backend::{
 };
 use crate::error::EngineError;
 
-/// Warps per block of `expert_gate_up` / `expert_down`: one output row per warp.
+/// Warps per block of `expert_gate_up` / `expert_down`: one activated column (its gate and up
+/// rows) per warp in `expert_gate_up`, `EXPERT_DOWN_ROWS` output rows per warp in `expert_down`.
 const EXPERT_WARPS: u32 = 8;
+/// `DOWN_ROWS` in kernels/experts.cu.
+const EXPERT_DOWN_ROWS: u32 = 4;
 /// Batches of at least this many tokens (per launch chunk) take the grouped kernels
 /// (`expert_gate_up_grouped` / `expert_down_grouped`) when their slotted pairs average at least
 /// `GROUPED_MIN_PAIRS_PER_EXPERT` per distinct slotted expert: below that a tile of
@@ -773,7 +776,7 @@ impl CudaBackend {
             &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales)?;
         let down_config = expert_launch(
             hidden,
-            EXPERT_WARPS,
+            EXPERT_WARPS * EXPERT_DOWN_ROWS,
             pairs_arg,
             EXPERT_WARPS,
             shared_bytes(intermediate)?,
@@ -880,6 +883,10 @@ mod tests {
     fn constants_match_the_kernels() {
         use crate::backend::cuda::kernels::kernel_define;
         assert_eq!(TILE_TOKENS as i64, kernel_define("experts", "TILE_TOKENS"));
+        assert_eq!(
+            i64::from(EXPERT_DOWN_ROWS),
+            kernel_define("experts", "DOWN_ROWS")
+        );
         assert_eq!(
             i64::from(GROUPED_WARPS),
             kernel_define("experts", "GROUPED_WARPS")

@@ -13,12 +13,29 @@ use super::{driver_error, elementwise, int, CudaBackend, CudaTensor, CudaWeight,
 
 /// `ROWS` in `kernels/matmul.cu`: rows one warp computes together.
 pub(super) const MATMUL_ROWS: u64 = 8;
+/// `MAX_COLS` in `kernels/matmul.cu`: the most output features one warp computes together.
+pub(super) const MATMUL_MAX_COLS: u64 = 2;
 /// Warps per block of the matmul kernel.
 pub(super) const MATMUL_WARPS: u32 = 8;
 /// bf16 matmuls of at least this many rows go through cuBLAS (when it loaded and passed its
 /// start-up check); fewer rows (decode) stay on the matmul kernel, which streams the weights
 /// once for up to `MATMUL_ROWS` rows and keeps f32 activations.
 pub(super) const CUBLAS_MIN_ROWS: usize = 9;
+/// Two features per warp pay only for batches of several rows of a wide projection (the kernel
+/// bench, `scripts/bench/kernel_microbench.py --sweep`, on an H200: q/k/v of 5120 features at 4
+/// and 8 rows 5% and 18% faster; at 1 row, or with fewer features, slower: fewer warps leave
+/// multiprocessors short of loads in flight).
+const MATMUL_TWO_COLUMN_MIN_ROWS: usize = 4;
+const MATMUL_TWO_COLUMN_MIN_FEATURES: usize = 4096;
+
+/// Output features per warp for `features` outputs of `rows` rows.
+fn matmul_columns_per_warp(features: usize, rows: usize) -> u64 {
+    if rows >= MATMUL_TWO_COLUMN_MIN_ROWS && features >= MATMUL_TWO_COLUMN_MIN_FEATURES {
+        MATMUL_MAX_COLS
+    } else {
+        1
+    }
+}
 
 impl CudaBackend {
     pub(super) fn launch_matmul(
@@ -95,8 +112,12 @@ impl CudaBackend {
             int(x.cols, "in")?,
             int(weight.rows, "out")?,
         );
-        // One warp per (output feature, group of MATMUL_ROWS rows); see kernels/matmul.cu.
-        let tasks = (weight.rows as u64) * (x.rows as u64).div_ceil(MATMUL_ROWS);
+        // One warp per (group of `cols` output features, group of MATMUL_ROWS rows); see
+        // kernels/matmul.cu.
+        let row_groups = (x.rows as u64).div_ceil(MATMUL_ROWS);
+        let columns = matmul_columns_per_warp(weight.rows, x.rows);
+        let cols = columns as i32;
+        let tasks = (weight.rows as u64).div_ceil(columns) * row_groups;
         let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
             CudaError::Invalid {
                 problem: format!(
@@ -113,10 +134,10 @@ impl CudaBackend {
         let output = &mut *out.data;
         match &weight.data {
             WeightData::F32(data) => {
-                launch!(self, "matmul", config; input, data, output, &n, &k, &m)?
+                launch!(self, "matmul", config; input, data, output, &n, &k, &m, &cols)?
             }
             WeightData::Bf16(data) => {
-                launch!(self, "matmul_bf16", config; input, data, output, &n, &k, &m)?
+                launch!(self, "matmul_bf16", config; input, data, output, &n, &k, &m, &cols)?
             }
         }
         Ok(out)
@@ -143,13 +164,20 @@ impl CudaBackend {
             return Ok(None);
         }
         let input = &*x.data;
-        // One warp per (output feature of any of the three, row group) writes each element.
+        // One warp per (feature group of one of the three, row group) writes each element.
         let mut outputs = [
             self.output_uninit(x.rows, weights[0].rows)?,
             self.output_uninit(x.rows, weights[1].rows)?,
             self.output_uninit(x.rows, weights[2].rows)?,
         ];
         let features: usize = weights.iter().map(|weight| weight.rows).sum();
+        let row_groups = (x.rows as u64).div_ceil(MATMUL_ROWS);
+        let columns = matmul_columns_per_warp(features, x.rows);
+        let cols = columns as i32;
+        let feature_groups: u64 = weights
+            .iter()
+            .map(|weight| (weight.rows as u64).div_ceil(columns))
+            .sum();
         let (n, k, m0, m1, m2) = (
             int(x.rows, "rows")?,
             int(x.cols, "in")?,
@@ -158,7 +186,7 @@ impl CudaBackend {
             int(weights[2].rows, "out")?,
         );
         int(features, "outputs of three projections")?;
-        let tasks = (features as u64) * (x.rows as u64).div_ceil(MATMUL_ROWS);
+        let tasks = feature_groups * row_groups;
         let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
             CudaError::Invalid {
                 problem: format!("three projections of {}×{} are too large", x.rows, x.cols),
@@ -173,7 +201,7 @@ impl CudaBackend {
             let [out0, out1, out2] = &mut outputs;
             let (o0, o1, o2) = (&mut *out0.data, &mut *out1.data, &mut *out2.data);
             launch!(self, "matmul3_bf16", config;
-                input, w0, w1, w2, o0, o1, o2, &n, &k, &m0, &m1, &m2)?;
+                input, w0, w1, w2, o0, o1, o2, &n, &k, &m0, &m1, &m2, &cols)?;
         }
         Ok(Some(outputs))
     }
@@ -187,5 +215,6 @@ mod tests {
     fn constants_match_the_kernels() {
         use super::super::super::kernels::kernel_define;
         assert_eq!(MATMUL_ROWS as i64, kernel_define("matmul", "ROWS"));
+        assert_eq!(MATMUL_MAX_COLS as i64, kernel_define("matmul", "MAX_COLS"));
     }
 }

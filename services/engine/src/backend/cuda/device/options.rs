@@ -60,8 +60,8 @@ pub struct CudaOptions {
     pub step_graphs: bool,
     /// The router kernel stores a MoE layer's routing (and a small batch's hidden states) into
     /// page-locked host memory mapped into the device, instead of the stream copying them
-    /// back after it: no copy between the router and the expert kernels that follow it. Off
-    /// until the GPU suites hold it equal to the copies on every backend test
+    /// back after it: no copy between the router and the expert kernels that follow it. The GPU
+    /// suites hold it equal to the copies
     /// (`routing_stored_by_the_router_equals_routing_copied_back`).
     pub routing_stores: bool,
 }
@@ -73,7 +73,7 @@ impl Default for CudaOptions {
             cublas: true,
             reference_attention: false,
             step_graphs: true,
-            routing_stores: false,
+            routing_stores: true,
         }
     }
 }

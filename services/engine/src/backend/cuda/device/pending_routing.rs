@@ -21,7 +21,7 @@ use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig, PushKernelArg};
 use super::readback::{
     decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,
 };
-use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_THREADS};
+use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS};
 use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
@@ -219,12 +219,14 @@ impl CudaBackend {
             ),
             None => (0, 0, 0),
         };
-        let blocks = u32::try_from(tokens).map_err(|_| CudaError::Invalid {
+        let tokens_arg = i32::try_from(tokens).map_err(|_| CudaError::Invalid {
             problem: format!("{tokens} tokens in one routing launch"),
         })?;
+        // One warp per token.
+        let blocks = (tokens_arg as u32).div_ceil(ROUTER_WARPS);
         let config = LaunchConfig {
             grid_dim: (blocks, 1, 1),
-            block_dim: (ROUTER_THREADS, 1, 1),
+            block_dim: (32 * ROUTER_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
         let (experts_arg, k_arg, normalize_arg) = (
@@ -241,7 +243,7 @@ impl CudaBackend {
                         problem: "the routing ids' buffer is too small".into(),
                     })?;
                 launch!(self, "route_top_k", config;
-                input, &mut ids_view, &mut *weights.data, &experts_arg, &k_arg,
+                input, &mut ids_view, &mut *weights.data, &tokens_arg, &experts_arg, &k_arg,
                 &normalize_arg, &mapped_ids, &mapped_weights, &hidden_source, &mapped_hidden,
                 &hidden_width)
             };

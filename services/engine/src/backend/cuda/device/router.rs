@@ -11,9 +11,9 @@ use crate::backend::Routing;
 
 /// `ROUTER_MAX_EXPERTS` in `kernels/router.cu`: the row lives in shared memory.
 pub(super) const ROUTER_MAX_EXPERTS: usize = 1024;
-/// `ROUTER_THREADS` in `kernels/router.cu` (a power of two: tree reductions).
-pub(super) const ROUTER_THREADS: u32 = 256;
-/// Most experts per token the kernel keeps (`chosen_probability[32]`).
+/// `ROUTER_WARPS` in `kernels/router.cu`: tokens per block, one warp each.
+pub(super) const ROUTER_WARPS: u32 = 4;
+/// `ROUTER_MAX_TOP_K` in `kernels/router.cu`: most experts per token the kernel keeps.
 pub(super) const ROUTER_MAX_TOP_K: usize = 32;
 
 impl CudaBackend {
@@ -41,8 +41,12 @@ mod tests {
             kernel_define("router", "ROUTER_MAX_EXPERTS")
         );
         assert_eq!(
-            i64::from(ROUTER_THREADS),
-            kernel_define("router", "ROUTER_THREADS")
+            i64::from(ROUTER_WARPS),
+            kernel_define("router", "ROUTER_WARPS")
+        );
+        assert_eq!(
+            ROUTER_MAX_TOP_K as i64,
+            kernel_define("router", "ROUTER_MAX_TOP_K")
         );
     }
 }

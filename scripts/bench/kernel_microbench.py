@@ -1,0 +1,383 @@
+#!/usr/bin/env python3
+"""Decode kernels one at a time, at the shapes of one Qwen3-30B-A3B decode layer.
+
+Runs on a CUDA machine with CuPy (no Rust needed): compiles `kernels/*.cu` with NVRTC as the
+engine does, launches each decode kernel with the engine's launch geometry on random data, and
+prints microseconds per launch. Launches are captured in a CUDA graph and replayed, as the
+engine's step graphs do, and weights rotate through enough copies that every launch reads them
+from HBM, not from the 60 MB L2.
+
+With `--baseline DIR` (the kernel files of another revision, e.g. `git show REV:kernels/x.cu`)
+it runs both and checks that kernels meant to keep their bits do: the matmuls, the norms and
+the router; the attention combine is compared within f32 rounding.
+
+    python3 scripts/bench/kernel_microbench.py [--baseline DIR] [--context 4096] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - the GPU machine has it
+    sys.exit("kernel_microbench needs CuPy (and a CUDA GPU)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# One Qwen3-30B-A3B layer.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
+EXPERTS, TOP_K, MOE_INTERMEDIATE = 128, 8, 768
+
+
+def module(kernel_dir, name, defines=()):
+    with open(os.path.join(kernel_dir, name + ".cu")) as f:
+        source = f.read()
+    options = ("-I" + kernel_dir, "--std=c++17") + tuple(
+        "-D%s=%s" % kv for kv in defines
+    )
+    return cp.RawModule(code=source, options=options, backend="nvrtc")
+
+
+def bf16(array):
+    """Round-to-nearest-even bf16 bits of an f32 array (as the converter stores them)."""
+    bits = array.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.astype(np.uint16)
+
+
+def timed(launches, replays=20, warm=3):
+    """Microseconds per launch: `launches` is a list of zero-argument callables, captured in one
+    graph; the graph is replayed and the best replay is kept."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for launch in launches:
+            launch()
+        stream.synchronize()
+        stream.begin_capture()
+        for launch in launches:
+            launch()
+        graph = stream.end_capture()
+        for _ in range(warm):
+            graph.launch(stream)
+        stream.synchronize()
+        best = float("inf")
+        for _ in range(replays):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1000.0 / len(launches))
+    return best
+
+
+def copies_for(bytes_each, at_least=256 << 20):
+    return max(2, -(-at_least // bytes_each))
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.results = []
+        self.failures = []
+        self.rng = np.random.default_rng(7)
+
+    def record(self, name, variant, us, moved_bytes=None, note=""):
+        row = {"kernel": name, "variant": variant, "us": round(us, 2)}
+        if moved_bytes:
+            row["TB/s"] = round(moved_bytes / us / 1e6, 2)
+        if note:
+            row["note"] = note
+        self.results.append(row)
+        extra = ("  %.2f TB/s" % row["TB/s"]) if moved_bytes else ""
+        print("%-28s %-22s %8.2f us%s %s" % (name, variant, us, extra, note), flush=True)
+
+    def same_bits(self, name, a, b):
+        a, b = cp.asnumpy(a), cp.asnumpy(b)
+        if a.tobytes() != b.tobytes():
+            diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).max()
+            self.failures.append("%s: bits differ from the baseline (max |diff| %g)" % (name, diff))
+            print("  !! %s: bits differ (max |diff| %g)" % (name, diff), flush=True)
+        else:
+            print("  == %s: bit-identical to the baseline" % name, flush=True)
+
+    def close(self, name, a, b, rtol=1e-5, atol=1e-6):
+        a, b = cp.asnumpy(a), cp.asnumpy(b)
+        if not np.allclose(a, b, rtol=rtol, atol=atol):
+            diff = np.abs(a - b).max()
+            self.failures.append("%s: differs from the baseline by %g" % (name, diff))
+            print("  !! %s: differs by %g" % (name, diff), flush=True)
+        else:
+            print("  ~= %s: within f32 rounding of the baseline" % name, flush=True)
+
+    # -- dense projections -------------------------------------------------------------------
+
+    def matmuls(self, kernel_dir, label, cols, unroll, baseline_outputs=None):
+        """cols = 0: the baseline's kernels (one feature per warp, no `cols` argument)."""
+        mod = module(kernel_dir, "matmul", [("UNROLL", unroll)] if cols else [])
+        warps, rows_per_warp = 8, 8
+        outputs = {}
+        shapes = [
+            ("qkv matmul3_bf16", "matmul3_bf16", HIDDEN, [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], np.uint16),
+            ("o_proj matmul_bf16", "matmul_bf16", HEADS * HEAD_DIM, [HIDDEN], np.uint16),
+            ("router matmul f32", "matmul", HIDDEN, [EXPERTS], np.float32),
+        ]
+        for title, kernel, k, ms, dtype in shapes:
+            function = mod.get_function(kernel)
+            element = 2 if dtype == np.uint16 else 4
+            total_bytes = sum(ms) * k * element
+            copies = copies_for(total_bytes)
+            rng = np.random.default_rng(11)
+            host_weights = [rng.standard_normal((m, k), dtype=np.float32) * 0.02 for m in ms]
+            if dtype == np.uint16:
+                host_weights = [bf16(w) for w in host_weights]
+            weights = [[cp.asarray(w) for w in host_weights] for _ in range(copies)]
+            for n in (1, 2, 4, 8):
+                x = cp.asarray(rng.standard_normal((n, k), dtype=np.float32))
+                outs = [cp.zeros((n, m), dtype=cp.float32) for m in ms]
+                per_warp = cols if cols else 1
+                groups = -(-n // rows_per_warp)
+                tasks = sum(-(-m // per_warp) for m in ms) * groups
+                grid = (-(-tasks // warps),)
+                block = (32 * warps,)
+
+                extra = (np.int32(cols),) if cols else ()
+
+                def launcher(ws, outs=outs, x=x, n=n):
+                    if kernel == "matmul3_bf16":
+                        args = (x, ws[0], ws[1], ws[2], outs[0], outs[1], outs[2], np.int32(n), np.int32(k),
+                                np.int32(ms[0]), np.int32(ms[1]), np.int32(ms[2])) + extra
+                    else:
+                        args = (x, ws[0], outs[0], np.int32(n), np.int32(k), np.int32(ms[0])) + extra
+                    return lambda: function(grid, block, args)
+
+                us = timed([launcher(ws) for ws in weights])
+                variant = label if not cols else "%s cols=%d unroll=%d" % (label, cols, unroll)
+                self.record("%s n=%d" % (title, n), variant, us, total_bytes)
+                launcher(weights[0])()
+                cp.cuda.Device().synchronize()
+                outputs[(title, n)] = [o.copy() for o in outs]
+                if baseline_outputs is not None:
+                    for o, b in zip(outputs[(title, n)], baseline_outputs[(title, n)]):
+                        self.same_bits("%s n=%d (%s)" % (title, n, variant), o, b)
+        return outputs
+
+    # -- norms ---------------------------------------------------------------------------------
+
+    def norms(self, kernel_dir, label, baseline=None):
+        mod = module(kernel_dir, "norm")
+        function = mod.get_function("add_rms_norm")
+        rng = np.random.default_rng(3)
+        outputs = {}
+        for n in (1, 4):
+            x0 = rng.standard_normal((n, HIDDEN), dtype=np.float32)
+            delta = cp.asarray(rng.standard_normal((n, HIDDEN), dtype=np.float32))
+            w = cp.asarray(rng.standard_normal(HIDDEN, dtype=np.float32))
+            x = cp.asarray(x0)
+            out = cp.zeros((n, HIDDEN), dtype=cp.float32)
+            args = (x, delta, w, out, np.int64(n), np.int32(HIDDEN), np.float32(1e-6), np.float32(0.0))
+            function((n,), (256,), args)
+            cp.cuda.Device().synchronize()
+            outputs[n] = (x.copy(), out.copy())
+            us = timed([lambda: function((n,), (256,), args)] * 20)
+            self.record("add_rms_norm n=%d" % n, label, us)
+            if baseline is not None:
+                self.same_bits("add_rms_norm x n=%d" % n, outputs[n][0], baseline[n][0])
+                self.same_bits("add_rms_norm out n=%d" % n, outputs[n][1], baseline[n][1])
+        return outputs
+
+    # -- router --------------------------------------------------------------------------------
+
+    def router(self, kernel_dir, label, warp_kernel, baseline=None):
+        mod = module(kernel_dir, "router")
+        function = mod.get_function("route_top_k")
+        rng = np.random.default_rng(5)
+        outputs = {}
+        for n in (1, 5):
+            logits = cp.asarray(rng.standard_normal((n, EXPERTS), dtype=np.float32))
+            ids = cp.zeros((n, TOP_K), dtype=cp.uint32)
+            weights = cp.zeros((n, TOP_K), dtype=cp.float32)
+            null = np.uint64(0)
+            if warp_kernel:
+                grid, block = (-(-n // 4),), (128,)
+                args = (logits, ids, weights, np.int32(n), np.int32(EXPERTS), np.int32(TOP_K), np.int32(1),
+                        null, null, null, null, np.int32(0))
+            else:
+                grid, block = (n,), (256,)
+                args = (logits, ids, weights, np.int32(EXPERTS), np.int32(TOP_K), np.int32(1),
+                        null, null, null, null, np.int32(0))
+            function(grid, block, args)
+            cp.cuda.Device().synchronize()
+            outputs[n] = (ids.copy(), weights.copy())
+            us = timed([lambda: function(grid, block, args)] * 20)
+            self.record("route_top_k n=%d" % n, label, us)
+            if baseline is not None:
+                self.same_bits("route_top_k ids n=%d" % n, outputs[n][0], baseline[n][0])
+                self.same_bits("route_top_k weights n=%d" % n, outputs[n][1], baseline[n][1])
+        return outputs
+
+    # -- attention -----------------------------------------------------------------------------
+
+    def attention(self, kernel_dir, label, parallel_combine, baseline=None):
+        mod = module(kernel_dir, "attention")
+        split = mod.get_function("attention_split_bf16")
+        combine = mod.get_function("attention_combine")
+        context = self.args.context
+        rng = np.random.default_rng(9)
+        width = KV_HEADS * HEAD_DIM
+        caches = copies_for(2 * context * width * 2)
+        keys = [cp.asarray(bf16(rng.standard_normal((context, width), dtype=np.float32))) for _ in range(caches)]
+        values = [cp.asarray(bf16(rng.standard_normal((context, width), dtype=np.float32))) for _ in range(caches)]
+        q = cp.asarray(rng.standard_normal((1, HEADS * HEAD_DIM), dtype=np.float32))
+        position = context - 1
+        tile, max_chunks = 32, 128
+        tiles = -(-(position + 1) // tile)
+        chunk = max(1, -(-tiles // max_chunks)) * tile
+        chunks = position // chunk + 1
+        part_o = cp.zeros(HEADS * chunks * HEAD_DIM, dtype=cp.float32)
+        part_ml = cp.zeros(2 * HEADS * chunks, dtype=cp.float32)
+        out = cp.zeros((1, HEADS * HEAD_DIM), dtype=cp.float32)
+        words = HEAD_DIM // 2
+        stride = words + 1 if label == "baseline" or words % 4 else words + 4
+        smem = (8 * HEAD_DIM + 8 * 32 + 3 * 8 + 2 * 32 * stride) * 4
+        null = np.uint64(0)
+        scale = np.float32(HEAD_DIM ** -0.5)
+        slices = -(-(HEADS // KV_HEADS) // 8)
+
+        def split_launch(i):
+            args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position), np.int32(HEADS),
+                    np.int32(KV_HEADS), np.int32(HEAD_DIM), np.int32(0), scale, np.int32(chunk), np.int32(chunks),
+                    np.int32(0), null)
+            return lambda: split((chunks, KV_HEADS * slices, 1), (128,), args, shared_mem=smem)
+
+        combine_args = (part_o, part_ml, out, np.int32(0), np.int32(1), np.int32(position), np.int32(HEADS),
+                        np.int32(HEAD_DIM), np.int32(0), np.int32(chunk), np.int32(chunks), np.int32(0), null)
+        if parallel_combine:
+            combine_grid, combine_block = (HEADS, -(-HEAD_DIM // 32)), (256,)
+        else:
+            combine_grid, combine_block = (HEADS,), (HEAD_DIM,)
+
+        def combine_launch():
+            combine(combine_grid, combine_block, combine_args)
+
+        kv_bytes = 2 * context * width * 2
+        us = timed([split_launch(i) for i in range(caches)])
+        self.record("attention_split_bf16 %dK" % (context // 1024), label, us, kv_bytes)
+        us = timed([combine_launch] * 20)
+        self.record("attention_combine %dK" % (context // 1024), label, us)
+        split_launch(0)()
+        combine_launch()
+        cp.cuda.Device().synchronize()
+        result = out.copy()
+        if baseline is not None:
+            self.close("attention split+combine", result, baseline)
+        return result
+
+    # -- routed experts (slots), timing only ----------------------------------------------------
+
+    def experts(self, kernel_dir, label, down_rows, baseline=None):
+        mod = module(kernel_dir, "experts")
+        gate_up = mod.get_function("expert_gate_up")
+        down = mod.get_function("expert_down")
+        h, i = HIDDEN, MOE_INTERMEDIATE
+        gate_up_bytes = 2 * i * h
+        gate_up_scales = 2 * i * (h // 32) * 2
+        down_offset = -(-(gate_up_bytes + gate_up_scales) // 256) * 256
+        down_bytes = h * i
+        down_scales = h * (i // 32) * 2
+        stride = -(-(down_offset + down_bytes + down_scales) // 256) * 256
+        slots = EXPERTS
+        rng = np.random.default_rng(13)
+        raw = rng.integers(-100, 100, size=slots * stride, dtype=np.int8).view(np.uint8)
+        buffer = cp.asarray(raw)
+        # Scales: small f16 values, written over the random bytes.
+        scale_bits = np.float16(0.01).view(np.uint16)
+        view16 = buffer.view(cp.uint16)
+        for s in range(slots):
+            base = s * stride
+            view16[(base + gate_up_bytes) // 2:(base + gate_up_bytes + gate_up_scales) // 2] = scale_bits
+            view16[(base + down_offset + down_bytes) // 2:(base + down_offset + down_bytes + down_scales) // 2] = scale_bits
+        slot_of_expert = cp.arange(EXPERTS, dtype=cp.int32)
+        x = cp.asarray(rng.standard_normal((1, h), dtype=np.float32))
+        activated = cp.zeros((TOP_K, i), dtype=cp.float32)
+        pair_out = cp.zeros((TOP_K, h), dtype=cp.float32)
+        weights = cp.full(TOP_K, 0.125, dtype=cp.float32)
+        # Different experts per launch so reads come from HBM (128 experts, 8 per launch).
+        id_sets = [cp.asarray(((np.arange(TOP_K) + 8 * j) % EXPERTS).astype(np.uint32)) for j in range(16)]
+        dtype_int8 = np.int32(2)
+
+        def gate_up_launch(ids):
+            args = (buffer, slot_of_expert, ids, x, activated, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h),
+                    np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes))
+            smem = -(-h // 16) * 20 * 4
+            return lambda: gate_up((-(-i // 8), TOP_K), (256,), args, shared_mem=smem)
+
+        def down_launch(ids):
+            args = (buffer, slot_of_expert, ids, weights, activated, pair_out, np.int32(EXPERTS), np.int32(h),
+                    np.int32(i), np.int64(stride), dtype_int8, np.int64(down_offset), np.int64(down_bytes))
+            smem = -(-i // 16) * 20 * 4
+            return lambda: down((-(-h // (8 * down_rows)), TOP_K), (256,), args, shared_mem=smem)
+
+        us = timed([gate_up_launch(ids) for ids in id_sets])
+        self.record("expert_gate_up int8 k=8", label, us, TOP_K * (gate_up_bytes + gate_up_scales))
+        us = timed([down_launch(ids) for ids in id_sets])
+        self.record("expert_down int8 k=8", label, us, TOP_K * (down_bytes + down_scales))
+        # One expert not resident: its pair's output rows are zeros (and its activated row is
+        # not written, so it is left out of the comparison).
+        slot_of_expert[id_sets[3][2]] = -1
+        gate_up_launch(id_sets[3])()
+        down_launch(id_sets[3])()
+        cp.cuda.Device().synchronize()
+        resident = [p for p in range(TOP_K) if p != 2]
+        result = (activated[resident].copy(), pair_out.copy())
+        if baseline is not None:
+            self.same_bits("expert_gate_up activated", result[0], baseline[0])
+            self.same_bits("expert_down pair_out", result[1], baseline[1])
+        return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernels", default=os.path.join(ROOT, "kernels"))
+    parser.add_argument("--baseline", help="kernel files of another revision, compared against")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--json", help="write the table here")
+    parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL")
+    args = parser.parse_args()
+    bench = Bench(args)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    print("device: %s, %d SMs" % (props["name"].decode(), props["multiProcessorCount"]), flush=True)
+
+    base = None
+    if args.baseline:
+        base = bench.matmuls(args.baseline, "baseline", 0, 0)
+    settings = [(c, u) for c in (1, 2) for u in (4, 8)] if args.sweep else [(1, 4), (2, 4)]
+    for cols, unroll in settings:
+        bench.matmuls(args.kernels, "current", cols, unroll, base)
+
+    base_norm = bench.norms(args.baseline, "baseline") if args.baseline else None
+    bench.norms(args.kernels, "current", base_norm)
+
+    base_router = bench.router(args.baseline, "baseline", False) if args.baseline else None
+    bench.router(args.kernels, "current", True, base_router)
+
+    base_attention = bench.attention(args.baseline, "baseline", False) if args.baseline else None
+    bench.attention(args.kernels, "current", True, base_attention)
+
+    base_experts = bench.experts(args.baseline, "baseline", 1) if args.baseline else None
+    bench.experts(args.kernels, "current", 4, base_experts)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": bench.results, "failures": bench.failures}, f, indent=1)
+    if bench.failures:
+        print("FAILURES:\n  " + "\n  ".join(bench.failures))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

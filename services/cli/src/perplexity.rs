@@ -44,8 +44,10 @@ pub struct PerplexityArgs {
     /// Tokens per forward pass inside a window (bounds the memory held for logits).
     #[arg(long, default_value_t = 256)]
     pub chunk_tokens: usize,
-    /// Write one line per scored token to this file: `position<TAB>token_id<TAB>nll`.
-    #[arg(long)]
+    /// One line per scored token, `position<TAB>token_id<TAB>nll`: into FILE, or (the flag
+    /// alone, or `-`) on stdout before the summary (with `--json`: a `token_nll` array of
+    /// `[position, token_id, nll]` in the object). Alone, give it after MODEL and TEXT.
+    #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "-")]
     pub token_nll: Option<PathBuf>,
     /// Where the dense layers run: cpu, cuda, or auto (the GPU when one opens). Default: auto;
     /// with `--in-process`, cpu.
@@ -103,6 +105,9 @@ struct Summary {
     expert_executor: String,
     /// Routed experts per MoE layer in GPU slots.
     gpu_experts_per_layer: u32,
+    /// `[position, token_id, nll]` per scored token, with `--token-nll` on stdout.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_nll: Option<Vec<(usize, u32, f64)>>,
 }
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
@@ -187,17 +192,30 @@ impl Progress {
 }
 
 /// Writes `--token-nll` and prints the summary.
-fn report(args: &PerplexityArgs, scored: &[TokenNll], summary: Summary) -> anyhow::Result<()> {
-    if let Some(path) = &args.token_nll {
-        let mut out = std::io::BufWriter::new(
-            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
-        );
-        for s in scored {
-            writeln!(out, "{}\t{}\t{:.6}", s.position, s.token, s.nll)
+fn report(args: &PerplexityArgs, scored: &[TokenNll], mut summary: Summary) -> anyhow::Result<()> {
+    match args.token_nll.as_deref() {
+        Some(path) if path == Path::new("-") => {
+            if args.json {
+                summary.token_nll = Some(
+                    scored
+                        .iter()
+                        .map(|s| (s.position, s.token, s.nll))
+                        .collect(),
+                );
+            } else {
+                write_token_nll(&mut std::io::stdout().lock(), scored)
+                    .context("writing the per-token NLL to stdout")?;
+            }
+        }
+        Some(path) => {
+            let mut out = std::io::BufWriter::new(
+                std::fs::File::create(path)
+                    .with_context(|| format!("creating {}", path.display()))?,
+            );
+            write_token_nll(&mut out, scored)
                 .with_context(|| format!("writing {}", path.display()))?;
         }
-        out.flush()
-            .with_context(|| format!("writing {}", path.display()))?;
+        None => {}
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -208,6 +226,14 @@ fn report(args: &PerplexityArgs, scored: &[TokenNll], summary: Summary) -> anyho
         );
     }
     Ok(())
+}
+
+/// `position<TAB>token_id<TAB>nll` per scored token.
+fn write_token_nll(out: &mut dyn Write, scored: &[TokenNll]) -> std::io::Result<()> {
+    for s in scored {
+        writeln!(out, "{}\t{}\t{:.6}", s.position, s.token, s.nll)?;
+    }
+    out.flush()
 }
 
 fn mean_nll(scored: &[TokenNll]) -> f64 {
@@ -351,6 +377,7 @@ async fn score_through_engine(
         device: profile.device,
         expert_executor: profile.expert_executor,
         gpu_experts_per_layer: profile.gpu_experts_per_layer,
+        token_nll: None,
     };
     Ok((scored, summary))
 }
@@ -495,6 +522,7 @@ fn score_in_process<B: Backend>(
         device: model.backend().name().to_string(),
         expert_executor: placement.executor.into(),
         gpu_experts_per_layer: placement.gpu_experts_per_layer,
+        token_nll: None,
     };
     report(args, &scored, summary)
 }

@@ -12,7 +12,11 @@
 //! * the experts inside the engine (`--no-workers`, the same kernels on as many threads) gives
 //!   the workers' results bit for bit: the channel and the worker process change nothing;
 //! * bad input fails at once with the problem named: a missing model or text file, an empty
-//!   text, a text of one token, a window beyond the model's context.
+//!   text, a text of one token, a window beyond the model's context;
+//! * `--token-nll` alone prints the per-token NLL on stdout (in the object with `--json`);
+//! * on a GPU (skipped without one; `NINFER_REQUIRE_GPU=1` makes that a failure): the dense
+//!   layers on CUDA with 0, half and all experts in its slots, within the CUDA bar (2e-2 mean
+//!   absolute per-token difference) of the reference.
 //!
 //! Needs the workspace binaries (`cargo test --workspace` or `scripts/test.sh` builds them).
 //! Run with `cargo test -p ninfer --test perplexity_through_engine -- --nocapture`.
@@ -297,6 +301,145 @@ fn bad_input_is_refused_with_the_problem_named() {
             assert!(
                 stderr.to_lowercase().contains(&needle.to_lowercase()),
                 "{case}: `{needle}` not in {stderr}"
+            );
+        }
+    }
+}
+
+/// `--token-nll` alone prints the per-token lines on stdout before the summary, and with
+/// `--json` puts them in the object: the same positions, tokens and values as the file.
+#[test]
+fn token_nll_on_stdout_equals_the_file() {
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let artifact = scratch.path().join("qwen3_moe.ninfer");
+    convert_fixture_f32("qwen3_moe", &artifact);
+    let artifact = artifact.to_str().expect("utf-8 path");
+    let text = scratch.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "The teacher opened the old notebook and read aloud to the class.",
+    )
+    .expect("writing a text");
+    let text = text.to_str().expect("utf-8 path");
+    let file = scratch.path().join("nll.tsv");
+    let file_arg = file.to_str().expect("utf-8 path");
+    perplexity(&[artifact, text, "--device", "cpu", "--token-nll", file_arg]);
+    let from_file = read_token_nll(&file);
+    assert!(from_file.len() > 5, "{from_file:?}");
+
+    let output = ninfer(&[
+        "perplexity",
+        artifact,
+        text,
+        "--device",
+        "cpu",
+        "--token-nll",
+    ]);
+    assert!(output.status.success(), "{output:?}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    let (summary, per_token) = lines.split_last().expect("some output");
+    assert!(summary.starts_with("mean NLL"), "{stdout}");
+    let printed = per_token.join("\n") + "\n";
+    std::fs::write(&file, printed).expect("writing the printed lines");
+    assert_eq!(read_token_nll(&file), from_file);
+
+    let json = perplexity(&[artifact, text, "--device", "cpu", "--token-nll"]);
+    let in_json: Vec<(usize, u32, f64)> = json["token_nll"]
+        .as_array()
+        .expect("token_nll in the JSON")
+        .iter()
+        .map(|entry| {
+            (
+                entry[0].as_u64().expect("position") as usize,
+                entry[1].as_u64().expect("token") as u32,
+                entry[2].as_f64().expect("nll"),
+            )
+        })
+        .collect();
+    assert_eq!(in_json.len(), from_file.len());
+    for (json_line, file_line) in in_json.iter().zip(&from_file) {
+        assert_eq!((json_line.0, json_line.1), (file_line.0, file_line.1));
+        // The file has 6 decimals.
+        assert!(
+            (json_line.2 - file_line.2).abs() <= 5e-7,
+            "{json_line:?} {file_line:?}"
+        );
+    }
+}
+
+/// The CUDA backend's bar (`services/engine/tests/cuda_golden.rs`): per-token NLL within 2e-2
+/// mean absolute difference of the f32 reference.
+const CUDA_MEAN_ABS_NLL: f64 = 2e-2;
+
+/// On a GPU, through the serving pipeline: the dense layers on CUDA with none, half and all of
+/// the routed experts in its slots (the rest on the worker) score every fixture within the CUDA
+/// bar of the in-process f32 reference. Skipped without a GPU (fails under
+/// `NINFER_REQUIRE_GPU=1`).
+#[test]
+fn perplexity_on_cuda_through_engine_meets_the_cuda_bar() {
+    if let Err(error) = ninfer_engine::backend::cuda::CudaBackend::new(0) {
+        if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}");
+        }
+        println!("skipped `perplexity_on_cuda_through_engine_meets_the_cuda_bar`: {error}");
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    for name in FIXTURES {
+        let artifact = scratch.path().join(format!("{name}.ninfer"));
+        convert_fixture_f32(name, &artifact);
+        let artifact = artifact.to_str().expect("utf-8 path");
+        let reference: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(name).join("reference.json")).expect("reference"),
+        )
+        .expect("reference.json is JSON");
+        let text_path = scratch.path().join(format!("{name}.txt"));
+        std::fs::write(
+            &text_path,
+            reference["nll_text"].as_str().expect("nll_text"),
+        )
+        .expect("writing the text");
+        let text = text_path.to_str().expect("utf-8 path");
+        let tsv = |label: &str| scratch.path().join(format!("{name}-{label}.tsv"));
+        let tsv_arg = |label: &str| tsv(label).to_str().expect("utf-8 path").to_string();
+        perplexity(&[
+            "--in-process",
+            artifact,
+            text,
+            "--token-nll",
+            &tsv_arg("reference"),
+        ]);
+        let reference_nll = read_token_nll(&tsv("reference"));
+        for (experts, per_layer) in [("0", 0), ("half", 4), ("all", 8)] {
+            let label = format!("cuda-{experts}");
+            let summary = perplexity(&[
+                artifact,
+                text,
+                "--device",
+                "cuda",
+                "--moe-gpu-experts",
+                experts,
+                "--token-nll",
+                &tsv_arg(&label),
+            ]);
+            assert_eq!(summary["device"], "cuda", "{summary}");
+            assert_eq!(summary["gpu_experts_per_layer"], per_layer, "{summary}");
+            let got = read_token_nll(&tsv(&label));
+            worst_difference(name, &got, &reference_nll);
+            let mean_abs = got
+                .iter()
+                .zip(&reference_nll)
+                .map(|(g, r)| (g.2 - r.2).abs())
+                .sum::<f64>()
+                / got.len() as f64;
+            println!(
+                "{name} on cuda, {experts} experts in slots: mean NLL {}, mean |ΔNLL| vs the f32 reference {mean_abs:.2e}",
+                summary["mean_nll"]
+            );
+            assert!(
+                mean_abs < CUDA_MEAN_ABS_NLL,
+                "{name} on cuda, {experts} in slots: mean |ΔNLL| {mean_abs}"
             );
         }
     }

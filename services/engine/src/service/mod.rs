@@ -341,6 +341,7 @@ fn request_id_or_unnamed(request_id: &str) -> String {
         request_id.to_string()
     }
 }
+
 type StatisticsStream = Pin<Box<dyn Stream<Item = Result<RoutingStatistics, Status>> + Send>>;
 
 #[tonic::async_trait]

@@ -32,6 +32,10 @@
 //
 // Inputs in shared memory are padded: input c lives at (c / 16) · 20 + c % 16, so the 16-input
 // segments of 32 lanes fall in distinct banks (quantized reads are float4, conflict-free).
+//
+// Quantized rows of any width: a row of `cols` inputs is stored as stored_cols(cols) codes (a
+// last partial group padded with code 0, which decodes to exactly 0), so the quantized loops run
+// over ceil(cols / 16) segments and the inputs past `cols` of the last one are staged as 0.
 
 #include "common.cuh"
 
@@ -74,12 +78,18 @@ __device__ __forceinline__ float float_weight(const unsigned char* matrix, int d
     return bf16_bits_to_float(reinterpret_cast<const unsigned short*>(matrix)[at]);
 }
 
-// Quantized [rows, cols] matrices: cols is a multiple of 32 (the format requires it), rows
-// start 16-byte aligned; the 16-input segment s uses the f16 scale of group s / 2.
+// Codes stored per row of a quantized matrix of `cols` inputs: whole groups of 32.
+__device__ __forceinline__ int stored_cols(int cols) { return (cols + GROUP - 1) / GROUP * GROUP; }
+
+// Segments of 16 inputs a quantized row of `cols` inputs spans (the last one may be partial).
+__device__ __forceinline__ int segments_of(int cols) { return (cols + SEG - 1) / SEG; }
+
+// Quantized [rows, cols] matrices: rows of stored_cols(cols) codes, 16-byte aligned; the
+// 16-input segment s uses the f16 scale of group s / 2.
 __device__ __forceinline__ float segment_scale(const unsigned char* matrix, long long scales,
                                                int row, int cols, int s) {
-    const unsigned short* scale_row =
-        reinterpret_cast<const unsigned short*>(matrix + scales) + (long long)row * (cols / GROUP);
+    const unsigned short* scale_row = reinterpret_cast<const unsigned short*>(matrix + scales) +
+                                      (long long)row * (stored_cols(cols) / GROUP);
     return f16_bits_to_float(scale_row[s >> 1]);
 }
 
@@ -88,8 +98,9 @@ template <int DT>
 __device__ __forceinline__ uint4 segment_bits(const unsigned char* matrix, int row, int cols,
                                               int s) {
     if (DT == DTYPE_INT8)
-        return *reinterpret_cast<const uint4*>(matrix + (long long)row * cols + s * SEG);
-    uint2 half = *reinterpret_cast<const uint2*>(matrix + (long long)row * (cols / 2) +
+        return *reinterpret_cast<const uint4*>(matrix + (long long)row * stored_cols(cols) +
+                                               s * SEG);
+    uint2 half = *reinterpret_cast<const uint2*>(matrix + (long long)row * (stored_cols(cols) / 2) +
                                                  s * (SEG / 2));
     return make_uint4(half.x, half.y, 0u, 0u);
 }
@@ -134,7 +145,7 @@ __device__ __forceinline__ float row_dot_partial(const unsigned char* matrix, lo
         for (int c = lane; c < cols; c += 32)
             acc = __fmaf_rn(float_weight(matrix, dtype, row, cols, c), x[padded(c)], acc);
     } else {
-        int segments = cols / SEG;
+        int segments = segments_of(cols);
         // Unrolled so several segments' loads are in flight (decode is latency-bound); the
         // order of the additions is unchanged.
 #pragma unroll 4
@@ -177,7 +188,9 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
     if (slot < 0) return;  // the whole block leaves together
     const float* xt = x + (long long)(p / top_k) * hidden;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) shared_x[padded(c)] = xt[c];
+    // Zero past `hidden` up to the last segment: a quantized row's padding meets 0.
+    for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
+        shared_x[padded(c)] = c < hidden ? xt[c] : 0.0f;
     __syncthreads();
     int warps = blockDim.x / 32;
     int lane = threadIdx.x % 32;
@@ -214,7 +227,9 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
         return;
     }
     const float* ap = activated + (long long)p * intermediate;
-    for (int c = threadIdx.x; c < intermediate; c += blockDim.x) shared_a[padded(c)] = ap[c];
+    // Zero past `intermediate` up to the last segment: a quantized row's padding meets 0.
+    for (int c = threadIdx.x; c < segments_of(intermediate) * SEG; c += blockDim.x)
+        shared_a[padded(c)] = c < intermediate ? ap[c] : 0.0f;
     __syncthreads();
     if (r0 >= hidden) return;
     const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
@@ -257,7 +272,8 @@ __device__ __forceinline__ void quantized_chunk(const unsigned char* matrix, lon
                                                 const int (&rows)[GROUPED_ROWS], int cols, int k0,
                                                 int kc, const float* xs, int lane,
                                                 float (&acc)[GROUPED_ROWS][TILE_TOKENS]) {
-    if (lane >= kc / SEG) return;
+    // The chunk's inputs past kc are staged as 0 (stage_tile): a partial last segment is read.
+    if (lane >= segments_of(kc)) return;
     int s = k0 / SEG + lane;
     uint4 bits[GROUPED_ROWS];
     float scale[GROUPED_ROWS];

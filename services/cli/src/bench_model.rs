@@ -22,7 +22,7 @@ use ninfer_protocol::v1::{
 use serde::Serialize;
 use tonic::transport::Channel;
 
-use crate::serve::{plan_for, resolve_model, start_pipeline, EngineFlags};
+use crate::serve::{connect_when_ready, plan_for, resolve_model, start_pipeline, EngineFlags};
 use crate::supervisor::{install_stop_handler, stop_requested, Supervisor};
 
 #[derive(Debug, clap::Args)]
@@ -360,46 +360,6 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         print_report(&report);
     }
     Ok(())
-}
-
-/// The last lines of a child's log, for a failure message.
-fn log_tail(supervisor: &Supervisor, label: &str) -> String {
-    crate::supervisor::file_tail(&supervisor.log_path(label), 15)
-}
-
-/// Waits until the engine answers and says it is ready; fails early when a child died.
-async fn connect_when_ready(
-    address: &str,
-    supervisor: &mut Supervisor,
-    timeout: Duration,
-) -> anyhow::Result<EngineClient<Channel>> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if stop_requested() {
-            bail!("interrupted while the pipeline started");
-        }
-        supervisor.poll()?;
-        if let Ok(channel) =
-            ninfer_protocol::transport::connect(address, Duration::from_millis(500)).await
-        {
-            let mut client = EngineClient::new(channel)
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(64 << 20);
-            if let Ok(status) = client.get_status(EngineStatusRequest {}).await {
-                if status.get_ref().ready {
-                    return Ok(client);
-                }
-            }
-        }
-        if Instant::now() >= deadline {
-            bail!(
-                "the engine was not ready within {:.0} s (--ready-timeout); the end of its log:\n{}",
-                timeout.as_secs_f64(),
-                log_tail(supervisor, "engine")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Decode of several sequences at once, from the client's token arrival times.

@@ -6,6 +6,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use ninfer_protocol::v1::engine_client::EngineClient;
+use ninfer_protocol::v1::EngineStatusRequest;
+use tonic::transport::Channel;
 
 use crate::model_facts::{locate_model, locate_model_in, models_dir, ModelFacts, ModelLocation};
 use crate::plan::{plan, print_plan, Machine, Plan, Request};
@@ -314,6 +317,47 @@ pub fn start_pipeline(
         args: engine_command_line(model, listen, &worker_addresses, flags, plan),
     })?;
     Ok(listen.to_string())
+}
+
+/// The last lines of a child's log, for a failure message.
+pub fn log_tail(supervisor: &Supervisor, label: &str) -> String {
+    crate::supervisor::file_tail(&supervisor.log_path(label), 15)
+}
+
+/// Waits until the engine at `address` answers and says it is ready (for the commands that
+/// drive a pipeline they started: `bench MODEL`, `perplexity`); fails early when a child died.
+pub async fn connect_when_ready(
+    address: &str,
+    supervisor: &mut Supervisor,
+    timeout: Duration,
+) -> anyhow::Result<EngineClient<Channel>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if stop_requested() {
+            bail!("interrupted while the pipeline started");
+        }
+        supervisor.poll()?;
+        if let Ok(channel) =
+            ninfer_protocol::transport::connect(address, Duration::from_millis(500)).await
+        {
+            let mut client = EngineClient::new(channel)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20);
+            if let Ok(status) = client.get_status(EngineStatusRequest {}).await {
+                if status.get_ref().ready {
+                    return Ok(client);
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the engine was not ready within {:.0} s (--ready-timeout); the end of its log:\n{}",
+                timeout.as_secs_f64(),
+                log_tail(supervisor, "engine")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Whether the artifact carries the MTP draft head.

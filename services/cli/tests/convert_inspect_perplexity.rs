@@ -4,9 +4,11 @@
 //! * `inspect` prints the right architecture and, per tensor class, exactly the parameter counts
 //!   of the checkpoint (counted here from the safetensors headers, independently of the
 //!   converter), with the bytes of the float rows equal to parameters × element size;
-//! * `perplexity` reproduces transformers' mean and per-token NLL (`reference.json`) on the
-//!   fixture's text, tokenized by the artifact's own tokenizer, prints progress and tokens/s,
-//!   and windows (not refuses) a text longer than `--max-context`;
+//! * `perplexity --in-process` (the f32 reference) reproduces transformers' mean and per-token
+//!   NLL (`reference.json`) on the fixture's text, tokenized by the artifact's own tokenizer,
+//!   prints progress and tokens/s; `perplexity` through the serving pipeline windows (not
+//!   refuses) a text longer than `--max-context` (`perplexity_through_engine.rs` compares the
+//!   two paths in full);
 //! * `perplexity` refuses an artifact of an unknown architecture by its name.
 //!
 //! Run with `cargo test -p ninfer --test convert_inspect_perplexity -- --nocapture`.
@@ -286,6 +288,7 @@ fn perplexity_matches_transformers_and_windows_long_texts() {
         let per_token = scratch.path().join(format!("{name}.tsv"));
         let (stdout, stderr) = succeed(&[
             "perplexity",
+            "--in-process",
             &artifact,
             text,
             "--token-nll",
@@ -319,13 +322,27 @@ fn perplexity_matches_transformers_and_windows_long_texts() {
 
         // The in-process GPU path: on a machine without one, `auto` falls back to the CPU with
         // the expert kernels, and `cuda` is refused by name.
-        let (stdout, _) = succeed(&["perplexity", &artifact, text, "--device", "auto"]);
+        let (stdout, _) = succeed(&[
+            "perplexity",
+            "--in-process",
+            &artifact,
+            text,
+            "--device",
+            "auto",
+        ]);
         let (auto_mean, _) = parse_mean(&stdout);
         assert!(
             (auto_mean - expected_mean).abs() < 2e-3,
             "{name}: --device auto mean {auto_mean} vs {expected_mean}"
         );
-        let output = ninfer(&["perplexity", &artifact, text, "--device", "cuda"]);
+        let output = ninfer(&[
+            "perplexity",
+            "--in-process",
+            &artifact,
+            text,
+            "--device",
+            "cuda",
+        ]);
         if output.status.success() {
             let (cuda_mean, _) = parse_mean(&String::from_utf8_lossy(&output.stdout));
             assert!(
@@ -337,11 +354,14 @@ fn perplexity_matches_transformers_and_windows_long_texts() {
             assert!(message.contains("--device cuda"), "{message}");
         }
 
-        // A context shorter than the text: non-overlapping windows, first token of each unscored.
+        // A context shorter than the text, through the serving pipeline: non-overlapping
+        // windows, first token of each unscored.
         let (stdout, _) = succeed(&[
             "perplexity",
             &artifact,
             text,
+            "--device",
+            "cpu",
             "--max-context",
             "50",
             "--token-nll",

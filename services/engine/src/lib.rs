@@ -43,6 +43,6 @@ pub use backend::{Backend, DeltaRuleForm};
 pub use error::EngineError;
 pub use model::{open_artifact, LogitsSelection, Model, SequenceInput, SequenceState};
 pub use moe::{ExpertBatch, ExpertExecutor, NoRoutedExperts, ReferenceExpertExecutor};
-pub use perplexity::{token_nlls, PerplexityOptions, TokenNll};
+pub use perplexity::{score_chunk, token_nlls, PerplexityOptions, TokenNll};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{ModelSpec, SUPPORTED_ARCHITECTURES};

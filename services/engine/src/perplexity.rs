@@ -59,7 +59,6 @@ pub fn token_nlls<B: Backend>(
             ),
         });
     }
-    let vocab = model.vocab_size();
     let chunk = options.chunk_tokens.max(1);
     let mut scored = Vec::with_capacity(tokens.len());
     for (window_index, window) in tokens.chunks(options.max_context).enumerate() {
@@ -68,30 +67,61 @@ pub fn token_nlls<B: Backend>(
         let mut fed = 0;
         while fed < window.len() {
             let end = (fed + chunk).min(window.len());
-            let mut batch = [SequenceInput {
-                state: &mut state,
-                tokens: &window[fed..end],
-            }];
-            let logits = model.forward(&mut batch, LogitsSelection::All)?;
-            let logits = logits.into_iter().next().unwrap_or_default();
-            // Row r predicts window token fed + r + 1.
-            for r in 0..end - fed {
+            let nlls = score_chunk(model, &mut state, window, fed..end)?;
+            scored.extend(nlls.into_iter().enumerate().map(|(r, nll)| {
                 let target_index = fed + r + 1;
-                if target_index >= window.len() {
-                    break;
-                }
-                let target = window[target_index];
-                scored.push(TokenNll {
+                TokenNll {
                     position: window_start + target_index,
-                    token: target,
-                    nll: negative_log_likelihood(&logits[r * vocab..(r + 1) * vocab], target),
-                });
-            }
+                    token: window[target_index],
+                    nll,
+                }
+            }));
             fed = end;
             progress(window_start + fed, tokens.len());
         }
     }
     Ok(scored)
+}
+
+/// Feeds `window[chunk]` to `state` (which must hold exactly `window[..chunk.start]`) in one
+/// forward and returns the NLL of each window token the chunk predicts: entry `r` is the NLL
+/// of `window[chunk.start + r + 1]`, so the chunk that ends the window scores one token fewer
+/// than it feeds. The one chunk scorer of the in-process [`token_nlls`] and of the serving
+/// engine's scoring requests, so both compute the same bits from the same logits.
+pub fn score_chunk<B: Backend>(
+    model: &Model<B>,
+    state: &mut crate::model::SequenceState<B>,
+    window: &[u32],
+    chunk: std::ops::Range<usize>,
+) -> Result<Vec<f64>, EngineError> {
+    let vocab = model.vocab_size();
+    let Some(fed) = window.get(chunk.clone()) else {
+        return Err(EngineError::InvalidConfig {
+            problem: format!(
+                "scoring chunk {chunk:?} lies outside the window of {} tokens",
+                window.len()
+            ),
+        });
+    };
+    let mut batch = [SequenceInput { state, tokens: fed }];
+    let logits = model.forward(&mut batch, LogitsSelection::All)?;
+    let logits = logits.into_iter().next().unwrap_or_default();
+    // Row r predicts window token chunk.start + r + 1.
+    let scored_rows = fed.len().min(window.len().saturating_sub(chunk.start + 1));
+    if logits.len() < scored_rows * vocab {
+        return Err(EngineError::InvalidConfig {
+            problem: format!(
+                "the forward returned {} logits for {scored_rows} rows of {vocab}",
+                logits.len()
+            ),
+        });
+    }
+    Ok((0..scored_rows)
+        .map(|r| {
+            let target = window[chunk.start + r + 1];
+            negative_log_likelihood(&logits[r * vocab..(r + 1) * vocab], target)
+        })
+        .collect())
 }
 
 #[cfg(test)]

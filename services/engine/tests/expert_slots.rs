@@ -5,7 +5,8 @@
 //! * the same for prefill-sized batches (16, 77 and 300 tokens: the CUDA backend's grouped
 //!   kernels) with uneven experts — one with most tokens, one with a single token, a resident
 //!   one with none — and hidden > 512 (several staged input chunks), each token's row equal
-//!   bit for bit to that token computed alone (the per-pair kernels);
+//!   bit for bit to that token computed alone (the per-pair kernels); again with a hidden size
+//!   and an expert width that are not multiples of the quantization group (552 and 40);
 //! * a routing started on the backend and finished later (several in flight, one dropped)
 //!   against the one-shot read-back, and the slotted experts computed from it before it reached
 //!   the host against the op fed the host routing;
@@ -191,13 +192,31 @@ test_device!(slotted_experts_match_the_reference_per_dtype);
 /// bit for bit, the same token computed alone: on CUDA the batch takes the grouped kernels and
 /// the single token the per-pair ones, which sum in the same order.
 fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(backend: Arc<B>) {
+    check_grouped_slotted_experts(&backend, 544, 96);
+}
+test_device!(grouped_slotted_experts_match_the_reference_and_single_tokens);
+
+/// As above with widths that are not a multiple of the quantization group of 32: hidden 552
+/// (the `gate_up` input: a partial last input chunk ending in a partial group) and expert width
+/// 40 (the `down` input). Quantized rows end in a group padded with zero codes; the kernels must
+/// add exactly nothing for it (the padded activations are staged as 0).
+fn slotted_experts_of_widths_not_multiple_of_the_group<B: Backend>(backend: Arc<B>) {
+    check_grouped_slotted_experts(&backend, 552, 40);
+}
+test_device!(slotted_experts_of_widths_not_multiple_of_the_group);
+
+fn check_grouped_slotted_experts<B: Backend>(
+    backend: &Arc<B>,
+    hidden_size: usize,
+    intermediate_size: usize,
+) {
     let directory = tempfile::tempdir().unwrap();
     let mut config = tiny_config(TinyArchitecture::Qwen3Moe);
     let ModelConfig::Qwen3Moe(ref mut qwen3) = config else {
         unreachable!("tiny Qwen3Moe config")
     };
-    qwen3.common.hidden_size = 544;
-    qwen3.common.moe_intermediate_size = 96;
+    qwen3.common.hidden_size = hidden_size;
+    qwen3.common.moe_intermediate_size = intermediate_size;
     qwen3.common.num_experts = 10;
     qwen3.common.num_experts_per_tok = 4;
     let common = config.common().clone();
@@ -211,7 +230,7 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
         write_model(&path, &config, options).unwrap();
         let (artifact, layer, bank, layout) = first_moe_bank(&path, &common);
         let fills = [(0, 0), (1, 3), (2, 6), (3, 7), (4, 2), (4, 9)];
-        let slots = filled_slots(&*backend, &common, &layout, 5, &fills, &artifact, &bank);
+        let slots = filled_slots(&**backend, &common, &layout, 5, &fills, &artifact, &bank);
         let resident = [0u32, 3, 6, 7, 9];
         for tokens in [16usize, 77, 300] {
             let mut rng = Xoshiro256::seed_from_u64(tokens as u64);
@@ -294,8 +313,9 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
             let scale = expected.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
             let worst = max_abs_difference(&got, &expected);
             println!(
-                "{} {dtype} experts, {tokens} tokens: slotted vs reference max |Δ| / max |ref| = {:.2e}",
+                "{} {dtype} experts, hidden {h}, width {}, {tokens} tokens: slotted vs reference max |Δ| / max |ref| = {:.2e}",
                 backend.name(),
+                common.moe_intermediate_size,
                 worst / scale
             );
             assert!(
@@ -329,7 +349,6 @@ fn grouped_slotted_experts_match_the_reference_and_single_tokens<B: Backend>(bac
         }
     }
 }
-test_device!(grouped_slotted_experts_match_the_reference_and_single_tokens);
 
 /// The backend's router picks the same experts as the host reference (ties → lower id) with
 /// the same weights, for router widths of the supported models (8…512 experts, top-1…10).

@@ -8,6 +8,7 @@
 
 pub mod routing_stats;
 pub mod scheduler;
+pub mod scoring;
 
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -20,7 +21,7 @@ use ninfer_protocol::v1::{
     CancelRequest, CancelResponse, EngineProfile, EngineStatus, EngineStatusRequest,
     ExpertCacheLayerCounts, FinishReason, GenerateRequest, GeneratedToken, GenerationDefaults,
     ModelFiles, ModelFilesRequest, ModelInfo, ModelInfoRequest, PhaseProfile, ProfileRequest,
-    RoutingStatistics, RoutingStatisticsRequest, TokenLogprob,
+    RoutingStatistics, RoutingStatisticsRequest, ScoreRequest, TokenLogprob, TokenScores,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -34,6 +35,7 @@ use scheduler::{
     GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerError, SchedulerEvent,
     SchedulerLimits, SequenceFinish,
 };
+use scoring::{ChunkScores, ScoringRequest};
 
 /// Whether the experts are ready (remote workers registered) and why not.
 pub trait Readiness: Send + Sync {
@@ -115,6 +117,31 @@ fn phase_message(totals: &PhaseTotals) -> PhaseProfile {
 }
 
 impl EngineService {
+    /// The checks every sequence-starting request passes (model name, readiness, a free
+    /// sequence slot); the slot's permit is held while the scheduler keeps the sequence.
+    fn admit(&self, model_name: &str) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+        if !model_name.is_empty() && model_name != self.model_name {
+            return Err(Status::not_found(format!(
+                "this engine serves model `{}`, not `{model_name}`",
+                self.model_name
+            )));
+        }
+        if let Some(reason) = self.readiness.not_ready_reason() {
+            // Requests are held while a worker restarts; before the first registration there
+            // is nothing to hold them for yet, so say so.
+            if self.readiness.cpu_expert_calls() == 0 {
+                return Err(Status::unavailable(format!("not ready: {reason}")));
+            }
+        }
+        Arc::clone(&self.sequence_permits)
+            .try_acquire_owned()
+            .map_err(|_| {
+                status_of(&SchedulerError::Busy {
+                    max_sequences: self.limits.max_sequences,
+                })
+            })
+    }
+
     fn send(&self, command: SchedulerCommand) -> Result<(), Status> {
         let sender = self
             .scheduler
@@ -248,10 +275,10 @@ fn generated_token(event: SchedulerEvent) -> GeneratedToken {
 /// Forwards a sequence's events to its response and keeps `permit` until the scheduler lets go
 /// of the sequence (drops its sender), not merely until the client leaves: the scheduler frees
 /// the sequence at its next step, and admitting a new one before that would overfill it.
-fn hold_permit_while_scheduled(
-    mut from_scheduler: tokio::sync::mpsc::Receiver<scheduler::SchedulerResult>,
+fn hold_permit_while_scheduled<Event: Send + 'static>(
+    mut from_scheduler: tokio::sync::mpsc::Receiver<Event>,
     permit: tokio::sync::OwnedSemaphorePermit,
-) -> tokio::sync::mpsc::Receiver<scheduler::SchedulerResult> {
+) -> tokio::sync::mpsc::Receiver<Event> {
     let (to_client, receiver) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         loop {
@@ -281,13 +308,40 @@ fn status_of(error: &SchedulerError) -> Status {
     let message = error.to_string();
     match error {
         SchedulerError::InvalidRequest(_) => Status::invalid_argument(message),
-        SchedulerError::ContextExceeded { .. } => Status::out_of_range(message),
+        SchedulerError::ContextExceeded { .. } | SchedulerError::ScoringContextExceeded { .. } => {
+            Status::out_of_range(message)
+        }
         SchedulerError::Busy { .. } => Status::resource_exhausted(message),
         SchedulerError::GenerationFailed(_) => Status::internal(message),
     }
 }
 
 type TokenStream = Pin<Box<dyn Stream<Item = Result<GeneratedToken, Status>> + Send>>;
+type ScoreStream = Pin<Box<dyn Stream<Item = Result<TokenScores, Status>> + Send>>;
+
+/// A chunk's scores as the wire message of engine.proto.
+fn token_scores(chunk: ChunkScores) -> TokenScores {
+    TokenScores {
+        first_position: chunk.first_position as u32,
+        nll: chunk.nll,
+        tokens_done: chunk.tokens_done as u32,
+        tokens_total: chunk.tokens_total as u32,
+    }
+}
+
+/// A unique id for a request that came without one (the scheduler cancels by id).
+fn request_id_or_unnamed(request_id: &str) -> String {
+    static UNNAMED_REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    if request_id.is_empty() {
+        format!(
+            "ninfer-unnamed-{}",
+            UNNAMED_REQUESTS.fetch_add(1, Ordering::Relaxed)
+        )
+    } else {
+        request_id.to_string()
+    }
+}
+
 type StatisticsStream = Pin<Box<dyn Stream<Item = Result<RoutingStatistics, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -300,39 +354,10 @@ impl Engine for EngineService {
         request: Request<GenerateRequest>,
     ) -> Result<Response<TokenStream>, Status> {
         let request = request.into_inner();
-        if !request.model_name.is_empty() && request.model_name != self.model_name {
-            return Err(Status::not_found(format!(
-                "this engine serves model `{}`, not `{}`",
-                self.model_name, request.model_name
-            )));
-        }
-        if let Some(reason) = self.readiness.not_ready_reason() {
-            // Requests are held while a worker restarts; before the first registration there
-            // is nothing to hold them for yet, so say so.
-            if self.readiness.cpu_expert_calls() == 0 {
-                return Err(Status::unavailable(format!("not ready: {reason}")));
-            }
-        }
-        let permit = Arc::clone(&self.sequence_permits)
-            .try_acquire_owned()
-            .map_err(|_| {
-                status_of(&SchedulerError::Busy {
-                    max_sequences: self.limits.max_sequences,
-                })
-            })?;
+        let permit = self.admit(&request.model_name)?;
         let (events, from_scheduler) = tokio::sync::mpsc::channel(4096);
         let receiver = hold_permit_while_scheduled(from_scheduler, permit);
-        // A request without an id still needs a unique one: the scheduler cancels by id.
-        static UNNAMED_REQUESTS: std::sync::atomic::AtomicU64 =
-            std::sync::atomic::AtomicU64::new(0);
-        let request_id = if request.request_id.is_empty() {
-            format!(
-                "ninfer-unnamed-{}",
-                UNNAMED_REQUESTS.fetch_add(1, Ordering::Relaxed)
-            )
-        } else {
-            request.request_id.clone()
-        };
+        let request_id = request_id_or_unnamed(&request.request_id);
         let guide = self.guide(&request).await?;
         self.send(SchedulerCommand::Submit(GenerationRequest {
             guide,
@@ -354,6 +379,28 @@ impl Engine for EngineService {
                     .map(generated_token)
                     .map_err(|error| status_of(&error))
             },
+        ))))
+    }
+
+    type ScoreTokensStream = ScoreStream;
+
+    async fn score_tokens(
+        &self,
+        request: Request<ScoreRequest>,
+    ) -> Result<Response<ScoreStream>, Status> {
+        let request = request.into_inner();
+        let permit = self.admit(&request.model_name)?;
+        let (scores, from_scheduler) = tokio::sync::mpsc::channel(4096);
+        let receiver = hold_permit_while_scheduled(from_scheduler, permit);
+        self.send(SchedulerCommand::Score(ScoringRequest {
+            request_id: request_id_or_unnamed(&request.request_id),
+            tokens: request.token_ids,
+            chunk_tokens: request.chunk_tokens as usize,
+            scores,
+        }))?;
+        Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
+            tokio_stream::wrappers::ReceiverStream::new(receiver),
+            |scores| scores.map(token_scores).map_err(|error| status_of(&error)),
         ))))
     }
 

@@ -28,6 +28,7 @@ use crate::model::{
     SequenceInput, SequenceState,
 };
 use crate::sampling::{Sampler, SamplingParams, Xoshiro256};
+use crate::service::scoring::{Scoring, ScoringRequest};
 use crate::spec::MixerKind;
 
 /// Why a sequence ended.
@@ -82,6 +83,9 @@ pub enum SchedulerError {
         max_new_tokens: usize,
         max_context: usize,
     },
+    /// A scoring request has more tokens than the context holds.
+    #[error("{tokens} tokens to score exceed the maximum context of {max_context} tokens (score it in windows of at most {max_context})")]
+    ScoringContextExceeded { tokens: usize, max_context: usize },
     /// Every sequence slot is taken.
     #[error("the engine is running its maximum of {max_sequences} sequences; retry later")]
     Busy { max_sequences: usize },
@@ -119,6 +123,8 @@ pub struct GenerationRequest {
 
 pub enum SchedulerCommand {
     Submit(GenerationRequest),
+    /// A teacher-forced scoring request (see [`crate::service::scoring`]).
+    Score(ScoringRequest),
     Cancel(String, tokio::sync::oneshot::Sender<bool>),
 }
 
@@ -306,20 +312,46 @@ fn run<B: Backend>(
         vocab,
     };
     let mut running: Vec<Running<B>> = Vec::new();
+    // Scoring requests, first come first served: one chunk of the first per step.
+    let mut scoring: std::collections::VecDeque<Scoring<B>> = std::collections::VecDeque::new();
     loop {
         // Block only when idle; otherwise take what arrived and go on decoding.
-        if running.is_empty() {
+        if running.is_empty() && scoring.is_empty() {
             match commands.recv() {
-                Ok(command) => handle(model, command, &mut running, &admission, counters),
+                Ok(command) => handle(
+                    model,
+                    command,
+                    &mut running,
+                    &mut scoring,
+                    &admission,
+                    counters,
+                ),
                 Err(_) => return,
             }
         }
         while let Ok(command) = commands.try_recv() {
-            handle(model, command, &mut running, &admission, counters);
+            handle(
+                model,
+                command,
+                &mut running,
+                &mut scoring,
+                &admission,
+                counters,
+            );
         }
         // A client that went away cancels its sequence.
         running.retain(|r| !r.request.events.is_closed());
-        counters.running.store(running.len(), Ordering::Relaxed);
+        scoring.retain(|s| !s.request.scores.is_closed());
+        counters
+            .running
+            .store(running.len() + scoring.len(), Ordering::Relaxed);
+        // One chunk of a scoring request in its own forward (it keeps every position's
+        // logits, the generating sequences only their last), then the generation step.
+        if let Some(first) = scoring.front_mut() {
+            if first.step(model) {
+                scoring.pop_front();
+            }
+        }
         if running.is_empty() {
             continue;
         }
@@ -374,14 +406,20 @@ fn run<B: Backend>(
             fail_all(&mut running, &error);
             continue;
         }
-        let kv_used: u64 = running.iter().map(|r| r.state.position() as u64).sum();
+        let kv_used: u64 = running
+            .iter()
+            .map(|r| r.state.position() as u64)
+            .sum::<u64>()
+            + scoring.iter().map(|s| s.position() as u64).sum::<u64>();
         counters.kv_used_tokens.store(kv_used, Ordering::Relaxed);
         finished.sort_unstable();
         finished.dedup();
         for index in finished.into_iter().rev() {
             running.swap_remove(index);
         }
-        counters.running.store(running.len(), Ordering::Relaxed);
+        counters
+            .running
+            .store(running.len() + scoring.len(), Ordering::Relaxed);
     }
 }
 
@@ -945,12 +983,29 @@ fn handle<B: Backend>(
     model: &Model<B>,
     command: SchedulerCommand,
     running: &mut Vec<Running<B>>,
+    scoring: &mut std::collections::VecDeque<Scoring<B>>,
     admission: &Admission,
     counters: &SchedulerCounters,
 ) {
     let (limits, vocab) = (admission.limits, admission.vocab);
     match command {
+        SchedulerCommand::Score(request) => {
+            let slots_taken = running.len() + scoring.len();
+            if let Some(admitted) = Scoring::admit(model, request, limits, slots_taken) {
+                counters
+                    .prompt_tokens
+                    .fetch_add(admitted.request.tokens.len() as u64, Ordering::Relaxed);
+                scoring.push_back(admitted);
+            }
+        }
         SchedulerCommand::Cancel(id, reply) => {
+            // A scoring request ends with its stream closed (no finish message to send).
+            let scored = scoring.iter().position(|s| s.request.request_id == id);
+            if let Some(index) = scored {
+                scoring.remove(index);
+                let _ = reply.send(true);
+                return;
+            }
             let position = running.iter().position(|r| r.request.request_id == id);
             if let Some(index) = position {
                 let r = running.swap_remove(index);
@@ -989,7 +1044,7 @@ fn handle<B: Backend>(
                     max_context: limits.max_context,
                 });
             }
-            if running.len() >= limits.max_sequences {
+            if running.len() + scoring.len() >= limits.max_sequences {
                 return reject(SchedulerError::Busy {
                     max_sequences: limits.max_sequences,
                 });

@@ -377,6 +377,17 @@ impl Engine for ScriptedEngine {
             "the scripted engine keeps no profile",
         ))
     }
+
+    type ScoreTokensStream = Pin<Box<dyn Stream<Item = Result<TokenScores, Status>> + Send>>;
+
+    async fn score_tokens(
+        &self,
+        _request: Request<ScoreRequest>,
+    ) -> Result<Response<Self::ScoreTokensStream>, Status> {
+        Err(Status::unimplemented(
+            "the scripted engine scores nothing (the gateway never asks)",
+        ))
+    }
 }
 
 /// A running scripted engine on its own runtime, so `kill` drops every connection like a crash.

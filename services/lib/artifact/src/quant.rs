@@ -9,12 +9,18 @@ use crate::header::{align_up, DType, QuantizationParams, QuantizationScheme, Sca
 pub const GROUP_SIZE: usize = 32;
 
 /// Byte layout of one group-quantized `[rows, cols]` matrix.
+///
+/// A row whose `cols` is not a multiple of [`GROUP_SIZE`] is stored as if it had
+/// [`QuantizedLayout::stored_cols`] columns: its last group is padded with code 0 (int8 byte 0,
+/// int4 nibble 8), which decodes to exactly 0 whatever the group's scale, so a kernel that runs
+/// over whole groups against activations zero-padded the same way adds exactly nothing for the
+/// padding. The scale of that group comes from its real values only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuantizedLayout {
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
-    /// Bytes of quantized values of one row.
+    /// Bytes of quantized values of one row (of `stored_cols()` codes).
     pub row_value_bytes: usize,
     /// Offset of the f16 scales from the tensor start.
     pub scales_offset: usize,
@@ -25,18 +31,14 @@ pub struct QuantizedLayout {
 impl QuantizedLayout {
     /// Layout of a quantized matrix, or why it cannot be quantized.
     pub fn new(dtype: DType, rows: usize, cols: usize) -> Result<Self, String> {
-        if cols % GROUP_SIZE != 0 {
-            return Err(format!(
-                "{dtype} needs the input dimension to be a multiple of {GROUP_SIZE}, got {cols}"
-            ));
-        }
+        let stored_cols = cols.next_multiple_of(GROUP_SIZE);
         let row_value_bytes = match dtype {
-            DType::Int8 => cols,
-            DType::Int4 => cols / 2,
+            DType::Int8 => stored_cols,
+            DType::Int4 => stored_cols / 2,
             other => return Err(format!("{other} is not a quantized dtype")),
         };
         let scales_offset = align_up((rows * row_value_bytes) as u64, 64) as usize;
-        let total_bytes = scales_offset + rows * (cols / GROUP_SIZE) * 2;
+        let total_bytes = scales_offset + rows * (stored_cols / GROUP_SIZE) * 2;
         Ok(QuantizedLayout {
             dtype,
             rows,
@@ -47,8 +49,14 @@ impl QuantizedLayout {
         })
     }
 
+    /// Groups of one row, the last one padded when `cols` is not a multiple of the group size.
     pub fn groups_per_row(&self) -> usize {
-        self.cols / GROUP_SIZE
+        self.cols.div_ceil(GROUP_SIZE)
+    }
+
+    /// Codes stored per row: `cols` rounded up to whole groups.
+    pub fn stored_cols(&self) -> usize {
+        self.groups_per_row() * GROUP_SIZE
     }
 
     pub fn params(&self) -> QuantizationParams {
@@ -85,12 +93,18 @@ pub fn quantize_matrix(values: &[f32], layout: &QuantizedLayout) -> Vec<u8> {
         "matrix size does not match its layout"
     );
     let mut bytes = vec![0u8; layout.total_bytes];
+    if layout.dtype == DType::Int4 {
+        // Code 0 everywhere first (nibble 8), so the padding of a last partial group decodes
+        // to exactly 0; int8's code 0 is the zero byte already.
+        bytes[..layout.rows * layout.row_value_bytes].fill(0x88);
+    }
     let max_code = layout.max_code();
     let groups = layout.groups_per_row();
     for row in 0..layout.rows {
         for group in 0..groups {
             let start = row * layout.cols + group * GROUP_SIZE;
-            let chunk = &values[start..start + GROUP_SIZE];
+            let end = (start + GROUP_SIZE).min((row + 1) * layout.cols);
+            let chunk = &values[start..end];
             let max_abs = chunk.iter().fold(0.0f32, |acc, x| acc.max(x.abs()));
             let scale = f16_round_up(max_abs / max_code);
             let scale_f32 = scale.to_f32();
@@ -111,9 +125,9 @@ pub fn quantize_matrix(values: &[f32], layout: &QuantizedLayout) -> Vec<u8> {
                         let byte_at = row * layout.row_value_bytes + column / 2;
                         let nibble = (code + 8) as u8;
                         if column % 2 == 0 {
-                            bytes[byte_at] |= nibble;
+                            bytes[byte_at] = (bytes[byte_at] & 0xf0) | nibble;
                         } else {
-                            bytes[byte_at] |= nibble << 4;
+                            bytes[byte_at] = (bytes[byte_at] & 0x0f) | (nibble << 4);
                         }
                     }
                 }
@@ -146,7 +160,8 @@ pub fn dequantize_rows(
         for group in 0..groups {
             let scale_at = layout.scales_offset + (row * groups + group) * 2;
             let scale = f16::from_le_bytes([bytes[scale_at], bytes[scale_at + 1]]).to_f32();
-            for index in 0..GROUP_SIZE {
+            let in_group = GROUP_SIZE.min(layout.cols - group * GROUP_SIZE);
+            for index in 0..in_group {
                 let column = group * GROUP_SIZE + index;
                 let code = match layout.dtype {
                     DType::Int8 => row_values[column] as i8 as f32,
@@ -279,10 +294,53 @@ mod tests {
         );
     }
 
+    /// Rows of 40 and 72 inputs: the last group is padded to 32 codes that decode to 0, and
+    /// the real values keep the documented bound (the scale comes from them alone).
     #[test]
-    fn rejects_columns_not_multiple_of_group() {
-        assert!(QuantizedLayout::new(DType::Int8, 4, 33)
-            .unwrap_err()
-            .contains("multiple of 32"));
+    fn widths_not_multiple_of_the_group_round_trip_with_zero_padding() {
+        for dtype in [DType::Int8, DType::Int4] {
+            for cols in [40, 72, 33] {
+                let rows = 5;
+                let values = random_matrix(rows, cols, cols as u64);
+                let layout = QuantizedLayout::new(dtype, rows, cols).unwrap();
+                assert_eq!(layout.stored_cols(), cols.next_multiple_of(GROUP_SIZE));
+                assert_eq!(layout.groups_per_row(), cols.div_ceil(GROUP_SIZE));
+                let bytes = quantize_matrix(&values, &layout);
+                assert_eq!(bytes.len(), layout.total_bytes);
+                let decoded = dequantize_matrix(&bytes, &layout);
+                assert_eq!(decoded.len(), rows * cols);
+                for row in 0..rows {
+                    for group in 0..layout.groups_per_row() {
+                        let first = group * GROUP_SIZE;
+                        let last = (first + GROUP_SIZE).min(cols);
+                        let real = &values[row * cols + first..row * cols + last];
+                        let max_abs = real.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+                        let bound = quantization_error_bound(dtype, max_abs) * (1.0 + 1e-6);
+                        for (index, &x) in real.iter().enumerate() {
+                            let error = (x - decoded[row * cols + first + index]).abs();
+                            assert!(error <= bound, "{dtype} cols {cols}: {error} > {bound}");
+                        }
+                    }
+                    // The padding codes: every stored column from `cols` on is code 0.
+                    let row_bytes =
+                        &bytes[row * layout.row_value_bytes..][..layout.row_value_bytes];
+                    for column in cols..layout.stored_cols() {
+                        let code = match dtype {
+                            DType::Int8 => row_bytes[column] as i8 as i32,
+                            _ => {
+                                let byte = row_bytes[column / 2];
+                                let nibble = if column % 2 == 0 {
+                                    byte & 0x0f
+                                } else {
+                                    byte >> 4
+                                };
+                                nibble as i32 - 8
+                            }
+                        };
+                        assert_eq!(code, 0, "{dtype} cols {cols}: padding column {column}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -38,7 +38,6 @@ use std::str::FromStr;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-use ninfer_artifact::quant::QuantizedLayout;
 use ninfer_artifact::{
     ArtifactWriter, DType, GenerationDefaults, ModelConfig, SourceInfo, TensorSpec, WriterOptions,
 };
@@ -673,17 +672,6 @@ pub(crate) fn synthetic_plan(
     )?;
     if let Some(c) = model.hybrid_mut() {
         c.mtp_num_layers = plan.mtp_layers;
-    }
-    if options.experts_dtype.is_quantized() && model.common().num_experts > 0 {
-        let common = model.common();
-        for cols in [common.hidden_size, common.moe_intermediate_size] {
-            QuantizedLayout::new(options.experts_dtype, 1, cols).map_err(|problem| {
-                ConvertError::InvalidOption {
-                    option: "--experts-dtype",
-                    problem: format!("{}: {problem}", options.experts_dtype),
-                }
-            })?;
-        }
     }
     Ok((model, plan))
 }

@@ -59,9 +59,15 @@ unsafe fn dequantize_row<const D: u8>(
     padded: usize,
 ) {
     let cols = matrix.layout.cols;
-    let full_groups = cols / GROUP;
-    let values = matrix.row_values(row);
     let quantized = D == D_INT8 || D == D_INT4;
+    // Quantized rows decode every stored group (a last partial group's padding decodes to 0,
+    // within `padded`, which is `cols` rounded up to 32).
+    let full_groups = if quantized {
+        matrix.layout.groups_per_row
+    } else {
+        cols / GROUP
+    };
+    let values = matrix.row_values(row);
     let mut scales = [1.0f32; 16];
     let mut group = 0;
     while group < full_groups {

@@ -130,9 +130,15 @@ unsafe fn row<const D: u8, const N: usize>(
     token_stride: usize,
 ) {
     let cols = matrix.layout.cols;
-    let full_groups = cols / GROUP;
-    let values = matrix.row_values(row);
     let quantized = D == D_INT8 || D == D_INT4;
+    // Quantized rows run over every stored group: a last partial group is padded with code 0
+    // and its activations are zero-padded (`prepare`), so the padding adds exactly 0.
+    let full_groups = if quantized {
+        matrix.layout.groups_per_row
+    } else {
+        cols / GROUP
+    };
+    let values = matrix.row_values(row);
     let x: [*const f32; N] = std::array::from_fn(|t| {
         if D == D_INT4 {
             input.f32_nibble_row(t0 + t)

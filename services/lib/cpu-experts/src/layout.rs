@@ -97,7 +97,7 @@ pub struct MatrixLayout {
     pub row_bytes: usize,
     /// Offset of the f16 scales from the matrix start (0 for f32 / bf16, which have none).
     pub scales_offset: usize,
-    /// Scales per row (`cols / 32` for int8 / int4, else 0).
+    /// Scales per row (`cols / 32` rounded up for int8 / int4, the last group padded; else 0).
     pub groups_per_row: usize,
     pub total_bytes: usize,
 }
@@ -317,7 +317,20 @@ mod tests {
         assert_eq!(layout.gate_up.total_bytes, 1024 * 1024 + 1024 * 64 * 2);
         assert_eq!(layout.down_offset % 64, 0);
         assert_eq!(layout.stride % 4096, 0);
-        assert!(ExpertLayout::new(WeightDType::Int8, 100, 64).is_err());
         assert!(ExpertLayout::new(WeightDType::Bf16, 37, 19).is_ok());
+        // Any width quantizes: rows of 100 inputs are stored as 128 codes (4 groups, the last
+        // padded), rows of 40 as 64.
+        let padded = ExpertLayout::new(WeightDType::Int8, 100, 40).unwrap();
+        assert_eq!(padded.gate_up.row_bytes, 128);
+        assert_eq!(padded.gate_up.groups_per_row, 4);
+        assert_eq!(padded.down.row_bytes, 64);
+        assert_eq!(padded.down.groups_per_row, 2);
+        let padded = ExpertLayout::new(WeightDType::Int4, 100, 40).unwrap();
+        assert_eq!(padded.gate_up.row_bytes, 64);
+        assert_eq!(padded.down.row_bytes, 32);
+        assert_eq!(
+            padded.down.scales_offset,
+            (100 * 32usize).next_multiple_of(64)
+        );
     }
 }

@@ -29,7 +29,8 @@ pub(crate) unsafe fn decode_row(matrix: &MatrixView, row: usize, out: &mut [f32]
             let scales = matrix.row_scales(row).cast::<[u8; 2]>();
             for group in 0..layout.groups_per_row {
                 let scale = f16::from_le_bytes(*scales.add(group)).to_f32();
-                for index in 0..GROUP {
+                // A last partial group's padding codes are 0 and are not decoded.
+                for index in 0..GROUP.min(layout.cols - group * GROUP) {
                     let column = group * GROUP + index;
                     let code = if layout.dtype == WeightDType::Int8 {
                         *values.add(column) as i8 as f32

@@ -245,14 +245,21 @@ fn bf16_paths_agree_with_scalar() {
     check_dtype(WeightDType::Bf16, &[(37, 19), (96, 40)]);
 }
 
+/// Widths not a multiple of the quantization group (`(H, Im)`: an expert width of 40 and of 72
+/// as the `down` input, 40 and 72 as the `gate_up` input): the last group is padded with zero
+/// codes, every path must still match the scalar path and the f64 loop on decoded weights.
+const PADDED_GROUP_SHAPES: [(usize, usize); 3] = [(96, 40), (64, 72), (40, 72)];
+
 #[test]
 fn int8_paths_agree_with_scalar() {
     check_dtype(WeightDType::Int8, &[(96, 160), (64, 32)]);
+    check_dtype(WeightDType::Int8, &PADDED_GROUP_SHAPES);
 }
 
 #[test]
 fn int4_paths_agree_with_scalar() {
     check_dtype(WeightDType::Int4, &[(96, 160), (64, 32)]);
+    check_dtype(WeightDType::Int4, &PADDED_GROUP_SHAPES);
 }
 
 /// Every combination of the tuning's choices computes the same layer.

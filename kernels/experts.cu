@@ -12,9 +12,9 @@
 //   down      pair_out[p, r]  = w_p · (down_r · activated[p])         (0 for other pairs)
 //   expert_pair_sum out[t, r] = Σ_j pair_out[t·k + j, r]              (fixed order)
 // with two kernels for gate_up and down:
-//   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes one
-//     activated column (gate_up) or DOWN_ROWS output rows (down) of one pair, the pair's input
-//     vector sits in shared memory. Every pair reads
+//   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes
+//     GATE_UP_COLUMNS activated columns (gate_up) or DOWN_ROWS output rows (down) of one pair,
+//     the pair's input vector sits in shared memory. Every pair reads
 //     its expert's whole matrices.
 //   * grouped (`expert_gate_up_grouped`, `expert_down_grouped`; prefill): the host groups the
 //     slotted pairs by expert and cuts each expert's list into tiles of ≤ TILE_TOKENS pairs
@@ -46,8 +46,12 @@
 #define GROUP 32
 #define SEG 16
 #define SEG_STRIDE 20
-// Output rows per warp of `expert_down` (experts.rs mirrors it).
+// Output rows per warp of `expert_down`, activated columns per warp of `expert_gate_up`
+// (experts.rs mirrors both): several rows' loads in flight per warp.
 #define DOWN_ROWS 4
+#ifndef GATE_UP_COLUMNS
+#define GATE_UP_COLUMNS 2
+#endif
 
 // Grouped kernels: pairs per tile, inputs staged per pass (one 16-input segment per lane),
 // warps per block and weight rows per warp. experts.rs mirrors TILE_TOKENS, GROUPED_WARPS
@@ -177,7 +181,8 @@ __device__ __forceinline__ int pair_slot(const int* slot_of_expert, const unsign
     return slot_of_expert[expert];
 }
 
-// grid (ceil(intermediate / warps), pairs), dynamic shared memory ceil(hidden / 16) · 20 floats.
+// grid (ceil(intermediate / (warps · GATE_UP_COLUMNS)), pairs), dynamic shared memory
+// ceil(hidden / 16) · 20 floats.
 extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int* slot_of_expert,
                                           const unsigned int* ids, const float* x,
                                           float* activated, int top_k, int num_experts,
@@ -194,16 +199,28 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     __syncthreads();
     int warps = blockDim.x / 32;
     int lane = threadIdx.x % 32;
-    int c = blockIdx.x * warps + threadIdx.x / 32;
-    if (c >= intermediate) return;
+    int c0 = (blockIdx.x * warps + threadIdx.x / 32) * GATE_UP_COLUMNS;
+    if (c0 >= intermediate) return;
     const unsigned char* matrix = slots + (long long)slot * stride;
-    // Both rows' loads before either butterfly.
-    float gate_partial = row_dot_partial(matrix, gate_up_scales, dtype, c, hidden, shared_x, lane);
-    float up_partial =
-        row_dot_partial(matrix, gate_up_scales, dtype, intermediate + c, hidden, shared_x, lane);
-    float gate = warp_sum(gate_partial);
-    float up = warp_sum(up_partial);
-    if (lane == 0) activated[(long long)p * intermediate + c] = silu(gate) * up;
+    // Every row's loads before any butterfly.
+    float gate_partial[GATE_UP_COLUMNS], up_partial[GATE_UP_COLUMNS];
+#pragma unroll
+    for (int i = 0; i < GATE_UP_COLUMNS; ++i) {
+        int c = c0 + i;
+        bool live = c < intermediate;
+        gate_partial[i] =
+            live ? row_dot_partial(matrix, gate_up_scales, dtype, c, hidden, shared_x, lane) : 0.0f;
+        up_partial[i] = live ? row_dot_partial(matrix, gate_up_scales, dtype, intermediate + c,
+                                               hidden, shared_x, lane)
+                             : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < GATE_UP_COLUMNS; ++i) {
+        float gate = warp_sum(gate_partial[i]);
+        float up = warp_sum(up_partial[i]);
+        if (lane == 0 && c0 + i < intermediate)
+            activated[(long long)p * intermediate + c0 + i] = silu(gate) * up;
+    }
 }
 
 // grid (ceil(hidden / (warps · DOWN_ROWS)), pairs), dynamic shared memory

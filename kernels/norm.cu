@@ -55,6 +55,26 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     }
 }
 
+// RMSNorm of one group (a head) followed by the rotation of its first 2·half dims at
+// `position`: the arithmetic of `rms_norm` and `rope` (elementwise.cu), in the same order. Every
+// thread of the block calls it (it synchronises the block).
+__device__ void norm_rope_group(const float* in, const float* w, float* o, int group, float eps,
+                                float offset, float position, const float* inv_freq, int half) {
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < group; i += NORM_THREADS) sum += in[i] * in[i];
+    float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += NORM_THREADS) o[i] = in[i] * inverse * (offset + w[i]);
+    __syncthreads();  // the rotation pairs values other threads normalised
+    for (int p = threadIdx.x; p < half; p += NORM_THREADS) {
+        float angle = position * inv_freq[p];
+        float c = cosf(angle), s = sinf(angle);
+        float u = o[p], v = o[p + half];
+        o[p] = u * c - v * s;
+        o[p + half] = v * c + u * s;
+    }
+    __syncthreads();  // before the next group's block_sum reuses shared memory
+}
+
 // `rms_norm` with one group per head (group = head_dim, `heads` groups per row) followed by
 // `rope` (elementwise.cu) of the head's first 2·half dims at positions[row], in one launch: the
 // same arithmetic as the two kernels, in the same order.
@@ -63,22 +83,29 @@ extern "C" __global__ void rms_norm_rope(const float* x, const float* w, float* 
                                          const unsigned int* positions, const float* inv_freq,
                                          int heads, int half) {
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
-        const float* in = x + g * group;
-        float* o = out + g * group;
-        float sum = 0.0f;
-        for (int i = threadIdx.x; i < group; i += NORM_THREADS) sum += in[i] * in[i];
-        float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
-        for (int i = threadIdx.x; i < group; i += NORM_THREADS) o[i] = in[i] * inverse * (offset + w[i]);
-        __syncthreads();  // the rotation pairs values other threads normalised
-        float position = (float)positions[g / heads];
-        for (int p = threadIdx.x; p < half; p += NORM_THREADS) {
-            float angle = position * inv_freq[p];
-            float c = cosf(angle), s = sinf(angle);
-            float u = o[p], v = o[p + half];
-            o[p] = u * c - v * s;
-            o[p + half] = v * c + u * s;
+        norm_rope_group(x + g * group, w, out + g * group, group, eps, offset,
+                        (float)positions[g / heads], inv_freq, half);
+    }
+}
+
+// `rms_norm_rope` of two tensors with the same head size and rows (an attention layer's q and
+// k) in one launch: groups [0, groups_a) are a's heads, the rest b's; each group's values are
+// those `rms_norm_rope` gives it.
+extern "C" __global__ void rms_norm_rope_pair(const float* x_a, const float* w_a, float* out_a,
+                                              long long groups_a, int heads_a, const float* x_b,
+                                              const float* w_b, float* out_b, long long groups_b,
+                                              int heads_b, int group, float eps, float offset,
+                                              const unsigned int* positions,
+                                              const float* inv_freq, int half) {
+    for (long long g = blockIdx.x; g < groups_a + groups_b; g += gridDim.x) {
+        if (g < groups_a) {
+            norm_rope_group(x_a + g * group, w_a, out_a + g * group, group, eps, offset,
+                            (float)positions[g / heads_a], inv_freq, half);
+        } else {
+            long long h = g - groups_a;
+            norm_rope_group(x_b + h * group, w_b, out_b + h * group, group, eps, offset,
+                            (float)positions[h / heads_b], inv_freq, half);
         }
-        __syncthreads();  // before the next group's block_sum reuses shared memory
     }
 }
 

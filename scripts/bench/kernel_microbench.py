@@ -222,7 +222,7 @@ class Bench:
 
     # -- attention -----------------------------------------------------------------------------
 
-    def attention(self, kernel_dir, label, parallel_combine, baseline=None):
+    def attention(self, kernel_dir, label, parallel_combine, baseline=None, max_chunks=128):
         mod = module(kernel_dir, "attention")
         split = mod.get_function("attention_split_bf16")
         combine = mod.get_function("attention_combine")
@@ -234,7 +234,9 @@ class Bench:
         values = [cp.asarray(bf16(rng.standard_normal((context, width), dtype=np.float32))) for _ in range(caches)]
         q = cp.asarray(rng.standard_normal((1, HEADS * HEAD_DIM), dtype=np.float32))
         position = context - 1
-        tile, max_chunks = 32, 128
+        tile = 32
+        if max_chunks != 128:
+            label = "%s chunks<=%d" % (label, max_chunks)
         tiles = -(-(position + 1) // tile)
         chunk = max(1, -(-tiles // max_chunks)) * tile
         chunks = position // chunk + 1
@@ -279,8 +281,10 @@ class Bench:
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 
-    def experts(self, kernel_dir, label, down_rows, baseline=None):
-        mod = module(kernel_dir, "experts")
+    def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1):
+        defines = [("GATE_UP_COLUMNS", gate_up_columns)] if label != "baseline" else []
+        mod = module(kernel_dir, "experts", defines)
+        label = label if label == "baseline" else "%s columns=%d" % (label, gate_up_columns)
         gate_up = mod.get_function("expert_gate_up")
         down = mod.get_function("expert_down")
         h, i = HIDDEN, MOE_INTERMEDIATE
@@ -314,7 +318,7 @@ class Bench:
             args = (buffer, slot_of_expert, ids, x, activated, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h),
                     np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes))
             smem = -(-h // 16) * 20 * 4
-            return lambda: gate_up((-(-i // 8), TOP_K), (256,), args, shared_mem=smem)
+            return lambda: gate_up((-(-i // (8 * gate_up_columns)), TOP_K), (256,), args, shared_mem=smem)
 
         def down_launch(ids):
             args = (buffer, slot_of_expert, ids, weights, activated, pair_out, np.int32(EXPERTS), np.int32(h),
@@ -366,10 +370,12 @@ def main():
     bench.router(args.kernels, "current", True, base_router)
 
     base_attention = bench.attention(args.baseline, "baseline", False) if args.baseline else None
-    bench.attention(args.kernels, "current", True, base_attention)
+    for max_chunks in (128, 64, 32) if args.sweep else (128,):
+        bench.attention(args.kernels, "current", True, base_attention, max_chunks)
 
     base_experts = bench.experts(args.baseline, "baseline", 1) if args.baseline else None
-    bench.experts(args.kernels, "current", 4, base_experts)
+    for columns in (1, 2, 4) if args.sweep else (2,):
+        bench.experts(args.kernels, "current", 4, base_experts, columns)
 
     if args.json:
         with open(args.json, "w") as f:

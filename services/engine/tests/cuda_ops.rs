@@ -288,6 +288,28 @@ fn dense_ops_match_the_cpu_backend() {
             gpu.rope(&mut split, &rotation).unwrap();
             let what = format!("rms_norm_rope rotary {rotary} of {head_dim} {style:?}");
             compare(&what, &fused, &gpu.download(&split).unwrap(), 1e-6);
+            // q and k in one launch: each the bits of its own `rms_norm_rope`.
+            let (kg, _) = up(&x[..7 * 64], 7, 64);
+            let (pair_q, pair_k) = gpu
+                .rms_norm_rope_pair(&xg, &q_norm.0, &kg, &q_norm.0, 1e-6, style, &rotation)
+                .unwrap();
+            let alone_k = gpu
+                .download(
+                    &gpu.rms_norm_rope(&kg, &q_norm.0, 1e-6, style, &rotation)
+                        .unwrap(),
+                )
+                .unwrap();
+            let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&gpu.download(&pair_q).unwrap()),
+                bits(&fused),
+                "{what}: pair q"
+            );
+            assert_eq!(
+                bits(&gpu.download(&pair_k).unwrap()),
+                bits(&alone_k),
+                "{what}: pair k"
+            );
             compare(
                 &what,
                 &fused,

@@ -314,6 +314,25 @@ pub trait Backend: Send + Sync + 'static {
         self.rope(&mut out, rotation)?;
         Ok(out)
     }
+    /// [`Backend::rms_norm_rope`] of an attention layer's q and k (the same rows and head size),
+    /// which a backend may do in one pass (the CUDA backend does: one launch per layer instead
+    /// of two). Same values as the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_rope_pair(
+        &self,
+        q: &Self::Tensor,
+        q_weight: &Self::Weight,
+        k: &Self::Tensor,
+        k_weight: &Self::Weight,
+        eps: f32,
+        style: NormStyle,
+        rotation: &Rotation<'_>,
+    ) -> Result<(Self::Tensor, Self::Tensor), EngineError> {
+        Ok((
+            self.rms_norm_rope(q, q_weight, eps, style, rotation)?,
+            self.rms_norm_rope(k, k_weight, eps, style, rotation)?,
+        ))
+    }
     /// GDN output norm: plain-weight RMSNorm per group of `len(weight)`, times `silu(gate)`.
     fn gated_rms_norm(
         &self,

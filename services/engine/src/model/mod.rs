@@ -934,8 +934,7 @@ impl<B: Backend> Model<B> {
             rotary_dim: self.spec.common.rotary_dim,
             theta: self.spec.common.rope_theta,
         };
-        let q = backend.rms_norm_rope(&q, q_norm, eps, style, &rotation)?;
-        let k = backend.rms_norm_rope(&k, k_norm, eps, style, &rotation)?;
+        let (q, k) = backend.rms_norm_rope_pair(&q, q_norm, &k, k_norm, eps, style, &rotation)?;
         let mut output = backend.attention(&q, &k, &v, spec, segments)?;
         if let Some(gate) = gate {
             output = backend.mul_sigmoid(&output, &gate)?;

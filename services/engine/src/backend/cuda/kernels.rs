@@ -57,6 +57,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "add_rms_norm",
             "gated_rms_norm",
             "rms_norm_rope",
+            "rms_norm_rope_pair",
         ],
     },
     KernelSource {

@@ -31,11 +31,13 @@ use crate::backend::{
 };
 use crate::error::EngineError;
 
-/// Warps per block of `expert_gate_up` / `expert_down`: one activated column (its gate and up
-/// rows) per warp in `expert_gate_up`, `EXPERT_DOWN_ROWS` output rows per warp in `expert_down`.
+/// Warps per block of `expert_gate_up` / `expert_down`: `EXPERT_GATE_UP_COLUMNS` activated
+/// columns (their gate and up rows) per warp in `expert_gate_up`, `EXPERT_DOWN_ROWS` output rows
+/// per warp in `expert_down`.
 const EXPERT_WARPS: u32 = 8;
-/// `DOWN_ROWS` in kernels/experts.cu.
+/// `DOWN_ROWS` and `GATE_UP_COLUMNS` in kernels/experts.cu.
 const EXPERT_DOWN_ROWS: u32 = 4;
+const EXPERT_GATE_UP_COLUMNS: u32 = 2;
 /// Batches of at least this many tokens (per launch chunk) take the grouped kernels
 /// (`expert_gate_up_grouped` / `expert_down_grouped`) when their slotted pairs average at least
 /// `GROUPED_MIN_PAIRS_PER_EXPERT` per distinct slotted expert: below that a tile of
@@ -765,7 +767,7 @@ impl CudaBackend {
         let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
         let gate_up_config = expert_launch(
             intermediate,
-            EXPERT_WARPS,
+            EXPERT_WARPS * EXPERT_GATE_UP_COLUMNS,
             pairs_arg,
             EXPERT_WARPS,
             shared_bytes(hidden)?,
@@ -886,6 +888,10 @@ mod tests {
         assert_eq!(
             i64::from(EXPERT_DOWN_ROWS),
             kernel_define("experts", "DOWN_ROWS")
+        );
+        assert_eq!(
+            i64::from(EXPERT_GATE_UP_COLUMNS),
+            kernel_define("experts", "GATE_UP_COLUMNS")
         );
         assert_eq!(
             i64::from(GROUPED_WARPS),

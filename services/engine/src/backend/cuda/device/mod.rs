@@ -620,6 +620,9 @@ impl Backend for CudaBackend {
         rope(x: &mut CudaTensor, rotation: &Rotation<'_>) -> () = launch_rope;
         rms_norm_rope(x: &CudaTensor, weight: &CudaWeight, eps: f32, style: NormStyle,
             rotation: &Rotation<'_>) -> CudaTensor = launch_rms_norm_rope;
+        rms_norm_rope_pair(q: &CudaTensor, q_weight: &CudaWeight, k: &CudaTensor,
+            k_weight: &CudaWeight, eps: f32, style: NormStyle, rotation: &Rotation<'_>)
+            -> (CudaTensor, CudaTensor) = launch_rms_norm_rope_pair;
         add_assign(a: &mut CudaTensor, b: &CudaTensor) -> () = launch_add_assign;
         silu_mul_halves(gate_up: &CudaTensor) -> CudaTensor = launch_silu_mul_halves;
         add_sigmoid_scaled_rows(a: &mut CudaTensor, b: &CudaTensor, gate: &CudaTensor)

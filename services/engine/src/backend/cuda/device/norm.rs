@@ -149,6 +149,64 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// `rms_norm_rope` of q and k in one `rms_norm_rope_pair` launch where both would take the
+    /// one-launch path with the same head size; otherwise the two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_rms_norm_rope_pair(
+        &self,
+        q: &CudaTensor,
+        q_weight: &CudaWeight,
+        k: &CudaTensor,
+        k_weight: &CudaWeight,
+        eps: f32,
+        style: NormStyle,
+        rotation: &Rotation<'_>,
+    ) -> Result<(CudaTensor, CudaTensor), CudaError> {
+        let group = q_weight.rows * q_weight.cols;
+        let half = rotation.rotary_dim / 2;
+        if group == 0
+            || group != k_weight.rows * k_weight.cols
+            || group != rotation.head_dim
+            || q.cols % group != 0
+            || k.cols % group != 0
+            || q.rows != k.rows
+            || q.rows == 0
+            || half == 0
+            || rotation.rotary_dim > rotation.head_dim
+            || rotation.positions.len() < q.rows
+        {
+            return Ok((
+                self.launch_rms_norm_rope(q, q_weight, eps, style, rotation)?,
+                self.launch_rms_norm_rope(k, k_weight, eps, style, rotation)?,
+            ));
+        }
+        let (q_groups, q_groups_arg, group_arg, offset) =
+            norm_groups(q, q_weight, style, "rms_norm_rope_pair")?;
+        let (k_groups, k_groups_arg, _, _) = norm_groups(k, k_weight, style, "rms_norm_rope_pair")?;
+        let (q_heads, k_heads, half) = (
+            int(q.cols / group, "heads")?,
+            int(k.cols / group, "kv heads")?,
+            int(half, "rotary half")?,
+        );
+        // Each kernel group writes every element of its head.
+        let mut q_out = self.output_uninit(q.rows, q.cols)?;
+        let mut k_out = self.output_uninit(k.rows, k.cols)?;
+        self.with_rope_tables(
+            &rotation.positions[..q.rows],
+            rotation.rotary_dim,
+            rotation.theta,
+            |positions, inverse| {
+                launch!(self, "rms_norm_rope_pair", Self::norm_config(q_groups + k_groups);
+                    &*q.data, q_weight.f32()?, &mut *q_out.data, &q_groups_arg, &q_heads,
+                    &*k.data, k_weight.f32()?, &mut *k_out.data, &k_groups_arg, &k_heads,
+                    &group_arg, &eps, &offset, positions, inverse, &half)
+            },
+        )?;
+        Ok((q_out, k_out))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -150,7 +150,7 @@ impl ModelFacts {
                     facts.dense_bytes += tensor.length;
                     facts.dense_mlp_bytes += tensor.length;
                 }
-                TensorClass::Mtp | TensorClass::Vision => {}
+                TensorClass::Mtp | TensorClass::Vision | TensorClass::NgramEmbedding => {}
             }
         }
         Ok(facts)
@@ -190,7 +190,7 @@ impl ModelFacts {
                         facts.dense_bytes += tensor.bytes;
                         facts.dense_mlp_bytes += tensor.bytes;
                     }
-                    TensorClass::Mtp | TensorClass::Vision => {}
+                    TensorClass::Mtp | TensorClass::Vision | TensorClass::NgramEmbedding => {}
                 }
             }
         }
@@ -202,6 +202,8 @@ impl ModelFacts {
 fn checkpoint_tensor_class(name: &str) -> TensorClass {
     if name.starts_with("mtp.") || name.contains(".mtp.") {
         TensorClass::Mtp
+    } else if name.contains(".ple.ple_embedding.ngram_embedding.") {
+        TensorClass::NgramEmbedding
     } else if name.contains("visual.") || name.contains("vision_tower") {
         TensorClass::Vision
     } else if name.contains(".experts.") && !name.contains("shared_expert") {

@@ -84,6 +84,20 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
             c.mtp_num_layers
         );
     }
+    if let Some(c) = artifact.config().qwen4_exp() {
+        println!(
+            "qwen4_exp:     {} residual streams (mixer rank {}), QSA budget {} in blocks of {} ({} index heads of {}), PLE on layers {:?} (0-based; {}-grams, {} hashed heads)",
+            c.hyper_connection_streams,
+            c.hyper_connection_rank,
+            c.indexer_budget,
+            c.indexer_compress_ratio,
+            c.indexer_heads,
+            c.indexer_head_dim,
+            c.ple_layers,
+            c.ngram_size,
+            c.ngram_heads()
+        );
+    }
     let files: Vec<String> = header
         .files
         .iter()

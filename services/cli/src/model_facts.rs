@@ -112,6 +112,9 @@ pub struct ModelFacts {
     pub dense_bytes: u64,
     /// The part of `dense_bytes` that is dense-MLP layers' matrices (class `dense_mlp`).
     pub dense_mlp_bytes: u64,
+    /// Bytes of the PLE n-gram tables (qwen4_exp): read by the engine from host RAM, a few rows
+    /// per token, never placed on a GPU.
+    pub ngram_table_bytes: u64,
     /// Multi-token-prediction layers the model carries (0: none).
     pub mtp_layers: usize,
 }
@@ -139,6 +142,7 @@ impl ModelFacts {
             expert_bank_bytes: 0,
             dense_bytes: 0,
             dense_mlp_bytes: 0,
+            ngram_table_bytes: 0,
             mtp_layers: mtp_layers_of(artifact.config()),
         };
         for tensor in &artifact.header().tensors {
@@ -150,6 +154,7 @@ impl ModelFacts {
                     facts.dense_bytes += tensor.length;
                     facts.dense_mlp_bytes += tensor.length;
                 }
+                TensorClass::NgramEmbedding => facts.ngram_table_bytes += tensor.length,
                 TensorClass::Mtp | TensorClass::Vision => {}
             }
         }
@@ -167,6 +172,7 @@ impl ModelFacts {
             expert_bank_bytes: 0,
             dense_bytes: 0,
             dense_mlp_bytes: 0,
+            ngram_table_bytes: 0,
             mtp_layers: mtp_layers_of(&parsed.model),
         };
         let mut shards: Vec<PathBuf> = std::fs::read_dir(directory)
@@ -190,6 +196,7 @@ impl ModelFacts {
                         facts.dense_bytes += tensor.bytes;
                         facts.dense_mlp_bytes += tensor.bytes;
                     }
+                    TensorClass::NgramEmbedding => facts.ngram_table_bytes += tensor.bytes,
                     TensorClass::Mtp | TensorClass::Vision => {}
                 }
             }
@@ -202,6 +209,8 @@ impl ModelFacts {
 fn checkpoint_tensor_class(name: &str) -> TensorClass {
     if name.starts_with("mtp.") || name.contains(".mtp.") {
         TensorClass::Mtp
+    } else if name.contains(".ple.ple_embedding.ngram_embedding.") {
+        TensorClass::NgramEmbedding
     } else if name.contains("visual.") || name.contains("vision_tower") {
         TensorClass::Vision
     } else if name.contains(".experts.") && !name.contains("shared_expert") {

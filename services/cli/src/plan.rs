@@ -243,9 +243,11 @@ pub struct Plan {
     pub dense_bytes: u64,
     /// The dense-MLP layers' share of `dense_bytes`.
     pub dense_mlp_bytes: u64,
+    /// The PLE n-gram tables (qwen4_exp), which stay in host RAM.
+    pub ngram_table_bytes: u64,
     pub host_kv_mib: u64,
     /// Host RAM the run uses: the expert banks the workers map and lock, the KV kept in host
-    /// RAM, and the dense weights when they run on the CPU.
+    /// RAM, the n-gram tables, and the dense weights when they run on the CPU.
     pub host_ram_bytes: u64,
     /// Whether the expert banks fit in the RAM available now (else the workers read on use).
     pub expert_banks_fit_in_ram: bool,
@@ -366,6 +368,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
     };
     let dense_on_cpu = machine.gpu.is_none() || request.cpu_only;
     let host_ram_bytes = facts.expert_bank_bytes
+        + facts.ngram_table_bytes
         + host_kv_mib * MIB
         + if dense_on_cpu { facts.dense_bytes } else { 0 };
     Ok(Plan {
@@ -397,6 +400,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         expert_bank_bytes: facts.expert_bank_bytes,
         dense_bytes: facts.dense_bytes,
         dense_mlp_bytes: facts.dense_mlp_bytes,
+        ngram_table_bytes: facts.ngram_table_bytes,
         host_kv_mib,
         host_ram_bytes,
         expert_banks_fit_in_ram: machine.ram_available_bytes == 0
@@ -477,6 +481,12 @@ pub fn print_plan(plan: &Plan) {
     } else {
         String::new()
     };
+    if plan.ngram_table_bytes > 0 {
+        println!(
+            "memory        n-gram tables {:.2} GiB (host RAM, read by the engine)",
+            gib(plan.ngram_table_bytes)
+        );
+    }
     if plan.expert_bank_bytes == 0 {
         println!(
             "memory        dense {:.2} GiB (engine{dense_mlp}); no expert banks",
@@ -536,6 +546,7 @@ mod tests {
             expert_bank_bytes: 60 * GIB,
             dense_bytes: 4 * GIB,
             dense_mlp_bytes: 0,
+            ngram_table_bytes: 0,
             mtp_layers: 1,
         }
     }
@@ -692,6 +703,25 @@ mod tests {
         assert!(
             message.contains("--moe-gpu-experts 4") && message.contains("no routed experts"),
             "{message}"
+        );
+    }
+
+    #[test]
+    fn ngram_tables_count_as_host_ram_and_never_as_gpu_weights() {
+        let mut facts = facts();
+        facts.architecture = "qwen4_exp".into();
+        facts.ngram_table_bytes = 90 * GIB;
+        let machine = machine(Some(80), 512, 1);
+        let planned = plan(&facts, &machine, &request()).unwrap();
+        assert_eq!(planned.ngram_table_bytes, 90 * GIB);
+        assert_eq!(
+            planned.dense_bytes,
+            4 * GIB,
+            "the tables are no dense weights"
+        );
+        assert_eq!(
+            planned.host_ram_bytes,
+            planned.expert_bank_bytes + 90 * GIB + planned.host_kv_mib * MIB
         );
     }
 

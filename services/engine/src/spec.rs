@@ -11,8 +11,13 @@ use crate::backend::{AttentionSpec, DeltaRuleSpec, NormStyle};
 use crate::error::EngineError;
 
 /// Architectures this engine implements, by their artifact names.
-pub const SUPPORTED_ARCHITECTURES: [&str; 4] =
-    ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5"];
+pub const SUPPORTED_ARCHITECTURES: [&str; 5] = [
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_5",
+    "qwen4_exp",
+];
 
 /// Refuses an architecture name the engine does not implement (the artifact format may know
 /// more architectures than this engine runs).
@@ -55,6 +60,8 @@ pub struct ModelSpec {
     pub conv_kernel: usize,
     pub shared_expert_intermediate_size: usize,
     pub normalize_routing: bool,
+    /// The qwen4_exp extras (hyper-connections, QSA, PLE); `None` for other architectures.
+    pub qwen4_exp: Option<ninfer_artifact::Qwen4ExpConfig>,
 }
 
 impl ModelSpec {
@@ -111,9 +118,13 @@ impl ModelSpec {
                 conv_kernel: 0,
                 shared_expert_intermediate_size: 0,
                 normalize_routing: common.norm_topk_prob,
+                qwen4_exp: None,
                 common,
             },
-            ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
+            ModelConfig::Qwen3Next(c)
+            | ModelConfig::Qwen35Moe(c)
+            | ModelConfig::Qwen35(c)
+            | ModelConfig::Qwen4Exp(ninfer_artifact::Qwen4ExpConfig { hybrid: c, .. }) => {
                 if c.layer_types.len() != layers {
                     return Err(invalid(format!(
                         "layer_types has {} entries for {layers} layers",
@@ -135,6 +146,7 @@ impl ModelSpec {
                 if c.linear_conv_kernel_dim == 0 {
                     return Err(invalid("linear_conv_kernel_dim is 0".into()));
                 }
+                // qwen3_5_moe always renormalises (MODELS.md §1.6), whatever the flag says.
                 let is_qwen35 = matches!(config, ModelConfig::Qwen35Moe(_));
                 ModelSpec {
                     architecture: config.architecture(),
@@ -158,8 +170,8 @@ impl ModelSpec {
                     delta_rule: Some(delta_rule),
                     conv_kernel: c.linear_conv_kernel_dim,
                     shared_expert_intermediate_size: c.shared_expert_intermediate_size,
-                    // qwen3_5_moe always renormalises (MODELS.md §1.6), whatever the flag says.
                     normalize_routing: is_qwen35 || common.norm_topk_prob,
+                    qwen4_exp: config.qwen4_exp().cloned(),
                     common,
                 }
             }
@@ -175,7 +187,7 @@ impl ModelSpec {
     pub fn has_shared_expert(&self) -> bool {
         matches!(
             self.architecture,
-            Architecture::Qwen3Next | Architecture::Qwen35Moe
+            Architecture::Qwen3Next | Architecture::Qwen35Moe | Architecture::Qwen4Exp
         )
     }
 
@@ -199,7 +211,7 @@ mod tests {
         for name in SUPPORTED_ARCHITECTURES {
             assert!(check_architecture_name(name).is_ok());
         }
-        let error = check_architecture_name("qwen4_exp").unwrap_err();
-        assert!(error.to_string().contains("qwen4_exp"), "{error}");
+        let error = check_architecture_name("qwen5").unwrap_err();
+        assert!(error.to_string().contains("qwen5"), "{error}");
     }
 }

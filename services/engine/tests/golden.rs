@@ -7,6 +7,10 @@
 //! (f32); int8 experts move the mean NLL by < 0.02 nats, int4 by < 0.15. The bf16 artifact (bf16
 //! experts + bf16 dense) is judged against `bf16_weights` in `reference.json`: transformers run on
 //! the same weights rounded to bf16 the way the converter stores them (see the fixtures' README).
+//!
+//! `qwen4_exp` has its own case (the first four's checks where they apply, on a text that runs
+//! far past its QSA dense regime, plus token-by-token decoding and a restored checkpoint); the
+//! CUDA backend must refuse it until its device forward is built.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -370,3 +374,209 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(golden_fixtures_match_transformers);
+
+/// The qwen4_exp fixture (hyper-connection streams, PLE blocks with EOS-segmented n-gram
+/// contexts, QSA sparse attention with a budget of 8 tokens) against transformers: f32 mean
+/// |ΔNLL| ≤ 1e-4 over every position of its NLL text (most far past the dense regime), last
+/// logits of both prompts, identical greedy tokens, prefill then token-by-token decode equal to
+/// one prefill, a checkpoint restored. The CUDA backend refuses the model, naming what is missing.
+fn qwen4_exp_fixture_matches_transformers<B: Backend>(backend: Arc<B>) {
+    let name = "qwen4_exp";
+    let fixture = golden_fixture_dir(name);
+    assert!(
+        fixture.join("reference.json").exists(),
+        "golden fixture `{name}`: {} does not exist (scripts/make_fixtures.py --only qwen4_exp)",
+        fixture.join("reference.json").display()
+    );
+    let text = std::fs::read_to_string(fixture.join("reference.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let tokens = ids(&json["nll_token_ids"], "nll_token_ids");
+    let expected_nll = floats(&json["token_nll"], "token_nll");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap())
+            .unwrap();
+    let text_config = &config["text_config"];
+    let dense_limit = (text_config["indexer_budget"].as_u64().unwrap()
+        + text_config["indexer_compress_ratio"].as_u64().unwrap()
+        - 1) as usize;
+    let work = tempfile::tempdir().unwrap();
+    let path = convert(&fixture, work.path(), DType::F32, DType::F32);
+    if !backend.computes_on_host() {
+        let error = Model::open(Arc::clone(&backend), &path)
+            .err()
+            .expect("a device backend must refuse qwen4_exp until its forward is built")
+            .to_string();
+        assert!(
+            error.contains("qwen4_exp") && error.contains("not built yet"),
+            "{error}"
+        );
+        println!("{name} on {}: refused as expected: {error}", backend.name());
+        return;
+    }
+    let model = Model::open(Arc::clone(&backend), &path).unwrap();
+
+    // Every position, one prefill.
+    let nll = token_negative_log_likelihoods(&model, &tokens).expect("forward");
+    assert_eq!(nll.len(), expected_nll.len());
+    let mean_abs = mean_abs_difference(&nll, &expected_nll);
+    let worst = nll
+        .iter()
+        .zip(&expected_nll)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f64, f64::max);
+    let past_dense = nll.len().saturating_sub(dense_limit);
+    println!(
+        "{name} f32: {} tokens ({past_dense} past the dense limit of {dense_limit}), mean |ΔNLL| = {mean_abs:.3e}, max {worst:.3e}, mean NLL {:.6} (transformers {:.6})",
+        nll.len(),
+        mean(&nll),
+        mean(&expected_nll)
+    );
+    assert!(
+        past_dense > 200,
+        "the NLL text should run far past the dense regime"
+    );
+    assert!(mean_abs <= 1e-4, "{name}: mean |ΔNLL| {mean_abs}");
+    assert!(worst <= 1e-3, "{name}: worst |ΔNLL| {worst}");
+
+    let prompts: Vec<(Vec<u32>, Vec<f32>, Vec<u32>)> = json["prompts"]
+        .as_array()
+        .expect("reference.json: prompts")
+        .iter()
+        .map(|p| {
+            (
+                ids(&p["prompt_token_ids"], "prompt_token_ids"),
+                floats(&p["last_logits"], "last_logits")
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect(),
+                ids(&p["greedy_token_ids"], "greedy_token_ids"),
+            )
+        })
+        .collect();
+    for (index, (prompt, last_logits, _)) in prompts.iter().enumerate() {
+        let mut state = model.new_sequence(prompt.len()).unwrap();
+        let logits = model.prefill(&mut state, prompt).unwrap();
+        let relative = relative_l2(&logits, last_logits);
+        println!(
+            "{name} f32: prompt {index} ({} tokens): last-logits relative L2 = {relative:.3e}",
+            prompt.len()
+        );
+        assert!(
+            relative < 1e-4,
+            "{name} prompt {index}: relative L2 {relative}"
+        );
+    }
+
+    // Prefill a few tokens, then decode the rest one token at a time: the logits of one
+    // prefill, at every position (QSA selection, pooled block keys, PLE conv and n-gram
+    // context, GDN states all carried by the cache slots).
+    let all_logits = ninfer_engine::testing::teacher_forced_logits(&model, &tokens).unwrap();
+    let prefilled = 5;
+    let mut state = model.new_sequence(tokens.len()).unwrap();
+    let mut stepped = vec![model.prefill(&mut state, &tokens[..prefilled]).unwrap()];
+    // Mid-block (the ratio is 4): the restored QSA cache keeps a pending block.
+    let checkpoint_at = 42;
+    let mut checkpoint = None;
+    let mut after_checkpoint = Vec::new();
+    for position in prefilled..tokens.len() {
+        if position == checkpoint_at {
+            checkpoint = Some(model.checkpoint(&state).unwrap());
+        }
+        let logits = model
+            .prefill(&mut state, &tokens[position..=position])
+            .unwrap();
+        if (checkpoint_at..checkpoint_at + 6).contains(&position) {
+            after_checkpoint.push(logits.clone());
+        }
+        stepped.push(logits);
+    }
+    let scale = all_logits
+        .iter()
+        .flatten()
+        .fold(1.0f32, |m, x| m.max(x.abs()));
+    let worst_step = stepped
+        .iter()
+        .zip(&all_logits[prefilled - 1..])
+        .map(|(a, b)| max_abs_difference(a, b))
+        .fold(0.0f32, f32::max);
+    println!(
+        "{name} f32: prefill {prefilled} + decode {} one by one vs one prefill: max |Δlogit| = {worst_step:.3e} ({:.3e} of max |logit|)",
+        tokens.len() - prefilled,
+        worst_step / scale
+    );
+    assert!(
+        worst_step / scale < 1e-5,
+        "{name}: decode differs from prefill by {worst_step}"
+    );
+    // Back to the checkpoint: the same tokens give the same logits again.
+    model
+        .restore(&mut state, checkpoint.expect("checkpoint taken"))
+        .unwrap();
+    assert_eq!(state.position(), checkpoint_at);
+    for (offset, expected) in after_checkpoint.iter().enumerate() {
+        let position = checkpoint_at + offset;
+        let logits = model
+            .prefill(&mut state, &tokens[position..=position])
+            .unwrap();
+        assert_eq!(
+            &logits, expected,
+            "{name}: restored checkpoint, position {position}"
+        );
+    }
+
+    // Both prompts in one batch give what each gives alone, and greedy decoding (batched)
+    // gives transformers' tokens.
+    let prompt_refs: Vec<Prompt> = prompts
+        .iter()
+        .map(|(tokens, last_logits, greedy)| Prompt {
+            tokens: tokens.clone(),
+            last_logits: last_logits.clone(),
+            greedy: greedy.clone(),
+        })
+        .collect();
+    let mut states: Vec<_> = prompt_refs
+        .iter()
+        .map(|p| model.new_sequence(p.tokens.len()).unwrap())
+        .collect();
+    let mut batch: Vec<SequenceInput<'_, B>> = states
+        .iter_mut()
+        .zip(&prompt_refs)
+        .map(|(state, p)| SequenceInput {
+            state,
+            tokens: &p.tokens,
+        })
+        .collect();
+    let batched = model.forward(&mut batch, LogitsSelection::Last).unwrap();
+    for (prompt, logits) in prompt_refs.iter().zip(&batched) {
+        let mut state = model.new_sequence(prompt.tokens.len()).unwrap();
+        let alone = model.prefill(&mut state, &prompt.tokens).unwrap();
+        let difference = max_abs_difference(&alone, logits);
+        assert!(
+            difference / scale < 1e-6,
+            "{name}: batched prefill differs from prefill alone by {difference}"
+        );
+    }
+    let greedy = greedy_batched(&model, &prompt_refs);
+    for (index, (prompt, ours)) in prompt_refs.iter().zip(&greedy).enumerate() {
+        assert_eq!(
+            ours.as_slice(),
+            &prompt.greedy[..],
+            "{name} prompt {index}: greedy tokens differ"
+        );
+    }
+    println!(
+        "{name} f32: {} prompts × {GREEDY_TOKENS} greedy tokens identical (decoded as one batch)",
+        greedy.len()
+    );
+    drop(model);
+
+    // bf16 weights (the n-gram tables included): a sanity bound only, there is no bf16
+    // reference for this fixture.
+    let path = convert(&fixture, work.path(), DType::Bf16, DType::Bf16);
+    let model = Model::open(Arc::clone(&backend), &path).unwrap();
+    let nll_bf16 = token_negative_log_likelihoods(&model, &tokens).expect("forward");
+    let drift = mean_abs_difference(&nll_bf16, &expected_nll);
+    println!("{name} experts bf16 dense bf16: mean |ΔNLL| vs transformers f32 = {drift:.3e}");
+    assert!(drift < 0.1, "{name} bf16: mean |ΔNLL| {drift}");
+}
+test_device!(qwen4_exp_fixture_matches_transformers);

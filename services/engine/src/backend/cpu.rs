@@ -431,6 +431,10 @@ impl Backend for CpuBackend {
         "cpu".to_string()
     }
 
+    fn computes_on_host(&self) -> bool {
+        true
+    }
+
     fn load_matrix(&self, artifact: &Arc<Artifact>, name: &str) -> Result<CpuWeight, EngineError> {
         let stored = StoredWeight::new(artifact, name)?;
         let (rows, cols) = stored.shape();

@@ -194,6 +194,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Short name for logs and test output (`cpu`, `cuda:0`).
     fn name(&self) -> String;
 
+    /// Whether tensors live in host memory, so a graph that does part of its math on the host
+    /// between ops loses nothing by it (the CPU reference backend). Graphs not yet written as
+    /// device ops run only on such a backend.
+    fn computes_on_host(&self) -> bool {
+        false
+    }
+
     /// A weight used as a matrix (`[out, in]`, any dtype), read in place where possible.
     fn load_matrix(
         &self,

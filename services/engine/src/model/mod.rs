@@ -88,10 +88,29 @@ pub struct ResidentExpertsReport {
 }
 
 struct Layer<B: Backend> {
-    input_norm: B::Weight,
-    post_attention_norm: B::Weight,
+    /// Absent in qwen4_exp, whose hyper-connection norms take the layer norms' place.
+    input_norm: Option<B::Weight>,
+    post_attention_norm: Option<B::Weight>,
     mixer: Mixer<B>,
     feed_forward: FeedForward<B>,
+}
+
+impl<B: Backend> Layer<B> {
+    fn input_norm(&self) -> Result<&B::Weight, EngineError> {
+        self.input_norm
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: "a decoder layer without an input norm".into(),
+            })
+    }
+
+    fn post_attention_norm(&self) -> Result<&B::Weight, EngineError> {
+        self.post_attention_norm
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: "a decoder layer without a post-attention norm".into(),
+            })
+    }
 }
 
 /// State of one layer of one sequence.
@@ -101,6 +120,8 @@ pub enum LayerState<B: Backend> {
         conv: B::ConvState,
         recurrent: B::RecurrentState,
     },
+    /// A qwen4_exp QSA attention layer's host cache.
+    SparseAttention(qwen4_exp::graph::SparseAttentionState),
 }
 
 /// Everything a sequence carries between forwards.
@@ -108,6 +129,8 @@ pub struct SequenceState<B: Backend> {
     max_context: usize,
     position: usize,
     layers: Vec<LayerState<B>>,
+    /// Per layer, a qwen4_exp PLE block's state (empty for other architectures).
+    ple: Vec<Option<qwen4_exp::graph::PleState>>,
     /// Names these states' buffers for the step graphs that record them: new for every new
     /// sequence and whenever a buffer is replaced ([`Model::restore`]).
     graph_key: u64,
@@ -147,6 +170,8 @@ pub struct SequenceCheckpoint<B: Backend> {
     position: usize,
     /// Per layer: copies of a Gated DeltaNet layer's conv and recurrent states.
     layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
+    /// Copies of the PLE states (qwen4_exp).
+    ple: Vec<Option<qwen4_exp::graph::PleState>>,
 }
 
 /// A checked batch: its token ids, each sequence's rows, each row's position.
@@ -170,7 +195,8 @@ pub struct Model<B: Backend> {
     spec: ModelSpec,
     embed_tokens: B::Weight,
     lm_head: Option<B::Weight>,
-    final_norm: B::Weight,
+    /// Absent in qwen4_exp (its final stream mixer takes the place).
+    final_norm: Option<B::Weight>,
     layers: Vec<Layer<B>>,
     /// The MTP draft head, when the artifact has one.
     mtp: Option<mtp::MtpHead<B>>,
@@ -184,6 +210,8 @@ pub struct Model<B: Backend> {
     step_graphs: Mutex<step_graphs::StepGraphs<B>>,
     /// The dynamic expert cache over the resident slots ([`Model::enable_expert_cache`]).
     expert_cache: Option<ExpertCache>,
+    /// The qwen4_exp parts (hyper-connections, QSA indexers, PLE blocks).
+    qwen4_exp: Option<qwen4_exp::graph::Qwen4ExpGraph<B>>,
 }
 
 /// Opens an artifact; if the reader rejects its header, says which architecture it names when
@@ -251,7 +279,22 @@ impl<B: Backend> Model<B> {
         } else {
             Some(loader.matrix("lm_head", (vocab, hidden))?)
         };
-        let final_norm = loader.parameter("final_norm", (1, hidden))?;
+        let qwen4_exp = match artifact.config().qwen4_exp() {
+            Some(config) => {
+                qwen4_exp::graph::check_backend(&backend)?;
+                Some(qwen4_exp::graph::Qwen4ExpGraph::load(
+                    &loader,
+                    config,
+                    &spec.mixers,
+                )?)
+            }
+            None => None,
+        };
+        // qwen4_exp has no final norm (its final stream mixer takes that place).
+        let final_norm = match qwen4_exp {
+            Some(_) => None,
+            None => Some(loader.parameter("final_norm", (1, hidden))?),
+        };
         let mut layers = Vec::with_capacity(spec.layers());
         for layer in 0..spec.layers() {
             layers.push(loader.layer(&spec, layer)?);
@@ -276,6 +319,7 @@ impl<B: Backend> Model<B> {
             prefill_staging: None,
             step_graphs: Default::default(),
             expert_cache: None,
+            qwen4_exp,
         })
     }
 
@@ -471,14 +515,27 @@ impl<B: Backend> Model<B> {
                             recurrent: self.backend.new_recurrent_state(delta)?,
                         }
                     }
-                    _ => LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)?),
+                    _ => match &self.qwen4_exp {
+                        Some(graph) => {
+                            LayerState::SparseAttention(graph.new_sparse_attention_state())
+                        }
+                        None => {
+                            LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)?)
+                        }
+                    },
                 })
             })
             .collect::<Result<_, EngineError>>()?;
+        let ple = self
+            .qwen4_exp
+            .as_ref()
+            .map(|graph| graph.new_ple_states())
+            .unwrap_or_default();
         Ok(SequenceState {
             max_context,
             position: 0,
             layers,
+            ple,
             graph_key: step_graphs::new_graph_key(),
         })
     }
@@ -570,7 +627,8 @@ impl<B: Backend> Model<B> {
             .layers
             .iter()
             .map(|layer| match layer {
-                LayerState::Attention(_) => Ok(None),
+                // Caches are cut back by position alone.
+                LayerState::Attention(_) | LayerState::SparseAttention(_) => Ok(None),
                 LayerState::GatedDeltaNet { conv, recurrent } => Ok(Some((
                     backend.copy_conv_state(conv)?,
                     backend.copy_recurrent_state(recurrent)?,
@@ -580,6 +638,7 @@ impl<B: Backend> Model<B> {
         Ok(SequenceCheckpoint {
             position: state.position,
             layers,
+            ple: state.ple.clone(),
         })
     }
 
@@ -596,6 +655,13 @@ impl<B: Backend> Model<B> {
             });
         }
         let mut replaced_buffers = false;
+        let kv_width = self.spec.attention.kv_heads * self.spec.attention.head_dim;
+        for layer in state.layers.iter_mut() {
+            if let (LayerState::SparseAttention(sparse), Some(graph)) = (layer, &self.qwen4_exp) {
+                graph.truncate_sparse_attention(sparse, checkpoint.position, kv_width);
+            }
+        }
+        state.ple = checkpoint.ple;
         for (layer, saved) in state.layers.iter_mut().zip(checkpoint.layers) {
             if let (LayerState::GatedDeltaNet { conv, recurrent }, Some((saved_conv, saved))) =
                 (layer, saved)
@@ -793,6 +859,17 @@ impl<B: Backend> Model<B> {
         scratch: &mut LayerScratch<'_, B>,
         finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
+        if let Some(graph) = &self.qwen4_exp {
+            return self.run_qwen4_exp_layers(
+                graph,
+                batch,
+                plan,
+                selection,
+                delta_rule_form,
+                scratch,
+                finish,
+            );
+        }
         let BatchPlan {
             ids,
             ranges,
@@ -801,13 +878,19 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
+        let final_norm = self
+            .final_norm
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: "the model has no final norm".into(),
+            })?;
         let mut hidden = backend.embed(&self.embed_tokens, ids)?;
         // Each residual add is fused with the norm after it (Backend::add_rms_norm): `next`
         // holds the next layer's normed input.
         let mut next = self
             .layers
             .first()
-            .map(|layer| backend.rms_norm(&hidden, &layer.input_norm, eps, style))
+            .map(|layer| backend.rms_norm(&hidden, layer.input_norm()?, eps, style))
             .transpose()?;
         for (index, layer) in self.layers.iter().enumerate() {
             let x = next.take().ok_or_else(|| EngineError::InvalidConfig {
@@ -824,7 +907,7 @@ impl<B: Backend> Model<B> {
             let x = backend.add_rms_norm(
                 &mut hidden,
                 &mixed,
-                &layer.post_attention_norm,
+                layer.post_attention_norm()?,
                 eps,
                 style,
             )?;
@@ -834,7 +917,7 @@ impl<B: Backend> Model<B> {
                     next = Some(backend.add_rms_norm(
                         &mut hidden,
                         &fed,
-                        &following.input_norm,
+                        following.input_norm()?,
                         eps,
                         style,
                     )?);
@@ -850,10 +933,10 @@ impl<B: Backend> Model<B> {
         // Every row, in order (decode): no gather.
         let every_row = selected_rows.iter().copied().eq(0..ids.len());
         let normed = if every_row {
-            backend.rms_norm(&hidden, &self.final_norm, eps, style)?
+            backend.rms_norm(&hidden, final_norm, eps, style)?
         } else {
             let selected = backend.gather_rows(&hidden, &selected_rows)?;
-            backend.rms_norm(&selected, &self.final_norm, eps, style)?
+            backend.rms_norm(&selected, final_norm, eps, style)?
         };
         finish(backend, normed)
     }
@@ -892,7 +975,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Tensor, EngineError> {
         let mut segments = layer_segments(batch, ranges, index, |layer| match layer {
             LayerState::Attention(cache) => Some(cache),
-            LayerState::GatedDeltaNet { .. } => None,
+            _ => None,
         })?;
         self.attention_over(index, mixer, x, positions, &mut segments)
     }
@@ -976,7 +1059,7 @@ impl<B: Backend> Model<B> {
 
         let mut conv_segments = layer_segments(batch, ranges, index, |layer| match layer {
             LayerState::GatedDeltaNet { conv, .. } => Some(conv),
-            LayerState::Attention(_) => None,
+            _ => None,
         })?;
         let convolved = backend.causal_conv1d_silu(&qkv, conv1d, &mut conv_segments)?;
         drop(conv_segments);
@@ -990,7 +1073,7 @@ impl<B: Backend> Model<B> {
 
         let mut recurrent_segments = layer_segments(batch, ranges, index, |layer| match layer {
             LayerState::GatedDeltaNet { recurrent, .. } => Some(recurrent),
-            LayerState::Attention(_) => None,
+            _ => None,
         })?;
         let output = backend.gated_delta_rule(
             &q,
@@ -1002,7 +1085,24 @@ impl<B: Backend> Model<B> {
             delta_rule_form,
             &mut recurrent_segments,
         )?;
-        let normed = backend.gated_rms_norm(&output, &z, norm, self.spec.eps())?;
+        // qwen4_exp may gate with a sigmoid, which the backend op does not: on the host.
+        let sigmoid_norm = self
+            .qwen4_exp
+            .as_ref()
+            .and_then(|graph| graph.sigmoid_gated_norm(index));
+        let normed = match sigmoid_norm {
+            Some(weight) => {
+                let (rows, cols) = backend.shape(&output);
+                let normed = qwen4_exp::graph::sigmoid_gated_rms_norm(
+                    &backend.download(&output)?,
+                    &backend.download(&z)?,
+                    weight,
+                    self.spec.eps(),
+                );
+                backend.upload(&normed, rows, cols)?
+            }
+            None => backend.gated_rms_norm(&output, &z, norm, self.spec.eps())?,
+        };
         backend.matmul(&normed, out_proj)
     }
 }
@@ -1018,7 +1118,11 @@ fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
             TensorClass::Dense | TensorClass::DenseMlp => true,
             // Looking up embeddings reads a few rows; the table is read whole only as the head.
             TensorClass::Embedding => tied_embeddings || tensor.name != "embed_tokens",
-            TensorClass::RoutedExpert | TensorClass::Mtp | TensorClass::Vision => false,
+            // The n-gram tables stay in host RAM; a step reads a few rows per token.
+            TensorClass::RoutedExpert
+            | TensorClass::Mtp
+            | TensorClass::Vision
+            | TensorClass::NgramEmbedding => false,
         })
         .map(|tensor| tensor.length)
         .sum()
@@ -1026,7 +1130,7 @@ fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
 
 /// Layer `index`'s state of every sequence in `batch`, as the segments of a batched op (`pick`
 /// returns `None` for a state of the wrong kind).
-fn layer_segments<'s, B: Backend, S>(
+pub(crate) fn layer_segments<'s, B: Backend, S>(
     batch: &'s mut [SequenceInput<'_, B>],
     ranges: &[std::ops::Range<usize>],
     index: usize,
@@ -1045,7 +1149,7 @@ fn layer_segments<'s, B: Backend, S>(
     Ok(segments)
 }
 
-fn state_mismatch(layer: usize) -> EngineError {
+pub(crate) fn state_mismatch(layer: usize) -> EngineError {
     EngineError::InvalidConfig {
         problem: format!("layer {layer}: the sequence state does not match the model's layer type"),
     }
@@ -1200,9 +1304,16 @@ impl<B: Backend> Loader<'_, B> {
                 })
             }
         };
+        // qwen4_exp layers have no norms of their own (the hyper-connections normalise).
+        let norm = |suffix: &str| -> Result<Option<B::Weight>, EngineError> {
+            match spec.qwen4_exp {
+                Some(_) => Ok(None),
+                None => Ok(Some(self.parameter(&name(suffix), (1, hidden))?)),
+            }
+        };
         Ok(Layer {
-            input_norm: self.parameter(&name("input_norm"), (1, hidden))?,
-            post_attention_norm: self.parameter(&name("post_attention_norm"), (1, hidden))?,
+            input_norm: norm("input_norm")?,
+            post_attention_norm: norm("post_attention_norm")?,
             mixer,
             feed_forward,
         })

@@ -146,7 +146,7 @@ impl<B: Backend> Model<B> {
         let index = self.layers.len();
         let layer = &head.layer;
         let positions: Vec<usize> = (state.position..end).collect();
-        let x = backend.rms_norm(&residual, &layer.input_norm, eps, style)?;
+        let x = backend.rms_norm(&residual, layer.input_norm()?, eps, style)?;
         let mut segments = [Segment {
             rows: 0..rows,
             start_position: state.position,
@@ -156,7 +156,7 @@ impl<B: Backend> Model<B> {
         let x = backend.add_rms_norm(
             &mut residual,
             &mixed,
-            &layer.post_attention_norm,
+            layer.post_attention_norm()?,
             eps,
             style,
         )?;

@@ -15,6 +15,9 @@ pub enum Architecture {
     /// Qwen3.5 dense: the qwen3_5_moe layers with a dense SwiGLU MLP in place of every MoE block.
     #[serde(rename = "qwen3_5")]
     Qwen35,
+    /// Qwen4-Exp: the qwen3_5_moe layers with hyper-connection residual streams, QSA sparse
+    /// attention and per-layer hashed n-gram embeddings (PLE).
+    Qwen4Exp,
 }
 
 impl Architecture {
@@ -24,6 +27,7 @@ impl Architecture {
             Architecture::Qwen3Next => "qwen3_next",
             Architecture::Qwen35Moe => "qwen3_5_moe",
             Architecture::Qwen35 => "qwen3_5",
+            Architecture::Qwen4Exp => "qwen4_exp",
         }
     }
 }
@@ -45,6 +49,7 @@ pub enum ModelConfig {
     /// Every layer dense (`moe_layers` all false, no experts, no shared expert).
     #[serde(rename = "qwen3_5")]
     Qwen35(HybridConfig),
+    Qwen4Exp(Qwen4ExpConfig),
 }
 
 impl ModelConfig {
@@ -54,6 +59,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Next(_) => Architecture::Qwen3Next,
             ModelConfig::Qwen35Moe(_) => Architecture::Qwen35Moe,
             ModelConfig::Qwen35(_) => Architecture::Qwen35,
+            ModelConfig::Qwen4Exp(_) => Architecture::Qwen4Exp,
         }
     }
 
@@ -64,6 +70,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
                 &c.common
             }
+            ModelConfig::Qwen4Exp(c) => &c.hybrid.common,
         }
     }
 
@@ -74,6 +81,15 @@ impl ModelConfig {
             ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
                 Some(c)
             }
+            ModelConfig::Qwen4Exp(c) => Some(&c.hybrid),
+        }
+    }
+
+    /// The Qwen4-Exp extras (hyper-connections, QSA, PLE), for that architecture only.
+    pub fn qwen4_exp(&self) -> Option<&Qwen4ExpConfig> {
+        match self {
+            ModelConfig::Qwen4Exp(c) => Some(c),
+            _ => None,
         }
     }
 
@@ -83,6 +99,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) | ModelConfig::Qwen35(c) => {
                 Some(c)
             }
+            ModelConfig::Qwen4Exp(c) => Some(&mut c.hybrid),
         }
     }
 }
@@ -152,6 +169,65 @@ impl HybridConfig {
     pub fn linear_conv_dim(&self) -> usize {
         2 * self.linear_num_key_heads * self.linear_key_head_dim
             + self.linear_num_value_heads * self.linear_value_head_dim
+    }
+}
+
+/// Activation of the Gated DeltaNet output gate (`output_gate_type`, else `hidden_act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputGateActivation {
+    Silu,
+    Sigmoid,
+}
+
+/// `qwen4_exp`: the hybrid layers of qwen3_5_moe (every layer MoE with a shared expert, its
+/// attention layers sparse through the QSA indexer) around `hyper_connection_streams` residual
+/// streams, plus hashed n-gram embeddings on the PLE layers. `layer_types` says
+/// `full_attention` for the QSA layers. There are no input / post-attention / final norms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Qwen4ExpConfig {
+    #[serde(flatten)]
+    pub hybrid: HybridConfig,
+    /// Residual streams `n` (`hc_count`, at least 2).
+    pub hyper_connection_streams: usize,
+    /// Rank of each stream mixer (`hc_lowrank`).
+    pub hyper_connection_rank: usize,
+    pub output_gate: OutputGateActivation,
+    /// Query heads of the QSA indexer (`indexer_n_heads`); it has one key head.
+    pub indexer_heads: usize,
+    pub indexer_head_dim: usize,
+    /// Tokens a query may attend beyond its tail (`indexer_budget`, a multiple of the ratio).
+    pub indexer_budget: usize,
+    /// Tokens per pooled key block (`indexer_compress_ratio`).
+    pub indexer_compress_ratio: usize,
+    /// 0-based indices of the layers with a PLE block (the config's `ple_layer_ids` are 1-based),
+    /// ascending; each is a linear-attention layer. Empty: no PLE.
+    pub ple_layers: Vec<usize>,
+    /// Width of a token's concatenated n-gram embedding (`ple_embed_dim`).
+    pub ple_embed_dim: usize,
+    pub ple_conv_kernel_size: usize,
+    pub ngram_size: usize,
+    pub heads_per_ngram: usize,
+    pub ngram_vocab_size_base: u64,
+    /// Each PLE table's row count is padded to a multiple of this
+    /// (`make_ngram_vocab_size_divisible_by`).
+    pub ngram_table_rows_divisor: u64,
+    /// Seed of the n-gram hash multipliers (`seed`).
+    pub ngram_seed: u64,
+    /// The end-of-sequence id the n-gram contexts stop at (first of `eos_token_id`); required
+    /// when there are PLE layers.
+    pub ngram_eos_token_id: Option<u32>,
+}
+
+impl Qwen4ExpConfig {
+    /// Hashed heads of a token's n-gram embedding: `(ngram_size − 1) · heads_per_ngram`.
+    pub fn ngram_heads(&self) -> usize {
+        self.ngram_size.saturating_sub(1) * self.heads_per_ngram
+    }
+
+    /// Width of one n-gram table row (`ple_embed_dim / ngram_heads`).
+    pub fn ngram_row_width(&self) -> usize {
+        self.ple_embed_dim / self.ngram_heads().max(1)
     }
 }
 

@@ -80,6 +80,9 @@ pub enum TensorClass {
     RoutedExpert,
     Mtp,
     Vision,
+    /// A PLE layer's hashed n-gram embedding table (Qwen4-Exp): tens of GiB of rows of which a
+    /// step reads a few per token, so it stays in host RAM and its rows are gathered there.
+    NgramEmbedding,
 }
 
 impl TensorClass {
@@ -91,6 +94,7 @@ impl TensorClass {
             TensorClass::RoutedExpert => "routed_expert",
             TensorClass::Mtp => "mtp",
             TensorClass::Vision => "vision",
+            TensorClass::NgramEmbedding => "ngram_embedding",
         }
     }
 }

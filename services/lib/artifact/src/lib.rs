@@ -15,7 +15,7 @@ pub mod writer;
 
 pub use config::{
     Architecture, CommonConfig, GenerationDefaults, HybridConfig, LayerType, ModelConfig,
-    Qwen3MoeConfig,
+    OutputGateActivation, Qwen3MoeConfig, Qwen4ExpConfig,
 };
 pub use error::ArtifactError;
 pub use header::{

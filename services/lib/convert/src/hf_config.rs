@@ -3,7 +3,10 @@
 
 use std::path::Path;
 
-use ninfer_artifact::{CommonConfig, HybridConfig, LayerType, ModelConfig, Qwen3MoeConfig};
+use ninfer_artifact::{
+    CommonConfig, HybridConfig, LayerType, ModelConfig, OutputGateActivation, Qwen3MoeConfig,
+    Qwen4ExpConfig,
+};
 use serde_json::{Map, Value};
 
 use crate::error::ConvertError;
@@ -130,8 +133,13 @@ impl Fields<'_> {
     }
 
     /// `layer_types`, derived with `full_attention_interval` (default 4) when absent; legacy
-    /// names are remapped as `remap_legacy_layer_types` does.
-    fn layer_types(&self, layers: usize) -> Result<Vec<LayerType>, ConvertError> {
+    /// names are remapped as `remap_legacy_layer_types` does. With `sparse_attention`
+    /// (qwen4_exp), `qwen_sparse_attention` is its attention layers' name too.
+    fn layer_types(
+        &self,
+        layers: usize,
+        sparse_attention: bool,
+    ) -> Result<Vec<LayerType>, ConvertError> {
         match self.map.get("layer_types") {
             None | Some(Value::Null) => {
                 let interval = self.positive_or("full_attention_interval", 4)?;
@@ -159,6 +167,9 @@ impl Fields<'_> {
                             Ok(LayerType::LinearAttention)
                         }
                         Some("full_attention" | "attention") => Ok(LayerType::FullAttention),
+                        Some("qwen_sparse_attention") if sparse_attention => {
+                            Ok(LayerType::FullAttention)
+                        }
                         _ => Err(self.error("layer_types", format!("unknown layer type {item}"))),
                     })
                     .collect()
@@ -206,6 +217,24 @@ pub fn parse_config(file: &Path, root: &Value) -> Result<ParsedConfig, ConvertEr
             ModelConfig::Qwen35Moe(hybrid(&top, HybridDefaults::QWEN3_5_MOE, None)?)
         }
         "qwen3_5_text" => ModelConfig::Qwen35(hybrid(&top, HybridDefaults::QWEN3_5, None)?),
+        "qwen4_exp_text" => ModelConfig::Qwen4Exp(qwen4_exp(&top, None)?),
+        "qwen4_exp" => {
+            let Some(text) = root_map.get("text_config").and_then(|v| v.as_object()) else {
+                return Err(top.error(
+                    "text_config",
+                    "missing (qwen4_exp configs keep the text model there)",
+                ));
+            };
+            let fields = Fields {
+                file: &file,
+                map: text,
+            };
+            let tie = top.bool_or(
+                "tie_word_embeddings",
+                fields.bool_or("tie_word_embeddings", false)?,
+            )?;
+            ModelConfig::Qwen4Exp(qwen4_exp(&fields, Some(tie))?)
+        }
         "qwen3_5_moe" | "qwen3_5" => {
             // Multimodal release: the text model lives under `text_config`; tying is decided at
             // the top level (MODELS.md §4.1).
@@ -385,6 +414,8 @@ enum HybridLayers {
     EveryLayerMoeNormalised,
     /// qwen3_5: no experts at all.
     EveryLayerDense,
+    /// qwen4_exp: every layer MoE, renormalised as `norm_topk_prob` says.
+    EveryLayerMoe,
 }
 
 impl HybridDefaults {
@@ -453,7 +484,17 @@ fn hybrid(
     defaults: HybridDefaults,
     tie_override: Option<bool>,
 ) -> Result<HybridConfig, ConvertError> {
-    let mut common = common(fields, &defaults.common, 0.25)?;
+    hybrid_with_rotary_default(fields, defaults, tie_override, 0.25)
+}
+
+/// [`hybrid`] with the architecture's default `partial_rotary_factor`.
+fn hybrid_with_rotary_default(
+    fields: &Fields,
+    defaults: HybridDefaults,
+    tie_override: Option<bool>,
+    rotary_factor_default: f64,
+) -> Result<HybridConfig, ConvertError> {
+    let mut common = common(fields, &defaults.common, rotary_factor_default)?;
     if let Some(tie) = tie_override {
         common.tie_word_embeddings = tie;
     }
@@ -480,8 +521,21 @@ fn hybrid(
             common.moe_layers = vec![false; common.num_hidden_layers];
             0
         }
+        HybridLayers::EveryLayerMoe => {
+            common.moe_layers = vec![true; common.num_hidden_layers];
+            if common.num_experts == 0 {
+                return Err(fields.error("num_experts", "qwen4_exp needs routed experts"));
+            }
+            fields.usize_or(
+                "shared_expert_intermediate_size",
+                defaults.shared_expert_intermediate_size,
+            )?
+        }
     };
-    let layer_types = fields.layer_types(common.num_hidden_layers)?;
+    let layer_types = fields.layer_types(
+        common.num_hidden_layers,
+        defaults.layers == HybridLayers::EveryLayerMoe,
+    )?;
     let linear_num_key_heads = fields.positive_or("linear_num_key_heads", 16)?;
     let linear_num_value_heads = fields.positive_or("linear_num_value_heads", 32)?;
     if linear_num_value_heads % linear_num_key_heads != 0 {
@@ -501,6 +555,144 @@ fn hybrid(
         shared_expert_intermediate_size,
         // Counted from the tensors actually converted (see `plan`).
         mtp_num_layers: 0,
+    })
+}
+
+/// `Qwen4ExpTextConfig` (MODELS.md §5.1): the qwen3_5_moe hybrid fields with their own
+/// defaults, no partial-rotary default, and the hyper-connection, QSA and PLE fields. Refuses
+/// what transformers refuses, and the QSA fields it cannot run without.
+fn qwen4_exp(fields: &Fields, tie_override: Option<bool>) -> Result<Qwen4ExpConfig, ConvertError> {
+    let defaults = HybridDefaults {
+        common: CommonDefaults {
+            num_experts: 512,
+            num_experts_per_tok: 10,
+            max_position_embeddings: 32768,
+            ..HybridDefaults::QWEN3_5_MOE.common
+        },
+        shared_expert_intermediate_size: 512,
+        layers: HybridLayers::EveryLayerMoe,
+    };
+    // Layer types: transformers calls the attention layers `qwen_sparse_attention` (the
+    // released config says `full_attention`); both are stored as full attention, QSA-indexed.
+    let hybrid = hybrid_with_rotary_default(fields, defaults, tie_override, 1.0)?;
+    let layers = hybrid.common.num_hidden_layers;
+    let hyper_connection_streams = fields.positive_or("hc_count", 4)?;
+    if hyper_connection_streams < 2 {
+        return Err(fields.error("hc_count", "must be greater than 1"));
+    }
+    let hidden = hybrid.common.hidden_size;
+    let output_gate = match fields.map.get("output_gate_type").and_then(|v| v.as_str()) {
+        Some(kind) => kind.to_string(),
+        None => match fields.map.get("hidden_act").and_then(|v| v.as_str()) {
+            Some(kind) => kind.to_string(),
+            None => "silu".to_string(),
+        },
+    };
+    let output_gate = match output_gate.as_str() {
+        "silu" | "swish" => OutputGateActivation::Silu,
+        "sigmoid" => OutputGateActivation::Sigmoid,
+        other => {
+            return Err(fields.error(
+                "output_gate_type",
+                format!("`{other}` is not supported (silu or sigmoid)"),
+            ))
+        }
+    };
+    let required = |field: &str| -> Result<usize, ConvertError> {
+        match fields.map.get(field) {
+            None | Some(Value::Null) => Err(fields.error(
+                field,
+                "missing (every Qwen4-Exp attention layer has a QSA indexer that needs it)",
+            )),
+            Some(_) => fields.positive_or(field, 1),
+        }
+    };
+    let indexer_heads = required("indexer_n_heads")?;
+    let indexer_head_dim = required("indexer_head_dim")?;
+    let indexer_budget = required("indexer_budget")?;
+    let indexer_compress_ratio = required("indexer_compress_ratio")?;
+    if required("indexer_kv_heads")? != 1 {
+        return Err(fields.error("indexer_kv_heads", "must be 1"));
+    }
+    if indexer_budget % indexer_compress_ratio != 0 {
+        return Err(fields.error(
+            "indexer_budget",
+            format!("{indexer_budget} is not a multiple of indexer_compress_ratio {indexer_compress_ratio}"),
+        ));
+    }
+    if hybrid.common.rotary_dim > indexer_head_dim {
+        return Err(fields.error(
+            "indexer_head_dim",
+            format!(
+                "{indexer_head_dim} is narrower than the rotary width {}",
+                hybrid.common.rotary_dim
+            ),
+        ));
+    }
+    let mut ple_layers = Vec::new();
+    for id in fields.usize_list("ple_layer_ids")? {
+        if id == 0 || id > layers {
+            return Err(fields.error(
+                "ple_layer_ids",
+                format!("{id} is not a layer id (they count from 1 to {layers})"),
+            ));
+        }
+        if hybrid.layer_types[id - 1] != LayerType::LinearAttention {
+            return Err(fields.error(
+                "ple_layer_ids",
+                format!("layer id {id} is not a linear-attention layer"),
+            ));
+        }
+        ple_layers.push(id - 1);
+    }
+    ple_layers.sort_unstable();
+    ple_layers.dedup();
+    let ngram_size = fields.positive_or("ngram_size", 3)?;
+    let heads_per_ngram = fields.positive_or("heads_per_ngram", 8)?;
+    let ple_embed_dim = fields.positive_or("ple_embed_dim", hidden)?;
+    let ngram_eos_token_id = match fields.map.get("eos_token_id") {
+        Some(Value::Array(items)) => items.first().and_then(|v| v.as_u64()),
+        Some(value) => value.as_u64(),
+        None => None,
+    }
+    .map(|id| id as u32);
+    if !ple_layers.is_empty() {
+        if ngram_size < 2 {
+            return Err(fields.error("ngram_size", "must be at least 2"));
+        }
+        let heads = (ngram_size - 1) * heads_per_ngram;
+        if ple_embed_dim % heads != 0 {
+            return Err(fields.error(
+                "ple_embed_dim",
+                format!("{ple_embed_dim} is not a multiple of (ngram_size − 1) · heads_per_ngram = {heads}"),
+            ));
+        }
+        if ngram_eos_token_id.is_none() {
+            return Err(fields.error(
+                "eos_token_id",
+                "missing (the PLE n-gram contexts stop at it)",
+            ));
+        }
+    }
+    Ok(Qwen4ExpConfig {
+        hybrid,
+        hyper_connection_streams,
+        hyper_connection_rank: fields.positive_or("hc_lowrank", 320)?,
+        output_gate,
+        indexer_heads,
+        indexer_head_dim,
+        indexer_budget,
+        indexer_compress_ratio,
+        ple_layers,
+        ple_embed_dim,
+        ple_conv_kernel_size: fields.positive_or("ple_conv_kernel_size", 4)?,
+        ngram_size,
+        heads_per_ngram,
+        ngram_vocab_size_base: fields.positive_or("ngram_vocab_size_base", 20_000_000)? as u64,
+        ngram_table_rows_divisor: fields.positive_or("make_ngram_vocab_size_divisible_by", 128)?
+            as u64,
+        ngram_seed: fields.usize_or("seed", 1234)? as u64,
+        ngram_eos_token_id,
     })
 }
 

@@ -464,13 +464,14 @@ fn encode_expert(values: &[f32], dtype: DType, rows: usize, cols: usize) -> Vec<
 }
 
 /// Tensor classes in the order `inspect` prints them.
-pub const CLASS_ORDER: [TensorClass; 6] = [
+pub const CLASS_ORDER: [TensorClass; 7] = [
     TensorClass::Embedding,
     TensorClass::Dense,
     TensorClass::DenseMlp,
     TensorClass::RoutedExpert,
     TensorClass::Mtp,
     TensorClass::Vision,
+    TensorClass::NgramEmbedding,
 ];
 
 /// True when `path` looks like a Hugging Face checkpoint directory.

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ninfer_artifact::{DType, LayerType, ModelConfig, TensorClass};
+use ninfer_artifact::{DType, LayerType, ModelConfig, Qwen4ExpConfig, TensorClass};
 
 use crate::error::ConvertError;
 use crate::safetensors_file::{Checkpoint, SourceTensor};
@@ -139,6 +139,15 @@ impl<'a> SourceNames<'a> {
                 directory: self.checkpoint.directory.clone(),
                 name: self.spelled(canonical),
             })?;
+        if tensor.dtype == crate::safetensors_file::SourceDType::I64 {
+            return Err(ConvertError::Input {
+                file: self.checkpoint.shard_path(tensor).to_path_buf(),
+                problem: format!(
+                    "tensor `{}` holds integers where a weight is expected",
+                    tensor.name
+                ),
+            });
+        }
         if tensor.shape != expected {
             return Err(ConvertError::WrongShape {
                 file: self.checkpoint.shard_path(tensor).to_path_buf(),
@@ -263,6 +272,9 @@ pub fn build_plan(
             is_next,
             TensorClass::Dense,
         )?;
+        if let Some(qwen4) = config.qwen4_exp() {
+            plan_qwen4_exp_layer_extras(&mut planner, qwen4, &source, &target, layer)?;
+        }
         if common.moe_layers[layer] {
             plan_moe_dense(&mut planner, config, &source, &target, TensorClass::Dense)?;
             banks.push(plan_bank(
@@ -283,12 +295,22 @@ pub fn build_plan(
             )?;
         }
     }
-    planner.copy(
-        "final_norm",
-        TensorClass::Dense,
-        "model.norm.weight",
-        &u(&[h]),
-    )?;
+    match config.qwen4_exp() {
+        // The final stream mixer takes the final norm's place.
+        Some(qwen4) => plan_hyper_connection(
+            &mut planner,
+            qwen4,
+            "model.hyper_connection_mixer",
+            "hc_mixer",
+            false,
+        )?,
+        None => planner.copy(
+            "final_norm",
+            TensorClass::Dense,
+            "model.norm.weight",
+            &u(&[h]),
+        )?,
+    }
     if planner.names.has("lm_head.weight") {
         planner.copy(
             "lm_head",
@@ -311,7 +333,53 @@ pub fn build_plan(
     // when no main layer is MoE (qwen3_5).
     let mtp_is_moe = common.moe_layers.iter().any(|&moe| moe);
     let mut mtp_layers = 0;
-    if hybrid.is_some() {
+    if config.qwen4_exp().is_some() {
+        // Its MTP head's layout is not published with the architecture: skipped, said so.
+        let mtp: Vec<String> = planner
+            .names
+            .checkpoint
+            .tensors
+            .keys()
+            .filter(|name| name.starts_with("mtp."))
+            .cloned()
+            .collect();
+        if !mtp.is_empty() {
+            for name in &mtp {
+                planner.names.mark_used(name);
+            }
+            notes.push(format!(
+                "skipped {} MTP tensor(s): the Qwen4-Exp MTP head is not supported yet",
+                mtp.len()
+            ));
+        }
+        // The PLE hash buffers are recomputed from the config by the engine.
+        let buffers: Vec<String> = planner
+            .names
+            .checkpoint
+            .tensors
+            .keys()
+            .filter(|name| {
+                name.contains(".ple.ple_embedding.")
+                    && [
+                        "layer_multipliers",
+                        "ngram_heads_vocab_sizes",
+                        "ngram_heads_offsets",
+                    ]
+                    .iter()
+                    .any(|buffer| name.ends_with(buffer))
+            })
+            .cloned()
+            .collect();
+        if !buffers.is_empty() {
+            for name in &buffers {
+                planner.names.mark_used(name);
+            }
+            notes.push(format!(
+                "skipped {} PLE hash buffer(s): recomputed from the config",
+                buffers.len()
+            ));
+        }
+    } else if hybrid.is_some() {
         while planner
             .names
             .has(&format!("mtp.layers.{mtp_layers}.input_layernorm.weight"))
@@ -443,18 +511,22 @@ fn plan_layer_body(
         common.num_key_value_heads,
         common.head_dim,
     );
-    planner.copy(
-        &format!("{target}.input_norm"),
-        class,
-        &format!("{source}.input_layernorm.weight"),
-        &u(&[h]),
-    )?;
-    planner.copy(
-        &format!("{target}.post_attention_norm"),
-        class,
-        &format!("{source}.post_attention_layernorm.weight"),
-        &u(&[h]),
-    )?;
+    let qwen4 = config.qwen4_exp();
+    // Qwen4-Exp has no layer norms: its hyper-connection norms take their place.
+    if qwen4.is_none() {
+        planner.copy(
+            &format!("{target}.input_norm"),
+            class,
+            &format!("{source}.input_layernorm.weight"),
+            &u(&[h]),
+        )?;
+        planner.copy(
+            &format!("{target}.post_attention_norm"),
+            class,
+            &format!("{source}.post_attention_layernorm.weight"),
+            &u(&[h]),
+        )?;
+    }
     let gated = !matches!(config, ModelConfig::Qwen3Moe(_));
     match layer_type {
         LayerType::FullAttention => {
@@ -496,6 +568,23 @@ fn plan_layer_body(
                 &format!("{attn}.k_norm.weight"),
                 &u(&[hd]),
             )?;
+            if let Some(qwen4) = qwen4 {
+                let (heads, width) = (qwen4.indexer_heads, qwen4.indexer_head_dim);
+                planner.copy(
+                    &format!("{target}.attn.indexer.qk_proj"),
+                    class,
+                    &format!("{attn}.indexer.index_qk_proj.weight"),
+                    &u(&[(heads + 1) * width, h]),
+                )?;
+                for (norm, name) in [("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")] {
+                    planner.copy(
+                        &format!("{target}.attn.indexer.{norm}"),
+                        class,
+                        &format!("{attn}.indexer.{name}.weight"),
+                        &u(&[width]),
+                    )?;
+                }
+            }
         }
         LayerType::LinearAttention => {
             let Some(c) = config.hybrid() else {
@@ -636,6 +725,167 @@ fn plan_layer_body(
     Ok(())
 }
 
+/// A Qwen4-Exp layer's two hyper-connections and, on the PLE layers, its PLE block.
+fn plan_qwen4_exp_layer_extras(
+    planner: &mut Planner,
+    config: &Qwen4ExpConfig,
+    source: &str,
+    target: &str,
+    layer: usize,
+) -> Result<(), ConvertError> {
+    plan_hyper_connection(
+        planner,
+        config,
+        &format!("{source}.attn_hyper_connection"),
+        &format!("{target}.attn_hc"),
+        true,
+    )?;
+    plan_hyper_connection(
+        planner,
+        config,
+        &format!("{source}.mlp_hyper_connection"),
+        &format!("{target}.mlp_hc"),
+        true,
+    )?;
+    if !config.ple_layers.contains(&layer) {
+        return Ok(());
+    }
+    let h = config.hybrid.common.hidden_size;
+    let streams_width = config.hyper_connection_streams * h;
+    let ple = format!("{source}.ple");
+    let (embed, kernel) = (config.ple_embed_dim, config.ple_conv_kernel_size);
+    let class = TensorClass::Dense;
+    planner.copy(
+        &format!("{target}.ple.key_proj"),
+        class,
+        &format!("{ple}.key_proj.weight"),
+        &u(&[streams_width, embed]),
+    )?;
+    planner.copy(
+        &format!("{target}.ple.value_proj"),
+        class,
+        &format!("{ple}.value_proj.weight"),
+        &u(&[h, embed]),
+    )?;
+    for norm in ["norm_key", "norm_query", "norm_conv"] {
+        planner.copy(
+            &format!("{target}.ple.{norm}"),
+            class,
+            &format!("{ple}.{norm}.weight"),
+            &u(&[streams_width]),
+        )?;
+    }
+    let conv = planner.names.require(
+        &format!("{ple}.conv1d.weight"),
+        &u(&[streams_width, 1, kernel]),
+    )?;
+    planner.push(
+        &format!("{target}.ple.conv1d"),
+        class,
+        DType::F32,
+        u(&[streams_width, kernel]),
+        conv,
+        RowSelection::All,
+    );
+    plan_ngram_table(planner, config, &ple, target)
+}
+
+/// A PLE layer's n-gram table: one tensor in memory, on disk split into consecutive row shards
+/// `ngram_embedding.shard_{i}.weight` (transformers concatenates them in numeric order). Each
+/// shard is kept as its own artifact tensor `{target}.ple.ngram_embedding.shard_{i}`, so no
+/// step of the conversion holds a whole table; the engine checks the total rows.
+fn plan_ngram_table(
+    planner: &mut Planner,
+    config: &Qwen4ExpConfig,
+    ple: &str,
+    target: &str,
+) -> Result<(), ConvertError> {
+    let width = config.ngram_row_width() as u64;
+    let table = format!("{ple}.ple_embedding.ngram_embedding");
+    let class = TensorClass::NgramEmbedding;
+    let whole = format!("{table}.weight");
+    let mut sources = Vec::new();
+    if planner.names.has(&whole) {
+        sources.push(whole);
+    } else {
+        while planner
+            .names
+            .has(&format!("{table}.shard_{}.weight", sources.len()))
+        {
+            sources.push(format!("{table}.shard_{}.weight", sources.len()));
+        }
+    }
+    if sources.is_empty() {
+        return Err(ConvertError::MissingTensor {
+            directory: planner.names.checkpoint.directory.clone(),
+            name: planner.names.spelled(&format!("{table}.shard_0.weight")),
+        });
+    }
+    for (index, source) in sources.iter().enumerate() {
+        let rows = planner
+            .names
+            .find(source)
+            .map(|tensor| tensor.shape.first().copied().unwrap_or(0))
+            .unwrap_or(0);
+        planner.copy(
+            &format!("{target}.ple.ngram_embedding.shard_{index}"),
+            class,
+            source,
+            &[rows, width],
+        )?;
+    }
+    Ok(())
+}
+
+/// One Qwen4-Exp stream mixer (`hc_norm`, the low-rank mix down/up and, in a layer's
+/// hyper-connections, the block injection weights).
+fn plan_hyper_connection(
+    planner: &mut Planner,
+    config: &Qwen4ExpConfig,
+    source: &str,
+    target: &str,
+    with_injection: bool,
+) -> Result<(), ConvertError> {
+    let h = config.hybrid.common.hidden_size;
+    let streams = config.hyper_connection_streams;
+    let (width, rank) = (streams * h, config.hyper_connection_rank);
+    let class = TensorClass::Dense;
+    planner.copy(
+        &format!("{target}.norm"),
+        class,
+        &format!("{source}.hc_norm.weight"),
+        &u(&[width]),
+    )?;
+    planner.copy(
+        &format!("{target}.mix_down"),
+        class,
+        &format!("{source}.input_mix_weight_down.weight"),
+        &u(&[rank, width]),
+    )?;
+    planner.copy(
+        &format!("{target}.mix_up"),
+        class,
+        &format!("{source}.input_mix_weight_up.weight"),
+        &u(&[width, rank]),
+    )?;
+    if with_injection {
+        // Small and decides each stream's share of the block output: kept f32 like a router.
+        let inject = planner.names.require(
+            &format!("{source}.block_inject_weight.weight"),
+            &u(&[streams, width]),
+        )?;
+        planner.push(
+            &format!("{target}.inject"),
+            class,
+            DType::F32,
+            u(&[streams, width]),
+            inject,
+            RowSelection::All,
+        );
+    }
+    Ok(())
+}
+
 /// The SwiGLU matrices of a dense-MLP layer (`intermediate_size` wide).
 fn plan_dense_mlp(
     planner: &mut Planner,
@@ -685,7 +935,10 @@ fn plan_moe_dense(
         router,
         RowSelection::All,
     );
-    if let ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) = config {
+    if let Some(c) = config
+        .hybrid()
+        .filter(|_| !matches!(config, ModelConfig::Qwen35(_)))
+    {
         let is = c.shared_expert_intermediate_size;
         let shared = format!("{source}.mlp.shared_expert");
         planner.copy(

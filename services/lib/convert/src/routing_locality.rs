@@ -158,6 +158,8 @@ impl Locality {
         let (carrier, carried) = match model {
             // Dense: no routers to carry context to.
             ModelConfig::Qwen35(_) => return None,
+            // Synthetic artifacts do not build the hyper-connection streams.
+            ModelConfig::Qwen4Exp(_) => return None,
             ModelConfig::Qwen3Moe(_) => attention_carrier(model, false, true)?,
             ModelConfig::Qwen3Next(c) | ModelConfig::Qwen35Moe(c) => {
                 match c.layer_types.first()? {

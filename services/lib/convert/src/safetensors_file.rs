@@ -16,6 +16,8 @@ pub enum SourceDType {
     F32,
     Bf16,
     F16,
+    /// Integer buffers (Qwen4-Exp's PLE hash tables), which the converter only skips.
+    I64,
 }
 
 impl SourceDType {
@@ -24,12 +26,14 @@ impl SourceDType {
             "F32" => Some(SourceDType::F32),
             "BF16" => Some(SourceDType::Bf16),
             "F16" => Some(SourceDType::F16),
+            "I64" => Some(SourceDType::I64),
             _ => None,
         }
     }
 
     pub fn size(self) -> usize {
         match self {
+            SourceDType::I64 => 8,
             SourceDType::F32 => 4,
             SourceDType::Bf16 | SourceDType::F16 => 2,
         }
@@ -165,6 +169,14 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
+            SourceDType::I64 => bytes
+                .chunks_exact(8)
+                .map(|c| {
+                    let mut value = [0u8; 8];
+                    value.copy_from_slice(c);
+                    i64::from_le_bytes(value) as f32
+                })
+                .collect(),
         }
     }
 
@@ -228,7 +240,7 @@ fn parse_header(
         let dtype_text = value.get("dtype").and_then(|v| v.as_str()).unwrap_or("");
         let dtype = SourceDType::parse(dtype_text).ok_or_else(|| {
             problem(format!(
-                "tensor `{name}` has dtype `{dtype_text}`; supported checkpoint dtypes are F32, BF16 and F16"
+                "tensor `{name}` has dtype `{dtype_text}`; supported checkpoint dtypes are F32, BF16, F16 (and I64 for buffers)"
             ))
         })?;
         let shape: Vec<u64> = value

@@ -1,11 +1,13 @@
-//! Pieces of the Qwen4-Exp (`qwen4_exp`) text model that are built and tested on their own,
-//! ahead of the model graph: the QSA indexer's block selection and the PLE layers' hashed
-//! n-gram row ids (and the tie-breaking of PyTorch's top-k the selection must follow). Neither is reachable from an artifact yet: the architecture is still refused
-//! by `spec::check_architecture_name` until the whole forward is in place.
+//! The Qwen4-Exp (`qwen4_exp`) text model: its forward over the backend (`graph`, the CPU
+//! backend only for now), and the pieces built and tested on their own — the QSA indexer's
+//! block selection and the PLE layers' hashed n-gram row ids (and the tie-breaking of
+//! PyTorch's top-k the selection must follow).
 //!
-//! Owns: the pure host functions of those two pieces (plain slices in, plain values out).
-//! Must not touch: backends, artifacts, sequence state.
+//! Owns: the pure host functions of those pieces (plain slices in, plain values out) and the
+//! Qwen4-Exp layer loop with its per-sequence states.
+//! Must not touch: op implementations (backends), the shared Gated DeltaNet and MoE code.
 
+pub mod graph;
 pub mod ngram_hash;
 pub mod qsa_selection;
 pub mod torch_topk;

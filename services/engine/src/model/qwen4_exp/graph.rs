@@ -1,0 +1,890 @@
+//! The Qwen4-Exp (`qwen4_exp`) forward over [`Backend`]: the hyper-connection residual streams
+//! with their low-rank mixers and gated injection, the PLE blocks (hashed n-gram rows gathered
+//! from the host-RAM tables each step, a gated value and a dilated causal conv), QSA sparse
+//! attention, and the model's usual Gated DeltaNet and MoE layers in between.
+//!
+//! The matrices go through the backend; the per-token stream math, the PLE block and QSA
+//! attention (a per-query token selection over a host K/V cache) run on the host in f32, so
+//! this graph runs on the CPU backend only — the model refuses other backends at load.
+//!
+//! Per sequence it keeps what transformers' cache slots carry: per QSA layer the keys and
+//! values after norm and RoPE, the raw indexer keys and one pooled key per completed block; per
+//! PLE layer the last `(kernel − 1) · ngram_size` normalised conv inputs and the last
+//! `ngram_size − 1` token ids.
+//!
+//! Owns: the Qwen4-Exp weights beyond the shared layer types, their loading, the per-sequence
+//! QSA and PLE states, and the layer loop of this architecture.
+//! Must not touch: the Gated DeltaNet and MoE ops (the shared model code), op implementations.
+
+use std::sync::Arc;
+
+use half::bf16;
+use ninfer_artifact::{Artifact, OutputGateActivation, Qwen4ExpConfig};
+
+use crate::backend::{Backend, DeltaRuleForm, Rotation};
+use crate::error::EngineError;
+use crate::spec::MixerKind;
+
+use super::super::{
+    layer_segments, state_mismatch, BatchPlan, FeedForward, LayerScratch, LayerState, Loader,
+    LogitsSelection, Mixer, Model, SequenceInput,
+};
+use super::ngram_hash::{NgramHashSettings, NgramHashTables};
+use super::qsa_selection::{
+    pooled_block_key, prepare_index_query, select_tokens, QsaSelectionSettings,
+};
+
+/// One stream mixer: grouped zero-centred norm of the streams, a low-rank sigmoid gate per
+/// feature, the streams' gated mean as the block input, and (in a layer) each stream's share
+/// of the block output.
+pub(crate) struct HyperConnection<B: Backend> {
+    /// `[n·H]`, one `(1 + w)` weight per feature of every stream.
+    norm: Vec<f32>,
+    mix_down: B::Weight,
+    mix_up: B::Weight,
+    /// `[n, n·H]`; absent in the final mixer.
+    inject: Option<B::Weight>,
+}
+
+/// The QSA indexer of an attention layer.
+pub(crate) struct Indexer<B: Backend> {
+    /// `[(heads + 1)·Di, H]`: the query heads, then the one key head.
+    qk_proj: B::Weight,
+    query_norm: Vec<f32>,
+    key_norm: Vec<f32>,
+}
+
+/// A PLE layer's n-gram table: row shards as stored, in host RAM (the artifact's mapping).
+pub(crate) struct NgramTable {
+    /// Tensor name and first global row of each shard, in order.
+    shards: Vec<(String, u64)>,
+    rows: u64,
+    width: usize,
+}
+
+/// A PLE block.
+pub(crate) struct Ple<B: Backend> {
+    key_proj: B::Weight,
+    value_proj: B::Weight,
+    norm_key: Vec<f32>,
+    norm_query: Vec<f32>,
+    norm_conv: Vec<f32>,
+    /// `[n·H, kernel]`, the last tap on the current token.
+    conv: Vec<f32>,
+    table: NgramTable,
+    hash: NgramHashTables,
+}
+
+/// What a Qwen4-Exp layer has beyond the shared token mixer and feed-forward.
+pub(crate) struct LayerExtras<B: Backend> {
+    attn_hc: HyperConnection<B>,
+    mlp_hc: HyperConnection<B>,
+    indexer: Option<Indexer<B>>,
+    ple: Option<Ple<B>>,
+    /// The Gated DeltaNet output norm's weight on the host, when its gate is a sigmoid (the
+    /// backend's gated norm multiplies by SiLU).
+    sigmoid_gated_norm: Option<Vec<f32>>,
+}
+
+/// The Qwen4-Exp parts of a loaded model.
+pub(crate) struct Qwen4ExpGraph<B: Backend> {
+    config: Qwen4ExpConfig,
+    qsa: QsaSelectionSettings,
+    hash: Option<NgramHashSettings>,
+    layers: Vec<LayerExtras<B>>,
+    mixer: HyperConnection<B>,
+}
+
+/// One sequence's state of a QSA attention layer.
+#[derive(Debug, Clone)]
+pub struct SparseAttentionState {
+    /// `[tokens, kv_heads·head_dim]`, after k_norm and RoPE.
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    /// `[tokens, Di]`, as projected (the pooled keys are made from them).
+    raw_index_keys: Vec<f32>,
+    /// `[tokens / ratio, Di]`: one pooled key per completed block.
+    pooled_keys: Vec<f32>,
+    tokens: usize,
+}
+
+/// One sequence's state of a PLE block.
+#[derive(Debug, Clone)]
+pub struct PleState {
+    /// The last `(kernel − 1)·ngram_size` normalised conv inputs, `[rows, n·H]`, zeros before
+    /// the sequence start.
+    conv_history: Vec<f32>,
+    /// The last `ngram_size − 1` token ids, EOS before the sequence start.
+    context: Vec<u32>,
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Grouped zero-centred RMSNorm: every row of `values` (as wide as `weight`) is cut into groups
+/// of `group` features, each normalised on its own and scaled by `1 + w` (a weight per feature
+/// of the whole row).
+fn grouped_norm(values: &[f32], weight: &[f32], group: usize, eps: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(values.len());
+    for row in values.chunks_exact(weight.len()) {
+        for (features, weights) in row.chunks_exact(group).zip(weight.chunks_exact(group)) {
+            let mean_square = features.iter().map(|v| v * v).sum::<f32>() / group as f32;
+            let inverse = 1.0 / (mean_square + eps).sqrt();
+            out.extend(
+                features
+                    .iter()
+                    .zip(weights)
+                    .map(|(v, w)| v * inverse * (1.0 + w)),
+            );
+        }
+    }
+    out
+}
+
+/// A 1-D parameter read to the host, checked against its expected length.
+fn host_vector(artifact: &Artifact, name: &str, length: usize) -> Result<Vec<f32>, EngineError> {
+    let tensor = artifact
+        .get(name)
+        .ok_or_else(|| EngineError::InvalidWeight {
+            name: name.to_string(),
+            problem: "missing from the artifact".into(),
+        })?;
+    let values = tensor.to_f32_vec();
+    if values.len() != length {
+        return Err(EngineError::InvalidWeight {
+            name: name.to_string(),
+            problem: format!("{} values where the config implies {length}", values.len()),
+        });
+    }
+    Ok(values)
+}
+
+impl NgramTable {
+    /// The shards `{prefix}.shard_0 …` of one table, which must hold exactly `rows` rows of
+    /// `width`.
+    fn open(
+        artifact: &Artifact,
+        prefix: &str,
+        rows: u64,
+        width: usize,
+    ) -> Result<Self, EngineError> {
+        let mut shards = Vec::new();
+        let mut total = 0u64;
+        while let Some(shard) = artifact.get(&format!("{prefix}.shard_{}", shards.len())) {
+            let name = shard.name().to_string();
+            let shape = shard.shape();
+            if shape.len() != 2 || shape[1] != width as u64 {
+                return Err(EngineError::InvalidWeight {
+                    name,
+                    problem: format!("shape {shape:?} where rows of {width} are expected"),
+                });
+            }
+            if shard.as_f32().is_none() && shard.as_bf16().is_none() {
+                return Err(EngineError::InvalidWeight {
+                    name,
+                    problem: format!(
+                        "stored as {}, an n-gram table must be f32 or bf16",
+                        shard.dtype()
+                    ),
+                });
+            }
+            shards.push((name, total));
+            total += shape[0];
+        }
+        if total != rows {
+            return Err(EngineError::InvalidWeight {
+                name: format!("{prefix}.shard_*"),
+                problem: format!(
+                    "{} shard(s) hold {total} rows, the n-gram hashing of the config needs {rows}",
+                    shards.len()
+                ),
+            });
+        }
+        Ok(NgramTable {
+            shards,
+            rows,
+            width,
+        })
+    }
+
+    /// Appends the rows `ids` (in order) to `out`.
+    fn gather(
+        &self,
+        artifact: &Artifact,
+        ids: &[u64],
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        for &id in ids {
+            if id >= self.rows {
+                return Err(EngineError::InvalidConfig {
+                    problem: format!("n-gram row {id} is past the table's {} rows", self.rows),
+                });
+            }
+            let shard = self.shards.partition_point(|(_, first)| *first <= id) - 1;
+            let (name, first) = &self.shards[shard];
+            let view = artifact
+                .get(name)
+                .ok_or_else(|| EngineError::InvalidWeight {
+                    name: name.clone(),
+                    problem: "missing from the artifact".into(),
+                })?;
+            let start = (id - first) as usize * self.width;
+            if let Some(values) = view.as_f32() {
+                out.extend_from_slice(&values[start..start + self.width]);
+            } else if let Some(values) = view.as_bf16() {
+                out.extend(
+                    values[start..start + self.width]
+                        .iter()
+                        .map(|v| bf16::to_f32(*v)),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SparseAttentionState {
+    fn new() -> Self {
+        SparseAttentionState {
+            keys: Vec::new(),
+            values: Vec::new(),
+            raw_index_keys: Vec::new(),
+            pooled_keys: Vec::new(),
+            tokens: 0,
+        }
+    }
+
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Appends one token's key, value and raw indexer key; pools the block it completes.
+    fn push(
+        &mut self,
+        key: &[f32],
+        value: &[f32],
+        raw_index_key: &[f32],
+        key_norm: &[f32],
+        settings: &QsaSelectionSettings,
+    ) {
+        self.keys.extend_from_slice(key);
+        self.values.extend_from_slice(value);
+        self.raw_index_keys.extend_from_slice(raw_index_key);
+        self.tokens += 1;
+        let ratio = settings.compress_ratio;
+        if self.tokens % ratio == 0 {
+            let first = self.tokens - ratio;
+            let width = settings.index_head_dim;
+            let block = &self.raw_index_keys[first * width..self.tokens * width];
+            let pooled = pooled_block_key(block, first, key_norm, settings);
+            self.pooled_keys.extend_from_slice(&pooled);
+        }
+    }
+
+    /// Forgets everything from token `tokens` on.
+    fn truncate(&mut self, tokens: usize, settings: &QsaSelectionSettings, kv_width: usize) {
+        if tokens >= self.tokens {
+            return;
+        }
+        self.keys.truncate(tokens * kv_width);
+        self.values.truncate(tokens * kv_width);
+        self.raw_index_keys
+            .truncate(tokens * settings.index_head_dim);
+        self.pooled_keys
+            .truncate(tokens / settings.compress_ratio * settings.index_head_dim);
+        self.tokens = tokens;
+    }
+}
+
+impl<B: Backend> Qwen4ExpGraph<B> {
+    /// Loads the Qwen4-Exp weights of every layer and the final mixer.
+    pub(in crate::model) fn load(
+        loader: &Loader<'_, B>,
+        config: &Qwen4ExpConfig,
+        mixers: &[MixerKind],
+    ) -> Result<Self, EngineError> {
+        let common = &config.hybrid.common;
+        let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        if config.hyper_connection_streams < 2 || config.hyper_connection_rank == 0 {
+            return Err(invalid(format!(
+                "qwen4_exp needs at least 2 residual streams and a positive mixer rank (got {} and {})",
+                config.hyper_connection_streams, config.hyper_connection_rank
+            )));
+        }
+        let qsa = QsaSelectionSettings {
+            budget: config.indexer_budget,
+            compress_ratio: config.indexer_compress_ratio,
+            index_heads: config.indexer_heads,
+            index_head_dim: config.indexer_head_dim,
+            rotary_dim: common.rotary_dim,
+            rope_theta: common.rope_theta,
+            norm_eps: common.rms_norm_eps as f32,
+        };
+        qsa.validate()?;
+        let hash = if config.ple_layers.is_empty() {
+            None
+        } else {
+            let eos_token_id = config.ngram_eos_token_id.ok_or_else(|| {
+                invalid(
+                    "qwen4_exp has PLE layers but no end-of-sequence id for the n-gram contexts"
+                        .into(),
+                )
+            })?;
+            Some(NgramHashSettings {
+                vocab_size: common.vocab_size as u64,
+                ngram_size: config.ngram_size,
+                heads_per_ngram: config.heads_per_ngram,
+                ngram_vocab_size_base: config.ngram_vocab_size_base,
+                table_rows_divisor: config.ngram_table_rows_divisor,
+                seed: config.ngram_seed,
+                eos_token_id,
+            })
+        };
+        let artifact = loader.artifact;
+        let hidden = common.hidden_size;
+        let streams_width = config.hyper_connection_streams * hidden;
+        let mut layers = Vec::with_capacity(mixers.len());
+        for (index, mixer) in mixers.iter().enumerate() {
+            let prefix = format!("layers.{index}");
+            let indexer = match mixer {
+                MixerKind::Attention => {
+                    let (heads, width) = (config.indexer_heads, config.indexer_head_dim);
+                    Some(Indexer {
+                        qk_proj: loader.matrix(
+                            &format!("{prefix}.attn.indexer.qk_proj"),
+                            ((heads + 1) * width, hidden),
+                        )?,
+                        query_norm: host_vector(
+                            artifact,
+                            &format!("{prefix}.attn.indexer.q_norm"),
+                            width,
+                        )?,
+                        key_norm: host_vector(
+                            artifact,
+                            &format!("{prefix}.attn.indexer.k_norm"),
+                            width,
+                        )?,
+                    })
+                }
+                MixerKind::GatedDeltaNet => None,
+            };
+            let ple = match (config.ple_layers.iter().position(|&l| l == index), &hash) {
+                (Some(ple_index), Some(hash)) => {
+                    if *mixer != MixerKind::GatedDeltaNet {
+                        return Err(invalid(format!(
+                            "layer {index} has a PLE block but is not a linear-attention layer"
+                        )));
+                    }
+                    let tables = NgramHashTables::for_layer(hash, ple_index)?;
+                    let embed = config.ple_embed_dim;
+                    let kernel = config.ple_conv_kernel_size;
+                    let ple = |name: &str| format!("{prefix}.ple.{name}");
+                    Some(Ple {
+                        key_proj: loader.matrix(&ple("key_proj"), (streams_width, embed))?,
+                        value_proj: loader.matrix(&ple("value_proj"), (hidden, embed))?,
+                        norm_key: host_vector(artifact, &ple("norm_key"), streams_width)?,
+                        norm_query: host_vector(artifact, &ple("norm_query"), streams_width)?,
+                        norm_conv: host_vector(artifact, &ple("norm_conv"), streams_width)?,
+                        conv: host_vector(artifact, &ple("conv1d"), streams_width * kernel)?,
+                        table: NgramTable::open(
+                            artifact,
+                            &ple("ngram_embedding"),
+                            tables.padded_rows,
+                            config.ngram_row_width(),
+                        )?,
+                        hash: tables,
+                    })
+                }
+                _ => None,
+            };
+            let sigmoid_gated_norm = match (mixer, config.output_gate) {
+                (MixerKind::GatedDeltaNet, OutputGateActivation::Sigmoid) => Some(host_vector(
+                    artifact,
+                    &format!("{prefix}.gdn.norm"),
+                    config.hybrid.linear_value_head_dim,
+                )?),
+                _ => None,
+            };
+            layers.push(LayerExtras {
+                attn_hc: HyperConnection::load(loader, config, &format!("{prefix}.attn_hc"), true)?,
+                mlp_hc: HyperConnection::load(loader, config, &format!("{prefix}.mlp_hc"), true)?,
+                indexer,
+                ple,
+                sigmoid_gated_norm,
+            });
+        }
+        Ok(Qwen4ExpGraph {
+            config: config.clone(),
+            qsa,
+            hash,
+            layers,
+            mixer: HyperConnection::load(loader, config, "hc_mixer", false)?,
+        })
+    }
+
+    fn streams(&self) -> usize {
+        self.config.hyper_connection_streams
+    }
+
+    fn hidden(&self) -> usize {
+        self.config.hybrid.common.hidden_size
+    }
+
+    fn eps(&self) -> f32 {
+        self.config.hybrid.common.rms_norm_eps as f32
+    }
+
+    /// The host states of a new sequence, per layer: QSA states for the attention layers
+    /// (`LayerState`s), PLE states for the PLE layers.
+    pub(crate) fn new_ple_states(&self) -> Vec<Option<PleState>> {
+        let streams_width = self.streams() * self.hidden();
+        let history_rows =
+            self.config.ple_conv_kernel_size.saturating_sub(1) * self.config.ngram_size;
+        self.layers
+            .iter()
+            .map(|layer| {
+                let hash = self.hash.as_ref()?;
+                layer.ple.as_ref().map(|_| PleState {
+                    conv_history: vec![0.0; history_rows * streams_width],
+                    context: hash.sequence_start_context(),
+                })
+            })
+            .collect()
+    }
+
+    pub(crate) fn new_sparse_attention_state(&self) -> SparseAttentionState {
+        SparseAttentionState::new()
+    }
+
+    /// Cuts a QSA state back to `tokens` (a restored checkpoint).
+    pub(crate) fn truncate_sparse_attention(
+        &self,
+        state: &mut SparseAttentionState,
+        tokens: usize,
+        kv_width: usize,
+    ) {
+        state.truncate(tokens, &self.qsa, kv_width);
+    }
+
+    /// The Gated DeltaNet output norm's host weight of `layer` when its gate is a sigmoid.
+    pub(crate) fn sigmoid_gated_norm(&self, layer: usize) -> Option<&[f32]> {
+        self.layers.get(layer)?.sigmoid_gated_norm.as_deref()
+    }
+}
+
+impl<B: Backend> HyperConnection<B> {
+    fn load(
+        loader: &Loader<'_, B>,
+        config: &Qwen4ExpConfig,
+        prefix: &str,
+        with_injection: bool,
+    ) -> Result<Self, EngineError> {
+        let streams = config.hyper_connection_streams;
+        let width = streams * config.hybrid.common.hidden_size;
+        let rank = config.hyper_connection_rank;
+        Ok(HyperConnection {
+            norm: host_vector(loader.artifact, &format!("{prefix}.norm"), width)?,
+            mix_down: loader.matrix(&format!("{prefix}.mix_down"), (rank, width))?,
+            mix_up: loader.matrix(&format!("{prefix}.mix_up"), (width, rank))?,
+            inject: if with_injection {
+                Some(loader.matrix(&format!("{prefix}.inject"), (streams, width))?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// The block input `[rows, H]` of `streams` `[rows, n·H]` and, with injection weights, each
+    /// stream's share of the block output `[rows, n]` (`2·sigmoid(·/n)`).
+    fn mix(
+        &self,
+        backend: &B,
+        graph: &Qwen4ExpGraph<B>,
+        streams: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let (count, hidden) = (graph.streams(), graph.hidden());
+        let width = count * hidden;
+        let rows = streams.len() / width;
+        let normed = grouped_norm(streams, &self.norm, hidden, graph.eps());
+        let normed_tensor = backend.upload(&normed, rows, width)?;
+        let scale = 1.0 / count as f32;
+        let down: Vec<f32> = backend
+            .download(&backend.matmul(&normed_tensor, &self.mix_down)?)?
+            .into_iter()
+            .map(|v| silu(v * scale))
+            .collect();
+        let rank = down.len() / rows.max(1);
+        let up = backend
+            .download(&backend.matmul(&backend.upload(&down, rows, rank)?, &self.mix_up)?)?;
+        let mut mixed = vec![0.0f32; rows * hidden];
+        for row in 0..rows {
+            let out = &mut mixed[row * hidden..(row + 1) * hidden];
+            for stream in 0..count {
+                let base = row * width + stream * hidden;
+                for (i, value) in out.iter_mut().enumerate() {
+                    *value += sigmoid(up[base + i]) * normed[base + i];
+                }
+            }
+            for value in out.iter_mut() {
+                *value *= scale;
+            }
+        }
+        let injection = match &self.inject {
+            Some(inject) => backend
+                .download(&backend.matmul(&normed_tensor, inject)?)?
+                .into_iter()
+                .map(|v| 2.0 * sigmoid(v * scale))
+                .collect(),
+            None => Vec::new(),
+        };
+        Ok((mixed, injection))
+    }
+}
+
+/// `X_s += β_s · output` for every stream `s` of every row.
+fn inject_into_streams(streams: &mut [f32], output: &[f32], injection: &[f32], count: usize) {
+    let rows = injection.len() / count.max(1);
+    let hidden = output.len() / rows.max(1);
+    for row in 0..rows {
+        let out = &output[row * hidden..(row + 1) * hidden];
+        for stream in 0..count {
+            let share = injection[row * count + stream];
+            let base = (row * count + stream) * hidden;
+            for (value, o) in streams[base..base + hidden].iter_mut().zip(out) {
+                *value += share * o;
+            }
+        }
+    }
+}
+
+/// The Gated DeltaNet output norm with a sigmoid gate: per value head, plain-weight RMSNorm
+/// times `sigmoid(z)`.
+pub(crate) fn sigmoid_gated_rms_norm(
+    x: &[f32],
+    gate: &[f32],
+    weight: &[f32],
+    eps: f32,
+) -> Vec<f32> {
+    let width = weight.len();
+    let mut out = Vec::with_capacity(x.len());
+    for (head, gate) in x.chunks_exact(width).zip(gate.chunks_exact(width)) {
+        let mean_square = head.iter().map(|v| v * v).sum::<f32>() / width as f32;
+        let inverse = 1.0 / (mean_square + eps).sqrt();
+        out.extend(
+            head.iter()
+                .zip(weight)
+                .zip(gate)
+                .map(|((v, w), z)| v * inverse * w * sigmoid(*z)),
+        );
+    }
+    out
+}
+
+impl<B: Backend> Model<B> {
+    /// The Qwen4-Exp layers over a checked batch, then the final mixer and `finish`.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::model) fn run_qwen4_exp_layers<T>(
+        &self,
+        graph: &Qwen4ExpGraph<B>,
+        batch: &mut [SequenceInput<'_, B>],
+        plan: &BatchPlan,
+        selection: LogitsSelection,
+        delta_rule_form: DeltaRuleForm,
+        scratch: &mut LayerScratch<'_, B>,
+        finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let backend = &*self.backend;
+        let BatchPlan {
+            ids,
+            ranges,
+            positions,
+        } = plan;
+        let (count, hidden) = (graph.streams(), graph.hidden());
+        let rows = ids.len();
+        let embedded = backend.download(&backend.embed(&self.embed_tokens, ids)?)?;
+        // Every stream starts as the token's embedding.
+        let mut streams = Vec::with_capacity(rows * count * hidden);
+        for row in embedded.chunks_exact(hidden) {
+            for _ in 0..count {
+                streams.extend_from_slice(row);
+            }
+        }
+        for (index, layer) in self.layers.iter().enumerate() {
+            let extras = graph
+                .layers
+                .get(index)
+                .ok_or_else(|| state_mismatch(index))?;
+            if let Some(ple) = &extras.ple {
+                self.ple_block(graph, ple, index, &mut streams, batch, ranges, ids)?;
+            }
+            let (input, injection) = extras.attn_hc.mix(backend, graph, &streams)?;
+            let x = backend.upload(&input, rows, hidden)?;
+            let mixed = match (&layer.mixer, &extras.indexer) {
+                (Mixer::Attention { .. }, Some(indexer)) => self.sparse_attention(
+                    graph,
+                    indexer,
+                    index,
+                    &layer.mixer,
+                    &x,
+                    positions,
+                    batch,
+                    ranges,
+                )?,
+                (Mixer::GatedDeltaNet { .. }, None) => {
+                    self.gated_delta_net(index, &layer.mixer, &x, batch, ranges, delta_rule_form)?
+                }
+                _ => return Err(state_mismatch(index)),
+            };
+            inject_into_streams(&mut streams, &backend.download(&mixed)?, &injection, count);
+            let (input, injection) = extras.mlp_hc.mix(backend, graph, &streams)?;
+            let x = backend.upload(&input, rows, hidden)?;
+            let fed = match &layer.feed_forward {
+                feed_forward @ FeedForward::Moe(_) => {
+                    self.feed_forward(scratch, index, feed_forward, &x)?
+                }
+                FeedForward::Dense { .. } => return Err(state_mismatch(index)),
+            };
+            inject_into_streams(&mut streams, &backend.download(&fed)?, &injection, count);
+        }
+        let width = count * hidden;
+        let selected: Vec<f32> = match selection {
+            LogitsSelection::All => streams,
+            LogitsSelection::Last => ranges
+                .iter()
+                .flat_map(|range| {
+                    streams[(range.end - 1) * width..range.end * width]
+                        .iter()
+                        .copied()
+                })
+                .collect(),
+        };
+        let (output, _) = graph.mixer.mix(backend, graph, &selected)?;
+        let selected_rows = output.len() / hidden;
+        finish(backend, backend.upload(&output, selected_rows, hidden)?)
+    }
+
+    /// Adds a PLE layer's block to the streams: each token's hashed n-gram rows (carried
+    /// context of its sequence first), a value gated per stream by the streams' similarity to
+    /// the rows' keys, plus a dilated causal conv over the normalised gated values.
+    #[allow(clippy::too_many_arguments)]
+    fn ple_block(
+        &self,
+        graph: &Qwen4ExpGraph<B>,
+        ple: &Ple<B>,
+        index: usize,
+        streams: &mut [f32],
+        batch: &mut [SequenceInput<'_, B>],
+        ranges: &[std::ops::Range<usize>],
+        ids: &[u32],
+    ) -> Result<(), EngineError> {
+        let backend = &*self.backend;
+        let hash = graph.hash.as_ref().ok_or_else(|| state_mismatch(index))?;
+        let (count, hidden, eps) = (graph.streams(), graph.hidden(), graph.eps());
+        let width = count * hidden;
+        let rows = ids.len();
+        let embed_width = graph.config.ple_embed_dim;
+        let mut embeddings = Vec::with_capacity(rows * embed_width);
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let state = item
+                .state
+                .ple
+                .get_mut(index)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| state_mismatch(index))?;
+            let row_ids = ple
+                .hash
+                .row_ids(hash, &state.context, &ids[range.clone()])?;
+            ple.table
+                .gather(&self.artifact, &row_ids, &mut embeddings)?;
+        }
+        let embedded = backend.upload(&embeddings, rows, embed_width)?;
+        let keys = backend.download(&backend.matmul(&embedded, &ple.key_proj)?)?;
+        let values = backend.download(&backend.matmul(&embedded, &ple.value_proj)?)?;
+        let keys = grouped_norm(&keys, &ple.norm_key, hidden, eps);
+        let queries = grouped_norm(streams, &ple.norm_query, hidden, eps);
+        let scale = 1.0 / (hidden as f32).sqrt();
+        let mut gated = Vec::with_capacity(rows * width);
+        for row in 0..rows {
+            let value = &values[row * hidden..(row + 1) * hidden];
+            for stream in 0..count {
+                let base = row * width + stream * hidden;
+                let dot: f32 = keys[base..base + hidden]
+                    .iter()
+                    .zip(&queries[base..base + hidden])
+                    .map(|(k, q)| k * q)
+                    .sum::<f32>()
+                    * scale;
+                // sign(g)·sqrt(max(|g|, 1e-6)), with sign(0) = 0 as in torch.
+                let gate = if dot == 0.0 {
+                    0.0
+                } else {
+                    dot.signum() * dot.abs().max(1e-6).sqrt()
+                };
+                let gate = sigmoid(gate);
+                gated.extend(value.iter().map(|v| gate * v));
+            }
+        }
+        let normed = grouped_norm(&gated, &ple.norm_conv, hidden, eps);
+        let kernel = graph.config.ple_conv_kernel_size;
+        let dilation = graph.config.ngram_size;
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let state = item
+                .state
+                .ple
+                .get_mut(index)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| state_mismatch(index))?;
+            let history_rows = state.conv_history.len() / width;
+            let mut window = std::mem::take(&mut state.conv_history);
+            window.extend_from_slice(&normed[range.start * width..range.end * width]);
+            for (offset, row) in range.clone().enumerate() {
+                let at = history_rows + offset;
+                for channel in 0..width {
+                    let mut sum = 0.0f32;
+                    for tap in 0..kernel {
+                        let back = (kernel - 1 - tap) * dilation;
+                        if back <= at {
+                            sum += ple.conv[channel * kernel + tap]
+                                * window[(at - back) * width + channel];
+                        }
+                    }
+                    streams[row * width + channel] += gated[row * width + channel] + silu(sum);
+                }
+            }
+            let keep = history_rows * width;
+            state.conv_history = window[window.len() - keep..].to_vec();
+            let mut history: Vec<u32> = state.context.clone();
+            history.extend_from_slice(&ids[range.clone()]);
+            state.context = history[history.len() - state.context.len()..].to_vec();
+        }
+        Ok(())
+    }
+
+    /// A QSA attention layer: gated attention whose queries each attend the tokens their
+    /// indexer selects (all of them up to the dense limit), over the sequences' host caches.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_attention(
+        &self,
+        graph: &Qwen4ExpGraph<B>,
+        indexer: &Indexer<B>,
+        index: usize,
+        mixer: &Mixer<B>,
+        x: &B::Tensor,
+        positions: &[usize],
+        batch: &mut [SequenceInput<'_, B>],
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<B::Tensor, EngineError> {
+        let Mixer::Attention {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+        } = mixer
+        else {
+            return Err(state_mismatch(index));
+        };
+        let backend = &*self.backend;
+        let spec = &self.spec.attention;
+        let (eps, style) = (self.spec.eps(), self.spec.norm_style);
+        let (heads, kv_heads, head_dim) = (spec.heads, spec.kv_heads, spec.head_dim);
+        let [projected, k, v] = backend.matmul3(x, [q_proj, k_proj, v_proj])?;
+        let (q, gate) = backend.split_interleaved(&projected, heads, head_dim, head_dim)?;
+        let rotation = Rotation {
+            positions,
+            head_dim,
+            rotary_dim: self.spec.common.rotary_dim,
+            theta: self.spec.common.rope_theta,
+        };
+        let q = backend.download(&backend.rms_norm_rope(&q, q_norm, eps, style, &rotation)?)?;
+        let k = backend.download(&backend.rms_norm_rope(&k, k_norm, eps, style, &rotation)?)?;
+        let v = backend.download(&v)?;
+        let index_qk = backend.download(&backend.matmul(x, &indexer.qk_proj)?)?;
+        let settings = &graph.qsa;
+        let index_width = settings.index_head_dim;
+        let index_row = (settings.index_heads + 1) * index_width;
+        let query_heads_width = settings.index_heads * index_width;
+        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+        let group = heads / kv_heads.max(1);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let mut output = vec![0.0f32; positions.len() * q_width];
+        let mut segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::SparseAttention(state) => Some(state),
+            _ => None,
+        })?;
+        let mut scores = Vec::new();
+        for segment in segments.iter_mut() {
+            let state = &mut *segment.state;
+            for row in segment.rows.clone() {
+                let raw_key = &index_qk[row * index_row + query_heads_width..(row + 1) * index_row];
+                state.push(
+                    &k[row * kv_width..(row + 1) * kv_width],
+                    &v[row * kv_width..(row + 1) * kv_width],
+                    raw_key,
+                    &indexer.key_norm,
+                    settings,
+                );
+            }
+            for (offset, row) in segment.rows.clone().enumerate() {
+                let position = segment.start_position + offset;
+                let index_query = prepare_index_query(
+                    &index_qk[row * index_row..row * index_row + query_heads_width],
+                    &indexer.query_norm,
+                    position,
+                    settings,
+                );
+                let selected =
+                    select_tokens(&index_query, &state.pooled_keys, position + 1, settings)?;
+                for head in 0..heads {
+                    let kv_head = head / group;
+                    let query =
+                        &q[row * q_width + head * head_dim..row * q_width + (head + 1) * head_dim];
+                    scores.clear();
+                    scores.extend(selected.iter().map(|&token| {
+                        let key = &state.keys[token * kv_width + kv_head * head_dim..][..head_dim];
+                        query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale
+                    }));
+                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut total = 0.0f32;
+                    for score in scores.iter_mut() {
+                        *score = (*score - max).exp();
+                        total += *score;
+                    }
+                    let out = &mut output[row * q_width + head * head_dim..][..head_dim];
+                    for (&token, weight) in selected.iter().zip(&scores) {
+                        let value =
+                            &state.values[token * kv_width + kv_head * head_dim..][..head_dim];
+                        let weight = weight / total;
+                        for (o, v) in out.iter_mut().zip(value) {
+                            *o += weight * v;
+                        }
+                    }
+                }
+            }
+        }
+        drop(segments);
+        let attended = backend.upload(&output, positions.len(), q_width)?;
+        let gated = backend.mul_sigmoid(&attended, &gate)?;
+        backend.matmul(&gated, o_proj)
+    }
+}
+
+/// Whether `backend` can run this graph (its tensors live in host memory).
+pub(crate) fn check_backend<B: Backend>(backend: &Arc<B>) -> Result<(), EngineError> {
+    if backend.computes_on_host() {
+        Ok(())
+    } else {
+        Err(EngineError::UnsupportedOnBackend {
+            architecture: "qwen4_exp".into(),
+            backend: backend.name(),
+            missing: "its device forward (hyper-connection streams, PLE blocks and QSA sparse attention) is not built yet; it runs on the CPU backend".into(),
+        })
+    }
+}

@@ -32,6 +32,7 @@ SUITES=(
   "trained_fixture:::cuda"
   "expert_cache:::cuda"
   "speculative_scheduler:::cuda"
+  "scoring_requests:::cuda"
 )
 
 build() {

@@ -211,15 +211,17 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
 /// layer waiting for the routing mid-forward).
 #[test]
 fn routing_stored_by_the_router_equals_routing_copied_back() {
-    // The shared backend has the default options (stores on); the other one copies.
-    let backends = CudaBackend::shared().and_then(|stores| {
-        assert!(CudaOptions::default().routing_stores);
+    // Two backends of this test's own: a backend records one step graph at a time, and the
+    // shared one is recording the other tests' graphs meanwhile.
+    assert!(CudaOptions::default().routing_stores);
+    let with_stores = |routing_stores| {
         let options = CudaOptions {
-            routing_stores: false,
+            routing_stores,
             ..CudaOptions::default()
         };
-        Ok((Arc::new(CudaBackend::with_options(0, options)?), stores))
-    });
+        CudaBackend::with_options(0, options).map(Arc::new)
+    };
+    let backends = with_stores(false).and_then(|copies| Ok((copies, with_stores(true)?)));
     let Some((copies, stores)) = gpu_or_skip(
         backends,
         "routing_stored_by_the_router_equals_routing_copied_back",

@@ -37,7 +37,7 @@ use crate::error::EngineError;
 const EXPERT_WARPS: u32 = 8;
 /// `DOWN_ROWS` and `GATE_UP_COLUMNS` in kernels/experts.cu.
 const EXPERT_DOWN_ROWS: u32 = 4;
-const EXPERT_GATE_UP_COLUMNS: u32 = 2;
+const EXPERT_GATE_UP_COLUMNS: u32 = 1;
 /// Batches of at least this many tokens (per launch chunk) take the grouped kernels
 /// (`expert_gate_up_grouped` / `expert_down_grouped`) when their slotted pairs average at least
 /// `GROUPED_MIN_PAIRS_PER_EXPERT` per distinct slotted expert: below that a tile of

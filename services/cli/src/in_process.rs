@@ -22,7 +22,6 @@ use ninfer_engine::moe::placement::{
     GpuExpertShape, SlotMemoryBudget,
 };
 use ninfer_engine::moe::{KernelExpertExecutor, NoRoutedExperts};
-use ninfer_engine::spec::FeedForwardKind;
 use ninfer_engine::{open_artifact, CpuBackend, ExpertExecutor, Model, ReferenceExpertExecutor};
 
 /// A model on one of the two backends; [`with_model!`] runs code generic over the backend.
@@ -66,12 +65,16 @@ pub fn open(
         let experts = spec.common.num_experts;
         let per_layer = gpu_experts.unwrap_or(experts).min(experts) as u32;
         if per_layer > 0 {
-            let placement: Vec<Vec<u32>> = spec
-                .feed_forwards
-                .iter()
-                .map(|kind| match kind {
-                    FeedForwardKind::Moe => (0..per_layer).collect(),
-                    FeedForwardKind::Dense => Vec::new(),
+            // The decoder layers, then the MTP layer: its experts go where the others go.
+            let placement: Vec<Vec<u32>> = model
+                .placement_layers()
+                .into_iter()
+                .map(|moe| {
+                    if moe {
+                        (0..per_layer).collect()
+                    } else {
+                        Vec::new()
+                    }
                 })
                 .collect();
             model
@@ -144,9 +147,10 @@ fn place<B: ninfer_engine::Backend>(
     let Some(expert_bytes) = model.expert_slot_bytes() else {
         return Ok(none);
     };
+    // The MTP layer counts as one more MoE layer (placement_layers lists it last).
     let shape = GpuExpertShape {
         num_experts: common.num_experts,
-        moe_layers: common.moe_layers.clone(),
+        moe_layers: model.placement_layers(),
         expert_bytes,
     };
     // The engine's default KV element: bf16.

@@ -665,9 +665,12 @@ fn place_gpu_experts<B: Backend>(
     let Some(expert_bytes) = model.expert_slot_bytes() else {
         bail!("--moe-gpu-experts: the model has no routed experts");
     };
+    // The MTP layer, when the model has one with routed experts, is placed like one more
+    // MoE layer (its experts count against the same budget).
+    let placement_layers = model.placement_layers();
     let shape = GpuExpertShape {
         num_experts: common.num_experts,
-        moe_layers: common.moe_layers.clone(),
+        moe_layers: placement_layers.clone(),
         expert_bytes,
     };
     let budget = device_memory.map(|(free, total)| {
@@ -696,7 +699,7 @@ fn place_gpu_experts<B: Backend>(
         let moe: Vec<f64> = ranked
             .iter()
             .enumerate()
-            .filter(|(layer, _)| common.moe_layers[*layer])
+            .filter(|(layer, _)| placement_layers.get(*layer).copied().unwrap_or(false))
             .map(|(_, (_, share))| *share)
             .collect();
         moe.iter().sum::<f64>() / moe.len().max(1) as f64
@@ -704,6 +707,7 @@ fn place_gpu_experts<B: Backend>(
     tracing::info!(
         experts_per_layer = per_layer,
         layers = report.layers,
+        mtp_layer_resident_experts = model.mtp_resident_experts(),
         gib = format!("{:.2}", report.bytes as f64 / (1u64 << 30) as f64),
         seconds = format!("{:.1}", started.elapsed().as_secs_f64()),
         routed_share_from_stats = share.map(|s| format!("{:.1}%", 100.0 * s)),

@@ -346,3 +346,191 @@ where
     );
 }
 test_device!(sampled_output_follows_plain_sampling);
+
+/// The reference executor, counting the calls it gets per layer (to tell which layers' routed
+/// experts reached it rather than the resident slots).
+struct CountingExecutor {
+    inner: ninfer_engine::ReferenceExpertExecutor,
+    calls_per_layer: std::sync::Mutex<std::collections::BTreeMap<usize, u64>>,
+}
+
+impl CountingExecutor {
+    fn calls_at(&self, layer: usize) -> u64 {
+        let calls = self.calls_per_layer.lock().expect("counter lock");
+        calls.get(&layer).copied().unwrap_or(0)
+    }
+
+    fn reset(&self) {
+        self.calls_per_layer.lock().expect("counter lock").clear();
+    }
+}
+
+impl ninfer_engine::ExpertExecutor for CountingExecutor {
+    fn name(&self) -> &str {
+        "counting reference"
+    }
+
+    fn compute(
+        &self,
+        batch: &ninfer_engine::ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ninfer_engine::EngineError> {
+        *self
+            .calls_per_layer
+            .lock()
+            .expect("counter lock")
+            .entry(batch.layer)
+            .or_default() += 1;
+        self.inner.compute(batch, out)
+    }
+}
+
+/// How many of each MoE layer's routed experts a placement case makes resident.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ResidentShare {
+    All,
+    Half,
+    None,
+}
+
+/// Greedy requests through the speculating scheduler under each expert placement (every
+/// routed expert resident, half of them with the dynamic expert cache moving them, none): the
+/// MTP layer's experts are placed like a main layer's (resident when theirs are, the executor
+/// called for the MTP layer only when some of its experts are not resident, the cache counting
+/// it), and the output equals plain greedy decoding at 1, 2 and 3 drafts.
+fn greedy_output_is_plain_greedy_output_under_each_placement<B: Backend + 'static>(backend: Arc<B>)
+where
+    B::Tensor: Send,
+    SequenceState<B>: Send,
+    Model<B>: Send + Sync,
+{
+    use ninfer_engine::moe::expert_cache::ExpertCacheOptions;
+    use ninfer_engine::moe::placement::{choose_gpu_experts, GpuExpertShape};
+
+    let work = tempfile::tempdir().expect("temporary directory");
+    let fixture = "qwen3_5_moe_trained";
+    let path = work.path().join(format!("{fixture}.ninfer"));
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
+    };
+    convert_checkpoint(&options, &NoProgress)
+        .unwrap_or_else(|e| panic!("converting {fixture}: {e}"));
+    let prompts: Vec<Vec<u32>> = trained_prompts().into_iter().take(3).collect();
+    let new_tokens = 16;
+    for share in [ResidentShare::All, ResidentShare::Half, ResidentShare::None] {
+        let artifact = ninfer_engine::open_artifact(&path).expect("open the artifact");
+        let executor = Arc::new(CountingExecutor {
+            inner: ninfer_engine::ReferenceExpertExecutor::new(Arc::clone(&artifact)),
+            calls_per_layer: Default::default(),
+        });
+        let mut model = Model::load(
+            Arc::clone(&backend),
+            artifact,
+            Arc::clone(&executor) as Arc<dyn ninfer_engine::ExpertExecutor>,
+        )
+        .expect("load the model");
+        assert!(model.has_mtp(), "{fixture} has an MTP head");
+        let num_experts = model.spec().common.num_experts;
+        let mtp_layer = model.mtp_layer_index();
+        let placement_layers = model.placement_layers();
+        assert_eq!(placement_layers.len(), mtp_layer + 1);
+        assert!(
+            placement_layers[mtp_layer],
+            "{fixture}: the MTP layer has routed experts"
+        );
+        let per_layer = match share {
+            ResidentShare::All => num_experts,
+            ResidentShare::Half => num_experts / 2,
+            ResidentShare::None => 0,
+        };
+        let shape = GpuExpertShape {
+            num_experts,
+            moe_layers: placement_layers.clone(),
+            expert_bytes: model.expert_slot_bytes().expect("routed experts"),
+        };
+        let placement = choose_gpu_experts(&shape, per_layer, None);
+        let report = model
+            .place_resident_experts(&placement)
+            .expect("place the experts");
+        let moe_layers = placement_layers.iter().filter(|&&moe| moe).count();
+        assert_eq!(
+            report.experts,
+            per_layer * moe_layers,
+            "{share:?}: every MoE layer, the MTP layer included, gets its share"
+        );
+        assert_eq!(model.mtp_resident_experts(), Some(per_layer), "{share:?}");
+        let cache = (share != ResidentShare::None).then(|| {
+            let fills_per_layer = if share == ResidentShare::Half { 2 } else { 0 };
+            model
+                .enable_expert_cache(
+                    ExpertCacheOptions {
+                        fills_per_layer,
+                        ..ExpertCacheOptions::default()
+                    },
+                    None,
+                )
+                .expect("start the expert cache")
+        });
+        let model = Arc::new(model);
+        let expected: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|prompt| greedy_tokens(&model, prompt, new_tokens).expect("greedy decoding"))
+            .collect();
+        let submissions: Vec<Submission> = prompts
+            .iter()
+            .enumerate()
+            .map(|(index, prompt)| Submission {
+                prompt: prompt.clone(),
+                max_new_tokens: new_tokens,
+                sampling: SamplingParams::greedy(),
+                draft_tokens: None,
+                after_tokens: if index == 2 { 4 } else { 0 },
+            })
+            .collect();
+        for draft_tokens in 1..=3 {
+            executor.reset();
+            let (outputs, counters) = serve(&model, draft_tokens, &submissions);
+            for (index, (output, expected)) in outputs.iter().zip(&expected).enumerate() {
+                assert_eq!(
+                    output, expected,
+                    "{share:?} resident, {draft_tokens} drafts, request {index}: speculative greedy differs from greedy"
+                );
+            }
+            let drafted = counters.draft_totals().0;
+            assert!(drafted > 0, "{share:?}: nothing was drafted");
+            let mtp_calls = executor.calls_at(mtp_layer);
+            let main_calls = executor.calls_at(0);
+            println!(
+                "{fixture} on {}, {share:?} resident, up to {draft_tokens} drafts: {drafted} drafted, executor calls: MTP layer {mtp_calls}, layer 0 {main_calls}",
+                backend.name()
+            );
+            match share {
+                ResidentShare::All => assert_eq!(
+                    mtp_calls, 0,
+                    "every MTP expert is resident: the executor must not be called for the MTP layer"
+                ),
+                // Half resident with 8+ experts: some draft routes to a non-resident expert.
+                ResidentShare::Half | ResidentShare::None => assert!(
+                    mtp_calls > 0,
+                    "{share:?}: the MTP layer's non-resident experts go to the executor"
+                ),
+            }
+        }
+        if let Some(counters) = cache {
+            let mtp_counts = counters.per_layer()[mtp_layer];
+            println!("{share:?}: MTP layer cache counts {mtp_counts:?}");
+            assert!(
+                mtp_counts.hits > 0,
+                "{share:?}: the cache counts the MTP layer's resident hits"
+            );
+            if share == ResidentShare::All {
+                assert_eq!(mtp_counts.misses, 0, "every MTP expert is resident");
+            } else {
+                assert!(mtp_counts.misses > 0, "half resident: some MTP routes miss");
+            }
+        }
+    }
+}
+test_device!(greedy_output_is_plain_greedy_output_under_each_placement);

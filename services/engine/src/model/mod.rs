@@ -344,26 +344,55 @@ impl<B: Backend> Model<B> {
         self.spec.common.vocab_size
     }
 
+    /// Per placement layer, whether it has routed experts: the decoder layers in order, then
+    /// the MTP head's layer when the model has one (it takes part in placement like one more
+    /// MoE layer, so its experts go where the main layers' go).
+    pub fn placement_layers(&self) -> Vec<bool> {
+        self.feed_forwards()
+            .map(|feed_forward| matches!(feed_forward, FeedForward::Moe(_)))
+            .collect()
+    }
+
+    /// Every feed-forward that placement covers: the decoder layers', then the MTP layer's.
+    fn feed_forwards(&self) -> impl Iterator<Item = &FeedForward<B>> {
+        self.layers
+            .iter()
+            .map(|layer| &layer.feed_forward)
+            .chain(self.mtp.as_ref().map(|head| &head.layer.feed_forward))
+    }
+
     /// Puts experts of each MoE layer in the backend's expert slots (GPU expert slots):
     /// `placement[layer]` lists the experts of that layer to make resident (empty: none; dense
-    /// layers must be empty). Replaces any earlier placement. Resident experts are computed by
-    /// the backend while the expert executor computes the others; the sum is the same.
+    /// layers must be empty). The layers are those of [`Model::placement_layers`]: the decoder
+    /// layers, then the MTP layer; a placement that stops after the decoder layers leaves the
+    /// MTP layer's experts with the executor. Replaces any earlier placement. Resident experts
+    /// are computed by the backend while the expert executor computes the others; the sum is
+    /// the same.
     pub fn place_resident_experts(
         &mut self,
         placement: &[Vec<u32>],
     ) -> Result<ResidentExpertsReport, EngineError> {
         let invalid = |problem: String| EngineError::InvalidConfig { problem };
-        if placement.len() != self.layers.len() {
+        let with_mtp = self.layers.len() + usize::from(self.mtp.is_some());
+        if placement.len() != self.layers.len() && placement.len() != with_mtp {
             return Err(invalid(format!(
-                "expert placement lists {} layers, the model has {}",
+                "expert placement lists {} layers, the model has {} (and {} with its MTP layer)",
                 placement.len(),
-                self.layers.len()
+                self.layers.len(),
+                with_mtp
             )));
         }
         let common = self.spec.common.clone();
         let mut report = ResidentExpertsReport::default();
-        for (index, (layer, experts)) in self.layers.iter_mut().zip(placement).enumerate() {
-            let FeedForward::Moe(moe) = &mut layer.feed_forward else {
+        let no_experts = Vec::new();
+        let feed_forwards = self
+            .layers
+            .iter_mut()
+            .map(|layer| &mut layer.feed_forward)
+            .chain(self.mtp.as_mut().map(|head| &mut head.layer.feed_forward));
+        for (index, feed_forward) in feed_forwards.enumerate() {
+            let experts = placement.get(index).unwrap_or(&no_experts);
+            let FeedForward::Moe(moe) = feed_forward else {
                 if experts.is_empty() {
                     continue;
                 }
@@ -383,6 +412,20 @@ impl<B: Backend> Model<B> {
         Ok(report)
     }
 
+    /// How many of the MTP layer's routed experts are resident now; `None` when the model has
+    /// no MTP head or its layer has no routed experts.
+    pub fn mtp_resident_experts(&self) -> Option<usize> {
+        match self.mtp.as_ref().map(|head| &head.layer.feed_forward) {
+            Some(FeedForward::Moe(moe)) => Some(moe.resident_expert_count()),
+            _ => None,
+        }
+    }
+
+    /// The placement index of the MTP layer (it follows the decoder layers).
+    pub fn mtp_layer_index(&self) -> usize {
+        self.layers.len()
+    }
+
     /// From batches of `min_tokens` rows on (a long prompt's prefill), every MoE layer copies
     /// the non-resident experts its tokens route to into one set of backend slots (room for all
     /// experts of one layer, reused layer after layer) and computes them there, instead of
@@ -392,7 +435,7 @@ impl<B: Backend> Model<B> {
     /// Returns the bytes the slots take; a model without routed experts needs none.
     pub fn enable_prefill_staging(&mut self, min_tokens: usize) -> Result<u64, EngineError> {
         let common = &self.spec.common;
-        let mut layouts = self.moe_layers().map(|moe| moe.layout(common));
+        let mut layouts = self.placed_moe_layers().map(|moe| moe.layout(common));
         let Some(first) = layouts.next() else {
             return Ok(0);
         };
@@ -410,7 +453,7 @@ impl<B: Backend> Model<B> {
         // Ready every bank now (on a GPU: page-lock it), so the first long prompt does not
         // pay for it: the first 4K prefill measured 30% slower than the second before this.
         let started = std::time::Instant::now();
-        for moe in self.moe_layers() {
+        for moe in self.placed_moe_layers() {
             self.backend
                 .prepare_expert_source(&mut slots, &self.artifact, &moe.bank);
         }
@@ -434,10 +477,11 @@ impl<B: Backend> Model<B> {
         options: ExpertCacheOptions,
         statistics: Option<&ExpertStatistics>,
     ) -> Result<Arc<ExpertCacheCounters>, EngineError> {
-        let mut slot_layers = Vec::with_capacity(self.layers.len());
+        let mut slot_layers = Vec::with_capacity(self.layers.len() + 1);
         let mut slots_per_layer = 0;
-        for layer in &self.layers {
-            let slots = match &layer.feed_forward {
+        // The MTP layer, after the decoder layers, is one more cached layer.
+        for feed_forward in self.feed_forwards() {
+            let slots = match feed_forward {
                 FeedForward::Moe(moe) => moe
                     .resident_slots_mut()?
                     .as_ref()
@@ -467,7 +511,16 @@ impl<B: Backend> Model<B> {
         self.moe_layers().next().map(|moe| moe.bank.expert_stride)
     }
 
-    /// The MoE layers, in order.
+    /// The MoE layers that placement covers: the decoder layers', then the MTP layer's.
+    fn placed_moe_layers(&self) -> impl Iterator<Item = &MoeLayer<B>> {
+        self.feed_forwards()
+            .filter_map(|feed_forward| match feed_forward {
+                FeedForward::Moe(moe) => Some(moe),
+                FeedForward::Dense { .. } => None,
+            })
+    }
+
+    /// The decoder layers' MoE layers, in order (the step graphs cover these only).
     fn moe_layers(&self) -> impl Iterator<Item = &MoeLayer<B>> {
         self.layers
             .iter()
@@ -784,8 +837,8 @@ impl<B: Backend> Model<B> {
     /// slot tables): before any op of the next step, outside any step graph.
     fn expert_cache_between_steps(&self) -> Result<(), EngineError> {
         if let Some(cache) = &self.expert_cache {
-            for (index, layer) in self.layers.iter().enumerate() {
-                if let FeedForward::Moe(moe) = &layer.feed_forward {
+            for (index, feed_forward) in self.feed_forwards().enumerate() {
+                if let FeedForward::Moe(moe) = feed_forward {
                     cache.between_steps(index, moe, &self.artifact)?;
                 }
             }

@@ -124,6 +124,19 @@ impl<B: Backend> MoeLayer<B> {
         })
     }
 
+    /// How many of the layer's routed experts are in its resident slots now (a poisoned lock
+    /// says none).
+    pub fn resident_expert_count(&self) -> usize {
+        self.resident_slots().map_or(0, |resident| {
+            resident.as_ref().map_or(0, |slots| {
+                let table = slots.slot_table();
+                (0..table.num_experts())
+                    .filter(|&expert| table.is_resident(expert))
+                    .count()
+            })
+        })
+    }
+
     /// The routed experts and the shared expert of `x` (`[rows, hidden]`), summed.
     pub fn forward(
         &self,

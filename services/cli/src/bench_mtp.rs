@@ -191,9 +191,21 @@ fn measure<B: Backend>(
             }
         ),
         };
+    let num_experts = model.spec().common.num_experts;
+    // The MTP layer is placed like one more MoE layer: say where its experts ended up.
+    let mtp_placed = match model.mtp_resident_experts() {
+        None => "the MTP layer has no routed experts".to_string(),
+        Some(0) => "the MTP layer's routed experts on the CPU kernels".to_string(),
+        Some(resident) if resident >= num_experts => {
+            format!("the MTP layer's routed experts: all {resident} in expert slots")
+        }
+        Some(resident) => format!(
+            "the MTP layer's routed experts: {resident} of {num_experts} in expert slots, the \
+             rest on the CPU kernels"
+        ),
+    };
     println!(
-        "{} on {}: {} prompt tokens, {} generated, median of {} runs; {placed}; the MTP layer's \
-         experts on the CPU kernels",
+        "{} on {}: {} prompt tokens, {} generated, median of {} runs; {placed}; {mtp_placed}",
         args.model.display(),
         model.backend().name(),
         prompt.len(),
@@ -217,7 +229,7 @@ fn measure<B: Backend>(
          union over its rows; top-{top_k} without drafts)"
     );
     println!(
-        " drafts  adaptive  decision     tok/s   vs off   tokens/step   rows/verify   by depth              experts/verify   ÷ top-k   cache hits   same tokens as off"
+        " drafts  adaptive  decision     tok/s   vs off   tokens/step   rows/verify   by depth              experts/verify   ÷ top-k   cache hits   MTP hits   same tokens as off"
     );
     let mut off: Option<(f64, Vec<u32>)> = None;
     for &drafts in &settings.draft_counts {
@@ -233,6 +245,11 @@ fn measure<B: Backend>(
         };
         greedy_with_mtp_options(model, &prompt, args.tokens, options()?)?;
         let cache_before = placement.expert_cache.as_ref().map(|c| c.total());
+        let mtp_layer = model.mtp_layer_index();
+        let mtp_cache_before = placement
+            .expert_cache
+            .as_ref()
+            .and_then(|c| c.per_layer().get(mtp_layer).copied());
         let mut runs: Vec<SpeculativeOutcome> = Vec::with_capacity(args.repeats);
         for _ in 0..args.repeats {
             runs.push(greedy_with_mtp_options(
@@ -251,6 +268,20 @@ fn measure<B: Backend>(
                     100.0 * hits as f64 / (hits + misses).max(1) as f64
                 )
             }
+            _ => "—".to_string(),
+        };
+        // The MTP layer's share of routed choices that found their expert in a slot.
+        let mtp_cache_hits = match (&placement.expert_cache, mtp_cache_before) {
+            (Some(cache), Some(before)) => match cache.per_layer().get(mtp_layer) {
+                Some(after) => {
+                    let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
+                    format!(
+                        "{:.1}%",
+                        100.0 * hits as f64 / (hits + misses).max(1) as f64
+                    )
+                }
+                None => "—".to_string(),
+            },
             _ => "—".to_string(),
         };
         runs.sort_by_key(|run| run.decode_time);
@@ -280,7 +311,7 @@ fn measure<B: Backend>(
         };
         let union = median.experts_per_verify_layer();
         println!(
-            " {drafts:>6}  {:<8}  {:<10}  {speed:>6.1}  {ratio:>7}   {:>11.2}   {:>11.2}   {:<19}   {union:>14.2}   {:>7.2}   {cache_hits:>10}   {same}",
+            " {drafts:>6}  {:<8}  {:<10}  {speed:>6.1}  {ratio:>7}   {:>11.2}   {:>11.2}   {:<19}   {union:>14.2}   {:>7.2}   {cache_hits:>10}   {mtp_cache_hits:>8}   {same}",
             if args.adaptive_drafts && drafts > 0 { "on" } else { "off" },
             if forced.is_some() { "forced" } else { "model" },
             median.tokens_per_step(),

@@ -114,7 +114,7 @@ fn bench_mtp_forced_acceptance_is_marked_and_sets_the_tokens_per_step() {
         let rows = table_rows(&stdout);
         assert_eq!(rows.len(), 2, "{stdout}");
         // drafts, adaptive, decision, tok/s, vs off, tokens/step, rows/verify, by depth,
-        // experts/verify, ÷ top-k, cache hits, same tokens.
+        // experts/verify, ÷ top-k, cache hits, MTP hits, same tokens.
         let (off, drafted) = (&rows[0], &rows[1]);
         assert_eq!(off[2], "model", "MTP off is never forced: {stdout}");
         assert_eq!(off[5], "1.00", "{stdout}");
@@ -169,6 +169,13 @@ fn bench_mtp_takes_the_engine_placement_options_and_adaptive_drafts() {
         assert_eq!(rows[1][1], "on", "adaptive drafting not shown: {stdout}");
         assert_eq!(rows[1][5], "1.00", "{stdout}");
         assert!(rows[1][10].ends_with('%'), "no cache hit rate: {stdout}");
+        // The MTP layer is placed like the main layers (half its experts in slots) and the
+        // cache counts it.
+        assert!(
+            stdout.contains("the MTP layer's routed experts: 16 of 32 in expert slots"),
+            "{stdout}"
+        );
+        assert!(rows[1][11].ends_with('%'), "no MTP hit rate: {stdout}");
     }
 }
 

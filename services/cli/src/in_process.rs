@@ -65,10 +65,12 @@ pub fn open(
         let experts = spec.common.num_experts;
         let per_layer = gpu_experts.unwrap_or(experts).min(experts) as u32;
         if per_layer > 0 {
-            // The decoder layers, then the MTP layer: its experts go where the others go.
+            // The decoder layers only: this command never drafts, so the MTP layer's experts
+            // are never read and take no slot.
             let placement: Vec<Vec<u32>> = model
                 .placement_layers()
                 .into_iter()
+                .take(spec.layers())
                 .map(|moe| {
                     if moe {
                         (0..per_layer).collect()

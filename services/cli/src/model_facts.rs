@@ -117,6 +117,18 @@ pub struct ModelFacts {
     pub ngram_table_bytes: u64,
     /// Multi-token-prediction layers the model carries (0: none).
     pub mtp_layers: usize,
+    /// Bytes of the MTP layer's routed experts: placed like one more MoE layer's (GPU slots,
+    /// the rest with the expert workers).
+    pub mtp_expert_bytes: u64,
+    /// Bytes of the rest of the MTP head (norms, `fc`, attention, router, shared expert):
+    /// loaded by the engine beside the dense weights.
+    pub mtp_dense_bytes: u64,
+}
+
+/// Whether an MTP tensor belongs to its layer's routed experts (artifact banks are named
+/// `….experts…`, checkpoint tensors `….experts.N.…`; the shared expert is `shared_expert`).
+fn is_mtp_routed_expert(name: &str) -> bool {
+    name.contains(".experts")
 }
 
 fn mtp_layers_of(config: &ninfer_artifact::ModelConfig) -> usize {
@@ -144,6 +156,8 @@ impl ModelFacts {
             dense_mlp_bytes: 0,
             ngram_table_bytes: 0,
             mtp_layers: mtp_layers_of(artifact.config()),
+            mtp_expert_bytes: 0,
+            mtp_dense_bytes: 0,
         };
         for tensor in &artifact.header().tensors {
             facts.parameters += tensor.element_count();
@@ -155,7 +169,11 @@ impl ModelFacts {
                     facts.dense_mlp_bytes += tensor.length;
                 }
                 TensorClass::NgramEmbedding => facts.ngram_table_bytes += tensor.length,
-                TensorClass::Mtp | TensorClass::Vision => {}
+                TensorClass::Mtp if is_mtp_routed_expert(&tensor.name) => {
+                    facts.mtp_expert_bytes += tensor.length
+                }
+                TensorClass::Mtp => facts.mtp_dense_bytes += tensor.length,
+                TensorClass::Vision => {}
             }
         }
         Ok(facts)
@@ -174,6 +192,8 @@ impl ModelFacts {
             dense_mlp_bytes: 0,
             ngram_table_bytes: 0,
             mtp_layers: mtp_layers_of(&parsed.model),
+            mtp_expert_bytes: 0,
+            mtp_dense_bytes: 0,
         };
         let mut shards: Vec<PathBuf> = std::fs::read_dir(directory)
             .with_context(|| format!("listing {}", directory.display()))?
@@ -197,7 +217,11 @@ impl ModelFacts {
                         facts.dense_mlp_bytes += tensor.bytes;
                     }
                     TensorClass::NgramEmbedding => facts.ngram_table_bytes += tensor.bytes,
-                    TensorClass::Mtp | TensorClass::Vision => {}
+                    TensorClass::Mtp if is_mtp_routed_expert(&tensor.name) => {
+                        facts.mtp_expert_bytes += tensor.bytes
+                    }
+                    TensorClass::Mtp => facts.mtp_dense_bytes += tensor.bytes,
+                    TensorClass::Vision => {}
                 }
             }
         }
@@ -301,6 +325,23 @@ mod tests {
         assert_eq!(facts.architecture, "qwen3_moe");
         assert!(facts.parameters > 0);
         assert!(facts.expert_bank_bytes > 0 && facts.dense_bytes > 0);
+    }
+
+    #[test]
+    fn the_mtp_layers_experts_are_told_from_the_rest_of_its_block() {
+        let location = locate_model(&fixture("qwen3_5_moe_trained")).unwrap();
+        let facts = ModelFacts::read(&location).unwrap();
+        assert!(facts.mtp_expert_bytes > 0, "{facts:?}");
+        assert!(facts.mtp_dense_bytes > 0, "{facts:?}");
+        // One layer's worth of routed experts: the main layers' bank over their MoE layers.
+        let moe_layers = facts.common.moe_layers.iter().filter(|&&moe| moe).count() as u64;
+        assert_eq!(facts.mtp_expert_bytes, facts.expert_bank_bytes / moe_layers);
+        assert!(!is_mtp_routed_expert(
+            "mtp.layers.0.mlp.shared_expert.up_proj.weight"
+        ));
+        assert!(is_mtp_routed_expert(
+            "mtp.layers.0.mlp.experts.3.up_proj.weight"
+        ));
     }
 
     #[test]

@@ -240,6 +240,10 @@ pub struct Plan {
     /// Tokens the model's multi-token-prediction head drafts per step (0: it has none).
     pub mtp_draft_tokens: usize,
     pub expert_bank_bytes: u64,
+    /// The MTP layer's routed experts (placed like one more MoE layer's when it drafts).
+    pub mtp_expert_bytes: u64,
+    /// The rest of the MTP head, loaded by the engine.
+    pub mtp_dense_bytes: u64,
     pub dense_bytes: u64,
     /// The dense-MLP layers' share of `dense_bytes`.
     pub dense_mlp_bytes: u64,
@@ -367,10 +371,16 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         ModelLocation::Checkpoint(path) => (path.display().to_string(), true),
     };
     let dense_on_cpu = machine.gpu.is_none() || request.cpu_only;
+    // The workers map the MTP layer's bank with the others.
     let host_ram_bytes = facts.expert_bank_bytes
+        + facts.mtp_expert_bytes
         + facts.ngram_table_bytes
         + host_kv_mib * MIB
-        + if dense_on_cpu { facts.dense_bytes } else { 0 };
+        + if dense_on_cpu {
+            facts.dense_bytes + facts.mtp_dense_bytes
+        } else {
+            0
+        };
     Ok(Plan {
         model,
         needs_conversion,
@@ -398,13 +408,15 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         },
         mtp_draft_tokens: usize::from(facts.mtp_layers > 0),
         expert_bank_bytes: facts.expert_bank_bytes,
+        mtp_expert_bytes: facts.mtp_expert_bytes,
+        mtp_dense_bytes: facts.mtp_dense_bytes,
         dense_bytes: facts.dense_bytes,
         dense_mlp_bytes: facts.dense_mlp_bytes,
         ngram_table_bytes: facts.ngram_table_bytes,
         host_kv_mib,
         host_ram_bytes,
         expert_banks_fit_in_ram: machine.ram_available_bytes == 0
-            || facts.expert_bank_bytes <= machine.ram_available_bytes,
+            || facts.expert_bank_bytes + facts.mtp_expert_bytes <= machine.ram_available_bytes,
         machine: machine.clone(),
         api: request.api.clone(),
     })
@@ -435,11 +447,15 @@ fn fitting_gpu_experts(
         * request.kv_element_bytes.max(1);
     let kv = (kv_per_token * max_context as u64 * request.max_sequences.max(1) as u64)
         .saturating_sub(host_kv_mib * MIB);
+    // `ninfer run` drafts with the MTP head when the model has one: its weights load beside
+    // the dense ones and its layer's experts take slots like one more MoE layer's.
     let left = budget
-        .saturating_sub(facts.dense_bytes)
+        .saturating_sub(facts.dense_bytes + facts.mtp_dense_bytes)
         .saturating_sub(kv)
         .saturating_sub(GPU_WORKING_BYTES);
-    let per_expert_everywhere = (facts.expert_bank_bytes / common.num_experts.max(1) as u64).max(1);
+    let per_expert_everywhere = ((facts.expert_bank_bytes + facts.mtp_expert_bytes)
+        / common.num_experts.max(1) as u64)
+        .max(1);
     ((left / per_expert_everywhere) as usize).min(common.num_experts)
 }
 
@@ -499,6 +515,13 @@ pub fn print_plan(plan: &Plan) {
             gib(plan.dense_bytes)
         );
     }
+    if plan.mtp_draft_tokens > 0 && plan.mtp_expert_bytes + plan.mtp_dense_bytes > 0 {
+        println!(
+            "memory        MTP head {:.2} GiB (engine), its layer's experts {:.2} GiB (placed like one more MoE layer's)",
+            gib(plan.mtp_dense_bytes),
+            gib(plan.mtp_expert_bytes)
+        );
+    }
     if plan.machine.ram_total_bytes > 0 {
         println!(
             "ram           {:.1} GiB available of {:.1} GiB{}",
@@ -548,6 +571,8 @@ mod tests {
             dense_mlp_bytes: 0,
             ngram_table_bytes: 0,
             mtp_layers: 1,
+            mtp_expert_bytes: 0,
+            mtp_dense_bytes: 0,
         }
     }
 
@@ -747,5 +772,27 @@ mod tests {
         let planned = plan(&facts, &machine, &with_host_kv).unwrap();
         // 23.5 − 4 − 1 − (24 − 24) = 18.5 GiB → 39 per layer.
         assert_eq!(planned.gpu_experts_estimate, Some(39));
+    }
+
+    #[test]
+    fn the_mtp_layer_counts_as_one_more_moe_layer() {
+        let machine = machine(Some(80), 512, 1);
+        let without = plan(&facts(), &machine, &request()).unwrap();
+        // The MTP layer: 1.25 GiB of experts (one more layer's worth of 60 GiB over 48) and
+        // half a GiB of the rest of its block.
+        let mut with_mtp = facts();
+        with_mtp.mtp_expert_bytes = 60 * GIB / 48;
+        with_mtp.mtp_dense_bytes = GIB / 2;
+        let planned = plan(&with_mtp, &machine, &request()).unwrap();
+        // 79.5 − 4.5 − 1 − 24 = 50 GiB over 49 layers × 1/128 × 1.25 GiB → 104 per layer
+        // (107 without the MTP layer).
+        assert_eq!(without.gpu_experts_estimate, Some(107));
+        assert_eq!(planned.gpu_experts_estimate, Some(104));
+        assert_eq!(
+            planned.host_ram_bytes,
+            without.host_ram_bytes + 60 * GIB / 48,
+            "the workers map the MTP layer's bank too"
+        );
+        assert_eq!(planned.mtp_expert_bytes, 60 * GIB / 48);
     }
 }

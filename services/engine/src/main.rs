@@ -665,9 +665,15 @@ fn place_gpu_experts<B: Backend>(
     let Some(expert_bytes) = model.expert_slot_bytes() else {
         bail!("--moe-gpu-experts: the model has no routed experts");
     };
-    // The MTP layer, when the model has one with routed experts, is placed like one more
-    // MoE layer (its experts count against the same budget).
-    let placement_layers = model.placement_layers();
+    // The MTP layer, when the model has one with routed experts and speculation is on, is
+    // placed like one more MoE layer (its experts count against the same budget); without
+    // speculation its experts are never read, so they take no slot.
+    let mut placement_layers = model.placement_layers();
+    if request.speculation.max_draft_tokens == 0 && model.has_mtp() {
+        if let Some(mtp_layer) = placement_layers.get_mut(model.mtp_layer_index()) {
+            *mtp_layer = false;
+        }
+    }
     let shape = GpuExpertShape {
         num_experts: common.num_experts,
         moe_layers: placement_layers.clone(),

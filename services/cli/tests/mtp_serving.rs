@@ -189,6 +189,47 @@ fn drafts_through_an_expert_worker_keep_the_greedy_tokens() {
                 );
             }
         }
+        // Half of every MoE layer's experts in slots (host copies on the CPU backend), the MTP
+        // layer's included, the rest with a worker of its own; the tokens of the engine
+        // without drafts and without slots.
+        let second_worker_args = vec![
+            "--model".to_string(),
+            model.display().to_string(),
+            "--experts".into(),
+            "all".into(),
+        ];
+        let second_worker = stack.spawn("worker-half", "ninfer-expert-worker", &second_worker_args);
+        let speculating_half = stack.engine(
+            "engine-mtp-half",
+            &model,
+            &[
+                "--experts",
+                &second_worker,
+                "--moe-gpu-experts",
+                "half",
+                "--spec",
+                "mtp",
+                "--draft-tokens",
+                "3",
+            ],
+        );
+        for (index, prompt) in prompts(name).iter().take(2).enumerate() {
+            let expected = runtime.block_on(greedy(&plain, prompt, None));
+            let got = runtime.block_on(greedy(&speculating_half, prompt, None));
+            assert_eq!(
+                got, expected,
+                "{name} prompt {index}, half the experts resident, 3 drafts: differs from the engine without drafts"
+            );
+        }
+        // The MTP layer got its half of the slots like the main layers.
+        let experts_per_layer = if name == "qwen3_5_moe_trained" { 32 } else { 8 } / 2;
+        let log = stack.log("engine-mtp-half");
+        assert!(
+            log.contains(&format!(
+                "mtp_layer_resident_experts\u{1b}[0m\u{1b}[2m=\u{1b}[0m{experts_per_layer}"
+            )) || log.contains(&format!("mtp_layer_resident_experts={experts_per_layer}")),
+            "{name}: the MTP layer's experts were not placed: {log}"
+        );
         let status = runtime.block_on(async {
             client(&speculating)
                 .await

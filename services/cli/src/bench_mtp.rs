@@ -275,10 +275,12 @@ fn measure<B: Backend>(
             (Some(cache), Some(before)) => match cache.per_layer().get(mtp_layer) {
                 Some(after) => {
                     let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
-                    format!(
-                        "{:.1}%",
-                        100.0 * hits as f64 / (hits + misses).max(1) as f64
-                    )
+                    // Without drafts the MTP layer routes nothing.
+                    if hits + misses == 0 {
+                        "—".to_string()
+                    } else {
+                        format!("{:.1}%", 100.0 * hits as f64 / (hits + misses) as f64)
+                    }
                 }
                 None => "—".to_string(),
             },

@@ -11,5 +11,6 @@ if ! ls "$lib_dir"/libnvrtc.so.* >/dev/null 2>&1; then
   python3 -m pip install --quiet --disable-pip-version-check --no-deps \
     --target "$wheel_dir" "nvidia-cuda-nvrtc-cu12==${NVRTC_WHEEL_VERSION:-12.9.86}"
 fi
-NINFER_NVRTC_PATH="$PWD/$lib_dir" NINFER_REQUIRE_NVRTC=1 \
+case "$lib_dir" in /*) ;; *) lib_dir="$PWD/$lib_dir" ;; esac
+NINFER_NVRTC_PATH="$lib_dir" NINFER_REQUIRE_NVRTC=1 \
   cargo test --locked -p ninfer-engine --test cuda_nvrtc -- --nocapture

@@ -335,30 +335,17 @@ pub fn build_plan(
     let mut mtp_layers = 0;
     if config.qwen4_exp().is_some() {
         // Its MTP head's layout is not published with the architecture: skipped, said so.
-        let mtp: Vec<String> = planner
-            .names
-            .checkpoint
-            .tensors
-            .keys()
-            .filter(|name| name.starts_with("mtp."))
-            .cloned()
-            .collect();
-        if !mtp.is_empty() {
-            for name in &mtp {
-                planner.names.mark_used(name);
-            }
-            notes.push(format!(
-                "skipped {} MTP tensor(s): the Qwen4-Exp MTP head is not supported yet",
-                mtp.len()
-            ));
-        }
+        skip_checkpoint_tensors(
+            &mut planner,
+            &mut notes,
+            |name| name.starts_with("mtp."),
+            "MTP tensor(s): the Qwen4-Exp MTP head is not supported yet",
+        );
         // The PLE hash buffers are recomputed from the config by the engine.
-        let buffers: Vec<String> = planner
-            .names
-            .checkpoint
-            .tensors
-            .keys()
-            .filter(|name| {
+        skip_checkpoint_tensors(
+            &mut planner,
+            &mut notes,
+            |name| {
                 name.contains(".ple.ple_embedding.")
                     && [
                         "layer_multipliers",
@@ -367,18 +354,9 @@ pub fn build_plan(
                     ]
                     .iter()
                     .any(|buffer| name.ends_with(buffer))
-            })
-            .cloned()
-            .collect();
-        if !buffers.is_empty() {
-            for name in &buffers {
-                planner.names.mark_used(name);
-            }
-            notes.push(format!(
-                "skipped {} PLE hash buffer(s): recomputed from the config",
-                buffers.len()
-            ));
-        }
+            },
+            "PLE hash buffer(s): recomputed from the config",
+        );
     } else if hybrid.is_some() {
         while planner
             .names
@@ -794,6 +772,31 @@ fn plan_qwen4_exp_layer_extras(
 /// `ngram_embedding.shard_{i}.weight` (transformers concatenates them in numeric order). Each
 /// shard is kept as its own artifact tensor `{target}.ple.ngram_embedding.shard_{i}`, so no
 /// step of the conversion holds a whole table; the engine checks the total rows.
+/// Marks the checkpoint's tensors that `skipped` picks as used, noting how many were skipped
+/// and why (`what`: "… tensor(s): reason").
+fn skip_checkpoint_tensors(
+    planner: &mut Planner,
+    notes: &mut Vec<String>,
+    skipped: impl Fn(&str) -> bool,
+    what: &str,
+) {
+    let names: Vec<String> = planner
+        .names
+        .checkpoint
+        .tensors
+        .keys()
+        .filter(|name| skipped(name))
+        .cloned()
+        .collect();
+    if names.is_empty() {
+        return;
+    }
+    for name in &names {
+        planner.names.mark_used(name);
+    }
+    notes.push(format!("skipped {} {what}", names.len()));
+}
+
 fn plan_ngram_table(
     planner: &mut Planner,
     config: &Qwen4ExpConfig,

@@ -691,12 +691,7 @@ impl<B: Backend> Model<B> {
         let embed_width = graph.config.ple_embed_dim;
         let mut embeddings = Vec::with_capacity(rows * embed_width);
         for (item, range) in batch.iter_mut().zip(ranges) {
-            let state = item
-                .state
-                .ple
-                .get_mut(index)
-                .and_then(Option::as_mut)
-                .ok_or_else(|| state_mismatch(index))?;
+            let state = ple_state(item, index)?;
             let row_ids = ple
                 .hash
                 .row_ids(hash, &state.context, &ids[range.clone()])?;
@@ -734,12 +729,7 @@ impl<B: Backend> Model<B> {
         let kernel = graph.config.ple_conv_kernel_size;
         let dilation = graph.config.ngram_size;
         for (item, range) in batch.iter_mut().zip(ranges) {
-            let state = item
-                .state
-                .ple
-                .get_mut(index)
-                .and_then(Option::as_mut)
-                .ok_or_else(|| state_mismatch(index))?;
+            let state = ple_state(item, index)?;
             let history_rows = state.conv_history.len() / width;
             let mut window = std::mem::take(&mut state.conv_history);
             window.extend_from_slice(&normed[range.start * width..range.end * width]);
@@ -887,4 +877,16 @@ pub(crate) fn check_backend<B: Backend>(backend: &Arc<B>) -> Result<(), EngineEr
             missing: "its device forward (hyper-connection streams, PLE blocks and QSA sparse attention) is not built yet; it runs on the CPU backend".into(),
         })
     }
+}
+
+/// The PLE state of layer `index` in `item`'s sequence.
+fn ple_state<'s, B: Backend>(
+    item: &'s mut SequenceInput<'_, B>,
+    index: usize,
+) -> Result<&'s mut PleState, EngineError> {
+    item.state
+        .ple
+        .get_mut(index)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| state_mismatch(index))
 }

@@ -36,6 +36,25 @@ fn norm_groups(
     Ok((groups, groups as i64, int(group, "group")?, offset))
 }
 
+/// The head size of `x` normed per head by `weight` and rotated by `rotation` in one
+/// `rms_norm_rope` launch, or `None` where the kernel does not apply (the norm's groups are not
+/// the heads, nothing rotates, or a row has no position).
+fn one_launch_norm_rope_group(
+    x: &CudaTensor,
+    weight: &CudaWeight,
+    rotation: &Rotation<'_>,
+) -> Option<usize> {
+    let group = weight.rows * weight.cols;
+    let applies = group != 0
+        && group == rotation.head_dim
+        && x.cols % group == 0
+        && x.rows != 0
+        && rotation.rotary_dim / 2 != 0
+        && rotation.rotary_dim <= rotation.head_dim
+        && rotation.positions.len() >= x.rows;
+    applies.then_some(group)
+}
+
 impl CudaBackend {
     pub(super) fn norm_config(groups: usize) -> LaunchConfig {
         LaunchConfig {
@@ -117,20 +136,12 @@ impl CudaBackend {
         style: NormStyle,
         rotation: &Rotation<'_>,
     ) -> Result<CudaTensor, CudaError> {
-        let group = weight.rows * weight.cols;
-        let half = rotation.rotary_dim / 2;
-        if group == 0
-            || group != rotation.head_dim
-            || x.cols % group != 0
-            || x.rows == 0
-            || half == 0
-            || rotation.rotary_dim > rotation.head_dim
-            || rotation.positions.len() < x.rows
-        {
+        let Some(group) = one_launch_norm_rope_group(x, weight, rotation) else {
             let mut out = self.launch_rms_norm(x, weight, eps, style)?;
             self.launch_rope(&mut out, rotation)?;
             return Ok(out);
-        }
+        };
+        let half = rotation.rotary_dim / 2;
         let (groups, groups_arg, group_arg, offset) =
             norm_groups(x, weight, style, "rms_norm_rope")?;
         let (heads, half) = (int(x.cols / group, "heads")?, int(half, "rotary half")?);
@@ -163,24 +174,15 @@ impl CudaBackend {
         style: NormStyle,
         rotation: &Rotation<'_>,
     ) -> Result<(CudaTensor, CudaTensor), CudaError> {
-        let group = q_weight.rows * q_weight.cols;
-        let half = rotation.rotary_dim / 2;
-        if group == 0
-            || group != k_weight.rows * k_weight.cols
-            || group != rotation.head_dim
-            || q.cols % group != 0
-            || k.cols % group != 0
-            || q.rows != k.rows
-            || q.rows == 0
-            || half == 0
-            || rotation.rotary_dim > rotation.head_dim
-            || rotation.positions.len() < q.rows
-        {
+        let q_group = one_launch_norm_rope_group(q, q_weight, rotation);
+        let k_group = one_launch_norm_rope_group(k, k_weight, rotation);
+        let (Some(group), true) = (q_group, q_group == k_group && q.rows == k.rows) else {
             return Ok((
                 self.launch_rms_norm_rope(q, q_weight, eps, style, rotation)?,
                 self.launch_rms_norm_rope(k, k_weight, eps, style, rotation)?,
             ));
-        }
+        };
+        let half = rotation.rotary_dim / 2;
         let (q_groups, q_groups_arg, group_arg, offset) =
             norm_groups(q, q_weight, style, "rms_norm_rope_pair")?;
         let (k_groups, k_groups_arg, _, _) = norm_groups(k, k_weight, style, "rms_norm_rope_pair")?;

@@ -95,20 +95,8 @@ fn perplexity_through_engine_and_workers_equals_the_in_process_reference() {
     let scratch = tempfile::tempdir().expect("a scratch directory");
     let threads = expert_threads();
     for name in FIXTURES {
-        let artifact = scratch.path().join(format!("{name}.ninfer"));
-        convert_fixture_f32(name, &artifact);
-        let artifact = artifact.to_str().expect("utf-8 path");
-        let reference: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(fixture(name).join("reference.json")).expect("reference"),
-        )
-        .expect("reference.json is JSON");
-        let text_path = scratch.path().join(format!("{name}.txt"));
-        std::fs::write(
-            &text_path,
-            reference["nll_text"].as_str().expect("nll_text"),
-        )
-        .expect("writing the text");
-        let text = text_path.to_str().expect("utf-8 path");
+        let (artifact, text, reference) = fixture_artifact_and_text(scratch.path(), name);
+        let (artifact, text) = (artifact.as_str(), text.as_str());
         let tsv = |label: &str| scratch.path().join(format!("{name}-{label}.tsv"));
         let tsv_arg = |label: &str| tsv(label).to_str().expect("utf-8 path").to_string();
 
@@ -387,20 +375,8 @@ fn perplexity_on_cuda_through_engine_meets_the_cuda_bar() {
     }
     let scratch = tempfile::tempdir().expect("a scratch directory");
     for name in FIXTURES {
-        let artifact = scratch.path().join(format!("{name}.ninfer"));
-        convert_fixture_f32(name, &artifact);
-        let artifact = artifact.to_str().expect("utf-8 path");
-        let reference: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(fixture(name).join("reference.json")).expect("reference"),
-        )
-        .expect("reference.json is JSON");
-        let text_path = scratch.path().join(format!("{name}.txt"));
-        std::fs::write(
-            &text_path,
-            reference["nll_text"].as_str().expect("nll_text"),
-        )
-        .expect("writing the text");
-        let text = text_path.to_str().expect("utf-8 path");
+        let (artifact, text, _) = fixture_artifact_and_text(scratch.path(), name);
+        let (artifact, text) = (artifact.as_str(), text.as_str());
         let tsv = |label: &str| scratch.path().join(format!("{name}-{label}.tsv"));
         let tsv_arg = |label: &str| tsv(label).to_str().expect("utf-8 path").to_string();
         perplexity(&[
@@ -443,4 +419,23 @@ fn perplexity_on_cuda_through_engine_meets_the_cuda_bar() {
             );
         }
     }
+}
+
+/// The fixture `name` converted with f32 weights into `scratch`, its evaluation text written
+/// beside it, and its reference values: (artifact path, text path, reference.json).
+fn fixture_artifact_and_text(
+    scratch: &std::path::Path,
+    name: &str,
+) -> (String, String, serde_json::Value) {
+    let artifact = scratch.join(format!("{name}.ninfer"));
+    convert_fixture_f32(name, &artifact);
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture(name).join("reference.json")).expect("reference"),
+    )
+    .expect("reference.json is JSON");
+    let text = scratch.join(format!("{name}.txt"));
+    std::fs::write(&text, reference["nll_text"].as_str().expect("nll_text"))
+        .expect("writing the text");
+    let path = |path: std::path::PathBuf| path.to_str().expect("utf-8 path").to_string();
+    (path(artifact), path(text), reference)
 }

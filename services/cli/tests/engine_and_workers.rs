@@ -144,18 +144,19 @@ impl Stack {
             "unix:{}",
             self.path(&format!("{socket_name}.sock")).display()
         );
-        let mut args = vec![
-            "--model".to_string(),
-            model.display().to_string(),
-            "--device".into(),
-            "cpu".into(),
-            "--listen".into(),
+        let mut args = vec!["--model".to_string(), model.display().to_string()];
+        // The CPU unless the test names a device.
+        if !extra.contains(&"--device") {
+            args.extend(["--device".to_string(), "cpu".to_string()]);
+        }
+        args.extend([
+            "--listen".to_string(),
             socket.clone(),
             "--moe-threads".into(),
             "2".into(),
             "--kernel-isa".into(),
             "scalar".into(),
-        ];
+        ]);
         if !workers.is_empty() {
             args.push("--experts".into());
             args.push(workers.join(","));
@@ -503,6 +504,175 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
         log.contains("resumed"),
         "engine did not report the resumed worker:\n{log}"
     );
+}
+
+/// Whether the GPU opens; `false` skips a GPU test (and `NINFER_REQUIRE_GPU=1` fails it).
+fn gpu_present(test: &str) -> bool {
+    match ninfer_engine::backend::cuda::CudaBackend::new(0) {
+        Ok(_) => true,
+        Err(error) if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+            panic!("NINFER_REQUIRE_GPU=1 but the GPU is unusable: {error}")
+        }
+        Err(error) => {
+            println!("skipped `{test}`: {error}");
+            false
+        }
+    }
+}
+
+/// On a GPU: with half of every layer's experts resident and the rest on two workers, the GPU
+/// hands each MoE layer's CPU experts to the workers itself (the default) and gives the tokens
+/// of the host's hand-off (`--cuda-worker-handoff off`), with decode steps as graphs and op by
+/// op, alone and batched; and its steps do run as graphs with the hand-off inside.
+#[test]
+fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
+    if !gpu_present("gpu_worker_handoff_gives_the_host_handoffs_tokens") {
+        return;
+    }
+    let rt = runtime();
+    for name in ["qwen3_moe", "qwen3_next", "qwen3_5_moe"] {
+        let mut stack = Stack::new();
+        let model = stack.convert(name);
+        let mut engines = Vec::new();
+        for (label, flags) in [
+            ("host", &["--cuda-worker-handoff", "off"][..]),
+            ("device", &[][..]),
+            ("device-ops", &["--cuda-graphs", "off"][..]),
+        ] {
+            let workers: Vec<String> = (0..2)
+                .map(|shard| {
+                    stack.worker(
+                        &format!("worker-{label}-{shard}"),
+                        &model,
+                        &format!("shard={shard}/2"),
+                        &[],
+                    )
+                })
+                .collect();
+            let mut extra = vec!["--device", "cuda", "--moe-gpu-experts", "half"];
+            extra.extend_from_slice(flags);
+            engines.push((label, stack.engine(label, &model, &workers, &extra)));
+        }
+        let requests = prompts(name);
+        rt.block_on(async {
+            let mut expected = Vec::new();
+            for prompt in &requests {
+                expected.push(generate(&mut client(&engines[0].1).await, greedy(prompt, 32)).await);
+            }
+            for (label, engine) in &engines[1..] {
+                for (index, prompt) in requests.iter().enumerate() {
+                    let alone = generate(&mut client(engine).await, greedy(prompt, 32)).await;
+                    assert_eq!(alone, expected[index], "{name} {label}: prompt {index} alone");
+                }
+                let connected = client(engine).await;
+                let handles: Vec<_> = requests
+                    .iter()
+                    .map(|prompt| {
+                        let mut client = connected.clone();
+                        let request = greedy(prompt, 32);
+                        tokio::spawn(async move { generate(&mut client, request).await })
+                    })
+                    .collect();
+                for (index, handle) in handles.into_iter().enumerate() {
+                    assert_eq!(
+                        handle.await.unwrap(),
+                        expected[index],
+                        "{name} {label}: prompt {index} batched"
+                    );
+                }
+            }
+        });
+        for (label, _) in &engines[1..] {
+            let log = stack.log(label);
+            assert!(
+                log.contains("hand their CPU experts to the workers from the cuda"),
+                "{name} {label}: the GPU did not hand off:\n{log}"
+            );
+            assert!(
+                !log.contains("could not be recorded"),
+                "{name} {label}: a step graph failed:\n{log}"
+            );
+        }
+        let log = stack.log("device");
+        assert!(
+            log.contains("recorded as a graph, MoE layers handed to the workers by the device"),
+            "{name}: no step graph with the hand-off inside:\n{log}"
+        );
+        assert!(!stack.log("host").contains("from the cuda"));
+    }
+}
+
+/// On a GPU, with the hand-off on the GPU and steps as graphs: a worker killed mid-generation
+/// (its death noticed within a second, a new one started on its socket) and a worker stopped
+/// (noticed as hung within a second, then continued) change no token.
+#[test]
+fn gpu_worker_handoff_rides_out_a_killed_or_stopped_worker() {
+    use nix::sys::signal::Signal;
+    if !gpu_present("gpu_worker_handoff_rides_out_a_killed_or_stopped_worker") {
+        return;
+    }
+    let rt = runtime();
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_moe");
+    let prompt = prompts("qwen3_moe")[0].clone();
+    let cuda = ["--device", "cuda", "--moe-gpu-experts", "half"];
+    let worker = stack.worker("worker", &model, "all", &["--test-delay-ms", "20"]);
+    let engine = stack.engine("engine", &model, std::slice::from_ref(&worker), &cuda);
+    let uninterrupted =
+        rt.block_on(async { generate(&mut client(&engine).await, greedy(&prompt, 48)).await });
+    assert_eq!(uninterrupted.len(), 48);
+
+    let mut death_noticed_after = None;
+    let interrupted = rt.block_on(async {
+        let mut client = client(&engine).await;
+        generate_acting_after(&mut client, greedy(&prompt, 48), 10, || {
+            let before = stack.log_count("engine", "expert worker died");
+            let killed_at = Instant::now();
+            stack.signal("worker", Signal::SIGKILL);
+            let _ = stack.child("worker").wait();
+            death_noticed_after =
+                stack.wait_for_log("engine", "expert worker died", before, killed_at);
+            stack.worker_on(
+                "worker-restarted",
+                "worker",
+                &model,
+                "all",
+                &["--test-delay-ms", "20"],
+            );
+        })
+        .await
+    });
+    let log = stack.log("engine");
+    assert_eq!(
+        interrupted, uninterrupted,
+        "generation changed across a worker restart:\n{log}"
+    );
+    let noticed = death_noticed_after
+        .unwrap_or_else(|| panic!("engine did not report the death within 5 s:\n{log}"));
+    assert!(noticed < Duration::from_secs(1), "death noticed after {noticed:?}");
+    assert!(log.contains("replayed"), "no replay:\n{log}");
+    assert!(log.contains("from the cuda"), "the GPU did not hand off:\n{log}");
+
+    let mut hang_noticed_after = None;
+    let resumed = rt.block_on(async {
+        let mut client = client(&engine).await;
+        generate_acting_after(&mut client, greedy(&prompt, 48), 5, || {
+            let before = stack.log_count("engine", "expert worker hung");
+            let stopped_at = Instant::now();
+            stack.signal("worker-restarted", Signal::SIGSTOP);
+            hang_noticed_after =
+                stack.wait_for_log("engine", "expert worker hung", before, stopped_at);
+            std::thread::sleep(Duration::from_millis(300));
+            stack.signal("worker-restarted", Signal::SIGCONT);
+        })
+        .await
+    });
+    let log = stack.log("engine");
+    assert_eq!(resumed, uninterrupted, "a stopped worker changed the tokens");
+    let noticed = hang_noticed_after
+        .unwrap_or_else(|| panic!("engine did not report the hung worker within 5 s:\n{log}"));
+    assert!(noticed < Duration::from_secs(1), "hang noticed after {noticed:?}");
+    println!("device hand-off: killed worker noticed after {death_noticed_after:?}, stopped after {noticed:?}");
 }
 
 #[test]

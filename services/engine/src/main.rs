@@ -115,6 +115,13 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_routing_stores: bool,
+    /// `on` (the default): MoE layers with experts on the CPU workers hand them off from the GPU
+    /// itself (it posts into the workers' channels and waits for their answers), so a decode
+    /// step has no host round trip per layer and runs as a CUDA graph. `off`: the host reads
+    /// each layer's routing and posts it. The same tokens either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_worker_handoff: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -214,6 +221,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         args.kv_dtype,
         args.cuda_graphs,
         args.cuda_routing_stores,
+        args.cuda_worker_handoff,
     )?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
@@ -486,11 +494,13 @@ fn select_device(
     kv_dtype: Option<KvDtype>,
     cuda_graphs: bool,
     cuda_routing_stores: bool,
+    cuda_worker_handoff: bool,
 ) -> anyhow::Result<SelectedDevice> {
     let options = CudaOptions {
         kv_dtype: kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
         step_graphs: cuda_graphs,
         routing_stores: cuda_routing_stores,
+        worker_handoff: cuda_worker_handoff,
         ..CudaOptions::default()
     };
     let cpu = || {

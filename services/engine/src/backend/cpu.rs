@@ -426,6 +426,7 @@ impl Backend for CpuBackend {
     type PendingRouting = (Routing, Vec<f32>);
     /// The CPU runs every op as it comes: it has no step graphs.
     type StepGraph = std::convert::Infallible;
+    type WorkerHandoff = std::convert::Infallible;
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -693,6 +694,40 @@ impl Backend for CpuBackend {
 
     fn peek_routing(&self, pending: &(Routing, Vec<f32>)) -> Result<Routing, EngineError> {
         Ok(pending.0.clone())
+    }
+
+    fn set_worker_handoff_owners(
+        &self,
+        handoff: &Self::WorkerHandoff,
+        _owned: &[std::ops::Range<usize>],
+    ) -> Result<(), EngineError> {
+        match *handoff {}
+    }
+
+    fn post_to_workers(
+        &self,
+        handoff: &Self::WorkerHandoff,
+        _layer: usize,
+        _x: &CpuTensor,
+        _pending: &Self::PendingRouting,
+        _resident: Option<&Self::ExpertSlots>,
+    ) -> Result<(), EngineError> {
+        match *handoff {}
+    }
+
+    fn collect_from_workers(
+        &self,
+        handoff: &Self::WorkerHandoff,
+        _rows: usize,
+    ) -> Result<CpuTensor, EngineError> {
+        match *handoff {}
+    }
+
+    fn take_worker_handoff_failure(
+        &self,
+        handoff: &Self::WorkerHandoff,
+    ) -> Result<Option<crate::backend::WorkerHandoffFailure>, EngineError> {
+        match *handoff {}
     }
 
     fn begin_step_graph(

@@ -190,6 +190,10 @@ pub trait Backend: Send + Sync + 'static {
     /// A decode step recorded once and replayed with new token ids and positions (CUDA
     /// graphs); an uninhabited type on a backend that runs every op as it comes.
     type StepGraph: Send;
+    /// The expert workers' channels as this backend drives them itself (a GPU that posts a
+    /// layer's requests and collects the answers through its own mapping of the channel
+    /// memory); an uninhabited type on a backend without such a hand-off.
+    type WorkerHandoff: Send + Sync;
 
     /// Short name for logs and test output (`cpu`, `cuda:0`).
     fn name(&self) -> String;
@@ -575,4 +579,61 @@ pub trait Backend: Send + Sync + 'static {
     /// The routing of `pending` as its copies left it, without finishing it: a step graph
     /// keeps its pending routings and refreshes them at every replay.
     fn peek_routing(&self, pending: &Self::PendingRouting) -> Result<Routing, EngineError>;
+
+    /// The hand-off this backend drives itself to the expert workers whose channels are
+    /// `channels` (in worker order; the segments stay mapped while `keep_alive` lives), or
+    /// `None` where the backend has none (then the host hands every layer off).
+    fn new_worker_handoff(
+        &self,
+        channels: &[ninfer_channel::SegmentMemory],
+        num_experts: usize,
+        keep_alive: Box<dyn Send + Sync>,
+    ) -> Result<Option<Self::WorkerHandoff>, EngineError> {
+        let _ = (channels, num_experts, keep_alive);
+        Ok(None)
+    }
+
+    /// Which worker owns which experts (disjoint ranges, in worker order), for the steps
+    /// queued after this call.
+    fn set_worker_handoff_owners(
+        &self,
+        handoff: &Self::WorkerHandoff,
+        owned: &[Range<usize>],
+    ) -> Result<(), EngineError>;
+
+    /// Queues the posting of a MoE layer's routed experts of `pending` that are not in
+    /// `resident` to the workers owning them, with the rows of `x` (layer `layer`).
+    fn post_to_workers(
+        &self,
+        handoff: &Self::WorkerHandoff,
+        layer: usize,
+        x: &Self::Tensor,
+        pending: &Self::PendingRouting,
+        resident: Option<&Self::ExpertSlots>,
+    ) -> Result<(), EngineError>;
+
+    /// Queues the wait for the answers to the last [`Backend::post_to_workers`] and returns
+    /// their sum (`[rows, hidden]`, worker order from 0.0: the host hand-off's additions).
+    fn collect_from_workers(
+        &self,
+        handoff: &Self::WorkerHandoff,
+        rows: usize,
+    ) -> Result<Self::Tensor, EngineError>;
+
+    /// Waits for every queued op and says whether a hand-off since the last call failed (its
+    /// sums are then zeros and the step must not be used).
+    fn take_worker_handoff_failure(
+        &self,
+        handoff: &Self::WorkerHandoff,
+    ) -> Result<Option<WorkerHandoffFailure>, EngineError>;
+}
+
+/// Why a hand-off the backend drove failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerHandoffFailure {
+    /// The worker (index in worker order) refused layer `layer`'s request (its channel says
+    /// why).
+    Refused { worker: usize, layer: usize },
+    /// The wait was given up: the worker did not come back within the engine's timeout.
+    Abandoned { worker: usize, layer: usize },
 }

@@ -26,6 +26,7 @@ use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec
 
 mod mtp;
 pub mod qwen4_exp;
+mod worker_handoff;
 mod speculative;
 mod step_graphs;
 pub use mtp::MtpState;
@@ -212,6 +213,9 @@ pub struct Model<B: Backend> {
     expert_cache: Option<ExpertCache>,
     /// The qwen4_exp parts (hyper-connections, QSA indexers, PLE blocks).
     qwen4_exp: Option<qwen4_exp::graph::Qwen4ExpGraph<B>>,
+    /// The backend's own hand-off to the expert workers, when both have one
+    /// (`worker_handoff`).
+    worker_handoff: Option<worker_handoff::BackendHandoff<B>>,
 }
 
 /// Opens an artifact; if the reader rejects its header, says which architecture it names when
@@ -304,6 +308,7 @@ impl<B: Backend> Model<B> {
             &artifact,
             common.tie_word_embeddings,
         )));
+        let worker_handoff = worker_handoff::BackendHandoff::open(&*backend, &experts, common);
         Ok(Model {
             backend,
             artifact,
@@ -320,6 +325,7 @@ impl<B: Backend> Model<B> {
             step_graphs: Default::default(),
             expert_cache: None,
             qwen4_exp,
+            worker_handoff,
         })
     }
 
@@ -530,8 +536,16 @@ impl<B: Backend> Model<B> {
             })
     }
 
-    /// What the MoE layers use during a forward.
+    /// What the MoE layers use during a forward that hands layers off through the host.
     fn moe_context(&self) -> MoeContext<'_, B> {
+        self.moe_context_with(None)
+    }
+
+    /// What the MoE layers use during a forward, with the backend's own hand-off if given.
+    fn moe_context_with<'a>(
+        &'a self,
+        worker_handoff: Option<&'a B::WorkerHandoff>,
+    ) -> MoeContext<'a, B> {
         MoeContext {
             backend: &self.backend,
             artifact: &self.artifact,
@@ -541,6 +555,7 @@ impl<B: Backend> Model<B> {
             normalize_routing: self.spec.normalize_routing,
             staging: self.prefill_staging.as_ref(),
             expert_cache: self.expert_cache.as_ref(),
+            worker_handoff,
         }
     }
 
@@ -819,7 +834,8 @@ impl<B: Backend> Model<B> {
         let plan = self.batch_plan(batch)?;
         let started = Instant::now();
         self.expert_cache_between_steps()?;
-        let mut scratch = LayerScratch::new(self.moe_context());
+        let handoff = self.ready_worker_handoff(plan.ids.len())?;
+        let mut scratch = LayerScratch::new(self.moe_context_with(handoff.map(|h| h.handoff)));
         let out = self.run_layers(
             batch,
             &plan,
@@ -828,6 +844,9 @@ impl<B: Backend> Model<B> {
             &mut scratch,
             finish,
         )?;
+        if let Some(handoff) = handoff {
+            self.finish_worker_handoff(handoff, &mut scratch.tally)?;
+        }
         self.finish_deferred_routing(&mut scratch)?;
         self.account_forward(batch, &plan, scratch.tally, started);
         Ok(out)

@@ -3,7 +3,8 @@
 //! in the graph's shape once, records them the next step, and replays them from then on.
 //!
 //! Only steps the host has no part in inside the forward go through a graph: every row one new
-//! token, and every MoE layer's routed experts resident (nothing for the expert executor). A
+//! token, and every MoE layer's routed experts resident (nothing for the expert executor) or
+//! handed to the workers by the backend itself (`super::worker_handoff`). A
 //! graph is keyed by its sequences' graph keys in batch order, so a batch that changes (a
 //! sequence joins, leaves or is restored to a checkpoint) gets a new one; the least recently
 //! used of at most [`MOST_STEP_GRAPHS`] is dropped.
@@ -107,11 +108,11 @@ impl<B: Backend> Model<B> {
     }
 
     /// Whether the host has no part inside this batch's forward: one token per sequence, and
-    /// every MoE layer's routed experts resident.
-    fn step_graph_fits(&self, batch: &[SequenceInput<'_, B>]) -> bool {
+    /// every MoE layer's routed experts resident or handed off by the backend.
+    fn step_graph_fits(&self, batch: &[SequenceInput<'_, B>], backend_handoff: bool) -> bool {
         !batch.is_empty()
             && batch.iter().all(|item| item.tokens.len() == 1)
-            && self.moe_layers().all(|layer| layer.every_expert_resident())
+            && (backend_handoff || self.moe_layers().all(|layer| layer.every_expert_resident()))
     }
 
     /// A decode step of `batch` through its step graph, with the logits left on the backend
@@ -122,7 +123,12 @@ impl<B: Backend> Model<B> {
         &self,
         batch: &mut [SequenceInput<'_, B>],
     ) -> Result<Option<B::Tensor>, EngineError> {
-        if !self.step_graph_fits(batch) {
+        let one_token_each = batch.iter().all(|item| item.tokens.len() == 1);
+        let handoff = match one_token_each {
+            true => self.ready_worker_handoff(batch.len())?,
+            false => None,
+        };
+        if !self.step_graph_fits(batch, handoff.is_some()) {
             return Ok(None);
         }
         let mut graphs = self
@@ -136,6 +142,7 @@ impl<B: Backend> Model<B> {
         }
         let plan = self.batch_plan(batch)?;
         let keys: Vec<u64> = batch.iter().map(|item| item.state.graph_key).collect();
+        let keys_len = keys.len();
         graphs.clock += 1;
         let now = graphs.clock;
         let index = match graphs.entries.iter().position(|entry| entry.keys == keys) {
@@ -194,6 +201,9 @@ impl<B: Backend> Model<B> {
                         })?;
                 backend.wait_for_queued_ops()?;
                 let mut tally = PhaseTotals::default();
+                if let Some(handoff) = handoff {
+                    self.finish_worker_handoff(handoff, &mut tally)?;
+                }
                 self.count_recorded_routings(deferred, &mut tally)?;
                 self.account_forward(batch, &plan, tally, started);
                 // The caller owns what it gets; the graph's logits are rewritten next step.
@@ -201,7 +211,8 @@ impl<B: Backend> Model<B> {
                 Ok(Some(backend.columns(logits, 0..vocab)?))
             }
             StepGraphRun::RunOps => {
-                let mut scratch = LayerScratch::new(self.moe_context());
+                let mut scratch =
+                    LayerScratch::new(self.moe_context_with(handoff.map(|h| h.handoff)));
                 let result = self.run_layers(
                     batch,
                     &plan,
@@ -218,16 +229,30 @@ impl<B: Backend> Model<B> {
                             entry.graph = None;
                         }
                         let logits = result?;
+                        if let Some(handoff) = handoff {
+                            self.finish_worker_handoff(handoff, &mut scratch.tally)?;
+                        }
                         self.finish_deferred_routing(&mut scratch)?;
                         self.account_forward(batch, &plan, scratch.tally, started);
                         Ok(Some(logits))
                     }
                     StepGraphEnd::Recorded => {
                         counts.recorded += 1;
+                        tracing::info!(
+                            "a decode step of {} sequence(s) recorded as a graph{}",
+                            keys_len,
+                            match handoff {
+                                Some(_) => ", MoE layers handed to the workers by the device",
+                                None => "",
+                            }
+                        );
                         let logits = result?;
                         backend.wait_for_queued_ops()?;
                         let deferred = std::mem::take(&mut scratch.deferred);
                         let mut tally = scratch.tally;
+                        if let Some(handoff) = handoff {
+                            self.finish_worker_handoff(handoff, &mut tally)?;
+                        }
                         self.count_recorded_routings(&deferred, &mut tally)?;
                         self.account_forward(batch, &plan, tally, started);
                         let (_, vocab) = backend.shape(&logits);

@@ -50,6 +50,27 @@ pub trait ExpertExecutor: Send + Sync {
     fn compute_nanos(&self) -> Option<u64> {
         None
     }
+    /// The worker channels, for executors whose experts run in worker processes: what a
+    /// backend that hands layers off itself needs ([`WorkerChannels`]).
+    fn worker_channels(&self) -> Option<&dyn WorkerChannels> {
+        None
+    }
+}
+
+/// The channels of an executor's worker processes, for a hand-off the backend drives itself
+/// (a GPU posting requests and collecting answers through its own mapping of the channels).
+pub trait WorkerChannels: Send + Sync {
+    /// Every worker's channel memory, in worker order; fixed for the executor's life.
+    fn channel_memory(&self) -> Vec<ninfer_channel::SegmentMemory>;
+    /// Readies the workers for a step whose hand-offs the backend drives. `Some`: the experts
+    /// each worker owns (disjoint, in worker order), every worker is up, each was asked to keep
+    /// spinning for requests and no earlier give-up is pending. `None`: the host hands this
+    /// step's layers off (a worker is missing or ownership overlaps).
+    fn prepare_backend_handoff(&self) -> Option<Vec<std::ops::Range<usize>>>;
+    /// Why worker `worker` refused its last request, if it did.
+    fn refusal(&self, worker: usize) -> Option<String>;
+    /// The worker's address, for messages.
+    fn worker_address(&self, worker: usize) -> String;
 }
 
 /// The executor of a model without MoE layers (every layer a dense MLP): nothing ever calls it,

@@ -64,6 +64,10 @@ pub(crate) struct MoeContext<'a, B: Backend> {
     pub staging: Option<&'a PrefillStaging<B>>,
     /// The dynamic expert cache, counting each layer call's routing against its slots.
     pub expert_cache: Option<&'a ExpertCache>,
+    /// The backend's own hand-off to the expert workers, when this forward uses it (the
+    /// workers are ready and the batch is small enough): the executor's experts of a layer are
+    /// then posted and collected by the backend, with no host step in between.
+    pub worker_handoff: Option<&'a B::WorkerHandoff>,
 }
 
 /// Where a layer call's routed experts are computed.
@@ -79,13 +83,19 @@ pub(crate) enum Route<'a, B: Backend> {
     /// The expert executor computes the experts not in slots (it gets the hidden states with
     /// the routing, one wait on a GPU); the backend sums the resident ones.
     Executor,
+    /// The executor's workers compute the experts not in slots, posted and collected by the
+    /// backend itself ([`Backend::post_to_workers`]); the routing is counted at the forward's
+    /// end, as for [`Route::Resident`], so this layer does not wait either.
+    BackendHandoff(&'a B::WorkerHandoff),
 }
 
 impl<'a, B: Backend> Route<'a, B> {
-    /// Staging first (a big batch), then all-resident, else the executor.
+    /// Staging first (a big batch), then all-resident, then the backend's own hand-off, else
+    /// the executor through the host.
     fn choose(
         resident: Option<&B::ExpertSlots>,
         staging: Option<&'a PrefillStaging<B>>,
+        worker_handoff: Option<&'a B::WorkerHandoff>,
         rows: usize,
     ) -> Self {
         if let Some(staging) = staging.filter(|staging| rows >= staging.min_tokens) {
@@ -93,10 +103,10 @@ impl<'a, B: Backend> Route<'a, B> {
         }
         let every_expert_resident =
             resident.is_some_and(|slots| slots.slot_table().every_expert_resident());
-        if every_expert_resident {
-            Route::Resident
-        } else {
-            Route::Executor
+        match worker_handoff {
+            _ if every_expert_resident => Route::Resident,
+            Some(handoff) => Route::BackendHandoff(handoff),
+            None => Route::Executor,
         }
     }
 }
@@ -151,7 +161,8 @@ impl<B: Backend> MoeLayer<B> {
         let resident = resident.as_ref();
         let resident_table = resident.map(WithExpertSlotTable::slot_table);
         let logits = backend.matmul(x, &self.router)?;
-        let route = Route::choose(resident, context.staging, backend.shape(x).0);
+        let rows = backend.shape(x).0;
+        let route = Route::choose(resident, context.staging, context.worker_handoff, rows);
         let pending = backend.start_routing(
             &logits,
             context.common.num_experts_per_tok,
@@ -159,6 +170,11 @@ impl<B: Backend> MoeLayer<B> {
             x,
             matches!(route, Route::Executor),
         )?;
+        // The workers start as soon as the routing is known: posted before the backend queues
+        // its own experts.
+        if let Route::BackendHandoff(handoff) = route {
+            backend.post_to_workers(handoff, index, x, &pending, resident)?;
+        }
         // Work the backend does itself is queued before anything waits for the routing (on a
         // GPU it runs while this thread reads the routing and then waits for the expert
         // workers): the resident experts, then the shared expert.
@@ -180,6 +196,18 @@ impl<B: Backend> MoeLayer<B> {
             })
             .transpose()?;
         let mut output = match route {
+            Route::BackendHandoff(handoff) => {
+                // The host path's additions: the workers' sum, then the resident experts.
+                let mut routed = backend.collect_from_workers(handoff, rows)?;
+                if let Some(resident_sum) = resident_sum {
+                    backend.add_assign(&mut routed, &resident_sum)?;
+                }
+                deferred.push(DeferredRouting {
+                    layer: index,
+                    pending,
+                });
+                routed
+            }
             Route::Resident => {
                 deferred.push(DeferredRouting {
                     layer: index,

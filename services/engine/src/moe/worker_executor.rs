@@ -24,7 +24,7 @@ use ninfer_protocol::v1::expert_worker_client::ExpertWorkerClient;
 use ninfer_protocol::v1::{AttachChannelRequest, WorkerInfoRequest};
 
 use crate::error::EngineError;
-use crate::moe::executor::{ExpertBatch, ExpertExecutor};
+use crate::moe::executor::{ExpertBatch, ExpertExecutor, WorkerChannels};
 
 /// How to reach and supervise the workers.
 #[derive(Debug, Clone)]
@@ -81,6 +81,9 @@ struct WorkerState {
     pid: u32,
     last_heartbeat: u64,
     heartbeat_seen_at: Instant,
+    /// Since when the worker is dead or hung (`None` while up): past `--worker-timeout` a
+    /// device waiting on its channel is released.
+    lost_since: Option<Instant>,
     /// Last registration refusal we logged, so a wrong worker is not logged every 100 ms.
     last_refusal: Option<String>,
 }
@@ -106,9 +109,6 @@ struct Shared {
     changed: Condvar,
     changed_lock: Mutex<()>,
     requests_sent: AtomicU64,
-    /// Worker compute time as the workers report it per response; per chunk the slowest
-    /// worker's (they compute in parallel, so that is what the engine waited for).
-    worker_compute_nanos: AtomicU64,
     /// Whether every expert has a live owner, recomputed on each health change so the per-layer
     /// check is one atomic load.
     covered: std::sync::atomic::AtomicBool,
@@ -161,6 +161,7 @@ impl WorkerExpertExecutor {
                     last_heartbeat: 0,
                     heartbeat_seen_at: Instant::now(),
                     last_refusal: None,
+                    lost_since: None,
                 }),
                 masked_ids: Mutex::new(vec![
                     NO_EXPERT;
@@ -178,7 +179,6 @@ impl WorkerExpertExecutor {
             changed: Condvar::new(),
             changed_lock: Mutex::new(()),
             requests_sent: AtomicU64::new(0),
-            worker_compute_nanos: AtomicU64::new(0),
             covered: std::sync::atomic::AtomicBool::new(false),
         });
         let registrar = Arc::clone(&shared);
@@ -291,6 +291,7 @@ impl Shared {
         if !process_exists(pid) {
             tracing::warn!(worker = %worker.address, pid, "expert worker died; holding its requests until it registers again");
             state.health = Health::Dead;
+            state.lost_since.get_or_insert_with(Instant::now);
             drop(state);
             self.notify();
             return;
@@ -302,6 +303,7 @@ impl Shared {
             if state.health == Health::Hung {
                 tracing::info!(worker = %worker.address, pid, "expert worker resumed");
                 state.health = Health::Up;
+                state.lost_since = None;
                 drop(state);
                 self.notify();
             }
@@ -315,6 +317,7 @@ impl Shared {
                 self.options.hang_timeout.as_secs_f64()
             );
             state.health = Health::Hung;
+            state.lost_since.get_or_insert_with(Instant::now);
             drop(state);
             self.notify();
         }
@@ -345,6 +348,15 @@ fn registrar_loop(shared: &Shared) {
     loop {
         for worker in &shared.workers {
             shared.check_liveness(worker);
+            let given_up = worker.state.lock().is_ok_and(|state| {
+                state
+                    .lost_since
+                    .is_some_and(|since| since.elapsed() > shared.options.worker_timeout)
+            });
+            if given_up {
+                // A device waiting on this worker's answer stops waiting (its step fails).
+                worker.channel.set_handoff_abort(true);
+            }
             let needs_registration = worker
                 .state
                 .lock()
@@ -356,6 +368,7 @@ fn registrar_loop(shared: &Shared) {
                         if let Ok(mut state) = worker.state.lock() {
                             tracing::info!(worker = %worker.address, pid, experts = ?owned, "expert worker registered");
                             state.health = Health::Up;
+                            state.lost_since = None;
                             state.owned = owned;
                             state.pid = pid;
                             state.last_heartbeat = worker.channel.heartbeat();
@@ -363,6 +376,9 @@ fn registrar_loop(shared: &Shared) {
                             state.last_refusal = None;
                         }
                         // A request posted before the worker attached is pending in its slot.
+                        if worker.channel.request_pending(0) {
+                            tracing::info!(worker = %worker.address, "expert worker back with a request pending; the interrupted layer is replayed");
+                        }
                         worker.channel.ring();
                         shared.notify();
                     }
@@ -529,26 +545,83 @@ impl ExpertExecutor for WorkerExpertExecutor {
                 shared.requests_sent.fetch_add(1, Ordering::Relaxed);
                 posted.push((index, sequence));
             }
-            let mut slowest = 0u64;
             for &(index, sequence) in posted.iter() {
                 let worker = &shared.workers[index];
                 self.wait_for_response(worker, sequence, batch.layer)?;
-                slowest = slowest.max(worker.channel.compute_nanos(0));
                 let sums = worker.channel.output(0);
                 for (target, value) in out[first * h..(first + count) * h].iter_mut().zip(sums) {
                     *target += value;
                 }
             }
-            shared
-                .worker_compute_nanos
-                .fetch_add(slowest, Ordering::Relaxed);
             first += count;
         }
         Ok(())
     }
 
+    /// The busiest worker's compute time as the workers report it (they compute in parallel,
+    /// so that is about what the engine waited for), whoever posted the requests: the host or
+    /// a backend's own hand-off.
     fn compute_nanos(&self) -> Option<u64> {
-        Some(self.shared.worker_compute_nanos.load(Ordering::Relaxed))
+        self.shared
+            .workers
+            .iter()
+            .map(|worker| worker.channel.worker_compute_nanos_total())
+            .max()
+    }
+
+    fn worker_channels(&self) -> Option<&dyn WorkerChannels> {
+        Some(self)
+    }
+}
+
+/// How long a worker keeps spinning for requests after a step readied it for a backend's own
+/// hand-off: past the gaps between steps (sampling, scheduling), short enough that an idle
+/// engine leaves the workers' cores alone soon after its last step.
+const HANDOFF_SPIN: Duration = Duration::from_millis(200);
+
+impl WorkerChannels for WorkerExpertExecutor {
+    fn channel_memory(&self) -> Vec<ninfer_channel::SegmentMemory> {
+        self.shared
+            .workers
+            .iter()
+            .filter_map(|worker| worker.channel.segment_memory(0).ok())
+            .collect()
+    }
+
+    fn prepare_backend_handoff(&self) -> Option<Vec<std::ops::Range<usize>>> {
+        let shared = &*self.shared;
+        if !shared.covered.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut owned = Vec::with_capacity(shared.workers.len());
+        for worker in &shared.workers {
+            let state = worker.state.lock().ok()?;
+            if state.health != Health::Up {
+                return None;
+            }
+            owned.push(state.owned.clone());
+        }
+        let mut sorted = owned.clone();
+        sorted.sort_by_key(|range| range.start);
+        if sorted.windows(2).any(|pair| pair[0].end > pair[1].start) {
+            return None;
+        }
+        for worker in &shared.workers {
+            worker.channel.set_handoff_abort(false);
+            worker.channel.keep_worker_spinning(HANDOFF_SPIN);
+        }
+        Some(owned)
+    }
+
+    fn refusal(&self, worker: usize) -> Option<String> {
+        self.shared.workers.get(worker)?.channel.refusal(0)
+    }
+
+    fn worker_address(&self, worker: usize) -> String {
+        self.shared
+            .workers
+            .get(worker)
+            .map_or_else(|| format!("#{worker}"), |worker| worker.address.clone())
     }
 }
 

@@ -17,10 +17,11 @@
 //! …             slot i at 4096 + i · slot_stride (slot_stride a multiple of 4096)
 //! ```
 //!
-//! The segment header starts with the magic `NICHAN02`; the number is the layout version, bumped
+//! The segment header starts with the magic `NICHAN03`; the number is the layout version, bumped
 //! whenever a header changes (02: the slot header's response half gained `compute_nanos`, the
-//! worker's compute time for the answered request), so an engine and a worker of different
-//! layouts refuse each other at attach instead of misreading bytes.
+//! worker's compute time for the answered request; 03: the segment header gained the words of
+//! the device-driven hand-off below), so an engine and a worker of different layouts refuse each
+//! other at attach instead of misreading bytes.
 //!
 //! Per slot, `[max_tokens, max_top_k]` u32 expert ids (`u32::MAX`, `ninfer_artifact::NO_EXPERT`: an unused entry),
 //! `[max_tokens, max_top_k]` f32 routing weights, `[max_tokens, hidden]` f32 hidden states in and
@@ -44,6 +45,19 @@
 //! slot's `response_sequence`. The futex ops are the shared (not `_PRIVATE`) ones, since the two
 //! sides are different processes. On the fast path — both sides busy — there is no syscall, no
 //! allocation and no gRPC call per layer.
+//!
+//! # The device-driven hand-off
+//!
+//! The engine's GPU may post and collect requests itself, through its own mapping of the segment
+//! ([`EngineChannel::segment_memory`] says where every word lies): it writes a request with plain
+//! stores, fences, and stores `request_sequence`; it polls `response_sequence` and reads the sums.
+//! A GPU cannot wake a futex, so the engine asks the worker to keep spinning for requests until
+//! a deadline (`spin_until_nanos`, on `CLOCK_MONOTONIC`, which both processes share), renewed
+//! every step; a worker that sleeps past it is woken by the engine's host once per step, never
+//! per layer. A GPU waiting for an answer that cannot come (no worker within the engine's
+//! timeout) is released by `handoff_abort`, which the engine sets and the GPU polls with the
+//! response. The worker adds its compute time to `compute_nanos_total`, since per-request times
+//! are overwritten before a host reads them.
 
 use std::ffi::CString;
 use std::num::NonZeroUsize;
@@ -56,7 +70,7 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"NICHAN02");
+const MAGIC: u64 = u64::from_le_bytes(*b"NICHAN03");
 const HEADER_BYTES: usize = 4096;
 const SLOT_HEADER_BYTES: usize = 256;
 const ERROR_TEXT_BYTES: usize = 192;
@@ -127,6 +141,52 @@ impl ChannelGeometry {
     }
 }
 
+/// Where the words of one slot and the hand-off words lie in a segment, in bytes from its start:
+/// what a device-driven hand-off needs to post and collect requests through its own mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotLayout {
+    /// u32, written by the engine side last (the publication of a request).
+    pub request_sequence: usize,
+    /// u32, written by the worker last (the publication of an answer).
+    pub response_sequence: usize,
+    /// u32 each, written by the engine side before `request_sequence`.
+    pub layer: usize,
+    pub token_count: usize,
+    pub top_k: usize,
+    /// u32, 0 when the worker answered, else it refused (the error text is in the slot).
+    pub status: usize,
+    /// `[max_tokens, max_top_k]` u32, then the same of f32, then `[max_tokens, hidden]` f32 in,
+    /// then the same out.
+    pub expert_ids: usize,
+    pub routing_weights: usize,
+    pub hidden: usize,
+    pub output: usize,
+    /// u32 in the segment header (see the module doc).
+    pub handoff_abort: usize,
+}
+
+/// A channel segment as mapped in the engine: its address, length, sizes and one slot's layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentMemory {
+    pub address: usize,
+    pub length: usize,
+    pub geometry: ChannelGeometry,
+    pub slot: SlotLayout,
+}
+
+/// `CLOCK_MONOTONIC` now, in nanoseconds: the clock both processes read the spin deadline on.
+fn monotonic_nanos() -> u64 {
+    let mut now = nix::libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we own; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { nix::libc::clock_gettime(nix::libc::CLOCK_MONOTONIC, &mut now) };
+    (now.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(now.tv_nsec as u64)
+}
+
 #[repr(C)]
 struct SegmentHeader {
     magic: u64,
@@ -144,6 +204,13 @@ struct SegmentHeader {
     attach_generation: AtomicU32,
     /// Bumped by a worker thread every few milliseconds while the process runs.
     heartbeat: AtomicU64,
+    /// Written by the engine: until this `CLOCK_MONOTONIC` time (ns) the worker spins for its
+    /// next request instead of sleeping (a device-driven hand-off cannot wake it).
+    spin_until_nanos: AtomicU64,
+    /// Written by the worker: nanoseconds spent computing answers, summed over its life.
+    compute_nanos_total: AtomicU64,
+    /// Written by the engine: non-zero releases a device waiting for an answer on this segment.
+    handoff_abort: AtomicU32,
 }
 
 #[repr(C)]
@@ -468,6 +535,87 @@ impl EngineChannel {
         let header = self.mapping.slot_header(slot);
         header.request_sequence.load(Ordering::Acquire)
             == header.response_sequence.load(Ordering::Acquire)
+    }
+
+    /// True while the slot holds a posted request not yet answered (by the host or by a
+    /// device-driven hand-off).
+    pub fn request_pending(&self, slot: u32) -> bool {
+        slot < self.mapping.geometry.slot_count && !self.slot_is_free(slot)
+    }
+
+    /// Where `slot`'s words lie in this segment, for a device-driven hand-off.
+    pub fn segment_memory(&self, slot: u32) -> Result<SegmentMemory, ChannelError> {
+        let geometry = self.mapping.geometry;
+        if slot >= geometry.slot_count {
+            return Err(ChannelError::Geometry {
+                name: self.mapping.name.clone(),
+                problem: format!("slot {slot} of {}", geometry.slot_count),
+            });
+        }
+        let base = self.mapping.base.as_ptr() as usize;
+        let slot_base = self.mapping.slot_base(slot) as usize - base;
+        let header = |offset: usize| slot_base + offset;
+        Ok(SegmentMemory {
+            address: base,
+            length: self.mapping.length,
+            geometry,
+            slot: SlotLayout {
+                request_sequence: header(std::mem::offset_of!(SlotHeader, request_sequence)),
+                response_sequence: header(std::mem::offset_of!(SlotHeader, response_sequence)),
+                layer: header(std::mem::offset_of!(SlotHeader, layer)),
+                token_count: header(std::mem::offset_of!(SlotHeader, token_count)),
+                top_k: header(std::mem::offset_of!(SlotHeader, top_k)),
+                status: header(std::mem::offset_of!(SlotHeader, status)),
+                expert_ids: self.mapping.ids_ptr(slot) as usize - base,
+                routing_weights: self.mapping.weights_ptr(slot) as usize - base,
+                hidden: self.mapping.hidden_ptr(slot) as usize - base,
+                output: self.mapping.output_ptr(slot) as usize - base,
+                handoff_abort: std::mem::offset_of!(SegmentHeader, handoff_abort),
+            },
+        })
+    }
+
+    /// Asks the worker to spin for requests (not sleep) for the next `duration`, and wakes it
+    /// if it sleeps: what a step whose requests the device posts calls first.
+    pub fn keep_worker_spinning(&self, duration: Duration) {
+        let until = monotonic_nanos().saturating_add(duration.as_nanos() as u64);
+        let segment = self.mapping.header();
+        segment.spin_until_nanos.store(until, Ordering::SeqCst);
+        if segment.worker_sleeping.load(Ordering::SeqCst) != 0 {
+            self.ring();
+        }
+    }
+
+    /// Sets or clears the word that releases a device waiting on this segment.
+    pub fn set_handoff_abort(&self, abort: bool) {
+        self.mapping
+            .header()
+            .handoff_abort
+            .store(u32::from(abort), Ordering::SeqCst);
+    }
+
+    /// Nanoseconds the worker spent computing answers since the segment was made.
+    pub fn worker_compute_nanos_total(&self) -> u64 {
+        self.mapping
+            .header()
+            .compute_nanos_total
+            .load(Ordering::Acquire)
+    }
+
+    /// The refusal text of the last answered request on `slot`, if the worker refused it.
+    pub fn refusal(&self, slot: u32) -> Option<String> {
+        if slot >= self.mapping.geometry.slot_count || !self.slot_is_free(slot) {
+            return None;
+        }
+        // SAFETY: the slot is answered (Acquire loads in `slot_is_free`); the worker does not
+        // write it again until a new request is posted.
+        let header = self.mapping.slot_header(slot);
+        let (status, length) = unsafe {
+            let raw = self.mapping.slot_header_mut(slot);
+            ((*raw).status, ((*raw).error_length as usize).min(ERROR_TEXT_BYTES))
+        };
+        (status != 0)
+            .then(|| String::from_utf8_lossy(&header.error_text[..length]).into_owned())
     }
 
     /// Writes `request` into a free slot and rings the doorbell. Returns its sequence number.
@@ -807,6 +955,12 @@ impl WorkerChannel {
             .fetch_add(1, Ordering::Release);
     }
 
+    /// Whether the engine asked for spinning until a time not yet reached.
+    fn spinning_requested(&self) -> bool {
+        let until = self.mapping.header().spin_until_nanos.load(Ordering::Relaxed);
+        until != 0 && monotonic_nanos() < until
+    }
+
     fn pending(&self, slot: u32) -> bool {
         let header = self.mapping.slot_header(slot);
         header.request_sequence.load(Ordering::Acquire)
@@ -831,7 +985,7 @@ impl WorkerChannel {
             if elapsed >= timeout {
                 return None;
             }
-            if elapsed < spin {
+            if elapsed < spin || self.spinning_requested() {
                 std::hint::spin_loop();
                 continue;
             }
@@ -908,6 +1062,10 @@ impl WorkerChannel {
         unsafe {
             let raw = self.mapping.slot_header_mut(slot);
             (*raw).compute_nanos = u64::try_from(compute.as_nanos()).unwrap_or(u64::MAX);
+            self.mapping
+                .header()
+                .compute_nanos_total
+                .fetch_add((*raw).compute_nanos, Ordering::Relaxed);
             match result {
                 Ok(()) => {
                     (*raw).status = 0;
@@ -967,6 +1125,96 @@ mod tests {
             std::thread::current().id()
         )
         .replace(['(', ')'], "")
+    }
+
+    /// What a device-driven hand-off does, done by a thread through the raw segment memory:
+    /// no ring, no futex; the worker finds the request because the engine asked it to spin.
+    #[test]
+    fn requests_written_through_the_segment_memory_are_found_and_answered() {
+        let _serial = serial();
+        let (hidden_size, top_k) = (8u32, 2u32);
+        let engine =
+            EngineChannel::create(&unique_name("device"), geometry(2, 4, hidden_size, top_k))
+                .unwrap();
+        let memory = engine.segment_memory(0).unwrap();
+        assert!(engine.segment_memory(2).is_err());
+        let worker_name = engine.name().to_string();
+        // The worker has been idle long enough to sleep before the engine asks it to spin.
+        let worker = std::thread::spawn(move || {
+            let channel = WorkerChannel::attach(&worker_name, hidden_size).unwrap();
+            let (slot, request) = channel.next_request(Duration::from_secs(10)).unwrap();
+            assert_eq!(slot, 0);
+            assert_eq!(
+                (request.layer, request.token_count, request.top_k),
+                (7, 1, top_k)
+            );
+            assert_eq!(request.expert_ids, &[3, NO_EXPERT]);
+            assert_eq!(request.routing_weights, &[0.75, 0.25]);
+            let sums: Vec<f32> = request.hidden.iter().map(|v| v * 0.75).collect();
+            // SAFETY: between next_request and complete for slot 0.
+            unsafe { channel.output_mut(slot)[..sums.len()].copy_from_slice(&sums) };
+            channel.complete_timed(slot, Ok(()), Duration::from_micros(40));
+        });
+        std::thread::sleep(Duration::from_millis(120));
+        engine.keep_worker_spinning(Duration::from_secs(5));
+        // Woken, it spins: it never announces sleep again while the deadline holds.
+        std::thread::sleep(Duration::from_millis(20));
+        for _ in 0..3 {
+            assert_eq!(
+                engine.mapping.header().worker_sleeping.load(Ordering::SeqCst),
+                0,
+                "the worker sleeps although the engine asked it to spin"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let word = |offset: usize| (memory.address + offset) as *mut u32;
+        let hidden: Vec<f32> = (0..hidden_size).map(|i| i as f32 + 0.5).collect();
+        // SAFETY: the slot is free and ours until the sequence store; every offset is inside
+        // the mapping (the layout the accessors use).
+        let sequence = unsafe {
+            *word(memory.slot.layer) = 7;
+            *word(memory.slot.token_count) = 1;
+            *word(memory.slot.top_k) = top_k;
+            let ids = word(memory.slot.expert_ids);
+            *ids = 3;
+            *ids.add(1) = NO_EXPERT;
+            let weights = (memory.address + memory.slot.routing_weights) as *mut f32;
+            *weights = 0.75;
+            *weights.add(1) = 0.25;
+            let hidden_in = (memory.address + memory.slot.hidden) as *mut f32;
+            std::ptr::copy_nonoverlapping(hidden.as_ptr(), hidden_in, hidden.len());
+            let response = &*(word(memory.slot.response_sequence) as *const AtomicU32);
+            let sequence = response.load(Ordering::Acquire).wrapping_add(1);
+            let request = &*(word(memory.slot.request_sequence) as *const AtomicU32);
+            request.store(sequence, Ordering::Release);
+            sequence
+        };
+        // SAFETY: as above; the worker publishes the response with a Release store.
+        let response = unsafe { &*(word(memory.slot.response_sequence) as *const AtomicU32) };
+        let started = Instant::now();
+        while response.load(Ordering::Acquire) != sequence {
+            assert!(started.elapsed() < Duration::from_secs(5), "no answer");
+            std::hint::spin_loop();
+        }
+        worker.join().unwrap();
+        // SAFETY: answered; the worker does not write the slot again.
+        let output = unsafe {
+            std::slice::from_raw_parts(
+                (memory.address + memory.slot.output) as *const f32,
+                hidden.len(),
+            )
+        };
+        let expected: Vec<f32> = hidden.iter().map(|v| v * 0.75).collect();
+        assert_eq!(output, &expected[..]);
+        assert_eq!(output, engine.output(0));
+        assert_eq!(unsafe { *word(memory.slot.status) }, 0);
+        assert_eq!(engine.refusal(0), None);
+        assert_eq!(engine.worker_compute_nanos_total(), 40_000);
+        assert!(!engine.request_pending(0));
+        engine.set_handoff_abort(true);
+        assert_eq!(unsafe { *word(memory.slot.handoff_abort) }, 1);
+        engine.set_handoff_abort(false);
+        assert_eq!(unsafe { *word(memory.slot.handoff_abort) }, 0);
     }
 
     #[test]

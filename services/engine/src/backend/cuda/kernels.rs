@@ -107,6 +107,11 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &["route_top_k"],
     },
     KernelSource {
+        name: "handoff",
+        source: include_str!("../../../../../kernels/handoff.cu"),
+        functions: &["handoff_post", "handoff_collect"],
+    },
+    KernelSource {
         name: "sampling",
         source: include_str!("../../../../../kernels/sampling.cu"),
         functions: &["logit_candidates_partial", "logit_candidates_merge"],

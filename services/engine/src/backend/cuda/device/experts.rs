@@ -17,8 +17,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::{ExpertLayout, WeightDType};
@@ -119,6 +119,12 @@ impl Drop for CudaExpertSlots {
 }
 
 impl CudaExpertSlots {
+    /// The device address of the expert → slot table the kernels read (updated in place, so
+    /// a recorded step graph reads the current table).
+    pub(super) fn device_table_address(&self, stream: &CudaStream) -> u64 {
+        self.table.device_ptr(stream).0
+    }
+
     /// Pins `bank` and remembers `artifact` as a copy source; whether the bank is page-locked.
     fn ready_source(
         &mut self,

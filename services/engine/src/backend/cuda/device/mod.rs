@@ -568,6 +568,7 @@ impl Backend for CudaBackend {
     type ExpertSlots = CudaExpertSlots;
     type PendingRouting = CudaPendingRouting;
     type StepGraph = CudaStepGraph;
+    type WorkerHandoff = CudaWorkerHandoff;
 
     fn name(&self) -> String {
         format!("cuda:{}", self.info.ordinal)
@@ -918,6 +919,60 @@ impl Backend for CudaBackend {
         self.peek_pending_routing(pending)
             .map_err(device("peek_routing"))
     }
+
+    fn new_worker_handoff(
+        &self,
+        channels: &[ninfer_channel::SegmentMemory],
+        num_experts: usize,
+        keep_alive: Box<dyn Send + Sync>,
+    ) -> Result<Option<CudaWorkerHandoff>, EngineError> {
+        if !self.options.worker_handoff || channels.is_empty() {
+            return Ok(None);
+        }
+        self.open_worker_handoff(channels, num_experts, keep_alive)
+            .map(Some)
+            .map_err(device("new_worker_handoff"))
+    }
+
+    fn set_worker_handoff_owners(
+        &self,
+        handoff: &CudaWorkerHandoff,
+        owned: &[Range<usize>],
+    ) -> Result<(), EngineError> {
+        self.set_handoff_owners(handoff, owned)
+            .map_err(device("set_worker_handoff_owners"))
+    }
+
+    fn post_to_workers(
+        &self,
+        handoff: &CudaWorkerHandoff,
+        layer: usize,
+        x: &CudaTensor,
+        pending: &CudaPendingRouting,
+        resident: Option<&CudaExpertSlots>,
+    ) -> Result<(), EngineError> {
+        let _timer = self.op_timer("post_to_workers");
+        self.launch_handoff_post(handoff, layer, x, pending, resident)
+            .map_err(device("post_to_workers"))
+    }
+
+    fn collect_from_workers(
+        &self,
+        handoff: &CudaWorkerHandoff,
+        rows: usize,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("collect_from_workers");
+        self.launch_handoff_collect(handoff, rows)
+            .map_err(device("collect_from_workers"))
+    }
+
+    fn take_worker_handoff_failure(
+        &self,
+        handoff: &CudaWorkerHandoff,
+    ) -> Result<Option<crate::backend::WorkerHandoffFailure>, EngineError> {
+        self.take_handoff_failure(handoff)
+            .map_err(device("take_worker_handoff_failure"))
+    }
 }
 
 mod attention;
@@ -938,6 +993,7 @@ mod self_checks;
 mod start_up;
 mod step_graph;
 mod tensor_pool;
+mod worker_handoff;
 
 pub use attention::AttentionPath;
 pub use experts::CudaExpertSlots;
@@ -945,3 +1001,4 @@ pub use options::{CudaOptions, KvDtype};
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;
 pub use step_graph::CudaStepGraph;
+pub use worker_handoff::CudaWorkerHandoff;

@@ -64,6 +64,11 @@ pub struct CudaOptions {
     /// suites hold it equal to the copies
     /// (`routing_stored_by_the_router_equals_routing_copied_back`).
     pub routing_stores: bool,
+    /// MoE layers with experts on the CPU workers hand them off from the GPU itself
+    /// (device/worker_handoff.rs): the GPU posts the requests into the workers' channels and
+    /// waits for the answers, so no host thread takes part per layer and such steps record as
+    /// step graphs. Off: the host reads the routing and posts (the reference path).
+    pub worker_handoff: bool,
 }
 
 impl Default for CudaOptions {
@@ -74,6 +79,7 @@ impl Default for CudaOptions {
             reference_attention: false,
             step_graphs: true,
             routing_stores: true,
+            worker_handoff: true,
         }
     }
 }
@@ -88,6 +94,7 @@ impl CudaOptions {
             reference_attention: false,
             step_graphs: true,
             routing_stores: false,
+            worker_handoff: true,
         }
     }
 }

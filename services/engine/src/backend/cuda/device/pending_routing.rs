@@ -127,6 +127,32 @@ fn routing_of(
     }
 }
 
+impl CudaPendingRouting {
+    /// Experts chosen per token.
+    pub(super) fn experts_per_token(&self) -> usize {
+        self.experts_per_token
+    }
+
+    /// The routing's device ids (u32 bits) and weights when it is on the device for `tokens`
+    /// rows.
+    pub(super) fn device_routing(&self, tokens: usize) -> Option<(&CudaTensor, &CudaTensor)> {
+        match &self.state {
+            PendingState::OnDevice(on_device) if on_device.tokens == tokens => {
+                Some((&on_device.ids, &on_device.weights))
+            }
+            _ => None,
+        }
+    }
+
+    /// The routing when it was computed on the host.
+    pub(super) fn host_routing(&self) -> Option<&Routing> {
+        match &self.state {
+            PendingState::Ready { routing, .. } => Some(routing),
+            PendingState::OnDevice(_) => None,
+        }
+    }
+}
+
 impl CudaBackend {
     /// A free page-locked buffer of at least `bytes` and its event, from the pool or new.
     fn take_routing_staging(&self, bytes: usize) -> Result<(PinnedStaging, CudaEvent), CudaError> {

@@ -97,6 +97,22 @@ impl PinnedStaging {
         self.bytes
     }
 
+    /// The host address of the u32 at byte `offset` (4-aligned, inside the buffer), for words
+    /// kernels store to and the host reads after waiting for them, or the host writes while no
+    /// kernel touches them.
+    pub(super) fn host_word(&self, offset: usize) -> Result<*mut u32, CudaError> {
+        if offset % 4 != 0 || offset + 4 > self.bytes {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "word at byte {offset} of a {}-byte staging buffer",
+                    self.bytes
+                ),
+            });
+        }
+        // SAFETY: inside the allocation (checked above).
+        Ok(unsafe { self.pointer.add(offset) }.cast())
+    }
+
     /// The device address of byte `offset` (kernels store to it; the host reads it after a
     /// wait on the stream or on an event recorded after those kernels).
     pub(super) fn device_address(&self, offset: usize) -> Result<u64, CudaError> {

@@ -562,7 +562,10 @@ fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
             for (label, engine) in &engines[1..] {
                 for (index, prompt) in requests.iter().enumerate() {
                     let alone = generate(&mut client(engine).await, greedy(prompt, 32)).await;
-                    assert_eq!(alone, expected[index], "{name} {label}: prompt {index} alone");
+                    assert_eq!(
+                        alone, expected[index],
+                        "{name} {label}: prompt {index} alone"
+                    );
                 }
                 let connected = client(engine).await;
                 let handles: Vec<_> = requests
@@ -649,9 +652,15 @@ fn gpu_worker_handoff_rides_out_a_killed_or_stopped_worker() {
     );
     let noticed = death_noticed_after
         .unwrap_or_else(|| panic!("engine did not report the death within 5 s:\n{log}"));
-    assert!(noticed < Duration::from_secs(1), "death noticed after {noticed:?}");
+    assert!(
+        noticed < Duration::from_secs(1),
+        "death noticed after {noticed:?}"
+    );
     assert!(log.contains("replayed"), "no replay:\n{log}");
-    assert!(log.contains("from the cuda"), "the GPU did not hand off:\n{log}");
+    assert!(
+        log.contains("from the cuda"),
+        "the GPU did not hand off:\n{log}"
+    );
 
     let mut hang_noticed_after = None;
     let resumed = rt.block_on(async {
@@ -668,10 +677,16 @@ fn gpu_worker_handoff_rides_out_a_killed_or_stopped_worker() {
         .await
     });
     let log = stack.log("engine");
-    assert_eq!(resumed, uninterrupted, "a stopped worker changed the tokens");
+    assert_eq!(
+        resumed, uninterrupted,
+        "a stopped worker changed the tokens"
+    );
     let noticed = hang_noticed_after
         .unwrap_or_else(|| panic!("engine did not report the hung worker within 5 s:\n{log}"));
-    assert!(noticed < Duration::from_secs(1), "hang noticed after {noticed:?}");
+    assert!(
+        noticed < Duration::from_secs(1),
+        "hang noticed after {noticed:?}"
+    );
     println!("device hand-off: killed worker noticed after {death_noticed_after:?}, stopped after {noticed:?}");
 }
 

@@ -26,9 +26,9 @@ use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec
 
 mod mtp;
 pub mod qwen4_exp;
-mod worker_handoff;
 mod speculative;
 mod step_graphs;
+mod worker_handoff;
 pub use mtp::MtpState;
 pub use speculative::{
     greedy_with_mtp, greedy_with_mtp_options, pick_draft, sample_with_mtp,

@@ -166,8 +166,7 @@ impl<B: Backend> Model<B> {
                 },
             });
         }
-        if let (Some(before), Some(after)) = (in_use.compute_before, self.experts.compute_nanos())
-        {
+        if let (Some(before), Some(after)) = (in_use.compute_before, self.experts.compute_nanos()) {
             let computed = after.saturating_sub(before);
             tally.expert_compute_nanos += computed;
             tally.expert_wait_nanos += computed;

@@ -197,11 +197,65 @@ impl ExpertExecutor for CountingExecutor {
     fn compute_nanos(&self) -> Option<u64> {
         self.inner.compute_nanos()
     }
+
+    // Forwarded, or counting would hide the workers from a backend that hands layers to them
+    // itself.
+    fn worker_channels(&self) -> Option<&dyn crate::moe::executor::WorkerChannels> {
+        self.inner.worker_channels()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An executor with workers, to see that counting forwards what a backend hand-off needs.
+    struct WithWorkers;
+
+    impl crate::moe::executor::WorkerChannels for WithWorkers {
+        fn channel_memory(&self) -> Vec<ninfer_channel::SegmentMemory> {
+            Vec::new()
+        }
+        fn prepare_backend_handoff(&self) -> Option<Vec<std::ops::Range<usize>>> {
+            Some(vec![0..4])
+        }
+        fn refusal(&self, _worker: usize) -> Option<String> {
+            None
+        }
+        fn worker_address(&self, worker: usize) -> String {
+            format!("worker {worker}")
+        }
+    }
+
+    impl ExpertExecutor for WithWorkers {
+        fn name(&self) -> &str {
+            "with workers"
+        }
+        fn compute(&self, _batch: &ExpertBatch<'_>, _out: &mut [f32]) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn compute_nanos(&self) -> Option<u64> {
+            Some(7)
+        }
+        fn worker_channels(&self) -> Option<&dyn crate::moe::executor::WorkerChannels> {
+            Some(self)
+        }
+    }
+
+    #[test]
+    fn counting_forwards_the_workers_and_their_compute_time() {
+        let counting = CountingExecutor {
+            inner: Arc::new(WithWorkers),
+            counters: Arc::new(RoutingCounters::new(1, 4)),
+        };
+        let channels = counting
+            .worker_channels()
+            .expect("the workers are forwarded");
+        assert_eq!(channels.prepare_backend_handoff(), Some(vec![0..4]));
+        assert_eq!(channels.worker_address(1), "worker 1");
+        assert_eq!(counting.compute_nanos(), Some(7));
+        assert_eq!(counting.name(), "with workers");
+    }
 
     #[test]
     fn counts_and_file_round_trip() {

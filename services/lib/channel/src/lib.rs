@@ -612,10 +612,12 @@ impl EngineChannel {
         let header = self.mapping.slot_header(slot);
         let (status, length) = unsafe {
             let raw = self.mapping.slot_header_mut(slot);
-            ((*raw).status, ((*raw).error_length as usize).min(ERROR_TEXT_BYTES))
+            (
+                (*raw).status,
+                ((*raw).error_length as usize).min(ERROR_TEXT_BYTES),
+            )
         };
-        (status != 0)
-            .then(|| String::from_utf8_lossy(&header.error_text[..length]).into_owned())
+        (status != 0).then(|| String::from_utf8_lossy(&header.error_text[..length]).into_owned())
     }
 
     /// Writes `request` into a free slot and rings the doorbell. Returns its sequence number.
@@ -957,7 +959,11 @@ impl WorkerChannel {
 
     /// Whether the engine asked for spinning until a time not yet reached.
     fn spinning_requested(&self) -> bool {
-        let until = self.mapping.header().spin_until_nanos.load(Ordering::Relaxed);
+        let until = self
+            .mapping
+            .header()
+            .spin_until_nanos
+            .load(Ordering::Relaxed);
         until != 0 && monotonic_nanos() < until
     }
 
@@ -1161,7 +1167,11 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         for _ in 0..3 {
             assert_eq!(
-                engine.mapping.header().worker_sleeping.load(Ordering::SeqCst),
+                engine
+                    .mapping
+                    .header()
+                    .worker_sleeping
+                    .load(Ordering::SeqCst),
                 0,
                 "the worker sleeps although the engine asked it to spin"
             );

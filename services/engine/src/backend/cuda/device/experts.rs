@@ -17,8 +17,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
-    DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
 };
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::{ExpertLayout, WeightDType};

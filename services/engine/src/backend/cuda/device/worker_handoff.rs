@@ -139,9 +139,7 @@ impl CudaBackend {
             )));
         }
         if channels.iter().any(|c| c.geometry != first.geometry) {
-            return Err(invalid(
-                "the workers' channels have different sizes".into(),
-            ));
+            return Err(invalid("the workers' channels have different sizes".into()));
         }
         self._context
             .bind_to_thread()
@@ -253,8 +251,7 @@ impl CudaBackend {
         if tokens == 0 {
             return Ok(());
         }
-        if tokens > handoff.max_tokens || k > handoff.max_top_k || x.cols != handoff.hidden_size
-        {
+        if tokens > handoff.max_tokens || k > handoff.max_top_k || x.cols != handoff.hidden_size {
             return Err(CudaError::Invalid {
                 problem: format!(
                     "a hand-off of {tokens} rows × top-{k} × {} features; the channels take {} × top-{} × {}",
@@ -270,7 +267,11 @@ impl CudaBackend {
                 let routing = pending.host_routing().ok_or_else(|| CudaError::Invalid {
                     problem: "a pending routing with neither a device nor a host routing".into(),
                 })?;
-                let ids: Vec<f32> = routing.expert_ids.iter().map(|&id| f32::from_bits(id)).collect();
+                let ids: Vec<f32> = routing
+                    .expert_ids
+                    .iter()
+                    .map(|&id| f32::from_bits(id))
+                    .collect();
                 uploaded = (
                     self.upload_tensor(&ids, tokens, k)?,
                     self.upload_tensor(&routing.weights, tokens, k)?,
@@ -318,9 +319,13 @@ impl CudaBackend {
         let posted_address = handoff.posted.device_ptr(&self.stream).0;
         let failure_address = handoff.failure_address;
         let config = LaunchConfig {
-            grid_dim: (u32::try_from(rows).map_err(|_| CudaError::Invalid {
-                problem: format!("{rows} rows in one hand-off"),
-            })?, 1, 1),
+            grid_dim: (
+                u32::try_from(rows).map_err(|_| CudaError::Invalid {
+                    problem: format!("{rows} rows in one hand-off"),
+                })?,
+                1,
+                1,
+            ),
             block_dim: (HANDOFF_COLLECT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -372,8 +377,14 @@ mod tests {
         let define = |name: &str| kernel_define("handoff", name);
         assert_eq!(HANDOFF_MAX_WORKERS as i64, define("HANDOFF_MAX_WORKERS"));
         assert_eq!(HANDOFF_WORDS as i64, define("HANDOFF_WORDS"));
-        assert_eq!(i64::from(HANDOFF_POST_THREADS), define("HANDOFF_POST_THREADS"));
-        assert_eq!(i64::from(HANDOFF_COLLECT_THREADS), define("HANDOFF_COLLECT_THREADS"));
+        assert_eq!(
+            i64::from(HANDOFF_POST_THREADS),
+            define("HANDOFF_POST_THREADS")
+        );
+        assert_eq!(
+            i64::from(HANDOFF_COLLECT_THREADS),
+            define("HANDOFF_COLLECT_THREADS")
+        );
         assert_eq!(i64::from(HANDOFF_REFUSED), define("HANDOFF_REFUSED"));
         assert_eq!(i64::from(HANDOFF_ABANDONED), define("HANDOFF_ABANDONED"));
         // The word order the Rust side uploads.

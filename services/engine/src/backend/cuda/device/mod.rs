@@ -940,7 +940,7 @@ mod step_graph;
 mod tensor_pool;
 
 pub use attention::AttentionPath;
-pub use experts::CudaExpertSlots;
+pub use experts::{CudaExpertSlots, GroupedExpertKernels};
 pub use options::{CudaOptions, KvDtype};
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;

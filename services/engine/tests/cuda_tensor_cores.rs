@@ -10,6 +10,7 @@
 //!   kernel and the tiled kernel: head_dim 64, 128 and 256, GQA 1 to 8, segments of 16 to 1000
 //!   rows (none a multiple of the 64-row tile), a second prefill continuing each sequence, and a
 //!   sliding window.
+//!
 //! Both are held to 2e-2 of the largest output (bf16 rounding of activations, softmax weights
 //! and dequantized weights; each test prints its figure). `tensor_core_prefill_figures`
 //! (ignored: a figure, not a check) times both against the kernels they replace at
@@ -95,7 +96,10 @@ fn expert_model(
     };
     write_model(&path, &config, options).unwrap();
     let artifact = open_artifact(&path).unwrap();
-    let bank = artifact.expert_bank("layers.0.moe.experts").unwrap().clone();
+    let bank = artifact
+        .expert_bank("layers.0.moe.experts")
+        .unwrap()
+        .clone();
     let layout = ExpertLayout::for_bank(&bank, hidden, intermediate).unwrap();
     (artifact, bank, layout, common)
 }
@@ -184,7 +188,13 @@ fn tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference() {
                 let masked: Vec<u32> = routing
                     .expert_ids
                     .iter()
-                    .map(|id| if resident.contains(id) { *id } else { NO_EXPERT })
+                    .map(|id| {
+                        if resident.contains(id) {
+                            *id
+                        } else {
+                            NO_EXPERT
+                        }
+                    })
                     .collect();
                 let mut reference = vec![0.0f32; tokens * hidden];
                 ReferenceExpertExecutor::new(Arc::clone(&artifact))
@@ -238,6 +248,9 @@ fn tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference() {
 /// `(rows, start position)` of one sequence's segment.
 type Piece = (usize, usize);
 
+/// (heads, kv_heads, head_dim, first prefill of the two sequences, second prefill, window)
+type AttentionCase = (usize, usize, usize, [usize; 2], [usize; 2], Option<usize>);
+
 /// One attention call over `segments` through `path`, each segment on its own cache.
 fn attention_call(
     gpu: &CudaBackend,
@@ -286,8 +299,7 @@ fn tensor_core_attention_matches_the_reference_and_tiled_kernels() {
     }
     assert_eq!(gpu.info().kv_dtype, KvDtype::Bf16);
     let mut rng = Xoshiro256::seed_from_u64(41);
-    // (heads, kv_heads, head_dim, first prefill of the two sequences, second prefill, window)
-    let cases: [(usize, usize, usize, [usize; 2], [usize; 2], Option<usize>); 5] = [
+    let cases: [AttentionCase; 5] = [
         (8, 2, 128, [77, 300], [33, 16], None),
         (32, 4, 128, [1000, 16], [65, 200], None),
         (16, 2, 256, [65, 130], [17, 64], None),

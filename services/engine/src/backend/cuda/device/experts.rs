@@ -759,8 +759,8 @@ impl CudaBackend {
             } else {
                 None
             };
-            let tensor_cores = kernels == GroupedExpertKernels::TensorCore
-                && layout.dtype != WeightDType::F32;
+            let tensor_cores =
+                kernels == GroupedExpertKernels::TensorCore && layout.dtype != WeightDType::F32;
             match groups {
                 Some(groups) if groups.worth_it(count) && tensor_cores => {
                     // The same pairs, in the tensor-core kernels' larger tiles.
@@ -1025,7 +1025,10 @@ mod tests {
             MMA_TILE_TOKENS as i64,
             kernel_define("experts", "MMA_TILE_TOKENS")
         );
-        assert_eq!(i64::from(MMA_THREADS), kernel_define("experts", "MMA_THREADS"));
+        assert_eq!(
+            i64::from(MMA_THREADS),
+            kernel_define("experts", "MMA_THREADS")
+        );
         assert_eq!(
             i64::from(MMA_COLUMNS_PER_BLOCK),
             kernel_define("experts", "MMA_COLUMNS")
@@ -1036,10 +1039,16 @@ mod tests {
         );
         // The kernels' fixed thread roles: two threads stage each pair row, one each weight
         // row, four warps 2 × 2 of 32 pairs × 64 weight rows; a stage is one quantization group.
-        assert_eq!(2 * MMA_TILE_TOKENS as i64, kernel_define("experts", "MMA_THREADS"));
+        assert_eq!(
+            2 * MMA_TILE_TOKENS as i64,
+            kernel_define("experts", "MMA_THREADS")
+        );
         assert_eq!(i64::from(MMA_ROWS_PER_BLOCK), i64::from(MMA_THREADS));
         assert_eq!(kernel_define("experts", "MMA_WARPS"), 4);
-        assert_eq!(kernel_define("experts", "MMA_K"), kernel_define("experts", "GROUP"));
+        assert_eq!(
+            kernel_define("experts", "MMA_K"),
+            kernel_define("experts", "GROUP")
+        );
     }
 
     #[test]

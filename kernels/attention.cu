@@ -18,6 +18,14 @@
 //   each K and V tile loaded once and used by all rows of the block; online softmax per row, the
 //   causal mask and sliding window per element, and no key tile past the block's last row.
 //
+// * `attention_mma_{64,128,256}` — prefill on the tensor cores (sm_80+, bf16 cache, head_dim 64,
+//   128 or 256): flash-attention-2. A block takes MMA_ROWS query rows of one head (16 per warp)
+//   and walks key tiles of MMA_KEYS keys (aligned to absolute key positions), K and V staged
+//   with asynchronous copies (the next tile's K while this tile's V is used, and so on);
+//   S = Q·Kᵀ and O += P·V on `mma.sync.m16n8k16` with q and p rounded to bf16 (K, V are bf16
+//   already), the online softmax in f32 on the accumulators. Not bit-equal to the tiled kernel:
+//   held to the reference within bf16 tolerances (start-up check and tests/cuda_tensor_cores.rs).
+//
 // Batch invariance: every row's arithmetic depends only on its own position, window and key
 // range (and, for the split path, the segment's chunk size), never on the other rows of the
 // block or the batch: key tiles/chunks are aligned to absolute positions, a key tile that is
@@ -645,4 +653,277 @@ extern "C" __global__ void __launch_bounds__(TILE_THREADS)
                          float scale) {
     attention_tiled_block(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
                           hd, window, scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core prefill (flash-attention-2 on mma.sync).
+
+#define MMA_ROWS 64
+#define MMA_KEYS 64
+#define MMA_THREADS 128
+// bf16 of padding per staged row: rows 16·(hd / 8 + 1) bytes apart put the 8 rows an ldmatrix
+// reads on distinct banks.
+#define MMA_PAD 8
+
+__device__ __forceinline__ unsigned int mma_pack_bf16x2(float lo, float hi) {
+    unsigned int packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+__device__ __forceinline__ void mma_ldmatrix_x4(unsigned int (&r)[4], const unsigned short* at) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void mma_ldmatrix_x4_trans(unsigned int (&r)[4],
+                                                      const unsigned short* at) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const unsigned int (&a)[4],
+                                             unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global → shared without waiting; `valid` false zero-fills (nothing is read).
+__device__ __forceinline__ void mma_copy_16(unsigned short* shared, const unsigned short* global,
+                                            bool valid) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+    int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mma_copies_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void mma_copies_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Stages keys [key0, key0 + MMA_KEYS) of one kv head (rows past last_key as 0: a cache row past
+// the filled length may hold anything, and 0 · NaN would poison the PV product).
+template <int HD>
+__device__ __forceinline__ void mma_stage_keys(unsigned short* tile, const unsigned short* cache,
+                                               int key0, int last_key, long long kv_width,
+                                               int kv_head) {
+    const int chunks = HD / 8;  // 16-byte copies per row
+    for (int i = threadIdx.x; i < MMA_KEYS * chunks; i += MMA_THREADS) {
+        int j = i / chunks, c = (i % chunks) * 8;
+        int key = key0 + j;
+        bool valid = key <= last_key;
+        const unsigned short* from =
+            cache + (valid ? (long long)key * kv_width + (long long)kv_head * HD + c : 0);
+        mma_copy_16(tile + j * (HD + MMA_PAD) + c, from, valid);
+    }
+}
+
+// Grid: x = tile of MMA_ROWS rows (the last tile first: causal blocks near the end have the most
+// keys), y = head. MMA_THREADS threads. Dynamic shared memory 3 · MMA_ROWS · (HD + MMA_PAD) bf16
+// (q, the K tile, the V tile; MMA_ROWS = MMA_KEYS).
+template <int HD>
+__device__ void attention_mma_block(const float* q, const unsigned short* keys,
+                                    const unsigned short* values, float* out, int row_start,
+                                    int n, int start_position, int heads, int kv_heads, int window,
+                                    float scale) {
+    const int stride = HD + MMA_PAD;
+    unsigned short* q_s = reinterpret_cast<unsigned short*>(attention_smem);
+    unsigned short* k_s = q_s + MMA_ROWS * stride;
+    unsigned short* v_s = k_s + MMA_KEYS * stride;
+
+    int group = heads / kv_heads;
+    int head = blockIdx.y, kv_head = head / group;
+    int t0 = (gridDim.x - 1 - blockIdx.x) * MMA_ROWS;
+    if (t0 >= n) return;
+    int t_last = min(t0 + MMA_ROWS, n) - 1;
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    long long q_width = (long long)heads * HD, kv_width = (long long)kv_heads * HD;
+    const float neg_inf = __int_as_float(0xff800000);
+    // exp(x) = 2^(x · log2 e): scores are kept in base 2.
+    const float scale_log2 = scale * 1.4426950408889634f;
+
+    int first_key = window > 0 ? max(0, start_position + t0 + 1 - window) : 0;
+    int last_key = start_position + t_last;
+    int tile_first = first_key / MMA_KEYS, tile_last = last_key / MMA_KEYS;
+    mma_stage_keys<HD>(k_s, keys, tile_first * MMA_KEYS, last_key, kv_width, kv_head);
+    mma_copies_commit();
+    mma_stage_keys<HD>(v_s, values, tile_first * MMA_KEYS, last_key, kv_width, kv_head);
+    mma_copies_commit();
+    // q rows as bf16 (rows past the segment as 0), while the first tile lands.
+    for (int i = tid; i < MMA_ROWS * (HD / 4); i += MMA_THREADS) {
+        int r = i / (HD / 4), d = (i % (HD / 4)) * 4;
+        int t = t0 + r;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (t < n)
+            v = *reinterpret_cast<const float4*>(q + (long long)(row_start + t) * q_width +
+                                                 (long long)head * HD + d);
+        *reinterpret_cast<uint2*>(q_s + r * stride + d) =
+            make_uint2(mma_pack_bf16x2(v.x, v.y), mma_pack_bf16x2(v.z, v.w));
+    }
+
+    // This thread's two rows: r_a = warp·16 + lane / 4 and r_a + 8 of the block.
+    int r_a = warp * 16 + lane / 4;
+    int t_rows[2] = {t0 + r_a, t0 + r_a + 8};
+    int positions[2], firsts[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        positions[h] = start_position + t_rows[h];
+        firsts[h] = window > 0 ? max(0, positions[h] + 1 - window) : 0;
+    }
+    float row_max[2] = {neg_inf, neg_inf}, row_sum[2] = {0.0f, 0.0f};
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+    for (int tile = tile_first; tile <= tile_last; ++tile) {
+        int key0 = tile * MMA_KEYS;
+        bool more = tile < tile_last;
+        mma_copies_wait<1>();  // this tile's K (its V may still be in flight)
+        __syncthreads();       // … for every thread's copies; q_s stored
+        float s[MMA_KEYS / 8][4];
+#pragma unroll
+        for (int j = 0; j < MMA_KEYS / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+#pragma unroll
+        for (int kd = 0; kd < HD; kd += 16) {
+            unsigned int a[4];
+            mma_ldmatrix_x4(a, q_s + (warp * 16 + (lane & 15)) * stride + kd + (lane >> 4) * 8);
+#pragma unroll
+            for (int jj = 0; jj < MMA_KEYS / 16; ++jj) {
+                unsigned int b[4];
+                mma_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
+                                       kd + ((lane >> 3) & 1) * 8);
+                mma_m16n8k16(s[2 * jj], a, b[0], b[1]);
+                mma_m16n8k16(s[2 * jj + 1], a, b[2], b[3]);
+            }
+        }
+        // Mask, scale, online softmax: row h's values are s[j][2h], s[j][2h + 1], spread over
+        // the 4 lanes of a quad.
+        float correction[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float top = neg_inf;
+#pragma unroll
+            for (int j = 0; j < MMA_KEYS / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int key = key0 + j * 8 + 2 * (lane % 4) + e;
+                    bool visible = t_rows[h] < n && key >= firsts[h] && key <= positions[h];
+                    float score = visible ? s[j][2 * h + e] * scale_log2 : neg_inf;
+                    s[j][2 * h + e] = score;
+                    top = fmaxf(top, score);
+                }
+            }
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+            float new_max = fmaxf(row_max[h], top);
+            // Nothing visible yet: exponents against 0 give p = 0 and keep the state at 0.
+            float base = new_max == neg_inf ? 0.0f : new_max;
+            correction[h] = exp2f(row_max[h] - base);
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < MMA_KEYS / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float p = exp2f(s[j][2 * h + e] - base);
+                    s[j][2 * h + e] = p;
+                    sum += p;
+                }
+            }
+            row_sum[h] = row_sum[h] * correction[h] + sum;  // this lane's share
+            row_max[h] = new_max;
+        }
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            acc[j][0] *= correction[0], acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1], acc[j][3] *= correction[1];
+        }
+        __syncthreads();  // every warp is done with the K tile
+        if (more) {
+            mma_stage_keys<HD>(k_s, keys, key0 + MMA_KEYS, last_key, kv_width, kv_head);
+            mma_copies_commit();
+            mma_copies_wait<1>();  // this tile's V
+        } else {
+            mma_copies_wait<0>();
+        }
+        __syncthreads();
+        // O += P·V: P's accumulators are the A fragments of 16-key steps.
+#pragma unroll
+        for (int kc = 0; kc < MMA_KEYS / 16; ++kc) {
+            unsigned int a[4] = {
+                mma_pack_bf16x2(s[2 * kc][0], s[2 * kc][1]),
+                mma_pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
+                mma_pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                mma_pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]),
+            };
+#pragma unroll
+            for (int dd = 0; dd < HD / 16; ++dd) {
+                unsigned int b[4];
+                mma_ldmatrix_x4_trans(
+                    b, v_s + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dd * 16 +
+                           (lane >> 4) * 8);
+                mma_m16n8k16(acc[2 * dd], a, b[0], b[1]);
+                mma_m16n8k16(acc[2 * dd + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with the V tile
+        if (more) {
+            mma_stage_keys<HD>(v_s, values, key0 + MMA_KEYS, last_key, kv_width, kv_head);
+            mma_copies_commit();
+        }
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float total = row_sum[h];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (t_rows[h] >= n) continue;
+        float inverse = 1.0f / total;
+        float* o = out + (long long)(row_start + t_rows[h]) * q_width + (long long)head * HD;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            *reinterpret_cast<float2*>(o + j * 8 + 2 * (lane % 4)) =
+                make_float2(acc[j][2 * h] * inverse, acc[j][2 * h + 1] * inverse);
+        }
+    }
+}
+
+// One kernel per head_dim (attention.rs picks it).
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+    attention_mma_64(const float* q, const unsigned short* keys, const unsigned short* values,
+                     float* out, int row_start, int n, int start_position, int heads,
+                     int kv_heads, int window, float scale) {
+    attention_mma_block<64>(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
+                            window, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+    attention_mma_128(const float* q, const unsigned short* keys, const unsigned short* values,
+                     float* out, int row_start, int n, int start_position, int heads,
+                     int kv_heads, int window, float scale) {
+    attention_mma_block<128>(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
+                            window, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+    attention_mma_256(const float* q, const unsigned short* keys, const unsigned short* values,
+                     float* out, int row_start, int n, int start_position, int heads,
+                     int kv_heads, int window, float scale) {
+    attention_mma_block<256>(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
+                            window, scale);
 }

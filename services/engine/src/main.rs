@@ -122,6 +122,12 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_worker_handoff: bool,
+    /// `on` (the default): prefill-sized grouped routed experts (bf16 / int8 / int4) and causal
+    /// prefill attention over a bf16 KV cache run on the tensor cores (bf16 inputs, f32
+    /// accumulation; within bf16 tolerances of the f32 kernels). `off`: the f32 SIMT kernels.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_tensor_cores: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -222,6 +228,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         args.cuda_graphs,
         args.cuda_routing_stores,
         args.cuda_worker_handoff,
+        args.cuda_tensor_cores,
     )?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
@@ -495,12 +502,14 @@ fn select_device(
     cuda_graphs: bool,
     cuda_routing_stores: bool,
     cuda_worker_handoff: bool,
+    cuda_tensor_cores: bool,
 ) -> anyhow::Result<SelectedDevice> {
     let options = CudaOptions {
         kv_dtype: kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
         step_graphs: cuda_graphs,
         routing_stores: cuda_routing_stores,
         worker_handoff: cuda_worker_handoff,
+        tensor_core_prefill: cuda_tensor_cores,
         ..CudaOptions::default()
     };
     let cpu = || {

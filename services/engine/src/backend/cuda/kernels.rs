@@ -83,6 +83,9 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "attention_combine",
             "attention_tiled",
             "attention_tiled_bf16",
+            "attention_mma_64",
+            "attention_mma_128",
+            "attention_mma_256",
         ],
     },
     KernelSource {
@@ -98,6 +101,8 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "expert_down",
             "expert_gate_up_grouped",
             "expert_down_grouped",
+            "expert_gate_up_mma",
+            "expert_down_mma",
             "expert_pair_sum",
         ],
     },
@@ -353,7 +358,12 @@ mod tests {
                 // `__global__ void NAME(`, possibly with `__launch_bounds__(…)` in between.
                 let call = format!(" {function}(");
                 let defined = kernel.source.match_indices(&call).any(|(at, _)| {
-                    let before = &kernel.source[at.saturating_sub(160)..at];
+                    // 160 bytes back, moved to a character boundary (comments hold `·`).
+                    let mut from = at.saturating_sub(160);
+                    while !kernel.source.is_char_boundary(from) {
+                        from -= 1;
+                    }
+                    let before = &kernel.source[from..at];
                     before
                         .rsplit_once("__global__")
                         .is_some_and(|(_, between)| {

@@ -8,7 +8,10 @@
 //!
 //! Path per segment (flash): at most [`SPLIT_MAX_ROWS`] rows (decode, a few speculative rows) go
 //! through split-K with a chunk size chosen from the segment's last position only; longer
-//! segments (prefill) through the tiled kernel. Both compute each row from its own keys in an
+//! segments (prefill) through the tiled kernel, or with [`AttentionPath::TensorCore`] (the
+//! default options, after its own start-up check) through the tensor-core kernel when the cache
+//! is bf16, head_dim is 64, 128 or 256 and the segment has at least [`MMA_MIN_ROWS`] rows. All
+//! compute each row from its own keys in an
 //! order fixed by absolute key positions, so a row's result never depends on the other
 //! sequences of the batch (batch invariance, as the matmul kernel).
 
@@ -49,6 +52,18 @@ const TILE_ROWS: usize = 32;
 const TILE_KEYS: usize = 32;
 /// Relative difference the self-check allows between the flash and reference kernels.
 const SELF_CHECK_TOLERANCE: f32 = 1e-4;
+/// `MMA_ROWS` (= `MMA_KEYS`), `MMA_THREADS` and `MMA_PAD` in `kernels/attention.cu`.
+const MMA_ROWS: usize = 64;
+const MMA_THREADS: u32 = 128;
+const MMA_PAD: usize = 8;
+/// Head dims with a tensor-core kernel (`attention_mma_{hd}`).
+const MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Segments of at least this many rows take the tensor-core kernel (shorter ones, the tiled
+/// kernel: a block of `MMA_ROWS` rows would be mostly padding).
+pub(super) const MMA_MIN_ROWS: usize = 16;
+/// What the tensor-core kernel's start-up check allows (relative to the largest output): q and
+/// the softmax weights are rounded to bf16 (relative error 2⁻⁹ each).
+const MMA_SELF_CHECK_TOLERANCE: f32 = 1e-2;
 
 /// Which attention kernels the backend runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,6 +73,10 @@ pub enum AttentionPath {
     /// One warp per (row, head) over all keys: forced by `CudaOptions::reference_attention`,
     /// or the fallback when the flash kernels failed their self-check.
     Reference,
+    /// As `Flash`, with prefill segments over a bf16 cache on the tensor-core kernel
+    /// (`attention_mma_*`, see [`MMA_MIN_ROWS`]): the default options once it passed its own
+    /// start-up check.
+    TensorCore,
 }
 
 impl std::fmt::Display for AttentionPath {
@@ -65,6 +84,7 @@ impl std::fmt::Display for AttentionPath {
         f.write_str(match self {
             AttentionPath::Flash => "flash",
             AttentionPath::Reference => "reference",
+            AttentionPath::TensorCore => "tensor-core",
         })
     }
 }
@@ -87,6 +107,12 @@ fn split_smem_bytes(hd: usize, dtype: KvDtype) -> usize {
         * 4
 }
 
+/// Dynamic shared memory of a tensor-core block: q, one K and one V tile of `MMA_ROWS` rows of
+/// `hd + MMA_PAD` bf16.
+fn mma_smem_bytes(hd: usize) -> usize {
+    3 * MMA_ROWS * (hd + MMA_PAD) * 2
+}
+
 /// Dynamic shared memory of a tiled block.
 fn tiled_smem_bytes(hd: usize) -> usize {
     (TILE_ROWS * hd + TILE_KEYS * (hd + 1) + TILE_ROWS * TILE_KEYS) * 4
@@ -94,6 +120,13 @@ fn tiled_smem_bytes(hd: usize) -> usize {
 
 /// A self-check case: (heads, kv_heads, head_dim, prefill lengths of two sequences, window).
 type CheckCase = (usize, usize, usize, [usize; 2], Option<usize>);
+
+/// The self-check's cases; every head_dim has a tensor-core kernel.
+const CHECK_CASES: [CheckCase; 3] = [
+    (8, 2, 128, [37, 700], None),
+    (16, 2, 256, [70, 1], None),
+    (4, 1, 64, [300, 9], Some(100)),
+];
 
 /// Where one split segment's partials sit in the workspace.
 struct SplitPlan {
@@ -133,12 +166,16 @@ impl CudaBackend {
             tracing::info!("attention: the reference kernel (forced by the options)");
             return AttentionPath::Reference;
         }
-        match self.check_flash_attention() {
+        match self.check_against_reference(
+            AttentionPath::Flash,
+            &[KvDtype::F32, KvDtype::Bf16],
+            SELF_CHECK_TOLERANCE,
+        ) {
             Ok(worst) => {
                 tracing::info!(
                     "flash attention passed its start-up check (max |Δ| / scale {worst:.1e} vs the reference kernel)"
                 );
-                AttentionPath::Flash
+                self.start_tensor_core_attention()
             }
             Err(error) => {
                 tracing::warn!(
@@ -147,6 +184,68 @@ impl CudaBackend {
                 let _ = self.stream.synchronize();
                 AttentionPath::Reference
             }
+        }
+    }
+
+    /// `TensorCore` when the options ask for it, the GPU gives the kernels their shared memory
+    /// and they pass their check against the reference (bf16 cache), else `Flash`.
+    fn start_tensor_core_attention(&self) -> AttentionPath {
+        if !self.options.tensor_core_prefill {
+            return AttentionPath::Flash;
+        }
+        let allowed = MMA_HEAD_DIMS.iter().try_for_each(|&hd| {
+            let bytes = mma_smem_bytes(hd);
+            if bytes > self.info.shared_memory_per_block {
+                return Err(CudaError::Unsupported {
+                    problem: format!(
+                        "head_dim {hd} needs {bytes} bytes of shared memory per block, the GPU gives {}",
+                        self.info.shared_memory_per_block
+                    ),
+                });
+            }
+            self.mma_function(hd)?
+                .set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(driver_error(format!(
+                    "allowing `attention_mma_{hd}` {bytes} bytes of shared memory"
+                )))?;
+            Ok(())
+        });
+        let checked = allowed.and_then(|()| {
+            self.check_against_reference(
+                AttentionPath::TensorCore,
+                &[KvDtype::Bf16],
+                MMA_SELF_CHECK_TOLERANCE,
+            )
+        });
+        match checked {
+            Ok(worst) => {
+                tracing::info!(
+                    "tensor-core prefill attention passed its start-up check (max |Δ| / scale {worst:.1e} vs the reference kernel)"
+                );
+                AttentionPath::TensorCore
+            }
+            Err(error) => {
+                tracing::warn!(
+                    "tensor-core prefill attention unusable, the tiled kernel does prefill: {error}"
+                );
+                let _ = self.stream.synchronize();
+                AttentionPath::Flash
+            }
+        }
+    }
+
+    /// `attention_mma_{hd}`.
+    fn mma_function(&self, hd: usize) -> Result<&cudarc::driver::CudaFunction, CudaError> {
+        match hd {
+            64 => self.function("attention_mma_64"),
+            128 => self.function("attention_mma_128"),
+            256 => self.function("attention_mma_256"),
+            _ => Err(CudaError::Invalid {
+                problem: format!("no tensor-core attention kernel for head_dim {hd}"),
+            }),
         }
     }
 
@@ -179,18 +278,18 @@ impl CudaBackend {
     }
 
     /// Two sequences (a 37-row and a 700-row prefill, then one decode step each) at GQA 4,
-    /// head_dim 128, and a short one at GQA 8, head_dim 256, with f32 and bf16 caches, through
-    /// the flash and the reference kernels: the largest difference relative to the largest
-    /// output must stay under `SELF_CHECK_TOLERANCE`.
-    fn check_flash_attention(&self) -> Result<f32, CudaError> {
+    /// head_dim 128, and a short one at GQA 8, head_dim 256, with the caches of `dtypes`,
+    /// through `path` and the reference kernel: the largest difference relative to the largest
+    /// output must stay under `tolerance`.
+    fn check_against_reference(
+        &self,
+        path: AttentionPath,
+        dtypes: &[KvDtype],
+        tolerance: f32,
+    ) -> Result<f32, CudaError> {
         let mut next = self_check_values(0x2545_f491_4f6c_dd1d);
         let mut worst = 0.0f32;
-        let cases: [CheckCase; 3] = [
-            (8, 2, 128, [37, 700], None),
-            (16, 2, 256, [70, 1], None),
-            (4, 1, 64, [300, 9], Some(100)),
-        ];
-        for (heads, kv_heads, hd, lengths, window) in cases {
+        for (heads, kv_heads, hd, lengths, window) in CHECK_CASES {
             let spec = AttentionSpec {
                 heads,
                 kv_heads,
@@ -199,7 +298,7 @@ impl CudaBackend {
             };
             let kv_width = kv_heads * hd;
             let max_tokens = lengths[0].max(lengths[1]) + 1;
-            for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            for &dtype in dtypes {
                 let mut flash = [
                     self.kv_cache_of(dtype, max_tokens, kv_width)?,
                     self.kv_cache_of(dtype, max_tokens, kv_width)?,
@@ -224,7 +323,7 @@ impl CudaBackend {
                     let (q, k, v) = (tensor(heads * hd)?, tensor(kv_width)?, tensor(kv_width)?);
                     let mut outputs = Vec::new();
                     for (path, caches) in [
-                        (AttentionPath::Flash, &mut flash),
+                        (path, &mut flash),
                         (AttentionPath::Reference, &mut reference),
                     ] {
                         let [c0, c1] = caches;
@@ -263,10 +362,10 @@ impl CudaBackend {
                             |a, d| if d.is_nan() { f32::INFINITY } else { a.max(d) },
                         )
                         / scale;
-                    if difference.is_nan() || difference > SELF_CHECK_TOLERANCE {
+                    if difference.is_nan() || difference > tolerance {
                         return Err(CudaError::Invalid {
                             problem: format!(
-                                "heads {heads}/{kv_heads} head_dim {hd} window {window:?} {dtype} KV, rows {new:?} at positions {positions:?}: flash differs from the reference by {difference:.2e} of the largest value (allowed {SELF_CHECK_TOLERANCE:.0e})"
+                                "heads {heads}/{kv_heads} head_dim {hd} window {window:?} {dtype} KV, rows {new:?} at positions {positions:?}: {path} differs from the reference by {difference:.2e} of the largest value (allowed {tolerance:.0e})"
                             ),
                         });
                     }
@@ -410,7 +509,7 @@ impl CudaBackend {
             let decode_rows = segments
                 .iter()
                 .all(|segment| segment.rows.len() <= 1 && segment.rows.end <= graph.rows);
-            if path != AttentionPath::Flash || !decode_rows {
+            if path == AttentionPath::Reference || !decode_rows {
                 return Err(CudaError::Invalid {
                     problem: "a step graph takes one-row segments through the flash kernels only"
                         .into(),
@@ -460,7 +559,7 @@ impl CudaBackend {
             // The split kernel stages whole 4-byte words: a bf16 row needs an even head_dim
             // (any real model's); an odd one takes the tiled kernel.
             let whole_words = segment.state.dtype == KvDtype::F32 || hd % 2 == 0;
-            if path == AttentionPath::Flash && n > 0 && n <= SPLIT_MAX_ROWS && whole_words {
+            if path != AttentionPath::Reference && n > 0 && n <= SPLIT_MAX_ROWS && whole_words {
                 let last = segment.start_position + n - 1;
                 let chunk = split_chunk(last);
                 // A step graph serves every position: its grid covers the most chunks a row
@@ -514,7 +613,11 @@ impl CudaBackend {
                 });
             }
             match (path, plan, workspace.as_mut()) {
-                (AttentionPath::Flash, Some(plan), Some((part_o, part_ml))) => {
+                (
+                    AttentionPath::Flash | AttentionPath::TensorCore,
+                    Some(plan),
+                    Some((part_o, part_ml)),
+                ) => {
                     let (part_o, part_ml) = (&mut *part_o.data, &mut *part_ml.data);
                     let group = spec.heads / spec.kv_heads;
                     let slices = group.div_ceil(SPLIT_HEADS);
@@ -556,7 +659,47 @@ impl CudaBackend {
                         &*part_o, &*part_ml, output, &row_start, &rows, &at, &heads, &head_dim,
                         &window, &chunk, &chunks, &part_base, &row_positions)?;
                 }
-                (AttentionPath::Flash, _, _) => {
+                // An f32 cache keeps the tiled kernel.
+                (AttentionPath::TensorCore, _, _)
+                    if n >= MMA_MIN_ROWS
+                        && MMA_HEAD_DIMS.contains(&hd)
+                        && cache.dtype == KvDtype::Bf16 =>
+                {
+                    let (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) = (keys, values) else {
+                        return Err(CudaError::Invalid {
+                            problem: "attention: a bf16 cache holds f32 buffers".into(),
+                        });
+                    };
+                    let tiles =
+                        u32::try_from(n.div_ceil(MMA_ROWS)).map_err(|_| CudaError::Invalid {
+                            problem: format!("attention: {n} rows"),
+                        })?;
+                    let config = LaunchConfig {
+                        grid_dim: (tiles, spec.heads as u32, 1),
+                        block_dim: (MMA_THREADS, 1, 1),
+                        shared_mem_bytes: mma_smem_bytes(hd) as u32,
+                    };
+                    let function = self.mma_function(hd)?;
+                    let mut builder = self.stream.launch_builder(function);
+                    builder
+                        .arg(q_data)
+                        .arg(keys)
+                        .arg(values)
+                        .arg(output)
+                        .arg(&row_start)
+                        .arg(&rows)
+                        .arg(&at)
+                        .arg(&heads)
+                        .arg(&kv_heads)
+                        .arg(&window)
+                        .arg(&scale);
+                    // SAFETY: the arguments match `attention_mma_{hd}` in kernels/attention.cu
+                    // (types and order); the grid covers the segment's rows, which lie in q and
+                    // out, and its keys lie in the cache (checked by `attention_on`).
+                    unsafe { builder.launch(config) }
+                        .map_err(driver_error("launching `attention_mma`"))?;
+                }
+                (AttentionPath::Flash | AttentionPath::TensorCore, _, _) => {
                     let tiles =
                         u32::try_from(n.div_ceil(TILE_ROWS)).map_err(|_| CudaError::Invalid {
                             problem: format!("attention: {n} rows"),
@@ -629,6 +772,18 @@ mod tests {
             ATTENTION_MAX_HEAD_DIM as i64,
             32 * define("MAX_DIMS_PER_LANE")
         );
+        assert_eq!(MMA_ROWS as i64, define("MMA_ROWS"));
+        // One tile size stages q and the K / V tiles (mma_smem_bytes).
+        assert_eq!(define("MMA_KEYS"), define("MMA_ROWS"));
+        assert_eq!(i64::from(MMA_THREADS), define("MMA_THREADS"));
+        assert_eq!(MMA_PAD as i64, define("MMA_PAD"));
+        // 16 rows per warp.
+        assert_eq!(define("MMA_ROWS"), 16 * define("MMA_THREADS") / 32);
+        for hd in MMA_HEAD_DIMS {
+            assert!(hd % 16 == 0 && hd <= ATTENTION_MAX_HEAD_DIM);
+        }
+        // The largest block fits an sm_86 / sm_89 GPU's 99 KiB.
+        assert!(mma_smem_bytes(256) <= 99 * 1024);
         // The split kernel's threads cover a head's dims, its warps a tile's keys (one per lane).
         assert!(define("SPLIT_THREADS") * define("SPLIT_DIMS") >= ATTENTION_MAX_HEAD_DIM as i64);
         assert_eq!(define("SPLIT_WARPS") * 32, define("SPLIT_THREADS"));

@@ -54,6 +54,15 @@ const TILE_TOKENS: usize = 16;
 const GROUPED_WARPS: u32 = 8;
 const GROUPED_COLUMNS_PER_BLOCK: u32 = 2 * GROUPED_WARPS;
 const GROUPED_ROWS_PER_BLOCK: u32 = 4 * GROUPED_WARPS;
+/// Pairs per tile of the tensor-core grouped kernels (`MMA_TILE_TOKENS` in kernels/experts.cu):
+/// the rows of one block's GEMM.
+const MMA_TILE_TOKENS: usize = 64;
+/// Threads per block of the tensor-core kernels (`MMA_THREADS`), activated columns per
+/// `expert_gate_up_mma` block (`MMA_COLUMNS`) and output rows per `expert_down_mma` block
+/// (`MMA_TILE_ROWS`).
+const MMA_THREADS: u32 = 128;
+const MMA_COLUMNS_PER_BLOCK: u32 = 64;
+const MMA_ROWS_PER_BLOCK: u32 = 128;
 /// The grid's y dimension (tiles or pairs per launch).
 const MAX_GRID_Y: usize = 65_535;
 /// Pairs (token × choice) per launch: the grid's y dimension (pairs, or tiles of the grouped
@@ -86,6 +95,25 @@ impl Drop for PinnedRange {
                 let _ = cudarc::driver::sys::cuMemHostUnregister(self.start);
             }
         }
+    }
+}
+
+/// Which kernels compute a batch that takes the grouped path (see `GROUPED_MIN_TOKENS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupedExpertKernels {
+    /// `expert_gate_up_grouped` / `expert_down_grouped`: f32 FMAs, the per-pair kernels' bits.
+    Simt,
+    /// `expert_gate_up_mma` / `expert_down_mma` (bf16 tensor cores, f32 accumulation) for bf16,
+    /// int8 and int4 experts; f32 experts keep the SIMT kernels.
+    TensorCore,
+}
+
+impl std::fmt::Display for GroupedExpertKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GroupedExpertKernels::Simt => "simt",
+            GroupedExpertKernels::TensorCore => "tensor-core",
+        })
     }
 }
 
@@ -307,7 +335,7 @@ struct PairGroups {
     /// Pair indices (within the launch), expert by expert in increasing expert id, each
     /// expert's pairs in increasing pair index.
     order: Vec<u32>,
-    /// `[first index into order, count ≤ TILE_TOKENS, slot]` per tile; a tile holds pairs of
+    /// `[first index into order, count ≤ the tile size, slot]` per tile; a tile holds pairs of
     /// one expert.
     tiles: Vec<i32>,
     /// Distinct experts with a slotted pair.
@@ -333,8 +361,12 @@ fn too_large(what: &str, value: usize) -> CudaError {
 }
 
 /// Groups the pairs with expert ids `ids` whose expert has a slot in `table` (ids of no expert
-/// have none) by expert, cut into tiles of at most `TILE_TOKENS`.
-fn group_pairs(ids: &[u32], table: &ExpertSlotTable) -> Result<PairGroups, CudaError> {
+/// have none) by expert, cut into tiles of at most `tile_tokens`.
+fn group_pairs(
+    ids: &[u32],
+    table: &ExpertSlotTable,
+    tile_tokens: usize,
+) -> Result<PairGroups, CudaError> {
     let num_experts = table.num_experts();
     let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); num_experts];
     for (pair, &id) in ids.iter().enumerate() {
@@ -355,7 +387,7 @@ fn group_pairs(ids: &[u32], table: &ExpertSlotTable) -> Result<PairGroups, CudaE
         };
         groups.experts += 1;
         let slot = i32::try_from(slot).map_err(|_| too_large("slot", slot))?;
-        for tile in pairs.chunks(TILE_TOKENS) {
+        for tile in pairs.chunks(tile_tokens) {
             let first = groups.order.len();
             groups.tiles.extend([
                 i32::try_from(first).map_err(|_| too_large("tile start", first))?,
@@ -431,6 +463,25 @@ fn expert_launch(
         ),
         block_dim: (32 * warps, 1, 1),
         shared_mem_bytes,
+    })
+}
+
+/// A tensor-core launch over `outputs` outputs in blocks of `per_block` (x) for each of `tiles`
+/// tiles (y), `MMA_THREADS` threads per block.
+fn mma_launch(
+    outputs: usize,
+    per_block: u32,
+    tiles: u32,
+    what: &str,
+) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (
+            grid(outputs.div_ceil(per_block as usize), MAX_GRID_X, what)?,
+            tiles,
+            1,
+        ),
+        block_dim: (MMA_THREADS, 1, 1),
+        shared_mem_bytes: 0,
     })
 }
 
@@ -616,8 +667,43 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The kernels a grouped batch takes under this backend's options.
+    pub(super) fn grouped_expert_kernels(&self) -> GroupedExpertKernels {
+        if self.options.tensor_core_prefill {
+            GroupedExpertKernels::TensorCore
+        } else {
+            GroupedExpertKernels::Simt
+        }
+    }
+
     pub(super) fn launch_slotted_experts(
         &self,
+        slots: &CudaExpertSlots,
+        x: &CudaTensor,
+        routing: &Routing,
+    ) -> Result<CudaTensor, CudaError> {
+        self.launch_slotted_experts_with(self.grouped_expert_kernels(), slots, x, routing)
+    }
+
+    /// [`Backend::slotted_experts`](crate::backend::Backend::slotted_experts) with a grouped
+    /// batch on the given kernels, whatever the options say (the tests compare them).
+    pub fn slotted_experts_through(
+        &self,
+        kernels: GroupedExpertKernels,
+        slots: &CudaExpertSlots,
+        x: &CudaTensor,
+        routing: &Routing,
+    ) -> Result<CudaTensor, EngineError> {
+        self.launch_slotted_experts_with(kernels, slots, x, routing)
+            .map_err(|source| EngineError::Device {
+                op: "slotted_experts",
+                source,
+            })
+    }
+
+    fn launch_slotted_experts_with(
+        &self,
+        kernels: GroupedExpertKernels,
         slots: &CudaExpertSlots,
         x: &CudaTensor,
         routing: &Routing,
@@ -675,11 +761,45 @@ impl CudaBackend {
             let weights = self.upload_f32(&routing.weights[first * k..(first + count) * k])?;
             let x_chunk = input.slice(first * hidden..(first + count) * hidden);
             let groups = if count >= GROUPED_MIN_TOKENS {
-                Some(group_pairs(chunk_ids, &slots.slot_table)?)
+                Some(group_pairs(chunk_ids, &slots.slot_table, TILE_TOKENS)?)
             } else {
                 None
             };
+            let tensor_cores =
+                kernels == GroupedExpertKernels::TensorCore && layout.dtype != WeightDType::F32;
             match groups {
+                Some(groups) if groups.worth_it(count) && tensor_cores => {
+                    // The same pairs, in the tensor-core kernels' larger tiles.
+                    let groups = group_pairs(chunk_ids, &slots.slot_table, MMA_TILE_TOKENS)?;
+                    if groups.order.len() < pairs {
+                        let mut rows = pair_out.slice_mut(0..pairs * hidden);
+                        self.stream
+                            .memset_zeros(&mut rows)
+                            .map_err(driver_error("zeroing the expert pair outputs"))?;
+                    }
+                    let order = self.upload_u32(&groups.order)?;
+                    let tiles = self
+                        .stream
+                        .memcpy_stod(&groups.tiles)
+                        .map_err(driver_error("copying the expert tiles to the GPU"))?;
+                    let tile_count = grid(groups.tile_count(), MAX_GRID_Y, "expert tiles")?;
+                    let gate_up_config = mma_launch(
+                        intermediate,
+                        MMA_COLUMNS_PER_BLOCK,
+                        tile_count,
+                        "expert column blocks",
+                    )?;
+                    launch!(self, "expert_gate_up_mma", gate_up_config;
+                        storage, &tiles, &order, &x_chunk, &mut *activated, &top_k,
+                        &args.hidden, &args.intermediate, &args.stride, &args.dtype,
+                        &args.gate_up_scales)?;
+                    let down_config =
+                        mma_launch(hidden, MMA_ROWS_PER_BLOCK, tile_count, "expert row blocks")?;
+                    launch!(self, "expert_down_mma", down_config;
+                        storage, &tiles, &order, &weights, &*activated, &mut *pair_out,
+                        &args.hidden, &args.intermediate, &args.stride, &args.dtype,
+                        &args.down_offset, &args.down_scales)?;
+                }
                 Some(groups) if groups.worth_it(count) => {
                     if groups.order.is_empty() {
                         // Nothing resident in this chunk: its rows of `out` stay zero.
@@ -907,6 +1027,34 @@ mod tests {
             i64::from(GROUPED_ROWS_PER_BLOCK),
             kernel_define("experts", "GROUPED_ROWS") * kernel_define("experts", "GROUPED_WARPS")
         );
+        assert_eq!(
+            MMA_TILE_TOKENS as i64,
+            kernel_define("experts", "MMA_TILE_TOKENS")
+        );
+        assert_eq!(
+            i64::from(MMA_THREADS),
+            kernel_define("experts", "MMA_THREADS")
+        );
+        assert_eq!(
+            i64::from(MMA_COLUMNS_PER_BLOCK),
+            kernel_define("experts", "MMA_COLUMNS")
+        );
+        assert_eq!(
+            i64::from(MMA_ROWS_PER_BLOCK),
+            kernel_define("experts", "MMA_TILE_ROWS")
+        );
+        // The kernels' fixed thread roles: two threads stage each pair row, one each weight
+        // row, four warps 2 × 2 of 32 pairs × 64 weight rows; a stage is one quantization group.
+        assert_eq!(
+            2 * MMA_TILE_TOKENS as i64,
+            kernel_define("experts", "MMA_THREADS")
+        );
+        assert_eq!(i64::from(MMA_ROWS_PER_BLOCK), i64::from(MMA_THREADS));
+        assert_eq!(kernel_define("experts", "MMA_WARPS"), 4);
+        assert_eq!(
+            kernel_define("experts", "MMA_K"),
+            kernel_define("experts", "GROUP")
+        );
     }
 
     #[test]
@@ -920,7 +1068,7 @@ mod tests {
         let mut ids = vec![3u32; 35];
         ids.extend([0, 1, 2, 9, 5]);
         ids.swap(3, 36); // pair 3 → expert 1, pair 36 → expert 3
-        let groups = group_pairs(&ids, &table).unwrap();
+        let groups = group_pairs(&ids, &table, TILE_TOKENS).unwrap();
         assert_eq!(groups.experts, 2);
         let expected_order: Vec<u32> = std::iter::once(3)
             .chain((0..37).filter(|&p| p != 3 && p != 35))
@@ -933,10 +1081,14 @@ mod tests {
         );
         assert!(groups.worth_it(GROUPED_MIN_TOKENS));
         assert!(!groups.worth_it(GROUPED_MIN_TOKENS - 1));
-        let none = group_pairs(&[0, 2, 5], &table).unwrap();
+        let none = group_pairs(&[0, 2, 5], &table, TILE_TOKENS).unwrap();
         assert!(none.order.is_empty() && none.tiles.is_empty() && none.experts == 0);
         // One pair for each of many experts: tiles of one pair, not worth grouping.
-        let sparse = group_pairs(&[1, 3, 4], &table).unwrap();
+        let sparse = group_pairs(&[1, 3, 4], &table, TILE_TOKENS).unwrap();
+        // The tensor-core tiles: expert 3's 35 pairs in one.
+        let wide = group_pairs(&ids, &table, MMA_TILE_TOKENS).unwrap();
+        assert_eq!(wide.order, groups.order);
+        assert_eq!(wide.tiles, vec![0, 1, 7, 1, 35, 0]);
         assert_eq!(sparse.tile_count(), 3);
         assert!(!sparse.worth_it(64));
     }

@@ -996,7 +996,7 @@ mod tensor_pool;
 mod worker_handoff;
 
 pub use attention::AttentionPath;
-pub use experts::CudaExpertSlots;
+pub use experts::{CudaExpertSlots, GroupedExpertKernels};
 pub use options::{CudaOptions, KvDtype};
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;

@@ -44,7 +44,8 @@ impl std::str::FromStr for KvDtype {
 }
 
 /// How the backend computes where there is a choice. `Default`: bf16 KV cache, cuBLAS for bf16
-/// prefill GEMMs when it loads. [`CudaOptions::exact`]: f32 KV cache and the matmul kernel only,
+/// prefill GEMMs when it loads, tensor-core prefill kernels. [`CudaOptions::exact`]: f32 KV
+/// cache, the matmul kernel and the f32 SIMT kernels only,
 /// which computes what the CPU backend computes to f32 rounding, batch invariant (the tests that
 /// hold the GPU to the CPU backend's tolerances use it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +70,12 @@ pub struct CudaOptions {
     /// waits for the answers, so no host thread takes part per layer and such steps record as
     /// step graphs. Off: the host reads the routing and posts (the reference path).
     pub worker_handoff: bool,
+    /// Prefill-sized work on the tensor cores (`mma.sync`, bf16 inputs, f32 accumulation): the
+    /// grouped routed-expert kernels for bf16 / int8 / int4 experts, and causal attention over
+    /// a bf16 KV cache (after its start-up check). Activations (and the softmax weights) are
+    /// rounded to bf16, so results move within bf16 tolerances and no longer equal the
+    /// per-token (decode) kernels' bits; off, every op keeps the f32 SIMT kernels.
+    pub tensor_core_prefill: bool,
 }
 
 impl Default for CudaOptions {
@@ -80,6 +87,7 @@ impl Default for CudaOptions {
             step_graphs: true,
             routing_stores: true,
             worker_handoff: true,
+            tensor_core_prefill: true,
         }
     }
 }
@@ -95,6 +103,8 @@ impl CudaOptions {
             step_graphs: true,
             routing_stores: false,
             worker_handoff: true,
+            // Batch invariance: a token's bits must not depend on the kernel its batch took.
+            tensor_core_prefill: false,
         }
     }
 }

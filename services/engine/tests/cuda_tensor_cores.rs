@@ -1,0 +1,479 @@
+//! The CUDA backend's tensor-core prefill kernels against the kernels they replace and the f32
+//! references:
+//! * the grouped routed experts (`expert_gate_up_mma` / `expert_down_mma`) for bf16, int8 and
+//!   int4 experts against the SIMT grouped kernels and the f32 reference executor, at 16, 77 and
+//!   300 tokens (tiles of 64 pairs: none a multiple), uneven experts (one in most tokens, one in
+//!   a single token, a resident one in none, a token with no resident expert), hidden sizes 544
+//!   and 552 and expert widths 96 and 40 (quantized rows ending in padded groups); f32 experts
+//!   keep the SIMT kernels (same bits);
+//! * causal GQA prefill attention over a bf16 cache (`attention_mma_*`) against the reference
+//!   kernel and the tiled kernel: head_dim 64, 128 and 256, GQA 1 to 8, segments of 16 to 1000
+//!   rows (none a multiple of the 64-row tile), a second prefill continuing each sequence, and a
+//!   sliding window.
+//!
+//! Both are held to 2e-2 of the largest output (bf16 rounding of activations, softmax weights
+//! and dequantized weights; each test prints its figure). `tensor_core_prefill_figures`
+//! (ignored: a figure, not a check) times both against the kernels they replace at
+//! Qwen3-30B-A3B shapes.
+//!
+//! Runs on the backend with the default options. Without a GPU every test prints that it is
+//! skipped and passes (fails under `NINFER_REQUIRE_GPU=1`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig, NO_EXPERT};
+use ninfer_cpu_experts::ExpertLayout;
+use ninfer_engine::backend::cuda::{
+    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, GroupedExpertKernels, KvDtype,
+};
+use ninfer_engine::backend::{AttentionSpec, Routing, Segment};
+use ninfer_engine::sampling::Xoshiro256;
+use ninfer_engine::testing::{
+    max_abs_difference, tiny_config, write_model, TinyArchitecture, TinyModelOptions,
+};
+use ninfer_engine::{open_artifact, Backend, ExpertBatch, ExpertExecutor, ReferenceExpertExecutor};
+
+/// The largest difference from the reference, relative to its largest value, the tensor-core
+/// kernels may show.
+const TENSOR_CORE_TOLERANCE: f32 = 2e-2;
+
+fn gpu(test: &str) -> Option<Arc<CudaBackend>> {
+    match CudaBackend::shared() {
+        Ok(backend) => Some(backend),
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
+            }
+            println!("skipped `{test}` on cuda: {error}");
+            None
+        }
+    }
+}
+
+fn uniform(rng: &mut Xoshiro256, count: usize, scale: f32) -> Vec<f32> {
+    (0..count)
+        .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// max |got − expected| / max |expected|; NaN counts as infinite.
+fn relative_difference(got: &[f32], expected: &[f32]) -> f32 {
+    let scale = expected.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let worst = max_abs_difference(got, expected);
+    if worst.is_nan() || got.iter().any(|v| v.is_nan()) {
+        f32::INFINITY
+    } else {
+        worst / scale
+    }
+}
+
+/// A one-bank artifact of Qwen3-MoE shape with the given expert sizes and dtype, its expert
+/// bank, layout and the config's common part.
+fn expert_model(
+    directory: &Path,
+    dtype: DType,
+    hidden: usize,
+    intermediate: usize,
+    experts: usize,
+    top_k: usize,
+) -> (Arc<Artifact>, ExpertBank, ExpertLayout, CommonConfig) {
+    let mut config = tiny_config(TinyArchitecture::Qwen3Moe);
+    let ModelConfig::Qwen3Moe(ref mut qwen3) = config else {
+        unreachable!("tiny Qwen3Moe config")
+    };
+    qwen3.common.hidden_size = hidden;
+    qwen3.common.moe_intermediate_size = intermediate;
+    qwen3.common.num_experts = experts;
+    qwen3.common.num_experts_per_tok = top_k;
+    qwen3.common.num_hidden_layers = 1;
+    qwen3.common.moe_layers = vec![true];
+    let common = config.common().clone();
+    let path = directory.join(format!("experts-{dtype}-{hidden}-{intermediate}.ninfer"));
+    let options = TinyModelOptions {
+        experts_dtype: dtype,
+        ..TinyModelOptions::new(TinyArchitecture::Qwen3Moe)
+    };
+    write_model(&path, &config, options).unwrap();
+    let artifact = open_artifact(&path).unwrap();
+    let bank = artifact
+        .expert_bank("layers.0.moe.experts")
+        .unwrap()
+        .clone();
+    let layout = ExpertLayout::for_bank(&bank, hidden, intermediate).unwrap();
+    (artifact, bank, layout, common)
+}
+
+fn slots_of(
+    gpu: &CudaBackend,
+    artifact: &Arc<Artifact>,
+    bank: &ExpertBank,
+    layout: &ExpertLayout,
+    experts: usize,
+    fills: &[(usize, usize)],
+) -> CudaExpertSlots {
+    let slot_count = fills.iter().map(|f| f.0 + 1).max().unwrap_or(1);
+    let mut slots = gpu.new_expert_slots(layout, experts, slot_count).unwrap();
+    for &(slot, expert) in fills {
+        gpu.fill_expert_slot(&mut slots, slot, expert, artifact, bank)
+            .unwrap();
+    }
+    slots
+}
+
+/// The batch of `check_grouped_slotted_experts` in tests/expert_slots.rs: 10 experts, top-4;
+/// expert 0 in ~80% of the tokens, expert 3 in token `tokens / 2` only, token 0 on experts
+/// without a slot.
+fn uneven_routing(rng: &mut Xoshiro256, tokens: usize, k: usize) -> Routing {
+    let single = tokens / 2;
+    let mut routing = Routing {
+        experts_per_token: k,
+        expert_ids: Vec::new(),
+        weights: Vec::new(),
+    };
+    for t in 0..tokens {
+        let mut chosen: Vec<u32> = if t == 0 {
+            vec![1, 2, 4, 5]
+        } else if t == single {
+            vec![3]
+        } else if rng.next_u64() % 10 < 8 {
+            vec![0]
+        } else {
+            Vec::new()
+        };
+        while chosen.len() < k {
+            let id = [1u32, 2, 4, 5, 7, 8, 9][(rng.next_u64() % 7) as usize];
+            if !chosen.contains(&id) {
+                chosen.push(id);
+            }
+        }
+        chosen.rotate_left(t % k);
+        routing.expert_ids.extend(&chosen);
+        routing
+            .weights
+            .extend((0..k).map(|_| 0.1 + (rng.next_u64() % 1000) as f32 / 1000.0));
+    }
+    routing
+}
+
+#[test]
+fn tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference() {
+    let test = "tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference";
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    let directory = tempfile::tempdir().unwrap();
+    let (experts, k) = (10usize, 4usize);
+    let resident = [0u32, 3, 6, 7, 9];
+    let fills = [(0, 0), (1, 3), (2, 6), (3, 7), (4, 2), (4, 9)];
+    for (hidden, intermediate) in [(544usize, 96usize), (552, 40)] {
+        for dtype in [DType::Bf16, DType::Int8, DType::Int4, DType::F32] {
+            let (artifact, bank, layout, _) =
+                expert_model(directory.path(), dtype, hidden, intermediate, experts, k);
+            let slots = slots_of(&gpu, &artifact, &bank, &layout, experts, &fills);
+            for tokens in [16usize, 77, 300] {
+                let mut rng = Xoshiro256::seed_from_u64(tokens as u64 + 5);
+                let hidden_values = uniform(&mut rng, tokens * hidden, 1.0);
+                let routing = uneven_routing(&mut rng, tokens, k);
+                let x = gpu.upload(&hidden_values, tokens, hidden).unwrap();
+                let run = |kernels| {
+                    gpu.download(
+                        &gpu.slotted_experts_through(kernels, &slots, &x, &routing)
+                            .unwrap(),
+                    )
+                    .unwrap()
+                };
+                let tensor_cores = run(GroupedExpertKernels::TensorCore);
+                let simt = run(GroupedExpertKernels::Simt);
+                let masked: Vec<u32> = routing
+                    .expert_ids
+                    .iter()
+                    .map(|id| {
+                        if resident.contains(id) {
+                            *id
+                        } else {
+                            NO_EXPERT
+                        }
+                    })
+                    .collect();
+                let mut reference = vec![0.0f32; tokens * hidden];
+                ReferenceExpertExecutor::new(Arc::clone(&artifact))
+                    .compute(
+                        &ExpertBatch {
+                            layer: 0,
+                            bank: &bank,
+                            hidden_size: hidden,
+                            intermediate_size: intermediate,
+                            hidden: &hidden_values,
+                            experts_per_token: k,
+                            expert_ids: &masked,
+                            weights: &routing.weights,
+                        },
+                        &mut reference,
+                    )
+                    .unwrap();
+                let (vs_reference, vs_simt) = (
+                    relative_difference(&tensor_cores, &reference),
+                    relative_difference(&tensor_cores, &simt),
+                );
+                println!(
+                    "{dtype} experts, hidden {hidden}, width {intermediate}, {tokens} tokens: tensor cores vs f32 reference {vs_reference:.2e}, vs simt {vs_simt:.2e} (of the largest value)"
+                );
+                assert!(
+                    vs_reference <= TENSOR_CORE_TOLERANCE && vs_simt <= TENSOR_CORE_TOLERANCE,
+                    "{dtype}, hidden {hidden}, width {intermediate}, {tokens} tokens: tensor cores differ by {vs_reference:.2e} from the reference, {vs_simt:.2e} from simt"
+                );
+                assert!(
+                    relative_difference(&simt, &reference) < 1e-4,
+                    "the simt kernels moved"
+                );
+                assert!(
+                    tensor_cores[..hidden].iter().all(|&v| v == 0.0),
+                    "token 0 has no resident expert: its row must stay 0"
+                );
+                if dtype == DType::F32 {
+                    // f32 experts keep the SIMT kernels whatever is asked.
+                    assert!(tensor_cores
+                        .iter()
+                        .zip(&simt)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()));
+                } else {
+                    assert_ne!(tensor_cores, simt, "{dtype}: the tensor cores did not run");
+                }
+            }
+        }
+    }
+}
+
+/// `(rows, start position)` of one sequence's segment.
+type Piece = (usize, usize);
+
+/// (heads, kv_heads, head_dim, first prefill of the two sequences, second prefill, window)
+type AttentionCase = (usize, usize, usize, [usize; 2], [usize; 2], Option<usize>);
+
+/// One attention call over `segments` through `path`, each segment on its own cache.
+fn attention_call(
+    gpu: &CudaBackend,
+    path: AttentionPath,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    spec: &AttentionSpec,
+    caches: &mut [CudaKvCache],
+    segments: &[Piece],
+) -> Vec<f32> {
+    let total: usize = segments.iter().map(|s| s.0).sum();
+    let kv_width = spec.kv_heads * spec.head_dim;
+    let (qg, kg, vg) = (
+        gpu.upload(q, total, spec.heads * spec.head_dim).unwrap(),
+        gpu.upload(k, total, kv_width).unwrap(),
+        gpu.upload(v, total, kv_width).unwrap(),
+    );
+    let mut row = 0;
+    let mut batch: Vec<Segment<'_, _>> = Vec::new();
+    for (cache, &(length, start_position)) in caches.iter_mut().zip(segments) {
+        batch.push(Segment {
+            rows: row..row + length,
+            start_position,
+            state: cache,
+        });
+        row += length;
+    }
+    let out = gpu
+        .attention_with_path(path, &qg, &kg, &vg, spec, &mut batch)
+        .unwrap();
+    gpu.download(&out).unwrap()
+}
+
+#[test]
+fn tensor_core_attention_matches_the_reference_and_tiled_kernels() {
+    let test = "tensor_core_attention_matches_the_reference_and_tiled_kernels";
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    println!("attention path in use: {}", gpu.info().attention_path);
+    if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        assert_eq!(
+            gpu.info().attention_path,
+            AttentionPath::TensorCore,
+            "the tensor-core attention failed its start-up check (see the warning in the log)"
+        );
+    }
+    assert_eq!(gpu.info().kv_dtype, KvDtype::Bf16);
+    let mut rng = Xoshiro256::seed_from_u64(41);
+    let cases: [AttentionCase; 5] = [
+        (8, 2, 128, [77, 300], [33, 16], None),
+        (32, 4, 128, [1000, 16], [65, 200], None),
+        (16, 2, 256, [65, 130], [17, 64], None),
+        (4, 4, 64, [129, 20], [100, 1], None),
+        (8, 1, 64, [1000, 17], [70, 30], Some(100)),
+    ];
+    for (heads, kv_heads, hd, first, second, window) in cases {
+        let spec = AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            sliding_window: window,
+        };
+        let kv_width = kv_heads * hd;
+        let max_tokens = first[0].max(first[1]) + second[0].max(second[1]);
+        let caches = || -> Vec<CudaKvCache> {
+            (0..2)
+                .map(|_| gpu.new_kv_cache(max_tokens, kv_width).unwrap())
+                .collect()
+        };
+        let paths = [
+            AttentionPath::TensorCore,
+            AttentionPath::Reference,
+            AttentionPath::Flash,
+        ];
+        let mut all_caches: Vec<Vec<CudaKvCache>> = paths.iter().map(|_| caches()).collect();
+        for (step, lengths) in [first, second].into_iter().enumerate() {
+            let starts = if step == 0 { [0, 0] } else { first };
+            let total = lengths[0] + lengths[1];
+            let q = uniform(&mut rng, total * heads * hd, 1.5);
+            let k = uniform(&mut rng, total * kv_width, 1.5);
+            let v = uniform(&mut rng, total * kv_width, 1.0);
+            let segments = [(lengths[0], starts[0]), (lengths[1], starts[1])];
+            let outputs: Vec<Vec<f32>> = paths
+                .iter()
+                .zip(all_caches.iter_mut())
+                .map(|(&path, caches)| {
+                    attention_call(&gpu, path, (&q, &k, &v), &spec, caches, &segments)
+                })
+                .collect();
+            let (vs_reference, vs_tiled) = (
+                relative_difference(&outputs[0], &outputs[1]),
+                relative_difference(&outputs[0], &outputs[2]),
+            );
+            println!(
+                "attention heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores vs reference {vs_reference:.2e}, vs tiled {vs_tiled:.2e}"
+            );
+            assert!(
+                vs_reference <= TENSOR_CORE_TOLERANCE && vs_tiled <= TENSOR_CORE_TOLERANCE,
+                "heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores differ by {vs_reference:.2e} from the reference, {vs_tiled:.2e} from tiled"
+            );
+            if lengths.iter().all(|&n| n >= 16) {
+                assert_ne!(outputs[0], outputs[2], "the tensor cores did not run");
+            }
+        }
+    }
+}
+
+/// Seconds per call of `call`, over enough calls to pass 0.2 s.
+fn seconds_per_call(gpu: &CudaBackend, mut call: impl FnMut()) -> f64 {
+    call();
+    gpu.synchronize().unwrap();
+    let mut calls = 0u32;
+    let start = std::time::Instant::now();
+    while calls < 3 || start.elapsed().as_secs_f64() < 0.2 {
+        call();
+        calls += 1;
+        if calls % 4 == 0 {
+            gpu.synchronize().unwrap();
+        }
+    }
+    gpu.synchronize().unwrap();
+    start.elapsed().as_secs_f64() / f64::from(calls)
+}
+
+/// Not a check: the grouped routed experts (Qwen3-30B-A3B expert shapes: hidden 2048, width 768,
+/// top-8, 256 pairs per expert on average as at 4096 tokens over 128 experts; 16 experts resident
+/// and 512 tokens here, so the test writes a small artifact) and causal prefill attention at 4096
+/// tokens (32 heads over 4, head_dim 128), tensor cores against the kernels they replace.
+#[test]
+#[ignore = "a figure, not a check; needs a GPU"]
+fn tensor_core_prefill_figures() {
+    let test = "tensor_core_prefill_figures";
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    let directory = tempfile::tempdir().unwrap();
+    let (hidden, intermediate, experts, k) = (2048usize, 768usize, 16usize, 8usize);
+    let mut rng = Xoshiro256::seed_from_u64(3);
+    for dtype in [DType::Int8, DType::Bf16] {
+        let (artifact, bank, layout, _) =
+            expert_model(directory.path(), dtype, hidden, intermediate, experts, k);
+        let fills: Vec<(usize, usize)> = (0..experts).map(|e| (e, e)).collect();
+        let slots = slots_of(&gpu, &artifact, &bank, &layout, experts, &fills);
+        let tokens = 512usize;
+        let mut routing = Routing {
+            experts_per_token: k,
+            expert_ids: Vec::new(),
+            weights: Vec::new(),
+        };
+        for _ in 0..tokens {
+            let mut chosen: Vec<u32> = Vec::new();
+            while chosen.len() < k {
+                let id = (rng.next_u64() % experts as u64) as u32;
+                if !chosen.contains(&id) {
+                    chosen.push(id);
+                }
+            }
+            routing.expert_ids.extend(&chosen);
+            routing.weights.extend([0.125f32; 8].iter().take(k));
+        }
+        let x = gpu
+            .upload(&uniform(&mut rng, tokens * hidden, 1.0), tokens, hidden)
+            .unwrap();
+        let flops = (tokens * k) as f64 * 2.0 * 3.0 * (hidden * intermediate) as f64;
+        let mut figures = Vec::new();
+        for kernels in [GroupedExpertKernels::Simt, GroupedExpertKernels::TensorCore] {
+            let seconds = seconds_per_call(&gpu, || {
+                let _ = gpu
+                    .slotted_experts_through(kernels, &slots, &x, &routing)
+                    .unwrap();
+            });
+            figures.push(seconds);
+            println!(
+                "routed experts ({dtype}, {kernels}) {tokens} tokens × top-{k} over {experts} experts, hidden {hidden}, width {intermediate}: {:.3} ms, {:.1} TFLOP/s; 4096 tokens × 128 experts (8× the pairs) ≈ {:.2} ms per layer",
+                seconds * 1e3,
+                flops / seconds / 1e12,
+                8.0 * seconds * 1e3
+            );
+        }
+        println!(
+            "routed experts ({dtype}): tensor cores {:.1}× the simt kernels",
+            figures[0] / figures[1]
+        );
+    }
+    let (heads, kv_heads, hd, rows) = (32usize, 4usize, 128usize, 4096usize);
+    let spec = AttentionSpec {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        sliding_window: None,
+    };
+    let kv_width = kv_heads * hd;
+    let q = uniform(&mut rng, rows * heads * hd, 1.0);
+    let kv = uniform(&mut rng, rows * kv_width, 1.0);
+    let (qg, kg, vg) = (
+        gpu.upload(&q, rows, heads * hd).unwrap(),
+        gpu.upload(&kv, rows, kv_width).unwrap(),
+        gpu.upload(&kv, rows, kv_width).unwrap(),
+    );
+    // Causal: half the score matrix, two GEMMs of 2·hd flops per score.
+    let flops = 4.0 * (rows * rows / 2) as f64 * (hd * heads) as f64;
+    let mut figures = Vec::new();
+    for path in [AttentionPath::Flash, AttentionPath::TensorCore] {
+        let mut cache = gpu.new_kv_cache(rows, kv_width).unwrap();
+        let seconds = seconds_per_call(&gpu, || {
+            let mut batch = vec![Segment {
+                rows: 0..rows,
+                start_position: 0,
+                state: &mut cache,
+            }];
+            let _ = gpu
+                .attention_with_path(path, &qg, &kg, &vg, &spec, &mut batch)
+                .unwrap();
+        });
+        figures.push(seconds);
+        println!(
+            "prefill attention ({path}) {rows} tokens, heads {heads}/{kv_heads}, hd {hd}: {:.3} ms, {:.1} TFLOP/s",
+            seconds * 1e3,
+            flops / seconds / 1e12
+        );
+    }
+    println!(
+        "prefill attention: tensor cores {:.1}× the tiled kernel",
+        figures[0] / figures[1]
+    );
+}

@@ -74,6 +74,7 @@ fn every_preset_loads_in_the_engine_and_generates_finite_logits() {
         DType::Bf16,
         DType::Int4,
         DType::Int8,
+        DType::Int4,
     ];
     assert_eq!(dtypes.len(), PRESETS.len());
     for (preset, experts_dtype) in PRESETS.iter().zip(dtypes) {

@@ -1366,9 +1366,31 @@ impl Drawer {
         out
     }
 
+    /// A plain matrix drawn as [`Drawer::tensor`] draws `name` (row by row from its stream).
+    fn plain_matrix(&self, name: &str, rows: usize, cols: usize) -> Vec<f32> {
+        let mut rng = Rng::for_name(self.seed, name);
+        let bound = uniform_bound(self.matrix_std(name, cols));
+        let mut values = vec![0.0f32; rows * cols];
+        for row in values.chunks_exact_mut(cols.max(1)) {
+            rng.fill_uniform(row, bound);
+        }
+        values
+    }
+
     /// One expert's `[gate; up]` and `down`, encoded in the bank's dtype.
     fn expert(&self, bank: &PlannedBank, index: usize) -> (Vec<u8>, Vec<u8>) {
         let (h, im) = (bank.hidden_size, bank.intermediate_size);
+        if bank.class == ninfer_artifact::TensorClass::DenseMlpExpert {
+            // The layer's dense MLP itself: the same numbers as its `mlp.*` matrices.
+            let mlp = bank.prefix.trim_end_matches(".experts");
+            let mut gate_up = self.plain_matrix(&format!("{mlp}.gate_proj"), im, h);
+            gate_up.extend(self.plain_matrix(&format!("{mlp}.up_proj"), im, h));
+            let down = self.plain_matrix(&format!("{mlp}.down_proj"), h, im);
+            return (
+                encode_expert(&gate_up, bank.dtype, 2 * im, h),
+                encode_expert(&down, bank.dtype, h, im),
+            );
+        }
         let mut rng = Rng::for_name(self.seed, &format!("{}.{index}", bank.prefix));
         let mut gate_up = vec![0.0f32; 2 * im * h];
         rng.fill_uniform(&mut gate_up, uniform_bound(1.0 / (h as f32).sqrt()));
@@ -1614,6 +1636,10 @@ mod tests {
                     b.class,
                 ),
             };
+            // A dense MLP's one-expert bank is a second copy of its matrices.
+            if class == ninfer_artifact::TensorClass::DenseMlpExpert {
+                continue;
+            }
             total += count;
             match class {
                 ninfer_artifact::TensorClass::Mtp => mtp += count,
@@ -1842,14 +1868,28 @@ mod tests {
             .filter(|&l| c.layer_types[l] == LayerType::FullAttention)
             .collect();
         assert_eq!(full, (0..16).map(|i| 4 * i + 3).collect::<Vec<_>>());
-        // The plan: dense MLPs of their own class, no expert banks, a dense MTP layer.
+        // The plan: dense MLPs of their own class, each also as a bank of one expert in the
+        // dense dtype (for the CPU workers), a dense MTP layer.
         let options = SyntheticOptions::new(preset("qwen3.6-27b").unwrap(), "unused.ninfer");
         let (model, plan) = synthetic_plan(&options).unwrap();
         assert_eq!(model.hybrid().map(|h| h.mtp_num_layers), Some(1));
-        assert!(plan
+        let banks: Vec<&PlannedBank> = plan
             .items
             .iter()
-            .all(|item| matches!(item, PlannedItem::Tensor(_))));
+            .filter_map(|item| match item {
+                PlannedItem::Bank(bank) => Some(bank),
+                PlannedItem::Tensor(_) => None,
+            })
+            .collect();
+        assert_eq!(banks.len(), 64);
+        for (layer, bank) in banks.iter().enumerate() {
+            assert_eq!(bank.prefix, format!("layers.{layer}.mlp.experts"));
+            assert_eq!(bank.class, ninfer_artifact::TensorClass::DenseMlpExpert);
+            assert_eq!(
+                (bank.experts.len(), bank.intermediate_size, bank.dtype),
+                (1, 17408, DType::Bf16)
+            );
+        }
         let dense_mlp = plan
             .items
             .iter()

@@ -169,6 +169,8 @@ impl ModelFacts {
                     facts.dense_mlp_bytes += tensor.length;
                 }
                 TensorClass::NgramEmbedding => facts.ngram_table_bytes += tensor.length,
+                // A second copy of the dense MLPs, mapped only for offloaded layers.
+                TensorClass::DenseMlpExpert => {}
                 TensorClass::Mtp if is_mtp_routed_expert(&tensor.name) => {
                     facts.mtp_expert_bytes += tensor.length
                 }
@@ -217,6 +219,7 @@ impl ModelFacts {
                         facts.dense_mlp_bytes += tensor.bytes;
                     }
                     TensorClass::NgramEmbedding => facts.ngram_table_bytes += tensor.bytes,
+                    TensorClass::DenseMlpExpert => {}
                     TensorClass::Mtp if is_mtp_routed_expert(&tensor.name) => {
                         facts.mtp_expert_bytes += tensor.bytes
                     }

@@ -226,3 +226,68 @@ fn bench_model_names_a_missing_model_file() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("junk.ninfer"), "{stderr}");
 }
+
+/// The dense and the Qwen4-Exp presets bench on the CPU backend at two layers of toy width (the
+/// Qwen4-Exp one with its PLE layer and n-gram table among them), in process.
+#[test]
+fn bench_model_runs_the_dense_and_qwen4_exp_presets() {
+    binary("ninfer-engine");
+    let directory = tempfile::tempdir().unwrap();
+    let dir = directory.path();
+    for (preset, architecture) in [
+        ("qwen3.6-27b", "qwen3_5"),
+        ("qwen3.8-flash-next", "qwen4_exp"),
+    ] {
+        let output = ninfer(
+            &[
+                "convert",
+                "--synthetic",
+                preset,
+                "--scale-down",
+                "--layers",
+                "2",
+                "model.ninfer",
+            ],
+            dir,
+        );
+        assert!(
+            output.status.success(),
+            "{preset}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let artifact = ninfer_artifact::Artifact::open(&dir.join("model.ninfer")).unwrap();
+        if let Some(qwen4) = artifact.config().qwen4_exp() {
+            assert_eq!(qwen4.ple_layers, vec![0], "{preset}: the PLE layer is kept");
+            assert!(artifact
+                .tensor("layers.0.ple.ngram_embedding.shard_0")
+                .is_some());
+        }
+        drop(artifact);
+        let args = [
+            "bench",
+            "model.ninfer",
+            "--device",
+            "cpu",
+            "--no-workers",
+            "--prompt-lengths",
+            "16",
+            "--decode-tokens",
+            "4",
+            "--moe-threads",
+            "1",
+            "--ram-buffer-gib",
+            "0.0625",
+            "--ram-passes",
+            "2",
+            "--json",
+        ];
+        let output = ninfer(&args, dir);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{preset}: {stderr}");
+        let report: Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|e| panic!("{preset}: stdout is not one JSON object ({e}): {stderr}"));
+        assert_eq!(report["device"], "cpu", "{preset}");
+        assert_eq!(report["architecture"], architecture, "{preset}");
+        std::fs::remove_file(dir.join("model.ninfer")).unwrap();
+    }
+}

@@ -1,7 +1,8 @@
 //! MTP speculative decoding in the real processes: an engine started with `--spec mtp` whose
 //! routed experts (the MTP layer's included) are computed by an expert worker gives the tokens
 //! of an engine without drafts, and counts its drafts in GetStatus; `--spec mtp` on a model
-//! without the head fails at start with the file named. Needs the workspace binaries built next
+//! without the head fails at start with the file named. Dense MLPs offloaded to an expert
+//! worker keep the greedy tokens too. Needs the workspace binaries built next
 //! to this test (`scripts/test.sh` / `cargo test --workspace` builds them).
 
 mod common;
@@ -274,5 +275,52 @@ fn spec_mtp_without_the_head_names_the_file() {
     assert!(
         stderr.contains("has no MTP head") && stderr.contains(&model.display().to_string()),
         "{stderr}"
+    );
+}
+
+/// Dense MLP offload in the real processes: an engine computing every dense MLP of the dense
+/// qwen3_5 fixture through an expert worker (one expert per layer, routing weight 1) gives the
+/// greedy tokens of an engine that computes them itself.
+#[test]
+fn offloaded_dense_mlps_through_an_expert_worker_keep_the_greedy_tokens() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut stack = Stack {
+        directory: tempfile::tempdir().unwrap(),
+        children: Vec::new(),
+    };
+    let model = stack.convert("qwen3_5");
+    let plain = stack.engine("engine-plain", &model, &[]);
+    let worker_args = vec![
+        "--model".to_string(),
+        model.display().to_string(),
+        "--experts".into(),
+        "all".into(),
+    ];
+    let worker = stack.spawn("worker", "ninfer-expert-worker", &worker_args);
+    let offloading = stack.engine(
+        "engine-offload",
+        &model,
+        &["--experts", &worker, "--dense-mlp-offload-layers", "4"],
+    );
+    for (index, prompt) in prompts("qwen3_5").iter().enumerate() {
+        let expected = runtime.block_on(greedy(&plain, prompt, None));
+        assert_eq!(expected.len(), 20);
+        let got = runtime.block_on(greedy(&offloading, prompt, None));
+        assert_eq!(
+            got,
+            expected,
+            "prompt {index}: the offloading engine differs\n{}\n{}",
+            stack.log("engine-offload"),
+            stack.log("worker")
+        );
+    }
+    let log = stack.log("engine-offload");
+    assert!(
+        log.contains("dense MLPs of these layers computed by the expert executor"),
+        "{log}"
     );
 }

@@ -74,6 +74,7 @@ fn every_preset_loads_in_the_engine_and_generates_finite_logits() {
         DType::Bf16,
         DType::Int4,
         DType::Int8,
+        DType::Int4,
     ];
     assert_eq!(dtypes.len(), PRESETS.len());
     for (preset, experts_dtype) in PRESETS.iter().zip(dtypes) {
@@ -105,11 +106,22 @@ fn every_preset_loads_in_the_engine_and_generates_finite_logits() {
             let gate_up = artifact.tensor("layers.0.moe.experts.0.gate_up").unwrap();
             assert_eq!(gate_up.shape(), [2 * small.moe_intermediate_size as u64, h]);
         } else {
-            // A dense preset: no banks, every layer's MLP in the `dense_mlp` class.
-            assert!(artifact.header().expert_banks.is_empty(), "{}", preset.name);
+            // A dense preset: every layer's MLP in the `dense_mlp` class, and the same numbers
+            // again as a one-expert bank (the CPU workers' copy, in the dense dtype).
             let up = artifact.tensor("layers.0.mlp.up_proj").unwrap();
             assert_eq!(up.shape(), [small.intermediate_size as u64, h]);
             assert_eq!(up.entry.class, ninfer_artifact::TensorClass::DenseMlp);
+            assert_eq!(artifact.header().expert_banks.len(), layers);
+            let bank = artifact.expert_bank("layers.0.mlp.experts").unwrap();
+            assert_eq!((bank.num_experts, bank.dtype), (1, DType::Bf16));
+            let gate_up = artifact.tensor("layers.0.mlp.experts.0.gate_up").unwrap();
+            let i = small.intermediate_size;
+            let row_bytes = 2 * h as usize;
+            assert_eq!(
+                &gate_up.bytes()[i * row_bytes..],
+                up.bytes(),
+                "the bank's up rows are the up_proj matrix"
+            );
         }
         assert!(artifact.file("tokenizer.json").is_some());
         assert!(artifact.file("chat_template.jinja").is_some());

@@ -64,6 +64,11 @@ struct Args {
     /// it the routed experts run in this process.
     #[arg(long, value_delimiter = ',')]
     experts: Vec<String>,
+    /// Dense models: the dense MLPs of this many layers (the last ones) stay in host RAM and
+    /// are computed by the expert workers (or in this process without `--experts`) as one
+    /// expert per layer with routing weight 1, for a GPU smaller than the model.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    dense_mlp_offload_layers: usize,
     /// gRPC address for the gateway: `unix:PATH` or `HOST:PORT`.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: String,
@@ -261,50 +266,64 @@ fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     let has_moe_layers = common.num_experts > 0 && common.moe_layers.iter().any(|&moe| moe);
-    let (experts, readiness): (Arc<dyn ExpertExecutor>, Arc<dyn Readiness>) = if !has_moe_layers {
-        if !args.experts.is_empty() {
-            tracing::warn!("--experts: the model has no routed experts; the workers go unused");
-        }
-        (Arc::new(NoRoutedExperts), Arc::new(AlwaysReady))
-    } else if args.experts.is_empty() {
-        let isa = match &args.kernel_isa {
-            Some(name) => name
-                .parse::<KernelIsa>()
-                .map_err(|e| anyhow::anyhow!("--kernel-isa: {e}"))?,
-            None => KernelIsa::best(),
-        };
-        let threads = if args.moe_threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            args.moe_threads
-        };
-        let executor = KernelExpertExecutor::new(
-            Arc::clone(&artifact),
-            threads,
-            &[],
-            isa,
-            args.channel_max_tokens,
-        )?;
-        (Arc::new(executor), Arc::new(AlwaysReady))
+    if has_moe_layers && args.dense_mlp_offload_layers > 0 {
+        bail!(
+            "--dense-mlp-offload-layers: only a model without MoE layers offloads its dense MLPs"
+        );
+    }
+    // What the executor serves: routed experts, or a dense model's offloaded MLPs (one expert
+    // per layer, routing weight 1).
+    let offloads_dense_mlps = args.dense_mlp_offload_layers > 0;
+    let (served_experts, served_top_k) = if offloads_dense_mlps {
+        (1, 1)
     } else {
-        let remote = Arc::new(WorkerExpertExecutor::start(WorkerExpertExecutorOptions {
-            addresses: args.experts.clone(),
-            model_id: artifact.model_id(),
-            hidden_size: common.hidden_size,
-            num_experts: common.num_experts,
-            top_k: common.num_experts_per_tok,
-            max_tokens_per_request: args.channel_max_tokens,
-            hang_timeout: Duration::from_millis(args.worker_hang_ms),
-            worker_timeout: Duration::from_secs_f64(args.worker_timeout.max(0.0)),
-            control_secret: control_secret.clone().map(ControlSecret::new),
-        })?);
-        (
-            Arc::clone(&remote) as Arc<dyn ExpertExecutor>,
-            remote as Arc<dyn Readiness>,
-        )
+        (common.num_experts, common.num_experts_per_tok)
     };
+    let (experts, readiness): (Arc<dyn ExpertExecutor>, Arc<dyn Readiness>) =
+        if !has_moe_layers && !offloads_dense_mlps {
+            if !args.experts.is_empty() {
+                tracing::warn!("--experts: the model has no routed experts; the workers go unused");
+            }
+            (Arc::new(NoRoutedExperts), Arc::new(AlwaysReady))
+        } else if args.experts.is_empty() {
+            let isa = match &args.kernel_isa {
+                Some(name) => name
+                    .parse::<KernelIsa>()
+                    .map_err(|e| anyhow::anyhow!("--kernel-isa: {e}"))?,
+                None => KernelIsa::best(),
+            };
+            let threads = if args.moe_threads == 0 {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            } else {
+                args.moe_threads
+            };
+            let executor = KernelExpertExecutor::new(
+                Arc::clone(&artifact),
+                threads,
+                &[],
+                isa,
+                args.channel_max_tokens,
+            )?;
+            (Arc::new(executor), Arc::new(AlwaysReady))
+        } else {
+            let remote = Arc::new(WorkerExpertExecutor::start(WorkerExpertExecutorOptions {
+                addresses: args.experts.clone(),
+                model_id: artifact.model_id(),
+                hidden_size: common.hidden_size,
+                num_experts: served_experts,
+                top_k: served_top_k,
+                max_tokens_per_request: args.channel_max_tokens,
+                hang_timeout: Duration::from_millis(args.worker_hang_ms),
+                worker_timeout: Duration::from_secs_f64(args.worker_timeout.max(0.0)),
+                control_secret: control_secret.clone().map(ControlSecret::new),
+            })?);
+            (
+                Arc::clone(&remote) as Arc<dyn ExpertExecutor>,
+                remote as Arc<dyn Readiness>,
+            )
+        };
     let expert_executor = experts.name().to_string();
     let counting = Arc::new(CountingExecutor {
         inner: experts,
@@ -321,6 +340,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         .checked_mul(1 << 20)
         .with_context(|| format!("--host-kv-mib {} is too large", args.host_kv_mib))?;
     let gpu_experts = GpuExpertsRequest {
+        dense_mlp_offload_layers: args.dense_mlp_offload_layers,
         count: args.moe_gpu_experts,
         budget_gib: args.gpu_mem_budget,
         statistics,
@@ -557,6 +577,8 @@ fn log_gpu(backend: &CudaBackend) {
 
 /// What `--moe-gpu-experts` and its companions ask for.
 struct GpuExpertsRequest {
+    /// `--dense-mlp-offload-layers`.
+    dense_mlp_offload_layers: usize,
     count: GpuExpertCount,
     budget_gib: Option<f64>,
     statistics: Option<ExpertStatistics>,
@@ -592,7 +614,18 @@ fn start_scheduler<B: Backend>(
     device_memory: impl Fn() -> Option<(usize, usize)>,
     counters: &Arc<SchedulerCounters>,
 ) -> anyhow::Result<StartedScheduler> {
-    let mut model = Model::load(backend, Arc::clone(artifact), experts)?;
+    let mut model = Model::load_offloading_dense_mlps(
+        backend,
+        Arc::clone(artifact),
+        experts,
+        request.dense_mlp_offload_layers,
+    )?;
+    if request.dense_mlp_offload_layers > 0 {
+        tracing::info!(
+            layers = model.offloaded_dense_mlp_layers(),
+            "dense MLPs of these layers computed by the expert executor"
+        );
+    }
     if request.prefill_staging_min_tokens > 0 {
         // Before the expert slots, so their budget sees this memory as used.
         let bytes = model

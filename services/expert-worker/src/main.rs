@@ -157,7 +157,8 @@ fn main() -> anyhow::Result<()> {
         Artifact::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
     );
     let common = artifact.config().common().clone();
-    let owned = owned_range(&args.experts, common.num_experts)?;
+    let served = serving::ServedBanks::of(&common);
+    let owned = owned_range(&args.experts, served.num_experts)?;
     let cpus = ninfer_cpu_experts::cpus_of_numa_node(args.numa_node).unwrap_or_default();
     let threads = args
         .moe_threads
@@ -183,7 +184,7 @@ fn main() -> anyhow::Result<()> {
         numa_node = args.numa_node,
         threads,
         kernel = isa.name(),
-        experts = %format!("{}..{} of {}", owned.start, owned.end, common.num_experts),
+        experts = %format!("{}..{} of {}", owned.start, owned.end, served.num_experts),
         "expert worker ready"
     );
     let info = WorkerInfo {
@@ -198,7 +199,7 @@ fn main() -> anyhow::Result<()> {
         banks_locked: false,
         model_id: artifact.model_id(),
         hidden_size: common.hidden_size as u32,
-        num_experts: common.num_experts as u32,
+        num_experts: served.num_experts as u32,
         first_owned_expert: owned.start as u32,
         owned_expert_count: owned.len() as u32,
         kernel_isa: isa.name().to_string(),

@@ -25,6 +25,38 @@ struct Bank {
     length: usize,
 }
 
+/// The banks a worker serves: the MoE layers' routed experts, or in a model without MoE layers
+/// (dense qwen3_5) each dense MLP as a bank of one expert, computed with routing weight 1 for
+/// the layers the engine offloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServedBanks {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub intermediate_size: usize,
+    /// A dense model's one-expert MLP banks (`layers.L.mlp.experts`).
+    pub dense_mlps: bool,
+}
+
+impl ServedBanks {
+    pub fn of(common: &ninfer_artifact::CommonConfig) -> Self {
+        if common.moe_layers.iter().any(|&moe| moe) {
+            ServedBanks {
+                num_experts: common.num_experts,
+                top_k: common.num_experts_per_tok,
+                intermediate_size: common.moe_intermediate_size,
+                dense_mlps: false,
+            }
+        } else {
+            ServedBanks {
+                num_experts: 1,
+                top_k: 1,
+                intermediate_size: common.intermediate_size,
+                dense_mlps: true,
+            }
+        }
+    }
+}
+
 /// What the worker computes with.
 pub struct WorkerModel {
     artifact: Arc<Artifact>,
@@ -46,19 +78,23 @@ impl WorkerModel {
         max_tokens: usize,
     ) -> anyhow::Result<Self> {
         let common = artifact.config().common().clone();
+        let served = ServedBanks::of(&common);
         let mut banks = Vec::with_capacity(common.num_hidden_layers);
         let mut layout: Option<ExpertLayout> = None;
         for layer in 0..common.num_hidden_layers {
-            if !common.moe_layers[layer] {
-                banks.push(None);
-                continue;
-            }
-            let prefix = format!("layers.{layer}.moe.experts");
+            let prefix = match (common.moe_layers[layer], served.dense_mlps) {
+                (true, _) => format!("layers.{layer}.moe.experts"),
+                (false, true) => format!("layers.{layer}.mlp.experts"),
+                (false, false) => {
+                    banks.push(None);
+                    continue;
+                }
+            };
             let bank = artifact.expert_bank(&prefix).ok_or_else(|| {
                 anyhow!("{}: no expert bank `{prefix}`", artifact.path().display())
             })?;
             let bank_layout =
-                ExpertLayout::for_bank(bank, common.hidden_size, common.moe_intermediate_size)
+                ExpertLayout::for_bank(bank, common.hidden_size, served.intermediate_size)
                     .with_context(|| artifact.path().display().to_string())?;
             layout = Some(bank_layout);
             banks.push(Some(Bank {
@@ -102,9 +138,9 @@ impl WorkerModel {
             pool,
             layout,
             isa,
-            common.num_experts,
+            served.num_experts,
             max_tokens,
-            common.num_experts_per_tok,
+            served.top_k,
         )
         .context("preparing the expert kernels")?;
         Ok(WorkerModel {
@@ -112,7 +148,7 @@ impl WorkerModel {
             banks,
             owned,
             hidden_size: common.hidden_size,
-            top_k: common.num_experts_per_tok,
+            top_k: served.top_k,
             computer,
             banks_locked,
         })
@@ -124,7 +160,7 @@ impl WorkerModel {
         let (ids, weights, hidden) = (request.expert_ids, request.routing_weights, request.hidden);
         let bank = match self.banks.get(layer as usize) {
             Some(Some(bank)) => *bank,
-            Some(None) => return Err(format!("layer {layer} is not a MoE layer")),
+            Some(None) => return Err(format!("layer {layer} has no bank on the workers")),
             None => {
                 return Err(format!(
                     "layer {layer} does not exist (the model has {})",

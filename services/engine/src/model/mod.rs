@@ -13,13 +13,13 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ninfer_artifact::{Artifact, ArtifactError, TensorClass};
+use ninfer_artifact::{Artifact, ArtifactError, ExpertBank, TensorClass};
 
 use crate::backend::{Backend, DeltaRuleForm, Rotation, Segment, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::moe::expert_cache::{ExpertCache, ExpertCacheCounters, ExpertCacheOptions};
 use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer, PrefillStaging, SharedExpert};
-use crate::moe::{ExpertExecutor, ReferenceExpertExecutor};
+use crate::moe::{ExpertBatch, ExpertExecutor, ReferenceExpertExecutor};
 use crate::profile::{nanos, ForwardProfile, Phase, PhaseTotals};
 use crate::service::routing_stats::ExpertStatistics;
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
@@ -73,6 +73,11 @@ enum FeedForward<B: Backend> {
         gate_proj: B::Weight,
         up_proj: B::Weight,
         down_proj: B::Weight,
+    },
+    /// A dense MLP computed by the expert executor (the CPU workers) from its one-expert bank
+    /// (`layers.L.mlp.experts`): no copy on the backend.
+    OffloadedDense {
+        bank: ExpertBank,
     },
     Moe(MoeLayer<B>),
 }
@@ -270,7 +275,20 @@ impl<B: Backend> Model<B> {
         artifact: Arc<Artifact>,
         experts: Arc<dyn ExpertExecutor>,
     ) -> Result<Self, EngineError> {
+        Self::load_offloading_dense_mlps(backend, artifact, experts, 0)
+    }
+
+    /// [`Model::load`] with the dense MLPs of the last `offloaded_layers` dense-MLP layers left
+    /// in host RAM: `experts` computes them from their one-expert banks (`layers.L.mlp.experts`)
+    /// as one expert of routing weight 1, so the backend holds no copy of them.
+    pub fn load_offloading_dense_mlps(
+        backend: Arc<B>,
+        artifact: Arc<Artifact>,
+        experts: Arc<dyn ExpertExecutor>,
+        offloaded_layers: usize,
+    ) -> Result<Self, EngineError> {
         let spec = ModelSpec::from_config(artifact.config())?;
+        let offloaded = dense_mlp_offload_plan(&spec, offloaded_layers)?;
         let common = &spec.common;
         let (hidden, vocab) = (common.hidden_size, common.vocab_size);
         let loader = Loader {
@@ -301,7 +319,7 @@ impl<B: Backend> Model<B> {
         };
         let mut layers = Vec::with_capacity(spec.layers());
         for layer in 0..spec.layers() {
-            layers.push(loader.layer(&spec, layer)?);
+            layers.push(loader.layer(&spec, layer, offloaded[layer])?);
         }
         let mtp = loader.mtp_head(&spec)?;
         let profile = Arc::new(ForwardProfile::new(dense_weight_bytes(
@@ -492,7 +510,7 @@ impl<B: Backend> Model<B> {
                     .resident_slots_mut()?
                     .as_ref()
                     .map(|slots| slots.slot_table().slot_count()),
-                FeedForward::Dense { .. } => None,
+                FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => None,
             };
             slots_per_layer = slots_per_layer.max(slots.unwrap_or(0));
             slot_layers.push(slots.is_some());
@@ -522,7 +540,7 @@ impl<B: Backend> Model<B> {
         self.feed_forwards()
             .filter_map(|feed_forward| match feed_forward {
                 FeedForward::Moe(moe) => Some(moe),
-                FeedForward::Dense { .. } => None,
+                FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => None,
             })
     }
 
@@ -532,7 +550,7 @@ impl<B: Backend> Model<B> {
             .iter()
             .filter_map(|layer| match &layer.feed_forward {
                 FeedForward::Moe(moe) => Some(moe),
-                FeedForward::Dense { .. } => None,
+                FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => None,
             })
     }
 
@@ -813,6 +831,9 @@ impl<B: Backend> Model<B> {
                     .silu_mul(&backend.matmul(x, gate_proj)?, &backend.matmul(x, up_proj)?)?;
                 backend.matmul(&activated, down_proj)
             }
+            FeedForward::OffloadedDense { bank } => {
+                self.offloaded_dense_mlp(scratch, index, bank, x)
+            }
             FeedForward::Moe(moe) => moe.forward(
                 &scratch.moe_context,
                 index,
@@ -821,6 +842,50 @@ impl<B: Backend> Model<B> {
                 &mut scratch.deferred,
             ),
         }
+    }
+
+    /// An offloaded dense MLP: every token to the expert executor as expert 0 of the layer's
+    /// one-expert bank with routing weight 1, which is the SwiGLU of the layer's MLP.
+    fn offloaded_dense_mlp(
+        &self,
+        scratch: &mut LayerScratch<'_, B>,
+        index: usize,
+        bank: &ExpertBank,
+        x: &B::Tensor,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = &*self.backend;
+        let (rows, cols) = backend.shape(x);
+        let copying = Instant::now();
+        let hidden = backend.download(x)?;
+        scratch.tally.transfer_nanos += nanos(copying.elapsed());
+        let mut out = vec![0.0f32; hidden.len()];
+        let waiting = Instant::now();
+        self.experts.compute(
+            &ExpertBatch {
+                layer: index,
+                bank,
+                hidden_size: cols,
+                intermediate_size: self.spec.common.intermediate_size,
+                hidden: &hidden,
+                experts_per_token: 1,
+                expert_ids: &vec![0; rows],
+                weights: &vec![1.0; rows],
+            },
+            &mut out,
+        )?;
+        scratch.tally.expert_wait_nanos += nanos(waiting.elapsed());
+        let copying = Instant::now();
+        let output = backend.upload(&out, rows, cols)?;
+        scratch.tally.transfer_nanos += nanos(copying.elapsed());
+        Ok(output)
+    }
+
+    /// Dense-MLP layers whose MLP the expert executor computes.
+    pub fn offloaded_dense_mlp_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|layer| matches!(layer.feed_forward, FeedForward::OffloadedDense { .. }))
+            .count()
     }
 
     /// The forward pass; `finish` takes the logits where [`Model::forward`] reads them back.
@@ -1179,6 +1244,31 @@ impl<B: Backend> Model<B> {
     }
 }
 
+/// Per decoder layer, whether its dense MLP is offloaded: the last `offloaded_layers` dense-MLP
+/// layers (which ones does not change the math; the last ones, so a growing count moves layers
+/// one end first).
+fn dense_mlp_offload_plan(
+    spec: &ModelSpec,
+    offloaded_layers: usize,
+) -> Result<Vec<bool>, EngineError> {
+    let dense: Vec<usize> = (0..spec.layers())
+        .filter(|&layer| spec.feed_forwards[layer] == FeedForwardKind::Dense)
+        .collect();
+    if offloaded_layers > dense.len() {
+        return Err(EngineError::InvalidConfig {
+            problem: format!(
+                "{offloaded_layers} dense MLPs to offload, the model has {} dense-MLP layers",
+                dense.len()
+            ),
+        });
+    }
+    let mut offloaded = vec![false; spec.layers()];
+    for &layer in &dense[dense.len() - offloaded_layers..] {
+        offloaded[layer] = true;
+    }
+    Ok(offloaded)
+}
+
 /// Bytes of the non-expert weights a forward reads, as the artifact stores them (see
 /// [`crate::profile::ProfileSnapshot::dense_weight_bytes_per_forward`]).
 fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
@@ -1191,7 +1281,9 @@ fn dense_weight_bytes(artifact: &Artifact, tied_embeddings: bool) -> u64 {
             // Looking up embeddings reads a few rows; the table is read whole only as the head.
             TensorClass::Embedding => tied_embeddings || tensor.name != "embed_tokens",
             // The n-gram tables stay in host RAM; a step reads a few rows per token.
+            // A dense MLP's bank is a second copy, read by the workers for offloaded layers.
             TensorClass::RoutedExpert
+            | TensorClass::DenseMlpExpert
             | TensorClass::Mtp
             | TensorClass::Vision
             | TensorClass::NgramEmbedding => false,
@@ -1266,13 +1358,37 @@ impl<B: Backend> Loader<'_, B> {
         Ok(weight)
     }
 
-    fn layer(&self, spec: &ModelSpec, layer: usize) -> Result<Layer<B>, EngineError> {
-        self.decoder_layer(
-            spec,
-            &format!("layers.{layer}"),
-            spec.mixers[layer],
-            spec.feed_forwards[layer],
-        )
+    /// Decoder layer `layer`; `offload_mlp`: its dense MLP stays with the expert executor.
+    fn layer(
+        &self,
+        spec: &ModelSpec,
+        layer: usize,
+        offload_mlp: bool,
+    ) -> Result<Layer<B>, EngineError> {
+        let prefix = format!("layers.{layer}");
+        let kind = spec.feed_forwards[layer];
+        if !offload_mlp {
+            return self.decoder_layer(spec, &prefix, spec.mixers[layer], kind, None);
+        }
+        let bank_prefix = format!("{prefix}.mlp.experts");
+        let bank = self
+            .artifact
+            .expert_bank(&bank_prefix)
+            .cloned()
+            .ok_or_else(|| EngineError::InvalidWeight {
+                name: bank_prefix.clone(),
+                problem: "a dense MLP to offload needs its one-expert bank; convert the model again with this version".into(),
+            })?;
+        if bank.num_experts != 1 {
+            return Err(EngineError::InvalidWeight {
+                name: bank_prefix,
+                problem: format!(
+                    "a dense MLP's bank holds 1 expert, this one {}",
+                    bank.num_experts
+                ),
+            });
+        }
+        self.decoder_layer(spec, &prefix, spec.mixers[layer], kind, Some(bank))
     }
 
     /// A decoder layer whose tensors are named `{prefix}.…` (a main layer, or the MTP block's).
@@ -1282,6 +1398,7 @@ impl<B: Backend> Loader<'_, B> {
         prefix: &str,
         mixer_kind: MixerKind,
         feed_forward_kind: FeedForwardKind,
+        offloaded_dense_bank: Option<ExpertBank>,
     ) -> Result<Layer<B>, EngineError> {
         let common = &spec.common;
         let hidden = common.hidden_size;
@@ -1327,8 +1444,14 @@ impl<B: Backend> Loader<'_, B> {
                 }
             }
         };
-        let feed_forward = match feed_forward_kind {
-            FeedForwardKind::Dense => {
+        let feed_forward = match (feed_forward_kind, offloaded_dense_bank) {
+            (FeedForwardKind::Dense, Some(bank)) => FeedForward::OffloadedDense { bank },
+            (FeedForwardKind::Moe, Some(_)) => {
+                return Err(EngineError::InvalidConfig {
+                    problem: format!("{prefix} is a MoE layer, not a dense MLP to offload"),
+                })
+            }
+            (FeedForwardKind::Dense, None) => {
                 let intermediate = common.intermediate_size;
                 FeedForward::Dense {
                     gate_proj: self.matrix(&name("mlp.gate_proj"), (intermediate, hidden))?,
@@ -1336,7 +1459,7 @@ impl<B: Backend> Loader<'_, B> {
                     down_proj: self.matrix(&name("mlp.down_proj"), (hidden, intermediate))?,
                 }
             }
-            FeedForwardKind::Moe => {
+            (FeedForwardKind::Moe, None) => {
                 let bank_prefix = name("moe.experts");
                 let bank = self
                     .artifact

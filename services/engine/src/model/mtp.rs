@@ -59,7 +59,13 @@ impl<B: Backend> super::Loader<'_, B> {
             pre_fc_norm_embedding: self.parameter("mtp.pre_fc_norm_embedding", (1, hidden))?,
             pre_fc_norm_hidden: self.parameter("mtp.pre_fc_norm_hidden", (1, hidden))?,
             fc: self.matrix("mtp.fc", (hidden, 2 * hidden))?,
-            layer: self.decoder_layer(spec, "mtp.layers.0", MixerKind::Attention, feed_forward)?,
+            layer: self.decoder_layer(
+                spec,
+                "mtp.layers.0",
+                MixerKind::Attention,
+                feed_forward,
+                None,
+            )?,
             norm: self.parameter("mtp.norm", (1, hidden))?,
         }))
     }

@@ -107,12 +107,14 @@ impl<B: Backend> Model<B> {
             .and_then(|graphs| graphs.last_abandoned.clone())
     }
 
-    /// Whether the host has no part inside this batch's forward: one token per sequence, and
-    /// every MoE layer's routed experts resident or handed off by the backend.
+    /// Whether the host has no part inside this batch's forward: one token per sequence, every
+    /// MoE layer's routed experts resident or handed off by the backend, and no dense MLP
+    /// offloaded.
     fn step_graph_fits(&self, batch: &[SequenceInput<'_, B>], backend_handoff: bool) -> bool {
         !batch.is_empty()
             && batch.iter().all(|item| item.tokens.len() == 1)
             && (backend_handoff || self.moe_layers().all(|layer| layer.every_expert_resident()))
+            && self.offloaded_dense_mlp_layers() == 0
     }
 
     /// A decode step of `batch` through its step graph, with the logits left on the backend

@@ -5,7 +5,8 @@
 //! A forward uses it when the backend and the executor both have it, it is on
 //! ([`Model::set_worker_handoff`]), the batch has at most [`MOST_HANDOFF_ROWS`] rows (decode
 //! steps; a prompt's big batch goes through the host, which chunks it), some MoE layer has
-//! experts outside the backend's slots, and every worker is up with disjoint experts. Then each
+//! experts outside the backend's slots, no dense MLP is offloaded to the workers (the host
+//! posts those), and every worker is up with disjoint experts. Then each
 //! such layer posts and collects on the backend, and the host waits once, at the forward's end.
 //!
 //! Owns: the backend's hand-off object and its on/off switch, the per-forward readiness check,
@@ -120,7 +121,11 @@ impl<B: Backend> Model<B> {
         if !state.on.load(Ordering::Relaxed) || rows == 0 || rows > state.most_rows {
             return Ok(None);
         }
-        if self.moe_layers().all(|layer| layer.every_expert_resident()) {
+        // Offloaded dense MLPs go to the same workers' channels from the host, which must not
+        // race the backend's posts.
+        if self.moe_layers().all(|layer| layer.every_expert_resident())
+            || self.offloaded_dense_mlp_layers() > 0
+        {
             return Ok(None);
         }
         let Some(owned) = self

@@ -32,22 +32,27 @@ impl KernelExpertExecutor {
     ) -> Result<Self, EngineError> {
         let common = artifact.config().common().clone();
         let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        // A model without MoE layers serves its dense MLPs' one-expert banks (offloaded
+        // dense MLPs: one expert per layer, routing weight 1).
+        let has_moe_layers = common.moe_layers.iter().any(|&moe| moe);
+        let (bank_name, num_experts, top_k, intermediate) = if has_moe_layers {
+            (
+                "moe.experts",
+                common.num_experts,
+                common.num_experts_per_tok,
+                common.moe_intermediate_size,
+            )
+        } else {
+            ("mlp.experts", 1, 1, common.intermediate_size)
+        };
         let bank = (0..common.num_hidden_layers)
-            .filter(|&layer| common.moe_layers[layer])
-            .find_map(|layer| artifact.expert_bank(&format!("layers.{layer}.moe.experts")))
+            .find_map(|layer| artifact.expert_bank(&format!("layers.{layer}.{bank_name}")))
             .ok_or_else(|| invalid("the model has no expert bank".into()))?;
-        let layout = ExpertLayout::for_bank(bank, common.hidden_size, common.moe_intermediate_size)
+        let layout = ExpertLayout::for_bank(bank, common.hidden_size, intermediate)
             .map_err(|e| invalid(e.to_string()))?;
         let pool = ThreadPool::new(threads, cpus, false).map_err(|e| invalid(e.to_string()))?;
-        let computer = RoutedExpertComputer::new(
-            pool,
-            layout,
-            isa,
-            common.num_experts,
-            max_tokens,
-            common.num_experts_per_tok,
-        )
-        .map_err(|e| invalid(e.to_string()))?;
+        let computer = RoutedExpertComputer::new(pool, layout, isa, num_experts, max_tokens, top_k)
+            .map_err(|e| invalid(e.to_string()))?;
         Ok(KernelExpertExecutor {
             artifact,
             computer: Mutex::new(computer),

@@ -229,6 +229,60 @@ impl Qwen4ExpConfig {
     pub fn ngram_row_width(&self) -> usize {
         self.ple_embed_dim / self.ngram_heads().max(1)
     }
+
+    /// Rows of PLE layer `ple_layer_index`'s n-gram table: its heads' tables back to back,
+    /// padded to a multiple of `ngram_table_rows_divisor`.
+    pub fn ngram_table_rows(&self, ple_layer_index: usize) -> u64 {
+        let total: u64 = ngram_head_table_sizes(
+            self.ngram_vocab_size_base,
+            self.ngram_heads(),
+            ple_layer_index,
+        )
+        .iter()
+        .sum();
+        let divisor = self.ngram_table_rows_divisor.max(1);
+        total.div_ceil(divisor) * divisor
+    }
+}
+
+/// Per hashed head (`heads` of them) of PLE layer `ple_layer_index` (0-based among the PLE
+/// layers), its table's row count: the next primes at or above `vocab_size_base`, after the
+/// primes the earlier PLE layers' heads took.
+pub fn ngram_head_table_sizes(
+    vocab_size_base: u64,
+    heads: usize,
+    ple_layer_index: usize,
+) -> Vec<u64> {
+    let mut candidate = vocab_size_base.saturating_sub(1);
+    let mut next_prime = || {
+        candidate += 1;
+        while !is_prime(candidate) {
+            candidate += 1;
+        }
+        candidate
+    };
+    for _ in 0..ple_layer_index * heads {
+        next_prime();
+    }
+    (0..heads).map(|_| next_prime()).collect()
+}
+
+/// Trial division, as the reference does (n-gram table sizes are ~2·10⁷, so this is quick).
+pub fn is_prime(value: u64) -> bool {
+    if value < 2 {
+        return false;
+    }
+    if value % 2 == 0 {
+        return value == 2;
+    }
+    let mut divisor = 3u64;
+    while divisor * divisor <= value {
+        if value % divisor == 0 {
+            return false;
+        }
+        divisor += 2;
+    }
+    true
 }
 
 /// Generation defaults from `generation_config.json` (and the tokenizer config).

@@ -77,6 +77,10 @@ pub enum TensorClass {
     /// A dense-MLP layer's SwiGLU matrices (`layers.L.mlp.*`): per-token weights like `dense`, kept
     /// apart so placement can size or move them separately from the token mixers.
     DenseMlp,
+    /// A dense-MLP layer's SwiGLU stored a second time, as a bank of one expert
+    /// (`layers.L.mlp.experts`, dense dtype): what the CPU expert workers compute when the
+    /// layer's MLP is offloaded. Read per token only for offloaded layers.
+    DenseMlpExpert,
     RoutedExpert,
     Mtp,
     Vision,
@@ -91,6 +95,7 @@ impl TensorClass {
             TensorClass::Embedding => "embedding",
             TensorClass::Dense => "dense",
             TensorClass::DenseMlp => "dense_mlp",
+            TensorClass::DenseMlpExpert => "dense_mlp_expert",
             TensorClass::RoutedExpert => "routed_expert",
             TensorClass::Mtp => "mtp",
             TensorClass::Vision => "vision",

@@ -464,10 +464,11 @@ fn encode_expert(values: &[f32], dtype: DType, rows: usize, cols: usize) -> Vec<
 }
 
 /// Tensor classes in the order `inspect` prints them.
-pub const CLASS_ORDER: [TensorClass; 7] = [
+pub const CLASS_ORDER: [TensorClass; 8] = [
     TensorClass::Embedding,
     TensorClass::Dense,
     TensorClass::DenseMlp,
+    TensorClass::DenseMlpExpert,
     TensorClass::RoutedExpert,
     TensorClass::Mtp,
     TensorClass::Vision,

@@ -256,6 +256,9 @@ pub fn build_plan(
     let hybrid = config.hybrid().cloned();
     let is_next = matches!(config, ModelConfig::Qwen3Next(_));
     let mut banks = Vec::new();
+    // A model without routed experts (dense qwen3_5) also stores each dense MLP as a bank of
+    // one expert, so the CPU expert workers can compute the layers that do not fit the GPU.
+    let model_has_routed_experts = common.moe_layers.iter().any(|&moe| moe);
     for layer in 0..common.num_hidden_layers {
         let source = format!("model.layers.{layer}");
         let target = format!("layers.{layer}");
@@ -293,6 +296,15 @@ pub fn build_plan(
                 &target,
                 TensorClass::DenseMlp,
             )?;
+            if !model_has_routed_experts {
+                banks.push(plan_dense_mlp_bank(
+                    planner.names,
+                    config,
+                    &source,
+                    &target,
+                    dtypes.dense,
+                )?);
+            }
         }
     }
     match config.qwen4_exp() {
@@ -979,6 +991,35 @@ fn plan_moe_dense(
 }
 
 /// The routed experts of one layer, from per-expert or fused checkpoint tensors.
+/// A dense-MLP layer's SwiGLU as a bank of one expert (`{target}.mlp.experts`, class
+/// `dense_mlp_expert`) from the same checkpoint tensors as its `dense_mlp` matrices, in the dense
+/// dtype so both copies hold the same numbers.
+fn plan_dense_mlp_bank(
+    names: &mut SourceNames,
+    config: &ModelConfig,
+    source: &str,
+    target: &str,
+    dtype: DType,
+) -> Result<PlannedBank, ConvertError> {
+    let (h, i) = (
+        config.common().hidden_size,
+        config.common().intermediate_size,
+    );
+    let mlp = format!("{source}.mlp");
+    Ok(PlannedBank {
+        prefix: format!("{target}.mlp.experts"),
+        class: TensorClass::DenseMlpExpert,
+        dtype,
+        hidden_size: h,
+        intermediate_size: i,
+        experts: vec![ExpertSource::PerExpert {
+            gate: names.require(&format!("{mlp}.gate_proj.weight"), &u(&[i, h]))?,
+            up: names.require(&format!("{mlp}.up_proj.weight"), &u(&[i, h]))?,
+            down: names.require(&format!("{mlp}.down_proj.weight"), &u(&[h, i]))?,
+        }],
+    })
+}
+
 fn plan_bank(
     names: &mut SourceNames,
     config: &ModelConfig,

@@ -38,6 +38,7 @@ use std::str::FromStr;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+use ninfer_artifact::config::ngram_head_table_sizes;
 use ninfer_artifact::{
     ArtifactWriter, DType, GenerationDefaults, ModelConfig, SourceInfo, TensorSpec, WriterOptions,
 };
@@ -89,8 +90,37 @@ pub struct Preset {
     pub partial_rotary_factor: f64,
     pub max_position_embeddings: usize,
     pub linear: Option<LinearAttentionShape>,
-    /// Multi-token-prediction layers the released checkpoint carries.
+    /// Multi-token-prediction layers the released checkpoint carries (and the artifact keeps).
     pub mtp_layers: usize,
+    /// The Qwen4-Exp parts of a `qwen4_exp` preset (streams, QSA indexer, PLE n-gram tables).
+    pub qwen4_exp: Option<Qwen4ExpShape>,
+}
+
+/// The Qwen4-Exp fields of a `qwen4_exp` preset's `text_config` (MODELS.md §5.1).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen4ExpShape {
+    /// Residual streams (`hc_count`) and the rank of their mixers (`hc_lowrank`).
+    pub hc_count: usize,
+    pub hc_lowrank: usize,
+    pub indexer_heads: usize,
+    pub indexer_head_dim: usize,
+    pub indexer_budget: usize,
+    pub indexer_compress_ratio: usize,
+    /// 1-based ids of the PLE layers (linear-attention layers); a `--layers N` artifact keeps
+    /// those within its first N layers.
+    pub ple_layer_ids: &'static [usize],
+    pub ple_embed_dim: usize,
+    pub ngram_size: usize,
+    pub heads_per_ngram: usize,
+    pub ngram_vocab_size_base: usize,
+    pub ngram_rows_divisor: usize,
+    /// Row shards of each n-gram table in the checkpoint (`split_ngram_parts`).
+    pub split_ngram_parts: usize,
+    /// `output_gate_type`: the Gated DeltaNet gated norm's activation.
+    pub output_gate_type: &'static str,
+    /// The end-of-sequence id the n-gram contexts stop at (the synthetic tokenizer's
+    /// `<|endoftext|>`, which every preset's vocabulary holds).
+    pub eos_token_id: usize,
 }
 
 const QWEN3_NEXT_LINEAR: LinearAttentionShape = LinearAttentionShape {
@@ -112,8 +142,44 @@ const QWEN3_5_27B_LINEAR: LinearAttentionShape = LinearAttentionShape {
     full_attention_interval: 4,
 };
 
+/// Qwen3.8-Flash-Next's Qwen4-Exp parts. Published: four streams of rank 320 (the gguf
+/// metadata's `hyper_connection.count` / `low_rank`), a QSA indexer of 4 heads of 128 with a
+/// budget of 2048 tokens in blocks of 4, one PLE layer, and an n-gram table of about 51 B
+/// parameters (about 95 GiB in bf16), which the transformers defaults give with
+/// `ple_embed_dim` = H = 2560: 16 hashed heads of 20 M rows, each row 160 wide. Assumed: the
+/// PLE layer is the first (`ple_layer_ids` [1]; the released config was not read), the table is
+/// split into transformers' default 512 shards, and the Gated DeltaNet norm gate is the sigmoid
+/// the reference implementations name.
+const QWEN3_8_FLASH_NEXT_PARTS: Qwen4ExpShape = Qwen4ExpShape {
+    hc_count: 4,
+    hc_lowrank: 320,
+    indexer_heads: 4,
+    indexer_head_dim: 128,
+    indexer_budget: 2048,
+    indexer_compress_ratio: 4,
+    ple_layer_ids: &[1],
+    ple_embed_dim: 2560,
+    ngram_size: 3,
+    heads_per_ngram: 8,
+    ngram_vocab_size_base: 20_000_000,
+    ngram_rows_divisor: 128,
+    split_ngram_parts: 512,
+    output_gate_type: "sigmoid",
+    eos_token_id: 480,
+};
+
+/// The Gated DeltaNet of Qwen3.8-Flash-Next: 48 value heads (inner size 6144) over 16 key heads.
+const QWEN3_8_FLASH_NEXT_LINEAR: LinearAttentionShape = LinearAttentionShape {
+    key_heads: 16,
+    value_heads: 48,
+    key_head_dim: 128,
+    value_head_dim: 128,
+    conv_kernel: 4,
+    full_attention_interval: 4,
+};
+
 /// The presets, with the values of the released checkpoints' `config.json`.
-pub const PRESETS: [Preset; 5] = [
+pub const PRESETS: [Preset; 6] = [
     // Qwen/Qwen3-30B-A3B
     Preset {
         name: "qwen3-30b-a3b",
@@ -134,6 +200,7 @@ pub const PRESETS: [Preset; 5] = [
         max_position_embeddings: 40960,
         linear: None,
         mtp_layers: 0,
+        qwen4_exp: None,
     },
     // Qwen/Qwen3.5-35B-A3B (text model of the multimodal release)
     Preset {
@@ -155,6 +222,7 @@ pub const PRESETS: [Preset; 5] = [
         max_position_embeddings: 262144,
         linear: Some(QWEN3_NEXT_LINEAR),
         mtp_layers: 1,
+        qwen4_exp: None,
     },
     // Qwen/Qwen3-Next-80B-A3B-Instruct
     Preset {
@@ -176,6 +244,7 @@ pub const PRESETS: [Preset; 5] = [
         max_position_embeddings: 262144,
         linear: Some(QWEN3_NEXT_LINEAR),
         mtp_layers: 1,
+        qwen4_exp: None,
     },
     // Qwen/Qwen3-235B-A22B
     Preset {
@@ -197,6 +266,7 @@ pub const PRESETS: [Preset; 5] = [
         max_position_embeddings: 40960,
         linear: None,
         mtp_layers: 0,
+        qwen4_exp: None,
     },
     // Qwen/Qwen3.6-27B (text model of the multimodal release; Qwen3.5-27B has the same
     // shapes). Every value is the `text_config` of Qwen/Qwen3.6-27B's config.json (revision
@@ -225,6 +295,36 @@ pub const PRESETS: [Preset; 5] = [
         max_position_embeddings: 262144,
         linear: Some(QWEN3_5_27B_LINEAR),
         mtp_layers: 1,
+        qwen4_exp: None,
+    },
+    // Qwen/Qwen3.8-Flash-Next (text model; the Qwen4-Exp architecture). Published: 48 decoder
+    // layers (full_attention_interval 4) plus one MTP layer, hidden 2560, 24 query / 2 key-value
+    // heads of 256 with rotary width 64 (rope_theta 1e7), 512 experts of width 640 with top-10
+    // and a shared expert of 640, vocabulary 248320, 262144 positions; about 125 B parameters
+    // without the n-gram table, 6 B active. The MTP layer is left out: its layout is not
+    // published (MODELS.md §7.3) and the converter skips a checkpoint's `mtp.*` for this
+    // architecture. At int4 experts the routed banks take about 68 GB (69 GB with the MTP
+    // layer's); the n-gram table is another 102 GB in bf16.
+    Preset {
+        name: "qwen3.8-flash-next",
+        model_type: "qwen4_exp",
+        vocab_size: 248320,
+        hidden_size: 2560,
+        num_hidden_layers: 48,
+        num_attention_heads: 24,
+        num_key_value_heads: 2,
+        head_dim: 256,
+        intermediate_size: 0,
+        num_experts: 512,
+        num_experts_per_tok: 10,
+        moe_intermediate_size: 640,
+        shared_expert_intermediate_size: 640,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262144,
+        linear: Some(QWEN3_8_FLASH_NEXT_LINEAR),
+        mtp_layers: 0,
+        qwen4_exp: Some(QWEN3_8_FLASH_NEXT_PARTS),
     },
 ];
 
@@ -271,6 +371,17 @@ impl Preset {
         small.moe_intermediate_size = if self.num_experts > 0 { 64 } else { 0 };
         if self.shared_expert_intermediate_size > 0 {
             small.shared_expert_intermediate_size = 64;
+        }
+        if let Some(parts) = &mut small.qwen4_exp {
+            parts.hc_lowrank = 16;
+            parts.indexer_heads = 2;
+            parts.indexer_head_dim = 32;
+            parts.indexer_budget = 16;
+            // 16 hashed heads of 4: a table of about 8000 rows in 3 shards.
+            parts.ple_embed_dim = 64;
+            parts.ngram_vocab_size_base = 500;
+            parts.ngram_rows_divisor = 64;
+            parts.split_ngram_parts = 3;
         }
         if let Some(linear) = &mut small.linear {
             linear.key_heads = 2;
@@ -364,6 +475,42 @@ impl Preset {
                     .collect();
                 fields.remove("rope_theta");
                 fields.remove("partial_rotary_factor");
+                if let Some(parts) = &self.qwen4_exp {
+                    let ple_layer_ids: Vec<usize> = parts
+                        .ple_layer_ids
+                        .iter()
+                        .copied()
+                        .filter(|&id| id <= layers)
+                        .collect();
+                    for (key, value) in [
+                        ("hc_count", json!(parts.hc_count)),
+                        ("hc_lowrank", json!(parts.hc_lowrank)),
+                        ("indexer_n_heads", json!(parts.indexer_heads)),
+                        ("indexer_kv_heads", json!(1)),
+                        ("indexer_head_dim", json!(parts.indexer_head_dim)),
+                        ("indexer_budget", json!(parts.indexer_budget)),
+                        (
+                            "indexer_compress_ratio",
+                            json!(parts.indexer_compress_ratio),
+                        ),
+                        ("ple_layer_ids", json!(ple_layer_ids)),
+                        ("ple_embed_dim", json!(parts.ple_embed_dim)),
+                        ("ple_conv_kernel_size", json!(4)),
+                        ("ngram_size", json!(parts.ngram_size)),
+                        ("heads_per_ngram", json!(parts.heads_per_ngram)),
+                        ("ngram_vocab_size_base", json!(parts.ngram_vocab_size_base)),
+                        (
+                            "make_ngram_vocab_size_divisible_by",
+                            json!(parts.ngram_rows_divisor),
+                        ),
+                        ("split_ngram_parts", json!(parts.split_ngram_parts)),
+                        ("seed", json!(1234)),
+                        ("output_gate_type", json!(parts.output_gate_type)),
+                        ("eos_token_id", json!(parts.eos_token_id)),
+                    ] {
+                        fields.insert(key.into(), value);
+                    }
+                }
                 let dense = self.model_type == "qwen3_5";
                 if dense {
                     // Qwen3_5TextConfig has no expert fields.
@@ -379,6 +526,12 @@ impl Preset {
                 }
                 let (text_type, top_type, class) = if dense {
                     ("qwen3_5_text", "qwen3_5", "Qwen3_5ForConditionalGeneration")
+                } else if self.qwen4_exp.is_some() {
+                    (
+                        "qwen4_exp_text",
+                        "qwen4_exp",
+                        "Qwen4ExpForConditionalGeneration",
+                    )
                 } else {
                     (
                         "qwen3_5_moe_text",
@@ -421,12 +574,40 @@ impl Preset {
         let (h, v) = (self.hidden_size, self.vocab_size);
         let mut tensors = vec![
             ("model.embed_tokens.weight".to_string(), u(&[v, h])),
-            ("model.norm.weight".to_string(), u(&[h])),
             ("lm_head.weight".to_string(), u(&[v, h])),
         ];
+        match &self.qwen4_exp {
+            // The final stream mixer takes the final norm's place.
+            Some(parts) => {
+                let (width, rank) = (parts.hc_count * h, parts.hc_lowrank);
+                let mixer = "model.hyper_connection_mixer";
+                tensors.push((format!("{mixer}.hc_norm.weight"), u(&[width])));
+                tensors.push((
+                    format!("{mixer}.input_mix_weight_down.weight"),
+                    u(&[rank, width]),
+                ));
+                tensors.push((
+                    format!("{mixer}.input_mix_weight_up.weight"),
+                    u(&[width, rank]),
+                ));
+            }
+            None => tensors.push(("model.norm.weight".to_string(), u(&[h]))),
+        }
+        let mut ple_index = 0;
         for layer in 0..layers {
             let full = self.layer_is_full_attention(layer);
-            self.layer_tensors(&format!("model.layers.{layer}"), full, &mut tensors);
+            let prefix = format!("model.layers.{layer}");
+            self.layer_tensors(&prefix, full, &mut tensors);
+            if let Some(parts) = &self.qwen4_exp {
+                let ple = parts.ple_layer_ids.contains(&(layer + 1));
+                self.qwen4_exp_layer_tensors(
+                    parts,
+                    &prefix,
+                    ple.then_some(ple_index),
+                    &mut tensors,
+                );
+                ple_index += usize::from(ple);
+            }
         }
         if self.mtp_layers > 0 {
             tensors.push(("mtp.fc.weight".into(), u(&[h, 2 * h])));
@@ -440,6 +621,61 @@ impl Preset {
         tensors
     }
 
+    /// A Qwen4-Exp layer's two hyper-connections and, on a PLE layer (`ple_index`: its
+    /// 0-based place among the PLE layers), its PLE block with the n-gram table in
+    /// `split_ngram_parts` row shards of `ceil(rows / parts)` rows (as `torch.chunk` saves it).
+    fn qwen4_exp_layer_tensors(
+        &self,
+        parts: &Qwen4ExpShape,
+        prefix: &str,
+        ple_index: Option<usize>,
+        out: &mut Vec<(String, Vec<u64>)>,
+    ) {
+        let u = |values: &[usize]| values.iter().map(|&v| v as u64).collect::<Vec<u64>>();
+        let h = self.hidden_size;
+        let (width, rank) = (parts.hc_count * h, parts.hc_lowrank);
+        for connection in ["attn_hyper_connection", "mlp_hyper_connection"] {
+            let name = |tensor: &str| format!("{prefix}.{connection}.{tensor}.weight");
+            out.push((name("hc_norm"), u(&[width])));
+            out.push((name("input_mix_weight_down"), u(&[rank, width])));
+            out.push((name("input_mix_weight_up"), u(&[width, rank])));
+            out.push((name("block_inject_weight"), u(&[parts.hc_count, width])));
+        }
+        let Some(ple_index) = ple_index else {
+            return;
+        };
+        let ple = |tensor: &str| format!("{prefix}.ple.{tensor}");
+        let embed = parts.ple_embed_dim;
+        out.push((ple("key_proj.weight"), u(&[width, embed])));
+        out.push((ple("value_proj.weight"), u(&[h, embed])));
+        for norm in ["norm_key", "norm_query", "norm_conv"] {
+            out.push((ple(&format!("{norm}.weight")), u(&[width])));
+        }
+        out.push((ple("conv1d.weight"), u(&[width, 1, 4])));
+        let heads = (parts.ngram_size - 1) * parts.heads_per_ngram;
+        let total: u64 =
+            ngram_head_table_sizes(parts.ngram_vocab_size_base as u64, heads, ple_index)
+                .iter()
+                .sum();
+        let divisor = parts.ngram_rows_divisor.max(1) as u64;
+        let rows = total.div_ceil(divisor) * divisor;
+        let shard_rows = rows.div_ceil(parts.split_ngram_parts.max(1) as u64);
+        let row_width = (embed / heads.max(1)) as u64;
+        let mut first = 0;
+        let mut shard = 0;
+        while first < rows {
+            let count = shard_rows.min(rows - first);
+            out.push((
+                ple(&format!(
+                    "ple_embedding.ngram_embedding.shard_{shard}.weight"
+                )),
+                vec![count, row_width],
+            ));
+            first += count;
+            shard += 1;
+        }
+    }
+
     fn layer_tensors(&self, prefix: &str, full: bool, out: &mut Vec<(String, Vec<u64>)>) {
         let u = |values: &[usize]| values.iter().map(|&v| v as u64).collect::<Vec<u64>>();
         let (h, nh, nkv, hd) = (
@@ -449,8 +685,11 @@ impl Preset {
             self.head_dim,
         );
         let mut add = |name: &str, shape: Vec<u64>| out.push((format!("{prefix}.{name}"), shape));
-        add("input_layernorm.weight", u(&[h]));
-        add("post_attention_layernorm.weight", u(&[h]));
+        // Qwen4-Exp has no layer norms: its hyper-connection norms take their place.
+        if self.qwen4_exp.is_none() {
+            add("input_layernorm.weight", u(&[h]));
+            add("post_attention_layernorm.weight", u(&[h]));
+        }
         match (&self.linear, full) {
             (Some(linear), false) => {
                 let (nk, nv, dk, dv, kc) = (
@@ -491,6 +730,15 @@ impl Preset {
                 add("self_attn.o_proj.weight", u(&[h, nh * hd]));
                 add("self_attn.q_norm.weight", u(&[hd]));
                 add("self_attn.k_norm.weight", u(&[hd]));
+                if let Some(parts) = &self.qwen4_exp {
+                    let (heads, width) = (parts.indexer_heads, parts.indexer_head_dim);
+                    add(
+                        "self_attn.indexer.index_qk_proj.weight",
+                        u(&[(heads + 1) * width, h]),
+                    );
+                    add("self_attn.indexer.q_layernorm.weight", u(&[width]));
+                    add("self_attn.indexer.k_layernorm.weight", u(&[width]));
+                }
             }
         }
         if self.num_experts == 0 {
@@ -1118,9 +1366,31 @@ impl Drawer {
         out
     }
 
+    /// A plain matrix drawn as [`Drawer::tensor`] draws `name` (row by row from its stream).
+    fn plain_matrix(&self, name: &str, rows: usize, cols: usize) -> Vec<f32> {
+        let mut rng = Rng::for_name(self.seed, name);
+        let bound = uniform_bound(self.matrix_std(name, cols));
+        let mut values = vec![0.0f32; rows * cols];
+        for row in values.chunks_exact_mut(cols.max(1)) {
+            rng.fill_uniform(row, bound);
+        }
+        values
+    }
+
     /// One expert's `[gate; up]` and `down`, encoded in the bank's dtype.
     fn expert(&self, bank: &PlannedBank, index: usize) -> (Vec<u8>, Vec<u8>) {
         let (h, im) = (bank.hidden_size, bank.intermediate_size);
+        if bank.class == ninfer_artifact::TensorClass::DenseMlpExpert {
+            // The layer's dense MLP itself: the same numbers as its `mlp.*` matrices.
+            let mlp = bank.prefix.trim_end_matches(".experts");
+            let mut gate_up = self.plain_matrix(&format!("{mlp}.gate_proj"), im, h);
+            gate_up.extend(self.plain_matrix(&format!("{mlp}.up_proj"), im, h));
+            let down = self.plain_matrix(&format!("{mlp}.down_proj"), h, im);
+            return (
+                encode_expert(&gate_up, bank.dtype, 2 * im, h),
+                encode_expert(&down, bank.dtype, h, im),
+            );
+        }
         let mut rng = Rng::for_name(self.seed, &format!("{}.{index}", bank.prefix));
         let mut gate_up = vec![0.0f32; 2 * im * h];
         rng.fill_uniform(&mut gate_up, uniform_bound(1.0 / (h as f32).sqrt()));
@@ -1353,55 +1623,130 @@ mod tests {
     use super::*;
     use ninfer_artifact::LayerType;
 
-    fn parameters(preset: &Preset) -> (u64, u64) {
+    /// Parameters of the whole preset: all, the MTP layer's, the n-gram tables'.
+    fn parameters(preset: &Preset) -> (u64, u64, u64) {
         let options = SyntheticOptions::new(preset.clone(), "unused.ninfer");
         let (_, plan) = synthetic_plan(&options).unwrap();
-        let mut total = 0;
-        let mut mtp = 0;
+        let (mut total, mut mtp, mut ngram) = (0, 0, 0);
         for item in &plan.items {
-            let (count, is_mtp) = match item {
-                PlannedItem::Tensor(t) => (
-                    t.shape.iter().product::<u64>(),
-                    t.class == ninfer_artifact::TensorClass::Mtp,
-                ),
+            let (count, class) = match item {
+                PlannedItem::Tensor(t) => (t.shape.iter().product::<u64>(), t.class),
                 PlannedItem::Bank(b) => (
                     (3 * b.hidden_size * b.intermediate_size * b.experts.len()) as u64,
-                    b.class == ninfer_artifact::TensorClass::Mtp,
+                    b.class,
                 ),
             };
+            // A dense MLP's one-expert bank is a second copy of its matrices.
+            if class == ninfer_artifact::TensorClass::DenseMlpExpert {
+                continue;
+            }
             total += count;
-            if is_mtp {
-                mtp += count;
+            match class {
+                ninfer_artifact::TensorClass::Mtp => mtp += count,
+                ninfer_artifact::TensorClass::NgramEmbedding => ngram += count,
+                _ => {}
             }
         }
-        (total, mtp)
+        (total, mtp, ngram)
     }
 
     /// Parameter counts are the released models' (to the published precision), which checks
-    /// every shape at once; MTP weights are extra in the released checkpoints' totals.
+    /// every shape at once; MTP weights are extra in the released checkpoints' totals, and so
+    /// is Qwen3.8-Flash-Next's n-gram table (published as about 51 B besides its 125 B).
     #[test]
     fn presets_have_the_released_parameter_counts() {
         let expected = [
-            ("qwen3-30b-a3b", 30.5e9),
-            ("qwen3.5-35b-a3b", 35.0e9),
-            ("qwen3-next-80b-a3b", 80.0e9),
-            ("qwen3-235b-a22b", 235.1e9),
+            ("qwen3-30b-a3b", 30.5e9, 0.0),
+            ("qwen3.5-35b-a3b", 35.0e9, 0.0),
+            ("qwen3-next-80b-a3b", 80.0e9, 0.0),
+            ("qwen3-235b-a22b", 235.1e9, 0.0),
             // The 27B of the name counts the vision tower (about 0.4 B) as well.
-            ("qwen3.6-27b", 26.9e9),
+            ("qwen3.6-27b", 26.9e9, 0.0),
+            ("qwen3.8-flash-next", 125.0e9, 51.0e9),
         ];
-        for (name, billions) in expected {
-            let (total, mtp) = parameters(&preset(name).unwrap());
-            let main = (total - mtp) as f64;
+        for (name, billions, ngram_billions) in expected {
+            let (total, mtp, ngram) = parameters(&preset(name).unwrap());
+            let main = (total - mtp - ngram) as f64;
             println!(
-                "{name}: {:.2} B parameters without MTP, {:.2} B MTP",
+                "{name}: {:.2} B parameters without MTP and n-gram tables, {:.2} B MTP, {:.2} B n-gram",
                 main / 1e9,
-                mtp as f64 / 1e9
+                mtp as f64 / 1e9,
+                ngram as f64 / 1e9
             );
             assert!(
                 (main / billions - 1.0).abs() < 0.02,
                 "{name}: {main} parameters, expected about {billions}"
             );
+            let ngram = ngram as f64;
+            assert!(
+                (ngram - ngram_billions).abs() <= 0.02 * ngram_billions,
+                "{name}: {ngram} n-gram parameters, expected about {ngram_billions}"
+            );
         }
+    }
+
+    /// Qwen3.8-Flash-Next at int4 experts: the routed banks are about 68 GB (69 GB with the
+    /// released MTP layer's bank, which the preset leaves out), the n-gram table 102 GB in bf16,
+    /// stored where the converter stores a checkpoint's: one `ngram_embedding` tensor per shard.
+    #[test]
+    fn qwen3_8_flash_next_sizes_and_table_layout() {
+        let mut options =
+            SyntheticOptions::new(preset("qwen3.8-flash-next").unwrap(), "unused.ninfer");
+        options.experts_dtype = DType::Int4;
+        let (model, plan) = synthetic_plan(&options).unwrap();
+        let qwen4 = model.qwen4_exp().expect("a qwen4_exp config");
+        assert_eq!(qwen4.ple_layers, vec![0]);
+        assert_eq!(
+            (qwen4.hyper_connection_streams, qwen4.hyper_connection_rank),
+            (4, 320)
+        );
+        assert_eq!(qwen4.ngram_row_width(), 160);
+        let mut bank_bytes = 0u64;
+        let mut table_rows = 0u64;
+        let mut shards = 0;
+        for item in &plan.items {
+            match item {
+                PlannedItem::Bank(bank) => {
+                    let spec = |rows: usize, cols: usize| {
+                        crate::expert_spec(bank, 0, "x", &[rows as u64, cols as u64]).unwrap()
+                    };
+                    let (h, im) = (bank.hidden_size, bank.intermediate_size);
+                    let expert = ninfer_artifact::writer::expected_tensor_bytes(&spec(2 * im, h))
+                        .unwrap()
+                        + ninfer_artifact::writer::expected_tensor_bytes(&spec(h, im)).unwrap();
+                    bank_bytes += expert * bank.experts.len() as u64;
+                }
+                PlannedItem::Tensor(t)
+                    if t.class == ninfer_artifact::TensorClass::NgramEmbedding =>
+                {
+                    assert_eq!(
+                        t.name,
+                        format!("layers.0.ple.ngram_embedding.shard_{shards}")
+                    );
+                    assert_eq!(t.shape[1], 160);
+                    table_rows += t.shape[0];
+                    shards += 1;
+                }
+                PlannedItem::Tensor(_) => {}
+            }
+        }
+        let gb = bank_bytes as f64 / 1e9;
+        println!("routed experts at int4: {gb:.1} GB");
+        assert!((66.0..70.0).contains(&gb), "{gb} GB of routed experts");
+        assert_eq!(shards, 512);
+        assert_eq!(table_rows, qwen4.ngram_table_rows(0));
+        // The transformers reference value of the first PLE layer's padded table.
+        assert_eq!(table_rows, 320_001_536);
+        // A truncated model keeps the PLE layer only when it is among its layers.
+        assert_eq!(
+            preset("qwen3.8-flash-next")
+                .unwrap()
+                .model_config(2)
+                .unwrap()
+                .qwen4_exp()
+                .map(|c| c.ple_layers.clone()),
+            Some(vec![0])
+        );
     }
 
     #[test]
@@ -1523,14 +1868,28 @@ mod tests {
             .filter(|&l| c.layer_types[l] == LayerType::FullAttention)
             .collect();
         assert_eq!(full, (0..16).map(|i| 4 * i + 3).collect::<Vec<_>>());
-        // The plan: dense MLPs of their own class, no expert banks, a dense MTP layer.
+        // The plan: dense MLPs of their own class, each also as a bank of one expert in the
+        // dense dtype (for the CPU workers), a dense MTP layer.
         let options = SyntheticOptions::new(preset("qwen3.6-27b").unwrap(), "unused.ninfer");
         let (model, plan) = synthetic_plan(&options).unwrap();
         assert_eq!(model.hybrid().map(|h| h.mtp_num_layers), Some(1));
-        assert!(plan
+        let banks: Vec<&PlannedBank> = plan
             .items
             .iter()
-            .all(|item| matches!(item, PlannedItem::Tensor(_))));
+            .filter_map(|item| match item {
+                PlannedItem::Bank(bank) => Some(bank),
+                PlannedItem::Tensor(_) => None,
+            })
+            .collect();
+        assert_eq!(banks.len(), 64);
+        for (layer, bank) in banks.iter().enumerate() {
+            assert_eq!(bank.prefix, format!("layers.{layer}.mlp.experts"));
+            assert_eq!(bank.class, ninfer_artifact::TensorClass::DenseMlpExpert);
+            assert_eq!(
+                (bank.experts.len(), bank.intermediate_size, bank.dtype),
+                (1, 17408, DType::Bf16)
+            );
+        }
         let dense_mlp = plan
             .items
             .iter()

@@ -648,7 +648,9 @@ impl<B: Backend> Model<B> {
                 feed_forward @ FeedForward::Moe(_) => {
                     self.feed_forward(scratch, index, feed_forward, &x)?
                 }
-                FeedForward::Dense { .. } => return Err(state_mismatch(index)),
+                FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => {
+                    return Err(state_mismatch(index))
+                }
             };
             inject_into_streams(&mut streams, &backend.download(&fed)?, &injection, count);
         }

@@ -80,23 +80,7 @@ pub fn layer_multipliers(
         .collect()
 }
 
-/// Trial division, as the reference does (table sizes are ~2·10⁷, so this is quick).
-pub fn is_prime(value: u64) -> bool {
-    if value < 2 {
-        return false;
-    }
-    if value % 2 == 0 {
-        return value == 2;
-    }
-    let mut divisor = 3u64;
-    while divisor * divisor <= value {
-        if value % divisor == 0 {
-            return false;
-        }
-        divisor += 2;
-    }
-    true
-}
+pub use ninfer_artifact::config::{is_prime, ngram_head_table_sizes};
 
 /// The tables of one PLE layer: multipliers, per-head table sizes and offsets, padded rows.
 #[derive(Debug, Clone, PartialEq)]
@@ -129,21 +113,12 @@ impl NgramHashTables {
                     .to_string(),
             });
         }
-        let heads = settings.heads();
-        let skipped = ple_layer_index * heads;
-        let mut candidate = settings.ngram_vocab_size_base.saturating_sub(1);
-        let mut next_prime = || {
-            candidate += 1;
-            while !is_prime(candidate) {
-                candidate += 1;
-            }
-            candidate
-        };
-        for _ in 0..skipped {
-            next_prime();
-        }
-        let head_sizes: Vec<u64> = (0..heads).map(|_| next_prime()).collect();
-        let mut head_offsets = Vec::with_capacity(heads);
+        let head_sizes = ngram_head_table_sizes(
+            settings.ngram_vocab_size_base,
+            settings.heads(),
+            ple_layer_index,
+        );
+        let mut head_offsets = Vec::with_capacity(head_sizes.len());
         let mut total = 0u64;
         for size in &head_sizes {
             head_offsets.push(total);

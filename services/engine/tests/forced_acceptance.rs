@@ -3,16 +3,21 @@
 //! the tokens are plain greedy decoding's (each rejection rolled back); at rate 1 every draft is
 //! accepted (N + 1 tokens per step); the union of routed experts per verification that the
 //! outcome reports equals the one counted independently from the routing the expert executor
-//! saw; adaptive drafting at rate 0 falls back to single-draft probes.
+//! saw; adaptive drafting at rate 0 falls back to probes, and runs the MTP head (its layer and
+//! the vocabulary head) at those probes only, while the MTP layer still sees every position:
+//! held-back pairs go through it in one batched forward, with the bits and the drafts of a run
+//! that never skips.
 
 use std::sync::{Arc, Mutex};
 
 use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::model::{
-    greedy_with_mtp, greedy_with_mtp_options, DraftController, ForcedAcceptance, SpeculationOptions,
+    greedy_with_mtp, greedy_with_mtp_options, DraftController, DraftPlan, ForcedAcceptance,
+    SpeculationOptions,
 };
 use ninfer_engine::testing::golden_fixture_dir;
+use ninfer_engine::Backend;
 use ninfer_engine::{
     open_artifact, CpuBackend, EngineError, ExpertBatch, ExpertExecutor, Model,
     ReferenceExpertExecutor,
@@ -182,6 +187,199 @@ fn adaptive_drafting_at_rate_zero_falls_back_to_probes() {
         "adaptive drafting verified {} drafts at rate 0 (at most {most} expected)",
         drafted_rows(&adaptive)
     );
+}
+
+/// At rate 0 an adaptive sequence runs the MTP layer and the vocabulary head for drafts at its
+/// probes only (counted by the model, not by the loop): as many head rows and MTP-layer
+/// forwards as a controller fed the same rejections plans probes, never a verified draft row,
+/// and every position through the MTP layer once. Without forcing, its tokens are plain greedy
+/// decoding's.
+#[test]
+fn adaptive_drafting_at_rate_zero_runs_the_mtp_head_only_at_probes() {
+    let work = tempfile::tempdir().expect("temporary directory");
+    let (model, _) = open_recording(work.path());
+    let prompt = prompt();
+    let count = 120;
+    let off = greedy_with_mtp(&model, &prompt, count, 0).expect("decoding without drafts");
+
+    // The probes a controller plans when every check is rejected: one token per step.
+    let mut controller = DraftController::new(3);
+    let mut expected_probes = 0;
+    for produced in 1..count {
+        let plan = controller.next_plan(count - produced - 1);
+        assert!(
+            matches!(plan, DraftPlan::Skip | DraftPlan::Probe),
+            "step {produced}: {plan:?} at rate 0"
+        );
+        controller.record(plan.drafts(), 0);
+        expected_probes += usize::from(plan == DraftPlan::Probe);
+    }
+    assert!(expected_probes >= count / DraftController::PROBE_INTERVAL);
+
+    let before = model.mtp_usage();
+    let adaptive = greedy_with_mtp_options(&model, &prompt, count, forced(&[0.0], 3, true))
+        .expect("adaptive drafting, every draft rejected");
+    let after = model.mtp_usage();
+    assert_eq!(adaptive.tokens, off.tokens);
+    assert_eq!(adaptive.probes, expected_probes);
+    assert_eq!(adaptive.drafted[0], expected_probes);
+    assert_eq!(
+        after.draft_head_rows - before.draft_head_rows,
+        expected_probes as u64,
+        "the vocabulary head drafted outside the probes"
+    );
+    assert_eq!(
+        after.layer_forwards - before.layer_forwards,
+        expected_probes as u64,
+        "one batched MTP-layer forward per probe, none between"
+    );
+    // Every pair up to the last probe, once: the prompt's and one per step before it.
+    let last_probe_token = adaptive
+        .first_drafts
+        .last()
+        .map(|draft| draft.position)
+        .expect("a probe");
+    assert_eq!(
+        after.layer_rows - before.layer_rows,
+        (prompt.len() - 1 + last_probe_token) as u64
+    );
+    assert_eq!(
+        adaptive.verified_rows, adaptive.verifications as u64,
+        "a probe's draft became an input row"
+    );
+
+    // Unforced: probes and drafts through the model's own decisions keep greedy's tokens.
+    let options = SpeculationOptions {
+        draft_tokens: 3,
+        adaptive: true,
+        forced_acceptance: None,
+    };
+    let unforced =
+        greedy_with_mtp_options(&model, &prompt, count, options).expect("adaptive drafting");
+    assert_eq!(unforced.tokens, off.tokens);
+    assert!(unforced.probes >= 1, "a new sequence starts with a probe");
+}
+
+/// Drafts made after a long run of skipped positions (their pairs held back, then one batched
+/// MTP-layer forward) are the drafts a run that drafts at every position makes there.
+#[test]
+fn drafts_after_skipped_positions_equal_drafts_of_a_run_that_never_skips() {
+    let work = tempfile::tempdir().expect("temporary directory");
+    let (model, _) = open_recording(work.path());
+    let prompt = prompt();
+    let count = 110;
+    // Rate 0 keeps one token per step in both runs, so both have a draft for every position
+    // the adaptive run probes at.
+    let every_step = greedy_with_mtp_options(&model, &prompt, count, forced(&[0.0], 1, false))
+        .expect("a draft at every step");
+    let skipping = greedy_with_mtp_options(&model, &prompt, count, forced(&[0.0], 3, true))
+        .expect("adaptive drafting, every draft rejected");
+    assert_eq!(skipping.tokens, every_step.tokens);
+    // Every step but the last (which leaves no room for a draft).
+    assert_eq!(every_step.first_drafts.len(), count - 2);
+    let probed: Vec<usize> = skipping.first_drafts.iter().map(|d| d.position).collect();
+    assert!(
+        probed
+            .windows(2)
+            .any(|pair| pair[1] - pair[0] >= DraftController::PROBE_INTERVAL),
+        "no long run of skipped positions: probes at {probed:?}"
+    );
+    for draft in &skipping.first_drafts {
+        let reference = every_step
+            .first_drafts
+            .iter()
+            .find(|d| d.position == draft.position)
+            .map(|d| (d.token, d.logit.to_bits()));
+        // The logit's bits: a draft from an MTP layer that missed positions can still pick
+        // the same token.
+        assert_eq!(
+            reference,
+            Some((draft.token, draft.logit.to_bits())),
+            "the draft for token {} after skipped positions differs",
+            draft.position
+        );
+    }
+}
+
+/// The MTP layer over held-back pairs in one forward gives the bits of one forward per pair:
+/// the last row's output and its draft logits are equal, bit for bit (on this backend).
+#[test]
+fn one_batched_mtp_forward_equals_one_forward_per_pair() {
+    let work = tempfile::tempdir().expect("temporary directory");
+    let (model, _) = open_recording(work.path());
+    let backend = model.backend();
+    let mut tokens = prompt();
+    tokens.extend(
+        greedy_with_mtp(&model, &tokens.clone(), 40, 0)
+            .expect("decoding")
+            .tokens,
+    );
+    let mut state = model.new_sequence(tokens.len()).expect("sequence");
+    let hidden = model
+        .forward_hidden(
+            &mut [ninfer_engine::SequenceInput {
+                state: &mut state,
+                tokens: &tokens,
+            }],
+            None,
+        )
+        .expect("forward");
+    let pairs = tokens.len() - 1;
+    // The first `start` pairs one by one in both, then the rest batched or one by one.
+    let start = 5;
+    let mut batched = model.new_mtp_state(tokens.len()).expect("MTP state");
+    let mut single = model.new_mtp_state(tokens.len()).expect("MTP state");
+    let rows = |range: std::ops::Range<usize>| {
+        backend
+            .gather_rows(&hidden, &range.collect::<Vec<_>>())
+            .expect("rows")
+    };
+    let mut last_single = None;
+    for position in 0..pairs {
+        let out = model
+            .mtp_forward(
+                &mut single,
+                &rows(position..position + 1),
+                &tokens[position + 1..position + 2],
+            )
+            .expect("one pair");
+        if position < start {
+            model
+                .mtp_forward(
+                    &mut batched,
+                    &rows(position..position + 1),
+                    &tokens[position + 1..position + 2],
+                )
+                .expect("one pair");
+        }
+        last_single = Some(out);
+    }
+    let out = model
+        .mtp_forward(&mut batched, &rows(start..pairs), &tokens[start + 1..])
+        .expect("held pairs in one forward");
+    let last_batched = backend
+        .gather_rows(&out, &[pairs - start - 1])
+        .expect("last row");
+    let last_single = last_single.expect("a pair");
+    let bits = |tensor| -> Vec<u32> {
+        backend
+            .download(tensor)
+            .expect("download")
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    assert_eq!(bits(&last_batched), bits(&last_single));
+    let logits_bits = |tensor| -> Vec<u32> {
+        model
+            .mtp_draft_logits(tensor)
+            .expect("draft logits")
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    assert_eq!(logits_bits(&last_batched), logits_bits(&last_single));
+    assert_eq!(batched.position(), single.position());
 }
 
 #[test]

@@ -29,11 +29,11 @@ pub mod qwen4_exp;
 mod speculative;
 mod step_graphs;
 mod worker_handoff;
-pub use mtp::MtpState;
+pub use mtp::{MtpState, MtpUsage};
 pub use speculative::{
-    greedy_with_mtp, greedy_with_mtp_options, pick_draft, sample_with_mtp,
-    speculative_sampling_step, verify_drafts, DraftController, DraftToken, ForcedAcceptance,
-    SpeculationOptions, SpeculativeOutcome,
+    greedy_with_mtp, greedy_with_mtp_options, pick_draft, probe_draft, sample_with_mtp,
+    speculative_sampling_step, verify_drafts, DraftController, DraftPlan, DraftToken, FirstDraft,
+    ForcedAcceptance, SpeculationOptions, SpeculativeOutcome,
 };
 pub use step_graphs::StepGraphCounts;
 

@@ -4,9 +4,12 @@
 //! Owns: loading the head (two pre-norms, the `fc` projection of their concatenation, one
 //! full-attention decoder layer with the model's usual feed-forward, a final norm; the embedding
 //! and the head are the main model's), its per-sequence state (the layer's own KV cache and
-//! position), and its forward. Chaining drafts, verifying them and rolling states back belong to
-//! the caller.
+//! position), its forward, the vocabulary head over its rows for drafts, and the counts of what
+//! it computed ([`MtpUsage`]: how callers show that steps without drafts skip it). Chaining
+//! drafts, verifying them, holding back pairs and rolling states back belong to the caller.
 //! Must not touch: the main model's layers or sequence state, op implementations, sampling.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Layer, LayerScratch, Model};
 use crate::backend::{Backend, Segment};
@@ -21,6 +24,25 @@ pub(super) struct MtpHead<B: Backend> {
     fc: B::Weight,
     pub(super) layer: Layer<B>,
     norm: B::Weight,
+    usage: MtpUsageCounters,
+}
+
+/// What the MTP head computed since the model was loaded, over every sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MtpUsage {
+    /// Forwards of the MTP layer ([`Model::mtp_forward`] calls).
+    pub layer_forwards: u64,
+    /// Rows those forwards processed (pairs and chained drafts).
+    pub layer_rows: u64,
+    /// Rows taken through the vocabulary head to draft ([`Model::mtp_draft_logits`]).
+    pub draft_head_rows: u64,
+}
+
+#[derive(Default)]
+struct MtpUsageCounters {
+    layer_forwards: AtomicU64,
+    layer_rows: AtomicU64,
+    draft_head_rows: AtomicU64,
 }
 
 /// One sequence's MTP state: the MTP layer's KV cache over the pairs it has processed.
@@ -67,6 +89,7 @@ impl<B: Backend> super::Loader<'_, B> {
                 None,
             )?,
             norm: self.parameter("mtp.norm", (1, hidden))?,
+            usage: MtpUsageCounters::default(),
         }))
     }
 }
@@ -81,6 +104,30 @@ impl<B: Backend> Model<B> {
         self.mtp.as_ref().ok_or_else(|| EngineError::InvalidConfig {
             problem: "this model has no MTP head (no `mtp.*` tensors in the artifact)".into(),
         })
+    }
+
+    /// What the MTP head computed so far (all zero without a head).
+    pub fn mtp_usage(&self) -> MtpUsage {
+        self.mtp.as_ref().map_or_else(MtpUsage::default, |head| {
+            let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+            MtpUsage {
+                layer_forwards: load(&head.usage.layer_forwards),
+                layer_rows: load(&head.usage.layer_rows),
+                draft_head_rows: load(&head.usage.draft_head_rows),
+            }
+        })
+    }
+
+    /// The logits that draft from MTP output rows (`[rows, hidden]`, as [`Model::mtp_forward`]
+    /// returns them): the main model's head, counted as the MTP head's use.
+    pub fn mtp_draft_logits(&self, rows: &B::Tensor) -> Result<Vec<f32>, EngineError> {
+        let head = self.mtp_head()?;
+        let logits = self.head_logits(rows)?;
+        let (count, _) = self.backend.shape(rows);
+        head.usage
+            .draft_head_rows
+            .fetch_add(count as u64, Ordering::Relaxed);
+        Ok(logits)
     }
 
     /// Empty MTP state for a sequence of at most `max_context` positions.
@@ -172,6 +219,10 @@ impl<B: Backend> Model<B> {
         let out = backend.rms_norm(&residual, &head.norm, eps, style)?;
         self.finish_deferred_routing(&mut scratch)?;
         state.position = end;
+        head.usage.layer_forwards.fetch_add(1, Ordering::Relaxed);
+        head.usage
+            .layer_rows
+            .fetch_add(rows as u64, Ordering::Relaxed);
         Ok(out)
     }
 }

@@ -101,6 +101,30 @@ pub fn verify_drafts(
     Ok((drafts.len(), sampler.sample(&rows[drafts.len()], &seen)?))
 }
 
+/// Checks a probe's one draft against `row`, the main model's row after the input before the
+/// draft (bias and masks already applied), without the draft being an input row: returns
+/// whether [`verify_drafts`] would have accepted it and the token that follows the input.
+/// Greedy requests: `sampler`'s pick from the row, accepted when it is the draft. Sampled ones:
+/// [`speculative_sampling_step`] with `rng` (the draft when accepted, else the residual's draw),
+/// distributed as plain sampling's token. Either way the token is one plain decoding could
+/// give, and no state needs rolling back.
+pub fn probe_draft(
+    sampler: &mut Sampler,
+    rng: &mut Xoshiro256,
+    row: &[f32],
+    draft: &DraftToken,
+    history: &[u32],
+) -> Result<(bool, u32), EngineError> {
+    if sampler.params().temperature == 0.0 {
+        let main = sampler.sample(row, history)?;
+        return Ok((main == draft.token, main));
+    }
+    let target = Picker::distribution(sampler.params(), row, history);
+    let (token, accepted) =
+        speculative_sampling_step(&target, &draft.distribution, draft.token, rng);
+    Ok((accepted, token))
+}
+
 /// How many drafts one sequence makes per step, from the acceptance it has seen.
 ///
 /// The rule: with a per-draft acceptance rate `a` (drafts accepted independently), a step with
@@ -110,10 +134,14 @@ pub fn verify_drafts(
 /// controller picks the `n` in `0..=max` with the most tokens per unit of cost, so drafts stop
 /// where `a` falls below about `DRAFT_COST`. `a` is a decayed count of accepted drafts over
 /// verified draft positions (each step adds its accepted drafts, and its first rejected one),
-/// starting from an even prior, so the rate follows what the sequence is writing (code drafts
-/// well, prose less). At 0 drafts nothing would be measured any more: every
-/// `PROBE_INTERVAL`-th step then drafts one token to look again, which bounds what a sequence
-/// whose drafts are never accepted pays to about `DRAFT_COST / PROBE_INTERVAL`.
+/// starting from a prior below `DRAFT_COST`, so the rate follows what the sequence is writing
+/// (code drafts well, prose less). At 0 drafts nothing would be measured any more: a new
+/// sequence's first step and every `PROBE_INTERVAL`-th step after that are a
+/// [`DraftPlan::Probe`], one draft checked against the row the main model picks its next token
+/// from, which costs no verified row and no rollback. The MTP layer still has to see every
+/// position, but steps that skip it hold their pairs back for the next step that drafts (one
+/// batched forward), so a sequence whose drafts are never accepted pays about one MTP-layer
+/// forward and one head row per `PROBE_INTERVAL` steps.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DraftController {
     max_drafts: usize,
@@ -122,20 +150,66 @@ pub struct DraftController {
     steps_without_drafts: usize,
 }
 
+/// What one step of a sequence does with the MTP head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftPlan {
+    /// No draft: the main model processes the pending token alone and its pair waits for the
+    /// next step that drafts.
+    Skip,
+    /// One draft, checked against the row the main model picks its next token from
+    /// ([`probe_draft`]); the main model processes the pending token alone, so the check costs
+    /// no verified row and nothing is rolled back.
+    Probe,
+    /// `n ≥ 1` drafts verified by one forward of `n + 1` rows.
+    Drafts(usize),
+}
+
+impl DraftPlan {
+    /// Drafts the MTP head makes for this step.
+    pub fn drafts(self) -> usize {
+        match self {
+            DraftPlan::Skip => 0,
+            DraftPlan::Probe => 1,
+            DraftPlan::Drafts(n) => n,
+        }
+    }
+
+    /// Drafts the main model verifies as input rows (a probe's draft is not one).
+    pub fn verified_drafts(self) -> usize {
+        match self {
+            DraftPlan::Drafts(n) => n,
+            DraftPlan::Skip | DraftPlan::Probe => 0,
+        }
+    }
+
+    /// `n` drafts verified as input, or a skip at 0 (the fixed, non-adaptive plan).
+    pub fn fixed(drafts: usize) -> Self {
+        if drafts == 0 {
+            DraftPlan::Skip
+        } else {
+            DraftPlan::Drafts(drafts)
+        }
+    }
+}
+
 impl DraftController {
     /// Cost of one draft position relative to a plain decode step.
     pub const DRAFT_COST: f64 = 0.25;
-    /// Steps at 0 drafts before a one-draft probe.
+    /// Steps at 0 drafts before a probe.
     pub const PROBE_INTERVAL: usize = 32;
     /// Weight the history keeps per verification (about the last 10 verifications count).
     const DECAY: f64 = 0.9;
 
     pub fn new(max_drafts: usize) -> Self {
+        // A prior rate of 0.2 (below `DRAFT_COST`): a new sequence looks with a probe before it
+        // drafts; one accepted probe lifts the rate to about 0.49 (one draft), one rejected one
+        // drops it to about 0.13.
         DraftController {
             max_drafts,
-            accepted: 1.0,
+            accepted: 0.4,
             verified: 2.0,
-            steps_without_drafts: 0,
+            // The first step probes.
+            steps_without_drafts: Self::PROBE_INTERVAL - 1,
         }
     }
 
@@ -144,11 +218,12 @@ impl DraftController {
         self.accepted / self.verified.max(f64::MIN_POSITIVE)
     }
 
-    /// Drafts for the next step, at most `room` (what the request and its context leave).
-    pub fn next_drafts(&mut self, room: usize) -> usize {
+    /// What the next step does, with at most `room` drafts (what the request and its context
+    /// leave; a probe needs room for its one draft too).
+    pub fn next_plan(&mut self, room: usize) -> DraftPlan {
         let limit = self.max_drafts.min(room);
         if limit == 0 {
-            return 0;
+            return DraftPlan::Skip;
         }
         let a = self.acceptance();
         let mut best = (0usize, 1.0f64);
@@ -163,17 +238,18 @@ impl DraftController {
         }
         if best.0 > 0 {
             self.steps_without_drafts = 0;
-            return best.0;
+            return DraftPlan::Drafts(best.0);
         }
         self.steps_without_drafts += 1;
         if self.steps_without_drafts >= Self::PROBE_INTERVAL {
             self.steps_without_drafts = 0;
-            return 1;
+            return DraftPlan::Probe;
         }
-        0
+        DraftPlan::Skip
     }
 
-    /// Records a verification of `drafted` drafts of which the first `accepted` were accepted.
+    /// Records a verification of `drafted` drafts (a probe: 1) of which the first `accepted`
+    /// were accepted.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         if drafted == 0 {
             return;
@@ -289,6 +365,22 @@ pub struct SpeculativeOutcome {
     /// Distinct routed experts the verification forwards read, summed over their MoE layer calls
     /// (per call: the union over its rows, as the model's profile counts it).
     pub verify_distinct_experts: u64,
+    /// Steps whose one draft was a [`DraftPlan::Probe`] (counted in `drafted[0]` and
+    /// `accepted[0]` too, but not verified as an input row).
+    pub probes: usize,
+    /// Every chain's first draft (probes' included), in order.
+    pub first_drafts: Vec<FirstDraft>,
+}
+
+/// A chain's first draft: where it guessed, what, and the logit it had (the row's bits show
+/// whether the MTP layer saw the same positions as another run).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FirstDraft {
+    /// Index in [`SpeculativeOutcome::tokens`] of the token it guessed.
+    pub position: usize,
+    pub token: u32,
+    /// The draft logits row's value at `token`.
+    pub logit: f32,
 }
 
 impl SpeculativeOutcome {
@@ -346,6 +438,23 @@ impl Picker {
                     token: draw(&distribution, rng),
                     distribution,
                 }
+            }
+        }
+    }
+
+    /// Checks a probe's draft against `row` (see [`probe_draft`]): whether it is accepted, and
+    /// the token that follows the input.
+    fn probe(&mut self, row: &[f32], draft: &Draft, history: &[u32]) -> (bool, u32) {
+        match self {
+            Picker::Greedy => {
+                let main = argmax(row);
+                (main == draft.token, main)
+            }
+            Picker::Sampled { params, rng } => {
+                let target = Self::distribution(params, row, history);
+                let (token, accepted) =
+                    speculative_sampling_step(&target, &draft.distribution, draft.token, rng);
+                (accepted, token)
             }
         }
     }
@@ -481,6 +590,47 @@ pub fn sample_with_mtp<B: Backend>(
     )
 }
 
+/// Most pairs a sequence holds back from the MTP layer while it does not draft before they go
+/// through it anyway (bounds the rows one catch-up forward takes; above `PROBE_INTERVAL`, so an
+/// adaptive sequence catches up at its probes).
+const PAIRS_HELD_WITHOUT_DRAFTS: usize = 64;
+
+/// Pairs the MTP layer has not seen yet: the main model's final-normed rows (one tensor per
+/// step, in order) and the token after each.
+struct HeldPairs<B: Backend> {
+    hidden: Vec<B::Tensor>,
+    tokens: Vec<u32>,
+}
+
+/// Every held pair through the MTP layer in one forward; returns its output rows, or `None`
+/// when nothing was held.
+fn catch_up<B: Backend>(
+    model: &Model<B>,
+    mtp: &mut super::MtpState<B>,
+    held: &mut HeldPairs<B>,
+) -> Result<Option<B::Tensor>, EngineError> {
+    let backend = model.backend();
+    let hidden = match held.hidden.len() {
+        0 => return Ok(None),
+        1 => held.hidden.pop(),
+        _ => {
+            // One host round trip at the step that drafts, instead of one per step.
+            let width = model.spec().common.hidden_size;
+            let mut values = Vec::with_capacity(held.tokens.len() * width);
+            for part in held.hidden.drain(..) {
+                values.extend(backend.download(&part)?);
+            }
+            Some(backend.upload(&values, values.len() / width.max(1), width)?)
+        }
+    };
+    let hidden = hidden.ok_or_else(|| EngineError::InvalidConfig {
+        problem: "held MTP pairs without rows".into(),
+    })?;
+    let tokens = std::mem::take(&mut held.tokens);
+    held.hidden.clear();
+    model.mtp_forward(mtp, &hidden, &tokens).map(Some)
+}
+
 fn speculate<B: Backend>(
     model: &Model<B>,
     prompt: &[u32],
@@ -517,44 +667,60 @@ fn speculate<B: Backend>(
     let last = backend.gather_rows(&hidden, &[prompt.len() - 1])?;
     let mut pending = picker.pick(&model.head_logits(&last)?, &[]).token;
     outcome.tokens.push(pending);
-    // The MTP head's next input: (h_t, token t + 1) for every position the main model has done.
-    let mut pair_hidden = hidden;
-    let mut pair_tokens: Vec<u32> = prompt[1..].iter().copied().chain([pending]).collect();
+    // The MTP head's next input: (h_t, token t + 1) for every position the main model has done
+    // and the MTP layer has not.
+    let mut held = HeldPairs::<B> {
+        hidden: vec![hidden],
+        tokens: prompt[1..].iter().copied().chain([pending]).collect(),
+    };
     let decode_started = std::time::Instant::now();
 
     while outcome.tokens.len() < count {
         // Drafts past the last wanted token would be thrown away.
         let draft_room = count - outcome.tokens.len() - 1;
-        let wanted = match controller.as_mut() {
-            Some(controller) => controller.next_drafts(draft_room),
-            None => draft_tokens.min(draft_room),
+        let plan = match controller.as_mut() {
+            Some(controller) => controller.next_plan(draft_room),
+            None => DraftPlan::fixed(draft_tokens.min(draft_room)),
         };
-        let committed = mtp.position();
+        let wanted = plan.drafts();
         let mut drafts = Vec::with_capacity(wanted);
-        if wanted > 0 {
-            let out = model.mtp_forward(&mut mtp, &pair_hidden, &pair_tokens)?;
-            let rows = backend.shape(&out).0;
-            let mut chain = backend.gather_rows(&out, &[rows - 1])?;
-            let committed_after_pairs = mtp.position();
-            while drafts.len() < wanted {
-                let mut history = outcome.tokens.clone();
-                history.extend(drafts.iter().map(|d: &Draft| d.token));
-                let draft = picker.pick(&model.head_logits(&chain)?, &history);
-                let token = draft.token;
-                drafts.push(draft);
-                if drafts.len() < wanted {
-                    chain = model.mtp_forward(&mut mtp, &chain, &[token])?;
+        if wanted > 0 || held.tokens.len() >= PAIRS_HELD_WITHOUT_DRAFTS {
+            let out = catch_up(model, &mut mtp, &mut held)?;
+            if let (Some(out), true) = (out, wanted > 0) {
+                let rows = backend.shape(&out).0;
+                let mut chain = backend.gather_rows(&out, &[rows - 1])?;
+                let committed_after_pairs = mtp.position();
+                while drafts.len() < wanted {
+                    let mut history = outcome.tokens.clone();
+                    history.extend(drafts.iter().map(|d: &Draft| d.token));
+                    let row = model.mtp_draft_logits(&chain)?;
+                    let draft = picker.pick(&row, &history);
+                    let token = draft.token;
+                    if drafts.is_empty() {
+                        outcome.first_drafts.push(FirstDraft {
+                            position: outcome.tokens.len(),
+                            token,
+                            logit: row.get(token as usize).copied().unwrap_or(f32::NAN),
+                        });
+                    }
+                    drafts.push(draft);
+                    if drafts.len() < wanted {
+                        chain = model.mtp_forward(&mut mtp, &chain, &[token])?;
+                    }
                 }
+                // The chain's own pairs are guesses: the next step pairs the verified states.
+                mtp.truncate(committed_after_pairs);
             }
-            // The chain's own pairs are guesses: the next step pairs the verified states.
-            mtp.truncate(committed_after_pairs);
-        } else {
-            mtp.truncate(committed);
         }
+        // A probe's draft is checked against the pending token's row, not verified as input.
+        let verified_drafts = &drafts[..plan.verified_drafts().min(drafts.len())];
 
-        let checkpoint = model.checkpoint(&state)?;
+        // Linear-attention states are copied only when drafts may have to be rolled back.
+        let checkpoint = (!verified_drafts.is_empty())
+            .then(|| model.checkpoint(&state))
+            .transpose()?;
         let input: Vec<u32> = std::iter::once(pending)
-            .chain(drafts.iter().map(|d| d.token))
+            .chain(verified_drafts.iter().map(|d| d.token))
             .collect();
         // The profile's expert counts around the verification alone (this loop is the
         // model's only user while it runs).
@@ -585,6 +751,32 @@ fn speculate<B: Backend>(
         outcome.verifications += 1;
         let logits = model.head_logits(&verified)?;
         let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
+
+        if plan == DraftPlan::Probe {
+            let draft = drafts.first().ok_or_else(|| EngineError::InvalidConfig {
+                problem: "a probe without its draft".into(),
+            })?;
+            let (accepted, next) = match forced_acceptance.as_mut() {
+                // Forced: an accepted draft is the next token (there is no row after it).
+                Some(forced) => match forced.accepted_drafts(1) {
+                    0 => (false, picker.pick(rows[0], &outcome.tokens).token),
+                    _ => (true, draft.token),
+                },
+                None => picker.probe(rows[0], draft, &outcome.tokens),
+            };
+            if let Some(controller) = controller.as_mut() {
+                controller.record(1, usize::from(accepted));
+            }
+            outcome.probes += 1;
+            outcome.drafted[0] += 1;
+            outcome.accepted[0] += usize::from(accepted);
+            held.hidden.push(verified);
+            held.tokens.push(next);
+            pending = next;
+            outcome.tokens.push(next);
+            continue;
+        }
+
         let (accepted, next) = match forced_acceptance.as_mut() {
             // Only the decision is forced: the token after the accepted drafts is still the
             // main model's, from the row that follows them.
@@ -605,10 +797,12 @@ fn speculate<B: Backend>(
                 outcome.accepted[depth] += 1;
             }
         }
-        let kept: Vec<usize> = (0..=accepted).collect();
-        pair_hidden = if accepted < drafts.len() {
+        let kept_hidden = if accepted < drafts.len() {
             // A rejected draft's rows are in the state: back to the checkpoint, then the
             // accepted rows again.
+            let checkpoint = checkpoint.ok_or_else(|| EngineError::InvalidConfig {
+                problem: "rejected drafts without a checkpoint".into(),
+            })?;
             model.restore(&mut state, checkpoint)?;
             model.forward_hidden(
                 &mut [SequenceInput {
@@ -617,14 +811,20 @@ fn speculate<B: Backend>(
                 }],
                 Some(DeltaRuleForm::Recurrent),
             )?
+        } else if drafts.is_empty() {
+            // Without drafts the one row is the kept one.
+            verified
         } else {
+            let kept: Vec<usize> = (0..=accepted).collect();
             backend.gather_rows(&verified, &kept)?
         };
-        pair_tokens = drafts[..accepted]
+        let pair_tokens: Vec<u32> = drafts[..accepted]
             .iter()
             .map(|d| d.token)
             .chain([next])
             .collect();
+        held.hidden.push(kept_hidden);
+        held.tokens.extend_from_slice(&pair_tokens);
         pending = next;
         let room = count - outcome.tokens.len();
         outcome
@@ -656,45 +856,66 @@ mod tests {
     #[test]
     fn drafts_shrink_to_zero_when_rejected_and_grow_when_accepted() {
         let mut controller = DraftController::new(3);
-        // The even prior drafts.
-        assert!(controller.next_drafts(3) > 0);
-        // Every draft rejected: down to 0 within a few steps, then only a probe every
-        // PROBE_INTERVAL steps.
-        for _ in 0..20 {
-            let n = controller.next_drafts(3);
-            controller.record(n, 0);
-        }
+        // A new sequence looks before it drafts: its first step is a probe.
+        assert_eq!(controller.next_plan(3), DraftPlan::Probe);
+        // One accepted probe is enough to start drafting.
+        let mut accepting = controller.clone();
+        accepting.record(1, 1);
+        assert_eq!(accepting.next_plan(3), DraftPlan::Drafts(1));
+        // A rejected one drops to skipping, then a probe every PROBE_INTERVAL steps.
+        controller.record(1, 0);
         assert!(controller.acceptance() < DraftController::DRAFT_COST);
-        let drafted: usize = (0..4 * DraftController::PROBE_INTERVAL)
-            .map(|_| {
-                let n = controller.next_drafts(3);
-                controller.record(n, 0);
-                n
-            })
-            .sum();
-        assert_eq!(drafted, 4, "one single-draft probe per interval");
+        let mut plans = Vec::new();
+        for _ in 0..4 * DraftController::PROBE_INTERVAL {
+            let plan = controller.next_plan(3);
+            controller.record(plan.drafts(), 0);
+            plans.push(plan);
+        }
+        assert!(plans
+            .iter()
+            .all(|&plan| plan == DraftPlan::Skip || plan == DraftPlan::Probe));
+        let probes: Vec<usize> = (0..plans.len())
+            .filter(|&step| plans[step] == DraftPlan::Probe)
+            .collect();
+        let interval = DraftController::PROBE_INTERVAL;
+        assert_eq!(
+            probes,
+            (1..=4).map(|k| k * interval - 1).collect::<Vec<_>>(),
+            "one probe per interval"
+        );
         // Every draft accepted from then on: a probe finds it and the count climbs to the
         // maximum.
-        let mut last = 0;
-        for _ in 0..3 * DraftController::PROBE_INTERVAL {
-            last = controller.next_drafts(3);
-            controller.record(last, last);
+        let mut last = DraftPlan::Skip;
+        for _ in 0..3 * interval {
+            last = controller.next_plan(3);
+            controller.record(last.drafts(), last.drafts());
         }
-        assert_eq!(last, 3);
+        assert_eq!(last, DraftPlan::Drafts(3));
         assert!(controller.acceptance() > 0.9);
         // Never more than the room the request leaves.
-        assert_eq!(controller.next_drafts(1), 1);
-        assert_eq!(controller.next_drafts(0), 0);
+        assert_eq!(controller.next_plan(1), DraftPlan::Drafts(1));
+        assert_eq!(controller.next_plan(0), DraftPlan::Skip);
         // The count follows the rate: 1 + a + … + aⁿ over 1 + n/4 is best at n = 1 for
         // a = 0.5, n = 2 for a = 0.7 and n = 3 for a = 0.8; none below a = 1/4.
-        for (rate, expected) in [(0.2, 0), (0.5, 1), (0.7, 2), (0.8, 3)] {
+        for (rate, expected) in [(0.5, 1), (0.7, 2), (0.8, 3)] {
             let mut controller = DraftController {
                 accepted: 100.0 * rate,
                 verified: 100.0,
                 ..DraftController::new(3)
             };
-            assert_eq!(controller.next_drafts(3), expected, "rate {rate}");
+            assert_eq!(
+                controller.next_plan(3),
+                DraftPlan::Drafts(expected),
+                "rate {rate}"
+            );
         }
+        let mut low = DraftController {
+            accepted: 20.0,
+            verified: 100.0,
+            steps_without_drafts: 0,
+            ..DraftController::new(3)
+        };
+        assert_eq!(low.next_plan(3), DraftPlan::Skip, "rate 0.2");
     }
 
     #[test]

@@ -24,8 +24,8 @@ use crate::backend::{Backend, KvPlacement, LogitCandidates};
 use crate::constraint::{Allowed, Guide};
 use crate::error::EngineError;
 use crate::model::{
-    pick_draft, verify_drafts, DraftController, DraftToken, Model, MtpState, SequenceCheckpoint,
-    SequenceInput, SequenceState,
+    pick_draft, probe_draft, verify_drafts, DraftController, DraftPlan, DraftToken, Model,
+    MtpState, SequenceCheckpoint, SequenceInput, SequenceState,
 };
 use crate::sampling::{Sampler, SamplingParams, Xoshiro256};
 use crate::service::scoring::{Scoring, ScoringRequest};
@@ -135,8 +135,12 @@ pub struct SchedulerCounters {
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub kv_used_tokens: AtomicU64,
-    /// Verification steps of sequences that drafted.
+    /// Verification steps of sequences that drafted, probes included.
     pub speculative_steps: AtomicU64,
+    /// Probes (one draft checked against the pending token's row; counted at depth 1 too) and
+    /// those whose draft was accepted (each yields one token, not two).
+    pub probes: AtomicU64,
+    pub accepted_probes: AtomicU64,
     /// `drafted_at_depth[j]`: drafts made at depth `j + 1` of a chain.
     pub drafted_at_depth: [AtomicU64; MAX_DRAFT_TOKENS],
     /// `accepted_at_depth[j]`: chains whose drafts `1..=j + 1` were all accepted.
@@ -155,6 +159,14 @@ impl SchedulerCounters {
         }
     }
 
+    /// Counts one probe ([`DraftPlan::Probe`]), accepted or not.
+    pub fn record_probe(&self, accepted: bool) {
+        self.record_verification(1, usize::from(accepted));
+        self.probes.fetch_add(1, Ordering::Relaxed);
+        self.accepted_probes
+            .fetch_add(u64::from(accepted), Ordering::Relaxed);
+    }
+
     /// `(drafted, accepted)` over every depth.
     pub fn draft_totals(&self) -> (u64, u64) {
         let sum = |counters: &[AtomicU64]| {
@@ -170,6 +182,10 @@ impl SchedulerCounters {
     pub fn log_speculation_summary(&self) {
         let (drafted, accepted) = self.draft_totals();
         let steps = self.speculative_steps.load(Ordering::Relaxed);
+        let (probes, accepted_probes) = (
+            self.probes.load(Ordering::Relaxed),
+            self.accepted_probes.load(Ordering::Relaxed),
+        );
         if drafted == 0 {
             return;
         }
@@ -186,8 +202,12 @@ impl SchedulerCounters {
             accepted,
             acceptance = format!("{:.1}%", 100.0 * accepted as f64 / drafted as f64),
             acceptance_per_depth = per_depth.join(" "),
-            tokens_per_speculative_step =
-                format!("{:.2}", (steps + accepted) as f64 / steps.max(1) as f64),
+            probes,
+            // An accepted probe's draft is its step's one token.
+            tokens_per_speculative_step = format!(
+                "{:.2}",
+                (steps + accepted - accepted_probes.min(accepted)) as f64 / steps.max(1) as f64
+            ),
             "MTP speculative decoding"
         );
     }
@@ -239,6 +259,8 @@ struct Speculating<B: Backend> {
     pair_tokens: Vec<u32>,
     /// This step's drafts (the tail of `pending`).
     drafts: Vec<DraftToken>,
+    /// This step's probe: a draft checked against the pending token's row, not an input row.
+    probe: Option<DraftToken>,
 }
 
 /// What admission checks against.
@@ -630,7 +652,9 @@ fn prepare_row(row: &mut [f32], request: &GenerationRequest, vocab: usize) {
 /// Drafts this step's tokens of a speculating sequence with the MTP head and appends them to
 /// its pending input: first the pairs the head has not seen (the main model's verified rows),
 /// then a chain of drafts, each from the head's output for the one before. The chain's own
-/// pairs are guesses and are cut off again; the next step pairs the verified rows.
+/// pairs are guesses and are cut off again; the next step pairs the verified rows. A step
+/// without drafts holds its pairs back (up to [`PAIRS_HELD_WITHOUT_DRAFTS`]) and runs neither
+/// the MTP layer nor the head; a probe's one draft is kept aside, not appended.
 fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<(), EngineError> {
     let Running {
         request,
@@ -645,6 +669,7 @@ fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<(), EngineE
         return Ok(());
     };
     s.drafts.clear();
+    s.probe = None;
     if *generated == 0 {
         // The prompt's step: nothing to draft from yet.
         return Ok(());
@@ -654,7 +679,8 @@ fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<(), EngineE
     let vocab = model.vocab_size();
     // The request's last token is a plain pick: at most `remaining - 1` drafts.
     let room = request.max_new_tokens.saturating_sub(*generated + 1);
-    let count = s.controller.next_drafts(room);
+    let plan = s.controller.next_plan(room);
+    let count = plan.drafts();
     let pairs = s.pair_tokens.len();
     if pairs == 0 || (count == 0 && pairs < PAIRS_HELD_WITHOUT_DRAFTS) {
         return Ok(());
@@ -670,7 +696,7 @@ fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<(), EngineE
     let mut chain = backend.gather_rows(&out, &[pairs - 1])?;
     let mut seen = history.clone();
     while s.drafts.len() < count {
-        let mut row = model.head_logits(&chain)?;
+        let mut row = model.mtp_draft_logits(&chain)?;
         prepare_row(&mut row, request, vocab);
         let drafted = pick_draft(sampler.params(), &row, &seen, &mut s.rng);
         let token = drafted.token;
@@ -681,7 +707,11 @@ fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<(), EngineE
         }
     }
     s.mtp.truncate(committed);
-    pending.extend(s.drafts.iter().map(|d| d.token));
+    if plan == DraftPlan::Probe {
+        s.probe = s.drafts.pop();
+    } else {
+        pending.extend(s.drafts.iter().map(|d| d.token));
+    }
     Ok(())
 }
 
@@ -797,14 +827,17 @@ fn step_group<B: Backend>(
     // keeps every row it processed for the MTP head. A verification reads all its rows.
     let (mut picking, mut picking_rows) = (Vec::new(), Vec::new());
     // Speculating sequences: (index, its input, where its rows start among the kept rows,
-    // whether it verifies drafts).
+    // whether it verifies drafts or checks a probe: then its token comes from its whole row).
     let mut speculating: Vec<(usize, Vec<u32>, usize, bool)> = Vec::new();
     let mut kept_rows = Vec::new();
     let mut start = 0;
     for &index in members {
         let r = &running[index];
         let end = start + r.pending.len();
-        let verifies = r.speculating.as_ref().is_some_and(|s| !s.drafts.is_empty());
+        let verifies = r
+            .speculating
+            .as_ref()
+            .is_some_and(|s| !s.drafts.is_empty() || s.probe.is_some());
         if !verifies {
             picking.push(index);
             picking_rows.push(end - 1);
@@ -924,14 +957,31 @@ fn verify_and_emit<B: Backend>(
         prepare_row(row, &r.request, vocab);
     }
     let drafts = std::mem::take(&mut s.drafts);
-    let (accepted, next) = verify_drafts(&mut r.sampler, &mut s.rng, &rows, &drafts, &r.history)
-        .map_err(|error| EngineError::InvalidSampling {
-            problem: error.to_string(),
-        })?;
-    if !drafts.is_empty() {
-        s.controller.record(drafts.len(), accepted);
-        counters.record_verification(drafts.len(), accepted);
-    }
+    let invalid = |error: EngineError| EngineError::InvalidSampling {
+        problem: error.to_string(),
+    };
+    let (accepted, next) = match (s.probe.take(), rows.first()) {
+        // A probe: its draft against the pending token's row; the token is one plain decoding
+        // could give, and the probe's draft is never an input row.
+        (Some(probe), Some(row)) => {
+            let (probe_accepted, token) =
+                probe_draft(&mut r.sampler, &mut s.rng, row, &probe, &r.history)
+                    .map_err(invalid)?;
+            s.controller.record(1, usize::from(probe_accepted));
+            counters.record_probe(probe_accepted);
+            (0, token)
+        }
+        _ => {
+            let (accepted, next) =
+                verify_drafts(&mut r.sampler, &mut s.rng, &rows, &drafts, &r.history)
+                    .map_err(invalid)?;
+            if !drafts.is_empty() {
+                s.controller.record(drafts.len(), accepted);
+                counters.record_verification(drafts.len(), accepted);
+            }
+            (accepted, next)
+        }
+    };
     // The rows the sequence keeps, and the token after each: the MTP head's next pairs.
     let input = std::mem::take(&mut r.pending);
     let kept = input.len() - drafts.len() + accepted;
@@ -1075,6 +1125,7 @@ fn handle<B: Backend>(
                         pair_hidden: Vec::new(),
                         pair_tokens: Vec::new(),
                         drafts: Vec::new(),
+                        probe: None,
                     }),
                     Err(error) => {
                         return reject(SchedulerError::GenerationFailed(error.to_string()))

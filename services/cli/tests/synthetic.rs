@@ -118,8 +118,8 @@ fn every_preset_loads_in_the_engine_and_generates_finite_logits() {
             let i = small.intermediate_size;
             let row_bytes = 2 * h as usize;
             assert_eq!(
-                &gate_up.bytes()[i * row_bytes..],
-                up.bytes(),
+                &gate_up.bytes[i * row_bytes..],
+                up.bytes,
                 "the bank's up rows are the up_proj matrix"
             );
         }

@@ -317,10 +317,11 @@ impl<B: Backend> Model<B> {
             Some(_) => None,
             None => Some(loader.parameter("final_norm", (1, hidden))?),
         };
-        let mut layers = Vec::with_capacity(spec.layers());
-        for layer in 0..spec.layers() {
-            layers.push(loader.layer(&spec, layer, offloaded[layer])?);
-        }
+        let layers = offloaded
+            .iter()
+            .enumerate()
+            .map(|(layer, &offload)| loader.layer(&spec, layer, offload))
+            .collect::<Result<Vec<_>, _>>()?;
         let mtp = loader.mtp_head(&spec)?;
         let profile = Arc::new(ForwardProfile::new(dense_weight_bytes(
             &artifact,

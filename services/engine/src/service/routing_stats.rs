@@ -217,7 +217,7 @@ mod tests {
             Vec::new()
         }
         fn prepare_backend_handoff(&self) -> Option<Vec<std::ops::Range<usize>>> {
-            Some(vec![0..4])
+            Some(vec![0..2, 2..4])
         }
         fn refusal(&self, _worker: usize) -> Option<String> {
             None
@@ -251,7 +251,7 @@ mod tests {
         let channels = counting
             .worker_channels()
             .expect("the workers are forwarded");
-        assert_eq!(channels.prepare_backend_handoff(), Some(vec![0..4]));
+        assert_eq!(channels.prepare_backend_handoff(), Some(vec![0..2, 2..4]));
         assert_eq!(channels.worker_address(1), "worker 1");
         assert_eq!(counting.compute_nanos(), Some(7));
         assert_eq!(counting.name(), "with workers");

@@ -33,6 +33,7 @@ SUITES=(
   "expert_cache:::cuda"
   "speculative_scheduler:::cuda"
   "scoring_requests:::cuda"
+  "cuda_tensor_cores:"
 )
 
 build() {

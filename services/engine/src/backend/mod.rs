@@ -621,7 +621,8 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor, EngineError>;
 
     /// Waits for every queued op and says whether a hand-off since the last call failed (its
-    /// sums are then zeros and the step must not be used).
+    /// sums are then zeros and the step must not be used). The wait sleeps rather than spins:
+    /// the workers compute on every core meanwhile.
     fn take_worker_handoff_failure(
         &self,
         handoff: &Self::WorkerHandoff,

@@ -201,11 +201,13 @@ impl<B: Backend> Model<B> {
                         .ok_or_else(|| EngineError::InvalidConfig {
                             problem: "a replayed step graph has no recorded outputs".into(),
                         })?;
-                backend.wait_for_queued_ops()?;
+                // The hand-off's wait first: it sleeps rather than spins (see
+                // `Backend::take_worker_handoff_failure`).
                 let mut tally = PhaseTotals::default();
                 if let Some(handoff) = handoff {
                     self.finish_worker_handoff(handoff, &mut tally)?;
                 }
+                backend.wait_for_queued_ops()?;
                 self.count_recorded_routings(deferred, &mut tally)?;
                 self.account_forward(batch, &plan, tally, started);
                 // The caller owns what it gets; the graph's logits are rewritten next step.
@@ -249,12 +251,12 @@ impl<B: Backend> Model<B> {
                             }
                         );
                         let logits = result?;
-                        backend.wait_for_queued_ops()?;
                         let deferred = std::mem::take(&mut scratch.deferred);
                         let mut tally = scratch.tally;
                         if let Some(handoff) = handoff {
                             self.finish_worker_handoff(handoff, &mut tally)?;
                         }
+                        backend.wait_for_queued_ops()?;
                         self.count_recorded_routings(&deferred, &mut tally)?;
                         self.account_forward(batch, &plan, tally, started);
                         let (_, vocab) = backend.shape(&logits);

@@ -12,7 +12,9 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use ninfer_channel::SegmentMemory;
 
 use super::readback::PinnedStaging;
@@ -75,6 +77,11 @@ pub struct CudaWorkerHandoff {
     /// only under this lock, with the stream idle. Its device address never changes.
     failure: Mutex<PinnedStaging>,
     failure_address: u64,
+    /// Recorded after a hand-off step and waited on with blocking sync: the host thread sleeps
+    /// through the step instead of spinning on a core the workers compute on (a spinning
+    /// wait halved the speed of the worker thread pinned beside it, and a layer waits for
+    /// its slowest thread).
+    step_finished: CudaEvent,
     _segments: Vec<RegisteredSegment>,
     _keep_alive: Box<dyn Send + Sync>,
 }
@@ -183,6 +190,11 @@ impl CudaBackend {
         // SAFETY: no kernel uses the word yet.
         unsafe { *failure.host_word(0)? = 0 };
         let failure_address = failure.device_address(0)?;
+        let step_finished = self
+            .stream
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(driver_error("creating the hand-off's blocking event"))?;
         Ok(CudaWorkerHandoff {
             workers: channels.len(),
             num_experts,
@@ -194,6 +206,7 @@ impl CudaBackend {
             posted,
             failure: Mutex::new(failure),
             failure_address,
+            step_finished,
             _segments: segments,
             _keep_alive: keep_alive,
         })
@@ -343,6 +356,14 @@ impl CudaBackend {
         &self,
         handoff: &CudaWorkerHandoff,
     ) -> Result<Option<WorkerHandoffFailure>, CudaError> {
+        handoff
+            .step_finished
+            .record(&self.stream)
+            .map_err(driver_error("recording the hand-off step's end"))?;
+        handoff
+            .step_finished
+            .synchronize()
+            .map_err(driver_error("waiting for the hand-off step's end"))?;
         self.synchronize()?;
         let failure = handoff.failure.lock().map_err(|_| CudaError::Invalid {
             problem: "the hand-off's failure word lock is poisoned".into(),

@@ -967,9 +967,15 @@ mod tests {
         );
         assert_eq!(DECODE_BATCH_ROWS as i64, define("DECODE_BATCH_ROWS"));
         // `DecodeRows` is the kernels' struct byte for byte (two pointer arrays, one int array).
-        assert_eq!(std::mem::size_of::<DecodeRows>(), DECODE_BATCH_ROWS * (8 + 8 + 4));
+        assert_eq!(
+            std::mem::size_of::<DecodeRows>(),
+            DECODE_BATCH_ROWS * (8 + 8 + 4)
+        );
         assert_eq!(std::mem::align_of::<DecodeRows>(), 8);
-        assert!(std::mem::size_of::<DecodeRows>() < 4096 - 256, "kernel parameters fit 4 KiB");
+        assert!(
+            std::mem::size_of::<DecodeRows>() < 4096 - 256,
+            "kernel parameters fit 4 KiB"
+        );
         assert_eq!(MMA_ROWS as i64, define("MMA_ROWS"));
         // One tile size stages q and the K / V tiles (mma_smem_bytes).
         assert_eq!(define("MMA_KEYS"), define("MMA_ROWS"));

@@ -644,7 +644,6 @@ fn phase_figures(
 }
 
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 async fn measure(
     args: &ModelBenchArgs,
     lengths: &[usize],

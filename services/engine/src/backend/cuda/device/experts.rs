@@ -908,9 +908,15 @@ impl CudaBackend {
             int(slots.slot_table.num_experts(), "experts")?,
         );
         let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
-        // Several tokens (a decode batch): each expert read once for up to a group of its pairs.
+        // Several tokens of a decode-sized batch: each expert read once for up to a group of its
+        // pairs. Only below the grouped kernels' size: every block scans the pairs before its own.
         let group_pairs = by_expert_group_pairs(hidden, intermediate)?;
-        if self.options.batched_decode && pairs > k && group_pairs > 0 {
+        let tokens = pairs / k.max(1);
+        if self.options.batched_decode
+            && tokens > 1
+            && tokens < GROUPED_MIN_TOKENS
+            && group_pairs > 0
+        {
             let (pairs_count, group) = (int(pairs, "pairs")?, int(group_pairs, "group pairs")?);
             let gate_up_config = expert_launch(
                 intermediate,

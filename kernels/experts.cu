@@ -329,7 +329,8 @@ __device__ __forceinline__ void row_dot_partials(const unsigned char* matrix, lo
         }
     } else {
         int segments = segments_of(cols);
-#pragma unroll 2
+        // Unrolled as in row_dot_partial: several segments' loads in flight.
+#pragma unroll 4
         for (int s = lane; s < segments; s += 32) {
             float w[SEG];
             if (dtype == DTYPE_INT8)

@@ -1,6 +1,7 @@
 // Causal GQA attention of the CUDA backend over a sequence's KV cache.
 //
-// Three kernel families, all over one segment (one sequence's rows) per launch:
+// Three kernel families over one segment (one sequence's rows) per launch, and the decode
+// family again over a whole batch of one-row segments per launch (`*_batched`, below):
 //
 // * `attention` / `attention_bf16` — the reference: one warp per (query row, head) walks the
 //   visible keys in order with an online softmax. Simple and obviously right; the start-up
@@ -44,6 +45,8 @@ __device__ __forceinline__ float load_kv(const float* p, long long i) { return p
 __device__ __forceinline__ float load_kv(const unsigned short* p, long long i) {
     return __uint_as_float(((unsigned int)p[i]) << 16);
 }
+__device__ __forceinline__ void store_kv(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_kv(unsigned short* p, float x) { *p = f32_to_bf16_bits(x); }
 
 // Appends one sequence's k, v rows [row_start, row_start + n) ([*, width] f32) to its bf16
 // cache ([max_tokens, width]) at position `at` (`row_positions[row_start]` when
@@ -207,7 +210,8 @@ __device__ __forceinline__ void split_copies_wait() {
 }
 
 // Grid: x = chunk (absolute: keys [x·chunk, x·chunk + chunk) ∩ the row's visible keys),
-// y = kv_head · slices + slice (slices = ceil(group / SPLIT_HEADS)), z = row t of the segment.
+// y = kv_head · slices + slice (slices = ceil(group / SPLIT_HEADS)); `t` is the row of the
+// segment (grid z of `attention_split`).
 // Partial (t, head, chunk) sits at index part_base + (t·heads + head)·chunks + chunk:
 // part_o[index·hd + d] = Σ p·v (relative to the max), part_ml[2·index] = max,
 // part_ml[2·index + 1] = Σ p. Dynamic shared memory: `split_smem_bytes` (attention.rs). For bf16
@@ -217,13 +221,7 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
                                       float* part_o, float* part_ml, int row_start,
                                       int start_position, int heads, int kv_heads, int hd,
                                       int window, float scale, int chunk, int chunks,
-                                      int part_base, const unsigned int* row_positions) {
-    if (row_positions) {
-        // A step graph: the position comes from device memory, the chunk from it as the host
-        // chooses it (`split_chunk`), and the grid covers `chunks` = SPLIT_MAX_CHUNKS.
-        start_position = (int)row_positions[row_start];
-        chunk = split_chunk(start_position + (int)gridDim.z - 1);
-    }
+                                      int part_base, int t) {
     const int per_word = KvWords<KV>::per_word;
     const int words = hd / per_word;  // of one K or V row of one kv head
     // Rows of whole 16-byte quads (`quads`) are staged and scored 16 bytes at a time, with a
@@ -246,7 +244,6 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
     int kv_head = blockIdx.y / slices;
     int h0 = (blockIdx.y % slices) * SPLIT_HEADS;  // first q head of the slice, within the group
     int hg = min(SPLIT_HEADS, group - h0);
-    int t = blockIdx.z;
     int position = start_position + t;
     int first = window > 0 ? max(0, position + 1 - window) : 0;
     int k0 = max(c * chunk, first);
@@ -412,13 +409,29 @@ __device__ void attention_split_block(const float* q, const KV* keys, const KV* 
     }
 }
 
+// One segment's rows (grid z = row t). In a step graph (`row_positions` given) the position
+// comes from device memory, the chunk from it as the host chooses it (`split_chunk`), and the
+// grid covers `chunks` = SPLIT_MAX_CHUNKS.
+template <typename KV>
+__device__ __forceinline__ void attention_split_segment(
+    const float* q, const KV* keys, const KV* values, float* part_o, float* part_ml,
+    int row_start, int start_position, int heads, int kv_heads, int hd, int window, float scale,
+    int chunk, int chunks, int part_base, const unsigned int* row_positions) {
+    if (row_positions) {
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + (int)gridDim.z - 1);
+    }
+    attention_split_block(q, keys, values, part_o, part_ml, row_start, start_position, heads,
+                          kv_heads, hd, window, scale, chunk, chunks, part_base, (int)blockIdx.z);
+}
+
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
     attention_split(const float* q, const float* keys, const float* values, float* part_o,
                     float* part_ml, int row_start, int start_position, int heads, int kv_heads,
                     int hd, int window, float scale, int chunk, int chunks, int part_base,
                     const unsigned int* row_positions) {
-    attention_split_block(q, keys, values, part_o, part_ml, row_start, start_position, heads,
-                          kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
+    attention_split_segment(q, keys, values, part_o, part_ml, row_start, start_position, heads,
+                            kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
@@ -427,10 +440,98 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
                          int row_start, int start_position, int heads, int kv_heads, int hd,
                          int window, float scale, int chunk, int chunks, int part_base,
                          const unsigned int* row_positions) {
-    attention_split_block(q, keys, values, part_o, part_ml, row_start, start_position, heads,
-                          kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
+    attention_split_segment(q, keys, values, part_o, part_ml, row_start, start_position, heads,
+                            kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Batched decode: one launch for a whole batch of one-row segments.
+//
+// Row t of the launch is batch row row_start + t, one new token of its own sequence: its cache
+// and (outside a step graph) its position come from `DecodeRows` (kernel parameters, so a step
+// graph keeps them with the recording, as it keeps a segment launch's cache addresses); inside
+// a step graph its position comes from `row_positions`. Each row's chunk is `split_chunk` of its
+// own position, exactly the chunk a one-row segment launch takes, and each row's partials sit
+// at part_base + t · heads · chunks: so every row gets the bits of its own segment launches.
+
+// Rows one batched launch takes (`DECODE_BATCH_ROWS` in attention.rs).
+#define DECODE_BATCH_ROWS 64
+
+struct DecodeRows {
+    unsigned long long keys[DECODE_BATCH_ROWS];    // each row's key cache (f32 or bf16 elements)
+    unsigned long long values[DECODE_BATCH_ROWS];  // each row's value cache
+    int positions[DECODE_BATCH_ROWS];              // each row's position (its cache length)
+};
+
+__device__ __forceinline__ int decode_row_position(const DecodeRows& batch, int row_start, int t,
+                                                   const unsigned int* row_positions) {
+    return row_positions ? (int)row_positions[row_start + t] : batch.positions[t];
+}
+
+// Appends each row's k, v ([*, width] f32) to its cache at its position. One thread per
+// element, grid-stride over rows × width.
+template <typename KV>
+__device__ __forceinline__ void kv_append_rows(const float* k, const float* v,
+                                               const DecodeRows& batch, int row_start, int n,
+                                               int width, const unsigned int* row_positions) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)n * width;
+         i += (long long)blockDim.x * gridDim.x) {
+        int t = (int)(i / width);
+        long long column = i % width;
+        long long src = (long long)(row_start + t) * width + column;
+        long long dst = (long long)decode_row_position(batch, row_start, t, row_positions) * width +
+                        column;
+        KV* keys = reinterpret_cast<KV*>(batch.keys[t]);
+        KV* values = reinterpret_cast<KV*>(batch.values[t]);
+        store_kv(keys + dst, k[src]);
+        store_kv(values + dst, v[src]);
+    }
+}
+
+extern "C" __global__ void kv_append_batched(const float* k, const float* v, DecodeRows batch,
+                                             int row_start, int n, int width,
+                                             const unsigned int* row_positions) {
+    kv_append_rows<float>(k, v, batch, row_start, n, width, row_positions);
+}
+
+extern "C" __global__ void kv_append_batched_bf16(const float* k, const float* v,
+                                                  DecodeRows batch, int row_start, int n,
+                                                  int width, const unsigned int* row_positions) {
+    kv_append_rows<unsigned short>(k, v, batch, row_start, n, width, row_positions);
+}
+
+// Grid: x = chunk (up to `chunks`), y = kv_head · slices + slice, z = row t of the launch.
+template <typename KV>
+__device__ __forceinline__ void attention_split_rows(const float* q, float* part_o, float* part_ml,
+                                                     const DecodeRows& batch, int row_start,
+                                                     int heads, int kv_heads, int hd, int window,
+                                                     float scale, int chunks, int part_base,
+                                                     const unsigned int* row_positions) {
+    int t = blockIdx.z;
+    int position = decode_row_position(batch, row_start, t, row_positions);
+    attention_split_block(q, reinterpret_cast<const KV*>(batch.keys[t]),
+                          reinterpret_cast<const KV*>(batch.values[t]), part_o, part_ml,
+                          row_start + t, position, heads, kv_heads, hd, window, scale,
+                          split_chunk(position), chunks, part_base + t * heads * chunks, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+    attention_split_batched(const float* q, float* part_o, float* part_ml, DecodeRows batch,
+                            int row_start, int heads, int kv_heads, int hd, int window,
+                            float scale, int chunks, int part_base,
+                            const unsigned int* row_positions) {
+    attention_split_rows<float>(q, part_o, part_ml, batch, row_start, heads, kv_heads, hd, window,
+                                scale, chunks, part_base, row_positions);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+    attention_split_batched_bf16(const float* q, float* part_o, float* part_ml, DecodeRows batch,
+                                 int row_start, int heads, int kv_heads, int hd, int window,
+                                 float scale, int chunks, int part_base,
+                                 const unsigned int* row_positions) {
+    attention_split_rows<unsigned short>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                         hd, window, scale, chunks, part_base, row_positions);
+}
 
 // Warps of a combine block; each sums every COMBINE_WARPS-th chunk.
 #define COMBINE_WARPS 8
@@ -442,25 +543,19 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 // memory (and L, by a fixed lane tree); warp w sums chunks w, w + COMBINE_WARPS, … in ascending
 // order for its lane's dim, and the warps' sums are added in warp order: a fixed order that
 // depends only on the chunk count, with every chunk's load in flight at once.
-extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
-    attention_combine(const float* part_o, const float* part_ml, float* out, int row_start, int n,
-                      int start_position, int heads, int hd, int window, int chunk, int chunks,
-                      int part_base, const unsigned int* row_positions) {
+// Merges the chunks of one (row, head) for the 32 dims of block y: the row sits at `position`,
+// its output at row `out_row`, its partials at `base` + head · chunks + chunk.
+__device__ __forceinline__ void combine_row_head(const float* part_o, const float* part_ml,
+                                                 float* out, int out_row, int position, int head,
+                                                 int heads, int hd, int window, int chunk,
+                                                 int chunks, long long base) {
     __shared__ float weight_s[COMBINE_MAX_CHUNKS];
     __shared__ float partial_s[COMBINE_WARPS][32];
     __shared__ float scalar_s[1];  // 1 / L
-    if (row_positions) {
-        start_position = (int)row_positions[row_start];
-        chunk = split_chunk(start_position + n - 1);
-    }
-    int task = blockIdx.x;
-    if (task >= n * heads) return;
-    int t = task / heads, head = task % heads;
-    int position = start_position + t;
     int first = window > 0 ? max(0, position + 1 - window) : 0;
     int c0 = first / chunk, c1 = position / chunk;
     int count = c1 - c0 + 1;
-    long long base = (long long)part_base + ((long long)t * heads + head) * chunks + c0;
+    base += (long long)head * chunks + c0;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 0) {
         float top = __int_as_float(0xff800000);
@@ -489,9 +584,39 @@ extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
         float total = partial_s[0][lane];
 #pragma unroll
         for (int w = 1; w < COMBINE_WARPS; ++w) total += partial_s[w][lane];
-        out[(long long)(row_start + t) * heads * hd + (long long)head * hd + d] =
-            total * scalar_s[0];
+        out[(long long)out_row * heads * hd + (long long)head * hd + d] = total * scalar_s[0];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
+    attention_combine(const float* part_o, const float* part_ml, float* out, int row_start, int n,
+                      int start_position, int heads, int hd, int window, int chunk, int chunks,
+                      int part_base, const unsigned int* row_positions) {
+    if (row_positions) {
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + n - 1);
+    }
+    int task = blockIdx.x;
+    if (task >= n * heads) return;
+    int t = task / heads, head = task % heads;
+    combine_row_head(part_o, part_ml, out, row_start + t, start_position + t, head, heads, hd,
+                     window, chunk, chunks, (long long)part_base + (long long)t * heads * chunks);
+}
+
+// The combine of a batched split launch: grid x = n · heads (row t, head), y = ceil(hd / 32);
+// each row's chunk and partials as `attention_split_rows` left them.
+extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
+    attention_combine_batched(const float* part_o, const float* part_ml, float* out,
+                              DecodeRows batch, int row_start, int n, int heads, int hd,
+                              int window, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    int task = blockIdx.x;
+    if (task >= n * heads) return;
+    int t = task / heads, head = task % heads;
+    int position = decode_row_position(batch, row_start, t, row_positions);
+    combine_row_head(part_o, part_ml, out, row_start + t, position, head, heads, hd, window,
+                     split_chunk(position), chunks,
+                     (long long)part_base + (long long)t * heads * chunks);
 }
 
 // ---------------------------------------------------------------------------------------------

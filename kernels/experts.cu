@@ -11,11 +11,14 @@
 //   gate_up   activated[p, c] = silu(gate_c · x_t) · (up_c · x_t)     (slotted pairs only)
 //   down      pair_out[p, r]  = w_p · (down_r · activated[p])         (0 for other pairs)
 //   expert_pair_sum out[t, r] = Σ_j pair_out[t·k + j, r]              (fixed order)
-// with two kernels for gate_up and down:
+// with three kernels for gate_up and down:
 //   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes
 //     GATE_UP_COLUMNS activated columns (gate_up) or DOWN_ROWS output rows (down) of one pair,
 //     the pair's input vector sits in shared memory. Every pair reads
 //     its expert's whole matrices.
+//   * by expert (`expert_gate_up_by_expert`, `expert_down_by_expert`; decode batches of several
+//     tokens): the per-pair grid and bits, each expert's weights read once for up to
+//     EXPERT_GROUP_PAIRS of its pairs (groups found on the device, see below).
 //   * grouped (`expert_gate_up_grouped`, `expert_down_grouped`; prefill): the host groups the
 //     slotted pairs by expert and cuts each expert's list into tiles of ≤ TILE_TOKENS pairs
 //     (`tiles[3·i ..]` = first index into `order`, count, slot; `order` = pair indices). A block
@@ -271,6 +274,188 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
     for (int i = 0; i < DOWN_ROWS; ++i) {
         float y = warp_sum(partial[i]);
         if (lane == 0 && r0 + i < hidden) pair_out[(long long)p * hidden + r0 + i] = weights[p] * y;
+    }
+}
+
+// By-expert kernels (decode batches of several tokens). -----------------------------------------
+//
+// The per-pair kernels' grid (one block row per pair) and bits, but each expert's weights are
+// read once for up to `group_pairs` (≤ EXPERT_GROUP_PAIRS) of its pairs: the block of the first
+// pair of each such group (the slot's pairs in pair order, cut into groups from the first)
+// computes the whole group, the other blocks of the group leave at once. The groups are found on
+// the device from the routing, so a step graph replays them with each step's routing. Each
+// pair's sums are formed exactly as `row_dot_partial` forms them.
+
+// Pairs one block computes against one read of their expert's weights (experts.rs mirrors it).
+#define EXPERT_GROUP_PAIRS 4
+
+// The group pair p leads, into `members` (shared): p and the next pairs of its slot, at most
+// `group_pairs`; 0 when p is not the first pair of its group. Every thread of the block calls it
+// (it synchronises the block); `slot` is p's slot (≥ 0).
+__device__ __forceinline__ int expert_group_members(const int* slot_of_expert,
+                                                    const unsigned int* ids, int p, int pairs,
+                                                    int num_experts, int slot, int group_pairs,
+                                                    int* members, int* member_count) {
+    int rank = 0;  // pairs of this slot before p
+    for (int base = 0; base < p; base += blockDim.x) {
+        int q = base + threadIdx.x;
+        rank += __syncthreads_count(q < p && pair_slot(slot_of_expert, ids, q, num_experts) == slot);
+    }
+    if (rank % group_pairs != 0) return 0;
+    if (threadIdx.x == 0) {
+        int count = 0;
+        for (int q = p; q < pairs && count < group_pairs; ++q)
+            if (pair_slot(slot_of_expert, ids, q, num_experts) == slot) members[count++] = q;
+        *member_count = count;
+    }
+    __syncthreads();
+    return *member_count;
+}
+
+// `row_dot_partial` of one weight row against `count` padded vectors `xs` (`x_stride` floats
+// apart): each weight is read once, and each vector's sum takes row_dot_partial's exact order.
+__device__ __forceinline__ void row_dot_partials(const unsigned char* matrix, long long scales,
+                                                 int dtype, int row, int cols, const float* xs,
+                                                 int x_stride, int count, int lane,
+                                                 float (&acc)[EXPERT_GROUP_PAIRS]) {
+#pragma unroll
+    for (int m = 0; m < EXPERT_GROUP_PAIRS; ++m) acc[m] = 0.0f;
+    if (dtype == DTYPE_F32 || dtype == DTYPE_BF16) {
+        for (int c = lane; c < cols; c += 32) {
+            float w = float_weight(matrix, dtype, row, cols, c);
+#pragma unroll
+            for (int m = 0; m < EXPERT_GROUP_PAIRS; ++m)
+                if (m < count) acc[m] = __fmaf_rn(w, xs[m * x_stride + padded(c)], acc[m]);
+        }
+    } else {
+        int segments = segments_of(cols);
+        // Unrolled as in row_dot_partial: several segments' loads in flight.
+#pragma unroll 4
+        for (int s = lane; s < segments; s += 32) {
+            float w[SEG];
+            if (dtype == DTYPE_INT8)
+                segment_weights<DTYPE_INT8>(matrix, scales, row, cols, s, w);
+            else
+                segment_weights<DTYPE_INT4>(matrix, scales, row, cols, s, w);
+#pragma unroll
+            for (int m = 0; m < EXPERT_GROUP_PAIRS; ++m) {
+                if (m >= count) continue;
+                const float4* xv = reinterpret_cast<const float4*>(xs + m * x_stride + s * SEG_STRIDE);
+                float a = acc[m];
+#pragma unroll
+                for (int q = 0; q < SEG / 4; ++q) {
+                    float4 v = xv[q];
+                    a = __fmaf_rn(w[4 * q], v.x, a);
+                    a = __fmaf_rn(w[4 * q + 1], v.y, a);
+                    a = __fmaf_rn(w[4 * q + 2], v.z, a);
+                    a = __fmaf_rn(w[4 * q + 3], v.w, a);
+                }
+                acc[m] = a;
+            }
+        }
+    }
+}
+
+// grid (ceil(intermediate / warps), pairs); dynamic shared memory group_pairs ·
+// ceil(hidden / 16) · 20 floats. One activated column per warp, for every pair of the group.
+extern "C" __global__ void expert_gate_up_by_expert(const unsigned char* slots,
+                                                    const int* slot_of_expert,
+                                                    const unsigned int* ids, const float* x,
+                                                    float* activated, int top_k, int num_experts,
+                                                    int hidden, int intermediate, long long stride,
+                                                    int dtype, long long gate_up_scales, int pairs,
+                                                    int group_pairs) {
+    extern __shared__ __align__(16) float shared_x[];
+    __shared__ int members[EXPERT_GROUP_PAIRS];
+    __shared__ int member_count;
+    int p = blockIdx.y;
+    int slot = pair_slot(slot_of_expert, ids, p, num_experts);
+    if (slot < 0) return;  // the whole block leaves together
+    int count = expert_group_members(slot_of_expert, ids, p, pairs, num_experts, slot,
+                                     group_pairs, members, &member_count);
+    if (count == 0) return;
+    int x_stride = segments_of(hidden) * SEG_STRIDE;
+    // Zero past `hidden` up to the last segment: a quantized row's padding meets 0.
+    for (int m = 0; m < count; ++m) {
+        const float* xt = x + (long long)(members[m] / top_k) * hidden;
+        for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
+            shared_x[m * x_stride + padded(c)] = c < hidden ? xt[c] : 0.0f;
+    }
+    __syncthreads();
+    int warps = blockDim.x / 32;
+    int lane = threadIdx.x % 32;
+    int c = blockIdx.x * warps + threadIdx.x / 32;
+    if (c >= intermediate) return;
+    const unsigned char* matrix = slots + (long long)slot * stride;
+    float gate_partial[EXPERT_GROUP_PAIRS], up_partial[EXPERT_GROUP_PAIRS];
+    row_dot_partials(matrix, gate_up_scales, dtype, c, hidden, shared_x, x_stride, count, lane,
+                     gate_partial);
+    row_dot_partials(matrix, gate_up_scales, dtype, intermediate + c, hidden, shared_x, x_stride,
+                     count, lane, up_partial);
+#pragma unroll
+    for (int m = 0; m < EXPERT_GROUP_PAIRS; ++m) {
+        if (m >= count) continue;
+        float gate = warp_sum(gate_partial[m]);
+        float up = warp_sum(up_partial[m]);
+        if (lane == 0) activated[(long long)members[m] * intermediate + c] = silu(gate) * up;
+    }
+}
+
+// grid (ceil(hidden / (warps · DOWN_ROWS)), pairs); dynamic shared memory group_pairs ·
+// ceil(intermediate / 16) · 20 floats. DOWN_ROWS output rows per warp, for every pair of the
+// group; pairs without a slot write zeros, as in `expert_down`.
+extern "C" __global__ void expert_down_by_expert(const unsigned char* slots,
+                                                 const int* slot_of_expert,
+                                                 const unsigned int* ids, const float* weights,
+                                                 const float* activated, float* pair_out,
+                                                 int num_experts, int hidden, int intermediate,
+                                                 long long stride, int dtype,
+                                                 long long down_offset, long long down_scales,
+                                                 int pairs, int group_pairs) {
+    extern __shared__ __align__(16) float shared_a[];
+    __shared__ int members[EXPERT_GROUP_PAIRS];
+    __shared__ int member_count;
+    int p = blockIdx.y;
+    int slot = pair_slot(slot_of_expert, ids, p, num_experts);
+    int warps = blockDim.x / 32;
+    int lane = threadIdx.x % 32;
+    int r0 = (blockIdx.x * warps + threadIdx.x / 32) * DOWN_ROWS;
+    if (slot < 0) {
+        // Other pairs add nothing: their experts run elsewhere.
+        if (lane < DOWN_ROWS && r0 + lane < hidden) pair_out[(long long)p * hidden + r0 + lane] = 0.0f;
+        return;
+    }
+    int count = expert_group_members(slot_of_expert, ids, p, pairs, num_experts, slot,
+                                     group_pairs, members, &member_count);
+    if (count == 0) return;
+    int a_stride = segments_of(intermediate) * SEG_STRIDE;
+    for (int m = 0; m < count; ++m) {
+        const float* ap = activated + (long long)members[m] * intermediate;
+        // Zero past `intermediate` up to the last segment: a quantized row's padding meets 0.
+        for (int c = threadIdx.x; c < segments_of(intermediate) * SEG; c += blockDim.x)
+            shared_a[m * a_stride + padded(c)] = c < intermediate ? ap[c] : 0.0f;
+    }
+    __syncthreads();
+    if (r0 >= hidden) return;
+    const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
+    // Every row's loads before any butterfly.
+    float partial[DOWN_ROWS][EXPERT_GROUP_PAIRS];
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS; ++i) {
+        if (r0 + i < hidden)
+            row_dot_partials(matrix, down_scales, dtype, r0 + i, intermediate, shared_a, a_stride,
+                             count, lane, partial[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS; ++i) {
+        if (r0 + i >= hidden) break;
+#pragma unroll
+        for (int m = 0; m < EXPERT_GROUP_PAIRS; ++m) {
+            if (m >= count) continue;
+            float y = warp_sum(partial[i][m]);
+            if (lane == 0)
+                pair_out[(long long)members[m] * hidden + r0 + i] = weights[members[m]] * y;
+        }
     }
 }
 

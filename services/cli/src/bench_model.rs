@@ -78,6 +78,12 @@ pub struct ModelBenchArgs {
     /// rate while all of them decode, from the first prompt length. 1: batch 1 only.
     #[arg(long, default_value_t = 1)]
     pub concurrency: usize,
+    /// Batch sizes of the batch-decode table, comma-separated (for example `1,8`): for each,
+    /// that many sequences decode at once from the first prompt length, and the table gives
+    /// their aggregate and per-sequence tok/s and the aggregate over batch 1's (when 1 is
+    /// listed). Empty: no table.
+    #[arg(long, value_name = "B,B,...", default_value = "")]
+    pub decode_batch: String,
     /// Extra arguments for the engine (repeat the flag per argument).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
@@ -156,6 +162,9 @@ struct Report {
     /// `--concurrency` above 1: the aggregate decode of that many sequences at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     concurrent_decode: Option<ConcurrentDecode>,
+    /// `--decode-batch`: the aggregate decode of each batch size.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    decode_batches: Vec<BatchDecodeRow>,
     model: String,
     architecture: String,
     device: String,
@@ -256,6 +265,37 @@ fn parse_lengths(text: &str) -> anyhow::Result<Vec<usize>> {
     Ok(lengths)
 }
 
+/// `--decode-batch`: batch sizes of at least 1, in the order given, without repeats.
+fn parse_decode_batches(text: &str) -> anyhow::Result<Vec<usize>> {
+    let mut batches: Vec<usize> = Vec::new();
+    for item in text
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+    {
+        let batch = item
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .with_context(|| {
+                format!("--decode-batch: `{item}` is not a batch size of at least 1")
+            })?;
+        if !batches.contains(&batch) {
+            batches.push(batch);
+        }
+    }
+    Ok(batches)
+}
+
+/// One row of the batch-decode table.
+#[derive(Debug, Serialize)]
+struct BatchDecodeRow {
+    #[serde(flatten)]
+    decode: ConcurrentDecode,
+    /// Aggregate tok/s over batch 1's (null when batch 1 was not measured).
+    aggregate_over_batch_1: Option<f64>,
+}
+
 /// Seeded pseudo-random token ids below `vocab` (splitmix64).
 fn random_tokens(count: usize, vocab: u32, seed: u64) -> Vec<u32> {
     let mut state = seed;
@@ -275,6 +315,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         bail!("name a MODEL (`ninfer bench MODEL`) or a subcommand (memory, experts, channel)");
     };
     let lengths = parse_lengths(&args.prompt_lengths)?;
+    let decode_batches = parse_decode_batches(&args.decode_batch)?;
     if args.decode_tokens == 0 {
         bail!("--decode-tokens must be at least 1");
     }
@@ -322,7 +363,14 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         // One sequence's KV cache per sequence decoded at once, so `--gpu-mem-budget` leaves
         // the rest to experts.
         "--max-sequences".into(),
-        args.concurrency.max(1).to_string(),
+        decode_batches
+            .iter()
+            .copied()
+            .chain([args.concurrency])
+            .max()
+            .unwrap_or(1)
+            .max(1)
+            .to_string(),
     ];
     engine_args.extend(args.engine_args.iter().cloned());
     let flags = EngineFlags {
@@ -346,6 +394,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
     let result = runtime.block_on(measure(
         &args,
         &lengths,
+        &decode_batches,
         &address,
         &mut supervisor,
         ram_bandwidth,
@@ -598,6 +647,7 @@ fn phase_figures(
 async fn measure(
     args: &ModelBenchArgs,
     lengths: &[usize],
+    decode_batches: &[usize],
     address: &str,
     supervisor: &mut Supervisor,
     ram_bandwidth: BandwidthResult,
@@ -749,6 +799,33 @@ async fn measure(
     } else {
         None
     };
+    let mut decode_batch_rows: Vec<BatchDecodeRow> = Vec::with_capacity(decode_batches.len());
+    for &batch in decode_batches {
+        let decode = measure_concurrent_decode(
+            &client,
+            batch,
+            lengths[0],
+            args.decode_tokens,
+            vocab,
+            args.seed.wrapping_add(batch as u64),
+        )
+        .await
+        .with_context(|| format!("decoding a batch of {batch} sequences"))?;
+        profile(&mut client, true, false).await?;
+        decode_batch_rows.push(BatchDecodeRow {
+            decode,
+            aggregate_over_batch_1: None,
+        });
+    }
+    let batch_1 = decode_batch_rows
+        .iter()
+        .find(|row| row.decode.sequences == 1)
+        .map(|row| row.decode.aggregate_tok_s);
+    if let Some(batch_1) = batch_1.filter(|&rate| rate > 0.0) {
+        for row in &mut decode_batch_rows {
+            row.aggregate_over_batch_1 = Some(row.decode.aggregate_tok_s / batch_1);
+        }
+    }
     let expert_cache = ExpertCacheFigures::between(
         &status_before,
         &engine_status(&mut client).await?,
@@ -757,6 +834,7 @@ async fn measure(
     );
     Ok(Report {
         concurrent_decode,
+        decode_batches: decode_batch_rows,
         expert_cache,
         model,
         architecture,
@@ -817,6 +895,27 @@ fn print_report(report: &Report) {
             "{} sequences at once (prompts of {} tokens): aggregate decode {:.1} tok/s, {:.1} tok/s per sequence",
             batch.sequences, batch.prompt_tokens, batch.aggregate_tok_s, batch.per_sequence_tok_s
         );
+    }
+    if !report.decode_batches.is_empty() {
+        println!(
+            "batch decode (prompts of {} tokens; tok/s over the window in which every sequence decodes):",
+            report.decode_batches[0].decode.prompt_tokens
+        );
+        println!(
+            "{:>6} {:>14} {:>16} {:>16}",
+            "batch", "aggregate tok/s", "per-seq tok/s", "× batch 1"
+        );
+        for row in &report.decode_batches {
+            println!(
+                "{:>6} {:>14.1} {:>16.1} {:>16}",
+                row.decode.sequences,
+                row.decode.aggregate_tok_s,
+                row.decode.per_sequence_tok_s,
+                row.aggregate_over_batch_1
+                    .map(|ratio| format!("{ratio:.2}"))
+                    .unwrap_or_else(|| "-".into())
+            );
+        }
     }
     if let Some(cache) = &report.expert_cache {
         println!(
@@ -901,4 +1000,18 @@ fn print_report(report: &Report) {
         report.roofline.denominator,
         report.roofline.ideal
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_decode_batches;
+
+    #[test]
+    fn decode_batches_parse_in_order_without_repeats_and_refuse_zero() {
+        assert_eq!(parse_decode_batches("1,8").ok(), Some(vec![1, 8]));
+        assert_eq!(parse_decode_batches(" 8, 1 ,8,").ok(), Some(vec![8, 1]));
+        assert_eq!(parse_decode_batches("").ok(), Some(vec![]));
+        assert!(parse_decode_batches("0").is_err());
+        assert!(parse_decode_batches("1,x").is_err());
+    }
 }

@@ -167,7 +167,12 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
     let half = (common.num_experts / 2) as u64;
     for (extra, executor, placed) in [
         (&[][..], "remote-workers", 0),
-        (&["--no-workers"][..], "cpu-kernels-in-process", 0),
+        // With the batch-decode table: batch 1 and batch 2.
+        (
+            &["--no-workers", "--decode-batch", "1,2"][..],
+            "cpu-kernels-in-process",
+            0,
+        ),
         // The CPU backend keeps "GPU" slots in host memory: the split logic runs anyway.
         (&["--moe-gpu-experts", "half"][..], "remote-workers", half),
     ] {
@@ -196,6 +201,22 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
             .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stderr}"));
         assert_eq!(report["gpu_experts_per_layer"], placed, "{args:?}");
         check_report(&report, executor, top_k, moe_layers, placed);
+        if extra.contains(&"--decode-batch") {
+            let rows = report["decode_batches"].as_array().expect("decode_batches");
+            let sequences: Vec<u64> = rows
+                .iter()
+                .filter_map(|r| r["sequences"].as_u64())
+                .collect();
+            assert_eq!(sequences, [1, 2], "{report}");
+            for row in rows {
+                let aggregate = row["aggregate_tok_s"].as_f64().unwrap_or(0.0);
+                let per_sequence = row["per_sequence_tok_s"].as_f64().unwrap_or(0.0);
+                assert!(aggregate > 0.0 && per_sequence > 0.0, "{row}");
+                assert!(row["aggregate_over_batch_1"].as_f64().is_some(), "{row}");
+            }
+        } else {
+            assert!(report.get("decode_batches").is_none(), "{report}");
+        }
         if executor == "remote-workers" {
             assert_eq!(report["expert_compute_reported_by_workers"], true);
         }

@@ -133,6 +133,13 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_tensor_cores: bool,
+    /// `on` (the default): a decode batch takes one launch per op for all its sequences (one
+    /// KV append, split attention and combine over every sequence's own cache and position;
+    /// routed experts read once per distinct expert for every row that chose it). `off`: one
+    /// launch per sequence (the reference). The same tokens either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_batched_decode: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -234,6 +241,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         args.cuda_routing_stores,
         args.cuda_worker_handoff,
         args.cuda_tensor_cores,
+        args.cuda_batched_decode,
     )?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
@@ -523,6 +531,7 @@ fn select_device(
     cuda_routing_stores: bool,
     cuda_worker_handoff: bool,
     cuda_tensor_cores: bool,
+    cuda_batched_decode: bool,
 ) -> anyhow::Result<SelectedDevice> {
     let options = CudaOptions {
         kv_dtype: kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
@@ -530,6 +539,7 @@ fn select_device(
         routing_stores: cuda_routing_stores,
         worker_handoff: cuda_worker_handoff,
         tensor_core_prefill: cuda_tensor_cores,
+        batched_decode: cuda_batched_decode,
         ..CudaOptions::default()
     };
     let cpu = || {

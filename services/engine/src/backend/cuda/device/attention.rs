@@ -6,6 +6,11 @@
 //! path is active ([`AttentionPath`], in [`DeviceInfo`](super::DeviceInfo)).
 //! Must not touch: the model's use of attention (q/k/v projections, gating, RoPE).
 //!
+//! A decode batch (one-row segments of consecutive rows, `CudaOptions::batched_decode`) takes one
+//! KV append, one split and one combine launch for all its sequences (up to
+//! [`DECODE_BATCH_ROWS`] per launch), each row reading its own cache and position; every row gets
+//! the bits its own segment's launches give it.
+//!
 //! Path per segment (flash): at most [`SPLIT_MAX_ROWS`] rows (decode, a few speculative rows) go
 //! through split-K with a chunk size chosen from the segment's last position only; longer
 //! segments (prefill) through the tiled kernel, or with [`AttentionPath::TensorCore`] (the
@@ -16,7 +21,7 @@
 //! sequences of the batch (batch invariance, as the matmul kernel).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::self_checks::self_check_values;
 use super::{
@@ -50,6 +55,9 @@ const COMBINE_WARPS: u32 = 8;
 const TILE_THREADS: u32 = 128;
 const TILE_ROWS: usize = 32;
 const TILE_KEYS: usize = 32;
+/// `DECODE_BATCH_ROWS` in `kernels/attention.cu`: one-row segments one batched decode launch
+/// takes (their caches and positions travel as kernel parameters, [`DecodeRows`]).
+pub(super) const DECODE_BATCH_ROWS: usize = 64;
 /// Relative difference the self-check allows between the flash and reference kernels.
 const SELF_CHECK_TOLERANCE: f32 = 1e-4;
 /// `MMA_ROWS` (= `MMA_KEYS`), `MMA_THREADS` and `MMA_PAD` in `kernels/attention.cu`.
@@ -127,6 +135,38 @@ const CHECK_CASES: [CheckCase; 3] = [
     (16, 2, 256, [70, 1], None),
     (4, 1, 64, [300, 9], Some(100)),
 ];
+
+/// `DecodeRows` in `kernels/attention.cu`: the caches and positions of the rows of one batched
+/// decode launch, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DecodeRows {
+    keys: [u64; DECODE_BATCH_ROWS],
+    values: [u64; DECODE_BATCH_ROWS],
+    positions: [i32; DECODE_BATCH_ROWS],
+}
+
+// SAFETY: `#[repr(C)]` plain integers laid out as the kernels' `DecodeRows` (u64 ↔ unsigned long
+// long, i32 ↔ int, no padding between or after the arrays at this row count).
+unsafe impl cudarc::driver::DeviceRepr for DecodeRows {}
+
+/// Whether `segments` are one-row segments of consecutive rows in order (a decode batch), every
+/// cache of one dtype and width, which the batched decode kernels take in one launch each.
+fn one_row_segments_in_order(segments: &[Segment<'_, CudaKvCache>], hd: usize) -> bool {
+    let Some(first) = segments.first() else {
+        return false;
+    };
+    let (dtype, width) = (first.state.dtype, first.state.kv_width);
+    // The split kernel stages whole 4-byte words: a bf16 row needs an even head_dim.
+    let whole_words = dtype == KvDtype::F32 || hd % 2 == 0;
+    whole_words
+        && segments.iter().enumerate().all(|(index, segment)| {
+            segment.rows.len() == 1
+                && segment.rows.start == first.rows.start + index
+                && segment.state.dtype == dtype
+                && segment.state.kv_width == width
+        })
+}
 
 /// Where one split segment's partials sit in the workspace.
 struct SplitPlan {
@@ -262,6 +302,14 @@ impl CudaBackend {
             ),
             (
                 "attention_split_bf16",
+                split_smem_bytes(ATTENTION_MAX_HEAD_DIM, KvDtype::Bf16),
+            ),
+            (
+                "attention_split_batched",
+                split_smem_bytes(ATTENTION_MAX_HEAD_DIM, KvDtype::F32),
+            ),
+            (
+                "attention_split_batched_bf16",
                 split_smem_bytes(ATTENTION_MAX_HEAD_DIM, KvDtype::Bf16),
             ),
         ] {
@@ -517,6 +565,28 @@ impl CudaBackend {
             }
         }
 
+        if self.options.batched_decode
+            && path != AttentionPath::Reference
+            && one_row_segments_in_order(segments, hd)
+        {
+            let first_row = segments.first().map_or(0, |segment| segment.rows.start);
+            for (group_index, group) in segments.chunks_mut(DECODE_BATCH_ROWS).enumerate() {
+                let row_start = first_row + group_index * DECODE_BATCH_ROWS;
+                self.launch_batched_decode_attention(
+                    q,
+                    k,
+                    v,
+                    spec,
+                    group,
+                    row_start,
+                    &mut out,
+                    step_graph.is_some(),
+                    row_positions,
+                )?;
+            }
+            return Ok(out);
+        }
+
         // Appends (each segment's rows touch only its own cache).
         for segment in segments.iter_mut() {
             let cache = &mut *segment.state;
@@ -750,6 +820,129 @@ impl CudaBackend {
         }
         Ok(out)
     }
+
+    /// The KV append, split attention and combine of up to [`DECODE_BATCH_ROWS`] one-row
+    /// segments (rows `row_start ..`, in order), one launch each: each row reads its own cache
+    /// and position (from `row_positions` in a step graph) and takes the chunk its own segment
+    /// launch would take, so every row gets the bits of the per-segment launches.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_batched_decode_attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        spec: &AttentionSpec,
+        segments: &mut [Segment<'_, CudaKvCache>],
+        row_start: usize,
+        out: &mut CudaTensor,
+        in_step_graph: bool,
+        row_positions: u64,
+    ) -> Result<(), CudaError> {
+        let n = segments.len();
+        if n == 0 || n > DECODE_BATCH_ROWS {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "a batched decode launch takes 1 to {DECODE_BATCH_ROWS} rows, not {n}"
+                ),
+            });
+        }
+        let hd = spec.head_dim;
+        let mut batch = DecodeRows {
+            keys: [0; DECODE_BATCH_ROWS],
+            values: [0; DECODE_BATCH_ROWS],
+            positions: [0; DECODE_BATCH_ROWS],
+        };
+        let mut most_chunks = 1usize;
+        let mut bf16 = false;
+        for (t, segment) in segments.iter_mut().enumerate() {
+            let cache = &mut *segment.state;
+            batch.positions[t] = int(segment.start_position, "position")?;
+            let chunk = split_chunk(segment.start_position);
+            most_chunks = most_chunks.max(segment.start_position / chunk + 1);
+            let (keys, values) = match (&mut *cache.keys, &mut *cache.values) {
+                (KvBuffer::F32(keys), KvBuffer::F32(values)) => (
+                    keys.device_ptr_mut(&self.stream).0,
+                    values.device_ptr_mut(&self.stream).0,
+                ),
+                (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                    bf16 = true;
+                    (
+                        keys.device_ptr_mut(&self.stream).0,
+                        values.device_ptr_mut(&self.stream).0,
+                    )
+                }
+                _ => {
+                    return Err(CudaError::Invalid {
+                        problem: "attention: keys and values of one cache differ in dtype".into(),
+                    })
+                }
+            };
+            batch.keys[t] = keys;
+            batch.values[t] = values;
+            cache.len = segment.start_position + 1;
+        }
+        let width = segments[0].state.kv_width;
+        let dtype = segments[0].state.dtype;
+        // A step graph serves every position: its grid covers the most chunks a row can have,
+        // and the kernels skip the chunks past each row's position.
+        let chunks = if in_step_graph {
+            SPLIT_MAX_CHUNKS
+        } else {
+            most_chunks
+        };
+        let entries = n * spec.heads * chunks;
+        int(entries * hd, "split workspace")?;
+        // Recycled buffers, not zeroed: the combine reads only the partials of non-empty
+        // chunks, and the split kernel writes every one of those.
+        let mut part_o = self.output_uninit(1, entries * hd)?;
+        let mut part_ml = self.output_uninit(1, 2 * entries)?;
+        let (q_data, k_data, v_data) = (&*q.data, &*k.data, &*v.data);
+        let (row_start, rows, width_arg) = (
+            int(row_start, "row")?,
+            int(n, "rows")?,
+            int(width, "kv width")?,
+        );
+        let (heads, kv_heads, head_dim) = (
+            int(spec.heads, "heads")?,
+            int(spec.kv_heads, "kv heads")?,
+            int(hd, "head_dim")?,
+        );
+        let window = int(spec.sliding_window.unwrap_or(0), "sliding window")?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (chunks_arg, part_base) = (int(chunks, "chunks")?, 0i32);
+        if bf16 {
+            launch!(self, "kv_append_batched_bf16", elementwise(n * width);
+                k_data, v_data, &batch, &row_start, &rows, &width_arg, &row_positions)?;
+        } else {
+            launch!(self, "kv_append_batched", elementwise(n * width);
+                k_data, v_data, &batch, &row_start, &rows, &width_arg, &row_positions)?;
+        }
+        let group = spec.heads / spec.kv_heads;
+        let slices = group.div_ceil(SPLIT_HEADS);
+        let config = LaunchConfig {
+            grid_dim: (chunks as u32, (spec.kv_heads * slices) as u32, n as u32),
+            block_dim: (SPLIT_THREADS, 1, 1),
+            shared_mem_bytes: split_smem_bytes(hd, dtype) as u32,
+        };
+        let (part_o, part_ml) = (&mut *part_o.data, &mut *part_ml.data);
+        if bf16 {
+            launch!(self, "attention_split_batched_bf16", config;
+                q_data, &mut *part_o, &mut *part_ml, &batch, &row_start, &heads, &kv_heads,
+                &head_dim, &window, &scale, &chunks_arg, &part_base, &row_positions)?;
+        } else {
+            launch!(self, "attention_split_batched", config;
+                q_data, &mut *part_o, &mut *part_ml, &batch, &row_start, &heads, &kv_heads,
+                &head_dim, &window, &scale, &chunks_arg, &part_base, &row_positions)?;
+        }
+        let combine = LaunchConfig {
+            grid_dim: ((n * spec.heads) as u32, hd.div_ceil(32) as u32, 1),
+            block_dim: (32 * COMBINE_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "attention_combine_batched", combine;
+            &*part_o, &*part_ml, &mut *out.data, &batch, &row_start, &rows, &heads, &head_dim,
+            &window, &chunks_arg, &part_base, &row_positions)
+    }
 }
 
 #[cfg(test)]
@@ -771,6 +964,17 @@ mod tests {
         assert_eq!(
             ATTENTION_MAX_HEAD_DIM as i64,
             32 * define("MAX_DIMS_PER_LANE")
+        );
+        assert_eq!(DECODE_BATCH_ROWS as i64, define("DECODE_BATCH_ROWS"));
+        // `DecodeRows` is the kernels' struct byte for byte (two pointer arrays, one int array).
+        assert_eq!(
+            std::mem::size_of::<DecodeRows>(),
+            DECODE_BATCH_ROWS * (8 + 8 + 4)
+        );
+        assert_eq!(std::mem::align_of::<DecodeRows>(), 8);
+        assert!(
+            std::mem::size_of::<DecodeRows>() < 4096 - 256,
+            "kernel parameters fit 4 KiB"
         );
         assert_eq!(MMA_ROWS as i64, define("MMA_ROWS"));
         // One tile size stages q and the K / V tiles (mma_smem_bytes).

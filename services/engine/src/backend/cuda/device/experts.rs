@@ -6,8 +6,10 @@
 //! kernel), the expert → slot table on the GPU with its host mirror, page-locking the source
 //! banks (`cuMemHostRegister`, read-only, on the artifact's shared file mapping) so slot fills
 //! are asynchronous DMA, and the three launches of a layer's slotted experts: per pair for small
-//! batches, grouped by expert (each weight read once per tile of up to `TILE_TOKENS` pairs) from
-//! `GROUPED_MIN_TOKENS` tokens on. Both paths give the same bits (see `kernels/experts.cu`).
+//! batches (by expert for a decode batch of several tokens: the per-pair bits, each expert read
+//! once for up to `EXPERT_GROUP_PAIRS` of its pairs), grouped by expert (each weight read once
+//! per tile of up to `TILE_TOKENS` pairs) from `GROUPED_MIN_TOKENS` tokens on. All paths give
+//! the same bits (see `kernels/experts.cu`).
 //! Background fills of the dynamic expert cache ([`ExpertSlotFills`]) run on the slots' own copy
 //! stream and enter the table when the compute stream has waited for their event; the slot
 //! buffer and the table's device buffer are allocated once and only ever written in place (a
@@ -63,6 +65,13 @@ const MMA_TILE_TOKENS: usize = 64;
 const MMA_THREADS: u32 = 128;
 const MMA_COLUMNS_PER_BLOCK: u32 = 64;
 const MMA_ROWS_PER_BLOCK: u32 = 128;
+/// Pairs one block of the by-expert kernels computes against one read of their expert's
+/// weights (`EXPERT_GROUP_PAIRS` in kernels/experts.cu).
+const EXPERT_GROUP_PAIRS: usize = 4;
+/// Dynamic shared memory a block gets without asking for more (48 KiB, less 1 KiB for the
+/// kernels' static shared memory): the by-expert kernels stage as many of a group's input
+/// vectors as fit in it (fewer pairs per group for wide models).
+const DEFAULT_DYNAMIC_SHARED_BYTES: usize = 47 * 1024;
 /// The grid's y dimension (tiles or pairs per launch).
 const MAX_GRID_Y: usize = 65_535;
 /// Pairs (token × choice) per launch: the grid's y dimension (pairs, or tiles of the grouped
@@ -418,6 +427,14 @@ fn shared_bytes(len: usize) -> Result<u32, CudaError> {
         .checked_mul(20 * 4)
         .and_then(|bytes| u32::try_from(bytes).ok())
         .ok_or_else(|| too_large("shared memory bytes", len))
+}
+
+/// Pairs per group of the by-expert kernels for these widths: as many input vectors of either
+/// kernel as fit the default dynamic shared memory, at most `EXPERT_GROUP_PAIRS`; 0 when not
+/// even one fits (the per-pair kernels then run).
+fn by_expert_group_pairs(hidden: usize, intermediate: usize) -> Result<usize, CudaError> {
+    let widest = shared_bytes(hidden)?.max(shared_bytes(intermediate)?) as usize;
+    Ok((DEFAULT_DYNAMIC_SHARED_BYTES / widest.max(1)).min(EXPERT_GROUP_PAIRS))
 }
 
 /// The expert layout's scalars as the expert kernels take them.
@@ -891,6 +908,41 @@ impl CudaBackend {
             int(slots.slot_table.num_experts(), "experts")?,
         );
         let pairs_arg = grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?;
+        // Several tokens of a decode-sized batch: each expert read once for up to a group of its
+        // pairs. Only below the grouped kernels' size: every block scans the pairs before its own.
+        let group_pairs = by_expert_group_pairs(hidden, intermediate)?;
+        let tokens = pairs / k.max(1);
+        if self.options.batched_decode
+            && tokens > 1
+            && tokens < GROUPED_MIN_TOKENS
+            && group_pairs > 0
+        {
+            let (pairs_count, group) = (int(pairs, "pairs")?, int(group_pairs, "group pairs")?);
+            let gate_up_config = expert_launch(
+                intermediate,
+                EXPERT_WARPS,
+                pairs_arg,
+                EXPERT_WARPS,
+                group_pairs as u32 * shared_bytes(hidden)?,
+                "expert row blocks",
+            )?;
+            launch!(self, "expert_gate_up_by_expert", gate_up_config;
+                storage, table, ids, x, &mut *activated, &top_k, &num_experts,
+                &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales,
+                &pairs_count, &group)?;
+            let down_config = expert_launch(
+                hidden,
+                EXPERT_WARPS * EXPERT_DOWN_ROWS,
+                pairs_arg,
+                EXPERT_WARPS,
+                group_pairs as u32 * shared_bytes(intermediate)?,
+                "expert row blocks",
+            )?;
+            return launch!(self, "expert_down_by_expert", down_config;
+                storage, table, ids, weights, &*activated, pair_out,
+                &num_experts, &args.hidden, &args.intermediate, &args.stride, &args.dtype,
+                &args.down_offset, &args.down_scales, &pairs_count, &group);
+        }
         let gate_up_config = expert_launch(
             intermediate,
             EXPERT_WARPS * EXPERT_GATE_UP_COLUMNS,
@@ -1011,6 +1063,13 @@ mod tests {
     fn constants_match_the_kernels() {
         use crate::backend::cuda::kernels::kernel_define;
         assert_eq!(TILE_TOKENS as i64, kernel_define("experts", "TILE_TOKENS"));
+        assert_eq!(
+            EXPERT_GROUP_PAIRS as i64,
+            kernel_define("experts", "EXPERT_GROUP_PAIRS")
+        );
+        // Qwen3-30B-A3B's widths stage a whole group; twice the hidden width, half of one.
+        assert_eq!(by_expert_group_pairs(2048, 768).ok(), Some(4));
+        assert_eq!(by_expert_group_pairs(4096, 1536).ok(), Some(2));
         assert_eq!(
             i64::from(EXPERT_DOWN_ROWS),
             kernel_define("experts", "DOWN_ROWS")

@@ -76,6 +76,12 @@ pub struct CudaOptions {
     /// rounded to bf16, so results move within bf16 tolerances and no longer equal the
     /// per-token (decode) kernels' bits; off, every op keeps the f32 SIMT kernels.
     pub tensor_core_prefill: bool,
+    /// A decode batch (one new token per sequence) takes one launch per op for all its
+    /// sequences: the KV append, split attention and combine over every sequence at once (each
+    /// row its own cache and position), and routed experts read once per distinct expert for
+    /// every row that chose it. The same bits as the per-sequence launches (off: the reference
+    /// the tests compare against).
+    pub batched_decode: bool,
 }
 
 impl Default for CudaOptions {
@@ -88,6 +94,7 @@ impl Default for CudaOptions {
             routing_stores: true,
             worker_handoff: true,
             tensor_core_prefill: true,
+            batched_decode: true,
         }
     }
 }
@@ -105,6 +112,7 @@ impl CudaOptions {
             worker_handoff: true,
             // Batch invariance: a token's bits must not depend on the kernel its batch took.
             tensor_core_prefill: false,
+            batched_decode: true,
         }
     }
 }

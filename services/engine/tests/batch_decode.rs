@@ -189,7 +189,8 @@ fn gpu_or_skip<T>(
     }
 }
 
-/// A backend of this test's own with `options` and batched decode on or off.
+/// A backend of this test's own with `options` and batched decode (attention and the
+/// by-expert kernels) on or off.
 fn backend_with(
     options: CudaOptions,
     batched_decode: bool,
@@ -198,6 +199,9 @@ fn backend_with(
         0,
         CudaOptions {
             batched_decode,
+            // The by-expert kernels are off by default (slower where few experts are shared);
+            // held to the same bits here.
+            decode_experts_by_expert: batched_decode,
             ..options
         },
     )

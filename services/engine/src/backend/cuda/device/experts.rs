@@ -913,6 +913,7 @@ impl CudaBackend {
         let group_pairs = by_expert_group_pairs(hidden, intermediate)?;
         let tokens = pairs / k.max(1);
         if self.options.batched_decode
+            && self.options.decode_experts_by_expert
             && tokens > 1
             && tokens < GROUPED_MIN_TOKENS
             && group_pairs > 0

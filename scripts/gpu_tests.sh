@@ -34,6 +34,7 @@ SUITES=(
   "speculative_scheduler:::cuda"
   "scoring_requests:::cuda"
   "cuda_tensor_cores:"
+  "qwen4_exp_parts:::cuda"
 )
 
 build() {

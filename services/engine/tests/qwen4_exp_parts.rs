@@ -3,9 +3,18 @@
 //!   from the raw keys for every query, full sort, no dense shortcut) over random keys, and
 //!   against the selections transformers' own indexer made (`tests/fixtures/qwen4_exp_parts/`,
 //!   `scripts/make_qwen4_exp_part_references.py`);
-//! * PLE hashed n-gram row ids against transformers' values from the same script.
+//! * PLE hashed n-gram row ids against transformers' values from the same script;
+//! * the sigmoid-gated Gated DeltaNet output norm as a device backend computes it (backend ops)
+//!   against the host function, on every backend (`test_device!`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use ninfer_artifact::DType;
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::model::qwen4_exp::graph::{
+    sigmoid_gated_rms_norm, sigmoid_gated_rms_norm_by_ops,
+};
 
 use ninfer_engine::model::qwen4_exp::ngram_hash::{NgramHashSettings, NgramHashTables};
 use ninfer_engine::model::qwen4_exp::qsa_selection::{
@@ -13,6 +22,8 @@ use ninfer_engine::model::qwen4_exp::qsa_selection::{
 };
 use ninfer_engine::model::qwen4_exp::torch_topk::torch_top_k_indices;
 use ninfer_engine::sampling::Xoshiro256;
+use ninfer_engine::testing::{golden_fixture_dir, max_abs_difference};
+use ninfer_engine::{open_artifact, test_device, Backend};
 
 fn fixture(name: &str) -> serde_json::Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -465,3 +476,47 @@ fn ngram_row_ids_refuse_tokens_outside_the_vocabulary_and_bad_context() {
     let error = tables.row_ids(&settings, &[1], &[1]).unwrap_err();
     assert!(error.to_string().contains("carried context"), "{error}");
 }
+
+/// The sigmoid-gated Gated DeltaNet output norm as a device backend computes it (a plain-weight
+/// norm per value head, then a sigmoid gate, as two backend ops) against the host function the
+/// CPU backend uses, with the fixture's own norm weight over random activations.
+fn sigmoid_gated_norm_by_ops_matches_the_host_function<B: Backend>(backend: Arc<B>) {
+    let fixture = golden_fixture_dir("qwen4_exp");
+    let work = tempfile::tempdir().unwrap();
+    let path = work.path().join("qwen4_exp-f32.ninfer");
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(&fixture, &path)
+    };
+    convert_checkpoint(&options, &NoProgress).unwrap();
+    let artifact = open_artifact(&path).unwrap();
+    // Layer 0 is a Gated DeltaNet layer in the fixture; its norm is one value head wide.
+    let name = "layers.0.gdn.norm";
+    let host_weight = artifact.get(name).expect("the norm weight").to_f32_vec();
+    let weight = backend.load_parameter(&artifact, name).unwrap();
+    let (rows, value_heads, eps) = (7, 4, 1e-6f32);
+    let width = value_heads * host_weight.len();
+    let mut rng = Xoshiro256::seed_from_u64(91);
+    let x = random_values(&mut rng, rows * width, 3.0);
+    let gate = random_values(&mut rng, rows * width, 4.0);
+    let expected = sigmoid_gated_rms_norm(&x, &gate, &host_weight, eps);
+    let by_ops = sigmoid_gated_rms_norm_by_ops(
+        &*backend,
+        &backend.upload(&x, rows, width).unwrap(),
+        &backend.upload(&gate, rows, width).unwrap(),
+        &weight,
+        eps,
+    )
+    .unwrap();
+    assert_eq!(backend.shape(&by_ops), (rows, width));
+    let got = backend.download(&by_ops).unwrap();
+    let scale = expected.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    let worst = max_abs_difference(&got, &expected);
+    println!(
+        "sigmoid-gated norm on {}: max |Δ| = {worst:.3e} of max |value| {scale:.3}",
+        backend.name()
+    );
+    assert!(worst / scale < 1e-5, "the two forms differ by {worst}");
+}
+test_device!(sigmoid_gated_norm_by_ops_matches_the_host_function);

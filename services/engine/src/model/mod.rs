@@ -302,14 +302,11 @@ impl<B: Backend> Model<B> {
             Some(loader.matrix("lm_head", (vocab, hidden))?)
         };
         let qwen4_exp = match artifact.config().qwen4_exp() {
-            Some(config) => {
-                qwen4_exp::graph::check_backend(&backend)?;
-                Some(qwen4_exp::graph::Qwen4ExpGraph::load(
-                    &loader,
-                    config,
-                    &spec.mixers,
-                )?)
-            }
+            Some(config) => Some(qwen4_exp::graph::Qwen4ExpGraph::load(
+                &loader,
+                config,
+                &spec.mixers,
+            )?),
             None => None,
         };
         // qwen4_exp has no final norm (its final stream mixer takes that place).
@@ -1223,12 +1220,23 @@ impl<B: Backend> Model<B> {
             delta_rule_form,
             &mut recurrent_segments,
         )?;
-        // qwen4_exp may gate with a sigmoid, which the backend op does not: on the host.
+        // qwen4_exp may gate with a sigmoid, which the backend's gated norm does not: on the
+        // CPU backend the host function (bit for bit what it always computed), elsewhere a
+        // norm and a sigmoid gate as two ops.
         let sigmoid_norm = self
             .qwen4_exp
             .as_ref()
             .and_then(|graph| graph.sigmoid_gated_norm(index));
         let normed = match sigmoid_norm {
+            Some(_) if !backend.computes_on_host() => {
+                qwen4_exp::graph::sigmoid_gated_rms_norm_by_ops(
+                    backend,
+                    &output,
+                    &z,
+                    norm,
+                    self.spec.eps(),
+                )?
+            }
             Some(weight) => {
                 let (rows, cols) = backend.shape(&output);
                 let normed = qwen4_exp::graph::sigmoid_gated_rms_norm(

@@ -3,9 +3,20 @@
 //! from the host-RAM tables each step, a gated value and a dilated causal conv), QSA sparse
 //! attention, and the model's usual Gated DeltaNet and MoE layers in between.
 //!
-//! The matrices go through the backend; the per-token stream math, the PLE block and QSA
-//! attention (a per-query token selection over a host K/V cache) run on the host in f32, so
-//! this graph runs on the CPU backend only — the model refuses other backends at load.
+//! The matrices, the attention and Gated DeltaNet projections, norms and RoPE, the delta rule
+//! and the MoE layers go through the backend, so on a GPU they run there. Three parts have no
+//! device op yet and run on the host in f32 with the same code on every backend: the
+//! hyper-connection stream math (the residual streams live on the host between layers), the
+//! PLE block (its n-gram rows come from the host-RAM tables anyway) and QSA attention (a
+//! per-query token selection over a host K/V cache). On a device backend each of them is a
+//! round trip: download the operands, compute on the host, upload the result. Per layer and
+//! step that is about 14 synchronising copies of `rows × n·H` floats or less (two mixers: the
+//! normed streams up, the low-rank gate down and up again, the gate and the injection shares
+//! down; the block output down twice; a QSA layer adds its q, k, v and indexer projections
+//! down and the attended values up; a PLE layer its keys and values down and the n-gram rows
+//! up). At decode the copies are small (tens of KiB) and their latency dominates: some
+//! 10–20 µs each, so a few hundred microseconds per layer; the step graphs (one recorded
+//! decode step) are off for this model, since its host parts sit inside the step.
 //!
 //! Per sequence it keeps what transformers' cache slots carry: per QSA layer the keys and
 //! values after norm and RoPE, the raw indexer keys and one pooled key per completed block; per
@@ -16,12 +27,10 @@
 //! QSA and PLE states, and the layer loop of this architecture.
 //! Must not touch: the Gated DeltaNet and MoE ops (the shared model code), op implementations.
 
-use std::sync::Arc;
-
 use half::bf16;
 use ninfer_artifact::{Artifact, OutputGateActivation, Qwen4ExpConfig};
 
-use crate::backend::{Backend, DeltaRuleForm, Rotation};
+use crate::backend::{Backend, DeltaRuleForm, NormStyle, Rotation};
 use crate::error::EngineError;
 use crate::spec::MixerKind;
 
@@ -565,12 +574,7 @@ fn inject_into_streams(streams: &mut [f32], output: &[f32], injection: &[f32], c
 
 /// The Gated DeltaNet output norm with a sigmoid gate: per value head, plain-weight RMSNorm
 /// times `sigmoid(z)`.
-pub(crate) fn sigmoid_gated_rms_norm(
-    x: &[f32],
-    gate: &[f32],
-    weight: &[f32],
-    eps: f32,
-) -> Vec<f32> {
+pub fn sigmoid_gated_rms_norm(x: &[f32], gate: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let width = weight.len();
     let mut out = Vec::with_capacity(x.len());
     for (head, gate) in x.chunks_exact(width).zip(gate.chunks_exact(width)) {
@@ -584,6 +588,22 @@ pub(crate) fn sigmoid_gated_rms_norm(
         );
     }
     out
+}
+
+/// [`sigmoid_gated_rms_norm`] through backend ops, for a backend that computes off the host:
+/// the plain-weight RMSNorm per value head, then `⊙ sigmoid(z)`, so the tensors stay where the
+/// backend computes (the host function would cost two read-backs and an upload per Gated
+/// DeltaNet layer). Same formula; the backend's norm may round differently in the last bit,
+/// which is why the CPU backend keeps the host function.
+pub fn sigmoid_gated_rms_norm_by_ops<B: Backend>(
+    backend: &B,
+    x: &B::Tensor,
+    gate: &B::Tensor,
+    weight: &B::Weight,
+    eps: f32,
+) -> Result<B::Tensor, EngineError> {
+    let normed = backend.rms_norm(x, weight, eps, NormStyle::Plain)?;
+    backend.mul_sigmoid(&normed, gate)
 }
 
 impl<B: Backend> Model<B> {
@@ -865,19 +885,6 @@ impl<B: Backend> Model<B> {
         let attended = backend.upload(&output, positions.len(), q_width)?;
         let gated = backend.mul_sigmoid(&attended, &gate)?;
         backend.matmul(&gated, o_proj)
-    }
-}
-
-/// Whether `backend` can run this graph (its tensors live in host memory).
-pub(crate) fn check_backend<B: Backend>(backend: &Arc<B>) -> Result<(), EngineError> {
-    if backend.computes_on_host() {
-        Ok(())
-    } else {
-        Err(EngineError::UnsupportedOnBackend {
-            architecture: "qwen4_exp".into(),
-            backend: backend.name(),
-            missing: "its device forward (hyper-connection streams, PLE blocks and QSA sparse attention) is not built yet; it runs on the CPU backend".into(),
-        })
     }
 }
 

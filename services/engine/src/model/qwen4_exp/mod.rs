@@ -1,5 +1,5 @@
-//! The Qwen4-Exp (`qwen4_exp`) text model: its forward over the backend (`graph`, the CPU
-//! backend only for now), and the pieces built and tested on their own — the QSA indexer's
+//! The Qwen4-Exp (`qwen4_exp`) text model: its forward over the backend (`graph`, on every
+//! backend, with the parts that have no device op yet done on the host), and the pieces built and tested on their own — the QSA indexer's
 //! block selection and the PLE layers' hashed n-gram row ids (and the tie-breaking of
 //! PyTorch's top-k the selection must follow).
 //!

@@ -98,6 +98,40 @@ extern "C" __global__ void add_sigmoid_scaled_rows(float* a, const float* b, con
     }
 }
 
+// out = silu(scale * x).
+extern "C" __global__ void scaled_silu(const float* x, float* out, float scale, long long n) {
+    GRID_STRIDE(i, n) { out[i] = silu_f(x[i] * scale); }
+}
+
+// qwen4_exp's stream mix: x and gate are [rows, streams * width], out is [rows, width];
+// out[r, c] = scale * sum over s (in order) of sigmoid(gate[r, s, c]) * x[r, s, c].
+extern "C" __global__ void stream_mix(const float* x, const float* gate, float* out, int rows,
+                                      int width, int streams, float scale) {
+    GRID_STRIDE(i, (long long)rows * width) {
+        long long r = i / width, c = i % width;
+        long long base = r * streams * width + c;
+        float sum = 0.0f;
+        for (int s = 0; s < streams; ++s) {
+            sum += sigmoid_f(gate[base + (long long)s * width]) * x[base + (long long)s * width];
+        }
+        out[i] = sum * scale;
+    }
+}
+
+// qwen4_exp's injection of a block output into the streams [rows, count * width]:
+// streams[r, s, c] += 2 * sigmoid(shares[r, s] * scale) * output[r, c].
+extern "C" __global__ void inject_into_streams(float* streams, const float* output,
+                                               const float* shares, int rows, int width,
+                                               int count, float scale) {
+    long long row_width = (long long)count * width;
+    GRID_STRIDE(i, (long long)rows * row_width) {
+        long long r = i / row_width, within = i % row_width;
+        long long s = within / width, c = within % width;
+        float share = 2.0f * sigmoid_f(shares[r * count + s] * scale);
+        streams[i] += share * output[r * width + c];
+    }
+}
+
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b, g, beta are [rows, nv].
 extern "C" __global__ void delta_rule_gates(const float* a, const float* b, const float* a_log,
                                             const float* dt_bias, float* g, float* beta, int rows,

@@ -4,18 +4,20 @@
 //!   against the selections transformers' own indexer made (`tests/fixtures/qwen4_exp_parts/`,
 //!   `scripts/make_qwen4_exp_part_references.py`);
 //! * PLE hashed n-gram row ids against transformers' values from the same script;
-//! * the sigmoid-gated Gated DeltaNet output norm as a device backend computes it (backend ops)
-//!   against the host function, on every backend (`test_device!`).
+//! * on every backend (`test_device!`): the hyper-connection ops against host loops, and the
+//!   sigmoid-gated Gated DeltaNet output norm as a device backend computes it (backend ops)
+//!   against the host function.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
+use ninfer_artifact::{Artifact, DType};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::model::qwen4_exp::graph::{
     sigmoid_gated_rms_norm, sigmoid_gated_rms_norm_by_ops,
 };
 
+use ninfer_engine::backend::NormStyle;
 use ninfer_engine::model::qwen4_exp::ngram_hash::{NgramHashSettings, NgramHashTables};
 use ninfer_engine::model::qwen4_exp::qsa_selection::{
     prepare_index_query, select_tokens, QsaBlockKeys, QsaSelectionSettings,
@@ -477,10 +479,8 @@ fn ngram_row_ids_refuse_tokens_outside_the_vocabulary_and_bad_context() {
     assert!(error.to_string().contains("carried context"), "{error}");
 }
 
-/// The sigmoid-gated Gated DeltaNet output norm as a device backend computes it (a plain-weight
-/// norm per value head, then a sigmoid gate, as two backend ops) against the host function the
-/// CPU backend uses, with the fixture's own norm weight over random activations.
-fn sigmoid_gated_norm_by_ops_matches_the_host_function<B: Backend>(backend: Arc<B>) {
+/// The qwen4_exp fixture converted with f32 weights (the directory it lives in goes with it).
+fn converted_fixture() -> (tempfile::TempDir, Arc<Artifact>) {
     let fixture = golden_fixture_dir("qwen4_exp");
     let work = tempfile::tempdir().unwrap();
     let path = work.path().join("qwen4_exp-f32.ninfer");
@@ -491,6 +491,143 @@ fn sigmoid_gated_norm_by_ops_matches_the_host_function<B: Backend>(backend: Arc<
     };
     convert_checkpoint(&options, &NoProgress).unwrap();
     let artifact = open_artifact(&path).unwrap();
+    (work, artifact)
+}
+
+fn host_sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Asserts `got` is within `1e-5` of `expected`, relative to the largest expected value.
+fn assert_close(what: &str, backend: &str, got: &[f32], expected: &[f32]) {
+    assert_eq!(got.len(), expected.len(), "{what}: length");
+    let scale = expected.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    let worst = max_abs_difference(got, expected);
+    println!("{what} on {backend}: max |Δ| = {worst:.3e} of max |value| {scale:.3}");
+    assert!(
+        worst / scale < 1e-5,
+        "{what} on {backend}: differs by {worst}"
+    );
+}
+
+/// The hyper-connection ops (the streams' grouped norm with a weight per stream, the scaled
+/// SiLU, the stream mix and the injection into the streams) against plain host loops written
+/// here from the model's formulas, with the fixture's own mixer norm weight (three streams of
+/// 64) over random values; rows in odd numbers so no launch shape divides them evenly.
+fn hyper_connection_ops_match_host_loops<B: Backend>(backend: Arc<B>) {
+    let (_work, artifact) = converted_fixture();
+    let name = "layers.0.attn_hc.norm";
+    let host_weight = artifact.get(name).expect("the mixer norm").to_f32_vec();
+    let weight = backend.load_parameter(&artifact, name).unwrap();
+    let (rows, streams, eps) = (5, 3, 1e-6f32);
+    let width = host_weight.len();
+    let hidden = width / streams;
+    let scale = 1.0 / streams as f32;
+    let on = backend.name();
+    let mut rng = Xoshiro256::seed_from_u64(17);
+    let x = random_values(&mut rng, rows * width, 2.0);
+
+    let mut expected = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(width) {
+        for (stream, features) in row.chunks_exact(hidden).enumerate() {
+            let mean_square = features.iter().map(|v| v * v).sum::<f32>() / hidden as f32;
+            let inverse = 1.0 / (mean_square + eps).sqrt();
+            let weights = &host_weight[stream * hidden..(stream + 1) * hidden];
+            expected.extend(
+                features
+                    .iter()
+                    .zip(weights)
+                    .map(|(v, w)| v * inverse * (1.0 + w)),
+            );
+        }
+    }
+    let x_tensor = backend.upload(&x, rows, width).unwrap();
+    let normed = backend
+        .row_weighted_rms_norm(&x_tensor, &weight, hidden, eps, NormStyle::ZeroCentred)
+        .unwrap();
+    assert_eq!(backend.shape(&normed), (rows, width));
+    assert_close(
+        "row_weighted_rms_norm",
+        &on,
+        &backend.download(&normed).unwrap(),
+        &expected,
+    );
+    assert!(backend
+        .row_weighted_rms_norm(&x_tensor, &weight, 7, eps, NormStyle::ZeroCentred)
+        .is_err());
+
+    let expected: Vec<f32> = x
+        .iter()
+        .map(|v| {
+            let s = v * scale;
+            s / (1.0 + (-s).exp())
+        })
+        .collect();
+    let silu = backend.scaled_silu(&x_tensor, scale).unwrap();
+    assert_close(
+        "scaled_silu",
+        &on,
+        &backend.download(&silu).unwrap(),
+        &expected,
+    );
+
+    let gate = random_values(&mut rng, rows * width, 3.0);
+    let mut expected = vec![0.0f32; rows * hidden];
+    for row in 0..rows {
+        for stream in 0..streams {
+            for i in 0..hidden {
+                let at = row * width + stream * hidden + i;
+                expected[row * hidden + i] += host_sigmoid(gate[at]) * x[at];
+            }
+        }
+    }
+    expected.iter_mut().for_each(|v| *v *= scale);
+    let gate_tensor = backend.upload(&gate, rows, width).unwrap();
+    let mixed = backend
+        .stream_mix(&x_tensor, &gate_tensor, streams, scale)
+        .unwrap();
+    assert_eq!(backend.shape(&mixed), (rows, hidden));
+    assert_close(
+        "stream_mix",
+        &on,
+        &backend.download(&mixed).unwrap(),
+        &expected,
+    );
+
+    let output = random_values(&mut rng, rows * hidden, 1.5);
+    let shares = random_values(&mut rng, rows * streams, 4.0);
+    let mut expected = x.clone();
+    for row in 0..rows {
+        for stream in 0..streams {
+            let share = 2.0 * host_sigmoid(shares[row * streams + stream] * scale);
+            for i in 0..hidden {
+                expected[row * width + stream * hidden + i] += share * output[row * hidden + i];
+            }
+        }
+    }
+    let mut streams_tensor = backend.upload(&x, rows, width).unwrap();
+    backend
+        .inject_into_streams(
+            &mut streams_tensor,
+            &backend.upload(&output, rows, hidden).unwrap(),
+            &backend.upload(&shares, rows, streams).unwrap(),
+            scale,
+        )
+        .unwrap();
+    assert_close(
+        "inject_into_streams",
+        &on,
+        &backend.download(&streams_tensor).unwrap(),
+        &expected,
+    );
+}
+test_device!(hyper_connection_ops_match_host_loops);
+
+/// The sigmoid-gated Gated DeltaNet output norm as a device backend computes it (a plain-weight
+/// norm per value head, then a sigmoid gate, as two backend ops) against the host function the
+/// CPU backend uses, with the fixture's own norm weight over random activations.
+fn sigmoid_gated_norm_by_ops_matches_the_host_function<B: Backend>(backend: Arc<B>) {
+    let (_work, artifact) = converted_fixture();
     // Layer 0 is a Gated DeltaNet layer in the fixture; its norm is one value head wide.
     let name = "layers.0.gdn.norm";
     let host_weight = artifact.get(name).expect("the norm weight").to_f32_vec();

@@ -650,6 +650,116 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn row_weighted_rms_norm(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuWeight,
+        group: usize,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CpuTensor, EngineError> {
+        let w = weight.parameter();
+        if group == 0 || w.len() != x.cols || x.cols % group != 0 {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "row_weighted_rms_norm: groups of {group} with a weight of {} over rows of {}",
+                    w.len(),
+                    x.cols
+                ),
+            });
+        }
+        let offset = match style {
+            NormStyle::Plain => 0.0,
+            NormStyle::ZeroCentred => 1.0,
+        };
+        let mut out = x.clone();
+        for row in out.data.chunks_exact_mut(x.cols) {
+            for (chunk, weights) in row.chunks_exact_mut(group).zip(w.chunks_exact(group)) {
+                let mean_square = chunk.iter().map(|v| v * v).sum::<f32>() / group as f32;
+                let inverse = 1.0 / (mean_square + eps).sqrt();
+                for (value, wi) in chunk.iter_mut().zip(weights) {
+                    *value = *value * inverse * (offset + wi);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn scaled_silu(&self, x: &CpuTensor, scale: f32) -> Result<CpuTensor, EngineError> {
+        Ok(self.map(x, |v| silu(v * scale)))
+    }
+
+    fn stream_mix(
+        &self,
+        x: &CpuTensor,
+        gate: &CpuTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CpuTensor, EngineError> {
+        if streams == 0 || x.cols % streams != 0 || (gate.rows, gate.cols) != (x.rows, x.cols) {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "stream_mix: {streams} streams over {}×{} with a gate of {}×{}",
+                    x.rows, x.cols, gate.rows, gate.cols
+                ),
+            });
+        }
+        let width = x.cols / streams;
+        let mut out = CpuTensor::zeros(x.rows, width);
+        for row in 0..x.rows {
+            let (values, gates) = (x.row(row), gate.row(row));
+            let mixed = out.row_mut(row);
+            for stream in 0..streams {
+                let base = stream * width;
+                for (i, value) in mixed.iter_mut().enumerate() {
+                    *value += sigmoid(gates[base + i]) * values[base + i];
+                }
+            }
+            for value in mixed.iter_mut() {
+                *value *= scale;
+            }
+        }
+        Ok(out)
+    }
+
+    fn inject_into_streams(
+        &self,
+        streams: &mut CpuTensor,
+        output: &CpuTensor,
+        shares: &CpuTensor,
+        scale: f32,
+    ) -> Result<(), EngineError> {
+        let count = shares.cols;
+        if count == 0
+            || shares.rows != streams.rows
+            || output.rows != streams.rows
+            || streams.cols != count * output.cols
+        {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "inject_into_streams: streams {}×{}, output {}×{}, shares {}×{}",
+                    streams.rows, streams.cols, output.rows, output.cols, shares.rows, shares.cols
+                ),
+            });
+        }
+        let width = output.cols;
+        for row in 0..streams.rows {
+            let out = output.row(row);
+            let row_shares = shares.row(row);
+            let target = streams.row_mut(row);
+            for (stream, share) in row_shares.iter().enumerate() {
+                let share = 2.0 * sigmoid(share * scale);
+                for (value, o) in target[stream * width..(stream + 1) * width]
+                    .iter_mut()
+                    .zip(out)
+                {
+                    *value += share * o;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn route_top_k(
         &self,
         logits: &CpuTensor,

@@ -376,6 +376,42 @@ pub trait Backend: Send + Sync + 'static {
         gate: &Self::Tensor,
     ) -> Result<(), EngineError>;
 
+    /// RMSNorm over consecutive groups of `group` columns whose weight is as wide as a row (one
+    /// weight per column, where [`Backend::rms_norm`] has one per place in a group): the
+    /// grouped norm of qwen4_exp's residual streams, `[rows, n·H]` normed per stream of `H`
+    /// with a weight per stream. The weight's length must be the row width, a multiple of
+    /// `group`.
+    fn row_weighted_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        group: usize,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<Self::Tensor, EngineError>;
+    /// `silu(scale · x)`, element-wise.
+    fn scaled_silu(&self, x: &Self::Tensor, scale: f32) -> Result<Self::Tensor, EngineError>;
+    /// qwen4_exp's stream mix: `x` and `gate` are `[rows, streams·H]` (`streams` groups of
+    /// `H` columns); `out[r, i] = scale · Σ_s sigmoid(gate[r, s·H + i]) · x[r, s·H + i]`, the
+    /// sum in stream order. Returns `[rows, H]`.
+    fn stream_mix(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<Self::Tensor, EngineError>;
+    /// qwen4_exp's injection of a block output into the residual streams:
+    /// `streams[r, s·H + i] += 2·sigmoid(scale · shares[r, s]) · output[r, i]`, with `streams`
+    /// `[rows, n·H]`, `output` `[rows, H]` and `shares` `[rows, n]`.
+    fn inject_into_streams(
+        &self,
+        streams: &mut Self::Tensor,
+        output: &Self::Tensor,
+        shares: &Self::Tensor,
+        scale: f32,
+    ) -> Result<(), EngineError>;
+
     /// Softmax over each row, top-k, optional renormalisation (fp32). Routing goes to the host:
     /// the expert executor (possibly another process) needs it there.
     fn route_top_k(

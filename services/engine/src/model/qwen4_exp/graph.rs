@@ -48,7 +48,7 @@ use super::qsa_selection::{
 /// of the block output.
 pub(crate) struct HyperConnection<B: Backend> {
     /// `[n·H]`, one `(1 + w)` weight per feature of every stream.
-    norm: Vec<f32>,
+    norm: B::Weight,
     mix_down: B::Weight,
     mix_up: B::Weight,
     /// `[n, n·H]`; absent in the final mixer.
@@ -498,7 +498,7 @@ impl<B: Backend> HyperConnection<B> {
         let width = streams * config.hybrid.common.hidden_size;
         let rank = config.hyper_connection_rank;
         Ok(HyperConnection {
-            norm: host_vector(loader.artifact, &format!("{prefix}.norm"), width)?,
+            norm: loader.parameter(&format!("{prefix}.norm"), (1, width))?,
             mix_down: loader.matrix(&format!("{prefix}.mix_down"), (rank, width))?,
             mix_up: loader.matrix(&format!("{prefix}.mix_up"), (width, rank))?,
             inject: if with_injection {
@@ -509,66 +509,33 @@ impl<B: Backend> HyperConnection<B> {
         })
     }
 
-    /// The block input `[rows, H]` of `streams` `[rows, n·H]` and, with injection weights, each
-    /// stream's share of the block output `[rows, n]` (`2·sigmoid(·/n)`).
+    /// The block input `[rows, H]` of `streams` `[rows, n·H]` and, with injection weights, the
+    /// logits of each stream's share of the block output `[rows, n]` (the share is
+    /// `2·sigmoid(·/n)`, [`Backend::inject_into_streams`]). All backend ops: the streams stay
+    /// where the backend computes.
     fn mix(
         &self,
         backend: &B,
         graph: &Qwen4ExpGraph<B>,
-        streams: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        streams: &B::Tensor,
+    ) -> Result<(B::Tensor, Option<B::Tensor>), EngineError> {
         let (count, hidden) = (graph.streams(), graph.hidden());
-        let width = count * hidden;
-        let rows = streams.len() / width;
-        let normed = grouped_norm(streams, &self.norm, hidden, graph.eps());
-        let normed_tensor = backend.upload(&normed, rows, width)?;
         let scale = 1.0 / count as f32;
-        let down: Vec<f32> = backend
-            .download(&backend.matmul(&normed_tensor, &self.mix_down)?)?
-            .into_iter()
-            .map(|v| silu(v * scale))
-            .collect();
-        let rank = down.len() / rows.max(1);
-        let up = backend
-            .download(&backend.matmul(&backend.upload(&down, rows, rank)?, &self.mix_up)?)?;
-        let mut mixed = vec![0.0f32; rows * hidden];
-        for row in 0..rows {
-            let out = &mut mixed[row * hidden..(row + 1) * hidden];
-            for stream in 0..count {
-                let base = row * width + stream * hidden;
-                for (i, value) in out.iter_mut().enumerate() {
-                    *value += sigmoid(up[base + i]) * normed[base + i];
-                }
-            }
-            for value in out.iter_mut() {
-                *value *= scale;
-            }
-        }
-        let injection = match &self.inject {
-            Some(inject) => backend
-                .download(&backend.matmul(&normed_tensor, inject)?)?
-                .into_iter()
-                .map(|v| 2.0 * sigmoid(v * scale))
-                .collect(),
-            None => Vec::new(),
+        let normed = backend.row_weighted_rms_norm(
+            streams,
+            &self.norm,
+            hidden,
+            graph.eps(),
+            NormStyle::ZeroCentred,
+        )?;
+        let down = backend.scaled_silu(&backend.matmul(&normed, &self.mix_down)?, scale)?;
+        let up = backend.matmul(&down, &self.mix_up)?;
+        let mixed = backend.stream_mix(&normed, &up, count, scale)?;
+        let shares = match &self.inject {
+            Some(inject) => Some(backend.matmul(&normed, inject)?),
+            None => None,
         };
-        Ok((mixed, injection))
-    }
-}
-
-/// `X_s += β_s · output` for every stream `s` of every row.
-fn inject_into_streams(streams: &mut [f32], output: &[f32], injection: &[f32], count: usize) {
-    let rows = injection.len() / count.max(1);
-    let hidden = output.len() / rows.max(1);
-    for row in 0..rows {
-        let out = &output[row * hidden..(row + 1) * hidden];
-        for stream in 0..count {
-            let share = injection[row * count + stream];
-            let base = (row * count + stream) * hidden;
-            for (value, o) in streams[base..base + hidden].iter_mut().zip(out) {
-                *value += share * o;
-            }
-        }
+        Ok((mixed, shares))
     }
 }
 
@@ -627,24 +594,32 @@ impl<B: Backend> Model<B> {
         } = plan;
         let (count, hidden) = (graph.streams(), graph.hidden());
         let rows = ids.len();
+        let width = count * hidden;
+        let scale = 1.0 / count as f32;
+        // Every stream starts as the token's embedding (replicated on the host: one round trip
+        // per forward).
         let embedded = backend.download(&backend.embed(&self.embed_tokens, ids)?)?;
-        // Every stream starts as the token's embedding.
-        let mut streams = Vec::with_capacity(rows * count * hidden);
+        let mut replicated = Vec::with_capacity(rows * width);
         for row in embedded.chunks_exact(hidden) {
             for _ in 0..count {
-                streams.extend_from_slice(row);
+                replicated.extend_from_slice(row);
             }
         }
+        let mut streams = backend.upload(&replicated, rows, width)?;
+        drop(replicated);
         for (index, layer) in self.layers.iter().enumerate() {
             let extras = graph
                 .layers
                 .get(index)
                 .ok_or_else(|| state_mismatch(index))?;
             if let Some(ple) = &extras.ple {
-                self.ple_block(graph, ple, index, &mut streams, batch, ranges, ids)?;
+                // The PLE block has no device op: a round trip of the streams through the host.
+                let mut host_streams = backend.download(&streams)?;
+                self.ple_block(graph, ple, index, &mut host_streams, batch, ranges, ids)?;
+                streams = backend.upload(&host_streams, rows, width)?;
             }
-            let (input, injection) = extras.attn_hc.mix(backend, graph, &streams)?;
-            let x = backend.upload(&input, rows, hidden)?;
+            let (x, shares) = extras.attn_hc.mix(backend, graph, &streams)?;
+            let shares = shares.ok_or_else(|| state_mismatch(index))?;
             let mixed = match (&layer.mixer, &extras.indexer) {
                 (Mixer::Attention { .. }, Some(indexer)) => self.sparse_attention(
                     graph,
@@ -661,9 +636,9 @@ impl<B: Backend> Model<B> {
                 }
                 _ => return Err(state_mismatch(index)),
             };
-            inject_into_streams(&mut streams, &backend.download(&mixed)?, &injection, count);
-            let (input, injection) = extras.mlp_hc.mix(backend, graph, &streams)?;
-            let x = backend.upload(&input, rows, hidden)?;
+            backend.inject_into_streams(&mut streams, &mixed, &shares, scale)?;
+            let (x, shares) = extras.mlp_hc.mix(backend, graph, &streams)?;
+            let shares = shares.ok_or_else(|| state_mismatch(index))?;
             let fed = match &layer.feed_forward {
                 feed_forward @ FeedForward::Moe(_) => {
                     self.feed_forward(scratch, index, feed_forward, &x)?
@@ -672,23 +647,17 @@ impl<B: Backend> Model<B> {
                     return Err(state_mismatch(index))
                 }
             };
-            inject_into_streams(&mut streams, &backend.download(&fed)?, &injection, count);
+            backend.inject_into_streams(&mut streams, &fed, &shares, scale)?;
         }
-        let width = count * hidden;
-        let selected: Vec<f32> = match selection {
+        let selected = match selection {
             LogitsSelection::All => streams,
-            LogitsSelection::Last => ranges
-                .iter()
-                .flat_map(|range| {
-                    streams[(range.end - 1) * width..range.end * width]
-                        .iter()
-                        .copied()
-                })
-                .collect(),
+            LogitsSelection::Last => {
+                let last_rows: Vec<usize> = ranges.iter().map(|range| range.end - 1).collect();
+                backend.gather_rows(&streams, &last_rows)?
+            }
         };
         let (output, _) = graph.mixer.mix(backend, graph, &selected)?;
-        let selected_rows = output.len() / hidden;
-        finish(backend, backend.upload(&output, selected_rows, hidden)?)
+        finish(backend, output)
     }
 
     /// Adds a PLE layer's block to the streams: each token's hashed n-gram rows (carried

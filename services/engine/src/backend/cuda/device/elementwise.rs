@@ -293,6 +293,79 @@ impl CudaBackend {
         Ok(())
     }
 
+    pub(super) fn launch_scaled_silu(
+        &self,
+        x: &CudaTensor,
+        scale: f32,
+    ) -> Result<CudaTensor, CudaError> {
+        let total = x.rows * x.cols;
+        let n = total as i64;
+        self.unary(x, x.cols, |input, output| {
+            launch!(self, "scaled_silu", elementwise(total); input, output, &scale, &n)
+        })
+    }
+
+    pub(super) fn launch_stream_mix(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CudaTensor, CudaError> {
+        Self::check_same_shape(x, gate, "stream_mix")?;
+        if streams == 0 || x.cols % streams != 0 {
+            return Err(CudaError::Invalid {
+                problem: format!("stream_mix: {streams} streams over rows of {}", x.cols),
+            });
+        }
+        let width = x.cols / streams;
+        let gate_data = &*gate.data;
+        let (rows, width_arg, streams_arg) = (
+            int(x.rows, "rows")?,
+            int(width, "stream width")?,
+            int(streams, "streams")?,
+        );
+        self.unary(x, width, |input, output| {
+            launch!(self, "stream_mix", elementwise(x.rows * width);
+                input, gate_data, output, &rows, &width_arg, &streams_arg, &scale)
+        })
+    }
+
+    pub(super) fn launch_inject_into_streams(
+        &self,
+        streams: &mut CudaTensor,
+        output: &CudaTensor,
+        shares: &CudaTensor,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let count = shares.cols;
+        if count == 0
+            || shares.rows != streams.rows
+            || output.rows != streams.rows
+            || streams.cols != count * output.cols
+        {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "inject_into_streams: streams {}×{}, output {}×{}, shares {}×{}",
+                    streams.rows, streams.cols, output.rows, output.cols, shares.rows, shares.cols
+                ),
+            });
+        }
+        let total = streams.rows * streams.cols;
+        let (rows, width, count_arg) = (
+            int(streams.rows, "rows")?,
+            int(output.cols, "stream width")?,
+            int(count, "streams")?,
+        );
+        let (output_data, shares_data) = (&*output.data, &*shares.data);
+        let data = &mut *streams.data;
+        if total > 0 {
+            launch!(self, "inject_into_streams", elementwise(total);
+                data, output_data, shares_data, &rows, &width, &count_arg, &scale)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn launch_causal_conv1d_silu(
         &self,
         x: &CudaTensor,

@@ -628,6 +628,13 @@ impl Backend for CudaBackend {
         silu_mul_halves(gate_up: &CudaTensor) -> CudaTensor = launch_silu_mul_halves;
         add_sigmoid_scaled_rows(a: &mut CudaTensor, b: &CudaTensor, gate: &CudaTensor)
             -> () = launch_add_sigmoid_scaled_rows;
+        row_weighted_rms_norm(x: &CudaTensor, weight: &CudaWeight, group: usize, eps: f32,
+            style: NormStyle) -> CudaTensor = launch_row_weighted_rms_norm;
+        scaled_silu(x: &CudaTensor, scale: f32) -> CudaTensor = launch_scaled_silu;
+        stream_mix(x: &CudaTensor, gate: &CudaTensor, streams: usize, scale: f32)
+            -> CudaTensor = launch_stream_mix;
+        inject_into_streams(streams: &mut CudaTensor, output: &CudaTensor, shares: &CudaTensor,
+            scale: f32) -> () = launch_inject_into_streams;
         slotted_experts_by_pending_routing(slots: &CudaExpertSlots, x: &CudaTensor,
             routing: &CudaPendingRouting) -> CudaTensor
             = launch_slotted_experts_by_pending_routing, timed by rows of x;

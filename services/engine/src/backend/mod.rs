@@ -199,8 +199,8 @@ pub trait Backend: Send + Sync + 'static {
     fn name(&self) -> String;
 
     /// Whether tensors live in host memory, so a graph that does part of its math on the host
-    /// between ops loses nothing by it (the CPU reference backend). Graphs not yet written as
-    /// device ops run only on such a backend.
+    /// between ops loses nothing by it (the CPU reference backend): there a graph may keep a
+    /// host function where other backends compose ops (qwen4_exp's sigmoid-gated norm).
     fn computes_on_host(&self) -> bool {
         false
     }

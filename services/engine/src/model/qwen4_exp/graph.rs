@@ -3,19 +3,18 @@
 //! from the host-RAM tables each step, a gated value and a dilated causal conv), QSA sparse
 //! attention, and the model's usual Gated DeltaNet and MoE layers in between.
 //!
-//! The matrices, the attention and Gated DeltaNet projections, norms and RoPE, the delta rule
-//! and the MoE layers go through the backend, so on a GPU they run there. Three parts have no
-//! device op yet and run on the host in f32 with the same code on every backend: the
-//! hyper-connection stream math (the residual streams live on the host between layers), the
-//! PLE block (its n-gram rows come from the host-RAM tables anyway) and QSA attention (a
-//! per-query token selection over a host K/V cache). On a device backend each of them is a
-//! round trip: download the operands, compute on the host, upload the result. Per layer and
-//! step that is about 14 synchronising copies of `rows × n·H` floats or less (two mixers: the
-//! normed streams up, the low-rank gate down and up again, the gate and the injection shares
-//! down; the block output down twice; a QSA layer adds its q, k, v and indexer projections
-//! down and the attended values up; a PLE layer its keys and values down and the n-gram rows
-//! up). At decode the copies are small (tens of KiB) and their latency dominates: some
-//! 10–20 µs each, so a few hundred microseconds per layer; the step graphs (one recorded
+//! Everything with a backend op runs as one, so on a GPU it runs there: the residual streams
+//! `[rows, n·H]` and their mixers (grouped norm, low-rank gate, stream mix, injection: ops
+//! added for this model), every matrix product, the attention and Gated DeltaNet layers' norms,
+//! RoPE and delta rule, and the MoE layers. Two parts have no device op yet and run on the host
+//! in f32, the same code on every backend: the PLE block (its n-gram rows come from the
+//! host-RAM tables anyway) and QSA attention (a per-query token selection over a host K/V
+//! cache). On a device backend each is a round trip of synchronising copies: a PLE layer reads
+//! the streams back, uploads the gathered rows, reads back the two projections and uploads the
+//! streams (5 copies); a QSA layer reads back q, k, v and the indexer projection and uploads
+//! the attended values (5 copies); a forward adds 2 for the embedding replicated into the
+//! streams. At decode the copies are small and their latency rules (some 10–20 µs each); QSA's
+//! host attention itself grows with the budget and the context. The step graphs (one recorded
 //! decode step) are off for this model, since its host parts sit inside the step.
 //!
 //! Per sequence it keeps what transformers' cache slots carry: per QSA layer the keys and

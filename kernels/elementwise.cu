@@ -132,6 +132,31 @@ extern "C" __global__ void inject_into_streams(float* streams, const float* outp
     }
 }
 
+// qwen4_exp's PLE gate: keys, queries [rows, streams * width], values [rows, width]; per (r, s),
+// d = scale * dot(keys[r, s], queries[r, s]), g = sign(d) * sqrt(max(|d|, 1e-6)) (0 where d is
+// 0, as torch's sign), out[r, s, i] = sigmoid(g) * values[r, i]. Launch with PLE_GATE_THREADS
+// (one warp) per block, one block per (r, s) pair (grid-stride over pairs).
+#define PLE_GATE_THREADS 32
+extern "C" __global__ void ple_gate(const float* keys, const float* queries, const float* values,
+                                    float* out, int rows, int width, int streams, float scale) {
+    long long pairs = (long long)rows * streams;
+    for (long long p = blockIdx.x; p < pairs; p += gridDim.x) {
+        long long r = p / streams;
+        const float* k = keys + p * width;
+        const float* q = queries + p * width;
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < width; i += PLE_GATE_THREADS) sum += k[i] * q[i];
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        }
+        float d = sum * scale;
+        float g = d == 0.0f ? 0.0f : copysignf(sqrtf(fmaxf(fabsf(d), 1e-6f)), d);
+        float gate = sigmoid_f(g);
+        const float* v = values + r * width;
+        for (int i = threadIdx.x; i < width; i += PLE_GATE_THREADS) out[p * width + i] = gate * v[i];
+    }
+}
+
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b, g, beta are [rows, nv].
 extern "C" __global__ void delta_rule_gates(const float* a, const float* b, const float* a_log,
                                             const float* dt_bias, float* g, float* beta, int rows,

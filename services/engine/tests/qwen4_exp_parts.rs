@@ -1,12 +1,12 @@
-//! The Qwen4-Exp pieces built ahead of its model graph, checked two ways:
+//! The Qwen4-Exp pieces and ops, checked on their own:
 //! * QSA token selection against a deliberately naive oracle written here (everything recomputed
 //!   from the raw keys for every query, full sort, no dense shortcut) over random keys, and
 //!   against the selections transformers' own indexer made (`tests/fixtures/qwen4_exp_parts/`,
 //!   `scripts/make_qwen4_exp_part_references.py`);
 //! * PLE hashed n-gram row ids against transformers' values from the same script;
-//! * on every backend (`test_device!`): the hyper-connection ops against host loops, and the
-//!   sigmoid-gated Gated DeltaNet output norm as a device backend computes it (backend ops)
-//!   against the host function.
+//! * on every backend (`test_device!`): the hyper-connection ops and the PLE gate against host
+//!   loops, and the sigmoid-gated Gated DeltaNet output norm as a device backend computes it
+//!   (backend ops) against the host function.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -622,6 +622,55 @@ fn hyper_connection_ops_match_host_loops<B: Backend>(backend: Arc<B>) {
     );
 }
 test_device!(hyper_connection_ops_match_host_loops);
+
+/// The PLE gate op against a host loop of the model's formula, on random keys, queries and
+/// values of three streams, one row's keys zero (torch's sign(0) = 0: a gate of exactly 1/2)
+/// and one row's dot products tiny (the `1e-6` floor under the square root).
+fn ple_gate_matches_the_host_loop<B: Backend>(backend: Arc<B>) {
+    let (rows, streams, hidden) = (6, 3, 40);
+    let width = streams * hidden;
+    let scale = 1.0 / (hidden as f32).sqrt();
+    let mut rng = Xoshiro256::seed_from_u64(23);
+    let mut keys = random_values(&mut rng, rows * width, 1.5);
+    let queries = random_values(&mut rng, rows * width, 1.5);
+    let values = random_values(&mut rng, rows * hidden, 2.0);
+    keys[..width].iter_mut().for_each(|k| *k = 0.0);
+    keys[width..2 * width].iter_mut().for_each(|k| *k *= 1e-6);
+    let mut expected = Vec::with_capacity(rows * width);
+    for row in 0..rows {
+        for stream in 0..streams {
+            let base = row * width + stream * hidden;
+            let dot = (0..hidden)
+                .map(|i| keys[base + i] * queries[base + i])
+                .sum::<f32>()
+                * scale;
+            let signed_root = if dot == 0.0 {
+                0.0
+            } else {
+                dot.signum() * dot.abs().max(1e-6).sqrt()
+            };
+            let gate = host_sigmoid(signed_root);
+            expected.extend((0..hidden).map(|i| gate * values[row * hidden + i]));
+        }
+    }
+    let gated = backend
+        .ple_gate(
+            &backend.upload(&keys, rows, width).unwrap(),
+            &backend.upload(&queries, rows, width).unwrap(),
+            &backend.upload(&values, rows, hidden).unwrap(),
+            streams,
+            scale,
+        )
+        .unwrap();
+    assert_eq!(backend.shape(&gated), (rows, width));
+    let got = backend.download(&gated).unwrap();
+    assert_close("ple_gate", &backend.name(), &got, &expected);
+    // The zero row's gate is exactly one half.
+    for (got, value) in got[..hidden].iter().zip(&values[..hidden]) {
+        assert_eq!(*got, 0.5 * value);
+    }
+}
+test_device!(ple_gate_matches_the_host_loop);
 
 /// The sigmoid-gated Gated DeltaNet output norm as a device backend computes it (a plain-weight
 /// norm per value head, then a sigmoid gate, as two backend ops) against the host function the

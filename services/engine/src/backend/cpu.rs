@@ -447,6 +447,25 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn parameter_from_values(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CpuWeight, EngineError> {
+        if values.len() != rows * cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!("a parameter of {} values for {rows}×{cols}", values.len()),
+            });
+        }
+        Ok(CpuWeight {
+            stored: None,
+            rows,
+            cols,
+            parameter: Some(values.to_vec()),
+        })
+    }
+
     fn load_parameter(
         &self,
         artifact: &Arc<Artifact>,
@@ -758,6 +777,54 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    fn ple_gate(
+        &self,
+        keys: &CpuTensor,
+        queries: &CpuTensor,
+        values: &CpuTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CpuTensor, EngineError> {
+        let width = values.cols;
+        if (keys.rows, keys.cols) != (queries.rows, queries.cols)
+            || keys.rows != values.rows
+            || keys.cols != streams * width
+        {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "ple_gate: keys {}×{}, queries {}×{}, values {}×{}, {streams} streams",
+                    keys.rows, keys.cols, queries.rows, queries.cols, values.rows, values.cols
+                ),
+            });
+        }
+        let mut out = Vec::with_capacity(keys.rows * keys.cols);
+        for row in 0..keys.rows {
+            let (key_row, query_row, value) = (keys.row(row), queries.row(row), values.row(row));
+            for stream in 0..streams {
+                let base = stream * width;
+                let dot: f32 = key_row[base..base + width]
+                    .iter()
+                    .zip(&query_row[base..base + width])
+                    .map(|(k, q)| k * q)
+                    .sum::<f32>()
+                    * scale;
+                // sign(g)·sqrt(max(|g|, 1e-6)), with sign(0) = 0 as in torch.
+                let gate = if dot == 0.0 {
+                    0.0
+                } else {
+                    dot.signum() * dot.abs().max(1e-6).sqrt()
+                };
+                let gate = sigmoid(gate);
+                out.extend(value.iter().map(|v| gate * v));
+            }
+        }
+        Ok(CpuTensor {
+            rows: keys.rows,
+            cols: keys.cols,
+            data: out,
+        })
     }
 
     fn route_top_k(

@@ -217,6 +217,14 @@ pub trait Backend: Send + Sync + 'static {
         artifact: &Arc<Artifact>,
         name: &str,
     ) -> Result<Self::Weight, EngineError>;
+    /// A small parameter made on the host from stored ones at load (qwen4_exp's dilated PLE conv
+    /// taps spread out with zeros into a plain conv's), `[rows, cols]`, kept as f32.
+    fn parameter_from_values(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Weight, EngineError>;
     /// `(rows, cols)` of a weight (a 1-D parameter is one row).
     fn weight_shape(&self, weight: &Self::Weight) -> (usize, usize);
 
@@ -411,6 +419,19 @@ pub trait Backend: Send + Sync + 'static {
         shares: &Self::Tensor,
         scale: f32,
     ) -> Result<(), EngineError>;
+
+    /// qwen4_exp's PLE gate: `keys` and `queries` are `[rows, streams·H]`, `values` `[rows, H]`;
+    /// per row and stream, `d = scale · (keys · queries)` over the stream's `H` columns and
+    /// `g = sign(d)·sqrt(max(|d|, 1e-6))` (0 where `d` is 0), and the output
+    /// `[rows, streams·H]` is `sigmoid(g) · values` in each stream's columns.
+    fn ple_gate(
+        &self,
+        keys: &Self::Tensor,
+        queries: &Self::Tensor,
+        values: &Self::Tensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<Self::Tensor, EngineError>;
 
     /// Softmax over each row, top-k, optional renormalisation (fp32). Routing goes to the host:
     /// the expert executor (possibly another process) needs it there.

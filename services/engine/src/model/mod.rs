@@ -136,7 +136,7 @@ pub struct SequenceState<B: Backend> {
     position: usize,
     layers: Vec<LayerState<B>>,
     /// Per layer, a qwen4_exp PLE block's state (empty for other architectures).
-    ple: Vec<Option<qwen4_exp::graph::PleState>>,
+    ple: Vec<Option<qwen4_exp::graph::PleState<B>>>,
     /// Names these states' buffers for the step graphs that record them: new for every new
     /// sequence and whenever a buffer is replaced ([`Model::restore`]).
     graph_key: u64,
@@ -177,7 +177,7 @@ pub struct SequenceCheckpoint<B: Backend> {
     /// Per layer: copies of a Gated DeltaNet layer's conv and recurrent states.
     layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
     /// Copies of the PLE states (qwen4_exp).
-    ple: Vec<Option<qwen4_exp::graph::PleState>>,
+    ple: Vec<Option<qwen4_exp::graph::PleState<B>>>,
 }
 
 /// A checked batch: its token ids, each sequence's rows, each row's position.
@@ -610,11 +610,10 @@ impl<B: Backend> Model<B> {
                 })
             })
             .collect::<Result<_, EngineError>>()?;
-        let ple = self
-            .qwen4_exp
-            .as_ref()
-            .map(|graph| graph.new_ple_states())
-            .unwrap_or_default();
+        let ple = match &self.qwen4_exp {
+            Some(graph) => graph.new_ple_states(&self.backend)?,
+            None => Vec::new(),
+        };
         Ok(SequenceState {
             max_context,
             position: 0,
@@ -722,7 +721,11 @@ impl<B: Backend> Model<B> {
         Ok(SequenceCheckpoint {
             position: state.position,
             layers,
-            ple: state.ple.clone(),
+            ple: state
+                .ple
+                .iter()
+                .map(|ple| ple.as_ref().map(|ple| ple.copy(backend)).transpose())
+                .collect::<Result<_, EngineError>>()?,
         })
     }
 

@@ -46,6 +46,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "scaled_silu",
             "stream_mix",
             "inject_into_streams",
+            "ple_gate",
             "delta_rule_gates",
             "rope",
             "causal_conv1d_silu",

@@ -29,7 +29,7 @@
 use half::bf16;
 use ninfer_artifact::{Artifact, OutputGateActivation, Qwen4ExpConfig};
 
-use crate::backend::{Backend, DeltaRuleForm, NormStyle, Rotation};
+use crate::backend::{Backend, DeltaRuleForm, NormStyle, Rotation, Segment};
 use crate::error::EngineError;
 use crate::spec::MixerKind;
 
@@ -74,11 +74,16 @@ pub(crate) struct NgramTable {
 pub(crate) struct Ple<B: Backend> {
     key_proj: B::Weight,
     value_proj: B::Weight,
-    norm_key: Vec<f32>,
-    norm_query: Vec<f32>,
-    norm_conv: Vec<f32>,
-    /// `[n·H, kernel]`, the last tap on the current token.
-    conv: Vec<f32>,
+    /// `[n·H]` each, `(1 + w)` weights per stream as the mixers' norms.
+    norm_key: B::Weight,
+    norm_query: B::Weight,
+    norm_conv: B::Weight,
+    /// The dilated conv as a plain causal conv: `[n·H, (kernel − 1)·ngram_size + 1]`, the
+    /// stored taps `ngram_size` apart with zeros between them, the last on the current token
+    /// (so [`Backend::causal_conv1d_silu`] runs it, its state holding the dilated history).
+    conv: B::Weight,
+    /// The plain conv's width, `(kernel − 1)·ngram_size + 1`.
+    conv_width: usize,
     table: NgramTable,
     hash: NgramHashTables,
 }
@@ -117,41 +122,26 @@ pub struct SparseAttentionState {
 }
 
 /// One sequence's state of a PLE block.
-#[derive(Debug, Clone)]
-pub struct PleState {
-    /// The last `(kernel − 1)·ngram_size` normalised conv inputs, `[rows, n·H]`, zeros before
-    /// the sequence start.
-    conv_history: Vec<f32>,
+pub struct PleState<B: Backend> {
+    /// The last `(kernel − 1)·ngram_size` normalised conv inputs (`n·H` channels), zeros
+    /// before the sequence start, where the backend computes.
+    conv: B::ConvState,
     /// The last `ngram_size − 1` token ids, EOS before the sequence start.
     context: Vec<u32>,
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+impl<B: Backend> PleState<B> {
+    /// A copy (a sequence's checkpoint).
+    pub(crate) fn copy(&self, backend: &B) -> Result<Self, EngineError> {
+        Ok(PleState {
+            conv: backend.copy_conv_state(&self.conv)?,
+            context: self.context.clone(),
+        })
+    }
 }
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
-}
-
-/// Grouped zero-centred RMSNorm: every row of `values` (as wide as `weight`) is cut into groups
-/// of `group` features, each normalised on its own and scaled by `1 + w` (a weight per feature
-/// of the whole row).
-fn grouped_norm(values: &[f32], weight: &[f32], group: usize, eps: f32) -> Vec<f32> {
-    let mut out = Vec::with_capacity(values.len());
-    for row in values.chunks_exact(weight.len()) {
-        for (features, weights) in row.chunks_exact(group).zip(weight.chunks_exact(group)) {
-            let mean_square = features.iter().map(|v| v * v).sum::<f32>() / group as f32;
-            let inverse = 1.0 / (mean_square + eps).sqrt();
-            out.extend(
-                features
-                    .iter()
-                    .zip(weights)
-                    .map(|(v, w)| v * inverse * (1.0 + w)),
-            );
-        }
-    }
-    out
 }
 
 /// A 1-D parameter read to the host, checked against its expected length.
@@ -391,15 +381,34 @@ impl<B: Backend> Qwen4ExpGraph<B> {
                     }
                     let tables = NgramHashTables::for_layer(hash, ple_index)?;
                     let embed = config.ple_embed_dim;
-                    let kernel = config.ple_conv_kernel_size;
                     let ple = |name: &str| format!("{prefix}.ple.{name}");
+                    let kernel = config.ple_conv_kernel_size;
+                    if kernel == 0 {
+                        return Err(invalid(
+                            "qwen4_exp has PLE layers with a conv kernel of size 0".into(),
+                        ));
+                    }
+                    let dilation = config.ngram_size;
+                    let conv_width = (kernel - 1) * dilation + 1;
+                    let taps = host_vector(artifact, &ple("conv1d"), streams_width * kernel)?;
+                    let mut spread = vec![0.0f32; streams_width * conv_width];
+                    for (channel, channel_taps) in taps.chunks_exact(kernel).enumerate() {
+                        for (tap, value) in channel_taps.iter().enumerate() {
+                            spread[channel * conv_width + tap * dilation] = *value;
+                        }
+                    }
                     Some(Ple {
                         key_proj: loader.matrix(&ple("key_proj"), (streams_width, embed))?,
                         value_proj: loader.matrix(&ple("value_proj"), (hidden, embed))?,
-                        norm_key: host_vector(artifact, &ple("norm_key"), streams_width)?,
-                        norm_query: host_vector(artifact, &ple("norm_query"), streams_width)?,
-                        norm_conv: host_vector(artifact, &ple("norm_conv"), streams_width)?,
-                        conv: host_vector(artifact, &ple("conv1d"), streams_width * kernel)?,
+                        norm_key: loader.parameter(&ple("norm_key"), (1, streams_width))?,
+                        norm_query: loader.parameter(&ple("norm_query"), (1, streams_width))?,
+                        norm_conv: loader.parameter(&ple("norm_conv"), (1, streams_width))?,
+                        conv: loader.backend.parameter_from_values(
+                            &spread,
+                            streams_width,
+                            conv_width,
+                        )?,
+                        conv_width,
                         table: NgramTable::open(
                             artifact,
                             &ple("ngram_embedding"),
@@ -448,20 +457,20 @@ impl<B: Backend> Qwen4ExpGraph<B> {
         self.config.hybrid.common.rms_norm_eps as f32
     }
 
-    /// The host states of a new sequence, per layer: QSA states for the attention layers
-    /// (`LayerState`s), PLE states for the PLE layers.
-    pub(crate) fn new_ple_states(&self) -> Vec<Option<PleState>> {
+    /// The PLE states of a new sequence, per layer (`None` where a layer has no PLE block).
+    pub(crate) fn new_ple_states(
+        &self,
+        backend: &B,
+    ) -> Result<Vec<Option<PleState<B>>>, EngineError> {
         let streams_width = self.streams() * self.hidden();
-        let history_rows =
-            self.config.ple_conv_kernel_size.saturating_sub(1) * self.config.ngram_size;
         self.layers
             .iter()
-            .map(|layer| {
-                let hash = self.hash.as_ref()?;
-                layer.ple.as_ref().map(|_| PleState {
-                    conv_history: vec![0.0; history_rows * streams_width],
+            .map(|layer| match (&layer.ple, &self.hash) {
+                (Some(ple), Some(hash)) => Ok(Some(PleState {
+                    conv: backend.new_conv_state(streams_width, ple.conv_width)?,
                     context: hash.sequence_start_context(),
-                })
+                })),
+                _ => Ok(None),
             })
             .collect()
     }
@@ -612,10 +621,7 @@ impl<B: Backend> Model<B> {
                 .get(index)
                 .ok_or_else(|| state_mismatch(index))?;
             if let Some(ple) = &extras.ple {
-                // The PLE block has no device op: a round trip of the streams through the host.
-                let mut host_streams = backend.download(&streams)?;
-                self.ple_block(graph, ple, index, &mut host_streams, batch, ranges, ids)?;
-                streams = backend.upload(&host_streams, rows, width)?;
+                self.ple_block(graph, ple, index, &mut streams, batch, ranges, ids)?;
             }
             let (x, shares) = extras.attn_hc.mix(backend, graph, &streams)?;
             let shares = shares.ok_or_else(|| state_mismatch(index))?;
@@ -668,7 +674,7 @@ impl<B: Backend> Model<B> {
         graph: &Qwen4ExpGraph<B>,
         ple: &Ple<B>,
         index: usize,
-        streams: &mut [f32],
+        streams: &mut B::Tensor,
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
         ids: &[u32],
@@ -676,9 +682,9 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let hash = graph.hash.as_ref().ok_or_else(|| state_mismatch(index))?;
         let (count, hidden, eps) = (graph.streams(), graph.hidden(), graph.eps());
-        let width = count * hidden;
         let rows = ids.len();
         let embed_width = graph.config.ple_embed_dim;
+        // The rows come from the host-RAM tables: gathered on the host, one upload.
         let mut embeddings = Vec::with_capacity(rows * embed_width);
         for (item, range) in batch.iter_mut().zip(ranges) {
             let state = ple_state(item, index)?;
@@ -689,56 +695,37 @@ impl<B: Backend> Model<B> {
                 .gather(&self.artifact, &row_ids, &mut embeddings)?;
         }
         let embedded = backend.upload(&embeddings, rows, embed_width)?;
-        let keys = backend.download(&backend.matmul(&embedded, &ple.key_proj)?)?;
-        let values = backend.download(&backend.matmul(&embedded, &ple.value_proj)?)?;
-        let keys = grouped_norm(&keys, &ple.norm_key, hidden, eps);
-        let queries = grouped_norm(streams, &ple.norm_query, hidden, eps);
+        let style = NormStyle::ZeroCentred;
+        let keys = backend.row_weighted_rms_norm(
+            &backend.matmul(&embedded, &ple.key_proj)?,
+            &ple.norm_key,
+            hidden,
+            eps,
+            style,
+        )?;
+        let values = backend.matmul(&embedded, &ple.value_proj)?;
+        let queries =
+            backend.row_weighted_rms_norm(streams, &ple.norm_query, hidden, eps, style)?;
         let scale = 1.0 / (hidden as f32).sqrt();
-        let mut gated = Vec::with_capacity(rows * width);
-        for row in 0..rows {
-            let value = &values[row * hidden..(row + 1) * hidden];
-            for stream in 0..count {
-                let base = row * width + stream * hidden;
-                let dot: f32 = keys[base..base + hidden]
-                    .iter()
-                    .zip(&queries[base..base + hidden])
-                    .map(|(k, q)| k * q)
-                    .sum::<f32>()
-                    * scale;
-                // sign(g)·sqrt(max(|g|, 1e-6)), with sign(0) = 0 as in torch.
-                let gate = if dot == 0.0 {
-                    0.0
-                } else {
-                    dot.signum() * dot.abs().max(1e-6).sqrt()
-                };
-                let gate = sigmoid(gate);
-                gated.extend(value.iter().map(|v| gate * v));
-            }
+        let mut gated = backend.ple_gate(&keys, &queries, &values, count, scale)?;
+        let normed = backend.row_weighted_rms_norm(&gated, &ple.norm_conv, hidden, eps, style)?;
+        let mut segments = Vec::with_capacity(batch.len());
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let start_position = item.state.position;
+            let state = ple_state(item, index)?;
+            segments.push(Segment {
+                rows: range.clone(),
+                start_position,
+                state: &mut state.conv,
+            });
         }
-        let normed = grouped_norm(&gated, &ple.norm_conv, hidden, eps);
-        let kernel = graph.config.ple_conv_kernel_size;
-        let dilation = graph.config.ngram_size;
+        let convolved = backend.causal_conv1d_silu(&normed, &ple.conv, &mut segments)?;
+        drop(segments);
+        // streams += gated + silu(conv), the sum of the two first as transformers adds them.
+        backend.add_assign(&mut gated, &convolved)?;
+        backend.add_assign(streams, &gated)?;
         for (item, range) in batch.iter_mut().zip(ranges) {
             let state = ple_state(item, index)?;
-            let history_rows = state.conv_history.len() / width;
-            let mut window = std::mem::take(&mut state.conv_history);
-            window.extend_from_slice(&normed[range.start * width..range.end * width]);
-            for (offset, row) in range.clone().enumerate() {
-                let at = history_rows + offset;
-                for channel in 0..width {
-                    let mut sum = 0.0f32;
-                    for tap in 0..kernel {
-                        let back = (kernel - 1 - tap) * dilation;
-                        if back <= at {
-                            sum += ple.conv[channel * kernel + tap]
-                                * window[(at - back) * width + channel];
-                        }
-                    }
-                    streams[row * width + channel] += gated[row * width + channel] + silu(sum);
-                }
-            }
-            let keep = history_rows * width;
-            state.conv_history = window[window.len() - keep..].to_vec();
             let mut history: Vec<u32> = state.context.clone();
             history.extend_from_slice(&ids[range.clone()]);
             state.context = history[history.len() - state.context.len()..].to_vec();
@@ -860,7 +847,7 @@ impl<B: Backend> Model<B> {
 fn ple_state<'s, B: Backend>(
     item: &'s mut SequenceInput<'_, B>,
     index: usize,
-) -> Result<&'s mut PleState, EngineError> {
+) -> Result<&'s mut PleState<B>, EngineError> {
     item.state
         .ple
         .get_mut(index)

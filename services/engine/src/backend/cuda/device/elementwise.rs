@@ -8,12 +8,15 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::super::CudaError;
 use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};
 use crate::backend::{Rotation, Segment};
 use crate::host_math::rope_inverse_frequencies;
+
+/// `PLE_GATE_THREADS` in `kernels/elementwise.cu`: one warp per (row, stream).
+const PLE_GATE_THREADS: u32 = 32;
 
 #[derive(Default)]
 pub(super) struct RopeTables {
@@ -366,6 +369,42 @@ impl CudaBackend {
         Ok(())
     }
 
+    pub(super) fn launch_ple_gate(
+        &self,
+        keys: &CudaTensor,
+        queries: &CudaTensor,
+        values: &CudaTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CudaTensor, CudaError> {
+        Self::check_same_shape(keys, queries, "ple_gate")?;
+        let width = values.cols;
+        if keys.rows != values.rows || keys.cols != streams * width {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "ple_gate: keys {}×{}, values {}×{}, {streams} streams",
+                    keys.rows, keys.cols, values.rows, values.cols
+                ),
+            });
+        }
+        let pairs = keys.rows * streams;
+        let config = LaunchConfig {
+            grid_dim: (pairs.clamp(1, 1 << 20) as u32, 1, 1),
+            block_dim: (PLE_GATE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (query_data, value_data) = (&*queries.data, &*values.data);
+        let (rows, width_arg, streams_arg) = (
+            int(keys.rows, "rows")?,
+            int(width, "stream width")?,
+            int(streams, "streams")?,
+        );
+        self.unary(keys, keys.cols, |input, output| {
+            launch!(self, "ple_gate", config;
+                input, query_data, value_data, output, &rows, &width_arg, &streams_arg, &scale)
+        })
+    }
+
     pub(super) fn launch_causal_conv1d_silu(
         &self,
         x: &CudaTensor,
@@ -427,5 +466,19 @@ impl CudaBackend {
                 a_data, b_data, a_log.f32()?, dt_bias.f32()?, g_out, beta_out, &rows, &heads)?;
         }
         Ok((g, beta))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use super::super::super::kernels::kernel_define;
+        assert_eq!(
+            PLE_GATE_THREADS as i64,
+            kernel_define("elementwise", "PLE_GATE_THREADS")
+        );
     }
 }

@@ -586,6 +586,27 @@ impl Backend for CudaBackend {
         self.load_weight(artifact, name, false)
     }
 
+    fn parameter_from_values(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaWeight, EngineError> {
+        if values.len() != rows * cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!("a parameter of {} values for {rows}×{cols}", values.len()),
+            });
+        }
+        let data = self
+            .upload_f32(values)
+            .map_err(device("parameter_from_values"))?;
+        Ok(CudaWeight {
+            rows,
+            cols,
+            data: WeightData::F32(data),
+        })
+    }
+
     fn weight_shape(&self, weight: &CudaWeight) -> (usize, usize) {
         (weight.rows, weight.cols)
     }
@@ -635,6 +656,8 @@ impl Backend for CudaBackend {
             -> CudaTensor = launch_stream_mix;
         inject_into_streams(streams: &mut CudaTensor, output: &CudaTensor, shares: &CudaTensor,
             scale: f32) -> () = launch_inject_into_streams;
+        ple_gate(keys: &CudaTensor, queries: &CudaTensor, values: &CudaTensor, streams: usize,
+            scale: f32) -> CudaTensor = launch_ple_gate;
         slotted_experts_by_pending_routing(slots: &CudaExpertSlots, x: &CudaTensor,
             routing: &CudaPendingRouting) -> CudaTensor
             = launch_slotted_experts_by_pending_routing, timed by rows of x;

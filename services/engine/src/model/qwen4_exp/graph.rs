@@ -3,24 +3,22 @@
 //! from the host-RAM tables each step, a gated value and a dilated causal conv), QSA sparse
 //! attention, and the model's usual Gated DeltaNet and MoE layers in between.
 //!
-//! Everything with a backend op runs as one, so on a GPU it runs there: the residual streams
-//! `[rows, n·H]` and their mixers (grouped norm, low-rank gate, stream mix, injection: ops
-//! added for this model), every matrix product, the attention and Gated DeltaNet layers' norms,
-//! RoPE and delta rule, and the MoE layers. Two parts have no device op yet and run on the host
-//! in f32, the same code on every backend: the PLE block (its n-gram rows come from the
-//! host-RAM tables anyway) and QSA attention (a per-query token selection over a host K/V
-//! cache). On a device backend each is a round trip of synchronising copies: a PLE layer reads
-//! the streams back, uploads the gathered rows, reads back the two projections and uploads the
-//! streams (5 copies); a QSA layer reads back q, k, v and the indexer projection and uploads
-//! the attended values (5 copies); a forward adds 2 for the embedding replicated into the
-//! streams. At decode the copies are small and their latency rules (some 10–20 µs each); QSA's
-//! host attention itself grows with the budget and the context. The step graphs (one recorded
-//! decode step) are off for this model, since its host parts sit inside the step.
+//! Everything runs as backend ops, so on a GPU it runs there, except two host parts: the PLE
+//! blocks' n-gram rows, gathered from the host-RAM tables and uploaded (one upload per PLE
+//! layer, `rows × embed` floats), and QSA attention, a per-query token selection over a host
+//! K/V cache: a QSA layer reads back q, k, v and the indexer projection and uploads the
+//! attended values (5 synchronising copies per layer and forward, some 10–20 µs each at decode,
+//! plus the host attention itself, which grows with the budget and the context). A forward
+//! adds 2 copies for the embedding replicated into the streams. The residual streams
+//! `[rows, n·H]`, their mixers, the PLE gate, norms and dilated conv (a plain causal conv with
+//! its taps spread out), the Gated DeltaNet and MoE layers never leave the device. The step
+//! graphs (one recorded decode step) are off for this model, since QSA's host part sits inside
+//! the step.
 //!
 //! Per sequence it keeps what transformers' cache slots carry: per QSA layer the keys and
 //! values after norm and RoPE, the raw indexer keys and one pooled key per completed block; per
-//! PLE layer the last `(kernel − 1) · ngram_size` normalised conv inputs and the last
-//! `ngram_size − 1` token ids.
+//! PLE layer the last `(kernel − 1) · ngram_size` normalised conv inputs (a backend conv state)
+//! and the last `ngram_size − 1` token ids.
 //!
 //! Owns: the Qwen4-Exp weights beyond the shared layer types, their loading, the per-sequence
 //! QSA and PLE states, and the layer loop of this architecture.

@@ -511,7 +511,7 @@ fn assert_close(what: &str, backend: &str, got: &[f32], expected: &[f32]) {
 }
 
 /// The hyper-connection ops (the streams' grouped norm with a weight per stream, the scaled
-/// SiLU, the stream mix and the injection into the streams) against plain host loops written
+/// SiLU, the stream mix, the injection into the streams, the reshape that makes them) against plain host loops written
 /// here from the model's formulas, with the fixture's own mixer norm weight (three streams of
 /// 64) over random values; rows in odd numbers so no launch shape divides them evenly.
 fn hyper_connection_ops_match_host_loops<B: Backend>(backend: Arc<B>) {
@@ -620,6 +620,20 @@ fn hyper_connection_ops_match_host_loops<B: Backend>(backend: Arc<B>) {
         &backend.download(&streams_tensor).unwrap(),
         &expected,
     );
+
+    // The streams are made as `[rows·n, H]` and read as `[rows, n·H]`.
+    let reshaped = backend
+        .reshape(
+            backend.upload(&x, rows * streams, hidden).unwrap(),
+            rows,
+            width,
+        )
+        .unwrap();
+    assert_eq!(backend.shape(&reshaped), (rows, width));
+    assert_eq!(backend.download(&reshaped).unwrap(), x);
+    assert!(backend
+        .reshape(backend.upload(&x, rows, width).unwrap(), rows, hidden)
+        .is_err());
 }
 test_device!(hyper_connection_ops_match_host_loops);
 

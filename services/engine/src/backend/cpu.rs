@@ -466,6 +466,25 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn reshape(
+        &self,
+        mut tensor: CpuTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CpuTensor, EngineError> {
+        if rows * cols != tensor.rows * tensor.cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "reshape of {}×{} to {rows}×{cols}",
+                    tensor.rows, tensor.cols
+                ),
+            });
+        }
+        tensor.rows = rows;
+        tensor.cols = cols;
+        Ok(tensor)
+    }
+
     fn load_parameter(
         &self,
         artifact: &Arc<Artifact>,

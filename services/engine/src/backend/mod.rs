@@ -232,6 +232,14 @@ pub trait Backend: Send + Sync + 'static {
         -> Result<Self::Tensor, EngineError>;
     fn download(&self, tensor: &Self::Tensor) -> Result<Vec<f32>, EngineError>;
     fn shape(&self, tensor: &Self::Tensor) -> (usize, usize);
+    /// The same values with another shape (`rows · cols` must stay the same): row-major
+    /// `[r, c]` read as `[r', c']`, without a copy where the backend can.
+    fn reshape(
+        &self,
+        tensor: Self::Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Tensor, EngineError>;
     /// Copies of the given rows, in order.
     fn gather_rows(
         &self,

@@ -8,12 +8,11 @@
 //! layer, `rows × embed` floats), and QSA attention, a per-query token selection over a host
 //! K/V cache: a QSA layer reads back q, k, v and the indexer projection and uploads the
 //! attended values (5 synchronising copies per layer and forward, some 10–20 µs each at decode,
-//! plus the host attention itself, which grows with the budget and the context). A forward
-//! adds 2 copies for the embedding replicated into the streams. The residual streams
-//! `[rows, n·H]`, their mixers, the PLE gate, norms and dilated conv (a plain causal conv with
-//! its taps spread out), the Gated DeltaNet and MoE layers never leave the device. The step
-//! graphs (one recorded decode step) are off for this model, since QSA's host part sits inside
-//! the step.
+//! plus the host attention itself, which grows with the budget and the context). The residual
+//! streams `[rows, n·H]`, their mixers, the PLE gate, norms and dilated conv (a plain causal
+//! conv with its taps spread out), the Gated DeltaNet and MoE layers never leave the device.
+//! The step graphs (one recorded decode step) are off for this model, since QSA's host part
+//! sits inside the step.
 //!
 //! Per sequence it keeps what transformers' cache slots carry: per QSA layer the keys and
 //! values after norm and RoPE, the raw indexer keys and one pooled key per completed block; per
@@ -602,17 +601,17 @@ impl<B: Backend> Model<B> {
         let rows = ids.len();
         let width = count * hidden;
         let scale = 1.0 / count as f32;
-        // Every stream starts as the token's embedding (replicated on the host: one round trip
-        // per forward).
-        let embedded = backend.download(&backend.embed(&self.embed_tokens, ids)?)?;
-        let mut replicated = Vec::with_capacity(rows * width);
-        for row in embedded.chunks_exact(hidden) {
-            for _ in 0..count {
-                replicated.extend_from_slice(row);
-            }
-        }
-        let mut streams = backend.upload(&replicated, rows, width)?;
-        drop(replicated);
+        // Every stream starts as the token's embedding: each id looked up `n` times in a row
+        // gives `[rows·n, H]`, which is `[rows, n·H]` read row by row.
+        let repeated_ids: Vec<u32> = ids
+            .iter()
+            .flat_map(|&id| std::iter::repeat_n(id, count))
+            .collect();
+        let mut streams = backend.reshape(
+            backend.embed(&self.embed_tokens, &repeated_ids)?,
+            rows,
+            width,
+        )?;
         for (index, layer) in self.layers.iter().enumerate() {
             let extras = graph
                 .layers

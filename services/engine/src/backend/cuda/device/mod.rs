@@ -626,6 +626,26 @@ impl Backend for CudaBackend {
         (tensor.rows, tensor.cols)
     }
 
+    fn reshape(
+        &self,
+        mut tensor: CudaTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaTensor, EngineError> {
+        // The buffer stays as it is (the pool files buffers by length, which does not change).
+        if rows * cols != tensor.rows * tensor.cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "reshape of {}×{} to {rows}×{cols}",
+                    tensor.rows, tensor.cols
+                ),
+            });
+        }
+        tensor.rows = rows;
+        tensor.cols = cols;
+        Ok(tensor)
+    }
+
     // The ops that are one launch: each times itself and names itself in its error.
     timed_launches! {
         gather_rows(tensor: &CudaTensor, rows: &[usize]) -> CudaTensor = launch_gather_rows;

@@ -98,6 +98,65 @@ extern "C" __global__ void add_sigmoid_scaled_rows(float* a, const float* b, con
     }
 }
 
+// out = silu(scale * x).
+extern "C" __global__ void scaled_silu(const float* x, float* out, float scale, long long n) {
+    GRID_STRIDE(i, n) { out[i] = silu_f(x[i] * scale); }
+}
+
+// qwen4_exp's stream mix: x and gate are [rows, streams * width], out is [rows, width];
+// out[r, c] = scale * sum over s (in order) of sigmoid(gate[r, s, c]) * x[r, s, c].
+extern "C" __global__ void stream_mix(const float* x, const float* gate, float* out, int rows,
+                                      int width, int streams, float scale) {
+    GRID_STRIDE(i, (long long)rows * width) {
+        long long r = i / width, c = i % width;
+        long long base = r * streams * width + c;
+        float sum = 0.0f;
+        for (int s = 0; s < streams; ++s) {
+            sum += sigmoid_f(gate[base + (long long)s * width]) * x[base + (long long)s * width];
+        }
+        out[i] = sum * scale;
+    }
+}
+
+// qwen4_exp's injection of a block output into the streams [rows, count * width]:
+// streams[r, s, c] += 2 * sigmoid(shares[r, s] * scale) * output[r, c].
+extern "C" __global__ void inject_into_streams(float* streams, const float* output,
+                                               const float* shares, int rows, int width,
+                                               int count, float scale) {
+    long long row_width = (long long)count * width;
+    GRID_STRIDE(i, (long long)rows * row_width) {
+        long long r = i / row_width, within = i % row_width;
+        long long s = within / width, c = within % width;
+        float share = 2.0f * sigmoid_f(shares[r * count + s] * scale);
+        streams[i] += share * output[r * width + c];
+    }
+}
+
+// qwen4_exp's PLE gate: keys, queries [rows, streams * width], values [rows, width]; per (r, s),
+// d = scale * dot(keys[r, s], queries[r, s]), g = sign(d) * sqrt(max(|d|, 1e-6)) (0 where d is
+// 0, as torch's sign), out[r, s, i] = sigmoid(g) * values[r, i]. Launch with PLE_GATE_THREADS
+// (one warp) per block, one block per (r, s) pair (grid-stride over pairs).
+#define PLE_GATE_THREADS 32
+extern "C" __global__ void ple_gate(const float* keys, const float* queries, const float* values,
+                                    float* out, int rows, int width, int streams, float scale) {
+    long long pairs = (long long)rows * streams;
+    for (long long p = blockIdx.x; p < pairs; p += gridDim.x) {
+        long long r = p / streams;
+        const float* k = keys + p * width;
+        const float* q = queries + p * width;
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < width; i += PLE_GATE_THREADS) sum += k[i] * q[i];
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        }
+        float d = sum * scale;
+        float g = d == 0.0f ? 0.0f : copysignf(sqrtf(fmaxf(fabsf(d), 1e-6f)), d);
+        float gate = sigmoid_f(g);
+        const float* v = values + r * width;
+        for (int i = threadIdx.x; i < width; i += PLE_GATE_THREADS) out[p * width + i] = gate * v[i];
+    }
+}
+
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b, g, beta are [rows, nv].
 extern "C" __global__ void delta_rule_gates(const float* a, const float* b, const float* a_log,
                                             const float* dt_bias, float* g, float* beta, int rows,

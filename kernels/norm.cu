@@ -55,6 +55,24 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     }
 }
 
+// `rms_norm` with a weight as wide as a row of `weight_groups` groups: group g is scaled by the
+// weights of its place in the row, w + (g % weight_groups) · group (qwen4_exp's residual
+// streams, one weight per stream). The arithmetic of `rms_norm`; one block per group.
+extern "C" __global__ void row_weighted_rms_norm(const float* x, const float* w, float* out,
+                                                 long long groups, int group, int weight_groups,
+                                                 float eps, float offset) {
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        const float* in = x + g * group;
+        const float* weights = w + (g % weight_groups) * group;
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) sum += in[i] * in[i];
+        float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
+        for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+            out[g * group + i] = in[i] * inverse * (offset + weights[i]);
+        }
+    }
+}
+
 // RMSNorm of one group (a head) followed by the rotation of its first 2·half dims at
 // `position`: the arithmetic of `rms_norm` and `rope` (elementwise.cu), in the same order. Every
 // thread of the block calls it (it synchronises the block).

@@ -35,6 +35,7 @@ SUITES=(
   "scoring_requests:::cuda"
   "cuda_tensor_cores:"
   "batch_decode:"
+  "qwen4_exp_parts:::cuda"
 )
 
 build() {

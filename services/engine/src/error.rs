@@ -7,14 +7,8 @@ use crate::backend::cuda::CudaError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("architecture `{name}` is not supported by this engine (it runs qwen3_moe, qwen3_next, qwen3_5_moe, qwen3_5 and, on the CPU backend, qwen4_exp)")]
+    #[error("architecture `{name}` is not supported by this engine (it runs qwen3_moe, qwen3_next, qwen3_5_moe, qwen3_5 and qwen4_exp)")]
     UnsupportedArchitecture { name: String },
-    #[error("architecture `{architecture}` cannot run on the `{backend}` backend: {missing}")]
-    UnsupportedOnBackend {
-        architecture: String,
-        backend: String,
-        missing: String,
-    },
     #[error("prompt of {tokens} tokens does not fit the maximum context of {max_context} tokens")]
     PromptTooLong { tokens: usize, max_context: usize },
     #[error("sequence already holds {held} tokens; {added} more would exceed its maximum context of {max_context} tokens")]

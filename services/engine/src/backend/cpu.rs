@@ -447,6 +447,44 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn parameter_from_values(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CpuWeight, EngineError> {
+        if values.len() != rows * cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!("a parameter of {} values for {rows}×{cols}", values.len()),
+            });
+        }
+        Ok(CpuWeight {
+            stored: None,
+            rows,
+            cols,
+            parameter: Some(values.to_vec()),
+        })
+    }
+
+    fn reshape(
+        &self,
+        mut tensor: CpuTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CpuTensor, EngineError> {
+        if rows * cols != tensor.rows * tensor.cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "reshape of {}×{} to {rows}×{cols}",
+                    tensor.rows, tensor.cols
+                ),
+            });
+        }
+        tensor.rows = rows;
+        tensor.cols = cols;
+        Ok(tensor)
+    }
+
     fn load_parameter(
         &self,
         artifact: &Arc<Artifact>,
@@ -648,6 +686,164 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    fn row_weighted_rms_norm(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuWeight,
+        group: usize,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CpuTensor, EngineError> {
+        let w = weight.parameter();
+        if group == 0 || w.len() != x.cols || x.cols % group != 0 {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "row_weighted_rms_norm: groups of {group} with a weight of {} over rows of {}",
+                    w.len(),
+                    x.cols
+                ),
+            });
+        }
+        let offset = match style {
+            NormStyle::Plain => 0.0,
+            NormStyle::ZeroCentred => 1.0,
+        };
+        let mut out = x.clone();
+        for row in out.data.chunks_exact_mut(x.cols) {
+            for (chunk, weights) in row.chunks_exact_mut(group).zip(w.chunks_exact(group)) {
+                let mean_square = chunk.iter().map(|v| v * v).sum::<f32>() / group as f32;
+                let inverse = 1.0 / (mean_square + eps).sqrt();
+                for (value, wi) in chunk.iter_mut().zip(weights) {
+                    *value = *value * inverse * (offset + wi);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn scaled_silu(&self, x: &CpuTensor, scale: f32) -> Result<CpuTensor, EngineError> {
+        Ok(self.map(x, |v| silu(v * scale)))
+    }
+
+    fn stream_mix(
+        &self,
+        x: &CpuTensor,
+        gate: &CpuTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CpuTensor, EngineError> {
+        if streams == 0 || x.cols % streams != 0 || (gate.rows, gate.cols) != (x.rows, x.cols) {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "stream_mix: {streams} streams over {}×{} with a gate of {}×{}",
+                    x.rows, x.cols, gate.rows, gate.cols
+                ),
+            });
+        }
+        let width = x.cols / streams;
+        let mut out = CpuTensor::zeros(x.rows, width);
+        for row in 0..x.rows {
+            let (values, gates) = (x.row(row), gate.row(row));
+            let mixed = out.row_mut(row);
+            for stream in 0..streams {
+                let base = stream * width;
+                for (i, value) in mixed.iter_mut().enumerate() {
+                    *value += sigmoid(gates[base + i]) * values[base + i];
+                }
+            }
+            for value in mixed.iter_mut() {
+                *value *= scale;
+            }
+        }
+        Ok(out)
+    }
+
+    fn inject_into_streams(
+        &self,
+        streams: &mut CpuTensor,
+        output: &CpuTensor,
+        shares: &CpuTensor,
+        scale: f32,
+    ) -> Result<(), EngineError> {
+        let count = shares.cols;
+        if count == 0
+            || shares.rows != streams.rows
+            || output.rows != streams.rows
+            || streams.cols != count * output.cols
+        {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "inject_into_streams: streams {}×{}, output {}×{}, shares {}×{}",
+                    streams.rows, streams.cols, output.rows, output.cols, shares.rows, shares.cols
+                ),
+            });
+        }
+        let width = output.cols;
+        for row in 0..streams.rows {
+            let out = output.row(row);
+            let row_shares = shares.row(row);
+            let target = streams.row_mut(row);
+            for (stream, share) in row_shares.iter().enumerate() {
+                let share = 2.0 * sigmoid(share * scale);
+                for (value, o) in target[stream * width..(stream + 1) * width]
+                    .iter_mut()
+                    .zip(out)
+                {
+                    *value += share * o;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn ple_gate(
+        &self,
+        keys: &CpuTensor,
+        queries: &CpuTensor,
+        values: &CpuTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CpuTensor, EngineError> {
+        let width = values.cols;
+        if (keys.rows, keys.cols) != (queries.rows, queries.cols)
+            || keys.rows != values.rows
+            || keys.cols != streams * width
+        {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "ple_gate: keys {}×{}, queries {}×{}, values {}×{}, {streams} streams",
+                    keys.rows, keys.cols, queries.rows, queries.cols, values.rows, values.cols
+                ),
+            });
+        }
+        let mut out = Vec::with_capacity(keys.rows * keys.cols);
+        for row in 0..keys.rows {
+            let (key_row, query_row, value) = (keys.row(row), queries.row(row), values.row(row));
+            for stream in 0..streams {
+                let base = stream * width;
+                let dot: f32 = key_row[base..base + width]
+                    .iter()
+                    .zip(&query_row[base..base + width])
+                    .map(|(k, q)| k * q)
+                    .sum::<f32>()
+                    * scale;
+                // sign(g)·sqrt(max(|g|, 1e-6)), with sign(0) = 0 as in torch.
+                let gate = if dot == 0.0 {
+                    0.0
+                } else {
+                    dot.signum() * dot.abs().max(1e-6).sqrt()
+                };
+                let gate = sigmoid(gate);
+                out.extend(value.iter().map(|v| gate * v));
+            }
+        }
+        Ok(CpuTensor {
+            rows: keys.rows,
+            cols: keys.cols,
+            data: out,
+        })
     }
 
     fn route_top_k(

@@ -199,8 +199,8 @@ pub trait Backend: Send + Sync + 'static {
     fn name(&self) -> String;
 
     /// Whether tensors live in host memory, so a graph that does part of its math on the host
-    /// between ops loses nothing by it (the CPU reference backend). Graphs not yet written as
-    /// device ops run only on such a backend.
+    /// between ops loses nothing by it (the CPU reference backend): there a graph may keep a
+    /// host function where other backends compose ops (qwen4_exp's sigmoid-gated norm).
     fn computes_on_host(&self) -> bool {
         false
     }
@@ -217,6 +217,14 @@ pub trait Backend: Send + Sync + 'static {
         artifact: &Arc<Artifact>,
         name: &str,
     ) -> Result<Self::Weight, EngineError>;
+    /// A small parameter made on the host from stored ones at load (qwen4_exp's dilated PLE conv
+    /// taps spread out with zeros into a plain conv's), `[rows, cols]`, kept as f32.
+    fn parameter_from_values(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Weight, EngineError>;
     /// `(rows, cols)` of a weight (a 1-D parameter is one row).
     fn weight_shape(&self, weight: &Self::Weight) -> (usize, usize);
 
@@ -224,6 +232,14 @@ pub trait Backend: Send + Sync + 'static {
         -> Result<Self::Tensor, EngineError>;
     fn download(&self, tensor: &Self::Tensor) -> Result<Vec<f32>, EngineError>;
     fn shape(&self, tensor: &Self::Tensor) -> (usize, usize);
+    /// The same values with another shape (`rows · cols` must stay the same): row-major
+    /// `[r, c]` read as `[r', c']`, without a copy where the backend can.
+    fn reshape(
+        &self,
+        tensor: Self::Tensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Tensor, EngineError>;
     /// Copies of the given rows, in order.
     fn gather_rows(
         &self,
@@ -375,6 +391,55 @@ pub trait Backend: Send + Sync + 'static {
         b: &Self::Tensor,
         gate: &Self::Tensor,
     ) -> Result<(), EngineError>;
+
+    /// RMSNorm over consecutive groups of `group` columns whose weight is as wide as a row (one
+    /// weight per column, where [`Backend::rms_norm`] has one per place in a group): the
+    /// grouped norm of qwen4_exp's residual streams, `[rows, n·H]` normed per stream of `H`
+    /// with a weight per stream. The weight's length must be the row width, a multiple of
+    /// `group`.
+    fn row_weighted_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        group: usize,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<Self::Tensor, EngineError>;
+    /// `silu(scale · x)`, element-wise.
+    fn scaled_silu(&self, x: &Self::Tensor, scale: f32) -> Result<Self::Tensor, EngineError>;
+    /// qwen4_exp's stream mix: `x` and `gate` are `[rows, streams·H]` (`streams` groups of
+    /// `H` columns); `out[r, i] = scale · Σ_s sigmoid(gate[r, s·H + i]) · x[r, s·H + i]`, the
+    /// sum in stream order. Returns `[rows, H]`.
+    fn stream_mix(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<Self::Tensor, EngineError>;
+    /// qwen4_exp's injection of a block output into the residual streams:
+    /// `streams[r, s·H + i] += 2·sigmoid(scale · shares[r, s]) · output[r, i]`, with `streams`
+    /// `[rows, n·H]`, `output` `[rows, H]` and `shares` `[rows, n]`.
+    fn inject_into_streams(
+        &self,
+        streams: &mut Self::Tensor,
+        output: &Self::Tensor,
+        shares: &Self::Tensor,
+        scale: f32,
+    ) -> Result<(), EngineError>;
+
+    /// qwen4_exp's PLE gate: `keys` and `queries` are `[rows, streams·H]`, `values` `[rows, H]`;
+    /// per row and stream, `d = scale · (keys · queries)` over the stream's `H` columns and
+    /// `g = sign(d)·sqrt(max(|d|, 1e-6))` (0 where `d` is 0), and the output
+    /// `[rows, streams·H]` is `sigmoid(g) · values` in each stream's columns.
+    fn ple_gate(
+        &self,
+        keys: &Self::Tensor,
+        queries: &Self::Tensor,
+        values: &Self::Tensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<Self::Tensor, EngineError>;
 
     /// Softmax over each row, top-k, optional renormalisation (fp32). Routing goes to the host:
     /// the expert executor (possibly another process) needs it there.

@@ -136,7 +136,7 @@ pub struct SequenceState<B: Backend> {
     position: usize,
     layers: Vec<LayerState<B>>,
     /// Per layer, a qwen4_exp PLE block's state (empty for other architectures).
-    ple: Vec<Option<qwen4_exp::graph::PleState>>,
+    ple: Vec<Option<qwen4_exp::graph::PleState<B>>>,
     /// Names these states' buffers for the step graphs that record them: new for every new
     /// sequence and whenever a buffer is replaced ([`Model::restore`]).
     graph_key: u64,
@@ -177,7 +177,7 @@ pub struct SequenceCheckpoint<B: Backend> {
     /// Per layer: copies of a Gated DeltaNet layer's conv and recurrent states.
     layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
     /// Copies of the PLE states (qwen4_exp).
-    ple: Vec<Option<qwen4_exp::graph::PleState>>,
+    ple: Vec<Option<qwen4_exp::graph::PleState<B>>>,
 }
 
 /// A checked batch: its token ids, each sequence's rows, each row's position.
@@ -302,14 +302,11 @@ impl<B: Backend> Model<B> {
             Some(loader.matrix("lm_head", (vocab, hidden))?)
         };
         let qwen4_exp = match artifact.config().qwen4_exp() {
-            Some(config) => {
-                qwen4_exp::graph::check_backend(&backend)?;
-                Some(qwen4_exp::graph::Qwen4ExpGraph::load(
-                    &loader,
-                    config,
-                    &spec.mixers,
-                )?)
-            }
+            Some(config) => Some(qwen4_exp::graph::Qwen4ExpGraph::load(
+                &loader,
+                config,
+                &spec.mixers,
+            )?),
             None => None,
         };
         // qwen4_exp has no final norm (its final stream mixer takes that place).
@@ -613,11 +610,10 @@ impl<B: Backend> Model<B> {
                 })
             })
             .collect::<Result<_, EngineError>>()?;
-        let ple = self
-            .qwen4_exp
-            .as_ref()
-            .map(|graph| graph.new_ple_states())
-            .unwrap_or_default();
+        let ple = match &self.qwen4_exp {
+            Some(graph) => graph.new_ple_states(&self.backend)?,
+            None => Vec::new(),
+        };
         Ok(SequenceState {
             max_context,
             position: 0,
@@ -725,7 +721,11 @@ impl<B: Backend> Model<B> {
         Ok(SequenceCheckpoint {
             position: state.position,
             layers,
-            ple: state.ple.clone(),
+            ple: state
+                .ple
+                .iter()
+                .map(|ple| ple.as_ref().map(|ple| ple.copy(backend)).transpose())
+                .collect::<Result<_, EngineError>>()?,
         })
     }
 
@@ -1223,12 +1223,23 @@ impl<B: Backend> Model<B> {
             delta_rule_form,
             &mut recurrent_segments,
         )?;
-        // qwen4_exp may gate with a sigmoid, which the backend op does not: on the host.
+        // qwen4_exp may gate with a sigmoid, which the backend's gated norm does not: on the
+        // CPU backend the host function (bit for bit what it always computed), elsewhere a
+        // norm and a sigmoid gate as two ops.
         let sigmoid_norm = self
             .qwen4_exp
             .as_ref()
             .and_then(|graph| graph.sigmoid_gated_norm(index));
         let normed = match sigmoid_norm {
+            Some(_) if !backend.computes_on_host() => {
+                qwen4_exp::graph::sigmoid_gated_rms_norm_by_ops(
+                    backend,
+                    &output,
+                    &z,
+                    norm,
+                    self.spec.eps(),
+                )?
+            }
             Some(weight) => {
                 let (rows, cols) = backend.shape(&output);
                 let normed = qwen4_exp::graph::sigmoid_gated_rms_norm(

@@ -108,10 +108,12 @@ impl<B: Backend> Model<B> {
     }
 
     /// Whether the host has no part inside this batch's forward: one token per sequence, every
-    /// MoE layer's routed experts resident or handed off by the backend, and no dense MLP
-    /// offloaded.
+    /// MoE layer's routed experts resident or handed off by the backend, no dense MLP
+    /// offloaded, and not a qwen4_exp model (its QSA attention and n-gram row gather run on the
+    /// host between the ops, which a recorded step would not repeat).
     fn step_graph_fits(&self, batch: &[SequenceInput<'_, B>], backend_handoff: bool) -> bool {
         !batch.is_empty()
+            && self.qwen4_exp.is_none()
             && batch.iter().all(|item| item.tokens.len() == 1)
             && (backend_handoff || self.moe_layers().all(|layer| layer.every_expert_resident()))
             && self.offloaded_dense_mlp_layers() == 0

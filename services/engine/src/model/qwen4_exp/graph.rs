@@ -3,25 +3,30 @@
 //! from the host-RAM tables each step, a gated value and a dilated causal conv), QSA sparse
 //! attention, and the model's usual Gated DeltaNet and MoE layers in between.
 //!
-//! The matrices go through the backend; the per-token stream math, the PLE block and QSA
-//! attention (a per-query token selection over a host K/V cache) run on the host in f32, so
-//! this graph runs on the CPU backend only — the model refuses other backends at load.
+//! Everything runs as backend ops, so on a GPU it runs there, except two host parts: the PLE
+//! blocks' n-gram rows, gathered from the host-RAM tables and uploaded (one upload per PLE
+//! layer, `rows × embed` floats), and QSA attention, a per-query token selection over a host
+//! K/V cache: a QSA layer reads back q, k, v and the indexer projection and uploads the
+//! attended values (5 synchronising copies per layer and forward, some 10–20 µs each at decode,
+//! plus the host attention itself, which grows with the budget and the context). The residual
+//! streams `[rows, n·H]`, their mixers, the PLE gate, norms and dilated conv (a plain causal
+//! conv with its taps spread out), the Gated DeltaNet and MoE layers never leave the device.
+//! The step graphs (one recorded decode step) are off for this model, since QSA's host part
+//! sits inside the step.
 //!
 //! Per sequence it keeps what transformers' cache slots carry: per QSA layer the keys and
 //! values after norm and RoPE, the raw indexer keys and one pooled key per completed block; per
-//! PLE layer the last `(kernel − 1) · ngram_size` normalised conv inputs and the last
-//! `ngram_size − 1` token ids.
+//! PLE layer the last `(kernel − 1) · ngram_size` normalised conv inputs (a backend conv state)
+//! and the last `ngram_size − 1` token ids.
 //!
 //! Owns: the Qwen4-Exp weights beyond the shared layer types, their loading, the per-sequence
 //! QSA and PLE states, and the layer loop of this architecture.
 //! Must not touch: the Gated DeltaNet and MoE ops (the shared model code), op implementations.
 
-use std::sync::Arc;
-
 use half::bf16;
 use ninfer_artifact::{Artifact, OutputGateActivation, Qwen4ExpConfig};
 
-use crate::backend::{Backend, DeltaRuleForm, Rotation};
+use crate::backend::{Backend, DeltaRuleForm, NormStyle, Rotation, Segment};
 use crate::error::EngineError;
 use crate::spec::MixerKind;
 
@@ -39,7 +44,7 @@ use super::qsa_selection::{
 /// of the block output.
 pub(crate) struct HyperConnection<B: Backend> {
     /// `[n·H]`, one `(1 + w)` weight per feature of every stream.
-    norm: Vec<f32>,
+    norm: B::Weight,
     mix_down: B::Weight,
     mix_up: B::Weight,
     /// `[n, n·H]`; absent in the final mixer.
@@ -66,11 +71,16 @@ pub(crate) struct NgramTable {
 pub(crate) struct Ple<B: Backend> {
     key_proj: B::Weight,
     value_proj: B::Weight,
-    norm_key: Vec<f32>,
-    norm_query: Vec<f32>,
-    norm_conv: Vec<f32>,
-    /// `[n·H, kernel]`, the last tap on the current token.
-    conv: Vec<f32>,
+    /// `[n·H]` each, `(1 + w)` weights per stream as the mixers' norms.
+    norm_key: B::Weight,
+    norm_query: B::Weight,
+    norm_conv: B::Weight,
+    /// The dilated conv as a plain causal conv: `[n·H, (kernel − 1)·ngram_size + 1]`, the
+    /// stored taps `ngram_size` apart with zeros between them, the last on the current token
+    /// (so [`Backend::causal_conv1d_silu`] runs it, its state holding the dilated history).
+    conv: B::Weight,
+    /// The plain conv's width, `(kernel − 1)·ngram_size + 1`.
+    conv_width: usize,
     table: NgramTable,
     hash: NgramHashTables,
 }
@@ -109,41 +119,26 @@ pub struct SparseAttentionState {
 }
 
 /// One sequence's state of a PLE block.
-#[derive(Debug, Clone)]
-pub struct PleState {
-    /// The last `(kernel − 1)·ngram_size` normalised conv inputs, `[rows, n·H]`, zeros before
-    /// the sequence start.
-    conv_history: Vec<f32>,
+pub struct PleState<B: Backend> {
+    /// The last `(kernel − 1)·ngram_size` normalised conv inputs (`n·H` channels), zeros
+    /// before the sequence start, where the backend computes.
+    conv: B::ConvState,
     /// The last `ngram_size − 1` token ids, EOS before the sequence start.
     context: Vec<u32>,
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+impl<B: Backend> PleState<B> {
+    /// A copy (a sequence's checkpoint).
+    pub(crate) fn copy(&self, backend: &B) -> Result<Self, EngineError> {
+        Ok(PleState {
+            conv: backend.copy_conv_state(&self.conv)?,
+            context: self.context.clone(),
+        })
+    }
 }
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
-}
-
-/// Grouped zero-centred RMSNorm: every row of `values` (as wide as `weight`) is cut into groups
-/// of `group` features, each normalised on its own and scaled by `1 + w` (a weight per feature
-/// of the whole row).
-fn grouped_norm(values: &[f32], weight: &[f32], group: usize, eps: f32) -> Vec<f32> {
-    let mut out = Vec::with_capacity(values.len());
-    for row in values.chunks_exact(weight.len()) {
-        for (features, weights) in row.chunks_exact(group).zip(weight.chunks_exact(group)) {
-            let mean_square = features.iter().map(|v| v * v).sum::<f32>() / group as f32;
-            let inverse = 1.0 / (mean_square + eps).sqrt();
-            out.extend(
-                features
-                    .iter()
-                    .zip(weights)
-                    .map(|(v, w)| v * inverse * (1.0 + w)),
-            );
-        }
-    }
-    out
 }
 
 /// A 1-D parameter read to the host, checked against its expected length.
@@ -383,15 +378,34 @@ impl<B: Backend> Qwen4ExpGraph<B> {
                     }
                     let tables = NgramHashTables::for_layer(hash, ple_index)?;
                     let embed = config.ple_embed_dim;
-                    let kernel = config.ple_conv_kernel_size;
                     let ple = |name: &str| format!("{prefix}.ple.{name}");
+                    let kernel = config.ple_conv_kernel_size;
+                    if kernel == 0 {
+                        return Err(invalid(
+                            "qwen4_exp has PLE layers with a conv kernel of size 0".into(),
+                        ));
+                    }
+                    let dilation = config.ngram_size;
+                    let conv_width = (kernel - 1) * dilation + 1;
+                    let taps = host_vector(artifact, &ple("conv1d"), streams_width * kernel)?;
+                    let mut spread = vec![0.0f32; streams_width * conv_width];
+                    for (channel, channel_taps) in taps.chunks_exact(kernel).enumerate() {
+                        for (tap, value) in channel_taps.iter().enumerate() {
+                            spread[channel * conv_width + tap * dilation] = *value;
+                        }
+                    }
                     Some(Ple {
                         key_proj: loader.matrix(&ple("key_proj"), (streams_width, embed))?,
                         value_proj: loader.matrix(&ple("value_proj"), (hidden, embed))?,
-                        norm_key: host_vector(artifact, &ple("norm_key"), streams_width)?,
-                        norm_query: host_vector(artifact, &ple("norm_query"), streams_width)?,
-                        norm_conv: host_vector(artifact, &ple("norm_conv"), streams_width)?,
-                        conv: host_vector(artifact, &ple("conv1d"), streams_width * kernel)?,
+                        norm_key: loader.parameter(&ple("norm_key"), (1, streams_width))?,
+                        norm_query: loader.parameter(&ple("norm_query"), (1, streams_width))?,
+                        norm_conv: loader.parameter(&ple("norm_conv"), (1, streams_width))?,
+                        conv: loader.backend.parameter_from_values(
+                            &spread,
+                            streams_width,
+                            conv_width,
+                        )?,
+                        conv_width,
                         table: NgramTable::open(
                             artifact,
                             &ple("ngram_embedding"),
@@ -440,20 +454,20 @@ impl<B: Backend> Qwen4ExpGraph<B> {
         self.config.hybrid.common.rms_norm_eps as f32
     }
 
-    /// The host states of a new sequence, per layer: QSA states for the attention layers
-    /// (`LayerState`s), PLE states for the PLE layers.
-    pub(crate) fn new_ple_states(&self) -> Vec<Option<PleState>> {
+    /// The PLE states of a new sequence, per layer (`None` where a layer has no PLE block).
+    pub(crate) fn new_ple_states(
+        &self,
+        backend: &B,
+    ) -> Result<Vec<Option<PleState<B>>>, EngineError> {
         let streams_width = self.streams() * self.hidden();
-        let history_rows =
-            self.config.ple_conv_kernel_size.saturating_sub(1) * self.config.ngram_size;
         self.layers
             .iter()
-            .map(|layer| {
-                let hash = self.hash.as_ref()?;
-                layer.ple.as_ref().map(|_| PleState {
-                    conv_history: vec![0.0; history_rows * streams_width],
+            .map(|layer| match (&layer.ple, &self.hash) {
+                (Some(ple), Some(hash)) => Ok(Some(PleState {
+                    conv: backend.new_conv_state(streams_width, ple.conv_width)?,
                     context: hash.sequence_start_context(),
-                })
+                })),
+                _ => Ok(None),
             })
             .collect()
     }
@@ -489,7 +503,7 @@ impl<B: Backend> HyperConnection<B> {
         let width = streams * config.hybrid.common.hidden_size;
         let rank = config.hyper_connection_rank;
         Ok(HyperConnection {
-            norm: host_vector(loader.artifact, &format!("{prefix}.norm"), width)?,
+            norm: loader.parameter(&format!("{prefix}.norm"), (1, width))?,
             mix_down: loader.matrix(&format!("{prefix}.mix_down"), (rank, width))?,
             mix_up: loader.matrix(&format!("{prefix}.mix_up"), (width, rank))?,
             inject: if with_injection {
@@ -500,77 +514,39 @@ impl<B: Backend> HyperConnection<B> {
         })
     }
 
-    /// The block input `[rows, H]` of `streams` `[rows, n·H]` and, with injection weights, each
-    /// stream's share of the block output `[rows, n]` (`2·sigmoid(·/n)`).
+    /// The block input `[rows, H]` of `streams` `[rows, n·H]` and, with injection weights, the
+    /// logits of each stream's share of the block output `[rows, n]` (the share is
+    /// `2·sigmoid(·/n)`, [`Backend::inject_into_streams`]). All backend ops: the streams stay
+    /// where the backend computes.
     fn mix(
         &self,
         backend: &B,
         graph: &Qwen4ExpGraph<B>,
-        streams: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        streams: &B::Tensor,
+    ) -> Result<(B::Tensor, Option<B::Tensor>), EngineError> {
         let (count, hidden) = (graph.streams(), graph.hidden());
-        let width = count * hidden;
-        let rows = streams.len() / width;
-        let normed = grouped_norm(streams, &self.norm, hidden, graph.eps());
-        let normed_tensor = backend.upload(&normed, rows, width)?;
         let scale = 1.0 / count as f32;
-        let down: Vec<f32> = backend
-            .download(&backend.matmul(&normed_tensor, &self.mix_down)?)?
-            .into_iter()
-            .map(|v| silu(v * scale))
-            .collect();
-        let rank = down.len() / rows.max(1);
-        let up = backend
-            .download(&backend.matmul(&backend.upload(&down, rows, rank)?, &self.mix_up)?)?;
-        let mut mixed = vec![0.0f32; rows * hidden];
-        for row in 0..rows {
-            let out = &mut mixed[row * hidden..(row + 1) * hidden];
-            for stream in 0..count {
-                let base = row * width + stream * hidden;
-                for (i, value) in out.iter_mut().enumerate() {
-                    *value += sigmoid(up[base + i]) * normed[base + i];
-                }
-            }
-            for value in out.iter_mut() {
-                *value *= scale;
-            }
-        }
-        let injection = match &self.inject {
-            Some(inject) => backend
-                .download(&backend.matmul(&normed_tensor, inject)?)?
-                .into_iter()
-                .map(|v| 2.0 * sigmoid(v * scale))
-                .collect(),
-            None => Vec::new(),
+        let normed = backend.row_weighted_rms_norm(
+            streams,
+            &self.norm,
+            hidden,
+            graph.eps(),
+            NormStyle::ZeroCentred,
+        )?;
+        let down = backend.scaled_silu(&backend.matmul(&normed, &self.mix_down)?, scale)?;
+        let up = backend.matmul(&down, &self.mix_up)?;
+        let mixed = backend.stream_mix(&normed, &up, count, scale)?;
+        let shares = match &self.inject {
+            Some(inject) => Some(backend.matmul(&normed, inject)?),
+            None => None,
         };
-        Ok((mixed, injection))
-    }
-}
-
-/// `X_s += β_s · output` for every stream `s` of every row.
-fn inject_into_streams(streams: &mut [f32], output: &[f32], injection: &[f32], count: usize) {
-    let rows = injection.len() / count.max(1);
-    let hidden = output.len() / rows.max(1);
-    for row in 0..rows {
-        let out = &output[row * hidden..(row + 1) * hidden];
-        for stream in 0..count {
-            let share = injection[row * count + stream];
-            let base = (row * count + stream) * hidden;
-            for (value, o) in streams[base..base + hidden].iter_mut().zip(out) {
-                *value += share * o;
-            }
-        }
+        Ok((mixed, shares))
     }
 }
 
 /// The Gated DeltaNet output norm with a sigmoid gate: per value head, plain-weight RMSNorm
 /// times `sigmoid(z)`.
-pub(crate) fn sigmoid_gated_rms_norm(
-    x: &[f32],
-    gate: &[f32],
-    weight: &[f32],
-    eps: f32,
-) -> Vec<f32> {
+pub fn sigmoid_gated_rms_norm(x: &[f32], gate: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let width = weight.len();
     let mut out = Vec::with_capacity(x.len());
     for (head, gate) in x.chunks_exact(width).zip(gate.chunks_exact(width)) {
@@ -584,6 +560,22 @@ pub(crate) fn sigmoid_gated_rms_norm(
         );
     }
     out
+}
+
+/// [`sigmoid_gated_rms_norm`] through backend ops, for a backend that computes off the host:
+/// the plain-weight RMSNorm per value head, then `⊙ sigmoid(z)`, so the tensors stay where the
+/// backend computes (the host function would cost two read-backs and an upload per Gated
+/// DeltaNet layer). Same formula; the backend's norm may round differently in the last bit,
+/// which is why the CPU backend keeps the host function.
+pub fn sigmoid_gated_rms_norm_by_ops<B: Backend>(
+    backend: &B,
+    x: &B::Tensor,
+    gate: &B::Tensor,
+    weight: &B::Weight,
+    eps: f32,
+) -> Result<B::Tensor, EngineError> {
+    let normed = backend.rms_norm(x, weight, eps, NormStyle::Plain)?;
+    backend.mul_sigmoid(&normed, gate)
 }
 
 impl<B: Backend> Model<B> {
@@ -607,14 +599,19 @@ impl<B: Backend> Model<B> {
         } = plan;
         let (count, hidden) = (graph.streams(), graph.hidden());
         let rows = ids.len();
-        let embedded = backend.download(&backend.embed(&self.embed_tokens, ids)?)?;
-        // Every stream starts as the token's embedding.
-        let mut streams = Vec::with_capacity(rows * count * hidden);
-        for row in embedded.chunks_exact(hidden) {
-            for _ in 0..count {
-                streams.extend_from_slice(row);
-            }
-        }
+        let width = count * hidden;
+        let scale = 1.0 / count as f32;
+        // Every stream starts as the token's embedding: each id looked up `n` times in a row
+        // gives `[rows·n, H]`, which is `[rows, n·H]` read row by row.
+        let repeated_ids: Vec<u32> = ids
+            .iter()
+            .flat_map(|&id| std::iter::repeat_n(id, count))
+            .collect();
+        let mut streams = backend.reshape(
+            backend.embed(&self.embed_tokens, &repeated_ids)?,
+            rows,
+            width,
+        )?;
         for (index, layer) in self.layers.iter().enumerate() {
             let extras = graph
                 .layers
@@ -623,8 +620,8 @@ impl<B: Backend> Model<B> {
             if let Some(ple) = &extras.ple {
                 self.ple_block(graph, ple, index, &mut streams, batch, ranges, ids)?;
             }
-            let (input, injection) = extras.attn_hc.mix(backend, graph, &streams)?;
-            let x = backend.upload(&input, rows, hidden)?;
+            let (x, shares) = extras.attn_hc.mix(backend, graph, &streams)?;
+            let shares = shares.ok_or_else(|| state_mismatch(index))?;
             let mixed = match (&layer.mixer, &extras.indexer) {
                 (Mixer::Attention { .. }, Some(indexer)) => self.sparse_attention(
                     graph,
@@ -641,9 +638,9 @@ impl<B: Backend> Model<B> {
                 }
                 _ => return Err(state_mismatch(index)),
             };
-            inject_into_streams(&mut streams, &backend.download(&mixed)?, &injection, count);
-            let (input, injection) = extras.mlp_hc.mix(backend, graph, &streams)?;
-            let x = backend.upload(&input, rows, hidden)?;
+            backend.inject_into_streams(&mut streams, &mixed, &shares, scale)?;
+            let (x, shares) = extras.mlp_hc.mix(backend, graph, &streams)?;
+            let shares = shares.ok_or_else(|| state_mismatch(index))?;
             let fed = match &layer.feed_forward {
                 feed_forward @ FeedForward::Moe(_) => {
                     self.feed_forward(scratch, index, feed_forward, &x)?
@@ -652,23 +649,17 @@ impl<B: Backend> Model<B> {
                     return Err(state_mismatch(index))
                 }
             };
-            inject_into_streams(&mut streams, &backend.download(&fed)?, &injection, count);
+            backend.inject_into_streams(&mut streams, &fed, &shares, scale)?;
         }
-        let width = count * hidden;
-        let selected: Vec<f32> = match selection {
+        let selected = match selection {
             LogitsSelection::All => streams,
-            LogitsSelection::Last => ranges
-                .iter()
-                .flat_map(|range| {
-                    streams[(range.end - 1) * width..range.end * width]
-                        .iter()
-                        .copied()
-                })
-                .collect(),
+            LogitsSelection::Last => {
+                let last_rows: Vec<usize> = ranges.iter().map(|range| range.end - 1).collect();
+                backend.gather_rows(&streams, &last_rows)?
+            }
         };
         let (output, _) = graph.mixer.mix(backend, graph, &selected)?;
-        let selected_rows = output.len() / hidden;
-        finish(backend, backend.upload(&output, selected_rows, hidden)?)
+        finish(backend, output)
     }
 
     /// Adds a PLE layer's block to the streams: each token's hashed n-gram rows (carried
@@ -680,7 +671,7 @@ impl<B: Backend> Model<B> {
         graph: &Qwen4ExpGraph<B>,
         ple: &Ple<B>,
         index: usize,
-        streams: &mut [f32],
+        streams: &mut B::Tensor,
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
         ids: &[u32],
@@ -688,9 +679,9 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let hash = graph.hash.as_ref().ok_or_else(|| state_mismatch(index))?;
         let (count, hidden, eps) = (graph.streams(), graph.hidden(), graph.eps());
-        let width = count * hidden;
         let rows = ids.len();
         let embed_width = graph.config.ple_embed_dim;
+        // The rows come from the host-RAM tables: gathered on the host, one upload.
         let mut embeddings = Vec::with_capacity(rows * embed_width);
         for (item, range) in batch.iter_mut().zip(ranges) {
             let state = ple_state(item, index)?;
@@ -701,56 +692,37 @@ impl<B: Backend> Model<B> {
                 .gather(&self.artifact, &row_ids, &mut embeddings)?;
         }
         let embedded = backend.upload(&embeddings, rows, embed_width)?;
-        let keys = backend.download(&backend.matmul(&embedded, &ple.key_proj)?)?;
-        let values = backend.download(&backend.matmul(&embedded, &ple.value_proj)?)?;
-        let keys = grouped_norm(&keys, &ple.norm_key, hidden, eps);
-        let queries = grouped_norm(streams, &ple.norm_query, hidden, eps);
+        let style = NormStyle::ZeroCentred;
+        let keys = backend.row_weighted_rms_norm(
+            &backend.matmul(&embedded, &ple.key_proj)?,
+            &ple.norm_key,
+            hidden,
+            eps,
+            style,
+        )?;
+        let values = backend.matmul(&embedded, &ple.value_proj)?;
+        let queries =
+            backend.row_weighted_rms_norm(streams, &ple.norm_query, hidden, eps, style)?;
         let scale = 1.0 / (hidden as f32).sqrt();
-        let mut gated = Vec::with_capacity(rows * width);
-        for row in 0..rows {
-            let value = &values[row * hidden..(row + 1) * hidden];
-            for stream in 0..count {
-                let base = row * width + stream * hidden;
-                let dot: f32 = keys[base..base + hidden]
-                    .iter()
-                    .zip(&queries[base..base + hidden])
-                    .map(|(k, q)| k * q)
-                    .sum::<f32>()
-                    * scale;
-                // sign(g)·sqrt(max(|g|, 1e-6)), with sign(0) = 0 as in torch.
-                let gate = if dot == 0.0 {
-                    0.0
-                } else {
-                    dot.signum() * dot.abs().max(1e-6).sqrt()
-                };
-                let gate = sigmoid(gate);
-                gated.extend(value.iter().map(|v| gate * v));
-            }
+        let mut gated = backend.ple_gate(&keys, &queries, &values, count, scale)?;
+        let normed = backend.row_weighted_rms_norm(&gated, &ple.norm_conv, hidden, eps, style)?;
+        let mut segments = Vec::with_capacity(batch.len());
+        for (item, range) in batch.iter_mut().zip(ranges) {
+            let start_position = item.state.position;
+            let state = ple_state(item, index)?;
+            segments.push(Segment {
+                rows: range.clone(),
+                start_position,
+                state: &mut state.conv,
+            });
         }
-        let normed = grouped_norm(&gated, &ple.norm_conv, hidden, eps);
-        let kernel = graph.config.ple_conv_kernel_size;
-        let dilation = graph.config.ngram_size;
+        let convolved = backend.causal_conv1d_silu(&normed, &ple.conv, &mut segments)?;
+        drop(segments);
+        // streams += gated + silu(conv), the sum of the two first as transformers adds them.
+        backend.add_assign(&mut gated, &convolved)?;
+        backend.add_assign(streams, &gated)?;
         for (item, range) in batch.iter_mut().zip(ranges) {
             let state = ple_state(item, index)?;
-            let history_rows = state.conv_history.len() / width;
-            let mut window = std::mem::take(&mut state.conv_history);
-            window.extend_from_slice(&normed[range.start * width..range.end * width]);
-            for (offset, row) in range.clone().enumerate() {
-                let at = history_rows + offset;
-                for channel in 0..width {
-                    let mut sum = 0.0f32;
-                    for tap in 0..kernel {
-                        let back = (kernel - 1 - tap) * dilation;
-                        if back <= at {
-                            sum += ple.conv[channel * kernel + tap]
-                                * window[(at - back) * width + channel];
-                        }
-                    }
-                    streams[row * width + channel] += gated[row * width + channel] + silu(sum);
-                }
-            }
-            let keep = history_rows * width;
-            state.conv_history = window[window.len() - keep..].to_vec();
             let mut history: Vec<u32> = state.context.clone();
             history.extend_from_slice(&ids[range.clone()]);
             state.context = history[history.len() - state.context.len()..].to_vec();
@@ -868,24 +840,11 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Whether `backend` can run this graph (its tensors live in host memory).
-pub(crate) fn check_backend<B: Backend>(backend: &Arc<B>) -> Result<(), EngineError> {
-    if backend.computes_on_host() {
-        Ok(())
-    } else {
-        Err(EngineError::UnsupportedOnBackend {
-            architecture: "qwen4_exp".into(),
-            backend: backend.name(),
-            missing: "its device forward (hyper-connection streams, PLE blocks and QSA sparse attention) is not built yet; it runs on the CPU backend".into(),
-        })
-    }
-}
-
 /// The PLE state of layer `index` in `item`'s sequence.
 fn ple_state<'s, B: Backend>(
     item: &'s mut SequenceInput<'_, B>,
     index: usize,
-) -> Result<&'s mut PleState, EngineError> {
+) -> Result<&'s mut PleState<B>, EngineError> {
     item.state
         .ple
         .get_mut(index)

@@ -8,12 +8,15 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::super::CudaError;
 use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};
 use crate::backend::{Rotation, Segment};
 use crate::host_math::rope_inverse_frequencies;
+
+/// `PLE_GATE_THREADS` in `kernels/elementwise.cu`: one warp per (row, stream).
+const PLE_GATE_THREADS: u32 = 32;
 
 #[derive(Default)]
 pub(super) struct RopeTables {
@@ -293,6 +296,115 @@ impl CudaBackend {
         Ok(())
     }
 
+    pub(super) fn launch_scaled_silu(
+        &self,
+        x: &CudaTensor,
+        scale: f32,
+    ) -> Result<CudaTensor, CudaError> {
+        let total = x.rows * x.cols;
+        let n = total as i64;
+        self.unary(x, x.cols, |input, output| {
+            launch!(self, "scaled_silu", elementwise(total); input, output, &scale, &n)
+        })
+    }
+
+    pub(super) fn launch_stream_mix(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CudaTensor, CudaError> {
+        Self::check_same_shape(x, gate, "stream_mix")?;
+        if streams == 0 || x.cols % streams != 0 {
+            return Err(CudaError::Invalid {
+                problem: format!("stream_mix: {streams} streams over rows of {}", x.cols),
+            });
+        }
+        let width = x.cols / streams;
+        let gate_data = &*gate.data;
+        let (rows, width_arg, streams_arg) = (
+            int(x.rows, "rows")?,
+            int(width, "stream width")?,
+            int(streams, "streams")?,
+        );
+        self.unary(x, width, |input, output| {
+            launch!(self, "stream_mix", elementwise(x.rows * width);
+                input, gate_data, output, &rows, &width_arg, &streams_arg, &scale)
+        })
+    }
+
+    pub(super) fn launch_inject_into_streams(
+        &self,
+        streams: &mut CudaTensor,
+        output: &CudaTensor,
+        shares: &CudaTensor,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let count = shares.cols;
+        if count == 0
+            || shares.rows != streams.rows
+            || output.rows != streams.rows
+            || streams.cols != count * output.cols
+        {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "inject_into_streams: streams {}×{}, output {}×{}, shares {}×{}",
+                    streams.rows, streams.cols, output.rows, output.cols, shares.rows, shares.cols
+                ),
+            });
+        }
+        let total = streams.rows * streams.cols;
+        let (rows, width, count_arg) = (
+            int(streams.rows, "rows")?,
+            int(output.cols, "stream width")?,
+            int(count, "streams")?,
+        );
+        let (output_data, shares_data) = (&*output.data, &*shares.data);
+        let data = &mut *streams.data;
+        if total > 0 {
+            launch!(self, "inject_into_streams", elementwise(total);
+                data, output_data, shares_data, &rows, &width, &count_arg, &scale)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn launch_ple_gate(
+        &self,
+        keys: &CudaTensor,
+        queries: &CudaTensor,
+        values: &CudaTensor,
+        streams: usize,
+        scale: f32,
+    ) -> Result<CudaTensor, CudaError> {
+        Self::check_same_shape(keys, queries, "ple_gate")?;
+        let width = values.cols;
+        if keys.rows != values.rows || keys.cols != streams * width {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "ple_gate: keys {}×{}, values {}×{}, {streams} streams",
+                    keys.rows, keys.cols, values.rows, values.cols
+                ),
+            });
+        }
+        let pairs = keys.rows * streams;
+        let config = LaunchConfig {
+            grid_dim: (pairs.clamp(1, 1 << 20) as u32, 1, 1),
+            block_dim: (PLE_GATE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (query_data, value_data) = (&*queries.data, &*values.data);
+        let (rows, width_arg, streams_arg) = (
+            int(keys.rows, "rows")?,
+            int(width, "stream width")?,
+            int(streams, "streams")?,
+        );
+        self.unary(keys, keys.cols, |input, output| {
+            launch!(self, "ple_gate", config;
+                input, query_data, value_data, output, &rows, &width_arg, &streams_arg, &scale)
+        })
+    }
+
     pub(super) fn launch_causal_conv1d_silu(
         &self,
         x: &CudaTensor,
@@ -354,5 +466,19 @@ impl CudaBackend {
                 a_data, b_data, a_log.f32()?, dt_bias.f32()?, g_out, beta_out, &rows, &heads)?;
         }
         Ok((g, beta))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        use super::super::super::kernels::kernel_define;
+        assert_eq!(
+            PLE_GATE_THREADS as i64,
+            kernel_define("elementwise", "PLE_GATE_THREADS")
+        );
     }
 }

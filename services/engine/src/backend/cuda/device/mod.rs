@@ -586,6 +586,27 @@ impl Backend for CudaBackend {
         self.load_weight(artifact, name, false)
     }
 
+    fn parameter_from_values(
+        &self,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaWeight, EngineError> {
+        if values.len() != rows * cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!("a parameter of {} values for {rows}×{cols}", values.len()),
+            });
+        }
+        let data = self
+            .upload_f32(values)
+            .map_err(device("parameter_from_values"))?;
+        Ok(CudaWeight {
+            rows,
+            cols,
+            data: WeightData::F32(data),
+        })
+    }
+
     fn weight_shape(&self, weight: &CudaWeight) -> (usize, usize) {
         (weight.rows, weight.cols)
     }
@@ -603,6 +624,26 @@ impl Backend for CudaBackend {
 
     fn shape(&self, tensor: &CudaTensor) -> (usize, usize) {
         (tensor.rows, tensor.cols)
+    }
+
+    fn reshape(
+        &self,
+        mut tensor: CudaTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaTensor, EngineError> {
+        // The buffer stays as it is (the pool files buffers by length, which does not change).
+        if rows * cols != tensor.rows * tensor.cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "reshape of {}×{} to {rows}×{cols}",
+                    tensor.rows, tensor.cols
+                ),
+            });
+        }
+        tensor.rows = rows;
+        tensor.cols = cols;
+        Ok(tensor)
     }
 
     // The ops that are one launch: each times itself and names itself in its error.
@@ -628,6 +669,15 @@ impl Backend for CudaBackend {
         silu_mul_halves(gate_up: &CudaTensor) -> CudaTensor = launch_silu_mul_halves;
         add_sigmoid_scaled_rows(a: &mut CudaTensor, b: &CudaTensor, gate: &CudaTensor)
             -> () = launch_add_sigmoid_scaled_rows;
+        row_weighted_rms_norm(x: &CudaTensor, weight: &CudaWeight, group: usize, eps: f32,
+            style: NormStyle) -> CudaTensor = launch_row_weighted_rms_norm;
+        scaled_silu(x: &CudaTensor, scale: f32) -> CudaTensor = launch_scaled_silu;
+        stream_mix(x: &CudaTensor, gate: &CudaTensor, streams: usize, scale: f32)
+            -> CudaTensor = launch_stream_mix;
+        inject_into_streams(streams: &mut CudaTensor, output: &CudaTensor, shares: &CudaTensor,
+            scale: f32) -> () = launch_inject_into_streams;
+        ple_gate(keys: &CudaTensor, queries: &CudaTensor, values: &CudaTensor, streams: usize,
+            scale: f32) -> CudaTensor = launch_ple_gate;
         slotted_experts_by_pending_routing(slots: &CudaExpertSlots, x: &CudaTensor,
             routing: &CudaPendingRouting) -> CudaTensor
             = launch_slotted_experts_by_pending_routing, timed by rows of x;

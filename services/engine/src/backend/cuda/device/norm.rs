@@ -78,6 +78,37 @@ impl CudaBackend {
         })
     }
 
+    pub(super) fn launch_row_weighted_rms_norm(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        group: usize,
+        eps: f32,
+        style: NormStyle,
+    ) -> Result<CudaTensor, CudaError> {
+        let width = weight.rows * weight.cols;
+        if group == 0 || width != x.cols || x.cols % group != 0 {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "row_weighted_rms_norm: groups of {group} with a weight of {width} over rows of {}",
+                    x.cols
+                ),
+            });
+        }
+        let groups = x.rows * x.cols / group;
+        let offset: f32 = match style {
+            NormStyle::Plain => 0.0,
+            NormStyle::ZeroCentred => 1.0,
+        };
+        let (groups_arg, group_arg) = (groups as i64, int(group, "group")?);
+        let weight_groups = int(width / group, "weight groups")?;
+        self.unary(x, x.cols, |input, output| {
+            launch!(self, "row_weighted_rms_norm", Self::norm_config(groups);
+                input, weight.f32()?, output, &groups_arg, &group_arg, &weight_groups, &eps,
+                &offset)
+        })
+    }
+
     pub(super) fn launch_add_rms_norm(
         &self,
         x: &mut CudaTensor,

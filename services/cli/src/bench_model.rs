@@ -397,7 +397,10 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
     let architecture = artifact.config().architecture().to_string();
     let arithmetic = PrefillArithmetic::of(&artifact);
     drop(artifact);
-    if args.peak_tflops.is_some_and(|peak| !(peak.is_finite() && peak > 0.0)) {
+    if args
+        .peak_tflops
+        .is_some_and(|peak| !(peak.is_finite() && peak > 0.0))
+    {
         bail!("--peak-tflops must be a positive number");
     }
 
@@ -759,10 +762,14 @@ async fn measure(
     let ram_bytes_per_second = ram_bandwidth.best_gbps * 1e9;
     let positive = |value: f64| (value > 0.0).then_some(value);
     let pcie_bytes_per_second = positive(first.prefill_copy_bytes_per_second);
-    let gpu_expert_flops = positive(first.prefill_gpu_pairs_per_second * first.expert_flops_per_pair);
+    let gpu_expert_flops =
+        positive(first.prefill_gpu_pairs_per_second * first.expert_flops_per_pair);
     let cpu_expert_flops =
         positive(first.prefill_executor_pairs_per_second * first.expert_flops_per_pair);
-    let compute_peak = args.peak_tflops.map(|peak| peak * 1e12).or(gpu_expert_flops);
+    let compute_peak = args
+        .peak_tflops
+        .map(|peak| peak * 1e12)
+        .or(gpu_expert_flops);
     let status_before = engine_status(&mut client).await?;
     let measuring = Instant::now();
     let mut rows = Vec::new();

@@ -793,7 +793,8 @@ fn measure_prefill_throughputs<B: Backend>(
                 mixed_layers = summary.mixed_layers,
                 cpu_layers = summary.cpu_layers,
                 estimated_expert_ms = format!("{:.1}", summary.seconds * 1e3),
-                streamed_gib = format!("{:.2}", summary.streamed_bytes as f64 / (1u64 << 30) as f64),
+                streamed_gib =
+                    format!("{:.2}", summary.streamed_bytes as f64 / (1u64 << 30) as f64),
                 "layerwise prefill: split of a batch"
             );
         }

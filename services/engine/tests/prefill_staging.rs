@@ -126,10 +126,10 @@ fn forced_throughputs(split: &str) -> PrefillThroughputs {
             executor_pairs_per_second: 1e3,
             flops_per_pair: 1.0,
         },
-        // A link of one byte per second: nothing is worth streaming.
+        // A backend of a pair per thousand seconds: nothing is worth streaming.
         _ => PrefillThroughputs {
-            copy_bytes_per_second: 1.0,
-            backend_pairs_per_second: fast,
+            copy_bytes_per_second: fast,
+            backend_pairs_per_second: 1e-3,
             executor_pairs_per_second: fast,
             flops_per_pair: 1.0,
         },
@@ -208,17 +208,26 @@ fn layerwise_prefill_matches_the_staged_path<B: Backend>(backend: Arc<B>) {
                     .unwrap();
                 let stride = model.expert_slot_bytes().unwrap();
                 let experts = model.spec().common.num_experts as u64;
-                assert_eq!(bytes, 2 * experts * stride, "{name}: two layer-sized halves");
+                assert_eq!(
+                    bytes,
+                    2 * experts * stride,
+                    "{name}: two layer-sized halves"
+                );
                 let measured = model.measure_prefill_throughputs(64, 16).unwrap();
                 for rate in [
                     measured.copy_bytes_per_second,
                     measured.backend_pairs_per_second,
                     measured.executor_pairs_per_second,
                 ] {
-                    assert!(rate.is_finite() && rate > 0.0, "{name}: measured {measured:?}");
+                    assert!(
+                        rate.is_finite() && rate > 0.0,
+                        "{name}: measured {measured:?}"
+                    );
                 }
                 for split in ["gpu", "mixed", "cpu"] {
-                    model.set_prefill_throughputs(forced_throughputs(split)).unwrap();
+                    model
+                        .set_prefill_throughputs(forced_throughputs(split))
+                        .unwrap();
                     let summary = model.layerwise_split_summary(tokens.len()).unwrap();
                     match split {
                         "gpu" => assert!(summary.mixed_layers + summary.cpu_layers == 0),

@@ -281,7 +281,10 @@ impl ExpertSlotFills for CpuExpertSlots {
             .storage
             .get_mut(start..start + bytes.len())
             .ok_or_else(|| EngineError::InvalidConfig {
-                problem: format!("a batch fill from slot {} overruns the slots", fill.first_slot),
+                problem: format!(
+                    "a batch fill from slot {} overruns the slots",
+                    fill.first_slot
+                ),
             })?;
         target.copy_from_slice(&bytes);
         for (offset, &expert) in fill.experts.iter().enumerate() {

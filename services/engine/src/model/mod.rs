@@ -517,10 +517,16 @@ impl<B: Backend> Model<B> {
                 });
             }
         }
-        let halves = if options.layerwise_min_tokens > 0 { 2 } else { 1 };
-        let mut slots =
-            self.backend
-                .new_expert_slots(&layout, common.num_experts, halves * common.num_experts)?;
+        let halves = if options.layerwise_min_tokens > 0 {
+            2
+        } else {
+            1
+        };
+        let mut slots = self.backend.new_expert_slots(
+            &layout,
+            common.num_experts,
+            halves * common.num_experts,
+        )?;
         // Ready every bank now (on a GPU: page-lock it), so the first long prompt does not
         // pay for it: the first 4K prefill measured 30% slower than the second before this.
         let started = std::time::Instant::now();
@@ -541,9 +547,7 @@ impl<B: Backend> Model<B> {
             slots: Mutex::new(slots),
             layerwise: (options.layerwise_min_tokens > 0).then(|| LayerwiseSettings {
                 min_tokens: options.layerwise_min_tokens,
-                throughputs: std::sync::RwLock::new(PrefillThroughputs::unmeasured(
-                    flops_per_pair,
-                )),
+                throughputs: std::sync::RwLock::new(PrefillThroughputs::unmeasured(flops_per_pair)),
             }),
         });
         Ok((halves * common.num_experts * layout.stride) as u64)
@@ -610,9 +614,12 @@ impl<B: Backend> Model<B> {
         );
         let flops_per_pair = 6.0 * hidden as f64 * common.moe_intermediate_size as f64;
         let all: Vec<usize> = (0..experts).collect();
-        let mut slots = staging.slots.lock().map_err(|_| EngineError::InvalidConfig {
-            problem: "the prefill staging slots' lock is poisoned".into(),
-        })?;
+        let mut slots = staging
+            .slots
+            .lock()
+            .map_err(|_| EngineError::InvalidConfig {
+                problem: "the prefill staging slots' lock is poisoned".into(),
+            })?;
         slots.complete_fills()?;
         let mut copy_seconds = f64::INFINITY;
         for run in 0..4 {
@@ -629,7 +636,9 @@ impl<B: Backend> Model<B> {
         // A uniform routing: token t's choice j is expert (t·k + j) mod E, weight 1/k.
         let uniform = |tokens: usize| Routing {
             experts_per_token: k,
-            expert_ids: (0..tokens * k).map(|pair| (pair % experts) as u32).collect(),
+            expert_ids: (0..tokens * k)
+                .map(|pair| (pair % experts) as u32)
+                .collect(),
             weights: vec![1.0 / k as f32; tokens * k],
         };
         let hidden_values = |tokens: usize| -> Vec<f32> {
@@ -769,9 +778,11 @@ impl<B: Backend> Model<B> {
         {
             return Ok(None);
         }
-        let throughputs = self.prefill_throughputs().ok_or_else(|| EngineError::InvalidConfig {
-            problem: "the prefill throughputs' lock is poisoned".into(),
-        })?;
+        let throughputs = self
+            .prefill_throughputs()
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: "the prefill throughputs' lock is poisoned".into(),
+            })?;
         let mut plans = Vec::new();
         for (layer, moe) in self.indexed_moe_layers() {
             let batch = self.layer_batch(moe, rows);

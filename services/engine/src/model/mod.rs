@@ -771,10 +771,10 @@ impl<B: Backend> Model<B> {
         let Some(staging) = self.prefill_staging.as_ref() else {
             return Ok(None);
         };
-        if !staging
+        if staging
             .layerwise
             .as_ref()
-            .is_some_and(|settings| rows >= settings.min_tokens)
+            .is_none_or(|settings| rows < settings.min_tokens)
         {
             return Ok(None);
         }

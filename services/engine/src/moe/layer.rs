@@ -15,7 +15,7 @@ use std::time::Instant;
 use ninfer_artifact::{Artifact, CommonConfig, ExpertBank, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 
-use crate::backend::{Backend, ExpertSlotTable, Routing, WithExpertSlotTable};
+use crate::backend::{Backend, ExpertSlotFills, ExpertSlotTable, Routing, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 use crate::moe::expert_cache::ExpertCache;
@@ -398,6 +398,11 @@ impl<B: Backend> MoeLayer<B> {
         let mut slots = staging.lock().map_err(|_| EngineError::InvalidConfig {
             problem: "the prefill staging slots' lock is poisoned".into(),
         })?;
+        // A layerwise forward that failed may have left copies in flight into these slots:
+        // they land (and enter the table) before this batch's own copies.
+        if slots.fills_in_flight() > 0 {
+            slots.complete_fills()?;
+        }
         for (expert, _) in wanted.iter().enumerate().filter(|(_, &wanted)| wanted) {
             context.backend.fill_expert_slot(
                 &mut slots,

@@ -766,7 +766,8 @@ impl<B: Backend> Model<B> {
     }
 
     /// The layerwise stream of a forward of `rows` rows, when layerwise prefill is on and the
-    /// batch is big enough: each decoder MoE layer's split, then the first copies started.
+    /// batch is big enough: the split of each decoder MoE layer with experts outside its
+    /// resident slots, then the first copies started.
     fn layerwise_stream(&self, rows: usize) -> Result<Option<LayerwiseStream<'_, B>>, EngineError> {
         let Some(staging) = self.prefill_staging.as_ref() else {
             return Ok(None);
@@ -786,6 +787,10 @@ impl<B: Backend> Model<B> {
         let mut plans = Vec::new();
         for (layer, moe) in self.indexed_moe_layers() {
             let batch = self.layer_batch(moe, rows);
+            if batch.non_resident == 0 {
+                // All resident: the resident route, which does not wait for the routing.
+                continue;
+            }
             let count = streamed_expert_count(&throughputs, &batch);
             let mut streamed = moe.non_resident_experts()?;
             streamed.truncate(count);
@@ -795,6 +800,9 @@ impl<B: Backend> Model<B> {
                 executor_experts: batch.non_resident - streamed.len().min(batch.non_resident),
                 streamed,
             });
+        }
+        if plans.is_empty() {
+            return Ok(None);
         }
         LayerwiseStream::start(
             &staging.slots,

@@ -1802,19 +1802,6 @@ mod tests {
         }
     }
 
-    /// Every token of a request's events, in order.
-    fn drain_tokens(receiver: &mut async_mpsc::Receiver<SchedulerResult>) -> Vec<u32> {
-        let mut tokens = Vec::new();
-        while let Some(event) = receiver.blocking_recv() {
-            let event = event.unwrap_or_else(|e| panic!("{e}"));
-            tokens.extend(event.token.map(|token| token.token_id));
-            if event.finish.is_some() {
-                break;
-            }
-        }
-        tokens
-    }
-
     /// A 48-token prompt arriving beside a generating stream, with chunks of 8 tokens: the
     /// prompt goes through in chunks, one per step, and the stream gets a token at each of
     /// those steps (at least 5 before the prompt's first token; fed whole, the prompt's first
@@ -1835,8 +1822,9 @@ mod tests {
                 prefill_chunk_tokens: chunk_tokens,
             };
             let (commands, receiver) = mpsc::channel();
-            let (stream_events, mut stream) = async_mpsc::channel(4096);
-            let (long_events, mut long) = async_mpsc::channel(4096);
+            // One channel for both requests: it holds their events in the order the scheduler
+            // sent them (told apart by their prompt lengths).
+            let (events, mut received) = async_mpsc::channel(4096);
             // Both are queued before the scheduler starts, so both join its first step.
             if with_stream {
                 commands
@@ -1844,18 +1832,16 @@ mod tests {
                         "stream",
                         vec![5, 6, 7, 8],
                         16,
-                        stream_events,
+                        events.clone(),
                     )))
                     .unwrap();
-            } else {
-                drop(stream_events);
             }
             commands
                 .send(SchedulerCommand::Submit(greedy_request(
                     "long",
                     long_prompt.clone(),
                     4,
-                    long_events,
+                    events,
                 )))
                 .unwrap();
             let model = Arc::clone(&model);
@@ -1868,14 +1854,16 @@ mod tests {
                     &receiver,
                 )
             });
-            let first = long.blocking_recv().unwrap().unwrap();
-            let mut stream_tokens_before = 0;
-            while let Ok(event) = stream.try_recv() {
-                stream_tokens_before += usize::from(event.unwrap().token.is_some());
+            let (mut stream_tokens_before, mut long_tokens) = (0, Vec::new());
+            while let Some(event) = received.blocking_recv() {
+                let event = event.unwrap_or_else(|e| panic!("{e}"));
+                let Some(token) = event.token else { continue };
+                if event.prompt_tokens as usize == long_prompt.len() {
+                    long_tokens.push(token.token_id);
+                } else if long_tokens.is_empty() {
+                    stream_tokens_before += 1;
+                }
             }
-            let mut long_tokens: Vec<u32> = first.token.iter().map(|t| t.token_id).collect();
-            long_tokens.extend(drain_tokens(&mut long));
-            drain_tokens(&mut stream);
             drop(commands);
             scheduler.join().unwrap();
             (stream_tokens_before, long_tokens)

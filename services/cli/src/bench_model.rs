@@ -90,6 +90,85 @@ pub struct ModelBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// The compute peak, TFLOP/s, that each prefill's share of the compute limit is taken
+    /// against (e.g. a GPU's dense bf16 peak); default: the GPU expert rate the engine
+    /// measured at start for layerwise prefill.
+    #[arg(long, value_name = "TFLOPS")]
+    pub peak_tflops: Option<f64>,
+}
+
+/// How much arithmetic one prompt token costs, from the model's config and tensor sizes.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct PrefillArithmetic {
+    /// `2 ·` the dense matrix parameters (attention, routers, shared experts, dense MLPs;
+    /// not the embedding table, not the output head, which a prefill runs for its last token
+    /// only).
+    dense_flops_per_token: f64,
+    /// `6 · hidden · moe_intermediate · top-k ·` MoE layers.
+    expert_flops_per_token: f64,
+    /// Causal attention: `4 · heads · head_dim` FLOPs per (query, key) pair (scores and the
+    /// weighted sum) per full-attention layer, `L (L + 1) / 2` pairs for a prompt of `L`.
+    attention_flops_per_pair: f64,
+}
+
+impl PrefillArithmetic {
+    fn of(artifact: &ninfer_artifact::Artifact) -> Self {
+        let config = artifact.config();
+        let common = config.common();
+        let dense_parameters: u64 = artifact
+            .header()
+            .tensors
+            .iter()
+            .filter(|tensor| {
+                matches!(
+                    tensor.class,
+                    ninfer_artifact::TensorClass::Dense | ninfer_artifact::TensorClass::DenseMlp
+                ) && !tensor.name.starts_with("lm_head")
+            })
+            .map(|tensor| tensor.element_count())
+            .sum();
+        let moe_layers = common.moe_layers.iter().filter(|&&moe| moe).count();
+        let attention_layers = config.hybrid().map_or(common.num_hidden_layers, |hybrid| {
+            hybrid
+                .layer_types
+                .iter()
+                .filter(|&&kind| kind == ninfer_artifact::LayerType::FullAttention)
+                .count()
+        });
+        PrefillArithmetic {
+            dense_flops_per_token: 2.0 * dense_parameters as f64,
+            expert_flops_per_token: 6.0
+                * (common.hidden_size * common.moe_intermediate_size) as f64
+                * (common.num_experts_per_tok * moe_layers) as f64,
+            attention_flops_per_pair: 4.0
+                * (common.num_attention_heads * common.head_dim * attention_layers) as f64,
+        }
+    }
+
+    /// FLOPs of one prompt of `length` tokens.
+    fn prompt_flops(&self, length: usize) -> f64 {
+        let pairs = length as f64 * (length as f64 + 1.0) / 2.0;
+        length as f64 * (self.dense_flops_per_token + self.expert_flops_per_token)
+            + pairs * self.attention_flops_per_pair
+    }
+}
+
+/// How close a prefill came to the two limits of layerwise prefill (per prompt length, all
+/// repeats).
+#[derive(Debug, Clone, Serialize)]
+struct PrefillLimits {
+    /// Expert bytes streamed into the staging slots (all repeats).
+    streamed_expert_bytes: u64,
+    /// `streamed_expert_bytes` / the engine's measured pinned host-to-device rate (ms).
+    pcie_limit_ms: Option<f64>,
+    /// `pcie_limit_ms` / the prefill's wall time: 1 = the prefill ran at the speed of its copies.
+    pcie_share: Option<f64>,
+    /// The prompts' FLOPs ([`PrefillArithmetic`]).
+    flops: f64,
+    /// `flops` / the compute peak (ms).
+    compute_limit_ms: Option<f64>,
+    /// `compute_limit_ms` / the prefill's wall time.
+    compute_share: Option<f64>,
 }
 
 /// Decode time per token, split (milliseconds). The parts add up to `engine_forward` and
@@ -141,6 +220,7 @@ struct Row {
     decode_tokens: usize,
     repeats: usize,
     prefill: PhaseFigures,
+    prefill_limits: PrefillLimits,
     decode: PhaseFigures,
     /// Each repeat's decode split (ms per token), in run order.
     decode_split_per_repeat: Vec<Split>,
@@ -181,6 +261,9 @@ struct Report {
     device_bandwidth_gbps: Option<f64>,
     device_bandwidth_error: Option<String>,
     roofline: RooflineBasis,
+    /// The rates layerwise prefill measured at start (null when it is off) and the limits
+    /// each prefill is compared with.
+    prefill_basis: PrefillBasis,
     results: Vec<Row>,
     /// The dynamic expert cache over the measured runs (null without GPU expert slots).
     expert_cache: Option<ExpertCacheFigures>,
@@ -235,6 +318,21 @@ async fn engine_status(client: &mut EngineClient<Channel>) -> anyhow::Result<Eng
         .await
         .context("reading the engine's status (GetStatus)")?
         .into_inner())
+}
+
+#[derive(Debug, Serialize)]
+struct PrefillBasis {
+    /// The engine's pinned host-to-device copy rate into the staging slots, GB/s.
+    pcie_gbps: Option<f64>,
+    /// The GPU's and the expert executor's routed-expert rates, TFLOP/s, as measured.
+    gpu_expert_tflops: Option<f64>,
+    cpu_expert_tflops: Option<f64>,
+    /// The peak the compute limit is taken against, TFLOP/s, and where it comes from.
+    compute_peak_tflops: Option<f64>,
+    compute_peak: String,
+    arithmetic: PrefillArithmetic,
+    pcie_limit: &'static str,
+    compute_limit: &'static str,
 }
 
 #[derive(Debug, Serialize)]
@@ -338,7 +436,14 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
     let artifact = ninfer_artifact::Artifact::open(&model)
         .with_context(|| format!("opening {}", model.display()))?;
     let architecture = artifact.config().architecture().to_string();
+    let arithmetic = PrefillArithmetic::of(&artifact);
     drop(artifact);
+    if args
+        .peak_tflops
+        .is_some_and(|peak| !(peak.is_finite() && peak > 0.0))
+    {
+        bail!("--peak-tflops must be a positive number");
+    }
 
     // The reference first, while nothing else runs; its pool is gone before the workers pin
     // their threads.
@@ -400,6 +505,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         ram_bandwidth,
         model.display().to_string(),
         architecture,
+        arithmetic,
     ));
     supervisor.stop_all();
     let report = result?;
@@ -597,6 +703,8 @@ fn add_phase(total: &mut PhaseProfile, part: &PhaseProfile) {
     total.resident_experts += part.resident_experts;
     total.cpu_expert_bytes += part.cpu_expert_bytes;
     total.resident_expert_bytes += part.resident_expert_bytes;
+    total.streamed_experts += part.streamed_experts;
+    total.streamed_expert_bytes += part.streamed_expert_bytes;
 }
 
 /// The figures of a phase: `counters` from the engine, `wall` at the client for `tokens`.
@@ -653,6 +761,7 @@ async fn measure(
     ram_bandwidth: BandwidthResult,
     model: String,
     architecture: String,
+    arithmetic: PrefillArithmetic,
 ) -> anyhow::Result<Report> {
     let mut client = connect_when_ready(
         address,
@@ -701,6 +810,16 @@ async fn measure(
     profile(&mut client, true, false).await?;
 
     let ram_bytes_per_second = ram_bandwidth.best_gbps * 1e9;
+    let positive = |value: f64| (value > 0.0).then_some(value);
+    let pcie_bytes_per_second = positive(first.prefill_copy_bytes_per_second);
+    let gpu_expert_flops =
+        positive(first.prefill_gpu_pairs_per_second * first.expert_flops_per_pair);
+    let cpu_expert_flops =
+        positive(first.prefill_executor_pairs_per_second * first.expert_flops_per_pair);
+    let compute_peak = args
+        .peak_tflops
+        .map(|peak| peak * 1e12)
+        .or(gpu_expert_flops);
     let status_before = engine_status(&mut client).await?;
     let measuring = Instant::now();
     let mut rows = Vec::new();
@@ -746,7 +865,22 @@ async fn measure(
             last = counters;
         }
         let prompt_tokens = (length * args.repeats) as u64;
+        let streamed_expert_bytes = prefill.streamed_expert_bytes;
         let prefill = phase_figures(&prefill, prompt_tokens, prefill_wall, prefill_rates);
+        let prefill_seconds = prefill.wall_ms / 1e3;
+        let flops = arithmetic.prompt_flops(length) * args.repeats as f64;
+        let pcie_limit = pcie_bytes_per_second
+            .filter(|_| streamed_expert_bytes > 0)
+            .map(|rate| streamed_expert_bytes as f64 / rate);
+        let compute_limit = compute_peak.map(|peak| flops / peak);
+        let prefill_limits = PrefillLimits {
+            streamed_expert_bytes,
+            pcie_limit_ms: pcie_limit.map(|s| s * 1e3),
+            pcie_share: pcie_limit.map(|s| s / prefill_seconds.max(1e-12)),
+            flops,
+            compute_limit_ms: compute_limit.map(|s| s * 1e3),
+            compute_share: compute_limit.map(|s| s / prefill_seconds.max(1e-12)),
+        };
         let decode = phase_figures(&decode, decoded, decode_wall, decode_rates);
         let dense = last.dense_weight_bytes_per_forward as f64;
         // Where each byte of a decoded token is read from: CPU experts from RAM; dense
@@ -779,6 +913,7 @@ async fn measure(
             roofline_ratio: ideal_ms.map(|ideal| ideal / decode.ms_per_token.max(1e-12)),
             ideal_ms_per_token: ideal_ms,
             prefill,
+            prefill_limits,
             decode,
             decode_split_per_repeat,
         });
@@ -861,6 +996,20 @@ async fn measure(
                 "(CPU expert bytes + dense bytes) / RAM bandwidth (best of the reference); the CPU device reads every weight from RAM".into()
             },
         },
+        prefill_basis: PrefillBasis {
+            pcie_gbps: pcie_bytes_per_second.map(|rate| rate / 1e9),
+            gpu_expert_tflops: gpu_expert_flops.map(|rate| rate / 1e12),
+            cpu_expert_tflops: cpu_expert_flops.map(|rate| rate / 1e12),
+            compute_peak_tflops: compute_peak.map(|rate| rate / 1e12),
+            compute_peak: match (args.peak_tflops, gpu_expert_flops) {
+                (Some(_), _) => "--peak-tflops".into(),
+                (None, Some(_)) => "the GPU expert rate the engine measured at start (grouped expert kernels over 4096 rows of uniform routing)".into(),
+                (None, None) => "none (layerwise prefill off and no --peak-tflops)".into(),
+            },
+            arithmetic,
+            pcie_limit: "expert bytes streamed into the staging slots / the engine's measured pinned host-to-device rate; share = that time / the prefill's wall time",
+            compute_limit: "prompt FLOPs (2 · dense matrix parameters + 6 · hidden · moe_intermediate · top-k · MoE layers per token, + 4 · heads · head_dim per causal (query, key) pair per full-attention layer) / the compute peak; share = that time / the prefill's wall time",
+        },
         results: rows,
     })
 }
@@ -890,6 +1039,40 @@ fn print_report(report: &Report) {
         mb(report.dense_weight_bytes_per_forward as f64),
         mb(report.expert_stride_bytes as f64)
     );
+    let basis = &report.prefill_basis;
+    let optional = |value: Option<f64>, digits: usize| {
+        value
+            .map(|v| format!("{v:.digits$}"))
+            .unwrap_or_else(|| "-".into())
+    };
+    println!(
+        "prefill limits: PCIe {} GB/s (pinned host-to-device, measured by the engine), GPU experts {} TFLOP/s, CPU experts {} TFLOP/s; compute peak {} TFLOP/s ({})",
+        optional(basis.pcie_gbps, 1),
+        optional(basis.gpu_expert_tflops, 1),
+        optional(basis.cpu_expert_tflops, 2),
+        optional(basis.compute_peak_tflops, 1),
+        basis.compute_peak
+    );
+    for row in &report.results {
+        let limits = &row.prefill_limits;
+        let share = |value: Option<f64>| {
+            value
+                .map(|v| format!("{:.0}%", 100.0 * v))
+                .unwrap_or_else(|| "-".into())
+        };
+        println!(
+            "  prompt {:>6}: prefill {:>9.1} tok/s, streamed {:.2} GB, PCIe limit {} ms ({} reached), compute limit {} ms ({} reached)",
+            row.prompt_tokens,
+            row.prefill_tok_s,
+            limits.streamed_expert_bytes as f64 / 1e9,
+            optional(limits.pcie_limit_ms, 1),
+            share(limits.pcie_share),
+            optional(limits.compute_limit_ms, 1),
+            share(limits.compute_share),
+        );
+    }
+    println!("  PCIe limit = {}.", basis.pcie_limit);
+    println!("  compute limit = {}.", basis.compute_limit);
     if let Some(batch) = &report.concurrent_decode {
         println!(
             "{} sequences at once (prompts of {} tokens): aggregate decode {:.1} tok/s, {:.1} tok/s per sequence",

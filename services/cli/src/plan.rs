@@ -257,7 +257,15 @@ pub struct Plan {
     pub expert_banks_fit_in_ram: bool,
     pub machine: Machine,
     pub api: Option<String>,
+    /// GPU memory of the prefill staging slots (two layer-sized halves for layerwise
+    /// prefill), 0 without a GPU or routed experts.
+    pub prefill_staging_bytes: u64,
+    /// Prompt batches from this many tokens prefill layerwise (the engine's default).
+    pub layerwise_min_tokens: usize,
 }
+
+/// The engine's `--moe-prefill-layerwise-min-tokens` default.
+const LAYERWISE_MIN_TOKENS: usize = 1024;
 
 #[derive(Debug, serde::Serialize)]
 pub struct WorkerPlan {
@@ -397,6 +405,15 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         gpu_experts: gpu_request.to_string(),
         gpu_experts_per_layer,
         gpu_experts_estimate,
+        prefill_staging_bytes: match (&machine.gpu, request.cpu_only) {
+            (Some(_), false) if has_experts => {
+                let moe_layers = common.moe_layers.iter().filter(|&&moe| moe).count().max(1);
+                // Two halves of one layer's experts.
+                2 * facts.expert_bank_bytes / moe_layers as u64
+            }
+            _ => 0,
+        },
+        layerwise_min_tokens: LAYERWISE_MIN_TOKENS,
         gpu_mem_budget_gib: request.gpu_mem_budget,
         numa_nodes: nodes.iter().map(|node| node.node).collect(),
         expert_workers,
@@ -536,6 +553,13 @@ pub fn print_plan(plan: &Plan) {
     }
     if plan.host_kv_mib > 0 {
         println!("kv cache      {} MiB in host RAM", plan.host_kv_mib);
+    }
+    if plan.prefill_staging_bytes > 0 {
+        println!(
+            "prefill       layerwise from {} tokens: staging slots {:.2} GiB on the GPU (two halves of one layer's experts, streamed over PCIe while the layer before computes); each MoE layer split between GPU and CPU workers from the PCIe, GPU and CPU expert rates the engine measures and logs at start",
+            plan.layerwise_min_tokens,
+            gib(plan.prefill_staging_bytes)
+        );
     }
     println!("context       {} tokens per sequence", plan.max_context);
     if let Some(api) = &plan.api {

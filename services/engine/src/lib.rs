@@ -41,7 +41,11 @@ pub mod weights;
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, DeltaRuleForm};
 pub use error::EngineError;
-pub use model::{open_artifact, LogitsSelection, Model, SequenceInput, SequenceState};
+pub use model::{
+    open_artifact, LayerwiseSummary, LogitsSelection, Model, PrefillStagingOptions, SequenceInput,
+    SequenceState,
+};
+pub use moe::layerwise::PrefillThroughputs;
 pub use moe::{ExpertBatch, ExpertExecutor, NoRoutedExperts, ReferenceExpertExecutor};
 pub use perplexity::{score_chunk, token_nlls, PerplexityOptions, TokenNll};
 pub use sampling::{Sampler, SamplingParams};

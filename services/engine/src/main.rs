@@ -34,7 +34,7 @@ use ninfer_engine::service::scheduler::{
 use ninfer_engine::service::{
     AlwaysReady, DeviceBandwidthProbe, EngineService, Profiling, Readiness,
 };
-use ninfer_engine::{open_artifact, Backend, CpuBackend, Model};
+use ninfer_engine::{open_artifact, Backend, CpuBackend, Model, PrefillStagingOptions};
 use ninfer_protocol::v1::engine_server::EngineServer;
 
 /// A way of drafting tokens for speculative decoding.
@@ -177,6 +177,17 @@ struct Args {
     /// needs ~60 µs per token per layer (AMX, docs/BENCHMARKS.md).
     #[arg(long, default_value_t = 256, value_name = "TOKENS")]
     moe_prefill_gpu_min_tokens: usize,
+    /// On the GPU: batches of at least this many tokens prefill layerwise (0: never): each MoE
+    /// layer's experts stream over PCIe into one half of two layer-sized sets of staging slots
+    /// while the layer before computes, and each layer's experts are split between the GPU and
+    /// the expert workers from the copy, GPU and CPU rates measured at start (logged).
+    #[arg(long, default_value_t = 1024, value_name = "TOKENS")]
+    moe_prefill_layerwise_min_tokens: usize,
+    /// While other sequences are generating, a prompt longer than this is fed this many tokens
+    /// per scheduler step (each step also runs the others' decode), so a long prompt delays
+    /// them by one chunk's forward at a time, not its whole prefill (0: whole prompts).
+    #[arg(long, default_value_t = ninfer_engine::service::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS, value_name = "TOKENS")]
+    prefill_chunk_tokens: usize,
     /// File holding the shared secret every caller must send (`authorization: Bearer SECRET`);
     /// also `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`. Needed when `--listen` is
     /// TCP and other users can reach it; a `unix:PATH` socket is owner-only without it.
@@ -340,6 +351,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     let limits = SchedulerLimits {
         max_context,
         max_sequences: args.max_sequences.max(1),
+        prefill_chunk_tokens: args.prefill_chunk_tokens,
     };
     let scheduler_counters = Arc::new(SchedulerCounters::default());
     let exit_counters = Arc::clone(&scheduler_counters);
@@ -360,6 +372,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         limits,
         speculation,
         prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
+        layerwise_min_tokens: args.moe_prefill_layerwise_min_tokens,
         host_kv_bytes,
         cache_fills_per_layer: if args.moe_static_experts {
             0
@@ -386,9 +399,11 @@ fn run(args: Args) -> anyhow::Result<()> {
                 counting,
                 &GpuExpertsRequest {
                     prefill_staging_min_tokens: 0,
+                    layerwise_min_tokens: 0,
                     ..gpu_experts
                 },
                 || None,
+                &*readiness,
                 &scheduler_counters,
             )?;
             (started, ("cpu", None))
@@ -412,6 +427,7 @@ fn run(args: Args) -> anyhow::Result<()> {
                 counting,
                 &gpu_experts,
                 move || memory.memory_info().ok(),
+                &*readiness,
                 &scheduler_counters,
             )?;
             (started, ("cuda", Some(probe)))
@@ -444,6 +460,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             expert_executor,
             device_bandwidth,
             expert_cache: started.expert_cache.clone(),
+            prefill_throughputs: started.prefill_throughputs,
         },
         sequence_permits: Arc::new(tokio::sync::Semaphore::new(limits.max_sequences)),
     };
@@ -599,6 +616,8 @@ struct GpuExpertsRequest {
     speculation: SpeculativeDecoding,
     /// `--moe-prefill-gpu-min-tokens` (0: off; always off on the CPU backend).
     prefill_staging_min_tokens: usize,
+    /// `--moe-prefill-layerwise-min-tokens` (0: off; always off on the CPU backend).
+    layerwise_min_tokens: usize,
     /// `--host-kv-mib`: KV caches that may live in host memory instead.
     host_kv_bytes: u64,
     /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
@@ -612,6 +631,7 @@ struct StartedScheduler {
     expert_stride_bytes: u64,
     gpu_experts_per_layer: u32,
     expert_cache: Option<Arc<ExpertCacheCounters>>,
+    prefill_throughputs: Option<ninfer_engine::PrefillThroughputs>,
 }
 
 /// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
@@ -622,6 +642,7 @@ fn start_scheduler<B: Backend>(
     experts: Arc<dyn ExpertExecutor>,
     request: &GpuExpertsRequest,
     device_memory: impl Fn() -> Option<(usize, usize)>,
+    readiness: &dyn Readiness,
     counters: &Arc<SchedulerCounters>,
 ) -> anyhow::Result<StartedScheduler> {
     let mut model = Model::load_offloading_dense_mlps(
@@ -636,13 +657,22 @@ fn start_scheduler<B: Backend>(
             "dense MLPs of these layers computed by the expert executor"
         );
     }
-    if request.prefill_staging_min_tokens > 0 {
+    let layerwise_min_tokens = if model.spec().has_moe_layers() {
+        request.layerwise_min_tokens
+    } else {
+        0
+    };
+    if request.prefill_staging_min_tokens > 0 || layerwise_min_tokens > 0 {
         // Before the expert slots, so their budget sees this memory as used.
         let bytes = model
-            .enable_prefill_staging(request.prefill_staging_min_tokens)
+            .enable_prefill_staging_with(PrefillStagingOptions {
+                staged_min_tokens: request.prefill_staging_min_tokens,
+                layerwise_min_tokens,
+            })
             .context("allocating the prefill staging slots")?;
         tracing::info!(
             min_tokens = request.prefill_staging_min_tokens,
+            layerwise_min_tokens,
             mib = bytes >> 20,
             "prefill staging: big batches compute their routed experts on the GPU"
         );
@@ -692,6 +722,11 @@ fn start_scheduler<B: Backend>(
     } else {
         None
     };
+    let prefill_throughputs = if layerwise_min_tokens > 0 {
+        Some(measure_prefill_throughputs(&model, readiness)?)
+    } else {
+        None
+    };
     let profile = Arc::clone(model.profile());
     let stride = model.expert_slot_bytes().unwrap_or(0);
     if request.speculation.max_draft_tokens > 0 {
@@ -713,7 +748,68 @@ fn start_scheduler<B: Backend>(
         expert_stride_bytes: stride,
         gpu_experts_per_layer,
         expert_cache,
+        prefill_throughputs,
     })
+}
+
+/// Rows of the GPU's timed slotted-experts batch and of the executor's, at start: a prompt
+/// chunk's size on the GPU (its tensor-core tiles full), and a size at which the CPU kernels
+/// are past their per-expert weight reads.
+const MEASURED_GPU_TOKENS: usize = 4096;
+const MEASURED_EXECUTOR_TOKENS: usize = 512;
+/// How long start-up waits for the expert workers before measuring them.
+const EXECUTOR_READY_WAIT: Duration = Duration::from_secs(120);
+
+/// Measures what layerwise prefill chooses from (after the resident experts are placed, so
+/// the logged splits are those a prompt will get) and logs it with the split of a few prompt
+/// sizes.
+fn measure_prefill_throughputs<B: Backend>(
+    model: &Model<B>,
+    readiness: &dyn Readiness,
+) -> anyhow::Result<ninfer_engine::PrefillThroughputs> {
+    let waiting = std::time::Instant::now();
+    while let Some(reason) = readiness.not_ready_reason() {
+        if waiting.elapsed() > EXECUTOR_READY_WAIT {
+            tracing::warn!(%reason, "the expert executor is not ready: layerwise prefill leaves it nothing");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let executor_tokens = if readiness.not_ready_reason().is_none() {
+        MEASURED_EXECUTOR_TOKENS
+    } else {
+        0
+    };
+    let throughputs = model
+        .measure_prefill_throughputs(MEASURED_GPU_TOKENS, executor_tokens)
+        .context("measuring the layerwise prefill throughputs")?;
+    tracing::info!(
+        copy_gb_per_s = format!("{:.1}", throughputs.copy_bytes_per_second / 1e9),
+        gpu_expert_tflops = format!(
+            "{:.1}",
+            throughputs.backend_pairs_per_second * throughputs.flops_per_pair / 1e12
+        ),
+        cpu_expert_tflops = format!(
+            "{:.2}",
+            throughputs.executor_pairs_per_second * throughputs.flops_per_pair / 1e12
+        ),
+        "layerwise prefill: measured pinned host-to-device copy, GPU and CPU expert rates"
+    );
+    for tokens in [512, 4096, 16_384, 32_768] {
+        if let Some(summary) = model.layerwise_split_summary(tokens) {
+            tracing::info!(
+                tokens,
+                layerwise_gpu_layers = summary.layerwise_gpu_layers,
+                mixed_layers = summary.mixed_layers,
+                cpu_layers = summary.cpu_layers,
+                estimated_expert_ms = format!("{:.1}", summary.seconds * 1e3),
+                streamed_gib =
+                    format!("{:.2}", summary.streamed_bytes as f64 / (1u64 << 30) as f64),
+                "layerwise prefill: split of a batch"
+            );
+        }
+    }
+    Ok(throughputs)
 }
 
 /// Puts `--moe-gpu-experts` experts per MoE layer in GPU slots, within the memory left after

@@ -49,9 +49,13 @@ pub struct PhaseTotals {
     pub cpu_expert_bytes: u64,
     /// `resident_experts` × bank stride: expert bytes read from the backend's memory.
     pub resident_expert_bytes: u64,
+    /// Experts copied into the staging slots by layerwise prefill, summed over layer calls,
+    /// and their bytes (what crossed the host-to-device link for them).
+    pub streamed_experts: u64,
+    pub streamed_expert_bytes: u64,
 }
 
-const FIELDS: usize = 11;
+const FIELDS: usize = 13;
 
 impl PhaseTotals {
     fn to_array(self) -> [u64; FIELDS] {
@@ -67,11 +71,13 @@ impl PhaseTotals {
             self.resident_experts,
             self.cpu_expert_bytes,
             self.resident_expert_bytes,
+            self.streamed_experts,
+            self.streamed_expert_bytes,
         ]
     }
 
     fn from_array(values: [u64; FIELDS]) -> Self {
-        let [forwards, tokens, forward_nanos, expert_wait_nanos, expert_compute_nanos, transfer_nanos, moe_layer_calls, cpu_experts, resident_experts, cpu_expert_bytes, resident_expert_bytes] =
+        let [forwards, tokens, forward_nanos, expert_wait_nanos, expert_compute_nanos, transfer_nanos, moe_layer_calls, cpu_experts, resident_experts, cpu_expert_bytes, resident_expert_bytes, streamed_experts, streamed_expert_bytes] =
             values;
         PhaseTotals {
             forwards,
@@ -85,6 +91,8 @@ impl PhaseTotals {
             resident_experts,
             cpu_expert_bytes,
             resident_expert_bytes,
+            streamed_experts,
+            streamed_expert_bytes,
         }
     }
 }

@@ -11,6 +11,10 @@
 //!   rows (none a multiple of the 64-row tile), a second prefill continuing each sequence, and a
 //!   sliding window.
 //!
+//! * layerwise prefill (experts streamed into the double-buffered staging slots, all on the
+//!   GPU or split with the executor) against the staged route, on the golden fixtures with int8
+//!   and int4 experts: the logits of every position.
+//!
 //! Both are held to 2e-2 of the largest output (bf16 rounding of activations, softmax weights
 //! and dequantized weights; each test prints its figure). `tensor_core_prefill_figures`
 //! (ignored: a figure, not a check) times both against the kernels they replace at
@@ -32,7 +36,10 @@ use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
     max_abs_difference, tiny_config, write_model, TinyArchitecture, TinyModelOptions,
 };
-use ninfer_engine::{open_artifact, Backend, ExpertBatch, ExpertExecutor, ReferenceExpertExecutor};
+use ninfer_engine::{
+    open_artifact, Backend, ExpertBatch, ExpertExecutor, Model, PrefillStagingOptions,
+    PrefillThroughputs, ReferenceExpertExecutor,
+};
 
 /// The largest difference from the reference, relative to its largest value, the tensor-core
 /// kernels may show.
@@ -476,4 +483,70 @@ fn tensor_core_prefill_figures() {
         "prefill attention: tensor cores {:.1}× the tiled kernel",
         figures[0] / figures[1]
     );
+}
+
+/// Layerwise prefill on the tensor cores gives the staged route's logits within the
+/// tensor-core tolerance, every layer streamed or split half and half with the executor.
+#[test]
+fn tensor_core_layerwise_prefill_matches_the_staged_path() {
+    let Some(gpu) = gpu("tensor_core_layerwise_prefill_matches_the_staged_path") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    for name in ninfer_engine::testing::MOE_GOLDEN_FIXTURES {
+        let fixture = ninfer_engine::testing::golden_fixture_dir(name);
+        let text = std::fs::read_to_string(fixture.join("reference.json")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let tokens: Vec<u32> = ninfer_engine::testing::json_numbers(&json["nll_token_ids"])
+            .into_iter()
+            .map(|x| x as u32)
+            .collect();
+        for dtype in [DType::Int8, DType::Int4] {
+            let path = work.path().join(format!("{name}-{dtype}.ninfer"));
+            let options = ninfer_convert::ConvertOptions {
+                experts_dtype: dtype,
+                dense_dtype: DType::Bf16,
+                ..ninfer_convert::ConvertOptions::new(&fixture, &path)
+            };
+            ninfer_convert::convert_checkpoint(&options, &ninfer_convert::NoProgress).unwrap();
+            let logits = |model: &Model<CudaBackend>| -> Vec<f32> {
+                ninfer_engine::testing::teacher_forced_logits(model, &tokens)
+                    .unwrap()
+                    .concat()
+            };
+            let mut staged = Model::open(Arc::clone(&gpu), &path).unwrap();
+            staged.enable_prefill_staging(2).unwrap();
+            let expected = logits(&staged);
+            drop(staged);
+            let mut model = Model::open(Arc::clone(&gpu), &path).unwrap();
+            model
+                .enable_prefill_staging_with(PrefillStagingOptions {
+                    staged_min_tokens: 0,
+                    layerwise_min_tokens: 2,
+                })
+                .unwrap();
+            for (split, executor_pairs_per_second) in [("gpu", 0.0), ("mixed", 1e3)] {
+                model
+                    .set_prefill_throughputs(PrefillThroughputs {
+                        copy_bytes_per_second: 1e15,
+                        backend_pairs_per_second: 1e3,
+                        executor_pairs_per_second,
+                        flops_per_pair: 1.0,
+                    })
+                    .unwrap();
+                model.profile().snapshot(true);
+                let got = logits(&model);
+                let streamed = model.profile().snapshot(true).prefill.streamed_experts;
+                let difference = relative_difference(&got, &expected);
+                println!(
+                    "{name} {dtype} experts: layerwise ({split}) vs staged on the tensor cores: {difference:.2e} of the largest logit, {streamed} experts streamed"
+                );
+                assert!(streamed > 0, "{name} {split}: nothing was streamed");
+                assert!(
+                    difference <= TENSOR_CORE_TOLERANCE,
+                    "{name} {dtype} {split}: {difference}"
+                );
+            }
+        }
+    }
 }

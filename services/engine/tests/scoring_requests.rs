@@ -123,6 +123,7 @@ where
     let limits = SchedulerLimits {
         max_context: MAX_CONTEXT,
         max_sequences,
+        prefill_chunk_tokens: ninfer_engine::service::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS,
     };
     scheduler::start(
         Arc::clone(model),

@@ -118,6 +118,7 @@ where
     let limits = SchedulerLimits {
         max_context: 1024,
         max_sequences: 32,
+        prefill_chunk_tokens: ninfer_engine::service::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS,
     };
     let commands = scheduler::start_speculative(
         Arc::clone(model),

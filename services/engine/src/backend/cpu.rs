@@ -134,8 +134,17 @@ pub struct CpuExpertSlots {
     /// Background fills: a thread copies the expert's bytes (the CPU's stand-in for a DMA), the
     /// slot takes them at [`ExpertSlotFills::complete_fills`].
     fills_in_flight: Vec<CpuSlotFill>,
+    /// Batch fills (layerwise prefill), oldest first: one thread copies the whole batch.
+    batch_fills: std::collections::VecDeque<CpuBatchFill>,
     /// [`CpuBackend::with_expert_fill_delay`].
     fill_delay: Duration,
+}
+
+/// One batch fill of consecutive CPU expert slots: the experts' bytes back to back.
+struct CpuBatchFill {
+    first_slot: usize,
+    experts: Vec<usize>,
+    copy: JoinHandle<Vec<u8>>,
 }
 
 /// One background fill of a CPU expert slot.
@@ -186,6 +195,9 @@ impl ExpertSlotFills for CpuExpertSlots {
     }
 
     fn complete_fills(&mut self) -> Result<(), EngineError> {
+        while !self.batch_fills.is_empty() {
+            self.complete_batch_fill()?;
+        }
         let stride = self.layout.stride;
         for fill in std::mem::take(&mut self.fills_in_flight) {
             let bytes = fill.copy.join().map_err(|_| EngineError::InvalidConfig {
@@ -201,6 +213,86 @@ impl ExpertSlotFills for CpuExpertSlots {
 
     fn fills_in_flight(&self) -> usize {
         self.fills_in_flight.len()
+            + self
+                .batch_fills
+                .iter()
+                .map(|fill| fill.experts.len())
+                .sum::<usize>()
+    }
+
+    fn start_batch_fill(
+        &mut self,
+        first_slot: usize,
+        experts: &[usize],
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        // Every source range, checked before anything changes.
+        let mut ranges = Vec::with_capacity(experts.len());
+        for (offset, &expert) in experts.iter().enumerate() {
+            let source = expert_bytes(artifact, bank, expert, &self.layout)?;
+            self.table
+                .check(first_slot + offset, expert)
+                .map_err(slot_out_of_range)?;
+            let start = source.as_ptr() as usize - artifact.bytes().as_ptr() as usize;
+            ranges.push(start..start + source.len());
+        }
+        for slot in first_slot..first_slot + experts.len() {
+            self.table.clear(slot);
+        }
+        let (artifact, delay) = (Arc::clone(artifact), self.fill_delay);
+        // The CPU's stand-in for the copy stream: the copy runs beside the forward.
+        let copy = std::thread::Builder::new()
+            .name("expert-batch-fill".into())
+            .spawn(move || {
+                if !delay.is_zero() {
+                    std::thread::sleep(delay);
+                }
+                let bytes = artifact.bytes();
+                let mut copied = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum());
+                for range in ranges {
+                    copied.extend_from_slice(&bytes[range]);
+                }
+                copied
+            })
+            .map_err(|error| EngineError::InvalidConfig {
+                problem: format!("starting an expert batch fill: {error}"),
+            })?;
+        self.batch_fills.push_back(CpuBatchFill {
+            first_slot,
+            experts: experts.to_vec(),
+            copy,
+        });
+        Ok(())
+    }
+
+    fn complete_batch_fill(&mut self) -> Result<(), EngineError> {
+        let Some(fill) = self.batch_fills.pop_front() else {
+            return Err(EngineError::InvalidConfig {
+                problem: "no expert batch fill to complete".into(),
+            });
+        };
+        let bytes = fill.copy.join().map_err(|_| EngineError::InvalidConfig {
+            problem: format!("the batch fill into slot {} panicked", fill.first_slot),
+        })?;
+        let stride = self.layout.stride;
+        let start = fill.first_slot * stride;
+        let target = self
+            .storage
+            .get_mut(start..start + bytes.len())
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: format!(
+                    "a batch fill from slot {} overruns the slots",
+                    fill.first_slot
+                ),
+            })?;
+        target.copy_from_slice(&bytes);
+        for (offset, &expert) in fill.experts.iter().enumerate() {
+            self.table
+                .assign(fill.first_slot + offset, expert)
+                .map_err(slot_out_of_range)?;
+        }
+        Ok(())
     }
 }
 
@@ -1178,6 +1270,7 @@ impl Backend for CpuBackend {
             storage: vec![0; bytes],
             table: ExpertSlotTable::new(num_experts, slots),
             fills_in_flight: Vec::new(),
+            batch_fills: Default::default(),
             fill_delay: self.expert_fill_delay,
         })
     }

@@ -158,8 +158,28 @@ pub trait ExpertSlotFills {
     /// (on a GPU the compute stream waits for the copy's event; the host does not).
     fn complete_fills(&mut self) -> Result<(), EngineError>;
 
-    /// Fills started and not yet completed.
+    /// Fills started and not yet completed (batch fills count one per expert).
     fn fills_in_flight(&self) -> usize;
+
+    /// Starts copying `experts` of `bank` into the slots `first_slot..first_slot +
+    /// experts.len()` as one batch (layerwise prefill: a whole layer's experts into one half
+    /// of the double-buffered staging slots), without waiting for it. The slots leave the host
+    /// table now; the caller computes nothing with them until the batch's
+    /// [`ExpertSlotFills::complete_batch_fill`], whose table update reaches the device in
+    /// order. On a GPU the copies run on the slots' copy stream after the work queued so far
+    /// (which may read those slots), behind one event, so the compute stream keeps going.
+    fn start_batch_fill(
+        &mut self,
+        first_slot: usize,
+        experts: &[usize],
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError>;
+
+    /// Enters the oldest started batch fill's experts in the table (batches complete in the
+    /// order they started). Waits only for that batch's copies (on a GPU the compute stream
+    /// waits for its event, the host does not); the batches behind it keep copying.
+    fn complete_batch_fill(&mut self) -> Result<(), EngineError>;
 }
 
 #[cfg(test)]

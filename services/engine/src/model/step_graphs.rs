@@ -218,7 +218,7 @@ impl<B: Backend> Model<B> {
             }
             StepGraphRun::RunOps => {
                 let mut scratch =
-                    LayerScratch::new(self.moe_context_with(handoff.map(|h| h.handoff)));
+                    LayerScratch::new(self.moe_context_with(handoff.map(|h| h.handoff), None));
                 let result = self.run_layers(
                     batch,
                     &plan,

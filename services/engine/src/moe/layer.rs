@@ -15,10 +15,11 @@ use std::time::Instant;
 use ninfer_artifact::{Artifact, CommonConfig, ExpertBank, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 
-use crate::backend::{Backend, ExpertSlotTable, Routing, WithExpertSlotTable};
+use crate::backend::{Backend, ExpertSlotFills, ExpertSlotTable, Routing, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 use crate::moe::expert_cache::ExpertCache;
+use crate::moe::layerwise::{LayerwiseStream, PrefillThroughputs};
 use crate::profile::{distinct_experts, nanos, ForwardProfile, PhaseTotals};
 
 /// The shared expert of a MoE layer (qwen3_next, qwen3_5_moe), gated per token.
@@ -40,10 +41,23 @@ pub(crate) struct MoeLayer<B: Backend> {
 }
 
 /// One layer-sized set of backend slots that batches of at least `min_tokens` rows copy their
-/// non-resident experts into (a long prompt's prefill), reused layer after layer.
+/// non-resident experts into (a long prompt's prefill), reused layer after layer; with
+/// layerwise prefill two such sets (the halves of `slots`), streamed into alternately.
 pub(crate) struct PrefillStaging<B: Backend> {
+    /// Staged route from this many rows (`usize::MAX`: only layerwise).
     pub min_tokens: usize,
+    /// `num_experts` slots, or twice that with `layerwise` (the staged route uses the first
+    /// half, slot = expert).
     pub slots: Mutex<B::ExpertSlots>,
+    pub layerwise: Option<LayerwiseSettings>,
+}
+
+/// When and how a forward streams its layers' experts.
+pub(crate) struct LayerwiseSettings {
+    /// Batches of at least this many rows stream.
+    pub min_tokens: usize,
+    /// What the split of each layer is chosen from (measured at start, or given by a test).
+    pub throughputs: RwLock<PrefillThroughputs>,
 }
 
 /// A MoE layer's routing left on the backend because nothing waits for it mid-forward
@@ -68,6 +82,8 @@ pub(crate) struct MoeContext<'a, B: Backend> {
     /// workers are ready and the batch is small enough): the executor's experts of a layer are
     /// then posted and collected by the backend, with no host step in between.
     pub worker_handoff: Option<&'a B::WorkerHandoff>,
+    /// This forward's layerwise streaming, when the batch is big enough.
+    pub layerwise: Option<&'a LayerwiseStream<'a, B>>,
 }
 
 /// Where a layer call's routed experts are computed.
@@ -87,17 +103,28 @@ pub(crate) enum Route<'a, B: Backend> {
     /// backend itself ([`Backend::post_to_workers`]); the routing is counted at the forward's
     /// end, as for [`Route::Resident`], so this layer does not wait either.
     BackendHandoff(&'a B::WorkerHandoff),
+    /// The forward streams this layer: the experts its plan streams were copied into a half of
+    /// the staging slots while the layers before computed and are computed there; the
+    /// executor computes the other non-resident ones at the same time.
+    Layerwise(&'a LayerwiseStream<'a, B>),
 }
 
 impl<'a, B: Backend> Route<'a, B> {
-    /// Staging first (a big batch), then all-resident, then the backend's own hand-off, else
-    /// the executor through the host.
+    /// Layerwise streaming first (the forward planned this layer), then staging (a big batch),
+    /// then all-resident, then the backend's own hand-off, else the executor through the host.
     fn choose(
+        context: &MoeContext<'a, B>,
+        index: usize,
         resident: Option<&B::ExpertSlots>,
-        staging: Option<&'a PrefillStaging<B>>,
-        worker_handoff: Option<&'a B::WorkerHandoff>,
         rows: usize,
     ) -> Self {
+        let (staging, worker_handoff) = (context.staging, context.worker_handoff);
+        if let Some(stream) = context
+            .layerwise
+            .filter(|stream| stream.plan(index).is_some())
+        {
+            return Route::Layerwise(stream);
+        }
         if let Some(staging) = staging.filter(|staging| rows >= staging.min_tokens) {
             return Route::Staged(&staging.slots);
         }
@@ -134,6 +161,16 @@ impl<B: Backend> MoeLayer<B> {
         })
     }
 
+    /// The layer's routed experts not in its resident slots now, ascending.
+    pub fn non_resident_experts(&self) -> Result<Vec<usize>, EngineError> {
+        let resident = self.resident_slots()?;
+        let table = resident.as_ref().map(WithExpertSlotTable::slot_table);
+        let num_experts = usize::try_from(self.bank.num_experts).unwrap_or(usize::MAX);
+        Ok((0..num_experts)
+            .filter(|&expert| !table.is_some_and(|table| table.is_resident(expert)))
+            .collect())
+    }
+
     /// How many of the layer's routed experts are in its resident slots now (a poisoned lock
     /// says none).
     pub fn resident_expert_count(&self) -> usize {
@@ -162,13 +199,20 @@ impl<B: Backend> MoeLayer<B> {
         let resident_table = resident.map(WithExpertSlotTable::slot_table);
         let logits = backend.matmul(x, &self.router)?;
         let rows = backend.shape(x).0;
-        let route = Route::choose(resident, context.staging, context.worker_handoff, rows);
+        let route = Route::choose(context, index, resident, rows);
+        let executor_reads_hidden = match &route {
+            Route::Executor => true,
+            Route::Layerwise(stream) => stream
+                .plan(index)
+                .is_some_and(|plan| plan.executor_experts > 0),
+            _ => false,
+        };
         let pending = backend.start_routing(
             &logits,
             context.common.num_experts_per_tok,
             context.normalize_routing,
             x,
-            matches!(route, Route::Executor),
+            executor_reads_hidden,
         )?;
         // The workers start as soon as the routing is known: posted before the backend queues
         // its own experts.
@@ -242,6 +286,21 @@ impl<B: Backend> MoeLayer<B> {
                         )?,
                     },
                 }
+            }
+            Route::Layerwise(stream) => {
+                let (routing, hidden) = backend.finish_routing(pending)?;
+                self.account_routing(context, index, &routing, resident_table, tally);
+                self.layerwise_experts(
+                    context,
+                    stream,
+                    index,
+                    x,
+                    &hidden,
+                    &routing,
+                    resident_table,
+                    resident_sum,
+                    tally,
+                )?
             }
             Route::Executor => {
                 let (routing, hidden) = backend.finish_routing(pending)?;
@@ -339,6 +398,11 @@ impl<B: Backend> MoeLayer<B> {
         let mut slots = staging.lock().map_err(|_| EngineError::InvalidConfig {
             problem: "the prefill staging slots' lock is poisoned".into(),
         })?;
+        // A layerwise forward that failed may have left copies in flight into these slots:
+        // they land (and enter the table) before this batch's own copies.
+        if slots.fills_in_flight() > 0 {
+            slots.complete_fills()?;
+        }
         for (expert, _) in wanted.iter().enumerate().filter(|(_, &wanted)| wanted) {
             context.backend.fill_expert_slot(
                 &mut slots,
@@ -354,6 +418,76 @@ impl<B: Backend> MoeLayer<B> {
             weights: routing.weights.clone(),
         };
         Ok(Some(context.backend.slotted_experts(&slots, x, &masked)?))
+    }
+
+    /// A streamed layer's routed experts: the streamed ones on the backend (queued first), the
+    /// rest of the non-resident ones on the executor meanwhile, plus the resident sum.
+    #[allow(clippy::too_many_arguments)]
+    fn layerwise_experts(
+        &self,
+        context: &MoeContext<'_, B>,
+        stream: &LayerwiseStream<'_, B>,
+        index: usize,
+        x: &B::Tensor,
+        hidden: &[f32],
+        routing: &Routing,
+        resident_table: Option<&ExpertSlotTable>,
+        resident_sum: Option<B::Tensor>,
+        tally: &mut PhaseTotals,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = context.backend;
+        let (streamed, executor_experts) = stream
+            .plan(index)
+            .map(|plan| (plan.streamed.clone(), plan.executor_experts))
+            .unwrap_or_default();
+        tally.streamed_experts += streamed.len() as u64;
+        tally.streamed_expert_bytes += streamed.len() as u64 * self.bank.expert_stride;
+        let streamed_sum = stream.compute(backend, index, x, routing)?;
+        let mut on_backend = match (resident_sum, streamed_sum) {
+            (Some(mut resident), Some(streamed)) => {
+                backend.add_assign(&mut resident, &streamed)?;
+                Some(resident)
+            }
+            (resident, streamed) => resident.or(streamed),
+        };
+        if executor_experts > 0 {
+            let mut is_streamed = vec![false; context.common.num_experts];
+            for expert in streamed {
+                if let Some(flag) = is_streamed.get_mut(expert) {
+                    *flag = true;
+                }
+            }
+            let expert_ids: Vec<u32> = executor_expert_ids(resident_table, &routing.expert_ids)
+                .iter()
+                .map(|&id| {
+                    if is_streamed.get(id as usize).copied().unwrap_or(false) {
+                        NO_EXPERT
+                    } else {
+                        id
+                    }
+                })
+                .collect();
+            if expert_ids.iter().any(|&id| id != NO_EXPERT) {
+                return self.executor_part(
+                    context,
+                    index,
+                    x,
+                    hidden,
+                    &expert_ids,
+                    routing,
+                    on_backend.take(),
+                    tally,
+                );
+            }
+        }
+        match on_backend {
+            Some(sum) => Ok(sum),
+            None => {
+                // No pair of the batch chose an expert computed anywhere: zeros.
+                let (rows, cols) = backend.shape(x);
+                backend.upload(&vec![0.0; rows * cols], rows, cols)
+            }
+        }
     }
 
     /// The executor's part uploaded to the backend, plus the resident experts' sum if any.

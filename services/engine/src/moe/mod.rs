@@ -5,6 +5,8 @@
 //! * [`layer`] — `MoeLayer::forward`: the router, the split of the routed experts over a
 //!   `Route` (resident in the backend's slots / staged for a big prefill batch /
 //!   the expert executor), the shared expert, and the routing's statistics and profile counts.
+//! * [`layerwise`] — layerwise prefill: the measured throughputs, how many of a layer's
+//!   experts a big batch streams, and the double-buffered stream of one forward.
 //! * [`executor`] — the `ExpertExecutor` interface the CPU side of the split goes through.
 //! * [`reference_executor`] — the f32 reference executor (tests hold the others equal to it).
 //! * [`kernel_executor`] — the SIMD kernels of `ninfer-cpu-experts` in this process.
@@ -24,6 +26,7 @@ pub mod executor;
 pub mod expert_cache;
 pub mod kernel_executor;
 pub mod layer;
+pub mod layerwise;
 pub mod placement;
 pub mod reference_executor;
 pub mod worker_executor;

@@ -96,6 +96,8 @@ pub struct Profiling {
     pub expert_executor: String,
     /// `None` on the CPU device.
     pub device_bandwidth: Option<DeviceBandwidthProbe>,
+    /// What layerwise prefill measured at start (`None`: it is off).
+    pub prefill_throughputs: Option<crate::PrefillThroughputs>,
     /// The dynamic expert cache's counters, when some experts are in slots.
     pub expert_cache: Option<Arc<ExpertCacheCounters>>,
 }
@@ -113,6 +115,8 @@ fn phase_message(totals: &PhaseTotals) -> PhaseProfile {
         resident_experts: totals.resident_experts,
         cpu_expert_bytes: totals.cpu_expert_bytes,
         resident_expert_bytes: totals.resident_expert_bytes,
+        streamed_experts: totals.streamed_experts,
+        streamed_expert_bytes: totals.streamed_expert_bytes,
     }
 }
 
@@ -560,6 +564,7 @@ impl Engine for EngineService {
             }
         }
         let snapshot = profiling.counters.snapshot(request.reset);
+        let throughputs = profiling.prefill_throughputs;
         Ok(Response::new(EngineProfile {
             device: profiling.device.clone(),
             prefill: Some(phase_message(&snapshot.prefill)),
@@ -571,6 +576,11 @@ impl Engine for EngineService {
             device_copy_bytes_per_second: bandwidth,
             device_bandwidth_error: bandwidth_error,
             gpu_experts_per_layer: profiling.gpu_experts_per_layer,
+            prefill_copy_bytes_per_second: throughputs.map_or(0.0, |t| t.copy_bytes_per_second),
+            prefill_gpu_pairs_per_second: throughputs.map_or(0.0, |t| t.backend_pairs_per_second),
+            prefill_executor_pairs_per_second: throughputs
+                .map_or(0.0, |t| t.executor_pairs_per_second),
+            expert_flops_per_pair: throughputs.map_or(0.0, |t| t.flops_per_pair),
         }))
     }
 }

@@ -228,12 +228,21 @@ pub struct SpeculativeDecoding {
 /// to it anyway (bounds the host memory they take).
 const PAIRS_HELD_WITHOUT_DRAFTS: usize = 64;
 
-/// Limits of admission.
+/// Limits of admission, and the bound on a long prompt's work per step.
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerLimits {
     pub max_context: usize,
     pub max_sequences: usize,
+    /// While other sequences are running, at most this many prompt tokens go through the model
+    /// per scheduler step: a longer prompt is fed in chunks of this size, one chunk per step,
+    /// each step also running the other sequences' decode. 0: prompts go whole.
+    pub prefill_chunk_tokens: usize,
 }
+
+/// [`SchedulerLimits::prefill_chunk_tokens`] by default: a chunk's forward is a fraction of a
+/// second at prefill speed on a GPU, and big enough that layerwise prefill's per-forward copy
+/// of every layer's experts is spread over many tokens.
+pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 4096;
 
 struct Running<B: Backend> {
     request: GenerationRequest,
@@ -374,9 +383,98 @@ fn run<B: Backend>(
                 scoring.pop_front();
             }
         }
-        if running.is_empty() {
+        // Prompts past this step's budget of prompt tokens sit out the step (after a chunk,
+        // if some budget is left), so the others' decode steps keep coming.
+        let held = feed_prompt_chunks(model, &mut running, limits.prefill_chunk_tokens);
+        if !running.is_empty() {
+            generation_step(model, &mut running, speculation, counters);
+        }
+        running.extend(held);
+        let kv_used: u64 = running
+            .iter()
+            .map(|r| r.state.position() as u64)
+            .sum::<u64>()
+            + scoring.iter().map(|s| s.position() as u64).sum::<u64>();
+        counters.kv_used_tokens.store(kv_used, Ordering::Relaxed);
+        counters
+            .running
+            .store(running.len() + scoring.len(), Ordering::Relaxed);
+    }
+}
+
+/// Feeds the prompts that do not fit this step's budget of `chunk_tokens` prompt tokens one
+/// chunk (while budget lasts, first come first served) and takes them out of `running` for
+/// this step: a prompt that fits joins the step whole, as do decode rows. Nothing is held
+/// while a sequence runs alone (its prompt goes whole) or with `chunk_tokens` 0. A prompt's
+/// last token always joins a step, which samples its first token.
+fn feed_prompt_chunks<B: Backend>(
+    model: &Model<B>,
+    running: &mut Vec<Running<B>>,
+    chunk_tokens: usize,
+) -> Vec<Running<B>> {
+    let mut held = Vec::new();
+    if chunk_tokens == 0 || running.len() < 2 {
+        return held;
+    }
+    let mut budget = chunk_tokens;
+    let mut index = 0;
+    while index < running.len() {
+        let prompt_left = match &running[index] {
+            r if r.generated == 0 => r.pending.len(),
+            _ => 0,
+        };
+        if prompt_left <= 1 || prompt_left <= budget {
+            budget -= prompt_left.min(budget);
+            index += 1;
             continue;
         }
+        let mut r = running.remove(index);
+        if budget > 0 {
+            let take = budget.min(prompt_left - 1);
+            budget -= take;
+            if let Err(error) = feed_prompt_chunk(model, &mut r, take) {
+                tracing::error!(request_id = %r.request.request_id, "a prompt chunk failed: {error}");
+                fail(&r, &error);
+                continue;
+            }
+        }
+        held.push(r);
+    }
+    held
+}
+
+/// The first `take` tokens of a prompt through the model in a forward of their own (no
+/// token is sampled); a speculating sequence keeps their rows for its MTP head, each paired
+/// with the prompt token after it, as a whole prompt's step would.
+fn feed_prompt_chunk<B: Backend>(
+    model: &Model<B>,
+    r: &mut Running<B>,
+    take: usize,
+) -> Result<(), EngineError> {
+    let chunk = r.pending.get(..take).unwrap_or_default().to_vec();
+    let mut batch = [SequenceInput {
+        state: &mut r.state,
+        tokens: &chunk,
+    }];
+    let hidden = model.forward_hidden(&mut batch, None)?;
+    if let Some(s) = r.speculating.as_mut() {
+        s.pair_hidden.extend(model.backend().download(&hidden)?);
+        s.pair_tokens
+            .extend_from_slice(r.pending.get(1..=take).unwrap_or_default());
+    }
+    r.pending.drain(..take.min(r.pending.len()));
+    Ok(())
+}
+
+/// One generation step of `running` (not empty): drafts, grammar masks, the forward, the
+/// sampled tokens; sequences that end leave `running`.
+fn generation_step<B: Backend>(
+    model: &Model<B>,
+    running: &mut Vec<Running<B>>,
+    speculation: SpeculativeDecoding,
+    counters: &SchedulerCounters,
+) {
+    {
         // Speculating sequences draft with the MTP head first: the drafts join their input.
         if speculation.max_draft_tokens > 0 {
             let mut failed = Vec::new();
@@ -391,7 +489,7 @@ fn run<B: Backend>(
                 running.swap_remove(index);
             }
             if running.is_empty() {
-                continue;
+                return;
             }
         }
         // What each guided sequence may sample this step (a grammar mask, a forced token).
@@ -415,33 +513,24 @@ fn run<B: Backend>(
             allowed.swap_remove(index);
         }
         if running.is_empty() {
-            continue;
+            return;
         }
         let mut finished = Vec::new();
         let stepped = if speculation.max_draft_tokens == 0 {
-            plain_step(model, &mut running, &allowed, counters, &mut finished)
+            plain_step(model, running, &allowed, counters, &mut finished)
         } else {
-            speculative_step(model, &mut running, &allowed, counters, &mut finished)
+            speculative_step(model, running, &allowed, counters, &mut finished)
         };
         if let Err(error) = stepped {
             tracing::error!("forward pass failed: {error}");
-            fail_all(&mut running, &error);
-            continue;
+            fail_all(running, &error);
+            return;
         }
-        let kv_used: u64 = running
-            .iter()
-            .map(|r| r.state.position() as u64)
-            .sum::<u64>()
-            + scoring.iter().map(|s| s.position() as u64).sum::<u64>();
-        counters.kv_used_tokens.store(kv_used, Ordering::Relaxed);
         finished.sort_unstable();
         finished.dedup();
         for index in finished.into_iter().rev() {
             running.swap_remove(index);
         }
-        counters
-            .running
-            .store(running.len() + scoring.len(), Ordering::Relaxed);
     }
 }
 
@@ -1375,6 +1464,7 @@ mod tests {
         let limits = SchedulerLimits {
             max_context: 256,
             max_sequences: 4,
+            prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
         };
         let commands = start(model, limits, Arc::new(SchedulerCounters::default())).unwrap();
         let (events, mut receiver) = async_mpsc::channel(4096);
@@ -1490,6 +1580,7 @@ mod tests {
         let limits = SchedulerLimits {
             max_context: 512,
             max_sequences: 4,
+            prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
         };
         let commands = start(model, limits, Arc::new(SchedulerCounters::default())).unwrap();
         let (events, mut receiver) = async_mpsc::channel(4096);
@@ -1687,5 +1778,110 @@ mod tests {
                 assert_eq!(candidate_logprobs(&candidates, outside, 1), None);
             }
         }
+    }
+
+    /// A greedy request on `events`.
+    fn greedy_request(
+        id: &str,
+        prompt: Vec<u32>,
+        max_new_tokens: usize,
+        events: async_mpsc::Sender<SchedulerResult>,
+    ) -> GenerationRequest {
+        GenerationRequest {
+            request_id: id.to_string(),
+            prompt,
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+            stop_token_ids: Vec::new(),
+            top_logprobs: 0,
+            sampleable_vocabulary: 0,
+            logit_bias: Vec::new(),
+            guide: None,
+            draft_tokens: None,
+            events,
+        }
+    }
+
+    /// A 48-token prompt arriving beside a generating stream, with chunks of 8 tokens: the
+    /// prompt goes through in chunks, one per step, and the stream gets a token at each of
+    /// those steps (at least 5 before the prompt's first token; fed whole, the prompt's first
+    /// token would come in the first step). The chunked prompt's greedy tokens are those of the
+    /// same prompt fed whole.
+    #[test]
+    fn a_long_prompt_goes_in_chunks_while_a_stream_keeps_decoding() {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("tiny.ninfer");
+        write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
+        let backend = Arc::new(crate::backend::cpu::CpuBackend::new());
+        let model = Arc::new(Model::open(backend, &path).unwrap());
+        let long_prompt: Vec<u32> = (0..48).map(|i| (i * 7 + 3) % 90 + 1).collect();
+        let run_with = |chunk_tokens: usize, with_stream: bool| {
+            let limits = SchedulerLimits {
+                max_context: 256,
+                max_sequences: 4,
+                prefill_chunk_tokens: chunk_tokens,
+            };
+            let (commands, receiver) = mpsc::channel();
+            // One channel for both requests: it holds their events in the order the scheduler
+            // sent them (told apart by their prompt lengths).
+            let (events, mut received) = async_mpsc::channel(4096);
+            // Both are queued before the scheduler starts, so both join its first step.
+            if with_stream {
+                commands
+                    .send(SchedulerCommand::Submit(greedy_request(
+                        "stream",
+                        vec![5, 6, 7, 8],
+                        16,
+                        events.clone(),
+                    )))
+                    .unwrap();
+            }
+            commands
+                .send(SchedulerCommand::Submit(greedy_request(
+                    "long",
+                    long_prompt.clone(),
+                    4,
+                    events,
+                )))
+                .unwrap();
+            let model = Arc::clone(&model);
+            let scheduler = std::thread::spawn(move || {
+                run(
+                    &model,
+                    limits,
+                    SpeculativeDecoding::default(),
+                    &SchedulerCounters::default(),
+                    &receiver,
+                )
+            });
+            let (mut stream_tokens_before, mut long_tokens) = (0, Vec::new());
+            while let Some(event) = received.blocking_recv() {
+                let event = event.unwrap_or_else(|e| panic!("{e}"));
+                let Some(token) = event.token else { continue };
+                if event.prompt_tokens as usize == long_prompt.len() {
+                    long_tokens.push(token.token_id);
+                } else if long_tokens.is_empty() {
+                    stream_tokens_before += 1;
+                }
+            }
+            drop(commands);
+            scheduler.join().unwrap();
+            (stream_tokens_before, long_tokens)
+        };
+        let (alone_before, alone_tokens) = run_with(8, false);
+        assert_eq!(alone_before, 0);
+        let (chunked_before, chunked_tokens) = run_with(8, true);
+        let (whole_before, whole_tokens) = run_with(0, true);
+        println!(
+            "stream tokens before the long prompt's first: chunked {chunked_before}, whole {whole_before}"
+        );
+        assert!(
+            chunked_before >= 5,
+            "the stream got {chunked_before} tokens while the prompt was chunked"
+        );
+        assert!(whole_before <= 1, "fed whole, the prompt waits for nothing");
+        assert_eq!(chunked_tokens, alone_tokens, "chunking changed the tokens");
+        assert_eq!(whole_tokens, alone_tokens);
+        assert_eq!(alone_tokens.len(), 4);
     }
 }

@@ -143,6 +143,9 @@ pub struct CudaExpertSlots {
     copy_stream: Option<Arc<CudaStream>>,
     /// Background fills started and not yet in the table: slot, expert, the copy's event.
     fills_in_flight: Vec<(usize, usize, CudaEvent)>,
+    /// Batch fills (layerwise prefill) started and not yet in the table, oldest first: first
+    /// slot, experts, the event after the batch's last copy.
+    batch_fills: std::collections::VecDeque<(usize, Vec<usize>, CudaEvent)>,
 }
 
 impl Drop for CudaExpertSlots {
@@ -196,6 +199,85 @@ impl CudaExpertSlots {
             .map_err(driver_error("updating the expert slot table"))
     }
 
+    /// The copy stream of background and batch fills, made at the first one.
+    fn fill_stream(&mut self) -> Result<Arc<CudaStream>, CudaError> {
+        if let Some(stream) = &self.copy_stream {
+            return Ok(Arc::clone(stream));
+        }
+        let stream = self
+            .stream
+            .context()
+            .new_stream()
+            .map_err(driver_error("creating the expert fill stream"))?;
+        self.copy_stream = Some(Arc::clone(&stream));
+        Ok(stream)
+    }
+
+    fn batch_fill(
+        &mut self,
+        first_slot: usize,
+        experts: &[usize],
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), CudaError> {
+        let invalid = |problem: String| CudaError::Invalid { problem };
+        let mut sources = Vec::with_capacity(experts.len());
+        for (offset, &expert) in experts.iter().enumerate() {
+            sources.push(
+                expert_bytes(artifact, bank, expert, &self.layout)
+                    .map_err(|error| invalid(error.to_string()))?,
+            );
+            self.slot_table
+                .check(first_slot + offset, expert)
+                .map_err(|error| invalid(error.to_string()))?;
+        }
+        let pinned = self.ready_source(artifact, bank)?;
+        let copy_stream = self.fill_stream()?;
+        // No table upload here: the caller computes nothing with these slots before the
+        // batch completes, and that upload, on the compute stream, carries this change too.
+        for slot in first_slot..first_slot + experts.len() {
+            self.slot_table.clear(slot);
+        }
+        // One ordering point for the whole batch: after every kernel queued so far (the
+        // previous layer that used these slots among them).
+        let queued = self
+            .stream
+            .record_event(None)
+            .map_err(driver_error("recording the batch fill's start"))?;
+        copy_stream
+            .wait(&queued)
+            .map_err(driver_error("ordering the batch fill"))?;
+        let stride = self.layout.stride;
+        for (offset, source) in sources.into_iter().enumerate() {
+            let slot = first_slot + offset;
+            let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
+            if pinned {
+                let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
+                // SAFETY: `source` is page-locked and lives in an artifact mapping the slots
+                // keep alive (`sources`) until they are dropped, after the copy stream is
+                // synchronized; the destination range is inside the slot buffer.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        pointer,
+                        source,
+                        copy_stream.cu_stream(),
+                    )
+                }
+                .map_err(driver_error("copying an expert into a staging slot"))?;
+            } else {
+                copy_stream
+                    .memcpy_htod(source, &mut destination)
+                    .map_err(driver_error("copying an expert into a staging slot"))?;
+            }
+        }
+        let landed = copy_stream
+            .record_event(None)
+            .map_err(driver_error("recording the batch fill's end"))?;
+        self.batch_fills
+            .push_back((first_slot, experts.to_vec(), landed));
+        Ok(())
+    }
+
     fn background_fill(
         &mut self,
         slot: usize,
@@ -214,18 +296,7 @@ impl CudaExpertSlots {
                 problem: error.to_string(),
             })?;
         let pinned = self.ready_source(artifact, bank)?;
-        let copy_stream = match &self.copy_stream {
-            Some(stream) => Arc::clone(stream),
-            None => {
-                let stream = self
-                    .stream
-                    .context()
-                    .new_stream()
-                    .map_err(driver_error("creating the expert fill stream"))?;
-                self.copy_stream = Some(Arc::clone(&stream));
-                stream
-            }
-        };
+        let copy_stream = self.fill_stream()?;
         // The slot leaves the table before the copy may start, and the copy waits for every
         // kernel queued so far (they may read the slot's old expert).
         self.slot_table.clear(slot);
@@ -280,6 +351,9 @@ impl ExpertSlotFills for CudaExpertSlots {
     }
 
     fn complete_fills(&mut self) -> Result<(), EngineError> {
+        while !self.batch_fills.is_empty() {
+            self.complete_batch_fill()?;
+        }
         if self.fills_in_flight.is_empty() {
             return Ok(());
         }
@@ -302,6 +376,49 @@ impl ExpertSlotFills for CudaExpertSlots {
 
     fn fills_in_flight(&self) -> usize {
         self.fills_in_flight.len()
+            + self
+                .batch_fills
+                .iter()
+                .map(|(_, experts, _)| experts.len())
+                .sum::<usize>()
+    }
+
+    fn start_batch_fill(
+        &mut self,
+        first_slot: usize,
+        experts: &[usize],
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        self.batch_fill(first_slot, experts, artifact, bank)
+            .map_err(|source| EngineError::Device {
+                op: "start_batch_fill",
+                source,
+            })
+    }
+
+    fn complete_batch_fill(&mut self) -> Result<(), EngineError> {
+        let device = |source| EngineError::Device {
+            op: "complete_batch_fill",
+            source,
+        };
+        let (first_slot, experts, landed) =
+            self.batch_fills
+                .pop_front()
+                .ok_or_else(|| EngineError::InvalidConfig {
+                    problem: "no expert batch fill to complete".into(),
+                })?;
+        // The compute stream waits for this batch's copies; the host does not.
+        self.stream
+            .wait(&landed)
+            .map_err(driver_error("waiting for a batch fill"))
+            .map_err(device)?;
+        for (offset, expert) in experts.into_iter().enumerate() {
+            self.slot_table
+                .assign(first_slot + offset, expert)
+                .map_err(slot_out_of_range)?;
+        }
+        self.upload_table().map_err(device)
     }
 }
 
@@ -604,6 +721,7 @@ impl CudaBackend {
             stream: Arc::clone(&self.stream),
             copy_stream: None,
             fills_in_flight: Vec::new(),
+            batch_fills: Default::default(),
         })
     }
 

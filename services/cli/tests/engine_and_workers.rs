@@ -426,23 +426,35 @@ fn concurrent_requests_equal_their_solo_results() {
 
 #[test]
 fn killed_or_stopped_worker_does_not_change_the_generation() {
+    let (killed, stopped, _) = worker_kill_and_stop_keep_the_tokens(&[], 64);
+    println!("killed worker noticed after {killed:?}, stopped worker after {stopped:?}");
+}
+
+/// One engine on `qwen3_moe` with `engine_args` and one slowed worker: a greedy generation of
+/// `tokens` tokens, then the same generation with the worker killed (`SIGKILL`) after 10
+/// tokens and restarted on its socket, then again with it stopped (`SIGSTOP`) for 300 ms after
+/// 5: the same tokens every time, the death and the hang each noticed within a second, the
+/// interrupted layer replayed and the resumed worker reported. Returns how long the engine took
+/// to notice the death and the hang, and its log.
+fn worker_kill_and_stop_keep_the_tokens(
+    engine_args: &[&str],
+    tokens: u32,
+) -> (Duration, Duration, String) {
     use nix::sys::signal::Signal;
     let rt = runtime();
     let mut stack = Stack::new();
     let model = stack.convert("qwen3_moe");
     let prompt = prompts("qwen3_moe")[0].clone();
-    // Uninterrupted run.
     let worker = stack.worker("worker", &model, "all", &["--test-delay-ms", "20"]);
-    let engine = stack.engine("engine", &model, std::slice::from_ref(&worker), &[]);
+    let engine = stack.engine("engine", &model, std::slice::from_ref(&worker), engine_args);
     let uninterrupted =
-        rt.block_on(async { generate(&mut client(&engine).await, greedy(&prompt, 64)).await });
-    assert_eq!(uninterrupted.len(), 64);
+        rt.block_on(async { generate(&mut client(&engine).await, greedy(&prompt, tokens)).await });
+    assert_eq!(uninterrupted.len(), tokens as usize);
 
-    // kill -9 after 10 tokens: noticed within a second; then restart on the same socket.
     let mut death_noticed_after = None;
     let interrupted = rt.block_on(async {
         let mut client = client(&engine).await;
-        generate_acting_after(&mut client, greedy(&prompt, 64), 10, || {
+        generate_acting_after(&mut client, greedy(&prompt, tokens), 10, || {
             let before = stack.log_count("engine", "expert worker died");
             let killed_at = Instant::now();
             stack.signal("worker", Signal::SIGKILL);
@@ -459,28 +471,26 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
         })
         .await
     });
+    let log = stack.log("engine");
     assert_eq!(
         interrupted, uninterrupted,
-        "generation changed across a worker restart"
+        "generation changed across a worker restart:\n{log}"
     );
-    let log = stack.log("engine");
-    let noticed = death_noticed_after
+    let death_noticed = death_noticed_after
         .unwrap_or_else(|| panic!("engine did not report the death within 5 s:\n{log}"));
     assert!(
-        noticed < Duration::from_secs(1),
-        "the dead worker was noticed after {noticed:?}, not within a second"
+        death_noticed < Duration::from_secs(1),
+        "the dead worker was noticed after {death_noticed:?}, not within a second"
     );
-    println!("killed worker noticed after {noticed:?}");
     assert!(
         log.contains("replayed"),
         "engine did not replay the interrupted layer:\n{log}"
     );
 
-    // SIGSTOP: detected as hung within a second; SIGCONT: work resumes, same tokens.
     let mut hang_noticed_after = None;
     let resumed = rt.block_on(async {
         let mut client = client(&engine).await;
-        generate_acting_after(&mut client, greedy(&prompt, 64), 5, || {
+        generate_acting_after(&mut client, greedy(&prompt, tokens), 5, || {
             let before = stack.log_count("engine", "expert worker hung");
             let stopped_at = Instant::now();
             stack.signal("worker-restarted", Signal::SIGSTOP);
@@ -491,19 +501,22 @@ fn killed_or_stopped_worker_does_not_change_the_generation() {
         })
         .await
     });
-    assert_eq!(resumed, uninterrupted);
     let log = stack.log("engine");
-    let noticed = hang_noticed_after
+    assert_eq!(
+        resumed, uninterrupted,
+        "a stopped worker changed the tokens"
+    );
+    let hang_noticed = hang_noticed_after
         .unwrap_or_else(|| panic!("engine did not report the hung worker within 5 s:\n{log}"));
     assert!(
-        noticed < Duration::from_secs(1),
-        "the stopped worker was noticed after {noticed:?}, not within a second"
+        hang_noticed < Duration::from_secs(1),
+        "the stopped worker was noticed after {hang_noticed:?}, not within a second"
     );
-    println!("stopped worker noticed after {noticed:?}");
     assert!(
         log.contains("resumed"),
         "engine did not report the resumed worker:\n{log}"
     );
+    (death_noticed, hang_noticed, log)
 }
 
 /// Whether the GPU opens; `false` skips a GPU test (and `NINFER_REQUIRE_GPU=1` fails it).
@@ -610,84 +623,16 @@ fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
 /// (noticed as hung within a second, then continued) change no token.
 #[test]
 fn gpu_worker_handoff_rides_out_a_killed_or_stopped_worker() {
-    use nix::sys::signal::Signal;
     if !gpu_present("gpu_worker_handoff_rides_out_a_killed_or_stopped_worker") {
         return;
     }
-    let rt = runtime();
-    let mut stack = Stack::new();
-    let model = stack.convert("qwen3_moe");
-    let prompt = prompts("qwen3_moe")[0].clone();
     let cuda = ["--device", "cuda", "--moe-gpu-experts", "half"];
-    let worker = stack.worker("worker", &model, "all", &["--test-delay-ms", "20"]);
-    let engine = stack.engine("engine", &model, std::slice::from_ref(&worker), &cuda);
-    let uninterrupted =
-        rt.block_on(async { generate(&mut client(&engine).await, greedy(&prompt, 48)).await });
-    assert_eq!(uninterrupted.len(), 48);
-
-    let mut death_noticed_after = None;
-    let interrupted = rt.block_on(async {
-        let mut client = client(&engine).await;
-        generate_acting_after(&mut client, greedy(&prompt, 48), 10, || {
-            let before = stack.log_count("engine", "expert worker died");
-            let killed_at = Instant::now();
-            stack.signal("worker", Signal::SIGKILL);
-            let _ = stack.child("worker").wait();
-            death_noticed_after =
-                stack.wait_for_log("engine", "expert worker died", before, killed_at);
-            stack.worker_on(
-                "worker-restarted",
-                "worker",
-                &model,
-                "all",
-                &["--test-delay-ms", "20"],
-            );
-        })
-        .await
-    });
-    let log = stack.log("engine");
-    assert_eq!(
-        interrupted, uninterrupted,
-        "generation changed across a worker restart:\n{log}"
-    );
-    let noticed = death_noticed_after
-        .unwrap_or_else(|| panic!("engine did not report the death within 5 s:\n{log}"));
-    assert!(
-        noticed < Duration::from_secs(1),
-        "death noticed after {noticed:?}"
-    );
-    assert!(log.contains("replayed"), "no replay:\n{log}");
+    let (killed, stopped, log) = worker_kill_and_stop_keep_the_tokens(&cuda, 48);
     assert!(
         log.contains("from the cuda"),
         "the GPU did not hand off:\n{log}"
     );
-
-    let mut hang_noticed_after = None;
-    let resumed = rt.block_on(async {
-        let mut client = client(&engine).await;
-        generate_acting_after(&mut client, greedy(&prompt, 48), 5, || {
-            let before = stack.log_count("engine", "expert worker hung");
-            let stopped_at = Instant::now();
-            stack.signal("worker-restarted", Signal::SIGSTOP);
-            hang_noticed_after =
-                stack.wait_for_log("engine", "expert worker hung", before, stopped_at);
-            std::thread::sleep(Duration::from_millis(300));
-            stack.signal("worker-restarted", Signal::SIGCONT);
-        })
-        .await
-    });
-    let log = stack.log("engine");
-    assert_eq!(
-        resumed, uninterrupted,
-        "a stopped worker changed the tokens"
-    );
-    let noticed = hang_noticed_after
-        .unwrap_or_else(|| panic!("engine did not report the hung worker within 5 s:\n{log}"));
-    assert!(
-        noticed < Duration::from_secs(1),
-        "hang noticed after {noticed:?}"
-    );
-    println!("device hand-off: killed worker noticed after {death_noticed_after:?}, stopped after {noticed:?}");
+    println!("device hand-off: killed worker noticed after {killed:?}, stopped after {stopped:?}");
 }
 
 #[test]

@@ -564,14 +564,7 @@ impl Backend for CpuBackend {
         rows: usize,
         cols: usize,
     ) -> Result<CpuTensor, EngineError> {
-        if rows * cols != tensor.rows * tensor.cols {
-            return Err(EngineError::InvalidConfig {
-                problem: format!(
-                    "reshape of {}×{} to {rows}×{cols}",
-                    tensor.rows, tensor.cols
-                ),
-            });
-        }
+        crate::backend::check_reshape((tensor.rows, tensor.cols), (rows, cols))?;
         tensor.rows = rows;
         tensor.cols = cols;
         Ok(tensor)

@@ -161,6 +161,17 @@ pub fn expert_bytes<'a>(
 }
 
 /// The error for a slot or expert index outside the slots' tables.
+/// A reshape of a `[from.0, from.1]` tensor to `[to.0, to.1]` keeps its element count (every
+/// backend's `reshape` checks it the same way).
+pub(crate) fn check_reshape(from: (usize, usize), to: (usize, usize)) -> Result<(), EngineError> {
+    if to.0 * to.1 == from.0 * from.1 {
+        return Ok(());
+    }
+    Err(EngineError::InvalidConfig {
+        problem: format!("reshape of {}×{} to {}×{}", from.0, from.1, to.0, to.1),
+    })
+}
+
 pub fn slot_out_of_range(error: SlotOutOfRange) -> EngineError {
     EngineError::InvalidConfig {
         problem: error.to_string(),

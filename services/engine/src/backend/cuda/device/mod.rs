@@ -633,14 +633,7 @@ impl Backend for CudaBackend {
         cols: usize,
     ) -> Result<CudaTensor, EngineError> {
         // The buffer stays as it is (the pool files buffers by length, which does not change).
-        if rows * cols != tensor.rows * tensor.cols {
-            return Err(EngineError::InvalidConfig {
-                problem: format!(
-                    "reshape of {}×{} to {rows}×{cols}",
-                    tensor.rows, tensor.cols
-                ),
-            });
-        }
+        crate::backend::check_reshape((tensor.rows, tensor.cols), (rows, cols))?;
         tensor.rows = rows;
         tensor.cols = cols;
         Ok(tensor)

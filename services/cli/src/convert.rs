@@ -38,6 +38,12 @@ pub struct ConvertArgs {
     /// With --synthetic: random seed (same seed and options, same artifact).
     #[arg(long, default_value_t = DEFAULT_SEED, requires = "synthetic")]
     pub seed: u64,
+    /// With --synthetic on a Qwen4-Exp preset: the n-gram vocabulary base the hashed n-gram
+    /// tables are sized from (the released 20000000 makes a table of about 102 GB in bf16). A
+    /// token gathers a fixed number of rows whatever the table's size, so a smaller table keeps
+    /// the per-token work and fits a smaller disk.
+    #[arg(long, value_name = "N", requires = "synthetic")]
+    pub ngram_vocab_base: Option<usize>,
     /// With --synthetic: toy dimensions with the preset's structure (for tests).
     #[arg(long, hide = true, requires = "synthetic")]
     pub scale_down: bool,
@@ -214,12 +220,24 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
             anyhow::bail!("--synthetic PRESET is missing");
         };
         let name = preset.name;
+        let mut preset = if args.scale_down {
+            preset.scaled_down()
+        } else {
+            preset
+        };
+        if let Some(base) = args.ngram_vocab_base {
+            let Some(parts) = preset.qwen4_exp.as_mut() else {
+                anyhow::bail!(
+                    "--ngram-vocab-base applies to Qwen4-Exp presets only; {name} has no n-gram tables"
+                );
+            };
+            if base == 0 {
+                anyhow::bail!("--ngram-vocab-base must be positive");
+            }
+            parts.ngram_vocab_size_base = base;
+        }
         let options = SyntheticOptions {
-            preset: if args.scale_down {
-                preset.scaled_down()
-            } else {
-                preset
-            },
+            preset,
             output: output.clone(),
             experts_dtype: args.experts_dtype,
             dense_dtype: args.dense_dtype,

@@ -316,7 +316,41 @@ fn cli_writes_a_synthetic_artifact_and_rejects_bad_arguments() {
     drop(artifact);
     std::fs::remove_file(dir.join("out.ninfer")).unwrap();
 
-    let cases: [(&[&str], &[&str]); 6] = [
+    // A Qwen4-Exp preset with a smaller n-gram table.
+    let output = ninfer(
+        &[
+            "convert",
+            "--synthetic",
+            "qwen3.8-flash-next",
+            "--scale-down",
+            "--layers",
+            "2",
+            "--ngram-vocab-base",
+            "300",
+            "out.ninfer",
+        ],
+        dir,
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let artifact = Artifact::open(&dir.join("out.ninfer")).unwrap();
+    let parts = artifact.config().qwen4_exp().expect("a qwen4_exp config");
+    assert_eq!(parts.ngram_vocab_size_base, 300);
+    drop(artifact);
+    std::fs::remove_file(dir.join("out.ninfer")).unwrap();
+
+    let cases: [(&[&str], &[&str]); 7] = [
+        (
+            &[
+                "convert",
+                "--synthetic",
+                "qwen3-30b-a3b",
+                "--ngram-vocab-base",
+                "1000",
+                "x.ninfer",
+            ],
+            &["--ngram-vocab-base", "Qwen4-Exp", "qwen3-30b-a3b"],
+        ),
         (
             &["convert", "--synthetic", "qwen4-1t", "x.ninfer"],
             &["`qwen4-1t`", "qwen3-30b-a3b", "qwen3-235b-a22b"],

@@ -1244,7 +1244,18 @@ fn run_answers_a_prompt_chats_and_prints_its_plan() {
 /// greedy completion equal to the transformers reference text. `.ci/run` installs the SDKs.
 #[test]
 fn official_sdks_against_the_full_stack() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    official_sdks_against(&["qwen3_moe"]);
+}
+
+/// The same SDK checks on the Qwen4-Exp fixture (hyper-connection streams, PLE n-gram blocks,
+/// QSA attention): `ninfer run` serves the converted checkpoint through the OpenAI and
+/// Anthropic APIs, and its raw greedy completion is transformers' reference text.
+#[test]
+fn official_sdks_against_qwen4_exp() {
+    official_sdks_against(&["qwen4_exp"]);
+}
+
+fn official_sdks_against(fixtures: &[&str]) {
     let have_sdks = Command::new("python3")
         .args(["-c", "import openai, anthropic"])
         .stderr(Stdio::null())
@@ -1254,75 +1265,151 @@ fn official_sdks_against_the_full_stack() {
         println!("SKIPPED: python3 with the openai and anthropic packages is not installed (.ci/run installs them)");
         return;
     }
-    let rt = runtime();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for fixture_name in fixtures {
+        let stack = Stack::new();
+        let model = stack.convert(fixture_name);
+        let served = ServedByRun::start(&stack, &model, &[]);
+        let output = served.ready.then(|| {
+            Command::new("python3")
+                .arg(root.join("scripts/sdk_smoke.py"))
+                .args(["--base-url", &format!("http://{}", served.api)])
+                .arg("--reference")
+                .arg(fixture(fixture_name).join("reference.json"))
+                .output()
+                .unwrap()
+        });
+        served.stop_and_check(&stack);
+        let output = output.unwrap();
+        let report = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        println!("{fixture_name}:\n{report}");
+        assert!(
+            output.status.success(),
+            "SDK checks failed on {fixture_name}:\n{report}"
+        );
+    }
+}
+
+/// On a GPU: `ninfer run --serve` of the Qwen4-Exp fixture on CUDA answers a raw greedy
+/// completion through the OpenAI API with transformers' reference tokens (plain HTTP, so the
+/// GPU machine needs no SDKs).
+#[test]
+fn gpu_qwen4_exp_answers_through_the_openai_api() {
+    if !gpu_present("gpu_qwen4_exp_answers_through_the_openai_api") {
+        return;
+    }
     let stack = Stack::new();
-    let model = stack.convert("qwen3_moe");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let api = format!("127.0.0.1:{port}");
-    let mut run = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(["run", "--serve", "--moe-threads", "1", "--listen", &api])
-        .arg(&model)
-        .env("XDG_RUNTIME_DIR", stack.path(""))
-        .env("XDG_STATE_HOME", stack.path("state"))
-        .stdout(Stdio::null())
-        .stderr(File::create(stack.path("run.log")).unwrap())
-        .spawn()
+    let model = stack.convert("qwen4_exp");
+    let served = ServedByRun::start(&stack, &model, &["--device", "cuda"]);
+    let result = served.ready.then(|| {
+        let reference: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture("qwen4_exp").join("reference.json")).unwrap(),
+        )
         .unwrap();
-    let ready = rt.block_on(async {
-        use ninfer_protocol::v1::gateway_client::GatewayClient;
-        use ninfer_protocol::v1::ListModelsRequest;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            if let Ok(channel) =
-                ninfer_protocol::transport::connect(&api, Duration::from_millis(200)).await
-            {
-                if let Ok(models) = GatewayClient::new(channel)
-                    .list_models(ListModelsRequest {})
-                    .await
+        let plain = reference["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["kind"] == "plain")
+            .unwrap()
+            .clone();
+        let ids = plain["greedy_token_ids"].as_array().unwrap().len();
+        let request = serde_json::json!({
+            "model": "qwen4_exp",
+            "prompt": plain["prompt_token_ids"],
+            "max_tokens": ids,
+            "temperature": 0,
+        });
+        let (status, body) = http(&served.api, "POST", "/v1/completions", &request.to_string());
+        let detokenize = serde_json::json!({
+            "model": "qwen4_exp",
+            "tokens": plain["greedy_token_ids"],
+            "skip_special_tokens": true,
+        });
+        let (_, expected) = http(&served.api, "POST", "/detokenize", &detokenize.to_string());
+        (status, body, expected, ids)
+    });
+    served.stop_and_check(&stack);
+    let (status, body, expected, ids) = result.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let expected: serde_json::Value = serde_json::from_str(&expected).unwrap();
+    assert_eq!(
+        answer["choices"][0]["text"], expected["prompt"],
+        "CUDA greedy text differs from the reference: {body}"
+    );
+    assert_eq!(answer["usage"]["completion_tokens"], ids, "{body}");
+}
+
+/// `ninfer run --serve` of `model` on a free loopback port, with its log in the stack.
+struct ServedByRun {
+    run: std::process::Child,
+    api: String,
+    ready: bool,
+}
+
+impl ServedByRun {
+    fn start(stack: &Stack, model: &Path, extra: &[&str]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let api = format!("127.0.0.1:{port}");
+        let run = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+            .args(["run", "--serve", "--moe-threads", "1", "--listen", &api])
+            .args(extra)
+            .arg(model)
+            .env("XDG_RUNTIME_DIR", stack.path(""))
+            .env("XDG_STATE_HOME", stack.path("state"))
+            .stdout(Stdio::null())
+            .stderr(File::create(stack.path("run.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let ready = runtime().block_on(async {
+            use ninfer_protocol::v1::gateway_client::GatewayClient;
+            use ninfer_protocol::v1::ListModelsRequest;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                if let Ok(channel) =
+                    ninfer_protocol::transport::connect(&api, Duration::from_millis(200)).await
                 {
-                    if models.get_ref().models.iter().any(|m| m.ready_engines > 0) {
-                        return true;
+                    if let Ok(models) = GatewayClient::new(channel)
+                        .list_models(ListModelsRequest {})
+                        .await
+                    {
+                        if models.get_ref().models.iter().any(|m| m.ready_engines > 0) {
+                            return true;
+                        }
                     }
                 }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        false
-    });
-    let output = ready.then(|| {
-        Command::new("python3")
-            .arg(root.join("scripts/sdk_smoke.py"))
-            .args(["--base-url", &format!("http://{api}")])
-            .arg("--reference")
-            .arg(fixture("qwen3_moe").join("reference.json"))
-            .output()
-            .unwrap()
-    });
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(run.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let stopped = run.wait().unwrap();
-    assert!(
-        ready,
-        "the stack did not become ready:\n{}",
-        std::fs::read_to_string(stack.path("run.log")).unwrap_or_default()
-    );
-    let output = output.unwrap();
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    println!("{report}");
-    assert!(output.status.success(), "SDK checks failed:\n{report}");
-    assert!(
-        stopped.success(),
-        "ninfer run did not stop cleanly: {stopped}"
-    );
+            false
+        });
+        ServedByRun { run, api, ready }
+    }
+
+    /// SIGTERM; the stack must have become ready and `ninfer run` must stop cleanly.
+    fn stop_and_check(mut self, stack: &Stack) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.run.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let stopped = self.run.wait().unwrap();
+        assert!(
+            self.ready,
+            "the stack did not become ready:\n{}",
+            std::fs::read_to_string(stack.path("run.log")).unwrap_or_default()
+        );
+        assert!(
+            stopped.success(),
+            "ninfer run did not stop cleanly: {stopped}"
+        );
+    }
 }

@@ -29,7 +29,8 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 use ninfer_engine::backend::cuda::{
-    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, GroupedExpertKernels, KvDtype,
+    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, CudaOptions, GroupedExpertKernels,
+    KvDtype,
 };
 use ninfer_engine::backend::{AttentionSpec, Routing, Segment};
 use ninfer_engine::sampling::Xoshiro256;
@@ -606,6 +607,109 @@ fn tensor_core_layerwise_prefill_matches_the_staged_path() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Diagnosis only (run with --ignored): the layerwise splits of qwen3_5_moe int8 under several
+/// backend options, each against exact math.
+#[test]
+#[ignore]
+fn layerwise_split_diagnosis() {
+    let work = tempfile::tempdir().unwrap();
+    for name in ["qwen3_5_moe", "qwen3_moe"] {
+        let fixture = ninfer_engine::testing::golden_fixture_dir(name);
+        let text = std::fs::read_to_string(fixture.join("reference.json")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let tokens: Vec<u32> = ninfer_engine::testing::json_numbers(&json["nll_token_ids"])
+            .into_iter()
+            .map(|x| x as u32)
+            .collect();
+        let path = work.path().join(format!("{name}-int8.ninfer"));
+        let options = ninfer_convert::ConvertOptions {
+            experts_dtype: DType::Int8,
+            dense_dtype: DType::Bf16,
+            ..ninfer_convert::ConvertOptions::new(&fixture, &path)
+        };
+        ninfer_convert::convert_checkpoint(&options, &ninfer_convert::NoProgress).unwrap();
+        let cpu = Model::open(Arc::new(CpuBackend::new()), &path).unwrap();
+        let exact = logits_on_cpu(&cpu, &tokens);
+        drop(cpu);
+        let variants: [(&str, CudaOptions); 6] = [
+            ("default", CudaOptions::default()),
+            (
+                "no-routing-stores",
+                CudaOptions {
+                    routing_stores: false,
+                    ..CudaOptions::default()
+                },
+            ),
+            (
+                "no-tensor-cores",
+                CudaOptions {
+                    tensor_core_prefill: false,
+                    ..CudaOptions::default()
+                },
+            ),
+            (
+                "no-cublas",
+                CudaOptions {
+                    cublas: false,
+                    ..CudaOptions::default()
+                },
+            ),
+            (
+                "f32-kv",
+                CudaOptions {
+                    kv_dtype: KvDtype::F32,
+                    ..CudaOptions::default()
+                },
+            ),
+            ("exact", CudaOptions::exact()),
+        ];
+        for (label, options) in variants {
+            let gpu = Arc::new(CudaBackend::with_options(0, options).unwrap());
+            let mut staged = Model::open(Arc::clone(&gpu), &path).unwrap();
+            staged.enable_prefill_staging(2).unwrap();
+            let staged_logits = ninfer_engine::testing::teacher_forced_logits(&staged, &tokens)
+                .unwrap()
+                .concat();
+            drop(staged);
+            let mut line = format!(
+                "{name} {label}: staged {:.2e}",
+                relative_difference(&staged_logits, &exact)
+            );
+            for (split, backend_rate, executor_rate) in [
+                ("gpu", 1e3, 0.0),
+                ("mixed", 1e3, 1e3),
+                ("cpu", 1e-9, 1e9),
+                ("mixed-again", 1e3, 1e3),
+            ] {
+                let mut model = Model::open(Arc::clone(&gpu), &path).unwrap();
+                model
+                    .enable_prefill_staging_with(PrefillStagingOptions {
+                        staged_min_tokens: 0,
+                        layerwise_min_tokens: 2,
+                    })
+                    .unwrap();
+                model
+                    .set_prefill_throughputs(PrefillThroughputs {
+                        copy_bytes_per_second: 1e15,
+                        backend_pairs_per_second: backend_rate,
+                        executor_pairs_per_second: executor_rate,
+                        flops_per_pair: 1.0,
+                    })
+                    .unwrap();
+                let summary = model.layerwise_split_summary(tokens.len()).unwrap();
+                let got = ninfer_engine::testing::teacher_forced_logits(&model, &tokens)
+                    .unwrap()
+                    .concat();
+                line += &format!(
+                    ", {split} {:.2e} ({summary:?})",
+                    relative_difference(&got, &exact)
+                );
+            }
+            println!("{line}");
         }
     }
 }

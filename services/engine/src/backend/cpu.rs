@@ -16,6 +16,7 @@ use std::time::Duration;
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
+use super::qsa_host::{AttendShape, HostQsaCache};
 use super::{
     expert_bytes, slot_out_of_range, AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec,
     ExpertSlotFills, ExpertSlotTable, NormStyle, Rotation, Routing, Segment, WithExpertSlotTable,
@@ -24,6 +25,7 @@ use crate::error::EngineError;
 use crate::host_math::{
     rope_inverse_frequencies, route_top_k_host, sigmoid, silu, softplus, swiglu_halves,
 };
+use crate::model::qwen4_exp::qsa_selection::{prepare_index_query, QsaSelectionSettings};
 use crate::weights::{dot, StoredWeight, WeightMatrix};
 
 /// Chunk length of the chunked delta rule (transformers' `chunk_size`).
@@ -48,6 +50,20 @@ impl CpuBackend {
             expert_fill_delay: delay,
         }
     }
+}
+
+/// Refuses a segment whose rows run past a tensor's.
+fn check_segment_rows(
+    rows: &Range<usize>,
+    tensor_rows: usize,
+    op: &str,
+) -> Result<(), EngineError> {
+    if rows.start > rows.end || rows.end > tensor_rows {
+        return Err(EngineError::InvalidConfig {
+            problem: format!("{op}: segment rows {rows:?} of a {tensor_rows}-row tensor"),
+        });
+    }
+    Ok(())
 }
 
 /// A row-major `[rows, cols]` f32 buffer in host memory.
@@ -514,6 +530,8 @@ impl Backend for CpuBackend {
     type ConvState = CpuConvState;
     type RecurrentState = CpuRecurrentState;
     type ExpertSlots = CpuExpertSlots;
+    /// The host reference itself.
+    type QsaCache = HostQsaCache;
     /// Computed at once: the host is where this backend computes.
     type PendingRouting = (Routing, Vec<f32>);
     /// The CPU runs every op as it comes: it has no step graphs.
@@ -1101,6 +1119,181 @@ impl Backend for CpuBackend {
             }
         }
         Ok(out)
+    }
+
+    fn new_qsa_cache(
+        &self,
+        max_tokens: usize,
+        kv_width: usize,
+        settings: &QsaSelectionSettings,
+    ) -> Result<HostQsaCache, EngineError> {
+        HostQsaCache::new(max_tokens, kv_width, settings)
+    }
+
+    fn qsa_cache_tokens(&self, cache: &HostQsaCache) -> usize {
+        cache.tokens()
+    }
+
+    fn truncate_qsa_cache(&self, cache: &mut HostQsaCache, tokens: usize) {
+        cache.truncate(tokens);
+    }
+
+    fn qsa_append(
+        &self,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        index_qk: &CpuTensor,
+        key_norm: &CpuWeight,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, HostQsaCache>],
+    ) -> Result<(), EngineError> {
+        let width = settings.index_head_dim;
+        let raw_start = settings.index_heads * width;
+        if index_qk.cols != raw_start + width || k.rows != v.rows || k.rows != index_qk.rows {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "qsa_append: index projection {}×{} (expected {} columns), k {} rows, v {} rows",
+                    index_qk.rows,
+                    index_qk.cols,
+                    raw_start + width,
+                    k.rows,
+                    v.rows
+                ),
+            });
+        }
+        for segment in segments.iter() {
+            let cache = &*segment.state;
+            let end = segment.start_position + segment.rows.len();
+            check_segment_rows(&segment.rows, k.rows, "qsa_append")?;
+            if end > cache.max_tokens {
+                return Err(EngineError::ContextFull {
+                    held: segment.start_position,
+                    added: segment.rows.len(),
+                    max_context: cache.max_tokens,
+                });
+            }
+        }
+        for segment in segments.iter_mut() {
+            let cache = &mut *segment.state;
+            // Appending at the start position: a cache that holds more is cut back first.
+            cache.truncate(segment.start_position);
+            if cache.tokens() != segment.start_position {
+                return Err(EngineError::InvalidConfig {
+                    problem: format!(
+                        "qsa_append at position {} of a cache holding {} tokens",
+                        segment.start_position,
+                        cache.tokens()
+                    ),
+                });
+            }
+            for row in segment.rows.clone() {
+                cache.push(
+                    k.row(row),
+                    v.row(row),
+                    &index_qk.row(row)[raw_start..],
+                    key_norm.parameter(),
+                    settings,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn qsa_index_queries(
+        &self,
+        index_qk: &CpuTensor,
+        query_norm: &CpuWeight,
+        settings: &QsaSelectionSettings,
+        positions: &[usize],
+    ) -> Result<CpuTensor, EngineError> {
+        let width = settings.index_heads * settings.index_head_dim;
+        if index_qk.cols < width
+            || positions.len() != index_qk.rows
+            || query_norm.parameter().len() != settings.index_head_dim
+        {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "qsa_index_queries: projection {}×{}, {} positions, a query norm of {} for {} heads of {}",
+                    index_qk.rows,
+                    index_qk.cols,
+                    positions.len(),
+                    query_norm.parameter().len(),
+                    settings.index_heads,
+                    settings.index_head_dim
+                ),
+            });
+        }
+        let mut data = Vec::with_capacity(index_qk.rows * width);
+        for (row, &position) in positions.iter().enumerate() {
+            data.extend(prepare_index_query(
+                &index_qk.row(row)[..width],
+                query_norm.parameter(),
+                position,
+                settings,
+            ));
+        }
+        Ok(CpuTensor {
+            rows: index_qk.rows,
+            cols: width,
+            data,
+        })
+    }
+
+    fn qsa_attention(
+        &self,
+        q: &CpuTensor,
+        index_queries: &CpuTensor,
+        spec: &AttentionSpec,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, HostQsaCache>],
+    ) -> Result<CpuTensor, EngineError> {
+        let width = spec.heads * spec.head_dim;
+        if q.cols != width || q.rows != index_queries.rows || spec.kv_heads == 0 {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "qsa_attention: q {}×{} for {} heads of {}, {} index query rows",
+                    q.rows, q.cols, spec.heads, spec.head_dim, index_queries.rows
+                ),
+            });
+        }
+        let shape = AttendShape {
+            heads: spec.heads,
+            kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+        };
+        let mut out = CpuTensor::zeros(q.rows, width);
+        for segment in segments.iter() {
+            check_segment_rows(&segment.rows, q.rows, "qsa_attention")?;
+            let cache = &*segment.state;
+            for (offset, row) in segment.rows.clone().enumerate() {
+                let position = segment.start_position + offset;
+                let selected = cache.select(index_queries.row(row), position, settings)?;
+                cache.attend(q.row(row), &selected, shape, out.row_mut(row));
+            }
+        }
+        Ok(out)
+    }
+
+    fn qsa_selected_tokens(
+        &self,
+        index_queries: &CpuTensor,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, HostQsaCache>],
+    ) -> Result<Vec<Vec<usize>>, EngineError> {
+        let mut selected = vec![Vec::new(); index_queries.rows];
+        for segment in segments.iter() {
+            check_segment_rows(&segment.rows, index_queries.rows, "qsa_selected_tokens")?;
+            for (offset, row) in segment.rows.clone().enumerate() {
+                let position = segment.start_position + offset;
+                let tokens = segment
+                    .state
+                    .select(index_queries.row(row), position, settings)?;
+                if let Some(slot) = selected.get_mut(row) {
+                    *slot = tokens;
+                }
+            }
+        }
+        Ok(selected)
     }
 
     fn new_conv_state(&self, channels: usize, kernel: usize) -> Result<CpuConvState, EngineError> {

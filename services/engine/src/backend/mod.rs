@@ -20,6 +20,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod expert_slot_table;
 pub mod kv_placement;
+pub mod qsa_host;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -28,6 +29,7 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
 use crate::error::EngineError;
+use crate::model::qwen4_exp::qsa_selection::QsaSelectionSettings;
 
 pub use candidates::LogitCandidates;
 pub use expert_slot_table::{
@@ -198,6 +200,10 @@ pub trait Backend: Send + Sync + 'static {
     type ExpertSlots: Send + Sync + WithExpertSlotTable + ExpertSlotFills;
     /// A routing computed by [`Backend::start_routing`] and not yet brought to the host.
     type PendingRouting: Send;
+    /// One QSA attention layer of one sequence (qwen4_exp): its keys and values after norm and
+    /// RoPE, its raw indexer keys and one pooled indexer key per completed block, where the
+    /// backend computes, so a QSA layer never leaves the device.
+    type QsaCache: Send + Sync;
     /// A decode step recorded once and replayed with new token ids and positions (CUDA
     /// graphs); an uninhabited type on a backend that runs every op as it comes.
     type StepGraph: Send;
@@ -507,6 +513,70 @@ pub trait Backend: Send + Sync + 'static {
         spec: &AttentionSpec,
         segments: &mut [Segment<'_, Self::KvCache>],
     ) -> Result<Self::Tensor, EngineError>;
+
+    /// An empty QSA cache with room for `max_tokens` positions of `kv_width` keys/values and
+    /// `settings.index_head_dim` indexer keys.
+    fn new_qsa_cache(
+        &self,
+        max_tokens: usize,
+        kv_width: usize,
+        settings: &QsaSelectionSettings,
+    ) -> Result<Self::QsaCache, EngineError>;
+    /// Tokens a QSA cache holds.
+    fn qsa_cache_tokens(&self, cache: &Self::QsaCache) -> usize;
+    /// Forgets everything a QSA cache holds from token `tokens` on (a restored checkpoint: a
+    /// speculative step's rejected tokens). A pooled key whose block loses a token is dropped
+    /// and made again when the block completes again.
+    fn truncate_qsa_cache(&self, cache: &mut Self::QsaCache, tokens: usize);
+    /// Appends each segment's rows to its QSA cache at its start position: `k`, `v`
+    /// (`[n, kv_width]`, after norm and RoPE) and the raw indexer key of each row, the last
+    /// `index_head_dim` columns of `index_qk` (the indexer projection, `[n, (heads + 1)·Di]`).
+    /// Every block completed by these rows is pooled once, here (mean of its raw keys,
+    /// zero-centred RMSNorm with `key_norm`, RoPE at its first position:
+    /// [`pooled_block_key`](crate::model::qwen4_exp::qsa_selection::pooled_block_key)). A
+    /// segment that does not fit its cache fails the call before anything is appended.
+    fn qsa_append(
+        &self,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        index_qk: &Self::Tensor,
+        key_norm: &Self::Weight,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, Self::QsaCache>],
+    ) -> Result<(), EngineError>;
+    /// The prepared indexer queries `[n, heads·Di]` of the first `heads·Di` columns of
+    /// `index_qk`: each head zero-centred-RMS-normalised with `query_norm` and rotated at the
+    /// row's position ([`prepare_index_query`](crate::model::qwen4_exp::qsa_selection::prepare_index_query)).
+    fn qsa_index_queries(
+        &self,
+        index_qk: &Self::Tensor,
+        query_norm: &Self::Weight,
+        settings: &QsaSelectionSettings,
+        positions: &[usize],
+    ) -> Result<Self::Tensor, EngineError>;
+    /// QSA attention of each segment's `q` rows (`[n, heads·hd]`, row `r` at position
+    /// `start_position + r`) over the keys its indexer query selects from the segment's cache,
+    /// which must already hold the rows' own keys ([`Backend::qsa_append`]): per row the
+    /// blocks of [`select_tokens`](crate::model::qwen4_exp::qsa_selection::select_tokens) (all
+    /// tokens in the dense regime; else the `budget / ratio` best-scoring complete blocks plus
+    /// the tail), then GQA softmax attention over them in f32. Returns `[n, heads·hd]`.
+    fn qsa_attention(
+        &self,
+        q: &Self::Tensor,
+        index_queries: &Self::Tensor,
+        spec: &AttentionSpec,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, Self::QsaCache>],
+    ) -> Result<Self::Tensor, EngineError>;
+    /// The token indices (ascending) each row of [`Backend::qsa_attention`] with these
+    /// arguments would attend, read back to the host: the selection on its own, for tests and
+    /// diagnostics.
+    fn qsa_selected_tokens(
+        &self,
+        index_queries: &Self::Tensor,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, Self::QsaCache>],
+    ) -> Result<Vec<Vec<usize>>, EngineError>;
 
     fn new_conv_state(
         &self,

@@ -134,8 +134,8 @@ pub enum LayerState<B: Backend> {
         conv: B::ConvState,
         recurrent: B::RecurrentState,
     },
-    /// A qwen4_exp QSA attention layer's host cache.
-    SparseAttention(qwen4_exp::graph::SparseAttentionState),
+    /// A qwen4_exp QSA attention layer's cache, where the backend computes.
+    SparseAttention(B::QsaCache),
 }
 
 /// Everything a sequence carries between forwards.
@@ -922,9 +922,11 @@ impl<B: Backend> Model<B> {
                         }
                     }
                     _ => match &self.qwen4_exp {
-                        Some(graph) => {
-                            LayerState::SparseAttention(graph.new_sparse_attention_state())
-                        }
+                        Some(graph) => LayerState::SparseAttention(self.backend.new_qsa_cache(
+                            max_context,
+                            kv_width,
+                            graph.qsa_settings(),
+                        )?),
                         None => {
                             LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)?)
                         }
@@ -1064,10 +1066,9 @@ impl<B: Backend> Model<B> {
             });
         }
         let mut replaced_buffers = false;
-        let kv_width = self.spec.attention.kv_heads * self.spec.attention.head_dim;
         for layer in state.layers.iter_mut() {
-            if let (LayerState::SparseAttention(sparse), Some(graph)) = (layer, &self.qwen4_exp) {
-                graph.truncate_sparse_attention(sparse, checkpoint.position, kv_width);
+            if let LayerState::SparseAttention(cache) = layer {
+                self.backend.truncate_qsa_cache(cache, checkpoint.position);
             }
         }
         state.ple = checkpoint.ple;

@@ -129,6 +129,18 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &["handoff_post", "handoff_collect"],
     },
     KernelSource {
+        name: "qsa",
+        source: include_str!("../../../../../kernels/qsa.cu"),
+        functions: &[
+            "qsa_append",
+            "qsa_append_bf16",
+            "qsa_pool_blocks",
+            "qsa_select",
+            "qsa_attend",
+            "qsa_attend_bf16",
+        ],
+    },
+    KernelSource {
         name: "sampling",
         source: include_str!("../../../../../kernels/sampling.cu"),
         functions: &["logit_candidates_partial", "logit_candidates_merge"],

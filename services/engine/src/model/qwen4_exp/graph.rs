@@ -35,9 +35,7 @@ use super::super::{
     LogitsSelection, Mixer, Model, SequenceInput,
 };
 use super::ngram_hash::{NgramHashSettings, NgramHashTables};
-use super::qsa_selection::{
-    pooled_block_key, prepare_index_query, select_tokens, QsaSelectionSettings,
-};
+use super::qsa_selection::QsaSelectionSettings;
 
 /// One stream mixer: grouped zero-centred norm of the streams, a low-rank sigmoid gate per
 /// feature, the streams' gated mean as the block input, and (in a layer) each stream's share
@@ -55,8 +53,9 @@ pub(crate) struct HyperConnection<B: Backend> {
 pub(crate) struct Indexer<B: Backend> {
     /// `[(heads + 1)·Di, H]`: the query heads, then the one key head.
     qk_proj: B::Weight,
-    query_norm: Vec<f32>,
-    key_norm: Vec<f32>,
+    /// `[Di]` each, zero-centred RMSNorm weights of the query heads and the pooled keys.
+    query_norm: B::Weight,
+    key_norm: B::Weight,
 }
 
 /// A PLE layer's n-gram table: row shards as stored, in host RAM (the artifact's mapping).
@@ -103,19 +102,6 @@ pub(crate) struct Qwen4ExpGraph<B: Backend> {
     hash: Option<NgramHashSettings>,
     layers: Vec<LayerExtras<B>>,
     mixer: HyperConnection<B>,
-}
-
-/// One sequence's state of a QSA attention layer.
-#[derive(Debug, Clone)]
-pub struct SparseAttentionState {
-    /// `[tokens, kv_heads·head_dim]`, after k_norm and RoPE.
-    keys: Vec<f32>,
-    values: Vec<f32>,
-    /// `[tokens, Di]`, as projected (the pooled keys are made from them).
-    raw_index_keys: Vec<f32>,
-    /// `[tokens / ratio, Di]`: one pooled key per completed block.
-    pooled_keys: Vec<f32>,
-    tokens: usize,
 }
 
 /// One sequence's state of a PLE block.
@@ -243,60 +229,6 @@ impl NgramTable {
     }
 }
 
-impl SparseAttentionState {
-    fn new() -> Self {
-        SparseAttentionState {
-            keys: Vec::new(),
-            values: Vec::new(),
-            raw_index_keys: Vec::new(),
-            pooled_keys: Vec::new(),
-            tokens: 0,
-        }
-    }
-
-    /// Tokens held.
-    pub fn tokens(&self) -> usize {
-        self.tokens
-    }
-
-    /// Appends one token's key, value and raw indexer key; pools the block it completes.
-    fn push(
-        &mut self,
-        key: &[f32],
-        value: &[f32],
-        raw_index_key: &[f32],
-        key_norm: &[f32],
-        settings: &QsaSelectionSettings,
-    ) {
-        self.keys.extend_from_slice(key);
-        self.values.extend_from_slice(value);
-        self.raw_index_keys.extend_from_slice(raw_index_key);
-        self.tokens += 1;
-        let ratio = settings.compress_ratio;
-        if self.tokens % ratio == 0 {
-            let first = self.tokens - ratio;
-            let width = settings.index_head_dim;
-            let block = &self.raw_index_keys[first * width..self.tokens * width];
-            let pooled = pooled_block_key(block, first, key_norm, settings);
-            self.pooled_keys.extend_from_slice(&pooled);
-        }
-    }
-
-    /// Forgets everything from token `tokens` on.
-    fn truncate(&mut self, tokens: usize, settings: &QsaSelectionSettings, kv_width: usize) {
-        if tokens >= self.tokens {
-            return;
-        }
-        self.keys.truncate(tokens * kv_width);
-        self.values.truncate(tokens * kv_width);
-        self.raw_index_keys
-            .truncate(tokens * settings.index_head_dim);
-        self.pooled_keys
-            .truncate(tokens / settings.compress_ratio * settings.index_head_dim);
-        self.tokens = tokens;
-    }
-}
-
 impl<B: Backend> Qwen4ExpGraph<B> {
     /// Loads the Qwen4-Exp weights of every layer and the final mixer.
     pub(in crate::model) fn load(
@@ -355,16 +287,10 @@ impl<B: Backend> Qwen4ExpGraph<B> {
                             &format!("{prefix}.attn.indexer.qk_proj"),
                             ((heads + 1) * width, hidden),
                         )?,
-                        query_norm: host_vector(
-                            artifact,
-                            &format!("{prefix}.attn.indexer.q_norm"),
-                            width,
-                        )?,
-                        key_norm: host_vector(
-                            artifact,
-                            &format!("{prefix}.attn.indexer.k_norm"),
-                            width,
-                        )?,
+                        query_norm: loader
+                            .parameter(&format!("{prefix}.attn.indexer.q_norm"), (1, width))?,
+                        key_norm: loader
+                            .parameter(&format!("{prefix}.attn.indexer.k_norm"), (1, width))?,
                     })
                 }
                 MixerKind::GatedDeltaNet => None,
@@ -472,18 +398,9 @@ impl<B: Backend> Qwen4ExpGraph<B> {
             .collect()
     }
 
-    pub(crate) fn new_sparse_attention_state(&self) -> SparseAttentionState {
-        SparseAttentionState::new()
-    }
-
-    /// Cuts a QSA state back to `tokens` (a restored checkpoint).
-    pub(crate) fn truncate_sparse_attention(
-        &self,
-        state: &mut SparseAttentionState,
-        tokens: usize,
-        kv_width: usize,
-    ) {
-        state.truncate(tokens, &self.qsa, kv_width);
+    /// The indexer settings every QSA layer shares.
+    pub(crate) fn qsa_settings(&self) -> &QsaSelectionSettings {
+        &self.qsa
     }
 
     /// The Gated DeltaNet output norm's host weight of `layer` when its gate is a sigmoid.
@@ -758,7 +675,7 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let spec = &self.spec.attention;
         let (eps, style) = (self.spec.eps(), self.spec.norm_style);
-        let (heads, kv_heads, head_dim) = (spec.heads, spec.kv_heads, spec.head_dim);
+        let (heads, head_dim) = (spec.heads, spec.head_dim);
         let [projected, k, v] = backend.matmul3(x, [q_proj, k_proj, v_proj])?;
         let (q, gate) = backend.split_interleaved(&projected, heads, head_dim, head_dim)?;
         let rotation = Rotation {
@@ -767,74 +684,26 @@ impl<B: Backend> Model<B> {
             rotary_dim: self.spec.common.rotary_dim,
             theta: self.spec.common.rope_theta,
         };
-        let q = backend.download(&backend.rms_norm_rope(&q, q_norm, eps, style, &rotation)?)?;
-        let k = backend.download(&backend.rms_norm_rope(&k, k_norm, eps, style, &rotation)?)?;
-        let v = backend.download(&v)?;
-        let index_qk = backend.download(&backend.matmul(x, &indexer.qk_proj)?)?;
+        let (q, k) = backend.rms_norm_rope_pair(&q, q_norm, &k, k_norm, eps, style, &rotation)?;
         let settings = &graph.qsa;
-        let index_width = settings.index_head_dim;
-        let index_row = (settings.index_heads + 1) * index_width;
-        let query_heads_width = settings.index_heads * index_width;
-        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        let group = heads / kv_heads.max(1);
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        let mut output = vec![0.0f32; positions.len() * q_width];
+        let index_qk = backend.matmul(x, &indexer.qk_proj)?;
         let mut segments = layer_segments(batch, ranges, index, |layer| match layer {
-            LayerState::SparseAttention(state) => Some(state),
+            LayerState::SparseAttention(cache) => Some(cache),
             _ => None,
         })?;
-        let mut scores = Vec::new();
-        for segment in segments.iter_mut() {
-            let state = &mut *segment.state;
-            for row in segment.rows.clone() {
-                let raw_key = &index_qk[row * index_row + query_heads_width..(row + 1) * index_row];
-                state.push(
-                    &k[row * kv_width..(row + 1) * kv_width],
-                    &v[row * kv_width..(row + 1) * kv_width],
-                    raw_key,
-                    &indexer.key_norm,
-                    settings,
-                );
-            }
-            for (offset, row) in segment.rows.clone().enumerate() {
-                let position = segment.start_position + offset;
-                let index_query = prepare_index_query(
-                    &index_qk[row * index_row..row * index_row + query_heads_width],
-                    &indexer.query_norm,
-                    position,
-                    settings,
-                );
-                let selected =
-                    select_tokens(&index_query, &state.pooled_keys, position + 1, settings)?;
-                for head in 0..heads {
-                    let kv_head = head / group;
-                    let query =
-                        &q[row * q_width + head * head_dim..row * q_width + (head + 1) * head_dim];
-                    scores.clear();
-                    scores.extend(selected.iter().map(|&token| {
-                        let key = &state.keys[token * kv_width + kv_head * head_dim..][..head_dim];
-                        query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale
-                    }));
-                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut total = 0.0f32;
-                    for score in scores.iter_mut() {
-                        *score = (*score - max).exp();
-                        total += *score;
-                    }
-                    let out = &mut output[row * q_width + head * head_dim..][..head_dim];
-                    for (&token, weight) in selected.iter().zip(&scores) {
-                        let value =
-                            &state.values[token * kv_width + kv_head * head_dim..][..head_dim];
-                        let weight = weight / total;
-                        for (o, v) in out.iter_mut().zip(value) {
-                            *o += weight * v;
-                        }
-                    }
-                }
-            }
-        }
+        // The rows' own keys first (a query sees itself), pooling the blocks they complete.
+        backend.qsa_append(
+            &k,
+            &v,
+            &index_qk,
+            &indexer.key_norm,
+            settings,
+            &mut segments,
+        )?;
+        let index_queries =
+            backend.qsa_index_queries(&index_qk, &indexer.query_norm, settings, positions)?;
+        let attended = backend.qsa_attention(&q, &index_queries, spec, settings, &mut segments)?;
         drop(segments);
-        let attended = backend.upload(&output, positions.len(), q_width)?;
         let gated = backend.mul_sigmoid(&attended, &gate)?;
         backend.matmul(&gated, o_proj)
     }

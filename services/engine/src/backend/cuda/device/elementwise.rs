@@ -197,6 +197,27 @@ impl CudaBackend {
         )
     }
 
+    /// The device pointer of the inverse frequencies of `(rotary_dim, theta)` (uploaded once;
+    /// the table's buffer lives as long as the backend, entries are never removed).
+    pub(super) fn rope_inverse_table(
+        &self,
+        rotary_dim: usize,
+        theta: f64,
+    ) -> Result<u64, CudaError> {
+        let mut tables = self.rope_tables.lock().map_err(|_| CudaError::Invalid {
+            problem: "the rope cache's lock is poisoned".into(),
+        })?;
+        let key = (rotary_dim, theta.to_bits());
+        if let std::collections::hash_map::Entry::Vacant(entry) = tables.inverse.entry(key) {
+            entry.insert(self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?);
+        }
+        let inverse = tables.inverse.get(&key).ok_or_else(|| CudaError::Invalid {
+            problem: "rope tables missing after upload".into(),
+        })?;
+        let pointer = inverse.device_ptr(&self.stream).0;
+        Ok(pointer)
+    }
+
     /// Runs `launch` with the device tables of a rotation: `positions` as u32 (uploaded when
     /// they differ from the last ones: every attention layer of a forward rotates q and k at
     /// the same positions) and the inverse frequencies of `(rotary_dim, theta)` (uploaded once).

@@ -32,9 +32,11 @@ use crate::backend::{
 };
 use crate::error::EngineError;
 use crate::host_math::route_top_k_host;
+use crate::model::qwen4_exp::qsa_selection::QsaSelectionSettings;
 use crate::weights::StoredWeight;
 use elementwise::RopeTables;
 use matmul::CUBLAS_MIN_ROWS;
+pub use qsa::CudaQsaCache;
 
 /// Threads per block of the element-wise kernels.
 const BLOCK: u32 = 256;
@@ -566,6 +568,7 @@ impl Backend for CudaBackend {
     type ConvState = CudaConvState;
     type RecurrentState = CudaRecurrentState;
     type ExpertSlots = CudaExpertSlots;
+    type QsaCache = CudaQsaCache;
     type PendingRouting = CudaPendingRouting;
     type StepGraph = CudaStepGraph;
     type WorkerHandoff = CudaWorkerHandoff;
@@ -826,6 +829,83 @@ impl Backend for CudaBackend {
         self.attention_on(self.info.attention_path, q, k, v, spec, segments)
     }
 
+    fn new_qsa_cache(
+        &self,
+        max_tokens: usize,
+        kv_width: usize,
+        settings: &QsaSelectionSettings,
+    ) -> Result<CudaQsaCache, EngineError> {
+        self.allocate_qsa_cache(max_tokens, kv_width, settings)
+            .map_err(device("new_qsa_cache"))
+    }
+
+    fn qsa_cache_tokens(&self, cache: &CudaQsaCache) -> usize {
+        cache.tokens()
+    }
+
+    fn truncate_qsa_cache(&self, cache: &mut CudaQsaCache, tokens: usize) {
+        cache.truncate(tokens);
+    }
+
+    fn qsa_append(
+        &self,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        index_qk: &CudaTensor,
+        key_norm: &CudaWeight,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, CudaQsaCache>],
+    ) -> Result<(), EngineError> {
+        for segment in segments.iter() {
+            let (held, added) = (segment.start_position, segment.rows.len());
+            if held + added > segment.state.max_tokens() {
+                return Err(EngineError::ContextFull {
+                    held,
+                    added,
+                    max_context: segment.state.max_tokens(),
+                });
+            }
+        }
+        let _timer = self.op_timer_by_rows("qsa_append", k.rows);
+        self.launch_qsa_append(k, v, index_qk, key_norm, settings, segments)
+            .map_err(device("qsa_append"))
+    }
+
+    fn qsa_index_queries(
+        &self,
+        index_qk: &CudaTensor,
+        query_norm: &CudaWeight,
+        settings: &QsaSelectionSettings,
+        positions: &[usize],
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer_by_rows("qsa_index_queries", index_qk.rows);
+        self.launch_qsa_index_queries(index_qk, query_norm, settings, positions)
+            .map_err(device("qsa_index_queries"))
+    }
+
+    fn qsa_attention(
+        &self,
+        q: &CudaTensor,
+        index_queries: &CudaTensor,
+        spec: &AttentionSpec,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, CudaQsaCache>],
+    ) -> Result<CudaTensor, EngineError> {
+        // Timed in two parts, `qsa_select` and `qsa_attend` (device/qsa.rs).
+        self.launch_qsa_attention(q, index_queries, spec, settings, segments)
+            .map_err(device("qsa_attention"))
+    }
+
+    fn qsa_selected_tokens(
+        &self,
+        index_queries: &CudaTensor,
+        settings: &QsaSelectionSettings,
+        segments: &mut [Segment<'_, CudaQsaCache>],
+    ) -> Result<Vec<Vec<usize>>, EngineError> {
+        self.qsa_selected_tokens_on_device(index_queries, settings, segments)
+            .map_err(device("qsa_selected_tokens"))
+    }
+
     fn new_conv_state(&self, channels: usize, kernel: usize) -> Result<CudaConvState, EngineError> {
         let history = self
             .alloc(kernel.saturating_sub(1) * channels)
@@ -1029,6 +1109,7 @@ mod norm;
 mod op_timing;
 mod options;
 mod pending_routing;
+mod qsa;
 mod readback;
 mod router;
 mod sampling;

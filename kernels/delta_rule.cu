@@ -20,6 +20,8 @@
 // A, W and the intra-chunk products are recomputed by every column tile of a head (they do not
 // depend on the columns); that buys four times the blocks at dv = 128.
 
+#include "common.cuh"
+
 // q, k: [*, nk·dk]; v, out: [*, nv·dv]; g, beta: [*, nv]; state: [nv, dk, dv].
 // Grid (nv); block dv rounded up to a warp. Dynamic shared memory: 2·dk floats.
 extern "C" __global__ void gated_delta_rule_recurrent(const float* q, const float* k,
@@ -351,6 +353,455 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
         int d = e / DR_COLUMNS, c = column0 + (e - d * DR_COLUMNS);
         if (c < dv) {
             s_head[(long long)d * dv + c] = s_s[e];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gated_delta_rule_chunked_mma: the chunked form on the tensor cores (mma.sync m16n8k16, bf16
+// operands, f32 accumulation). Same arguments, grid and chunks as gated_delta_rule_chunked; dk and
+// dv multiples of 16, dk ≤ DRT_MAX_KEY_DIM (the host checks). Per chunk (rows past the chunk's
+// end are zero: k̂ = q̂ = 0, β = 0, g = 0):
+//   phase 0  k̂, q̂ l2-normalised in f32, stored bf16; γ (a warp scan), β, e^γ, e^{γ_last−γ}.
+//   phase 1  mma K̂K̂ᵀ and Q̂K̂ᵀ (the lower 16-row blocks only); A_ij = β_i (k̂_i·k̂_j) e^{γ_i−γ_j}
+//            (j < i) kept f32, P_ij = (q̂_i·k̂_j) e^{γ_i−γ_j} (j ≤ i) kept bf16.
+//   phase 2  T = (I + A)⁻¹ in f32: forward substitution inside each 16×16 diagonal block, then
+//            the blocks below it, T_ib = −T_ii Σ_{b≤c<i} A_ic T_cb, by distance from the diagonal.
+//   phase 3  mma K̂S and Q̂S against the bf16 copy of the state tile; R = β (V − e^γ K̂S) in f32
+//            (so V' = T R = U − W S without forming W), O = e^γ Q̂S kept in registers.
+//   phase 4  V' = T R in f32, stored bf16 as V' and as e^{γ_last−γ_j} V'_j.
+//   phase 5  mma O += P V' (stored), and S ← e^{γ_last} S + K̂ᵀ (e^{γ_last−γ} V') with the f32
+//            state tile living in the mma accumulators of its warps for the whole sequence (warp
+//            w owns key rows 16w.., 16(w+8)..); its bf16 copy is refreshed for the next chunk.
+
+#define DRT_THREADS 256
+#define DRT_WARPS (DRT_THREADS / 32)
+// Value columns per block (as DR_COLUMNS): four n8 tiles.
+#define DRT_COLUMNS 32
+// bf16 of padding per staged row: rows 16·(odd) bytes apart keep ldmatrix free of conflicts.
+#define DRT_PAD 8
+#define DRT_MAX_KEY_DIM 256
+// 16-row key tiles of the state per warp at DRT_MAX_KEY_DIM.
+#define DRT_STATE_TILES (DRT_MAX_KEY_DIM / 16 / DRT_WARPS)
+// Row strides: f32 A and T, f32 R, bf16 P, bf16 V' / e^{γ_last−γ} V' / the state copy.
+#define DRT_TS (DR_CHUNK + 1)
+#define DRT_RS (DRT_COLUMNS + 4)
+#define DRT_PS (DR_CHUNK + DRT_PAD)
+#define DRT_VS (DRT_COLUMNS + DRT_PAD)
+
+__device__ __forceinline__ unsigned int drt_pack_bf16x2(float lo, float hi) {
+    unsigned int packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+__device__ __forceinline__ void drt_ldmatrix_x4(unsigned int (&r)[4], const unsigned short* at) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void drt_ldmatrix_x4_trans(unsigned int (&r)[4],
+                                                      const unsigned short* at) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void drt_mma(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                        unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A fragment of rows row0.. (16) and columns col0.. (16) of a row-major bf16 matrix.
+__device__ __forceinline__ void drt_load_a(unsigned int (&a)[4], const unsigned short* m,
+                                           int stride, int row0, int col0, int lane) {
+    drt_ldmatrix_x4(a, m + (row0 + (lane & 15)) * stride + col0 + (lane >> 4) * 8);
+}
+
+// A fragment of the transpose: rows col0.. and columns row0.. of Mᵀ, M row-major.
+__device__ __forceinline__ void drt_load_a_transposed(unsigned int (&a)[4], const unsigned short* m,
+                                                      int stride, int row0, int col0, int lane) {
+    drt_ldmatrix_x4_trans(
+        a, m + (row0 + (lane & 7) + ((lane >> 4) << 3)) * stride + col0 + ((lane >> 3) & 1) * 8);
+}
+
+// B fragments of two n8 tiles (b[0..1] columns n0.., b[2..3] columns n0 + 8..), k rows k0.. of
+// a row-major [k][n] bf16 matrix.
+__device__ __forceinline__ void drt_load_b_kn(unsigned int (&b)[4], const unsigned short* m,
+                                              int stride, int k0, int n0, int lane) {
+    drt_ldmatrix_x4_trans(
+        b, m + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + n0 + (lane >> 4) * 8);
+}
+
+// The same from a row-major [n][k] matrix (B = Mᵀ).
+__device__ __forceinline__ void drt_load_b_nk(unsigned int (&b)[4], const unsigned short* m,
+                                              int stride, int k0, int n0, int lane) {
+    drt_ldmatrix_x4(
+        b, m + (n0 + (lane & 7) + ((lane >> 4) << 3)) * stride + k0 + ((lane >> 3) & 1) * 8);
+}
+
+// Same arguments as gated_delta_rule_chunked. Grid (nv, ceil(dv / 32)); block DRT_THREADS.
+// Dynamic shared memory, in bytes, with ks = dk + DRT_PAD:
+//   4·(2·64·DRT_TS (A, T) + 64·DRT_RS (R) + 4·64 (γ, β, e^γ, e^{γ_last−γ}))
+//   + 2·(2·64·ks (K̂, Q̂) + 64·DRT_PS (P) + 2·64·DRT_VS (V', e^{γ_last−γ} V') + dk·DRT_VS (S)).
+extern "C" __global__ void __launch_bounds__(DRT_THREADS)
+    gated_delta_rule_chunked_mma(const float* q, const float* k, const float* v, const float* g,
+                                 const float* beta, float* state, float* out, int row_start,
+                                 int n, int nk, int nv, int dk, int dv) {
+    extern __shared__ __align__(16) unsigned char drt_shared[];
+    float* s_a = reinterpret_cast<float*>(drt_shared);  // [64][TS]  A (j < i)
+    float* s_t = s_a + DR_CHUNK * DRT_TS;                // [64][TS]  T = (I + A)⁻¹
+    float* s_r = s_t + DR_CHUNK * DRT_TS;                // [64][RS]  R (first: T's scratch)
+    float* s_gamma = s_r + DR_CHUNK * DRT_RS;            // [64]
+    float* s_beta = s_gamma + DR_CHUNK;                  // [64]
+    float* s_eg = s_beta + DR_CHUNK;                     // [64] e^{γ_i}
+    float* s_f = s_eg + DR_CHUNK;                        // [64] e^{γ_last−γ_i} (0 past the end)
+    const int ks = dk + DRT_PAD;
+    unsigned short* s_k = reinterpret_cast<unsigned short*>(s_f + DR_CHUNK);  // [64][ks] K̂
+    unsigned short* s_q = s_k + DR_CHUNK * ks;                                 // [64][ks] Q̂
+    unsigned short* s_p = s_q + DR_CHUNK * ks;                                 // [64][PS] P
+    unsigned short* s_vp = s_p + DR_CHUNK * DRT_PS;                            // [64][VS] V'
+    unsigned short* s_vd = s_vp + DR_CHUNK * DRT_VS;  // [64][VS] e^{γ_last−γ_j} V'_j
+    unsigned short* s_sb = s_vd + DR_CHUNK * DRT_VS;  // [dk][VS] the state tile, bf16
+
+    const int head = blockIdx.x;
+    const int column0 = blockIdx.y * DRT_COLUMNS;
+    const int ratio = max(nv / max(nk, 1), 1);
+    const int key_head = head / ratio;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int group = lane >> 2;  // accumulator rows group, group + 8
+    const int pair = 2 * (lane & 3);  // accumulator columns pair, pair + 1
+    const long long q_stride = (long long)nk * dk;
+    const long long v_stride = (long long)nv * dv;
+    float* s_head = state + (long long)head * dk * dv;
+    const float scale = 1.0f / sqrtf((float)dk);
+    const int key_tiles = dk / 16;
+
+    // The state tile in the accumulators: st[a][nt] covers key rows 16·(warp + 8a).. and value
+    // columns 8·nt.. of the tile.
+    float st[DRT_STATE_TILES][4][4];
+#pragma unroll
+    for (int a = 0; a < DRT_STATE_TILES; ++a) {
+        const int mt = warp + a * DRT_WARPS;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int d = mt * 16 + group + 8 * h, c = nt * 8 + pair;
+                float2 x = make_float2(0.0f, 0.0f);
+                if (mt < key_tiles && column0 + c < dv) {
+                    x = *reinterpret_cast<const float2*>(s_head + (long long)d * dv + column0 + c);
+                }
+                st[a][nt][2 * h] = x.x;
+                st[a][nt][2 * h + 1] = x.y;
+                if (mt < key_tiles) {
+                    *reinterpret_cast<unsigned int*>(s_sb + d * DRT_VS + c) =
+                        drt_pack_bf16x2(x.x, x.y);
+                }
+            }
+        }
+    }
+
+    for (int chunk = 0; chunk < n; chunk += DR_CHUNK) {
+        const int m = min(DR_CHUNK, n - chunk);
+        const long long row0 = (long long)row_start + chunk;
+        __syncthreads();  // the previous chunk is done with every buffer
+
+        // Phase 0: γ by a warp scan over pairs of rows; β; k̂ and q̂ (a warp per row).
+        if (warp == 0) {
+            const int t = 2 * lane;
+            const float g0 = t < m ? g[(row0 + t) * nv + head] : 0.0f;
+            const float g1 = t + 1 < m ? g[(row0 + t + 1) * nv + head] : 0.0f;
+            float inclusive = g0 + g1;
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const float before = __shfl_up_sync(0xffffffffu, inclusive, offset);
+                if (lane >= offset) inclusive += before;
+            }
+            float exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
+            if (lane == 0) exclusive = 0.0f;
+            s_gamma[t] = exclusive + g0;
+            s_gamma[t + 1] = (exclusive + g0) + g1;
+        } else if (tid >= 32 && tid < 32 + DR_CHUNK) {
+            const int t = tid - 32;
+            s_beta[t] = t < m ? beta[(row0 + t) * nv + head] : 0.0f;
+        }
+        for (int t = warp; t < DR_CHUNK; t += DRT_WARPS) {
+#pragma unroll
+            for (int which = 0; which < 2; ++which) {
+                const float* from = (which == 0 ? k : q) + (row0 + t) * q_stride +
+                                    (long long)key_head * dk;
+                unsigned short* to = (which == 0 ? s_k : s_q) + t * ks;
+                float4 x[DRT_MAX_KEY_DIM / 128];
+                float sum = 0.0f;
+#pragma unroll
+                for (int i = 0; i < DRT_MAX_KEY_DIM / 128; ++i) {
+                    const int d = 4 * (lane + 32 * i);
+                    x[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (t < m && d < dk) x[i] = *reinterpret_cast<const float4*>(from + d);
+                    sum += x[i].x * x[i].x + x[i].y * x[i].y + x[i].z * x[i].z + x[i].w * x[i].w;
+                }
+                const float inverse = 1.0f / sqrtf(warp_sum(sum) + 1e-6f);
+                const float row_scale = which == 0 ? 1.0f : scale;
+#pragma unroll
+                for (int i = 0; i < DRT_MAX_KEY_DIM / 128; ++i) {
+                    const int d = 4 * (lane + 32 * i);
+                    if (d < dk) {
+                        *reinterpret_cast<uint2*>(to + d) = make_uint2(
+                            drt_pack_bf16x2(x[i].x * inverse * row_scale,
+                                            x[i].y * inverse * row_scale),
+                            drt_pack_bf16x2(x[i].z * inverse * row_scale,
+                                            x[i].w * inverse * row_scale));
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (tid < DR_CHUNK) {
+            s_eg[tid] = expf(s_gamma[tid]);
+            s_f[tid] = tid < m ? expf(s_gamma[m - 1] - s_gamma[tid]) : 0.0f;
+        }
+
+        // Phase 1: warps 0-3 K̂K̂ᵀ, warps 4-7 Q̂K̂ᵀ, row tile warp & 3, key tiles up to the diagonal.
+        {
+            const int mt = warp & 3;
+            const bool scores = warp >= 4;
+            const unsigned short* rows = scores ? s_q : s_k;
+            float acc[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+            for (int kd = 0; kd < dk; kd += 16) {
+                unsigned int a[4];
+                drt_load_a(a, rows, ks, mt * 16, kd, lane);
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    if (jj <= mt) {
+                        unsigned int b[4];
+                        drt_load_b_nk(b, s_k, ks, kd, jj * 16, lane);
+                        drt_mma(acc[2 * jj], a, b[0], b[1]);
+                        drt_mma(acc[2 * jj + 1], a, b[2], b[3]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int jt = 0; jt < 8; ++jt) {
+                if (jt / 2 > mt) continue;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = mt * 16 + group + 8 * h;
+                    const int j = jt * 8 + pair;
+                    float x0 = acc[jt][2 * h], x1 = acc[jt][2 * h + 1];
+                    const float gi = s_gamma[i];
+                    if (scores) {
+                        x0 = j <= i ? x0 * expf(gi - s_gamma[j]) : 0.0f;
+                        x1 = j + 1 <= i ? x1 * expf(gi - s_gamma[j + 1]) : 0.0f;
+                        *reinterpret_cast<unsigned int*>(s_p + i * DRT_PS + j) =
+                            drt_pack_bf16x2(x0, x1);
+                    } else {
+                        const float b = s_beta[i];
+                        s_a[i * DRT_TS + j] = j < i ? b * x0 * expf(gi - s_gamma[j]) : 0.0f;
+                        s_a[i * DRT_TS + j + 1] =
+                            j + 1 < i ? b * x1 * expf(gi - s_gamma[j + 1]) : 0.0f;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+
+        // Phase 2: T = (I + A)⁻¹. Thread c < 64 writes column c down to the end of its diagonal
+        // block (zeros above the diagonal, 1 on it, forward substitution below).
+        if (tid < DR_CHUNK) {
+            const int c = tid, block_end = (c | 15) + 1;
+            for (int i = 0; i < c; ++i) s_t[i * DRT_TS + c] = 0.0f;
+            s_t[c * DRT_TS + c] = 1.0f;
+            for (int i = c + 1; i < block_end; ++i) {
+                float x = 0.0f;
+                for (int j = c; j < i; ++j) x -= s_a[i * DRT_TS + j] * s_t[j * DRT_TS + c];
+                s_t[i * DRT_TS + c] = x;
+            }
+        }
+        __syncthreads();
+        for (int distance = 1; distance < DR_CHUNK / 16; ++distance) {
+            const int blocks = DR_CHUNK / 16 - distance;
+            // X = Σ_{b≤c<i} A_ic T_cb for the blocks (i, b) = (p + distance, p) ...
+            for (int e = tid; e < blocks * 256; e += DRT_THREADS) {
+                const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                const int bi = p + distance, bj = p;
+                const float* a_row = s_a + (bi * 16 + r) * DRT_TS;
+                float x = 0.0f;
+                for (int kk = bj * 16; kk < bi * 16; ++kk) {
+                    x += a_row[kk] * s_t[kk * DRT_TS + bj * 16 + c];
+                }
+                s_r[e] = x;
+            }
+            __syncthreads();
+            // ... then T_ib = −T_ii X.
+            for (int e = tid; e < blocks * 256; e += DRT_THREADS) {
+                const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                const int bi = p + distance, bj = p;
+                const float* t_row = s_t + (bi * 16 + r) * DRT_TS + bi * 16;
+                float x = 0.0f;
+                for (int s = 0; s <= r; ++s) x -= t_row[s] * s_r[(p << 8) + s * 16 + c];
+                s_t[(bi * 16 + r) * DRT_TS + bj * 16 + c] = x;
+            }
+            __syncthreads();
+        }
+
+        // Phase 3: warps 0-3 K̂S → R = β (V − e^γ K̂S); warps 4-7 Q̂S → O = e^γ Q̂S (registers).
+        float o[4][4];
+        {
+            const int mt = warp & 3;
+            const bool scores = warp >= 4;
+            const unsigned short* rows = scores ? s_q : s_k;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+            for (int kd = 0; kd < dk; kd += 16) {
+                unsigned int a[4];
+                drt_load_a(a, rows, ks, mt * 16, kd, lane);
+#pragma unroll
+                for (int nn = 0; nn < 2; ++nn) {
+                    unsigned int b[4];
+                    drt_load_b_kn(b, s_sb, DRT_VS, kd, nn * 16, lane);
+                    drt_mma(o[2 * nn], a, b[0], b[1]);
+                    drt_mma(o[2 * nn + 1], a, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = mt * 16 + group + 8 * h, c = nt * 8 + pair;
+                    const float eg = s_eg[i];
+                    if (scores) {
+                        o[nt][2 * h] *= eg;
+                        o[nt][2 * h + 1] *= eg;
+                    } else {
+                        float2 x = make_float2(0.0f, 0.0f);
+                        if (i < m && column0 + c < dv) {
+                            x = *reinterpret_cast<const float2*>(
+                                v + (row0 + i) * v_stride + (long long)head * dv + column0 + c);
+                        }
+                        const float b = s_beta[i];
+                        s_r[i * DRT_RS + c] = i < m ? b * (x.x - eg * o[nt][2 * h]) : 0.0f;
+                        s_r[i * DRT_RS + c + 1] = i < m ? b * (x.y - eg * o[nt][2 * h + 1]) : 0.0f;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+
+        // Phase 4: V' = T R in f32 (lane = column, warp w rows w, w + 8, …), stored bf16.
+        {
+            float acc[DR_ROWS_PER_WARP];
+#pragma unroll
+            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) acc[r] = 0.0f;
+            for (int j = 0; j < m; ++j) {
+                const float x = s_r[j * DRT_RS + lane];
+#pragma unroll
+                for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+                    acc[r] += s_t[(warp + DRT_WARPS * r) * DRT_TS + j] * x;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+                const int i = warp + DRT_WARPS * r;
+                s_vp[i * DRT_VS + lane] = f32_to_bf16_bits(acc[r]);
+                s_vd[i * DRT_VS + lane] = f32_to_bf16_bits(acc[r] * s_f[i]);
+            }
+        }
+        __syncthreads();
+
+        // Phase 5a: O += P V' for the rows of warps 4-7; the outputs.
+        if (warp >= 4) {
+            const int mt = warp - 4;
+            for (int kc = 0; kc <= mt; ++kc) {
+                unsigned int a[4];
+                drt_load_a(a, s_p, DRT_PS, mt * 16, kc * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < 2; ++nn) {
+                    unsigned int b[4];
+                    drt_load_b_kn(b, s_vp, DRT_VS, kc * 16, nn * 16, lane);
+                    drt_mma(o[2 * nn], a, b[0], b[1]);
+                    drt_mma(o[2 * nn + 1], a, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = mt * 16 + group + 8 * h, c = column0 + nt * 8 + pair;
+                    if (i < m && c < dv) {
+                        *reinterpret_cast<float2*>(out + (row0 + i) * v_stride +
+                                                   (long long)head * dv + c) =
+                            make_float2(o[nt][2 * h], o[nt][2 * h + 1]);
+                    }
+                }
+            }
+        }
+
+        // Phase 5b: S ← e^{γ_last} S + K̂ᵀ (e^{γ_last−γ} V'), then its bf16 copy.
+        {
+            const float decay = s_eg[m - 1];
+            const int row_tiles = (m + 15) / 16;
+#pragma unroll
+            for (int a = 0; a < DRT_STATE_TILES; ++a) {
+                const int mt = warp + a * DRT_WARPS;
+                if (mt >= key_tiles) continue;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) st[a][nt][e] *= decay;
+                for (int kc = 0; kc < row_tiles; ++kc) {
+                    unsigned int kt[4];
+                    drt_load_a_transposed(kt, s_k, ks, kc * 16, mt * 16, lane);
+#pragma unroll
+                    for (int nn = 0; nn < 2; ++nn) {
+                        unsigned int b[4];
+                        drt_load_b_kn(b, s_vd, DRT_VS, kc * 16, nn * 16, lane);
+                        drt_mma(st[a][2 * nn], kt, b[0], b[1]);
+                        drt_mma(st[a][2 * nn + 1], kt, b[2], b[3]);
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int d = mt * 16 + group + 8 * h, c = nt * 8 + pair;
+                        *reinterpret_cast<unsigned int*>(s_sb + d * DRT_VS + c) =
+                            drt_pack_bf16x2(st[a][nt][2 * h], st[a][nt][2 * h + 1]);
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int a = 0; a < DRT_STATE_TILES; ++a) {
+        const int mt = warp + a * DRT_WARPS;
+        if (mt >= key_tiles) continue;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int d = mt * 16 + group + 8 * h, c = column0 + nt * 8 + pair;
+                if (c < dv) {
+                    *reinterpret_cast<float2*>(s_head + (long long)d * dv + c) =
+                        make_float2(st[a][nt][2 * h], st[a][nt][2 * h + 1]);
+                }
+            }
         }
     }
 }

@@ -12,5 +12,9 @@ if ! ls "$lib_dir"/libnvrtc.so.* >/dev/null 2>&1; then
     --target "$wheel_dir" "nvidia-cuda-nvrtc-cu12==${NVRTC_WHEEL_VERSION:-12.9.86}"
 fi
 case "$lib_dir" in /*) ;; *) lib_dir="$PWD/$lib_dir" ;; esac
+# NVRTC_CHECK_PROFILE=release builds the check in the release profile (a checkout whose target/
+# holds only release builds compiles far less).
+profile=()
+if [ -n "${NVRTC_CHECK_PROFILE:-}" ]; then profile=(--profile "$NVRTC_CHECK_PROFILE"); fi
 NINFER_NVRTC_PATH="$lib_dir" NINFER_REQUIRE_NVRTC=1 \
-  cargo test --locked -p ninfer-engine --test cuda_nvrtc -- --nocapture
+  cargo test --locked "${profile[@]}" -p ninfer-engine --test cuda_nvrtc -- --nocapture

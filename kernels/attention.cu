@@ -55,6 +55,7 @@ __device__ __forceinline__ void store_kv(unsigned short* p, float x) { *p = f32_
 extern "C" __global__ void kv_append_bf16(const float* k, const float* v, unsigned short* keys,
                                           unsigned short* values, int row_start, int n, int at,
                                           int width, const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     if (row_positions) at = (int)row_positions[row_start];
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)n * width;
          i += (long long)blockDim.x * gridDim.x) {
@@ -128,6 +129,7 @@ __device__ void attention_warp(const float* q, const KV* keys, const KV* values,
 extern "C" __global__ void attention(const float* q, const float* keys, const float* values,
                                      float* out, int row_start, int n, int start_position,
                                      int heads, int kv_heads, int hd, int window, float scale) {
+    PDL_WAIT_AND_RELEASE();
     attention_warp(q, keys, values, out, row_start, n, start_position, heads, kv_heads, hd, window,
                    scale);
 }
@@ -136,6 +138,7 @@ extern "C" __global__ void attention_bf16(const float* q, const unsigned short* 
                                           const unsigned short* values, float* out, int row_start,
                                           int n, int start_position, int heads, int kv_heads,
                                           int hd, int window, float scale) {
+    PDL_WAIT_AND_RELEASE();
     attention_warp(q, keys, values, out, row_start, n, start_position, heads, kv_heads, hd, window,
                    scale);
 }
@@ -430,6 +433,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
                     float* part_ml, int row_start, int start_position, int heads, int kv_heads,
                     int hd, int window, float scale, int chunk, int chunks, int part_base,
                     const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     attention_split_segment(q, keys, values, part_o, part_ml, row_start, start_position, heads,
                             kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
 }
@@ -440,6 +444,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
                          int row_start, int start_position, int heads, int kv_heads, int hd,
                          int window, float scale, int chunk, int chunks, int part_base,
                          const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     attention_split_segment(q, keys, values, part_o, part_ml, row_start, start_position, heads,
                             kv_heads, hd, window, scale, chunk, chunks, part_base, row_positions);
 }
@@ -491,12 +496,14 @@ __device__ __forceinline__ void kv_append_rows(const float* k, const float* v,
 extern "C" __global__ void kv_append_batched(const float* k, const float* v, DecodeRows batch,
                                              int row_start, int n, int width,
                                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     kv_append_rows<float>(k, v, batch, row_start, n, width, row_positions);
 }
 
 extern "C" __global__ void kv_append_batched_bf16(const float* k, const float* v,
                                                   DecodeRows batch, int row_start, int n,
                                                   int width, const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     kv_append_rows<unsigned short>(k, v, batch, row_start, n, width, row_positions);
 }
 
@@ -520,6 +527,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
                             int row_start, int heads, int kv_heads, int hd, int window,
                             float scale, int chunks, int part_base,
                             const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     attention_split_rows<float>(q, part_o, part_ml, batch, row_start, heads, kv_heads, hd, window,
                                 scale, chunks, part_base, row_positions);
 }
@@ -529,6 +537,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
                                  int row_start, int heads, int kv_heads, int hd, int window,
                                  float scale, int chunks, int part_base,
                                  const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     attention_split_rows<unsigned short>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
                                          hd, window, scale, chunks, part_base, row_positions);
 }
@@ -592,6 +601,7 @@ extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
     attention_combine(const float* part_o, const float* part_ml, float* out, int row_start, int n,
                       int start_position, int heads, int hd, int window, int chunk, int chunks,
                       int part_base, const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     if (row_positions) {
         start_position = (int)row_positions[row_start];
         chunk = split_chunk(start_position + n - 1);
@@ -610,6 +620,7 @@ extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
                               DecodeRows batch, int row_start, int n, int heads, int hd,
                               int window, int chunks, int part_base,
                               const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     int task = blockIdx.x;
     if (task >= n * heads) return;
     int t = task / heads, head = task % heads;
@@ -767,6 +778,7 @@ extern "C" __global__ void __launch_bounds__(TILE_THREADS)
     attention_tiled(const float* q, const float* keys, const float* values, float* out,
                     int row_start, int n, int start_position, int heads, int kv_heads, int hd,
                     int window, float scale) {
+    PDL_WAIT_AND_RELEASE();
     attention_tiled_block(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
                           hd, window, scale);
 }
@@ -776,6 +788,7 @@ extern "C" __global__ void __launch_bounds__(TILE_THREADS)
                          const unsigned short* values, float* out, int row_start, int n,
                          int start_position, int heads, int kv_heads, int hd, int window,
                          float scale) {
+    PDL_WAIT_AND_RELEASE();
     attention_tiled_block(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
                           hd, window, scale);
 }
@@ -1033,6 +1046,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
     attention_mma_64(const float* q, const unsigned short* keys, const unsigned short* values,
                      float* out, int row_start, int n, int start_position, int heads,
                      int kv_heads, int window, float scale) {
+    PDL_WAIT_AND_RELEASE();
     attention_mma_block<64>(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
                             window, scale);
 }
@@ -1041,6 +1055,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
     attention_mma_128(const float* q, const unsigned short* keys, const unsigned short* values,
                      float* out, int row_start, int n, int start_position, int heads,
                      int kv_heads, int window, float scale) {
+    PDL_WAIT_AND_RELEASE();
     attention_mma_block<128>(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
                             window, scale);
 }
@@ -1049,6 +1064,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
     attention_mma_256(const float* q, const unsigned short* keys, const unsigned short* values,
                      float* out, int row_start, int n, int start_position, int heads,
                      int kv_heads, int window, float scale) {
+    PDL_WAIT_AND_RELEASE();
     attention_mma_block<256>(q, keys, values, out, row_start, n, start_position, heads, kv_heads,
                             window, scale);
 }

@@ -35,3 +35,40 @@ __device__ __forceinline__ float warp_max(float v) {
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
     return v;
 }
+
+// Programmatic dependent launch (PDL, sm_90+). The backend may launch kernels with the attribute
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (services/engine/src/backend/cuda/device/
+// launch.rs), which lets the driver start a kernel's blocks while the kernel before it on the
+// stream is still running. Every __global__ function must therefore begin with this prologue,
+// before any global-memory read or write and before any early return (a unit test in
+// kernels.rs checks that each one does):
+//
+// - `griddepcontrol.wait` blocks until every grid this one depends on programmatically has
+//   completed and its memory operations are visible; on a launch without the attribute it
+//   returns at once. Nothing in the kernel touches memory before it, so a kernel observes
+//   exactly what it would under plain stream order.
+// - `griddepcontrol.launch_dependents` then lets the next kernel on the stream be scheduled.
+//   Its blocks only get as far as their own wait, which cannot return before this grid has
+//   completed, and this grid's blocks are all past their own wait, so the predecessor has
+//   completed too: the order is transitive, and no more than two grids overlap. The next grid
+//   is only scheduled once every block of this one has triggered or exited, so its waiting
+//   blocks cannot keep any block of this grid from being resident (no deadlock, also for
+//   kernels that spin, like handoff_collect's poll of host memory).
+// - Only kernel-to-kernel edges are relaxed: memcpy, memset, event records and waits, stream
+//   memory operations and kernels launched without the attribute (cuBLAS) keep the full
+//   serialization, and a kernel that follows one that never triggers (cuBLAS) starts when that
+//   one completes. Host-mapped memory (routing stores, the worker hand-off) is read by the host
+//   only after an event or a synchronisation, i.e. after kernel completion, as before.
+//
+// Below sm_90 the prologue is empty (the backend never uses PDL there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_WAIT_AND_RELEASE()                              \
+    do {                                                    \
+        asm volatile("griddepcontrol.wait;" ::: "memory"); \
+        asm volatile("griddepcontrol.launch_dependents;");  \
+    } while (0)
+#else
+#define PDL_WAIT_AND_RELEASE() \
+    do {                       \
+    } while (0)
+#endif

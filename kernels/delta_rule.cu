@@ -29,6 +29,7 @@ extern "C" __global__ void gated_delta_rule_recurrent(const float* q, const floa
                                                       const float* beta, float* state, float* out,
                                                       int row_start, int n, int nk, int nv,
                                                       int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ float staged[];
     float* qs = staged;
     float* ks = staged + dk;
@@ -137,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
     gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g,
                              const float* beta, float* state, float* out, int row_start, int n,
                              int nk, int nv, int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ float shared[];
     const int ks = dk | 1;
     float* s_k = shared;                              // [64][ks]  k̂ rows of the chunk

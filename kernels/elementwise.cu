@@ -15,6 +15,7 @@
 // before any op runs; this keeps a bad id from reading out of bounds).
 extern "C" __global__ void embed(const float* table, const unsigned int* ids, float* out, int rows,
                                  int cols, int vocab) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)rows * cols) {
         long long r = i / cols, c = i % cols;
         unsigned int id = ids[r];
@@ -25,6 +26,7 @@ extern "C" __global__ void embed(const float* table, const unsigned int* ids, fl
 // The same with a bf16 table (bf16 → f32 is exact).
 extern "C" __global__ void embed_bf16(const unsigned short* table, const unsigned int* ids,
                                       float* out, int rows, int cols, int vocab) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)rows * cols) {
         long long r = i / cols, c = i % cols;
         unsigned int id = ids[r];
@@ -37,6 +39,7 @@ extern "C" __global__ void embed_bf16(const unsigned short* table, const unsigne
 // out[r, c] = x[rows[r], c].
 extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, float* out,
                                        int count, int cols) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)count * cols) {
         long long r = i / cols, c = i % cols;
         out[i] = x[(long long)rows[r] * cols + c];
@@ -46,6 +49,7 @@ extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows,
 // out[r, c] = x[r, start + c] for c < width.
 extern "C" __global__ void columns(const float* x, float* out, int rows, int cols, int start,
                                    int width) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)rows * width) {
         long long r = i / width, c = i % width;
         out[i] = x[r * cols + start + c];
@@ -55,6 +59,7 @@ extern "C" __global__ void columns(const float* x, float* out, int rows, int col
 // Row = groups × [first | second] → a = groups × first, b = groups × second.
 extern "C" __global__ void split_interleaved(const float* x, float* a, float* b, int rows,
                                              int groups, int first, int second) {
+    PDL_WAIT_AND_RELEASE();
     int width = first + second;
     GRID_STRIDE(i, (long long)rows * groups * width) {
         long long r = i / ((long long)groups * width);
@@ -69,11 +74,13 @@ extern "C" __global__ void split_interleaved(const float* x, float* a, float* b,
 }
 
 extern "C" __global__ void add_assign(float* a, const float* b, long long n) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, n) { a[i] += b[i]; }
 }
 
 // out[r, c] = silu(x[r, c]) * x[r, half + c].
 extern "C" __global__ void silu_mul_halves(const float* x, float* out, int rows, int half) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)rows * half) {
         long long r = i / half, c = i % half;
         const float* row = x + r * 2 * half;
@@ -82,16 +89,19 @@ extern "C" __global__ void silu_mul_halves(const float* x, float* out, int rows,
 }
 
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, long long n) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, n) { out[i] = silu_f(gate[i]) * up[i]; }
 }
 
 extern "C" __global__ void mul_sigmoid(const float* x, const float* gate, float* out, long long n) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, n) { out[i] = x[i] * sigmoid_f(gate[i]); }
 }
 
 // a[r, c] += sigmoid(gate[r, 0]) * b[r, c].
 extern "C" __global__ void add_sigmoid_scaled_rows(float* a, const float* b, const float* gate,
                                                    int rows, int cols, int gate_cols) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)rows * cols) {
         long long r = i / cols;
         a[i] += sigmoid_f(gate[r * gate_cols]) * b[i];
@@ -100,6 +110,7 @@ extern "C" __global__ void add_sigmoid_scaled_rows(float* a, const float* b, con
 
 // out = silu(scale * x).
 extern "C" __global__ void scaled_silu(const float* x, float* out, float scale, long long n) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, n) { out[i] = silu_f(x[i] * scale); }
 }
 
@@ -107,6 +118,7 @@ extern "C" __global__ void scaled_silu(const float* x, float* out, float scale, 
 // out[r, c] = scale * sum over s (in order) of sigmoid(gate[r, s, c]) * x[r, s, c].
 extern "C" __global__ void stream_mix(const float* x, const float* gate, float* out, int rows,
                                       int width, int streams, float scale) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)rows * width) {
         long long r = i / width, c = i % width;
         long long base = r * streams * width + c;
@@ -123,6 +135,7 @@ extern "C" __global__ void stream_mix(const float* x, const float* gate, float* 
 extern "C" __global__ void inject_into_streams(float* streams, const float* output,
                                                const float* shares, int rows, int width,
                                                int count, float scale) {
+    PDL_WAIT_AND_RELEASE();
     long long row_width = (long long)count * width;
     GRID_STRIDE(i, (long long)rows * row_width) {
         long long r = i / row_width, within = i % row_width;
@@ -139,6 +152,7 @@ extern "C" __global__ void inject_into_streams(float* streams, const float* outp
 #define PLE_GATE_THREADS 32
 extern "C" __global__ void ple_gate(const float* keys, const float* queries, const float* values,
                                     float* out, int rows, int width, int streams, float scale) {
+    PDL_WAIT_AND_RELEASE();
     long long pairs = (long long)rows * streams;
     for (long long p = blockIdx.x; p < pairs; p += gridDim.x) {
         long long r = p / streams;
@@ -161,6 +175,7 @@ extern "C" __global__ void ple_gate(const float* keys, const float* queries, con
 extern "C" __global__ void delta_rule_gates(const float* a, const float* b, const float* a_log,
                                             const float* dt_bias, float* g, float* beta, int rows,
                                             int nv) {
+    PDL_WAIT_AND_RELEASE();
     GRID_STRIDE(i, (long long)rows * nv) {
         int h = (int)(i % nv);
         g[i] = -expf(a_log[h]) * softplus_f(a[i] + dt_bias[h]);
@@ -173,6 +188,7 @@ extern "C" __global__ void delta_rule_gates(const float* a, const float* b, cons
 // does (f32 powf), so the angles match it.
 extern "C" __global__ void rope(float* x, const unsigned int* positions, const float* inv_freq,
                                 int rows, int cols, int head_dim, int half) {
+    PDL_WAIT_AND_RELEASE();
     int heads = cols / head_dim;
     GRID_STRIDE(i, (long long)rows * heads * half) {
         long long r = i / ((long long)heads * half);
@@ -194,6 +210,7 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, const f
 extern "C" __global__ void causal_conv1d_silu(const float* x, const float* taps, float* history,
                                               float* out, int row_start, int n, int channels,
                                               int kernel) {
+    PDL_WAIT_AND_RELEASE();
     int context = kernel - 1;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < channels;
          c += blockDim.x * gridDim.x) {
@@ -224,6 +241,7 @@ extern "C" __global__ void causal_conv1d_silu(const float* x, const float* taps,
 extern "C" __global__ void kv_append(const float* k, const float* v, float* keys, float* values,
                                      int row_start, int n, int at, int width,
                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
     if (row_positions) at = (int)row_positions[row_start];
     GRID_STRIDE(i, (long long)n * width) {
         long long src = (long long)row_start * width + i;

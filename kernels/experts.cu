@@ -200,6 +200,7 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
                                           float* activated, int top_k, int num_experts,
                                           int hidden, int intermediate, long long stride,
                                           int dtype, long long gate_up_scales) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) float shared_x[];
     int p = blockIdx.y;
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
@@ -244,6 +245,7 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
                                        const float* activated, float* pair_out, int num_experts,
                                        int hidden, int intermediate, long long stride, int dtype,
                                        long long down_offset, long long down_scales) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) float shared_a[];
     int p = blockIdx.y;
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
@@ -365,6 +367,7 @@ extern "C" __global__ void expert_gate_up_by_expert(const unsigned char* slots,
                                                     int hidden, int intermediate, long long stride,
                                                     int dtype, long long gate_up_scales, int pairs,
                                                     int group_pairs) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) float shared_x[];
     __shared__ int members[EXPERT_GROUP_PAIRS];
     __shared__ int member_count;
@@ -412,6 +415,7 @@ extern "C" __global__ void expert_down_by_expert(const unsigned char* slots,
                                                  long long stride, int dtype,
                                                  long long down_offset, long long down_scales,
                                                  int pairs, int group_pairs) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) float shared_a[];
     __shared__ int members[EXPERT_GROUP_PAIRS];
     __shared__ int member_count;
@@ -565,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(GROUPED_WARPS * 32, 2)
                            const unsigned int* order, const float* x, float* activated,
                            int top_k, int hidden, int intermediate, long long stride, int dtype,
                            long long gate_up_scales) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ __align__(16) float xs[TILE_TOKENS * CHUNK_STRIDE];
     const int* tile = tiles + 3 * (long long)blockIdx.y;
     int first = tile[0], count = tile[1], slot = tile[2];
@@ -602,6 +607,7 @@ extern "C" __global__ void __launch_bounds__(GROUPED_WARPS * 32, 2)
                         const float* weights, const float* activated, float* pair_out,
                         int hidden, int intermediate, long long stride, int dtype,
                         long long down_offset, long long down_scales) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ __align__(16) float xs[TILE_TOKENS * CHUNK_STRIDE];
     const int* tile = tiles + 3 * (long long)blockIdx.y;
     int first = tile[0], count = tile[1], slot = tile[2];
@@ -635,6 +641,7 @@ extern "C" __global__ void __launch_bounds__(GROUPED_WARPS * 32, 2)
 // grid-stride (the launch caps the block count).
 extern "C" __global__ void expert_pair_sum(const float* pair_out, float* out, int tokens, int top_k,
                                            int hidden) {
+    PDL_WAIT_AND_RELEASE();
     long long total = (long long)tokens * hidden;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
@@ -985,6 +992,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
     expert_gate_up_mma(const unsigned char* slots, const int* tiles, const unsigned int* order,
                        const float* x, float* activated, int top_k, int hidden, int intermediate,
                        long long stride, int dtype, long long gate_up_scales) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ __align__(16) unsigned short shared[MMA_SHARED];
     if (dtype == DTYPE_INT8)
         gate_up_mma_block<DTYPE_INT8>(slots, tiles, order, x, activated, top_k, hidden,
@@ -1005,6 +1013,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
                     const float* weights, const float* activated, float* pair_out, int hidden,
                     int intermediate, long long stride, int dtype, long long down_offset,
                     long long down_scales) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ __align__(16) unsigned short shared[MMA_SHARED];
     if (dtype == DTYPE_INT8)
         down_mma_block<DTYPE_INT8>(slots, tiles, order, weights, activated, pair_out, hidden,

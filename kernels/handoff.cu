@@ -51,6 +51,7 @@ extern "C" __global__ void handoff_post(const unsigned int* expert_ids, const fl
                                         const unsigned long long* worker_words, int workers,
                                         unsigned int* posted, int tokens, int top_k,
                                         int hidden_width, int layer, int num_experts) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ int has_work[HANDOFF_MAX_WORKERS];
     if (threadIdx.x < HANDOFF_MAX_WORKERS) has_work[threadIdx.x] = 0;
     __syncthreads();
@@ -110,6 +111,7 @@ extern "C" __global__ void handoff_post(const unsigned int* expert_ids, const fl
 extern "C" __global__ void handoff_collect(const unsigned long long* worker_words, int workers,
                                            const unsigned int* posted, int hidden_width,
                                            float* out, unsigned int* failure) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ int outcome;
     const long long row = blockIdx.x;
     if (threadIdx.x == 0) {

@@ -201,11 +201,13 @@ __device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k
 
 extern "C" __global__ void matmul(const float* x, const float* w, float* out, int n, int k, int m,
                                   int cols) {
+    PDL_WAIT_AND_RELEASE();
     matmul_warp(x, w, out, n, k, m, cols);
 }
 
 extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, float* out, int n,
                                        int k, int m, int cols) {
+    PDL_WAIT_AND_RELEASE();
     matmul_warp(x, w, out, n, k, m, cols);
 }
 
@@ -217,6 +219,7 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
                                         const unsigned short* w1, const unsigned short* w2,
                                         float* out0, float* out1, float* out2, int n, int k,
                                         int m0, int m1, int m2, int cols) {
+    PDL_WAIT_AND_RELEASE();
     int warps_per_block = blockDim.x / 32;
     long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
     long long groups = (n + ROWS - 1) / ROWS;
@@ -237,6 +240,7 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
 
 // out[i] = bf16(x[i]) for the cuBLAS path's activations. One thread per element, grid-stride.
 extern "C" __global__ void f32_to_bf16(const float* x, unsigned short* out, long long n) {
+    PDL_WAIT_AND_RELEASE();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)blockDim.x * gridDim.x) {
         out[i] = f32_to_bf16_bits(x[i]);
@@ -248,6 +252,7 @@ extern "C" __global__ void f32_to_bf16(const float* x, unsigned short* out, long
 // stays within f32-level tolerance of the exact kernel (bf16 weights are exact either way).
 extern "C" __global__ void f32_to_bf16_split(const float* x, unsigned short* hi, unsigned short* lo,
                                              long long n) {
+    PDL_WAIT_AND_RELEASE();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)blockDim.x * gridDim.x) {
         unsigned short h = f32_to_bf16_bits(x[i]);

@@ -28,6 +28,7 @@ __device__ float block_sum(float value) {
 // NORM_THREADS threads and one block per group (grid-stride over groups).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, long long groups,
                                     int group, float eps, float offset) {
+    PDL_WAIT_AND_RELEASE();
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         const float* in = x + g * group;
         float cached[NORM_CACHED];
@@ -61,6 +62,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 extern "C" __global__ void row_weighted_rms_norm(const float* x, const float* w, float* out,
                                                  long long groups, int group, int weight_groups,
                                                  float eps, float offset) {
+    PDL_WAIT_AND_RELEASE();
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         const float* in = x + g * group;
         const float* weights = w + (g % weight_groups) * group;
@@ -100,6 +102,7 @@ extern "C" __global__ void rms_norm_rope(const float* x, const float* w, float* 
                                          long long groups, int group, float eps, float offset,
                                          const unsigned int* positions, const float* inv_freq,
                                          int heads, int half) {
+    PDL_WAIT_AND_RELEASE();
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         norm_rope_group(x + g * group, w, out + g * group, group, eps, offset,
                         (float)positions[g / heads], inv_freq, half);
@@ -115,6 +118,7 @@ extern "C" __global__ void rms_norm_rope_pair(const float* x_a, const float* w_a
                                               int heads_b, int group, float eps, float offset,
                                               const unsigned int* positions,
                                               const float* inv_freq, int half) {
+    PDL_WAIT_AND_RELEASE();
     for (long long g = blockIdx.x; g < groups_a + groups_b; g += gridDim.x) {
         if (g < groups_a) {
             norm_rope_group(x_a + g * group, w_a, out_a + g * group, group, eps, offset,
@@ -132,6 +136,7 @@ extern "C" __global__ void rms_norm_rope_pair(const float* x_a, const float* w_a
 // the fused op equals `add_assign` followed by `rms_norm` bit for bit.
 extern "C" __global__ void add_rms_norm(float* x, const float* delta, const float* w, float* out,
                                         long long groups, int group, float eps, float offset) {
+    PDL_WAIT_AND_RELEASE();
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         float* in = x + g * group;
         const float* d = delta + g * group;
@@ -169,6 +174,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* delta, const floa
 // GDN output norm: plain-weight RMSNorm per group, times silu(gate) (gate has x's shape).
 extern "C" __global__ void gated_rms_norm(const float* x, const float* gate, const float* w,
                                           float* out, long long groups, int group, float eps) {
+    PDL_WAIT_AND_RELEASE();
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         const float* in = x + g * group;
         float sum = 0.0f;

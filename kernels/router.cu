@@ -41,6 +41,7 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
                                        unsigned int* mapped_ids, float* mapped_weights,
                                        const float* hidden, float* mapped_hidden,
                                        int hidden_width) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ float probabilities_of[ROUTER_WARPS][ROUTER_MAX_EXPERTS];
     __shared__ float chosen_probability_of[ROUTER_WARPS][ROUTER_MAX_TOP_K];
     const int slots = ROUTER_TREE_WIDTH / 32;  // tree positions per lane

@@ -17,6 +17,8 @@
 // after all rows the extra logits (bit patterns) at `extra_offsets[row]`. An id of 0xffffffff
 // marks no value (a row shorter than k).
 
+#include "common.cuh"
+
 #define SAMPLING_THREADS 256
 #define SAMPLING_PER_THREAD 16
 #define SAMPLING_MAX_K 256
@@ -93,6 +95,7 @@ extern "C" __global__ void logit_candidates_partial(const float* logits, int col
                                                     int k, unsigned int* part_ids,
                                                     float* part_values, float* part_max,
                                                     double* part_sum) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ int shared_key[33];
     __shared__ int shared_id[33];
     __shared__ int shared_owner[33];
@@ -186,6 +189,7 @@ extern "C" __global__ void logit_candidates_merge(const unsigned int* part_ids,
                                                   const unsigned int* extra_ids,
                                                   const int* extra_offsets, int rows,
                                                   unsigned int* out) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ int shared_key[33];
     __shared__ int shared_id[33];
     __shared__ int shared_owner[33];

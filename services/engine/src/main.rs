@@ -140,6 +140,13 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_batched_decode: bool,
+    /// `on` (the default): on an sm_90+ GPU, kernels are launched with programmatic dependent
+    /// launch, so each one's launch and block scheduling overlap the end of the one before it
+    /// (each still waits for its predecessor before touching memory). `off`: plain launches.
+    /// The same tokens either way; the start-up log says whether it is in use and why not.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_pdl: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -245,15 +252,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: any local user can generate, cancel and read the model files (prefer --listen unix:PATH, or set --control-secret-file)");
     }
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
-    let device = select_device(
-        args.device,
-        args.kv_dtype,
-        args.cuda_graphs,
-        args.cuda_routing_stores,
-        args.cuda_worker_handoff,
-        args.cuda_tensor_cores,
-        args.cuda_batched_decode,
-    )?;
+    let device = select_device(args.device, args.kv_dtype, cuda_options(&args))?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let speculation = speculation_of(&args, &artifact)?;
@@ -539,26 +538,27 @@ fn parse_on_off(text: &str) -> Result<bool, String> {
     }
 }
 
+/// The GPU backend's options from the `--kv-dtype` and `--cuda-*` flags.
+fn cuda_options(args: &Args) -> CudaOptions {
+    CudaOptions {
+        kv_dtype: args.kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
+        step_graphs: args.cuda_graphs,
+        routing_stores: args.cuda_routing_stores,
+        worker_handoff: args.cuda_worker_handoff,
+        tensor_core_prefill: args.cuda_tensor_cores,
+        batched_decode: args.cuda_batched_decode,
+        programmatic_dependent_launch: args.cuda_pdl,
+        ..CudaOptions::default()
+    }
+}
+
 /// `cpu`: the CPU. `cuda`: GPU 0 or a clear error naming what was looked for (driver, NVRTC,
 /// device). `auto`: GPU 0 when it opens, else the CPU with a warning saying why.
 fn select_device(
     device: Device,
     kv_dtype: Option<KvDtype>,
-    cuda_graphs: bool,
-    cuda_routing_stores: bool,
-    cuda_worker_handoff: bool,
-    cuda_tensor_cores: bool,
-    cuda_batched_decode: bool,
+    options: CudaOptions,
 ) -> anyhow::Result<SelectedDevice> {
-    let options = CudaOptions {
-        kv_dtype: kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
-        step_graphs: cuda_graphs,
-        routing_stores: cuda_routing_stores,
-        worker_handoff: cuda_worker_handoff,
-        tensor_core_prefill: cuda_tensor_cores,
-        batched_decode: cuda_batched_decode,
-        ..CudaOptions::default()
-    };
     let cpu = || {
         if kv_dtype == Some(KvDtype::Bf16) {
             tracing::warn!("--kv-dtype bf16 is for the GPU; the CPU backend keeps an f32 KV cache");
@@ -598,6 +598,7 @@ fn log_gpu(backend: &CudaBackend) {
         kernels_compiled = info.kernels_compiled,
         cublas = info.cublas_library.as_deref().unwrap_or("off (the matmul kernel does every GEMM)"),
         kv_dtype = %info.kv_dtype,
+        programmatic_dependent_launch = info.programmatic_dependent_launch,
         "dense layers on the GPU"
     );
 }

@@ -21,7 +21,7 @@
 //! sequences of the batch (batch invariance, as the matmul kernel).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtrMut, LaunchConfig};
 
 use super::self_checks::self_check_values;
 use super::{
@@ -149,6 +149,8 @@ struct DecodeRows {
 // SAFETY: `#[repr(C)]` plain integers laid out as the kernels' `DecodeRows` (u64 ↔ unsigned long
 // long, i32 ↔ int, no padding between or after the arrays at this row count).
 unsafe impl cudarc::driver::DeviceRepr for DecodeRows {}
+// SAFETY: as above: `#[repr(C)]`, the kernels' `DecodeRows` field for field.
+unsafe impl super::launch::KernelValue for DecodeRows {}
 
 /// Whether `segments` are one-row segments of consecutive rows in order (a decode batch), every
 /// cache of one dtype and width, which the batched decode kernels take in one launch each.
@@ -278,7 +280,7 @@ impl CudaBackend {
     }
 
     /// `attention_mma_{hd}`.
-    fn mma_function(&self, hd: usize) -> Result<&cudarc::driver::CudaFunction, CudaError> {
+    fn mma_function(&self, hd: usize) -> Result<&super::launch::Kernel, CudaError> {
         match hd {
             64 => self.function("attention_mma_64"),
             128 => self.function("attention_mma_128"),
@@ -750,7 +752,7 @@ impl CudaBackend {
                         shared_mem_bytes: mma_smem_bytes(hd) as u32,
                     };
                     let function = self.mma_function(hd)?;
-                    let mut builder = self.stream.launch_builder(function);
+                    let mut builder = super::launch::KernelArgs::new(&self.stream);
                     builder
                         .arg(q_data)
                         .arg(keys)
@@ -766,7 +768,7 @@ impl CudaBackend {
                     // SAFETY: the arguments match `attention_mma_{hd}` in kernels/attention.cu
                     // (types and order); the grid covers the segment's rows, which lie in q and
                     // out, and its keys lie in the cache (checked by `attention_on`).
-                    unsafe { builder.launch(config) }
+                    unsafe { self.launch_kernel(function, config, &mut builder) }
                         .map_err(driver_error("launching `attention_mma`"))?;
                 }
                 (AttentionPath::Flash | AttentionPath::TensorCore, _, _) => {

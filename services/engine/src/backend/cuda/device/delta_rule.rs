@@ -16,7 +16,7 @@
 //! [`DeviceInfo::delta_rule_path`]: super::DeviceInfo::delta_rule_path
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::self_checks::self_check_values;
 use super::{driver_error, int, CudaBackend, CudaRecurrentState, CudaTensor};

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::super::CudaError;
 use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig,
 };
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::{ExpertLayout, WeightDType};

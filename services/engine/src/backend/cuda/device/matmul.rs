@@ -5,7 +5,7 @@
 //! geometry.
 //! Must not touch: cuBLAS loading and its start-up check (`cublas.rs`, `self_checks.rs`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::super::cublas::{Cublas, GemmOperands};
 use super::super::CudaError;

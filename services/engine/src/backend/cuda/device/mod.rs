@@ -19,9 +19,7 @@ use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig};
 use ninfer_artifact::{Artifact, DType, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
@@ -47,7 +45,9 @@ pub struct CudaBackend {
     // Kept so the context outlives every buffer and module made from it.
     _context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    functions: HashMap<&'static str, CudaFunction>,
+    functions: HashMap<&'static str, launch::Kernel>,
+    /// Whether launches carry the programmatic-dependent-launch attribute (device/launch.rs).
+    pdl: launch::Pdl,
     info: DeviceInfo,
     /// cuBLAS for bf16 prefill GEMMs, only once it passed the start-up check.
     cublas: Option<Cublas>,
@@ -66,6 +66,8 @@ pub struct CudaBackend {
     host_kv: host_kv::HostKvSlot,
     /// The step graph the current step's ops run in (device/step_graph.rs), if any.
     active_step_graph: Mutex<Option<step_graph::ActiveStepGraph>>,
+    /// The kernels' modules: last, so they are unloaded after everything else of the backend.
+    modules: launch::KernelModules,
 }
 
 /// A row-major `[rows, cols]` f32 buffer on the GPU.
@@ -238,18 +240,17 @@ fn no_panic<T>(what: &str, f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Re
     })
 }
 
-/// Queues one kernel launch. Arguments are references to locals (cudarc keeps pointers to
-/// them until the launch call returns).
+/// Queues one kernel launch (device/launch.rs: plain, or with programmatic dependent launch).
+/// Arguments are references to locals (the launch keeps pointers to them until it returns).
 macro_rules! launch {
     ($backend:expr, $kernel:literal, $config:expr; $($arg:expr),* $(,)?) => {{
-        let function = $backend.function($kernel)?;
-        let mut builder = $backend.stream.launch_builder(function);
-        $( builder.arg($arg); )*
+        let kernel = $backend.function($kernel)?;
+        let mut args = $crate::backend::cuda::device::launch::KernelArgs::new(&$backend.stream);
+        $( args.arg($arg); )*
         // SAFETY: the argument list matches the kernel's C signature in kernels/*.cu (types and
         // order; the op tests exercise every launch), and the caller sized every buffer for the
         // launch's index range.
-        unsafe { builder.launch($config) }
-            .map(|_| ())
+        unsafe { $backend.launch_kernel(kernel, $config, &mut args) }
             .map_err($crate::backend::cuda::device::driver_error(concat!("launching `", $kernel, "`")))
     }};
 }
@@ -276,7 +277,7 @@ impl CudaBackend {
             .map_err(driver_error("synchronising the stream"))
     }
 
-    fn function(&self, name: &str) -> Result<&CudaFunction, CudaError> {
+    fn function(&self, name: &str) -> Result<&launch::Kernel, CudaError> {
         self.functions.get(name).ok_or_else(|| CudaError::Invalid {
             problem: format!("kernel `{name}` is not loaded"),
         })
@@ -1104,6 +1105,7 @@ mod delta_rule;
 mod elementwise;
 mod experts;
 mod host_kv;
+mod launch;
 mod matmul;
 mod norm;
 mod op_timing;
@@ -1121,6 +1123,7 @@ mod worker_handoff;
 
 pub use attention::AttentionPath;
 pub use experts::{CudaExpertSlots, GroupedExpertKernels};
+pub use launch::Pdl;
 pub use options::{CudaOptions, KvDtype};
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;

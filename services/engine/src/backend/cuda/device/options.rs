@@ -44,8 +44,8 @@ impl std::str::FromStr for KvDtype {
 }
 
 /// How the backend computes where there is a choice. `Default`: bf16 KV cache, cuBLAS for bf16
-/// prefill GEMMs when it loads, tensor-core prefill kernels. [`CudaOptions::exact`]: f32 KV
-/// cache, the matmul kernel and the f32 SIMT kernels only,
+/// prefill GEMMs when it loads, tensor-core prefill kernels, programmatic dependent launch.
+/// [`CudaOptions::exact`]: f32 KV cache, the matmul kernel and the f32 SIMT kernels only,
 /// which computes what the CPU backend computes to f32 rounding, batch invariant (the tests that
 /// hold the GPU to the CPU backend's tolerances use it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +87,12 @@ pub struct CudaOptions {
     /// Qwen3-30B-A3B shapes the per-pair kernels took 278 µs per layer and these 432 µs (op
     /// timing on an H200, uniform routing, where few experts are shared).
     pub decode_experts_by_expert: bool,
+    /// Programmatic dependent launch (device/launch.rs): on an sm_90+ GPU whose driver has
+    /// `cuLaunchKernelEx`, kernel launches (also those recorded into step graphs, from CUDA
+    /// 12.3 on) let the next kernel's launch and block scheduling overlap the tail of the one
+    /// before it; every kernel waits for its predecessor before it touches memory
+    /// (kernels/common.cuh), so the bits are the same as plain launches (off: the reference).
+    pub programmatic_dependent_launch: bool,
 }
 
 impl Default for CudaOptions {
@@ -101,6 +107,7 @@ impl Default for CudaOptions {
             tensor_core_prefill: true,
             batched_decode: true,
             decode_experts_by_expert: false,
+            programmatic_dependent_launch: true,
         }
     }
 }
@@ -120,6 +127,8 @@ impl CudaOptions {
             tensor_core_prefill: false,
             batched_decode: true,
             decode_experts_by_expert: false,
+            // Launch timing only: the same bits as plain launches.
+            programmatic_dependent_launch: true,
         }
     }
 }

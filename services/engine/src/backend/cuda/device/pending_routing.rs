@@ -16,7 +16,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig};
 
 use super::readback::{
     decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,

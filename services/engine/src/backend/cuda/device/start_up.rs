@@ -8,13 +8,14 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{sys, CudaContext};
 
 use super::super::cublas::Cublas;
 use super::super::kernels::{cached_cubin, KERNEL_SOURCES};
 use super::super::loader;
 use super::super::nvrtc::Nvrtc;
 use super::super::CudaError;
+use super::launch::{KernelModules, Pdl};
 use super::{
     delta_rule, describe, driver_error, no_panic, op_timing, AttentionPath, CudaBackend,
     CudaOptions, KvDtype,
@@ -47,6 +48,9 @@ pub struct DeviceInfo {
     /// The attention kernels in use: `flash` (split-K decode, tiled prefill) once they passed
     /// their start-up check against the reference, else `reference`.
     pub attention_path: AttentionPath,
+    /// Kernel launches carry the programmatic-dependent-launch attribute (device/launch.rs):
+    /// on in the options, an sm_90+ GPU, and a driver with `cuLaunchKernelEx`.
+    pub programmatic_dependent_launch: bool,
 }
 
 /// Stream-ordered allocations come from the device's default memory pool, whose release
@@ -54,7 +58,6 @@ pub struct DeviceInfo {
 /// back to the driver and the next allocation maps it again. Keeping it makes an op's output
 /// allocation a pool lookup. Failure only costs speed, so it is logged, not raised.
 fn keep_freed_device_memory(context: &CudaContext) {
-    use cudarc::driver::sys;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: the context (and so the driver) is live; valid out pointer.
     let status = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device()) };
@@ -129,17 +132,18 @@ impl CudaBackend {
         let nvrtc = Nvrtc::load()?;
         let arch = (major * 10 + minor) as u32;
         let mut functions = HashMap::new();
+        let mut modules = KernelModules::new(context.clone());
         let (mut cached, mut compiled) = (0, 0);
         for kernel in KERNEL_SOURCES {
             let (path, hit) = cached_cubin(&nvrtc, kernel, arch, driver_version)?;
-            let module = match load_module(&context, &path) {
-                Ok(module) => module,
+            let loaded = match modules.load(&path, kernel.functions) {
+                Ok(loaded) => loaded,
                 Err(error) if hit => {
                     // A stale or torn cache entry: drop it and compile afresh once.
                     tracing::warn!(file = %path.display(), "cached kernel did not load ({error}); recompiling");
                     let _ = std::fs::remove_file(&path);
                     let (path, _) = cached_cubin(&nvrtc, kernel, arch, driver_version)?;
-                    load_module(&context, &path)?
+                    modules.load(&path, kernel.functions)?
                 }
                 Err(error) => return Err(error),
             };
@@ -148,13 +152,24 @@ impl CudaBackend {
             } else {
                 compiled += 1;
             }
-            for &function in kernel.functions {
-                let loaded = module
-                    .load_function(function)
-                    .map_err(driver_error(format!("loading kernel `{function}`")))?;
-                functions.insert(function, loaded);
-            }
+            functions.extend(loaded);
         }
+        // SAFETY: `cuLaunchKernelEx`'s C signature.
+        let has_launch_ex = unsafe {
+            driver.function::<unsafe extern "C" fn(
+                *const sys::CUlaunchConfig,
+                sys::CUfunction,
+                *mut *mut std::ffi::c_void,
+                *mut *mut std::ffi::c_void,
+            ) -> sys::CUresult>("cuLaunchKernelEx")
+        }
+        .is_ok();
+        let (pdl, pdl_off_because) = Pdl::decide(
+            options.programmatic_dependent_launch,
+            (major, minor),
+            driver_version,
+            has_launch_ex,
+        );
         let info = DeviceInfo {
             ordinal,
             name,
@@ -170,6 +185,7 @@ impl CudaBackend {
             delta_rule_path: delta_rule::PATH_RECURRENT,
             shared_memory_per_block: 0,
             attention_path: AttentionPath::Reference,
+            programmatic_dependent_launch: pdl.in_use(),
         };
         let mut backend = CudaBackend {
             // A stream of its own: the legacy default stream cannot be recorded into a graph.
@@ -178,6 +194,8 @@ impl CudaBackend {
                 .map_err(driver_error("creating the backend's stream"))?,
             _context: context,
             functions,
+            pdl,
+            modules,
             info,
             cublas: None,
             options,
@@ -213,6 +231,16 @@ impl CudaBackend {
         })?;
         backend.op_timing = op_timing::OpTiming::from_env();
         tracing::info!(info = ?backend.info, "CUDA backend ready");
+        match (pdl, pdl_off_because) {
+            (Pdl::Off, why) => tracing::info!(
+                "programmatic dependent launch off: {}",
+                why.unwrap_or_default()
+            ),
+            (_, Some(why)) => tracing::info!("programmatic dependent launch on; {why}"),
+            (_, None) => tracing::info!(
+                "programmatic dependent launch on (kernels start while their predecessor finishes)"
+            ),
+        }
         Ok(backend)
     }
 
@@ -231,20 +259,4 @@ impl CudaBackend {
             .get_or_init(|| CudaBackend::with_options(0, CudaOptions::exact()).map(Arc::new))
             .clone()
     }
-}
-
-fn load_module(
-    context: &Arc<CudaContext>,
-    path: &std::path::Path,
-) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
-    // cudarc hands the path to cuModuleLoad as UTF-8 (and would panic on anything else).
-    if path.to_str().is_none() {
-        return Err(CudaError::Cache {
-            path: path.display().to_string(),
-            problem: "the kernel cache path is not UTF-8 (set NINFER_KERNEL_CACHE)".into(),
-        });
-    }
-    context
-        .load_module(cudarc::nvrtc::Ptx::from_file(path))
-        .map_err(driver_error(format!("loading module {}", path.display())))
 }

@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaEvent, CudaSlice, DevicePtr, LaunchConfig,
 };
 use ninfer_channel::SegmentMemory;
 

@@ -195,6 +195,13 @@ struct Args {
     /// them by one chunk's forward at a time, not its whole prefill (0: whole prompts).
     #[arg(long, default_value_t = ninfer_engine::service::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS, value_name = "TOKENS")]
     prefill_chunk_tokens: usize,
+    /// While other sequences are generating, the most of the wall time that prompt work (the
+    /// chunks of `--prefill-chunk-tokens`, and steps a prompt's rest joins) may take, in (0, 1]:
+    /// after each, prompts wait while the others' decode steps take (1 − share) / share of its
+    /// time, so a stream keeps at least about 1 − share of its solo decode speed during a long
+    /// prefill (the first chunk runs at once). 1: a chunk every step, however long it takes.
+    #[arg(long, default_value_t = ninfer_engine::service::scheduler::DEFAULT_PREFILL_TIME_SHARE, value_name = "SHARE", value_parser = parse_time_share)]
+    prefill_time_share: f64,
     /// File holding the shared secret every caller must send (`authorization: Bearer SECRET`);
     /// also `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`. Needed when `--listen` is
     /// TCP and other users can reach it; a `unix:PATH` socket is owner-only without it.
@@ -351,6 +358,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         max_context,
         max_sequences: args.max_sequences.max(1),
         prefill_chunk_tokens: args.prefill_chunk_tokens,
+        prefill_time_share: args.prefill_time_share,
     };
     let scheduler_counters = Arc::new(SchedulerCounters::default());
     let exit_counters = Arc::clone(&scheduler_counters);
@@ -549,6 +557,14 @@ fn cuda_options(args: &Args) -> CudaOptions {
         batched_decode: args.cuda_batched_decode,
         programmatic_dependent_launch: args.cuda_pdl,
         ..CudaOptions::default()
+    }
+}
+
+/// `--prefill-time-share`: a number in (0, 1].
+fn parse_time_share(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(share) if share > 0.0 && share <= 1.0 => Ok(share),
+        _ => Err(format!("`{text}`: expected a share of the time in (0, 1]")),
     }
 }
 

@@ -124,6 +124,7 @@ where
         max_context: MAX_CONTEXT,
         max_sequences,
         prefill_chunk_tokens: ninfer_engine::service::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefill_time_share: ninfer_engine::service::scheduler::DEFAULT_PREFILL_TIME_SHARE,
     };
     scheduler::start(
         Arc::clone(model),

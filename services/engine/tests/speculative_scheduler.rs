@@ -119,6 +119,7 @@ where
         max_context: 1024,
         max_sequences: 32,
         prefill_chunk_tokens: ninfer_engine::service::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefill_time_share: ninfer_engine::service::scheduler::DEFAULT_PREFILL_TIME_SHARE,
     };
     let commands = scheduler::start_speculative(
         Arc::clone(model),

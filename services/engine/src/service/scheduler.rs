@@ -11,10 +11,26 @@
 //! guided request, a request that turned it off) batch with them unchanged.
 //! Must not touch: transport (the gRPC service converts the events and errors to messages and
 //! statuses at its edge), text.
+//!
+//! Long prompts beside decoding sequences: while a sequence decodes, a prompt longer than
+//! [`SchedulerLimits::prefill_chunk_tokens`] goes through the model in chunks of at most that
+//! many tokens, each in a forward of its own, and prompt work takes at most
+//! [`SchedulerLimits::prefill_time_share`] of the wall time ([`PrefillShare`]): after a chunk
+//! (or a step that a prompt's rest joined) the prompts sit out decode-only steps until those
+//! have taken `(1 − share) / share` times the prompt work's wall time. A prompt chunk costs far
+//! more than a decode step (a chunk of even 64 tokens touches nearly all of a MoE layer's
+//! experts), so a smaller chunk alone would not keep a stream decoding. With nothing decoding,
+//! prompts go whole (or, several arriving at once, in chunks one step after another).
+//! Invariants (tests in this module): the decoding stream gets a token between any two chunks,
+//! and a chunked prompt's greedy tokens are those of the prompt fed whole
+//! (`a_long_prompt_goes_in_chunks_while_a_stream_keeps_decoding`,
+//! `a_time_shared_prompt_keeps_its_tokens_and_the_stream_decodes_between_chunks`); prompt
+//! work's share of the time is held by the accounting (`prefill_share_*`).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as async_mpsc;
 
@@ -237,6 +253,75 @@ pub struct SchedulerLimits {
     /// per scheduler step: a longer prompt is fed in chunks of this size, one chunk per step,
     /// each step also running the other sequences' decode. 0: prompts go whole.
     pub prefill_chunk_tokens: usize,
+    /// While other sequences decode, the most of the wall time that prompt work (chunks, and
+    /// steps a prompt's rest joins) may take, in (0, 1] ([`PrefillShare`]); 1: a chunk every
+    /// step.
+    pub prefill_time_share: f64,
+}
+
+/// [`SchedulerLimits::prefill_time_share`] by default: a running stream decodes at more than
+/// half its solo speed while a long prompt is prefilled (decode steps take at least 55% of
+/// the time, each a little slower than alone beside the chunks' cache traffic).
+pub const DEFAULT_PREFILL_TIME_SHARE: f64 = 0.45;
+
+/// The time-share rule between prompt work and decode steps while both exist.
+///
+/// Prompt work (a prompt chunk's own forward, or a generation step that a prompt's rest
+/// joins) that ran beside decoding sequences adds its wall time × `(1 − share) / share` to a
+/// debt of decode time; each decode-only step pays its wall time off the debt, never below
+/// zero. Prompt work may run only while nothing is owed, so the first chunk runs at once and
+/// each later one waits until the decode steps since the last have taken `(1 − share) /
+/// share` of its time: the cumulative rule `prompt time ≤ share / (1 − share) × decode time`
+/// with no credit banked (decode time with no prompt waiting never pays for a later
+/// prompt's chunks), overshooting by at most one decode step per chunk. With nothing
+/// decoding there is nothing to protect and the debt is forgotten ([`PrefillShare::reset`]).
+/// Share 1: no debt ever, a chunk every step.
+#[derive(Debug, Clone)]
+pub struct PrefillShare {
+    /// Decode seconds owed per second of prompt work: `(1 − share) / share`.
+    decode_per_prefill: f64,
+    /// Decode seconds still owed before the next prompt work.
+    owed: f64,
+}
+
+impl PrefillShare {
+    /// `share` in (0, 1]; anything else is taken as 1 (flags are checked where parsed).
+    pub fn new(share: f64) -> Self {
+        let share = if share > 0.0 && share <= 1.0 {
+            share
+        } else {
+            1.0
+        };
+        PrefillShare {
+            decode_per_prefill: (1.0 - share) / share,
+            owed: 0.0,
+        }
+    }
+
+    /// Whether prompt work may run beside the decoding sequences now.
+    pub fn may_prefill(&self) -> bool {
+        self.owed <= 0.0
+    }
+
+    /// Prompt work that took `took` beside decoding sequences.
+    pub fn record_prefill(&mut self, took: Duration) {
+        self.owed += took.as_secs_f64() * self.decode_per_prefill;
+    }
+
+    /// A decode-only step that took `took`.
+    pub fn record_decode(&mut self, took: Duration) {
+        self.owed = (self.owed - took.as_secs_f64()).max(0.0);
+    }
+
+    /// Nothing is decoding: what was owed is forgotten.
+    pub fn reset(&mut self) {
+        self.owed = 0.0;
+    }
+
+    /// Decode time still owed before the next prompt work.
+    pub fn owed(&self) -> Duration {
+        Duration::from_secs_f64(self.owed)
+    }
 }
 
 /// [`SchedulerLimits::prefill_chunk_tokens`] by default: a chunk's forward is a fraction of a
@@ -343,6 +428,7 @@ fn run<B: Backend>(
         vocab,
     };
     let mut running: Vec<Running<B>> = Vec::new();
+    let mut share = PrefillShare::new(limits.prefill_time_share);
     // Scoring requests, first come first served: one chunk of the first per step.
     let mut scoring: std::collections::VecDeque<Scoring<B>> = std::collections::VecDeque::new();
     loop {
@@ -384,10 +470,32 @@ fn run<B: Backend>(
             }
         }
         // Prompts past this step's budget of prompt tokens sit out the step (after a chunk,
-        // if some budget is left), so the others' decode steps keep coming.
-        let held = feed_prompt_chunks(model, &mut running, limits.prefill_chunk_tokens);
+        // if some budget is left), so the others' decode steps keep coming; beside decoding
+        // sequences, every prompt sits out while prompt work has had its share of the time.
+        let decoding = running.iter().any(|r| r.generated > 0);
+        if !decoding {
+            share.reset();
+        }
+        let (held, chunks_took) = feed_prompt_chunks(
+            model,
+            &mut running,
+            limits.prefill_chunk_tokens,
+            !decoding || share.may_prefill(),
+        );
+        if decoding && chunks_took > Duration::ZERO {
+            share.record_prefill(chunks_took);
+        }
         if !running.is_empty() {
+            let with_prompt = running.iter().any(has_prompt_work);
+            let started = Instant::now();
             generation_step(model, &mut running, speculation, counters);
+            if decoding {
+                if with_prompt {
+                    share.record_prefill(started.elapsed());
+                } else {
+                    share.record_decode(started.elapsed());
+                }
+            }
         }
         running.extend(held);
         let kv_used: u64 = running
@@ -402,19 +510,40 @@ fn run<B: Backend>(
     }
 }
 
+/// Whether `r` still has prompt tokens to feed besides its last (which samples its first
+/// token, a decode-sized row).
+fn has_prompt_work<B: Backend>(r: &Running<B>) -> bool {
+    r.generated == 0 && r.pending.len() > 1
+}
+
 /// Feeds the prompts that do not fit this step's budget of `chunk_tokens` prompt tokens one
 /// chunk (while budget lasts, first come first served) and takes them out of `running` for
 /// this step: a prompt that fits joins the step whole, as do decode rows. Nothing is held
 /// while a sequence runs alone (its prompt goes whole) or with `chunk_tokens` 0. A prompt's
-/// last token always joins a step, which samples its first token.
+/// last token always joins a step, which samples its first token. Without `may_prefill` (the
+/// time share's verdict) every prompt with work left sits out the step, no chunk runs.
+/// Returns the held sequences and the wall time of the chunk forwards.
 fn feed_prompt_chunks<B: Backend>(
     model: &Model<B>,
     running: &mut Vec<Running<B>>,
     chunk_tokens: usize,
-) -> Vec<Running<B>> {
+    may_prefill: bool,
+) -> (Vec<Running<B>>, Duration) {
     let mut held = Vec::new();
+    if !may_prefill {
+        let mut index = 0;
+        while index < running.len() {
+            if has_prompt_work(&running[index]) {
+                held.push(running.remove(index));
+            } else {
+                index += 1;
+            }
+        }
+        return (held, Duration::ZERO);
+    }
+    let mut took = Duration::ZERO;
     if chunk_tokens == 0 || running.len() < 2 {
-        return held;
+        return (held, took);
     }
     let mut budget = chunk_tokens;
     let mut index = 0;
@@ -432,7 +561,10 @@ fn feed_prompt_chunks<B: Backend>(
         if budget > 0 {
             let take = budget.min(prompt_left - 1);
             budget -= take;
-            if let Err(error) = feed_prompt_chunk(model, &mut r, take) {
+            let started = Instant::now();
+            let fed = feed_prompt_chunk(model, &mut r, take);
+            took += started.elapsed();
+            if let Err(error) = fed {
                 tracing::error!(request_id = %r.request.request_id, "a prompt chunk failed: {error}");
                 fail(&r, &error);
                 continue;
@@ -440,7 +572,7 @@ fn feed_prompt_chunks<B: Backend>(
         }
         held.push(r);
     }
-    held
+    (held, took)
 }
 
 /// The first `take` tokens of a prompt through the model in a forward of their own (no
@@ -1465,6 +1597,7 @@ mod tests {
             max_context: 256,
             max_sequences: 4,
             prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
+            prefill_time_share: DEFAULT_PREFILL_TIME_SHARE,
         };
         let commands = start(model, limits, Arc::new(SchedulerCounters::default())).unwrap();
         let (events, mut receiver) = async_mpsc::channel(4096);
@@ -1581,6 +1714,7 @@ mod tests {
             max_context: 512,
             max_sequences: 4,
             prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
+            prefill_time_share: DEFAULT_PREFILL_TIME_SHARE,
         };
         let commands = start(model, limits, Arc::new(SchedulerCounters::default())).unwrap();
         let (events, mut receiver) = async_mpsc::channel(4096);
@@ -1820,6 +1954,8 @@ mod tests {
                 max_context: 256,
                 max_sequences: 4,
                 prefill_chunk_tokens: chunk_tokens,
+                // A chunk every step: the chunking alone.
+                prefill_time_share: 1.0,
             };
             let (commands, receiver) = mpsc::channel();
             // One channel for both requests: it holds their events in the order the scheduler
@@ -1883,5 +2019,187 @@ mod tests {
         assert_eq!(chunked_tokens, alone_tokens, "chunking changed the tokens");
         assert_eq!(whole_tokens, alone_tokens);
         assert_eq!(alone_tokens.len(), 4);
+    }
+
+    fn ms(milliseconds: u64) -> Duration {
+        Duration::from_millis(milliseconds)
+    }
+
+    /// Share 0.45: after a 300 ms chunk, prompts wait for 300 × 0.55 / 0.45 ≈ 366.7 ms of
+    /// decode steps (five of 80 ms: four are 320 ms); the first chunk runs at once.
+    #[test]
+    fn prefill_share_waits_for_the_decode_time_a_chunk_owes() {
+        let mut share = PrefillShare::new(0.45);
+        assert!(share.may_prefill(), "the first chunk runs at once");
+        share.record_prefill(ms(300));
+        let owed = share.owed().as_secs_f64();
+        assert!((owed - 0.3 * 0.55 / 0.45).abs() < 1e-9, "{owed}");
+        let mut steps = 0;
+        while !share.may_prefill() {
+            share.record_decode(ms(80));
+            steps += 1;
+        }
+        assert_eq!(steps, 5);
+    }
+
+    /// Over many chunk/decode cycles prompt work never takes more than its share of the time
+    /// (decode steps overshoot by at most one step per chunk), at several shares and step
+    /// sizes.
+    #[test]
+    fn prefill_share_holds_the_prompt_work_to_its_share() {
+        for share_value in [0.1, 0.25, 0.45, 0.5, 0.8] {
+            for (chunk, step) in [(300, 5), (600, 20), (40, 40), (10, 70)] {
+                let mut share = PrefillShare::new(share_value);
+                let (mut prefill, mut decode) = (0u64, 0u64);
+                let mut chunks = 0;
+                for _ in 0..10_000 {
+                    if share.may_prefill() {
+                        share.record_prefill(ms(chunk));
+                        prefill += chunk;
+                        chunks += 1;
+                    }
+                    // A decode step follows every chunk (the scheduler's step).
+                    share.record_decode(ms(step));
+                    decode += step;
+                }
+                let fraction = prefill as f64 / (prefill + decode) as f64;
+                assert!(
+                    fraction <= share_value + 1e-9,
+                    "share {share_value}, chunk {chunk} ms, step {step} ms: {fraction}"
+                );
+                // And not much less: the overshoot is under one decode step per chunk.
+                let floor = prefill as f64
+                    / (prefill as f64 / share_value + (chunks * step) as f64);
+                assert!(
+                    fraction >= floor - 1e-9,
+                    "share {share_value}, chunk {chunk} ms, step {step} ms: {fraction} < {floor}"
+                );
+            }
+        }
+    }
+
+    /// Decode time with no prompt waiting is not banked: a chunk after a long solo decode
+    /// still owes its decode time before the next one.
+    #[test]
+    fn prefill_share_banks_no_credit() {
+        let mut share = PrefillShare::new(0.5);
+        for _ in 0..1000 {
+            share.record_decode(ms(10));
+        }
+        share.record_prefill(ms(100));
+        assert!(!share.may_prefill());
+        share.record_decode(ms(99));
+        assert!(!share.may_prefill());
+        share.record_decode(ms(1));
+        assert!(share.may_prefill());
+    }
+
+    /// Share 1 never holds a prompt (a chunk every step); a reset (nothing decoding) forgets
+    /// the debt; shares outside (0, 1] are taken as 1.
+    #[test]
+    fn prefill_share_of_one_never_waits_and_a_reset_forgets() {
+        let mut share = PrefillShare::new(1.0);
+        share.record_prefill(ms(10_000));
+        assert!(share.may_prefill());
+        for bad in [0.0, -1.0, 1.5, f64::NAN] {
+            let mut share = PrefillShare::new(bad);
+            share.record_prefill(ms(10_000));
+            assert!(share.may_prefill(), "{bad}");
+        }
+        let mut share = PrefillShare::new(0.2);
+        share.record_prefill(ms(10));
+        assert!(!share.may_prefill());
+        share.reset();
+        assert!(share.may_prefill());
+        assert_eq!(share.owed(), Duration::ZERO);
+    }
+
+    /// A 48-token prompt in chunks of 8 beside a long greedy stream, under the time share:
+    /// the stream decodes between the chunks (at least one token per chunk; at a share of 2%
+    /// at least two per chunk, as every chunk then owes 49 times its time to decode steps),
+    /// the prompt completes while the stream is still running (no starvation), and its
+    /// greedy tokens are those of the prompt fed alone.
+    #[test]
+    fn a_time_shared_prompt_keeps_its_tokens_and_the_stream_decodes_between_chunks() {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("tiny.ninfer");
+        write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
+        let backend = Arc::new(crate::backend::cpu::CpuBackend::new());
+        let model = Arc::new(Model::open(backend, &path).unwrap());
+        let long_prompt: Vec<u32> = (0..48).map(|i| (i * 5 + 2) % 90 + 1).collect();
+        // The long prompt's own forwards: 5 chunks of 8 in steps of their own, the last 8
+        // tokens joining a step (the first step, where both are prompts, takes 4 of its 8).
+        let chunks = 6;
+        let stream_tokens = 600;
+        let run_with = |share: f64, with_stream: bool| {
+            let limits = SchedulerLimits {
+                max_context: 1024,
+                max_sequences: 4,
+                prefill_chunk_tokens: 8,
+                prefill_time_share: share,
+            };
+            let (commands, receiver) = mpsc::channel();
+            let (events, mut received) = async_mpsc::channel(4096);
+            if with_stream {
+                commands
+                    .send(SchedulerCommand::Submit(greedy_request(
+                        "stream",
+                        vec![5, 6, 7, 8],
+                        stream_tokens,
+                        events.clone(),
+                    )))
+                    .unwrap();
+            }
+            commands
+                .send(SchedulerCommand::Submit(greedy_request(
+                    "long",
+                    long_prompt.clone(),
+                    4,
+                    events,
+                )))
+                .unwrap();
+            let model = Arc::clone(&model);
+            let scheduler = std::thread::spawn(move || {
+                run(
+                    &model,
+                    limits,
+                    SpeculativeDecoding::default(),
+                    &SchedulerCounters::default(),
+                    &receiver,
+                )
+            });
+            let (mut stream_before, mut stream_total, mut long_tokens) = (0, 0, Vec::new());
+            while let Some(event) = received.blocking_recv() {
+                let event = event.unwrap_or_else(|e| panic!("{e}"));
+                let Some(token) = event.token else { continue };
+                if event.prompt_tokens as usize == long_prompt.len() {
+                    long_tokens.push(token.token_id);
+                } else {
+                    stream_total += 1;
+                    if long_tokens.is_empty() {
+                        stream_before += 1;
+                    }
+                }
+            }
+            drop(commands);
+            scheduler.join().unwrap();
+            (stream_before, stream_total, long_tokens)
+        };
+        let (_, _, alone) = run_with(DEFAULT_PREFILL_TIME_SHARE, false);
+        assert_eq!(alone.len(), 4);
+        for (share, per_chunk) in [(DEFAULT_PREFILL_TIME_SHARE, 1), (0.02, 2)] {
+            let (before, total, tokens) = run_with(share, true);
+            println!("share {share}: {before} stream tokens before the long prompt's first");
+            assert_eq!(total, stream_tokens);
+            assert_eq!(tokens, alone, "share {share}: the time share changed the tokens");
+            assert!(
+                before >= per_chunk * (chunks - 1),
+                "share {share}: the stream got {before} tokens during {chunks} chunks"
+            );
+            assert!(
+                before < stream_tokens,
+                "share {share}: the prompt waited for the stream to end"
+            );
+        }
     }
 }

@@ -68,6 +68,7 @@ __device__ void qsa_append_rows(const float* k, const float* v, const float* ind
 extern "C" __global__ void qsa_append(const float* k, const float* v, const float* index_qk,
                                       const unsigned long long* table, int rows, int kv_width,
                                       int index_cols, int raw_start, int width) {
+    PDL_WAIT_AND_RELEASE();
     qsa_append_rows<float>(k, v, index_qk, table, rows, kv_width, index_cols, raw_start, width);
 }
 
@@ -75,6 +76,7 @@ extern "C" __global__ void qsa_append_bf16(const float* k, const float* v, const
                                            const unsigned long long* table, int rows,
                                            int kv_width, int index_cols, int raw_start,
                                            int width) {
+    PDL_WAIT_AND_RELEASE();
     qsa_append_rows<unsigned short>(k, v, index_qk, table, rows, kv_width, index_cols, raw_start,
                                     width);
 }
@@ -86,6 +88,7 @@ extern "C" __global__ void qsa_append_bf16(const float* k, const float* v, const
 extern "C" __global__ void qsa_pool_blocks(const unsigned long long* jobs, int n_jobs,
                                            const float* key_norm, const float* inv_freq,
                                            int ratio, int width, int half, float eps) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ float pooled[QSA_MAX_INDEX_DIM];
     __shared__ float partial[QSA_POOL_THREADS / 32];
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -258,33 +261,28 @@ __device__ void qsa_nth_element(QsaPair* pairs, long long length, long long nth)
 }
 
 // Per listed row past the dense regime (complete blocks > top): the score of every complete
-// block, Σ_heads relu(q_h · k̄_b) / √width (one warp per block), then the `top` best blocks,
-// written ascending to selected[row · top ..]. The k-th largest score is found by a radix
-// select over the scores' ordered bits (4 passes of 8 bits); every block above it is kept, and
-// the ties at it, when all of them fit; when tied blocks straddle the k-th place, thread 0 picks
-// them as PyTorch's topk does. Rows in the dense regime are skipped (the attention kernel takes
-// every token). workspace: per row 3·stride floats (scores, then (value, index) pairs); stride
-// ≥ the row's complete blocks, even.
-extern "C" __global__ void qsa_select(const float* index_queries, const unsigned long long* table,
-                                      int rows, int* selected, float* workspace, int stride,
-                                      int heads, int width, int ratio, int top) {
-    __shared__ unsigned int histogram[256];
-    __shared__ unsigned int prefix, mask, remaining;
-    __shared__ int warp_counts[QSA_SELECT_THREADS / 32];
-    __shared__ int written;
+// block, Σ_heads relu(q_h · k̄_b) / √width, one warp per block. Grid (rows of this launch,
+// splits): the blocks of a row are spread over `gridDim.y` CUDA blocks, so one decode row keeps
+// the GPU busy; a score is the same bits whichever CUDA block computes it (one warp, fixed
+// order). Row `first_row + blockIdx.x` of the table, scores at workspace[blockIdx.x · 3·stride].
+extern "C" __global__ void qsa_score_blocks(const float* index_queries,
+                                            const unsigned long long* table, int first_row,
+                                            int rows, float* workspace, int stride, int heads,
+                                            int width, int ratio, int top) {
+    PDL_WAIT_AND_RELEASE();
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int warps = QSA_SELECT_THREADS / 32;
-    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const unsigned long long* entry = table + (long long)r * QSA_ROW_WORDS;
+    for (int i = blockIdx.x; i < rows; i += gridDim.x) {
+        const unsigned long long* entry = table + (long long)(first_row + i) * QSA_ROW_WORDS;
         long long position = (long long)entry[QSA_POSITION];
         long long batch_row = (long long)entry[QSA_BATCH_ROW];
         const float* pooled = (const float*)entry[QSA_POOLED];
         long long blocks = (position + 1) / ratio;
-        if (blocks <= top) continue;  // uniform over the block
-        float* scores = workspace + (long long)r * 3 * stride;
-        QsaPair* pairs = (QsaPair*)(scores + stride);
+        if (blocks <= top) continue;
+        float* scores = workspace + (long long)i * 3 * stride;
         const float* q = index_queries + batch_row * heads * width;
-        for (long long b = warp; b < blocks; b += warps) {
+        for (long long b = (long long)blockIdx.y * warps + warp; b < blocks;
+             b += (long long)gridDim.y * warps) {
             float key[QSA_MAX_DIMS_PER_LANE];
 #pragma unroll
             for (int j = 0; j < QSA_MAX_DIMS_PER_LANE; ++j) {
@@ -304,6 +302,35 @@ extern "C" __global__ void qsa_select(const float* index_queries, const unsigned
             }
             if (lane == 0) scores[b] = total / sqrtf((float)width);
         }
+    }
+}
+
+// Per listed row past the dense regime, from the scores qsa_score_blocks wrote: the `top` best
+// blocks, written ascending to selected[row · top ..]. The k-th largest score is found by a radix
+// select over the scores' ordered bits (4 passes of 8 bits); every block above it is kept, and
+// the ties at it, when all of them fit; when tied blocks straddle the k-th place, thread 0 picks
+// them as PyTorch's topk does. Rows in the dense regime are skipped (the attention kernel takes
+// every token). One CUDA block per row: row `first_row + i` of the table, its scores and pairs
+// at workspace[i · 3·stride] (scores, then (value, index) pairs); stride ≥ the row's complete
+// blocks, even.
+extern "C" __global__ void qsa_select(const unsigned long long* table, int first_row, int rows,
+                                      int* selected, float* workspace, int stride, int ratio,
+                                      int top) {
+    PDL_WAIT_AND_RELEASE();
+    __shared__ unsigned int histogram[256];
+    __shared__ unsigned int prefix, mask, remaining;
+    __shared__ int warp_counts[QSA_SELECT_THREADS / 32];
+    __shared__ int written;
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int warps = QSA_SELECT_THREADS / 32;
+    for (int i = blockIdx.x; i < rows; i += gridDim.x) {
+        int r = first_row + i;
+        const unsigned long long* entry = table + (long long)r * QSA_ROW_WORDS;
+        long long position = (long long)entry[QSA_POSITION];
+        long long blocks = (position + 1) / ratio;
+        if (blocks <= top) continue;  // uniform over the block
+        float* scores = workspace + (long long)i * 3 * stride;
+        QsaPair* pairs = (QsaPair*)(scores + stride);
         if (threadIdx.x == 0) {
             prefix = 0u;
             mask = 0u;
@@ -358,20 +385,23 @@ extern "C" __global__ void qsa_select(const float* index_queries, const unsigned
                 }
                 __syncthreads();
             }
-        } else if (threadIdx.x == 0) {
-            for (long long b = 0; b < blocks; ++b) {
+        } else {
+            for (long long b = threadIdx.x; b < blocks; b += blockDim.x) {
                 pairs[b].value = scores[b];
                 pairs[b].index = (int)b;
             }
+            __syncthreads();
+        }
+        if (straddles && threadIdx.x == 0) {
             if ((long long)top * 64 <= blocks) {
                 qsa_heap_select(pairs, blocks, top);
             } else {
                 qsa_nth_element(pairs, blocks, top - 1);
             }
             // The kept indices, ascending (insertion sort: `top` is small).
-            for (int i = 0; i < top; ++i) {
-                int index = pairs[i].index;
-                int j = i;
+            for (int k = 0; k < top; ++k) {
+                int index = pairs[k].index;
+                int j = k;
                 while (j > 0 && out[j - 1] > index) {
                     out[j] = out[j - 1];
                     j -= 1;
@@ -395,14 +425,19 @@ __device__ __forceinline__ long long qsa_token(long long i, bool dense, const in
 
 // Softmax attention of one (listed row, head) over the row's attended tokens, f32: each warp an
 // online softmax over every QSA_ATTEND_WARPS-th token, then the warps merged. hd ≤ 256.
+// With `splits` > 1 (a decode batch, whose few (row, head) pairs would leave most of the GPU
+// idle and each warp waiting on one token's loads after another) the tokens are cut into
+// `splits` ranges, blockIdx.z one of them, and the block writes its range's running maximum,
+// sum and unnormalised output to partial[((row · heads + head) · splits + split) · (hd + 2)]
+// for qsa_attend_merge.
 template <typename KV>
 __device__ void qsa_attend_rows(const float* q, const unsigned long long* table,
                                 const int* selected, float* out, int heads, int kv_heads, int hd,
-                                int ratio, int top, float scale) {
+                                int ratio, int top, float scale, int splits, float* partial) {
     __shared__ float warp_max_s[QSA_ATTEND_WARPS];
     __shared__ float warp_sum_s[QSA_ATTEND_WARPS];
     __shared__ float warp_acc[QSA_ATTEND_WARPS][32 * QSA_MAX_DIMS_PER_LANE];
-    int r = blockIdx.x, head = blockIdx.y;
+    int r = blockIdx.x, head = blockIdx.y, split = blockIdx.z;
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const unsigned long long* entry = table + (long long)r * QSA_ROW_WORDS;
     const KV* keys = (const KV*)entry[QSA_KEYS];
@@ -413,6 +448,9 @@ __device__ void qsa_attend_rows(const float* q, const unsigned long long* table,
     long long complete = visible / ratio;
     bool dense = complete <= top;
     long long count = dense ? visible : (long long)top * ratio + (visible - complete * ratio);
+    long long per_split = (count + splits - 1) / splits;
+    long long first = (long long)split * per_split;
+    long long last = min(count, first + per_split);
     int kv_width = kv_heads * hd;
     int kv_head = head / (heads / kv_heads);
     const int* kept = selected + (long long)r * top;
@@ -425,7 +463,7 @@ __device__ void qsa_attend_rows(const float* q, const unsigned long long* table,
         acc[j] = 0.0f;
     }
     float m = QSA_NEG_INF, l = 0.0f;
-    for (long long i = warp; i < count; i += QSA_ATTEND_WARPS) {
+    for (long long i = first + warp; i < last; i += QSA_ATTEND_WARPS) {
         long long token = qsa_token(i, dense, kept, ratio, top, complete);
         long long base = token * kv_width + (long long)kv_head * hd;
         float s = 0.0f;
@@ -459,6 +497,22 @@ __device__ void qsa_attend_rows(const float* q, const unsigned long long* table,
     for (int w = 0; w < QSA_ATTEND_WARPS; ++w) {
         if (warp_max_s[w] > QSA_NEG_INF) total += warp_sum_s[w] * expf(warp_max_s[w] - best);
     }
+    if (splits > 1) {
+        // An empty range leaves best = -inf and total = 0: the merge skips it.
+        float* slot = partial + (((long long)r * heads + head) * splits + split) * (hd + 2);
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float sum = 0.0f;
+            for (int w = 0; w < QSA_ATTEND_WARPS; ++w) {
+                if (warp_max_s[w] > QSA_NEG_INF) sum += warp_acc[w][d] * expf(warp_max_s[w] - best);
+            }
+            slot[d] = sum;
+        }
+        if (threadIdx.x == 0) {
+            slot[hd] = best;
+            slot[hd + 1] = total;
+        }
+        return;
+    }
     float* o = out + batch_row * heads * hd + (long long)head * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float sum = 0.0f;
@@ -469,17 +523,48 @@ __device__ void qsa_attend_rows(const float* q, const unsigned long long* table,
     }
 }
 
-// Grid (listed rows, heads), QSA_ATTEND_WARPS warps per block.
+// Grid (listed rows, heads, splits), QSA_ATTEND_WARPS warps per block.
 extern "C" __global__ void qsa_attend(const float* q, const unsigned long long* table,
                                       const int* selected, float* out, int heads, int kv_heads,
-                                      int hd, int ratio, int top, float scale) {
-    qsa_attend_rows<float>(q, table, selected, out, heads, kv_heads, hd, ratio, top, scale);
+                                      int hd, int ratio, int top, float scale, int splits,
+                                      float* partial) {
+    PDL_WAIT_AND_RELEASE();
+    qsa_attend_rows<float>(q, table, selected, out, heads, kv_heads, hd, ratio, top, scale,
+                           splits, partial);
 }
 
 extern "C" __global__ void qsa_attend_bf16(const float* q, const unsigned long long* table,
                                            const int* selected, float* out, int heads,
                                            int kv_heads, int hd, int ratio, int top,
-                                           float scale) {
+                                           float scale, int splits, float* partial) {
+    PDL_WAIT_AND_RELEASE();
     qsa_attend_rows<unsigned short>(q, table, selected, out, heads, kv_heads, hd, ratio, top,
-                                    scale);
+                                    scale, splits, partial);
+}
+
+// The `splits` partial results of each (listed row, head) merged into the output row: grid
+// (listed rows, heads), QSA_ATTEND_WARPS · 32 threads.
+extern "C" __global__ void qsa_attend_merge(const unsigned long long* table, const float* partial,
+                                            float* out, int heads, int hd, int splits) {
+    PDL_WAIT_AND_RELEASE();
+    int r = blockIdx.x, head = blockIdx.y;
+    const unsigned long long* entry = table + (long long)r * QSA_ROW_WORDS;
+    long long batch_row = (long long)entry[QSA_BATCH_ROW];
+    const float* slots = partial + ((long long)r * heads + head) * splits * (hd + 2);
+    float best = QSA_NEG_INF;
+    for (int s = 0; s < splits; ++s) best = fmaxf(best, slots[s * (hd + 2) + hd]);
+    float total = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        float m = slots[s * (hd + 2) + hd];
+        if (m > QSA_NEG_INF) total += slots[s * (hd + 2) + hd + 1] * expf(m - best);
+    }
+    float* o = out + batch_row * heads * hd + (long long)head * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            float m = slots[s * (hd + 2) + hd];
+            if (m > QSA_NEG_INF) sum += slots[s * (hd + 2) + d] * expf(m - best);
+        }
+        o[d] = sum / total;
+    }
 }

@@ -135,9 +135,11 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "qsa_append",
             "qsa_append_bf16",
             "qsa_pool_blocks",
+            "qsa_score_blocks",
             "qsa_select",
             "qsa_attend",
             "qsa_attend_bf16",
+            "qsa_attend_merge",
         ],
     },
     KernelSource {
@@ -373,6 +375,36 @@ mod tests {
             kernel_define("delta_rule", "DR_ROWS_PER_WARP"),
             64 / (256 / 32)
         );
+    }
+
+    /// Programmatic dependent launch lets a kernel start while the one before it on the
+    /// stream still runs; only `griddepcontrol.wait` at its start keeps it from reading what
+    /// that kernel has not written yet. Every listed kernel begins with the prologue.
+    #[test]
+    fn every_listed_function_begins_with_the_pdl_prologue() {
+        for kernel in KERNEL_SOURCES {
+            for function in kernel.functions {
+                let call = format!(" {function}(");
+                let begins_with_prologue = kernel.source.match_indices(&call).any(|(at, _)| {
+                    let after = &kernel.source[at..];
+                    // The body: after the parameter list's closing `)` and the `{`.
+                    let Some(open) = after.find('{') else {
+                        return false;
+                    };
+                    if after[..open].contains(';') {
+                        return false; // a call or a declaration, not the definition
+                    }
+                    after[open + 1..]
+                        .trim_start()
+                        .starts_with("PDL_WAIT_AND_RELEASE();")
+                });
+                assert!(
+                    begins_with_prologue,
+                    "kernels/{}.cu: `{function}` does not begin with PDL_WAIT_AND_RELEASE();",
+                    kernel.name
+                );
+            }
+        }
     }
 
     #[test]

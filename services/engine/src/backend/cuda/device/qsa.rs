@@ -12,7 +12,7 @@
 //! The per-call row table and pooling jobs are small host uploads queued on the stream (no
 //! synchronisation), so these ops cannot run inside a recorded step graph: they refuse to.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::{
     elementwise, int, CudaBackend, CudaKvCache, CudaTensor, CudaWeight, KvBuffer, KvDtype,
@@ -32,6 +32,31 @@ const SELECT_THREADS: u32 = 256;
 /// `QSA_ATTEND_WARPS · 32` and `32 · QSA_MAX_DIMS_PER_LANE` in `kernels/qsa.cu`.
 const ATTEND_THREADS: u32 = 128;
 const MAX_HEAD_DIM: usize = 256;
+/// The most selection workspace floats one launch takes (256 MiB).
+const SELECT_WORKSPACE_FLOATS: usize = 64 << 20;
+/// Pooled blocks per CUDA block of the score launch (about 16 per warp).
+const SCORE_BLOCKS_PER_SPLIT: usize = 128;
+/// Attention blocks a decode batch's launch aims at (a few per SM of a large GPU).
+const ATTEND_TARGET_BLOCKS: usize = 1024;
+/// The fewest attended tokens a split of the attention takes.
+const ATTEND_MIN_TOKENS_PER_SPLIT: usize = 64;
+/// Grid limits of the y and z dimensions.
+const MAX_GRID_Y: usize = 65535;
+const MAX_GRID_Z: usize = 65535;
+
+/// Tokens a query row at `position` attends to: every visible token in the dense regime, else
+/// the kept blocks' tokens and the tail after the last complete block.
+fn attended_tokens(position: usize, settings: &QsaSelectionSettings) -> usize {
+    let visible = position + 1;
+    let ratio = settings.compress_ratio.max(1);
+    let complete = visible / ratio;
+    let top = settings.top_blocks();
+    if complete <= top {
+        visible
+    } else {
+        top * ratio + (visible - complete * ratio)
+    }
+}
 
 /// One QSA attention layer of one sequence on the GPU: keys and values as an ordinary KV cache
 /// (the backend's KV dtype, GPU memory or the host KV pool), all raw indexer keys in f32 (a
@@ -387,28 +412,50 @@ impl CudaBackend {
         }
         let _timer = self.op_timer_by_rows("qsa_select", rows.len());
         // Per row: the scores, then as many (value, index) pairs; an even stride keeps the
-        // pairs 8-byte aligned.
+        // pairs 8-byte aligned. Rows go in launches whose workspace stays under
+        // SELECT_WORKSPACE_FLOATS (a 64K-token prompt would otherwise want gigabytes).
         let stride = most_blocks.next_multiple_of(2);
-        let mut workspace = self.output_uninit(rows.len(), 3 * stride)?;
-        let (row_count, stride_arg, heads, width_arg, ratio, top_arg) = (
-            int(rows.len(), "rows")?,
+        let rows_per_launch = (SELECT_WORKSPACE_FLOATS / (3 * stride)).clamp(1, rows.len());
+        let mut workspace = self.output_uninit(rows_per_launch, 3 * stride)?;
+        let (stride_arg, heads, width_arg, ratio, top_arg) = (
             int(stride, "selection stride")?,
             int(settings.index_heads, "indexer heads")?,
             int(width, "indexer head dim")?,
             int(settings.compress_ratio, "compress ratio")?,
             int(top, "kept blocks")?,
         );
-        int(rows.len() * 3 * stride, "selection workspace")?;
-        let config = LaunchConfig {
-            grid_dim: (rows.len().clamp(1, 1 << 16) as u32, 1, 1),
-            block_dim: (SELECT_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        int(rows_per_launch * 3 * stride, "selection workspace")?;
+        // The score launch spreads a row's blocks over enough CUDA blocks for about
+        // SCORE_BLOCKS_PER_SPLIT each (8 warps, one pooled block per warp at a time).
+        let splits = most_blocks
+            .div_ceil(SCORE_BLOCKS_PER_SPLIT)
+            .clamp(1, MAX_GRID_Y);
         let queries = &*index_queries.data;
-        let (selected_data, workspace_data) = (&mut *selected.data, &mut *workspace.data);
-        launch!(self, "qsa_select", config;
-            queries, table, &row_count, selected_data, workspace_data, &stride_arg, &heads,
-            &width_arg, &ratio, &top_arg)?;
+        let selected_data = &mut *selected.data;
+        let workspace_data = &mut *workspace.data;
+        for first in (0..rows.len()).step_by(rows_per_launch) {
+            let count = rows_per_launch.min(rows.len() - first);
+            let (first_arg, count_arg) = (int(first, "first row")?, int(count, "rows")?);
+            let grid_rows = u32::try_from(count).map_err(|_| CudaError::Invalid {
+                problem: format!("qsa_select: {count} rows in one launch"),
+            })?;
+            let score_config = LaunchConfig {
+                grid_dim: (grid_rows, splits as u32, 1),
+                block_dim: (SELECT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(self, "qsa_score_blocks", score_config;
+                queries, table, &first_arg, &count_arg, &mut *workspace_data, &stride_arg,
+                &heads, &width_arg, &ratio, &top_arg)?;
+            let select_config = LaunchConfig {
+                grid_dim: (grid_rows, 1, 1),
+                block_dim: (SELECT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(self, "qsa_select", select_config;
+                table, &first_arg, &count_arg, &mut *selected_data, &mut *workspace_data,
+                &stride_arg, &ratio, &top_arg)?;
+        }
         Ok(selected)
     }
 
@@ -477,19 +524,52 @@ impl CudaBackend {
         let grid_rows = u32::try_from(rows.len()).map_err(|_| CudaError::Invalid {
             problem: format!("qsa_attention: {} rows", rows.len()),
         })?;
+        // A decode batch has few (row, head) pairs: the tokens are split over more blocks
+        // (merged by `qsa_attend_merge`) until about ATTEND_TARGET_BLOCKS run, each split
+        // keeping at least ATTEND_MIN_TOKENS_PER_SPLIT tokens. A prefill fills the GPU without.
+        let most_tokens = rows
+            .iter()
+            .map(|row| attended_tokens(row.position, settings))
+            .max()
+            .unwrap_or(0);
+        let pairs = rows.len() * spec.heads;
+        let splits = ATTEND_TARGET_BLOCKS
+            .div_ceil(pairs.max(1))
+            .min(most_tokens.div_ceil(ATTEND_MIN_TOKENS_PER_SPLIT))
+            .clamp(1, MAX_GRID_Z);
+        let splits_arg = int(splits, "attention splits")?;
         let config = LaunchConfig {
-            grid_dim: (grid_rows, spec.heads as u32, 1),
+            grid_dim: (grid_rows, spec.heads as u32, splits as u32),
             block_dim: (ATTEND_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (q_data, selected_data, output) = (&*q.data, &*selected.data, &mut *out.data);
+        // One float when unused (the kernel never reads it then).
+        let mut partial = self.output_uninit(
+            1,
+            if splits > 1 {
+                pairs * splits * (spec.head_dim + 2)
+            } else {
+                1
+            },
+        )?;
+        let (q_data, selected_data) = (&*q.data, &*selected.data);
+        let (output, partial_data) = (&mut *out.data, &mut *partial.data);
         match dtype {
             KvDtype::F32 => launch!(self, "qsa_attend", config;
-                q_data, &table, selected_data, output, &heads, &kv_heads, &hd, &ratio, &top,
-                &scale)?,
+                q_data, &table, selected_data, &mut *output, &heads, &kv_heads, &hd, &ratio,
+                &top, &scale, &splits_arg, &mut *partial_data)?,
             KvDtype::Bf16 => launch!(self, "qsa_attend_bf16", config;
-                q_data, &table, selected_data, output, &heads, &kv_heads, &hd, &ratio, &top,
-                &scale)?,
+                q_data, &table, selected_data, &mut *output, &heads, &kv_heads, &hd, &ratio,
+                &top, &scale, &splits_arg, &mut *partial_data)?,
+        }
+        if splits > 1 {
+            let merge_config = LaunchConfig {
+                grid_dim: (grid_rows, spec.heads as u32, 1),
+                block_dim: (ATTEND_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(self, "qsa_attend_merge", merge_config;
+                &table, &*partial_data, output, &heads, &hd, &splits_arg)?;
         }
         Ok(out)
     }

@@ -27,7 +27,9 @@ pub(crate) const TOKENS_AFTER_PREFILL: usize = 4;
 /// step's worth of prompt work, and a prompt token costs far less than a decode step wherever
 /// batching pays, so this is far more than it needs; it is cancelled once the tail has come.
 pub(crate) fn stream_tokens_wanted(decode_tokens: usize, prompt_tokens: usize) -> usize {
-    decode_tokens + 1 + 2 * prompt_tokens + TOKENS_AFTER_PREFILL
+    decode_tokens
+        .saturating_add(prompt_tokens.saturating_mul(2))
+        .saturating_add(1 + TOKENS_AFTER_PREFILL)
 }
 
 /// The stream's tokens over one window of the client's clock.

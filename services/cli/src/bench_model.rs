@@ -509,15 +509,17 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         if prompt < 2 {
             bail!("--decode-during-prefill must be a prompt of at least 2 tokens");
         }
-        if prompt + 1 > model_context {
+        if prompt >= model_context {
             bail!(
                 "--decode-during-prefill {prompt}: the prompt and its first token need {} \
                  positions; the model holds {model_context}",
                 prompt + 1
             );
         }
-        let wanted =
-            lengths[0] + bench_during_prefill::stream_tokens_wanted(args.decode_tokens, prompt);
+        let wanted = lengths[0].saturating_add(bench_during_prefill::stream_tokens_wanted(
+            args.decode_tokens,
+            prompt,
+        ));
         max_context = max_context.max(prompt + 1).max(wanted.min(model_context));
         stream_max_new_tokens = max_context.saturating_sub(lengths[0]);
         if stream_max_new_tokens

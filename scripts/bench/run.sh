@@ -34,6 +34,11 @@
 #   b53         (without q30) only (b) at 53 experts per layer.
 #   spin        (with q30 or b53) (b) again with the worker spinning 1 ms for its next request.
 #   threads     (with b53) (b) at 53 with --moe-threads 15 (one core left to the engine).
+#   share       qwen3-30b-a3b's decode during a long prefill (--decode-during-prefill
+#               SHARE_PROMPT, default 32768; the stream's prompt 512 tokens, DECODE solo tokens)
+#               at (c) every expert on the GPU, then (a) every expert on the CPU; SHARE_ARGS adds
+#               arguments (e.g. "--engine-arg=--prefill-time-share --engine-arg=0.3"),
+#               SHARE_TIMEOUT (300 s per bench).
 #   q35         qwen3.5-35b-a3b, int4 experts, zipf routing, a 16 GiB card: a first run records
 #               routing statistics, the measured run places GPU experts by them.
 #   llama       llama.cpp's llama-bench side by side, when LLAMA_CPP_BENCH (the binary) and
@@ -224,7 +229,7 @@ run_q35() {
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
 
 q30=q30${Q30_LAYERS:+-l$Q30_LAYERS}
-if has q30 || has profile || has b53; then
+if has q30 || has profile || has b53 || has share; then
   convert "$q30" qwen3-30b-a3b ${Q30_LAYERS:+--layers "$Q30_LAYERS"} --experts-dtype int8 --routing uniform
   wait_for_gpu_tests
   B=("$work/$q30.ninfer" --device cuda --prompt-lengths "${PROMPTS:-4096}"
@@ -262,6 +267,15 @@ if has q30 || has profile || has b53; then
       bench "q30_b53_$((threads - 1))_threads" "${BENCH_TIMEOUT:-150}" "${B[@]}" \
         --moe-threads "$((threads - 1))" --moe-gpu-experts 53
     fi
+  fi
+  if has share; then
+    # SHARE_ARGS is split into words on purpose: several arguments in one variable.
+    # shellcheck disable=SC2206
+    S=("$work/$q30.ninfer" --device cuda --moe-threads "$threads" --prompt-lengths 512
+      --decode-tokens "${DECODE:-64}" --repeats 1 --decode-during-prefill "${SHARE_PROMPT:-32768}"
+      ${SHARE_ARGS:-})
+    bench q30_share_c "${SHARE_TIMEOUT:-300}" "${S[@]}" --moe-gpu-experts all
+    bench q30_share_a "${SHARE_TIMEOUT:-300}" "${S[@]}" --moe-gpu-experts 0
   fi
   [ "${KEEP_ARTIFACTS:-1}" = 1 ] || rm -f "$work/$q30.ninfer"*
 fi

@@ -22,6 +22,7 @@ use ninfer_protocol::v1::{
 use serde::Serialize;
 use tonic::transport::Channel;
 
+use crate::bench_during_prefill::{self, DecodeDuringPrefill};
 use crate::serve::{connect_when_ready, plan_for, resolve_model, start_pipeline, EngineFlags};
 use crate::supervisor::{install_stop_handler, stop_requested, Supervisor};
 
@@ -84,6 +85,13 @@ pub struct ModelBenchArgs {
     /// listed). Empty: no table.
     #[arg(long, value_name = "B,B,...", default_value = "")]
     pub decode_batch: String,
+    /// Also measure one stream's decode alone, then while a second request's prompt of N
+    /// tokens is prefilled beside it (until that prompt's first token): both tok/s, their
+    /// ratio, the stream's step percentiles and longest gap, the long prompt's prefill tok/s
+    /// and time to first token. The stream's prompt is the first of `--prompt-lengths`; the
+    /// scheduler's prefill share and chunk are the engine's (`--engine-arg`).
+    #[arg(long, value_name = "N")]
+    pub decode_during_prefill: Option<usize>,
     /// Extra arguments for the engine (repeat the flag per argument).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
@@ -224,6 +232,10 @@ struct Row {
     decode: PhaseFigures,
     /// Each repeat's decode split (ms per token), in run order.
     decode_split_per_repeat: Vec<Split>,
+    /// Time between consecutive decoded tokens at the client, all repeats pooled.
+    decode_step_ms: StepLatency,
+    /// … per repeat, in run order.
+    decode_step_ms_per_repeat: Vec<StepLatency>,
     /// Prefill tok/s at the client (prompt tokens ÷ time to the first token).
     prefill_tok_s: f64,
     /// Decode tok/s at the client (batch 1).
@@ -237,6 +249,46 @@ struct Row {
     roofline_ratio: Option<f64>,
 }
 
+/// Time between consecutive tokens of a sequence at the client (ms): how even the decode
+/// steps are, which a mean rate hides (a slow step every so often, a stall behind a prompt).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(crate) struct StepLatency {
+    /// Gaps measured.
+    pub steps: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+impl StepLatency {
+    /// Nearest-rank percentiles of `gaps`; all zero when there are none.
+    pub(crate) fn of(gaps: &[Duration]) -> Self {
+        let mut ms: Vec<f64> = gaps.iter().map(|gap| gap.as_secs_f64() * 1e3).collect();
+        ms.sort_by(f64::total_cmp);
+        let rank = |p: f64| {
+            if ms.is_empty() {
+                return 0.0;
+            }
+            let index = ((p * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1;
+            ms[index]
+        };
+        StepLatency {
+            steps: ms.len(),
+            p50_ms: rank(0.50),
+            p99_ms: rank(0.99),
+            max_ms: ms.last().copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// The gaps between consecutive arrivals.
+pub(crate) fn gaps(arrivals: &[Instant]) -> Vec<Duration> {
+    arrivals
+        .windows(2)
+        .map(|pair| pair[1].saturating_duration_since(pair[0]))
+        .collect()
+}
+
 #[derive(Debug, Serialize)]
 struct Report {
     /// `--concurrency` above 1: the aggregate decode of that many sequences at once.
@@ -245,6 +297,9 @@ struct Report {
     /// `--decode-batch`: the aggregate decode of each batch size.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     decode_batches: Vec<BatchDecodeRow>,
+    /// `--decode-during-prefill`: one stream's decode alone and beside a long prompt's prefill.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_during_prefill: Option<DecodeDuringPrefill>,
     model: String,
     architecture: String,
     device: String,
@@ -395,7 +450,7 @@ struct BatchDecodeRow {
 }
 
 /// Seeded pseudo-random token ids below `vocab` (splitmix64).
-fn random_tokens(count: usize, vocab: u32, seed: u64) -> Vec<u32> {
+pub(crate) fn random_tokens(count: usize, vocab: u32, seed: u64) -> Vec<u32> {
     let mut state = seed;
     (0..count)
         .map(|_| {
@@ -437,12 +492,46 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         .with_context(|| format!("opening {}", model.display()))?;
     let architecture = artifact.config().architecture().to_string();
     let arithmetic = PrefillArithmetic::of(&artifact);
+    let model_context = artifact.config().common().max_position_embeddings;
     drop(artifact);
     if args
         .peak_tflops
         .is_some_and(|peak| !(peak.is_finite() && peak > 0.0))
     {
         bail!("--peak-tflops must be a positive number");
+    }
+    let longest = lengths.iter().copied().max().unwrap_or(1);
+    let mut max_context = longest + args.decode_tokens + 1;
+    // The stream of `--decode-during-prefill` asks for every position the context leaves it,
+    // up to the model's limit, so it outlasts the long prompt's prefill by a wide margin.
+    let mut stream_max_new_tokens = 0;
+    if let Some(prompt) = args.decode_during_prefill {
+        if prompt < 2 {
+            bail!("--decode-during-prefill must be a prompt of at least 2 tokens");
+        }
+        if prompt >= model_context {
+            bail!(
+                "--decode-during-prefill {prompt}: the prompt and its first token need {} \
+                 positions; the model holds {model_context}",
+                prompt + 1
+            );
+        }
+        let wanted = lengths[0].saturating_add(bench_during_prefill::stream_tokens_wanted(
+            args.decode_tokens,
+            prompt,
+        ));
+        max_context = max_context.max(prompt + 1).max(wanted.min(model_context));
+        stream_max_new_tokens = max_context.saturating_sub(lengths[0]);
+        if stream_max_new_tokens
+            < args.decode_tokens + 2 + bench_during_prefill::TOKENS_AFTER_PREFILL
+        {
+            bail!(
+                "--decode-during-prefill: the stream's prompt (the first --prompt-lengths entry, \
+                 {} tokens) leaves it only {stream_max_new_tokens} of the model's \
+                 {model_context} positions",
+                lengths[0]
+            );
+        }
     }
 
     // The reference first, while nothing else runs; its pool is gone before the workers pin
@@ -461,7 +550,6 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
 
     install_stop_handler();
     let mut supervisor = Supervisor::new()?;
-    let longest = lengths.iter().copied().max().unwrap_or(1);
     let mut engine_args = vec![
         "--device".to_string(),
         args.device.clone(),
@@ -472,6 +560,8 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
             .iter()
             .copied()
             .chain([args.concurrency])
+            // The stream and the long prompt.
+            .chain(args.decode_during_prefill.map(|_| 2))
             .max()
             .unwrap_or(1)
             .max(1)
@@ -480,7 +570,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
     engine_args.extend(args.engine_args.iter().cloned());
     let flags = EngineFlags {
         moe_threads: args.moe_threads,
-        max_context: Some(longest + args.decode_tokens + 1),
+        max_context: Some(max_context),
         no_workers: args.no_workers,
         // Exactly what was asked (0 when not given): the benchmark's figures name it.
         moe_gpu_experts: Some(args.moe_gpu_experts.clone().unwrap_or_else(|| "0".into())),
@@ -500,6 +590,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         &args,
         &lengths,
         &decode_batches,
+        stream_max_new_tokens,
         &address,
         &mut supervisor,
         ram_bandwidth,
@@ -527,6 +618,9 @@ struct ConcurrentDecode {
     aggregate_tok_s: f64,
     /// Per sequence in that window.
     per_sequence_tok_s: f64,
+    /// Time between consecutive tokens of a sequence, every sequence's steps that ended in
+    /// that window.
+    step_ms: StepLatency,
 }
 
 /// Client-side times of one generation.
@@ -534,6 +628,8 @@ struct Timing {
     prefill: Duration,
     decode: Duration,
     decoded: usize,
+    /// The gaps between consecutive tokens (the decode steps as the client sees them).
+    steps: Vec<Duration>,
 }
 
 async fn generate(
@@ -554,35 +650,40 @@ async fn generate(
         .await
         .context("starting a generation")?
         .into_inner();
-    let (mut first, mut last, mut tokens) = (None, started, 0usize);
+    let mut arrivals = Vec::with_capacity(new_tokens);
     while let Some(message) = stream.message().await.context("generating")? {
         if !message.no_token {
-            tokens += 1;
-            last = Instant::now();
-            first.get_or_insert(last);
+            arrivals.push(Instant::now());
         }
         let reason =
             FinishReason::try_from(message.finish_reason).unwrap_or(FinishReason::Unspecified);
         if reason != FinishReason::Unspecified && reason != FinishReason::Length {
-            bail!("the generation ended early ({reason:?}) after {tokens} tokens");
+            bail!(
+                "the generation ended early ({reason:?}) after {} tokens",
+                arrivals.len()
+            );
         }
     }
-    let Some(first) = first else {
+    let (Some(&first), Some(&last)) = (arrivals.first(), arrivals.last()) else {
         bail!("the engine produced no token");
     };
-    if tokens != new_tokens {
-        bail!("asked for {new_tokens} tokens, the engine produced {tokens}");
+    if arrivals.len() != new_tokens {
+        bail!(
+            "asked for {new_tokens} tokens, the engine produced {}",
+            arrivals.len()
+        );
     }
     Ok(Timing {
         prefill: first - started,
         decode: last - first,
-        decoded: tokens - 1,
+        decoded: arrivals.len() - 1,
+        steps: gaps(&arrivals),
     })
 }
 
 /// A bench generation: `new_tokens` sampled at temperature 1 (top-20) with `seed` (greedy
 /// decoding of random weights loops over a few tokens, and so over a few experts).
-fn bench_request(
+pub(crate) fn bench_request(
     request_id: String,
     prompt: Vec<u32>,
     new_tokens: usize,
@@ -667,12 +768,21 @@ async fn measure_concurrent_decode(
         .iter()
         .map(|a| a.iter().filter(|&&t| t > start && t <= end).count())
         .sum();
+    let steps: Vec<Duration> = arrivals
+        .iter()
+        .flat_map(|a| {
+            a.windows(2)
+                .filter(|pair| pair[1] > start && pair[1] <= end)
+                .map(|pair| pair[1] - pair[0])
+        })
+        .collect();
     let seconds = (end - start).as_secs_f64();
     Ok(ConcurrentDecode {
         sequences,
         prompt_tokens,
         aggregate_tok_s: tokens as f64 / seconds,
         per_sequence_tok_s: tokens as f64 / seconds / sequences as f64,
+        step_ms: StepLatency::of(&steps),
     })
 }
 
@@ -756,6 +866,7 @@ async fn measure(
     args: &ModelBenchArgs,
     lengths: &[usize],
     decode_batches: &[usize],
+    stream_max_new_tokens: usize,
     address: &str,
     supervisor: &mut Supervisor,
     ram_bandwidth: BandwidthResult,
@@ -830,6 +941,7 @@ async fn measure(
         let (mut prefill_rates, mut decode_rates) = (Vec::new(), Vec::new());
         let mut decoded = 0u64;
         let mut decode_split_per_repeat = Vec::new();
+        let (mut decode_steps, mut decode_step_ms_per_repeat) = (Vec::new(), Vec::new());
         for repeat in 0..args.repeats {
             if stop_requested() {
                 bail!("interrupted");
@@ -851,6 +963,8 @@ async fn measure(
             decoded += timing.decoded as u64;
             prefill_rates.push(length as f64 / timing.prefill.as_secs_f64().max(1e-12));
             decode_rates.push(timing.decoded as f64 / timing.decode.as_secs_f64().max(1e-12));
+            decode_step_ms_per_repeat.push(StepLatency::of(&timing.steps));
+            decode_steps.extend_from_slice(&timing.steps);
             // Each run's own split shows which part moves when two runs differ.
             let run_decode = counters.decode.unwrap_or_default();
             decode_split_per_repeat.push(
@@ -916,6 +1030,8 @@ async fn measure(
             prefill_limits,
             decode,
             decode_split_per_repeat,
+            decode_step_ms: StepLatency::of(&decode_steps),
+            decode_step_ms_per_repeat,
         });
     }
     let concurrent_decode = if args.concurrency > 1 {
@@ -961,6 +1077,24 @@ async fn measure(
             row.aggregate_over_batch_1 = Some(row.decode.aggregate_tok_s / batch_1);
         }
     }
+    let decode_during_prefill = match args.decode_during_prefill {
+        Some(prompt) => {
+            let figures = bench_during_prefill::measure(
+                &client,
+                prompt,
+                lengths[0],
+                stream_max_new_tokens,
+                args.decode_tokens,
+                vocab,
+                args.seed.wrapping_add(0xdec0de),
+            )
+            .await
+            .with_context(|| format!("decoding during a prefill of {prompt} tokens"))?;
+            profile(&mut client, true, false).await?;
+            Some(figures)
+        }
+        None => None,
+    };
     let expert_cache = ExpertCacheFigures::between(
         &status_before,
         &engine_status(&mut client).await?,
@@ -970,6 +1104,7 @@ async fn measure(
     Ok(Report {
         concurrent_decode,
         decode_batches: decode_batch_rows,
+        decode_during_prefill,
         expert_cache,
         model,
         architecture,
@@ -1075,8 +1210,13 @@ fn print_report(report: &Report) {
     println!("  compute limit = {}.", basis.compute_limit);
     if let Some(batch) = &report.concurrent_decode {
         println!(
-            "{} sequences at once (prompts of {} tokens): aggregate decode {:.1} tok/s, {:.1} tok/s per sequence",
-            batch.sequences, batch.prompt_tokens, batch.aggregate_tok_s, batch.per_sequence_tok_s
+            "{} sequences at once (prompts of {} tokens): aggregate decode {:.1} tok/s, {:.1} tok/s per sequence, step p50 {:.2} ms, p99 {:.2} ms",
+            batch.sequences,
+            batch.prompt_tokens,
+            batch.aggregate_tok_s,
+            batch.per_sequence_tok_s,
+            batch.step_ms.p50_ms,
+            batch.step_ms.p99_ms
         );
     }
     if !report.decode_batches.is_empty() {
@@ -1085,20 +1225,25 @@ fn print_report(report: &Report) {
             report.decode_batches[0].decode.prompt_tokens
         );
         println!(
-            "{:>6} {:>14} {:>16} {:>16}",
-            "batch", "aggregate tok/s", "per-seq tok/s", "× batch 1"
+            "{:>6} {:>14} {:>16} {:>16} {:>9} {:>9}",
+            "batch", "aggregate tok/s", "per-seq tok/s", "× batch 1", "p50 ms", "p99 ms"
         );
         for row in &report.decode_batches {
             println!(
-                "{:>6} {:>14.1} {:>16.1} {:>16}",
+                "{:>6} {:>14.1} {:>16.1} {:>16} {:>9.2} {:>9.2}",
                 row.decode.sequences,
                 row.decode.aggregate_tok_s,
                 row.decode.per_sequence_tok_s,
                 row.aggregate_over_batch_1
                     .map(|ratio| format!("{ratio:.2}"))
-                    .unwrap_or_else(|| "-".into())
+                    .unwrap_or_else(|| "-".into()),
+                row.decode.step_ms.p50_ms,
+                row.decode.step_ms.p99_ms
             );
         }
+    }
+    if let Some(figures) = &report.decode_during_prefill {
+        bench_during_prefill::print(figures);
     }
     if let Some(cache) = &report.expert_cache {
         println!(
@@ -1112,11 +1257,13 @@ fn print_report(report: &Report) {
         );
     }
     println!(
-        "{:>7} {:>9} {:>8} {:>8} | {:>9} {:>8} {:>8} {:>9} {:>7} | {:>9} {:>9} {:>8} {:>8}",
+        "{:>7} {:>9} {:>8} {:>8} {:>7} {:>7} | {:>9} {:>8} {:>8} {:>9} {:>7} | {:>9} {:>9} {:>8} {:>8}",
         "prompt",
         "prefill",
         "decode",
         "ms/tok",
+        "p50 ms",
+        "p99 ms",
         "gpu/dense",
         "cpu exp",
         "channel",
@@ -1130,11 +1277,13 @@ fn print_report(report: &Report) {
     for row in &report.results {
         let split = &row.decode.split_ms_per_token;
         println!(
-            "{:>7} {:>9.1} {:>8.2} {:>8.2} | {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>7.2} | {:>9.1} {:>9.1} {:>8} {:>8}",
+            "{:>7} {:>9.1} {:>8.2} {:>8.2} {:>7.2} {:>7.2} | {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>7.2} | {:>9.1} {:>9.1} {:>8} {:>8}",
             row.prompt_tokens,
             row.prefill_tok_s,
             row.decode_tok_s,
             row.decode.ms_per_token,
+            row.decode_step_ms.p50_ms,
+            row.decode_step_ms.p99_ms,
             split.gpu_dense,
             split.cpu_experts,
             split.channel_wait,
@@ -1164,11 +1313,18 @@ fn print_report(report: &Report) {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
+            let steps = row
+                .decode_step_ms_per_repeat
+                .iter()
+                .map(|step| format!("{:.2}/{:.2}", step.p50_ms, step.p99_ms))
+                .collect::<Vec<_>>()
+                .join(", ");
             println!(
-                "        per run: prefill {} tok/s; decode {} tok/s; decode ms/tok: gpu/dense {}, \
-                 cpu exp {}, channel {}",
+                "        per run: prefill {} tok/s; decode {} tok/s; step p50/p99 ms {}; decode \
+                 ms/tok: gpu/dense {}, cpu exp {}, channel {}",
                 list(&row.prefill.tok_per_s_per_repeat),
                 list(&row.decode.tok_per_s_per_repeat),
+                steps,
                 splits(|split| split.gpu_dense),
                 splits(|split| split.cpu_experts),
                 splits(|split| split.channel_wait),
@@ -1177,7 +1333,8 @@ fn print_report(report: &Report) {
     }
     println!(
         "prefill/decode: tok/s at the client (decode at batch 1, {} tokens after the prompt). \
-         Columns after ms/tok: decode time per token in ms. roofline = {}; measured = {}; ideal = {}.",
+         p50/p99 ms: time between consecutive decoded tokens at the client. Columns after \
+         p99 ms: decode time per token in ms. roofline = {}; measured = {}; ideal = {}.",
         report.results.first().map(|r| r.decode_tokens).unwrap_or(0),
         report.roofline.ratio,
         report.roofline.denominator,

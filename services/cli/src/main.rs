@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_channel;
+mod bench_during_prefill;
 mod bench_model;
 mod bench_mtp;
 mod convert;

@@ -2,7 +2,9 @@
 //! workers and in-process, the JSON report has every field, positive speeds, a time split that
 //! adds up to no more than the measured time per token, expert bytes per decoded token equal to
 //! (distinct CPU experts per token × stride) — top-k per MoE layer at batch 1 — and a roofline
-//! ratio in (0, 1.5]; a missing MODEL fails naming the file. Speeds are not judged here.
+//! ratio in (0, 1.5]; decode step percentiles with p50 ≤ p99; `--decode-during-prefill` with
+//! its solo and during-prefill windows; a missing MODEL fails naming the file. Speeds are not
+//! judged here.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -40,6 +42,44 @@ fn number(value: &Value, path: &str) -> f64 {
     current
         .as_f64()
         .unwrap_or_else(|| panic!("`{path}` is not a number: {current}"))
+}
+
+/// Step percentiles at the client: `steps` gaps (when given), 0 ≤ p50 ≤ p99 ≤ max.
+fn check_steps(steps: &Value, expected: f64) {
+    let (p50, p99, max) = (
+        number(steps, "p50_ms"),
+        number(steps, "p99_ms"),
+        number(steps, "max_ms"),
+    );
+    assert!(0.0 <= p50 && p50 <= p99 && p99 <= max, "{steps:#}");
+    if expected > 0.0 {
+        assert_eq!(number(steps, "steps"), expected, "{steps:#}");
+    }
+}
+
+/// Converts the shrunk two-layer qwen3-30b-a3b into `dir/model.ninfer`.
+fn convert_tiny_moe(dir: &Path) {
+    let output = ninfer(
+        &[
+            "convert",
+            "--synthetic",
+            "qwen3-30b-a3b",
+            "--scale-down",
+            "--layers",
+            "2",
+            "--experts-dtype",
+            "int8",
+            "--routing",
+            "uniform",
+            "model.ninfer",
+        ],
+        dir,
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// `placed`: routed experts per layer in (host-backed) "GPU" slots.
@@ -117,6 +157,12 @@ fn check_report(report: &Value, executor: &str, top_k: f64, moe_layers: f64, pla
     assert_eq!(bytes, experts * stride);
     let resident_bytes = number(decode, "gpu_expert_bytes_per_token");
     assert_eq!(resident_bytes, resident * stride);
+    check_steps(&row["decode_step_ms"], 4.0);
+    let per_repeat = row["decode_step_ms_per_repeat"]
+        .as_array()
+        .expect("decode_step_ms_per_repeat");
+    assert_eq!(per_repeat.len(), 1, "{row:#}");
+    check_steps(&per_repeat[0], 4.0);
     let ratio = number(row, "roofline_ratio");
     assert!(ratio > 0.0 && ratio <= 1.5, "roofline ratio {ratio}");
     let ideal = number(row, "ideal_ms_per_token");
@@ -137,27 +183,7 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
     binary("ninfer-engine");
     let directory = tempfile::tempdir().unwrap();
     let dir = directory.path();
-    let output = ninfer(
-        &[
-            "convert",
-            "--synthetic",
-            "qwen3-30b-a3b",
-            "--scale-down",
-            "--layers",
-            "2",
-            "--experts-dtype",
-            "int8",
-            "--routing",
-            "uniform",
-            "model.ninfer",
-        ],
-        dir,
-    );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    convert_tiny_moe(dir);
     let artifact = ninfer_artifact::Artifact::open(&dir.join("model.ninfer")).unwrap();
     let common = artifact.config().common().clone();
     let top_k = common.num_experts_per_tok as f64;
@@ -213,6 +239,7 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
                 let per_sequence = row["per_sequence_tok_s"].as_f64().unwrap_or(0.0);
                 assert!(aggregate > 0.0 && per_sequence > 0.0, "{row}");
                 assert!(row["aggregate_over_batch_1"].as_f64().is_some(), "{row}");
+                check_steps(&row["step_ms"], 0.0);
             }
         } else {
             assert!(report.get("decode_batches").is_none(), "{report}");
@@ -220,6 +247,99 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
         if executor == "remote-workers" {
             assert_eq!(report["expert_compute_reported_by_workers"], true);
         }
+    }
+}
+
+/// One stream decodes alone, then beside a 64-token prompt fed in chunks of 16 (so the stream
+/// gets tokens between them): both windows, their ratio, the longest gap and the long prompt's
+/// prefill figures are reported. In process, one decode length, to stay quick on two cores.
+#[test]
+fn bench_model_decodes_during_a_long_prefill() {
+    binary("ninfer-engine");
+    let directory = tempfile::tempdir().unwrap();
+    let dir = directory.path();
+    convert_tiny_moe(dir);
+    let args = [
+        "bench",
+        "model.ninfer",
+        "--device",
+        "cpu",
+        "--no-workers",
+        "--prompt-lengths",
+        "16",
+        "--decode-tokens",
+        "4",
+        "--moe-threads",
+        "1",
+        "--ram-buffer-gib",
+        "0.0625",
+        "--ram-passes",
+        "2",
+        "--decode-during-prefill",
+        "64",
+        "--engine-arg=--prefill-chunk-tokens",
+        "--engine-arg=16",
+        "--json",
+    ];
+    let output = ninfer(&args, dir);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let report: Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stderr}"));
+    check_steps(&report["results"][0]["decode_step_ms"], 4.0);
+    let figures = &report["decode_during_prefill"];
+    assert_eq!(number(figures, "prompt_tokens"), 64.0, "{figures:#}");
+    assert_eq!(number(figures, "stream_prompt_tokens"), 16.0, "{figures:#}");
+    assert_eq!(number(figures, "solo.tokens"), 4.0, "{figures:#}");
+    check_steps(&figures["solo"]["step_ms"], 4.0);
+    assert!(number(figures, "solo.tok_s") > 0.0, "{figures:#}");
+    // Three chunks end before the last one gives the prompt its first token, and the stream
+    // decodes between any two.
+    let during = number(figures, "during_prefill.tokens");
+    assert!(during >= 1.0, "{figures:#}");
+    assert!(number(figures, "during_prefill.tok_s") > 0.0, "{figures:#}");
+    check_steps(&figures["during_prefill"]["step_ms"], 0.0);
+    assert!(number(figures, "during_over_solo") > 0.0, "{figures:#}");
+    let gap = number(figures, "longest_gap_ms");
+    assert!(gap >= 0.0, "{figures:#}");
+    assert_eq!(gap, number(figures, "during_prefill.step_ms.max_ms"));
+    let ttft = number(figures, "time_to_first_token_ms");
+    assert!(ttft > 0.0, "{figures:#}");
+    assert_eq!(number(figures, "during_prefill.window_ms"), ttft);
+    let rate = number(figures, "prefill_tok_s");
+    assert!(
+        (rate - 64.0 / (ttft / 1e3)).abs() <= 1e-6 * rate,
+        "{figures:#}"
+    );
+    assert!(
+        number(figures, "stream_max_new_tokens") >= 4.0 + 1.0 + 4.0,
+        "{figures:#}"
+    );
+}
+
+#[test]
+fn bench_model_refuses_a_bad_decode_during_prefill() {
+    let directory = tempfile::tempdir().unwrap();
+    let dir = directory.path();
+    convert_tiny_moe(dir);
+    for value in ["1", "x"] {
+        let output = ninfer(
+            &[
+                "bench",
+                "model.ninfer",
+                "--device",
+                "cpu",
+                "--decode-during-prefill",
+                value,
+            ],
+            dir,
+        );
+        assert!(!output.status.success(), "{value}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("--decode-during-prefill"),
+            "{value}: {stderr}"
+        );
     }
 }
 

@@ -457,6 +457,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
     gated_delta_rule_chunked_mma(const float* q, const float* k, const float* v, const float* g,
                                  const float* beta, float* state, float* out, int row_start,
                                  int n, int nk, int nv, int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) unsigned char drt_shared[];
     float* s_a = reinterpret_cast<float*>(drt_shared);  // [64][TS]  A (j < i)
     float* s_t = s_a + DR_CHUNK * DRT_TS;                // [64][TS]  T = (I + A)⁻¹

@@ -67,7 +67,7 @@ pub struct CudaBackend {
     /// The step graph the current step's ops run in (device/step_graph.rs), if any.
     active_step_graph: Mutex<Option<step_graph::ActiveStepGraph>>,
     /// The kernels' modules: last, so they are unloaded after everything else of the backend.
-    modules: launch::KernelModules,
+    _modules: launch::KernelModules,
 }
 
 /// A row-major `[rows, cols]` f32 buffer on the GPU.

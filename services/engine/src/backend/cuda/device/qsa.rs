@@ -12,7 +12,7 @@
 //! The per-call row table and pooling jobs are small host uploads queued on the stream (no
 //! synchronisation), so these ops cannot run inside a recorded step graph: they refuse to.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::{
     elementwise, int, CudaBackend, CudaKvCache, CudaTensor, CudaWeight, KvBuffer, KvDtype,

@@ -195,7 +195,7 @@ impl CudaBackend {
             _context: context,
             functions,
             pdl,
-            modules,
+            _modules: modules,
             info,
             cublas: None,
             options,

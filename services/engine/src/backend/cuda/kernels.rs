@@ -101,7 +101,11 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "delta_rule",
         source: include_str!("../../../../../kernels/delta_rule.cu"),
-        functions: &["gated_delta_rule_recurrent", "gated_delta_rule_chunked"],
+        functions: &[
+            "gated_delta_rule_recurrent",
+            "gated_delta_rule_chunked",
+            "gated_delta_rule_chunked_mma",
+        ],
     },
     KernelSource {
         name: "experts",

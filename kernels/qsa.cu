@@ -68,6 +68,7 @@ __device__ void qsa_append_rows(const float* k, const float* v, const float* ind
 extern "C" __global__ void qsa_append(const float* k, const float* v, const float* index_qk,
                                       const unsigned long long* table, int rows, int kv_width,
                                       int index_cols, int raw_start, int width) {
+    PDL_WAIT_AND_RELEASE();
     qsa_append_rows<float>(k, v, index_qk, table, rows, kv_width, index_cols, raw_start, width);
 }
 
@@ -75,6 +76,7 @@ extern "C" __global__ void qsa_append_bf16(const float* k, const float* v, const
                                            const unsigned long long* table, int rows,
                                            int kv_width, int index_cols, int raw_start,
                                            int width) {
+    PDL_WAIT_AND_RELEASE();
     qsa_append_rows<unsigned short>(k, v, index_qk, table, rows, kv_width, index_cols, raw_start,
                                     width);
 }
@@ -86,6 +88,7 @@ extern "C" __global__ void qsa_append_bf16(const float* k, const float* v, const
 extern "C" __global__ void qsa_pool_blocks(const unsigned long long* jobs, int n_jobs,
                                            const float* key_norm, const float* inv_freq,
                                            int ratio, int width, int half, float eps) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ float pooled[QSA_MAX_INDEX_DIM];
     __shared__ float partial[QSA_POOL_THREADS / 32];
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -268,6 +271,7 @@ __device__ void qsa_nth_element(QsaPair* pairs, long long length, long long nth)
 extern "C" __global__ void qsa_select(const float* index_queries, const unsigned long long* table,
                                       int rows, int* selected, float* workspace, int stride,
                                       int heads, int width, int ratio, int top) {
+    PDL_WAIT_AND_RELEASE();
     __shared__ unsigned int histogram[256];
     __shared__ unsigned int prefix, mask, remaining;
     __shared__ int warp_counts[QSA_SELECT_THREADS / 32];
@@ -473,6 +477,7 @@ __device__ void qsa_attend_rows(const float* q, const unsigned long long* table,
 extern "C" __global__ void qsa_attend(const float* q, const unsigned long long* table,
                                       const int* selected, float* out, int heads, int kv_heads,
                                       int hd, int ratio, int top, float scale) {
+    PDL_WAIT_AND_RELEASE();
     qsa_attend_rows<float>(q, table, selected, out, heads, kv_heads, hd, ratio, top, scale);
 }
 
@@ -480,6 +485,7 @@ extern "C" __global__ void qsa_attend_bf16(const float* q, const unsigned long l
                                            const int* selected, float* out, int heads,
                                            int kv_heads, int hd, int ratio, int top,
                                            float scale) {
+    PDL_WAIT_AND_RELEASE();
     qsa_attend_rows<unsigned short>(q, table, selected, out, heads, kv_heads, hd, ratio, top,
                                     scale);
 }

@@ -826,7 +826,9 @@ fn qsa_ops_match_the_host_reference<B: Backend>(backend: Arc<B>) {
         let q_width = spec.heads * spec.head_dim;
         let query_norm = random_values(&mut rng, width, 0.5);
         let key_norm = random_values(&mut rng, width, 0.5);
-        let query_norm_weight = backend.parameter_from_values(&query_norm, 1, width).unwrap();
+        let query_norm_weight = backend
+            .parameter_from_values(&query_norm, 1, width)
+            .unwrap();
         let key_norm_weight = backend.parameter_from_values(&key_norm, 1, width).unwrap();
         for &length in case.lengths {
             let lengths = [length, length / 2 + 1];
@@ -998,8 +1000,7 @@ fn qsa_ops_match_the_host_reference<B: Backend>(backend: Arc<B>) {
                     settings,
                 );
                 let pooled = block_keys[s].pooled_keys();
-                let expected =
-                    select_tokens(&index_query, pooled, position + 1, settings).unwrap();
+                let expected = select_tokens(&index_query, pooled, position + 1, settings).unwrap();
                 let scores = sorted_host_scores(settings, &index_query, pooled, position);
                 if near_tie_at_the_boundary(&scores, settings.top_blocks()) {
                     skipped += 1;

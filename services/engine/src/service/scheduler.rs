@@ -2068,8 +2068,8 @@ mod tests {
                     "share {share_value}, chunk {chunk} ms, step {step} ms: {fraction}"
                 );
                 // And not much less: the overshoot is under one decode step per chunk.
-                let floor = prefill as f64
-                    / (prefill as f64 / share_value + (chunks * step) as f64);
+                let floor =
+                    prefill as f64 / (prefill as f64 / share_value + (chunks * step) as f64);
                 assert!(
                     fraction >= floor - 1e-9,
                     "share {share_value}, chunk {chunk} ms, step {step} ms: {fraction} < {floor}"
@@ -2191,7 +2191,10 @@ mod tests {
             let (before, total, tokens) = run_with(share, true);
             println!("share {share}: {before} stream tokens before the long prompt's first");
             assert_eq!(total, stream_tokens);
-            assert_eq!(tokens, alone, "share {share}: the time share changed the tokens");
+            assert_eq!(
+                tokens, alone,
+                "share {share}: the time share changed the tokens"
+            );
             assert!(
                 before >= per_chunk * (chunks - 1),
                 "share {share}: the stream got {before} tokens during {chunks} chunks"

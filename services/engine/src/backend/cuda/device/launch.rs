@@ -65,7 +65,9 @@ impl Pdl {
         } else if major < 9 {
             (
                 Pdl::Off,
-                Some(format!("the GPU is sm_{major}{minor}; PDL needs sm_90 or newer")),
+                Some(format!(
+                    "the GPU is sm_{major}{minor}; PDL needs sm_90 or newer"
+                )),
             )
         } else if !has_launch_ex {
             (
@@ -109,7 +111,13 @@ impl Kernel {
         value: i32,
     ) -> Result<(), DriverError> {
         // SAFETY: the function handle is live (its module is loaded).
-        unsafe { cudarc::driver::result::function::set_function_attribute(self.function, attribute, value) }
+        unsafe {
+            cudarc::driver::result::function::set_function_attribute(
+                self.function,
+                attribute,
+                value,
+            )
+        }
     }
 }
 
@@ -149,14 +157,17 @@ impl KernelModules {
                 path: path.display().to_string(),
                 problem: "the kernel cache path is not UTF-8 (set NINFER_KERNEL_CACHE)".into(),
             })?;
-        self.context.bind_to_thread().map_err(|error| CudaError::Driver {
-            what: what(),
-            message: describe(&error),
-        })?;
-        let module = cudarc::driver::result::module::load(name).map_err(|error| CudaError::Driver {
-            what: what(),
-            message: describe(&error),
-        })?;
+        self.context
+            .bind_to_thread()
+            .map_err(|error| CudaError::Driver {
+                what: what(),
+                message: describe(&error),
+            })?;
+        let module =
+            cudarc::driver::result::module::load(name).map_err(|error| CudaError::Driver {
+                what: what(),
+                message: describe(&error),
+            })?;
         let found: Result<Vec<_>, CudaError> = functions
             .iter()
             .map(|&function| {
@@ -164,11 +175,12 @@ impl KernelModules {
                     problem: format!("kernel name `{function}` holds a NUL"),
                 })?;
                 // SAFETY: `module` was just loaded.
-                let handle = unsafe { cudarc::driver::result::module::get_function(module, c_name) }
-                    .map_err(|error| CudaError::Driver {
-                        what: format!("loading kernel `{function}`"),
-                        message: describe(&error),
-                    })?;
+                let handle =
+                    unsafe { cudarc::driver::result::module::get_function(module, c_name) }
+                        .map_err(|error| CudaError::Driver {
+                            what: format!("loading kernel `{function}`"),
+                            message: describe(&error),
+                        })?;
                 Ok((function, Kernel { function: handle }))
             })
             .collect();

@@ -4,7 +4,7 @@
 //! Owns: how a tensor's rows split into norm groups, and the norm kernels' launch geometry.
 //! Must not touch: RoPE's tables (`elementwise.rs`).
 
-use cudarc::driver::{LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
 use super::super::CudaError;
 use super::{int, CudaBackend, CudaTensor, CudaWeight};

@@ -5,7 +5,7 @@
 //! Owns: the two launches (per-chunk top-k, per-row merge) and the read-back's decoding.
 //! Must not touch: sampling (`crate::sampling` turns candidates into tokens).
 
-use cudarc::driver::{LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
 use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::candidates::{LogitCandidates, MAX_CANDIDATES};

@@ -12,9 +12,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaSlice, DevicePtr, LaunchConfig,
-};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, DevicePtr, LaunchConfig};
 use ninfer_channel::SegmentMemory;
 
 use super::readback::PinnedStaging;

@@ -428,13 +428,13 @@ fn delta_rule_gates(rng: &mut Xoshiro256, tokens: usize, nv: usize) -> (Vec<f32>
 /// The tensor-core chunked gated delta rule (`gated_delta_rule_chunked_mma`) against the f32
 /// chunked kernel and the CPU backend's recurrent form (the host reference): Qwen3-Next /
 /// Qwen3.5 heads (dk = dv = 128, 16 key heads over 32 value heads), a GQA-3 case and one at
-/// dk 256 (two state tiles per warp) with dv 48 (a half-empty column tile); sequences of 1, 63,
-/// 64, 65, 1000 and 4096 tokens in one batch, each from a random initial state, then a second
-/// prefill continuing from the states the first left; realistic gates. Outputs and final states
-/// are held to [`TENSOR_CORE_TOLERANCE`] of their largest value (bf16 keys, queries, state
-/// operand, P and V'; an emulation of the kernel's roundings lands at 2e-3 to 5e-3 on such
-/// inputs). On the default options the op itself must send every prefill segment of 63 rows
-/// or more to the tensor-core kernel.
+/// dk 256 (two state tiles per warp; against the CPU only) with dv 48 (a half-empty column
+/// tile); sequences of 1, 63, 64, 65, 1000 and 4096 tokens in one batch, each from a random
+/// initial state, then a second prefill continuing from the states the first left; realistic
+/// gates. Outputs and final states are held to [`TENSOR_CORE_TOLERANCE`] of their largest value
+/// (bf16 keys, queries, state operand, P and V'; an emulation of the kernel's roundings lands at
+/// 2e-3 to 5e-3 on such inputs). On the default options the op itself must send every prefill
+/// segment of 63 rows or more to the tensor-core kernel.
 #[test]
 fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
     let test = "tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu";
@@ -474,8 +474,14 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
         ),
         (1, 2, 256, 48, &[64, 1, 700, 65], &[33, 64, 1, 129]),
     ];
-    let kernels = [DeltaRuleKernel::TensorCore, DeltaRuleKernel::Chunked];
     for (nk, nv, dk, dv, first, second) in cases {
+        // The f32 chunked kernel needs 186 KiB of shared memory at dk 256, more than an A100
+        // gives a block: that case is held to the CPU alone.
+        let kernels: &[DeltaRuleKernel] = if dk <= 128 {
+            &[DeltaRuleKernel::TensorCore, DeltaRuleKernel::Chunked]
+        } else {
+            &[DeltaRuleKernel::TensorCore]
+        };
         let spec = DeltaRuleSpec {
             key_heads: nk,
             value_heads: nv,
@@ -564,24 +570,34 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
                 .iter()
                 .flat_map(|state| state.state.iter().copied())
                 .collect();
-            let figures = [
-                relative_difference(&outputs[0], &out_cpu),
-                relative_difference(&outputs[0], &outputs[1]),
-                relative_difference(&states[0], &states_cpu),
-                relative_difference(&states[0], &states[1]),
-                relative_difference(&outputs[1], &out_cpu),
-                relative_difference(&states[1], &states_cpu),
-            ];
             let what =
                 format!("delta rule nk {nk} nv {nv} dk {dk} dv {dv} step {step} {lengths:?}");
-            println!(
-                "{what}: tensor cores vs cpu {:.2e} (states {:.2e}), vs f32 chunked {:.2e} (states {:.2e}); f32 chunked vs cpu {:.2e} (states {:.2e})",
-                figures[0], figures[2], figures[1], figures[3], figures[4], figures[5]
-            );
-            assert!(
-                figures[..4].iter().all(|&f| f <= TENSOR_CORE_TOLERANCE),
-                "{what}: the tensor-core kernel differs from the references by {figures:?} (outputs vs cpu, vs chunked, states vs cpu, vs chunked)"
-            );
+            // (outputs, states) of the tensor-core kernel against the CPU and, where it ran,
+            // the f32 chunked kernel.
+            let mut figures = vec![(
+                "cpu",
+                relative_difference(&outputs[0], &out_cpu),
+                relative_difference(&states[0], &states_cpu),
+            )];
+            if outputs.len() > 1 {
+                figures.push((
+                    "f32 chunked",
+                    relative_difference(&outputs[0], &outputs[1]),
+                    relative_difference(&states[0], &states[1]),
+                ));
+                println!(
+                    "{what}: f32 chunked vs cpu {:.2e} (states {:.2e})",
+                    relative_difference(&outputs[1], &out_cpu),
+                    relative_difference(&states[1], &states_cpu)
+                );
+            }
+            for (reference, out, state) in figures {
+                println!("{what}: tensor cores vs {reference} {out:.2e} (states {state:.2e})");
+                assert!(
+                    out <= TENSOR_CORE_TOLERANCE && state <= TENSOR_CORE_TOLERANCE,
+                    "{what}: the tensor-core kernel differs from the {reference} by {out:.2e} (outputs), {state:.2e} (states)"
+                );
+            }
             if step == 0 {
                 // The op on the default options: the tensor-core kernel for prefill segments.
                 let out = gpu

@@ -19,6 +19,10 @@
 //   S ← e^{γ_last} S + Σ_j e^{γ_last−γ_j} k_j ⊗ V'_j.
 // A, W and the intra-chunk products are recomputed by every column tile of a head (they do not
 // depend on the columns); that buys four times the blocks at dv = 128.
+//
+// gated_delta_rule_chunked_mma (prefill with CudaOptions::tensor_core_prefill, at the end of this
+// file): the same chunks and grid with the matrix products on the tensor cores (bf16 operands,
+// f32 accumulation), so it matches the two above within bf16 tolerances, not to f32 rounding.
 
 #include "common.cuh"
 
@@ -457,6 +461,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
     gated_delta_rule_chunked_mma(const float* q, const float* k, const float* v, const float* g,
                                  const float* beta, float* state, float* out, int row_start,
                                  int n, int nk, int nv, int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) unsigned char drt_shared[];
     float* s_a = reinterpret_cast<float*>(drt_shared);  // [64][TS]  A (j < i)
     float* s_t = s_a + DR_CHUNK * DRT_TS;                // [64][TS]  T = (I + A)⁻¹

@@ -127,9 +127,10 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_worker_handoff: bool,
-    /// `on` (the default): prefill-sized grouped routed experts (bf16 / int8 / int4) and causal
-    /// prefill attention over a bf16 KV cache run on the tensor cores (bf16 inputs, f32
-    /// accumulation; within bf16 tolerances of the f32 kernels). `off`: the f32 SIMT kernels.
+    /// `on` (the default): prefill-sized grouped routed experts (bf16 / int8 / int4), causal
+    /// prefill attention over a bf16 KV cache and the Gated DeltaNet prefill (chunked delta
+    /// rule) run on the tensor cores (bf16 inputs, f32 accumulation; within bf16 tolerances of
+    /// the f32 kernels). `off`: the f32 SIMT kernels.
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_tensor_cores: bool,

@@ -9,16 +9,19 @@
 //! * causal GQA prefill attention over a bf16 cache (`attention_mma_*`) against the reference
 //!   kernel and the tiled kernel: head_dim 64, 128 and 256, GQA 1 to 8, segments of 16 to 1000
 //!   rows (none a multiple of the 64-row tile), a second prefill continuing each sequence, and a
-//!   sliding window.
+//!   sliding window;
+//! * the chunked gated delta rule (`gated_delta_rule_chunked_mma`) against the f32 chunked
+//!   kernel and the CPU's recurrent form at Qwen3-Next / Qwen3.5 head shapes, sequences of 1 to
+//!   4096 tokens in one batch, from initial states and continuing from the states left.
 //!
 //! * layerwise prefill (experts streamed into the double-buffered staging slots, all on the
 //!   GPU or split with the executor) against the staged route, on the golden fixtures with int8
 //!   and int4 experts: the logits of every position.
 //!
-//! Both are held to 2e-2 of the largest output (bf16 rounding of activations, softmax weights
+//! All are held to 2e-2 of the largest output (bf16 rounding of activations, softmax weights
 //! and dequantized weights; each test prints its figure). `tensor_core_prefill_figures`
-//! (ignored: a figure, not a check) times both against the kernels they replace at
-//! Qwen3-30B-A3B shapes.
+//! (ignored: a figure, not a check) times them against the kernels they replace at
+//! Qwen3-30B-A3B shapes (the delta rule at Qwen3.5's).
 //!
 //! Runs on the backend with the default options. Without a GPU every test prints that it is
 //! skipped and passes (fails under `NINFER_REQUIRE_GPU=1`).
@@ -29,9 +32,10 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 use ninfer_engine::backend::cuda::{
-    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, GroupedExpertKernels, KvDtype,
+    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, DeltaRuleKernel,
+    GroupedExpertKernels, KvDtype,
 };
-use ninfer_engine::backend::{AttentionSpec, Routing, Segment};
+use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, Routing, Segment};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
     max_abs_difference, tiny_config, write_model, TinyArchitecture, TinyModelOptions,
@@ -369,6 +373,263 @@ fn tensor_core_attention_matches_the_reference_and_tiled_kernels() {
     }
 }
 
+/// (key heads, value heads, key head dim, value head dim, the sequences' first prefill, their
+/// second prefill)
+type DeltaRuleCase = (
+    usize,
+    usize,
+    usize,
+    usize,
+    &'static [usize],
+    &'static [usize],
+);
+
+/// Consecutive segments of `lengths` rows, one state each, all from position 0.
+fn segments_over<'a, S>(states: &'a mut [S], lengths: &[usize]) -> Vec<Segment<'a, S>> {
+    let mut start = 0;
+    let mut segments = Vec::new();
+    for (state, &length) in states.iter_mut().zip(lengths) {
+        segments.push(Segment {
+            rows: start..start + length,
+            start_position: 0,
+            state,
+        });
+        start += length;
+    }
+    segments
+}
+
+/// Gates as a Gated DeltaNet layer makes them, `g = −A · softplus(a + dt_bias)` and
+/// `β = sigmoid(b)`, with A in [1, 16] and dt_bias the inverse softplus of a dt log-uniform in
+/// [1e-3, 1e-1] per value head (the models' initialisation), a in [−2, 2] and b in [−3, 3]: per
+/// token decays from e^−1e-3 (long memory) to e^−5 (none).
+fn delta_rule_gates(rng: &mut Xoshiro256, tokens: usize, nv: usize) -> (Vec<f32>, Vec<f32>) {
+    let heads: Vec<(f64, f64)> = (0..nv)
+        .map(|_| {
+            let a = 1.0 + 15.0 * rng.next_f64();
+            let dt = 10f64.powf(-3.0 + 2.0 * rng.next_f64());
+            (a, dt.exp_m1().ln())
+        })
+        .collect();
+    let softplus = |x: f64| if x > 20.0 { x } else { x.exp().ln_1p() };
+    let mut g = Vec::with_capacity(tokens * nv);
+    let mut beta = Vec::with_capacity(tokens * nv);
+    for _ in 0..tokens {
+        for &(a, dt_bias) in &heads {
+            let input = 4.0 * rng.next_f64() - 2.0;
+            g.push((-a * softplus(input + dt_bias)) as f32);
+            let b = 6.0 * rng.next_f64() - 3.0;
+            beta.push((1.0 / (1.0 + (-b).exp())) as f32);
+        }
+    }
+    (g, beta)
+}
+
+/// The tensor-core chunked gated delta rule (`gated_delta_rule_chunked_mma`) against the f32
+/// chunked kernel and the CPU backend's recurrent form (the host reference): Qwen3-Next /
+/// Qwen3.5 heads (dk = dv = 128, 16 key heads over 32 value heads), a GQA-3 case and one at
+/// dk 256 (two state tiles per warp; against the CPU only) with dv 48 (a half-empty column
+/// tile); sequences of 1, 63, 64, 65, 1000 and 4096 tokens in one batch, each from a random
+/// initial state, then a second prefill continuing from the states the first left; realistic
+/// gates. Outputs and final states are held to [`TENSOR_CORE_TOLERANCE`] of their largest value
+/// (bf16 keys, queries, state operand, P and V'; an emulation of the kernel's roundings lands at
+/// 2e-3 to 5e-3 on such inputs). On the default options the op itself must send every prefill
+/// segment of 63 rows or more to the tensor-core kernel.
+#[test]
+fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
+    let test = "tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu";
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    let path = gpu.info().delta_rule_path;
+    println!("delta rule path in use: {path}");
+    if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        assert_eq!(
+            path, "tensor-core",
+            "the tensor-core delta rule failed its start-up check (see the warning in the log)"
+        );
+    } else if path != "tensor-core" {
+        // Its shared memory did not fit this GPU, or its check failed (logged): nothing to test.
+        println!("skipped `{test}`: the tensor-core delta rule is not in use here");
+        return;
+    }
+    let cpu = CpuBackend::new();
+    let mut rng = Xoshiro256::seed_from_u64(47);
+    let cases: [DeltaRuleCase; 3] = [
+        (
+            16,
+            32,
+            128,
+            128,
+            &[1, 63, 64, 65, 1000, 4096],
+            &[65, 1000, 1, 64, 63, 17],
+        ),
+        (
+            2,
+            6,
+            128,
+            128,
+            &[63, 1000, 1, 65, 64],
+            &[1, 65, 63, 130, 16],
+        ),
+        (1, 2, 256, 48, &[64, 1, 700, 65], &[33, 64, 1, 129]),
+    ];
+    for (nk, nv, dk, dv, first, second) in cases {
+        // The f32 chunked kernel needs 186 KiB of shared memory at dk 256, more than an A100
+        // gives a block: that case is held to the CPU alone.
+        let kernels: &[DeltaRuleKernel] = if dk <= 128 {
+            &[DeltaRuleKernel::TensorCore, DeltaRuleKernel::Chunked]
+        } else {
+            &[DeltaRuleKernel::TensorCore]
+        };
+        let spec = DeltaRuleSpec {
+            key_heads: nk,
+            value_heads: nv,
+            key_head_dim: dk,
+            value_head_dim: dv,
+        };
+        let initial: Vec<Vec<f32>> = first
+            .iter()
+            .map(|_| uniform(&mut rng, nv * dk * dv, 0.5))
+            .collect();
+        let mut gpu_states: Vec<Vec<_>> = kernels
+            .iter()
+            .map(|_| {
+                initial
+                    .iter()
+                    .map(|values| gpu.recurrent_state_from(&spec, values).unwrap())
+                    .collect()
+            })
+            .collect();
+        let mut auto_states: Vec<_> = initial
+            .iter()
+            .map(|values| gpu.recurrent_state_from(&spec, values).unwrap())
+            .collect();
+        let mut cpu_states: Vec<_> = initial
+            .iter()
+            .map(|values| {
+                let mut state = cpu.new_recurrent_state(&spec).unwrap();
+                state.state.clone_from(values);
+                state
+            })
+            .collect();
+        for (step, lengths) in [first, second].into_iter().enumerate() {
+            let total: usize = lengths.iter().sum();
+            let (g, beta) = delta_rule_gates(&mut rng, total, nv);
+            let inputs = [
+                (uniform(&mut rng, total * nk * dk, 1.0), nk * dk),
+                (uniform(&mut rng, total * nk * dk, 1.0), nk * dk),
+                (uniform(&mut rng, total * nv * dv, 1.0), nv * dv),
+                (g, nv),
+                (beta, nv),
+            ];
+            let on_gpu: Vec<_> = inputs
+                .iter()
+                .map(|(values, cols)| gpu.upload(values, total, *cols).unwrap())
+                .collect();
+            let on_cpu: Vec<_> = inputs
+                .iter()
+                .map(|(values, cols)| cpu.upload(values, total, *cols).unwrap())
+                .collect();
+            let mut outputs = Vec::new();
+            let mut states = Vec::new();
+            for (&kernel, kernel_states) in kernels.iter().zip(gpu_states.iter_mut()) {
+                let out = gpu
+                    .gated_delta_rule_with(
+                        kernel,
+                        &on_gpu[0],
+                        &on_gpu[1],
+                        &on_gpu[2],
+                        &on_gpu[3],
+                        &on_gpu[4],
+                        &spec,
+                        &mut segments_over(kernel_states, lengths),
+                    )
+                    .unwrap();
+                outputs.push(gpu.download(&out).unwrap());
+                let values: Vec<Vec<f32>> = kernel_states
+                    .iter()
+                    .map(|state| gpu.recurrent_state_values(state).unwrap())
+                    .collect();
+                states.push(values.concat());
+            }
+            let out_cpu = cpu
+                .gated_delta_rule(
+                    &on_cpu[0],
+                    &on_cpu[1],
+                    &on_cpu[2],
+                    &on_cpu[3],
+                    &on_cpu[4],
+                    &spec,
+                    DeltaRuleForm::Recurrent,
+                    &mut segments_over(&mut cpu_states, lengths),
+                )
+                .unwrap();
+            let out_cpu = cpu.download(&out_cpu).unwrap();
+            let states_cpu: Vec<f32> = cpu_states
+                .iter()
+                .flat_map(|state| state.state.iter().copied())
+                .collect();
+            let what =
+                format!("delta rule nk {nk} nv {nv} dk {dk} dv {dv} step {step} {lengths:?}");
+            // (outputs, states) of the tensor-core kernel against the CPU and, where it ran,
+            // the f32 chunked kernel.
+            let mut figures = vec![(
+                "cpu",
+                relative_difference(&outputs[0], &out_cpu),
+                relative_difference(&states[0], &states_cpu),
+            )];
+            if outputs.len() > 1 {
+                figures.push((
+                    "f32 chunked",
+                    relative_difference(&outputs[0], &outputs[1]),
+                    relative_difference(&states[0], &states[1]),
+                ));
+                println!(
+                    "{what}: f32 chunked vs cpu {:.2e} (states {:.2e})",
+                    relative_difference(&outputs[1], &out_cpu),
+                    relative_difference(&states[1], &states_cpu)
+                );
+            }
+            for (reference, out, state) in figures {
+                println!("{what}: tensor cores vs {reference} {out:.2e} (states {state:.2e})");
+                assert!(
+                    out <= TENSOR_CORE_TOLERANCE && state <= TENSOR_CORE_TOLERANCE,
+                    "{what}: the tensor-core kernel differs from the {reference} by {out:.2e} (outputs), {state:.2e} (states)"
+                );
+            }
+            if step == 0 {
+                // The op on the default options: the tensor-core kernel for prefill segments.
+                let out = gpu
+                    .gated_delta_rule(
+                        &on_gpu[0],
+                        &on_gpu[1],
+                        &on_gpu[2],
+                        &on_gpu[3],
+                        &on_gpu[4],
+                        &spec,
+                        DeltaRuleForm::Auto,
+                        &mut segments_over(&mut auto_states, lengths),
+                    )
+                    .unwrap();
+                let out = gpu.download(&out).unwrap();
+                let width = nv * dv;
+                let mut start = 0;
+                for &length in lengths {
+                    let rows = start * width..(start + length) * width;
+                    if length >= 63 {
+                        assert!(
+                            out[rows.clone()] == outputs[0][rows],
+                            "{what}: a {length}-row segment did not take the tensor-core kernel"
+                        );
+                    }
+                    start += length;
+                }
+            }
+        }
+    }
+}
+
 /// Seconds per call of `call`, over enough calls to pass 0.2 s.
 fn seconds_per_call(gpu: &CudaBackend, mut call: impl FnMut()) -> f64 {
     call();
@@ -485,6 +746,62 @@ fn tensor_core_prefill_figures() {
     }
     println!(
         "prefill attention: tensor cores {:.1}× the tiled kernel",
+        figures[0] / figures[1]
+    );
+    let spec = DeltaRuleSpec {
+        key_heads: 16,
+        value_heads: 32,
+        key_head_dim: 128,
+        value_head_dim: 128,
+    };
+    let tokens = 4096usize;
+    let (g, beta) = delta_rule_gates(&mut rng, tokens, spec.value_heads);
+    let qk_width = spec.key_heads * spec.key_head_dim;
+    let v_width = spec.value_heads * spec.value_head_dim;
+    let inputs = [
+        gpu.upload(&uniform(&mut rng, tokens * qk_width, 1.0), tokens, qk_width)
+            .unwrap(),
+        gpu.upload(&uniform(&mut rng, tokens * qk_width, 1.0), tokens, qk_width)
+            .unwrap(),
+        gpu.upload(&uniform(&mut rng, tokens * v_width, 1.0), tokens, v_width)
+            .unwrap(),
+        gpu.upload(&g, tokens, spec.value_heads).unwrap(),
+        gpu.upload(&beta, tokens, spec.value_heads).unwrap(),
+    ];
+    let mut figures = Vec::new();
+    for kernel in [DeltaRuleKernel::Chunked, DeltaRuleKernel::TensorCore] {
+        let mut state = gpu.new_recurrent_state(&spec).unwrap();
+        let seconds = seconds_per_call(&gpu, || {
+            let mut segments = [Segment {
+                rows: 0..tokens,
+                start_position: 0,
+                state: &mut state,
+            }];
+            let _ = gpu
+                .gated_delta_rule_with(
+                    kernel,
+                    &inputs[0],
+                    &inputs[1],
+                    &inputs[2],
+                    &inputs[3],
+                    &inputs[4],
+                    &spec,
+                    &mut segments,
+                )
+                .unwrap();
+        });
+        figures.push(seconds);
+        println!(
+            "delta rule prefill ({kernel}) {tokens} tokens, heads {}/{}, dk {} dv {}: {:.3} ms per layer",
+            spec.key_heads,
+            spec.value_heads,
+            spec.key_head_dim,
+            spec.value_head_dim,
+            seconds * 1e3
+        );
+    }
+    println!(
+        "delta rule prefill: tensor cores {:.1}× the f32 chunked kernel",
         figures[0] / figures[1]
     );
 }

@@ -101,7 +101,11 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "delta_rule",
         source: include_str!("../../../../../kernels/delta_rule.cu"),
-        functions: &["gated_delta_rule_recurrent", "gated_delta_rule_chunked"],
+        functions: &[
+            "gated_delta_rule_recurrent",
+            "gated_delta_rule_chunked",
+            "gated_delta_rule_chunked_mma",
+        ],
     },
     KernelSource {
         name: "experts",
@@ -377,58 +381,55 @@ mod tests {
         );
     }
 
-    /// Programmatic dependent launch lets a kernel start while the one before it on the
-    /// stream still runs; only `griddepcontrol.wait` at its start keeps it from reading what
-    /// that kernel has not written yet. Every listed kernel begins with the prologue.
-    #[test]
-    fn every_listed_function_begins_with_the_pdl_prologue() {
-        for kernel in KERNEL_SOURCES {
-            for function in kernel.functions {
-                let call = format!(" {function}(");
-                let begins_with_prologue = kernel.source.match_indices(&call).any(|(at, _)| {
-                    let after = &kernel.source[at..];
-                    // The body: after the parameter list's closing `)` and the `{`.
-                    let Some(open) = after.find('{') else {
-                        return false;
-                    };
-                    if after[..open].contains(';') {
-                        return false; // a call or a declaration, not the definition
-                    }
-                    after[open + 1..]
-                        .trim_start()
-                        .starts_with("PDL_WAIT_AND_RELEASE();")
-                });
-                assert!(
-                    begins_with_prologue,
-                    "kernels/{}.cu: `{function}` does not begin with PDL_WAIT_AND_RELEASE();",
-                    kernel.name
-                );
-            }
-        }
+    /// Where `source` defines the kernel `function`: `__global__ void NAME(`, possibly with
+    /// `__launch_bounds__(…)` in between.
+    fn definitions(source: &str, function: &str) -> Vec<usize> {
+        source
+            .match_indices(&format!(" {function}("))
+            .map(|(at, _)| at)
+            .filter(|&at| {
+                // 160 bytes back, moved to a character boundary (comments hold `·`).
+                let mut from = at.saturating_sub(160);
+                while !source.is_char_boundary(from) {
+                    from -= 1;
+                }
+                source[from..at]
+                    .rsplit_once("__global__")
+                    .is_some_and(|(_, between)| !between.contains(';') && !between.contains('}'))
+            })
+            .collect()
     }
 
     #[test]
     fn every_listed_function_is_defined_in_its_source() {
         for kernel in KERNEL_SOURCES {
             for function in kernel.functions {
-                // `__global__ void NAME(`, possibly with `__launch_bounds__(…)` in between.
-                let call = format!(" {function}(");
-                let defined = kernel.source.match_indices(&call).any(|(at, _)| {
-                    // 160 bytes back, moved to a character boundary (comments hold `·`).
-                    let mut from = at.saturating_sub(160);
-                    while !kernel.source.is_char_boundary(from) {
-                        from -= 1;
-                    }
-                    let before = &kernel.source[from..at];
-                    before
-                        .rsplit_once("__global__")
-                        .is_some_and(|(_, between)| {
-                            !between.contains(';') && !between.contains('}')
-                        })
+                assert!(
+                    !definitions(kernel.source, function).is_empty(),
+                    "kernels/{}.cu does not define `{function}`",
+                    kernel.name
+                );
+            }
+        }
+    }
+
+    /// kernels/common.cuh: under programmatic dependent launch a kernel may start while its
+    /// predecessor runs, so each must wait for it before touching memory.
+    #[test]
+    fn every_listed_function_starts_with_the_pdl_prologue() {
+        for kernel in KERNEL_SOURCES {
+            for function in kernel.functions {
+                let starts = definitions(kernel.source, function).into_iter().any(|at| {
+                    let rest = &kernel.source[at..];
+                    rest.find('{').is_some_and(|open| {
+                        rest[open + 1..]
+                            .trim_start()
+                            .starts_with("PDL_WAIT_AND_RELEASE();")
+                    })
                 });
                 assert!(
-                    defined,
-                    "kernels/{}.cu does not define `{function}`",
+                    starts,
+                    "kernels/{}.cu: `{function}` does not start with PDL_WAIT_AND_RELEASE()",
                     kernel.name
                 );
             }

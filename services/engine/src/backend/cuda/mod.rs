@@ -35,7 +35,7 @@ pub use device::{
     CudaWeight, DeviceInfo,
 };
 
-pub use device::{AttentionPath, CudaOptions, GroupedExpertKernels, KvDtype};
+pub use device::{AttentionPath, CudaOptions, DeltaRuleKernel, GroupedExpertKernels, KvDtype};
 
 /// What went wrong on the CUDA side. Every variant says what was looked for or called.
 #[derive(Debug, Clone, thiserror::Error)]

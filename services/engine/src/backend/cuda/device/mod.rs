@@ -684,8 +684,9 @@ impl Backend for CudaBackend {
             = launch_causal_conv1d_silu;
         delta_rule_gates(a: &CudaTensor, b: &CudaTensor, a_log: &CudaWeight,
             dt_bias: &CudaWeight) -> (CudaTensor, CudaTensor) = launch_delta_rule_gates;
-        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check,
-        // else the recurrent kernel (device/delta_rule.rs).
+        // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check
+        // (on the tensor cores with `tensor_core_prefill`), else the recurrent kernel
+        // (device/delta_rule.rs).
         gated_delta_rule(q: &CudaTensor, k: &CudaTensor, v: &CudaTensor, g: &CudaTensor,
             beta: &CudaTensor, spec: &DeltaRuleSpec, form: DeltaRuleForm,
             segments: &mut [Segment<'_, CudaRecurrentState>]) -> CudaTensor
@@ -1123,6 +1124,7 @@ mod tensor_pool;
 mod worker_handoff;
 
 pub use attention::AttentionPath;
+pub use delta_rule::DeltaRuleKernel;
 pub use experts::{CudaExpertSlots, GroupedExpertKernels};
 pub use launch::Pdl;
 pub use options::{CudaOptions, KvDtype};

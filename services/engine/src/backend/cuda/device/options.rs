@@ -71,8 +71,9 @@ pub struct CudaOptions {
     /// step graphs. Off: the host reads the routing and posts (the reference path).
     pub worker_handoff: bool,
     /// Prefill-sized work on the tensor cores (`mma.sync`, bf16 inputs, f32 accumulation): the
-    /// grouped routed-expert kernels for bf16 / int8 / int4 experts, and causal attention over
-    /// a bf16 KV cache (after its start-up check). Activations (and the softmax weights) are
+    /// grouped routed-expert kernels for bf16 / int8 / int4 experts, causal attention over a
+    /// bf16 KV cache and the chunked gated delta rule (each after its start-up check).
+    /// Activations (and the softmax weights, the delta rule's keys, queries and state) are
     /// rounded to bf16, so results move within bf16 tolerances and no longer equal the
     /// per-token (decode) kernels' bits; off, every op keeps the f32 SIMT kernels.
     pub tensor_core_prefill: bool,

@@ -40,8 +40,10 @@ pub struct DeviceInfo {
     pub cublas_library: Option<String>,
     pub kv_dtype: KvDtype,
     /// The kernel multi-token delta-rule segments run: `"chunked"` (it passed its start-up check
-    /// against the recurrent kernel) or `"recurrent"` (every form; the check failed or the
-    /// GPU's shared memory is too small, with a warning logged).
+    /// against the recurrent kernel), `"tensor-core"` (as `"chunked"`, and with
+    /// `CudaOptions::tensor_core_prefill` the tensor-core kernel passed its own check: it runs
+    /// prefill segments of the shapes it takes) or `"recurrent"` (every form; the check failed
+    /// or the GPU's shared memory is too small, with a warning logged).
     pub delta_rule_path: &'static str,
     /// Dynamic shared memory a block may use (opt-in maximum), bytes.
     pub shared_memory_per_block: usize,

@@ -21,8 +21,8 @@
 // depend on the columns); that buys four times the blocks at dv = 128.
 //
 // gated_delta_rule_chunked_mma (prefill with CudaOptions::tensor_core_prefill, at the end of this
-// file): the same chunks and grid with the matrix products on the tensor cores (bf16 operands,
-// f32 accumulation), so it matches the two above within bf16 tolerances, not to f32 rounding.
+// file): the same chunks and grid with the matrix products on the tensor cores (f16 operands,
+// f32 accumulation), so it matches the two above within f16 tolerances, not to f32 rounding.
 
 #include "common.cuh"
 
@@ -364,41 +364,50 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
 }
 
 // ---------------------------------------------------------------------------------------------
-// gated_delta_rule_chunked_mma: the chunked form on the tensor cores (mma.sync m16n8k16, bf16
-// operands, f32 accumulation). Same arguments, grid and chunks as gated_delta_rule_chunked; dk and
+// gated_delta_rule_chunked_mma: the chunked form on the tensor cores (mma.sync m16n8k16, f16
+// operands, f32 accumulation). f16, not bf16: every operand is bounded (k̂ and q̂ unit vectors,
+// P ≤ 1, V' and the state of the values' magnitude, the delta rule replacing rather than
+// accumulating along k̂), and its 8× finer rounding keeps the golden fixtures' greedy tokens,
+// which bf16 operands did not. Same arguments, grid and chunks as gated_delta_rule_chunked; dk and
 // dv multiples of 16, dk ≤ DRT_MAX_KEY_DIM (the host checks). Per chunk (rows past the chunk's
 // end are zero: k̂ = q̂ = 0, β = 0, g = 0):
-//   phase 0  k̂, q̂ l2-normalised in f32, stored bf16; γ (a warp scan), β, e^γ, e^{γ_last−γ}.
+//   phase 0  k̂, q̂ l2-normalised in f32, stored f16; γ (a warp scan), β, e^γ, e^{γ_last−γ}.
 //   phase 1  mma K̂K̂ᵀ and Q̂K̂ᵀ (the lower 16-row blocks only); A_ij = β_i (k̂_i·k̂_j) e^{γ_i−γ_j}
-//            (j < i) kept f32, P_ij = (q̂_i·k̂_j) e^{γ_i−γ_j} (j ≤ i) kept bf16.
+//            (j < i) kept f32, P_ij = (q̂_i·k̂_j) e^{γ_i−γ_j} (j ≤ i) kept f16.
 //   phase 2  T = (I + A)⁻¹ in f32: forward substitution inside each 16×16 diagonal block, then
 //            the blocks below it, T_ib = −T_ii Σ_{b≤c<i} A_ic T_cb, by distance from the diagonal.
-//   phase 3  mma K̂S and Q̂S against the bf16 copy of the state tile; R = β (V − e^γ K̂S) in f32
+//   phase 3  mma K̂S and Q̂S against the f16 copy of the state tile; R = β (V − e^γ K̂S) in f32
 //            (so V' = T R = U − W S without forming W), O = e^γ Q̂S kept in registers.
-//   phase 4  V' = T R in f32, stored bf16 as V' and as e^{γ_last−γ_j} V'_j.
+//   phase 4  V' = T R in f32, stored f16 as V' and as e^{γ_last−γ_j} V'_j.
 //   phase 5  mma O += P V' (stored), and S ← e^{γ_last} S + K̂ᵀ (e^{γ_last−γ} V') with the f32
 //            state tile living in the mma accumulators of its warps for the whole sequence (warp
-//            w owns key rows 16w.., 16(w+8)..); its bf16 copy is refreshed for the next chunk.
+//            w owns key rows 16w.., 16(w+8)..); its f16 copy is refreshed for the next chunk.
 
 #define DRT_THREADS 256
 #define DRT_WARPS (DRT_THREADS / 32)
 // Value columns per block (as DR_COLUMNS): four n8 tiles.
 #define DRT_COLUMNS 32
-// bf16 of padding per staged row: rows 16·(odd) bytes apart keep ldmatrix free of conflicts.
+// f16 of padding per staged row: rows 16·(odd) bytes apart keep ldmatrix free of conflicts.
 #define DRT_PAD 8
 #define DRT_MAX_KEY_DIM 256
 // 16-row key tiles of the state per warp at DRT_MAX_KEY_DIM.
 #define DRT_STATE_TILES (DRT_MAX_KEY_DIM / 16 / DRT_WARPS)
-// Row strides: f32 A and T, f32 R, bf16 P, bf16 V' / e^{γ_last−γ} V' / the state copy.
+// Row strides: f32 A and T, f32 R, f16 P, f16 V' / e^{γ_last−γ} V' / the state copy.
 #define DRT_TS (DR_CHUNK + 1)
 #define DRT_RS (DRT_COLUMNS + 4)
 #define DRT_PS (DR_CHUNK + DRT_PAD)
 #define DRT_VS (DRT_COLUMNS + DRT_PAD)
 
-__device__ __forceinline__ unsigned int drt_pack_bf16x2(float lo, float hi) {
+__device__ __forceinline__ unsigned int drt_pack_f16x2(float lo, float hi) {
     unsigned int packed;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
     return packed;
+}
+
+__device__ __forceinline__ unsigned short drt_f32_to_f16_bits(float x) {
+    unsigned short bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+    return bits;
 }
 
 __device__ __forceinline__ void drt_ldmatrix_x4(unsigned int (&r)[4], const unsigned short* at) {
@@ -419,13 +428,13 @@ __device__ __forceinline__ void drt_ldmatrix_x4_trans(unsigned int (&r)[4],
 __device__ __forceinline__ void drt_mma(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
                                         unsigned int b1) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// A fragment of rows row0.. (16) and columns col0.. (16) of a row-major bf16 matrix.
+// A fragment of rows row0.. (16) and columns col0.. (16) of a row-major f16 matrix.
 __device__ __forceinline__ void drt_load_a(unsigned int (&a)[4], const unsigned short* m,
                                            int stride, int row0, int col0, int lane) {
     drt_ldmatrix_x4(a, m + (row0 + (lane & 15)) * stride + col0 + (lane >> 4) * 8);
@@ -439,7 +448,7 @@ __device__ __forceinline__ void drt_load_a_transposed(unsigned int (&a)[4], cons
 }
 
 // B fragments of two n8 tiles (b[0..1] columns n0.., b[2..3] columns n0 + 8..), k rows k0.. of
-// a row-major [k][n] bf16 matrix.
+// a row-major [k][n] f16 matrix.
 __device__ __forceinline__ void drt_load_b_kn(unsigned int (&b)[4], const unsigned short* m,
                                               int stride, int k0, int n0, int lane) {
     drt_ldmatrix_x4_trans(
@@ -476,7 +485,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
     unsigned short* s_p = s_q + DR_CHUNK * ks;                                 // [64][PS] P
     unsigned short* s_vp = s_p + DR_CHUNK * DRT_PS;                            // [64][VS] V'
     unsigned short* s_vd = s_vp + DR_CHUNK * DRT_VS;  // [64][VS] e^{γ_last−γ_j} V'_j
-    unsigned short* s_sb = s_vd + DR_CHUNK * DRT_VS;  // [dk][VS] the state tile, bf16
+    unsigned short* s_sb = s_vd + DR_CHUNK * DRT_VS;  // [dk][VS] the state tile, f16
 
     const int head = blockIdx.x;
     const int column0 = blockIdx.y * DRT_COLUMNS;
@@ -512,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
                 st[a][nt][2 * h + 1] = x.y;
                 if (mt < key_tiles) {
                     *reinterpret_cast<unsigned int*>(s_sb + d * DRT_VS + c) =
-                        drt_pack_bf16x2(x.x, x.y);
+                        drt_pack_f16x2(x.x, x.y);
                 }
             }
         }
@@ -564,9 +573,9 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
                     const int d = 4 * (lane + 32 * i);
                     if (d < dk) {
                         *reinterpret_cast<uint2*>(to + d) = make_uint2(
-                            drt_pack_bf16x2(x[i].x * inverse * row_scale,
+                            drt_pack_f16x2(x[i].x * inverse * row_scale,
                                             x[i].y * inverse * row_scale),
-                            drt_pack_bf16x2(x[i].z * inverse * row_scale,
+                            drt_pack_f16x2(x[i].z * inverse * row_scale,
                                             x[i].w * inverse * row_scale));
                     }
                 }
@@ -614,7 +623,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
                         x0 = j <= i ? x0 * expf(gi - s_gamma[j]) : 0.0f;
                         x1 = j + 1 <= i ? x1 * expf(gi - s_gamma[j + 1]) : 0.0f;
                         *reinterpret_cast<unsigned int*>(s_p + i * DRT_PS + j) =
-                            drt_pack_bf16x2(x0, x1);
+                            drt_pack_f16x2(x0, x1);
                     } else {
                         const float b = s_beta[i];
                         s_a[i * DRT_TS + j] = j < i ? b * x0 * expf(gi - s_gamma[j]) : 0.0f;
@@ -710,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
         }
         __syncthreads();
 
-        // Phase 4: V' = T R in f32 (lane = column, warp w rows w, w + 8, …), stored bf16.
+        // Phase 4: V' = T R in f32 (lane = column, warp w rows w, w + 8, …), stored f16.
         {
             float acc[DR_ROWS_PER_WARP];
 #pragma unroll
@@ -725,8 +734,8 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
 #pragma unroll
             for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
                 const int i = warp + DRT_WARPS * r;
-                s_vp[i * DRT_VS + lane] = f32_to_bf16_bits(acc[r]);
-                s_vd[i * DRT_VS + lane] = f32_to_bf16_bits(acc[r] * s_f[i]);
+                s_vp[i * DRT_VS + lane] = drt_f32_to_f16_bits(acc[r]);
+                s_vd[i * DRT_VS + lane] = drt_f32_to_f16_bits(acc[r] * s_f[i]);
             }
         }
         __syncthreads();
@@ -759,7 +768,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
             }
         }
 
-        // Phase 5b: S ← e^{γ_last} S + K̂ᵀ (e^{γ_last−γ} V'), then its bf16 copy.
+        // Phase 5b: S ← e^{γ_last} S + K̂ᵀ (e^{γ_last−γ} V'), then its f16 copy.
         {
             const float decay = s_eg[m - 1];
             const int row_tiles = (m + 15) / 16;
@@ -788,7 +797,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
                     for (int h = 0; h < 2; ++h) {
                         const int d = mt * 16 + group + 8 * h, c = nt * 8 + pair;
                         *reinterpret_cast<unsigned int*>(s_sb + d * DRT_VS + c) =
-                            drt_pack_bf16x2(st[a][nt][2 * h], st[a][nt][2 * h + 1]);
+                            drt_pack_f16x2(st[a][nt][2 * h], st[a][nt][2 * h + 1]);
                     }
                 }
             }

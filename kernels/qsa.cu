@@ -23,6 +23,9 @@
 #define QSA_MAX_INDEX_DIM 256
 // Threads of a selection block (one block per query row).
 #define QSA_SELECT_THREADS 256
+// (value, index) pairs the tie-break may keep in dynamic shared memory (44 KiB: with the
+// kernel's static arrays, under the 48 KiB every GPU gives without opting in).
+#define QSA_SHARED_PAIRS 5632
 // Warps of an attention block (one block per (query row, head)); dims per lane.
 #define QSA_ATTEND_WARPS 4
 #define QSA_MAX_DIMS_PER_LANE 8
@@ -312,11 +315,14 @@ extern "C" __global__ void qsa_score_blocks(const float* index_queries,
 // them as PyTorch's topk does. Rows in the dense regime are skipped (the attention kernel takes
 // every token). One CUDA block per row: row `first_row + i` of the table, its scores and pairs
 // at workspace[i · 3·stride] (scores, then (value, index) pairs); stride ≥ the row's complete
-// blocks, even.
+// blocks, even. The tie-break replays the library's algorithm on one thread, whose every step
+// waits on the memory it compares: in the dynamic shared memory (`shared_pairs` pairs of it)
+// when the row's blocks fit, the global workspace only beyond.
 extern "C" __global__ void qsa_select(const unsigned long long* table, int first_row, int rows,
                                       int* selected, float* workspace, int stride, int ratio,
-                                      int top) {
+                                      int top, int shared_pairs) {
     PDL_WAIT_AND_RELEASE();
+    extern __shared__ QsaPair pairs_in_shared[];
     __shared__ unsigned int histogram[256];
     __shared__ unsigned int prefix, mask, remaining;
     __shared__ int warp_counts[QSA_SELECT_THREADS / 32];
@@ -386,6 +392,7 @@ extern "C" __global__ void qsa_select(const unsigned long long* table, int first
                 __syncthreads();
             }
         } else {
+            if (blocks <= shared_pairs) pairs = pairs_in_shared;
             for (long long b = threadIdx.x; b < blocks; b += blockDim.x) {
                 pairs[b].value = scores[b];
                 pairs[b].index = (int)b;

@@ -40,8 +40,8 @@ fn gpu_or_skip(test: &str) -> Option<Arc<CudaBackend>> {
 }
 
 #[test]
-fn golden_fixtures_through_cuda_meet_issue_8_acceptance() {
-    let Some(gpu) = gpu_or_skip("golden_fixtures_through_cuda_meet_issue_8_acceptance") else {
+fn golden_fixtures_through_cuda_meet_the_cuda_bars() {
+    let Some(gpu) = gpu_or_skip("golden_fixtures_through_cuda_meet_the_cuda_bars") else {
         return;
     };
     println!(

@@ -15,8 +15,8 @@
 //! block), every form runs the recurrent kernel, which computes the same function. With
 //! `CudaOptions::tensor_core_prefill` the tensor-core kernel gets its own check after that
 //! (path `tensor-core`) and then runs the chunked form of segments of at least
-//! [`MMA_MIN_ROWS`] rows whose shape it takes ([`mma_supports`]); its bf16 operands move
-//! results within bf16 tolerances of the f32 kernels. The f32 chunked kernel stays the
+//! [`MMA_MIN_ROWS`] rows whose shape it takes ([`mma_supports`]); its f16 operands move
+//! results within f16 tolerances of the f32 kernels. The f32 chunked kernel stays the
 //! reference and runs everything else.
 //!
 //! [`DeviceInfo::delta_rule_path`]: super::DeviceInfo::delta_rule_path
@@ -48,20 +48,20 @@ pub(super) const PATH_TENSOR_CORE: &str = "tensor-core";
 /// states alike. The two forms differ only by f32 reassociation (~1e-7 on this case).
 const SELF_CHECK_TOLERANCE: f32 = 1e-4;
 /// The same limit for the tensor-core kernel. k̂, q̂, the state it multiplies, P and V' are
-/// rounded to bf16 (2⁻⁹ relative each); an emulation of the kernel's roundings lands at ~1e-3
-/// on this case, while a misplaced fragment or a state not carried is off by tenths.
+/// rounded to f16 (2⁻¹² relative each; bf16, 2⁻⁹, landed at ~1e-3 on this case in an
+/// emulation of the kernel's roundings and moved the golden fixtures' greedy tokens), while a misplaced fragment or a state not carried is off by tenths.
 const MMA_SELF_CHECK_TOLERANCE: f32 = 1e-2;
 
 /// `DRT_THREADS`: threads per block of the tensor-core kernel.
 const MMA_THREADS: u32 = 256;
 /// `DRT_COLUMNS`: value columns per block of the tensor-core kernel.
 const MMA_COLUMNS: usize = 32;
-/// `DRT_PAD`: bf16 of padding per staged row.
+/// `DRT_PAD`: f16 of padding per staged row.
 const MMA_PAD: usize = 8;
 /// `DRT_MAX_KEY_DIM`: the state tiles of a warp's accumulators cover this many key rows.
 const MMA_MAX_KEY_DIM: usize = 256;
 /// `DRT_TS`, `DRT_RS`, `DRT_PS`, `DRT_VS`: row strides of the tensor-core kernel's f32 A and T,
-/// f32 R, bf16 P and bf16 V' / state copy.
+/// f32 R, f16 P and f16 V' / state copy.
 const MMA_TS: usize = CHUNK + 1;
 const MMA_RS: usize = MMA_COLUMNS + 4;
 const MMA_PS: usize = CHUNK + MMA_PAD;
@@ -86,7 +86,7 @@ fn chunked_shared_bytes(dk: usize) -> usize {
 }
 
 /// Dynamic shared memory of the tensor-core kernel, in bytes (the layout in
-/// `kernels/delta_rule.cu`): f32 A, T, R and four per-row vectors, then bf16 K̂, Q̂, P, V',
+/// `kernels/delta_rule.cu`): f32 A, T, R and four per-row vectors, then f16 K̂, Q̂, P, V',
 /// e^{γ_last−γ} V' and the state tile's copy.
 fn mma_shared_bytes(dk: usize) -> usize {
     std::mem::size_of::<f32>() * (2 * CHUNK * MMA_TS + CHUNK * MMA_RS + 4 * CHUNK)
@@ -111,7 +111,7 @@ pub enum DeltaRuleKernel {
     /// `gated_delta_rule_recurrent`: one token after the other.
     Recurrent,
     /// `gated_delta_rule_chunked_mma`: the chunked form with its matrix products on the tensor
-    /// cores (bf16 operands, f32 accumulation).
+    /// cores (f16 operands, f32 accumulation).
     TensorCore,
 }
 

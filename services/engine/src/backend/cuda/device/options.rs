@@ -73,9 +73,10 @@ pub struct CudaOptions {
     /// Prefill-sized work on the tensor cores (`mma.sync`, bf16 inputs, f32 accumulation): the
     /// grouped routed-expert kernels for bf16 / int8 / int4 experts, causal attention over a
     /// bf16 KV cache and the chunked gated delta rule (each after its start-up check).
-    /// Activations (and the softmax weights, the delta rule's keys, queries and state) are
-    /// rounded to bf16, so results move within bf16 tolerances and no longer equal the
-    /// per-token (decode) kernels' bits; off, every op keeps the f32 SIMT kernels.
+    /// Activations (and the softmax weights) are rounded to bf16, the delta rule's keys,
+    /// queries, state and intermediate products to f16, so results move within bf16
+    /// tolerances and no longer equal the per-token (decode) kernels' bits; off, every op keeps
+    /// the f32 SIMT kernels.
     pub tensor_core_prefill: bool,
     /// A decode batch (one new token per sequence) takes one launch per op for all its
     /// sequences: the KV append, split attention and combine over every sequence at once (each

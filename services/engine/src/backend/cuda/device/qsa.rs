@@ -27,8 +27,11 @@ const ROW_WORDS: usize = 6;
 /// `QSA_POOL_THREADS` and `QSA_MAX_INDEX_DIM` in `kernels/qsa.cu`.
 const POOL_THREADS: u32 = 128;
 const MAX_INDEX_DIM: usize = 256;
-/// `QSA_SELECT_THREADS` in `kernels/qsa.cu`.
+/// `QSA_SELECT_THREADS` and `QSA_SHARED_PAIRS` in `kernels/qsa.cu`.
 const SELECT_THREADS: u32 = 256;
+const SHARED_PAIRS: usize = 5632;
+/// Bytes of a (value, index) pair of the selection.
+const PAIR_BYTES: usize = 8;
 /// `QSA_ATTEND_WARPS · 32` and `32 · QSA_MAX_DIMS_PER_LANE` in `kernels/qsa.cu`.
 const ATTEND_THREADS: u32 = 128;
 const MAX_HEAD_DIM: usize = 256;
@@ -430,6 +433,9 @@ impl CudaBackend {
         let splits = most_blocks
             .div_ceil(SCORE_BLOCKS_PER_SPLIT)
             .clamp(1, MAX_GRID_Y);
+        // The tie-break's pairs in shared memory when every row's blocks fit.
+        let shared_pairs = if stride <= SHARED_PAIRS { stride } else { 0 };
+        let shared_pairs_arg = int(shared_pairs, "shared pairs")?;
         let queries = &*index_queries.data;
         let selected_data = &mut *selected.data;
         let workspace_data = &mut *workspace.data;
@@ -450,11 +456,11 @@ impl CudaBackend {
             let select_config = LaunchConfig {
                 grid_dim: (grid_rows, 1, 1),
                 block_dim: (SELECT_THREADS, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: (shared_pairs * PAIR_BYTES) as u32,
             };
             launch!(self, "qsa_select", select_config;
                 table, &first_arg, &count_arg, &mut *selected_data, &mut *workspace_data,
-                &stride_arg, &ratio, &top_arg)?;
+                &stride_arg, &ratio, &top_arg, &shared_pairs_arg)?;
         }
         Ok(selected)
     }
@@ -627,5 +633,55 @@ impl CudaBackend {
             }
         }
         Ok(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::kernels::kernel_define;
+
+    #[test]
+    fn constants_match_the_kernels() {
+        let mirrored = [
+            (ROW_WORDS as i64, "QSA_ROW_WORDS"),
+            (i64::from(POOL_THREADS), "QSA_POOL_THREADS"),
+            (MAX_INDEX_DIM as i64, "QSA_MAX_INDEX_DIM"),
+            (i64::from(SELECT_THREADS), "QSA_SELECT_THREADS"),
+            (SHARED_PAIRS as i64, "QSA_SHARED_PAIRS"),
+            (i64::from(ATTEND_THREADS / 32), "QSA_ATTEND_WARPS"),
+            ((MAX_HEAD_DIM / 32) as i64, "QSA_MAX_DIMS_PER_LANE"),
+        ];
+        for (value, name) in mirrored {
+            assert_eq!(value, kernel_define("qsa", name), "{name}");
+        }
+    }
+
+    /// The pairs of the tie-break and the kernel's static shared arrays fit the 48 KiB a
+    /// launch gets without opting in.
+    #[test]
+    fn the_selection_fits_the_default_shared_memory() {
+        let static_bytes = 4 * 256 + 3 * 4 + 4 * (SELECT_THREADS as usize / 32) + 4;
+        assert!(SHARED_PAIRS * PAIR_BYTES + static_bytes <= 48 * 1024);
+    }
+
+    #[test]
+    fn attended_tokens_are_the_dense_context_then_budget_plus_tail() {
+        let settings = QsaSelectionSettings {
+            budget: 16,
+            compress_ratio: 4,
+            index_heads: 1,
+            index_head_dim: 32,
+            rotary_dim: 16,
+            rope_theta: 1e4,
+            norm_eps: 1e-6,
+        };
+        // 16 / 4 = 4 kept blocks: dense while at most 4 blocks are complete (19 visible
+        // tokens), then 16 kept tokens and a tail of 0 to 3.
+        assert_eq!(attended_tokens(0, &settings), 1);
+        assert_eq!(attended_tokens(18, &settings), 19);
+        assert_eq!(attended_tokens(19, &settings), 16);
+        assert_eq!(attended_tokens(22, &settings), 19);
+        assert_eq!(attended_tokens(1000, &settings), 16 + 1);
     }
 }

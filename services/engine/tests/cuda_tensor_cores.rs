@@ -32,7 +32,7 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 use ninfer_engine::backend::cuda::{
-    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, DeltaRuleKernel,
+    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, CudaOptions, DeltaRuleKernel,
     GroupedExpertKernels, KvDtype,
 };
 use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, Routing, Segment};
@@ -438,8 +438,20 @@ fn delta_rule_gates(rng: &mut Xoshiro256, tokens: usize, nv: usize) -> (Vec<f32>
 #[test]
 fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
     let test = "tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu";
-    let Some(gpu) = gpu(test) else {
-        return;
+    // The kernel is opt-in (`CudaOptions::tensor_core_delta_rule`): a backend of its own.
+    let options = CudaOptions {
+        tensor_core_delta_rule: true,
+        ..CudaOptions::default()
+    };
+    let gpu = match CudaBackend::with_options(0, options) {
+        Ok(backend) => Arc::new(backend),
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
+            }
+            println!("skipped `{test}` on cuda: {error}");
+            return;
+        }
     };
     let path = gpu.info().delta_rule_path;
     println!("delta rule path in use: {path}");
@@ -769,7 +781,13 @@ fn tensor_core_prefill_figures() {
         gpu.upload(&beta, tokens, spec.value_heads).unwrap(),
     ];
     let mut figures = Vec::new();
-    for kernel in [DeltaRuleKernel::Chunked, DeltaRuleKernel::TensorCore] {
+    // The tensor-core kernel only where this backend enabled it (it is opt-in).
+    let kernels: &[DeltaRuleKernel] = if gpu.info().delta_rule_path == "tensor-core" {
+        &[DeltaRuleKernel::Chunked, DeltaRuleKernel::TensorCore]
+    } else {
+        &[DeltaRuleKernel::Chunked]
+    };
+    for &kernel in kernels {
         let mut state = gpu.new_recurrent_state(&spec).unwrap();
         let seconds = seconds_per_call(&gpu, || {
             let mut segments = [Segment {

@@ -13,7 +13,8 @@
 //! ([`DeviceInfo::delta_rule_path`] says `chunked` or `tensor-core`); otherwise, and for shapes
 //! it does not take (`dk` over [`CHUNKED_MAX_KEY_DIM`] or more shared memory than the GPU gives a
 //! block), every form runs the recurrent kernel, which computes the same function. With
-//! `CudaOptions::tensor_core_prefill` the tensor-core kernel gets its own check after that
+//! `CudaOptions::tensor_core_prefill` and `tensor_core_delta_rule` (off by default: see that
+//! option) the tensor-core kernel gets its own check after that
 //! (path `tensor-core`) and then runs the chunked form of segments of at least
 //! [`MMA_MIN_ROWS`] rows whose shape it takes ([`mma_supports`]); its f16 operands move
 //! results within f16 tolerances of the f32 kernels. The f32 chunked kernel stays the
@@ -390,7 +391,7 @@ impl CudaBackend {
                 return;
             }
         }
-        if !self.options.tensor_core_prefill {
+        if !(self.options.tensor_core_prefill && self.options.tensor_core_delta_rule) {
             return;
         }
         match self.enable_tensor_core_delta_rule() {

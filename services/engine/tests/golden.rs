@@ -22,7 +22,7 @@ use ninfer_engine::testing::{
     golden_fixture_dir, max_abs_difference, mean, mean_abs_difference,
     token_negative_log_likelihoods, GOLDEN_FIXTURES,
 };
-use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
+use ninfer_engine::{test_device, Backend, CpuBackend, LogitsSelection, Model, SequenceInput};
 
 const GREEDY_TOKENS: usize = 24;
 
@@ -568,3 +568,22 @@ fn qwen4_exp_fixture_matches_transformers<B: Backend>(backend: Arc<B>) {
     assert!(drift < 0.1, "{name} bf16: mean |ΔNLL| {drift}");
 }
 test_device!(qwen4_exp_fixture_matches_transformers);
+
+/// The n-gram tables never go to the device: they stay in host RAM, locked there when the
+/// `RLIMIT_MEMLOCK` allows it (the fixture's table is a few hundred KiB).
+#[test]
+fn qwen4_exp_ngram_tables_are_locked_in_ram_when_the_limit_allows() {
+    use nix::sys::resource::{getrlimit, Resource};
+    let fixture = golden_fixture_dir("qwen4_exp");
+    let work = tempfile::tempdir().unwrap();
+    let path = convert(&fixture, work.path(), DType::F32, DType::F32);
+    let model = Model::open(Arc::new(CpuBackend::new()), &path).unwrap();
+    let locked = model.ngram_tables_locked_in_ram();
+    let (soft_limit, _) = getrlimit(Resource::RLIMIT_MEMLOCK).unwrap();
+    println!("n-gram tables locked in RAM: {locked:?} (RLIMIT_MEMLOCK soft limit {soft_limit})");
+    if soft_limit >= 64 << 20 {
+        assert_eq!(locked, Some(true));
+    } else {
+        assert!(locked.is_some(), "a qwen4_exp model reports its tables");
+    }
+}

@@ -394,6 +394,15 @@ impl<B: Backend> Model<B> {
         self.spec.common.vocab_size
     }
 
+    /// A qwen4_exp model: whether its n-gram tables are locked in RAM (they never go to the
+    /// device; when the RAM or `RLIMIT_MEMLOCK` does not allow it, they stay mapped). `None`
+    /// for other architectures.
+    pub fn ngram_tables_locked_in_ram(&self) -> Option<bool> {
+        self.qwen4_exp
+            .as_ref()
+            .map(|graph| graph.ngram_tables_locked_in_ram())
+    }
+
     /// Per placement layer, whether it has routed experts: the decoder layers in order, then
     /// the MTP head's layer when the model has one (it takes part in placement like one more
     /// MoE layer, so its experts go where the main layers' go).

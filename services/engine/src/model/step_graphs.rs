@@ -109,8 +109,9 @@ impl<B: Backend> Model<B> {
 
     /// Whether the host has no part inside this batch's forward: one token per sequence, every
     /// MoE layer's routed experts resident or handed off by the backend, no dense MLP
-    /// offloaded, and not a qwen4_exp model (its QSA attention and n-gram row gather run on the
-    /// host between the ops, which a recorded step would not repeat).
+    /// offloaded, and not a qwen4_exp model (its n-gram rows are gathered on the host and its
+    /// QSA ops upload a row table per call, between the ops, which a recorded step would not
+    /// repeat).
     fn step_graph_fits(&self, batch: &[SequenceInput<'_, B>], backend_handoff: bool) -> bool {
         !batch.is_empty()
             && self.qwen4_exp.is_none()

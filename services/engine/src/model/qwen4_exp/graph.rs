@@ -3,16 +3,15 @@
 //! from the host-RAM tables each step, a gated value and a dilated causal conv), QSA sparse
 //! attention, and the model's usual Gated DeltaNet and MoE layers in between.
 //!
-//! Everything runs as backend ops, so on a GPU it runs there, except two host parts: the PLE
-//! blocks' n-gram rows, gathered from the host-RAM tables and uploaded (one upload per PLE
-//! layer, `rows × embed` floats), and QSA attention, a per-query token selection over a host
-//! K/V cache: a QSA layer reads back q, k, v and the indexer projection and uploads the
-//! attended values (5 synchronising copies per layer and forward, some 10–20 µs each at decode,
-//! plus the host attention itself, which grows with the budget and the context). The residual
+//! Everything runs as backend ops, so on a GPU it runs there, except the PLE blocks' n-gram
+//! rows: hashed from the token ids and gathered from the host-RAM tables on the host, while the
+//! GPU works through the ops already queued, then one upload per PLE layer (`rows × embed`
+//! floats). QSA attention is four backend ops (the cache append with block pooling, the
+//! indexer queries, the block selection, the attention over the selected tokens). The residual
 //! streams `[rows, n·H]`, their mixers, the PLE gate, norms and dilated conv (a plain causal
-//! conv with its taps spread out), the Gated DeltaNet and MoE layers never leave the device.
-//! The step graphs (one recorded decode step) are off for this model, since QSA's host part
-//! sits inside the step.
+//! conv with its taps spread out), QSA, the Gated DeltaNet and MoE layers never leave the
+//! device. The step graphs (one recorded decode step) are off for this model: the QSA ops and
+//! the n-gram rows take per-step host uploads.
 //!
 //! Per sequence it keeps what transformers' cache slots carry: per QSA layer the keys and
 //! values after norm and RoPE, the raw indexer keys and one pooled key per completed block; per
@@ -64,6 +63,47 @@ pub(crate) struct NgramTable {
     shards: Vec<(String, u64)>,
     rows: u64,
     width: usize,
+    /// Whether the shards' pages are locked in RAM ([`lock_table_in_ram`]).
+    locked_in_ram: bool,
+}
+
+/// At most this share of the machine's RAM is locked for the n-gram tables: past it (the
+/// released table is ~100 GB in bf16) they stay mapped and the page cache keeps what is used.
+const NGRAM_TABLE_LOCK_RAM_SHARE: f64 = 0.5;
+
+/// Locks the pages of an n-gram table's shards (`bytes`) in RAM, so a step's row gather never
+/// waits on the disk; says once per table why not where the table is too large for the RAM or
+/// `mlock` is refused (`RLIMIT_MEMLOCK`). The mapping is the artifact's, shared page cache with
+/// every process that maps it, so a locked table costs the RAM once.
+fn lock_table_in_ram(prefix: &str, bytes: &[&[u8]]) -> bool {
+    let total: usize = bytes.iter().map(|b| b.len()).sum();
+    let ram = nix::sys::sysinfo::sysinfo().map(|info| info.ram_total());
+    match ram {
+        Ok(ram) if total as f64 <= ram as f64 * NGRAM_TABLE_LOCK_RAM_SHARE => {}
+        Ok(ram) => {
+            tracing::warn!(
+                "n-gram table {prefix}: {total} bytes, more than half of the {ram} bytes of RAM; left mapped, not locked"
+            );
+            return false;
+        }
+        Err(error) => {
+            tracing::warn!("n-gram table {prefix}: RAM size unknown ({error}); not locked");
+            return false;
+        }
+    }
+    for shard in bytes.iter().filter(|b| !b.is_empty()) {
+        // SAFETY: mlock only pins pages of the artifact's live read-only mapping, which
+        // outlives the model; it changes no byte.
+        let locked =
+            unsafe { nix::sys::mman::mlock(std::ptr::NonNull::from(*shard).cast(), shard.len()) };
+        if let Err(error) = locked {
+            tracing::warn!(
+                "n-gram table {prefix}: cannot lock {total} bytes in RAM ({error}); running unlocked. Raise the limit: `LimitMEMLOCK=infinity` in the systemd unit, or `ulimit -l unlimited` in the shell"
+            );
+            return false;
+        }
+    }
+    true
 }
 
 /// A PLE block.
@@ -186,10 +226,16 @@ impl NgramTable {
                 ),
             });
         }
+        let bytes: Vec<&[u8]> = shards
+            .iter()
+            .filter_map(|(name, _)| artifact.get(name).map(|view| view.bytes))
+            .collect();
+        let locked_in_ram = lock_table_in_ram(prefix, &bytes);
         Ok(NgramTable {
             shards,
             rows,
             width,
+            locked_in_ram,
         })
     }
 
@@ -230,6 +276,14 @@ impl NgramTable {
 }
 
 impl<B: Backend> Qwen4ExpGraph<B> {
+    /// Whether every PLE layer's n-gram table is locked in RAM (true with no PLE layer).
+    pub(crate) fn ngram_tables_locked_in_ram(&self) -> bool {
+        self.layers
+            .iter()
+            .filter_map(|layer| layer.ple.as_ref())
+            .all(|ple| ple.table.locked_in_ram)
+    }
+
     /// Loads the Qwen4-Exp weights of every layer and the final mixer.
     pub(in crate::model) fn load(
         loader: &Loader<'_, B>,

@@ -264,6 +264,9 @@ pub struct SchedulerLimits {
 /// the time, each a little slower than alone beside the chunks' cache traffic).
 pub const DEFAULT_PREFILL_TIME_SHARE: f64 = 0.45;
 
+/// Debt of decode time below which [`PrefillShare`] counts it paid.
+const PREFILL_SHARE_ROUNDING_SECONDS: f64 = 1e-6;
+
 /// The time-share rule between prompt work and decode steps while both exist.
 ///
 /// Prompt work (a prompt chunk's own forward, or a generation step that a prompt's rest
@@ -298,9 +301,10 @@ impl PrefillShare {
         }
     }
 
-    /// Whether prompt work may run beside the decoding sequences now.
+    /// Whether prompt work may run beside the decoding sequences now (a debt under a
+    /// microsecond is rounding left by paying seconds off in floating point).
     pub fn may_prefill(&self) -> bool {
-        self.owed <= 0.0
+        self.owed <= PREFILL_SHARE_ROUNDING_SECONDS
     }
 
     /// Prompt work that took `took` beside decoding sequences.
@@ -2052,7 +2056,9 @@ mod tests {
                 let mut share = PrefillShare::new(share_value);
                 let (mut prefill, mut decode) = (0u64, 0u64);
                 let mut chunks = 0;
-                for _ in 0..10_000 {
+                // Whole cycles (a chunk, then the decode steps that pay for it): the share
+                // holds at every cycle's end, not in the middle of one.
+                while chunks < 50 || !share.may_prefill() {
                     if share.may_prefill() {
                         share.record_prefill(ms(chunk));
                         prefill += chunk;
@@ -2115,8 +2121,8 @@ mod tests {
     }
 
     /// A 48-token prompt in chunks of 8 beside a long greedy stream, under the time share:
-    /// the stream decodes between the chunks (at least one token per chunk; at a share of 2%
-    /// at least two per chunk, as every chunk then owes 49 times its time to decode steps),
+    /// the stream decodes between the chunks (at least one token per chunk; at a share of 10%
+    /// at least two per chunk, as every chunk then owes 9 times its time to decode steps),
     /// the prompt completes while the stream is still running (no starvation), and its
     /// greedy tokens are those of the prompt fed alone.
     #[test]
@@ -2130,10 +2136,12 @@ mod tests {
         // The long prompt's own forwards: 5 chunks of 8 in steps of their own, the last 8
         // tokens joining a step (the first step, where both are prompts, takes 4 of its 8).
         let chunks = 6;
-        let stream_tokens = 600;
+        // Far more than the decode steps the chunks owe (a tiny model's chunk of 8 costs a few
+        // decode steps), so the prompt completes while the stream still runs.
+        let stream_tokens = 1500;
         let run_with = |share: f64, with_stream: bool| {
             let limits = SchedulerLimits {
-                max_context: 1024,
+                max_context: 2048,
                 max_sequences: 4,
                 prefill_chunk_tokens: 8,
                 prefill_time_share: share,
@@ -2187,7 +2195,7 @@ mod tests {
         };
         let (_, _, alone) = run_with(DEFAULT_PREFILL_TIME_SHARE, false);
         assert_eq!(alone.len(), 4);
-        for (share, per_chunk) in [(DEFAULT_PREFILL_TIME_SHARE, 1), (0.02, 2)] {
+        for (share, per_chunk) in [(DEFAULT_PREFILL_TIME_SHARE, 1), (0.1, 2)] {
             let (before, total, tokens) = run_with(share, true);
             println!("share {share}: {before} stream tokens before the long prompt's first");
             assert_eq!(total, stream_tokens);

@@ -332,6 +332,10 @@ struct ExpertCacheFigures {
     hits: u64,
     misses: u64,
     hit_rate: f64,
+    /// The same from each run's first token to its end (decode only).
+    decode_hits: u64,
+    decode_misses: u64,
+    decode_hit_rate: f64,
     fills: u64,
     /// Bytes the fills copied per second of measured time (the PCIe load the cache adds).
     fill_gb_per_s: f64,
@@ -341,18 +345,14 @@ impl ExpertCacheFigures {
     fn between(
         before: &EngineStatus,
         after: &EngineStatus,
+        decode: CacheCounts,
         stride: u64,
         elapsed: Duration,
     ) -> Option<Self> {
         if after.gpu_expert_slots == 0 {
             return None;
         }
-        let hits = after
-            .expert_cache_hits_total
-            .saturating_sub(before.expert_cache_hits_total);
-        let misses = after
-            .expert_cache_misses_total
-            .saturating_sub(before.expert_cache_misses_total);
+        let CacheCounts { hits, misses } = CacheCounts::between(before, after);
         let fills = after
             .expert_slot_refills_total
             .saturating_sub(before.expert_slot_refills_total);
@@ -361,6 +361,9 @@ impl ExpertCacheFigures {
             hits,
             misses,
             hit_rate: hits as f64 / (hits + misses).max(1) as f64,
+            decode_hits: decode.hits,
+            decode_misses: decode.misses,
+            decode_hit_rate: decode.hits as f64 / (decode.hits + decode.misses).max(1) as f64,
             fills,
             fill_gb_per_s: (fills * stride) as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9,
         })
@@ -630,6 +633,36 @@ struct Timing {
     decoded: usize,
     /// The gaps between consecutive tokens (the decode steps as the client sees them).
     steps: Vec<Duration>,
+    /// The expert cache's hits and misses from the first token to the end: the decode's
+    /// routing without the prompt's (whose thousands of tokens dominate the whole-run counts).
+    /// The status is read beside the stream when the first token arrives, so a decode step or
+    /// two may fall before it.
+    decode_cache: CacheCounts,
+}
+
+/// Routed choices served from a GPU slot and not.
+#[derive(Debug, Default, Clone, Copy)]
+struct CacheCounts {
+    hits: u64,
+    misses: u64,
+}
+
+impl CacheCounts {
+    fn between(before: &EngineStatus, after: &EngineStatus) -> Self {
+        CacheCounts {
+            hits: after
+                .expert_cache_hits_total
+                .saturating_sub(before.expert_cache_hits_total),
+            misses: after
+                .expert_cache_misses_total
+                .saturating_sub(before.expert_cache_misses_total),
+        }
+    }
+
+    fn add(&mut self, other: CacheCounts) {
+        self.hits += other.hits;
+        self.misses += other.misses;
+    }
 }
 
 async fn generate(
@@ -651,9 +684,17 @@ async fn generate(
         .context("starting a generation")?
         .into_inner();
     let mut arrivals = Vec::with_capacity(new_tokens);
+    let mut status_at_first_token = None;
     while let Some(message) = stream.message().await.context("generating")? {
         if !message.no_token {
             arrivals.push(Instant::now());
+            if arrivals.len() == 1 {
+                // Beside the stream, so reading it does not delay the next tokens' arrival.
+                let mut status_client = client.clone();
+                status_at_first_token = Some(tokio::spawn(async move {
+                    engine_status(&mut status_client).await
+                }));
+            }
         }
         let reason =
             FinishReason::try_from(message.finish_reason).unwrap_or(FinishReason::Unspecified);
@@ -673,11 +714,21 @@ async fn generate(
             arrivals.len()
         );
     }
+    let decode_cache = match status_at_first_token {
+        Some(task) => {
+            let at_first_token = task
+                .await
+                .context("reading the engine's status at the first token")??;
+            CacheCounts::between(&at_first_token, &engine_status(client).await?)
+        }
+        None => CacheCounts::default(),
+    };
     Ok(Timing {
         prefill: first - started,
         decode: last - first,
         decoded: arrivals.len() - 1,
         steps: gaps(&arrivals),
+        decode_cache,
     })
 }
 
@@ -933,6 +984,7 @@ async fn measure(
         .or(gpu_expert_flops);
     let status_before = engine_status(&mut client).await?;
     let measuring = Instant::now();
+    let mut decode_cache = CacheCounts::default();
     let mut rows = Vec::new();
     let mut last = first;
     for &length in lengths {
@@ -958,6 +1010,7 @@ async fn measure(
             let counters = profile(&mut client, true, false).await?;
             add_phase(&mut prefill, &counters.prefill.unwrap_or_default());
             add_phase(&mut decode, &counters.decode.unwrap_or_default());
+            decode_cache.add(timing.decode_cache);
             prefill_wall += timing.prefill;
             decode_wall += timing.decode;
             decoded += timing.decoded as u64;
@@ -1098,6 +1151,7 @@ async fn measure(
     let expert_cache = ExpertCacheFigures::between(
         &status_before,
         &engine_status(&mut client).await?,
+        decode_cache,
         last.expert_stride_bytes,
         measuring.elapsed(),
     );
@@ -1247,11 +1301,14 @@ fn print_report(report: &Report) {
     }
     if let Some(cache) = &report.expert_cache {
         println!(
-            "expert cache ({} GPU slots): hit rate {:.1}% ({} hits, {} misses), {} fills, fill bandwidth {:.2} GB/s",
+            "expert cache ({} GPU slots): hit rate {:.1}% ({} hits, {} misses), decode only {:.1}% ({} hits, {} misses), {} fills, fill bandwidth {:.2} GB/s",
             cache.gpu_expert_slots,
             100.0 * cache.hit_rate,
             cache.hits,
             cache.misses,
+            100.0 * cache.decode_hit_rate,
+            cache.decode_hits,
+            cache.decode_misses,
             cache.fills,
             cache.fill_gb_per_s
         );

@@ -174,6 +174,20 @@ fn check_report(report: &Value, executor: &str, top_k: f64, moe_layers: f64, pla
     );
     let expected_ideal = ram / (number(report, "ram_bandwidth.best_gbps") * 1e9) * 1e3;
     assert!((ideal - expected_ideal).abs() <= 1e-9 + 1e-6 * expected_ideal);
+    if placed > 0 {
+        // Every routed choice of the measured run is a hit or a miss: 16 prompt tokens and 4
+        // decode forwards, top-k per MoE layer. The decode-only counts (from the first token,
+        // read beside the stream, so possibly in the middle of a step, whose layers count as
+        // they run) are at most the decode's.
+        let cache = &report["expert_cache"];
+        let per_token = top_k * moe_layers;
+        let all = number(cache, "hits") + number(cache, "misses");
+        assert_eq!(all, 20.0 * per_token, "{cache:#}");
+        let decode = number(cache, "decode_hits") + number(cache, "decode_misses");
+        assert!(decode <= 4.0 * per_token, "{cache:#}");
+        let rate = number(cache, "decode_hit_rate");
+        assert!((0.0..=1.0).contains(&rate), "{cache:#}");
+    }
 }
 
 #[test]

@@ -12,6 +12,23 @@ use std::process::Command;
 use serde_json::Value;
 
 /// A workspace binary next to this test's executable (target/<profile>/).
+/// A short bench on the CPU: one 16-token prompt, 4 decoded tokens, one expert thread, a small
+/// RAM bandwidth reference.
+const SMALL_CPU_BENCH: &[&str] = &[
+    "--device",
+    "cpu",
+    "--prompt-lengths",
+    "16",
+    "--decode-tokens",
+    "4",
+    "--moe-threads",
+    "1",
+    "--ram-buffer-gib",
+    "0.0625",
+    "--ram-passes",
+    "2",
+];
+
 fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let path = exe.parent().unwrap().parent().unwrap().join(name);
@@ -216,23 +233,9 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
         // The CPU backend keeps "GPU" slots in host memory: the split logic runs anyway.
         (&["--moe-gpu-experts", "half"][..], "remote-workers", half),
     ] {
-        let mut args = vec![
-            "bench",
-            "model.ninfer",
-            "--device",
-            "cpu",
-            "--prompt-lengths",
-            "16",
-            "--decode-tokens",
-            "4",
-            "--moe-threads",
-            "1",
-            "--ram-buffer-gib",
-            "0.0625",
-            "--ram-passes",
-            "2",
-            "--json",
-        ];
+        let mut args = vec!["bench", "model.ninfer"];
+        args.extend_from_slice(SMALL_CPU_BENCH);
+        args.push("--json");
         args.extend_from_slice(extra);
         let output = ninfer(&args, dir);
         let stderr = String::from_utf8_lossy(&output.stderr);
@@ -273,28 +276,15 @@ fn bench_model_decodes_during_a_long_prefill() {
     let directory = tempfile::tempdir().unwrap();
     let dir = directory.path();
     convert_tiny_moe(dir);
-    let args = [
-        "bench",
-        "model.ninfer",
-        "--device",
-        "cpu",
-        "--no-workers",
-        "--prompt-lengths",
-        "16",
-        "--decode-tokens",
-        "4",
-        "--moe-threads",
-        "1",
-        "--ram-buffer-gib",
-        "0.0625",
-        "--ram-passes",
-        "2",
+    let mut args = vec!["bench", "model.ninfer", "--no-workers"];
+    args.extend_from_slice(SMALL_CPU_BENCH);
+    args.extend_from_slice(&[
         "--decode-during-prefill",
         "64",
         "--engine-arg=--prefill-chunk-tokens",
         "--engine-arg=16",
         "--json",
-    ];
+    ]);
     let output = ninfer(&args, dir);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
@@ -418,24 +408,9 @@ fn bench_model_runs_the_dense_and_qwen4_exp_presets() {
                 .is_ok());
         }
         drop(artifact);
-        let args = [
-            "bench",
-            "model.ninfer",
-            "--device",
-            "cpu",
-            "--no-workers",
-            "--prompt-lengths",
-            "16",
-            "--decode-tokens",
-            "4",
-            "--moe-threads",
-            "1",
-            "--ram-buffer-gib",
-            "0.0625",
-            "--ram-passes",
-            "2",
-            "--json",
-        ];
+        let mut args = vec!["bench", "model.ninfer", "--no-workers"];
+        args.extend_from_slice(SMALL_CPU_BENCH);
+        args.push("--json");
         let output = ninfer(&args, dir);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "{preset}: {stderr}");

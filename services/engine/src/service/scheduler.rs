@@ -1940,6 +1940,74 @@ mod tests {
         }
     }
 
+    /// The tiny MoE model on the CPU backend (the scheduler tests' model).
+    fn tiny_cpu_model(directory: &std::path::Path) -> Arc<Model<crate::backend::cpu::CpuBackend>> {
+        let path = directory.join("tiny.ninfer");
+        write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
+        let backend = Arc::new(crate::backend::cpu::CpuBackend::new());
+        Arc::new(Model::open(backend, &path).unwrap())
+    }
+
+    /// What a scheduler run under `limits` gave a greedy 4-token request for `long_prompt`,
+    /// queued with (when `stream_tokens` is given) a greedy stream of that many tokens from a
+    /// 4-token prompt: the stream's tokens before the long prompt's first, the stream's tokens
+    /// in all, and the long prompt's tokens. Both are queued before the scheduler starts, so
+    /// both join its first step; one event channel holds their events in the order the
+    /// scheduler sent them (told apart by their prompt lengths).
+    fn long_prompt_beside_a_stream(
+        model: &Arc<Model<crate::backend::cpu::CpuBackend>>,
+        limits: SchedulerLimits,
+        long_prompt: &[u32],
+        stream_tokens: Option<usize>,
+    ) -> (usize, usize, Vec<u32>) {
+        let (commands, receiver) = mpsc::channel();
+        let (events, mut received) = async_mpsc::channel(4096);
+        if let Some(stream_tokens) = stream_tokens {
+            commands
+                .send(SchedulerCommand::Submit(greedy_request(
+                    "stream",
+                    vec![5, 6, 7, 8],
+                    stream_tokens,
+                    events.clone(),
+                )))
+                .unwrap();
+        }
+        commands
+            .send(SchedulerCommand::Submit(greedy_request(
+                "long",
+                long_prompt.to_vec(),
+                4,
+                events,
+            )))
+            .unwrap();
+        let model = Arc::clone(model);
+        let scheduler = std::thread::spawn(move || {
+            run(
+                &model,
+                limits,
+                SpeculativeDecoding::default(),
+                &SchedulerCounters::default(),
+                &receiver,
+            )
+        });
+        let (mut stream_before, mut stream_total, mut long_tokens) = (0, 0, Vec::new());
+        while let Some(event) = received.blocking_recv() {
+            let event = event.unwrap_or_else(|e| panic!("{e}"));
+            let Some(token) = event.token else { continue };
+            if event.prompt_tokens as usize == long_prompt.len() {
+                long_tokens.push(token.token_id);
+            } else {
+                stream_total += 1;
+                if long_tokens.is_empty() {
+                    stream_before += 1;
+                }
+            }
+        }
+        drop(commands);
+        scheduler.join().unwrap();
+        (stream_before, stream_total, long_tokens)
+    }
+
     /// A 48-token prompt arriving beside a generating stream, with chunks of 8 tokens: the
     /// prompt goes through in chunks, one per step, and the stream gets a token at each of
     /// those steps (at least 5 before the prompt's first token; fed whole, the prompt's first
@@ -1948,10 +2016,7 @@ mod tests {
     #[test]
     fn a_long_prompt_goes_in_chunks_while_a_stream_keeps_decoding() {
         let directory = tempfile::tempdir().unwrap();
-        let path = directory.path().join("tiny.ninfer");
-        write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
-        let backend = Arc::new(crate::backend::cpu::CpuBackend::new());
-        let model = Arc::new(Model::open(backend, &path).unwrap());
+        let model = tiny_cpu_model(directory.path());
         let long_prompt: Vec<u32> = (0..48).map(|i| (i * 7 + 3) % 90 + 1).collect();
         let run_with = |chunk_tokens: usize, with_stream: bool| {
             let limits = SchedulerLimits {
@@ -1961,52 +2026,13 @@ mod tests {
                 // A chunk every step: the chunking alone.
                 prefill_time_share: 1.0,
             };
-            let (commands, receiver) = mpsc::channel();
-            // One channel for both requests: it holds their events in the order the scheduler
-            // sent them (told apart by their prompt lengths).
-            let (events, mut received) = async_mpsc::channel(4096);
-            // Both are queued before the scheduler starts, so both join its first step.
-            if with_stream {
-                commands
-                    .send(SchedulerCommand::Submit(greedy_request(
-                        "stream",
-                        vec![5, 6, 7, 8],
-                        16,
-                        events.clone(),
-                    )))
-                    .unwrap();
-            }
-            commands
-                .send(SchedulerCommand::Submit(greedy_request(
-                    "long",
-                    long_prompt.clone(),
-                    4,
-                    events,
-                )))
-                .unwrap();
-            let model = Arc::clone(&model);
-            let scheduler = std::thread::spawn(move || {
-                run(
-                    &model,
-                    limits,
-                    SpeculativeDecoding::default(),
-                    &SchedulerCounters::default(),
-                    &receiver,
-                )
-            });
-            let (mut stream_tokens_before, mut long_tokens) = (0, Vec::new());
-            while let Some(event) = received.blocking_recv() {
-                let event = event.unwrap_or_else(|e| panic!("{e}"));
-                let Some(token) = event.token else { continue };
-                if event.prompt_tokens as usize == long_prompt.len() {
-                    long_tokens.push(token.token_id);
-                } else if long_tokens.is_empty() {
-                    stream_tokens_before += 1;
-                }
-            }
-            drop(commands);
-            scheduler.join().unwrap();
-            (stream_tokens_before, long_tokens)
+            let (before, _, long_tokens) = long_prompt_beside_a_stream(
+                &model,
+                limits,
+                &long_prompt,
+                with_stream.then_some(16),
+            );
+            (before, long_tokens)
         };
         let (alone_before, alone_tokens) = run_with(8, false);
         assert_eq!(alone_before, 0);
@@ -2128,10 +2154,7 @@ mod tests {
     #[test]
     fn a_time_shared_prompt_keeps_its_tokens_and_the_stream_decodes_between_chunks() {
         let directory = tempfile::tempdir().unwrap();
-        let path = directory.path().join("tiny.ninfer");
-        write_tiny_model(&path, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
-        let backend = Arc::new(crate::backend::cpu::CpuBackend::new());
-        let model = Arc::new(Model::open(backend, &path).unwrap());
+        let model = tiny_cpu_model(directory.path());
         let long_prompt: Vec<u32> = (0..48).map(|i| (i * 5 + 2) % 90 + 1).collect();
         // The long prompt's own forwards: 5 chunks of 8 in steps of their own, the last 8
         // tokens joining a step (the first step, where both are prompts, takes 4 of its 8).
@@ -2146,52 +2169,12 @@ mod tests {
                 prefill_chunk_tokens: 8,
                 prefill_time_share: share,
             };
-            let (commands, receiver) = mpsc::channel();
-            let (events, mut received) = async_mpsc::channel(4096);
-            if with_stream {
-                commands
-                    .send(SchedulerCommand::Submit(greedy_request(
-                        "stream",
-                        vec![5, 6, 7, 8],
-                        stream_tokens,
-                        events.clone(),
-                    )))
-                    .unwrap();
-            }
-            commands
-                .send(SchedulerCommand::Submit(greedy_request(
-                    "long",
-                    long_prompt.clone(),
-                    4,
-                    events,
-                )))
-                .unwrap();
-            let model = Arc::clone(&model);
-            let scheduler = std::thread::spawn(move || {
-                run(
-                    &model,
-                    limits,
-                    SpeculativeDecoding::default(),
-                    &SchedulerCounters::default(),
-                    &receiver,
-                )
-            });
-            let (mut stream_before, mut stream_total, mut long_tokens) = (0, 0, Vec::new());
-            while let Some(event) = received.blocking_recv() {
-                let event = event.unwrap_or_else(|e| panic!("{e}"));
-                let Some(token) = event.token else { continue };
-                if event.prompt_tokens as usize == long_prompt.len() {
-                    long_tokens.push(token.token_id);
-                } else {
-                    stream_total += 1;
-                    if long_tokens.is_empty() {
-                        stream_before += 1;
-                    }
-                }
-            }
-            drop(commands);
-            scheduler.join().unwrap();
-            (stream_before, stream_total, long_tokens)
+            long_prompt_beside_a_stream(
+                &model,
+                limits,
+                &long_prompt,
+                with_stream.then_some(stream_tokens),
+            )
         };
         let (_, _, alone) = run_with(DEFAULT_PREFILL_TIME_SHARE, false);
         assert_eq!(alone.len(), 4);

@@ -869,16 +869,7 @@ fn delta_rule_step<B: Backend>(
         .iter()
         .map(|(values, cols)| backend.upload(values, total, *cols).unwrap())
         .collect();
-    let mut start = 0;
-    let mut segments = Vec::new();
-    for (state, &length) in states.iter_mut().zip(lengths) {
-        segments.push(Segment {
-            rows: start..start + length,
-            start_position: 0,
-            state,
-        });
-        start += length;
-    }
+    let mut segments = Segment::consecutive_from_position_zero(states, lengths);
     backend
         .download(
             &backend

@@ -384,21 +384,6 @@ type DeltaRuleCase = (
     &'static [usize],
 );
 
-/// Consecutive segments of `lengths` rows, one state each, all from position 0.
-fn segments_over<'a, S>(states: &'a mut [S], lengths: &[usize]) -> Vec<Segment<'a, S>> {
-    let mut start = 0;
-    let mut segments = Vec::new();
-    for (state, &length) in states.iter_mut().zip(lengths) {
-        segments.push(Segment {
-            rows: start..start + length,
-            start_position: 0,
-            state,
-        });
-        start += length;
-    }
-    segments
-}
-
 /// Gates as a Gated DeltaNet layer makes them, `g = −A · softplus(a + dt_bias)` and
 /// `β = sigmoid(b)`, with A in [1, 16] and dt_bias the inverse softplus of a dt log-uniform in
 /// [1e-3, 1e-1] per value head (the models' initialisation), a in [−2, 2] and b in [−3, 3]: per
@@ -555,7 +540,7 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
                         &on_gpu[3],
                         &on_gpu[4],
                         &spec,
-                        &mut segments_over(kernel_states, lengths),
+                        &mut Segment::consecutive_from_position_zero(kernel_states, lengths),
                     )
                     .unwrap();
                 outputs.push(gpu.download(&out).unwrap());
@@ -574,7 +559,7 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
                     &on_cpu[4],
                     &spec,
                     DeltaRuleForm::Recurrent,
-                    &mut segments_over(&mut cpu_states, lengths),
+                    &mut Segment::consecutive_from_position_zero(&mut cpu_states, lengths),
                 )
                 .unwrap();
             let out_cpu = cpu.download(&out_cpu).unwrap();
@@ -621,7 +606,7 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
                         &on_gpu[4],
                         &spec,
                         DeltaRuleForm::Auto,
-                        &mut segments_over(&mut auto_states, lengths),
+                        &mut Segment::consecutive_from_position_zero(&mut auto_states, lengths),
                     )
                     .unwrap();
                 let out = gpu.download(&out).unwrap();

@@ -115,6 +115,27 @@ pub struct Segment<'s, S> {
     pub state: &'s mut S,
 }
 
+impl<'s, S> Segment<'s, S> {
+    /// Sequences of `lengths` rows one after another in the batch, one state each, every one
+    /// starting at position 0 (a prefill of fresh sequences).
+    pub fn consecutive_from_position_zero(states: &'s mut [S], lengths: &[usize]) -> Vec<Self> {
+        let mut start = 0;
+        states
+            .iter_mut()
+            .zip(lengths)
+            .map(|(state, &length)| {
+                let rows = start..start + length;
+                start += length;
+                Segment {
+                    rows,
+                    start_position: 0,
+                    state,
+                }
+            })
+            .collect()
+    }
+}
+
 /// Top-k routing of a batch: `experts_per_token` entries per token.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Routing {

@@ -528,16 +528,7 @@ impl CudaBackend {
                     state: self.upload_f32(initial)?,
                 });
             }
-            let mut start = 0;
-            let mut segments = Vec::new();
-            for (state, &length) in owned.iter_mut().zip(&lengths) {
-                segments.push(Segment {
-                    rows: start..start + length,
-                    start_position: 0,
-                    state,
-                });
-                start += length;
-            }
+            let mut segments = Segment::consecutive_from_position_zero(&mut owned, &lengths);
             let out = self.delta_rule_segments(
                 &inputs.0,
                 &inputs.1,

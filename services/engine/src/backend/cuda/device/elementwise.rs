@@ -197,6 +197,27 @@ impl CudaBackend {
         )
     }
 
+    fn lock_rope_tables(&self) -> Result<std::sync::MutexGuard<'_, RopeTables>, CudaError> {
+        self.rope_tables.lock().map_err(|_| CudaError::Invalid {
+            problem: "the rope cache's lock is poisoned".into(),
+        })
+    }
+
+    /// Uploads the inverse frequencies of `(rotary_dim, theta)` into `tables` unless they are
+    /// there; their key.
+    fn upload_inverse_frequencies_once(
+        &self,
+        tables: &mut RopeTables,
+        rotary_dim: usize,
+        theta: f64,
+    ) -> Result<(usize, u64), CudaError> {
+        let key = (rotary_dim, theta.to_bits());
+        if let std::collections::hash_map::Entry::Vacant(entry) = tables.inverse.entry(key) {
+            entry.insert(self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?);
+        }
+        Ok(key)
+    }
+
     /// The device pointer of the inverse frequencies of `(rotary_dim, theta)` (uploaded once;
     /// the table's buffer lives as long as the backend, entries are never removed).
     pub(super) fn rope_inverse_table(
@@ -204,13 +225,8 @@ impl CudaBackend {
         rotary_dim: usize,
         theta: f64,
     ) -> Result<u64, CudaError> {
-        let mut tables = self.rope_tables.lock().map_err(|_| CudaError::Invalid {
-            problem: "the rope cache's lock is poisoned".into(),
-        })?;
-        let key = (rotary_dim, theta.to_bits());
-        if let std::collections::hash_map::Entry::Vacant(entry) = tables.inverse.entry(key) {
-            entry.insert(self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?);
-        }
+        let mut tables = self.lock_rope_tables()?;
+        let key = self.upload_inverse_frequencies_once(&mut tables, rotary_dim, theta)?;
         let inverse = tables.inverse.get(&key).ok_or_else(|| CudaError::Invalid {
             problem: "rope tables missing after upload".into(),
         })?;
@@ -228,13 +244,8 @@ impl CudaBackend {
         theta: f64,
         launch: impl FnOnce(&u64, &CudaSlice<f32>) -> Result<T, CudaError>,
     ) -> Result<T, CudaError> {
-        let mut tables = self.rope_tables.lock().map_err(|_| CudaError::Invalid {
-            problem: "the rope cache's lock is poisoned".into(),
-        })?;
-        let key = (rotary_dim, theta.to_bits());
-        if let std::collections::hash_map::Entry::Vacant(entry) = tables.inverse.entry(key) {
-            entry.insert(self.upload_f32(&rope_inverse_frequencies(rotary_dim, theta))?);
-        }
+        let mut tables = self.lock_rope_tables()?;
+        let key = self.upload_inverse_frequencies_once(&mut tables, rotary_dim, theta)?;
         // A step graph's positions are its device inputs (one per row, the rows in order).
         if let Some(graph) = self.active_step_graph() {
             if positions.len() > graph.rows {

@@ -372,49 +372,50 @@ extern "C" __global__ void qsa_select(const unsigned long long* table, int first
         bool straddles = histogram[threshold & 255u] > remaining;
         __syncthreads();
         int* out = selected + (long long)r * top;
-        if (!straddles) {
-            if (threadIdx.x == 0) written = 0;
-            __syncthreads();
-            for (long long base = 0; base < blocks; base += blockDim.x) {
-                long long b = base + threadIdx.x;
-                bool keep = b < blocks && qsa_order_key(scores[b]) >= threshold;
-                unsigned int ballot = __ballot_sync(0xffffffffu, keep);
-                if (lane == 0) warp_counts[warp] = __popc(ballot);
-                __syncthreads();
-                int offset = written;
-                for (int w = 0; w < warp; ++w) offset += warp_counts[w];
-                offset += __popc(ballot & ((1u << lane) - 1u));
-                if (keep && offset < top) out[offset] = (int)b;
-                __syncthreads();
-                if (threadIdx.x == 0) {
-                    for (int w = 0; w < warps; ++w) written += warp_counts[w];
-                }
-                __syncthreads();
-            }
-        } else {
+        // Tied blocks straddle the k-th place: which of them PyTorch keeps depends on its
+        // algorithm's whole sequence of swaps, so one thread replays it (in shared memory when
+        // the row's blocks fit), then marks the kept blocks in place of their scores.
+        int* kept_mark = (int*)scores;  // pairs start past the scores: no overlap
+        if (straddles) {
             if (blocks <= shared_pairs) pairs = pairs_in_shared;
             for (long long b = threadIdx.x; b < blocks; b += blockDim.x) {
                 pairs[b].value = scores[b];
                 pairs[b].index = (int)b;
             }
             __syncthreads();
-        }
-        if (straddles && threadIdx.x == 0) {
-            if ((long long)top * 64 <= blocks) {
-                qsa_heap_select(pairs, blocks, top);
-            } else {
-                qsa_nth_element(pairs, blocks, top - 1);
-            }
-            // The kept indices, ascending (insertion sort: `top` is small).
-            for (int k = 0; k < top; ++k) {
-                int index = pairs[k].index;
-                int j = k;
-                while (j > 0 && out[j - 1] > index) {
-                    out[j] = out[j - 1];
-                    j -= 1;
+            if (threadIdx.x == 0) {
+                if ((long long)top * 64 <= blocks) {
+                    qsa_heap_select(pairs, blocks, top);
+                } else {
+                    qsa_nth_element(pairs, blocks, top - 1);
                 }
-                out[j] = index;
             }
+            __syncthreads();
+            for (long long b = threadIdx.x; b < blocks; b += blockDim.x) kept_mark[b] = 0;
+            __syncthreads();
+            for (int k = threadIdx.x; k < top; k += blockDim.x) kept_mark[pairs[k].index] = 1;
+            __syncthreads();
+        }
+        // The kept blocks, ascending: an ordered compaction over the row's blocks (every
+        // block above the threshold, and the ties at it when they all fit; or the marked ones).
+        if (threadIdx.x == 0) written = 0;
+        __syncthreads();
+        for (long long base = 0; base < blocks; base += blockDim.x) {
+            long long b = base + threadIdx.x;
+            bool keep = b < blocks && (straddles ? kept_mark[b] != 0
+                                                 : qsa_order_key(scores[b]) >= threshold);
+            unsigned int ballot = __ballot_sync(0xffffffffu, keep);
+            if (lane == 0) warp_counts[warp] = __popc(ballot);
+            __syncthreads();
+            int offset = written;
+            for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+            offset += __popc(ballot & ((1u << lane) - 1u));
+            if (keep && offset < top) out[offset] = (int)b;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                for (int w = 0; w < warps; ++w) written += warp_counts[w];
+            }
+            __syncthreads();
         }
         __syncthreads();  // shared state is reused by the next row
     }

@@ -133,11 +133,10 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_tensor_cores: bool,
-    /// `on`: with `--cuda-tensor-cores on`, the Gated DeltaNet prefill (chunked delta rule) on
-    /// the tensor cores too (f16 operands; ~1.5× the prefill of Qwen3.5/Qwen3-Next models).
-    /// `off` (the default): the f32 chunked kernel, which keeps the golden fixtures' top-1
-    /// agreement with the CPU above the CUDA bar where the f16 kernel missed it on one.
-    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+    /// `on` (the default): with `--cuda-tensor-cores on`, the Gated DeltaNet prefill (chunked
+    /// delta rule) on the tensor cores too (operands as f16 hi + lo pairs, within ~1e-6 of the
+    /// f32 kernel). `off`: the f32 chunked kernel.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_tensor_core_delta_rule: bool,
     /// `on` (the default): a decode batch takes one launch per op for all its sequences (one

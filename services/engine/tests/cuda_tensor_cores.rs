@@ -48,6 +48,9 @@ use ninfer_engine::{
 /// The largest difference from the reference, relative to its largest value, the tensor-core
 /// kernels may show.
 const TENSOR_CORE_TOLERANCE: f32 = 2e-2;
+
+/// The same for the tensor-core gated delta rule, whose operands are f16 hi + lo pairs.
+const DELTA_RULE_TOLERANCE: f32 = 1e-4;
 /// The CUDA fidelity bar on mean |ΔNLL| (the golden fixtures' bar for the GPU).
 const CUDA_MEAN_NLL_BAR: f64 = 2e-2;
 /// The CUDA fidelity bar on the share of tokens whose top-1 agrees with the reference.
@@ -416,15 +419,17 @@ fn delta_rule_gates(rng: &mut Xoshiro256, tokens: usize, nv: usize) -> (Vec<f32>
 /// dk 256 (two state tiles per warp; against the CPU only) with dv 48 (a half-empty column
 /// tile); sequences of 1, 63, 64, 65, 1000 and 4096 tokens in one batch, each from a random
 /// initial state, then a second prefill continuing from the states the first left; realistic
-/// gates. Outputs and final states are held to [`TENSOR_CORE_TOLERANCE`] of their largest value
-/// (bf16 keys, queries, state operand, P and V'; an emulation of the kernel's roundings lands at
-/// 2e-3 to 5e-3 on such inputs). On the default options the op itself must send every prefill
-/// segment of 63 rows or more to the tensor-core kernel.
+/// gates. Outputs and final states are held to [`DELTA_RULE_TOLERANCE`] of their largest value:
+/// the kernel's operands are f16 hi + lo pairs, ~2⁻²² relative each, where single f16 operands
+/// landed at 5e-4 and moved a golden fixture's top-1 agreement under the CUDA bar. On the
+/// default options the op itself must send every prefill segment of 63 rows or more to the
+/// tensor-core kernel.
 #[test]
 fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
     let test = "tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu";
-    // The kernel is opt-in (`CudaOptions::tensor_core_delta_rule`): a backend of its own.
+    // A backend of its own that asks for the kernel whatever the defaults.
     let options = CudaOptions {
+        tensor_core_prefill: true,
         tensor_core_delta_rule: true,
         ..CudaOptions::default()
     };
@@ -591,7 +596,7 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
             for (reference, out, state) in figures {
                 println!("{what}: tensor cores vs {reference} {out:.2e} (states {state:.2e})");
                 assert!(
-                    out <= TENSOR_CORE_TOLERANCE && state <= TENSOR_CORE_TOLERANCE,
+                    out <= DELTA_RULE_TOLERANCE && state <= DELTA_RULE_TOLERANCE,
                     "{what}: the tensor-core kernel differs from the {reference} by {out:.2e} (outputs), {state:.2e} (states)"
                 );
             }

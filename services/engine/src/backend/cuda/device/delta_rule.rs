@@ -13,11 +13,11 @@
 //! ([`DeviceInfo::delta_rule_path`] says `chunked` or `tensor-core`); otherwise, and for shapes
 //! it does not take (`dk` over [`CHUNKED_MAX_KEY_DIM`] or more shared memory than the GPU gives a
 //! block), every form runs the recurrent kernel, which computes the same function. With
-//! `CudaOptions::tensor_core_prefill` and `tensor_core_delta_rule` (off by default: see that
-//! option) the tensor-core kernel gets its own check after that
-//! (path `tensor-core`) and then runs the chunked form of segments of at least
-//! [`MMA_MIN_ROWS`] rows whose shape it takes ([`mma_supports`]); its f16 operands move
-//! results within f16 tolerances of the f32 kernels. The f32 chunked kernel stays the
+//! `CudaOptions::tensor_core_prefill` and `tensor_core_delta_rule` (both on by default) the
+//! tensor-core kernel gets its own check after that (path `tensor-core`) and then runs the
+//! chunked form of segments of at least [`MMA_MIN_ROWS`] rows whose shape it takes
+//! ([`mma_supports`]); its operands are split into f16 pairs (hi + lo, three products each), so
+//! results stay within ~1e-6 of scale of the f32 kernels. The f32 chunked kernel stays the
 //! reference and runs everything else.
 //!
 //! [`DeviceInfo::delta_rule_path`]: super::DeviceInfo::delta_rule_path
@@ -48,10 +48,10 @@ pub(super) const PATH_TENSOR_CORE: &str = "tensor-core";
 /// The self-check's limit on max |chunked − recurrent| / max(1, max |recurrent|), outputs and
 /// states alike. The two forms differ only by f32 reassociation (~1e-7 on this case).
 const SELF_CHECK_TOLERANCE: f32 = 1e-4;
-/// The same limit for the tensor-core kernel. k̂, q̂, the state it multiplies, P and V' are
-/// rounded to f16 (2⁻¹² relative each; bf16, 2⁻⁹, landed at ~1e-3 on this case in an
-/// emulation of the kernel's roundings and moved the golden fixtures' greedy tokens), while a misplaced fragment or a state not carried is off by tenths.
-const MMA_SELF_CHECK_TOLERANCE: f32 = 1e-2;
+/// The same limit for the tensor-core kernel. Its operands are f16 pairs (hi + lo: ~2⁻²²
+/// relative each), so it lands near the f32 kernels; a lost lo half is ~2⁻¹² off, a misplaced
+/// fragment or a state not carried by tenths.
+const MMA_SELF_CHECK_TOLERANCE: f32 = 1e-4;
 
 /// `DRT_THREADS`: threads per block of the tensor-core kernel.
 const MMA_THREADS: u32 = 256;
@@ -87,13 +87,20 @@ fn chunked_shared_bytes(dk: usize) -> usize {
 }
 
 /// Dynamic shared memory of the tensor-core kernel, in bytes (the layout in
-/// `kernels/delta_rule.cu`): f32 A, T, R and four per-row vectors, then f16 K̂, Q̂, P, V',
-/// e^{γ_last−γ} V' and the state tile's copy.
+/// `kernels/delta_rule.cu`): f32 A, T, R and four per-row vectors, then f16 pairs (hi and lo
+/// arrays) of K̂, Q̂, P, e^{γ_last−γ} V' and the state tile's copy. V' (also a pair) lives over
+/// A ([`MMA_VALUE_PAIR_FITS_OVER_A`]).
 fn mma_shared_bytes(dk: usize) -> usize {
     std::mem::size_of::<f32>() * (2 * CHUNK * MMA_TS + CHUNK * MMA_RS + 4 * CHUNK)
-        + std::mem::size_of::<u16>()
-            * (2 * CHUNK * (dk + MMA_PAD) + CHUNK * MMA_PS + 2 * CHUNK * MMA_VS + dk * MMA_VS)
+        + 2 * std::mem::size_of::<u16>()
+            * (2 * CHUNK * (dk + MMA_PAD) + CHUNK * MMA_PS + CHUNK * MMA_VS + dk * MMA_VS)
 }
+
+/// The tensor-core kernel keeps V' (hi and lo, `2 · CHUNK · MMA_VS` f16) in A's f32 array,
+/// which no phase reads between the triangular solve and the next chunk.
+const MMA_VALUE_PAIR_FITS_OVER_A: bool =
+    2 * CHUNK * MMA_VS * std::mem::size_of::<u16>() <= CHUNK * MMA_TS * std::mem::size_of::<f32>();
+const _: () = assert!(MMA_VALUE_PAIR_FITS_OVER_A);
 
 /// Whether the tensor-core kernel takes `dk` × `dv` heads: its mma tiles are 16 keys deep and
 /// its state and value tiles are loaded in pairs of 16-column halves, so both dims must be
@@ -112,7 +119,7 @@ pub enum DeltaRuleKernel {
     /// `gated_delta_rule_recurrent`: one token after the other.
     Recurrent,
     /// `gated_delta_rule_chunked_mma`: the chunked form with its matrix products on the tensor
-    /// cores (f16 operands, f32 accumulation).
+    /// cores (operands as f16 hi + lo pairs, f32 accumulation).
     TensorCore,
 }
 

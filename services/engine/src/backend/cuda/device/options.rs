@@ -77,11 +77,10 @@ pub struct CudaOptions {
     /// per-token (decode) kernels' bits; off, every op keeps the f32 SIMT kernels.
     pub tensor_core_prefill: bool,
     /// With `tensor_core_prefill`, the chunked gated delta rule (Gated DeltaNet prefill) on the
-    /// tensor cores too (`gated_delta_rule_chunked_mma`, f16 operands, after its start-up
-    /// check): about 1.5× the prefill of Qwen3.5-35B-A3B shapes on an H200, outputs within
-    /// 5e-4 of the f32 kernel. Off by default: on the qwen3_5_moe golden fixture (f32 weights)
-    /// it moved top-1 agreement with the CPU to 97.5% (3 of 120 tokens), under the CUDA bar
-    /// of 99%, where the f32 kernel meets it.
+    /// tensor cores too (`gated_delta_rule_chunked_mma`, after its start-up check). Its
+    /// operands are f16 hi + lo pairs with three products each, which keeps it near the f32
+    /// kernel; single f16 operands (5e-4 of scale) had moved top-1 agreement on the
+    /// qwen3_5_moe golden fixture under the CUDA bar. Off: the f32 chunked kernel.
     pub tensor_core_delta_rule: bool,
     /// A decode batch (one new token per sequence) takes one launch per op for all its
     /// sequences: the KV append, split attention and combine over every sequence at once (each
@@ -112,7 +111,7 @@ impl Default for CudaOptions {
             routing_stores: true,
             worker_handoff: true,
             tensor_core_prefill: true,
-            tensor_core_delta_rule: false,
+            tensor_core_delta_rule: true,
             batched_decode: true,
             decode_experts_by_expert: false,
             programmatic_dependent_launch: true,

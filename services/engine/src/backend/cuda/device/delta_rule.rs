@@ -150,6 +150,12 @@ impl CudaBackend {
         self.info.delta_rule_path == PATH_TENSOR_CORE && self.mma_fits(dk, dv)
     }
 
+    /// Whether prefill segments of `dk` × `dv` heads take the tensor-core kernel here (see
+    /// [`DeltaRuleKernel::TensorCore`]); the tests ask before they compare it.
+    pub fn tensor_core_delta_rule_takes(&self, dk: usize, dv: usize) -> bool {
+        self.mma_available(dk, dv)
+    }
+
     fn mma_fits(&self, dk: usize, dv: usize) -> bool {
         mma_supports(dk, dv) && mma_shared_bytes(dk) <= self.info.shared_memory_per_block
     }
@@ -176,8 +182,7 @@ impl CudaBackend {
                 DeltaRuleForm::Chunked => true,
                 DeltaRuleForm::Recurrent => false,
             };
-            // The tensor-core kernel also takes key dims whose f32 chunked kernel does not fit
-            // (dk 256 on an A100); it is only ever enabled after the f32 one passed its check.
+            // The tensor-core kernel is only ever enabled after the f32 one passed its check.
             if !wants_chunked {
                 DeltaRuleKernel::Recurrent
             } else if tensor_cores && tokens >= MMA_MIN_ROWS {

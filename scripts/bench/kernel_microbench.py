@@ -7,9 +7,10 @@ prints microseconds per launch. Launches are captured in a CUDA graph and replay
 engine's step graphs do, and weights rotate through enough copies that every launch reads them
 from HBM, not from the 60 MB L2.
 
-With `--baseline DIR` (the kernel files of another revision, e.g. `git show REV:kernels/x.cu`)
-it runs both and checks that kernels meant to keep their bits do: the matmuls, the norms and
-the router; the attention combine is compared within f32 rounding.
+With `--baseline DIR` (the kernel files of another revision with the same kernel signatures,
+e.g. `git archive REV kernels`) it runs both and checks that kernels meant to keep their bits
+do: the matmuls, the norms, the router and the experts (and `expert_down_sum` against
+`expert_down` + `expert_pair_sum`); the attention combine is compared within f32 rounding.
 
     python3 scripts/bench/kernel_microbench.py [--baseline DIR] [--context 4096] [--json FILE]
 """
@@ -389,7 +390,7 @@ def main():
 
     base = None
     if args.baseline:
-        base = bench.matmuls(args.baseline, "baseline", 0, 0)
+        base = bench.matmuls(args.baseline, "baseline", 2, 4)
     settings = [(c, u) for c in (1, 2) for u in (4, 8)] if args.sweep else [(1, 4), (2, 4)]
     for cols, unroll in settings:
         bench.matmuls(args.kernels, "current", cols, unroll, base)
@@ -397,15 +398,15 @@ def main():
     base_norm = bench.norms(args.baseline, "baseline") if args.baseline else None
     bench.norms(args.kernels, "current", base_norm)
 
-    base_router = bench.router(args.baseline, "baseline", False) if args.baseline else None
+    base_router = bench.router(args.baseline, "baseline", True) if args.baseline else None
     bench.router(args.kernels, "current", True, base_router)
 
-    base_attention = bench.attention(args.baseline, "baseline", False) if args.baseline else None
+    base_attention = bench.attention(args.baseline, "baseline", True) if args.baseline else None
     for max_chunks in (128, 64, 32) if args.sweep else (128,):
         bench.attention(args.kernels, "current", True, base_attention, max_chunks)
 
-    base_experts = bench.experts(args.baseline, "baseline", 1) if args.baseline else None
-    for columns in (1, 2, 4) if args.sweep else (2,):
+    base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None
+    for columns in (1, 2, 4) if args.sweep else (1,):
         bench.experts(args.kernels, "current", 4, base_experts, columns)
 
     if args.json:

@@ -113,6 +113,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &[
             "expert_gate_up",
             "expert_down",
+            "expert_down_sum",
             "expert_gate_up_by_expert",
             "expert_down_by_expert",
             "expert_gate_up_grouped",
@@ -407,6 +408,53 @@ mod tests {
                 assert!(
                     !definitions(kernel.source, function).is_empty(),
                     "kernels/{}.cu does not define `{function}`",
+                    kernel.name
+                );
+            }
+        }
+    }
+
+    /// The names of the `extern "C" __global__` functions `source` defines.
+    fn defined_kernels(source: &str) -> Vec<String> {
+        let prefix = "extern \"C\" __global__";
+        source
+            .match_indices(prefix)
+            .filter_map(|(at, _)| {
+                let mut rest = source[at + prefix.len()..].trim_start();
+                loop {
+                    if let Some(after) = rest.strip_prefix("void") {
+                        rest = after.trim_start();
+                    } else if let Some(after) = rest.strip_prefix("__launch_bounds__") {
+                        let close = after.find(')')?;
+                        rest = after[close + 1..].trim_start();
+                    } else {
+                        break;
+                    }
+                }
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                (!name.is_empty()).then_some(name)
+            })
+            .collect()
+    }
+
+    /// A kernel missing from its module's list is not loaded, and its first launch fails at run
+    /// time ("not loaded"): every kernel a source defines must be listed.
+    #[test]
+    fn every_defined_kernel_is_listed() {
+        for kernel in KERNEL_SOURCES {
+            let defined = defined_kernels(kernel.source);
+            assert!(
+                !defined.is_empty(),
+                "kernels/{}.cu: no kernels found",
+                kernel.name
+            );
+            for function in defined {
+                assert!(
+                    kernel.functions.contains(&function.as_str()),
+                    "kernels/{}.cu defines `{function}`, which its KernelSource does not list",
                     kernel.name
                 );
             }

@@ -264,6 +264,38 @@ __device__ __forceinline__ float prefetched_dot_of(const PrefetchedRow<N>& r, in
 #define GATE_UP_PREFETCH 4
 #define DOWN_PREFETCH 2
 
+// Quads each thread loads before it stores any in stage_padded.
+#define STAGE_QUADS 8
+
+// Stages from[0, cols) into the padded shared vector `to`, zeros past `cols` up to the last
+// segment (a quantized row's padding meets 0), with `threads` threads of which this is `index`.
+// Each thread issues all of its loads (16 bytes each, up to STAGE_QUADS) before its first
+// store: with a store after each load the compiler, unable to tell the generic pointers apart,
+// waits out every load in turn, a memory round trip per element the thread stages.
+__device__ __forceinline__ void stage_padded(float* to, const float* from, int cols, int index,
+                                             int threads) {
+    const int total = segments_of(cols) * SEG;
+    if ((cols & 3) == 0 && (reinterpret_cast<unsigned long long>(from) & 15) == 0) {
+        const int quads = total / 4;
+        for (int base = index; base < quads; base += threads * STAGE_QUADS) {
+            float4 v[STAGE_QUADS];
+#pragma unroll
+            for (int u = 0; u < STAGE_QUADS; ++u) {
+                const int q = base + threads * u;
+                v[u] = q < quads && 4 * q < cols ? *reinterpret_cast<const float4*>(from + 4 * q)
+                                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_QUADS; ++u) {
+                const int q = base + threads * u;
+                if (q < quads) *reinterpret_cast<float4*>(to + padded(4 * q)) = v[u];
+            }
+        }
+    } else {
+        for (int c = index; c < total; c += threads) to[padded(c)] = c < cols ? from[c] : 0.0f;
+    }
+}
+
 // The slot of pair p's expert, or −1 (not resident, or not a valid expert id).
 __device__ __forceinline__ int pair_slot(const int* slot_of_expert, const unsigned int* ids, int p,
                                          int num_experts) {
@@ -297,10 +329,7 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
         prefetch_row_of(up_row, dtype, matrix, gate_up_scales, intermediate + c0, hidden, lane);
     }
 #endif
-    const float* xt = x + (long long)(p / top_k) * hidden;
-    // Zero past `hidden` up to the last segment: a quantized row's padding meets 0.
-    for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
-        shared_x[padded(c)] = c < hidden ? xt[c] : 0.0f;
+    stage_padded(shared_x, x + (long long)(p / top_k) * hidden, hidden, threadIdx.x, blockDim.x);
     __syncthreads();
     if (c0 >= intermediate) return;
 #if GATE_UP_COLUMNS == 1
@@ -353,10 +382,8 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
         if (lane < DOWN_ROWS && r0 + lane < hidden) pair_out[(long long)p * hidden + r0 + lane] = 0.0f;
         return;
     }
-    const float* ap = activated + (long long)p * intermediate;
-    // Zero past `intermediate` up to the last segment: a quantized row's padding meets 0.
-    for (int c = threadIdx.x; c < segments_of(intermediate) * SEG; c += blockDim.x)
-        shared_a[padded(c)] = c < intermediate ? ap[c] : 0.0f;
+    stage_padded(shared_a, activated + (long long)p * intermediate, intermediate, threadIdx.x,
+                 blockDim.x);
     __syncthreads();
     if (r0 >= hidden) return;
     const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
@@ -418,10 +445,7 @@ extern "C" __global__ void __launch_bounds__(32 * DOWN_SUM_MAX_TOP_K) expert_dow
                                     lane);
             }
         }
-        const float* ap = activated + (long long)p * intermediate;
-        // Zero past `intermediate` up to the last segment: a quantized row's padding meets 0.
-        for (int c = lane; c < segments_of(intermediate) * SEG; c += 32)
-            shared_a[padded(c)] = c < intermediate ? ap[c] : 0.0f;
+        stage_padded(shared_a, activated + (long long)p * intermediate, intermediate, lane, 32);
         __syncwarp();
 #pragma unroll
         for (int i = 0; i < DOWN_SUM_ROWS; ++i) {

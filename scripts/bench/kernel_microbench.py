@@ -245,7 +245,7 @@ class Bench:
         part_ml = cp.zeros(2 * HEADS * chunks, dtype=cp.float32)
         out = cp.zeros((1, HEADS * HEAD_DIM), dtype=cp.float32)
         words = HEAD_DIM // 2
-        stride = words + 1 if label == "baseline" or words % 4 else words + 4
+        stride = words + 1 if words % 4 else words + 4
         smem = (8 * HEAD_DIM + 8 * 32 + 3 * 8 + 2 * 32 * stride) * 4
         null = np.uint64(0)
         scale = np.float32(HEAD_DIM ** -0.5)

@@ -11,7 +11,6 @@
 //   gate_up   activated[p, c] = silu(gate_c · x_t) · (up_c · x_t)     (slotted pairs only)
 //   down      pair_out[p, r]  = w_p · (down_r · activated[p])         (0 for other pairs)
 //   expert_pair_sum out[t, r] = Σ_j pair_out[t·k + j, r]              (fixed order)
-// (decode from the device routing: two, `expert_down_sum` doing down and the sum in one block)
 // with three kernels for gate_up and down:
 //   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes
 //     GATE_UP_COLUMNS activated columns (gate_up) or DOWN_ROWS output rows (down) of one pair,
@@ -186,116 +185,6 @@ __device__ __forceinline__ float row_dot_partial(const unsigned char* matrix, lo
     return acc;
 }
 
-// Decode rows, prefetched: the segments lane `lane` sums of one quantized row (s = lane + 32·i,
-// i < N), loaded into registers before the kernel stages its input vector, so the weights'
-// trip from memory overlaps the staging and its barrier instead of following them. The sum is
-// then formed exactly as row_dot_partial forms it (same segments, same order, same FMAs).
-template <int N>
-struct PrefetchedRow {
-    uint4 bits[N];
-    float scale[N];
-};
-
-// Whether a quantized row of `cols` inputs fits N segments per lane.
-template <int N>
-__device__ __forceinline__ bool fits_prefetch(int dtype, int cols) {
-    return (dtype == DTYPE_INT8 || dtype == DTYPE_INT4) && segments_of(cols) <= 32 * N;
-}
-
-template <int DT, int N>
-__device__ __forceinline__ void prefetch_row(PrefetchedRow<N>& r, const unsigned char* matrix,
-                                             long long scales, int row, int cols, int lane) {
-    const int segments = segments_of(cols);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const int s = lane + 32 * i;
-        if (s < segments) {
-            r.bits[i] = segment_bits<DT>(matrix, row, cols, s);
-            r.scale[i] = segment_scale(matrix, scales, row, cols, s);
-        }
-    }
-}
-
-template <int N>
-__device__ __forceinline__ void prefetch_row_of(PrefetchedRow<N>& r, int dtype,
-                                                const unsigned char* matrix, long long scales,
-                                                int row, int cols, int lane) {
-    if (dtype == DTYPE_INT8)
-        prefetch_row<DTYPE_INT8, N>(r, matrix, scales, row, cols, lane);
-    else
-        prefetch_row<DTYPE_INT4, N>(r, matrix, scales, row, cols, lane);
-}
-
-template <int DT, int N>
-__device__ __forceinline__ float prefetched_dot(const PrefetchedRow<N>& r, int cols,
-                                                const float* x, int lane) {
-    float acc = 0.0f;
-    const int segments = segments_of(cols);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const int s = lane + 32 * i;
-        if (s < segments) {
-            float w[SEG];
-#pragma unroll
-            for (int q = 0; q < SEG / 4; ++q) quad_weights<DT>(r.bits[i], r.scale[i], q, w + 4 * q);
-            const float4* xs = reinterpret_cast<const float4*>(x + s * SEG_STRIDE);
-#pragma unroll
-            for (int q = 0; q < SEG / 4; ++q) {
-                float4 v = xs[q];
-                acc = __fmaf_rn(w[4 * q], v.x, acc);
-                acc = __fmaf_rn(w[4 * q + 1], v.y, acc);
-                acc = __fmaf_rn(w[4 * q + 2], v.z, acc);
-                acc = __fmaf_rn(w[4 * q + 3], v.w, acc);
-            }
-        }
-    }
-    return acc;
-}
-
-template <int N>
-__device__ __forceinline__ float prefetched_dot_of(const PrefetchedRow<N>& r, int dtype, int cols,
-                                                   const float* x, int lane) {
-    return dtype == DTYPE_INT8 ? prefetched_dot<DTYPE_INT8, N>(r, cols, x, lane)
-                               : prefetched_dot<DTYPE_INT4, N>(r, cols, x, lane);
-}
-
-// Segments per lane the decode kernels prefetch: a gate/up row of up to 32 · 4 · 16 = 2048
-// inputs (Qwen3-30B-A3B's hidden width), a down row of up to 1024.
-#define GATE_UP_PREFETCH 4
-#define DOWN_PREFETCH 2
-
-// Quads each thread loads before it stores any in stage_padded.
-#define STAGE_QUADS 8
-
-// Stages from[0, cols) into the padded shared vector `to`, zeros past `cols` up to the last
-// segment (a quantized row's padding meets 0), with `threads` threads of which this is `index`.
-// Each thread issues all of its loads (16 bytes each, up to STAGE_QUADS) before its first
-// store: with a store after each load the compiler, unable to tell the generic pointers apart,
-// waits out every load in turn, a memory round trip per element the thread stages.
-__device__ __forceinline__ void stage_padded(float* to, const float* from, int cols, int index,
-                                             int threads) {
-    const int total = segments_of(cols) * SEG;
-    if ((cols & 3) == 0 && (reinterpret_cast<unsigned long long>(from) & 15) == 0) {
-        const int quads = total / 4;
-        for (int base = index; base < quads; base += threads * STAGE_QUADS) {
-            float4 v[STAGE_QUADS];
-#pragma unroll
-            for (int u = 0; u < STAGE_QUADS; ++u) {
-                const int q = base + threads * u;
-                v[u] = q < quads && 4 * q < cols ? *reinterpret_cast<const float4*>(from + 4 * q)
-                                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int u = 0; u < STAGE_QUADS; ++u) {
-                const int q = base + threads * u;
-                if (q < quads) *reinterpret_cast<float4*>(to + padded(4 * q)) = v[u];
-            }
-        }
-    } else {
-        for (int c = index; c < total; c += threads) to[padded(c)] = c < cols ? from[c] : 0.0f;
-    }
-}
-
 // The slot of pair p's expert, or −1 (not resident, or not a valid expert id).
 __device__ __forceinline__ int pair_slot(const int* slot_of_expert, const unsigned int* ids, int p,
                                          int num_experts) {
@@ -316,30 +205,16 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     int p = blockIdx.y;
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
     if (slot < 0) return;  // the whole block leaves together
+    const float* xt = x + (long long)(p / top_k) * hidden;
+    // Zero past `hidden` up to the last segment: a quantized row's padding meets 0.
+    for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
+        shared_x[padded(c)] = c < hidden ? xt[c] : 0.0f;
+    __syncthreads();
     int warps = blockDim.x / 32;
     int lane = threadIdx.x % 32;
     int c0 = (blockIdx.x * warps + threadIdx.x / 32) * GATE_UP_COLUMNS;
-    const unsigned char* matrix = slots + (long long)slot * stride;
-#if GATE_UP_COLUMNS == 1
-    // Decode widths: the column's gate and up rows on their way before x is staged.
-    const bool prefetched = fits_prefetch<GATE_UP_PREFETCH>(dtype, hidden);
-    PrefetchedRow<GATE_UP_PREFETCH> gate_row, up_row;
-    if (prefetched && c0 < intermediate) {
-        prefetch_row_of(gate_row, dtype, matrix, gate_up_scales, c0, hidden, lane);
-        prefetch_row_of(up_row, dtype, matrix, gate_up_scales, intermediate + c0, hidden, lane);
-    }
-#endif
-    stage_padded(shared_x, x + (long long)(p / top_k) * hidden, hidden, threadIdx.x, blockDim.x);
-    __syncthreads();
     if (c0 >= intermediate) return;
-#if GATE_UP_COLUMNS == 1
-    if (prefetched) {
-        const float gate = warp_sum(prefetched_dot_of(gate_row, dtype, hidden, shared_x, lane));
-        const float up = warp_sum(prefetched_dot_of(up_row, dtype, hidden, shared_x, lane));
-        if (lane == 0) activated[(long long)p * intermediate + c0] = silu(gate) * up;
-        return;
-    }
-#endif
+    const unsigned char* matrix = slots + (long long)slot * stride;
     // Every row's loads before any butterfly.
     float gate_partial[GATE_UP_COLUMNS], up_partial[GATE_UP_COLUMNS];
 #pragma unroll
@@ -382,8 +257,10 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
         if (lane < DOWN_ROWS && r0 + lane < hidden) pair_out[(long long)p * hidden + r0 + lane] = 0.0f;
         return;
     }
-    stage_padded(shared_a, activated + (long long)p * intermediate, intermediate, threadIdx.x,
-                 blockDim.x);
+    const float* ap = activated + (long long)p * intermediate;
+    // Zero past `intermediate` up to the last segment: a quantized row's padding meets 0.
+    for (int c = threadIdx.x; c < segments_of(intermediate) * SEG; c += blockDim.x)
+        shared_a[padded(c)] = c < intermediate ? ap[c] : 0.0f;
     __syncthreads();
     if (r0 >= hidden) return;
     const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
@@ -399,75 +276,6 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
     for (int i = 0; i < DOWN_ROWS; ++i) {
         float y = warp_sum(partial[i]);
         if (lane == 0 && r0 + i < hidden) pair_out[(long long)p * hidden + r0 + i] = weights[p] * y;
-    }
-}
-
-// expert_down with expert_pair_sum in one launch (decode straight from the device routing): a
-// block per (group of DOWN_SUM_ROWS output rows, token), warp j computing choice j of the token
-// (pair t·k + j) exactly as expert_down computes a pair's rows, then the block adds the k
-// weighted values of each row in increasing j from 0, as expert_pair_sum does. The same bits
-// as the two launches it replaces, with one launch and the pair_out round trip less per MoE
-// layer. Grid (ceil(hidden / DOWN_SUM_ROWS), tokens), block 32 · top_k, dynamic shared memory
-// top_k · (ceil(intermediate / 16) · 20 + DOWN_SUM_ROWS) floats (experts.rs checks the fit).
-#define DOWN_SUM_ROWS 8
-// The most choices per token it takes (a warp each): the bound keeps its registers launchable.
-#define DOWN_SUM_MAX_TOP_K 16
-
-extern "C" __global__ void __launch_bounds__(32 * DOWN_SUM_MAX_TOP_K) expert_down_sum(const unsigned char* slots, const int* slot_of_expert,
-                                           const unsigned int* ids, const float* weights,
-                                           const float* activated, float* out, int top_k,
-                                           int num_experts, int hidden, int intermediate,
-                                           long long stride, int dtype, long long down_offset,
-                                           long long down_scales) {
-    PDL_WAIT_AND_RELEASE();
-    extern __shared__ __align__(16) float shared_down_sum[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.y;
-    const int p = t * top_k + warp;
-    const int r0 = blockIdx.x * DOWN_SUM_ROWS;
-    const int staged = segments_of(intermediate) * SEG_STRIDE;
-    float* shared_a = shared_down_sum + warp * staged;
-    float* values = shared_down_sum + top_k * staged;  // [top_k][DOWN_SUM_ROWS]
-    const int slot = pair_slot(slot_of_expert, ids, p, num_experts);
-    float partial[DOWN_SUM_ROWS];
-#pragma unroll
-    for (int i = 0; i < DOWN_SUM_ROWS; ++i) partial[i] = 0.0f;
-    if (slot >= 0) {
-        const unsigned char* matrix = slots + (long long)slot * stride + down_offset;
-        // Decode widths: the rows on their way before the activations are staged.
-        const bool prefetched = fits_prefetch<DOWN_PREFETCH>(dtype, intermediate);
-        PrefetchedRow<DOWN_PREFETCH> rows[DOWN_SUM_ROWS];
-        if (prefetched) {
-#pragma unroll
-            for (int i = 0; i < DOWN_SUM_ROWS; ++i) {
-                if (r0 + i < hidden)
-                    prefetch_row_of(rows[i], dtype, matrix, down_scales, r0 + i, intermediate,
-                                    lane);
-            }
-        }
-        stage_padded(shared_a, activated + (long long)p * intermediate, intermediate, lane, 32);
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < DOWN_SUM_ROWS; ++i) {
-            if (r0 + i < hidden)
-                partial[i] = prefetched
-                                 ? prefetched_dot_of(rows[i], dtype, intermediate, shared_a, lane)
-                                 : row_dot_partial(matrix, down_scales, dtype, r0 + i,
-                                                   intermediate, shared_a, lane);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < DOWN_SUM_ROWS; ++i) {
-        const float y = warp_sum(partial[i]);
-        // Other pairs add 0.0f, as their pair_out rows do: their experts run elsewhere.
-        if (lane == 0) values[warp * DOWN_SUM_ROWS + i] = slot >= 0 ? weights[p] * y : 0.0f;
-    }
-    __syncthreads();
-    const int row = threadIdx.x;
-    if (row < DOWN_SUM_ROWS && r0 + row < hidden) {
-        float sum = 0.0f;
-        for (int j = 0; j < top_k; ++j) sum += values[j * DOWN_SUM_ROWS + row];
-        out[(long long)t * hidden + r0 + row] = sum;
     }
 }
 

@@ -9,8 +9,8 @@ from HBM, not from the 60 MB L2.
 
 With `--baseline DIR` (the kernel files of another revision with the same kernel signatures,
 e.g. `git archive REV kernels`) it runs both and checks that kernels meant to keep their bits
-do: the matmuls, the norms, the router and the experts (and `expert_down_sum` against
-`expert_down` + `expert_pair_sum`); the attention combine is compared within f32 rounding.
+do: the matmuls, the norms, the router and the experts; the attention combine is compared
+within f32 rounding.
 
     python3 scripts/bench/kernel_microbench.py [--baseline DIR] [--context 4096] [--json FILE]
 """
@@ -336,23 +336,6 @@ class Bench:
         sum_args = (pair_out, out, np.int32(1), np.int32(TOP_K), np.int32(h))
         us = timed([lambda: pair_sum((-(-h // 256),), (256,), sum_args)] * 16)
         self.record("expert_pair_sum k=8", label, us)
-        # Down and the pair sum in one launch, where the kernel file has it.
-        try:
-            down_sum = mod.get_function("expert_down_sum")
-        except Exception:
-            down_sum = None
-        fused = cp.zeros((1, h), dtype=cp.float32)
-
-        def down_sum_launch(ids):
-            args = (buffer, slot_of_expert, ids, weights, activated, fused, np.int32(TOP_K), np.int32(EXPERTS),
-                    np.int32(h), np.int32(i), np.int64(stride), dtype_int8, np.int64(down_offset),
-                    np.int64(down_bytes))
-            smem = TOP_K * (-(-i // 16) * 20 * 4 + 4 * 8)
-            return lambda: down_sum((-(-h // 8), 1), (32 * TOP_K,), args, shared_mem=smem)
-
-        if down_sum is not None:
-            us = timed([down_sum_launch(ids) for ids in id_sets])
-            self.record("expert_down_sum int8 k=8 (down + pair sum)", label, us, TOP_K * (down_bytes + down_scales))
         # One expert not resident: its pair's output rows are zeros (and its activated row is
         # not written, so it is left out of the comparison).
         slot_of_expert[id_sets[3][2]] = -1
@@ -361,15 +344,6 @@ class Bench:
         cp.cuda.Device().synchronize()
         resident = [p for p in range(TOP_K) if p != 2]
         result = (activated[resident].copy(), pair_out.copy())
-        if down_sum is not None:
-            down_sum_launch(id_sets[3])()
-            cp.cuda.Device().synchronize()
-            # expert_pair_sum's order: j = 0, 1, … in f32.
-            pairs = cp.asnumpy(pair_out)
-            expected = np.zeros(h, dtype=np.float32)
-            for j in range(TOP_K):
-                expected = expected + pairs[j]
-            self.same_bits("expert_down_sum vs expert_down + expert_pair_sum", fused[0], cp.asarray(expected))
         if baseline is not None:
             self.same_bits("expert_gate_up activated", result[0], baseline[0])
             self.same_bits("expert_down pair_out", result[1], baseline[1])

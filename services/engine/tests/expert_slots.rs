@@ -388,8 +388,7 @@ test_device!(router_matches_the_host_reference);
 /// A routing started on the backend and finished later gives what the one-shot read-back
 /// gives, and the slotted experts computed from it before it reached the host equal the op fed
 /// the host routing: decode-sized batches (1, 3, 8 tokens: on a GPU straight from the device
-/// routing, with `expert_down_sum`; bit for bit) and a grouped one (40 tokens: through the
-/// host). Several routings may be in flight
+/// routing) and a grouped one (40 tokens: through the host). Several routings may be in flight
 /// at once and finish in any order (layers whose routing waits for the forward's end), and one
 /// dropped unfinished leaves the backend usable.
 fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
@@ -470,19 +469,6 @@ fn pending_routing_matches_the_routing_read_back<B: Backend>(backend: Arc<B>) {
             worst <= 1e-6,
             "{tokens} tokens: the two routings' experts differ by {worst}"
         );
-        if tokens < 40 {
-            // Decode-sized: on a GPU the device routing's launches (gate_up, then the down
-            // projection with the sum over each token's choices in one kernel) must hold the
-            // bits of the host routing's per-pair kernels and their separate pair sum.
-            let same_bits = by_pending
-                .iter()
-                .zip(&by_host)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same_bits,
-                "{tokens} tokens: the fused down and sum differ from the launches it replaces"
-            );
-        }
         if tokens == 40 {
             assert!(
                 by_host.iter().any(|v| v.abs() > 0.0),

@@ -40,12 +40,6 @@ const EXPERT_WARPS: u32 = 8;
 /// `DOWN_ROWS` and `GATE_UP_COLUMNS` in kernels/experts.cu.
 const EXPERT_DOWN_ROWS: u32 = 4;
 const EXPERT_GATE_UP_COLUMNS: u32 = 1;
-/// `DOWN_SUM_ROWS`: output rows per block of `expert_down_sum` (one warp per choice of the
-/// token, each computing all of them).
-const EXPERT_DOWN_SUM_ROWS: usize = 8;
-/// `DOWN_SUM_MAX_TOP_K`: the most choices per token `expert_down_sum` takes (a warp each; its
-/// launch bound).
-const EXPERT_DOWN_SUM_MAX_TOP_K: usize = 16;
 /// Batches of at least this many tokens (per launch chunk) take the grouped kernels
 /// (`expert_gate_up_grouped` / `expert_down_grouped`) when their slotted pairs average at least
 /// `GROUPED_MIN_PAIRS_PER_EXPERT` per distinct slotted expert: below that a tile of
@@ -550,21 +544,6 @@ fn shared_bytes(len: usize) -> Result<u32, CudaError> {
         .checked_mul(20 * 4)
         .and_then(|bytes| u32::try_from(bytes).ok())
         .ok_or_else(|| too_large("shared memory bytes", len))
-}
-
-/// Dynamic shared memory of an `expert_down_sum` block (one staged activation vector per
-/// choice, then `k × DOWN_SUM_ROWS` weighted values), or `None` where the kernel does not take
-/// the shape (more choices than warps in a block, or more than the default dynamic shared
-/// memory): the two launches it fuses run instead.
-fn down_sum_shared_bytes(intermediate: usize, k: usize) -> Option<u32> {
-    if k == 0 || k > EXPERT_DOWN_SUM_MAX_TOP_K {
-        return None;
-    }
-    let per_choice = shared_bytes(intermediate).ok()? as usize + 4 * EXPERT_DOWN_SUM_ROWS;
-    let bytes = per_choice.checked_mul(k)?;
-    (bytes <= DEFAULT_DYNAMIC_SHARED_BYTES)
-        .then(|| u32::try_from(bytes).ok())
-        .flatten()
 }
 
 /// Pairs per group of the by-expert kernels for these widths: as many input vectors of either
@@ -1083,7 +1062,17 @@ impl CudaBackend {
                 &num_experts, &args.hidden, &args.intermediate, &args.stride, &args.dtype,
                 &args.down_offset, &args.down_scales, &pairs_count, &group);
         }
-        self.launch_pairwise_gate_up(slots, ids, x, pairs, k, activated)?;
+        let gate_up_config = expert_launch(
+            intermediate,
+            EXPERT_WARPS * EXPERT_GATE_UP_COLUMNS,
+            pairs_arg,
+            EXPERT_WARPS,
+            shared_bytes(hidden)?,
+            "expert row blocks",
+        )?;
+        launch!(self, "expert_gate_up", gate_up_config;
+            storage, table, ids, x, &mut *activated, &top_k, &num_experts,
+            &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales)?;
         let down_config = expert_launch(
             hidden,
             EXPERT_WARPS * EXPERT_DOWN_ROWS,
@@ -1096,36 +1085,6 @@ impl CudaBackend {
             storage, table, ids, weights, &*activated, pair_out,
             &num_experts, &args.hidden, &args.intermediate, &args.stride, &args.dtype,
             &args.down_offset, &args.down_scales)
-    }
-
-    /// The per-pair `expert_gate_up` alone: `activated` for every (token, choice) pair of `ids`
-    /// (zeros for a pair whose expert has no slot).
-    fn launch_pairwise_gate_up(
-        &self,
-        slots: &CudaExpertSlots,
-        ids: &CudaView<'_, u32>,
-        x: &CudaView<'_, f32>,
-        pairs: usize,
-        k: usize,
-        activated: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let layout = &slots.layout;
-        let args = ExpertKernelArgs::new(layout)?;
-        let (top_k, num_experts) = (
-            int(k, "top-k")?,
-            int(slots.slot_table.num_experts(), "experts")?,
-        );
-        let gate_up_config = expert_launch(
-            layout.intermediate,
-            EXPERT_WARPS * EXPERT_GATE_UP_COLUMNS,
-            grid(pairs, MAX_GRID_Y, "expert pairs in one launch")?,
-            EXPERT_WARPS,
-            shared_bytes(layout.hidden)?,
-            "expert row blocks",
-        )?;
-        launch!(self, "expert_gate_up", gate_up_config;
-            &slots.storage, &slots.table, ids, x, &mut *activated, &top_k, &num_experts,
-            &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales)
     }
 
     /// Whether a batch of `tokens` tokens with `k` choices each runs the per-pair kernels in
@@ -1173,38 +1132,6 @@ impl CudaBackend {
         let weights = &*weights.data;
         // Recycled scratch: the per-pair kernels write every element the next one reads.
         let mut activated = self.output_uninit(1, pairs * intermediate)?;
-        let by_expert = self.options.decode_experts_by_expert && tokens > 1;
-        if let (false, Some(shared)) = (by_expert, down_sum_shared_bytes(intermediate, k)) {
-            // gate_up, then down with the sum over each token's choices in one launch: the
-            // bits of the per-pair kernels and `expert_pair_sum`, one launch less.
-            let input = input.slice(0..tokens * hidden);
-            self.launch_pairwise_gate_up(slots, &ids, &input, pairs, k, &mut activated.data)?;
-            let args = ExpertKernelArgs::new(layout)?;
-            let (top_k, num_experts) = (
-                int(k, "top-k")?,
-                int(slots.slot_table.num_experts(), "experts")?,
-            );
-            let config = LaunchConfig {
-                grid_dim: (
-                    grid(
-                        hidden.div_ceil(EXPERT_DOWN_SUM_ROWS),
-                        MAX_GRID_X,
-                        "expert row blocks",
-                    )?,
-                    grid(tokens, MAX_GRID_Y, "tokens in one launch")?,
-                    1,
-                ),
-                block_dim: (32 * k as u32, 1, 1),
-                shared_mem_bytes: shared,
-            };
-            let output = &mut *out.data;
-            let pair_weights = weights.slice(0..pairs);
-            launch!(self, "expert_down_sum", config;
-                &slots.storage, &slots.table, &ids, &pair_weights, &*activated.data,
-                output, &top_k, &num_experts, &args.hidden, &args.intermediate, &args.stride,
-                &args.dtype, &args.down_offset, &args.down_scales)?;
-            return Ok(out);
-        }
         let mut pair_out = self.output_uninit(1, pairs * hidden)?;
         let pair_out = &mut *pair_out.data;
         self.launch_pairwise_experts(
@@ -1265,19 +1192,6 @@ mod tests {
         assert_eq!(
             i64::from(EXPERT_DOWN_ROWS),
             kernel_define("experts", "DOWN_ROWS")
-        );
-        assert_eq!(
-            EXPERT_DOWN_SUM_ROWS as i64,
-            kernel_define("experts", "DOWN_SUM_ROWS")
-        );
-        // The decode shapes of Qwen3-30B-A3B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B fuse.
-        assert!(down_sum_shared_bytes(768, 8).is_some());
-        assert!(down_sum_shared_bytes(512, 8).is_some());
-        assert!(down_sum_shared_bytes(512, 10).is_some());
-        assert!(down_sum_shared_bytes(768, 17).is_none());
-        assert_eq!(
-            EXPERT_DOWN_SUM_MAX_TOP_K as i64,
-            kernel_define("experts", "DOWN_SUM_MAX_TOP_K")
         );
         assert_eq!(
             i64::from(EXPERT_GATE_UP_COLUMNS),

@@ -14,7 +14,7 @@ use ninfer_cpu_experts::KernelIsa;
 use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
 use ninfer_engine::moe::expert_cache::{
-    ExpertCacheCounters, ExpertCacheOptions, DEFAULT_FILLS_PER_LAYER, DEFAULT_MAX_OBSERVED_TOKENS,
+    ExpertCacheCounters, ExpertCacheOptions, DEFAULT_FILLS_PER_LAYER,
 };
 use ninfer_engine::moe::placement::{
     choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
@@ -167,11 +167,6 @@ struct Args {
     /// step (from the page-locked banks, beside the steps; 0 acts as `--moe-static-experts`).
     #[arg(long, default_value_t = DEFAULT_FILLS_PER_LAYER, value_name = "N")]
     moe_cache_fills_per_layer: usize,
-    /// Dynamic expert cache: steps of more tokens than this (prompt chunks) count as hits and
-    /// misses but move neither the experts' scores nor the slots, which follow what decode
-    /// asks for; 0 observes every step.
-    #[arg(long, default_value_t = DEFAULT_MAX_OBSERVED_TOKENS, value_name = "TOKENS")]
-    moe_cache_max_observed_tokens: usize,
     /// Routed experts in host RAM, computed by the CPU, the GPU holding `--moe-gpu-experts` of
     /// them per layer: how the engine always runs; accepted for command lines written for the
     /// seeds' tool.
@@ -397,7 +392,6 @@ fn run(args: Args) -> anyhow::Result<()> {
         } else {
             args.moe_cache_fills_per_layer
         },
-        cache_max_observed_tokens: args.moe_cache_max_observed_tokens,
     };
     let host_kv = HostKvRequest {
         host_bytes: host_kv_bytes,
@@ -652,8 +646,6 @@ struct GpuExpertsRequest {
     host_kv_bytes: u64,
     /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
     cache_fills_per_layer: usize,
-    /// `--moe-cache-max-observed-tokens`.
-    cache_max_observed_tokens: usize,
 }
 
 /// A started scheduler and what `GetProfile` reports about its model.
@@ -739,7 +731,6 @@ fn start_scheduler<B: Backend>(
             .enable_expert_cache(
                 ExpertCacheOptions {
                     fills_per_layer,
-                    max_observed_tokens: request.cache_max_observed_tokens,
                     ..ExpertCacheOptions::default()
                 },
                 request.statistics.as_ref(),

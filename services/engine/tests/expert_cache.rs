@@ -507,7 +507,6 @@ fn hit_rate_curve_on_the_trained_fixture() {
                         ExpertCacheOptions {
                             fills_per_layer: 2,
                             decay_per_token,
-                            ..ExpertCacheOptions::default()
                         },
                     );
                     if index == 0 {

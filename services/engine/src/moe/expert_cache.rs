@@ -3,8 +3,7 @@
 //! Owns: the per-layer policy ([`LayerCachePolicy`]: use counts that decay per routed token,
 //! seeded from the persisted routing statistics; after a step, the missed experts that score
 //! highest go to free slots or evict the lowest-scoring resident expert not used in that step,
-//! at most `fills_per_layer` per layer and step; steps of more than `max_observed_tokens`
-//! tokens, prompt chunks, are counted as hits and misses but move neither scores nor slots), the step hook that applies it to a model's
+//! at most `fills_per_layer` per layer and step), the step hook that applies it to a model's
 //! slots ([`ExpertCache::between_steps`]), the hit / miss / fill / eviction / byte counters, and
 //! [`simulate_hit_rates`], the same policy and timing on a recorded routing trace.
 //!
@@ -40,11 +39,6 @@ pub const DEFAULT_FILLS_PER_LAYER: usize = 2;
 /// tokens' routing weigh as much as everything before (the trained fixture's hit rate peaks
 /// there, with a quarter of the fills of 0.9; docs/BENCHMARKS.md).
 pub const DEFAULT_DECAY_PER_TOKEN: f64 = 0.98;
-/// `--moe-cache-max-observed-tokens` by default: decode batches and speculative verification
-/// steps are observed, prompt chunks are not. A 4096-token chunk would decay every score by
-/// 0.98⁴⁰⁹⁶ (the seeded statistics gone) and put the prompt's experts, not the decode's, in the
-/// slots for the next hundred tokens.
-pub const DEFAULT_MAX_OBSERVED_TOKENS: usize = 64;
 
 /// How the cache behaves.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,16 +48,6 @@ pub struct ExpertCacheOptions {
     pub fills_per_layer: usize,
     /// Factor an expert's score is multiplied by per routed token.
     pub decay_per_token: f64,
-    /// Steps of more tokens than this (prompt chunks) leave the scores and the slots alone;
-    /// their hits and misses still count. 0: every step is observed.
-    pub max_observed_tokens: usize,
-}
-
-impl ExpertCacheOptions {
-    /// Whether a step of `tokens` tokens moves the scores (and so the fills).
-    pub fn observes(&self, tokens: usize) -> bool {
-        self.max_observed_tokens == 0 || tokens <= self.max_observed_tokens
-    }
 }
 
 impl Default for ExpertCacheOptions {
@@ -71,7 +55,6 @@ impl Default for ExpertCacheOptions {
         ExpertCacheOptions {
             fills_per_layer: DEFAULT_FILLS_PER_LAYER,
             decay_per_token: DEFAULT_DECAY_PER_TOKEN,
-            max_observed_tokens: DEFAULT_MAX_OBSERVED_TOKENS,
         }
     }
 }
@@ -382,8 +365,8 @@ impl ExpertCache {
     }
 
     /// Counts one layer call's routing against `table` (the slots the call used): a hit per
-    /// routed choice of a resident expert, a miss per other choice, and, for calls of at most
-    /// `max_observed_tokens` tokens, the policy's scores. Layers without slots are not counted.
+    /// routed choice of a resident expert, a miss per other choice, and the policy's scores.
+    /// Layers without slots are not counted.
     pub fn observe(
         &self,
         layer: usize,
@@ -408,9 +391,7 @@ impl ExpertCache {
         counters
             .misses
             .fetch_add(expert_ids.len() as u64 - hits, Ordering::Relaxed);
-        if self.options.observes(tokens) {
-            policy.observe(expert_ids, tokens);
-        }
+        policy.observe(expert_ids, tokens);
     }
 
     /// The hook at the start of every step for MoE layer `index`: enters the fills started at
@@ -519,9 +500,7 @@ pub fn simulate_hit_rates(
                 .count() as u64;
             counts.hits += hits;
             counts.misses += ids.len() as u64 - hits;
-            if options.observes(*tokens) {
-                policy.observe(ids, *tokens);
-            }
+            policy.observe(ids, *tokens);
         }
         counts
     };
@@ -628,7 +607,6 @@ mod tests {
         let options = ExpertCacheOptions {
             fills_per_layer: 1,
             decay_per_token: 0.5,
-            ..ExpertCacheOptions::default()
         };
         let (fixed, cache) = simulate_hit_rates(&trace, 2, 1, None, 1, options);
         assert_eq!((fixed.hits, fixed.misses, fixed.fills), (1, 5, 0));
@@ -637,64 +615,6 @@ mod tests {
         assert_eq!((cache.hits, cache.misses), (4, 2));
         assert_eq!((cache.fills, cache.evictions), (1, 1));
         assert!((cache.hit_rate() - 4.0 / 6.0).abs() < 1e-12);
-    }
-
-    /// A prompt chunk (more than `max_observed_tokens` tokens) counts its hits and misses but
-    /// neither wipes the seeded scores nor asks for fills; a decode step after it does.
-    #[test]
-    fn prompt_chunks_count_but_do_not_move_the_slots() {
-        let options = ExpertCacheOptions {
-            fills_per_layer: 2,
-            max_observed_tokens: 4,
-            ..ExpertCacheOptions::default()
-        };
-        let statistics = ExpertStatistics {
-            counts: vec![vec![10, 5, 1, 1]],
-        };
-        let cache = ExpertCache::new(options, &[true], 1, 4, 1, Some(&statistics));
-        let mut slots = ExpertSlotTable::new(4, 1);
-        slots.assign(0, 0).unwrap();
-        // A 400-token chunk routed to expert 3 only.
-        let chunk = vec![3u32; 400];
-        cache.observe(0, &chunk, 400, Some(&slots));
-        let total = cache.counters().total();
-        assert_eq!((total.hits, total.misses), (0, 400));
-        let decide = |cache: &ExpertCache, slots: &ExpertSlotTable| {
-            let mut policies = cache.policies.lock().unwrap();
-            policies[0].as_mut().unwrap().decide(slots, 2)
-        };
-        assert!(
-            decide(&cache, &slots).is_empty(),
-            "the chunk asked for fills"
-        );
-        {
-            let policies = cache.policies.lock().unwrap();
-            let policy = policies[0].as_ref().unwrap();
-            assert!(
-                policy.score(0) > policy.score(1),
-                "the seeded scores were moved"
-            );
-            assert_eq!(policy.score(3), policy.score(2));
-        }
-        // Decode steps routed to expert 3 move it in once it outscores expert 0.
-        let mut fills = Vec::new();
-        for _ in 0..400 {
-            cache.observe(0, &[3], 1, Some(&slots));
-            fills = decide(&cache, &slots);
-            if !fills.is_empty() {
-                break;
-            }
-        }
-        assert_eq!(fills.len(), 1);
-        assert_eq!((fills[0].expert, fills[0].evicted), (3, Some(0)));
-        // With every step observed the chunk alone would have done it.
-        let every_step = ExpertCacheOptions {
-            max_observed_tokens: 0,
-            ..options
-        };
-        let cache = ExpertCache::new(every_step, &[true], 1, 4, 1, Some(&statistics));
-        cache.observe(0, &chunk, 400, Some(&slots));
-        assert_eq!(decide(&cache, &slots)[0].expert, 3);
     }
 
     #[test]

@@ -48,8 +48,9 @@
 #               repeats; LLAMA_CPP_ARGS adds arguments to each, LLAMA_CPP_DEPTH=N decodes after N
 #               tokens of context (-d N) instead of an empty one. LLAMA_CPP_WRITE_GGUF=1 (with no
 #               LLAMA_CPP_MODEL) writes the GGUF with scripts/bench/write_gguf.py at q30's layers
-#               (Q8_0 experts, bf16 dense: the artifact's bytes). After q30 and llama, one table
-#               of decode tok/s: llama.cpp, ninfer and their ratio per placement.
+#               (Q8_0 experts, bf16 dense: the artifact's bytes). After q30 and llama, two tables
+#               (decode tok/s; prefill tok/s of the first prompt length): llama.cpp, ninfer and
+#               their ratio per placement.
 #
 # Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (16), Q30_LAYERS (q30's
 # decoder layers, default all 48; at 48 the artifact and the GGUF take ~33 GB each: a 64 GiB disk
@@ -317,25 +318,39 @@ if has llama; then
     fi
     llama all_gpu
     [ "${KEEP_ARTIFACTS:-1}" = 1 ] || [ "$LLAMA_CPP_MODEL" != "$work/$q30.gguf" ] || rm -f "$LLAMA_CPP_MODEL"
-    # Decode tok/s: llama-bench's tg row (last column, mean); ninfer's row of the first prompt length.
-    llama_tok_s() { awk -F'|' '/ tg[0-9]/ { split($(NF - 1), mean, " "); print mean[1]; exit }' "$out/llama_$1.txt" 2>/dev/null; }
+    # tok/s of llama-bench's tg (decode) or pp (prompt) row (last column, mean), and ninfer's
+    # decode (field 3) or prefill (field 2) of its table row for the first prompt length.
+    llama_tok_s() { # llama_tok_s LABEL tg|pp
+      awk -F'|' -v test="$2" '$0 ~ (" " test "[0-9]") { split($(NF - 1), mean, " "); print mean[1]; exit }' \
+        "$out/llama_$1.txt" 2>/dev/null
+    }
     prompts=${PROMPTS:-4096}
-    ninfer_tok_s() { awk -v prompt="${prompts%%,*}" '$1 == prompt && $5 == "|" { print $3; exit }' "$out/bench_$1.txt" 2>/dev/null; }
-    compare() { # compare PLACEMENT LLAMA_LABEL NINFER_LABEL
+    ninfer_tok_s() { # ninfer_tok_s LABEL tg|pp
+      local field=3
+      [ "$2" = pp ] && field=2
+      awk -v prompt="${prompts%%,*}" -v field="$field" \
+        '$1 == prompt && $2 ~ /^[0-9.]+$/ && index($0, " | ") { print $field; exit }' \
+        "$out/bench_$1.txt" 2>/dev/null
+    }
+    compare() { # compare tg|pp PLACEMENT LLAMA_LABEL NINFER_LABEL
       local ours theirs
-      theirs=$(llama_tok_s "$2") ours=$(ninfer_tok_s "$3")
-      awk -v p="$1" -v l="${theirs:--}" -v n="${ours:--}" 'BEGIN {
+      theirs=$(llama_tok_s "$3" "$1") ours=$(ninfer_tok_s "$4" "$1")
+      awk -v p="$2" -v l="${theirs:--}" -v n="${ours:--}" 'BEGIN {
         r = (l + 0 > 0 && n + 0 > 0) ? sprintf("%.2fx", n / l) : "-"
         printf "| %s | %s | %s | %s |\n", p, l, n, r }' | tee -a "$out/summary.log"
     }
     if has q30 || has b53; then
-      log "decode tok/s, batch 1, ${DECODE:-64} tokens (llama.cpp's test: $(grep -o ' tg[0-9][^|]*' "$out/llama_all_gpu.txt" 2>/dev/null | head -1 | xargs))"
-      echo "| placement | llama.cpp | ninfer | ninfer / llama.cpp |" | tee -a "$out/summary.log"
-      echo "|---|---|---|---|" | tee -a "$out/summary.log"
-      compare "all experts on the CPU" cpu_experts q30_a
-      [ -z "${LLAMA_CPP_CPU_MOE:-}" ] ||
-        compare "llama.cpp --n-cpu-moe $LLAMA_CPP_CPU_MOE; ninfer 53 per layer" "cpu_moe_$LLAMA_CPP_CPU_MOE" q30_b53
-      compare "all on the GPU" all_gpu q30_c
+      for kind in tg pp; do
+        what="decode tok/s, batch 1, ${DECODE:-64} tokens"
+        [ "$kind" = pp ] && what="prefill tok/s, a ${prompts%%,*}-token prompt"
+        log "$what (llama.cpp's test: $(grep -o " $kind[0-9][^|]*" "$out/llama_all_gpu.txt" 2>/dev/null | head -1 | xargs))"
+        echo "| placement | llama.cpp | ninfer | ninfer / llama.cpp |" | tee -a "$out/summary.log"
+        echo "|---|---|---|---|" | tee -a "$out/summary.log"
+        compare "$kind" "all experts on the CPU" cpu_experts q30_a
+        [ -z "${LLAMA_CPP_CPU_MOE:-}" ] ||
+          compare "$kind" "llama.cpp --n-cpu-moe $LLAMA_CPP_CPU_MOE; ninfer 53 per layer" "cpu_moe_$LLAMA_CPP_CPU_MOE" q30_b53
+        compare "$kind" "all on the GPU" all_gpu q30_c
+      done
     fi
   fi
 fi

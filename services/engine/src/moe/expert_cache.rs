@@ -103,7 +103,10 @@ impl LayerCachePolicy {
     }
 
     /// Counts one call's routing (`expert_ids` of `tokens` tokens; ids outside the layer are
-    /// ignored): every score decays once per token, then each routed choice adds 1.
+    /// ignored): every score decays once per token, then each routed choice adds 1. Prompt
+    /// chunks count like decode steps: their mass damps the churn single decode tokens would
+    /// cause (left out, the cache filled ~56 experts per token at a 16 GiB budget for two
+    /// points of decode hit rate, and decode lost a fifth; docs/BENCHMARKS.md).
     pub fn observe(&mut self, expert_ids: &[u32], tokens: usize) {
         let decay = self
             .decay_per_token

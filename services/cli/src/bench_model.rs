@@ -807,14 +807,7 @@ async fn measure_concurrent_decode(
     for run in runs {
         arrivals.push(run.await.context("a concurrent generation's task")??);
     }
-    let start = arrivals.iter().filter_map(|a| a.first()).max().copied();
-    let end = arrivals.iter().filter_map(|a| a.last()).min().copied();
-    let (Some(start), Some(end)) = (start, end) else {
-        bail!("a concurrent generation produced no token");
-    };
-    if end <= start {
-        bail!("the concurrent generations never decoded at the same time (a shorter run finished before a later one began)");
-    }
+    let (start, end) = common_decode_window(&arrivals, decode_tokens)?;
     let tokens: usize = arrivals
         .iter()
         .map(|a| a.iter().filter(|&&t| t > start && t <= end).count())
@@ -835,6 +828,53 @@ async fn measure_concurrent_decode(
         per_sequence_tok_s: tokens as f64 / seconds / sequences as f64,
         step_ms: StepLatency::of(&steps),
     })
+}
+
+/// The window in which every concurrent generation was decoding: from the last one's first
+/// token to the first one's last. Where there is none (the prompts prefilled one after the
+/// other, and an early sequence finished its `decode_tokens` before a late one began), the error
+/// says how many decode tokens would have made them overlap, at the early sequence's own pace.
+fn common_decode_window(
+    arrivals: &[Vec<Instant>],
+    decode_tokens: usize,
+) -> anyhow::Result<(Instant, Instant)> {
+    if arrivals.is_empty() || arrivals.iter().any(Vec::is_empty) {
+        bail!("a concurrent generation produced no token");
+    }
+    let start = arrivals.iter().filter_map(|a| a.first()).max().copied();
+    let end = arrivals.iter().filter_map(|a| a.last()).min().copied();
+    let (Some(start), Some(end)) = (start, end) else {
+        bail!("a concurrent generation produced no token");
+    };
+    if end > start {
+        return Ok((start, end));
+    }
+    let gap = start - end;
+    // The sequence that finished first, and its time per token.
+    let per_token = arrivals
+        .iter()
+        .filter(|a| a.last() == Some(&end) && a.len() > 1)
+        .find_map(|a| {
+            let (first, last) = (a.first()?, a.last()?);
+            Some((*last - *first).as_secs_f64() / (a.len() - 1) as f64)
+        })
+        .filter(|&seconds| seconds > 0.0);
+    let advice = match per_token {
+        Some(seconds) => {
+            // A quarter more than the bare overlap, so the window holds a few steps of all.
+            let needed = decode_tokens as f64 + 1.25 * gap.as_secs_f64() / seconds;
+            format!(
+                "; ask for at least {} decode tokens (--decode-tokens) so that all overlap",
+                needed.ceil() as u64
+            )
+        }
+        None => String::new(),
+    };
+    bail!(
+        "the {} concurrent generations never decoded at the same time: the last one's first token came {:.2} s after the first one's last{advice}",
+        arrivals.len(),
+        gap.as_secs_f64()
+    )
 }
 
 async fn profile(
@@ -1401,7 +1441,40 @@ fn print_report(report: &Report) {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_decode_batches;
+    use super::{common_decode_window, parse_decode_batches};
+    use std::time::{Duration, Instant};
+
+    /// Arrival times at `offsets` milliseconds after `zero`.
+    fn at(zero: Instant, offsets: &[u64]) -> Vec<Instant> {
+        offsets
+            .iter()
+            .map(|&ms| zero + Duration::from_millis(ms))
+            .collect()
+    }
+
+    #[test]
+    fn the_common_window_runs_from_the_last_first_token_to_the_first_last_one() {
+        let zero = Instant::now();
+        let arrivals = [at(zero, &[0, 10, 20, 30]), at(zero, &[5, 15, 25, 35, 45])];
+        let (start, end) = common_decode_window(&arrivals, 4).unwrap();
+        assert_eq!(start, zero + Duration::from_millis(5));
+        assert_eq!(end, zero + Duration::from_millis(30));
+    }
+
+    #[test]
+    fn generations_that_never_overlap_are_told_how_many_tokens_would() {
+        let zero = Instant::now();
+        // The first decodes 3 tokens 10 ms apart and is done at 30 ms; the second starts at
+        // 130 ms: 100 ms = 10 of the first's tokens too few, 12.5 with the margin.
+        let arrivals = [at(zero, &[0, 10, 20, 30]), at(zero, &[130, 140, 150, 160])];
+        let error = common_decode_window(&arrivals, 3).unwrap_err().to_string();
+        assert!(error.contains("came 0.10 s after"), "{error}");
+        assert!(error.contains("at least 16 decode tokens"), "{error}");
+        assert!(common_decode_window(&[Vec::new(), at(zero, &[1])], 1)
+            .unwrap_err()
+            .to_string()
+            .contains("produced no token"));
+    }
 
     #[test]
     fn decode_batches_parse_in_order_without_repeats_and_refuse_zero() {

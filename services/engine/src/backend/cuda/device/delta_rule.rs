@@ -615,9 +615,12 @@ mod tests {
 
     #[test]
     fn tensor_core_shapes_and_shared_memory() {
-        // Qwen3-Next / Qwen3.5 heads fit an A100's and an H100's opt-in 163 / 227 KiB.
-        assert_eq!(mma_shared_bytes(128), 108_032);
-        assert!(mma_shared_bytes(256) <= 163 * 1024);
+        // Qwen3-Next / Qwen3.5 heads (dk 128) fit an A100's opt-in 163 KiB (V' over A is what
+        // makes them fit), dk 192 an H100's 227 KiB; dk 256 fits neither (the f32 kernel runs).
+        assert_eq!(mma_shared_bytes(128), 162_304);
+        assert!(mma_shared_bytes(128) <= 163 * 1024);
+        assert!(mma_shared_bytes(192) <= 227 * 1024);
+        assert!(mma_shared_bytes(256) > 227 * 1024);
         assert!(mma_supports(128, 128) && mma_supports(64, 48) && mma_supports(256, 128));
         assert!(!mma_supports(72, 128) && !mma_supports(128, 40) && !mma_supports(272, 128));
         assert!(!mma_supports(0, 128) && !mma_supports(128, 0));

@@ -42,7 +42,10 @@
 #   q35         qwen3.5-35b-a3b, int4 experts, zipf routing, a 16 GiB card: a first run records
 #               routing statistics, the measured run places GPU experts by them.
 #   llama       llama.cpp's llama-bench side by side, when LLAMA_CPP_BENCH (the binary) and
-#               LLAMA_CPP_MODEL (a GGUF of the same model) are given: all experts on the CPU
+#               LLAMA_CPP_MODEL (a GGUF of the same model) are given (LLAMA_CPP_SOURCE=DIR, a
+#               llama.cpp source checkout, builds llama-bench into $WORK/llama-cpp-build with
+#               CMake, `-DGGML_CUDA=ON` unless LLAMA_CPP_CMAKE_ARGS says otherwise; CMAKE names
+#               the cmake binary, LLAMA_BUILD_TIMEOUT bounds each build step): all experts on the CPU
 #               (-ot exps=CPU), LLAMA_CPP_CPU_MOE layers' experts on the CPU (--n-cpu-moe, if
 #               set), everything on the GPU; same prompt length, decode tokens, threads and
 #               repeats; LLAMA_CPP_ARGS adds arguments to each, LLAMA_CPP_DEPTH=N decodes after N
@@ -283,6 +286,27 @@ fi
 
 if has q35 && [ "${Q35_FIRST:-0}" != 1 ]; then run_q35; fi
 
+if has llama && [ -z "${LLAMA_CPP_BENCH:-}" ] && [ -n "${LLAMA_CPP_SOURCE:-}" ]; then
+  llama_build=$work/llama-cpp-build
+  if [ -x "$llama_build/bin/llama-bench" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
+    log "llama-bench: reusing $llama_build/bin/llama-bench"
+  else
+    log "llama-bench: building from $LLAMA_CPP_SOURCE into $llama_build (${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON})"
+    start=$SECONDS
+    # shellcheck disable=SC2086 # LLAMA_CPP_CMAKE_ARGS is a list of arguments
+    timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" -S "$LLAMA_CPP_SOURCE" -B "$llama_build" \
+      -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF ${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON} \
+      >"$out/llama_build.log" 2>&1 &&
+      timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" --build "$llama_build" \
+        --target llama-bench -j "$(nproc)" >>"$out/llama_build.log" 2>&1
+    log "llama-bench: build exit $? after $((SECONDS - start)) s"
+    tail -3 "$out/llama_build.log" | tee -a "$out/summary.log"
+  fi
+  if [ -x "$llama_build/bin/llama-bench" ]; then
+    LLAMA_CPP_BENCH=$llama_build/bin/llama-bench
+  fi
+fi
+
 if has llama && [ "${LLAMA_CPP_WRITE_GGUF:-0}" = 1 ] && [ -z "${LLAMA_CPP_MODEL:-}" ]; then
   LLAMA_CPP_MODEL=$work/$q30.gguf
   if [ -s "$LLAMA_CPP_MODEL" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
@@ -298,7 +322,7 @@ fi
 
 if has llama; then
   if [ -z "${LLAMA_CPP_BENCH:-}" ] || [ -z "${LLAMA_CPP_MODEL:-}" ]; then
-    log "llama: skipped (set LLAMA_CPP_BENCH to llama-bench and LLAMA_CPP_MODEL to a GGUF)"
+    log "llama: skipped (set LLAMA_CPP_BENCH to llama-bench, or LLAMA_CPP_SOURCE to a llama.cpp checkout, and LLAMA_CPP_MODEL to a GGUF or LLAMA_CPP_WRITE_GGUF=1)"
   else
     wait_for_gpu_tests
     L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${PROMPTS:-4096}" -n "${DECODE:-64}"

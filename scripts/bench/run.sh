@@ -57,7 +57,9 @@
 #
 # Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (16), Q30_LAYERS (q30's
 # decoder layers, default all 48; at 48 the artifact and the GGUF take ~33 GB each: a 64 GiB disk
-# needs KEEP_ARTIFACTS=0 or fewer layers), BENCH_TIMEOUT (150 s per bench), STATS_TIMEOUT (120),
+# needs KEEP_ARTIFACTS=0 and INTERLEAVE=0, or fewer layers), INTERLEAVE (1, the default: with
+# the llama stage, llama.cpp's run of each q30 placement follows ninfer's at once, its GGUF
+# written before q30's artifact; 0: all of llama.cpp's runs after all of ninfer's), BENCH_TIMEOUT (150 s per bench), STATS_TIMEOUT (120),
 # CONVERT_TIMEOUT (240), GGUF_TIMEOUT (600), WORK (artifacts, default /tmp/ninfer-bench;
 # REUSE_ARTIFACTS=0 rewrites them, KEEP_ARTIFACTS=0 deletes q30's and the GGUF after use),
 # Q35_FIRST=1 (q35 before q30), GPU_TEST_FIGURES, GPU_TEST_TIMEOUT (passed to gpu_tests.sh),
@@ -233,6 +235,69 @@ run_q35() {
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
 
 q30=q30${Q30_LAYERS:+-l$Q30_LAYERS}
+# Builds llama-bench (LLAMA_CPP_SOURCE) and writes the GGUF (LLAMA_CPP_WRITE_GGUF) as asked, once;
+# sets the llama-bench command line L when both a binary and a model are there.
+prepare_llama() {
+  if has llama && [ -z "${LLAMA_CPP_BENCH:-}" ] && [ -n "${LLAMA_CPP_SOURCE:-}" ]; then
+    llama_build=$work/llama-cpp-build
+    if [ -x "$llama_build/bin/llama-bench" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
+      log "llama-bench: reusing $llama_build/bin/llama-bench"
+    else
+      log "llama-bench: building from $LLAMA_CPP_SOURCE into $llama_build (${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON})"
+      start=$SECONDS
+      # shellcheck disable=SC2086 # LLAMA_CPP_CMAKE_ARGS is a list of arguments
+      timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" -S "$LLAMA_CPP_SOURCE" -B "$llama_build" \
+        -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF ${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON} \
+        >"$out/llama_build.log" 2>&1 &&
+        timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" --build "$llama_build" \
+          --target llama-bench -j "$(nproc)" >>"$out/llama_build.log" 2>&1
+      log "llama-bench: build exit $? after $((SECONDS - start)) s"
+      tail -3 "$out/llama_build.log" | tee -a "$out/summary.log"
+    fi
+    if [ -x "$llama_build/bin/llama-bench" ]; then
+      LLAMA_CPP_BENCH=$llama_build/bin/llama-bench
+    fi
+  fi
+
+  if has llama && [ "${LLAMA_CPP_WRITE_GGUF:-0}" = 1 ] && [ -z "${LLAMA_CPP_MODEL:-}" ]; then
+    LLAMA_CPP_MODEL=$work/$q30.gguf
+    if [ -s "$LLAMA_CPP_MODEL" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
+      log "write GGUF: reusing $LLAMA_CPP_MODEL"
+    else
+      log "write GGUF: $LLAMA_CPP_MODEL, ${Q30_LAYERS:-48} layers"
+      timeout "${GGUF_TIMEOUT:-600}" python3 scripts/bench/write_gguf.py "$LLAMA_CPP_MODEL" \
+        --layers "${Q30_LAYERS:-48}" >"$out/write_gguf.log" 2>&1
+      log "write GGUF: exit $?"
+      tail -1 "$out/write_gguf.log" | tee -a "$out/summary.log"
+    fi
+  fi
+  if llama_ready; then
+    L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${PROMPTS:-4096}" -n "${DECODE:-64}"
+      -t "$threads" -r "${REPEATS:-2}" -ngl 99 ${LLAMA_CPP_DEPTH:+-d "$LLAMA_CPP_DEPTH"} ${LLAMA_CPP_ARGS:-})
+  fi
+}
+llama_ready() { has llama && [ -n "${LLAMA_CPP_BENCH:-}" ] && [ -n "${LLAMA_CPP_MODEL:-}" ]; }
+llama() { # llama LABEL ARGS...: one llama-bench run, its table in the summary
+  local label=$1
+  shift
+  log "llama-bench $label: ${L[*]} $*"
+  timeout "${BENCH_TIMEOUT:-150}" "${L[@]}" "$@" >"$out/llama_$label.txt" 2>&1
+  log "llama-bench $label: exit $?"
+  grep '|' "$out/llama_$label.txt" | tee -a "$out/summary.log"
+  archive
+}
+llama_once() { # llama_once LABEL ARGS...: llama, unless this run has that placement already
+  [ -s "$out/llama_$1.txt" ] || llama "$@"
+}
+# With INTERLEAVE=1 (the default) and llama.cpp ready, the q30 stage runs llama.cpp's matching
+# placement right after each of its own, so the two engines meet the machine in the same state.
+beside() { # beside LABEL ARGS...: llama_once when interleaving
+  if [ "${INTERLEAVE:-1}" = 1 ] && llama_ready; then llama_once "$@"; fi
+}
+
+# Interleaving needs llama.cpp ready before the first ninfer placement.
+if has llama && has q30 && [ "${INTERLEAVE:-1}" = 1 ]; then prepare_llama; fi
+
 if has q30 || has profile || has b53 || has share; then
   convert "$q30" qwen3-30b-a3b ${Q30_LAYERS:+--layers "$Q30_LAYERS"} --experts-dtype int8 --routing uniform
   wait_for_gpu_tests
@@ -250,11 +315,14 @@ if has q30 || has profile || has b53 || has share; then
   fi
   if has q30; then
     bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 0
+    beside cpu_experts -ot 'exps=CPU'
     bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --gpu-mem-budget 16 --moe-gpu-experts auto
     # The expert bytes of a 16 GB card as 53 experts per layer; the 16 GiB budget places fewer
     # (it also reserves the prefill staging slots, the KV cache and 1 GiB of working memory).
     bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 53
+    [ -z "${LLAMA_CPP_CPU_MOE:-}" ] || beside "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
     bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts all
+    beside all_gpu
     if has spin; then
       # The worker spinning 1 ms for its next request instead of the channel's default.
       NINFER_WORKER_SPIN_US=1000 bench q30_b_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
@@ -286,61 +354,18 @@ fi
 
 if has q35 && [ "${Q35_FIRST:-0}" != 1 ]; then run_q35; fi
 
-if has llama && [ -z "${LLAMA_CPP_BENCH:-}" ] && [ -n "${LLAMA_CPP_SOURCE:-}" ]; then
-  llama_build=$work/llama-cpp-build
-  if [ -x "$llama_build/bin/llama-bench" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
-    log "llama-bench: reusing $llama_build/bin/llama-bench"
-  else
-    log "llama-bench: building from $LLAMA_CPP_SOURCE into $llama_build (${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON})"
-    start=$SECONDS
-    # shellcheck disable=SC2086 # LLAMA_CPP_CMAKE_ARGS is a list of arguments
-    timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" -S "$LLAMA_CPP_SOURCE" -B "$llama_build" \
-      -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF ${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON} \
-      >"$out/llama_build.log" 2>&1 &&
-      timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" --build "$llama_build" \
-        --target llama-bench -j "$(nproc)" >>"$out/llama_build.log" 2>&1
-    log "llama-bench: build exit $? after $((SECONDS - start)) s"
-    tail -3 "$out/llama_build.log" | tee -a "$out/summary.log"
-  fi
-  if [ -x "$llama_build/bin/llama-bench" ]; then
-    LLAMA_CPP_BENCH=$llama_build/bin/llama-bench
-  fi
-fi
-
-if has llama && [ "${LLAMA_CPP_WRITE_GGUF:-0}" = 1 ] && [ -z "${LLAMA_CPP_MODEL:-}" ]; then
-  LLAMA_CPP_MODEL=$work/$q30.gguf
-  if [ -s "$LLAMA_CPP_MODEL" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
-    log "write GGUF: reusing $LLAMA_CPP_MODEL"
-  else
-    log "write GGUF: $LLAMA_CPP_MODEL, ${Q30_LAYERS:-48} layers"
-    timeout "${GGUF_TIMEOUT:-600}" python3 scripts/bench/write_gguf.py "$LLAMA_CPP_MODEL" \
-      --layers "${Q30_LAYERS:-48}" >"$out/write_gguf.log" 2>&1
-    log "write GGUF: exit $?"
-    tail -1 "$out/write_gguf.log" | tee -a "$out/summary.log"
-  fi
-fi
-
 if has llama; then
-  if [ -z "${LLAMA_CPP_BENCH:-}" ] || [ -z "${LLAMA_CPP_MODEL:-}" ]; then
+  prepare_llama
+  if ! llama_ready; then
     log "llama: skipped (set LLAMA_CPP_BENCH to llama-bench, or LLAMA_CPP_SOURCE to a llama.cpp checkout, and LLAMA_CPP_MODEL to a GGUF or LLAMA_CPP_WRITE_GGUF=1)"
   else
     wait_for_gpu_tests
-    L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${PROMPTS:-4096}" -n "${DECODE:-64}"
-      -t "$threads" -r "${REPEATS:-2}" -ngl 99 ${LLAMA_CPP_DEPTH:+-d "$LLAMA_CPP_DEPTH"} ${LLAMA_CPP_ARGS:-})
-    llama() { # llama LABEL ARGS...
-      local label=$1
-      shift
-      log "llama-bench $label: ${L[*]} $*"
-      timeout "${BENCH_TIMEOUT:-150}" "${L[@]}" "$@" >"$out/llama_$label.txt" 2>&1
-      log "llama-bench $label: exit $?"
-      grep '|' "$out/llama_$label.txt" | tee -a "$out/summary.log"
-      archive
-    }
-    llama cpu_experts -ot 'exps=CPU'
+    # The placements not run beside ninfer's already (INTERLEAVE=0, or no q30 stage).
+    llama_once cpu_experts -ot 'exps=CPU'
     if [ -n "${LLAMA_CPP_CPU_MOE:-}" ]; then
-      llama "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
+      llama_once "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
     fi
-    llama all_gpu
+    llama_once all_gpu
     [ "${KEEP_ARTIFACTS:-1}" = 1 ] || [ "$LLAMA_CPP_MODEL" != "$work/$q30.gguf" ] || rm -f "$LLAMA_CPP_MODEL"
     # tok/s of llama-bench's tg (decode) or pp (prompt) row (last column, mean), and ninfer's
     # decode (field 3) or prefill (field 2) of its table row for the first prompt length.

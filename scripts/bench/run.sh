@@ -8,6 +8,7 @@
 #   STAGES=q35 PROMPTS=512,4096 DECODE=512 scripts/bench/run.sh
 #   STAGES=llama LLAMA_CPP_BENCH=~/llama.cpp/build/bin/llama-bench LLAMA_CPP_MODEL=q30.gguf scripts/bench/run.sh
 #   STAGES=q30,llama Q30_LAYERS=16 LLAMA_CPP_BENCH=... LLAMA_CPP_WRITE_GGUF=1 LLAMA_CPP_CPU_MOE=10 scripts/bench/run.sh
+#   STAGES=q30,llama Q30_LAYERS=16 LLAMA_CPP_SOURCE=~/llama.cpp LLAMA_CPP_WRITE_GGUF=1 scripts/bench/run.sh
 #
 # STAGES (comma-separated, run in the order below whatever the order given):
 #   experts     `ninfer bench experts`: decode-shape expert streaming against the RAM read

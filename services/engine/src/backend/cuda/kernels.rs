@@ -381,31 +381,14 @@ mod tests {
         );
     }
 
-    /// Where `source` defines the kernel `function`: `__global__ void NAME(`, possibly with
-    /// `__launch_bounds__(…)` in between.
-    fn definitions(source: &str, function: &str) -> Vec<usize> {
-        source
-            .match_indices(&format!(" {function}("))
-            .map(|(at, _)| at)
-            .filter(|&at| {
-                // 160 bytes back, moved to a character boundary (comments hold `·`).
-                let mut from = at.saturating_sub(160);
-                while !source.is_char_boundary(from) {
-                    from -= 1;
-                }
-                source[from..at]
-                    .rsplit_once("__global__")
-                    .is_some_and(|(_, between)| !between.contains(';') && !between.contains('}'))
-            })
-            .collect()
-    }
-
     #[test]
     fn every_listed_function_is_defined_in_its_source() {
         for kernel in KERNEL_SOURCES {
             for function in kernel.functions {
                 assert!(
-                    !definitions(kernel.source, function).is_empty(),
+                    defined_kernels(kernel.source)
+                        .iter()
+                        .any(|(name, _)| name == function),
                     "kernels/{}.cu does not define `{function}`",
                     kernel.name
                 );
@@ -413,8 +396,9 @@ mod tests {
         }
     }
 
-    /// The names of the `extern "C" __global__` functions `source` defines.
-    fn defined_kernels(source: &str) -> Vec<String> {
+    /// The `extern "C" __global__` functions `source` defines: each name and where it stands
+    /// (`__launch_bounds__(…)` may come between the qualifiers and the name).
+    fn defined_kernels(source: &str) -> Vec<(String, usize)> {
         let prefix = "extern \"C\" __global__";
         source
             .match_indices(prefix)
@@ -434,7 +418,7 @@ mod tests {
                     .chars()
                     .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
                     .collect();
-                (!name.is_empty()).then_some(name)
+                (!name.is_empty()).then(|| (name, source.len() - rest.len()))
             })
             .collect()
     }
@@ -450,7 +434,7 @@ mod tests {
                 "kernels/{}.cu: no kernels found",
                 kernel.name
             );
-            for function in defined {
+            for (function, _) in defined {
                 assert!(
                     kernel.functions.contains(&function.as_str()),
                     "kernels/{}.cu defines `{function}`, which its KernelSource does not list",
@@ -466,14 +450,18 @@ mod tests {
     fn every_listed_function_starts_with_the_pdl_prologue() {
         for kernel in KERNEL_SOURCES {
             for function in kernel.functions {
-                let starts = definitions(kernel.source, function).into_iter().any(|at| {
-                    let rest = &kernel.source[at..];
-                    rest.find('{').is_some_and(|open| {
-                        rest[open + 1..]
-                            .trim_start()
-                            .starts_with("PDL_WAIT_AND_RELEASE();")
-                    })
-                });
+                let defined = defined_kernels(kernel.source);
+                let starts = defined
+                    .iter()
+                    .filter(|(name, _)| name == function)
+                    .any(|&(_, at)| {
+                        let rest = &kernel.source[at..];
+                        rest.find('{').is_some_and(|open| {
+                            rest[open + 1..]
+                                .trim_start()
+                                .starts_with("PDL_WAIT_AND_RELEASE();")
+                        })
+                    });
                 assert!(
                     starts,
                     "kernels/{}.cu: `{function}` does not start with PDL_WAIT_AND_RELEASE()",

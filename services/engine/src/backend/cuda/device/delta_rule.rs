@@ -340,6 +340,14 @@ impl CudaBackend {
             let (row_start, n_arg) = (int(segment.rows.start, "row")?, int(n, "rows")?);
             let state = &mut segment.state.state;
             let output = &mut *out.data;
+            // The three kernels take the same arguments.
+            macro_rules! launch_segment {
+                ($kernel:literal, $config:expr) => {
+                    launch!(self, $kernel, $config;
+                        q_data, k_data, v_data, g_data, beta_data, state, output, &row_start,
+                        &n_arg, &nk_arg, &nv_arg, &dk_arg, &dv_arg)
+                };
+            }
             match choose(n) {
                 DeltaRuleKernel::Chunked => {
                     if !self.chunked_fits(dk) {
@@ -351,9 +359,7 @@ impl CudaBackend {
                             ),
                         });
                     }
-                    launch!(self, "gated_delta_rule_chunked", chunked;
-                        q_data, k_data, v_data, g_data, beta_data, state, output, &row_start,
-                        &n_arg, &nk_arg, &nv_arg, &dk_arg, &dv_arg)?;
+                    launch_segment!("gated_delta_rule_chunked", chunked)?;
                 }
                 DeltaRuleKernel::TensorCore => {
                     if !self.mma_fits(dk, dv) {
@@ -365,14 +371,10 @@ impl CudaBackend {
                             ),
                         });
                     }
-                    launch!(self, "gated_delta_rule_chunked_mma", tensor_core;
-                        q_data, k_data, v_data, g_data, beta_data, state, output, &row_start,
-                        &n_arg, &nk_arg, &nv_arg, &dk_arg, &dv_arg)?;
+                    launch_segment!("gated_delta_rule_chunked_mma", tensor_core)?;
                 }
                 DeltaRuleKernel::Recurrent => {
-                    launch!(self, "gated_delta_rule_recurrent", recurrent;
-                        q_data, k_data, v_data, g_data, beta_data, state, output, &row_start,
-                        &n_arg, &nk_arg, &nv_arg, &dk_arg, &dv_arg)?;
+                    launch_segment!("gated_delta_rule_recurrent", recurrent)?;
                 }
             }
         }

@@ -31,7 +31,7 @@
 #               op's launch + GPU time, host = the host time inside each op), PROFILE_PROMPT.
 #   q30         qwen3-30b-a3b, int8 experts, uniform routing: (a) every routed expert on the
 #               CPU, (b) a 16 GiB card (--gpu-mem-budget 16, auto), (b) 53 experts per layer,
-#               (c) every expert on the GPU.
+#               (c) every expert on the GPU; Q30_PLACEMENTS (default "a b b53 c") picks some, in its order.
 #   b53         (without q30) only (b) at 53 experts per layer.
 #   spin        (with q30 or b53) (b) again with the worker spinning 1 ms for its next request.
 #   threads     (with b53) (b) at 53 with --moe-threads 15 (one core left to the engine).
@@ -46,12 +46,14 @@
 #               LLAMA_CPP_MODEL (a GGUF of the same model) are given (LLAMA_CPP_SOURCE=DIR, a
 #               llama.cpp source checkout, builds llama-bench into $WORK/llama-cpp-build with
 #               CMake, `-DGGML_CUDA=ON` unless LLAMA_CPP_CMAKE_ARGS says otherwise; CMAKE names
-#               the cmake binary, LLAMA_BUILD_TIMEOUT bounds each build step): all experts on the CPU
+#               the cmake binary, LLAMA_BUILD_TIMEOUT bounds each build step, LLAMA_BUILD_JOBS its
+#               parallel jobs; the build and the GGUF run while q30's artifact is written): all experts on the CPU
 #               (-ot exps=CPU), LLAMA_CPP_CPU_MOE layers' experts on the CPU (--n-cpu-moe, if
-#               set), everything on the GPU; same prompt length, decode tokens, threads and
-#               repeats; LLAMA_CPP_ARGS adds arguments to each, LLAMA_CPP_DEPTH=N decodes after N
+#               set), everything on the GPU; same prompt lengths (LLAMA_CPP_PROMPTS, default
+#               PROMPTS), decode tokens, threads and repeats; LLAMA_CPP_ARGS adds arguments to each, LLAMA_CPP_DEPTH=N decodes after N
 #               tokens of context (-d N) instead of an empty one. LLAMA_CPP_WRITE_GGUF=1 (with no
 #               LLAMA_CPP_MODEL) writes the GGUF with scripts/bench/write_gguf.py at q30's layers
+#               into LLAMA_CPP_GGUF_DIR (default WORK; /dev/shm keeps it off a small disk)
 #               (Q8_0 experts, bf16 dense: the artifact's bytes). After q30 and llama, two tables
 #               (decode tok/s; prefill tok/s of the first prompt length): llama.cpp, ninfer and
 #               their ratio per placement.
@@ -236,44 +238,61 @@ run_q35() {
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
 
 q30=q30${Q30_LAYERS:+-l$Q30_LAYERS}
-# Builds llama-bench (LLAMA_CPP_SOURCE) and writes the GGUF (LLAMA_CPP_WRITE_GGUF) as asked, once;
-# sets the llama-bench command line L when both a binary and a model are there.
-prepare_llama() {
+# Starts building llama-bench (LLAMA_CPP_SOURCE) and writing the GGUF (LLAMA_CPP_WRITE_GGUF) as
+# asked, both in the background (they overlap q30's conversion); finish_llama waits for them.
+llama_build_pid= gguf_pid=
+start_llama() {
+  [ -z "${llama_started:-}" ] || return 0
+  llama_started=1
   if has llama && [ -z "${LLAMA_CPP_BENCH:-}" ] && [ -n "${LLAMA_CPP_SOURCE:-}" ]; then
     llama_build=$work/llama-cpp-build
     if [ -x "$llama_build/bin/llama-bench" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
       log "llama-bench: reusing $llama_build/bin/llama-bench"
     else
       log "llama-bench: building from $LLAMA_CPP_SOURCE into $llama_build (${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON})"
-      start=$SECONDS
-      # shellcheck disable=SC2086 # LLAMA_CPP_CMAKE_ARGS is a list of arguments
-      timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" -S "$LLAMA_CPP_SOURCE" -B "$llama_build" \
-        -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF ${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON} \
-        >"$out/llama_build.log" 2>&1 &&
-        timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" --build "$llama_build" \
-          --target llama-bench -j "$(nproc)" >>"$out/llama_build.log" 2>&1
-      log "llama-bench: build exit $? after $((SECONDS - start)) s"
-      tail -3 "$out/llama_build.log" | tee -a "$out/summary.log"
-    fi
-    if [ -x "$llama_build/bin/llama-bench" ]; then
-      LLAMA_CPP_BENCH=$llama_build/bin/llama-bench
+      (
+        start=$SECONDS
+        # shellcheck disable=SC2086 # LLAMA_CPP_CMAKE_ARGS is a list of arguments
+        timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" -S "$LLAMA_CPP_SOURCE" -B "$llama_build" \
+          -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF ${LLAMA_CPP_CMAKE_ARGS:--DGGML_CUDA=ON} \
+          >"$out/llama_build.log" 2>&1 &&
+          timeout "${LLAMA_BUILD_TIMEOUT:-1800}" "${CMAKE:-cmake}" --build "$llama_build" \
+            --target llama-bench -j "${LLAMA_BUILD_JOBS:-$(nproc)}" >>"$out/llama_build.log" 2>&1
+        log "llama-bench: build exit $? after $((SECONDS - start)) s"
+      ) &
+      llama_build_pid=$!
     fi
   fi
-
   if has llama && [ "${LLAMA_CPP_WRITE_GGUF:-0}" = 1 ] && [ -z "${LLAMA_CPP_MODEL:-}" ]; then
-    LLAMA_CPP_MODEL=$work/$q30.gguf
-    if [ -s "$LLAMA_CPP_MODEL" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
-      log "write GGUF: reusing $LLAMA_CPP_MODEL"
+    gguf=${LLAMA_CPP_GGUF_DIR:-$work}/$q30.gguf
+    if [ -s "$gguf" ] && [ "${REUSE_ARTIFACTS:-1}" = 1 ]; then
+      log "write GGUF: reusing $gguf"
     else
-      log "write GGUF: $LLAMA_CPP_MODEL, ${Q30_LAYERS:-48} layers"
-      timeout "${GGUF_TIMEOUT:-600}" python3 scripts/bench/write_gguf.py "$LLAMA_CPP_MODEL" \
-        --layers "${Q30_LAYERS:-48}" >"$out/write_gguf.log" 2>&1
-      log "write GGUF: exit $?"
-      tail -1 "$out/write_gguf.log" | tee -a "$out/summary.log"
+      log "write GGUF: $gguf, ${Q30_LAYERS:-48} layers"
+      (
+        timeout "${GGUF_TIMEOUT:-600}" python3 scripts/bench/write_gguf.py "$gguf" \
+          --layers "${Q30_LAYERS:-48}" >"$out/write_gguf.log" 2>&1
+        log "write GGUF: exit $?, $(tail -1 "$out/write_gguf.log")"
+      ) &
+      gguf_pid=$!
     fi
   fi
+}
+# Waits for start_llama's work; sets the llama-bench command line L when both a binary and a
+# model are there.
+finish_llama() {
+  start_llama
+  [ -z "$llama_build_pid" ] || wait "$llama_build_pid"
+  [ -z "$gguf_pid" ] || wait "$gguf_pid"
+  llama_build_pid= gguf_pid=
+  if [ -n "${llama_build:-}" ] && [ -x "$llama_build/bin/llama-bench" ]; then
+    LLAMA_CPP_BENCH=$llama_build/bin/llama-bench
+  elif [ -n "${llama_build:-}" ]; then
+    tail -3 "$out/llama_build.log" | tee -a "$out/summary.log"
+  fi
+  if [ -n "${gguf:-}" ] && [ -s "$gguf" ]; then LLAMA_CPP_MODEL=$gguf; fi
   if llama_ready; then
-    L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${PROMPTS:-4096}" -n "${DECODE:-64}"
+    L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${LLAMA_CPP_PROMPTS:-${PROMPTS:-4096}}" -n "${DECODE:-64}"
       -t "$threads" -r "${REPEATS:-2}" -ngl 99 ${LLAMA_CPP_DEPTH:+-d "$LLAMA_CPP_DEPTH"} ${LLAMA_CPP_ARGS:-})
   fi
 }
@@ -296,12 +315,15 @@ beside() { # beside LABEL ARGS...: llama_once when interleaving
   if [ "${INTERLEAVE:-1}" = 1 ] && llama_ready; then llama_once "$@"; fi
 }
 
-# Interleaving needs llama.cpp ready before the first ninfer placement.
-if has llama && has q30 && [ "${INTERLEAVE:-1}" = 1 ]; then prepare_llama; fi
+# Interleaving needs llama.cpp ready before the first ninfer placement: its build and GGUF go
+# on while q30's artifact is written.
+interleaving() { has llama && has q30 && [ "${INTERLEAVE:-1}" = 1 ]; }
+if interleaving; then start_llama; fi
 
 if has q30 || has profile || has b53 || has share; then
   convert "$q30" qwen3-30b-a3b ${Q30_LAYERS:+--layers "$Q30_LAYERS"} --experts-dtype int8 --routing uniform
   wait_for_gpu_tests
+  if interleaving; then finish_llama; fi
   B=("$work/$q30.ninfer" --device cuda --prompt-lengths "${PROMPTS:-4096}"
     --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}")
   if has profile; then
@@ -315,15 +337,29 @@ if has q30 || has profile || has b53 || has share; then
     done
   fi
   if has q30; then
-    bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 0
-    beside cpu_experts -ot 'exps=CPU'
-    bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --gpu-mem-budget 16 --moe-gpu-experts auto
-    # The expert bytes of a 16 GB card as 53 experts per layer; the 16 GiB budget places fewer
-    # (it also reserves the prefill staging slots, the KV cache and 1 GiB of working memory).
-    bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 53
-    [ -z "${LLAMA_CPP_CPU_MOE:-}" ] || beside "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
-    bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts all
-    beside all_gpu
+    for placement in ${Q30_PLACEMENTS:-a b b53 c}; do
+      case $placement in
+        a)
+          bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 0
+          beside cpu_experts -ot 'exps=CPU'
+          ;;
+        b)
+          bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --gpu-mem-budget 16 --moe-gpu-experts auto
+          ;;
+        b53)
+          # The expert bytes of a 16 GB card as 53 experts per layer; the 16 GiB budget places
+          # fewer (it also reserves the prefill staging slots, the KV cache and 1 GiB of working
+          # memory).
+          bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 53
+          [ -z "${LLAMA_CPP_CPU_MOE:-}" ] || beside "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
+          ;;
+        c)
+          bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts all
+          beside all_gpu
+          ;;
+        *) log "Q30_PLACEMENTS: unknown placement $placement (a, b, b53, c)" ;;
+      esac
+    done
     if has spin; then
       # The worker spinning 1 ms for its next request instead of the channel's default.
       NINFER_WORKER_SPIN_US=1000 bench q30_b_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
@@ -356,7 +392,7 @@ fi
 if has q35 && [ "${Q35_FIRST:-0}" != 1 ]; then run_q35; fi
 
 if has llama; then
-  prepare_llama
+  finish_llama
   if ! llama_ready; then
     log "llama: skipped (set LLAMA_CPP_BENCH to llama-bench, or LLAMA_CPP_SOURCE to a llama.cpp checkout, and LLAMA_CPP_MODEL to a GGUF or LLAMA_CPP_WRITE_GGUF=1)"
   else
@@ -367,7 +403,7 @@ if has llama; then
       llama_once "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
     fi
     llama_once all_gpu
-    [ "${KEEP_ARTIFACTS:-1}" = 1 ] || [ "$LLAMA_CPP_MODEL" != "$work/$q30.gguf" ] || rm -f "$LLAMA_CPP_MODEL"
+    [ "${KEEP_ARTIFACTS:-1}" = 1 ] || [ "$LLAMA_CPP_MODEL" != "${gguf:-}" ] || rm -f "$LLAMA_CPP_MODEL"
     # tok/s of llama-bench's tg (decode) or pp (prompt) row (last column, mean), and ninfer's
     # decode (field 3) or prefill (field 2) of its table row for the first prompt length.
     llama_tok_s() { # llama_tok_s LABEL tg|pp

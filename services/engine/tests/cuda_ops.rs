@@ -1241,6 +1241,88 @@ fn matmul3_equals_three_matmuls() {
     gpu.synchronize().unwrap();
 }
 
+/// The fused router (`router_top_k`: the router matmul and the routing in one launch) gives the
+/// bits of the matmul kernel followed by the routing kernel: ids, weights and the hidden rows
+/// read back, for every batch it takes, f32 and bf16 routers, expert counts that do and do not
+/// fill its blocks, with the routing stored by the kernel (default options) and copied (exact).
+#[test]
+fn fused_router_equals_matmul_then_routing() {
+    for (gpu, options) in [
+        (gpu("fused_router_equals_matmul_then_routing"), "exact"),
+        (
+            gpu_default("fused_router_equals_matmul_then_routing"),
+            "default",
+        ),
+    ] {
+        let Some(gpu) = gpu else {
+            return;
+        };
+        let mut rng = Xoshiro256::seed_from_u64(41);
+        let mut fused_cases = 0;
+        for (experts, k, hidden) in [(128usize, 8usize, 256usize), (60, 4, 100), (512, 10, 64)] {
+            let values = random(&mut rng, experts * hidden, 0.2);
+            let routers = [
+                (
+                    "f32",
+                    gpu.weight_from_host(&values, experts, hidden).unwrap(),
+                ),
+                (
+                    "bf16",
+                    gpu.weight_from_host_bf16(&values, experts, hidden).unwrap(),
+                ),
+            ];
+            for (dtype, router) in &routers {
+                for rows in [1usize, 2, 5, 8, 9] {
+                    let x = gpu
+                        .upload(&random(&mut rng, rows * hidden, 1.0), rows, hidden)
+                        .unwrap();
+                    for (normalize, read_hidden) in [(true, true), (false, false)] {
+                        let what = format!(
+                            "{options}: {dtype} router {experts}×{hidden}, top-{k}, {rows} rows, normalize {normalize}"
+                        );
+                        let fused = gpu.fuses_router(rows, experts, k);
+                        assert_eq!(fused, rows <= 8, "{what}: which batches fuse");
+                        fused_cases += usize::from(fused);
+                        let (routing, hidden_back) = gpu
+                            .finish_routing(
+                                gpu.start_routing_through_router(
+                                    &x,
+                                    router,
+                                    k,
+                                    normalize,
+                                    read_hidden,
+                                )
+                                .unwrap(),
+                            )
+                            .unwrap();
+                        let logits = gpu.matmul(&x, router).unwrap();
+                        let (expected, expected_hidden) = gpu
+                            .finish_routing(
+                                gpu.start_routing(&logits, k, normalize, &x, read_hidden)
+                                    .unwrap(),
+                            )
+                            .unwrap();
+                        assert_eq!(routing.expert_ids, expected.expert_ids, "{what}: ids");
+                        let bits = |v: &[f32]| v.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&routing.weights),
+                            bits(&expected.weights),
+                            "{what}: weights"
+                        );
+                        assert_eq!(bits(&hidden_back), bits(&expected_hidden), "{what}: hidden");
+                        assert_eq!(
+                            hidden_back.len(),
+                            if read_hidden { rows * hidden } else { 0 }
+                        );
+                    }
+                }
+            }
+        }
+        println!("{options}: {fused_cases} fused cases bit-identical to matmul + routing");
+        assert!(fused_cases > 0);
+    }
+}
+
 /// Not a check: prints the matmul kernel's achieved weight bandwidth at decode and small-batch
 /// shapes (run by `scripts/gpu_tests.sh run`: `cuda_ops --ignored matmul_bandwidth_figures`).
 #[test]

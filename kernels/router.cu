@@ -19,14 +19,12 @@
 // lane-wise in registers and shuffles: the same additions as the one-block-per-token kernel this
 // replaced, so the routing weights keep their bits.
 
-#include "matvec.cuh"
+#include "common.cuh"
 
 #define ROUTER_WARPS 4
 #define ROUTER_TREE_WIDTH 256
 #define ROUTER_MAX_EXPERTS 1024
 #define ROUTER_MAX_TOP_K 32
-// Warps per block of the fused router: one expert each, then one token each (tokens ≤ ROWS).
-#define FUSED_ROUTER_WARPS 8
 #define NEGATIVE_INFINITY __int_as_float(0xff800000)
 
 // (value, index) reduction: larger value wins, ties → lower index; index < 0 is "none".
@@ -38,16 +36,21 @@ __device__ __forceinline__ void better(float& value, int& index, float other_val
     }
 }
 
-// Routes one token: `row` its `experts` logits (read through L2, so a block of the grid that
-// wrote them may read them: see `router_top_k`), `probabilities` and `chosen_probability` this
-// warp's shared scratch. Called by a whole warp.
-__device__ __forceinline__ void route_token(const float* row, float* probabilities,
-                                            float* chosen_probability, long long token,
-                                            unsigned int* expert_ids, float* weights, int experts,
-                                            int k, int normalize, unsigned int* mapped_ids,
-                                            float* mapped_weights, const float* hidden,
-                                            float* mapped_hidden, int hidden_width, int lane) {
+extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert_ids, float* weights,
+                                       int tokens, int experts, int k, int normalize,
+                                       unsigned int* mapped_ids, float* mapped_weights,
+                                       const float* hidden, float* mapped_hidden,
+                                       int hidden_width) {
+    PDL_WAIT_AND_RELEASE();
+    __shared__ float probabilities_of[ROUTER_WARPS][ROUTER_MAX_EXPERTS];
+    __shared__ float chosen_probability_of[ROUTER_WARPS][ROUTER_MAX_TOP_K];
     const int slots = ROUTER_TREE_WIDTH / 32;  // tree positions per lane
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    long long token = (long long)blockIdx.x * ROUTER_WARPS + warp;
+    if (token >= tokens) return;  // whole warps leave together
+    float* probabilities = probabilities_of[warp];
+    float* chosen_probability = chosen_probability_of[warp];
+    const float* row = logits + token * experts;
     if (mapped_hidden) {
         const float* from = hidden + token * hidden_width;
         float* to = mapped_hidden + token * hidden_width;
@@ -56,7 +59,7 @@ __device__ __forceinline__ void route_token(const float* row, float* probabiliti
 
     float local_max = NEGATIVE_INFINITY;
     for (int e = lane; e < experts; e += 32) {
-        float v = __ldcg(row + e);
+        float v = row[e];
         probabilities[e] = v;
         local_max = fmaxf(local_max, v);
     }
@@ -117,75 +120,4 @@ __device__ __forceinline__ void route_token(const float* row, float* probabiliti
             if (mapped_weights) mapped_weights[token * k + j] = weight;
         }
     }
-}
-
-extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert_ids, float* weights,
-                                       int tokens, int experts, int k, int normalize,
-                                       unsigned int* mapped_ids, float* mapped_weights,
-                                       const float* hidden, float* mapped_hidden,
-                                       int hidden_width) {
-    PDL_WAIT_AND_RELEASE();
-    __shared__ float probabilities_of[ROUTER_WARPS][ROUTER_MAX_EXPERTS];
-    __shared__ float chosen_probability_of[ROUTER_WARPS][ROUTER_MAX_TOP_K];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    long long token = (long long)blockIdx.x * ROUTER_WARPS + warp;
-    if (token >= tokens) return;  // whole warps leave together
-    route_token(logits + token * experts, probabilities_of[warp], chosen_probability_of[warp],
-                token, expert_ids, weights, experts, k, normalize, mapped_ids, mapped_weights,
-                hidden, mapped_hidden, hidden_width, lane);
-}
-
-// The router's matmul and the routing in one launch, for batches of at most ROWS tokens (decode):
-// warp w of block b computes expert b·FUSED_ROUTER_WARPS + w's logits of every token with the
-// matmul kernel's warp body (kernels/matvec.cuh: the same additions, so the same bits as
-// `matmul` / `matmul_bf16` followed by `route_top_k`), into `logits`. The block that finishes
-// last (a ticket taken after the block's stores are fenced) then routes token w with warp w and
-// puts the ticket back to 0 for the next launch (a step graph replays this kernel with the
-// same ticket). One launch instead of two, and no launch of a one-warp kernel between them.
-template <typename W>
-__device__ void router_top_k_body(const float* x, const W* router, float* logits,
-                                  unsigned int* ticket, unsigned int* expert_ids, float* weights,
-                                  int tokens, int hidden_width, int experts, int k, int normalize,
-                                  unsigned int* mapped_ids, float* mapped_weights,
-                                  float* mapped_hidden) {
-    __shared__ float probabilities_of[FUSED_ROUTER_WARPS][ROUTER_MAX_EXPERTS];
-    __shared__ float chosen_probability_of[FUSED_ROUTER_WARPS][ROUTER_MAX_TOP_K];
-    __shared__ bool last_block;
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int expert = blockIdx.x * FUSED_ROUTER_WARPS + warp;
-    if (expert < experts)
-        matmul_row_group<W, 1>(x, router, logits, tokens, hidden_width, experts, expert, 0, lane);
-    // Release this block's logits, then take a ticket: the last block sees every block's.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last_block = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();
-    if (threadIdx.x == 0) *ticket = 0u;
-    if (warp >= tokens) return;
-    route_token(logits + (long long)warp * experts, probabilities_of[warp],
-                chosen_probability_of[warp], warp, expert_ids, weights, experts, k, normalize,
-                mapped_ids, mapped_weights, x, mapped_hidden, hidden_width, lane);
-}
-
-// grid ceil(experts / FUSED_ROUTER_WARPS), 32 · FUSED_ROUTER_WARPS threads; tokens ≤ ROWS.
-extern "C" __global__ void __launch_bounds__(32 * FUSED_ROUTER_WARPS)
-router_top_k(const float* x, const float* router, float* logits, unsigned int* ticket,
-             unsigned int* expert_ids, float* weights, int tokens, int hidden_width, int experts,
-             int k, int normalize, unsigned int* mapped_ids, float* mapped_weights,
-             float* mapped_hidden) {
-    PDL_WAIT_AND_RELEASE();
-    router_top_k_body(x, router, logits, ticket, expert_ids, weights, tokens, hidden_width,
-                      experts, k, normalize, mapped_ids, mapped_weights, mapped_hidden);
-}
-
-extern "C" __global__ void __launch_bounds__(32 * FUSED_ROUTER_WARPS)
-router_top_k_bf16(const float* x, const unsigned short* router, float* logits,
-                  unsigned int* ticket, unsigned int* expert_ids, float* weights, int tokens,
-                  int hidden_width, int experts, int k, int normalize, unsigned int* mapped_ids,
-                  float* mapped_weights, float* mapped_hidden) {
-    PDL_WAIT_AND_RELEASE();
-    router_top_k_body(x, router, logits, ticket, expert_ids, weights, tokens, hidden_width,
-                      experts, k, normalize, mapped_ids, mapped_weights, mapped_hidden);
 }

@@ -221,49 +221,6 @@ class Bench:
                 self.same_bits("route_top_k weights n=%d" % n, outputs[n][1], baseline[n][1])
         return outputs
 
-    def fused_router(self, kernel_dir, label):
-        """`router_top_k` (router matmul + routing in one launch) against `matmul` followed by
-        `route_top_k`: time per step and the same ids and weights."""
-        mod = module(kernel_dir, "router")
-        if "router_top_k" not in open(os.path.join(kernel_dir, "router.cu")).read():
-            return
-        fused = mod.get_function("router_top_k")
-        route = mod.get_function("route_top_k")
-        matmul = module(kernel_dir, "matmul").get_function("matmul")
-        rng = np.random.default_rng(6)
-        copies = copies_for(EXPERTS * HIDDEN * 4)
-        routers = [cp.asarray(rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * 0.02) for _ in range(copies)]
-        ticket = cp.zeros(1, dtype=cp.uint32)
-        null = np.uint64(0)
-        for n in (1, 5, 8):
-            x = cp.asarray(rng.standard_normal((n, HIDDEN), dtype=np.float32))
-            logits = cp.zeros((n, EXPERTS), dtype=cp.float32)
-            results = {}
-            for name in ("separate", "fused"):
-                ids = cp.zeros((n, TOP_K), dtype=cp.uint32)
-                weights = cp.zeros((n, TOP_K), dtype=cp.float32)
-
-                def step(w, ids=ids, weights=weights, name=name):
-                    if name == "fused":
-                        args = (x, w, logits, ticket, ids, weights, np.int32(n), np.int32(HIDDEN), np.int32(EXPERTS),
-                                np.int32(TOP_K), np.int32(1), null, null, null)
-                        return [lambda: fused((-(-EXPERTS // 8),), (256,), args)]
-                    margs = (x, w, logits, np.int32(n), np.int32(HIDDEN), np.int32(EXPERTS), np.int32(1))
-                    rargs = (logits, ids, weights, np.int32(n), np.int32(EXPERTS), np.int32(TOP_K), np.int32(1),
-                             null, null, null, null, np.int32(0))
-                    return [lambda: matmul((-(-EXPERTS // 8),), (256,), margs),
-                            lambda: route((-(-n // 4),), (128,), rargs)]
-
-                launches = [launch for w in routers for launch in step(w)]
-                us = timed(launches) * len(launches) / len(routers)
-                self.record("router %s n=%d (per step)" % (name, n), label, us)
-                for launch in step(routers[0]):
-                    launch()
-                cp.cuda.Device().synchronize()
-                results[name] = (ids.copy(), weights.copy())
-            self.same_bits("fused router ids n=%d" % n, results["fused"][0], results["separate"][0])
-            self.same_bits("fused router weights n=%d" % n, results["fused"][1], results["separate"][1])
-
     # -- attention -----------------------------------------------------------------------------
 
     def attention(self, kernel_dir, label, parallel_combine, baseline=None, max_chunks=128):
@@ -417,8 +374,6 @@ def main():
 
     base_router = bench.router(args.baseline, "baseline", True) if args.baseline else None
     bench.router(args.kernels, "current", True, base_router)
-
-    bench.fused_router(args.kernels, "current")
 
     base_attention = bench.attention(args.baseline, "baseline", True) if args.baseline else None
     for max_chunks in (128, 64, 32) if args.sweep else (128,):

@@ -153,11 +153,6 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_pdl: bool,
-    /// `on` (the default): a decode batch's MoE router matmul and its softmax / top-k run as one
-    /// launch. `off`: two launches. The same tokens either way.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_fused_router: bool,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -568,7 +563,6 @@ fn cuda_options(args: &Args) -> CudaOptions {
         tensor_core_delta_rule: args.cuda_tensor_core_delta_rule,
         batched_decode: args.cuda_batched_decode,
         programmatic_dependent_launch: args.cuda_pdl,
-        fused_router: args.cuda_fused_router,
         ..CudaOptions::default()
     }
 }

@@ -503,20 +503,6 @@ pub trait Backend: Send + Sync + 'static {
         hidden: &Self::Tensor,
         read_hidden: bool,
     ) -> Result<Self::PendingRouting, EngineError>;
-    /// [`Backend::start_routing`] of the router logits `x · routerᵀ`, with `x` as the hidden
-    /// states: the same routing as [`Backend::matmul`] followed by [`Backend::start_routing`],
-    /// which a backend may run as one fused op.
-    fn start_routing_through_router(
-        &self,
-        x: &Self::Tensor,
-        router: &Self::Weight,
-        k: usize,
-        normalize: bool,
-        read_hidden: bool,
-    ) -> Result<Self::PendingRouting, EngineError> {
-        let logits = self.matmul(x, router)?;
-        self.start_routing(&logits, k, normalize, x, read_hidden)
-    }
     /// [`Backend::slotted_experts`] with a routing [`Backend::start_routing`] started (same
     /// result; nothing waits for the routing's read-back on small batches).
     fn slotted_experts_by_pending_routing(

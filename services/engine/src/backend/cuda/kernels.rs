@@ -23,16 +23,10 @@ pub struct KernelSource {
 /// the NVRTC test checks that it compiled.
 /// Headers every kernel file may `#include`, as (include name, source): handed to NVRTC with
 /// each compile (it reads no files) and part of every cache key.
-pub const KERNEL_HEADERS: &[(&str, &str)] = &[
-    (
-        "common.cuh",
-        include_str!("../../../../../kernels/common.cuh"),
-    ),
-    (
-        "matvec.cuh",
-        include_str!("../../../../../kernels/matvec.cuh"),
-    ),
-];
+pub const KERNEL_HEADERS: &[(&str, &str)] = &[(
+    "common.cuh",
+    include_str!("../../../../../kernels/common.cuh"),
+)];
 
 pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
@@ -131,7 +125,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "router",
         source: include_str!("../../../../../kernels/router.cu"),
-        functions: &["route_top_k", "router_top_k", "router_top_k_bf16"],
+        functions: &["route_top_k"],
     },
     KernelSource {
         name: "handoff",

@@ -64,9 +64,6 @@ pub struct CudaBackend {
     rope_tables: Mutex<RopeTables>,
     /// `--host-kv-mib`: the page-locked KV pool and placement counters (device/host_kv.rs).
     host_kv: host_kv::HostKvSlot,
-    /// The fused router's ticket (kernels/router.cu `router_top_k`): 0 between launches; every
-    /// launch is on `stream`, so one suffices.
-    router_ticket: CudaSlice<u32>,
     /// The step graph the current step's ops run in (device/step_graph.rs), if any.
     active_step_graph: Mutex<Option<step_graph::ActiveStepGraph>>,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
@@ -788,24 +785,6 @@ impl Backend for CudaBackend {
             Vec::new()
         };
         Ok(Self::ready_routing(routing, hidden))
-    }
-
-    fn start_routing_through_router(
-        &self,
-        x: &CudaTensor,
-        router: &CudaWeight,
-        k: usize,
-        normalize: bool,
-        read_hidden: bool,
-    ) -> Result<CudaPendingRouting, EngineError> {
-        if x.cols == router.cols && self.fuses_router(x.rows, router.rows, k.min(router.rows)) {
-            let _timer = self.op_timer("start_routing_through_router (fused)");
-            return self
-                .launch_fused_router_and_read_back(x, router, k, normalize, read_hidden)
-                .map_err(device("start_routing_through_router"));
-        }
-        let logits = self.matmul(x, router)?;
-        self.start_routing(&logits, k, normalize, x, read_hidden)
     }
 
     fn finish_routing(

@@ -99,10 +99,6 @@ pub struct CudaOptions {
     /// before it; every kernel waits for its predecessor before it touches memory
     /// (kernels/common.cuh), so the bits are the same as plain launches (off: the reference).
     pub programmatic_dependent_launch: bool,
-    /// A decode batch's router matmul and routing in one launch (`router_top_k` in
-    /// kernels/router.cu: the matmul kernel's warp body, so the same bits as the two launches it
-    /// replaces; off: the two launches).
-    pub fused_router: bool,
 }
 
 impl Default for CudaOptions {
@@ -119,7 +115,6 @@ impl Default for CudaOptions {
             batched_decode: true,
             decode_experts_by_expert: false,
             programmatic_dependent_launch: true,
-            fused_router: true,
         }
     }
 }
@@ -142,8 +137,6 @@ impl CudaOptions {
             decode_experts_by_expert: false,
             // Launch timing only: the same bits as plain launches.
             programmatic_dependent_launch: true,
-            // The same bits as the two launches.
-            fused_router: true,
         }
     }
 }

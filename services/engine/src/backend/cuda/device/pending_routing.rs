@@ -21,10 +21,8 @@ use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig};
 use super::readback::{
     decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,
 };
-use super::router::{
-    FUSED_ROUTER_MAX_TOKENS, FUSED_ROUTER_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS,
-};
-use super::{driver_error, int, CudaBackend, CudaTensor, CudaWeight, WeightData};
+use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS};
+use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
 
@@ -35,16 +33,6 @@ pub(crate) type RoutingStagingPool = Arc<Mutex<Vec<(PinnedStaging, CudaEvent)>>>
 
 /// Most rows whose hidden states the router kernel stores into the staging buffer itself.
 const KERNEL_WRITTEN_HIDDEN_MAX_ROWS: usize = 64;
-
-/// What the router kernel routes: logits, or `x` through the router's weight (fused).
-#[derive(Clone, Copy)]
-enum RouterInput<'a> {
-    Logits(&'a CudaTensor),
-    Fused {
-        x: &'a CudaTensor,
-        router: &'a CudaWeight,
-    },
-}
 
 /// Smallest buffer the pool hands out: a decode step's routing is a few hundred bytes, and
 /// one size for all keeps the pool from growing a buffer per size.
@@ -196,57 +184,7 @@ impl CudaBackend {
         normalize: bool,
         hidden: Option<&CudaTensor>,
     ) -> Result<CudaPendingRouting, CudaError> {
-        self.launch_router_and_read_back(RouterInput::Logits(logits), k, normalize, hidden)
-    }
-
-    /// Whether [`CudaBackend::launch_fused_router_and_read_back`] takes a batch of `tokens`
-    /// rows routed among `experts` (top-`k`).
-    pub fn fuses_router(&self, tokens: usize, experts: usize, k: usize) -> bool {
-        self.options.fused_router
-            && (1..=FUSED_ROUTER_MAX_TOKENS).contains(&tokens)
-            && experts <= ROUTER_MAX_EXPERTS
-            && k <= ROUTER_MAX_TOP_K
-    }
-
-    /// `x · routerᵀ` and its routing in one launch (`router_top_k`), with the queued copies of
-    /// the routing (and of `x` with `read_hidden`): the same bits as the matmul kernel followed
-    /// by [`CudaBackend::launch_routing_and_read_back`]. Only where
-    /// [`CudaBackend::fuses_router`] says so.
-    pub(super) fn launch_fused_router_and_read_back(
-        &self,
-        x: &CudaTensor,
-        router: &CudaWeight,
-        k: usize,
-        normalize: bool,
-        read_hidden: bool,
-    ) -> Result<CudaPendingRouting, CudaError> {
-        if x.cols != router.cols || !self.fuses_router(x.rows, router.rows, k.min(router.rows)) {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "the fused router does not take {} rows of {} by a {}×{} router, top-{k}",
-                    x.rows, x.cols, router.rows, router.cols
-                ),
-            });
-        }
-        self.launch_router_and_read_back(
-            RouterInput::Fused { x, router },
-            k,
-            normalize,
-            read_hidden.then_some(x),
-        )
-    }
-
-    fn launch_router_and_read_back(
-        &self,
-        input: RouterInput<'_>,
-        k: usize,
-        normalize: bool,
-        hidden: Option<&CudaTensor>,
-    ) -> Result<CudaPendingRouting, CudaError> {
-        let (tokens, experts) = match input {
-            RouterInput::Logits(logits) => (logits.rows, logits.cols),
-            RouterInput::Fused { x, router } => (x.rows, router.rows),
-        };
+        let (tokens, experts) = (logits.rows, logits.cols);
         let k = k.min(experts);
         if tokens == 0 || k == 0 {
             let hidden = match hidden {
@@ -272,6 +210,7 @@ impl CudaBackend {
                 ),
             });
         }
+        let input = &*logits.data;
         // Recycled buffers: the router kernel writes every element of both.
         let mut ids = self.output_uninit(tokens, k)?;
         let mut weights = self.output_uninit(tokens, k)?;
@@ -309,16 +248,18 @@ impl CudaBackend {
         let tokens_arg = i32::try_from(tokens).map_err(|_| CudaError::Invalid {
             problem: format!("{tokens} tokens in one routing launch"),
         })?;
+        // One warp per token.
+        let blocks = (tokens_arg as u32).div_ceil(ROUTER_WARPS);
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * ROUTER_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let (experts_arg, k_arg, normalize_arg) = (
             int(experts, "experts")?,
             int(k, "top-k")?,
             i32::from(normalize),
         );
-        // The fused router's logits: written by its blocks, read by its last one.
-        let mut fused_logits = match input {
-            RouterInput::Fused { .. } => Some(self.output_uninit(tokens, experts)?),
-            RouterInput::Logits(_) => None,
-        };
         let launched =
             {
                 let ids_data = &mut *ids.data;
@@ -327,48 +268,11 @@ impl CudaBackend {
                     .ok_or_else(|| CudaError::Invalid {
                         problem: "the routing ids' buffer is too small".into(),
                     })?;
-                match (input, fused_logits.as_mut()) {
-                    (RouterInput::Fused { x, router }, Some(logits)) => {
-                        // One warp per expert, then one per token in the last block.
-                        let blocks = int(experts.div_ceil(FUSED_ROUTER_WARPS as usize), "experts")?;
-                        let config = LaunchConfig {
-                            grid_dim: (blocks as u32, 1, 1),
-                            block_dim: (32 * FUSED_ROUTER_WARPS, 1, 1),
-                            shared_mem_bytes: 0,
-                        };
-                        let hidden_width_arg = int(x.cols, "hidden width")?;
-                        let ticket = self.router_ticket.device_ptr(&self.stream).0;
-                        let (x_data, logits_data) = (&*x.data, &mut *logits.data);
-                        match &router.data {
-                            WeightData::F32(w) => launch!(self, "router_top_k", config;
-                            x_data, w, logits_data, &ticket, &mut ids_view, &mut *weights.data,
-                            &tokens_arg, &hidden_width_arg, &experts_arg, &k_arg, &normalize_arg,
-                            &mapped_ids, &mapped_weights, &mapped_hidden),
-                            WeightData::Bf16(w) => launch!(self, "router_top_k_bf16", config;
-                            x_data, w, logits_data, &ticket, &mut ids_view, &mut *weights.data,
-                            &tokens_arg, &hidden_width_arg, &experts_arg, &k_arg, &normalize_arg,
-                            &mapped_ids, &mapped_weights, &mapped_hidden),
-                        }
-                    }
-                    (RouterInput::Logits(logits), _) => {
-                        // One warp per token.
-                        let blocks = (tokens_arg as u32).div_ceil(ROUTER_WARPS);
-                        let config = LaunchConfig {
-                            grid_dim: (blocks, 1, 1),
-                            block_dim: (32 * ROUTER_WARPS, 1, 1),
-                            shared_mem_bytes: 0,
-                        };
-                        launch!(self, "route_top_k", config;
-                        &*logits.data, &mut ids_view, &mut *weights.data, &tokens_arg,
-                        &experts_arg, &k_arg, &normalize_arg, &mapped_ids, &mapped_weights,
-                        &hidden_source, &mapped_hidden, &hidden_width)
-                    }
-                    (RouterInput::Fused { .. }, None) => Err(CudaError::Invalid {
-                        problem: "the fused router lost its logits' buffer".into(),
-                    }),
-                }
+                launch!(self, "route_top_k", config;
+                input, &mut ids_view, &mut *weights.data, &tokens_arg, &experts_arg, &k_arg,
+                &normalize_arg, &mapped_ids, &mapped_weights, &hidden_source, &mapped_hidden,
+                &hidden_width)
             };
-        drop(fused_logits);
         // What the kernel did not store goes by copies, into the same places.
         let mut copies: Vec<(ReadBack<'_>, usize)> = Vec::new();
         if !stores {

@@ -1,6 +1,6 @@
 //! The MoE router on the GPU (`kernels/router.cu`): softmax, top-k and renormalisation per
 //! token, so only `[tokens, k]` ids and weights come back to the host (launched and read back
-//! by device/pending_routing.rs); for decode batches fused with the router's matmul.
+//! by device/pending_routing.rs).
 //!
 //! Owns: the router kernel's limits and the one-shot routing.
 //! Must not touch: what the routing is used for (the model splits it between slots and workers).
@@ -15,12 +15,6 @@ pub(super) const ROUTER_MAX_EXPERTS: usize = 1024;
 pub(super) const ROUTER_WARPS: u32 = 4;
 /// `ROUTER_MAX_TOP_K` in `kernels/router.cu`: most experts per token the kernel keeps.
 pub(super) const ROUTER_MAX_TOP_K: usize = 32;
-/// `ROWS` in `kernels/matvec.cuh`: the fused router computes every token's logits in one row
-/// group of the matmul kernel's warp body.
-pub(super) const FUSED_ROUTER_MAX_TOKENS: usize = 8;
-/// `FUSED_ROUTER_WARPS` in `kernels/router.cu`: experts per block, and most tokens the last
-/// block routes (one warp each).
-pub(super) const FUSED_ROUTER_WARPS: u32 = 8;
 
 impl CudaBackend {
     /// Routing of every row of `logits` (`[tokens, experts]`) computed on the GPU.
@@ -54,15 +48,5 @@ mod tests {
             ROUTER_MAX_TOP_K as i64,
             kernel_define("router", "ROUTER_MAX_TOP_K")
         );
-        assert_eq!(
-            FUSED_ROUTER_MAX_TOKENS as i64,
-            kernel_define("router", "ROWS")
-        );
-        assert_eq!(
-            i64::from(FUSED_ROUTER_WARPS),
-            kernel_define("router", "FUSED_ROUTER_WARPS")
-        );
-        // The last block routes one token per warp.
-        assert!(FUSED_ROUTER_MAX_TOKENS <= FUSED_ROUTER_WARPS as usize);
     }
 }

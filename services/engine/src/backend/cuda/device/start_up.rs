@@ -189,16 +189,11 @@ impl CudaBackend {
             attention_path: AttentionPath::Reference,
             programmatic_dependent_launch: pdl.in_use(),
         };
-        // A stream of its own: the legacy default stream cannot be recorded into a graph.
-        let stream = context
-            .new_stream()
-            .map_err(driver_error("creating the backend's stream"))?;
-        let router_ticket = stream
-            .alloc_zeros::<u32>(1)
-            .map_err(driver_error("allocating the fused router's ticket"))?;
         let mut backend = CudaBackend {
-            stream,
-            router_ticket,
+            // A stream of its own: the legacy default stream cannot be recorded into a graph.
+            stream: context
+                .new_stream()
+                .map_err(driver_error("creating the backend's stream"))?,
             _context: context,
             functions,
             pdl,

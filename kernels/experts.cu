@@ -126,17 +126,34 @@ __device__ __forceinline__ unsigned int word_of(uint4 bits, int i) {
 }
 
 // Weights 4q … 4q+3 of a segment, dequantized exactly: q · scale.
+//
+// The integer q reaches f32 without an int-to-float conversion (a quarter-rate instruction, and
+// decode's expert kernels issue one per weight): q + bias is written into the low mantissa bits
+// of 2^23 (int8: the byte with its sign bit flipped is q + 128, placed by one byte permute; int4:
+// the nibble is q + 8, placed by a shift and a mask-or), which is the float 2^23 + q + bias
+// exactly, and subtracting 2^23 + bias leaves q exactly (integers below 2^24). The same value
+// as `(float)q`, so the same bits downstream.
+#define MAGIC_2_23 0x4B000000u
 template <int DT>
 __device__ __forceinline__ void quad_weights(uint4 bits, float scale, int q, float w[4]) {
+    if (DT == DTYPE_INT8) {
+        unsigned int biased = word_of(bits, q) ^ 0x80808080u;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        int value;
-        if (DT == DTYPE_INT8) {
-            value = (int)(signed char)((word_of(bits, q) >> (8 * e)) & 0xffu);
-        } else {
-            value = (int)((word_of(bits, q >> 1) >> (4 * (4 * (q & 1) + e))) & 0xfu) - 8;
+        for (int e = 0; e < 4; ++e) {
+            // Result bytes: the weight's biased byte, then 0x00, 0x00, 0x4B (bytes 4, 5, 7 of
+            // the pair (biased, MAGIC_2_23)).
+            unsigned int magic = __byte_perm(biased, MAGIC_2_23, 0x7540u + e);
+            float value = __fsub_rn(__uint_as_float(magic), 8388736.0f);  // 2^23 + 128
+            w[e] = __fmul_rn(value, scale);
         }
-        w[e] = __fmul_rn((float)value, scale);
+    } else {
+        unsigned int word = word_of(bits, q >> 1) >> (16 * (q & 1));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            unsigned int magic = ((word >> (4 * e)) & 0xfu) | MAGIC_2_23;
+            float value = __fsub_rn(__uint_as_float(magic), 8388616.0f);  // 2^23 + 8
+            w[e] = __fmul_rn(value, scale);
+        }
     }
 }
 

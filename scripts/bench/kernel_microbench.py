@@ -283,6 +283,8 @@ class Bench:
     # -- routed experts (slots), timing only ----------------------------------------------------
 
     def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1):
+        """The per-pair decode kernels at one token (8 pairs) and at eight tokens (64 pairs, a
+        decode batch of 8 under uniform routing: every pair a different expert)."""
         defines = [("GATE_UP_COLUMNS", gate_up_columns)] if label != "baseline" else []
         mod = module(kernel_dir, "experts", defines)
         label = label if label == "baseline" else "%s columns=%d" % (label, gate_up_columns)
@@ -307,46 +309,54 @@ class Bench:
             view16[(base + gate_up_bytes) // 2:(base + gate_up_bytes + gate_up_scales) // 2] = scale_bits
             view16[(base + down_offset + down_bytes) // 2:(base + down_offset + down_bytes + down_scales) // 2] = scale_bits
         slot_of_expert = cp.arange(EXPERTS, dtype=cp.int32)
-        x = cp.asarray(rng.standard_normal((1, h), dtype=np.float32))
-        activated = cp.zeros((TOP_K, i), dtype=cp.float32)
-        pair_out = cp.zeros((TOP_K, h), dtype=cp.float32)
-        weights = cp.full(TOP_K, 0.125, dtype=cp.float32)
-        # Different experts per launch so reads come from HBM (128 experts, 8 per launch).
-        id_sets = [cp.asarray(((np.arange(TOP_K) + 8 * j) % EXPERTS).astype(np.uint32)) for j in range(16)]
         dtype_int8 = np.int32(2)
+        result = None
+        for tokens in (1, 8):
+            pairs = tokens * TOP_K
+            x = cp.asarray(rng.standard_normal((tokens, h), dtype=np.float32))
+            activated = cp.zeros((pairs, i), dtype=cp.float32)
+            pair_out = cp.zeros((pairs, h), dtype=cp.float32)
+            weights = cp.full(pairs, 0.125, dtype=cp.float32)
+            # Different experts per launch (and per pair within one) so reads come from HBM.
+            id_sets = [cp.asarray(((np.arange(pairs) + pairs * j) % EXPERTS).astype(np.uint32)) for j in range(16)]
 
-        def gate_up_launch(ids):
-            args = (buffer, slot_of_expert, ids, x, activated, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h),
-                    np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes))
-            smem = -(-h // 16) * 20 * 4
-            return lambda: gate_up((-(-i // (8 * gate_up_columns)), TOP_K), (256,), args, shared_mem=smem)
+            def gate_up_launch(ids, x=x, activated=activated, pairs=pairs):
+                args = (buffer, slot_of_expert, ids, x, activated, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h),
+                        np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes))
+                smem = -(-h // 16) * 20 * 4
+                return lambda: gate_up((-(-i // (8 * gate_up_columns)), pairs), (256,), args, shared_mem=smem)
 
-        def down_launch(ids):
-            args = (buffer, slot_of_expert, ids, weights, activated, pair_out, np.int32(EXPERTS), np.int32(h),
-                    np.int32(i), np.int64(stride), dtype_int8, np.int64(down_offset), np.int64(down_bytes))
-            smem = -(-i // 16) * 20 * 4
-            return lambda: down((-(-h // (8 * down_rows)), TOP_K), (256,), args, shared_mem=smem)
+            def down_launch(ids, activated=activated, pair_out=pair_out, weights=weights, pairs=pairs):
+                args = (buffer, slot_of_expert, ids, weights, activated, pair_out, np.int32(EXPERTS), np.int32(h),
+                        np.int32(i), np.int64(stride), dtype_int8, np.int64(down_offset), np.int64(down_bytes))
+                smem = -(-i // 16) * 20 * 4
+                return lambda: down((-(-h // (8 * down_rows)), pairs), (256,), args, shared_mem=smem)
 
-        us = timed([gate_up_launch(ids) for ids in id_sets])
-        self.record("expert_gate_up int8 k=8", label, us, TOP_K * (gate_up_bytes + gate_up_scales))
-        us = timed([down_launch(ids) for ids in id_sets])
-        self.record("expert_down int8 k=8", label, us, TOP_K * (down_bytes + down_scales))
-        pair_sum = mod.get_function("expert_pair_sum")
-        out = cp.zeros((1, h), dtype=cp.float32)
-        sum_args = (pair_out, out, np.int32(1), np.int32(TOP_K), np.int32(h))
-        us = timed([lambda: pair_sum((-(-h // 256),), (256,), sum_args)] * 16)
-        self.record("expert_pair_sum k=8", label, us)
-        # One expert not resident: its pair's output rows are zeros (and its activated row is
-        # not written, so it is left out of the comparison).
-        slot_of_expert[id_sets[3][2]] = -1
-        gate_up_launch(id_sets[3])()
-        down_launch(id_sets[3])()
-        cp.cuda.Device().synchronize()
-        resident = [p for p in range(TOP_K) if p != 2]
-        result = (activated[resident].copy(), pair_out.copy())
-        if baseline is not None:
-            self.same_bits("expert_gate_up activated", result[0], baseline[0])
-            self.same_bits("expert_down pair_out", result[1], baseline[1])
+            suffix = "k=8" if tokens == 1 else "%d tokens, %d pairs" % (tokens, pairs)
+            us = timed([gate_up_launch(ids) for ids in id_sets])
+            self.record("expert_gate_up int8 " + suffix, label, us, pairs * (gate_up_bytes + gate_up_scales))
+            us = timed([down_launch(ids) for ids in id_sets])
+            self.record("expert_down int8 " + suffix, label, us, pairs * (down_bytes + down_scales))
+            pair_sum = mod.get_function("expert_pair_sum")
+            out = cp.zeros((tokens, h), dtype=cp.float32)
+            sum_args = (pair_out, out, np.int32(tokens), np.int32(TOP_K), np.int32(h))
+            us = timed([lambda: pair_sum((-(-(tokens * h) // 256),), (256,), sum_args)] * 16)
+            self.record("expert_pair_sum " + suffix, label, us)
+            # One expert not resident: its pair's output rows are zeros (and its activated row is
+            # not written, so it is left out of the comparison).
+            missing = int(id_sets[3][2])
+            slot_of_expert[missing] = -1
+            gate_up_launch(id_sets[3])()
+            down_launch(id_sets[3])()
+            cp.cuda.Device().synchronize()
+            slot_of_expert[missing] = missing
+            resident = [p for p in range(pairs) if p != 2]
+            result_here = (activated[resident].copy(), pair_out.copy())
+            if baseline is not None:
+                self.same_bits("expert_gate_up activated, %d tokens" % tokens, result_here[0], baseline[tokens][0])
+                self.same_bits("expert_down pair_out, %d tokens" % tokens, result_here[1], baseline[tokens][1])
+            result = result or {}
+            result[tokens] = result_here
         return result
 
 
@@ -356,32 +366,39 @@ def main():
     parser.add_argument("--baseline", help="kernel files of another revision, compared against")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--json", help="write the table here")
-    parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL")
+    parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL, attention chunks, gate/up columns")
+    parser.add_argument("--sections", default="matmul,norm,router,attention,experts",
+                        help="comma-separated: which kernels to time")
     args = parser.parse_args()
     bench = Bench(args)
     props = cp.cuda.runtime.getDeviceProperties(0)
     print("device: %s, %d SMs" % (props["name"].decode(), props["multiProcessorCount"]), flush=True)
 
-    base = None
-    if args.baseline:
-        base = bench.matmuls(args.baseline, "baseline", 2, 4)
-    settings = [(c, u) for c in (1, 2) for u in (4, 8)] if args.sweep else [(1, 4), (2, 4)]
-    for cols, unroll in settings:
-        bench.matmuls(args.kernels, "current", cols, unroll, base)
+    sections = set(args.sections.split(","))
+    if "matmul" in sections:
+        base = bench.matmuls(args.baseline, "baseline", 2, 4) if args.baseline else None
+        settings = [(c, u) for c in (1, 2) for u in (4, 8)] if args.sweep else [(1, 4), (2, 4)]
+        for cols, unroll in settings:
+            bench.matmuls(args.kernels, "current", cols, unroll, base)
 
-    base_norm = bench.norms(args.baseline, "baseline") if args.baseline else None
-    bench.norms(args.kernels, "current", base_norm)
+    if "norm" in sections:
+        base_norm = bench.norms(args.baseline, "baseline") if args.baseline else None
+        bench.norms(args.kernels, "current", base_norm)
 
-    base_router = bench.router(args.baseline, "baseline", True) if args.baseline else None
-    bench.router(args.kernels, "current", True, base_router)
+    if "router" in sections:
+        base_router = bench.router(args.baseline, "baseline", True) if args.baseline else None
+        bench.router(args.kernels, "current", True, base_router)
 
-    base_attention = bench.attention(args.baseline, "baseline", True) if args.baseline else None
-    for max_chunks in (128, 64, 32) if args.sweep else (128,):
-        bench.attention(args.kernels, "current", True, base_attention, max_chunks)
+    if "experts" in sections:
+        base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None
+        for columns in (1, 2, 4) if args.sweep else (1,):
+            bench.experts(args.kernels, "current", 4, base_experts, columns)
 
-    base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None
-    for columns in (1, 2, 4) if args.sweep else (1,):
-        bench.experts(args.kernels, "current", 4, base_experts, columns)
+    # Last: a fault here takes the context (and every later section) down with it.
+    if "attention" in sections:
+        base_attention = bench.attention(args.baseline, "baseline", True) if args.baseline else None
+        for max_chunks in (128, 64, 32) if args.sweep else (128,):
+            bench.attention(args.kernels, "current", True, base_attention, max_chunks)
 
     if args.json:
         with open(args.json, "w") as f:

@@ -34,6 +34,8 @@ enum BenchCommand {
     Channel(crate::bench_channel::ChannelBenchArgs),
     /// Greedy decode speed with the MTP head drafting 0, 1, 2, 3… tokens per step (in-process).
     Mtp(crate::bench_mtp::MtpBenchArgs),
+    /// Host time to sample one token from a whole row of logits, per sampling setting.
+    Sampling(crate::bench_sampling::SamplingBenchArgs),
     /// The worker half of `bench channel` (started by it).
     #[command(hide = true)]
     ChannelEcho(crate::bench_channel::ChannelEchoArgs),
@@ -158,6 +160,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(BenchCommand::Experts(args)) => run_experts(args),
         Some(BenchCommand::Channel(args)) => crate::bench_channel::run(args),
         Some(BenchCommand::Mtp(args)) => crate::bench_mtp::run(args),
+        Some(BenchCommand::Sampling(args)) => crate::bench_sampling::run(args),
         Some(BenchCommand::ChannelEcho(args)) => crate::bench_channel::run_echo(args),
         None => crate::bench_model::run(args.model),
     }

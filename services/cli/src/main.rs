@@ -9,6 +9,7 @@ mod bench_channel;
 mod bench_during_prefill;
 mod bench_model;
 mod bench_mtp;
+mod bench_sampling;
 mod convert;
 mod download;
 mod in_process;

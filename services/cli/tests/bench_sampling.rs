@@ -1,0 +1,46 @@
+//! `ninfer bench sampling`: a row per sampling setting with both timings; bad counts are refused
+//! by name.
+
+use std::process::Command;
+
+#[test]
+fn bench_sampling_reports_every_setting() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(["bench", "sampling", "--vocab", "5000", "--draws", "3"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for row in rows {
+        let numbers: Vec<f64> = row
+            .split(|c: char| c.is_whitespace() || c == '|')
+            .filter_map(|field| field.parse().ok())
+            .collect();
+        // temperature, top-k, top-p, then four times in ms.
+        assert_eq!(numbers.len(), 7, "{row}");
+        assert!(
+            numbers[3..].iter().all(|&ms| ms >= 0.0 && ms.is_finite()),
+            "{row}"
+        );
+    }
+}
+
+#[test]
+fn bench_sampling_refuses_zero_draws_by_name() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(["bench", "sampling", "--draws", "0"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--draws"), "{stderr}");
+}

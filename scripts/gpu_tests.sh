@@ -148,6 +148,7 @@ run_suite() {
   local name=${suite%%:*} filter=${suite#*:} start end rc summary
   start=$(date +%s.%N)
   set +e
+  # shellcheck disable=SC2086 # the filter is zero or more test-binary arguments
   timeout "${GPU_TEST_TIMEOUT:-150}" "$bundle/$name" $filter --nocapture >"$out/$name.log" 2>&1
   rc=$?
   set -e

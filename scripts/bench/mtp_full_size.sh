@@ -25,7 +25,7 @@
 # (/tmp/ninfer-bench; REUSE_ARTIFACTS=0 rewrites the artifact), NINFER_BUNDLE (target/gpu-bundle),
 # OUT (/tmp/ninfer-bench-results: summary.log, mtp_table.txt and one log per bench).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit
 bundle=${NINFER_BUNDLE:-target/gpu-bundle}
 ninfer=$bundle/ninfer
 out=${OUT:-/tmp/ninfer-bench-results}

@@ -71,7 +71,7 @@
 # temporary folder and refreshes $OUT/results.tgz after every step instead, so that a run cut
 # short keeps what it measured in two files). Every step has its own timeout.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit
 bundle=${NINFER_BUNDLE:-target/gpu-bundle}
 ninfer=$bundle/ninfer
 final=${OUT:-/tmp/ninfer-bench-results}
@@ -126,6 +126,7 @@ bench() { # bench LABEL TIMEOUT ARGS...: one `ninfer bench`, its engine and work
 }
 
 # The decode shape of qwen3.5-35b-a3b's experts: 8 per layer, one token.
+# shellcheck disable=SC2054 # `int4,int8` is one argument, a list for the flag
 DECODE_EXPERTS=(bench experts --preset qwen3.5-35b-a3b --dtype int4,int8 --tokens 1
   --kernel-isa avx512-vnni --working-set-gib 4)
 
@@ -168,7 +169,7 @@ if has tuning; then
     "$out/tuning.log" | sort -n | head -1 | awk '{print $2}')
   best=${best:-steal,shared}
   log "fastest int4 tuning: $best; the standard decode command x3"
-  for i in 1 2 3; do
+  for _ in 1 2 3; do
     NINFER_EXPERT_TUNING=$best timeout 60 "$ninfer" "${DECODE_EXPERTS[@]}" 2>&1 \
       | grep -E '^(int|read)' | tee -a "$out/tuning_best.log"
   done
@@ -240,7 +241,7 @@ if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
 q30=q30${Q30_LAYERS:+-l$Q30_LAYERS}
 # Starts building llama-bench (LLAMA_CPP_SOURCE) and writing the GGUF (LLAMA_CPP_WRITE_GGUF) as
 # asked, both in the background (they overlap q30's conversion); finish_llama waits for them.
-llama_build_pid= gguf_pid=
+llama_build_pid='' gguf_pid=''
 start_llama() {
   [ -z "${llama_started:-}" ] || return 0
   llama_started=1
@@ -284,7 +285,7 @@ finish_llama() {
   start_llama
   [ -z "$llama_build_pid" ] || wait "$llama_build_pid"
   [ -z "$gguf_pid" ] || wait "$gguf_pid"
-  llama_build_pid= gguf_pid=
+  llama_build_pid='' gguf_pid=''
   if [ -n "${llama_build:-}" ] && [ -x "$llama_build/bin/llama-bench" ]; then
     LLAMA_CPP_BENCH=$llama_build/bin/llama-bench
   elif [ -n "${llama_build:-}" ]; then
@@ -292,6 +293,7 @@ finish_llama() {
   fi
   if [ -n "${gguf:-}" ] && [ -s "$gguf" ]; then LLAMA_CPP_MODEL=$gguf; fi
   if llama_ready; then
+    # shellcheck disable=SC2206 # LLAMA_CPP_ARGS is a list of arguments
     L=("$LLAMA_CPP_BENCH" -m "$LLAMA_CPP_MODEL" -p "${LLAMA_CPP_PROMPTS:-${PROMPTS:-4096}}" -n "${DECODE:-64}"
       -t "$threads" -r "${REPEATS:-2}" -ngl 99 ${LLAMA_CPP_DEPTH:+-d "$LLAMA_CPP_DEPTH"} ${LLAMA_CPP_ARGS:-})
   fi
@@ -429,7 +431,7 @@ if has llama; then
       for kind in tg pp; do
         what="decode tok/s, batch 1, ${DECODE:-64} tokens"
         [ "$kind" = pp ] && what="prefill tok/s, a ${prompts%%,*}-token prompt"
-        log "$what (llama.cpp's test: $(grep -o " $kind[0-9][^|]*" "$out/llama_all_gpu.txt" 2>/dev/null | head -1 | xargs))"
+        log "$what (llama.cpp's test: $(grep -o " ${kind}[0-9][^|]*" "$out/llama_all_gpu.txt" 2>/dev/null | head -1 | xargs))"
         echo "| placement | llama.cpp | ninfer | ninfer / llama.cpp |" | tee -a "$out/summary.log"
         echo "|---|---|---|---|" | tee -a "$out/summary.log"
         compare "$kind" "all experts on the CPU" cpu_experts q30_a

@@ -524,9 +524,16 @@ pub fn speculative_sampling_step(
     if q > 0.0 && rng.next_f64() < (p / q).min(1.0) {
         return (draft, true);
     }
+    // Looked up by token: a request without top-k has a whole vocabulary in both distributions,
+    // and a scan per token would be quadratic in it (~10^10 steps at 151,936 tokens).
+    let draft_probability: std::collections::HashMap<u32, f64> =
+        draft_distribution.iter().copied().collect();
     let residual: Vec<(u32, f64)> = target
         .iter()
-        .map(|&(token, p)| (token, (p - probability(draft_distribution, token)).max(0.0)))
+        .map(|&(token, p)| {
+            let q = draft_probability.get(&token).copied().unwrap_or(0.0);
+            (token, (p - q).max(0.0))
+        })
         .filter(|&(_, r)| r > 0.0)
         .collect();
     let token = if residual.is_empty() {
@@ -946,5 +953,56 @@ mod tests {
         assert!(statistic < 20.5, "χ² {statistic:.1} over {counts:?}");
         // The same test rejects keeping every draft (the draft distribution), so it has power.
         assert!(chi_square(&naive, &expected) > 1000.0);
+    }
+
+    #[test]
+    fn a_rejected_draft_over_a_whole_vocabulary_draws_from_the_residual() {
+        // Two distributions over 151,936 tokens (a request without top-k), most likely first,
+        // in different orders; the draft gives its token far more than the target does, so most
+        // steps reject it and draw from max(0, p − q).
+        let vocab = 151_936u32;
+        let mut rng = Xoshiro256::seed_from_u64(11);
+        let normalised = |mut weights: Vec<(u32, f64)>| {
+            let total: f64 = weights.iter().map(|&(_, w)| w).sum();
+            weights.iter_mut().for_each(|entry| entry.1 /= total);
+            weights.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            weights
+        };
+        let target = normalised((0..vocab).map(|t| (t, rng.next_f64())).collect());
+        let mut draft_weights: Vec<(u32, f64)> = (0..vocab).map(|t| (t, rng.next_f64())).collect();
+        draft_weights[5].1 = vocab as f64; // token 5 takes about 2/3 of the draft's mass
+        let draft = normalised(draft_weights);
+        let q5 = draft
+            .iter()
+            .find(|&&(t, _)| t == 5)
+            .map(|&(_, q)| q)
+            .unwrap();
+        let p5 = target
+            .iter()
+            .find(|&&(t, _)| t == 5)
+            .map(|&(_, p)| p)
+            .unwrap();
+        let mut rejected = 0;
+        for _ in 0..20 {
+            let (token, accepted) = speculative_sampling_step(&target, &draft, 5, &mut rng);
+            if accepted {
+                assert_eq!(token, 5);
+                continue;
+            }
+            rejected += 1;
+            // The residual: tokens the target gives more than the draft does; never token 5.
+            let q = draft
+                .iter()
+                .find(|&&(t, _)| t == token)
+                .map(|&(_, q)| q)
+                .unwrap();
+            let p = target
+                .iter()
+                .find(|&&(t, _)| t == token)
+                .map(|&(_, p)| p)
+                .unwrap();
+            assert!(p > q, "token {token}: p {p} ≤ q {q}");
+        }
+        assert!(p5 / q5 < 0.01 && rejected > 10, "{rejected} of 20 rejected");
     }
 }

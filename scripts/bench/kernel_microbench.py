@@ -34,9 +34,14 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, TOP_K, MOE_INTERMEDIATE = 128, 8, 768
 
 
-def module(kernel_dir, name, defines=()):
+def module(kernel_dir, name, defines=(), replacements=()):
+    """`replacements`: (old, new) text substitutions, for variants the source has no knob for."""
     with open(os.path.join(kernel_dir, name + ".cu")) as f:
         source = f.read()
+    for old, new in replacements:
+        if old not in source:
+            raise ValueError("%s.cu has no %r" % (name, old))
+        source = source.replace(old, new)
     options = ("-I" + kernel_dir, "--std=c++17") + tuple(
         "-D%s=%s" % kv for kv in defines
     )
@@ -282,12 +287,21 @@ class Bench:
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 
-    def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1):
+    def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1, min_blocks=0):
         """The per-pair decode kernels at one token (8 pairs) and at eight tokens (64 pairs, a
-        decode batch of 8 under uniform routing: every pair a different expert)."""
+        decode batch of 8 under uniform routing: every pair a different expert). `min_blocks`:
+        compile `expert_gate_up` for that many resident blocks per multiprocessor
+        (`__launch_bounds__`; at one token its 768 blocks need 6 to fit one wave on an H200)."""
         defines = [("GATE_UP_COLUMNS", gate_up_columns)] if label != "baseline" else []
-        mod = module(kernel_dir, "experts", defines)
-        label = label if label == "baseline" else "%s columns=%d" % (label, gate_up_columns)
+        replacements = []
+        if min_blocks:
+            replacements = [('extern "C" __global__ void expert_gate_up(',
+                             'extern "C" __global__ void __launch_bounds__(256, %d) expert_gate_up(' % min_blocks)]
+        mod = module(kernel_dir, "experts", defines, replacements)
+        if label != "baseline":
+            label = "%s columns=%d" % (label, gate_up_columns)
+            if min_blocks:
+                label += " min_blocks=%d" % min_blocks
         gate_up = mod.get_function("expert_gate_up")
         down = mod.get_function("expert_down")
         h, i = HIDDEN, MOE_INTERMEDIATE
@@ -391,8 +405,8 @@ def main():
 
     if "experts" in sections:
         base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None
-        for columns in (1, 2, 4) if args.sweep else (1,):
-            bench.experts(args.kernels, "current", 4, base_experts, columns)
+        for columns, min_blocks in ((1, 0), (1, 6), (2, 0), (4, 0)) if args.sweep else ((1, 0), (1, 6)):
+            bench.experts(args.kernels, "current", 4, base_experts, columns, min_blocks)
 
     # Last: a fault here takes the context (and every later section) down with it.
     if "attention" in sections:

@@ -10,30 +10,21 @@ fn bench_mtp_reports_each_draft_count_with_the_same_tokens_as_off() {
     let scratch = tempfile::tempdir().unwrap();
     let model = scratch.path().join("trained.ninfer");
     common::convert_fixture_f32("qwen3_5_moe_trained", &model);
-    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(["bench", "mtp"])
-        .arg(&model)
-        .args([
-            "--tokens",
-            "12",
-            "--repeats",
-            "1",
-            "--draft-tokens",
-            "0,1,3",
-        ])
-        .args(["--moe-threads", "1"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let rows: Vec<&str> = stdout
-        .lines()
-        .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
-        .collect();
+    let model = model.to_str().expect("a temporary path in UTF-8");
+    let stdout = common::ninfer_stdout([
+        "bench",
+        "mtp",
+        model,
+        "--tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--draft-tokens",
+        "0,1,3",
+        "--moe-threads",
+        "1",
+    ]);
+    let rows = common::table_rows(&stdout);
     assert_eq!(rows.len(), 3, "{stdout}");
     for row in &rows[1..] {
         assert!(
@@ -61,27 +52,24 @@ fn bench_mtp_refuses_a_model_without_a_head() {
 
 /// `ninfer bench mtp` on the trained fixture with `args`; its stdout (the command must succeed).
 fn bench_mtp(model: &std::path::Path, args: &[&str]) -> String {
-    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(["bench", "mtp"])
-        .arg(model)
-        .args(["--repeats", "1", "--moe-threads", "1"])
-        .args(args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+    let model = model.to_str().expect("a temporary path in UTF-8");
+    let mut all = vec![
+        "bench",
+        "mtp",
+        model,
+        "--repeats",
+        "1",
+        "--moe-threads",
+        "1",
+    ];
+    all.extend_from_slice(args);
+    common::ninfer_stdout(all)
 }
 
 /// The table's rows (they start with the draft count), split into columns at runs of spaces.
 fn table_rows(stdout: &str) -> Vec<Vec<String>> {
-    stdout
-        .lines()
-        .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+    common::table_rows(stdout)
+        .into_iter()
         .map(|line| {
             line.split("  ")
                 .map(str::trim)

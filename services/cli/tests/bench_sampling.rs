@@ -1,24 +1,14 @@
 //! `ninfer bench sampling`: a row per sampling setting with both timings; bad counts are refused
 //! by name.
 
+mod common;
+
 use std::process::Command;
 
 #[test]
 fn bench_sampling_reports_every_setting() {
-    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(["bench", "sampling", "--vocab", "5000", "--draws", "3"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let rows: Vec<&str> = stdout
-        .lines()
-        .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
-        .collect();
+    let stdout = common::ninfer_stdout(["bench", "sampling", "--vocab", "5000", "--draws", "3"]);
+    let rows = common::table_rows(&stdout);
     assert_eq!(rows.len(), 4, "{stdout}");
     for row in rows {
         let numbers: Vec<f64> = row

@@ -14,7 +14,6 @@ use common::fixture;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Command;
 
 const WIDTH: usize = 40;
 
@@ -22,17 +21,7 @@ const WIDTH: usize = 40;
 const BARS: [(&str, f64); 2] = [("int4", 0.15), ("int8", 0.02)];
 
 fn ninfer(args: &[&str]) -> String {
-    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(args)
-        .output()
-        .expect("running ninfer");
-    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-    assert!(
-        output.status.success(),
-        "ninfer {args:?} failed\nstdout:\n{stdout}\nstderr:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+    common::ninfer_stdout(args)
 }
 
 /// A safetensors file's tensors: name → (shape, f32 values).

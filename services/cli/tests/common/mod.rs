@@ -27,3 +27,31 @@ pub fn convert_fixture_f32(name: &str, output: &Path) {
         String::from_utf8_lossy(&result.stderr)
     );
 }
+
+/// The standard output of `ninfer ARGS`, once it exited with success (its output and errors
+/// otherwise fail the test).
+pub fn ninfer_stdout<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(args)
+        .output()
+        .expect("running ninfer");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The rows of a printed table: the lines that start with a number.
+pub fn table_rows(stdout: &str) -> Vec<&str> {
+    stdout
+        .lines()
+        .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .collect()
+}

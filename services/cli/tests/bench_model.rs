@@ -244,16 +244,11 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
         // A batch's sequences must decode at the same time: with only a few tokens each, the
         // first can finish before the second's prompt is in, so the batch run decodes more.
         let batch = extra.contains(&"--decode-batch");
-        let decode_tokens = if batch { "16" } else { "4" };
+        let (decode_tokens, decode_arg) = if batch { (16.0, "16") } else { (4.0, "4") };
         let mut args = vec!["bench", "model.ninfer"];
-        args.extend(SMALL_CPU_BENCH.iter().enumerate().map(|(index, &arg)| {
-            let after_decode_tokens = index > 0 && SMALL_CPU_BENCH[index - 1] == "--decode-tokens";
-            if after_decode_tokens {
-                decode_tokens
-            } else {
-                arg
-            }
-        }));
+        args.extend_from_slice(SMALL_CPU_BENCH);
+        let flag = args.iter().position(|&arg| arg == "--decode-tokens");
+        args[flag.expect("SMALL_CPU_BENCH sets --decode-tokens") + 1] = decode_arg;
         args.push("--json");
         args.extend_from_slice(extra);
         let output = ninfer(&args, dir);
@@ -262,7 +257,6 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
         let report: Value = serde_json::from_slice(&output.stdout)
             .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stderr}"));
         assert_eq!(report["gpu_experts_per_layer"], placed, "{args:?}");
-        let decode_tokens = decode_tokens.parse::<f64>().unwrap();
         check_report(&report, executor, top_k, moe_layers, placed, decode_tokens);
         if batch {
             let rows = report["decode_batches"].as_array().expect("decode_batches");

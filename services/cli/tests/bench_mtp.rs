@@ -39,14 +39,16 @@ fn bench_mtp_refuses_a_model_without_a_head() {
     let scratch = tempfile::tempdir().unwrap();
     let model = scratch.path().join("moe.ninfer");
     common::convert_fixture_f32("qwen3_moe", &model);
-    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(["bench", "mtp"])
-        .arg(&model)
-        .args(["--tokens", "4", "--repeats", "1"])
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let message = String::from_utf8_lossy(&output.stderr);
+    let model = model.to_str().expect("a temporary path in UTF-8");
+    let message = common::ninfer_stderr_of_failure([
+        "bench",
+        "mtp",
+        model,
+        "--tokens",
+        "4",
+        "--repeats",
+        "1",
+    ]);
     assert!(message.contains("no MTP head"), "{message}");
 }
 

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn bench_sampling_reports_every_setting() {
     let stdout = common::ninfer_stdout(["bench", "sampling", "--vocab", "5000", "--draws", "3"]);
@@ -26,11 +24,6 @@ fn bench_sampling_reports_every_setting() {
 
 #[test]
 fn bench_sampling_refuses_zero_draws_by_name() {
-    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(["bench", "sampling", "--draws", "0"])
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = common::ninfer_stderr_of_failure(["bench", "sampling", "--draws", "0"]);
     assert!(stderr.contains("--draws"), "{stderr}");
 }

@@ -278,8 +278,9 @@ impl Sampler {
     }
 }
 
-/// The token at `point` (uniform in `[0, 1)`) of a filtered distribution, most likely first.
-fn draw_at(candidates: &[(u32, f64)], point: f64) -> u32 {
+/// The token at `point` of a distribution (uniform in `[0, 1)` for a normalised one; in
+/// `[0, total)` otherwise): the first whose cumulative probability passes it.
+pub(crate) fn draw_at(candidates: &[(u32, f64)], point: f64) -> u32 {
     let mut cumulative = 0.0f64;
     for &(token, probability) in candidates {
         cumulative += probability;

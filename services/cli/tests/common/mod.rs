@@ -28,6 +28,18 @@ pub fn convert_fixture_f32(name: &str, output: &Path) {
     );
 }
 
+/// `ninfer ARGS`, run to its end.
+fn run_ninfer<I, S>(args: I) -> std::process::Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    Command::new(env!("CARGO_BIN_EXE_ninfer"))
+        .args(args)
+        .output()
+        .expect("running ninfer")
+}
+
 /// The standard output of `ninfer ARGS`, once it exited with success (its output and errors
 /// otherwise fail the test).
 pub fn ninfer_stdout<I, S>(args: I) -> String
@@ -35,10 +47,7 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
 {
-    let output = Command::new(env!("CARGO_BIN_EXE_ninfer"))
-        .args(args)
-        .output()
-        .expect("running ninfer");
+    let output = run_ninfer(args);
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
@@ -54,4 +63,19 @@ pub fn table_rows(stdout: &str) -> Vec<&str> {
         .lines()
         .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
         .collect()
+}
+
+/// The standard error of `ninfer ARGS`, once it failed (a success fails the test).
+pub fn ninfer_stderr_of_failure<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let output = run_ninfer(args);
+    assert!(
+        !output.status.success(),
+        "ninfer succeeded: {}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    String::from_utf8_lossy(&output.stderr).into_owned()
 }

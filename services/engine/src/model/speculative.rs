@@ -25,7 +25,7 @@ use super::{Model, SequenceInput};
 use crate::backend::{Backend, DeltaRuleForm};
 use crate::error::EngineError;
 use crate::sampling::{
-    apply_penalties, argmax, filtered_distribution, Sampler, SamplingParams, Xoshiro256,
+    apply_penalties, argmax, draw_at, filtered_distribution, Sampler, SamplingParams, Xoshiro256,
 };
 
 /// A drafted token and the distribution it was drawn from (empty when drafted greedily).
@@ -490,15 +490,9 @@ impl Picker {
 
 /// One draw from a distribution (the last token takes a rounding remainder).
 fn draw(distribution: &[(u32, f64)], rng: &mut Xoshiro256) -> u32 {
+    // Scaled by the total: a residual is not normalised.
     let point = rng.next_f64() * distribution.iter().map(|&(_, p)| p).sum::<f64>();
-    let mut cumulative = 0.0;
-    for &(token, probability) in distribution {
-        cumulative += probability;
-        if point < cumulative {
-            return token;
-        }
-    }
-    distribution.last().map_or(0, |&(token, _)| token)
+    draw_at(distribution, point)
 }
 
 /// The speculative-sampling rule for one draft `x ~ q`: accepted with probability

@@ -1,12 +1,15 @@
 //! `ninfer bench sampling`: host time to sample one token from a whole row of logits, the path
 //! of every request the GPU's candidates cannot serve (no top-k, or guided decoding), per
-//! sampling setting; beside it, the time to put the whole row in order, which that path took
-//! at every step before it drew without sorting.
+//! sampling setting; beside it, the time to build the row's whole distribution (what
+//! speculative decoding's verification needs per row) and the time to put the whole row in
+//! order, which both paths took at every step before they did without sorting.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ninfer_engine::sampling::{filtered_distribution, Sampler, SamplingParams, Xoshiro256};
+use ninfer_engine::sampling::{
+    filtered_distribution, filtered_distribution_unordered, Sampler, SamplingParams, Xoshiro256,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct SamplingBenchArgs {
@@ -38,7 +41,9 @@ pub fn run(args: SamplingBenchArgs) -> anyhow::Result<()> {
         "one row of {} logits (seed {}), {} draws per setting; ms per draw, best and median",
         args.vocab, args.seed, args.draws
     );
-    println!(" temperature  top-k  top-p |  sample: best   median | sort the row: best   median");
+    println!(
+        " temperature  top-k  top-p |  sample: best   median | distribution: best   median | sort the row: best   median"
+    );
     for (temperature, top_k, top_p) in SETTINGS {
         let params = SamplingParams {
             temperature,
@@ -49,6 +54,7 @@ pub fn run(args: SamplingBenchArgs) -> anyhow::Result<()> {
         };
         let mut sampler = Sampler::new(params.clone()).context("sampling settings")?;
         let mut sample_times = Vec::with_capacity(args.draws);
+        let mut distribution_times = Vec::with_capacity(args.draws);
         let mut sort_times = Vec::with_capacity(args.draws);
         for _ in 0..args.draws {
             let start = Instant::now();
@@ -56,18 +62,24 @@ pub fn run(args: SamplingBenchArgs) -> anyhow::Result<()> {
             sample_times.push(start.elapsed());
             std::hint::black_box(token);
             let start = Instant::now();
+            std::hint::black_box(filtered_distribution_unordered(&logits, &params).len());
+            distribution_times.push(start.elapsed());
+            let start = Instant::now();
             std::hint::black_box(filtered_distribution(&logits, &params).len());
             sort_times.push(start.elapsed());
         }
         let (sample_best, sample_median) = best_and_median(&mut sample_times);
+        let (distribution_best, distribution_median) = best_and_median(&mut distribution_times);
         let (sort_best, sort_median) = best_and_median(&mut sort_times);
         println!(
-            " {temperature:>11.1}  {top_k:>5}  {top_p:>5.2} | {sample_best:>13.3}  {sample_median:>7.3} | {sort_best:>18.3}  {sort_median:>7.3}"
+            " {temperature:>11.1}  {top_k:>5}  {top_p:>5.2} | {sample_best:>13.3}  {sample_median:>7.3} | {distribution_best:>18.3}  {distribution_median:>7.3} | {sort_best:>18.3}  {sort_median:>7.3}"
         );
     }
     println!(
-        "sample = the engine's sampler on the whole row; sort the row = the filtered distribution \
-         with every token put in order (what a draw without top-k cost before)."
+        "sample = the engine's sampler on the whole row; distribution = the row's filtered \
+         distribution in no particular order (speculative decoding's verification, per row); \
+         sort the row = the same distribution with every token put in order (what both cost \
+         before)."
     );
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! `ninfer bench sampling`: a row per sampling setting with both timings; bad counts are refused
-//! by name.
+//! `ninfer bench sampling`: a row per sampling setting with its three timings; bad counts are
+//! refused by name.
 
 mod common;
 
@@ -13,8 +13,8 @@ fn bench_sampling_reports_every_setting() {
             .split(|c: char| c.is_whitespace() || c == '|')
             .filter_map(|field| field.parse().ok())
             .collect();
-        // temperature, top-k, top-p, then four times in ms.
-        assert_eq!(numbers.len(), 7, "{row}");
+        // temperature, top-k, top-p, then six times in ms (best and median of three).
+        assert_eq!(numbers.len(), 9, "{row}");
         assert!(
             numbers[3..].iter().all(|&ms| ms >= 0.0 && ms.is_finite()),
             "{row}"

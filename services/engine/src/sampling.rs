@@ -150,8 +150,7 @@ impl Sampler {
             return Ok(argmax(&logits));
         }
         let point = self.rng.next_f64();
-        let without_top_k = self.params.top_k == 0 || self.params.top_k >= logits.len();
-        if without_top_k {
+        if without_top_k(&self.params, logits.len()) {
             if let Some(token) = draw_without_top_k(&logits, &self.params, point) {
                 return Ok(token);
             }
@@ -296,37 +295,101 @@ pub(crate) fn draw_at(candidates: &[(u32, f64)], point: f64) -> u32 {
 /// until this many are left, then sorts those.
 const TOP_P_SORTED_TAIL: usize = 256;
 
-/// The token at `point` (uniform in `[0, 1)`) of [`filtered_distribution`] without top-k
-/// (temperature, top-p, min-p over the whole row), without sorting the whole vocabulary.
+/// The weights of [`filtered_distribution`] without top-k (temperature, top-p, min-p over the
+/// whole row), found without sorting the whole vocabulary.
 ///
-/// The weights `exp((logit − max) / T)` are summed in token order. Without top-p every token
-/// with a weight (min-p: at least `min_p`, the most likely weighing 1) is walked in token order;
-/// with top-p the smallest most-likely-first set reaching `top_p` of the total is found by
-/// selections that halve the undecided tokens (O(vocabulary) expected), then walked. Each
-/// token gets exactly its share of `[0, 1)`; the walk's order only decides which token a given
-/// point lands on. Sorting the 151,936 logits of a Qwen vocabulary at every step cost ~6 ms
-/// (`ninfer bench sampling`). `None` when a logit is NaN or the largest is not finite (the
-/// caller takes the sorting path, which defines those cases).
-fn draw_without_top_k(logits: &[f32], params: &SamplingParams, point: f64) -> Option<u32> {
-    if logits.iter().any(|logit| logit.is_nan()) {
-        return None;
+/// The weights are `exp((logit − max) / T)`, so the most likely token weighs 1 and min-p keeps
+/// exactly the tokens weighing at least `min_p`. Without top-p every token may be kept; with
+/// top-p the smallest most-likely-first set reaching `top_p` of the total is found by selections
+/// that halve the undecided tokens (O(vocabulary) expected). Sorting the 151,936 logits of a
+/// Qwen vocabulary at every step cost ~6 ms (`ninfer bench sampling`).
+struct WholeRowWeights {
+    weights: Vec<f64>,
+    min_weight: f64,
+    /// The top-p set, in no particular order; `None` without top-p.
+    top_p_set: Option<Vec<u32>>,
+}
+
+impl WholeRowWeights {
+    /// `None` when a logit is NaN or the largest is not finite (the sorting path defines those
+    /// cases).
+    fn new(logits: &[f32], params: &SamplingParams) -> Option<Self> {
+        if logits.iter().any(|logit| logit.is_nan()) {
+            return None;
+        }
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return None;
+        }
+        let temperature = params.temperature.max(1e-6) as f64;
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&logit| ((logit as f64 - max as f64) / temperature).exp())
+            .collect();
+        let top_p_set = (params.top_p < 1.0).then(|| top_p_set(logits, &weights, params.top_p));
+        Some(Self {
+            weights,
+            min_weight: params.min_p as f64,
+            top_p_set,
+        })
     }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return None;
+
+    fn kept(&self, weight: f64) -> bool {
+        weight > 0.0 && weight >= self.min_weight
     }
-    let temperature = params.temperature.max(1e-6) as f64;
-    let min_weight = params.min_p as f64;
-    let weights: Vec<f64> = logits
-        .iter()
-        .map(|&logit| ((logit as f64 - max as f64) / temperature).exp())
-        .collect();
-    let kept = |weight: f64| weight > 0.0 && weight >= min_weight;
-    let tokens = logits.len() as u32;
-    if params.top_p >= 1.0 {
-        return walk(0..tokens, &weights, kept, point);
+
+    /// The tokens top-p leaves (every token without top-p, in token order), before min-p.
+    fn candidates(&self) -> impl Iterator<Item = u32> + '_ {
+        let every_token = match self.top_p_set {
+            Some(_) => 0..0,
+            None => 0..self.weights.len() as u32,
+        };
+        let top_p_set = self.top_p_set.as_deref().unwrap_or_default();
+        top_p_set.iter().copied().chain(every_token)
     }
-    let goal = params.top_p as f64 * weights.iter().sum::<f64>();
+
+    /// The token at `point` (uniform in `[0, 1)`): the kept tokens are walked in the order
+    /// [`WholeRowWeights::candidates`] gives. Each token gets exactly its share of `[0, 1)`;
+    /// the order only decides which token a given point lands on. The last kept token when
+    /// rounding leaves the sum a hair short.
+    fn draw(&self, point: f64) -> Option<u32> {
+        let total: f64 = self.kept_weights().map(|(_, weight)| weight).sum();
+        let target = point * total;
+        let mut cumulative = 0.0f64;
+        let mut last = None;
+        for (token, weight) in self.kept_weights() {
+            cumulative += weight;
+            last = Some(token);
+            if target < cumulative {
+                return last;
+            }
+        }
+        last
+    }
+
+    /// The kept tokens with their unnormalised weights.
+    fn kept_weights(&self) -> impl Iterator<Item = (u32, f64)> + '_ {
+        self.candidates()
+            .map(|token| (token, self.weights[token as usize]))
+            .filter(|&(_, weight)| self.kept(weight))
+    }
+
+    /// The kept tokens with their probabilities, in the order of the candidates.
+    fn distribution(&self) -> Vec<(u32, f64)> {
+        let mut distribution: Vec<(u32, f64)> = self.kept_weights().collect();
+        let total: f64 = distribution.iter().map(|&(_, weight)| weight).sum();
+        distribution
+            .iter_mut()
+            .for_each(|(_, weight)| *weight /= total);
+        distribution
+    }
+}
+
+/// The smallest most-likely-first set of tokens whose `weights` reach `top_p` of their total,
+/// in no particular order: selections halve the undecided tokens until
+/// [`TOP_P_SORTED_TAIL`] are left, and only those are sorted.
+fn top_p_set(logits: &[f32], weights: &[f64], top_p: f32) -> Vec<u32> {
+    let goal = top_p as f64 * weights.iter().sum::<f64>();
     let most_likely_first = |a: &u32, b: &u32| {
         logits[*b as usize]
             .total_cmp(&logits[*a as usize])
@@ -334,7 +397,7 @@ fn draw_without_top_k(logits: &[f32], params: &SamplingParams, point: f64) -> Op
     };
     // order[..low] is in the set (more likely than every token after it), order[high..] out;
     // `placed` is the weight of order[..low].
-    let mut order: Vec<u32> = (0..tokens).collect();
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     let (mut low, mut high, mut placed) = (0usize, order.len(), 0.0f64);
     while high - low > TOP_P_SORTED_TAIL {
         let half = (high - low) / 2;
@@ -358,37 +421,32 @@ fn draw_without_top_k(logits: &[f32], params: &SamplingParams, point: f64) -> Op
     });
     // Rounding may leave the goal a hair out of reach: then every undecided token is in.
     order.truncate(reached.map_or(high, |index| low + index + 1));
-    walk(order.iter().copied(), &weights, kept, point)
+    order
 }
 
-/// The token at `point` of the kept tokens' weights, in the order `tokens` gives; the last kept
-/// token when rounding leaves the sum a hair short.
-fn walk(
-    tokens: impl Iterator<Item = u32> + Clone,
-    weights: &[f64],
-    kept: impl Fn(f64) -> bool,
-    point: f64,
-) -> Option<u32> {
-    let total: f64 = tokens
-        .clone()
-        .map(|token| weights[token as usize])
-        .filter(|&weight| kept(weight))
-        .sum();
-    let target = point * total;
-    let mut cumulative = 0.0f64;
-    let mut last = None;
-    for token in tokens {
-        let weight = weights[token as usize];
-        if !kept(weight) {
-            continue;
-        }
-        cumulative += weight;
-        last = Some(token);
-        if target < cumulative {
-            return last;
+/// The token at `point` (uniform in `[0, 1)`) of [`filtered_distribution`] without top-k,
+/// without sorting the whole vocabulary ([`WholeRowWeights`]). `None` when the row needs the
+/// sorting path (a NaN logit, or no finite one).
+fn draw_without_top_k(logits: &[f32], params: &SamplingParams, point: f64) -> Option<u32> {
+    WholeRowWeights::new(logits, params)?.draw(point)
+}
+
+/// Whether a request's top-k leaves the whole row (0 means none).
+fn without_top_k(params: &SamplingParams, vocab: usize) -> bool {
+    params.top_k == 0 || params.top_k >= vocab
+}
+
+/// The tokens and probabilities of [`filtered_distribution`] in no particular order: without
+/// top-k the whole row is not sorted ([`WholeRowWeights`]), which is what speculative
+/// decoding's verification needs (it looks tokens up and draws; the order only decides which
+/// token a given random point lands on).
+pub fn filtered_distribution_unordered(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
+    if without_top_k(params, logits.len()) {
+        if let Some(weights) = WholeRowWeights::new(logits, params) {
+            return weights.distribution();
         }
     }
-    last
+    filtered_distribution(logits, params)
 }
 
 /// Index of the largest logit (lowest index on ties, like `torch.argmax`).
@@ -911,6 +969,67 @@ mod tests {
                 ..SamplingParams::default()
             };
             assert_shares_match(&logits, &params, 256);
+        }
+    }
+
+    /// The unordered distribution holds the same tokens as the sorted one, each with the same
+    /// probability up to the order of the sums (a few ulps). Tokens of probability 0 (masked)
+    /// may be listed by the sorted one and left out by the unordered one.
+    fn assert_same_distribution(logits: &[f32], params: &SamplingParams) {
+        let positive = |distribution: Vec<(u32, f64)>| -> Vec<(u32, f64)> {
+            distribution.into_iter().filter(|&(_, p)| p > 0.0).collect()
+        };
+        let sorted = positive(filtered_distribution(logits, params));
+        let unordered = positive(filtered_distribution_unordered(logits, params));
+        assert_eq!(unordered.len(), sorted.len(), "{params:?}");
+        let by_token: std::collections::HashMap<u32, f64> = unordered.iter().copied().collect();
+        assert_eq!(by_token.len(), unordered.len(), "{params:?}: a token twice");
+        for (token, p) in sorted {
+            let q = by_token.get(&token).copied();
+            assert!(
+                q.is_some_and(|q| (q - p).abs() <= 1e-12 * p.max(1e-300) + 1e-15),
+                "{params:?}: token {token} has {q:?}, the sorted distribution {p}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_unordered_distribution_equals_the_sorted_one() {
+        let mut rng = Xoshiro256::seed_from_u64(31);
+        for vocab in [1usize, 7, 300, 1000, 151_936] {
+            let mut logits = random_row(&mut rng, vocab);
+            for token in (3..vocab).step_by(5) {
+                logits[token] = f32::NEG_INFINITY;
+            }
+            if vocab > 10 {
+                logits[9] = logits[2];
+            }
+            for (temperature, top_k, top_p, min_p) in [
+                (1.0, 0, 1.0, 0.0),
+                (0.7, 0, 0.9, 0.0),
+                (1.3, 0, 0.5, 0.05),
+                (1.0, 0, 1.0, 0.2),
+                (2.0, 0, 0.999, 0.0),
+                (1.0, 20, 0.95, 0.0),
+                (1.0, vocab, 0.8, 0.0),
+            ] {
+                let params = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..SamplingParams::default()
+                };
+                assert_same_distribution(&logits, &params);
+            }
+        }
+        // Rows the sorting path defines are left to it.
+        let params = SamplingParams::default();
+        for row in [[0.0, f32::NAN], [0.0, f32::INFINITY]] {
+            assert_eq!(
+                filtered_distribution_unordered(&row, &params).len(),
+                filtered_distribution(&row, &params).len()
+            );
         }
     }
 

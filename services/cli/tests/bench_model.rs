@@ -201,9 +201,9 @@ fn check_report(
     assert!((ideal - expected_ideal).abs() <= 1e-9 + 1e-6 * expected_ideal);
     if placed > 0 {
         // Every routed choice of the measured run is a hit or a miss: 16 prompt tokens and
-        // `decode_tokens` decode forwards, top-k per MoE layer. The decode-only counts (from the first token,
-        // read beside the stream, so possibly in the middle of a step, whose layers count as
-        // they run) are at most the decode's.
+        // `decode_tokens` decode forwards, top-k per MoE layer. The decode-only counts (from
+        // the first token, read beside the stream, so possibly in the middle of a step, whose
+        // layers count as they run) are at most the decode's.
         let cache = &report["expert_cache"];
         let per_token = top_k * moe_layers;
         let all = number(cache, "hits") + number(cache, "misses");

@@ -10,20 +10,7 @@ fn bench_mtp_reports_each_draft_count_with_the_same_tokens_as_off() {
     let scratch = tempfile::tempdir().unwrap();
     let model = scratch.path().join("trained.ninfer");
     common::convert_fixture_f32("qwen3_5_moe_trained", &model);
-    let model = model.to_str().expect("a temporary path in UTF-8");
-    let stdout = common::ninfer_stdout([
-        "bench",
-        "mtp",
-        model,
-        "--tokens",
-        "12",
-        "--repeats",
-        "1",
-        "--draft-tokens",
-        "0,1,3",
-        "--moe-threads",
-        "1",
-    ]);
+    let stdout = bench_mtp(&model, &["--tokens", "12", "--draft-tokens", "0,1,3"]);
     let rows = common::table_rows(&stdout);
     assert_eq!(rows.len(), 3, "{stdout}");
     for row in &rows[1..] {

@@ -150,9 +150,9 @@ fn golden_fixtures_through_cuda_meet_the_cuda_bars() {
 }
 
 /// The qwen4_exp fixture (hyper-connection streams, PLE blocks, QSA sparse attention on the GPU)
-/// through the CUDA backend with the default options: per-token NLL within 2e-2 mean absolute difference of
-/// transformers (f32 weights; bf16 weights within 0.1 of the f32 reference), top-1 agreement
-/// with the CPU backend ≥ 99% under teacher forcing, the CPU backend's greedy tokens.
+/// through the CUDA backend with the default options: per-token NLL within 2e-2 mean absolute
+/// difference of transformers (f32 weights; bf16 weights within 0.1 of the f32 reference), top-1
+/// agreement with the CPU backend ≥ 99% under teacher forcing, the CPU backend's greedy tokens.
 #[test]
 fn qwen4_exp_fixture_through_cuda_meets_the_cuda_bars() {
     let Some(gpu) = gpu_or_skip("qwen4_exp_fixture_through_cuda_meets_the_cuda_bars") else {

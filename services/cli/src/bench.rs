@@ -1,6 +1,6 @@
 //! `ninfer bench`: memory read bandwidth (the reference), routed-expert kernel throughput,
-//! the channel round trip, MTP drafting (`bench_mtp.rs`), and `ninfer bench MODEL` (the whole
-//! pipeline, `bench_model.rs`).
+//! the channel round trip, MTP drafting (`bench_mtp.rs`), `ninfer bench MODEL` (the whole
+//! pipeline, `bench_model.rs`) and `ninfer bench serve` (through the HTTP API, `bench_serve.rs`).
 //!
 //! Owns: the `bench` arguments, model-shape presets and the printed tables / JSON.
 //! Must not touch: the measurements themselves (`ninfer_cpu_experts::bench`).
@@ -36,6 +36,10 @@ enum BenchCommand {
     Mtp(crate::bench_mtp::MtpBenchArgs),
     /// Host time to sample one token from a whole row of logits, per sampling setting.
     Sampling(crate::bench_sampling::SamplingBenchArgs),
+    /// The path users take: streaming chat requests through the HTTP API at several
+    /// concurrencies (TTFT, inter-token latency, tok/s, gateway CPU per token, /health under
+    /// load), against the engine alone.
+    Serve(crate::bench_serve::ServeBenchArgs),
     /// The worker half of `bench channel` (started by it).
     #[command(hide = true)]
     ChannelEcho(crate::bench_channel::ChannelEchoArgs),
@@ -161,6 +165,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(BenchCommand::Channel(args)) => crate::bench_channel::run(args),
         Some(BenchCommand::Mtp(args)) => crate::bench_mtp::run(args),
         Some(BenchCommand::Sampling(args)) => crate::bench_sampling::run(args),
+        Some(BenchCommand::Serve(args)) => crate::bench_serve::run(args),
         Some(BenchCommand::ChannelEcho(args)) => crate::bench_channel::run_echo(args),
         None => crate::bench_model::run(args.model),
     }

@@ -11,6 +11,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use ninfer_artifact::DType;
 use ninfer_convert::synthetic::{Preset, Routing, SyntheticOptions, DEFAULT_SEED};
+use ninfer_convert::synthetic_tokenizer::SyntheticTokenizer;
 use ninfer_convert::{ConvertOptions, ConvertProgress};
 
 #[derive(Debug, clap::Args)]
@@ -44,9 +45,20 @@ pub struct ConvertArgs {
     /// the per-token work and fits a smaller disk.
     #[arg(long, value_name = "N", requires = "synthetic")]
     pub ngram_vocab_base: Option<usize>,
-    /// With --synthetic: toy dimensions with the preset's structure (for tests).
+    /// With --synthetic: toy dimensions with the preset's structure (for tests). With
+    /// --tokenizer the vocabulary keeps the preset's size.
     #[arg(long, hide = true, requires = "synthetic")]
     pub scale_down: bool,
+    /// With --synthetic: carry this directory's tokenizer (`tokenizer.json` or
+    /// `tokenizer.json.gz`, `tokenizer_config.json`, chat template, `generation_config.json`)
+    /// instead of the small built-in one, so speed measurements pay the real vocabulary's
+    /// detokenisation and sampling costs. It must fit the preset's vocabulary.
+    #[arg(long, value_name = "DIR", requires = "synthetic")]
+    pub tokenizer: Option<PathBuf>,
+    /// With --synthetic: every answer ends at once (the head always ranks `<|im_end|>` first),
+    /// for tests of clients that need a finished turn.
+    #[arg(long, requires = "synthetic")]
+    pub ends_turns: bool,
     /// Storage type of routed experts: f32, bf16, int8 or int4 (group size 32, f16 scales).
     #[arg(long, default_value = "bf16")]
     pub experts_dtype: DType,
@@ -220,11 +232,28 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
             anyhow::bail!("--synthetic PRESET is missing");
         };
         let name = preset.name;
+        let tokenizer = match &args.tokenizer {
+            Some(directory) => Some(
+                SyntheticTokenizer::from_directory(directory, &progress)
+                    .with_context(|| format!("--tokenizer {}", directory.display()))?,
+            ),
+            None => None,
+        };
         let mut preset = if args.scale_down {
-            preset.scaled_down()
+            let mut small = preset.scaled_down();
+            if let Some(tokenizer) = &tokenizer {
+                // Toy width, the real vocabulary: the head and sampling cost what they do.
+                small.vocab_size = preset
+                    .vocab_size
+                    .max(tokenizer.token_count.next_multiple_of(64));
+            }
+            small
         } else {
             preset
         };
+        if let (Some(tokenizer), Some(parts)) = (&tokenizer, preset.qwen4_exp.as_mut()) {
+            parts.eos_token_id = tokenizer.end_of_text_id as usize;
+        }
         if let Some(base) = args.ngram_vocab_base {
             let Some(parts) = preset.qwen4_exp.as_mut() else {
                 anyhow::bail!(
@@ -246,6 +275,8 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
             seed: args.seed,
             max_file_bytes,
             threads: None,
+            tokenizer,
+            ends_turns: args.ends_turns,
         };
         let result = ninfer_convert::write_synthetic(&options, &progress);
         progress.finish();

@@ -10,6 +10,8 @@ mod bench_during_prefill;
 mod bench_model;
 mod bench_mtp;
 mod bench_sampling;
+mod bench_serve;
+mod bench_serve_client;
 mod convert;
 mod download;
 mod in_process;

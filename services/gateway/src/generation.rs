@@ -63,6 +63,8 @@ pub struct SamplingOptions {
     /// Most MTP drafts per step (the engine caps it at its own; 0: no speculation); `None`:
     /// the engine's setting.
     pub draft_tokens: Option<u32>,
+    /// Generate past end-of-sequence tokens until `max_tokens` (stop strings still apply).
+    pub ignore_eos: bool,
 }
 
 impl SamplingOptions {
@@ -282,7 +284,11 @@ impl GenerationPlan {
                 frequency_penalty: options.frequency_penalty.unwrap_or(0.0),
                 seed: Some(self.seed.wrapping_add(u64::from(choice_index))),
             }),
-            stop_token_ids: self.model.resources.eos_token_ids.clone(),
+            stop_token_ids: if options.ignore_eos {
+                Vec::new()
+            } else {
+                self.model.resources.eos_token_ids.clone()
+            },
             top_logprobs: if options.logprobs {
                 options.top_logprobs
             } else {
@@ -712,7 +718,16 @@ async fn run_generation(
         if single_tool_call {
             let before = answer_so_far.len();
             answer_so_far.push_str(&text.content);
-            if let Some(close) = answer_so_far.find(TOOL_CALL_CLOSE) {
+            // Only the new text and the tag's length before it can hold a new match: no
+            // rescanning of the whole answer per token.
+            let mut search_from = before.saturating_sub(TOOL_CALL_CLOSE.len());
+            while !answer_so_far.is_char_boundary(search_from) {
+                search_from -= 1;
+            }
+            if let Some(close) = answer_so_far[search_from..]
+                .find(TOOL_CALL_CLOSE)
+                .map(|at| at + search_from)
+            {
                 let end = close + TOOL_CALL_CLOSE.len();
                 text.content
                     .truncate(end.saturating_sub(before).min(text.content.len()));

@@ -103,6 +103,7 @@ fn sampling_options(options: Option<GatewaySamplingOptions>) -> SamplingOptions 
         choices: 1,
         logit_bias: Vec::new(),
         draft_tokens: None,
+        ignore_eos: false,
     }
 }
 

@@ -207,6 +207,10 @@ pub struct OpenAiSampling {
     /// capped by the engine's `--draft-tokens`.
     #[serde(default)]
     pub draft_tokens: Option<u32>,
+    /// vLLM's extension: keep generating past end-of-sequence tokens until `max_tokens`
+    /// (benchmarks that need answers of one length).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
 }
 
 impl OpenAiSampling {
@@ -280,6 +284,7 @@ impl OpenAiSampling {
             choices,
             logit_bias,
             draft_tokens: self.draft_tokens,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
 }

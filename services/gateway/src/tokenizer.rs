@@ -52,6 +52,9 @@ pub struct ModelTokenizer {
     most_bytes_per_token: Option<usize>,
     /// Most tokens a prompt may have (the context); `None`: unbounded.
     token_limit: Option<usize>,
+    /// Tokens in the vocabulary, added tokens included. Counted once at load: the `tokenizers`
+    /// crate builds the whole vocabulary map to count it, far too slow for every token.
+    vocabulary_size: usize,
     typed_control_tokens: TypedControlTokens,
 }
 
@@ -76,7 +79,9 @@ impl ModelTokenizer {
             .collect();
         special_token_texts.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let most_bytes_per_token = most_bytes_per_token(&tokenizer, bytes);
+        let vocabulary_size = tokenizer.get_vocab_size(true);
         Ok(ModelTokenizer {
+            vocabulary_size,
             tokenizer,
             plain_text_tokenizer,
             special_token_texts,
@@ -348,7 +353,7 @@ impl ModelTokenizer {
         token_ids: &[u32],
         skip_special_tokens: bool,
     ) -> Result<String, GatewayError> {
-        let vocabulary_size = self.tokenizer.get_vocab_size(true) as u32;
+        let vocabulary_size = self.vocabulary_size as u32;
         if let Some(bad) = token_ids.iter().find(|id| **id >= vocabulary_size) {
             return Err(GatewayError::invalid(format!(
                 "token id {bad} is outside the vocabulary (size {vocabulary_size})"
@@ -369,8 +374,9 @@ impl ModelTokenizer {
         self.tokenizer.token_to_id(token)
     }
 
+    /// Tokens in the vocabulary, added tokens included (counted once at load).
     pub fn vocabulary_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+        self.vocabulary_size
     }
 }
 

@@ -13,6 +13,7 @@ mod routing_locality;
 mod safetensors_file;
 mod side_files;
 pub mod synthetic;
+pub mod synthetic_tokenizer;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

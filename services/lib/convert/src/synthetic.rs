@@ -39,9 +39,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use ninfer_artifact::config::ngram_head_table_sizes;
-use ninfer_artifact::{
-    ArtifactWriter, DType, GenerationDefaults, ModelConfig, SourceInfo, TensorSpec, WriterOptions,
-};
+use ninfer_artifact::{ArtifactWriter, DType, ModelConfig, SourceInfo, TensorSpec, WriterOptions};
 use serde_json::{json, Value};
 
 use crate::error::ConvertError;
@@ -51,6 +49,7 @@ use crate::plan::{
 };
 use crate::routing_locality::{probit_biases, Locality, TRAINED_CONTEXT_SHARES};
 use crate::safetensors_file::Checkpoint;
+use crate::synthetic_tokenizer::SyntheticTokenizer;
 use crate::{encode_expert, encode_float, expert_spec, ConvertProgress, ConvertReport};
 
 /// The Gated DeltaNet dimensions of a hybrid preset.
@@ -834,6 +833,12 @@ pub struct SyntheticOptions {
     pub max_file_bytes: Option<u64>,
     /// Generator threads (default: the available cores).
     pub threads: Option<usize>,
+    /// The tokenizer files and generation defaults the artifact carries; `None`: the fixtures'
+    /// small built-in tokenizer.
+    pub tokenizer: Option<SyntheticTokenizer>,
+    /// The head always ranks `<|im_end|>` first, so every answer ends at once (for tests of
+    /// clients that need a finished turn; the model is random either way).
+    pub ends_turns: bool,
 }
 
 /// Default `--seed`.
@@ -851,32 +856,9 @@ impl SyntheticOptions {
             seed: DEFAULT_SEED,
             max_file_bytes: None,
             threads: None,
+            tokenizer: None,
+            ends_turns: false,
         }
-    }
-}
-
-// The fixtures' byte-level BPE (493 tokens, Qwen's special tokens) and the Qwen3.5 chat template:
-// small, so an installed binary needs no data files. Every preset's vocabulary is larger, as
-// real Qwen embeddings are larger than their tokenizers.
-const TOKENIZER_JSON: &[u8] = include_bytes!("../../../../tests/fixtures/qwen3_moe/tokenizer.json");
-const TOKENIZER_CONFIG_JSON: &[u8] =
-    include_bytes!("../../../../tests/fixtures/qwen3_moe/tokenizer_config.json");
-const CHAT_TEMPLATE: &[u8] =
-    include_bytes!("../../../../tests/fixtures/qwen3_moe/chat_template.jinja");
-
-/// `generation_config.json` of the fixtures: ids of that tokenizer (`<|im_end|>` 482,
-/// `<|endoftext|>` 480) and Qwen's sampling defaults.
-fn generation_defaults() -> GenerationDefaults {
-    GenerationDefaults {
-        bos_token_id: Some(480),
-        eos_token_ids: vec![482, 480],
-        pad_token_id: Some(480),
-        temperature: Some(0.6),
-        top_p: Some(0.95),
-        top_k: Some(20),
-        min_p: None,
-        repetition_penalty: None,
-        do_sample: Some(true),
     }
 }
 
@@ -931,7 +913,26 @@ pub fn write_synthetic(
     progress: &dyn ConvertProgress,
 ) -> Result<ConvertReport, ConvertError> {
     let (model, plan) = synthetic_plan(options)?;
-    let draw = Drawer::new(options, &model);
+    let tokenizer = match &options.tokenizer {
+        Some(tokenizer) => tokenizer.clone(),
+        None => SyntheticTokenizer::built_in()?,
+    };
+    if tokenizer.token_count > options.preset.vocab_size {
+        return Err(ConvertError::InvalidOption {
+            option: "--tokenizer",
+            problem: format!(
+                "the tokenizer has {} tokens, more than the {} rows of {}'s embedding",
+                tokenizer.token_count, options.preset.vocab_size, options.preset.name
+            ),
+        });
+    }
+    let draw = Drawer::new(
+        options,
+        &model,
+        options
+            .ends_turns
+            .then_some(tokenizer.end_of_turn_id as usize),
+    );
 
     let mut jobs = Vec::new();
     for item in &plan.items {
@@ -964,20 +965,13 @@ pub fn write_synthetic(
             max_part_bytes: options.max_file_bytes,
         },
     )?;
-    writer.add_file("tokenizer.json", TOKENIZER_JSON)?;
-    // Re-serialised as `convert` does with a checkpoint's tokenizer_config.json.
-    let tokenizer_config: Value =
-        serde_json::from_slice(TOKENIZER_CONFIG_JSON).map_err(|e| ConvertError::Input {
-            file: PathBuf::from("tokenizer_config.json"),
-            problem: format!("built-in file is not valid JSON: {e}"),
-        })?;
-    let tokenizer_config =
-        serde_json::to_vec(&tokenizer_config).map_err(|e| ConvertError::Input {
-            file: PathBuf::from("tokenizer_config.json"),
-            problem: e.to_string(),
-        })?;
-    writer.add_file("tokenizer_config.json", &tokenizer_config)?;
-    writer.add_file("chat_template.jinja", CHAT_TEMPLATE)?;
+    writer.add_file("tokenizer.json", &tokenizer.tokenizer_json)?;
+    if let Some(config) = &tokenizer.tokenizer_config_json {
+        writer.add_file("tokenizer_config.json", config)?;
+    }
+    if let Some(template) = &tokenizer.chat_template {
+        writer.add_file("chat_template.jinja", template.as_bytes())?;
+    }
 
     let threads = options
         .threads
@@ -1003,7 +997,7 @@ pub fn write_synthetic(
     source_options.insert("seed".into(), options.seed.to_string());
     let files = writer.finish(
         model.clone(),
-        generation_defaults(),
+        tokenizer.generation.clone(),
         SourceInfo {
             converter: format!("ninfer {}", env!("CARGO_PKG_VERSION")),
             model_type: options.preset.model_type.to_string(),
@@ -1241,13 +1235,20 @@ struct Drawer {
     /// Trained routing: the hidden layout and layer-0 carrier of the temporal reuse (`None`
     /// for the other modes, or when the shape cannot carry context).
     locality: Option<Locality>,
+    /// The `lm_head` row that always wins (`--ends-turns`): it reads the shared direction ĉ,
+    /// which every hidden state carries.
+    winning_row: Option<usize>,
 }
+
+/// How strongly the winning `lm_head` row reads ĉ: its logit is about this times √(H/2), far
+/// above the other rows' logits (std about 1).
+const WINNING_ROW_WEIGHT: f32 = 4.0;
 
 /// Logit noise of the random router part, as the scale of a Gumbel (see the module doc).
 const ROUTER_TEMPERATURE: f64 = 0.55;
 
 impl Drawer {
-    fn new(options: &SyntheticOptions, model: &ModelConfig) -> Self {
+    fn new(options: &SyntheticOptions, model: &ModelConfig, winning_row: Option<usize>) -> Self {
         let hidden = model.common().hidden_size;
         let unit_vector = |len: usize| {
             let mut rng = Rng::for_name(options.seed, "shared direction");
@@ -1264,6 +1265,8 @@ impl Drawer {
             Routing::Trained | Routing::Zipf { .. } | Routing::Uniform => None,
         };
         let direction = match (&options.routing, &locality) {
+            // A winning head row needs the shared direction whatever the routing.
+            _ if winning_row.is_some() && locality.is_none() => Some(unit_vector(hidden)),
             _ if !has_routers => None,
             (Routing::Uniform, _) => None,
             (_, Some(locality)) => Some(locality.direction().to_vec()),
@@ -1280,6 +1283,7 @@ impl Drawer {
             num_layers: options.preset.num_hidden_layers,
             experts_per_token: model.common().num_experts_per_tok,
             locality,
+            winning_row,
         }
     }
 
@@ -1354,7 +1358,14 @@ impl Drawer {
                     let kappa = (self.hidden as f32).sqrt();
                     row.iter_mut().zip(c).for_each(|(x, c)| *x += kappa * c);
                 }
-                ("lm_head", Some(c)) => remove_component(&mut row, c),
+                ("lm_head", Some(c)) => {
+                    remove_component(&mut row, c);
+                    if self.winning_row == Some(r) {
+                        row.iter_mut()
+                            .zip(c)
+                            .for_each(|(x, c)| *x += WINNING_ROW_WEIGHT * c);
+                    }
+                }
                 _ => {}
             }
             if let (Some(bias), Some(c)) = (&router_bias, &self.direction) {

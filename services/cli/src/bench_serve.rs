@@ -90,8 +90,8 @@ pub struct LevelFigures {
     pub stream_tok_s: f64,
     /// All generated tokens ÷ the level's wall time.
     pub aggregate_tok_s: f64,
-    /// The gateway's CPU time (user + system) ÷ generated tokens, µs; null when its process is
-    /// not known.
+    /// The gateway's CPU time (user + system) ÷ generated tokens, µs, less what the `/health`
+    /// probes cost it (measured on the idle server first); null when its process is not known.
     pub gateway_cpu_us_per_token: Option<f64>,
     /// `/health` probes during the level and the slowest answer, ms.
     pub health_probes: usize,
@@ -197,6 +197,10 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     if !args.json {
         eprintln!("measuring {model} at {url}");
     }
+    let gateway = match gateway_pid {
+        Some(pid) => Some((pid, health_probe_cpu_cost(&client, pid)?)),
+        None => None,
+    };
     let mut figures = Vec::new();
     for (level_index, &concurrency) in levels.iter().enumerate() {
         let seed = args
@@ -204,7 +208,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             .wrapping_mul(1_000_003)
             .wrapping_add(level_index as u64 * 10_007);
         figures.push(
-            run_level(&args, &client, &model, concurrency, seed, gateway_pid)
+            run_level(&args, &client, &model, concurrency, seed, gateway)
                 .with_context(|| format!("concurrency {concurrency}"))?,
         );
     }
@@ -282,8 +286,9 @@ fn run_level(
     model: &str,
     concurrency: usize,
     seed: u64,
-    gateway_pid: Option<u32>,
+    gateway: Option<(u32, Duration)>,
 ) -> anyhow::Result<LevelFigures> {
+    let gateway_pid = gateway.map(|(pid, _)| pid);
     // Prompts first: their tokenizing is not part of what is measured.
     let requests = concurrency * args.rounds.max(1);
     let prompts: Vec<String> = (0..requests)
@@ -322,13 +327,28 @@ fn run_level(
     let cpu_after = gateway_pid.and_then(|pid| process_cpu_time(pid).ok());
     let health = probe.finish();
     let timings: Vec<StreamTiming> = timings.into_iter().collect::<anyhow::Result<_>>()?;
-    Ok(summarise(
-        concurrency,
-        &timings,
-        wall,
-        cpu_before.zip(cpu_after),
-        &health,
-    ))
+    // What the probes cost the gateway is not generation work.
+    let probes_cpu = gateway.map_or(Duration::ZERO, |(_, per_probe)| {
+        per_probe.saturating_mul(u32::try_from(health.len()).unwrap_or(u32::MAX))
+    });
+    let gateway_cpu = cpu_before
+        .zip(cpu_after)
+        .map(|(before, after)| (before, after.saturating_sub(probes_cpu)));
+    Ok(summarise(concurrency, &timings, wall, gateway_cpu, &health))
+}
+
+/// Probes the idle server measures its CPU cost by: enough for the 10 ms clock ticks of
+/// `/proc` to resolve a few µs per probe.
+const CALIBRATION_PROBES: u32 = 2000;
+
+/// The gateway's CPU time per `/health` answer, measured on the idle server.
+fn health_probe_cpu_cost(client: &ApiClient, gateway_pid: u32) -> anyhow::Result<Duration> {
+    let before = process_cpu_time(gateway_pid)?;
+    for _ in 0..CALIBRATION_PROBES {
+        client.get_status("/health")?;
+    }
+    let after = process_cpu_time(gateway_pid)?;
+    Ok(after.saturating_sub(before) / CALIBRATION_PROBES)
 }
 
 /// The figures of one level from its streams, its wall time, the gateway's CPU time before

@@ -47,6 +47,11 @@ pub struct RunArgs {
     /// Start with thinking enabled (toggle with /think).
     #[arg(long)]
     pub think: bool,
+    /// Another name clients may use for the model, `NAME=MODEL` (repeat); a NAME ending in `*`
+    /// matches every name with that prefix: `--model-alias 'claude-*=MODEL'` lets Claude Code
+    /// ask for any Claude model (`claude --model claude-sonnet-4-5`).
+    #[arg(long = "model-alias", value_name = "NAME=MODEL")]
+    pub model_aliases: Vec<String>,
     #[command(flatten)]
     pub engine: EngineFlags,
 }
@@ -330,7 +335,14 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
             api.to_string(),
             "--state-dir".into(),
             state_dir().display().to_string(),
-        ],
+        ]
+        .into_iter()
+        .chain(
+            args.model_aliases
+                .iter()
+                .flat_map(|alias| ["--model-alias".to_string(), alias.clone()]),
+        )
+        .collect(),
     })?;
     if args.serve {
         eprintln!("starting; logs in {}", supervisor.log_dir().display());

@@ -98,6 +98,11 @@ pub struct EngineFlags {
     /// No MTP speculative decoding, also where `ninfer run` would turn it on.
     #[arg(long)]
     pub no_mtp: bool,
+    /// The model's name in the API (`/v1/models`, the `model` field of requests). Default: the
+    /// artifact's file name without `.ninfer` (and without the checksum a checkpoint converted
+    /// on the fly carries in its cache file name).
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
     /// Extra arguments for the engine (repeat the flag per argument).
     #[arg(long = "engine-arg", allow_hyphen_values = true, value_name = "ARG")]
     pub engine_args: Vec<String>,
@@ -389,6 +394,13 @@ pub fn engine_command_line(
         "--listen".into(),
         listen.to_string(),
     ];
+    if !passes(extra, "--model-name") {
+        let name = flags
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| default_served_name(model));
+        arguments.extend(["--model-name".into(), name]);
+    }
     if !worker_addresses.is_empty() {
         arguments.extend(["--experts".into(), worker_addresses.join(",")]);
     }
@@ -446,6 +458,30 @@ pub fn engine_command_line(
     }
     arguments.extend(extra.iter().cloned());
     arguments
+}
+
+/// The name a model is served under when none is given: the artifact's file stem, less the
+/// `-<16 hex digits>` checksum of a checkpoint converted into the cache (`Qwen3-30B-A3B`, not
+/// `Qwen3-30B-A3B-3f9c…`): clients name models as their makers do.
+pub fn default_served_name(model: &Path) -> String {
+    let stem = model
+        .file_stem()
+        .map(|stem| stem.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let in_conversion_cache = model
+        .parent()
+        .is_some_and(|directory| directory.ends_with("ninfer/converted"));
+    match stem.rsplit_once('-') {
+        Some((name, checksum))
+            if in_conversion_cache
+                && !name.is_empty()
+                && checksum.len() == 16
+                && checksum.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            name.to_string()
+        }
+        _ => stem,
+    }
 }
 
 /// True when something accepts connections at `address` (`unix:PATH` or `HOST:PORT`): the
@@ -507,6 +543,18 @@ fn wait_then_supervise(
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn served_names_drop_the_conversion_cache_checksum_only() {
+        let cached =
+            Path::new("/home/u/.cache/ninfer/converted/Qwen3-30B-A3B-0123456789abcdef.ninfer");
+        assert_eq!(default_served_name(cached), "Qwen3-30B-A3B");
+        // A user's own file keeps its whole name, whatever it ends with.
+        let own = Path::new("/models/tiny-0123456789abcdef.ninfer");
+        assert_eq!(default_served_name(own), "tiny-0123456789abcdef");
+        let short = Path::new("/x/ninfer/converted/model-abc.ninfer");
+        assert_eq!(default_served_name(short), "model-abc");
+    }
 
     #[derive(Debug, Parser)]
     struct Command {

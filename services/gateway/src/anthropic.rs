@@ -33,7 +33,7 @@ use crate::generation::{
 use crate::request_body::JsonRequestBody;
 use crate::server::parse_json_body;
 use crate::state::GatewayState;
-use crate::tool_calls::{split_tool_calls, ToolCallCapture};
+use crate::tool_calls::{split_tool_calls, AnswerEnd, ToolCallCapture};
 
 /// A string, or a list of content blocks.
 #[derive(Debug, Clone, Deserialize)]
@@ -406,6 +406,16 @@ fn chat_conversation(
     })
 }
 
+/// `stop_reason`: `tool_use` when the model finished with calls, `max_tokens` whenever the
+/// answer was cut (a cut call is not reported as complete).
+fn messages_stop_reason(summary: &GenerationSummary, made_calls: bool) -> &'static str {
+    match summary.finish {
+        FinishKind::Length => "max_tokens",
+        _ if made_calls => "tool_use",
+        _ => stop_reason_text(summary),
+    }
+}
+
 fn stop_reason_text(summary: &GenerationSummary) -> &'static str {
     match (summary.finish, &summary.matched_stop) {
         (FinishKind::Stop, Some(_)) => "stop_sequence",
@@ -445,6 +455,7 @@ async fn messages_inner(
                 .map_err(|_| GatewayError::invalid_parameter("top_k", "top_k: too large"))?,
         ),
     };
+    crate::generation::check_temperature(request.temperature, 1.0)?;
     let options = SamplingOptions {
         temperature: request.temperature,
         top_p: request.top_p,
@@ -476,7 +487,11 @@ async fn messages_inner(
     }
     let generation = collect_generation(receiver).await?;
     let (text, calls) = match &tools {
-        Some(tools) => split_tool_calls(&generation.content, tools),
+        Some(tools) => split_tool_calls(
+            &generation.content,
+            tools,
+            AnswerEnd::of(generation.summary.finish),
+        ),
         None => (generation.content.clone(), Vec::new()),
     };
     let mut content = Vec::new();
@@ -490,11 +505,7 @@ async fn messages_inner(
     for (position, call) in calls.iter().enumerate() {
         content.push(json!({"type": "tool_use", "id": format!("toolu_{}_{position}", plan.request_id), "name": call.name, "input": call.arguments}));
     }
-    let stop_reason = if calls.is_empty() {
-        stop_reason_text(&generation.summary)
-    } else {
-        "tool_use"
-    };
+    let stop_reason = messages_stop_reason(&generation.summary, !calls.is_empty());
     Ok(Json(json!({
         "id": id,
         "type": "message",
@@ -597,7 +608,9 @@ fn stream_messages(
                 }
                 Ok(GenerationEvent::Finished(summary)) => {
                     let (rest, calls) = match (capture.as_mut(), tools.as_ref()) {
-                        (Some(capture), Some(tools)) => capture.finish(tools),
+                        (Some(capture), Some(tools)) => {
+                            capture.finish(tools, AnswerEnd::of(summary.finish))
+                        }
                         _ => (String::new(), Vec::new()),
                     };
                     if !rest.is_empty() {
@@ -637,11 +650,7 @@ fn stream_messages(
                             json!({"type": "content_block_stop", "index": block_index}),
                         ));
                     }
-                    let stop_reason = if calls.is_empty() {
-                        stop_reason_text(&summary)
-                    } else {
-                        "tool_use"
-                    };
+                    let stop_reason = messages_stop_reason(&summary, !calls.is_empty());
                     outgoing.push(event(
                         "message_delta",
                         json!({"type": "message_delta",

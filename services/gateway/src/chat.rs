@@ -334,6 +334,36 @@ impl ChatConversation {
 }
 
 /// Reads a JSON object of template variables (`chat_template_kwargs`) into name/value pairs.
+/// A client's reasoning effort (`reasoning_effort`, Responses `reasoning.effort`) as template
+/// variables: `none` turns thinking off (`enable_thinking = false`) unless the client set
+/// `enable_thinking` itself; other efforts leave the template's default (thinking on). Unknown
+/// values are refused by name.
+pub fn apply_reasoning_effort(
+    conversation: &mut ChatConversation,
+    parameter: &str,
+    effort: Option<&str>,
+) -> Result<(), GatewayError> {
+    match effort {
+        None | Some("minimal") | Some("low") | Some("medium") | Some("high") => Ok(()),
+        Some("none") => {
+            if !conversation
+                .template_variables
+                .iter()
+                .any(|(name, _)| name == "enable_thinking")
+            {
+                conversation
+                    .template_variables
+                    .push(("enable_thinking".to_string(), Value::from(false)));
+            }
+            Ok(())
+        }
+        Some(other) => Err(GatewayError::invalid_parameter(
+            parameter,
+            format!("`{parameter}` must be one of none, minimal, low, medium, high; got `{other}`"),
+        )),
+    }
+}
+
 pub fn template_variables_from_object(
     parameter: &str,
     object: &Value,

@@ -132,6 +132,20 @@ impl SamplingOptions {
     }
 }
 
+/// Refuses a temperature outside `0..=highest`, the range of the API a request came through
+/// (OpenAI's is 0–2, Anthropic's 0–1), in the words those APIs use.
+pub fn check_temperature(temperature: Option<f32>, highest: f32) -> Result<(), GatewayError> {
+    match temperature {
+        Some(t) if !t.is_finite() || t < 0.0 || t > highest => {
+            Err(GatewayError::invalid_parameter(
+                "temperature",
+                format!("`temperature` must be between 0 and {highest}, got {t}"),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Converts a client-given integer to a token count, refusing negatives and absurd values.
 pub fn token_count_parameter(name: &str, value: Option<i64>) -> Result<Option<u32>, GatewayError> {
     match value {
@@ -438,6 +452,8 @@ pub struct GenerationSummary {
     pub matched_stop: Option<String>,
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    /// Generated tokens inside the thinking block (`<think>` … `</think>`, the tags included).
+    pub reasoning_tokens: u32,
 }
 
 /// What a generation task sends to its handler.
@@ -616,6 +632,11 @@ async fn run_generation(
     let mut stop_matcher = StopStringMatcher::new(plan.options.stop.clone());
     let mut splitter = plan.reasoning.map(ReasoningSplitter::new);
     let mut completion_tokens: u32 = 0;
+    // Reasoning is counted by token ids: the thinking block's tags are single tokens.
+    let think_open = tokenizer.token_to_id("<think>");
+    let think_close = tokenizer.token_to_id("</think>");
+    let mut in_reasoning = plan.reasoning == Some(ReasoningStart::InsideThinking);
+    let mut reasoning_tokens: u32 = 0;
     let mut last_token_at: Option<Instant> = None;
     // With one tool call allowed, the answer ends at the first `</tool_call>`.
     let mut answer_so_far = String::new();
@@ -660,6 +681,17 @@ async fn run_generation(
         let mut logprobs = Vec::new();
         if !token.no_token {
             completion_tokens += 1;
+            if plan.reasoning.is_some() {
+                if Some(token.token_id) == think_open && completion_tokens == 1 {
+                    in_reasoning = true;
+                }
+                if in_reasoning {
+                    reasoning_tokens += 1;
+                }
+                if Some(token.token_id) == think_close {
+                    in_reasoning = false;
+                }
+            }
             metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
             match last_token_at {
                 None => metrics
@@ -772,6 +804,7 @@ async fn run_generation(
                 matched_stop,
                 prompt_tokens,
                 completion_tokens,
+                reasoning_tokens: reasoning_tokens.min(completion_tokens),
             };
             let _ = sender.send(Ok(GenerationEvent::Finished(summary))).await;
             // Returning drops the token stream: after a stop string that cancels the engine.

@@ -31,7 +31,7 @@ use crate::request_body::JsonRequestBody;
 use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::structured::openai_response_format;
-use crate::tool_calls::{split_tool_calls, ParsedToolCall, ToolCallCapture};
+use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall, ToolCallCapture};
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -139,6 +139,9 @@ pub struct ChatCompletionRequest {
     /// `{"type": "text" | "json_object" | "json_schema", ...}`, enforced on the tokens.
     #[serde(default)]
     pub response_format: Option<JsonValue>,
+    /// `none` turns thinking off; `minimal` to `high` keep the template's default.
+    #[serde(default)]
+    pub reasoning_effort: Option<String>,
 }
 
 /// OpenAI's `tool_choice` in the gateway's terms.
@@ -220,6 +223,7 @@ impl OpenAiSampling {
         logprobs: bool,
         top_logprobs: Option<i64>,
     ) -> Result<SamplingOptions, GatewayError> {
+        crate::generation::check_temperature(self.temperature, 2.0)?;
         let top_k =
             match self.top_k {
                 None => None,
@@ -394,6 +398,16 @@ fn unix_seconds() -> u64 {
         .unwrap_or(0)
 }
 
+/// A chat choice's `finish_reason`: `tool_calls` when the model finished with calls, but
+/// `length` whenever the answer was cut (a cut call is not reported as complete, as vLLM does).
+fn chat_finish_reason(finish: FinishKind, made_calls: bool) -> &'static str {
+    match finish {
+        FinishKind::Length => "length",
+        _ if made_calls => "tool_calls",
+        other => finish_reason_text(other),
+    }
+}
+
 fn finish_reason_text(finish: FinishKind) -> &'static str {
     match finish {
         FinishKind::Stop => "stop",
@@ -405,6 +419,13 @@ fn finish_reason_text(finish: FinishKind) -> &'static str {
 
 fn usage_json(prompt_tokens: u32, completion_tokens: u32) -> JsonValue {
     json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+}
+
+/// Chat usage: also how many of the completion tokens were reasoning.
+fn chat_usage_json(prompt_tokens: u32, completion_tokens: u32, reasoning_tokens: u32) -> JsonValue {
+    let mut usage = usage_json(prompt_tokens, completion_tokens);
+    usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning_tokens});
+    usage
 }
 
 fn chat_logprobs_json(entries: &[TokenLogprobEntry]) -> JsonValue {
@@ -477,6 +498,11 @@ async fn chat_completions_inner(
     conversation.check_tool_choice("tool_choice")?;
     conversation.response_format = openai_response_format(request.response_format.as_ref())?;
     conversation.single_tool_call = request.parallel_tool_calls == Some(false);
+    crate::chat::apply_reasoning_effort(
+        &mut conversation,
+        "reasoning_effort",
+        request.reasoning_effort.as_deref(),
+    )?;
     let plan = state
         .generator
         .plan_chat(model, &conversation, options)
@@ -502,28 +528,32 @@ async fn chat_completions_inner(
         ));
     }
     let mut choices = Vec::new();
-    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let (mut prompt_tokens, mut completion_tokens, mut reasoning_tokens) = (0, 0, 0);
     for (index, receiver) in receivers.into_iter().enumerate() {
         let generation = collect_generation(receiver).await?;
         prompt_tokens = generation.summary.prompt_tokens;
         completion_tokens += generation.summary.completion_tokens;
+        reasoning_tokens += generation.summary.reasoning_tokens;
         let reasoning_content = if generation.reasoning.is_empty() {
             JsonValue::Null
         } else {
             JsonValue::from(generation.reasoning)
         };
         let (content, calls) = match &tools {
-            Some(tools) => split_tool_calls(&generation.content, tools),
+            Some(tools) => split_tool_calls(
+                &generation.content,
+                tools,
+                AnswerEnd::of(generation.summary.finish),
+            ),
             None => (generation.content.clone(), Vec::new()),
         };
         let mut message = json!({"role": "assistant", "content": content, "reasoning_content": reasoning_content});
-        let mut finish = finish_reason_text(generation.summary.finish);
+        let finish = chat_finish_reason(generation.summary.finish, !calls.is_empty());
         if !calls.is_empty() {
             message["tool_calls"] = tool_calls_json(&plan.request_id, index, &calls, false);
             if content.is_empty() {
                 message["content"] = JsonValue::Null;
             }
-            finish = "tool_calls";
         }
         choices.push(json!({
             "index": index,
@@ -539,7 +569,7 @@ async fn chat_completions_inner(
         "created": created,
         "model": plan.model.name,
         "choices": choices,
-        "usage": usage_json(prompt_tokens, completion_tokens),
+        "usage": chat_usage_json(prompt_tokens, completion_tokens, reasoning_tokens),
     }))
     .into_response())
 }
@@ -660,7 +690,8 @@ fn stream_chat(
                     )
                 }
                 Ok(GenerationEvent::Finished(summary)) => {
-                    let mut finish = finish_reason_text(summary.finish);
+                    let finish_kind = summary.finish;
+                    let mut finish = finish_reason_text(finish_kind);
                     let stop_reason = summary.matched_stop.clone();
                     if let Some(slot) = summaries.get_mut(index) {
                         *slot = Some(summary);
@@ -668,7 +699,7 @@ fn stream_chat(
                     if let (Some(Some(capture)), Some(tools)) =
                         (captures.get_mut(index), tools.as_ref())
                     {
-                        let (rest, calls) = capture.finish(tools);
+                        let (rest, calls) = capture.finish(tools, AnswerEnd::of(finish_kind));
                         let mut delta = serde_json::Map::new();
                         if !rest.is_empty() {
                             delta.insert("content".to_string(), JsonValue::from(rest));
@@ -679,8 +710,8 @@ fn stream_chat(
                                 "tool_calls".to_string(),
                                 tool_calls_json(&request_id, index, &calls, true),
                             );
-                            finish = "tool_calls";
                         }
+                        finish = chat_finish_reason(finish_kind, !calls.is_empty());
                         if !delta.is_empty() {
                             let held = chunk(
                                 json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]),
@@ -720,10 +751,16 @@ fn stream_chat(
                 .flatten()
                 .map(|s| s.completion_tokens)
                 .sum();
+            let reasoning_tokens: u32 =
+                summaries.iter().flatten().map(|s| s.reasoning_tokens).sum();
             let _ = events
                 .send(chunk(
                     json!([]),
-                    Some(usage_json(prompt_tokens, completion_tokens)),
+                    Some(chat_usage_json(
+                        prompt_tokens,
+                        completion_tokens,
+                        reasoning_tokens,
+                    )),
                 ))
                 .await;
         }

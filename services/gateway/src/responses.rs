@@ -36,7 +36,7 @@ use crate::request_body::JsonRequestBody;
 use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::structured::responses_text_format;
-use crate::tool_calls::{split_tool_calls, ParsedToolCall};
+use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall};
 
 /// Responses kept for `previous_response_id` (oldest dropped first).
 const STORED_RESPONSES: usize = 1024;
@@ -60,6 +60,9 @@ pub struct ResponsesRequest {
     pub seed: Option<i64>,
     /// Extra template variables, as for chat (`{"enable_thinking": false}`).
     pub chat_template_kwargs: Option<minijinja::Value>,
+    /// `{"effort": "none" | "minimal" | "low" | "medium" | "high", ...}`: `none` turns
+    /// thinking off.
+    pub reasoning: Option<JsonValue>,
 }
 
 /// A finished response's conversation: what `previous_response_id` continues.
@@ -69,6 +72,8 @@ struct StoredResponse {
     messages: Vec<ChatMessage>,
     /// The output as conversation messages.
     output: Vec<ChatMessage>,
+    /// The finished response object (`GET /v1/responses/{id}`).
+    object: JsonValue,
 }
 
 /// Stored responses by id, and their ids oldest first.
@@ -307,13 +312,20 @@ struct ResponseFrame {
 
 impl ResponseFrame {
     /// Keeps the finished conversation for `previous_response_id`, when the request asked to.
-    fn remember(&self, history: Vec<ChatMessage>, text: &str, calls: &[(String, ParsedToolCall)]) {
+    fn remember(
+        &self,
+        history: Vec<ChatMessage>,
+        text: &str,
+        calls: &[(String, ParsedToolCall)],
+        object: &JsonValue,
+    ) {
         if self.store {
             remember(
                 &self.id,
                 StoredResponse {
                     messages: history,
                     output: output_messages(text, calls),
+                    object: object.clone(),
                 },
             );
         }
@@ -354,13 +366,13 @@ impl ResponseFrame {
     }
 }
 
-/// Usage; reasoning is not counted apart from the answer (0), as the engine reports one total.
+/// Usage, with the reasoning tokens among the output tokens.
 fn usage(summary: &GenerationSummary) -> JsonValue {
     json!({
         "input_tokens": summary.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": summary.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": summary.reasoning_tokens},
         "total_tokens": summary.prompt_tokens + summary.completion_tokens,
     })
 }
@@ -420,6 +432,18 @@ fn output_messages(text: &str, calls: &[(String, ParsedToolCall)]) -> Vec<ChatMe
 }
 
 /// `POST /v1/responses`.
+/// `GET /v1/responses/{id}`: a stored response (one created with `store` left on), as it
+/// finished; 404 in OpenAI's error shape for an unknown or expired id.
+pub async fn get_response(axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    match recall(&id) {
+        Some(stored) => Json(stored.object).into_response(),
+        None => GatewayError::RouteNotFound(format!(
+            "no response with id `{id}` (responses are kept in memory, the latest {STORED_RESPONSES}, when created with `store` on)"
+        ))
+        .into_response_for(ApiDialect::OpenAi),
+    }
+}
+
 pub async fn create_response(
     State(state): State<Arc<GatewayState>>,
     body: JsonRequestBody,
@@ -462,7 +486,7 @@ async fn create_response_inner(
     }
     messages.extend(history.iter().cloned());
     let tools = chat_tools(request.tools.as_deref())?;
-    let conversation = ChatConversation {
+    let mut conversation = ChatConversation {
         messages,
         tools,
         add_generation_prompt: true,
@@ -476,6 +500,16 @@ async fn create_response_inner(
         reasoning_budget: None,
     };
     conversation.check_tool_choice("tool_choice")?;
+    crate::chat::apply_reasoning_effort(
+        &mut conversation,
+        "reasoning.effort",
+        request
+            .reasoning
+            .as_ref()
+            .and_then(|reasoning| reasoning.get("effort"))
+            .and_then(JsonValue::as_str),
+    )?;
+    crate::generation::check_temperature(request.temperature, 2.0)?;
     let options = SamplingOptions {
         temperature: request.temperature,
         top_p: request.top_p,
@@ -534,7 +568,7 @@ async fn create_response_inner(
         }
     };
     let (text, calls) = match &callable {
-        Some(tools) => split_tool_calls(&content, tools),
+        Some(tools) => split_tool_calls(&content, tools, AnswerEnd::of(summary.finish)),
         None => (content.clone(), Vec::new()),
     };
     let mut output = Vec::new();
@@ -563,7 +597,7 @@ async fn create_response_inner(
         named_calls.push((call_id, call));
     }
     let body = frame.object(status, output, Some(usage(&summary)), incomplete);
-    frame.remember(history, &text, &named_calls);
+    frame.remember(history, &text, &named_calls, &body);
     Ok(Json(body).into_response())
 }
 
@@ -657,7 +691,7 @@ fn stream_response(
             }
         };
         let (rest, calls) = match (capture.as_mut(), callable.as_ref()) {
-            (Some(capture), Some(tools)) => capture.finish(tools),
+            (Some(capture), Some(tools)) => capture.finish(tools, AnswerEnd::of(summary.finish)),
             _ => (String::new(), Vec::new()),
         };
         let (status, incomplete) = completion_status(&summary);
@@ -719,8 +753,8 @@ fn stream_response(
         } else {
             "response.incomplete"
         };
+        frame.remember(history, &text, &named_calls, &finished);
         pending.push((last, json!({"response": finished})));
-        frame.remember(history, &text, &named_calls);
         for (kind, value) in pending {
             if events.send(send(kind, value)).await.is_err() {
                 return;

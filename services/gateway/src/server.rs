@@ -49,6 +49,7 @@ pub fn build_router(state: Arc<GatewayState>) -> Router {
         )
         .route("/v1/completions", post(crate::openai::completions))
         .route("/v1/responses", post(crate::responses::create_response))
+        .route("/v1/responses/{id}", get(crate::responses::get_response))
         .route("/v1/models", get(crate::openai::list_models))
         .route("/v1/models/{model}", get(crate::openai::get_model))
         .route("/v1/messages", post(crate::anthropic::messages))
@@ -59,6 +60,8 @@ pub fn build_router(state: Arc<GatewayState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
+        // Clients check that a server is there with `HEAD /` (GET answers HEAD too).
+        .route("/", get(root))
         .route("/metrics", get(metrics))
         .route("/v1/stats/experts", get(expert_statistics))
         .fallback(fallback)
@@ -101,6 +104,7 @@ pub fn dialect_for_path(path: &str) -> ApiDialect {
 /// Paths anyone may call (probes and scrapers).
 fn is_public_path(path: &str) -> bool {
     path == "/health"
+        || path == "/"
         || path == "/metrics"
         || path.starts_with("/grpc.health.v1.")
         || path.starts_with("/grpc.reflection.")
@@ -236,6 +240,12 @@ async fn method_not_allowed(request: Request) -> Response {
     response
 }
 
+/// What this server is: a name and where its health is; never waits on an engine.
+async fn root() -> Response {
+    Json(json!({"service": "ninfer", "version": env!("CARGO_PKG_VERSION"), "health": "/health"}))
+        .into_response()
+}
+
 /// 200 when at least one engine is ready, 503 otherwise; the body lists the engines.
 async fn health(State(state): State<Arc<GatewayState>>) -> Response {
     let snapshot = state.backend.snapshot();
@@ -267,10 +277,14 @@ async fn health(State(state): State<Arc<GatewayState>>) -> Response {
 
 async fn metrics(State(state): State<Arc<GatewayState>>) -> Response {
     let snapshot = state.backend.snapshot();
-    let routing = match &state.routing_stats {
+    // The state directory keeps totals of every model it ever served; show this server's.
+    let routing: Vec<_> = match &state.routing_stats {
         Some(store) => store.snapshot().await,
         None => Vec::new(),
-    };
+    }
+    .into_iter()
+    .filter(|totals| snapshot.models.contains_key(&totals.model))
+    .collect();
     let text = state.metrics.render(&snapshot, &routing);
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],

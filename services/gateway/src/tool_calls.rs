@@ -26,38 +26,75 @@ impl ParsedToolCall {
     }
 }
 
+/// How an answer ended, as far as its last tool call is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerEnd {
+    /// The model ended it (end-of-sequence, a stop string): an unclosed last block is the
+    /// model's whole call and is parsed to the end.
+    Finished,
+    /// `max_tokens` or the context cut it: an unclosed last block is half a call, neither a
+    /// call nor text (the client is told `length` / `max_tokens`).
+    Cut,
+}
+
+impl AnswerEnd {
+    pub fn of(finish: crate::generation::FinishKind) -> Self {
+        match finish {
+            crate::generation::FinishKind::Length => AnswerEnd::Cut,
+            _ => AnswerEnd::Finished,
+        }
+    }
+}
+
 /// Splits a whole answer into the text before the first tool call and the calls.
-/// Text that looks like a call but does not parse stays text.
+/// Text that looks like a call but does not parse stays text, except half a call in a cut
+/// answer, which is dropped.
 pub fn split_tool_calls(
     content: &str,
     tools: &[minijinja::Value],
+    end: AnswerEnd,
 ) -> (String, Vec<ParsedToolCall>) {
     let Some(start) = content.find(OPEN_TAG) else {
         return (content.to_string(), Vec::new());
     };
-    let calls = parse_tool_call_blocks(&content[start..], tools);
-    if calls.is_empty() {
+    let blocks = parse_tool_call_blocks(&content[start..], tools, end);
+    if blocks.calls.is_empty() && !blocks.dropped_cut_call {
         return (content.to_string(), Vec::new());
     }
-    (content[..start].trim_end().to_string(), calls)
+    (content[..start].trim_end().to_string(), blocks.calls)
 }
 
-/// Parses every `<tool_call>` block of `text` (an unclosed last block is parsed to the end).
-fn parse_tool_call_blocks(text: &str, tools: &[minijinja::Value]) -> Vec<ParsedToolCall> {
-    let mut calls = Vec::new();
+/// The calls of a run of `<tool_call>` blocks.
+struct ParsedBlocks {
+    calls: Vec<ParsedToolCall>,
+    /// A cut answer's unclosed last block was left out.
+    dropped_cut_call: bool,
+}
+
+/// Parses every `<tool_call>` block of `text` (an unclosed last block is parsed to the end when
+/// the model finished the answer, dropped when the answer was cut).
+fn parse_tool_call_blocks(text: &str, tools: &[minijinja::Value], end: AnswerEnd) -> ParsedBlocks {
+    let mut blocks = ParsedBlocks {
+        calls: Vec::new(),
+        dropped_cut_call: false,
+    };
     let mut rest = text;
     while let Some(start) = rest.find(OPEN_TAG) {
         let after_open = &rest[start + OPEN_TAG.len()..];
         let (body, next) = match after_open.find(CLOSE_TAG) {
-            Some(end) => (&after_open[..end], &after_open[end + CLOSE_TAG.len()..]),
+            Some(close) => (&after_open[..close], &after_open[close + CLOSE_TAG.len()..]),
+            None if end == AnswerEnd::Cut => {
+                blocks.dropped_cut_call = true;
+                break;
+            }
             None => (after_open, ""),
         };
         if let Some(call) = parse_one_call(body.trim(), tools) {
-            calls.push(call);
+            blocks.calls.push(call);
         }
         rest = next;
     }
-    calls
+    blocks
 }
 
 fn parse_one_call(body: &str, tools: &[minijinja::Value]) -> Option<ParsedToolCall> {
@@ -183,17 +220,22 @@ impl ToolCallCapture {
         release
     }
 
-    /// End of the answer: the calls, and any text that turned out not to be a call.
-    pub fn finish(&mut self, tools: &[minijinja::Value]) -> (String, Vec<ParsedToolCall>) {
+    /// End of the answer: the calls, and any text that turned out not to be a call (never
+    /// half a call of a cut answer).
+    pub fn finish(
+        &mut self,
+        tools: &[minijinja::Value],
+        end: AnswerEnd,
+    ) -> (String, Vec<ParsedToolCall>) {
         let pending = std::mem::take(&mut self.pending);
         match self.captured.take() {
             None => (pending, Vec::new()),
             Some(captured) => {
-                let calls = parse_tool_call_blocks(&captured, tools);
-                if calls.is_empty() {
+                let blocks = parse_tool_call_blocks(&captured, tools, end);
+                if blocks.calls.is_empty() && !blocks.dropped_cut_call {
                     (captured, Vec::new())
                 } else {
-                    (String::new(), calls)
+                    (String::new(), blocks.calls)
                 }
             }
         }
@@ -215,7 +257,7 @@ mod tests {
     #[test]
     fn xml_calls_are_parsed_with_schema_types() {
         let text = "Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=zip>\n94107\n</parameter>\n</function>\n</tool_call>";
-        let (content, calls) = split_tool_calls(text, &[weather_tool()]);
+        let (content, calls) = split_tool_calls(text, &[weather_tool()], AnswerEnd::Finished);
         assert_eq!(content, "Let me check.");
         assert_eq!(calls.len(), 1);
         assert_eq!(calls[0].name, "get_weather");
@@ -227,7 +269,7 @@ mod tests {
     #[test]
     fn json_calls_and_several_blocks() {
         let text = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>\n<tool_call>\n<function=b>\n</function>\n</tool_call>";
-        let (content, calls) = split_tool_calls(text, &[]);
+        let (content, calls) = split_tool_calls(text, &[], AnswerEnd::Finished);
         assert_eq!(content, "");
         assert_eq!(
             calls.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
@@ -243,13 +285,42 @@ mod tests {
         for piece in ["Sure. <tool", "_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"] {
             shown.push_str(&capture.push(piece));
         }
-        let (rest, calls) = capture.finish(&[weather_tool()]);
+        let (rest, calls) = capture.finish(&[weather_tool()], AnswerEnd::Finished);
         assert_eq!(shown, "Sure.");
         assert_eq!(rest, "");
         assert_eq!(calls[0].arguments["city"], "Oslo");
         let mut plain = ToolCallCapture::default();
         assert_eq!(plain.push("a <b>"), "a <b>");
         assert_eq!(plain.push(" <tool"), "");
-        assert_eq!(plain.finish(&[]), (" <tool".to_string(), Vec::new()));
+        assert_eq!(
+            plain.finish(&[], AnswerEnd::Finished),
+            (" <tool".to_string(), Vec::new())
+        );
+    }
+
+    #[test]
+    fn half_a_call_in_a_cut_answer_is_neither_a_call_nor_text() {
+        let cut = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOs";
+        // The model's own end: the unclosed block is its whole call.
+        let (content, calls) = split_tool_calls(cut, &[weather_tool()], AnswerEnd::Finished);
+        assert_eq!((content.as_str(), calls.len()), ("Checking.", 1));
+        // Cut by max_tokens: no call, and no half block in the text.
+        let (content, calls) = split_tool_calls(cut, &[weather_tool()], AnswerEnd::Cut);
+        assert_eq!(content, "Checking.");
+        assert!(calls.is_empty());
+        // A complete call before the cut one is kept.
+        let two = format!(
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>\n{}",
+            &cut[10..]
+        );
+        let (content, calls) = split_tool_calls(&two, &[weather_tool()], AnswerEnd::Cut);
+        assert_eq!((content.as_str(), calls.len()), ("", 1));
+        // Streaming: what was held back is dropped, not released as text.
+        let mut capture = ToolCallCapture::default();
+        assert_eq!(capture.push(cut), "Checking.");
+        assert_eq!(
+            capture.finish(&[weather_tool()], AnswerEnd::Cut),
+            (String::new(), Vec::new())
+        );
     }
 }

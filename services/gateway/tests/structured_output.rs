@@ -15,7 +15,7 @@ use ninfer_gateway::chat::ToolChoice;
 use ninfer_gateway::structured::{
     forced_tool_grammar, response_format_grammar, ResponseFormat, ToolCallSyntax, ToolSpec,
 };
-use ninfer_gateway::tool_calls::split_tool_calls;
+use ninfer_gateway::tool_calls::{split_tool_calls, AnswerEnd};
 use serde_json::{json, Value};
 
 /// A small deterministic generator (splitmix64).
@@ -169,7 +169,7 @@ fn forced_tool_calls_in_both_syntaxes_always_parse_and_fit_their_schemas() {
                     continue;
                 };
                 finished += 1;
-                let (rest, calls) = split_tool_calls(&text, &definitions);
+                let (rest, calls) = split_tool_calls(&text, &definitions, AnswerEnd::Finished);
                 assert!(
                     !calls.is_empty(),
                     "{syntax:?} {choice:?}: no call parsed from {text:?}"

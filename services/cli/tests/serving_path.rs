@@ -1,0 +1,327 @@
+//! The path users take, on the CPU, with a model of the real Qwen3.5 vocabulary (248,320 rows;
+//! the tokenizer rebuilt in `tests/fixtures/qwen3_5_tokenizer`): a tiny random model made by
+//! `ninfer convert --synthetic --tokenizer`, served by `ninfer run --serve`.
+//!
+//! - `ninfer bench serve` measures it through the HTTP API: every level answers, `/health`
+//!   keeps answering under 16 streams, and the gateway's CPU time per generated token is far
+//!   from the whole-vocabulary work per token it once did (the bound leaves room for a debug
+//!   build on a loaded machine; release figures are in docs/BENCHMARKS.md).
+//! - The served name carries no conversion checksum, aliases from `--model-alias` answer, and
+//!   `/metrics` shows routing statistics of this model only.
+//! - Unmodified Claude Code completes a `-p` run against a model that ends its turn at once
+//!   (`--ends-turns`), when Claude Code is installed (`.ci/run` installs it).
+//!
+//! Needs the workspace binaries next to `ninfer` (`cargo build --workspace --bins`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::fixture;
+use serde_json::Value;
+
+/// `ninfer` with private runtime, cache and state directories under `scratch`.
+fn ninfer(scratch: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ninfer"));
+    let runtime = scratch.join("runtime");
+    std::fs::create_dir_all(&runtime).unwrap_or_else(|e| panic!("{e}"));
+    command
+        .env("XDG_RUNTIME_DIR", runtime)
+        .env("XDG_CACHE_HOME", scratch.join("cache"))
+        .env("XDG_STATE_HOME", scratch.join("state"))
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null());
+    command
+}
+
+/// The tiny real-vocabulary model: the Qwen3.5-35B-A3B structure at toy width, 4 layers (three
+/// Gated DeltaNet, one full attention), the real tokenizer.
+fn real_vocabulary_model(scratch: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let output = scratch.join(format!("{name}.ninfer"));
+    let result = ninfer(scratch)
+        .args([
+            "convert",
+            "--synthetic",
+            "qwen3.5-35b-a3b",
+            "--scale-down",
+            "--layers",
+            "4",
+            "--tokenizer",
+        ])
+        .arg(fixture("qwen3_5_tokenizer"))
+        .args(extra)
+        .arg(&output)
+        .output()
+        .unwrap_or_else(|e| panic!("ninfer convert: {e}"));
+    assert!(
+        result.status.success(),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    output
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `ninfer run MODEL --serve` on the CPU; stopped with SIGTERM on drop.
+struct Server {
+    child: Child,
+    address: String,
+}
+
+impl Server {
+    fn start(scratch: &Path, model: &Path, extra: &[&str]) -> Self {
+        let address = format!("127.0.0.1:{}", free_port());
+        let log =
+            std::fs::File::create(scratch.join("server.log")).unwrap_or_else(|e| panic!("{e}"));
+        let child = ninfer(scratch)
+            .arg("run")
+            .arg(model)
+            .args([
+                "--serve", "--listen", &address, "--device", "cpu", "--no-mtp",
+            ])
+            .args(["--moe-threads", "1"])
+            .args(extra)
+            .stdout(log.try_clone().unwrap_or_else(|e| panic!("{e}")))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("ninfer run: {e}"));
+        let mut server = Server { child, address };
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while http(&server.address, "GET", "/health", None).0 != 200 {
+            if Instant::now() > deadline || matches!(server.child.try_wait(), Ok(Some(_))) {
+                let log = std::fs::read_to_string(scratch.join("server.log")).unwrap_or_default();
+                let _ = server.child.kill();
+                panic!("ninfer run --serve did not become healthy:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP/1.1 request on a fresh connection: (status, body).
+fn http(address: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(address) else {
+        return (0, String::new());
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    if stream.write_all(request.as_bytes()).is_err() {
+        return (0, String::new());
+    }
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn bench_serve_measures_the_api_with_the_real_vocabulary() {
+    let scratch = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let model = real_vocabulary_model(scratch.path(), "real", &[]);
+    let output = ninfer(scratch.path())
+        .args(["bench", "serve"])
+        .arg(&model)
+        .args([
+            "--concurrency",
+            "1,16",
+            "--prompt-tokens",
+            "64",
+            "--output-tokens",
+            "24",
+            "--json",
+            "--run-arg=--device",
+            "--run-arg=cpu",
+            "--run-arg=--no-mtp",
+            "--run-arg=--moe-threads",
+            "--run-arg=1",
+            "--bench-arg=--device",
+            "--bench-arg=cpu",
+            "--bench-arg=--moe-threads",
+            "--bench-arg=1",
+            "--bench-arg=--ram-buffer-gib",
+            "--bench-arg=0.0625",
+            "--bench-arg=--ram-passes",
+            "--bench-arg=2",
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("ninfer bench serve: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let report: Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+    eprintln!("{report:#}");
+    assert_eq!(report["model"], "real");
+    let levels = report["levels"].as_array().cloned().unwrap_or_default();
+    assert_eq!(levels.len(), 2, "{report}");
+    for level in &levels {
+        let streams = level["concurrency"].as_u64().unwrap_or(0);
+        assert_eq!(level["requests"].as_u64(), Some(streams), "{level}");
+        // Every answer is the asked length (end-of-sequence ignored) and the prompt the asked
+        // length as the server's tokenizer counts it.
+        assert_eq!(
+            level["completion_tokens"].as_u64(),
+            Some(24 * streams),
+            "{level}"
+        );
+        assert_eq!(level["prompt_tokens"].as_u64(), Some(64), "{level}");
+        assert!(
+            level["stream_tok_s"].as_f64().unwrap_or(0.0) > 0.0,
+            "{level}"
+        );
+        assert_eq!(level["health_failures"].as_u64(), Some(0), "{level}");
+        assert!(level["health_probes"].as_u64().unwrap_or(0) > 0, "{level}");
+        // Health never waits on generation: far below the seconds it once took.
+        assert!(
+            level["health_max_ms"].as_f64().unwrap_or(f64::MAX) < 1000.0,
+            "{level}"
+        );
+        // Whole-vocabulary work per token cost ~185,000 µs; a debug build's per-token work
+        // is a few hundred.
+        let cpu = level["gateway_cpu_us_per_token"].as_f64();
+        assert!(cpu.is_some_and(|us| us < 5000.0), "{level}");
+    }
+    let engine = report["engine_decode_tok_s"].as_f64().unwrap_or(0.0);
+    assert!(engine > 0.0, "{report}");
+    assert!(report["stream_over_engine"].as_f64().unwrap_or(0.0) > 0.0);
+}
+
+#[test]
+fn served_names_aliases_and_metrics_are_this_models() {
+    let scratch = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let model = real_vocabulary_model(scratch.path(), "tiny-real", &[]);
+    // Routing totals of another model, left in the state directory by an earlier server.
+    let stats = scratch.path().join("state/ninfer/expert-stats");
+    std::fs::create_dir_all(&stats).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(
+        stats.join("some-other-model.json"),
+        r#"{"format":"ninfer-expert-stats-v1","model":"some-other-model","tokens_routed":5,"layers":{"0":[5,0]},"updated_unix_ms":1}"#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let server = Server::start(
+        scratch.path(),
+        &model,
+        &[
+            "--served-model-name",
+            "qwen-tiny",
+            "--model-alias",
+            "gpt-4o=qwen-tiny",
+        ],
+    );
+    let (status, models) = http(&server.address, "GET", "/v1/models", None);
+    assert_eq!(status, 200, "{models}");
+    let models: Value = serde_json::from_str(&models).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(models["data"][0]["id"], "qwen-tiny", "{models}");
+    let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":3}"#;
+    let (status, answer) = http(&server.address, "POST", "/v1/chat/completions", Some(body));
+    assert_eq!(status, 200, "{answer}");
+    let (status, _) = http(&server.address, "HEAD", "/", None);
+    assert_eq!(status, 200);
+    let (_, metrics) = http(&server.address, "GET", "/metrics", None);
+    assert!(!metrics.contains("some-other-model"), "{metrics}");
+}
+
+fn claude_code() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("NINFER_CLAUDE_CODE") {
+        return Some(PathBuf::from(path)).filter(|p| p.is_file());
+    }
+    let found = Command::new("sh")
+        .args(["-c", "command -v claude"])
+        .output()
+        .ok()?;
+    let path = String::from_utf8_lossy(&found.stdout).trim().to_string();
+    (found.status.success() && !path.is_empty()).then(|| PathBuf::from(path))
+}
+
+#[test]
+fn claude_code_completes_a_turn_against_the_real_vocabulary_model() {
+    let Some(claude) = claude_code() else {
+        eprintln!("SKIPPED: Claude Code is not installed (npm install @anthropic-ai/claude-code, then set NINFER_CLAUDE_CODE to its `claude` binary or put it on PATH)");
+        return;
+    };
+    let scratch = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let model = real_vocabulary_model(scratch.path(), "ends-turns", &["--ends-turns"]);
+    // Claude Code's system prompt and tools are tens of thousands of tokens.
+    let server = Server::start(
+        scratch.path(),
+        &model,
+        &[
+            "--max-context",
+            "65536",
+            "--model-alias",
+            "claude-*=ends-turns",
+        ],
+    );
+    let home = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let work = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let output = Command::new("timeout")
+        .arg("600")
+        .arg(claude)
+        .args([
+            "-p",
+            "Say hello.",
+            "--output-format",
+            "json",
+            "--model",
+            "claude-sonnet-4-5",
+            "--max-turns",
+            "2",
+        ])
+        .current_dir(work.path())
+        .env("HOME", home.path())
+        .env("ANTHROPIC_BASE_URL", format!("http://{}", server.address))
+        .env("ANTHROPIC_API_KEY", "test-key")
+        .env("DISABLE_TELEMETRY", "1")
+        .env("DISABLE_AUTOUPDATER", "1")
+        .env("DISABLE_ERROR_REPORTING", "1")
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+        .output()
+        .unwrap_or_else(|e| panic!("claude: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    eprintln!("claude stdout: {stdout}\nclaude stderr: {stderr}");
+    let result: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("Claude Code's JSON output: {e}\n{stdout}\n{stderr}"));
+    assert_eq!(result["is_error"], false, "{result}");
+    assert_eq!(result["subtype"], "success", "{result}");
+    assert!(output.status.success(), "{stderr}");
+    drop(server);
+}

@@ -52,6 +52,57 @@ def http_json(base_url, path, body, api_key):
         return json.loads(response.read())
 
 
+WEATHER_OPENAI = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER_ANTHROPIC = [{"name": "get_weather", "description": "Weather of a city", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def tool_call_checks(oa, an, model):
+    """Against a server whose every answer is one get_weather(city=Paris) call: a call cut by
+    max_tokens is reported as cut (`length` / `max_tokens`), with no half call in the text; a
+    whole call is a call."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+
+    @check("openai: a tool call cut by max_tokens is length, not a call, not text")
+    def openai_cut():
+        cut = oa.chat.completions.create(model=model, messages=ask, tools=WEATHER_OPENAI, max_tokens=6, temperature=0.0)
+        choice = cut.choices[0]
+        assert choice.finish_reason == "length", choice.finish_reason
+        assert not choice.message.tool_calls, choice.message.tool_calls
+        assert "<tool_call" not in (choice.message.content or ""), choice.message.content
+        stream = oa.chat.completions.create(model=model, messages=ask, tools=WEATHER_OPENAI, max_tokens=6, temperature=0.0, stream=True)
+        content, calls, finish = "", [], None
+        for chunk in stream:
+            for streamed in chunk.choices:
+                content += streamed.delta.content or ""
+                calls += streamed.delta.tool_calls or []
+                finish = streamed.finish_reason or finish
+        assert finish == "length" and not calls and "<tool_call" not in content, (finish, calls, content)
+        whole = oa.chat.completions.create(model=model, messages=ask, tools=WEATHER_OPENAI, max_tokens=200, temperature=0.0)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.finish_reason
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+        return "length, then tool_calls"
+
+    @check("anthropic: a tool call cut by max_tokens is max_tokens, no tool_use, no half call")
+    def anthropic_cut():
+        cut = an.messages.create(model=model, max_tokens=6, messages=ask, tools=WEATHER_ANTHROPIC, extra_body=AN_GREEDY)
+        assert cut.stop_reason == "max_tokens", cut.stop_reason
+        assert not [b for b in cut.content if b.type == "tool_use"], cut.content
+        assert all("<tool_call" not in b.text for b in cut.content if b.type == "text"), cut.content
+        with an.messages.stream(model=model, max_tokens=6, messages=ask, tools=WEATHER_ANTHROPIC, extra_body=AN_GREEDY) as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_message()
+        assert final.stop_reason == "max_tokens" and not [b for b in final.content if b.type == "tool_use"], final
+        whole = an.messages.create(model=model, max_tokens=200, messages=ask, tools=WEATHER_ANTHROPIC, extra_body=AN_GREEDY)
+        uses = [b for b in whole.content if b.type == "tool_use"]
+        assert whole.stop_reason == "tool_use" and uses and uses[0].input == {"city": "Paris"}, whole
+        return "max_tokens, then tool_use"
+
+    openai_cut()
+    anthropic_cut()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", required=True, help="gateway root, e.g. http://127.0.0.1:8080")
@@ -60,6 +111,7 @@ def main():
     parser.add_argument("--reference", default=None, help="fixture reference.json for the greedy check")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--claude-model", default=None, help="a Claude model name the gateway aliases (--model-alias) to check")
+    parser.add_argument("--tool-call-answer", action="store_true", help="the server answers every chat with one get_weather(city=Paris) call: check calls cut by max_tokens and whole ones (only these checks run)")
     args = parser.parse_args()
     base = args.base_url.rstrip("/")
     oa = openai.OpenAI(base_url=base + "/v1", api_key=args.api_key, max_retries=0, timeout=120)
@@ -303,7 +355,71 @@ def main():
             assert error.body and "previous_response_id" in json.dumps(error.body), error.body
         return f"answer={answer.output_text[:30]!r}"
 
-    for step in [tool_choice_unknown, logit_bias, models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias, responses, responses_tools]:
+    @check("reasoning_effort none turns thinking off; reasoning tokens counted")
+    def reasoning_effort():
+        thinking = oa.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens, **greedy)
+        reasoning = getattr(thinking.choices[0].message, "reasoning_content", None)
+        details = thinking.usage.completion_tokens_details
+        if reasoning:
+            assert details is not None and 0 < details.reasoning_tokens <= thinking.usage.completion_tokens, thinking.usage
+        off = oa.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens, reasoning_effort="none", **greedy)
+        assert not getattr(off.choices[0].message, "reasoning_content", None), off.choices[0].message
+        assert off.usage.completion_tokens_details.reasoning_tokens == 0, off.usage
+        # The template closed the thinking block itself: the prompt is longer by that block.
+        assert off.usage.prompt_tokens > thinking.usage.prompt_tokens, (off.usage, thinking.usage)
+        response = oa.responses.create(model=model, input="What is the capital of France?", max_output_tokens=args.max_tokens, temperature=0.0, reasoning={"effort": "none"})
+        assert not [item for item in response.output if item.type == "reasoning"], response.output
+        try:
+            oa.chat.completions.create(model=model, messages=messages, max_tokens=4, reasoning_effort="extreme")
+            raise AssertionError("an unknown reasoning_effort was accepted")
+        except openai.BadRequestError as error:
+            assert "reasoning_effort" in json.dumps(error.body), error.body
+        return f"reasoning_tokens={details.reasoning_tokens if details else None}"
+
+    @check("openai.responses.retrieve returns the stored response")
+    def responses_retrieve():
+        created = oa.responses.create(model=model, input="What is the capital of France?", max_output_tokens=args.max_tokens, temperature=0.0)
+        again = oa.responses.retrieve(created.id)
+        assert again.id == created.id and again.output_text == created.output_text, (again, created)
+        try:
+            oa.responses.retrieve("resp_unknown")
+            raise AssertionError("an unknown response id was found")
+        except openai.NotFoundError:
+            pass
+        return created.id
+
+    @check("temperatures outside each API's range -> BadRequestError")
+    def temperature_ranges():
+        try:
+            oa.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=2.5)
+            raise AssertionError("OpenAI temperature 2.5 was accepted")
+        except openai.BadRequestError as error:
+            assert "temperature" in json.dumps(error.body), error.body
+        try:
+            an.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 1.5})
+            raise AssertionError("Anthropic temperature 1.5 was accepted")
+        except anthropic.BadRequestError as error:
+            assert "temperature" in json.dumps(error.body), error.body
+        # The top of each range is fine.
+        oa.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=2.0)
+        an.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 1.0})
+        return "2.5 and 1.5 refused"
+
+    @check("HEAD / answers")
+    def head_root():
+        request = urllib.request.Request(base + "/", method="HEAD")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200, response.status
+        return "200"
+
+    if args.tool_call_answer:
+        tool_call_checks(oa, an, model)
+        passed = sum(ok for _, ok, _ in RESULTS)
+        failed = len(RESULTS) - passed
+        print(f"{passed} passed, {failed} failed")
+        sys.exit(1 if failed else 0)
+
+    for step in [reasoning_effort, responses_retrieve, temperature_ranges, head_root, tool_choice_unknown, logit_bias, models_list, chat_plain, chat_stream, completions, stop_strings, unknown_model, messages_plain, messages_stream, thinking, stop_sequences, anthropic_unknown, system_in_messages, context_overflow, image_tool_result, model_alias, responses, responses_tools]:
         step()
 
     if args.reference:

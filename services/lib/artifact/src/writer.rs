@@ -1,7 +1,9 @@
 //! Streaming writer: tensors are appended one at a time (memory stays near the largest tensor),
 //! the header goes last, then the preamble, then temporary files are renamed into place.
 //! Dropping an unfinished writer deletes its temporary files, so an interrupted conversion never
-//! leaves a file that looks complete.
+//! leaves a file that looks complete. A resumable writer (`create_resumable`) writes under
+//! stable temporary names with a journal beside them, so a later process can continue from the
+//! last `checkpoint` instead of starting over.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
@@ -40,10 +42,36 @@ pub fn part_path(path: &Path, index: u32) -> PathBuf {
     PathBuf::from(name)
 }
 
-fn temporary_path(path: &Path) -> PathBuf {
+fn temporary_path(path: &Path, resumable: bool) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
-    name.push(format!(".tmp-{}", std::process::id()));
+    if resumable {
+        name.push(".partial");
+    } else {
+        name.push(format!(".tmp-{}", std::process::id()));
+    }
     PathBuf::from(name)
+}
+
+/// The journal of a resumable artifact at `path`: what its temporary files hold so far.
+pub fn journal_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".partial.json");
+    PathBuf::from(name)
+}
+
+/// What a resumable writer has written, as of its last checkpoint.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Journal {
+    /// The caller's identity of the conversion; another key starts over.
+    key: String,
+    part_size: u64,
+    part_count: usize,
+    position: u64,
+    tensors: Vec<TensorEntry>,
+    files: BTreeMap<String, FileEntry>,
+    banks: Vec<ExpertBank>,
+    /// The open bank, the experts written to it and its two tensor sizes.
+    open_bank: Option<(ExpertBank, u64, u64, u64)>,
 }
 
 struct PartFile {
@@ -71,11 +99,42 @@ pub struct ArtifactWriter {
     banks: Vec<ExpertBank>,
     open_bank: Option<OpenBank>,
     finished: bool,
+    /// `Some(key)` for a resumable writer.
+    resume_key: Option<String>,
+    /// Keep the temporary files and journal when dropped unfinished (a later run resumes).
+    keep_for_resume: bool,
 }
 
 impl ArtifactWriter {
     /// Starts a new artifact at `path` (written under a temporary name until `finish`).
     pub fn create(path: &Path, options: WriterOptions) -> Result<Self, ArtifactError> {
+        Self::create_with(path, options, None)
+    }
+
+    /// Starts, or continues, a resumable artifact at `path`: written under `PATH.partial`
+    /// (and `PATH.part-NNNN.partial`) with a journal `PATH.partial.json`. When a journal of the
+    /// same `key` and split is there and its files hold what it records, the writer continues
+    /// after its last checkpoint (bytes written after it are cut off); otherwise it starts over.
+    pub fn create_resumable(
+        path: &Path,
+        options: WriterOptions,
+        key: &str,
+    ) -> Result<Self, ArtifactError> {
+        match Self::resume(path, options, key) {
+            Some(writer) => Ok(writer),
+            None => {
+                // A journal of another conversion must not describe these new files.
+                let _ = std::fs::remove_file(journal_path(path));
+                Self::create_with(path, options, Some(key.to_string()))
+            }
+        }
+    }
+
+    fn create_with(
+        path: &Path,
+        options: WriterOptions,
+        resume_key: Option<String>,
+    ) -> Result<Self, ArtifactError> {
         let part_size = match options.max_part_bytes {
             Some(limit) => (limit / PART_GRANULARITY).max(1) * PART_GRANULARITY,
             None => u64::MAX,
@@ -91,6 +150,8 @@ impl ArtifactWriter {
             banks: Vec::new(),
             open_bank: None,
             finished: false,
+            resume_key,
+            keep_for_resume: false,
         };
         writer.open_part(path.to_path_buf())?;
         // Placeholder preamble: all zeros until `finish`, so a partial file never validates.
@@ -98,8 +159,137 @@ impl ArtifactWriter {
         Ok(writer)
     }
 
+    /// The writer a journal describes, or `None` when there is nothing usable to resume.
+    fn resume(path: &Path, options: WriterOptions, key: &str) -> Option<Self> {
+        let text = std::fs::read(journal_path(path)).ok()?;
+        let journal: Journal = serde_json::from_slice(&text).ok()?;
+        let part_size = match options.max_part_bytes {
+            Some(limit) => (limit / PART_GRANULARITY).max(1) * PART_GRANULARITY,
+            None => u64::MAX,
+        };
+        if journal.key != key || journal.part_size != part_size || journal.part_count == 0 {
+            return None;
+        }
+        let mut parts = Vec::new();
+        for index in 0..journal.part_count {
+            let final_path = if index == 0 {
+                path.to_path_buf()
+            } else {
+                part_path(path, index as u32)
+            };
+            let temporary_path = temporary_path(&final_path, true);
+            let first = index as u64 * part_size;
+            let length = journal.position.saturating_sub(first).min(part_size);
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&temporary_path)
+                .ok()?;
+            if file.metadata().ok()?.len() < length {
+                return None;
+            }
+            // Bytes after the checkpoint belong to work that will be done again.
+            file.set_len(length).ok()?;
+            file.seek(SeekFrom::End(0)).ok()?;
+            parts.push(PartFile {
+                final_path,
+                temporary_path,
+                writer: BufWriter::with_capacity(8 << 20, file),
+            });
+        }
+        let names = journal.tensors.iter().map(|t| t.name.clone()).collect();
+        Some(ArtifactWriter {
+            final_path: path.to_path_buf(),
+            part_size,
+            parts,
+            position: journal.position,
+            tensors: journal.tensors,
+            names,
+            files: journal.files,
+            banks: journal.banks,
+            open_bank: journal.open_bank.map(
+                |(bank, next_expert, gate_up_bytes, down_bytes)| OpenBank {
+                    bank,
+                    next_expert,
+                    gate_up_bytes,
+                    down_bytes,
+                },
+            ),
+            finished: false,
+            resume_key: Some(key.to_string()),
+            keep_for_resume: false,
+        })
+    }
+
+    /// Records what is written so far, so a later `create_resumable` continues from here
+    /// (no-op for a writer that is not resumable). The journal is replaced atomically.
+    pub fn checkpoint(&mut self) -> Result<(), ArtifactError> {
+        let Some(key) = self.resume_key.clone() else {
+            return Ok(());
+        };
+        for part in &mut self.parts {
+            part.writer
+                .flush()
+                .map_err(|e| ArtifactError::io(&part.temporary_path, "flushing", e))?;
+        }
+        let journal = Journal {
+            key,
+            part_size: self.part_size,
+            part_count: self.parts.len(),
+            position: self.position,
+            tensors: self.tensors.clone(),
+            files: self.files.clone(),
+            banks: self.banks.clone(),
+            open_bank: self.open_bank.as_ref().map(|open| {
+                (
+                    open.bank.clone(),
+                    open.next_expert,
+                    open.gate_up_bytes,
+                    open.down_bytes,
+                )
+            }),
+        };
+        let bytes = serde_json::to_vec(&journal)
+            .map_err(|e| self.write_error(format!("encoding the journal: {e}")))?;
+        let path = journal_path(&self.final_path);
+        let mut staging = path.as_os_str().to_owned();
+        staging.push(".new");
+        let staging = PathBuf::from(staging);
+        std::fs::write(&staging, bytes)
+            .and_then(|_| std::fs::rename(&staging, &path))
+            .map_err(|e| ArtifactError::io(&path, "writing the journal", e))
+    }
+
+    /// Whether a tensor of this name is written (after resuming: before the checkpoint).
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.names.contains(name)
+    }
+
+    /// Whether an embedded file of this name is written.
+    pub fn has_file(&self, name: &str) -> bool {
+        self.files.contains_key(name)
+    }
+
+    /// Whether the bank `prefix` is written and closed.
+    pub fn has_bank(&self, prefix: &str) -> bool {
+        self.banks.iter().any(|bank| bank.prefix == prefix)
+    }
+
+    /// The experts written to the open bank when it is `prefix`.
+    pub fn open_bank_experts(&self, prefix: &str) -> Option<u64> {
+        self.open_bank
+            .as_ref()
+            .filter(|open| open.bank.prefix == prefix)
+            .map(|open| open.next_expert)
+    }
+
+    /// Whether dropping this writer unfinished keeps its files for a later run (resumable
+    /// writers only; a fatal input error should not keep them).
+    pub fn keep_for_resume(&mut self, keep: bool) {
+        self.keep_for_resume = keep && self.resume_key.is_some();
+    }
+
     fn open_part(&mut self, final_path: PathBuf) -> Result<(), ArtifactError> {
-        let temporary_path = temporary_path(&final_path);
+        let temporary_path = temporary_path(&final_path, self.resume_key.is_some());
         let file = File::create(&temporary_path)
             .map_err(|e| ArtifactError::io(&temporary_path, "creating output file", e))?;
         self.parts.push(PartFile {
@@ -404,6 +594,9 @@ impl ArtifactWriter {
         std::fs::rename(&first.temporary_path, &first.final_path)
             .map_err(|e| ArtifactError::io(&first.final_path, "renaming into place", e))?;
         self.finished = true;
+        if self.resume_key.is_some() {
+            let _ = std::fs::remove_file(journal_path(&self.final_path));
+        }
         Ok(self.parts.iter().map(|p| p.final_path.clone()).collect())
     }
 
@@ -466,9 +659,12 @@ fn remove_stale_parts(path: &Path, part_count: u32) {
 
 impl Drop for ArtifactWriter {
     fn drop(&mut self) {
-        if !self.finished {
+        if !self.finished && !self.keep_for_resume {
             for part in &self.parts {
                 let _ = std::fs::remove_file(&part.temporary_path);
+            }
+            if self.resume_key.is_some() {
+                let _ = std::fs::remove_file(journal_path(&self.final_path));
             }
         }
     }

@@ -43,11 +43,20 @@ pub enum ConvertError {
     },
     #[error("conversion interrupted; no output was left behind")]
     Interrupted,
+    /// Reading a remote checkpoint failed (after the source's own retries).
+    #[error("{}: {problem}", file.display())]
+    Fetch { file: PathBuf, problem: String },
     #[error(transparent)]
     Artifact(#[from] ninfer_artifact::ArtifactError),
 }
 
 impl ConvertError {
+    /// Whether a later run of the same conversion could get further (a network failure or an
+    /// interruption), so a resumable conversion keeps its partial output for it.
+    pub fn is_resumable(&self) -> bool {
+        matches!(self, ConvertError::Fetch { .. } | ConvertError::Interrupted)
+    }
+
     pub(crate) fn io(
         file: impl Into<PathBuf>,
         action: &'static str,

@@ -12,11 +12,13 @@ mod plan;
 mod routing_locality;
 mod safetensors_file;
 mod side_files;
+mod source;
 pub mod synthetic;
 pub mod synthetic_tokenizer;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use ninfer_artifact::quant::{f32_to_bf16_bytes, f32_to_bytes, quantize_matrix, QuantizedLayout};
 use ninfer_artifact::{
@@ -31,6 +33,7 @@ use plan::{
     SourceNames,
 };
 use safetensors_file::{Checkpoint, SourceDType};
+pub use source::{ByteRange, RangeSource, RemoteShard};
 pub use synthetic::{write_synthetic, Preset, Routing, SyntheticOptions, PRESETS};
 
 /// What to convert and how.
@@ -101,6 +104,56 @@ pub fn convert_checkpoint(
     options: &ConvertOptions,
     progress: &dyn ConvertProgress,
 ) -> Result<ConvertReport, ConvertError> {
+    check_dense_dtype(options)?;
+    let checkpoint = Checkpoint::open(&options.input_dir)?;
+    convert_from(options, &checkpoint, false, progress)
+}
+
+/// Converts a checkpoint whose shards `source` serves by range (`options.input_dir` holds its
+/// config and tokenizer files). Every range is announced to `source` in reading order before
+/// the first read. The conversion is resumable: it writes under stable temporary names with a
+/// journal (`ArtifactWriter::create_resumable`), and a run stopped by a fetch error or an
+/// interruption leaves them for the next run of the same conversion, which continues after
+/// the last checkpoint. Any other error leaves no output file.
+pub fn convert_remote_checkpoint(
+    options: &ConvertOptions,
+    shards: &[RemoteShard],
+    source: Arc<dyn RangeSource>,
+    progress: &dyn ConvertProgress,
+) -> Result<ConvertReport, ConvertError> {
+    check_dense_dtype(options)?;
+    let checkpoint = Checkpoint::remote(&options.input_dir, shards, Some(source))?;
+    convert_from(options, &checkpoint, true, progress)
+}
+
+/// What converting a remote checkpoint will write and read, from its headers alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConversionSize {
+    /// Bytes of the artifact's tensors (its files and header add a little).
+    pub output_bytes: u64,
+    /// Bytes read from the checkpoint's shards.
+    pub read_bytes: u64,
+    /// The largest single read (a cache must hold at least this).
+    pub largest_read: u64,
+}
+
+/// The size of converting the remote checkpoint `shards` with `options`, without reading it.
+pub fn remote_conversion_size(
+    options: &ConvertOptions,
+    shards: &[RemoteShard],
+) -> Result<ConversionSize, ConvertError> {
+    check_dense_dtype(options)?;
+    let checkpoint = Checkpoint::remote(&options.input_dir, shards, None)?;
+    let (_, plan) = plan_of(options, &checkpoint)?;
+    let reads = planned_reads(&plan, &checkpoint, |_| false, |_, _| false)?;
+    Ok(ConversionSize {
+        output_bytes: planned_output_bytes(&checkpoint, &plan)?,
+        read_bytes: reads.iter().map(ByteRange::len).sum(),
+        largest_read: reads.iter().map(ByteRange::len).max().unwrap_or(0),
+    })
+}
+
+fn check_dense_dtype(options: &ConvertOptions) -> Result<(), ConvertError> {
     if !matches!(options.dense_dtype, DType::Bf16 | DType::F32) {
         return Err(ConvertError::Input {
             file: options.output.clone(),
@@ -110,10 +163,17 @@ pub fn convert_checkpoint(
             ),
         });
     }
+    Ok(())
+}
+
+/// The normalised model and the checked plan of a checkpoint.
+fn plan_of(
+    options: &ConvertOptions,
+    checkpoint: &Checkpoint,
+) -> Result<(ModelConfig, plan::Plan), ConvertError> {
     let parsed = read_config(&options.input_dir)?;
     let mut model = parsed.model.clone();
-    let checkpoint = Checkpoint::open(&options.input_dir)?;
-    let mut names = SourceNames::new(&checkpoint);
+    let mut names = SourceNames::new(checkpoint);
     let plan = build_plan(
         &model,
         &mut names,
@@ -126,6 +186,41 @@ pub fn convert_checkpoint(
     if let Some(c) = model.hybrid_mut() {
         c.mtp_num_layers = plan.mtp_layers;
     }
+    Ok((model, plan))
+}
+
+/// What identifies a conversion for resuming: its options, model and source tensors.
+fn resume_key(options: &ConvertOptions, model: &ModelConfig, checkpoint: &Checkpoint) -> String {
+    let mut text = format!(
+        "{} {} {:?} {:?} {}\n{:?}\n",
+        options.experts_dtype,
+        options.dense_dtype,
+        options.max_file_bytes,
+        options.reuse,
+        options.skip_vision,
+        model
+    );
+    for tensor in checkpoint.tensors.values() {
+        text.push_str(&format!(
+            "{} {} {:?} {:?} {}..{}\n",
+            tensor.name, tensor.shard, tensor.dtype, tensor.shape, tensor.start, tensor.end
+        ));
+    }
+    format!(
+        "ninfer {} {}",
+        env!("CARGO_PKG_VERSION"),
+        ninfer_artifact::Checksum::of(text.as_bytes())
+    )
+}
+
+fn convert_from(
+    options: &ConvertOptions,
+    checkpoint: &Checkpoint,
+    resumable: bool,
+    progress: &dyn ConvertProgress,
+) -> Result<ConvertReport, ConvertError> {
+    let parsed = read_config(&options.input_dir)?;
+    let (model, plan) = plan_of(options, checkpoint)?;
     let side = side_files::read_side_files(&options.input_dir, progress)?;
     let reuse = match &options.reuse {
         Some(path) => {
@@ -149,33 +244,37 @@ pub fn convert_checkpoint(
         progress.note(note);
     }
 
-    let mut writer = ArtifactWriter::create(
-        &options.output,
-        WriterOptions {
-            max_part_bytes: options.max_file_bytes,
-        },
-    )?;
-    if let Some(tokenizer) = &side.tokenizer_json {
-        writer.add_file("tokenizer.json", tokenizer)?;
-    }
-    if let Some(config) = &side.tokenizer_config_json {
-        writer.add_file("tokenizer_config.json", config)?;
-    }
-    if let Some(template) = &side.chat_template {
-        writer.add_file("chat_template.jinja", template.as_bytes())?;
-    }
+    let writer_options = WriterOptions {
+        max_part_bytes: options.max_file_bytes,
+    };
+    let mut writer = if resumable {
+        let key = resume_key(options, &model, checkpoint);
+        ArtifactWriter::create_resumable(&options.output, writer_options, &key)?
+    } else {
+        ArtifactWriter::create(&options.output, writer_options)?
+    };
+    let resumed_at = writer.position();
     let mut run = Run {
-        checkpoint: &checkpoint,
+        checkpoint,
         reuse: reuse.as_ref(),
         progress,
         written: 0,
         reused: 0,
+        since_checkpoint: 0,
+        // About a hundred checkpoints per conversion, at most a GiB of output apart: a
+        // resumed run redoes at most that much.
+        checkpoint_every: (planned_output_bytes(checkpoint, &plan)? / 100).min(1 << 30),
     };
-    for item in &plan.items {
-        match item {
-            PlannedItem::Tensor(tensor) => run.write_tensor(&mut writer, tensor)?,
-            PlannedItem::Bank(bank) => run.write_bank(&mut writer, bank)?,
-        }
+    if resumed_at > 0 {
+        progress.note(&format!(
+            "resuming an interrupted conversion of {} at byte {resumed_at}",
+            options.output.display()
+        ));
+    }
+    let body = run.write_all(&mut writer, &plan, &side);
+    if let Err(error) = body {
+        writer.keep_for_resume(error.is_resumable());
+        return Err(error);
     }
     let (written, reused) = (run.written, run.reused);
     if reuse.is_some() {
@@ -207,12 +306,117 @@ pub fn convert_checkpoint(
     })
 }
 
+/// Bytes of every tensor the plan writes.
+fn planned_output_bytes(checkpoint: &Checkpoint, plan: &plan::Plan) -> Result<u64, ConvertError> {
+    let mut total = 0;
+    for item in &plan.items {
+        total += match item {
+            PlannedItem::Tensor(tensor) => tensor_bytes(checkpoint, &tensor_spec(tensor))?,
+            PlannedItem::Bank(bank) => {
+                let (gate_up, down) = bank_tensor_bytes(checkpoint, bank)?;
+                bank.experts.len() as u64 * (gate_up + down)
+            }
+        };
+    }
+    Ok(total)
+}
+
+/// The artifact spec of a planned (non-expert) tensor.
+fn tensor_spec(tensor: &PlannedTensor) -> TensorSpec {
+    TensorSpec {
+        name: tensor.name.clone(),
+        class: tensor.class,
+        dtype: tensor.dtype,
+        shape: tensor.shape.clone(),
+        quantization: None,
+    }
+}
+
+fn tensor_bytes(checkpoint: &Checkpoint, spec: &TensorSpec) -> Result<u64, ConvertError> {
+    ninfer_artifact::writer::expected_tensor_bytes(spec).map_err(|problem| ConvertError::Input {
+        file: checkpoint.directory.clone(),
+        problem: format!("tensor `{}`: {problem}", spec.name),
+    })
+}
+
+/// The bytes of one expert's `gate_up` and `down` tensors in a bank.
+fn bank_tensor_bytes(
+    checkpoint: &Checkpoint,
+    bank: &PlannedBank,
+) -> Result<(u64, u64), ConvertError> {
+    let (h, im) = (bank.hidden_size as u64, bank.intermediate_size as u64);
+    Ok((
+        tensor_bytes(checkpoint, &expert_spec(bank, 0, "gate_up", &[2 * im, h])?)?,
+        tensor_bytes(checkpoint, &expert_spec(bank, 0, "down", &[h, im])?)?,
+    ))
+}
+
+/// Every range the conversion reads, in order: a whole tensor per planned tensor and per
+/// per-expert matrix, one slice per expert of a fused bank. `tensor_done` and `expert_done`
+/// (bank, index) name what is not read (reused or written before a resume). `Run` reads exactly
+/// these, in this order.
+fn planned_reads(
+    plan: &plan::Plan,
+    checkpoint: &Checkpoint,
+    tensor_done: impl Fn(&PlannedTensor) -> bool,
+    expert_done: impl Fn(&PlannedBank, usize) -> bool,
+) -> Result<Vec<ByteRange>, ConvertError> {
+    let whole = |name: &String| {
+        let tensor = &checkpoint.tensors[name];
+        checkpoint.range_of(tensor, 0, tensor.element_count() as usize)
+    };
+    let mut reads = Vec::new();
+    for item in &plan.items {
+        match item {
+            PlannedItem::Tensor(tensor) => {
+                if !tensor_done(tensor) {
+                    reads.push(whole(&tensor.source));
+                }
+            }
+            PlannedItem::Bank(bank) => {
+                let (h, im) = (bank.hidden_size, bank.intermediate_size);
+                for (index, expert) in bank.experts.iter().enumerate() {
+                    if expert_done(bank, index) {
+                        continue;
+                    }
+                    match expert {
+                        ExpertSource::PerExpert { gate, up, down } => {
+                            reads.extend([whole(gate), whole(up), whole(down)]);
+                        }
+                        ExpertSource::Fused {
+                            gate_up,
+                            down,
+                            index,
+                        } => {
+                            let (per_gate_up, per_down) = (2 * im * h, h * im);
+                            reads.push(checkpoint.range_of(
+                                &checkpoint.tensors[gate_up],
+                                index * per_gate_up,
+                                per_gate_up,
+                            ));
+                            reads.push(checkpoint.range_of(
+                                &checkpoint.tensors[down],
+                                index * per_down,
+                                per_down,
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(reads)
+}
+
 struct Run<'a> {
     checkpoint: &'a Checkpoint,
     reuse: Option<&'a Artifact>,
     progress: &'a dyn ConvertProgress,
     written: u64,
     reused: u64,
+    /// Output bytes since the resumable writer's last checkpoint, and the interval.
+    since_checkpoint: u64,
+    checkpoint_every: u64,
 }
 
 impl Run<'_> {
@@ -223,25 +427,97 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Everything but the header: embedded files, then each planned item (skipping what a
+    /// resumed writer holds already).
+    fn write_all(
+        &mut self,
+        writer: &mut ArtifactWriter,
+        plan: &plan::Plan,
+        side: &side_files::SideFiles,
+    ) -> Result<(), ConvertError> {
+        if let Some(source) = self.checkpoint.range_source() {
+            let reads = planned_reads(
+                plan,
+                self.checkpoint,
+                |tensor| {
+                    let spec = tensor_spec(tensor);
+                    writer.has_tensor(&spec.name) || reusable(self.reuse, &spec).is_some()
+                },
+                |bank, index| self.expert_done(writer, bank, index),
+            )?;
+            source.announce(&reads)?;
+        }
+        let files = [
+            ("tokenizer.json", side.tokenizer_json.as_deref()),
+            ("tokenizer_config.json", side.tokenizer_config_json.as_deref()),
+            (
+                "chat_template.jinja",
+                side.chat_template.as_ref().map(|text| text.as_bytes()),
+            ),
+        ];
+        for (name, bytes) in files {
+            if let Some(bytes) = bytes.filter(|_| !writer.has_file(name)) {
+                writer.add_file(name, bytes)?;
+            }
+        }
+        for item in &plan.items {
+            match item {
+                PlannedItem::Tensor(tensor) => self.write_tensor(writer, tensor)?,
+                PlannedItem::Bank(bank) => self.write_bank(writer, bank)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether expert `index` of `bank` needs no reading: written before a resume, or reused.
+    fn expert_done(&self, writer: &ArtifactWriter, bank: &PlannedBank, index: usize) -> bool {
+        if writer.has_bank(&bank.prefix)
+            || writer
+                .open_bank_experts(&bank.prefix)
+                .is_some_and(|written| (index as u64) < written)
+        {
+            return true;
+        }
+        let (h, im) = (bank.hidden_size as u64, bank.intermediate_size as u64);
+        match (
+            expert_spec(bank, index, "gate_up", &[2 * im, h]),
+            expert_spec(bank, index, "down", &[h, im]),
+        ) {
+            (Ok(gate_up), Ok(down)) => {
+                reusable(self.reuse, &gate_up).is_some() && reusable(self.reuse, &down).is_some()
+            }
+            _ => false,
+        }
+    }
+
+    /// Output written since the last checkpoint; a resumable writer records its progress
+    /// every `checkpoint_every` bytes.
+    fn advance(&mut self, writer: &mut ArtifactWriter, bytes: u64) -> Result<(), ConvertError> {
+        self.since_checkpoint += bytes;
+        if self.since_checkpoint >= self.checkpoint_every {
+            writer.checkpoint()?;
+            self.since_checkpoint = 0;
+        }
+        Ok(())
+    }
+
     fn write_tensor(
         &mut self,
         writer: &mut ArtifactWriter,
         tensor: &PlannedTensor,
     ) -> Result<(), ConvertError> {
         self.check_cancel()?;
-        let spec = TensorSpec {
-            name: tensor.name.clone(),
-            class: tensor.class,
-            dtype: tensor.dtype,
-            shape: tensor.shape.clone(),
-            quantization: None,
-        };
+        let spec = tensor_spec(tensor);
+        if writer.has_tensor(&spec.name) {
+            self.progress.tensor_written(&tensor.name, 0);
+            return Ok(());
+        }
         if let Some(bytes) = reusable(self.reuse, &spec) {
             writer.add_tensor(spec, bytes)?;
             self.reused += 1;
             self.progress
                 .tensor_written(&tensor.name, bytes.len() as u64);
-            return Ok(());
+            return self.advance(writer, bytes.len() as u64);
         }
         let source = &self.checkpoint.tensors[&tensor.source];
         let raw_copy = matches!(tensor.rows, RowSelection::All)
@@ -251,19 +527,25 @@ impl Run<'_> {
             );
         let bytes = if raw_copy {
             // Bit-exact, and no f32 copy of a large embedding.
-            self.checkpoint.bytes(source).to_vec()
+            self.checkpoint.bytes(source)?.into_owned()
         } else {
+            let whole = self.checkpoint.read_f32(source)?;
             let values = match &tensor.rows {
-                RowSelection::All => self.checkpoint.read_f32(source),
+                RowSelection::All => whole,
                 RowSelection::Rows(rows) => {
                     let row_len = (source.element_count() / source.shape[0]) as usize;
                     let mut values = Vec::with_capacity(rows.len() * row_len);
                     for &row in rows {
-                        values.extend(self.checkpoint.read_f32_range(
-                            source,
-                            row * row_len,
-                            row_len,
-                        ));
+                        let Some(slice) = whole.get(row * row_len..(row + 1) * row_len) else {
+                            return Err(ConvertError::Input {
+                                file: self.checkpoint.shard_path(source).to_path_buf(),
+                                problem: format!(
+                                    "tensor `{}` has no row {row}",
+                                    source.name
+                                ),
+                            });
+                        };
+                        values.extend_from_slice(slice);
                     }
                     values
                 }
@@ -275,7 +557,7 @@ impl Run<'_> {
         self.checkpoint.release(source);
         self.written += 1;
         self.progress.tensor_written(&tensor.name, length);
-        Ok(())
+        self.advance(writer, length)
     }
 
     fn write_bank(
@@ -283,37 +565,36 @@ impl Run<'_> {
         writer: &mut ArtifactWriter,
         bank: &PlannedBank,
     ) -> Result<(), ConvertError> {
+        if writer.has_bank(&bank.prefix) {
+            for _ in &bank.experts {
+                self.progress.tensor_written(&bank.prefix, 0);
+            }
+            return Ok(());
+        }
         let (h, im) = (bank.hidden_size, bank.intermediate_size);
         let gate_up_shape = vec![2 * im as u64, h as u64];
         let down_shape = vec![h as u64, im as u64];
-        let (gate_up_spec, down_spec) = (
-            expert_spec(bank, 0, "gate_up", &gate_up_shape)?,
-            expert_spec(bank, 0, "down", &down_shape)?,
-        );
-        let gate_up_bytes =
-            ninfer_artifact::writer::expected_tensor_bytes(&gate_up_spec).map_err(|problem| {
-                ConvertError::Input {
-                    file: self.checkpoint.directory.clone(),
-                    problem,
-                }
-            })?;
-        let down_bytes =
-            ninfer_artifact::writer::expected_tensor_bytes(&down_spec).map_err(|problem| {
-                ConvertError::Input {
-                    file: self.checkpoint.directory.clone(),
-                    problem,
-                }
-            })?;
-        writer.begin_expert_bank(
-            &bank.prefix,
-            bank.class,
-            bank.dtype,
-            bank.experts.len() as u64,
-            gate_up_bytes,
-            down_bytes,
-        )?;
+        let (gate_up_bytes, down_bytes) = bank_tensor_bytes(self.checkpoint, bank)?;
+        let already = match writer.open_bank_experts(&bank.prefix) {
+            Some(written) => written as usize,
+            None => {
+                writer.begin_expert_bank(
+                    &bank.prefix,
+                    bank.class,
+                    bank.dtype,
+                    bank.experts.len() as u64,
+                    gate_up_bytes,
+                    down_bytes,
+                )?;
+                0
+            }
+        };
         for (index, expert) in bank.experts.iter().enumerate() {
             self.check_cancel()?;
+            if index < already {
+                self.progress.tensor_written(&bank.prefix, 0);
+                continue;
+            }
             let gate_up = expert_spec(bank, index, "gate_up", &gate_up_shape)?;
             let down = expert_spec(bank, index, "down", &down_shape)?;
             if let (Some(old_gate_up), Some(old_down)) =
@@ -323,32 +604,39 @@ impl Run<'_> {
                 self.reused += 2;
                 self.progress
                     .tensor_written(&bank.prefix, gate_up_bytes + down_bytes);
+                self.advance(writer, gate_up_bytes + down_bytes)?;
                 continue;
             }
-            let (gate_up_values, down_values) = self.read_expert(expert, h, im);
+            let (gate_up_values, down_values) = self.read_expert(expert, h, im)?;
             let gate_up_encoded = encode_expert(&gate_up_values, bank.dtype, 2 * im, h);
             let down_encoded = encode_expert(&down_values, bank.dtype, h, im);
             writer.add_expert(gate_up, &gate_up_encoded, down, &down_encoded)?;
             self.written += 2;
             self.progress
                 .tensor_written(&bank.prefix, gate_up_bytes + down_bytes);
+            self.advance(writer, gate_up_bytes + down_bytes)?;
         }
         writer.end_expert_bank()?;
         Ok(())
     }
 
     /// One expert's `[gate; up]` `[2Im, H]` and `down` `[H, Im]` as f32.
-    fn read_expert(&self, expert: &ExpertSource, h: usize, im: usize) -> (Vec<f32>, Vec<f32>) {
+    fn read_expert(
+        &self,
+        expert: &ExpertSource,
+        h: usize,
+        im: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), ConvertError> {
         let tensors = &self.checkpoint.tensors;
         match expert {
             ExpertSource::PerExpert { gate, up, down } => {
-                let mut gate_up = self.checkpoint.read_f32(&tensors[gate]);
-                gate_up.extend(self.checkpoint.read_f32(&tensors[up]));
-                let down_values = self.checkpoint.read_f32(&tensors[down]);
+                let mut gate_up = self.checkpoint.read_f32(&tensors[gate])?;
+                gate_up.extend(self.checkpoint.read_f32(&tensors[up])?);
+                let down_values = self.checkpoint.read_f32(&tensors[down])?;
                 for name in [gate, up, down] {
                     self.checkpoint.release(&tensors[name]);
                 }
-                (gate_up, down_values)
+                Ok((gate_up, down_values))
             }
             ExpertSource::Fused {
                 gate_up,
@@ -357,15 +645,15 @@ impl Run<'_> {
             } => {
                 let per_gate_up = 2 * im * h;
                 let per_down = h * im;
-                (
+                Ok((
                     self.checkpoint.read_f32_range(
                         &tensors[gate_up],
                         index * per_gate_up,
                         per_gate_up,
-                    ),
+                    )?,
                     self.checkpoint
-                        .read_f32_range(&tensors[down], index * per_down, per_down),
-                )
+                        .read_f32_range(&tensors[down], index * per_down, per_down)?,
+                ))
             }
         }
     }

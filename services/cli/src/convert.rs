@@ -17,8 +17,8 @@ use ninfer_convert::{ConvertOptions, ConvertProgress};
 #[derive(Debug, clap::Args)]
 pub struct ConvertArgs {
     /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), or
-    /// `ORG/NAME`: found in the models directory, else downloaded there first; left out with
-    /// --synthetic.
+    /// `ORG/NAME`: found in the models directory, else converted while it streams from the
+    /// hub (only the ranges of the next tensors on disk); left out with --synthetic.
     #[arg(value_name = "HF_DIR")]
     pub input_dir: Option<PathBuf>,
     /// Output artifact path, e.g. `model.ninfer`.
@@ -79,13 +79,23 @@ pub struct ConvertArgs {
     /// `~/ninfer-models`).
     #[arg(long, value_name = "DIR")]
     pub models_dir: Option<PathBuf>,
-    /// Where a model named `ORG/NAME` that is not in the models directory is downloaded from
-    /// (default: `$NINFER_SOURCE`, else Hugging Face).
+    /// Where a model named `ORG/NAME` that is not in the models directory comes from: `auto`
+    /// (the default, also from `$NINFER_SOURCE`: Hugging Face, else ModelScope),
+    /// `huggingface` or `modelscope`.
     #[arg(long, value_enum)]
-    pub source: Option<crate::download::ModelSource>,
+    pub source: Option<crate::hub::SourceChoice>,
+    /// For `ORG/NAME`: most disk space, in GB, the byte ranges fetched ahead of the conversion
+    /// may take (default 20).
+    #[arg(long, value_name = "GB")]
+    pub cache_gb: Option<f64>,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether Ctrl-C or SIGTERM arrived since `install_interrupt_handler`.
+pub(crate) fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
 
 extern "C" fn on_interrupt(_signal: nix::libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
@@ -285,8 +295,7 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         print_report(&output, &report, started);
         return Ok(());
     };
-    let input_dir = checkpoint_of(&input_dir, &args)?;
-    let options = ConvertOptions {
+    let mut options = ConvertOptions {
         input_dir: input_dir.clone(),
         output: output.clone(),
         experts_dtype: args.experts_dtype,
@@ -295,6 +304,16 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         reuse: args.reuse.clone(),
         skip_vision: args.skip_vision,
     };
+    if let Some(repository) = repository_to_stream(&input_dir, &args) {
+        progress.finish();
+        let cache_bound = crate::stream::cache_bytes(args.cache_gb)?;
+        let report =
+            crate::stream::convert_named(&repository, &options, args.source, cache_bound)?;
+        print_report(&output, &report, started);
+        return Ok(());
+    }
+    let input_dir = local_checkpoint(&input_dir, &args);
+    options.input_dir = input_dir.clone();
     let result = ninfer_convert::convert_checkpoint(&options, &progress);
     progress.finish();
     let report = result.with_context(|| {
@@ -308,17 +327,23 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The repository `ORG/NAME` HF_DIR names when it is not a path here and not (wholly) in the
+/// models directory: it is converted while it streams from the hub.
+fn repository_to_stream(input: &std::path::Path, args: &ConvertArgs) -> Option<String> {
+    let models_dir = crate::model_facts::models_dir(args.models_dir.as_deref());
+    crate::download::repository_to_download(input, &models_dir).map(|(repository, _)| repository)
+}
+
 /// The checkpoint directory HF_DIR names: itself, or for `ORG/NAME` its directory in the
-/// models directory (downloaded there first when missing).
-fn checkpoint_of(input: &std::path::Path, args: &ConvertArgs) -> anyhow::Result<PathBuf> {
+/// models directory.
+fn local_checkpoint(input: &std::path::Path, args: &ConvertArgs) -> PathBuf {
     if input.exists() {
-        return Ok(input.to_path_buf());
+        return input.to_path_buf();
     }
     let models_dir = crate::model_facts::models_dir(args.models_dir.as_deref());
-    crate::serve::download_if_named(input, &models_dir, args.source)?;
     match crate::model_facts::repository_id(input) {
-        Some((organisation, name)) => Ok(models_dir.join(organisation).join(name)),
-        None => Ok(input.to_path_buf()),
+        Some((organisation, name)) => models_dir.join(organisation).join(name),
+        None => input.to_path_buf(),
     }
 }
 

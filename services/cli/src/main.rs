@@ -1,5 +1,6 @@
 //! `ninfer`: the command-line front end (`convert`, `reshard`, `inspect`, `perplexity`, `bench`,
-//! `serve`, `run`), which also downloads models named `ORG/NAME` (`download`).
+//! `serve`, `run`), which also fetches models named `ORG/NAME` from a hub (`hub`, `download`,
+//! `stream`: a published conversion downloaded, else the checkpoint converted while it streams).
 //!
 //! Owns: argument parsing, progress display and human-readable reports.
 //! Must not touch: model math or file formats directly; it calls the library crates.
@@ -14,6 +15,7 @@ mod bench_serve;
 mod bench_serve_client;
 mod convert;
 mod download;
+mod hub;
 mod in_process;
 mod inspect;
 mod model_facts;
@@ -22,6 +24,7 @@ mod plan;
 mod reshard;
 mod run;
 mod serve;
+mod stream;
 mod supervisor;
 
 use clap::{Parser, Subcommand};

@@ -182,6 +182,29 @@ impl ModelFacts {
     }
 
     fn of_checkpoint(directory: &Path, location: &ModelLocation) -> anyhow::Result<Self> {
+        let mut shards: Vec<PathBuf> = std::fs::read_dir(directory)
+            .with_context(|| format!("listing {}", directory.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        shards.sort();
+        if shards.is_empty() {
+            bail!("{}: no .safetensors files", directory.display());
+        }
+        let headers = shards
+            .iter()
+            .map(|shard| Ok((shard.display().to_string(), safetensors_header_json(shard)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Self::of_checkpoint_headers(directory, location, &headers)
+    }
+
+    /// A checkpoint summarised from the `config.json` in `directory` and its shards' JSON
+    /// headers (`(shard name, header JSON)`), which may have come from a hub.
+    pub fn of_checkpoint_headers(
+        directory: &Path,
+        location: &ModelLocation,
+        headers: &[(String, Vec<u8>)],
+    ) -> anyhow::Result<Self> {
         let parsed = ninfer_convert::read_config(directory)
             .with_context(|| format!("reading the config of {}", directory.display()))?;
         let mut facts = ModelFacts {
@@ -197,17 +220,8 @@ impl ModelFacts {
             mtp_expert_bytes: 0,
             mtp_dense_bytes: 0,
         };
-        let mut shards: Vec<PathBuf> = std::fs::read_dir(directory)
-            .with_context(|| format!("listing {}", directory.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        shards.sort();
-        if shards.is_empty() {
-            bail!("{}: no .safetensors files", directory.display());
-        }
-        for shard in &shards {
-            for tensor in safetensors_header(shard)? {
+        for (shard, json) in headers {
+            for tensor in header_tensors(shard, json)? {
                 facts.parameters += tensor.elements;
                 match checkpoint_tensor_class(&tensor.name) {
                     TensorClass::RoutedExpert => facts.expert_bank_bytes += tensor.bytes,
@@ -261,9 +275,9 @@ struct HeaderTensor {
 /// Largest safetensors header read (the format's own readers refuse bigger ones too).
 const MAX_SAFETENSORS_HEADER: u64 = 100 << 20;
 
-/// The tensor names, element counts and byte lengths of one safetensors file, from its header
-/// alone (an 8-byte little-endian length, then that many bytes of JSON).
-fn safetensors_header(path: &Path) -> anyhow::Result<Vec<HeaderTensor>> {
+/// The JSON header of one safetensors file (an 8-byte little-endian length, then that many
+/// bytes of JSON), read without the data.
+fn safetensors_header_json(path: &Path) -> anyhow::Result<Vec<u8>> {
     use std::io::Read;
     let mut file =
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
@@ -280,8 +294,13 @@ fn safetensors_header(path: &Path) -> anyhow::Result<Vec<HeaderTensor>> {
     let mut text = vec![0u8; length as usize];
     file.read_exact(&mut text)
         .with_context(|| format!("{}: safetensors header cut short", path.display()))?;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&text)
-        .with_context(|| format!("{}: safetensors header is not JSON", path.display()))?;
+    Ok(text)
+}
+
+/// The tensor names, element counts and byte lengths of a safetensors header's JSON.
+fn header_tensors(shard: &str, json: &[u8]) -> anyhow::Result<Vec<HeaderTensor>> {
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(json)
+        .with_context(|| format!("{shard}: safetensors header is not JSON"))?;
     let mut tensors = Vec::new();
     for (name, entry) in header {
         if name == "__metadata__" {
@@ -296,10 +315,7 @@ fn safetensors_header(path: &Path) -> anyhow::Result<Vec<HeaderTensor>> {
                 .as_u64()
                 .unwrap_or(0)
                 .saturating_sub(start.as_u64().unwrap_or(0)),
-            _ => bail!(
-                "{}: tensor {name} has no data_offsets in the header",
-                path.display()
-            ),
+            _ => bail!("{shard}: tensor {name} has no data_offsets in the header"),
         };
         tensors.push(HeaderTensor {
             name,

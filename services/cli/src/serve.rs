@@ -36,11 +36,16 @@ pub struct EngineFlags {
     /// `~/ninfer-models`).
     #[arg(long, value_name = "DIR")]
     pub models_dir: Option<PathBuf>,
-    /// Where a model named `ORG/NAME` that is not in the models directory is downloaded from
-    /// (default: `$NINFER_SOURCE`, else Hugging Face; `HF_ENDPOINT` names a mirror, `HF_TOKEN`
-    /// opens gated models).
+    /// Where a model named `ORG/NAME` that is not in the models directory comes from:
+    /// `auto` (the default, also from `$NINFER_SOURCE`: Hugging Face, else ModelScope),
+    /// `huggingface` or `modelscope`. `HF_ENDPOINT` names a mirror, `HF_TOKEN` opens gated
+    /// models.
     #[arg(long, value_enum)]
-    pub source: Option<crate::download::ModelSource>,
+    pub source: Option<crate::hub::SourceChoice>,
+    /// Most disk space, in GB, the byte ranges fetched ahead of a streaming conversion may
+    /// take (default 20).
+    #[arg(long, value_name = "GB")]
+    pub cache_gb: Option<f64>,
     /// Plan for the machine this JSON file describes instead of this one (`{"cpus": 16,
     /// "numa_nodes": 1, "ram_gib": 64, "gpu_vram_gib": 16}`; optional `ram_available_gib`,
     /// `gpu_free_gib`): what `--dry-run` would plan there.
@@ -171,11 +176,18 @@ pub fn plan_for(
     may_download: bool,
 ) -> anyhow::Result<(ModelLocation, Plan)> {
     let models_dir = models_dir(flags.models_dir.as_deref());
-    if may_download {
-        download_if_named(model, &models_dir, flags.source)?;
-    }
-    let location = locate_model_in(model, &models_dir)?;
-    let facts = ModelFacts::read(&location)?;
+    let cache_bound = crate::stream::cache_bytes(flags.cache_gb)?;
+    let remote = crate::download::repository_to_download(model, &models_dir);
+    let facts = match remote {
+        Some((repository, local)) if may_download => {
+            obtain_named(&repository, &local, flags.source, cache_bound)?;
+            ModelFacts::read(&locate_model_in(model, &models_dir)?)?
+        }
+        // A plan by name, from the hub's config and headers: nothing is downloaded.
+        Some((repository, _)) => crate::stream::facts_by_name(&repository, flags.source)?,
+        None => ModelFacts::read(&locate_model_in(model, &models_dir)?)?,
+    };
+    let location = facts.location.clone();
     let machine = match &flags.machine_profile {
         Some(file) => Machine::from_profile_file(file)?,
         None => Machine::probe(),
@@ -184,22 +196,20 @@ pub fn plan_for(
     Ok((location, plan))
 }
 
-/// Downloads the model `ORG/NAME` names into the models directory when it is not there yet.
-pub fn download_if_named(
-    model: &Path,
-    models_dir: &Path,
-    source: Option<crate::download::ModelSource>,
+/// Makes the model `repository` runnable from `local`, its place in the models directory:
+/// a published conversion downloaded, else the checkpoint converted while it streams.
+pub fn obtain_named(
+    repository: &str,
+    local: &Path,
+    source: Option<crate::hub::SourceChoice>,
+    cache_bound: u64,
 ) -> anyhow::Result<()> {
-    if let Some((repository, local)) = crate::download::repository_to_download(model, models_dir) {
-        let source = crate::download::ModelSource::chosen(source)?;
-        crate::download::download_model(&repository, &local, source).with_context(|| {
-            format!(
-                "{repository} is not in the models directory {}; downloading it failed",
-                models_dir.display()
-            )
-        })?;
-    }
-    Ok(())
+    crate::stream::obtain(repository, local, source, cache_bound).with_context(|| {
+        format!(
+            "{repository} is not in the models directory ({}); fetching it failed",
+            local.display()
+        )
+    })
 }
 
 /// The artifact to run: the one located, or the checkpoint converted once (bf16) into the

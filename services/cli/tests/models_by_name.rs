@@ -1,20 +1,17 @@
-//! Models by name, against a fake hub on loopback (no network): `ninfer run ORG/NAME` and
-//! `ninfer convert ORG/NAME` download the fixture checkpoint the way the Hugging Face and
-//! ModelScope APIs serve it (file list, then each file), resume a file whose connection was cut
-//! with an HTTP range, refuse a file whose SHA-256 does not match, and name the model a 404 is
-//! about; `--dry-run` downloads nothing. And plans for machines this one is not: `--dry-run
-//! --plan-json --machine-profile FILE` for a 16 GB card with 64 GB of RAM and a 24 GB card with
-//! 128 GB.
+//! Models by name, against a fake hub on loopback (no network): `ninfer run ORG/NAME
+//! --dry-run` plans from the hub's config and headers, `ninfer convert ORG/NAME` converts the
+//! fixture checkpoint while it streams from either hub's API (resuming a range whose
+//! connection was cut), refuses a file whose SHA-256 does not match, and names the model a 404
+//! is about. And plans for machines this one is not: `--dry-run --plan-json
+//! --machine-profile FILE` for a 16 GB card with 64 GB of RAM and a 24 GB card with 128 GB.
 
 mod common;
+use common::fake_hub::{FakeHub, Repo};
 use common::fixture;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::sync::{Arc, Mutex};
 
 /// Files of the fixture checkpoint the fake hub serves.
 const SERVED_FILES: [&str; 6] = [
@@ -26,208 +23,17 @@ const SERVED_FILES: [&str; 6] = [
     "model.safetensors",
 ];
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, bytes)
-        .as_ref()
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
-}
-
-/// What the fake hub saw: each file request's path and `Range` header.
-type Requests = Arc<Mutex<Vec<(String, Option<String>)>>>;
-
-/// A hub serving `Org/Tiny` (the fixture) and `Org/Corrupt` (the fixture with a wrong
-/// checksum listed for its weights) in both APIs' shapes; anything else is 404. The first
-/// request for `model.safetensors` of each repository is cut halfway.
-struct FakeHub {
-    endpoint: String,
-    requests: Requests,
-}
-
-impl FakeHub {
-    fn start() -> FakeHub {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let endpoint = format!("http://{}", listener.local_addr().unwrap());
-        let files: HashMap<String, Vec<u8>> = SERVED_FILES
-            .iter()
-            .map(|name| {
-                (
-                    name.to_string(),
-                    std::fs::read(fixture("qwen3_moe").join(name)).unwrap(),
-                )
-            })
-            .collect();
-        let files = Arc::new(files);
-        let requests: Requests = Arc::default();
-        let cut_already = Arc::new(Mutex::new(Vec::<String>::new()));
-        let seen = requests.clone();
-        std::thread::spawn(move || {
-            for connection in listener.incoming().flatten() {
-                let (files, seen, cut_already) = (files.clone(), seen.clone(), cut_already.clone());
-                std::thread::spawn(move || serve(connection, &files, &seen, &cut_already));
-            }
-        });
-        FakeHub { endpoint, requests }
-    }
-}
-
-fn serve(
-    mut connection: TcpStream,
-    files: &HashMap<String, Vec<u8>>,
-    seen: &Requests,
-    cut_already: &Mutex<Vec<String>>,
-) {
-    let mut reader = BufReader::new(connection.try_clone().unwrap());
-    let mut request_line = String::new();
-    if reader.read_line(&mut request_line).is_err() {
-        return;
-    }
-    let mut range = None;
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-            break;
-        }
-        if let Some((name, value)) = line.split_once(':') {
-            if name.eq_ignore_ascii_case("range") {
-                range = Some(value.trim().to_string());
-            }
-        }
-    }
-    let target = request_line
-        .split_whitespace()
-        .nth(1)
-        .unwrap_or("")
-        .to_string();
-    let respond = |connection: &mut TcpStream, status: &str, headers: &str, body: &[u8]| {
-        let _ = connection.write_all(
-            format!(
-                "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n{headers}\r\n",
-                body.len()
-            )
-            .as_bytes(),
-        );
-        let _ = connection.write_all(body);
-    };
-    let listing = |repository: &str, modelscope: bool| {
-        let entries: Vec<serde_json::Value> = SERVED_FILES
-            .iter()
-            .map(|name| {
-                let bytes = &files[*name];
-                let mut sha = sha256_hex(bytes);
-                if repository == "Org/Corrupt" && *name == "model.safetensors" {
-                    sha = "0".repeat(64);
-                }
-                if modelscope {
-                    serde_json::json!({"Type": "blob", "Path": name, "Size": bytes.len(), "Sha256": sha})
-                } else {
-                    serde_json::json!({"type": "file", "path": name, "size": bytes.len(),
-                                       "lfs": {"oid": sha, "size": bytes.len()}})
-                }
-            })
-            .chain([serde_json::json!({"type": "file", "path": "README.md", "size": 5})])
-            .collect();
-        if modelscope {
-            serde_json::json!({"Code": 200, "Data": {"Files": entries}}).to_string()
-        } else {
-            serde_json::Value::from(entries).to_string()
-        }
-    };
-    let known = |repository: &str| repository == "Org/Tiny" || repository == "Org/Corrupt";
-    // Hugging Face: /api/models/ORG/NAME/tree/main?recursive=true, /ORG/NAME/resolve/main/FILE.
-    // ModelScope: /api/v1/models/ORG/NAME/repo/files?..., /api/v1/models/ORG/NAME/repo?...&FilePath=FILE.
-    let (repository, file) = if let Some(rest) = target.strip_prefix("/api/v1/models/") {
-        let repository: String = rest.split('/').take(2).collect::<Vec<_>>().join("/");
-        if rest.contains("/repo/files") {
-            if known(&repository) {
-                respond(
-                    &mut connection,
-                    "200 OK",
-                    "",
-                    listing(&repository, true).as_bytes(),
-                );
-            } else {
-                respond(&mut connection, "404 Not Found", "", b"{}");
-            }
-            return;
-        }
-        let file = rest.split("FilePath=").nth(1).unwrap_or("").to_string();
-        (repository, file)
-    } else if let Some(rest) = target.strip_prefix("/api/models/") {
-        let repository: String = rest.split('/').take(2).collect::<Vec<_>>().join("/");
-        if known(&repository) {
-            respond(
-                &mut connection,
-                "200 OK",
-                "",
-                listing(&repository, false).as_bytes(),
-            );
-        } else {
-            respond(
-                &mut connection,
-                "404 Not Found",
-                "",
-                b"{\"error\":\"Repository not found\"}",
-            );
-        }
-        return;
-    } else {
-        let parts: Vec<&str> = target.trim_start_matches('/').splitn(5, '/').collect();
-        match parts.as_slice() {
-            [organisation, name, "resolve", "main", file] => {
-                (format!("{organisation}/{name}"), file.to_string())
-            }
-            _ => {
-                respond(&mut connection, "404 Not Found", "", b"");
-                return;
-            }
-        }
-    };
-    seen.lock().unwrap().push((file.clone(), range.clone()));
-    let Some(bytes) = files.get(&file).filter(|_| known(&repository)) else {
-        respond(&mut connection, "404 Not Found", "", b"");
-        return;
-    };
-    let start: usize = range
-        .as_deref()
-        .and_then(|range| range.strip_prefix("bytes="))
-        .and_then(|range| range.trim_end_matches('-').parse().ok())
-        .unwrap_or(0);
-    let rest = &bytes[start.min(bytes.len())..];
-    let (status, headers) = if start > 0 {
-        (
-            "206 Partial Content",
-            format!(
-                "content-range: bytes {start}-{}/{}\r\n",
-                bytes.len() - 1,
-                bytes.len()
-            ),
-        )
-    } else {
-        ("200 OK", String::new())
-    };
-    let first_of_weights = file == "model.safetensors" && {
-        let mut cut = cut_already.lock().unwrap();
-        let first = !cut.contains(&repository);
-        cut.push(repository.clone());
-        first
-    };
-    if first_of_weights {
-        // Promise everything, send half, hang up.
-        let _ = connection.write_all(
-            format!(
-                "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n{headers}\r\n",
-                rest.len()
-            )
-            .as_bytes(),
-        );
-        let _ = connection.write_all(&rest[..rest.len() / 2]);
-        let _ = connection.flush();
-        let _ = connection.shutdown(std::net::Shutdown::Both);
-        return;
-    }
-    respond(&mut connection, status, &headers, rest);
+/// A hub serving `Org/Tiny` (the fixture; the first answer for its weights is cut halfway)
+/// and `Org/Corrupt` (the fixture with a wrong checksum listed for its config).
+fn start_hub() -> FakeHub {
+    let mut tiny = Repo::from_directory(&fixture("qwen3_moe"), &SERVED_FILES);
+    tiny.cut_first = vec!["model.safetensors".into()];
+    let mut corrupt = Repo::from_directory(&fixture("qwen3_moe"), &SERVED_FILES);
+    corrupt.wrong_sha = vec!["config.json".into()];
+    FakeHub::start(HashMap::from([
+        ("Org/Tiny".to_string(), tiny),
+        ("Org/Corrupt".to_string(), corrupt),
+    ]))
 }
 
 fn ninfer(scratch: &Path, hub: &FakeHub) -> Command {
@@ -251,25 +57,26 @@ fn stderr_of(output: &Output) -> String {
 }
 
 #[test]
-fn a_model_by_name_is_downloaded_resumed_checked_and_converted() {
+fn a_model_by_name_is_planned_and_converted_from_its_hub() {
     let scratch = tempfile::tempdir().unwrap();
-    let hub = FakeHub::start();
+    let hub = start_hub();
     let models = scratch.path().join("models");
 
-    // A dry run plans nothing it would have to download, and writes nothing.
+    // A dry run plans from the config and the header, and writes no model.
     let dry = ninfer(scratch.path(), &hub)
         .args(["run", "Org/Tiny", "--dry-run", "--plan-json"])
         .output()
         .unwrap();
-    assert!(!dry.status.success());
-    assert!(stderr_of(&dry).contains("Org/Tiny"), "{}", stderr_of(&dry));
+    assert!(dry.status.success(), "{}", stderr_of(&dry));
+    let plan: serde_json::Value = serde_json::from_slice(&dry.stdout).unwrap();
+    assert_eq!(plan["architecture"], "qwen3_moe");
     assert!(
         !models.exists(),
         "a dry run wrote into the models directory"
     );
-    assert!(hub.requests.lock().unwrap().is_empty());
 
-    // `convert ORG/NAME` downloads the checkpoint (the weights resumed after a cut) and converts.
+    // `convert ORG/NAME` converts the checkpoint while it streams (the weights' range resumed
+    // after a cut) into what a local conversion writes.
     let output = scratch.path().join("tiny.ninfer");
     let converted = ninfer(scratch.path(), &hub)
         .args([
@@ -284,54 +91,35 @@ fn a_model_by_name_is_downloaded_resumed_checked_and_converted() {
         .output()
         .unwrap();
     assert!(converted.status.success(), "{}", stderr_of(&converted));
-    assert!(output.is_file());
-    let downloaded = models.join("Org/Tiny");
-    for name in SERVED_FILES {
-        assert_eq!(
-            std::fs::read(downloaded.join(name)).unwrap(),
-            std::fs::read(fixture("qwen3_moe").join(name)).unwrap(),
-            "{name}"
-        );
-    }
-    assert!(!downloaded.join("README.md").exists());
-    let requests = hub.requests.lock().unwrap().clone();
-    let weights: Vec<Option<String>> = requests
-        .iter()
-        .filter(|(file, _)| file == "model.safetensors")
-        .map(|(_, range)| range.clone())
-        .collect();
-    let half = std::fs::metadata(fixture("qwen3_moe/model.safetensors"))
+    let local = scratch.path().join("local.ninfer");
+    common::convert_fixture_f32("qwen3_moe", &local);
+    assert!(std::fs::read(&output).unwrap() == std::fs::read(&local).unwrap());
+    assert!(!models.exists());
+    let weights: Vec<Option<String>> = hub
+        .requests
+        .lock()
         .unwrap()
-        .len()
-        / 2;
+        .iter()
+        .filter(|(_, file, _)| file == "model.safetensors")
+        .map(|(_, _, range)| range.clone())
+        .collect();
     assert_eq!(
-        weights,
-        [None, Some(format!("bytes={half}-"))],
-        "the cut download was not resumed from where it stopped"
+        weights[..3],
+        [
+            Some("bytes=0-7".to_string()),
+            Some("bytes=4-7".to_string()),
+            weights[2].clone()
+        ],
+        "the cut range was not resumed from where it stopped"
     );
     let progress = stderr_of(&converted);
-    assert!(
-        progress.contains("model.safetensors:") && progress.contains("MiB"),
-        "{progress}"
-    );
-
-    // `run ORG/NAME` now finds it; the dry run plans from it without a request to the hub.
-    let before = hub.requests.lock().unwrap().len();
-    let planned = ninfer(scratch.path(), &hub)
-        .args(["run", "Org/Tiny", "--dry-run", "--plan-json"])
-        .output()
-        .unwrap();
-    assert!(planned.status.success(), "{}", stderr_of(&planned));
-    let plan: serde_json::Value = serde_json::from_slice(&planned.stdout).unwrap();
-    assert_eq!(plan["architecture"], "qwen3_moe");
-    assert_eq!(hub.requests.lock().unwrap().len(), before);
+    assert!(progress.contains("tensors, fetched"), "{progress}");
 }
 
 #[test]
 fn modelscope_serves_the_same_and_failures_name_the_model() {
     let scratch = tempfile::tempdir().unwrap();
-    let hub = FakeHub::start();
-    let models = scratch.path().join("models");
+    let hub = start_hub();
     let output = scratch.path().join("tiny.ninfer");
     let converted = ninfer(scratch.path(), &hub)
         .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
@@ -340,7 +128,7 @@ fn modelscope_serves_the_same_and_failures_name_the_model() {
         .output()
         .unwrap();
     assert!(converted.status.success(), "{}", stderr_of(&converted));
-    assert!(models.join("Org/Tiny/model.safetensors").is_file());
+    assert!(output.is_file());
 
     // NINFER_SOURCE chooses the hub too; an unknown model is a 404 that names it.
     let missing = ninfer(scratch.path(), &hub)
@@ -375,23 +163,25 @@ fn modelscope_serves_the_same_and_failures_name_the_model() {
     let message = stderr_of(&corrupt);
     assert!(!corrupt.status.success());
     assert!(
-        message.contains("model.safetensors") && message.contains("does not match"),
+        message.contains("config.json") && message.contains("does not match"),
         "{message}"
     );
-    let leftovers: Vec<_> = std::fs::read_dir(models.join("Org/Corrupt"))
+    let files = scratch.path().join("cache/ninfer/hub/Org/Corrupt/files");
+    let leftovers: Vec<_> = std::fs::read_dir(files)
         .unwrap()
         .flatten()
         .map(|entry| entry.file_name().to_string_lossy().to_string())
-        .filter(|name| name.starts_with("model.safetensors"))
+        .filter(|name| name.starts_with("config.json"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert!(!scratch.path().join("corrupt.ninfer").exists());
 }
 
 /// The plan for a machine described in a file, as JSON.
 fn plan_for_profile(scratch: &Path, profile: serde_json::Value) -> serde_json::Value {
     let file = scratch.join("machine.json");
     std::fs::write(&file, profile.to_string()).unwrap();
-    let hub = FakeHub::start();
+    let hub = FakeHub::start(HashMap::new());
     let output = ninfer(scratch, &hub)
         .args(["run", "--dry-run", "--plan-json", "--machine-profile"])
         .arg(&file)
@@ -435,7 +225,7 @@ fn plans_for_machine_profiles() {
     // Values are checked against the profile's machine, not this one.
     let file = scratch.path().join("machine.json");
     std::fs::write(&file, r#"{"cpus": 4, "ram_gib": 8}"#).unwrap();
-    let hub = FakeHub::start();
+    let hub = FakeHub::start(HashMap::new());
     let refused = ninfer(scratch.path(), &hub)
         .args([
             "run",

@@ -78,3 +78,32 @@ pub fn check_space(needs: &[Need]) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn needs_beyond_the_free_space_are_refused_naming_each() {
+        let directory = tempfile::tempdir().unwrap();
+        let small = Need {
+            what: "the artifact".into(),
+            path: directory.path().join("not/yet/model.ninfer"),
+            bytes: 1 << 20,
+        };
+        assert!(check_space(std::slice::from_ref(&small)).is_ok());
+        let huge = Need {
+            what: "the range cache".into(),
+            path: directory.path().join("ranges"),
+            bytes: u64::MAX / 4,
+        };
+        let message = check_space(&[small, huge]).unwrap_err().to_string();
+        assert!(
+            message.contains("not enough disk space")
+                && message.contains("the artifact")
+                && message.contains("the range cache")
+                && message.contains("GB free"),
+            "{message}"
+        );
+    }
+}

@@ -283,16 +283,16 @@ fn download_conversion(
         bail!("{}: no .ninfer file among {files:?}", connected.repository);
     };
     let path = directory.join(&first.path);
-    let artifact = ninfer_artifact::Artifact::open(&path)
-        .with_context(|| format!("{}: opening the downloaded {}", connected.repository, first.path))?;
-    if let Err(error) = artifact.verify(|_| {}) {
-        drop(artifact);
+    let checked = ninfer_artifact::Artifact::open(&path)
+        .and_then(|artifact| artifact.verify(|_| {}));
+    if let Err(error) = checked {
         for file in files {
             let _ = std::fs::remove_file(directory.join(&file.path));
         }
         bail!(
-            "{}: the published conversion fails its checksums ({error}); removed, run again",
-            connected.repository
+            "{}: the published conversion {} fails its checks ({error}); removed, run again",
+            connected.repository,
+            first.path
         );
     }
     eprintln!(

@@ -3,6 +3,8 @@
 // Each test binary uses a different part of this module.
 #![allow(dead_code)]
 
+pub mod fake_hub;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -103,6 +103,8 @@ pub struct ArtifactWriter {
     resume_key: Option<String>,
     /// Keep the temporary files and journal when dropped unfinished (a later run resumes).
     keep_for_resume: bool,
+    /// Continued from an earlier run's journal.
+    resumed: bool,
 }
 
 impl ArtifactWriter {
@@ -152,6 +154,7 @@ impl ArtifactWriter {
             finished: false,
             resume_key,
             keep_for_resume: false,
+            resumed: false,
         };
         writer.open_part(path.to_path_buf())?;
         // Placeholder preamble: all zeros until `finish`, so a partial file never validates.
@@ -217,6 +220,7 @@ impl ArtifactWriter {
             finished: false,
             resume_key: Some(key.to_string()),
             keep_for_resume: false,
+            resumed: true,
         })
     }
 
@@ -257,6 +261,11 @@ impl ArtifactWriter {
         std::fs::write(&staging, bytes)
             .and_then(|_| std::fs::rename(&staging, &path))
             .map_err(|e| ArtifactError::io(&path, "writing the journal", e))
+    }
+
+    /// Whether this writer continued an earlier run's journal.
+    pub fn resumed(&self) -> bool {
+        self.resumed
     }
 
     /// Whether a tensor of this name is written (after resuming: before the checkpoint).

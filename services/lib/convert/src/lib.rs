@@ -253,7 +253,6 @@ fn convert_from(
     } else {
         ArtifactWriter::create(&options.output, writer_options)?
     };
-    let resumed_at = writer.position();
     let mut run = Run {
         checkpoint,
         reuse: reuse.as_ref(),
@@ -265,10 +264,11 @@ fn convert_from(
         // resumed run redoes at most that much.
         checkpoint_every: (planned_output_bytes(checkpoint, &plan)? / 100).min(1 << 30),
     };
-    if resumed_at > 0 {
+    if writer.resumed() {
         progress.note(&format!(
-            "resuming an interrupted conversion of {} at byte {resumed_at}",
-            options.output.display()
+            "resuming an interrupted conversion of {} at byte {}",
+            options.output.display(),
+            writer.position()
         ));
     }
     let body = run.write_all(&mut writer, &plan, &side);

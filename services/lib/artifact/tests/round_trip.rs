@@ -42,89 +42,18 @@ fn random_values(count: usize, seed: u64) -> Vec<f32> {
 
 /// Writes an artifact with tensors of every dtype (some large enough to cross 64 KiB parts)
 /// and one expert bank. Returns the written files.
+/// Steps of the sample artifact (`sample_step`).
+const SAMPLE_STEPS: usize = 7;
+
 fn write_sample(path: &Path, options: WriterOptions) -> Vec<PathBuf> {
     let mut writer = ArtifactWriter::create(path, options).unwrap();
-    writer
-        .add_file("tokenizer.json", br#"{"model":"sample"}"#)
-        .unwrap();
-    let big = random_values(300 * 64, 1); // 76.8 KB as f32: crosses a 64 KiB boundary
-    writer
-        .add_tensor(
-            TensorSpec {
-                name: "embed_tokens".into(),
-                class: TensorClass::Embedding,
-                dtype: DType::F32,
-                shape: vec![300, 64],
-                quantization: None,
-            },
-            &f32_to_bytes(&big),
-        )
-        .unwrap();
-    let medium = random_values(200 * 64, 2);
-    writer
-        .add_tensor(
-            TensorSpec {
-                name: "lm_head".into(),
-                class: TensorClass::Embedding,
-                dtype: DType::Bf16,
-                shape: vec![200, 64],
-                quantization: None,
-            },
-            &f32_to_bf16_bytes(&medium),
-        )
-        .unwrap();
-    let layout = QuantizedLayout::new(DType::Int8, 64, 32).unwrap();
-    let gate_up = QuantizedLayout::new(DType::Int4, 64, 64).unwrap();
-    writer
-        .begin_expert_bank(
-            "layers.0.moe.experts",
-            TensorClass::RoutedExpert,
-            DType::Int4,
-            3,
-            gate_up.total_bytes as u64,
-            {
-                QuantizedLayout::new(DType::Int4, 64, 32)
-                    .unwrap()
-                    .total_bytes as u64
-            },
-        )
-        .unwrap();
-    for expert in 0..3u64 {
-        let down = QuantizedLayout::new(DType::Int4, 64, 32).unwrap();
-        writer
-            .add_expert(
-                TensorSpec {
-                    name: format!("layers.0.moe.experts.{expert}.gate_up"),
-                    class: TensorClass::RoutedExpert,
-                    dtype: DType::Int4,
-                    shape: vec![64, 64],
-                    quantization: Some(gate_up.params()),
-                },
-                &quantize_matrix(&random_values(64 * 64, 10 + expert), &gate_up),
-                TensorSpec {
-                    name: format!("layers.0.moe.experts.{expert}.down"),
-                    class: TensorClass::RoutedExpert,
-                    dtype: DType::Int4,
-                    shape: vec![64, 32],
-                    quantization: Some(down.params()),
-                },
-                &quantize_matrix(&random_values(64 * 32, 20 + expert), &down),
-            )
-            .unwrap();
+    for step in 0..SAMPLE_STEPS {
+        sample_step(&mut writer, step);
     }
-    writer.end_expert_bank().unwrap();
-    writer
-        .add_tensor(
-            TensorSpec {
-                name: "layers.0.attn.q_proj".into(),
-                class: TensorClass::Dense,
-                dtype: DType::Int8,
-                shape: vec![64, 32],
-                quantization: Some(layout.params()),
-            },
-            &quantize_matrix(&random_values(64 * 32, 3), &layout),
-        )
-        .unwrap();
+    finish_sample(writer)
+}
+
+fn finish_sample(writer: ArtifactWriter) -> Vec<PathBuf> {
     writer
         .finish(
             tiny_config(),
@@ -132,6 +61,159 @@ fn write_sample(path: &Path, options: WriterOptions) -> Vec<PathBuf> {
             SourceInfo::default(),
         )
         .unwrap()
+}
+
+/// One step of the sample artifact: a file, two tensors, an expert bank of three experts (one
+/// step each, the bank opened with the first and closed with the last), a quantized tensor.
+/// What a resumed writer holds already is skipped.
+fn sample_step(writer: &mut ArtifactWriter, step: usize) {
+    let gate_up = QuantizedLayout::new(DType::Int4, 64, 64).unwrap();
+    let down = QuantizedLayout::new(DType::Int4, 64, 32).unwrap();
+    let bank = "layers.0.moe.experts";
+    match step {
+        0 if !writer.has_file("tokenizer.json") => writer
+            .add_file("tokenizer.json", br#"{"model":"sample"}"#)
+            .unwrap(),
+        // 76.8 KB as f32: crosses a 64 KiB boundary.
+        1 if !writer.has_tensor("embed_tokens") => writer
+            .add_tensor(
+                TensorSpec {
+                    name: "embed_tokens".into(),
+                    class: TensorClass::Embedding,
+                    dtype: DType::F32,
+                    shape: vec![300, 64],
+                    quantization: None,
+                },
+                &f32_to_bytes(&random_values(300 * 64, 1)),
+            )
+            .unwrap(),
+        2 if !writer.has_tensor("lm_head") => writer
+            .add_tensor(
+                TensorSpec {
+                    name: "lm_head".into(),
+                    class: TensorClass::Embedding,
+                    dtype: DType::Bf16,
+                    shape: vec![200, 64],
+                    quantization: None,
+                },
+                &f32_to_bf16_bytes(&random_values(200 * 64, 2)),
+            )
+            .unwrap(),
+        3..=5 if !writer.has_bank(bank) => {
+            let expert = (step - 3) as u64;
+            match writer.open_bank_experts(bank) {
+                Some(written) if written > expert => return,
+                Some(_) => {}
+                None => writer
+                    .begin_expert_bank(
+                        bank,
+                        TensorClass::RoutedExpert,
+                        DType::Int4,
+                        3,
+                        gate_up.total_bytes as u64,
+                        down.total_bytes as u64,
+                    )
+                    .unwrap(),
+            }
+            writer
+                .add_expert(
+                    TensorSpec {
+                        name: format!("{bank}.{expert}.gate_up"),
+                        class: TensorClass::RoutedExpert,
+                        dtype: DType::Int4,
+                        shape: vec![64, 64],
+                        quantization: Some(gate_up.params()),
+                    },
+                    &quantize_matrix(&random_values(64 * 64, 10 + expert), &gate_up),
+                    TensorSpec {
+                        name: format!("{bank}.{expert}.down"),
+                        class: TensorClass::RoutedExpert,
+                        dtype: DType::Int4,
+                        shape: vec![64, 32],
+                        quantization: Some(down.params()),
+                    },
+                    &quantize_matrix(&random_values(64 * 32, 20 + expert), &down),
+                )
+                .unwrap();
+            if expert == 2 {
+                writer.end_expert_bank().unwrap();
+            }
+        }
+        6 if !writer.has_tensor("layers.0.attn.q_proj") => {
+            let layout = QuantizedLayout::new(DType::Int8, 64, 32).unwrap();
+            writer
+                .add_tensor(
+                    TensorSpec {
+                        name: "layers.0.attn.q_proj".into(),
+                        class: TensorClass::Dense,
+                        dtype: DType::Int8,
+                        shape: vec![64, 32],
+                        quantization: Some(layout.params()),
+                    },
+                    &quantize_matrix(&random_values(64 * 32, 3), &layout),
+                )
+                .unwrap();
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn a_resumed_writer_writes_the_artifact_an_uninterrupted_one_writes() {
+    let directory = tempfile::tempdir().unwrap();
+    let options = WriterOptions {
+        max_part_bytes: Some(64 * 1024),
+    };
+    let direct = directory.path().join("direct.ninfer");
+    let direct_files = write_sample(&direct, options);
+    // Interrupted inside the bank (checkpoint after its first expert) and again before the
+    // bank, each time with work after the checkpoint that is cut off on resuming.
+    for (checkpoint_after, dropped_after) in [(3, 5), (1, 2), (0, 6)] {
+        let path = directory.path().join(format!("resumed-{checkpoint_after}.ninfer"));
+        {
+            let mut writer = ArtifactWriter::create_resumable(&path, options, "sample").unwrap();
+            for step in 0..=dropped_after {
+                sample_step(&mut writer, step);
+                if step == checkpoint_after {
+                    writer.checkpoint().unwrap();
+                }
+            }
+            writer.keep_for_resume(true);
+        }
+        assert!(!path.exists(), "an unfinished artifact carries the final name");
+        let mut writer = ArtifactWriter::create_resumable(&path, options, "sample").unwrap();
+        assert!(writer.resumed());
+        for step in 0..SAMPLE_STEPS {
+            sample_step(&mut writer, step);
+        }
+        let files = finish_sample(writer);
+        assert_eq!(files.len(), direct_files.len());
+        for (resumed, direct) in files.iter().zip(&direct_files) {
+            assert!(
+                std::fs::read(resumed).unwrap() == std::fs::read(direct).unwrap(),
+                "{} differs from {}",
+                resumed.display(),
+                direct.display()
+            );
+        }
+        let left: Vec<String> = std::fs::read_dir(directory.path())
+            .unwrap()
+            .flatten()
+            .map(|entry| entry.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.contains(".partial"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+    // A journal of another conversion is not continued.
+    let path = directory.path().join("other.ninfer");
+    {
+        let mut writer = ArtifactWriter::create_resumable(&path, options, "one").unwrap();
+        sample_step(&mut writer, 0);
+        writer.checkpoint().unwrap();
+        writer.keep_for_resume(true);
+    }
+    let writer = ArtifactWriter::create_resumable(&path, options, "another").unwrap();
+    assert!(!writer.resumed());
 }
 
 #[test]

@@ -229,6 +229,7 @@ fn a_killed_streaming_conversion_resumes_and_fetches_little_again() {
     assert!(std::fs::read(&output).unwrap() == local);
     let total = hub.served.load(Ordering::SeqCst);
     let once = small_bytes + checkpoint_bytes;
+    eprintln!("killed at {at_kill} bytes; both runs fetched {total}, one run fetches {once}");
     assert!(
         total < once + once / 10,
         "two runs fetched {total} bytes, one run fetches {once}: more than 10% extra"

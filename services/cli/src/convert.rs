@@ -307,8 +307,7 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
     if let Some(repository) = repository_to_stream(&input_dir, &args) {
         progress.finish();
         let cache_bound = crate::stream::cache_bytes(args.cache_gb)?;
-        let report =
-            crate::stream::convert_named(&repository, &options, args.source, cache_bound)?;
+        let report = crate::stream::convert_named(&repository, &options, args.source, cache_bound)?;
         print_report(&output, &report, started);
         return Ok(());
     }

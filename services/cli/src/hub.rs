@@ -292,7 +292,10 @@ impl Hub {
         start: u64,
         end: u64,
     ) -> Result<ureq::http::Response<ureq::Body>, ureq::Error> {
-        self.request(url, Some(format!("bytes={start}-{}", end.saturating_sub(1))))
+        self.request(
+            url,
+            Some(format!("bytes={start}-{}", end.saturating_sub(1))),
+        )
     }
 
     fn request(

@@ -142,7 +142,10 @@ fn streaming_conversion_equals_a_local_one_within_a_cache_smaller_than_a_shard()
     let local = local_conversion(scratch.path());
 
     let done = Arc::new(AtomicBool::new(false));
-    let watcher = watch_directory(ranges_directory(scratch.path(), "Org/Trained"), done.clone());
+    let watcher = watch_directory(
+        ranges_directory(scratch.path(), "Org/Trained"),
+        done.clone(),
+    );
     let output = scratch.path().join("streamed.ninfer");
     let result = ninfer(scratch.path(), &hub.endpoint, &hub.endpoint)
         .args(["convert", "Org/Trained", "--cache-gb", CACHE_GB])
@@ -168,7 +171,10 @@ fn streaming_conversion_equals_a_local_one_within_a_cache_smaller_than_a_shard()
         .and_then(|number| number.parse().ok())
         .unwrap_or_else(|| panic!("no peak cache reported:\n{stderr}"));
     assert!(reported_peak <= CACHE_BOUND, "{stderr}");
-    assert!(stderr.contains("tensors, fetched"), "no progress line:\n{stderr}");
+    assert!(
+        stderr.contains("tensors, fetched"),
+        "no progress line:\n{stderr}"
+    );
     // Every byte of both shards once (each tensor, each header), plus the small files whole:
     // the answer that was cut is continued, not repeated.
     let served = hub.served.load(Ordering::SeqCst);
@@ -218,7 +224,11 @@ fn a_killed_streaming_conversion_resumes_and_fetches_little_again() {
     child.kill().unwrap();
     child.wait().unwrap();
     let at_kill = hub.served.load(Ordering::SeqCst);
-    assert!(!output.exists(), "a killed conversion left {}", output.display());
+    assert!(
+        !output.exists(),
+        "a killed conversion left {}",
+        output.display()
+    );
     assert!(at_kill < small_bytes + checkpoint_bytes * 9 / 10);
 
     hub.delay_ms.store(0, Ordering::SeqCst);
@@ -246,7 +256,13 @@ fn dry_run(scratch: &Path, model: &str, huggingface: &str, modelscope: &str) -> 
     )
     .unwrap();
     ninfer(scratch, huggingface, modelscope)
-        .args(["run", model, "--dry-run", "--plan-json", "--machine-profile"])
+        .args([
+            "run",
+            model,
+            "--dry-run",
+            "--plan-json",
+            "--machine-profile",
+        ])
         .arg(&profile)
         .output()
         .unwrap()
@@ -361,7 +377,10 @@ fn failed_conversion(scratch: &Path, hub: &FakeHub, repository: &str) -> String 
         .output()
         .unwrap();
     let stderr = stderr_of(&result);
-    assert!(!result.status.success(), "{repository} converted:\n{stderr}");
+    assert!(
+        !result.status.success(),
+        "{repository} converted:\n{stderr}"
+    );
     assert!(!output.exists(), "{repository} left {}", output.display());
     stderr
 }
@@ -417,7 +436,8 @@ fn bad_input_ends_with_a_clear_message_and_no_artifact() {
     );
     let message = failed_conversion(scratch.path(), &hub, "Org/Gated");
     assert!(
-        message.contains("Org/Gated") && message.contains("refuses access (401")
+        message.contains("Org/Gated")
+            && message.contains("refuses access (401")
             && message.contains("HF_TOKEN"),
         "{message}"
     );
@@ -461,5 +481,9 @@ fn bad_input_ends_with_a_clear_message_and_no_artifact() {
     let message = stderr_of(&result);
     assert!(!result.status.success(), "{message}");
     assert!(message.contains("File too large"), "{message}");
-    assert!(files_named_like(&output).is_empty(), "{:?}", files_named_like(&output));
+    assert!(
+        files_named_like(&output).is_empty(),
+        "{:?}",
+        files_named_like(&output)
+    );
 }

@@ -130,7 +130,9 @@ impl RangeCache {
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A fetch thread never panics while holding the lock; recover the data if one did.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn shard_name(&self, range: &ByteRange) -> String {
@@ -192,9 +194,8 @@ impl Inner {
         } else {
             have
         };
-        let local = |error: std::io::Error| {
-            RangeError::Local(format!("{}: {error}", partial.display()))
-        };
+        let local =
+            |error: std::io::Error| RangeError::Local(format!("{}: {error}", partial.display()));
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -288,11 +289,10 @@ impl RangeSource for RangeCache {
                 ));
             }
         }
-        std::fs::create_dir_all(&inner.directory)
-            .map_err(|e| ConvertError::Fetch {
-                file: inner.directory.clone(),
-                problem: format!("creating the cache directory: {e}"),
-            })?;
+        std::fs::create_dir_all(&inner.directory).map_err(|e| ConvertError::Fetch {
+            file: inner.directory.clone(),
+            problem: format!("creating the cache directory: {e}"),
+        })?;
         let mut repeats: HashMap<ByteRange, usize> = HashMap::new();
         let names: Vec<String> = reads
             .iter()

@@ -249,12 +249,8 @@ pub fn convert_by_name(
         ninfer_convert::convert_remote_checkpoint(&options, &remote, source.clone(), &progress);
     drop(source);
     progress.finish();
-    let report = result.with_context(|| {
-        format!(
-            "converting {repository} into {}",
-            options.output.display()
-        )
-    })?;
+    let report = result
+        .with_context(|| format!("converting {repository} into {}", options.output.display()))?;
     let _ = std::fs::remove_dir_all(&ranges_dir);
     eprintln!(
         "fetched {} bytes from {} ({} of tensors), peak cache {} bytes (bound {cache_bound})",
@@ -283,8 +279,8 @@ fn download_conversion(
         bail!("{}: no .ninfer file among {files:?}", connected.repository);
     };
     let path = directory.join(&first.path);
-    let checked = ninfer_artifact::Artifact::open(&path)
-        .and_then(|artifact| artifact.verify(|_| {}));
+    let checked =
+        ninfer_artifact::Artifact::open(&path).and_then(|artifact| artifact.verify(|_| {}));
     if let Err(error) = checked {
         for file in files {
             let _ = std::fs::remove_file(directory.join(&file.path));

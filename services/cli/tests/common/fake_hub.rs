@@ -271,14 +271,22 @@ fn serve(mut connection: TcpStream, shared: &Shared) {
         return;
     };
     let total = bytes.len();
-    let available = repo.truncated.get(&file).copied().unwrap_or(total).min(total);
+    let available = repo
+        .truncated
+        .get(&file)
+        .copied()
+        .unwrap_or(total)
+        .min(total);
     // `bytes=A-B` (inclusive) or `bytes=A-`.
-    let asked = range.as_deref().and_then(|r| r.strip_prefix("bytes=")).map(|r| {
-        let (start, end) = r.split_once('-').unwrap_or((r, ""));
-        let start: usize = start.trim().parse().unwrap_or(0);
-        let end: usize = end.trim().parse().map(|e: usize| e + 1).unwrap_or(total);
-        (start, end.min(total))
-    });
+    let asked = range
+        .as_deref()
+        .and_then(|r| r.strip_prefix("bytes="))
+        .map(|r| {
+            let (start, end) = r.split_once('-').unwrap_or((r, ""));
+            let start: usize = start.trim().parse().unwrap_or(0);
+            let end: usize = end.trim().parse().map(|e: usize| e + 1).unwrap_or(total);
+            (start, end.min(total))
+        });
     let (status, headers, start, end) = match asked {
         Some((start, _)) if start >= total => {
             respond(
@@ -319,9 +327,7 @@ fn serve(mut connection: TcpStream, shared: &Shared) {
     );
     let body = &bytes[start..sent_end];
     if connection.write_all(body).is_ok() {
-        shared
-            .served
-            .fetch_add(body.len() as u64, Ordering::SeqCst);
+        shared.served.fetch_add(body.len() as u64, Ordering::SeqCst);
     }
     let _ = connection.flush();
     let _ = connection.shutdown(std::net::Shutdown::Both);

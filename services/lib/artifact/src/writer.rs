@@ -209,14 +209,14 @@ impl ArtifactWriter {
             names,
             files: journal.files,
             banks: journal.banks,
-            open_bank: journal.open_bank.map(
-                |(bank, next_expert, gate_up_bytes, down_bytes)| OpenBank {
+            open_bank: journal
+                .open_bank
+                .map(|(bank, next_expert, gate_up_bytes, down_bytes)| OpenBank {
                     bank,
                     next_expert,
                     gate_up_bytes,
                     down_bytes,
-                },
-            ),
+                }),
             finished: false,
             resume_key: Some(key.to_string()),
             keep_for_resume: false,

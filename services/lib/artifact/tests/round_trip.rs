@@ -169,7 +169,9 @@ fn a_resumed_writer_writes_the_artifact_an_uninterrupted_one_writes() {
     // Interrupted inside the bank (checkpoint after its first expert) and again before the
     // bank, each time with work after the checkpoint that is cut off on resuming.
     for (checkpoint_after, dropped_after) in [(3, 5), (1, 2), (0, 6)] {
-        let path = directory.path().join(format!("resumed-{checkpoint_after}.ninfer"));
+        let path = directory
+            .path()
+            .join(format!("resumed-{checkpoint_after}.ninfer"));
         {
             let mut writer = ArtifactWriter::create_resumable(&path, options, "sample").unwrap();
             for step in 0..=dropped_after {
@@ -180,7 +182,10 @@ fn a_resumed_writer_writes_the_artifact_an_uninterrupted_one_writes() {
             }
             writer.keep_for_resume(true);
         }
-        assert!(!path.exists(), "an unfinished artifact carries the final name");
+        assert!(
+            !path.exists(),
+            "an unfinished artifact carries the final name"
+        );
         let mut writer = ArtifactWriter::create_resumable(&path, options, "sample").unwrap();
         assert!(writer.resumed());
         for step in 0..SAMPLE_STEPS {

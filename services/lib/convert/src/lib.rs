@@ -449,7 +449,10 @@ impl Run<'_> {
         }
         let files = [
             ("tokenizer.json", side.tokenizer_json.as_deref()),
-            ("tokenizer_config.json", side.tokenizer_config_json.as_deref()),
+            (
+                "tokenizer_config.json",
+                side.tokenizer_config_json.as_deref(),
+            ),
             (
                 "chat_template.jinja",
                 side.chat_template.as_ref().map(|text| text.as_bytes()),
@@ -539,10 +542,7 @@ impl Run<'_> {
                         let Some(slice) = whole.get(row * row_len..(row + 1) * row_len) else {
                             return Err(ConvertError::Input {
                                 file: self.checkpoint.shard_path(source).to_path_buf(),
-                                problem: format!(
-                                    "tensor `{}` has no row {row}",
-                                    source.name
-                                ),
+                                problem: format!("tensor `{}` has no row {row}", source.name),
                             });
                         };
                         values.extend_from_slice(slice);

@@ -148,11 +148,7 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
-    fn add_shard(
-        &mut self,
-        path: PathBuf,
-        tensors: Vec<SourceTensor>,
-    ) -> Result<(), ConvertError> {
+    fn add_shard(&mut self, path: PathBuf, tensors: Vec<SourceTensor>) -> Result<(), ConvertError> {
         for tensor in tensors {
             if let Some(previous) = self.tensors.get(&tensor.name) {
                 let first = &self.shard_paths[previous.shard];

@@ -146,20 +146,25 @@ impl ModelFacts {
     fn of_artifact(path: &Path, location: &ModelLocation) -> anyhow::Result<Self> {
         let artifact =
             Artifact::open(path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self::of_artifact_header(artifact.header(), location))
+    }
+
+    /// An artifact summarised from its header alone (which may have come from a hub).
+    pub fn of_artifact_header(header: &ninfer_artifact::Header, location: &ModelLocation) -> Self {
         let mut facts = ModelFacts {
             location: location.clone(),
-            architecture: artifact.config().architecture().to_string(),
-            common: artifact.config().common().clone(),
+            architecture: header.model.architecture().to_string(),
+            common: header.model.common().clone(),
             parameters: 0,
             expert_bank_bytes: 0,
             dense_bytes: 0,
             dense_mlp_bytes: 0,
             ngram_table_bytes: 0,
-            mtp_layers: mtp_layers_of(artifact.config()),
+            mtp_layers: mtp_layers_of(&header.model),
             mtp_expert_bytes: 0,
             mtp_dense_bytes: 0,
         };
-        for tensor in &artifact.header().tensors {
+        for tensor in &header.tensors {
             facts.parameters += tensor.element_count();
             match tensor.class {
                 TensorClass::RoutedExpert => facts.expert_bank_bytes += tensor.length,
@@ -178,7 +183,7 @@ impl ModelFacts {
                 TensorClass::Vision => {}
             }
         }
-        Ok(facts)
+        facts
     }
 
     fn of_checkpoint(directory: &Path, location: &ModelLocation) -> anyhow::Result<Self> {

@@ -6,7 +6,7 @@
 //! downloaded and verified, and bad input ends with a clear message and no artifact.
 
 mod common;
-use common::fake_hub::{dead_endpoint, FakeHub, Repo};
+use common::fake_hub::{dead_endpoint, silent_endpoint, FakeHub, Repo};
 use common::fixture;
 
 use std::collections::HashMap;
@@ -314,6 +314,23 @@ fn the_second_hub_answers_when_the_first_does_not() {
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("using ModelScope"), "{stderr}");
 
+    // A first hub that takes connections and never answers is given a few seconds.
+    let started = Instant::now();
+    let output = dry_run(
+        scratch.path(),
+        "Org/Trained",
+        &silent_endpoint(),
+        &hub.endpoint,
+    );
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("using ModelScope"), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+
     let neither = dry_run(scratch.path(), "Org/Trained", &dead, &dead_endpoint());
     let stderr = stderr_of(&neither);
     assert!(!neither.status.success());
@@ -365,7 +382,20 @@ fn a_published_conversion_is_downloaded_and_verified() {
     let stderr = stderr_of(&refused);
     assert!(!refused.status.success());
     assert!(stderr.contains("fails its checks"), "{stderr}");
-    assert!(!models.join("Org/Broken/Trained.ninfer").exists());
+    assert!(!models.join("Org/Broken").exists());
+
+    // A dry run by name plans from the published header, fetched by range.
+    let before = hub.served.load(Ordering::SeqCst);
+    let planned = dry_run(scratch.path(), "Org/Broken", &hub.endpoint, &hub.endpoint);
+    assert!(planned.status.success(), "{}", stderr_of(&planned));
+    let plan: serde_json::Value = serde_json::from_slice(&planned.stdout).unwrap();
+    assert_eq!(plan["architecture"], "qwen3_5_moe");
+    let fetched = hub.served.load(Ordering::SeqCst) - before;
+    assert!(
+        fetched * 100 < local.len() as u64,
+        "{fetched} bytes fetched"
+    );
+    assert!(!models.join("Org/Broken").exists());
 }
 
 /// Converts `repository` by name into `scratch/NAME.ninfer`; the failure's stderr.

@@ -101,31 +101,39 @@ fn shards_of(connected: &Connected) -> anyhow::Result<Vec<RepositoryFile>> {
     Ok(shards)
 }
 
+/// Bytes `start..end` of the repository's file `path`.
+fn fetch_bytes(
+    connected: &Connected,
+    path: &str,
+    start: u64,
+    end: u64,
+    stats: &FetchStats,
+) -> anyhow::Result<Vec<u8>> {
+    let stop = AtomicBool::new(false);
+    let url = connected.hub.file_url(&connected.repository, path);
+    let mut bytes = Vec::new();
+    let request = RangeRequest {
+        hub: &connected.hub,
+        url: &url,
+        file: path,
+        start,
+        end,
+        fetched: &stats.fetched,
+        stop: &stop,
+    };
+    fetch_range(&request, 0, &mut bytes)
+        .map_err(|error| anyhow::anyhow!("{}: {error}", connected.repository))?;
+    Ok(bytes)
+}
+
 /// Fetches each shard's header by two range requests (its length, then the JSON).
 fn fetch_headers(
     connected: &Connected,
     shards: &[RepositoryFile],
     stats: &FetchStats,
 ) -> anyhow::Result<Vec<RemoteShard>> {
-    let stop = AtomicBool::new(false);
     let mut headers = Vec::with_capacity(shards.len());
     for shard in shards {
-        let url = connected.hub.file_url(&connected.repository, &shard.path);
-        let fetch = |start: u64, end: u64| -> anyhow::Result<Vec<u8>> {
-            let mut bytes = Vec::new();
-            let request = RangeRequest {
-                hub: &connected.hub,
-                url: &url,
-                file: &shard.path,
-                start,
-                end,
-                fetched: &stats.fetched,
-                stop: &stop,
-            };
-            fetch_range(&request, 0, &mut bytes)
-                .map_err(|error| anyhow::anyhow!("{}: {error}", connected.repository))?;
-            Ok(bytes)
-        };
         if shard.size < 8 {
             bail!(
                 "{}: {} is {} bytes, too short for a safetensors header",
@@ -134,7 +142,7 @@ fn fetch_headers(
                 shard.size
             );
         }
-        let mut header = fetch(0, 8)?;
+        let mut header = fetch_bytes(connected, &shard.path, 0, 8, stats)?;
         let mut length = [0u8; 8];
         length.copy_from_slice(&header[..8]);
         let length = u64::from_le_bytes(length);
@@ -147,7 +155,7 @@ fn fetch_headers(
                 shard.size
             );
         }
-        header.extend(fetch(8, 8 + length)?);
+        header.extend(fetch_bytes(connected, &shard.path, 8, 8 + length, stats)?);
         headers.push(RemoteShard {
             name: shard.path.clone(),
             size: shard.size,
@@ -155,6 +163,62 @@ fn fetch_headers(
         });
     }
     Ok(headers)
+}
+
+/// The header of a published conversion, by range: its preamble, then the JSON it points at.
+fn published_header(
+    connected: &Connected,
+    files: &[RepositoryFile],
+) -> anyhow::Result<ninfer_artifact::Header> {
+    use ninfer_artifact::header::{Preamble, PREAMBLE_LENGTH};
+    let repository = &connected.repository;
+    let Some(first) = files.iter().find(|file| file.path.ends_with(".ninfer")) else {
+        bail!("{repository}: no .ninfer file among {files:?}");
+    };
+    let stats = FetchStats::new();
+    let bytes = fetch_bytes(
+        connected,
+        &first.path,
+        0,
+        PREAMBLE_LENGTH.min(first.size),
+        &stats,
+    )?;
+    let preamble = Preamble::decode(&bytes, Path::new(&first.path))
+        .with_context(|| format!("{repository}: the published conversion"))?;
+    let (part, offset) = if preamble.part_count > 1 && preamble.part_size > 0 {
+        (
+            preamble.header_offset / preamble.part_size,
+            preamble.header_offset % preamble.part_size,
+        )
+    } else {
+        (0, preamble.header_offset)
+    };
+    if preamble.part_count > 1 && offset + preamble.header_length > preamble.part_size {
+        bail!(
+            "{repository}: the header of {} crosses two of its parts; download it to plan",
+            first.path
+        );
+    }
+    let path = if part == 0 {
+        first.path.clone()
+    } else {
+        format!("{}.part-{part:04}", first.path)
+    };
+    let json = fetch_bytes(
+        connected,
+        &path,
+        offset,
+        offset + preamble.header_length,
+        &stats,
+    )?;
+    if ninfer_artifact::Checksum::of(&json) != preamble.header_checksum {
+        bail!(
+            "{repository}: the header of {} does not match its checksum",
+            first.path
+        );
+    }
+    serde_json::from_slice(&json)
+        .with_context(|| format!("{repository}: the header of {} is not valid", first.path))
 }
 
 /// Downloads the small files a conversion or a plan reads (`config_only`: `config.json` alone)
@@ -309,16 +373,22 @@ pub fn obtain(
 ) -> anyhow::Result<()> {
     let connected = connect(repository, SourceChoice::chosen(choice)?)?;
     let published = published_conversion(&connected);
-    if !published.is_empty() {
-        return download_conversion(&connected, &published, directory);
+    let result = if published.is_empty() {
+        let name = repository.rsplit('/').next().unwrap_or(repository);
+        std::fs::create_dir_all(directory)
+            .with_context(|| format!("creating {}", directory.display()))?;
+        let output = directory.join(format!("{name}.ninfer"));
+        let options = ConvertOptions::new(PathBuf::new(), &output);
+        convert_by_name(&connected, &options, cache_bound).map(|_| ())
+    } else {
+        download_conversion(&connected, &published, directory)
+    };
+    if result.is_err() {
+        // An empty directory would look like a model that is there; what a later run can
+        // continue from (partial files) stays.
+        let _ = std::fs::remove_dir(directory);
     }
-    let name = repository.rsplit('/').next().unwrap_or(repository);
-    std::fs::create_dir_all(directory)
-        .with_context(|| format!("creating {}", directory.display()))?;
-    let output = directory.join(format!("{name}.ninfer"));
-    let options = ConvertOptions::new(PathBuf::new(), &output);
-    convert_by_name(&connected, &options, cache_bound)?;
-    Ok(())
+    result
 }
 
 /// Converts `repository` into `options.output` while it streams (for `ninfer convert
@@ -342,20 +412,20 @@ pub fn convert_named(
     convert_by_name(&connected, options, cache_bound)
 }
 
-/// What a plan needs of `repository`, from its `config.json` and its shards' headers alone.
+/// What a plan needs of `repository`, from its `config.json` and its shards' headers alone, or
+/// from the header of the conversion it publishes.
 pub fn facts_by_name(
     repository: &str,
     choice: Option<SourceChoice>,
 ) -> anyhow::Result<crate::model_facts::ModelFacts> {
     let connected = connect(repository, SourceChoice::chosen(choice)?)?;
-    if top_level(&connected.files, &[".safetensors"]).is_empty()
-        && !published_conversion(&connected).is_empty()
-    {
-        bail!(
-            "{repository}: {} publishes a .ninfer conversion; a dry run by name plans from a \
-             checkpoint's headers, so run without --dry-run to download it, then plan",
-            connected.hub.source.name()
-        );
+    let published = published_conversion(&connected);
+    if !published.is_empty() {
+        let header = published_header(&connected, &published)?;
+        return Ok(crate::model_facts::ModelFacts::of_artifact_header(
+            &header,
+            &crate::model_facts::ModelLocation::Artifact(PathBuf::from(repository)),
+        ));
     }
     let shards = shards_of(&connected)?;
     let files_dir = hub_cache_dir(repository).join("files");

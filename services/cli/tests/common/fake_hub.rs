@@ -91,6 +91,19 @@ pub fn dead_endpoint() -> String {
     format!("http://{address}")
 }
 
+/// An endpoint that accepts connections and never answers.
+pub fn silent_endpoint() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for connection in listener.incoming().flatten() {
+            held.push(connection);
+        }
+    });
+    endpoint
+}
+
 struct Shared {
     repos: HashMap<String, Repo>,
     requests: Requests,

@@ -481,6 +481,20 @@ fn bad_input_ends_with_a_clear_message_and_no_artifact() {
         message.contains(SHARDS[1]) && message.contains("ends at byte"),
         "{message}"
     );
+    // A cache that cannot hold the largest tensor (3.1 MB) is refused before anything is read.
+    let served = hub.served.load(Ordering::SeqCst);
+    let small = scratch.path().join("small-cache.ninfer");
+    let result = ninfer(scratch.path(), &hub.endpoint, &hub.endpoint)
+        .args(["convert", "Org/Full", "--cache-gb", "0.001"])
+        .arg(&small)
+        .output()
+        .unwrap();
+    let message = stderr_of(&result);
+    assert!(!result.status.success());
+    assert!(message.contains("raise --cache-gb"), "{message}");
+    assert!(files_named_like(&small).is_empty());
+    let fetched = hub.served.load(Ordering::SeqCst) - served;
+    assert!(fetched < 1 << 20, "{fetched} bytes fetched before refusing");
     // Only a network failure keeps partial output, for the next run to continue.
     for refused in ["Org-NoWeights", "Org-Gated", "Org-Lying"] {
         let output = scratch.path().join(format!("{refused}.ninfer"));

@@ -276,17 +276,18 @@ impl RangeSource for RangeCache {
         let inner = &self.inner;
         if let Some(largest) = reads.iter().max_by_key(|range| range.len()) {
             if largest.len() > inner.bound {
-                return Err(inner.fetch_error(
-                    largest,
-                    format!(
-                        "one read of {} bytes (bytes {}..{}) is larger than the cache bound of \
-                         {} bytes; raise --cache-gb",
+                return Err(ConvertError::InvalidOption {
+                    option: "--cache-gb",
+                    problem: format!(
+                        "{}: one read of {} bytes (bytes {}..{}) is larger than the cache bound \
+                         of {} bytes; raise --cache-gb",
+                        inner.shard_name(largest),
                         largest.len(),
                         largest.start,
                         largest.end,
                         inner.bound
                     ),
-                ));
+                });
             }
         }
         std::fs::create_dir_all(&inner.directory).map_err(|e| ConvertError::Fetch {

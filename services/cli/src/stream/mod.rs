@@ -272,6 +272,15 @@ pub fn convert_by_name(
     };
     let size = ninfer_convert::remote_conversion_size(&options, &remote)
         .with_context(|| format!("planning the conversion of {repository}"))?;
+    if size.largest_read > cache_bound {
+        bail!(
+            "--cache-gb {:.3}: {repository} has a tensor of {} bytes to read at once, more than \
+             the cache bound of {cache_bound} bytes; raise --cache-gb to at least {:.3}",
+            cache_bound as f64 / 1e9,
+            size.largest_read,
+            size.largest_read as f64 / 1e9
+        );
+    }
     let mut needs = vec![disk::Need {
         what: "the artifact".into(),
         path: options.output.clone(),

@@ -262,6 +262,22 @@ pub struct Plan {
     pub prefill_staging_bytes: u64,
     /// Prompt batches from this many tokens prefill layerwise (the engine's default).
     pub layerwise_min_tokens: usize,
+    /// For a model by name not yet on this machine: the disk fetching it takes.
+    pub disk: Option<DiskPlan>,
+}
+
+/// The disk a model by name takes before it runs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DiskPlan {
+    /// Where the artifact goes.
+    pub directory: String,
+    /// The artifact (converted, or the published one).
+    pub artifact_bytes: u64,
+    /// The range cache of a streaming conversion at its fullest (0 for a published one).
+    pub cache_bytes: u64,
+    /// Free space there now, when it could be read.
+    pub free_bytes: Option<u64>,
+    pub fits: bool,
 }
 
 /// The engine's `--moe-prefill-layerwise-min-tokens` default.
@@ -414,6 +430,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
             _ => 0,
         },
         layerwise_min_tokens: LAYERWISE_MIN_TOKENS,
+        disk: None,
         gpu_mem_budget_gib: request.gpu_mem_budget,
         numa_nodes: nodes.iter().map(|node| node.node).collect(),
         expert_workers,
@@ -486,6 +503,20 @@ pub fn print_plan(plan: &Plan) {
     );
     if plan.needs_conversion {
         println!("              a checkpoint: converted once (bf16) before the first run");
+    }
+    if let Some(disk) = &plan.disk {
+        let free = disk
+            .free_bytes
+            .map_or("free space unknown".to_string(), |free| {
+                format!("{:.2} GB free", free as f64 / 1e9)
+            });
+        println!(
+            "disk          artifact {:.2} GB + range cache up to {:.2} GB in {}: {} ({free})",
+            disk.artifact_bytes as f64 / 1e9,
+            disk.cache_bytes as f64 / 1e9,
+            disk.directory,
+            if disk.fits { "fits" } else { "does NOT fit" }
+        );
     }
     println!("device        {}", plan.device);
     match (plan.gpu_experts_per_layer, plan.gpu_experts_estimate) {

@@ -178,21 +178,32 @@ pub fn plan_for(
     let models_dir = models_dir(flags.models_dir.as_deref());
     let cache_bound = crate::stream::cache_bytes(flags.cache_gb)?;
     let remote = crate::download::repository_to_download(model, &models_dir);
-    let facts = match remote {
+    let (facts, disk) = match remote {
         Some((repository, local)) if may_download => {
             obtain_named(&repository, &local, flags.source, cache_bound)?;
-            ModelFacts::read(&locate_model_in(model, &models_dir)?)?
+            (
+                ModelFacts::read(&locate_model_in(model, &models_dir)?)?,
+                None,
+            )
         }
         // A plan by name, from the hub's config and headers: nothing is downloaded.
-        Some((repository, _)) => crate::stream::facts_by_name(&repository, flags.source)?,
-        None => ModelFacts::read(&locate_model_in(model, &models_dir)?)?,
+        Some((repository, local)) => {
+            let (facts, disk) =
+                crate::stream::facts_by_name(&repository, flags.source, &local, cache_bound)?;
+            (facts, Some(disk))
+        }
+        None => (
+            ModelFacts::read(&locate_model_in(model, &models_dir)?)?,
+            None,
+        ),
     };
     let location = facts.location.clone();
     let machine = match &flags.machine_profile {
         Some(file) => Machine::from_profile_file(file)?,
         None => Machine::probe(),
     };
-    let plan = plan(&facts, &machine, request)?;
+    let mut plan = plan(&facts, &machine, request)?;
+    plan.disk = disk;
     Ok((location, plan))
 }
 

@@ -292,6 +292,21 @@ fn a_dry_run_by_name_reads_the_config_and_the_headers_only() {
     let by_name: serde_json::Value = serde_json::from_slice(&by_name.stdout).unwrap();
     let local: serde_json::Value = serde_json::from_slice(&local.stdout).unwrap();
     assert_eq!(by_name["model"], "Org/Trained");
+    // The disk it takes: the artifact (what the local conversion writes, give or take its
+    // index) and the cache, at most the default bound and at most the checkpoint.
+    let artifact = local_conversion(scratch.path()).len() as f64;
+    let disk = &by_name["disk"];
+    let planned = disk["artifact_bytes"].as_f64().unwrap();
+    assert!(
+        (planned - artifact).abs() < 0.05 * artifact,
+        "{disk} vs {artifact}"
+    );
+    let cache = disk["cache_bytes"].as_u64().unwrap();
+    assert!(
+        cache < checkpoint_bytes && cache > checkpoint_bytes * 99 / 100,
+        "{disk}"
+    );
+    assert_eq!(disk["fits"], true, "{disk}");
     for field in [
         "architecture",
         "parameters",

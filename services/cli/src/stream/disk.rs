@@ -31,9 +31,10 @@ fn existing_ancestor(path: &Path) -> PathBuf {
     }
 }
 
-/// Bytes an unprivileged user may still write on the filesystem of `path`.
-fn available_bytes(path: &Path) -> Option<u64> {
-    let stats = nix::sys::statvfs::statvfs(path).ok()?;
+/// Bytes an unprivileged user may still write on the filesystem of `path` (or of its nearest
+/// existing ancestor).
+pub fn available_bytes(path: &Path) -> Option<u64> {
+    let stats = nix::sys::statvfs::statvfs(&existing_ancestor(path)).ok()?;
     Some((stats.blocks_available() as u64).saturating_mul(stats.fragment_size() as u64))
 }
 

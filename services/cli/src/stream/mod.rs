@@ -422,19 +422,34 @@ pub fn convert_named(
 }
 
 /// What a plan needs of `repository`, from its `config.json` and its shards' headers alone, or
-/// from the header of the conversion it publishes.
+/// from the header of the conversion it publishes; and the disk fetching it into `local` takes.
 pub fn facts_by_name(
     repository: &str,
     choice: Option<SourceChoice>,
-) -> anyhow::Result<crate::model_facts::ModelFacts> {
+    local: &Path,
+    cache_bound: u64,
+) -> anyhow::Result<(crate::model_facts::ModelFacts, crate::plan::DiskPlan)> {
+    use crate::model_facts::{ModelFacts, ModelLocation};
     let connected = connect(repository, SourceChoice::chosen(choice)?)?;
     let published = published_conversion(&connected);
+    let disk_plan = |artifact_bytes: u64, cache_bytes: u64| {
+        let free_bytes = disk::available_bytes(local);
+        crate::plan::DiskPlan {
+            directory: local.display().to_string(),
+            artifact_bytes,
+            cache_bytes,
+            free_bytes,
+            fits: free_bytes.is_none_or(|free| artifact_bytes + cache_bytes <= free),
+        }
+    };
     if !published.is_empty() {
         let header = published_header(&connected, &published)?;
-        return Ok(crate::model_facts::ModelFacts::of_artifact_header(
+        let facts = ModelFacts::of_artifact_header(
             &header,
-            &crate::model_facts::ModelLocation::Artifact(PathBuf::from(repository)),
-        ));
+            &ModelLocation::Artifact(PathBuf::from(repository)),
+        );
+        let size = published.iter().map(|file| file.size).sum();
+        return Ok((facts, disk_plan(size, 0)));
     }
     let shards = shards_of(&connected)?;
     let files_dir = hub_cache_dir(repository).join("files");
@@ -442,12 +457,25 @@ pub fn facts_by_name(
     let stats = FetchStats::new();
     let remote = fetch_headers(&connected, &shards, &stats)?;
     let headers: Vec<(String, Vec<u8>)> = remote
-        .into_iter()
-        .map(|shard| (shard.name, shard.header.get(8..).unwrap_or(&[]).to_vec()))
+        .iter()
+        .map(|shard| {
+            (
+                shard.name.clone(),
+                shard.header.get(8..).unwrap_or(&[]).to_vec(),
+            )
+        })
         .collect();
-    crate::model_facts::ModelFacts::of_checkpoint_headers(
+    let facts = ModelFacts::of_checkpoint_headers(
         &files_dir,
-        &crate::model_facts::ModelLocation::Checkpoint(PathBuf::from(repository)),
+        &ModelLocation::Checkpoint(PathBuf::from(repository)),
         &headers,
-    )
+    )?;
+    let name = repository.rsplit('/').next().unwrap_or(repository);
+    let options = ConvertOptions::new(&files_dir, local.join(format!("{name}.ninfer")));
+    let size = ninfer_convert::remote_conversion_size(&options, &remote)
+        .with_context(|| format!("planning the conversion of {repository}"))?;
+    Ok((
+        facts,
+        disk_plan(size.output_bytes, cache_bound.min(size.read_bytes)),
+    ))
 }

@@ -488,7 +488,9 @@ fn bad_input_ends_with_a_clear_message_and_no_artifact() {
     );
     let message = failed_conversion(scratch.path(), &hub, "Org/Truncated");
     assert!(
-        message.contains(SHARDS[1]) && message.contains("shorter than its header says"),
+        message.contains(SHARDS[1])
+            && message.contains("shorter than its header says")
+            && message.contains("running the same command again continues"),
         "{message}"
     );
     let message = failed_conversion(scratch.path(), &hub, "Org/Lying");

@@ -322,8 +322,23 @@ pub fn convert_by_name(
         ninfer_convert::convert_remote_checkpoint(&options, &remote, source.clone(), &progress);
     drop(source);
     progress.finish();
-    let report = result
-        .with_context(|| format!("converting {repository} into {}", options.output.display()))?;
+    let report = match result {
+        Ok(report) => report,
+        // A network failure or an interruption keeps what is done for the next run.
+        Err(error) if error.is_resumable() => {
+            return Err(anyhow::Error::new(error).context(format!(
+                "converting {repository} into {} stopped; what is done is kept beside it \
+                 (.partial), and running the same command again continues from there",
+                options.output.display()
+            )))
+        }
+        Err(error) => {
+            return Err(anyhow::Error::new(error).context(format!(
+                "converting {repository} into {}",
+                options.output.display()
+            )))
+        }
+    };
     let _ = std::fs::remove_dir_all(&ranges_dir);
     eprintln!(
         "fetched {} bytes from {} ({} of tensors), peak cache {} bytes (bound {cache_bound})",

@@ -41,7 +41,9 @@ pub enum ConvertError {
         option: &'static str,
         problem: String,
     },
-    #[error("conversion interrupted; no output was left behind")]
+    /// Ctrl-C or SIGTERM: a plain conversion leaves no output, a resumable one keeps its
+    /// partial files for the next run.
+    #[error("conversion interrupted")]
     Interrupted,
     /// Reading a remote checkpoint failed (after the source's own retries).
     #[error("{}: {problem}", file.display())]

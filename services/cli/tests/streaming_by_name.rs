@@ -1,6 +1,6 @@
 //! Models by name without the checkpoint on disk, against a fake hub on loopback serving the
-//! trained fixture as a two-shard checkpoint: a streaming conversion equals a local one byte
-//! for byte with a cache bound smaller than a shard (and the cache measured below it), resumes
+//! trained fixture as a two-shard checkpoint: `run` by name converts into the models directory
+//! once and answers, a streaming conversion equals a local one byte for byte with a cache bound smaller than a shard (and the cache measured below it), resumes
 //! after being killed half-way fetching little again, a dry run by name reads config and
 //! headers only, the second hub answers for a dead first one, a published conversion is
 //! downloaded and verified, and bad input ends with a clear message and no artifact.
@@ -411,6 +411,38 @@ fn a_published_conversion_is_downloaded_and_verified() {
         "{fetched} bytes fetched"
     );
     assert!(!models.join("Org/Broken").exists());
+}
+
+#[test]
+fn run_by_name_converts_into_the_models_directory_once_and_answers() {
+    let scratch = tempfile::tempdir().unwrap();
+    let hub = hub_with(vec![("Org/Trained", checkpoint_repo())]);
+    let local = local_conversion(scratch.path());
+    let run = || {
+        ninfer(scratch.path(), &hub.endpoint, &hub.endpoint)
+            .args(["run", "Org/Trained", "--cache-gb", CACHE_GB])
+            .args([
+                "--moe-threads",
+                "1",
+                "--max-tokens",
+                "2",
+                "--temperature",
+                "0",
+            ])
+            .args(["--prompt", "import os"])
+            .output()
+            .unwrap()
+    };
+    let first = run();
+    let stderr = stderr_of(&first);
+    assert!(first.status.success(), "{stderr}");
+    assert!(!String::from_utf8_lossy(&first.stdout).trim().is_empty());
+    let artifact = scratch.path().join("models/Org/Trained/Trained.ninfer");
+    assert!(std::fs::read(&artifact).unwrap() == local);
+    let served = hub.served.load(Ordering::SeqCst);
+    let second = run();
+    assert!(second.status.success(), "{}", stderr_of(&second));
+    assert_eq!(hub.served.load(Ordering::SeqCst), served, "fetched again");
 }
 
 /// Converts `repository` by name into `scratch/NAME.ninfer`; the failure's stderr.

@@ -119,7 +119,11 @@ struct StartedServer {
 }
 
 impl StartedServer {
-    fn start(args: &ServeBenchArgs, model: &std::path::Path) -> anyhow::Result<(Self, String)> {
+    fn start(
+        args: &ServeBenchArgs,
+        model: &std::path::Path,
+        most_streams: usize,
+    ) -> anyhow::Result<(Self, String)> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .context("finding a free port")?
@@ -134,6 +138,7 @@ impl StartedServer {
             .arg("run")
             .arg(model)
             .args(["--serve", "--listen", &listen])
+            .args(sequences_for(&args.run_args, most_streams))
             .args(&args.run_args)
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().context("server log")?)
@@ -180,7 +185,8 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let url = match (&args.url, &args.model) {
         (Some(url), _) => url.clone(),
         (None, Some(model)) => {
-            let (started, url) = StartedServer::start(&args, model)?;
+            let most_streams = levels.iter().copied().max().unwrap_or(1);
+            let (started, url) = StartedServer::start(&args, model, most_streams)?;
             server = Some(started);
             url
         }
@@ -234,6 +240,19 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         print_table(&report, &args);
     }
     Ok(())
+}
+
+/// `--max-sequences N` for the started server, so the largest level runs at once rather than
+/// queueing into 429s; nothing when the user's `--run-arg`s set it.
+fn sequences_for(run_args: &[String], most_streams: usize) -> Vec<String> {
+    let given = run_args
+        .iter()
+        .any(|arg| arg == "--max-sequences" || arg.starts_with("--max-sequences="));
+    if given {
+        Vec::new()
+    } else {
+        vec!["--max-sequences".to_string(), most_streams.to_string()]
+    }
 }
 
 fn parse_levels(text: &str) -> anyhow::Result<Vec<usize>> {
@@ -474,6 +493,13 @@ fn print_table(report: &ServeBenchReport, args: &ServeBenchArgs) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_started_server_runs_the_largest_level_at_once_unless_told() {
+        assert_eq!(sequences_for(&[], 64), vec!["--max-sequences", "64"]);
+        let told = vec!["--max-sequences=8".to_string()];
+        assert!(sequences_for(&told, 64).is_empty());
+    }
 
     #[test]
     fn levels_parse_and_bad_ones_are_named() {

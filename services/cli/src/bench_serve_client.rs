@@ -218,7 +218,12 @@ impl ApiClient {
         let status = response.status().as_u16();
         if status != 200 {
             let text = response.body_mut().read_to_string().unwrap_or_default();
-            bail!("POST {url} answered {status}: {text}");
+            let hint = if status == 429 {
+                " (the server runs fewer sequences than streams: raise its --max-sequences or lower --concurrency)"
+            } else {
+                ""
+            };
+            bail!("POST {url} answered {status}{hint}: {text}");
         }
         let mut timing = StreamTiming {
             sent_at,

@@ -406,13 +406,13 @@ fn chat_conversation(
     })
 }
 
-/// `stop_reason`: `tool_use` when the model finished with calls, `max_tokens` whenever the
-/// answer was cut (a cut call is not reported as complete).
+/// `stop_reason`: `tool_use` when the answer holds whole calls (a cut last call is dropped, not
+/// reported), else `max_tokens` for an answer cut short — never `tool_use` for half a call.
 fn messages_stop_reason(summary: &GenerationSummary, made_calls: bool) -> &'static str {
-    match summary.finish {
-        FinishKind::Length => "max_tokens",
-        _ if made_calls => "tool_use",
-        _ => stop_reason_text(summary),
+    if made_calls {
+        "tool_use"
+    } else {
+        stop_reason_text(summary)
     }
 }
 

@@ -398,11 +398,11 @@ fn unix_seconds() -> u64 {
         .unwrap_or(0)
 }
 
-/// A chat choice's `finish_reason`: `tool_calls` when the model finished with calls, but
-/// `length` whenever the answer was cut (a cut call is not reported as complete, as vLLM does).
+/// A chat choice's `finish_reason`: `tool_calls` when the answer holds whole calls (a cut last
+/// call is dropped, not reported), else `length` for an answer cut by `max_tokens` — never
+/// `tool_calls` for half a call, as vLLM does.
 fn chat_finish_reason(finish: FinishKind, made_calls: bool) -> &'static str {
     match finish {
-        FinishKind::Length => "length",
         _ if made_calls => "tool_calls",
         other => finish_reason_text(other),
     }

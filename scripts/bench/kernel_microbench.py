@@ -91,16 +91,44 @@ class Bench:
         self.results = []
         self.failures = []
         self.rng = np.random.default_rng(7)
+        self.copy_tbs = None
 
     def record(self, name, variant, us, moved_bytes=None, note=""):
         row = {"kernel": name, "variant": variant, "us": round(us, 2)}
+        extra = ""
         if moved_bytes:
             row["TB/s"] = round(moved_bytes / us / 1e6, 2)
+            extra = "  %.2f TB/s" % row["TB/s"]
+            if self.copy_tbs:
+                row["share"] = round(row["TB/s"] / self.copy_tbs, 2)
+                extra += " (%d%% of copy)" % round(100 * row["share"])
         if note:
             row["note"] = note
         self.results.append(row)
-        extra = ("  %.2f TB/s" % row["TB/s"]) if moved_bytes else ""
-        print("%-28s %-22s %8.2f us%s %s" % (name, variant, us, extra, note), flush=True)
+        print("%-34s %-26s %8.2f us%s %s" % (name, variant, us, extra, note), flush=True)
+
+    def floor(self):
+        """The device copy rate (bytes read + written, as `ninfer bench` counts it), the
+        reference of every share printed, and an empty kernel's time per launch in a graph:
+        what a launch costs before it moves a byte."""
+        size = 1 << 30
+        a = cp.empty(size, dtype=cp.uint8)
+        b = cp.empty(size, dtype=cp.uint8)
+        a.fill(1)
+        best = float("inf")
+        for _ in range(5):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            b[...] = a
+            stop.record()
+            stop.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1000.0)
+        del a, b
+        self.copy_tbs = 2 * size / best / 1e6
+        print("device copy: %.2f TB/s (read + write)" % self.copy_tbs, flush=True)
+        empty = cp.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+        us = timed([lambda: empty((132,), (128,), ())] * 20)
+        self.record("empty kernel (launch floor)", "-", us)
 
     def same_bits(self, name, a, b):
         a, b = cp.asnumpy(a), cp.asnumpy(b)
@@ -287,12 +315,15 @@ class Bench:
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 
-    def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1, min_blocks=0):
+    def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1, min_blocks=0,
+                down_sum_loads=0):
         """The per-pair decode kernels at one token (8 pairs) and at eight tokens (64 pairs, a
         decode batch of 8 under uniform routing: every pair a different expert). `min_blocks`:
         compile `expert_gate_up` for that many resident blocks per multiprocessor
         (`__launch_bounds__`; at one token its 768 blocks need 6 to fit one wave on an H200)."""
         defines = [("GATE_UP_COLUMNS", gate_up_columns)] if label != "baseline" else []
+        if down_sum_loads:
+            defines.append(("DOWN_SUM_LOADS", down_sum_loads))
         replacements = []
         if min_blocks:
             replacements = [('extern "C" __global__ void expert_gate_up(',
@@ -302,6 +333,8 @@ class Bench:
             label = "%s columns=%d" % (label, gate_up_columns)
             if min_blocks:
                 label += " min_blocks=%d" % min_blocks
+            if down_sum_loads:
+                label += " loads=%d" % down_sum_loads
         gate_up = mod.get_function("expert_gate_up")
         down = mod.get_function("expert_down")
         h, i = HIDDEN, MOE_INTERMEDIATE
@@ -330,7 +363,8 @@ class Bench:
             x = cp.asarray(rng.standard_normal((tokens, h), dtype=np.float32))
             activated = cp.zeros((pairs, i), dtype=cp.float32)
             pair_out = cp.zeros((pairs, h), dtype=cp.float32)
-            weights = cp.full(pairs, 0.125, dtype=cp.float32)
+            # Not powers of two, so a product rounded in another place would show in the bits.
+            weights = cp.asarray(rng.uniform(0.05, 0.3, pairs).astype(np.float32))
             # Different experts per launch (and per pair within one) so reads come from HBM.
             id_sets = [cp.asarray(((np.arange(pairs) + pairs * j) % EXPERTS).astype(np.uint32)) for j in range(16)]
 
@@ -356,14 +390,35 @@ class Bench:
             sum_args = (pair_out, out, np.int32(tokens), np.int32(TOP_K), np.int32(h))
             us = timed([lambda: pair_sum((-(-(tokens * h) // 256),), (256,), sum_args)] * 16)
             self.record("expert_pair_sum " + suffix, label, us)
+            try:
+                down_sum = mod.get_function("expert_down_sum")
+            except Exception:  # noqa: BLE001 - CuPy's error type for a missing function
+                down_sum = None  # an older revision: no fused kernel
+            fused = cp.zeros((tokens, h), dtype=cp.float32)
+
+            def down_sum_launch(ids, activated=activated, weights=weights, tokens=tokens, fused=fused):
+                args = (buffer, slot_of_expert, ids, weights, activated, fused, np.int32(TOP_K), np.int32(EXPERTS),
+                        np.int32(h), np.int32(i), np.int64(stride), dtype_int8, np.int64(down_offset),
+                        np.int64(down_bytes))
+                smem = TOP_K * (-(-i // 16)) * 20 * 4
+                return lambda: down_sum((-(-h // 8), tokens), (256,), args, shared_mem=smem)
+
+            if down_sum is not None:
+                us = timed([down_sum_launch(ids) for ids in id_sets])
+                self.record("expert_down_sum int8 " + suffix, label, us, pairs * (down_bytes + down_scales))
             # One expert not resident: its pair's output rows are zeros (and its activated row is
             # not written, so it is left out of the comparison).
             missing = int(id_sets[3][2])
             slot_of_expert[missing] = -1
             gate_up_launch(id_sets[3])()
             down_launch(id_sets[3])()
+            if down_sum is not None:
+                pair_sum((-(-(tokens * h) // 256),), (256,), sum_args)
+                down_sum_launch(id_sets[3])()
             cp.cuda.Device().synchronize()
             slot_of_expert[missing] = missing
+            if down_sum is not None:
+                self.same_bits("expert_down_sum against down + pair sum, %d tokens" % tokens, fused, out)
             resident = [p for p in range(pairs) if p != 2]
             result_here = (activated[resident].copy(), pair_out.copy())
             if baseline is not None:
@@ -389,6 +444,7 @@ def main():
     print("device: %s, %d SMs" % (props["name"].decode(), props["multiProcessorCount"]), flush=True)
 
     sections = set(args.sections.split(","))
+    bench.floor()
     if "matmul" in sections:
         base = bench.matmuls(args.baseline, "baseline", 2, 4) if args.baseline else None
         settings = [(c, u) for c in (1, 2) for u in (4, 8)] if args.sweep else [(1, 4), (2, 4)]
@@ -405,8 +461,9 @@ def main():
 
     if "experts" in sections:
         base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None
-        for columns, min_blocks in ((1, 0), (1, 6), (2, 0), (4, 0)) if args.sweep else ((1, 0), (1, 6)):
-            bench.experts(args.kernels, "current", 4, base_experts, columns, min_blocks)
+        settings = ((1, 0, 0), (1, 0, 4), (1, 0, 16), (1, 6, 0), (2, 0, 0), (4, 0, 0)) if args.sweep else ((1, 0, 0),)
+        for columns, min_blocks, down_sum_loads in settings:
+            bench.experts(args.kernels, "current", 4, base_experts, columns, min_blocks, down_sum_loads)
 
     # Last: a fault here takes the context (and every later section) down with it.
     if "attention" in sections:

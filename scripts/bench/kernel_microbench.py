@@ -12,6 +12,12 @@ e.g. `git archive REV kernels`) it runs both and checks that kernels meant to ke
 do: the matmuls, the norms, the router and the experts; the attention combine is compared
 within f32 rounding.
 
+Each kernel's row gives its bandwidth and that as a share of the device copy rate measured at
+the start (bytes read + written, as `ninfer bench` counts it); an empty kernel's row is the
+floor a launch costs in a graph. Kernels under `candidates/` (not in the engine yet) are
+compiled after the file whose helpers they use and timed beside the kernel they would replace,
+their bits checked against it.
+
     python3 scripts/bench/kernel_microbench.py [--baseline DIR] [--context 4096] [--json FILE]
 """
 
@@ -34,10 +40,11 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, TOP_K, MOE_INTERMEDIATE = 128, 8, 768
 
 
-def module(kernel_dir, name, defines=(), replacements=()):
-    """`replacements`: (old, new) text substitutions, for variants the source has no knob for."""
+def module(kernel_dir, name, defines=(), replacements=(), append=""):
+    """`replacements`: (old, new) text substitutions, for variants the source has no knob for;
+    `append`: source compiled after the file's (a candidate kernel using its helpers)."""
     with open(os.path.join(kernel_dir, name + ".cu")) as f:
-        source = f.read()
+        source = f.read() + append
     for old, new in replacements:
         if old not in source:
             raise ValueError("%s.cu has no %r" % (name, old))
@@ -94,6 +101,7 @@ class Bench:
         self.copy_tbs = None
 
     def record(self, name, variant, us, moved_bytes=None, note=""):
+        """One row: µs per launch, and with `moved_bytes` the bandwidth and its share of the copy."""
         row = {"kernel": name, "variant": variant, "us": round(us, 2)}
         extra = ""
         if moved_bytes:
@@ -315,6 +323,18 @@ class Bench:
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 
+    def candidate_gate_up(self, kernel_dir):
+        """`candidates/expert_gate_up_tasks.cu` (a kernel not in the engine yet) compiled after
+        kernel_dir's experts.cu, whose helpers it uses; None without the file or with --no-candidates."""
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "candidates", "expert_gate_up_tasks.cu")
+        if self.args.no_candidates or not os.path.exists(path):
+            return None
+        if not hasattr(self, "_candidate"):
+            with open(path) as f:
+                extra = f.read()
+            self._candidate = module(kernel_dir, "experts", append=extra).get_function("expert_gate_up_tasks")
+        return self._candidate
+
     def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1, min_blocks=0,
                 down_sum_loads=0):
         """The per-pair decode kernels at one token (8 pairs) and at eight tokens (64 pairs, a
@@ -406,6 +426,26 @@ class Bench:
             if down_sum is not None:
                 us = timed([down_sum_launch(ids) for ids in id_sets])
                 self.record("expert_down_sum int8 " + suffix, label, us, pairs * (down_bytes + down_scales))
+            candidate = self.candidate_gate_up(kernel_dir) if tokens == 1 and label.startswith("current") else None
+            if candidate is not None:
+                tasks_out = cp.zeros((pairs, i), dtype=cp.float32)
+
+                def tasks_launch(ids, blocks, x=x, pairs=pairs, tasks_out=tasks_out):
+                    args = (buffer, slot_of_expert, ids, x, tasks_out, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h),
+                            np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes), np.int32(pairs))
+                    smem = tokens * (-(-h // 16)) * 20 * 4
+                    return lambda: candidate((blocks,), (256,), args, shared_mem=smem)
+
+                sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+                for per_sm in (1, 2, 3, 4):
+                    us = timed([tasks_launch(ids, per_sm * sms) for ids in id_sets])
+                    self.record("expert_gate_up_tasks int8 " + suffix, "%d blocks/SM" % per_sm, us,
+                                pairs * (gate_up_bytes + gate_up_scales))
+                    gate_up_launch(id_sets[5])()
+                    tasks_launch(id_sets[5], per_sm * sms)()
+                    cp.cuda.Device().synchronize()
+                    self.same_bits("expert_gate_up_tasks %d blocks/SM against expert_gate_up" % per_sm,
+                                   tasks_out, activated)
             # One expert not resident: its pair's output rows are zeros (and its activated row is
             # not written, so it is left out of the comparison).
             missing = int(id_sets[3][2])
@@ -436,6 +476,8 @@ def main():
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL, attention chunks, gate/up columns")
+    parser.add_argument("--no-candidates", action="store_true",
+                        help="skip the candidate kernels of scripts/bench/candidates/")
     parser.add_argument("--sections", default="matmul,norm,router,attention,experts",
                         help="comma-separated: which kernels to time")
     args = parser.parse_args()

@@ -11,6 +11,7 @@
 //   gate_up   activated[p, c] = silu(gate_c · x_t) · (up_c · x_t)     (slotted pairs only)
 //   down      pair_out[p, r]  = w_p · (down_r · activated[p])         (0 for other pairs)
 //   expert_pair_sum out[t, r] = Σ_j pair_out[t·k + j, r]              (fixed order)
+// (`expert_down_sum`, below, is down and the pair sum in one launch, with their bits.)
 // with three kernels for gate_up and down:
 //   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes
 //     GATE_UP_COLUMNS activated columns (gate_up) or DOWN_ROWS output rows (down) of one pair,
@@ -355,7 +356,8 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
                                                  hidden, lane, up_bits, up_scale);
             }
         }
-        stage_padded_rows(xt, 1, hidden, nullptr, shared_x);
+        for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
+            shared_x[padded(c)] = c < hidden ? xt[c] : 0.0f;
         __syncthreads();
         if (!live) return;
         float gate_partial, up_partial;
@@ -377,7 +379,8 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     }
 #endif
     // Zero past `hidden` up to the last segment: a quantized row's padding meets 0.
-    stage_padded_rows(xt, 1, hidden, nullptr, shared_x);
+    for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
+        shared_x[padded(c)] = c < hidden ? xt[c] : 0.0f;
     __syncthreads();
     if (c0 >= intermediate) return;
     // Every row's loads before any butterfly.
@@ -424,7 +427,8 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
     }
     const float* ap = activated + (long long)p * intermediate;
     // Zero past `intermediate` up to the last segment: a quantized row's padding meets 0.
-    stage_padded_rows(ap, 1, intermediate, nullptr, shared_a);
+    for (int c = threadIdx.x; c < segments_of(intermediate) * SEG; c += blockDim.x)
+        shared_a[padded(c)] = c < intermediate ? ap[c] : 0.0f;
     __syncthreads();
     if (r0 >= hidden) return;
     const unsigned char* matrix = slots + (long long)slot * stride + down_offset;

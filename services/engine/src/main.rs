@@ -146,10 +146,10 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_batched_decode: bool,
-    /// `on` (the default): a decode step's routed experts compute their down projection and the
-    /// sum over each token's choices in one launch. `off`: a down launch, then the sum. The same
+    /// `on`: a decode step's routed experts compute their down projection and the sum over each
+    /// token's choices in one launch. `off` (the default): a down launch, then the sum. The same
     /// tokens either way.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_fused_expert_sum: bool,
     /// `on` (the default): on an sm_90+ GPU, kernels are launched with programmatic dependent

@@ -277,9 +277,9 @@ fn batched_decode_launches_give_the_bits_of_per_sequence_launches() {
     }
 }
 
-/// The routed experts' down projection and sum over a token's choices in one launch (the
-/// default) give every step's logits bit for bit as the down launch and the pair sum they
-/// replace: int8, int4 and bf16 experts (the register path and the plain one), decode batches of
+/// The routed experts' down projection and sum over a token's choices in one launch
+/// (`fused_expert_sum`) give every step's logits bit for bit as the down launch and the pair sum
+/// they replace: int8, int4 and bf16 experts (the register path and the plain one), decode batches of
 /// 1, 3 and 8 sequences, through step graphs and op by op.
 #[test]
 fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {

@@ -11,6 +11,7 @@
 //   gate_up   activated[p, c] = silu(gate_c · x_t) · (up_c · x_t)     (slotted pairs only)
 //   down      pair_out[p, r]  = w_p · (down_r · activated[p])         (0 for other pairs)
 //   expert_pair_sum out[t, r] = Σ_j pair_out[t·k + j, r]              (fixed order)
+// (`expert_down_sum`, below, is down and the pair sum in one launch, with their bits.)
 // with three kernels for gate_up and down:
 //   * per pair (`expert_gate_up`, `expert_down`; small batches, decode): each warp computes
 //     GATE_UP_COLUMNS activated columns (gate_up) or DOWN_ROWS output rows (down) of one pair,
@@ -61,6 +62,8 @@
 // column is already two long rows, and the kernel bench measured two or four columns per warp
 // slower (fewer warps), so one stays the default.
 #define DOWN_ROWS 4
+// Most choices per token `expert_down_sum` takes (experts.rs mirrors it).
+#define DOWN_SUM_MAX_TOP_K 32
 #ifndef GATE_UP_COLUMNS
 #define GATE_UP_COLUMNS 1
 #endif
@@ -202,6 +205,111 @@ __device__ __forceinline__ float row_dot_partial(const unsigned char* matrix, lo
     return acc;
 }
 
+// Rows j < rows of `src` (row j at src + j·len, len inputs) into padded shared vectors (row j
+// at dst + j·segments_of(len)·SEG_STRIDE), zero past `len` up to the last segment; rows with
+// `skip[j] < 0` (when `skip` is given) are left alone. Each thread issues a pass's loads
+// (STAGE_UNROLL, 16 bytes each where rows are whole, aligned quads) before its first store: a
+// loop of load-then-store waits one L2 round trip per element. Copies values, so the bits
+// downstream do not change. Does not synchronise.
+#define STAGE_UNROLL 8
+__device__ __forceinline__ void stage_padded_rows(const float* src, int rows, int len,
+                                                  const int* skip, float* dst) {
+    int width = segments_of(len) * SEG;
+    int padded_width = segments_of(len) * SEG_STRIDE;
+    if ((len & 3) == 0 && (reinterpret_cast<unsigned long long>(src) & 15) == 0) {
+        int row_quads = width / 4, quads = rows * row_quads;
+        for (int base = threadIdx.x; base < quads; base += STAGE_UNROLL * blockDim.x) {
+            float4 v[STAGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; ++u) {
+                int i = base + u * blockDim.x;
+                int j = i / row_quads, q = i % row_quads;
+                bool load = i < quads && 4 * q < len && !(skip && skip[j] < 0);
+                v[u] = load ? __ldg(reinterpret_cast<const float4*>(src + (long long)j * len) + q)
+                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; ++u) {
+                int i = base + u * blockDim.x;
+                int j = i / row_quads, q = i % row_quads;
+                if (i < quads && !(skip && skip[j] < 0))
+                    *reinterpret_cast<float4*>(dst + j * padded_width + padded(4 * q)) = v[u];
+            }
+        }
+        return;
+    }
+    for (int base = threadIdx.x; base < rows * width; base += STAGE_UNROLL * blockDim.x) {
+        float v[STAGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < STAGE_UNROLL; ++u) {
+            int i = base + u * blockDim.x;
+            int j = i / width, c = i % width;
+            bool load = i < rows * width && c < len && !(skip && skip[j] < 0);
+            v[u] = load ? __ldg(src + (long long)j * len + c) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < STAGE_UNROLL; ++u) {
+            int i = base + u * blockDim.x;
+            int j = i / width, c = i % width;
+            if (i < rows * width && !(skip && skip[j] < 0)) dst[j * padded_width + padded(c)] = v[u];
+        }
+    }
+}
+
+// 16-byte weight loads a lane of `expert_down_sum` keeps in flight (more cost registers, and
+// the blocks that fit a multiprocessor with them).
+#ifndef DOWN_SUM_LOADS
+#define DOWN_SUM_LOADS 8
+#endif
+
+// A lane's segments s = lane + 32·q (q < SEGS) of one quantized row: bits and scales.
+template <int DT, int SEGS>
+__device__ __forceinline__ void load_row_segments(const unsigned char* matrix, long long scales,
+                                                  int row, int cols, int lane, uint4 (&bits)[SEGS],
+                                                  float (&scale)[SEGS]) {
+    int segments = segments_of(cols);
+#pragma unroll
+    for (int q = 0; q < SEGS; ++q) {
+        int s = lane + 32 * q;
+        if (s < segments) {
+            bits[q] = segment_bits<DT>(matrix, row, cols, s);
+            scale[q] = segment_scale(matrix, scales, row, cols, s);
+        } else {
+            bits[q] = make_uint4(0u, 0u, 0u, 0u);
+            scale[q] = 0.0f;
+        }
+    }
+}
+
+// `row_dot_partial` of a row whose segments `load_row_segments` loaded: the same products in
+// the same order.
+template <int DT, int SEGS>
+__device__ __forceinline__ float loaded_row_dot_partial(const uint4 (&bits)[SEGS],
+                                                        const float (&scale)[SEGS], int cols,
+                                                        const float* x, int lane) {
+    int segments = segments_of(cols);
+    float acc = 0.0f;
+#pragma unroll
+    for (int q = 0; q < SEGS; ++q) {
+        int s = lane + 32 * q;
+        if (s < segments) {
+            float w[SEG];
+#pragma unroll
+            for (int u = 0; u < SEG / 4; ++u) quad_weights<DT>(bits[q], scale[q], u, w + 4 * u);
+            const float4* xs = reinterpret_cast<const float4*>(x + s * SEG_STRIDE);
+#pragma unroll
+            for (int u = 0; u < SEG / 4; ++u) {
+                float4 v = xs[u];
+                acc = __fmaf_rn(w[4 * u], v.x, acc);
+                acc = __fmaf_rn(w[4 * u + 1], v.y, acc);
+                acc = __fmaf_rn(w[4 * u + 2], v.z, acc);
+                acc = __fmaf_rn(w[4 * u + 3], v.w, acc);
+            }
+        }
+    }
+    return acc;
+}
+
 // The slot of pair p's expert, or −1 (not resident, or not a valid expert id).
 __device__ __forceinline__ int pair_slot(const int* slot_of_expert, const unsigned int* ids, int p,
                                          int num_experts) {
@@ -223,15 +331,58 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
     int slot = pair_slot(slot_of_expert, ids, p, num_experts);
     if (slot < 0) return;  // the whole block leaves together
     const float* xt = x + (long long)(p / top_k) * hidden;
+    int warps = blockDim.x / 32;
+    int lane = threadIdx.x % 32;
+    int c0 = (blockIdx.x * warps + threadIdx.x / 32) * GATE_UP_COLUMNS;
+    const unsigned char* matrix = slots + (long long)slot * stride;
+#if GATE_UP_COLUMNS == 1
+    // Quantized rows of at most 4 segments per lane: both rows' weights are loaded before the
+    // input is staged, so the loads are in flight during the staging and its barrier.
+    int segs = (segments_of(hidden) + 31) / 32;
+    if ((dtype == DTYPE_INT8 || dtype == DTYPE_INT4) && segs <= 4) {
+        uint4 gate_bits[4], up_bits[4];
+        float gate_scale[4], up_scale[4];
+        bool live = c0 < intermediate;
+        if (live) {
+            if (dtype == DTYPE_INT8) {
+                load_row_segments<DTYPE_INT8, 4>(matrix, gate_up_scales, c0, hidden, lane,
+                                                 gate_bits, gate_scale);
+                load_row_segments<DTYPE_INT8, 4>(matrix, gate_up_scales, intermediate + c0,
+                                                 hidden, lane, up_bits, up_scale);
+            } else {
+                load_row_segments<DTYPE_INT4, 4>(matrix, gate_up_scales, c0, hidden, lane,
+                                                 gate_bits, gate_scale);
+                load_row_segments<DTYPE_INT4, 4>(matrix, gate_up_scales, intermediate + c0,
+                                                 hidden, lane, up_bits, up_scale);
+            }
+        }
+        for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
+            shared_x[padded(c)] = c < hidden ? xt[c] : 0.0f;
+        __syncthreads();
+        if (!live) return;
+        float gate_partial, up_partial;
+        if (dtype == DTYPE_INT8) {
+            gate_partial = loaded_row_dot_partial<DTYPE_INT8, 4>(gate_bits, gate_scale, hidden,
+                                                                 shared_x, lane);
+            up_partial = loaded_row_dot_partial<DTYPE_INT8, 4>(up_bits, up_scale, hidden,
+                                                               shared_x, lane);
+        } else {
+            gate_partial = loaded_row_dot_partial<DTYPE_INT4, 4>(gate_bits, gate_scale, hidden,
+                                                                 shared_x, lane);
+            up_partial = loaded_row_dot_partial<DTYPE_INT4, 4>(up_bits, up_scale, hidden,
+                                                               shared_x, lane);
+        }
+        float gate = warp_sum(gate_partial);
+        float up = warp_sum(up_partial);
+        if (lane == 0) activated[(long long)p * intermediate + c0] = silu(gate) * up;
+        return;
+    }
+#endif
     // Zero past `hidden` up to the last segment: a quantized row's padding meets 0.
     for (int c = threadIdx.x; c < segments_of(hidden) * SEG; c += blockDim.x)
         shared_x[padded(c)] = c < hidden ? xt[c] : 0.0f;
     __syncthreads();
-    int warps = blockDim.x / 32;
-    int lane = threadIdx.x % 32;
-    int c0 = (blockIdx.x * warps + threadIdx.x / 32) * GATE_UP_COLUMNS;
     if (c0 >= intermediate) return;
-    const unsigned char* matrix = slots + (long long)slot * stride;
     // Every row's loads before any butterfly.
     float gate_partial[GATE_UP_COLUMNS], up_partial[GATE_UP_COLUMNS];
 #pragma unroll
@@ -294,6 +445,134 @@ extern "C" __global__ void expert_down(const unsigned char* slots, const int* sl
         float y = warp_sum(partial[i]);
         if (lane == 0 && r0 + i < hidden) pair_out[(long long)p * hidden + r0 + i] = weights[p] * y;
     }
+}
+
+// Down projection and pair sum in one launch (decode). ------------------------------------------
+//
+// out[t, r] = Σ_j w_(t·k+j) · (down_r · activated[t·k + j]), j in increasing order: the bits of
+// `expert_down` then `expert_pair_sum` (each product rounded, then added to a sum that starts
+// at 0, a pair without a slot adding 0), without the pair outputs' round trip and the third
+// launch. Grid (ceil(hidden / warps), tokens), one output row per warp; dynamic shared memory
+// top_k · ceil(intermediate / 16) · 20 floats (the token's activated rows, padded).
+//
+// Quantized experts whose rows span at most 4 segments per lane load the
+// weights of DOWN_SUM_LOADS / segs pairs into registers before any is used (and the first
+// batch before the activations are staged), so a lane keeps that many 16-byte loads in flight;
+// the sums are formed exactly as `row_dot_partial` forms them.
+
+// Stages the token's activated rows (pairs with a slot) into shared memory, padded, zero past
+// `intermediate`; synchronises the block.
+__device__ __forceinline__ void stage_token_activations(const float* activated, const int* slot_of,
+                                                        int first_pair, int top_k,
+                                                        int intermediate, float* shared_a) {
+    stage_padded_rows(activated + (long long)first_pair * intermediate, top_k, intermediate,
+                      slot_of, shared_a);
+    __syncthreads();
+}
+
+// The pairs' sum for row r in pair order: the product rounded, then added (no contraction, as
+// the two kernels it replaces round and add).
+__device__ __forceinline__ float add_pair(float sum, float partial, int slot, float weight) {
+    float y = warp_sum(partial);
+    return __fadd_rn(sum, slot >= 0 ? __fmul_rn(weight, y) : 0.0f);
+}
+
+template <int DT, int SEGS>
+__device__ __forceinline__ void down_sum_row_prefetched(
+    const unsigned char* slots, const int* slot_of, const float* pair_weights, int top_k,
+    const float* activated, float* shared_a, float* out, int first_pair, int row, bool live,
+    int hidden, int intermediate, long long stride, long long down_offset, long long down_scales,
+    int lane) {
+    constexpr int BATCH = DOWN_SUM_LOADS / SEGS;
+    int padded_width = segments_of(intermediate) * SEG_STRIDE;
+    float sum = 0.0f;
+    for (int j0 = 0; j0 < top_k; j0 += BATCH) {
+        uint4 bits[BATCH][SEGS];
+        float scale[BATCH][SEGS];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            int j = j0 + b;
+            int slot = j < top_k ? slot_of[j] : -1;
+            if (live && slot >= 0) {
+                load_row_segments<DT, SEGS>(slots + (long long)slot * stride + down_offset,
+                                            down_scales, row, intermediate, lane, bits[b],
+                                            scale[b]);
+            }
+        }
+        // The first batch's loads are in flight while the activations are staged.
+        if (j0 == 0)
+            stage_token_activations(activated, slot_of, first_pair, top_k, intermediate,
+                                    shared_a);
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            int j = j0 + b;
+            if (j < top_k) {
+                int slot = slot_of[j];
+                float partial = live && slot >= 0
+                                    ? loaded_row_dot_partial<DT, SEGS>(
+                                          bits[b], scale[b], intermediate,
+                                          shared_a + j * padded_width, lane)
+                                    : 0.0f;
+                sum = add_pair(sum, partial, slot, pair_weights[first_pair + j]);
+            }
+        }
+    }
+    if (live && lane == 0) out[row] = sum;
+}
+
+extern "C" __global__ void expert_down_sum(const unsigned char* slots, const int* slot_of_expert,
+                                           const unsigned int* ids, const float* weights,
+                                           const float* activated, float* out, int top_k,
+                                           int num_experts, int hidden, int intermediate,
+                                           long long stride, int dtype, long long down_offset,
+                                           long long down_scales) {
+    PDL_WAIT_AND_RELEASE();
+    extern __shared__ __align__(16) float shared_a[];
+    __shared__ int slot_of[DOWN_SUM_MAX_TOP_K];
+    int t = blockIdx.y;
+    int first_pair = t * top_k;
+    for (int j = threadIdx.x; j < top_k; j += blockDim.x)
+        slot_of[j] = pair_slot(slot_of_expert, ids, first_pair + j, num_experts);
+    __syncthreads();
+    int lane = threadIdx.x % 32;
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    // Warps past the last row still take part in the block's staging barrier.
+    bool live = row < hidden;
+    float* out_row = out + (long long)t * hidden;
+    int segs = (segments_of(intermediate) + 31) / 32;
+    if (dtype == DTYPE_INT8 || dtype == DTYPE_INT4) {
+#define DOWN_SUM_CASE(DT, S)                                                                     \
+    if (dtype == DT && segs == S) {                                                              \
+        down_sum_row_prefetched<DT, S>(slots, slot_of, weights, top_k, activated, shared_a,      \
+                                       out_row, first_pair, row, live, hidden, intermediate,     \
+                                       stride, down_offset, down_scales, lane);                  \
+        return;                                                                                  \
+    }
+        DOWN_SUM_CASE(DTYPE_INT8, 1)
+        DOWN_SUM_CASE(DTYPE_INT8, 2)
+        DOWN_SUM_CASE(DTYPE_INT8, 3)
+        DOWN_SUM_CASE(DTYPE_INT8, 4)
+        DOWN_SUM_CASE(DTYPE_INT4, 1)
+        DOWN_SUM_CASE(DTYPE_INT4, 2)
+        DOWN_SUM_CASE(DTYPE_INT4, 3)
+        DOWN_SUM_CASE(DTYPE_INT4, 4)
+#undef DOWN_SUM_CASE
+    }
+    // Any other width or dtype: `row_dot_partial` pair by pair.
+    stage_token_activations(activated, slot_of, first_pair, top_k, intermediate, shared_a);
+    if (!live) return;
+    int padded_width = segments_of(intermediate) * SEG_STRIDE;
+    float sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        int slot = slot_of[j];
+        float partial =
+            slot >= 0 ? row_dot_partial(slots + (long long)slot * stride + down_offset,
+                                        down_scales, dtype, row, intermediate,
+                                        shared_a + j * padded_width, lane)
+                      : 0.0f;
+        sum = add_pair(sum, partial, slot, weights[first_pair + j]);
+    }
+    if (lane == 0) out_row[row] = sum;
 }
 
 // By-expert kernels (decode batches of several tokens). -----------------------------------------

@@ -9,10 +9,15 @@
 // between the router and the experts that follow it: a device-to-host copy on the stream costs
 // several microseconds per MoE layer, a store over the bus nothing the stream waits for.
 //
-// One warp per token (ROUTER_WARPS tokens per block); the row lives in shared memory (experts ≤
-// ROUTER_MAX_EXPERTS) and lane l owns the experts e ≡ l (mod 32), so no step but the
-// reductions crosses lanes. Top-k is k rounds of a warp-wide argmax over the experts not taken
-// yet (a total order, so the winner does not depend on the reduction's shape).
+// One warp per token (ROUTER_WARPS tokens per block); lane l owns the experts e ≡ l (mod 32),
+// held in registers (experts ≤ ROUTER_MAX_EXPERTS, `per_lane` = ceil(experts / 32) rounded up to
+// a compiled width), so no step but the reductions crosses lanes.
+//
+// Top-k: each lane keeps its best remaining expert (larger probability, ties → lower id); a
+// round is one warp-wide max of the lanes' candidates (`redux.sync` on the probability's bits:
+// probabilities are ≥ 0, where the bits order as the values do), then the lowest id among the
+// lanes holding that value (a second `redux.sync`), and only the winning lane looks for its next
+// candidate. The same total order as k rounds of a shuffle argmax, in a few instructions a round.
 //
 // The softmax denominator is summed by the fixed tree of a ROUTER_TREE_WIDTH-thread block
 // (position t sums e = t, t + W, … in order, then pairs t and t + s for s = W/2 … 1), kept
@@ -27,55 +32,64 @@
 #define ROUTER_MAX_TOP_K 32
 #define NEGATIVE_INFINITY __int_as_float(0xff800000)
 
-// (value, index) reduction: larger value wins, ties → lower index; index < 0 is "none".
-__device__ __forceinline__ void better(float& value, int& index, float other_value, int other_index) {
-    if (other_index < 0) return;
-    if (index < 0 || other_value > value || (other_value == value && other_index < index)) {
-        value = other_value;
-        index = other_index;
+// The lane's best expert not taken yet among its `P` (larger probability, ties → lower id,
+// i.e. lower i), as (probability bits, i); i = -1 when none is left.
+template <int P>
+__device__ __forceinline__ void lane_candidate(const float (&probability)[P], unsigned int taken,
+                                               int lane, int experts, unsigned int& key, int& at) {
+    key = 0u;
+    at = -1;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        unsigned int bits = __float_as_uint(probability[i]);
+        bool open = lane + 32 * i < experts && !((taken >> i) & 1u);
+        if (open && (at < 0 || bits > key)) {
+            key = bits;
+            at = i;
+        }
     }
 }
 
-extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert_ids, float* weights,
-                                       int tokens, int experts, int k, int normalize,
-                                       unsigned int* mapped_ids, float* mapped_weights,
-                                       const float* hidden, float* mapped_hidden,
-                                       int hidden_width) {
-    PDL_WAIT_AND_RELEASE();
-    __shared__ float probabilities_of[ROUTER_WARPS][ROUTER_MAX_EXPERTS];
-    __shared__ float chosen_probability_of[ROUTER_WARPS][ROUTER_MAX_TOP_K];
-    const int slots = ROUTER_TREE_WIDTH / 32;  // tree positions per lane
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    long long token = (long long)blockIdx.x * ROUTER_WARPS + warp;
-    if (token >= tokens) return;  // whole warps leave together
-    float* probabilities = probabilities_of[warp];
-    float* chosen_probability = chosen_probability_of[warp];
-    const float* row = logits + token * experts;
-    if (mapped_hidden) {
-        const float* from = hidden + token * hidden_width;
-        float* to = mapped_hidden + token * hidden_width;
-        for (int i = lane; i < hidden_width; i += 32) to[i] = from[i];
-    }
+__device__ __forceinline__ unsigned int warp_reduce_max_u32(unsigned int v) {
+    unsigned int r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ unsigned int warp_reduce_min_u32(unsigned int v) {
+    unsigned int r;
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
 
+// One token's routing by one warp, experts ≤ 32·P.
+template <int P>
+__device__ __forceinline__ void route_token(const float* row, unsigned int* expert_ids,
+                                            float* weights, long long token, int experts, int k,
+                                            int normalize, unsigned int* mapped_ids,
+                                            float* mapped_weights, float* chosen_probability,
+                                            int lane) {
+    const int slots = ROUTER_TREE_WIDTH / 32;  // tree positions per lane
+    float probability[P];
     float local_max = NEGATIVE_INFINITY;
-    for (int e = lane; e < experts; e += 32) {
-        float v = row[e];
-        probabilities[e] = v;
-        local_max = fmaxf(local_max, v);
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        int e = lane + 32 * i;
+        probability[i] = e < experts ? row[e] : 0.0f;
+        if (e < experts) local_max = fmaxf(local_max, probability[i]);
     }
     float row_max = warp_max(local_max);
 
-    // Σ exp, tree position t = lane + 32·m held in tree[m].
+    // Σ exp, tree position t = lane + 32·m held in tree[m]: experts lane + 32·(m + slots·j).
     float tree[slots];
 #pragma unroll
-    for (int m = 0; m < slots; ++m) {
-        float sum = 0.0f;
-        for (int e = lane + 32 * m; e < experts; e += ROUTER_TREE_WIDTH) {
-            float v = expf(probabilities[e] - row_max);
-            probabilities[e] = v;
-            sum += v;
+    for (int m = 0; m < slots; ++m) tree[m] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        if (lane + 32 * i < experts) {
+            float v = expf(probability[i] - row_max);
+            probability[i] = v;
+            tree[i % slots] += v;
         }
-        tree[m] = sum;
     }
 #pragma unroll
     for (int stride = slots / 2; stride > 0; stride >>= 1) {
@@ -86,27 +100,30 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
     for (int stride = 16; stride > 0; stride >>= 1)
         partial = partial + __shfl_down_sync(0xffffffffu, partial, stride);
     float total = __shfl_sync(0xffffffffu, partial, 0);
-    for (int e = lane; e < experts; e += 32) probabilities[e] = probabilities[e] / total;
+#pragma unroll
+    for (int i = 0; i < P; ++i) probability[i] = probability[i] / total;
+    // k > experts: the rounds past the last expert take expert 0 again.
+    float first = __shfl_sync(0xffffffffu, probability[0], 0);
 
-    // k rounds of argmax; lane l's taken experts l + 32·i as bit i.
-    unsigned int taken = 0;
+    unsigned int taken = 0, key;
+    int at;
+    lane_candidate<P>(probability, taken, lane, experts, key, at);
     for (int round = 0; round < k; ++round) {
-        float best_value = NEGATIVE_INFINITY;
-        int best_index = -1;
-        for (int e = lane, i = 0; e < experts; e += 32, ++i) {
-            if (!((taken >> i) & 1u)) better(best_value, best_index, probabilities[e], e);
+        unsigned int top = warp_reduce_max_u32(at < 0 ? 0u : key);
+        bool holds = at >= 0 && key == top;
+        unsigned int chosen = warp_reduce_min_u32(holds ? (unsigned int)(lane + 32 * at) : 0xffffffffu);
+        float chosen_value = __uint_as_float(top);
+        if (chosen == 0xffffffffu) {
+            chosen = 0;
+            chosen_value = first;
+        } else if (chosen % 32 == (unsigned int)lane) {
+            taken |= 1u << at;
+            lane_candidate<P>(probability, taken, lane, experts, key, at);
         }
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            float other_value = __shfl_xor_sync(0xffffffffu, best_value, offset);
-            int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
-            better(best_value, best_index, other_value, other_index);
-        }
-        int chosen = best_index < 0 ? 0 : best_index;
-        if (chosen % 32 == lane) {
-            taken |= 1u << (chosen / 32);
-            expert_ids[token * k + round] = (unsigned int)chosen;
-            if (mapped_ids) mapped_ids[token * k + round] = (unsigned int)chosen;
-            chosen_probability[round] = probabilities[chosen];
+        if (lane == 0) {
+            expert_ids[token * k + round] = chosen;
+            if (mapped_ids) mapped_ids[token * k + round] = chosen;
+            chosen_probability[round] = chosen_value;
         }
     }
     __syncwarp();
@@ -120,4 +137,37 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
             if (mapped_weights) mapped_weights[token * k + j] = weight;
         }
     }
+}
+
+extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert_ids, float* weights,
+                                       int tokens, int experts, int k, int normalize,
+                                       unsigned int* mapped_ids, float* mapped_weights,
+                                       const float* hidden, float* mapped_hidden,
+                                       int hidden_width) {
+    PDL_WAIT_AND_RELEASE();
+    __shared__ float chosen_probability_of[ROUTER_WARPS][ROUTER_MAX_TOP_K];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    long long token = (long long)blockIdx.x * ROUTER_WARPS + warp;
+    if (token >= tokens) return;  // whole warps leave together
+    float* chosen_probability = chosen_probability_of[warp];
+    const float* row = logits + token * experts;
+    if (mapped_hidden) {
+        const float* from = hidden + token * hidden_width;
+        float* to = mapped_hidden + token * hidden_width;
+        for (int i = lane; i < hidden_width; i += 32) to[i] = from[i];
+    }
+    // The narrowest compiled width that holds the row (experts ≤ ROUTER_MAX_EXPERTS).
+    if (experts <= 128)
+        route_token<4>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
+                       mapped_weights, chosen_probability, lane);
+    else if (experts <= 256)
+        route_token<8>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
+                       mapped_weights, chosen_probability, lane);
+    else if (experts <= 512)
+        route_token<16>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
+                        mapped_weights, chosen_probability, lane);
+    else
+        route_token<ROUTER_MAX_EXPERTS / 32>(row, expert_ids, weights, token, experts, k,
+                                             normalize, mapped_ids, mapped_weights,
+                                             chosen_probability, lane);
 }

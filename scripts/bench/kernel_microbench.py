@@ -12,6 +12,12 @@ e.g. `git archive REV kernels`) it runs both and checks that kernels meant to ke
 do: the matmuls, the norms, the router and the experts; the attention combine is compared
 within f32 rounding.
 
+Each kernel's row gives its bandwidth and that as a share of the device copy rate measured at
+the start (bytes read + written, as `ninfer bench` counts it); an empty kernel's row is the
+floor a launch costs in a graph. Kernels under `candidates/` (not in the engine yet) are
+compiled after the file whose helpers they use and timed beside the kernel they would replace,
+their bits checked against it.
+
     python3 scripts/bench/kernel_microbench.py [--baseline DIR] [--context 4096] [--json FILE]
 """
 
@@ -34,10 +40,11 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, TOP_K, MOE_INTERMEDIATE = 128, 8, 768
 
 
-def module(kernel_dir, name, defines=(), replacements=()):
-    """`replacements`: (old, new) text substitutions, for variants the source has no knob for."""
+def module(kernel_dir, name, defines=(), replacements=(), append=""):
+    """`replacements`: (old, new) text substitutions, for variants the source has no knob for;
+    `append`: source compiled after the file's (a candidate kernel using its helpers)."""
     with open(os.path.join(kernel_dir, name + ".cu")) as f:
-        source = f.read()
+        source = f.read() + append
     for old, new in replacements:
         if old not in source:
             raise ValueError("%s.cu has no %r" % (name, old))
@@ -91,16 +98,45 @@ class Bench:
         self.results = []
         self.failures = []
         self.rng = np.random.default_rng(7)
+        self.copy_tbs = None
 
     def record(self, name, variant, us, moved_bytes=None, note=""):
+        """One row: µs per launch, and with `moved_bytes` the bandwidth and its share of the copy."""
         row = {"kernel": name, "variant": variant, "us": round(us, 2)}
+        extra = ""
         if moved_bytes:
             row["TB/s"] = round(moved_bytes / us / 1e6, 2)
+            extra = "  %.2f TB/s" % row["TB/s"]
+            if self.copy_tbs:
+                row["share"] = round(row["TB/s"] / self.copy_tbs, 2)
+                extra += " (%d%% of copy)" % round(100 * row["share"])
         if note:
             row["note"] = note
         self.results.append(row)
-        extra = ("  %.2f TB/s" % row["TB/s"]) if moved_bytes else ""
-        print("%-28s %-22s %8.2f us%s %s" % (name, variant, us, extra, note), flush=True)
+        print("%-34s %-26s %8.2f us%s %s" % (name, variant, us, extra, note), flush=True)
+
+    def floor(self):
+        """The device copy rate (bytes read + written, as `ninfer bench` counts it), the
+        reference of every share printed, and an empty kernel's time per launch in a graph:
+        what a launch costs before it moves a byte."""
+        size = 1 << 30
+        a = cp.empty(size, dtype=cp.uint8)
+        b = cp.empty(size, dtype=cp.uint8)
+        a.fill(1)
+        best = float("inf")
+        for _ in range(5):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            b[...] = a
+            stop.record()
+            stop.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1000.0)
+        del a, b
+        self.copy_tbs = 2 * size / best / 1e6
+        print("device copy: %.2f TB/s (read + write)" % self.copy_tbs, flush=True)
+        empty = cp.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+        us = timed([lambda: empty((132,), (128,), ())] * 20)
+        self.record("empty kernel (launch floor)", "-", us)
 
     def same_bits(self, name, a, b):
         a, b = cp.asnumpy(a), cp.asnumpy(b)
@@ -287,12 +323,27 @@ class Bench:
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 
-    def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1, min_blocks=0):
+    def candidate_gate_up(self, kernel_dir):
+        """`candidates/expert_gate_up_tasks.cu` (a kernel not in the engine yet) compiled after
+        kernel_dir's experts.cu, whose helpers it uses; None without the file or with --no-candidates."""
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "candidates", "expert_gate_up_tasks.cu")
+        if self.args.no_candidates or not os.path.exists(path):
+            return None
+        if not hasattr(self, "_candidate"):
+            with open(path) as f:
+                extra = f.read()
+            self._candidate = module(kernel_dir, "experts", append=extra).get_function("expert_gate_up_tasks")
+        return self._candidate
+
+    def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1, min_blocks=0,
+                down_sum_loads=0):
         """The per-pair decode kernels at one token (8 pairs) and at eight tokens (64 pairs, a
         decode batch of 8 under uniform routing: every pair a different expert). `min_blocks`:
         compile `expert_gate_up` for that many resident blocks per multiprocessor
         (`__launch_bounds__`; at one token its 768 blocks need 6 to fit one wave on an H200)."""
         defines = [("GATE_UP_COLUMNS", gate_up_columns)] if label != "baseline" else []
+        if down_sum_loads:
+            defines.append(("DOWN_SUM_LOADS", down_sum_loads))
         replacements = []
         if min_blocks:
             replacements = [('extern "C" __global__ void expert_gate_up(',
@@ -302,6 +353,8 @@ class Bench:
             label = "%s columns=%d" % (label, gate_up_columns)
             if min_blocks:
                 label += " min_blocks=%d" % min_blocks
+            if down_sum_loads:
+                label += " loads=%d" % down_sum_loads
         gate_up = mod.get_function("expert_gate_up")
         down = mod.get_function("expert_down")
         h, i = HIDDEN, MOE_INTERMEDIATE
@@ -330,7 +383,8 @@ class Bench:
             x = cp.asarray(rng.standard_normal((tokens, h), dtype=np.float32))
             activated = cp.zeros((pairs, i), dtype=cp.float32)
             pair_out = cp.zeros((pairs, h), dtype=cp.float32)
-            weights = cp.full(pairs, 0.125, dtype=cp.float32)
+            # Not powers of two, so a product rounded in another place would show in the bits.
+            weights = cp.asarray(rng.uniform(0.05, 0.3, pairs).astype(np.float32))
             # Different experts per launch (and per pair within one) so reads come from HBM.
             id_sets = [cp.asarray(((np.arange(pairs) + pairs * j) % EXPERTS).astype(np.uint32)) for j in range(16)]
 
@@ -356,14 +410,55 @@ class Bench:
             sum_args = (pair_out, out, np.int32(tokens), np.int32(TOP_K), np.int32(h))
             us = timed([lambda: pair_sum((-(-(tokens * h) // 256),), (256,), sum_args)] * 16)
             self.record("expert_pair_sum " + suffix, label, us)
+            try:
+                down_sum = mod.get_function("expert_down_sum")
+            except Exception:  # noqa: BLE001 - CuPy's error type for a missing function
+                down_sum = None  # an older revision: no fused kernel
+            fused = cp.zeros((tokens, h), dtype=cp.float32)
+
+            def down_sum_launch(ids, activated=activated, weights=weights, tokens=tokens, fused=fused):
+                args = (buffer, slot_of_expert, ids, weights, activated, fused, np.int32(TOP_K), np.int32(EXPERTS),
+                        np.int32(h), np.int32(i), np.int64(stride), dtype_int8, np.int64(down_offset),
+                        np.int64(down_bytes))
+                smem = TOP_K * (-(-i // 16)) * 20 * 4
+                return lambda: down_sum((-(-h // 8), tokens), (256,), args, shared_mem=smem)
+
+            if down_sum is not None:
+                us = timed([down_sum_launch(ids) for ids in id_sets])
+                self.record("expert_down_sum int8 " + suffix, label, us, pairs * (down_bytes + down_scales))
+            candidate = self.candidate_gate_up(kernel_dir) if tokens == 1 and label.startswith("current") else None
+            if candidate is not None:
+                tasks_out = cp.zeros((pairs, i), dtype=cp.float32)
+
+                def tasks_launch(ids, blocks, x=x, pairs=pairs, tasks_out=tasks_out):
+                    args = (buffer, slot_of_expert, ids, x, tasks_out, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h),
+                            np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes), np.int32(pairs))
+                    smem = tokens * (-(-h // 16)) * 20 * 4
+                    return lambda: candidate((blocks,), (256,), args, shared_mem=smem)
+
+                sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+                for per_sm in (1, 2, 3, 4):
+                    us = timed([tasks_launch(ids, per_sm * sms) for ids in id_sets])
+                    self.record("expert_gate_up_tasks int8 " + suffix, "%d blocks/SM" % per_sm, us,
+                                pairs * (gate_up_bytes + gate_up_scales))
+                    gate_up_launch(id_sets[5])()
+                    tasks_launch(id_sets[5], per_sm * sms)()
+                    cp.cuda.Device().synchronize()
+                    self.same_bits("expert_gate_up_tasks %d blocks/SM against expert_gate_up" % per_sm,
+                                   tasks_out, activated)
             # One expert not resident: its pair's output rows are zeros (and its activated row is
             # not written, so it is left out of the comparison).
             missing = int(id_sets[3][2])
             slot_of_expert[missing] = -1
             gate_up_launch(id_sets[3])()
             down_launch(id_sets[3])()
+            if down_sum is not None:
+                pair_sum((-(-(tokens * h) // 256),), (256,), sum_args)
+                down_sum_launch(id_sets[3])()
             cp.cuda.Device().synchronize()
             slot_of_expert[missing] = missing
+            if down_sum is not None:
+                self.same_bits("expert_down_sum against down + pair sum, %d tokens" % tokens, fused, out)
             resident = [p for p in range(pairs) if p != 2]
             result_here = (activated[resident].copy(), pair_out.copy())
             if baseline is not None:
@@ -381,6 +476,8 @@ def main():
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL, attention chunks, gate/up columns")
+    parser.add_argument("--no-candidates", action="store_true",
+                        help="skip the candidate kernels of scripts/bench/candidates/")
     parser.add_argument("--sections", default="matmul,norm,router,attention,experts",
                         help="comma-separated: which kernels to time")
     args = parser.parse_args()
@@ -389,6 +486,7 @@ def main():
     print("device: %s, %d SMs" % (props["name"].decode(), props["multiProcessorCount"]), flush=True)
 
     sections = set(args.sections.split(","))
+    bench.floor()
     if "matmul" in sections:
         base = bench.matmuls(args.baseline, "baseline", 2, 4) if args.baseline else None
         settings = [(c, u) for c in (1, 2) for u in (4, 8)] if args.sweep else [(1, 4), (2, 4)]
@@ -405,8 +503,9 @@ def main():
 
     if "experts" in sections:
         base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None
-        for columns, min_blocks in ((1, 0), (1, 6), (2, 0), (4, 0)) if args.sweep else ((1, 0), (1, 6)):
-            bench.experts(args.kernels, "current", 4, base_experts, columns, min_blocks)
+        settings = ((1, 0, 0), (1, 0, 4), (1, 0, 16), (1, 6, 0), (2, 0, 0), (4, 0, 0)) if args.sweep else ((1, 0, 0),)
+        for columns, min_blocks, down_sum_loads in settings:
+            bench.experts(args.kernels, "current", 4, base_experts, columns, min_blocks, down_sum_loads)
 
     # Last: a fault here takes the context (and every later section) down with it.
     if "attention" in sections:

@@ -146,6 +146,12 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_batched_decode: bool,
+    /// `on`: a decode step's routed experts compute their down projection and the sum over each
+    /// token's choices in one launch. `off` (the default): a down launch, then the sum. The same
+    /// tokens either way.
+    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_fused_expert_sum: bool,
     /// `on` (the default): on an sm_90+ GPU, kernels are launched with programmatic dependent
     /// launch, so each one's launch and block scheduling overlap the end of the one before it
     /// (each still waits for its predecessor before touching memory). `off`: plain launches.
@@ -562,6 +568,7 @@ fn cuda_options(args: &Args) -> CudaOptions {
         tensor_core_prefill: args.cuda_tensor_cores,
         tensor_core_delta_rule: args.cuda_tensor_core_delta_rule,
         batched_decode: args.cuda_batched_decode,
+        fused_expert_sum: args.cuda_fused_expert_sum,
         programmatic_dependent_launch: args.cuda_pdl,
         ..CudaOptions::default()
     }

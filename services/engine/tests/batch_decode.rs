@@ -2,7 +2,8 @@
 //! alone (greedy, every backend, through step graphs and op by op), and on the GPU the batched
 //! decode launches (one KV append, split attention and combine for the whole batch, routed
 //! experts read once per distinct expert) give the bits of the per-sequence launches they
-//! replace (`CudaOptions::batched_decode` off), for the model and for attention alone.
+//! replace (`CudaOptions::batched_decode` off), for the model and for attention alone; the
+//! fused down projection and pair sum give the bits of the two launches they replace.
 //! The CUDA cases are skipped without a GPU (they fail instead under `NINFER_REQUIRE_GPU=1`).
 
 use std::path::{Path, PathBuf};
@@ -29,12 +30,22 @@ const MAX_CONTEXT: usize = 96;
 /// A tiny model of `architecture` with int8 experts and bf16 dense weights, written in
 /// `directory`.
 fn write_int8_model(directory: &Path, architecture: TinyArchitecture) -> PathBuf {
+    write_model_with_experts(directory, architecture, DType::Int8)
+}
+
+/// A tiny model of `architecture` with `experts_dtype` experts and bf16 dense weights, written
+/// in `directory`.
+fn write_model_with_experts(
+    directory: &Path,
+    architecture: TinyArchitecture,
+    experts_dtype: DType,
+) -> PathBuf {
     let options = TinyModelOptions {
-        experts_dtype: DType::Int8,
+        experts_dtype,
         dense_dtype: DType::Bf16,
         ..TinyModelOptions::new(architecture)
     };
-    let path = directory.join(format!("{architecture:?}.ninfer"));
+    let path = directory.join(format!("{architecture:?}-{experts_dtype}.ninfer"));
     write_tiny_model(&path, options).unwrap();
     path
 }
@@ -260,6 +271,52 @@ fn batched_decode_launches_give_the_bits_of_per_sequence_launches() {
                     let counts = with_batched.step_graph_counts();
                     assert_eq!(counts.abandoned, 0, "{architecture:?}: a recording failed");
                     assert!(counts.replayed > 0, "{architecture:?}: {counts:?}");
+                }
+            }
+        }
+    }
+}
+
+/// The routed experts' down projection and sum over a token's choices in one launch
+/// (`fused_expert_sum`) give every step's logits bit for bit as the down launch and the pair sum
+/// they replace: int8, int4 and bf16 experts (the register path and the plain one), decode batches of
+/// 1, 3 and 8 sequences, through step graphs and op by op.
+#[test]
+fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {
+    let test = "fused_expert_sums_give_the_bits_of_down_then_pair_sum";
+    let directory = tempfile::tempdir().unwrap();
+    let open = |fused_expert_sum| {
+        CudaBackend::with_options(
+            0,
+            CudaOptions {
+                fused_expert_sum,
+                ..CudaOptions::default()
+            },
+        )
+        .map(Arc::new)
+    };
+    let backends = open(true).and_then(|fused| Ok((fused, open(false)?)));
+    let Some((fused, separate)) = gpu_or_skip(backends, test) else {
+        return;
+    };
+    for dtype in [DType::Int8, DType::Int4, DType::Bf16] {
+        for architecture in ARCHITECTURES {
+            let path = write_model_with_experts(directory.path(), architecture, dtype);
+            for graphs in [true, false] {
+                let with_fused = open_all_resident(&fused, &path, graphs);
+                let with_separate = open_all_resident(&separate, &path, graphs);
+                for sequences in [1usize, 3, 8] {
+                    let all = prompts(sequences);
+                    let (tokens_a, logits_a) = decode_together(&with_fused, &all, STEPS);
+                    let (tokens_b, logits_b) = decode_together(&with_separate, &all, STEPS);
+                    for (step, (a, b)) in logits_a.iter().zip(&logits_b).enumerate() {
+                        assert!(
+                            same_bits(a, b),
+                            "{dtype} {architecture:?}, graphs {graphs}, {sequences} sequences: step {step}'s logits differ (max |Δ| {:e})",
+                            max_abs_difference(a, b)
+                        );
+                    }
+                    assert_eq!(tokens_a, tokens_b);
                 }
             }
         }

@@ -113,6 +113,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &[
             "expert_gate_up",
             "expert_down",
+            "expert_down_sum",
             "expert_gate_up_by_expert",
             "expert_down_by_expert",
             "expert_gate_up_grouped",

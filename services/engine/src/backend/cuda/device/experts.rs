@@ -68,6 +68,8 @@ const MMA_ROWS_PER_BLOCK: u32 = 128;
 /// Pairs one block of the by-expert kernels computes against one read of their expert's
 /// weights (`EXPERT_GROUP_PAIRS` in kernels/experts.cu).
 const EXPERT_GROUP_PAIRS: usize = 4;
+/// Most choices per token `expert_down_sum` takes (`DOWN_SUM_MAX_TOP_K` in kernels/experts.cu).
+const DOWN_SUM_MAX_TOP_K: usize = 32;
 /// Dynamic shared memory a block gets without asking for more (48 KiB, less 1 KiB for the
 /// kernels' static shared memory): the by-expert kernels stage as many of a group's input
 /// vectors as fit in it (fewer pairs per group for wide models).
@@ -554,6 +556,14 @@ fn by_expert_group_pairs(hidden: usize, intermediate: usize) -> Result<usize, Cu
     Ok((DEFAULT_DYNAMIC_SHARED_BYTES / widest.max(1)).min(EXPERT_GROUP_PAIRS))
 }
 
+/// What a per-pair launch left: each pair's weighted output in `pair_out` (the pair sum still
+/// to run), or the tokens' sums in the output already (`expert_down_sum`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PairOutputs {
+    PerPair,
+    Summed,
+}
+
 /// The expert layout's scalars as the expert kernels take them.
 struct ExpertKernelArgs {
     hidden: i32,
@@ -981,7 +991,8 @@ impl CudaBackend {
                 }
                 _ => {
                     let ids = self.upload_u32(chunk_ids)?;
-                    self.launch_pairwise_experts(
+                    let mut out_chunk = output.slice_mut(first * hidden..(first + count) * hidden);
+                    let outputs = self.launch_pairwise_experts(
                         slots,
                         &ids.slice(..),
                         &weights.slice(..),
@@ -990,7 +1001,12 @@ impl CudaBackend {
                         k,
                         &mut *activated,
                         &mut *pair_out,
+                        Some(&mut out_chunk),
                     )?;
+                    if outputs == PairOutputs::Summed {
+                        first += count;
+                        continue;
+                    }
                 }
             }
             let mut out_chunk = output.slice_mut(first * hidden..(first + count) * hidden);
@@ -1015,7 +1031,8 @@ impl CudaBackend {
         k: usize,
         activated: &mut CudaSlice<f32>,
         pair_out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
+        summed: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<PairOutputs, CudaError> {
         let layout = &slots.layout;
         let (hidden, intermediate) = (layout.hidden, layout.intermediate);
         let storage = &slots.storage;
@@ -1057,10 +1074,11 @@ impl CudaBackend {
                 group_pairs as u32 * shared_bytes(intermediate)?,
                 "expert row blocks",
             )?;
-            return launch!(self, "expert_down_by_expert", down_config;
+            launch!(self, "expert_down_by_expert", down_config;
                 storage, table, ids, weights, &*activated, pair_out,
                 &num_experts, &args.hidden, &args.intermediate, &args.stride, &args.dtype,
-                &args.down_offset, &args.down_scales, &pairs_count, &group);
+                &args.down_offset, &args.down_scales, &pairs_count, &group)?;
+            return Ok(PairOutputs::PerPair);
         }
         let gate_up_config = expert_launch(
             intermediate,
@@ -1073,6 +1091,22 @@ impl CudaBackend {
         launch!(self, "expert_gate_up", gate_up_config;
             storage, table, ids, x, &mut *activated, &top_k, &num_experts,
             &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales)?;
+        if let (Some(out), Some(shared)) = (summed, self.down_sum_shared_bytes(k, intermediate)?) {
+            let rows = grid(tokens, MAX_GRID_Y, "expert tokens in one launch")?;
+            let config = expert_launch(
+                hidden,
+                EXPERT_WARPS,
+                rows,
+                EXPERT_WARPS,
+                shared,
+                "expert row blocks",
+            )?;
+            launch!(self, "expert_down_sum", config;
+                storage, table, ids, weights, &*activated, out, &top_k,
+                &num_experts, &args.hidden, &args.intermediate, &args.stride, &args.dtype,
+                &args.down_offset, &args.down_scales)?;
+            return Ok(PairOutputs::Summed);
+        }
         let down_config = expert_launch(
             hidden,
             EXPERT_WARPS * EXPERT_DOWN_ROWS,
@@ -1084,7 +1118,25 @@ impl CudaBackend {
         launch!(self, "expert_down", down_config;
             storage, table, ids, weights, &*activated, pair_out,
             &num_experts, &args.hidden, &args.intermediate, &args.stride, &args.dtype,
-            &args.down_offset, &args.down_scales)
+            &args.down_offset, &args.down_scales)?;
+        Ok(PairOutputs::PerPair)
+    }
+
+    /// The dynamic shared memory of an `expert_down_sum` launch (a token's `k` activated rows,
+    /// padded), or `None` where it does not run: the option off, more choices than the kernel
+    /// takes, or rows that do not fit the default dynamic shared memory.
+    fn down_sum_shared_bytes(
+        &self,
+        k: usize,
+        intermediate: usize,
+    ) -> Result<Option<u32>, CudaError> {
+        if !self.options.fused_expert_sum || k == 0 || k > DOWN_SUM_MAX_TOP_K {
+            return Ok(None);
+        }
+        let bytes = (shared_bytes(intermediate)? as usize).checked_mul(k);
+        Ok(bytes
+            .filter(|&bytes| bytes <= DEFAULT_DYNAMIC_SHARED_BYTES)
+            .and_then(|bytes| u32::try_from(bytes).ok()))
     }
 
     /// Whether a batch of `tokens` tokens with `k` choices each runs the per-pair kernels in
@@ -1134,7 +1186,8 @@ impl CudaBackend {
         let mut activated = self.output_uninit(1, pairs * intermediate)?;
         let mut pair_out = self.output_uninit(1, pairs * hidden)?;
         let pair_out = &mut *pair_out.data;
-        self.launch_pairwise_experts(
+        let output = &mut *out.data;
+        let outputs = self.launch_pairwise_experts(
             slots,
             &ids,
             &weights.slice(0..pairs),
@@ -1143,8 +1196,11 @@ impl CudaBackend {
             k,
             &mut activated.data,
             pair_out,
+            Some(&mut output.slice_mut(0..tokens * hidden)),
         )?;
-        let output = &mut *out.data;
+        if outputs == PairOutputs::Summed {
+            return Ok(out);
+        }
         self.launch_pair_sum(
             pair_out,
             &mut output.slice_mut(0..tokens * hidden),
@@ -1192,6 +1248,10 @@ mod tests {
         assert_eq!(
             i64::from(EXPERT_DOWN_ROWS),
             kernel_define("experts", "DOWN_ROWS")
+        );
+        assert_eq!(
+            DOWN_SUM_MAX_TOP_K as i64,
+            kernel_define("experts", "DOWN_SUM_MAX_TOP_K")
         );
         assert_eq!(
             i64::from(EXPERT_GATE_UP_COLUMNS),

@@ -93,6 +93,13 @@ pub struct CudaOptions {
     /// Qwen3-30B-A3B shapes the per-pair kernels took 278 µs per layer and these 432 µs (op
     /// timing on an H200, uniform routing, where few experts are shared).
     pub decode_experts_by_expert: bool,
+    /// The per-pair decode kernels compute the down projection and the sum over a token's
+    /// choices in one launch (`expert_down_sum`) where a token's activations fit its shared
+    /// memory: the bits of `expert_down` then `expert_pair_sum`. Off by default until it
+    /// measures faster than the two launches: its first version (144 registers, one block per
+    /// multiprocessor, the activations staged one load at a time) took 27.62 µs against
+    /// 10.50 + 2.35 at one token on an H100; this one is not measured yet.
+    pub fused_expert_sum: bool,
     /// Programmatic dependent launch (device/launch.rs): on an sm_90+ GPU whose driver has
     /// `cuLaunchKernelEx`, kernel launches (also those recorded into step graphs, from CUDA
     /// 12.3 on) let the next kernel's launch and block scheduling overlap the tail of the one
@@ -114,6 +121,7 @@ impl Default for CudaOptions {
             tensor_core_delta_rule: true,
             batched_decode: true,
             decode_experts_by_expert: false,
+            fused_expert_sum: false,
             programmatic_dependent_launch: true,
         }
     }
@@ -135,6 +143,8 @@ impl CudaOptions {
             tensor_core_delta_rule: false,
             batched_decode: true,
             decode_experts_by_expert: false,
+            // The same bits as the two launches.
+            fused_expert_sum: false,
             // Launch timing only: the same bits as plain launches.
             programmatic_dependent_launch: true,
         }

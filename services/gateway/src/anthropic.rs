@@ -705,3 +705,24 @@ pub async fn count_tokens(
         Err(error) => anthropic_error(error),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::generation::{FinishKind, GenerationSummary};
+
+    #[test]
+    fn cached_prompt_tokens_are_cache_reads_and_the_rest_is_input() {
+        let usage = super::usage_json(&GenerationSummary {
+            finish: FinishKind::Stop,
+            matched_stop: None,
+            prompt_tokens: 300,
+            completion_tokens: 7,
+            reasoning_tokens: 0,
+            cached_tokens: 256,
+        });
+        assert_eq!(usage["input_tokens"], 44);
+        assert_eq!(usage["cache_read_input_tokens"], 256);
+        assert_eq!(usage["cache_creation_input_tokens"], 0);
+        assert_eq!(usage["output_tokens"], 7);
+    }
+}

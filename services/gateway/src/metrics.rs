@@ -187,7 +187,7 @@ fn render_engines(output: &mut String, snapshot: &BackendSnapshot) {
         &'static str,
         fn(&ninfer_protocol::v1::EngineStatus) -> u64,
     );
-    let fields: [Field; 14] = [
+    let fields: [Field; 20] = [
         (
             "ninfer_engine_running_sequences",
             "gauge",

@@ -1035,4 +1035,12 @@ mod tests {
         assert_eq!(super::rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(super::rfc3339_utc(1_764_763_199), "2025-12-03T11:59:59Z");
     }
+
+    #[test]
+    fn usage_reports_the_prompt_tokens_the_engine_cached() {
+        let usage = super::usage_json(300, 7, 256);
+        assert_eq!(usage["prompt_tokens"], 300);
+        assert_eq!(usage["total_tokens"], 307);
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 256);
+    }
 }

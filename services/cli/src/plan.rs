@@ -710,12 +710,52 @@ mod tests {
         }
     }
 
+    /// The figures below leave the prefix cache out (its own test says what it takes).
     fn request() -> Request {
         Request {
             kv_element_bytes: 2,
             max_sequences: 32,
+            prefix_cache_gib: Some(0.0),
             ..Request::default()
         }
+    }
+
+    #[test]
+    fn the_prefix_cache_takes_an_eighth_of_its_memory_by_default_and_the_slots_leave_it_room() {
+        let facts = facts();
+        let defaults = Request {
+            prefix_cache_gib: None,
+            ..request()
+        };
+        // On the 80 GiB card: (79.5 − 4 dense) / 8 = 9.44 GiB, taken from the slots' 50.5 GiB
+        // → 41.06 GiB → 87 per layer (107 without).
+        let server = plan(&facts, &machine(Some(80), 512, 2), &defaults).unwrap();
+        assert_eq!(server.prefix_cache_bytes, (75 * GIB + GIB / 2) / 8);
+        assert_eq!(server.gpu_experts_estimate, Some(87));
+        // Without a GPU it is host RAM: an eighth of what the banks leave, at most 16 GiB.
+        let laptop = plan(&facts, &machine(None, 128, 1), &defaults).unwrap();
+        assert_eq!(laptop.prefix_cache_bytes, (126 * GIB - 60 * GIB) / 8);
+        let without = plan(&facts, &machine(None, 128, 1), &request()).unwrap();
+        assert_eq!(
+            laptop.host_ram_bytes,
+            without.host_ram_bytes + laptop.prefix_cache_bytes
+        );
+        let big = plan(&facts, &machine(None, 1024, 1), &defaults).unwrap();
+        assert_eq!(big.prefix_cache_bytes, 16 * GIB);
+        let asked = Request {
+            prefix_cache_gib: Some(2.5),
+            ..request()
+        };
+        let asked = plan(&facts, &machine(Some(80), 512, 2), &asked).unwrap();
+        assert_eq!(asked.prefix_cache_bytes, 5 * GIB / 2);
+        let nonsense = Request {
+            prefix_cache_gib: Some(-1.0),
+            ..request()
+        };
+        let message = plan(&facts, &machine(None, 128, 1), &nonsense)
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("--prefix-cache-gib -1"), "{message}");
     }
 
     /// Three machines: a laptop without a GPU, a workstation with a 24 GiB card, a two-socket

@@ -623,6 +623,8 @@ mod tests {
                 "f32",
                 "--host-kv-mib",
                 "64",
+                "--prefix-cache-gib",
+                "1.5",
                 "--max-sequences",
                 "2",
                 "--moe-record-stats",
@@ -644,6 +646,7 @@ mod tests {
         for expected in [
             "--kv-dtype f32",
             "--host-kv-mib 64",
+            "--prefix-cache-gib 1.500",
             "--max-sequences 2",
             "--moe-record-stats out.json",
             "--device cpu",

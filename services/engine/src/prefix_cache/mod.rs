@@ -31,9 +31,11 @@ use chain::{block_names, root_name, BlockName};
 /// layer and the chain is short, small enough to keep most of a prompt that changed late.
 pub const DEFAULT_BLOCK_TOKENS: usize = 256;
 
-/// Recurrent states are kept every this many blocks of a long prompt (besides its last block
-/// end), so a prompt that shares only the start of a long one still finds a checkpoint.
-pub const DEFAULT_CHECKPOINT_INTERVAL_BLOCKS: usize = 16;
+/// Recurrent states are kept every this many blocks of a long prompt (8192 tokens; besides
+/// its last block end), so a prompt that shares only the start of a long one still finds a
+/// checkpoint. Each costs the prompt one more forward (on a GPU that streams every layer's
+/// experts, a fraction of a second), so they are sparse.
+pub const DEFAULT_CHECKPOINT_INTERVAL_BLOCKS: usize = 32;
 
 /// How the prefix cache is set up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

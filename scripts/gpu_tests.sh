@@ -36,6 +36,8 @@ SUITES=(
   "cuda_tensor_cores:"
   "batch_decode:"
   "qwen4_exp_parts:::cuda"
+  "prefix_cache:::cuda"
+  "prefix_cache_serving:::cuda"
 )
 
 build() {

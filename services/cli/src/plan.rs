@@ -206,6 +206,8 @@ pub struct Request {
     pub moe_gpu_experts: Option<String>,
     pub gpu_mem_budget: Option<f64>,
     pub host_kv_mib: Option<u64>,
+    /// `--prefix-cache-gib`; `None`: the plan's default ([`default_prefix_cache_bytes`]).
+    pub prefix_cache_gib: Option<f64>,
     /// Bytes per cached K/V element (4 for `--kv-dtype f32`, else 2).
     pub kv_element_bytes: u64,
     pub max_sequences: usize,
@@ -250,6 +252,9 @@ pub struct Plan {
     /// The PLE n-gram tables (qwen4_exp), which stay in host RAM.
     pub ngram_table_bytes: u64,
     pub host_kv_mib: u64,
+    /// The engine's prefix cache budget (`--prefix-cache-gib`): on a GPU its blocks are KV
+    /// caches (GPU first, the expert slots leave them room), else host RAM.
+    pub prefix_cache_bytes: u64,
     /// Host RAM the run uses: the expert banks the workers map and lock, the KV kept in host
     /// RAM, the n-gram tables, and the dense weights when they run on the CPU.
     pub host_ram_bytes: u64,
@@ -334,6 +339,16 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
             );
         }
     }
+    if let Some(gib) = request.prefix_cache_gib {
+        if !(gib.is_finite() && gib >= 0.0) {
+            bail!("--prefix-cache-gib {gib}: give a number of GiB, 0 or more");
+        }
+    }
+    let on_gpu = machine.gpu.is_some() && !request.cpu_only;
+    let prefix_cache_bytes = match request.prefix_cache_gib {
+        Some(gib) => (gib * GIB as f64) as u64,
+        None => default_prefix_cache_bytes(machine, on_gpu, facts),
+    };
     if let Some(path) = &request.moe_expert_stats {
         if !path.is_file() {
             bail!("--moe-expert-stats {}: no such file", path.display());
@@ -365,10 +380,16 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         GpuExpertCount::Auto => None,
     };
     let gpu_experts_estimate = match gpu_request {
-        GpuExpertCount::Auto if has_experts => machine
-            .gpu
-            .as_ref()
-            .map(|gpu| fitting_gpu_experts(facts, gpu, request, max_context, host_kv_mib)),
+        GpuExpertCount::Auto if has_experts => machine.gpu.as_ref().map(|gpu| {
+            fitting_gpu_experts(
+                facts,
+                gpu,
+                request,
+                max_context,
+                host_kv_mib,
+                prefix_cache_bytes,
+            )
+        }),
         _ => None,
     };
     let nodes = &machine.numa_nodes;
@@ -400,6 +421,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         + facts.mtp_expert_bytes
         + facts.ngram_table_bytes
         + host_kv_mib * MIB
+        + if on_gpu { 0 } else { prefix_cache_bytes }
         + if dense_on_cpu {
             facts.dense_bytes + facts.mtp_dense_bytes
         } else {
@@ -448,12 +470,31 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         dense_mlp_bytes: facts.dense_mlp_bytes,
         ngram_table_bytes: facts.ngram_table_bytes,
         host_kv_mib,
+        prefix_cache_bytes,
         host_ram_bytes,
         expert_banks_fit_in_ram: machine.ram_available_bytes == 0
             || facts.expert_bank_bytes + facts.mtp_expert_bytes <= machine.ram_available_bytes,
         machine: machine.clone(),
         api: request.api.clone(),
     })
+}
+
+/// The prefix cache's budget when `--prefix-cache-gib` is not given: an eighth of the memory
+/// its blocks live in (the GPU's free memory less the dense weights, else the RAM available
+/// less the expert banks and n-gram tables the run maps), at most 16 GiB; 2 GiB on a machine
+/// whose RAM is unknown.
+fn default_prefix_cache_bytes(machine: &Machine, on_gpu: bool, facts: &ModelFacts) -> u64 {
+    const MOST: u64 = 16 * GIB;
+    let room = match (&machine.gpu, on_gpu) {
+        (Some(gpu), true) => gpu
+            .free_bytes
+            .saturating_sub(facts.dense_bytes + facts.mtp_dense_bytes),
+        _ if machine.ram_available_bytes == 0 => return 2 * GIB,
+        _ => machine.ram_available_bytes.saturating_sub(
+            facts.expert_bank_bytes + facts.mtp_expert_bytes + facts.ngram_table_bytes,
+        ),
+    };
+    (room / 8).min(MOST)
 }
 
 /// Experts per MoE layer that fit in the GPU memory left after the dense weights, the KV caches
@@ -465,6 +506,7 @@ fn fitting_gpu_experts(
     request: &Request,
     max_context: usize,
     host_kv_mib: u64,
+    prefix_cache_bytes: u64,
 ) -> usize {
     let common = &facts.common;
     let budget = match request.gpu_mem_budget {
@@ -486,6 +528,7 @@ fn fitting_gpu_experts(
     let left = budget
         .saturating_sub(facts.dense_bytes + facts.mtp_dense_bytes)
         .saturating_sub(kv)
+        .saturating_sub(prefix_cache_bytes)
         .saturating_sub(GPU_WORKING_BYTES);
     let per_expert_everywhere = ((facts.expert_bank_bytes + facts.mtp_expert_bytes)
         / common.num_experts.max(1) as u64)
@@ -585,6 +628,14 @@ pub fn print_plan(plan: &Plan) {
     if plan.host_kv_mib > 0 {
         println!("kv cache      {} MiB in host RAM", plan.host_kv_mib);
     }
+    if plan.prefix_cache_bytes > 0 {
+        println!(
+            "prefix cache  {:.2} GiB: prompts reuse what earlier prompts computed, by blocks of 256 tokens, least recently used evicted",
+            gib(plan.prefix_cache_bytes)
+        );
+    } else {
+        println!("prefix cache  off");
+    }
     if plan.prefill_staging_bytes > 0 {
         println!(
             "prefill       layerwise from {} tokens: staging slots {:.2} GiB on the GPU (two halves of one layer's experts, streamed over PCIe while the layer before computes); each MoE layer split between GPU and CPU workers from the PCIe, GPU and CPU expert rates the engine measures and logs at start",
@@ -659,12 +710,52 @@ mod tests {
         }
     }
 
+    /// The figures below leave the prefix cache out (its own test says what it takes).
     fn request() -> Request {
         Request {
             kv_element_bytes: 2,
             max_sequences: 32,
+            prefix_cache_gib: Some(0.0),
             ..Request::default()
         }
+    }
+
+    #[test]
+    fn the_prefix_cache_takes_an_eighth_of_its_memory_by_default_and_the_slots_leave_it_room() {
+        let facts = facts();
+        let defaults = Request {
+            prefix_cache_gib: None,
+            ..request()
+        };
+        // On the 80 GiB card: (79.5 − 4 dense) / 8 = 9.44 GiB, taken from the slots' 50.5 GiB
+        // → 41.06 GiB → 87 per layer (107 without).
+        let server = plan(&facts, &machine(Some(80), 512, 2), &defaults).unwrap();
+        assert_eq!(server.prefix_cache_bytes, (75 * GIB + GIB / 2) / 8);
+        assert_eq!(server.gpu_experts_estimate, Some(87));
+        // Without a GPU it is host RAM: an eighth of what the banks leave, at most 16 GiB.
+        let laptop = plan(&facts, &machine(None, 128, 1), &defaults).unwrap();
+        assert_eq!(laptop.prefix_cache_bytes, (126 * GIB - 60 * GIB) / 8);
+        let without = plan(&facts, &machine(None, 128, 1), &request()).unwrap();
+        assert_eq!(
+            laptop.host_ram_bytes,
+            without.host_ram_bytes + laptop.prefix_cache_bytes
+        );
+        let big = plan(&facts, &machine(None, 1024, 1), &defaults).unwrap();
+        assert_eq!(big.prefix_cache_bytes, 16 * GIB);
+        let asked = Request {
+            prefix_cache_gib: Some(2.5),
+            ..request()
+        };
+        let asked = plan(&facts, &machine(Some(80), 512, 2), &asked).unwrap();
+        assert_eq!(asked.prefix_cache_bytes, 5 * GIB / 2);
+        let nonsense = Request {
+            prefix_cache_gib: Some(-1.0),
+            ..request()
+        };
+        let message = plan(&facts, &machine(None, 128, 1), &nonsense)
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("--prefix-cache-gib -1"), "{message}");
     }
 
     /// Three machines: a laptop without a GPU, a workstation with a 24 GiB card, a two-socket

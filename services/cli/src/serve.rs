@@ -74,6 +74,10 @@ pub struct EngineFlags {
     /// experts; recommended with offload on a small card).
     #[arg(long, value_name = "MiB")]
     pub host_kv_mib: Option<u64>,
+    /// Keep what prompts computed within this many GiB, so a prompt that starts like an
+    /// earlier one computes only the rest (0: off; default: the plan's, shown by `--dry-run`).
+    #[arg(long, value_name = "GiB")]
+    pub prefix_cache_gib: Option<f64>,
     /// Most sequences decoded at once.
     #[arg(long, value_name = "N")]
     pub max_sequences: Option<usize>,
@@ -151,6 +155,7 @@ impl EngineFlags {
             moe_gpu_experts: self.moe_gpu_experts.clone(),
             gpu_mem_budget: self.gpu_mem_budget,
             host_kv_mib: self.host_kv_mib,
+            prefix_cache_gib: self.prefix_cache_gib,
             kv_element_bytes: if self.kv_dtype.as_deref() == Some("f32") {
                 4
             } else {
@@ -444,6 +449,10 @@ pub fn engine_command_line(
     if let Some(gib) = flags.gpu_mem_budget {
         arguments.extend(["--gpu-mem-budget".into(), gib.to_string()]);
     }
+    if !passes(extra, "--prefix-cache-gib") {
+        let gib = plan.prefix_cache_bytes as f64 / (1u64 << 30) as f64;
+        arguments.extend(["--prefix-cache-gib".into(), format!("{gib:.3}")]);
+    }
     let valued = [
         ("--kv-dtype", flags.kv_dtype.clone()),
         (
@@ -614,6 +623,8 @@ mod tests {
                 "f32",
                 "--host-kv-mib",
                 "64",
+                "--prefix-cache-gib",
+                "1.5",
                 "--max-sequences",
                 "2",
                 "--moe-record-stats",
@@ -635,6 +646,7 @@ mod tests {
         for expected in [
             "--kv-dtype f32",
             "--host-kv-mib 64",
+            "--prefix-cache-gib 1.500",
             "--max-sequences 2",
             "--moe-record-stats out.json",
             "--device cpu",

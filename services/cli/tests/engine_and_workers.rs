@@ -1413,3 +1413,84 @@ impl ServedByRun {
         );
     }
 }
+
+/// An agent's second turn through the gateway reuses its first turn's prompt: the engine with a
+/// prefix cache, the same long system prompt twice, the conversation grown between; the second
+/// answer reports cached prompt tokens (Anthropic `cache_read_input_tokens`, OpenAI
+/// `prompt_tokens_details.cached_tokens`), the first none, and `/metrics` counts the hits.
+#[test]
+fn a_second_turn_reports_the_prompt_tokens_it_reused() {
+    let mut stack = Stack::new();
+    let model = stack.convert("qwen3_5_moe");
+    let engine = stack.engine("engine", &model, &[], &["--prefix-cache-gib", "1"]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let api = format!("127.0.0.1:{port}");
+    let state = stack.path("state").display().to_string();
+    stack.spawn(
+        "gateway",
+        &binary("ninfer-gateway"),
+        &["--engine", &engine, "--listen", &api, "--state-dir", &state].map(String::from),
+    );
+    wait_for_health(&api, 200);
+    let system = "You are a careful agent with tools for files and shells. ".repeat(40);
+    let first = serde_json::json!({
+        "model": "qwen3_5_moe", "max_tokens": 4, "temperature": 0, "system": system,
+        "messages": [{"role": "user", "content": "List the files."}],
+    });
+    let (status, body) = http(&api, "POST", "/v1/messages", &first.to_string());
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["usage"]["cache_read_input_tokens"], 0, "{answer}");
+    let first_input = answer["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(first_input > 600, "a prompt of several blocks: {answer}");
+    let second = serde_json::json!({
+        "model": "qwen3_5_moe", "max_tokens": 4, "temperature": 0, "system": system,
+        "messages": [
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": "Here they are."},
+            {"role": "user", "content": "Now read the first one."},
+        ],
+    });
+    let (status, body) = http(&api, "POST", "/v1/messages", &second.to_string());
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let cached = answer["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(cached >= 256 && cached % 256 == 0, "{answer}");
+    assert!(cached < first_input, "{answer}");
+    let chat = serde_json::json!({
+        "model": "qwen3_5_moe", "max_tokens": 4, "temperature": 0,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "List the files."},
+        ],
+    });
+    let (status, body) = http(&api, "POST", "/v1/chat/completions", &chat.to_string());
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 256, "{answer}");
+    // The gateway polls the engine's status about twice a second.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, metrics) = http(&api, "GET", "/metrics", "");
+        let hits = metrics
+            .lines()
+            .find(|line| line.starts_with("ninfer_engine_prefix_cache_hits_total{"))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse::<u64>().ok());
+        if hits == Some(2) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "prefix cache hits on /metrics: {metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -22,6 +22,8 @@
 //! * [`constraint`] — constrained decoding: token masks from a grammar (llguidance), the
 //!   reasoning block and its budget.
 //! * [`perplexity`] — windowed NLL of a token stream.
+//! * [`prefix_cache`] — automatic prefix caching: prompt blocks by hash chain, recurrent-state
+//!   checkpoints, LRU eviction within a budget.
 //! * [`testing`] — `test_device!` and tiny random-weight artifacts for tests.
 
 pub mod backend;
@@ -31,6 +33,7 @@ pub mod host_math;
 pub mod model;
 pub mod moe;
 pub mod perplexity;
+pub mod prefix_cache;
 pub mod profile;
 pub mod sampling;
 pub mod service;

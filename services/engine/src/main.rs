@@ -25,6 +25,7 @@ use ninfer_engine::moe::{
     ExpertExecutor, KernelExpertExecutor, NoRoutedExperts, WorkerExpertExecutor,
     WorkerExpertExecutorOptions,
 };
+use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::profile::ForwardProfile;
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
 use ninfer_engine::service::scheduler::{
@@ -189,6 +190,14 @@ struct Args {
     /// read over PCIe. 0: every KV cache on the GPU. The CPU backend ignores it.
     #[arg(long, default_value_t = 0, value_name = "MiB")]
     host_kv_mib: u64,
+    /// Keep what prompts computed, by blocks of 256 tokens, within this many GiB, so a later
+    /// prompt that starts the same way computes only the rest (attention KV rows, and for
+    /// Gated DeltaNet layers their states at checkpoints; least recently used blocks go
+    /// first). On the GPU the blocks are KV caches like the sequences' (GPU first, then the
+    /// `--host-kv-mib` pool) and the expert slots leave them room. 0: off (`ninfer run` and
+    /// `ninfer serve` pass their plan's figure).
+    #[arg(long, default_value_t = 0.0, value_name = "GiB")]
+    prefix_cache_gib: f64,
     /// On the GPU: batches of at least this many tokens (long prompts) copy the routed experts
     /// they need over PCIe into one layer-sized set of staging slots and compute them on the
     /// GPU instead of the expert workers (0: never). The default is about where PCIe wins:
@@ -374,6 +383,13 @@ fn run(args: Args) -> anyhow::Result<()> {
     };
     let scheduler_counters = Arc::new(SchedulerCounters::default());
     let exit_counters = Arc::clone(&scheduler_counters);
+    if !(args.prefix_cache_gib.is_finite() && args.prefix_cache_gib >= 0.0) {
+        bail!(
+            "--prefix-cache-gib {}: give a number of GiB, 0 or more",
+            args.prefix_cache_gib
+        );
+    }
+    let prefix_cache = PrefixCacheSettings::with_budget(gib_to_bytes(args.prefix_cache_gib));
     let host_kv_bytes = args
         .host_kv_mib
         .checked_mul(1 << 20)
@@ -393,6 +409,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
         layerwise_min_tokens: args.moe_prefill_layerwise_min_tokens,
         host_kv_bytes,
+        prefix_cache,
         cache_fills_per_layer: if args.moe_static_experts {
             0
         } else {
@@ -651,6 +668,8 @@ struct GpuExpertsRequest {
     layerwise_min_tokens: usize,
     /// `--host-kv-mib`: KV caches that may live in host memory instead.
     host_kv_bytes: u64,
+    /// `--prefix-cache-gib`.
+    prefix_cache: PrefixCacheSettings,
     /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
     cache_fills_per_layer: usize,
 }
@@ -766,10 +785,21 @@ fn start_scheduler<B: Backend>(
             "speculative decoding with the MTP head"
         );
     }
-    let sender = scheduler::start_speculative(
+    if request.prefix_cache.budget_bytes > 0 {
+        tracing::info!(
+            gib = format!(
+                "{:.2}",
+                request.prefix_cache.budget_bytes as f64 / (1u64 << 30) as f64
+            ),
+            block_tokens = request.prefix_cache.block_tokens,
+            "prefix cache"
+        );
+    }
+    let sender = scheduler::start_serving(
         Arc::new(model),
         request.limits,
         request.speculation,
+        request.prefix_cache,
         Arc::clone(counters),
     )
     .context("starting the scheduler")?;
@@ -873,12 +903,13 @@ fn place_gpu_experts<B: Backend>(
             free_bytes: free as u64,
             total_bytes: total as u64,
             limit_gib: request.budget_gib,
+            // The prefix cache's blocks are KV caches too: the slots leave them their room.
             kv_cache_bytes: kv_cache_bytes(
                 model.spec(),
                 request.kv_element_bytes,
                 request.limits.max_context,
                 request.limits.max_sequences,
-            ),
+            ) + request.prefix_cache.budget_bytes,
             host_kv_bytes: request.host_kv_bytes,
         })
     });

@@ -514,9 +514,21 @@ async fn messages_inner(
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": generation.summary.matched_stop,
-        "usage": {"input_tokens": generation.summary.prompt_tokens, "output_tokens": generation.summary.completion_tokens},
+        "usage": usage_json(&generation.summary),
     }))
     .into_response())
+}
+
+/// Anthropic's usage: `input_tokens` counts the prompt tokens computed, and those the engine
+/// took from its prefix cache are `cache_read_input_tokens` (the total input is their sum).
+fn usage_json(summary: &GenerationSummary) -> JsonValue {
+    let cached = summary.cached_tokens.min(summary.prompt_tokens);
+    json!({
+        "input_tokens": summary.prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": summary.completion_tokens,
+    })
 }
 
 fn event(name: &str, data: JsonValue) -> Event {
@@ -655,7 +667,7 @@ fn stream_messages(
                         "message_delta",
                         json!({"type": "message_delta",
                                "delta": {"stop_reason": stop_reason, "stop_sequence": summary.matched_stop},
-                               "usage": {"output_tokens": summary.completion_tokens}}),
+                               "usage": usage_json(&summary)}),
                     ));
                     outgoing.push(event("message_stop", json!({"type": "message_stop"})));
                 }
@@ -691,5 +703,26 @@ pub async fn count_tokens(
     match result {
         Ok(body) => Json(body).into_response(),
         Err(error) => anthropic_error(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::generation::{FinishKind, GenerationSummary};
+
+    #[test]
+    fn cached_prompt_tokens_are_cache_reads_and_the_rest_is_input() {
+        let usage = super::usage_json(&GenerationSummary {
+            finish: FinishKind::Stop,
+            matched_stop: None,
+            prompt_tokens: 300,
+            completion_tokens: 7,
+            reasoning_tokens: 0,
+            cached_tokens: 256,
+        });
+        assert_eq!(usage["input_tokens"], 44);
+        assert_eq!(usage["cache_read_input_tokens"], 256);
+        assert_eq!(usage["cache_creation_input_tokens"], 0);
+        assert_eq!(usage["output_tokens"], 7);
     }
 }

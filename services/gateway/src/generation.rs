@@ -454,6 +454,8 @@ pub struct GenerationSummary {
     pub completion_tokens: u32,
     /// Generated tokens inside the thinking block (`<think>` … `</think>`, the tags included).
     pub reasoning_tokens: u32,
+    /// Prompt tokens the engine took from its prefix cache.
+    pub cached_tokens: u32,
 }
 
 /// What a generation task sends to its handler.
@@ -637,6 +639,7 @@ async fn run_generation(
     let think_close = tokenizer.token_to_id("</think>");
     let mut in_reasoning = plan.reasoning == Some(ReasoningStart::InsideThinking);
     let mut reasoning_tokens: u32 = 0;
+    let mut cached_tokens: u32 = 0;
     let mut last_token_at: Option<Instant> = None;
     // With one tool call allowed, the answer ends at the first `</tool_call>`.
     let mut answer_so_far = String::new();
@@ -676,6 +679,7 @@ async fn run_generation(
                 return;
             }
         };
+        cached_tokens = cached_tokens.max(token.cached_prompt_tokens);
         let now = Instant::now();
         let mut released = String::new();
         let mut logprobs = Vec::new();
@@ -805,6 +809,7 @@ async fn run_generation(
                 prompt_tokens,
                 completion_tokens,
                 reasoning_tokens: reasoning_tokens.min(completion_tokens),
+                cached_tokens,
             };
             let _ = sender.send(Ok(GenerationEvent::Finished(summary))).await;
             // Returning drops the token stream: after a stop string that cancels the engine.

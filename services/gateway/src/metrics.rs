@@ -187,7 +187,7 @@ fn render_engines(output: &mut String, snapshot: &BackendSnapshot) {
         &'static str,
         fn(&ninfer_protocol::v1::EngineStatus) -> u64,
     );
-    let fields: [Field; 14] = [
+    let fields: [Field; 20] = [
         (
             "ninfer_engine_running_sequences",
             "gauge",
@@ -271,6 +271,42 @@ fn render_engines(output: &mut String, snapshot: &BackendSnapshot) {
             "counter",
             "Drafted tokens the main model accepted.",
             |s| s.accepted_tokens_by_depth.iter().sum(),
+        ),
+        (
+            "ninfer_engine_prefix_cache_lookups_total",
+            "counter",
+            "Prompts looked up in the prefix cache.",
+            |s| s.prefix_cache_lookups_total,
+        ),
+        (
+            "ninfer_engine_prefix_cache_hits_total",
+            "counter",
+            "Prompts that reused a cached prefix.",
+            |s| s.prefix_cache_hits_total,
+        ),
+        (
+            "ninfer_engine_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens taken from the prefix cache instead of computed.",
+            |s| s.prefix_cache_hit_tokens_total,
+        ),
+        (
+            "ninfer_engine_prefix_cache_evictions_total",
+            "counter",
+            "Prefix cache blocks evicted to stay within the budget.",
+            |s| s.prefix_cache_evictions_total,
+        ),
+        (
+            "ninfer_engine_prefix_cache_bytes",
+            "gauge",
+            "Bytes the prefix cache's blocks and checkpoints take.",
+            |s| s.prefix_cache_bytes,
+        ),
+        (
+            "ninfer_engine_prefix_cache_budget_bytes",
+            "gauge",
+            "The prefix cache's budget in bytes (0: off).",
+            |s| s.prefix_cache_budget_bytes,
         ),
     ];
     let _ = writeln!(output, "# HELP ninfer_engine_up Whether the engine is ready (1) or not (0).\n# TYPE ninfer_engine_up gauge");

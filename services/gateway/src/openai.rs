@@ -417,13 +417,19 @@ fn finish_reason_text(finish: FinishKind) -> &'static str {
     }
 }
 
-fn usage_json(prompt_tokens: u32, completion_tokens: u32) -> JsonValue {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+/// `cached_tokens`: prompt tokens the engine took from its prefix cache.
+fn usage_json(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> JsonValue {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}})
 }
 
 /// Chat usage: also how many of the completion tokens were reasoning.
-fn chat_usage_json(prompt_tokens: u32, completion_tokens: u32, reasoning_tokens: u32) -> JsonValue {
-    let mut usage = usage_json(prompt_tokens, completion_tokens);
+fn chat_usage_json(
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    reasoning_tokens: u32,
+    cached_tokens: u32,
+) -> JsonValue {
+    let mut usage = usage_json(prompt_tokens, completion_tokens, cached_tokens);
     usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning_tokens});
     usage
 }
@@ -528,10 +534,12 @@ async fn chat_completions_inner(
         ));
     }
     let mut choices = Vec::new();
-    let (mut prompt_tokens, mut completion_tokens, mut reasoning_tokens) = (0, 0, 0);
+    let (mut prompt_tokens, mut completion_tokens, mut reasoning_tokens, mut cached_tokens) =
+        (0, 0, 0, 0);
     for (index, receiver) in receivers.into_iter().enumerate() {
         let generation = collect_generation(receiver).await?;
         prompt_tokens = generation.summary.prompt_tokens;
+        cached_tokens = generation.summary.cached_tokens;
         completion_tokens += generation.summary.completion_tokens;
         reasoning_tokens += generation.summary.reasoning_tokens;
         let reasoning_content = if generation.reasoning.is_empty() {
@@ -569,7 +577,7 @@ async fn chat_completions_inner(
         "created": created,
         "model": plan.model.name,
         "choices": choices,
-        "usage": chat_usage_json(prompt_tokens, completion_tokens, reasoning_tokens),
+        "usage": chat_usage_json(prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens),
     }))
     .into_response())
 }
@@ -740,12 +748,12 @@ fn stream_chat(
             }
         }
         if include_usage {
-            let prompt_tokens = summaries
+            let (prompt_tokens, cached_tokens) = summaries
                 .iter()
                 .flatten()
-                .map(|s| s.prompt_tokens)
+                .map(|s| (s.prompt_tokens, s.cached_tokens))
                 .next()
-                .unwrap_or(0);
+                .unwrap_or((0, 0));
             let completion_tokens: u32 = summaries
                 .iter()
                 .flatten()
@@ -760,6 +768,7 @@ fn stream_chat(
                         prompt_tokens,
                         completion_tokens,
                         reasoning_tokens,
+                        cached_tokens,
                     )),
                 ))
                 .await;
@@ -872,7 +881,7 @@ async fn completions_inner(
                 json_event(&value)
             };
             let mut text_lengths = vec![0usize; receivers.len()];
-            let (mut prompt_tokens, mut completion_tokens) = (0u32, 0u32);
+            let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0u32, 0u32, 0u32);
             let mut merged = merged_choices(receivers);
             while let Some((index, event)) = merged.next().await {
                 let message = match event {
@@ -896,6 +905,7 @@ async fn completions_inner(
                     }
                     Ok(GenerationEvent::Finished(summary)) => {
                         prompt_tokens = summary.prompt_tokens;
+                        cached_tokens = summary.cached_tokens;
                         completion_tokens += summary.completion_tokens;
                         chunk(
                             json!([{"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason_text(summary.finish), "stop_reason": summary.matched_stop}]),
@@ -918,7 +928,7 @@ async fn completions_inner(
                 let _ = events
                     .send(chunk(
                         json!([]),
-                        Some(usage_json(prompt_tokens, completion_tokens)),
+                        Some(usage_json(prompt_tokens, completion_tokens, cached_tokens)),
                     ))
                     .await;
             }
@@ -927,10 +937,11 @@ async fn completions_inner(
         return Ok(sse_response(event_receiver));
     }
     let mut choices = Vec::new();
-    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0, 0, 0);
     for (index, receiver) in receivers.into_iter().enumerate() {
         let generation = collect_generation(receiver).await?;
         prompt_tokens = generation.summary.prompt_tokens;
+        cached_tokens = generation.summary.cached_tokens;
         completion_tokens += generation.summary.completion_tokens;
         choices.push(json!({
             "index": index,
@@ -946,7 +957,7 @@ async fn completions_inner(
         "created": created,
         "model": model_name,
         "choices": choices,
-        "usage": usage_json(prompt_tokens, completion_tokens),
+        "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens),
     }))
     .into_response())
 }
@@ -1023,5 +1034,13 @@ mod tests {
         assert_eq!(super::rfc3339_utc(0), "1970-01-01T00:00:00Z");
         assert_eq!(super::rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(super::rfc3339_utc(1_764_763_199), "2025-12-03T11:59:59Z");
+    }
+
+    #[test]
+    fn usage_reports_the_prompt_tokens_the_engine_cached() {
+        let usage = super::usage_json(300, 7, 256);
+        assert_eq!(usage["prompt_tokens"], 300);
+        assert_eq!(usage["total_tokens"], 307);
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 256);
     }
 }

@@ -1056,6 +1056,37 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn copy_kv_rows(
+        &self,
+        source: &CpuKvCache,
+        from: Range<usize>,
+        target: &mut CpuKvCache,
+        to: usize,
+    ) -> Result<(), EngineError> {
+        let width = source.kv_width;
+        let end = to + from.len();
+        if target.kv_width != width || from.end > source.max_tokens || end > target.max_tokens {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "copy_kv_rows: positions {from:?} of a {}-position cache of width {width} to {to}.. of a {}-position cache of width {}",
+                    source.max_tokens, target.max_tokens, target.kv_width
+                ),
+            });
+        }
+        let (source_rows, target_rows) = (
+            from.start * width..from.end * width,
+            to * width..end * width,
+        );
+        target.keys[target_rows.clone()].copy_from_slice(&source.keys[source_rows.clone()]);
+        target.values[target_rows].copy_from_slice(&source.values[source_rows]);
+        target.len = target.len.max(end);
+        Ok(())
+    }
+
+    fn kv_cache_bytes(&self, cache: &CpuKvCache) -> usize {
+        (cache.keys.len() + cache.values.len()) * std::mem::size_of::<f32>()
+    }
+
     fn attention(
         &self,
         q: &CpuTensor,
@@ -1136,6 +1167,20 @@ impl Backend for CpuBackend {
 
     fn truncate_qsa_cache(&self, cache: &mut HostQsaCache, tokens: usize) {
         cache.truncate(tokens);
+    }
+
+    fn copy_qsa_rows(
+        &self,
+        source: &HostQsaCache,
+        from: Range<usize>,
+        target: &mut HostQsaCache,
+        to: usize,
+    ) -> Result<(), EngineError> {
+        target.append_rows_of(source, from, to)
+    }
+
+    fn qsa_cache_bytes(&self, cache: &HostQsaCache) -> usize {
+        cache.bytes()
     }
 
     fn qsa_append(

@@ -535,6 +535,20 @@ pub trait Backend: Send + Sync + 'static {
         segments: &mut [Segment<'_, Self::KvCache>],
     ) -> Result<Self::Tensor, EngineError>;
 
+    /// Copies positions `from` of `source` to positions `to..` of `target`, keys and values bit
+    /// for bit in the caches' dtype: how the prefix cache keeps a block of one sequence's cache
+    /// and puts it back into another's. Both caches have the same width and dtype, and `target`
+    /// has room for the rows.
+    fn copy_kv_rows(
+        &self,
+        source: &Self::KvCache,
+        from: Range<usize>,
+        target: &mut Self::KvCache,
+        to: usize,
+    ) -> Result<(), EngineError>;
+    /// Bytes a KV cache takes (its whole capacity).
+    fn kv_cache_bytes(&self, cache: &Self::KvCache) -> usize;
+
     /// An empty QSA cache with room for `max_tokens` positions of `kv_width` keys/values and
     /// `settings.index_head_dim` indexer keys.
     fn new_qsa_cache(
@@ -549,6 +563,20 @@ pub trait Backend: Send + Sync + 'static {
     /// speculative step's rejected tokens). A pooled key whose block loses a token is dropped
     /// and made again when the block completes again.
     fn truncate_qsa_cache(&self, cache: &mut Self::QsaCache, tokens: usize);
+    /// [`Backend::copy_kv_rows`] for QSA caches: keys, values and raw indexer keys of positions
+    /// `from` of `source` appended to `target`, which holds exactly `to` tokens, with the
+    /// pooled keys of the blocks those rows complete, copied as they are (pooled at their
+    /// positions in `source`: the prefix cache puts rows back where they were computed).
+    /// `from.start` and `to` are multiples of the compression ratio.
+    fn copy_qsa_rows(
+        &self,
+        source: &Self::QsaCache,
+        from: Range<usize>,
+        target: &mut Self::QsaCache,
+        to: usize,
+    ) -> Result<(), EngineError>;
+    /// Bytes a QSA cache takes.
+    fn qsa_cache_bytes(&self, cache: &Self::QsaCache) -> usize;
     /// Appends each segment's rows to its QSA cache at its start position: `k`, `v`
     /// (`[n, kv_width]`, after norm and RoPE) and the raw indexer key of each row, the last
     /// `index_head_dim` columns of `index_qk` (the indexer projection, `[n, (heads + 1)·Di]`).

@@ -106,6 +106,53 @@ impl HostQsaCache {
         Ok(())
     }
 
+    /// Appends positions `from` of `source` (keys, values, raw indexer keys, and the pooled
+    /// keys of the blocks they complete, as they are) to this cache, which holds exactly `to`
+    /// tokens ([`Backend::copy_qsa_rows`](crate::backend::Backend::copy_qsa_rows)).
+    pub fn append_rows_of(
+        &mut self,
+        source: &HostQsaCache,
+        from: std::ops::Range<usize>,
+        to: usize,
+    ) -> Result<(), EngineError> {
+        let ratio = self.compress_ratio;
+        let end = to + from.len();
+        if source.kv_width != self.kv_width
+            || source.index_head_dim != self.index_head_dim
+            || source.compress_ratio != ratio
+            || to != self.tokens
+            || from.end > source.tokens
+            || end > self.max_tokens
+            || from.start % ratio != 0
+            || to % ratio != 0
+        {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "QSA copy of positions {from:?} of a cache holding {} tokens to position {to} of one holding {} (room for {}, ratio {ratio})",
+                    source.tokens, self.tokens, self.max_tokens
+                ),
+            });
+        }
+        let (kv, width) = (self.kv_width, self.index_head_dim);
+        self.keys
+            .extend_from_slice(&source.keys[from.start * kv..from.end * kv]);
+        self.values
+            .extend_from_slice(&source.values[from.start * kv..from.end * kv]);
+        self.raw_index_keys
+            .extend_from_slice(&source.raw_index_keys[from.start * width..from.end * width]);
+        let blocks = from.start / ratio..from.end / ratio;
+        self.pooled_keys
+            .extend_from_slice(&source.pooled_keys[blocks.start * width..blocks.end * width]);
+        self.tokens = end;
+        Ok(())
+    }
+
+    /// Bytes the cache holds.
+    pub fn bytes(&self) -> usize {
+        (self.keys.len() + self.values.len() + self.raw_index_keys.len() + self.pooled_keys.len())
+            * std::mem::size_of::<f32>()
+    }
+
     /// Forgets everything from token `tokens` on.
     pub fn truncate(&mut self, tokens: usize) {
         if tokens >= self.tokens {

@@ -33,11 +33,13 @@ use crate::service::routing_stats::ExpertStatistics;
 use crate::spec::{check_architecture_name, FeedForwardKind, MixerKind, ModelSpec};
 
 mod mtp;
+mod prefix_blocks;
 pub mod qwen4_exp;
 mod speculative;
 mod step_graphs;
 mod worker_handoff;
 pub use mtp::{MtpState, MtpUsage};
+pub use prefix_blocks::PrefixBlock;
 pub use speculative::{
     greedy_with_mtp, greedy_with_mtp_options, pick_draft, probe_draft, sample_with_mtp,
     speculative_sampling_step, verify_drafts, DraftController, DraftPlan, DraftToken, FirstDraft,

@@ -272,6 +272,7 @@ fn generated_token(event: SchedulerEvent) -> GeneratedToken {
         finish_reason: finish_reason as i32,
         prompt_tokens: event.prompt_tokens,
         completion_tokens: event.completion_tokens,
+        cached_prompt_tokens: event.cached_tokens,
         no_token,
     }
 }
@@ -521,6 +522,7 @@ impl Engine for EngineService {
             .unwrap_or_default();
         let gpu_expert_slots =
             expert_cache.map_or(0, |c| u32::try_from(c.total_slots()).unwrap_or(u32::MAX));
+        let prefix = &counters.prefix_cache;
         Ok(Response::new(EngineStatus {
             ready: not_ready.is_none(),
             engine_instance_id: self.instance_id.clone(),
@@ -543,6 +545,12 @@ impl Engine for EngineService {
             speculative_steps_total: counters.speculative_steps.load(Ordering::Relaxed),
             drafted_tokens_by_depth: depth_counts(&counters.drafted_at_depth),
             accepted_tokens_by_depth: depth_counts(&counters.accepted_at_depth),
+            prefix_cache_lookups_total: prefix.lookups.load(Ordering::Relaxed),
+            prefix_cache_hits_total: prefix.hits.load(Ordering::Relaxed),
+            prefix_cache_hit_tokens_total: prefix.hit_tokens.load(Ordering::Relaxed),
+            prefix_cache_evictions_total: prefix.evictions.load(Ordering::Relaxed),
+            prefix_cache_bytes: prefix.bytes.load(Ordering::Relaxed),
+            prefix_cache_budget_bytes: prefix.budget_bytes.load(Ordering::Relaxed),
         }))
     }
 

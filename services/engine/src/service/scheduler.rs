@@ -43,6 +43,7 @@ use crate::model::{
     pick_draft, probe_draft, verify_drafts, DraftController, DraftPlan, DraftToken, Model,
     MtpState, SequenceCheckpoint, SequenceInput, SequenceState,
 };
+use crate::prefix_cache::{PrefixCache, PrefixCacheCounters, PrefixCacheSettings};
 use crate::sampling::{Sampler, SamplingParams, Xoshiro256};
 use crate::service::scoring::{Scoring, ScoringRequest};
 use crate::spec::MixerKind;
@@ -84,6 +85,8 @@ pub struct SchedulerEvent {
     pub finish: Option<SequenceFinish>,
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    /// Prompt tokens taken from the prefix cache instead of computed.
+    pub cached_tokens: u32,
 }
 
 /// Why the scheduler refused or dropped a request.
@@ -147,6 +150,8 @@ pub enum SchedulerCommand {
 /// Counters the status RPC reports.
 #[derive(Default)]
 pub struct SchedulerCounters {
+    /// The prefix cache's counters (all zero while it is off).
+    pub prefix_cache: Arc<PrefixCacheCounters>,
     pub running: AtomicUsize,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
@@ -336,6 +341,10 @@ pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 4096;
 struct Running<B: Backend> {
     request: GenerationRequest,
     state: SequenceState<B>,
+    /// Prompt tokens the prefix cache gave the sequence.
+    cached_tokens: usize,
+    /// Whether the prefix cache has been given the whole prompt's blocks.
+    prompt_recorded: bool,
     sampler: Sampler,
     history: Vec<u32>,
     /// The next forward's input: the prompt, or the last token and this step's drafts.
@@ -382,12 +391,35 @@ where
     start_speculative(model, limits, SpeculativeDecoding::default(), counters)
 }
 
-/// [`start`] with speculative decoding: requests draft with the model's MTP head (the caller
-/// checks that the model has one; without it requests do not speculate).
+/// [`start_speculative`] without a prefix cache.
 pub fn start_speculative<B: Backend + 'static>(
     model: Arc<Model<B>>,
     limits: SchedulerLimits,
     speculation: SpeculativeDecoding,
+    counters: Arc<SchedulerCounters>,
+) -> std::io::Result<mpsc::Sender<SchedulerCommand>>
+where
+    B::Tensor: Send,
+    SequenceState<B>: Send,
+    Model<B>: Send + Sync,
+{
+    start_serving(
+        model,
+        limits,
+        speculation,
+        PrefixCacheSettings::off(),
+        counters,
+    )
+}
+
+/// [`start`] with speculative decoding (requests draft with the model's MTP head; the caller
+/// checks that the model has one, without it requests do not speculate) and a prefix cache
+/// (prompts reuse what earlier prompts computed; off with a zero budget).
+pub fn start_serving<B: Backend + 'static>(
+    model: Arc<Model<B>>,
+    limits: SchedulerLimits,
+    speculation: SpeculativeDecoding,
+    prefix_cache: PrefixCacheSettings,
     counters: Arc<SchedulerCounters>,
 ) -> std::io::Result<mpsc::Sender<SchedulerCommand>>
 where
@@ -405,16 +437,20 @@ where
     let (sender, receiver) = mpsc::channel();
     std::thread::Builder::new()
         .name("ninfer-scheduler".into())
-        .spawn(move || run(&model, limits, speculation, &counters, &receiver))?;
+        .spawn(move || {
+            let prefix = PrefixCache::new(&model, prefix_cache, Arc::clone(&counters.prefix_cache));
+            run(&model, limits, speculation, prefix, &counters, &receiver)
+        })?;
     Ok(sender)
 }
 
-fn finish_message(reason: SequenceFinish, prompt: usize, generated: usize) -> SchedulerEvent {
+fn finish_message<B: Backend>(reason: SequenceFinish, r: &Running<B>) -> SchedulerEvent {
     SchedulerEvent {
         token: None,
         finish: Some(reason),
-        prompt_tokens: prompt as u32,
-        completion_tokens: generated as u32,
+        prompt_tokens: r.request.prompt.len() as u32,
+        completion_tokens: r.generated as u32,
+        cached_tokens: r.cached_tokens as u32,
     }
 }
 
@@ -422,6 +458,7 @@ fn run<B: Backend>(
     model: &Model<B>,
     limits: SchedulerLimits,
     speculation: SpeculativeDecoding,
+    mut prefix: Option<PrefixCache<B>>,
     counters: &SchedulerCounters,
     commands: &mpsc::Receiver<SchedulerCommand>,
 ) {
@@ -445,6 +482,7 @@ fn run<B: Backend>(
                     &mut running,
                     &mut scoring,
                     &admission,
+                    prefix.as_mut(),
                     counters,
                 ),
                 Err(_) => return,
@@ -457,6 +495,7 @@ fn run<B: Backend>(
                 &mut running,
                 &mut scoring,
                 &admission,
+                prefix.as_mut(),
                 counters,
             );
         }
@@ -480,19 +519,30 @@ fn run<B: Backend>(
         if !decoding {
             share.reset();
         }
-        let (held, chunks_took) = feed_prompt_chunks(
+        let (held, mut chunks_took) = feed_prompt_chunks(
             model,
             &mut running,
             limits.prefill_chunk_tokens,
             !decoding || share.may_prefill(),
+            prefix.as_mut(),
         );
+        if let Some(cache) = prefix.as_mut() {
+            let started = Instant::now();
+            feed_to_checkpoints(model, &mut running, cache);
+            chunks_took += started.elapsed();
+        }
         if decoding && chunks_took > Duration::ZERO {
             share.record_prefill(chunks_took);
         }
         if !running.is_empty() {
             let with_prompt = running.iter().any(has_prompt_work);
             let started = Instant::now();
-            generation_step(model, &mut running, speculation, counters);
+            generation_step(model, &mut running, speculation, prefix.as_mut(), counters);
+            if let Some(cache) = prefix.as_mut() {
+                for r in running.iter_mut() {
+                    record_prompt(model, cache, r);
+                }
+            }
             if decoding {
                 if with_prompt {
                     share.record_prefill(started.elapsed());
@@ -532,6 +582,7 @@ fn feed_prompt_chunks<B: Backend>(
     running: &mut Vec<Running<B>>,
     chunk_tokens: usize,
     may_prefill: bool,
+    mut prefix: Option<&mut PrefixCache<B>>,
 ) -> (Vec<Running<B>>, Duration) {
     let mut held = Vec::new();
     if !may_prefill {
@@ -563,10 +614,16 @@ fn feed_prompt_chunks<B: Backend>(
         }
         let mut r = running.remove(index);
         if budget > 0 {
-            let take = budget.min(prompt_left - 1);
+            let take = match prefix.as_deref() {
+                Some(cache) => checkpoint_chunk(model, cache, &r, budget.min(prompt_left - 1)),
+                None => budget.min(prompt_left - 1),
+            };
             budget -= take;
             let started = Instant::now();
             let fed = feed_prompt_chunk(model, &mut r, take);
+            if let (Ok(()), Some(cache)) = (&fed, prefix.as_deref_mut()) {
+                record_blocks(model, cache, &r);
+            }
             took += started.elapsed();
             if let Err(error) = fed {
                 tracing::error!(request_id = %r.request.request_id, "a prompt chunk failed: {error}");
@@ -602,12 +659,103 @@ fn feed_prompt_chunk<B: Backend>(
     Ok(())
 }
 
+/// Puts the longest reusable cached prefix of `request`'s prompt into the fresh `state` and
+/// returns its tokens. A restore that fails leaves a new empty state (the prompt is computed
+/// whole) rather than failing the request; only making that state can fail.
+fn reuse_prefix<B: Backend>(
+    model: &Model<B>,
+    cache: &mut PrefixCache<B>,
+    state: &mut SequenceState<B>,
+    request: &GenerationRequest,
+    needed: usize,
+) -> Result<usize, EngineError> {
+    match cache.restore(model, state, &request.prompt) {
+        Ok(cached) => Ok(cached),
+        Err(error) => {
+            tracing::warn!(request_id = %request.request_id, "prefix cache: restoring failed, the prompt is computed whole: {error}");
+            *state = model.new_sequence(needed)?;
+            Ok(0)
+        }
+    }
+}
+
+/// A chunk of at most `take` prompt tokens for `r` that ends at the prefix cache's next
+/// checkpoint when it would pass it, and otherwise keeps chunk ends on the model's prefix
+/// alignment, so the states the cache keeps are those of a whole prompt's forward.
+fn checkpoint_chunk<B: Backend>(
+    model: &Model<B>,
+    cache: &PrefixCache<B>,
+    r: &Running<B>,
+    take: usize,
+) -> usize {
+    let position = r.state.position();
+    if let Some(end) = cache.next_checkpoint(position, r.request.prompt.len()) {
+        if end - position <= take {
+            return end - position;
+        }
+    }
+    let alignment = model.prefix_alignment();
+    match take / alignment * alignment {
+        0 => take,
+        aligned => aligned,
+    }
+}
+
+/// Feeds each sequence's prompt up to every checkpoint of the prefix cache it passes, one
+/// forward per piece, and gives the cache the blocks and states there (what a forward cannot
+/// keep from its middle); the rest of the prompt joins the generation step as usual.
+fn feed_to_checkpoints<B: Backend>(
+    model: &Model<B>,
+    running: &mut Vec<Running<B>>,
+    cache: &mut PrefixCache<B>,
+) {
+    let mut index = 0;
+    while index < running.len() {
+        let r = &mut running[index];
+        let prompt = r.request.prompt.len();
+        let mut fed = Ok(());
+        while let Some(end) = has_prompt_work(r)
+            .then(|| cache.next_checkpoint(r.state.position(), prompt))
+            .flatten()
+        {
+            fed = feed_prompt_chunk(model, r, end - r.state.position());
+            if fed.is_err() {
+                break;
+            }
+            record_blocks(model, cache, r);
+        }
+        if let Err(error) = fed {
+            tracing::error!(request_id = %r.request.request_id, "a prompt piece failed: {error}");
+            fail(r, &error);
+            running.remove(index);
+            continue;
+        }
+        index += 1;
+    }
+}
+
+/// Gives the prefix cache the prompt blocks `r` holds (a failure costs only later reuse).
+fn record_blocks<B: Backend>(model: &Model<B>, cache: &mut PrefixCache<B>, r: &Running<B>) {
+    if let Err(error) = cache.record(model, &r.state, &r.request.prompt) {
+        tracing::warn!(request_id = %r.request.request_id, "prefix cache: keeping prompt blocks failed: {error}");
+    }
+}
+
+/// Once `r`'s whole prompt went through the model, gives the prefix cache its blocks.
+fn record_prompt<B: Backend>(model: &Model<B>, cache: &mut PrefixCache<B>, r: &mut Running<B>) {
+    if !r.prompt_recorded && r.state.position() >= r.request.prompt.len() {
+        r.prompt_recorded = true;
+        record_blocks(model, cache, r);
+    }
+}
+
 /// One generation step of `running` (not empty): drafts, grammar masks, the forward, the
 /// sampled tokens; sequences that end leave `running`.
 fn generation_step<B: Backend>(
     model: &Model<B>,
     running: &mut Vec<Running<B>>,
     speculation: SpeculativeDecoding,
+    mut prefix: Option<&mut PrefixCache<B>>,
     counters: &SchedulerCounters,
 ) {
     {
@@ -665,7 +813,10 @@ fn generation_step<B: Backend>(
         finished.sort_unstable();
         finished.dedup();
         for index in finished.into_iter().rev() {
-            running.swap_remove(index);
+            let mut r = running.swap_remove(index);
+            if let Some(cache) = prefix.as_deref_mut() {
+                record_prompt(model, cache, &mut r);
+            }
         }
     }
 }
@@ -859,6 +1010,7 @@ fn emit<B: Backend>(
         finish,
         prompt_tokens: r.request.prompt.len() as u32,
         completion_tokens: r.generated as u32,
+        cached_tokens: r.cached_tokens as u32,
     };
     // The gRPC layer keeps a deep buffer; a full one means a stalled client, treated as gone.
     r.request.events.try_send(Ok(message)).is_ok() && finish.is_none()
@@ -1260,6 +1412,7 @@ fn handle<B: Backend>(
     running: &mut Vec<Running<B>>,
     scoring: &mut std::collections::VecDeque<Scoring<B>>,
     admission: &Admission,
+    prefix: Option<&mut PrefixCache<B>>,
     counters: &SchedulerCounters,
 ) {
     let (limits, vocab) = (admission.limits, admission.vocab);
@@ -1284,11 +1437,10 @@ fn handle<B: Backend>(
             let position = running.iter().position(|r| r.request.request_id == id);
             if let Some(index) = position {
                 let r = running.swap_remove(index);
-                let _ = r.request.events.try_send(Ok(finish_message(
-                    SequenceFinish::Cancelled,
-                    r.request.prompt.len(),
-                    r.generated,
-                )));
+                let _ = r
+                    .request
+                    .events
+                    .try_send(Ok(finish_message(SequenceFinish::Cancelled, &r)));
             }
             let _ = reply.send(position.is_some());
         }
@@ -1359,12 +1511,28 @@ fn handle<B: Backend>(
             } else {
                 None
             };
+            let mut state = state;
+            // A speculating sequence's MTP head needs every prompt position's pair, so it
+            // computes its whole prompt (it still gives the cache its blocks).
+            let cached_tokens = match (prefix, &speculating) {
+                (Some(cache), None) => {
+                    match reuse_prefix(model, cache, &mut state, &request, needed) {
+                        Ok(cached) => cached,
+                        Err(error) => {
+                            return reject(SchedulerError::GenerationFailed(error.to_string()))
+                        }
+                    }
+                }
+                _ => 0,
+            };
             let mut request = request;
             let guide = request.guide.take();
             running.push(Running {
                 guide,
                 history: request.prompt.clone(),
-                pending: request.prompt.clone(),
+                pending: request.prompt[cached_tokens..].to_vec(),
+                cached_tokens,
+                prompt_recorded: false,
                 request,
                 state,
                 sampler,
@@ -1986,6 +2154,7 @@ mod tests {
                 &model,
                 limits,
                 SpeculativeDecoding::default(),
+                None,
                 &SchedulerCounters::default(),
                 &receiver,
             )

@@ -231,6 +231,7 @@ impl Engine for ScriptedEngine {
                     finish_reason,
                     prompt_tokens,
                     completion_tokens: index as u32 + 1,
+                    cached_prompt_tokens: 0,
                     no_token: false,
                 };
                 script.tokens_routed.fetch_add(1, Ordering::SeqCst);

@@ -452,6 +452,20 @@ impl<B: Backend> Qwen4ExpGraph<B> {
             .collect()
     }
 
+    /// Bytes one PLE state's conv history takes (f32, `conv_width − 1` rows of `n·H`), the
+    /// largest over the PLE layers.
+    pub(crate) fn ple_state_bytes(&self) -> usize {
+        let streams_width = self.streams() * self.hidden();
+        self.layers
+            .iter()
+            .filter_map(|layer| layer.ple.as_ref())
+            .map(|ple| {
+                streams_width * ple.conv_width.saturating_sub(1) * std::mem::size_of::<f32>()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The indexer settings every QSA layer shares.
     pub(crate) fn qsa_settings(&self) -> &QsaSelectionSettings {
         &self.qsa

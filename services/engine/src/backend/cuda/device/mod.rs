@@ -832,6 +832,36 @@ impl Backend for CudaBackend {
         self.attention_on(self.info.attention_path, q, k, v, spec, segments)
     }
 
+    fn copy_kv_rows(
+        &self,
+        source: &CudaKvCache,
+        from: Range<usize>,
+        target: &mut CudaKvCache,
+        to: usize,
+    ) -> Result<(), EngineError> {
+        self.copy_kv_rows_on(source, from, target, to)
+            .map_err(device("copy_kv_rows"))
+    }
+
+    fn kv_cache_bytes(&self, cache: &CudaKvCache) -> usize {
+        cache.device_bytes()
+    }
+
+    fn copy_qsa_rows(
+        &self,
+        source: &CudaQsaCache,
+        from: Range<usize>,
+        target: &mut CudaQsaCache,
+        to: usize,
+    ) -> Result<(), EngineError> {
+        self.copy_qsa_rows_on(source, from, target, to)
+            .map_err(device("copy_qsa_rows"))
+    }
+
+    fn qsa_cache_bytes(&self, cache: &CudaQsaCache) -> usize {
+        cache.device_bytes()
+    }
+
     fn new_qsa_cache(
         &self,
         max_tokens: usize,
@@ -1103,6 +1133,7 @@ impl Backend for CudaBackend {
 
 mod attention;
 mod bandwidth;
+mod cache_copies;
 mod delta_rule;
 mod elementwise;
 mod experts;

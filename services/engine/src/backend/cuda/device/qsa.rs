@@ -136,6 +136,51 @@ impl CudaBackend {
         })
     }
 
+    /// [`Backend::copy_qsa_rows`](crate::backend::Backend::copy_qsa_rows) on the GPU: the KV,
+    /// raw-key and pooled-key rows of `from` appended to `target` at `to`.
+    pub(super) fn copy_qsa_rows_on(
+        &self,
+        source: &CudaQsaCache,
+        from: std::ops::Range<usize>,
+        target: &mut CudaQsaCache,
+        to: usize,
+    ) -> Result<(), CudaError> {
+        let ratio = target.compress_ratio;
+        let width = target.index_head_dim;
+        if source.compress_ratio != ratio
+            || source.index_head_dim != width
+            || to != target.tokens
+            || from.end > source.tokens
+            || from.start % ratio != 0
+            || to % ratio != 0
+        {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "QSA copy of positions {from:?} of a cache holding {} tokens to position {to} of one holding {} (ratio {ratio})",
+                    source.tokens, target.tokens
+                ),
+            });
+        }
+        let end = to + from.len();
+        self.copy_kv_rows_on(&source.kv, from.clone(), &mut target.kv, to)?;
+        self.copy_range(
+            &source.raw,
+            from.start * width..from.end * width,
+            &mut target.raw,
+            to * width..end * width,
+        )?;
+        let blocks = from.start / ratio..from.end / ratio;
+        let first = to / ratio;
+        self.copy_range(
+            &source.pooled,
+            blocks.start * width..blocks.end * width,
+            &mut target.pooled,
+            first * width..(first + blocks.len()) * width,
+        )?;
+        target.tokens = end;
+        Ok(())
+    }
+
     /// Refuses a call inside a step graph (the row table is a per-call upload).
     fn refuse_step_graph(&self, op: &str) -> Result<(), CudaError> {
         if self.active_step_graph().is_some() {

@@ -1,0 +1,345 @@
+//! Automatic prefix caching: what earlier sequences computed for their prompts, kept by blocks
+//! of tokens so a later prompt that starts the same way skips that part of its prefill.
+//!
+//! Owns: the store of prefix blocks named by their hash chain ([`chain`]), the checkpoints of
+//! recurrent states kept at some block ends, matching a prompt's longest reusable prefix,
+//! least-recently-used eviction within a byte budget, and the counters `/metrics` shows.
+//! Must not touch: how a block's rows are copied (`Model::prefix_block`,
+//! `Model::restore_prefix`), when forwards run (the scheduler asks [`PrefixCache::next_checkpoint`]
+//! where a prompt piece should end, and calls [`PrefixCache::record`] after it).
+//!
+//! Invariants: a block is stored under the name of its whole prefix (the model's identity
+//! first), and its tokens are compared on every match, so nothing is reused across models or
+//! for a different prefix; a reused prefix ends where a whole prompt's forward would have the
+//! same state (a block end, and on models with recurrent layers a checkpoint), and leaves at
+//! least [`Model::prefix_min_rest`] tokens to compute; only prompt positions are stored (the
+//! rows a prompt's forward computed, never decode rows). Eviction takes leaves only, so every
+//! stored block's prefix is stored too.
+
+pub mod chain;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::EngineError;
+use crate::model::{Model, PrefixBlock, SequenceCheckpoint, SequenceState};
+use chain::{block_names, root_name, BlockName};
+
+/// Tokens per block by default: large enough that a block's copy is one efficient transfer per
+/// layer and the chain is short, small enough to keep most of a prompt that changed late.
+pub const DEFAULT_BLOCK_TOKENS: usize = 256;
+
+/// Recurrent states are kept every this many blocks of a long prompt (8192 tokens; besides
+/// its last block end), so a prompt that shares only the start of a long one still finds a
+/// checkpoint. Each costs the prompt one more forward (on a GPU that streams every layer's
+/// experts, a fraction of a second), so they are sparse.
+pub const DEFAULT_CHECKPOINT_INTERVAL_BLOCKS: usize = 32;
+
+/// How the prefix cache is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixCacheSettings {
+    /// Bytes the stored blocks and checkpoints may take; 0 turns the cache off.
+    pub budget_bytes: u64,
+    pub block_tokens: usize,
+    pub checkpoint_interval_blocks: usize,
+}
+
+impl PrefixCacheSettings {
+    /// No prefix cache.
+    pub fn off() -> Self {
+        Self::with_budget(0)
+    }
+
+    /// The default blocks and checkpoints within `budget_bytes`.
+    pub fn with_budget(budget_bytes: u64) -> Self {
+        PrefixCacheSettings {
+            budget_bytes,
+            block_tokens: DEFAULT_BLOCK_TOKENS,
+            checkpoint_interval_blocks: DEFAULT_CHECKPOINT_INTERVAL_BLOCKS,
+        }
+    }
+}
+
+impl Default for PrefixCacheSettings {
+    fn default() -> Self {
+        Self::off()
+    }
+}
+
+/// What the prefix cache did since start (read by the status RPC).
+#[derive(Debug, Default)]
+pub struct PrefixCacheCounters {
+    /// Prompts looked up.
+    pub lookups: AtomicU64,
+    /// Lookups that reused a prefix.
+    pub hits: AtomicU64,
+    /// Prompt tokens taken from the cache instead of computed.
+    pub hit_tokens: AtomicU64,
+    /// Blocks evicted to stay within the budget.
+    pub evictions: AtomicU64,
+    /// Bytes the stored blocks and checkpoints take now.
+    pub bytes: AtomicU64,
+    /// The budget in bytes (0: the cache is off).
+    pub budget_bytes: AtomicU64,
+    /// Blocks stored now.
+    pub blocks: AtomicU64,
+}
+
+struct Node<B: Backend> {
+    parent: Option<BlockName>,
+    tokens: Box<[u32]>,
+    block: PrefixBlock<B>,
+    checkpoint: Option<SequenceCheckpoint<B>>,
+    children: usize,
+    last_used: u64,
+    bytes: u64,
+}
+
+/// The store; owned by the scheduler thread, one per model.
+pub struct PrefixCache<B: Backend> {
+    settings: PrefixCacheSettings,
+    /// The identity of the model the blocks were computed by (the artifact's header checksum).
+    model_id: String,
+    root: BlockName,
+    nodes: HashMap<BlockName, Node<B>>,
+    bytes: u64,
+    clock: u64,
+    needs_checkpoints: bool,
+    min_rest: usize,
+    counters: Arc<PrefixCacheCounters>,
+}
+
+impl<B: Backend> PrefixCache<B> {
+    /// A cache for `model`, or `None` when `settings` turn it off or do not suit the model (a
+    /// block length that is not a multiple of [`Model::prefix_alignment`]: logged).
+    pub fn new(
+        model: &Model<B>,
+        settings: PrefixCacheSettings,
+        counters: Arc<PrefixCacheCounters>,
+    ) -> Option<Self> {
+        if settings.budget_bytes == 0 || settings.block_tokens == 0 {
+            return None;
+        }
+        let alignment = model.prefix_alignment();
+        if settings.block_tokens % alignment != 0 {
+            tracing::warn!(
+                "prefix cache off: blocks of {} tokens are not a multiple of this model's {alignment}",
+                settings.block_tokens
+            );
+            return None;
+        }
+        counters
+            .budget_bytes
+            .store(settings.budget_bytes, Ordering::Relaxed);
+        let model_id = model.artifact().model_id();
+        Some(PrefixCache {
+            settings,
+            root: root_name(&model_id),
+            model_id,
+            nodes: HashMap::new(),
+            bytes: 0,
+            clock: 0,
+            needs_checkpoints: model.needs_prefix_checkpoints(),
+            min_rest: model.prefix_min_rest(),
+            counters,
+        })
+    }
+
+    /// Puts the longest reusable stored prefix of `prompt` into the fresh `state` and returns
+    /// its length in tokens (0: nothing reused, `state` untouched). On an error `state` must be
+    /// dropped.
+    pub fn restore(
+        &mut self,
+        model: &Model<B>,
+        state: &mut SequenceState<B>,
+        prompt: &[u32],
+    ) -> Result<usize, EngineError> {
+        self.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        if !self.computed_by(model) {
+            return Ok(0);
+        }
+        let block_tokens = self.settings.block_tokens;
+        let limit = prompt.len().saturating_sub(self.min_rest);
+        let names = block_names(self.root, &prompt[..limit], block_tokens);
+        let mut chain = Vec::new();
+        for (index, name) in names.iter().enumerate() {
+            let tokens = &prompt[index * block_tokens..(index + 1) * block_tokens];
+            match self.nodes.get(name) {
+                Some(node) if node.parent == chain.last().copied() && *node.tokens == *tokens => {
+                    chain.push(*name)
+                }
+                _ => break,
+            }
+        }
+        let usable = if self.needs_checkpoints {
+            chain
+                .iter()
+                .rposition(|name| self.nodes[name].checkpoint.is_some())
+                .map_or(0, |index| index + 1)
+        } else {
+            chain.len()
+        };
+        chain.truncate(usable);
+        let Some(last) = chain.last() else {
+            return Ok(0);
+        };
+        self.clock += 1;
+        for name in &chain {
+            if let Some(node) = self.nodes.get_mut(name) {
+                node.last_used = self.clock;
+            }
+        }
+        let blocks: Vec<&PrefixBlock<B>> =
+            chain.iter().map(|name| &self.nodes[name].block).collect();
+        model.restore_prefix(state, &blocks, self.nodes[last].checkpoint.as_ref())?;
+        let tokens = usable * block_tokens;
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .hit_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        Ok(tokens)
+    }
+
+    /// Where a piece of `prompt_len`'s prompt fed from `position` should end so the recurrent
+    /// states there are kept: the next block end after `position` that leaves the rest a reuse
+    /// needs, every [`PrefixCacheSettings::checkpoint_interval_blocks`] blocks and at the last
+    /// such block end. `None` on a model without recurrent layers (any block end is a reuse
+    /// point there) or when no such end is left.
+    pub fn next_checkpoint(&self, position: usize, prompt_len: usize) -> Option<usize> {
+        if !self.needs_checkpoints {
+            return None;
+        }
+        let block_tokens = self.settings.block_tokens;
+        let last = prompt_len.saturating_sub(self.min_rest) / block_tokens * block_tokens;
+        if last <= position {
+            return None;
+        }
+        let interval = block_tokens * self.settings.checkpoint_interval_blocks.max(1);
+        Some(((position / interval + 1) * interval).min(last))
+    }
+
+    /// Stores the full blocks of `prompt` that `state` holds and the store lacks (`state` has
+    /// processed `prompt` up to its position, or all of it), and the recurrent states where
+    /// `state` stands when that is a block end. Blocks are evicted, least recently used first,
+    /// to stay within the budget; recording stops where its own block had to go.
+    pub fn record(
+        &mut self,
+        model: &Model<B>,
+        state: &SequenceState<B>,
+        prompt: &[u32],
+    ) -> Result<(), EngineError> {
+        if !self.computed_by(model) {
+            return Ok(());
+        }
+        let block_tokens = self.settings.block_tokens;
+        let held = state.position().min(prompt.len());
+        let names = block_names(self.root, &prompt[..held], block_tokens);
+        self.clock += 1;
+        let mut parent = None;
+        for (index, name) in names.into_iter().enumerate() {
+            let positions = index * block_tokens..(index + 1) * block_tokens;
+            let tokens = &prompt[positions.clone()];
+            let checkpoint_here = self.needs_checkpoints && positions.end == state.position();
+            match self.nodes.get_mut(&name) {
+                Some(node) if node.parent == parent && *node.tokens == *tokens => {
+                    node.last_used = self.clock;
+                    if checkpoint_here && node.checkpoint.is_none() {
+                        let checkpoint = model.checkpoint(state)?;
+                        let bytes = model.checkpoint_bytes(&checkpoint) as u64;
+                        node.checkpoint = Some(checkpoint);
+                        node.bytes += bytes;
+                        self.bytes += bytes;
+                    }
+                }
+                // Another prefix under the same name (a hash collision): keep it.
+                Some(_) => break,
+                None => {
+                    let block = model.prefix_block(state, positions)?;
+                    let checkpoint = match checkpoint_here {
+                        true => Some(model.checkpoint(state)?),
+                        false => None,
+                    };
+                    let bytes = block.bytes() as u64
+                        + checkpoint
+                            .as_ref()
+                            .map_or(0, |checkpoint| model.checkpoint_bytes(checkpoint) as u64);
+                    if let Some(parent) = parent.and_then(|parent| self.nodes.get_mut(&parent)) {
+                        parent.children += 1;
+                    }
+                    self.nodes.insert(
+                        name,
+                        Node {
+                            parent,
+                            tokens: tokens.into(),
+                            block,
+                            checkpoint,
+                            children: 0,
+                            last_used: self.clock,
+                            bytes,
+                        },
+                    );
+                    self.bytes += bytes;
+                }
+            }
+            self.evict_to_budget();
+            if !self.nodes.contains_key(&name) {
+                break;
+            }
+            parent = Some(name);
+        }
+        self.publish();
+        Ok(())
+    }
+
+    /// Bytes the stored blocks and checkpoints take.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Blocks stored.
+    pub fn blocks(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Blocks stored with a checkpoint.
+    pub fn checkpoints(&self) -> usize {
+        self.nodes
+            .values()
+            .filter(|node| node.checkpoint.is_some())
+            .count()
+    }
+
+    /// Whether `model` is the one this store's blocks come from (a store never serves or takes
+    /// another model's blocks).
+    fn computed_by(&self, model: &Model<B>) -> bool {
+        model.artifact().model_id() == self.model_id
+    }
+
+    fn evict_to_budget(&mut self) {
+        while self.bytes > self.settings.budget_bytes {
+            let victim = self
+                .nodes
+                .iter()
+                .filter(|(_, node)| node.children == 0)
+                .min_by_key(|(_, node)| node.last_used)
+                .map(|(name, _)| *name);
+            let Some(node) = victim.and_then(|victim| self.nodes.remove(&victim)) else {
+                break;
+            };
+            if let Some(parent) = node.parent.and_then(|parent| self.nodes.get_mut(&parent)) {
+                parent.children = parent.children.saturating_sub(1);
+            }
+            self.bytes = self.bytes.saturating_sub(node.bytes);
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn publish(&self) {
+        self.counters.bytes.store(self.bytes, Ordering::Relaxed);
+        self.counters
+            .blocks
+            .store(self.nodes.len() as u64, Ordering::Relaxed);
+    }
+}

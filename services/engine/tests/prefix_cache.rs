@@ -1,0 +1,297 @@
+//! Prefix reuse gives the bits of a whole prompt: on every golden fixture (full attention,
+//! Gated DeltaNet hybrids, the dense hybrid and qwen4_exp's QSA + PLE), a prompt whose prefix
+//! comes out of the prefix cache has the last-position logits and greedy tokens of the same
+//! prompt prefilled whole (bit for bit on the CPU backend, within the CUDA bars on a GPU), at a
+//! reuse point on a checkpoint and off it (the rest since the last checkpoint recomputed),
+//! and for a prompt sent twice. The store's bookkeeping (budget, least-recently-used leaves
+//! evicted first, counters) is held here too.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ninfer_artifact::DType;
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::prefix_cache::{PrefixCache, PrefixCacheCounters, PrefixCacheSettings};
+use ninfer_engine::sampling::{argmax, Xoshiro256};
+use ninfer_engine::testing::{golden_fixture_dir, max_abs_difference, GOLDEN_FIXTURES};
+use ninfer_engine::{test_device, Backend, CpuBackend, Model, SequenceState};
+
+/// Blocks of the delta rule's chunk (the smallest length a hybrid model allows), a checkpoint
+/// every second block.
+const BLOCK: usize = 64;
+const GREEDY_TOKENS: usize = 6;
+
+fn convert(fixture: &Path, output: &Path) -> PathBuf {
+    let path = output.join("model.ninfer");
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(fixture, &path)
+    };
+    convert_checkpoint(&options, &NoProgress)
+        .unwrap_or_else(|e| panic!("converting {}: {e}", fixture.display()));
+    path
+}
+
+fn settings(budget_bytes: u64) -> PrefixCacheSettings {
+    PrefixCacheSettings {
+        budget_bytes,
+        block_tokens: BLOCK,
+        checkpoint_interval_blocks: 2,
+    }
+}
+
+fn random_tokens(rng: &mut Xoshiro256, count: usize, vocab: usize) -> Vec<u32> {
+    (0..count)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// Feeds `prompt` as the scheduler does with a prefix cache: restored prefix first, then pieces
+/// ending at the cache's checkpoints, recording after each; returns the state, the reused
+/// tokens and the last position's logits.
+fn prefill_with_cache<B: Backend>(
+    model: &Model<B>,
+    cache: &mut PrefixCache<B>,
+    prompt: &[u32],
+) -> (SequenceState<B>, usize, Vec<f32>) {
+    let mut state = model
+        .new_sequence(prompt.len() + GREEDY_TOKENS + 1)
+        .unwrap();
+    let reused = cache.restore(model, &mut state, prompt).unwrap();
+    assert_eq!(state.position(), reused);
+    while let Some(end) = cache.next_checkpoint(state.position(), prompt.len()) {
+        let piece = &prompt[state.position()..end];
+        model.prefill(&mut state, piece).unwrap();
+        cache.record(model, &state, prompt).unwrap();
+    }
+    let rest = &prompt[state.position()..];
+    let logits = model.prefill(&mut state, rest).unwrap();
+    cache.record(model, &state, prompt).unwrap();
+    (state, reused, logits)
+}
+
+/// Greedy tokens and each step's logits after a prefill that ended with `logits`.
+fn greedy<B: Backend>(
+    model: &Model<B>,
+    state: &mut SequenceState<B>,
+    mut logits: Vec<f32>,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut tokens = Vec::new();
+    let mut rows = Vec::new();
+    for _ in 0..GREEDY_TOKENS {
+        let token = argmax(&logits);
+        tokens.push(token);
+        rows.push(logits);
+        logits = model.prefill(state, &[token]).unwrap();
+    }
+    (tokens, rows)
+}
+
+/// The whole prompt in one forward, no cache.
+fn reference<B: Backend>(model: &Model<B>, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut state = model
+        .new_sequence(prompt.len() + GREEDY_TOKENS + 1)
+        .unwrap();
+    let logits = model.prefill(&mut state, prompt).unwrap();
+    greedy(model, &mut state, logits)
+}
+
+fn assert_same<B: Backend>(
+    backend: &B,
+    what: &str,
+    expected: &(Vec<u32>, Vec<Vec<f32>>),
+    got: &(Vec<u32>, Vec<Vec<f32>>),
+) {
+    assert_eq!(expected.0, got.0, "{what}: greedy tokens");
+    for (step, (a, b)) in expected.1.iter().zip(&got.1).enumerate() {
+        if backend.computes_on_host() {
+            let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same_bits,
+                "{what}: logits of step {step} differ (max |Δ| {})",
+                max_abs_difference(a, b)
+            );
+        } else {
+            let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1.0);
+            let worst = max_abs_difference(a, b);
+            assert!(
+                worst <= 1e-4 * scale,
+                "{what}: logits of step {step} differ by {worst} (scale {scale})"
+            );
+        }
+    }
+}
+
+fn reuse_gives_the_bits_of_a_whole_prompt<B: Backend>(backend: Arc<B>) {
+    let mut rng = Xoshiro256::seed_from_u64(7);
+    for name in GOLDEN_FIXTURES.iter().chain(&["qwen4_exp"]) {
+        let work = tempfile::tempdir().unwrap();
+        let path = convert(&golden_fixture_dir(name), work.path());
+        let model = Model::open(Arc::clone(&backend), &path).unwrap();
+        let vocab = model.vocab_size();
+        let hybrid = model.needs_prefix_checkpoints();
+        let counters = Arc::new(PrefixCacheCounters::default());
+        let mut cache = PrefixCache::new(&model, settings(1 << 30), Arc::clone(&counters))
+            .expect("a cache for the fixture");
+
+        // The donor: 200 shared tokens and its own 70.
+        let shared = random_tokens(&mut rng, 200, vocab);
+        let donor = [shared.clone(), random_tokens(&mut rng, 70, vocab)].concat();
+        let (_, reused, _) = prefill_with_cache(&model, &mut cache, &donor);
+        assert_eq!(reused, 0, "{name}: nothing to reuse in an empty cache");
+        // Blocks ending at 64, 128, 192 and 256; checkpoints at 128 and 256 on hybrids.
+        assert_eq!(cache.blocks(), 4, "{name}: blocks of the donor");
+        assert_eq!(cache.checkpoints(), if hybrid { 2 } else { 0 }, "{name}");
+
+        // Off a checkpoint: 200 shared tokens reach into the third block; a hybrid restarts
+        // from its checkpoint at 128, full attention from the block end at 192.
+        let other = [shared.clone(), random_tokens(&mut rng, 50, vocab)].concat();
+        let (mut state, reused, logits) = prefill_with_cache(&model, &mut cache, &other);
+        assert_eq!(
+            reused,
+            if hybrid { 128 } else { 192 },
+            "{name}: off a checkpoint"
+        );
+        let got = greedy(&model, &mut state, logits);
+        assert_same(
+            &*backend,
+            &format!("{name}, off a checkpoint"),
+            &reference(&model, &other),
+            &got,
+        );
+
+        // On a checkpoint: exactly the first 128 tokens shared.
+        let on = [donor[..128].to_vec(), random_tokens(&mut rng, 90, vocab)].concat();
+        let (mut state, reused, logits) = prefill_with_cache(&model, &mut cache, &on);
+        assert_eq!(reused, 128, "{name}: on a checkpoint");
+        let got = greedy(&model, &mut state, logits);
+        assert_same(
+            &*backend,
+            &format!("{name}, on a checkpoint"),
+            &reference(&model, &on),
+            &got,
+        );
+
+        // The same prompt again: everything up to the last block end that leaves a rest.
+        let (mut state, reused, logits) = prefill_with_cache(&model, &mut cache, &donor);
+        assert_eq!(reused, 256, "{name}: the donor again");
+        let got = greedy(&model, &mut state, logits);
+        assert_same(
+            &*backend,
+            &format!("{name}, the same prompt"),
+            &reference(&model, &donor),
+            &got,
+        );
+
+        // A prompt that ends two tokens after a block end (the shortest rest a hybrid takes).
+        let short = donor[..130].to_vec();
+        let (mut state, reused, logits) = prefill_with_cache(&model, &mut cache, &short);
+        assert_eq!(reused, 128, "{name}: a two-token rest");
+        let got = greedy(&model, &mut state, logits);
+        assert_same(
+            &*backend,
+            &format!("{name}, a two-token rest"),
+            &reference(&model, &short),
+            &got,
+        );
+
+        assert_eq!(
+            counters.lookups.load(Ordering::Relaxed),
+            5,
+            "{name}: lookups"
+        );
+        assert_eq!(counters.hits.load(Ordering::Relaxed), 4, "{name}: hits");
+        assert_eq!(
+            counters.hit_tokens.load(Ordering::Relaxed),
+            if hybrid {
+                128 * 3 + 256
+            } else {
+                192 + 128 * 2 + 256
+            },
+            "{name}: reused tokens"
+        );
+        assert_eq!(counters.bytes.load(Ordering::Relaxed), cache.bytes());
+    }
+}
+test_device!(reuse_gives_the_bits_of_a_whole_prompt);
+
+/// A budget of three blocks keeps the most recently used chain and evicts leaves first; a
+/// prefix is never left without its earlier blocks.
+#[test]
+fn the_budget_evicts_least_recently_used_leaves() {
+    let backend = Arc::new(CpuBackend::new());
+    let work = tempfile::tempdir().unwrap();
+    let path = convert(&golden_fixture_dir("qwen3_moe"), work.path());
+    let model = Model::open(backend, &path).unwrap();
+    let mut rng = Xoshiro256::seed_from_u64(11);
+    let vocab = model.vocab_size();
+    // One block's bytes, from a cache that keeps everything.
+    let mut probe = PrefixCache::new(&model, settings(1 << 30), Default::default()).unwrap();
+    let first = random_tokens(&mut rng, 3 * BLOCK + 5, vocab);
+    prefill_with_cache(&model, &mut probe, &first);
+    let block_bytes = probe.bytes() / 3;
+    assert_eq!(probe.blocks(), 3);
+
+    let counters = Arc::new(PrefixCacheCounters::default());
+    let mut cache =
+        PrefixCache::new(&model, settings(3 * block_bytes), Arc::clone(&counters)).unwrap();
+    prefill_with_cache(&model, &mut cache, &first);
+    assert_eq!(cache.blocks(), 3);
+    // A second prompt sharing the first block: its two new blocks push out the first
+    // prompt's last two, one leaf at a time.
+    let second = [
+        first[..BLOCK].to_vec(),
+        random_tokens(&mut rng, 2 * BLOCK + 5, vocab),
+    ]
+    .concat();
+    let (_, reused, _) = prefill_with_cache(&model, &mut cache, &second);
+    assert_eq!(reused, BLOCK);
+    assert_eq!(cache.blocks(), 3);
+    assert!(cache.bytes() <= 3 * block_bytes);
+    assert_eq!(counters.evictions.load(Ordering::Relaxed), 2);
+    // The first prompt now finds only the shared block; the second all of its own.
+    let mut state = model.new_sequence(first.len()).unwrap();
+    assert_eq!(cache.restore(&model, &mut state, &first).unwrap(), BLOCK);
+    let mut state = model.new_sequence(second.len()).unwrap();
+    assert_eq!(
+        cache.restore(&model, &mut state, &second).unwrap(),
+        3 * BLOCK
+    );
+    // A budget under one block keeps nothing.
+    let mut tiny = PrefixCache::new(&model, settings(block_bytes - 1), Default::default()).unwrap();
+    prefill_with_cache(&model, &mut tiny, &first);
+    assert_eq!((tiny.blocks(), tiny.bytes()), (0, 0));
+}
+
+/// A store holds one model's blocks: asked with another model (same tokens), it neither
+/// reuses nor records anything.
+#[test]
+fn nothing_is_reused_across_models() {
+    let backend = Arc::new(CpuBackend::new());
+    let work = tempfile::tempdir().unwrap();
+    let a = Model::open(
+        Arc::clone(&backend),
+        &convert(&golden_fixture_dir("qwen3_moe"), work.path()),
+    )
+    .unwrap();
+    let work_b = tempfile::tempdir().unwrap();
+    let b = Model::open(
+        backend,
+        &convert(&golden_fixture_dir("qwen3_5"), work_b.path()),
+    )
+    .unwrap();
+    let mut rng = Xoshiro256::seed_from_u64(3);
+    let prompt = random_tokens(&mut rng, 3 * BLOCK, a.vocab_size().min(b.vocab_size()));
+    let mut cache = PrefixCache::new(&a, settings(1 << 30), Default::default()).unwrap();
+    prefill_with_cache(&a, &mut cache, &prompt);
+    let blocks = cache.blocks();
+    assert!(blocks > 0);
+    let mut state = b.new_sequence(prompt.len() + GREEDY_TOKENS + 1).unwrap();
+    assert_eq!(cache.restore(&b, &mut state, &prompt).unwrap(), 0);
+    assert_eq!(state.position(), 0);
+    b.prefill(&mut state, &prompt).unwrap();
+    cache.record(&b, &state, &prompt).unwrap();
+    assert_eq!(cache.blocks(), blocks);
+}

@@ -1,0 +1,204 @@
+//! The prefix cache through the scheduler: prompts that share a start with earlier ones report
+//! the tokens they took from the cache on their events and get the greedy tokens of a
+//! scheduler without a cache, on a full-attention, a Gated DeltaNet and the QSA fixture, also
+//! when a long prompt goes in chunks beside a decoding stream.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ninfer_artifact::DType;
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::prefix_cache::PrefixCacheSettings;
+use ninfer_engine::sampling::Xoshiro256;
+use ninfer_engine::service::scheduler::{
+    self, GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits, SchedulerResult,
+    SpeculativeDecoding, DEFAULT_PREFILL_TIME_SHARE,
+};
+use ninfer_engine::testing::golden_fixture_dir;
+use ninfer_engine::{test_device, Backend, Model, SamplingParams, SequenceState};
+use tokio::sync::mpsc as async_mpsc;
+
+const NEW_TOKENS: usize = 5;
+
+fn open<B: Backend>(backend: &Arc<B>, fixture: &str, work: &Path) -> Arc<Model<B>> {
+    let path = work.join(format!("{fixture}.ninfer"));
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
+    };
+    convert_checkpoint(&options, &NoProgress).unwrap_or_else(|e| panic!("converting: {e}"));
+    Arc::new(Model::open(Arc::clone(backend), &path).expect("open the artifact"))
+}
+
+struct Scheduler {
+    commands: std::sync::mpsc::Sender<SchedulerCommand>,
+    counters: Arc<SchedulerCounters>,
+    next_id: usize,
+}
+
+impl Scheduler {
+    fn start<B: Backend + 'static>(
+        model: &Arc<Model<B>>,
+        prefix: PrefixCacheSettings,
+        chunk_tokens: usize,
+    ) -> Self
+    where
+        B::Tensor: Send,
+        SequenceState<B>: Send,
+        Model<B>: Send + Sync,
+    {
+        let counters = Arc::new(SchedulerCounters::default());
+        let limits = SchedulerLimits {
+            max_context: 1024,
+            max_sequences: 8,
+            prefill_chunk_tokens: chunk_tokens,
+            prefill_time_share: DEFAULT_PREFILL_TIME_SHARE,
+        };
+        let commands = scheduler::start_serving(
+            Arc::clone(model),
+            limits,
+            SpeculativeDecoding::default(),
+            prefix,
+            Arc::clone(&counters),
+        )
+        .expect("start the scheduler");
+        Scheduler {
+            commands,
+            counters,
+            next_id: 0,
+        }
+    }
+
+    fn submit(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+    ) -> async_mpsc::Receiver<SchedulerResult> {
+        let (events, receiver) = async_mpsc::channel(4096);
+        self.next_id += 1;
+        let request = GenerationRequest {
+            request_id: format!("request-{}", self.next_id),
+            prompt: prompt.to_vec(),
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+            stop_token_ids: Vec::new(),
+            top_logprobs: 0,
+            sampleable_vocabulary: 0,
+            logit_bias: Vec::new(),
+            guide: None,
+            draft_tokens: None,
+            events,
+        };
+        self.commands
+            .send(SchedulerCommand::Submit(request))
+            .expect("submit");
+        receiver
+    }
+
+    /// Greedy tokens and the cached prompt tokens the last event reports.
+    fn generate(&mut self, prompt: &[u32]) -> (Vec<u32>, u32) {
+        let mut receiver = self.submit(prompt, NEW_TOKENS);
+        collect(&mut receiver)
+    }
+}
+
+fn collect(receiver: &mut async_mpsc::Receiver<SchedulerResult>) -> (Vec<u32>, u32) {
+    let mut tokens = Vec::new();
+    while let Some(event) = receiver.blocking_recv() {
+        let event = event.unwrap_or_else(|e| panic!("{e}"));
+        tokens.extend(event.token.map(|t| t.token_id));
+        if event.finish.is_some() {
+            return (tokens, event.cached_tokens);
+        }
+    }
+    panic!("the stream ended without a finish");
+}
+
+fn settings() -> PrefixCacheSettings {
+    PrefixCacheSettings {
+        budget_bytes: 1 << 30,
+        block_tokens: 64,
+        checkpoint_interval_blocks: 2,
+    }
+}
+
+fn random_tokens(rng: &mut Xoshiro256, count: usize, vocab: usize) -> Vec<u32> {
+    (0..count)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+fn served_prompts_reuse_prefixes_and_keep_their_tokens<B: Backend + 'static>(backend: Arc<B>)
+where
+    B::Tensor: Send,
+    SequenceState<B>: Send,
+    Model<B>: Send + Sync,
+{
+    for fixture in ["qwen3_moe", "qwen3_next", "qwen4_exp"] {
+        let work = tempfile::tempdir().unwrap();
+        let model = open(&backend, fixture, work.path());
+        let hybrid = model.needs_prefix_checkpoints();
+        let vocab = model.vocab_size();
+        let mut rng = Xoshiro256::seed_from_u64(5);
+        let system = random_tokens(&mut rng, 200, vocab);
+        let turn = |rng: &mut Xoshiro256, count| {
+            [system.clone(), random_tokens(rng, count, vocab)].concat()
+        };
+        let first = turn(&mut rng, 70);
+        let second = [first.clone(), random_tokens(&mut rng, 40, vocab)].concat();
+        let third = turn(&mut rng, 30);
+
+        let mut plain = Scheduler::start(&model, PrefixCacheSettings::off(), 0);
+        let mut cached = Scheduler::start(&model, settings(), 0);
+        // The donor: nothing cached yet; then a later turn that extends it (its last block
+        // end with room for a rest is 256) and another that shares only the system prompt.
+        let expected = [
+            (&first, 0),
+            (&second, 256),
+            (&third, if hybrid { 128 } else { 192 }),
+            (&first, 256),
+        ];
+        for (index, (prompt, reused)) in expected.into_iter().enumerate() {
+            let (reference, none) = plain.generate(prompt);
+            assert_eq!(none, 0, "{fixture}: no cache, nothing reused");
+            let (tokens, cached_tokens) = cached.generate(prompt);
+            assert_eq!(
+                cached_tokens, reused,
+                "{fixture}: prompt {index}'s cached tokens"
+            );
+            assert_eq!(tokens, reference, "{fixture}: prompt {index}'s tokens");
+        }
+        let prefix = &cached.counters.prefix_cache;
+        assert_eq!(prefix.lookups.load(Ordering::Relaxed), 4, "{fixture}");
+        assert_eq!(prefix.hits.load(Ordering::Relaxed), 3, "{fixture}");
+        assert!(prefix.bytes.load(Ordering::Relaxed) > 0, "{fixture}");
+
+        // A long prompt in chunks of 100 tokens beside a decoding stream: chunks end on the
+        // cache's checkpoints and alignment, and the tokens are those of the plain scheduler
+        // under the same chunking.
+        let long = turn(&mut rng, 300);
+        let mut outputs = Vec::new();
+        for prefix in [PrefixCacheSettings::off(), settings()] {
+            let mut scheduler = Scheduler::start(&model, prefix, 100);
+            scheduler.generate(&first);
+            let mut stream = scheduler.submit(&third, 40);
+            let mut long_events = scheduler.submit(&long, NEW_TOKENS);
+            let (long_tokens, long_cached) = collect(&mut long_events);
+            let (stream_tokens, _) = collect(&mut stream);
+            outputs.push((long_tokens, stream_tokens, long_cached));
+        }
+        assert_eq!(
+            outputs[0].0, outputs[1].0,
+            "{fixture}: the chunked long prompt's tokens"
+        );
+        assert_eq!(outputs[0].1, outputs[1].1, "{fixture}: the stream's tokens");
+        assert_eq!(
+            outputs[1].2,
+            if hybrid { 128 } else { 192 },
+            "{fixture}: the long prompt's cached tokens"
+        );
+    }
+}
+test_device!(served_prompts_reuse_prefixes_and_keep_their_tokens);

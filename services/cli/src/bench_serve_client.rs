@@ -66,15 +66,21 @@ impl ApiClient {
         }
     }
 
+    /// `request` with the API key, when one is set.
+    fn authorized<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.api_key {
+            Some(key) => request.header("authorization", &format!("Bearer {key}")),
+            None => request,
+        }
+    }
+
     fn post_json(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
         let url = format!("{}{path}", self.base_url);
-        let mut request = self
-            .agent
-            .post(&url)
-            .header("content-type", "application/json");
-        if let Some(key) = &self.api_key {
-            request = request.header("authorization", &format!("Bearer {key}"));
-        }
+        let request = self.authorized(
+            self.agent
+                .post(&url)
+                .header("content-type", "application/json"),
+        );
         let mut response = request
             .send(body.to_string())
             .with_context(|| format!("POST {url}"))?;
@@ -95,10 +101,7 @@ impl ApiClient {
     pub fn get_status(&self, path: &str) -> anyhow::Result<(u16, Duration)> {
         let url = format!("{}{path}", self.base_url);
         let started = Instant::now();
-        let mut request = self.agent.get(&url);
-        if let Some(key) = &self.api_key {
-            request = request.header("authorization", &format!("Bearer {key}"));
-        }
+        let request = self.authorized(self.agent.get(&url));
         let mut response = request.call().with_context(|| format!("GET {url}"))?;
         let status = response.status().as_u16();
         let _ = response.body_mut().read_to_string();
@@ -108,10 +111,7 @@ impl ApiClient {
     /// The first model `/v1/models` lists.
     pub fn first_model(&self) -> anyhow::Result<String> {
         let url = format!("{}/v1/models", self.base_url);
-        let mut request = self.agent.get(&url);
-        if let Some(key) = &self.api_key {
-            request = request.header("authorization", &format!("Bearer {key}"));
-        }
+        let request = self.authorized(self.agent.get(&url));
         let mut response = request.call().with_context(|| format!("GET {url}"))?;
         let text = response.body_mut().read_to_string()?;
         let listing: Value =
@@ -204,13 +204,11 @@ impl ApiClient {
             "stream_options": {"include_usage": true},
             "ignore_eos": true,
         });
-        let mut request = self
-            .agent
-            .post(&url)
-            .header("content-type", "application/json");
-        if let Some(key) = &self.api_key {
-            request = request.header("authorization", &format!("Bearer {key}"));
-        }
+        let request = self.authorized(
+            self.agent
+                .post(&url)
+                .header("content-type", "application/json"),
+        );
         let sent_at = Instant::now();
         let mut response = request
             .send(body.to_string())

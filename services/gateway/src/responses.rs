@@ -370,7 +370,7 @@ impl ResponseFrame {
 fn usage(summary: &GenerationSummary) -> JsonValue {
     json!({
         "input_tokens": summary.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": summary.cached_tokens},
         "output_tokens": summary.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": summary.reasoning_tokens},
         "total_tokens": summary.prompt_tokens + summary.completion_tokens,

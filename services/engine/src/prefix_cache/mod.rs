@@ -211,13 +211,7 @@ impl<B: Backend> PrefixCache<B> {
         if !self.needs_checkpoints {
             return None;
         }
-        let block_tokens = self.settings.block_tokens;
-        let last = prompt_len.saturating_sub(self.min_rest) / block_tokens * block_tokens;
-        if last <= position {
-            return None;
-        }
-        let interval = block_tokens * self.settings.checkpoint_interval_blocks.max(1);
-        Some(((position / interval + 1) * interval).min(last))
+        checkpoint_after(position, prompt_len, self.settings, self.min_rest)
     }
 
     /// Stores the full blocks of `prompt` that `state` holds and the store lacks (`state` has
@@ -341,5 +335,49 @@ impl<B: Backend> PrefixCache<B> {
         self.counters
             .blocks
             .store(self.nodes.len() as u64, Ordering::Relaxed);
+    }
+}
+
+/// [`PrefixCache::next_checkpoint`] on a model with recurrent layers.
+fn checkpoint_after(
+    position: usize,
+    prompt_len: usize,
+    settings: PrefixCacheSettings,
+    min_rest: usize,
+) -> Option<usize> {
+    let block_tokens = settings.block_tokens.max(1);
+    let last = prompt_len.saturating_sub(min_rest) / block_tokens * block_tokens;
+    if last <= position {
+        return None;
+    }
+    let interval = block_tokens * settings.checkpoint_interval_blocks.max(1);
+    Some(((position / interval + 1) * interval).min(last))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoints_fall_every_interval_and_at_the_last_block_end_that_leaves_a_rest() {
+        let settings = PrefixCacheSettings::with_budget(1);
+        let walk = |from: usize, prompt: usize| {
+            let mut ends = Vec::new();
+            let mut position = from;
+            while let Some(end) = checkpoint_after(position, prompt, settings, 2) {
+                assert!(end > position && end % 256 == 0 && end + 2 <= prompt);
+                ends.push(end);
+                position = end;
+            }
+            ends
+        };
+        // 19,000 tokens: every 8192, then the last block end with two tokens after it.
+        assert_eq!(walk(0, 19_000), [8192, 16_384, 18_944]);
+        // A prompt two tokens past a block end still checkpoints there; one token past does not.
+        assert_eq!(walk(0, 514), [512]);
+        assert_eq!(walk(0, 513), [256]);
+        // Restored at a checkpoint, a prompt goes on from there.
+        assert_eq!(walk(8192, 9000), [8960]);
+        assert!(walk(0, 257).is_empty());
     }
 }

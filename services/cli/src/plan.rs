@@ -479,16 +479,14 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
     })
 }
 
-/// The prefix cache's budget when `--prefix-cache-gib` is not given: an eighth of the memory
-/// its blocks live in (the GPU's free memory less the dense weights, else the RAM available
-/// less the expert banks and n-gram tables the run maps), at most 16 GiB; 2 GiB on a machine
-/// whose RAM is unknown.
+/// The prefix cache's budget when `--prefix-cache-gib` is not given: an eighth of the RAM
+/// available less the expert banks and n-gram tables the run maps, at most 16 GiB; 2 GiB on a
+/// machine whose RAM is unknown. Off on the GPU until asked for: its device copies have not run
+/// in the GPU suites yet, and the memory would come from the expert slots.
 fn default_prefix_cache_bytes(machine: &Machine, on_gpu: bool, facts: &ModelFacts) -> u64 {
     const MOST: u64 = 16 * GIB;
     let room = match (&machine.gpu, on_gpu) {
-        (Some(gpu), true) => gpu
-            .free_bytes
-            .saturating_sub(facts.dense_bytes + facts.mtp_dense_bytes),
+        (Some(_), true) => return 0,
         _ if machine.ram_available_bytes == 0 => return 2 * GIB,
         _ => machine.ram_available_bytes.saturating_sub(
             facts.expert_bank_bytes + facts.mtp_expert_bytes + facts.ngram_table_bytes,
@@ -727,11 +725,10 @@ mod tests {
             prefix_cache_gib: None,
             ..request()
         };
-        // On the 80 GiB card: (79.5 − 4 dense) / 8 = 9.44 GiB, taken from the slots' 50.5 GiB
-        // → 41.06 GiB → 87 per layer (107 without).
+        // On the GPU it is off unless asked for: the slots keep all their room (107 per layer).
         let server = plan(&facts, &machine(Some(80), 512, 2), &defaults).unwrap();
-        assert_eq!(server.prefix_cache_bytes, (75 * GIB + GIB / 2) / 8);
-        assert_eq!(server.gpu_experts_estimate, Some(87));
+        assert_eq!(server.prefix_cache_bytes, 0);
+        assert_eq!(server.gpu_experts_estimate, Some(107));
         // Without a GPU it is host RAM: an eighth of what the banks leave, at most 16 GiB.
         let laptop = plan(&facts, &machine(None, 128, 1), &defaults).unwrap();
         assert_eq!(laptop.prefix_cache_bytes, (126 * GIB - 60 * GIB) / 8);
@@ -748,6 +745,12 @@ mod tests {
         };
         let asked = plan(&facts, &machine(Some(80), 512, 2), &asked).unwrap();
         assert_eq!(asked.prefix_cache_bytes, 5 * GIB / 2);
+        // Asked for on the 80 GiB card, it is taken from the slots' 50.5 GiB → 48 GiB → 102.
+        assert!(
+            asked.gpu_experts_estimate < Some(107),
+            "{:?}",
+            asked.gpu_experts_estimate
+        );
         let nonsense = Request {
             prefix_cache_gib: Some(-1.0),
             ..request()

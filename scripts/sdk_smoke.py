@@ -369,6 +369,7 @@ def main():
         assert off.usage.prompt_tokens > thinking.usage.prompt_tokens, (off.usage, thinking.usage)
         response = oa.responses.create(model=model, input="What is the capital of France?", max_output_tokens=args.max_tokens, temperature=0.0, reasoning={"effort": "none"})
         assert not [item for item in response.output if item.type == "reasoning"], response.output
+        assert response.reasoning.effort == "none", response.reasoning
         try:
             oa.chat.completions.create(model=model, messages=messages, max_tokens=4, reasoning_effort="extreme")
             raise AssertionError("an unknown reasoning_effort was accepted")

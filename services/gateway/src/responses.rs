@@ -295,6 +295,8 @@ fn unix_seconds() -> u64 {
 /// The echo of the request's settings every response object carries.
 struct ResponseFrame {
     id: String,
+    /// The request's `reasoning.effort`, echoed as the API does.
+    reasoning_effort: Option<String>,
     created_at: u64,
     model: String,
     instructions: Option<String>,
@@ -351,7 +353,7 @@ impl ResponseFrame {
             "output": output,
             "parallel_tool_calls": self.parallel_tool_calls,
             "previous_response_id": self.previous_response_id,
-            "reasoning": {"effort": null, "summary": null},
+            "reasoning": {"effort": self.reasoning_effort, "summary": null},
             "store": self.store,
             "temperature": self.temperature,
             "text": self.text,
@@ -525,6 +527,12 @@ async fn create_response_inner(
     let receiver = state.generator.start_choice(&plan, 0).await?;
     let frame = ResponseFrame {
         id: format!("resp_{}", plan.request_id),
+        reasoning_effort: request
+            .reasoning
+            .as_ref()
+            .and_then(|reasoning| reasoning.get("effort"))
+            .and_then(JsonValue::as_str)
+            .map(str::to_string),
         created_at: unix_seconds(),
         model: plan.model.name.clone(),
         instructions: request.instructions.clone(),

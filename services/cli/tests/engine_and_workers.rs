@@ -127,6 +127,25 @@ impl Stack {
         socket
     }
 
+    /// A gateway on a free loopback port in front of `engine`, once its `/health` is 200; its
+    /// address.
+    fn gateway(&mut self, engine: &str) -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let api = format!("127.0.0.1:{port}");
+        let state = self.path("state").display().to_string();
+        self.spawn(
+            "gateway",
+            &binary("ninfer-gateway"),
+            &["--engine", engine, "--listen", &api, "--state-dir", &state].map(String::from),
+        );
+        wait_for_health(&api, 200);
+        api
+    }
+
     fn engine(&mut self, label: &str, model: &Path, workers: &[String], extra: &[&str]) -> String {
         self.engine_on(label, label, model, workers, extra)
     }
@@ -1113,19 +1132,7 @@ fn killed_engine_gives_503_and_its_restart_resumes_service_without_the_gateway_r
     let mut stack = Stack::new();
     let model = stack.convert("qwen3_moe");
     let engine = stack.engine("engine", &model, &[], &[]);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let api = format!("127.0.0.1:{port}");
-    let state = stack.path("state").display().to_string();
-    stack.spawn(
-        "gateway",
-        &binary("ninfer-gateway"),
-        &["--engine", &engine, "--listen", &api, "--state-dir", &state].map(String::from),
-    );
-    wait_for_health(&api, 200);
+    let api = stack.gateway(&engine);
     let chat = r#"{"model": "qwen3_moe", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}"#;
     let messages = r#"{"model": "qwen3_moe", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}"#;
     let (status, before) = http(&api, "POST", "/v1/chat/completions", chat);
@@ -1423,19 +1430,7 @@ fn a_second_turn_reports_the_prompt_tokens_it_reused() {
     let mut stack = Stack::new();
     let model = stack.convert("qwen3_5_moe");
     let engine = stack.engine("engine", &model, &[], &["--prefix-cache-gib", "1"]);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let api = format!("127.0.0.1:{port}");
-    let state = stack.path("state").display().to_string();
-    stack.spawn(
-        "gateway",
-        &binary("ninfer-gateway"),
-        &["--engine", &engine, "--listen", &api, "--state-dir", &state].map(String::from),
-    );
-    wait_for_health(&api, 200);
+    let api = stack.gateway(&engine);
     let system = "You are a careful agent with tools for files and shells. ".repeat(40);
     let first = serde_json::json!({
         "model": "qwen3_5_moe", "max_tokens": 4, "temperature": 0, "system": system,

@@ -20,6 +20,8 @@ pub(crate) struct ApiClient {
     base_url: String,
     api_key: Option<String>,
     agent: ureq::Agent,
+    /// What the chat template adds around a user message, once known (one model per server).
+    template_tokens: Arc<std::sync::OnceLock<usize>>,
 }
 
 /// What one streamed answer looked like at the client.
@@ -63,6 +65,7 @@ impl ApiClient {
             base_url: base_url.trim_end_matches('/').to_string(),
             api_key,
             agent,
+            template_tokens: Arc::default(),
         }
     }
 
@@ -122,6 +125,15 @@ impl ApiClient {
             .with_context(|| format!("GET {url} lists no model: {text}"))
     }
 
+    /// Tokens the chat template adds around one user message (asked once per client).
+    fn chat_template_tokens(&self, model: &str) -> anyhow::Result<usize> {
+        if let Some(count) = self.template_tokens.get() {
+            return Ok(*count);
+        }
+        let count = self.chat_token_count(model, "")?;
+        Ok(*self.template_tokens.get_or_init(|| count))
+    }
+
     /// Tokens of a chat of one user message, as the server renders and encodes it.
     fn chat_token_count(&self, model: &str, content: &str) -> anyhow::Result<usize> {
         let answer = self.post_json(
@@ -147,7 +159,7 @@ impl ApiClient {
         prompt_tokens: usize,
         seed: u64,
     ) -> anyhow::Result<String> {
-        let overhead = self.chat_token_count(model, "")?;
+        let overhead = self.chat_template_tokens(model)?;
         if prompt_tokens <= overhead {
             bail!(
                 "--prompt-tokens {prompt_tokens}: the chat template alone takes {overhead} tokens"

@@ -144,12 +144,12 @@ fn read_compressed_tokenizer(directory: &Path) -> Result<(Vec<u8>, PathBuf), Con
     Ok((bytes, path))
 }
 
-/// The ids a `tokenizer.json` defines.
+/// The ids a `tokenizer.json` defines that a synthetic model needs.
 struct TokenIds {
     token_count: usize,
-    /// `(text, id)` of the added tokens.
-    added: Vec<(String, u32)>,
-    vocabulary: serde_json::Map<String, Value>,
+    /// `<|im_end|>`'s and `<|endoftext|>`'s ids, where the file has them.
+    end_of_turn: Option<u32>,
+    end_of_text: Option<u32>,
 }
 
 impl TokenIds {
@@ -160,9 +160,8 @@ impl TokenIds {
             .get("model")
             .and_then(|model| model.get("vocab"))
             .and_then(Value::as_object)
-            .cloned()
             .ok_or_else(|| invalid(source, "has no `model.vocab` object".to_string()))?;
-        let added: Vec<(String, u32)> = parsed
+        let added: Vec<(&str, u32)> = parsed
             .get("added_tokens")
             .and_then(Value::as_array)
             .map(|tokens| {
@@ -171,7 +170,7 @@ impl TokenIds {
                     .filter_map(|token| {
                         let text = token.get("content")?.as_str()?;
                         let id = u32::try_from(token.get("id")?.as_u64()?).ok()?;
-                        Some((text.to_string(), id))
+                        Some((text, id))
                     })
                     .collect()
             })
@@ -182,37 +181,37 @@ impl TokenIds {
             .chain(added.iter().map(|(_, id)| u64::from(*id)))
             .max()
             .ok_or_else(|| invalid(source, "defines no tokens".to_string()))?;
+        let id_of = |text: &str| {
+            added
+                .iter()
+                .find(|(added, _)| *added == text)
+                .map(|(_, id)| *id)
+                .or_else(|| {
+                    vocabulary
+                        .get(text)
+                        .and_then(Value::as_u64)
+                        .and_then(|id| u32::try_from(id).ok())
+                })
+        };
         Ok(TokenIds {
             token_count: usize::try_from(largest + 1).unwrap_or(usize::MAX),
-            added,
-            vocabulary,
+            end_of_turn: id_of(END_OF_TURN),
+            end_of_text: id_of(END_OF_TEXT),
         })
-    }
-
-    fn id_of(&self, text: &str) -> Option<u32> {
-        self.added
-            .iter()
-            .find(|(added, _)| added == text)
-            .map(|(_, id)| *id)
-            .or_else(|| {
-                self.vocabulary
-                    .get(text)
-                    .and_then(Value::as_u64)
-                    .and_then(|id| u32::try_from(id).ok())
-            })
     }
 
     /// `(<|im_end|>, <|endoftext|>)`: a synthetic model is a Qwen chat model.
     fn end_tokens(&self, source: &Path) -> Result<(u32, u32), ConvertError> {
-        let find = |text: &str| {
-            self.id_of(text).ok_or_else(|| {
-                invalid(
-                    source,
-                    format!("has no `{text}` token (a Qwen chat tokenizer is needed)"),
-                )
-            })
+        let missing = |text: &str| {
+            invalid(
+                source,
+                format!("has no `{text}` token (a Qwen chat tokenizer is needed)"),
+            )
         };
-        Ok((find(END_OF_TURN)?, find(END_OF_TEXT)?))
+        Ok((
+            self.end_of_turn.ok_or_else(|| missing(END_OF_TURN))?,
+            self.end_of_text.ok_or_else(|| missing(END_OF_TEXT))?,
+        ))
     }
 }
 

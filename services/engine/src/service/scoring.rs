@@ -13,7 +13,8 @@ use tokio::sync::mpsc as async_mpsc;
 use crate::backend::Backend;
 use crate::model::{Model, SequenceState};
 use crate::perplexity::score_chunk;
-use crate::service::scheduler::{SchedulerError, SchedulerLimits};
+use crate::service::scheduler::limits::SchedulerLimits;
+use crate::service::scheduler::messages::SchedulerError;
 
 /// Tokens per forward when the request leaves it to the engine.
 pub const DEFAULT_SCORING_CHUNK_TOKENS: usize = 256;

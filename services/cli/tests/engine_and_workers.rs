@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::expert_worker_client::ExpertWorkerClient;
+use ninfer_protocol::v1::gateway_client::GatewayClient;
 use ninfer_protocol::v1::{
     AttachChannelRequest, EngineStatusRequest, GenerateRequest, WorkerInfoRequest,
 };
@@ -1424,7 +1425,8 @@ impl ServedByRun {
 /// An agent's second turn through the gateway reuses its first turn's prompt: the engine with a
 /// prefix cache, the same long system prompt twice, the conversation grown between; the second
 /// answer reports cached prompt tokens (Anthropic `cache_read_input_tokens`, OpenAI
-/// `prompt_tokens_details.cached_tokens`), the first none, and `/metrics` counts the hits.
+/// `prompt_tokens_details.cached_tokens`, the gRPC API's `cached_prompt_tokens`), the first
+/// none, and `/metrics` counts the hits.
 #[test]
 fn a_second_turn_reports_the_prompt_tokens_it_reused() {
     let mut stack = Stack::new();
@@ -1470,6 +1472,42 @@ fn a_second_turn_reports_the_prompt_tokens_it_reused() {
         .as_u64()
         .unwrap();
     assert!(cached >= 256, "{answer}");
+    let grpc_usage = runtime().block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{api}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let chat = ninfer_protocol::v1::ChatRequest {
+            model: "qwen3_5_moe".into(),
+            messages: [("system", system.as_str()), ("user", "List the files.")]
+                .map(|(role, content)| ninfer_protocol::v1::ChatMessage {
+                    role: role.into(),
+                    content: content.into(),
+                    reasoning_content: String::new(),
+                })
+                .to_vec(),
+            options: Some(ninfer_protocol::v1::GatewaySamplingOptions {
+                temperature: Some(0.0),
+                max_tokens: 4,
+                ..Default::default()
+            }),
+            enable_thinking: None,
+            chat_template_kwargs_json: String::new(),
+        };
+        GatewayClient::new(channel)
+            .chat(chat)
+            .await
+            .unwrap()
+            .into_inner()
+            .usage
+            .unwrap()
+    });
+    assert!(
+        grpc_usage.cached_prompt_tokens >= 256
+            && grpc_usage.cached_prompt_tokens < grpc_usage.prompt_tokens,
+        "{grpc_usage:?}"
+    );
     // The gateway polls the engine's status about twice a second.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -1479,7 +1517,7 @@ fn a_second_turn_reports_the_prompt_tokens_it_reused() {
             .find(|line| line.starts_with("ninfer_engine_prefix_cache_hits_total{"))
             .and_then(|line| line.rsplit(' ').next())
             .and_then(|value| value.parse::<u64>().ok());
-        if hits == Some(2) {
+        if hits == Some(3) {
             break;
         }
         assert!(

@@ -119,6 +119,7 @@ fn usage(summary: &GenerationSummary) -> GatewayUsage {
     GatewayUsage {
         prompt_tokens: summary.prompt_tokens,
         completion_tokens: summary.completion_tokens,
+        cached_prompt_tokens: summary.cached_tokens.min(summary.prompt_tokens),
     }
 }
 

@@ -35,6 +35,7 @@ fn units_carry_the_required_settings() {
         );
     }
     assert!(experts.contains("--numa-node %i"));
+    assert!(read("ninfer-engine.service").contains("--prefix-cache-gib ${NINFER_PREFIX_CACHE_GIB}"));
     for unit in [
         "ninfer-engine.service",
         "ninfer-gateway.service",
@@ -67,6 +68,7 @@ fn units_carry_the_required_settings() {
         "NINFER_API_KEY=",
         "NINFER_STATE_DIR=",
         "NINFER_MODEL=",
+        "NINFER_PREFIX_CACHE_GIB=",
     ] {
         assert!(
             environment.lines().any(|l| l.starts_with(key)),

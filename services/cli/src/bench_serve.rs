@@ -3,11 +3,14 @@
 //! prompts of a fixed token count made by the model's own tokenizer, and reports time to first
 //! token, inter-token latency, per-stream and aggregate output tok/s, the gateway's CPU time per
 //! generated token, how fast `/health` answered under the load, and the ratio to `ninfer bench`
-//! of the same model (the engine alone, no HTTP).
+//! of the same model (the engine alone, no HTTP). With `--agent-turns` it replays one agent's
+//! growing conversation instead (`bench_serve_agent`): time to first token and cached prompt
+//! tokens per turn.
 //!
 //! Owns: the flags, the server and baseline it starts, the load levels and their figures.
-//! Must not touch: the HTTP requests themselves (`bench_serve_client`) or the engine-only
-//! measurement (`bench_model`, run as `ninfer bench MODEL`).
+//! Must not touch: the HTTP requests themselves (`bench_serve_client`), the agent replay's
+//! conversation (`bench_serve_agent`) or the engine-only measurement (`bench_model`, run as
+//! `ninfer bench MODEL`).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -17,6 +20,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use crate::bench_model::StepLatency;
+use crate::bench_serve_agent::{self, AgentConversation, AgentReport};
 use crate::bench_serve_client::{
     descendant_named, process_cpu_time, ApiClient, HealthProbe, StreamTiming,
 };
@@ -72,6 +76,17 @@ pub struct ServeBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Replay one agent conversation of this many turns instead of the load levels: each turn
+    /// sends the same system prompt and tools and the whole conversation so far, which grows by
+    /// the last answer and a tool result (0: no replay).
+    #[arg(long, default_value_t = 0)]
+    pub agent_turns: usize,
+    /// Tokens of the agent's system prompt (the tool definitions come on top).
+    #[arg(long, default_value_t = 19_000)]
+    pub agent_system_tokens: usize,
+    /// Tokens of the tool result each later turn appends (the last answer comes on top).
+    #[arg(long, default_value_t = 500)]
+    pub agent_turn_tokens: usize,
 }
 
 /// One concurrency level's figures.
@@ -177,7 +192,11 @@ impl Drop for StartedServer {
 }
 
 pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
-    let levels = parse_levels(&args.concurrency)?;
+    let levels = match args.agent_turns {
+        0 => parse_levels(&args.concurrency)?,
+        // One conversation: one sequence at a time.
+        _ => vec![1],
+    };
     if args.prompt_tokens == 0 || args.output_tokens < 2 {
         bail!("--prompt-tokens must be at least 1 and --output-tokens at least 2");
     }
@@ -202,6 +221,9 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let model = client.first_model()?;
     if !args.json {
         eprintln!("measuring {model} at {url}");
+    }
+    if args.agent_turns > 0 {
+        return agent_replay(&args, &client, model, url);
     }
     let gateway = match gateway_pid {
         Some(pid) => Some((pid, health_probe_cpu_cost(&client, pid)?)),
@@ -238,6 +260,38 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_table(&report, &args);
+    }
+    Ok(())
+}
+
+/// The `--agent-turns` replay against the server at `url` and its report.
+fn agent_replay(
+    args: &ServeBenchArgs,
+    client: &ApiClient,
+    model: String,
+    url: String,
+) -> anyhow::Result<()> {
+    let conversation = AgentConversation {
+        turns: args.agent_turns,
+        system_tokens: args.agent_system_tokens,
+        turn_tokens: args.agent_turn_tokens,
+        output_tokens: args.output_tokens,
+        seed: args.seed,
+    };
+    let turns = bench_serve_agent::replay(client, &model, conversation)?;
+    let (prefix_cache_bytes, prefix_cache_budget_bytes) =
+        bench_serve_agent::prefix_cache_memory(client);
+    let report = AgentReport {
+        model,
+        url,
+        turns,
+        prefix_cache_bytes,
+        prefix_cache_budget_bytes,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        bench_serve_agent::print_table(&report, &conversation);
     }
     Ok(())
 }
@@ -522,6 +576,8 @@ mod tests {
             text_arrivals: (0..5).map(|i| at(first + i * 10)).collect(),
             completion_tokens: 5,
             prompt_tokens: 100,
+            cached_tokens: 0,
+            answer: String::new(),
         };
         let timings = [stream(50), stream(70)];
         let health = [Ok(Duration::from_millis(2)), Err("status 503".to_string())];

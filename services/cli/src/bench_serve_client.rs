@@ -33,6 +33,10 @@ pub(crate) struct StreamTiming {
     /// Tokens the server counted (`usage.completion_tokens`), else the text events.
     pub completion_tokens: usize,
     pub prompt_tokens: usize,
+    /// Prompt tokens the server took from its prefix cache (`prompt_tokens_details`).
+    pub cached_tokens: usize,
+    /// The answer's text (reasoning left out).
+    pub answer: String,
 }
 
 impl StreamTiming {
@@ -199,6 +203,19 @@ impl ApiClient {
         Ok(content)
     }
 
+    /// `GET path`'s body as text (e.g. `/metrics`).
+    pub fn get_text(&self, path: &str) -> anyhow::Result<String> {
+        let url = format!("{}{path}", self.base_url);
+        let request = self.authorized(self.agent.get(&url));
+        let mut response = request.call().with_context(|| format!("GET {url}"))?;
+        let status = response.status().as_u16();
+        let text = response.body_mut().read_to_string()?;
+        if status != 200 {
+            bail!("GET {url} answered {status}: {text}");
+        }
+        Ok(text)
+    }
+
     /// One streaming chat completion of `max_tokens` tokens (end-of-sequence ignored, so every
     /// answer has the same length), timed event by event.
     pub fn stream_chat(
@@ -207,15 +224,31 @@ impl ApiClient {
         content: &str,
         max_tokens: u32,
     ) -> anyhow::Result<StreamTiming> {
+        let messages = json!([{"role": "user", "content": content}]);
+        self.stream_conversation(model, &messages, None, max_tokens)
+    }
+
+    /// [`ApiClient::stream_chat`] of a whole conversation (OpenAI `messages`) and, when given,
+    /// the tools it declares.
+    pub fn stream_conversation(
+        &self,
+        model: &str,
+        messages: &Value,
+        tools: Option<&Value>,
+        max_tokens: u32,
+    ) -> anyhow::Result<StreamTiming> {
         let url = format!("{}/v1/chat/completions", self.base_url);
-        let body = json!({
+        let mut body = json!({
             "model": model,
-            "messages": [{"role": "user", "content": content}],
+            "messages": messages,
             "max_tokens": max_tokens,
             "stream": true,
             "stream_options": {"include_usage": true},
             "ignore_eos": true,
         });
+        if let Some(tools) = tools {
+            body["tools"] = tools.clone();
+        }
         let request = self.authorized(
             self.agent
                 .post(&url)
@@ -240,6 +273,8 @@ impl ApiClient {
             text_arrivals: Vec::new(),
             completion_tokens: 0,
             prompt_tokens: 0,
+            cached_tokens: 0,
+            answer: String::new(),
         };
         let reader = BufReader::new(response.body_mut().as_reader());
         for line in reader.lines() {
@@ -263,10 +298,16 @@ impl ApiClient {
             if carries_text {
                 timing.text_arrivals.push(arrived);
             }
+            if let Some(text) = delta["content"].as_str() {
+                timing.answer.push_str(text);
+            }
             if let Some(usage) = event.get("usage").filter(|usage| !usage.is_null()) {
                 timing.completion_tokens =
                     usage["completion_tokens"].as_u64().unwrap_or(0) as usize;
                 timing.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+                timing.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0) as usize;
             }
         }
         if timing.completion_tokens == 0 {

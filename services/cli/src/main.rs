@@ -12,6 +12,7 @@ mod bench_model;
 mod bench_mtp;
 mod bench_sampling;
 mod bench_serve;
+mod bench_serve_agent;
 mod bench_serve_client;
 mod convert;
 mod download;

@@ -10,7 +10,9 @@
 //
 // gated_delta_rule_chunked (prefill): the chunked form of `delta_rule_chunked` in
 // services/engine/src/backend/cpu.rs (chunks of 64), the same operations in the same order per
-// output element (dot products with the host's eight-lane order). One block per (value head,
+// output element (dot products with the host's eight-lane order). gated_delta_rule_chunked_32 is
+// the same kernel in chunks of 32 (a different association of the same sums), for GPUs that give
+// a block too little shared memory for 64 at the model's key head dim (RTX cards: 99 KB). One block per (value head,
 // tile of 32 value columns), sequential over chunks; the block keeps its tile of the state in
 // shared memory for the whole sequence and writes it back at the end. Per chunk:
 //   γ_i = Σ_{j≤i} g_j;  A_ij = β_i (k_i·k_j) e^{γ_i−γ_j} (j < i);
@@ -23,7 +25,7 @@
 // gated_delta_rule_chunked_mma (prefill with CudaOptions::tensor_core_prefill, at the end of this
 // file): the same chunks and grid with the matrix products on the tensor cores, every operand
 // split into two f16 (x = hi + lo) and three products summed in f32, so it matches the two above
-// within ~2⁻²⁰ of scale, not to f32 rounding.
+// within ~2⁻²⁰ of scale, not to f32 rounding; gated_delta_rule_chunked_mma_32 in chunks of 32.
 
 #include "common.cuh"
 
@@ -83,6 +85,9 @@ extern "C" __global__ void gated_delta_rule_recurrent(const float* q, const floa
 
 // Tokens per chunk (DELTA_RULE_CHUNK on the host).
 #define DR_CHUNK 64
+// Tokens per chunk of the `_32` variants, which fit 99 KB of shared memory per block (RTX 30/40/50
+// cards) at dk 128.
+#define DR_SMALL_CHUNK 32
 // Value columns per block (one per lane of a warp).
 #define DR_COLUMNS 32
 // Threads per block: 8 warps; in the column phases warp w takes rows w, w + 8, … of a chunk.
@@ -114,7 +119,7 @@ __device__ __forceinline__ float dot_host_order(const float* a, const float* b, 
 
 // Normalises the first m rows of `rows` (row stride `stride`, dk used columns) in place:
 // x · rsqrt(Σx² + 1e-6) · scale, written (x · inverse) · scale as on the host. `inverse` is
-// scratch of DR_CHUNK floats. Starts and ends with the block in step.
+// scratch of one float per row. Starts and ends with the block in step.
 __device__ __forceinline__ void l2_normalise_rows(float* rows, int stride, int m, int dk,
                                                   float scale, float* inverse) {
     __syncthreads();
@@ -134,27 +139,29 @@ __device__ __forceinline__ void l2_normalise_rows(float* rows, int stride, int m
     __syncthreads();
 }
 
-// Same arguments as the recurrent kernel. Grid (nv, ceil(dv / 32)); block DR_THREADS; dk ≤ 256
-// (the host checks), any dv. Dynamic shared memory, in floats, with ks = dk | 1 (an odd row
-// stride keeps the row-parallel reads of K free of bank conflicts):
-//   2·64·ks (K̂; W then Q̂) + 64·64 (A, then the intra-chunk Q̂K̂ᵀ) + 64·32 (U, then V')
-//   + dk·32 (the state tile) + 4·64 (γ, β, inverse norms, e^{γ_last−γ_j}).
-extern "C" __global__ void __launch_bounds__(DR_THREADS)
-    gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g,
-                             const float* beta, float* state, float* out, int row_start, int n,
-                             int nk, int nv, int dk, int dv) {
-    PDL_WAIT_AND_RELEASE();
+// The chunked kernel's body for chunks of CHUNK tokens (DR_CHUNK, or DR_SMALL_CHUNK where the
+// GPU's shared memory per block is too small for 64-token chunks). Same arguments as the
+// recurrent kernel. Grid (nv, ceil(dv / 32)); block DR_THREADS; dk ≤ 256 (the host checks), any
+// dv. Dynamic shared memory, in floats, with ks = dk | 1 (an odd row stride keeps the
+// row-parallel reads of K free of bank conflicts):
+//   2·CHUNK·ks (K̂; W then Q̂) + CHUNK·CHUNK (A, then the intra-chunk Q̂K̂ᵀ) + CHUNK·32 (U, then
+//   V') + dk·32 (the state tile) + 4·CHUNK (γ, β, inverse norms, e^{γ_last−γ_j}).
+template <int CHUNK>
+__device__ __forceinline__ void gated_delta_rule_chunked_body(
+    const float* q, const float* k, const float* v, const float* g, const float* beta,
+    float* state, float* out, int row_start, int n, int nk, int nv, int dk, int dv) {
+    constexpr int ROWS_PER_WARP = CHUNK / DR_WARPS;
     extern __shared__ float shared[];
     const int ks = dk | 1;
-    float* s_k = shared;                              // [64][ks]  k̂ rows of the chunk
-    float* s_x = s_k + DR_CHUNK * ks;                 // [64][ks]  W, then q̂ (then q̂ e^γ)
-    float* s_a = s_x + DR_CHUNK * ks;                 // [64][64]  A (j < i), then P (j ≤ i)
-    float* s_u = s_a + DR_CHUNK * DR_CHUNK;           // [64][32]  U, then V'
-    float* s_s = s_u + DR_CHUNK * DR_COLUMNS;         // [dk][32]  the state tile
-    float* s_gamma = s_s + dk * DR_COLUMNS;           // [64]
-    float* s_beta = s_gamma + DR_CHUNK;               // [64]
-    float* s_inverse = s_beta + DR_CHUNK;             // [64]
-    float* s_factor = s_inverse + DR_CHUNK;           // [64]
+    float* s_k = shared;                           // [CHUNK][ks]  k̂ rows of the chunk
+    float* s_x = s_k + CHUNK * ks;                 // [CHUNK][ks]  W, then q̂ (then q̂ e^γ)
+    float* s_a = s_x + CHUNK * ks;                 // [CHUNK][CHUNK]  A (j < i), then P (j ≤ i)
+    float* s_u = s_a + CHUNK * CHUNK;              // [CHUNK][32]  U, then V'
+    float* s_s = s_u + CHUNK * DR_COLUMNS;         // [dk][32]  the state tile
+    float* s_gamma = s_s + dk * DR_COLUMNS;        // [CHUNK]
+    float* s_beta = s_gamma + CHUNK;               // [CHUNK]
+    float* s_inverse = s_beta + CHUNK;             // [CHUNK]
+    float* s_factor = s_inverse + CHUNK;           // [CHUNK]
 
     const int head = blockIdx.x;
     const int column0 = blockIdx.y * DR_COLUMNS;
@@ -175,8 +182,8 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
         s_s[e] = c < dv ? s_head[(long long)d * dv + c] : 0.0f;
     }
 
-    for (int chunk = 0; chunk < n; chunk += DR_CHUNK) {
-        const int m = min(DR_CHUNK, n - chunk);
+    for (int chunk = 0; chunk < n; chunk += CHUNK) {
+        const int m = min(CHUNK, n - chunk);
         const long long row0 = (long long)row_start + chunk;
         __syncthreads();  // the previous chunk is done with every buffer
 
@@ -198,8 +205,8 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
         l2_normalise_rows(s_k, ks, m, dk, 1.0f, s_inverse);
 
         // A (strictly lower), the right-hand sides β e^γ K → s_x and β V → s_u.
-        for (int e = tid; e < DR_CHUNK * DR_CHUNK; e += DR_THREADS) {
-            int i = e / DR_CHUNK, j = e - i * DR_CHUNK;
+        for (int e = tid; e < CHUNK * CHUNK; e += DR_THREADS) {
+            int i = e / CHUNK, j = e - i * CHUNK;
             if (i < m && j < i) {
                 s_a[e] = s_beta[i] * dot_host_order(s_k + i * ks, s_k + j * ks, dk) *
                          expf(s_gamma[i] - s_gamma[j]);
@@ -224,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
             for (int i = 0; i < m; ++i) {
                 float x = base[i * stride];
                 for (int j = 0; j < i; ++j) {
-                    float coefficient = s_a[i * DR_CHUNK + j];
+                    float coefficient = s_a[i * CHUNK + j];
                     if (coefficient != 0.0f) {
                         x -= coefficient * base[j * stride];
                     }
@@ -236,16 +243,16 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
 
         // V' = U − W S, in place in s_u (each element read and written by one thread).
         {
-            float acc[DR_ROWS_PER_WARP];
+            float acc[ROWS_PER_WARP];
 #pragma unroll
-            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+            for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 int i = warp + DR_WARPS * r;
                 acc[r] = i < m ? s_u[i * DR_COLUMNS + lane] : 0.0f;
             }
             for (int d = 0; d < dk; ++d) {
                 float s = s_s[d * DR_COLUMNS + lane];
 #pragma unroll
-                for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+                for (int r = 0; r < ROWS_PER_WARP; ++r) {
                     int i = warp + DR_WARPS * r;
                     if (i < m) {
                         acc[r] -= s_x[i * ks + d] * s;
@@ -253,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
                 }
             }
 #pragma unroll
-            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+            for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 int i = warp + DR_WARPS * r;
                 if (i < m) {
                     s_u[i * DR_COLUMNS + lane] = acc[r];
@@ -269,8 +276,8 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
         l2_normalise_rows(s_x, ks, m, dk, scale, s_inverse);
 
         // P_ij = (q̂_i·k̂_j) e^{γ_i−γ_j} (j ≤ i) over A; e^{γ_last−γ_j} for the state update.
-        for (int e = tid; e < DR_CHUNK * DR_CHUNK; e += DR_THREADS) {
-            int i = e / DR_CHUNK, j = e - i * DR_CHUNK;
+        for (int e = tid; e < CHUNK * CHUNK; e += DR_THREADS) {
+            int i = e / CHUNK, j = e - i * CHUNK;
             if (i < m && j <= i) {
                 s_a[e] = dot_host_order(s_x + i * ks, s_k + j * ks, dk) *
                          expf(s_gamma[i] - s_gamma[j]);
@@ -288,15 +295,15 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
 
         // O_i = Σ_d (q̂_i[d] e^{γ_i}) S[d] + Σ_{j≤i} P_ij V'_j.
         {
-            float acc[DR_ROWS_PER_WARP];
+            float acc[ROWS_PER_WARP];
 #pragma unroll
-            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+            for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 acc[r] = 0.0f;
             }
             for (int d = 0; d < dk; ++d) {
                 float s = s_s[d * DR_COLUMNS + lane];
 #pragma unroll
-                for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+                for (int r = 0; r < ROWS_PER_WARP; ++r) {
                     int i = warp + DR_WARPS * r;
                     if (i < m) {
                         acc[r] += s_x[i * ks + d] * s;
@@ -306,15 +313,15 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
             for (int j = 0; j < m; ++j) {
                 float x = s_u[j * DR_COLUMNS + lane];
 #pragma unroll
-                for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+                for (int r = 0; r < ROWS_PER_WARP; ++r) {
                     int i = warp + DR_WARPS * r;
                     if (i < m && j <= i) {
-                        acc[r] += s_a[i * DR_CHUNK + j] * x;
+                        acc[r] += s_a[i * CHUNK + j] * x;
                     }
                 }
             }
 #pragma unroll
-            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+            for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 int i = warp + DR_WARPS * r;
                 if (i < m && column_in) {
                     out[(row0 + i) * v_stride + (long long)head * dv + column] = acc[r];
@@ -364,6 +371,24 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
     }
 }
 
+extern "C" __global__ void __launch_bounds__(DR_THREADS)
+    gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g,
+                             const float* beta, float* state, float* out, int row_start, int n,
+                             int nk, int nv, int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
+    gated_delta_rule_chunked_body<DR_CHUNK>(q, k, v, g, beta, state, out, row_start, n, nk, nv,
+                                            dk, dv);
+}
+
+extern "C" __global__ void __launch_bounds__(DR_THREADS)
+    gated_delta_rule_chunked_32(const float* q, const float* k, const float* v, const float* g,
+                                const float* beta, float* state, float* out, int row_start,
+                                int n, int nk, int nv, int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
+    gated_delta_rule_chunked_body<DR_SMALL_CHUNK>(q, k, v, g, beta, state, out, row_start, n, nk,
+                                                  nv, dk, dv);
+}
+
 // ---------------------------------------------------------------------------------------------
 // gated_delta_rule_chunked_mma: the chunked form on the tensor cores (mma.sync m16n8k16, f32
 // accumulation). Every operand is stored as a pair of f16, hi = f16(x) and lo = f16(x − hi),
@@ -399,11 +424,10 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS)
 #define DRT_MAX_KEY_DIM 256
 // 16-row key tiles of the state per warp at DRT_MAX_KEY_DIM.
 #define DRT_STATE_TILES (DRT_MAX_KEY_DIM / 16 / DRT_WARPS)
-// Row strides: f32 A and T, f32 R, f16 P, f16 V' / e^{γ_last−γ} V' / the state copy. Each f16
-// matrix is a hi array followed by its lo array of the same layout.
-#define DRT_TS (DR_CHUNK + 1)
+// Row strides: f32 R, f16 V' / e^{γ_last−γ} V' / the state copy (those of A, T and P grow with
+// the chunk: the body's TS and PS). Each f16 matrix is a hi array followed by its lo array of
+// the same layout.
 #define DRT_RS (DRT_COLUMNS + 4)
-#define DRT_PS (DR_CHUNK + DRT_PAD)
 #define DRT_VS (DRT_COLUMNS + DRT_PAD)
 
 __device__ __forceinline__ unsigned int drt_pack_f16x2(float lo, float hi) {
@@ -504,36 +528,44 @@ __device__ __forceinline__ void drt_load_b_nk(unsigned int (&b)[4], const unsign
         b, m + (n0 + (lane & 7) + ((lane >> 4) << 3)) * stride + k0 + ((lane >> 3) & 1) * 8);
 }
 
-// Same arguments as gated_delta_rule_chunked. Grid (nv, ceil(dv / 32)); block DRT_THREADS.
-// Dynamic shared memory, in bytes, with ks = dk + DRT_PAD:
-//   4·(2·64·DRT_TS (A, T) + 64·DRT_RS (R) + 4·64 (γ, β, e^γ, e^{γ_last−γ}))
-//   + 2·2·(2·64·ks (K̂, Q̂) + 64·DRT_PS (P) + 64·DRT_VS (e^{γ_last−γ} V') + dk·DRT_VS (S));
-// V' (2·64·DRT_VS f16) lives over A.
-extern "C" __global__ void __launch_bounds__(DRT_THREADS)
-    gated_delta_rule_chunked_mma(const float* q, const float* k, const float* v, const float* g,
-                                 const float* beta, float* state, float* out, int row_start,
-                                 int n, int nk, int nv, int dk, int dv) {
-    PDL_WAIT_AND_RELEASE();
+// The tensor-core kernel's body for chunks of CHUNK tokens (CHUNK or DR_SMALL_CHUNK; with 32
+// only warps 0-1 and 4-5 work in the phases with a row tile per warp). Same arguments as
+// gated_delta_rule_chunked. Grid (nv, ceil(dv / 32)); block DRT_THREADS. Dynamic shared memory,
+// in bytes, with ks = dk + DRT_PAD, TS = CHUNK + 1, PS = CHUNK + DRT_PAD:
+//   4·(2·CHUNK·TS (A, T) + CHUNK·DRT_RS (R) + 4·CHUNK (γ, β, e^γ, e^{γ_last−γ}))
+//   + 2·2·(2·CHUNK·ks (K̂, Q̂) + CHUNK·PS (P) + CHUNK·DRT_VS (e^{γ_last−γ} V') + dk·DRT_VS (S))
+//   + 2·2·CHUNK·DRT_VS (V') unless V' fits over A (it does at 64 tokens, not at 32).
+template <int CHUNK>
+__device__ __forceinline__ void gated_delta_rule_chunked_mma_body(
+    const float* q, const float* k, const float* v, const float* g, const float* beta,
+    float* state, float* out, int row_start, int n, int nk, int nv, int dk, int dv) {
+    constexpr int TS = CHUNK + 1;
+    constexpr int PS = CHUNK + DRT_PAD;
+    constexpr int ROW_TILES = CHUNK / 16;
+    constexpr int ROWS_PER_WARP = CHUNK / DRT_WARPS;
+    constexpr int ROWS_PER_LANE = CHUNK / 32;
+    // V' (hi and lo) over A, which phase 2 is the last to read and the next chunk's phase 1 the
+    // first to write, where it fits.
+    constexpr bool VALUE_PAIR_OVER_A = 2 * CHUNK * DRT_VS * 2 <= CHUNK * TS * 4;
     extern __shared__ __align__(16) unsigned char drt_shared[];
-    float* s_a = reinterpret_cast<float*>(drt_shared);  // [64][TS]  A (j < i)
-    float* s_t = s_a + DR_CHUNK * DRT_TS;                // [64][TS]  T = (I + A)⁻¹
-    float* s_r = s_t + DR_CHUNK * DRT_TS;                // [64][RS]  R (first: T's scratch)
-    float* s_gamma = s_r + DR_CHUNK * DRT_RS;            // [64]
-    float* s_beta = s_gamma + DR_CHUNK;                  // [64]
-    float* s_eg = s_beta + DR_CHUNK;                     // [64] e^{γ_i}
-    float* s_f = s_eg + DR_CHUNK;                        // [64] e^{γ_last−γ_i} (0 past the end)
+    float* s_a = reinterpret_cast<float*>(drt_shared);  // [CHUNK][TS]  A (j < i)
+    float* s_t = s_a + CHUNK * TS;                       // [CHUNK][TS]  T = (I + A)⁻¹
+    float* s_r = s_t + CHUNK * TS;                       // [CHUNK][RS]  R (first: T's scratch)
+    float* s_gamma = s_r + CHUNK * DRT_RS;               // [CHUNK]
+    float* s_beta = s_gamma + CHUNK;                     // [CHUNK]
+    float* s_eg = s_beta + CHUNK;                        // [CHUNK] e^{γ_i}
+    float* s_f = s_eg + CHUNK;                           // [CHUNK] e^{γ_last−γ_i} (0 past the end)
     const int ks = dk + DRT_PAD;
     // f16 pairs: each hi array is followed by its lo array (lo = hi + the *_lo offset).
-    const int kq_lo = DR_CHUNK * ks, p_lo = DR_CHUNK * DRT_PS, v_lo = DR_CHUNK * DRT_VS,
-              s_lo = dk * DRT_VS;
-    unsigned short* s_k = reinterpret_cast<unsigned short*>(s_f + DR_CHUNK);  // [64][ks] K̂
-    unsigned short* s_q = s_k + 2 * kq_lo;                                     // [64][ks] Q̂
-    unsigned short* s_p = s_q + 2 * kq_lo;                                     // [64][PS] P
-    unsigned short* s_vd = s_p + 2 * p_lo;  // [64][VS] e^{γ_last−γ_j} V'_j
+    const int kq_lo = CHUNK * ks, p_lo = CHUNK * PS, v_lo = CHUNK * DRT_VS, s_lo = dk * DRT_VS;
+    unsigned short* s_k = reinterpret_cast<unsigned short*>(s_f + CHUNK);  // [CHUNK][ks] K̂
+    unsigned short* s_q = s_k + 2 * kq_lo;                                  // [CHUNK][ks] Q̂
+    unsigned short* s_p = s_q + 2 * kq_lo;                                  // [CHUNK][PS] P
+    unsigned short* s_vd = s_p + 2 * p_lo;   // [CHUNK][VS] e^{γ_last−γ_j} V'_j
     unsigned short* s_sb = s_vd + 2 * v_lo;  // [dk][VS] the state tile
-    // [64][VS] V': over A, which phase 2 is the last to read and the next chunk's phase 1 the
-    // first to write.
-    unsigned short* s_vp = reinterpret_cast<unsigned short*>(s_a);
+    // [CHUNK][VS] V'.
+    unsigned short* s_vp =
+        VALUE_PAIR_OVER_A ? reinterpret_cast<unsigned short*>(s_a) : s_sb + 2 * s_lo;
 
     const int head = blockIdx.x;
     const int column0 = blockIdx.y * DRT_COLUMNS;
@@ -572,31 +604,38 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
         }
     }
 
-    for (int chunk = 0; chunk < n; chunk += DR_CHUNK) {
-        const int m = min(DR_CHUNK, n - chunk);
+    for (int chunk = 0; chunk < n; chunk += CHUNK) {
+        const int m = min(CHUNK, n - chunk);
         const long long row0 = (long long)row_start + chunk;
         __syncthreads();  // the previous chunk is done with every buffer
 
         // Phase 0: γ by a warp scan over pairs of rows; β; k̂ and q̂ (a warp per row).
         if (warp == 0) {
-            const int t = 2 * lane;
-            const float g0 = t < m ? g[(row0 + t) * nv + head] : 0.0f;
-            const float g1 = t + 1 < m ? g[(row0 + t + 1) * nv + head] : 0.0f;
-            float inclusive = g0 + g1;
+            const int t = ROWS_PER_LANE * lane;
+            float gs[ROWS_PER_LANE];
+            float inclusive = 0.0f;
+#pragma unroll
+            for (int r = 0; r < ROWS_PER_LANE; ++r) {
+                gs[r] = t + r < m ? g[(row0 + t + r) * nv + head] : 0.0f;
+                inclusive = r == 0 ? gs[0] : inclusive + gs[r];
+            }
 #pragma unroll
             for (int offset = 1; offset < 32; offset <<= 1) {
                 const float before = __shfl_up_sync(0xffffffffu, inclusive, offset);
                 if (lane >= offset) inclusive += before;
             }
-            float exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
-            if (lane == 0) exclusive = 0.0f;
-            s_gamma[t] = exclusive + g0;
-            s_gamma[t + 1] = (exclusive + g0) + g1;
-        } else if (tid >= 32 && tid < 32 + DR_CHUNK) {
+            float running = __shfl_up_sync(0xffffffffu, inclusive, 1);
+            if (lane == 0) running = 0.0f;
+#pragma unroll
+            for (int r = 0; r < ROWS_PER_LANE; ++r) {
+                running += gs[r];
+                s_gamma[t + r] = running;
+            }
+        } else if (tid >= 32 && tid < 32 + CHUNK) {
             const int t = tid - 32;
             s_beta[t] = t < m ? beta[(row0 + t) * nv + head] : 0.0f;
         }
-        for (int t = warp; t < DR_CHUNK; t += DRT_WARPS) {
+        for (int t = warp; t < CHUNK; t += DRT_WARPS) {
 #pragma unroll
             for (int which = 0; which < 2; ++which) {
                 const float* from = (which == 0 ? k : q) + (row0 + t) * q_stride +
@@ -626,19 +665,19 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
             }
         }
         __syncthreads();
-        if (tid < DR_CHUNK) {
+        if (tid < CHUNK) {
             s_eg[tid] = expf(s_gamma[tid]);
             s_f[tid] = tid < m ? expf(s_gamma[m - 1] - s_gamma[tid]) : 0.0f;
         }
 
         // Phase 1: warps 0-3 K̂K̂ᵀ, warps 4-7 Q̂K̂ᵀ, row tile warp & 3, key tiles up to the diagonal.
-        {
+        if ((warp & 3) < ROW_TILES) {
             const int mt = warp & 3;
             const bool scores = warp >= 4;
             const unsigned short* rows = scores ? s_q : s_k;
-            float acc[8][4];
+            float acc[2 * ROW_TILES][4];
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < 2 * ROW_TILES; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
             for (int kd = 0; kd < dk; kd += 16) {
@@ -646,7 +685,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
                 drt_load_a(a, rows, ks, mt * 16, kd, lane);
                 drt_load_a(a_lo, rows + kq_lo, ks, mt * 16, kd, lane);
 #pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
+                for (int jj = 0; jj < ROW_TILES; ++jj) {
                     if (jj <= mt) {
                         unsigned int b[4], b_lo[4];
                         drt_load_b_nk(b, s_k, ks, kd, jj * 16, lane);
@@ -657,7 +696,7 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
                 }
             }
 #pragma unroll
-            for (int jt = 0; jt < 8; ++jt) {
+            for (int jt = 0; jt < 2 * ROW_TILES; ++jt) {
                 if (jt / 2 > mt) continue;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -668,11 +707,11 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
                     if (scores) {
                         x0 = j <= i ? x0 * expf(gi - s_gamma[j]) : 0.0f;
                         x1 = j + 1 <= i ? x1 * expf(gi - s_gamma[j + 1]) : 0.0f;
-                        drt_store_split_f16x2(s_p + i * DRT_PS + j, p_lo, x0, x1);
+                        drt_store_split_f16x2(s_p + i * PS + j, p_lo, x0, x1);
                     } else {
                         const float b = s_beta[i];
-                        s_a[i * DRT_TS + j] = j < i ? b * x0 * expf(gi - s_gamma[j]) : 0.0f;
-                        s_a[i * DRT_TS + j + 1] =
+                        s_a[i * TS + j] = j < i ? b * x0 * expf(gi - s_gamma[j]) : 0.0f;
+                        s_a[i * TS + j + 1] =
                             j + 1 < i ? b * x1 * expf(gi - s_gamma[j + 1]) : 0.0f;
                     }
                 }
@@ -680,29 +719,29 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
         }
         __syncthreads();
 
-        // Phase 2: T = (I + A)⁻¹. Thread c < 64 writes column c down to the end of its diagonal
+        // Phase 2: T = (I + A)⁻¹. Thread c < CHUNK writes column c down to the end of its diagonal
         // block (zeros above the diagonal, 1 on it, forward substitution below).
-        if (tid < DR_CHUNK) {
+        if (tid < CHUNK) {
             const int c = tid, block_end = (c | 15) + 1;
-            for (int i = 0; i < c; ++i) s_t[i * DRT_TS + c] = 0.0f;
-            s_t[c * DRT_TS + c] = 1.0f;
+            for (int i = 0; i < c; ++i) s_t[i * TS + c] = 0.0f;
+            s_t[c * TS + c] = 1.0f;
             for (int i = c + 1; i < block_end; ++i) {
                 float x = 0.0f;
-                for (int j = c; j < i; ++j) x -= s_a[i * DRT_TS + j] * s_t[j * DRT_TS + c];
-                s_t[i * DRT_TS + c] = x;
+                for (int j = c; j < i; ++j) x -= s_a[i * TS + j] * s_t[j * TS + c];
+                s_t[i * TS + c] = x;
             }
         }
         __syncthreads();
-        for (int distance = 1; distance < DR_CHUNK / 16; ++distance) {
-            const int blocks = DR_CHUNK / 16 - distance;
+        for (int distance = 1; distance < CHUNK / 16; ++distance) {
+            const int blocks = CHUNK / 16 - distance;
             // X = Σ_{b≤c<i} A_ic T_cb for the blocks (i, b) = (p + distance, p) ...
             for (int e = tid; e < blocks * 256; e += DRT_THREADS) {
                 const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
                 const int bi = p + distance, bj = p;
-                const float* a_row = s_a + (bi * 16 + r) * DRT_TS;
+                const float* a_row = s_a + (bi * 16 + r) * TS;
                 float x = 0.0f;
                 for (int kk = bj * 16; kk < bi * 16; ++kk) {
-                    x += a_row[kk] * s_t[kk * DRT_TS + bj * 16 + c];
+                    x += a_row[kk] * s_t[kk * TS + bj * 16 + c];
                 }
                 s_r[e] = x;
             }
@@ -711,17 +750,17 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
             for (int e = tid; e < blocks * 256; e += DRT_THREADS) {
                 const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
                 const int bi = p + distance, bj = p;
-                const float* t_row = s_t + (bi * 16 + r) * DRT_TS + bi * 16;
+                const float* t_row = s_t + (bi * 16 + r) * TS + bi * 16;
                 float x = 0.0f;
                 for (int s = 0; s <= r; ++s) x -= t_row[s] * s_r[(p << 8) + s * 16 + c];
-                s_t[(bi * 16 + r) * DRT_TS + bj * 16 + c] = x;
+                s_t[(bi * 16 + r) * TS + bj * 16 + c] = x;
             }
             __syncthreads();
         }
 
         // Phase 3: warps 0-3 K̂S → R = β (V − e^γ K̂S); warps 4-7 Q̂S → O = e^γ Q̂S (registers).
         float o[4][4];
-        {
+        if ((warp & 3) < ROW_TILES) {
             const int mt = warp & 3;
             const bool scores = warp >= 4;
             const unsigned short* rows = scores ? s_q : s_k;
@@ -768,18 +807,18 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
 
         // Phase 4: V' = T R in f32 (lane = column, warp w rows w, w + 8, …), stored as pairs.
         {
-            float acc[DR_ROWS_PER_WARP];
+            float acc[ROWS_PER_WARP];
 #pragma unroll
-            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) acc[r] = 0.0f;
+            for (int r = 0; r < ROWS_PER_WARP; ++r) acc[r] = 0.0f;
             for (int j = 0; j < m; ++j) {
                 const float x = s_r[j * DRT_RS + lane];
 #pragma unroll
-                for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
-                    acc[r] += s_t[(warp + DRT_WARPS * r) * DRT_TS + j] * x;
+                for (int r = 0; r < ROWS_PER_WARP; ++r) {
+                    acc[r] += s_t[(warp + DRT_WARPS * r) * TS + j] * x;
                 }
             }
 #pragma unroll
-            for (int r = 0; r < DR_ROWS_PER_WARP; ++r) {
+            for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 const int i = warp + DRT_WARPS * r;
                 drt_store_split_f16(s_vp + i * DRT_VS + lane, v_lo, acc[r]);
                 drt_store_split_f16(s_vd + i * DRT_VS + lane, v_lo, acc[r] * s_f[i]);
@@ -788,12 +827,12 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
         __syncthreads();
 
         // Phase 5a: O += P V' for the rows of warps 4-7; the outputs.
-        if (warp >= 4) {
+        if (warp >= 4 && warp - 4 < ROW_TILES) {
             const int mt = warp - 4;
             for (int kc = 0; kc <= mt; ++kc) {
                 unsigned int a[4], a_lo[4];
-                drt_load_a(a, s_p, DRT_PS, mt * 16, kc * 16, lane);
-                drt_load_a(a_lo, s_p + p_lo, DRT_PS, mt * 16, kc * 16, lane);
+                drt_load_a(a, s_p, PS, mt * 16, kc * 16, lane);
+                drt_load_a(a_lo, s_p + p_lo, PS, mt * 16, kc * 16, lane);
 #pragma unroll
                 for (int nn = 0; nn < 2; ++nn) {
                     unsigned int b[4], b_lo[4];
@@ -872,4 +911,22 @@ extern "C" __global__ void __launch_bounds__(DRT_THREADS)
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(DRT_THREADS)
+    gated_delta_rule_chunked_mma(const float* q, const float* k, const float* v, const float* g,
+                                 const float* beta, float* state, float* out, int row_start,
+                                 int n, int nk, int nv, int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
+    gated_delta_rule_chunked_mma_body<DR_CHUNK>(q, k, v, g, beta, state, out, row_start, n, nk,
+                                                nv, dk, dv);
+}
+
+extern "C" __global__ void __launch_bounds__(DRT_THREADS)
+    gated_delta_rule_chunked_mma_32(const float* q, const float* k, const float* v,
+                                    const float* g, const float* beta, float* state, float* out,
+                                    int row_start, int n, int nk, int nv, int dk, int dv) {
+    PDL_WAIT_AND_RELEASE();
+    gated_delta_rule_chunked_mma_body<DR_SMALL_CHUNK>(q, k, v, g, beta, state, out, row_start, n,
+                                                      nk, nv, dk, dv);
 }

@@ -15,6 +15,9 @@
 # NINFER_CUDA_REFERENCE_KERNELS, the suites run with the reference kernels only).
 # GPU_TEST_SUITES="cuda_ops batch_decode" (both halves) builds and runs only those suites: a
 # quicker build and a smaller bundle, for checking one change.
+# NINFER_CUDA_SHARED_MEMORY_CAP=99K (run) runs the suites as on an RTX 30/40/50 card: every
+# kernel takes the variant that fits 99 KB of shared memory per block, and a launch asking for
+# more fails its test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=${NINFER_BUNDLE:-target/gpu-bundle}
@@ -108,6 +111,9 @@ run() {
   out=${OUT:-/tmp/gpu_tests}
   mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  if [ -n "${NINFER_CUDA_SHARED_MEMORY_CAP:-}" ]; then
+    echo "shared memory per block capped at $NINFER_CUDA_SHARED_MEMORY_CAP"
+  fi
   export NINFER_REQUIRE_GPU=1 NINFER_REQUIRE_NVRTC=1 RUST_LOG=${RUST_LOG:-warn} RUST_BACKTRACE=1
   if [ "${GPU_TEST_CANARY:-0}" = 1 ]; then
     canary "$out"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compiles every CUDA kernel of kernels/ with NVRTC for sm_80, sm_89 and sm_90 — no GPU, no CUDA
+# Compiles every CUDA kernel of kernels/ with NVRTC for sm_80, sm_86, sm_89, sm_90 and sm_120 (data-
+# centre cards and RTX 30/40/50) — no GPU, no CUDA
 # toolkit: NVRTC comes from the PyPI wheel nvidia-cuda-nvrtc-cu12, installed into target/.
 # A kernel that does not compile fails this (NINFER_REQUIRE_NVRTC=1 also fails a missing NVRTC
 # instead of skipping). CI runs it after scripts/test.sh.

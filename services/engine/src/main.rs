@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use ninfer_cpu_experts::KernelIsa;
-use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
+use ninfer_engine::backend::cuda::{parse_shared_memory_bytes, CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
 use ninfer_engine::moe::expert_cache::{
     ExpertCacheCounters, ExpertCacheOptions, DEFAULT_FILLS_PER_LAYER,
@@ -160,6 +160,12 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_pdl: bool,
+    /// Behave as if the GPU gave a block at most this much shared memory (bytes, or `99K`):
+    /// every kernel takes the variant that fits, a launch that would not fit fails, and the log
+    /// says which variant each op takes. For running an RTX 30/40/50 card's paths (99K) on a
+    /// larger GPU. Default: the GPU's own limit (or `NINFER_CUDA_SHARED_MEMORY_CAP`).
+    #[arg(long, value_name = "BYTES", value_parser = parse_shared_memory_bytes)]
+    cuda_shared_memory_cap: Option<usize>,
     /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
     /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
     /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
@@ -587,6 +593,10 @@ fn cuda_options(args: &Args) -> CudaOptions {
         batched_decode: args.cuda_batched_decode,
         fused_expert_sum: args.cuda_fused_expert_sum,
         programmatic_dependent_launch: args.cuda_pdl,
+        shared_memory_cap: args.cuda_shared_memory_cap,
+        // The backend reports at most the budget's memory, so every user of the free memory
+        // (expert slots, KV placement) sees the same smaller card.
+        memory_cap_bytes: args.gpu_mem_budget.map(gib_to_bytes),
         ..CudaOptions::default()
     }
 }

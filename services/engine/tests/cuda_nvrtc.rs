@@ -1,4 +1,5 @@
-//! Every kernel of `kernels/` compiles with NVRTC for sm_80, sm_89 and sm_90, and each cubin
+//! Every kernel of `kernels/` compiles with NVRTC for sm_80, sm_86, sm_89, sm_90 and sm_120 (the
+//! data-centre cards and the RTX 30/40/50 cards users own), and each cubin
 //! defines every kernel the backend loads from it. Needs NVRTC, not a GPU: CI installs the PyPI
 //! wheel `nvidia-cuda-nvrtc-cu12` and points `NINFER_NVRTC_PATH` at its `lib/` folder.
 //!
@@ -8,10 +9,10 @@
 use ninfer_engine::backend::cuda::kernels::{KERNEL_HEADERS, KERNEL_SOURCES};
 use ninfer_engine::backend::cuda::nvrtc::Nvrtc;
 
-const ARCHES: [u32; 3] = [80, 89, 90];
+const ARCHES: [u32; 5] = [80, 86, 89, 90, 120];
 
 #[test]
-fn every_kernel_compiles_with_nvrtc_for_sm80_sm89_sm90() {
+fn every_kernel_compiles_with_nvrtc_for_every_supported_architecture() {
     let nvrtc = match Nvrtc::load() {
         Ok(nvrtc) => nvrtc,
         Err(error) => {

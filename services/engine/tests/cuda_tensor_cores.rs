@@ -487,7 +487,28 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
             println!("dk {dk} dv {dv}: the tensor-core kernel does not fit this GPU, case skipped");
             continue;
         }
-        let kernels = [DeltaRuleKernel::TensorCore, DeltaRuleKernel::Chunked];
+        // Every variant usable here (the 32-token ones too: they are what 99 KB cards run),
+        // tensor-core ones first; the first is what the op's prefill takes.
+        let kernels: Vec<DeltaRuleKernel> = [
+            DeltaRuleKernel::TensorCore,
+            DeltaRuleKernel::TensorCore32,
+            DeltaRuleKernel::Chunked,
+            DeltaRuleKernel::Chunked32,
+        ]
+        .into_iter()
+        .filter(|&kernel| gpu.delta_rule_kernel_usable(kernel, dk, dv))
+        .collect();
+        let first_f32 = kernels
+            .iter()
+            .position(|kernel| {
+                matches!(
+                    kernel,
+                    DeltaRuleKernel::Chunked | DeltaRuleKernel::Chunked32
+                )
+            })
+            .expect("an f32 chunked variant fits wherever a tensor-core one does");
+        assert_eq!(kernels[0], gpu.delta_rule_prefill_kernel(dk, dv));
+        println!("dk {dk} dv {dv}: variants {kernels:?}");
         let spec = DeltaRuleSpec {
             key_heads: nk,
             value_heads: nv,
@@ -578,31 +599,28 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
                 .collect();
             let what =
                 format!("delta rule nk {nk} nv {nv} dk {dk} dv {dv} step {step} {lengths:?}");
-            // (outputs, states) of the tensor-core kernel against the CPU and the f32 chunked
-            // kernel.
-            let figures = [
-                (
+            // (outputs, states) of every variant against the CPU, and of the others against
+            // the first f32 chunked one.
+            for (index, kernel) in kernels.iter().enumerate() {
+                let mut figures = vec![(
                     "cpu",
-                    relative_difference(&outputs[0], &out_cpu),
-                    relative_difference(&states[0], &states_cpu),
-                ),
-                (
-                    "f32 chunked",
-                    relative_difference(&outputs[0], &outputs[1]),
-                    relative_difference(&states[0], &states[1]),
-                ),
-            ];
-            println!(
-                "{what}: f32 chunked vs cpu {:.2e} (states {:.2e})",
-                relative_difference(&outputs[1], &out_cpu),
-                relative_difference(&states[1], &states_cpu)
-            );
-            for (reference, out, state) in figures {
-                println!("{what}: tensor cores vs {reference} {out:.2e} (states {state:.2e})");
-                assert!(
-                    out <= DELTA_RULE_TOLERANCE && state <= DELTA_RULE_TOLERANCE,
-                    "{what}: the tensor-core kernel differs from the {reference} by {out:.2e} (outputs), {state:.2e} (states)"
-                );
+                    relative_difference(&outputs[index], &out_cpu),
+                    relative_difference(&states[index], &states_cpu),
+                )];
+                if index != first_f32 {
+                    figures.push((
+                        "first f32 chunked variant",
+                        relative_difference(&outputs[index], &outputs[first_f32]),
+                        relative_difference(&states[index], &states[first_f32]),
+                    ));
+                }
+                for (reference, out, state) in figures {
+                    println!("{what}: {kernel} vs {reference} {out:.2e} (states {state:.2e})");
+                    assert!(
+                        out <= DELTA_RULE_TOLERANCE && state <= DELTA_RULE_TOLERANCE,
+                        "{what}: the {kernel} kernel differs from the {reference} by {out:.2e} (outputs), {state:.2e} (states)"
+                    );
+                }
             }
             if step == 0 {
                 // The op on the default options: the tensor-core kernel for prefill segments.
@@ -626,7 +644,8 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
                     if length >= 63 {
                         assert!(
                             out[rows.clone()] == outputs[0][rows],
-                            "{what}: a {length}-row segment did not take the tensor-core kernel"
+                            "{what}: a {length}-row segment did not take the {} kernel",
+                            kernels[0]
                         );
                     }
                     start += length;
@@ -776,12 +795,16 @@ fn tensor_core_prefill_figures() {
     ];
     let mut figures = Vec::new();
     // The tensor-core kernel only where this backend enabled it (it is opt-in).
-    let kernels: &[DeltaRuleKernel] = if gpu.info().delta_rule_path == "tensor-core" {
-        &[DeltaRuleKernel::Chunked, DeltaRuleKernel::TensorCore]
-    } else {
-        &[DeltaRuleKernel::Chunked]
-    };
-    for &kernel in kernels {
+    let kernels: Vec<DeltaRuleKernel> = [
+        DeltaRuleKernel::Chunked,
+        DeltaRuleKernel::TensorCore,
+        DeltaRuleKernel::Chunked32,
+        DeltaRuleKernel::TensorCore32,
+    ]
+    .into_iter()
+    .filter(|&kernel| gpu.delta_rule_kernel_usable(kernel, spec.key_head_dim, spec.value_head_dim))
+    .collect();
+    for &kernel in &kernels {
         let mut state = gpu.new_recurrent_state(&spec).unwrap();
         let seconds = seconds_per_call(&gpu, || {
             let mut segments = [Segment {
@@ -812,10 +835,14 @@ fn tensor_core_prefill_figures() {
             seconds * 1e3
         );
     }
-    println!(
-        "delta rule prefill: tensor cores {:.1}× the f32 chunked kernel",
-        figures[0] / figures[1]
-    );
+    if figures.len() >= 2 {
+        println!(
+            "delta rule prefill: the {} kernel {:.1}× the {} kernel",
+            kernels[1],
+            figures[0] / figures[1],
+            kernels[0]
+        );
+    }
 }
 
 /// Layerwise prefill on the tensor cores: every layer streamed gives the staged route's logits

@@ -104,7 +104,9 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &[
             "gated_delta_rule_recurrent",
             "gated_delta_rule_chunked",
+            "gated_delta_rule_chunked_32",
             "gated_delta_rule_chunked_mma",
+            "gated_delta_rule_chunked_mma_32",
         ],
     },
     KernelSource {

@@ -35,7 +35,11 @@ pub use device::{
     CudaWeight, DeviceInfo,
 };
 
-pub use device::{AttentionPath, CudaOptions, DeltaRuleKernel, GroupedExpertKernels, KvDtype};
+pub use device::{
+    parse_memory_gib, parse_shared_memory_bytes, AttentionPath, CudaOptions, DeltaRuleKernel,
+    GroupedExpertKernels, KvDtype, CONSUMER_CARD_SHARED_MEMORY, MEMORY_CAP_ENV,
+    SHARED_MEMORY_CAP_ENV,
+};
 
 /// What went wrong on the CUDA side. Every variant says what was looked for or called.
 #[derive(Debug, Clone, thiserror::Error)]

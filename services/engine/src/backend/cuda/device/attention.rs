@@ -235,26 +235,33 @@ impl CudaBackend {
         if !self.options.tensor_core_prefill {
             return AttentionPath::Flash;
         }
-        let allowed = MMA_HEAD_DIMS.iter().try_for_each(|&hd| {
+        let limit = self.info.shared_memory_per_block;
+        for hd in MMA_HEAD_DIMS {
             let bytes = mma_smem_bytes(hd);
-            if bytes > self.info.shared_memory_per_block {
-                return Err(CudaError::Unsupported {
-                    problem: format!(
-                        "head_dim {hd} needs {bytes} bytes of shared memory per block, the GPU gives {}",
-                        self.info.shared_memory_per_block
-                    ),
-                });
+            if bytes > limit {
+                tracing::info!(
+                    "tensor-core prefill attention: head_dim {hd} needs {bytes} bytes of shared memory per block, the limit is {limit}; the tiled kernel does its prefill"
+                );
             }
-            self.mma_function(hd)?
-                .set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .map_err(driver_error(format!(
-                    "allowing `attention_mma_{hd}` {bytes} bytes of shared memory"
-                )))?;
-            Ok(())
-        });
+        }
+        if !MMA_HEAD_DIMS.iter().any(|&hd| self.mma_fits(hd)) {
+            return AttentionPath::Flash;
+        }
+        let allowed = MMA_HEAD_DIMS
+            .iter()
+            .filter(|&&hd| self.mma_fits(hd))
+            .try_for_each(|&hd| {
+                let bytes = mma_smem_bytes(hd);
+                self.mma_function(hd)?
+                    .set_attribute(
+                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )
+                    .map_err(driver_error(format!(
+                        "allowing `attention_mma_{hd}` {bytes} bytes of shared memory"
+                    )))?;
+                Ok(())
+            });
         let checked = allowed.and_then(|()| {
             self.check_against_reference(
                 AttentionPath::TensorCore,
@@ -277,6 +284,11 @@ impl CudaBackend {
                 AttentionPath::Flash
             }
         }
+    }
+
+    /// Whether the tensor-core kernel of `hd` fits this backend's shared memory per block.
+    fn mma_fits(&self, hd: usize) -> bool {
+        MMA_HEAD_DIMS.contains(&hd) && mma_smem_bytes(hd) <= self.info.shared_memory_per_block
     }
 
     /// `attention_mma_{hd}`.
@@ -315,6 +327,14 @@ impl CudaBackend {
                 split_smem_bytes(ATTENTION_MAX_HEAD_DIM, KvDtype::Bf16),
             ),
         ] {
+            if bytes > self.info.shared_memory_per_block {
+                return Err(CudaError::Unsupported {
+                    problem: format!(
+                        "`{name}` needs {bytes} bytes of shared memory per block at head_dim {ATTENTION_MAX_HEAD_DIM}; the limit is {}",
+                        self.info.shared_memory_per_block
+                    ),
+                });
+            }
             self.function(name)?
                 .set_attribute(
                     CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -733,9 +753,7 @@ impl CudaBackend {
                 }
                 // An f32 cache keeps the tiled kernel.
                 (AttentionPath::TensorCore, _, _)
-                    if n >= MMA_MIN_ROWS
-                        && MMA_HEAD_DIMS.contains(&hd)
-                        && cache.dtype == KvDtype::Bf16 =>
+                    if n >= MMA_MIN_ROWS && self.mma_fits(hd) && cache.dtype == KvDtype::Bf16 =>
                 {
                     let (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) = (keys, values) else {
                         return Err(CudaError::Invalid {
@@ -768,8 +786,7 @@ impl CudaBackend {
                     // SAFETY: the arguments match `attention_mma_{hd}` in kernels/attention.cu
                     // (types and order); the grid covers the segment's rows, which lie in q and
                     // out, and its keys lie in the cache (checked by `attention_on`).
-                    unsafe { self.launch_kernel(function, config, &mut builder) }
-                        .map_err(driver_error("launching `attention_mma`"))?;
+                    unsafe { self.launch_kernel(function, config, &mut builder) }?;
                 }
                 (AttentionPath::Flash | AttentionPath::TensorCore, _, _) => {
                     let tiles =

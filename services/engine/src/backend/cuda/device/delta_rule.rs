@@ -22,7 +22,7 @@
 //!
 //! [`DeviceInfo::delta_rule_path`]: super::DeviceInfo::delta_rule_path
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::self_checks::self_check_values;
@@ -33,6 +33,9 @@ use crate::error::EngineError;
 
 /// `DR_CHUNK` in `kernels/delta_rule.cu` (the CPU's `DELTA_RULE_CHUNK`).
 const CHUNK: usize = 64;
+/// `DR_SMALL_CHUNK`: tokens per chunk of the `_32` variants, which fit the 99 KB of shared
+/// memory per block of RTX 30/40/50 cards at dk 128.
+const SMALL_CHUNK: usize = 32;
 /// `DR_COLUMNS`: value columns per block of the chunked kernel.
 const CHUNK_COLUMNS: usize = 32;
 /// `DR_THREADS`: threads per block of the chunked kernel.
@@ -61,46 +64,58 @@ const MMA_COLUMNS: usize = 32;
 const MMA_PAD: usize = 8;
 /// `DRT_MAX_KEY_DIM`: the state tiles of a warp's accumulators cover this many key rows.
 const MMA_MAX_KEY_DIM: usize = 256;
-/// `DRT_TS`, `DRT_RS`, `DRT_PS`, `DRT_VS`: row strides of the tensor-core kernel's f32 A and T,
-/// f32 R, f16 P and f16 V' / state copy.
-const MMA_TS: usize = CHUNK + 1;
+/// `DRT_RS`, `DRT_VS`: row strides of the tensor-core kernel's f32 R and f16 V' / state copy.
 const MMA_RS: usize = MMA_COLUMNS + 4;
-const MMA_PS: usize = CHUNK + MMA_PAD;
 const MMA_VS: usize = MMA_COLUMNS + MMA_PAD;
 /// Segments of at least this many rows take the tensor-core kernel; shorter ones keep the f32
 /// chunked kernel (a 64-row chunk of a few rows would be mostly padding, and the f32 kernel skips
 /// the rows past a segment's end).
 pub(super) const MMA_MIN_ROWS: usize = 16;
-/// The key head dim of the tensor-core kernel's self-check (Qwen3-Next's and Qwen3.5's): the
-/// GPU must give its block that much shared memory.
-const MMA_CHECK_KEY_DIM: usize = 128;
+/// The key head dims the start-up checks run a variant at, the first that fits: Qwen3-Next's
+/// and Qwen3.5's 128, else 64.
+const CHECK_KEY_DIMS: [usize; 2] = [128, 64];
 
-/// Dynamic shared memory of the chunked kernel, in bytes (the layout in `kernels/delta_rule.cu`).
-fn chunked_shared_bytes(dk: usize) -> usize {
+/// The row strides of the tensor-core kernel's f32 A and T (`TS`) and f16 P (`PS`) at `chunk`.
+fn mma_strides(chunk: usize) -> (usize, usize) {
+    (chunk + 1, chunk + MMA_PAD)
+}
+
+/// Whether the tensor-core kernel keeps V' (hi and lo, `2 · chunk · MMA_VS` f16) in A's f32
+/// array, which no phase reads between the triangular solve and the next chunk
+/// (`VALUE_PAIR_OVER_A` in the kernel): at 64-token chunks, not at 32.
+fn mma_value_pair_fits_over_a(chunk: usize) -> bool {
+    let (ts, _) = mma_strides(chunk);
+    2 * chunk * MMA_VS * std::mem::size_of::<u16>() <= chunk * ts * std::mem::size_of::<f32>()
+}
+
+/// Dynamic shared memory of the chunked kernel at `chunk` tokens, in bytes (the layout in
+/// `kernels/delta_rule.cu`).
+fn chunked_shared_bytes(dk: usize, chunk: usize) -> usize {
     let row_stride = dk | 1;
     std::mem::size_of::<f32>()
-        * (2 * CHUNK * row_stride
-            + CHUNK * CHUNK
-            + CHUNK * CHUNK_COLUMNS
+        * (2 * chunk * row_stride
+            + chunk * chunk
+            + chunk * CHUNK_COLUMNS
             + dk * CHUNK_COLUMNS
-            + 4 * CHUNK)
+            + 4 * chunk)
 }
 
-/// Dynamic shared memory of the tensor-core kernel, in bytes (the layout in
+/// Dynamic shared memory of the tensor-core kernel at `chunk` tokens, in bytes (the layout in
 /// `kernels/delta_rule.cu`): f32 A, T, R and four per-row vectors, then f16 pairs (hi and lo
-/// arrays) of K̂, Q̂, P, e^{γ_last−γ} V' and the state tile's copy. V' (also a pair) lives over
-/// A ([`MMA_VALUE_PAIR_FITS_OVER_A`]).
-fn mma_shared_bytes(dk: usize) -> usize {
-    std::mem::size_of::<f32>() * (2 * CHUNK * MMA_TS + CHUNK * MMA_RS + 4 * CHUNK)
+/// arrays) of K̂, Q̂, P, e^{γ_last−γ} V' and the state tile's copy, then V' (also a pair) where it
+/// does not fit over A ([`mma_value_pair_fits_over_a`]).
+fn mma_shared_bytes(dk: usize, chunk: usize) -> usize {
+    let (ts, ps) = mma_strides(chunk);
+    let value_pair = if mma_value_pair_fits_over_a(chunk) {
+        0
+    } else {
+        2 * chunk * MMA_VS
+    };
+    std::mem::size_of::<f32>() * (2 * chunk * ts + chunk * MMA_RS + 4 * chunk)
         + 2 * std::mem::size_of::<u16>()
-            * (2 * CHUNK * (dk + MMA_PAD) + CHUNK * MMA_PS + CHUNK * MMA_VS + dk * MMA_VS)
+            * (2 * chunk * (dk + MMA_PAD) + chunk * ps + chunk * MMA_VS + dk * MMA_VS)
+        + std::mem::size_of::<u16>() * value_pair
 }
-
-/// The tensor-core kernel keeps V' (hi and lo, `2 · CHUNK · MMA_VS` f16) in A's f32 array,
-/// which no phase reads between the triangular solve and the next chunk.
-const MMA_VALUE_PAIR_FITS_OVER_A: bool =
-    2 * CHUNK * MMA_VS * std::mem::size_of::<u16>() <= CHUNK * MMA_TS * std::mem::size_of::<f32>();
-const _: () = assert!(MMA_VALUE_PAIR_FITS_OVER_A);
 
 /// Whether the tensor-core kernel takes `dk` × `dv` heads: its mma tiles are 16 keys deep and
 /// its state and value tiles are loaded in pairs of 16-column halves, so both dims must be
@@ -114,50 +129,184 @@ fn mma_supports(dk: usize, dv: usize) -> bool {
 /// [`CudaBackend::gated_delta_rule_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DeltaRuleKernel {
-    /// `gated_delta_rule_chunked`: chunks of 64 tokens in f32 (the reference of the other two).
+    /// `gated_delta_rule_chunked`: chunks of 64 tokens in f32 (the reference of the others).
     Chunked,
+    /// `gated_delta_rule_chunked_32`: the same in chunks of 32 tokens, for GPUs whose shared
+    /// memory per block is too small for 64 at the model's key head dim (RTX cards at dk 128).
+    Chunked32,
     /// `gated_delta_rule_recurrent`: one token after the other.
     Recurrent,
     /// `gated_delta_rule_chunked_mma`: the chunked form with its matrix products on the tensor
-    /// cores (operands as f16 hi + lo pairs, f32 accumulation).
+    /// cores (operands as f16 hi + lo pairs, f32 accumulation), chunks of 64 tokens.
     TensorCore,
+    /// `gated_delta_rule_chunked_mma_32`: the same in chunks of 32 tokens.
+    TensorCore32,
+}
+
+/// The f32 chunked variants, largest chunk first (the first that fits runs).
+const CHUNKED_VARIANTS: [DeltaRuleKernel; 2] =
+    [DeltaRuleKernel::Chunked, DeltaRuleKernel::Chunked32];
+/// The tensor-core variants, largest chunk first.
+const TENSOR_CORE_VARIANTS: [DeltaRuleKernel; 2] =
+    [DeltaRuleKernel::TensorCore, DeltaRuleKernel::TensorCore32];
+
+impl DeltaRuleKernel {
+    /// The kernel's name in `kernels/delta_rule.cu`.
+    pub fn function(self) -> &'static str {
+        match self {
+            DeltaRuleKernel::Chunked => "gated_delta_rule_chunked",
+            DeltaRuleKernel::Chunked32 => "gated_delta_rule_chunked_32",
+            DeltaRuleKernel::Recurrent => "gated_delta_rule_recurrent",
+            DeltaRuleKernel::TensorCore => "gated_delta_rule_chunked_mma",
+            DeltaRuleKernel::TensorCore32 => "gated_delta_rule_chunked_mma_32",
+        }
+    }
+
+    /// Tokens per chunk (`None`: the recurrent kernel).
+    pub fn chunk(self) -> Option<usize> {
+        match self {
+            DeltaRuleKernel::Chunked | DeltaRuleKernel::TensorCore => Some(CHUNK),
+            DeltaRuleKernel::Chunked32 | DeltaRuleKernel::TensorCore32 => Some(SMALL_CHUNK),
+            DeltaRuleKernel::Recurrent => None,
+        }
+    }
+
+    fn is_tensor_core(self) -> bool {
+        matches!(
+            self,
+            DeltaRuleKernel::TensorCore | DeltaRuleKernel::TensorCore32
+        )
+    }
+
+    /// Dynamic shared memory of one block at key head dim `dk`, bytes.
+    pub fn shared_bytes(self, dk: usize) -> usize {
+        match (self.chunk(), self.is_tensor_core()) {
+            (None, _) => 2 * dk * std::mem::size_of::<f32>(),
+            (Some(chunk), false) => chunked_shared_bytes(dk, chunk),
+            (Some(chunk), true) => mma_shared_bytes(dk, chunk),
+        }
+    }
+
+    /// Whether the kernel takes `dk` × `dv` heads at all (shared memory aside).
+    fn takes(self, dk: usize, dv: usize) -> bool {
+        match (self.chunk(), self.is_tensor_core()) {
+            (None, _) => true,
+            (Some(_), false) => dk <= CHUNKED_MAX_KEY_DIM,
+            (Some(_), true) => mma_supports(dk, dv),
+        }
+    }
+
+    /// The launch of one segment: grid over (value head, column tile), the block and its
+    /// shared memory.
+    fn launch_config(self, dk: usize, dv: usize, nv: usize) -> LaunchConfig {
+        match self.chunk() {
+            None => LaunchConfig {
+                grid_dim: (nv as u32, 1, 1),
+                block_dim: ((dv as u32).div_ceil(32) * 32, 1, 1),
+                shared_mem_bytes: self.shared_bytes(dk) as u32,
+            },
+            Some(_) => {
+                let (threads, columns) = if self.is_tensor_core() {
+                    (MMA_THREADS, MMA_COLUMNS)
+                } else {
+                    (CHUNK_THREADS, CHUNK_COLUMNS)
+                };
+                LaunchConfig {
+                    grid_dim: (nv as u32, dv.div_ceil(columns) as u32, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: self.shared_bytes(dk) as u32,
+                }
+            }
+        }
+    }
 }
 
 impl std::fmt::Display for DeltaRuleKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             DeltaRuleKernel::Chunked => "chunked",
+            DeltaRuleKernel::Chunked32 => "chunked, 32-token chunks",
             DeltaRuleKernel::Recurrent => "recurrent",
             DeltaRuleKernel::TensorCore => "tensor-core",
+            DeltaRuleKernel::TensorCore32 => "tensor-core, 32-token chunks",
         })
     }
 }
 
 impl CudaBackend {
-    /// Whether the chunked kernel may run this shape here (it passed the self-check, `dk` is in
-    /// range and its shared memory fits).
-    fn chunked_available(&self, dk: usize) -> bool {
-        self.info.delta_rule_path != PATH_RECURRENT && self.chunked_fits(dk)
+    /// Whether `kernel` takes `dk` × `dv` heads within this backend's shared memory per block.
+    fn delta_rule_fits(&self, kernel: DeltaRuleKernel, dk: usize, dv: usize) -> bool {
+        kernel.takes(dk, dv) && kernel.shared_bytes(dk) <= self.info.shared_memory_per_block
     }
 
-    fn chunked_fits(&self, dk: usize) -> bool {
-        dk <= CHUNKED_MAX_KEY_DIM && chunked_shared_bytes(dk) <= self.info.shared_memory_per_block
+    /// The first of `variants` that passed its start-up check and fits `dk` × `dv` here.
+    fn delta_rule_variant(
+        &self,
+        variants: &[DeltaRuleKernel],
+        dk: usize,
+        dv: usize,
+    ) -> Option<DeltaRuleKernel> {
+        variants.iter().copied().find(|&kernel| {
+            self.info.delta_rule_variants.contains(&kernel) && self.delta_rule_fits(kernel, dk, dv)
+        })
     }
 
-    /// Whether the tensor-core kernel may run this shape here (the options ask for it, it passed
-    /// its self-check, and it takes the shape in this GPU's shared memory).
-    fn mma_available(&self, dk: usize, dv: usize) -> bool {
-        self.info.delta_rule_path == PATH_TENSOR_CORE && self.mma_fits(dk, dv)
-    }
-
-    /// Whether prefill segments of `dk` × `dv` heads take the tensor-core kernel here (see
+    /// Whether prefill segments of `dk` × `dv` heads take a tensor-core kernel here (see
     /// [`DeltaRuleKernel::TensorCore`]); the tests ask before they compare it.
     pub fn tensor_core_delta_rule_takes(&self, dk: usize, dv: usize) -> bool {
-        self.mma_available(dk, dv)
+        self.delta_rule_variant(&TENSOR_CORE_VARIANTS, dk, dv)
+            .is_some()
     }
 
-    fn mma_fits(&self, dk: usize, dv: usize) -> bool {
-        mma_supports(dk, dv) && mma_shared_bytes(dk) <= self.info.shared_memory_per_block
+    /// The kernel long prefill segments of `dk` × `dv` heads run here: a tensor-core variant
+    /// where one is enabled and fits, else an f32 chunked one, else the recurrent kernel.
+    pub fn delta_rule_prefill_kernel(&self, dk: usize, dv: usize) -> DeltaRuleKernel {
+        let tensor_cores =
+            if self.options.tensor_core_prefill && self.options.tensor_core_delta_rule {
+                self.delta_rule_variant(&TENSOR_CORE_VARIANTS, dk, dv)
+            } else {
+                None
+            };
+        tensor_cores
+            .or_else(|| self.delta_rule_variant(&CHUNKED_VARIANTS, dk, dv))
+            .unwrap_or(DeltaRuleKernel::Recurrent)
+    }
+
+    /// Whether `kernel` passed its start-up check and fits `dk` × `dv` here (the tests ask
+    /// before they run a variant).
+    pub fn delta_rule_kernel_usable(&self, kernel: DeltaRuleKernel, dk: usize, dv: usize) -> bool {
+        kernel == DeltaRuleKernel::Recurrent
+            || (self.info.delta_rule_variants.contains(&kernel)
+                && self.delta_rule_fits(kernel, dk, dv))
+    }
+
+    /// Logs, once per head shape, which kernel its prefill takes and why not a larger one.
+    fn log_delta_rule_choice(&self, dk: usize, dv: usize) {
+        let key = format!("gated_delta_rule {dk}x{dv}");
+        if !self.note_kernel_choice(key) {
+            return;
+        }
+        let chosen = self.delta_rule_prefill_kernel(dk, dv);
+        let limit = self.info.shared_memory_per_block;
+        let passed_over: Vec<String> = [
+            DeltaRuleKernel::TensorCore,
+            DeltaRuleKernel::TensorCore32,
+            DeltaRuleKernel::Chunked,
+            DeltaRuleKernel::Chunked32,
+        ]
+        .into_iter()
+        .take_while(|&kernel| kernel != chosen)
+        .filter(|&kernel| kernel.takes(dk, dv) && kernel.shared_bytes(dk) > limit)
+        .map(|kernel| format!("{kernel} needs {} bytes", kernel.shared_bytes(dk)))
+        .collect();
+        if passed_over.is_empty() {
+            tracing::info!("gated delta rule, dk {dk} × dv {dv}: prefill on the {chosen} kernel");
+        } else {
+            tracing::info!(
+                "gated delta rule, dk {dk} × dv {dv}: prefill on the {chosen} kernel ({}; the limit is {limit} bytes of shared memory per block)",
+                passed_over.join(", ")
+            );
+        }
     }
 
     /// The gated delta rule of [`crate::backend::Backend::gated_delta_rule`] over `segments`,
@@ -174,23 +323,26 @@ impl CudaBackend {
         form: DeltaRuleForm,
         segments: &mut [Segment<'_, CudaRecurrentState>],
     ) -> Result<CudaTensor, CudaError> {
-        let chunked = self.chunked_available(spec.key_head_dim);
-        let tensor_cores = self.mma_available(spec.key_head_dim, spec.value_head_dim);
+        let (dk, dv) = (spec.key_head_dim, spec.value_head_dim);
+        self.log_delta_rule_choice(dk, dv);
+        let chunked = self.delta_rule_variant(&CHUNKED_VARIANTS, dk, dv);
+        let tensor_cores =
+            if self.options.tensor_core_prefill && self.options.tensor_core_delta_rule {
+                self.delta_rule_variant(&TENSOR_CORE_VARIANTS, dk, dv)
+            } else {
+                None
+            };
         self.delta_rule_segments(q, k, v, g, beta, spec, segments, |tokens| {
             let wants_chunked = match form {
                 DeltaRuleForm::Auto => tokens > 1,
                 DeltaRuleForm::Chunked => true,
                 DeltaRuleForm::Recurrent => false,
             };
-            // The tensor-core kernel is only ever enabled after the f32 one passed its check.
-            if !wants_chunked {
-                DeltaRuleKernel::Recurrent
-            } else if tensor_cores && tokens >= MMA_MIN_ROWS {
-                DeltaRuleKernel::TensorCore
-            } else if chunked {
-                DeltaRuleKernel::Chunked
-            } else {
-                DeltaRuleKernel::Recurrent
+            match (wants_chunked, tensor_cores, chunked) {
+                (false, _, _) => DeltaRuleKernel::Recurrent,
+                (true, Some(kernel), _) if tokens >= MMA_MIN_ROWS => kernel,
+                (true, _, Some(kernel)) => kernel,
+                (true, _, None) => DeltaRuleKernel::Recurrent,
             }
         })
     }
@@ -309,21 +461,6 @@ impl CudaBackend {
             int(dk, "dk")?,
             int(dv, "dv")?,
         );
-        let recurrent = LaunchConfig {
-            grid_dim: (nv as u32, 1, 1),
-            block_dim: ((dv as u32).div_ceil(32) * 32, 1, 1),
-            shared_mem_bytes: (2 * dk * std::mem::size_of::<f32>()) as u32,
-        };
-        let chunked = LaunchConfig {
-            grid_dim: (nv as u32, dv.div_ceil(CHUNK_COLUMNS) as u32, 1),
-            block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: chunked_shared_bytes(dk) as u32,
-        };
-        let tensor_core = LaunchConfig {
-            grid_dim: (nv as u32, dv.div_ceil(MMA_COLUMNS) as u32, 1),
-            block_dim: (MMA_THREADS, 1, 1),
-            shared_mem_bytes: mma_shared_bytes(dk) as u32,
-        };
         for segment in segments.iter_mut() {
             let n = segment.rows.len();
             if n == 0 {
@@ -348,136 +485,117 @@ impl CudaBackend {
                         &n_arg, &nk_arg, &nv_arg, &dk_arg, &dv_arg)
                 };
             }
-            match choose(n) {
-                DeltaRuleKernel::Chunked => {
-                    if !self.chunked_fits(dk) {
-                        return Err(CudaError::Invalid {
-                            problem: format!(
-                                "gated_delta_rule_chunked: dk {dk} needs {} bytes of shared memory, the GPU gives {} (dk at most {CHUNKED_MAX_KEY_DIM})",
-                                chunked_shared_bytes(dk),
-                                self.info.shared_memory_per_block
-                            ),
-                        });
-                    }
-                    launch_segment!("gated_delta_rule_chunked", chunked)?;
+            let kernel = choose(n);
+            if !self.delta_rule_fits(kernel, dk, dv) {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "gated_delta_rule: the {kernel} kernel does not take dk {dk} × dv {dv} in {} bytes of shared memory per block (it needs {})",
+                        self.info.shared_memory_per_block,
+                        kernel.shared_bytes(dk)
+                    ),
+                });
+            }
+            let config = kernel.launch_config(dk, dv, nv);
+            match kernel {
+                DeltaRuleKernel::Chunked => launch_segment!("gated_delta_rule_chunked", config)?,
+                DeltaRuleKernel::Chunked32 => {
+                    launch_segment!("gated_delta_rule_chunked_32", config)?
                 }
                 DeltaRuleKernel::TensorCore => {
-                    if !self.mma_fits(dk, dv) {
-                        return Err(CudaError::Invalid {
-                            problem: format!(
-                                "gated_delta_rule_chunked_mma: dk {dk}, dv {dv} (multiples of 16, dk at most {MMA_MAX_KEY_DIM}) need {} bytes of shared memory, the GPU gives {}",
-                                mma_shared_bytes(dk),
-                                self.info.shared_memory_per_block
-                            ),
-                        });
-                    }
-                    launch_segment!("gated_delta_rule_chunked_mma", tensor_core)?;
+                    launch_segment!("gated_delta_rule_chunked_mma", config)?
+                }
+                DeltaRuleKernel::TensorCore32 => {
+                    launch_segment!("gated_delta_rule_chunked_mma_32", config)?
                 }
                 DeltaRuleKernel::Recurrent => {
-                    launch_segment!("gated_delta_rule_recurrent", recurrent)?;
+                    launch_segment!("gated_delta_rule_recurrent", config)?
                 }
             }
         }
         Ok(out)
     }
 
-    /// Start-up: reads the GPU's shared memory per block (opt-in), lets the chunked kernel use
-    /// it, and runs the self-check. Sets `info.delta_rule_path` to `chunked` only if all of that
-    /// worked; otherwise logs a warning naming the problem, and the recurrent kernel runs every
-    /// form for the life of the process. Then, with `tensor_core_prefill`, the same for the
-    /// tensor-core kernel (`tensor-core`; on failure the f32 chunked kernel keeps prefill).
+    /// Start-up: lets every chunked variant use the shared memory per block (the GPU's opt-in
+    /// maximum or the cap) and runs its self-check at the first of [`CHECK_KEY_DIMS`] it fits.
+    /// The variants that pass go into `info.delta_rule_variants`; `info.delta_rule_path` says
+    /// `chunked` if an f32 one passed. Then, with `tensor_core_prefill` and
+    /// `tensor_core_delta_rule`, the same for the tensor-core variants (path `tensor-core` if
+    /// one passed). A variant that does not fit or fails is logged with the reason; with no
+    /// f32 variant the recurrent kernel runs every form for the life of the process.
     pub(super) fn start_chunked_delta_rule(&mut self) {
         self.info.delta_rule_path = PATH_RECURRENT;
-        match self.enable_chunked_delta_rule() {
-            Ok(worst) => {
-                self.info.delta_rule_path = PATH_CHUNKED;
-                tracing::info!(
-                    "chunked gated delta rule passed its start-up check (max |Δ| / scale {worst:.1e} vs the recurrent kernel); multi-token segments use it"
-                );
-            }
-            Err(error) => {
-                tracing::warn!(
-                    "chunked gated delta rule disabled, the recurrent kernel runs every form: {error}"
-                );
-                // A failed check may have left an error on the stream or in the slot: drain the
-                // stream and clear the slot (nothing else has run yet).
-                let _ = self.stream.synchronize();
-                return;
-            }
+        self.info.delta_rule_variants.clear();
+        for kernel in CHUNKED_VARIANTS {
+            self.start_delta_rule_variant(kernel, SELF_CHECK_TOLERANCE);
         }
+        if !CHUNKED_VARIANTS
+            .iter()
+            .any(|kernel| self.info.delta_rule_variants.contains(kernel))
+        {
+            tracing::warn!("no chunked gated delta rule passed its start-up check: the recurrent kernel runs every form");
+            return;
+        }
+        self.info.delta_rule_path = PATH_CHUNKED;
         if !(self.options.tensor_core_prefill && self.options.tensor_core_delta_rule) {
             return;
         }
-        match self.enable_tensor_core_delta_rule() {
-            Ok(worst) => {
-                self.info.delta_rule_path = PATH_TENSOR_CORE;
+        for kernel in TENSOR_CORE_VARIANTS {
+            self.start_delta_rule_variant(kernel, MMA_SELF_CHECK_TOLERANCE);
+        }
+        if TENSOR_CORE_VARIANTS
+            .iter()
+            .any(|kernel| self.info.delta_rule_variants.contains(kernel))
+        {
+            self.info.delta_rule_path = PATH_TENSOR_CORE;
+        }
+    }
+
+    /// Enables `kernel` if it fits at one of [`CHECK_KEY_DIMS`] and passes its self-check there.
+    fn start_delta_rule_variant(&mut self, kernel: DeltaRuleKernel, tolerance: f32) {
+        match self.enable_delta_rule_variant(kernel, tolerance) {
+            Ok((dk, worst)) => {
+                self.info.delta_rule_variants.push(kernel);
                 tracing::info!(
-                    "tensor-core gated delta rule passed its start-up check (max |Δ| / scale {worst:.1e} vs the recurrent kernel); prefill segments of at least {MMA_MIN_ROWS} rows use it"
+                    "gated delta rule: the {kernel} kernel passed its start-up check at dk {dk} (max |Δ| / scale {worst:.1e} vs the recurrent kernel)"
                 );
             }
             Err(error) => {
-                tracing::warn!(
-                    "tensor-core gated delta rule unusable, the f32 chunked kernel does prefill: {error}"
-                );
+                tracing::info!("gated delta rule: the {kernel} kernel is not used: {error}");
+                // A failed check may have left an error on the stream: drain it (nothing else
+                // has run yet).
                 let _ = self.stream.synchronize();
             }
         }
     }
 
-    fn enable_chunked_delta_rule(&mut self) -> Result<f32, CudaError> {
-        let available = self
-            ._context
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(driver_error("reading the shared memory per block (opt-in)"))?;
-        self.info.shared_memory_per_block = usize::try_from(available).unwrap_or(0);
-        let needed = chunked_shared_bytes(128);
-        if needed > self.info.shared_memory_per_block {
+    fn enable_delta_rule_variant(
+        &self,
+        kernel: DeltaRuleKernel,
+        tolerance: f32,
+    ) -> Result<(usize, f32), CudaError> {
+        let limit = self.info.shared_memory_per_block;
+        let Some(dk) = CHECK_KEY_DIMS
+            .into_iter()
+            .find(|&dk| self.delta_rule_fits(kernel, dk, 64))
+        else {
             return Err(CudaError::Unsupported {
                 problem: format!(
-                    "the chunked kernel needs {needed} bytes of shared memory per block at dk 128; this GPU gives {}",
-                    self.info.shared_memory_per_block
+                    "it needs {} bytes of shared memory per block at dk 64; the limit is {limit}",
+                    kernel.shared_bytes(64)
                 ),
             });
-        }
-        self.function("gated_delta_rule_chunked")?
+        };
+        self.function(kernel.function())?
             .set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                available,
+                i32::try_from(limit).unwrap_or(i32::MAX),
             )
-            .map_err(driver_error(
-                "raising the chunked delta rule's dynamic shared memory limit",
-            ))?;
-        self.check_chunked_delta_rule(DeltaRuleKernel::Chunked, 64, SELF_CHECK_TOLERANCE)
-    }
-
-    /// Lets the tensor-core kernel use the shared memory it needs at [`MMA_CHECK_KEY_DIM`] (the
-    /// opt-in maximum, as the chunked kernel, so larger key dims fit where the GPU has room) and
-    /// runs its self-check. Needs `info.shared_memory_per_block`, which the chunked kernel's
-    /// start-up read.
-    fn enable_tensor_core_delta_rule(&mut self) -> Result<f32, CudaError> {
-        let needed = mma_shared_bytes(MMA_CHECK_KEY_DIM);
-        let available = self.info.shared_memory_per_block;
-        if needed > available {
-            return Err(CudaError::Unsupported {
-                problem: format!(
-                    "the tensor-core kernel needs {needed} bytes of shared memory per block at dk {MMA_CHECK_KEY_DIM}; this GPU gives {available}"
-                ),
-            });
-        }
-        let limit = i32::try_from(available).unwrap_or(i32::MAX);
-        self.function("gated_delta_rule_chunked_mma")?
-            .set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                limit,
-            )
-            .map_err(driver_error(
-                "raising the tensor-core delta rule's dynamic shared memory limit",
-            ))?;
-        self.check_chunked_delta_rule(
-            DeltaRuleKernel::TensorCore,
-            MMA_CHECK_KEY_DIM,
-            MMA_SELF_CHECK_TOLERANCE,
-        )
+            .map_err(driver_error(format!(
+                "raising the dynamic shared memory limit of `{}`",
+                kernel.function()
+            )))?;
+        let worst = self.check_chunked_delta_rule(kernel, dk, tolerance)?;
+        Ok((dk, worst))
     }
 
     /// Two segments (1 and 150 tokens: a one-token chunk, two full chunks and a partial one)
@@ -593,6 +711,10 @@ mod tests {
         use crate::backend::cuda::kernels::kernel_define;
         assert_eq!(CHUNK as i64, kernel_define("delta_rule", "DR_CHUNK"));
         assert_eq!(
+            SMALL_CHUNK as i64,
+            kernel_define("delta_rule", "DR_SMALL_CHUNK")
+        );
+        assert_eq!(
             CHUNK_COLUMNS as i64,
             kernel_define("delta_rule", "DR_COLUMNS")
         );
@@ -605,13 +727,23 @@ mod tests {
             (MMA_COLUMNS as i64, "DRT_COLUMNS"),
             (MMA_PAD as i64, "DRT_PAD"),
             (MMA_MAX_KEY_DIM as i64, "DRT_MAX_KEY_DIM"),
-            (MMA_TS as i64, "DRT_TS"),
             (MMA_RS as i64, "DRT_RS"),
-            (MMA_PS as i64, "DRT_PS"),
             (MMA_VS as i64, "DRT_VS"),
         ];
         for (host, name) in mma {
             assert_eq!(host, kernel_define("delta_rule", name), "{name}");
+        }
+        // Every variant's function is a kernel of the file.
+        let source = include_str!("../../../../../../kernels/delta_rule.cu");
+        for kernel in [
+            DeltaRuleKernel::Chunked,
+            DeltaRuleKernel::Chunked32,
+            DeltaRuleKernel::Recurrent,
+            DeltaRuleKernel::TensorCore,
+            DeltaRuleKernel::TensorCore32,
+        ] {
+            let signature = format!("{}(", kernel.function());
+            assert!(source.contains(&signature), "{signature}");
         }
     }
 
@@ -619,12 +751,31 @@ mod tests {
     fn tensor_core_shapes_and_shared_memory() {
         // Qwen3-Next / Qwen3.5 heads (dk 128) fit an A100's opt-in 163 KiB (V' over A is what
         // makes them fit), dk 192 an H100's 227 KiB; dk 256 fits neither (the f32 kernel runs).
-        assert_eq!(mma_shared_bytes(128), 162_304);
-        assert!(mma_shared_bytes(128) <= 163 * 1024);
-        assert!(mma_shared_bytes(192) <= 227 * 1024);
-        assert!(mma_shared_bytes(256) > 227 * 1024);
+        assert_eq!(mma_shared_bytes(128, CHUNK), 162_304);
+        assert!(mma_shared_bytes(128, CHUNK) <= 163 * 1024);
+        assert!(mma_shared_bytes(192, CHUNK) <= 227 * 1024);
+        assert!(mma_shared_bytes(256, CHUNK) > 227 * 1024);
+        assert!(mma_value_pair_fits_over_a(CHUNK) && !mma_value_pair_fits_over_a(SMALL_CHUNK));
         assert!(mma_supports(128, 128) && mma_supports(64, 48) && mma_supports(256, 128));
         assert!(!mma_supports(72, 128) && !mma_supports(128, 40) && !mma_supports(272, 128));
         assert!(!mma_supports(0, 128) && !mma_supports(128, 0));
+    }
+
+    #[test]
+    fn the_32_token_variants_fit_a_consumer_card_at_dk_128() {
+        use crate::backend::cuda::device::options::CONSUMER_CARD_SHARED_MEMORY as RTX;
+        // Neither 64-token kernel fits 99 KB at dk 128 ...
+        assert_eq!(chunked_shared_bytes(128, CHUNK), 108_032);
+        assert!(DeltaRuleKernel::Chunked.shared_bytes(128) > RTX);
+        assert!(DeltaRuleKernel::TensorCore.shared_bytes(128) > RTX);
+        // ... both 32-token ones do, with V' in a region of its own for the tensor cores.
+        assert_eq!(chunked_shared_bytes(128, SMALL_CHUNK), 58_112);
+        assert_eq!(mma_shared_bytes(128, SMALL_CHUNK), 84_224);
+        assert!(DeltaRuleKernel::Chunked32.shared_bytes(128) <= RTX);
+        assert!(DeltaRuleKernel::TensorCore32.shared_bytes(128) <= RTX);
+        // The start-up check of the 64-token f32 kernel still fits there, at dk 64.
+        assert!(DeltaRuleKernel::Chunked.shared_bytes(64) <= RTX);
+        // The recurrent kernel needs two rows of dk floats.
+        assert_eq!(DeltaRuleKernel::Recurrent.shared_bytes(128), 1024);
     }
 }

@@ -689,13 +689,24 @@ fn pin_bank(
 }
 
 impl CudaBackend {
-    /// `(free, total)` bytes of GPU memory now (`cuMemGetInfo`).
+    /// `(free, total)` bytes of GPU memory now (`cuMemGetInfo`); with
+    /// [`CudaOptions::memory_cap_bytes`](super::CudaOptions::memory_cap_bytes), as if the GPU
+    /// had only that much (what is in use counts against the cap).
     pub fn memory_info(&self) -> Result<(usize, usize), CudaError> {
         self.stream
             .context()
             .bind_to_thread()
             .map_err(driver_error("binding the CUDA context"))?;
-        cudarc::driver::result::mem_get_info().map_err(driver_error("reading free GPU memory"))
+        let (free, total) = cudarc::driver::result::mem_get_info()
+            .map_err(driver_error("reading free GPU memory"))?;
+        Ok(match self.info.memory_cap_bytes {
+            Some(cap) => super::options::capped_memory(
+                free,
+                total,
+                usize::try_from(cap).unwrap_or(usize::MAX),
+            ),
+            None => (free, total),
+        })
     }
 
     pub(super) fn allocate_expert_slots(

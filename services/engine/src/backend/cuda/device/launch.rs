@@ -95,6 +95,31 @@ impl Pdl {
 /// One kernel of the loaded modules.
 pub(super) struct Kernel {
     function: sys::CUfunction,
+    name: &'static str,
+    /// Its `__shared__` arrays (`CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES`), which every block takes
+    /// on top of the launch's dynamic shared memory.
+    static_shared_bytes: usize,
+}
+
+/// Refuses a launch whose block would take more shared memory (`static_bytes` of the kernel's
+/// own arrays + `dynamic_bytes`) than `limit`, the GPU's opt-in maximum or the cap the backend
+/// was opened with. The driver would refuse a launch over the GPU's own limit too, but not one
+/// over a cap: this is what makes a capped run fail where a consumer card would.
+pub(super) fn check_shared_memory(
+    kernel: &str,
+    static_bytes: usize,
+    dynamic_bytes: usize,
+    limit: usize,
+) -> Result<(), CudaError> {
+    let total = static_bytes + dynamic_bytes;
+    if total > limit {
+        return Err(CudaError::Invalid {
+            problem: format!(
+                "kernel `{kernel}` asks for {total} bytes of shared memory per block ({static_bytes} static + {dynamic_bytes} dynamic); the limit is {limit}"
+            ),
+        });
+    }
+    Ok(())
 }
 
 // SAFETY: a CUfunction is a handle valid in every thread for as long as its module is loaded
@@ -181,7 +206,25 @@ impl KernelModules {
                             what: format!("loading kernel `{function}`"),
                             message: describe(&error),
                         })?;
-                Ok((function, Kernel { function: handle }))
+                // SAFETY: `handle` was just returned by the driver for a loaded module.
+                let static_shared_bytes = unsafe {
+                    cudarc::driver::result::function::get_function_attribute(
+                        handle,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                    )
+                }
+                .map_err(|error| CudaError::Driver {
+                    what: format!("reading the static shared memory of `{function}`"),
+                    message: describe(&error),
+                })?;
+                Ok((
+                    function,
+                    Kernel {
+                        function: handle,
+                        name: function,
+                        static_shared_bytes: usize::try_from(static_shared_bytes).unwrap_or(0),
+                    },
+                ))
             })
             .collect();
         match found {
@@ -330,7 +373,30 @@ impl CudaBackend {
     /// # Safety
     /// `args` must match the kernel's C parameters (count, types, order), and every buffer must
     /// hold the indices the kernel reaches under `config`.
+    /// Fails without launching where the block would take more shared memory than the
+    /// (capped) limit, [`check_shared_memory`].
     pub(super) unsafe fn launch_kernel(
+        &self,
+        kernel: &Kernel,
+        config: LaunchConfig,
+        args: &mut KernelArgs<'_>,
+    ) -> Result<(), CudaError> {
+        check_shared_memory(
+            kernel.name,
+            kernel.static_shared_bytes,
+            config.shared_mem_bytes as usize,
+            self.info.shared_memory_per_block,
+        )?;
+        let what = || format!("launching `{}`", kernel.name);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_checked(kernel, config, args) }.map_err(|error| CudaError::Driver {
+            what: what(),
+            message: describe(&error),
+        })
+    }
+
+    /// [`CudaBackend::launch_kernel`] after its shared-memory check.
+    unsafe fn launch_checked(
         &self,
         kernel: &Kernel,
         config: LaunchConfig,
@@ -386,6 +452,22 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_over_the_shared_memory_limit_is_refused_naming_the_kernel() {
+        assert!(check_shared_memory("fits", 1024, 100_352, 101_376).is_ok());
+        let error = check_shared_memory("gated_delta_rule_chunked", 0, 108_032, 101_376)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("gated_delta_rule_chunked")
+                && error.contains("108032")
+                && error.contains("101376"),
+            "{error}"
+        );
+        // Static arrays count too.
+        assert!(check_shared_memory("static", 4096, 100_000, 101_376).is_err());
+    }
 
     #[test]
     fn pdl_needs_the_option_sm_90_and_launch_ex() {

@@ -66,6 +66,8 @@ pub struct CudaBackend {
     host_kv: host_kv::HostKvSlot,
     /// The step graph the current step's ops run in (device/step_graph.rs), if any.
     active_step_graph: Mutex<Option<step_graph::ActiveStepGraph>>,
+    /// The op shapes whose kernel variant has been logged (once each).
+    kernel_choices_logged: Mutex<std::collections::HashSet<String>>,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,
@@ -252,7 +254,6 @@ macro_rules! launch {
         // order; the op tests exercise every launch), and the caller sized every buffer for the
         // launch's index range.
         unsafe { $backend.launch_kernel(kernel, $config, &mut args) }
-            .map_err($crate::backend::cuda::device::driver_error(concat!("launching `", $kernel, "`")))
     }};
 }
 
@@ -1158,7 +1159,10 @@ pub use attention::AttentionPath;
 pub use delta_rule::DeltaRuleKernel;
 pub use experts::{CudaExpertSlots, GroupedExpertKernels};
 pub use launch::Pdl;
-pub use options::{CudaOptions, KvDtype};
+pub use options::{
+    parse_memory_gib, parse_shared_memory_bytes, CudaOptions, KvDtype, CONSUMER_CARD_SHARED_MEMORY,
+    MEMORY_CAP_ENV, SHARED_MEMORY_CAP_ENV,
+};
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;
 pub use step_graph::CudaStepGraph;

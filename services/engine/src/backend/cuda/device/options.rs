@@ -106,6 +106,87 @@ pub struct CudaOptions {
     /// before it; every kernel waits for its predecessor before it touches memory
     /// (kernels/common.cuh), so the bits are the same as plain launches (off: the reference).
     pub programmatic_dependent_launch: bool,
+    /// Behave as if the GPU gave a block at most this many bytes of shared memory (static and
+    /// dynamic together): every kernel then picks the variant that fits this limit, and a
+    /// launch asking for more fails. For running a consumer card's paths (RTX 30/40/50 cards
+    /// give 99 KB: 101,376 bytes) on a larger GPU. `None`: the GPU's own opt-in maximum, or
+    /// `NINFER_CUDA_SHARED_MEMORY_CAP` when set (the GPU test suites use it).
+    pub shared_memory_cap: Option<usize>,
+    /// Behave as if the GPU had this many bytes of memory: [`memory_info`] reports at most this
+    /// total and the free part of it. `None`: the GPU's own, or `NINFER_CUDA_MEMORY_CAP_GIB`
+    /// when set.
+    ///
+    /// [`memory_info`]: super::CudaBackend::memory_info
+    pub memory_cap_bytes: Option<u64>,
+}
+
+/// The environment variable that caps the shared memory per block of backends opened without
+/// [`CudaOptions::shared_memory_cap`] (bytes, or KiB with a `K` suffix).
+pub const SHARED_MEMORY_CAP_ENV: &str = "NINFER_CUDA_SHARED_MEMORY_CAP";
+/// The environment variable that caps the memory of backends opened without
+/// [`CudaOptions::memory_cap_bytes`] (GiB).
+pub const MEMORY_CAP_ENV: &str = "NINFER_CUDA_MEMORY_CAP_GIB";
+
+/// Shared memory per block of RTX 30/40/50 cards (sm_86, sm_89, sm_120): 99 KiB opt-in.
+pub const CONSUMER_CARD_SHARED_MEMORY: usize = 99 * 1024;
+
+/// `101376`, `99K` or `99KiB`: bytes of shared memory per block.
+pub fn parse_shared_memory_bytes(text: &str) -> Result<usize, String> {
+    let trimmed = text.trim();
+    let (digits, unit) = match trimmed
+        .strip_suffix("KiB")
+        .or_else(|| trimmed.strip_suffix('K'))
+    {
+        Some(digits) => (digits, 1024),
+        None => (trimmed, 1),
+    };
+    match digits.trim().parse::<usize>() {
+        Ok(value) if value > 0 => Ok(value * unit),
+        _ => Err(format!(
+            "`{text}`: expected bytes of shared memory per block, e.g. 101376 or 99K"
+        )),
+    }
+}
+
+/// A positive number of GiB as bytes.
+pub fn parse_memory_gib(text: &str) -> Result<u64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(gib) if gib.is_finite() && gib > 0.0 => Ok((gib * (1u64 << 30) as f64) as u64),
+        _ => Err(format!("`{text}`: expected a positive number of GiB")),
+    }
+}
+
+/// `(free, total)` of a GPU as if it had only `cap` bytes: what is in use counts against the cap.
+pub(super) fn capped_memory(free: usize, total: usize, cap: usize) -> (usize, usize) {
+    if cap >= total {
+        return (free, total);
+    }
+    let used = total.saturating_sub(free);
+    (cap.saturating_sub(used), cap)
+}
+
+impl CudaOptions {
+    /// The options with the caps of the environment filled in where the options set none; an
+    /// unreadable value is an error naming the variable.
+    pub fn with_environment_caps(mut self) -> Result<Self, String> {
+        if self.shared_memory_cap.is_none() {
+            if let Ok(text) = std::env::var(SHARED_MEMORY_CAP_ENV) {
+                self.shared_memory_cap = Some(
+                    parse_shared_memory_bytes(&text)
+                        .map_err(|problem| format!("{SHARED_MEMORY_CAP_ENV}: {problem}"))?,
+                );
+            }
+        }
+        if self.memory_cap_bytes.is_none() {
+            if let Ok(text) = std::env::var(MEMORY_CAP_ENV) {
+                self.memory_cap_bytes = Some(
+                    parse_memory_gib(&text)
+                        .map_err(|problem| format!("{MEMORY_CAP_ENV}: {problem}"))?,
+                );
+            }
+        }
+        Ok(self)
+    }
 }
 
 impl Default for CudaOptions {
@@ -123,6 +204,8 @@ impl Default for CudaOptions {
             decode_experts_by_expert: false,
             fused_expert_sum: false,
             programmatic_dependent_launch: true,
+            shared_memory_cap: None,
+            memory_cap_bytes: None,
         }
     }
 }
@@ -147,6 +230,46 @@ impl CudaOptions {
             fused_expert_sum: false,
             // Launch timing only: the same bits as plain launches.
             programmatic_dependent_launch: true,
+            shared_memory_cap: None,
+            memory_cap_bytes: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_sizes_read_as_bytes_or_kib() {
+        assert_eq!(parse_shared_memory_bytes("101376"), Ok(101_376));
+        assert_eq!(
+            parse_shared_memory_bytes("99K"),
+            Ok(CONSUMER_CARD_SHARED_MEMORY)
+        );
+        assert_eq!(parse_shared_memory_bytes("99KiB"), Ok(101_376));
+        for bad in ["", "0", "-5", "99M", "lots"] {
+            let error = parse_shared_memory_bytes(bad).unwrap_err();
+            assert!(error.contains("shared memory per block"), "{error}");
+        }
+        assert_eq!(parse_memory_gib("16"), Ok(16 << 30));
+        assert!(parse_memory_gib("0").is_err() && parse_memory_gib("NaN").is_err());
+    }
+
+    #[test]
+    fn a_memory_cap_counts_what_is_in_use() {
+        const GIB: usize = 1 << 30;
+        // An 80 GiB card with 10 GiB in use, capped at 16 GiB: 6 GiB free of 16.
+        assert_eq!(
+            capped_memory(70 * GIB, 80 * GIB, 16 * GIB),
+            (6 * GIB, 16 * GIB)
+        );
+        // More in use than the cap: nothing free.
+        assert_eq!(capped_memory(60 * GIB, 80 * GIB, 16 * GIB), (0, 16 * GIB));
+        // A cap above the card changes nothing.
+        assert_eq!(
+            capped_memory(70 * GIB, 80 * GIB, 96 * GIB),
+            (70 * GIB, 80 * GIB)
+        );
     }
 }

@@ -45,8 +45,21 @@ pub struct DeviceInfo {
     /// prefill segments of the shapes it takes) or `"recurrent"` (every form; the check failed
     /// or the GPU's shared memory is too small, with a warning logged).
     pub delta_rule_path: &'static str,
-    /// Dynamic shared memory a block may use (opt-in maximum), bytes.
+    /// Shared memory a block may use, bytes: the GPU's opt-in maximum, or less where the
+    /// options cap it ([`CudaOptions::shared_memory_cap`]). Every kernel sizes itself by this
+    /// and every launch is checked against it.
     pub shared_memory_per_block: usize,
+    /// The GPU's own opt-in maximum of shared memory per block, bytes.
+    pub device_shared_memory_per_block: usize,
+    /// 32-bit registers a block may use.
+    pub registers_per_block: usize,
+    /// Streaming multiprocessors.
+    pub multiprocessor_count: usize,
+    /// [`CudaOptions::memory_cap_bytes`]: the memory this backend reports at most.
+    pub memory_cap_bytes: Option<u64>,
+    /// The delta-rule kernel variants that passed their start-up checks (see
+    /// [`DeltaRuleKernel`](super::DeltaRuleKernel)); the largest chunk that fits a shape runs it.
+    pub delta_rule_variants: Vec<super::DeltaRuleKernel>,
     /// The attention kernels in use: `flash` (split-K decode, tiled prefill) once they passed
     /// their start-up check against the reference, else `reference`.
     pub attention_path: AttentionPath,
@@ -81,6 +94,38 @@ fn keep_freed_device_memory(context: &CudaContext) {
     }
 }
 
+/// The limits of a GPU the kernels size themselves by.
+struct DeviceLimits {
+    shared_memory_per_block: usize,
+    registers_per_block: usize,
+    multiprocessor_count: usize,
+}
+
+impl DeviceLimits {
+    fn read(context: &CudaContext) -> Result<Self, CudaError> {
+        let read = |attribute, what: &str| -> Result<usize, CudaError> {
+            let value = context
+                .attribute(attribute)
+                .map_err(driver_error(format!("reading the GPU's {what}")))?;
+            Ok(usize::try_from(value).unwrap_or(0))
+        };
+        Ok(DeviceLimits {
+            shared_memory_per_block: read(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                "shared memory per block (opt-in)",
+            )?,
+            registers_per_block: read(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK,
+                "registers per block",
+            )?,
+            multiprocessor_count: read(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                "multiprocessor count",
+            )?,
+        })
+    }
+}
+
 static SHARED: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
 static SHARED_EXACT: OnceLock<Result<Arc<CudaBackend>, CudaError>> = OnceLock::new();
 
@@ -94,6 +139,9 @@ impl CudaBackend {
     /// (from the disk cache or compiled now for this GPU's architecture); with `options.cublas`,
     /// loads cuBLAS and keeps it only if it passes a check against the matmul kernel.
     pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<Self, CudaError> {
+        let options = options
+            .with_environment_caps()
+            .map_err(|problem| CudaError::Invalid { problem })?;
         let driver = loader::open(&loader::DRIVER)?;
         let context =
             no_panic("binding the CUDA driver", || CudaContext::new(ordinal))?.map_err(|e| {
@@ -131,6 +179,11 @@ impl CudaBackend {
                 message: format!("{status:?}"),
             });
         }
+        let limits = DeviceLimits::read(&context)?;
+        let shared_memory_per_block = match options.shared_memory_cap {
+            Some(cap) => cap.min(limits.shared_memory_per_block),
+            None => limits.shared_memory_per_block,
+        };
         let nvrtc = Nvrtc::load()?;
         let arch = (major * 10 + minor) as u32;
         let mut functions = HashMap::new();
@@ -185,7 +238,12 @@ impl CudaBackend {
             cublas_library: None,
             kv_dtype: options.kv_dtype,
             delta_rule_path: delta_rule::PATH_RECURRENT,
-            shared_memory_per_block: 0,
+            shared_memory_per_block,
+            device_shared_memory_per_block: limits.shared_memory_per_block,
+            registers_per_block: limits.registers_per_block,
+            multiprocessor_count: limits.multiprocessor_count,
+            memory_cap_bytes: options.memory_cap_bytes,
+            delta_rule_variants: Vec::new(),
             attention_path: AttentionPath::Reference,
             programmatic_dependent_launch: pdl.in_use(),
         };
@@ -207,6 +265,7 @@ impl CudaBackend {
             tensor_pool: Default::default(),
             rope_tables: Default::default(),
             active_step_graph: Default::default(),
+            kernel_choices_logged: Default::default(),
             host_kv: Default::default(),
         };
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
@@ -233,6 +292,13 @@ impl CudaBackend {
         })?;
         backend.op_timing = op_timing::OpTiming::from_env();
         tracing::info!(info = ?backend.info, "CUDA backend ready");
+        if let Some(cap) = options.shared_memory_cap {
+            tracing::info!(
+                "shared memory per block capped at {cap} bytes (the GPU gives {}): kernels take the variants that fit {}",
+                limits.shared_memory_per_block,
+                backend.info.shared_memory_per_block
+            );
+        }
         match (pdl, pdl_off_because) {
             (Pdl::Off, why) => tracing::info!(
                 "programmatic dependent launch off: {}",
@@ -244,6 +310,15 @@ impl CudaBackend {
             ),
         }
         Ok(backend)
+    }
+
+    /// True the first time `key` (an op and its shape) is noted: the caller then logs which
+    /// kernel variant that shape takes, so the log says it once per shape.
+    pub(super) fn note_kernel_choice(&self, key: String) -> bool {
+        match self.kernel_choices_logged.lock() {
+            Ok(mut logged) => logged.insert(key),
+            Err(_) => false,
+        }
     }
 
     /// One backend on GPU 0 for the whole process, default options (tests share it: a context

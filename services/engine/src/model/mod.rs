@@ -38,7 +38,7 @@ pub mod qwen4_exp;
 mod speculative;
 mod step_graphs;
 mod worker_handoff;
-pub use mtp::{MtpState, MtpUsage};
+pub use mtp::{mtp_pairs_of_block, MtpPrefixRows, MtpState, MtpUsage};
 pub use prefix_blocks::PrefixBlock;
 pub use speculative::{
     greedy_with_mtp, greedy_with_mtp_options, pick_draft, probe_draft, sample_with_mtp,

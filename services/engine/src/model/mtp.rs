@@ -5,7 +5,8 @@
 //! full-attention decoder layer with the model's usual feed-forward, a final norm; the embedding
 //! and the head are the main model's), its per-sequence state (the layer's own KV cache and
 //! position), its forward, the vocabulary head over its rows for drafts, and the counts of what
-//! it computed ([`MtpUsage`]: how callers show that steps without drafts skip it). Chaining
+//! it computed ([`MtpUsage`]: how callers show that steps without drafts skip it), and a prefix
+//! block's share of its state ([`MtpPrefixRows`], copied out and back for the prefix cache). Chaining
 //! drafts, verifying them, holding back pairs and rolling states back belong to the caller.
 //! Must not touch: the main model's layers or sequence state, op implementations, sampling.
 
@@ -224,5 +225,99 @@ impl<B: Backend> Model<B> {
             .layer_rows
             .fetch_add(rows as u64, Ordering::Relaxed);
         Ok(out)
+    }
+}
+
+/// A prefix block's share of a speculating sequence's MTP state: the MTP layer's KV rows of the
+/// pairs whose tokens all lie in the prefix up to the block's end (pair `i` joins the main
+/// hidden row at `i` with the token at `i + 1`, so a block of positions `s..e` holds pairs
+/// `s - 1..e - 1`, the first block `0..e - 1`). The pair at `e - 1` also needs the token after
+/// the prefix: a restored sequence forms it from the main model's final-normed hidden row at
+/// `e - 1`, which the prefix cache keeps beside the block.
+pub struct MtpPrefixRows<B: Backend> {
+    pairs: std::ops::Range<usize>,
+    rows: B::KvCache,
+    bytes: usize,
+}
+
+impl<B: Backend> MtpPrefixRows<B> {
+    /// Bytes its rows take where the backend keeps them.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// The pairs a prefix block of `positions` holds MTP rows of ([`MtpPrefixRows`]).
+pub fn mtp_pairs_of_block(positions: std::ops::Range<usize>) -> std::ops::Range<usize> {
+    positions.start.saturating_sub(1)..positions.end.saturating_sub(1)
+}
+
+impl<B: Backend> Model<B> {
+    /// A copy of the MTP rows of the prefix block of `positions` out of `state`, `None` while
+    /// the head has not processed those pairs yet.
+    pub fn mtp_prefix_rows(
+        &self,
+        state: &MtpState<B>,
+        positions: std::ops::Range<usize>,
+    ) -> Result<Option<MtpPrefixRows<B>>, EngineError> {
+        let pairs = mtp_pairs_of_block(positions);
+        if pairs.end > state.position {
+            return Ok(None);
+        }
+        let attention = &self.spec.attention;
+        let backend = &*self.backend;
+        let mut rows =
+            backend.new_kv_cache(pairs.len().max(1), attention.kv_heads * attention.head_dim)?;
+        if !pairs.is_empty() {
+            backend.copy_kv_rows(&state.cache, pairs.clone(), &mut rows, 0)?;
+        }
+        let bytes = backend.kv_cache_bytes(&rows);
+        Ok(Some(MtpPrefixRows { pairs, rows, bytes }))
+    }
+
+    /// Puts the MTP rows of a restored prefix of `blocks` (consecutive, from the first block)
+    /// into the fresh `state`: it then stands at the prefix's last position, whose pair (that
+    /// position's hidden row and the token after the prefix) is the caller's next input. On an
+    /// error `state` must be dropped.
+    pub fn restore_mtp_prefix(
+        &self,
+        state: &mut MtpState<B>,
+        blocks: &[&MtpPrefixRows<B>],
+    ) -> Result<(), EngineError> {
+        let invalid = |problem: String| EngineError::InvalidConfig { problem };
+        if state.position != 0 {
+            return Err(invalid(format!(
+                "MTP prefix rows restored into a state at position {}",
+                state.position
+            )));
+        }
+        let mut end = 0;
+        for block in blocks {
+            if block.pairs.start != end {
+                return Err(invalid(format!(
+                    "MTP prefix rows of pairs {:?} after pair {end}",
+                    block.pairs
+                )));
+            }
+            end = block.pairs.end;
+        }
+        if end > state.max_context {
+            return Err(invalid(format!(
+                "MTP prefix rows of {end} pairs into a context of {}",
+                state.max_context
+            )));
+        }
+        for block in blocks {
+            if !block.pairs.is_empty() {
+                self.backend.copy_kv_rows(
+                    &block.rows,
+                    0..block.pairs.len(),
+                    &mut state.cache,
+                    block.pairs.start,
+                )?;
+            }
+        }
+        state.position = end;
+        Ok(())
     }
 }

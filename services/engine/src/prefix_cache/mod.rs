@@ -8,6 +8,13 @@
 //! `Model::restore_prefix`), when forwards run (the scheduler asks [`PrefixCache::next_checkpoint`]
 //! where a prompt piece should end, and calls [`PrefixCache::record`] after it).
 //!
+//! Sequences that draft with the model's MTP head ([`PrefixCache::restore_speculating`],
+//! [`PrefixCache::record_speculating`]) need the head's state at the reuse point too: each
+//! block then also keeps the MTP layer's rows of its pairs and the main model's hidden row at
+//! its last position ([`crate::model::MtpPrefixRows`]). The head consumes a prompt's pairs a
+//! step after the forward that computed them, so a block's MTP share may arrive later than its
+//! rows; until it has, the block serves sequences that do not draft only.
+//!
 //! Invariants: a block is stored under the name of its whole prefix (the model's identity
 //! first), and its tokens are compared on every match, so nothing is reused across models or
 //! for a different prefix; a reused prefix ends where a whole prompt's forward would have the
@@ -24,7 +31,9 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::EngineError;
-use crate::model::{Model, PrefixBlock, SequenceCheckpoint, SequenceState};
+use crate::model::{
+    Model, MtpPrefixRows, MtpState, PrefixBlock, SequenceCheckpoint, SequenceState,
+};
 use chain::{block_names, root_name, BlockName};
 
 /// Tokens per block by default: large enough that a block's copy is one efficient transfer per
@@ -92,9 +101,22 @@ struct Node<B: Backend> {
     tokens: Box<[u32]>,
     block: PrefixBlock<B>,
     checkpoint: Option<SequenceCheckpoint<B>>,
+    /// The MTP head's rows of the block's pairs (speculating sequences only).
+    mtp_rows: Option<MtpPrefixRows<B>>,
+    /// The main model's final-normed hidden row at the block's last position: a speculating
+    /// sequence restored to the block's end pairs it with its next token.
+    mtp_hidden: Option<Box<[f32]>>,
     children: usize,
     last_used: u64,
     bytes: u64,
+}
+
+/// Where a speculating sequence's MTP head stands, for [`PrefixCache::record_speculating`].
+pub struct MtpProgress<'a, B: Backend> {
+    pub state: &'a MtpState<B>,
+    /// The main model's final-normed hidden rows the head has not consumed yet (host,
+    /// `[rows, hidden]`): those of positions `state.position()..`.
+    pub pending_hidden: &'a [f32],
 }
 
 /// The store; owned by the scheduler thread, one per model.
@@ -156,9 +178,34 @@ impl<B: Backend> PrefixCache<B> {
         state: &mut SequenceState<B>,
         prompt: &[u32],
     ) -> Result<usize, EngineError> {
+        Ok(self.restore_prefix(model, state, None, prompt)?.0)
+    }
+
+    /// [`PrefixCache::restore`] for a sequence that drafts with the MTP head: only blocks with
+    /// their MTP share are reused, and the fresh `mtp` gets the head's rows up to the reused
+    /// prefix's last position. Returns the reused tokens and the main model's hidden row at
+    /// that last position (empty when nothing was reused): the caller's next pair for the head,
+    /// with the prompt's token after the prefix. On an error both states must be dropped.
+    pub fn restore_speculating(
+        &mut self,
+        model: &Model<B>,
+        state: &mut SequenceState<B>,
+        mtp: &mut MtpState<B>,
+        prompt: &[u32],
+    ) -> Result<(usize, Vec<f32>), EngineError> {
+        self.restore_prefix(model, state, Some(mtp), prompt)
+    }
+
+    fn restore_prefix(
+        &mut self,
+        model: &Model<B>,
+        state: &mut SequenceState<B>,
+        mtp: Option<&mut MtpState<B>>,
+        prompt: &[u32],
+    ) -> Result<(usize, Vec<f32>), EngineError> {
         self.counters.lookups.fetch_add(1, Ordering::Relaxed);
         if !self.computed_by(model) {
-            return Ok(0);
+            return Ok((0, Vec::new()));
         }
         let block_tokens = self.settings.block_tokens;
         let limit = prompt.len().saturating_sub(self.min_rest);
@@ -167,23 +214,27 @@ impl<B: Backend> PrefixCache<B> {
         for (index, name) in names.iter().enumerate() {
             let tokens = &prompt[index * block_tokens..(index + 1) * block_tokens];
             match self.nodes.get(name) {
-                Some(node) if node.parent == chain.last().copied() && *node.tokens == *tokens => {
+                Some(node)
+                    if node.parent == chain.last().copied()
+                        && *node.tokens == *tokens
+                        && (mtp.is_none() || node.mtp_rows.is_some()) =>
+                {
                     chain.push(*name)
                 }
                 _ => break,
             }
         }
-        let usable = if self.needs_checkpoints {
-            chain
-                .iter()
-                .rposition(|name| self.nodes[name].checkpoint.is_some())
-                .map_or(0, |index| index + 1)
-        } else {
-            chain.len()
-        };
+        let usable = chain
+            .iter()
+            .rposition(|name| {
+                let node = &self.nodes[name];
+                (!self.needs_checkpoints || node.checkpoint.is_some())
+                    && (mtp.is_none() || node.mtp_hidden.is_some())
+            })
+            .map_or(0, |index| index + 1);
         chain.truncate(usable);
         let Some(last) = chain.last() else {
-            return Ok(0);
+            return Ok((0, Vec::new()));
         };
         self.clock += 1;
         for name in &chain {
@@ -194,12 +245,25 @@ impl<B: Backend> PrefixCache<B> {
         let blocks: Vec<&PrefixBlock<B>> =
             chain.iter().map(|name| &self.nodes[name].block).collect();
         model.restore_prefix(state, &blocks, self.nodes[last].checkpoint.as_ref())?;
+        let mut hidden = Vec::new();
+        if let Some(mtp) = mtp {
+            let rows: Vec<&MtpPrefixRows<B>> = chain
+                .iter()
+                .filter_map(|name| self.nodes[name].mtp_rows.as_ref())
+                .collect();
+            model.restore_mtp_prefix(mtp, &rows)?;
+            hidden = self.nodes[last]
+                .mtp_hidden
+                .as_deref()
+                .unwrap_or_default()
+                .to_vec();
+        }
         let tokens = usable * block_tokens;
         self.counters.hits.fetch_add(1, Ordering::Relaxed);
         self.counters
             .hit_tokens
             .fetch_add(tokens as u64, Ordering::Relaxed);
-        Ok(tokens)
+        Ok((tokens, hidden))
     }
 
     /// Where a piece of `prompt_len`'s prompt fed from `position` should end so the recurrent
@@ -222,6 +286,31 @@ impl<B: Backend> PrefixCache<B> {
         &mut self,
         model: &Model<B>,
         state: &SequenceState<B>,
+        prompt: &[u32],
+    ) -> Result<(), EngineError> {
+        self.record_blocks(model, state, None, prompt)
+    }
+
+    /// [`PrefixCache::record`] for a sequence that drafts with the MTP head: besides, each
+    /// block gets its MTP share once `mtp` holds it (the hidden row at the block's last
+    /// position while the head has not consumed it, the head's rows of the block's pairs once
+    /// it has). Call it whenever the sequence's prompt advanced and again once the head has
+    /// consumed the prompt's pairs.
+    pub fn record_speculating(
+        &mut self,
+        model: &Model<B>,
+        state: &SequenceState<B>,
+        mtp: MtpProgress<'_, B>,
+        prompt: &[u32],
+    ) -> Result<(), EngineError> {
+        self.record_blocks(model, state, Some(mtp), prompt)
+    }
+
+    fn record_blocks(
+        &mut self,
+        model: &Model<B>,
+        state: &SequenceState<B>,
+        mtp: Option<MtpProgress<'_, B>>,
         prompt: &[u32],
     ) -> Result<(), EngineError> {
         if !self.computed_by(model) {
@@ -250,7 +339,7 @@ impl<B: Backend> PrefixCache<B> {
                 // Another prefix under the same name (a hash collision): keep it.
                 Some(_) => break,
                 None => {
-                    let block = model.prefix_block(state, positions)?;
+                    let block = model.prefix_block(state, positions.clone())?;
                     let checkpoint = match checkpoint_here {
                         true => Some(model.checkpoint(state)?),
                         false => None,
@@ -269,6 +358,8 @@ impl<B: Backend> PrefixCache<B> {
                             tokens: tokens.into(),
                             block,
                             checkpoint,
+                            mtp_rows: None,
+                            mtp_hidden: None,
                             children: 0,
                             last_used: self.clock,
                             bytes,
@@ -276,6 +367,10 @@ impl<B: Backend> PrefixCache<B> {
                     );
                     self.bytes += bytes;
                 }
+            }
+            if let (Some(mtp), Some(node)) = (&mtp, self.nodes.get_mut(&name)) {
+                let added = add_mtp_share(model, node, mtp, positions)?;
+                self.bytes += added;
             }
             self.evict_to_budget();
             if !self.nodes.contains_key(&name) {
@@ -311,6 +406,14 @@ impl<B: Backend> PrefixCache<B> {
         model.artifact().model_id() == self.model_id
     }
 
+    /// Blocks stored with their whole MTP share (what a speculating sequence can reuse).
+    pub fn blocks_with_mtp(&self) -> usize {
+        self.nodes
+            .values()
+            .filter(|node| node.mtp_rows.is_some() && node.mtp_hidden.is_some())
+            .count()
+    }
+
     fn evict_to_budget(&mut self) {
         while self.bytes > self.settings.budget_bytes {
             let victim = self
@@ -336,6 +439,36 @@ impl<B: Backend> PrefixCache<B> {
             .blocks
             .store(self.nodes.len() as u64, Ordering::Relaxed);
     }
+}
+
+/// Gives `node` (the block of `positions`) the parts of its MTP share it lacks and `mtp` holds;
+/// returns the bytes they added.
+fn add_mtp_share<B: Backend>(
+    model: &Model<B>,
+    node: &mut Node<B>,
+    mtp: &MtpProgress<'_, B>,
+    positions: std::ops::Range<usize>,
+) -> Result<u64, EngineError> {
+    let mut added = 0;
+    if node.mtp_hidden.is_none() {
+        let hidden_size = model.spec().common.hidden_size;
+        let row = (positions.end - 1).checked_sub(mtp.state.position());
+        let start = row.map(|row| row * hidden_size);
+        if let Some(hidden) =
+            start.and_then(|start| mtp.pending_hidden.get(start..start + hidden_size))
+        {
+            node.mtp_hidden = Some(hidden.into());
+            added += (hidden_size * std::mem::size_of::<f32>()) as u64;
+        }
+    }
+    if node.mtp_rows.is_none() {
+        if let Some(rows) = model.mtp_prefix_rows(mtp.state, positions)? {
+            added += rows.bytes() as u64;
+            node.mtp_rows = Some(rows);
+        }
+    }
+    node.bytes += added;
+    Ok(added)
 }
 
 /// [`PrefixCache::next_checkpoint`] on a model with recurrent layers.

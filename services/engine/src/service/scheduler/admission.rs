@@ -115,8 +115,9 @@ pub(super) fn handle<B: Backend>(
             let drafts = request
                 .draft_tokens
                 .map_or(max_drafts, |n| n.min(max_drafts));
-            let speculating = if drafts > 0 && request.guide.is_none() {
-                match model.new_mtp_state(needed + drafts + 1) {
+            let mtp_context = needed + drafts + 1;
+            let mut speculating = if drafts > 0 && request.guide.is_none() {
+                match model.new_mtp_state(mtp_context) {
                     Ok(mtp) => Some(Speculating {
                         mtp,
                         controller: DraftController::new(drafts),
@@ -134,18 +135,16 @@ pub(super) fn handle<B: Backend>(
                 None
             };
             let mut state = state;
-            // A speculating sequence's MTP head needs every prompt position's pair, so it
-            // computes its whole prompt (it still gives the cache its blocks).
-            let cached_tokens = match (prefix, &speculating) {
-                (Some(cache), None) => {
-                    match reuse_prefix(model, cache, &mut state, &request, needed) {
-                        Ok(cached) => cached,
-                        Err(error) => {
-                            return reject(SchedulerError::GenerationFailed(error.to_string()))
-                        }
-                    }
+            let reused = match (prefix, speculating.as_mut()) {
+                (Some(cache), None) => reuse_prefix(model, cache, &mut state, &request, needed),
+                (Some(cache), Some(s)) => {
+                    reuse_prefix_speculating(model, cache, &mut state, s, &request, mtp_context)
                 }
-                _ => 0,
+                (None, _) => Ok(0),
+            };
+            let cached_tokens = match reused {
+                Ok(cached) => cached,
+                Err(error) => return reject(SchedulerError::GenerationFailed(error.to_string())),
             };
             let mut request = request;
             let guide = request.guide.take();
@@ -179,6 +178,35 @@ fn reuse_prefix<B: Backend>(
         Err(error) => {
             tracing::warn!(request_id = %request.request_id, "prefix cache: restoring failed, the prompt is computed whole: {error}");
             *state = model.new_sequence(needed)?;
+            Ok(0)
+        }
+    }
+}
+
+/// [`reuse_prefix`] for a speculating sequence: the MTP head's state comes with the prefix, and
+/// the pair at the prefix's last position (its hidden row, the prompt's next token) waits for
+/// the head like every prompt row's pair.
+fn reuse_prefix_speculating<B: Backend>(
+    model: &Model<B>,
+    cache: &mut PrefixCache<B>,
+    state: &mut SequenceState<B>,
+    s: &mut Speculating<B>,
+    request: &GenerationRequest,
+    mtp_context: usize,
+) -> Result<usize, EngineError> {
+    let restored = cache.restore_speculating(model, state, &mut s.mtp, &request.prompt);
+    match restored {
+        Ok((cached, hidden)) => {
+            if let (true, Some(&next)) = (cached > 0, request.prompt.get(cached)) {
+                s.pair_hidden = hidden;
+                s.pair_tokens = vec![next];
+            }
+            Ok(cached)
+        }
+        Err(error) => {
+            tracing::warn!(request_id = %request.request_id, "prefix cache: restoring failed, the prompt is computed whole: {error}");
+            *state = model.new_sequence(state.max_context())?;
+            s.mtp = model.new_mtp_state(mtp_context)?;
             Ok(0)
         }
     }

@@ -11,7 +11,7 @@ use super::sequence::{fail, has_prompt_work, Running};
 use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::model::{Model, SequenceInput};
-use crate::prefix_cache::PrefixCache;
+use crate::prefix_cache::{MtpProgress, PrefixCache};
 
 /// Feeds the prompts that do not fit this step's budget of `chunk_tokens` prompt tokens one
 /// chunk (while budget lasts, first come first served) and takes them out of `running` for
@@ -158,9 +158,20 @@ pub(super) fn feed_to_checkpoints<B: Backend>(
     }
 }
 
-/// Gives the prefix cache the prompt blocks `r` holds (a failure costs only later reuse).
+/// Gives the prefix cache the prompt blocks `r` holds, with what its MTP head holds of them
+/// when it speculates (a failure costs only later reuse).
 fn record_blocks<B: Backend>(model: &Model<B>, cache: &mut PrefixCache<B>, r: &Running<B>) {
-    if let Err(error) = cache.record(model, &r.state, &r.request.prompt) {
+    let recorded = match &r.speculating {
+        Some(s) => {
+            let mtp = MtpProgress {
+                state: &s.mtp,
+                pending_hidden: &s.pair_hidden,
+            };
+            cache.record_speculating(model, &r.state, mtp, &r.request.prompt)
+        }
+        None => cache.record(model, &r.state, &r.request.prompt),
+    };
+    if let Err(error) = recorded {
         tracing::warn!(request_id = %r.request.request_id, "prefix cache: keeping prompt blocks failed: {error}");
     }
 }
@@ -171,8 +182,15 @@ pub(super) fn record_prompt<B: Backend>(
     cache: &mut PrefixCache<B>,
     r: &mut Running<B>,
 ) {
-    if !r.prompt_recorded && r.state.position() >= r.request.prompt.len() {
-        r.prompt_recorded = true;
-        record_blocks(model, cache, r);
+    if r.prompt_recorded || r.state.position() < r.request.prompt.len() {
+        return;
     }
+    // A speculating sequence's head consumes the prompt's pairs in a later step's drafting:
+    // its blocks get their MTP rows then, by one more recording.
+    let head_done = r
+        .speculating
+        .as_ref()
+        .is_none_or(|s| s.mtp.position() + 1 >= r.request.prompt.len());
+    record_blocks(model, cache, r);
+    r.prompt_recorded = head_done;
 }

@@ -17,7 +17,8 @@ pub(super) struct Running<B: Backend> {
     pub(super) state: SequenceState<B>,
     /// Prompt tokens the prefix cache gave the sequence.
     pub(super) cached_tokens: usize,
-    /// Whether the prefix cache has been given the whole prompt's blocks.
+    /// Whether the prefix cache has been given all it keeps of the prompt: its blocks, and
+    /// when the sequence speculates their MTP share (a step after the prompt's).
     pub(super) prompt_recorded: bool,
     pub(super) sampler: Sampler,
     pub(super) history: Vec<u32>,

@@ -1,9 +1,10 @@
 //! A tiny process supervisor for `ninfer serve` and `ninfer run`: starts the service processes on
 //! a private runtime directory, reports a child that dies before the pipeline was ever ready (with
 //! the end of its log) instead of restarting it, restarts a child that dies after it was healthy
-//! (as systemd's `Restart=on-failure` would), and stops them all — SIGTERM to every child at
-//! once (each drains within its own deadline), SIGKILL for any still running at [`STOP_BUDGET`]
-//! — on Ctrl-C, SIGTERM or SIGHUP.
+//! (as systemd's `Restart=on-failure` would), and stops them all — SIGTERM to each child in the
+//! reverse of the start order, the next one only once the last is gone (the gateway's drain
+//! errors go out while the engine still serves), SIGKILL for any still running at
+//! [`STOP_BUDGET`] — on Ctrl-C, SIGTERM or SIGHUP.
 //!
 //! Owns: child processes, their pid files under the runtime directory, their logs under a
 //! persistent log directory, and the shared-memory segments a stopped child left behind.
@@ -335,29 +336,22 @@ impl Supervisor {
         Ok(())
     }
 
-    /// Stops every child: SIGTERM to all of them at once, gateway first (each service drains
-    /// within its own deadline, well inside [`STOP_BUDGET`]), SIGKILL for any still running at
-    /// the budget; removes the shared-memory segments the stopped processes left behind.
+    /// Stops every child in the reverse of their start order, each one gone before the next is
+    /// told: the gateway first (its drain ends every stream with its documented error while the
+    /// engine still serves), then the engine (no client left to wait for), then the workers.
+    /// SIGKILL for any still running at [`STOP_BUDGET`]; removes the shared-memory segments the
+    /// stopped processes left behind.
     pub fn stop_all(&mut self) {
         use nix::sys::signal::{kill, Signal};
         let deadline = Instant::now() + STOP_BUDGET;
-        for supervised in self.children.iter().rev() {
-            if let Some(child) = supervised.child.as_ref() {
-                let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+        for supervised in self.children.iter_mut().rev() {
+            let Some(child) = supervised.child.as_mut() else {
+                continue;
+            };
+            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+            while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(5));
             }
-        }
-        while Instant::now() < deadline {
-            let running = self
-                .children
-                .iter_mut()
-                .filter_map(|supervised| supervised.child.as_mut())
-                .map(|child| matches!(child.try_wait(), Ok(None)))
-                .filter(|still_running| *still_running)
-                .count();
-            if running == 0 {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
         }
         for supervised in self.children.iter_mut().rev() {
             let Some(child) = supervised.child.as_mut() else {

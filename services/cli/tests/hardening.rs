@@ -4,7 +4,10 @@
 //! owner-only; an engine on TCP with a control secret refuses callers without it, serves the
 //! gateway that has it, and still exits within 2 s of SIGTERM while that gateway is connected;
 //! an expert worker on TCP with a control secret refuses callers without it, and an engine with
-//! the wrong secret says so and stays unready while one with the right secret registers it.
+//! the wrong secret says so and stays unready while one with the right secret registers it;
+//! an engine or worker on a public address without a secret does not start unless told
+//! `--insecure-listen`; ten SIGTERMs to `ninfer run --serve` under two streams each end them
+//! with the documented drain error (the gateway stops before the engine).
 //! Needs the workspace binaries built next to `ninfer` (`cargo build --workspace --bins`).
 
 use std::io::{BufRead, BufReader};
@@ -565,4 +568,224 @@ fn an_expert_worker_on_tcp_refuses_callers_without_its_secret() {
     exit_time(&mut engine, Duration::from_secs(2), "the engine");
     sigterm(worker.id());
     exit_time(&mut worker, Duration::from_secs(2), "the worker");
+}
+
+/// A program started with `arguments` and no control secret: its exit status and log, failing
+/// if it is still running after `limit`.
+fn exit_without_secret(program: &str, arguments: &[&str], limit: Duration) -> (bool, String) {
+    let output = Command::new(binary(program))
+        .args(arguments)
+        .env_remove("NINFER_CONTROL_SECRET")
+        .env_remove("NINFER_CONTROL_SECRET_FILE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|error| panic!("{program}: {error}"));
+    let started = Instant::now();
+    let pid = output.id() as i32;
+    let mut child = output;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if started.elapsed() < limit => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                let _ = child.kill();
+                panic!("{program} (pid {pid}) still ran {limit:?} after its start");
+            }
+        }
+    }
+    let finished = child
+        .wait_with_output()
+        .unwrap_or_else(|error| panic!("{program}: {error}"));
+    let log = String::from_utf8_lossy(&finished.stdout).into_owned()
+        + &String::from_utf8_lossy(&finished.stderr);
+    (finished.status.success(), log)
+}
+
+/// An engine or worker on a non-loopback TCP address without a control secret refuses to start
+/// (before it loads anything), naming the secret's sources and `--insecure-listen`; with that
+/// flag the engine serves there.
+#[test]
+fn engines_and_workers_on_a_public_address_refuse_to_start_without_a_secret() {
+    let scratch = tempfile::tempdir().unwrap_or_else(|error| panic!("{error}"));
+    let model = artifact(scratch.path());
+    let model = model.display().to_string();
+    let public = format!("0.0.0.0:{}", free_port());
+    let engine_arguments = [
+        "--model",
+        &model,
+        "--device",
+        "cpu",
+        "--moe-threads",
+        "1",
+        "--listen",
+        &public,
+    ];
+    let (succeeded, log) =
+        exit_without_secret("ninfer-engine", &engine_arguments, Duration::from_secs(20));
+    assert!(!succeeded, "the engine started:\n{log}");
+    for named in ["--insecure-listen", "--control-secret-file", &public] {
+        assert!(
+            log.contains(named),
+            "the refusal does not name {named}:\n{log}"
+        );
+    }
+    let worker_arguments = ["--model", &model, "--moe-threads", "1", "--listen", &public];
+    let (succeeded, log) = exit_without_secret(
+        "ninfer-expert-worker",
+        &worker_arguments,
+        Duration::from_secs(20),
+    );
+    assert!(!succeeded, "the worker started:\n{log}");
+    assert!(log.contains("--insecure-listen"), "{log}");
+
+    // Loopback needs no flag (a warning only), and the explicit flag opens a public address.
+    let mut engine = Command::new(binary("ninfer-engine"))
+        .args(engine_arguments)
+        .arg("--insecure-listen")
+        .env_remove("NINFER_CONTROL_SECRET")
+        .env_remove("NINFER_CONTROL_SECRET_FILE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| panic!("engine: {error}"));
+    let port = public.rsplit(':').next().unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_err() {
+        assert!(
+            matches!(engine.try_wait(), Ok(None)),
+            "the engine with --insecure-listen exited"
+        );
+        assert!(Instant::now() < deadline, "the engine never listened");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    sigterm(engine.id());
+    exit_time(&mut engine, Duration::from_secs(5), "the engine");
+}
+
+/// One streaming request on its own connection, read in the background: everything the
+/// gateway sent until it closed the connection.
+fn streaming_request(
+    api: &str,
+    path: &str,
+    body: &str,
+) -> (
+    std::sync::mpsc::Receiver<()>,
+    std::thread::JoinHandle<String>,
+) {
+    use std::io::{Read, Write};
+    let mut stream =
+        std::net::TcpStream::connect(api).unwrap_or_else(|error| panic!("{api}: {error}"));
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nanthropic-version: 2023-06-01\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(head.as_bytes())
+        .unwrap_or_else(|error| panic!("{error}"));
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let (first_text, first_text_seen) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut received = Vec::new();
+        let mut buffer = [0u8; 4096];
+        let mut told = false;
+        while let Ok(read) = stream.read(&mut buffer) {
+            if read == 0 {
+                break;
+            }
+            received.extend_from_slice(&buffer[..read]);
+            let text = String::from_utf8_lossy(&received);
+            // The headers, then at least two events: the answer is streaming.
+            if !told && text.matches("data: ").count() >= 2 {
+                told = true;
+                let _ = first_text.send(());
+            }
+        }
+        String::from_utf8_lossy(&received).into_owned()
+    });
+    (first_text_seen, reader)
+}
+
+/// Ten SIGTERMs in a row to `ninfer run --serve`, each under two streams already answering (an
+/// OpenAI chat and an Anthropic message): the gateway is stopped before the engine, so every
+/// stream ends with the documented drain error (`server_shutting_down`, Anthropic
+/// `overloaded_error`), never an engine failure, and every process is gone within 2 s.
+#[test]
+fn every_sigterm_under_streams_ends_them_with_the_documented_code() {
+    let scratch = tempfile::tempdir().unwrap_or_else(|error| panic!("{error}"));
+    let model = artifact(scratch.path());
+    let runtime_root = scratch.path().join("runtime");
+    std::fs::create_dir_all(&runtime_root).unwrap_or_else(|error| panic!("{error}"));
+    // Answers of hundreds of tokens: the chat ignores end-of-sequence, the message's prompt makes
+    // the fixture write 400 tokens.
+    let chat = r#"{"model": "qwen3_moe", "stream": true, "max_tokens": 2000, "ignore_eos": true, "temperature": 0, "messages": [{"role": "user", "content": "Count"}]}"#;
+    let message = r#"{"model": "qwen3_moe", "stream": true, "max_tokens": 2000, "temperature": 0, "messages": [{"role": "user", "content": "Tell me a story"}]}"#;
+    let mut stop_times = Vec::new();
+    for round in 0..10 {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let log = scratch.path().join(format!("run-{round}.err"));
+        let mut run = Command::new(env!("CARGO_BIN_EXE_ninfer"))
+            .env("XDG_RUNTIME_DIR", &runtime_root)
+            .env("XDG_CACHE_HOME", scratch.path().join("cache"))
+            .env("XDG_STATE_HOME", scratch.path().join("state"))
+            // Slow experts keep both answers streaming past the gateway's drain deadline.
+            .env("NINFER_WORKER_TEST_DELAY_MS", "5")
+            .arg("run")
+            .arg(&model)
+            .args(["--moe-threads", "1", "--serve", "--listen", &listen])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap_or_else(|error| panic!("{error}")))
+            .spawn()
+            .unwrap_or_else(|error| panic!("ninfer run: {error}"));
+        let stdout = BufReader::new(run.stdout.take().unwrap_or_else(|| panic!("no stdout")));
+        let ready = stdout
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.starts_with("ready: "));
+        assert!(ready, "round {round}: run --serve never said ready");
+        let runtime_dir = runtime_root.join(format!("ninfer-{}", run.id()));
+        let pid_of = |label: &str| -> i32 {
+            std::fs::read_to_string(runtime_dir.join(format!("{label}.pid")))
+                .ok()
+                .and_then(|text| text.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no pid file for {label}"))
+        };
+        let children = [pid_of("gateway"), pid_of("engine"), pid_of("experts-0")];
+        let (openai_started, openai) = streaming_request(&listen, "/v1/chat/completions", chat);
+        let (anthropic_started, anthropic) = streaming_request(&listen, "/v1/messages", message);
+        for started in [openai_started, anthropic_started] {
+            started
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|_| panic!("round {round}: a stream never answered"));
+        }
+        sigterm(run.id());
+        let took = exit_time(&mut run, Duration::from_secs(2), "ninfer run --serve");
+        stop_times.push(took);
+        for pid in children {
+            assert!(!alive(pid), "round {round}: child {pid} still running");
+        }
+        let openai = openai.join().unwrap_or_else(|_| panic!("reader panicked"));
+        let anthropic = anthropic
+            .join()
+            .unwrap_or_else(|_| panic!("reader panicked"));
+        assert!(
+            openai.contains("\"code\":\"server_shutting_down\""),
+            "round {round}: the OpenAI stream did not end with the drain error:\n{}",
+            &openai[openai.len().saturating_sub(600)..]
+        );
+        assert!(
+            anthropic.contains("\"type\":\"overloaded_error\""),
+            "round {round}: the Anthropic stream did not end with the drain error:\n{}",
+            &anthropic[anthropic.len().saturating_sub(600)..]
+        );
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            !said.contains("did not stop in time"),
+            "round {round}: a child had to be killed:\n{said}"
+        );
+    }
+    eprintln!("ten SIGTERMs under two streams: every process gone after {stop_times:?}");
 }

@@ -234,6 +234,10 @@ struct Args {
     /// TCP and other users can reach it; a `unix:PATH` socket is owner-only without it.
     #[arg(long, value_name = "FILE")]
     control_secret_file: Option<PathBuf>,
+    /// Serve on a non-loopback TCP `--listen` without a control secret (refused otherwise:
+    /// anyone reaching the port could use the engine).
+    #[arg(long)]
+    insecure_listen: bool,
     /// Speculative decoding: `mtp` drafts tokens with the model's MTP head and verifies them in
     /// one batched forward (greedy output is the same token for token; sampled output follows
     /// the same distribution). Requests may ask for fewer drafts or none.
@@ -282,8 +286,15 @@ fn main() -> anyhow::Result<()> {
 fn run(args: Args) -> anyhow::Result<()> {
     let control_secret = ninfer_protocol::control_secret::load(args.control_secret_file.as_deref())
         .context("--control-secret-file")?;
+    const ENGINE_REACH: &str = "generate, cancel and read the model files";
+    ninfer_protocol::control_secret::check_listen(
+        &args.listen,
+        control_secret.is_some(),
+        args.insecure_listen,
+        ENGINE_REACH,
+    )?;
     if control_secret.is_none() && !args.listen.starts_with("unix:") {
-        tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: any local user can generate, cancel and read the model files (prefer --listen unix:PATH, or set --control-secret-file)");
+        tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: anyone who reaches the port can {ENGINE_REACH} (prefer --listen unix:PATH, or set --control-secret-file)");
     }
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
     let device = select_device(args.device, args.kv_dtype, cuda_options(&args))?;

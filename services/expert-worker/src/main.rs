@@ -58,11 +58,21 @@ struct Args {
     /// a `unix:PATH` socket is owner-only without it.
     #[arg(long, value_name = "FILE")]
     control_secret_file: Option<PathBuf>,
+    /// Serve on a non-loopback TCP `--listen` without a control secret (refused otherwise:
+    /// anyone reaching the port could drive the worker).
+    #[arg(long)]
+    insecure_listen: bool,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
-    /// Test hook: sleep this long before answering each request, so tests can act mid-generation.
-    #[arg(long, hide = true, default_value_t = 0)]
+    /// Test hook: sleep this long before answering each request, so tests can act mid-generation
+    /// (also from the environment, for workers a supervisor starts).
+    #[arg(
+        long,
+        hide = true,
+        default_value_t = 0,
+        env = "NINFER_WORKER_TEST_DELAY_MS"
+    )]
     test_delay_ms: u64,
 }
 
@@ -150,8 +160,15 @@ fn main() -> anyhow::Result<()> {
     init_logging(args.log_json);
     let control_secret = ninfer_protocol::control_secret::load(args.control_secret_file.as_deref())
         .context("--control-secret-file")?;
+    const WORKER_REACH: &str = "attach the worker to a channel and read its statistics";
+    ninfer_protocol::control_secret::check_listen(
+        &args.listen,
+        control_secret.is_some(),
+        args.insecure_listen,
+        WORKER_REACH,
+    )?;
     if control_secret.is_none() && !args.listen.starts_with("unix:") {
-        tracing::warn!(listen = %args.listen, "the worker listens on TCP without a control secret: any local user can attach it to a channel and read its statistics (prefer --listen unix:PATH, or set --control-secret-file)");
+        tracing::warn!(listen = %args.listen, "the worker listens on TCP without a control secret: anyone who reaches the port can {WORKER_REACH} (prefer --listen unix:PATH, or set --control-secret-file)");
     }
     let artifact = Arc::new(
         Artifact::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,

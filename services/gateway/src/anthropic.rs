@@ -30,8 +30,8 @@ use crate::generation::{
     build_chat_prompt, collect_generation, token_count_parameter, ChoiceReceiver, FinishKind,
     GenerationEvent, GenerationSummary, SamplingOptions,
 };
+use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
-use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ToolCallCapture};
 

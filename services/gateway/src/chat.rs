@@ -1,8 +1,9 @@
 //! The gateway's own chat model: the conversation every API converts its wire types into before
 //! generation, and what the chat template receives from it.
 //!
-//! Owns: [`ChatConversation`] (messages, tools, template switches), [`ChatMessage`],
-//! [`ChatContent`], [`ChatToolCall`], [`ChatTool`], and their one rendering into
+//! Owns: [`ChatConversation`] (messages, tools, template switches, the answer's
+//! [`ResponseFormat`]), [`ChatMessage`], [`ChatContent`], [`ChatToolCall`], [`ChatTool`], and
+//! their one rendering into
 //! [`ChatTemplateInput`] (the transformers message/tool format chat templates are written for).
 //! Must not touch: any API's JSON shapes (the `openai`, `anthropic` and `grpc_api` modules convert
 //! to and from this model), sampling, or engines.
@@ -11,7 +12,6 @@ use minijinja::Value;
 
 use crate::chat_template::ChatTemplateInput;
 use crate::error::GatewayError;
-use crate::structured::ResponseFormat;
 
 /// Who speaks a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,9 +226,22 @@ impl ChatMessage {
     }
 }
 
+/// The shape the answer must have (read from each API by `structured`, which also writes its
+/// grammar).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum ResponseFormat {
+    /// Free text (the default).
+    #[default]
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid for this schema.
+    JsonSchema(serde_json::Value),
+}
+
 /// Whether and which tool the client asks the model to call. `None` is honoured (no call is
 /// parsed); `Required` and `Function` are checked against the declared tools and forced on the
-/// tokens (a grammar of the model's tool-call syntax, see [`crate::structured`]).
+/// tokens (a grammar of the model's tool-call syntax, written by the `structured` module).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum ToolChoice {
     /// The model decides (the default).

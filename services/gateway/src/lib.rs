@@ -4,7 +4,7 @@
 //! public gRPC API with health and reflection (`grpc_api`) — each only converts its wire types to
 //! and from the neutral chat model (`chat`) and the generator's events; utility routes, auth and
 //! limits (`server`); reading request bodies within their limit, refusing a prompt too long
-//! for the context while it arrives (`request_body`); connection limits, timeouts and the shutdown drain (`connections`);
+//! for the context while it arrives (`request_body`) and parsing them (`json_body`); connection limits, timeouts and the shutdown drain (`connections`);
 //! shared state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`,
 //! `chat_template`); stop strings (`stop_strings`), `<think>` splitting
 //! (`reasoning`), tool-call parsing (`tool_calls`), structured output and forced tool calls as
@@ -25,6 +25,7 @@ pub mod connections;
 pub mod error;
 pub mod generation;
 pub mod grpc_api;
+pub mod json_body;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;

@@ -27,8 +27,8 @@ use crate::generation::{
     collect_generation, token_count_parameter, ChoiceReceiver, FinishKind, GenerationEvent,
     GenerationPlan, GenerationSummary, SamplingOptions, TokenLogprobEntry,
 };
+use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
-use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::structured::openai_response_format;
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall, ToolCallCapture};

@@ -32,8 +32,8 @@ use crate::generation::{
     token_count_parameter, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
     SamplingOptions,
 };
+use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
-use crate::server::parse_json_body;
 use crate::state::GatewayState;
 use crate::structured::responses_text_format;
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall};

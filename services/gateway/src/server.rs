@@ -21,6 +21,7 @@ use tower::ServiceExt;
 
 use crate::connections::{serve_connections, ConnectionLimits};
 use crate::error::{ApiDialect, GatewayError};
+use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
 
@@ -205,24 +206,6 @@ fn metric_endpoint(path: &str) -> String {
         .unwrap_or_else(|| "other".to_string())
 }
 
-/// Parses a body read by [`JsonRequestBody`] as JSON, mapping every failure to a 4xx (or the
-/// refusal the body's reading already decided).
-pub fn parse_json_body<T: serde::de::DeserializeOwned>(
-    body: JsonRequestBody,
-) -> Result<T, GatewayError> {
-    let bytes = body.0?;
-    if bytes.is_empty() {
-        return Err(GatewayError::invalid(
-            "the request body is empty; a JSON object is expected",
-        ));
-    }
-    serde_json::from_slice(&bytes).map_err(|error| {
-        GatewayError::invalid(format!(
-            "the request body is not valid JSON for this endpoint: {error}"
-        ))
-    })
-}
-
 async fn route_not_found(request: Request) -> Response {
     let path = request.uri().path().to_string();
     GatewayError::RouteNotFound(format!("no route for {} {path}", request.method()))
@@ -246,9 +229,25 @@ async fn root() -> Response {
         .into_response()
 }
 
-/// 200 when at least one engine is ready, 503 otherwise; the body lists the engines.
-async fn health(State(state): State<Arc<GatewayState>>) -> Response {
+/// 200 when at least one engine is ready, 503 otherwise. The body lists the engines (their
+/// addresses, models and errors) only to callers with the API key when one is set: a probe
+/// learns ok / not ready, nothing about the deployment.
+async fn health(State(state): State<Arc<GatewayState>>, headers: HeaderMap) -> Response {
     let snapshot = state.backend.snapshot();
+    let ready = snapshot.any_engine_ready();
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let status_word = if ready { "ok" } else { "unavailable" };
+    let shows_detail = match &state.settings.api_key {
+        Some(expected) => presented_api_key(&headers).is_some_and(|key| keys_match(key, expected)),
+        None => true,
+    };
+    if !shows_detail {
+        return (status, Json(json!({"status": status_word}))).into_response();
+    }
     let engines: Vec<_> = snapshot
         .engines
         .iter()
@@ -262,15 +261,9 @@ async fn health(State(state): State<Arc<GatewayState>>) -> Response {
             })
         })
         .collect();
-    let ready = snapshot.any_engine_ready();
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
     (
         status,
-        Json(json!({"status": if ready { "ok" } else { "unavailable" }, "engines": engines})),
+        Json(json!({"status": status_word, "engines": engines})),
     )
         .into_response()
 }

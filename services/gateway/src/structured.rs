@@ -10,20 +10,10 @@
 
 use serde_json::{json, Map, Value as JsonValue};
 
+/// The answer shapes this module reads and writes grammars for belong to the chat model.
+pub use crate::chat::ResponseFormat;
 use crate::chat::ToolChoice;
 use crate::error::GatewayError;
-
-/// The shape the answer must have.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub enum ResponseFormat {
-    /// Free text (the default).
-    #[default]
-    Text,
-    /// Any JSON object.
-    JsonObject,
-    /// JSON valid for this schema.
-    JsonSchema(JsonValue),
-}
 
 /// How the model writes a tool call, read from its chat template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -447,6 +447,22 @@ async fn api_key_is_required_in_each_dialect() {
     )
     .await;
     gateway.wait_for_health(200).await; // /health needs no key
+                                        // ...but without it, it tells only ok / not ready: no engine address, model or error.
+    let anonymous_health = get(gateway.address, "/health").await;
+    assert_eq!(anonymous_health.json(), json!({"status": "ok"}));
+    let keyed_health = request(
+        gateway.address,
+        "GET",
+        "/health",
+        &[("authorization", "Bearer sekret")],
+        b"",
+    )
+    .await;
+    assert_eq!(keyed_health.status, 200);
+    assert_eq!(
+        keyed_health.json()["engines"][0]["address"],
+        engine.address.to_string()
+    );
     let chat =
         json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
             .to_string();

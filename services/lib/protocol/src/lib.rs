@@ -63,8 +63,73 @@ pub mod control_secret {
         }
     }
 
+    /// Why a control API refuses to listen where it was told to.
+    #[derive(Debug, thiserror::Error)]
+    #[error("--listen {listen} can be reached from other machines and no control secret is set: anyone reaching the port could {reach}; set --control-secret-file (or {SECRET_FILE_VARIABLE} / {SECRET_VARIABLE}), listen on unix:PATH or a loopback address, or pass --insecure-listen to accept this")]
+    pub struct UnguardedListen {
+        pub listen: String,
+        /// What an unauthenticated caller could do there, in the service's words.
+        pub reach: &'static str,
+    }
+
+    /// Whether `listen` (`unix:PATH` or `HOST:PORT`) is reachable from other machines: any TCP
+    /// address that is not loopback, or one that is not an IP address at all.
+    pub fn listens_beyond_this_machine(listen: &str) -> bool {
+        if listen.starts_with("unix:") {
+            return false;
+        }
+        match listen.parse::<std::net::SocketAddr>() {
+            Ok(address) => !address.ip().is_loopback(),
+            // A host name may resolve anywhere; the caller's own parse rejects it later anyway.
+            Err(_) => true,
+        }
+    }
+
+    /// A control API on a non-loopback TCP address serves only with a secret, unless the
+    /// operator accepted the exposure (`insecure_listen`); loopback TCP and unix sockets pass
+    /// (a warning for loopback TCP is the caller's).
+    pub fn check_listen(
+        listen: &str,
+        has_secret: bool,
+        insecure_listen: bool,
+        reach: &'static str,
+    ) -> Result<(), UnguardedListen> {
+        if has_secret || insecure_listen || !listens_beyond_this_machine(listen) {
+            return Ok(());
+        }
+        Err(UnguardedListen {
+            listen: listen.to_string(),
+            reach,
+        })
+    }
+
     fn bearer(secret: &str) -> Option<MetadataValue<tonic::metadata::Ascii>> {
         format!("Bearer {secret}").parse().ok()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::check_listen;
+
+        #[test]
+        fn only_a_public_address_without_a_secret_or_the_flag_is_refused() {
+            let reach = "call it";
+            for guarded in ["unix:/run/x.sock", "127.0.0.1:1", "[::1]:1"] {
+                assert!(
+                    check_listen(guarded, false, false, reach).is_ok(),
+                    "{guarded}"
+                );
+            }
+            for public in ["0.0.0.0:1", "10.1.2.3:1", "[::]:1", "example.org:1"] {
+                let refusal = check_listen(public, false, false, reach)
+                    .expect_err(public)
+                    .to_string();
+                assert!(refusal.contains("--insecure-listen"), "{refusal}");
+                assert!(refusal.contains(public), "{refusal}");
+                assert!(check_listen(public, true, false, reach).is_ok());
+                assert!(check_listen(public, false, true, reach).is_ok());
+            }
+        }
     }
 
     /// Server side: refuses calls without the secret (when one is set).

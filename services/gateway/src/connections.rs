@@ -7,7 +7,7 @@
 //! a `Content-Length` larger than what is sent end in an error, not a wait), idle keep-alive
 //! connections (HTTP/1.1 and HTTP/2) closed after a quiet spell, and a graceful drain with a
 //! deadline at shutdown (idle connections close at once, requests in flight get until the
-//! deadline; an answer still streaming then ends with its API's error event, and every
+//! deadline and the process waits for nothing else; an answer still streaming then ends with its API's error event, and every
 //! connection is dropped).
 //! Must not touch: routes, authentication or API shapes (see `server`).
 
@@ -53,6 +53,9 @@ pub struct ConnectionLimits {
 /// After the drain deadline, how long streams get to write their final error event and end
 /// before their connections are dropped.
 const FINAL_EVENT_GRACE: Duration = Duration::from_millis(250);
+
+/// At shutdown, how long connections get to flush and close once no answer is in flight.
+const FLUSH_GRACE: Duration = Duration::from_millis(100);
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
@@ -123,6 +126,7 @@ pub async fn serve_connections(
     let (stop_sender, stop) = watch::channel(false);
     let (cut_sender, cut_streams) = watch::channel(false);
     let event_streams = Arc::new(AtomicUsize::new(0));
+    let answers_in_flight = Arc::new(AtomicUsize::new(0));
     let open = Arc::new(AtomicUsize::new(0));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -162,6 +166,7 @@ pub async fn serve_connections(
             stop: stop.clone(),
             cut_streams: cut_streams.clone(),
             event_streams: event_streams.clone(),
+            answers_in_flight: answers_in_flight.clone(),
             open: open.clone(),
         };
         open.fetch_add(1, Ordering::SeqCst);
@@ -173,13 +178,22 @@ pub async fn serve_connections(
     drop(listener);
     let _ = stop_sender.send(true);
     let deadline = Instant::now() + limits.drain_deadline;
+    // Only answers are waited for: an idle connection whose peer ignores the close holds nothing
+    // (the process exits with it open), so a stop without requests in flight is quick. Once the
+    // last answer is out, connections get a moment to flush and close by themselves.
+    let mut answers_done_at: Option<Instant> = None;
     while open.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+        if answers_in_flight.load(Ordering::SeqCst) > 0 {
+            answers_done_at = None;
+        } else if answers_done_at.get_or_insert_with(Instant::now).elapsed() > FLUSH_GRACE {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let left = open.load(Ordering::SeqCst);
+    let left = answers_in_flight.load(Ordering::SeqCst);
     if left > 0 {
         tracing::warn!(
-            connections = left,
+            answers = left,
             "requests still in flight at the drain deadline; ending their streams with an error event and closing their connections"
         );
         // Only streams are waited for: an idle peer that ignores the close holds nothing.
@@ -224,6 +238,8 @@ struct ServedConnection {
     cut_streams: watch::Receiver<bool>,
     /// Streaming answers not yet ended (on every connection).
     event_streams: Arc<AtomicUsize>,
+    /// Requests whose answer has not been sent whole (on every connection).
+    answers_in_flight: Arc<AtomicUsize>,
     open: Arc<AtomicUsize>,
 }
 
@@ -242,8 +258,10 @@ impl ServedConnection {
         let in_handler = answering.clone();
         let cut_streams = self.cut_streams.clone();
         let event_streams = self.event_streams.clone();
+        let answers_in_flight = self.answers_in_flight.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             counted.fetch_add(1, Ordering::Relaxed);
+            let in_flight = Answering::new(answers_in_flight.clone());
             let path = request.uri().path().to_string();
             let request: Request = request.map(|body| Body::new(DeadlineBody::new(body, &limits)));
             let answer = router.clone().oneshot(request);
@@ -254,7 +272,7 @@ impl ServedConnection {
                 let response = answer.await;
                 drop(guard);
                 response.map(|response| {
-                    if is_event_stream(&response) {
+                    let response = if is_event_stream(&response) {
                         response.map(|body| {
                             Body::new(StreamCutAtDeadline::new(
                                 body,
@@ -265,7 +283,14 @@ impl ServedConnection {
                         })
                     } else {
                         response
-                    }
+                    };
+                    // The request counts as in flight until its answer's body is gone.
+                    response.map(|body| {
+                        Body::new(CountedBody {
+                            inner: body,
+                            _in_flight: in_flight,
+                        })
+                    })
                 })
             }
         });
@@ -386,6 +411,33 @@ impl http_body::Body for StreamCutAtDeadline {
 
     fn is_end_stream(&self) -> bool {
         self.finished
+    }
+}
+
+/// An answer's body that counts its request as in flight until it is dropped (sent whole, or
+/// its connection gone).
+struct CountedBody {
+    inner: Body,
+    _in_flight: Answering,
+}
+
+impl http_body::Body for CountedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(context)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -158,6 +158,27 @@ pub trait ExpertSlotFills {
     /// (on a GPU the compute stream waits for the copy's event; the host does not).
     fn complete_fills(&mut self) -> Result<(), EngineError>;
 
+    /// What the dynamic cache does between two steps: [`ExpertSlotFills::complete_fills`],
+    /// then `decide` on the table with those fills entered, then
+    /// [`ExpertSlotFills::start_fill`] of each (slot, expert) pair it returns, which it returns.
+    /// A GPU makes it one table update and one pair of copy events for the layer.
+    fn refresh_fills(
+        &mut self,
+        decide: &mut dyn FnMut(&ExpertSlotTable) -> Vec<(usize, usize)>,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<Vec<(usize, usize)>, EngineError>
+    where
+        Self: WithExpertSlotTable + Sized,
+    {
+        self.complete_fills()?;
+        let fills = decide(self.slot_table());
+        for &(slot, expert) in &fills {
+            self.start_fill(slot, expert, artifact, bank)?;
+        }
+        Ok(fills)
+    }
+
     /// Fills started and not yet completed (batch fills count one per expert).
     fn fills_in_flight(&self) -> usize;
 

@@ -204,6 +204,11 @@ pub struct LayerCacheCounters {
     /// Fills that replaced a resident expert.
     pub evictions: AtomicU64,
     pub bytes_copied: AtomicU64,
+    /// Host time of the hook between steps for this layer (deciding, starting and completing
+    /// fills), nanoseconds: what the cache costs the step outside the copies.
+    pub upkeep_nanos: AtomicU64,
+    /// Hooks between steps for this layer.
+    pub upkeeps: AtomicU64,
 }
 
 /// A snapshot of [`LayerCacheCounters`] (or their sum over layers).
@@ -289,8 +294,17 @@ impl ExpertCacheCounters {
             .filter(|(_, counts)| counts.hits + counts.misses > 0)
             .map(|(layer, counts)| format!("{layer}:{:.1}%", 100.0 * counts.hit_rate()))
             .collect();
+        let (upkeep_nanos, upkeeps) =
+            self.layers
+                .iter()
+                .fold((0u64, 0u64), |(nanos, calls), layer| {
+                    (
+                        nanos + layer.upkeep_nanos.load(Ordering::Relaxed),
+                        calls.max(layer.upkeeps.load(Ordering::Relaxed)),
+                    )
+                });
         format!(
-            "{} slots per layer, {}: hit rate {:.1}% ({} hits, {} misses), {} fills, {} evictions, {:.1} MiB copied; per layer {}",
+            "{} slots per layer, {}: hit rate {:.1}% ({} hits, {} misses), {} fills, {} evictions, {:.1} MiB copied, upkeep between steps {:.1} µs per step over {} steps; per layer {}",
             self.slots_per_layer,
             if self.fills_per_layer == 0 {
                 "static placement".to_string()
@@ -303,6 +317,8 @@ impl ExpertCacheCounters {
             total.fills,
             total.evictions,
             total.bytes_copied as f64 / (1 << 20) as f64,
+            upkeep_nanos as f64 / 1e3 / upkeeps.max(1) as f64,
+            upkeeps,
             layers.join(" ")
         )
     }
@@ -406,6 +422,7 @@ impl ExpertCache {
         layer: &MoeLayer<B>,
         artifact: &Arc<Artifact>,
     ) -> Result<(), EngineError> {
+        let started = std::time::Instant::now();
         let mut resident = layer.resident_slots_mut()?;
         let Some(slots) = resident.as_mut() else {
             return Ok(());
@@ -415,26 +432,34 @@ impl ExpertCache {
         if slots.fills_in_flight() == 0 && slots.slot_table().every_expert_resident() {
             return Ok(());
         }
-        slots.complete_fills()?;
-        let fills = {
-            let mut policies = self
-                .policies
-                .lock()
-                .map_err(|_| EngineError::InvalidConfig {
-                    problem: "the expert cache's lock is poisoned".into(),
-                })?;
-            match policies.get_mut(index) {
-                Some(Some(policy)) => {
-                    policy.decide(slots.slot_table(), self.options.fills_per_layer)
-                }
-                _ => Vec::new(),
-            }
-        };
         let Some(counters) = self.counters.layers.get(index) else {
             return Ok(());
         };
-        for fill in fills {
-            slots.start_fill(fill.slot, fill.expert, artifact, &layer.bank)?;
+        // The policy decides on the table with the landed fills entered; the backend makes the
+        // completions and the new fills one table update.
+        let mut decided = Vec::new();
+        let mut lock_failed = false;
+        let mut decide = |table: &ExpertSlotTable| -> Vec<(usize, usize)> {
+            let Ok(mut policies) = self.policies.lock() else {
+                lock_failed = true;
+                return Vec::new();
+            };
+            decided = match policies.get_mut(index) {
+                Some(Some(policy)) => policy.decide(table, self.options.fills_per_layer),
+                _ => Vec::new(),
+            };
+            decided
+                .iter()
+                .map(|fill| (fill.slot, fill.expert))
+                .collect()
+        };
+        slots.refresh_fills(&mut decide, artifact, &layer.bank)?;
+        if lock_failed {
+            return Err(EngineError::InvalidConfig {
+                problem: "the expert cache's lock is poisoned".into(),
+            });
+        }
+        for fill in &decided {
             counters.fills.fetch_add(1, Ordering::Relaxed);
             counters
                 .bytes_copied
@@ -443,6 +468,11 @@ impl ExpertCache {
                 counters.evictions.fetch_add(1, Ordering::Relaxed);
             }
         }
+        counters.upkeep_nanos.fetch_add(
+            u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        counters.upkeeps.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }

@@ -10,8 +10,8 @@
 //! once for up to `EXPERT_GROUP_PAIRS` of its pairs), grouped by expert (each weight read once
 //! per tile of up to `TILE_TOKENS` pairs) from `GROUPED_MIN_TOKENS` tokens on. All paths give
 //! the same bits (see `kernels/experts.cu`).
-//! Background fills of the dynamic expert cache ([`ExpertSlotFills`]) run on the slots' own copy
-//! stream and enter the table when the compute stream has waited for their event; the slot
+//! Background fills (`expert_fills.rs`) run on the slots' own copy stream and enter the table
+//! when the compute stream has waited for their event; the slot
 //! buffer and the table's device buffer are allocated once and only ever written in place (a
 //! captured CUDA graph holds their addresses).
 //! Must not touch: which experts go to slots (the model's placement), routing, the CPU side.
@@ -28,9 +28,7 @@ use ninfer_cpu_experts::{ExpertLayout, WeightDType};
 use super::{driver_error, elementwise, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
-use crate::backend::{
-    expert_bytes, slot_out_of_range, ExpertSlotFills, ExpertSlotTable, WithExpertSlotTable,
-};
+use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotTable, WithExpertSlotTable};
 use crate::error::EngineError;
 
 /// Warps per block of `expert_gate_up` / `expert_down`: `EXPERT_GATE_UP_COLUMNS` activated
@@ -130,24 +128,31 @@ impl std::fmt::Display for GroupedExpertKernels {
 
 /// Experts of one MoE layer in GPU memory. See the module doc.
 pub struct CudaExpertSlots {
-    layout: ExpertLayout,
-    storage: CudaSlice<u8>,
+    pub(super) layout: ExpertLayout,
+    pub(super) storage: CudaSlice<u8>,
     /// The GPU copy of `slot_table` ([`ExpertSlotTable::slot_entries`]), read by the kernels.
-    table: CudaSlice<i32>,
-    slot_table: ExpertSlotTable,
+    pub(super) table: CudaSlice<i32>,
+    pub(super) slot_table: ExpertSlotTable,
     /// Banks pinned for DMA (by bank prefix), or `None` when pinning failed (copies then go
     /// through the driver's staging buffer, synchronously).
     pinned: Vec<(String, Option<PinnedRange>)>,
     /// Artifacts whose bytes asynchronous copies read: kept alive as long as the slots.
-    sources: Vec<Arc<Artifact>>,
-    stream: Arc<CudaStream>,
-    /// The stream of background fills ([`ExpertSlotFills`]), made at the first one.
-    copy_stream: Option<Arc<CudaStream>>,
-    /// Background fills started and not yet in the table: slot, expert, the copy's event.
-    fills_in_flight: Vec<(usize, usize, CudaEvent)>,
+    pub(super) sources: Vec<Arc<Artifact>>,
+    pub(super) stream: Arc<CudaStream>,
+    /// The stream of background fills (`crate::backend::ExpertSlotFills`), made at the first one.
+    pub(super) copy_stream: Option<Arc<CudaStream>>,
+    /// Background fills started and not yet in the table, a batch per start: (slot, expert)
+    /// pairs and the event after the batch's last copy.
+    pub(super) fills_in_flight: Vec<(Vec<(usize, usize)>, CudaEvent)>,
     /// Batch fills (layerwise prefill) started and not yet in the table, oldest first: first
     /// slot, experts, the event after the batch's last copy.
-    batch_fills: std::collections::VecDeque<(usize, Vec<usize>, CudaEvent)>,
+    pub(super) batch_fills: std::collections::VecDeque<(usize, Vec<usize>, CudaEvent)>,
+    /// Page-locked copy of the host table that table uploads read (an asynchronous copy, where
+    /// one from pageable memory would make the host wait for the stream), made at the first.
+    pub(super) table_staging: Option<cudarc::driver::PinnedHostSlice<i32>>,
+    /// Recorded after the last upload from `table_staging`: the staging is rewritten only once
+    /// it has landed.
+    pub(super) table_uploaded: Option<CudaEvent>,
 }
 
 impl Drop for CudaExpertSlots {
@@ -168,7 +173,7 @@ impl CudaExpertSlots {
     }
 
     /// Pins `bank` and remembers `artifact` as a copy source; whether the bank is page-locked.
-    fn ready_source(
+    pub(super) fn ready_source(
         &mut self,
         artifact: &Arc<Artifact>,
         bank: &ExpertBank,
@@ -191,236 +196,6 @@ impl CudaExpertSlots {
             .pinned
             .iter()
             .any(|(prefix, range)| *prefix == bank.prefix && range.is_some()))
-    }
-
-    /// The table's device copy rewritten in place from the host table, on the compute stream
-    /// (ordered between the steps' kernels).
-    fn upload_table(&mut self) -> Result<(), CudaError> {
-        self.stream
-            .memcpy_htod(self.slot_table.slot_entries(), &mut self.table)
-            .map_err(driver_error("updating the expert slot table"))
-    }
-
-    /// The copy stream of background and batch fills, made at the first one.
-    fn fill_stream(&mut self) -> Result<Arc<CudaStream>, CudaError> {
-        if let Some(stream) = &self.copy_stream {
-            return Ok(Arc::clone(stream));
-        }
-        let stream = self
-            .stream
-            .context()
-            .new_stream()
-            .map_err(driver_error("creating the expert fill stream"))?;
-        self.copy_stream = Some(Arc::clone(&stream));
-        Ok(stream)
-    }
-
-    fn batch_fill(
-        &mut self,
-        first_slot: usize,
-        experts: &[usize],
-        artifact: &Arc<Artifact>,
-        bank: &ExpertBank,
-    ) -> Result<(), CudaError> {
-        let invalid = |problem: String| CudaError::Invalid { problem };
-        let mut sources = Vec::with_capacity(experts.len());
-        for (offset, &expert) in experts.iter().enumerate() {
-            sources.push(
-                expert_bytes(artifact, bank, expert, &self.layout)
-                    .map_err(|error| invalid(error.to_string()))?,
-            );
-            self.slot_table
-                .check(first_slot + offset, expert)
-                .map_err(|error| invalid(error.to_string()))?;
-        }
-        let pinned = self.ready_source(artifact, bank)?;
-        let copy_stream = self.fill_stream()?;
-        // No table upload here: the caller computes nothing with these slots before the
-        // batch completes, and that upload, on the compute stream, carries this change too.
-        for slot in first_slot..first_slot + experts.len() {
-            self.slot_table.clear(slot);
-        }
-        // One ordering point for the whole batch: after every kernel queued so far (the
-        // previous layer that used these slots among them).
-        let queued = self
-            .stream
-            .record_event(None)
-            .map_err(driver_error("recording the batch fill's start"))?;
-        copy_stream
-            .wait(&queued)
-            .map_err(driver_error("ordering the batch fill"))?;
-        let stride = self.layout.stride;
-        for (offset, source) in sources.into_iter().enumerate() {
-            let slot = first_slot + offset;
-            let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
-            if pinned {
-                let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
-                // SAFETY: `source` is page-locked and lives in an artifact mapping the slots
-                // keep alive (`sources`) until they are dropped, after the copy stream is
-                // synchronized; the destination range is inside the slot buffer.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        pointer,
-                        source,
-                        copy_stream.cu_stream(),
-                    )
-                }
-                .map_err(driver_error("copying an expert into a staging slot"))?;
-            } else {
-                copy_stream
-                    .memcpy_htod(source, &mut destination)
-                    .map_err(driver_error("copying an expert into a staging slot"))?;
-            }
-        }
-        let landed = copy_stream
-            .record_event(None)
-            .map_err(driver_error("recording the batch fill's end"))?;
-        self.batch_fills
-            .push_back((first_slot, experts.to_vec(), landed));
-        Ok(())
-    }
-
-    fn background_fill(
-        &mut self,
-        slot: usize,
-        expert: usize,
-        artifact: &Arc<Artifact>,
-        bank: &ExpertBank,
-    ) -> Result<(), CudaError> {
-        let source = expert_bytes(artifact, bank, expert, &self.layout).map_err(|error| {
-            CudaError::Invalid {
-                problem: error.to_string(),
-            }
-        })?;
-        self.slot_table
-            .check(slot, expert)
-            .map_err(|error| CudaError::Invalid {
-                problem: error.to_string(),
-            })?;
-        let pinned = self.ready_source(artifact, bank)?;
-        let copy_stream = self.fill_stream()?;
-        // The slot leaves the table before the copy may start, and the copy waits for every
-        // kernel queued so far (they may read the slot's old expert).
-        self.slot_table.clear(slot);
-        if let Some(old_slot) = self.slot_table.slot_of(expert) {
-            self.slot_table.clear(old_slot);
-        }
-        self.upload_table()?;
-        let queued = self
-            .stream
-            .record_event(None)
-            .map_err(driver_error("recording the expert fill's start"))?;
-        copy_stream
-            .wait(&queued)
-            .map_err(driver_error("ordering the expert fill"))?;
-        let stride = self.layout.stride;
-        let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
-        if pinned {
-            let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
-            // SAFETY: `source` is page-locked and lives in an artifact mapping the slots keep
-            // alive (`sources`) until they are dropped, after the copy stream is synchronized;
-            // the destination range is inside the slot buffer.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(pointer, source, copy_stream.cu_stream())
-            }
-            .map_err(driver_error("copying an expert into its GPU slot"))?;
-        } else {
-            copy_stream
-                .memcpy_htod(source, &mut destination)
-                .map_err(driver_error("copying an expert into its GPU slot"))?;
-        }
-        let landed = copy_stream
-            .record_event(None)
-            .map_err(driver_error("recording the expert fill's end"))?;
-        self.fills_in_flight.push((slot, expert, landed));
-        Ok(())
-    }
-}
-
-impl ExpertSlotFills for CudaExpertSlots {
-    fn start_fill(
-        &mut self,
-        slot: usize,
-        expert: usize,
-        artifact: &Arc<Artifact>,
-        bank: &ExpertBank,
-    ) -> Result<(), EngineError> {
-        self.background_fill(slot, expert, artifact, bank)
-            .map_err(|source| EngineError::Device {
-                op: "start_fill",
-                source,
-            })
-    }
-
-    fn complete_fills(&mut self) -> Result<(), EngineError> {
-        while !self.batch_fills.is_empty() {
-            self.complete_batch_fill()?;
-        }
-        if self.fills_in_flight.is_empty() {
-            return Ok(());
-        }
-        let device = |source| EngineError::Device {
-            op: "complete_fills",
-            source,
-        };
-        for (slot, expert, landed) in std::mem::take(&mut self.fills_in_flight) {
-            // The GPU waits for the copy, not the host (it has long landed in practice).
-            self.stream
-                .wait(&landed)
-                .map_err(driver_error("waiting for an expert fill"))
-                .map_err(device)?;
-            self.slot_table
-                .assign(slot, expert)
-                .map_err(slot_out_of_range)?;
-        }
-        self.upload_table().map_err(device)
-    }
-
-    fn fills_in_flight(&self) -> usize {
-        self.fills_in_flight.len()
-            + self
-                .batch_fills
-                .iter()
-                .map(|(_, experts, _)| experts.len())
-                .sum::<usize>()
-    }
-
-    fn start_batch_fill(
-        &mut self,
-        first_slot: usize,
-        experts: &[usize],
-        artifact: &Arc<Artifact>,
-        bank: &ExpertBank,
-    ) -> Result<(), EngineError> {
-        self.batch_fill(first_slot, experts, artifact, bank)
-            .map_err(|source| EngineError::Device {
-                op: "start_batch_fill",
-                source,
-            })
-    }
-
-    fn complete_batch_fill(&mut self) -> Result<(), EngineError> {
-        let device = |source| EngineError::Device {
-            op: "complete_batch_fill",
-            source,
-        };
-        let (first_slot, experts, landed) =
-            self.batch_fills
-                .pop_front()
-                .ok_or_else(|| EngineError::InvalidConfig {
-                    problem: "no expert batch fill to complete".into(),
-                })?;
-        // The compute stream waits for this batch's copies; the host does not.
-        self.stream
-            .wait(&landed)
-            .map_err(driver_error("waiting for a batch fill"))
-            .map_err(device)?;
-        for (offset, expert) in experts.into_iter().enumerate() {
-            self.slot_table
-                .assign(first_slot + offset, expert)
-                .map_err(slot_out_of_range)?;
-        }
-        self.upload_table().map_err(device)
     }
 }
 
@@ -743,6 +518,8 @@ impl CudaBackend {
             copy_stream: None,
             fills_in_flight: Vec::new(),
             batch_fills: Default::default(),
+            table_staging: None,
+            table_uploaded: None,
         })
     }
 

@@ -1137,6 +1137,7 @@ mod bandwidth;
 mod cache_copies;
 mod delta_rule;
 mod elementwise;
+mod expert_fills;
 mod experts;
 mod host_kv;
 mod launch;

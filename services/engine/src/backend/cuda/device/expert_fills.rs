@@ -1,0 +1,358 @@
+//! Background fills of GPU expert slots (the dynamic expert cache and layerwise prefill's
+//! staging slots): copies from the page-locked banks on the slots' own copy stream, ordered
+//! after the kernels that may still read a slot's old expert, and the expert → slot table's
+//! uploads, through a page-locked staging copy so the host never waits for the stream.
+//!
+//! Owns: [`ExpertSlotFills`] for [`CudaExpertSlots`] and the table upload. Must not touch: the
+//! kernels, which experts are filled (the cache's policy), the start-up placement.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtrMut};
+use ninfer_artifact::{Artifact, ExpertBank};
+
+use super::driver_error;
+use super::experts::CudaExpertSlots;
+use crate::backend::cuda::CudaError;
+use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotFills, ExpertSlotTable};
+use crate::error::EngineError;
+
+impl CudaExpertSlots {
+    /// The table's device copy rewritten in place from the host table, on the compute stream
+    /// (ordered between the kernels), from pageable memory: the driver first waits for the
+    /// work queued on the stream. Layerwise prefill's batch fills use it (their uploads come a
+    /// layer apart while the host runs ahead of the stream).
+    fn upload_table(&mut self) -> Result<(), CudaError> {
+        self.stream
+            .memcpy_htod(self.slot_table.slot_entries(), &mut self.table)
+            .map_err(driver_error("updating the expert slot table"))
+    }
+
+    /// [`CudaExpertSlots::upload_table`] through a page-locked staging copy: the host queues
+    /// the copy and goes on. The dynamic cache's uploads come once per layer between two steps,
+    /// so the previous upload from the staging copy has long landed when it is rewritten.
+    fn upload_table_staged(&mut self) -> Result<(), CudaError> {
+        let entries = self.slot_table.slot_entries();
+        if self.table_staging.is_none() {
+            // SAFETY: written in full below before any copy reads it.
+            let staging = unsafe { self.stream.context().alloc_pinned::<i32>(entries.len()) }
+                .map_err(driver_error(
+                    "allocating the expert slot table's staging copy",
+                ))?;
+            self.table_staging = Some(staging);
+        }
+        // The previous upload must have read the staging before it is rewritten (it has, in
+        // practice: it was queued a step ago).
+        if let Some(uploaded) = &self.table_uploaded {
+            uploaded
+                .synchronize()
+                .map_err(driver_error("waiting for the last slot table upload"))?;
+        }
+        let Some(staging) = self.table_staging.as_mut() else {
+            return Err(CudaError::Invalid {
+                problem: "the slot table's staging copy is missing".into(),
+            });
+        };
+        let staged = staging
+            .as_mut_slice()
+            .map_err(driver_error("writing the slot table's staging copy"))?;
+        if staged.len() != entries.len() {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "the slot table has {} entries, its staging copy {}",
+                    entries.len(),
+                    staged.len()
+                ),
+            });
+        }
+        staged.copy_from_slice(entries);
+        let (pointer, _record) = self.table.device_ptr_mut(&self.stream);
+        // SAFETY: the staging copy is page-locked, holds exactly the table's entries and is not
+        // written again before `table_uploaded` (recorded right after) has completed; the
+        // destination is the table's device buffer of the same length.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(pointer, &*staged, self.stream.cu_stream())
+        }
+        .map_err(driver_error("updating the expert slot table"))?;
+        let uploaded = self
+            .stream
+            .record_event(None)
+            .map_err(driver_error("recording the slot table upload"))?;
+        self.table_uploaded = Some(uploaded);
+        Ok(())
+    }
+
+    /// The copy stream of background and batch fills, made at the first one.
+    pub(super) fn fill_stream(&mut self) -> Result<Arc<CudaStream>, CudaError> {
+        if let Some(stream) = &self.copy_stream {
+            return Ok(Arc::clone(stream));
+        }
+        let stream = self
+            .stream
+            .context()
+            .new_stream()
+            .map_err(driver_error("creating the expert fill stream"))?;
+        self.copy_stream = Some(Arc::clone(&stream));
+        Ok(stream)
+    }
+
+    fn batch_fill(
+        &mut self,
+        first_slot: usize,
+        experts: &[usize],
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), CudaError> {
+        let invalid = |problem: String| CudaError::Invalid { problem };
+        let mut sources = Vec::with_capacity(experts.len());
+        for (offset, &expert) in experts.iter().enumerate() {
+            sources.push(
+                expert_bytes(artifact, bank, expert, &self.layout)
+                    .map_err(|error| invalid(error.to_string()))?,
+            );
+            self.slot_table
+                .check(first_slot + offset, expert)
+                .map_err(|error| invalid(error.to_string()))?;
+        }
+        let pinned = self.ready_source(artifact, bank)?;
+        let copy_stream = self.fill_stream()?;
+        // No table upload here: the caller computes nothing with these slots before the
+        // batch completes, and that upload, on the compute stream, carries this change too.
+        for slot in first_slot..first_slot + experts.len() {
+            self.slot_table.clear(slot);
+        }
+        // One ordering point for the whole batch: after every kernel queued so far (the
+        // previous layer that used these slots among them).
+        let queued = self
+            .stream
+            .record_event(None)
+            .map_err(driver_error("recording the batch fill's start"))?;
+        copy_stream
+            .wait(&queued)
+            .map_err(driver_error("ordering the batch fill"))?;
+        let stride = self.layout.stride;
+        for (offset, source) in sources.into_iter().enumerate() {
+            let slot = first_slot + offset;
+            let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
+            if pinned {
+                let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
+                // SAFETY: `source` is page-locked and lives in an artifact mapping the slots
+                // keep alive (`sources`) until they are dropped, after the copy stream is
+                // synchronized; the destination range is inside the slot buffer.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        pointer,
+                        source,
+                        copy_stream.cu_stream(),
+                    )
+                }
+                .map_err(driver_error("copying an expert into a staging slot"))?;
+            } else {
+                copy_stream
+                    .memcpy_htod(source, &mut destination)
+                    .map_err(driver_error("copying an expert into a staging slot"))?;
+            }
+        }
+        let landed = copy_stream
+            .record_event(None)
+            .map_err(driver_error("recording the batch fill's end"))?;
+        self.batch_fills
+            .push_back((first_slot, experts.to_vec(), landed));
+        Ok(())
+    }
+
+    /// Starts the copies of `fills` ((slot, expert) pairs) on the copy stream: their slots
+    /// leave the table (one upload for all of them, after the fills completed just before are
+    /// entered), and the copies wait for every kernel queued so far (they may read the slots'
+    /// old experts) behind one event; one event after the last copy.
+    fn background_fills(
+        &mut self,
+        fills: &[(usize, usize)],
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), CudaError> {
+        let invalid = |problem: String| CudaError::Invalid { problem };
+        let mut sources = Vec::with_capacity(fills.len());
+        for &(slot, expert) in fills {
+            sources.push(
+                expert_bytes(artifact, bank, expert, &self.layout)
+                    .map_err(|error| invalid(error.to_string()))?,
+            );
+            self.slot_table
+                .check(slot, expert)
+                .map_err(|error| invalid(error.to_string()))?;
+        }
+        let pinned = self.ready_source(artifact, bank)?;
+        let copy_stream = self.fill_stream()?;
+        for &(slot, expert) in fills {
+            self.slot_table.clear(slot);
+            if let Some(old_slot) = self.slot_table.slot_of(expert) {
+                self.slot_table.clear(old_slot);
+            }
+        }
+        self.upload_table_staged()?;
+        if fills.is_empty() {
+            return Ok(());
+        }
+        let queued = self
+            .stream
+            .record_event(None)
+            .map_err(driver_error("recording the expert fills' start"))?;
+        copy_stream
+            .wait(&queued)
+            .map_err(driver_error("ordering the expert fills"))?;
+        let stride = self.layout.stride;
+        for (&(slot, _), source) in fills.iter().zip(sources) {
+            let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
+            if pinned {
+                let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
+                // SAFETY: `source` is page-locked and lives in an artifact mapping the slots
+                // keep alive (`sources`) until they are dropped, after the copy stream is
+                // synchronized; the destination range is inside the slot buffer.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        pointer,
+                        source,
+                        copy_stream.cu_stream(),
+                    )
+                }
+                .map_err(driver_error("copying an expert into its GPU slot"))?;
+            } else {
+                copy_stream
+                    .memcpy_htod(source, &mut destination)
+                    .map_err(driver_error("copying an expert into its GPU slot"))?;
+            }
+        }
+        let landed = copy_stream
+            .record_event(None)
+            .map_err(driver_error("recording the expert fills' end"))?;
+        self.fills_in_flight.push((fills.to_vec(), landed));
+        Ok(())
+    }
+
+    /// Enters every started fill in the host table; the compute stream waits for their copies
+    /// (the host does not). The device table is the caller's to upload.
+    fn enter_landed_fills(&mut self) -> Result<(), EngineError> {
+        for (fills, landed) in std::mem::take(&mut self.fills_in_flight) {
+            self.stream
+                .wait(&landed)
+                .map_err(driver_error("waiting for expert fills"))
+                .map_err(|source| EngineError::Device {
+                    op: "complete_fills",
+                    source,
+                })?;
+            for (slot, expert) in fills {
+                self.slot_table
+                    .assign(slot, expert)
+                    .map_err(slot_out_of_range)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ExpertSlotFills for CudaExpertSlots {
+    fn start_fill(
+        &mut self,
+        slot: usize,
+        expert: usize,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        self.background_fills(&[(slot, expert)], artifact, bank)
+            .map_err(|source| EngineError::Device {
+                op: "start_fill",
+                source,
+            })
+    }
+
+    fn complete_fills(&mut self) -> Result<(), EngineError> {
+        while !self.batch_fills.is_empty() {
+            self.complete_batch_fill()?;
+        }
+        if self.fills_in_flight.is_empty() {
+            return Ok(());
+        }
+        self.enter_landed_fills()?;
+        self.upload_table_staged()
+            .map_err(|source| EngineError::Device {
+                op: "complete_fills",
+                source,
+            })
+    }
+
+    /// One table upload for the fills completed and those started (the default makes one
+    /// per fill and one for the completions), one event pair for the new copies.
+    fn refresh_fills(
+        &mut self,
+        decide: &mut dyn FnMut(&ExpertSlotTable) -> Vec<(usize, usize)>,
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<Vec<(usize, usize)>, EngineError> {
+        while !self.batch_fills.is_empty() {
+            self.complete_batch_fill()?;
+        }
+        let completed = !self.fills_in_flight.is_empty();
+        self.enter_landed_fills()?;
+        let fills = decide(&self.slot_table);
+        if fills.is_empty() && !completed {
+            return Ok(fills);
+        }
+        self.background_fills(&fills, artifact, bank)
+            .map_err(|source| EngineError::Device {
+                op: "refresh_fills",
+                source,
+            })?;
+        Ok(fills)
+    }
+
+    fn fills_in_flight(&self) -> usize {
+        self.fills_in_flight
+            .iter()
+            .map(|(fills, _)| fills.len())
+            .sum::<usize>()
+            + self
+                .batch_fills
+                .iter()
+                .map(|(_, experts, _)| experts.len())
+                .sum::<usize>()
+    }
+
+    fn start_batch_fill(
+        &mut self,
+        first_slot: usize,
+        experts: &[usize],
+        artifact: &Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<(), EngineError> {
+        self.batch_fill(first_slot, experts, artifact, bank)
+            .map_err(|source| EngineError::Device {
+                op: "start_batch_fill",
+                source,
+            })
+    }
+
+    fn complete_batch_fill(&mut self) -> Result<(), EngineError> {
+        let device = |source| EngineError::Device {
+            op: "complete_batch_fill",
+            source,
+        };
+        let (first_slot, experts, landed) =
+            self.batch_fills
+                .pop_front()
+                .ok_or_else(|| EngineError::InvalidConfig {
+                    problem: "no expert batch fill to complete".into(),
+                })?;
+        // The compute stream waits for this batch's copies; the host does not.
+        self.stream
+            .wait(&landed)
+            .map_err(driver_error("waiting for a batch fill"))
+            .map_err(device)?;
+        for (offset, expert) in experts.into_iter().enumerate() {
+            self.slot_table
+                .assign(first_slot + offset, expert)
+                .map_err(slot_out_of_range)?;
+        }
+        self.upload_table().map_err(device)
+    }
+}

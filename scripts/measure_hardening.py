@@ -4,6 +4,9 @@
 Starts `ninfer run MODEL --serve` (the tiny fixture by default), then measures:
   * one and eight parallel 7 MB prompts: refusal latency and the gateway's resident memory
     (before, peak during, after);
+  * the other large inputs (tool definitions, a token-id prompt, a stop list, logit_bias, an
+    inline document), 7 MB each: one and eight at once, refusal latency, the gateway's peak
+    resident memory during each burst, and its resident memory --settle seconds after the last;
   * N stalled connections (half mid-header, half silent): /health latency while they are open,
     and how long until the gateway has closed every one of them;
   * with --soak SECONDS: 64 concurrent streams against the engine's 32 sequences for that long:
@@ -15,7 +18,7 @@ Starts `ninfer run MODEL --serve` (the tiny fixture by default), then measures:
 Standard library only. Usage:
   cargo build --release --workspace --bins
   scripts/measure_hardening.py [--ninfer target/release/ninfer] [--model tests/fixtures/qwen3_moe]
-                               [--stalled 10000] [--soak 600]
+                               [--stalled 10000] [--soak 600] [--settle 60]
 """
 
 import argparse
@@ -82,10 +85,7 @@ def pid_of(runtime_dir, label):
 def measure_prompts(port, gateway_pid):
     prompt = "lorem ipsum dolor sit amet " * (7 * 1024 * 1024 // 27)
     body = json.dumps({"model": "x", "messages": [{"role": "user", "content": prompt}]}).encode()
-    models = json.loads(subprocess.run(
-        ["curl", "-s", f"http://127.0.0.1:{port}/v1/models"], capture_output=True, text=True
-    ).stdout or "{}")
-    name = (models.get("data") or [{"id": "x"}])[0]["id"]
+    name = served_model_name(port)
     body = body.replace(b'"model": "x"', f'"model": "{name}"'.encode(), 1)
     print(f"prompt body: {len(body) / 1e6:.1f} MB")
     before = rss_kib(gateway_pid)
@@ -106,6 +106,83 @@ def measure_prompts(port, gateway_pid):
     peak, after = rss_kib(gateway_pid, "VmHWM"), rss_kib(gateway_pid)
     print(f"gateway RSS: before {before / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB, "
           f"after {after / 1024:.1f} MiB (growth {(after - before) / 1024:.1f} MiB)")
+
+
+class RssSampler:
+    """Samples a process's resident memory every 2 ms in the background; `peak` is the largest."""
+
+    def __init__(self, pid):
+        self.pid, self.peak, self.running = pid, rss_kib(pid), True
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+
+    def sample(self):
+        while self.running:
+            self.peak = max(self.peak, rss_kib(self.pid))
+            time.sleep(0.002)
+
+    def stop(self):
+        self.running = False
+        self.thread.join()
+        return self.peak
+
+
+def large_input_bodies(name):
+    """Seven-megabyte bodies whose bulk is not prompt text, each over one input limit."""
+    size = 7 * 1024 * 1024
+    words = "lorem ipsum dolor sit amet " * (size // 27)
+    hi = [{"role": "user", "content": "Hi"}]
+    tool = {"type": "function", "function": {"name": "f", "description": words,
+                                             "parameters": {"type": "object"}}}
+    return [
+        ("tools", "/v1/chat/completions", {"model": name, "messages": hi, "tools": [tool]}),
+        ("token-id prompt", "/v1/completions",
+         {"model": name, "max_tokens": 1, "prompt": [i % 90 for i in range(size // 6)]}),
+        ("stop list", "/v1/chat/completions",
+         {"model": name, "messages": hi, "stop": [f"s{i}" for i in range(size // 10)]}),
+        ("logit_bias", "/v1/chat/completions",
+         {"model": name, "messages": hi, "logit_bias": {str(i): 1 for i in range(size // 12)}}),
+        ("document", "/v1/messages",
+         {"model": name, "max_tokens": 8, "messages": [{"role": "user", "content": [
+             {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                             "data": "QUJD" * (size // 4)}}]}]}),
+    ]
+
+
+def measure_large_inputs(port, gateway_pid, settle_seconds):
+    """Each large input refused once, then eight at once; the gateway's RSS before, at its peak
+    during each burst, and `settle_seconds` after the last."""
+    name = served_model_name(port)
+    start = rss_kib(gateway_pid)
+    for label, path, request in large_input_bodies(name):
+        body = json.dumps(request).encode()
+        del request
+        status, seconds = post(port, path, body)
+        before = rss_kib(gateway_pid)
+        sampler = RssSampler(gateway_pid)
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(post(port, path, body)))
+                   for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        peak = sampler.stop()
+        slowest = max(seconds for _, seconds in results)
+        print(f"7 MB {label} ({len(body) / 1e6:.1f} MB body): HTTP {status} in {seconds * 1000:.0f} ms; "
+              f"eight at once HTTP {sorted(set(s for s, _ in results))}, slowest {slowest * 1000:.0f} ms, "
+              f"gateway RSS peak +{(peak - before) / 1024:.1f} MiB")
+    time.sleep(settle_seconds)
+    after = rss_kib(gateway_pid)
+    print(f"gateway RSS: {start / 1024:.1f} MiB before the large inputs, {after / 1024:.1f} MiB "
+          f"{settle_seconds} s after the last ({(after - start) / 1024:+.1f} MiB)")
+
+
+def served_model_name(port):
+    models = json.loads(subprocess.run(
+        ["curl", "-s", f"http://127.0.0.1:{port}/v1/models"], capture_output=True, text=True
+    ).stdout or "{}")
+    return (models.get("data") or [{"id": "x"}])[0]["id"]
 
 
 def measure_stalled(port, count):
@@ -242,6 +319,8 @@ def main():
     parser.add_argument("--model", default=os.path.join(ROOT, "tests/fixtures/qwen3_moe"))
     parser.add_argument("--stalled", type=int, default=10000)
     parser.add_argument("--soak", type=int, default=0, help="seconds of 64 concurrent streams (0: none)")
+    parser.add_argument("--settle", type=int, default=60,
+                        help="seconds to wait after the large inputs before reading the gateway's RSS")
     args = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="ninfer-hardening-")
     environment = dict(os.environ, XDG_RUNTIME_DIR=scratch, XDG_STATE_HOME=scratch,
@@ -256,6 +335,7 @@ def main():
     runtime_dir = os.path.join(scratch, f"ninfer-{run.pid}")
     pids = {label: pid_of(runtime_dir, label) for label in ("gateway", "engine", "experts-0")}
     measure_prompts(port, pids["gateway"])
+    measure_large_inputs(port, pids["gateway"], args.settle)
     if args.stalled > 0:
         measure_stalled(port, args.stalled)
     if args.soak > 0:

@@ -4,7 +4,8 @@
 //! public gRPC API with health and reflection (`grpc_api`) — each only converts its wire types to
 //! and from the neutral chat model (`chat`) and the generator's events; utility routes, auth and
 //! limits (`server`); reading request bodies within their limit, refusing a prompt too long
-//! for the context while it arrives (`request_body`) and parsing them (`json_body`); connection limits, timeouts and the shutdown drain (`connections`);
+//! for the context or another input over its limit while it arrives (`request_body`, measured by
+//! `body_scan`) and parsing them (`json_body`); connection limits, timeouts and the shutdown drain (`connections`);
 //! shared state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`,
 //! `chat_template`); stop strings (`stop_strings`), `<think>` splitting
 //! (`reasoning`), tool-call parsing (`tool_calls`), structured output and forced tool calls as
@@ -19,6 +20,7 @@
 
 pub mod anthropic;
 pub mod backend;
+pub mod body_scan;
 pub mod chat;
 pub mod chat_template;
 pub mod connections;

@@ -295,6 +295,13 @@ impl ModelTokenizer {
         out
     }
 
+    /// The most bytes of text that could fit the token limit (the limit times the most bytes a
+    /// token covers); `None` when either is unbounded.
+    pub fn most_bytes_within_limit(&self) -> Option<usize> {
+        let (limit, most_bytes) = (self.token_limit?, self.most_bytes_per_token?);
+        Some(limit.saturating_mul(most_bytes.max(1)))
+    }
+
     /// Refuses text of `bytes` bytes when even at the most bytes a token can cover it has more
     /// tokens than the limit (the same refusal as encoding it would give; `Ok` when it may fit
     /// or a token's bytes are not bounded).

@@ -193,6 +193,109 @@ async fn a_prompt_of_megabytes_is_refused_from_its_size_quickly() {
     );
 }
 
+/// Seven-megabyte bodies whose bulk is not prompt text: each is refused while it arrives (a 400
+/// naming the field and its limit), eight at once without the bodies' size in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_large_inputs_are_refused_while_the_body_arrives() {
+    let engine = RunningEngine::start(Arc::new(EngineScript::default()), None).await;
+    let (gateway, _) =
+        gateway_with(engine.address, fast_polling(), ConnectionLimits::default()).await;
+    const SIZE: usize = 7 * 1024 * 1024;
+    let words = "lorem ipsum dolor sit amet ".repeat(SIZE / 27);
+    let hi = json!([{"role": "user", "content": "Hi"}]);
+    let tools = json!({"model": MODEL, "messages": hi, "tools": [{"type": "function",
+        "function": {"name": "f", "description": words, "parameters": {"type": "object"}}}]});
+    let token_ids: Vec<u32> = (0..SIZE as u32 / 6).map(|index| index % 90).collect();
+    let token_prompt = json!({"model": MODEL, "prompt": token_ids, "max_tokens": 1});
+    let stop_list: Vec<String> = (0..SIZE / 10).map(|index| format!("s{index}")).collect();
+    let stops = json!({"model": MODEL, "messages": hi, "stop": stop_list});
+    let one_long_stop = json!({"model": MODEL, "max_tokens": 8, "messages": hi,
+        "stop_sequences": [words]});
+    let bias: serde_json::Map<String, serde_json::Value> = (0..SIZE / 12)
+        .map(|index| (index.to_string(), json!(1)))
+        .collect();
+    let logit_bias = json!({"model": MODEL, "messages": hi, "logit_bias": bias});
+    let document = json!({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user",
+        "content": [{"type": "document", "source": {"type": "base64",
+        "media_type": "application/pdf", "data": "QUJD".repeat(SIZE / 4)}}]}]});
+    drop(words);
+    let cases: Vec<(&'static str, &'static str, String)> = vec![
+        ("/v1/chat/completions", "tools", tools.to_string()),
+        ("/v1/completions", "prompt", token_prompt.to_string()),
+        ("/v1/chat/completions", "stop", stops.to_string()),
+        ("/v1/messages", "stop_sequences", one_long_stop.to_string()),
+        ("/v1/chat/completions", "logit_bias", logit_bias.to_string()),
+        ("/v1/messages", "messages", document.to_string()),
+    ];
+    drop((
+        tools,
+        token_prompt,
+        stops,
+        one_long_stop,
+        logit_bias,
+        document,
+    ));
+    let refuse = |path: &'static str, field: &'static str, body: String| async move {
+        let sent = Instant::now();
+        let response = request(
+            gateway,
+            "POST",
+            path,
+            &[("content-type", "application/json")],
+            body.as_bytes(),
+        )
+        .await;
+        let took = sent.elapsed();
+        assert_eq!(response.status, 400, "{field}: {}", response.text());
+        let envelope = response.json();
+        if path == "/v1/messages" {
+            assert_eq!(envelope["error"]["type"], "invalid_request_error");
+        } else {
+            assert_eq!(envelope["error"]["param"], field, "{envelope}");
+        }
+        let message = envelope["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            message.contains(&format!("`{field}`")) || field == "messages",
+            "{message}"
+        );
+        assert!(
+            message.chars().any(|c| c.is_ascii_digit()),
+            "no limit named: {message}"
+        );
+        took
+    };
+    for &(path, field, ref body) in &cases {
+        let took = refuse(path, field, body.clone()).await;
+        eprintln!("a 7 MB `{field}` refused in {took:?}");
+        assert!(took < Duration::from_secs(3), "`{field}` took {took:?}");
+    }
+    let before = resident_bytes();
+    let mut parallel = Vec::new();
+    for index in 0..8 {
+        let (path, field, ref body) = cases[index % cases.len()];
+        parallel.push(tokio::spawn(refuse(path, field, body.clone())));
+    }
+    let mut slowest = Duration::ZERO;
+    for refusal in parallel {
+        slowest = slowest.max(refusal.await.unwrap_or_else(|e| panic!("{e}")));
+    }
+    let growth = resident_bytes().saturating_sub(before);
+    eprintln!(
+        "8 parallel 7 MB inputs refused, slowest in {slowest:?}; resident growth {} MiB",
+        growth >> 20
+    );
+    assert!(
+        slowest < Duration::from_secs(3),
+        "a refusal took {slowest:?}"
+    );
+    // The test's own copies of the bodies are in this figure too (8 × 7 MB in flight).
+    assert!(
+        growth < 200 << 20,
+        "resident memory grew by {} MiB",
+        growth >> 20
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_connections_are_closed_and_health_keeps_answering() {
     let engine = RunningEngine::start(Arc::new(EngineScript::default()), None).await;

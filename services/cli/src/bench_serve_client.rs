@@ -169,18 +169,19 @@ impl ApiClient {
                 "--prompt-tokens {prompt_tokens}: the chat template alone takes {overhead} tokens"
             );
         }
-        let words = random_words(prompt_tokens * 2, seed);
-        let encoded = self.post_json(
-            "/tokenize",
-            &json!({"model": model, "prompt": words, "add_special_tokens": false}),
-        )?;
-        let ids: Vec<u64> = encoded["tokens"]
-            .as_array()
-            .context("/tokenize gave no `tokens`")?
-            .iter()
-            .filter_map(Value::as_u64)
-            .collect();
-        let mut content_tokens = (prompt_tokens - overhead).min(ids.len());
+        // Words enough for the tokens wanted and not many more (a long prompt's words must stay
+        // within the server's context): the tokens per word of a sample tell how many.
+        let wanted = prompt_tokens - overhead;
+        let sample = self.tokens_of(model, &random_words(64, seed))?.len().max(1);
+        let mut count = wanted * 64 / sample + wanted / 10 + 8;
+        let ids = loop {
+            let ids = self.tokens_of(model, &random_words(count, seed))?;
+            if ids.len() >= wanted || count >= 64 * wanted {
+                break ids;
+            }
+            count *= 2;
+        };
+        let mut content_tokens = wanted.min(ids.len());
         let mut content = String::new();
         // Cutting the token list and decoding can merge or split a token at the seam: correct
         // the length a few times with the server's own count.
@@ -214,6 +215,20 @@ impl ApiClient {
             bail!("GET {url} answered {status}: {text}");
         }
         Ok(text)
+    }
+
+    /// The server's token ids of `text` (no special tokens added).
+    fn tokens_of(&self, model: &str, text: &str) -> anyhow::Result<Vec<u64>> {
+        let encoded = self.post_json(
+            "/tokenize",
+            &json!({"model": model, "prompt": text, "add_special_tokens": false}),
+        )?;
+        Ok(encoded["tokens"]
+            .as_array()
+            .context("/tokenize gave no `tokens`")?
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect())
     }
 
     /// One streaming chat completion of `max_tokens` tokens (end-of-sequence ignored, so every

@@ -43,6 +43,7 @@ SUITES=(
   "qwen4_exp_parts:::cuda"
   "prefix_cache:::cuda"
   "prefix_cache_serving:::cuda"
+  "prefix_cache_mtp:::cuda"
 )
 if [ -n "${GPU_TEST_SUITES:-}" ]; then
   chosen=()

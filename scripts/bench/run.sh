@@ -42,6 +42,15 @@
 #               SHARE_TIMEOUT (300 s per bench).
 #   q35         qwen3.5-35b-a3b, int4 experts, zipf routing, a 16 GiB card: a first run records
 #               routing statistics, the measured run places GPU experts by them.
+#   cache       the expert cache against static placement on qwen3.5-35b-a3b, int4 experts,
+#               trained routing, a 16 GiB card (--gpu-mem-budget 16, auto), 4K prompt, DECODE
+#               tokens (default 128): a first run records routing statistics, then CACHE_PASSES
+#               (default 2) passes of the four placements in turn: static first N, cache without
+#               statistics, static by the statistics, cache seeded by them. The engine logs
+#               (logs_cache_*) end with the cache's summary (hit rate, fills, upkeep per step).
+#   cards       prefill of qwen3.5-35b-a3b, int4, at CARD_PROMPTS (default 4096,16384) on the
+#               whole GPU, then as on an RTX 30/40/50 card (--cuda-shared-memory-cap 99K; the
+#               engine log says which kernel variant each op takes), then uncapped again.
 #   llama       llama.cpp's llama-bench side by side, when LLAMA_CPP_BENCH (the binary) and
 #               LLAMA_CPP_MODEL (a GGUF of the same model) are given (LLAMA_CPP_SOURCE=DIR, a
 #               llama.cpp source checkout, builds llama-bench into $WORK/llama-cpp-build with
@@ -237,6 +246,38 @@ run_q35() {
 }
 
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
+
+if has cache; then
+  convert q35t qwen3.5-35b-a3b --experts-dtype int4 --routing trained
+  wait_for_gpu_tests
+  C=("$work/q35t.ninfer" --device cuda --moe-threads "$threads" --gpu-mem-budget 16
+    --moe-gpu-experts auto --prompt-lengths 4096 --decode-tokens "${DECODE:-128}" --repeats 1)
+  stats=(--engine-arg=--moe-expert-stats --engine-arg="$work/q35t-stats.json")
+  bench cache_record "${STATS_TIMEOUT:-150}" "$work/q35t.ninfer" --device cuda \
+    --moe-threads "$threads" --prompt-lengths 2048 --decode-tokens 128 \
+    --engine-arg=--moe-record-stats --engine-arg="$work/q35t-stats.json"
+  for pass in $(seq 1 "${CACHE_PASSES:-2}"); do
+    bench "cache_static_first_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" --engine-arg=--moe-static-experts
+    bench "cache_dynamic_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}"
+    bench "cache_static_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
+      --engine-arg=--moe-static-experts
+    bench "cache_dynamic_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}"
+  done
+  grep -h "expert cache:" "$out"/logs_cache_*/*engine* 2>/dev/null | cut -c1-400 | tee -a "$out/summary.log"
+fi
+
+if has cards; then
+  convert q35 qwen3.5-35b-a3b --experts-dtype int4
+  wait_for_gpu_tests
+  K=("$work/q35.ninfer" --device cuda --moe-threads "$threads" --moe-gpu-experts all
+    --prompt-lengths "${CARD_PROMPTS:-4096,16384}" --decode-tokens 8 --repeats 1)
+  bench cards_uncapped "${BENCH_TIMEOUT:-240}" "${K[@]}"
+  bench cards_99k "${BENCH_TIMEOUT:-240}" "${K[@]}" --engine-arg=--cuda-shared-memory-cap \
+    --engine-arg=99K
+  bench cards_uncapped_again "${BENCH_TIMEOUT:-240}" "${K[@]}"
+  grep -h "gated delta rule\|tensor-core prefill attention\|capped" "$out"/logs_cards_99k/*engine* \
+    2>/dev/null | cut -c1-300 | sort -u | tee -a "$out/summary.log"
+fi
 
 q30=q30${Q30_LAYERS:+-l$Q30_LAYERS}
 # Starts building llama-bench (LLAMA_CPP_SOURCE) and writing the GGUF (LLAMA_CPP_WRITE_GGUF) as

@@ -14,7 +14,7 @@ use ninfer_cpu_experts::KernelIsa;
 use ninfer_engine::backend::cuda::{parse_shared_memory_bytes, CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
 use ninfer_engine::moe::expert_cache::{
-    ExpertCacheCounters, ExpertCacheOptions, DEFAULT_FILLS_PER_LAYER,
+    ExpertCacheCounters, ExpertCacheOptions, DEFAULT_EVICTION_MARGIN, DEFAULT_FILLS_PER_LAYER,
 };
 use ninfer_engine::moe::placement::{
     choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
@@ -180,6 +180,11 @@ struct Args {
     /// step (from the page-locked banks, beside the steps; 0 acts as `--moe-static-experts`).
     #[arg(long, default_value_t = DEFAULT_FILLS_PER_LAYER, value_name = "N")]
     moe_cache_fills_per_layer: usize,
+    /// Dynamic expert cache: how much more (in recently routed choices, decayed) a missed
+    /// expert must score than the resident one it would evict; against two experts taking
+    /// turns in a slot.
+    #[arg(long, default_value_t = DEFAULT_EVICTION_MARGIN, value_name = "CHOICES")]
+    moe_cache_eviction_margin: f64,
     /// Routed experts in host RAM, computed by the CPU, the GPU holding `--moe-gpu-experts` of
     /// them per layer: how the engine always runs; accepted for command lines written for the
     /// seeds' tool.
@@ -432,6 +437,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         } else {
             args.moe_cache_fills_per_layer
         },
+        cache_eviction_margin: args.moe_cache_eviction_margin,
     };
     let host_kv = HostKvRequest {
         host_bytes: host_kv_bytes,
@@ -693,6 +699,7 @@ struct GpuExpertsRequest {
     prefix_cache: PrefixCacheSettings,
     /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
     cache_fills_per_layer: usize,
+    cache_eviction_margin: f64,
 }
 
 /// A started scheduler and what `GetProfile` reports about its model.
@@ -778,6 +785,7 @@ fn start_scheduler<B: Backend>(
             .enable_expert_cache(
                 ExpertCacheOptions {
                     fills_per_layer,
+                    eviction_margin: request.cache_eviction_margin,
                     ..ExpertCacheOptions::default()
                 },
                 request.statistics.as_ref(),

@@ -485,6 +485,11 @@ fn hit_rate_curve_on_the_trained_fixture() {
         })
         .collect();
     let decays = [0.9, 0.98, 0.99, 0.995];
+    let margin: f64 = std::env::var("NINFER_CACHE_MARGIN")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(ninfer_engine::moe::expert_cache::DEFAULT_EVICTION_MARGIN);
+    println!("eviction margin {margin}");
     println!(
         "slots/layer | static by statistics | cache (decay {})",
         decays.map(|d| d.to_string()).join(" / ")
@@ -507,6 +512,7 @@ fn hit_rate_curve_on_the_trained_fixture() {
                         ExpertCacheOptions {
                             fills_per_layer: 2,
                             decay_per_token,
+                            eviction_margin: margin,
                         },
                     );
                     if index == 0 {

@@ -48,13 +48,22 @@ pub struct ExpertCacheOptions {
     pub fills_per_layer: usize,
     /// Factor an expert's score is multiplied by per routed token.
     pub decay_per_token: f64,
+    /// How much more a missed expert must score than the resident one it would evict
+    /// (decayed routed choices): against near ties, where two experts would take turns in a
+    /// slot and every swap costs a copy and saves nothing. Free slots take any missed expert.
+    pub eviction_margin: f64,
 }
+
+/// `ExpertCacheOptions::eviction_margin` by default: a newcomer must have been chosen about one
+/// more time (in the decayed count) than the expert it replaces.
+pub const DEFAULT_EVICTION_MARGIN: f64 = 1.0;
 
 impl Default for ExpertCacheOptions {
     fn default() -> Self {
         ExpertCacheOptions {
             fills_per_layer: DEFAULT_FILLS_PER_LAYER,
             decay_per_token: DEFAULT_DECAY_PER_TOKEN,
+            eviction_margin: DEFAULT_EVICTION_MARGIN,
         }
     }
 }
@@ -73,6 +82,7 @@ pub struct LayerCachePolicy {
     scores: Vec<f64>,
     routed_this_step: Vec<bool>,
     decay_per_token: f64,
+    eviction_margin: f64,
 }
 
 impl LayerCachePolicy {
@@ -99,7 +109,14 @@ impl LayerCachePolicy {
             scores,
             routed_this_step: vec![false; num_experts],
             decay_per_token,
+            eviction_margin: 0.0,
         }
+    }
+
+    /// The policy with [`ExpertCacheOptions::eviction_margin`] `margin`.
+    pub fn with_eviction_margin(mut self, margin: f64) -> Self {
+        self.eviction_margin = margin.max(0.0);
+        self
     }
 
     /// Counts one call's routing (`expert_ids` of `tokens` tokens; ids outside the layer are
@@ -130,7 +147,8 @@ impl LayerCachePolicy {
     /// The fills for the step just observed, at most `max_fills`: the experts it routed to that
     /// `table` does not hold, highest score first (ties: lower id), each into the lowest free
     /// slot, else evicting the lowest-scoring resident expert the step did not use (ties: lower
-    /// id) when the newcomer scores higher. Forgets which experts the step routed to.
+    /// id) when the newcomer scores more than the eviction margin higher. Forgets which experts
+    /// the step routed to.
     pub fn decide(&mut self, table: &ExpertSlotTable, max_fills: usize) -> Vec<SlotFill> {
         let routed = std::mem::replace(&mut self.routed_this_step, vec![false; self.scores.len()]);
         if max_fills == 0 || table.slot_count() == 0 {
@@ -177,7 +195,9 @@ impl LayerCachePolicy {
                 continue;
             }
             match victims.last() {
-                Some(&(slot, victim)) if self.scores[victim] < self.scores[expert] => {
+                Some(&(slot, victim))
+                    if self.scores[victim] + self.eviction_margin < self.scores[expert] =>
+                {
                     victims.pop();
                     fills.push(SlotFill {
                         slot,
@@ -357,6 +377,7 @@ impl ExpertCache {
                         experts_per_token,
                         options.decay_per_token,
                     )
+                    .with_eviction_margin(options.eviction_margin)
                 })
             })
             .collect();
@@ -514,7 +535,8 @@ pub fn simulate_hit_rates(
             seed,
             experts_per_token,
             options.decay_per_token,
-        );
+        )
+        .with_eviction_margin(options.eviction_margin);
         let mut in_flight: Vec<SlotFill> = Vec::new();
         let mut counts = CacheCounts::default();
         for (ids, tokens) in trace {
@@ -625,6 +647,38 @@ mod tests {
     }
 
     #[test]
+    fn a_near_tie_does_not_evict_within_the_margin() {
+        // Slot: expert 0 (score 0.75, unused in the last step); expert 1 missed, score 1.5.
+        let slots = table(3, &[Some(0)]);
+        let fresh = || {
+            let mut policy = LayerCachePolicy::new(3, None, 1, 0.5);
+            policy.observe(&[0], 1);
+            policy.observe(&[0, 1], 1);
+            // A step with no fills: the routed experts are forgotten.
+            assert!(policy.decide(&slots, 0).is_empty());
+            policy.observe(&[1], 1);
+            policy
+        };
+        let (score_0, score_1) = {
+            let policy = fresh();
+            (policy.score(0), policy.score(1))
+        };
+        assert!(
+            score_1 > score_0 && score_1 - score_0 < 1.0,
+            "{score_0} {score_1}"
+        );
+        // Without a margin the newcomer takes the slot; within a margin of 1 it does not.
+        assert_eq!(fresh().decide(&slots, 1).len(), 1);
+        assert!(fresh()
+            .with_eviction_margin(1.0)
+            .decide(&slots, 1)
+            .is_empty());
+        // A free slot takes it whatever the margin.
+        let free = table(3, &[Some(0), None]);
+        assert_eq!(fresh().with_eviction_margin(1.0).decide(&free, 1).len(), 1);
+    }
+
+    #[test]
     fn fills_per_step_are_bounded() {
         let mut policy = LayerCachePolicy::new(8, None, 1, 0.9);
         policy.observe(&[1, 2, 3, 4, 5], 5);
@@ -640,6 +694,7 @@ mod tests {
         let options = ExpertCacheOptions {
             fills_per_layer: 1,
             decay_per_token: 0.5,
+            eviction_margin: 0.0,
         };
         let (fixed, cache) = simulate_hit_rates(&trace, 2, 1, None, 1, options);
         assert_eq!((fixed.hits, fixed.misses, fixed.fills), (1, 5, 0));

@@ -1423,7 +1423,8 @@ impl ServedByRun {
 }
 
 /// An agent's second turn through the gateway reuses its first turn's prompt: the engine with a
-/// prefix cache, the same long system prompt twice, the conversation grown between; the second
+/// prefix cache and MTP drafting on (as `ninfer run` starts it for a model with an MTP head),
+/// the same long system prompt twice, the conversation grown between; the second
 /// answer reports cached prompt tokens (Anthropic `cache_read_input_tokens`, OpenAI
 /// `prompt_tokens_details.cached_tokens`, the gRPC API's `cached_prompt_tokens`), the first
 /// none, and `/metrics` counts the hits.
@@ -1431,7 +1432,12 @@ impl ServedByRun {
 fn a_second_turn_reports_the_prompt_tokens_it_reused() {
     let mut stack = Stack::new();
     let model = stack.convert("qwen3_5_moe");
-    let engine = stack.engine("engine", &model, &[], &["--prefix-cache-gib", "1"]);
+    let engine = stack.engine(
+        "engine",
+        &model,
+        &[],
+        &["--prefix-cache-gib", "1", "--spec", "mtp"],
+    );
     let api = stack.gateway(&engine);
     let system = "You are a careful agent with tools for files and shells. ".repeat(40);
     let first = serde_json::json!({

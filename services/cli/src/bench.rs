@@ -13,6 +13,8 @@ use ninfer_cpu_experts::{
     DownSplit, ExpertLayout, KernelIsa, KernelTuning, Prefetch, ThreadPool, WeightDType,
 };
 
+use crate::bench_model_report::print_bandwidth;
+
 /// `ninfer bench MODEL [flags]` benchmarks a model end to end; `ninfer bench memory|experts|
 /// channel` the parts. A MODEL file named like a subcommand needs a path (`./memory`).
 #[derive(Debug, clap::Args)]
@@ -21,7 +23,7 @@ pub struct BenchArgs {
     #[command(subcommand)]
     command: Option<BenchCommand>,
     #[command(flatten)]
-    model: crate::bench_model::ModelBenchArgs,
+    model: crate::bench_model_args::ModelBenchArgs,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -197,38 +199,6 @@ fn run_memory(args: MemoryArgs) -> anyhow::Result<()> {
         print_bandwidth(&result, &pool);
     }
     Ok(())
-}
-
-pub(crate) fn print_bandwidth(result: &BandwidthResult, pool: &ThreadPool) {
-    let huge_pages = match result.huge_page_bytes {
-        Some(bytes) => format!(
-            ", {:.1} GiB of the process on 2 MiB pages{}",
-            bytes as f64 / GIB,
-            std::env::var(ninfer_cpu_experts::buffer::HUGE_PAGES_VARIABLE)
-                .map(|policy| format!(
-                    " ({}={policy})",
-                    ninfer_cpu_experts::buffer::HUGE_PAGES_VARIABLE
-                ))
-                .unwrap_or_default()
-        ),
-        None => String::new(),
-    };
-    println!(
-        "read bandwidth: {:.1} GB/s best, {:.1} GB/s median ({} threads on cpus {}, {:.1} GiB buffer, {} passes{huge_pages})",
-        result.best_gbps,
-        result.median_gbps,
-        result.threads,
-        cpu_summary(pool.cpus()),
-        result.buffer_bytes as f64 / GIB,
-        result.passes
-    );
-}
-
-fn cpu_summary(cpus: &[usize]) -> String {
-    match (cpus.first(), cpus.last()) {
-        (Some(first), Some(last)) if cpus.len() == last - first + 1 => format!("{first}-{last}"),
-        _ => format!("{cpus:?}"),
-    }
 }
 
 fn parse_list<T>(

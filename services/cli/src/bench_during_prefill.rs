@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-use crate::bench_model::{bench_request, gaps, random_tokens, StepLatency};
+use crate::bench_tokens::{bench_request, gaps, random_tokens, StepLatency};
 
 /// Stream tokens awaited after the long prompt's first token, so the gap spanning the end of
 /// its prefill is measured and the stream is seen decoding again before it is cancelled.

@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
-use crate::bench_model::StepLatency;
 use crate::bench_serve_agent::{self, AgentConversation, AgentReport};
 use crate::bench_serve_client::{
     descendant_named, process_cpu_time, ApiClient, HealthProbe, StreamTiming,
 };
+use crate::bench_tokens::StepLatency;
 
 #[derive(Debug, clap::Args)]
 pub struct ServeBenchArgs {
@@ -440,7 +440,7 @@ fn summarise(
         .collect();
     let inter_token: Vec<Duration> = timings
         .iter()
-        .flat_map(|t| crate::bench_model::gaps(&t.text_arrivals))
+        .flat_map(|t| crate::bench_tokens::gaps(&t.text_arrivals))
         .collect();
     let mut stream_rates: Vec<f64> = timings
         .iter()

@@ -4,7 +4,6 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use anyhow::Context;
@@ -13,6 +12,8 @@ use ninfer_artifact::DType;
 use ninfer_convert::synthetic::{Preset, Routing, SyntheticOptions, DEFAULT_SEED};
 use ninfer_convert::synthetic_tokenizer::SyntheticTokenizer;
 use ninfer_convert::{ConvertOptions, ConvertProgress};
+
+use crate::interrupt::{install_interrupt_handler, interrupted};
 
 #[derive(Debug, clap::Args)]
 pub struct ConvertArgs {
@@ -90,32 +91,6 @@ pub struct ConvertArgs {
     pub cache_gb: Option<f64>,
 }
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-/// Whether Ctrl-C or SIGTERM arrived since `install_interrupt_handler`.
-pub(crate) fn interrupted() -> bool {
-    INTERRUPTED.load(Ordering::SeqCst)
-}
-
-extern "C" fn on_interrupt(_signal: nix::libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
-/// Ctrl-C / SIGTERM set a flag the converter polls between tensors, so it can delete its
-/// temporary files instead of dying with them on disk.
-fn install_interrupt_handler() {
-    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-    let action = SigAction::new(
-        SigHandler::Handler(on_interrupt),
-        SaFlags::empty(),
-        SigSet::empty(),
-    );
-    for signal in [Signal::SIGINT, Signal::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        let _ = unsafe { sigaction(signal, &action) };
-    }
-}
-
 /// A bar on a terminal, plain log lines (every ~5%) otherwise.
 struct CliProgress {
     bar: Option<ProgressBar>,
@@ -185,7 +160,7 @@ impl ConvertProgress for CliProgress {
     }
 
     fn cancelled(&self) -> bool {
-        INTERRUPTED.load(Ordering::SeqCst)
+        interrupted()
     }
 }
 

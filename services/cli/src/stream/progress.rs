@@ -106,6 +106,6 @@ impl ConvertProgress for StreamProgress {
     }
 
     fn cancelled(&self) -> bool {
-        crate::convert::interrupted()
+        crate::interrupt::interrupted()
     }
 }

@@ -21,6 +21,7 @@ pub mod cuda;
 pub mod expert_slot_table;
 pub mod kv_placement;
 pub mod qsa_host;
+pub mod qsa_settings;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -29,13 +30,13 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
 use crate::error::EngineError;
-use crate::model::qwen4_exp::qsa_selection::QsaSelectionSettings;
 
 pub use candidates::LogitCandidates;
 pub use expert_slot_table::{
     ExpertSlotFills, ExpertSlotTable, SlotOutOfRange, WithExpertSlotTable,
 };
 pub use kv_placement::{DeviceKvShare, HostKvRequest, KvPlacement};
+pub use qsa_settings::QsaSelectionSettings;
 
 /// What [`Backend::begin_step_graph`] asks of the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

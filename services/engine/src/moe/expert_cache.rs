@@ -24,14 +24,22 @@
 //! (`crate::moe::placement`), the routing itself.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLockWriteGuard};
 
-use ninfer_artifact::Artifact;
+use ninfer_artifact::{Artifact, ExpertBank};
 
-use crate::backend::{Backend, ExpertSlotFills, ExpertSlotTable, WithExpertSlotTable};
+use crate::backend::{ExpertSlotFills, ExpertSlotTable, WithExpertSlotTable};
 use crate::error::EngineError;
-use crate::moe::layer::MoeLayer;
 use crate::service::routing_stats::ExpertStatistics;
+
+/// An MoE layer as the cache sees it: its resident slots and the bank fills copy from (the
+/// layer, which reports its routing to the cache, implements it).
+pub(crate) trait CachedLayer {
+    type Slots: ExpertSlotFills + WithExpertSlotTable;
+    /// The layer's resident slots, locked for writing (`None`: the layer has none).
+    fn resident_slots_mut(&self) -> Result<RwLockWriteGuard<'_, Option<Self::Slots>>, EngineError>;
+    fn expert_bank(&self) -> &ExpertBank;
+}
 
 /// `--moe-cache-fills-per-layer` by default.
 pub const DEFAULT_FILLS_PER_LAYER: usize = 2;
@@ -434,17 +442,18 @@ impl ExpertCache {
         policy.observe(expert_ids, tokens);
     }
 
-    /// The hook at the start of every step for MoE layer `index`: enters the fills started at
-    /// the previous hook in the table, then decides this layer's fills from the routing counted
-    /// since and starts their copies. Nothing here waits for a copy started at this hook.
-    pub(crate) fn between_steps<B: Backend>(
+    /// The hook at the start of every step for MoE layer `index`: enters the fills started at the previous hook in
+    /// the table, then decides this layer's fills from the routing counted since and starts
+    /// their copies. Nothing here waits for a copy started at this hook.
+    pub(crate) fn between_steps<Layer: CachedLayer>(
         &self,
         index: usize,
-        layer: &MoeLayer<B>,
+        layer: &Layer,
         artifact: &Arc<Artifact>,
     ) -> Result<(), EngineError> {
         let started = std::time::Instant::now();
         let mut resident = layer.resident_slots_mut()?;
+        let bank = layer.expert_bank();
         let Some(slots) = resident.as_mut() else {
             return Ok(());
         };
@@ -474,7 +483,7 @@ impl ExpertCache {
                 .map(|fill| (fill.slot, fill.expert))
                 .collect()
         };
-        slots.refresh_fills(&mut decide, artifact, &layer.bank)?;
+        slots.refresh_fills(&mut decide, artifact, bank)?;
         if lock_failed {
             return Err(EngineError::InvalidConfig {
                 problem: "the expert cache's lock is poisoned".into(),
@@ -484,7 +493,7 @@ impl ExpertCache {
             counters.fills.fetch_add(1, Ordering::Relaxed);
             counters
                 .bytes_copied
-                .fetch_add(layer.bank.expert_stride, Ordering::Relaxed);
+                .fetch_add(bank.expert_stride, Ordering::Relaxed);
             if fill.evicted.is_some() {
                 counters.evictions.fetch_add(1, Ordering::Relaxed);
             }

@@ -18,7 +18,7 @@ use ninfer_cpu_experts::ExpertLayout;
 use crate::backend::{Backend, ExpertSlotFills, ExpertSlotTable, Routing, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
-use crate::moe::expert_cache::ExpertCache;
+use crate::moe::expert_cache::{CachedLayer, ExpertCache};
 use crate::moe::layerwise::{LayerwiseStream, PrefillThroughputs};
 use crate::profile::{distinct_experts, nanos, ForwardProfile, PhaseTotals};
 
@@ -606,6 +606,20 @@ impl<B: Backend> MoeLayer<B> {
         }
         *resident = Some(slots);
         Ok((experts.len() * layout.stride) as u64)
+    }
+}
+
+impl<B: Backend> CachedLayer for MoeLayer<B> {
+    type Slots = B::ExpertSlots;
+
+    fn resident_slots_mut(
+        &self,
+    ) -> Result<RwLockWriteGuard<'_, Option<B::ExpertSlots>>, EngineError> {
+        MoeLayer::resident_slots_mut(self)
+    }
+
+    fn expert_bank(&self) -> &ExpertBank {
+        &self.bank
     }
 }
 

@@ -1,7 +1,9 @@
-//! The preamble and JSON header of a `.ninfer` file (layout in `docs/FORMAT.md`).
+//! The preamble and JSON header of a `.ninfer` file (layout in `docs/FORMAT.md`), and the names
+//! of its part files.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use crate::config::{GenerationDefaults, ModelConfig};
 use crate::error::ArtifactError;
@@ -343,4 +345,11 @@ impl Preamble {
 /// Rounds `value` up to a multiple of `alignment` (a power of two).
 pub fn align_up(value: u64, alignment: u64) -> u64 {
     value.div_ceil(alignment) * alignment
+}
+
+/// Path of part `index` (1-based) of the artifact at `path`.
+pub fn part_path(path: &Path, index: u32) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".part-{index:04}"));
+    PathBuf::from(name)
 }

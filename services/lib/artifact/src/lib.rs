@@ -11,6 +11,7 @@ pub mod header;
 pub mod quant;
 pub mod reader;
 pub mod summary;
+pub mod tensor_spec;
 pub mod writer;
 
 pub use config::{

@@ -14,11 +14,12 @@ use nix::sys::mman::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
 
 use crate::config::ModelConfig;
 use crate::error::ArtifactError;
+use crate::header::part_path;
 use crate::header::{
     Checksum, DType, ExpertBank, Header, Preamble, TensorEntry, FORMAT_VERSION, PREAMBLE_LENGTH,
 };
 use crate::quant::{dequantize_matrix, float_bytes_to_f32, QuantizedLayout};
-use crate::writer::{expected_tensor_bytes, part_path, TensorSpec};
+use crate::tensor_spec::{expected_tensor_bytes, TensorSpec};
 
 /// One reserved address range with every part file mapped into it, back to back.
 struct ContiguousMapping {

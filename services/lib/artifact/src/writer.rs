@@ -13,33 +13,19 @@ use std::path::{Path, PathBuf};
 use crate::config::{GenerationDefaults, ModelConfig};
 use crate::error::ArtifactError;
 use crate::header::{
-    align_up, Checksum, DType, ExpertBank, FileEntry, Header, Preamble, QuantizationParams,
-    SourceInfo, TensorClass, TensorEntry, FORMAT_VERSION, LARGE_TENSOR_BYTES, PAGE_ALIGNMENT,
-    PART_GRANULARITY, PREAMBLE_LENGTH, TENSOR_ALIGNMENT,
+    align_up, Checksum, DType, ExpertBank, FileEntry, Header, Preamble, SourceInfo, TensorClass,
+    TensorEntry, FORMAT_VERSION, LARGE_TENSOR_BYTES, PAGE_ALIGNMENT, PART_GRANULARITY,
+    PREAMBLE_LENGTH, TENSOR_ALIGNMENT,
 };
+// Where they have always been named from (the reader takes them from their own files).
+pub use crate::header::part_path;
+pub use crate::tensor_spec::{expected_tensor_bytes, TensorSpec};
 
 /// Options of a new artifact.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WriterOptions {
     /// Split into parts of at most this many bytes (rounded down to 64 KiB, at least 64 KiB).
     pub max_part_bytes: Option<u64>,
-}
-
-/// Everything about a tensor except its bytes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TensorSpec {
-    pub name: String,
-    pub class: TensorClass,
-    pub dtype: DType,
-    pub shape: Vec<u64>,
-    pub quantization: Option<QuantizationParams>,
-}
-
-/// Path of part `index` (1-based) of the artifact at `path`.
-pub fn part_path(path: &Path, index: u32) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
-    name.push(format!(".part-{index:04}"));
-    PathBuf::from(name)
 }
 
 fn temporary_path(path: &Path, resumable: bool) -> PathBuf {
@@ -674,36 +660,6 @@ impl Drop for ArtifactWriter {
             }
             if self.resume_key.is_some() {
                 let _ = std::fs::remove_file(journal_path(&self.final_path));
-            }
-        }
-    }
-}
-
-/// Bytes a tensor of this spec occupies, or why the spec is invalid.
-pub fn expected_tensor_bytes(spec: &TensorSpec) -> Result<u64, String> {
-    let elements: u64 = spec.shape.iter().product();
-    match spec.dtype {
-        DType::F32 => Ok(elements * 4),
-        DType::Bf16 => Ok(elements * 2),
-        DType::Int8 | DType::Int4 => {
-            let [rows, cols] = spec.shape[..] else {
-                return Err(format!(
-                    "{} tensors must be 2-D, shape is {:?}",
-                    spec.dtype, spec.shape
-                ));
-            };
-            let layout =
-                crate::quant::QuantizedLayout::new(spec.dtype, rows as usize, cols as usize)?;
-            match &spec.quantization {
-                Some(params) if *params == layout.params() => Ok(layout.total_bytes as u64),
-                Some(params) => Err(format!(
-                    "quantization parameters {params:?} differ from the format's {:?}",
-                    layout.params()
-                )),
-                None => Err(format!(
-                    "{} tensor without quantization parameters",
-                    spec.dtype
-                )),
             }
         }
     }

@@ -9,12 +9,16 @@
 mod error;
 mod hf_config;
 mod plan;
+mod progress;
 mod routing_locality;
 mod safetensors_file;
 mod side_files;
 mod source;
 pub mod synthetic;
+mod synthetic_options;
+mod synthetic_presets;
 pub mod synthetic_tokenizer;
+mod synthetic_weights;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -32,6 +36,7 @@ use plan::{
     build_plan, DTypeChoice, ExpertSource, PlannedBank, PlannedItem, PlannedTensor, RowSelection,
     SourceNames,
 };
+pub use progress::{ConvertProgress, NoProgress};
 use safetensors_file::{Checkpoint, SourceDType};
 pub use source::{ByteRange, RangeSource, RemoteShard};
 pub use synthetic::{write_synthetic, Preset, Routing, SyntheticOptions, PRESETS};
@@ -67,26 +72,6 @@ impl ConvertOptions {
         }
     }
 }
-
-/// Progress callbacks; the CLI draws a bar on a terminal and logs lines otherwise.
-pub trait ConvertProgress: Sync {
-    /// Called once with the number of output tensors.
-    fn start(&self, _total_tensors: u64) {}
-    /// Called after each output tensor is written.
-    fn tensor_written(&self, _name: &str, _bytes: u64) {}
-    /// A decision worth telling the user (skipped or kept extra tensors, reuse).
-    fn note(&self, message: &str) {
-        tracing::info!("{message}");
-    }
-    /// Polled between tensors; `true` aborts the conversion and deletes partial output.
-    fn cancelled(&self) -> bool {
-        false
-    }
-}
-
-/// Progress sink that only logs notes.
-pub struct NoProgress;
-impl ConvertProgress for NoProgress {}
 
 /// What a finished conversion produced.
 #[derive(Debug, Clone)]

@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 use crate::avx512::{
     float_weight, group_bytes, load_group, load_scales, D_BF16, D_F32, D_INT4, D_INT8,
 };
-use crate::kernels::ThreadBuffers;
+use crate::kernel_shared::ThreadBuffers;
 use crate::layout::{MatrixView, WeightDType, GROUP};
 use crate::prepare::InputRows;
 

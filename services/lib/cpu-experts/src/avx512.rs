@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use crate::kernels::{prefetch_line, prefetch_row_scales};
+use crate::kernel_shared::{prefetch_line, prefetch_row_scales};
 use crate::layout::{MatrixView, WeightDType, GROUP};
 use crate::prepare::InputRows;
 use crate::tuning::Prefetch;

@@ -25,7 +25,8 @@
 use std::time::{Duration, Instant};
 
 use crate::isa::{KernelIsa, AMX_MIN_TOKENS};
-use crate::kernels::{matmul_row_pairs, matmul_rows, ThreadBuffers};
+use crate::kernel_shared::ThreadBuffers;
+use crate::kernels::{matmul_row_pairs, matmul_rows};
 use crate::layout::{ExpertLayout, MatrixView, WeightDType, GROUP};
 use crate::pool::{split_range, ThreadPool, WorkerContext};
 use crate::prepare::{FormNeeds, Forms, FormsPtr, InputRows};

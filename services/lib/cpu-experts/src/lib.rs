@@ -34,6 +34,7 @@ pub mod prepare;
 pub mod routed;
 pub mod tuning;
 
+mod kernel_shared;
 mod kernels;
 mod scalar;
 

@@ -31,7 +31,37 @@ const OVERSIZED_FILES_TO_SPLIT: &[&str] = &[
 
 /// Import circles allowed for now, to be removed by their owner (remove the entry with the
 /// fix). A circle passes when its files are all in one entry.
-const IMPORT_CIRCLES_TO_REMOVE: &[&[&str]] = &[];
+const IMPORT_CIRCLES_TO_REMOVE: &[&[&str]] = &[
+    // The gateway's router and the API handlers it routes to: the handlers take
+    // `parse_json_body` from the router's file (it belongs in a module both import).
+    &[
+        "services/gateway/src/server.rs",
+        "services/gateway/src/openai.rs",
+        "services/gateway/src/anthropic.rs",
+        "services/gateway/src/responses.rs",
+    ],
+    // The gateway's neutral chat model and the grammar of structured output use each other's
+    // types.
+    &[
+        "services/gateway/src/chat.rs",
+        "services/gateway/src/structured.rs",
+    ],
+    // The CUDA backend's device files use helpers of their parent (`driver_error`, the backend
+    // type) while the parent uses their launches.
+    &[
+        "services/engine/src/backend/cuda/device/mod.rs",
+        "services/engine/src/backend/cuda/device/elementwise.rs",
+        "services/engine/src/backend/cuda/device/experts.rs",
+        "services/engine/src/backend/cuda/device/host_kv.rs",
+        "services/engine/src/backend/cuda/device/launch.rs",
+        "services/engine/src/backend/cuda/device/matmul.rs",
+        "services/engine/src/backend/cuda/device/op_timing.rs",
+        "services/engine/src/backend/cuda/device/pending_routing.rs",
+        "services/engine/src/backend/cuda/device/readback.rs",
+        "services/engine/src/backend/cuda/device/router.rs",
+        "services/engine/src/backend/cuda/device/step_graph.rs",
+    ],
+];
 
 /// Crate source folders: every `src/` under `services/`.
 fn crate_source_folders(root: &Path) -> Vec<PathBuf> {
@@ -409,6 +439,13 @@ fn file_items(source: &str) -> FileItems {
                     }
                 }
             }
+            // A visibility (`pub(in crate::a)`) names a module, it imports nothing.
+            Token::Ident(word)
+                if word == "pub" && tokens.get(at + 1) == Some(&Token::Punct('(')) =>
+            {
+                at = skip_group(&tokens, at + 1, '(', ')');
+                continue;
+            }
             Token::Ident(word) if word == "use" => {
                 let reexport = is_public(&tokens, at) && inline.is_empty();
                 let mut paths = Vec::new();
@@ -711,8 +748,21 @@ fn no_source_file_is_over_the_line_limit() {
         let text = std::fs::read_to_string(root.join(source))
             .unwrap_or_else(|error| panic!("reading {source}: {error}"));
         let lines = text.lines().count();
-        if lines > MAX_SOURCE_LINES && !OVERSIZED_FILES_TO_SPLIT.contains(&source.as_str()) {
+        let listed = OVERSIZED_FILES_TO_SPLIT.contains(&source.as_str());
+        if lines > MAX_SOURCE_LINES && !listed {
             offenders.push(format!("{source}: {lines} lines"));
+        }
+        if lines <= MAX_SOURCE_LINES && listed {
+            offenders.push(format!(
+                "{source}: {lines} lines, remove it from OVERSIZED_FILES_TO_SPLIT"
+            ));
+        }
+    }
+    for listed in OVERSIZED_FILES_TO_SPLIT {
+        if !sources.contains(*listed) {
+            offenders.push(format!(
+                "{listed} is no source file, remove it from OVERSIZED_FILES_TO_SPLIT"
+            ));
         }
     }
     assert!(
@@ -728,14 +778,16 @@ fn no_source_file_is_over_the_line_limit() {
 fn no_import_circles_between_files_of_a_crate() {
     let mut offenders = Vec::new();
     let mut edges_seen = 0;
+    let mut entries_used = BTreeSet::new();
     for (folder, crate_root, graph) in workspace_crate_graphs() {
         edges_seen += graph.edges.values().map(BTreeMap::len).sum::<usize>();
         for circle in import_circles(&graph.edges) {
             let files: Vec<String> = circle.iter().map(|f| format!("{folder}/{f}")).collect();
             let allowed = IMPORT_CIRCLES_TO_REMOVE
                 .iter()
-                .any(|entry| files.iter().all(|file| entry.contains(&file.as_str())));
-            if allowed {
+                .position(|entry| files.iter().all(|file| entry.contains(&file.as_str())));
+            if let Some(entry) = allowed {
+                entries_used.insert(entry);
                 continue;
             }
             let mut described = format!("{folder} ({crate_root}): {}", circle.join(" ↔ "));
@@ -747,6 +799,13 @@ fn no_import_circles_between_files_of_a_crate() {
                 }
             }
             offenders.push(described);
+        }
+    }
+    for (index, entry) in IMPORT_CIRCLES_TO_REMOVE.iter().enumerate() {
+        if !entries_used.contains(&index) {
+            offenders.push(format!(
+                "no circle is left among {entry:?}: remove the entry from IMPORT_CIRCLES_TO_REMOVE"
+            ));
         }
     }
     assert!(edges_seen > 100, "found only {edges_seen} imports");
@@ -852,7 +911,8 @@ fn the_circle_finder_finds_circles() {
             "b.rs",
             "// use crate::a::A;\nconst S: &str = \"crate::a::A\";\nconst R: &str = r#\"super::a\"#;\n\
              const C: char = '\"';\nuse other::a::A;\nuse std::fmt;\npub struct B<'a>(&'a str);\n\
-             #[cfg(test)]\nuse crate::a::A;\n#[cfg(test)]\nfn t() { crate::a::A; }\n",
+             #[cfg(test)]\nuse crate::a::A;\n#[cfg(test)]\nfn t() { crate::a::A; }\n\
+             pub(in crate::a) fn visible_in_a() {}\n",
         ),
         ("tests.rs", "use crate::a::A;\nuse crate::b::B;\n"),
     ];

@@ -9,5 +9,6 @@
 
 pub mod graph;
 pub mod ngram_hash;
+pub mod ple_state;
 pub mod qsa_selection;
 pub mod torch_topk;

@@ -1,0 +1,594 @@
+//! The batched forward pass: a batch checked and planned, every layer's mixer (attention or
+//! Gated DeltaNet) and feed-forward (dense, offloaded or MoE) over all its sequences at once, the
+//! head's logits, and the accounting of each forward.
+//!
+//! Owns: the order of a forward's ops. Must not touch: the ops themselves (the backend), how
+//! routed experts are computed (`crate::moe`).
+
+use std::time::Instant;
+
+use ninfer_artifact::ExpertBank;
+
+use crate::backend::{Backend, DeltaRuleForm, Rotation, Segment};
+use crate::error::EngineError;
+use crate::model::layers::{
+    layer_segments, state_mismatch, BatchPlan, FeedForward, LayerScratch, LayerState,
+    LogitsSelection, Mixer, SequenceInput, SequenceState,
+};
+use crate::model::qwen4_exp;
+use crate::model::Model;
+use crate::moe::layer::DeferredRouting;
+use crate::moe::ExpertBatch;
+use crate::profile::{nanos, Phase, PhaseTotals};
+
+impl<B: Backend> Model<B> {
+    /// Prefill (or continue) one sequence; returns the logits of its last token.
+    pub fn prefill(
+        &self,
+        state: &mut SequenceState<B>,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut batch = [SequenceInput { state, tokens }];
+        let mut logits = self.forward(&mut batch, LogitsSelection::Last)?;
+        Ok(logits.pop().unwrap_or_default())
+    }
+
+    /// One forward over several sequences at once. Returns, per sequence, its logits
+    /// (`[vocab]` for `Last`, `[new tokens · vocab]` for `All`).
+    ///
+    /// Input errors (too long, empty, unknown token) are found before any state changes, so the
+    /// sequences stay usable. An error from the expert executor mid-forward leaves the states of
+    /// this batch half-updated: their owners must drop them.
+    pub fn forward(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        selection: LogitsSelection,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let vocab = self.vocab_size();
+        let rows: Vec<usize> = batch
+            .iter()
+            .map(|item| match selection {
+                LogitsSelection::Last => 1,
+                LogitsSelection::All => item.tokens.len(),
+            })
+            .collect();
+        let logits =
+            self.forward_then(batch, selection, self.delta_rule_form, |backend, normed| {
+                backend.download(&backend.matmul(&normed, self.head())?)
+            })?;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut row = 0;
+        for rows in rows {
+            let part = logits.get(row * vocab..(row + rows) * vocab);
+            out.push(part.map(<[f32]>::to_vec).unwrap_or_default());
+            row += rows;
+        }
+        Ok(out)
+    }
+
+    /// [`Model::forward`] with `LogitsSelection::Last`, the logits left on the backend
+    /// (`[sequences, vocab]`): sampling reads back only what it needs
+    /// ([`Backend::logit_candidates`]).
+    pub fn forward_logits_on_backend(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+    ) -> Result<B::Tensor, EngineError> {
+        if let Some(logits) = self.decode_through_step_graph(batch)? {
+            return Ok(logits);
+        }
+        self.forward_then(
+            batch,
+            LogitsSelection::Last,
+            self.delta_rule_form,
+            |backend, normed| backend.matmul(&normed, self.head()),
+        )
+    }
+
+    /// [`Model::forward`] with `LogitsSelection::All`, stopping before the head: every new
+    /// row's last hidden state after the final norm (`[new tokens, hidden]`, sequences in batch
+    /// order), what the head and the MTP head read. `delta_rule_form` overrides the model's
+    /// (`Recurrent`: every row gets the bits a one-token forward gives it, as speculative
+    /// verification needs).
+    pub fn forward_hidden(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        delta_rule_form: Option<DeltaRuleForm>,
+    ) -> Result<B::Tensor, EngineError> {
+        let form = delta_rule_form.unwrap_or(self.delta_rule_form);
+        self.forward_then(batch, LogitsSelection::All, form, |_, normed| Ok(normed))
+    }
+
+    /// The output projection (`lm_head`, or the embedding when they are tied).
+    pub(in crate::model) fn head(&self) -> &B::Weight {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// The logits of final-normed hidden rows (`[rows · vocab]`).
+    pub fn head_logits(&self, normed: &B::Tensor) -> Result<Vec<f32>, EngineError> {
+        let backend = &*self.backend;
+        backend.download(&backend.matmul(normed, self.head())?)
+    }
+
+    /// [`Model::head_logits`] left on the backend (`[rows, vocab]`).
+    pub fn head_logits_on_backend(&self, normed: &B::Tensor) -> Result<B::Tensor, EngineError> {
+        self.backend.matmul(normed, self.head())
+    }
+
+    /// Finishes the routings left on the backend during a forward and counts them.
+    pub(in crate::model) fn finish_deferred_routing(
+        &self,
+        scratch: &mut LayerScratch<'_, B>,
+    ) -> Result<(), EngineError> {
+        for DeferredRouting { layer, pending } in scratch.deferred.drain(..) {
+            let (routing, _) = self.backend.finish_routing(pending)?;
+            if let Some(FeedForward::Moe(moe)) = self.moe_layer_at(layer) {
+                moe.account_deferred_routing(
+                    &scratch.moe_context,
+                    layer,
+                    &routing,
+                    &mut scratch.tally,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The feed-forward of layer `index`: the decoder layers, then the MTP layer after them.
+    pub(in crate::model) fn moe_layer_at(&self, index: usize) -> Option<&FeedForward<B>> {
+        match self.layers.get(index) {
+            Some(layer) => Some(&layer.feed_forward),
+            None if index == self.layers.len() => {
+                self.mtp.as_ref().map(|head| &head.layer.feed_forward)
+            }
+            None => None,
+        }
+    }
+
+    /// A layer's feed-forward of its post-attention-normed input `x`.
+    pub(in crate::model) fn feed_forward(
+        &self,
+        scratch: &mut LayerScratch<'_, B>,
+        index: usize,
+        feed_forward: &FeedForward<B>,
+        x: &B::Tensor,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = &*self.backend;
+        match feed_forward {
+            FeedForward::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } => {
+                let activated = backend
+                    .silu_mul(&backend.matmul(x, gate_proj)?, &backend.matmul(x, up_proj)?)?;
+                backend.matmul(&activated, down_proj)
+            }
+            FeedForward::OffloadedDense { bank } => {
+                self.offloaded_dense_mlp(scratch, index, bank, x)
+            }
+            FeedForward::Moe(moe) => moe.forward(
+                &scratch.moe_context,
+                index,
+                x,
+                &mut scratch.tally,
+                &mut scratch.deferred,
+            ),
+        }
+    }
+
+    /// An offloaded dense MLP: every token to the expert executor as expert 0 of the layer's
+    /// one-expert bank with routing weight 1, which is the SwiGLU of the layer's MLP.
+    pub(in crate::model) fn offloaded_dense_mlp(
+        &self,
+        scratch: &mut LayerScratch<'_, B>,
+        index: usize,
+        bank: &ExpertBank,
+        x: &B::Tensor,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = &*self.backend;
+        let (rows, cols) = backend.shape(x);
+        let copying = Instant::now();
+        let hidden = backend.download(x)?;
+        scratch.tally.transfer_nanos += nanos(copying.elapsed());
+        let mut out = vec![0.0f32; hidden.len()];
+        let waiting = Instant::now();
+        self.experts.compute(
+            &ExpertBatch {
+                layer: index,
+                bank,
+                hidden_size: cols,
+                intermediate_size: self.spec.common.intermediate_size,
+                hidden: &hidden,
+                experts_per_token: 1,
+                expert_ids: &vec![0; rows],
+                weights: &vec![1.0; rows],
+            },
+            &mut out,
+        )?;
+        scratch.tally.expert_wait_nanos += nanos(waiting.elapsed());
+        let copying = Instant::now();
+        let output = backend.upload(&out, rows, cols)?;
+        scratch.tally.transfer_nanos += nanos(copying.elapsed());
+        Ok(output)
+    }
+
+    /// Dense-MLP layers whose MLP the expert executor computes.
+    pub fn offloaded_dense_mlp_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|layer| matches!(layer.feed_forward, FeedForward::OffloadedDense { .. }))
+            .count()
+    }
+
+    /// The forward pass; `finish` takes the logits where [`Model::forward`] reads them back.
+    pub(in crate::model) fn forward_then<T>(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        selection: LogitsSelection,
+        delta_rule_form: DeltaRuleForm,
+        finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let plan = self.batch_plan(batch)?;
+        let started = Instant::now();
+        self.expert_cache_between_steps()?;
+        let handoff = self.ready_worker_handoff(plan.ids.len())?;
+        let layerwise = self.layerwise_stream(plan.ids.len())?;
+        let mut scratch = LayerScratch::new(
+            self.moe_context_with(handoff.map(|h| h.handoff), layerwise.as_ref()),
+        );
+        let out = self.run_layers(
+            batch,
+            &plan,
+            selection,
+            delta_rule_form,
+            &mut scratch,
+            finish,
+        )?;
+        if let Some(handoff) = handoff {
+            self.finish_worker_handoff(handoff, &mut scratch.tally)?;
+        }
+        self.finish_deferred_routing(&mut scratch)?;
+        self.account_forward(batch, &plan, scratch.tally, started);
+        Ok(out)
+    }
+
+    /// The expert cache's work between two steps (fills decided, finished fills put in the
+    /// slot tables): before any op of the next step, outside any step graph.
+    pub(in crate::model) fn expert_cache_between_steps(&self) -> Result<(), EngineError> {
+        if let Some(cache) = &self.expert_cache {
+            for (index, feed_forward) in self.feed_forwards().enumerate() {
+                if let FeedForward::Moe(moe) = feed_forward {
+                    cache.between_steps(index, moe, &self.artifact)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The token ids, row ranges and positions of a batch, once every input was checked: a
+    /// batch that fails here leaves every sequence as it was.
+    pub(in crate::model) fn batch_plan(
+        &self,
+        batch: &[SequenceInput<'_, B>],
+    ) -> Result<BatchPlan, EngineError> {
+        let vocab = self.vocab_size();
+        let mut plan = BatchPlan::default();
+        for item in batch.iter() {
+            let state = &*item.state;
+            if item.tokens.is_empty() {
+                return Err(EngineError::EmptyInput {
+                    what: "a sequence in the batch has no new tokens".into(),
+                });
+            }
+            if state.layers.len() != self.layers.len() {
+                return Err(EngineError::InvalidConfig {
+                    problem: format!(
+                        "sequence state has {} layers, the model {}",
+                        state.layers.len(),
+                        self.layers.len()
+                    ),
+                });
+            }
+            let end = state.position + item.tokens.len();
+            if end > state.max_context {
+                return Err(if state.position == 0 {
+                    EngineError::PromptTooLong {
+                        tokens: item.tokens.len(),
+                        max_context: state.max_context,
+                    }
+                } else {
+                    EngineError::ContextFull {
+                        held: state.position,
+                        added: item.tokens.len(),
+                        max_context: state.max_context,
+                    }
+                });
+            }
+            if let Some(&token) = item.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::TokenOutOfVocabulary {
+                    token,
+                    vocab_size: vocab,
+                });
+            }
+            let first = plan.ids.len();
+            plan.ids.extend_from_slice(item.tokens);
+            plan.ranges.push(first..plan.ids.len());
+            plan.positions.extend(state.position..end);
+        }
+        if plan.ids.is_empty() {
+            return Err(EngineError::EmptyInput {
+                what: "the batch has no sequences".into(),
+            });
+        }
+        Ok(plan)
+    }
+
+    /// Every layer's ops and the final norm, then `finish`; the routings of all-resident MoE
+    /// layers are left in `scratch.deferred`, and no sequence's position moves.
+    pub(in crate::model) fn run_layers<T>(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        plan: &BatchPlan,
+        selection: LogitsSelection,
+        delta_rule_form: DeltaRuleForm,
+        scratch: &mut LayerScratch<'_, B>,
+        finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        if let Some(graph) = &self.qwen4_exp {
+            return self.run_qwen4_exp_layers(
+                graph,
+                batch,
+                plan,
+                selection,
+                delta_rule_form,
+                scratch,
+                finish,
+            );
+        }
+        let BatchPlan {
+            ids,
+            ranges,
+            positions,
+        } = plan;
+        let backend = &*self.backend;
+        let eps = self.spec.eps();
+        let style = self.spec.norm_style;
+        let final_norm = self
+            .final_norm
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: "the model has no final norm".into(),
+            })?;
+        let mut hidden = backend.embed(&self.embed_tokens, ids)?;
+        // Each residual add is fused with the norm after it (Backend::add_rms_norm): `next`
+        // holds the next layer's normed input.
+        let mut next = self
+            .layers
+            .first()
+            .map(|layer| backend.rms_norm(&hidden, layer.input_norm()?, eps, style))
+            .transpose()?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            let x = next.take().ok_or_else(|| EngineError::InvalidConfig {
+                problem: format!("layer {index} has no normed input"),
+            })?;
+            let mixed = match &layer.mixer {
+                Mixer::Attention { .. } => {
+                    self.attention(index, &layer.mixer, &x, positions, batch, ranges)?
+                }
+                Mixer::GatedDeltaNet { .. } => {
+                    self.gated_delta_net(index, &layer.mixer, &x, batch, ranges, delta_rule_form)?
+                }
+            };
+            let x = backend.add_rms_norm(
+                &mut hidden,
+                &mixed,
+                layer.post_attention_norm()?,
+                eps,
+                style,
+            )?;
+            let fed = self.feed_forward(scratch, index, &layer.feed_forward, &x)?;
+            match self.layers.get(index + 1) {
+                Some(following) => {
+                    next = Some(backend.add_rms_norm(
+                        &mut hidden,
+                        &fed,
+                        following.input_norm()?,
+                        eps,
+                        style,
+                    )?);
+                }
+                None => backend.add_assign(&mut hidden, &fed)?,
+            }
+        }
+
+        let selected_rows: Vec<usize> = match selection {
+            LogitsSelection::Last => ranges.iter().map(|r| r.end - 1).collect(),
+            LogitsSelection::All => (0..ids.len()).collect(),
+        };
+        // Every row, in order (decode): no gather.
+        let every_row = selected_rows.iter().copied().eq(0..ids.len());
+        let normed = if every_row {
+            backend.rms_norm(&hidden, final_norm, eps, style)?
+        } else {
+            let selected = backend.gather_rows(&hidden, &selected_rows)?;
+            backend.rms_norm(&selected, final_norm, eps, style)?
+        };
+        finish(backend, normed)
+    }
+
+    /// After a forward's ops: every sequence moves past its new tokens, and the forward is
+    /// counted in the profile.
+    pub(in crate::model) fn account_forward(
+        &self,
+        batch: &mut [SequenceInput<'_, B>],
+        plan: &BatchPlan,
+        mut tally: PhaseTotals,
+        started: Instant,
+    ) {
+        for (item, range) in batch.iter_mut().zip(&plan.ranges) {
+            item.state.position += range.len();
+        }
+        tally.forwards = 1;
+        tally.tokens = plan.ids.len() as u64;
+        tally.forward_nanos = nanos(started.elapsed());
+        let phase = if plan.ids.len() == batch.len() {
+            Phase::Decode
+        } else {
+            Phase::Prefill
+        };
+        self.profile.record(phase, &tally);
+    }
+
+    pub(in crate::model) fn attention(
+        &self,
+        index: usize,
+        mixer: &Mixer<B>,
+        x: &B::Tensor,
+        positions: &[usize],
+        batch: &mut [SequenceInput<'_, B>],
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<B::Tensor, EngineError> {
+        let mut segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::Attention(cache) => Some(cache),
+            _ => None,
+        })?;
+        self.attention_over(index, mixer, x, positions, &mut segments)
+    }
+
+    /// An attention mixer over rows whose caches the caller hands in (`positions` per row).
+    pub(in crate::model) fn attention_over(
+        &self,
+        index: usize,
+        mixer: &Mixer<B>,
+        x: &B::Tensor,
+        positions: &[usize],
+        segments: &mut [Segment<'_, B::KvCache>],
+    ) -> Result<B::Tensor, EngineError> {
+        let Mixer::Attention {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+        } = mixer
+        else {
+            return Err(state_mismatch(index));
+        };
+        let backend = &*self.backend;
+        let spec = &self.spec.attention;
+        let (eps, style) = (self.spec.eps(), self.spec.norm_style);
+        let [projected, k, v] = backend.matmul3(x, [q_proj, k_proj, v_proj])?;
+        let (q, gate) = if self.spec.gated_attention {
+            let (q, gate) =
+                backend.split_interleaved(&projected, spec.heads, spec.head_dim, spec.head_dim)?;
+            (q, Some(gate))
+        } else {
+            (projected, None)
+        };
+        let rotation = Rotation {
+            positions,
+            head_dim: spec.head_dim,
+            rotary_dim: self.spec.common.rotary_dim,
+            theta: self.spec.common.rope_theta,
+        };
+        let (q, k) = backend.rms_norm_rope_pair(&q, q_norm, &k, k_norm, eps, style, &rotation)?;
+        let mut output = backend.attention(&q, &k, &v, spec, segments)?;
+        if let Some(gate) = gate {
+            output = backend.mul_sigmoid(&output, &gate)?;
+        }
+        backend.matmul(&output, o_proj)
+    }
+
+    pub(in crate::model) fn gated_delta_net(
+        &self,
+        index: usize,
+        mixer: &Mixer<B>,
+        x: &B::Tensor,
+        batch: &mut [SequenceInput<'_, B>],
+        ranges: &[std::ops::Range<usize>],
+        delta_rule_form: DeltaRuleForm,
+    ) -> Result<B::Tensor, EngineError> {
+        let (
+            Mixer::GatedDeltaNet {
+                in_proj_qkv,
+                in_proj_z,
+                in_proj_b,
+                in_proj_a,
+                conv1d,
+                dt_bias,
+                a_log,
+                norm,
+                out_proj,
+            },
+            Some(delta),
+        ) = (mixer, &self.spec.delta_rule)
+        else {
+            return Err(state_mismatch(index));
+        };
+        let backend = &*self.backend;
+        let qkv = backend.matmul(x, in_proj_qkv)?;
+        let z = backend.matmul(x, in_proj_z)?;
+        let b = backend.matmul(x, in_proj_b)?;
+        let a = backend.matmul(x, in_proj_a)?;
+
+        let mut conv_segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::GatedDeltaNet { conv, .. } => Some(conv),
+            _ => None,
+        })?;
+        let convolved = backend.causal_conv1d_silu(&qkv, conv1d, &mut conv_segments)?;
+        drop(conv_segments);
+
+        let key_width = delta.key_heads * delta.key_head_dim;
+        let value_width = delta.value_heads * delta.value_head_dim;
+        let q = backend.columns(&convolved, 0..key_width)?;
+        let k = backend.columns(&convolved, key_width..2 * key_width)?;
+        let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width)?;
+        let (g, beta) = backend.delta_rule_gates(&a, &b, a_log, dt_bias)?;
+
+        let mut recurrent_segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::GatedDeltaNet { recurrent, .. } => Some(recurrent),
+            _ => None,
+        })?;
+        let output = backend.gated_delta_rule(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            delta,
+            delta_rule_form,
+            &mut recurrent_segments,
+        )?;
+        // qwen4_exp may gate with a sigmoid, which the backend's gated norm does not: on the
+        // CPU backend the host function (bit for bit what it always computed), elsewhere a
+        // norm and a sigmoid gate as two ops.
+        let sigmoid_norm = self
+            .qwen4_exp
+            .as_ref()
+            .and_then(|graph| graph.sigmoid_gated_norm(index));
+        let normed = match sigmoid_norm {
+            Some(_) if !backend.computes_on_host() => {
+                qwen4_exp::graph::sigmoid_gated_rms_norm_by_ops(
+                    backend,
+                    &output,
+                    &z,
+                    norm,
+                    self.spec.eps(),
+                )?
+            }
+            Some(weight) => {
+                let (rows, cols) = backend.shape(&output);
+                let normed = qwen4_exp::graph::sigmoid_gated_rms_norm(
+                    &backend.download(&output)?,
+                    &backend.download(&z)?,
+                    weight,
+                    self.spec.eps(),
+                );
+                backend.upload(&normed, rows, cols)?
+            }
+            None => backend.gated_rms_norm(&output, &z, norm, self.spec.eps())?,
+        };
+        backend.matmul(&normed, out_proj)
+    }
+}

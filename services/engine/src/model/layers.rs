@@ -1,0 +1,186 @@
+//! A model's layers and a sequence's state: a decoder layer's weights (mixer and feed-forward),
+//! each layer's state of a sequence (KV cache, conv and recurrent states, QSA cache), the state
+//! a sequence carries between forwards and its checkpoints, and a forward's batch and scratch.
+//!
+//! Owns: these types and the segments of a batched op over them. Must not touch: loading or the
+//! forward itself.
+
+use ninfer_artifact::ExpertBank;
+
+use crate::backend::{Backend, Segment};
+use crate::error::EngineError;
+use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer};
+use crate::profile::PhaseTotals;
+
+/// Which positions' logits a forward returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsSelection {
+    /// Only each sequence's last new token (prefill and decode).
+    Last,
+    /// Every new token (perplexity).
+    All,
+}
+
+pub(in crate::model) enum Mixer<B: Backend> {
+    Attention {
+        q_proj: B::Weight,
+        k_proj: B::Weight,
+        v_proj: B::Weight,
+        o_proj: B::Weight,
+        q_norm: B::Weight,
+        k_norm: B::Weight,
+    },
+    GatedDeltaNet {
+        in_proj_qkv: B::Weight,
+        in_proj_z: B::Weight,
+        in_proj_b: B::Weight,
+        in_proj_a: B::Weight,
+        conv1d: B::Weight,
+        dt_bias: B::Weight,
+        a_log: B::Weight,
+        norm: B::Weight,
+        out_proj: B::Weight,
+    },
+}
+
+pub(in crate::model) enum FeedForward<B: Backend> {
+    Dense {
+        gate_proj: B::Weight,
+        up_proj: B::Weight,
+        down_proj: B::Weight,
+    },
+    /// A dense MLP computed by the expert executor (the CPU workers) from its one-expert bank
+    /// (`layers.L.mlp.experts`): no copy on the backend.
+    OffloadedDense {
+        bank: ExpertBank,
+    },
+    Moe(MoeLayer<B>),
+}
+
+pub(in crate::model) struct Layer<B: Backend> {
+    /// Absent in qwen4_exp, whose hyper-connection norms take the layer norms' place.
+    pub(in crate::model) input_norm: Option<B::Weight>,
+    pub(in crate::model) post_attention_norm: Option<B::Weight>,
+    pub(in crate::model) mixer: Mixer<B>,
+    pub(in crate::model) feed_forward: FeedForward<B>,
+}
+
+impl<B: Backend> Layer<B> {
+    pub(in crate::model) fn input_norm(&self) -> Result<&B::Weight, EngineError> {
+        self.input_norm
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: "a decoder layer without an input norm".into(),
+            })
+    }
+
+    pub(in crate::model) fn post_attention_norm(&self) -> Result<&B::Weight, EngineError> {
+        self.post_attention_norm
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidConfig {
+                problem: "a decoder layer without a post-attention norm".into(),
+            })
+    }
+}
+
+/// State of one layer of one sequence.
+pub enum LayerState<B: Backend> {
+    Attention(B::KvCache),
+    GatedDeltaNet {
+        conv: B::ConvState,
+        recurrent: B::RecurrentState,
+    },
+    /// A qwen4_exp QSA attention layer's cache, where the backend computes.
+    SparseAttention(B::QsaCache),
+}
+
+/// Everything a sequence carries between forwards.
+pub struct SequenceState<B: Backend> {
+    pub(in crate::model) max_context: usize,
+    pub(in crate::model) position: usize,
+    pub(in crate::model) layers: Vec<LayerState<B>>,
+    /// Per layer, a qwen4_exp PLE block's state (empty for other architectures).
+    pub(in crate::model) ple: Vec<Option<crate::model::qwen4_exp::ple_state::PleState<B>>>,
+    /// Names these states' buffers for the step graphs that record them: new for every new
+    /// sequence and whenever a buffer is replaced ([`Model::restore`]).
+    pub(in crate::model) graph_key: u64,
+}
+
+impl<B: Backend> SequenceState<B> {
+    /// Tokens processed so far (= position of the next token).
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+}
+
+/// What the layers of one forward share: the MoE context, and what the MoE layers count and
+/// leave to be finished at the end.
+pub(in crate::model) struct LayerScratch<'a, B: Backend> {
+    pub(in crate::model) moe_context: MoeContext<'a, B>,
+    pub(in crate::model) tally: PhaseTotals,
+    pub(in crate::model) deferred: Vec<DeferredRouting<B>>,
+}
+
+impl<'a, B: Backend> LayerScratch<'a, B> {
+    pub(in crate::model) fn new(moe_context: MoeContext<'a, B>) -> Self {
+        LayerScratch {
+            moe_context,
+            tally: PhaseTotals::default(),
+            deferred: Vec::new(),
+        }
+    }
+}
+
+/// A sequence's state at one point, to go back to ([`Model::checkpoint`], [`Model::restore`]).
+pub struct SequenceCheckpoint<B: Backend> {
+    pub(in crate::model) position: usize,
+    /// Per layer: copies of a Gated DeltaNet layer's conv and recurrent states.
+    pub(in crate::model) layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
+    /// Copies of the PLE states (qwen4_exp).
+    pub(in crate::model) ple: Vec<Option<crate::model::qwen4_exp::ple_state::PleState<B>>>,
+}
+
+/// A checked batch: its token ids, each sequence's rows, each row's position.
+#[derive(Default)]
+pub(in crate::model) struct BatchPlan {
+    pub(in crate::model) ids: Vec<u32>,
+    pub(in crate::model) ranges: Vec<std::ops::Range<usize>>,
+    pub(in crate::model) positions: Vec<usize>,
+}
+
+/// New tokens of one sequence in a batched forward.
+pub struct SequenceInput<'a, B: Backend> {
+    pub state: &'a mut SequenceState<B>,
+    pub tokens: &'a [u32],
+}
+
+/// Layer `index`'s state of every sequence in `batch`, as the segments of a batched op (`pick`
+/// returns `None` for a state of the wrong kind).
+pub(crate) fn layer_segments<'s, B: Backend, S>(
+    batch: &'s mut [SequenceInput<'_, B>],
+    ranges: &[std::ops::Range<usize>],
+    index: usize,
+    pick: impl Fn(&mut LayerState<B>) -> Option<&mut S>,
+) -> Result<Vec<Segment<'s, S>>, EngineError> {
+    let mut segments = Vec::with_capacity(batch.len());
+    for (item, range) in batch.iter_mut().zip(ranges) {
+        let start_position = item.state.position;
+        let state = pick(&mut item.state.layers[index]).ok_or_else(|| state_mismatch(index))?;
+        segments.push(Segment {
+            rows: range.clone(),
+            start_position,
+            state,
+        });
+    }
+    Ok(segments)
+}
+
+pub(crate) fn state_mismatch(layer: usize) -> EngineError {
+    EngineError::InvalidConfig {
+        problem: format!("layer {layer}: the sequence state does not match the model's layer type"),
+    }
+}

@@ -1,0 +1,130 @@
+//! A model's sequences: a new sequence's state sized from its max context, checkpoints and
+//! restores of it, and the delta rule's form.
+//!
+//! Owns: creating, copying and restoring [`SequenceState`]s. Must not touch: the forward.
+
+use crate::backend::{Backend, DeltaRuleForm};
+use crate::error::EngineError;
+use crate::model::layers::{LayerState, SequenceCheckpoint, SequenceState};
+use crate::model::step_graphs;
+use crate::model::Model;
+use crate::spec::MixerKind;
+
+impl<B: Backend> Model<B> {
+    /// Forces one form of the gated delta rule (tests compare the two).
+    pub fn set_delta_rule_form(&mut self, form: DeltaRuleForm) {
+        self.delta_rule_form = form;
+    }
+
+    /// Empty state for a sequence of at most `max_context` tokens.
+    pub fn new_sequence(&self, max_context: usize) -> Result<SequenceState<B>, EngineError> {
+        let kv_width = self.spec.attention.kv_heads * self.spec.attention.head_dim;
+        let layers = self
+            .spec
+            .mixers
+            .iter()
+            .map(|mixer| {
+                Ok(match (mixer, &self.spec.delta_rule) {
+                    (MixerKind::GatedDeltaNet, Some(delta)) => {
+                        let channels = 2 * delta.key_heads * delta.key_head_dim
+                            + delta.value_heads * delta.value_head_dim;
+                        LayerState::GatedDeltaNet {
+                            conv: self
+                                .backend
+                                .new_conv_state(channels, self.spec.conv_kernel)?,
+                            recurrent: self.backend.new_recurrent_state(delta)?,
+                        }
+                    }
+                    _ => match &self.qwen4_exp {
+                        Some(graph) => LayerState::SparseAttention(self.backend.new_qsa_cache(
+                            max_context,
+                            kv_width,
+                            graph.qsa_settings(),
+                        )?),
+                        None => {
+                            LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)?)
+                        }
+                    },
+                })
+            })
+            .collect::<Result<_, EngineError>>()?;
+        let ple = match &self.qwen4_exp {
+            Some(graph) => graph.new_ple_states(&self.backend)?,
+            None => Vec::new(),
+        };
+        Ok(SequenceState {
+            max_context,
+            position: 0,
+            layers,
+            ple,
+            graph_key: step_graphs::new_graph_key(),
+        })
+    }
+
+    /// What [`Model::restore`] needs to put `state` back where it is now: its position, and a
+    /// copy of every Gated DeltaNet state (attention caches are cut back by position alone).
+    pub fn checkpoint(
+        &self,
+        state: &SequenceState<B>,
+    ) -> Result<SequenceCheckpoint<B>, EngineError> {
+        let backend = &*self.backend;
+        let layers = state
+            .layers
+            .iter()
+            .map(|layer| match layer {
+                // Caches are cut back by position alone.
+                LayerState::Attention(_) | LayerState::SparseAttention(_) => Ok(None),
+                LayerState::GatedDeltaNet { conv, recurrent } => Ok(Some((
+                    backend.copy_conv_state(conv)?,
+                    backend.copy_recurrent_state(recurrent)?,
+                ))),
+            })
+            .collect::<Result<_, EngineError>>()?;
+        Ok(SequenceCheckpoint {
+            position: state.position,
+            layers,
+            ple: state
+                .ple
+                .iter()
+                .map(|ple| ple.as_ref().map(|ple| ple.copy(backend)).transpose())
+                .collect::<Result<_, EngineError>>()?,
+        })
+    }
+
+    /// Puts `state` back to `checkpoint` (taken from it by [`Model::checkpoint`]): what it
+    /// processed after that is forgotten.
+    pub fn restore(
+        &self,
+        state: &mut SequenceState<B>,
+        checkpoint: SequenceCheckpoint<B>,
+    ) -> Result<(), EngineError> {
+        if checkpoint.layers.len() != state.layers.len() || checkpoint.position > state.position {
+            return Err(EngineError::InvalidConfig {
+                problem: "a checkpoint restored into a sequence it was not taken from".into(),
+            });
+        }
+        let mut replaced_buffers = false;
+        for layer in state.layers.iter_mut() {
+            if let LayerState::SparseAttention(cache) = layer {
+                self.backend.truncate_qsa_cache(cache, checkpoint.position);
+            }
+        }
+        state.ple = checkpoint.ple;
+        for (layer, saved) in state.layers.iter_mut().zip(checkpoint.layers) {
+            if let (LayerState::GatedDeltaNet { conv, recurrent }, Some((saved_conv, saved))) =
+                (layer, saved)
+            {
+                *conv = saved_conv;
+                *recurrent = saved;
+                replaced_buffers = true;
+            }
+        }
+        state.position = checkpoint.position;
+        if replaced_buffers {
+            // New Gated DeltaNet buffers: no recorded step may write the old ones. (Attention
+            // caches are cut back by position alone and keep their buffers.)
+            state.graph_key = step_graphs::new_graph_key();
+        }
+        Ok(())
+    }
+}

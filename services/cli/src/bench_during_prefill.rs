@@ -4,7 +4,7 @@
 //!
 //! Owns: the two requests, their timing at the client and the figures made from it.
 //! Must not touch: the scheduler's policy (`--prefill-time-share`, `--prefill-chunk-tokens`
-//! reach the engine through `--engine-arg`), the rest of the bench's report (`bench_model.rs`).
+//! reach the engine through `--engine-arg`), the rest of the bench's report (`bench_model_report.rs`).
 
 use std::time::{Duration, Instant};
 

@@ -361,7 +361,7 @@ pub(crate) async fn measure(
     // decoded token). First touches of weights and kernels, and the growth of the engine's
     // buffer pools and KV cache up to that shape, are not the steady state: with a 16-token
     // warm-up the first of two measured runs decoded 6–9% slower than the second in every
-    // pair (docs/BENCHMARKS.md).
+    // pair.
     generate(
         &mut client,
         random_tokens(lengths[0], vocab, args.seed ^ 0xa5a5),

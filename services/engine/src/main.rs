@@ -213,7 +213,7 @@ struct Args {
     /// they need over PCIe into one layer-sized set of staging slots and compute them on the
     /// GPU instead of the expert workers (0: never). The default is about where PCIe wins:
     /// one layer's experts cross PCIe in ~12 ms (qwen3-30b-a3b int8, ~55 GB/s) while the CPU
-    /// needs ~60 µs per token per layer (AMX, docs/BENCHMARKS.md).
+    /// needs ~60 µs per token per layer (AMX).
     #[arg(long, default_value_t = 256, value_name = "TOKENS")]
     moe_prefill_gpu_min_tokens: usize,
     /// On the GPU: batches of at least this many tokens prefill layerwise (0: never): each MoE

@@ -45,7 +45,7 @@ pub(crate) trait CachedLayer {
 pub const DEFAULT_FILLS_PER_LAYER: usize = 2;
 /// How much an expert's use count keeps per routed token: about the last 1 / (1 − 0.98) = 50
 /// tokens' routing weigh as much as everything before (the trained fixture's hit rate peaks
-/// there, with a quarter of the fills of 0.9; docs/BENCHMARKS.md).
+/// there, with a quarter of the fills of 0.9).
 pub const DEFAULT_DECAY_PER_TOKEN: f64 = 0.98;
 
 /// How the cache behaves.
@@ -131,7 +131,7 @@ impl LayerCachePolicy {
     /// ignored): every score decays once per token, then each routed choice adds 1. Prompt
     /// chunks count like decode steps: their mass damps the churn single decode tokens would
     /// cause (left out, the cache filled ~56 experts per token at a 16 GiB budget for two
-    /// points of decode hit rate, and decode lost a fifth; docs/BENCHMARKS.md).
+    /// points of decode hit rate, and decode lost a fifth).
     pub fn observe(&mut self, expert_ids: &[u32], tokens: usize) {
         let decay = self
             .decay_per_token

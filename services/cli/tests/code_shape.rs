@@ -8,9 +8,10 @@
 //! longest module prefix it names. A re-export (`pub use`) is a module's face, not a use by its
 //! code: it is no import of its own, and a path through it leads on to the file that defines the
 //! item (a crate root or a `mod.rs` that re-exports its children's items makes no circle with
-//! them; one whose own code uses them while they use it does). Comments, strings and `#[cfg(test)]` items do not count (a
-//! test module may use anything of its file's parents). Files reached only through a
-//! `#[cfg(test)] mod` are test files and have no line limit.
+//! them; one whose own code uses them while they use it does). Comments, strings, visibilities
+//! (`pub(in crate::a)`) and `#[cfg(test)]` items do not count (a test module may use anything of
+//! its file's parents). Files reached only through a `#[cfg(test)] mod` are test files and have
+//! no line limit.
 //!
 //! Owns: the line limit, the circle finder and their allowlists (each entry a known debt that
 //! its owner removes). Must not touch: the sources it reads.

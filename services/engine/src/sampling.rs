@@ -26,7 +26,13 @@ pub struct SamplingParams {
     /// OpenAI-style: subtracted per occurrence of a seen token (0 = off).
     pub frequency_penalty: f32,
     pub seed: u64,
+    /// Draws of the random stream an earlier part of this generation already used (a resumed
+    /// generation continues the stream there); 0: from the start.
+    pub stream_position: u64,
 }
+
+/// Most draws a sampler skips at its start (far more than any context's tokens).
+pub const MAX_STREAM_POSITION: u64 = 1 << 24;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -39,6 +45,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            stream_position: 0,
         }
     }
 }
@@ -67,6 +74,12 @@ impl SamplingParams {
         }
         if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
             return invalid("presence and frequency penalties must be finite".into());
+        }
+        if self.stream_position > MAX_STREAM_POSITION {
+            return invalid(format!(
+                "random stream position {} must be at most {MAX_STREAM_POSITION}",
+                self.stream_position
+            ));
         }
         Ok(())
     }
@@ -128,7 +141,11 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self, EngineError> {
         params.validate()?;
-        let rng = Xoshiro256::seed_from_u64(params.seed);
+        let mut rng = Xoshiro256::seed_from_u64(params.seed);
+        // A resumed generation: the draws its earlier part used are skipped, not repeated.
+        for _ in 0..params.stream_position {
+            rng.next_u64();
+        }
         Ok(Sampler { params, rng })
     }
 
@@ -1052,5 +1069,47 @@ mod tests {
         let almost_one = 1.0 - f64::EPSILON / 2.0;
         let token = draw_without_top_k(&[1.0, f32::NEG_INFINITY, 0.5], &params, almost_one);
         assert!(matches!(token, Some(0) | Some(2)), "{token:?}");
+    }
+
+    #[test]
+    fn a_sampler_started_at_a_stream_position_continues_the_uninterrupted_draws() {
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 77,
+            ..SamplingParams::default()
+        };
+        let mut rng = Xoshiro256::seed_from_u64(3);
+        let rows: Vec<Vec<f32>> = (0..12).map(|_| random_row(&mut rng, 64)).collect();
+        let mut uninterrupted = Sampler::new(params.clone()).unwrap_or_else(|e| panic!("{e}"));
+        let whole: Vec<u32> = rows
+            .iter()
+            .map(|row| {
+                uninterrupted
+                    .sample(row, &[])
+                    .unwrap_or_else(|e| panic!("{e}"))
+            })
+            .collect();
+        let mut first = Sampler::new(params.clone()).unwrap_or_else(|e| panic!("{e}"));
+        let mut resumed_tokens: Vec<u32> = rows[..5]
+            .iter()
+            .map(|row| first.sample(row, &[]).unwrap_or_else(|e| panic!("{e}")))
+            .collect();
+        let mut resumed = Sampler::new(SamplingParams {
+            stream_position: 5,
+            ..params.clone()
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        resumed_tokens.extend(
+            rows[5..]
+                .iter()
+                .map(|row| resumed.sample(row, &[]).unwrap_or_else(|e| panic!("{e}"))),
+        );
+        assert_eq!(resumed_tokens, whole);
+        let too_far = SamplingParams {
+            stream_position: MAX_STREAM_POSITION + 1,
+            ..params
+        };
+        assert!(Sampler::new(too_far).is_err());
     }
 }

@@ -297,6 +297,7 @@ impl GenerationPlan {
                 presence_penalty: options.presence_penalty.unwrap_or(0.0),
                 frequency_penalty: options.frequency_penalty.unwrap_or(0.0),
                 seed: Some(self.seed.wrapping_add(u64::from(choice_index))),
+                random_stream_position: 0,
             }),
             stop_token_ids: if options.ignore_eos {
                 Vec::new()
@@ -316,6 +317,7 @@ impl GenerationPlan {
             reasoning: self.engine_reasoning(),
             lark_grammar: self.guidance.grammar.clone().unwrap_or_default(),
             draft_tokens: options.draft_tokens,
+            resumed_output_tokens: 0,
         }
     }
 }

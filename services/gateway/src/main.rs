@@ -87,6 +87,10 @@ struct Flags {
     /// Longest wait for a free engine sequence, in milliseconds, before a 429.
     #[arg(long, default_value_t = 5000)]
     queue_timeout_ms: u64,
+    /// How long an answer whose engine went away (killed, crashed, restarted) waits for a ready
+    /// engine to continue on, in seconds; 0: it ends with an error at once.
+    #[arg(long, default_value_t = 30.0)]
+    resume_timeout_seconds: f64,
     /// File holding the engines' control secret, sent with every engine call (also
     /// `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`).
     #[arg(long, value_name = "FILE")]
@@ -157,6 +161,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         },
         control_secret: ninfer_protocol::control_secret::load(flags.control_secret_file.as_deref())
             .context("--control-secret-file")?,
+        resume_timeout: seconds_flag("resume-timeout-seconds", flags.resume_timeout_seconds)?,
         ..Default::default()
     };
     let limits = ConnectionLimits {

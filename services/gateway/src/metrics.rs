@@ -11,6 +11,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use crate::backend::resume::ResumeCounts;
 use crate::backend::BackendSnapshot;
 use crate::routing_stats::ModelRoutingTotals;
 
@@ -110,7 +111,12 @@ impl GatewayMetrics {
     }
 
     /// Prometheus text exposition of gateway metrics, engine counters and routing totals.
-    pub fn render(&self, snapshot: &BackendSnapshot, routing: &[ModelRoutingTotals]) -> String {
+    pub fn render(
+        &self,
+        snapshot: &BackendSnapshot,
+        routing: &[ModelRoutingTotals],
+        resumes: ResumeCounts,
+    ) -> String {
         let mut output = String::new();
         output.push_str(
             "# HELP ninfer_gateway_requests_total HTTP requests by endpoint and status.\n",
@@ -145,6 +151,11 @@ impl GatewayMetrics {
                 value.load(Ordering::Relaxed)
             );
         }
+        let _ = writeln!(
+            output,
+            "# HELP ninfer_gateway_resumed_streams_total Answers continued on another (or the restarted) engine after theirs went away.\n# TYPE ninfer_gateway_resumed_streams_total counter\nninfer_gateway_resumed_streams_total {}\n# HELP ninfer_gateway_abandoned_resumes_total Answers whose engine went away and that could not be continued (they ended with an error).\n# TYPE ninfer_gateway_abandoned_resumes_total counter\nninfer_gateway_abandoned_resumes_total {}",
+            resumes.resumed, resumes.abandoned
+        );
         let _ = writeln!(
             output,
             "# HELP ninfer_gateway_in_flight_requests Generations in progress (gateway queue depth).\n# TYPE ninfer_gateway_in_flight_requests gauge\nninfer_gateway_in_flight_requests {}",

@@ -278,7 +278,9 @@ async fn metrics(State(state): State<Arc<GatewayState>>) -> Response {
     .into_iter()
     .filter(|totals| snapshot.models.contains_key(&totals.model))
     .collect();
-    let text = state.metrics.render(&snapshot, &routing);
+    let text = state
+        .metrics
+        .render(&snapshot, &routing, state.backend.resume_counts());
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         text,

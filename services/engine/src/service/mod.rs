@@ -210,6 +210,43 @@ impl EngineService {
     }
 }
 
+/// A resumed generation's guide moved past the output it already produced (the last
+/// `resumed_output_tokens` of the prompt): its reasoning block and grammar stand where the
+/// interrupted generation left them.
+async fn resume_guide(
+    guide: Option<Box<Guide>>,
+    request: &GenerateRequest,
+) -> Result<Option<Box<Guide>>, Status> {
+    let resumed = request.resumed_output_tokens as usize;
+    let prompt = &request.prompt_token_ids;
+    if resumed > prompt.len() {
+        return Err(Status::invalid_argument(format!(
+            "resumed_output_tokens {resumed} exceeds the prompt's {} tokens",
+            prompt.len()
+        )));
+    }
+    let mut guide = match guide {
+        Some(guide) if resumed > 0 => guide,
+        unchanged => return Ok(unchanged),
+    };
+    let output = prompt[prompt.len() - resumed..].to_vec();
+    tokio::task::spawn_blocking(move || {
+        for token in output {
+            // `allowed` first: it is what turns a spent reasoning budget into the forced close.
+            guide.allowed()?;
+            guide.accept(token)?;
+        }
+        Ok::<_, crate::constraint::ConstraintError>(Some(guide))
+    })
+    .await
+    .map_err(|error| Status::internal(format!("replaying the resumed output failed: {error}")))?
+    .map_err(|error| {
+        Status::invalid_argument(format!(
+            "the resumed output does not follow the request's grammar: {error}"
+        ))
+    })
+}
+
 fn sampling_from(request: &GenerateRequest) -> SamplingParams {
     let Some(s) = &request.sampling else {
         return SamplingParams::greedy();
@@ -228,6 +265,7 @@ fn sampling_from(request: &GenerateRequest) -> SamplingParams {
         presence_penalty: s.presence_penalty,
         frequency_penalty: s.frequency_penalty,
         seed: s.seed.unwrap_or(0),
+        stream_position: s.random_stream_position,
     }
 }
 
@@ -363,7 +401,7 @@ impl Engine for EngineService {
         let (events, from_scheduler) = tokio::sync::mpsc::channel(4096);
         let receiver = hold_permit_while_scheduled(from_scheduler, permit);
         let request_id = request_id_or_unnamed(&request.request_id);
-        let guide = self.guide(&request).await?;
+        let guide = resume_guide(self.guide(&request).await?, &request).await?;
         self.send(SchedulerCommand::Submit(GenerationRequest {
             guide,
             request_id,

@@ -5,9 +5,11 @@
 //! routing statistics to the store), and an actor that owns the pool state (readiness, in-flight
 //! counts) behind a channel and hands out the least-loaded ready engine for each request.
 //! An engine that goes away is marked down (requests get 503) and comes back by itself when it
-//! answers again; the gateway never needs a restart.
+//! answers again; the gateway never needs a restart. An answer whose engine goes away mid-way
+//! waits for a ready engine and continues there (`resume`), so its client sees no seam.
 //! Must not touch: HTTP, tokenization of requests, or stop strings.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -23,6 +25,7 @@ use ninfer_protocol::v1::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tonic::transport::{Channel, Endpoint};
 
+use super::resume::{GenerationProgress, ResumeCounters, ResumeCounts};
 use super::{
     BackendSnapshot, EngineReport, GenerationBackend, ModelResources, ServedModel, TokenStream,
 };
@@ -35,6 +38,9 @@ type EngineRpc = EngineClient<tonic::service::interceptor::InterceptedService<Ch
 
 /// Pause before asking a busy engine again.
 const ENGINE_BUSY_RETRY: Duration = Duration::from_millis(20);
+
+/// How often an answer waiting to resume looks for a ready engine.
+const RESUME_POLL: Duration = Duration::from_millis(50);
 
 /// Largest message accepted from an engine: `tokenizer.json` of real models is several MiB.
 const MAX_ENGINE_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
@@ -59,6 +65,9 @@ pub struct EnginePoolOptions {
     pub typed_control_tokens: TypedControlTokens,
     /// The engines' control secret, sent with every call (engines on TCP ask for it).
     pub control_secret: Option<String>,
+    /// How long an answer whose engine went away waits for a ready engine to continue it on
+    /// (zero: it ends with an error at once).
+    pub resume_timeout: Duration,
 }
 
 impl Default for EnginePoolOptions {
@@ -72,6 +81,7 @@ impl Default for EnginePoolOptions {
             routing_statistics_interval_ms: 1000,
             typed_control_tokens: TypedControlTokens::default(),
             control_secret: None,
+            resume_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -83,6 +93,8 @@ pub struct EnginePool {
     snapshot: watch::Receiver<Arc<BackendSnapshot>>,
     queue_timeout: Duration,
     overload_log: Arc<OverloadLog>,
+    resume_timeout: Duration,
+    resume_counters: Arc<ResumeCounters>,
 }
 
 /// Logs refusals for overload once per burst (the first one, then a summary when the next
@@ -285,6 +297,8 @@ impl EnginePool {
             snapshot,
             queue_timeout: options.queue_timeout,
             overload_log,
+            resume_timeout: options.resume_timeout,
+            resume_counters: Arc::new(ResumeCounters::default()),
         })
     }
 
@@ -323,6 +337,72 @@ impl EnginePool {
     }
 }
 
+impl EnginePool {
+    /// Starts `request` on the least-loaded ready engine. An engine found dead only now
+    /// (connection refused) is marked down and the request goes to another one, if any;
+    /// bounded so a dead pool answers quickly.
+    async fn start_engine_stream(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<EngineTokenStream, GatewayError> {
+        let pool = self;
+        let mut attempts_left = 3;
+        let busy_deadline = tokio::time::Instant::now() + pool.queue_timeout;
+        loop {
+            let lease = pool.acquire(&request.model_name).await?;
+            let mut client = lease.client.clone();
+            match client.generate(request.clone()).await {
+                Ok(response) => {
+                    return Ok(EngineTokenStream {
+                        inner: Some(response.into_inner()),
+                        finished: false,
+                        ended: false,
+                        request_id: request.request_id.clone(),
+                        cancel_client: lease.client.clone(),
+                        _lease: lease,
+                    });
+                }
+                // A dead engine shows up as Unavailable (cannot connect) or, when its
+                // connection breaks under the call, as Unknown/Cancelled transport errors.
+                Err(status) if is_connection_failure(&status) => {
+                    pool.report_lost(lease.engine_index, status.message().to_string());
+                    attempts_left -= 1;
+                    if attempts_left == 0 {
+                        return Err(error_from_engine_status(&status));
+                    }
+                }
+                // The engine still holds a sequence the gateway saw end (it frees it at its
+                // next step): wait a moment for it, within the queue's deadline.
+                Err(status)
+                    if status.code() == tonic::Code::ResourceExhausted
+                        && tokio::time::Instant::now() + ENGINE_BUSY_RETRY < busy_deadline =>
+                {
+                    drop(lease);
+                    tokio::time::sleep(ENGINE_BUSY_RETRY).await;
+                }
+                Err(status) => {
+                    if status.code() == tonic::Code::ResourceExhausted {
+                        pool.overload_log.refused(status.message());
+                    }
+                    return Err(error_from_engine_status(&status));
+                }
+            }
+        }
+    }
+
+    /// Whether an engine serving `model_name` is ready now.
+    fn model_ready(&self, model_name: &str) -> bool {
+        let snapshot = self.snapshot.borrow();
+        if model_name.is_empty() {
+            return snapshot.any_engine_ready();
+        }
+        snapshot
+            .models
+            .get(model_name)
+            .is_some_and(|model| model.ready_engines > 0)
+    }
+}
+
 impl GenerationBackend for EnginePool {
     fn generate(
         &self,
@@ -330,56 +410,142 @@ impl GenerationBackend for EnginePool {
     ) -> BoxFuture<'static, Result<TokenStream, GatewayError>> {
         let pool = self.clone();
         Box::pin(async move {
-            // An engine found dead only now (connection refused) is marked down and the request
-            // goes to another one, if any; bounded so a dead pool answers quickly.
-            let mut attempts_left = 3;
-            let busy_deadline = tokio::time::Instant::now() + pool.queue_timeout;
-            loop {
-                let lease = pool.acquire(&request.model_name).await?;
-                let mut client = lease.client.clone();
-                match client.generate(request.clone()).await {
-                    Ok(response) => {
-                        let stream = EngineTokenStream {
-                            inner: Some(response.into_inner()),
-                            finished: false,
-                            ended: false,
-                            request_id: request.request_id.clone(),
-                            cancel_client: lease.client.clone(),
-                            _lease: lease,
-                        };
-                        return Ok(Box::pin(stream) as TokenStream);
-                    }
-                    // A dead engine shows up as Unavailable (cannot connect) or, when its
-                    // connection breaks under the call, as Unknown/Cancelled transport errors.
-                    Err(status) if is_connection_failure(&status) => {
-                        pool.report_lost(lease.engine_index, status.message().to_string());
-                        attempts_left -= 1;
-                        if attempts_left == 0 {
-                            return Err(error_from_engine_status(&status));
-                        }
-                    }
-                    // The engine still holds a sequence the gateway saw end (it frees it at its
-                    // next step): wait a moment for it, within the queue's deadline.
-                    Err(status)
-                        if status.code() == tonic::Code::ResourceExhausted
-                            && tokio::time::Instant::now() + ENGINE_BUSY_RETRY < busy_deadline =>
-                    {
-                        drop(lease);
-                        tokio::time::sleep(ENGINE_BUSY_RETRY).await;
-                    }
-                    Err(status) => {
-                        if status.code() == tonic::Code::ResourceExhausted {
-                            pool.overload_log.refused(status.message());
-                        }
-                        return Err(error_from_engine_status(&status));
-                    }
-                }
-            }
+            let first = pool.start_engine_stream(request.clone()).await?;
+            Ok(resuming_token_stream(pool, request, first))
         })
     }
 
     fn snapshot(&self) -> Arc<BackendSnapshot> {
         self.snapshot.borrow().clone()
+    }
+
+    fn resume_counts(&self) -> ResumeCounts {
+        self.resume_counters.counts()
+    }
+}
+
+/// A generation's tokens across engines: when its engine goes away mid-answer, it waits (at
+/// most the pool's resume timeout) for a ready engine and continues there, so the caller sees
+/// one uninterrupted stream; if it cannot, the caller gets the error the engine's loss gave.
+fn resuming_token_stream(
+    pool: EnginePool,
+    request: GenerateRequest,
+    first: EngineTokenStream,
+) -> TokenStream {
+    let state = ResumingGeneration {
+        pool,
+        progress: GenerationProgress::new(request),
+        current: Some(first),
+        finished: false,
+    };
+    Box::pin(futures_util::stream::unfold(
+        state,
+        |mut generation| async move {
+            if generation.finished {
+                return None;
+            }
+            let item = generation.next_token().await;
+            Some((item, generation))
+        },
+    ))
+}
+
+struct ResumingGeneration {
+    pool: EnginePool,
+    progress: GenerationProgress,
+    /// The engine stream now running (dropping it cancels the generation there).
+    current: Option<EngineTokenStream>,
+    finished: bool,
+}
+
+impl ResumingGeneration {
+    async fn next_token(&mut self) -> Result<GeneratedToken, GatewayError> {
+        loop {
+            let Some(stream) = self.current.as_mut() else {
+                self.finished = true;
+                return Err(GatewayError::Internal(
+                    "the generation lost its engine stream".to_string(),
+                ));
+            };
+            let failure = match stream.next().await {
+                Some(Ok(token)) => {
+                    if token.finish_reason != FinishReason::Unspecified as i32 {
+                        self.finished = true;
+                    }
+                    return Ok(self.progress.record(token));
+                }
+                Some(Err(status)) if is_connection_failure(&status) => status,
+                Some(Err(status)) => {
+                    self.finished = true;
+                    return Err(error_from_engine_status(&status));
+                }
+                None => tonic::Status::unavailable(
+                    "the engine's stream ended before the generation's last token",
+                ),
+            };
+            if let Err(error) = self.resume(&failure).await {
+                self.finished = true;
+                return Err(error);
+            }
+        }
+    }
+
+    /// Continues the generation on a ready engine after `failure` took its engine away.
+    async fn resume(&mut self, failure: &tonic::Status) -> Result<(), GatewayError> {
+        let pool = self.pool.clone();
+        if let Some(lost) = self.current.take() {
+            pool.report_lost(lost._lease.engine_index, failure.message().to_string());
+        }
+        let lost_error = error_from_engine_status(failure);
+        if pool.resume_timeout.is_zero() {
+            return Err(lost_error);
+        }
+        let request_id = self.progress.request_id().to_string();
+        let abandon = |why: &str| {
+            pool.resume_counters
+                .abandoned
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%request_id, why, "an answer whose engine went away could not be resumed");
+            Err(error_from_engine_status(failure))
+        };
+        let Some(continuation) = self.progress.continuation() else {
+            return abandon("nothing is left of its token budget");
+        };
+        tracing::warn!(
+            %request_id,
+            tokens_sent = self.progress.tokens_received(),
+            error = %failure.message(),
+            "the engine went away mid-answer; resuming on the next ready engine"
+        );
+        let deadline = tokio::time::Instant::now() + pool.resume_timeout;
+        loop {
+            if pool.model_ready(self.progress.model_name()) {
+                match pool.start_engine_stream(continuation.clone()).await {
+                    Ok(stream) => {
+                        self.current = Some(stream);
+                        pool.resume_counters.resumed.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(%request_id, "resumed");
+                        return Ok(());
+                    }
+                    // Not back yet (or busy): keep waiting within the deadline.
+                    Err(
+                        GatewayError::NoEngineAvailable(_)
+                        | GatewayError::Overloaded(_)
+                        | GatewayError::ModelNotFound(_),
+                    ) => {}
+                    Err(error) => {
+                        pool.resume_counters
+                            .abandoned
+                            .fetch_add(1, Ordering::Relaxed);
+                        return Err(error);
+                    }
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return abandon("no engine was ready within the resume timeout");
+            }
+            tokio::time::sleep(RESUME_POLL).await;
+        }
     }
 }
 
@@ -419,7 +585,7 @@ struct EngineTokenStream {
 }
 
 impl Stream for EngineTokenStream {
-    type Item = Result<GeneratedToken, GatewayError>;
+    type Item = Result<GeneratedToken, tonic::Status>;
 
     fn poll_next(
         mut self: std::pin::Pin<&mut Self>,
@@ -441,7 +607,7 @@ impl Stream for EngineTokenStream {
             Poll::Ready(Some(Err(status))) => {
                 self.finished = true;
                 self.ended = true;
-                Poll::Ready(Some(Err(error_from_engine_status(&status))))
+                Poll::Ready(Some(Err(status)))
             }
             Poll::Ready(None) => {
                 self.finished = true;

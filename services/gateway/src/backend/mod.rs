@@ -7,6 +7,7 @@
 //! implementation in [`engine_pool`] does).
 
 pub mod engine_pool;
+pub mod resume;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -35,6 +36,11 @@ pub trait GenerationBackend: Send + Sync + 'static {
 
     /// What is served right now (never blocks).
     fn snapshot(&self) -> Arc<BackendSnapshot>;
+
+    /// Answers continued after their engine went away, and those that could not be.
+    fn resume_counts(&self) -> resume::ResumeCounts {
+        resume::ResumeCounts::default()
+    }
 }
 
 /// Files and settings of one model, fetched once from an engine (`GetModelFiles`).

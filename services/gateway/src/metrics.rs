@@ -11,8 +11,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::backend::resume::ResumeCounts;
-use crate::backend::BackendSnapshot;
+use crate::backend::{BackendSnapshot, ResumeCounts};
 use crate::routing_stats::ModelRoutingTotals;
 
 /// Histogram with fixed upper bounds (seconds).

@@ -9,7 +9,6 @@
 //! waits for a ready engine and continues there (`resume`), so its client sees no seam.
 //! Must not touch: HTTP, tokenization of requests, or stop strings.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -25,9 +24,10 @@ use ninfer_protocol::v1::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tonic::transport::{Channel, Endpoint};
 
-use super::resume::{GenerationProgress, ResumeCounters, ResumeCounts};
+use super::resume::{is_connection_failure, resuming_token_stream, EngineSource, ResumeCounters};
 use super::{
-    BackendSnapshot, EngineReport, GenerationBackend, ModelResources, ServedModel, TokenStream,
+    BackendSnapshot, EngineReport, GenerationBackend, ModelResources, ResumeCounts, ServedModel,
+    TokenStream,
 };
 use crate::error::{error_from_engine_status, GatewayError};
 use crate::routing_stats::RoutingStatsHandle;
@@ -38,9 +38,6 @@ type EngineRpc = EngineClient<tonic::service::interceptor::InterceptedService<Ch
 
 /// Pause before asking a busy engine again.
 const ENGINE_BUSY_RETRY: Duration = Duration::from_millis(20);
-
-/// How often an answer waiting to resume looks for a ready engine.
-const RESUME_POLL: Duration = Duration::from_millis(50);
 
 /// Largest message accepted from an engine: `tokenizer.json` of real models is several MiB.
 const MAX_ENGINE_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
@@ -389,8 +386,19 @@ impl EnginePool {
             }
         }
     }
+}
 
-    /// Whether an engine serving `model_name` is ready now.
+impl EngineSource for EnginePool {
+    type Stream = EngineTokenStream;
+
+    fn start(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'static, Result<EngineTokenStream, GatewayError>> {
+        let pool = self.clone();
+        Box::pin(async move { pool.start_engine_stream(request).await })
+    }
+
     fn model_ready(&self, model_name: &str) -> bool {
         let snapshot = self.snapshot.borrow();
         if model_name.is_empty() {
@@ -400,6 +408,18 @@ impl EnginePool {
             .models
             .get(model_name)
             .is_some_and(|model| model.ready_engines > 0)
+    }
+
+    fn report_lost(&self, stream: &EngineTokenStream, error: String) {
+        EnginePool::report_lost(self, stream._lease.engine_index, error);
+    }
+
+    fn resume_timeout(&self) -> Duration {
+        self.resume_timeout
+    }
+
+    fn counters(&self) -> &ResumeCounters {
+        &self.resume_counters
     }
 }
 
@@ -424,155 +444,8 @@ impl GenerationBackend for EnginePool {
     }
 }
 
-/// A generation's tokens across engines: when its engine goes away mid-answer, it waits (at
-/// most the pool's resume timeout) for a ready engine and continues there, so the caller sees
-/// one uninterrupted stream; if it cannot, the caller gets the error the engine's loss gave.
-fn resuming_token_stream(
-    pool: EnginePool,
-    request: GenerateRequest,
-    first: EngineTokenStream,
-) -> TokenStream {
-    let state = ResumingGeneration {
-        pool,
-        progress: GenerationProgress::new(request),
-        current: Some(first),
-        finished: false,
-    };
-    Box::pin(futures_util::stream::unfold(
-        state,
-        |mut generation| async move {
-            if generation.finished {
-                return None;
-            }
-            let item = generation.next_token().await;
-            Some((item, generation))
-        },
-    ))
-}
-
-struct ResumingGeneration {
-    pool: EnginePool,
-    progress: GenerationProgress,
-    /// The engine stream now running (dropping it cancels the generation there).
-    current: Option<EngineTokenStream>,
-    finished: bool,
-}
-
-impl ResumingGeneration {
-    async fn next_token(&mut self) -> Result<GeneratedToken, GatewayError> {
-        loop {
-            let Some(stream) = self.current.as_mut() else {
-                self.finished = true;
-                return Err(GatewayError::Internal(
-                    "the generation lost its engine stream".to_string(),
-                ));
-            };
-            let failure = match stream.next().await {
-                Some(Ok(token)) => {
-                    if token.finish_reason != FinishReason::Unspecified as i32 {
-                        self.finished = true;
-                    }
-                    return Ok(self.progress.record(token));
-                }
-                Some(Err(status)) if is_connection_failure(&status) => status,
-                Some(Err(status)) => {
-                    self.finished = true;
-                    return Err(error_from_engine_status(&status));
-                }
-                None => tonic::Status::unavailable(
-                    "the engine's stream ended before the generation's last token",
-                ),
-            };
-            if let Err(error) = self.resume(&failure).await {
-                self.finished = true;
-                return Err(error);
-            }
-        }
-    }
-
-    /// Continues the generation on a ready engine after `failure` took its engine away.
-    async fn resume(&mut self, failure: &tonic::Status) -> Result<(), GatewayError> {
-        let pool = self.pool.clone();
-        if let Some(lost) = self.current.take() {
-            pool.report_lost(lost._lease.engine_index, failure.message().to_string());
-        }
-        let lost_error = error_from_engine_status(failure);
-        if pool.resume_timeout.is_zero() {
-            return Err(lost_error);
-        }
-        let request_id = self.progress.request_id().to_string();
-        let abandon = |why: &str| {
-            pool.resume_counters
-                .abandoned
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%request_id, why, "an answer whose engine went away could not be resumed");
-            Err(error_from_engine_status(failure))
-        };
-        let Some(continuation) = self.progress.continuation() else {
-            return abandon("nothing is left of its token budget");
-        };
-        tracing::warn!(
-            %request_id,
-            tokens_sent = self.progress.tokens_received(),
-            error = %failure.message(),
-            "the engine went away mid-answer; resuming on the next ready engine"
-        );
-        let deadline = tokio::time::Instant::now() + pool.resume_timeout;
-        loop {
-            if pool.model_ready(self.progress.model_name()) {
-                match pool.start_engine_stream(continuation.clone()).await {
-                    Ok(stream) => {
-                        self.current = Some(stream);
-                        pool.resume_counters.resumed.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(%request_id, "resumed");
-                        return Ok(());
-                    }
-                    // Not back yet (or busy): keep waiting within the deadline.
-                    Err(
-                        GatewayError::NoEngineAvailable(_)
-                        | GatewayError::Overloaded(_)
-                        | GatewayError::ModelNotFound(_),
-                    ) => {}
-                    Err(error) => {
-                        pool.resume_counters
-                            .abandoned
-                            .fetch_add(1, Ordering::Relaxed);
-                        return Err(error);
-                    }
-                }
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return abandon("no engine was ready within the resume timeout");
-            }
-            tokio::time::sleep(RESUME_POLL).await;
-        }
-    }
-}
-
-fn is_connection_failure(status: &tonic::Status) -> bool {
-    match status.code() {
-        tonic::Code::Unavailable => true,
-        tonic::Code::Unknown | tonic::Code::Cancelled => {
-            let message = status.message().to_ascii_lowercase();
-            // "operation was canceled": hyper's answer when the connection dies under the call.
-            [
-                "transport",
-                "connection",
-                "broken pipe",
-                "reset",
-                "h2 protocol",
-                "closed",
-                "canceled",
-            ]
-            .iter()
-            .any(|needle| message.contains(needle))
-        }
-        _ => false,
-    }
-}
-
 /// Token stream of one engine call; cancels the sequence on the engine if dropped early.
-struct EngineTokenStream {
+pub struct EngineTokenStream {
     /// `None` once handed to the task that reads its end (see `Drop`).
     inner: Option<tonic::Streaming<GeneratedToken>>,
     /// The last token (or an error) arrived.

@@ -38,9 +38,16 @@ pub trait GenerationBackend: Send + Sync + 'static {
     fn snapshot(&self) -> Arc<BackendSnapshot>;
 
     /// Answers continued after their engine went away, and those that could not be.
-    fn resume_counts(&self) -> resume::ResumeCounts {
-        resume::ResumeCounts::default()
+    fn resume_counts(&self) -> ResumeCounts {
+        ResumeCounts::default()
     }
+}
+
+/// Answers resumed after their engine went away, and resumptions that gave up (`/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResumeCounts {
+    pub resumed: u64,
+    pub abandoned: u64,
 }
 
 /// Files and settings of one model, fetched once from an engine (`GetModelFiles`).

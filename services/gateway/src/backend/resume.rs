@@ -7,25 +7,52 @@
 //! [`ResumeCounters`]. Greedy continuations are exactly the uninterrupted text, and so are
 //! seeded sampled ones of requests that do not speculate (a speculating engine draws for its
 //! drafts too: the continuation then follows the same distribution, not the same draws).
-//! Must not touch: picking or watching engines (`engine_pool` does, through the closures it
-//! passes), HTTP or API shapes.
+//! The stream that does it ([`resuming_token_stream`]) waits for a ready engine and restarts the
+//! generation there through [`EngineSource`].
+//! Must not touch: picking or watching engines (`engine_pool` does, as the [`EngineSource`]),
+//! HTTP or API shapes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
+use futures_util::future::BoxFuture;
+use futures_util::{Stream, StreamExt};
 use ninfer_protocol::v1::{FinishReason, GenerateRequest, GeneratedToken};
+
+use super::{ResumeCounts, TokenStream};
+use crate::error::{error_from_engine_status, GatewayError};
+
+/// Where a resumed generation gets its engine streams: the engine pool, as this module sees it.
+pub trait EngineSource: Clone + Send + Sync + 'static {
+    /// One engine call's tokens; dropping it cancels the generation there.
+    type Stream: Stream<Item = Result<GeneratedToken, tonic::Status>> + Send + Unpin + 'static;
+
+    /// Starts `request` on a ready engine.
+    fn start(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'static, Result<Self::Stream, GatewayError>>;
+
+    /// Whether an engine serving `model_name` is ready now.
+    fn model_ready(&self, model_name: &str) -> bool;
+
+    /// The engine behind `stream` went away (marked down until it answers again).
+    fn report_lost(&self, stream: &Self::Stream, error: String);
+
+    /// How long an answer waits for a ready engine (zero: it does not resume).
+    fn resume_timeout(&self) -> Duration;
+
+    fn counters(&self) -> &ResumeCounters;
+}
+
+/// How often an answer waiting to resume looks for a ready engine.
+const RESUME_POLL: Duration = Duration::from_millis(50);
 
 /// Streams resumed after their engine went away, and resumptions that gave up.
 #[derive(Debug, Default)]
 pub struct ResumeCounters {
     pub resumed: AtomicU64,
     pub abandoned: AtomicU64,
-}
-
-/// A snapshot of [`ResumeCounters`] for `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ResumeCounts {
-    pub resumed: u64,
-    pub abandoned: u64,
 }
 
 impl ResumeCounters {
@@ -110,6 +137,150 @@ impl GenerationProgress {
         self.resumptions += 1;
         self.carried = generated;
         Some(next)
+    }
+}
+
+/// A generation's tokens across engines: when its engine goes away mid-answer, it waits (at
+/// most the pool's resume timeout) for a ready engine and continues there, so the caller sees
+/// one uninterrupted stream; if it cannot, the caller gets the error the engine's loss gave.
+pub fn resuming_token_stream<S: EngineSource>(
+    pool: S,
+    request: GenerateRequest,
+    first: S::Stream,
+) -> TokenStream {
+    let state = ResumingGeneration {
+        pool,
+        progress: GenerationProgress::new(request),
+        current: Some(first),
+        finished: false,
+    };
+    Box::pin(futures_util::stream::unfold(
+        state,
+        |mut generation| async move {
+            if generation.finished {
+                return None;
+            }
+            let item = generation.next_token().await;
+            Some((item, generation))
+        },
+    ))
+}
+
+struct ResumingGeneration<S: EngineSource> {
+    pool: S,
+    progress: GenerationProgress,
+    /// The engine stream now running (dropping it cancels the generation there).
+    current: Option<S::Stream>,
+    finished: bool,
+}
+
+impl<S: EngineSource> ResumingGeneration<S> {
+    async fn next_token(&mut self) -> Result<GeneratedToken, GatewayError> {
+        loop {
+            let Some(stream) = self.current.as_mut() else {
+                self.finished = true;
+                return Err(GatewayError::Internal(
+                    "the generation lost its engine stream".to_string(),
+                ));
+            };
+            let failure = match stream.next().await {
+                Some(Ok(token)) => {
+                    if token.finish_reason != FinishReason::Unspecified as i32 {
+                        self.finished = true;
+                    }
+                    return Ok(self.progress.record(token));
+                }
+                Some(Err(status)) if is_connection_failure(&status) => status,
+                Some(Err(status)) => {
+                    self.finished = true;
+                    return Err(error_from_engine_status(&status));
+                }
+                None => tonic::Status::unavailable(
+                    "the engine's stream ended before the generation's last token",
+                ),
+            };
+            if let Err(error) = self.resume(&failure).await {
+                self.finished = true;
+                return Err(error);
+            }
+        }
+    }
+
+    /// Continues the generation on a ready engine after `failure` took its engine away.
+    async fn resume(&mut self, failure: &tonic::Status) -> Result<(), GatewayError> {
+        let pool = self.pool.clone();
+        if let Some(lost) = self.current.take() {
+            pool.report_lost(&lost, failure.message().to_string());
+        }
+        let lost_error = error_from_engine_status(failure);
+        if pool.resume_timeout().is_zero() {
+            return Err(lost_error);
+        }
+        let request_id = self.progress.request_id().to_string();
+        let abandon = |why: &str| {
+            pool.counters().abandoned.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%request_id, why, "an answer whose engine went away could not be resumed");
+            Err(error_from_engine_status(failure))
+        };
+        let Some(continuation) = self.progress.continuation() else {
+            return abandon("nothing is left of its token budget");
+        };
+        tracing::warn!(
+            %request_id,
+            tokens_sent = self.progress.tokens_received(),
+            error = %failure.message(),
+            "the engine went away mid-answer; resuming on the next ready engine"
+        );
+        let deadline = tokio::time::Instant::now() + pool.resume_timeout();
+        loop {
+            if pool.model_ready(self.progress.model_name()) {
+                match pool.start(continuation.clone()).await {
+                    Ok(stream) => {
+                        self.current = Some(stream);
+                        pool.counters().resumed.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(%request_id, "resumed");
+                        return Ok(());
+                    }
+                    // Not back yet (or busy): keep waiting within the deadline.
+                    Err(
+                        GatewayError::NoEngineAvailable(_)
+                        | GatewayError::Overloaded(_)
+                        | GatewayError::ModelNotFound(_),
+                    ) => {}
+                    Err(error) => {
+                        pool.counters().abandoned.fetch_add(1, Ordering::Relaxed);
+                        return Err(error);
+                    }
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return abandon("no engine was ready within the resume timeout");
+            }
+            tokio::time::sleep(RESUME_POLL).await;
+        }
+    }
+}
+
+/// Whether `status` means the engine (or the connection to it) is gone, not that it refused.
+pub fn is_connection_failure(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::Unavailable => true,
+        tonic::Code::Unknown | tonic::Code::Cancelled => {
+            let message = status.message().to_ascii_lowercase();
+            // "operation was canceled": hyper's answer when the connection dies under the call.
+            [
+                "transport",
+                "connection",
+                "broken pipe",
+                "reset",
+                "h2 protocol",
+                "closed",
+                "canceled",
+            ]
+            .iter()
+            .any(|needle| message.contains(needle))
+        }
+        _ => false,
     }
 }
 

@@ -158,18 +158,62 @@ impl LayerCachePolicy {
     /// id) when the newcomer scores more than the eviction margin higher. Forgets which experts
     /// the step routed to.
     pub fn decide(&mut self, table: &ExpertSlotTable, max_fills: usize) -> Vec<SlotFill> {
-        let routed = std::mem::replace(&mut self.routed_this_step, vec![false; self.scores.len()]);
-        if max_fills == 0 || table.slot_count() == 0 {
+        // The hook runs for every MoE layer between two steps, on the step's critical path: the
+        // common case (nothing worth a copy) returns before any allocation.
+        let experts = self.scores.len().min(table.num_experts());
+        let mut best_missed = None::<usize>;
+        let mut any_missed = false;
+        for expert in 0..experts {
+            if self.routed_this_step[expert] && !table.is_resident(expert) {
+                any_missed = true;
+                if best_missed.is_none_or(|best| self.scores[expert] > self.scores[best]) {
+                    best_missed = Some(expert);
+                }
+            }
+        }
+        let routed = std::mem::take(&mut self.routed_this_step);
+        let forget = |policy: &mut Self, mut routed: Vec<bool>| {
+            routed.iter_mut().for_each(|flag| *flag = false);
+            policy.routed_this_step = routed;
+        };
+        if max_fills == 0 || table.slot_count() == 0 || !any_missed {
+            forget(self, routed);
             return Vec::new();
         }
+        let has_free_slot = (0..table.slot_count()).any(|slot| table.expert_in(slot).is_none());
+        if !has_free_slot {
+            // No copy unless the best newcomer beats the coldest resident the step left alone.
+            let coldest = (0..table.slot_count())
+                .filter_map(|slot| table.expert_in(slot))
+                .filter(|&expert| !routed.get(expert).copied().unwrap_or(false))
+                .map(|expert| self.scores[expert])
+                .min_by(f64::total_cmp);
+            let worth_it = match (best_missed, coldest) {
+                (Some(best), Some(coldest)) => coldest + self.eviction_margin < self.scores[best],
+                _ => false,
+            };
+            if !worth_it {
+                forget(self, routed);
+                return Vec::new();
+            }
+        }
+        let fills = self.decide_fills(table, max_fills, &routed);
+        forget(self, routed);
+        fills
+    }
+
+    /// [`LayerCachePolicy::decide`] once a fill may be worth it.
+    fn decide_fills(
+        &self,
+        table: &ExpertSlotTable,
+        max_fills: usize,
+        routed: &[bool],
+    ) -> Vec<SlotFill> {
         let by_score_descending =
             |a: &usize, b: &usize| self.scores[*b].total_cmp(&self.scores[*a]).then(a.cmp(b));
         let mut missed: Vec<usize> = (0..self.scores.len().min(table.num_experts()))
             .filter(|&expert| routed[expert] && !table.is_resident(expert))
             .collect();
-        if missed.is_empty() {
-            return Vec::new();
-        }
         missed.sort_by(by_score_descending);
         let mut free: Vec<usize> = (0..table.slot_count())
             .filter(|&slot| table.expert_in(slot).is_none())

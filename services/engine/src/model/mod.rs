@@ -22,6 +22,7 @@ mod mtp;
 mod prefix_blocks;
 pub mod qwen4_exp;
 mod sequences;
+mod speculation_rules;
 mod speculative;
 mod step_graphs;
 mod worker_handoff;
@@ -43,10 +44,13 @@ pub use layers::{LayerState, LogitsSelection, SequenceCheckpoint, SequenceInput,
 pub use loading::open_artifact;
 pub use mtp::{mtp_pairs_of_block, MtpPrefixRows, MtpState, MtpUsage};
 pub use prefix_blocks::PrefixBlock;
+pub use speculation_rules::{
+    pick_draft, probe_draft, speculative_sampling_step, verify_drafts, DraftController, DraftPlan,
+    DraftToken, ForcedAcceptance,
+};
 pub use speculative::{
-    greedy_with_mtp, greedy_with_mtp_options, pick_draft, probe_draft, sample_with_mtp,
-    speculative_sampling_step, verify_drafts, DraftController, DraftPlan, DraftToken, FirstDraft,
-    ForcedAcceptance, SpeculationOptions, SpeculativeOutcome,
+    greedy_with_mtp, greedy_with_mtp_options, sample_with_mtp, FirstDraft, SpeculationOptions,
+    SpeculativeOutcome,
 };
 pub use step_graphs::StepGraphCounts;
 

@@ -9,6 +9,8 @@
 mod error;
 mod hf_config;
 mod plan;
+mod plan_layers;
+mod plan_model;
 mod progress;
 mod routing_locality;
 mod safetensors_file;

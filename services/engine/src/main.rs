@@ -178,8 +178,11 @@ struct Args {
     moe_static_experts: bool,
     /// Dynamic expert cache: at most this many experts copied into each MoE layer's slots per
     /// step (from the page-locked banks, beside the steps; 0 acts as `--moe-static-experts`).
-    #[arg(long, default_value_t = DEFAULT_FILLS_PER_LAYER, value_name = "N")]
-    moe_cache_fills_per_layer: usize,
+    /// Default: 2 without `--moe-expert-stats`; with them the placement they give stays (static
+    /// placement by statistics measured faster than the cache seeded by them, and the cache
+    /// faster than static placement without them: docs/BENCHMARKS.md), unless this is given.
+    #[arg(long, value_name = "N")]
+    moe_cache_fills_per_layer: Option<usize>,
     /// Dynamic expert cache: how much more (in recently routed choices, decayed) a missed
     /// expert must score than the resident one it would evict; against two experts taking
     /// turns in a slot.
@@ -432,11 +435,11 @@ fn run(args: Args) -> anyhow::Result<()> {
         layerwise_min_tokens: args.moe_prefill_layerwise_min_tokens,
         host_kv_bytes,
         prefix_cache,
-        cache_fills_per_layer: if args.moe_static_experts {
-            0
-        } else {
-            args.moe_cache_fills_per_layer
-        },
+        cache_fills_per_layer: default_cache_fills(
+            args.moe_static_experts,
+            args.moe_cache_fills_per_layer,
+            args.moe_expert_stats.is_some(),
+        ),
         cache_eviction_margin: args.moe_cache_eviction_margin,
     };
     let host_kv = HostKvRequest {
@@ -595,6 +598,18 @@ fn parse_on_off(text: &str) -> Result<bool, String> {
         "on" => Ok(true),
         "off" => Ok(false),
         other => Err(format!("`{other}`: expected on or off")),
+    }
+}
+
+/// Fills per layer and step of the dynamic expert cache: 0 (static placement) with
+/// `--moe-static-experts`; else the number asked for; else, by measurement, static placement
+/// where routing statistics place the experts and [`DEFAULT_FILLS_PER_LAYER`] where none do.
+fn default_cache_fills(static_experts: bool, asked: Option<usize>, has_statistics: bool) -> usize {
+    match (static_experts, asked) {
+        (true, _) => 0,
+        (false, Some(fills)) => fills,
+        (false, None) if has_statistics => 0,
+        (false, None) => DEFAULT_FILLS_PER_LAYER,
     }
 }
 
@@ -999,4 +1014,20 @@ async fn serve(
     })
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_is_the_default_only_without_routing_statistics() {
+        assert_eq!(
+            default_cache_fills(false, None, false),
+            DEFAULT_FILLS_PER_LAYER
+        );
+        assert_eq!(default_cache_fills(false, None, true), 0);
+        assert_eq!(default_cache_fills(false, Some(3), true), 3);
+        assert_eq!(default_cache_fills(true, Some(3), false), 0);
+    }
 }

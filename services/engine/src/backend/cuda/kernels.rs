@@ -23,10 +23,16 @@ pub struct KernelSource {
 /// the NVRTC test checks that it compiled.
 /// Headers every kernel file may `#include`, as (include name, source): handed to NVRTC with
 /// each compile (it reads no files) and part of every cache key.
-pub const KERNEL_HEADERS: &[(&str, &str)] = &[(
-    "common.cuh",
-    include_str!("../../../../../kernels/common.cuh"),
-)];
+pub const KERNEL_HEADERS: &[(&str, &str)] = &[
+    (
+        "common.cuh",
+        include_str!("../../../../../kernels/common.cuh"),
+    ),
+    (
+        "experts_common.cuh",
+        include_str!("../../../../../kernels/experts_common.cuh"),
+    ),
+];
 
 pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
@@ -120,10 +126,13 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "expert_down_by_expert",
             "expert_gate_up_grouped",
             "expert_down_grouped",
-            "expert_gate_up_mma",
-            "expert_down_mma",
             "expert_pair_sum",
         ],
+    },
+    KernelSource {
+        name: "experts_mma",
+        source: include_str!("../../../../../kernels/experts_mma.cu"),
+        functions: &["expert_gate_up_mma", "expert_down_mma"],
     },
     KernelSource {
         name: "router",

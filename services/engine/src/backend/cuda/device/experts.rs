@@ -54,7 +54,7 @@ const TILE_TOKENS: usize = 16;
 const GROUPED_WARPS: u32 = 8;
 const GROUPED_COLUMNS_PER_BLOCK: u32 = 2 * GROUPED_WARPS;
 const GROUPED_ROWS_PER_BLOCK: u32 = 4 * GROUPED_WARPS;
-/// Pairs per tile of the tensor-core grouped kernels (`MMA_TILE_TOKENS` in kernels/experts.cu):
+/// Pairs per tile of the tensor-core grouped kernels (`MMA_TILE_TOKENS` in kernels/experts_mma.cu):
 /// the rows of one block's GEMM.
 const MMA_TILE_TOKENS: usize = 64;
 /// Threads per block of the tensor-core kernels (`MMA_THREADS`), activated columns per
@@ -1055,30 +1055,30 @@ mod tests {
         );
         assert_eq!(
             MMA_TILE_TOKENS as i64,
-            kernel_define("experts", "MMA_TILE_TOKENS")
+            kernel_define("experts_mma", "MMA_TILE_TOKENS")
         );
         assert_eq!(
             i64::from(MMA_THREADS),
-            kernel_define("experts", "MMA_THREADS")
+            kernel_define("experts_mma", "MMA_THREADS")
         );
         assert_eq!(
             i64::from(MMA_COLUMNS_PER_BLOCK),
-            kernel_define("experts", "MMA_COLUMNS")
+            kernel_define("experts_mma", "MMA_COLUMNS")
         );
         assert_eq!(
             i64::from(MMA_ROWS_PER_BLOCK),
-            kernel_define("experts", "MMA_TILE_ROWS")
+            kernel_define("experts_mma", "MMA_TILE_ROWS")
         );
         // The kernels' fixed thread roles: two threads stage each pair row, one each weight
         // row, four warps 2 × 2 of 32 pairs × 64 weight rows; a stage is one quantization group.
         assert_eq!(
             2 * MMA_TILE_TOKENS as i64,
-            kernel_define("experts", "MMA_THREADS")
+            kernel_define("experts_mma", "MMA_THREADS")
         );
         assert_eq!(i64::from(MMA_ROWS_PER_BLOCK), i64::from(MMA_THREADS));
-        assert_eq!(kernel_define("experts", "MMA_WARPS"), 4);
+        assert_eq!(kernel_define("experts_mma", "MMA_WARPS"), 4);
         assert_eq!(
-            kernel_define("experts", "MMA_K"),
+            kernel_define("experts_mma", "MMA_K"),
             kernel_define("experts", "GROUP")
         );
     }

@@ -258,16 +258,17 @@ impl CudaBackend {
             .is_some()
     }
 
+    /// The tensor-core variant prefill segments of `dk` × `dv` heads take under the options.
+    fn tensor_core_prefill_variant(&self, dk: usize, dv: usize) -> Option<DeltaRuleKernel> {
+        (self.options.tensor_core_prefill && self.options.tensor_core_delta_rule)
+            .then(|| self.delta_rule_variant(&TENSOR_CORE_VARIANTS, dk, dv))
+            .flatten()
+    }
+
     /// The kernel long prefill segments of `dk` × `dv` heads run here: a tensor-core variant
     /// where one is enabled and fits, else an f32 chunked one, else the recurrent kernel.
     pub fn delta_rule_prefill_kernel(&self, dk: usize, dv: usize) -> DeltaRuleKernel {
-        let tensor_cores =
-            if self.options.tensor_core_prefill && self.options.tensor_core_delta_rule {
-                self.delta_rule_variant(&TENSOR_CORE_VARIANTS, dk, dv)
-            } else {
-                None
-            };
-        tensor_cores
+        self.tensor_core_prefill_variant(dk, dv)
             .or_else(|| self.delta_rule_variant(&CHUNKED_VARIANTS, dk, dv))
             .unwrap_or(DeltaRuleKernel::Recurrent)
     }
@@ -282,8 +283,7 @@ impl CudaBackend {
 
     /// Logs, once per head shape, which kernel its prefill takes and why not a larger one.
     fn log_delta_rule_choice(&self, dk: usize, dv: usize) {
-        let key = format!("gated_delta_rule {dk}x{dv}");
-        if !self.note_kernel_choice(key) {
+        if !self.note_kernel_choice(("gated_delta_rule", dk, dv)) {
             return;
         }
         let chosen = self.delta_rule_prefill_kernel(dk, dv);
@@ -326,12 +326,7 @@ impl CudaBackend {
         let (dk, dv) = (spec.key_head_dim, spec.value_head_dim);
         self.log_delta_rule_choice(dk, dv);
         let chunked = self.delta_rule_variant(&CHUNKED_VARIANTS, dk, dv);
-        let tensor_cores =
-            if self.options.tensor_core_prefill && self.options.tensor_core_delta_rule {
-                self.delta_rule_variant(&TENSOR_CORE_VARIANTS, dk, dv)
-            } else {
-                None
-            };
+        let tensor_cores = self.tensor_core_prefill_variant(dk, dv);
         self.delta_rule_segments(q, k, v, g, beta, spec, segments, |tokens| {
             let wants_chunked = match form {
                 DeltaRuleForm::Auto => tokens > 1,

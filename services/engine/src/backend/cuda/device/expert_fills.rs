@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaStream, DevicePtrMut};
 use ninfer_artifact::{Artifact, ExpertBank};
 
 use super::driver_error;
@@ -103,17 +103,11 @@ impl CudaExpertSlots {
         artifact: &Arc<Artifact>,
         bank: &ExpertBank,
     ) -> Result<(), CudaError> {
-        let invalid = |problem: String| CudaError::Invalid { problem };
-        let mut sources = Vec::with_capacity(experts.len());
-        for (offset, &expert) in experts.iter().enumerate() {
-            sources.push(
-                expert_bytes(artifact, bank, expert, &self.layout)
-                    .map_err(|error| invalid(error.to_string()))?,
-            );
-            self.slot_table
-                .check(first_slot + offset, expert)
-                .map_err(|error| invalid(error.to_string()))?;
-        }
+        let pairs = experts
+            .iter()
+            .enumerate()
+            .map(|(offset, &expert)| (first_slot + offset, expert));
+        let sources = self.checked_sources(pairs, artifact, bank)?;
         let pinned = self.ready_source(artifact, bank)?;
         let copy_stream = self.fill_stream()?;
         // No table upload here: the caller computes nothing with these slots before the
@@ -123,39 +117,11 @@ impl CudaExpertSlots {
         }
         // One ordering point for the whole batch: after every kernel queued so far (the
         // previous layer that used these slots among them).
-        let queued = self
-            .stream
-            .record_event(None)
-            .map_err(driver_error("recording the batch fill's start"))?;
-        copy_stream
-            .wait(&queued)
-            .map_err(driver_error("ordering the batch fill"))?;
-        let stride = self.layout.stride;
-        for (offset, source) in sources.into_iter().enumerate() {
-            let slot = first_slot + offset;
-            let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
-            if pinned {
-                let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
-                // SAFETY: `source` is page-locked and lives in an artifact mapping the slots
-                // keep alive (`sources`) until they are dropped, after the copy stream is
-                // synchronized; the destination range is inside the slot buffer.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        pointer,
-                        source,
-                        copy_stream.cu_stream(),
-                    )
-                }
-                .map_err(driver_error("copying an expert into a staging slot"))?;
-            } else {
-                copy_stream
-                    .memcpy_htod(source, &mut destination)
-                    .map_err(driver_error("copying an expert into a staging slot"))?;
-            }
-        }
-        let landed = copy_stream
-            .record_event(None)
-            .map_err(driver_error("recording the batch fill's end"))?;
+        let copies = sources
+            .into_iter()
+            .enumerate()
+            .map(|(offset, source)| (first_slot + offset, source));
+        let landed = self.copy_behind_queued_work(&copy_stream, pinned, copies)?;
         self.batch_fills
             .push_back((first_slot, experts.to_vec(), landed));
         Ok(())
@@ -171,17 +137,7 @@ impl CudaExpertSlots {
         artifact: &Arc<Artifact>,
         bank: &ExpertBank,
     ) -> Result<(), CudaError> {
-        let invalid = |problem: String| CudaError::Invalid { problem };
-        let mut sources = Vec::with_capacity(fills.len());
-        for &(slot, expert) in fills {
-            sources.push(
-                expert_bytes(artifact, bank, expert, &self.layout)
-                    .map_err(|error| invalid(error.to_string()))?,
-            );
-            self.slot_table
-                .check(slot, expert)
-                .map_err(|error| invalid(error.to_string()))?;
-        }
+        let sources = self.checked_sources(fills.iter().copied(), artifact, bank)?;
         let pinned = self.ready_source(artifact, bank)?;
         let copy_stream = self.fill_stream()?;
         for &(slot, expert) in fills {
@@ -194,18 +150,54 @@ impl CudaExpertSlots {
         if fills.is_empty() {
             return Ok(());
         }
+        let copies = fills.iter().map(|&(slot, _)| slot).zip(sources);
+        let landed = self.copy_behind_queued_work(&copy_stream, pinned, copies)?;
+        self.fills_in_flight.push((fills.to_vec(), landed));
+        Ok(())
+    }
+
+    /// The bank bytes of each (slot, expert) pair, each pair checked against the table.
+    fn checked_sources<'a>(
+        &self,
+        pairs: impl Iterator<Item = (usize, usize)>,
+        artifact: &'a Arc<Artifact>,
+        bank: &ExpertBank,
+    ) -> Result<Vec<&'a [u8]>, CudaError> {
+        let invalid = |problem: String| CudaError::Invalid { problem };
+        pairs
+            .map(|(slot, expert)| {
+                let bytes = expert_bytes(artifact, bank, expert, &self.layout)
+                    .map_err(|error| invalid(error.to_string()))?;
+                self.slot_table
+                    .check(slot, expert)
+                    .map_err(|error| invalid(error.to_string()))?;
+                Ok(bytes)
+            })
+            .collect()
+    }
+
+    /// Copies each (slot, bytes) of `copies` into its slot on `copy_stream`, all behind one
+    /// event recorded on the compute stream after the work queued so far (which may still read
+    /// the slots' old experts); returns the event after the last copy. `pinned`: the bytes are
+    /// page-locked (asynchronous DMA), else the driver stages them.
+    fn copy_behind_queued_work<'a>(
+        &mut self,
+        copy_stream: &Arc<CudaStream>,
+        pinned: bool,
+        copies: impl Iterator<Item = (usize, &'a [u8])>,
+    ) -> Result<CudaEvent, CudaError> {
         let queued = self
             .stream
             .record_event(None)
-            .map_err(driver_error("recording the expert fills' start"))?;
+            .map_err(driver_error("recording the expert copies' start"))?;
         copy_stream
             .wait(&queued)
-            .map_err(driver_error("ordering the expert fills"))?;
+            .map_err(driver_error("ordering the expert copies"))?;
         let stride = self.layout.stride;
-        for (&(slot, _), source) in fills.iter().zip(sources) {
+        for (slot, source) in copies {
             let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
             if pinned {
-                let (pointer, _record) = destination.device_ptr_mut(&copy_stream);
+                let (pointer, _record) = destination.device_ptr_mut(copy_stream);
                 // SAFETY: `source` is page-locked and lives in an artifact mapping the slots
                 // keep alive (`sources`) until they are dropped, after the copy stream is
                 // synchronized; the destination range is inside the slot buffer.
@@ -223,11 +215,9 @@ impl CudaExpertSlots {
                     .map_err(driver_error("copying an expert into its GPU slot"))?;
             }
         }
-        let landed = copy_stream
+        copy_stream
             .record_event(None)
-            .map_err(driver_error("recording the expert fills' end"))?;
-        self.fills_in_flight.push((fills.to_vec(), landed));
-        Ok(())
+            .map_err(driver_error("recording the expert copies' end"))
     }
 
     /// Enters every started fill in the host table; the compute stream waits for their copies

@@ -67,7 +67,7 @@ pub struct CudaBackend {
     /// The step graph the current step's ops run in (device/step_graph.rs), if any.
     active_step_graph: Mutex<Option<step_graph::ActiveStepGraph>>,
     /// The op shapes whose kernel variant has been logged (once each).
-    kernel_choices_logged: Mutex<std::collections::HashSet<String>>,
+    kernel_choices_logged: Mutex<std::collections::HashSet<(&'static str, usize, usize)>>,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,

@@ -312,9 +312,9 @@ impl CudaBackend {
         Ok(backend)
     }
 
-    /// True the first time `key` (an op and its shape) is noted: the caller then logs which
-    /// kernel variant that shape takes, so the log says it once per shape.
-    pub(super) fn note_kernel_choice(&self, key: String) -> bool {
+    /// True the first time `key` (an op and two dims of its shape) is noted: the caller then
+    /// logs which kernel variant that shape takes, so the log says it once per shape.
+    pub(super) fn note_kernel_choice(&self, key: (&'static str, usize, usize)) -> bool {
         match self.kernel_choices_logged.lock() {
             Ok(mut logged) => logged.insert(key),
             Err(_) => false,

@@ -38,6 +38,7 @@
 // are appended, and widened exactly when read, so the math after the read is the same f32).
 
 #include "common.cuh"
+#include "attention_common.cuh"
 
 #define MAX_DIMS_PER_LANE 8
 
@@ -159,23 +160,12 @@ extern __shared__ float attention_smem[];
 
 #define SPLIT_THREADS 128
 #define SPLIT_WARPS 4
-// Keys staged and scored together (one per lane); `chunk` is a multiple.
-#define SPLIT_TILE 32
 // q heads one block serves (a whole GQA group up to this size, else a slice of it); each warp
 // scores heads warp and warp + SPLIT_WARPS.
 #define SPLIT_HEADS 8
 // hd ≤ SPLIT_THREADS * SPLIT_DIMS.
 #define SPLIT_DIMS 2
-// At most this many chunks per row (`SPLIT_MAX_CHUNKS` in attention.rs).
-#define COMBINE_MAX_CHUNKS 128
 
-// Keys per chunk for a segment whose last row sits at `last_position`: `split_chunk` in
-// attention.rs, so a step graph's rows get the bits the uncaptured launches give them.
-__device__ __forceinline__ int split_chunk(int last_position) {
-    int tiles = (last_position + 1 + SPLIT_TILE - 1) / SPLIT_TILE;
-    int per_chunk = (tiles + COMBINE_MAX_CHUNKS - 1) / COMBINE_MAX_CHUNKS;
-    return (per_chunk > 1 ? per_chunk : 1) * SPLIT_TILE;
-}
 
 // The cache's elements as 4-byte words: one f32, or two bf16 (element 2w in the low half).
 template <typename KV> struct KvWords;
@@ -199,17 +189,6 @@ __device__ __forceinline__ void split_copy_word(unsigned int* shared_word,
     unsigned int address = (unsigned int)__cvta_generic_to_shared(shared_word);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(global_word)
                  : "memory");
-}
-// A 16-byte global → shared copy that does not wait (both addresses 16-byte aligned).
-__device__ __forceinline__ void split_copy_quad(unsigned int* shared_words,
-                                                const unsigned int* global_words) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(shared_words);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address),
-                 "l"(global_words)
-                 : "memory");
-}
-__device__ __forceinline__ void split_copies_wait() {
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 // Grid: x = chunk (absolute: keys [x·chunk, x·chunk + chunk) ∩ the row's visible keys),
@@ -459,19 +438,6 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 // own position, exactly the chunk a one-row segment launch takes, and each row's partials sit
 // at part_base + t · heads · chunks: so every row gets the bits of its own segment launches.
 
-// Rows one batched launch takes (`DECODE_BATCH_ROWS` in attention.rs).
-#define DECODE_BATCH_ROWS 64
-
-struct DecodeRows {
-    unsigned long long keys[DECODE_BATCH_ROWS];    // each row's key cache (f32 or bf16 elements)
-    unsigned long long values[DECODE_BATCH_ROWS];  // each row's value cache
-    int positions[DECODE_BATCH_ROWS];              // each row's position (its cache length)
-};
-
-__device__ __forceinline__ int decode_row_position(const DecodeRows& batch, int row_start, int t,
-                                                   const unsigned int* row_positions) {
-    return row_positions ? (int)row_positions[row_start + t] : batch.positions[t];
-}
 
 // Appends each row's k, v ([*, width] f32) to its cache at its position. One thread per
 // element, grid-stride over rows × width.

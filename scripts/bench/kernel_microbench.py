@@ -55,6 +55,15 @@ def module(kernel_dir, name, defines=(), replacements=(), append=""):
     return cp.RawModule(code=source, options=options, backend="nvrtc")
 
 
+def raw_kernel(kernel_dir, name, function, defines=()):
+    """One kernel of `kernels/NAME.cu` as a CuPy RawKernel (which, unlike a module's function,
+    takes more than 48 KB of dynamic shared memory)."""
+    with open(os.path.join(kernel_dir, name + ".cu")) as f:
+        source = f.read()
+    options = ("-I" + kernel_dir, "--std=c++17") + tuple("-D%s=%s" % kv for kv in defines)
+    return cp.RawKernel(source, function, options=options, backend="nvrtc")
+
+
 def bf16(array):
     """Round-to-nearest-even bf16 bits of an f32 array (as the converter stores them)."""
     bits = array.astype(np.float32).view(np.uint32).astype(np.uint64)
@@ -321,6 +330,97 @@ class Bench:
             self.close("attention split+combine", result, baseline)
         return result
 
+    # -- decode attention with the group's heads across lanes ---------------------------------
+
+    def decode_attention(self, kernel_dir, heads, kv_heads, hd, context, tile_bytes_list=(8192, 16384),
+                         chunk_list=(32, 64, 128, 256)):
+        """`attention_decode_bf16_HD_DPL` (attention_decode.cu) against `attention_split_bf16` at
+        its own chunking, each followed by `attention_combine`; outputs held within f32 rounding
+        of the split kernel's. Shape: `heads` q heads, `kv_heads`, head dim `hd`."""
+        group = heads // kv_heads
+        group_pow2 = 1 << (group - 1).bit_length()
+        lanes = 32 // group_pow2
+        dpl = hd // lanes
+        shape = "%dq/%dkv/hd%d %dK" % (heads, kv_heads, hd, context // 1024)
+        split_mod = module(kernel_dir, "attention")
+        split = split_mod.get_function("attention_split_bf16")
+        combine = split_mod.get_function("attention_combine")
+        rng = np.random.default_rng(9)
+        width = kv_heads * hd
+        caches = copies_for(2 * context * width * 2)
+        keys = [cp.asarray(bf16(rng.standard_normal((context, width), dtype=np.float32))) for _ in range(caches)]
+        values = [cp.asarray(bf16(rng.standard_normal((context, width), dtype=np.float32))) for _ in range(caches)]
+        q = cp.asarray(rng.standard_normal((1, heads * hd), dtype=np.float32))
+        position = context - 1
+        null = np.uint64(0)
+        scale = np.float32(hd ** -0.5)
+        kv_bytes = 2 * context * width * 2
+        max_chunks = 128
+        part_o = cp.zeros(heads * max_chunks * hd, dtype=cp.float32)
+        part_ml = cp.zeros(2 * heads * max_chunks, dtype=cp.float32)
+
+        def combine_launch(out, chunk, chunks):
+            args = (part_o, part_ml, out, np.int32(0), np.int32(1), np.int32(position), np.int32(heads),
+                    np.int32(hd), np.int32(0), np.int32(chunk), np.int32(chunks), np.int32(0), null)
+            return lambda: combine((heads, -(-hd // 32)), (256,), args)
+
+        # The split kernel at its chunking (split_chunk).
+        tiles = -(-(position + 1) // 32)
+        chunk = max(1, -(-tiles // max_chunks)) * 32
+        chunks = position // chunk + 1
+        words = hd // 2
+        stride = words + 1 if words % 4 else words + 4
+        smem = (8 * hd + 8 * 32 + 3 * 8 + 2 * 32 * stride) * 4
+        slices = -(-group // 8)
+
+        def split_launch(i):
+            args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position), np.int32(heads),
+                    np.int32(kv_heads), np.int32(hd), np.int32(0), scale, np.int32(chunk), np.int32(chunks),
+                    np.int32(0), null)
+            return lambda: split((chunks, kv_heads * slices, 1), (128,), args, shared_mem=smem)
+
+        reference = cp.zeros((1, heads * hd), dtype=cp.float32)
+        split_us = timed([split_launch(i) for i in range(caches)])
+        combine_us = timed([combine_launch(reference, chunk, chunks)] * 20)
+        self.record("attention_split_bf16 " + shape, "chunk %d" % chunk, split_us, kv_bytes)
+        self.record("  + combine", "%d chunks" % chunks, combine_us)
+        self.record("  split + combine", "chunk %d" % chunk, split_us + combine_us, kv_bytes)
+        split_launch(0)()
+        combine_launch(reference, chunk, chunks)()
+        cp.cuda.Device().synchronize()
+        reference = reference.copy()
+
+        for tile_bytes in tile_bytes_list:
+            if tile_bytes // (2 * hd) < 4:
+                continue
+            decode = raw_kernel(kernel_dir, "attention_decode", "attention_decode_bf16_%d_%d" % (hd, dpl),
+                                [("DECODE_TILE_BYTES", tile_bytes)])
+            states = 4 * group_pow2 * hd * 4 + 2 * 4 * group_pow2 * 4
+            decode_smem = max(4 * tile_bytes, states)
+            if decode_smem > 48 * 1024:
+                decode.max_dynamic_shared_size_bytes = decode_smem
+            for chunk_keys in chunk_list:
+                least = -(-(position + 1) // max_chunks)  # keys per chunk at most max_chunks chunks
+                d_chunk = max(chunk_keys, (least + 31) // 32 * 32)
+                d_chunks = position // d_chunk + 1
+                out = cp.zeros((1, heads * hd), dtype=cp.float32)
+
+                def decode_launch(i, d_chunk=d_chunk, d_chunks=d_chunks):
+                    args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
+                            np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
+                            np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null)
+                    return lambda: decode((d_chunks, kv_heads, 1), (128,), args, shared_mem=decode_smem)
+
+                us = timed([decode_launch(i) for i in range(caches)])
+                c_us = timed([combine_launch(out, d_chunk, d_chunks)] * 20)
+                variant = "tile %dB chunk %d (%d)" % (tile_bytes, d_chunk, d_chunks)
+                self.record("attention_decode_bf16_%d_%d %s" % (hd, dpl, shape), variant, us, kv_bytes)
+                self.record("  decode + combine", variant, us + c_us, kv_bytes)
+                decode_launch(0)()
+                combine_launch(out, d_chunk, d_chunks)()
+                cp.cuda.Device().synchronize()
+                self.close("attention_decode %s %s" % (shape, variant), out, reference, rtol=1e-4, atol=1e-5)
+
     # -- routed experts (slots), timing only ----------------------------------------------------
 
     def candidate_gate_up(self, kernel_dir):
@@ -475,10 +575,12 @@ def main():
     parser.add_argument("--baseline", help="kernel files of another revision, compared against")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--json", help="write the table here")
+    parser.add_argument("--decode-contexts", default="4096,16384,65536",
+                        help="contexts of the decode attention section")
     parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL, attention chunks, gate/up columns")
     parser.add_argument("--no-candidates", action="store_true",
                         help="skip the candidate kernels of scripts/bench/candidates/")
-    parser.add_argument("--sections", default="matmul,norm,router,attention,experts",
+    parser.add_argument("--sections", default="matmul,norm,router,decode_attention,attention,experts",
                         help="comma-separated: which kernels to time")
     args = parser.parse_args()
     bench = Bench(args)
@@ -512,6 +614,11 @@ def main():
         base_attention = bench.attention(args.baseline, "baseline", True) if args.baseline else None
         for max_chunks in (128, 64, 32) if args.sweep else (128,):
             bench.attention(args.kernels, "current", True, base_attention, max_chunks)
+
+    if "decode_attention" in sections:
+        for context in [int(c) for c in args.decode_contexts.split(",")]:
+            for heads, kv_heads, hd in ((32, 4, 128), (16, 2, 256), (64, 4, 128)):
+                bench.decode_attention(args.kernels, heads, kv_heads, hd, context)
 
     if args.json:
         with open(args.json, "w") as f:

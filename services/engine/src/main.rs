@@ -153,6 +153,12 @@ struct Args {
     #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_fused_expert_sum: bool,
+    /// `on` (the default): decode attention over a bf16 cache spreads each GQA group's q heads
+    /// across a warp's lanes (q and the sums in registers). `off`: the split kernel, one key per
+    /// lane. Near-equal tokens (the sums run in another order).
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_group_decode_attention: bool,
     /// `on` (the default): on an sm_90+ GPU, kernels are launched with programmatic dependent
     /// launch, so each one's launch and block scheduling overlap the end of the one before it
     /// (each still waits for its predecessor before touching memory). `off`: plain launches.
@@ -624,6 +630,7 @@ fn cuda_options(args: &Args) -> CudaOptions {
         tensor_core_delta_rule: args.cuda_tensor_core_delta_rule,
         batched_decode: args.cuda_batched_decode,
         fused_expert_sum: args.cuda_fused_expert_sum,
+        group_decode_attention: args.cuda_group_decode_attention,
         programmatic_dependent_launch: args.cuda_pdl,
         shared_memory_cap: args.cuda_shared_memory_cap,
         // The backend reports at most the budget's memory, so every user of the free memory

@@ -29,6 +29,10 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
         include_str!("../../../../../kernels/common.cuh"),
     ),
     (
+        "attention_common.cuh",
+        include_str!("../../../../../kernels/attention_common.cuh"),
+    ),
+    (
         "experts_common.cuh",
         include_str!("../../../../../kernels/experts_common.cuh"),
     ),
@@ -102,6 +106,26 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "attention_mma_64",
             "attention_mma_128",
             "attention_mma_256",
+        ],
+    },
+    KernelSource {
+        name: "attention_decode",
+        source: include_str!("../../../../../kernels/attention_decode.cu"),
+        functions: &[
+            "attention_decode_bf16_64_16",
+            "attention_decode_batched_bf16_64_16",
+            "attention_decode_bf16_64_32",
+            "attention_decode_batched_bf16_64_32",
+            "attention_decode_bf16_128_16",
+            "attention_decode_batched_bf16_128_16",
+            "attention_decode_bf16_128_32",
+            "attention_decode_batched_bf16_128_32",
+            "attention_decode_bf16_128_64",
+            "attention_decode_batched_bf16_128_64",
+            "attention_decode_bf16_256_32",
+            "attention_decode_batched_bf16_256_32",
+            "attention_decode_bf16_256_64",
+            "attention_decode_batched_bf16_256_64",
         ],
     },
     KernelSource {

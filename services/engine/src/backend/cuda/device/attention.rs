@@ -727,14 +727,41 @@ impl CudaBackend {
                         block_dim: (SPLIT_THREADS, 1, 1),
                         shared_mem_bytes: split_smem_bytes(hd, cache.dtype) as u32,
                     };
-                    match (keys, values) {
-                        (KvBuffer::F32(keys), KvBuffer::F32(values)) => {
+                    match (keys, values, self.decode_kernel(cache.dtype, hd, group)) {
+                        (KvBuffer::Bf16(keys), KvBuffer::Bf16(values), Some(kernel)) => {
+                            let function = self.function(kernel.segment)?;
+                            let mut builder = super::launch::KernelArgs::new(&self.stream);
+                            builder
+                                .arg(q_data)
+                                .arg(keys)
+                                .arg(values)
+                                .arg(&mut *part_o)
+                                .arg(&mut *part_ml)
+                                .arg(&row_start)
+                                .arg(&at)
+                                .arg(&heads)
+                                .arg(&kv_heads)
+                                .arg(&head_dim)
+                                .arg(&window)
+                                .arg(&scale)
+                                .arg(&chunk)
+                                .arg(&chunks)
+                                .arg(&part_base)
+                                .arg(&row_positions);
+                            let config = kernel.config(plan.chunks, spec.kv_heads, n);
+                            // SAFETY: the arguments match `attention_decode_bf16_*` in
+                            // kernels/attention_decode.cu, which takes those of
+                            // `attention_split_bf16` (types and order); the grid is the split
+                            // launch's with the group's heads in one block.
+                            unsafe { self.launch_kernel(function, config, &mut builder) }?;
+                        }
+                        (KvBuffer::F32(keys), KvBuffer::F32(values), _) => {
                             launch!(self, "attention_split", config;
                                 q_data, keys, values, &mut *part_o, &mut *part_ml, &row_start,
                                 &at, &heads, &kv_heads, &head_dim, &window, &scale, &chunk,
                                 &chunks, &part_base, &row_positions)?
                         }
-                        (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
+                        (KvBuffer::Bf16(keys), KvBuffer::Bf16(values), None) => {
                             launch!(self, "attention_split_bf16", config;
                                 q_data, keys, values, &mut *part_o, &mut *part_ml, &row_start,
                                 &at, &heads, &kv_heads, &head_dim, &window, &scale, &chunk,
@@ -944,7 +971,35 @@ impl CudaBackend {
             shared_mem_bytes: split_smem_bytes(hd, dtype) as u32,
         };
         let (part_o, part_ml) = (&mut *part_o.data, &mut *part_ml.data);
-        if bf16 {
+        if let Some(kernel) = self.decode_kernel(dtype, hd, group) {
+            let function = self.function(kernel.batched)?;
+            let mut builder = super::launch::KernelArgs::new(&self.stream);
+            builder
+                .arg(q_data)
+                .arg(&mut *part_o)
+                .arg(&mut *part_ml)
+                .arg(&batch)
+                .arg(&row_start)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&head_dim)
+                .arg(&window)
+                .arg(&scale)
+                .arg(&chunks_arg)
+                .arg(&part_base)
+                .arg(&row_positions);
+            // SAFETY: the arguments match `attention_decode_batched_bf16_*` in
+            // kernels/attention_decode.cu, which takes those of `attention_split_batched_bf16`
+            // (types and order); every row's cache pointer is a bf16 cache (`decode_kernel`
+            // answers only for bf16).
+            unsafe {
+                self.launch_kernel(
+                    function,
+                    kernel.config(chunks, spec.kv_heads, n),
+                    &mut builder,
+                )
+            }?;
+        } else if bf16 {
             launch!(self, "attention_split_batched_bf16", config;
                 q_data, &mut *part_o, &mut *part_ml, &batch, &row_start, &heads, &kv_heads,
                 &head_dim, &window, &scale, &chunks_arg, &part_base, &row_positions)?;

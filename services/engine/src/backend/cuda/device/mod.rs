@@ -1133,6 +1133,7 @@ impl Backend for CudaBackend {
 }
 
 mod attention;
+mod attention_decode;
 mod bandwidth;
 mod cache_copies;
 mod delta_rule;

@@ -100,6 +100,11 @@ pub struct CudaOptions {
     /// multiprocessor, the activations staged one load at a time) took 27.62 µs against
     /// 10.50 + 2.35 at one token on an H100; this one is not measured yet.
     pub fused_expert_sum: bool,
+    /// Decode attention over a bf16 cache in the kernels that spread a GQA group's q heads
+    /// across the lanes (kernels/attention_decode.cu) where one serves the shape and fits the
+    /// card; off: the split kernel everywhere (the reference the tests compare against). Not
+    /// the same bits: the sums run in another order.
+    pub group_decode_attention: bool,
     /// Programmatic dependent launch (device/launch.rs): on an sm_90+ GPU whose driver has
     /// `cuLaunchKernelEx`, kernel launches (also those recorded into step graphs, from CUDA
     /// 12.3 on) let the next kernel's launch and block scheduling overlap the tail of the one
@@ -203,6 +208,7 @@ impl Default for CudaOptions {
             batched_decode: true,
             decode_experts_by_expert: false,
             fused_expert_sum: false,
+            group_decode_attention: true,
             programmatic_dependent_launch: true,
             shared_memory_cap: None,
             memory_cap_bytes: None,
@@ -228,6 +234,8 @@ impl CudaOptions {
             decode_experts_by_expert: false,
             // The same bits as the two launches.
             fused_expert_sum: false,
+            // An f32 cache: the split kernel either way.
+            group_decode_attention: true,
             // Launch timing only: the same bits as plain launches.
             programmatic_dependent_launch: true,
             shared_memory_cap: None,

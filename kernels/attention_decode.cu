@@ -1,0 +1,424 @@
+// Decode attention over a bf16 KV cache with a GQA group's q heads spread across the lanes.
+//
+// The same split-K scheme, partials and combine as `attention_split_bf16` (attention.cu): one
+// block per (chunk, kv head, row) writes, for every q head of the kv head's group, the
+// unnormalised partial (max, Σ p, Σ p·v) of the chunk's keys, at the same index; the chunk is
+// `split_chunk` of the row's position. What differs is the inner loop. The split kernel gives a
+// lane one key and reads the q heads from shared memory, so each K element costs a shared-memory
+// read per four multiply-adds and the kernel is bound by shared memory, not HBM (25–41% of the
+// copy rate). Here lane l serves q head l / L of the group (L = 32 / the group rounded up to a
+// power of two) and DPL = head_dim / L of its dims, held in registers with its accumulators:
+// a key's score is DPL multiply-adds per lane and log2(L) shuffles, its value DPL more, and each
+// 16-byte read of the staged K or V row (all lanes of a head part read the same bytes: a
+// broadcast) feeds 8 of them.
+//
+// Lane l = head · L + part holds the dims of the 16-byte pieces part, part + L, part + 2L, …
+// (8 dims each), so one read instruction of a warp touches L consecutive 16-byte pieces of a row:
+// no bank conflict.
+//
+// Keys are staged by tiles of DECODE_TILE_BYTES of K (and as much V) with asynchronous copies,
+// two tiles in flight: the next tile's copies are issued before this one is computed. Each of
+// the DECODE_WARPS warps keeps an online softmax over its own quarter of every tile; at the end
+// the warps' states are merged in warp order through shared memory. A fixed order everywhere:
+// a row's bits depend only on its own position and cache, not on the batch.
+//
+// Not the split kernel's bits (the sums run in another order): held to the reference within f32
+// rounding by the start-up check (device/attention.rs) and the GPU tests.
+
+#include "common.cuh"
+#include "attention_common.cuh"
+
+#define DECODE_THREADS 128
+#define DECODE_WARPS 4
+// Bytes of K staged per tile (as many of V): tile keys = DECODE_TILE_BYTES / (2 · head_dim).
+#ifndef DECODE_TILE_BYTES
+#define DECODE_TILE_BYTES 8192
+#endif
+
+extern __shared__ __align__(16) unsigned char decode_smem[];
+
+// Eight bf16 (16 bytes) to f32, exactly.
+__device__ __forceinline__ void widen8(uint4 bits, float* x) {
+    unsigned int words[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        x[2 * i] = __uint_as_float(words[i] << 16);
+        x[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+// Stages keys [s0, s0 + len) of one kv head's K and V rows (hd bf16 each) into k_s, v_s
+// ([tile][hd]), every copy issued without waiting.
+__device__ __forceinline__ void decode_stage_tile(const unsigned short* keys,
+                                                  const unsigned short* values, int s0, int len,
+                                                  long long row_elements, int hd,
+                                                  unsigned short* k_s, unsigned short* v_s) {
+    int quads = hd / 8;  // 16-byte pieces of a row
+    for (int i = threadIdx.x; i < len * quads; i += DECODE_THREADS) {
+        int j = i / quads, w = (i - j * quads) * 8;
+        long long row = (long long)(s0 + j) * row_elements + w;
+        split_copy_quad(reinterpret_cast<unsigned int*>(k_s + j * hd + w),
+                        reinterpret_cast<const unsigned int*>(keys + row));
+        split_copy_quad(reinterpret_cast<unsigned int*>(v_s + j * hd + w),
+                        reinterpret_cast<const unsigned int*>(values + row));
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// One (chunk blockIdx.x, kv head blockIdx.y) of the row at `position` whose q row is `q_row`
+// (head dim HD, DPL dims per lane);
+// its partials at part_row_base + (kv_head · group + h) · chunks + chunk. `keys`, `values`:
+// the sequence's cache ([max_tokens, kv_heads · hd] bf16). Dynamic shared memory: 4 ·
+// DECODE_TILE_BYTES (two tiles of K and V), which the end reuses for the warps' states
+// (DECODE_WARPS · group_pow2 · hd floats + 2 · DECODE_WARPS · group_pow2).
+template <int HD, int DPL>
+__device__ __forceinline__ void attention_decode_block(
+    const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
+    float* part_ml, int q_row, int position, int heads, int kv_heads, int window, float scale,
+    int chunk, int chunks, long long part_row_base) {
+    constexpr int hd = HD;
+    constexpr int lanes_per_head = HD / DPL;  // L; the host sends group ≤ 32 / L
+    constexpr int tile = DECODE_TILE_BYTES / (2 * HD);
+    constexpr int warp_keys = tile / DECODE_WARPS;
+    static_assert(HD % DPL == 0 && DPL % 8 == 0 && lanes_per_head <= 32, "lane layout");
+    static_assert(warp_keys >= 1, "a tile gives every warp a key");
+    const float neg_inf = __int_as_float(0xff800000);
+    int c = blockIdx.x, kv_head = blockIdx.y;
+    int first = window > 0 ? max(0, position + 1 - window) : 0;
+    int k0 = max(c * chunk, first);
+    int k1 = min(c * chunk + chunk - 1, position);
+    if (k0 > k1) return;  // the whole block: nothing of this row in this chunk
+
+    int group = heads / kv_heads;
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    int head = lane / lanes_per_head, part = lane % lanes_per_head;
+    bool live_head = head < group;
+
+    // q and the accumulators: dims (i · L + part) · 8 + e of the lane's head.
+    float qr[DPL], acc[DPL];
+    const float* query = q + (long long)q_row * heads * hd + (long long)(kv_head * group + head) * hd;
+#pragma unroll
+    for (int i = 0; i < DPL / 8; ++i) {
+        int d = (i * lanes_per_head + part) * 8;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            qr[i * 8 + e] = live_head ? query[d + e] : 0.0f;
+            acc[i * 8 + e] = 0.0f;
+        }
+    }
+    float running_max = neg_inf, running_sum = 0.0f;
+
+    // Stage s: K at stages + 2·s·tile·hd, V after it.
+    unsigned short* stages = reinterpret_cast<unsigned short*>(decode_smem);
+    long long row_elements = (long long)kv_heads * hd;
+    const unsigned short* head_keys = keys + (long long)kv_head * hd;
+    const unsigned short* head_values = values + (long long)kv_head * hd;
+
+    // Tiles start at the chunk's first key (aligned to absolute positions), from the one that
+    // holds k0.
+    int base = c * chunk;
+    int s_first = base + (k0 - base) / tile * tile;
+    decode_stage_tile(head_keys, head_values, s_first, min(tile, k1 - s_first + 1), row_elements,
+                      hd, stages, stages + tile * hd);
+    int stage = 0;
+    for (int s0 = s_first; s0 <= k1; s0 += tile, stage ^= 1) {
+        int next = s0 + tile;
+        if (next <= k1) {
+            unsigned short* other = stages + 2 * (stage ^ 1) * tile * hd;
+            decode_stage_tile(head_keys, head_values, next, min(tile, k1 - next + 1),
+                              row_elements, hd, other, other + tile * hd);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        }
+        __syncthreads();  // this tile visible to every warp
+
+        const unsigned short* k_tile = stages + 2 * stage * tile * hd;
+        const unsigned short* v_tile = k_tile + tile * hd;
+        int j0 = warp * warp_keys;
+        // Scores of the warp's keys (every lane of a head gets its head's score).
+        float score[warp_keys];
+        float tile_max = neg_inf;
+#pragma unroll
+        for (int jj = 0; jj < warp_keys; ++jj) {
+            score[jj] = neg_inf;
+            {
+                int key = s0 + j0 + jj;
+                if (key >= k0 && key <= k1) {
+                    const unsigned short* kr = k_tile + (j0 + jj) * hd;
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < DPL / 8; ++i) {
+                        float x[8];
+                        widen8(*reinterpret_cast<const uint4*>(kr + (i * lanes_per_head + part) * 8),
+                               x);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) dot = fmaf(qr[i * 8 + e], x[e], dot);
+                    }
+#pragma unroll
+                    for (int offset = 1; offset < lanes_per_head; offset <<= 1)
+                        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+                    score[jj] = dot * scale;
+                    tile_max = fmaxf(tile_max, score[jj]);
+                }
+            }
+        }
+        // Keys past k1 or before k0 are the same for every lane of the warp (no divergence in
+        // the shuffles above): they depend only on the key.
+        if (tile_max != neg_inf) {
+            float new_max = fmaxf(running_max, tile_max);
+            float correction = expf(running_max - new_max);  // 0 while the max was -inf
+            running_sum *= correction;
+#pragma unroll
+            for (int e = 0; e < DPL; ++e) acc[e] *= correction;
+#pragma unroll
+            for (int jj = 0; jj < warp_keys; ++jj) {
+                if (score[jj] != neg_inf) {
+                    float p = expf(score[jj] - new_max);
+                    running_sum += p;
+                    const unsigned short* vr = v_tile + (j0 + jj) * hd;
+#pragma unroll
+                    for (int i = 0; i < DPL / 8; ++i) {
+                        float x[8];
+                        widen8(*reinterpret_cast<const uint4*>(vr + (i * lanes_per_head + part) * 8),
+                               x);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[i * 8 + e] = fmaf(p, x[e], acc[i * 8 + e]);
+                    }
+                }
+            }
+            running_max = new_max;
+        }
+        __syncthreads();  // every warp done with this stage before it is staged again
+    }
+
+    // Merge the warps' states in warp order. The stages are free now (the last wait_group 0 and
+    // barrier above).
+    int group_lanes = 32 / lanes_per_head;  // heads a warp holds, the group rounded up
+    float* state_o = reinterpret_cast<float*>(decode_smem);          // [warp][head][hd]
+    float* state_ml = state_o + DECODE_WARPS * group_lanes * hd;    // [warp][head][2]
+    float* warp_o = state_o + (long long)(warp * group_lanes + head) * hd;
+#pragma unroll
+    for (int i = 0; i < DPL / 8; ++i) {
+        int d = (i * lanes_per_head + part) * 8;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) warp_o[d + e] = acc[i * 8 + e];
+    }
+    if (part == 0) {
+        state_ml[2 * (warp * group_lanes + head)] = running_max;
+        state_ml[2 * (warp * group_lanes + head) + 1] = running_sum;
+    }
+    __syncthreads();
+    for (int i = tid; i < group * hd; i += DECODE_THREADS) {
+        int h = i / hd, d = i - h * hd;
+        float top = neg_inf;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w)
+            top = fmaxf(top, state_ml[2 * (w * group_lanes + h)]);
+        float total = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) {
+            float m = state_ml[2 * (w * group_lanes + h)];
+            float weight = m == neg_inf ? 0.0f : expf(m - top);
+            total += state_ml[2 * (w * group_lanes + h) + 1] * weight;
+            sum += state_o[(long long)(w * group_lanes + h) * hd + d] * weight;
+        }
+        long long index = part_row_base + (long long)(kv_head * group + h) * chunks + c;
+        part_o[index * hd + d] = sum;
+        if (d == 0) {
+            part_ml[2 * index] = top;
+            part_ml[2 * index + 1] = total;
+        }
+    }
+}
+
+// One segment's rows: grid (chunks, kv_heads, n); the arguments of `attention_split_bf16` (the
+// head dim is the kernel's: `hd` equals HD).
+template <int HD, int DPL>
+__device__ __forceinline__ void attention_decode_segment(
+    const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
+    float* part_ml, int row_start, int start_position, int heads, int kv_heads, int window,
+    float scale, int chunk, int chunks, int part_base, const unsigned int* row_positions) {
+    if (row_positions) {
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + (int)gridDim.z - 1);
+    }
+    int t = blockIdx.z;
+    attention_decode_block<HD, DPL>(q, keys, values, part_o, part_ml, row_start + t,
+                                    start_position + t, heads, kv_heads, window, scale, chunk,
+                                    chunks, (long long)part_base + (long long)t * heads * chunks);
+}
+
+// A batch of one-row segments: grid (chunks, kv_heads, n); the arguments of
+// `attention_split_batched_bf16`.
+template <int HD, int DPL>
+__device__ __forceinline__ void attention_decode_rows(
+    const float* q, float* part_o, float* part_ml, const DecodeRows& batch, int row_start,
+    int heads, int kv_heads, int window, float scale, int chunks, int part_base,
+    const unsigned int* row_positions) {
+    int t = blockIdx.z;
+    int position = decode_row_position(batch, row_start, t, row_positions);
+    attention_decode_block<HD, DPL>(q, reinterpret_cast<const unsigned short*>(batch.keys[t]),
+                                    reinterpret_cast<const unsigned short*>(batch.values[t]),
+                                    part_o, part_ml, row_start + t, position, heads, kv_heads,
+                                    window, scale, split_chunk(position), chunks,
+                                    (long long)part_base + (long long)t * heads * chunks);
+}
+
+// The instantiations, attention_decode[_batched]_bf16_HD_DPL (`DECODE_SHAPES` in
+// device/attention_decode.rs): head dim HD, DPL dims per lane, for groups of up to
+// 32 · DPL / HD q heads per kv head.
+
+// DECODE_KERNELS(64, 16)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_bf16_64_16(const float* q, const unsigned short* keys,
+                              const unsigned short* values, float* part_o, float* part_ml,
+                              int row_start, int start_position, int heads, int kv_heads, int hd,
+                              int window, float scale, int chunk, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_segment<64, 16>(q, keys, values, part_o, part_ml, row_start,
+                                    start_position, heads, kv_heads, window, scale, chunk,
+                                    chunks, part_base, row_positions);
+}
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_batched_bf16_64_16(const float* q, float* part_o, float* part_ml,
+                                      DecodeRows batch, int row_start, int heads, int kv_heads,
+                                      int hd, int window, float scale, int chunks, int part_base,
+                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_rows<64, 16>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                 window, scale, chunks, part_base, row_positions);
+}
+
+// DECODE_KERNELS(64, 32)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_bf16_64_32(const float* q, const unsigned short* keys,
+                              const unsigned short* values, float* part_o, float* part_ml,
+                              int row_start, int start_position, int heads, int kv_heads, int hd,
+                              int window, float scale, int chunk, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_segment<64, 32>(q, keys, values, part_o, part_ml, row_start,
+                                    start_position, heads, kv_heads, window, scale, chunk,
+                                    chunks, part_base, row_positions);
+}
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_batched_bf16_64_32(const float* q, float* part_o, float* part_ml,
+                                      DecodeRows batch, int row_start, int heads, int kv_heads,
+                                      int hd, int window, float scale, int chunks, int part_base,
+                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_rows<64, 32>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                 window, scale, chunks, part_base, row_positions);
+}
+
+// DECODE_KERNELS(128, 16)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_bf16_128_16(const float* q, const unsigned short* keys,
+                              const unsigned short* values, float* part_o, float* part_ml,
+                              int row_start, int start_position, int heads, int kv_heads, int hd,
+                              int window, float scale, int chunk, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_segment<128, 16>(q, keys, values, part_o, part_ml, row_start,
+                                    start_position, heads, kv_heads, window, scale, chunk,
+                                    chunks, part_base, row_positions);
+}
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_batched_bf16_128_16(const float* q, float* part_o, float* part_ml,
+                                      DecodeRows batch, int row_start, int heads, int kv_heads,
+                                      int hd, int window, float scale, int chunks, int part_base,
+                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_rows<128, 16>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                 window, scale, chunks, part_base, row_positions);
+}
+
+// DECODE_KERNELS(128, 32)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_bf16_128_32(const float* q, const unsigned short* keys,
+                              const unsigned short* values, float* part_o, float* part_ml,
+                              int row_start, int start_position, int heads, int kv_heads, int hd,
+                              int window, float scale, int chunk, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_segment<128, 32>(q, keys, values, part_o, part_ml, row_start,
+                                    start_position, heads, kv_heads, window, scale, chunk,
+                                    chunks, part_base, row_positions);
+}
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_batched_bf16_128_32(const float* q, float* part_o, float* part_ml,
+                                      DecodeRows batch, int row_start, int heads, int kv_heads,
+                                      int hd, int window, float scale, int chunks, int part_base,
+                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_rows<128, 32>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                 window, scale, chunks, part_base, row_positions);
+}
+
+// DECODE_KERNELS(128, 64)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_bf16_128_64(const float* q, const unsigned short* keys,
+                              const unsigned short* values, float* part_o, float* part_ml,
+                              int row_start, int start_position, int heads, int kv_heads, int hd,
+                              int window, float scale, int chunk, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_segment<128, 64>(q, keys, values, part_o, part_ml, row_start,
+                                    start_position, heads, kv_heads, window, scale, chunk,
+                                    chunks, part_base, row_positions);
+}
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_batched_bf16_128_64(const float* q, float* part_o, float* part_ml,
+                                      DecodeRows batch, int row_start, int heads, int kv_heads,
+                                      int hd, int window, float scale, int chunks, int part_base,
+                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_rows<128, 64>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                 window, scale, chunks, part_base, row_positions);
+}
+
+// DECODE_KERNELS(256, 32)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_bf16_256_32(const float* q, const unsigned short* keys,
+                              const unsigned short* values, float* part_o, float* part_ml,
+                              int row_start, int start_position, int heads, int kv_heads, int hd,
+                              int window, float scale, int chunk, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_segment<256, 32>(q, keys, values, part_o, part_ml, row_start,
+                                    start_position, heads, kv_heads, window, scale, chunk,
+                                    chunks, part_base, row_positions);
+}
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_batched_bf16_256_32(const float* q, float* part_o, float* part_ml,
+                                      DecodeRows batch, int row_start, int heads, int kv_heads,
+                                      int hd, int window, float scale, int chunks, int part_base,
+                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_rows<256, 32>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                 window, scale, chunks, part_base, row_positions);
+}
+
+// DECODE_KERNELS(256, 64)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_bf16_256_64(const float* q, const unsigned short* keys,
+                              const unsigned short* values, float* part_o, float* part_ml,
+                              int row_start, int start_position, int heads, int kv_heads, int hd,
+                              int window, float scale, int chunk, int chunks, int part_base,
+                              const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_segment<256, 64>(q, keys, values, part_o, part_ml, row_start,
+                                    start_position, heads, kv_heads, window, scale, chunk,
+                                    chunks, part_base, row_positions);
+}
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+    attention_decode_batched_bf16_256_64(const float* q, float* part_o, float* part_ml,
+                                      DecodeRows batch, int row_start, int heads, int kv_heads,
+                                      int hd, int window, float scale, int chunks, int part_base,
+                                      const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    attention_decode_rows<256, 64>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
+                                 window, scale, chunks, part_base, row_positions);
+}

@@ -1,0 +1,213 @@
+//! Decode attention with a GQA group's q heads across the lanes (`kernels/attention_decode.cu`):
+//! which kernel serves a (head_dim, group) shape, its shared memory and its launch geometry.
+//!
+//! Owns: the choice between these kernels and the split kernel for a bf16 cache. The kernels
+//! take the split kernel's arguments and write its partials at the same indices, so the split
+//! workspace, the chunking and the combine (device/attention.rs) are unchanged.
+//! Must not touch: the segments, the workspace or the combine.
+
+use cudarc::driver::LaunchConfig;
+
+use super::{CudaBackend, KvDtype};
+
+/// `DECODE_THREADS` in `kernels/attention_decode.cu`.
+const DECODE_THREADS: u32 = 128;
+/// `DECODE_WARPS` in `kernels/attention_decode.cu`.
+const DECODE_WARPS: usize = 4;
+/// `DECODE_TILE_BYTES` in `kernels/attention_decode.cu`: bytes of K staged per tile.
+const DECODE_TILE_BYTES: usize = 8192;
+
+/// One instantiated kernel pair: (head_dim, dims per lane, segment kernel, batched kernel).
+type DecodeShape = (usize, usize, &'static str, &'static str);
+
+/// Every `DECODE_KERNELS(HD, DPL)` of `kernels/attention_decode.cu`.
+const DECODE_SHAPES: [DecodeShape; 7] = [
+    (
+        64,
+        16,
+        "attention_decode_bf16_64_16",
+        "attention_decode_batched_bf16_64_16",
+    ),
+    (
+        64,
+        32,
+        "attention_decode_bf16_64_32",
+        "attention_decode_batched_bf16_64_32",
+    ),
+    (
+        128,
+        16,
+        "attention_decode_bf16_128_16",
+        "attention_decode_batched_bf16_128_16",
+    ),
+    (
+        128,
+        32,
+        "attention_decode_bf16_128_32",
+        "attention_decode_batched_bf16_128_32",
+    ),
+    (
+        128,
+        64,
+        "attention_decode_bf16_128_64",
+        "attention_decode_batched_bf16_128_64",
+    ),
+    (
+        256,
+        32,
+        "attention_decode_bf16_256_32",
+        "attention_decode_batched_bf16_256_32",
+    ),
+    (
+        256,
+        64,
+        "attention_decode_bf16_256_64",
+        "attention_decode_batched_bf16_256_64",
+    ),
+];
+
+/// The kernel pair for one attention shape and what a launch needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct DecodeKernel {
+    /// Over one segment's rows: the signature of `attention_split_bf16`.
+    pub segment: &'static str,
+    /// Over a batch of one-row segments: the signature of `attention_split_batched_bf16`.
+    pub batched: &'static str,
+    /// Dynamic shared memory of a block.
+    pub shared_memory_bytes: usize,
+}
+
+impl DecodeKernel {
+    /// Grid (chunks, kv heads, rows): one block per chunk, kv head and row, serving the kv
+    /// head's whole group.
+    pub fn config(&self, chunks: usize, kv_heads: usize, rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (chunks as u32, kv_heads as u32, rows as u32),
+            block_dim: (DECODE_THREADS, 1, 1),
+            shared_mem_bytes: self.shared_memory_bytes as u32,
+        }
+    }
+}
+
+/// The kernel for `head_dim` and a group of `group` q heads per kv head, if one is instantiated:
+/// lane l serves head l / L, L = 32 / (group rounded up to a power of two), with head_dim / L
+/// dims per lane.
+pub(super) fn decode_kernel_for_shape(head_dim: usize, group: usize) -> Option<DecodeKernel> {
+    if group == 0 || group > 32 {
+        return None;
+    }
+    let group_lanes = group.next_power_of_two();
+    let lanes_per_head = 32 / group_lanes;
+    if head_dim % lanes_per_head != 0 {
+        return None;
+    }
+    let dims_per_lane = head_dim / lanes_per_head;
+    let (_, _, segment, batched) = DECODE_SHAPES
+        .iter()
+        .find(|(hd, dpl, _, _)| *hd == head_dim && *dpl == dims_per_lane)?;
+    // Two stages of K and V tiles; the end reuses them for the warps' states (o, then max and
+    // sum, per warp and head lane).
+    let stages = 4 * DECODE_TILE_BYTES;
+    let states = (DECODE_WARPS * group_lanes * head_dim + 2 * DECODE_WARPS * group_lanes) * 4;
+    Some(DecodeKernel {
+        segment,
+        batched,
+        shared_memory_bytes: stages.max(states),
+    })
+}
+
+impl CudaBackend {
+    /// The decode kernel for a cache of `dtype` with `head_dim` and `group` q heads per kv head,
+    /// when the option is on, the cache is bf16 and the block fits this card's shared memory
+    /// (else the split kernel serves). Logs the choice once per shape.
+    pub(super) fn decode_kernel(
+        &self,
+        dtype: KvDtype,
+        head_dim: usize,
+        group: usize,
+    ) -> Option<DecodeKernel> {
+        if !self.options.group_decode_attention || dtype != KvDtype::Bf16 {
+            return None;
+        }
+        let kernel = decode_kernel_for_shape(head_dim, group);
+        let limit = self.info.shared_memory_per_block;
+        let fitting = kernel.filter(|kernel| kernel.shared_memory_bytes <= limit);
+        if self.note_kernel_choice(("decode attention", head_dim, group)) {
+            match (kernel, fitting) {
+                (Some(kernel), Some(_)) => tracing::info!(
+                    "decode attention, head_dim {head_dim}, {group} q heads per kv head: {}",
+                    kernel.segment
+                ),
+                (Some(kernel), None) => tracing::info!(
+                    "decode attention, head_dim {head_dim}, {group} q heads per kv head: the split kernel ({} needs {} bytes; the limit is {limit} bytes of shared memory per block)",
+                    kernel.segment,
+                    kernel.shared_memory_bytes
+                ),
+                (None, _) => tracing::info!(
+                    "decode attention, head_dim {head_dim}, {group} q heads per kv head: the split kernel (no kernel with the heads across the lanes serves this shape)"
+                ),
+            }
+        }
+        fitting
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::kernels::{kernel_define, KERNEL_SOURCES};
+
+    #[test]
+    fn constants_match_the_kernel_file() {
+        let define = |name| kernel_define("attention_decode", name);
+        assert_eq!(i64::from(DECODE_THREADS), define("DECODE_THREADS"));
+        assert_eq!(DECODE_WARPS as i64, define("DECODE_WARPS"));
+        assert_eq!(DECODE_TILE_BYTES as i64, define("DECODE_TILE_BYTES"));
+        assert_eq!(define("DECODE_WARPS") * 32, define("DECODE_THREADS"));
+    }
+
+    /// Every shape the host may pick is instantiated in the file and listed for loading, and
+    /// every instantiation is reachable.
+    #[test]
+    fn every_shape_is_a_kernel_of_the_file() {
+        let file = KERNEL_SOURCES
+            .iter()
+            .find(|source| source.name == "attention_decode")
+            .expect("attention_decode is a kernel file");
+        for (hd, dpl, segment, batched) in DECODE_SHAPES {
+            assert!(
+                file.source
+                    .contains(&format!("// DECODE_KERNELS({hd}, {dpl})")),
+                "{hd}/{dpl}"
+            );
+            assert!(file.functions.contains(&segment), "{segment}");
+            assert!(file.functions.contains(&batched), "{batched}");
+            assert_eq!(segment, format!("attention_decode_bf16_{hd}_{dpl}"));
+            assert_eq!(batched, format!("attention_decode_batched_bf16_{hd}_{dpl}"));
+        }
+        assert_eq!(file.functions.len(), 2 * DECODE_SHAPES.len());
+    }
+
+    #[test]
+    fn shapes_of_the_released_models_have_a_kernel() {
+        // (head_dim, group): Qwen3-30B-A3B and 235B-A22B, Qwen3-Next / Qwen3.5 / 3.6, the
+        // dense 27B (a group of 6 takes the lanes of 8), a small group.
+        for (hd, group, dpl) in [
+            (128, 8, 32),
+            (128, 16, 64),
+            (256, 8, 64),
+            (256, 6, 64),
+            (128, 4, 16),
+        ] {
+            let kernel = decode_kernel_for_shape(hd, group).expect("a kernel");
+            assert_eq!(kernel.segment, format!("attention_decode_bf16_{hd}_{dpl}"));
+            // Within an RTX card's 99 KB per block.
+            assert!(kernel.shared_memory_bytes <= 99 * 1024);
+        }
+        // Too many dims per lane, or a head dim the lanes do not divide: the split kernel.
+        assert_eq!(decode_kernel_for_shape(256, 16), None);
+        assert_eq!(decode_kernel_for_shape(96, 8), None);
+        assert_eq!(decode_kernel_for_shape(128, 64), None);
+        assert_eq!(decode_kernel_for_shape(128, 0), None);
+    }
+}

@@ -102,6 +102,7 @@ fn workspace_dependencies_point_one_way() {
         ("ninfer-channel", &[][..]),
         ("ninfer-convert", &["ninfer-artifact"][..]),
         ("ninfer-cpu-experts", &["ninfer-artifact"][..]),
+        ("ninfer-vision-input", &[][..]),
         (
             "ninfer-engine",
             &[
@@ -120,7 +121,10 @@ fn workspace_dependencies_point_one_way() {
                 "ninfer-channel",
             ][..],
         ),
-        ("ninfer-gateway", &["ninfer-protocol"][..]),
+        (
+            "ninfer-gateway",
+            &["ninfer-protocol", "ninfer-vision-input"][..],
+        ),
         (
             "ninfer",
             &[

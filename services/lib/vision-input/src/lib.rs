@@ -1,1 +1,41 @@
-//! tmp
+//! Image pre-processing for the Qwen3.5 vision tower: encoded bytes in, the patch rows the vision
+//! encoder's patch embedding takes and the image's grid out, equal to what `transformers`' Qwen
+//! image processor (the Pillow form) makes of the same bytes (docs/MODELS.md §10.2).
+//!
+//! Owns: recognising and decoding PNG, JPEG, WebP and GIF (first frame) within limits set before
+//! any pixel is allocated ([`decode`]), the target size and its rounding ([`smart_resize`]),
+//! Pillow's bicubic resampling ([`resample`]), normalisation and the patch layout ([`patchify`]).
+//! Every refusal is a typed [`VisionInputError`] that names the problem, for an API to answer 400.
+//! Must not touch: tokens, prompts, the model (the engine runs the encoder; the gateway decides
+//! which bytes arrive).
+
+pub mod decode;
+pub mod error;
+pub mod patchify;
+pub mod resample;
+pub mod settings;
+pub mod smart_resize;
+
+pub use decode::{decode_rgb, DecodedImage, ImageFormatName};
+pub use error::VisionInputError;
+pub use patchify::{normalise_and_patchify, ImageGrid, PixelPatches};
+pub use resample::resize_bicubic_like_pillow;
+pub use settings::{DecodeLimits, ImageProcessorSettings};
+pub use smart_resize::smart_resize;
+
+/// The whole pre-processing of one image: decode (within `limits`), resize to the processor's
+/// grid, normalise, patchify. `declared_media_type` is what the request said the bytes are
+/// (`image/png`, …), checked against what they are.
+pub fn preprocess_image(
+    bytes: &[u8],
+    declared_media_type: Option<&str>,
+    settings: &ImageProcessorSettings,
+    limits: &DecodeLimits,
+) -> Result<PixelPatches, VisionInputError> {
+    settings.validate()?;
+    let decoded = decode_rgb(bytes, declared_media_type, limits)?;
+    let (height, width) = smart_resize(decoded.height, decoded.width, settings)?;
+    let resized =
+        resize_bicubic_like_pillow(&decoded.rgb, decoded.width, decoded.height, width, height)?;
+    normalise_and_patchify(&resized, height, width, settings)
+}

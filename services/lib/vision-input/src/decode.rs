@@ -1,0 +1,226 @@
+//! Encoded bytes → an 8-bit RGB image, as `transformers.image_utils.load_image` makes one with
+//! Pillow: the first frame, turned by its EXIF orientation, converted to RGB (a palette looked
+//! up, grey replicated, alpha dropped). The format is recognised from the bytes and checked
+//! against the declared media type; the size is checked from the header before any pixel is
+//! allocated.
+
+use std::io::Cursor;
+
+use image::{DynamicImage, ImageDecoder, ImageError, ImageFormat, ImageReader};
+
+use crate::error::VisionInputError;
+use crate::settings::DecodeLimits;
+
+/// The formats accepted, by the name an error gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageFormatName {
+    Png,
+    Jpeg,
+    Webp,
+    Gif,
+}
+
+impl ImageFormatName {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Png => "PNG",
+            Self::Jpeg => "JPEG",
+            Self::Webp => "WebP",
+            Self::Gif => "GIF",
+        }
+    }
+
+    pub fn media_type(self) -> &'static str {
+        match self {
+            Self::Png => "image/png",
+            Self::Jpeg => "image/jpeg",
+            Self::Webp => "image/webp",
+            Self::Gif => "image/gif",
+        }
+    }
+
+    fn image_format(self) -> ImageFormat {
+        match self {
+            Self::Png => ImageFormat::Png,
+            Self::Jpeg => ImageFormat::Jpeg,
+            Self::Webp => ImageFormat::WebP,
+            Self::Gif => ImageFormat::Gif,
+        }
+    }
+
+    /// The format a media type names (`image/jpg` taken for `image/jpeg`; parameters and case
+    /// ignored).
+    pub fn from_media_type(media_type: &str) -> Result<Self, VisionInputError> {
+        let essence = media_type
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        match essence.as_str() {
+            "image/png" => Ok(Self::Png),
+            "image/jpeg" | "image/jpg" => Ok(Self::Jpeg),
+            "image/webp" => Ok(Self::Webp),
+            "image/gif" => Ok(Self::Gif),
+            _ => Err(VisionInputError::UnsupportedMediaType(
+                media_type.to_string(),
+            )),
+        }
+    }
+
+    /// The format of the bytes, from their signature.
+    pub fn sniff(bytes: &[u8]) -> Result<Self, VisionInputError> {
+        match image::guess_format(bytes) {
+            Ok(ImageFormat::Png) => Ok(Self::Png),
+            Ok(ImageFormat::Jpeg) => Ok(Self::Jpeg),
+            Ok(ImageFormat::WebP) => Ok(Self::Webp),
+            Ok(ImageFormat::Gif) => Ok(Self::Gif),
+            _ => Err(VisionInputError::UnrecognisedFormat),
+        }
+    }
+}
+
+/// A decoded image: `rgb` holds `height` rows of `width` RGB triples.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodedImage {
+    pub format: ImageFormatName,
+    pub width: u32,
+    pub height: u32,
+    pub rgb: Vec<u8>,
+}
+
+/// Decodes `bytes` within `limits` (see the module doc).
+pub fn decode_rgb(
+    bytes: &[u8],
+    declared_media_type: Option<&str>,
+    limits: &DecodeLimits,
+) -> Result<DecodedImage, VisionInputError> {
+    if bytes.is_empty() {
+        return Err(VisionInputError::Empty);
+    }
+    if bytes.len() > limits.max_encoded_bytes {
+        return Err(VisionInputError::EncodedTooLarge {
+            bytes: bytes.len(),
+            limit: limits.max_encoded_bytes,
+        });
+    }
+    let declared = declared_media_type
+        .map(ImageFormatName::from_media_type)
+        .transpose()?;
+    let format = ImageFormatName::sniff(bytes)?;
+    if let Some(declared) = declared.filter(|declared| *declared != format) {
+        return Err(VisionInputError::MediaTypeMismatch {
+            declared: declared.media_type().to_string(),
+            detected: format.name().to_string(),
+        });
+    }
+    let corrupt = |error: ImageError| decode_error(format, error);
+    // The JPEG decoder fills a cut-off scan with grey where Pillow refuses the file.
+    if format == ImageFormatName::Jpeg && !jpeg_reaches_its_end_marker(bytes) {
+        return Err(VisionInputError::Corrupt {
+            format: format.name(),
+            detail: "the file ends before its end-of-image marker (truncated)".into(),
+        });
+    }
+
+    let mut reader = ImageReader::with_format(Cursor::new(bytes), format.image_format());
+    let mut decoder_limits = image::Limits::default();
+    decoder_limits.max_alloc = Some(limits.max_decoder_allocation);
+    reader.limits(decoder_limits);
+    let mut decoder = reader.into_decoder().map_err(corrupt)?;
+    let (width, height) = decoder.dimensions();
+    check_dimensions(width, height, limits)?;
+    let orientation = decoder.orientation().map_err(corrupt)?;
+    let mut image = DynamicImage::from_decoder(decoder).map_err(corrupt)?;
+    image.apply_orientation(orientation);
+    let rgb = image.to_rgb8();
+    Ok(DecodedImage {
+        format,
+        width: rgb.width(),
+        height: rgb.height(),
+        rgb: rgb.into_raw(),
+    })
+}
+
+/// The header's size against the limits, before the pixels are decoded.
+fn check_dimensions(
+    width: u32,
+    height: u32,
+    limits: &DecodeLimits,
+) -> Result<(), VisionInputError> {
+    let (wide, high) = (u64::from(width), u64::from(height));
+    if width == 0 || height == 0 {
+        return Err(VisionInputError::NoPixels {
+            width: wide,
+            height: high,
+        });
+    }
+    if width > limits.max_side || height > limits.max_side {
+        return Err(VisionInputError::SideTooLong {
+            width: wide,
+            height: high,
+            limit: limits.max_side.into(),
+        });
+    }
+    let pixels = wide * high;
+    if pixels > limits.max_pixels {
+        return Err(VisionInputError::TooManyPixels {
+            width: wide,
+            height: high,
+            pixels,
+            limit: limits.max_pixels,
+        });
+    }
+    Ok(())
+}
+
+/// Whether a JPEG's end-of-image marker (`FF D9`) follows its first scan. The segments before
+/// the scan are skipped by their lengths (an EXIF thumbnail there has its own markers); inside
+/// and between scans an `FF` byte of data is always followed by `00` or a marker other than
+/// `D9`, so the first `FF D9` found after the first scan header is the image's end.
+fn jpeg_reaches_its_end_marker(bytes: &[u8]) -> bool {
+    let mut position = 2; // after SOI
+    loop {
+        let Some(&[0xFF, marker]) = bytes.get(position..position + 2) else {
+            return false;
+        };
+        match marker {
+            // Fill bytes before a marker.
+            0xFF => position += 1,
+            // Markers without a length.
+            0x01 | 0xD0..=0xD7 => position += 2,
+            0xD9 => return false,
+            _ => {
+                let Some(&[high, low]) = bytes.get(position + 2..position + 4) else {
+                    return false;
+                };
+                let length = usize::from(u16::from_be_bytes([high, low]));
+                position += 2 + length;
+                if marker == 0xDA {
+                    break;
+                }
+            }
+        }
+    }
+    bytes
+        .get(position..)
+        .is_some_and(|rest| rest.windows(2).any(|pair| pair == [0xFF, 0xD9]))
+}
+
+fn decode_error(format: ImageFormatName, error: ImageError) -> VisionInputError {
+    let format = format.name();
+    match error {
+        ImageError::Limits(detail) => VisionInputError::DecodeMemoryLimit {
+            format,
+            detail: detail.to_string(),
+        },
+        ImageError::Unsupported(detail) => VisionInputError::UnsupportedFeature {
+            format,
+            detail: detail.to_string(),
+        },
+        other => VisionInputError::Corrupt {
+            format,
+            detail: other.to_string(),
+        },
+    }
+}

@@ -208,7 +208,12 @@ fn convert_from(
 ) -> Result<ConvertReport, ConvertError> {
     let parsed = read_config(&options.input_dir)?;
     let (model, plan) = plan_of(options, checkpoint)?;
-    let side = side_files::read_side_files(&options.input_dir, progress)?;
+    let mut side = side_files::read_side_files(&options.input_dir, progress)?;
+    if options.skip_vision {
+        // Without its tensors the vision tower's settings would only mislead a reader.
+        side.vision_config_json = None;
+        side.preprocessor_config_json = None;
+    }
     let reuse = match &options.reuse {
         Some(path) => {
             let old = Artifact::open(path)?;
@@ -443,6 +448,12 @@ impl Run<'_> {
             (
                 "chat_template.jinja",
                 side.chat_template.as_ref().map(|text| text.as_bytes()),
+            ),
+            // The vision tower's settings travel with its tensors.
+            ("vision_config.json", side.vision_config_json.as_deref()),
+            (
+                "preprocessor_config.json",
+                side.preprocessor_config_json.as_deref(),
             ),
         ];
         for (name, bytes) in files {

@@ -1,4 +1,5 @@
-//! Tokenizer, chat template and generation defaults of a checkpoint directory.
+//! Tokenizer, chat template, generation defaults and the vision tower's settings of a
+//! checkpoint directory.
 
 use std::path::Path;
 
@@ -14,6 +15,29 @@ pub struct SideFiles {
     pub tokenizer_config_json: Option<Vec<u8>>,
     pub chat_template: Option<String>,
     pub generation: GenerationDefaults,
+    /// The vision tower's settings: `config.json`'s `vision_config` with the image and video
+    /// token ids beside it (the engine's vision encoder reads them).
+    pub vision_config_json: Option<Vec<u8>>,
+    /// `preprocessor_config.json` as is (the image processor's settings).
+    pub preprocessor_config_json: Option<Vec<u8>>,
+}
+
+/// The keys of a multimodal `config.json` the vision path needs, in one small document.
+fn vision_config_document(model_config: &Value) -> Option<Vec<u8>> {
+    let vision_config = model_config.get("vision_config")?;
+    let mut document = serde_json::Map::new();
+    document.insert("vision_config".into(), vision_config.clone());
+    for key in [
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+    ] {
+        if let Some(value) = model_config.get(key) {
+            document.insert(key.into(), value.clone());
+        }
+    }
+    serde_json::to_vec(&Value::Object(document)).ok()
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>, ConvertError> {
@@ -125,10 +149,14 @@ pub fn read_side_files(
     let tokenizer_config_json = tokenizer_config
         .as_ref()
         .and_then(|c| serde_json::to_vec(c).ok());
+    let preprocessor_config_json = read_json(&directory.join("preprocessor_config.json"))?
+        .and_then(|c| serde_json::to_vec(&c).ok());
     Ok(SideFiles {
         tokenizer_json,
         tokenizer_config_json,
         chat_template,
         generation,
+        vision_config_json: vision_config_document(&model_config),
+        preprocessor_config_json,
     })
 }

@@ -294,6 +294,23 @@ fn every_fixture_converts_with_every_experts_dtype() {
                         .any(|t| t.entry.class == TensorClass::Vision),
                     "vision tensors kept"
                 );
+                // The vision tower's settings travel with it, token ids beside them.
+                let vision: serde_json::Value = serde_json::from_slice(
+                    artifact
+                        .file("vision_config.json")
+                        .expect("vision settings kept"),
+                )
+                .expect("valid JSON");
+                let source: serde_json::Value = serde_json::from_slice(
+                    &std::fs::read(fixture(name).join("config.json")).expect("config readable"),
+                )
+                .expect("valid JSON");
+                assert_eq!(vision["vision_config"], source["vision_config"]);
+                assert_eq!(vision["image_token_id"], source["image_token_id"]);
+                assert_eq!(
+                    vision["vision_start_token_id"],
+                    source["vision_start_token_id"]
+                );
             }
             assert!(
                 artifact.file("tokenizer.json").is_some()
@@ -348,8 +365,13 @@ fn reuse_copies_existing_tensors_and_adds_new_ones() {
     let report = convert_checkpoint(&options, &NoProgress).unwrap();
     let old = Artifact::open(&old_path).unwrap();
     assert_eq!(report.tensors_reused as usize, old.header().tensors.len());
-    let vision = Artifact::open(&new_path)
-        .unwrap()
+    assert!(
+        old.file("vision_config.json").is_none(),
+        "no vision settings without the vision tower"
+    );
+    let new = Artifact::open(&new_path).unwrap();
+    assert!(new.file("vision_config.json").is_some());
+    let vision = new
         .tensors()
         .filter(|t| t.entry.class == TensorClass::Vision)
         .count();

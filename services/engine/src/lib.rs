@@ -24,6 +24,8 @@
 //! * [`perplexity`] — windowed NLL of a token stream.
 //! * [`prefix_cache`] — automatic prefix caching: prompt blocks by hash chain, recurrent-state
 //!   checkpoints, LRU eviction within a budget.
+//! * [`vision`] — the Qwen3.5 vision tower: its settings, weights, grid index math and the f32
+//!   host forward.
 //! * [`testing`] — `test_device!` and tiny random-weight artifacts for tests.
 
 pub mod backend;
@@ -39,6 +41,7 @@ pub mod sampling;
 pub mod service;
 pub mod spec;
 pub mod testing;
+pub mod vision;
 pub mod weights;
 
 pub use backend::cpu::CpuBackend;

@@ -1,0 +1,19 @@
+//! The Qwen3.5 vision tower (docs/MODELS.md §10.5): image patch rows in, the image tokens'
+//! embeddings out, for the `<|image_pad|>` positions of a prompt.
+//!
+//! Owns: the vision settings the artifact carries (`config.rs`), the tower's weights by
+//! checkpoint name (`weights.rs`), the index math of an image grid that every backend shares —
+//! patch order, position-embedding taps, rotary positions, attention segments (`grid.rs`) — and
+//! the f32 host forward that is the reference for the device paths (`encoder.rs`).
+//! Must not touch: image decoding and resizing (`ninfer-vision-input`, in the gateway), the
+//! decoder's positions (multimodal RoPE lives with the text model), the scheduler.
+
+pub mod config;
+pub mod encoder;
+pub mod grid;
+pub mod weights;
+
+pub use config::VisionConfig;
+pub use encoder::{encode_images, VisionOutput};
+pub use grid::ImageGrid;
+pub use weights::VisionWeights;

@@ -1,0 +1,122 @@
+//! The vision tower's f32 host forward against `transformers` on the `qwen3_5_moe` golden
+//! fixture's tower (`vision_reference.json`, made by
+//! `scripts/make_vision_encoder_reference.py`): three images of different grid sizes and
+//! aspect ratios in one batch, so the interpolated position embeddings, the 2-D rotary angles,
+//! the per-image attention and the merger are all compared, through a real conversion.
+
+use ninfer_artifact::Artifact;
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::testing::{golden_fixture_dir, json_numbers, max_abs_difference};
+use ninfer_engine::vision::{encode_images, ImageGrid, VisionConfig, VisionWeights};
+
+fn reference() -> serde_json::Value {
+    let path = golden_fixture_dir("qwen3_5_moe").join("vision_reference.json");
+    let text = std::fs::read_to_string(&path).expect("vision reference readable");
+    serde_json::from_str(&text).expect("valid JSON")
+}
+
+/// The reference's pixel formula, in f32 as the script computes it.
+fn pixel_rows(count: usize) -> Vec<f32> {
+    (0..count)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect()
+}
+
+#[test]
+fn the_vision_tower_matches_transformers_on_three_images() {
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    let output = scratch.path().join("model.ninfer");
+    convert_checkpoint(
+        &ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &output),
+        &NoProgress,
+    )
+    .expect("fixture converts");
+    let artifact = Artifact::open(&output).expect("artifact opens");
+    let weights = VisionWeights::load(&artifact)
+        .expect("vision weights load")
+        .expect("the fixture has a vision tower");
+    assert_eq!(weights.blocks.len(), weights.config.depth);
+
+    let reference = reference();
+    let grids: Vec<ImageGrid> = reference["grids"]
+        .as_array()
+        .expect("grids")
+        .iter()
+        .map(|grid| {
+            let values = json_numbers(grid);
+            ImageGrid {
+                temporal: values[0] as usize,
+                height: values[1] as usize,
+                width: values[2] as usize,
+            }
+        })
+        .collect();
+    let row_len = weights.config.patch_row_len();
+    assert_eq!(reference["patch_row_len"].as_u64(), Some(row_len as u64));
+    let rows: usize = grids.iter().map(ImageGrid::patches).sum();
+    let output = encode_images(&weights, &pixel_rows(rows * row_len), &grids).expect("encodes");
+
+    let to_f32 = |key: &str| -> Vec<f32> {
+        json_numbers(&reference[key])
+            .into_iter()
+            .map(|v| v as f32)
+            .collect()
+    };
+    let hidden = to_f32("last_hidden_state");
+    let merged = to_f32("merged");
+    assert_eq!(output.last_hidden_state.len(), hidden.len());
+    assert_eq!(output.merged.len(), merged.len());
+    assert_eq!(output.tokens_per_image, vec![4, 12, 4]);
+    let hidden_error = max_abs_difference(&output.last_hidden_state, &hidden);
+    let merged_error = max_abs_difference(&output.merged, &merged);
+    let scale = merged.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    println!("max |Δ| before the merger {hidden_error:.3e}, merged {merged_error:.3e} (max |merged| {scale:.3})");
+    assert!(hidden_error < 2e-5, "before the merger: {hidden_error}");
+    assert!(merged_error < 2e-5, "merged: {merged_error}");
+}
+
+#[test]
+fn an_artifact_without_a_vision_tower_has_no_vision_settings() {
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    let output = scratch.path().join("model.ninfer");
+    let mut options = ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &output);
+    options.skip_vision = true;
+    convert_checkpoint(&options, &NoProgress).expect("fixture converts");
+    let artifact = Artifact::open(&output).expect("artifact opens");
+    assert_eq!(
+        VisionConfig::from_artifact(&artifact).expect("readable"),
+        None
+    );
+    assert!(VisionWeights::load(&artifact).expect("readable").is_none());
+}
+
+#[test]
+fn a_grid_that_does_not_divide_into_merge_blocks_is_refused() {
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    let output = scratch.path().join("model.ninfer");
+    convert_checkpoint(
+        &ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &output),
+        &NoProgress,
+    )
+    .expect("fixture converts");
+    let artifact = Artifact::open(&output).expect("artifact opens");
+    let weights = VisionWeights::load(&artifact)
+        .expect("loads")
+        .expect("has a tower");
+    let grid = ImageGrid {
+        temporal: 1,
+        height: 3,
+        width: 4,
+    };
+    let rows = pixel_rows(12 * weights.config.patch_row_len());
+    assert!(encode_images(&weights, &rows, &[grid]).is_err());
+    let grid = ImageGrid {
+        temporal: 1,
+        height: 4,
+        width: 4,
+    };
+    assert!(
+        encode_images(&weights, &rows[..10], &[grid]).is_err(),
+        "too few pixel values"
+    );
+}

@@ -249,6 +249,7 @@ fn dense_ops_match_the_cpu_backend() {
             head_dim: 32,
             rotary_dim: rotary,
             theta: 10_000_000.0,
+            multimodal: None,
         };
         gpu.rope(&mut xg, &rotation).unwrap();
         cpu.rope(&mut xc, &rotation).unwrap();
@@ -276,6 +277,7 @@ fn dense_ops_match_the_cpu_backend() {
                 head_dim,
                 rotary_dim: rotary,
                 theta: 10_000_000.0,
+                multimodal: None,
             };
             let (xg, xc) = up(&x, 7, 128);
             let fused = gpu

@@ -7,7 +7,9 @@
 use ninfer_artifact::Artifact;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::testing::{golden_fixture_dir, json_numbers, max_abs_difference};
-use ninfer_engine::vision::{encode_images, ImageGrid, VisionConfig, VisionWeights};
+use ninfer_engine::vision::{
+    encode_images, ImageGrid, ImagePlacement, VisionConfig, VisionWeights,
+};
 
 fn reference() -> serde_json::Value {
     let path = golden_fixture_dir("qwen3_5_moe").join("vision_reference.json");
@@ -36,6 +38,15 @@ fn the_vision_tower_matches_transformers_on_three_images() {
         .expect("vision weights load")
         .expect("the fixture has a vision tower");
     assert_eq!(weights.blocks.len(), weights.config.depth);
+    // The fixture's image token and M-RoPE layout (config.json: 491, [2, 1, 1]).
+    assert_eq!(
+        ImagePlacement::from_artifact(&artifact).expect("readable"),
+        Some(ImagePlacement {
+            image_token_id: 491,
+            mrope_section: [2, 1, 1],
+            spatial_merge_size: 2
+        })
+    );
 
     let reference = reference();
     let grids: Vec<ImageGrid> = reference["grids"]

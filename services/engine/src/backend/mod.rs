@@ -106,6 +106,31 @@ pub struct Rotation<'a> {
     pub head_dim: usize,
     pub rotary_dim: usize,
     pub theta: f64,
+    /// The three position streams of image prompts (docs/MODELS.md §1.2, §10.6); `None` when
+    /// every stream equals `positions` (text), which is the 1-D rotation.
+    pub multimodal: Option<MultimodalRotation<'a>>,
+}
+
+/// Interleaved M-RoPE: row `r`'s frequency `i` turns by `streams[r][stream(i)]`, the stream
+/// chosen by [`MultimodalRotation::stream_of_frequency`].
+#[derive(Debug, Clone, Copy)]
+pub struct MultimodalRotation<'a> {
+    /// (temporal, height, width) position of each row.
+    pub streams: &'a [[usize; 3]],
+    /// `mrope_section`: how many frequencies each stream may take.
+    pub section: [usize; 3],
+}
+
+impl MultimodalRotation<'_> {
+    /// Height for `i % 3 == 1` below `3·section[1]`, width for `i % 3 == 2` below
+    /// `3·section[2]`, temporal otherwise.
+    pub fn stream_of_frequency(&self, frequency: usize) -> usize {
+        match frequency % 3 {
+            1 if frequency < 3 * self.section[1] => 1,
+            2 if frequency < 3 * self.section[2] => 2,
+            _ => 0,
+        }
+    }
 }
 
 /// One sequence's part of a batched op: its rows in the batch tensor, the position of its first

@@ -491,6 +491,7 @@ impl<B: Backend> Model<B> {
             head_dim: spec.head_dim,
             rotary_dim: self.spec.common.rotary_dim,
             theta: self.spec.common.rope_theta,
+            multimodal: None,
         };
         let (q, k) = backend.rms_norm_rope_pair(&q, q_norm, &k, k_norm, eps, style, &rotation)?;
         let mut output = backend.attention(&q, &k, &v, spec, segments)?;

@@ -1,5 +1,6 @@
 //! The vision tower's settings, from the artifact's embedded `vision_config.json` (the
-//! checkpoint's `vision_config` with the image and video token ids beside it).
+//! checkpoint's `vision_config` with the image and video token ids and the decoder's
+//! `mrope_section` beside it), and what the decoder needs to place an image.
 
 use ninfer_artifact::Artifact;
 use serde::Deserialize;
@@ -89,20 +90,54 @@ mod defaults {
 #[derive(Debug, Deserialize)]
 struct VisionDocument {
     vision_config: VisionConfig,
+    #[serde(default)]
+    mrope_section: Option<[usize; 3]>,
+    #[serde(default)]
+    image_token_id: Option<u32>,
+}
+
+/// What the decoder needs to place an image: its placeholder token and the M-RoPE layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImagePlacement {
+    pub image_token_id: u32,
+    /// `mrope_section` (`[11, 11, 10]` when the checkpoint leaves it out).
+    pub mrope_section: [usize; 3],
+    pub spatial_merge_size: usize,
+}
+
+impl ImagePlacement {
+    /// The placement of `artifact`'s images; `Ok(None)` when it has no vision tower or no image
+    /// token.
+    pub fn from_artifact(artifact: &Artifact) -> Result<Option<Self>, EngineError> {
+        let Some(document) = read_document(artifact)? else {
+            return Ok(None);
+        };
+        Ok(document
+            .image_token_id
+            .map(|image_token_id| ImagePlacement {
+                image_token_id,
+                mrope_section: document.mrope_section.unwrap_or([11, 11, 10]),
+                spatial_merge_size: document.vision_config.spatial_merge_size,
+            }))
+    }
+}
+
+fn read_document(artifact: &Artifact) -> Result<Option<VisionDocument>, EngineError> {
+    let Some(bytes) = artifact.file("vision_config.json") else {
+        return Ok(None);
+    };
+    let document: VisionDocument =
+        serde_json::from_slice(bytes).map_err(|error| EngineError::InvalidConfig {
+            problem: format!("vision_config.json: {error}"),
+        })?;
+    document.vision_config.validate()?;
+    Ok(Some(document))
 }
 
 impl VisionConfig {
     /// The settings of `artifact`'s vision tower; `Ok(None)` when it has none.
     pub fn from_artifact(artifact: &Artifact) -> Result<Option<Self>, EngineError> {
-        let Some(bytes) = artifact.file("vision_config.json") else {
-            return Ok(None);
-        };
-        let document: VisionDocument =
-            serde_json::from_slice(bytes).map_err(|error| EngineError::InvalidConfig {
-                problem: format!("vision_config.json: {error}"),
-            })?;
-        document.vision_config.validate()?;
-        Ok(Some(document.vision_config))
+        Ok(read_document(artifact)?.map(|document| document.vision_config))
     }
 
     /// Per-head width.

@@ -3,17 +3,20 @@
 //!
 //! Owns: the vision settings the artifact carries (`config.rs`), the tower's weights by
 //! checkpoint name (`weights.rs`), the index math of an image grid that every backend shares —
-//! patch order, position-embedding taps, rotary positions, attention segments (`grid.rs`) — and
-//! the f32 host forward that is the reference for the device paths (`encoder.rs`).
+//! patch order, position-embedding taps, rotary positions, attention segments (`grid.rs`) —,
+//! the f32 host forward that is the reference for the device paths (`encoder.rs`), and the
+//! decoder's three position streams of a prompt with images (`positions.rs`).
 //! Must not touch: image decoding and resizing (`ninfer-vision-input`, in the gateway), the
-//! decoder's positions (multimodal RoPE lives with the text model), the scheduler.
+//! rotation itself (the backends' `rope` with `MultimodalRotation`), the scheduler.
 
 pub mod config;
 pub mod encoder;
 pub mod grid;
+pub mod positions;
 pub mod weights;
 
-pub use config::VisionConfig;
+pub use config::{ImagePlacement, VisionConfig};
 pub use encoder::{encode_images, VisionOutput};
 pub use grid::ImageGrid;
+pub use positions::{multimodal_positions, MultimodalPositions};
 pub use weights::VisionWeights;

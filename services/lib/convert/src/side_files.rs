@@ -16,7 +16,8 @@ pub struct SideFiles {
     pub chat_template: Option<String>,
     pub generation: GenerationDefaults,
     /// The vision tower's settings: `config.json`'s `vision_config` with the image and video
-    /// token ids beside it (the engine's vision encoder reads them).
+    /// token ids and the decoder's `mrope_section` beside it (the engine's vision path reads
+    /// them).
     pub vision_config_json: Option<Vec<u8>>,
     /// `preprocessor_config.json` as is (the image processor's settings).
     pub preprocessor_config_json: Option<Vec<u8>>,
@@ -36,6 +37,14 @@ fn vision_config_document(model_config: &Value) -> Option<Vec<u8>> {
         if let Some(value) = model_config.get(key) {
             document.insert(key.into(), value.clone());
         }
+    }
+    // The decoder's M-RoPE layout, which only image prompts exercise.
+    let text_config = model_config.get("text_config").unwrap_or(model_config);
+    let mrope_section = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .find_map(|key| text_config.get(key)?.get("mrope_section"));
+    if let Some(section) = mrope_section {
+        document.insert("mrope_section".into(), section.clone());
     }
     serde_json::to_vec(&Value::Object(document)).ok()
 }

@@ -58,8 +58,25 @@ impl CpuBackend {
         let half = rotary_dim / 2;
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
+        if let Some(multimodal) = &rotation.multimodal {
+            if multimodal.streams.len() < positions.len().min(x.rows) {
+                return Err(EngineError::InvalidConfig {
+                    problem: format!(
+                        "{} multimodal positions for {} rows",
+                        multimodal.streams.len(),
+                        positions.len().min(x.rows)
+                    ),
+                });
+            }
+        }
         for (row, &position) in positions.iter().enumerate().take(x.rows) {
             for i in 0..half {
+                // Text rows turn every frequency by their one position; image prompts pick one
+                // of the row's three positions per frequency.
+                let position = match &rotation.multimodal {
+                    Some(multimodal) => multimodal.streams[row][multimodal.stream_of_frequency(i)],
+                    None => position,
+                };
                 let angle = position as f32 * inverse_frequencies[i];
                 cos[i] = angle.cos();
                 sin[i] = angle.sin();

@@ -777,6 +777,7 @@ mod tests {
             head_dim: 8,
             rotary_dim: 4,
             theta: 10000.0,
+            multimodal: None,
         };
         backend.rope(&mut x, &rotation).unwrap();
         let inverse = rope_inverse_frequencies(4, 10000.0);

@@ -163,6 +163,12 @@ impl CudaBackend {
         x: &mut CudaTensor,
         rotation: &Rotation<'_>,
     ) -> Result<(), CudaError> {
+        if rotation.multimodal.is_some() {
+            return Err(CudaError::Invalid {
+                problem: "multimodal rotary positions (image prompts) are not built on the GPU yet"
+                    .into(),
+            });
+        }
         let (positions, head_dim) = (rotation.positions, rotation.head_dim);
         let (rotary_dim, theta) = (rotation.rotary_dim, rotation.theta);
         let half = rotary_dim / 2;

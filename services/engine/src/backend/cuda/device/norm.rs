@@ -51,7 +51,9 @@ fn one_launch_norm_rope_group(
         && x.rows != 0
         && rotation.rotary_dim / 2 != 0
         && rotation.rotary_dim <= rotation.head_dim
-        && rotation.positions.len() >= x.rows;
+        && rotation.positions.len() >= x.rows
+        // The fused kernel turns by one position per row; image prompts take the refusing path.
+        && rotation.multimodal.is_none();
     applies.then_some(group)
 }
 

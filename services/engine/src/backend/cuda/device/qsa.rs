@@ -419,6 +419,7 @@ impl CudaBackend {
             head_dim: settings.index_head_dim,
             rotary_dim: settings.rotary_dim,
             theta: settings.rope_theta,
+            multimodal: None,
         };
         self.launch_rms_norm_rope(
             &heads,

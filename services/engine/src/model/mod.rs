@@ -45,8 +45,7 @@ pub use loading::open_artifact;
 pub use mtp::{mtp_pairs_of_block, MtpPrefixRows, MtpState, MtpUsage};
 pub use prefix_blocks::PrefixBlock;
 pub use speculation_rules::{
-    pick_draft, probe_draft, speculative_sampling_step, verify_drafts, DraftController, DraftPlan,
-    DraftToken, ForcedAcceptance,
+    pick_draft, probe_draft, verify_drafts, DraftController, DraftPlan, ForcedAcceptance,
 };
 pub use speculative::{
     greedy_with_mtp, greedy_with_mtp_options, sample_with_mtp, FirstDraft, SpeculationOptions,

@@ -1,13 +1,11 @@
 //! Speculative decoding with the model's MTP head: draft `N` tokens, verify them with one forward
 //! of `N + 1` rows, keep what the verification accepts and one token of the main model's.
-//! Greedy keeps the longest agreeing prefix and the main model's next token; sampled decoding
-//! uses the speculative-sampling rule (accept a draft `x` with probability `min(1, p(x)/q(x))`,
-//! else draw from the normalised `max(0, p − q)`; a bonus draw from `p` after all were
-//! accepted), so its tokens follow exactly the distribution of sampling without drafts.
+//! Greedy and sampled decoding keep the longest prefix of drafts that are the main model's own
+//! picks and the main model's next token; a sampled draft is picked with the draw its position
+//! uses, so a seeded answer is token for token the one sampling without drafts gives.
 //!
 //! Owns: the in-process draft → verify → accept → roll back loop of one sequence and its counts;
-//! the rules it applies (picking, verifying, the sampling rule, the draft controller) are
-//! `speculation_rules.rs`.
+//! the rules it applies (picking, verifying, the draft controller) are `speculation_rules.rs`.
 //! Rolling back: attention caches are cut back by position; Gated DeltaNet states are restored
 //! from a checkpoint taken before the verification and the accepted rows recomputed (one extra
 //! forward of `k + 1` rows when a draft is rejected, instead of a state copy per draft position).
@@ -21,11 +19,13 @@
 //! Must not touch: the scheduler, how logits are filtered (`crate::sampling`), how the head and
 //! layers compute.
 
-use super::speculation_rules::{Draft, DraftController, DraftPlan, ForcedAcceptance, Picker};
+use super::speculation_rules::{
+    pick_draft, probe_draft, verify_drafts, DraftController, DraftPlan, ForcedAcceptance,
+};
 use super::{Model, SequenceInput};
 use crate::backend::{Backend, DeltaRuleForm};
 use crate::error::EngineError;
-use crate::sampling::{SamplingParams, Xoshiro256};
+use crate::sampling::{Sampler, SamplingParams};
 
 /// How a speculative generation drafts, beyond the sampling rule.
 #[derive(Debug, Clone, Default)]
@@ -121,12 +121,17 @@ pub fn greedy_with_mtp_options<B: Backend>(
     count: usize,
     options: SpeculationOptions,
 ) -> Result<SpeculativeOutcome, EngineError> {
-    speculate(model, prompt, count, options, Picker::Greedy)
+    speculate(
+        model,
+        prompt,
+        count,
+        options,
+        Sampler::new(SamplingParams::greedy())?,
+    )
 }
 
 /// `count` tokens sampled with `params` after `prompt`, drafting up to `draft_tokens` per step
-/// with the MTP head; the tokens follow the distribution of sampling without drafts (the same
-/// distribution, not the same draws: the random stream is used differently).
+/// with the MTP head: the tokens sampling without drafts gives with the same seed.
 pub fn sample_with_mtp<B: Backend>(
     model: &Model<B>,
     prompt: &[u32],
@@ -134,8 +139,7 @@ pub fn sample_with_mtp<B: Backend>(
     draft_tokens: usize,
     params: SamplingParams,
 ) -> Result<SpeculativeOutcome, EngineError> {
-    params.validate()?;
-    let rng = Xoshiro256::seed_from_u64(params.seed);
+    let sampler = Sampler::new(params)?;
     speculate(
         model,
         prompt,
@@ -144,7 +148,7 @@ pub fn sample_with_mtp<B: Backend>(
             draft_tokens,
             ..SpeculationOptions::default()
         },
-        Picker::Sampled { params, rng },
+        sampler,
     )
 }
 
@@ -194,7 +198,7 @@ fn speculate<B: Backend>(
     prompt: &[u32],
     count: usize,
     options: SpeculationOptions,
-    mut picker: Picker,
+    mut sampler: Sampler,
 ) -> Result<SpeculativeOutcome, EngineError> {
     let SpeculationOptions {
         draft_tokens,
@@ -223,7 +227,7 @@ fn speculate<B: Backend>(
     )?;
     let vocab = model.vocab_size().max(1);
     let last = backend.gather_rows(&hidden, &[prompt.len() - 1])?;
-    let mut pending = picker.pick(&model.head_logits(&last)?, &[]).token;
+    let mut pending = sampler.sample(&model.head_logits(&last)?, &[])?;
     outcome.tokens.push(pending);
     // The MTP head's next input: (h_t, token t + 1) for every position the main model has done
     // and the MTP layer has not.
@@ -250,10 +254,9 @@ fn speculate<B: Backend>(
                 let committed_after_pairs = mtp.position();
                 while drafts.len() < wanted {
                     let mut history = outcome.tokens.clone();
-                    history.extend(drafts.iter().map(|d: &Draft| d.token));
+                    history.extend_from_slice(&drafts);
                     let row = model.mtp_draft_logits(&chain)?;
-                    let draft = picker.pick(&row, &history);
-                    let token = draft.token;
+                    let token = pick_draft(&sampler, &row, &history, drafts.len())?;
                     if drafts.is_empty() {
                         outcome.first_drafts.push(FirstDraft {
                             position: outcome.tokens.len(),
@@ -261,7 +264,7 @@ fn speculate<B: Backend>(
                             logit: row.get(token as usize).copied().unwrap_or(f32::NAN),
                         });
                     }
-                    drafts.push(draft);
+                    drafts.push(token);
                     if drafts.len() < wanted {
                         chain = model.mtp_forward(&mut mtp, &chain, &[token])?;
                     }
@@ -278,7 +281,7 @@ fn speculate<B: Backend>(
             .then(|| model.checkpoint(&state))
             .transpose()?;
         let input: Vec<u32> = std::iter::once(pending)
-            .chain(verified_drafts.iter().map(|d| d.token))
+            .chain(verified_drafts.iter().copied())
             .collect();
         // The profile's expert counts around the verification alone (this loop is the
         // model's only user while it runs).
@@ -311,16 +314,16 @@ fn speculate<B: Backend>(
         let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
 
         if plan == DraftPlan::Probe {
-            let draft = drafts.first().ok_or_else(|| EngineError::InvalidConfig {
+            let &draft = drafts.first().ok_or_else(|| EngineError::InvalidConfig {
                 problem: "a probe without its draft".into(),
             })?;
             let (accepted, next) = match forced_acceptance.as_mut() {
                 // Forced: an accepted draft is the next token (there is no row after it).
                 Some(forced) => match forced.accepted_drafts(1) {
-                    0 => (false, picker.pick(rows[0], &outcome.tokens).token),
-                    _ => (true, draft.token),
+                    0 => (false, sampler.sample(rows[0], &outcome.tokens)?),
+                    _ => (true, draft),
                 },
-                None => picker.probe(rows[0], draft, &outcome.tokens),
+                None => probe_draft(&mut sampler, rows[0], draft, &outcome.tokens)?,
             };
             if let Some(controller) = controller.as_mut() {
                 controller.record(1, usize::from(accepted));
@@ -341,10 +344,10 @@ fn speculate<B: Backend>(
             Some(forced) => {
                 let accepted = forced.accepted_drafts(drafts.len());
                 let mut history = outcome.tokens.clone();
-                history.extend(drafts[..accepted].iter().map(|d| d.token));
-                (accepted, picker.pick(rows[accepted], &history).token)
+                history.extend_from_slice(&drafts[..accepted]);
+                (accepted, sampler.sample(rows[accepted], &history)?)
             }
-            None => picker.verify(&rows, &drafts, &outcome.tokens),
+            None => verify_drafts(&mut sampler, &rows, &drafts, &outcome.tokens)?,
         };
         if let Some(controller) = controller.as_mut() {
             controller.record(drafts.len(), accepted);
@@ -376,11 +379,7 @@ fn speculate<B: Backend>(
             let kept: Vec<usize> = (0..=accepted).collect();
             backend.gather_rows(&verified, &kept)?
         };
-        let pair_tokens: Vec<u32> = drafts[..accepted]
-            .iter()
-            .map(|d| d.token)
-            .chain([next])
-            .collect();
+        let pair_tokens: Vec<u32> = drafts[..accepted].iter().copied().chain([next]).collect();
         held.hidden.push(kept_hidden);
         held.tokens.extend_from_slice(&pair_tokens);
         pending = next;

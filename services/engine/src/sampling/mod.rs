@@ -46,26 +46,65 @@ impl Sampler {
     }
 
     /// Picks the next token from `logits`, penalising tokens of `history` (prompt and output
-    /// so far, as the caller chooses).
+    /// so far, as the caller chooses). A sampled pick uses exactly one draw of the random stream
+    /// (greedy: none), so the stream's position is the number of tokens sampled: drafts and
+    /// their verification use no draw of their own, and a continuation skips to the same
+    /// position by counting tokens.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32, EngineError> {
         if logits.is_empty() {
             return Err(EngineError::EmptyInput {
                 what: "no logits to sample from".into(),
             });
         }
+        let point = if self.params.temperature == 0.0 {
+            0.0
+        } else {
+            self.rng.next_f64()
+        };
+        Ok(self.token_at(logits, history, point))
+    }
+
+    /// The token [`Sampler::sample`] would pick from `logits` as the pick `ahead` after the
+    /// next (0: the next one), without using the random stream: the same rule at the same
+    /// draw. A draft picked this way from the MTP head's row is the main model's own pick
+    /// whenever the two rows put the draw on the same token, so verification can accept
+    /// exactly the drafts sampling would have picked and drafting changes no token.
+    pub fn token_ahead(
+        &self,
+        logits: &[f32],
+        history: &[u32],
+        ahead: usize,
+    ) -> Result<u32, EngineError> {
+        if logits.is_empty() {
+            return Err(EngineError::EmptyInput {
+                what: "no logits to draft from".into(),
+            });
+        }
+        if self.params.temperature == 0.0 {
+            return Ok(self.token_at(logits, history, 0.0));
+        }
+        let mut rng = self.rng.clone();
+        for _ in 0..ahead {
+            rng.next_u64();
+        }
+        Ok(self.token_at(logits, history, rng.next_f64()))
+    }
+
+    /// The token at `point` (uniform in `[0, 1)`; unused when greedy) of the request's
+    /// distribution of `logits` after `history`.
+    fn token_at(&self, logits: &[f32], history: &[u32], point: f64) -> u32 {
         let mut logits = logits.to_vec();
         apply_penalties(&mut logits, history, &self.params);
         if self.params.temperature == 0.0 {
-            return Ok(argmax(&logits));
+            return argmax(&logits);
         }
-        let point = self.rng.next_f64();
         if without_top_k(&self.params, logits.len()) {
             if let Some(token) = draw_without_top_k(&logits, &self.params, point) {
-                return Ok(token);
+                return token;
             }
         }
         let candidates = filtered_distribution(&logits, &self.params);
-        Ok(draw_at(&candidates, point))
+        draw_at(&candidates, point)
     }
 
     /// One draw from a filtered distribution.
@@ -719,5 +758,74 @@ mod tests {
             ..params
         };
         assert!(Sampler::new(too_far).is_err());
+    }
+
+    #[test]
+    fn a_pick_ahead_is_the_pick_sampling_makes_there_and_uses_no_draw() {
+        let mut rng = Xoshiro256::seed_from_u64(5);
+        let rows: Vec<Vec<f32>> = (0..10).map(|_| random_row(&mut rng, 96)).collect();
+        for params in [
+            SamplingParams {
+                temperature: 1.1,
+                seed: 9,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 12,
+                top_p: 0.9,
+                repetition_penalty: 1.3,
+                seed: 10,
+                ..SamplingParams::default()
+            },
+            SamplingParams::greedy(),
+        ] {
+            let history = [3u32, 7, 7];
+            let sampler = Sampler::new(params.clone()).unwrap_or_else(|e| panic!("{e}"));
+            let ahead: Vec<u32> = rows
+                .iter()
+                .enumerate()
+                .map(|(index, row)| {
+                    sampler
+                        .token_ahead(row, &history, index)
+                        .unwrap_or_else(|e| panic!("{e}"))
+                })
+                .collect();
+            // Looking ahead used nothing: sampling the rows in turn picks the same tokens.
+            let mut sampling = sampler.clone();
+            let sampled: Vec<u32> = rows
+                .iter()
+                .map(|row| {
+                    sampling
+                        .sample(row, &history)
+                        .unwrap_or_else(|e| panic!("{e}"))
+                })
+                .collect();
+            assert_eq!(ahead, sampled, "{params:?}");
+            assert_eq!(
+                sampler.rng,
+                Sampler::new(params.clone())
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .rng
+            );
+        }
+        // The picks depend on the draws: another seed picks other tokens somewhere.
+        let [seed_one, seed_two] = [1u64, 2].map(|seed| {
+            let sampler = Sampler::new(SamplingParams {
+                temperature: 1.5,
+                seed,
+                ..SamplingParams::default()
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+            rows.iter()
+                .enumerate()
+                .map(|(index, row)| {
+                    sampler
+                        .token_ahead(row, &[], index)
+                        .unwrap_or_else(|e| panic!("{e}"))
+                })
+                .collect::<Vec<u32>>()
+        });
+        assert_ne!(seed_one, seed_two);
     }
 }

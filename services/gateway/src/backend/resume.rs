@@ -5,8 +5,7 @@
 //! generation's own output (the engine moves the reasoning block and the grammar past them), the
 //! rest of the token budget, the seeded random stream advanced past the draws they used — and
 //! [`ResumeCounters`]. Greedy continuations are exactly the uninterrupted text, and so are
-//! seeded sampled ones of requests that do not speculate (a speculating engine draws for its
-//! drafts too: the continuation then follows the same distribution, not the same draws).
+//! seeded sampled ones, drafting or not (the engine uses one draw per token).
 //! The stream that does it ([`resuming_token_stream`]) waits for a ready engine and restarts the
 //! generation there through [`EngineSource`].
 //! Must not touch: picking or watching engines (`engine_pool` does, as the [`EngineSource`]),
@@ -129,7 +128,7 @@ impl GenerationProgress {
         next.max_new_tokens = max_new_tokens;
         next.resumed_output_tokens = generated;
         if let Some(sampling) = next.sampling.as_mut() {
-            // One draw per sampled token (greedy draws none).
+            // One draw per sampled token, drafted or not (greedy draws none).
             if sampling.temperature > 0.0 {
                 sampling.random_stream_position += u64::from(generated);
             }

@@ -17,7 +17,7 @@ use crate::backend::{Backend, KvPlacement};
 use crate::error::EngineError;
 use crate::model::{DraftController, Model, SequenceState};
 use crate::prefix_cache::PrefixCache;
-use crate::sampling::{Sampler, Xoshiro256};
+use crate::sampling::Sampler;
 use crate::service::scoring::Scoring;
 
 /// What admission checks against.
@@ -121,7 +121,6 @@ pub(super) fn handle<B: Backend>(
                     Ok(mtp) => Some(Speculating {
                         mtp,
                         controller: DraftController::new(drafts),
-                        rng: Xoshiro256::seed_from_u64(request.sampling.seed ^ DRAFT_STREAM),
                         pair_hidden: Vec::new(),
                         pair_tokens: Vec::new(),
                         drafts: Vec::new(),
@@ -211,9 +210,6 @@ fn reuse_prefix_speculating<B: Backend>(
         }
     }
 }
-
-/// Mixed into a request's seed for its drafts' stream, so it differs from the sampler's.
-const DRAFT_STREAM: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// With a host KV pool (`--host-kv-mib`): where the new sequence's KV caches went, and the
 /// totals, when any of them is in host memory.

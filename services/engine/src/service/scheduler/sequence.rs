@@ -8,8 +8,8 @@ use super::requests::GenerationRequest;
 use crate::backend::Backend;
 use crate::constraint::Guide;
 use crate::error::EngineError;
-use crate::model::{DraftController, DraftToken, MtpState, SequenceState};
-use crate::sampling::{Sampler, Xoshiro256};
+use crate::model::{DraftController, MtpState, SequenceState};
+use crate::sampling::Sampler;
 
 /// One admitted generation request and its sequence.
 pub(super) struct Running<B: Backend> {
@@ -33,16 +33,14 @@ pub(super) struct Running<B: Backend> {
 pub(super) struct Speculating<B: Backend> {
     pub(super) mtp: MtpState<B>,
     pub(super) controller: DraftController,
-    /// Draws of the drafts and of the rejection rule (the sampler keeps its own stream).
-    pub(super) rng: Xoshiro256,
     /// Pairs the MTP head has not seen: the main model's final-normed hidden rows (host,
     /// `[rows, hidden]`) and the token after each.
     pub(super) pair_hidden: Vec<f32>,
     pub(super) pair_tokens: Vec<u32>,
     /// This step's drafts (the tail of `pending`).
-    pub(super) drafts: Vec<DraftToken>,
+    pub(super) drafts: Vec<u32>,
     /// This step's probe: a draft checked against the pending token's row, not an input row.
-    pub(super) probe: Option<DraftToken>,
+    pub(super) probe: Option<u32>,
 }
 
 /// The event that ends `r` without a token (a cancellation).

@@ -68,10 +68,11 @@ pub(super) fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<
     while s.drafts.len() < count {
         let mut row = model.mtp_draft_logits(&chain)?;
         prepare_row(&mut row, request, vocab);
-        let drafted = pick_draft(sampler.params(), &row, &seen, &mut s.rng);
-        let token = drafted.token;
+        // Draft `j` guesses the token picked after the pending one and `j` drafts: the
+        // sampler's pick `j` ahead.
+        let token = pick_draft(sampler, &row, &seen, s.drafts.len())?;
         seen.push(token);
-        s.drafts.push(drafted);
+        s.drafts.push(token);
         if s.drafts.len() < count {
             chain = model.mtp_forward(&mut s.mtp, &chain, &[token])?;
         }
@@ -80,7 +81,7 @@ pub(super) fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<
     if plan == DraftPlan::Probe {
         s.probe = s.drafts.pop();
     } else {
-        pending.extend(s.drafts.iter().map(|d| d.token));
+        pending.extend_from_slice(&s.drafts);
     }
     Ok(())
 }
@@ -335,16 +336,14 @@ fn verify_and_emit<B: Backend>(
         // could give, and the probe's draft is never an input row.
         (Some(probe), Some(row)) => {
             let (probe_accepted, token) =
-                probe_draft(&mut r.sampler, &mut s.rng, row, &probe, &r.history)
-                    .map_err(invalid)?;
+                probe_draft(&mut r.sampler, row, probe, &r.history).map_err(invalid)?;
             s.controller.record(1, usize::from(probe_accepted));
             counters.record_probe(probe_accepted);
             (0, token)
         }
         _ => {
             let (accepted, next) =
-                verify_drafts(&mut r.sampler, &mut s.rng, &rows, &drafts, &r.history)
-                    .map_err(invalid)?;
+                verify_drafts(&mut r.sampler, &rows, &drafts, &r.history).map_err(invalid)?;
             if !drafts.is_empty() {
                 s.controller.record(drafts.len(), accepted);
                 counters.record_verification(drafts.len(), accepted);
@@ -372,7 +371,7 @@ fn verify_and_emit<B: Backend>(
         }
     };
     r.pending.push(next);
-    let emitted = drafts[..accepted].iter().map(|d| d.token).chain([next]);
+    let emitted = drafts[..accepted].iter().copied().chain([next]);
     for (row, token) in raw_rows.into_iter().zip(emitted) {
         let (logprob, top) = logprobs(row, token, r.request.top_logprobs);
         if !emit(r, token, logprob, top, counters) {

@@ -1,9 +1,11 @@
-//! No answer is lost when the engine dies: `ninfer run --serve` with sixteen streams in flight
-//! (OpenAI chat and completions, Anthropic messages; greedy and seeded sampling; one forced tool
-//! call whose grammar is half-way through), the engine killed with SIGKILL and restarted by the
-//! supervisor, then stopped with SIGTERM and restarted — every stream completes with exactly the
-//! text of an uninterrupted run, the gateway counts the resumed streams in `/metrics`, and the
-//! longest pause each client saw is reported.
+//! No answer is lost when the engine dies: `ninfer run --serve` with sixteen HTTP streams in
+//! flight (OpenAI chat and completions, Anthropic messages; greedy and seeded sampling; one
+//! forced tool call whose grammar is half-way through) and two through the public gRPC API
+//! (GenerateStream, ChatStream), the engine killed with SIGKILL and restarted by the supervisor,
+//! then stopped with SIGTERM and restarted — every stream completes with exactly the text of an
+//! uninterrupted run, the gateway counts the resumed streams in `/metrics`, and the longest pause
+//! each client saw is reported. The same holds for seeded sampled streams of a model whose
+//! engine drafts with its MTP head (the continuations draft too).
 //! Needs the workspace binaries built next to `ninfer` (`cargo build --workspace --bins`).
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -11,6 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ninfer_protocol::v1::gateway_client::GatewayClient;
+use ninfer_protocol::v1::{
+    ChatMessage, ChatRequest, GatewayFinishReason, GatewaySamplingOptions, TextGenerationRequest,
+};
 use serde_json::{json, Value};
 
 fn fixture(name: &str) -> PathBuf {
@@ -26,7 +32,7 @@ fn free_port() -> u16 {
         .unwrap_or_else(|error| panic!("no free port: {error}"))
 }
 
-/// `ninfer run --serve` on the fixture with slowed experts, until dropped.
+/// `ninfer run --serve` on a fixture with slowed experts, until dropped.
 struct Served {
     run: Child,
     api: String,
@@ -34,12 +40,13 @@ struct Served {
 }
 
 impl Served {
-    fn start(scratch: &Path) -> Served {
-        let model = scratch.join("qwen3_moe.ninfer");
+    /// Serves `name` (a fixture, converted under `scratch`; served under that name).
+    fn start(scratch: &Path, name: &str) -> Served {
+        let model = scratch.join(format!("{name}.ninfer"));
         if !model.exists() {
             let status = Command::new(env!("CARGO_BIN_EXE_ninfer"))
                 .args(["convert", "--experts-dtype", "f32", "--dense-dtype", "f32"])
-                .arg(fixture("qwen3_moe"))
+                .arg(fixture(name))
                 .arg(&model)
                 .stderr(Stdio::null())
                 .status()
@@ -109,8 +116,18 @@ impl Drop for Served {
     }
 }
 
-/// One of the sixteen requests: its path and body.
-fn requests() -> Vec<(&'static str, Value)> {
+/// One streaming request of a run.
+enum Call {
+    /// An HTTP API: its path and body.
+    Http(&'static str, Value),
+    /// The public gRPC API's GenerateStream.
+    GrpcGenerate(TextGenerationRequest),
+    /// The public gRPC API's ChatStream.
+    GrpcChat(ChatRequest),
+}
+
+/// The sixteen HTTP requests, then the two gRPC ones.
+fn requests() -> Vec<Call> {
     let tool = json!({"type": "function", "function": {"name": "lookup",
         "description": "Looks a word up.", "parameters": {"type": "object",
         "properties": {"word": {"type": "string", "enum": [
@@ -119,19 +136,19 @@ fn requests() -> Vec<(&'static str, Value)> {
     let mut requests = Vec::new();
     for index in 0..4 {
         let prompt = format!("Tell me a story about the number {index}");
-        requests.push((
+        requests.push(Call::Http(
             "/v1/messages",
             json!({"model": "qwen3_moe", "stream": true,
             "max_tokens": 200, "temperature": 0,
             "messages": [{"role": "user", "content": prompt}]}),
         ));
-        requests.push((
+        requests.push(Call::Http(
             "/v1/chat/completions",
             json!({"model": "qwen3_moe", "stream": true,
             "max_tokens": 200, "temperature": 0.9, "seed": 40 + index, "ignore_eos": true,
             "messages": [{"role": "user", "content": prompt}]}),
         ));
-        requests.push((
+        requests.push(Call::Http(
             "/v1/completions",
             json!({"model": "qwen3_moe", "stream": true,
             "max_tokens": 200, "temperature": 0.8, "top_p": 0.95, "seed": 7 + index,
@@ -147,15 +164,120 @@ fn requests() -> Vec<(&'static str, Value)> {
             json!({"model": "qwen3_moe", "stream": true, "max_tokens": 200, "temperature": 0,
                 "ignore_eos": true, "messages": [{"role": "user", "content": prompt}]})
         };
-        requests.push(("/v1/chat/completions", greedy_chat));
+        requests.push(Call::Http("/v1/chat/completions", greedy_chat));
     }
+    requests.push(Call::GrpcGenerate(TextGenerationRequest {
+        model: "qwen3_moe".into(),
+        prompt: "Tell me a story about the number 7".into(),
+        options: Some(GatewaySamplingOptions {
+            temperature: Some(0.9),
+            top_k: Some(20),
+            seed: Some(99),
+            max_tokens: 200,
+            ..Default::default()
+        }),
+    }));
+    requests.push(Call::GrpcChat(ChatRequest {
+        model: "qwen3_moe".into(),
+        messages: vec![ChatMessage {
+            role: "user".into(),
+            content: "Tell me a story about the number 8".into(),
+            ..Default::default()
+        }],
+        options: Some(GatewaySamplingOptions {
+            temperature: Some(0.0),
+            max_tokens: 200,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }));
     requests
 }
 
-/// What a client read from one stream: its events' payloads and when each read arrived.
+/// Seeded sampled streams (and one greedy) for the model whose engine drafts with its MTP head.
+fn drafting_requests(model: &str) -> Vec<Call> {
+    let mut requests = Vec::new();
+    for index in 0..3u64 {
+        let prompt = format!("Tell me a story about the number {index}");
+        requests.push(Call::Http(
+            "/v1/chat/completions",
+            json!({"model": model, "stream": true, "max_tokens": 160,
+            "temperature": 0.7, "top_k": 20, "top_p": 0.95, "seed": 11 + index,
+            "ignore_eos": true, "messages": [{"role": "user", "content": prompt}]}),
+        ));
+        requests.push(Call::Http(
+            "/v1/completions",
+            json!({"model": model, "stream": true, "max_tokens": 160,
+            "temperature": 1.0, "top_k": 0, "seed": 21 + index, "ignore_eos": true,
+            "prompt": prompt}),
+        ));
+    }
+    requests.push(Call::Http(
+        "/v1/chat/completions",
+        json!({"model": model, "stream": true, "max_tokens": 160, "temperature": 0,
+        "ignore_eos": true,
+        "messages": [{"role": "user", "content": "Tell me a story about the number 5"}]}),
+    ));
+    requests.push(Call::GrpcGenerate(TextGenerationRequest {
+        model: model.into(),
+        prompt: "Tell me a story about the number 6".into(),
+        options: Some(GatewaySamplingOptions {
+            temperature: Some(0.9),
+            top_p: Some(0.9),
+            seed: Some(31),
+            max_tokens: 160,
+            ..Default::default()
+        }),
+    }));
+    requests
+}
+
+/// What a client read from one stream: the answer as it would assemble it, and the longest
+/// pause between two reads that carried tokens.
 struct Streamed {
-    events: Vec<Value>,
+    answer: String,
     longest_gap: Duration,
+}
+
+/// Events arriving on one stream: the longest pause between them, and the signal that the
+/// stream is a few events in (sent once; at the end at the latest).
+struct Arrivals {
+    last: Option<Instant>,
+    longest_gap: Duration,
+    events: usize,
+    events_before_started: usize,
+    started: Option<std::sync::mpsc::Sender<()>>,
+}
+
+impl Arrivals {
+    fn new(events_before_started: usize, started: std::sync::mpsc::Sender<()>) -> Self {
+        Arrivals {
+            last: None,
+            longest_gap: Duration::ZERO,
+            events: 0,
+            events_before_started,
+            started: Some(started),
+        }
+    }
+
+    /// `events` more arrived now.
+    fn arrived(&mut self, events: usize) {
+        let now = Instant::now();
+        if let Some(last) = self.last {
+            self.longest_gap = self.longest_gap.max(now - last);
+        }
+        self.last = Some(now);
+        self.events += events;
+        if self.events >= self.events_before_started {
+            self.tell_started();
+        }
+    }
+
+    fn tell_started(&mut self) {
+        if let Some(started) = self.started.take() {
+            let _ = started.send(());
+        }
+    }
 }
 
 /// Sends `body` (HTTP/1.0: the answer is the event stream itself, no chunk framing) and reads
@@ -183,37 +305,110 @@ fn stream(
     std::thread::spawn(move || {
         let mut text = String::new();
         let mut buffer = [0u8; 16384];
-        let mut last_event_at: Option<Instant> = None;
-        let mut longest_gap = Duration::ZERO;
-        let mut told = false;
+        let mut arrivals = Arrivals::new(events_before_started, started);
         while let Ok(read) = connection.read(&mut buffer) {
             if read == 0 {
                 break;
             }
-            let now = Instant::now();
             let chunk = String::from_utf8_lossy(&buffer[..read]);
-            if chunk.contains("data: ") {
-                if let Some(last) = last_event_at {
-                    longest_gap = longest_gap.max(now - last);
-                }
-                last_event_at = Some(now);
+            let events = chunk.matches("data: ").count();
+            if events > 0 {
+                arrivals.arrived(events);
             }
             text.push_str(&chunk);
-            if !told && text.matches("data: ").count() >= events_before_started {
-                told = true;
-                let _ = started.send(());
-            }
         }
-        let events = text
+        arrivals.tell_started();
+        let events: Vec<Value> = text
             .lines()
             .filter_map(|line| line.strip_prefix("data: "))
             .filter_map(|data| serde_json::from_str::<Value>(data).ok())
             .collect();
         Streamed {
-            events,
-            longest_gap,
+            answer: answer_of(path, &events),
+            longest_gap: arrivals.longest_gap,
         }
     })
+}
+
+/// Runs one gRPC streaming call in the background (its own runtime), like [`stream`]: the
+/// answer is the chunks' text and reasoning and the finish reason, an error included.
+fn grpc_stream(
+    api: &str,
+    call: Call,
+    started: std::sync::mpsc::Sender<()>,
+) -> std::thread::JoinHandle<Streamed> {
+    let address = format!("http://{api}");
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|error| panic!("a runtime: {error}"));
+        runtime.block_on(async move {
+            let channel = tonic::transport::Endpoint::from_shared(address)
+                .unwrap_or_else(|error| panic!("{error}"))
+                .connect()
+                .await
+                .unwrap_or_else(|error| panic!("connect: {error}"));
+            let mut client = GatewayClient::new(channel);
+            let mut arrivals = Arrivals::new(6, started);
+            let answer = match call {
+                Call::GrpcGenerate(request) => match client.generate_stream(request).await {
+                    Ok(response) => {
+                        read_chunks(response.into_inner(), &mut arrivals, |chunk| {
+                            (chunk.text.clone(), chunk.finish_reason)
+                        })
+                        .await
+                    }
+                    Err(status) => format!("[error {status}]"),
+                },
+                Call::GrpcChat(request) => match client.chat_stream(request).await {
+                    Ok(response) => {
+                        read_chunks(response.into_inner(), &mut arrivals, |chunk| {
+                            (
+                                format!("{}{}", chunk.reasoning_content, chunk.content),
+                                chunk.finish_reason,
+                            )
+                        })
+                        .await
+                    }
+                    Err(status) => format!("[error {status}]"),
+                },
+                Call::Http(..) => panic!("not a gRPC call"),
+            };
+            arrivals.tell_started();
+            Streamed {
+                answer,
+                longest_gap: arrivals.longest_gap,
+            }
+        })
+    })
+}
+
+/// A gRPC answer stream read to its end: each chunk's text (`piece`: its text and finish
+/// reason), the finish reason's name, or the error that ended it.
+async fn read_chunks<Chunk>(
+    mut chunks: tonic::Streaming<Chunk>,
+    arrivals: &mut Arrivals,
+    piece: impl Fn(&Chunk) -> (String, i32),
+) -> String {
+    let mut answer = String::new();
+    loop {
+        match chunks.message().await {
+            Ok(Some(chunk)) => {
+                arrivals.arrived(1);
+                let (text, finish) = piece(&chunk);
+                answer.push_str(&text);
+                if finish != GatewayFinishReason::Unspecified as i32 {
+                    answer.push_str(&format!("[finish {finish}]"));
+                }
+            }
+            Ok(None) => return answer,
+            Err(status) => {
+                answer.push_str(&format!("[error {status}]"));
+                return answer;
+            }
+        }
+    }
 }
 
 /// The answer a stream carried, as the client would assemble it: text, reasoning, tool-call
@@ -253,12 +448,19 @@ fn answer_of(path: &str, events: &[Value]) -> String {
     answer
 }
 
-/// Runs the sixteen requests at once; `during` runs once each has streamed a few events.
-fn sixteen_streams(served: &Served, during: impl FnOnce()) -> Vec<(String, Duration)> {
+/// Runs `calls` at once; `during` runs once each has streamed a few events.
+fn all_streams(
+    served: &Served,
+    calls: Vec<Call>,
+    during: impl FnOnce(),
+) -> Vec<(String, Duration)> {
     let (started, all_started) = std::sync::mpsc::channel();
-    let running: Vec<_> = requests()
+    let running: Vec<_> = calls
         .into_iter()
-        .map(|(path, body)| (path, stream(&served.api, path, &body, started.clone())))
+        .map(|call| match call {
+            Call::Http(path, body) => stream(&served.api, path, &body, started.clone()),
+            grpc => grpc_stream(&served.api, grpc, started.clone()),
+        })
         .collect();
     for _ in 0..running.len() {
         all_started
@@ -268,13 +470,37 @@ fn sixteen_streams(served: &Served, during: impl FnOnce()) -> Vec<(String, Durat
     during();
     running
         .into_iter()
-        .map(|(path, reader)| {
+        .map(|reader| {
             let streamed = reader
                 .join()
                 .unwrap_or_else(|_| panic!("a stream reader panicked"));
-            (answer_of(path, &streamed.events), streamed.longest_gap)
+            (streamed.answer, streamed.longest_gap)
         })
         .collect()
+}
+
+fn sixteen_streams(served: &Served, during: impl FnOnce()) -> Vec<(String, Duration)> {
+    all_streams(served, requests(), during)
+}
+
+/// The sum of a metric's series (any labels), polled until it is positive or `within` passes
+/// (engine counters reach the gateway with its status polls).
+fn positive_metric(served: &Served, name: &str, within: Duration) -> u64 {
+    let deadline = Instant::now() + within;
+    loop {
+        let text = served.metrics();
+        let sum: u64 = text
+            .lines()
+            .filter_map(|line| line.strip_prefix(name))
+            .filter(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+            .filter_map(|rest| rest.rsplit(' ').next())
+            .filter_map(|value| value.trim().parse::<u64>().ok())
+            .sum();
+        if sum > 0 || Instant::now() >= deadline {
+            return sum;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 fn metric(text: &str, name: &str) -> u64 {
@@ -285,10 +511,10 @@ fn metric(text: &str, name: &str) -> u64 {
 }
 
 #[test]
-fn sixteen_streams_survive_a_killed_or_restarted_engine_with_the_uninterrupted_text() {
+fn streams_survive_a_killed_or_restarted_engine_with_the_uninterrupted_text() {
     use nix::sys::signal::{kill, Signal};
     let scratch = tempfile::tempdir().unwrap_or_else(|error| panic!("{error}"));
-    let served = Served::start(scratch.path());
+    let served = Served::start(scratch.path(), "qwen3_moe");
     let uninterrupted = sixteen_streams(&served, || {});
     for (answer, _) in &uninterrupted {
         assert!(!answer.contains("[error"), "{answer}");
@@ -332,7 +558,7 @@ fn sixteen_streams_survive_a_killed_or_restarted_engine_with_the_uninterrupted_t
     let metrics = served.metrics();
     let resumed_streams = metric(&metrics, "ninfer_gateway_resumed_streams_total");
     eprintln!(
-        "engine SIGKILLed under {} streams: all identical to the uninterrupted run; longest token gap per text stream p50 {p50:?}, p99 {p99:?} (uninterrupted p99 {:?}); {resumed_streams} streams resumed",
+        "engine SIGKILLed under {} streams (two of them gRPC): all identical to the uninterrupted run; longest token gap per text stream p50 {p50:?}, p99 {p99:?} (uninterrupted p99 {:?}); {resumed_streams} streams resumed",
         resumed.len(),
         text_streams(&uninterrupted).into_iter().max().unwrap_or_default()
     );
@@ -371,7 +597,62 @@ fn sixteen_streams_survive_a_killed_or_restarted_engine_with_the_uninterrupted_t
     let mut gaps = text_streams(&restarted);
     gaps.sort();
     eprintln!(
-        "engine restarted with SIGTERM under 16 streams: all identical; longest token gap per text stream p99 {:?}",
+        "engine restarted with SIGTERM under 18 streams: all identical; longest token gap per text stream p99 {:?}",
         gaps[(gaps.len() * 99).div_ceil(100) - 1]
+    );
+}
+
+/// Seeded sampled answers of an engine that drafts with its MTP head (`ninfer run` turns it on
+/// for a model with the head) survive a SIGKILL of the engine with their uninterrupted text:
+/// the continuations draft too, and a token uses one draw of its seed's stream whether it was
+/// drafted or not.
+#[test]
+fn sampled_streams_of_a_drafting_engine_resume_with_the_uninterrupted_text() {
+    use nix::sys::signal::{kill, Signal};
+    let scratch = tempfile::tempdir().unwrap_or_else(|error| panic!("{error}"));
+    let model = "qwen3_5_moe_trained";
+    let served = Served::start(scratch.path(), model);
+    let uninterrupted = all_streams(&served, drafting_requests(model), || {});
+    for (answer, _) in &uninterrupted {
+        assert!(!answer.contains("[error"), "{answer}");
+        assert!(answer.len() > 20, "a short answer: {answer}");
+    }
+    let accepted = "ninfer_engine_draft_tokens_accepted_total";
+    let accepted_before = positive_metric(&served, accepted, Duration::from_secs(5));
+    assert!(accepted_before > 0, "the engine accepted no draft");
+    let killed_pid = served.engine_pid();
+    let resumed = all_streams(&served, drafting_requests(model), || {
+        kill(nix::unistd::Pid::from_raw(killed_pid), Signal::SIGKILL)
+            .unwrap_or_else(|error| panic!("SIGKILL the engine: {error}"));
+    });
+    assert_ne!(
+        served.engine_pid(),
+        killed_pid,
+        "the engine was not restarted"
+    );
+    for (index, ((before, _), (after, _))) in uninterrupted.iter().zip(&resumed).enumerate() {
+        assert_eq!(
+            after, before,
+            "drafting, stream {index} differs from its uninterrupted run"
+        );
+    }
+    // The restarted engine's counts: drafts of the continuations alone.
+    let accepted_after_restart = positive_metric(&served, accepted, Duration::from_secs(5));
+    let metrics = served.metrics();
+    let resumed_streams = metric(&metrics, "ninfer_gateway_resumed_streams_total");
+    let mut gaps: Vec<Duration> = resumed.iter().map(|(_, gap)| *gap).collect();
+    gaps.sort();
+    eprintln!(
+        "drafting engine SIGKILLed under {} streams: all identical to the uninterrupted run; {resumed_streams} resumed, {accepted_after_restart} drafts accepted by the restarted engine; longest token gap p99 {:?}",
+        resumed.len(),
+        gaps[(gaps.len() * 99).div_ceil(100) - 1]
+    );
+    assert!(
+        resumed_streams >= 1,
+        "no stream counted as resumed:\n{metrics}"
+    );
+    assert!(
+        accepted_after_restart > 0,
+        "the continuations accepted no draft:\n{metrics}"
     );
 }

@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use ninfer_artifact::ExpertBank;
 
-use crate::backend::{Backend, DeltaRuleForm, Rotation, Segment};
+use crate::backend::{Backend, DeltaRuleForm, MultimodalRotation, Rotation, Segment};
 use crate::error::EngineError;
 use crate::model::layers::{
     layer_segments, state_mismatch, BatchPlan, FeedForward, LayerScratch, LayerState,
-    LogitsSelection, Mixer, SequenceInput, SequenceState,
+    LogitsSelection, Mixer, RowPositions, SequenceImages, SequenceInput, SequenceState,
 };
 use crate::model::qwen4_exp;
 use crate::model::Model;
@@ -313,7 +313,22 @@ impl<B: Backend> Model<B> {
             let first = plan.ids.len();
             plan.ids.extend_from_slice(item.tokens);
             plan.ranges.push(first..plan.ids.len());
-            plan.positions.extend(state.position..end);
+            match &state.images {
+                None => plan.positions.extend(state.position..end),
+                Some(images) => self.plan_image_rows(&mut plan, images, state.position..end, first),
+            }
+        }
+        if plan.multimodal.is_some() {
+            // Rows of sequences without images turn by their one position in every stream.
+            let rows = plan.positions.len();
+            if let Some((streams, _)) = plan.multimodal.as_mut() {
+                streams.resize(rows, [usize::MAX; 3]);
+                for (stream, &position) in streams.iter_mut().zip(&plan.positions) {
+                    if stream[0] == usize::MAX {
+                        *stream = [position; 3];
+                    }
+                }
+            }
         }
         if plan.ids.is_empty() {
             return Err(EngineError::EmptyInput {
@@ -321,6 +336,51 @@ impl<B: Backend> Model<B> {
             });
         }
         Ok(plan)
+    }
+
+    /// The rows of an image prompt's tokens `indices` (batch rows from `first`): their rotary
+    /// positions, three streams where they differ, and the embeddings images replace.
+    fn plan_image_rows(
+        &self,
+        plan: &mut BatchPlan,
+        images: &std::sync::Arc<SequenceImages>,
+        indices: std::ops::Range<usize>,
+        first: usize,
+    ) {
+        for (offset, index) in indices.enumerate() {
+            let row = first + offset;
+            let streams = images.streams_at(index);
+            plan.positions.push(streams[0]);
+            if plan.multimodal.is_some() || streams[1..].iter().any(|&p| p != streams[0]) {
+                let (all, _) = plan
+                    .multimodal
+                    .get_or_insert_with(|| (Vec::new(), images.section));
+                // Rows skipped here turn by one position: filled in once the batch is planned.
+                all.resize(row, [usize::MAX; 3]);
+                all.push(streams);
+            }
+            if let Ok(embedding) = images.image_tokens.binary_search(&index) {
+                plan.image_rows
+                    .push((row, std::sync::Arc::clone(images), embedding));
+            }
+        }
+    }
+
+    /// The token embeddings of a batch with the image tokens' rows replaced by their images'
+    /// embeddings (through the host: image prompts are prefills, once per prompt).
+    fn embed_with_images(&self, plan: &BatchPlan) -> Result<B::Tensor, EngineError> {
+        let backend = &*self.backend;
+        let hidden_tensor = backend.embed(&self.embed_tokens, &plan.ids)?;
+        if plan.image_rows.is_empty() {
+            return Ok(hidden_tensor);
+        }
+        let (rows, hidden) = backend.shape(&hidden_tensor);
+        let mut values = backend.download(&hidden_tensor)?;
+        for (row, images, embedding) in &plan.image_rows {
+            values[row * hidden..(row + 1) * hidden]
+                .copy_from_slice(&images.embeddings[embedding * hidden..(embedding + 1) * hidden]);
+        }
+        backend.upload(&values, rows, hidden)
     }
 
     /// Every layer's ops and the final norm, then `finish`; the routings of all-resident MoE
@@ -349,7 +409,15 @@ impl<B: Backend> Model<B> {
             ids,
             ranges,
             positions,
+            multimodal,
+            ..
         } = plan;
+        let multimodal = multimodal
+            .as_ref()
+            .map(|(streams, section)| MultimodalRotation {
+                streams,
+                section: *section,
+            });
         let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
@@ -359,7 +427,11 @@ impl<B: Backend> Model<B> {
             .ok_or_else(|| EngineError::InvalidConfig {
                 problem: "the model has no final norm".into(),
             })?;
-        let mut hidden = backend.embed(&self.embed_tokens, ids)?;
+        let mut hidden = if plan.image_rows.is_empty() {
+            backend.embed(&self.embed_tokens, ids)?
+        } else {
+            self.embed_with_images(plan)?
+        };
         // Each residual add is fused with the norm after it (Backend::add_rms_norm): `next`
         // holds the next layer's normed input.
         let mut next = self
@@ -373,7 +445,11 @@ impl<B: Backend> Model<B> {
             })?;
             let mixed = match &layer.mixer {
                 Mixer::Attention { .. } => {
-                    self.attention(index, &layer.mixer, &x, positions, batch, ranges)?
+                    let rows = RowPositions {
+                        positions,
+                        multimodal,
+                    };
+                    self.attention(index, &layer.mixer, &x, rows, batch, ranges)?
                 }
                 Mixer::GatedDeltaNet { .. } => {
                     self.gated_delta_net(index, &layer.mixer, &x, batch, ranges, delta_rule_form)?
@@ -444,7 +520,7 @@ impl<B: Backend> Model<B> {
         index: usize,
         mixer: &Mixer<B>,
         x: &B::Tensor,
-        positions: &[usize],
+        rows: RowPositions<'_>,
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
     ) -> Result<B::Tensor, EngineError> {
@@ -452,16 +528,17 @@ impl<B: Backend> Model<B> {
             LayerState::Attention(cache) => Some(cache),
             _ => None,
         })?;
-        self.attention_over(index, mixer, x, positions, &mut segments)
+        self.attention_over(index, mixer, x, rows, &mut segments)
     }
 
-    /// An attention mixer over rows whose caches the caller hands in (`positions` per row).
+    /// An attention mixer over rows whose caches the caller hands in (`positions` per row, or
+    /// three streams per row for an image prompt).
     pub(in crate::model) fn attention_over(
         &self,
         index: usize,
         mixer: &Mixer<B>,
         x: &B::Tensor,
-        positions: &[usize],
+        rows: RowPositions<'_>,
         segments: &mut [Segment<'_, B::KvCache>],
     ) -> Result<B::Tensor, EngineError> {
         let Mixer::Attention {
@@ -487,11 +564,11 @@ impl<B: Backend> Model<B> {
             (projected, None)
         };
         let rotation = Rotation {
-            positions,
+            positions: rows.positions,
             head_dim: spec.head_dim,
             rotary_dim: self.spec.common.rotary_dim,
             theta: self.spec.common.rope_theta,
-            multimodal: None,
+            multimodal: rows.multimodal,
         };
         let (q, k) = backend.rms_norm_rope_pair(&q, q_norm, &k, k_norm, eps, style, &rotation)?;
         let mut output = backend.attention(&q, &k, &v, spec, segments)?;

@@ -104,6 +104,34 @@ pub struct SequenceState<B: Backend> {
     /// Names these states' buffers for the step graphs that record them: new for every new
     /// sequence and whenever a buffer is replaced ([`Model::restore`]).
     pub(in crate::model) graph_key: u64,
+    /// The prompt's images, when it has any ([`Model::attach_images`]).
+    pub(in crate::model) images: Option<std::sync::Arc<SequenceImages>>,
+}
+
+/// A prompt's images as the decoder sees them: every prompt token's three rotary positions,
+/// what later tokens add to their index, and the embeddings that replace the image tokens'.
+#[derive(Debug)]
+pub struct SequenceImages {
+    /// (temporal, height, width) of each prompt token.
+    pub(in crate::model) streams: Vec<[usize; 3]>,
+    /// A token at index `i` past the prompt turns by `i + delta` in every stream.
+    pub(in crate::model) delta: i64,
+    /// `mrope_section` of the model.
+    pub(in crate::model) section: [usize; 3],
+    /// Prompt indices of the image tokens, ascending, one per row of `embeddings`.
+    pub(in crate::model) image_tokens: Vec<usize>,
+    /// `[image_tokens.len(), hidden]`.
+    pub(in crate::model) embeddings: Vec<f32>,
+}
+
+impl SequenceImages {
+    /// The three rotary positions of the token at `index`.
+    pub(in crate::model) fn streams_at(&self, index: usize) -> [usize; 3] {
+        match self.streams.get(index) {
+            Some(streams) => *streams,
+            None => [(index as i64 + self.delta).max(0) as usize; 3],
+        }
+    }
 }
 
 impl<B: Backend> SequenceState<B> {
@@ -149,7 +177,27 @@ pub struct SequenceCheckpoint<B: Backend> {
 pub(in crate::model) struct BatchPlan {
     pub(in crate::model) ids: Vec<u32>,
     pub(in crate::model) ranges: Vec<std::ops::Range<usize>>,
+    /// Each row's rotary position (for a row of an image prompt, its temporal stream).
     pub(in crate::model) positions: Vec<usize>,
+    /// Every row's three streams and the section, when a row's streams differ (an image
+    /// token); text rows alone turn by `positions`.
+    pub(in crate::model) multimodal: Option<(Vec<[usize; 3]>, [usize; 3])>,
+    /// Rows whose embedding an image replaces: (batch row, images, embedding row).
+    pub(in crate::model) image_rows: Vec<(usize, std::sync::Arc<SequenceImages>, usize)>,
+}
+
+impl BatchPlan {
+    /// Whether the batch needs the image paths (replaced embeddings or three-stream rotation).
+    pub(in crate::model) fn has_images(&self) -> bool {
+        self.multimodal.is_some() || !self.image_rows.is_empty()
+    }
+}
+
+/// How a forward's rows turn: one position each, or three streams each for an image prompt.
+#[derive(Clone, Copy)]
+pub(in crate::model) struct RowPositions<'a> {
+    pub(in crate::model) positions: &'a [usize],
+    pub(in crate::model) multimodal: Option<crate::backend::MultimodalRotation<'a>>,
 }
 
 /// New tokens of one sequence in a batched forward.

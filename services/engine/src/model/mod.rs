@@ -9,12 +9,14 @@
 //!
 //! This file holds [`Model`] and its accessors; the jobs are `loading.rs`, `expert_placement.rs`,
 //! `sequences.rs`, `forward.rs` (with `layers.rs` the types they share), `step_graphs.rs`,
-//! `mtp.rs`, `speculative.rs`, `prefix_blocks.rs`, `worker_handoff.rs` and `qwen4_exp/`.
+//! `mtp.rs`, `speculative.rs`, `prefix_blocks.rs`, `worker_handoff.rs`, `images.rs` (a prompt's
+//! images) and `qwen4_exp/`.
 //! Must not touch: op implementations (backends), how routed experts are split and computed
 //! (`crate::moe`), sampling, tokenization.
 
 mod expert_placement;
 mod forward;
+mod images;
 mod layers;
 mod loader;
 mod loading;
@@ -40,7 +42,9 @@ use crate::spec::ModelSpec;
 use layers::{FeedForward, Layer};
 
 pub use expert_placement::{LayerwiseSummary, PrefillStagingOptions, ResidentExpertsReport};
-pub use layers::{LayerState, LogitsSelection, SequenceCheckpoint, SequenceInput, SequenceState};
+pub use layers::{
+    LayerState, LogitsSelection, SequenceCheckpoint, SequenceImages, SequenceInput, SequenceState,
+};
 pub use loading::open_artifact;
 pub use mtp::{mtp_pairs_of_block, MtpPrefixRows, MtpState, MtpUsage};
 pub use prefix_blocks::PrefixBlock;

@@ -58,6 +58,7 @@ impl<B: Backend> Model<B> {
             layers,
             ple,
             graph_key: step_graphs::new_graph_key(),
+            images: None,
         })
     }
 

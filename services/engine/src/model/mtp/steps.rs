@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::{mtp_pairs_of_block, MtpHead, MtpPrefixRows, MtpState, MtpUsage};
 use crate::backend::{Backend, Segment};
 use crate::error::EngineError;
-use crate::model::layers::LayerScratch;
+use crate::model::layers::{LayerScratch, RowPositions};
 use crate::model::Model;
 
 impl<B: Backend> Model<B> {
@@ -122,7 +122,16 @@ impl<B: Backend> Model<B> {
             start_position: state.position,
             state: &mut state.cache,
         }];
-        let mixed = self.attention_over(index, &layer.mixer, &x, &positions, &mut segments)?;
+        let mixed = self.attention_over(
+            index,
+            &layer.mixer,
+            &x,
+            RowPositions {
+                positions: &positions,
+                multimodal: None,
+            },
+            &mut segments,
+        )?;
         let x = backend.add_rms_norm(
             &mut residual,
             &mixed,

@@ -86,6 +86,10 @@ impl<B: Backend> Model<B> {
             return Ok(None);
         }
         let plan = self.batch_plan(batch)?;
+        if plan.has_images() {
+            // Image rows replace embeddings and may turn by three streams: the plain forward.
+            return Ok(None);
+        }
         let keys: Vec<u64> = batch.iter().map(|item| item.state.graph_key).collect();
         let keys_len = keys.len();
         graphs.clock += 1;

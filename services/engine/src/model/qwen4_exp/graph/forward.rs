@@ -33,6 +33,7 @@ impl<B: Backend> Model<B> {
             ids,
             ranges,
             positions,
+            ..
         } = plan;
         let (count, hidden) = (graph.streams(), graph.hidden());
         let rows = ids.len();

@@ -1,0 +1,224 @@
+//! A chat prompt with three images through the `qwen3_5_moe` golden fixture on the CPU backend,
+//! against `transformers` (`image_prompt_reference.json`, made by
+//! `scripts/make_image_prompt_reference.py`): the images pre-processed by
+//! `ninfer-vision-input`, encoded by the f32 vision tower, attached to the sequence (embeddings
+//! and three-stream positions) and fed as one prefill, in chunks, and then decoded.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ninfer_artifact::DType;
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::testing::{golden_fixture_dir, json_numbers, max_abs_difference};
+use ninfer_engine::vision::{encode_images, ImageGrid, VisionWeights};
+use ninfer_engine::{CpuBackend, LogitsSelection, Model, SequenceInput};
+use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
+
+fn reference() -> serde_json::Value {
+    let path = golden_fixture_dir("qwen3_5_moe").join("image_prompt_reference.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("readable")).expect("valid JSON")
+}
+
+fn convert(output: &Path) -> PathBuf {
+    let path = output.join("model.ninfer");
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &path)
+    };
+    convert_checkpoint(&options, &NoProgress).expect("fixture converts");
+    path
+}
+
+/// The prompt's images pre-processed and encoded: grids and the image tokens' embeddings.
+fn encoded_images(
+    model: &Model<CpuBackend>,
+    reference: &serde_json::Value,
+) -> (Vec<ImageGrid>, Vec<f32>) {
+    let settings_json = &reference["processor_settings"];
+    let number = |key: &str| settings_json[key].as_u64().expect("whole number");
+    let settings = ImageProcessorSettings {
+        min_pixels: number("min_pixels"),
+        max_pixels: number("max_pixels"),
+        patch_size: number("patch_size") as usize,
+        temporal_patch_size: number("temporal_patch_size") as usize,
+        merge_size: number("merge_size") as usize,
+        image_mean: [0.5; 3],
+        image_std: [0.5; 3],
+    };
+    let images = golden_fixture_dir("vision_input");
+    let mut grids = Vec::new();
+    let mut rows = Vec::new();
+    for file in reference["image_files"].as_array().expect("files") {
+        let bytes = std::fs::read(images.join(file.as_str().expect("name"))).expect("image");
+        let patches = preprocess_image(&bytes, None, &settings, &DecodeLimits::default())
+            .expect("pre-processed");
+        grids.push(ImageGrid {
+            temporal: patches.grid.temporal,
+            height: patches.grid.height,
+            width: patches.grid.width,
+        });
+        rows.extend(patches.values);
+    }
+    let expected: Vec<Vec<usize>> = reference["grids"]
+        .as_array()
+        .expect("grids")
+        .iter()
+        .map(|grid| json_numbers(grid).into_iter().map(|v| v as usize).collect())
+        .collect();
+    let ours: Vec<Vec<usize>> = grids
+        .iter()
+        .map(|grid| vec![grid.temporal, grid.height, grid.width])
+        .collect();
+    assert_eq!(ours, expected, "grids");
+    let weights = VisionWeights::load(model.artifact())
+        .expect("loads")
+        .expect("the fixture has a vision tower");
+    let output = encode_images(&weights, &rows, &grids).expect("encodes");
+    (grids, output.merged)
+}
+
+#[test]
+fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks() {
+    let reference = reference();
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    let path = convert(scratch.path());
+    let model = Model::open(Arc::new(CpuBackend::new()), &path).expect("model opens");
+    let (grids, embeddings) = encoded_images(&model, &reference);
+    let tokens: Vec<u32> = json_numbers(&reference["token_ids"])
+        .into_iter()
+        .map(|v| v as u32)
+        .collect();
+    let expected_nll = json_numbers(&reference["token_nll"]);
+    let expected_last: Vec<f32> = json_numbers(&reference["last_logits"])
+        .into_iter()
+        .map(|v| v as f32)
+        .collect();
+    let vocab = model.vocab_size();
+
+    // One prefill, every position's logits.
+    let mut state = model.new_sequence(tokens.len() + 4).expect("sequence");
+    model
+        .attach_images(&mut state, &tokens, &grids, embeddings.clone())
+        .expect("images attach");
+    let logits = model
+        .forward(
+            &mut [SequenceInput {
+                state: &mut state,
+                tokens: &tokens,
+            }],
+            LogitsSelection::All,
+        )
+        .expect("forward")
+        .pop()
+        .expect("one sequence");
+    let nll: Vec<f64> = tokens
+        .iter()
+        .skip(1)
+        .zip(logits.chunks(vocab))
+        .map(|(&token, row)| ninfer_engine::perplexity::negative_log_likelihood(row, token))
+        .collect();
+    let mean_difference = nll
+        .iter()
+        .zip(&expected_nll)
+        .map(|(a, b)| (a - b).abs())
+        .sum::<f64>()
+        / nll.len() as f64;
+    let last = &logits[(tokens.len() - 1) * vocab..];
+    let last_difference = max_abs_difference(last, &expected_last);
+    println!("mean |ΔNLL| {mean_difference:.3e}, last logits max |Δ| {last_difference:.3e}");
+    assert!(mean_difference < 1e-4, "mean |ΔNLL| {mean_difference}");
+    assert!(last_difference < 1e-3, "last logits {last_difference}");
+
+    // Without the images the same tokens score differently: the images are seen.
+    let mut blind = model.new_sequence(tokens.len()).expect("sequence");
+    let blind_logits = model
+        .forward(
+            &mut [SequenceInput {
+                state: &mut blind,
+                tokens: &tokens,
+            }],
+            LogitsSelection::Last,
+        )
+        .expect("forward")
+        .pop()
+        .expect("one sequence");
+    assert!(max_abs_difference(&blind_logits, &expected_last) > 1e-2);
+
+    // In chunks that cut through the images: the same last logits.
+    let mut chunked = model.new_sequence(tokens.len() + 4).expect("sequence");
+    model
+        .attach_images(&mut chunked, &tokens, &grids, embeddings)
+        .expect("images attach");
+    let mut chunk_logits = Vec::new();
+    for chunk in tokens.chunks(11) {
+        chunk_logits = model
+            .forward(
+                &mut [SequenceInput {
+                    state: &mut chunked,
+                    tokens: chunk,
+                }],
+                LogitsSelection::Last,
+            )
+            .expect("forward")
+            .pop()
+            .expect("one sequence");
+    }
+    let chunk_difference = max_abs_difference(&chunk_logits, last);
+    assert!(
+        chunk_difference < 1e-4,
+        "chunked prefill {chunk_difference}"
+    );
+
+    // A decoded token after the prompt turns by its index plus the prompt's delta: the same
+    // logits as the one-prefill sequence fed that token.
+    let next = ninfer_engine::sampling::argmax(last);
+    let decode = |state: &mut ninfer_engine::SequenceState<CpuBackend>| {
+        model
+            .forward(
+                &mut [SequenceInput {
+                    state,
+                    tokens: &[next],
+                }],
+                LogitsSelection::Last,
+            )
+            .expect("decode")
+            .pop()
+            .expect("one sequence")
+    };
+    let after_one = decode(&mut state);
+    let after_chunks = decode(&mut chunked);
+    assert!(max_abs_difference(&after_one, &after_chunks) < 1e-4);
+}
+
+#[test]
+fn images_are_refused_for_a_started_sequence_or_mismatched_embeddings() {
+    let reference = reference();
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    let path = convert(scratch.path());
+    let model = Model::open(Arc::new(CpuBackend::new()), &path).expect("model opens");
+    let (grids, embeddings) = encoded_images(&model, &reference);
+    let tokens: Vec<u32> = json_numbers(&reference["token_ids"])
+        .into_iter()
+        .map(|v| v as u32)
+        .collect();
+    let mut state = model.new_sequence(tokens.len()).expect("sequence");
+    assert!(model
+        .attach_images(&mut state, &tokens, &grids, embeddings[1..].to_vec())
+        .is_err());
+    assert!(model
+        .attach_images(&mut state, &tokens, &grids[..2], embeddings.clone())
+        .is_err());
+    model
+        .forward(
+            &mut [SequenceInput {
+                state: &mut state,
+                tokens: &tokens[..3],
+            }],
+            LogitsSelection::Last,
+        )
+        .expect("forward");
+    assert!(model
+        .attach_images(&mut state, &tokens, &grids, embeddings)
+        .is_err());
+}

@@ -203,6 +203,26 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, const f
     }
 }
 
+// Interleaved M-RoPE of image prompts: `rope` with frequency p of row r turned by
+// positions[r * half + p] (the host picks each frequency's stream: temporal, height or width).
+extern "C" __global__ void rope_per_frequency(float* x, const unsigned int* positions,
+                                              const float* inv_freq, int rows, int cols,
+                                              int head_dim, int half) {
+    PDL_WAIT_AND_RELEASE();
+    int heads = cols / head_dim;
+    GRID_STRIDE(i, (long long)rows * heads * half) {
+        long long r = i / ((long long)heads * half);
+        int rest = (int)(i % ((long long)heads * half));
+        int h = rest / half, p = rest % half;
+        float angle = (float)positions[r * half + p] * inv_freq[p];
+        float c = cosf(angle), s = sinf(angle);
+        float* head = x + r * cols + (long long)h * head_dim;
+        float u = head[p], v = head[p + half];
+        head[p] = u * c - v * s;
+        head[p + half] = v * c + u * s;
+    }
+}
+
 // Depthwise causal conv1d + SiLU over one sequence's rows [row_start, row_start + n) of x
 // ([*, channels]), continuing from history ([kernel - 1, channels], oldest first) and leaving
 // the last kernel - 1 inputs in it. One thread per channel walks the rows in order, so the

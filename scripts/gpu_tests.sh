@@ -44,6 +44,8 @@ SUITES=(
   "prefix_cache:::cuda"
   "prefix_cache_serving:::cuda"
   "prefix_cache_mtp:::cuda"
+  "multimodal_positions:::cuda"
+  "image_prompt:::cuda"
 )
 if [ -n "${GPU_TEST_SUITES:-}" ]; then
   chosen=()

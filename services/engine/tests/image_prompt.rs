@@ -1,4 +1,4 @@
-//! A chat prompt with three images through the `qwen3_5_moe` golden fixture on the CPU backend,
+//! A chat prompt with three images through the `qwen3_5_moe` golden fixture on each backend,
 //! against `transformers` (`image_prompt_reference.json`, made by
 //! `scripts/make_image_prompt_reference.py`): the images pre-processed by
 //! `ninfer-vision-input`, encoded by the f32 vision tower, attached to the sequence (embeddings
@@ -11,7 +11,7 @@ use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::testing::{golden_fixture_dir, json_numbers, max_abs_difference};
 use ninfer_engine::vision::{encode_images, ImageGrid, VisionWeights};
-use ninfer_engine::{CpuBackend, LogitsSelection, Model, SequenceInput};
+use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
 use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
 
 fn reference() -> serde_json::Value {
@@ -31,8 +31,8 @@ fn convert(output: &Path) -> PathBuf {
 }
 
 /// The prompt's images pre-processed and encoded: grids and the image tokens' embeddings.
-fn encoded_images(
-    model: &Model<CpuBackend>,
+fn encoded_images<B: Backend>(
+    model: &Model<B>,
     reference: &serde_json::Value,
 ) -> (Vec<ImageGrid>, Vec<f32>) {
     let settings_json = &reference["processor_settings"];
@@ -78,12 +78,11 @@ fn encoded_images(
     (grids, output.merged)
 }
 
-#[test]
-fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks() {
+fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks<B: Backend>(backend: Arc<B>) {
     let reference = reference();
     let scratch = tempfile::tempdir().expect("scratch directory");
     let path = convert(scratch.path());
-    let model = Model::open(Arc::new(CpuBackend::new()), &path).expect("model opens");
+    let model = Model::open(backend, &path).expect("model opens");
     let (grids, embeddings) = encoded_images(&model, &reference);
     let tokens: Vec<u32> = json_numbers(&reference["token_ids"])
         .into_iter()
@@ -173,7 +172,7 @@ fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks() {
     // A decoded token after the prompt turns by its index plus the prompt's delta: the same
     // logits as the one-prefill sequence fed that token.
     let next = ninfer_engine::sampling::argmax(last);
-    let decode = |state: &mut ninfer_engine::SequenceState<CpuBackend>| {
+    let decode = |state: &mut ninfer_engine::SequenceState<B>| {
         model
             .forward(
                 &mut [SequenceInput {
@@ -191,12 +190,15 @@ fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks() {
     assert!(max_abs_difference(&after_one, &after_chunks) < 1e-4);
 }
 
+test_device!(an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks);
+
 #[test]
 fn images_are_refused_for_a_started_sequence_or_mismatched_embeddings() {
     let reference = reference();
     let scratch = tempfile::tempdir().expect("scratch directory");
     let path = convert(scratch.path());
-    let model = Model::open(Arc::new(CpuBackend::new()), &path).expect("model opens");
+    let model =
+        Model::open(Arc::new(ninfer_engine::CpuBackend::new()), &path).expect("model opens");
     let (grids, embeddings) = encoded_images(&model, &reference);
     let tokens: Vec<u32> = json_numbers(&reference["token_ids"])
         .into_iter()

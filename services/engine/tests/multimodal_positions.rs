@@ -1,13 +1,15 @@
 //! Image prompts' three position streams and their rotation against `transformers` on the
 //! `qwen3_5_moe` fixture's settings (`multimodal_positions_reference.json`, made by
 //! `scripts/make_multimodal_position_reference.py`): `get_rope_index`'s positions and delta, and
-//! the text rotary embedding's cos / sin at those positions applied by the CPU backend's rope.
+//! the text rotary embedding's cos / sin at those positions applied by each backend's rope.
 //! A text-only prompt's multimodal rotation is bit-identical to today's 1-D one.
+
+use std::sync::Arc;
 
 use ninfer_engine::backend::{Backend, MultimodalRotation, Rotation};
 use ninfer_engine::testing::{golden_fixture_dir, json_numbers};
 use ninfer_engine::vision::{multimodal_positions, ImageGrid};
-use ninfer_engine::CpuBackend;
+use ninfer_engine::{test_device, CpuBackend};
 
 fn reference() -> serde_json::Value {
     let path = golden_fixture_dir("qwen3_5_moe").join("multimodal_positions_reference.json");
@@ -113,15 +115,13 @@ fn a_placeholder_run_that_does_not_fit_its_image_is_refused() {
     assert!(multimodal_positions(&[1, 2], 9, &[grid], 2).is_err());
 }
 
-#[test]
-fn the_cpu_rope_turns_image_prompts_as_transformers_does() {
+fn rope_turns_image_prompts_as_transformers_does<B: Backend>(backend: Arc<B>) {
     let reference = reference();
     let image_token = reference["image_token_id"].as_u64().expect("id") as u32;
     let merge = reference["spatial_merge_size"].as_u64().expect("merge") as usize;
     let rotary_dim = reference["rotary_dim"].as_u64().expect("rot") as usize;
     let theta = reference["rope_theta"].as_f64().expect("theta");
     let section = section(&reference);
-    let backend = CpuBackend::new();
     let head_dim = 2 * rotary_dim;
     for case in cases(&reference) {
         let rows = case.token_ids.len();
@@ -167,6 +167,8 @@ fn the_cpu_rope_turns_image_prompts_as_transformers_does() {
         assert!(largest < 1e-5, "{}: max |Δ| {largest}", case.name);
     }
 }
+
+test_device!(rope_turns_image_prompts_as_transformers_does);
 
 #[test]
 fn text_positions_as_three_equal_streams_rotate_bit_identically() {

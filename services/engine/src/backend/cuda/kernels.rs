@@ -59,6 +59,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "ple_gate",
             "delta_rule_gates",
             "rope",
+            "rope_per_frequency",
             "causal_conv1d_silu",
             "kv_append",
         ],

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::super::CudaError;
 use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};
-use crate::backend::{Rotation, Segment};
+use crate::backend::{MultimodalRotation, Rotation, Segment};
 use crate::host_math::rope_inverse_frequencies;
 
 /// `PLE_GATE_THREADS` in `kernels/elementwise.cu`: one warp per (row, stream).
@@ -163,12 +163,6 @@ impl CudaBackend {
         x: &mut CudaTensor,
         rotation: &Rotation<'_>,
     ) -> Result<(), CudaError> {
-        if rotation.multimodal.is_some() {
-            return Err(CudaError::Invalid {
-                problem: "multimodal rotary positions (image prompts) are not built on the GPU yet"
-                    .into(),
-            });
-        }
         let (positions, head_dim) = (rotation.positions, rotation.head_dim);
         let (rotary_dim, theta) = (rotation.rotary_dim, rotation.theta);
         let half = rotary_dim / 2;
@@ -183,6 +177,9 @@ impl CudaBackend {
                     x.cols
                 ),
             });
+        }
+        if let Some(multimodal) = &rotation.multimodal {
+            return self.launch_multimodal_rope(x, multimodal, rows, head_dim, rotary_dim, theta);
         }
         let total = rows * (x.cols / head_dim) * half;
         let (rows_arg, cols, head_dim, half) = (
@@ -201,6 +198,56 @@ impl CudaBackend {
                 data, positions, inverse, &rows_arg, &cols, &head_dim, &half)
             },
         )
+    }
+
+    /// Interleaved M-RoPE (image prompts, never inside a step graph): each row's position per
+    /// frequency, picked from its three streams here, in a table of `rows · rotary_dim / 2`.
+    fn launch_multimodal_rope(
+        &self,
+        x: &mut CudaTensor,
+        multimodal: &MultimodalRotation<'_>,
+        rows: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+    ) -> Result<(), CudaError> {
+        if self.active_step_graph().is_some() {
+            return Err(CudaError::Invalid {
+                problem: "multimodal rotary positions inside a step graph".into(),
+            });
+        }
+        let half = rotary_dim / 2;
+        if multimodal.streams.len() < rows {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "{} multimodal positions for {rows} rows",
+                    multimodal.streams.len()
+                ),
+            });
+        }
+        let mut per_frequency = Vec::with_capacity(rows * half);
+        for streams in &multimodal.streams[..rows] {
+            for frequency in 0..half {
+                let position = streams[multimodal.stream_of_frequency(frequency)];
+                per_frequency.push(u32::try_from(position).map_err(|_| CudaError::Invalid {
+                    problem: format!("rotary position {position} does not fit 32 bits"),
+                })?);
+            }
+        }
+        // Freed in stream order after the launch that reads it.
+        let positions = self.upload_u32(&per_frequency)?;
+        let positions_pointer = positions.device_ptr(&self.stream).0;
+        let inverse = self.rope_inverse_table(rotary_dim, theta)?;
+        let total = rows * (x.cols / head_dim) * half;
+        let (rows_arg, cols, head_dim, half) = (
+            int(rows, "rows")?,
+            int(x.cols, "cols")?,
+            int(head_dim, "head_dim")?,
+            int(half, "rotary half")?,
+        );
+        let data = &mut *x.data;
+        launch!(self, "rope_per_frequency", elementwise(total);
+            data, &positions_pointer, &inverse, &rows_arg, &cols, &head_dim, &half)
     }
 
     fn lock_rope_tables(&self) -> Result<std::sync::MutexGuard<'_, RopeTables>, CudaError> {

@@ -28,8 +28,10 @@
 #include "common.cuh"
 #include "attention_common.cuh"
 
-#define DECODE_THREADS 128
+#ifndef DECODE_WARPS
 #define DECODE_WARPS 4
+#endif
+#define DECODE_THREADS (32 * DECODE_WARPS)
 // Bytes of K staged per tile (as many of V): tile keys = DECODE_TILE_BYTES / (2 · head_dim).
 #ifndef DECODE_TILE_BYTES
 #define DECODE_TILE_BYTES 8192
@@ -136,46 +138,51 @@ __device__ __forceinline__ void attention_decode_block(
         const unsigned short* k_tile = stages + 2 * stage * tile * hd;
         const unsigned short* v_tile = k_tile + tile * hd;
         int j0 = warp * warp_keys;
-        // Scores of the warp's keys (every lane of a head gets its head's score).
+        // Scores of the warp's keys (every lane of a head gets its head's score): the keys'
+        // dot products advance together (independent chains), each summed in the same order.
+        // Rows outside [k0, k1] (not staged: any bits) are scored too and masked after.
+        float dot[warp_keys];
+#pragma unroll
+        for (int jj = 0; jj < warp_keys; ++jj) dot[jj] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL / 8; ++i) {
+#pragma unroll
+            for (int jj = 0; jj < warp_keys; ++jj) {
+                float x[8];
+                widen8(*reinterpret_cast<const uint4*>(k_tile + (j0 + jj) * hd +
+                                                       (i * lanes_per_head + part) * 8),
+                       x);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot[jj] = fmaf(qr[i * 8 + e], x[e], dot[jj]);
+            }
+        }
         float score[warp_keys];
         float tile_max = neg_inf;
 #pragma unroll
         for (int jj = 0; jj < warp_keys; ++jj) {
-            score[jj] = neg_inf;
-            {
-                int key = s0 + j0 + jj;
-                if (key >= k0 && key <= k1) {
-                    const unsigned short* kr = k_tile + (j0 + jj) * hd;
-                    float dot = 0.0f;
 #pragma unroll
-                    for (int i = 0; i < DPL / 8; ++i) {
-                        float x[8];
-                        widen8(*reinterpret_cast<const uint4*>(kr + (i * lanes_per_head + part) * 8),
-                               x);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) dot = fmaf(qr[i * 8 + e], x[e], dot);
-                    }
-#pragma unroll
-                    for (int offset = 1; offset < lanes_per_head; offset <<= 1)
-                        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-                    score[jj] = dot * scale;
-                    tile_max = fmaxf(tile_max, score[jj]);
-                }
-            }
+            for (int offset = 1; offset < lanes_per_head; offset <<= 1)
+                dot[jj] += __shfl_xor_sync(0xffffffffu, dot[jj], offset);
+            int key = s0 + j0 + jj;
+            // The same for every lane of the warp: it depends only on the key.
+            score[jj] = key >= k0 && key <= k1 ? dot[jj] * scale : neg_inf;
+            tile_max = fmaxf(tile_max, score[jj]);
         }
-        // Keys past k1 or before k0 are the same for every lane of the warp (no divergence in
-        // the shuffles above): they depend only on the key.
         if (tile_max != neg_inf) {
             float new_max = fmaxf(running_max, tile_max);
             float correction = expf(running_max - new_max);  // 0 while the max was -inf
             running_sum *= correction;
 #pragma unroll
             for (int e = 0; e < DPL; ++e) acc[e] *= correction;
+            float p[warp_keys];
+#pragma unroll
+            for (int jj = 0; jj < warp_keys; ++jj) {
+                p[jj] = score[jj] != neg_inf ? expf(score[jj] - new_max) : 0.0f;
+                running_sum += p[jj];
+            }
 #pragma unroll
             for (int jj = 0; jj < warp_keys; ++jj) {
                 if (score[jj] != neg_inf) {
-                    float p = expf(score[jj] - new_max);
-                    running_sum += p;
                     const unsigned short* vr = v_tile + (j0 + jj) * hd;
 #pragma unroll
                     for (int i = 0; i < DPL / 8; ++i) {
@@ -183,7 +190,7 @@ __device__ __forceinline__ void attention_decode_block(
                         widen8(*reinterpret_cast<const uint4*>(vr + (i * lanes_per_head + part) * 8),
                                x);
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[i * 8 + e] = fmaf(p, x[e], acc[i * 8 + e]);
+                        for (int e = 0; e < 8; ++e) acc[i * 8 + e] = fmaf(p[jj], x[e], acc[i * 8 + e]);
                     }
                 }
             }
@@ -267,7 +274,9 @@ __device__ __forceinline__ void attention_decode_rows(
 
 // The instantiations, attention_decode[_batched]_bf16_HD_DPL (`DECODE_SHAPES` in
 // device/attention_decode.rs): head dim HD, DPL dims per lane, for groups of up to
-// 32 · DPL / HD q heads per kv head.
+// 32 · DPL / HD q heads per kv head. None with 64 dims per lane (head dim 256 with a group of
+// 8, 128 with 16): on an H100 those measured slower than the split kernel at a 4K context
+// (14.3 against 10.3 µs at head dim 256) and no faster in the whole step at 16K.
 
 // DECODE_KERNELS(64, 16)
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
@@ -357,28 +366,6 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                                  window, scale, chunks, part_base, row_positions);
 }
 
-// DECODE_KERNELS(128, 64)
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_bf16_128_64(const float* q, const unsigned short* keys,
-                              const unsigned short* values, float* part_o, float* part_ml,
-                              int row_start, int start_position, int heads, int kv_heads, int hd,
-                              int window, float scale, int chunk, int chunks, int part_base,
-                              const unsigned int* row_positions) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_segment<128, 64>(q, keys, values, part_o, part_ml, row_start,
-                                    start_position, heads, kv_heads, window, scale, chunk,
-                                    chunks, part_base, row_positions);
-}
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_batched_bf16_128_64(const float* q, float* part_o, float* part_ml,
-                                      DecodeRows batch, int row_start, int heads, int kv_heads,
-                                      int hd, int window, float scale, int chunks, int part_base,
-                                      const unsigned int* row_positions) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_rows<128, 64>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
-                                 window, scale, chunks, part_base, row_positions);
-}
-
 // DECODE_KERNELS(256, 32)
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     attention_decode_bf16_256_32(const float* q, const unsigned short* keys,
@@ -398,27 +385,5 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                                       const unsigned int* row_positions) {
     PDL_WAIT_AND_RELEASE();
     attention_decode_rows<256, 32>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
-                                 window, scale, chunks, part_base, row_positions);
-}
-
-// DECODE_KERNELS(256, 64)
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_bf16_256_64(const float* q, const unsigned short* keys,
-                              const unsigned short* values, float* part_o, float* part_ml,
-                              int row_start, int start_position, int heads, int kv_heads, int hd,
-                              int window, float scale, int chunk, int chunks, int part_base,
-                              const unsigned int* row_positions) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_segment<256, 64>(q, keys, values, part_o, part_ml, row_start,
-                                    start_position, heads, kv_heads, window, scale, chunk,
-                                    chunks, part_base, row_positions);
-}
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_batched_bf16_256_64(const float* q, float* part_o, float* part_ml,
-                                      DecodeRows batch, int row_start, int heads, int kv_heads,
-                                      int hd, int window, float scale, int chunks, int part_base,
-                                      const unsigned int* row_positions) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_rows<256, 64>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
                                  window, scale, chunks, part_base, row_positions);
 }

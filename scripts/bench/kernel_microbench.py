@@ -14,9 +14,8 @@ within f32 rounding.
 
 Each kernel's row gives its bandwidth and that as a share of the device copy rate measured at
 the start (bytes read + written, as `ninfer bench` counts it); an empty kernel's row is the
-floor a launch costs in a graph. Kernels under `candidates/` (not in the engine yet) are
-compiled after the file whose helpers they use and timed beside the kernel they would replace,
-their bits checked against it.
+floor a launch costs in a graph. Alternative kernels (e.g. `expert_gate_up_tasks`) are timed
+beside the kernel they replace, their bits checked against it.
 
     python3 scripts/bench/kernel_microbench.py [--baseline DIR] [--context 4096] [--json FILE]
 """
@@ -332,11 +331,13 @@ class Bench:
 
     # -- decode attention with the group's heads across lanes ---------------------------------
 
-    def decode_attention(self, kernel_dir, heads, kv_heads, hd, context, tile_bytes_list=(8192, 16384),
-                         chunk_list=(32, 64, 128, 256)):
+    def decode_attention(self, kernel_dir, heads, kv_heads, hd, context,
+                         variants=((8192, 4), (8192, 8), (16384, 8)), chunk_factors=(1, 2)):
         """`attention_decode_bf16_HD_DPL` (attention_decode.cu) against `attention_split_bf16` at
         its own chunking, each followed by `attention_combine`; outputs held within f32 rounding
-        of the split kernel's. Shape: `heads` q heads, `kv_heads`, head dim `hd`."""
+        of the split kernel's. Shape: `heads` q heads, `kv_heads`, head dim `hd`; `variants`:
+        (DECODE_TILE_BYTES, DECODE_WARPS); chunks of the split kernel's size times each of
+        `chunk_factors`."""
         group = heads // kv_heads
         group_pow2 = 1 << (group - 1).bit_length()
         lanes = 32 // group_pow2
@@ -390,18 +391,17 @@ class Bench:
         cp.cuda.Device().synchronize()
         reference = reference.copy()
 
-        for tile_bytes in tile_bytes_list:
-            if tile_bytes // (2 * hd) < 4:
+        for tile_bytes, warps in variants:
+            if tile_bytes // (2 * hd) < warps:
                 continue
             decode = raw_kernel(kernel_dir, "attention_decode", "attention_decode_bf16_%d_%d" % (hd, dpl),
-                                [("DECODE_TILE_BYTES", tile_bytes)])
-            states = 4 * group_pow2 * hd * 4 + 2 * 4 * group_pow2 * 4
+                                [("DECODE_TILE_BYTES", tile_bytes), ("DECODE_WARPS", warps)])
+            states = warps * group_pow2 * hd * 4 + 2 * warps * group_pow2 * 4
             decode_smem = max(4 * tile_bytes, states)
             if decode_smem > 48 * 1024:
                 decode.max_dynamic_shared_size_bytes = decode_smem
-            for chunk_keys in chunk_list:
-                least = -(-(position + 1) // max_chunks)  # keys per chunk at most max_chunks chunks
-                d_chunk = max(chunk_keys, (least + 31) // 32 * 32)
+            for factor in chunk_factors:
+                d_chunk = chunk * factor
                 d_chunks = position // d_chunk + 1
                 out = cp.zeros((1, heads * hd), dtype=cp.float32)
 
@@ -409,11 +409,11 @@ class Bench:
                     args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
                             np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
                             np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null)
-                    return lambda: decode((d_chunks, kv_heads, 1), (128,), args, shared_mem=decode_smem)
+                    return lambda: decode((d_chunks, kv_heads, 1), (32 * warps,), args, shared_mem=decode_smem)
 
                 us = timed([decode_launch(i) for i in range(caches)])
                 c_us = timed([combine_launch(out, d_chunk, d_chunks)] * 20)
-                variant = "tile %dB chunk %d (%d)" % (tile_bytes, d_chunk, d_chunks)
+                variant = "tile %dB %d warps chunk %d (%d)" % (tile_bytes, warps, d_chunk, d_chunks)
                 self.record("attention_decode_bf16_%d_%d %s" % (hd, dpl, shape), variant, us, kv_bytes)
                 self.record("  decode + combine", variant, us + c_us, kv_bytes)
                 decode_launch(0)()
@@ -424,15 +424,15 @@ class Bench:
     # -- routed experts (slots), timing only ----------------------------------------------------
 
     def candidate_gate_up(self, kernel_dir):
-        """`candidates/expert_gate_up_tasks.cu` (a kernel not in the engine yet) compiled after
-        kernel_dir's experts.cu, whose helpers it uses; None without the file or with --no-candidates."""
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "candidates", "expert_gate_up_tasks.cu")
-        if self.args.no_candidates or not os.path.exists(path):
+        """`expert_gate_up_tasks` of kernel_dir's experts.cu (one token's gate/up from a grid
+        that fits the GPU at once), or None for a revision without it or with --no-candidates."""
+        if self.args.no_candidates:
             return None
         if not hasattr(self, "_candidate"):
-            with open(path) as f:
-                extra = f.read()
-            self._candidate = module(kernel_dir, "experts", append=extra).get_function("expert_gate_up_tasks")
+            try:
+                self._candidate = module(kernel_dir, "experts").get_function("expert_gate_up_tasks")
+            except Exception:  # noqa: BLE001 - CuPy's error type for a missing function
+                self._candidate = None
         return self._candidate
 
     def experts(self, kernel_dir, label, down_rows, baseline=None, gate_up_columns=1, min_blocks=0,
@@ -579,7 +579,7 @@ def main():
                         help="contexts of the decode attention section")
     parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL, attention chunks, gate/up columns")
     parser.add_argument("--no-candidates", action="store_true",
-                        help="skip the candidate kernels of scripts/bench/candidates/")
+                        help="skip the alternative kernels timed beside the ones they replace")
     parser.add_argument("--sections", default="matmul,norm,router,decode_attention,attention,experts",
                         help="comma-separated: which kernels to time")
     args = parser.parse_args()
@@ -617,7 +617,7 @@ def main():
 
     if "decode_attention" in sections:
         for context in [int(c) for c in args.decode_contexts.split(",")]:
-            for heads, kv_heads, hd in ((32, 4, 128), (16, 2, 256), (64, 4, 128)):
+            for heads, kv_heads, hd in ((32, 4, 128), (16, 4, 256)):
                 bench.decode_attention(args.kernels, heads, kv_heads, hd, context)
 
     if args.json:

@@ -159,6 +159,12 @@ struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     cuda_group_decode_attention: bool,
+    /// `on` (the default): one token's routed gate/up projections from a grid that fits the GPU
+    /// at once (quantized experts). `off`: one block row per (token, expert) pair. The same
+    /// tokens either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    cuda_decode_gate_up_tasks: bool,
     /// `on` (the default): on an sm_90+ GPU, kernels are launched with programmatic dependent
     /// launch, so each one's launch and block scheduling overlap the end of the one before it
     /// (each still waits for its predecessor before touching memory). `off`: plain launches.
@@ -631,6 +637,7 @@ fn cuda_options(args: &Args) -> CudaOptions {
         batched_decode: args.cuda_batched_decode,
         fused_expert_sum: args.cuda_fused_expert_sum,
         group_decode_attention: args.cuda_group_decode_attention,
+        decode_gate_up_tasks: args.cuda_decode_gate_up_tasks,
         programmatic_dependent_launch: args.cuda_pdl,
         shared_memory_cap: args.cuda_shared_memory_cap,
         // The backend reports at most the budget's memory, so every user of the free memory

@@ -323,6 +323,52 @@ fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {
     }
 }
 
+/// One token's gate/up projections from the task grid (`decode_gate_up_tasks`) give every
+/// step's logits bit for bit as the per-pair kernel they replace: int8 and int4 experts, one
+/// sequence (where the task grid runs) and three (where it does not), through step graphs and
+/// op by op.
+#[test]
+fn gate_up_tasks_give_the_bits_of_the_per_pair_kernel() {
+    let test = "gate_up_tasks_give_the_bits_of_the_per_pair_kernel";
+    let directory = tempfile::tempdir().unwrap();
+    let open = |decode_gate_up_tasks| {
+        CudaBackend::with_options(
+            0,
+            CudaOptions {
+                decode_gate_up_tasks,
+                ..CudaOptions::default()
+            },
+        )
+        .map(Arc::new)
+    };
+    let backends = open(true).and_then(|tasks| Ok((tasks, open(false)?)));
+    let Some((tasks, per_pair)) = gpu_or_skip(backends, test) else {
+        return;
+    };
+    for dtype in [DType::Int8, DType::Int4] {
+        for architecture in ARCHITECTURES {
+            let path = write_model_with_experts(directory.path(), architecture, dtype);
+            for graphs in [true, false] {
+                let with_tasks = open_all_resident(&tasks, &path, graphs);
+                let with_per_pair = open_all_resident(&per_pair, &path, graphs);
+                for sequences in [1usize, 3] {
+                    let all = prompts(sequences);
+                    let (tokens_a, logits_a) = decode_together(&with_tasks, &all, STEPS);
+                    let (tokens_b, logits_b) = decode_together(&with_per_pair, &all, STEPS);
+                    for (step, (a, b)) in logits_a.iter().zip(&logits_b).enumerate() {
+                        assert!(
+                            same_bits(a, b),
+                            "{dtype} {architecture:?}, graphs {graphs}, {sequences} sequences: step {step}'s logits differ (max |Δ| {:e})",
+                            max_abs_difference(a, b)
+                        );
+                    }
+                    assert_eq!(tokens_a, tokens_b);
+                }
+            }
+        }
+    }
+}
+
 /// Deterministic values in [-scale, scale).
 fn values(count: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut state = seed;

@@ -121,12 +121,8 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "attention_decode_batched_bf16_128_16",
             "attention_decode_bf16_128_32",
             "attention_decode_batched_bf16_128_32",
-            "attention_decode_bf16_128_64",
-            "attention_decode_batched_bf16_128_64",
             "attention_decode_bf16_256_32",
             "attention_decode_batched_bf16_256_32",
-            "attention_decode_bf16_256_64",
-            "attention_decode_batched_bf16_256_64",
         ],
     },
     KernelSource {
@@ -145,6 +141,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         source: include_str!("../../../../../kernels/experts.cu"),
         functions: &[
             "expert_gate_up",
+            "expert_gate_up_tasks",
             "expert_down",
             "expert_down_sum",
             "expert_gate_up_by_expert",

@@ -21,7 +21,7 @@ const DECODE_TILE_BYTES: usize = 8192;
 type DecodeShape = (usize, usize, &'static str, &'static str);
 
 /// Every `DECODE_KERNELS(HD, DPL)` of `kernels/attention_decode.cu`.
-const DECODE_SHAPES: [DecodeShape; 7] = [
+const DECODE_SHAPES: [DecodeShape; 5] = [
     (
         64,
         16,
@@ -47,22 +47,10 @@ const DECODE_SHAPES: [DecodeShape; 7] = [
         "attention_decode_batched_bf16_128_32",
     ),
     (
-        128,
-        64,
-        "attention_decode_bf16_128_64",
-        "attention_decode_batched_bf16_128_64",
-    ),
-    (
         256,
         32,
         "attention_decode_bf16_256_32",
         "attention_decode_batched_bf16_256_32",
-    ),
-    (
-        256,
-        64,
-        "attention_decode_bf16_256_64",
-        "attention_decode_batched_bf16_256_64",
     ),
 ];
 
@@ -190,21 +178,23 @@ mod tests {
 
     #[test]
     fn shapes_of_the_released_models_have_a_kernel() {
-        // (head_dim, group): Qwen3-30B-A3B and 235B-A22B, Qwen3-Next / Qwen3.5 / 3.6, the
-        // dense 27B (a group of 6 takes the lanes of 8), a small group.
+        // (head_dim, group): Qwen3-30B-A3B, a group of 6 (the lanes of 8), small groups.
         for (hd, group, dpl) in [
             (128, 8, 32),
-            (128, 16, 64),
-            (256, 8, 64),
-            (256, 6, 64),
+            (128, 6, 32),
             (128, 4, 16),
+            (256, 4, 32),
+            (64, 16, 32),
         ] {
             let kernel = decode_kernel_for_shape(hd, group).expect("a kernel");
             assert_eq!(kernel.segment, format!("attention_decode_bf16_{hd}_{dpl}"));
             // Within an RTX card's 99 KB per block.
             assert!(kernel.shared_memory_bytes <= 99 * 1024);
         }
-        // Too many dims per lane, or a head dim the lanes do not divide: the split kernel.
+        // 64 dims per lane or more (Qwen3-235B-A22B's group of 16, Qwen3-Next / Qwen3.5 / 3.6's
+        // head dim 256 with 8), or a head dim the lanes do not divide: the split kernel.
+        assert_eq!(decode_kernel_for_shape(128, 16), None);
+        assert_eq!(decode_kernel_for_shape(256, 8), None);
         assert_eq!(decode_kernel_for_shape(256, 16), None);
         assert_eq!(decode_kernel_for_shape(96, 8), None);
         assert_eq!(decode_kernel_for_shape(128, 64), None);

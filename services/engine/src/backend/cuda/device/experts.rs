@@ -68,6 +68,12 @@ const MMA_ROWS_PER_BLOCK: u32 = 128;
 const EXPERT_GROUP_PAIRS: usize = 4;
 /// Most choices per token `expert_down_sum` takes (`DOWN_SUM_MAX_TOP_K` in kernels/experts.cu).
 const DOWN_SUM_MAX_TOP_K: usize = 32;
+/// `GATE_UP_TASK_BLOCKS_PER_SM` / `GATE_UP_TASK_MAX_PAIRS` in kernels/experts.cu: the grid of
+/// `expert_gate_up_tasks` (blocks per multiprocessor) and the most pairs it takes.
+const GATE_UP_TASK_BLOCKS_PER_SM: usize = 2;
+const GATE_UP_TASK_MAX_PAIRS: usize = 64;
+/// Widest hidden size `expert_gate_up_tasks` takes: 4 segments of 16 inputs per lane.
+const GATE_UP_TASK_MAX_HIDDEN: usize = 4 * 32 * 16;
 /// Dynamic shared memory a block gets without asking for more (48 KiB, less 1 KiB for the
 /// kernels' static shared memory): the by-expert kernels stage as many of a group's input
 /// vectors as fit in it (fewer pairs per group for wide models).
@@ -876,9 +882,29 @@ impl CudaBackend {
             shared_bytes(hidden)?,
             "expert row blocks",
         )?;
-        launch!(self, "expert_gate_up", gate_up_config;
-            storage, table, ids, x, &mut *activated, &top_k, &num_experts,
-            &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales)?;
+        let quantized = matches!(layout.dtype, WeightDType::Int8 | WeightDType::Int4);
+        if self.options.decode_gate_up_tasks
+            && tokens == 1
+            && pairs <= GATE_UP_TASK_MAX_PAIRS
+            && quantized
+            && hidden <= GATE_UP_TASK_MAX_HIDDEN
+        {
+            let blocks = GATE_UP_TASK_BLOCKS_PER_SM * self.info.multiprocessor_count.max(1);
+            let config = LaunchConfig {
+                grid_dim: (grid(blocks, MAX_GRID_X, "gate/up task blocks")?, 1, 1),
+                block_dim: (32 * EXPERT_WARPS, 1, 1),
+                shared_mem_bytes: shared_bytes(hidden)?,
+            };
+            let pairs_count = int(pairs, "pairs")?;
+            launch!(self, "expert_gate_up_tasks", config;
+                storage, table, ids, x, &mut *activated, &top_k, &num_experts,
+                &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales,
+                &pairs_count)?;
+        } else {
+            launch!(self, "expert_gate_up", gate_up_config;
+                storage, table, ids, x, &mut *activated, &top_k, &num_experts,
+                &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales)?;
+        }
         if let (Some(out), Some(shared)) = (summed, self.down_sum_shared_bytes(k, intermediate)?) {
             let rows = grid(tokens, MAX_GRID_Y, "expert tokens in one launch")?;
             let config = expert_launch(
@@ -1026,6 +1052,14 @@ mod tests {
     fn constants_match_the_kernels() {
         use crate::backend::cuda::kernels::kernel_define;
         assert_eq!(TILE_TOKENS as i64, kernel_define("experts", "TILE_TOKENS"));
+        assert_eq!(
+            GATE_UP_TASK_BLOCKS_PER_SM as i64,
+            kernel_define("experts", "GATE_UP_TASK_BLOCKS_PER_SM")
+        );
+        assert_eq!(
+            GATE_UP_TASK_MAX_PAIRS as i64,
+            kernel_define("experts", "GATE_UP_TASK_MAX_PAIRS")
+        );
         assert_eq!(
             EXPERT_GROUP_PAIRS as i64,
             kernel_define("experts", "EXPERT_GROUP_PAIRS")

@@ -105,6 +105,11 @@ pub struct CudaOptions {
     /// card; off: the split kernel everywhere (the reference the tests compare against). Not
     /// the same bits: the sums run in another order.
     pub group_decode_attention: bool,
+    /// One token's routed gate/up projections (quantized experts, hidden ≤ 2048) from a grid
+    /// that fits the GPU at once, each warp walking (pair, column) tasks with the next one's
+    /// rows in flight (`expert_gate_up_tasks`) instead of one block row per pair, whose second
+    /// wave runs mostly empty. The same bits (off: the per-pair kernel).
+    pub decode_gate_up_tasks: bool,
     /// Programmatic dependent launch (device/launch.rs): on an sm_90+ GPU whose driver has
     /// `cuLaunchKernelEx`, kernel launches (also those recorded into step graphs, from CUDA
     /// 12.3 on) let the next kernel's launch and block scheduling overlap the tail of the one
@@ -209,6 +214,7 @@ impl Default for CudaOptions {
             decode_experts_by_expert: false,
             fused_expert_sum: false,
             group_decode_attention: true,
+            decode_gate_up_tasks: true,
             programmatic_dependent_launch: true,
             shared_memory_cap: None,
             memory_cap_bytes: None,
@@ -236,6 +242,8 @@ impl CudaOptions {
             fused_expert_sum: false,
             // An f32 cache: the split kernel either way.
             group_decode_attention: true,
+            // The same bits as the per-pair kernel.
+            decode_gate_up_tasks: true,
             // Launch timing only: the same bits as plain launches.
             programmatic_dependent_launch: true,
             shared_memory_cap: None,

@@ -17,7 +17,36 @@ use crate::backend::cuda::CudaError;
 use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotFills, ExpertSlotTable};
 use crate::error::EngineError;
 
+/// Spare events kept per slot set: more than the three a cache's layer records per step.
+const SPARE_EVENTS: usize = 8;
+
 impl CudaExpertSlots {
+    /// An event recorded on `stream` after the work queued so far: a spare one when there is
+    /// one (recording it again does not affect the waits already queued on it).
+    fn record_event_on(
+        &mut self,
+        stream: &CudaStream,
+        what: &'static str,
+    ) -> Result<CudaEvent, CudaError> {
+        let event = match self.spare_events.pop() {
+            Some(event) => event,
+            None => stream
+                .context()
+                .new_event(None)
+                .map_err(driver_error(what))?,
+        };
+        event.record(stream).map_err(driver_error(what))?;
+        Ok(event)
+    }
+
+    /// Keeps `event` for a later [`CudaExpertSlots::record_event_on`] (every wait on it is
+    /// queued or done).
+    fn recycle_event(&mut self, event: CudaEvent) {
+        if self.spare_events.len() < SPARE_EVENTS {
+            self.spare_events.push(event);
+        }
+    }
+
     /// The table's device copy rewritten in place from the host table, on the compute stream
     /// (ordered between the kernels), from pageable memory: the driver first waits for the
     /// work queued on the stream. Layerwise prefill's batch fills use it (their uploads come a
@@ -32,6 +61,14 @@ impl CudaExpertSlots {
     /// the copy and goes on. The dynamic cache's uploads come once per layer between two steps,
     /// so the previous upload from the staging copy has long landed when it is rewritten.
     fn upload_table_staged(&mut self) -> Result<(), CudaError> {
+        // The previous upload must have read the staging before it is rewritten (it has, in
+        // practice: it was queued a step ago).
+        if let Some(uploaded) = self.table_uploaded.take() {
+            uploaded
+                .synchronize()
+                .map_err(driver_error("waiting for the last slot table upload"))?;
+            self.recycle_event(uploaded);
+        }
         let entries = self.slot_table.slot_entries();
         if self.table_staging.is_none() {
             // SAFETY: written in full below before any copy reads it.
@@ -40,13 +77,6 @@ impl CudaExpertSlots {
                     "allocating the expert slot table's staging copy",
                 ))?;
             self.table_staging = Some(staging);
-        }
-        // The previous upload must have read the staging before it is rewritten (it has, in
-        // practice: it was queued a step ago).
-        if let Some(uploaded) = &self.table_uploaded {
-            uploaded
-                .synchronize()
-                .map_err(driver_error("waiting for the last slot table upload"))?;
         }
         let Some(staging) = self.table_staging.as_mut() else {
             return Err(CudaError::Invalid {
@@ -66,18 +96,22 @@ impl CudaExpertSlots {
             });
         }
         staged.copy_from_slice(entries);
-        let (pointer, _record) = self.table.device_ptr_mut(&self.stream);
-        // SAFETY: the staging copy is page-locked, holds exactly the table's entries and is not
-        // written again before `table_uploaded` (recorded right after) has completed; the
-        // destination is the table's device buffer of the same length.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(pointer, &*staged, self.stream.cu_stream())
+        {
+            let (pointer, _record) = self.table.device_ptr_mut(&self.stream);
+            // SAFETY: the staging copy is page-locked, holds exactly the table's entries and is
+            // not written again before `table_uploaded` (recorded right after) has completed;
+            // the destination is the table's device buffer of the same length.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    pointer,
+                    &*staged,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(driver_error("updating the expert slot table"))?;
         }
-        .map_err(driver_error("updating the expert slot table"))?;
-        let uploaded = self
-            .stream
-            .record_event(None)
-            .map_err(driver_error("recording the slot table upload"))?;
+        let stream = Arc::clone(&self.stream);
+        let uploaded = self.record_event_on(&stream, "recording the slot table upload")?;
         self.table_uploaded = Some(uploaded);
         Ok(())
     }
@@ -186,13 +220,12 @@ impl CudaExpertSlots {
         pinned: bool,
         copies: impl Iterator<Item = (usize, &'a [u8])>,
     ) -> Result<CudaEvent, CudaError> {
-        let queued = self
-            .stream
-            .record_event(None)
-            .map_err(driver_error("recording the expert copies' start"))?;
+        let stream = Arc::clone(&self.stream);
+        let queued = self.record_event_on(&stream, "recording the expert copies' start")?;
         copy_stream
             .wait(&queued)
             .map_err(driver_error("ordering the expert copies"))?;
+        self.recycle_event(queued);
         let stride = self.layout.stride;
         for (slot, source) in copies {
             let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
@@ -215,9 +248,7 @@ impl CudaExpertSlots {
                     .map_err(driver_error("copying an expert into its GPU slot"))?;
             }
         }
-        copy_stream
-            .record_event(None)
-            .map_err(driver_error("recording the expert copies' end"))
+        self.record_event_on(copy_stream, "recording the expert copies' end")
     }
 
     /// Enters every started fill in the host table; the compute stream waits for their copies
@@ -231,6 +262,7 @@ impl CudaExpertSlots {
                     op: "complete_fills",
                     source,
                 })?;
+            self.recycle_event(landed);
             for (slot, expert) in fills {
                 self.slot_table
                     .assign(slot, expert)
@@ -338,6 +370,7 @@ impl ExpertSlotFills for CudaExpertSlots {
             .wait(&landed)
             .map_err(driver_error("waiting for a batch fill"))
             .map_err(device)?;
+        self.recycle_event(landed);
         for (offset, expert) in experts.into_iter().enumerate() {
             self.slot_table
                 .assign(first_slot + offset, expert)

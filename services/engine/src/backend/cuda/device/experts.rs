@@ -159,6 +159,9 @@ pub struct CudaExpertSlots {
     /// Recorded after the last upload from `table_staging`: the staging is rewritten only once
     /// it has landed.
     pub(super) table_uploaded: Option<CudaEvent>,
+    /// Events whose waits are queued, kept to be recorded again: the cache records three per
+    /// layer and step, and creating and destroying each costs the host two driver calls.
+    pub(super) spare_events: Vec<CudaEvent>,
 }
 
 impl Drop for CudaExpertSlots {
@@ -526,6 +529,7 @@ impl CudaBackend {
             batch_fills: Default::default(),
             table_staging: None,
             table_uploaded: None,
+            spare_events: Vec::new(),
         })
     }
 

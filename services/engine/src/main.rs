@@ -259,8 +259,8 @@ struct Args {
     #[arg(long)]
     insecure_listen: bool,
     /// Speculative decoding: `mtp` drafts tokens with the model's MTP head and verifies them in
-    /// one batched forward (greedy output is the same token for token; sampled output follows
-    /// the same distribution). Requests may ask for fewer drafts or none.
+    /// one batched forward (the output is the same token for token, greedy or seeded sampled).
+    /// Requests may ask for fewer drafts or none.
     #[arg(long, value_enum)]
     spec: Option<Speculation>,
     /// With `--spec mtp`: most drafts per step and sequence (1..=8); a sequence whose drafts

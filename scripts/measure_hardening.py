@@ -5,8 +5,9 @@ Starts `ninfer run MODEL --serve` (the tiny fixture by default), then measures:
   * one and eight parallel 7 MB prompts: refusal latency and the gateway's resident memory
     (before, peak during, after);
   * the other large inputs (tool definitions, a token-id prompt, a stop list, logit_bias, an
-    inline document), 7 MB each: one and eight at once, refusal latency, the gateway's peak
-    resident memory during each burst, and its resident memory --settle seconds after the last;
+    inline document, an image data URL), 7 MB each: one and eight at once, refusal latency,
+    the gateway's peak resident memory during each burst, and its resident memory --settle
+    seconds after the last;
   * N stalled connections (half mid-header, half silent): /health latency while they are open,
     and how long until the gateway has closed every one of them;
   * with --soak SECONDS: 64 concurrent streams against the engine's 32 sequences for that long:
@@ -146,6 +147,10 @@ def large_input_bodies(name):
          {"model": name, "max_tokens": 8, "messages": [{"role": "user", "content": [
              {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
                                              "data": "QUJD" * (size // 4)}}]}]}),
+        ("image data URL", "/v1/chat/completions",
+         {"model": name, "messages": [{"role": "user", "content": [
+             {"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "QUJD" * (size // 4)}}]}]}),
     ]
 
 

@@ -72,8 +72,9 @@ pub struct InputSizes {
     pub stop_sequence_bytes: usize,
     /// Keys of the top-level `logit_bias` object.
     pub logit_bias_entries: usize,
-    /// Decoded bytes of `data` / `file_data` strings inside messages, input or system blocks
-    /// (documents and images sent inline).
+    /// Decoded bytes of `data` / `file_data` strings and image URLs (`image_url`, `url`: data
+    /// URLs carry the image) inside messages, input or system blocks (documents and images sent
+    /// inline).
     pub document_bytes: usize,
 }
 
@@ -96,6 +97,8 @@ enum Field {
     LogitBias,
     Data,
     FileData,
+    ImageUrl,
+    Url,
     Other,
 }
 
@@ -118,6 +121,8 @@ impl Field {
             b"logit_bias" => Field::LogitBias,
             b"data" => Field::Data,
             b"file_data" => Field::FileData,
+            b"image_url" => Field::ImageUrl,
+            b"url" => Field::Url,
             _ => Field::Other,
         }
     }
@@ -442,13 +447,20 @@ fn add_whole_value_bytes(sizes: &mut InputSizes, field: Field, bytes: usize) {
     }
 }
 
-/// Inline data of a document or image: a `data` / `file_data` string somewhere inside the
-/// messages, input or system blocks (Anthropic `source.data`, OpenAI `file.file_data`).
+/// Inline data of a document or image: a `data` / `file_data` string or an image URL somewhere
+/// inside the messages, input or system blocks (Anthropic `source.data`, OpenAI
+/// `file.file_data` and `image_url.url`, Responses `input_image.image_url`; a data URL holds
+/// the whole image, a link counts its few bytes).
 fn is_document_data(path: &[Step]) -> bool {
     matches!(
         path.first(),
         Some(Step::Key(Field::Messages | Field::Input | Field::System))
-    ) && matches!(path.last(), Some(Step::Key(Field::Data | Field::FileData)))
+    ) && matches!(
+        path.last(),
+        Some(Step::Key(
+            Field::Data | Field::FileData | Field::ImageUrl | Field::Url
+        ))
+    )
 }
 
 #[cfg(test)]
@@ -505,7 +517,7 @@ mod tests {
         let tools =
             r#"[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]"#;
         let body = format!(
-            r#"{{"model":"m","tools": {tools} ,"prompt":[1, 22,333,[4,5]],"stop":["ab","c\"d"],"logit_bias":{{"17":-100,"18":5,"19":{{"x":1}}}},"messages":[{{"role":"user","content":[{{"type":"document","source":{{"type":"base64","data":"QUJD"}}}},{{"type":"file","file":{{"file_data":"xy\n"}}}}]}}],"functions":[]}}"#
+            r#"{{"model":"m","tools": {tools} ,"prompt":[1, 22,333,[4,5]],"stop":["ab","c\"d"],"logit_bias":{{"17":-100,"18":5,"19":{{"x":1}}}},"messages":[{{"role":"user","content":[{{"type":"document","source":{{"type":"base64","data":"QUJD"}}}},{{"type":"file","file":{{"file_data":"xy\n"}}}},{{"type":"image_url","image_url":{{"url":"data:,ab"}}}}]}}],"input":[{{"type":"input_image","image_url":"data:,c"}}],"url":"not inline","functions":[]}}"#
         );
         let stop = r#"["ab","c\"d"]"#;
         for chunk in [1, 2, 5, 13, 4096] {
@@ -518,7 +530,7 @@ mod tests {
                     stop_sequences: 2,
                     stop_sequence_bytes: stop.len(),
                     logit_bias_entries: 3,
-                    document_bytes: 4 + 3,
+                    document_bytes: 4 + 3 + 8 + 7,
                 },
                 "chunk {chunk}"
             );

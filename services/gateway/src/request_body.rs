@@ -213,7 +213,7 @@ impl InputLimits {
                 return Some(GatewayError::invalid_parameter(
                     "messages",
                     format!(
-                        "the documents and images sent inline (`data` / `file_data`) are larger than {most} bytes, the most this model's context of {} tokens can take",
+                        "the documents and images sent inline (`data` / `file_data`, image data URLs) are larger than {most} bytes, the most this model's context of {} tokens can take",
                         self.context_tokens.unwrap_or(0)
                     ),
                 ));

@@ -1,12 +1,14 @@
 //! `ninfer-gateway`: the HTTP/gRPC front door of NInfer-Offload.
 //!
-//! Owns: everything clients see. The OpenAI API (`openai`), the Anthropic API (`anthropic`), the
+//! Owns: everything clients see. The OpenAI API (`openai`; its per-token
+//! chunks `openai_chunks`), the Anthropic API (`anthropic`), the
 //! public gRPC API with health and reflection (`grpc_api`) — each only converts its wire types to
 //! and from the neutral chat model (`chat`) and the generator's events; utility routes, auth and
 //! limits (`server`); reading request bodies within their limit, refusing a prompt too long
 //! for the context or another input over its limit while it arrives (`request_body`, measured by
 //! `body_scan`) and parsing them (`json_body`); connection limits, timeouts and the shutdown drain (`connections`);
 //! shared state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`,
+//! its byte-level decoding table `token_bytes`,
 //! `chat_template`); stop strings (`stop_strings`), `<think>` splitting
 //! (`reasoning`), tool-call parsing (`tool_calls`), structured output and forced tool calls as
 //! grammars for the engine (`structured`), the OpenAI Responses API (`responses`) and the
@@ -30,6 +32,7 @@ pub mod grpc_api;
 pub mod json_body;
 pub mod metrics;
 pub mod openai;
+pub mod openai_chunks;
 pub mod reasoning;
 pub mod request_body;
 pub mod responses;
@@ -40,6 +43,7 @@ pub mod server;
 pub mod state;
 pub mod stop_strings;
 pub mod structured;
+pub mod token_bytes;
 pub mod tokenizer;
 pub mod tool_calls;
 

@@ -28,6 +28,7 @@ use crate::generation::{
     GenerationPlan, GenerationSummary, SamplingOptions, TokenLogprobEntry,
 };
 use crate::json_body::parse_json_body;
+use crate::openai_chunks::ChatChunkText;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
 use crate::structured::openai_response_format;
@@ -642,6 +643,7 @@ fn stream_chat(
 ) -> Response {
     let (events, event_receiver) = mpsc::channel::<Event>(64);
     let choice_count = receivers.len();
+    let text_chunks = ChatChunkText::new(&id, created, &model, include_usage);
     tokio::spawn(async move {
         let mut captures: Vec<Option<ToolCallCapture>> = (0..choice_count)
             .map(|_| tools.as_ref().map(|_| ToolCallCapture::default()))
@@ -670,32 +672,35 @@ fn stream_chat(
                     text,
                     logprobs: entries,
                 }) => {
-                    let mut delta = serde_json::Map::new();
-                    if !text.reasoning.is_empty() {
-                        delta.insert(
-                            "reasoning_content".to_string(),
-                            JsonValue::from(text.reasoning),
-                        );
-                    }
                     let content = match captures.get_mut(index).and_then(Option::as_mut) {
                         Some(capture) => capture.push(&text.content),
                         None => text.content,
                     };
-                    if !content.is_empty() {
-                        delta.insert("content".to_string(), JsonValue::from(content));
-                    }
-                    if delta.is_empty() && entries.is_empty() {
-                        continue; // everything held back for tool-call parsing
-                    }
-                    let logprobs_value = if logprobs {
-                        chat_logprobs_json(&entries)
+                    if !logprobs {
+                        // The chunk every token becomes: written directly, no `Value` per token.
+                        if text.reasoning.is_empty() && content.is_empty() {
+                            continue; // everything held back for tool-call parsing
+                        }
+                        Event::default().data(text_chunks.delta(index, &text.reasoning, &content))
                     } else {
-                        JsonValue::Null
-                    };
-                    chunk(
-                        json!([{"index": index, "delta": delta, "logprobs": logprobs_value, "finish_reason": null}]),
-                        None,
-                    )
+                        let mut delta = serde_json::Map::new();
+                        if !text.reasoning.is_empty() {
+                            delta.insert(
+                                "reasoning_content".to_string(),
+                                JsonValue::from(text.reasoning),
+                            );
+                        }
+                        if !content.is_empty() {
+                            delta.insert("content".to_string(), JsonValue::from(content));
+                        }
+                        if delta.is_empty() && entries.is_empty() {
+                            continue; // everything held back for tool-call parsing
+                        }
+                        chunk(
+                            json!([{"index": index, "delta": delta, "logprobs": chat_logprobs_json(&entries), "finish_reason": null}]),
+                            None,
+                        )
+                    }
                 }
                 Ok(GenerationEvent::Finished(summary)) => {
                     let finish_kind = summary.finish;

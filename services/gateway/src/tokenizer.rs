@@ -14,6 +14,7 @@ use tokenizers::Tokenizer;
 
 use crate::chat_template::{ChatTemplate, ChatTemplateInput};
 use crate::error::GatewayError;
+use crate::token_bytes::TokenBytes;
 
 /// Texts up to this size are encoded in one go; larger ones are first counted in chunks of about
 /// this size, so a prompt far beyond the context costs a context's worth of work and memory.
@@ -55,6 +56,9 @@ pub struct ModelTokenizer {
     /// Tokens in the vocabulary, added tokens included. Counted once at load: the `tokenizers`
     /// crate builds the whole vocabulary map to count it, far too slow for every token.
     vocabulary_size: usize,
+    /// Every token's bytes, for byte-level vocabularies: decoding without the crate's
+    /// per-call work (see `token_bytes`).
+    token_bytes: Option<TokenBytes>,
     typed_control_tokens: TypedControlTokens,
 }
 
@@ -80,8 +84,10 @@ impl ModelTokenizer {
         special_token_texts.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let most_bytes_per_token = most_bytes_per_token(&tokenizer, bytes);
         let vocabulary_size = tokenizer.get_vocab_size(true);
+        let token_bytes = TokenBytes::of(&tokenizer, vocabulary_size);
         Ok(ModelTokenizer {
             vocabulary_size,
+            token_bytes,
             tokenizer,
             plain_text_tokenizer,
             special_token_texts,
@@ -360,15 +366,40 @@ impl ModelTokenizer {
         token_ids: &[u32],
         skip_special_tokens: bool,
     ) -> Result<String, GatewayError> {
-        let vocabulary_size = self.vocabulary_size as u32;
-        if let Some(bad) = token_ids.iter().find(|id| **id >= vocabulary_size) {
-            return Err(GatewayError::invalid(format!(
-                "token id {bad} is outside the vocabulary (size {vocabulary_size})"
-            )));
+        self.check_ids(token_ids)?;
+        if let Some(table) = &self.token_bytes {
+            return Ok(table.decode(token_ids, skip_special_tokens));
         }
         self.tokenizer
             .decode(token_ids, skip_special_tokens)
             .map_err(|error| GatewayError::invalid(format!("cannot decode token ids: {error}")))
+    }
+
+    /// Appends the UTF-8 bytes `decode` would read `token_ids` from to `out` (invalid sequences
+    /// and all); `Ok(false)` when this vocabulary is not byte-level (use `decode`).
+    fn decode_bytes(
+        &self,
+        token_ids: &[u32],
+        skip_special_tokens: bool,
+        out: &mut Vec<u8>,
+    ) -> Result<bool, GatewayError> {
+        let Some(table) = &self.token_bytes else {
+            return Ok(false);
+        };
+        self.check_ids(token_ids)?;
+        table.append(token_ids, skip_special_tokens, out);
+        Ok(true)
+    }
+
+    /// An id outside the vocabulary is a client error.
+    fn check_ids(&self, token_ids: &[u32]) -> Result<(), GatewayError> {
+        let vocabulary_size = self.vocabulary_size as u32;
+        match token_ids.iter().find(|id| **id >= vocabulary_size) {
+            Some(bad) => Err(GatewayError::invalid(format!(
+                "token id {bad} is outside the vocabulary (size {vocabulary_size})"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The string form of one token (for logprobs), `None` if unknown.
@@ -494,12 +525,16 @@ fn most_bytes_per_token(tokenizer: &Tokenizer, json: &[u8]) -> Option<usize> {
 
 /// Streams text out of a growing token sequence (the prefix/read offset scheme of TGI and vLLM):
 /// decode a short window before and after the newest tokens and emit only the difference, and only
-/// once it no longer ends in U+FFFD (an incomplete byte sequence).
+/// once it no longer ends in U+FFFD (an incomplete byte sequence). For byte-level vocabularies the
+/// window's bytes are joined into a buffer kept between tokens and read in place: no allocation
+/// per token but the delta's.
 pub struct IncrementalDetokenizer {
     token_ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
     skip_special_tokens: bool,
+    /// The window's bytes (byte-level vocabularies), reused from token to token.
+    window_bytes: Vec<u8>,
 }
 
 impl IncrementalDetokenizer {
@@ -509,6 +544,7 @@ impl IncrementalDetokenizer {
             prefix_offset: 0,
             read_offset: 0,
             skip_special_tokens,
+            window_bytes: Vec::new(),
         }
     }
 
@@ -519,25 +555,12 @@ impl IncrementalDetokenizer {
         token_id: u32,
     ) -> Result<String, GatewayError> {
         self.token_ids.push(token_id);
-        let prefix_text = tokenizer.decode(
-            &self.token_ids[self.prefix_offset..self.read_offset],
-            self.skip_special_tokens,
-        )?;
-        let new_text = tokenizer.decode(
-            &self.token_ids[self.prefix_offset..],
-            self.skip_special_tokens,
-        )?;
-        if new_text.len() > prefix_text.len()
-            && !new_text.ends_with('\u{FFFD}')
-            && new_text.is_char_boundary(prefix_text.len())
-        {
-            let delta = new_text[prefix_text.len()..].to_string();
+        let delta = self.window_delta(tokenizer, true)?;
+        if delta.is_some() {
             self.prefix_offset = self.read_offset;
             self.read_offset = self.token_ids.len();
-            Ok(delta)
-        } else {
-            Ok(String::new())
         }
+        Ok(delta.unwrap_or_default())
     }
 
     /// Text still held back at the end of the stream (an incomplete character, shown as U+FFFD).
@@ -545,22 +568,45 @@ impl IncrementalDetokenizer {
         if self.read_offset >= self.token_ids.len() {
             return Ok(String::new());
         }
-        let prefix_text = tokenizer.decode(
-            &self.token_ids[self.prefix_offset..self.read_offset],
-            self.skip_special_tokens,
-        )?;
+        let delta = self.window_delta(tokenizer, false)?;
+        self.read_offset = self.token_ids.len();
+        self.prefix_offset = self.read_offset;
+        Ok(delta.unwrap_or_default())
+    }
+
+    /// The text the tokens after the read offset add to the window's prefix, `None` when they add
+    /// none (or, with `complete_only`, when it ends in an incomplete character).
+    fn window_delta(
+        &mut self,
+        tokenizer: &ModelTokenizer,
+        complete_only: bool,
+    ) -> Result<Option<String>, GatewayError> {
+        let prefix_ids = &self.token_ids[self.prefix_offset..self.read_offset];
+        let new_ids = &self.token_ids[self.read_offset..];
+        self.window_bytes.clear();
+        if tokenizer.decode_bytes(prefix_ids, self.skip_special_tokens, &mut self.window_bytes)? {
+            let prefix_end = self.window_bytes.len();
+            tokenizer.decode_bytes(new_ids, self.skip_special_tokens, &mut self.window_bytes)?;
+            let prefix_text = String::from_utf8_lossy(&self.window_bytes[..prefix_end]);
+            let new_text = String::from_utf8_lossy(&self.window_bytes);
+            return Ok(text_delta(&prefix_text, &new_text, complete_only).map(str::to_string));
+        }
+        let prefix_text = tokenizer.decode(prefix_ids, self.skip_special_tokens)?;
         let new_text = tokenizer.decode(
             &self.token_ids[self.prefix_offset..],
             self.skip_special_tokens,
         )?;
-        self.read_offset = self.token_ids.len();
-        self.prefix_offset = self.read_offset;
-        if new_text.len() > prefix_text.len() && new_text.is_char_boundary(prefix_text.len()) {
-            Ok(new_text[prefix_text.len()..].to_string())
-        } else {
-            Ok(String::new())
-        }
+        Ok(text_delta(&prefix_text, &new_text, complete_only).map(str::to_string))
     }
+}
+
+/// What `new_text` adds after `prefix_text`, if it extends it at a character boundary (and, with
+/// `complete_only`, does not end in U+FFFD).
+fn text_delta<'a>(prefix_text: &str, new_text: &'a str, complete_only: bool) -> Option<&'a str> {
+    (new_text.len() > prefix_text.len()
+        && !(complete_only && new_text.ends_with('\u{FFFD}'))
+        && new_text.is_char_boundary(prefix_text.len()))
+    .then(|| &new_text[prefix_text.len()..])
 }
 
 #[cfg(test)]

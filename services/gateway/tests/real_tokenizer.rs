@@ -95,3 +95,62 @@ fn ids_past_the_vocabulary_are_refused_by_name() {
         .unwrap_or_default();
     assert!(error.contains("248100"), "{error}");
 }
+
+fn real_tokenizer_json() -> Vec<u8> {
+    let file = std::fs::File::open(fixture_directory().join("tokenizer.json.gz"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut json = Vec::new();
+    flate2::read::GzDecoder::new(file)
+        .read_to_end(&mut json)
+        .unwrap_or_else(|e| panic!("{e}"));
+    json
+}
+
+/// The gateway decodes byte-level vocabularies from a table of every token's bytes; the
+/// `tokenizers` crate's own decode is the reference, token by token and over runs of tokens
+/// that split characters, hold special tokens and ids without a token.
+#[test]
+fn decoding_from_the_token_table_is_the_tokenizers_decode() {
+    let json = real_tokenizer_json();
+    let reference = tokenizers::Tokenizer::from_bytes(&json).unwrap_or_else(|e| panic!("{e}"));
+    let vocabulary = reference.get_vocab_size(true);
+    let table = ninfer_gateway::token_bytes::TokenBytes::of(&reference, vocabulary)
+        .unwrap_or_else(|| panic!("the Qwen3.5 decoder is byte-level"));
+    let decode = |ids: &[u32], skip: bool| {
+        reference
+            .decode(ids, skip)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    for id in 0..vocabulary as u32 {
+        assert_eq!(
+            table.decode(&[id], false),
+            decode(&[id], false),
+            "token {id}"
+        );
+    }
+    // A fixed pseudo-random walk: multi-byte characters split across tokens, special tokens.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |bound: u32| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % u64::from(bound)) as u32
+    };
+    let specials: Vec<u32> = (248_044..vocabulary as u32).collect();
+    for _ in 0..3000 {
+        let length = 1 + next(8) as usize;
+        let ids: Vec<u32> = (0..length)
+            .map(|_| match next(6) {
+                0 => specials[next(specials.len() as u32) as usize],
+                _ => next(vocabulary as u32),
+            })
+            .collect();
+        for skip in [false, true] {
+            assert_eq!(
+                table.decode(&ids, skip),
+                decode(&ids, skip),
+                "{ids:?} skip {skip}"
+            );
+        }
+    }
+}

@@ -3,9 +3,10 @@
 //! `ninfer convert --synthetic --tokenizer`, served by `ninfer run --serve`.
 //!
 //! - `ninfer bench serve` measures it through the HTTP API: every level answers, `/health`
-//!   keeps answering under 16 streams, and the gateway's CPU time per generated token is far
-//!   from the whole-vocabulary work per token it once did (the bound leaves room for a debug
-//!   build on a loaded machine; release figures are in docs/BENCHMARKS.md).
+//!   keeps answering within 100 ms under 16 streams, and the gateway's CPU time per generated
+//!   token is far from the whole-vocabulary work per token it once did (the bound leaves room
+//!   for a debug build on a loaded machine; release figures are in docs/BENCHMARKS.md, and
+//!   `services/gateway/tests/per_token_work.rs` bounds the per-token work by counting).
 //! - The served name carries no conversion checksum, aliases from `--model-alias` answer, and
 //!   `/metrics` shows routing statistics of this model only.
 //! - Unmodified Claude Code completes a `-p` run against a model that ends its turn at once
@@ -209,9 +210,9 @@ fn bench_serve_measures_the_api_with_the_real_vocabulary() {
         );
         assert_eq!(level["health_failures"].as_u64(), Some(0), "{level}");
         assert!(level["health_probes"].as_u64().unwrap_or(0) > 0, "{level}");
-        // Health never waits on generation: far below the seconds it once took.
+        // Health never waits on generation: within 100 ms at every level (it once took seconds).
         assert!(
-            level["health_max_ms"].as_f64().unwrap_or(f64::MAX) < 1000.0,
+            level["health_max_ms"].as_f64().unwrap_or(f64::MAX) < 100.0,
             "{level}"
         );
         // Whole-vocabulary work per token cost ~185,000 µs; a debug build's per-token work

@@ -8,8 +8,10 @@
 //!
 //! A decode batch (one-row segments of consecutive rows, `CudaOptions::batched_decode`) takes one
 //! KV append, one split and one combine launch for all its sequences (up to
-//! [`DECODE_BATCH_ROWS`] per launch), each row reading its own cache and position; every row gets
-//! the bits its own segment's launches give it.
+//! [`DECODE_BATCH_ROWS`] per launch; device/attention_batched.rs), each row reading its own cache
+//! and position; every row gets the bits its own segment's launches give it. Over a bf16 cache,
+//! the split launch is one of the group kernels where one serves the shape
+//! (device/attention_decode.rs).
 //!
 //! Path per segment (flash): at most [`SPLIT_MAX_ROWS`] rows (decode, a few speculative rows) go
 //! through split-K with a chunk size chosen from the segment's last position only; longer
@@ -21,7 +23,7 @@
 //! sequences of the batch (batch invariance, as the matmul kernel).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{DevicePtrMut, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
 use super::self_checks::self_check_values;
 use super::{
@@ -36,21 +38,21 @@ pub(super) const ATTENTION_WARPS: u32 = 4;
 /// `32 * MAX_DIMS_PER_LANE` in `kernels/attention.cu`.
 pub(super) const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// `SPLIT_THREADS` in `kernels/attention.cu`.
-const SPLIT_THREADS: u32 = 128;
+pub(super) const SPLIT_THREADS: u32 = 128;
 /// `SPLIT_TILE`: keys staged and scored together (one per lane); chunks are multiples of it.
 const SPLIT_TILE: usize = 32;
 /// `SPLIT_HEADS`: q heads one split block serves.
-const SPLIT_HEADS: usize = 8;
+pub(super) const SPLIT_HEADS: usize = 8;
 /// Segments of at most this many rows take the split-K path (one block row per query row).
 pub(super) const SPLIT_MAX_ROWS: usize = 8;
 /// At most this many chunks per row (the chunk grows with the context beyond
 /// `SPLIT_MAX_CHUNKS · SPLIT_TILE` keys, which bounds the workspace).
 /// Decode is latency-bound, so a row's keys are cut into many small blocks: 4K keys still make
 /// 128 one-tile chunks per kv head. `COMBINE_MAX_CHUNKS` in `kernels/attention.cu`.
-const SPLIT_MAX_CHUNKS: usize = 128;
+pub(super) const SPLIT_MAX_CHUNKS: usize = 128;
 /// `COMBINE_WARPS` in `kernels/attention.cu`: warps of a combine block (each sums a share of
 /// the chunks for 32 of a head's dims).
-const COMBINE_WARPS: u32 = 8;
+pub(super) const COMBINE_WARPS: u32 = 8;
 /// `TILE_THREADS`, `TILE_ROWS`, `TILE_KEYS` in `kernels/attention.cu`.
 const TILE_THREADS: u32 = 128;
 const TILE_ROWS: usize = 32;
@@ -99,7 +101,7 @@ impl std::fmt::Display for AttentionPath {
 
 /// Keys per split chunk for a segment whose last row sits at `last_position`: one tile up to
 /// `SPLIT_MAX_CHUNKS` tiles of keys, then as many tiles as keep the chunk count at that bound.
-fn split_chunk(last_position: usize) -> usize {
+pub(super) fn split_chunk(last_position: usize) -> usize {
     let tiles = (last_position + 1).div_ceil(SPLIT_TILE);
     tiles.div_ceil(SPLIT_MAX_CHUNKS).max(1) * SPLIT_TILE
 }
@@ -107,7 +109,7 @@ fn split_chunk(last_position: usize) -> usize {
 /// Dynamic shared memory of a split block.
 /// q, scores and statistics in f32, then the staged K and V tiles as 4-byte words with one
 /// quad (rows of whole 16-byte quads) or one word of padding per row.
-fn split_smem_bytes(hd: usize, dtype: KvDtype) -> usize {
+pub(super) fn split_smem_bytes(hd: usize, dtype: KvDtype) -> usize {
     // The kernel's row stride: whole 16-byte quads are padded by one quad, else by one word.
     let words = (hd * dtype.bytes()).div_ceil(4);
     let words_per_row = if words % 4 == 0 { words + 4 } else { words + 1 };
@@ -135,22 +137,6 @@ const CHECK_CASES: [CheckCase; 3] = [
     (16, 2, 256, [70, 1], None),
     (4, 1, 64, [300, 9], Some(100)),
 ];
-
-/// `DecodeRows` in `kernels/attention.cu`: the caches and positions of the rows of one batched
-/// decode launch, passed by value.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct DecodeRows {
-    keys: [u64; DECODE_BATCH_ROWS],
-    values: [u64; DECODE_BATCH_ROWS],
-    positions: [i32; DECODE_BATCH_ROWS],
-}
-
-// SAFETY: `#[repr(C)]` plain integers laid out as the kernels' `DecodeRows` (u64 ↔ unsigned long
-// long, i32 ↔ int, no padding between or after the arrays at this row count).
-unsafe impl cudarc::driver::DeviceRepr for DecodeRows {}
-// SAFETY: as above: `#[repr(C)]`, the kernels' `DecodeRows` field for field.
-unsafe impl super::launch::KernelValue for DecodeRows {}
 
 /// Whether `segments` are one-row segments of consecutive rows in order (a decode batch), every
 /// cache of one dtype and width, which the batched decode kernels take in one launch each.
@@ -866,157 +852,6 @@ impl CudaBackend {
         }
         Ok(out)
     }
-
-    /// The KV append, split attention and combine of up to [`DECODE_BATCH_ROWS`] one-row
-    /// segments (rows `row_start ..`, in order), one launch each: each row reads its own cache
-    /// and position (from `row_positions` in a step graph) and takes the chunk its own segment
-    /// launch would take, so every row gets the bits of the per-segment launches.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_batched_decode_attention(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        spec: &AttentionSpec,
-        segments: &mut [Segment<'_, CudaKvCache>],
-        row_start: usize,
-        out: &mut CudaTensor,
-        in_step_graph: bool,
-        row_positions: u64,
-    ) -> Result<(), CudaError> {
-        let n = segments.len();
-        if n == 0 || n > DECODE_BATCH_ROWS {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "a batched decode launch takes 1 to {DECODE_BATCH_ROWS} rows, not {n}"
-                ),
-            });
-        }
-        let hd = spec.head_dim;
-        let mut batch = DecodeRows {
-            keys: [0; DECODE_BATCH_ROWS],
-            values: [0; DECODE_BATCH_ROWS],
-            positions: [0; DECODE_BATCH_ROWS],
-        };
-        let mut most_chunks = 1usize;
-        let mut bf16 = false;
-        for (t, segment) in segments.iter_mut().enumerate() {
-            let cache = &mut *segment.state;
-            batch.positions[t] = int(segment.start_position, "position")?;
-            let chunk = split_chunk(segment.start_position);
-            most_chunks = most_chunks.max(segment.start_position / chunk + 1);
-            let (keys, values) = match (&mut *cache.keys, &mut *cache.values) {
-                (KvBuffer::F32(keys), KvBuffer::F32(values)) => (
-                    keys.device_ptr_mut(&self.stream).0,
-                    values.device_ptr_mut(&self.stream).0,
-                ),
-                (KvBuffer::Bf16(keys), KvBuffer::Bf16(values)) => {
-                    bf16 = true;
-                    (
-                        keys.device_ptr_mut(&self.stream).0,
-                        values.device_ptr_mut(&self.stream).0,
-                    )
-                }
-                _ => {
-                    return Err(CudaError::Invalid {
-                        problem: "attention: keys and values of one cache differ in dtype".into(),
-                    })
-                }
-            };
-            batch.keys[t] = keys;
-            batch.values[t] = values;
-            cache.len = segment.start_position + 1;
-        }
-        let width = segments[0].state.kv_width;
-        let dtype = segments[0].state.dtype;
-        // A step graph serves every position: its grid covers the most chunks a row can have,
-        // and the kernels skip the chunks past each row's position.
-        let chunks = if in_step_graph {
-            SPLIT_MAX_CHUNKS
-        } else {
-            most_chunks
-        };
-        let entries = n * spec.heads * chunks;
-        int(entries * hd, "split workspace")?;
-        // Recycled buffers, not zeroed: the combine reads only the partials of non-empty
-        // chunks, and the split kernel writes every one of those.
-        let mut part_o = self.output_uninit(1, entries * hd)?;
-        let mut part_ml = self.output_uninit(1, 2 * entries)?;
-        let (q_data, k_data, v_data) = (&*q.data, &*k.data, &*v.data);
-        let (row_start, rows, width_arg) = (
-            int(row_start, "row")?,
-            int(n, "rows")?,
-            int(width, "kv width")?,
-        );
-        let (heads, kv_heads, head_dim) = (
-            int(spec.heads, "heads")?,
-            int(spec.kv_heads, "kv heads")?,
-            int(hd, "head_dim")?,
-        );
-        let window = int(spec.sliding_window.unwrap_or(0), "sliding window")?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (chunks_arg, part_base) = (int(chunks, "chunks")?, 0i32);
-        if bf16 {
-            launch!(self, "kv_append_batched_bf16", elementwise(n * width);
-                k_data, v_data, &batch, &row_start, &rows, &width_arg, &row_positions)?;
-        } else {
-            launch!(self, "kv_append_batched", elementwise(n * width);
-                k_data, v_data, &batch, &row_start, &rows, &width_arg, &row_positions)?;
-        }
-        let group = spec.heads / spec.kv_heads;
-        let slices = group.div_ceil(SPLIT_HEADS);
-        let config = LaunchConfig {
-            grid_dim: (chunks as u32, (spec.kv_heads * slices) as u32, n as u32),
-            block_dim: (SPLIT_THREADS, 1, 1),
-            shared_mem_bytes: split_smem_bytes(hd, dtype) as u32,
-        };
-        let (part_o, part_ml) = (&mut *part_o.data, &mut *part_ml.data);
-        if let Some(kernel) = self.decode_kernel(dtype, hd, group) {
-            let function = self.function(kernel.batched)?;
-            let mut builder = super::launch::KernelArgs::new(&self.stream);
-            builder
-                .arg(q_data)
-                .arg(&mut *part_o)
-                .arg(&mut *part_ml)
-                .arg(&batch)
-                .arg(&row_start)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&head_dim)
-                .arg(&window)
-                .arg(&scale)
-                .arg(&chunks_arg)
-                .arg(&part_base)
-                .arg(&row_positions);
-            // SAFETY: the arguments match `attention_decode_batched_bf16_*` in
-            // kernels/attention_decode.cu, which takes those of `attention_split_batched_bf16`
-            // (types and order); every row's cache pointer is a bf16 cache (`decode_kernel`
-            // answers only for bf16).
-            unsafe {
-                self.launch_kernel(
-                    function,
-                    kernel.config(chunks, spec.kv_heads, n),
-                    &mut builder,
-                )
-            }?;
-        } else if bf16 {
-            launch!(self, "attention_split_batched_bf16", config;
-                q_data, &mut *part_o, &mut *part_ml, &batch, &row_start, &heads, &kv_heads,
-                &head_dim, &window, &scale, &chunks_arg, &part_base, &row_positions)?;
-        } else {
-            launch!(self, "attention_split_batched", config;
-                q_data, &mut *part_o, &mut *part_ml, &batch, &row_start, &heads, &kv_heads,
-                &head_dim, &window, &scale, &chunks_arg, &part_base, &row_positions)?;
-        }
-        let combine = LaunchConfig {
-            grid_dim: ((n * spec.heads) as u32, hd.div_ceil(32) as u32, 1),
-            block_dim: (32 * COMBINE_WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(self, "attention_combine_batched", combine;
-            &*part_o, &*part_ml, &mut *out.data, &batch, &row_start, &rows, &heads, &head_dim,
-            &window, &chunks_arg, &part_base, &row_positions)
-    }
 }
 
 #[cfg(test)]
@@ -1040,16 +875,6 @@ mod tests {
             32 * define("MAX_DIMS_PER_LANE")
         );
         assert_eq!(DECODE_BATCH_ROWS as i64, define("DECODE_BATCH_ROWS"));
-        // `DecodeRows` is the kernels' struct byte for byte (two pointer arrays, one int array).
-        assert_eq!(
-            std::mem::size_of::<DecodeRows>(),
-            DECODE_BATCH_ROWS * (8 + 8 + 4)
-        );
-        assert_eq!(std::mem::align_of::<DecodeRows>(), 8);
-        assert!(
-            std::mem::size_of::<DecodeRows>() < 4096 - 256,
-            "kernel parameters fit 4 KiB"
-        );
         assert_eq!(MMA_ROWS as i64, define("MMA_ROWS"));
         // One tile size stages q and the K / V tiles (mma_smem_bytes).
         assert_eq!(define("MMA_KEYS"), define("MMA_ROWS"));

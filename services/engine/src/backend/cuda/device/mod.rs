@@ -3,8 +3,9 @@
 //!
 //! Owns: device buffers (`CudaSlice<f32>`) behind the backend's types, the shared launch
 //! helpers (output buffers, uploads, read-back, `launch!`), and the `Backend` impl, which maps
-//! each op onto its family's module. The families mirror `kernels/*.cu` one to one:
-//! `attention`, `delta_rule`, `elementwise`, `experts`, `matmul`, `norm`, `router`, `sampling`.
+//! each op onto its family's module. The families mirror `kernels/*.cu`: `attention` (with
+//! `attention_batched`, the decode batch's launches, and `attention_decode`, the group kernels),
+//! `delta_rule`, `elementwise`, `experts`, `matmul`, `norm`, `router`, `sampling`.
 //! Beside them: `options` (what the backend is opened with), `start_up` (driver, context,
 //! kernels), `self_checks` (cuBLAS), and the buffers' helpers (`readback`, `pending_routing`,
 //! `tensor_pool`, `host_kv`, `op_timing`, `bandwidth`).
@@ -1133,6 +1134,7 @@ impl Backend for CudaBackend {
 }
 
 mod attention;
+mod attention_batched;
 mod attention_decode;
 mod bandwidth;
 mod cache_copies;

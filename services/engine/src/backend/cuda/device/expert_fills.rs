@@ -12,7 +12,7 @@ use cudarc::driver::{CudaEvent, CudaStream, DevicePtrMut};
 use ninfer_artifact::{Artifact, ExpertBank};
 
 use super::driver_error;
-use super::experts::CudaExpertSlots;
+use super::expert_slots::CudaExpertSlots;
 use crate::backend::cuda::CudaError;
 use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotFills, ExpertSlotTable};
 use crate::error::EngineError;

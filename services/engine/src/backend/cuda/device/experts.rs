@@ -1,34 +1,22 @@
-//! GPU expert slots: routed experts of one MoE layer resident in GPU memory, computed by
-//! `kernels/experts.cu`.
+//! Routed experts computed from their GPU slots (`kernels/experts.cu`, `experts_mma.cu`).
 //!
-//! Owns: the slot buffer (`slots × stride` bytes, each slot one expert exactly as its bank
-//! stores it, so bf16 / int8 / int4 stay in their stored form and are dequantized in the
-//! kernel), the expert → slot table on the GPU with its host mirror, page-locking the source
-//! banks (`cuMemHostRegister`, read-only, on the artifact's shared file mapping) so slot fills
-//! are asynchronous DMA, and the three launches of a layer's slotted experts: per pair for small
-//! batches (by expert for a decode batch of several tokens: the per-pair bits, each expert read
-//! once for up to `EXPERT_GROUP_PAIRS` of its pairs), grouped by expert (each weight read once
-//! per tile of up to `TILE_TOKENS` pairs) from `GROUPED_MIN_TOKENS` tokens on. All paths give
-//! the same bits (see `kernels/experts.cu`).
-//! Background fills (`expert_fills.rs`) run on the slots' own copy stream and enter the table
-//! when the compute stream has waited for their event; the slot
-//! buffer and the table's device buffer are allocated once and only ever written in place (a
-//! captured CUDA graph holds their addresses).
+//! Owns: the launches of a layer's slotted experts: per pair for small batches (one token's
+//! gate/up from a grid that fits the GPU at once; by expert for a decode batch of several
+//! tokens: the per-pair bits, each expert read once for up to `EXPERT_GROUP_PAIRS` of its pairs),
+//! grouped by expert (each weight read once per tile of up to `TILE_TOKENS` pairs, or on the
+//! tensor cores) from `GROUPED_MIN_TOKENS` tokens on, and the pair sum. The SIMT paths give the
+//! same bits (see `kernels/experts.cu`). The slots themselves are `expert_slots.rs`, their
+//! background fills `expert_fills.rs`.
 //! Must not touch: which experts go to slots (the model's placement), routing, the CPU side.
 
-use std::sync::Arc;
-
-use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
-    LaunchConfig,
-};
-use ninfer_artifact::{Artifact, ExpertBank};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 use ninfer_cpu_experts::{ExpertLayout, WeightDType};
 
+use super::expert_slots::CudaExpertSlots;
 use super::{driver_error, elementwise, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
+use crate::backend::ExpertSlotTable;
 use crate::backend::Routing;
-use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotTable, WithExpertSlotTable};
 use crate::error::EngineError;
 
 /// Warps per block of `expert_gate_up` / `expert_down`: `EXPERT_GATE_UP_COLUMNS` activated
@@ -85,34 +73,6 @@ const MAX_GRID_Y: usize = 65_535;
 /// (`pairs × (hidden + intermediate)` floats) stays bounded at prefill.
 const MAX_PAIRS_PER_LAUNCH: usize = 16_384;
 
-/// A host range pinned with `cuMemHostRegister`, unpinned on drop.
-struct PinnedRange {
-    context: Arc<CudaContext>,
-    start: *mut std::ffi::c_void,
-    /// Registered by this range (unregistered on drop), or found already registered by another
-    /// slot set of the same bank (the prefill staging slots share the resident slots' banks).
-    owned: bool,
-    // Keeps the mapping the range lies in alive while it is registered.
-    _artifact: Arc<Artifact>,
-}
-
-// SAFETY: the pointer is an address inside the artifact's mapping, used only as a token for
-// cuMemHostUnregister; the mapping is immutable and kept alive by `_artifact`.
-unsafe impl Send for PinnedRange {}
-// SAFETY: as above; nothing reads or writes through the pointer.
-unsafe impl Sync for PinnedRange {}
-
-impl Drop for PinnedRange {
-    fn drop(&mut self) {
-        if self.owned && self.context.bind_to_thread().is_ok() {
-            // SAFETY: `start` is exactly the address a successful cuMemHostRegister took.
-            unsafe {
-                let _ = cudarc::driver::sys::cuMemHostUnregister(self.start);
-            }
-        }
-    }
-}
-
 /// Which kernels compute a batch that takes the grouped path (see `GROUPED_MIN_TOKENS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GroupedExpertKernels {
@@ -129,100 +89,6 @@ impl std::fmt::Display for GroupedExpertKernels {
             GroupedExpertKernels::Simt => "simt",
             GroupedExpertKernels::TensorCore => "tensor-core",
         })
-    }
-}
-
-/// Experts of one MoE layer in GPU memory. See the module doc.
-pub struct CudaExpertSlots {
-    pub(super) layout: ExpertLayout,
-    pub(super) storage: CudaSlice<u8>,
-    /// The GPU copy of `slot_table` ([`ExpertSlotTable::slot_entries`]), read by the kernels.
-    pub(super) table: CudaSlice<i32>,
-    pub(super) slot_table: ExpertSlotTable,
-    /// Banks pinned for DMA (by bank prefix), or `None` when pinning failed (copies then go
-    /// through the driver's staging buffer, synchronously).
-    pinned: Vec<(String, Option<PinnedRange>)>,
-    /// Artifacts whose bytes asynchronous copies read: kept alive as long as the slots.
-    pub(super) sources: Vec<Arc<Artifact>>,
-    pub(super) stream: Arc<CudaStream>,
-    /// The stream of background fills (`crate::backend::ExpertSlotFills`), made at the first one.
-    pub(super) copy_stream: Option<Arc<CudaStream>>,
-    /// Background fills started and not yet in the table, a batch per start: (slot, expert)
-    /// pairs and the event after the batch's last copy.
-    pub(super) fills_in_flight: Vec<(Vec<(usize, usize)>, CudaEvent)>,
-    /// Batch fills (layerwise prefill) started and not yet in the table, oldest first: first
-    /// slot, experts, the event after the batch's last copy.
-    pub(super) batch_fills: std::collections::VecDeque<(usize, Vec<usize>, CudaEvent)>,
-    /// Page-locked copy of the host table that table uploads read (an asynchronous copy, where
-    /// one from pageable memory would make the host wait for the stream), made at the first.
-    pub(super) table_staging: Option<cudarc::driver::PinnedHostSlice<i32>>,
-    /// Recorded after the last upload from `table_staging`: the staging is rewritten only once
-    /// it has landed.
-    pub(super) table_uploaded: Option<CudaEvent>,
-    /// Events whose waits are queued, kept to be recorded again: the cache records three per
-    /// layer and step, and creating and destroying each costs the host two driver calls.
-    pub(super) spare_events: Vec<CudaEvent>,
-}
-
-impl Drop for CudaExpertSlots {
-    fn drop(&mut self) {
-        // A copy still in flight must land before its source is unpinned and unmapped.
-        if let Some(copy_stream) = &self.copy_stream {
-            let _ = copy_stream.synchronize();
-        }
-        let _ = self.stream.synchronize();
-    }
-}
-
-impl CudaExpertSlots {
-    /// The device address of the expert → slot table the kernels read (updated in place, so
-    /// a recorded step graph reads the current table).
-    pub(super) fn device_table_address(&self, stream: &CudaStream) -> u64 {
-        self.table.device_ptr(stream).0
-    }
-
-    /// Pins `bank` and remembers `artifact` as a copy source; whether the bank is page-locked.
-    pub(super) fn ready_source(
-        &mut self,
-        artifact: &Arc<Artifact>,
-        bank: &ExpertBank,
-    ) -> Result<bool, CudaError> {
-        // The raw driver calls (register, async copy) need the context on this thread.
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(driver_error("binding the CUDA context"))?;
-        let stream = Arc::clone(&self.stream);
-        pin_bank(&stream, self, artifact, bank);
-        if !self
-            .sources
-            .iter()
-            .any(|known| Arc::ptr_eq(known, artifact))
-        {
-            self.sources.push(Arc::clone(artifact));
-        }
-        Ok(self
-            .pinned
-            .iter()
-            .any(|(prefix, range)| *prefix == bank.prefix && range.is_some()))
-    }
-}
-
-impl WithExpertSlotTable for CudaExpertSlots {
-    fn slot_table(&self) -> &ExpertSlotTable {
-        &self.slot_table
-    }
-}
-
-impl CudaExpertSlots {
-    /// GPU bytes of the slot buffer.
-    pub fn device_bytes(&self) -> usize {
-        self.slot_table.slot_count() * self.layout.stride
-    }
-
-    /// Whether fills of the banks seen so far are DMA from page-locked memory.
-    pub fn banks_pinned(&self) -> bool {
-        !self.pinned.is_empty() && self.pinned.iter().all(|(_, range)| range.is_some())
     }
 }
 
@@ -413,203 +279,7 @@ fn mma_launch(
     })
 }
 
-/// [`CudaBackend::pin_bank`] for slots of the context of `stream`.
-fn pin_bank(
-    stream: &Arc<CudaStream>,
-    slots: &mut CudaExpertSlots,
-    artifact: &Arc<Artifact>,
-    bank: &ExpertBank,
-) {
-    if slots
-        .pinned
-        .iter()
-        .any(|(prefix, _)| *prefix == bank.prefix)
-    {
-        return;
-    }
-    let bytes = artifact.bytes();
-    let page = 4096usize;
-    let start = usize::try_from(bank.offset).unwrap_or(usize::MAX);
-    let length =
-        usize::try_from(bank.num_experts.saturating_mul(bank.expert_stride)).unwrap_or(usize::MAX);
-    let range = match start.checked_add(length) {
-        Some(end) if end <= bytes.len() && length > 0 => {
-            let aligned_start = start / page * page;
-            let aligned_end = end.next_multiple_of(page).min(bytes.len());
-            Some((aligned_start, aligned_end - aligned_start))
-        }
-        _ => None,
-    };
-    let pinned = range.and_then(|(offset, length)| {
-        let pointer = bytes[offset..].as_ptr() as *mut std::ffi::c_void;
-        // SAFETY: [pointer, pointer + length) lies inside the live mapping (checked above);
-        // READ_ONLY because the mapping is read-only (the device only reads from it).
-        let status = unsafe {
-            cudarc::driver::sys::cuMemHostRegister_v2(
-                pointer,
-                length,
-                cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
-            )
-        };
-        let already =
-            status == cudarc::driver::sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
-        if status == cudarc::driver::sys::CUresult::CUDA_SUCCESS || already {
-            Some(PinnedRange {
-                context: Arc::clone(stream.context()),
-                start: pointer,
-                owned: !already,
-                _artifact: Arc::clone(artifact),
-            })
-        } else {
-            tracing::warn!(
-                bank = %bank.prefix,
-                "cuMemHostRegister (read-only) of {:.1} MiB failed ({status:?}); expert slot fills from this bank are synchronous copies",
-                length as f64 / (1 << 20) as f64
-            );
-            None
-        }
-    });
-    slots.pinned.push((bank.prefix.clone(), pinned));
-}
-
 impl CudaBackend {
-    /// `(free, total)` bytes of GPU memory now (`cuMemGetInfo`); with
-    /// [`CudaOptions::memory_cap_bytes`](super::CudaOptions::memory_cap_bytes), as if the GPU
-    /// had only that much (what is in use counts against the cap).
-    pub fn memory_info(&self) -> Result<(usize, usize), CudaError> {
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(driver_error("binding the CUDA context"))?;
-        let (free, total) = cudarc::driver::result::mem_get_info()
-            .map_err(driver_error("reading free GPU memory"))?;
-        Ok(match self.info.memory_cap_bytes {
-            Some(cap) => super::options::capped_memory(
-                free,
-                total,
-                usize::try_from(cap).unwrap_or(usize::MAX),
-            ),
-            None => (free, total),
-        })
-    }
-
-    pub(super) fn allocate_expert_slots(
-        &self,
-        layout: &ExpertLayout,
-        num_experts: usize,
-        slots: usize,
-    ) -> Result<CudaExpertSlots, CudaError> {
-        let bytes = slots
-            .checked_mul(layout.stride)
-            .ok_or_else(|| CudaError::Invalid {
-                problem: format!("{slots} expert slots of {} bytes overflow", layout.stride),
-            })?;
-        let storage = self
-            .stream
-            .alloc_zeros::<u8>(bytes.max(1))
-            .map_err(driver_error(format!(
-                "allocating {slots} expert slots ({bytes} bytes, {:.1} MiB)",
-                bytes as f64 / (1 << 20) as f64
-            )))?;
-        let empty = vec![-1i32; num_experts.max(1)];
-        let table = self
-            .stream
-            .memcpy_stod(&empty)
-            .map_err(driver_error("copying the expert slot table"))?;
-        Ok(CudaExpertSlots {
-            layout: *layout,
-            storage,
-            table,
-            slot_table: ExpertSlotTable::new(num_experts, slots),
-            pinned: Vec::new(),
-            sources: Vec::new(),
-            stream: Arc::clone(&self.stream),
-            copy_stream: None,
-            fills_in_flight: Vec::new(),
-            batch_fills: Default::default(),
-            table_staging: None,
-            table_uploaded: None,
-            spare_events: Vec::new(),
-        })
-    }
-
-    /// Page-locks `bank`'s bytes in `artifact`'s mapping, once per bank; a failure is logged
-    /// and remembered (copies from that bank then go through pageable memory).
-    pub(super) fn pin_bank(
-        &self,
-        slots: &mut CudaExpertSlots,
-        artifact: &Arc<Artifact>,
-        bank: &ExpertBank,
-    ) {
-        pin_bank(&self.stream, slots, artifact, bank)
-    }
-
-    pub(super) fn copy_expert_into_slot(
-        &self,
-        slots: &mut CudaExpertSlots,
-        slot: usize,
-        expert: usize,
-        artifact: &Arc<Artifact>,
-        bank: &ExpertBank,
-    ) -> Result<(), EngineError> {
-        let device = |source| EngineError::Device {
-            op: "fill_expert_slot",
-            source,
-        };
-        let source = expert_bytes(artifact, bank, expert, &slots.layout)?;
-        slots
-            .slot_table
-            .check(slot, expert)
-            .map_err(slot_out_of_range)?;
-        // The raw driver calls below (register, async copy) need the context on this thread;
-        // cudarc's safe calls bind it themselves.
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(driver_error("binding the CUDA context"))
-            .map_err(device)?;
-        self.pin_bank(slots, artifact, bank);
-        if !slots
-            .sources
-            .iter()
-            .any(|known| Arc::ptr_eq(known, artifact))
-        {
-            slots.sources.push(Arc::clone(artifact));
-        }
-        let pinned = slots
-            .pinned
-            .iter()
-            .any(|(prefix, range)| *prefix == bank.prefix && range.is_some());
-        let stride = slots.layout.stride;
-        let storage = &mut slots.storage;
-        let mut destination = storage.slice_mut(slot * stride..(slot + 1) * stride);
-        if pinned {
-            let (pointer, _record) = destination.device_ptr_mut(&self.stream);
-            // SAFETY: `source` is page-locked and lives in an artifact mapping that `slots`
-            // keeps alive (`sources`) until the slots are dropped, after any queued copy; the
-            // destination range is inside the slot buffer.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(pointer, source, self.stream.cu_stream())
-            }
-            .map_err(driver_error("copying an expert into its GPU slot"))
-            .map_err(device)?;
-        } else {
-            self.stream
-                .memcpy_htod(source, &mut destination)
-                .map_err(driver_error("copying an expert into its GPU slot"))
-                .map_err(device)?;
-        }
-        slots
-            .slot_table
-            .assign(slot, expert)
-            .map_err(slot_out_of_range)?;
-        self.stream
-            .memcpy_htod(slots.slot_table.slot_entries(), &mut slots.table)
-            .map_err(driver_error("updating the expert slot table"))
-            .map_err(device)?;
-        Ok(())
-    }
-
     /// The kernels a grouped batch takes under this backend's options.
     pub(super) fn grouped_expert_kernels(&self) -> GroupedExpertKernels {
         if self.options.tensor_core_prefill {

@@ -1141,6 +1141,7 @@ mod cache_copies;
 mod delta_rule;
 mod elementwise;
 mod expert_fills;
+mod expert_slots;
 mod experts;
 mod host_kv;
 mod launch;
@@ -1161,7 +1162,8 @@ mod worker_handoff;
 
 pub use attention::AttentionPath;
 pub use delta_rule::DeltaRuleKernel;
-pub use experts::{CudaExpertSlots, GroupedExpertKernels};
+pub use expert_slots::CudaExpertSlots;
+pub use experts::GroupedExpertKernels;
 pub use launch::Pdl;
 pub use options::{
     parse_memory_gib, parse_shared_memory_bytes, CudaOptions, KvDtype, CONSUMER_CARD_SHARED_MEMORY,

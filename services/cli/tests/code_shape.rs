@@ -34,7 +34,7 @@ const IMPORT_CIRCLES_TO_REMOVE: &[&[&str]] = &[
     &[
         "services/engine/src/backend/cuda/device/mod.rs",
         "services/engine/src/backend/cuda/device/elementwise.rs",
-        "services/engine/src/backend/cuda/device/experts.rs",
+        "services/engine/src/backend/cuda/device/expert_slots.rs",
         "services/engine/src/backend/cuda/device/host_kv.rs",
         "services/engine/src/backend/cuda/device/launch.rs",
         "services/engine/src/backend/cuda/device/matmul.rs",

@@ -2,7 +2,8 @@
 //! against `transformers` (`image_prompt_reference.json`, made by
 //! `scripts/make_image_prompt_reference.py`): the images pre-processed by
 //! `ninfer-vision-input`, encoded by the f32 vision tower, attached to the sequence (embeddings
-//! and three-stream positions) and fed as one prefill, in chunks, and then decoded.
+//! and three-stream positions) and fed as one prefill, in chunks, batched beside a text-only
+//! sequence, and then decoded.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -146,6 +147,7 @@ fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks<B: Backend>
 
     // In chunks that cut through the images: the same last logits.
     let mut chunked = model.new_sequence(tokens.len() + 4).expect("sequence");
+    let embeddings_copy = embeddings.clone();
     model
         .attach_images(&mut chunked, &tokens, &grids, embeddings)
         .expect("images attach");
@@ -167,6 +169,54 @@ fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks<B: Backend>
     assert!(
         chunk_difference < 1e-4,
         "chunked prefill {chunk_difference}"
+    );
+
+    // Batched beside a text-only sequence: each gets the logits it gets alone.
+    let text_tokens: Vec<u32> = tokens
+        .iter()
+        .copied()
+        .filter(|&t| t < 480)
+        .take(9)
+        .collect();
+    let mut text_alone = model.new_sequence(text_tokens.len()).expect("sequence");
+    let text_logits = model
+        .forward(
+            &mut [SequenceInput {
+                state: &mut text_alone,
+                tokens: &text_tokens,
+            }],
+            LogitsSelection::Last,
+        )
+        .expect("forward")
+        .pop()
+        .expect("one sequence");
+    let mut image_batched = model.new_sequence(tokens.len()).expect("sequence");
+    model
+        .attach_images(&mut image_batched, &tokens, &grids, embeddings_copy)
+        .expect("images attach");
+    let mut text_batched = model.new_sequence(text_tokens.len()).expect("sequence");
+    let batched = model
+        .forward(
+            &mut [
+                SequenceInput {
+                    state: &mut text_batched,
+                    tokens: &text_tokens,
+                },
+                SequenceInput {
+                    state: &mut image_batched,
+                    tokens: &tokens,
+                },
+            ],
+            LogitsSelection::Last,
+        )
+        .expect("forward");
+    assert!(
+        max_abs_difference(&batched[0], &text_logits) < 1e-4,
+        "text beside images"
+    );
+    assert!(
+        max_abs_difference(&batched[1], last) < 1e-4,
+        "images beside text"
     );
 
     // A decoded token after the prompt turns by its index plus the prompt's delta: the same

@@ -1,20 +1,21 @@
 //! `ninfer-engine`: the engine process. Loads the model, computes routed experts in-process or
 //! through CPU expert workers (`--experts`), and serves the gateway's gRPC API.
 //!
-//! Owns: command-line flags, process start-up and shutdown, the routing-statistics file.
+//! Owns: process start-up and shutdown, the routing-statistics file (the flags are `args.rs`).
 //! Must not touch: model math (library), HTTP (gateway).
 
-use std::path::PathBuf;
+mod args;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use ninfer_cpu_experts::KernelIsa;
-use ninfer_engine::backend::cuda::{parse_shared_memory_bytes, CudaBackend, CudaOptions, KvDtype};
+use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, KvDtype};
 use ninfer_engine::backend::{DeviceKvShare, HostKvRequest};
 use ninfer_engine::moe::expert_cache::{
-    ExpertCacheCounters, ExpertCacheOptions, DEFAULT_EVICTION_MARGIN, DEFAULT_FILLS_PER_LAYER,
+    ExpertCacheCounters, ExpertCacheOptions, DEFAULT_FILLS_PER_LAYER,
 };
 use ninfer_engine::moe::placement::{
     choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
@@ -38,240 +39,9 @@ use ninfer_engine::service::{
 use ninfer_engine::{open_artifact, Backend, CpuBackend, Model, PrefillStagingOptions};
 use ninfer_protocol::v1::engine_server::EngineServer;
 
+use args::{cuda_options, Args, Device, Speculation};
+
 /// A way of drafting tokens for speculative decoding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Speculation {
-    /// The model's own multi-token-prediction head (`mtp.*` tensors).
-    Mtp,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Device {
-    Cpu,
-    Cuda,
-    Auto,
-}
-
-#[derive(Debug, Parser)]
-#[command(name = "ninfer-engine", version, about = "The NInfer-Offload engine")]
-struct Args {
-    /// The `.ninfer` artifact.
-    #[arg(long)]
-    model: PathBuf,
-    /// Where the dense layers run.
-    #[arg(long, value_enum, default_value = "auto")]
-    device: Device,
-    /// Expert workers (`unix:PATH` or `HOST:PORT`, comma-separated; one per NUMA node). Without
-    /// it the routed experts run in this process.
-    #[arg(long, value_delimiter = ',')]
-    experts: Vec<String>,
-    /// Dense models: the dense MLPs of this many layers (the last ones) stay in host RAM and
-    /// are computed by the expert workers (or in this process without `--experts`) as one
-    /// expert per layer with routing weight 1, for a GPU smaller than the model.
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    dense_mlp_offload_layers: usize,
-    /// gRPC address for the gateway: `unix:PATH` or `HOST:PORT`.
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    listen: String,
-    /// Name the API reports (default: the artifact's file stem).
-    #[arg(long)]
-    model_name: Option<String>,
-    /// Longest prompt + completion per sequence, in tokens (default: min(model limit, 8192)).
-    #[arg(long)]
-    max_context: Option<usize>,
-    /// Sequences decoded together; more are refused with RESOURCE_EXHAUSTED.
-    #[arg(long, default_value_t = 32)]
-    max_sequences: usize,
-    /// Threads of the in-process expert kernels.
-    #[arg(long, default_value_t = 0)]
-    moe_threads: usize,
-    /// Force a kernel path for in-process experts.
-    #[arg(long)]
-    kernel_isa: Option<String>,
-    /// Fail requests held for a missing expert worker after this many seconds.
-    #[arg(long, default_value_t = 120.0)]
-    worker_timeout: f64,
-    /// A worker without a heartbeat for this many milliseconds counts as hung (workers beat
-    /// every 10 ms; with the registrar's 100 ms check a hang is noticed well within a second).
-    #[arg(long, default_value_t = 500)]
-    worker_hang_ms: u64,
-    /// Tokens per activation-channel request (bigger batches go in chunks).
-    #[arg(long, default_value_t = 256)]
-    channel_max_tokens: usize,
-    /// Write routing statistics (per layer, per expert) to this JSON file every 10 s and at exit.
-    #[arg(long)]
-    moe_record_stats: Option<PathBuf>,
-    /// Routing statistics of earlier runs (`ninfer-expert-stats-v1`, written by
-    /// `--moe-record-stats` or the gateway's state directory) for static expert placement.
-    #[arg(long)]
-    moe_expert_stats: Option<PathBuf>,
-    /// KV cache element type on the GPU: `bf16` (half the memory; the default) or `f32`. The CPU
-    /// backend always keeps an f32 cache.
-    #[arg(long, value_name = "bf16|f32")]
-    kv_dtype: Option<KvDtype>,
-    /// Decode steps whose host has no part inside the forward (every routed expert on the GPU)
-    /// run as recorded CUDA graphs: `on` (the default) or `off` (every op launched by the
-    /// host; the same tokens).
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_graphs: bool,
-    /// `on` (the default): the router kernel stores each MoE layer's routing (and a decode
-    /// step's hidden states) straight into page-locked host memory instead of the stream copying
-    /// them back after it. `off`: copies. The same values either way.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_routing_stores: bool,
-    /// `on` (the default): MoE layers with experts on the CPU workers hand them off from the GPU
-    /// itself (it posts into the workers' channels and waits for their answers), so a decode
-    /// step has no host round trip per layer and runs as a CUDA graph. `off`: the host reads
-    /// each layer's routing and posts it. The same tokens either way.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_worker_handoff: bool,
-    /// `on` (the default): prefill-sized grouped routed experts (bf16 / int8 / int4) and causal
-    /// prefill attention over a bf16 KV cache run on the tensor cores (bf16 inputs, f32
-    /// accumulation; within bf16 tolerances of the f32 kernels). `off`: the f32 SIMT kernels.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_tensor_cores: bool,
-    /// `on` (the default): with `--cuda-tensor-cores on`, the Gated DeltaNet prefill (chunked
-    /// delta rule) on the tensor cores too (operands as f16 hi + lo pairs, within ~1e-6 of the
-    /// f32 kernel). `off`: the f32 chunked kernel.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_tensor_core_delta_rule: bool,
-    /// `on` (the default): a decode batch takes one launch per op for all its sequences (one
-    /// KV append, split attention and combine over every sequence's own cache and position;
-    /// routed experts read once per distinct expert for every row that chose it). `off`: one
-    /// launch per sequence (the reference). The same tokens either way.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_batched_decode: bool,
-    /// `on`: a decode step's routed experts compute their down projection and the sum over each
-    /// token's choices in one launch. `off` (the default): a down launch, then the sum. The same
-    /// tokens either way.
-    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_fused_expert_sum: bool,
-    /// `on` (the default): decode attention over a bf16 cache spreads each GQA group's q heads
-    /// across a warp's lanes (q and the sums in registers). `off`: the split kernel, one key per
-    /// lane. Near-equal tokens (the sums run in another order).
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_group_decode_attention: bool,
-    /// `on` (the default): one token's routed gate/up projections from a grid that fits the GPU
-    /// at once (quantized experts). `off`: one block row per (token, expert) pair. The same
-    /// tokens either way.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_decode_gate_up_tasks: bool,
-    /// `on` (the default): on an sm_90+ GPU, kernels are launched with programmatic dependent
-    /// launch, so each one's launch and block scheduling overlap the end of the one before it
-    /// (each still waits for its predecessor before touching memory). `off`: plain launches.
-    /// The same tokens either way; the start-up log says whether it is in use and why not.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
-        action = clap::ArgAction::Set)]
-    cuda_pdl: bool,
-    /// Behave as if the GPU gave a block at most this much shared memory (bytes, or `99K`):
-    /// every kernel takes the variant that fits, a launch that would not fit fails, and the log
-    /// says which variant each op takes. For running an RTX 30/40/50 card's paths (99K) on a
-    /// larger GPU. Default: the GPU's own limit (or `NINFER_CUDA_SHARED_MEMORY_CAP`).
-    #[arg(long, value_name = "BYTES", value_parser = parse_shared_memory_bytes)]
-    cuda_shared_memory_cap: Option<usize>,
-    /// Routed experts per MoE layer kept in GPU expert slots and computed on the GPU while the
-    /// CPU computes the rest: a number, `half`, `all` (an error when they do not fit) or `auto`
-    /// (as many as fit). Which ones: the most used in `--moe-expert-stats`, else the first N.
-    #[arg(long, default_value = "0", value_name = "N|half|all|auto")]
-    moe_gpu_experts: GpuExpertCount,
-    /// Keep the start-up placement of `--moe-gpu-experts` for the whole run. Without it the
-    /// slots follow the routing (the dynamic expert cache) whenever some experts of a layer
-    /// are in slots and some are not.
-    #[arg(long)]
-    moe_static_experts: bool,
-    /// Dynamic expert cache: at most this many experts copied into each MoE layer's slots per
-    /// step (from the page-locked banks, beside the steps; 0 acts as `--moe-static-experts`).
-    /// Default: 2 without `--moe-expert-stats`; with them the placement they give stays (static
-    /// placement by statistics measured faster than the cache seeded by them, and the cache
-    /// faster than static placement without them: docs/BENCHMARKS.md), unless this is given.
-    #[arg(long, value_name = "N")]
-    moe_cache_fills_per_layer: Option<usize>,
-    /// Dynamic expert cache: how much more (in recently routed choices, decayed) a missed
-    /// expert must score than the resident one it would evict; against two experts taking
-    /// turns in a slot.
-    #[arg(long, default_value_t = DEFAULT_EVICTION_MARGIN, value_name = "CHOICES")]
-    moe_cache_eviction_margin: f64,
-    /// Routed experts in host RAM, computed by the CPU, the GPU holding `--moe-gpu-experts` of
-    /// them per layer: how the engine always runs; accepted for command lines written for the
-    /// seeds' tool.
-    #[arg(long)]
-    moe_offload: bool,
-    /// Behave as if the GPU had this many GiB (to stand in for a 16 or 24 GB card): expert
-    /// slots get what is left after the dense weights, the KV caches of `--max-sequences` full
-    /// contexts and 1 GiB of working memory.
-    #[arg(long, value_name = "GiB")]
-    gpu_mem_budget: Option<f64>,
-    /// Reserve this many MiB of page-locked, device-mapped host memory for KV caches: attention
-    /// layers' caches go to the GPU first and, once its share (free memory, within
-    /// `--gpu-mem-budget`, less 1 GiB) is used up, to this pool, which the attention kernels
-    /// read over PCIe. 0: every KV cache on the GPU. The CPU backend ignores it.
-    #[arg(long, default_value_t = 0, value_name = "MiB")]
-    host_kv_mib: u64,
-    /// Keep what prompts computed, by blocks of 256 tokens, within this many GiB, so a later
-    /// prompt that starts the same way computes only the rest (attention KV rows, and for
-    /// Gated DeltaNet layers their states at checkpoints; least recently used blocks go
-    /// first). On the GPU the blocks are KV caches like the sequences' (GPU first, then the
-    /// `--host-kv-mib` pool) and the expert slots leave them room. 0: off (`ninfer run` and
-    /// `ninfer serve` pass their plan's figure).
-    #[arg(long, default_value_t = 0.0, value_name = "GiB")]
-    prefix_cache_gib: f64,
-    /// On the GPU: batches of at least this many tokens (long prompts) copy the routed experts
-    /// they need over PCIe into one layer-sized set of staging slots and compute them on the
-    /// GPU instead of the expert workers (0: never). The default is about where PCIe wins:
-    /// one layer's experts cross PCIe in ~12 ms (qwen3-30b-a3b int8, ~55 GB/s) while the CPU
-    /// needs ~60 µs per token per layer (AMX).
-    #[arg(long, default_value_t = 256, value_name = "TOKENS")]
-    moe_prefill_gpu_min_tokens: usize,
-    /// On the GPU: batches of at least this many tokens prefill layerwise (0: never): each MoE
-    /// layer's experts stream over PCIe into one half of two layer-sized sets of staging slots
-    /// while the layer before computes, and each layer's experts are split between the GPU and
-    /// the expert workers from the copy, GPU and CPU rates measured at start (logged).
-    #[arg(long, default_value_t = 1024, value_name = "TOKENS")]
-    moe_prefill_layerwise_min_tokens: usize,
-    /// While other sequences are generating, a prompt longer than this is fed this many tokens
-    /// per scheduler step (each step also runs the others' decode), so a long prompt delays
-    /// them by one chunk's forward at a time, not its whole prefill (0: whole prompts).
-    #[arg(long, default_value_t = ninfer_engine::service::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS, value_name = "TOKENS")]
-    prefill_chunk_tokens: usize,
-    /// While other sequences are generating, the most of the wall time that prompt work (the
-    /// chunks of `--prefill-chunk-tokens`, and steps a prompt's rest joins) may take, in (0, 1]:
-    /// after each, prompts wait while the others' decode steps take (1 − share) / share of its
-    /// time, so a stream keeps at least about 1 − share of its solo decode speed during a long
-    /// prefill (the first chunk runs at once). 1: a chunk every step, however long it takes.
-    #[arg(long, default_value_t = ninfer_engine::service::scheduler::DEFAULT_PREFILL_TIME_SHARE, value_name = "SHARE", value_parser = parse_time_share)]
-    prefill_time_share: f64,
-    /// File holding the shared secret every caller must send (`authorization: Bearer SECRET`);
-    /// also `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`. Needed when `--listen` is
-    /// TCP and other users can reach it; a `unix:PATH` socket is owner-only without it.
-    #[arg(long, value_name = "FILE")]
-    control_secret_file: Option<PathBuf>,
-    /// Serve on a non-loopback TCP `--listen` without a control secret (refused otherwise:
-    /// anyone reaching the port could use the engine).
-    #[arg(long)]
-    insecure_listen: bool,
-    /// Speculative decoding: `mtp` drafts tokens with the model's MTP head and verifies them in
-    /// one batched forward (the output is the same token for token, greedy or seeded sampled).
-    /// Requests may ask for fewer drafts or none.
-    #[arg(long, value_enum)]
-    spec: Option<Speculation>,
-    /// With `--spec mtp`: most drafts per step and sequence (1..=8); a sequence whose drafts
-    /// are rejected drafts fewer, down to none.
-    #[arg(long, default_value_t = 1, requires = "spec", value_name = "N")]
-    draft_tokens: usize,
-    /// Log as JSON lines.
-    #[arg(long)]
-    log_json: bool,
-}
-
 fn init_logging(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -604,15 +374,6 @@ enum SelectedDevice {
     Cuda(Arc<CudaBackend>),
 }
 
-/// `on` or `off`.
-fn parse_on_off(text: &str) -> Result<bool, String> {
-    match text {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        other => Err(format!("`{other}`: expected on or off")),
-    }
-}
-
 /// Fills per layer and step of the dynamic expert cache: 0 (static placement) with
 /// `--moe-static-experts`; else the number asked for; else, by measurement, static placement
 /// where routing statistics place the experts and [`DEFAULT_FILLS_PER_LAYER`] where none do.
@@ -622,36 +383,6 @@ fn default_cache_fills(static_experts: bool, asked: Option<usize>, has_statistic
         (false, Some(fills)) => fills,
         (false, None) if has_statistics => 0,
         (false, None) => DEFAULT_FILLS_PER_LAYER,
-    }
-}
-
-/// The GPU backend's options from the `--kv-dtype` and `--cuda-*` flags.
-fn cuda_options(args: &Args) -> CudaOptions {
-    CudaOptions {
-        kv_dtype: args.kv_dtype.unwrap_or(CudaOptions::default().kv_dtype),
-        step_graphs: args.cuda_graphs,
-        routing_stores: args.cuda_routing_stores,
-        worker_handoff: args.cuda_worker_handoff,
-        tensor_core_prefill: args.cuda_tensor_cores,
-        tensor_core_delta_rule: args.cuda_tensor_core_delta_rule,
-        batched_decode: args.cuda_batched_decode,
-        fused_expert_sum: args.cuda_fused_expert_sum,
-        group_decode_attention: args.cuda_group_decode_attention,
-        decode_gate_up_tasks: args.cuda_decode_gate_up_tasks,
-        programmatic_dependent_launch: args.cuda_pdl,
-        shared_memory_cap: args.cuda_shared_memory_cap,
-        // The backend reports at most the budget's memory, so every user of the free memory
-        // (expert slots, KV placement) sees the same smaller card.
-        memory_cap_bytes: args.gpu_mem_budget.map(gib_to_bytes),
-        ..CudaOptions::default()
-    }
-}
-
-/// `--prefill-time-share`: a number in (0, 1].
-fn parse_time_share(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(share) if share > 0.0 && share <= 1.0 => Ok(share),
-        _ => Err(format!("`{text}`: expected a share of the time in (0, 1]")),
     }
 }
 

@@ -242,9 +242,10 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
         (&["--moe-gpu-experts", "half"][..], "remote-workers", half),
     ] {
         // A batch's sequences must decode at the same time: with only a few tokens each, the
-        // first can finish before the second's prompt is in, so the batch run decodes more.
+        // first can finish before the second's prompt is in (16 were too few once on a loaded
+        // 2-core machine), so the batch run decodes more.
         let batch = extra.contains(&"--decode-batch");
-        let (decode_tokens, decode_arg) = if batch { (16.0, "16") } else { (4.0, "4") };
+        let (decode_tokens, decode_arg) = if batch { (64.0, "64") } else { (4.0, "4") };
         let mut args = vec!["bench", "model.ninfer"];
         args.extend_from_slice(SMALL_CPU_BENCH);
         let flag = args.iter().position(|&arg| arg == "--decode-tokens");

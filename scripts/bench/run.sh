@@ -48,6 +48,10 @@
 #               (default 2) passes of the four placements in turn: static first N, cache without
 #               statistics, static by the statistics, cache seeded by them. The engine logs
 #               (logs_cache_*) end with the cache's summary (hit rate, fills, upkeep per step).
+#   decode_ab   qwen3-30b-a3b (as q30) all on the GPU: the defaults, then each of DECODE_AB_OPTIONS
+#               (default "cuda-group-decode-attention cuda-decode-gate-up-tasks") off, AB_PASSES
+#               (2) passes; PROMPTS (e.g. 4096,16384) and DECODE as for q30. With CuPy present,
+#               first the kernel bench's decode sections (kernel_microbench.log).
 #   cards       prefill of qwen3.5-35b-a3b, int4, at CARD_PROMPTS (default 4096,16384) on the
 #               whole GPU, then as on an RTX 30/40/50 card (--cuda-shared-memory-cap 99K; the
 #               engine log says which kernel variant each op takes), then uncapped again.
@@ -358,17 +362,39 @@ beside() { # beside LABEL ARGS...: llama_once when interleaving
   if [ "${INTERLEAVE:-1}" = 1 ] && llama_ready; then llama_once "$@"; fi
 }
 
+if has decode_ab && python3 -c "import cupy" 2>/dev/null; then
+  log "kernel bench: decode attention and experts"
+  timeout "${KERNEL_BENCH_TIMEOUT:-300}" python3 scripts/bench/kernel_microbench.py \
+    --sections decode_attention,experts --json "$out/kernel_microbench.json" \
+    >"$out/kernel_microbench.log" 2>&1
+  log "kernel bench: exit $?"
+  grep -E "split|decode|expert_gate_up|expert_down|!!" "$out/kernel_microbench.log" | grep -v "~=" \
+    | tee -a "$out/summary.log"
+  archive
+fi
+
 # Interleaving needs llama.cpp ready before the first ninfer placement: its build and GGUF go
 # on while q30's artifact is written.
 interleaving() { has llama && has q30 && [ "${INTERLEAVE:-1}" = 1 ]; }
 if interleaving; then start_llama; fi
 
-if has q30 || has profile || has b53 || has share; then
+if has q30 || has profile || has b53 || has share || has decode_ab; then
   convert "$q30" qwen3-30b-a3b ${Q30_LAYERS:+--layers "$Q30_LAYERS"} --experts-dtype int8 --routing uniform
   wait_for_gpu_tests
   if interleaving; then finish_llama; fi
   B=("$work/$q30.ninfer" --device cuda --prompt-lengths "${PROMPTS:-4096}"
     --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}")
+  if has decode_ab; then
+    # Each decode kernel option off against the defaults, all on the GPU, alternating.
+    for pass in $(seq "${AB_PASSES:-2}"); do
+      bench "decode_ab_defaults_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" \
+        --moe-gpu-experts all
+      for option in ${DECODE_AB_OPTIONS:-cuda-group-decode-attention cuda-decode-gate-up-tasks}; do
+        bench "decode_ab_${option}_off_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" \
+          --moe-gpu-experts all --engine-arg="--$option" --engine-arg=off
+      done
+    done
+  fi
   if has profile; then
     # Every op synchronises: slow; this says where the time goes, not how fast it is.
     for profile_run in ${PROFILE_RUNS:-0:sync all:sync all:host}; do

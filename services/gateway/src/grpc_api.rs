@@ -40,10 +40,15 @@ pub fn grpc_routes(state: Arc<GatewayState>) -> axum::Router {
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     let health_state = state.clone();
     tokio::spawn(async move {
-        // Mirrors /health: SERVING while at least one engine is ready.
+        // Mirrors /health: SERVING while at least one engine is ready. Woken by each new
+        // snapshot where the backend publishes them (no timer while streams run), else polled.
+        let mut changes = health_state.backend.snapshot_changes();
         let mut last: Option<bool> = None;
         loop {
-            let ready = health_state.backend.snapshot().any_engine_ready();
+            let ready = match changes.as_mut() {
+                Some(changes) => changes.borrow_and_update().any_engine_ready(),
+                None => health_state.backend.snapshot().any_engine_ready(),
+            };
             if last != Some(ready) {
                 if ready {
                     health_reporter
@@ -62,7 +67,14 @@ pub fn grpc_routes(state: Arc<GatewayState>) -> axum::Router {
                 }
                 last = Some(ready);
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            match changes.as_mut() {
+                Some(changes) => {
+                    if changes.changed().await.is_err() {
+                        break; // the backend is gone: the server is shutting down
+                    }
+                }
+                None => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
         }
     });
     let mut routes = tonic::service::Routes::new(GatewayServer::new(GatewayGrpcService { state }))

@@ -439,6 +439,10 @@ impl GenerationBackend for EnginePool {
         self.snapshot.borrow().clone()
     }
 
+    fn snapshot_changes(&self) -> Option<watch::Receiver<Arc<BackendSnapshot>>> {
+        Some(self.snapshot.clone())
+    }
+
     fn resume_counts(&self) -> ResumeCounts {
         self.resume_counters.counts()
     }

@@ -37,6 +37,12 @@ pub trait GenerationBackend: Send + Sync + 'static {
     /// What is served right now (never blocks).
     fn snapshot(&self) -> Arc<BackendSnapshot>;
 
+    /// A receiver that wakes on every new snapshot, where the backend publishes them (the
+    /// engine pool does); `None`: watchers poll [`GenerationBackend::snapshot`] instead.
+    fn snapshot_changes(&self) -> Option<tokio::sync::watch::Receiver<Arc<BackendSnapshot>>> {
+        None
+    }
+
     /// Answers continued after their engine went away, and those that could not be.
     fn resume_counts(&self) -> ResumeCounts {
         ResumeCounts::default()

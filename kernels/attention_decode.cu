@@ -301,20 +301,24 @@ __device__ __forceinline__ void attention_decode_block(
 }
 
 // One segment's rows: grid (chunks, kv_heads, n); the arguments of `attention_split_bf16` (the
-// head dim is the kernel's: `hd` equals HD).
-template <int HD, int DPL>
+// head dim is the kernel's: `hd` equals HD). COMBINE: also the combine, into `out`
+// (`decode_combine_if_last`).
+template <int HD, int DPL, bool COMBINE = false>
 __device__ __forceinline__ void attention_decode_segment(
     const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
     float* part_ml, int row_start, int start_position, int heads, int kv_heads, int window,
-    float scale, int chunk, int chunks, int part_base, const unsigned int* row_positions) {
+    float scale, int chunk, int chunks, int part_base, const unsigned int* row_positions,
+    float* out = nullptr, unsigned int* arrivals = nullptr) {
     if (row_positions) {
         start_position = (int)row_positions[row_start];
         chunk = split_chunk(start_position + (int)gridDim.z - 1);
     }
     int t = blockIdx.z;
-    attention_decode_block<HD, DPL>(q, keys, values, part_o, part_ml, row_start + t,
-                                    start_position + t, heads, kv_heads, window, scale, chunk,
-                                    chunks, (long long)part_base + (long long)t * heads * chunks);
+    attention_decode_block<HD, DPL, COMBINE>(q, keys, values, part_o, part_ml, row_start + t,
+                                             start_position + t, heads, kv_heads, window, scale,
+                                             chunk, chunks,
+                                             (long long)part_base + (long long)t * heads * chunks,
+                                             out, arrivals);
 }
 
 // A batch of one-row segments: grid (chunks, kv_heads, n); the arguments of
@@ -452,23 +456,6 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 // The combine in the same launch, over one segment's rows (grid (chunks, kv_heads, n)): the
 // arguments of `attention_decode_bf16_*` and the output with the arrival counters
 // (`decode_combine_if_last`). A candidate: timed by the kernel bench, not launched by the engine.
-template <int HD, int DPL>
-__device__ __forceinline__ void attention_decode_combined_segment(
-    const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
-    float* part_ml, int row_start, int start_position, int heads, int kv_heads, int window,
-    float scale, int chunk, int chunks, int part_base, const unsigned int* row_positions,
-    float* out, unsigned int* arrivals) {
-    if (row_positions) {
-        start_position = (int)row_positions[row_start];
-        chunk = split_chunk(start_position + (int)gridDim.z - 1);
-    }
-    int t = blockIdx.z;
-    attention_decode_block<HD, DPL, true>(q, keys, values, part_o, part_ml, row_start + t,
-                                          start_position + t, heads, kv_heads, window, scale,
-                                          chunk, chunks,
-                                          (long long)part_base + (long long)t * heads * chunks,
-                                          out, arrivals);
-}
 
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     attention_decode_combined_bf16_64_16(
@@ -477,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         int window, float scale, int chunk, int chunks, int part_base,
         const unsigned int* row_positions, float* out, unsigned int* arrivals) {
     PDL_WAIT_AND_RELEASE();
-    attention_decode_combined_segment<64, 16>(q, keys, values, part_o, part_ml, row_start,
+    attention_decode_segment<64, 16, true>(q, keys, values, part_o, part_ml, row_start,
                                                start_position, heads, kv_heads, window, scale,
                                                chunk, chunks, part_base, row_positions, out,
                                                arrivals);
@@ -490,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         int window, float scale, int chunk, int chunks, int part_base,
         const unsigned int* row_positions, float* out, unsigned int* arrivals) {
     PDL_WAIT_AND_RELEASE();
-    attention_decode_combined_segment<64, 32>(q, keys, values, part_o, part_ml, row_start,
+    attention_decode_segment<64, 32, true>(q, keys, values, part_o, part_ml, row_start,
                                                start_position, heads, kv_heads, window, scale,
                                                chunk, chunks, part_base, row_positions, out,
                                                arrivals);
@@ -503,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         int window, float scale, int chunk, int chunks, int part_base,
         const unsigned int* row_positions, float* out, unsigned int* arrivals) {
     PDL_WAIT_AND_RELEASE();
-    attention_decode_combined_segment<128, 16>(q, keys, values, part_o, part_ml, row_start,
+    attention_decode_segment<128, 16, true>(q, keys, values, part_o, part_ml, row_start,
                                                start_position, heads, kv_heads, window, scale,
                                                chunk, chunks, part_base, row_positions, out,
                                                arrivals);
@@ -516,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         int window, float scale, int chunk, int chunks, int part_base,
         const unsigned int* row_positions, float* out, unsigned int* arrivals) {
     PDL_WAIT_AND_RELEASE();
-    attention_decode_combined_segment<128, 32>(q, keys, values, part_o, part_ml, row_start,
+    attention_decode_segment<128, 32, true>(q, keys, values, part_o, part_ml, row_start,
                                                start_position, heads, kv_heads, window, scale,
                                                chunk, chunks, part_base, row_positions, out,
                                                arrivals);
@@ -529,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         int window, float scale, int chunk, int chunks, int part_base,
         const unsigned int* row_positions, float* out, unsigned int* arrivals) {
     PDL_WAIT_AND_RELEASE();
-    attention_decode_combined_segment<256, 32>(q, keys, values, part_o, part_ml, row_start,
+    attention_decode_segment<256, 32, true>(q, keys, values, part_o, part_ml, row_start,
                                                start_position, heads, kv_heads, window, scale,
                                                chunk, chunks, part_base, row_positions, out,
                                                arrivals);

@@ -67,74 +67,17 @@ __device__ __forceinline__ void decode_stage_tile(const unsigned short* keys,
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// The combine in the same launch (`attention_decode_combined_bf16_*`, a candidate timed by the
-// kernel bench): the block that writes the last partial of its (row, kv head) merges the row's
-// chunks for the group's heads and writes the output, as `attention_combine` would (chunks in
-// ascending order; not its bits: the sums run in another order). `arrivals[q_row · kv_heads +
-// kv_head]` counts the blocks done, is zero before the launch and is left zero after it.
-__device__ __forceinline__ void decode_combine_if_last(
-    const float* part_o, const float* part_ml, float* out, unsigned int* arrivals, int q_row,
-    int position, int heads, int kv_heads, int hd, int window, int chunk, int chunks,
-    long long part_row_base) {
-    __shared__ int last_block;
-    int kv_head = blockIdx.y, tid = threadIdx.x;
-    int group = heads / kv_heads;
-    int first = window > 0 ? max(0, position + 1 - window) : 0;
-    int c0 = first / chunk, count = position / chunk - c0 + 1;
-    __threadfence();  // this block's partials visible before its arrival is counted
-    __syncthreads();
-    if (tid == 0) {
-        unsigned int* arrival = arrivals + (long long)q_row * kv_heads + kv_head;
-        unsigned int before = atomicAdd(arrival, 1u);
-        last_block = before == (unsigned int)count - 1;
-        if (last_block) *arrival = 0u;  // ready for the next launch
-    }
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();
-    // Per head: the chunks' maxima, weights e^(m − M) into shared memory, L = Σ l · weight.
-    float* weight_s = reinterpret_cast<float*>(decode_smem);  // [group][count]
-    float* inverse_s = weight_s + group * count;               // [group]
-    int warp = tid / 32, lane = tid % 32;
-    const float neg_inf = __int_as_float(0xff800000);
-    for (int h = warp; h < group; h += DECODE_WARPS) {
-        long long base = part_row_base + (long long)(kv_head * group + h) * chunks + c0;
-        float top = neg_inf;
-        for (int i = lane; i < count; i += 32) top = fmaxf(top, __ldcg(part_ml + 2 * (base + i)));
-        top = warp_max(top);
-        float total = 0.0f;
-        for (int i = lane; i < count; i += 32) {
-            float weight = expf(__ldcg(part_ml + 2 * (base + i)) - top);
-            weight_s[h * count + i] = weight;
-            total += __ldcg(part_ml + 2 * (base + i) + 1) * weight;
-        }
-        total = warp_sum(total);
-        if (lane == 0) inverse_s[h] = 1.0f / total;
-    }
-    __syncthreads();
-    for (int i = tid; i < group * hd; i += DECODE_THREADS) {
-        int h = i / hd, d = i - h * hd;
-        long long base = part_row_base + (long long)(kv_head * group + h) * chunks + c0;
-        float sum = 0.0f;
-        for (int c = 0; c < count; ++c)
-            sum = fmaf(__ldcg(part_o + (base + c) * hd + d), weight_s[h * count + c], sum);
-        out[(long long)q_row * heads * hd + (long long)(kv_head * group + h) * hd + d] =
-            sum * inverse_s[h];
-    }
-}
-
 // One (chunk blockIdx.x, kv head blockIdx.y) of the row at `position` whose q row is `q_row`
 // (head dim HD, DPL dims per lane);
 // its partials at part_row_base + (kv_head · group + h) · chunks + chunk. `keys`, `values`:
 // the sequence's cache ([max_tokens, kv_heads · hd] bf16). Dynamic shared memory: 4 ·
 // DECODE_TILE_BYTES (two tiles of K and V), which the end reuses for the warps' states
 // (DECODE_WARPS · group_pow2 · hd floats + 2 · DECODE_WARPS · group_pow2).
-template <int HD, int DPL, bool COMBINE = false>
+template <int HD, int DPL>
 __device__ __forceinline__ void attention_decode_block(
     const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
     float* part_ml, int q_row, int position, int heads, int kv_heads, int window, float scale,
-    int chunk, int chunks, long long part_row_base, float* out = nullptr,
-    unsigned int* arrivals = nullptr) {
+    int chunk, int chunks, long long part_row_base) {
     constexpr int hd = HD;
     constexpr int lanes_per_head = HD / DPL;  // L; the host sends group ≤ 32 / L
     constexpr int tile = DECODE_TILE_BYTES / (2 * HD);
@@ -294,31 +237,23 @@ __device__ __forceinline__ void attention_decode_block(
             part_ml[2 * index + 1] = total;
         }
     }
-    if constexpr (COMBINE) {
-        decode_combine_if_last(part_o, part_ml, out, arrivals, q_row, position, heads, kv_heads,
-                               hd, window, chunk, chunks, part_row_base);
-    }
 }
 
 // One segment's rows: grid (chunks, kv_heads, n); the arguments of `attention_split_bf16` (the
-// head dim is the kernel's: `hd` equals HD). COMBINE: also the combine, into `out`
-// (`decode_combine_if_last`).
-template <int HD, int DPL, bool COMBINE = false>
+// head dim is the kernel's: `hd` equals HD).
+template <int HD, int DPL>
 __device__ __forceinline__ void attention_decode_segment(
     const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
     float* part_ml, int row_start, int start_position, int heads, int kv_heads, int window,
-    float scale, int chunk, int chunks, int part_base, const unsigned int* row_positions,
-    float* out = nullptr, unsigned int* arrivals = nullptr) {
+    float scale, int chunk, int chunks, int part_base, const unsigned int* row_positions) {
     if (row_positions) {
         start_position = (int)row_positions[row_start];
         chunk = split_chunk(start_position + (int)gridDim.z - 1);
     }
     int t = blockIdx.z;
-    attention_decode_block<HD, DPL, COMBINE>(q, keys, values, part_o, part_ml, row_start + t,
-                                             start_position + t, heads, kv_heads, window, scale,
-                                             chunk, chunks,
-                                             (long long)part_base + (long long)t * heads * chunks,
-                                             out, arrivals);
+    attention_decode_block<HD, DPL>(q, keys, values, part_o, part_ml, row_start + t,
+                                    start_position + t, heads, kv_heads, window, scale, chunk,
+                                    chunks, (long long)part_base + (long long)t * heads * chunks);
 }
 
 // A batch of one-row segments: grid (chunks, kv_heads, n); the arguments of
@@ -451,73 +386,4 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     PDL_WAIT_AND_RELEASE();
     attention_decode_rows<256, 32>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
                                  window, scale, chunks, part_base, row_positions);
-}
-
-// The combine in the same launch, over one segment's rows (grid (chunks, kv_heads, n)): the
-// arguments of `attention_decode_bf16_*` and the output with the arrival counters
-// (`decode_combine_if_last`). A candidate: timed by the kernel bench, not launched by the engine.
-
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_combined_bf16_64_16(
-        const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
-        float* part_ml, int row_start, int start_position, int heads, int kv_heads, int hd,
-        int window, float scale, int chunk, int chunks, int part_base,
-        const unsigned int* row_positions, float* out, unsigned int* arrivals) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_segment<64, 16, true>(q, keys, values, part_o, part_ml, row_start,
-                                               start_position, heads, kv_heads, window, scale,
-                                               chunk, chunks, part_base, row_positions, out,
-                                               arrivals);
-}
-
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_combined_bf16_64_32(
-        const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
-        float* part_ml, int row_start, int start_position, int heads, int kv_heads, int hd,
-        int window, float scale, int chunk, int chunks, int part_base,
-        const unsigned int* row_positions, float* out, unsigned int* arrivals) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_segment<64, 32, true>(q, keys, values, part_o, part_ml, row_start,
-                                               start_position, heads, kv_heads, window, scale,
-                                               chunk, chunks, part_base, row_positions, out,
-                                               arrivals);
-}
-
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_combined_bf16_128_16(
-        const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
-        float* part_ml, int row_start, int start_position, int heads, int kv_heads, int hd,
-        int window, float scale, int chunk, int chunks, int part_base,
-        const unsigned int* row_positions, float* out, unsigned int* arrivals) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_segment<128, 16, true>(q, keys, values, part_o, part_ml, row_start,
-                                               start_position, heads, kv_heads, window, scale,
-                                               chunk, chunks, part_base, row_positions, out,
-                                               arrivals);
-}
-
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_combined_bf16_128_32(
-        const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
-        float* part_ml, int row_start, int start_position, int heads, int kv_heads, int hd,
-        int window, float scale, int chunk, int chunks, int part_base,
-        const unsigned int* row_positions, float* out, unsigned int* arrivals) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_segment<128, 32, true>(q, keys, values, part_o, part_ml, row_start,
-                                               start_position, heads, kv_heads, window, scale,
-                                               chunk, chunks, part_base, row_positions, out,
-                                               arrivals);
-}
-
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-    attention_decode_combined_bf16_256_32(
-        const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
-        float* part_ml, int row_start, int start_position, int heads, int kv_heads, int hd,
-        int window, float scale, int chunk, int chunks, int part_base,
-        const unsigned int* row_positions, float* out, unsigned int* arrivals) {
-    PDL_WAIT_AND_RELEASE();
-    attention_decode_segment<256, 32, true>(q, keys, values, part_o, part_ml, row_start,
-                                               start_position, heads, kv_heads, window, scale,
-                                               chunk, chunks, part_base, row_positions, out,
-                                               arrivals);
 }

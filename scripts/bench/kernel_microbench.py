@@ -419,31 +419,6 @@ class Bench:
                 decode_launch(0)()
                 combine_launch(out, d_chunk, d_chunks)()
                 cp.cuda.Device().synchronize()
-                # The candidate with the combine in the same launch (the block that writes a
-                # row's last partial merges it), held to the split kernel's output too.
-                combined = raw_kernel(kernel_dir, "attention_decode",
-                                      "attention_decode_combined_bf16_%d_%d" % (hd, dpl),
-                                      [("DECODE_TILE_BYTES", tile_bytes), ("DECODE_WARPS", warps)])
-                if decode_smem > 48 * 1024:
-                    combined.max_dynamic_shared_size_bytes = decode_smem
-                arrivals = cp.zeros(kv_heads, dtype=cp.uint32)
-                fused_out = cp.zeros((1, heads * hd), dtype=cp.float32)
-
-                def combined_launch(i, d_chunk=d_chunk, d_chunks=d_chunks, combined=combined,
-                                    arrivals=arrivals, fused_out=fused_out):
-                    args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
-                            np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
-                            np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null, fused_out, arrivals)
-                    return lambda: combined((d_chunks, kv_heads, 1), (32 * warps,), args, shared_mem=decode_smem)
-
-                us = timed([combined_launch(i) for i in range(caches)])
-                self.record("  decode with the combine", variant, us, kv_bytes)
-                combined_launch(0)()
-                cp.cuda.Device().synchronize()
-                self.close("attention_decode_combined %s %s" % (shape, variant), fused_out, reference,
-                           rtol=1e-4, atol=1e-5)
-                if int(cp.asnumpy(arrivals).max()) != 0:
-                    self.failures.append("attention_decode_combined %s: arrival counters not reset" % shape)
                 self.close("attention_decode %s %s" % (shape, variant), out, reference, rtol=1e-4, atol=1e-5)
 
     # -- routed experts (slots), timing only ----------------------------------------------------

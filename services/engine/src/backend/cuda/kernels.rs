@@ -123,11 +123,6 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "attention_decode_batched_bf16_128_32",
             "attention_decode_bf16_256_32",
             "attention_decode_batched_bf16_256_32",
-            "attention_decode_combined_bf16_64_16",
-            "attention_decode_combined_bf16_64_32",
-            "attention_decode_combined_bf16_128_16",
-            "attention_decode_combined_bf16_128_32",
-            "attention_decode_combined_bf16_256_32",
         ],
     },
     KernelSource {

@@ -647,7 +647,6 @@ impl CudaBackend {
         let layout = &slots.layout;
         let (hidden, intermediate) = (layout.hidden, layout.intermediate);
         let tokens = x.rows;
-        let mut out = self.output(tokens, x.cols)?;
         let pairs = tokens * k;
         if x.cols != hidden
             || k == 0
@@ -656,13 +655,17 @@ impl CudaBackend {
             || ids.rows * ids.cols < pairs
             || weights.rows * weights.cols < pairs
             || !Self::pairwise_in_one_launch(tokens, k)
+            || slots.slot_table.is_empty()
         {
-            // Same contract as the host-routing op: an inconsistent call leaves zeros.
-            return Ok(out);
+            // Same contract as the host-routing op: an inconsistent call (or no slot) leaves
+            // zeros.
+            return self.output(tokens, x.cols);
         }
-        if slots.slot_table.is_empty() {
-            return Ok(out);
-        }
+        // `expert_pair_sum` (or `expert_down_sum`) writes every element, a pair whose expert
+        // has no slot adding zeros: no zeroing launch, which in a step graph would also stand
+        // between two kernels that otherwise overlap their launches (programmatic dependent
+        // launch).
+        let mut out = self.output_uninit(tokens, x.cols)?;
         let input = &*x.data;
         // SAFETY: u32 and f32 have the same size and every bit pattern is valid in both.
         let ids =

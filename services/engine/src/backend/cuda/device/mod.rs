@@ -546,6 +546,7 @@ mod elementwise;
 mod expert_fills;
 mod expert_slots;
 mod experts;
+mod graph_census;
 mod host_kv;
 mod launch;
 mod matmul;

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
 
+use super::graph_census::GraphCensus;
 use super::tensor_pool::{RecyclePool, TensorPool};
 use super::{driver_error, CudaBackend};
 use crate::backend::cuda::CudaError;
@@ -191,6 +192,14 @@ impl CudaBackend {
                 Stage::Abandoned
             };
             return Ok(StepGraphEnd::Ran);
+        }
+        if ops_succeeded {
+            if let Some(census) = GraphCensus::of_capture(self.stream.cu_stream()) {
+                tracing::info!(
+                    "decode step graph of {} rows recorded: {census}",
+                    graph.rows
+                );
+            }
         }
         // Always end the capture, so the stream leaves capture mode whatever happened.
         let ended = self

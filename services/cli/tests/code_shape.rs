@@ -28,23 +28,7 @@ const OVERSIZED_FILES_TO_SPLIT: &[&str] = &[];
 
 /// Import circles allowed for now, to be removed by their owner (remove the entry with the
 /// fix). A circle passes when its files are all in one entry.
-const IMPORT_CIRCLES_TO_REMOVE: &[&[&str]] = &[
-    // The CUDA backend's device files use helpers of their parent (`driver_error`, the backend
-    // type) while the parent uses their launches.
-    &[
-        "services/engine/src/backend/cuda/device/mod.rs",
-        "services/engine/src/backend/cuda/device/elementwise.rs",
-        "services/engine/src/backend/cuda/device/expert_slots.rs",
-        "services/engine/src/backend/cuda/device/host_kv.rs",
-        "services/engine/src/backend/cuda/device/launch.rs",
-        "services/engine/src/backend/cuda/device/matmul.rs",
-        "services/engine/src/backend/cuda/device/op_timing.rs",
-        "services/engine/src/backend/cuda/device/pending_routing.rs",
-        "services/engine/src/backend/cuda/device/readback.rs",
-        "services/engine/src/backend/cuda/device/router.rs",
-        "services/engine/src/backend/cuda/device/step_graph.rs",
-    ],
-];
+const IMPORT_CIRCLES_TO_REMOVE: &[&[&str]] = &[];
 
 /// Crate source folders: every `src/` under `services/`.
 fn crate_source_folders(root: &Path) -> Vec<PathBuf> {

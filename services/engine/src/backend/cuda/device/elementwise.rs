@@ -5,24 +5,19 @@
 //! Owns: each of these ops' shape checks and launch geometry, and the rope tables' cache.
 //! Must not touch: the norm kernels (`norm.rs`), matmuls (`matmul.rs`).
 
-use std::collections::HashMap;
 use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::super::CudaError;
-use super::{elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, WeightData};
+use super::{
+    elementwise, int, CudaBackend, CudaConvState, CudaTensor, CudaWeight, RopeTables, WeightData,
+};
 use crate::backend::{MultimodalRotation, Rotation, Segment};
 use crate::host_math::rope_inverse_frequencies;
 
 /// `PLE_GATE_THREADS` in `kernels/elementwise.cu`: one warp per (row, stream).
 const PLE_GATE_THREADS: u32 = 32;
-
-#[derive(Default)]
-pub(super) struct RopeTables {
-    inverse: HashMap<(usize, u64), CudaSlice<f32>>,
-    positions: Option<(Vec<u32>, CudaSlice<u32>)>,
-}
 
 impl CudaBackend {
     pub(super) fn launch_gather_rows(

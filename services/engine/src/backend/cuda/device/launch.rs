@@ -5,7 +5,7 @@
 //! Owns: [`KernelModules`] (the cubins loaded into the context, unloaded with the backend),
 //! [`Kernel`] (one function's handle), [`KernelArgs`] (what the `launch!` macro and the few
 //! hand-built launches collect), [`Pdl`] (whether and how launches carry the PDL attribute) and
-//! [`CudaBackend::launch_kernel`].
+//! [`super::CudaBackend::launch_kernel`].
 //! Must not touch: which kernel an op runs, or its grid.
 //!
 //! Why not cudarc's `launch_builder`: its argument list and the function handle are private, and
@@ -27,10 +27,11 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
-    DriverError, LaunchConfig, SyncOnDrop,
+    DriverError, SyncOnDrop,
 };
 
-use super::{describe, CudaBackend, CudaError};
+use super::driver::describe;
+use crate::backend::cuda::CudaError;
 
 /// `cuDriverGetVersion` of CUDA 12.3, the first whose stream capture records PDL launches as
 /// programmatic graph edges.
@@ -94,11 +95,11 @@ impl Pdl {
 
 /// One kernel of the loaded modules.
 pub(super) struct Kernel {
-    function: sys::CUfunction,
-    name: &'static str,
+    pub(super) function: sys::CUfunction,
+    pub(super) name: &'static str,
     /// Its `__shared__` arrays (`CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES`), which every block takes
     /// on top of the launch's dynamic shared memory.
-    static_shared_bytes: usize,
+    pub(super) static_shared_bytes: usize,
 }
 
 /// Refuses a launch whose block would take more shared memory (`static_bytes` of the kernel's
@@ -255,7 +256,7 @@ pub(super) struct KernelArgs<'a> {
     stream: &'a CudaStream,
     slots: Vec<Slot>,
     /// Buffers' sync guards, dropped after the launch (cudarc's `records`).
-    guards: Vec<SyncOnDrop<'a>>,
+    pub(super) guards: Vec<SyncOnDrop<'a>>,
 }
 
 enum Slot {
@@ -287,7 +288,7 @@ impl<'a> KernelArgs<'a> {
 
     /// The `void**` parameter array: pointers into `self.slots` (for device addresses) or to
     /// the caller's values, valid while `self` is neither moved nor changed.
-    fn params(&self) -> Vec<*mut c_void> {
+    pub(super) fn params(&self) -> Vec<*mut c_void> {
         self.slots
             .iter()
             .map(|slot| match slot {
@@ -351,101 +352,6 @@ impl<'a, 'b: 'a, T> KernelArg<'a> for &'a mut CudaViewMut<'b, T> {
     fn push_to(self, args: &mut KernelArgs<'a>) {
         let stream = args.stream;
         args.device(self.device_ptr_mut(stream));
-    }
-}
-
-impl CudaBackend {
-    /// Whether the next launch carries the PDL attribute: [`Pdl::On`], or
-    /// [`Pdl::OutsideCapture`] while the stream is not being captured.
-    fn programmatic_launch(&self) -> bool {
-        match self.pdl {
-            Pdl::Off => false,
-            Pdl::On => true,
-            Pdl::OutsideCapture => matches!(
-                self.stream.capture_status(),
-                Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-            ),
-        }
-    }
-
-    /// Queues `kernel` on the backend's stream with `args`.
-    ///
-    /// # Safety
-    /// `args` must match the kernel's C parameters (count, types, order), and every buffer must
-    /// hold the indices the kernel reaches under `config`.
-    /// Fails without launching where the block would take more shared memory than the
-    /// (capped) limit, [`check_shared_memory`].
-    pub(super) unsafe fn launch_kernel(
-        &self,
-        kernel: &Kernel,
-        config: LaunchConfig,
-        args: &mut KernelArgs<'_>,
-    ) -> Result<(), CudaError> {
-        check_shared_memory(
-            kernel.name,
-            kernel.static_shared_bytes,
-            config.shared_mem_bytes as usize,
-            self.info.shared_memory_per_block,
-        )?;
-        let what = || format!("launching `{}`", kernel.name);
-        // SAFETY: forwarded from the caller.
-        unsafe { self.launch_checked(kernel, config, args) }.map_err(|error| CudaError::Driver {
-            what: what(),
-            message: describe(&error),
-        })
-    }
-
-    /// [`CudaBackend::launch_kernel`] after its shared-memory check.
-    unsafe fn launch_checked(
-        &self,
-        kernel: &Kernel,
-        config: LaunchConfig,
-        args: &mut KernelArgs<'_>,
-    ) -> Result<(), DriverError> {
-        self.stream.context().bind_to_thread()?;
-        let mut params = args.params();
-        let result = if self.programmatic_launch() {
-            // SAFETY: an all-zero CUlaunchAttribute / CUlaunchConfig is valid plain data (no
-            // attributes, null stream), filled in below.
-            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attribute.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attribute.value.programmaticStreamSerializationAllowed = 1;
-            let mut launch: sys::CUlaunchConfig = unsafe { std::mem::zeroed() };
-            (launch.gridDimX, launch.gridDimY, launch.gridDimZ) = config.grid_dim;
-            (launch.blockDimX, launch.blockDimY, launch.blockDimZ) = config.block_dim;
-            launch.sharedMemBytes = config.shared_mem_bytes;
-            launch.hStream = self.stream.cu_stream();
-            launch.attrs = &mut attribute;
-            launch.numAttrs = 1;
-            // SAFETY: the handle is live, `params` points at the arguments (alive until this
-            // returns; the caller vouches for their types), the config and its attribute are
-            // live locals; `Pdl` is only on where the driver exports the symbol.
-            unsafe {
-                sys::cuLaunchKernelEx(
-                    &launch,
-                    kernel.function,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            }
-            .result()
-        } else {
-            // SAFETY: as above; the call cudarc's `LaunchArgs::launch` makes.
-            unsafe {
-                cudarc::driver::result::launch_kernel(
-                    kernel.function,
-                    config.grid_dim,
-                    config.block_dim,
-                    config.shared_mem_bytes,
-                    self.stream.cu_stream(),
-                    &mut params,
-                )
-            }
-        };
-        // The buffers' read / write records come after the launch, as in cudarc's builder.
-        args.guards.clear();
-        result
     }
 }
 

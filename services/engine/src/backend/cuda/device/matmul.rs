@@ -38,6 +38,11 @@ fn matmul_columns_per_warp(features: usize, rows: usize) -> u64 {
 }
 
 impl CudaBackend {
+    /// Whether a bf16 matmul of `rows` rows goes through cuBLAS (tests print it).
+    pub fn uses_cublas_for(&self, rows: usize) -> bool {
+        self.cublas.is_some() && rows >= CUBLAS_MIN_ROWS
+    }
+
     pub(super) fn launch_matmul(
         &self,
         x: &CudaTensor,

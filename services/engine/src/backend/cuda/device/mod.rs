@@ -2,13 +2,18 @@
 //! [`Backend`] op as kernel launches on one stream.
 //!
 //! Owns: device buffers (`CudaSlice<f32>`) behind the backend's types and the shared launch
-//! helpers (output buffers, uploads, read-back, `launch!`); the `Backend` impl, which maps each
-//! op onto its family's module, is `backend_ops`. The families mirror `kernels/*.cu`: `attention` (with
-//! `attention_batched`, the decode batch's launches, and `attention_decode`, the group kernels),
-//! `delta_rule`, `elementwise`, `experts`, `matmul`, `norm`, `router`, `sampling`.
-//! Beside them: `options` (what the backend is opened with), `start_up` (driver, context,
-//! kernels), `self_checks` (cuBLAS), and the buffers' helpers (`readback`, `pending_routing`,
-//! `tensor_pool`, `host_kv`, `op_timing`, `bandwidth`).
+//! helpers (output buffers, uploads, kernel launches, `launch!`, op timers); the `Backend` impl,
+//! which maps each op onto its family's module, is `backend_ops`. The families mirror
+//! `kernels/*.cu`: `attention` (with `attention_batched`, the decode batch's launches, and
+//! `attention_decode`, the group kernels), `delta_rule`, `elementwise`, `experts`, `matmul`,
+//! `norm`, `router`, `sampling`. Beside them: `options` (what the backend is opened with),
+//! `start_up` (driver, context, kernels), `self_checks` (cuBLAS), and the buffers' helpers
+//! (`readback`, `pending_routing`, `host_kv`, `bandwidth`).
+//!
+//! Layers: this file's types hold state from modules that know nothing of [`CudaBackend`]
+//! (`driver` the driver-call helpers, `launch` the loaded kernels and their arguments,
+//! `pinned_staging`, `host_kv_pool`, `tensor_pool`, `op_timing`); the op files build on both,
+//! and this file uses none of them (no import circles, a tidy test holds it).
 //! Must not touch: model structure, routed experts, the artifact byte layout.
 //!
 //! Errors: every op returns its error as [`EngineError::Device`], naming the op and keeping the
@@ -19,7 +24,7 @@ use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DriverError, LaunchConfig};
 use ninfer_artifact::{Artifact, DType};
 
 use super::cublas::Cublas;
@@ -27,12 +32,9 @@ use super::CudaError;
 use crate::backend::DeltaRuleSpec;
 use crate::error::EngineError;
 use crate::weights::StoredWeight;
-use elementwise::RopeTables;
-use matmul::CUBLAS_MIN_ROWS;
+// The op files take the driver helpers from here, with the rest of their parent.
+use driver::{describe, driver_error, elementwise, int, no_panic};
 pub use qsa::CudaQsaCache;
-
-/// Threads per block of the element-wise kernels.
-const BLOCK: u32 = 256;
 
 /// The CUDA backend on one GPU. Every op is queued on one stream; `download` and the routing
 /// read-back synchronise.
@@ -50,22 +52,42 @@ pub struct CudaBackend {
     /// `NINFER_CUDA_OP_TIMING`: per-op timing for profiling (device/op_timing.rs).
     op_timing: Option<op_timing::OpTiming>,
     /// Page-locked buffer the read-backs go through (device/readback.rs).
-    staging: readback::StagingSlot,
+    staging: pinned_staging::StagingSlot,
     /// Page-locked buffers of the routings started and not finished (device/pending_routing.rs).
-    routing_staging: pending_routing::RoutingStagingPool,
+    routing_staging: pinned_staging::RoutingStagingPool,
     /// Buffers of dead op outputs, reused by the next op of the same length.
     tensor_pool: Arc<tensor_pool::TensorPool>,
     /// Rope's device tables: inverse frequencies per (rotary dim, θ), the last positions.
     rope_tables: Mutex<RopeTables>,
     /// `--host-kv-mib`: the page-locked KV pool and placement counters (device/host_kv.rs).
-    host_kv: host_kv::HostKvSlot,
+    host_kv: host_kv_pool::HostKvSlot,
     /// The step graph the current step's ops run in (device/step_graph.rs), if any.
-    active_step_graph: Mutex<Option<step_graph::ActiveStepGraph>>,
+    active_step_graph: Mutex<Option<ActiveStepGraph>>,
     /// The op shapes whose kernel variant has been logged (once each).
     kernel_choices_logged: Mutex<std::collections::HashSet<(&'static str, usize, usize)>>,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,
+}
+
+/// Rope's device tables (filled by device/elementwise.rs).
+#[derive(Default)]
+pub(super) struct RopeTables {
+    inverse: HashMap<(usize, u64), CudaSlice<f32>>,
+    positions: Option<(Vec<u32>, CudaSlice<u32>)>,
+}
+
+/// What the ops of a step running through a graph (device/step_graph.rs) read instead of host
+/// values.
+#[derive(Clone)]
+pub(super) struct ActiveStepGraph {
+    pub rows: usize,
+    /// Device addresses of the graph's id and position inputs (`u32` per row).
+    pub ids: u64,
+    pub positions: u64,
+    pub pool: Arc<tensor_pool::TensorPool>,
+    /// The ops are being recorded: no buffer may be allocated and nothing may wait.
+    pub recording: bool,
 }
 
 /// A row-major `[rows, cols]` f32 buffer on the GPU.
@@ -150,7 +172,7 @@ pub struct CudaKvCache {
     keys: ManuallyDrop<KvBuffer>,
     values: ManuallyDrop<KvBuffer>,
     /// GPU memory or the host KV pool (device/host_kv.rs).
-    placement: host_kv::KvPlacementToken,
+    placement: host_kv_pool::KvPlacementToken,
 }
 
 enum KvBuffer {
@@ -185,59 +207,6 @@ pub struct CudaRecurrentState {
     state: CudaSlice<f32>,
 }
 
-fn driver_error(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
-    let what = what.into();
-    move |error| CudaError::Driver {
-        what,
-        message: describe(&error),
-    }
-}
-
-/// `CUDA_ERROR_OUT_OF_MEMORY (out of memory)`: cudarc's `Display` needs its `std` feature.
-fn describe(error: &cudarc::driver::DriverError) -> String {
-    let name = error
-        .error_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", error.0));
-    match error.error_string() {
-        Ok(text) => format!("{name} ({})", text.to_string_lossy()),
-        Err(_) => name,
-    }
-}
-
-/// Kernel arguments are C `int`: refuse sizes that do not fit rather than wrap.
-fn int(value: usize, what: &str) -> Result<i32, CudaError> {
-    i32::try_from(value).map_err(|_| CudaError::Invalid {
-        problem: format!("{what} = {value} does not fit a 32-bit kernel argument"),
-    })
-}
-
-/// One thread per element, grid-stride beyond 2^16 blocks.
-fn elementwise(count: usize) -> LaunchConfig {
-    let blocks = count.div_ceil(BLOCK as usize).clamp(1, 1 << 16) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Runs `f`, turning a panic inside cudarc (it panics when its own loader misses a library or a
-/// symbol) into a typed error.
-fn no_panic<T>(what: &str, f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T, CudaError> {
-    std::panic::catch_unwind(f).map_err(|payload| {
-        let message = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "panicked".into());
-        CudaError::Driver {
-            what: what.to_string(),
-            message,
-        }
-    })
-}
-
 /// Queues one kernel launch (device/launch.rs: plain, or with programmatic dependent launch).
 /// Arguments are references to locals (the launch keeps pointers to them until it returns).
 macro_rules! launch {
@@ -256,11 +225,6 @@ impl CudaBackend {
     /// The options this backend was opened with.
     pub fn options(&self) -> CudaOptions {
         self.options
-    }
-
-    /// Whether a bf16 matmul of `rows` rows goes through cuBLAS (tests print it).
-    pub fn uses_cublas_for(&self, rows: usize) -> bool {
-        self.cublas.is_some() && rows >= CUBLAS_MIN_ROWS
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -371,35 +335,6 @@ impl CudaBackend {
         Ok(CudaTensor::unpooled(rows, cols, self.upload_f32(values)?))
     }
 
-    /// Every value of `tensor`, through the page-locked staging buffer.
-    fn download_values(&self, tensor: &CudaTensor) -> Result<Vec<f32>, CudaError> {
-        let len = tensor.rows * tensor.cols;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let data = &*tensor.data;
-        // Big read-backs (a prefill's logits) go straight to pageable memory rather than grow
-        // the page-locked buffer for good.
-        if len * 4 > readback::STAGING_MAX_BYTES {
-            let mut values = self
-                .stream
-                .memcpy_dtov(data)
-                .map_err(driver_error("copying to the host"))?;
-            values.truncate(len);
-            return Ok(values);
-        }
-        match self
-            .read_back_together(&[readback::ReadBack::F32(data, len)])?
-            .pop()
-        {
-            Some(readback::HostValues::F32(values)) => Ok(values),
-            _ => Err(CudaError::Invalid {
-                problem: "a read-back came back in the wrong shape".into(),
-            }),
-        }
-    }
-
-    /// Loads a weight; `keep_bf16` keeps a bf16 tensor's bits as they are (matrices), else
     /// the values are decoded to f32 (parameters, and any other dtype).
     fn load_weight(
         &self,
@@ -535,6 +470,145 @@ impl CudaBackend {
     }
 }
 
+/// Kernel launches (device/launch.rs holds the kernels and their arguments).
+impl CudaBackend {
+    /// Whether the next launch carries the PDL attribute: [`launch::Pdl::On`], or
+    /// [`launch::Pdl::OutsideCapture`] while the stream is not being captured.
+    fn programmatic_launch(&self) -> bool {
+        match self.pdl {
+            launch::Pdl::Off => false,
+            launch::Pdl::On => true,
+            launch::Pdl::OutsideCapture => matches!(
+                self.stream.capture_status(),
+                Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+            ),
+        }
+    }
+
+    /// Queues `kernel` on the backend's stream with `args`.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's C parameters (count, types, order), and every buffer must
+    /// hold the indices the kernel reaches under `config`.
+    /// Fails without launching where the block would take more shared memory than the
+    /// (capped) limit, [`check_shared_memory`].
+    unsafe fn launch_kernel(
+        &self,
+        kernel: &launch::Kernel,
+        config: LaunchConfig,
+        args: &mut launch::KernelArgs<'_>,
+    ) -> Result<(), CudaError> {
+        launch::check_shared_memory(
+            kernel.name,
+            kernel.static_shared_bytes,
+            config.shared_mem_bytes as usize,
+            self.info.shared_memory_per_block,
+        )?;
+        let what = || format!("launching `{}`", kernel.name);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_checked(kernel, config, args) }.map_err(|error| CudaError::Driver {
+            what: what(),
+            message: describe(&error),
+        })
+    }
+
+    /// [`CudaBackend::launch_kernel`] after its shared-memory check.
+    unsafe fn launch_checked(
+        &self,
+        kernel: &launch::Kernel,
+        config: LaunchConfig,
+        args: &mut launch::KernelArgs<'_>,
+    ) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        let mut params = args.params();
+        let result = if self.programmatic_launch() {
+            // SAFETY: an all-zero CUlaunchAttribute / CUlaunchConfig is valid plain data (no
+            // attributes, null stream), filled in below.
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attribute.value.programmaticStreamSerializationAllowed = 1;
+            let mut launch: sys::CUlaunchConfig = unsafe { std::mem::zeroed() };
+            (launch.gridDimX, launch.gridDimY, launch.gridDimZ) = config.grid_dim;
+            (launch.blockDimX, launch.blockDimY, launch.blockDimZ) = config.block_dim;
+            launch.sharedMemBytes = config.shared_mem_bytes;
+            launch.hStream = self.stream.cu_stream();
+            launch.attrs = &mut attribute;
+            launch.numAttrs = 1;
+            // SAFETY: the handle is live, `params` points at the arguments (alive until this
+            // returns; the caller vouches for their types), the config and its attribute are
+            // live locals; `Pdl` is only on where the driver exports the symbol.
+            unsafe {
+                sys::cuLaunchKernelEx(
+                    &launch,
+                    kernel.function,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+        } else {
+            // SAFETY: as above; the call cudarc's `LaunchArgs::launch` makes.
+            unsafe {
+                cudarc::driver::result::launch_kernel(
+                    kernel.function,
+                    config.grid_dim,
+                    config.block_dim,
+                    config.shared_mem_bytes,
+                    self.stream.cu_stream(),
+                    &mut params,
+                )
+            }
+        };
+        // The buffers' read / write records come after the launch, as in cudarc's builder.
+        args.guards.clear();
+        result
+    }
+}
+
+/// Times one op while it lives (device/op_timing.rs); inert without `NINFER_CUDA_OP_TIMING`.
+pub(crate) struct OpTimer<'a> {
+    backend: &'a CudaBackend,
+    running: Option<(String, std::time::Instant)>,
+}
+
+impl CudaBackend {
+    pub(crate) fn op_timer(&self, name: &str) -> OpTimer<'_> {
+        self.op_timer_named(|| name.to_string())
+    }
+
+    /// As [`CudaBackend::op_timer`], the name built only when timing is on.
+    pub(crate) fn op_timer_named(&self, name: impl FnOnce() -> String) -> OpTimer<'_> {
+        let running = self
+            .op_timing
+            .as_ref()
+            .map(|timing| (name(), timing.begin()));
+        OpTimer {
+            backend: self,
+            running,
+        }
+    }
+
+    /// As [`CudaBackend::op_timer`], one row apart from many (decode from prefill): `op (1 rows)`
+    /// or `op (n rows)`.
+    pub(crate) fn op_timer_by_rows(&self, op: &str, rows: usize) -> OpTimer<'_> {
+        self.op_timer_named(|| format!("{op} ({} rows)", if rows == 1 { "1" } else { "n" }))
+    }
+}
+
+impl Drop for OpTimer<'_> {
+    fn drop(&mut self) {
+        if let (Some((name, start)), Some(timing)) =
+            (self.running.take(), self.backend.op_timing.as_ref())
+        {
+            if timing.synchronise {
+                let _ = self.backend.stream.synchronize();
+            }
+            timing.end(&name, start);
+        }
+    }
+}
+
 mod attention;
 mod attention_batched;
 mod attention_decode;
@@ -542,18 +616,21 @@ mod backend_ops;
 mod bandwidth;
 mod cache_copies;
 mod delta_rule;
+mod driver;
 mod elementwise;
 mod expert_fills;
 mod expert_slots;
 mod experts;
 mod graph_census;
 mod host_kv;
+mod host_kv_pool;
 mod launch;
 mod matmul;
 mod norm;
 mod op_timing;
 mod options;
 mod pending_routing;
+mod pinned_staging;
 mod qsa;
 mod readback;
 mod router;

@@ -15,15 +15,13 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::CudaBackend;
-
 // Often enough that a run of a second or two leaves a table (the bench kills the engine).
 const WRITE_EVERY: Duration = Duration::from_millis(200);
 const BETWEEN_OPS: &str = "(host, between ops)";
 
 pub(crate) struct OpTiming {
     path: PathBuf,
-    synchronise: bool,
+    pub(super) synchronise: bool,
     state: Mutex<TimingState>,
 }
 
@@ -53,7 +51,7 @@ impl OpTiming {
         })
     }
 
-    fn begin(&self) -> Instant {
+    pub(super) fn begin(&self) -> Instant {
         let now = Instant::now();
         if let Ok(mut state) = self.state.lock() {
             if let Some(end) = state.last_op_end.take() {
@@ -67,7 +65,7 @@ impl OpTiming {
         now
     }
 
-    fn end(&self, name: &str, start: Instant) {
+    pub(super) fn end(&self, name: &str, start: Instant) {
         let now = Instant::now();
         let Ok(mut state) = self.state.lock() else {
             return;
@@ -110,47 +108,4 @@ fn render(rows: &HashMap<String, (u64, u64)>) -> String {
         );
     }
     text
-}
-
-/// Times one op while it lives (see the module doc); inert without the variable.
-pub(crate) struct OpTimer<'a> {
-    backend: &'a CudaBackend,
-    running: Option<(String, Instant)>,
-}
-
-impl CudaBackend {
-    pub(crate) fn op_timer(&self, name: &str) -> OpTimer<'_> {
-        self.op_timer_named(|| name.to_string())
-    }
-
-    /// As [`CudaBackend::op_timer`], the name built only when timing is on.
-    pub(crate) fn op_timer_named(&self, name: impl FnOnce() -> String) -> OpTimer<'_> {
-        let running = self
-            .op_timing
-            .as_ref()
-            .map(|timing| (name(), timing.begin()));
-        OpTimer {
-            backend: self,
-            running,
-        }
-    }
-
-    /// As [`CudaBackend::op_timer`], one row apart from many (decode from prefill): `op (1 rows)`
-    /// or `op (n rows)`.
-    pub(crate) fn op_timer_by_rows(&self, op: &str, rows: usize) -> OpTimer<'_> {
-        self.op_timer_named(|| format!("{op} ({} rows)", if rows == 1 { "1" } else { "n" }))
-    }
-}
-
-impl Drop for OpTimer<'_> {
-    fn drop(&mut self) {
-        if let (Some((name, start)), Some(timing)) =
-            (self.running.take(), self.backend.op_timing.as_ref())
-        {
-            if timing.synchronise {
-                let _ = self.backend.stream.synchronize();
-            }
-            timing.end(&name, start);
-        }
-    }
 }

@@ -14,22 +14,16 @@
 //!
 //! [`Backend::start_routing`]: crate::backend::Backend::start_routing
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig};
 
-use super::readback::{
-    decode_staged, staging_layout, HostValues, PinnedStaging, ReadBack, ReadBackShape,
-};
+use super::pinned_staging::{PinnedStaging, RoutingStagingPool};
+use super::readback::{decode_staged, staging_layout, HostValues, ReadBack, ReadBackShape};
 use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS};
 use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
-
-/// Page-locked buffers, each with the event its copies are waited by, free for the next
-/// pending routing (one per routing in flight: at most one per MoE layer of a forward). Kept,
-/// not made per layer: allocating page-locked memory or an event is a driver call.
-pub(crate) type RoutingStagingPool = Arc<Mutex<Vec<(PinnedStaging, CudaEvent)>>>;
 
 /// Most rows whose hidden states the router kernel stores into the staging buffer itself.
 const KERNEL_WRITTEN_HIDDEN_MAX_ROWS: usize = 64;
@@ -165,7 +159,7 @@ impl CudaBackend {
             }
         }
         let staging = PinnedStaging::allocate(
-            self,
+            &self._context,
             bytes.max(SMALLEST_ROUTING_STAGING).next_power_of_two(),
         )?;
         let event = self

@@ -5,38 +5,13 @@
 //! Owns: the staging buffer (grown on demand, never shrunk) and its lock.
 //! Must not touch: what the values are (callers decode the bytes).
 
-use std::sync::Mutex;
-
 use cudarc::driver::{sys, CudaSlice, DevicePtr};
 
-use super::{driver_error, CudaBackend, CudaError};
-
-/// Page-locked host memory from `cuMemAllocHost` (cached: the host reads it; cudarc's own
-/// pinned slices are write-combined, which is slow to read), mapped into the device's address
-/// space so kernels can store to it directly.
-pub(crate) struct PinnedStaging {
-    pointer: *mut u8,
-    /// The same memory as the device addresses it.
-    device_pointer: u64,
-    bytes: usize,
-}
-
-// SAFETY: the pointer is owned memory used only under the backend's mutex.
-unsafe impl Send for PinnedStaging {}
-
-impl Drop for PinnedStaging {
-    fn drop(&mut self) {
-        if !self.pointer.is_null() {
-            // SAFETY: allocated by cuMemAllocHost below; no copy is pending (every use waits).
-            unsafe { sys::cuMemFreeHost(self.pointer.cast()) };
-        }
-    }
-}
+use super::pinned_staging::PinnedStaging;
+use super::{driver_error, CudaBackend, CudaError, CudaTensor};
 
 /// Largest read-back that goes through the staging buffer.
 pub(super) const STAGING_MAX_BYTES: usize = 64 << 20;
-
-pub(crate) type StagingSlot = Mutex<Option<PinnedStaging>>;
 
 /// One device buffer to read back: its first `len` elements.
 pub(super) enum ReadBack<'a> {
@@ -55,77 +30,6 @@ impl ReadBack<'_> {
 pub(super) enum HostValues {
     F32(Vec<f32>),
     U32(Vec<u32>),
-}
-
-impl PinnedStaging {
-    /// `bytes` of page-locked, cached host memory in the current context of `backend`.
-    pub(super) fn allocate(backend: &CudaBackend, bytes: usize) -> Result<Self, CudaError> {
-        backend
-            ._context
-            .bind_to_thread()
-            .map_err(driver_error("binding the CUDA context"))?;
-        let mut pointer: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: the context is current on this thread (bound above); valid out pointer.
-        let status = unsafe { sys::cuMemAllocHost_v2(&mut pointer, bytes) };
-        if status != sys::CUresult::CUDA_SUCCESS || pointer.is_null() {
-            return Err(CudaError::Driver {
-                what: format!("cuMemAllocHost of {bytes} bytes for read-backs"),
-                message: format!("{status:?}"),
-            });
-        }
-        let mut staging = PinnedStaging {
-            pointer: pointer.cast(),
-            device_pointer: 0,
-            bytes,
-        };
-        let mut device_pointer: sys::CUdeviceptr = 0;
-        // SAFETY: `pointer` is page-locked memory of this context (allocated above); valid out
-        // pointer; flags must be 0.
-        let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_pointer, pointer, 0) };
-        if status != sys::CUresult::CUDA_SUCCESS {
-            // `staging` frees the memory on the way out.
-            return Err(CudaError::Driver {
-                what: format!("mapping {bytes} bytes of page-locked memory into the device"),
-                message: format!("{status:?}"),
-            });
-        }
-        staging.device_pointer = device_pointer;
-        Ok(staging)
-    }
-
-    pub(super) fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    /// The host address of the u32 at byte `offset` (4-aligned, inside the buffer), for words
-    /// kernels store to and the host reads after waiting for them, or the host writes while no
-    /// kernel touches them.
-    pub(super) fn host_word(&self, offset: usize) -> Result<*mut u32, CudaError> {
-        if offset % 4 != 0 || offset + 4 > self.bytes {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "word at byte {offset} of a {}-byte staging buffer",
-                    self.bytes
-                ),
-            });
-        }
-        // SAFETY: inside the allocation (checked above).
-        Ok(unsafe { self.pointer.add(offset) }.cast())
-    }
-
-    /// The device address of byte `offset` (kernels store to it; the host reads it after a
-    /// wait on the stream or on an event recorded after those kernels).
-    pub(super) fn device_address(&self, offset: usize) -> Result<u64, CudaError> {
-        if offset >= self.bytes {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "offset {offset} is outside a {}-byte staging buffer",
-                    self.bytes
-                ),
-            });
-        }
-        Ok(self.device_pointer + offset as u64)
-    }
 }
 
 /// The element type and count of one part of a read-back, without its device buffer.
@@ -192,6 +96,31 @@ pub(super) unsafe fn decode_staged(
 }
 
 impl CudaBackend {
+    /// Every value of `tensor`, through the page-locked staging buffer.
+    pub(super) fn download_values(&self, tensor: &CudaTensor) -> Result<Vec<f32>, CudaError> {
+        let len = tensor.rows * tensor.cols;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let data = &*tensor.data;
+        // Big read-backs (a prefill's logits) go straight to pageable memory rather than grow
+        // the page-locked buffer for good.
+        if len * 4 > STAGING_MAX_BYTES {
+            let mut values = self
+                .stream
+                .memcpy_dtov(data)
+                .map_err(driver_error("copying to the host"))?;
+            values.truncate(len);
+            return Ok(values);
+        }
+        match self.read_back_together(&[ReadBack::F32(data, len)])?.pop() {
+            Some(HostValues::F32(values)) => Ok(values),
+            _ => Err(CudaError::Invalid {
+                problem: "a read-back came back in the wrong shape".into(),
+            }),
+        }
+    }
+
     /// Queues a copy of every part into the staging buffer, waits once for the stream, and
     /// returns the parts' values.
     pub(super) fn read_back_together(
@@ -203,11 +132,11 @@ impl CudaBackend {
         let mut slot = self.staging.lock().map_err(|_| CudaError::Invalid {
             problem: "the read-back staging buffer's lock is poisoned".into(),
         })?;
-        if slot.as_ref().is_none_or(|staging| staging.bytes < total) {
+        if slot.as_ref().is_none_or(|staging| staging.bytes() < total) {
             // Free the old one first (no copy is pending: every use ends with a wait).
             *slot = None;
             let bytes = total.max(1 << 20).next_power_of_two();
-            *slot = Some(PinnedStaging::allocate(self, bytes)?);
+            *slot = Some(PinnedStaging::allocate(&self._context, bytes)?);
         }
         let staging = slot.as_ref().ok_or_else(|| CudaError::Invalid {
             problem: "no read-back staging buffer".into(),
@@ -233,11 +162,11 @@ impl CudaBackend {
             if bytes == 0 {
                 continue;
             }
-            if offset + bytes > staging.bytes {
+            if offset + bytes > staging.bytes() {
                 return Err(CudaError::Invalid {
                     problem: format!(
                         "a read-back of {bytes} bytes at {offset} overruns its {}-byte staging buffer",
-                        staging.bytes
+                        staging.bytes()
                     ),
                 });
             }

@@ -28,7 +28,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
 
 use super::graph_census::GraphCensus;
 use super::tensor_pool::{RecyclePool, TensorPool};
-use super::{driver_error, CudaBackend};
+use super::{driver_error, ActiveStepGraph, CudaBackend};
 use crate::backend::cuda::CudaError;
 use crate::backend::{StepGraphEnd, StepGraphRun};
 
@@ -59,18 +59,6 @@ enum Stage {
 // step graphs behind a mutex), and the driver allows a graph's use from any thread bound to its
 // context (`CudaGraph::launch` binds it).
 unsafe impl Send for CudaStepGraph {}
-
-/// What the ops of a step running through a graph read instead of host values.
-#[derive(Clone)]
-pub(super) struct ActiveStepGraph {
-    pub rows: usize,
-    /// Device addresses of the graph's id and position inputs (`u32` per row).
-    pub ids: u64,
-    pub positions: u64,
-    pub pool: Arc<TensorPool>,
-    /// The ops are being recorded: no buffer may be allocated and nothing may wait.
-    pub recording: bool,
-}
 
 impl CudaBackend {
     /// The step graph the ops of the current step run in, if any.

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, DevicePtr, LaunchConfig};
 use ninfer_channel::SegmentMemory;
 
-use super::readback::PinnedStaging;
+use super::pinned_staging::PinnedStaging;
 use super::{driver_error, int, CudaBackend, CudaExpertSlots, CudaPendingRouting, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::WorkerHandoffFailure;
@@ -184,7 +184,7 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<u32>(2 * channels.len())
             .map_err(driver_error("allocating the hand-off's posted words"))?;
-        let failure = PinnedStaging::allocate(self, 4096)?;
+        let failure = PinnedStaging::allocate(&self._context, 4096)?;
         // SAFETY: no kernel uses the word yet.
         unsafe { *failure.host_word(0)? = 0 };
         let failure_address = failure.device_address(0)?;

@@ -347,7 +347,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
     let on_gpu = machine.gpu.is_some() && !request.cpu_only;
     let prefix_cache_bytes = match request.prefix_cache_gib {
         Some(gib) => (gib * GIB as f64) as u64,
-        None => default_prefix_cache_bytes(machine, on_gpu, facts),
+        None => default_prefix_cache_bytes(machine, on_gpu, request.gpu_mem_budget, facts),
     };
     if let Some(path) = &request.moe_expert_stats {
         if !path.is_file() {
@@ -479,14 +479,28 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
     })
 }
 
-/// The prefix cache's budget when `--prefix-cache-gib` is not given: an eighth of the RAM
-/// available less the expert banks and n-gram tables the run maps, at most 16 GiB; 2 GiB on a
-/// machine whose RAM is unknown. Off on the GPU until asked for: its device copies have not run
-/// in the GPU suites yet, and the memory would come from the expert slots.
-fn default_prefix_cache_bytes(machine: &Machine, on_gpu: bool, facts: &ModelFacts) -> u64 {
+/// The prefix cache's budget when `--prefix-cache-gib` is not given. On the CPU: an eighth of
+/// the RAM available less the expert banks and n-gram tables the run maps, at most 16 GiB; 2 GiB
+/// on a machine whose RAM is unknown. On a GPU, whose blocks are KV caches in GPU memory taken
+/// from the expert slots: a sixteenth of the card (or of `--gpu-mem-budget`), at most 2 GiB —
+/// 1 GiB on a 16 GB card holds an agent's ~20K-token prompt with its recurrent-state
+/// checkpoints several times over, for ~8% of the slots' memory.
+fn default_prefix_cache_bytes(
+    machine: &Machine,
+    on_gpu: bool,
+    gpu_mem_budget_gib: Option<f64>,
+    facts: &ModelFacts,
+) -> u64 {
     const MOST: u64 = 16 * GIB;
+    const MOST_ON_GPU: u64 = 2 * GIB;
     let room = match (&machine.gpu, on_gpu) {
-        (Some(_), true) => return 0,
+        (Some(gpu), true) => {
+            let card = match gpu_mem_budget_gib {
+                Some(gib) if gib.is_finite() && gib > 0.0 => (gib * GIB as f64) as u64,
+                _ => gpu.total_bytes,
+            };
+            return (card / 16).min(MOST_ON_GPU);
+        }
         _ if machine.ram_available_bytes == 0 => return 2 * GIB,
         _ => machine.ram_available_bytes.saturating_sub(
             facts.expert_bank_bytes + facts.mtp_expert_bytes + facts.ngram_table_bytes,
@@ -719,16 +733,25 @@ mod tests {
     }
 
     #[test]
-    fn the_prefix_cache_takes_an_eighth_of_its_memory_by_default_and_the_slots_leave_it_room() {
+    fn the_prefix_cache_has_a_default_budget_by_device_and_the_slots_leave_it_room() {
         let facts = facts();
         let defaults = Request {
             prefix_cache_gib: None,
             ..request()
         };
-        // On the GPU it is off unless asked for: the slots keep all their room (107 per layer).
+        // On the GPU a sixteenth of the card, at most 2 GiB, taken from the slots (107 per
+        // layer without it); a 16 GiB budget gives 1 GiB.
         let server = plan(&facts, &machine(Some(80), 512, 2), &defaults).unwrap();
-        assert_eq!(server.prefix_cache_bytes, 0);
-        assert_eq!(server.gpu_experts_estimate, Some(107));
+        assert_eq!(server.prefix_cache_bytes, 2 * GIB);
+        let without_cache = plan(&facts, &machine(Some(80), 512, 2), &request()).unwrap();
+        assert_eq!(without_cache.gpu_experts_estimate, Some(107));
+        assert!(server.gpu_experts_estimate < Some(107), "{server:?}");
+        let sixteen = Request {
+            gpu_mem_budget: Some(16.0),
+            ..defaults.clone()
+        };
+        let card = plan(&facts, &machine(Some(80), 512, 2), &sixteen).unwrap();
+        assert_eq!(card.prefix_cache_bytes, GIB);
         // Without a GPU it is host RAM: an eighth of what the banks leave, at most 16 GiB.
         let laptop = plan(&facts, &machine(None, 128, 1), &defaults).unwrap();
         assert_eq!(laptop.prefix_cache_bytes, (126 * GIB - 60 * GIB) / 8);

@@ -298,8 +298,10 @@ impl ServedConnection {
         tokio::pin!(connection);
         let started = Instant::now();
         let mut closing = false;
-        let mut check = tokio::time::interval(Duration::from_millis(250));
-        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // One timer, set to the next moment a limit could be reached (not a periodic check):
+        // a connection streaming tokens wakes for it once per idle timeout, not per tick.
+        let check = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(check);
         loop {
             tokio::select! {
                 _ = connection.as_mut() => break,
@@ -309,29 +311,87 @@ impl ServedConnection {
                     closing = true;
                     connection.as_mut().graceful_shutdown();
                 }
-                _ = check.tick() => {
-                    if requests.load(Ordering::Relaxed) == 0
-                        && started.elapsed() > self.limits.header_read_timeout
-                    {
-                        // Connected but never sent a whole request: drop it outright.
-                        break;
-                    }
-                    if answering.load(Ordering::Relaxed) > 0 {
-                        continue;
-                    }
-                    if !closing && activity.quiet_for() > self.limits.idle_timeout {
-                        closing = true;
-                        connection.as_mut().graceful_shutdown();
-                    } else if closing
-                        && activity.quiet_for() > self.limits.idle_timeout + self.limits.drain_deadline
-                    {
-                        // A peer that ignores the close (no FIN, no GOAWAY answer).
-                        break;
-                    }
+                _ = check.as_mut() => {
+                    let next_check = match idle_check(
+                        &self.limits,
+                        IdleState {
+                            connected_for: started.elapsed(),
+                            requests: requests.load(Ordering::Relaxed),
+                            answering: answering.load(Ordering::Relaxed),
+                            quiet_for: activity.quiet_for(),
+                            closing,
+                        },
+                    ) {
+                        IdleVerdict::Drop => break,
+                        IdleVerdict::Close => {
+                            closing = true;
+                            connection.as_mut().graceful_shutdown();
+                            self.limits.drain_deadline
+                        }
+                        IdleVerdict::CheckAgainIn(wait) => wait,
+                    };
+                    check
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + next_check.max(MIN_CHECK_WAIT));
                 }
             }
         }
         self.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The shortest wait between two limit checks of one connection (the clock of [`Activity`]
+/// counts whole milliseconds).
+const MIN_CHECK_WAIT: Duration = Duration::from_millis(5);
+
+/// While a handler computes an answer the connection may be silent for long; how often it is
+/// looked at meanwhile.
+const ANSWERING_CHECK_WAIT: Duration = Duration::from_secs(1);
+
+/// What the limit check of one connection sees.
+#[derive(Debug, Clone, Copy)]
+struct IdleState {
+    connected_for: Duration,
+    requests: u64,
+    /// Handlers still computing an answer.
+    answering: usize,
+    quiet_for: Duration,
+    /// Graceful shutdown of the connection has begun.
+    closing: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdleVerdict {
+    /// Drop the connection outright.
+    Drop,
+    /// Begin a graceful shutdown (requests on it finish first).
+    Close,
+    /// Nothing to do before this much time has passed.
+    CheckAgainIn(Duration),
+}
+
+/// The connection's limits applied to `state`: what to do now, or when to look again.
+fn idle_check(limits: &ConnectionLimits, state: IdleState) -> IdleVerdict {
+    if state.requests == 0 {
+        // Connected but never sent a whole request: dropped at the header deadline.
+        return match limits.header_read_timeout.checked_sub(state.connected_for) {
+            Some(left) if !left.is_zero() => IdleVerdict::CheckAgainIn(left),
+            _ => IdleVerdict::Drop,
+        };
+    }
+    if state.answering > 0 {
+        return IdleVerdict::CheckAgainIn(ANSWERING_CHECK_WAIT);
+    }
+    // A peer that ignores the close (no FIN, no GOAWAY answer) is dropped a drain later.
+    let quiet_limit = if state.closing {
+        limits.idle_timeout + limits.drain_deadline
+    } else {
+        limits.idle_timeout
+    };
+    match quiet_limit.checked_sub(state.quiet_for) {
+        Some(left) if !left.is_zero() => IdleVerdict::CheckAgainIn(left),
+        _ if state.closing => IdleVerdict::Drop,
+        _ => IdleVerdict::Close,
     }
 }
 
@@ -616,5 +676,69 @@ impl http_body::Body for DeadlineBody {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> ConnectionLimits {
+        ConnectionLimits {
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            drain_deadline: Duration::from_secs(2),
+            ..Default::default()
+        }
+    }
+
+    fn state(requests: u64, answering: usize, quiet_secs: u64, closing: bool) -> IdleState {
+        IdleState {
+            connected_for: Duration::from_secs(4),
+            requests,
+            answering,
+            quiet_for: Duration::from_secs(quiet_secs),
+            closing,
+        }
+    }
+
+    #[test]
+    fn a_connection_without_a_request_waits_for_the_header_deadline_then_drops() {
+        let limits = limits();
+        assert_eq!(
+            idle_check(&limits, state(0, 0, 4, false)),
+            IdleVerdict::CheckAgainIn(Duration::from_secs(6))
+        );
+        let late = IdleState {
+            connected_for: Duration::from_secs(10),
+            ..state(0, 0, 10, false)
+        };
+        assert_eq!(idle_check(&limits, late), IdleVerdict::Drop);
+    }
+
+    #[test]
+    fn a_quiet_connection_closes_after_the_idle_timeout_and_drops_a_drain_later() {
+        let limits = limits();
+        assert_eq!(
+            idle_check(&limits, state(1, 0, 15, false)),
+            IdleVerdict::CheckAgainIn(Duration::from_secs(45))
+        );
+        assert_eq!(
+            idle_check(&limits, state(1, 0, 60, false)),
+            IdleVerdict::Close
+        );
+        assert_eq!(
+            idle_check(&limits, state(1, 0, 61, true)),
+            IdleVerdict::CheckAgainIn(Duration::from_secs(1))
+        );
+        assert_eq!(idle_check(&limits, state(1, 0, 62, true)), IdleVerdict::Drop);
+    }
+
+    #[test]
+    fn a_connection_whose_handler_computes_is_never_idle() {
+        assert_eq!(
+            idle_check(&limits(), state(1, 1, 600, false)),
+            IdleVerdict::CheckAgainIn(ANSWERING_CHECK_WAIT)
+        );
     }
 }

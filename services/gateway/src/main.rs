@@ -42,7 +42,9 @@ struct Flags {
     /// Requests in flight (all engines) above which new ones get 429/529.
     #[arg(long, default_value_t = 512)]
     max_in_flight_requests: u32,
-    /// How often engines are polled for readiness, in milliseconds.
+    /// How often engines are polled for readiness, in milliseconds, while anything about them
+    /// changes; an engine that stays ready and the same is polled up to 8 times less often (one
+    /// found gone by a request is polled again at once).
     #[arg(long, default_value_t = 500)]
     engine_poll_ms: u64,
     /// How often routing statistics are written to the state directory, in seconds.
@@ -95,6 +97,13 @@ struct Flags {
     /// `NINFER_CONTROL_SECRET_FILE` or `NINFER_CONTROL_SECRET`).
     #[arg(long, value_name = "FILE")]
     control_secret_file: Option<PathBuf>,
+    /// Threads that serve requests and streams. 1 (the default) runs everything on one thread:
+    /// each token then reaches the client without waking another thread, and the work a token
+    /// costs (microseconds) leaves one core far from busy even at hundreds of streams; prompt
+    /// rendering and tokenization run on a separate pool either way. More threads only pay off
+    /// when the gateway's own work per request dominates (many short non-streaming requests).
+    #[arg(long, default_value_t = 1, env = "NINFER_GATEWAY_THREADS")]
+    threads: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -133,14 +142,28 @@ fn main() -> anyhow::Result<()> {
     } else {
         tracing_subscriber::fmt().with_env_filter(filter).init();
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
+    let runtime = build_runtime(flags.threads)?;
     let result = runtime.block_on(run(flags));
     // Blocking tasks (a tokenization) must not hold the exit past the drain.
     runtime.shutdown_timeout(Duration::from_millis(100));
     result
+}
+
+/// The runtime: one thread (`threads` ≤ 1) or that many workers. Under the one-thread scheduler a
+/// task woken by a socket runs on the thread that read it, where the work-stealing scheduler
+/// wakes an idle worker (a futex round trip, a context switch) for nearly every token.
+fn build_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut builder = if threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder.worker_threads(threads);
+        builder
+    };
+    builder
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
 }
 
 async fn run(flags: Flags) -> anyhow::Result<()> {

@@ -21,9 +21,10 @@ use ninfer_protocol::v1::{
     CancelRequest, EngineStatus, EngineStatusRequest, FinishReason, GenerateRequest,
     GeneratedToken, ModelFilesRequest, ModelInfo, ModelInfoRequest, RoutingStatisticsRequest,
 };
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tonic::transport::{Channel, Endpoint};
 
+use super::poll_schedule::{PollSchedule, SteadyState};
 use super::resume::{is_connection_failure, resuming_token_stream, EngineSource, ResumeCounters};
 use super::{
     BackendSnapshot, EngineReport, GenerationBackend, ModelResources, ResumeCounts, ServedModel,
@@ -45,7 +46,8 @@ const MAX_ENGINE_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 /// Tunables of the pool.
 #[derive(Clone, Debug)]
 pub struct EnginePoolOptions {
-    /// How often each engine is polled for readiness and load.
+    /// How often each engine is polled for readiness and load while anything about it changes;
+    /// a steady ready engine is polled up to `STEADY_POLL_BACKOFF` times less often.
     pub poll_interval: Duration,
     /// Timeout of one poll RPC; an engine slower than this is considered down.
     pub poll_timeout: Duration,
@@ -75,7 +77,7 @@ impl Default for EnginePoolOptions {
             max_in_flight_requests: 512,
             max_queued_requests: 256,
             queue_timeout: Duration::from_secs(5),
-            routing_statistics_interval_ms: 1000,
+            routing_statistics_interval_ms: 5000,
             typed_control_tokens: TypedControlTokens::default(),
             control_secret: None,
             resume_timeout: Duration::from_secs(30),
@@ -92,6 +94,8 @@ pub struct EnginePool {
     overload_log: Arc<OverloadLog>,
     resume_timeout: Duration,
     resume_counters: Arc<ResumeCounters>,
+    /// Per engine: wakes its monitor for a poll now (a request found the engine gone).
+    poll_now: Arc<[Arc<Notify>]>,
 }
 
 /// Logs refusals for overload once per burst (the first one, then a summary when the next
@@ -268,11 +272,15 @@ impl EnginePool {
         }
         let initial = Arc::new(build_snapshot(&slots));
         let (snapshot_sender, snapshot) = watch::channel(initial);
+        let poll_now: Arc<[Arc<Notify>]> = slots.iter().map(|_| Arc::new(Notify::new())).collect();
         for (engine_index, slot) in slots.iter().enumerate() {
             tokio::spawn(monitor_engine(
-                engine_index,
-                slot.address.clone(),
-                slot.client.clone(),
+                EngineMonitor {
+                    engine_index,
+                    address: slot.address.clone(),
+                    client: slot.client.clone(),
+                    poll_now: poll_now[engine_index].clone(),
+                },
                 options.clone(),
                 commands.clone(),
                 routing_stats.clone(),
@@ -296,6 +304,7 @@ impl EnginePool {
             overload_log,
             resume_timeout: options.resume_timeout,
             resume_counters: Arc::new(ResumeCounters::default()),
+            poll_now,
         })
     }
 
@@ -326,6 +335,10 @@ impl EnginePool {
             engine_index,
             error,
         });
+        // Its monitor may be in a long steady wait: it should see the engine come back soon.
+        if let Some(poll_now) = self.poll_now.get(engine_index) {
+            poll_now.notify_one();
+        }
     }
 
     /// Waits until the snapshot changes (for tests and readiness waits).
@@ -769,20 +782,36 @@ fn build_snapshot(slots: &[EngineSlot]) -> BackendSnapshot {
     snapshot
 }
 
-/// Polls one engine forever: readiness, load, model files when they change, routing statistics.
-async fn monitor_engine(
+/// The engine one monitor polls.
+struct EngineMonitor {
     engine_index: usize,
     address: String,
-    mut client: EngineRpc,
+    client: EngineRpc,
+    /// Notified when a request found the engine gone: poll at once.
+    poll_now: Arc<Notify>,
+}
+
+/// Polls one engine forever: readiness, load, model files when they change, routing statistics.
+/// Often while the engine changes, seldom while it stays ready and the same ([`PollSchedule`]).
+async fn monitor_engine(
+    monitor: EngineMonitor,
     options: EnginePoolOptions,
     commands: mpsc::UnboundedSender<PoolCommand>,
     routing_stats: Option<RoutingStatsHandle>,
 ) {
+    let EngineMonitor {
+        engine_index,
+        address,
+        mut client,
+        poll_now,
+    } = monitor;
     let mut cached_resources: Option<(String, String, Arc<ModelResources>)> = None;
     let mut statistics_task: Option<tokio::task::JoinHandle<()>> = None;
+    let mut schedule = PollSchedule::new(options.poll_interval);
     loop {
-        match poll_engine(&mut client, &mut cached_resources, &options).await {
+        let wait = match poll_engine(&mut client, &mut cached_resources, &options).await {
             Ok(observation) => {
+                let steady_state = SteadyState::of(&observation.info, &observation.status);
                 let model_name = observation.info.model_name.clone();
                 if commands
                     .send(PoolCommand::Observed {
@@ -807,6 +836,7 @@ async fn monitor_engine(
                         )));
                     }
                 }
+                schedule.after(Some(steady_state))
             }
             Err(error) => {
                 if commands
@@ -818,9 +848,13 @@ async fn monitor_engine(
                 {
                     return;
                 }
+                schedule.after(None)
             }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = poll_now.notified() => schedule.restart(),
         }
-        tokio::time::sleep(options.poll_interval).await;
     }
 }
 

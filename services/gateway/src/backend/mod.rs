@@ -7,6 +7,7 @@
 //! implementation in [`engine_pool`] does).
 
 pub mod engine_pool;
+pub mod poll_schedule;
 pub mod resume;
 
 use std::collections::BTreeMap;

@@ -515,7 +515,10 @@ mod tests {
         assert!(clock > Duration::from_millis(5), "{clock:?}");
         assert!(clock < Duration::from_secs(5), "{clock:?}");
         // Other threads of the test binary may run too; ticks are 10 ms coarse.
-        assert!(clock.abs_diff(ticks) < Duration::from_millis(60), "{clock:?} {ticks:?}");
+        assert!(
+            clock.abs_diff(ticks) < Duration::from_millis(60),
+            "{clock:?} {ticks:?}"
+        );
     }
 
     #[test]

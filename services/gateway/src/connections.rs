@@ -731,7 +731,10 @@ mod tests {
             idle_check(&limits, state(1, 0, 61, true)),
             IdleVerdict::CheckAgainIn(Duration::from_secs(1))
         );
-        assert_eq!(idle_check(&limits, state(1, 0, 62, true)), IdleVerdict::Drop);
+        assert_eq!(
+            idle_check(&limits, state(1, 0, 62, true)),
+            IdleVerdict::Drop
+        );
     }
 
     #[test]

@@ -7,7 +7,8 @@ sizes and aspect ratios), pre-processed by `Qwen2VLImageProcessorPil` with the f
 and the settings below; the chat template renders one `<|vision_start|><|image_pad|><|vision_end|>` per image
 and the `<|image_pad|>` is repeated per image token, as `Qwen3VLProcessor` does. Writes
 tests/fixtures/qwen3_5_moe/image_prompt_reference.json: the processor settings, the image files, grids, the
-prompt's token ids, teacher-forced `token_nll` (position i predicts token i+1) and the last position's logits.
+prompt's token ids, teacher-forced `token_nll` (position i predicts token i+1) and the last position's logits;
+and tests/fixtures/qwen3_5_moe/preprocessor_config.json with the same processor settings.
 
 Needs transformers 5.17, torch, Pillow. Usage (repo root):
     CUDA_VISIBLE_DEVICES= python3 scripts/make_image_prompt_reference.py
@@ -93,6 +94,18 @@ def main() -> None:
         "last_logits": [float(f"{v:.9g}") for v in logits[-1].tolist()],
     }
     (FIXTURE / "image_prompt_reference.json").write_text(json.dumps(reference) + "\n")
+    # The same settings as the fixture's own preprocessor_config.json, which the converter embeds and
+    # the engine and gateway read.
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "size": {"shortest_edge": SETTINGS["min_pixels"], "longest_edge": SETTINGS["max_pixels"]},
+        "patch_size": vision.patch_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": merge,
+        "image_mean": SETTINGS["image_mean"],
+        "image_std": SETTINGS["image_std"],
+    }
+    (FIXTURE / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
 
 
 if __name__ == "__main__":

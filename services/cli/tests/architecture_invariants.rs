@@ -110,6 +110,7 @@ fn workspace_dependencies_point_one_way() {
                 "ninfer-cpu-experts",
                 "ninfer-protocol",
                 "ninfer-channel",
+                "ninfer-vision-input",
             ][..],
         ),
         (

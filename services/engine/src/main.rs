@@ -28,6 +28,7 @@ use ninfer_engine::moe::{
 };
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::profile::ForwardProfile;
+use ninfer_engine::service::images::ImageEncoding;
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
 use ninfer_engine::service::scheduler::{
     self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SpeculativeDecoding,
@@ -307,6 +308,9 @@ fn run(args: Args) -> anyhow::Result<()> {
             prefill_throughputs: started.prefill_throughputs,
         },
         sequence_permits: Arc::new(tokio::sync::Semaphore::new(limits.max_sequences)),
+        images: ImageEncoding::for_artifact(&artifact)
+            .context("reading the vision tower's settings")?
+            .map(Arc::new),
     };
     tracing::info!(model = %args.model.display(), name = %model_name, listen = %args.listen, max_context, "engine ready");
     let runtime = tokio::runtime::Builder::new_multi_thread()

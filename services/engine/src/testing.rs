@@ -164,7 +164,17 @@ pub fn greedy_tokens<B: crate::Backend>(
     prompt: &[u32],
     count: usize,
 ) -> Result<Vec<u32>, EngineError> {
-    let mut state = model.new_sequence(prompt.len() + count)?;
+    let state = model.new_sequence(prompt.len() + count)?;
+    greedy_tokens_of(model, state, prompt, count)
+}
+
+/// [`greedy_tokens`] of a new sequence prepared by the caller (images attached, say).
+pub fn greedy_tokens_of<B: crate::Backend>(
+    model: &crate::Model<B>,
+    mut state: crate::SequenceState<B>,
+    prompt: &[u32],
+    count: usize,
+) -> Result<Vec<u32>, EngineError> {
     let mut logits = model.prefill(&mut state, prompt)?;
     let mut out = Vec::with_capacity(count);
     while out.len() < count {
@@ -175,6 +185,45 @@ pub fn greedy_tokens<B: crate::Backend>(
         }
     }
     Ok(out)
+}
+
+/// A greedy generation request of `max_new_tokens` for the scheduler, its events on `events`.
+pub fn greedy_request(
+    request_id: String,
+    prompt: Vec<u32>,
+    max_new_tokens: usize,
+    events: tokio::sync::mpsc::Sender<crate::service::scheduler::SchedulerResult>,
+) -> crate::service::scheduler::GenerationRequest {
+    crate::service::scheduler::GenerationRequest {
+        request_id,
+        prompt,
+        max_new_tokens,
+        sampling: crate::SamplingParams::default(),
+        stop_token_ids: Vec::new(),
+        top_logprobs: 0,
+        sampleable_vocabulary: 0,
+        logit_bias: Vec::new(),
+        guide: None,
+        draft_tokens: None,
+        images: None,
+        events,
+    }
+}
+
+/// A request's tokens until its finish, and the prompt tokens the prefix cache gave it (from
+/// the last event); an error event or a stream without a finish panics.
+pub fn collect_tokens(
+    receiver: &mut tokio::sync::mpsc::Receiver<crate::service::scheduler::SchedulerResult>,
+) -> (Vec<u32>, u32) {
+    let mut tokens = Vec::new();
+    while let Some(event) = receiver.blocking_recv() {
+        let event = event.unwrap_or_else(|e| panic!("{e}"));
+        tokens.extend(event.token.map(|t| t.token_id));
+        if event.finish.is_some() {
+            return (tokens, event.cached_tokens);
+        }
+    }
+    panic!("the stream ended without a finish");
 }
 
 /// Why CUDA test cases are skipped in this build.

@@ -19,11 +19,13 @@ use ninfer_engine::prefix_cache::{
 };
 use ninfer_engine::sampling::{argmax, Xoshiro256};
 use ninfer_engine::service::scheduler::{
-    self, GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits, SchedulerResult,
-    SpeculativeDecoding, DEFAULT_PREFILL_TIME_SHARE,
+    self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SpeculativeDecoding,
+    DEFAULT_PREFILL_TIME_SHARE,
 };
-use ninfer_engine::testing::{golden_fixture_dir, json_numbers, max_abs_difference};
-use ninfer_engine::{test_device, Backend, Model, SamplingParams, SequenceInput, SequenceState};
+use ninfer_engine::testing::{
+    collect_tokens, golden_fixture_dir, greedy_request, json_numbers, max_abs_difference,
+};
+use ninfer_engine::{test_device, Backend, Model, SequenceInput, SequenceState};
 use tokio::sync::mpsc as async_mpsc;
 
 /// Blocks of the delta rule's chunk, a checkpoint every second block (as `prefix_cache.rs`).
@@ -288,23 +290,16 @@ impl Scheduler {
     fn generate(&mut self, prompt: &[u32], max_new_tokens: usize) -> (Vec<u32>, u32) {
         let (events, mut receiver) = async_mpsc::channel(4096);
         self.next_id += 1;
-        let request = GenerationRequest {
-            request_id: format!("request-{}", self.next_id),
-            prompt: prompt.to_vec(),
+        let request = greedy_request(
+            format!("request-{}", self.next_id),
+            prompt.to_vec(),
             max_new_tokens,
-            sampling: SamplingParams::default(),
-            stop_token_ids: Vec::new(),
-            top_logprobs: 0,
-            sampleable_vocabulary: 0,
-            logit_bias: Vec::new(),
-            guide: None,
-            draft_tokens: None,
             events,
-        };
+        );
         self.commands
             .send(SchedulerCommand::Submit(request))
             .expect("submit");
-        collect(&mut receiver)
+        collect_tokens(&mut receiver)
     }
 
     /// Drafts made and accepted at each depth.
@@ -317,18 +312,6 @@ impl Scheduler {
             .map(|(d, a)| (d.load(Ordering::Relaxed), a.load(Ordering::Relaxed)))
             .collect()
     }
-}
-
-fn collect(receiver: &mut async_mpsc::Receiver<SchedulerResult>) -> (Vec<u32>, u32) {
-    let mut tokens = Vec::new();
-    while let Some(event) = receiver.blocking_recv() {
-        let event = event.unwrap_or_else(|e| panic!("{e}"));
-        tokens.extend(event.token.map(|t| t.token_id));
-        if event.finish.is_some() {
-            return (tokens, event.cached_tokens);
-        }
-    }
-    panic!("the stream ended without a finish");
 }
 
 /// The trained fixture's reference prompts, one after another: text its head drafts well.

@@ -12,11 +12,11 @@ use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::service::scheduler::{
-    self, GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits, SchedulerResult,
+    self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SchedulerResult,
     SpeculativeDecoding, DEFAULT_PREFILL_TIME_SHARE,
 };
-use ninfer_engine::testing::golden_fixture_dir;
-use ninfer_engine::{test_device, Backend, Model, SamplingParams, SequenceState};
+use ninfer_engine::testing::{collect_tokens, golden_fixture_dir, greedy_request};
+use ninfer_engine::{test_device, Backend, Model, SequenceState};
 use tokio::sync::mpsc as async_mpsc;
 
 const NEW_TOKENS: usize = 5;
@@ -78,19 +78,12 @@ impl Scheduler {
     ) -> async_mpsc::Receiver<SchedulerResult> {
         let (events, receiver) = async_mpsc::channel(4096);
         self.next_id += 1;
-        let request = GenerationRequest {
-            request_id: format!("request-{}", self.next_id),
-            prompt: prompt.to_vec(),
+        let request = greedy_request(
+            format!("request-{}", self.next_id),
+            prompt.to_vec(),
             max_new_tokens,
-            sampling: SamplingParams::default(),
-            stop_token_ids: Vec::new(),
-            top_logprobs: 0,
-            sampleable_vocabulary: 0,
-            logit_bias: Vec::new(),
-            guide: None,
-            draft_tokens: None,
             events,
-        };
+        );
         self.commands
             .send(SchedulerCommand::Submit(request))
             .expect("submit");
@@ -100,20 +93,8 @@ impl Scheduler {
     /// Greedy tokens and the cached prompt tokens the last event reports.
     fn generate(&mut self, prompt: &[u32]) -> (Vec<u32>, u32) {
         let mut receiver = self.submit(prompt, NEW_TOKENS);
-        collect(&mut receiver)
+        collect_tokens(&mut receiver)
     }
-}
-
-fn collect(receiver: &mut async_mpsc::Receiver<SchedulerResult>) -> (Vec<u32>, u32) {
-    let mut tokens = Vec::new();
-    while let Some(event) = receiver.blocking_recv() {
-        let event = event.unwrap_or_else(|e| panic!("{e}"));
-        tokens.extend(event.token.map(|t| t.token_id));
-        if event.finish.is_some() {
-            return (tokens, event.cached_tokens);
-        }
-    }
-    panic!("the stream ended without a finish");
 }
 
 fn settings() -> PrefixCacheSettings {
@@ -185,8 +166,8 @@ where
             scheduler.generate(&first);
             let mut stream = scheduler.submit(&third, 40);
             let mut long_events = scheduler.submit(&long, NEW_TOKENS);
-            let (long_tokens, long_cached) = collect(&mut long_events);
-            let (stream_tokens, _) = collect(&mut stream);
+            let (long_tokens, long_cached) = collect_tokens(&mut long_events);
+            let (stream_tokens, _) = collect_tokens(&mut stream);
             outputs.push((long_tokens, stream_tokens, long_cached));
         }
         assert_eq!(

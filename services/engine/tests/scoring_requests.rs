@@ -16,12 +16,11 @@ use std::sync::Arc;
 use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::service::scheduler::{
-    self, GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerError, SchedulerLimits,
-    SchedulerResult,
+    self, SchedulerCommand, SchedulerCounters, SchedulerError, SchedulerLimits, SchedulerResult,
 };
 use ninfer_engine::service::scoring::{ScoringRequest, ScoringResult};
-use ninfer_engine::testing::{golden_fixture_dir, json_numbers};
-use ninfer_engine::{test_device, token_nlls, Backend, Model, PerplexityOptions, SamplingParams};
+use ninfer_engine::testing::{golden_fixture_dir, greedy_request, json_numbers};
+use ninfer_engine::{test_device, token_nlls, Backend, Model, PerplexityOptions};
 use tokio::sync::mpsc as async_mpsc;
 
 const FIXTURE: &str = "qwen3_moe";
@@ -81,19 +80,12 @@ fn collect_scores(receiver: &mut ScoringReceiver) -> Result<(Vec<f64>, usize), S
 
 fn greedy(prompt: &[u32], max_new_tokens: usize) -> (SchedulerCommand, GenerationReceiver) {
     let (events, receiver) = async_mpsc::channel(4096);
-    let command = SchedulerCommand::Submit(GenerationRequest {
-        request_id: "generation".into(),
-        prompt: prompt.to_vec(),
+    let command = SchedulerCommand::Submit(greedy_request(
+        "generation".into(),
+        prompt.to_vec(),
         max_new_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_token_ids: Vec::new(),
-        top_logprobs: 0,
-        sampleable_vocabulary: 0,
-        logit_bias: Vec::new(),
-        guide: None,
-        draft_tokens: None,
         events,
-    });
+    ));
     (command, receiver)
 }
 

@@ -82,6 +82,7 @@ fn request(
         logit_bias: Vec::new(),
         guide: None,
         draft_tokens: submission.draft_tokens,
+        images: None,
         events,
     };
     (request, receiver)

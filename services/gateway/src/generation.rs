@@ -318,6 +318,7 @@ impl GenerationPlan {
             lark_grammar: self.guidance.grammar.clone().unwrap_or_default(),
             draft_tokens: options.draft_tokens,
             resumed_output_tokens: 0,
+            images: Vec::new(),
         }
     }
 }

@@ -3,16 +3,52 @@
 //! position streams. Attached to a new sequence before its prompt is processed; the forward
 //! reads them through the batch plan.
 //!
-//! Owns: checking and attaching a prompt's images. Must not touch: the vision tower's math
-//! (`crate::vision`), the forward's ops.
+//! Each attached image gets a key of what the decoder sees of it (its grid and its tokens'
+//! embeddings), which the prefix cache names blocks by, so a cached prefix is reused only for
+//! the same images.
+//!
+//! Owns: checking and attaching a prompt's images, their keys. Must not touch: the vision
+//! tower's math (`crate::vision`), the forward's ops.
 
 use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::EngineError;
-use crate::model::layers::{SequenceImages, SequenceState};
+use crate::model::layers::{ImageKey, SequenceImages, SequenceState};
 use crate::model::Model;
 use crate::vision::{multimodal_positions, ImageGrid, ImagePlacement};
+
+/// The keys of images `grids` whose tokens sit at `image_tokens` (ascending, runs in image
+/// order) with `embeddings` (`hidden` values per token).
+fn image_keys(
+    grids: &[ImageGrid],
+    merge_unit: usize,
+    image_tokens: &[usize],
+    embeddings: &[f32],
+    hidden: usize,
+) -> Vec<ImageKey> {
+    let mut keys = Vec::with_capacity(grids.len());
+    let mut first = 0;
+    for grid in grids {
+        let tokens = grid.patches() / merge_unit;
+        let Some(&first_token) = image_tokens.get(first) else {
+            break;
+        };
+        let mut bytes = Vec::with_capacity(24 + tokens * hidden * 4);
+        for side in [grid.temporal, grid.height, grid.width] {
+            bytes.extend_from_slice(&(side as u64).to_le_bytes());
+        }
+        let rows = embeddings.get(first * hidden..(first + tokens) * hidden);
+        bytes.extend_from_slice(bytemuck::cast_slice(rows.unwrap_or_default()));
+        keys.push(ImageKey {
+            first_token,
+            tokens,
+            content: xxhash_rust::xxh3::xxh3_128(&bytes),
+        });
+        first += tokens;
+    }
+    keys
+}
 
 impl<B: Backend> Model<B> {
     /// Attaches the images of `prompt` (its whole token ids, placeholders expanded) to a
@@ -55,7 +91,10 @@ impl<B: Backend> Model<B> {
                 image_tokens.len()
             )));
         }
+        let merge_unit = placement.spatial_merge_size * placement.spatial_merge_size;
+        let keys = image_keys(grids, merge_unit, &image_tokens, &embeddings, hidden);
         state.images = Some(Arc::new(SequenceImages {
+            keys,
             streams: positions.streams,
             delta: positions.delta,
             section: placement.mrope_section,

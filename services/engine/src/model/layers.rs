@@ -108,6 +108,23 @@ pub struct SequenceState<B: Backend> {
     pub(in crate::model) images: Option<std::sync::Arc<SequenceImages>>,
 }
 
+/// One attached image as the prefix cache tells images apart: the prompt indices of its
+/// placeholder run and a 128-bit hash of its grid and its tokens' embeddings (everything of
+/// the image the decoder's computation reads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ImageKey {
+    pub first_token: usize,
+    pub tokens: usize,
+    pub content: u128,
+}
+
+impl ImageKey {
+    /// Whether the image has a token in the prompt indices `range`.
+    pub fn overlaps(&self, range: &std::ops::Range<usize>) -> bool {
+        self.first_token < range.end && self.first_token + self.tokens > range.start
+    }
+}
+
 /// A prompt's images as the decoder sees them: every prompt token's three rotary positions,
 /// what later tokens add to their index, and the embeddings that replace the image tokens'.
 #[derive(Debug)]
@@ -122,6 +139,8 @@ pub struct SequenceImages {
     pub(in crate::model) image_tokens: Vec<usize>,
     /// `[image_tokens.len(), hidden]`.
     pub(in crate::model) embeddings: Vec<f32>,
+    /// Each image's key, in prompt order.
+    pub(in crate::model) keys: Vec<ImageKey>,
 }
 
 impl SequenceImages {
@@ -142,6 +161,16 @@ impl<B: Backend> SequenceState<B> {
 
     pub fn max_context(&self) -> usize {
         self.max_context
+    }
+
+    /// The keys of the images attached to the sequence's prompt (none: a text prompt).
+    pub fn image_keys(&self) -> &[ImageKey] {
+        self.images.as_deref().map_or(&[], |images| &images.keys)
+    }
+
+    /// Moves the attached images to `fresh`, a new sequence that replaces this one.
+    pub fn move_images_to(&mut self, fresh: &mut SequenceState<B>) {
+        fresh.images = self.images.take();
     }
 }
 

@@ -43,7 +43,8 @@ use layers::{FeedForward, Layer};
 
 pub use expert_placement::{LayerwiseSummary, PrefillStagingOptions, ResidentExpertsReport};
 pub use layers::{
-    LayerState, LogitsSelection, SequenceCheckpoint, SequenceImages, SequenceInput, SequenceState,
+    ImageKey, LayerState, LogitsSelection, SequenceCheckpoint, SequenceImages, SequenceInput,
+    SequenceState,
 };
 pub use loading::open_artifact;
 pub use mtp::{mtp_pairs_of_block, MtpPrefixRows, MtpState, MtpUsage};

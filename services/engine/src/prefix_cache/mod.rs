@@ -15,9 +15,13 @@
 //! step after the forward that computed them, so a block's MTP share may arrive later than its
 //! rows; until it has, the block serves sequences that do not draft only.
 //!
+//! A prompt with images is keyed by them too: the sequence's attached images
+//! ([`SequenceState::image_keys`]) name each block their tokens fall in, and are compared with
+//! the block's tokens, so a prefix is reused only for the same images at the same places.
+//!
 //! Invariants: a block is stored under the name of its whole prefix (the model's identity
-//! first), and its tokens are compared on every match, so nothing is reused across models or
-//! for a different prefix; a reused prefix ends where a whole prompt's forward would have the
+//! first, and the images it holds), and its tokens and images are compared on every match, so
+//! nothing is reused across models or for a different prefix; a reused prefix ends where a whole prompt's forward would have the
 //! same state (a block end, and on models with recurrent layers a checkpoint), and leaves at
 //! least [`Model::prefix_min_rest`] tokens to compute; only prompt positions are stored (the
 //! rows a prompt's forward computed, never decode rows). Eviction takes leaves only, so every
@@ -31,10 +35,11 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::EngineError;
+use crate::model::ImageKey;
 use crate::model::{
     Model, MtpPrefixRows, MtpState, PrefixBlock, SequenceCheckpoint, SequenceState,
 };
-use chain::{block_names, root_name, BlockName};
+use chain::{block_names, images_in, root_name, BlockName};
 
 /// Tokens per block by default: large enough that a block's copy is one efficient transfer per
 /// layer and the chain is short, small enough to keep most of a prompt that changed late.
@@ -99,6 +104,8 @@ pub struct PrefixCacheCounters {
 struct Node<B: Backend> {
     parent: Option<BlockName>,
     tokens: Box<[u32]>,
+    /// The keys of the images with tokens in the block.
+    images: Box<[ImageKey]>,
     block: PrefixBlock<B>,
     checkpoint: Option<SequenceCheckpoint<B>>,
     /// The MTP head's rows of the block's pairs (speculating sequences only).
@@ -170,8 +177,8 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// Puts the longest reusable stored prefix of `prompt` into the fresh `state` and returns
-    /// its length in tokens (0: nothing reused, `state` untouched). On an error `state` must be
-    /// dropped.
+    /// its length in tokens (0: nothing reused, `state` untouched). The prompt's images are
+    /// attached to `state` first. On an error `state` must be dropped.
     pub fn restore(
         &mut self,
         model: &Model<B>,
@@ -209,14 +216,17 @@ impl<B: Backend> PrefixCache<B> {
         }
         let block_tokens = self.settings.block_tokens;
         let limit = prompt.len().saturating_sub(self.min_rest);
-        let names = block_names(self.root, &prompt[..limit], block_tokens);
+        let images = state.image_keys().to_vec();
+        let names = block_names(self.root, &prompt[..limit], block_tokens, &images);
         let mut chain = Vec::new();
         for (index, name) in names.iter().enumerate() {
-            let tokens = &prompt[index * block_tokens..(index + 1) * block_tokens];
+            let positions = index * block_tokens..(index + 1) * block_tokens;
+            let tokens = &prompt[positions.clone()];
             match self.nodes.get(name) {
                 Some(node)
                     if node.parent == chain.last().copied()
                         && *node.tokens == *tokens
+                        && *node.images == *images_in(&images, &positions)
                         && (mtp.is_none() || node.mtp_rows.is_some()) =>
                 {
                     chain.push(*name)
@@ -318,15 +328,21 @@ impl<B: Backend> PrefixCache<B> {
         }
         let block_tokens = self.settings.block_tokens;
         let held = state.position().min(prompt.len());
-        let names = block_names(self.root, &prompt[..held], block_tokens);
+        let images = state.image_keys();
+        let names = block_names(self.root, &prompt[..held], block_tokens, images);
         self.clock += 1;
         let mut parent = None;
         for (index, name) in names.into_iter().enumerate() {
             let positions = index * block_tokens..(index + 1) * block_tokens;
             let tokens = &prompt[positions.clone()];
+            let block_images = images_in(images, &positions);
             let checkpoint_here = self.needs_checkpoints && positions.end == state.position();
             match self.nodes.get_mut(&name) {
-                Some(node) if node.parent == parent && *node.tokens == *tokens => {
+                Some(node)
+                    if node.parent == parent
+                        && *node.tokens == *tokens
+                        && *node.images == *block_images =>
+                {
                     node.last_used = self.clock;
                     if checkpoint_here && node.checkpoint.is_none() {
                         let checkpoint = model.checkpoint(state)?;
@@ -356,6 +372,7 @@ impl<B: Backend> PrefixCache<B> {
                         Node {
                             parent,
                             tokens: tokens.into(),
+                            images: block_images.into(),
                             block,
                             checkpoint,
                             mtp_rows: None,

@@ -1,11 +1,13 @@
 //! The engine as a gRPC service (`proto/ninfer/v1/engine.proto`): the gateway's API in front of
 //! the scheduler actor.
 //!
-//! Owns: request validation and translation, the token streams (the scheduler's events and errors
+//! Owns: request validation and translation (a prompt's images encoded in `images.rs`), the
+//! token streams (the scheduler's events and errors
 //! converted to messages and statuses here, at the edge), model info and files for the
 //! gateway, status and routing-statistics streams.
 //! Must not touch: the model's math (scheduler + model), HTTP, text.
 
+pub mod images;
 pub mod routing_stats;
 pub mod scheduler;
 pub mod scoring;
@@ -80,6 +82,8 @@ pub struct EngineService {
     pub sequence_permits: Arc<tokio::sync::Semaphore>,
     /// The model's tokens for constrained decoding, built on the first constrained request.
     pub guidance: Arc<GuidanceCache>,
+    /// How a prompt's images become embeddings; `None`: the model has no vision tower.
+    pub images: Option<Arc<images::ImageEncoding>>,
 }
 
 /// Times a device-to-device copy on the GPU: bytes per second, or why not.
@@ -396,8 +400,19 @@ impl Engine for EngineService {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<TokenStream>, Status> {
-        let request = request.into_inner();
+        let mut request = request.into_inner();
         let permit = self.admit(&request.model_name)?;
+        let images = match (std::mem::take(&mut request.images), &self.images) {
+            (images, _) if images.is_empty() => None,
+            (_, None) => {
+                return Err(Status::invalid_argument(
+                    "this model has no vision tower: it does not take images",
+                ))
+            }
+            (images, Some(encoding)) => {
+                Some(encoding.encode(&request.prompt_token_ids, images).await?)
+            }
+        };
         let (events, from_scheduler) = tokio::sync::mpsc::channel(4096);
         let receiver = hold_permit_while_scheduled(from_scheduler, permit);
         let request_id = request_id_or_unnamed(&request.request_id);
@@ -413,6 +428,7 @@ impl Engine for EngineService {
             sampleable_vocabulary: request.sampleable_vocabulary_size as usize,
             logit_bias: request.logit_bias.into_iter().collect(),
             draft_tokens: request.draft_tokens.map(|n| n as usize),
+            images,
             events,
         }))?;
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
@@ -530,6 +546,11 @@ impl Engine for EngineService {
             eos_token_ids: self.eos_token_ids(),
             max_context: self.limits.max_context as u32,
             model_files_digest: self.files_digest(),
+            preprocessor_config_json: self
+                .images
+                .as_ref()
+                .map(|images| images.settings_json())
+                .unwrap_or_default(),
         }))
     }
 

@@ -6,8 +6,9 @@
 //! patch order, position-embedding taps, rotary positions, attention segments (`grid.rs`) —,
 //! the f32 host forward that is the reference for the device paths (`encoder.rs`), and the
 //! decoder's three position streams of a prompt with images (`positions.rs`).
-//! Must not touch: image decoding and resizing (`ninfer-vision-input`, in the gateway), the
-//! rotation itself (the backends' `rope` with `MultimodalRotation`), the scheduler.
+//! Must not touch: image decoding and resizing (`ninfer-vision-input`, called by the service's
+//! `images.rs`), the rotation itself (the backends' `rope` with `MultimodalRotation`), the
+//! scheduler.
 
 pub mod config;
 pub mod encoder;

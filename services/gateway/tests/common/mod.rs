@@ -339,6 +339,7 @@ impl Engine for ScriptedEngine {
             eos_token_ids: vec![482, 480],
             max_context: self.script.max_context.load(Ordering::SeqCst),
             model_files_digest: "digest-1".to_string(),
+            preprocessor_config_json: String::new(),
         }))
     }
 

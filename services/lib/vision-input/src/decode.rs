@@ -2,10 +2,12 @@
 //! Pillow: the first frame, turned by its EXIF orientation, converted to RGB (a palette looked
 //! up, grey replicated, alpha dropped). The format is recognised from the bytes and checked
 //! against the declared media type; the size is checked from the header before any pixel is
-//! allocated.
+//! allocated. [`probe_image`] does the checks that need no pixels (format, declared type, size,
+//! orientation, a file cut short) and gives the size the decoded image will have.
 
 use std::io::Cursor;
 
+use image::metadata::Orientation;
 use image::{DynamicImage, ImageDecoder, ImageError, ImageFormat, ImageReader};
 
 use crate::error::VisionInputError;
@@ -89,12 +91,53 @@ pub struct DecodedImage {
     pub rgb: Vec<u8>,
 }
 
-/// Decodes `bytes` within `limits` (see the module doc).
-pub fn decode_rgb(
+/// What an image's header says: its format and the size of the decoded, upright image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProbedImage {
+    pub format: ImageFormatName,
+    pub width: u32,
+    pub height: u32,
+}
+
+/// The checks of [`decode_rgb`] that need no pixels: the bytes' format against the declared
+/// media type, the header's size within `limits` (after the EXIF orientation, as decoding
+/// turns it), and the file's end where the format marks it (a truncated file). Memory stays
+/// within the decoder's header buffers whatever the file claims.
+pub fn probe_image(
     bytes: &[u8],
     declared_media_type: Option<&str>,
     limits: &DecodeLimits,
-) -> Result<DecodedImage, VisionInputError> {
+) -> Result<ProbedImage, VisionInputError> {
+    let format = check_format(bytes, declared_media_type, limits)?;
+    if !reaches_its_end(format, bytes) {
+        return Err(VisionInputError::Corrupt {
+            format: format.name(),
+            detail: "the file ends before its end marker (truncated)".into(),
+        });
+    }
+    let (decoder, orientation) = checked_decoder(bytes, format, limits)?;
+    let (width, height) = decoder.dimensions();
+    let (width, height) = match orientation {
+        Orientation::Rotate90
+        | Orientation::Rotate270
+        | Orientation::Rotate90FlipH
+        | Orientation::Rotate270FlipH => (height, width),
+        _ => (width, height),
+    };
+    Ok(ProbedImage {
+        format,
+        width,
+        height,
+    })
+}
+
+/// The checks before any decoding: not empty, within the encoded size, a supported format that
+/// is the declared one.
+fn check_format(
+    bytes: &[u8],
+    declared_media_type: Option<&str>,
+    limits: &DecodeLimits,
+) -> Result<ImageFormatName, VisionInputError> {
     if bytes.is_empty() {
         return Err(VisionInputError::Empty);
     }
@@ -114,6 +157,41 @@ pub fn decode_rgb(
             detected: format.name().to_string(),
         });
     }
+    Ok(format)
+}
+
+/// Whether the file reaches the end its format marks: a PNG's `IEND` chunk, a GIF's trailer, a
+/// WebP's RIFF length, a JPEG's end-of-image marker after its first scan.
+fn reaches_its_end(format: ImageFormatName, bytes: &[u8]) -> bool {
+    match format {
+        // `IEND` and its checksum, past which a writer may have left a few bytes.
+        ImageFormatName::Png => {
+            let tail = bytes.len().saturating_sub(64);
+            bytes[tail..]
+                .windows(4)
+                .enumerate()
+                .any(|(offset, chunk)| chunk == b"IEND" && tail + offset + 8 <= bytes.len())
+        } // The trailer byte, past any padding a writer left.
+        ImageFormatName::Gif => bytes
+            .iter()
+            .rev()
+            .find(|&&byte| byte != 0 && byte != b'\n')
+            .is_some_and(|&byte| byte == 0x3B),
+        ImageFormatName::Webp => bytes.get(4..8).is_some_and(|length| {
+            let riff = u32::from_le_bytes([length[0], length[1], length[2], length[3]]);
+            (riff as usize).saturating_add(8) <= bytes.len()
+        }),
+        ImageFormatName::Jpeg => jpeg_reaches_its_end_marker(bytes),
+    }
+}
+
+/// Decodes `bytes` within `limits` (see the module doc).
+pub fn decode_rgb(
+    bytes: &[u8],
+    declared_media_type: Option<&str>,
+    limits: &DecodeLimits,
+) -> Result<DecodedImage, VisionInputError> {
+    let format = check_format(bytes, declared_media_type, limits)?;
     let corrupt = |error: ImageError| decode_error(format, error);
     // The JPEG decoder fills a cut-off scan with grey where Pillow refuses the file.
     if format == ImageFormatName::Jpeg && !jpeg_reaches_its_end_marker(bytes) {
@@ -122,15 +200,7 @@ pub fn decode_rgb(
             detail: "the file ends before its end-of-image marker (truncated)".into(),
         });
     }
-
-    let mut reader = ImageReader::with_format(Cursor::new(bytes), format.image_format());
-    let mut decoder_limits = image::Limits::default();
-    decoder_limits.max_alloc = Some(limits.max_decoder_allocation);
-    reader.limits(decoder_limits);
-    let mut decoder = reader.into_decoder().map_err(corrupt)?;
-    let (width, height) = decoder.dimensions();
-    check_dimensions(width, height, limits)?;
-    let orientation = decoder.orientation().map_err(corrupt)?;
+    let (decoder, orientation) = checked_decoder(bytes, format, limits)?;
     let mut image = DynamicImage::from_decoder(decoder).map_err(corrupt)?;
     image.apply_orientation(orientation);
     let rgb = image.to_rgb8();
@@ -140,6 +210,25 @@ pub fn decode_rgb(
         height: rgb.height(),
         rgb: rgb.into_raw(),
     })
+}
+
+/// The decoder of `bytes` (of `format`) with its allocations bounded, once its header's size
+/// passed the limits, and the EXIF orientation decoding applies.
+fn checked_decoder<'bytes>(
+    bytes: &'bytes [u8],
+    format: ImageFormatName,
+    limits: &DecodeLimits,
+) -> Result<(impl ImageDecoder + 'bytes, Orientation), VisionInputError> {
+    let corrupt = |error: ImageError| decode_error(format, error);
+    let mut reader = ImageReader::with_format(Cursor::new(bytes), format.image_format());
+    let mut decoder_limits = image::Limits::default();
+    decoder_limits.max_alloc = Some(limits.max_decoder_allocation);
+    reader.limits(decoder_limits);
+    let mut decoder = reader.into_decoder().map_err(corrupt)?;
+    let (width, height) = decoder.dimensions();
+    check_dimensions(width, height, limits)?;
+    let orientation = decoder.orientation().map_err(corrupt)?;
+    Ok((decoder, orientation))
 }
 
 /// The header's size against the limits, before the pixels are decoded.

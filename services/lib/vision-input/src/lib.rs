@@ -16,12 +16,30 @@ pub mod resample;
 pub mod settings;
 pub mod smart_resize;
 
-pub use decode::{decode_rgb, DecodedImage, ImageFormatName};
+pub use decode::{decode_rgb, probe_image, DecodedImage, ImageFormatName, ProbedImage};
 pub use error::VisionInputError;
 pub use patchify::{normalise_and_patchify, ImageGrid, PixelPatches};
 pub use resample::resize_bicubic_like_pillow;
 pub use settings::{DecodeLimits, ImageProcessorSettings};
 pub use smart_resize::smart_resize;
+
+/// The grid `bytes` will have after pre-processing, from the header alone ([`probe_image`] and
+/// [`smart_resize`]): what sizes an image's placeholder run without decoding it.
+pub fn probe_grid(
+    bytes: &[u8],
+    declared_media_type: Option<&str>,
+    settings: &ImageProcessorSettings,
+    limits: &DecodeLimits,
+) -> Result<ImageGrid, VisionInputError> {
+    settings.validate()?;
+    let probed = probe_image(bytes, declared_media_type, limits)?;
+    let (height, width) = smart_resize(probed.height, probed.width, settings)?;
+    Ok(ImageGrid {
+        temporal: 1,
+        height: height / settings.patch_size,
+        width: width / settings.patch_size,
+    })
+}
 
 /// The whole pre-processing of one image: decode (within `limits`), resize to the processor's
 /// grid, normalise, patchify. `declared_media_type` is what the request said the bytes are

@@ -6,7 +6,8 @@
 use std::path::PathBuf;
 
 use ninfer_vision_input::{
-    decode_rgb, preprocess_image, DecodeLimits, ImageProcessorSettings, VisionInputError,
+    decode_rgb, preprocess_image, probe_grid, probe_image, DecodeLimits, ImageProcessorSettings,
+    VisionInputError,
 };
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -284,4 +285,73 @@ fn the_released_settings_give_the_released_token_counts() {
     // Row 2 of the output is the first block's second row: patch (1, 0), y = 16.
     let second_row_first_pixel = patches.values[2 * 1536 + 512];
     assert!((second_row_first_pixel - (16.0 / 255.0 - 0.5) / 0.5).abs() < 1e-6);
+}
+
+/// Every fixture's header gives the size and grid its decoding gives (the EXIF-rotated JPEG
+/// turned), and the hostile files are refused from the header alone as decoding refuses them
+/// (a truncated file by its missing end).
+#[test]
+fn the_header_probe_agrees_with_decoding() {
+    let settings = ImageProcessorSettings {
+        min_pixels: 1024,
+        max_pixels: 4096,
+        patch_size: 8,
+        ..ImageProcessorSettings::default()
+    };
+    let directory =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../tests/fixtures/vision_input");
+    let mut probed = 0;
+    for entry in std::fs::read_dir(directory).expect("fixtures") {
+        let path = entry.expect("entry").path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        if name.ends_with(".f32") || name.ends_with(".json") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).expect("readable");
+        let header = probe_image(&bytes, None, &limits()).expect("probed");
+        let decoded = decode_rgb(&bytes, None, &limits()).expect("decoded");
+        assert_eq!(
+            (header.width, header.height),
+            (decoded.width, decoded.height),
+            "{name}"
+        );
+        let grid = probe_grid(&bytes, None, &settings, &limits()).expect("grid");
+        let patches = preprocess_image(&bytes, None, &settings, &limits()).expect("patches");
+        assert_eq!(grid, patches.grid, "{name}");
+        for cut in [bytes.len() / 2, bytes.len() - 1] {
+            let error = probe_image(&bytes[..cut], None, &limits()).expect_err("cut");
+            assert!(
+                matches!(error, VisionInputError::Corrupt { .. }),
+                "{name} cut at {cut}: {error}"
+            );
+        }
+        probed += 1;
+    }
+    assert_eq!(probed, 11);
+    let error = probe_image(&png_header_only(20_000, 20_000), None, &limits()).expect_err("big");
+    assert!(
+        matches!(error, VisionInputError::SideTooLong { .. }),
+        "{error}"
+    );
+    let error = probe_image(&png_header_only(12_000, 12_000), None, &limits()).expect_err("bomb");
+    assert!(
+        matches!(error, VisionInputError::TooManyPixels { .. }),
+        "{error}"
+    );
+    let png = fixture("png_rgb_downscale.png");
+    let error = probe_image(&png, Some("image/webp"), &limits()).expect_err("declared");
+    assert!(
+        matches!(error, VisionInputError::MediaTypeMismatch { .. }),
+        "{error}"
+    );
+    let svg = br#"<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>"#;
+    assert!(probe_image(svg, Some("image/svg+xml"), &limits()).is_err());
+    assert_eq!(
+        probe_image(svg, None, &limits()),
+        Err(VisionInputError::UnrecognisedFormat)
+    );
 }

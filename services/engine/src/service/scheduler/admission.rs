@@ -1,6 +1,6 @@
 //! Admission: the scheduler's commands as they arrive. A generation request is checked against
-//! the vocabulary and the limits, gets its sequence (with the prefix cache's reusable prefix and,
-//! when it speculates, its MTP state); a scoring request is handed to [`Scoring`]; a cancel
+//! the vocabulary and the limits, gets its sequence (its prompt's encoded images attached, then
+//! the prefix cache's reusable prefix and, when it speculates, its MTP state); a scoring request is handed to [`Scoring`]; a cancel
 //! ends its sequence.
 //!
 //! Owns: the checks and refusals of a request, building its running state. Must not touch: the
@@ -66,7 +66,8 @@ pub(super) fn handle<B: Backend>(
             }
             let _ = reply.send(position.is_some());
         }
-        SchedulerCommand::Submit(request) => {
+        SchedulerCommand::Submit(mut request) => {
+            let images = request.images.take();
             let reject = |error: SchedulerError| {
                 let _ = request.events.try_send(Err(error));
             };
@@ -106,11 +107,22 @@ pub(super) fn handle<B: Backend>(
                 .prompt_tokens
                 .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
             let before = model.backend().kv_placement();
-            let state = match model.new_sequence(needed) {
+            let mut state = match model.new_sequence(needed) {
                 Ok(state) => state,
                 Err(error) => return reject(SchedulerError::GenerationFailed(error.to_string())),
             };
             log_host_kv(model, before, &request.request_id);
+            if let Some(images) = images {
+                let attached = model.attach_images(
+                    &mut state,
+                    &request.prompt,
+                    &images.grids,
+                    images.embeddings,
+                );
+                if let Err(error) = attached {
+                    return reject(SchedulerError::InvalidRequest(error.to_string()));
+                }
+            }
             let max_drafts = admission.speculation.max_draft_tokens;
             let drafts = request
                 .draft_tokens
@@ -133,7 +145,6 @@ pub(super) fn handle<B: Backend>(
             } else {
                 None
             };
-            let mut state = state;
             let reused = match (prefix, speculating.as_mut()) {
                 (Some(cache), None) => reuse_prefix(model, cache, &mut state, &request, needed),
                 (Some(cache), Some(s)) => {
@@ -176,7 +187,9 @@ fn reuse_prefix<B: Backend>(
         Ok(cached) => Ok(cached),
         Err(error) => {
             tracing::warn!(request_id = %request.request_id, "prefix cache: restoring failed, the prompt is computed whole: {error}");
-            *state = model.new_sequence(needed)?;
+            let mut fresh = model.new_sequence(needed)?;
+            state.move_images_to(&mut fresh);
+            *state = fresh;
             Ok(0)
         }
     }
@@ -204,7 +217,9 @@ fn reuse_prefix_speculating<B: Backend>(
         }
         Err(error) => {
             tracing::warn!(request_id = %request.request_id, "prefix cache: restoring failed, the prompt is computed whole: {error}");
-            *state = model.new_sequence(state.max_context())?;
+            let mut fresh = model.new_sequence(state.max_context())?;
+            state.move_images_to(&mut fresh);
+            *state = fresh;
             s.mtp = model.new_mtp_state(mtp_context)?;
             Ok(0)
         }

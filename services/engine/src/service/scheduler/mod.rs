@@ -60,7 +60,7 @@ pub use messages::{
     SampledToken, SchedulerError, SchedulerEvent, SchedulerResult, SequenceFinish, TokenProbability,
 };
 pub use prefill_share::PrefillShare;
-pub use requests::{GenerationRequest, SchedulerCommand};
+pub use requests::{GenerationRequest, PromptImages, SchedulerCommand};
 
 use admission::{handle, Admission};
 use prompt_chunks::{feed_prompt_chunks, feed_to_checkpoints, record_prompt};
@@ -299,6 +299,7 @@ mod tests {
             logit_bias: logit_bias.to_vec(),
             guide: None,
             draft_tokens: None,
+            images: None,
             events,
         };
         commands.send(SchedulerCommand::Submit(request)).unwrap();
@@ -412,6 +413,7 @@ mod tests {
                 logit_bias: Vec::new(),
                 guide,
                 draft_tokens: None,
+                images: None,
                 events,
             }))
             .unwrap();
@@ -574,19 +576,7 @@ mod tests {
         max_new_tokens: usize,
         events: async_mpsc::Sender<SchedulerResult>,
     ) -> GenerationRequest {
-        GenerationRequest {
-            request_id: id.to_string(),
-            prompt,
-            max_new_tokens,
-            sampling: SamplingParams::default(),
-            stop_token_ids: Vec::new(),
-            top_logprobs: 0,
-            sampleable_vocabulary: 0,
-            logit_bias: Vec::new(),
-            guide: None,
-            draft_tokens: None,
-            events,
-        }
+        crate::testing::greedy_request(id.to_string(), prompt, max_new_tokens, events)
     }
 
     /// The tiny MoE model on the CPU backend (the scheduler tests' model).

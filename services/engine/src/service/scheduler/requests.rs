@@ -1,5 +1,5 @@
-//! What the scheduler is asked: a generation request as it sees one, and the commands its
-//! channel carries (submit, score, cancel).
+//! What the scheduler is asked: a generation request as it sees one (with its prompt's images
+//! already encoded), and the commands its channel carries (submit, score, cancel).
 //!
 //! Owns: the request and command types. Must not touch: admission (`admission.rs`),
 //! scheduling.
@@ -32,7 +32,18 @@ pub struct GenerationRequest {
     /// Most MTP drafts per step for this request, capped by the engine's; `None`: the
     /// engine's. 0 turns speculation off for it.
     pub draft_tokens: Option<usize>,
+    /// The prompt's images, encoded ([`crate::service::images`]): attached to the sequence
+    /// before its prompt is fed or its prefix looked up.
+    pub images: Option<PromptImages>,
     pub events: async_mpsc::Sender<SchedulerResult>,
+}
+
+/// A prompt's images as the vision tower encoded them: each image's grid, in the order of
+/// the prompt's placeholder runs, and the image tokens' embeddings (`[tokens, hidden]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptImages {
+    pub grids: Vec<crate::vision::ImageGrid>,
+    pub embeddings: Vec<f32>,
 }
 
 pub enum SchedulerCommand {

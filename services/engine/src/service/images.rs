@@ -1,0 +1,168 @@
+//! A prompt's images from the wire to the scheduler: each encoded file decoded and
+//! pre-processed as the model's image processor does (`ninfer-vision-input`, within the
+//! decoder's limits), the grids checked against the prompt's placeholder runs, and the patches
+//! encoded by the vision tower, on a blocking thread so the async workers and the scheduler's
+//! steps go on meanwhile. The scheduler then only attaches the embeddings to the sequence.
+//!
+//! Images arrive encoded because the encoded file is the smallest form of an image: the
+//! gateway reads only its header (to size the placeholder run) and never holds its pixels.
+//!
+//! Owns: the image processor's settings and the decoder's limits the engine applies, the tower's
+//! weights (loaded on the first image), how many prompts are encoded at once, and the refusals
+//! of images as statuses. Must not touch: the tower's math (`crate::vision`), the sequence.
+
+use std::sync::{Arc, OnceLock};
+
+use ninfer_artifact::Artifact;
+use ninfer_protocol::v1::ImageInput;
+use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
+use tonic::Status;
+
+use crate::error::EngineError;
+use crate::service::scheduler::PromptImages;
+use crate::vision::{
+    encode_images, multimodal_positions, ImageGrid, ImagePlacement, VisionWeights,
+};
+
+/// Prompts whose images are encoded at once: the host tower uses every core for one.
+const PROMPTS_ENCODED_AT_ONCE: usize = 1;
+
+/// Most images in one request (each is a separate encoder segment and placeholder run).
+pub const MAX_IMAGES_PER_REQUEST: usize = 64;
+
+/// How the engine turns a request's images into the embeddings its prompt takes.
+pub struct ImageEncoding {
+    artifact: Arc<Artifact>,
+    placement: ImagePlacement,
+    settings: ImageProcessorSettings,
+    limits: DecodeLimits,
+    weights: OnceLock<Result<Arc<VisionWeights>, String>>,
+    encoding: tokio::sync::Semaphore,
+}
+
+impl ImageEncoding {
+    /// The image path of `artifact`'s model; `Ok(None)` when it has no vision tower. The
+    /// processor's settings are the artifact's `preprocessor_config.json` (keys it leaves out
+    /// take the processor class's defaults, as `transformers` does), or the released Qwen3.5
+    /// settings when the artifact has none.
+    pub fn for_artifact(artifact: &Arc<Artifact>) -> Result<Option<Self>, EngineError> {
+        let Some(placement) = ImagePlacement::from_artifact(artifact)? else {
+            return Ok(None);
+        };
+        let settings = match artifact.file("preprocessor_config.json") {
+            Some(bytes) => {
+                ImageProcessorSettings::from_preprocessor_config(&String::from_utf8_lossy(bytes))
+                    .map_err(|error| EngineError::InvalidConfig {
+                        problem: format!("preprocessor_config.json: {error}"),
+                    })?
+            }
+            None => ImageProcessorSettings::default(),
+        };
+        if settings.merge_size != placement.spatial_merge_size {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "the image processor merges {0}x{0} patches, the vision tower {1}x{1}",
+                    settings.merge_size, placement.spatial_merge_size
+                ),
+            });
+        }
+        Ok(Some(ImageEncoding {
+            artifact: Arc::clone(artifact),
+            placement,
+            settings,
+            limits: DecodeLimits::default(),
+            weights: OnceLock::new(),
+            encoding: tokio::sync::Semaphore::new(PROMPTS_ENCODED_AT_ONCE),
+        }))
+    }
+
+    /// The processor settings this engine applies, as a `preprocessor_config.json` that
+    /// [`ImageProcessorSettings::from_preprocessor_config`] reads back to the same values (what
+    /// the gateway sizes placeholder runs with).
+    pub fn settings_json(&self) -> String {
+        let s = &self.settings;
+        serde_json::json!({
+            "min_pixels": s.min_pixels,
+            "max_pixels": s.max_pixels,
+            "patch_size": s.patch_size,
+            "temporal_patch_size": s.temporal_patch_size,
+            "merge_size": s.merge_size,
+            "image_mean": s.image_mean,
+            "image_std": s.image_std,
+        })
+        .to_string()
+    }
+
+    /// The embeddings of `images` for `prompt`, or the status that refuses them
+    /// (INVALID_ARGUMENT naming the image and its problem).
+    pub async fn encode(
+        self: &Arc<Self>,
+        prompt: &[u32],
+        images: Vec<ImageInput>,
+    ) -> Result<PromptImages, Status> {
+        if images.len() > MAX_IMAGES_PER_REQUEST {
+            return Err(Status::invalid_argument(format!(
+                "{} images in one request, over the limit of {MAX_IMAGES_PER_REQUEST}",
+                images.len()
+            )));
+        }
+        let _permit = self
+            .encoding
+            .acquire()
+            .await
+            .map_err(|_| Status::unavailable("the engine is shutting down"))?;
+        let this = Arc::clone(self);
+        let prompt = prompt.to_vec();
+        tokio::task::spawn_blocking(move || this.encode_now(&prompt, &images))
+            .await
+            .map_err(|error| Status::internal(format!("encoding the images failed: {error}")))?
+    }
+
+    /// [`ImageEncoding::encode`] on the calling thread.
+    pub fn encode_now(
+        &self,
+        prompt: &[u32],
+        images: &[ImageInput],
+    ) -> Result<PromptImages, Status> {
+        let mut grids = Vec::with_capacity(images.len());
+        let mut rows = Vec::new();
+        for (index, image) in images.iter().enumerate() {
+            let declared = Some(image.media_type.as_str()).filter(|media| !media.is_empty());
+            let patches = preprocess_image(&image.encoded, declared, &self.settings, &self.limits)
+                .map_err(|error| {
+                    Status::invalid_argument(format!("image {}: {error}", index + 1))
+                })?;
+            grids.push(ImageGrid {
+                temporal: patches.grid.temporal,
+                height: patches.grid.height,
+                width: patches.grid.width,
+            });
+            rows.extend_from_slice(&patches.values);
+        }
+        let placement = &self.placement;
+        multimodal_positions(
+            prompt,
+            placement.image_token_id,
+            &grids,
+            placement.spatial_merge_size,
+        )
+        .map_err(|error| Status::invalid_argument(format!("the prompt's images: {error}")))?;
+        let weights = self
+            .weights
+            .get_or_init(|| match VisionWeights::load(&self.artifact) {
+                Ok(Some(weights)) => Ok(Arc::new(weights)),
+                Ok(None) => Err("the artifact has no vision settings".to_string()),
+                Err(error) => Err(error.to_string()),
+            })
+            .as_ref()
+            .map_err(|problem| {
+                Status::internal(format!("the vision tower could not be loaded: {problem}"))
+            })?;
+        let output = encode_images(weights, &rows, &grids)
+            .map_err(|error| Status::internal(format!("encoding the images failed: {error}")))?;
+        Ok(PromptImages {
+            grids,
+            embeddings: output.merged,
+        })
+    }
+}

@@ -33,6 +33,7 @@ use crate::generation::{
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
+use crate::stream_deltas::{anthropic_block_delta, AnthropicDelta};
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ToolCallCapture};
 
 /// A string, or a list of content blocks.
@@ -532,7 +533,12 @@ fn usage_json(summary: &GenerationSummary) -> JsonValue {
 }
 
 fn event(name: &str, data: JsonValue) -> Event {
-    Event::default().event(name).data(data.to_string())
+    raw_event(name, data.to_string())
+}
+
+/// An event whose data is already JSON text (the per-token deltas).
+fn raw_event(name: &str, data: String) -> Event {
+    Event::default().event(name).data(data)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -601,9 +607,13 @@ fn stream_messages(
                             &mut open,
                             &mut block_index,
                         ));
-                        outgoing.push(event(
+                        outgoing.push(raw_event(
                             "content_block_delta",
-                            json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "thinking_delta", "thinking": text.reasoning}}),
+                            anthropic_block_delta(
+                                block_index,
+                                AnthropicDelta::Thinking,
+                                &text.reasoning,
+                            ),
                         ));
                     }
                     let content = match capture.as_mut() {
@@ -612,9 +622,9 @@ fn stream_messages(
                     };
                     if !content.is_empty() {
                         outgoing.extend(switch_to(OpenBlock::Text, &mut open, &mut block_index));
-                        outgoing.push(event(
+                        outgoing.push(raw_event(
                             "content_block_delta",
-                            json!({"type": "content_block_delta", "index": block_index, "delta": {"type": "text_delta", "text": content}}),
+                            anthropic_block_delta(block_index, AnthropicDelta::Text, &content),
                         ));
                     }
                 }

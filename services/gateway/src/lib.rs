@@ -42,6 +42,7 @@ pub use ninfer_protocol::sd_notify;
 pub mod server;
 pub mod state;
 pub mod stop_strings;
+pub mod stream_deltas;
 pub mod structured;
 pub mod token_bytes;
 pub mod tokenizer;

@@ -60,7 +60,7 @@ impl ChatChunkText {
 }
 
 /// Appends `text` as a JSON string, escaped as serde_json escapes it.
-fn push_json_string(into: &mut String, text: &str) {
+pub(crate) fn push_json_string(into: &mut String, text: &str) {
     let mut bytes = std::mem::take(into).into_bytes();
     // Writing a `&str` into a `Vec` cannot fail.
     let _ = serde_json::to_writer(&mut bytes, text);

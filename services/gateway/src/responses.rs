@@ -35,6 +35,7 @@ use crate::generation::{
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
+use crate::stream_deltas::{ResponseDelta, ResponseEventSequence};
 use crate::structured::responses_text_format;
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall};
 
@@ -620,20 +621,14 @@ fn stream_response(
 ) -> Response {
     let (events, event_receiver) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
-        let mut sequence = 0u64;
-        let mut send = |kind: &str, mut data: JsonValue| {
-            data["type"] = JsonValue::from(kind);
-            data["sequence_number"] = JsonValue::from(sequence);
-            sequence += 1;
-            Event::default().event(kind).data(data.to_string())
-        };
+        let mut sequence = ResponseEventSequence::default();
         let base = frame.id.trim_start_matches("resp_").to_string();
         let created = frame.object("in_progress", Vec::new(), None, None);
         for (kind, value) in [
             ("response.created", json!({"response": created.clone()})),
             ("response.in_progress", json!({"response": created})),
         ] {
-            if events.send(send(kind, value)).await.is_err() {
+            if events.send(sequence.value(kind, value)).await.is_err() {
                 return;
             }
         }
@@ -655,7 +650,7 @@ fn stream_response(
                     let envelope = error.envelope(ApiDialect::OpenAi);
                     let detail = &envelope["error"];
                     let _ = events
-                        .send(send(
+                        .send(sequence.value(
                             "error",
                             json!({"code": detail["code"], "message": detail["message"], "param": detail["param"]}),
                         ))
@@ -668,6 +663,8 @@ fn stream_response(
                 GenerationEvent::Delta { text: delta, .. } => delta,
                 GenerationEvent::Finished(summary) => break summary,
             };
+            // The rare events as values, numbered as they go out; the deltas written directly.
+            let mut outgoing = Vec::new();
             let mut pending = Vec::new();
             if !delta.reasoning.is_empty() {
                 let index = *reasoning_index.get_or_insert_with(|| {
@@ -676,7 +673,17 @@ fn stream_response(
                     output.len() - 1
                 });
                 reasoning.push_str(&delta.reasoning);
-                pending.push(("response.reasoning_text.delta", json!({"item_id": reasoning_id, "output_index": index, "content_index": 0, "delta": delta.reasoning})));
+                outgoing.extend(
+                    pending
+                        .drain(..)
+                        .map(|(kind, value)| sequence.value(kind, value)),
+                );
+                outgoing.push(sequence.delta(
+                    ResponseDelta::ReasoningText,
+                    &reasoning_id,
+                    index,
+                    &delta.reasoning,
+                ));
             }
             let shown = match capture.as_mut() {
                 Some(capture) => capture.push(&delta.content),
@@ -690,10 +697,20 @@ fn stream_response(
                     &message_id,
                 );
                 text.push_str(&shown);
-                pending.push(("response.output_text.delta", json!({"item_id": message_id, "output_index": index, "content_index": 0, "delta": shown, "logprobs": []})));
+                outgoing.extend(
+                    pending
+                        .drain(..)
+                        .map(|(kind, value)| sequence.value(kind, value)),
+                );
+                outgoing.push(sequence.delta(
+                    ResponseDelta::OutputText,
+                    &message_id,
+                    index,
+                    &shown,
+                ));
             }
-            for (kind, value) in pending {
-                if events.send(send(kind, value)).await.is_err() {
+            for event in outgoing {
+                if events.send(event).await.is_err() {
                     return; // client gone: dropping the receiver cancels the generation
                 }
             }
@@ -764,7 +781,7 @@ fn stream_response(
         frame.remember(history, &text, &named_calls, &finished);
         pending.push((last, json!({"response": finished})));
         for (kind, value) in pending {
-            if events.send(send(kind, value)).await.is_err() {
+            if events.send(sequence.value(kind, value)).await.is_err() {
                 return;
             }
         }

@@ -1,0 +1,177 @@
+//! The JSON of the Anthropic and Responses streaming events every generated token becomes,
+//! written straight into a string, as `openai_chunks` does for chat completion chunks.
+//!
+//! Owns: [`anthropic_block_delta`] (`content_block_delta` events) and
+//! [`ResponseEventSequence`], which numbers a streamed response's events and renders its text
+//! and reasoning deltas — byte for byte what building the same `serde_json::Value` and printing
+//! it gives (key order as written, serde_json's escaping), without building a map per token.
+//! Must not touch: which events a stream sends or when (that is `anthropic` and `responses`).
+
+use axum::response::sse::Event;
+use serde_json::Value as JsonValue;
+
+use crate::openai_chunks::push_json_string;
+
+/// What an Anthropic `content_block_delta` carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnthropicDelta {
+    /// `{"type":"text_delta","text":…}`
+    Text,
+    /// `{"type":"thinking_delta","thinking":…}`
+    Thinking,
+}
+
+/// `{"type":"content_block_delta","index":…,"delta":{"type":"text_delta","text":…}}` (or the
+/// thinking delta).
+pub fn anthropic_block_delta(index: i64, kind: AnthropicDelta, text: &str) -> String {
+    let mut data = String::with_capacity(96 + text.len());
+    data.push_str("{\"type\":\"content_block_delta\",\"index\":");
+    data.push_str(&index.to_string());
+    data.push_str(match kind {
+        AnthropicDelta::Text => ",\"delta\":{\"type\":\"text_delta\",\"text\":",
+        AnthropicDelta::Thinking => ",\"delta\":{\"type\":\"thinking_delta\",\"thinking\":",
+    });
+    push_json_string(&mut data, text);
+    data.push_str("}}");
+    data
+}
+
+/// What a Responses delta event carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseDelta {
+    /// `response.output_text.delta` (with `"logprobs":[]`).
+    OutputText,
+    /// `response.reasoning_text.delta`.
+    ReasoningText,
+}
+
+impl ResponseDelta {
+    pub fn event_type(self) -> &'static str {
+        match self {
+            ResponseDelta::OutputText => "response.output_text.delta",
+            ResponseDelta::ReasoningText => "response.reasoning_text.delta",
+        }
+    }
+}
+
+/// The events of one streamed response, numbered in the order they are made: each event's data
+/// ends with its `type` and `sequence_number`.
+#[derive(Debug, Default)]
+pub struct ResponseEventSequence {
+    next: u64,
+}
+
+impl ResponseEventSequence {
+    /// An event from its data as a `Value` (the rare events: items added and done, the end).
+    pub fn value(&mut self, kind: &str, mut data: JsonValue) -> Event {
+        data["type"] = JsonValue::from(kind);
+        data["sequence_number"] = JsonValue::from(self.take_number());
+        Event::default().event(kind).data(data.to_string())
+    }
+
+    /// A delta event: `{"item_id":…,"output_index":…,"content_index":0,"delta":…` (then
+    /// `"logprobs":[]` for output text), `"type"`, `"sequence_number"`.
+    pub fn delta(
+        &mut self,
+        kind: ResponseDelta,
+        item_id: &str,
+        output_index: usize,
+        delta: &str,
+    ) -> Event {
+        let data = self.delta_data(kind, item_id, output_index, delta);
+        Event::default().event(kind.event_type()).data(data)
+    }
+
+    fn delta_data(
+        &mut self,
+        kind: ResponseDelta,
+        item_id: &str,
+        output_index: usize,
+        delta: &str,
+    ) -> String {
+        let mut data = String::with_capacity(160 + item_id.len() + delta.len());
+        data.push_str("{\"item_id\":");
+        push_json_string(&mut data, item_id);
+        data.push_str(",\"output_index\":");
+        data.push_str(&output_index.to_string());
+        data.push_str(",\"content_index\":0,\"delta\":");
+        push_json_string(&mut data, delta);
+        if kind == ResponseDelta::OutputText {
+            data.push_str(",\"logprobs\":[]");
+        }
+        data.push_str(",\"type\":\"");
+        data.push_str(kind.event_type());
+        data.push_str("\",\"sequence_number\":");
+        data.push_str(&self.take_number().to_string());
+        data.push('}');
+        data
+    }
+
+    fn take_number(&mut self) -> u64 {
+        let number = self.next;
+        self.next += 1;
+        number
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const TEXTS: [&str; 7] = [
+        "plain",
+        " leading space",
+        "quote \" backslash \\ slash /",
+        "new\nline\ttab\r\u{0}\u{1f}\u{7f}",
+        "naïve café — 漢字 🐉",
+        "\u{2028}\u{2029}\u{FFFD}",
+        "<think>\n</think>\n\n<tool_call>{\"a\":1}</tool_call>",
+    ];
+
+    #[test]
+    fn anthropic_deltas_are_the_bytes_of_the_printed_value() {
+        for text in TEXTS {
+            for index in [0i64, 3, 12] {
+                assert_eq!(
+                    anthropic_block_delta(index, AnthropicDelta::Text, text),
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}).to_string()
+                );
+                assert_eq!(
+                    anthropic_block_delta(index, AnthropicDelta::Thinking, text),
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": text}}).to_string()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn response_deltas_are_the_bytes_of_the_printed_value_and_share_the_numbering() {
+        let mut written = ResponseEventSequence::default();
+        let mut expected_number = 0u64;
+        for text in TEXTS {
+            for (item_id, index) in [("msg_abc", 0), ("rs_\"odd\"", 4)] {
+                for kind in [ResponseDelta::OutputText, ResponseDelta::ReasoningText] {
+                    let mut value = match kind {
+                        ResponseDelta::OutputText => {
+                            json!({"item_id": item_id, "output_index": index, "content_index": 0, "delta": text, "logprobs": []})
+                        }
+                        ResponseDelta::ReasoningText => {
+                            json!({"item_id": item_id, "output_index": index, "content_index": 0, "delta": text})
+                        }
+                    };
+                    value["type"] = JsonValue::from(kind.event_type());
+                    value["sequence_number"] = JsonValue::from(expected_number);
+                    expected_number += 1;
+                    assert_eq!(
+                        written.delta_data(kind, item_id, index, text),
+                        value.to_string()
+                    );
+                }
+            }
+            // A `Value` event between deltas takes the next number.
+            let _ = written.value("response.output_item.added", json!({"output_index": 0}));
+            expected_number += 1;
+        }
+    }
+}

@@ -336,6 +336,13 @@ mod tests {
                 masked.iter().all(|&id| (id as usize) < limit),
                 "top_k {top_k}: a padded id was sampled: {masked:?}"
             );
+            // One sampleable id: the backend's candidates (the row's largest logits) rarely
+            // hold it, and a row whose candidates are all padding is sampled whole.
+            let only_first = sampled_tokens(Arc::clone(&backend), 1, top_k, 16, &[]);
+            assert!(
+                only_first.iter().all(|&id| id == 0),
+                "top_k {top_k}: {only_first:?}"
+            );
         }
     }
 

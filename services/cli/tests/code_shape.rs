@@ -1,7 +1,8 @@
 //! The shape of the code, checked on every `cargo test`: no source file grows past
 //! [`MAX_SOURCE_LINES`] lines (one job per file), and no two files of one crate import each other,
 //! directly or around a longer circle (the modules of a crate form layers, each using only what
-//! is below it).
+//! is below it), and no file of one gateway API dialect imports another dialect's files (a
+//! request flows one way: dialect → neutral conversation → generation plan → engine → dialect).
 //!
 //! Imports are read from the source text: every `use` tree and every path in code that starts
 //! with `crate::`, `super::`, `self::` or a child module's name, resolved to the file of the
@@ -13,8 +14,8 @@
 //! its file's parents). Files reached only through a `#[cfg(test)] mod` are test files and have
 //! no line limit.
 //!
-//! Owns: the line limit, the circle finder and their allowlists (each entry a known debt that
-//! its owner removes). Must not touch: the sources it reads.
+//! Owns: the line limit, the circle finder, the dialect check and their allowlists (each entry
+//! a known debt that its owner removes). Must not touch: the sources it reads.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -29,6 +30,15 @@ const OVERSIZED_FILES_TO_SPLIT: &[&str] = &[];
 /// Import circles allowed for now, to be removed by their owner (remove the entry with the
 /// fix). A circle passes when its files are all in one entry.
 const IMPORT_CIRCLES_TO_REMOVE: &[&[&str]] = &[];
+
+/// The gateway's API dialects. A file of a dialect is named by it or starts with it and `_`
+/// (`openai_chunks.rs`); it parses and renders that API only, so a request flows one way
+/// (dialect → neutral conversation → generation plan → engine → the same dialect) and no
+/// dialect file imports another dialect's files.
+const GATEWAY_DIALECTS: &[&str] = &["openai", "anthropic", "responses", "grpc_api"];
+
+/// The gateway's source folder (relative to the workspace).
+const GATEWAY_SOURCES: &str = "services/gateway/src";
 
 /// Crate source folders: every `src/` under `services/`.
 fn crate_source_folders(root: &Path) -> Vec<PathBuf> {
@@ -783,6 +793,60 @@ fn no_import_circles_between_files_of_a_crate() {
     );
 }
 
+/// The dialect of a gateway file (see [`GATEWAY_DIALECTS`]); `None` for shared files.
+fn gateway_dialect(file: &str) -> Option<&'static str> {
+    let stem = file.strip_suffix(".rs")?;
+    GATEWAY_DIALECTS.iter().copied().find(|dialect| {
+        stem.strip_prefix(dialect)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
+    })
+}
+
+/// Every import from a file of one dialect into a file of another, described.
+fn cross_dialect_imports(edges: &BTreeMap<String, BTreeMap<String, String>>) -> Vec<String> {
+    let mut found = Vec::new();
+    for (from, targets) in edges {
+        let Some(from_dialect) = gateway_dialect(from) else {
+            continue;
+        };
+        for (to, path) in targets {
+            if let Some(to_dialect) = gateway_dialect(to).filter(|d| *d != from_dialect) {
+                found.push(format!(
+                    "{from} ({from_dialect}) → {to} ({to_dialect}) (`{path}`)"
+                ));
+            }
+        }
+    }
+    found
+}
+
+/// The gateway's request path is one pass per dialect: no dialect file imports a file of
+/// another dialect (shared pieces live in the neutral modules: `chat`, `generation_plan`,
+/// `generation`, `structured`, `tool_calls`).
+#[test]
+fn no_gateway_dialect_file_imports_another_dialect() {
+    let graphs = workspace_crate_graphs();
+    let (_, _, gateway) = graphs
+        .iter()
+        .find(|(folder, root, _)| folder == GATEWAY_SOURCES && root == "lib.rs")
+        .expect("the gateway library is among the crates");
+    for dialect in GATEWAY_DIALECTS {
+        assert!(
+            gateway
+                .files_by_module
+                .values()
+                .any(|file| gateway_dialect(file) == Some(dialect)),
+            "no file of the `{dialect}` dialect in {GATEWAY_SOURCES}: update GATEWAY_DIALECTS"
+        );
+    }
+    let offenders = cross_dialect_imports(&gateway.edges);
+    assert!(
+        offenders.is_empty(),
+        "gateway dialect files importing another dialect (move the shared piece to a neutral module):\n{}",
+        offenders.join("\n")
+    );
+}
+
 fn synthetic_crate(files: &[(&str, &str)]) -> BTreeMap<String, String> {
     files
         .iter()
@@ -888,4 +952,34 @@ fn the_circle_finder_finds_circles() {
     assert!(graph.test_files.contains("tests.rs"));
     assert_eq!(graph.edges["a.rs"].keys().collect::<Vec<_>>(), ["b.rs"]);
     assert!(!graph.edges.contains_key("b.rs"), "{:?}", graph.edges);
+}
+
+/// The dialect check on a small crate: an import between two dialects is found, imports within
+/// one dialect and into shared modules are not.
+#[test]
+fn the_dialect_check_finds_an_import_between_dialects() {
+    let files = synthetic_crate(&[
+        (
+            "lib.rs",
+            "mod chat;\nmod openai;\nmod openai_chunks;\nmod responses;\nmod anthropic;\n",
+        ),
+        ("chat.rs", "pub fn neutral() {}\n"),
+        (
+            "openai.rs",
+            "use crate::chat::neutral;\npub fn parse() { crate::openai_chunks::chunk(); neutral() }\n",
+        ),
+        ("openai_chunks.rs", "pub fn chunk() {}\n"),
+        (
+            "responses.rs",
+            "pub fn parse() { crate::openai::parse(); crate::chat::neutral() }\n",
+        ),
+        ("anthropic.rs", "use crate::chat::neutral;\npub fn parse() { neutral() }\n"),
+    ]);
+    let graph = crate_graph(&files, "lib.rs");
+    assert_eq!(gateway_dialect("openai_chunks.rs"), Some("openai"));
+    assert_eq!(gateway_dialect("openai2.rs"), None);
+    assert_eq!(gateway_dialect("chat.rs"), None);
+    let found = cross_dialect_imports(&graph.edges);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("responses.rs (responses) → openai.rs (openai)"));
 }

@@ -6,8 +6,9 @@
 //! their mapping to the neutral chat model and
 //! [`SamplingOptions`], the exact streaming event sequence (`message_start`, `ping`,
 //! `content_block_start`/`content_block_delta`/`content_block_stop`, `message_delta`,
-//! `message_stop`) and Anthropic error envelopes.
-//! Must not touch: engine selection, stop-string or detokenization logic (see `generation`).
+//! `message_stop`), Anthropic's model list and Anthropic error envelopes.
+//! Must not touch: other APIs' shapes, planning (`generation_plan`), engine selection,
+//! stop-string or detokenization logic (see `generation`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,13 +23,16 @@ use serde_json::{json, Value as JsonValue};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::backend::ServedModel;
 use crate::chat::{
     ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall, NonTextContent, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
-    build_chat_prompt, collect_generation, token_count_parameter, ChoiceReceiver, FinishKind,
-    GenerationEvent, GenerationSummary, SamplingOptions,
+    collect_generation, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
+};
+use crate::generation_plan::{
+    build_chat_prompt, token_count_parameter, ChatGenerationRequest, SamplingOptions,
 };
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
@@ -439,42 +443,14 @@ async fn messages_inner(
     body: JsonRequestBody,
 ) -> Result<Response, GatewayError> {
     let request: MessagesRequest = parse_json_body(body)?;
-    let model = state.generator.resolve_model(&request.model)?;
-    let max_tokens = token_count_parameter("max_tokens", request.max_tokens)?.ok_or_else(|| {
-        GatewayError::invalid_parameter("max_tokens", "max_tokens: Field required")
-    })?;
-    let top_k = match request.top_k {
-        None => None,
-        Some(k) if k < 0 => {
-            return Err(GatewayError::invalid_parameter(
-                "top_k",
-                format!("top_k: must be non-negative, got {k}"),
-            ))
-        }
-        Some(k) => Some(
-            u32::try_from(k)
-                .map_err(|_| GatewayError::invalid_parameter("top_k", "top_k: too large"))?,
-        ),
-    };
-    crate::generation::check_temperature(request.temperature, 1.0)?;
-    let options = SamplingOptions {
-        temperature: request.temperature,
-        top_p: request.top_p,
-        top_k,
-        max_tokens: Some(max_tokens),
-        stop: request.stop_sequences.clone().unwrap_or_default(),
-        choices: 1,
-        ..Default::default()
-    };
-    let conversation = chat_conversation(&request, state.settings.non_text_content)?;
-    conversation.check_tool_choice("tool_choice")?;
-    let plan = state
+    let chat = chat_generation_request(&state, &request)?;
+    let started = state
         .generator
-        .plan_chat(model, &conversation, options)
-        .await?;
-    let receiver = state.generator.start_choice(&plan, 0).await?;
+        .start_chat(&chat)
+        .await?
+        .into_only_choice()?;
     // With tools declared, `<tool_call>` blocks in the answer become `tool_use` blocks.
-    let tools = conversation.callable_tool_definitions();
+    let (plan, receiver, tools) = (started.plan, started.receiver, started.callable_tools);
     let id = format!("msg_{}", plan.request_id);
     let prompt_tokens = plan.prompt_token_ids.len() as u32;
     if request.stream.unwrap_or(false) {
@@ -518,6 +494,46 @@ async fn messages_inner(
         "usage": usage_json(&generation.summary),
     }))
     .into_response())
+}
+
+/// The request in the gateway's terms: the model, the sampling options and the conversation.
+fn chat_generation_request(
+    state: &GatewayState,
+    request: &MessagesRequest,
+) -> Result<ChatGenerationRequest, GatewayError> {
+    let model = state.generator.resolve_model(&request.model)?;
+    let max_tokens = token_count_parameter("max_tokens", request.max_tokens)?.ok_or_else(|| {
+        GatewayError::invalid_parameter("max_tokens", "max_tokens: Field required")
+    })?;
+    let top_k = match request.top_k {
+        None => None,
+        Some(k) if k < 0 => {
+            return Err(GatewayError::invalid_parameter(
+                "top_k",
+                format!("top_k: must be non-negative, got {k}"),
+            ))
+        }
+        Some(k) => Some(
+            u32::try_from(k)
+                .map_err(|_| GatewayError::invalid_parameter("top_k", "top_k: too large"))?,
+        ),
+    };
+    crate::generation_plan::check_temperature(request.temperature, 1.0)?;
+    let options = SamplingOptions {
+        temperature: request.temperature,
+        top_p: request.top_p,
+        top_k,
+        max_tokens: Some(max_tokens),
+        stop: request.stop_sequences.clone().unwrap_or_default(),
+        choices: 1,
+        ..Default::default()
+    };
+    let conversation = chat_conversation(request, state.settings.non_text_content)?;
+    Ok(ChatGenerationRequest {
+        model,
+        conversation,
+        options,
+    })
 }
 
 /// Anthropic's usage: `input_tokens` counts the prompt tokens computed, and those the engine
@@ -716,8 +732,44 @@ pub async fn count_tokens(
     }
 }
 
+/// Anthropic's model list.
+pub fn model_list_json<'a>(models: impl Iterator<Item = &'a ServedModel>) -> JsonValue {
+    let data: Vec<JsonValue> = models
+        .map(|model| {
+            json!({
+                "type": "model",
+                "id": model.name,
+                "display_name": model.name,
+                "created_at": rfc3339_utc(model.created_unix_seconds),
+            })
+        })
+        .collect();
+    let first_id = data.first().map(|model| model["id"].clone());
+    let last_id = data.last().map(|model| model["id"].clone());
+    json!({"data": data, "has_more": false, "first_id": first_id, "last_id": last_id})
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time.
+fn rfc3339_utc(unix_seconds: u64) -> String {
+    let (year, month, day) = crate::chat_template::civil_from_days((unix_seconds / 86_400) as i64);
+    let seconds_of_day = unix_seconds % 86_400;
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        seconds_of_day / 3600,
+        seconds_of_day / 60 % 60,
+        seconds_of_day % 60
+    )
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn rfc3339_dates_of_known_instants() {
+        assert_eq!(super::rfc3339_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::rfc3339_utc(1_764_763_199), "2025-12-03T11:59:59Z");
+    }
+
     use crate::generation::{FinishKind, GenerationSummary};
 
     #[test]

@@ -5,10 +5,12 @@
 //! [`ResponseFormat`]), [`ChatMessage`], [`ChatContent`], [`ChatToolCall`], [`ChatTool`], and
 //! their one rendering into
 //! [`ChatTemplateInput`] (the transformers message/tool format chat templates are written for).
-//! Must not touch: any API's JSON shapes (the `openai`, `anthropic` and `grpc_api` modules convert
-//! to and from this model), sampling, or engines.
+//! Must not touch: any API's JSON shapes (the `openai`, `anthropic`, `responses` and `grpc_api`
+//! modules convert to and from this model; only the `tool_choice` keywords both OpenAI APIs share
+//! are read here), sampling, or engines.
 
 use minijinja::Value;
+use serde_json::Value as JsonValue;
 
 use crate::chat_template::ChatTemplateInput;
 use crate::error::GatewayError;
@@ -343,6 +345,34 @@ impl ChatConversation {
             extra_variables: self.template_variables.clone(),
             special_tokens: Vec::new(),
         })
+    }
+}
+
+/// `tool_choice` as both OpenAI APIs spell it: `none` / `auto` / `required`, or an object that
+/// `function_name` reads a function's name from (chat and Responses nest it differently, `shape`
+/// says how).
+pub fn tool_choice_naming(
+    value: Option<&JsonValue>,
+    function_name: impl Fn(&JsonValue) -> Option<&str>,
+    shape: &str,
+) -> Result<ToolChoice, GatewayError> {
+    let invalid = || {
+        GatewayError::invalid_parameter(
+            "tool_choice",
+            format!("`tool_choice` must be `none`, `auto`, `required` or {shape}"),
+        )
+    };
+    match value {
+        None | Some(JsonValue::Null) => Ok(ToolChoice::Auto),
+        Some(JsonValue::String(text)) => match text.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            _ => Err(invalid()),
+        },
+        Some(object) => function_name(object)
+            .map(|name| ToolChoice::Function(name.to_string()))
+            .ok_or_else(invalid),
     }
 }
 

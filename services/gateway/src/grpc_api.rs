@@ -24,9 +24,9 @@ use tonic::{Request, Response, Status};
 use crate::chat::{template_variables_from_object, ChatConversation, ChatMessage, ChatRole};
 use crate::error::GatewayError;
 use crate::generation::{
-    collect_generation, FinishKind, GenerationEvent, GenerationPlan, GenerationSummary,
-    SamplingOptions,
+    collect_generation, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
 };
+use crate::generation_plan::{plan_text, ChatGenerationRequest, GenerationPlan, SamplingOptions};
 use crate::state::GatewayState;
 
 /// The `ninfer.v1.Gateway` implementation.
@@ -142,20 +142,25 @@ impl GatewayGrpcService {
         &self,
         request: TextGenerationRequest,
     ) -> Result<GenerationPlan, GatewayError> {
-        let generator = &self.state.generator;
-        let model = generator.resolve_model(&request.model)?;
-        generator
-            .plan_text(model, request.prompt, sampling_options(request.options))
-            .await
+        let model = self.state.generator.resolve_model(&request.model)?;
+        plan_text(model, request.prompt, sampling_options(request.options)).await
     }
 
-    async fn chat_plan(&self, request: ChatRequest) -> Result<GenerationPlan, GatewayError> {
+    /// Starts a chat's one choice.
+    async fn start_chat(&self, request: ChatRequest) -> Result<ChoiceReceiver, GatewayError> {
         let generator = &self.state.generator;
         let model = generator.resolve_model(&request.model)?;
         let conversation = chat_conversation(&request)?;
-        generator
-            .plan_chat(model, &conversation, sampling_options(request.options))
-            .await
+        let chat = ChatGenerationRequest {
+            model,
+            conversation,
+            options: sampling_options(request.options),
+        };
+        Ok(generator
+            .start_chat(&chat)
+            .await?
+            .into_only_choice()?
+            .receiver)
     }
 }
 
@@ -284,9 +289,8 @@ impl Gateway for GatewayGrpcService {
 
     async fn chat(&self, request: Request<ChatRequest>) -> Result<Response<ChatResponse>, Status> {
         let result = async {
-            let plan = self.chat_plan(request.into_inner()).await?;
             let generation =
-                collect_generation(self.state.generator.start_choice(&plan, 0).await?).await?;
+                collect_generation(self.start_chat(request.into_inner()).await?).await?;
             Ok::<_, GatewayError>(ChatResponse {
                 content: generation.content,
                 reasoning_content: generation.reasoning,
@@ -307,14 +311,8 @@ impl Gateway for GatewayGrpcService {
         &self,
         request: Request<ChatRequest>,
     ) -> Result<Response<Self::ChatStreamStream>, Status> {
-        let plan = self
-            .chat_plan(request.into_inner())
-            .await
-            .map_err(|error| error.to_grpc_status())?;
         let receiver = self
-            .state
-            .generator
-            .start_choice(&plan, 0)
+            .start_chat(request.into_inner())
             .await
             .map_err(|error| error.to_grpc_status())?;
         let stream = ReceiverStream::new(receiver).map(|event| match event {

@@ -1,21 +1,23 @@
 //! `ninfer-gateway`: the HTTP/gRPC front door of NInfer-Offload.
 //!
-//! Owns: everything clients see. The OpenAI API (`openai`; its per-token
-//! chunks `openai_chunks`), the Anthropic API (`anthropic`), the
-//! public gRPC API with health and reflection (`grpc_api`) — each only converts its wire types to
-//! and from the neutral chat model (`chat`) and the generator's events; utility routes, auth and
-//! limits (`server`); reading request bodies within their limit, refusing a prompt too long
-//! for the context or another input over its limit while it arrives (`request_body`, measured by
-//! `body_scan`) and parsing them (`json_body`); connection limits, timeouts and the shutdown drain (`connections`);
-//! shared state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`,
-//! its byte-level decoding table `token_bytes`,
-//! `chat_template`); stop strings (`stop_strings`), `<think>` splitting
-//! (`reasoning`), tool-call parsing (`tool_calls`), structured output and forced tool calls as
-//! grammars for the engine (`structured`), the OpenAI Responses API (`responses`) and the
-//! [`generation::Generator`] every API
-//! generates through; the [`backend::GenerationBackend`] seam and its gRPC engine
-//! pool (`backend::engine_pool`); routing statistics (`routing_stats`); Prometheus metrics
-//! (`metrics`); systemd notifications (`sd_notify`).
+//! Owns: everything clients see. A request flows one way: its API dialect reads it into the
+//! neutral chat model (`chat`) and sampling options, `generation_plan` makes the plan (template,
+//! grammar, sampling, checked against the context), the [`generation::Generator`] runs it on an
+//! engine, and the same dialect renders the events. The dialects, none importing another: the
+//! OpenAI API (`openai` chat, its per-token chunks `openai_chunks`, `openai_completions` raw
+//! prompts), the Anthropic API (`anthropic`), the OpenAI Responses API (`responses`) and the
+//! public gRPC API with health and reflection (`grpc_api`); `models` answers `/v1/models` in the
+//! asking API's shape. Beside them: utility routes, auth and limits (`server`); reading request
+//! bodies within their limit, refusing a prompt too long for the context or another input over
+//! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them
+//! (`json_body`); connection limits, timeouts and the shutdown drain (`connections`); shared
+//! state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`, its
+//! byte-level decoding table `token_bytes`, `chat_template`); stop strings (`stop_strings`),
+//! `<think>` splitting (`reasoning`), tool-call parsing (`tool_calls`), structured output and
+//! forced tool calls as grammars for the engine (`structured`); the
+//! [`backend::GenerationBackend`] seam and its gRPC engine pool (`backend::engine_pool`); routing
+//! statistics (`routing_stats`); Prometheus metrics (`metrics`); systemd notifications
+//! (`sd_notify`).
 //! Must not touch: weights, the artifact, CUDA, or the engine's internals. The gateway depends on
 //! `ninfer-protocol` alone among workspace crates and learns everything about the model
 //! (tokenizer.json, chat template, context length, EOS ids) from the engine over gRPC.
@@ -28,11 +30,14 @@ pub mod chat_template;
 pub mod connections;
 pub mod error;
 pub mod generation;
+pub mod generation_plan;
 pub mod grpc_api;
 pub mod json_body;
 pub mod metrics;
+pub mod models;
 pub mod openai;
 pub mod openai_chunks;
+pub mod openai_completions;
 pub mod reasoning;
 pub mod request_body;
 pub mod responses;

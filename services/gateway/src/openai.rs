@@ -1,14 +1,18 @@
-//! The OpenAI-compatible API: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+//! The OpenAI-compatible chat API, `/v1/chat/completions`, and the OpenAI pieces the text
+//! completions (`openai_completions`) and the model list (`models`) share.
 //!
-//! Owns: OpenAI request/response JSON shapes, their mapping to [`SamplingOptions`] and chat
-//! template input, SSE framing (`data: {...}`, `data: [DONE]`, `stream_options.include_usage`),
-//! `reasoning_content`, logprobs, and OpenAI error envelopes.
-//! Must not touch: engine selection, stop-string or detokenization logic (see `generation`).
+//! Owns: OpenAI request/response JSON shapes, reading a request into the neutral
+//! [`ChatGenerationRequest`] (messages, tools, `tool_choice`, `response_format`,
+//! `reasoning_effort`, [`SamplingOptions`]) in one pass, SSE framing (`data: {...}`,
+//! `data: [DONE]`, `stream_options.include_usage`), `reasoning_content`, logprobs, OpenAI's model
+//! objects, and OpenAI error envelopes.
+//! Must not touch: other APIs' shapes, planning (`generation_plan`), engine selection,
+//! stop-string or detokenization logic (see `generation`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -18,15 +22,17 @@ use serde_json::{json, Value as JsonValue};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::backend::ServedModel;
 use crate::chat::{
     template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
     ChatRole, ChatTool, ChatToolCall, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
-    collect_generation, token_count_parameter, ChoiceReceiver, FinishKind, GenerationEvent,
-    GenerationPlan, GenerationSummary, SamplingOptions, TokenLogprobEntry,
+    collect_generation, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
+    StartedChat, TokenLogprobEntry,
 };
+use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, SamplingOptions};
 use crate::json_body::parse_json_body;
 use crate::openai_chunks::ChatChunkText;
 use crate::request_body::JsonRequestBody;
@@ -147,38 +153,11 @@ pub struct ChatCompletionRequest {
 
 /// OpenAI's `tool_choice` in the gateway's terms.
 pub fn tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
-    tool_choice_naming(
+    crate::chat::tool_choice_naming(
         value,
         |object| object.get("function")?.get("name")?.as_str(),
         "{\"type\": \"function\", \"function\": {\"name\": ...}}",
     )
-}
-
-/// `tool_choice` as `none` / `auto` / `required` or an object that `function_name` reads a
-/// function's name from (chat and the Responses API nest it differently, `shape` says how).
-pub fn tool_choice_naming(
-    value: Option<&JsonValue>,
-    function_name: impl Fn(&JsonValue) -> Option<&str>,
-    shape: &str,
-) -> Result<ToolChoice, GatewayError> {
-    let invalid = || {
-        GatewayError::invalid_parameter(
-            "tool_choice",
-            format!("`tool_choice` must be `none`, `auto`, `required` or {shape}"),
-        )
-    };
-    match value {
-        None | Some(JsonValue::Null) => Ok(ToolChoice::Auto),
-        Some(JsonValue::String(text)) => match text.as_str() {
-            "auto" => Ok(ToolChoice::Auto),
-            "none" => Ok(ToolChoice::None),
-            "required" => Ok(ToolChoice::Required),
-            _ => Err(invalid()),
-        },
-        Some(object) => function_name(object)
-            .map(|name| ToolChoice::Function(name.to_string()))
-            .ok_or_else(invalid),
-    }
 }
 
 /// Sampling fields shared by chat and completions.
@@ -218,13 +197,13 @@ pub struct OpenAiSampling {
 }
 
 impl OpenAiSampling {
-    fn to_options(
+    pub(crate) fn to_options(
         &self,
         max_tokens: Option<u32>,
         logprobs: bool,
         top_logprobs: Option<i64>,
     ) -> Result<SamplingOptions, GatewayError> {
-        crate::generation::check_temperature(self.temperature, 2.0)?;
+        crate::generation_plan::check_temperature(self.temperature, 2.0)?;
         let top_k =
             match self.top_k {
                 None => None,
@@ -392,7 +371,7 @@ pub fn chat_conversation(
     })
 }
 
-fn unix_seconds() -> u64 {
+pub(crate) fn unix_seconds() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -409,7 +388,7 @@ fn chat_finish_reason(finish: FinishKind, made_calls: bool) -> &'static str {
     }
 }
 
-fn finish_reason_text(finish: FinishKind) -> &'static str {
+pub(crate) fn finish_reason_text(finish: FinishKind) -> &'static str {
     match finish {
         FinishKind::Stop => "stop",
         FinishKind::Length => "length",
@@ -419,7 +398,11 @@ fn finish_reason_text(finish: FinishKind) -> &'static str {
 }
 
 /// `cached_tokens`: prompt tokens the engine took from its prefix cache.
-fn usage_json(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> JsonValue {
+pub(crate) fn usage_json(
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    cached_tokens: u32,
+) -> JsonValue {
     json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}})
 }
 
@@ -450,22 +433,7 @@ fn chat_logprobs_json(entries: &[TokenLogprobEntry]) -> JsonValue {
     json!({"content": content})
 }
 
-fn completion_logprobs_json(entries: &[TokenLogprobEntry], text_start: usize) -> JsonValue {
-    let mut offset = text_start;
-    let mut text_offsets = Vec::new();
-    for entry in entries {
-        text_offsets.push(offset);
-        offset += entry.token.len();
-    }
-    json!({
-        "tokens": entries.iter().map(|e| e.token.clone()).collect::<Vec<_>>(),
-        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
-        "top_logprobs": entries.iter().map(|e| e.top.iter().map(|(t, l)| (t.clone(), JsonValue::from(*l))).collect::<serde_json::Map<String, JsonValue>>()).collect::<Vec<_>>(),
-        "text_offset": text_offsets,
-    })
-}
-
-fn openai_error(error: GatewayError) -> Response {
+pub(crate) fn openai_error(error: GatewayError) -> Response {
     error.into_response_for(ApiDialect::OpenAi)
 }
 
@@ -485,38 +453,14 @@ async fn chat_completions_inner(
     body: JsonRequestBody,
 ) -> Result<Response, GatewayError> {
     let request: ChatCompletionRequest = parse_json_body(body)?;
-    let model = state.generator.resolve_model(&request.model)?;
-    let max_tokens =
-        match token_count_parameter("max_completion_tokens", request.max_completion_tokens)? {
-            Some(value) => Some(value),
-            None => token_count_parameter("max_tokens", request.max_tokens)?,
-        };
-    let logprobs = request.logprobs.unwrap_or(false);
-    let options = request
-        .sampling
-        .to_options(max_tokens, logprobs, request.top_logprobs)?;
-    let mut conversation = chat_conversation(
-        &request.messages,
-        request.tools.as_deref(),
-        request.add_generation_prompt.unwrap_or(true),
-        request.chat_template_kwargs.as_ref(),
-    )?;
-    conversation.tool_choice = tool_choice(request.tool_choice.as_ref())?;
-    conversation.check_tool_choice("tool_choice")?;
-    conversation.response_format = openai_response_format(request.response_format.as_ref())?;
-    conversation.single_tool_call = request.parallel_tool_calls == Some(false);
-    crate::chat::apply_reasoning_effort(
-        &mut conversation,
-        "reasoning_effort",
-        request.reasoning_effort.as_deref(),
-    )?;
-    let plan = state
-        .generator
-        .plan_chat(model, &conversation, options)
-        .await?;
-    let receivers = state.generator.start_all_choices(&plan).await?;
+    let chat = chat_generation_request(&state, &request)?;
+    let logprobs = chat.options.logprobs;
     // With tools declared, `<tool_call>` blocks in the answer become `tool_calls`.
-    let tools = conversation.callable_tool_definitions();
+    let StartedChat {
+        plan,
+        receivers,
+        callable_tools: tools,
+    } = state.generator.start_chat(&chat).await?;
     let id = format!("chatcmpl-{}", plan.request_id);
     let created = unix_seconds();
     if request.stream.unwrap_or(false) {
@@ -583,8 +527,45 @@ async fn chat_completions_inner(
     .into_response())
 }
 
+/// The chat request in the gateway's terms: the model, the sampling options and the
+/// conversation with its tools, tool choice, response format and reasoning effort.
+fn chat_generation_request(
+    state: &GatewayState,
+    request: &ChatCompletionRequest,
+) -> Result<ChatGenerationRequest, GatewayError> {
+    let model = state.generator.resolve_model(&request.model)?;
+    let max_tokens =
+        match token_count_parameter("max_completion_tokens", request.max_completion_tokens)? {
+            Some(value) => Some(value),
+            None => token_count_parameter("max_tokens", request.max_tokens)?,
+        };
+    let logprobs = request.logprobs.unwrap_or(false);
+    let options = request
+        .sampling
+        .to_options(max_tokens, logprobs, request.top_logprobs)?;
+    let mut conversation = chat_conversation(
+        &request.messages,
+        request.tools.as_deref(),
+        request.add_generation_prompt.unwrap_or(true),
+        request.chat_template_kwargs.as_ref(),
+    )?;
+    conversation.tool_choice = tool_choice(request.tool_choice.as_ref())?;
+    conversation.response_format = openai_response_format(request.response_format.as_ref())?;
+    conversation.single_tool_call = request.parallel_tool_calls == Some(false);
+    crate::chat::apply_reasoning_effort(
+        &mut conversation,
+        "reasoning_effort",
+        request.reasoning_effort.as_deref(),
+    )?;
+    Ok(ChatGenerationRequest {
+        model,
+        conversation,
+        options,
+    })
+}
+
 /// Merges the choices' event channels into one stream of `(choice index, event)`.
-fn merged_choices(
+pub(crate) fn merged_choices(
     receivers: Vec<ChoiceReceiver>,
 ) -> impl futures_util::Stream<Item = (usize, Result<GenerationEvent, GatewayError>)> {
     futures_util::stream::select_all(receivers.into_iter().enumerate().map(|(index, receiver)| {
@@ -596,14 +577,14 @@ fn merged_choices(
 
 /// Wraps a producer task's channel as an SSE response. When the client disconnects, axum drops
 /// the stream, the producer's sends fail, it drops the generation channels, and the engines cancel.
-fn sse_response(events: mpsc::Receiver<Event>) -> Response {
+pub(crate) fn sse_response(events: mpsc::Receiver<Event>) -> Response {
     let stream = ReceiverStream::new(events).map(Ok::<Event, Infallible>);
     Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response()
 }
 
-fn json_event(value: &JsonValue) -> Event {
+pub(crate) fn json_event(value: &JsonValue) -> Event {
     Event::default().data(value.to_string())
 }
 
@@ -783,191 +764,8 @@ fn stream_chat(
     sse_response(event_receiver)
 }
 
-/// `prompt` of `/v1/completions`: text, or token ids.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum CompletionPrompt {
-    Text(String),
-    Texts(Vec<String>),
-    TokenIds(Vec<u32>),
-    TokenIdLists(Vec<Vec<u32>>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub model: String,
-    pub prompt: CompletionPrompt,
-    #[serde(default)]
-    pub stream: Option<bool>,
-    #[serde(default)]
-    pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    pub max_tokens: Option<i64>,
-    #[serde(flatten)]
-    pub sampling: OpenAiSampling,
-    /// Completions API: number of top alternatives (0 = chosen token only).
-    #[serde(default)]
-    pub logprobs: Option<i64>,
-    #[serde(default)]
-    pub echo: Option<bool>,
-}
-
-/// `POST /v1/completions`.
-pub async fn completions(
-    State(state): State<Arc<GatewayState>>,
-    body: JsonRequestBody,
-) -> Response {
-    match completions_inner(state, body).await {
-        Ok(response) => response,
-        Err(error) => openai_error(error),
-    }
-}
-
-async fn completions_inner(
-    state: Arc<GatewayState>,
-    body: JsonRequestBody,
-) -> Result<Response, GatewayError> {
-    let request: CompletionRequest = parse_json_body(body)?;
-    let model = state.generator.resolve_model(&request.model)?;
-    if request.echo.unwrap_or(false) {
-        return Err(GatewayError::invalid_parameter(
-            "echo",
-            "`echo` is not supported",
-        ));
-    }
-    // The legacy default of the completions API is 16 tokens.
-    let max_tokens = token_count_parameter("max_tokens", request.max_tokens)?.or(Some(16));
-    let logprobs = request.logprobs.is_some();
-    let options = request
-        .sampling
-        .to_options(max_tokens, logprobs, request.logprobs)?;
-    let prompt_token_ids = match request.prompt {
-        CompletionPrompt::Text(text) => crate::generation::encode_text(&model, text, true).await?,
-        CompletionPrompt::Texts(texts) if texts.len() == 1 => {
-            crate::generation::encode_text(&model, texts[0].clone(), true).await?
-        }
-        CompletionPrompt::TokenIds(ids) => {
-            let vocabulary = model.resources.tokenizer.vocabulary_size() as u32;
-            if let Some(bad) = ids.iter().find(|id| **id >= vocabulary) {
-                return Err(GatewayError::invalid_parameter(
-                    "prompt",
-                    format!("token id {bad} is outside the vocabulary (size {vocabulary})"),
-                ));
-            }
-            ids
-        }
-        CompletionPrompt::TokenIdLists(lists) if lists.len() == 1 => {
-            lists.into_iter().next().unwrap_or_default()
-        }
-        _ => {
-            return Err(GatewayError::invalid_parameter(
-                "prompt",
-                "exactly one prompt per request is supported",
-            ))
-        }
-    };
-    let plan = GenerationPlan::new(model, prompt_token_ids, options, None)?;
-    let receivers = state.generator.start_all_choices(&plan).await?;
-    let id = format!("cmpl-{}", plan.request_id);
-    let created = unix_seconds();
-    let model_name = plan.model.name.clone();
-    if request.stream.unwrap_or(false) {
-        let include_usage = request
-            .stream_options
-            .map(|o| o.include_usage)
-            .unwrap_or(false);
-        let (events, event_receiver) = mpsc::channel::<Event>(64);
-        tokio::spawn(async move {
-            let chunk = |choices: JsonValue, usage: Option<JsonValue>| {
-                let mut value = json!({"id": id, "object": "text_completion", "created": created, "model": model_name, "choices": choices});
-                if include_usage {
-                    value["usage"] = usage.unwrap_or(JsonValue::Null);
-                }
-                json_event(&value)
-            };
-            let mut text_lengths = vec![0usize; receivers.len()];
-            let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0u32, 0u32, 0u32);
-            let mut merged = merged_choices(receivers);
-            while let Some((index, event)) = merged.next().await {
-                let message = match event {
-                    Ok(GenerationEvent::Delta {
-                        text,
-                        logprobs: entries,
-                    }) => {
-                        let start = text_lengths.get(index).copied().unwrap_or(0);
-                        if let Some(length) = text_lengths.get_mut(index) {
-                            *length += text.content.len();
-                        }
-                        let logprobs_value = if logprobs {
-                            completion_logprobs_json(&entries, start)
-                        } else {
-                            JsonValue::Null
-                        };
-                        chunk(
-                            json!([{"index": index, "text": text.content, "logprobs": logprobs_value, "finish_reason": null}]),
-                            None,
-                        )
-                    }
-                    Ok(GenerationEvent::Finished(summary)) => {
-                        prompt_tokens = summary.prompt_tokens;
-                        cached_tokens = summary.cached_tokens;
-                        completion_tokens += summary.completion_tokens;
-                        chunk(
-                            json!([{"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason_text(summary.finish), "stop_reason": summary.matched_stop}]),
-                            None,
-                        )
-                    }
-                    Err(error) => {
-                        let _ = events
-                            .send(json_event(&error.envelope(ApiDialect::OpenAi)))
-                            .await;
-                        let _ = events.send(Event::default().data("[DONE]")).await;
-                        return;
-                    }
-                };
-                if events.send(message).await.is_err() {
-                    return;
-                }
-            }
-            if include_usage {
-                let _ = events
-                    .send(chunk(
-                        json!([]),
-                        Some(usage_json(prompt_tokens, completion_tokens, cached_tokens)),
-                    ))
-                    .await;
-            }
-            let _ = events.send(Event::default().data("[DONE]")).await;
-        });
-        return Ok(sse_response(event_receiver));
-    }
-    let mut choices = Vec::new();
-    let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0, 0, 0);
-    for (index, receiver) in receivers.into_iter().enumerate() {
-        let generation = collect_generation(receiver).await?;
-        prompt_tokens = generation.summary.prompt_tokens;
-        cached_tokens = generation.summary.cached_tokens;
-        completion_tokens += generation.summary.completion_tokens;
-        choices.push(json!({
-            "index": index,
-            "text": generation.content,
-            "logprobs": if logprobs { completion_logprobs_json(&generation.logprobs, 0) } else { JsonValue::Null },
-            "finish_reason": finish_reason_text(generation.summary.finish),
-            "stop_reason": generation.summary.matched_stop,
-        }));
-    }
-    Ok(Json(json!({
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model_name,
-        "choices": choices,
-        "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens),
-    }))
-    .into_response())
-}
-
-fn model_json(model: &crate::backend::ServedModel) -> JsonValue {
+/// An OpenAI model object (with NInfer's readiness and context length).
+pub fn model_json(model: &ServedModel) -> JsonValue {
     json!({
         "id": model.name,
         "object": "model",
@@ -978,69 +776,14 @@ fn model_json(model: &crate::backend::ServedModel) -> JsonValue {
     })
 }
 
-/// `GET /v1/models`: every model an engine has served since start (with readiness). Anthropic's
-/// SDKs share the path and send `anthropic-version`: they get Anthropic's list shape.
-pub async fn list_models(
-    State(state): State<Arc<GatewayState>>,
-    headers: axum::http::HeaderMap,
-) -> Response {
-    let snapshot = state.backend.snapshot();
-    if headers.contains_key("anthropic-version") {
-        let data: Vec<JsonValue> = snapshot
-            .models
-            .values()
-            .map(|model| {
-                json!({
-                    "type": "model",
-                    "id": model.name,
-                    "display_name": model.name,
-                    "created_at": rfc3339_utc(model.created_unix_seconds),
-                })
-            })
-            .collect();
-        let first_id = data.first().map(|model| model["id"].clone());
-        let last_id = data.last().map(|model| model["id"].clone());
-        return Json(
-            json!({"data": data, "has_more": false, "first_id": first_id, "last_id": last_id}),
-        )
-        .into_response();
-    }
-    let data: Vec<JsonValue> = snapshot.models.values().map(model_json).collect();
-    Json(json!({"object": "list", "data": data})).into_response()
-}
-
-/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time.
-fn rfc3339_utc(unix_seconds: u64) -> String {
-    let (year, month, day) = crate::chat_template::civil_from_days((unix_seconds / 86_400) as i64);
-    let seconds_of_day = unix_seconds % 86_400;
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        seconds_of_day / 3600,
-        seconds_of_day / 60 % 60,
-        seconds_of_day % 60
-    )
-}
-
-/// `GET /v1/models/{model}`.
-pub async fn get_model(
-    State(state): State<Arc<GatewayState>>,
-    Path(model): Path<String>,
-) -> Response {
-    match state.backend.snapshot().models.get(&model) {
-        Some(served) => Json(model_json(served)).into_response(),
-        None => openai_error(GatewayError::ModelNotFound(model)),
-    }
+/// OpenAI's model list.
+pub fn model_list_json<'a>(models: impl Iterator<Item = &'a ServedModel>) -> JsonValue {
+    let data: Vec<JsonValue> = models.map(model_json).collect();
+    json!({"object": "list", "data": data})
 }
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn rfc3339_dates_of_known_instants() {
-        assert_eq!(super::rfc3339_utc(0), "1970-01-01T00:00:00Z");
-        assert_eq!(super::rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
-        assert_eq!(super::rfc3339_utc(1_764_763_199), "2025-12-03T11:59:59Z");
-    }
-
     #[test]
     fn usage_reports_the_prompt_tokens_the_engine_cached() {
         let usage = super::usage_json(300, 7, 256);

@@ -25,7 +25,7 @@ use futures_util::StreamExt;
 use crate::backend::ServedModel;
 use crate::body_scan::{BodyScan, InputSizes, PromptFields};
 use crate::error::GatewayError;
-pub use crate::generation::MAX_STOP_STRINGS;
+pub use crate::generation_plan::MAX_STOP_STRINGS;
 use crate::state::GatewayState;
 
 /// Most bytes of stop sequences a request may send, all together as written in its JSON.

@@ -28,10 +28,8 @@ use crate::chat::{
     ChatToolCall, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
-use crate::generation::{
-    token_count_parameter, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
-    SamplingOptions,
-};
+use crate::generation::{ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary};
+use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, SamplingOptions};
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
@@ -279,7 +277,7 @@ fn chat_tools(tools: Option<&[JsonValue]>) -> Result<Vec<ChatTool>, GatewayError
 
 /// `auto` / `none` / `required` / `{"type": "function", "name": ...}`.
 fn responses_tool_choice(value: Option<&JsonValue>) -> Result<ToolChoice, GatewayError> {
-    crate::openai::tool_choice_naming(
+    crate::chat::tool_choice_naming(
         value,
         |object| object.get("name")?.as_str(),
         "{\"type\": \"function\", \"name\": ...}",
@@ -462,70 +460,14 @@ async fn create_response_inner(
     body: JsonRequestBody,
 ) -> Result<Response, GatewayError> {
     let request: ResponsesRequest = parse_json_body(body)?;
-    let model = state.generator.resolve_model(&request.model)?;
-    let max_output_tokens = token_count_parameter("max_output_tokens", request.max_output_tokens)?;
-    let mut history = Vec::new();
-    if let Some(previous) = &request.previous_response_id {
-        let stored = recall(previous).ok_or_else(|| {
-            GatewayError::invalid_parameter(
-                "previous_response_id",
-                format!("Previous response with id '{previous}' not found."),
-            )
-        })?;
-        history.extend(stored.messages);
-        history.extend(stored.output);
-    }
-    let input = request
-        .input
-        .as_ref()
-        .ok_or_else(|| invalid("input", "`input` is required"))?;
-    history.extend(input_messages(input, &state)?);
-    if history.is_empty() {
-        return Err(invalid("input", "`input` must not be empty"));
-    }
-    let mut messages = Vec::new();
-    if let Some(instructions) = &request.instructions {
-        messages.push(ChatMessage::text(ChatRole::System, instructions.clone()));
-    }
-    messages.extend(history.iter().cloned());
-    let tools = chat_tools(request.tools.as_deref())?;
-    let mut conversation = ChatConversation {
-        messages,
-        tools,
-        add_generation_prompt: true,
-        template_variables: match &request.chat_template_kwargs {
-            Some(kwargs) => template_variables_from_object("chat_template_kwargs", kwargs)?,
-            None => Vec::new(),
-        },
-        tool_choice: responses_tool_choice(request.tool_choice.as_ref())?,
-        response_format: responses_text_format(request.text.as_ref())?,
-        single_tool_call: request.parallel_tool_calls == Some(false),
-        reasoning_budget: None,
-    };
-    conversation.check_tool_choice("tool_choice")?;
-    crate::chat::apply_reasoning_effort(
-        &mut conversation,
-        "reasoning.effort",
-        request
-            .reasoning
-            .as_ref()
-            .and_then(|reasoning| reasoning.get("effort"))
-            .and_then(JsonValue::as_str),
-    )?;
-    crate::generation::check_temperature(request.temperature, 2.0)?;
-    let options = SamplingOptions {
-        temperature: request.temperature,
-        top_p: request.top_p,
-        max_tokens: max_output_tokens,
-        seed: request.seed.map(|seed| seed as u64),
-        choices: 1,
-        ..Default::default()
-    };
-    let plan = state
+    let (chat, history) = chat_generation_request(&state, &request)?;
+    let max_output_tokens = chat.options.max_tokens;
+    let started = state
         .generator
-        .plan_chat(model, &conversation, options)
-        .await?;
-    let receiver = state.generator.start_choice(&plan, 0).await?;
+        .start_chat(&chat)
+        .await?
+        .into_only_choice()?;
+    let (plan, receiver, callable) = (started.plan, started.receiver, started.callable_tools);
     let frame = ResponseFrame {
         id: format!("resp_{}", plan.request_id),
         reasoning_effort: request
@@ -554,7 +496,6 @@ async fn create_response_inner(
         metadata: request.metadata.clone().unwrap_or_else(|| json!({})),
         store: request.store.unwrap_or(true),
     };
-    let callable = conversation.callable_tool_definitions();
     if request.stream.unwrap_or(false) {
         return Ok(stream_response(frame, receiver, callable, history));
     }
@@ -608,6 +549,80 @@ async fn create_response_inner(
     let body = frame.object(status, output, Some(usage(&summary)), incomplete);
     frame.remember(history, &text, &named_calls, &body);
     Ok(Json(body).into_response())
+}
+
+/// The request in the gateway's terms (the model, the conversation after the stored history
+/// it continues, the sampling options), and that history (stored with the answer).
+fn chat_generation_request(
+    state: &GatewayState,
+    request: &ResponsesRequest,
+) -> Result<(ChatGenerationRequest, Vec<ChatMessage>), GatewayError> {
+    let model = state.generator.resolve_model(&request.model)?;
+    let max_output_tokens = token_count_parameter("max_output_tokens", request.max_output_tokens)?;
+    let mut history = Vec::new();
+    if let Some(previous) = &request.previous_response_id {
+        let stored = recall(previous).ok_or_else(|| {
+            GatewayError::invalid_parameter(
+                "previous_response_id",
+                format!("Previous response with id '{previous}' not found."),
+            )
+        })?;
+        history.extend(stored.messages);
+        history.extend(stored.output);
+    }
+    let input = request
+        .input
+        .as_ref()
+        .ok_or_else(|| invalid("input", "`input` is required"))?;
+    history.extend(input_messages(input, state)?);
+    if history.is_empty() {
+        return Err(invalid("input", "`input` must not be empty"));
+    }
+    let mut messages = Vec::new();
+    if let Some(instructions) = &request.instructions {
+        messages.push(ChatMessage::text(ChatRole::System, instructions.clone()));
+    }
+    messages.extend(history.iter().cloned());
+    let tools = chat_tools(request.tools.as_deref())?;
+    let mut conversation = ChatConversation {
+        messages,
+        tools,
+        add_generation_prompt: true,
+        template_variables: match &request.chat_template_kwargs {
+            Some(kwargs) => template_variables_from_object("chat_template_kwargs", kwargs)?,
+            None => Vec::new(),
+        },
+        tool_choice: responses_tool_choice(request.tool_choice.as_ref())?,
+        response_format: responses_text_format(request.text.as_ref())?,
+        single_tool_call: request.parallel_tool_calls == Some(false),
+        reasoning_budget: None,
+    };
+    crate::chat::apply_reasoning_effort(
+        &mut conversation,
+        "reasoning.effort",
+        request
+            .reasoning
+            .as_ref()
+            .and_then(|reasoning| reasoning.get("effort"))
+            .and_then(JsonValue::as_str),
+    )?;
+    crate::generation_plan::check_temperature(request.temperature, 2.0)?;
+    let options = SamplingOptions {
+        temperature: request.temperature,
+        top_p: request.top_p,
+        max_tokens: max_output_tokens,
+        seed: request.seed.map(|seed| seed as u64),
+        choices: 1,
+        ..Default::default()
+    };
+    Ok((
+        ChatGenerationRequest {
+            model,
+            conversation,
+            options,
+        },
+        history,
+    ))
 }
 
 /// The streamed response: `response.created`, `response.in_progress`, then items as they

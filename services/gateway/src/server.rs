@@ -5,7 +5,7 @@
 //! and the small utility routes (`/health`, `/metrics`, `/tokenize`, `/detokenize`,
 //! `/v1/stats/experts`).
 //! Must not touch: generation logic (see `generation`) or API request shapes (see `openai`,
-//! `anthropic`, `grpc_api`).
+//! `openai_completions`, `anthropic`, `responses`, `grpc_api`, `models`).
 
 use std::sync::Arc;
 
@@ -48,11 +48,14 @@ pub fn build_router(state: Arc<GatewayState>) -> Router {
             "/v1/chat/completions",
             post(crate::openai::chat_completions),
         )
-        .route("/v1/completions", post(crate::openai::completions))
+        .route(
+            "/v1/completions",
+            post(crate::openai_completions::completions),
+        )
         .route("/v1/responses", post(crate::responses::create_response))
         .route("/v1/responses/{id}", get(crate::responses::get_response))
-        .route("/v1/models", get(crate::openai::list_models))
-        .route("/v1/models/{model}", get(crate::openai::get_model))
+        .route("/v1/models", get(crate::models::list_models))
+        .route("/v1/models/{model}", get(crate::models::get_model))
         .route("/v1/messages", post(crate::anthropic::messages))
         .route(
             "/v1/messages/count_tokens",
@@ -339,10 +342,10 @@ async fn tokenize(State(state): State<Arc<GatewayState>>, body: JsonRequestBody)
         let request: TokenizeRequest = parse_json_body(body)?;
         let model = pick_model(&state, request.model.as_deref())?;
         let tokens = match (request.prompt, request.messages) {
-            (Some(prompt), None) => crate::generation::encode_text(&model, prompt, request.add_special_tokens).await?,
+            (Some(prompt), None) => crate::generation_plan::encode_text(&model, prompt, request.add_special_tokens).await?,
             (None, Some(messages)) => {
                 let conversation = crate::openai::chat_conversation(&messages, None, request.add_generation_prompt, None)?;
-                crate::generation::build_chat_prompt(&model, &conversation.template_input()?).await?.1
+                crate::generation_plan::build_chat_prompt(&model, &conversation.template_input()?).await?.1
             }
             _ => return Err(GatewayError::invalid("give exactly one of `prompt` or `messages`")),
         };

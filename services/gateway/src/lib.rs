@@ -5,9 +5,10 @@
 //! grammar, sampling, checked against the context), the [`generation::Generator`] runs it on an
 //! engine, and the same dialect renders the events. The dialects, none importing another: the
 //! OpenAI API (`openai` chat, its per-token chunks `openai_chunks`, `openai_completions` raw
-//! prompts), the Anthropic API (`anthropic`), the OpenAI Responses API (`responses`) and the
-//! public gRPC API with health and reflection (`grpc_api`); `models` answers `/v1/models` in the
-//! asking API's shape. Beside them: utility routes, auth and limits (`server`); reading request
+//! prompts), the Anthropic API (`anthropic`), the OpenAI Responses API (`responses`; the
+//! per-token events of these two streams are written by `stream_deltas`) and the public gRPC API
+//! with health and reflection (`grpc_api`); `models` answers `/v1/models` in the asking API's
+//! shape. Beside them: utility routes, auth and limits (`server`); reading request
 //! bodies within their limit, refusing a prompt too long for the context or another input over
 //! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them
 //! (`json_body`); connection limits, timeouts and the shutdown drain (`connections`); shared

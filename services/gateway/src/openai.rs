@@ -25,7 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::backend::ServedModel;
 use crate::chat::{
     template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
-    ChatRole, ChatTool, ChatToolCall, ToolChoice,
+    ChatRole, ChatTool, ChatToolCall, ResponseFormat, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
@@ -37,7 +37,6 @@ use crate::json_body::parse_json_body;
 use crate::openai_chunks::ChatChunkText;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
-use crate::structured::openai_response_format;
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall, ToolCallCapture};
 
 /// `stop`: one string or a list.
@@ -564,6 +563,35 @@ fn chat_generation_request(
     })
 }
 
+/// OpenAI chat `response_format`: `{"type": "text" | "json_object"}` or
+/// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`.
+fn openai_response_format(value: Option<&JsonValue>) -> Result<ResponseFormat, GatewayError> {
+    let Some(value) = value.filter(|v| !v.is_null()) else {
+        return Ok(ResponseFormat::Text);
+    };
+    let kind = value.get("type").and_then(JsonValue::as_str);
+    match kind {
+        Some("text") => Ok(ResponseFormat::Text),
+        Some("json_object") => Ok(ResponseFormat::JsonObject),
+        Some("json_schema") => {
+            let schema = value
+                .get("json_schema")
+                .and_then(|s| s.get("schema"))
+                .ok_or_else(|| {
+                    GatewayError::invalid_parameter(
+                        "response_format",
+                        "`response_format.json_schema.schema` is required",
+                    )
+                })?;
+            crate::structured::json_schema_format(schema, "response_format.json_schema.schema")
+        }
+        _ => Err(GatewayError::invalid_parameter(
+            "response_format",
+            "`response_format.type` must be `text`, `json_object` or `json_schema`",
+        )),
+    }
+}
+
 /// Merges the choices' event channels into one stream of `(choice index, event)`.
 pub(crate) fn merged_choices(
     receivers: Vec<ChoiceReceiver>,
@@ -784,6 +812,21 @@ pub fn model_list_json<'a>(models: impl Iterator<Item = &'a ServedModel>) -> Jso
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
+    use super::openai_response_format;
+    use crate::chat::ResponseFormat;
+
+    #[test]
+    fn response_formats_parse_and_refuse() {
+        assert_eq!(
+            openai_response_format(Some(&json!({"type": "json_object"}))).unwrap(),
+            ResponseFormat::JsonObject
+        );
+        assert!(openai_response_format(Some(&json!({"type": "yaml"}))).is_err());
+        assert!(openai_response_format(Some(&json!({"type": "json_schema"}))).is_err());
+    }
+
     #[test]
     fn usage_reports_the_prompt_tokens_the_engine_cached() {
         let usage = super::usage_json(300, 7, 256);

@@ -25,7 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat::{
     template_variables_from_object, ChatContent, ChatConversation, ChatMessage, ChatRole, ChatTool,
-    ChatToolCall, ToolChoice,
+    ChatToolCall, ResponseFormat, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary};
@@ -34,7 +34,6 @@ use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
 use crate::stream_deltas::{ResponseDelta, ResponseEventSequence};
-use crate::structured::responses_text_format;
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall};
 
 /// Responses kept for `previous_response_id` (oldest dropped first).
@@ -625,6 +624,28 @@ fn chat_generation_request(
     ))
 }
 
+/// The Responses API's `text.format`: `{"type": "text" | "json_object"}` or
+/// `{"type": "json_schema", "name": ..., "schema": {...}, "strict": ...}`.
+fn responses_text_format(value: Option<&JsonValue>) -> Result<ResponseFormat, GatewayError> {
+    let Some(format) = value.and_then(|text| text.get("format")) else {
+        return Ok(ResponseFormat::Text);
+    };
+    match format.get("type").and_then(JsonValue::as_str) {
+        Some("text") => Ok(ResponseFormat::Text),
+        Some("json_object") => Ok(ResponseFormat::JsonObject),
+        Some("json_schema") => {
+            let schema = format.get("schema").ok_or_else(|| {
+                GatewayError::invalid_parameter("text", "`text.format.schema` is required")
+            })?;
+            crate::structured::json_schema_format(schema, "text.format.schema")
+        }
+        _ => Err(GatewayError::invalid_parameter(
+            "text",
+            "`text.format.type` must be `text`, `json_object` or `json_schema`",
+        )),
+    }
+}
+
 /// The streamed response: `response.created`, `response.in_progress`, then items as they
 /// happen (reasoning text, output text, function calls at the end), then `response.completed`
 /// (or `response.incomplete`, or an `error` event).
@@ -827,4 +848,23 @@ fn message_output_index(
     pending.push(("response.content_part.added", json!({"item_id": message_id, "output_index": index, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})));
     *message_index = Some(index);
     index
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::responses_text_format;
+    use crate::chat::ResponseFormat;
+
+    #[test]
+    fn text_formats_parse_and_refuse() {
+        let format = responses_text_format(Some(
+            &json!({"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}),
+        ))
+        .unwrap();
+        assert!(matches!(format, ResponseFormat::JsonSchema(_)));
+        assert!(responses_text_format(Some(&json!({"format": {"type": "yaml"}}))).is_err());
+        assert!(responses_text_format(Some(&json!({"format": {"type": "json_schema"}}))).is_err());
+    }
 }

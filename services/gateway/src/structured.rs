@@ -1,12 +1,12 @@
 //! Structured output: what a request demands of the answer's shape, as a grammar the engine
 //! enforces token by token.
 //!
-//! Owns: reading OpenAI `response_format` (and the Responses API's `text.format`), checking a
-//! JSON schema against the keywords the engine enforces (a 400 naming the others), and writing
-//! the answer grammar (llguidance's Lark dialect) for JSON answers and for forced tool calls in
-//! the model's own tool-call syntax (Qwen3 JSON or Qwen3.5 XML).
-//! Must not touch: API JSON shapes beyond those parameters, tokens (the engine compiles the
-//! grammar against its vocabulary).
+//! Owns: checking a JSON schema against the keywords the engine enforces (a 400 naming the
+//! others), and writing the answer grammar (llguidance's Lark dialect) for JSON answers and for
+//! forced tool calls in the model's own tool-call syntax (Qwen3 JSON or Qwen3.5 XML).
+//! Must not touch: API JSON shapes (each dialect reads its own `response_format` or
+//! `text.format` into a [`ResponseFormat`]), tokens (the engine compiles the grammar against its
+//! vocabulary).
 
 use serde_json::{json, Map, Value as JsonValue};
 
@@ -80,58 +80,11 @@ const ANNOTATIONS: &[&str] = &[
     "strict",
 ];
 
-/// OpenAI chat `response_format`: `{"type": "text" | "json_object"}` or
-/// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`.
-pub fn openai_response_format(value: Option<&JsonValue>) -> Result<ResponseFormat, GatewayError> {
-    let Some(value) = value.filter(|v| !v.is_null()) else {
-        return Ok(ResponseFormat::Text);
-    };
-    let kind = value.get("type").and_then(JsonValue::as_str);
-    match kind {
-        Some("text") => Ok(ResponseFormat::Text),
-        Some("json_object") => Ok(ResponseFormat::JsonObject),
-        Some("json_schema") => {
-            let schema = value
-                .get("json_schema")
-                .and_then(|s| s.get("schema"))
-                .ok_or_else(|| {
-                    GatewayError::invalid_parameter(
-                        "response_format",
-                        "`response_format.json_schema.schema` is required",
-                    )
-                })?;
-            json_schema_format(schema, "response_format.json_schema.schema")
-        }
-        _ => Err(GatewayError::invalid_parameter(
-            "response_format",
-            "`response_format.type` must be `text`, `json_object` or `json_schema`",
-        )),
-    }
-}
-
-/// The Responses API's `text.format`: `{"type": "text" | "json_object"}` or
-/// `{"type": "json_schema", "name": ..., "schema": {...}, "strict": ...}`.
-pub fn responses_text_format(value: Option<&JsonValue>) -> Result<ResponseFormat, GatewayError> {
-    let Some(format) = value.and_then(|text| text.get("format")) else {
-        return Ok(ResponseFormat::Text);
-    };
-    match format.get("type").and_then(JsonValue::as_str) {
-        Some("text") => Ok(ResponseFormat::Text),
-        Some("json_object") => Ok(ResponseFormat::JsonObject),
-        Some("json_schema") => {
-            let schema = format.get("schema").ok_or_else(|| {
-                GatewayError::invalid_parameter("text", "`text.format.schema` is required")
-            })?;
-            json_schema_format(schema, "text.format.schema")
-        }
-        _ => Err(GatewayError::invalid_parameter(
-            "text",
-            "`text.format.type` must be `text`, `json_object` or `json_schema`",
-        )),
-    }
-}
-
-fn json_schema_format(schema: &JsonValue, parameter: &str) -> Result<ResponseFormat, GatewayError> {
+/// A JSON schema `response_format`, checked ([`check_schema`]) at `parameter`.
+pub fn json_schema_format(
+    schema: &JsonValue,
+    parameter: &str,
+) -> Result<ResponseFormat, GatewayError> {
     check_schema(schema, parameter)?;
     Ok(ResponseFormat::JsonSchema(schema.clone()))
 }
@@ -545,20 +498,5 @@ mod tests {
         assert_eq!(strict["additionalProperties"], false);
         assert_eq!(strict["properties"]["inner"]["additionalProperties"], false);
         assert_eq!(strict["properties"]["open"]["additionalProperties"], true);
-    }
-
-    #[test]
-    fn response_formats_parse_and_refuse() {
-        assert_eq!(
-            openai_response_format(Some(&json!({"type": "json_object"}))).unwrap(),
-            ResponseFormat::JsonObject
-        );
-        assert!(openai_response_format(Some(&json!({"type": "yaml"}))).is_err());
-        assert!(openai_response_format(Some(&json!({"type": "json_schema"}))).is_err());
-        let format = responses_text_format(Some(
-            &json!({"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}),
-        ))
-        .unwrap();
-        assert!(matches!(format, ResponseFormat::JsonSchema(_)));
     }
 }

@@ -17,6 +17,7 @@ use crate::model::layers::{
 };
 use crate::model::qwen4_exp;
 use crate::model::Model;
+use crate::moe::expert_cache::ExpertCache;
 use crate::moe::layer::DeferredRouting;
 use crate::moe::ExpertBatch;
 use crate::profile::{nanos, Phase, PhaseTotals};
@@ -253,13 +254,32 @@ impl<B: Backend> Model<B> {
     }
 
     /// The expert cache's work between two steps (fills decided, finished fills put in the
-    /// slot tables): before any op of the next step, outside any step graph.
+    /// slot tables): before any op of the next step, outside any step graph. Nothing to do
+    /// when the step before did it ahead ([`Model::expert_cache_upkeep_ahead`]).
     pub(in crate::model) fn expert_cache_between_steps(&self) -> Result<(), EngineError> {
+        match &self.expert_cache {
+            Some(cache) if !cache.take_upkept_ahead() => self.expert_cache_upkeep(cache, false),
+            _ => Ok(()),
+        }
+    }
+
+    /// The next step's expert cache work, done while the GPU runs a replayed step graph: its
+    /// table changes and copies queue behind this step's graph, so they apply from the next
+    /// step as before, but the host's driver calls (several per layer that fills, ~0.4 ms a
+    /// step on a 40-layer model) leave the step's critical path. Fills decided here land a
+    /// step later than fills decided between the steps.
+    pub(in crate::model) fn expert_cache_upkeep_ahead(&self) -> Result<(), EngineError> {
         if let Some(cache) = &self.expert_cache {
-            for (index, feed_forward) in self.feed_forwards().enumerate() {
-                if let FeedForward::Moe(moe) = feed_forward {
-                    cache.between_steps(index, moe, &self.artifact)?;
-                }
+            self.expert_cache_upkeep(cache, true)?;
+            cache.mark_upkept_ahead();
+        }
+        Ok(())
+    }
+
+    fn expert_cache_upkeep(&self, cache: &ExpertCache, ahead: bool) -> Result<(), EngineError> {
+        for (index, feed_forward) in self.feed_forwards().enumerate() {
+            if let FeedForward::Moe(moe) = feed_forward {
+                cache.between_steps(index, moe, &self.artifact, ahead)?;
             }
         }
         Ok(())

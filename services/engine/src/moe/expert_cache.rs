@@ -16,6 +16,11 @@
 //!   ([`ExpertSlotFills::complete_fills`]); only there does anything wait for the copy (on a GPU
 //!   the compute stream waits for its event; it has long landed in practice).
 //!
+//! A replayed step graph moves the hook: the hook for step `t + 1` runs while the GPU runs step
+//! `t` (`Model::expert_cache_upkeep_ahead`), with the routings up to step `t − 1`, its table
+//! changes and copies queued behind step `t`'s graph; fills then enter the table three steps
+//! after the routing that chose them. The order of steps and hooks, not timing, still decides.
+//!
 //! A step is one model forward. Two runs with the same steps give the same bits. An expert's
 //! output is the same wherever it is computed; only the order in which the resident and CPU parts
 //! of a token are summed follows the placement (f32 rounding), so greedy tokens stay those of
@@ -402,6 +407,12 @@ pub struct ExpertCache {
     /// Indexed by layer; `None` for layers without slots.
     policies: Mutex<Vec<Option<LayerCachePolicy>>>,
     counters: Arc<ExpertCacheCounters>,
+    /// The next step's upkeep was done while the step before ran on the device
+    /// ([`ExpertCache::mark_upkept_ahead`]).
+    upkept_ahead: std::sync::atomic::AtomicBool,
+    /// Per layer, the table the running step reads when an upkeep ahead already changed the
+    /// layer's table for the next one: its routing is counted against what it used.
+    running_step_tables: Mutex<Vec<Option<ExpertSlotTable>>>,
 }
 
 impl ExpertCache {
@@ -445,11 +456,36 @@ impl ExpertCache {
                 slots_per_layer,
                 slot_layers: slot_layers.iter().filter(|&&has| has).count(),
             }),
+            upkept_ahead: std::sync::atomic::AtomicBool::new(false),
+            running_step_tables: Mutex::new(vec![None; slot_layers.len()]),
         }
     }
 
     pub fn options(&self) -> ExpertCacheOptions {
         self.options
+    }
+
+    /// The upkeep for the next step is done (queued behind the running step).
+    pub fn mark_upkept_ahead(&self) {
+        self.upkept_ahead.store(true, Ordering::Release);
+    }
+
+    /// Whether the upkeep for this step was done ahead, clearing the mark. A step starts:
+    /// the tables kept for the step before are dropped.
+    pub fn take_upkept_ahead(&self) -> bool {
+        if let Ok(mut tables) = self.running_step_tables.lock() {
+            tables.iter_mut().for_each(|table| *table = None);
+        }
+        self.upkept_ahead.swap(false, Ordering::AcqRel)
+    }
+
+    /// The table layer `layer`'s running step reads, when an upkeep ahead has changed the
+    /// layer's own since the step started; `None`: the layer's table is the one.
+    pub fn table_of_running_step(&self, layer: usize) -> Option<ExpertSlotTable> {
+        self.running_step_tables
+            .lock()
+            .ok()
+            .and_then(|tables| tables.get(layer).cloned().flatten())
     }
 
     pub fn counters(&self) -> &Arc<ExpertCacheCounters> {
@@ -489,11 +525,16 @@ impl ExpertCache {
     /// The hook at the start of every step for MoE layer `index`: enters the fills started at the previous hook in
     /// the table, then decides this layer's fills from the routing counted since and starts
     /// their copies. Nothing here waits for a copy started at this hook.
+    ///
+    /// `ahead`: the step the changes are for has not started, and the running one still reads
+    /// the layer's current table, which is kept for counting its routing
+    /// ([`ExpertCache::table_of_running_step`]).
     pub(crate) fn between_steps<Layer: CachedLayer>(
         &self,
         index: usize,
         layer: &Layer,
         artifact: &Arc<Artifact>,
+        ahead: bool,
     ) -> Result<(), EngineError> {
         let started = std::time::Instant::now();
         let mut resident = layer.resident_slots_mut()?;
@@ -505,6 +546,13 @@ impl ExpertCache {
         // nothing for the cache (all-GPU decode replays its graph at once).
         if slots.fills_in_flight() == 0 && slots.slot_table().every_expert_resident() {
             return Ok(());
+        }
+        if ahead {
+            if let Ok(mut tables) = self.running_step_tables.lock() {
+                if let Some(kept) = tables.get_mut(index) {
+                    *kept = Some(slots.slot_table().clone());
+                }
+            }
         }
         let Some(counters) = self.counters.layers.get(index) else {
             return Ok(());

@@ -338,8 +338,14 @@ impl<B: Backend> MoeLayer<B> {
         routing: &Routing,
         tally: &mut PhaseTotals,
     ) -> Result<(), EngineError> {
+        // The table the step read, when an upkeep ahead has changed the layer's since.
+        let kept = context
+            .expert_cache
+            .and_then(|cache| cache.table_of_running_step(index));
         let resident = self.resident_slots()?;
-        let table = resident.as_ref().map(WithExpertSlotTable::slot_table);
+        let table = kept
+            .as_ref()
+            .or_else(|| resident.as_ref().map(WithExpertSlotTable::slot_table));
         self.account_routing(context, index, routing, table, tally);
         Ok(())
     }

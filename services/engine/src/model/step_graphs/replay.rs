@@ -136,12 +136,15 @@ impl<B: Backend> Model<B> {
             return Ok(None);
         };
         let started = Instant::now();
-        // Slot table changes happen between steps, before the graph (which reads the table).
+        // Slot table changes happen before the graph (which reads the table): between the
+        // steps, or queued behind the step before while it ran.
         self.expert_cache_between_steps()?;
         let backend = &*self.backend;
         match backend.begin_step_graph(graph, &plan.ids, &plan.positions)? {
             StepGraphRun::Replayed => {
                 counts.replayed += 1;
+                // The GPU runs the step: the next step's cache work meanwhile.
+                self.expert_cache_upkeep_ahead()?;
                 let (logits, deferred) =
                     recorded
                         .as_ref()

@@ -2,7 +2,7 @@
 //! directory, wait until they answer, then chat in the terminal (`--prompt` answers once,
 //! `--serve` keeps the API up, `--dry-run` only prints the plan). A model with an MTP head
 //! decodes with one speculative draft per step unless `--no-mtp` (or `--spec`/`--draft-tokens`
-//! say otherwise).
+//! say otherwise). In the chat, `/image PATH` attaches an image file to the next message.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::net::TcpListener;
@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ninfer_protocol::v1::gateway_client::GatewayClient;
-use ninfer_protocol::v1::{ChatMessage, ChatRequest, GatewaySamplingOptions, ListModelsRequest};
+use ninfer_protocol::v1::{
+    ChatImage, ChatMessage, ChatRequest, GatewaySamplingOptions, ListModelsRequest,
+};
 
 use crate::plan::print_plan;
 use crate::serve::{artifact_of, has_mtp_head, plan_for, start_pipeline, EngineFlags};
@@ -159,6 +161,8 @@ struct Chat<'a> {
     max_tokens: u32,
     thinking: bool,
     history: Vec<ChatMessage>,
+    /// Images `/image` attached to the next message.
+    pending_images: Vec<ChatImage>,
 }
 
 impl Chat<'_> {
@@ -168,6 +172,7 @@ impl Chat<'_> {
         self.history.push(ChatMessage {
             role: "user".into(),
             content: text.to_string(),
+            images: std::mem::take(&mut self.pending_images),
             ..Default::default()
         });
         let answered = answer(
@@ -185,11 +190,28 @@ impl Chat<'_> {
                 Ok(())
             }
             Err(error) => {
-                self.history.pop();
+                // The images wait for the next try.
+                if let Some(turn) = self.history.pop() {
+                    self.pending_images = turn.images;
+                }
                 Err(error)
             }
         }
     }
+}
+
+/// The image file a `/image PATH` line names (its type is read from its bytes by the
+/// server, which refuses what is not an image it takes).
+fn attach_image(command: &str) -> anyhow::Result<ChatImage> {
+    let path = command.trim_start_matches("/image").trim();
+    if path.is_empty() {
+        bail!("usage: /image PATH");
+    }
+    let encoded = std::fs::read(path).with_context(|| format!("reading {path}"))?;
+    Ok(ChatImage {
+        encoded,
+        media_type: String::new(),
+    })
 }
 
 /// Streams one answer to stdout; returns the assistant message for the history.
@@ -245,6 +267,7 @@ async fn answer(
         role: "assistant".into(),
         content,
         reasoning_content: reasoning,
+        images: Vec::new(),
     })
 }
 
@@ -368,13 +391,14 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
         max_tokens,
         thinking: args.think,
         history: Vec::new(),
+        pending_images: Vec::new(),
     };
     if let Some(prompt) = &args.prompt {
         runtime.block_on(chat.ask(prompt))?;
         return Ok(());
     }
     println!(
-        "{} ready. /think toggles thinking, /reset clears the conversation, /exit quits.",
+        "{} ready. /image PATH attaches an image to the next message, /think toggles thinking, /reset clears the conversation, /exit quits.",
         plan.architecture
     );
     let stdin = std::io::stdin();
@@ -390,8 +414,19 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
             "/exit" | "/quit" => break,
             "/reset" => {
                 chat.history.clear();
+                chat.pending_images.clear();
                 println!("(conversation cleared)");
             }
+            command if command.starts_with("/image") => match attach_image(command) {
+                Ok(image) => {
+                    println!(
+                        "(image of {} bytes attached to the next message)",
+                        image.encoded.len()
+                    );
+                    chat.pending_images.push(image);
+                }
+                Err(error) => eprintln!("error: {error:#}"),
+            },
             "/think" => {
                 chat.thinking = !chat.thinking;
                 println!("(thinking {})", if chat.thinking { "on" } else { "off" });

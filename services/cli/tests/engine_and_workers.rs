@@ -1491,6 +1491,7 @@ fn a_second_turn_reports_the_prompt_tokens_it_reused() {
                     role: role.into(),
                     content: content.into(),
                     reasoning_content: String::new(),
+                    images: Vec::new(),
                 })
                 .to_vec(),
             options: Some(ninfer_protocol::v1::GatewaySamplingOptions {

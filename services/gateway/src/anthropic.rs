@@ -25,15 +25,17 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::backend::ServedModel;
 use crate::chat::{
-    ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall, NonTextContent, ToolChoice,
+    ChatContent, ChatContentPart, ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall,
+    NonTextContent, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
     collect_generation, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
 };
 use crate::generation_plan::{
-    build_chat_prompt, token_count_parameter, ChatGenerationRequest, SamplingOptions,
+    build_chat_prompt_with_images, token_count_parameter, ChatGenerationRequest, SamplingOptions,
 };
+use crate::images::ChatImagePart;
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
@@ -184,7 +186,22 @@ fn media_text(
     where_: &str,
     non_text: NonTextContent,
 ) -> Result<String, GatewayError> {
-    let source = block
+    let source = block_source(block, where_)?;
+    if block.kind == "document" && source.get("type").and_then(JsonValue::as_str) == Some("text") {
+        if let Some(data) = source.get("data").and_then(JsonValue::as_str) {
+            return Ok(data.to_string());
+        }
+    }
+    non_text.stand_in(&block.kind, where_)
+}
+
+/// The `source` object of an `image` or `document` block (malformed without one, or without
+/// its `type`).
+fn block_source<'a>(
+    block: &'a ContentBlock,
+    where_: &str,
+) -> Result<&'a serde_json::Map<String, JsonValue>, GatewayError> {
+    block
         .source
         .as_ref()
         .filter(|source| source.get("type").is_some_and(JsonValue::is_string))
@@ -193,13 +210,32 @@ fn media_text(
                 "{where_}: `{}` blocks need a `source` object with a `type`",
                 block.kind
             ))
-        })?;
-    if block.kind == "document" && source.get("type").and_then(JsonValue::as_str) == Some("text") {
-        if let Some(data) = source.get("data").and_then(JsonValue::as_str) {
-            return Ok(data.to_string());
+        })
+}
+
+/// An `image` block of a user message: a `base64` source's image (a `url` source is refused
+/// when the model sees images: the gateway fetches nothing).
+fn image_part(block: &ContentBlock, location: String) -> Result<ChatImagePart, GatewayError> {
+    let source = block_source(block, &location)?;
+    let field = |name: &str| source.get(name).and_then(JsonValue::as_str);
+    Ok(match field("type") {
+        Some("base64") => {
+            let data = field("data").ok_or_else(|| {
+                GatewayError::invalid(format!("{location}: a base64 image source needs `data`"))
+            })?;
+            ChatImagePart::from_base64(data, field("media_type"), location)
         }
-    }
-    non_text.stand_in(&block.kind, where_)
+        Some("url") => ChatImagePart::refused(
+            format!("{location}: image URLs are not fetched by this server; send the image as a base64 source"),
+            location,
+        ),
+        other => {
+            return Err(GatewayError::invalid(format!(
+                "{location}: image source type `{}` is not supported (base64 is)",
+                other.unwrap_or_default()
+            )))
+        }
+    })
 }
 
 /// A tool result's text: its text blocks, with images and documents stood in for.
@@ -272,10 +308,22 @@ fn chat_conversation(
                 }
                 AnthropicContent::Blocks(blocks) => {
                     let mut text = String::new();
-                    for block in blocks {
+                    // Images end the text before them (a text-only model reads the message
+                    // as before: the stand-in on a line of its own).
+                    let mut parts = Vec::new();
+                    for (block_index, block) in blocks.iter().enumerate() {
                         match block.kind.as_str() {
                             "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
-                            "image" | "document" => {
+                            "image" => {
+                                let location = format!("{where_}.content.{block_index}");
+                                let image = image_part(block, location)?;
+                                if !text.is_empty() {
+                                    text.push('\n');
+                                }
+                                parts.push(ChatContentPart::Text(std::mem::take(&mut text)));
+                                parts.push(ChatContentPart::Image(image));
+                            }
+                            "document" => {
                                 if !text.is_empty() {
                                     text.push('\n');
                                 }
@@ -297,8 +345,15 @@ fn chat_conversation(
                             }
                         }
                     }
-                    if !text.is_empty() {
-                        messages.push(ChatMessage::text(ChatRole::User, text));
+                    if parts.is_empty() {
+                        if !text.is_empty() {
+                            messages.push(ChatMessage::text(ChatRole::User, text));
+                        }
+                    } else {
+                        parts.push(ChatContentPart::Text(text));
+                        let mut message = ChatMessage::text(ChatRole::User, "");
+                        message.content = Some(ChatContent::Parts(parts));
+                        messages.push(message);
                     }
                 }
             },
@@ -398,6 +453,7 @@ fn chat_conversation(
             "enable_thinking".to_string(),
             minijinja::Value::from(thinking_enabled),
         )],
+        non_text_content: non_text,
         tool_choice: match &request.tool_choice {
             Some(choice) => choice.to_tool_choice()?,
             None => ToolChoice::Auto,
@@ -720,9 +776,8 @@ pub async fn count_tokens(
     let result = async {
         let request: MessagesRequest = parse_json_body(body)?;
         let model = state.generator.resolve_model(&request.model)?;
-        let input =
-            chat_conversation(&request, state.settings.non_text_content)?.template_input()?;
-        let (_, prompt_token_ids) = build_chat_prompt(&model, &input).await?;
+        let conversation = chat_conversation(&request, state.settings.non_text_content)?;
+        let (_, prompt_token_ids, _) = build_chat_prompt_with_images(&model, &conversation).await?;
         Ok::<_, GatewayError>(json!({"input_tokens": prompt_token_ids.len()}))
     }
     .await;

@@ -14,6 +14,7 @@ use serde_json::Value as JsonValue;
 
 use crate::chat_template::ChatTemplateInput;
 use crate::error::GatewayError;
+use crate::images::{ChatImage, ChatImagePart};
 
 /// Who speaks a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +86,9 @@ impl NonTextContent {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ChatContentPart {
     Text(String),
+    /// An image: the template's image item for a model that sees images (the image goes to
+    /// the engine), the text-only stand-in for one that does not.
+    Image(ChatImagePart),
 }
 
 /// A message's content. Templates treat a plain string and a list of parts differently, so the
@@ -95,22 +99,54 @@ pub enum ChatContent {
     Parts(Vec<ChatContentPart>),
 }
 
+/// Where a conversation's images go as it is rendered: collected for a model that sees them,
+/// else each stood in for as `non_text` says.
+pub enum ImageRendering<'a> {
+    Seen(&'a mut Vec<ChatImage>),
+    TextOnly(NonTextContent),
+}
+
 impl ChatContent {
-    fn template_value(&self) -> Value {
-        match self {
+    fn template_value(&self, images: &mut ImageRendering<'_>) -> Result<Value, GatewayError> {
+        let text_item = |text: &str| {
+            Value::from_iter([("type", Value::from("text")), ("text", Value::from(text))])
+        };
+        Ok(match self {
             ChatContent::Text(text) => Value::from(text.as_str()),
-            ChatContent::Parts(parts) => Value::from(
-                parts
-                    .iter()
-                    .map(|part| match part {
-                        ChatContentPart::Text(text) => Value::from_iter([
-                            ("type", Value::from("text")),
-                            ("text", Value::from(text.as_str())),
-                        ]),
-                    })
-                    .collect::<Vec<_>>(),
-            ),
-        }
+            // A text-only model gets a message with images as one text, the stand-ins in place.
+            ChatContent::Parts(parts)
+                if matches!(images, ImageRendering::TextOnly(_))
+                    && parts.iter().any(|p| matches!(p, ChatContentPart::Image(_))) =>
+            {
+                let mut text = String::new();
+                for part in parts {
+                    match (part, &*images) {
+                        (ChatContentPart::Text(piece), _) => text.push_str(piece),
+                        (ChatContentPart::Image(image), ImageRendering::TextOnly(non_text)) => {
+                            text.push_str(&non_text.stand_in("image", &image.location)?)
+                        }
+                        (ChatContentPart::Image(_), ImageRendering::Seen(_)) => {}
+                    }
+                }
+                Value::from(text)
+            }
+            ChatContent::Parts(parts) => {
+                let mut items = Vec::with_capacity(parts.len());
+                for part in parts {
+                    items.push(match (part, &mut *images) {
+                        (ChatContentPart::Text(text), _) => text_item(text),
+                        (ChatContentPart::Image(image), ImageRendering::Seen(seen)) => {
+                            seen.push(image.image()?.clone());
+                            Value::from_iter([("type", Value::from("image"))])
+                        }
+                        (ChatContentPart::Image(image), ImageRendering::TextOnly(non_text)) => {
+                            text_item(&non_text.stand_in("image", &image.location)?)
+                        }
+                    });
+                }
+                Value::from(items)
+            }
+        })
     }
 }
 
@@ -185,14 +221,14 @@ impl ChatMessage {
         }
     }
 
-    fn template_value(&self) -> Value {
+    fn template_value(&self, images: &mut ImageRendering<'_>) -> Result<Value, GatewayError> {
         let mut fields: Vec<(&str, Value)> = vec![("role", Value::from(self.role.template_name()))];
         fields.push((
             "content",
-            self.content
-                .as_ref()
-                .map(ChatContent::template_value)
-                .unwrap_or(Value::from(())),
+            match &self.content {
+                Some(content) => content.template_value(images)?,
+                None => Value::from(()),
+            },
         ));
         if let Some(reasoning) = &self.reasoning {
             fields.push(("reasoning_content", Value::from(reasoning.as_str())));
@@ -224,7 +260,7 @@ impl ChatMessage {
         if let Some(name) = &self.name {
             fields.push(("name", Value::from(name.as_str())));
         }
-        Value::from_iter(fields)
+        Ok(Value::from_iter(fields))
     }
 }
 
@@ -273,6 +309,8 @@ pub struct ChatConversation {
     pub single_tool_call: bool,
     /// Most tokens of reasoning before the model is made to close its thinking block.
     pub reasoning_budget: Option<u32>,
+    /// What a text-only model gets for the conversation's images.
+    pub non_text_content: NonTextContent,
 }
 
 impl ChatConversation {
@@ -326,8 +364,23 @@ impl ChatConversation {
         }
     }
 
-    /// The template's input (special tokens are filled in from the model at render time).
+    /// The template's input (special tokens are filled in from the model at render time), for
+    /// a model that reads text only: images are stood in for.
     pub fn template_input(&self) -> Result<ChatTemplateInput, GatewayError> {
+        self.rendered(ImageRendering::TextOnly(self.non_text_content))
+    }
+
+    /// The template's input for a model that sees images, and the images in the order the
+    /// template places them.
+    pub fn template_input_with_images(
+        &self,
+    ) -> Result<(ChatTemplateInput, Vec<ChatImage>), GatewayError> {
+        let mut images = Vec::new();
+        let input = self.rendered(ImageRendering::Seen(&mut images))?;
+        Ok((input, images))
+    }
+
+    fn rendered(&self, mut images: ImageRendering<'_>) -> Result<ChatTemplateInput, GatewayError> {
         if self.messages.is_empty() {
             return Err(GatewayError::invalid_parameter(
                 "messages",
@@ -338,8 +391,8 @@ impl ChatConversation {
             messages: self
                 .messages
                 .iter()
-                .map(ChatMessage::template_value)
-                .collect(),
+                .map(|message| message.template_value(&mut images))
+                .collect::<Result<Vec<_>, _>>()?,
             tools: self.tool_definitions(),
             add_generation_prompt: self.add_generation_prompt,
             extra_variables: self.template_variables.clone(),

@@ -173,6 +173,8 @@ pub struct GenerationPlan {
     pub seed: u64,
     /// What the engine enforces on the tokens beyond sampling.
     pub guidance: Guidance,
+    /// The prompt's images, in the order of their placeholder runs.
+    pub images: Vec<crate::images::ChatImage>,
 }
 
 /// Constraints a chat request puts on the answer, enforced by the engine per token.
@@ -241,6 +243,7 @@ impl GenerationPlan {
             seed: options.seed.unwrap_or_else(fresh_seed),
             options,
             guidance: Guidance::default(),
+            images: Vec::new(),
         })
     }
 
@@ -316,7 +319,11 @@ impl GenerationPlan {
             lark_grammar: self.guidance.grammar.clone().unwrap_or_default(),
             draft_tokens: options.draft_tokens,
             resumed_output_tokens: 0,
-            images: Vec::new(),
+            images: self
+                .images
+                .iter()
+                .map(crate::images::ChatImage::engine_input)
+                .collect(),
         }
     }
 }
@@ -360,6 +367,31 @@ pub async fn build_chat_prompt(
     tokio::task::spawn_blocking(move || render_and_encode(&model, input))
         .await
         .map_err(|error| GatewayError::Internal(format!("prompt rendering failed: {error}")))?
+}
+
+/// [`build_chat_prompt`] of a conversation, its images placed for a model that sees them
+/// (each image's placeholder run sized from its header; stood in for on a text-only model):
+/// the prompt text, its token ids and the images in the order of their runs.
+pub async fn build_chat_prompt_with_images(
+    model: &ServedModel,
+    conversation: &ChatConversation,
+) -> Result<(String, Vec<u32>, Vec<crate::images::ChatImage>), GatewayError> {
+    let Some(vision) = model.resources.vision.clone() else {
+        let (prompt, ids) = build_chat_prompt(model, &conversation.template_input()?).await?;
+        return Ok((prompt, ids, Vec::new()));
+    };
+    let (input, images) = conversation.template_input_with_images()?;
+    let (prompt, ids) = build_chat_prompt(model, &input).await?;
+    if images.is_empty() {
+        return Ok((prompt, ids, images));
+    }
+    // Sizing reads each image's header: off the async workers with the rendering.
+    tokio::task::spawn_blocking(move || {
+        let ids = vision.expand_placeholders(&ids, &images)?;
+        Ok((prompt, ids, images))
+    })
+    .await
+    .map_err(|error| GatewayError::Internal(format!("placing the images failed: {error}")))?
 }
 
 /// Tokenizes raw text on the blocking pool (see [`build_chat_prompt`]).
@@ -436,15 +468,16 @@ pub async fn plan_chat(request: &ChatGenerationRequest) -> Result<GenerationPlan
         options,
     } = request;
     conversation.check_tool_choice("tool_choice")?;
-    let input = conversation.template_input()?;
+    let (prompt, prompt_token_ids, images) =
+        build_chat_prompt_with_images(model, conversation).await?;
     let grammar = answer_grammar(model, conversation)?;
-    let (prompt, prompt_token_ids) = build_chat_prompt(model, &input).await?;
     let mut plan = GenerationPlan::new(
         model.clone(),
         prompt_token_ids,
         options.clone(),
         Some(reasoning_start_for_prompt(&prompt)),
     )?;
+    plan.images = images;
     plan.guidance = Guidance {
         grammar,
         reasoning_budget: conversation.reasoning_budget,

@@ -21,12 +21,16 @@ use ninfer_protocol::v1::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::chat::{template_variables_from_object, ChatConversation, ChatMessage, ChatRole};
+use crate::chat::{
+    template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
+    ChatRole,
+};
 use crate::error::GatewayError;
 use crate::generation::{
     collect_generation, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
 };
 use crate::generation_plan::{plan_text, ChatGenerationRequest, GenerationPlan, SamplingOptions};
+use crate::images::{ChatImage, ChatImagePart};
 use crate::state::GatewayState;
 
 /// The `ninfer.v1.Gateway` implementation.
@@ -177,6 +181,24 @@ fn chat_conversation(request: &ChatRequest) -> Result<ChatConversation, GatewayE
         let role = ChatRole::from_name(&message.role)
             .ok_or_else(|| ChatRole::unknown_role_error(index, &message.role))?;
         let mut converted = ChatMessage::text(role, message.content.as_str());
+        if !message.images.is_empty() {
+            let mut parts: Vec<ChatContentPart> = message
+                .images
+                .iter()
+                .enumerate()
+                .map(|(image_index, image)| {
+                    let location = format!("messages[{index}].images[{image_index}]");
+                    let media_type = Some(image.media_type.as_str()).filter(|m| !m.is_empty());
+                    ChatContentPart::Image(ChatImagePart {
+                        image: ChatImage::from_bytes(image.encoded.clone(), media_type, &location)
+                            .map_err(|error| error.to_string()),
+                        location,
+                    })
+                })
+                .collect();
+            parts.push(ChatContentPart::Text(message.content.clone()));
+            converted.content = Some(ChatContent::Parts(parts));
+        }
         if !message.reasoning_content.is_empty() {
             converted.reasoning = Some(message.reasoning_content.clone());
         }

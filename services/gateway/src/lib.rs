@@ -33,6 +33,7 @@ pub mod error;
 pub mod generation;
 pub mod generation_plan;
 pub mod grpc_api;
+pub mod images;
 pub mod json_body;
 pub mod metrics;
 pub mod models;

@@ -33,6 +33,7 @@ use crate::generation::{
     StartedChat, TokenLogprobEntry,
 };
 use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, SamplingOptions};
+use crate::images::ChatImagePart;
 use crate::json_body::parse_json_body;
 use crate::openai_chunks::ChatChunkText;
 use crate::request_body::JsonRequestBody;
@@ -76,6 +77,9 @@ pub struct ContentPart {
     pub kind: String,
     #[serde(default)]
     pub text: Option<String>,
+    /// `{"url": ..., "detail": ...}` (or the URL alone) of an `image_url` part.
+    #[serde(default)]
+    pub image_url: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -295,15 +299,31 @@ pub fn chat_conversation(
             Some(MessageContent::Text(text)) => Some(ChatContent::Text(text.clone())),
             Some(MessageContent::Parts(parts)) => {
                 let mut converted_parts = Vec::new();
-                for part in parts {
-                    if part.kind != "text" {
-                        return Err(GatewayError::invalid_parameter(
-                            "messages",
-                            format!("messages[{index}]: content parts of type `{}` are not supported (text only)", part.kind),
-                        ));
-                    }
-                    converted_parts
-                        .push(ChatContentPart::Text(part.text.clone().unwrap_or_default()));
+                for (part_index, part) in parts.iter().enumerate() {
+                    converted_parts.push(match part.kind.as_str() {
+                        "text" => ChatContentPart::Text(part.text.clone().unwrap_or_default()),
+                        "image_url" => {
+                            let location = format!("messages[{index}].content[{part_index}]");
+                            let url = part.image_url.as_ref().and_then(|image_url| {
+                                image_url
+                                    .as_str()
+                                    .or_else(|| image_url.get("url").and_then(|u| u.as_str()))
+                            });
+                            let url = url.ok_or_else(|| {
+                                GatewayError::invalid_parameter(
+                                    "messages",
+                                    format!("{location}: an `image_url` part needs `image_url.url`"),
+                                )
+                            })?;
+                            ChatContentPart::Image(ChatImagePart::from_url(url, location)?)
+                        }
+                        other => {
+                            return Err(GatewayError::invalid_parameter(
+                                "messages",
+                                format!("messages[{index}]: content parts of type `{other}` are not supported (text and image_url are)"),
+                            ))
+                        }
+                    });
                 }
                 Some(ChatContent::Parts(converted_parts))
             }
@@ -551,6 +571,7 @@ fn chat_generation_request(
     conversation.tool_choice = tool_choice(request.tool_choice.as_ref())?;
     conversation.response_format = openai_response_format(request.response_format.as_ref())?;
     conversation.single_tool_call = request.parallel_tool_calls == Some(false);
+    conversation.non_text_content = state.settings.non_text_content;
     crate::chat::apply_reasoning_effort(
         &mut conversation,
         "reasoning_effort",

@@ -24,12 +24,13 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat::{
-    template_variables_from_object, ChatContent, ChatConversation, ChatMessage, ChatRole, ChatTool,
-    ChatToolCall, ResponseFormat, ToolChoice,
+    template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
+    ChatRole, ChatTool, ChatToolCall, ResponseFormat, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary};
 use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, SamplingOptions};
+use crate::images::ChatImagePart;
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
@@ -152,6 +153,49 @@ fn content_text(
     }
 }
 
+/// A message content's parts when it holds `input_image` parts (`None` otherwise): text parts
+/// as text, images from their `image_url` (a data URL), files stood in for.
+fn image_parts(
+    content: &JsonValue,
+    index: usize,
+    state: &GatewayState,
+) -> Result<Option<Vec<ChatContentPart>>, GatewayError> {
+    let JsonValue::Array(items) = content else {
+        return Ok(None);
+    };
+    let kind = |part: &JsonValue| {
+        part.get("type")
+            .and_then(JsonValue::as_str)
+            .map(str::to_string)
+    };
+    if !items
+        .iter()
+        .any(|part| kind(part).as_deref() == Some("input_image"))
+    {
+        return Ok(None);
+    }
+    let mut parts = Vec::with_capacity(items.len());
+    for (part_index, part) in items.iter().enumerate() {
+        let location = format!("input[{index}].content[{part_index}]");
+        if kind(part).as_deref() != Some("input_image") {
+            // Every other part reads as before, one at a time.
+            let text = content_text(&JsonValue::Array(vec![part.clone()]), index, state)?;
+            parts.push(ChatContentPart::Text(text));
+            continue;
+        }
+        let url = part.get("image_url").and_then(JsonValue::as_str).ok_or_else(|| {
+            invalid(
+                "input",
+                format!("{location}: an `input_image` part needs `image_url` (a data URL; file ids are not supported)"),
+            )
+        })?;
+        parts.push(ChatContentPart::Image(ChatImagePart::from_url(
+            url, location,
+        )?));
+    }
+    Ok(Some(parts))
+}
+
 /// The request's `input` as conversation messages.
 fn input_messages(
     input: &JsonValue,
@@ -189,8 +233,13 @@ fn input_messages(
                             )
                         })?,
                 };
-                let text = content_text(item.get("content").unwrap_or(&JsonValue::Null), index, state)?;
-                messages.push(ChatMessage::text(role, text));
+                let content = item.get("content").unwrap_or(&JsonValue::Null);
+                let mut message = ChatMessage::text(role, "");
+                message.content = Some(match image_parts(content, index, state)? {
+                    Some(parts) => ChatContent::Parts(parts),
+                    None => ChatContent::Text(content_text(content, index, state)?),
+                });
+                messages.push(message);
             }
             "function_call" => {
                 let name = item.get("name").and_then(JsonValue::as_str).ok_or_else(|| {
@@ -595,6 +644,7 @@ fn chat_generation_request(
         response_format: responses_text_format(request.text.as_ref())?,
         single_tool_call: request.parallel_tool_calls == Some(false),
         reasoning_budget: None,
+        non_text_content: state.settings.non_text_content,
     };
     crate::chat::apply_reasoning_effort(
         &mut conversation,

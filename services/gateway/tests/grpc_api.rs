@@ -84,6 +84,7 @@ async fn public_grpc_api_health_and_reflection() {
             role: "user".into(),
             content: "Well?".into(),
             reasoning_content: String::new(),
+            images: Vec::new(),
         }],
         options: None,
         enable_thinking: Some(true),

@@ -73,6 +73,8 @@ pub struct ModelResources {
     pub files_digest: String,
     /// How the chat template teaches the model to write tool calls (forced calls use it).
     pub tool_call_syntax: ToolCallSyntax,
+    /// What the model's images need; `None`: it reads text only.
+    pub vision: Option<crate::images::ModelVision>,
 }
 
 impl ModelResources {
@@ -109,8 +111,13 @@ impl ModelResources {
                 .filter_map(|token| tokenizer.token_to_id(token))
                 .collect();
         }
+        let vision = crate::images::ModelVision::from_model_files(
+            &files.preprocessor_config_json,
+            &tokenizer,
+        )?;
         Ok(ModelResources {
             model_name: files.model_name.clone(),
+            vision,
             tokenizer,
             chat_template,
             chat_template_problem,

@@ -44,6 +44,9 @@ pub struct EngineScript {
     pub generations: AtomicU32,
     pub tokens_routed: AtomicU64,
     pub instance_id: Mutex<String>,
+    /// Serve the multimodal `qwen3_5_moe` fixture's tokenizer, template and image processor
+    /// settings instead of `qwen3_moe`'s text-only files (read when the engine starts).
+    pub vision: AtomicBool,
 }
 
 impl Default for EngineScript {
@@ -61,6 +64,7 @@ impl Default for EngineScript {
             generations: AtomicU32::new(0),
             tokens_routed: AtomicU64::new(0),
             instance_id: Mutex::new("instance-1".to_string()),
+            vision: AtomicBool::new(false),
         }
     }
 }
@@ -90,21 +94,34 @@ pub struct ScriptedEngine {
     tokenizer: Arc<tokenizers::Tokenizer>,
     tokenizer_json: Arc<Vec<u8>>,
     chat_template: Arc<String>,
+    preprocessor_config_json: Arc<String>,
 }
 
 impl ScriptedEngine {
     pub fn new(script: Arc<EngineScript>) -> Self {
-        let tokenizer_json = std::fs::read(fixture_dir().join("tokenizer.json"))
+        let vision = script.vision.load(Ordering::SeqCst);
+        let directory = if vision {
+            fixture_dir().join("../qwen3_5_moe")
+        } else {
+            fixture_dir()
+        };
+        let tokenizer_json = std::fs::read(directory.join("tokenizer.json"))
             .unwrap_or_else(|e| panic!("tokenizer.json: {e}"));
         let tokenizer = tokenizers::Tokenizer::from_bytes(&tokenizer_json)
             .unwrap_or_else(|e| panic!("tokenizer: {e}"));
-        let chat_template = std::fs::read_to_string(fixture_dir().join("chat_template.jinja"))
+        let chat_template = std::fs::read_to_string(directory.join("chat_template.jinja"))
             .unwrap_or_else(|e| panic!("template: {e}"));
+        let preprocessor_config_json = match vision {
+            true => std::fs::read_to_string(directory.join("preprocessor_config.json"))
+                .unwrap_or_else(|e| panic!("preprocessor_config.json: {e}")),
+            false => String::new(),
+        };
         ScriptedEngine {
             script,
             tokenizer: Arc::new(tokenizer),
             tokenizer_json: Arc::new(tokenizer_json),
             chat_template: Arc::new(chat_template),
+            preprocessor_config_json: Arc::new(preprocessor_config_json),
         }
     }
 }
@@ -339,7 +356,7 @@ impl Engine for ScriptedEngine {
             eos_token_ids: vec![482, 480],
             max_context: self.script.max_context.load(Ordering::SeqCst),
             model_files_digest: "digest-1".to_string(),
-            preprocessor_config_json: String::new(),
+            preprocessor_config_json: self.preprocessor_config_json.as_ref().clone(),
         }))
     }
 

@@ -9,6 +9,7 @@
 //! Must not touch: tokens, prompts, the model (the engine runs the encoder; the gateway decides
 //! which bytes arrive).
 
+pub mod crafted;
 pub mod decode;
 pub mod error;
 pub mod patchify;

@@ -145,6 +145,7 @@ pub(super) fn handle<B: Backend>(
             } else {
                 None
             };
+            let admitted_at = std::time::Instant::now();
             let reused = match (prefix, speculating.as_mut()) {
                 (Some(cache), None) => reuse_prefix(model, cache, &mut state, &request, needed),
                 (Some(cache), Some(s)) => {
@@ -169,6 +170,8 @@ pub(super) fn handle<B: Backend>(
                 sampler,
                 generated: 0,
                 speculating,
+                admitted_at,
+                restore_time: admitted_at.elapsed(),
             });
         }
     }

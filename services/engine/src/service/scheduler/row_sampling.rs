@@ -165,6 +165,17 @@ pub(super) fn emit<B: Backend>(
     counters: &SchedulerCounters,
 ) -> bool {
     r.generated += 1;
+    if r.generated == 1 {
+        let milliseconds = |d: std::time::Duration| format!("{:.1}", d.as_secs_f64() * 1e3);
+        tracing::info!(
+            request_id = %r.request.request_id,
+            prompt_tokens = r.request.prompt.len(),
+            cached_tokens = r.cached_tokens,
+            restore_ms = milliseconds(r.restore_time),
+            first_token_ms = milliseconds(r.admitted_at.elapsed()),
+            "first token (times from admission)"
+        );
+    }
     r.history.push(token);
     counters.generated_tokens.fetch_add(1, Ordering::Relaxed);
     // The position the sequence would be at without drafts: the prompt and every generated

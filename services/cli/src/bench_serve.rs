@@ -226,7 +226,10 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         return agent_replay(&args, &client, model, url);
     }
     let gateway = match gateway_pid {
-        Some(pid) => Some((pid, health_probe_cpu_cost(&client, pid)?)),
+        Some(pid) => Some((
+            pid,
+            health_probe_cpu_cost(&client, pid, health_interval(&args))?,
+        )),
         None => None,
     };
     let mut figures = Vec::new();
@@ -353,6 +356,11 @@ fn wait_for_health(
     }
 }
 
+/// The pause between two `/health` probes.
+fn health_interval(args: &ServeBenchArgs) -> Duration {
+    Duration::from_millis(args.health_interval_ms.max(1))
+}
+
 fn run_level(
     args: &ServeBenchArgs,
     client: &ApiClient,
@@ -367,10 +375,7 @@ fn run_level(
     let prompts: Vec<String> = (0..requests)
         .map(|index| client.prompt_of_length(model, args.prompt_tokens, seed + index as u64))
         .collect::<anyhow::Result<_>>()?;
-    let probe = HealthProbe::start(
-        client.clone(),
-        Duration::from_millis(args.health_interval_ms.max(1)),
-    );
+    let probe = HealthProbe::start(client.clone(), health_interval(args));
     let cpu_before = gateway_pid.and_then(|pid| process_cpu_time(pid).ok());
     let started = Instant::now();
     let timings: Vec<anyhow::Result<StreamTiming>> = std::thread::scope(|scope| {
@@ -410,18 +415,27 @@ fn run_level(
     Ok(summarise(concurrency, &timings, wall, gateway_cpu, &health))
 }
 
-/// Probes the idle server measures its CPU cost by: enough for the 10 ms clock ticks of
-/// `/proc` to resolve a few µs per probe.
-const CALIBRATION_PROBES: u32 = 2000;
+/// How long the idle server is probed to measure what a probe costs it.
+const CALIBRATION_TIME: Duration = Duration::from_secs(2);
 
-/// The gateway's CPU time per `/health` answer, measured on the idle server.
-fn health_probe_cpu_cost(client: &ApiClient, gateway_pid: u32) -> anyhow::Result<Duration> {
+/// The gateway's CPU time per `/health` answer, measured on the idle server with probes as far
+/// apart as during a level: back-to-back probes find the gateway's code and data in the caches,
+/// spaced ones (like tokens) do not, and cost it several times more.
+fn health_probe_cpu_cost(
+    client: &ApiClient,
+    gateway_pid: u32,
+    interval: Duration,
+) -> anyhow::Result<Duration> {
     let before = process_cpu_time(gateway_pid)?;
-    for _ in 0..CALIBRATION_PROBES {
-        client.get_status("/health")?;
-    }
+    let probe = HealthProbe::start(client.clone(), interval);
+    std::thread::sleep(CALIBRATION_TIME);
+    let probes = probe.finish();
     let after = process_cpu_time(gateway_pid)?;
-    Ok(after.saturating_sub(before) / CALIBRATION_PROBES)
+    if let Some(Err(failure)) = probes.iter().find(|probe| probe.is_err()) {
+        anyhow::bail!("/health failed on the idle server: {failure}");
+    }
+    let count = u32::try_from(probes.len()).unwrap_or(u32::MAX).max(1);
+    Ok(after.saturating_sub(before) / count)
 }
 
 /// The figures of one level from its streams, its wall time, the gateway's CPU time before

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod fake_hub;
+pub mod serve;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

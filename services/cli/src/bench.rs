@@ -42,6 +42,9 @@ enum BenchCommand {
     /// concurrencies (TTFT, inter-token latency, tok/s, gateway CPU per token, /health under
     /// load), against the engine alone.
     Serve(crate::bench_serve::ServeBenchArgs),
+    /// The Qwen3.5 vision tower's time for one square image at the released vision widths
+    /// (synthetic weights).
+    Vision(crate::bench_vision::VisionBenchArgs),
     /// The worker half of `bench channel` (started by it).
     #[command(hide = true)]
     ChannelEcho(crate::bench_channel::ChannelEchoArgs),
@@ -168,6 +171,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(BenchCommand::Mtp(args)) => crate::bench_mtp::run(args),
         Some(BenchCommand::Sampling(args)) => crate::bench_sampling::run(args),
         Some(BenchCommand::Serve(args)) => crate::bench_serve::run(args),
+        Some(BenchCommand::Vision(args)) => crate::bench_vision::run(args),
         Some(BenchCommand::ChannelEcho(args)) => crate::bench_channel::run_echo(args),
         None => crate::bench_model::run(args.model),
     }

@@ -18,6 +18,7 @@ mod bench_serve;
 mod bench_serve_agent;
 mod bench_serve_client;
 mod bench_tokens;
+mod bench_vision;
 mod convert;
 mod download;
 mod hub;

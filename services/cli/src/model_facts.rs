@@ -123,6 +123,8 @@ pub struct ModelFacts {
     /// Bytes of the rest of the MTP head (norms, `fc`, attention, router, shared expert):
     /// loaded by the engine beside the dense weights.
     pub mtp_dense_bytes: u64,
+    /// Bytes of the vision tower (0: the model reads text only).
+    pub vision_bytes: u64,
 }
 
 /// Whether an MTP tensor belongs to its layer's routed experts (artifact banks are named
@@ -163,6 +165,7 @@ impl ModelFacts {
             mtp_layers: mtp_layers_of(&header.model),
             mtp_expert_bytes: 0,
             mtp_dense_bytes: 0,
+            vision_bytes: 0,
         };
         for tensor in &header.tensors {
             facts.parameters += tensor.element_count();
@@ -180,7 +183,7 @@ impl ModelFacts {
                     facts.mtp_expert_bytes += tensor.length
                 }
                 TensorClass::Mtp => facts.mtp_dense_bytes += tensor.length,
-                TensorClass::Vision => {}
+                TensorClass::Vision => facts.vision_bytes += tensor.length,
             }
         }
         facts
@@ -224,6 +227,7 @@ impl ModelFacts {
             mtp_layers: mtp_layers_of(&parsed.model),
             mtp_expert_bytes: 0,
             mtp_dense_bytes: 0,
+            vision_bytes: 0,
         };
         for (shard, json) in headers {
             for tensor in header_tensors(shard, json)? {
@@ -243,7 +247,7 @@ impl ModelFacts {
                         facts.mtp_expert_bytes += tensor.bytes
                     }
                     TensorClass::Mtp => facts.mtp_dense_bytes += tensor.bytes,
-                    TensorClass::Vision => {}
+                    TensorClass::Vision => facts.vision_bytes += tensor.bytes,
                 }
             }
         }

@@ -225,6 +225,8 @@ pub struct Plan {
     /// The checkpoint is converted before the run (`--dry-run` does not convert).
     pub needs_conversion: bool,
     pub architecture: String,
+    /// The model has a vision tower: its chat takes images.
+    pub takes_images: bool,
     pub parameters: u64,
     pub device: String,
     /// What `--moe-gpu-experts` asked for (`auto` by default on a machine with a GPU, else `0`).
@@ -431,6 +433,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         model,
         needs_conversion,
         architecture: facts.architecture.clone(),
+        takes_images: facts.vision_bytes > 0,
         parameters: facts.parameters,
         device: match &machine.gpu {
             Some(gpu) => format!(
@@ -691,6 +694,7 @@ mod tests {
             mtp_layers: 1,
             mtp_expert_bytes: 0,
             mtp_dense_bytes: 0,
+            vision_bytes: 0,
         }
     }
 

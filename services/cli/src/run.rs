@@ -2,7 +2,8 @@
 //! directory, wait until they answer, then chat in the terminal (`--prompt` answers once,
 //! `--serve` keeps the API up, `--dry-run` only prints the plan). A model with an MTP head
 //! decodes with one speculative draft per step unless `--no-mtp` (or `--spec`/`--draft-tokens`
-//! say otherwise). In the chat, `/image PATH` attaches an image file to the next message.
+//! say otherwise). In the chat of a model with a vision tower, `/image PATH` attaches an image file
+//! to the next message.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::net::TcpListener;
@@ -397,8 +398,13 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
         runtime.block_on(chat.ask(prompt))?;
         return Ok(());
     }
+    let image_command = if plan.takes_images {
+        "/image PATH attaches an image to the next message, "
+    } else {
+        ""
+    };
     println!(
-        "{} ready. /image PATH attaches an image to the next message, /think toggles thinking, /reset clears the conversation, /exit quits.",
+        "{} ready. {image_command}/think toggles thinking, /reset clears the conversation, /exit quits.",
         plan.architecture
     );
     let stdin = std::io::stdin();

@@ -23,6 +23,7 @@ use serde_json::{json, Value as JsonValue};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::anthropic_stream_deltas::{anthropic_block_delta, AnthropicDelta};
 use crate::backend::ServedModel;
 use crate::chat::{
     ChatContent, ChatContentPart, ChatConversation, ChatMessage, ChatRole, ChatTool, ChatToolCall,
@@ -39,7 +40,6 @@ use crate::images::ChatImagePart;
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
-use crate::stream_deltas::{anthropic_block_delta, AnthropicDelta};
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ToolCallCapture};
 
 /// A string, or a list of content blocks.

@@ -5,9 +5,10 @@
 //! grammar, sampling, checked against the context), the [`generation::Generator`] runs it on an
 //! engine, and the same dialect renders the events. The dialects, none importing another: the
 //! OpenAI API (`openai` chat, its per-token chunks `openai_chunks`, `openai_completions` raw
-//! prompts), the Anthropic API (`anthropic`), the OpenAI Responses API (`responses`; the
-//! per-token events of these two streams are written by `stream_deltas`) and the public gRPC API
-//! with health and reflection (`grpc_api`); `models` answers `/v1/models` in the asking API's
+//! prompts), the Anthropic API (`anthropic`, its per-token events `anthropic_stream_deltas`),
+//! the OpenAI Responses API (`responses`, its numbered events `responses_stream_events`) and the
+//! public gRPC API with health and reflection (`grpc_api`); the JSON strings of every per-token
+//! writer come from `json_text`; `models` answers `/v1/models` in the asking API's
 //! shape. Beside them: utility routes, auth and limits (`server`); reading request
 //! bodies within their limit, refusing a prompt too long for the context or another input over
 //! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them
@@ -24,6 +25,7 @@
 //! (tokenizer.json, chat template, context length, EOS ids) from the engine over gRPC.
 
 pub mod anthropic;
+pub mod anthropic_stream_deltas;
 pub mod backend;
 pub mod body_scan;
 pub mod chat;
@@ -35,6 +37,7 @@ pub mod generation_plan;
 pub mod grpc_api;
 pub mod images;
 pub mod json_body;
+pub mod json_text;
 pub mod metrics;
 pub mod models;
 pub mod openai;
@@ -43,13 +46,13 @@ pub mod openai_completions;
 pub mod reasoning;
 pub mod request_body;
 pub mod responses;
+pub mod responses_stream_events;
 pub mod routing_stats;
 /// systemd notifications live with the other wire protocols, shared by every service binary.
 pub use ninfer_protocol::sd_notify;
 pub mod server;
 pub mod state;
 pub mod stop_strings;
-pub mod stream_deltas;
 pub mod structured;
 pub mod token_bytes;
 pub mod tokenizer;

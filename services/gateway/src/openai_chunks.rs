@@ -8,6 +8,8 @@
 //! Must not touch: which chunks a stream sends or when (that is `openai`), other chunk shapes
 //! (the first, the finishing and the usage chunks are rare and stay `Value`s).
 
+use crate::json_text::push_json_string;
+
 /// Renders the text chunks of one streamed chat completion.
 pub struct ChatChunkText {
     /// `{"id":…,"object":"chat.completion.chunk","created":…,"model":…,"choices":[{"index":`
@@ -57,16 +59,6 @@ impl ChatChunkText {
         chunk.push('}');
         chunk
     }
-}
-
-/// Appends `text` as a JSON string, escaped as serde_json escapes it.
-pub(crate) fn push_json_string(into: &mut String, text: &str) {
-    let mut bytes = std::mem::take(into).into_bytes();
-    // Writing a `&str` into a `Vec` cannot fail.
-    let _ = serde_json::to_writer(&mut bytes, text);
-    // serde_json writes valid UTF-8 after valid UTF-8.
-    *into = String::from_utf8(bytes)
-        .unwrap_or_else(|error| String::from_utf8_lossy(error.as_bytes()).into_owned());
 }
 
 #[cfg(test)]

@@ -33,8 +33,8 @@ use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, Sampl
 use crate::images::ChatImagePart;
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
+use crate::responses_stream_events::{ResponseDelta, ResponseEventSequence};
 use crate::state::GatewayState;
-use crate::stream_deltas::{ResponseDelta, ResponseEventSequence};
 use crate::tool_calls::{split_tool_calls, AnswerEnd, ParsedToolCall};
 
 /// Responses kept for `previous_response_id` (oldest dropped first).

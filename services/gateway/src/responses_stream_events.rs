@@ -1,40 +1,15 @@
-//! The JSON of the Anthropic and Responses streaming events every generated token becomes,
-//! written straight into a string, as `openai_chunks` does for chat completion chunks.
+//! The JSON of the Responses API's streaming events, numbered in the order they are made, the
+//! text and reasoning deltas every generated token becomes written straight into a string:
+//! byte for byte what building the same `serde_json::Value` and printing it gives (key order as
+//! written, serde_json's escaping), without building a map per token.
 //!
-//! Owns: [`anthropic_block_delta`] (`content_block_delta` events) and
-//! [`ResponseEventSequence`], which numbers a streamed response's events and renders its text
-//! and reasoning deltas — byte for byte what building the same `serde_json::Value` and printing
-//! it gives (key order as written, serde_json's escaping), without building a map per token.
-//! Must not touch: which events a stream sends or when (that is `anthropic` and `responses`).
+//! Owns: [`ResponseEventSequence`] and [`ResponseDelta`]. Must not touch: which events a stream
+//! sends or when (that is `responses`).
 
 use axum::response::sse::Event;
 use serde_json::Value as JsonValue;
 
-use crate::openai_chunks::push_json_string;
-
-/// What an Anthropic `content_block_delta` carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AnthropicDelta {
-    /// `{"type":"text_delta","text":…}`
-    Text,
-    /// `{"type":"thinking_delta","thinking":…}`
-    Thinking,
-}
-
-/// `{"type":"content_block_delta","index":…,"delta":{"type":"text_delta","text":…}}` (or the
-/// thinking delta).
-pub fn anthropic_block_delta(index: i64, kind: AnthropicDelta, text: &str) -> String {
-    let mut data = String::with_capacity(96 + text.len());
-    data.push_str("{\"type\":\"content_block_delta\",\"index\":");
-    data.push_str(&index.to_string());
-    data.push_str(match kind {
-        AnthropicDelta::Text => ",\"delta\":{\"type\":\"text_delta\",\"text\":",
-        AnthropicDelta::Thinking => ",\"delta\":{\"type\":\"thinking_delta\",\"thinking\":",
-    });
-    push_json_string(&mut data, text);
-    data.push_str("}}");
-    data
-}
+use crate::json_text::push_json_string;
 
 /// What a Responses delta event carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,22 +103,6 @@ mod tests {
         "\u{2028}\u{2029}\u{FFFD}",
         "<think>\n</think>\n\n<tool_call>{\"a\":1}</tool_call>",
     ];
-
-    #[test]
-    fn anthropic_deltas_are_the_bytes_of_the_printed_value() {
-        for text in TEXTS {
-            for index in [0i64, 3, 12] {
-                assert_eq!(
-                    anthropic_block_delta(index, AnthropicDelta::Text, text),
-                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}).to_string()
-                );
-                assert_eq!(
-                    anthropic_block_delta(index, AnthropicDelta::Thinking, text),
-                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": text}}).to_string()
-                );
-            }
-        }
-    }
 
     #[test]
     fn response_deltas_are_the_bytes_of_the_printed_value_and_share_the_numbering() {

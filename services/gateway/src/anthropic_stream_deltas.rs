@@ -37,15 +37,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    const TEXTS: [&str; 7] = [
-        "plain",
-        " leading space",
-        "quote \" backslash \\ slash /",
-        "new\nline\ttab\r\u{0}\u{1f}\u{7f}",
-        "naïve café — 漢字 🐉",
-        "\u{2028}\u{2029}\u{FFFD}",
-        "<think>\n</think>\n\n<tool_call>{\"a\":1}</tool_call>",
-    ];
+    use crate::json_text::ESCAPE_CASES as TEXTS;
 
     #[test]
     fn anthropic_deltas_are_the_bytes_of_the_printed_value() {

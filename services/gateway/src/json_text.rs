@@ -13,3 +13,16 @@ pub fn push_json_string(into: &mut String, text: &str) {
     *into = String::from_utf8(bytes)
         .unwrap_or_else(|error| String::from_utf8_lossy(error.as_bytes()).into_owned());
 }
+
+/// Texts that exercise every escape serde_json writes (quotes, backslashes, control
+/// characters, non-ASCII, line separators): the per-token writers' tests render each.
+#[cfg(test)]
+pub(crate) const ESCAPE_CASES: [&str; 7] = [
+    "plain",
+    " leading space",
+    "quote \" backslash \\ slash /",
+    "new\nline\ttab\r\u{0}\u{1f}\u{7f}",
+    "naïve café — 漢字 🐉",
+    "\u{2028}\u{2029}\u{FFFD}",
+    "<think>\n</think>\n\n<tool_call>{\"a\":1}</tool_call>",
+];

@@ -157,10 +157,15 @@ impl Sampler {
         candidates: &LogitCandidates,
         history: &[u32],
     ) -> Result<Option<u32>, EngineError> {
-        if candidates.vocab == 0 || candidates.top.is_empty() {
+        if candidates.vocab == 0 {
             return Err(EngineError::EmptyInput {
                 what: "no logits to sample from".into(),
             });
+        }
+        // None left (every largest logit was past the tokenizer's vocabulary, a random head's
+        // padding rows): the whole row decides.
+        if candidates.top.is_empty() {
+            return Ok(None);
         }
         if candidates.covers_vocab() {
             let mut row = vec![f32::NEG_INFINITY; candidates.vocab];

@@ -75,10 +75,7 @@ pub(super) fn sample_rows<B: Backend>(
             .as_ref()
             .filter(|_| step.is_any())
             .and_then(|c| c.get(logits_row))
-            .map(|c| without_unsampleable(c, sampleable))
-            // Every candidate past the tokenizer (a random head's padding rows can hold the
-            // row's largest logits): the whole row decides.
-            .filter(|c| !c.top.is_empty());
+            .map(|c| without_unsampleable(c, sampleable));
         let row_candidates = masked_candidates.as_deref();
         let mut row: Option<Vec<f32>> = None;
         let logit_bias = &r.request.logit_bias;

@@ -1,15 +1,28 @@
 //! `ninfer bench vision`: the Qwen3.5 vision tower's time for one square image at the released
 //! vision widths (a synthetic tower: random weights, the shapes of Qwen3.6-35B-A3B's
 //! `vision_config` unless flags say otherwise), in milliseconds per image, for the comparison
-//! with `transformers` that `scripts/bench/vision_encoder.py` makes. The tower runs on the
-//! engine's f32 host forward (its only path today).
+//! with `transformers` that `scripts/bench/vision_encoder.py` makes. `--device cpu` runs the
+//! engine's f32 host forward, `--device cuda` the GPU tower the engine runs when it serves on
+//! CUDA: timed from patch rows on the GPU to the outputs on the GPU (as the script times
+//! `transformers`), the host↔GPU copies printed apart.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use ninfer_engine::backend::cuda::{CudaBackend, CudaVisionTower};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::vision::weights::{LayerNorm, Linear, VisionBlock};
-use ninfer_engine::vision::{encode_images, ImageGrid, VisionConfig, VisionWeights};
+use ninfer_engine::vision::{ImageGrid, VisionConfig, VisionTower, VisionWeights};
+
+/// Where the tower runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum VisionDevice {
+    /// The f32 host forward.
+    Cpu,
+    /// GPU 0 (bf16 tensor cores, f32 residual).
+    Cuda,
+}
 
 #[derive(Debug, clap::Args)]
 pub struct VisionBenchArgs {
@@ -30,6 +43,9 @@ pub struct VisionBenchArgs {
     /// Width of the merged image tokens: the text model's hidden size (Qwen3.6-35B-A3B: 2048).
     #[arg(long, default_value_t = 2048)]
     pub out_hidden: usize,
+    /// Where the tower runs.
+    #[arg(long, value_enum, default_value_t = VisionDevice::Cpu)]
+    pub device: VisionDevice,
     /// Timed runs after one untimed warm-up.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
@@ -64,35 +80,60 @@ pub fn run(args: VisionBenchArgs) -> anyhow::Result<()> {
     let mut rng = Xoshiro256::seed_from_u64(7);
     let weights = synthetic_weights(&config, &mut rng);
     let pixels = random_values(&mut rng, grid.patches() * config.patch_row_len(), 1.0);
-    let mut times = Vec::with_capacity(args.repeat);
-    for run in 0..=args.repeat {
-        let start = Instant::now();
-        let output = encode_images(&weights, &pixels, &[grid]).context("encoding")?;
-        if run > 0 {
-            times.push(start.elapsed().as_secs_f64() * 1e3);
+    let (device, times, end_to_end) = match args.device {
+        VisionDevice::Cpu => {
+            let tower = ninfer_engine::vision::HostVisionTower { weights };
+            let times = time_runs(args.repeat, || {
+                std::hint::black_box(tower.encode(&pixels, &[grid]).context("encoding")?);
+                Ok(())
+            })?;
+            (tower.describe(), times, None)
         }
-        std::hint::black_box(output);
-    }
-    times.sort_by(f64::total_cmp);
+        VisionDevice::Cuda => {
+            let backend = CudaBackend::new(0).context("--device cuda: opening GPU 0")?;
+            let tower = CudaVisionTower::new(Arc::new(backend), &weights)
+                .context("--device cuda: starting the vision tower")?;
+            drop(weights);
+            let on_device = tower.upload_pixels(&pixels).context("copying pixels")?;
+            let times = time_runs(args.repeat, || {
+                let output = tower
+                    .encode_on_device(&on_device, &[grid])
+                    .context("encoding")?;
+                tower.synchronize().context("encoding")?;
+                drop(output);
+                Ok(())
+            })?;
+            // With the copies: host patch rows in, host embeddings out (what the engine does).
+            let end_to_end = time_runs(args.repeat, || {
+                std::hint::black_box(tower.encode(&pixels, &[grid]).context("encoding")?);
+                Ok(())
+            })?;
+            (tower.describe(), times, Some(end_to_end[0]))
+        }
+    };
     let (best, median) = (times[0], times[times.len() / 2]);
     let tokens = grid.patches() / config.merge_unit();
     if args.json {
         println!(
             "{}",
             serde_json::json!({
-                "device": "cpu (f32 host forward)",
+                "device": device,
                 "image_size": args.image_size,
                 "patches": grid.patches(),
                 "image_tokens": tokens,
                 "depth": args.depth,
                 "best_ms": best,
                 "median_ms": median,
+                "with_copies_best_ms": end_to_end,
                 "runs": times.len(),
             })
         );
     } else {
+        let copies = end_to_end.map_or(String::new(), |ms| {
+            format!("; with the host copies best {ms:.1} ms")
+        });
         println!(
-            "vision tower, {0}x{0} image ({1} patches, {tokens} tokens), depth {2}, width {3}: best {best:.1} ms, median {median:.1} ms over {4} runs (f32 host forward)",
+            "vision tower, {0}x{0} image ({1} patches, {tokens} tokens), depth {2}, width {3}: best {best:.1} ms, median {median:.1} ms over {4} runs{copies} ({device})",
             args.image_size,
             grid.patches(),
             args.depth,
@@ -101,6 +142,23 @@ pub fn run(args: VisionBenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Milliseconds of `repeat` runs of `run` after one untimed warm-up, fastest first.
+fn time_runs(
+    repeat: usize,
+    mut run: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(repeat);
+    for index in 0..=repeat {
+        let start = Instant::now();
+        run()?;
+        if index > 0 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times)
 }
 
 /// Values uniform in `±scale`.

@@ -28,7 +28,7 @@ use ninfer_engine::moe::{
 };
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::profile::ForwardProfile;
-use ninfer_engine::service::images::ImageEncoding;
+use ninfer_engine::service::images::{ImageEncoding, TowerDevice};
 use ninfer_engine::service::routing_stats::{CountingExecutor, ExpertStatistics, RoutingCounters};
 use ninfer_engine::service::scheduler::{
     self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SpeculativeDecoding,
@@ -231,6 +231,13 @@ fn run(args: Args) -> anyhow::Result<()> {
             budget_bytes: args.gpu_mem_budget.map(gib_to_bytes),
         },
     };
+    let tower_device = match &device {
+        SelectedDevice::Cpu => TowerDevice::Host,
+        SelectedDevice::Cuda(backend) => TowerDevice::Cuda {
+            ordinal: backend.info().ordinal,
+            options: backend.options(),
+        },
+    };
     let (started, (device_name, device_bandwidth)) = match device {
         SelectedDevice::Cpu => {
             if args.moe_gpu_experts != GpuExpertCount::Count(0) {
@@ -310,7 +317,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         sequence_permits: Arc::new(tokio::sync::Semaphore::new(limits.max_sequences)),
         images: ImageEncoding::for_artifact(&artifact)
             .context("reading the vision tower's settings")?
-            .map(Arc::new),
+            .map(|images| Arc::new(images.on_device(tower_device))),
     };
     tracing::info!(model = %args.model.display(), name = %model_name, listen = %args.listen, max_context, "engine ready");
     let runtime = tokio::runtime::Builder::new_multi_thread()

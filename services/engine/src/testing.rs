@@ -579,3 +579,75 @@ pub fn write_model(
     )?;
     Ok(())
 }
+
+/// The images of an image-prompt reference (`image_prompt_reference.json`: `image_files` under
+/// `tests/fixtures/vision_input`, `processor_settings`, `grids`) pre-processed by
+/// `ninfer-vision-input`: their grids (checked against the reference's) and patch rows.
+pub fn image_prompt_patches(
+    reference: &serde_json::Value,
+) -> (Vec<crate::vision::ImageGrid>, Vec<f32>) {
+    use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
+    let settings_json = &reference["processor_settings"];
+    let number = |key: &str| settings_json[key].as_u64().expect("whole number");
+    let settings = ImageProcessorSettings {
+        min_pixels: number("min_pixels"),
+        max_pixels: number("max_pixels"),
+        patch_size: number("patch_size") as usize,
+        temporal_patch_size: number("temporal_patch_size") as usize,
+        merge_size: number("merge_size") as usize,
+        image_mean: [0.5; 3],
+        image_std: [0.5; 3],
+    };
+    let images = golden_fixture_dir("vision_input");
+    let mut grids = Vec::new();
+    let mut rows = Vec::new();
+    for file in reference["image_files"].as_array().expect("files") {
+        let bytes = std::fs::read(images.join(file.as_str().expect("name"))).expect("image");
+        let patches = preprocess_image(&bytes, None, &settings, &DecodeLimits::default())
+            .expect("pre-processed");
+        grids.push(crate::vision::ImageGrid {
+            temporal: patches.grid.temporal,
+            height: patches.grid.height,
+            width: patches.grid.width,
+        });
+        rows.extend(patches.values);
+    }
+    let expected: Vec<Vec<usize>> = reference["grids"]
+        .as_array()
+        .expect("grids")
+        .iter()
+        .map(|grid| json_numbers(grid).into_iter().map(|v| v as usize).collect())
+        .collect();
+    let ours: Vec<Vec<usize>> = grids
+        .iter()
+        .map(|grid| vec![grid.temporal, grid.height, grid.width])
+        .collect();
+    assert_eq!(ours, expected, "grids");
+    (grids, rows)
+}
+
+/// `vision_reference.json`'s grids and its patch rows (the reference's pixel formula, in f32 as
+/// the script computes it).
+pub fn vision_reference_inputs(
+    reference: &serde_json::Value,
+    patch_row_len: usize,
+) -> (Vec<crate::vision::ImageGrid>, Vec<f32>) {
+    let grids: Vec<crate::vision::ImageGrid> = reference["grids"]
+        .as_array()
+        .expect("grids")
+        .iter()
+        .map(|grid| {
+            let values = json_numbers(grid);
+            crate::vision::ImageGrid {
+                temporal: values[0] as usize,
+                height: values[1] as usize,
+                width: values[2] as usize,
+            }
+        })
+        .collect();
+    let rows: usize = grids.iter().map(crate::vision::ImageGrid::patches).sum();
+    let pixels = (0..rows * patch_row_len)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect();
+    (grids, pixels)
+}

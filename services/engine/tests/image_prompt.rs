@@ -10,10 +10,11 @@ use std::sync::Arc;
 
 use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
-use ninfer_engine::testing::{golden_fixture_dir, json_numbers, max_abs_difference};
+use ninfer_engine::testing::{
+    golden_fixture_dir, image_prompt_patches, json_numbers, max_abs_difference,
+};
 use ninfer_engine::vision::{encode_images, ImageGrid, VisionWeights};
 use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
-use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
 
 fn reference() -> serde_json::Value {
     let path = golden_fixture_dir("qwen3_5_moe").join("image_prompt_reference.json");
@@ -36,42 +37,7 @@ fn encoded_images<B: Backend>(
     model: &Model<B>,
     reference: &serde_json::Value,
 ) -> (Vec<ImageGrid>, Vec<f32>) {
-    let settings_json = &reference["processor_settings"];
-    let number = |key: &str| settings_json[key].as_u64().expect("whole number");
-    let settings = ImageProcessorSettings {
-        min_pixels: number("min_pixels"),
-        max_pixels: number("max_pixels"),
-        patch_size: number("patch_size") as usize,
-        temporal_patch_size: number("temporal_patch_size") as usize,
-        merge_size: number("merge_size") as usize,
-        image_mean: [0.5; 3],
-        image_std: [0.5; 3],
-    };
-    let images = golden_fixture_dir("vision_input");
-    let mut grids = Vec::new();
-    let mut rows = Vec::new();
-    for file in reference["image_files"].as_array().expect("files") {
-        let bytes = std::fs::read(images.join(file.as_str().expect("name"))).expect("image");
-        let patches = preprocess_image(&bytes, None, &settings, &DecodeLimits::default())
-            .expect("pre-processed");
-        grids.push(ImageGrid {
-            temporal: patches.grid.temporal,
-            height: patches.grid.height,
-            width: patches.grid.width,
-        });
-        rows.extend(patches.values);
-    }
-    let expected: Vec<Vec<usize>> = reference["grids"]
-        .as_array()
-        .expect("grids")
-        .iter()
-        .map(|grid| json_numbers(grid).into_iter().map(|v| v as usize).collect())
-        .collect();
-    let ours: Vec<Vec<usize>> = grids
-        .iter()
-        .map(|grid| vec![grid.temporal, grid.height, grid.width])
-        .collect();
-    assert_eq!(ours, expected, "grids");
+    let (grids, rows) = image_prompt_patches(reference);
     let weights = VisionWeights::load(model.artifact())
         .expect("loads")
         .expect("the fixture has a vision tower");

@@ -6,7 +6,9 @@
 
 use ninfer_artifact::Artifact;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
-use ninfer_engine::testing::{golden_fixture_dir, json_numbers, max_abs_difference};
+use ninfer_engine::testing::{
+    golden_fixture_dir, json_numbers, max_abs_difference, vision_reference_inputs,
+};
 use ninfer_engine::vision::{
     encode_images, ImageGrid, ImagePlacement, VisionConfig, VisionWeights,
 };
@@ -15,13 +17,6 @@ fn reference() -> serde_json::Value {
     let path = golden_fixture_dir("qwen3_5_moe").join("vision_reference.json");
     let text = std::fs::read_to_string(&path).expect("vision reference readable");
     serde_json::from_str(&text).expect("valid JSON")
-}
-
-/// The reference's pixel formula, in f32 as the script computes it.
-fn pixel_rows(count: usize) -> Vec<f32> {
-    (0..count)
-        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
-        .collect()
 }
 
 #[test]
@@ -49,23 +44,10 @@ fn the_vision_tower_matches_transformers_on_three_images() {
     );
 
     let reference = reference();
-    let grids: Vec<ImageGrid> = reference["grids"]
-        .as_array()
-        .expect("grids")
-        .iter()
-        .map(|grid| {
-            let values = json_numbers(grid);
-            ImageGrid {
-                temporal: values[0] as usize,
-                height: values[1] as usize,
-                width: values[2] as usize,
-            }
-        })
-        .collect();
     let row_len = weights.config.patch_row_len();
     assert_eq!(reference["patch_row_len"].as_u64(), Some(row_len as u64));
-    let rows: usize = grids.iter().map(ImageGrid::patches).sum();
-    let output = encode_images(&weights, &pixel_rows(rows * row_len), &grids).expect("encodes");
+    let (grids, pixels) = vision_reference_inputs(&reference, row_len);
+    let output = encode_images(&weights, &pixels, &grids).expect("encodes");
 
     let to_f32 = |key: &str| -> Vec<f32> {
         json_numbers(&reference[key])
@@ -119,7 +101,9 @@ fn a_grid_that_does_not_divide_into_merge_blocks_is_refused() {
         height: 3,
         width: 4,
     };
-    let rows = pixel_rows(12 * weights.config.patch_row_len());
+    let rows: Vec<f32> = (0..12 * weights.config.patch_row_len())
+        .map(|i| (i % 7) as f32 / 7.0)
+        .collect();
     assert!(encode_images(&weights, &rows, &[grid]).is_err());
     let grid = ImageGrid {
         temporal: 1,

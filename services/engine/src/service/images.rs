@@ -7,9 +7,12 @@
 //! Images arrive encoded because the encoded file is the smallest form of an image: the
 //! gateway reads only its header (to size the placeholder run) and never holds its pixels.
 //!
-//! Owns: the image processor's settings and the decoder's limits the engine applies, the tower's
-//! weights (loaded on the first image), how many prompts are encoded at once, and the refusals
-//! of images as statuses. Must not touch: the tower's math (`crate::vision`), the sequence.
+//! Owns: the image processor's settings and the decoder's limits the engine applies, where the
+//! tower runs and its weights (loaded on the first image: on the GPU when the engine runs on
+//! CUDA, on a CUDA backend of the tower's own so its launches never enter the scheduler's
+//! stream; the host forward otherwise, or when the GPU tower cannot start), how many prompts are
+//! encoded at once, and the refusals of images as statuses. Must not touch: the tower's math
+//! (`crate::vision`, `backend::cuda::CudaVisionTower`), the sequence.
 
 use std::sync::{Arc, OnceLock};
 
@@ -18,17 +21,58 @@ use ninfer_protocol::v1::ImageInput;
 use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
 use tonic::Status;
 
+use crate::backend::cuda::{CudaBackend, CudaOptions, CudaVisionTower};
 use crate::error::EngineError;
 use crate::service::scheduler::PromptImages;
 use crate::vision::{
-    encode_images, multimodal_positions, ImageGrid, ImagePlacement, VisionWeights,
+    multimodal_positions, HostVisionTower, ImageGrid, ImagePlacement, VisionTower, VisionWeights,
 };
 
-/// Prompts whose images are encoded at once: the host tower uses every core for one.
+/// Prompts whose images are encoded at once: the host tower uses every core for one, the GPU
+/// tower the whole GPU.
 const PROMPTS_ENCODED_AT_ONCE: usize = 1;
 
 /// Most images in one request (each is a separate encoder segment and placeholder run).
 pub const MAX_IMAGES_PER_REQUEST: usize = 64;
+
+/// Where the engine runs the vision tower.
+#[derive(Debug, Clone, Copy)]
+pub enum TowerDevice {
+    /// The f32 host forward.
+    Host,
+    /// GPU `ordinal`, on a CUDA backend of the tower's own opened with `options` (cuBLAS on:
+    /// the tower's GEMMs need it).
+    Cuda {
+        ordinal: usize,
+        options: CudaOptions,
+    },
+}
+
+/// `device`'s tower over `weights`; the host tower, with a warning, where the GPU one cannot
+/// start.
+pub fn start_tower(device: TowerDevice, weights: VisionWeights) -> Box<dyn VisionTower> {
+    let TowerDevice::Cuda { ordinal, options } = device else {
+        return Box::new(HostVisionTower { weights });
+    };
+    let options = CudaOptions {
+        cublas: true,
+        ..options
+    };
+    let started = CudaBackend::with_options(ordinal, options)
+        .map_err(|error| error.to_string())
+        .and_then(|backend| {
+            CudaVisionTower::new(Arc::new(backend), &weights).map_err(|error| error.to_string())
+        });
+    match started {
+        Ok(tower) => Box::new(tower),
+        Err(problem) => {
+            tracing::warn!(
+                "the vision tower runs on the host: it cannot start on the GPU: {problem}"
+            );
+            Box::new(HostVisionTower { weights })
+        }
+    }
+}
 
 /// How the engine turns a request's images into the embeddings its prompt takes.
 pub struct ImageEncoding {
@@ -36,7 +80,8 @@ pub struct ImageEncoding {
     placement: ImagePlacement,
     settings: ImageProcessorSettings,
     limits: DecodeLimits,
-    weights: OnceLock<Result<Arc<VisionWeights>, String>>,
+    device: TowerDevice,
+    tower: OnceLock<Result<Box<dyn VisionTower>, String>>,
     encoding: tokio::sync::Semaphore,
 }
 
@@ -71,9 +116,15 @@ impl ImageEncoding {
             placement,
             settings,
             limits: DecodeLimits::default(),
-            weights: OnceLock::new(),
+            device: TowerDevice::Host,
+            tower: OnceLock::new(),
             encoding: tokio::sync::Semaphore::new(PROMPTS_ENCODED_AT_ONCE),
         }))
+    }
+
+    /// The same image path with the tower on `device`.
+    pub fn on_device(self, device: TowerDevice) -> Self {
+        ImageEncoding { device, ..self }
     }
 
     /// The processor settings this engine applies, as a `preprocessor_config.json` that
@@ -147,10 +198,14 @@ impl ImageEncoding {
             placement.spatial_merge_size,
         )
         .map_err(|error| Status::invalid_argument(format!("the prompt's images: {error}")))?;
-        let weights = self
-            .weights
+        let tower = self
+            .tower
             .get_or_init(|| match VisionWeights::load(&self.artifact) {
-                Ok(Some(weights)) => Ok(Arc::new(weights)),
+                Ok(Some(weights)) => {
+                    let tower = start_tower(self.device, weights);
+                    tracing::info!(device = %tower.describe(), "vision tower loaded");
+                    Ok(tower)
+                }
                 Ok(None) => Err("the artifact has no vision settings".to_string()),
                 Err(error) => Err(error.to_string()),
             })
@@ -158,7 +213,8 @@ impl ImageEncoding {
             .map_err(|problem| {
                 Status::internal(format!("the vision tower could not be loaded: {problem}"))
             })?;
-        let output = encode_images(weights, &rows, &grids)
+        let output = tower
+            .encode(&rows, &grids)
             .map_err(|error| Status::internal(format!("encoding the images failed: {error}")))?;
         Ok(PromptImages {
             grids,

@@ -112,3 +112,66 @@ pub fn attention_segments(grids: &[ImageGrid]) -> Vec<std::ops::Range<usize>> {
     }
     segments
 }
+
+/// What a device forward reads per patch row, laid out as flat tables (rows in the processor's
+/// order, images one after another): the four position-embedding taps, the rotary cosines and
+/// sines (`head_dim / 2` per row: the row's angles then the column's), and the key range each
+/// row attends to (its frame's rows).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PatchTables {
+    /// `[rows, 4]` rows of the learned position table.
+    pub tap_index: Vec<u32>,
+    /// `[rows, 4]` their weights.
+    pub tap_weight: Vec<f32>,
+    /// `[rows, head_dim / 2]`.
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    /// First row of each row's segment, and one past its last.
+    pub first_key: Vec<u32>,
+    pub end_key: Vec<u32>,
+}
+
+/// The [`PatchTables`] of `grids` for heads of `head_dim`, the same numbers the host forward
+/// computes (f32 angles, f32 `cos` / `sin`).
+pub fn patch_tables(
+    grids: &[ImageGrid],
+    merge: usize,
+    position_side: usize,
+    head_dim: usize,
+    rope_theta: f64,
+) -> Result<PatchTables, EngineError> {
+    let rows: usize = grids.iter().map(ImageGrid::patches).sum();
+    let too_many = || EngineError::InvalidConfig {
+        problem: format!("{rows} patch rows do not fit 32-bit indices"),
+    };
+    let index = |value: usize| u32::try_from(value).map_err(|_| too_many());
+    let inverse_frequencies = rotary_inverse_frequencies(head_dim, rope_theta);
+    let mut tables = PatchTables {
+        tap_index: Vec::with_capacity(rows * 4),
+        tap_weight: Vec::with_capacity(rows * 4),
+        cos: Vec::with_capacity(rows * head_dim / 2),
+        sin: Vec::with_capacity(rows * head_dim / 2),
+        first_key: Vec::with_capacity(rows),
+        end_key: Vec::with_capacity(rows),
+    };
+    for grid in grids {
+        for (row, column) in patch_coordinates(grid, merge) {
+            for (tap, weight) in position_embedding_taps(row, column, grid, position_side) {
+                tables.tap_index.push(index(tap)?);
+                tables.tap_weight.push(weight);
+            }
+            for angle in rotary_angles(row, column, &inverse_frequencies) {
+                tables.cos.push(angle.cos());
+                tables.sin.push(angle.sin());
+            }
+        }
+    }
+    for segment in attention_segments(grids) {
+        let (first, end) = (index(segment.start)?, index(segment.end)?);
+        for _ in segment {
+            tables.first_key.push(first);
+            tables.end_key.push(end);
+        }
+    }
+    Ok(tables)
+}

@@ -181,6 +181,22 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        name: "vision",
+        source: include_str!("../../../../../kernels/vision.cu"),
+        functions: &[
+            "vision_patch_positions",
+            "vision_layer_norm",
+            "vision_rope_pack",
+            "vision_bias_gelu",
+            "vision_add_bias",
+            "vision_attention_16",
+            "vision_attention_32",
+            "vision_attention_64",
+            "vision_attention_80",
+            "vision_attention_128",
+        ],
+    },
+    KernelSource {
         name: "sampling",
         source: include_str!("../../../../../kernels/sampling.cu"),
         functions: &["logit_candidates_partial", "logit_candidates_merge"],

@@ -32,7 +32,7 @@ pub mod nvrtc;
 
 pub use device::{
     CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache, CudaRecurrentState, CudaTensor,
-    CudaWeight, DeviceInfo,
+    CudaVisionOutput, CudaVisionTower, CudaWeight, DeviceInfo,
 };
 
 pub use device::{

@@ -6,7 +6,7 @@
 //! which maps each op onto its family's module, is `backend_ops`. The families mirror
 //! `kernels/*.cu`: `attention` (with `attention_batched`, the decode batch's launches, and
 //! `attention_decode`, the group kernels), `delta_rule`, `elementwise`, `experts`, `matmul`,
-//! `norm`, `router`, `sampling`. Beside them: `options` (what the backend is opened with),
+//! `norm`, `router`, `sampling`, `vision` (the vision tower, with `vision_weights`). Beside them: `options` (what the backend is opened with),
 //! `start_up` (driver, context, kernels), `self_checks` (cuBLAS), and the buffers' helpers
 //! (`readback`, `pending_routing`, `host_kv`, `bandwidth`).
 //!
@@ -639,6 +639,8 @@ mod self_checks;
 mod start_up;
 mod step_graph;
 mod tensor_pool;
+mod vision;
+mod vision_weights;
 mod worker_handoff;
 
 pub use attention::AttentionPath;
@@ -653,4 +655,7 @@ pub use options::{
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;
 pub use step_graph::CudaStepGraph;
+pub use vision::{
+    vision_attention_width, CudaVisionOutput, CudaVisionTower, VISION_ATTENTION_HEAD_WIDTHS,
+};
 pub use worker_handoff::CudaWorkerHandoff;

@@ -1,0 +1,429 @@
+// The Qwen3.5 vision tower's own kernels (services/engine/src/backend/cuda/device/vision.rs runs
+// the tower; docs/MODELS.md §10.5 has the math). The residual stream stays f32; every matrix
+// product takes bf16 inputs on the tensor cores with f32 accumulation (cuBLAS for the linear
+// layers, `vision_attention_*` here), so the kernels below also write the bf16 copies the next
+// product reads.
+//
+// * `vision_patch_positions` — after the patch embedding's GEMM: its bias, then the learned
+//   position embeddings blended by the four bilinear taps the host computed per patch row.
+// * `vision_layer_norm` — one warp per row: first adds a bias still owed to the residual (a
+//   linear layer whose GEMM accumulated into it), then LayerNorm (biased variance) → bf16.
+// * `vision_rope_pack` — the qkv GEMM's output plus its bias; q and k turned by their patch's
+//   2-D angles (rotate-half over the whole head); q, k, v as bf16 `[heads, rows, HDP]`, each head
+//   zero-padded to HDP (a multiple of 16, the tensor cores' k step).
+// * `vision_attention_{16,32,64,80,128}` — flash-attention-2 on `mma.sync.m16n8k16` over those
+//   padded heads: a block takes VA_ROWS query rows of one head and walks key tiles of VA_KEYS,
+//   K and V staged with asynchronous copies; each row sees only the keys of its own image
+//   (`[first_key[row], end_key[row])`), no causal mask. Online softmax in f32, p rounded to
+//   bf16 for P·V. Writes bf16 `[rows, heads · hd]` (the projection's input).
+// * `vision_bias_gelu` — a GEMM's output plus bias through GELU (tanh or exact) → bf16.
+// * `vision_add_bias` — a GEMM's output plus bias, in place.
+
+#include "common.cuh"
+
+// LayerNorm: warps per block (one row each).
+#define VLN_WARPS 8
+
+// Attention tiles.
+#define VA_ROWS 64
+#define VA_KEYS 64
+#define VA_WARPS (VA_ROWS / 16)
+#define VA_THREADS (VA_WARPS * 32)
+// bf16 of padding per staged row: rows 16·(HDP / 8 + 1) bytes apart put the 8 rows an ldmatrix
+// reads on distinct banks.
+#define VA_PAD 8
+
+// x[r, c] += bias[c] + Σ_t weight[r, t] · table[index[r, t], c] (four taps, summed in order, as
+// the host reference does). One thread per element, grid-stride.
+extern "C" __global__ void vision_patch_positions(float* x, const float* bias, const float* table,
+                                                  const unsigned int* tap_index,
+                                                  const float* tap_weight, int rows, int hidden) {
+    PDL_WAIT_AND_RELEASE();
+    long long total = (long long)rows * hidden;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long r = i / hidden;
+        int c = (int)(i % hidden);
+        float position = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+            position += table[(long long)tap_index[r * 4 + t] * hidden + c] * tap_weight[r * 4 + t];
+        x[i] = (x[i] + bias[c]) + position;
+    }
+}
+
+// One warp per row of x ([rows, width] f32): x += owed (when given; written back), then
+// out = (x − mean) / sqrt(var + eps) · weight + bias as bf16. Statistics in f32 over the lanes'
+// partial sums.
+extern "C" __global__ void vision_layer_norm(float* x, const float* owed, const float* weight,
+                                             const float* bias, unsigned short* out, int rows,
+                                             int width, float eps) {
+    PDL_WAIT_AND_RELEASE();
+    int row = blockIdx.x * VLN_WARPS + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    float* xr = x + (long long)row * width;
+    float sum = 0.0f;
+    for (int c = lane; c < width; c += 32) {
+        float v = xr[c];
+        if (owed) {
+            v += owed[c];
+            xr[c] = v;
+        }
+        sum += v;
+    }
+    float mean = warp_sum(sum) / (float)width;
+    float squares = 0.0f;
+    for (int c = lane; c < width; c += 32) {
+        float d = xr[c] - mean;
+        squares += d * d;
+    }
+    float scale = rsqrtf(warp_sum(squares) / (float)width + eps);
+    unsigned short* o = out + (long long)row * width;
+    for (int c = lane; c < width; c += 32)
+        o[c] = f32_to_bf16_bits((xr[c] - mean) * scale * weight[c] + bias[c]);
+}
+
+// qkv: [rows, 3 · heads · hd] f32 (q, then k, then v); cos, sin: [rows, hd / 2]. One thread per
+// (part, row, head, padded dim), grid-stride; writes q, k, v as bf16 [heads, rows, hdp].
+extern "C" __global__ void vision_rope_pack(const float* qkv, const float* qkv_bias,
+                                            const float* cos_table, const float* sin_table,
+                                            unsigned short* q, unsigned short* k,
+                                            unsigned short* v, int rows, int heads, int hd,
+                                            int hdp) {
+    PDL_WAIT_AND_RELEASE();
+    int hidden = heads * hd, half = hd / 2;
+    long long per_part = (long long)rows * heads * hdp;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < 3 * per_part;
+         i += (long long)blockDim.x * gridDim.x) {
+        int part = (int)(i / per_part);
+        long long within = i % per_part;  // (head, row, d) in the packed layout
+        int d = (int)(within % hdp);
+        long long head_row = within / hdp;
+        int row = (int)(head_row % rows), head = (int)(head_row / rows);
+        float value = 0.0f;
+        if (d < hd) {
+            long long base = (long long)row * 3 * hidden + part * hidden + head * hd;
+            const float* b = qkv_bias + part * hidden + head * hd;
+            float a = qkv[base + d] + b[d];
+            if (part == 2) {
+                value = a;
+            } else if (d < half) {
+                float partner = qkv[base + d + half] + b[d + half];
+                float c = cos_table[(long long)row * half + d];
+                float s = sin_table[(long long)row * half + d];
+                value = a * c - partner * s;
+            } else {
+                float partner = qkv[base + d - half] + b[d - half];
+                float c = cos_table[(long long)row * half + d - half];
+                float s = sin_table[(long long)row * half + d - half];
+                value = a * c + partner * s;
+            }
+        }
+        unsigned short* out = part == 0 ? q : (part == 1 ? k : v);
+        out[within] = f32_to_bf16_bits(value);
+    }
+}
+
+// GELU of (y + bias) → bf16: the tanh form (`gelu_pytorch_tanh`) or the exact one (`nn.GELU()`).
+extern "C" __global__ void vision_bias_gelu(const float* y, const float* bias, unsigned short* out,
+                                            long long count, int width, int exact) {
+    PDL_WAIT_AND_RELEASE();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)blockDim.x * gridDim.x) {
+        float x = y[i] + bias[i % width];
+        float g;
+        if (exact) {
+            g = 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+        } else {
+            g = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        }
+        out[i] = f32_to_bf16_bits(g);
+    }
+}
+
+// y += bias per column, in place.
+extern "C" __global__ void vision_add_bias(float* y, const float* bias, long long count,
+                                           int width) {
+    PDL_WAIT_AND_RELEASE();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)blockDim.x * gridDim.x) {
+        y[i] += bias[i % width];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention within each image on the tensor cores.
+
+extern __shared__ __align__(16) unsigned char vision_smem[];
+
+__device__ __forceinline__ unsigned int va_pack_bf16x2(float lo, float hi) {
+    unsigned int packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+__device__ __forceinline__ void va_ldmatrix_x4(unsigned int (&r)[4], const unsigned short* at) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void va_ldmatrix_x4_trans(unsigned int (&r)[4],
+                                                     const unsigned short* at) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void va_mma(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                       unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global → shared without waiting; `valid` false zero-fills (nothing is read).
+__device__ __forceinline__ void va_copy_16(unsigned short* shared, const unsigned short* global,
+                                           bool valid) {
+    unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+    int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void va_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void va_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Stages rows [row0, row0 + VA_KEYS) of one head of a packed [rows, HDP] bf16 part (rows past
+// `rows` as 0).
+template <int HDP>
+__device__ __forceinline__ void va_stage(unsigned short* tile, const unsigned short* part,
+                                         int row0, int rows) {
+    const int chunks = HDP / 8;  // 16-byte copies per row
+    for (int i = threadIdx.x; i < VA_KEYS * chunks; i += VA_THREADS) {
+        int j = i / chunks, c = (i % chunks) * 8;
+        int row = row0 + j;
+        bool valid = row < rows;
+        const unsigned short* from = part + (valid ? (long long)row * HDP + c : 0);
+        va_copy_16(tile + j * (HDP + VA_PAD) + c, from, valid);
+    }
+}
+
+// Grid: x = tile of VA_ROWS query rows, y = head. VA_THREADS threads. Dynamic shared memory
+// 3 · VA_ROWS · (HDP + VA_PAD) bf16 (q, the K tile, the V tile; VA_ROWS = VA_KEYS).
+template <int HDP>
+__device__ void vision_attention_block(const unsigned short* q, const unsigned short* k,
+                                       const unsigned short* v, const unsigned int* first_key,
+                                       const unsigned int* end_key, unsigned short* out, int rows,
+                                       int heads, int hd, float scale) {
+    const int stride = HDP + VA_PAD;
+    unsigned short* q_s = reinterpret_cast<unsigned short*>(vision_smem);
+    unsigned short* k_s = q_s + VA_ROWS * stride;
+    unsigned short* v_s = k_s + VA_KEYS * stride;
+
+    int head = blockIdx.y;
+    int t0 = blockIdx.x * VA_ROWS;
+    if (t0 >= rows) return;
+    int t_last = min(t0 + VA_ROWS, rows) - 1;
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const float neg_inf = __int_as_float(0xff800000);
+    // exp(x) = 2^(x · log2 e): scores are kept in base 2.
+    const float scale_log2 = scale * 1.4426950408889634f;
+    long long head_offset = (long long)head * rows * HDP;
+    const unsigned short* q_head = q + head_offset;
+    const unsigned short* k_head = k + head_offset;
+    const unsigned short* v_head = v + head_offset;
+
+    // Segments are consecutive: the block's keys run from its first row's first key to its last
+    // row's end.
+    int block_first = (int)first_key[t0], block_end = (int)end_key[t_last];
+    int tile_first = block_first / VA_KEYS, tile_last = (block_end - 1) / VA_KEYS;
+    va_stage<HDP>(q_s, q_head, t0, rows);
+    va_stage<HDP>(k_s, k_head, tile_first * VA_KEYS, rows);
+    va_commit();
+    va_stage<HDP>(v_s, v_head, tile_first * VA_KEYS, rows);
+    va_commit();
+
+    // This thread's two rows: r_a = warp·16 + lane / 4 and r_a + 8 of the block.
+    int r_a = warp * 16 + lane / 4;
+    int t_rows[2] = {t0 + r_a, t0 + r_a + 8};
+    int firsts[2], ends[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        bool live = t_rows[h] < rows;
+        firsts[h] = live ? (int)first_key[t_rows[h]] : 0;
+        ends[h] = live ? (int)end_key[t_rows[h]] : 0;
+    }
+    float row_max[2] = {neg_inf, neg_inf}, row_sum[2] = {0.0f, 0.0f};
+    float acc[HDP / 8][4];
+#pragma unroll
+    for (int j = 0; j < HDP / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+    for (int tile = tile_first; tile <= tile_last; ++tile) {
+        int key0 = tile * VA_KEYS;
+        bool more = tile < tile_last;
+        va_wait<1>();     // q and this tile's K (its V may still be in flight)
+        __syncthreads();  // … for every thread's copies
+        float s[VA_KEYS / 8][4];
+#pragma unroll
+        for (int j = 0; j < VA_KEYS / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+#pragma unroll
+        for (int kd = 0; kd < HDP; kd += 16) {
+            unsigned int a[4];
+            va_ldmatrix_x4(a, q_s + (warp * 16 + (lane & 15)) * stride + kd + (lane >> 4) * 8);
+#pragma unroll
+            for (int jj = 0; jj < VA_KEYS / 16; ++jj) {
+                unsigned int b[4];
+                va_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
+                                      kd + ((lane >> 3) & 1) * 8);
+                va_mma(s[2 * jj], a, b[0], b[1]);
+                va_mma(s[2 * jj + 1], a, b[2], b[3]);
+            }
+        }
+        // Mask, scale, online softmax: row h's values are s[j][2h], s[j][2h + 1], spread over
+        // the 4 lanes of a quad.
+        float correction[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float top = neg_inf;
+#pragma unroll
+            for (int j = 0; j < VA_KEYS / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int key = key0 + j * 8 + 2 * (lane % 4) + e;
+                    bool visible = key >= firsts[h] && key < ends[h];
+                    float score = visible ? s[j][2 * h + e] * scale_log2 : neg_inf;
+                    s[j][2 * h + e] = score;
+                    top = fmaxf(top, score);
+                }
+            }
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+            float new_max = fmaxf(row_max[h], top);
+            // Nothing visible yet: exponents against 0 give p = 0 and keep the state at 0.
+            float base = new_max == neg_inf ? 0.0f : new_max;
+            correction[h] = exp2f(row_max[h] - base);
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VA_KEYS / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float p = exp2f(s[j][2 * h + e] - base);
+                    s[j][2 * h + e] = p;
+                    sum += p;
+                }
+            }
+            row_sum[h] = row_sum[h] * correction[h] + sum;  // this lane's share
+            row_max[h] = new_max;
+        }
+#pragma unroll
+        for (int j = 0; j < HDP / 8; ++j) {
+            acc[j][0] *= correction[0], acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1], acc[j][3] *= correction[1];
+        }
+        __syncthreads();  // every warp is done with the K tile
+        if (more) {
+            va_stage<HDP>(k_s, k_head, key0 + VA_KEYS, rows);
+            va_commit();
+            va_wait<1>();  // this tile's V
+        } else {
+            va_wait<0>();
+        }
+        __syncthreads();
+        // O += P·V: P's accumulators are the A fragments of 16-key steps.
+#pragma unroll
+        for (int kc = 0; kc < VA_KEYS / 16; ++kc) {
+            unsigned int a[4] = {
+                va_pack_bf16x2(s[2 * kc][0], s[2 * kc][1]),
+                va_pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
+                va_pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                va_pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]),
+            };
+#pragma unroll
+            for (int dd = 0; dd < HDP / 16; ++dd) {
+                unsigned int b[4];
+                va_ldmatrix_x4_trans(
+                    b, v_s + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dd * 16 +
+                           (lane >> 4) * 8);
+                va_mma(acc[2 * dd], a, b[0], b[1]);
+                va_mma(acc[2 * dd + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with the V tile
+        if (more) {
+            va_stage<HDP>(v_s, v_head, key0 + VA_KEYS, rows);
+            va_commit();
+        }
+    }
+
+    long long width = (long long)heads * hd;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float total = row_sum[h];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (t_rows[h] >= rows) continue;
+        float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        unsigned short* o = out + (long long)t_rows[h] * width + (long long)head * hd;
+#pragma unroll
+        for (int j = 0; j < HDP / 8; ++j) {
+            int d = j * 8 + 2 * (lane % 4);
+            if (d < hd)
+                *reinterpret_cast<unsigned int*>(o + d) =
+                    va_pack_bf16x2(acc[j][2 * h] * inverse, acc[j][2 * h + 1] * inverse);
+        }
+    }
+}
+
+// One kernel per padded head width (vision.rs picks the smallest that holds the head).
+extern "C" __global__ void __launch_bounds__(VA_THREADS)
+    vision_attention_16(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                        const unsigned int* first_key, const unsigned int* end_key,
+                        unsigned short* out, int rows, int heads, int hd, float scale) {
+    PDL_WAIT_AND_RELEASE();
+    vision_attention_block<16>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(VA_THREADS)
+    vision_attention_32(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                        const unsigned int* first_key, const unsigned int* end_key,
+                        unsigned short* out, int rows, int heads, int hd, float scale) {
+    PDL_WAIT_AND_RELEASE();
+    vision_attention_block<32>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(VA_THREADS)
+    vision_attention_64(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                        const unsigned int* first_key, const unsigned int* end_key,
+                        unsigned short* out, int rows, int heads, int hd, float scale) {
+    PDL_WAIT_AND_RELEASE();
+    vision_attention_block<64>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(VA_THREADS)
+    vision_attention_80(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                        const unsigned int* first_key, const unsigned int* end_key,
+                        unsigned short* out, int rows, int heads, int hd, float scale) {
+    PDL_WAIT_AND_RELEASE();
+    vision_attention_block<80>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(VA_THREADS)
+    vision_attention_128(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                        const unsigned int* first_key, const unsigned int* end_key,
+                        unsigned short* out, int rows, int heads, int hd, float scale) {
+    PDL_WAIT_AND_RELEASE();
+    vision_attention_block<128>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+}

@@ -12,10 +12,14 @@
 //   2-D angles (rotate-half over the whole head); q, k, v as bf16 `[heads, rows, HDP]`, each head
 //   zero-padded to HDP (a multiple of 16, the tensor cores' k step).
 // * `vision_attention_{16,32,64,80,128}` — flash-attention-2 on `mma.sync.m16n8k16` over those
-//   padded heads: a block takes VA_ROWS query rows of one head and walks key tiles of VA_KEYS,
-//   K and V staged with asynchronous copies; each row sees only the keys of its own image
-//   (`[first_key[row], end_key[row])`), no causal mask. Online softmax in f32, p rounded to
-//   bf16 for P·V. Writes bf16 `[rows, heads · hd]` (the projection's input).
+//   padded heads: a block of VA_WARPS warps takes 16 · VA_WARPS · tiles query rows of one head
+//   (each warp `tiles` row tiles of 16, so every K and V fragment it reads from shared memory
+//   serves that many tiles: VA_TILES_NARROW for heads up to 80 wide, VA_TILES_WIDE beyond,
+//   where the accumulators would not fit the registers) and walks key tiles of VA_KEYS, K and V
+//   staged with asynchronous copies; each row sees only the keys of its own image
+//   (`[first_key[row], end_key[row])`; a key tile inside every row's image skips the mask), no
+//   causal mask. Online softmax in f32, p rounded to bf16 for P·V. Writes bf16
+//   `[rows, heads · hd]` (the projection's input).
 // * `vision_bias_gelu` — a GEMM's output plus bias through GELU (tanh or exact) → bf16.
 // * `vision_add_bias` — a GEMM's output plus bias, in place.
 
@@ -25,10 +29,12 @@
 #define VLN_WARPS 8
 
 // Attention tiles.
-#define VA_ROWS 64
 #define VA_KEYS 64
-#define VA_WARPS (VA_ROWS / 16)
+#define VA_WARPS 4
 #define VA_THREADS (VA_WARPS * 32)
+// Row tiles of 16 per warp: heads padded to at most 80, and wider.
+#define VA_TILES_NARROW 2
+#define VA_TILES_WIDE 1
 // bf16 of padding per staged row: rows 16·(HDP / 8 + 1) bytes apart put the 8 rows an ldmatrix
 // reads on distinct banks.
 #define VA_PAD 8
@@ -202,13 +208,13 @@ __device__ __forceinline__ void va_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
-// Stages rows [row0, row0 + VA_KEYS) of one head of a packed [rows, HDP] bf16 part (rows past
-// `rows` as 0).
+// Stages `count` rows from row0 of one head of a packed [rows, HDP] bf16 part (rows past `rows`
+// as 0).
 template <int HDP>
 __device__ __forceinline__ void va_stage(unsigned short* tile, const unsigned short* part,
-                                         int row0, int rows) {
+                                         int row0, int count, int rows) {
     const int chunks = HDP / 8;  // 16-byte copies per row
-    for (int i = threadIdx.x; i < VA_KEYS * chunks; i += VA_THREADS) {
+    for (int i = threadIdx.x; i < count * chunks; i += VA_THREADS) {
         int j = i / chunks, c = (i % chunks) * 8;
         int row = row0 + j;
         bool valid = row < rows;
@@ -217,22 +223,23 @@ __device__ __forceinline__ void va_stage(unsigned short* tile, const unsigned sh
     }
 }
 
-// Grid: x = tile of VA_ROWS query rows, y = head. VA_THREADS threads. Dynamic shared memory
-// 3 · VA_ROWS · (HDP + VA_PAD) bf16 (q, the K tile, the V tile; VA_ROWS = VA_KEYS).
-template <int HDP>
+// Grid: x = block of 16 · VA_WARPS · MT query rows, y = head. VA_THREADS threads. Dynamic shared
+// memory (16 · VA_WARPS · MT + 2 · VA_KEYS) · (HDP + VA_PAD) bf16 (q, the K tile, the V tile).
+template <int HDP, int MT>
 __device__ void vision_attention_block(const unsigned short* q, const unsigned short* k,
                                        const unsigned short* v, const unsigned int* first_key,
                                        const unsigned int* end_key, unsigned short* out, int rows,
                                        int heads, int hd, float scale) {
     const int stride = HDP + VA_PAD;
+    const int block_rows = 16 * VA_WARPS * MT;
     unsigned short* q_s = reinterpret_cast<unsigned short*>(vision_smem);
-    unsigned short* k_s = q_s + VA_ROWS * stride;
+    unsigned short* k_s = q_s + block_rows * stride;
     unsigned short* v_s = k_s + VA_KEYS * stride;
 
     int head = blockIdx.y;
-    int t0 = blockIdx.x * VA_ROWS;
+    int t0 = blockIdx.x * block_rows;
     if (t0 >= rows) return;
-    int t_last = min(t0 + VA_ROWS, rows) - 1;
+    int t_last = min(t0 + block_rows, rows) - 1;
     int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const float neg_inf = __int_as_float(0xff800000);
     // exp(x) = 2^(x · log2 e): scores are kept in base 2.
@@ -243,99 +250,121 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
     const unsigned short* v_head = v + head_offset;
 
     // Segments are consecutive: the block's keys run from its first row's first key to its last
-    // row's end.
+    // row's end, and a key tile within [its last row's first key, its first row's end) is
+    // visible to every row of the block.
     int block_first = (int)first_key[t0], block_end = (int)end_key[t_last];
+    int common_first = (int)first_key[t_last], common_end = (int)end_key[t0];
     int tile_first = block_first / VA_KEYS, tile_last = (block_end - 1) / VA_KEYS;
-    va_stage<HDP>(q_s, q_head, t0, rows);
-    va_stage<HDP>(k_s, k_head, tile_first * VA_KEYS, rows);
+    va_stage<HDP>(q_s, q_head, t0, block_rows, rows);
+    va_stage<HDP>(k_s, k_head, tile_first * VA_KEYS, VA_KEYS, rows);
     va_commit();
-    va_stage<HDP>(v_s, v_head, tile_first * VA_KEYS, rows);
+    va_stage<HDP>(v_s, v_head, tile_first * VA_KEYS, VA_KEYS, rows);
     va_commit();
 
-    // This thread's two rows: r_a = warp·16 + lane / 4 and r_a + 8 of the block.
-    int r_a = warp * 16 + lane / 4;
-    int t_rows[2] = {t0 + r_a, t0 + r_a + 8};
-    int firsts[2], ends[2];
+    // Row tile m of this warp holds block rows (warp · MT + m) · 16 + lane / 4 (half h = 0)
+    // and 8 more (h = 1).
+    int t_rows[MT][2], firsts[MT][2], ends[MT][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        bool live = t_rows[h] < rows;
-        firsts[h] = live ? (int)first_key[t_rows[h]] : 0;
-        ends[h] = live ? (int)end_key[t_rows[h]] : 0;
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int t = t0 + (warp * MT + m) * 16 + lane / 4 + 8 * h;
+            bool live = t < rows;
+            t_rows[m][h] = t;
+            firsts[m][h] = live ? (int)first_key[t] : 0;
+            ends[m][h] = live ? (int)end_key[t] : 0;
+        }
+    float row_max[MT][2], row_sum[MT][2];
+    float acc[MT][HDP / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) row_max[m][h] = neg_inf, row_sum[m][h] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < HDP / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
     }
-    float row_max[2] = {neg_inf, neg_inf}, row_sum[2] = {0.0f, 0.0f};
-    float acc[HDP / 8][4];
-#pragma unroll
-    for (int j = 0; j < HDP / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 
     for (int tile = tile_first; tile <= tile_last; ++tile) {
         int key0 = tile * VA_KEYS;
         bool more = tile < tile_last;
+        bool unmasked = key0 >= common_first && key0 + VA_KEYS <= common_end;
         va_wait<1>();     // q and this tile's K (its V may still be in flight)
         __syncthreads();  // … for every thread's copies
-        float s[VA_KEYS / 8][4];
+        float s[MT][VA_KEYS / 8][4];
 #pragma unroll
-        for (int j = 0; j < VA_KEYS / 8; ++j)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+            for (int j = 0; j < VA_KEYS / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][j][e] = 0.0f;
 #pragma unroll
         for (int kd = 0; kd < HDP; kd += 16) {
-            unsigned int a[4];
-            va_ldmatrix_x4(a, q_s + (warp * 16 + (lane & 15)) * stride + kd + (lane >> 4) * 8);
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+                va_ldmatrix_x4(a[m], q_s + ((warp * MT + m) * 16 + (lane & 15)) * stride + kd +
+                                         (lane >> 4) * 8);
 #pragma unroll
             for (int jj = 0; jj < VA_KEYS / 16; ++jj) {
                 unsigned int b[4];
                 va_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
                                       kd + ((lane >> 3) & 1) * 8);
-                va_mma(s[2 * jj], a, b[0], b[1]);
-                va_mma(s[2 * jj + 1], a, b[2], b[3]);
-            }
-        }
-        // Mask, scale, online softmax: row h's values are s[j][2h], s[j][2h + 1], spread over
-        // the 4 lanes of a quad.
-        float correction[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float top = neg_inf;
-#pragma unroll
-            for (int j = 0; j < VA_KEYS / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    int key = key0 + j * 8 + 2 * (lane % 4) + e;
-                    bool visible = key >= firsts[h] && key < ends[h];
-                    float score = visible ? s[j][2 * h + e] * scale_log2 : neg_inf;
-                    s[j][2 * h + e] = score;
-                    top = fmaxf(top, score);
+                for (int m = 0; m < MT; ++m) {
+                    va_mma(s[m][2 * jj], a[m], b[0], b[1]);
+                    va_mma(s[m][2 * jj + 1], a[m], b[2], b[3]);
                 }
             }
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-            float new_max = fmaxf(row_max[h], top);
-            // Nothing visible yet: exponents against 0 give p = 0 and keep the state at 0.
-            float base = new_max == neg_inf ? 0.0f : new_max;
-            correction[h] = exp2f(row_max[h] - base);
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < VA_KEYS / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float p = exp2f(s[j][2 * h + e] - base);
-                    s[j][2 * h + e] = p;
-                    sum += p;
-                }
-            }
-            row_sum[h] = row_sum[h] * correction[h] + sum;  // this lane's share
-            row_max[h] = new_max;
         }
+        // Mask, scale, online softmax: row (m, h)'s values are s[m][j][2h], s[m][j][2h + 1],
+        // spread over the 4 lanes of a quad.
 #pragma unroll
-        for (int j = 0; j < HDP / 8; ++j) {
-            acc[j][0] *= correction[0], acc[j][1] *= correction[0];
-            acc[j][2] *= correction[1], acc[j][3] *= correction[1];
+        for (int m = 0; m < MT; ++m) {
+            float correction[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float top = neg_inf;
+#pragma unroll
+                for (int j = 0; j < VA_KEYS / 8; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        int key = key0 + j * 8 + 2 * (lane % 4) + e;
+                        bool visible = unmasked || (key >= firsts[m][h] && key < ends[m][h]);
+                        float score = visible ? s[m][j][2 * h + e] * scale_log2 : neg_inf;
+                        s[m][j][2 * h + e] = score;
+                        top = fmaxf(top, score);
+                    }
+                }
+                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+                float new_max = fmaxf(row_max[m][h], top);
+                // Nothing visible yet: exponents against 0 give p = 0 and keep the state at 0.
+                float base = new_max == neg_inf ? 0.0f : new_max;
+                correction[h] = exp2f(row_max[m][h] - base);
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < VA_KEYS / 8; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float p = exp2f(s[m][j][2 * h + e] - base);
+                        s[m][j][2 * h + e] = p;
+                        sum += p;
+                    }
+                }
+                row_sum[m][h] = row_sum[m][h] * correction[h] + sum;  // this lane's share
+                row_max[m][h] = new_max;
+            }
+#pragma unroll
+            for (int j = 0; j < HDP / 8; ++j) {
+                acc[m][j][0] *= correction[0], acc[m][j][1] *= correction[0];
+                acc[m][j][2] *= correction[1], acc[m][j][3] *= correction[1];
+            }
         }
         __syncthreads();  // every warp is done with the K tile
         if (more) {
-            va_stage<HDP>(k_s, k_head, key0 + VA_KEYS, rows);
+            va_stage<HDP>(k_s, k_head, key0 + VA_KEYS, VA_KEYS, rows);
             va_commit();
             va_wait<1>();  // this tile's V
         } else {
@@ -345,46 +374,53 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
         // O += P·V: P's accumulators are the A fragments of 16-key steps.
 #pragma unroll
         for (int kc = 0; kc < VA_KEYS / 16; ++kc) {
-            unsigned int a[4] = {
-                va_pack_bf16x2(s[2 * kc][0], s[2 * kc][1]),
-                va_pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
-                va_pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                va_pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]),
-            };
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                a[m][0] = va_pack_bf16x2(s[m][2 * kc][0], s[m][2 * kc][1]);
+                a[m][1] = va_pack_bf16x2(s[m][2 * kc][2], s[m][2 * kc][3]);
+                a[m][2] = va_pack_bf16x2(s[m][2 * kc + 1][0], s[m][2 * kc + 1][1]);
+                a[m][3] = va_pack_bf16x2(s[m][2 * kc + 1][2], s[m][2 * kc + 1][3]);
+            }
 #pragma unroll
             for (int dd = 0; dd < HDP / 16; ++dd) {
                 unsigned int b[4];
                 va_ldmatrix_x4_trans(
                     b, v_s + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dd * 16 +
                            (lane >> 4) * 8);
-                va_mma(acc[2 * dd], a, b[0], b[1]);
-                va_mma(acc[2 * dd + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    va_mma(acc[m][2 * dd], a[m], b[0], b[1]);
+                    va_mma(acc[m][2 * dd + 1], a[m], b[2], b[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with the V tile
         if (more) {
-            va_stage<HDP>(v_s, v_head, key0 + VA_KEYS, rows);
+            va_stage<HDP>(v_s, v_head, key0 + VA_KEYS, VA_KEYS, rows);
             va_commit();
         }
     }
 
     long long width = (long long)heads * hd;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float total = row_sum[h];
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        if (t_rows[h] >= rows) continue;
-        float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-        unsigned short* o = out + (long long)t_rows[h] * width + (long long)head * hd;
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int j = 0; j < HDP / 8; ++j) {
-            int d = j * 8 + 2 * (lane % 4);
-            if (d < hd)
-                *reinterpret_cast<unsigned int*>(o + d) =
-                    va_pack_bf16x2(acc[j][2 * h] * inverse, acc[j][2 * h + 1] * inverse);
+        for (int h = 0; h < 2; ++h) {
+            float total = row_sum[m][h];
+            total += __shfl_xor_sync(0xffffffffu, total, 1);
+            total += __shfl_xor_sync(0xffffffffu, total, 2);
+            if (t_rows[m][h] >= rows) continue;
+            float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+            unsigned short* o = out + (long long)t_rows[m][h] * width + (long long)head * hd;
+#pragma unroll
+            for (int j = 0; j < HDP / 8; ++j) {
+                int d = j * 8 + 2 * (lane % 4);
+                if (d < hd)
+                    *reinterpret_cast<unsigned int*>(o + d) = va_pack_bf16x2(
+                        acc[m][j][2 * h] * inverse, acc[m][j][2 * h + 1] * inverse);
+            }
         }
-    }
 }
 
 // One kernel per padded head width (vision.rs picks the smallest that holds the head).
@@ -393,7 +429,8 @@ extern "C" __global__ void __launch_bounds__(VA_THREADS)
                         const unsigned int* first_key, const unsigned int* end_key,
                         unsigned short* out, int rows, int heads, int hd, float scale) {
     PDL_WAIT_AND_RELEASE();
-    vision_attention_block<16>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+    vision_attention_block<16, VA_TILES_NARROW>(q, k, v, first_key, end_key, out, rows, heads, hd,
+                                      scale);
 }
 
 extern "C" __global__ void __launch_bounds__(VA_THREADS)
@@ -401,7 +438,8 @@ extern "C" __global__ void __launch_bounds__(VA_THREADS)
                         const unsigned int* first_key, const unsigned int* end_key,
                         unsigned short* out, int rows, int heads, int hd, float scale) {
     PDL_WAIT_AND_RELEASE();
-    vision_attention_block<32>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+    vision_attention_block<32, VA_TILES_NARROW>(q, k, v, first_key, end_key, out, rows, heads, hd,
+                                      scale);
 }
 
 extern "C" __global__ void __launch_bounds__(VA_THREADS)
@@ -409,7 +447,8 @@ extern "C" __global__ void __launch_bounds__(VA_THREADS)
                         const unsigned int* first_key, const unsigned int* end_key,
                         unsigned short* out, int rows, int heads, int hd, float scale) {
     PDL_WAIT_AND_RELEASE();
-    vision_attention_block<64>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+    vision_attention_block<64, VA_TILES_NARROW>(q, k, v, first_key, end_key, out, rows, heads, hd,
+                                      scale);
 }
 
 extern "C" __global__ void __launch_bounds__(VA_THREADS)
@@ -417,7 +456,8 @@ extern "C" __global__ void __launch_bounds__(VA_THREADS)
                         const unsigned int* first_key, const unsigned int* end_key,
                         unsigned short* out, int rows, int heads, int hd, float scale) {
     PDL_WAIT_AND_RELEASE();
-    vision_attention_block<80>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+    vision_attention_block<80, VA_TILES_NARROW>(q, k, v, first_key, end_key, out, rows, heads, hd,
+                                      scale);
 }
 
 extern "C" __global__ void __launch_bounds__(VA_THREADS)
@@ -425,5 +465,6 @@ extern "C" __global__ void __launch_bounds__(VA_THREADS)
                         const unsigned int* first_key, const unsigned int* end_key,
                         unsigned short* out, int rows, int heads, int hd, float scale) {
     PDL_WAIT_AND_RELEASE();
-    vision_attention_block<128>(q, k, v, first_key, end_key, out, rows, heads, hd, scale);
+    vision_attention_block<128, VA_TILES_WIDE>(q, k, v, first_key, end_key, out, rows, heads, hd,
+                                      scale);
 }

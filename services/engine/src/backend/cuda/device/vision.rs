@@ -27,10 +27,15 @@ use crate::vision::{
     patch_tables, ImageGrid, VisionConfig, VisionOutput, VisionTower, VisionWeights,
 };
 
-/// `VA_ROWS` in kernels/vision.cu: query rows per attention block.
-const ATTENTION_ROWS: usize = 64;
-/// `VA_THREADS` in kernels/vision.cu.
-const ATTENTION_THREADS: u32 = 128;
+/// `VA_KEYS` in kernels/vision.cu: keys per staged tile.
+const ATTENTION_KEYS: usize = 64;
+/// `VA_WARPS` in kernels/vision.cu.
+const ATTENTION_WARPS: usize = 4;
+/// `VA_TILES_NARROW` / `VA_TILES_WIDE` in kernels/vision.cu: row tiles of 16 per warp for heads
+/// padded to at most [`NARROW_HEAD_WIDTH`], and wider.
+const ATTENTION_TILES_NARROW: usize = 2;
+const ATTENTION_TILES_WIDE: usize = 1;
+const NARROW_HEAD_WIDTH: usize = 80;
 /// `VA_PAD` in kernels/vision.cu: bf16 of padding per staged row.
 const ATTENTION_PAD: usize = 8;
 /// The padded head widths `vision_attention_*` is compiled for.
@@ -42,9 +47,20 @@ const LAYER_NORM_EPS: f32 = 1e-6;
 /// The default dynamic shared memory a block may take without opting in.
 const DEFAULT_DYNAMIC_SHARED_BYTES: usize = 48 * 1024;
 
-/// Dynamic shared memory of one attention block for heads padded to `width`.
+/// Query rows of one attention block for heads padded to `width`.
+fn attention_rows(width: usize) -> usize {
+    let tiles = if width <= NARROW_HEAD_WIDTH {
+        ATTENTION_TILES_NARROW
+    } else {
+        ATTENTION_TILES_WIDE
+    };
+    16 * ATTENTION_WARPS * tiles
+}
+
+/// Dynamic shared memory of one attention block for heads padded to `width`: its query rows,
+/// a K tile and a V tile.
 fn attention_shared_bytes(width: usize) -> usize {
-    3 * ATTENTION_ROWS * (width + ATTENTION_PAD) * 2
+    (attention_rows(width) + 2 * ATTENTION_KEYS) * (width + ATTENTION_PAD) * 2
 }
 
 /// The smallest padded width that holds a head of `head_dim`.
@@ -236,13 +252,15 @@ impl CudaVisionTower {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let attention_config = LaunchConfig {
             grid_dim: (
-                u32::try_from(rows.div_ceil(ATTENTION_ROWS)).map_err(|_| CudaError::Invalid {
-                    problem: format!("{rows} patch rows are too many for one launch"),
+                u32::try_from(rows.div_ceil(attention_rows(width))).map_err(|_| {
+                    CudaError::Invalid {
+                        problem: format!("{rows} patch rows are too many for one launch"),
+                    }
                 })?,
                 heads as u32,
                 1,
             ),
-            block_dim: (ATTENTION_THREADS, 1, 1),
+            block_dim: (32 * ATTENTION_WARPS as u32, 1, 1),
             shared_mem_bytes: attention_shared_bytes(width) as u32,
         };
         let tanh_gelu = 0i32;
@@ -459,15 +477,31 @@ mod tests {
     #[test]
     fn the_host_mirrors_the_kernels_constants() {
         let define = |name| kernel_define("vision", name) as usize;
-        assert_eq!(define("VA_ROWS"), ATTENTION_ROWS);
-        assert_eq!(
-            define("VA_KEYS"),
-            ATTENTION_ROWS,
-            "the shared memory holds equal tiles"
-        );
-        assert_eq!(define("VA_THREADS"), ATTENTION_THREADS as usize);
+        assert_eq!(define("VA_KEYS"), ATTENTION_KEYS);
+        assert_eq!(define("VA_WARPS"), ATTENTION_WARPS);
+        assert_eq!(define("VA_THREADS"), 32 * ATTENTION_WARPS);
+        assert_eq!(define("VA_TILES_NARROW"), ATTENTION_TILES_NARROW);
+        assert_eq!(define("VA_TILES_WIDE"), ATTENTION_TILES_WIDE);
         assert_eq!(define("VA_PAD"), ATTENTION_PAD);
         assert_eq!(define("VLN_WARPS"), LAYER_NORM_ROWS as usize);
+    }
+
+    #[test]
+    fn each_kernel_takes_the_row_tiles_its_width_is_launched_with() {
+        let source = include_str!("../../../../../../kernels/vision.cu");
+        for width in VISION_ATTENTION_HEAD_WIDTHS {
+            let tiles = if width <= NARROW_HEAD_WIDTH {
+                "VA_TILES_NARROW"
+            } else {
+                "VA_TILES_WIDE"
+            };
+            assert!(
+                source.contains(&format!("vision_attention_block<{width}, {tiles}>")),
+                "vision_attention_{width} runs {tiles}"
+            );
+        }
+        assert_eq!(attention_rows(80), 128);
+        assert_eq!(attention_rows(128), 64);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 // * `vision_patch_positions` — after the patch embedding's GEMM: its bias, then the learned
 //   position embeddings blended by the four bilinear taps the host computed per patch row.
 // * `vision_layer_norm` — one warp per row: first adds a bias still owed to the residual (a
-//   linear layer whose GEMM accumulated into it), then LayerNorm (biased variance) → bf16.
+//   linear layer whose GEMM accumulated into it; zeros where none is), then LayerNorm (biased
+//   variance) → bf16.
 // * `vision_rope_pack` — the qkv GEMM's output plus its bias; q and k turned by their patch's
 //   2-D angles (rotate-half over the whole head); q, k, v as bf16 `[heads, rows, HDP]`, each head
 //   zero-padded to HDP (a multiple of 16, the tensor cores' k step).
@@ -39,22 +40,29 @@
 // reads on distinct banks.
 #define VA_PAD 8
 
+// The row-wise kernels below take one block per row (grid x = rows), their threads striding
+// over its columns: no index division per element.
+
 // x[r, c] += bias[c] + Σ_t weight[r, t] · table[index[r, t], c] (four taps, summed in order, as
-// the host reference does). One thread per element, grid-stride.
+// the host reference does).
 extern "C" __global__ void vision_patch_positions(float* x, const float* bias, const float* table,
                                                   const unsigned int* tap_index,
-                                                  const float* tap_weight, int rows, int hidden) {
+                                                  const float* tap_weight, int hidden) {
     PDL_WAIT_AND_RELEASE();
-    long long total = (long long)rows * hidden;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long r = i / hidden;
-        int c = (int)(i % hidden);
+    long long r = blockIdx.x;
+    float* xr = x + r * hidden;
+    const float* rows[4];
+    float weights[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        rows[t] = table + (long long)tap_index[r * 4 + t] * hidden;
+        weights[t] = tap_weight[r * 4 + t];
+    }
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
         float position = 0.0f;
 #pragma unroll
-        for (int t = 0; t < 4; ++t)
-            position += table[(long long)tap_index[r * 4 + t] * hidden + c] * tap_weight[r * 4 + t];
-        x[i] = (x[i] + bias[c]) + position;
+        for (int t = 0; t < 4; ++t) position += rows[t][c] * weights[t];
+        xr[c] = (xr[c] + bias[c]) + position;
     }
 }
 
@@ -71,11 +79,8 @@ extern "C" __global__ void vision_layer_norm(float* x, const float* owed, const 
     float* xr = x + (long long)row * width;
     float sum = 0.0f;
     for (int c = lane; c < width; c += 32) {
-        float v = xr[c];
-        if (owed) {
-            v += owed[c];
-            xr[c] = v;
-        }
+        float v = xr[c] + owed[c];
+        xr[c] = v;
         sum += v;
     }
     float mean = warp_sum(sum) / (float)width;
@@ -90,72 +95,64 @@ extern "C" __global__ void vision_layer_norm(float* x, const float* owed, const 
         o[c] = f32_to_bf16_bits((xr[c] - mean) * scale * weight[c] + bias[c]);
 }
 
-// qkv: [rows, 3 · heads · hd] f32 (q, then k, then v); cos, sin: [rows, hd / 2]. One thread per
-// (part, row, head, padded dim), grid-stride; writes q, k, v as bf16 [heads, rows, hdp].
+// qkv: [rows, 3 · heads · hd] f32 (q, then k, then v); cos, sin: [rows, hd / 2]. One block per
+// row, its threads over (part, head, padded dim); writes q, k, v as bf16 [heads, rows, hdp].
 extern "C" __global__ void vision_rope_pack(const float* qkv, const float* qkv_bias,
                                             const float* cos_table, const float* sin_table,
                                             unsigned short* q, unsigned short* k,
                                             unsigned short* v, int rows, int heads, int hd,
                                             int hdp) {
     PDL_WAIT_AND_RELEASE();
-    int hidden = heads * hd, half = hd / 2;
-    long long per_part = (long long)rows * heads * hdp;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < 3 * per_part;
-         i += (long long)blockDim.x * gridDim.x) {
-        int part = (int)(i / per_part);
-        long long within = i % per_part;  // (head, row, d) in the packed layout
-        int d = (int)(within % hdp);
-        long long head_row = within / hdp;
-        int row = (int)(head_row % rows), head = (int)(head_row / rows);
+    int row = blockIdx.x;
+    int hidden = heads * hd, half = hd / 2, per_part = heads * hdp;
+    const float* x = qkv + (long long)row * 3 * hidden;
+    const float* cos_row = cos_table + (long long)row * half;
+    const float* sin_row = sin_table + (long long)row * half;
+    for (int i = threadIdx.x; i < 3 * per_part; i += blockDim.x) {
+        int part = i / per_part, within = i - part * per_part;
+        int head = within / hdp, d = within - head * hdp;
         float value = 0.0f;
         if (d < hd) {
-            long long base = (long long)row * 3 * hidden + part * hidden + head * hd;
-            const float* b = qkv_bias + part * hidden + head * hd;
-            float a = qkv[base + d] + b[d];
+            int base = part * hidden + head * hd;
+            float a = x[base + d] + qkv_bias[base + d];
             if (part == 2) {
                 value = a;
             } else if (d < half) {
-                float partner = qkv[base + d + half] + b[d + half];
-                float c = cos_table[(long long)row * half + d];
-                float s = sin_table[(long long)row * half + d];
-                value = a * c - partner * s;
+                float partner = x[base + d + half] + qkv_bias[base + d + half];
+                value = a * cos_row[d] - partner * sin_row[d];
             } else {
-                float partner = qkv[base + d - half] + b[d - half];
-                float c = cos_table[(long long)row * half + d - half];
-                float s = sin_table[(long long)row * half + d - half];
-                value = a * c + partner * s;
+                float partner = x[base + d - half] + qkv_bias[base + d - half];
+                value = a * cos_row[d - half] + partner * sin_row[d - half];
             }
         }
         unsigned short* out = part == 0 ? q : (part == 1 ? k : v);
-        out[within] = f32_to_bf16_bits(value);
+        out[((long long)head * rows + row) * hdp + d] = f32_to_bf16_bits(value);
     }
 }
 
-// GELU of (y + bias) → bf16: the tanh form (`gelu_pytorch_tanh`) or the exact one (`nn.GELU()`).
+// GELU of (y + bias) → bf16 per row of `width`: the tanh form (`gelu_pytorch_tanh`) or the exact
+// one (`nn.GELU()`).
 extern "C" __global__ void vision_bias_gelu(const float* y, const float* bias, unsigned short* out,
-                                            long long count, int width, int exact) {
+                                            int width, int exact) {
     PDL_WAIT_AND_RELEASE();
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
-         i += (long long)blockDim.x * gridDim.x) {
-        float x = y[i] + bias[i % width];
+    long long offset = (long long)blockIdx.x * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        float x = y[offset + c] + bias[c];
         float g;
         if (exact) {
             g = 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
         } else {
             g = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
         }
-        out[i] = f32_to_bf16_bits(g);
+        out[offset + c] = f32_to_bf16_bits(g);
     }
 }
 
-// y += bias per column, in place.
-extern "C" __global__ void vision_add_bias(float* y, const float* bias, long long count,
-                                           int width) {
+// y += bias per row of `width`, in place.
+extern "C" __global__ void vision_add_bias(float* y, const float* bias, int width) {
     PDL_WAIT_AND_RELEASE();
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
-         i += (long long)blockDim.x * gridDim.x) {
-        y[i] += bias[i % width];
-    }
+    long long offset = (long long)blockIdx.x * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) y[offset + c] += bias[c];
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -70,6 +70,25 @@ pub fn vision_attention_width(head_dim: usize) -> Option<usize> {
         .find(|&width| width >= head_dim)
 }
 
+/// Threads of a row-wise kernel's block (kernels/vision.cu: any count works, the threads
+/// stride over the row).
+const ROW_THREADS: u32 = 256;
+
+/// One block per row.
+fn per_row(rows: usize) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (
+            u32::try_from(rows).map_err(|_| CudaError::Invalid {
+                problem: format!("{rows} rows are too many for one launch"),
+            })?,
+            1,
+            1,
+        ),
+        block_dim: (ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 fn device(op: &'static str) -> impl FnOnce(CudaError) -> EngineError {
     move |source| EngineError::Device { op, source }
 }
@@ -122,7 +141,11 @@ impl CudaVisionTower {
         }
         if bytes > DEFAULT_DYNAMIC_SHARED_BYTES {
             backend
-                .attention_function(attention_width)
+                .stream
+                .context()
+                .bind_to_thread()
+                .map_err(driver_error("binding the CUDA context"))
+                .and_then(|()| backend.attention_function(attention_width))
                 .and_then(|kernel| {
                     kernel
                         .set_attribute(
@@ -229,9 +252,9 @@ impl CudaVisionTower {
         backend.vision_gemm(&pixels_bf16, &weights.patch_embed, &mut x, rows, false)?;
         drop(pixels_bf16);
         let (rows_arg, hidden_arg) = (int(rows, "patch rows")?, int(hidden, "hidden")?);
-        launch!(backend, "vision_patch_positions", elementwise(rows * hidden);
+        launch!(backend, "vision_patch_positions", per_row(rows)?;
             &mut x, &weights.patch_embed.bias, &weights.position_embeddings, &tap_index,
-            &tap_weight, &rows_arg, &hidden_arg)?;
+            &tap_weight, &hidden_arg)?;
 
         let heads = config.num_heads;
         let width = self.attention_width;
@@ -264,7 +287,6 @@ impl CudaVisionTower {
             shared_mem_bytes: attention_shared_bytes(width) as u32,
         };
         let tanh_gelu = 0i32;
-        let inner_count = (rows * intermediate) as i64;
         let intermediate_arg = int(intermediate, "intermediate")?;
         // The bias the next norm adds to the residual first: a GEMM that accumulated into the
         // residual left its own bias owed.
@@ -272,7 +294,7 @@ impl CudaVisionTower {
         for block in &weights.blocks {
             backend.vision_layer_norm(&mut x, owed, &block.norm1, &mut normed, rows, hidden)?;
             backend.vision_gemm(&normed, &block.qkv, &mut qkv, rows, false)?;
-            launch!(backend, "vision_rope_pack", elementwise(3 * heads * rows * width);
+            launch!(backend, "vision_rope_pack", per_row(rows)?;
                 &qkv, &block.qkv.bias, &cos, &sin, &mut q, &mut k, &mut v, &rows_arg,
                 &heads_arg, &head_dim_arg, &width_arg)?;
             let kernel = backend.attention_function(width)?;
@@ -302,9 +324,8 @@ impl CudaVisionTower {
                 hidden,
             )?;
             backend.vision_gemm(&normed, &block.fc1, &mut inner, rows, false)?;
-            launch!(backend, "vision_bias_gelu", elementwise(rows * intermediate);
-                &inner, &block.fc1.bias, &mut inner_bf16, &inner_count, &intermediate_arg,
-                &tanh_gelu)?;
+            launch!(backend, "vision_bias_gelu", per_row(rows)?;
+                &inner, &block.fc1.bias, &mut inner_bf16, &intermediate_arg, &tanh_gelu)?;
             backend.vision_gemm(&inner_bf16, &block.fc2, &mut x, rows, true)?;
             owed = &block.fc2.bias;
         }
@@ -331,13 +352,9 @@ impl CudaVisionTower {
             false,
         )?;
         let mut merger_inner_bf16 = backend.alloc_bf16(tokens * merged_width)?;
-        let (merger_count, merged_width_arg, exact_gelu) = (
-            (tokens * merged_width) as i64,
-            int(merged_width, "merged width")?,
-            1i32,
-        );
-        launch!(backend, "vision_bias_gelu", elementwise(tokens * merged_width);
-            &merger_inner, &weights.merger_fc1.bias, &mut merger_inner_bf16, &merger_count,
+        let (merged_width_arg, exact_gelu) = (int(merged_width, "merged width")?, 1i32);
+        launch!(backend, "vision_bias_gelu", per_row(tokens)?;
+            &merger_inner, &weights.merger_fc1.bias, &mut merger_inner_bf16,
             &merged_width_arg, &exact_gelu)?;
         let out_hidden = weights.merger_fc2.outputs;
         let mut merged = backend.alloc(tokens * out_hidden)?;
@@ -348,9 +365,9 @@ impl CudaVisionTower {
             tokens,
             false,
         )?;
-        let (out_count, out_hidden_arg) = ((tokens * out_hidden) as i64, int(out_hidden, "out")?);
-        launch!(backend, "vision_add_bias", elementwise(tokens * out_hidden);
-            &mut merged, &weights.merger_fc2.bias, &out_count, &out_hidden_arg)?;
+        let out_hidden_arg = int(out_hidden, "out")?;
+        launch!(backend, "vision_add_bias", per_row(tokens)?;
+            &mut merged, &weights.merger_fc2.bias, &out_hidden_arg)?;
         Ok(CudaVisionOutput {
             last_hidden_state: x,
             merged,

@@ -1,8 +1,9 @@
 // The Qwen3.5 vision tower's own kernels (services/engine/src/backend/cuda/device/vision.rs runs
-// the tower; docs/MODELS.md §10.5 has the math). The residual stream stays f32; every matrix
-// product takes bf16 inputs on the tensor cores with f32 accumulation (cuBLAS for the linear
-// layers, `vision_attention_*` here), so the kernels below also write the bf16 copies the next
-// product reads.
+// the tower; docs/MODELS.md §10.5 has the math). The residual stream stays f32. A tower of bf16
+// weights gives every matrix product bf16 inputs on the tensor cores with f32 accumulation
+// (cuBLAS for the linear layers, `vision_attention_{16,…}` here), so the kernels below also
+// write the bf16 copies the next product reads; a tower of f32 weights runs the `*_f32` forms,
+// f32 inputs throughout (cuBLAS f32, `vision_attention_f32`).
 //
 // * `vision_patch_positions` — after the patch embedding's GEMM: its bias, then the learned
 //   position embeddings blended by the four bilinear taps the host computed per patch row.
@@ -28,6 +29,10 @@
 
 // LayerNorm: warps per block (one row each).
 #define VLN_WARPS 8
+
+// f32 attention: warps per block (one row each), head dims per lane (heads up to 128).
+#define VAF_WARPS 8
+#define VAF_DIMS_PER_LANE 4
 
 // Attention tiles.
 #define VA_KEYS 64
@@ -66,13 +71,17 @@ extern "C" __global__ void vision_patch_positions(float* x, const float* bias, c
     }
 }
 
-// One warp per row of x ([rows, width] f32): x += owed (when given; written back), then
-// out = (x − mean) / sqrt(var + eps) · weight + bias as bf16. Statistics in f32 over the lanes'
-// partial sums.
-extern "C" __global__ void vision_layer_norm(float* x, const float* owed, const float* weight,
-                                             const float* bias, unsigned short* out, int rows,
-                                             int width, float eps) {
-    PDL_WAIT_AND_RELEASE();
+// A product's input as the tower's precision stores it: bf16 bits (nearest even) or f32.
+__device__ __forceinline__ void store_input(unsigned short* p, float v) { *p = f32_to_bf16_bits(v); }
+__device__ __forceinline__ void store_input(float* p, float v) { *p = v; }
+
+// One warp per row of x ([rows, width] f32): x += owed (zeros where nothing is owed; written
+// back), then out = (x − mean) / sqrt(var + eps) · weight + bias. Statistics in f32 over the
+// lanes' partial sums.
+template <typename Out>
+__device__ void vision_layer_norm_rows(float* x, const float* owed, const float* weight,
+                                       const float* bias, Out* out, int rows, int width,
+                                       float eps) {
     int row = blockIdx.x * VLN_WARPS + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -90,19 +99,31 @@ extern "C" __global__ void vision_layer_norm(float* x, const float* owed, const 
         squares += d * d;
     }
     float scale = rsqrtf(warp_sum(squares) / (float)width + eps);
-    unsigned short* o = out + (long long)row * width;
+    Out* o = out + (long long)row * width;
     for (int c = lane; c < width; c += 32)
-        o[c] = f32_to_bf16_bits((xr[c] - mean) * scale * weight[c] + bias[c]);
+        store_input(o + c, (xr[c] - mean) * scale * weight[c] + bias[c]);
+}
+
+extern "C" __global__ void vision_layer_norm(float* x, const float* owed, const float* weight,
+                                             const float* bias, unsigned short* out, int rows,
+                                             int width, float eps) {
+    PDL_WAIT_AND_RELEASE();
+    vision_layer_norm_rows(x, owed, weight, bias, out, rows, width, eps);
+}
+
+extern "C" __global__ void vision_layer_norm_f32(float* x, const float* owed,
+                                                 const float* weight, const float* bias,
+                                                 float* out, int rows, int width, float eps) {
+    PDL_WAIT_AND_RELEASE();
+    vision_layer_norm_rows(x, owed, weight, bias, out, rows, width, eps);
 }
 
 // qkv: [rows, 3 · heads · hd] f32 (q, then k, then v); cos, sin: [rows, hd / 2]. One block per
-// row, its threads over (part, head, padded dim); writes q, k, v as bf16 [heads, rows, hdp].
-extern "C" __global__ void vision_rope_pack(const float* qkv, const float* qkv_bias,
-                                            const float* cos_table, const float* sin_table,
-                                            unsigned short* q, unsigned short* k,
-                                            unsigned short* v, int rows, int heads, int hd,
-                                            int hdp) {
-    PDL_WAIT_AND_RELEASE();
+// row, its threads over (part, head, padded dim); writes q, k, v as [heads, rows, hdp].
+template <typename Out>
+__device__ void vision_rope_pack_row(const float* qkv, const float* qkv_bias,
+                                     const float* cos_table, const float* sin_table, Out* q,
+                                     Out* k, Out* v, int rows, int heads, int hd, int hdp) {
     int row = blockIdx.x;
     int hidden = heads * hd, half = hd / 2, per_part = heads * hdp;
     const float* x = qkv + (long long)row * 3 * hidden;
@@ -125,16 +146,33 @@ extern "C" __global__ void vision_rope_pack(const float* qkv, const float* qkv_b
                 value = a * cos_row[d - half] + partner * sin_row[d - half];
             }
         }
-        unsigned short* out = part == 0 ? q : (part == 1 ? k : v);
-        out[((long long)head * rows + row) * hdp + d] = f32_to_bf16_bits(value);
+        Out* out = part == 0 ? q : (part == 1 ? k : v);
+        store_input(out + ((long long)head * rows + row) * hdp + d, value);
     }
 }
 
-// GELU of (y + bias) → bf16 per row of `width`: the tanh form (`gelu_pytorch_tanh`) or the exact
-// one (`nn.GELU()`).
-extern "C" __global__ void vision_bias_gelu(const float* y, const float* bias, unsigned short* out,
-                                            int width, int exact) {
+extern "C" __global__ void vision_rope_pack(const float* qkv, const float* qkv_bias,
+                                            const float* cos_table, const float* sin_table,
+                                            unsigned short* q, unsigned short* k,
+                                            unsigned short* v, int rows, int heads, int hd,
+                                            int hdp) {
     PDL_WAIT_AND_RELEASE();
+    vision_rope_pack_row(qkv, qkv_bias, cos_table, sin_table, q, k, v, rows, heads, hd, hdp);
+}
+
+extern "C" __global__ void vision_rope_pack_f32(const float* qkv, const float* qkv_bias,
+                                                const float* cos_table, const float* sin_table,
+                                                float* q, float* k, float* v, int rows, int heads,
+                                                int hd, int hdp) {
+    PDL_WAIT_AND_RELEASE();
+    vision_rope_pack_row(qkv, qkv_bias, cos_table, sin_table, q, k, v, rows, heads, hd, hdp);
+}
+
+// GELU of (y + bias) per row of `width`: the tanh form (`gelu_pytorch_tanh`) or the exact one
+// (`nn.GELU()`).
+template <typename Out>
+__device__ void vision_bias_gelu_row(const float* y, const float* bias, Out* out, int width,
+                                     int exact) {
     long long offset = (long long)blockIdx.x * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         float x = y[offset + c] + bias[c];
@@ -144,7 +182,70 @@ extern "C" __global__ void vision_bias_gelu(const float* y, const float* bias, u
         } else {
             g = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
         }
-        out[offset + c] = f32_to_bf16_bits(g);
+        store_input(out + offset + c, g);
+    }
+}
+
+extern "C" __global__ void vision_bias_gelu(const float* y, const float* bias, unsigned short* out,
+                                            int width, int exact) {
+    PDL_WAIT_AND_RELEASE();
+    vision_bias_gelu_row(y, bias, out, width, exact);
+}
+
+extern "C" __global__ void vision_bias_gelu_f32(const float* y, const float* bias, float* out,
+                                                int width, int exact) {
+    PDL_WAIT_AND_RELEASE();
+    vision_bias_gelu_row(y, bias, out, width, exact);
+}
+
+// Attention within each image in f32 (the f32 precision: towers whose weights are f32): one
+// warp per (row, head) walks the row's keys in order with an online softmax, each lane holding
+// dims lane, lane + 32, … of the head (at most VAF_DIMS_PER_LANE). q, k, v: f32
+// [heads, rows, hd]; out: f32 [rows, heads · hd]. Grid: x = groups of VAF_WARPS rows, y = head.
+template <int N>
+__device__ __forceinline__ void vaf_load(float (&r)[N], const float* p, int lane, int hd) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        int d = lane + 32 * i;
+        r[i] = d < hd ? p[d] : 0.0f;
+    }
+}
+
+extern "C" __global__ void vision_attention_f32(const float* q, const float* k, const float* v,
+                                                const unsigned int* first_key,
+                                                const unsigned int* end_key, float* out,
+                                                int rows, int heads, int hd, float scale) {
+    PDL_WAIT_AND_RELEASE();
+    int row = blockIdx.x * VAF_WARPS + threadIdx.x / 32;
+    int lane = threadIdx.x % 32, head = blockIdx.y;
+    if (row >= rows) return;
+    long long head_offset = (long long)head * rows * hd;
+    float qr[VAF_DIMS_PER_LANE], acc[VAF_DIMS_PER_LANE];
+    vaf_load(qr, q + head_offset + (long long)row * hd, lane, hd);
+#pragma unroll
+    for (int i = 0; i < VAF_DIMS_PER_LANE; ++i) acc[i] = 0.0f;
+    float running_max = __int_as_float(0xff800000), total = 0.0f;
+    for (int key = (int)first_key[row]; key < (int)end_key[row]; ++key) {
+        float kr[VAF_DIMS_PER_LANE], vr[VAF_DIMS_PER_LANE];
+        vaf_load(kr, k + head_offset + (long long)key * hd, lane, hd);
+        vaf_load(vr, v + head_offset + (long long)key * hd, lane, hd);
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < VAF_DIMS_PER_LANE; ++i) dot += qr[i] * kr[i];
+        float score = warp_sum(dot) * scale;
+        float new_max = fmaxf(running_max, score);
+        float correction = expf(running_max - new_max);
+        float p = expf(score - new_max);
+        total = total * correction + p;
+#pragma unroll
+        for (int i = 0; i < VAF_DIMS_PER_LANE; ++i) acc[i] = acc[i] * correction + p * vr[i];
+        running_max = new_max;
+    }
+    float* o = out + (long long)row * heads * hd + (long long)head * hd;
+#pragma unroll
+    for (int i = 0; i < VAF_DIMS_PER_LANE; ++i) {
+        int d = lane + 32 * i;
+        if (d < hd) o[d] = acc[i] / total;
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use ninfer_engine::backend::cuda::{CudaBackend, CudaVisionTower};
+use ninfer_engine::backend::cuda::{CudaBackend, CudaVisionTower, VisionPrecision};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::vision::weights::{LayerNorm, Linear, VisionBlock};
 use ninfer_engine::vision::{ImageGrid, VisionConfig, VisionTower, VisionWeights};
@@ -91,7 +91,8 @@ pub fn run(args: VisionBenchArgs) -> anyhow::Result<()> {
         }
         VisionDevice::Cuda => {
             let backend = CudaBackend::new(0).context("--device cuda: opening GPU 0")?;
-            let tower = CudaVisionTower::new(Arc::new(backend), &weights)
+            // A bf16 checkpoint's tower, as the released ones are.
+            let tower = CudaVisionTower::new(Arc::new(backend), &weights, VisionPrecision::Bf16)
                 .context("--device cuda: starting the vision tower")?;
             drop(weights);
             let on_device = tower.upload_pixels(&pixels).context("copying pixels")?;

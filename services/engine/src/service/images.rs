@@ -21,9 +21,12 @@ use ninfer_protocol::v1::ImageInput;
 use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
 use tonic::Status;
 
-use crate::backend::cuda::{CudaBackend, CudaOptions, CudaVisionTower};
+use ninfer_artifact::DType;
+
+use crate::backend::cuda::{CudaBackend, CudaOptions, CudaVisionTower, VisionPrecision};
 use crate::error::EngineError;
 use crate::service::scheduler::PromptImages;
+use crate::vision::weights::stored_matrix_dtype;
 use crate::vision::{
     multimodal_positions, HostVisionTower, ImageGrid, ImagePlacement, VisionTower, VisionWeights,
 };
@@ -48,9 +51,14 @@ pub enum TowerDevice {
     },
 }
 
-/// `device`'s tower over `weights`; the host tower, with a warning, where the GPU one cannot
-/// start.
-pub fn start_tower(device: TowerDevice, weights: VisionWeights) -> Box<dyn VisionTower> {
+/// `device`'s tower over `weights` (stored as `stored`: a GPU tower computes in bf16 on the
+/// tensor cores for a bf16 checkpoint, in f32 otherwise); the host tower, with a warning, where
+/// the GPU one cannot start.
+pub fn start_tower(
+    device: TowerDevice,
+    weights: VisionWeights,
+    stored: DType,
+) -> Box<dyn VisionTower> {
     let TowerDevice::Cuda { ordinal, options } = device else {
         return Box::new(HostVisionTower { weights });
     };
@@ -61,7 +69,12 @@ pub fn start_tower(device: TowerDevice, weights: VisionWeights) -> Box<dyn Visio
     let started = CudaBackend::with_options(ordinal, options)
         .map_err(|error| error.to_string())
         .and_then(|backend| {
-            CudaVisionTower::new(Arc::new(backend), &weights).map_err(|error| error.to_string())
+            CudaVisionTower::new(
+                Arc::new(backend),
+                &weights,
+                VisionPrecision::for_stored(stored),
+            )
+            .map_err(|error| error.to_string())
         });
     match started {
         Ok(tower) => Box::new(tower),
@@ -202,7 +215,8 @@ impl ImageEncoding {
             .tower
             .get_or_init(|| match VisionWeights::load(&self.artifact) {
                 Ok(Some(weights)) => {
-                    let tower = start_tower(self.device, weights);
+                    let stored = stored_matrix_dtype(&self.artifact).map_err(|e| e.to_string())?;
+                    let tower = start_tower(self.device, weights, stored);
                     tracing::info!(device = %tower.describe(), "vision tower loaded");
                     Ok(tower)
                 }

@@ -2,7 +2,7 @@
 //! (`model.visual.*`, docs/MODELS.md §10.4) into f32 host memory, every shape checked against
 //! the settings.
 
-use ninfer_artifact::Artifact;
+use ninfer_artifact::{Artifact, DType};
 
 use crate::error::EngineError;
 use crate::vision::config::VisionConfig;
@@ -91,6 +91,21 @@ fn layer_norm(artifact: &Artifact, name: &str, width: usize) -> Result<LayerNorm
         weight: read(artifact, &format!("{name}.weight"), width)?,
         bias: read(artifact, &format!("{name}.bias"), width)?,
     })
+}
+
+/// How `artifact` stores the tower's matrices (the first block's qkv; a checkpoint stores its
+/// tower in one dtype): what a device tower computes in.
+pub fn stored_matrix_dtype(artifact: &Artifact) -> Result<DType, EngineError> {
+    let prefix = prefix(artifact);
+    let name = if artifact
+        .get(&format!("{prefix}blocks.0.attn.qkv.weight"))
+        .is_some()
+    {
+        format!("{prefix}blocks.0.attn.qkv.weight")
+    } else {
+        format!("{prefix}patch_embed.proj.weight")
+    };
+    Ok(artifact.tensor(&name)?.dtype())
 }
 
 impl VisionWeights {

@@ -186,9 +186,13 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &[
             "vision_patch_positions",
             "vision_layer_norm",
+            "vision_layer_norm_f32",
             "vision_rope_pack",
+            "vision_rope_pack_f32",
             "vision_bias_gelu",
+            "vision_bias_gelu_f32",
             "vision_add_bias",
+            "vision_attention_f32",
             "vision_attention_16",
             "vision_attention_32",
             "vision_attention_64",

@@ -32,7 +32,7 @@ pub mod nvrtc;
 
 pub use device::{
     CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache, CudaRecurrentState, CudaTensor,
-    CudaVisionOutput, CudaVisionTower, CudaWeight, DeviceInfo,
+    CudaVisionOutput, CudaVisionTower, CudaWeight, DeviceInfo, VisionPrecision,
 };
 
 pub use device::{

@@ -6,7 +6,7 @@
 //! which maps each op onto its family's module, is `backend_ops`. The families mirror
 //! `kernels/*.cu`: `attention` (with `attention_batched`, the decode batch's launches, and
 //! `attention_decode`, the group kernels), `delta_rule`, `elementwise`, `experts`, `matmul`,
-//! `norm`, `router`, `sampling`, `vision` (the vision tower, with `vision_weights`). Beside them: `options` (what the backend is opened with),
+//! `norm`, `router`, `sampling`, `vision` (the vision tower, with `vision_launches` and `vision_weights`). Beside them: `options` (what the backend is opened with),
 //! `start_up` (driver, context, kernels), `self_checks` (cuBLAS), and the buffers' helpers
 //! (`readback`, `pending_routing`, `host_kv`, `bandwidth`).
 //!
@@ -640,6 +640,7 @@ mod start_up;
 mod step_graph;
 mod tensor_pool;
 mod vision;
+mod vision_launches;
 mod vision_weights;
 mod worker_handoff;
 
@@ -655,7 +656,7 @@ pub use options::{
 pub use pending_routing::CudaPendingRouting;
 pub use start_up::DeviceInfo;
 pub use step_graph::CudaStepGraph;
-pub use vision::{
-    vision_attention_width, CudaVisionOutput, CudaVisionTower, VISION_ATTENTION_HEAD_WIDTHS,
-};
+pub use vision::{CudaVisionOutput, CudaVisionTower};
+pub use vision_launches::{vision_attention_width, VISION_ATTENTION_HEAD_WIDTHS};
+pub use vision_weights::VisionPrecision;
 pub use worker_handoff::CudaWorkerHandoff;

@@ -3,7 +3,8 @@
 //! comes out of the prefix cache has the last-position logits and greedy tokens of the same
 //! prompt prefilled whole (bit for bit on the CPU backend, within the CUDA bars on a GPU), at a
 //! reuse point on a checkpoint and off it (the rest since the last checkpoint recomputed),
-//! and for a prompt sent twice. The store's bookkeeping (budget, least-recently-used leaves
+//! and for a prompt sent twice; a checkpoint taken in the middle of a forward equals that of a
+//! forward stopped there. The store's bookkeeping (budget, least-recently-used leaves
 //! evicted first, counters) is held here too.
 
 use std::path::{Path, PathBuf};
@@ -64,6 +65,44 @@ fn prefill_with_cache<B: Backend>(
     while let Some(end) = cache.next_checkpoint(state.position(), prompt.len()) {
         let piece = &prompt[state.position()..end];
         model.prefill(&mut state, piece).unwrap();
+        cache.record(model, &state, prompt).unwrap();
+    }
+    let rest = &prompt[state.position()..];
+    let logits = model.prefill(&mut state, rest).unwrap();
+    cache.record(model, &state, prompt).unwrap();
+    (state, reused, logits)
+}
+
+/// [`prefill_with_cache`] as the scheduler feeds a prompt past its last checkpoint: one forward
+/// from the checkpoint before it to all but the prompt's last token, the checkpoint taken
+/// mid-forward ([`Model::forward_hidden_with_checkpoint`]).
+fn prefill_with_cache_mid_forward<B: Backend>(
+    model: &Model<B>,
+    cache: &mut PrefixCache<B>,
+    prompt: &[u32],
+) -> (SequenceState<B>, usize, Vec<f32>) {
+    let mut state = model
+        .new_sequence(prompt.len() + GREEDY_TOKENS + 1)
+        .unwrap();
+    let reused = cache.restore(model, &mut state, prompt).unwrap();
+    while let Some(end) = cache.next_checkpoint(state.position(), prompt.len()) {
+        let position = state.position();
+        let through = prompt.len() - 1;
+        if cache.next_checkpoint(end, prompt.len()).is_none() && through > end {
+            let (_, taken) = model
+                .forward_hidden_with_checkpoint(
+                    &mut state,
+                    &prompt[position..through],
+                    end - position,
+                )
+                .unwrap();
+            assert_eq!(taken.position(), end);
+            cache
+                .record_passed_checkpoint(model, &state, None, prompt, taken)
+                .unwrap();
+            break;
+        }
+        model.prefill(&mut state, &prompt[position..end]).unwrap();
         cache.record(model, &state, prompt).unwrap();
     }
     let rest = &prompt[state.position()..];
@@ -216,6 +255,113 @@ fn reuse_gives_the_bits_of_a_whole_prompt<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(reuse_gives_the_bits_of_a_whole_prompt);
+
+/// A checkpoint taken in the middle of a forward is the checkpoint of a forward that stopped
+/// there: the forward's rows are those of two forwards, and a prompt restored at that
+/// checkpoint has the logits and greedy tokens of the prompt prefilled whole.
+fn a_checkpoint_taken_mid_forward_is_that_of_a_forward_stopped_there<B: Backend>(backend: Arc<B>) {
+    let mut rng = Xoshiro256::seed_from_u64(11);
+    for name in GOLDEN_FIXTURES {
+        let work = tempfile::tempdir().unwrap();
+        let path = convert(&golden_fixture_dir(name), work.path());
+        let model = Model::open(Arc::clone(&backend), &path).unwrap();
+        assert!(model.checkpoints_mid_forward(), "{name}");
+        let vocab = model.vocab_size();
+        let hybrid = model.needs_prefix_checkpoints();
+        let prompt = random_tokens(&mut rng, 200, vocab);
+
+        // One forward of 199 tokens taking the checkpoint after 128, against 128 then 71.
+        let mut whole = model
+            .new_sequence(prompt.len() + GREEDY_TOKENS + 1)
+            .unwrap();
+        let (hidden, taken) = model
+            .forward_hidden_with_checkpoint(&mut whole, &prompt[..199], 2 * BLOCK)
+            .unwrap();
+        assert_eq!(
+            (taken.position(), whole.position()),
+            (2 * BLOCK, 199),
+            "{name}"
+        );
+        let mut split = model
+            .new_sequence(prompt.len() + GREEDY_TOKENS + 1)
+            .unwrap();
+        let head = forward_rows(&model, &mut split, &prompt[..2 * BLOCK]);
+        let stopped = model.checkpoint(&split).unwrap();
+        let tail = forward_rows(&model, &mut split, &prompt[2 * BLOCK..199]);
+        let one = backend.download(&hidden).unwrap();
+        let two = [head, tail].concat();
+        assert_close(&*backend, &format!("{name}: hidden rows"), &one, &two);
+
+        // Both checkpoints restored, the prompt's rest prefilled: the whole prompt's logits.
+        let expected = reference(&model, &prompt);
+        for (what, mut state, checkpoint) in
+            [("mid-forward", whole, taken), ("stopped", split, stopped)]
+        {
+            model.restore(&mut state, checkpoint).unwrap();
+            let logits = model.prefill(&mut state, &prompt[2 * BLOCK..]).unwrap();
+            let got = greedy(&model, &mut state, logits);
+            assert_same(
+                &*backend,
+                &format!("{name}: {what} checkpoint"),
+                &expected,
+                &got,
+            );
+        }
+
+        // Through the cache: the donor's last checkpoint (256) taken mid-forward is reused.
+        let counters = Arc::new(PrefixCacheCounters::default());
+        let mut cache = PrefixCache::new(&model, settings(1 << 30), counters).unwrap();
+        let donor = random_tokens(&mut rng, 270, vocab);
+        prefill_with_cache_mid_forward(&model, &mut cache, &donor);
+        assert_eq!(cache.checkpoints(), if hybrid { 2 } else { 0 }, "{name}");
+        let again = [donor.clone(), random_tokens(&mut rng, 20, vocab)].concat();
+        let (mut state, reused, logits) = prefill_with_cache(&model, &mut cache, &again);
+        assert_eq!(
+            reused,
+            4 * BLOCK,
+            "{name}: the donor's blocks and checkpoint"
+        );
+        let got = greedy(&model, &mut state, logits);
+        assert_same(
+            &*backend,
+            &format!("{name}: reused"),
+            &reference(&model, &again),
+            &got,
+        );
+    }
+}
+test_device!(a_checkpoint_taken_mid_forward_is_that_of_a_forward_stopped_there);
+
+/// Every new row's final hidden state of one forward of `tokens`, on the host.
+fn forward_rows<B: Backend>(
+    model: &Model<B>,
+    state: &mut SequenceState<B>,
+    tokens: &[u32],
+) -> Vec<f32> {
+    let mut batch = [ninfer_engine::SequenceInput { state, tokens }];
+    let hidden = model.forward_hidden(&mut batch, None).unwrap();
+    model.backend().download(&hidden).unwrap()
+}
+
+/// Equal bits on the CPU backend, within the CUDA bars elsewhere.
+fn assert_close<B: Backend>(backend: &B, what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if backend.computes_on_host() {
+        let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same_bits,
+            "{what}: differ (max |Δ| {})",
+            max_abs_difference(a, b)
+        );
+    } else {
+        let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1.0);
+        let worst = max_abs_difference(a, b);
+        assert!(
+            worst <= 1e-4 * scale,
+            "{what}: differ by {worst} (scale {scale})"
+        );
+    }
+}
 
 /// A budget of three blocks keeps the most recently used chain and evicts leaves first; a
 /// prefix is never left without its earlier blocks.

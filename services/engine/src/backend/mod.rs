@@ -351,6 +351,19 @@ pub trait Backend: Send + Sync + 'static {
         }
         self.upload(&joined, rows, a_cols + b_cols)
     }
+    /// `[a; b]`: the rows of `b` after those of `a` (the columns must agree). The default goes
+    /// through the host; a backend may copy on the device.
+    fn concat_rows(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, EngineError> {
+        let ((a_rows, cols), (b_rows, b_cols)) = (self.shape(a), self.shape(b));
+        if cols != b_cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!("concat_rows of {cols} columns and {b_cols} columns"),
+            });
+        }
+        let mut joined = self.download(a)?;
+        joined.extend(self.download(b)?);
+        self.upload(&joined, a_rows + b_rows, cols)
+    }
     /// `x · wᵀ` for three weights of the same input (an attention layer's q, k and v
     /// projections), which a backend may do in one pass (the CUDA backend does at decode: one
     /// launch instead of three). Same values as three [`Backend::matmul`]s.

@@ -12,7 +12,7 @@ use ninfer_artifact::ExpertBank;
 use crate::backend::{Backend, DeltaRuleForm, MultimodalRotation, Rotation, Segment};
 use crate::error::EngineError;
 use crate::model::layers::{
-    layer_segments, state_mismatch, BatchPlan, FeedForward, LayerScratch, LayerState,
+    layer_segments, state_mismatch, BatchPlan, DeltaRuleMix, FeedForward, LayerScratch, LayerState,
     LogitsSelection, Mixer, RowPositions, SequenceImages, SequenceInput, SequenceState,
 };
 use crate::model::qwen4_exp;
@@ -629,35 +629,18 @@ impl<B: Backend> Model<B> {
         let z = backend.matmul(x, in_proj_z)?;
         let b = backend.matmul(x, in_proj_b)?;
         let a = backend.matmul(x, in_proj_a)?;
-
-        let mut conv_segments = layer_segments(batch, ranges, index, |layer| match layer {
-            LayerState::GatedDeltaNet { conv, .. } => Some(conv),
-            _ => None,
-        })?;
-        let convolved = backend.causal_conv1d_silu(&qkv, conv1d, &mut conv_segments)?;
-        drop(conv_segments);
-
-        let key_width = delta.key_heads * delta.key_head_dim;
-        let value_width = delta.value_heads * delta.value_head_dim;
-        let q = backend.columns(&convolved, 0..key_width)?;
-        let k = backend.columns(&convolved, key_width..2 * key_width)?;
-        let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width)?;
-        let (g, beta) = backend.delta_rule_gates(&a, &b, a_log, dt_bias)?;
-
-        let mut recurrent_segments = layer_segments(batch, ranges, index, |layer| match layer {
-            LayerState::GatedDeltaNet { recurrent, .. } => Some(recurrent),
-            _ => None,
-        })?;
-        let output = backend.gated_delta_rule(
-            &q,
-            &k,
-            &v,
-            &g,
-            &beta,
+        let mix = DeltaRuleMix {
+            index,
+            conv1d,
+            a_log,
+            dt_bias,
             delta,
-            delta_rule_form,
-            &mut recurrent_segments,
-        )?;
+            form: delta_rule_form,
+        };
+        let output = match self.mid_forward_capture_row(batch, ranges) {
+            Some(split) => self.delta_rule_mix_with_capture(&mix, &qkv, &a, &b, batch, split)?,
+            None => self.delta_rule_mix(&mix, &qkv, &a, &b, batch, ranges, 0)?,
+        };
         // qwen4_exp may gate with a sigmoid, which the backend's gated norm does not: on the
         // CPU backend the host function (bit for bit what it always computed), elsewhere a
         // norm and a sigmoid gate as two ops.
@@ -688,5 +671,58 @@ impl<B: Backend> Model<B> {
             None => backend.gated_rms_norm(&output, &z, norm, self.spec.eps())?,
         };
         backend.matmul(&normed, out_proj)
+    }
+
+    /// The short convolution and the delta rule of one Gated DeltaNet layer over the rows of
+    /// `qkv`, `a`, `b` (every sequence of `batch` at its `ranges`, each starting
+    /// `position_offset` tokens after its state's position).
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::model) fn delta_rule_mix(
+        &self,
+        mix: &DeltaRuleMix<'_, B>,
+        qkv: &B::Tensor,
+        a: &B::Tensor,
+        b: &B::Tensor,
+        batch: &mut [SequenceInput<'_, B>],
+        ranges: &[std::ops::Range<usize>],
+        position_offset: usize,
+    ) -> Result<B::Tensor, EngineError> {
+        let backend = &*self.backend;
+        let index = mix.index;
+        let delta = mix.delta;
+        let mut conv_segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::GatedDeltaNet { conv, .. } => Some(conv),
+            _ => None,
+        })?;
+        for segment in &mut conv_segments {
+            segment.start_position += position_offset;
+        }
+        let convolved = backend.causal_conv1d_silu(qkv, mix.conv1d, &mut conv_segments)?;
+        drop(conv_segments);
+
+        let key_width = delta.key_heads * delta.key_head_dim;
+        let value_width = delta.value_heads * delta.value_head_dim;
+        let q = backend.columns(&convolved, 0..key_width)?;
+        let k = backend.columns(&convolved, key_width..2 * key_width)?;
+        let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width)?;
+        let (g, beta) = backend.delta_rule_gates(a, b, mix.a_log, mix.dt_bias)?;
+
+        let mut recurrent_segments = layer_segments(batch, ranges, index, |layer| match layer {
+            LayerState::GatedDeltaNet { recurrent, .. } => Some(recurrent),
+            _ => None,
+        })?;
+        for segment in &mut recurrent_segments {
+            segment.start_position += position_offset;
+        }
+        backend.gated_delta_rule(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            delta,
+            mix.form,
+            &mut recurrent_segments,
+        )
     }
 }

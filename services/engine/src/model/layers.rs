@@ -7,7 +7,7 @@
 
 use ninfer_artifact::ExpertBank;
 
-use crate::backend::{Backend, Segment};
+use crate::backend::{Backend, DeltaRuleForm, DeltaRuleSpec, Segment};
 use crate::error::EngineError;
 use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer};
 use crate::profile::PhaseTotals;
@@ -106,6 +106,18 @@ pub struct SequenceState<B: Backend> {
     pub(in crate::model) graph_key: u64,
     /// The prompt's images, when it has any ([`Model::attach_images`]).
     pub(in crate::model) images: Option<std::sync::Arc<SequenceImages>>,
+    /// A checkpoint to take in the middle of the next forward
+    /// ([`Model::forward_hidden_with_checkpoint`]).
+    pub(in crate::model) capture: Option<MidForwardCapture<B>>,
+}
+
+/// A checkpoint taken while a forward passes a position: the Gated DeltaNet layers copy their
+/// states there as the forward reaches them.
+pub(in crate::model) struct MidForwardCapture<B: Backend> {
+    /// The sequence position the checkpoint is of.
+    pub(in crate::model) position: usize,
+    /// Per layer, as in [`SequenceCheckpoint`], filled layer by layer.
+    pub(in crate::model) layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
 }
 
 /// One attached image as the prefix cache tells images apart: the prompt indices of its
@@ -199,6 +211,17 @@ pub struct SequenceCheckpoint<B: Backend> {
     pub(in crate::model) layers: Vec<Option<(B::ConvState, B::RecurrentState)>>,
     /// Copies of the PLE states (qwen4_exp).
     pub(in crate::model) ple: Vec<Option<crate::model::qwen4_exp::ple_state::PleState<B>>>,
+}
+
+/// One Gated DeltaNet layer's weights of its short convolution and delta rule, and the rule's
+/// form for this forward.
+pub(in crate::model) struct DeltaRuleMix<'a, B: Backend> {
+    pub(in crate::model) index: usize,
+    pub(in crate::model) conv1d: &'a B::Weight,
+    pub(in crate::model) a_log: &'a B::Weight,
+    pub(in crate::model) dt_bias: &'a B::Weight,
+    pub(in crate::model) delta: &'a DeltaRuleSpec,
+    pub(in crate::model) form: DeltaRuleForm,
 }
 
 /// A checked batch: its token ids, each sequence's rows, each row's position.

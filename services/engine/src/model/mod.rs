@@ -20,6 +20,7 @@ mod images;
 mod layers;
 mod loader;
 mod loading;
+mod mid_forward_checkpoint;
 mod mtp;
 mod prefix_blocks;
 pub mod qwen4_exp;

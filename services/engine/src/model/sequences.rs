@@ -59,6 +59,7 @@ impl<B: Backend> Model<B> {
             ple,
             graph_key: step_graphs::new_graph_key(),
             images: None,
+            capture: None,
         })
     }
 

@@ -298,7 +298,7 @@ impl<B: Backend> PrefixCache<B> {
         state: &SequenceState<B>,
         prompt: &[u32],
     ) -> Result<(), EngineError> {
-        self.record_blocks(model, state, None, prompt)
+        self.record_blocks(model, state, None, prompt, None)
     }
 
     /// [`PrefixCache::record`] for a sequence that drafts with the MTP head: besides, each
@@ -313,7 +313,21 @@ impl<B: Backend> PrefixCache<B> {
         mtp: MtpProgress<'_, B>,
         prompt: &[u32],
     ) -> Result<(), EngineError> {
-        self.record_blocks(model, state, Some(mtp), prompt)
+        self.record_blocks(model, state, Some(mtp), prompt, None)
+    }
+
+    /// [`PrefixCache::record`] (with `mtp`: [`PrefixCache::record_speculating`]) after a
+    /// forward that went on past a block end and took the checkpoint there
+    /// ([`Model::forward_hidden_with_checkpoint`]): that block keeps `taken`.
+    pub fn record_passed_checkpoint(
+        &mut self,
+        model: &Model<B>,
+        state: &SequenceState<B>,
+        mtp: Option<MtpProgress<'_, B>>,
+        prompt: &[u32],
+        taken: SequenceCheckpoint<B>,
+    ) -> Result<(), EngineError> {
+        self.record_blocks(model, state, mtp, prompt, Some(taken))
     }
 
     fn record_blocks(
@@ -322,6 +336,7 @@ impl<B: Backend> PrefixCache<B> {
         state: &SequenceState<B>,
         mtp: Option<MtpProgress<'_, B>>,
         prompt: &[u32],
+        mut taken: Option<SequenceCheckpoint<B>>,
     ) -> Result<(), EngineError> {
         if !self.computed_by(model) {
             return Ok(());
@@ -336,7 +351,18 @@ impl<B: Backend> PrefixCache<B> {
             let positions = index * block_tokens..(index + 1) * block_tokens;
             let tokens = &prompt[positions.clone()];
             let block_images = images_in(images, &positions);
-            let checkpoint_here = self.needs_checkpoints && positions.end == state.position();
+            let taken_here = taken
+                .as_ref()
+                .is_some_and(|taken| taken.position() == positions.end);
+            let checkpoint_here =
+                self.needs_checkpoints && (taken_here || positions.end == state.position());
+            // The checkpoint of this block end: the one taken mid-forward, else the state's own.
+            let mut checkpoint_of_block = || match taken_here {
+                true => taken.take().ok_or_else(|| EngineError::InvalidConfig {
+                    problem: "a mid-forward checkpoint offered twice".into(),
+                }),
+                false => model.checkpoint(state),
+            };
             match self.nodes.get_mut(&name) {
                 Some(node)
                     if node.parent == parent
@@ -345,7 +371,7 @@ impl<B: Backend> PrefixCache<B> {
                 {
                     node.last_used = self.clock;
                     if checkpoint_here && node.checkpoint.is_none() {
-                        let checkpoint = model.checkpoint(state)?;
+                        let checkpoint = checkpoint_of_block()?;
                         let bytes = model.checkpoint_bytes(&checkpoint) as u64;
                         node.checkpoint = Some(checkpoint);
                         node.bytes += bytes;
@@ -357,7 +383,7 @@ impl<B: Backend> PrefixCache<B> {
                 None => {
                     let block = model.prefix_block(state, positions.clone())?;
                     let checkpoint = match checkpoint_here {
-                        true => Some(model.checkpoint(state)?),
+                        true => Some(checkpoint_of_block()?),
                         false => None,
                     };
                     let bytes = block.bytes() as u64

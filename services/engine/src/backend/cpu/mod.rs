@@ -148,6 +148,22 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn concat_rows(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor, EngineError> {
+        if a.cols != b.cols {
+            return Err(EngineError::InvalidConfig {
+                problem: format!("concat_rows of {} columns and {} columns", a.cols, b.cols),
+            });
+        }
+        let mut data = Vec::with_capacity(a.data.len() + b.data.len());
+        data.extend_from_slice(&a.data);
+        data.extend_from_slice(&b.data);
+        Ok(CpuTensor {
+            rows: a.rows + b.rows,
+            cols: a.cols,
+            data,
+        })
+    }
+
     fn columns(&self, tensor: &CpuTensor, range: Range<usize>) -> Result<CpuTensor, EngineError> {
         let mut data = Vec::with_capacity(tensor.rows * range.len());
         for row in 0..tensor.rows {

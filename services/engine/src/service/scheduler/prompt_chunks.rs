@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::sequence::{fail, has_prompt_work, Running};
 use crate::backend::Backend;
 use crate::error::EngineError;
-use crate::model::{Model, SequenceInput};
+use crate::model::{Model, SequenceCheckpoint, SequenceInput};
 use crate::prefix_cache::{MtpProgress, PrefixCache};
 
 /// Feeds the prompts that do not fit this step's budget of `chunk_tokens` prompt tokens one
@@ -87,19 +87,39 @@ fn feed_prompt_chunk<B: Backend>(
     r: &mut Running<B>,
     take: usize,
 ) -> Result<(), EngineError> {
+    feed_prompt_chunk_checkpointed(model, r, take, None).map(drop)
+}
+
+/// [`feed_prompt_chunk`], which with `checkpoint_at` also returns the sequence's checkpoint
+/// after the first `checkpoint_at` of the `take` tokens, taken within the one forward.
+fn feed_prompt_chunk_checkpointed<B: Backend>(
+    model: &Model<B>,
+    r: &mut Running<B>,
+    take: usize,
+    checkpoint_at: Option<usize>,
+) -> Result<Option<SequenceCheckpoint<B>>, EngineError> {
     let chunk = r.pending.get(..take).unwrap_or_default().to_vec();
-    let mut batch = [SequenceInput {
-        state: &mut r.state,
-        tokens: &chunk,
-    }];
-    let hidden = model.forward_hidden(&mut batch, None)?;
+    let (hidden, checkpoint) = match checkpoint_at {
+        Some(at) => {
+            let (hidden, checkpoint) =
+                model.forward_hidden_with_checkpoint(&mut r.state, &chunk, at)?;
+            (hidden, Some(checkpoint))
+        }
+        None => {
+            let mut batch = [SequenceInput {
+                state: &mut r.state,
+                tokens: &chunk,
+            }];
+            (model.forward_hidden(&mut batch, None)?, None)
+        }
+    };
     if let Some(s) = r.speculating.as_mut() {
         s.pair_hidden.extend(model.backend().download(&hidden)?);
         s.pair_tokens
             .extend_from_slice(r.pending.get(1..=take).unwrap_or_default());
     }
     r.pending.drain(..take.min(r.pending.len()));
-    Ok(())
+    Ok(checkpoint)
 }
 
 /// Puts the longest reusable cached prefix of `request`'s prompt into the fresh `state` and
@@ -126,8 +146,11 @@ fn checkpoint_chunk<B: Backend>(
 }
 
 /// Feeds each sequence's prompt up to every checkpoint of the prefix cache it passes, one
-/// forward per piece, and gives the cache the blocks and states there (what a forward cannot
-/// keep from its middle); the rest of the prompt joins the generation step as usual.
+/// forward per piece, and gives the cache the blocks and states there; the rest of the prompt
+/// joins the generation step as usual. Past the last checkpoint, where the model can take it
+/// mid-forward, the piece goes on to all but the prompt's last token, so the tokens after the
+/// checkpoint do not cost a forward of their own (with experts in RAM a forward's cost is
+/// mostly its experts, whatever its length).
 pub(super) fn feed_to_checkpoints<B: Backend>(
     model: &Model<B>,
     running: &mut Vec<Running<B>>,
@@ -142,7 +165,25 @@ pub(super) fn feed_to_checkpoints<B: Backend>(
             .then(|| cache.next_checkpoint(r.state.position(), prompt))
             .flatten()
         {
-            fed = feed_prompt_chunk(model, r, end - r.state.position());
+            let position = r.state.position();
+            // All but the prompt's last token, which the generation step samples from.
+            let through = prompt.saturating_sub(1);
+            let last_checkpoint = cache.next_checkpoint(end, prompt).is_none();
+            if last_checkpoint && through > end && model.checkpoints_mid_forward() {
+                fed = feed_prompt_chunk_checkpointed(
+                    model,
+                    r,
+                    through - position,
+                    Some(end - position),
+                )
+                .map(|taken| {
+                    if let Some(taken) = taken {
+                        record_blocks_with_checkpoint(model, cache, r, taken);
+                    }
+                });
+                break;
+            }
+            fed = feed_prompt_chunk(model, r, end - position);
             if fed.is_err() {
                 break;
             }
@@ -155,6 +196,23 @@ pub(super) fn feed_to_checkpoints<B: Backend>(
             continue;
         }
         index += 1;
+    }
+}
+
+/// [`record_blocks`] after a piece that went past its checkpoint, taken mid-forward.
+fn record_blocks_with_checkpoint<B: Backend>(
+    model: &Model<B>,
+    cache: &mut PrefixCache<B>,
+    r: &Running<B>,
+    taken: SequenceCheckpoint<B>,
+) {
+    let mtp = r.speculating.as_ref().map(|s| MtpProgress {
+        state: &s.mtp,
+        pending_hidden: &s.pair_hidden,
+    });
+    let recorded = cache.record_passed_checkpoint(model, &r.state, mtp, &r.request.prompt, taken);
+    if let Err(error) = recorded {
+        tracing::warn!(request_id = %r.request.request_id, "prefix cache: keeping prompt blocks failed: {error}");
     }
 }
 

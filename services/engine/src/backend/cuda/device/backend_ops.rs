@@ -134,6 +134,7 @@ impl Backend for CudaBackend {
     timed_launches! {
         gather_rows(tensor: &CudaTensor, rows: &[usize]) -> CudaTensor = launch_gather_rows;
         columns(tensor: &CudaTensor, range: Range<usize>) -> CudaTensor = launch_columns;
+        concat_rows(a: &CudaTensor, b: &CudaTensor) -> CudaTensor = launch_concat_rows;
         split_interleaved(tensor: &CudaTensor, groups: usize, first: usize, second: usize)
             -> (CudaTensor, CudaTensor) = launch_split_interleaved;
         embed(table: &CudaWeight, ids: &[u32]) -> CudaTensor = launch_embed;

@@ -44,6 +44,29 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// `[a; b]` by two device copies (rows are contiguous).
+    pub(super) fn launch_concat_rows(
+        &self,
+        a: &CudaTensor,
+        b: &CudaTensor,
+    ) -> Result<CudaTensor, CudaError> {
+        if a.cols != b.cols {
+            return Err(CudaError::Invalid {
+                problem: format!("concat_rows of {} columns and {} columns", a.cols, b.cols),
+            });
+        }
+        let (first, second) = (a.rows * a.cols, b.rows * b.cols);
+        // Both copies together write every element.
+        let mut out = self.output_uninit(a.rows + b.rows, a.cols)?;
+        if first > 0 {
+            self.copy_range(&a.data, 0..first, &mut out.data, 0..first)?;
+        }
+        if second > 0 {
+            self.copy_range(&b.data, 0..second, &mut out.data, first..first + second)?;
+        }
+        Ok(out)
+    }
+
     pub(super) fn launch_columns(
         &self,
         x: &CudaTensor,

@@ -172,6 +172,7 @@ pub(super) fn handle<B: Backend>(
                 speculating,
                 admitted_at,
                 restore_time: admitted_at.elapsed(),
+                prompt_pieces_time: std::time::Duration::ZERO,
             });
         }
     }

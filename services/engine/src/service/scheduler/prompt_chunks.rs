@@ -98,6 +98,7 @@ fn feed_prompt_chunk_checkpointed<B: Backend>(
     take: usize,
     checkpoint_at: Option<usize>,
 ) -> Result<Option<SequenceCheckpoint<B>>, EngineError> {
+    let started = Instant::now();
     let chunk = r.pending.get(..take).unwrap_or_default().to_vec();
     let (hidden, checkpoint) = match checkpoint_at {
         Some(at) => {
@@ -119,6 +120,7 @@ fn feed_prompt_chunk_checkpointed<B: Backend>(
             .extend_from_slice(r.pending.get(1..=take).unwrap_or_default());
     }
     r.pending.drain(..take.min(r.pending.len()));
+    r.prompt_pieces_time += started.elapsed();
     Ok(checkpoint)
 }
 

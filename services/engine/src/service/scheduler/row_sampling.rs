@@ -169,6 +169,7 @@ pub(super) fn emit<B: Backend>(
             prompt_tokens = r.request.prompt.len(),
             cached_tokens = r.cached_tokens,
             restore_ms = milliseconds(r.restore_time),
+            prompt_pieces_ms = milliseconds(r.prompt_pieces_time),
             first_token_ms = milliseconds(r.admitted_at.elapsed()),
             "first token (times from admission)"
         );

@@ -27,10 +27,12 @@ pub(super) struct Running<B: Backend> {
     pub(super) generated: usize,
     pub(super) guide: Option<Box<Guide>>,
     pub(super) speculating: Option<Speculating<B>>,
-    /// When the sequence was admitted, and how long its prefix took to restore: the first
-    /// token's log line says where its time to first token went.
+    /// When the sequence was admitted, how long its prefix took to restore and its prompt's
+    /// pieces outside the generation step took: the first token's log line says where its time
+    /// to first token went.
     pub(super) admitted_at: std::time::Instant,
     pub(super) restore_time: std::time::Duration,
+    pub(super) prompt_pieces_time: std::time::Duration,
 }
 
 /// A speculating sequence's MTP side.

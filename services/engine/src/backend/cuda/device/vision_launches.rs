@@ -1,7 +1,8 @@
 //! The vision tower's launches (`kernels/vision.cu` and cuBLAS), one method per step of the
 //! forward, each picking the kernel of the tower's precision from its buffers' type.
 //!
-//! Owns: the launch geometry of the vision kernels and the host mirrors of their constants.
+//! Owns: the launch geometry of the vision kernels and the host mirrors of their constants;
+//! each step is an op of `NINFER_CUDA_OP_TIMING` (named `vision …`).
 //! Must not touch: the order of the forward (`vision.rs`), the weights' upload
 //! (`vision_weights.rs`).
 
@@ -141,6 +142,8 @@ impl CudaBackend {
         rows: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        let _timer =
+            self.op_timer_named(|| format!("vision gemm {}x{}", layer.outputs, layer.inputs));
         let cublas = self.cublas.as_ref().ok_or_else(|| CudaError::Unsupported {
             problem: "the vision tower on the GPU needs cuBLAS".into(),
         })?;
@@ -162,6 +165,7 @@ impl CudaBackend {
         rows: usize,
         width: usize,
     ) -> Result<(), CudaError> {
+        let _timer = self.op_timer("vision layer norm");
         let config = LaunchConfig {
             grid_dim: (grid_of(rows.div_ceil(LAYER_NORM_ROWS as usize))?, 1, 1),
             block_dim: (32 * LAYER_NORM_ROWS, 1, 1),
@@ -189,6 +193,7 @@ impl CudaBackend {
         head_dim: usize,
         width: usize,
     ) -> Result<(), CudaError> {
+        let _timer = self.op_timer("vision rope pack");
         let config = per_row(rows)?;
         let (rows, heads, head_dim, width) = (
             int(rows, "rows")?,
@@ -222,6 +227,7 @@ impl CudaBackend {
         head_dim: usize,
         width: usize,
     ) -> Result<(), CudaError> {
+        let _timer = self.op_timer("vision attention");
         let scale = 1.0 / (head_dim as f32).sqrt();
         let heads_grid = grid_of(heads)?;
         // Blocks of `block_rows` rows × heads.
@@ -290,6 +296,7 @@ impl CudaBackend {
         width: usize,
         exact: bool,
     ) -> Result<(), CudaError> {
+        let _timer = self.op_timer("vision bias gelu");
         let config = per_row(rows)?;
         let (width, exact) = (int(width, "width")?, i32::from(exact));
         match out {

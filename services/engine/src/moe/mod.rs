@@ -29,6 +29,7 @@ pub mod layer;
 pub mod layerwise;
 pub mod placement;
 pub mod reference_executor;
+pub mod routed_split;
 pub mod worker_executor;
 
 pub use executor::{ExpertBatch, ExpertExecutor, NoRoutedExperts};

@@ -5,8 +5,7 @@
 //! experts, bf16-level for quantized ones), with and without resident experts beside it, and
 //! decode (one token, below the threshold) still goes to the executor with the same tokens.
 //! Layerwise prefill (double-buffered streaming, each layer split between the backend and the
-//! executor) gives the staged path's results under every split, and so does a staged batch
-//! split by its known routing.
+//! executor) gives the staged path's results under every split.
 
 use std::sync::Arc;
 
@@ -277,91 +276,3 @@ fn layerwise_prefill_matches_the_staged_path<B: Backend>(backend: Arc<B>) {
     }
 }
 test_device!(layerwise_prefill_matches_the_staged_path);
-
-/// A staged batch (routing known before its copies) splits its non-resident experts by their
-/// pairs: the busy ones copied, the rest to the executor at the same time, when the rates say
-/// that is sooner. Under every split the results are the staged path's with every expert copied.
-fn staged_prefill_split_by_routing_matches_copying_every_expert<B: Backend>(backend: Arc<B>) {
-    let work = tempfile::tempdir().unwrap();
-    for name in MOE_GOLDEN_FIXTURES {
-        let fixture = golden_fixture_dir(name);
-        let text = std::fs::read_to_string(fixture.join("reference.json")).unwrap();
-        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let tokens: Vec<u32> = json_numbers(&json["nll_token_ids"])
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
-        let prompt: Vec<u32> = json_numbers(&json["prompts"][0]["prompt_token_ids"])
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
-        for dtype in [DType::F32, DType::Int4] {
-            let path = work.path().join(format!("{name}-{dtype}.ninfer"));
-            let options = ConvertOptions {
-                experts_dtype: dtype,
-                dense_dtype: DType::F32,
-                ..ConvertOptions::new(&fixture, &path)
-            };
-            convert_checkpoint(&options, &NoProgress).unwrap();
-            let nll_and_greedy = |model: &Model<B>| {
-                let nll: Vec<f64> = teacher_forced_logits(model, &tokens)
-                    .unwrap()
-                    .iter()
-                    .zip(&tokens[1..])
-                    .map(|(logits, &next)| negative_log_likelihood(logits, next))
-                    .collect();
-                (nll, greedy_tokens(model, &prompt, GREEDY_TOKENS).unwrap())
-            };
-            let mut copied_all = Model::open(Arc::clone(&backend), &path).unwrap();
-            copied_all.enable_prefill_staging(2).unwrap();
-            let (base_nll, base_greedy) = nll_and_greedy(&copied_all);
-            drop(copied_all);
-            // Staged from two tokens; layerwise settings present (their rates decide the
-            // split) but no batch big enough to stream layerwise.
-            let mut model = Model::open(Arc::clone(&backend), &path).unwrap();
-            model
-                .enable_prefill_staging_with(PrefillStagingOptions {
-                    staged_min_tokens: 2,
-                    layerwise_min_tokens: usize::MAX,
-                })
-                .unwrap();
-            for split in ["gpu", "mixed", "cpu"] {
-                model
-                    .set_prefill_throughputs(forced_throughputs(split))
-                    .unwrap();
-                model.profile().snapshot(true);
-                let (nll, greedy) = nll_and_greedy(&model);
-                let prefill = model.profile().snapshot(true).prefill;
-                let difference = nll
-                    .iter()
-                    .zip(&base_nll)
-                    .map(|(a, b)| (a - b).abs())
-                    .sum::<f64>()
-                    / nll.len() as f64;
-                let tolerance = if dtype == DType::F32 { 1e-4 } else { 2e-3 };
-                println!(
-                    "{name} {dtype} experts on {}: staged ({split}) vs every expert copied: mean |ΔNLL| = {difference:.2e}, copied {} experts, executor waited {} ns",
-                    backend.name(),
-                    prefill.streamed_experts,
-                    prefill.expert_wait_nanos,
-                );
-                assert!(
-                    difference <= tolerance,
-                    "{name} {dtype} {split}: mean |ΔNLL| {difference}"
-                );
-                assert_eq!(greedy, base_greedy, "{name} {dtype} {split}: greedy tokens");
-                assert_eq!(
-                    prefill.streamed_experts > 0,
-                    split != "cpu",
-                    "{name} {split}: copied experts"
-                );
-                assert_eq!(
-                    prefill.expert_wait_nanos > 0,
-                    split != "gpu",
-                    "{name} {split}: the executor's share"
-                );
-            }
-        }
-    }
-}
-test_device!(staged_prefill_split_by_routing_matches_copying_every_expert);

@@ -20,7 +20,6 @@ use crate::error::EngineError;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 use crate::moe::expert_cache::{CachedLayer, ExpertCache};
 use crate::moe::layerwise::{LayerwiseStream, PrefillThroughputs};
-use crate::moe::routed_split::{routed_streamed_experts, RoutedBatch};
 use crate::profile::{distinct_experts, nanos, ForwardProfile, PhaseTotals};
 
 /// The shared expert of a MoE layer (qwen3_next, qwen3_5_moe), gated per token.
@@ -96,7 +95,7 @@ pub(crate) enum Route<'a, B: Backend> {
     /// The batch has at least the staging threshold of rows: the non-resident experts it routes
     /// to are copied into the staging slots and computed on the backend, beside the resident
     /// ones.
-    Staged(&'a PrefillStaging<B>),
+    Staged(&'a Mutex<B::ExpertSlots>),
     /// The expert executor computes the experts not in slots (it gets the hidden states with
     /// the routing, one wait on a GPU); the backend sums the resident ones.
     Executor,
@@ -127,7 +126,7 @@ impl<'a, B: Backend> Route<'a, B> {
             return Route::Layerwise(stream);
         }
         if let Some(staging) = staging.filter(|staging| rows >= staging.min_tokens) {
-            return Route::Staged(staging);
+            return Route::Staged(&staging.slots);
         }
         let every_expert_resident =
             resident.is_some_and(|slots| slots.slot_table().every_expert_resident());
@@ -266,40 +265,26 @@ impl<B: Backend> MoeLayer<B> {
                 let (routing, hidden) = backend.finish_routing(pending)?;
                 self.account_routing(context, index, &routing, resident_table, tally);
                 let expert_ids = executor_expert_ids(resident_table, &routing.expert_ids);
-                // Known routing: the least-used experts may go to the executor meanwhile.
-                let (copied_ids, executor_ids) =
-                    self.routed_split(context, staging, x, &expert_ids);
-                let staged_sum =
-                    self.staged_experts(context, &staging.slots, x, &copied_ids, &routing)?;
-                let copied = copied_ids.iter().filter(|&&id| id != NO_EXPERT);
-                let copied = copied.collect::<std::collections::BTreeSet<_>>().len() as u64;
-                tally.streamed_experts += copied;
-                tally.streamed_expert_bytes += copied * self.bank.expert_stride;
-                let on_backend = match (staged_sum, resident_sum) {
-                    (Some(mut staged), Some(resident)) => {
-                        backend.add_assign(&mut staged, &resident)?;
-                        Some(staged)
+                match self.staged_experts(context, staging, x, &expert_ids, &routing)? {
+                    Some(mut staged_sum) => {
+                        if let Some(resident_sum) = resident_sum {
+                            backend.add_assign(&mut staged_sum, &resident_sum)?;
+                        }
+                        staged_sum
                     }
-                    (staged, resident) => staged.or(resident),
-                };
-                let executor_has_work = executor_ids.iter().any(|&id| id != NO_EXPERT);
-                // The routing did not read the hidden states back (the split came after it).
-                let hidden = match hidden.is_empty() && executor_has_work {
-                    true => Cow::Owned(backend.download(x)?),
-                    false => Cow::Borrowed(&hidden[..]),
-                };
-                match on_backend {
-                    Some(sum) if !executor_has_work => sum,
-                    on_backend => self.executor_part(
-                        context,
-                        index,
-                        x,
-                        &hidden,
-                        &executor_ids,
-                        &routing,
-                        on_backend,
-                        tally,
-                    )?,
+                    None => match resident_sum {
+                        Some(resident_sum) => resident_sum,
+                        None => self.executor_part(
+                            context,
+                            index,
+                            x,
+                            &hidden,
+                            &expert_ids,
+                            &routing,
+                            None,
+                            tally,
+                        )?,
+                    },
                 }
             }
             Route::Layerwise(stream) => {
@@ -399,41 +384,6 @@ impl<B: Backend> MoeLayer<B> {
     /// copied into the staging slots and computed on the backend; `None` when the batch routes
     /// to resident experts only. Each routed expert goes to the slot of its own index, so the
     /// table never points at an expert of another layer for an id this batch uses.
-    /// The per-pair expert ids of a staged call split into those copied into the staging slots
-    /// and those left to the executor ([`NO_EXPERT`] where the other side computes the pair),
-    /// by the rates measured for layerwise prefill; all copied when none were measured.
-    fn routed_split(
-        &self,
-        context: &MoeContext<'_, B>,
-        staging: &PrefillStaging<B>,
-        x: &B::Tensor,
-        expert_ids: &[u32],
-    ) -> (Vec<u32>, Vec<u32>) {
-        let throughputs = staging
-            .layerwise
-            .as_ref()
-            .and_then(|layerwise| layerwise.throughputs.read().ok().map(|rates| *rates));
-        let Some(throughputs) = throughputs else {
-            return (expert_ids.to_vec(), vec![NO_EXPERT; expert_ids.len()]);
-        };
-        let batch = RoutedBatch {
-            num_experts: context.common.num_experts,
-            expert_bytes: usize::try_from(self.bank.expert_stride).unwrap_or(usize::MAX),
-            tokens: context.backend.shape(x).0,
-            hidden_size: context.common.hidden_size,
-        };
-        let copied = routed_streamed_experts(expert_ids, batch, &throughputs);
-        let is_copied = |id: u32| copied.get(id as usize).copied().unwrap_or(false);
-        expert_ids
-            .iter()
-            .map(|&id| match id {
-                NO_EXPERT => (NO_EXPERT, NO_EXPERT),
-                id if is_copied(id) => (id, NO_EXPERT),
-                id => (NO_EXPERT, id),
-            })
-            .unzip()
-    }
-
     fn staged_experts(
         &self,
         context: &MoeContext<'_, B>,

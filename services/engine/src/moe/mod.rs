@@ -29,7 +29,6 @@ pub mod layer;
 pub mod layerwise;
 pub mod placement;
 pub mod reference_executor;
-pub mod routed_split;
 pub mod worker_executor;
 
 pub use executor::{ExpertBatch, ExpertExecutor, NoRoutedExperts};

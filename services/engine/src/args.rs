@@ -208,6 +208,11 @@ pub(crate) struct Args {
     /// the expert workers from the copy, GPU and CPU rates measured at start (logged).
     #[arg(long, default_value_t = 1024, value_name = "TOKENS")]
     pub(crate) moe_prefill_layerwise_min_tokens: usize,
+    /// Layerwise prefill: the expert workers' measured rate is taken as this share of itself
+    /// when a layer is split (0: a streamed layer leaves the workers nothing). The start-up
+    /// measurement runs the workers alone; beside the copies they share the RAM's bandwidth.
+    #[arg(long, default_value_t = 1.0, value_name = "SHARE")]
+    pub(crate) moe_prefill_cpu_rate_share: f64,
     /// While other sequences are generating, a prompt longer than this is fed this many tokens
     /// per scheduler step (each step also runs the others' decode), so a long prompt delays
     /// them by one chunk's forward at a time, not its whole prefill (0: whole prompts).

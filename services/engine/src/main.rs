@@ -197,6 +197,12 @@ fn run(args: Args) -> anyhow::Result<()> {
             args.prefix_cache_gib
         );
     }
+    if !(args.moe_prefill_cpu_rate_share.is_finite() && args.moe_prefill_cpu_rate_share >= 0.0) {
+        bail!(
+            "--moe-prefill-cpu-rate-share {}: give a share of the measured rate, 0 or more",
+            args.moe_prefill_cpu_rate_share
+        );
+    }
     let prefix_cache = PrefixCacheSettings::with_budget(gib_to_bytes(args.prefix_cache_gib));
     let host_kv_bytes = args
         .host_kv_mib
@@ -216,6 +222,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         speculation,
         prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
         layerwise_min_tokens: args.moe_prefill_layerwise_min_tokens,
+        cpu_rate_share: args.moe_prefill_cpu_rate_share,
         host_kv_bytes,
         prefix_cache,
         cache_fills_per_layer: default_cache_fills(
@@ -464,6 +471,8 @@ struct GpuExpertsRequest {
     prefill_staging_min_tokens: usize,
     /// `--moe-prefill-layerwise-min-tokens` (0: off; always off on the CPU backend).
     layerwise_min_tokens: usize,
+    /// `--moe-prefill-cpu-rate-share`.
+    cpu_rate_share: f64,
     /// `--host-kv-mib`: KV caches that may live in host memory instead.
     host_kv_bytes: u64,
     /// `--prefix-cache-gib`.
@@ -573,7 +582,11 @@ fn start_scheduler<B: Backend>(
         None
     };
     let prefill_throughputs = if layerwise_min_tokens > 0 {
-        Some(measure_prefill_throughputs(&model, readiness)?)
+        Some(measure_prefill_throughputs(
+            &model,
+            readiness,
+            request.cpu_rate_share,
+        )?)
     } else {
         None
     };
@@ -627,6 +640,7 @@ const EXECUTOR_READY_WAIT: Duration = Duration::from_secs(120);
 fn measure_prefill_throughputs<B: Backend>(
     model: &Model<B>,
     readiness: &dyn Readiness,
+    cpu_rate_share: f64,
 ) -> anyhow::Result<ninfer_engine::PrefillThroughputs> {
     let waiting = std::time::Instant::now();
     while let Some(reason) = readiness.not_ready_reason() {
@@ -641,9 +655,15 @@ fn measure_prefill_throughputs<B: Backend>(
     } else {
         0
     };
-    let throughputs = model
+    let mut throughputs = model
         .measure_prefill_throughputs(MEASURED_GPU_TOKENS, executor_tokens)
         .context("measuring the layerwise prefill throughputs")?;
+    if cpu_rate_share != 1.0 {
+        throughputs.executor_pairs_per_second *= cpu_rate_share;
+        model
+            .set_prefill_throughputs(throughputs)
+            .context("setting the layerwise prefill throughputs")?;
+    }
     tracing::info!(
         copy_gb_per_s = format!("{:.1}", throughputs.copy_bytes_per_second / 1e9),
         gpu_expert_tflops = format!(

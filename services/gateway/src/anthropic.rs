@@ -20,8 +20,6 @@ use axum::Json;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value as JsonValue};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::anthropic_stream_deltas::{anthropic_block_delta, AnthropicDelta};
 use crate::backend::ServedModel;
@@ -37,6 +35,7 @@ use crate::generation_plan::{
     build_chat_prompt_with_images, token_count_parameter, ChatGenerationRequest, SamplingOptions,
 };
 use crate::images::ChatImagePart;
+use crate::inline_stream::InlineStream;
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::state::GatewayState;
@@ -619,7 +618,8 @@ enum OpenBlock {
     Text,
 }
 
-/// The Anthropic event sequence, produced by a task so a disconnect cancels the generation.
+/// The Anthropic event sequence, produced as the client's connection reads it (a disconnect
+/// drops it, which cancels the generation).
 fn stream_messages(
     id: String,
     model: String,
@@ -627,21 +627,14 @@ fn stream_messages(
     mut receiver: ChoiceReceiver,
     tools: Option<Vec<minijinja::Value>>,
 ) -> Response {
-    let (events, event_receiver) = mpsc::channel::<Event>(64);
-    tokio::spawn(async move {
+    let event_stream = InlineStream::new(|events| async move {
         let start = json!({"type": "message_start", "message": {
             "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": null, "stop_sequence": null,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
         }});
-        if events.send(event("message_start", start)).await.is_err()
-            || events
-                .send(event("ping", json!({"type": "ping"})))
-                .await
-                .is_err()
-        {
-            return;
-        }
+        events.send(event("message_start", start)).await;
+        events.send(event("ping", json!({"type": "ping"}))).await;
         let mut open: Option<OpenBlock> = None;
         let mut capture = tools.as_ref().map(|_| ToolCallCapture::default());
         let mut block_index: i64 = -1;
@@ -756,13 +749,11 @@ fn stream_messages(
                 Err(error) => outgoing.push(event("error", error.envelope(ApiDialect::Anthropic))),
             }
             for item in outgoing {
-                if events.send(item).await.is_err() {
-                    return; // client gone: dropping `receiver` cancels the generation
-                }
+                events.send(item).await; // client gone: dropping `receiver` cancels the generation
             }
         }
     });
-    let stream = ReceiverStream::new(event_receiver).map(Ok::<Event, Infallible>);
+    let stream = event_stream.map(Ok::<Event, Infallible>);
     Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response()

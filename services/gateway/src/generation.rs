@@ -4,9 +4,9 @@
 //!
 //! Owns: [`Generator`] (the one entry every API uses: [`Generator::start_chat`] for a chat,
 //! [`Generator::start_all_choices`] for a planned text prompt), model names and aliases, the
-//! per-choice task (incremental detokenization, stop strings, reasoning split, metrics,
-//! cancellation when the receiver is dropped), and [`collect_generation`] for non-streaming
-//! responses. Planning (template, grammar, sampling) is `generation_plan`.
+//! per-choice stream (incremental detokenization, stop strings, reasoning split, metrics,
+//! cancellation when the receiver is dropped; polled in the task of whoever reads it), and
+//! [`collect_generation`] / [`collect_all_generations`] for non-streaming responses. Planning (template, grammar, sampling) is `generation_plan`.
 //! Must not touch: JSON shapes of any API, the gateway's HTTP state, or engine selection (the
 //! backend does that).
 
@@ -16,11 +16,11 @@ use std::time::Instant;
 
 use futures_util::StreamExt;
 use ninfer_protocol::v1::FinishReason;
-use tokio::sync::mpsc;
 
 use crate::backend::{GenerationBackend, ServedModel};
 use crate::error::GatewayError;
 use crate::generation_plan::{plan_chat, ChatGenerationRequest, GenerationPlan};
+use crate::inline_stream::{Emitter, InlineStream};
 use crate::metrics::GatewayMetrics;
 use crate::reasoning::{ReasoningSplitter, ReasoningStart, SplitText};
 use crate::stop_strings::{StopCheck, StopStringMatcher};
@@ -61,7 +61,7 @@ pub struct GenerationSummary {
     pub cached_tokens: u32,
 }
 
-/// What a generation task sends to its handler.
+/// What a choice's generation hands its API's handler.
 #[derive(Debug, Clone)]
 pub enum GenerationEvent {
     Delta {
@@ -72,7 +72,66 @@ pub enum GenerationEvent {
 }
 
 /// One choice's events, in order; dropping the receiver cancels the generation on the engine.
-pub type ChoiceReceiver = mpsc::Receiver<Result<GenerationEvent, GatewayError>>;
+/// The generation runs as its reader polls it (in the reader's task, see `inline_stream`): a
+/// token goes from the engine's stream to the client without waking another task.
+pub struct ChoiceReceiver {
+    events: InlineStream<Result<GenerationEvent, GatewayError>>,
+}
+
+impl ChoiceReceiver {
+    /// The next event; `None` after the last.
+    pub async fn recv(&mut self) -> Option<Result<GenerationEvent, GatewayError>> {
+        self.events.next().await
+    }
+}
+
+impl futures_util::Stream for ChoiceReceiver {
+    type Item = Result<GenerationEvent, GatewayError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.events).poll_next(context)
+    }
+}
+
+/// Counts a choice in flight until its generation ends or its receiver is dropped (a dropped
+/// receiver before the end is a cancelled generation).
+struct ChoiceInFlight {
+    metrics: Arc<GatewayMetrics>,
+    ended: bool,
+}
+
+impl ChoiceInFlight {
+    fn new(metrics: Arc<GatewayMetrics>) -> Self {
+        metrics.in_flight_requests.fetch_add(1, Ordering::Relaxed);
+        ChoiceInFlight {
+            metrics,
+            ended: false,
+        }
+    }
+}
+
+impl ChoiceInFlight {
+    /// The generation ran to its end (an answer, or an error sent to the reader).
+    fn end(mut self) {
+        self.ended = true;
+    }
+}
+
+impl Drop for ChoiceInFlight {
+    fn drop(&mut self) {
+        self.metrics
+            .in_flight_requests
+            .fetch_sub(1, Ordering::Relaxed);
+        if !self.ended {
+            self.metrics
+                .cancelled_generations
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
 
 /// A chat on its way: its plan, one receiver per choice (in order), and the tools whose calls
 /// are read out of the answer.
@@ -198,7 +257,7 @@ impl Generator {
     }
 
     /// Starts choice `choice_index` of `plan`. Errors before the first token come back here;
-    /// later ones arrive in the channel. Dropping the receiver cancels the generation.
+    /// later ones arrive as events. Dropping the receiver cancels the generation.
     pub async fn start_choice(
         &self,
         plan: &GenerationPlan,
@@ -209,18 +268,19 @@ impl Generator {
             .backend
             .generate(plan.engine_request(choice_index))
             .await?;
-        let (sender, receiver) = mpsc::channel(64);
         let metrics = self.metrics.clone();
         let plan = plan.clone();
-        metrics.in_flight_requests.fetch_add(1, Ordering::Relaxed);
         metrics
             .prompt_tokens
             .fetch_add(plan.prompt_token_ids.len() as u64, Ordering::Relaxed);
-        tokio::spawn(async move {
-            run_generation(&metrics, plan, token_stream, sender, started).await;
-            metrics.in_flight_requests.fetch_sub(1, Ordering::Relaxed);
+        let in_flight = ChoiceInFlight::new(metrics.clone());
+        let events = InlineStream::new(move |sender| async move {
+            let last = run_generation(&metrics, plan, token_stream, &sender, started).await;
+            // Ended here, not when the reader drops the receiver after the last event.
+            in_flight.end();
+            sender.send(last).await;
         });
-        Ok(receiver)
+        Ok(ChoiceReceiver { events })
     }
 
     /// Starts all choices of a plan (so their errors surface before any response is sent).
@@ -240,9 +300,9 @@ async fn run_generation(
     metrics: &GatewayMetrics,
     plan: GenerationPlan,
     mut token_stream: crate::backend::TokenStream,
-    sender: mpsc::Sender<Result<GenerationEvent, GatewayError>>,
+    sender: &Emitter<Result<GenerationEvent, GatewayError>>,
     started: Instant,
-) {
+) -> Result<GenerationEvent, GatewayError> {
     let tokenizer = &plan.model.resources.tokenizer;
     let mut detokenizer = IncrementalDetokenizer::new(true);
     let mut stop_matcher = StopStringMatcher::new(plan.options.stop.clone());
@@ -269,28 +329,16 @@ async fn run_generation(
         }
     };
     loop {
-        let next = tokio::select! {
-            // The client went away: dropping the token stream cancels the engine sequence.
-            _ = sender.closed() => {
-                metrics.cancelled_generations.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            next = token_stream.next() => next,
-        };
-        let token = match next {
+        // A client that went away drops this generation mid-wait, and with it the token
+        // stream, which cancels the engine sequence.
+        let token = match token_stream.next().await {
             Some(Ok(token)) => token,
-            Some(Err(error)) => {
-                let _ = sender.send(Err(error)).await;
-                return;
-            }
+            Some(Err(error)) => return Err(error),
             None => {
                 // The engine closed the stream without a finish reason: it went away mid-answer.
-                let _ = sender
-                    .send(Err(GatewayError::NoEngineAvailable(
-                        "the engine stopped mid-generation".to_string(),
-                    )))
-                    .await;
-                return;
+                return Err(GatewayError::NoEngineAvailable(
+                    "the engine stopped mid-generation".to_string(),
+                ));
             }
         };
         cached_tokens = cached_tokens.max(token.cached_prompt_tokens);
@@ -323,12 +371,9 @@ async fn run_generation(
             match detokenizer.push(tokenizer, token.token_id) {
                 Ok(text) => released.push_str(&text),
                 Err(error) => {
-                    let _ = sender
-                        .send(Err(GatewayError::Internal(format!(
-                            "engine sent an undecodable token: {error}"
-                        ))))
-                        .await;
-                    return;
+                    return Err(GatewayError::Internal(format!(
+                        "engine sent an undecodable token: {error}"
+                    )))
                 }
             }
             if plan.options.logprobs {
@@ -404,7 +449,7 @@ async fn run_generation(
                 append(&mut text, splitter.finish());
             }
             if !text.is_empty() || !logprobs.is_empty() {
-                let _ = sender
+                sender
                     .send(Ok(GenerationEvent::Delta { text, logprobs }))
                     .await;
             }
@@ -425,20 +470,13 @@ async fn run_generation(
                 reasoning_tokens: reasoning_tokens.min(completion_tokens),
                 cached_tokens,
             };
-            let _ = sender.send(Ok(GenerationEvent::Finished(summary))).await;
             // Returning drops the token stream: after a stop string that cancels the engine.
-            return;
+            return Ok(GenerationEvent::Finished(summary));
         }
-        if (!text.is_empty() || !logprobs.is_empty())
-            && sender
+        if !text.is_empty() || !logprobs.is_empty() {
+            sender
                 .send(Ok(GenerationEvent::Delta { text, logprobs }))
-                .await
-                .is_err()
-        {
-            metrics
-                .cancelled_generations
-                .fetch_add(1, Ordering::Relaxed);
-            return;
+                .await;
         }
     }
 }
@@ -455,6 +493,14 @@ pub struct CollectedGeneration {
     pub reasoning: String,
     pub logprobs: Vec<TokenLogprobEntry>,
     pub summary: GenerationSummary,
+}
+
+/// Reads every choice to its end, all at once: each choice's tokens are taken as the engine
+/// sends them, not after the choices before it (the generations run as they are read).
+pub async fn collect_all_generations(
+    receivers: Vec<ChoiceReceiver>,
+) -> Result<Vec<CollectedGeneration>, GatewayError> {
+    futures_util::future::try_join_all(receivers.into_iter().map(collect_generation)).await
 }
 
 /// Reads a choice to the end.

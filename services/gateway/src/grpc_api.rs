@@ -18,7 +18,6 @@ use ninfer_protocol::v1::{
     GatewaySamplingOptions, GatewayUsage, ListModelsRequest, ListModelsResponse,
     TextGenerationChunk, TextGenerationRequest, TextGenerationResponse,
 };
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::chat::{
@@ -293,7 +292,7 @@ impl Gateway for GatewayGrpcService {
             .start_choice(&plan, 0)
             .await
             .map_err(|error| error.to_grpc_status())?;
-        let stream = ReceiverStream::new(receiver).map(|event| match event {
+        let stream = receiver.map(|event| match event {
             Ok(GenerationEvent::Delta { text, .. }) => Ok(TextGenerationChunk {
                 text: text.content,
                 ..Default::default()
@@ -337,7 +336,7 @@ impl Gateway for GatewayGrpcService {
             .start_chat(request.into_inner())
             .await
             .map_err(|error| error.to_grpc_status())?;
-        let stream = ReceiverStream::new(receiver).map(|event| match event {
+        let stream = receiver.map(|event| match event {
             Ok(GenerationEvent::Delta { text, .. }) => Ok(ChatChunk {
                 content: text.content,
                 reasoning_content: text.reasoning,

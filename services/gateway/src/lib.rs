@@ -8,7 +8,8 @@
 //! prompts), the Anthropic API (`anthropic`, its per-token events `anthropic_stream_deltas`),
 //! the OpenAI Responses API (`responses`, its numbered events `responses_stream_events`) and the
 //! public gRPC API with health and reflection (`grpc_api`); the JSON strings of every per-token
-//! writer come from `json_text`; `models` answers `/v1/models` in the asking API's
+//! writer come from `json_text`; every stage of an answer runs in its HTTP connection's task
+//! (`inline_stream`); `models` answers `/v1/models` in the asking API's
 //! shape. Beside them: utility routes, auth and limits (`server`); reading request
 //! bodies within their limit, refusing a prompt too long for the context or another input over
 //! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them
@@ -36,6 +37,7 @@ pub mod generation;
 pub mod generation_plan;
 pub mod grpc_api;
 pub mod images;
+pub mod inline_stream;
 pub mod json_body;
 pub mod json_text;
 pub mod metrics;

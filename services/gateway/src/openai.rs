@@ -19,8 +19,6 @@ use axum::Json;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value as JsonValue};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::backend::ServedModel;
 use crate::chat::{
@@ -29,11 +27,12 @@ use crate::chat::{
 };
 use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{
-    collect_generation, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
+    collect_all_generations, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
     StartedChat, TokenLogprobEntry,
 };
 use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, SamplingOptions};
 use crate::images::ChatImagePart;
+use crate::inline_stream::InlineStream;
 use crate::json_body::parse_json_body;
 use crate::openai_chunks::ChatChunkText;
 use crate::request_body::JsonRequestBody;
@@ -500,8 +499,11 @@ async fn chat_completions_inner(
     let mut choices = Vec::new();
     let (mut prompt_tokens, mut completion_tokens, mut reasoning_tokens, mut cached_tokens) =
         (0, 0, 0, 0);
-    for (index, receiver) in receivers.into_iter().enumerate() {
-        let generation = collect_generation(receiver).await?;
+    for (index, generation) in collect_all_generations(receivers)
+        .await?
+        .into_iter()
+        .enumerate()
+    {
         prompt_tokens = generation.summary.prompt_tokens;
         cached_tokens = generation.summary.cached_tokens;
         completion_tokens += generation.summary.completion_tokens;
@@ -617,17 +619,19 @@ fn openai_response_format(value: Option<&JsonValue>) -> Result<ResponseFormat, G
 pub(crate) fn merged_choices(
     receivers: Vec<ChoiceReceiver>,
 ) -> impl futures_util::Stream<Item = (usize, Result<GenerationEvent, GatewayError>)> {
-    futures_util::stream::select_all(receivers.into_iter().enumerate().map(|(index, receiver)| {
-        ReceiverStream::new(receiver)
-            .map(move |event| (index, event))
-            .boxed()
-    }))
+    futures_util::stream::select_all(
+        receivers
+            .into_iter()
+            .enumerate()
+            .map(|(index, receiver)| receiver.map(move |event| (index, event)).boxed()),
+    )
 }
 
-/// Wraps a producer task's channel as an SSE response. When the client disconnects, axum drops
-/// the stream, the producer's sends fail, it drops the generation channels, and the engines cancel.
-pub(crate) fn sse_response(events: mpsc::Receiver<Event>) -> Response {
-    let stream = ReceiverStream::new(events).map(Ok::<Event, Infallible>);
+/// An API's event producer as an SSE response, run by the client's connection as it writes.
+/// When the client disconnects, axum drops the stream, the producer with its generations, and
+/// the engines cancel.
+pub(crate) fn sse_response(events: InlineStream<Event>) -> Response {
+    let stream = events.map(Ok::<Event, Infallible>);
     Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response()
@@ -671,10 +675,9 @@ fn stream_chat(
     logprobs: bool,
     tools: Option<Vec<minijinja::Value>>,
 ) -> Response {
-    let (events, event_receiver) = mpsc::channel::<Event>(64);
     let choice_count = receivers.len();
     let text_chunks = ChatChunkText::new(&id, created, &model, include_usage);
-    tokio::spawn(async move {
+    let event_stream = InlineStream::new(|events| async move {
         let mut captures: Vec<Option<ToolCallCapture>> = (0..choice_count)
             .map(|_| tools.as_ref().map(|_| ToolCallCapture::default()))
             .collect();
@@ -690,9 +693,7 @@ fn stream_chat(
                 json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
                 None,
             );
-            if events.send(first).await.is_err() {
-                return;
-            }
+            events.send(first).await;
         }
         let mut summaries: Vec<Option<GenerationSummary>> = vec![None; choice_count];
         let mut merged = merged_choices(receivers);
@@ -760,9 +761,7 @@ fn stream_chat(
                                 json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]),
                                 None,
                             );
-                            if events.send(held).await.is_err() {
-                                return;
-                            }
+                            events.send(held).await;
                         }
                     }
                     chunk(
@@ -771,16 +770,14 @@ fn stream_chat(
                     )
                 }
                 Err(error) => {
-                    let _ = events
+                    events
                         .send(json_event(&error.envelope(ApiDialect::OpenAi)))
                         .await;
-                    let _ = events.send(Event::default().data("[DONE]")).await;
+                    events.send(Event::default().data("[DONE]")).await;
                     return;
                 }
             };
-            if events.send(message).await.is_err() {
-                return; // client gone: dropping `merged` cancels every choice
-            }
+            events.send(message).await; // client gone: dropping `merged` cancels every choice
         }
         if include_usage {
             let (prompt_tokens, cached_tokens) = summaries
@@ -796,7 +793,7 @@ fn stream_chat(
                 .sum();
             let reasoning_tokens: u32 =
                 summaries.iter().flatten().map(|s| s.reasoning_tokens).sum();
-            let _ = events
+            events
                 .send(chunk(
                     json!([]),
                     Some(chat_usage_json(
@@ -808,9 +805,9 @@ fn stream_chat(
                 ))
                 .await;
         }
-        let _ = events.send(Event::default().data("[DONE]")).await;
+        events.send(Event::default().data("[DONE]")).await;
     });
-    sse_response(event_receiver)
+    sse_response(event_stream)
 }
 
 /// An OpenAI model object (with NInfer's readiness and context length).

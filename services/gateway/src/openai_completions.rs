@@ -14,11 +14,11 @@ use axum::Json;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value as JsonValue};
-use tokio::sync::mpsc;
 
 use crate::error::{ApiDialect, GatewayError};
-use crate::generation::{collect_generation, GenerationEvent, TokenLogprobEntry};
+use crate::generation::{collect_all_generations, GenerationEvent, TokenLogprobEntry};
 use crate::generation_plan::{encode_text, token_count_parameter, GenerationPlan};
+use crate::inline_stream::InlineStream;
 use crate::json_body::parse_json_body;
 use crate::openai::{
     finish_reason_text, json_event, merged_choices, openai_error, sse_response, unix_seconds,
@@ -135,8 +135,7 @@ async fn completions_inner(
             .stream_options
             .map(|o| o.include_usage)
             .unwrap_or(false);
-        let (events, event_receiver) = mpsc::channel::<Event>(64);
-        tokio::spawn(async move {
+        let event_stream = InlineStream::new(|events| async move {
             let chunk = |choices: JsonValue, usage: Option<JsonValue>| {
                 let mut value = json!({"id": id, "object": "text_completion", "created": created, "model": model_name, "choices": choices});
                 if include_usage {
@@ -177,33 +176,34 @@ async fn completions_inner(
                         )
                     }
                     Err(error) => {
-                        let _ = events
+                        events
                             .send(json_event(&error.envelope(ApiDialect::OpenAi)))
                             .await;
-                        let _ = events.send(Event::default().data("[DONE]")).await;
+                        events.send(Event::default().data("[DONE]")).await;
                         return;
                     }
                 };
-                if events.send(message).await.is_err() {
-                    return;
-                }
+                events.send(message).await;
             }
             if include_usage {
-                let _ = events
+                events
                     .send(chunk(
                         json!([]),
                         Some(usage_json(prompt_tokens, completion_tokens, cached_tokens)),
                     ))
                     .await;
             }
-            let _ = events.send(Event::default().data("[DONE]")).await;
+            events.send(Event::default().data("[DONE]")).await;
         });
-        return Ok(sse_response(event_receiver));
+        return Ok(sse_response(event_stream));
     }
     let mut choices = Vec::new();
     let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0, 0, 0);
-    for (index, receiver) in receivers.into_iter().enumerate() {
-        let generation = collect_generation(receiver).await?;
+    for (index, generation) in collect_all_generations(receivers)
+        .await?
+        .into_iter()
+        .enumerate()
+    {
         prompt_tokens = generation.summary.prompt_tokens;
         cached_tokens = generation.summary.cached_tokens;
         completion_tokens += generation.summary.completion_tokens;

@@ -20,8 +20,6 @@ use axum::Json;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value as JsonValue};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::chat::{
     template_variables_from_object, ChatContent, ChatContentPart, ChatConversation, ChatMessage,
@@ -31,6 +29,7 @@ use crate::error::{ApiDialect, GatewayError};
 use crate::generation::{ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary};
 use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, SamplingOptions};
 use crate::images::ChatImagePart;
+use crate::inline_stream::InlineStream;
 use crate::json_body::parse_json_body;
 use crate::request_body::JsonRequestBody;
 use crate::responses_stream_events::{ResponseDelta, ResponseEventSequence};
@@ -705,8 +704,7 @@ fn stream_response(
     callable: Option<Vec<minijinja::Value>>,
     history: Vec<ChatMessage>,
 ) -> Response {
-    let (events, event_receiver) = mpsc::channel::<Event>(64);
-    tokio::spawn(async move {
+    let event_stream = InlineStream::new(|events| async move {
         let mut sequence = ResponseEventSequence::default();
         let base = frame.id.trim_start_matches("resp_").to_string();
         let created = frame.object("in_progress", Vec::new(), None, None);
@@ -714,9 +712,7 @@ fn stream_response(
             ("response.created", json!({"response": created.clone()})),
             ("response.in_progress", json!({"response": created})),
         ] {
-            if events.send(sequence.value(kind, value)).await.is_err() {
-                return;
-            }
+            events.send(sequence.value(kind, value)).await;
         }
         let mut output: Vec<JsonValue> = Vec::new();
         let mut reasoning = String::new();
@@ -735,7 +731,7 @@ fn stream_response(
                 Some(Err(error)) => {
                     let envelope = error.envelope(ApiDialect::OpenAi);
                     let detail = &envelope["error"];
-                    let _ = events
+                    events
                         .send(sequence.value(
                             "error",
                             json!({"code": detail["code"], "message": detail["message"], "param": detail["param"]}),
@@ -796,9 +792,7 @@ fn stream_response(
                 ));
             }
             for event in outgoing {
-                if events.send(event).await.is_err() {
-                    return; // client gone: dropping the receiver cancels the generation
-                }
+                events.send(event).await; // client gone: dropping the receiver cancels the generation
             }
         };
         let (rest, calls) = match (capture.as_mut(), callable.as_ref()) {
@@ -867,12 +861,10 @@ fn stream_response(
         frame.remember(history, &text, &named_calls, &finished);
         pending.push((last, json!({"response": finished})));
         for (kind, value) in pending {
-            if events.send(sequence.value(kind, value)).await.is_err() {
-                return;
-            }
+            events.send(sequence.value(kind, value)).await;
         }
     });
-    let stream = ReceiverStream::new(event_receiver).map(Ok::<Event, Infallible>);
+    let stream = event_stream.map(Ok::<Event, Infallible>);
     Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response()

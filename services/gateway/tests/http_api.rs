@@ -581,6 +581,14 @@ async fn client_disconnect_cancels_the_generation() {
         if engine.script.dropped_streams.load(Ordering::SeqCst) >= 1
             && engine.script.cancels.load(Ordering::SeqCst) >= 1
         {
+            // Counted once as cancelled, and no longer in flight.
+            let metrics = get(gateway.address, "/metrics").await.text();
+            for line in [
+                "ninfer_gateway_cancelled_generations_total 1",
+                "ninfer_gateway_in_flight_requests 0",
+            ] {
+                assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+            }
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -736,7 +744,7 @@ async fn models_tokenize_detokenize_metrics_and_expert_statistics() {
             .status,
         200
     );
-    // The generation task finishes its bookkeeping just after the response: poll briefly.
+    // The generation finishes its bookkeeping just after the response: poll briefly.
     let mut metrics = String::new();
     for _ in 0..100 {
         metrics = get(gateway.address, "/metrics").await.text();
@@ -751,6 +759,7 @@ async fn models_tokenize_detokenize_metrics_and_expert_statistics() {
         "ninfer_gateway_inter_token_latency_seconds_bucket",
         "ninfer_gateway_completion_tokens_total 5",
         "ninfer_gateway_in_flight_requests 0",
+        "ninfer_gateway_cancelled_generations_total 0",
         "ninfer_engine_expert_cache_hits_total{engine=",
         "ninfer_engine_expert_cache_bytes_copied_total{engine=",
         "\",layer=\"3\"} 2",

@@ -125,6 +125,12 @@ pub struct ServeBenchReport {
     pub engine_decode_tok_s: Option<f64>,
     /// The first level's stream tok/s ÷ `engine_decode_tok_s` (1 = the API costs nothing).
     pub stream_over_engine: Option<f64>,
+    /// What one more token costs the gateway at one stream, µs, with no `/health` probes: its
+    /// CPU time for an answer of `--output-tokens` less that for a shorter one of the same
+    /// prompt, per extra token (request set-up cancels out; the levels' figure leans on the
+    /// probes' cost measured idle, which a busy machine skews). Null when its process is not
+    /// known.
+    pub gateway_cpu_us_per_token_unprobed: Option<f64>,
 }
 
 /// `ninfer run MODEL --serve` started for the benchmark; stopped (and waited for) on drop.
@@ -243,6 +249,13 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("concurrency {concurrency}"))?,
         );
     }
+    let gateway_cpu_us_per_token_unprobed = match gateway_pid {
+        Some(pid) => Some(
+            unprobed_cpu_per_token(&args, &client, &model, pid)
+                .context("the gateway's CPU per token without probes")?,
+        ),
+        None => None,
+    };
     // The server goes before the engine-only run: both would share the cores and the GPU.
     drop(server);
     let engine_decode_tok_s = match (&args.model, args.no_engine_baseline) {
@@ -258,6 +271,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         levels: figures,
         engine_decode_tok_s,
         stream_over_engine,
+        gateway_cpu_us_per_token_unprobed,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -415,6 +429,46 @@ fn run_level(
     Ok(summarise(concurrency, &timings, wall, gateway_cpu, &health))
 }
 
+/// One stream, no probes: the gateway's CPU time of a full-length answer less that of a short
+/// one with the same prompt, per extra token, µs (see
+/// [`ServeBenchReport::gateway_cpu_us_per_token_unprobed`]).
+fn unprobed_cpu_per_token(
+    args: &ServeBenchArgs,
+    client: &ApiClient,
+    model: &str,
+    gateway_pid: u32,
+) -> anyhow::Result<f64> {
+    let prompt = client.prompt_of_length(model, args.prompt_tokens, args.seed)?;
+    let short = (args.output_tokens / 8).max(1);
+    // The first answer of this prompt warms what a repeat finds (the engine's prefix cache).
+    client.stream_chat(model, &prompt, short)?;
+    let mut spent = Vec::new();
+    for length in [short, args.output_tokens] {
+        let before = process_cpu_time(gateway_pid)?;
+        let timing = client.stream_chat(model, &prompt, length)?;
+        let after = process_cpu_time(gateway_pid)?;
+        spent.push((after.saturating_sub(before), timing.completion_tokens));
+    }
+    let [(short_cpu, short_tokens), (long_cpu, long_tokens)] = spent[..] else {
+        bail!("two answers were measured, not {}", spent.len());
+    };
+    cpu_per_extra_token(short_cpu, short_tokens, long_cpu, long_tokens)
+}
+
+/// The CPU time per token that a longer answer took beyond a shorter one, µs.
+fn cpu_per_extra_token(
+    short_cpu: Duration,
+    short_tokens: usize,
+    long_cpu: Duration,
+    long_tokens: usize,
+) -> anyhow::Result<f64> {
+    if long_tokens <= short_tokens {
+        bail!("the long answer had {long_tokens} tokens, the short one {short_tokens}");
+    }
+    let extra = long_cpu.as_secs_f64() - short_cpu.as_secs_f64();
+    Ok(extra.max(0.0) * 1e6 / (long_tokens - short_tokens) as f64)
+}
+
 /// How long the idle server is probed to measure what a probe costs it.
 const CALIBRATION_TIME: Duration = Duration::from_secs(2);
 
@@ -550,6 +604,13 @@ fn print_table(report: &ServeBenchReport, args: &ServeBenchArgs) {
             level.health_failures,
         );
     }
+    if let Some(us) = report.gateway_cpu_us_per_token_unprobed {
+        println!(
+            "gateway CPU per token at one stream without /health probes (a {}- and a {}-token answer differenced): {us:.1} µs",
+            (args.output_tokens / 8).max(1),
+            args.output_tokens
+        );
+    }
     if let (Some(engine), Some(ratio)) = (report.engine_decode_tok_s, report.stream_over_engine) {
         println!(
             "engine alone (`ninfer bench`, batch 1): {engine:.1} tok/s; one stream through the API: {:.1}% of it",
@@ -567,6 +628,15 @@ mod tests {
         assert_eq!(sequences_for(&[], 64), vec!["--max-sequences", "64"]);
         let told = vec!["--max-sequences=8".to_string()];
         assert!(sequences_for(&told, 64).is_empty());
+    }
+
+    #[test]
+    fn the_extra_tokens_carry_the_extra_cpu() {
+        // 2 ms for 4 tokens, 10 ms for 20: 8 ms for 16 more tokens.
+        let per_token =
+            cpu_per_extra_token(Duration::from_millis(2), 4, Duration::from_millis(10), 20);
+        assert_eq!(per_token.ok().map(f64::round), Some(500.0));
+        assert!(cpu_per_extra_token(Duration::ZERO, 4, Duration::ZERO, 4).is_err());
     }
 
     #[test]

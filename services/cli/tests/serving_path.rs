@@ -117,6 +117,12 @@ fn bench_serve_measures_the_api_with_the_real_vocabulary() {
         let cpu = level["gateway_cpu_us_per_token"].as_f64();
         assert!(cpu.is_some_and(|us| us < 5000.0), "{level}");
     }
+    // The same cost measured without probes: one stream, two answer lengths differenced.
+    let unprobed = report["gateway_cpu_us_per_token_unprobed"].as_f64();
+    assert!(
+        unprobed.is_some_and(|us| us > 0.0 && us < 5000.0),
+        "{report}"
+    );
     let engine = report["engine_decode_tok_s"].as_f64().unwrap_or(0.0);
     assert!(engine > 0.0, "{report}");
     assert!(report["stream_over_engine"].as_f64().unwrap_or(0.0) > 0.0);

@@ -288,7 +288,7 @@ pub struct DiskPlan {
 }
 
 /// The engine's `--moe-prefill-layerwise-min-tokens` default.
-const LAYERWISE_MIN_TOKENS: usize = 1024;
+const LAYERWISE_MIN_TOKENS: usize = 256;
 
 #[derive(Debug, serde::Serialize)]
 pub struct WorkerPlan {
@@ -653,7 +653,7 @@ pub fn print_plan(plan: &Plan) {
     }
     if plan.prefill_staging_bytes > 0 {
         println!(
-            "prefill       layerwise from {} tokens: staging slots {:.2} GiB on the GPU (two halves of one layer's experts, streamed over PCIe while the layer before computes); each MoE layer split between GPU and CPU workers from the PCIe, GPU and CPU expert rates the engine measures and logs at start",
+            "prefill       layerwise from {} tokens: staging slots {:.2} GiB on the GPU (two halves of one layer's experts, streamed over PCIe while the layer before computes)",
             plan.layerwise_min_tokens,
             gib(plan.prefill_staging_bytes)
         );

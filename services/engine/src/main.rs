@@ -643,14 +643,18 @@ fn measure_prefill_throughputs<B: Backend>(
     cpu_rate_share: f64,
 ) -> anyhow::Result<ninfer_engine::PrefillThroughputs> {
     let waiting = std::time::Instant::now();
-    while let Some(reason) = readiness.not_ready_reason() {
+    // With no share for the workers their rate is not needed: no wait, no measurement.
+    while let Some(reason) = (cpu_rate_share > 0.0)
+        .then(|| readiness.not_ready_reason())
+        .flatten()
+    {
         if waiting.elapsed() > EXECUTOR_READY_WAIT {
             tracing::warn!(%reason, "the expert executor is not ready: layerwise prefill leaves it nothing");
             break;
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    let executor_tokens = if readiness.not_ready_reason().is_none() {
+    let executor_tokens = if cpu_rate_share > 0.0 && readiness.not_ready_reason().is_none() {
         MEASURED_EXECUTOR_TOKENS
     } else {
         0
@@ -658,7 +662,7 @@ fn measure_prefill_throughputs<B: Backend>(
     let mut throughputs = model
         .measure_prefill_throughputs(MEASURED_GPU_TOKENS, executor_tokens)
         .context("measuring the layerwise prefill throughputs")?;
-    if cpu_rate_share != 1.0 {
+    if cpu_rate_share != 1.0 && throughputs.executor_pairs_per_second > 0.0 {
         throughputs.executor_pairs_per_second *= cpu_rate_share;
         model
             .set_prefill_throughputs(throughputs)

@@ -114,7 +114,7 @@ impl<B: Backend> Model<B> {
             &part(a, &first)?,
             &part(b, &first)?,
             batch,
-            &[0..split],
+            std::slice::from_ref(&(0..split)),
             0,
         )?;
         let [item] = batch else {
@@ -143,7 +143,7 @@ impl<B: Backend> Model<B> {
             &part(a, &rest)?,
             &part(b, &rest)?,
             batch,
-            &[0..rows - split],
+            std::slice::from_ref(&(0..rows - split)),
             split,
         )?;
         backend.concat_rows(&head, &tail)

@@ -176,7 +176,7 @@ fn claude_code() -> Option<PathBuf> {
 }
 
 #[test]
-fn claude_code_completes_a_turn_against_the_real_vocabulary_model() {
+fn claude_code_completes_two_turns_the_second_from_the_prefix_cache() {
     let Some(claude) = claude_code() else {
         eprintln!("SKIPPED: Claude Code is not installed (npm install @anthropic-ai/claude-code, then set NINFER_CLAUDE_CODE to its `claude` binary or put it on PATH)");
         return;
@@ -196,36 +196,50 @@ fn claude_code_completes_a_turn_against_the_real_vocabulary_model() {
     );
     let home = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let work = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let output = Command::new("timeout")
-        .arg("600")
-        .arg(claude)
-        .args([
-            "-p",
-            "Say hello.",
-            "--output-format",
-            "json",
-            "--model",
-            "claude-sonnet-4-5",
-            "--max-turns",
-            "2",
-        ])
-        .current_dir(work.path())
-        .env("HOME", home.path())
-        .env("ANTHROPIC_BASE_URL", format!("http://{}", server.address))
-        .env("ANTHROPIC_API_KEY", "test-key")
-        .env("DISABLE_TELEMETRY", "1")
-        .env("DISABLE_AUTOUPDATER", "1")
-        .env("DISABLE_ERROR_REPORTING", "1")
-        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
-        .output()
-        .unwrap_or_else(|e| panic!("claude: {e}"));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    eprintln!("claude stdout: {stdout}\nclaude stderr: {stderr}");
-    let result: Value = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("Claude Code's JSON output: {e}\n{stdout}\n{stderr}"));
-    assert_eq!(result["is_error"], false, "{result}");
-    assert_eq!(result["subtype"], "success", "{result}");
-    assert!(output.status.success(), "{stderr}");
+    let turn = |arguments: &[&str]| -> Value {
+        let output = Command::new("timeout")
+            .arg("600")
+            .arg(&claude)
+            .args(arguments)
+            .args([
+                "--output-format",
+                "json",
+                "--model",
+                "claude-sonnet-4-5",
+                "--max-turns",
+                "2",
+            ])
+            .current_dir(work.path())
+            .env("HOME", home.path())
+            .env("ANTHROPIC_BASE_URL", format!("http://{}", server.address))
+            .env("ANTHROPIC_API_KEY", "test-key")
+            .env("DISABLE_TELEMETRY", "1")
+            .env("DISABLE_AUTOUPDATER", "1")
+            .env("DISABLE_ERROR_REPORTING", "1")
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+            .output()
+            .unwrap_or_else(|e| panic!("claude: {e}"));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        eprintln!("claude stdout: {stdout}\nclaude stderr: {stderr}");
+        let result: Value = serde_json::from_str(stdout.trim())
+            .unwrap_or_else(|e| panic!("Claude Code's JSON output: {e}\n{stdout}\n{stderr}"));
+        assert_eq!(result["is_error"], false, "{result}");
+        assert_eq!(result["subtype"], "success", "{result}");
+        assert!(output.status.success(), "{stderr}");
+        result
+    };
+    turn(&["-p", "Say hello."]);
+    // The second turn resends the system prompt, the tools and the first turn: the prefix
+    // cache serves them, and Claude Code hears so.
+    let second = turn(&["-p", "Say hello again.", "--continue"]);
+    let cached = second["usage"]["cache_read_input_tokens"]
+        .as_u64()
+        .unwrap_or_default();
+    assert!(
+        cached > 1000,
+        "the second turn's cached input tokens: {}",
+        second["usage"]
+    );
     drop(server);
 }

@@ -15,7 +15,8 @@
 //! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them
 //! (`json_body`); connection limits, timeouts and the shutdown drain (`connections`); shared
 //! state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`, its
-//! byte-level decoding table `token_bytes`, `chat_template`); stop strings (`stop_strings`),
+//! byte-level decoding table `token_bytes`, the token ids of long prompt pieces kept between
+//! turns `prompt_token_cache`, `chat_template`); stop strings (`stop_strings`),
 //! `<think>` splitting (`reasoning`), tool-call parsing (`tool_calls`), structured output and
 //! forced tool calls as grammars for the engine (`structured`); the
 //! [`backend::GenerationBackend`] seam and its gRPC engine pool (`backend::engine_pool`); routing
@@ -45,6 +46,7 @@ pub mod models;
 pub mod openai;
 pub mod openai_chunks;
 pub mod openai_completions;
+pub mod prompt_token_cache;
 pub mod reasoning;
 pub mod request_body;
 pub mod responses;

@@ -1,7 +1,8 @@
 //! Prometheus metrics of the gateway, plus the engine counters it re-exports.
 //!
 //! Owns: lock-free counters and fixed-bucket histograms (requests, tokens, time to first token,
-//! inter-token latency, request duration, in-flight requests) and the text exposition format of
+//! inter-token latency, request duration, in-flight requests), the prompt-token cache's totals
+//! (from `prompt_token_cache`) and the text exposition format of
 //! `GET /metrics`, including per-engine gauges/counters taken from the pool snapshot (queue
 //! depth, expert-cache hits/misses/refills, CPU expert calls, KV use) and routing totals.
 //! Must not touch: request handling; handlers only call the `record_*` methods.
@@ -175,6 +176,7 @@ impl GatewayMetrics {
             "ninfer_gateway_request_duration_seconds",
             "Time from request to last token.",
         );
+        crate::prompt_token_cache::render_metrics(&mut output);
         render_engines(&mut output, snapshot);
         output.push_str("# HELP ninfer_routing_tokens_total Tokens routed through the experts, all engines, per model.\n");
         output.push_str("# TYPE ninfer_routing_tokens_total counter\n");

@@ -4,6 +4,8 @@
 //! prompts within the context (a prompt too long for it is refused after counting at most the
 //! context's worth of tokens, never by tokenizing all of it), encoding a rendered chat so that
 //! special tokens typed in messages stay text (only the template's own are control tokens),
+//! reusing the ids of long pieces between the template's control tokens that an earlier request
+//! already encoded (an agent's system prompt and tools, every turn; see `prompt_token_cache`),
 //! decoding ids, and [`IncrementalDetokenizer`], which turns a token stream into text deltas
 //! without ever emitting half a UTF-8 character or a byte-level fragment.
 //! Must not touch: stop strings or reasoning splitting (see `stop_strings`, `reasoning`).
@@ -14,6 +16,9 @@ use tokenizers::Tokenizer;
 
 use crate::chat_template::{ChatTemplate, ChatTemplateInput};
 use crate::error::GatewayError;
+use crate::prompt_token_cache::{
+    PromptTokenCache, PromptTokenCacheStats, DEFAULT_PROMPT_TOKEN_CACHE_BYTES,
+};
 use crate::token_bytes::TokenBytes;
 
 /// Texts up to this size are encoded in one go; larger ones are first counted in chunks of about
@@ -60,6 +65,10 @@ pub struct ModelTokenizer {
     /// per-call work (see `token_bytes`).
     token_bytes: Option<TokenBytes>,
     typed_control_tokens: TypedControlTokens,
+    /// Ids of long rendered-chat pieces from earlier requests; `None` when cutting at the
+    /// special tokens is not exactly what the tokenizer itself does (see
+    /// [`cuts_as_the_tokenizer_does`]), so reusing pieces' ids could change a prompt's.
+    prompt_token_cache: Option<PromptTokenCache>,
 }
 
 impl ModelTokenizer {
@@ -85,7 +94,10 @@ impl ModelTokenizer {
         let most_bytes_per_token = most_bytes_per_token(&tokenizer, bytes);
         let vocabulary_size = tokenizer.get_vocab_size(true);
         let token_bytes = TokenBytes::of(&tokenizer, vocabulary_size);
+        let prompt_token_cache = cuts_as_the_tokenizer_does(&tokenizer)
+            .then(|| PromptTokenCache::new(DEFAULT_PROMPT_TOKEN_CACHE_BYTES));
         Ok(ModelTokenizer {
+            prompt_token_cache,
             vocabulary_size,
             token_bytes,
             tokenizer,
@@ -101,6 +113,22 @@ impl ModelTokenizer {
     pub fn with_token_limit(mut self, limit: usize) -> Self {
         self.token_limit = (limit > 0).then_some(limit);
         self
+    }
+
+    /// Keeps at most `budget_bytes` of long prompt pieces' ids between requests (0: none), when
+    /// this tokenizer allows reusing them exactly.
+    pub fn with_prompt_token_cache_bytes(mut self, budget_bytes: usize) -> Self {
+        if self.prompt_token_cache.is_some() {
+            self.prompt_token_cache = Some(PromptTokenCache::new(budget_bytes));
+        }
+        self
+    }
+
+    /// What the prompt-token cache has done and holds; `None` when this tokenizer has none.
+    pub fn prompt_token_cache_stats(&self) -> Option<PromptTokenCacheStats> {
+        self.prompt_token_cache
+            .as_ref()
+            .map(PromptTokenCache::stats)
     }
 
     /// How control tokens typed in chat messages are encoded.
@@ -170,25 +198,48 @@ impl ModelTokenizer {
         if !rest.is_empty() {
             pieces.push(PromptPiece::Text(self.restore_typed_tokens(rest)));
         }
-        let texts: Vec<&str> = pieces
+        let token_ids = self.encode_chat_pieces(pieces)?;
+        Ok((self.restore_typed_tokens(&rendered), token_ids))
+    }
+
+    /// The ids of a rendered chat's pieces, in order: control tokens as they are, long texts from
+    /// the prompt-token cache when an earlier request encoded the same text, the rest encoded
+    /// (and kept when long). Refuses a prompt over the limit after counting at most about the
+    /// limit, as [`Self::check_length`] does: cached pieces count their known ids.
+    fn encode_chat_pieces(&self, pieces: Vec<PromptPiece>) -> Result<Vec<u32>, GatewayError> {
+        let cache = self.prompt_token_cache.as_ref();
+        let cached: Vec<Option<std::sync::Arc<[u32]>>> = pieces
             .iter()
-            .filter_map(|piece| match piece {
-                PromptPiece::Text(text) => Some(text.as_str()),
-                PromptPiece::Control(_) => None,
+            .map(|piece| match (piece, cache) {
+                (PromptPiece::Text(text), Some(cache)) => cache.get(text),
+                _ => None,
             })
             .collect();
-        let control_tokens = pieces.len() - texts.len();
-        self.check_length(&self.plain_text_tokenizer, &texts, control_tokens)?;
-        let mut token_ids = Vec::new();
-        for piece in pieces {
-            match piece {
-                PromptPiece::Text(text) => {
-                    token_ids.extend(encode_with(&self.plain_text_tokenizer, &text, false)?)
-                }
-                PromptPiece::Control(id) => token_ids.push(id),
+        let mut known_tokens = 0;
+        let mut texts_to_encode: Vec<&str> = Vec::new();
+        for (piece, cached) in pieces.iter().zip(&cached) {
+            match (piece, cached) {
+                (PromptPiece::Control(_), _) => known_tokens += 1,
+                (PromptPiece::Text(_), Some(ids)) => known_tokens += ids.len(),
+                (PromptPiece::Text(text), None) => texts_to_encode.push(text),
             }
         }
-        Ok((self.restore_typed_tokens(&rendered), token_ids))
+        self.check_length(&self.plain_text_tokenizer, &texts_to_encode, known_tokens)?;
+        let mut token_ids = Vec::with_capacity(known_tokens);
+        for (piece, cached) in pieces.iter().zip(cached) {
+            match (piece, cached) {
+                (PromptPiece::Control(id), _) => token_ids.push(*id),
+                (PromptPiece::Text(_), Some(ids)) => token_ids.extend_from_slice(&ids),
+                (PromptPiece::Text(text), None) => {
+                    let ids = encode_with(&self.plain_text_tokenizer, text, false)?;
+                    if let Some(cache) = cache {
+                        cache.insert(text, &ids);
+                    }
+                    token_ids.extend(ids);
+                }
+            }
+        }
+        Ok(token_ids)
     }
 
     /// The earliest special token in `text`: (byte position, its text, its id).
@@ -325,25 +376,25 @@ impl ModelTokenizer {
         Ok(())
     }
 
-    /// Refuses `texts` (plus `control_tokens` single tokens) when they have more tokens than the
-    /// limit, doing work and using memory in proportion to the limit, not to the text: first
+    /// Refuses `texts` (plus `known_tokens` already counted: control tokens, cached pieces) when
+    /// they have more tokens than the limit, doing work and using memory in proportion to the limit, not to the text: first
     /// from the length alone (when a token's bytes are bounded), then by counting chunk by chunk
     /// and stopping past the limit.
     fn check_length(
         &self,
         tokenizer: &Tokenizer,
         texts: &[&str],
-        control_tokens: usize,
+        known_tokens: usize,
     ) -> Result<(), GatewayError> {
         let Some(limit) = self.token_limit else {
             return Ok(());
         };
         let bytes: usize = texts.iter().map(|text| text.len()).sum();
-        self.check_size(bytes + control_tokens * self.most_bytes_per_token.unwrap_or(0))?;
+        self.check_size(bytes + known_tokens * self.most_bytes_per_token.unwrap_or(0))?;
         if bytes <= CHUNK_BYTES {
             return Ok(());
         }
-        let (mut counted, mut chunks) = (control_tokens, 0usize);
+        let (mut counted, mut chunks) = (known_tokens, 0usize);
         for text in texts {
             let mut rest = *text;
             while !rest.is_empty() {
@@ -448,6 +499,19 @@ fn string_bytes(value: &Value) -> usize {
 enum PromptPiece {
     Text(String),
     Control(u32),
+}
+
+/// Whether cutting a text at the special tokens and encoding each piece apart gives the ids the
+/// tokenizer gives the whole text: true when every special token is matched on the raw text as
+/// it is (not normalized, no whitespace absorbed on either side, not only as a whole word), since
+/// the tokenizer itself extracts such tokens first and then normalizes, pre-tokenizes and merges
+/// each piece between them alone.
+fn cuts_as_the_tokenizer_does(tokenizer: &Tokenizer) -> bool {
+    tokenizer
+        .get_added_tokens_decoder()
+        .values()
+        .filter(|token| token.special && !token.content.is_empty())
+        .all(|token| !token.normalized && !token.lstrip && !token.rstrip && !token.single_word)
 }
 
 fn encode_with(

@@ -42,12 +42,15 @@
 #               SHARE_TIMEOUT (300 s per bench).
 #   q35         qwen3.5-35b-a3b, int4 experts, zipf routing, a 16 GiB card: a first run records
 #               routing statistics, the measured run places GPU experts by them.
-#   cache       the expert cache against static placement on qwen3.5-35b-a3b, int4 experts,
+#   cache       the expert cache against static placement on each of CACHE_MODELS (default
+#               qwen3.5-35b-a3b; e.g. "qwen3.5-35b-a3b qwen3-next-80b-a3b"), int4 experts,
 #               trained routing, a 16 GiB card (--gpu-mem-budget 16, auto), 4K prompt, DECODE
 #               tokens (default 128): a first run records routing statistics, then CACHE_PASSES
 #               (default 2) passes of the four placements in turn: static first N, cache without
 #               statistics, static by the statistics, cache seeded by them. The engine logs
 #               (logs_cache_*) end with the cache's summary (hit rate, fills, upkeep per step).
+#               A model's artifact is deleted after its runs when another model follows, unless
+#               KEEP_ARTIFACTS=1 (two do not fit a 64 GiB disk together).
 #   decode_ab   qwen3-30b-a3b (as q30) all on the GPU: the defaults, then each of DECODE_AB_OPTIONS
 #               (default "cuda-group-decode-attention cuda-decode-gate-up-tasks") off, AB_PASSES
 #               (2) passes; PROMPTS (e.g. 4096,16384) and DECODE as for q30. With CuPy present,
@@ -252,22 +255,32 @@ run_q35() {
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
 
 if has cache; then
-  convert q35t qwen3.5-35b-a3b --experts-dtype int4 --routing trained
-  wait_for_gpu_tests
-  C=("$work/q35t.ninfer" --device cuda --moe-threads "$threads" --gpu-mem-budget 16
-    --moe-gpu-experts auto --prompt-lengths 4096 --decode-tokens "${DECODE:-128}" --repeats 1)
-  stats=(--engine-arg=--moe-expert-stats --engine-arg="$work/q35t-stats.json")
-  bench cache_record "${STATS_TIMEOUT:-150}" "$work/q35t.ninfer" --device cuda \
-    --moe-threads "$threads" --prompt-lengths 2048 --decode-tokens 128 \
-    --engine-arg=--moe-record-stats --engine-arg="$work/q35t-stats.json"
-  for pass in $(seq 1 "${CACHE_PASSES:-2}"); do
-    bench "cache_static_first_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" --engine-arg=--moe-static-experts
-    bench "cache_dynamic_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}"
-    bench "cache_static_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
-      --engine-arg=--moe-static-experts
-    bench "cache_dynamic_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}"
+  cache_left=$(wc -w <<<"${CACHE_MODELS:-qwen3.5-35b-a3b}")
+  for cache_model in ${CACHE_MODELS:-qwen3.5-35b-a3b}; do  # intentional word split: a list
+    # q35t for the default model (the name other stages and earlier logs use).
+    name=$([ "$cache_model" = qwen3.5-35b-a3b ] && echo q35t || echo "cache-${cache_model%%-*}")
+    convert "$name" "$cache_model" --experts-dtype int4 --routing trained
+    wait_for_gpu_tests
+    C=("$work/$name.ninfer" --device cuda --moe-threads "$threads" --gpu-mem-budget 16
+      --moe-gpu-experts auto --prompt-lengths 4096 --decode-tokens "${DECODE:-128}" --repeats 1)
+    stats=(--engine-arg=--moe-expert-stats --engine-arg="$work/$name-stats.json")
+    bench "cache_${name}_record" "${STATS_TIMEOUT:-150}" "$work/$name.ninfer" --device cuda \
+      --moe-threads "$threads" --prompt-lengths 2048 --decode-tokens 128 \
+      --engine-arg=--moe-record-stats --engine-arg="$work/$name-stats.json"
+    for pass in $(seq 1 "${CACHE_PASSES:-2}"); do
+      bench "cache_${name}_static_first_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" \
+        --engine-arg=--moe-static-experts
+      bench "cache_${name}_dynamic_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}"
+      bench "cache_${name}_static_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
+        --engine-arg=--moe-static-experts
+      bench "cache_${name}_dynamic_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}"
+    done
+    grep -h "expert cache:" "$out"/logs_cache_"$name"_*/*engine* 2>/dev/null | cut -c1-400 \
+      | tee -a "$out/summary.log"
+    # Another model after this one: its artifact goes first (two do not fit a 64 GiB disk).
+    cache_left=$((cache_left - 1))
+    [ "$cache_left" -eq 0 ] || [ "${KEEP_ARTIFACTS:-0}" = 1 ] || rm -f "$work/$name.ninfer"*
   done
-  grep -h "expert cache:" "$out"/logs_cache_*/*engine* 2>/dev/null | cut -c1-400 | tee -a "$out/summary.log"
 fi
 
 if has cards; then

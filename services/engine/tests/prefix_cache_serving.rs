@@ -144,11 +144,22 @@ where
         for (index, (prompt, reused)) in expected.into_iter().enumerate() {
             let (reference, none) = plain.generate(prompt);
             assert_eq!(none, 0, "{fixture}: no cache, nothing reused");
+            model.profile().snapshot(true);
             let (tokens, cached_tokens) = cached.generate(prompt);
+            let prompt_forwards = model.profile().snapshot(true).prefill.forwards;
             assert_eq!(
                 cached_tokens, reused,
                 "{fixture}: prompt {index}'s cached tokens"
             );
+            if index == 0 && fixture != "qwen4_exp" {
+                // A hybrid's donor: a piece to its checkpoint at 128, then one forward for the
+                // rest that takes the checkpoint at 256 as it passes (no forward of its own).
+                assert_eq!(
+                    prompt_forwards,
+                    if hybrid { 2 } else { 1 },
+                    "{fixture}: the donor's prompt forwards"
+                );
+            }
             assert_eq!(tokens, reference, "{fixture}: prompt {index}'s tokens");
         }
         let prefix = &cached.counters.prefix_cache;

@@ -22,6 +22,47 @@ impl<B: Backend> Model<B> {
         self.qwen4_exp.is_none()
     }
 
+    /// Asks the sequence's next forward to take its checkpoint at `position` as its rows pass
+    /// it ([`Model::take_checkpoint_taken`] hands it over after). The forward must run the
+    /// sequence alone and have rows on both sides of `position`; any other forward leaves the
+    /// request unserved. `false` for a model that cannot take checkpoints mid-forward.
+    pub fn request_checkpoint_at(&self, state: &mut SequenceState<B>, position: usize) -> bool {
+        if !self.checkpoints_mid_forward() {
+            return false;
+        }
+        state.capture = Some(MidForwardCapture {
+            position,
+            layers: (0..state.layers.len()).map(|_| None).collect(),
+        });
+        true
+    }
+
+    /// The checkpoint a forward took for [`Model::request_checkpoint_at`], once the sequence
+    /// has passed it and every Gated DeltaNet layer copied its states there; `None` (and the
+    /// request dropped) otherwise. The request is kept while the sequence has not reached it.
+    pub fn take_checkpoint_taken(
+        &self,
+        state: &mut SequenceState<B>,
+    ) -> Option<SequenceCheckpoint<B>> {
+        let position = state.capture.as_ref()?.position;
+        if position > state.position {
+            return None;
+        }
+        let capture = state.capture.take()?;
+        let every_layer_taken = state
+            .layers
+            .iter()
+            .zip(&capture.layers)
+            .all(|(layer, taken)| {
+                matches!(layer, LayerState::GatedDeltaNet { .. }) == taken.is_some()
+            });
+        every_layer_taken.then(|| SequenceCheckpoint {
+            position,
+            layers: capture.layers,
+            ple: state.ple.iter().map(|_| None).collect(),
+        })
+    }
+
     /// [`Model::forward_hidden`] of one sequence's `tokens`, which also returns the checkpoint
     /// [`Model::checkpoint`] would have taken after a forward of the first `at` of them alone:
     /// the same states, without a second forward for the rest. `at` must leave tokens on both
@@ -32,49 +73,29 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         at: usize,
     ) -> Result<(B::Tensor, SequenceCheckpoint<B>), EngineError> {
-        if !self.checkpoints_mid_forward() || at == 0 || at >= tokens.len() {
-            return Err(EngineError::InvalidConfig {
-                problem: format!(
-                    "a checkpoint after {at} of {} tokens cannot be taken mid-forward",
-                    tokens.len()
-                ),
-            });
+        let refused = |what: &str| EngineError::InvalidConfig {
+            problem: format!(
+                "a checkpoint after {at} of {} tokens {what} mid-forward",
+                tokens.len()
+            ),
+        };
+        if at == 0 || at >= tokens.len() {
+            return Err(refused("cannot be taken"));
         }
         let position = state.position + at;
-        state.capture = Some(MidForwardCapture {
-            position,
-            layers: (0..state.layers.len()).map(|_| None).collect(),
-        });
+        if !self.request_checkpoint_at(state, position) {
+            return Err(refused("cannot be taken"));
+        }
         let mut batch = [SequenceInput {
             state: &mut *state,
             tokens,
         }];
         let hidden = self.forward_hidden(&mut batch, None);
-        let capture = state.capture.take();
+        let taken = self.take_checkpoint_taken(state);
+        state.capture = None;
         let hidden = hidden?;
-        let capture = capture.ok_or_else(|| EngineError::InvalidConfig {
-            problem: "the mid-forward checkpoint went missing".into(),
-        })?;
-        let every_layer_taken = state
-            .layers
-            .iter()
-            .zip(&capture.layers)
-            .all(|(layer, taken)| {
-                matches!(layer, LayerState::GatedDeltaNet { .. }) == taken.is_some()
-            });
-        if !every_layer_taken {
-            return Err(EngineError::InvalidConfig {
-                problem: "a Gated DeltaNet layer did not take its mid-forward checkpoint".into(),
-            });
-        }
-        Ok((
-            hidden,
-            SequenceCheckpoint {
-                position,
-                layers: capture.layers,
-                ple: state.ple.iter().map(|_| None).collect(),
-            },
-        ))
+        let taken = taken.ok_or_else(|| refused("was not taken"))?;
+        Ok((hidden, taken))
     }
 
     /// The row of a batch's mix where its one sequence's capture falls, when it asked for one

@@ -87,33 +87,13 @@ fn feed_prompt_chunk<B: Backend>(
     r: &mut Running<B>,
     take: usize,
 ) -> Result<(), EngineError> {
-    feed_prompt_chunk_checkpointed(model, r, take, None).map(drop)
-}
-
-/// [`feed_prompt_chunk`], which with `checkpoint_at` also returns the sequence's checkpoint
-/// after the first `checkpoint_at` of the `take` tokens, taken within the one forward.
-fn feed_prompt_chunk_checkpointed<B: Backend>(
-    model: &Model<B>,
-    r: &mut Running<B>,
-    take: usize,
-    checkpoint_at: Option<usize>,
-) -> Result<Option<SequenceCheckpoint<B>>, EngineError> {
     let started = Instant::now();
     let chunk = r.pending.get(..take).unwrap_or_default().to_vec();
-    let (hidden, checkpoint) = match checkpoint_at {
-        Some(at) => {
-            let (hidden, checkpoint) =
-                model.forward_hidden_with_checkpoint(&mut r.state, &chunk, at)?;
-            (hidden, Some(checkpoint))
-        }
-        None => {
-            let mut batch = [SequenceInput {
-                state: &mut r.state,
-                tokens: &chunk,
-            }];
-            (model.forward_hidden(&mut batch, None)?, None)
-        }
-    };
+    let mut batch = [SequenceInput {
+        state: &mut r.state,
+        tokens: &chunk,
+    }];
+    let hidden = model.forward_hidden(&mut batch, None)?;
     if let Some(s) = r.speculating.as_mut() {
         s.pair_hidden.extend(model.backend().download(&hidden)?);
         s.pair_tokens
@@ -121,7 +101,7 @@ fn feed_prompt_chunk_checkpointed<B: Backend>(
     }
     r.pending.drain(..take.min(r.pending.len()));
     r.prompt_pieces_time += started.elapsed();
-    Ok(checkpoint)
+    Ok(())
 }
 
 /// Puts the longest reusable cached prefix of `request`'s prompt into the fresh `state` and
@@ -149,15 +129,17 @@ fn checkpoint_chunk<B: Backend>(
 
 /// Feeds each sequence's prompt up to every checkpoint of the prefix cache it passes, one
 /// forward per piece, and gives the cache the blocks and states there; the rest of the prompt
-/// joins the generation step as usual. Past the last checkpoint, where the model can take it
-/// mid-forward, the piece goes on to all but the prompt's last token, so the tokens after the
-/// checkpoint do not cost a forward of their own (with experts in RAM a forward's cost is
-/// mostly its experts, whatever its length).
+/// joins the generation step as usual. A sequence that runs alone takes its last checkpoint in
+/// the generation step instead, as that forward's rows pass it
+/// ([`Model::request_checkpoint_at`]): the tokens after the checkpoint then cost no forward of
+/// their own (with experts in RAM a forward's cost is mostly its experts, whatever its
+/// length), and the prompt's rows are computed exactly as without a cache.
 pub(super) fn feed_to_checkpoints<B: Backend>(
     model: &Model<B>,
     running: &mut Vec<Running<B>>,
     cache: &mut PrefixCache<B>,
 ) {
+    let alone = running.len() == 1;
     let mut index = 0;
     while index < running.len() {
         let r = &mut running[index];
@@ -167,25 +149,11 @@ pub(super) fn feed_to_checkpoints<B: Backend>(
             .then(|| cache.next_checkpoint(r.state.position(), prompt))
             .flatten()
         {
-            let position = r.state.position();
-            // All but the prompt's last token, which the generation step samples from.
-            let through = prompt.saturating_sub(1);
             let last_checkpoint = cache.next_checkpoint(end, prompt).is_none();
-            if last_checkpoint && through > end && model.checkpoints_mid_forward() {
-                fed = feed_prompt_chunk_checkpointed(
-                    model,
-                    r,
-                    through - position,
-                    Some(end - position),
-                )
-                .map(|taken| {
-                    if let Some(taken) = taken {
-                        record_blocks_with_checkpoint(model, cache, r, taken);
-                    }
-                });
+            if alone && last_checkpoint && model.request_checkpoint_at(&mut r.state, end) {
                 break;
             }
-            fed = feed_prompt_chunk(model, r, end - position);
+            fed = feed_prompt_chunk(model, r, end - r.state.position());
             if fed.is_err() {
                 break;
             }
@@ -201,7 +169,7 @@ pub(super) fn feed_to_checkpoints<B: Backend>(
     }
 }
 
-/// [`record_blocks`] after a piece that went past its checkpoint, taken mid-forward.
+/// [`record_blocks`] after a forward that went past a checkpoint it took mid-forward.
 fn record_blocks_with_checkpoint<B: Backend>(
     model: &Model<B>,
     cache: &mut PrefixCache<B>,
@@ -251,6 +219,9 @@ pub(super) fn record_prompt<B: Backend>(
         .speculating
         .as_ref()
         .is_none_or(|s| s.mtp.position() + 1 >= r.request.prompt.len());
-    record_blocks(model, cache, r);
+    match model.take_checkpoint_taken(&mut r.state) {
+        Some(taken) => record_blocks_with_checkpoint(model, cache, r, taken),
+        None => record_blocks(model, cache, r),
+    }
     r.prompt_recorded = head_done;
 }

@@ -55,6 +55,14 @@ pub struct RunArgs {
     /// ask for any Claude model (`claude --model claude-sonnet-4-5`).
     #[arg(long = "model-alias", value_name = "NAME=MODEL")]
     pub model_aliases: Vec<String>,
+    /// Hosts whose `http(s)` image URLs the API fetches (comma separated or repeated): names or
+    /// addresses exactly, or `*.example.com`. Default: none, and image URLs are refused; send
+    /// images inline. Redirects are not followed; a name must resolve to public addresses.
+    #[arg(long = "image-url-hosts", value_name = "HOST", value_delimiter = ',')]
+    pub image_url_hosts: Vec<String>,
+    /// Seconds one image URL fetch may take in all (default 10).
+    #[arg(long, value_name = "SECONDS")]
+    pub image_url_timeout_seconds: Option<f64>,
     #[command(flatten)]
     pub engine: EngineFlags,
 }
@@ -338,6 +346,20 @@ struct Session<'a> {
     max_tokens: u32,
 }
 
+/// The gateway's image URL flags, as `run` was given them.
+fn image_url_flags(args: &RunArgs) -> Vec<String> {
+    let mut flags = Vec::new();
+    if !args.image_url_hosts.is_empty() {
+        flags.push("--image-url-hosts".to_string());
+        flags.push(args.image_url_hosts.join(","));
+    }
+    if let Some(seconds) = args.image_url_timeout_seconds {
+        flags.push("--image-url-timeout-seconds".to_string());
+        flags.push(seconds.to_string());
+    }
+    flags
+}
+
 fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow::Result<()> {
     let Session {
         args,
@@ -366,6 +388,7 @@ fn start_and_chat(session: &Session<'_>, supervisor: &mut Supervisor) -> anyhow:
                 .iter()
                 .flat_map(|alias| ["--model-alias".to_string(), alias.clone()]),
         )
+        .chain(image_url_flags(args))
         .collect(),
     })?;
     if args.serve {

@@ -212,8 +212,8 @@ fn block_source<'a>(
         })
 }
 
-/// An `image` block of a user message: a `base64` source's image (a `url` source is refused
-/// when the model sees images: the gateway fetches nothing).
+/// An `image` block of a user message: a `base64` source's image, or a `url` source's (fetched
+/// where the operator allows its host, else refused when the model sees images).
 fn image_part(block: &ContentBlock, location: String) -> Result<ChatImagePart, GatewayError> {
     let source = block_source(block, &location)?;
     let field = |name: &str| source.get(name).and_then(JsonValue::as_str);
@@ -224,10 +224,16 @@ fn image_part(block: &ContentBlock, location: String) -> Result<ChatImagePart, G
             })?;
             ChatImagePart::from_base64(data, field("media_type"), location)
         }
-        Some("url") => ChatImagePart::refused(
-            format!("{location}: image URLs are not fetched by this server; send the image as a base64 source"),
-            location,
-        ),
+        Some("url") => {
+            let url = field("url").ok_or_else(|| {
+                GatewayError::invalid(format!("{location}: a url image source needs `url`"))
+            })?;
+            ChatImagePart::from_remote_url(
+                url,
+                format!("{location}: image URLs are not fetched by this server; send the image as a base64 source"),
+                location,
+            )
+        }
         other => {
             return Err(GatewayError::invalid(format!(
                 "{location}: image source type `{}` is not supported (base64 is)",
@@ -583,7 +589,8 @@ fn chat_generation_request(
         choices: 1,
         ..Default::default()
     };
-    let conversation = chat_conversation(request, state.settings.non_text_content)?;
+    let mut conversation = chat_conversation(request, state.settings.non_text_content)?;
+    conversation.image_urls = state.settings.image_urls.clone();
     Ok(ChatGenerationRequest {
         model,
         conversation,
@@ -767,7 +774,8 @@ pub async fn count_tokens(
     let result = async {
         let request: MessagesRequest = parse_json_body(body)?;
         let model = state.generator.resolve_model(&request.model)?;
-        let conversation = chat_conversation(&request, state.settings.non_text_content)?;
+        let mut conversation = chat_conversation(&request, state.settings.non_text_content)?;
+        conversation.image_urls = state.settings.image_urls.clone();
         let (_, prompt_token_ids, _) = build_chat_prompt_with_images(&model, &conversation).await?;
         Ok::<_, GatewayError>(json!({"input_tokens": prompt_token_ids.len()}))
     }

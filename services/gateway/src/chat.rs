@@ -311,6 +311,8 @@ pub struct ChatConversation {
     pub reasoning_budget: Option<u32>,
     /// What a text-only model gets for the conversation's images.
     pub non_text_content: NonTextContent,
+    /// The image URLs the gateway fetches (`None`: none; a URL image is then refused).
+    pub image_urls: Option<std::sync::Arc<crate::image_urls::ImageUrlPolicy>>,
 }
 
 impl ChatConversation {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ninfer_protocol::v1::{GenerateRequest, Reasoning, SamplingParameters};
 
 use crate::backend::ServedModel;
-use crate::chat::{ChatConversation, ToolChoice};
+use crate::chat::{ChatContent, ChatContentPart, ChatConversation, ToolChoice};
 use crate::chat_template::ChatTemplateInput;
 use crate::error::GatewayError;
 use crate::reasoning::ReasoningStart;
@@ -380,6 +380,8 @@ pub async fn build_chat_prompt_with_images(
         let (prompt, ids) = build_chat_prompt(model, &conversation.template_input()?).await?;
         return Ok((prompt, ids, Vec::new()));
     };
+    let fetched = with_fetched_images(conversation).await;
+    let conversation = fetched.as_ref().unwrap_or(conversation);
     let (input, images) = conversation.template_input_with_images()?;
     let (prompt, ids) = build_chat_prompt(model, &input).await?;
     if images.is_empty() {
@@ -392,6 +394,39 @@ pub async fn build_chat_prompt_with_images(
     })
     .await
     .map_err(|error| GatewayError::Internal(format!("placing the images failed: {error}")))?
+}
+
+/// The conversation with its image URLs fetched (`None` when nothing is to be fetched: the
+/// operator allows no URLs, or it has none). One request's fetches share one byte budget, as
+/// its inline images share one body.
+async fn with_fetched_images(conversation: &ChatConversation) -> Option<ChatConversation> {
+    let policy = conversation.image_urls.clone()?;
+    let has_url_image = |content: &Option<ChatContent>| match content {
+        Some(ChatContent::Parts(parts)) => parts.iter().any(
+            |part| matches!(part, ChatContentPart::Image(image) if image.fetch_from.is_some()),
+        ),
+        _ => false,
+    };
+    if !conversation
+        .messages
+        .iter()
+        .any(|message| has_url_image(&message.content))
+    {
+        return None;
+    }
+    let mut fetched = conversation.clone();
+    let mut budget = policy.max_bytes();
+    for message in &mut fetched.messages {
+        let Some(ChatContent::Parts(parts)) = &mut message.content else {
+            continue;
+        };
+        for part in parts {
+            if let ChatContentPart::Image(image) = part {
+                policy.fetch_into(image, &mut budget).await;
+            }
+        }
+    }
+    Some(fetched)
 }
 
 /// Tokenizes raw text on the blocking pool (see [`build_chat_prompt`]).

@@ -192,6 +192,7 @@ fn chat_conversation(request: &ChatRequest) -> Result<ChatConversation, GatewayE
                         image: ChatImage::from_bytes(image.encoded.clone(), media_type, &location)
                             .map_err(|error| error.to_string()),
                         location,
+                        fetch_from: None,
                     })
                 })
                 .collect();

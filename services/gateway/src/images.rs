@@ -6,7 +6,9 @@
 //!
 //! The gateway never decodes pixels: the header says all the placeholder run needs, the engine
 //! decodes (and refuses what only decoding shows), so a hostile image costs the gateway its
-//! header and the request body it came in. It fetches no URL.
+//! header and the request body it came in. An `http(s)` image URL is fetched only when the
+//! operator allows its host (`image_urls`); the fetched file is then checked here like an
+//! inline one.
 //!
 //! Owns: [`ChatImage`] (an image as a conversation carries it), [`ModelVision`] (what a served
 //! model's images need: its processor settings and pad token) and the placeholder expansion.
@@ -61,8 +63,8 @@ impl ChatImage {
         Self::from_bytes(encoded, media_type, where_)
     }
 
-    /// An image sent as a URL: a `data:` URL carries the file; an `http(s)` URL is refused,
-    /// since the gateway fetches nothing.
+    /// An image sent as a URL: a `data:` URL carries the file; an `http(s)` URL is refused
+    /// here (it is fetched, where the operator allows its host, before the images are taken).
     pub fn from_url(url: &str, where_: &str) -> Result<Self, GatewayError> {
         let trimmed = url.trim_start();
         let scheme = trimmed.split(':').next().unwrap_or_default();
@@ -109,6 +111,9 @@ pub struct ChatImagePart {
     pub image: Result<ChatImage, String>,
     /// Where the part is in the request (`messages[1].content[0]`), for the refusal.
     pub location: String,
+    /// The `http(s)` URL the image is at, until it is fetched (`image` then holds the refusal
+    /// a server that fetches no URLs gives).
+    pub fetch_from: Option<String>,
 }
 
 impl ChatImagePart {
@@ -124,10 +129,22 @@ impl ChatImagePart {
                 "{location}: an image URL must be a data URL (data:image/png;base64,...)"
             )));
         }
+        let remote = scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https");
         Ok(ChatImagePart {
             image: ChatImage::from_url(url, &location).map_err(|error| error.to_string()),
             location,
+            fetch_from: remote.then(|| url.trim().to_string()),
         })
+    }
+
+    /// The part read from a source that is only ever a remote URL (an Anthropic `url`
+    /// source): `refusal` is what a server that fetches no URLs answers.
+    pub fn from_remote_url(url: &str, refusal: String, location: String) -> Self {
+        ChatImagePart {
+            image: Err(refusal),
+            location,
+            fetch_from: Some(url.trim().to_string()),
+        }
     }
 
     /// The part read from base64 data (an Anthropic `base64` source).
@@ -136,6 +153,7 @@ impl ChatImagePart {
             image: ChatImage::from_base64(data, media_type, &location)
                 .map_err(|error| error.to_string()),
             location,
+            fetch_from: None,
         }
     }
 
@@ -144,6 +162,7 @@ impl ChatImagePart {
         ChatImagePart {
             image: Err(problem),
             location,
+            fetch_from: None,
         }
     }
 

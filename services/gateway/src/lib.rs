@@ -37,6 +37,7 @@ pub mod error;
 pub mod generation;
 pub mod generation_plan;
 pub mod grpc_api;
+pub mod image_urls;
 pub mod images;
 pub mod inline_stream;
 pub mod json_body;

@@ -13,6 +13,7 @@ use clap::Parser;
 use ninfer_gateway::chat::NonTextContent;
 use ninfer_gateway::connections::{raise_open_file_limit, ConnectionLimits};
 use ninfer_gateway::generation::ModelAliases;
+use ninfer_gateway::image_urls::ImageUrlPolicy;
 use ninfer_gateway::routing_stats::RoutingStatsHandle;
 use ninfer_gateway::tokenizer::TypedControlTokens;
 use ninfer_gateway::{sd_notify, EnginePool, EnginePoolOptions, GatewaySettings, GatewayState};
@@ -63,6 +64,20 @@ struct Flags {
     /// placeholder note where each was.
     #[arg(long, env = "NINFER_REJECT_NON_TEXT")]
     reject_non_text_content: bool,
+    /// Hosts whose `http(s)` image URLs are fetched (comma separated or repeated): names or
+    /// addresses, exactly, or `*.example.com` for every name under a domain. Default: none, and
+    /// image URLs are refused (400). Redirects are not followed, and a name must resolve to
+    /// public addresses (a private or loopback one is fetched only when named itself).
+    #[arg(
+        long = "image-url-hosts",
+        value_name = "HOST",
+        value_delimiter = ',',
+        env = "NINFER_IMAGE_URL_HOSTS"
+    )]
+    image_url_hosts: Vec<String>,
+    /// Seconds one image URL fetch may take in all, connecting included.
+    #[arg(long, default_value_t = 10.0)]
+    image_url_timeout_seconds: f64,
     /// Encode control tokens typed in chat messages (`<|im_end|>`...) as control tokens, which
     /// lets a client forge chat-role boundaries. Default: they are encoded as the text they spell.
     #[arg(long, env = "NINFER_ALLOW_CONTROL_TOKENS_IN_MESSAGES")]
@@ -209,6 +224,15 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         } else {
             NonTextContent::Placeholder
         },
+        // One request's fetched images together are held to what its inline images could be.
+        image_urls: ImageUrlPolicy::from_hosts(
+            &flags.image_url_hosts,
+            seconds_flag("image-url-timeout-seconds", flags.image_url_timeout_seconds)?,
+            flags
+                .max_body_bytes
+                .min(ninfer_vision_input::DecodeLimits::default().max_encoded_bytes),
+        )
+        .map_err(|problem| anyhow::anyhow!("--image-url-hosts: {problem}"))?,
     };
     let state = GatewayState::new(Arc::new(pool), Some(routing_stats.clone()), settings);
     let router = ninfer_gateway::build_router(state);

@@ -574,6 +574,7 @@ fn chat_generation_request(
     conversation.response_format = openai_response_format(request.response_format.as_ref())?;
     conversation.single_tool_call = request.parallel_tool_calls == Some(false);
     conversation.non_text_content = state.settings.non_text_content;
+    conversation.image_urls = state.settings.image_urls.clone();
     crate::chat::apply_reasoning_effort(
         &mut conversation,
         "reasoning_effort",

@@ -644,6 +644,7 @@ fn chat_generation_request(
         single_tool_call: request.parallel_tool_calls == Some(false),
         reasoning_budget: None,
         non_text_content: state.settings.non_text_content,
+        image_urls: state.settings.image_urls.clone(),
     };
     crate::chat::apply_reasoning_effort(
         &mut conversation,

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use crate::backend::GenerationBackend;
 use crate::chat::NonTextContent;
 use crate::generation::{Generator, ModelAliases};
+use crate::image_urls::ImageUrlPolicy;
 use crate::metrics::GatewayMetrics;
 use crate::routing_stats::RoutingStatsHandle;
 
@@ -23,6 +24,8 @@ pub struct GatewaySettings {
     pub model_aliases: ModelAliases,
     /// Images and documents sent to the text-only model: a placeholder, or a 400.
     pub non_text_content: NonTextContent,
+    /// The `http(s)` image URLs fetched (`None`, the default: none).
+    pub image_urls: Option<Arc<ImageUrlPolicy>>,
 }
 
 impl Default for GatewaySettings {
@@ -32,6 +35,7 @@ impl Default for GatewaySettings {
             max_body_bytes: 8 * 1024 * 1024,
             model_aliases: ModelAliases::default(),
             non_text_content: NonTextContent::default(),
+            image_urls: None,
         }
     }
 }

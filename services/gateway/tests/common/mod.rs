@@ -479,6 +479,8 @@ pub struct GatewayOptions {
     /// `NAME=MODEL` entries, as `--model-alias` takes them.
     pub model_aliases: Vec<String>,
     pub non_text_content: ninfer_gateway::chat::NonTextContent,
+    /// The image URLs fetched (none by default, as the gateway's own default).
+    pub image_urls: Option<Arc<ninfer_gateway::image_urls::ImageUrlPolicy>>,
     pub state_dir: Option<PathBuf>,
     pub max_in_flight_requests: u32,
 }
@@ -489,6 +491,7 @@ impl Default for GatewayOptions {
             api_key: None,
             model_aliases: Vec::new(),
             non_text_content: Default::default(),
+            image_urls: None,
             state_dir: None,
             max_in_flight_requests: 512,
         }
@@ -516,6 +519,7 @@ impl RunningGateway {
             model_aliases: ninfer_gateway::generation::ModelAliases::parse(&options.model_aliases)
                 .unwrap_or_else(|e| panic!("aliases: {e}")),
             non_text_content: options.non_text_content,
+            image_urls: options.image_urls,
         };
         let state = GatewayState::new(
             Arc::new(pool.clone()),

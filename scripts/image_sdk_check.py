@@ -2,14 +2,16 @@
 """Images through a running NInfer server with the official `openai` and `anthropic` SDKs.
 
     python3 scripts/image_sdk_check.py --base-url http://127.0.0.1:8080 --image PNG \
-        --image-tokens N [--model NAME]
+        --image-tokens N [--model NAME] [--image-url URL]
 
 Sends the image (a PNG file) to a model that sees images: OpenAI chat with an `image_url` data
 URL (streamed and not), the Responses API with an `input_image`, Anthropic messages with a base64
 `image` block and its count_tokens. Each must answer, and the prompt counts must exceed the same
 request's count without the image by the image's `--image-tokens` (its placeholder run). A
 truncated copy of the image and an http(s) URL must be refused by each SDK as a bad request
-naming the problem.
+naming the problem. With `--image-url` (the same image at a URL of a host the server was told to
+fetch from, `--image-url-hosts`), OpenAI chat and Anthropic messages send the URL instead and
+must count the image's tokens as for the inline image; a URL of another host is then refused.
 
 Ends with the line `N passed, M failed` and exits 1 on any failure; exits 77 (skipped) when the
 SDKs are not installed.
@@ -53,6 +55,7 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--image", required=True)
     parser.add_argument("--image-tokens", type=int, required=True)
+    parser.add_argument("--image-url", default=None)
     args = parser.parse_args()
 
     image = open(args.image, "rb").read()
@@ -102,7 +105,8 @@ def main():
         return f"input {answer.usage.input_tokens} tokens, stop {answer.stop_reason}"
 
     def openai_refusals():
-        for url, named in [(f"data:image/png;base64,{truncated}", "truncated"), ("https://example.com/cat.png", "not fetched")]:
+        not_fetched = "not one this server fetches images from" if args.image_url else "not fetched"
+        for url, named in [(f"data:image/png;base64,{truncated}", "truncated"), ("https://example.com/cat.png", not_fetched)]:
             try:
                 oa.chat.completions.create(model=model, messages=openai_messages(url), max_tokens=4)
             except openai.BadRequestError as error:
@@ -119,12 +123,25 @@ def main():
             else:
                 raise AssertionError(f"{named}: answered")
 
+    def image_by_url():
+        inline = oa.chat.completions.create(model=model, messages=openai_messages(f"data:image/png;base64,{data}"), max_tokens=4, temperature=0)
+        fetched = oa.chat.completions.create(model=model, messages=openai_messages(args.image_url), max_tokens=4, temperature=0)
+        expect(fetched.usage.prompt_tokens == inline.usage.prompt_tokens, f"openai: {fetched.usage.prompt_tokens} prompt tokens by URL, {inline.usage.prompt_tokens} inline")
+        source = {"type": "url", "url": args.image_url}
+        inline_source = {"type": "base64", "media_type": "image/png", "data": data}
+        answer = an.messages.create(model=model, max_tokens=4, messages=anthropic_message(source))
+        counted = an.messages.count_tokens(model=model, messages=anthropic_message(inline_source))
+        expect(answer.usage.input_tokens == counted.input_tokens, f"anthropic: {answer.usage.input_tokens} input tokens by URL, {counted.input_tokens} inline")
+        return f"prompt {fetched.usage.prompt_tokens} tokens (openai), {answer.usage.input_tokens} (anthropic)"
+
     check("openai chat with an image", openai_chat)
     check("openai chat with an image, streamed", openai_stream)
     check("responses with an input_image", responses)
     check("anthropic messages with an image", anthropic_messages)
     check("openai refuses hostile images", openai_refusals)
     check("anthropic refuses hostile images", anthropic_refusals)
+    if args.image_url:
+        check("openai and anthropic with an image URL", image_by_url)
     failed = sum(1 for _, ok in RESULTS if not ok)
     print(f"{len(RESULTS) - failed} passed, {failed} failed")
     sys.exit(1 if failed else 0)

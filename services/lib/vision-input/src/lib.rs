@@ -4,7 +4,8 @@
 //!
 //! Owns: recognising and decoding PNG, JPEG, WebP and GIF (first frame) within limits set before
 //! any pixel is allocated ([`decode`]), the target size and its rounding ([`smart_resize`]),
-//! Pillow's bicubic resampling ([`resample`]), normalisation and the patch layout ([`patchify`]).
+//! Pillow's bicubic resampling ([`resample`]), normalisation and the patch layout ([`patchify`]),
+//! and videos given as frames ([`video`]).
 //! Every refusal is a typed [`VisionInputError`] that names the problem, for an API to answer 400.
 //! Must not touch: tokens, prompts, the model (the engine runs the encoder; the gateway decides
 //! which bytes arrive).
@@ -16,13 +17,20 @@ pub mod patchify;
 pub mod resample;
 pub mod settings;
 pub mod smart_resize;
+pub mod video;
 
 pub use decode::{decode_rgb, probe_image, DecodedImage, ImageFormatName, ProbedImage};
 pub use error::VisionInputError;
-pub use patchify::{normalise_and_patchify, ImageGrid, PixelPatches};
+pub use patchify::{
+    normalise_and_patchify, normalise_and_patchify_frames, ImageGrid, PixelPatches,
+};
 pub use resample::resize_bicubic_like_pillow;
 pub use settings::{DecodeLimits, ImageProcessorSettings};
 pub use smart_resize::smart_resize;
+pub use video::{
+    preprocess_video, probe_video_grid, temporal_patch_timestamps, timestamp_text,
+    video_smart_resize, EncodedFrame, VideoInputError, MAX_VIDEO_FRAMES,
+};
 
 /// The grid `bytes` will have after pre-processing, from the header alone ([`probe_image`] and
 /// [`smart_resize`]): what sizes an image's placeholder run without decoding it.

@@ -42,6 +42,18 @@ pub fn normalise_and_patchify(
     width: usize,
     settings: &ImageProcessorSettings,
 ) -> Result<PixelPatches, VisionInputError> {
+    let slots = vec![rgb; settings.temporal_patch_size];
+    normalise_and_patchify_frames(&slots, height, width, settings)
+}
+
+/// [`normalise_and_patchify`] of one temporal patch whose `temporal_patch_size` slots hold
+/// `frames` in order (a video's consecutive frames; an image is itself in every slot).
+pub fn normalise_and_patchify_frames(
+    frames: &[&[u8]],
+    height: usize,
+    width: usize,
+    settings: &ImageProcessorSettings,
+) -> Result<PixelPatches, VisionInputError> {
     let (patch, merge, temporal) = (
         settings.patch_size,
         settings.merge_size,
@@ -53,7 +65,13 @@ pub fn normalise_and_patchify(
             "a {width}x{height} image does not divide into {factor}-pixel merged patches"
         )));
     }
-    if rgb.len() != height * width * 3 {
+    if frames.len() != temporal {
+        return Err(VisionInputError::InvalidSettings(format!(
+            "a temporal patch holds {temporal} frames, got {}",
+            frames.len()
+        )));
+    }
+    if let Some(rgb) = frames.iter().find(|rgb| rgb.len() != height * width * 3) {
         return Err(VisionInputError::InvalidSettings(format!(
             "an RGB image of {width}x{height} needs {} bytes, got {}",
             height * width * 3,
@@ -83,7 +101,7 @@ pub fn normalise_and_patchify(
                     let top = (block_row * merge + within_row) * patch;
                     let left = (block_column * merge + within_column) * patch;
                     for (channel, channel_table) in table.iter().enumerate() {
-                        for _ in 0..temporal {
+                        for rgb in frames {
                             for y in top..top + patch {
                                 let row =
                                     &rgb[(y * width + left) * 3..(y * width + left + patch) * 3];

@@ -46,6 +46,7 @@ fn image(name: &str) -> ImageInput {
     ImageInput {
         encoded: std::fs::read(&path).expect("fixture image"),
         media_type: String::new(),
+        frames: Vec::new(),
     }
 }
 
@@ -289,16 +290,19 @@ fn hostile_images_are_refused_naming_the_problem() {
     let truncated = ImageInput {
         encoded: png[..png.len() / 2].to_vec(),
         media_type: "image/png".into(),
+        frames: Vec::new(),
     };
     assert!(refused(truncated).contains("corrupt or truncated"));
     let svg = ImageInput {
         encoded: b"<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"10\"/>".to_vec(),
         media_type: "image/svg+xml".into(),
+        frames: Vec::new(),
     };
     assert!(refused(svg).contains("image/svg+xml"));
     let mislabelled = ImageInput {
         encoded: png.clone(),
         media_type: "image/jpeg".into(),
+        frames: Vec::new(),
     };
     assert!(refused(mislabelled).contains("declared as `image/jpeg`"));
     // A PNG header declaring 20,000 × 20,000 pixels (a bomb's shape): refused from the header.
@@ -308,6 +312,7 @@ fn hostile_images_are_refused_naming_the_problem() {
     let message = refused(ImageInput {
         encoded: huge,
         media_type: String::new(),
+        frames: Vec::new(),
     });
     assert!(
         message.contains("20000x20000") || message.contains("corrupt"),

@@ -33,11 +33,12 @@ fn the_vision_tower_matches_transformers_on_three_images() {
         .expect("vision weights load")
         .expect("the fixture has a vision tower");
     assert_eq!(weights.blocks.len(), weights.config.depth);
-    // The fixture's image token and M-RoPE layout (config.json: 491, [2, 1, 1]).
+    // The fixture's image and video tokens and M-RoPE layout (config.json: 491, 492, [2, 1, 1]).
     assert_eq!(
         ImagePlacement::from_artifact(&artifact).expect("readable"),
         Some(ImagePlacement {
             image_token_id: 491,
+            video_token_id: Some(492),
             mrope_section: [2, 1, 1],
             spatial_merge_size: 2
         })

@@ -100,6 +100,7 @@ impl ChatImage {
         ImageInput {
             encoded: self.encoded.clone(),
             media_type: self.media_type.clone(),
+            frames: Vec::new(),
         }
     }
 }

@@ -1,5 +1,6 @@
 //! A prompt's images in the decoder (docs/MODELS.md §10.5, §10.6): the encoded image tokens'
-//! embeddings replace the `<|image_pad|>` embeddings, and every prompt token turns by its three
+//! embeddings replace the `<|image_pad|>` embeddings (a video's frame pairs: `<|video_pad|>`,
+//! one run per pair, each placed as an image), and every prompt token turns by its three
 //! position streams. Attached to a new sequence before its prompt is processed; the forward
 //! reads them through the batch plan.
 //!
@@ -16,7 +17,7 @@ use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::model::layers::{ImageKey, SequenceImages, SequenceState};
 use crate::model::Model;
-use crate::vision::{multimodal_positions, ImageGrid, ImagePlacement};
+use crate::vision::{multimodal_positions_of, ImageGrid, ImagePlacement};
 
 /// The keys of images `grids` whose tokens sit at `image_tokens` (ascending, runs in image
 /// order) with `embeddings` (`hidden` values per token).
@@ -71,16 +72,13 @@ impl<B: Backend> Model<B> {
         }
         let placement = ImagePlacement::from_artifact(&self.artifact)?
             .ok_or_else(|| invalid("the model has no vision tower".into()))?;
-        let positions = multimodal_positions(
-            prompt,
-            placement.image_token_id,
-            grids,
-            placement.spatial_merge_size,
-        )?;
+        let placeholders = placement.placeholder_tokens();
+        let positions =
+            multimodal_positions_of(prompt, &placeholders, grids, placement.spatial_merge_size)?;
         let image_tokens: Vec<usize> = prompt
             .iter()
             .enumerate()
-            .filter(|(_, &token)| token == placement.image_token_id)
+            .filter(|(_, token)| placeholders.contains(token))
             .map(|(index, _)| index)
             .collect();
         let hidden = self.spec.common.hidden_size;

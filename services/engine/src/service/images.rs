@@ -18,7 +18,10 @@ use std::sync::{Arc, OnceLock};
 
 use ninfer_artifact::Artifact;
 use ninfer_protocol::v1::ImageInput;
-use ninfer_vision_input::{preprocess_image, DecodeLimits, ImageProcessorSettings};
+use ninfer_vision_input::{
+    preprocess_image, preprocess_video, DecodeLimits, EncodedFrame, ImageProcessorSettings,
+    PixelPatches,
+};
 use tonic::Status;
 
 use ninfer_artifact::DType;
@@ -28,14 +31,15 @@ use crate::error::EngineError;
 use crate::service::scheduler::PromptImages;
 use crate::vision::weights::stored_matrix_dtype;
 use crate::vision::{
-    multimodal_positions, HostVisionTower, ImageGrid, ImagePlacement, VisionTower, VisionWeights,
+    multimodal_positions_of, HostVisionTower, ImageGrid, ImagePlacement, VisionTower, VisionWeights,
 };
 
 /// Prompts whose images are encoded at once: the host tower uses every core for one, the GPU
 /// tower the whole GPU.
 const PROMPTS_ENCODED_AT_ONCE: usize = 1;
 
-/// Most images in one request (each is a separate encoder segment and placeholder run).
+/// Most images in one request (each is a separate encoder segment and placeholder run), and
+/// most encoder segments of images and videos' frame pairs together.
 pub const MAX_IMAGES_PER_REQUEST: usize = 64;
 
 /// Where the engine runs the vision tower.
@@ -188,29 +192,59 @@ impl ImageEncoding {
         prompt: &[u32],
         images: &[ImageInput],
     ) -> Result<PromptImages, Status> {
-        let mut grids = Vec::with_capacity(images.len());
+        let mut grids = Vec::new();
         let mut rows = Vec::new();
-        for (index, image) in images.iter().enumerate() {
-            let declared = Some(image.media_type.as_str()).filter(|media| !media.is_empty());
-            let patches = preprocess_image(&image.encoded, declared, &self.settings, &self.limits)
-                .map_err(|error| {
-                    Status::invalid_argument(format!("image {}: {error}", index + 1))
-                })?;
-            grids.push(ImageGrid {
-                temporal: patches.grid.temporal,
-                height: patches.grid.height,
-                width: patches.grid.width,
-            });
-            rows.extend_from_slice(&patches.values);
-        }
+        // The placeholder each segment's run must be made of, in order.
+        let mut run_tokens = Vec::new();
         let placement = &self.placement;
-        multimodal_positions(
-            prompt,
-            placement.image_token_id,
-            &grids,
-            placement.spatial_merge_size,
-        )
-        .map_err(|error| Status::invalid_argument(format!("the prompt's images: {error}")))?;
+        for (index, image) in images.iter().enumerate() {
+            let segments = self.preprocess(image).map_err(|problem| {
+                let kind = if image.frames.is_empty() {
+                    "image"
+                } else {
+                    "video"
+                };
+                Status::invalid_argument(format!("{kind} {}: {problem}", index + 1))
+            })?;
+            let token = match image.frames.is_empty() {
+                true => placement.image_token_id,
+                false => placement.video_token_id.ok_or_else(|| {
+                    Status::invalid_argument(format!(
+                        "video {}: the model has no video placeholder token",
+                        index + 1
+                    ))
+                })?,
+            };
+            for patches in segments {
+                grids.push(ImageGrid {
+                    temporal: patches.grid.temporal,
+                    height: patches.grid.height,
+                    width: patches.grid.width,
+                });
+                rows.extend_from_slice(&patches.values);
+                run_tokens.push(token);
+            }
+            if grids.len() > MAX_IMAGES_PER_REQUEST {
+                return Err(Status::invalid_argument(format!(
+                    "the request's images and video frame pairs are over the limit of {MAX_IMAGES_PER_REQUEST} in all"
+                )));
+            }
+        }
+        let placeholders = placement.placeholder_tokens();
+        multimodal_positions_of(prompt, &placeholders, &grids, placement.spatial_merge_size)
+            .map_err(|error| Status::invalid_argument(format!("the prompt's images: {error}")))?;
+        let prompt_runs = prompt
+            .iter()
+            .enumerate()
+            .filter(|&(at, token)| {
+                placeholders.contains(token) && (at == 0 || prompt[at - 1] != *token)
+            })
+            .map(|(_, &token)| token);
+        if !prompt_runs.eq(run_tokens.iter().copied()) {
+            return Err(Status::invalid_argument(
+                "the prompt's image and video placeholder runs are not in the order of the request's images and videos",
+            ));
+        }
         let tower = self
             .tower
             .get_or_init(|| match VisionWeights::load(&self.artifact) {
@@ -235,4 +269,32 @@ impl ImageEncoding {
             embeddings: output.merged,
         })
     }
+
+    /// One image's patches, or a video's, one per frame pair; the refusal names the problem.
+    fn preprocess(&self, image: &ImageInput) -> Result<Vec<PixelPatches>, String> {
+        if image.frames.is_empty() {
+            return preprocess_image(
+                &image.encoded,
+                declared_media_type(&image.media_type),
+                &self.settings,
+                &self.limits,
+            )
+            .map(|patches| vec![patches])
+            .map_err(|error| error.to_string());
+        }
+        let frames: Vec<EncodedFrame<'_>> = image
+            .frames
+            .iter()
+            .map(|frame| EncodedFrame {
+                encoded: &frame.encoded,
+                declared_media_type: declared_media_type(&frame.media_type),
+            })
+            .collect();
+        preprocess_video(&frames, &self.settings, &self.limits).map_err(|error| error.to_string())
+    }
+}
+
+/// The media type a request declared, `None` when it declared none.
+fn declared_media_type(media_type: &str) -> Option<&str> {
+    Some(media_type).filter(|media| !media.is_empty())
 }

@@ -94,18 +94,30 @@ struct VisionDocument {
     mrope_section: Option<[usize; 3]>,
     #[serde(default)]
     image_token_id: Option<u32>,
+    #[serde(default)]
+    video_token_id: Option<u32>,
 }
 
 /// What the decoder needs to place an image: its placeholder token and the M-RoPE layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ImagePlacement {
     pub image_token_id: u32,
+    /// The placeholder of a video's frame pairs (`None`: the model takes no video).
+    pub video_token_id: Option<u32>,
     /// `mrope_section` (`[11, 11, 10]` when the checkpoint leaves it out).
     pub mrope_section: [usize; 3],
     pub spatial_merge_size: usize,
 }
 
 impl ImagePlacement {
+    /// The tokens whose runs are encoded pictures: the image placeholder, and the video one
+    /// where the model has it.
+    pub fn placeholder_tokens(&self) -> Vec<u32> {
+        std::iter::once(self.image_token_id)
+            .chain(self.video_token_id)
+            .collect()
+    }
+
     /// The placement of `artifact`'s images; `Ok(None)` when it has no vision tower or no image
     /// token.
     pub fn from_artifact(artifact: &Artifact) -> Result<Option<Self>, EngineError> {
@@ -116,6 +128,7 @@ impl ImagePlacement {
             .image_token_id
             .map(|image_token_id| ImagePlacement {
                 image_token_id,
+                video_token_id: document.video_token_id,
                 mrope_section: document.mrope_section.unwrap_or([11, 11, 10]),
                 spatial_merge_size: document.vision_config.spatial_merge_size,
             }))

@@ -21,6 +21,6 @@ pub mod weights;
 pub use config::{ImagePlacement, VisionConfig};
 pub use encoder::{encode_images, VisionOutput};
 pub use grid::{patch_tables, ImageGrid, PatchTables};
-pub use positions::{multimodal_positions, MultimodalPositions};
+pub use positions::{multimodal_positions, multimodal_positions_of, MultimodalPositions};
 pub use tower::{HostVisionTower, VisionTower};
 pub use weights::VisionWeights;

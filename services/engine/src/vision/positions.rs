@@ -24,13 +24,26 @@ pub fn multimodal_positions(
     grids: &[ImageGrid],
     merge: usize,
 ) -> Result<MultimodalPositions, EngineError> {
+    multimodal_positions_of(token_ids, &[image_token_id], grids, merge)
+}
+
+/// [`multimodal_positions`] where a run of any one of `placeholders` is a picture: an image, or
+/// one frame pair of a video (whose grid is that of one temporal patch; the timestamps between
+/// pairs are text).
+pub fn multimodal_positions_of(
+    token_ids: &[u32],
+    placeholders: &[u32],
+    grids: &[ImageGrid],
+    merge: usize,
+) -> Result<MultimodalPositions, EngineError> {
     let invalid = |problem: String| EngineError::InvalidConfig { problem };
     let mut streams = Vec::with_capacity(token_ids.len());
     let mut next = 0usize;
     let mut images = grids.iter();
     let mut index = 0;
     while index < token_ids.len() {
-        if token_ids[index] != image_token_id {
+        let token = token_ids[index];
+        if !placeholders.contains(&token) {
             streams.push([next; 3]);
             next += 1;
             index += 1;
@@ -38,7 +51,7 @@ pub fn multimodal_positions(
         }
         let run = token_ids[index..]
             .iter()
-            .take_while(|&&token| token == image_token_id)
+            .take_while(|&&next| next == token)
             .count();
         let grid = images.next().ok_or_else(|| {
             invalid(format!(

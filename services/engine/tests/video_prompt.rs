@@ -161,13 +161,9 @@ fn videos_out_of_order_or_with_bad_frames_are_refused() {
         .expect("image path")
         .expect("the fixture has a vision tower");
     let mut videos = videos(&reference);
-    let refused = |videos: &[ImageInput]| {
-        encoding
-            .encode_now(&tokens, videos)
-            .err()
-            .expect("refused")
-            .message()
-            .to_string()
+    let refused = |videos: &[ImageInput]| match encoding.encode_now(&tokens, videos) {
+        Ok(_) => panic!("the videos were taken"),
+        Err(status) => status.message().to_string(),
     };
     // The two videos swapped: their runs no longer fit the prompt's.
     let swapped = [videos[1].clone(), videos[0].clone()];

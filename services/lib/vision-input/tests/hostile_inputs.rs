@@ -275,7 +275,8 @@ fn the_header_probe_agrees_with_decoding() {
         }
         probed += 1;
     }
-    assert_eq!(probed, 11);
+    // Eleven images and the seven frames of the video reference.
+    assert_eq!(probed, 18);
     let error = probe_image(&png_header_only(20_000, 20_000), None, &limits()).expect_err("big");
     assert!(
         matches!(error, VisionInputError::SideTooLong { .. }),

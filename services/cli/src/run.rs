@@ -60,7 +60,7 @@ pub struct RunArgs {
     /// images inline. Redirects are not followed; a name must resolve to public addresses.
     #[arg(long = "image-url-hosts", value_name = "HOST", value_delimiter = ',')]
     pub image_url_hosts: Vec<String>,
-    /// Seconds one image URL fetch may take in all (default 10).
+    /// Seconds one request's image URL fetches may take together (default 10).
     #[arg(long, value_name = "SECONDS")]
     pub image_url_timeout_seconds: Option<f64>,
     #[command(flatten)]

@@ -397,8 +397,8 @@ pub async fn build_chat_prompt_with_images(
 }
 
 /// The conversation with its image URLs fetched (`None` when nothing is to be fetched: the
-/// operator allows no URLs, or it has none). One request's fetches share one byte budget, as
-/// its inline images share one body.
+/// operator allows no URLs, or it has none). One request's fetches share one byte cap, as its
+/// inline images share one body, and one timeout.
 async fn with_fetched_images(conversation: &ChatConversation) -> Option<ChatConversation> {
     let policy = conversation.image_urls.clone()?;
     let has_url_image = |content: &Option<ChatContent>| match content {
@@ -415,14 +415,14 @@ async fn with_fetched_images(conversation: &ChatConversation) -> Option<ChatConv
         return None;
     }
     let mut fetched = conversation.clone();
-    let mut budget = policy.max_bytes();
+    let mut allowance = policy.allowance();
     for message in &mut fetched.messages {
         let Some(ChatContent::Parts(parts)) = &mut message.content else {
             continue;
         };
         for part in parts {
             if let ChatContentPart::Image(image) = part {
-                policy.fetch_into(image, &mut budget).await;
+                policy.fetch_into(image, &mut allowance).await;
             }
         }
     }

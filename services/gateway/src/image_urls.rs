@@ -16,7 +16,7 @@
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
 use ureq::unversioned::transport::{DefaultConnector, NextTimeout};
@@ -36,7 +36,7 @@ enum AllowedHost {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImageUrlPolicy {
     hosts: Vec<AllowedHost>,
-    /// For the whole fetch: resolving, connecting, the answer and its body.
+    /// For one request's fetches together: resolving, connecting, the answers and their bodies.
     timeout: Duration,
     /// Most bytes one request's fetched images may take together.
     max_bytes: usize,
@@ -76,6 +76,10 @@ impl ImageUrlPolicy {
                     "`{entry}` is not a host name, an address or `*.domain`"
                 ));
             }
+            // A colon outside an IPv6 address is a port, which the allowance does not name.
+            if name.contains(':') && name.parse::<Ipv6Addr>().is_err() {
+                return Err(format!("`{entry}`: name the host without a port"));
+            }
             allowed.push(parsed);
         }
         if allowed.is_empty() {
@@ -107,8 +111,13 @@ impl ImageUrlPolicy {
     }
 
     /// The image file at `url` (`http` or `https`) and its declared media type, within
-    /// `budget` bytes; the error names the problem.
-    async fn fetch(&self, url: &str, budget: usize) -> Result<FetchedFile, String> {
+    /// `budget` bytes and `time_left`; the error names the problem.
+    async fn fetch(
+        &self,
+        url: &str,
+        budget: usize,
+        time_left: Duration,
+    ) -> Result<FetchedFile, String> {
         let uri: ureq::http::Uri = url
             .trim()
             .parse()
@@ -127,18 +136,28 @@ impl ImageUrlPolicy {
             format!("the host `{host}` is not one this server fetches images from")
         })?;
         let timeout = self.timeout;
+        if time_left.is_zero() {
+            return Err(timed_out(timeout));
+        }
         let url = url.trim().to_string();
         let fetch = tokio::task::spawn_blocking(move || {
-            fetch_blocking(&url, private_allowed, timeout, budget)
+            fetch_blocking(&url, private_allowed, time_left, timeout, budget)
         });
         // The client's own timeout covers the fetch; this one also bounds a fetch stuck
         // somewhere the client does not time.
-        match tokio::time::timeout(timeout + Duration::from_secs(1), fetch).await {
+        match tokio::time::timeout(time_left + Duration::from_secs(1), fetch).await {
             Ok(Ok(fetched)) => fetched,
             Ok(Err(error)) => Err(format!("the fetch failed ({error})")),
             Err(_) => Err(timed_out(timeout)),
         }
     }
+}
+
+/// What is left of one request's fetches: bytes and time.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchAllowance {
+    bytes: usize,
+    deadline: Instant,
 }
 
 /// A fetched file and the image media type its origin declared (none when it declared
@@ -148,17 +167,19 @@ struct FetchedFile {
     media_type: Option<String>,
 }
 
-/// The fetch itself, on a blocking thread: one GET, no redirects, no proxy, the body read up
-/// to `max_bytes` and refused past it.
+/// The fetch itself, on a blocking thread, within `time_left`: one GET, no redirects, no
+/// proxy, the body read up to `max_bytes` and refused past it. (`timeout` is the policy's, for
+/// the refusal.)
 fn fetch_blocking(
     url: &str,
     private_allowed: bool,
+    time_left: Duration,
     timeout: Duration,
     max_bytes: usize,
 ) -> Result<FetchedFile, String> {
     let config = ureq::Agent::config_builder()
-        .timeout_global(Some(timeout))
-        .timeout_connect(Some(timeout))
+        .timeout_global(Some(time_left))
+        .timeout_connect(Some(time_left))
         .max_redirects(0)
         .http_status_as_error(false)
         .proxy(None)
@@ -233,7 +254,7 @@ fn fetch_blocking(
 
 fn timed_out(timeout: Duration) -> String {
     format!(
-        "fetching the image URL timed out after {} s",
+        "fetching the image URL timed out (the request's image fetches may take {} s)",
         timeout.as_secs_f64()
     )
 }
@@ -318,22 +339,27 @@ fn is_public_v6(address: Ipv6Addr) -> bool {
 }
 
 impl ImageUrlPolicy {
-    /// Most bytes one request's fetched images may take together.
-    pub fn max_bytes(&self) -> usize {
-        self.max_bytes
+    /// What one request's fetches may take together: the byte cap and the timeout, from now.
+    pub fn allowance(&self) -> FetchAllowance {
+        FetchAllowance {
+            bytes: self.max_bytes,
+            deadline: Instant::now() + self.timeout,
+        }
     }
 
-    /// Fetches `part`'s URL, if it has one, into its image, taking the file's bytes from
-    /// `budget`. A failed fetch becomes the part's refusal, raised as a 400 when the images are
-    /// taken, like an inline image's; a fetched file is probed like an inline one.
-    pub async fn fetch_into(&self, part: &mut ChatImagePart, budget: &mut usize) {
+    /// Fetches `part`'s URL, if it has one, into its image, taking the file's bytes and the
+    /// time from `allowance`. A failed fetch becomes the part's refusal, raised as a 400 when
+    /// the images are taken, like an inline image's; a fetched file is probed like an inline
+    /// one.
+    pub async fn fetch_into(&self, part: &mut ChatImagePart, allowance: &mut FetchAllowance) {
         let Some(url) = part.fetch_from.take() else {
             return;
         };
         let location = &part.location;
-        part.image = match self.fetch(&url, *budget).await {
+        let time_left = allowance.deadline.saturating_duration_since(Instant::now());
+        part.image = match self.fetch(&url, allowance.bytes, time_left).await {
             Ok(file) => {
-                *budget = budget.saturating_sub(file.bytes.len());
+                allowance.bytes = allowance.bytes.saturating_sub(file.bytes.len());
                 ChatImage::from_bytes(file.bytes, file.media_type.as_deref(), location)
                     .map_err(|error| error.to_string())
             }
@@ -375,7 +401,15 @@ mod tests {
             ImageUrlPolicy::from_hosts(&none, Duration::from_secs(1), 1),
             Ok(None)
         );
-        for bad in ["*", "*.", "a/b", "user@host", "*.*.example.com"] {
+        for bad in [
+            "*",
+            "*.",
+            "a/b",
+            "user@host",
+            "*.*.example.com",
+            "example.com:8080",
+            "127.0.0.1:80",
+        ] {
             assert!(
                 ImageUrlPolicy::from_hosts(&[bad.to_string()], Duration::from_secs(1), 1).is_err(),
                 "{bad}"
@@ -410,7 +444,10 @@ mod tests {
         let policy = policy(&["images.example.com"]);
         let refusal = |url: &'static str| {
             let policy = policy.clone();
-            async move { policy.fetch(url, 1024).await.err().expect("refused") }
+            async move {
+                let time = Duration::from_secs(1);
+                policy.fetch(url, 1024, time).await.err().expect("refused")
+            }
         };
         assert!(refusal("http://other.example.com/a.png")
             .await

@@ -75,7 +75,7 @@ struct Flags {
         env = "NINFER_IMAGE_URL_HOSTS"
     )]
     image_url_hosts: Vec<String>,
-    /// Seconds one image URL fetch may take in all, connecting included.
+    /// Seconds one request's image URL fetches may take together, connecting included.
     #[arg(long, default_value_t = 10.0)]
     image_url_timeout_seconds: f64,
     /// Encode control tokens typed in chat messages (`<|im_end|>`...) as control tokens, which

@@ -123,7 +123,7 @@ impl ChatContent {
                     match (part, &*images) {
                         (ChatContentPart::Text(piece), _) => text.push_str(piece),
                         (ChatContentPart::Image(image), ImageRendering::TextOnly(non_text)) => {
-                            text.push_str(&non_text.stand_in("image", &image.location)?)
+                            text.push_str(&non_text.stand_in(image.kind(), &image.location)?)
                         }
                         (ChatContentPart::Image(_), ImageRendering::Seen(_)) => {}
                     }
@@ -137,10 +137,10 @@ impl ChatContent {
                         (ChatContentPart::Text(text), _) => text_item(text),
                         (ChatContentPart::Image(image), ImageRendering::Seen(seen)) => {
                             seen.push(image.image()?.clone());
-                            Value::from_iter([("type", Value::from("image"))])
+                            Value::from_iter([("type", Value::from(image.kind()))])
                         }
                         (ChatContentPart::Image(image), ImageRendering::TextOnly(non_text)) => {
-                            text_item(&non_text.stand_in("image", &image.location)?)
+                            text_item(&non_text.stand_in(image.kind(), &image.location)?)
                         }
                     });
                 }

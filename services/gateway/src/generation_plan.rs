@@ -388,8 +388,10 @@ pub async fn build_chat_prompt_with_images(
         return Ok((prompt, ids, images));
     }
     // Sizing reads each image's header: off the async workers with the rendering.
+    let resources = model.resources.clone();
     tokio::task::spawn_blocking(move || {
-        let ids = vision.expand_placeholders(&ids, &images)?;
+        let encode_text = |text: &str| resources.tokenizer.encode(text, false);
+        let ids = vision.expand_placeholders(&ids, &images, &encode_text)?;
         Ok((prompt, ids, images))
     })
     .await

@@ -22,16 +22,21 @@ use ninfer_vision_input::{
 
 use crate::error::GatewayError;
 use crate::tokenizer::ModelTokenizer;
+use crate::videos::{ChatVideo, VideoFrame, VideoTokens};
 
 /// The token each image's placeholder run is made of.
 const IMAGE_PAD: &str = "<|image_pad|>";
+/// The token a video's one placeholder is rendered as (and its frame pairs' runs are made of).
+const VIDEO_PAD: &str = "<|video_pad|>";
 
-/// One image of a conversation: its encoded file and the media type the client declared.
+/// One image of a conversation: its encoded file and the media type the client declared; or a
+/// video, given as its frames (then `encoded` is empty).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatImage {
     pub encoded: Vec<u8>,
     /// Empty when the client declared none.
     pub media_type: String,
+    pub video: Option<ChatVideo>,
 }
 
 impl ChatImage {
@@ -49,6 +54,35 @@ impl ChatImage {
         Ok(ChatImage {
             encoded,
             media_type,
+            video: None,
+        })
+    }
+
+    /// A video from its frames' URLs (each read as an image URL is) at `fps` frames a second
+    /// (the processor's 2 when `None`), refused (400 naming `where_` and the frame) when a frame
+    /// is not an image or the frames are too few, too many or of different sizes.
+    pub fn video_from_urls(
+        urls: &[&str],
+        fps: Option<f64>,
+        where_: &str,
+    ) -> Result<Self, GatewayError> {
+        let fps = fps.unwrap_or(crate::videos::DEFAULT_VIDEO_FPS);
+        ChatVideo::check_request(urls.len(), fps, where_)?;
+        let frames = urls
+            .iter()
+            .enumerate()
+            .map(|(index, url)| {
+                let frame = Self::from_url(url, &format!("{where_}.video[{index}]"))?;
+                Ok(VideoFrame {
+                    encoded: frame.encoded,
+                    media_type: frame.media_type,
+                })
+            })
+            .collect::<Result<Vec<_>, GatewayError>>()?;
+        Ok(ChatImage {
+            encoded: Vec::new(),
+            media_type: String::new(),
+            video: Some(ChatVideo::new(frames, fps, where_)?),
         })
     }
 
@@ -97,6 +131,9 @@ impl ChatImage {
 
     /// The image as the engine request carries it.
     pub fn engine_input(&self) -> ImageInput {
+        if let Some(video) = &self.video {
+            return video.engine_input();
+        }
         ImageInput {
             encoded: self.encoded.clone(),
             media_type: self.media_type.clone(),
@@ -148,6 +185,16 @@ impl ChatImagePart {
         }
     }
 
+    /// The part read from a video's frame URLs (an OpenAI `video` part; frames are data URLs).
+    pub fn from_video_urls(urls: &[&str], fps: Option<f64>, location: String) -> Self {
+        ChatImagePart {
+            image: ChatImage::video_from_urls(urls, fps, &location)
+                .map_err(|error| error.to_string()),
+            location,
+            fetch_from: None,
+        }
+    }
+
     /// The part read from base64 data (an Anthropic `base64` source).
     pub fn from_base64(data: &str, media_type: Option<&str>, location: String) -> Self {
         ChatImagePart {
@@ -164,6 +211,14 @@ impl ChatImagePart {
             image: Err(problem),
             location,
             fetch_from: None,
+        }
+    }
+
+    /// What the part is, as templates and stand-ins name it: `video` or `image`.
+    pub fn kind(&self) -> &'static str {
+        match &self.image {
+            Ok(image) if image.video.is_some() => "video",
+            _ => "image",
         }
     }
 
@@ -189,11 +244,13 @@ fn decode_base64(data: &str) -> Result<Vec<u8>, String> {
         .map_err(|error| format!("the image data is not valid base64 ({error})"))
 }
 
-/// What a served model's images need: its image processor's settings and pad token.
+/// What a served model's images need: its image processor's settings and pad token, and the
+/// tokens of a video's run where its tokenizer has them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelVision {
     pub settings: ImageProcessorSettings,
     pub image_pad: u32,
+    pub video: Option<VideoTokens>,
 }
 
 impl ModelVision {
@@ -208,11 +265,24 @@ impl ModelVision {
         }
         let settings = ImageProcessorSettings::from_preprocessor_config(preprocessor_config_json)
             .map_err(|error| GatewayError::Internal(format!("the model's {error}")))?;
+        let video = match (
+            tokenizer.token_to_id(VIDEO_PAD),
+            tokenizer.token_to_id("<|vision_start|>"),
+            tokenizer.token_to_id("<|vision_end|>"),
+        ) {
+            (Some(video_pad), Some(vision_start), Some(vision_end)) => Some(VideoTokens {
+                video_pad,
+                vision_start,
+                vision_end,
+            }),
+            _ => None,
+        };
         Ok(tokenizer
             .token_to_id(IMAGE_PAD)
             .map(|image_pad| ModelVision {
                 settings,
                 image_pad,
+                video,
             }))
     }
 
@@ -231,29 +301,60 @@ impl ModelVision {
     }
 
     /// `ids` with each image's one `<|image_pad|>` (the template renders one per image, in
-    /// order) repeated to its image's token count.
+    /// order) repeated to its image's token count, and each video's one `<|video_pad|>`
+    /// replaced by its frame pairs' runs (their timestamps tokenized by `encode_text`).
     pub fn expand_placeholders(
         &self,
         ids: &[u32],
         images: &[ChatImage],
+        encode_text: &dyn Fn(&str) -> Result<Vec<u32>, GatewayError>,
     ) -> Result<Vec<u32>, GatewayError> {
-        let placeholders = ids.iter().filter(|&&id| id == self.image_pad).count();
-        if placeholders != images.len() {
+        let video_pad = self.video.map(|tokens| tokens.video_pad);
+        let is_placeholder = |id: u32| id == self.image_pad || Some(id) == video_pad;
+        let placeholders: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&id| is_placeholder(id))
+            .collect();
+        let expected: Vec<u32> = images
+            .iter()
+            .map(|image| match image.video {
+                Some(_) => video_pad.unwrap_or(self.image_pad),
+                None => self.image_pad,
+            })
+            .collect();
+        if placeholders != expected {
             return Err(GatewayError::invalid(format!(
-                "the rendered prompt has {placeholders} image placeholder(s) for {} image(s) (images are taken in user messages only, and `{IMAGE_PAD}` must not be typed)",
+                "the rendered prompt has {} image or video placeholder(s) for {} image(s) and video(s) (they are taken in user messages only, and `{IMAGE_PAD}` or `{VIDEO_PAD}` must not be typed)",
+                placeholders.len(),
                 images.len()
             )));
         }
-        let counts = images
-            .iter()
-            .enumerate()
-            .map(|(index, image)| self.tokens_of(image, &format!("image {}", index + 1)))
-            .collect::<Result<Vec<usize>, GatewayError>>()?;
-        let mut expanded = Vec::with_capacity(ids.len() + counts.iter().sum::<usize>());
-        let mut counts = counts.into_iter();
+        let mut runs = Vec::with_capacity(images.len());
+        for (index, image) in images.iter().enumerate() {
+            runs.push(match (&image.video, self.video) {
+                (Some(video), Some(tokens)) => video.placeholder_run(
+                    &self.settings,
+                    tokens,
+                    encode_text,
+                    &format!("video {}", index + 1),
+                )?,
+                (Some(_), None) => {
+                    return Err(GatewayError::invalid(
+                        "this model's tokenizer has no video placeholder tokens",
+                    ))
+                }
+                (None, _) => {
+                    let count = self.tokens_of(image, &format!("image {}", index + 1))?;
+                    vec![self.image_pad; count]
+                }
+            });
+        }
+        let mut expanded = Vec::with_capacity(ids.len() + runs.iter().map(Vec::len).sum::<usize>());
+        let mut runs = runs.into_iter();
         for &id in ids {
-            match (id == self.image_pad).then(|| counts.next()).flatten() {
-                Some(count) => expanded.extend(std::iter::repeat_n(id, count)),
+            match is_placeholder(id).then(|| runs.next()).flatten() {
+                Some(run) => expanded.extend(run),
                 None => expanded.push(id),
             }
         }
@@ -295,6 +396,10 @@ mod tests {
         assert!(refused(&format!("data:image/svg+xml;base64,{svg}")).contains("image/svg+xml"));
     }
 
+    fn no_text(_: &str) -> Result<Vec<u32>, GatewayError> {
+        Ok(Vec::new())
+    }
+
     #[test]
     fn each_placeholder_becomes_its_images_run() {
         let vision = ModelVision {
@@ -305,15 +410,20 @@ mod tests {
                 ..ImageProcessorSettings::default()
             },
             image_pad: 7,
+            video: None,
         };
         let image = ChatImage::from_base64(PIXEL_PNG, None, "image").expect("PNG");
         // 1×1 grows to the 1,024-pixel minimum: 32×32, 4×4 patches, 4 merged tokens.
         assert_eq!(vision.tokens_of(&image, "image").expect("sized"), 4);
         let expanded = vision
-            .expand_placeholders(&[1, 7, 2, 7, 3], &[image.clone(), image.clone()])
+            .expand_placeholders(&[1, 7, 2, 7, 3], &[image.clone(), image.clone()], &no_text)
             .expect("expanded");
         assert_eq!(expanded, [1, 7, 7, 7, 7, 2, 7, 7, 7, 7, 3]);
-        assert!(vision.expand_placeholders(&[1, 7, 2], &[]).is_err());
-        assert!(vision.expand_placeholders(&[1, 2], &[image]).is_err());
+        assert!(vision
+            .expand_placeholders(&[1, 7, 2], &[], &no_text)
+            .is_err());
+        assert!(vision
+            .expand_placeholders(&[1, 2], &[image], &no_text)
+            .is_err());
     }
 }

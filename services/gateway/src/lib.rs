@@ -62,6 +62,7 @@ pub mod structured;
 pub mod token_bytes;
 pub mod tokenizer;
 pub mod tool_calls;
+pub mod videos;
 
 pub use backend::engine_pool::{EnginePool, EnginePoolOptions};
 pub use backend::GenerationBackend;

@@ -79,6 +79,12 @@ pub struct ContentPart {
     /// `{"url": ..., "detail": ...}` (or the URL alone) of an `image_url` part.
     #[serde(default)]
     pub image_url: Option<serde_json::Value>,
+    /// A `video` part's frames: a list of image URLs (data URLs), in order.
+    #[serde(default)]
+    pub video: Option<serde_json::Value>,
+    /// A `video` part's frame rate (2 when absent): frame `k` is at `k / fps` seconds.
+    #[serde(default)]
+    pub fps: Option<f64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -316,10 +322,27 @@ pub fn chat_conversation(
                             })?;
                             ChatContentPart::Image(ChatImagePart::from_url(url, location)?)
                         }
+                        "video" => {
+                            let location = format!("messages[{index}].content[{part_index}]");
+                            let frames = part
+                                .video
+                                .as_ref()
+                                .and_then(|video| video.as_array())
+                                .and_then(|frames| {
+                                    frames.iter().map(|frame| frame.as_str()).collect::<Option<Vec<&str>>>()
+                                })
+                                .ok_or_else(|| {
+                                    GatewayError::invalid_parameter(
+                                        "messages",
+                                        format!("{location}: a `video` part needs `video`, a list of frame image URLs"),
+                                    )
+                                })?;
+                            ChatContentPart::Image(ChatImagePart::from_video_urls(&frames, part.fps, location))
+                        }
                         other => {
                             return Err(GatewayError::invalid_parameter(
                                 "messages",
-                                format!("messages[{index}]: content parts of type `{other}` are not supported (text and image_url are)"),
+                                format!("messages[{index}]: content parts of type `{other}` are not supported (text, image_url and video are)"),
                             ))
                         }
                     });

@@ -145,21 +145,7 @@ fn assert_same<B: Backend>(
 ) {
     assert_eq!(expected.0, got.0, "{what}: greedy tokens");
     for (step, (a, b)) in expected.1.iter().zip(&got.1).enumerate() {
-        if backend.computes_on_host() {
-            let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(
-                same_bits,
-                "{what}: logits of step {step} differ (max |Δ| {})",
-                max_abs_difference(a, b)
-            );
-        } else {
-            let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1.0);
-            let worst = max_abs_difference(a, b);
-            assert!(
-                worst <= 1e-4 * scale,
-                "{what}: logits of step {step} differ by {worst} (scale {scale})"
-            );
-        }
+        assert_close(backend, &format!("{what}: logits of step {step}"), a, b);
     }
 }
 

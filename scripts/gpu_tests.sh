@@ -46,6 +46,7 @@ SUITES=(
   "prefix_cache_mtp:::cuda"
   "multimodal_positions:::cuda"
   "image_prompt:::cuda"
+  "video_prompt:::cuda"
   "cuda_vision:"
 )
 if [ -n "${GPU_TEST_SUITES:-}" ]; then

@@ -651,3 +651,59 @@ pub fn vision_reference_inputs(
         .collect();
     (grids, pixels)
 }
+
+/// The two videos of the video-prompt reference as `transformers` pre-processed them
+/// (`video_reference.pixel_values.f32` under `tests/fixtures/vision_input`, `video_grid_thw` of
+/// `qwen3_5_moe/video_prompt_reference.json`): each video one grid of its temporal patches
+/// (`temporal` > 1), and the patch rows of both, checked against `patch_row_len`.
+pub fn video_reference_patches(patch_row_len: usize) -> (Vec<crate::vision::ImageGrid>, Vec<f32>) {
+    let reference_path = golden_fixture_dir("qwen3_5_moe").join("video_prompt_reference.json");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(reference_path).expect("readable"))
+            .expect("valid JSON");
+    let grids: Vec<crate::vision::ImageGrid> = reference["video_grid_thw"]
+        .as_array()
+        .expect("grids")
+        .iter()
+        .map(|grid| {
+            let values = json_numbers(grid);
+            crate::vision::ImageGrid {
+                temporal: values[0] as usize,
+                height: values[1] as usize,
+                width: values[2] as usize,
+            }
+        })
+        .collect();
+    let bytes =
+        std::fs::read(golden_fixture_dir("vision_input").join("video_reference.pixel_values.f32"))
+            .expect("pixel values");
+    let pixels: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let rows: usize = grids.iter().map(crate::vision::ImageGrid::patches).sum();
+    assert_eq!(
+        pixels.len(),
+        rows * patch_row_len,
+        "pixel values for the grids"
+    );
+    (grids, pixels)
+}
+
+/// `grids` with each grid of several temporal patches split into that many grids of one.
+pub fn one_grid_per_temporal_patch(
+    grids: &[crate::vision::ImageGrid],
+) -> Vec<crate::vision::ImageGrid> {
+    grids
+        .iter()
+        .flat_map(|grid| {
+            std::iter::repeat_n(
+                crate::vision::ImageGrid {
+                    temporal: 1,
+                    ..*grid
+                },
+                grid.temporal,
+            )
+        })
+        .collect()
+}

@@ -15,6 +15,10 @@
 //!   engine picks for this f32 fixture and the decoder on the GPU (default options): the CUDA
 //!   golden bars — mean |ΔNLL| ≤ 2e-2 against `transformers`, top-1 agreement ≥ 99% with the
 //!   host tower and the CPU backend;
+//! * the two videos of `video_prompt_reference.json` as `transformers` pre-processed them, each
+//!   one grid of two temporal patches (frame pairs): against the host forward of the same grids,
+//!   and equal to the same tower given each pair as a grid of its own (how the engine sends
+//!   them);
 //! * the engine's image path picks the GPU tower when it serves on CUDA.
 //!
 //! Skipped without a GPU (fails under `NINFER_REQUIRE_GPU=1`).
@@ -29,7 +33,7 @@ use ninfer_engine::sampling::{argmax, Xoshiro256};
 use ninfer_engine::service::images::{start_tower, TowerDevice};
 use ninfer_engine::testing::{
     golden_fixture_dir, image_prompt_patches, json_numbers, mean_abs_difference,
-    vision_reference_inputs,
+    one_grid_per_temporal_patch, video_reference_patches, vision_reference_inputs,
 };
 use ninfer_engine::vision::weights::{stored_matrix_dtype, LayerNorm, Linear, VisionBlock};
 use ninfer_engine::vision::{encode_images, ImageGrid, VisionConfig, VisionTower, VisionWeights};
@@ -141,6 +145,45 @@ fn the_gpu_tower_matches_the_host_forward_and_transformers_on_three_images() {
                 "{precision:?} {what} against transformers: {against_transformers}"
             );
         }
+    }
+}
+
+#[test]
+fn the_gpu_tower_takes_video_grids_of_several_temporal_patches() {
+    let Some(gpu) = gpu_or_skip("the_gpu_tower_takes_video_grids_of_several_temporal_patches")
+    else {
+        return;
+    };
+    let work = tempfile::tempdir().expect("scratch directory");
+    let artifact = Artifact::open(&fixture_artifact(work.path(), DType::F32)).expect("opens");
+    let weights = VisionWeights::load(&artifact)
+        .expect("loads")
+        .expect("the fixture has a vision tower");
+    let (grids, pixels) = video_reference_patches(weights.config.patch_row_len());
+    assert!(grids.iter().all(|grid| grid.temporal > 1));
+    let pairs = one_grid_per_temporal_patch(&grids);
+    let host = encode_images(&weights, &pixels, &grids).expect("host forward");
+    for (precision, bar) in PRECISIONS {
+        let tower = CudaVisionTower::new(Arc::clone(&gpu), &weights, precision)
+            .expect("the GPU tower starts");
+        let whole = tower.encode(&pixels, &grids).expect("GPU forward");
+        assert_eq!(whole.tokens_per_image, host.tokens_per_image);
+        let hidden_error = relative_error(&whole.last_hidden_state, &host.last_hidden_state);
+        let merged_error = relative_error(&whole.merged, &host.merged);
+        let split = tower.encode(&pixels, &pairs).expect("GPU forward");
+        let split_error = relative_error(&split.merged, &whole.merged);
+        println!(
+            "{precision:?} videos of two temporal patches: max |Δ| / max |host| {hidden_error:.2e} before the merger, {merged_error:.2e} merged; pairs one by one against the whole grids {split_error:.2e}"
+        );
+        assert!(
+            hidden_error < bar,
+            "{precision:?} before the merger: {hidden_error}"
+        );
+        assert!(merged_error < bar, "{precision:?} merged: {merged_error}");
+        assert!(
+            split_error < bar / 3.0,
+            "{precision:?}: the pairs one by one: {split_error}"
+        );
     }
 }
 

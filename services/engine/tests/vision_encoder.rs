@@ -7,7 +7,8 @@
 use ninfer_artifact::Artifact;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::testing::{
-    golden_fixture_dir, json_numbers, max_abs_difference, vision_reference_inputs,
+    golden_fixture_dir, json_numbers, max_abs_difference, one_grid_per_temporal_patch,
+    video_reference_patches, vision_reference_inputs,
 };
 use ninfer_engine::vision::{
     encode_images, ImageGrid, ImagePlacement, VisionConfig, VisionWeights,
@@ -115,4 +116,44 @@ fn a_grid_that_does_not_divide_into_merge_blocks_is_refused() {
         encode_images(&weights, &rows[..10], &[grid]).is_err(),
         "too few pixel values"
     );
+}
+
+#[test]
+fn a_video_grid_of_several_temporal_patches_is_its_frame_pairs_one_by_one() {
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    let output = scratch.path().join("model.ninfer");
+    convert_checkpoint(
+        &ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &output),
+        &NoProgress,
+    )
+    .expect("fixture converts");
+    let artifact = Artifact::open(&output).expect("artifact opens");
+    let weights = VisionWeights::load(&artifact)
+        .expect("loads")
+        .expect("has a tower");
+    // transformers' rows of the two videos, each one grid of two temporal patches.
+    let (grids, pixels) = video_reference_patches(weights.config.patch_row_len());
+    assert!(grids.iter().all(|grid| grid.temporal == 2));
+    let whole = encode_images(&weights, &pixels, &grids).expect("encodes");
+    let pairs = one_grid_per_temporal_patch(&grids);
+    let split = encode_images(&weights, &pixels, &pairs).expect("encodes");
+    // Each temporal patch attends only to its own rows and takes the same positions: the whole
+    // grid is its pairs side by side.
+    assert_eq!(
+        whole.tokens_per_image,
+        [
+            split.tokens_per_image[0] + split.tokens_per_image[1],
+            split.tokens_per_image[2] + split.tokens_per_image[3]
+        ]
+    );
+    let scale = whole.merged.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let difference = max_abs_difference(&whole.merged, &split.merged);
+    assert!(difference <= 1e-6 * scale, "merged: {difference}");
+    assert!(
+        max_abs_difference(&whole.last_hidden_state, &split.last_hidden_state) <= 1e-5,
+        "before the merger"
+    );
+    // The pairs differ (a pan): a video's two temporal patches do not give the same tokens.
+    let tokens = split.tokens_per_image[0] * weights.config.out_hidden_size;
+    assert!(max_abs_difference(&split.merged[..tokens], &split.merged[tokens..2 * tokens]) > 1e-3);
 }

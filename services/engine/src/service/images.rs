@@ -161,6 +161,15 @@ impl ImageEncoding {
         .to_string()
     }
 
+    /// Where the tower runs (its [`VisionTower::describe`]) once the first image loaded it;
+    /// `None` before that or when it could not be loaded.
+    pub fn tower_description(&self) -> Option<String> {
+        match self.tower.get() {
+            Some(Ok(tower)) => Some(tower.describe()),
+            _ => None,
+        }
+    }
+
     /// The embeddings of `images` for `prompt`, or the status that refuses them
     /// (INVALID_ARGUMENT naming the image and its problem).
     pub async fn encode(

@@ -4,8 +4,8 @@
 //! Owns: [`BodyScan`] and what it measures: the decoded bytes of the prompt text an endpoint's
 //! JSON carries (message contents and their text parts, a completion prompt, a system prompt or
 //! instructions), the model name, and [`InputSizes`] — tool definitions, token ids of a prompt,
-//! stop sequences, `logit_bias` entries, and document or image data. Chunking never changes a
-//! figure. The scan trusts the JSON to be well formed; a body that is not is refused by the
+//! stop sequences, `logit_bias` entries, document or image data (a video's frames included) and
+//! the frames of the longest video. Chunking never changes a figure. The scan trusts the JSON to be well formed; a body that is not is refused by the
 //! parser when nothing measured here refused it first.
 //! Must not touch: the limits the figures are held to and the errors (`request_body`), what a
 //! request means (handlers parse it).
@@ -72,10 +72,12 @@ pub struct InputSizes {
     pub stop_sequence_bytes: usize,
     /// Keys of the top-level `logit_bias` object.
     pub logit_bias_entries: usize,
-    /// Decoded bytes of `data` / `file_data` strings and image URLs (`image_url`, `url`: data
-    /// URLs carry the image) inside messages, input or system blocks (documents and images sent
-    /// inline).
+    /// Decoded bytes of `data` / `file_data` strings, image URLs (`image_url`, `url`: data
+    /// URLs carry the image) and a `video` part's frame URLs inside messages, input or system
+    /// blocks (documents, images and video frames sent inline).
     pub document_bytes: usize,
+    /// Frames of the `video` part with the most (each an entry of its `video` list).
+    pub most_video_frames: usize,
 }
 
 /// The object keys the scan tells apart.
@@ -99,6 +101,7 @@ enum Field {
     FileData,
     ImageUrl,
     Url,
+    Video,
     Other,
 }
 
@@ -123,6 +126,7 @@ impl Field {
             b"file_data" => Field::FileData,
             b"image_url" => Field::ImageUrl,
             b"url" => Field::Url,
+            b"video" => Field::Video,
             _ => Field::Other,
         }
     }
@@ -187,6 +191,8 @@ pub struct BodyScan {
     sizes: InputSizes,
     /// Bytes fed before the current chunk.
     consumed: usize,
+    /// Frames of the `video` list being read.
+    video_frames: usize,
     /// The top-level value being measured whole: its field and where it started.
     open_whole_value: Option<(Field, usize)>,
     /// Its bytes so far, up to the end of the last chunk (added to `sizes` when it ends).
@@ -208,6 +214,7 @@ impl BodyScan {
             prompt_bytes: 0,
             sizes: InputSizes::default(),
             consumed: 0,
+            video_frames: 0,
             open_whole_value: None,
             open_whole_bytes: 0,
             gave_up: false,
@@ -280,6 +287,9 @@ impl BodyScan {
                         return;
                     }
                     self.enter_value(position);
+                    if byte == b'[' && is_video_frame_list(&self.path) {
+                        self.video_frames = 0;
+                    }
                     self.stack.push(Container {
                         is_object: byte == b'{',
                         field: Field::Other,
@@ -387,6 +397,10 @@ impl BodyScan {
             [Key(Stop | StopSequences)] | [Key(Stop | StopSequences), Item] if !scalar => {
                 self.sizes.stop_sequences += 1;
             }
+            [list @ .., Item] if !scalar && is_video_frame_list(list) => {
+                self.video_frames += 1;
+                self.sizes.most_video_frames = self.sizes.most_video_frames.max(self.video_frames);
+            }
             _ => {}
         }
     }
@@ -447,19 +461,29 @@ fn add_whole_value_bytes(sizes: &mut InputSizes, field: Field, bytes: usize) {
     }
 }
 
-/// Inline data of a document or image: a `data` / `file_data` string or an image URL somewhere
-/// inside the messages, input or system blocks (Anthropic `source.data`, OpenAI
-/// `file.file_data` and `image_url.url`, Responses `input_image.image_url`; a data URL holds
-/// the whole image, a link counts its few bytes).
+/// Inline data of a document, image or video frame: a `data` / `file_data` string, an image
+/// URL or an entry of a `video` list somewhere inside the messages, input or system blocks
+/// (Anthropic `source.data`, OpenAI `file.file_data`, `image_url.url` and `video[]`, Responses
+/// `input_image.image_url`; a data URL holds the whole image, a link counts its few bytes).
 fn is_document_data(path: &[Step]) -> bool {
+    in_conversation(path)
+        && (matches!(
+            path.last(),
+            Some(Step::Key(
+                Field::Data | Field::FileData | Field::ImageUrl | Field::Url
+            ))
+        ) || matches!(path, [list @ .., Step::Item] if is_video_frame_list(list)))
+}
+
+/// A `video` value inside the messages or input: the list of a video part's frame URLs.
+fn is_video_frame_list(path: &[Step]) -> bool {
+    in_conversation(path) && path.last() == Some(&Step::Key(Field::Video))
+}
+
+fn in_conversation(path: &[Step]) -> bool {
     matches!(
         path.first(),
         Some(Step::Key(Field::Messages | Field::Input | Field::System))
-    ) && matches!(
-        path.last(),
-        Some(Step::Key(
-            Field::Data | Field::FileData | Field::ImageUrl | Field::Url
-        ))
     )
 }
 
@@ -531,6 +555,7 @@ mod tests {
                     stop_sequence_bytes: stop.len(),
                     logit_bias_entries: 3,
                     document_bytes: 4 + 3 + 8 + 7,
+                    most_video_frames: 0,
                 },
                 "chunk {chunk}"
             );
@@ -546,5 +571,24 @@ mod tests {
         );
         let detokenize = scanned(PromptFields::None, r#"{"tokens":[1,2,3]}"#, 2).sizes();
         assert_eq!(detokenize.token_ids, 3);
+    }
+
+    #[test]
+    fn counts_video_frames_and_their_bytes_whatever_the_chunking() {
+        // Two videos of 3 and 2 frames (one with an escape), beside an image; a `video` key
+        // outside the conversation is not a video.
+        let body = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"video","video":["data:,abc","data:,d\/e","data:,f"],"fps":2.0},{"type":"image_url","image_url":{"url":"data:,gh"}},{"type":"video","video":["data:,ij","data:,k"]}]}],"metadata":{"video":["zzzzzzzz","z","z","z"]}}"#;
+        for chunk in [1, 2, 3, 7, 4096] {
+            let sizes = scanned(PromptFields::Chat, body, chunk).sizes();
+            assert_eq!(sizes.document_bytes, 9 + 9 + 7 + 8 + 8 + 7, "chunk {chunk}");
+            assert_eq!(sizes.most_video_frames, 3, "chunk {chunk}");
+        }
+        let longest_last = r#"{"messages":[{"content":[{"type":"video","video":["a"]},{"type":"video","video":["b","c","d","e"]}]}]}"#;
+        assert_eq!(
+            scanned(PromptFields::Chat, longest_last, 5)
+                .sizes()
+                .most_video_frames,
+            4
+        );
     }
 }

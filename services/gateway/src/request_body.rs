@@ -7,11 +7,12 @@
 //! own error), and [`InputLimits`] — tool definitions larger than that much text, more token
 //! ids than the context, more than [`MAX_STOP_STRINGS`] stop sequences or
 //! [`MAX_STOP_SEQUENCE_BYTES`] of them, more than [`MAX_LOGIT_BIAS_ENTRIES`] `logit_bias`
-//! entries, document or image data larger than the context's text (each a 400 naming the field
-//! and its limit). Once one is refused the body is no longer kept: the rest is read and dropped
-//! chunk by chunk without parsing megabytes into JSON values (after a prompt's refusal still
-//! scanned, for the model the body names; after another input's not even that). A body within
-//! every limit is kept whole and parsed as before.
+//! entries, document, image or video-frame data larger than the context's text, a video of more
+//! frames than one may have (each a 400 naming the field and its limit). Once one is refused
+//! the body is no longer kept: the rest is read and dropped chunk by chunk without parsing
+//! megabytes into JSON values (after a prompt's refusal still scanned, for the model the body
+//! names; after another input's not even that). A body within every limit is kept whole and
+//! parsed as before.
 //! Must not touch: what a request means (handlers parse it), tokenization itself (`tokenizer`).
 
 use std::convert::Infallible;
@@ -27,6 +28,7 @@ use crate::body_scan::{BodyScan, InputSizes, PromptFields};
 use crate::error::GatewayError;
 pub use crate::generation_plan::MAX_STOP_STRINGS;
 use crate::state::GatewayState;
+use ninfer_vision_input::MAX_VIDEO_FRAMES;
 
 /// Most bytes of stop sequences a request may send, all together as written in its JSON.
 pub const MAX_STOP_SEQUENCE_BYTES: usize = 16 * 1024;
@@ -213,7 +215,7 @@ impl InputLimits {
                 return Some(GatewayError::invalid_parameter(
                     "messages",
                     format!(
-                        "the documents and images sent inline (`data` / `file_data`, image data URLs) are larger than {most} bytes, the most this model's context of {} tokens can take",
+                        "the documents, images and video frames sent inline (`data` / `file_data`, image and frame data URLs) are larger than {most} bytes, the most this model's context of {} tokens can take",
                         self.context_tokens.unwrap_or(0)
                     ),
                 ));
@@ -239,6 +241,14 @@ impl InputLimits {
             return Some(GatewayError::invalid_parameter(
                 stop_field,
                 format!("`{stop_field}` is larger than {MAX_STOP_SEQUENCE_BYTES} bytes, the most stop sequences may take"),
+            ));
+        }
+        if sizes.most_video_frames > MAX_VIDEO_FRAMES {
+            return Some(GatewayError::invalid_parameter(
+                "messages",
+                format!(
+                    "a `video` part has more than {MAX_VIDEO_FRAMES} frames, the most one video may have"
+                ),
             ));
         }
         if sizes.logit_bias_entries > MAX_LOGIT_BIAS_ENTRIES {
@@ -270,9 +280,10 @@ mod tests {
             stop_sequence_bytes: MAX_STOP_SEQUENCE_BYTES,
             logit_bias_entries: MAX_LOGIT_BIAS_ENTRIES,
             document_bytes: 100_000,
+            most_video_frames: MAX_VIDEO_FRAMES,
         };
         assert!(limits.refusal(&within, "/v1/chat/completions").is_none());
-        let cases: [(InputSizes, &str, &str, &str); 7] = [
+        let cases: [(InputSizes, &str, &str, &str); 8] = [
             (
                 InputSizes {
                     tool_definition_bytes: 100_001,
@@ -335,6 +346,15 @@ mod tests {
                 "/v1/messages",
                 "messages",
                 "100000 bytes",
+            ),
+            (
+                InputSizes {
+                    most_video_frames: MAX_VIDEO_FRAMES + 1,
+                    ..within
+                },
+                "/v1/chat/completions",
+                "messages",
+                "64 frames",
             ),
         ];
         for (sizes, path, field, limit) in cases {

@@ -222,6 +222,11 @@ async fn other_large_inputs_are_refused_while_the_body_arrives() {
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url":
             format!("data:image/png;base64,{}", "QUJD".repeat(SIZE / 4))}}]}]});
+    // A video's frames: seven data URLs of a megabyte each.
+    let frame = format!("data:image/png;base64,{}", "QUJD".repeat(SIZE / 28));
+    let video = json!({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What happens?"},
+        {"type": "video", "video": vec![frame; 7], "fps": 2.0}]}]});
     drop(words);
     let cases: Vec<(&'static str, &'static str, String)> = vec![
         ("/v1/chat/completions", "tools", tools.to_string()),
@@ -231,6 +236,7 @@ async fn other_large_inputs_are_refused_while_the_body_arrives() {
         ("/v1/chat/completions", "logit_bias", logit_bias.to_string()),
         ("/v1/messages", "messages", document.to_string()),
         ("/v1/chat/completions", "messages", image.to_string()),
+        ("/v1/chat/completions", "messages", video.to_string()),
     ];
     drop((
         tools,
@@ -240,6 +246,7 @@ async fn other_large_inputs_are_refused_while_the_body_arrives() {
         logit_bias,
         document,
         image,
+        video,
     ));
     let refuse = |path: &'static str, field: &'static str, body: String| async move {
         let sent = Instant::now();
@@ -302,6 +309,45 @@ async fn other_large_inputs_are_refused_while_the_body_arrives() {
         "resident memory grew by {} MiB",
         growth >> 20
     );
+}
+
+/// A video of more frames than one may have is refused from the body's scan (the frame count
+/// it reads as the list arrives), in the API's error shape, before its frames are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_video_of_too_many_frames_is_refused_while_the_body_arrives() {
+    // A model that sees images and videos.
+    let script = EngineScript::default();
+    script.vision.store(true, Ordering::SeqCst);
+    let engine = RunningEngine::start(Arc::new(script), None).await;
+    let (gateway, _) =
+        gateway_with(engine.address, fast_polling(), ConnectionLimits::default()).await;
+    let limit = ninfer_vision_input::MAX_VIDEO_FRAMES;
+    // Frames that are not even images: only the count can refuse them first.
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "video", "video": vec!["data:image/png;base64,QUJD"; limit + 1]}]}]});
+    let response = post_json(gateway, "/v1/chat/completions", &body).await;
+    assert_eq!(response.status, 400, "{}", response.text());
+    let envelope = response.json();
+    assert_eq!(
+        envelope["error"]["type"], "invalid_request_error",
+        "{envelope}"
+    );
+    assert_eq!(envelope["error"]["param"], "messages", "{envelope}");
+    let message = envelope["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("more than {limit} frames")),
+        "{message}"
+    );
+    // At the limit the scan lets it through: the frames themselves are then refused.
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "video", "video": vec!["data:image/png;base64,QUJD"; limit]}]}]});
+    let response = post_json(gateway, "/v1/chat/completions", &body).await;
+    assert_eq!(response.status, 400, "{}", response.text());
+    let message = response.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(message.contains(".video[0]"), "{message}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,8 @@
 //!
 //! Owns: Anthropic request/response shapes (system prompt — the `system` field and `system`
 //! messages anywhere in `messages` — content blocks, `thinking`,
-//! `tool_use`/`tool_result`, images and documents stood in for as text, `stop_sequences`),
+//! `tool_use`/`tool_result`, images (in user messages and tool results) for a model that sees
+//! them or stood in for as text, documents stood in for as text, `stop_sequences`),
 //! their mapping to the neutral chat model and
 //! [`SamplingOptions`], the exact streaming event sequence (`message_start`, `ping`,
 //! `content_block_start`/`content_block_delta`/`content_block_stop`, `message_delta`,
@@ -243,30 +244,48 @@ fn image_part(block: &ContentBlock, location: String) -> Result<ChatImagePart, G
     })
 }
 
-/// A tool result's text: its text blocks, with images and documents stood in for.
-fn tool_result_text(
+/// A tool result's content: its blocks joined by line breaks, documents stood in for as text
+/// and images kept as images (the screenshot a client's tool took reaches a model that sees
+/// images as an `image` block would, and a text-only model's stand-in takes its place).
+fn tool_result_content(
     content: &AnthropicContent,
     where_: &str,
     non_text: NonTextContent,
-) -> Result<String, GatewayError> {
-    match content {
-        AnthropicContent::Text(text) => Ok(text.clone()),
-        AnthropicContent::Blocks(blocks) => {
-            let mut parts = Vec::new();
-            for block in blocks {
-                match block.kind.as_str() {
-                    "text" => parts.push(block.text.clone().unwrap_or_default()),
-                    "image" | "document" => parts.push(media_text(block, where_, non_text)?),
-                    other => {
-                        return Err(GatewayError::invalid(format!(
-                            "{where_}: content blocks of type `{other}` are not supported in tool results"
-                        )))
-                    }
+) -> Result<ChatContent, GatewayError> {
+    let blocks = match content {
+        AnthropicContent::Text(text) => return Ok(ChatContent::Text(text.clone())),
+        AnthropicContent::Blocks(blocks) => blocks,
+    };
+    let mut parts = Vec::new();
+    let mut text = String::new();
+    for (index, block) in blocks.iter().enumerate() {
+        if index > 0 {
+            text.push('\n');
+        }
+        match block.kind.as_str() {
+            "text" => text.push_str(block.text.as_deref().unwrap_or_default()),
+            "document" => text.push_str(&media_text(block, where_, non_text)?),
+            "image" => {
+                let image = image_part(block, format!("{where_}.content.{index}"))?;
+                if !text.is_empty() {
+                    parts.push(ChatContentPart::Text(std::mem::take(&mut text)));
                 }
+                parts.push(ChatContentPart::Image(image));
             }
-            Ok(parts.join("\n"))
+            other => {
+                return Err(GatewayError::invalid(format!(
+                    "{where_}: content blocks of type `{other}` are not supported in tool results"
+                )))
+            }
         }
     }
+    if parts.is_empty() {
+        return Ok(ChatContent::Text(text));
+    }
+    if !text.is_empty() {
+        parts.push(ChatContentPart::Text(text));
+    }
+    Ok(ChatContent::Parts(parts))
 }
 
 fn empty_mapping() -> minijinja::Value {
@@ -335,11 +354,12 @@ fn chat_conversation(
                                 text.push_str(&media_text(block, &where_, non_text)?);
                             }
                             "tool_result" => {
-                                let result = match &block.content {
-                                    Some(content) => tool_result_text(content, &where_, non_text)?,
-                                    None => String::new(),
-                                };
-                                let mut tool = ChatMessage::text(ChatRole::Tool, result);
+                                let mut tool = ChatMessage::text(ChatRole::Tool, "");
+                                if let Some(content) = &block.content {
+                                    let location = format!("{where_}.content.{block_index}");
+                                    tool.content =
+                                        Some(tool_result_content(content, &location, non_text)?);
+                                }
                                 tool.tool_call_id = block.tool_use_id.clone();
                                 messages.push(tool);
                             }

@@ -325,7 +325,7 @@ impl ModelVision {
             .collect();
         if placeholders != expected {
             return Err(GatewayError::invalid(format!(
-                "the rendered prompt has {} image or video placeholder(s) for {} image(s) and video(s) (they are taken in user messages only, and `{IMAGE_PAD}` or `{VIDEO_PAD}` must not be typed)",
+                "the rendered prompt has {} image or video placeholder(s) for {} image(s) and video(s) (they are taken in user messages and tool results only, and `{IMAGE_PAD}` or `{VIDEO_PAD}` must not be typed)",
                 placeholders.len(),
                 images.len()
             )));

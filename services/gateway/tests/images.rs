@@ -4,7 +4,9 @@
 //! `input_image` each reach the engine as the encoded file, with the template's placeholder
 //! repeated to the image's token count (the processor's grid) and counted in `usage`; URLs to
 //! fetch and hostile files are refused with 400 in each API's error shape naming the problem,
-//! and the gateway's memory does not grow with them. A text-only model keeps its stand-in.
+//! and the gateway's memory does not grow with them. An image inside an Anthropic `tool_result`
+//! (a screenshot a client's tool took) reaches the engine as an image too, inside the tool
+//! response, counted in `usage` and `count_tokens`. A text-only model keeps its stand-in.
 
 mod common;
 
@@ -255,4 +257,74 @@ async fn a_text_only_model_gets_the_stand_in() {
         prompt.contains("[image omitted: this model reads text only]"),
         "{prompt}"
     );
+}
+
+/// A Claude Code turn: the assistant called a tool that read a screenshot, the user message
+/// carries its `tool_result` (text, the image, more text) and a question.
+fn tool_result_with_a_screenshot(data: &str) -> serde_json::Value {
+    json!({"model": MODEL, "max_tokens": 4,
+        "tools": [{"name": "Read", "description": "Reads a file",
+                   "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}],
+        "messages": [
+            {"role": "user", "content": "Look at shot.png"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read",
+                "input": {"file_path": "shot.png"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                    {"type": "text", "text": "shot.png:"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                    {"type": "text", "text": "(53x37)"}]},
+                {"type": "text", "text": "What is in it?"}]}]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_in_a_tool_result_reaches_the_model_as_an_image() {
+    let (engine, gateway) = start(true).await;
+    let png = fixture_image("png_rgb_downscale.png");
+    let body = tool_result_with_a_screenshot(&base64(&png));
+    let response = post_json(gateway.address, "/v1/messages", &body).await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    let request = engine.script.last_request();
+    assert_eq!(request.images.len(), 1);
+    assert_eq!(request.images[0].encoded, png);
+    assert_eq!(request.images[0].media_type, "image/png");
+    let ids = &request.prompt_token_ids;
+    // The image's run of 6 tokens (its 4×6 patch grid), inside the tool response, between the
+    // result's texts.
+    assert_eq!(ids.iter().filter(|&&id| id == IMAGE_PAD).count(), 6);
+    let tokenizer = tokenizers::Tokenizer::from_file(fixture_dir().join("tokenizer.json"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let prompt = tokenizer
+        .decode(ids, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let run = format!(
+        "<|vision_start|>{}<|vision_end|>",
+        "<|image_pad|>".repeat(6)
+    );
+    assert!(
+        prompt.contains(&format!(
+            "<tool_response>\nshot.png:\n{run}\n(53x37)\n</tool_response>"
+        )),
+        "{prompt}"
+    );
+    assert!(!prompt.contains("omitted"), "{prompt}");
+    let input_tokens = response.json()["usage"]["input_tokens"].as_u64();
+    assert_eq!(input_tokens, Some(ids.len() as u64));
+    let counted = post_json(gateway.address, "/v1/messages/count_tokens", &body).await;
+    assert_eq!(counted.status, 200, "{}", counted.text());
+    assert_eq!(counted.json()["input_tokens"], ids.len(), "count_tokens");
+
+    // A file that is not an image is refused naming where it is, as a top-level block is.
+    let refused = post_json(
+        gateway.address,
+        "/v1/messages",
+        &tool_result_with_a_screenshot(&base64(&png[..png.len() - 20])),
+    )
+    .await;
+    let message = error_message("/v1/messages", &refused);
+    assert!(
+        message.starts_with("messages.2.content.0.content.1"),
+        "{message}"
+    );
+    assert!(message.contains("truncated"), "{message}");
 }

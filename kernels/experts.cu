@@ -150,6 +150,32 @@ extern "C" __global__ void expert_gate_up(const unsigned char* slots, const int*
 // GATE_UP_TASK_MAX_PAIRS.
 #define GATE_UP_TASK_BLOCKS_PER_SM 2
 #define GATE_UP_TASK_MAX_PAIRS 64
+// The next launch, `expert_down_sum`, reads the pairs' down matrices: the task grid asks L2 for
+// them (`down_span` bytes from `down_offset` in each pair's slot; 0: nothing), spread over every
+// warp of the grid, so they stream from HBM while this kernel's tail and the next launch leave
+// it idle (DOWN_PREFETCH 1: after a warp's last task; 2: before its first).
+#ifndef DOWN_PREFETCH
+#define DOWN_PREFETCH 1
+#endif
+__device__ __forceinline__ void prefetch_down_matrices(const unsigned char* slots,
+                                                       const int* slot_of, int pairs,
+                                                       long long stride, long long down_offset,
+                                                       long long down_span, int lane) {
+    if (down_span <= 0) return;
+    long long lines_per_pair = (down_span + 127) / 128;
+    long long warps_total = (long long)gridDim.x * (blockDim.x / 32);
+    long long warp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    long long lines = lines_per_pair * pairs;
+    for (long long line = warp * 32 + lane; line < lines; line += warps_total * 32) {
+        int p = (int)(line / lines_per_pair);
+        int slot = slot_of[p];
+        if (slot < 0) continue;
+        const unsigned char* at =
+            slots + (long long)slot * stride + down_offset + (line % lines_per_pair) * 128;
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(at));
+    }
+}
+
 // The block's tasks; the first one's rows are loaded before the token's input `x` is staged
 // into `shared_x` (so they are in flight during the staging and its barrier).
 template <int DT>
@@ -157,9 +183,14 @@ __device__ __forceinline__ void gate_up_tasks(const unsigned char* slots, const 
                                               const float* x, float* shared_x, float* activated,
                                               int intermediate, int hidden, long long stride,
                                               long long gate_up_scales, int tasks,
-                                              int first_task) {
+                                              int first_task, long long down_offset,
+                                              long long down_span) {
     int lane = threadIdx.x % 32;
     int warps_total = gridDim.x * (blockDim.x / 32);
+#if DOWN_PREFETCH == 2
+    prefetch_down_matrices(slots, slot_of, tasks / intermediate, stride, down_offset, down_span,
+                           lane);
+#endif
     int task = first_task;
     uint4 gate_bits[4], up_bits[4];
     float gate_scale[4], up_scale[4];
@@ -206,17 +237,23 @@ __device__ __forceinline__ void gate_up_tasks(const unsigned char* slots, const 
         }
         task = next;
     }
+#if DOWN_PREFETCH == 1
+    prefetch_down_matrices(slots, slot_of, tasks / intermediate, stride, down_offset, down_span,
+                           lane);
+#endif
 }
 
 // grid (GATE_UP_TASK_BLOCKS_PER_SM · multiprocessors), 256 threads; the arguments of
-// `expert_gate_up` and the pair count (the pairs of one token: ids[0 .. pairs)).
+// `expert_gate_up`, the pair count (the pairs of one token: ids[0 .. pairs)), and the down
+// matrices to ask L2 for (`prefetch_down_matrices`; down_span 0: none).
 extern "C" __global__ void __launch_bounds__(256, GATE_UP_TASK_BLOCKS_PER_SM)
     expert_gate_up_tasks(const unsigned char* slots,
                                                 const int* slot_of_expert,
                                                 const unsigned int* ids, const float* x,
                                                 float* activated, int top_k, int num_experts,
                                                 int hidden, int intermediate, long long stride,
-                                                int dtype, long long gate_up_scales, int pairs) {
+                                                int dtype, long long gate_up_scales, int pairs,
+                                                long long down_offset, long long down_span) {
     PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) float shared_x[];
     __shared__ int slot_of[GATE_UP_TASK_MAX_PAIRS];
@@ -229,10 +266,12 @@ extern "C" __global__ void __launch_bounds__(256, GATE_UP_TASK_BLOCKS_PER_SM)
     // dtype is the same for the whole block: the barrier inside is reached by every thread.
     if (dtype == DTYPE_INT8)
         gate_up_tasks<DTYPE_INT8>(slots, slot_of, x, shared_x, activated, intermediate, hidden,
-                                  stride, gate_up_scales, tasks, first_task);
+                                  stride, gate_up_scales, tasks, first_task, down_offset,
+                                  down_span);
     else
         gate_up_tasks<DTYPE_INT4>(slots, slot_of, x, shared_x, activated, intermediate, hidden,
-                                  stride, gate_up_scales, tasks, first_task);
+                                  stride, gate_up_scales, tasks, first_task, down_offset,
+                                  down_span);
 }
 
 // grid (ceil(hidden / (warps · DOWN_ROWS)), pairs), dynamic shared memory

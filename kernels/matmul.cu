@@ -199,16 +199,51 @@ __device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k
                 (int)(task / column_groups) * ROWS, threadIdx.x % 32);
 }
 
+// Decode (one row group): the weight rows of the warp's feature group `group` asked of L2
+// before the PDL wait, so they stream in while the kernel before this one finishes (its
+// weights are what a decode matmul waits for; they do not depend on the predecessor).
+template <typename W>
+__device__ __forceinline__ void prefetch_feature_group(const W* w, int n, int k, int m, int cols,
+                                                       long long group) {
+    if (n > ROWS) return;
+    long long col = group * cols;
+    if (col >= m) return;
+    long long rows = m - col < cols ? m - col : cols;
+    prefetch_l2_span(w + col * k, rows * k * (long long)sizeof(W), threadIdx.x % 32, 32);
+}
+
+__device__ __forceinline__ long long warp_task() {
+    return (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+}
+
+// `prefetch` (0 or 1): ask L2 for the warp's weights before the PDL wait (decode).
 extern "C" __global__ void matmul(const float* x, const float* w, float* out, int n, int k, int m,
-                                  int cols) {
+                                  int cols, int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_feature_group(w, n, k, m, cols, warp_task()));
     PDL_WAIT_AND_RELEASE();
     matmul_warp(x, w, out, n, k, m, cols);
 }
 
 extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, float* out, int n,
-                                       int k, int m, int cols) {
+                                       int k, int m, int cols, int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_feature_group(w, n, k, m, cols, warp_task()));
     PDL_WAIT_AND_RELEASE();
     matmul_warp(x, w, out, n, k, m, cols);
+}
+
+// matmul3_bf16's feature group `group` of the three matrices' groups, asked of L2.
+__device__ __forceinline__ void prefetch_matmul3_group(const unsigned short* w0,
+                                                       const unsigned short* w1,
+                                                       const unsigned short* w2, int n, int k,
+                                                       int m0, int m1, int m2, int cols,
+                                                       long long group) {
+    long long g0 = (m0 + cols - 1) / cols, g1 = (m1 + cols - 1) / cols;
+    if (group < g0)
+        prefetch_feature_group(w0, n, k, m0, cols, group);
+    else if (group < g0 + g1)
+        prefetch_feature_group(w1, n, k, m1, cols, group - g0);
+    else
+        prefetch_feature_group(w2, n, k, m2, cols, group - g0 - g1);
 }
 
 // Three projections of one input in one launch (an attention layer's q, k and v at decode):
@@ -218,7 +253,9 @@ extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, 
 extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0,
                                         const unsigned short* w1, const unsigned short* w2,
                                         float* out0, float* out1, float* out2, int n, int k,
-                                        int m0, int m1, int m2, int cols) {
+                                        int m0, int m1, int m2, int cols, int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_matmul3_group(w0, w1, w2, n, k, m0, m1, m2, cols,
+                                                     warp_task()));
     PDL_WAIT_AND_RELEASE();
     int warps_per_block = blockDim.x / 32;
     long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;

@@ -169,6 +169,8 @@ class Bench:
     def matmuls(self, kernel_dir, label, cols, unroll, baseline_outputs=None):
         """cols = 0: the baseline's kernels (one feature per warp, no `cols` argument)."""
         mod = module(kernel_dir, "matmul", [("UNROLL", unroll)] if cols else [])
+        with open(os.path.join(kernel_dir, "matmul.cu")) as f:
+            has_prefetch = "int cols, int prefetch" in f.read()
         warps, rows_per_warp = 8, 8
         outputs = {}
         shapes = [
@@ -196,6 +198,8 @@ class Bench:
                 block = (32 * warps,)
 
                 extra = (np.int32(cols),) if cols else ()
+                if cols and has_prefetch:
+                    extra += (np.int32(0),)  # no L2 prefetch: CuPy launches have no PDL
 
                 def launcher(ws, outs=outs, x=x, n=n):
                     if kernel == "matmul3_bf16":
@@ -530,11 +534,12 @@ class Bench:
             if candidate is not None:
                 tasks_out = cp.zeros((pairs, i), dtype=cp.float32)
 
-                def tasks_launch(ids, blocks, x=x, pairs=pairs, tasks_out=tasks_out):
+                def tasks_launch(ids, blocks, x=x, pairs=pairs, tasks_out=tasks_out, span=0, kernel=candidate):
                     args = (buffer, slot_of_expert, ids, x, tasks_out, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h),
-                            np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes), np.int32(pairs))
+                            np.int32(i), np.int64(stride), dtype_int8, np.int64(gate_up_bytes), np.int32(pairs),
+                            np.int64(down_offset), np.int64(span))
                     smem = tokens * (-(-h // 16)) * 20 * 4
-                    return lambda: candidate((blocks,), (256,), args, shared_mem=smem)
+                    return lambda: kernel((blocks,), (256,), args, shared_mem=smem)
 
                 sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
                 for per_sm in (1, 2, 3, 4):
@@ -546,6 +551,30 @@ class Bench:
                     cp.cuda.Device().synchronize()
                     self.same_bits("expert_gate_up_tasks %d blocks/SM against expert_gate_up" % per_sm,
                                    tasks_out, activated)
+                # The pair the engine launches at one token (task grid, then down), the task grid
+                # asking L2 for the down matrices after its tasks (1) or before them (2), or not.
+                blocks = 2 * sms
+                span = stride - down_offset
+                variants = [("no prefetch", candidate, 0)]
+                for where in (1, 2):
+                    try:
+                        kernel = module(kernel_dir, "experts", [("DOWN_PREFETCH", where)]).get_function(
+                            "expert_gate_up_tasks")
+                        variants.append(("down prefetch %d" % where, kernel, span))
+                    except Exception:  # noqa: BLE001 - a revision without the prefetch
+                        pass
+                for name, kernel, span_here in variants:
+                    launches = []
+                    for ids in id_sets:
+                        launches.append(tasks_launch(ids, blocks, span=span_here, kernel=kernel))
+                        launches.append(down_launch(ids))
+                    us = timed(launches) * 2
+                    self.record("gate_up_tasks + expert_down int8 " + suffix, name, us,
+                                pairs * (gate_up_bytes + gate_up_scales + down_bytes + down_scales))
+                    tasks_launch(id_sets[5], blocks, span=span_here, kernel=kernel)()
+                    cp.cuda.Device().synchronize()
+                    self.same_bits("expert_gate_up_tasks (%s) against expert_gate_up" % name, tasks_out,
+                                   activated)
             # One expert not resident: its pair's output rows are zeros (and its activated row is
             # not written, so it is left out of the comparison).
             missing = int(id_sets[3][2])

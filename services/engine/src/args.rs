@@ -136,6 +136,17 @@ pub(crate) struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_decode_gate_up_tasks: bool,
+    /// `on` (the default): one token's gate/up task grid also asks L2 for the down matrices
+    /// the next launch reads. `off`: nothing asked ahead. The same tokens either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) cuda_decode_down_prefetch: bool,
+    /// `on` (the default): under programmatic dependent launch, decode's matmul kernels ask L2
+    /// for their weights before waiting for the kernel before them. `off`: nothing asked ahead.
+    /// The same tokens either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) cuda_weight_prefetch: bool,
     /// `on` (the default): on an sm_90+ GPU, kernels are launched with programmatic dependent
     /// launch, so each one's launch and block scheduling overlap the end of the one before it
     /// (each still waits for its predecessor before touching memory). `off`: plain launches.
@@ -282,6 +293,8 @@ pub(crate) fn cuda_options(args: &Args) -> CudaOptions {
         fused_expert_sum: args.cuda_fused_expert_sum,
         group_decode_attention: args.cuda_group_decode_attention,
         decode_gate_up_tasks: args.cuda_decode_gate_up_tasks,
+        decode_down_prefetch: args.cuda_decode_down_prefetch,
+        weight_prefetch: args.cuda_weight_prefetch,
         programmatic_dependent_launch: args.cuda_pdl,
         shared_memory_cap: args.cuda_shared_memory_cap,
         // The backend reports at most the budget's memory, so every user of the free memory

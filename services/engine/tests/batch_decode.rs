@@ -325,8 +325,8 @@ fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {
 
 /// One token's gate/up projections from the task grid (`decode_gate_up_tasks`) give every
 /// step's logits bit for bit as the per-pair kernel they replace: int8 and int4 experts, one
-/// sequence (where the task grid runs) and three (where it does not), through step graphs and
-/// op by op.
+/// sequence (where the task grid runs, asking L2 for the down matrices as it does by default)
+/// and three (where it does not), through step graphs and op by op.
 #[test]
 fn gate_up_tasks_give_the_bits_of_the_per_pair_kernel() {
     let test = "gate_up_tasks_give_the_bits_of_the_per_pair_kernel";

@@ -570,10 +570,16 @@ impl CudaBackend {
                 shared_mem_bytes: shared_bytes(hidden)?,
             };
             let pairs_count = int(pairs, "pairs")?;
+            // The down matrices the next launch reads, asked of L2 by this one's warps.
+            let down_span = if self.options.decode_down_prefetch {
+                args.stride - args.down_offset
+            } else {
+                0
+            };
             launch!(self, "expert_gate_up_tasks", config;
                 storage, table, ids, x, &mut *activated, &top_k, &num_experts,
                 &args.hidden, &args.intermediate, &args.stride, &args.dtype, &args.gate_up_scales,
-                &pairs_count)?;
+                &pairs_count, &args.down_offset, &down_span)?;
         } else {
             launch!(self, "expert_gate_up", gate_up_config;
                 storage, table, ids, x, &mut *activated, &top_k, &num_experts,

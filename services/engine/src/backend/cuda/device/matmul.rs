@@ -137,13 +137,13 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let output = &mut *out.data;
+        let prefetch = self.weight_prefetch();
         match &weight.data {
             WeightData::F32(data) => {
-                launch!(self, "matmul", config; input, data, output, &n, &k, &m, &cols)?
+                launch!(self, "matmul", config; input, data, output, &n, &k, &m, &cols, &prefetch)?
             }
-            WeightData::Bf16(data) => {
-                launch!(self, "matmul_bf16", config; input, data, output, &n, &k, &m, &cols)?
-            }
+            WeightData::Bf16(data) => launch!(self, "matmul_bf16", config;
+                    input, data, output, &n, &k, &m, &cols, &prefetch)?,
         }
         Ok(out)
     }
@@ -205,10 +205,17 @@ impl CudaBackend {
         {
             let [out0, out1, out2] = &mut outputs;
             let (o0, o1, o2) = (&mut *out0.data, &mut *out1.data, &mut *out2.data);
+            let prefetch = self.weight_prefetch();
             launch!(self, "matmul3_bf16", config;
-                input, w0, w1, w2, o0, o1, o2, &n, &k, &m0, &m1, &m2, &cols)?;
+                input, w0, w1, w2, o0, o1, o2, &n, &k, &m0, &m1, &m2, &cols, &prefetch)?;
         }
         Ok(Some(outputs))
+    }
+
+    /// The matmul kernels' `prefetch` argument: 1 where their blocks can start before the
+    /// kernel before them ends (programmatic dependent launch) and the option is on.
+    fn weight_prefetch(&self) -> i32 {
+        i32::from(self.options.weight_prefetch && self.info.programmatic_dependent_launch)
     }
 }
 

@@ -110,6 +110,14 @@ pub struct CudaOptions {
     /// rows in flight (`expert_gate_up_tasks`) instead of one block row per pair, whose second
     /// wave runs mostly empty. The same bits (off: the per-pair kernel).
     pub decode_gate_up_tasks: bool,
+    /// The task grid of one token's gate/up projections also asks L2 for the down matrices the
+    /// next launch reads (`prefetch.global.L2`), so they stream from HBM during its tail and
+    /// the next launch's start. Timing only: the same bits (off: nothing asked ahead).
+    pub decode_down_prefetch: bool,
+    /// Under programmatic dependent launch, the matmul kernels of one row group (decode) ask
+    /// L2 for their weights before they wait for the kernel before them, so the weights stream
+    /// in while it finishes. Timing only: the same bits (off: nothing asked ahead).
+    pub weight_prefetch: bool,
     /// Programmatic dependent launch (device/launch.rs): on an sm_90+ GPU whose driver has
     /// `cuLaunchKernelEx`, kernel launches (also those recorded into step graphs, from CUDA
     /// 12.3 on) let the next kernel's launch and block scheduling overlap the tail of the one
@@ -215,6 +223,8 @@ impl Default for CudaOptions {
             fused_expert_sum: false,
             group_decode_attention: true,
             decode_gate_up_tasks: true,
+            decode_down_prefetch: true,
+            weight_prefetch: true,
             programmatic_dependent_launch: true,
             shared_memory_cap: None,
             memory_cap_bytes: None,
@@ -244,6 +254,9 @@ impl CudaOptions {
             group_decode_attention: true,
             // The same bits as the per-pair kernel.
             decode_gate_up_tasks: true,
+            // Timing only: the same bits.
+            decode_down_prefetch: true,
+            weight_prefetch: true,
             // Launch timing only: the same bits as plain launches.
             programmatic_dependent_launch: true,
             shared_memory_cap: None,

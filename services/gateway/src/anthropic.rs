@@ -11,14 +11,11 @@
 //! Must not touch: other APIs' shapes, planning (`generation_plan`), engine selection,
 //! stop-string or detokenization logic (see `generation`).
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value as JsonValue};
 
@@ -29,6 +26,7 @@ use crate::chat::{
     NonTextContent, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
+use crate::event_stream::{event_stream_response, Event};
 use crate::generation::{
     collect_generation, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
 };
@@ -636,7 +634,7 @@ fn event(name: &str, data: JsonValue) -> Event {
 
 /// An event whose data is already JSON text (the per-token deltas).
 fn raw_event(name: &str, data: String) -> Event {
-    Event::default().event(name).data(data)
+    Event::named(name, &data)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -780,10 +778,7 @@ fn stream_messages(
             }
         }
     });
-    let stream = event_stream.map(Ok::<Event, Infallible>);
-    Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    event_stream_response(event_stream)
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's token count, exactly as `/v1/messages` would send it.

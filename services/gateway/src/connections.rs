@@ -15,7 +15,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -271,26 +271,26 @@ impl ServedConnection {
             async move {
                 let response = answer.await;
                 drop(guard);
+                // The request counts as in flight until its answer's body is gone.
                 response.map(|response| {
-                    let response = if is_event_stream(&response) {
+                    if is_event_stream(&response) {
                         response.map(|body| {
                             Body::new(StreamCutAtDeadline::new(
                                 body,
                                 cut_streams,
                                 event_streams,
                                 &path,
+                                in_flight,
                             ))
                         })
                     } else {
-                        response
-                    };
-                    // The request counts as in flight until its answer's body is gone.
-                    response.map(|body| {
-                        Body::new(CountedBody {
-                            inner: body,
-                            _in_flight: in_flight,
+                        response.map(|body| {
+                            Body::new(CountedBody {
+                                inner: body,
+                                _in_flight: in_flight,
+                            })
                         })
-                    })
+                    }
                 })
             }
         });
@@ -404,14 +404,21 @@ fn is_event_stream(response: &axum::response::Response) -> bool {
 }
 
 /// A streaming answer that, at the drain deadline, ends with its API's error event (so a
-/// client learns the answer was cut, not finished) and drops the generation behind it.
+/// client learns the answer was cut, not finished) and drops the generation behind it; it
+/// counts its request as in flight until it is dropped.
 struct StreamCutAtDeadline {
     inner: Body,
     deadline: Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// Tells at the cost of an atomic load whether the deadline may have come (the cut was
+    /// sent, or the server is gone): the deadline's future is polled again only then, or for
+    /// a waker other than the one it holds, not once per event.
+    cut_streams: watch::Receiver<bool>,
+    deadline_waker: Option<Waker>,
     final_event: Option<Bytes>,
     finished: bool,
     /// Counts this stream until it is dropped.
     event_streams: Arc<AtomicUsize>,
+    _in_flight: Answering,
 }
 
 impl StreamCutAtDeadline {
@@ -420,6 +427,7 @@ impl StreamCutAtDeadline {
         mut cut_streams: watch::Receiver<bool>,
         event_streams: Arc<AtomicUsize>,
         path: &str,
+        in_flight: Answering,
     ) -> Self {
         event_streams.fetch_add(1, Ordering::SeqCst);
         let final_event = crate::error::GatewayError::ShuttingDown(
@@ -428,6 +436,9 @@ impl StreamCutAtDeadline {
         .final_stream_event(path);
         StreamCutAtDeadline {
             inner,
+            cut_streams: cut_streams.clone(),
+            deadline_waker: None,
+            _in_flight: in_flight,
             deadline: Box::pin(async move {
                 // Also when the server is gone without saying so.
                 let _ = cut_streams.wait_for(|cut| *cut).await;
@@ -456,11 +467,19 @@ impl http_body::Body for StreamCutAtDeadline {
         if self.finished {
             return Poll::Ready(None);
         }
-        if self.deadline.as_mut().poll(context).is_ready() {
-            self.finished = true;
-            // Dropping the answer's body cancels its generation.
-            self.inner = Body::empty();
-            return Poll::Ready(self.final_event.take().map(|event| Ok(Frame::data(event))));
+        let may_have_come = !matches!(self.cut_streams.has_changed(), Ok(false));
+        let registered = self
+            .deadline_waker
+            .as_ref()
+            .is_some_and(|waker| waker.will_wake(context.waker()));
+        if may_have_come || !registered {
+            if self.deadline.as_mut().poll(context).is_ready() {
+                self.finished = true;
+                // Dropping the answer's body cancels its generation.
+                self.inner = Body::empty();
+                return Poll::Ready(self.final_event.take().map(|event| Ok(Frame::data(event))));
+            }
+            self.deadline_waker = Some(context.waker().clone());
         }
         let polled = Pin::new(&mut self.inner).poll_frame(context);
         if let Poll::Ready(None) = polled {

@@ -319,12 +319,13 @@ async fn run_generation(
     let mut answer_so_far = String::new();
     let single_tool_call = plan.guidance.single_tool_call;
     let prompt_tokens = plan.prompt_token_ids.len() as u32;
-    let split = |splitter: &mut Option<ReasoningSplitter>, text: &str| -> SplitText {
+    // The token's text is moved from stage to stage, not copied.
+    let split = |splitter: &mut Option<ReasoningSplitter>, text: String| -> SplitText {
         match splitter {
             Some(splitter) => splitter.push(text),
             None => SplitText {
                 reasoning: String::new(),
-                content: text.to_string(),
+                content: text,
             },
         }
     };
@@ -369,7 +370,7 @@ async fn run_generation(
             }
             last_token_at = Some(now);
             match detokenizer.push(tokenizer, token.token_id) {
-                Ok(text) => released.push_str(&text),
+                Ok(text) => released = text,
                 Err(error) => {
                     return Err(GatewayError::Internal(format!(
                         "engine sent an undecodable token: {error}"
@@ -400,15 +401,14 @@ async fn run_generation(
         if engine_finish != FinishReason::Unspecified {
             released.push_str(&detokenizer.finish(tokenizer).unwrap_or_default());
         }
-        let mut text = SplitText::default();
         let mut matched_stop = None;
-        match stop_matcher.push(&released) {
-            StopCheck::Continue { release } => append(&mut text, split(&mut splitter, &release)),
+        let mut text = match stop_matcher.push(released) {
+            StopCheck::Continue { release } => split(&mut splitter, release),
             StopCheck::Stopped { release, matched } => {
-                append(&mut text, split(&mut splitter, &release));
                 matched_stop = Some(matched);
+                split(&mut splitter, release)
             }
-        }
+        };
         let mut tool_call_closed = false;
         if single_tool_call {
             let before = answer_so_far.len();
@@ -442,7 +442,7 @@ async fn run_generation(
         if let Some(finish) = finish {
             if matched_stop.is_none() && !tool_call_closed {
                 let rest = stop_matcher.finish();
-                append(&mut text, split(&mut splitter, &rest));
+                append(&mut text, split(&mut splitter, rest));
             }
             // After the one allowed tool call nothing held back belongs to the answer.
             if let Some(splitter) = splitter.as_mut().filter(|_| !tool_call_closed) {

@@ -1,14 +1,19 @@
 //! JSON text written straight into a string by the per-token stream writers of every dialect
 //! (`openai_chunks`, `anthropic_stream_deltas`, `responses_stream_events`).
 //!
-//! Owns: [`push_json_string`], a string escaped exactly as serde_json escapes it. Must not touch:
+//! Owns: [`push_json_string`] and [`push_json_bytes`], a string escaped exactly as serde_json escapes it. Must not touch:
 //! any event's shape (the dialects' writers).
+
+/// Appends `text` as a JSON string, escaped as serde_json escapes it, to bytes being written.
+pub fn push_json_bytes(into: &mut Vec<u8>, text: &str) {
+    // Writing a `&str` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(into, text);
+}
 
 /// Appends `text` as a JSON string, escaped as serde_json escapes it.
 pub fn push_json_string(into: &mut String, text: &str) {
     let mut bytes = std::mem::take(into).into_bytes();
-    // Writing a `&str` into a `Vec` cannot fail.
-    let _ = serde_json::to_writer(&mut bytes, text);
+    push_json_bytes(&mut bytes, text);
     // serde_json writes valid UTF-8 after valid UTF-8.
     *into = String::from_utf8(bytes)
         .unwrap_or_else(|error| String::from_utf8_lossy(error.as_bytes()).into_owned());

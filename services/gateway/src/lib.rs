@@ -34,6 +34,7 @@ pub mod chat;
 pub mod chat_template;
 pub mod connections;
 pub mod error;
+pub mod event_stream;
 pub mod generation;
 pub mod generation_plan;
 pub mod grpc_api;

@@ -9,11 +9,9 @@
 //! Must not touch: other APIs' shapes, planning (`generation_plan`), engine selection,
 //! stop-string or detokenization logic (see `generation`).
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
@@ -26,6 +24,7 @@ use crate::chat::{
     ChatRole, ChatTool, ChatToolCall, ResponseFormat, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
+use crate::event_stream::{event_stream_response, Event};
 use crate::generation::{
     collect_all_generations, ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary,
     StartedChat, TokenLogprobEntry,
@@ -655,14 +654,11 @@ pub(crate) fn merged_choices(
 /// When the client disconnects, axum drops the stream, the producer with its generations, and
 /// the engines cancel.
 pub(crate) fn sse_response(events: InlineStream<Event>) -> Response {
-    let stream = events.map(Ok::<Event, Infallible>);
-    Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    event_stream_response(events)
 }
 
 pub(crate) fn json_event(value: &JsonValue) -> Event {
-    Event::default().data(value.to_string())
+    Event::data_only(&value.to_string())
 }
 
 /// OpenAI `tool_calls` array (`with_index` for streaming deltas).
@@ -736,7 +732,7 @@ fn stream_chat(
                         if text.reasoning.is_empty() && content.is_empty() {
                             continue; // everything held back for tool-call parsing
                         }
-                        Event::default().data(text_chunks.delta(index, &text.reasoning, &content))
+                        text_chunks.delta_event(index, &text.reasoning, &content)
                     } else {
                         let mut delta = serde_json::Map::new();
                         if !text.reasoning.is_empty() {
@@ -797,7 +793,7 @@ fn stream_chat(
                     events
                         .send(json_event(&error.envelope(ApiDialect::OpenAi)))
                         .await;
-                    events.send(Event::default().data("[DONE]")).await;
+                    events.send(Event::data_only("[DONE]")).await;
                     return;
                 }
             };
@@ -829,7 +825,7 @@ fn stream_chat(
                 ))
                 .await;
         }
-        events.send(Event::default().data("[DONE]")).await;
+        events.send(Event::data_only("[DONE]")).await;
     });
     sse_response(event_stream)
 }

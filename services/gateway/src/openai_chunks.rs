@@ -8,7 +8,8 @@
 //! Must not touch: which chunks a stream sends or when (that is `openai`), other chunk shapes
 //! (the first, the finishing and the usage chunks are rare and stay `Value`s).
 
-use crate::json_text::push_json_string;
+use crate::event_stream::Event;
+use crate::json_text::{push_json_bytes, push_json_string};
 
 /// Renders the text chunks of one streamed chat completion.
 pub struct ChatChunkText {
@@ -36,29 +37,62 @@ impl ChatChunkText {
     /// The chunk of choice `index` carrying `reasoning` as `reasoning_content` and `content`,
     /// each left out when empty; no logprobs.
     pub fn delta(&self, index: usize, reasoning: &str, content: &str) -> String {
-        let mut chunk =
-            String::with_capacity(self.prefix.len() + 96 + reasoning.len() + content.len());
-        chunk.push_str(&self.prefix);
-        chunk.push_str(&index.to_string());
-        chunk.push_str(",\"delta\":{");
+        let mut chunk = Vec::with_capacity(self.delta_capacity(reasoning, content));
+        self.write_delta(&mut chunk, index, reasoning, content);
+        // Only strings and ASCII were written.
+        String::from_utf8(chunk)
+            .unwrap_or_else(|error| String::from_utf8_lossy(error.as_bytes()).into_owned())
+    }
+
+    /// [`Self::delta`] as the server-sent event it is streamed in, written in place.
+    pub fn delta_event(&self, index: usize, reasoning: &str, content: &str) -> Event {
+        Event::data_written(self.delta_capacity(reasoning, content), |line| {
+            self.write_delta(line, index, reasoning, content)
+        })
+    }
+
+    fn delta_capacity(&self, reasoning: &str, content: &str) -> usize {
+        // Escapes rarely add more than a few bytes; a longer chunk grows once.
+        self.prefix.len() + 112 + reasoning.len() + content.len()
+    }
+
+    fn write_delta(&self, chunk: &mut Vec<u8>, index: usize, reasoning: &str, content: &str) {
+        chunk.extend_from_slice(self.prefix.as_bytes());
+        push_decimal(chunk, index);
+        chunk.extend_from_slice(b",\"delta\":{");
         if !reasoning.is_empty() {
-            chunk.push_str("\"reasoning_content\":");
-            push_json_string(&mut chunk, reasoning);
+            chunk.extend_from_slice(b"\"reasoning_content\":");
+            push_json_bytes(chunk, reasoning);
         }
         if !content.is_empty() {
             if !reasoning.is_empty() {
-                chunk.push(',');
+                chunk.push(b',');
             }
-            chunk.push_str("\"content\":");
-            push_json_string(&mut chunk, content);
+            chunk.extend_from_slice(b"\"content\":");
+            push_json_bytes(chunk, content);
         }
-        chunk.push_str("},\"logprobs\":null,\"finish_reason\":null}]");
+        chunk.extend_from_slice(b"},\"logprobs\":null,\"finish_reason\":null}]");
         if self.include_usage {
-            chunk.push_str(",\"usage\":null");
+            chunk.extend_from_slice(b",\"usage\":null");
         }
-        chunk.push('}');
-        chunk
+        chunk.push(b'}');
     }
+}
+
+/// Appends `value` in decimal.
+fn push_decimal(into: &mut Vec<u8>, value: usize) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    let mut rest = value;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    into.extend_from_slice(&digits[start..]);
 }
 
 #[cfg(test)]
@@ -110,10 +144,16 @@ mod tests {
                 let writer = ChatChunkText::new(id, 1_796_535_894, model, usage);
                 for reasoning in texts {
                     for content in texts {
-                        for index in [0, 7, 15] {
+                        for index in [0, 7, 15, 10, 123_456] {
+                            let expected = as_value(id, model, index, reasoning, content, usage);
                             assert_eq!(
                                 writer.delta(index, reasoning, content),
-                                as_value(id, model, index, reasoning, content, usage),
+                                expected,
+                                "{reasoning:?} {content:?}"
+                            );
+                            assert_eq!(
+                                writer.delta_event(index, reasoning, content).into_frame(),
+                                format!("data: {expected}\n\n").as_bytes(),
                                 "{reasoning:?} {content:?}"
                             );
                         }

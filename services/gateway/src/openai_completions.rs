@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 
+use crate::event_stream::Event;
 use axum::extract::State;
-use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
@@ -179,7 +179,7 @@ async fn completions_inner(
                         events
                             .send(json_event(&error.envelope(ApiDialect::OpenAi)))
                             .await;
-                        events.send(Event::default().data("[DONE]")).await;
+                        events.send(Event::data_only("[DONE]")).await;
                         return;
                     }
                 };
@@ -193,7 +193,7 @@ async fn completions_inner(
                     ))
                     .await;
             }
-            events.send(Event::default().data("[DONE]")).await;
+            events.send(Event::data_only("[DONE]")).await;
         });
         return Ok(sse_response(event_stream));
     }

@@ -54,9 +54,14 @@ impl ReasoningSplitter {
         }
     }
 
-    /// Feeds a text delta; returns what can be shown now.
-    pub fn push(&mut self, text: &str) -> SplitText {
-        self.pending.push_str(text);
+    /// Feeds a text delta; returns what can be shown now. Text that passes whole is moved, not
+    /// copied.
+    pub fn push(&mut self, text: impl Into<String> + AsRef<str>) -> SplitText {
+        if self.pending.is_empty() {
+            self.pending = text.into();
+        } else {
+            self.pending.push_str(text.as_ref());
+        }
         let mut output = SplitText::default();
         self.advance(&mut output, false);
         output
@@ -95,7 +100,12 @@ impl ReasoningSplitter {
                         }
                         text = stripped.to_string();
                     }
-                    if let Some(position) = text.find(THINK_CLOSE) {
+                    // Most tokens hold no `<`: no search for the tag then.
+                    let close = match memchr::memchr(b'<', text.as_bytes()) {
+                        Some(_) => text.find(THINK_CLOSE),
+                        None => None,
+                    };
+                    if let Some(position) = close {
                         output
                             .reasoning
                             .push_str(text[..position].trim_end_matches('\n'));
@@ -104,13 +114,17 @@ impl ReasoningSplitter {
                         continue;
                     }
                     if at_end {
-                        output.reasoning.push_str(&text);
+                        push_or_move(&mut output.reasoning, text);
                         self.state = SplitterState::Reasoning { at_start: false };
                         return;
                     }
                     let held_from = hold_back_start(&text, THINK_CLOSE);
-                    output.reasoning.push_str(&text[..held_from]);
-                    self.pending = text[held_from..].to_string();
+                    if held_from == text.len() {
+                        push_or_move(&mut output.reasoning, text);
+                    } else {
+                        output.reasoning.push_str(&text[..held_from]);
+                        self.pending = text[held_from..].to_string();
+                    }
                     self.state = SplitterState::Reasoning {
                         at_start: at_start && held_from == 0,
                     };
@@ -126,7 +140,7 @@ impl ReasoningSplitter {
                         }
                         output.content.push_str(stripped);
                     } else {
-                        output.content.push_str(&text);
+                        push_or_move(&mut output.content, text);
                     }
                     self.state = SplitterState::Content { at_start: false };
                     return;
@@ -136,11 +150,27 @@ impl ReasoningSplitter {
     }
 }
 
+/// Appends `text` to `into`, moving it when `into` is empty.
+fn push_or_move(into: &mut String, text: String) {
+    if into.is_empty() {
+        *into = text;
+    } else {
+        into.push_str(&text);
+    }
+}
+
 /// Index from which `text` must be held back: the longest suffix that is a proper prefix of `tag`,
 /// extended backwards over the newlines before it (they belong before the tag and are dropped).
 fn hold_back_start(text: &str, tag: &str) -> usize {
     let mut start = text.len();
-    for (index, _) in text.char_indices() {
+    // Only a suffix from the tag's first byte on can begin the tag.
+    let first_candidate = tag
+        .as_bytes()
+        .first()
+        .and_then(|first| memchr::memchr(*first, text.as_bytes()))
+        .unwrap_or(text.len());
+    for (index, _) in text[first_candidate..].char_indices() {
+        let index = first_candidate + index;
         let suffix = &text[index..];
         if tag.len() > suffix.len() && tag.starts_with(suffix) {
             start = index;
@@ -159,7 +189,7 @@ mod tests {
         let mut splitter = ReasoningSplitter::new(start);
         let mut all = SplitText::default();
         for piece in pieces {
-            let out = splitter.push(piece);
+            let out = splitter.push(*piece);
             all.reasoning.push_str(&out.reasoning);
             all.content.push_str(&out.content);
         }

@@ -10,14 +10,11 @@
 //! shapes.
 
 use std::collections::{HashMap, VecDeque};
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value as JsonValue};
 
@@ -26,6 +23,7 @@ use crate::chat::{
     ChatRole, ChatTool, ChatToolCall, ResponseFormat, ToolChoice,
 };
 use crate::error::{ApiDialect, GatewayError};
+use crate::event_stream::event_stream_response;
 use crate::generation::{ChoiceReceiver, FinishKind, GenerationEvent, GenerationSummary};
 use crate::generation_plan::{token_count_parameter, ChatGenerationRequest, SamplingOptions};
 use crate::images::ChatImagePart;
@@ -865,10 +863,7 @@ fn stream_response(
             events.send(sequence.value(kind, value)).await;
         }
     });
-    let stream = event_stream.map(Ok::<Event, Infallible>);
-    Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    event_stream_response(event_stream)
 }
 
 /// The index of the answer's message item in `output`: added, with its two announcing events,

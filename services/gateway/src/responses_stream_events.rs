@@ -6,9 +6,9 @@
 //! Owns: [`ResponseEventSequence`] and [`ResponseDelta`]. Must not touch: which events a stream
 //! sends or when (that is `responses`).
 
-use axum::response::sse::Event;
 use serde_json::Value as JsonValue;
 
+use crate::event_stream::Event;
 use crate::json_text::push_json_string;
 
 /// What a Responses delta event carries.
@@ -41,7 +41,7 @@ impl ResponseEventSequence {
     pub fn value(&mut self, kind: &str, mut data: JsonValue) -> Event {
         data["type"] = JsonValue::from(kind);
         data["sequence_number"] = JsonValue::from(self.take_number());
-        Event::default().event(kind).data(data.to_string())
+        Event::named(kind, &data.to_string())
     }
 
     /// A delta event: `{"item_id":…,"output_index":…,"content_index":0,"delta":…` (then
@@ -54,7 +54,7 @@ impl ResponseEventSequence {
         delta: &str,
     ) -> Event {
         let data = self.delta_data(kind, item_id, output_index, delta);
-        Event::default().event(kind.event_type()).data(data)
+        Event::named(kind.event_type(), &data)
     }
 
     fn delta_data(

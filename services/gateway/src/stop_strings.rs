@@ -32,13 +32,14 @@ impl StopStringMatcher {
         }
     }
 
-    pub fn push(&mut self, text: &str) -> StopCheck {
+    /// Feeds the next text; without stop strings it is released as it is (no copy).
+    pub fn push(&mut self, text: impl Into<String> + AsRef<str>) -> StopCheck {
         if self.stop_strings.is_empty() {
             return StopCheck::Continue {
-                release: text.to_string(),
+                release: text.into(),
             };
         }
-        self.pending.push_str(text);
+        self.pending.push_str(text.as_ref());
         // The earliest match wins; among matches at the same place, the longest.
         let earliest = self
             .stop_strings

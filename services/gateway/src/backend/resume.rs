@@ -153,16 +153,87 @@ pub fn resuming_token_stream<S: EngineSource>(
         current: Some(first),
         finished: false,
     };
-    Box::pin(futures_util::stream::unfold(
-        state,
-        |mut generation| async move {
-            if generation.finished {
-                return None;
+    Box::pin(ResumingTokenStream {
+        generation: Some(state),
+        resuming: None,
+    })
+}
+
+/// The token stream of a [`ResumingGeneration`], polled by hand: a token goes straight from
+/// the engine stream to the reader (no future rebuilt per token, no state moved), and only a
+/// lost engine starts the resumption, a future that owns the generation until it is done.
+struct ResumingTokenStream<S: EngineSource> {
+    /// `None` while `resuming` holds it.
+    generation: Option<ResumingGeneration<S>>,
+    resuming: Option<Resumption<S>>,
+}
+
+/// A resumption in progress: it gives the generation back with its outcome.
+type Resumption<S> = BoxFuture<'static, (ResumingGeneration<S>, Result<(), GatewayError>)>;
+
+// Nothing in it is ever pinned in place: the generation is moved in and out of the
+// resumption's future, which is boxed.
+impl<S: EngineSource> Unpin for ResumingTokenStream<S> {}
+
+impl<S: EngineSource> Stream for ResumingTokenStream<S> {
+    type Item = Result<GeneratedToken, GatewayError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        loop {
+            if let Some(resuming) = self.resuming.as_mut() {
+                let Poll::Ready((mut generation, resumed)) = resuming.as_mut().poll(context) else {
+                    return Poll::Pending;
+                };
+                self.resuming = None;
+                if let Err(error) = resumed {
+                    generation.finished = true;
+                    self.generation = Some(generation);
+                    return Poll::Ready(Some(Err(error)));
+                }
+                self.generation = Some(generation);
             }
-            let item = generation.next_token().await;
-            Some((item, generation))
-        },
-    ))
+            let Some(generation) = self.generation.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if generation.finished {
+                return Poll::Ready(None);
+            }
+            let Some(stream) = generation.current.as_mut() else {
+                generation.finished = true;
+                return Poll::Ready(Some(Err(GatewayError::Internal(
+                    "the generation lost its engine stream".to_string(),
+                ))));
+            };
+            let failure = match stream.poll_next_unpin(context) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(token))) => {
+                    if token.finish_reason != FinishReason::Unspecified as i32 {
+                        generation.finished = true;
+                    }
+                    return Poll::Ready(Some(Ok(generation.progress.record(token))));
+                }
+                Poll::Ready(Some(Err(status))) if is_connection_failure(&status) => status,
+                Poll::Ready(Some(Err(status))) => {
+                    generation.finished = true;
+                    return Poll::Ready(Some(Err(error_from_engine_status(&status))));
+                }
+                Poll::Ready(None) => tonic::Status::unavailable(
+                    "the engine's stream ended before the generation's last token",
+                ),
+            };
+            let Some(mut generation) = self.generation.take() else {
+                return Poll::Ready(None);
+            };
+            self.resuming = Some(Box::pin(async move {
+                let resumed = generation.resume(&failure).await;
+                (generation, resumed)
+            }));
+        }
+    }
 }
 
 struct ResumingGeneration<S: EngineSource> {
@@ -174,37 +245,6 @@ struct ResumingGeneration<S: EngineSource> {
 }
 
 impl<S: EngineSource> ResumingGeneration<S> {
-    async fn next_token(&mut self) -> Result<GeneratedToken, GatewayError> {
-        loop {
-            let Some(stream) = self.current.as_mut() else {
-                self.finished = true;
-                return Err(GatewayError::Internal(
-                    "the generation lost its engine stream".to_string(),
-                ));
-            };
-            let failure = match stream.next().await {
-                Some(Ok(token)) => {
-                    if token.finish_reason != FinishReason::Unspecified as i32 {
-                        self.finished = true;
-                    }
-                    return Ok(self.progress.record(token));
-                }
-                Some(Err(status)) if is_connection_failure(&status) => status,
-                Some(Err(status)) => {
-                    self.finished = true;
-                    return Err(error_from_engine_status(&status));
-                }
-                None => tonic::Status::unavailable(
-                    "the engine's stream ended before the generation's last token",
-                ),
-            };
-            if let Err(error) = self.resume(&failure).await {
-                self.finished = true;
-                return Err(error);
-            }
-        }
-    }
-
     /// Continues the generation on a ready engine after `failure` took its engine away.
     async fn resume(&mut self, failure: &tonic::Status) -> Result<(), GatewayError> {
         let pool = self.pool.clone();

@@ -638,16 +638,23 @@ fn openai_response_format(value: Option<&JsonValue>) -> Result<ResponseFormat, G
     }
 }
 
-/// Merges the choices' event channels into one stream of `(choice index, event)`.
+/// Merges the choices' event channels into one stream of `(choice index, event)`. One choice
+/// (nearly every request) is read directly: a merge would route each of its wake-ups through
+/// its own queue.
 pub(crate) fn merged_choices(
-    receivers: Vec<ChoiceReceiver>,
+    mut receivers: Vec<ChoiceReceiver>,
 ) -> impl futures_util::Stream<Item = (usize, Result<GenerationEvent, GatewayError>)> {
-    futures_util::stream::select_all(
+    if receivers.len() == 1 {
+        if let Some(only) = receivers.pop() {
+            return futures_util::future::Either::Left(only.map(|event| (0, event)));
+        }
+    }
+    futures_util::future::Either::Right(futures_util::stream::select_all(
         receivers
             .into_iter()
             .enumerate()
             .map(|(index, receiver)| receiver.map(move |event| (index, event)).boxed()),
-    )
+    ))
 }
 
 /// An API's event producer as an SSE response, run by the client's connection as it writes.

@@ -17,7 +17,8 @@
 use base64::Engine as _;
 use ninfer_protocol::v1::ImageInput;
 use ninfer_vision_input::{
-    probe_grid, probe_image, DecodeLimits, ImageProcessorSettings, VisionInputError,
+    probe_grid, probe_image, DecodeLimits, ImageProcessorSettings, VideoProcessorSettings,
+    VisionInputError,
 };
 
 use crate::error::GatewayError;
@@ -59,14 +60,14 @@ impl ChatImage {
     }
 
     /// A video from its frames' URLs (each read as an image URL is) at `fps` frames a second
-    /// (the processor's 2 when `None`), refused (400 naming `where_` and the frame) when a frame
-    /// is not an image or the frames are too few, too many or of different sizes.
+    /// (the model's video processor's rate when `None`), refused (400 naming `where_` and the
+    /// frame) when a frame is not an image or the frames are too few, too many or of different
+    /// sizes.
     pub fn video_from_urls(
         urls: &[&str],
         fps: Option<f64>,
         where_: &str,
     ) -> Result<Self, GatewayError> {
-        let fps = fps.unwrap_or(crate::videos::DEFAULT_VIDEO_FPS);
         ChatVideo::check_request(urls.len(), fps, where_)?;
         let frames = urls
             .iter()
@@ -244,20 +245,23 @@ fn decode_base64(data: &str) -> Result<Vec<u8>, String> {
         .map_err(|error| format!("the image data is not valid base64 ({error})"))
 }
 
-/// What a served model's images need: its image processor's settings and pad token, and the
-/// tokens of a video's run where its tokenizer has them.
+/// What a served model's images need: its image and video processors' settings and pad token,
+/// and the tokens of a video's run where its tokenizer has them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelVision {
     pub settings: ImageProcessorSettings,
+    pub video_settings: VideoProcessorSettings,
     pub image_pad: u32,
     pub video: Option<VideoTokens>,
 }
 
 impl ModelVision {
     /// From the engine's model files: `None` for a model without a vision tower (no processor
-    /// settings) or whose tokenizer has no `<|image_pad|>`.
+    /// settings) or whose tokenizer has no `<|image_pad|>`. Without video processor settings
+    /// (an engine that sends none) videos take the image processor's.
     pub fn from_model_files(
         preprocessor_config_json: &str,
+        video_preprocessor_config_json: &str,
         tokenizer: &ModelTokenizer,
     ) -> Result<Option<Self>, GatewayError> {
         if preprocessor_config_json.is_empty() {
@@ -265,6 +269,13 @@ impl ModelVision {
         }
         let settings = ImageProcessorSettings::from_preprocessor_config(preprocessor_config_json)
             .map_err(|error| GatewayError::Internal(format!("the model's {error}")))?;
+        let video_settings =
+            match video_preprocessor_config_json {
+                "" => VideoProcessorSettings::like_images(&settings),
+                json => VideoProcessorSettings::from_video_preprocessor_config(json).map_err(
+                    |error| GatewayError::Internal(format!("the model's video processor: {error}")),
+                )?,
+            };
         let video = match (
             tokenizer.token_to_id(VIDEO_PAD),
             tokenizer.token_to_id("<|vision_start|>"),
@@ -281,6 +292,7 @@ impl ModelVision {
             .token_to_id(IMAGE_PAD)
             .map(|image_pad| ModelVision {
                 settings,
+                video_settings,
                 image_pad,
                 video,
             }))
@@ -334,7 +346,7 @@ impl ModelVision {
         for (index, image) in images.iter().enumerate() {
             runs.push(match (&image.video, self.video) {
                 (Some(video), Some(tokens)) => video.placeholder_run(
-                    &self.settings,
+                    &self.video_settings,
                     tokens,
                     encode_text,
                     &format!("video {}", index + 1),
@@ -402,13 +414,15 @@ mod tests {
 
     #[test]
     fn each_placeholder_becomes_its_images_run() {
+        let settings = ImageProcessorSettings {
+            min_pixels: 1024,
+            max_pixels: 4096,
+            patch_size: 8,
+            ..ImageProcessorSettings::default()
+        };
         let vision = ModelVision {
-            settings: ImageProcessorSettings {
-                min_pixels: 1024,
-                max_pixels: 4096,
-                patch_size: 8,
-                ..ImageProcessorSettings::default()
-            },
+            video_settings: VideoProcessorSettings::like_images(&settings),
+            settings,
             image_pad: 7,
             video: None,
         };

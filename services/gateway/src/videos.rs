@@ -11,19 +11,17 @@
 use ninfer_protocol::v1::ImageInput;
 use ninfer_vision_input::{
     probe_video_grid, temporal_patch_timestamps, timestamp_text, DecodeLimits, EncodedFrame,
-    ImageProcessorSettings,
+    ImageProcessorSettings, VideoProcessorSettings,
 };
 
 use crate::error::GatewayError;
 
-/// The frame rate a video's frames are taken at when the client names none (the processor's).
-pub const DEFAULT_VIDEO_FPS: f64 = 2.0;
-
-/// A video as a conversation carries it: its frames, each an image, and their rate.
+/// A video as a conversation carries it: its frames, each an image, and their rate (`None`:
+/// the client named none, and the model's video processor's rate applies).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatVideo {
     pub frames: Vec<VideoFrame>,
-    pub fps: f64,
+    pub fps: Option<f64>,
 }
 
 /// One frame: an encoded image file and the media type the client declared (empty if none).
@@ -44,8 +42,12 @@ pub struct VideoTokens {
 impl ChatVideo {
     /// Refuses (400 naming `where_`) a frame rate that is not a positive number, or more
     /// frames than a video may have, before any frame is read.
-    pub fn check_request(frames: usize, fps: f64, where_: &str) -> Result<(), GatewayError> {
-        if !(fps.is_finite() && fps > 0.0) {
+    pub fn check_request(
+        frames: usize,
+        fps: Option<f64>,
+        where_: &str,
+    ) -> Result<(), GatewayError> {
+        if let Some(fps) = fps.filter(|fps| !(fps.is_finite() && *fps > 0.0)) {
             return Err(GatewayError::invalid(format!(
                 "{where_}: `fps` must be a positive number, got {fps}"
             )));
@@ -61,13 +63,17 @@ impl ChatVideo {
 
     /// A video of `frames` (each already checked as an image), refused (400 naming `where_`)
     /// when they are too few, too many or of different sizes.
-    pub fn new(frames: Vec<VideoFrame>, fps: f64, where_: &str) -> Result<Self, GatewayError> {
+    pub fn new(
+        frames: Vec<VideoFrame>,
+        fps: Option<f64>,
+        where_: &str,
+    ) -> Result<Self, GatewayError> {
         Self::check_request(frames.len(), fps, where_)?;
         let video = ChatVideo { frames, fps };
         // Counts and sizes, from the headers (the settings shape only the grid).
         probe_video_grid(
             &video.encoded_frames(),
-            &ImageProcessorSettings::default(),
+            &VideoProcessorSettings::like_images(&ImageProcessorSettings::default()),
             &DecodeLimits::default(),
         )
         .map_err(|error| GatewayError::invalid(format!("{where_}: {error}")))?;
@@ -102,11 +108,12 @@ impl ChatVideo {
     }
 
     /// The tokens that stand for the video in the prompt, as the processor expands its one
-    /// `<|video_pad|>`: per frame pair, the timestamp's text tokens (`encode_text`), the start
-    /// marker, the pair's pad tokens and the end marker.
+    /// `<|video_pad|>` with the model's video processor `settings`: per frame pair, the
+    /// timestamp's text tokens (`encode_text`; at the video's rate, else the processor's), the
+    /// start marker, the pair's pad tokens and the end marker.
     pub fn placeholder_run(
         &self,
-        settings: &ImageProcessorSettings,
+        settings: &VideoProcessorSettings,
         tokens: VideoTokens,
         encode_text: &dyn Fn(&str) -> Result<Vec<u32>, GatewayError>,
         where_: &str,
@@ -114,9 +121,12 @@ impl ChatVideo {
         let (grid, pairs) =
             probe_video_grid(&self.encoded_frames(), settings, &DecodeLimits::default())
                 .map_err(|error| GatewayError::invalid(format!("{where_}: {error}")))?;
-        let pads = grid.merged_tokens(settings.merge_size);
-        let stamps =
-            temporal_patch_timestamps(self.frames.len(), self.fps, settings.temporal_patch_size);
+        let pads = grid.merged_tokens(settings.frames.merge_size);
+        let stamps = temporal_patch_timestamps(
+            self.frames.len(),
+            self.fps.unwrap_or(settings.fps),
+            settings.frames.temporal_patch_size,
+        );
         debug_assert_eq!(stamps.len(), pairs);
         let mut run = Vec::new();
         for seconds in stamps {

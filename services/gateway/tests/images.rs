@@ -6,7 +6,9 @@
 //! fetch and hostile files are refused with 400 in each API's error shape naming the problem,
 //! and the gateway's memory does not grow with them. An image inside an Anthropic `tool_result`
 //! (a screenshot a client's tool took) reaches the engine as an image too, inside the tool
-//! response, counted in `usage` and `count_tokens`. A text-only model keeps its stand-in.
+//! response, counted in `usage` and `count_tokens`. A video's frame pairs are sized and stamped
+//! with the model's video processor settings where the engine reports them. A text-only model
+//! keeps its stand-in.
 
 mod common;
 
@@ -327,4 +329,86 @@ async fn an_image_in_a_tool_result_reaches_the_model_as_an_image() {
         "{message}"
     );
     assert!(message.contains("truncated"), "{message}");
+}
+
+/// The pieces of a prompt's video runs: each pair's timestamp and its pad count.
+fn video_runs(prompt: &str) -> Vec<(String, usize)> {
+    prompt
+        .split("<|vision_start|>")
+        .skip(1)
+        .filter_map(|piece| {
+            let pads = piece.matches("<|video_pad|>").count();
+            (pads > 0).then_some(pads)
+        })
+        .zip(
+            prompt
+                .match_indices(" seconds>")
+                .map(|(end, _)| prompt[prompt[..end].rfind('<').unwrap_or(0)..end + 9].to_string()),
+        )
+        .map(|(pads, stamp)| (stamp, pads))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_videos_runs_follow_the_models_video_processor_settings() {
+    let frames: Vec<String> = (0..4)
+        .map(|index| {
+            format!(
+                "data:image/png;base64,{}",
+                base64(&fixture_image(&format!("video_0_frame_{index}.png")))
+            )
+        })
+        .collect();
+    let body = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What happens?"},
+        {"type": "video", "video": frames}]}]});
+    let tokenizer =
+        tokenizers::Tokenizer::from_file(fixture_dir().join("../qwen3_5_moe/tokenizer.json"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    let mut runs = Vec::new();
+    for video_settings in [
+        // None reported: the image processor's settings (4096 pixels, patch 8), 2 frames a second.
+        "",
+        // The clip's 4 frames within 1024 pixels: 16×16 frames, one token a pair; 4 a second.
+        r#"{"size": {"shortest_edge": 256, "longest_edge": 1024}, "patch_size": 8,
+            "temporal_patch_size": 2, "merge_size": 2, "fps": 4.0}"#,
+    ] {
+        let script = EngineScript::default();
+        script.vision.store(true, Ordering::SeqCst);
+        *script
+            .video_preprocessor_config_json
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = video_settings.to_string();
+        let engine = RunningEngine::start(Arc::new(script), None).await;
+        let gateway = RunningGateway::start(&[engine.address], GatewayOptions::default()).await;
+        gateway.wait_for_health(200).await;
+        let response = post_json(gateway.address, "/v1/chat/completions", &body).await;
+        assert_eq!(response.status, 200, "{}", response.text());
+        let request = engine.script.last_request();
+        assert_eq!(request.images.len(), 1);
+        assert_eq!(request.images[0].frames.len(), 4);
+        let prompt = tokenizer
+            .decode(&request.prompt_token_ids, false)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            response.json()["usage"]["prompt_tokens"].as_u64(),
+            Some(request.prompt_token_ids.len() as u64)
+        );
+        runs.push(video_runs(&prompt));
+    }
+    // Frame k at k / fps seconds, each pair stamped with its frames' mean, one decimal.
+    assert_eq!(
+        runs[0],
+        [
+            ("<0.2 seconds>".to_string(), 4),
+            ("<1.2 seconds>".to_string(), 4)
+        ]
+    );
+    assert_eq!(
+        runs[1],
+        [
+            ("<0.1 seconds>".to_string(), 1),
+            ("<0.6 seconds>".to_string(), 1)
+        ]
+    );
 }

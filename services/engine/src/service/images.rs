@@ -7,7 +7,9 @@
 //! Images arrive encoded because the encoded file is the smallest form of an image: the
 //! gateway reads only its header (to size the placeholder run) and never holds its pixels.
 //!
-//! Owns: the image processor's settings and the decoder's limits the engine applies, where the
+//! Owns: the image and video processors' settings and the decoder's limits the engine applies
+//! (a video's from the artifact's `video_preprocessor_config.json`, else read from its
+//! `preprocessor_config.json` as `transformers` falls back to it), where the
 //! tower runs and its weights (loaded on the first image: on the GPU when the engine runs on
 //! CUDA, on a CUDA backend of the tower's own so its launches never enter the scheduler's
 //! stream; the host forward otherwise, or when the GPU tower cannot start), how many prompts are
@@ -20,7 +22,7 @@ use ninfer_artifact::Artifact;
 use ninfer_protocol::v1::ImageInput;
 use ninfer_vision_input::{
     preprocess_image, preprocess_video, DecodeLimits, EncodedFrame, ImageProcessorSettings,
-    PixelPatches,
+    PixelPatches, VideoProcessorSettings,
 };
 use tonic::Status;
 
@@ -96,6 +98,7 @@ pub struct ImageEncoding {
     artifact: Arc<Artifact>,
     placement: ImagePlacement,
     settings: ImageProcessorSettings,
+    video_settings: VideoProcessorSettings,
     limits: DecodeLimits,
     device: TowerDevice,
     tower: OnceLock<Result<Box<dyn VisionTower>, String>>,
@@ -103,10 +106,12 @@ pub struct ImageEncoding {
 }
 
 impl ImageEncoding {
-    /// The image path of `artifact`'s model; `Ok(None)` when it has no vision tower. The
+    /// The image path of `artifact`'s model; `Ok(None)` when it has no vision tower. The image
     /// processor's settings are the artifact's `preprocessor_config.json` (keys it leaves out
     /// take the processor class's defaults, as `transformers` does), or the released Qwen3.5
-    /// settings when the artifact has none.
+    /// settings when the artifact has none. The video processor's are its
+    /// `video_preprocessor_config.json`, else its `preprocessor_config.json` read as one (with
+    /// the video processor class's defaults), else the image settings.
     pub fn for_artifact(artifact: &Arc<Artifact>) -> Result<Option<Self>, EngineError> {
         let Some(placement) = ImagePlacement::from_artifact(artifact)? else {
             return Ok(None);
@@ -120,18 +125,36 @@ impl ImageEncoding {
             }
             None => ImageProcessorSettings::default(),
         };
-        if settings.merge_size != placement.spatial_merge_size {
-            return Err(EngineError::InvalidConfig {
-                problem: format!(
-                    "the image processor merges {0}x{0} patches, the vision tower {1}x{1}",
-                    settings.merge_size, placement.spatial_merge_size
-                ),
-            });
+        let video_file = ["video_preprocessor_config.json", "preprocessor_config.json"]
+            .into_iter()
+            .find_map(|name| Some((name, artifact.file(name)?)));
+        let video_settings = match video_file {
+            Some((name, bytes)) => VideoProcessorSettings::from_video_preprocessor_config(
+                &String::from_utf8_lossy(bytes),
+            )
+            .map_err(|error| EngineError::InvalidConfig {
+                problem: format!("{name} (the video processor's settings): {error}"),
+            })?,
+            None => VideoProcessorSettings::like_images(&settings),
+        };
+        for (processor, merge) in [
+            ("image", settings.merge_size),
+            ("video", video_settings.frames.merge_size),
+        ] {
+            if merge != placement.spatial_merge_size {
+                return Err(EngineError::InvalidConfig {
+                    problem: format!(
+                        "the {processor} processor merges {merge}x{merge} patches, the vision tower {0}x{0}",
+                        placement.spatial_merge_size
+                    ),
+                });
+            }
         }
         Ok(Some(ImageEncoding {
             artifact: Arc::clone(artifact),
             placement,
             settings,
+            video_settings,
             limits: DecodeLimits::default(),
             device: TowerDevice::Host,
             tower: OnceLock::new(),
@@ -159,6 +182,12 @@ impl ImageEncoding {
             "image_std": s.image_std,
         })
         .to_string()
+    }
+
+    /// The video processor's settings this engine applies (what the gateway sizes videos'
+    /// runs and writes their timestamps with).
+    pub fn video_settings(&self) -> &VideoProcessorSettings {
+        &self.video_settings
     }
 
     /// Where the tower runs (its [`VisionTower::describe`]) once the first image loaded it;
@@ -299,7 +328,8 @@ impl ImageEncoding {
                 declared_media_type: declared_media_type(&frame.media_type),
             })
             .collect();
-        preprocess_video(&frames, &self.settings, &self.limits).map_err(|error| error.to_string())
+        preprocess_video(&frames, &self.video_settings, &self.limits)
+            .map_err(|error| error.to_string())
     }
 }
 

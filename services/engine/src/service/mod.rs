@@ -551,6 +551,11 @@ impl Engine for EngineService {
                 .as_ref()
                 .map(|images| images.settings_json())
                 .unwrap_or_default(),
+            video_preprocessor_config_json: self
+                .images
+                .as_ref()
+                .map(|images| images.video_settings().to_json())
+                .unwrap_or_default(),
         }))
     }
 

@@ -113,6 +113,7 @@ impl ModelResources {
         }
         let vision = crate::images::ModelVision::from_model_files(
             &files.preprocessor_config_json,
+            &files.video_preprocessor_config_json,
             &tokenizer,
         )?;
         Ok(ModelResources {

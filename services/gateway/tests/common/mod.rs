@@ -47,6 +47,8 @@ pub struct EngineScript {
     /// Serve the multimodal `qwen3_5_moe` fixture's tokenizer, template and image processor
     /// settings instead of `qwen3_moe`'s text-only files (read when the engine starts).
     pub vision: AtomicBool,
+    /// The video processor settings the engine reports with them (empty: none).
+    pub video_preprocessor_config_json: Mutex<String>,
 }
 
 impl Default for EngineScript {
@@ -65,6 +67,7 @@ impl Default for EngineScript {
             tokens_routed: AtomicU64::new(0),
             instance_id: Mutex::new("instance-1".to_string()),
             vision: AtomicBool::new(false),
+            video_preprocessor_config_json: Mutex::new(String::new()),
         }
     }
 }
@@ -95,6 +98,7 @@ pub struct ScriptedEngine {
     tokenizer_json: Arc<Vec<u8>>,
     chat_template: Arc<String>,
     preprocessor_config_json: Arc<String>,
+    video_preprocessor_config_json: Arc<String>,
 }
 
 impl ScriptedEngine {
@@ -116,12 +120,18 @@ impl ScriptedEngine {
                 .unwrap_or_else(|e| panic!("preprocessor_config.json: {e}")),
             false => String::new(),
         };
+        let video_preprocessor_config_json = script
+            .video_preprocessor_config_json
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         ScriptedEngine {
-            script,
             tokenizer: Arc::new(tokenizer),
             tokenizer_json: Arc::new(tokenizer_json),
             chat_template: Arc::new(chat_template),
             preprocessor_config_json: Arc::new(preprocessor_config_json),
+            video_preprocessor_config_json: Arc::new(video_preprocessor_config_json),
+            script,
         }
     }
 }
@@ -357,6 +367,7 @@ impl Engine for ScriptedEngine {
             max_context: self.script.max_context.load(Ordering::SeqCst),
             model_files_digest: "digest-1".to_string(),
             preprocessor_config_json: self.preprocessor_config_json.as_ref().clone(),
+            video_preprocessor_config_json: self.video_preprocessor_config_json.as_ref().clone(),
         }))
     }
 

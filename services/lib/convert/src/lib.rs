@@ -213,6 +213,7 @@ fn convert_from(
         // Without its tensors the vision tower's settings would only mislead a reader.
         side.vision_config_json = None;
         side.preprocessor_config_json = None;
+        side.video_preprocessor_config_json = None;
     }
     let reuse = match &options.reuse {
         Some(path) => {
@@ -454,6 +455,10 @@ impl Run<'_> {
             (
                 "preprocessor_config.json",
                 side.preprocessor_config_json.as_deref(),
+            ),
+            (
+                "video_preprocessor_config.json",
+                side.video_preprocessor_config_json.as_deref(),
             ),
         ];
         for (name, bytes) in files {

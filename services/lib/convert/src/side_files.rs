@@ -21,6 +21,10 @@ pub struct SideFiles {
     pub vision_config_json: Option<Vec<u8>>,
     /// `preprocessor_config.json` as is (the image processor's settings).
     pub preprocessor_config_json: Option<Vec<u8>>,
+    /// The video processor's settings as `transformers` finds them: `processor_config.json`'s
+    /// `video_processor` object, else `video_preprocessor_config.json` as is (a checkpoint with
+    /// neither has its videos read with `preprocessor_config.json`, which is kept anyway).
+    pub video_preprocessor_config_json: Option<Vec<u8>>,
 }
 
 /// The keys of a multimodal `config.json` the vision path needs, in one small document.
@@ -160,6 +164,13 @@ pub fn read_side_files(
         .and_then(|c| serde_json::to_vec(c).ok());
     let preprocessor_config_json = read_json(&directory.join("preprocessor_config.json"))?
         .and_then(|c| serde_json::to_vec(&c).ok());
+    let nested_video_processor = read_json(&directory.join("processor_config.json"))?
+        .and_then(|processor| processor.get("video_processor").cloned());
+    let video_preprocessor_config_json = match nested_video_processor {
+        Some(video_processor) => Some(video_processor),
+        None => read_json(&directory.join("video_preprocessor_config.json"))?,
+    }
+    .and_then(|c| serde_json::to_vec(&c).ok());
     Ok(SideFiles {
         tokenizer_json,
         tokenizer_config_json,
@@ -167,5 +178,6 @@ pub fn read_side_files(
         generation,
         vision_config_json: vision_config_document(&model_config),
         preprocessor_config_json,
+        video_preprocessor_config_json,
     })
 }

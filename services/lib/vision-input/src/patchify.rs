@@ -32,6 +32,41 @@ pub struct PixelPatches {
     pub grid: ImageGrid,
 }
 
+/// How 8-bit values become the normalised ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PixelScaling {
+    /// The image processor's PIL form: `f32(level · (1/255))` (f64 rounded to f32, as numpy
+    /// does), then `(x − mean) / std` in f32.
+    RescaleThenNormalise,
+    /// The `torchvision` form the video processor runs: rescale folded into the normalisation,
+    /// `(level − mean·255) / (std·255)` in f32 with `mean·255` and `std·255` products of f32s.
+    Fused,
+}
+
+impl PixelScaling {
+    /// The normalised value of each of the 256 levels of each channel.
+    fn table(self, settings: &ImageProcessorSettings) -> [[f32; 256]; 3] {
+        let mut table = [[0f32; 256]; 3];
+        // `1 / (1/255)` in f64, as an f32 (255 exactly).
+        let inverse_rescale = (1.0 / (1.0f64 / 255.0)) as f32;
+        for (channel, values) in table.iter_mut().enumerate() {
+            let (mean, std) = (settings.image_mean[channel], settings.image_std[channel]);
+            for (level, value) in values.iter_mut().enumerate() {
+                *value = match self {
+                    PixelScaling::RescaleThenNormalise => {
+                        let rescaled = (level as f64 * (1.0 / 255.0)) as f32;
+                        (rescaled - mean) / std
+                    }
+                    PixelScaling::Fused => {
+                        (level as f32 - mean * inverse_rescale) / (std * inverse_rescale)
+                    }
+                };
+            }
+        }
+        table
+    }
+}
+
 /// Rescales (`/255`, in f64 rounded to f32 as numpy does), normalises per channel in f32 and
 /// lays `rgb` (`height × width` RGB triples, sides multiples of `patch_size · merge_size`) out
 /// as patch rows: merge blocks in raster order, the `merge × merge` patches of a block in raster
@@ -43,16 +78,24 @@ pub fn normalise_and_patchify(
     settings: &ImageProcessorSettings,
 ) -> Result<PixelPatches, VisionInputError> {
     let slots = vec![rgb; settings.temporal_patch_size];
-    normalise_and_patchify_frames(&slots, height, width, settings)
+    normalise_and_patchify_frames(
+        &slots,
+        height,
+        width,
+        settings,
+        PixelScaling::RescaleThenNormalise,
+    )
 }
 
 /// [`normalise_and_patchify`] of one temporal patch whose `temporal_patch_size` slots hold
-/// `frames` in order (a video's consecutive frames; an image is itself in every slot).
+/// `frames` in order (a video's consecutive frames; an image is itself in every slot), the
+/// levels scaled as `scaling` says.
 pub fn normalise_and_patchify_frames(
     frames: &[&[u8]],
     height: usize,
     width: usize,
     settings: &ImageProcessorSettings,
+    scaling: PixelScaling,
 ) -> Result<PixelPatches, VisionInputError> {
     let (patch, merge, temporal) = (
         settings.patch_size,
@@ -79,14 +122,7 @@ pub fn normalise_and_patchify_frames(
         )));
     }
     // The 256 possible values of each channel, computed once.
-    let mut table = [[0f32; 256]; 3];
-    for (channel, values) in table.iter_mut().enumerate() {
-        let (mean, std) = (settings.image_mean[channel], settings.image_std[channel]);
-        for (level, value) in values.iter_mut().enumerate() {
-            let rescaled = (level as f64 * (1.0 / 255.0)) as f32;
-            *value = (rescaled - mean) / std;
-        }
-    }
+    let table = scaling.table(settings);
     let grid = ImageGrid {
         temporal: 1,
         height: height / patch,

@@ -1,20 +1,22 @@
 //! A video given as its frames (each an encoded image): every frame decoded as an image is,
-//! all frames resized to the one size the Qwen video processor picks for the whole clip, and
+//! all frames resized to the one size the Qwen video processor picks for the whole clip (with
+//! the video processor's own settings, and its `torchvision` resize and normalisation), and
 //! consecutive frames paired into temporal patches (the last frame repeated when the count is
 //! odd). Each pair is laid out as an image's patch rows whose two temporal slots are the two
 //! frames, and carries the timestamp the prompt writes before it (docs/MODELS.md §10.7).
 //!
 //! Owns: the video's target size (`smart_resize` of `Qwen3VLVideoProcessor`), the frame-count
-//! bound, the pairing and the timestamps. Must not touch: decoding and resampling (the image
-//! path's), tokens.
+//! bound, the pairing and the timestamps. Must not touch: decoding and resampling (`decode`,
+//! `resample`), the settings' file format (`video_settings`), tokens.
 
 use thiserror::Error;
 
 use crate::decode::{decode_rgb, probe_image};
 use crate::error::VisionInputError;
-use crate::patchify::{normalise_and_patchify_frames, ImageGrid, PixelPatches};
-use crate::resample::resize_bicubic_like_pillow;
-use crate::settings::{DecodeLimits, ImageProcessorSettings};
+use crate::patchify::{normalise_and_patchify_frames, ImageGrid, PixelPatches, PixelScaling};
+use crate::resample::resize_bicubic_like_torchvision;
+use crate::settings::DecodeLimits;
+use crate::video_settings::VideoProcessorSettings;
 
 /// Most frames of one video: each pair of frames costs the tower and the prompt what an image
 /// does, so this bounds a video at half the images one request may carry.
@@ -54,14 +56,16 @@ pub enum VideoInputError {
 
 /// `(height, width)` every frame of a `frames`-frame video of `height × width` frames is
 /// resized to: `Qwen3VLVideoProcessor`'s `smart_resize`, whose pixel bounds count the frames
-/// (rounded to whole temporal patches) and which first scales a side shorter than the grid
-/// unit up to it. Python's arithmetic: f64, `round` half to even, `int` truncating.
+/// (rounded to whole temporal patches; the upper one capped per frame where the settings say
+/// so) and which first scales a side shorter than the grid unit up to it. Python's
+/// arithmetic: f64, `round` half to even, `int` truncating.
 pub fn video_smart_resize(
     frames: usize,
     height: u32,
     width: u32,
-    settings: &ImageProcessorSettings,
+    video: &VideoProcessorSettings,
 ) -> Result<(usize, usize), VisionInputError> {
+    let settings = &video.frames;
     if height == 0 || width == 0 {
         return Err(VisionInputError::NoPixels {
             width: width.into(),
@@ -83,7 +87,8 @@ pub fn video_smart_resize(
         });
     }
     let n = frames as f64;
-    let (min_pixels, max_pixels) = (settings.min_pixels as f64, settings.max_pixels as f64);
+    let (min_pixels, max_pixels) = video.clip_pixel_bounds(frames);
+    let (min_pixels, max_pixels) = (min_pixels as f64, max_pixels as f64);
     let mut h_bar = (h / factor).round_ties_even() * factor;
     let mut w_bar = (w / factor).round_ties_even() * factor;
     let t_bar = (n / temporal).round_ties_even() * temporal;
@@ -101,11 +106,8 @@ pub fn video_smart_resize(
 
 /// The frame count checked against the bounds: at least one temporal patch's worth (the video
 /// processor refuses fewer), at most [`MAX_VIDEO_FRAMES`].
-fn check_frame_count(
-    frames: usize,
-    settings: &ImageProcessorSettings,
-) -> Result<(), VideoInputError> {
-    let least = settings.temporal_patch_size;
+fn check_frame_count(frames: usize, video: &VideoProcessorSettings) -> Result<(), VideoInputError> {
+    let least = video.frames.temporal_patch_size;
     if frames < least {
         return Err(VideoInputError::TooFewFrames { frames, least });
     }
@@ -122,11 +124,11 @@ fn check_frame_count(
 /// the frames' headers alone: what sizes the video's placeholder runs without decoding it.
 pub fn probe_video_grid(
     frames: &[EncodedFrame<'_>],
-    settings: &ImageProcessorSettings,
+    video: &VideoProcessorSettings,
     limits: &DecodeLimits,
 ) -> Result<(ImageGrid, usize), VideoInputError> {
-    settings.validate().map_err(VideoInputError::Video)?;
-    check_frame_count(frames.len(), settings)?;
+    video.validate().map_err(VideoInputError::Video)?;
+    check_frame_count(frames.len(), video)?;
     let mut first = None;
     for (index, frame) in frames.iter().enumerate() {
         let probed =
@@ -149,29 +151,33 @@ pub fn probe_video_grid(
         }
     }
     let (width, height) = first.unwrap_or_default();
-    let (resized_height, resized_width) = video_smart_resize(frames.len(), height, width, settings)
-        .map_err(VideoInputError::Video)?;
+    let (resized_height, resized_width) =
+        video_smart_resize(frames.len(), height, width, video).map_err(VideoInputError::Video)?;
+    let patch = video.frames.patch_size;
     let grid = ImageGrid {
         temporal: 1,
-        height: resized_height / settings.patch_size,
-        width: resized_width / settings.patch_size,
+        height: resized_height / patch,
+        width: resized_width / patch,
     };
-    Ok((grid, temporal_patches(frames.len(), settings)))
+    Ok((grid, temporal_patches(frames.len(), video)))
 }
 
 /// Temporal patches of a `frames`-frame video: the count rounded up to whole patches.
-pub fn temporal_patches(frames: usize, settings: &ImageProcessorSettings) -> usize {
-    frames.div_ceil(settings.temporal_patch_size)
+pub fn temporal_patches(frames: usize, video: &VideoProcessorSettings) -> usize {
+    frames.div_ceil(video.frames.temporal_patch_size)
 }
 
 /// The whole pre-processing of a video: every frame decoded (within `limits`) and resized to
-/// the video's size, then one [`PixelPatches`] per temporal patch (grid `temporal` 1), in order.
+/// the video's size as the video processor does (`torchvision`'s bicubic), then one
+/// [`PixelPatches`] per temporal patch (grid `temporal` 1, values normalised in the
+/// `torchvision` form), in order.
 pub fn preprocess_video(
     frames: &[EncodedFrame<'_>],
-    settings: &ImageProcessorSettings,
+    video: &VideoProcessorSettings,
     limits: &DecodeLimits,
 ) -> Result<Vec<PixelPatches>, VideoInputError> {
-    let (grid, pairs) = probe_video_grid(frames, settings, limits)?;
+    let (grid, pairs) = probe_video_grid(frames, video, limits)?;
+    let settings = &video.frames;
     let (height, width) = (
         grid.height * settings.patch_size,
         grid.width * settings.patch_size,
@@ -185,8 +191,14 @@ pub fn preprocess_video(
         let decoded =
             decode_rgb(frame.encoded, frame.declared_media_type, limits).map_err(at_frame)?;
         resized.push(
-            resize_bicubic_like_pillow(&decoded.rgb, decoded.width, decoded.height, width, height)
-                .map_err(at_frame)?,
+            resize_bicubic_like_torchvision(
+                &decoded.rgb,
+                decoded.width,
+                decoded.height,
+                width,
+                height,
+            )
+            .map_err(at_frame)?,
         );
     }
     let temporal = settings.temporal_patch_size;
@@ -196,7 +208,7 @@ pub fn preprocess_video(
             let slots: Vec<&[u8]> = (0..temporal)
                 .map(|slot| resized[(pair * temporal + slot).min(resized.len() - 1)].as_slice())
                 .collect();
-            normalise_and_patchify_frames(&slots, height, width, settings)
+            normalise_and_patchify_frames(&slots, height, width, settings, PixelScaling::Fused)
                 .map_err(VideoInputError::Video)
         })
         .collect()
@@ -225,13 +237,13 @@ pub fn timestamp_text(seconds: f64) -> String {
 mod tests {
     use super::*;
 
-    fn settings() -> ImageProcessorSettings {
-        ImageProcessorSettings {
+    fn settings() -> VideoProcessorSettings {
+        VideoProcessorSettings::like_images(&crate::settings::ImageProcessorSettings {
             min_pixels: 1024,
             max_pixels: 4096,
             patch_size: 8,
-            ..ImageProcessorSettings::default()
-        }
+            ..crate::settings::ImageProcessorSettings::default()
+        })
     }
 
     #[test]

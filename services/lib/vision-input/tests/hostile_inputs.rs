@@ -275,8 +275,9 @@ fn the_header_probe_agrees_with_decoding() {
         }
         probed += 1;
     }
-    // Eleven images and the seven frames of the video reference.
-    assert_eq!(probed, 18);
+    // Eleven images, the seven frames of the video reference and the eighteen of the resized
+    // videos' reference.
+    assert_eq!(probed, 36);
     let error = probe_image(&png_header_only(20_000, 20_000), None, &limits()).expect_err("big");
     assert!(
         matches!(error, VisionInputError::SideTooLong { .. }),

@@ -1,19 +1,36 @@
-//! A video given as frames against `transformers`' `Qwen3VLVideoProcessor`
-//! (`video_prompt_reference.json` and `video_reference.pixel_values.f32`, made by
-//! `scripts/make_video_reference.py` with the `qwen3_5_moe` fixture's processor settings): the
-//! grids, the pixel values of every temporal patch (an odd frame count's last frame repeated)
-//! and the timestamps the prompt writes.
+//! A video given as frames against `transformers`' `Qwen3VLVideoProcessor`:
+//!
+//! * `video_prompt_reference.json` and `video_reference.pixel_values.f32` (made by
+//!   `scripts/make_video_reference.py`; the `qwen3_5_moe` fixture has no video processor file,
+//!   so its `preprocessor_config.json` is read as one, as `transformers` falls back to it): the
+//!   grids, the pixel values of every temporal patch (an odd frame count's last frame repeated)
+//!   and the timestamps the prompt writes;
+//! * `video_resize_reference.json` (made by `scripts/make_video_resize_reference.py`): clips
+//!   whose frames the processor resizes — shrinking, one side up and one down, a side under
+//!   the grid unit, under the per-frame pixel cap — with video processor settings of their
+//!   own: the grids and the pixel values of `torchvision`'s resize and normalisation, which
+//!   Pillow's resize would not give.
 
 use std::path::PathBuf;
 
 use ninfer_vision_input::{
-    preprocess_video, temporal_patch_timestamps, timestamp_text, DecodeLimits, EncodedFrame,
-    ImageProcessorSettings,
+    decode_rgb, preprocess_video, resize_bicubic_like_pillow, resize_bicubic_like_torchvision,
+    temporal_patch_timestamps, timestamp_text, video_smart_resize, DecodeLimits, EncodedFrame,
+    VideoProcessorSettings, VisionInputError,
 };
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../tests/fixtures")
+}
+
+/// Little-endian f32 values of a fixture file.
+fn read_f32(name: &str) -> Vec<f32> {
+    std::fs::read(fixtures().join(name))
+        .expect("pixel values readable")
+        .chunks_exact(4)
+        .map(|bytes| f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+        .collect()
 }
 
 #[test]
@@ -23,17 +40,12 @@ fn frames_become_the_processors_pixel_values_and_grids() {
             .expect("reference readable"),
     )
     .expect("reference parses");
-    let settings = ImageProcessorSettings::from_preprocessor_config(
+    let settings = VideoProcessorSettings::from_video_preprocessor_config(
         &std::fs::read_to_string(fixtures().join("qwen3_5_moe/preprocessor_config.json"))
             .expect("settings readable"),
     )
     .expect("settings parse");
-    let expected: Vec<f32> =
-        std::fs::read(fixtures().join("vision_input/video_reference.pixel_values.f32"))
-            .expect("pixel values readable")
-            .chunks_exact(4)
-            .map(|bytes| f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
-            .collect();
+    let expected = read_f32("vision_input/video_reference.pixel_values.f32");
     let fps = reference["fps"].as_f64().expect("fps");
     let mut values = Vec::new();
     let mut stamps = String::new();
@@ -73,7 +85,9 @@ fn frames_become_the_processors_pixel_values_and_grids() {
             assert_eq!((pair.grid.height, pair.grid.width), (number(1), number(2)));
             values.extend_from_slice(&pair.values);
         }
-        for seconds in temporal_patch_timestamps(frames.len(), fps, settings.temporal_patch_size) {
+        for seconds in
+            temporal_patch_timestamps(frames.len(), fps, settings.frames.temporal_patch_size)
+        {
             stamps.push_str(&timestamp_text(seconds));
         }
     }
@@ -97,4 +111,87 @@ fn frames_become_the_processors_pixel_values_and_grids() {
         })
         .collect();
     assert_eq!(stamps, theirs);
+}
+
+#[test]
+fn resized_frames_are_the_video_processors_under_its_own_settings() {
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("vision_input/video_resize_reference.json"))
+            .expect("reference readable"),
+    )
+    .expect("reference parses");
+    let expected = read_f32("vision_input/video_resize_reference.pixel_values.f32");
+    let mut pillow_would_differ = false;
+    for case in reference["cases"].as_array().expect("cases") {
+        let name = case["name"].as_str().expect("name");
+        let settings = VideoProcessorSettings::from_video_preprocessor_config(
+            &case["video_preprocessor_config"].to_string(),
+        )
+        .expect("settings parse");
+        let bytes: Vec<Vec<u8>> = case["frame_files"]
+            .as_array()
+            .expect("frames")
+            .iter()
+            .map(|file| {
+                std::fs::read(
+                    fixtures()
+                        .join("vision_input")
+                        .join(file.as_str().expect("name")),
+                )
+                .expect("frame readable")
+            })
+            .collect();
+        let frames: Vec<EncodedFrame<'_>> = bytes
+            .iter()
+            .map(|encoded| EncodedFrame {
+                encoded,
+                declared_media_type: None,
+            })
+            .collect();
+        let pairs =
+            preprocess_video(&frames, &settings, &DecodeLimits::default()).expect("pre-processed");
+        let grid: Vec<usize> = case["video_grid_thw"]
+            .as_array()
+            .expect("grid")
+            .iter()
+            .map(|v| v.as_u64().expect("whole") as usize)
+            .collect();
+        assert_eq!(pairs.len(), grid[0], "{name}: temporal patches");
+        let values: Vec<f32> = pairs
+            .iter()
+            .flat_map(|pair| {
+                assert_eq!(
+                    (pair.grid.height, pair.grid.width),
+                    (grid[1], grid[2]),
+                    "{name}"
+                );
+                pair.values.iter().copied()
+            })
+            .collect();
+        let offset = case["values_offset"].as_u64().expect("offset") as usize;
+        let count = case["values_count"].as_u64().expect("count") as usize;
+        assert_eq!(values.len(), count, "{name}: values");
+        let theirs = &expected[offset..offset + count];
+        let largest = values
+            .iter()
+            .zip(theirs)
+            .map(|(ours, theirs)| (ours - theirs).abs())
+            .fold(0f32, f32::max);
+        println!("{name}: max |Δ| {largest:e}");
+        assert!(largest <= 1e-6, "{name}: max |Δ| = {largest}");
+
+        // The frames' resize is the one that tells the processors apart: Pillow's would give
+        // other bytes for some of these frames.
+        let decoded = decode_rgb(&bytes[0], None, &DecodeLimits::default()).expect("decodes");
+        let (height, width) =
+            video_smart_resize(frames.len(), decoded.height, decoded.width, &settings)
+                .expect("sized");
+        type Resize = fn(&[u8], u32, u32, usize, usize) -> Result<Vec<u8>, VisionInputError>;
+        let resize = |resize_fn: Resize| -> Vec<u8> {
+            resize_fn(&decoded.rgb, decoded.width, decoded.height, width, height).expect("resized")
+        };
+        pillow_would_differ |=
+            resize(resize_bicubic_like_pillow) != resize(resize_bicubic_like_torchvision);
+    }
+    assert!(pillow_would_differ, "no clip tells the two resizes apart");
 }

@@ -81,7 +81,8 @@ pub struct ContentPart {
     /// A `video` part's frames: a list of image URLs (data URLs), in order.
     #[serde(default)]
     pub video: Option<serde_json::Value>,
-    /// A `video` part's frame rate (2 when absent): frame `k` is at `k / fps` seconds.
+    /// A `video` part's frame rate (the model's video processor's when absent): frame `k` is at
+    /// `k / fps` seconds.
     #[serde(default)]
     pub fps: Option<f64>,
 }

@@ -201,6 +201,16 @@ impl InputLimits {
         } else {
             "prompt"
         };
+        // The frame count first: a long clip's frames pass both limits together, and this
+        // refusal says more.
+        if sizes.most_video_frames > MAX_VIDEO_FRAMES {
+            return Some(GatewayError::invalid_parameter(
+                "messages",
+                format!(
+                    "a `video` part has more than {MAX_VIDEO_FRAMES} frames, the most one video may have"
+                ),
+            ));
+        }
         if let Some(most) = self.most_text_bytes {
             if sizes.tool_definition_bytes > most {
                 return Some(GatewayError::invalid_parameter(
@@ -241,14 +251,6 @@ impl InputLimits {
             return Some(GatewayError::invalid_parameter(
                 stop_field,
                 format!("`{stop_field}` is larger than {MAX_STOP_SEQUENCE_BYTES} bytes, the most stop sequences may take"),
-            ));
-        }
-        if sizes.most_video_frames > MAX_VIDEO_FRAMES {
-            return Some(GatewayError::invalid_parameter(
-                "messages",
-                format!(
-                    "a `video` part has more than {MAX_VIDEO_FRAMES} frames, the most one video may have"
-                ),
             ));
         }
         if sizes.logit_bias_entries > MAX_LOGIT_BIAS_ENTRIES {

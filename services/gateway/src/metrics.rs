@@ -18,6 +18,9 @@ use crate::routing_stats::ModelRoutingTotals;
 /// Histogram with fixed upper bounds (seconds).
 pub struct Histogram {
     bounds: &'static [f64],
+    /// Observations above the bound before and at most this one: one increment per
+    /// observation (inter-token latency is observed per token); exposition sums them into
+    /// Prometheus' cumulative buckets.
     bucket_counts: Vec<AtomicU64>,
     count: AtomicU64,
     /// Sum in microseconds, so it fits an atomic integer.
@@ -45,10 +48,14 @@ impl Histogram {
     }
 
     pub fn observe(&self, seconds: f64) {
-        for (bound, bucket) in self.bounds.iter().zip(&self.bucket_counts) {
-            if seconds <= *bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
+        // The first bound at or above `seconds` (none for NaN or past the last bound).
+        let first_fitting = self.bounds.partition_point(|bound| *bound < seconds);
+        if let Some(bucket) = self
+            .bucket_counts
+            .get(first_fitting)
+            .filter(|_| !seconds.is_nan())
+        {
+            bucket.fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_micros
@@ -57,12 +64,10 @@ impl Histogram {
 
     fn render(&self, output: &mut String, name: &str, help: &str) {
         let _ = writeln!(output, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
         for (bound, bucket) in self.bounds.iter().zip(&self.bucket_counts) {
-            let _ = writeln!(
-                output,
-                "{name}_bucket{{le=\"{bound}\"}} {}",
-                bucket.load(Ordering::Relaxed)
-            );
+            cumulative += bucket.load(Ordering::Relaxed);
+            let _ = writeln!(output, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
         }
         let count = self.count.load(Ordering::Relaxed);
         let _ = writeln!(output, "{name}_bucket{{le=\"+Inf\"}} {count}");
@@ -441,4 +446,43 @@ fn escape_label(value: &str) -> String {
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_counts_of_observations_at_or_below_each_bound() {
+        let histogram = Histogram::new(TOKEN_LATENCY_BOUNDS);
+        let observed = [
+            0.0,
+            0.0005,
+            0.001,
+            0.0011,
+            0.02,
+            0.019,
+            0.5,
+            1.28,
+            1.3,
+            100.0,
+            -1.0,
+            f64::NAN,
+        ];
+        for seconds in observed {
+            histogram.observe(seconds);
+        }
+        let mut rendered = String::new();
+        histogram.render(&mut rendered, "itl", "help");
+        for bound in TOKEN_LATENCY_BOUNDS {
+            let expected = observed
+                .iter()
+                .filter(|seconds| **seconds <= *bound)
+                .count();
+            let line = format!("itl_bucket{{le=\"{bound}\"}} {expected}\n");
+            assert!(rendered.contains(&line), "{line} not in\n{rendered}");
+        }
+        assert!(rendered.contains(&format!("itl_bucket{{le=\"+Inf\"}} {}\n", observed.len())));
+        assert!(rendered.contains(&format!("itl_count {}\n", observed.len())));
+    }
 }

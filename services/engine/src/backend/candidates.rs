@@ -8,7 +8,7 @@
 
 use crate::error::EngineError;
 
-/// Default number of largest logits a candidate read-back carries per row.
+/// A number of largest logits that leaves room for sampling settings the tests vary.
 pub const DEFAULT_CANDIDATES: usize = 64;
 /// Most largest logits one candidate read-back carries per row (`SAMPLING_MAX_K` in
 /// `kernels/sampling.cu`).
@@ -46,6 +46,17 @@ impl LogitCandidates {
     pub fn covers_vocab(&self) -> bool {
         self.top.len() >= self.vocab
     }
+}
+
+/// The largest logits a row's sampling needs to decide exactly from candidates: its top-k
+/// (greedy: 1) or `top_logprobs`, whichever is more, plus its `penalised` tokens (penalties
+/// can move each of them out of the way), within [`MAX_CANDIDATES`]. With fewer, sampling
+/// reads the row whole.
+pub fn candidates_needed(top_k: usize, top_logprobs: usize, penalised: usize) -> usize {
+    top_k
+        .max(top_logprobs)
+        .saturating_add(penalised)
+        .clamp(1, MAX_CANDIDATES)
 }
 
 /// Checks the arguments of a candidates op: `k` within [`MAX_CANDIDATES`], one extra list per

@@ -408,11 +408,19 @@ mod tests {
             }
             let expected = whole.sample(&row, &history).unwrap();
             let extra = from_candidates.penalised_tokens(&history, vocab);
-            // As many largest logits as the scheduler asks for.
-            let k = (params.top_k * 2).clamp(
-                crate::backend::candidates::DEFAULT_CANDIDATES,
-                crate::backend::candidates::MAX_CANDIDATES,
-            );
+            // As many largest logits as the scheduler asks for (where it asks for any; else
+            // the most there are, which a small row's whole vocabulary fits in).
+            let top_k = if params.temperature == 0.0 {
+                1
+            } else {
+                params.top_k
+            };
+            let k =
+                if from_candidates.candidates_suffice(crate::backend::candidates::MAX_CANDIDATES) {
+                    crate::backend::candidates::candidates_needed(top_k, 0, extra.len())
+                } else {
+                    crate::backend::candidates::MAX_CANDIDATES
+                };
             let candidates = crate::backend::candidates::row_candidates(&row, k, &extra);
             let got = match from_candidates
                 .sample_from_candidates(&candidates, &history)

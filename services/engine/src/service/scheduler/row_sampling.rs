@@ -13,7 +13,7 @@ use super::messages::{
 };
 use super::requests::GenerationRequest;
 use super::sequence::{fail, Running};
-use crate::backend::candidates::{DEFAULT_CANDIDATES, MAX_CANDIDATES};
+use crate::backend::candidates::{candidates_needed, MAX_CANDIDATES};
 use crate::backend::{Backend, LogitCandidates};
 use crate::constraint::Allowed;
 use crate::error::EngineError;
@@ -35,16 +35,18 @@ pub(super) fn sample_rows<B: Backend>(
     let backend = model.backend();
     // Sampling on the backend's candidates when every request allows it (a few KB per
     // token read back instead of the whole logits rows). Guided rows are read whole.
-    let candidate_k = candidate_count(running, members, allowed);
-    let extra: Vec<Vec<u32>> = match candidate_k {
-        Some(_) => members
-            .iter()
-            .map(|&index| {
-                let r = &running[index];
-                r.sampler.penalised_tokens(&r.history, vocab)
-            })
-            .collect(),
-        None => Vec::new(),
+    let extra: Vec<Vec<u32>> = members
+        .iter()
+        .map(|&index| {
+            let r = &running[index];
+            r.sampler.penalised_tokens(&r.history, vocab)
+        })
+        .collect();
+    let candidate_k = candidate_count(running, members, allowed, &extra);
+    let extra = if candidate_k.is_some() {
+        extra
+    } else {
+        Vec::new()
     };
     let candidates = candidate_k.and_then(|k| {
         backend
@@ -283,22 +285,26 @@ fn without_unsampleable(
 }
 
 /// The number of largest logits to read back per row when every running request can sample
-/// from candidates ([`Sampler::candidates_suffice`](crate::sampling::Sampler::candidates_suffice), `top_logprobs` within them), with room for
-/// penalised tokens among them (`members`: the sequences whose rows are read); `None`: read
-/// back whole rows. `NINFER_FULL_LOGITS=1` always
-/// reads whole rows.
+/// from candidates ([`Sampler::candidates_suffice`](crate::sampling::Sampler::candidates_suffice),
+/// `top_logprobs` within them): the most any row needs, its top-k (greedy: 1) or `top_logprobs`
+/// plus its penalised tokens (`extra`, per member), which could all rank above the others;
+/// `None`: read back whole rows. `NINFER_FULL_LOGITS=1` always reads whole rows. Fewer
+/// candidates cost the GPU fewer selection rounds per token; a row they cannot decide is
+/// read whole.
 fn candidate_count<B: Backend>(
     running: &[Running<B>],
     members: &[usize],
     allowed: &[Allowed],
+    extra: &[Vec<u32>],
 ) -> Option<usize> {
     if std::env::var("NINFER_FULL_LOGITS").is_ok_and(|v| v == "1") {
         return None;
     }
     let mut needed = 1usize;
-    for (r, step) in members
+    for ((r, step), penalised) in members
         .iter()
         .map(|&index| (&running[index], &allowed[index]))
+        .zip(extra)
     {
         if !step.is_any() {
             // Read whole on its own; the others keep their candidates.
@@ -315,13 +321,13 @@ fn candidate_count<B: Backend>(
         } else {
             r.sampler.params().top_k
         };
-        needed = needed.max(top_k).max(r.request.top_logprobs);
+        needed = needed.max(candidates_needed(
+            top_k,
+            r.request.top_logprobs,
+            penalised.len(),
+        ));
     }
-    Some(
-        needed
-            .saturating_mul(2)
-            .clamp(DEFAULT_CANDIDATES, MAX_CANDIDATES),
-    )
+    Some(needed)
 }
 
 /// [`logprobs`] from a row's candidates: the same values when they carry `token` and the `top`
@@ -386,7 +392,7 @@ pub(super) fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<Toke
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::candidates::row_candidates;
+    use crate::backend::candidates::{row_candidates, DEFAULT_CANDIDATES};
     use crate::sampling::Xoshiro256;
 
     #[test]

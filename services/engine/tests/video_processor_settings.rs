@@ -2,8 +2,7 @@
 //! converter embeds `video_preprocessor_config.json` (or `processor_config.json`'s nested
 //! `video_processor`, which `transformers` prefers), and the engine sizes a video's frames with
 //! its bounds instead of the image processor's, reports them for the gateway, and falls back to
-//! `preprocessor_config.json` read as a video processor's where the checkpoint has neither. A
-//! video processor whose patches the tower cannot take is refused when the model loads.
+//! `preprocessor_config.json` read as a video processor's where the checkpoint has neither.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -159,26 +158,5 @@ fn the_nested_video_processor_wins_and_the_image_file_stands_in() {
             height: 4,
             width: 4
         }
-    );
-}
-
-#[test]
-fn a_video_processor_the_tower_cannot_take_is_refused_at_load() {
-    let scratch = tempfile::tempdir().expect("scratch directory");
-    // Patches of 16 pixels for a tower of 8: rows of 1536 values for a tower taking 384.
-    checkpoint_with(
-        scratch.path(),
-        &[(
-            "video_preprocessor_config.json",
-            &VIDEO_CONFIG.replace("\"patch_size\": 8", "\"patch_size\": 16"),
-        )],
-    );
-    let refused = match ImageEncoding::for_artifact(&converted(scratch.path(), false)) {
-        Ok(_) => panic!("the video processor was taken"),
-        Err(error) => error.to_string(),
-    };
-    assert!(
-        refused.contains("video processor's patch rows hold 1536 values"),
-        "{refused}"
     );
 }

@@ -33,8 +33,7 @@ use crate::error::EngineError;
 use crate::service::scheduler::PromptImages;
 use crate::vision::weights::stored_matrix_dtype;
 use crate::vision::{
-    multimodal_positions_of, HostVisionTower, ImageGrid, ImagePlacement, VisionConfig, VisionTower,
-    VisionWeights,
+    multimodal_positions_of, HostVisionTower, ImageGrid, ImagePlacement, VisionTower, VisionWeights,
 };
 
 /// Prompts whose images are encoded at once: the host tower uses every core for one, the GPU
@@ -138,24 +137,15 @@ impl ImageEncoding {
             })?,
             None => VideoProcessorSettings::like_images(&settings),
         };
-        let patch_row_len = VisionConfig::from_artifact(artifact)?
-            .map(|config| config.patch_row_len())
-            .unwrap_or_default();
-        for (processor, frames) in [("image", &settings), ("video", &video_settings.frames)] {
-            let merge = frames.merge_size;
+        for (processor, merge) in [
+            ("image", settings.merge_size),
+            ("video", video_settings.frames.merge_size),
+        ] {
             if merge != placement.spatial_merge_size {
                 return Err(EngineError::InvalidConfig {
                     problem: format!(
                         "the {processor} processor merges {merge}x{merge} patches, the vision tower {0}x{0}",
                         placement.spatial_merge_size
-                    ),
-                });
-            }
-            if frames.patch_len() != patch_row_len {
-                return Err(EngineError::InvalidConfig {
-                    problem: format!(
-                        "the {processor} processor's patch rows hold {} values, the vision tower's {patch_row_len}",
-                        frames.patch_len()
                     ),
                 });
             }

@@ -27,6 +27,8 @@ import openai
 RESULTS = []
 # Recent anthropic SDKs no longer take `temperature` as an argument; the gateway still reads it.
 AN_GREEDY = {"temperature": 0.0}
+# A 1x1 RGB PNG, base64.
+PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGM4wcUFAAJ6AN1nJ0J9AAAAAElFTkSuQmCC"
 
 
 def check(name):
@@ -282,13 +284,15 @@ def main():
             assert found and int(found.group(1)) > context and int(found.group(2)) == context, str(error)
         return f"context {context}"
 
+    # A screenshot a tool read (a valid 1x1 PNG): an image to a model that sees images, a note to
+    # one that reads text only; either way the request is answered.
     @check("anthropic image in a tool result does not fail the request")
     def image_tool_result():
         tools = [{"name": "Read", "description": "Reads a file", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}]
         conversation = [
             {"role": "user", "content": "Look at shot.png"},
             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "shot.png"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PIXEL_PNG}}]}]},
         ]
         response = an.messages.create(model=model, max_tokens=4, tools=tools, messages=conversation, extra_body=AN_GREEDY)
         return f"stop_reason={response.stop_reason}"

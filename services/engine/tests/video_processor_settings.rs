@@ -2,7 +2,8 @@
 //! converter embeds `video_preprocessor_config.json` (or `processor_config.json`'s nested
 //! `video_processor`, which `transformers` prefers), and the engine sizes a video's frames with
 //! its bounds instead of the image processor's, reports them for the gateway, and falls back to
-//! `preprocessor_config.json` read as a video processor's where the checkpoint has neither.
+//! `preprocessor_config.json` read as a video processor's where the checkpoint has neither. A
+//! checkpoint with no processor file at all gets the released bounds in the tower's own patches.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -23,10 +24,17 @@ const VIDEO_CONFIG: &str = r#"{"size": {"shortest_edge": 256, "longest_edge": 10
 
 /// The `qwen3_5_moe` fixture's files linked into `directory`, with `extra` files written beside.
 fn checkpoint_with(directory: &Path, extra: &[(&str, &str)]) {
+    checkpoint_without(directory, extra, "")
+}
+
+/// [`checkpoint_with`], leaving out the fixture's file `left_out`.
+fn checkpoint_without(directory: &Path, extra: &[(&str, &str)], left_out: &str) {
     for entry in std::fs::read_dir(golden_fixture_dir("qwen3_5_moe")).expect("fixture") {
         let path = entry.expect("entry").path();
         let name = path.file_name().expect("name");
-        std::os::unix::fs::symlink(&path, directory.join(name)).expect("link");
+        if name.to_str() != Some(left_out) {
+            std::os::unix::fs::symlink(&path, directory.join(name)).expect("link");
+        }
     }
     for (name, text) in extra {
         std::fs::write(directory.join(name), text).expect("written");
@@ -158,5 +166,32 @@ fn the_nested_video_processor_wins_and_the_image_file_stands_in() {
             height: 4,
             width: 4
         }
+    );
+}
+
+#[test]
+fn without_processor_files_the_released_bounds_come_in_the_towers_patches() {
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    checkpoint_without(scratch.path(), &[], "preprocessor_config.json");
+    let artifact = converted(scratch.path(), false);
+    assert!(artifact.file("preprocessor_config.json").is_none());
+    let encoding = ImageEncoding::for_artifact(&artifact)
+        .expect("image path")
+        .expect("a vision tower");
+    let image: serde_json::Value = serde_json::from_str(&encoding.settings_json()).expect("JSON");
+    // The fixture's tower takes patches of 8 (the released 16 would not fit it); the released
+    // bounds.
+    assert_eq!(
+        (
+            &image["patch_size"],
+            &image["max_pixels"],
+            &image["min_pixels"]
+        ),
+        (&8.into(), &16_777_216.into(), &65_536.into())
+    );
+    let video = encoding.video_settings();
+    assert_eq!(
+        (video.frames.patch_size, video.frames.max_pixels, video.fps),
+        (8, 16_777_216, 2.0)
     );
 }

@@ -33,7 +33,8 @@ use crate::error::EngineError;
 use crate::service::scheduler::PromptImages;
 use crate::vision::weights::stored_matrix_dtype;
 use crate::vision::{
-    multimodal_positions_of, HostVisionTower, ImageGrid, ImagePlacement, VisionTower, VisionWeights,
+    multimodal_positions_of, HostVisionTower, ImageGrid, ImagePlacement, VisionConfig, VisionTower,
+    VisionWeights,
 };
 
 /// Prompts whose images are encoded at once: the host tower uses every core for one, the GPU
@@ -109,9 +110,10 @@ impl ImageEncoding {
     /// The image path of `artifact`'s model; `Ok(None)` when it has no vision tower. The image
     /// processor's settings are the artifact's `preprocessor_config.json` (keys it leaves out
     /// take the processor class's defaults, as `transformers` does), or the released Qwen3.5
-    /// settings when the artifact has none. The video processor's are its
-    /// `video_preprocessor_config.json`, else its `preprocessor_config.json` read as one (with
-    /// the video processor class's defaults), else the image settings.
+    /// bounds and normalisation in the tower's own patches when the artifact has none. The
+    /// video processor's are its `video_preprocessor_config.json`, else its
+    /// `preprocessor_config.json` read as one (with the video processor class's defaults), else
+    /// the image settings.
     pub fn for_artifact(artifact: &Arc<Artifact>) -> Result<Option<Self>, EngineError> {
         let Some(placement) = ImagePlacement::from_artifact(artifact)? else {
             return Ok(None);
@@ -123,7 +125,19 @@ impl ImageEncoding {
                         problem: format!("preprocessor_config.json: {error}"),
                     })?
             }
-            None => ImageProcessorSettings::default(),
+            // The released pixel bounds and normalisation, in the patches the tower takes.
+            None => {
+                let tower = VisionConfig::from_artifact(artifact)?;
+                let defaults = ImageProcessorSettings::default();
+                ImageProcessorSettings {
+                    patch_size: tower.as_ref().map_or(defaults.patch_size, |t| t.patch_size),
+                    temporal_patch_size: tower
+                        .as_ref()
+                        .map_or(defaults.temporal_patch_size, |t| t.temporal_patch_size),
+                    merge_size: placement.spatial_merge_size,
+                    ..defaults
+                }
+            }
         };
         let video_file = ["video_preprocessor_config.json", "preprocessor_config.json"]
             .into_iter()

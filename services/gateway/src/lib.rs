@@ -9,7 +9,7 @@
 //! the OpenAI Responses API (`responses`, its numbered events `responses_stream_events`) and the
 //! public gRPC API with health and reflection (`grpc_api`); the JSON strings of every per-token
 //! writer come from `json_text`; every stage of an answer runs in its HTTP connection's task
-//! (`inline_stream`); `models` answers `/v1/models` in the asking API's
+//! (`inline_stream`) and leaves as server-sent events rendered once (`event_stream`); `models` answers `/v1/models` in the asking API's
 //! shape. Beside them: utility routes, auth and limits (`server`); reading request
 //! bodies within their limit, refusing a prompt too long for the context or another input over
 //! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them

@@ -67,9 +67,12 @@ pub struct ExpertCacheOptions {
     pub eviction_margin: f64,
 }
 
-/// `ExpertCacheOptions::eviction_margin` by default: a newcomer must have been chosen about one
-/// more time (in the decayed count) than the expert it replaces.
-pub const DEFAULT_EVICTION_MARGIN: f64 = 1.0;
+/// `ExpertCacheOptions::eviction_margin` by default: a newcomer must have been chosen about
+/// three more times (in the decayed count) than the expert it replaces. Measured on an H100
+/// (synthetic qwen3.5-35b-a3b int4, trained routing, 16 GiB, 4K prompt, 128 tokens, no
+/// statistics): 106.75 tok/s against 100.28 at a margin of 1 (static first-N placement 91.21),
+/// with 13% fewer fills at the same decode hit rate.
+pub const DEFAULT_EVICTION_MARGIN: f64 = 3.0;
 
 impl Default for ExpertCacheOptions {
     fn default() -> Self {

@@ -13,6 +13,8 @@
 //! * [`worker_executor`] — expert worker processes over the shared-memory channel, with
 //!   restart and replay.
 //! * [`placement`] — `--moe-gpu-experts`: the slot memory budget, experts per layer, and which.
+//! * [`gpu_split`] — several GPUs: `--gpus` / `--gpu-split`, the contiguous layer ranges per
+//!   card and each card's expert slots for its own layers.
 //! * [`expert_cache`] — the dynamic expert cache: which experts the slots hold from step to
 //!   step, its timing, counters and hit-rate simulation.
 //!
@@ -24,6 +26,7 @@
 
 pub mod executor;
 pub mod expert_cache;
+pub mod gpu_split;
 pub mod kernel_executor;
 pub mod layer;
 pub mod layerwise;

@@ -28,6 +28,7 @@ mod interrupt;
 mod model_facts;
 mod perplexity;
 mod plan;
+mod plan_gpus;
 mod reshard;
 mod run;
 mod serve;

@@ -7,6 +7,7 @@
 //! Must not touch: processes (the supervisor starts them), model files (`model_facts` reads them).
 
 use anyhow::bail;
+use ninfer_engine::moe::gpu_split::{CardPlan, GpuDevice};
 use ninfer_engine::moe::placement::GpuExpertCount;
 
 use crate::model_facts::{ModelFacts, ModelLocation};
@@ -15,7 +16,7 @@ const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
 /// GPU memory the engine keeps for its own working buffers, besides weights, KV and slots.
-const GPU_WORKING_BYTES: u64 = GIB;
+pub(crate) const GPU_WORKING_BYTES: u64 = GIB;
 
 /// Context length used when `--max-context` is not given (or the model's limit when lower).
 pub const DEFAULT_MAX_CONTEXT: usize = 8192;
@@ -29,8 +30,10 @@ pub struct Machine {
     pub numa_nodes: Vec<NumaNode>,
     pub ram_total_bytes: u64,
     pub ram_available_bytes: u64,
-    /// GPU 0, when the CUDA driver opens and reports it.
+    /// The first visible GPU, when the NVIDIA driver reports one.
     pub gpu: Option<Gpu>,
+    /// Every visible GPU, numbered as CUDA numbers them (`CUDA_VISIBLE_DEVICES` applied).
+    pub gpus: Vec<GpuDevice>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -48,6 +51,7 @@ pub struct Gpu {
 impl Machine {
     /// Reads this machine: `/proc/meminfo`, `/sys/devices/system/node`, `nvidia-smi`.
     pub fn probe() -> Self {
+        let gpus = crate::plan_gpus::probe_gpus();
         let (ram_total_bytes, ram_available_bytes) = read_meminfo().unwrap_or((0, 0));
         let numa_nodes = crate::supervisor::numa_nodes()
             .into_iter()
@@ -66,7 +70,8 @@ impl Machine {
             numa_nodes,
             ram_total_bytes,
             ram_available_bytes,
-            gpu: probe_gpu(),
+            gpu: gpus.first().map(crate::plan_gpus::gpu_of),
+            gpus,
         }
     }
 }
@@ -85,6 +90,9 @@ struct MachineProfile {
     gpu_vram_gib: Option<f64>,
     /// Default: all of `gpu_vram_gib`.
     gpu_free_gib: Option<f64>,
+    /// Several GPUs (instead of `gpu_vram_gib`): `[{"vram_gib": 24}, {"vram_gib": 24,
+    /// "free_gib": 20, "name": "RTX 3090"}]`.
+    gpus: Option<Vec<crate::plan_gpus::ProfileGpu>>,
 }
 
 fn one() -> usize {
@@ -126,8 +134,15 @@ impl Machine {
             Some(gib) => bytes(gib, "ram_available_gib")?.min(ram_total_bytes),
             None => ram_total_bytes,
         };
+        let listed = match &profile.gpus {
+            Some(_) if profile.gpu_vram_gib.is_some() => {
+                bail!("gpu_vram_gib and gpus: describe the GPUs one way")
+            }
+            Some(gpus) => crate::plan_gpus::profile_gpus(gpus)?,
+            None => Vec::new(),
+        };
         let gpu = match profile.gpu_vram_gib {
-            None => None,
+            None => listed.first().map(crate::plan_gpus::gpu_of),
             Some(gib) => {
                 let total_bytes = bytes(gib, "gpu_vram_gib")?;
                 let free_bytes = match profile.gpu_free_gib {
@@ -150,6 +165,15 @@ impl Machine {
                 .collect(),
             ram_total_bytes,
             ram_available_bytes,
+            gpus: match (&gpu, listed.is_empty()) {
+                (Some(gpu), true) => vec![GpuDevice {
+                    ordinal: 0,
+                    name: "GPU 0".into(),
+                    free_bytes: gpu.free_bytes,
+                    total_bytes: gpu.total_bytes,
+                }],
+                _ => listed,
+            },
             gpu,
         })
     }
@@ -164,38 +188,6 @@ fn read_meminfo() -> Option<(u64, u64)> {
         Some(kib * 1024)
     };
     Some((field("MemTotal:")?, field("MemAvailable:")?))
-}
-
-/// Free and total memory of GPU 0 as the NVIDIA driver reports it (`nvidia-smi`: only the
-/// engine links CUDA); `None` without a driver or a GPU.
-fn probe_gpu() -> Option<Gpu> {
-    let output = std::process::Command::new("nvidia-smi")
-        .args([
-            "--query-gpu=memory.free,memory.total",
-            "--format=csv,noheader,nounits",
-            "--id=0",
-        ])
-        .stderr(std::process::Stdio::null())
-        .output()
-        .ok()?;
-    if !output.status.success() {
-        return None;
-    }
-    parse_gpu_memory(&String::from_utf8_lossy(&output.stdout))
-}
-
-/// `FREE, TOTAL` in MiB, as `nvidia-smi --format=csv,noheader,nounits` prints them.
-fn parse_gpu_memory(text: &str) -> Option<Gpu> {
-    let mut fields = text
-        .lines()
-        .next()?
-        .split(',')
-        .map(|f| f.trim().parse::<u64>());
-    let (free, total) = (fields.next()?.ok()?, fields.next()?.ok()?);
-    Some(Gpu {
-        free_bytes: free * MIB,
-        total_bytes: total * MIB,
-    })
 }
 
 /// The user's values that the plan depends on (shared by `run` and `serve`).
@@ -216,6 +208,10 @@ pub struct Request {
     pub cpu_only: bool,
     pub moe_expert_stats: Option<std::path::PathBuf>,
     pub api: Option<String>,
+    /// `--gpus`: CUDA ordinals; `None`: every visible GPU.
+    pub gpus: Option<String>,
+    /// `--gpu-split`: percent of the layers per chosen GPU.
+    pub gpu_split: Option<String>,
 }
 
 /// What will start.
@@ -236,6 +232,10 @@ pub struct Plan {
     /// For `auto`: how many per layer fit in the GPU's free memory now, by the plan's estimate.
     pub gpu_experts_estimate: Option<usize>,
     pub gpu_mem_budget_gib: Option<f64>,
+    /// Each chosen GPU's share: its layers, dense and KV bytes, expert slots per layer (one
+    /// entry on a machine with one GPU; none on the CPU). Several entries are a layer split,
+    /// planned but not executed yet.
+    pub gpus: Vec<CardPlan>,
     pub numa_nodes: Vec<usize>,
     pub expert_workers: Vec<WorkerPlan>,
     pub max_context: usize,
@@ -299,6 +299,13 @@ pub struct WorkerPlan {
 
 /// Checks every value against the model and the machine, then plans.
 pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow::Result<Plan> {
+    let (chosen_gpus, gpu_split) = crate::plan_gpus::chosen_gpus(machine, request)?;
+    // One chosen card is the card the single-GPU figures describe.
+    let mut machine_for_cards = machine.clone();
+    if let [only] = &chosen_gpus[..] {
+        machine_for_cards.gpu = Some(crate::plan_gpus::gpu_of(only));
+    }
+    let machine = &machine_for_cards;
     let common = &facts.common;
     let limit = common.max_position_embeddings;
     let max_context = match request.max_context {
@@ -429,6 +436,21 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         } else {
             0
         };
+    let gpus = if on_gpu {
+        crate::plan_gpus::plan_cards(
+            facts,
+            &chosen_gpus,
+            gpu_split.as_deref(),
+            request,
+            &crate::plan_gpus::SplitFigures {
+                kv_bytes: crate::plan_gpus::gpu_kv_bytes(facts, request, max_context, host_kv_mib)
+                    + prefix_cache_bytes,
+                working_bytes_per_card: GPU_WORKING_BYTES,
+            },
+        )?
+    } else {
+        Vec::new()
+    };
     Ok(Plan {
         model,
         needs_conversion,
@@ -436,8 +458,14 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         takes_images: facts.vision_bytes > 0,
         parameters: facts.parameters,
         device: match &machine.gpu {
+            Some(_) if chosen_gpus.len() > 1 => format!(
+                "cuda: GPUs {} (layer split planned; {})",
+                crate::plan_gpus::ordinals(&chosen_gpus),
+                "its execution is not built yet"
+            ),
             Some(gpu) => format!(
-                "cuda: GPU 0, {:.1} of {:.1} GiB free",
+                "cuda: GPU {}, {:.1} of {:.1} GiB free",
+                chosen_gpus.first().map_or(0, |card| card.ordinal),
                 gpu.free_bytes as f64 / GIB as f64,
                 gpu.total_bytes as f64 / GIB as f64
             ),
@@ -457,6 +485,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         layerwise_min_tokens: LAYERWISE_MIN_TOKENS,
         disk: None,
         gpu_mem_budget_gib: request.gpu_mem_budget,
+        gpus,
         numa_nodes: nodes.iter().map(|node| node.node).collect(),
         expert_workers,
         max_context,
@@ -531,13 +560,7 @@ fn fitting_gpu_experts(
         }
         None => gpu.free_bytes,
     };
-    // Every layer counted as attention: an upper bound for hybrid models.
-    let kv_per_token = common.num_hidden_layers as u64
-        * 2
-        * (common.num_key_value_heads * common.head_dim) as u64
-        * request.kv_element_bytes.max(1);
-    let kv = (kv_per_token * max_context as u64 * request.max_sequences.max(1) as u64)
-        .saturating_sub(host_kv_mib * MIB);
+    let kv = crate::plan_gpus::gpu_kv_bytes(facts, request, max_context, host_kv_mib);
     // `ninfer run` drafts with the MTP head when the model has one: its weights load beside
     // the dense ones and its layer's experts take slots like one more MoE layer's.
     let left = budget
@@ -577,6 +600,7 @@ pub fn print_plan(plan: &Plan) {
         );
     }
     println!("device        {}", plan.device);
+    crate::plan_gpus::print_cards(&plan.gpus);
     match (plan.gpu_experts_per_layer, plan.gpu_experts_estimate) {
         _ if plan.expert_bank_bytes == 0 => {
             println!("gpu experts   none (no routed experts: every layer is a dense MLP)")
@@ -665,11 +689,11 @@ pub fn print_plan(plan: &Plan) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::path::PathBuf;
 
-    fn facts() -> ModelFacts {
+    pub(crate) fn facts() -> ModelFacts {
         let config = ninfer_convert::read_config(
             &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe"),
         )
@@ -713,7 +737,7 @@ mod tests {
         facts
     }
 
-    fn machine(gpu_gib: Option<u64>, ram_gib: u64, nodes: usize) -> Machine {
+    pub(crate) fn machine(gpu_gib: Option<u64>, ram_gib: u64, nodes: usize) -> Machine {
         Machine {
             cpus: 16 * nodes,
             numa_nodes: (0..nodes).map(|node| NumaNode { node, cpus: 16 }).collect(),
@@ -723,11 +747,12 @@ mod tests {
                 free_bytes: gib * GIB - GIB / 2,
                 total_bytes: gib * GIB,
             }),
+            gpus: Vec::new(),
         }
     }
 
     /// The figures below leave the prefix cache out (its own test says what it takes).
-    fn request() -> Request {
+    pub(crate) fn request() -> Request {
         Request {
             kv_element_bytes: 2,
             max_sequences: 32,
@@ -924,17 +949,6 @@ mod tests {
             planned.host_ram_bytes,
             planned.expert_bank_bytes + 90 * GIB + planned.host_kv_mib * MIB
         );
-    }
-
-    #[test]
-    fn gpu_memory_is_read_from_the_driver_report() {
-        let gpu = parse_gpu_memory("140511, 143771\n").unwrap();
-        assert_eq!(
-            (gpu.free_bytes, gpu.total_bytes),
-            (140511 * MIB, 143771 * MIB)
-        );
-        assert!(parse_gpu_memory("[N/A], [N/A]").is_none());
-        assert!(parse_gpu_memory("").is_none());
     }
 
     #[test]

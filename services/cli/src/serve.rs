@@ -67,6 +67,16 @@ pub struct EngineFlags {
     /// Behave as if the GPU had this many GiB (stand in for a smaller card).
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
+    /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
+    /// applies), comma separated. Default: every visible GPU. With several, `--dry-run` shows
+    /// how the layers split over them; running over several is not built yet, so a run
+    /// refuses to start (choose one card with `--gpus 0`).
+    #[arg(long, value_name = "0,1")]
+    pub gpus: Option<String>,
+    /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:
+    /// in proportion to each card's usable memory).
+    #[arg(long, value_name = "60,40")]
+    pub gpu_split: Option<String>,
     /// Element type of the GPU's KV cache.
     #[arg(long, value_name = "bf16|f32", value_parser = ["bf16", "f32"])]
     pub kv_dtype: Option<String>,
@@ -166,6 +176,8 @@ impl EngineFlags {
             cpu_only: self.device.as_deref() == Some("cpu") || self.passes_device_cpu(),
             moe_expert_stats: self.moe_expert_stats.clone(),
             api,
+            gpus: self.gpus.clone(),
+            gpu_split: self.gpu_split.clone(),
         }
     }
 }
@@ -304,6 +316,7 @@ pub fn start_pipeline(
     flags: &EngineFlags,
     plan: &Plan,
 ) -> anyhow::Result<String> {
+    crate::plan_gpus::refuse_several_gpus(plan)?;
     // Fail here, with the file named, rather than in a child's log.
     let artifact = ninfer_artifact::Artifact::open(model)
         .with_context(|| format!("opening {}", model.display()))?;
@@ -478,6 +491,8 @@ pub fn engine_command_line(
                 .map(|p| p.display().to_string()),
         ),
         ("--device", flags.device.clone()),
+        ("--gpus", flags.gpus.clone()),
+        ("--gpu-split", flags.gpu_split.clone()),
         ("--spec", flags.speculates().then(|| "mtp".to_string())),
         ("--draft-tokens", flags.draft_tokens.map(|n| n.to_string())),
     ];
@@ -603,6 +618,7 @@ mod tests {
             free_bytes: 20 << 30,
             total_bytes: 24 << 30,
         });
+        machine.gpus = Vec::new();
         let plan = plan(&facts, &machine, &command.engine.request(None)).unwrap();
         engine_command_line(
             Path::new("m.ninfer"),
@@ -658,6 +674,21 @@ mod tests {
             !joined.contains("--moe-offload"),
             "the engine has no such flag: {joined}"
         );
+    }
+
+    #[test]
+    fn gpu_choice_flags_reach_the_engine() {
+        let joined = engine_arguments(
+            &["ninfer", "model", "--gpus", "0", "--gpu-split", "100"],
+            true,
+        )
+        .join(" ");
+        assert!(
+            joined.contains("--gpus 0") && joined.contains("--gpu-split 100"),
+            "{joined}"
+        );
+        let joined = engine_arguments(&["ninfer", "model"], true).join(" ");
+        assert!(!joined.contains("--gpus"), "{joined}");
     }
 
     #[test]

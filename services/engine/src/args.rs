@@ -192,6 +192,16 @@ pub(crate) struct Args {
     /// contexts and 1 GiB of working memory.
     #[arg(long, value_name = "GiB")]
     pub(crate) gpu_mem_budget: Option<f64>,
+    /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
+    /// applies), comma separated. Default: every visible GPU. Several GPUs split the decoder
+    /// layers between them; that split is planned (`ninfer run --dry-run`) but not executed
+    /// yet, so the engine refuses to start with more than one.
+    #[arg(long, value_name = "0,1")]
+    pub(crate) gpus: Option<String>,
+    /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:
+    /// in proportion to each card's usable memory).
+    #[arg(long, value_name = "60,40")]
+    pub(crate) gpu_split: Option<String>,
     /// Reserve this many MiB of page-locked, device-mapped host memory for KV caches: attention
     /// layers' caches go to the GPU first and, once its share (free memory, within
     /// `--gpu-mem-budget`, less 1 GiB) is used up, to this pool, which the attention kernels

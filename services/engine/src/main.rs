@@ -5,6 +5,7 @@
 //! Must not touch: model math (library), HTTP (gateway).
 
 mod args;
+mod gpu_choice;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -88,7 +89,8 @@ fn run(args: Args) -> anyhow::Result<()> {
         tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: anyone who reaches the port can {ENGINE_REACH} (prefer --listen unix:PATH, or set --control-secret-file)");
     }
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
-    let device = select_device(args.device, args.kv_dtype, cuda_options(&args))?;
+    let ordinal = gpu_choice::chosen_gpu_ordinal(&args)?;
+    let device = select_device(args.device, ordinal, args.kv_dtype, cuda_options(&args))?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let speculation = speculation_of(&args, &artifact)?;
@@ -404,10 +406,11 @@ fn default_cache_fills(static_experts: bool, asked: Option<usize>, has_statistic
     }
 }
 
-/// `cpu`: the CPU. `cuda`: GPU 0 or a clear error naming what was looked for (driver, NVRTC,
-/// device). `auto`: GPU 0 when it opens, else the CPU with a warning saying why.
+/// `cpu`: the CPU. `cuda`: GPU `ordinal` or a clear error naming what was looked for (driver,
+/// NVRTC, device). `auto`: GPU `ordinal` when it opens, else the CPU with a warning saying why.
 fn select_device(
     device: Device,
+    ordinal: usize,
     kv_dtype: Option<KvDtype>,
     options: CudaOptions,
 ) -> anyhow::Result<SelectedDevice> {
@@ -420,13 +423,13 @@ fn select_device(
     match device {
         Device::Cpu => cpu(),
         Device::Cuda => {
-            let backend = CudaBackend::with_options(0, options).context(
+            let backend = CudaBackend::with_options(ordinal, options).context(
                 "--device cuda: cannot use the GPU (use --device cpu, or --device auto to fall back)",
             )?;
             log_gpu(&backend);
             Ok(SelectedDevice::Cuda(Arc::new(backend)))
         }
-        Device::Auto => match CudaBackend::with_options(0, options) {
+        Device::Auto => match CudaBackend::with_options(ordinal, options) {
             Ok(backend) => {
                 log_gpu(&backend);
                 Ok(SelectedDevice::Cuda(Arc::new(backend)))

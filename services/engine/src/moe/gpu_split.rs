@@ -302,13 +302,18 @@ pub fn plan_gpu_split(
         let range = start..start + count;
         start += count;
         let holds_tail = index + 1 == devices.len();
-        let dense_bytes = share(model.dense_bytes, count as u64, layers as u64)
+        // Cumulative shares, so the cards' shares add up to the whole exactly.
+        let spread = |total: u64| {
+            share(total, range.end as u64, layers as u64)
+                - share(total, range.start as u64, layers as u64)
+        };
+        let dense_bytes = spread(model.dense_bytes)
             + if holds_tail {
                 model.tail_dense_bytes
             } else {
                 0
             };
-        let kv_bytes = share(model.kv_bytes, count as u64, layers as u64);
+        let kv_bytes = spread(model.kv_bytes);
         let working_bytes = model.working_bytes_per_card;
         let fixed = dense_bytes + kv_bytes + working_bytes;
         if fixed > available[index] {
@@ -461,6 +466,8 @@ mod tests {
         assert_eq!(plans[0].layers().len(), 32);
         assert_eq!(plans[1].layers().len(), 16);
         assert_eq!(plans[0].dense_bytes, 48 * GIB / 10 * 32 / 48);
+        assert_eq!(plans[0].dense_bytes + plans[1].dense_bytes, 48 * GIB / 10);
+        assert_eq!(plans[0].kv_bytes + plans[1].kv_bytes, 96 * GIB / 10);
         // The bigger card's share of layers keeps the hot fraction about even.
         let difference = plans[0]
             .expert_slots_per_layer
@@ -514,7 +521,10 @@ mod tests {
         assert_eq!(plans[0].expert_bytes, 0);
         assert!(!plans[0].holds_tail && plans[1].holds_tail);
         assert_eq!(plans[1].moe_layers, 25);
-        assert_eq!(plans[1].dense_bytes, 48 * GIB / 10 / 2 + GIB / 2);
+        assert_eq!(
+            plans[1].dense_bytes,
+            48 * GIB / 10 - 48 * GIB / 10 / 2 + GIB / 2
+        );
     }
 
     #[test]

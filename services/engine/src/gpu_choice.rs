@@ -1,0 +1,47 @@
+//! Which GPU the engine opens: `--gpus` among the cards CUDA makes visible (every one by
+//! default; `CUDA_VISIBLE_DEVICES` applies), `--gpu-split` checked against them. Several cards
+//! chosen refuse to start: their layer split is planned (`ninfer run --dry-run`) but not
+//! executed yet, and nothing should quietly run on one of them.
+//!
+//! Owns: counting the visible cards and the choice. Must not touch: opening the card (main.rs).
+
+use anyhow::bail;
+use ninfer_engine::moe::gpu_split::{
+    parse_gpu_ordinals, parse_gpu_split, select_gpus, several_gpus_not_executable,
+};
+
+use crate::args::{Args, Device};
+
+/// The ordinal of the card to open (0 when none is visible: opening it then says why).
+pub(crate) fn chosen_gpu_ordinal(args: &Args) -> anyhow::Result<usize> {
+    let requested = args.gpus.as_deref().map(parse_gpu_ordinals).transpose()?;
+    let split = args.gpu_split.as_deref().map(parse_gpu_split).transpose()?;
+    if let (Some(ordinals), Some(split)) = (&requested, &split) {
+        // Checked against the cards named before the driver is asked anything.
+        select_gpus(Some(ordinals), usize::MAX, Some(split))?;
+    }
+    if let Some(ordinals) = requested.as_deref().filter(|ordinals| ordinals.len() > 1) {
+        bail!(several_gpus_not_executable(ordinals));
+    }
+    if args.device == Device::Cpu {
+        return Ok(0);
+    }
+    let chosen = select_gpus(requested.as_deref(), visible_gpu_count(), split.as_deref())?;
+    if chosen.len() > 1 {
+        bail!(several_gpus_not_executable(&chosen));
+    }
+    Ok(chosen.first().copied().unwrap_or(0))
+}
+
+/// Cards the CUDA driver makes visible; 0 without a driver (cudarc panics when its loader
+/// misses the library, hence the guard).
+fn visible_gpu_count() -> usize {
+    std::panic::catch_unwind(|| {
+        cudarc::driver::result::init().ok()?;
+        cudarc::driver::result::device::get_count().ok()
+    })
+    .ok()
+    .flatten()
+    .and_then(|count| usize::try_from(count).ok())
+    .unwrap_or(0)
+}

@@ -370,7 +370,10 @@ mod tests {
         assert_eq!(first.first_layer, 0);
         assert_eq!(second.first_layer, first.last_layer + 1);
         assert_eq!(second.last_layer, 47);
-        assert!(first.last_layer + 1 > 24, "the bigger card takes more layers");
+        assert!(
+            first.last_layer + 1 > 24,
+            "the bigger card takes more layers"
+        );
         assert_eq!(first.dense_bytes + second.dense_bytes, facts.dense_bytes);
         assert!(planned.device.contains("GPUs 0,1"), "{}", planned.device);
         let message = refuse_several_gpus(&planned).unwrap_err().to_string();
@@ -399,7 +402,11 @@ mod tests {
         assert_eq!(planned.gpus.len(), 1);
         assert_eq!(planned.gpus[0].ordinal, 1);
         assert_eq!(planned.machine.gpu.as_ref().unwrap().total_bytes, 24 * GIB);
-        assert!(planned.device.starts_with("cuda: GPU 1,"), "{}", planned.device);
+        assert!(
+            planned.device.starts_with("cuda: GPU 1,"),
+            "{}",
+            planned.device
+        );
     }
 
     #[test]
@@ -477,10 +484,7 @@ mod tests {
         // Named by index and by UUID prefix, renumbered in the variable's order.
         let two = visible_gpus(REPORT, Some("2,GPU-1111"));
         let names: Vec<(usize, &str)> = two.iter().map(|g| (g.ordinal, g.name.as_str())).collect();
-        assert_eq!(
-            names,
-            vec![(0, "NVIDIA A6000"), (1, "NVIDIA RTX 4090")]
-        );
+        assert_eq!(names, vec![(0, "NVIDIA A6000"), (1, "NVIDIA RTX 4090")]);
         assert_eq!(visible_gpus(REPORT, Some("1"))[0].name, "NVIDIA RTX 3090");
         // An entry naming no card ends the list; an empty variable hides every card.
         assert_eq!(visible_gpus(REPORT, Some("0,7,2")).len(), 1);

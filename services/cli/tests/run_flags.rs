@@ -34,6 +34,8 @@ fn help_lists_the_engine_flags() {
             "--moe-record-stats",
             "--moe-offload",
             "--max-sequences",
+            "--gpus",
+            "--gpu-split",
             "--engine-arg",
             "[ENGINE ARGS]...",
         ] {
@@ -171,4 +173,75 @@ fn the_seeds_program_names_answer() {
     assert!(output.status.success(), "{output:?}");
     let plan: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(plan["architecture"], "qwen3_moe");
+}
+
+/// A machine with two GPUs (described by `--machine-profile`): `--dry-run --json` lists each
+/// card's layers; the run itself refuses to start, as the split is planned but not executed.
+#[test]
+fn two_gpus_are_planned_and_not_run() {
+    let scratch = tempfile::tempdir().unwrap();
+    let profile = scratch.path().join("two-gpus.json");
+    std::fs::write(
+        &profile,
+        r#"{"cpus": 4, "ram_gib": 64, "gpus": [{"vram_gib": 24}, {"vram_gib": 16, "name": "small"}]}"#,
+    )
+    .unwrap();
+    let output = ninfer(scratch.path())
+        .args(["run", "--dry-run", "--json", "--machine-profile"])
+        .arg(&profile)
+        .arg(fixture("qwen3_moe"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let plan: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let cards = plan["gpus"].as_array().unwrap();
+    assert_eq!(cards.len(), 2, "{plan}");
+    assert_eq!(cards[0]["first_layer"], 0);
+    assert_eq!(cards[1]["name"], "small");
+    assert_eq!(
+        cards[1]["first_layer"].as_u64().unwrap(),
+        cards[0]["last_layer"].as_u64().unwrap() + 1
+    );
+    let layers = plan["gpus"][1]["last_layer"].as_u64().unwrap() + 1;
+    assert!(layers >= 2, "{plan}");
+
+    let output = ninfer(scratch.path())
+        .args(["run", "--dry-run", "--machine-profile"])
+        .arg(&profile)
+        .args(["--gpu-split", "50,50"])
+        .arg(fixture("qwen3_moe"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        text.contains("gpu 0") && text.contains("gpu 1") && text.contains("small: layers"),
+        "{text}"
+    );
+
+    let output = ninfer(scratch.path())
+        .args(["run", "--prompt", "hi", "--machine-profile"])
+        .arg(&profile)
+        .arg(fixture("qwen3_moe"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("GPUs 0,1 chosen") && stderr.contains("not built yet"),
+        "{stderr}"
+    );
+
+    let output = ninfer(scratch.path())
+        .args(["run", "--dry-run", "--machine-profile"])
+        .arg(&profile)
+        .args(["--gpu-split", "60,50"])
+        .arg(fixture("qwen3_moe"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("--gpu-split 60,50"),
+        "{stderr}"
+    );
 }

@@ -80,3 +80,50 @@ fn device_cuda_fails_clearly_and_auto_falls_back_without_a_gpu() {
         }
     }
 }
+
+/// Runs the engine to its exit with `arguments`; its stderr and exit code.
+fn engine_exit(arguments: &[&str]) -> (String, Option<i32>) {
+    let directory = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_ninfer-engine"))
+        .args(["--model", "absent.ninfer", "--listen"])
+        .arg(format!(
+            "unix:{}",
+            directory.path().join("e.sock").display()
+        ))
+        .args(arguments)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+        output.status.code(),
+    )
+}
+
+/// Several GPUs chosen: the engine refuses to start (their layer split is not executed yet)
+/// rather than run on one of them; a wrong `--gpus` / `--gpu-split` is named. Checked before
+/// the driver or the model is opened, so it holds on any machine.
+#[test]
+fn several_gpus_refuse_to_start_and_wrong_choices_are_named() {
+    let (stderr, code) = engine_exit(&["--gpus", "0,1"]);
+    assert_ne!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("GPUs 0,1 chosen") && stderr.contains("not built yet"),
+        "{stderr}"
+    );
+    for (arguments, named) in [
+        (
+            &["--gpus", "0,1", "--gpu-split", "60,30"][..],
+            "--gpu-split 60,30",
+        ),
+        (
+            &["--gpus", "0", "--gpu-split", "60,40"][..],
+            "--gpu-split 60,40",
+        ),
+        (&["--gpus", "zero"][..], "--gpus zero"),
+    ] {
+        let (stderr, code) = engine_exit(arguments);
+        assert_ne!(code, Some(0), "{arguments:?}: {stderr}");
+        assert!(stderr.contains(named), "{arguments:?}: {stderr}");
+    }
+}

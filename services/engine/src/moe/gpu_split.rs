@@ -186,7 +186,7 @@ pub struct CardPlan {
     /// The decoder layers this card owns, `first_layer..=last_layer`.
     pub first_layer: usize,
     pub last_layer: usize,
-    /// Whether the MTP head (after the last layer) is on this card.
+    /// Whether the model's MTP head (after the last layer) is on this card.
     pub holds_tail: bool,
     /// Memory the plan may use on this card (free, within `--gpu-mem-budget`).
     pub available_bytes: u64,
@@ -237,11 +237,9 @@ fn layer_counts(weights: &[u64], layers: usize) -> Vec<usize> {
     let (mut start, mut cumulative) = (0usize, 0u128);
     for (index, &weight) in weights.iter().enumerate() {
         cumulative += u128::from(weight);
-        let ideal_end = if total == 0 {
-            layers * (index + 1) / cards
-        } else {
-            ((cumulative * layers as u128 + total / 2) / total) as usize
-        };
+        let ideal_end = (cumulative * layers as u128 + total / 2)
+            .checked_div(total)
+            .map_or(layers * (index + 1) / cards, |end| end as usize);
         let end = if index + 1 == cards {
             layers
         } else {
@@ -301,7 +299,8 @@ pub fn plan_gpu_split(
     for (index, (device, &count)) in devices.iter().zip(&counts).enumerate() {
         let range = start..start + count;
         start += count;
-        let holds_tail = index + 1 == devices.len();
+        let holds_tail =
+            index + 1 == devices.len() && model.tail_dense_bytes + model.tail_expert_bytes > 0;
         // Cumulative shares, so the cards' shares add up to the whole exactly.
         let spread = |total: u64| {
             share(total, range.end as u64, layers as u64)
@@ -333,11 +332,7 @@ pub fn plan_gpu_split(
         let tail_moe = holds_tail && model.tail_expert_bytes > 0;
         // Every expert of this card's MoE layers: the bytes one slot per layer costs × experts.
         let all_experts_bytes = share(model.expert_bank_bytes, own_moe_layers, total_moe_layers)
-            + if tail_moe {
-                model.tail_expert_bytes
-            } else {
-                0
-            };
+            + if tail_moe { model.tail_expert_bytes } else { 0 };
         let experts = model.experts_per_layer as u64;
         let expert_slots_per_layer = if all_experts_bytes == 0 || experts == 0 {
             0
@@ -423,9 +418,13 @@ mod tests {
     fn one_card_takes_every_layer_and_the_slots_its_memory_leaves() {
         let plans = split(&[card(0, 24)], None);
         assert_eq!(plans.len(), 1);
+        assert!(!plans[0].holds_tail, "the model has no MTP head");
         assert_covers_every_layer(&plans, 48);
         let plan = &plans[0];
-        assert_eq!((plan.dense_bytes, plan.kv_bytes), (48 * GIB / 10, 96 * GIB / 10));
+        assert_eq!(
+            (plan.dense_bytes, plan.kv_bytes),
+            (48 * GIB / 10, 96 * GIB / 10)
+        );
         // 24 − 4.8 − 9.6 − 1 = 8.6 GiB over 48 layers × 10 MiB per expert → 18 per layer.
         let left = 24 * GIB - 48 * GIB / 10 - 96 * GIB / 10 - GIB;
         assert_eq!(
@@ -455,7 +454,9 @@ mod tests {
         let three = split(&[card(0, 24), card(1, 24), card(2, 24)], None);
         assert_covers_every_layer(&three, 48);
         assert!(three.iter().all(|plan| plan.layers().len() == 16));
-        assert!(three.iter().all(|plan| plan.total_bytes <= plan.available_bytes));
+        assert!(three
+            .iter()
+            .all(|plan| plan.total_bytes <= plan.available_bytes));
     }
 
     #[test]
@@ -479,7 +480,9 @@ mod tests {
         assert_covers_every_layer(&plans, 48);
         let counts: Vec<usize> = plans.iter().map(|plan| plan.layers().len()).collect();
         assert!(counts[0] > counts[1] && counts[1] > counts[2], "{counts:?}");
-        assert!(plans.iter().all(|plan| plan.total_bytes <= plan.available_bytes));
+        assert!(plans
+            .iter()
+            .all(|plan| plan.total_bytes <= plan.available_bytes));
         // A card's ordinal, not its place, names it: the split follows the order given.
         let plans = split(&[card(1, 16), card(0, 80)], None);
         assert_eq!((plans[0].ordinal, plans[1].ordinal), (1, 0));
@@ -599,15 +602,16 @@ mod tests {
         assert_eq!(parse_gpu_split("60,40").unwrap(), vec![60, 40]);
         for bad in ["60,50", "100,0", "sixty,40", "", "60.5,39.5"] {
             let message = parse_gpu_split(bad).unwrap_err().to_string();
-            assert!(message.starts_with(&format!("--gpu-split {bad}:")), "{message}");
+            assert!(
+                message.starts_with(&format!("--gpu-split {bad}:")),
+                "{message}"
+            );
         }
         // Default: every visible card; none visible, none chosen.
         assert_eq!(select_gpus(None, 2, None).unwrap(), vec![0, 1]);
         assert_eq!(select_gpus(None, 0, None).unwrap(), Vec::<usize>::new());
         assert_eq!(select_gpus(Some(&[1]), 2, None).unwrap(), vec![1]);
-        let message = select_gpus(Some(&[0, 2]), 2, None)
-            .unwrap_err()
-            .to_string();
+        let message = select_gpus(Some(&[0, 2]), 2, None).unwrap_err().to_string();
         assert!(
             message.contains("--gpus 0,2") && message.contains("GPU 2 is not visible"),
             "{message}"

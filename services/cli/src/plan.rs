@@ -11,6 +11,7 @@ use ninfer_engine::moe::gpu_split::{CardPlan, GpuDevice};
 use ninfer_engine::moe::placement::GpuExpertCount;
 
 use crate::model_facts::{ModelFacts, ModelLocation};
+pub use crate::plan_gpus::Gpu;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -40,12 +41,6 @@ pub struct Machine {
 pub struct NumaNode {
     pub node: usize,
     pub cpus: usize,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Gpu {
-    pub free_bytes: u64,
-    pub total_bytes: u64,
 }
 
 impl Machine {
@@ -299,7 +294,11 @@ pub struct WorkerPlan {
 
 /// Checks every value against the model and the machine, then plans.
 pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow::Result<Plan> {
-    let (chosen_gpus, gpu_split) = crate::plan_gpus::chosen_gpus(machine, request)?;
+    let (chosen_gpus, gpu_split) = crate::plan_gpus::chosen_gpus(
+        &crate::plan_gpus::machine_gpus(&machine.gpus, machine.gpu.as_ref()),
+        request.gpus.as_deref(),
+        request.gpu_split.as_deref(),
+    )?;
     // One chosen card is the card the single-GPU figures describe.
     let mut machine_for_cards = machine.clone();
     if let [only] = &chosen_gpus[..] {
@@ -441,10 +440,15 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
             facts,
             &chosen_gpus,
             gpu_split.as_deref(),
-            request,
+            request.gpu_mem_budget,
             &crate::plan_gpus::SplitFigures {
-                kv_bytes: crate::plan_gpus::gpu_kv_bytes(facts, request, max_context, host_kv_mib)
-                    + prefix_cache_bytes,
+                kv_bytes: crate::plan_gpus::gpu_kv_bytes(
+                    facts,
+                    request.kv_element_bytes,
+                    request.max_sequences,
+                    max_context,
+                    host_kv_mib,
+                ) + prefix_cache_bytes,
                 working_bytes_per_card: GPU_WORKING_BYTES,
             },
         )?
@@ -457,20 +461,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         architecture: facts.architecture.clone(),
         takes_images: facts.vision_bytes > 0,
         parameters: facts.parameters,
-        device: match &machine.gpu {
-            Some(_) if chosen_gpus.len() > 1 => format!(
-                "cuda: GPUs {} (layer split planned; {})",
-                crate::plan_gpus::ordinals(&chosen_gpus),
-                "its execution is not built yet"
-            ),
-            Some(gpu) => format!(
-                "cuda: GPU {}, {:.1} of {:.1} GiB free",
-                chosen_gpus.first().map_or(0, |card| card.ordinal),
-                gpu.free_bytes as f64 / GIB as f64,
-                gpu.total_bytes as f64 / GIB as f64
-            ),
-            None => "cpu (no CUDA driver or GPU found)".into(),
-        },
+        device: crate::plan_gpus::device_description(&chosen_gpus, machine.gpu.as_ref()),
         gpu_experts: gpu_request.to_string(),
         gpu_experts_per_layer,
         gpu_experts_estimate,
@@ -560,7 +551,13 @@ fn fitting_gpu_experts(
         }
         None => gpu.free_bytes,
     };
-    let kv = crate::plan_gpus::gpu_kv_bytes(facts, request, max_context, host_kv_mib);
+    let kv = crate::plan_gpus::gpu_kv_bytes(
+        facts,
+        request.kv_element_bytes,
+        request.max_sequences,
+        max_context,
+        host_kv_mib,
+    );
     // `ninfer run` drafts with the MTP head when the model has one: its weights load beside
     // the dense ones and its layer's experts take slots like one more MoE layer's.
     let left = budget

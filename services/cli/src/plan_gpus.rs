@@ -13,7 +13,13 @@ use ninfer_engine::moe::gpu_split::{
 };
 
 use crate::model_facts::ModelFacts;
-use crate::plan::{Gpu, Machine, Request};
+
+/// Free and total memory of one GPU, as the single-card plan reads them.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Gpu {
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+}
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -151,9 +157,10 @@ pub fn gpu_of(device: &GpuDevice) -> Gpu {
     }
 }
 
-/// The cards the machine offers: its list, or the one card a hand-made `Machine` carries.
-fn machine_gpus(machine: &Machine) -> Vec<GpuDevice> {
-    match (&machine.gpus[..], &machine.gpu) {
+/// The cards a machine offers: its list, or the one card a machine described by its first
+/// card alone carries.
+pub fn machine_gpus(gpus: &[GpuDevice], gpu: Option<&Gpu>) -> Vec<GpuDevice> {
+    match (gpus, gpu) {
         ([], Some(gpu)) => vec![GpuDevice {
             ordinal: 0,
             name: "GPU 0".into(),
@@ -167,20 +174,12 @@ fn machine_gpus(machine: &Machine) -> Vec<GpuDevice> {
 /// The cards `--gpus` chooses (every visible one by default), `--gpu-split` parsed and checked
 /// against them. The flags are checked on a machine without a GPU too.
 pub fn chosen_gpus(
-    machine: &Machine,
-    request: &Request,
+    available: &[GpuDevice],
+    gpus_flag: Option<&str>,
+    gpu_split_flag: Option<&str>,
 ) -> anyhow::Result<(Vec<GpuDevice>, Option<Vec<u64>>)> {
-    let requested = request
-        .gpus
-        .as_deref()
-        .map(parse_gpu_ordinals)
-        .transpose()?;
-    let split = request
-        .gpu_split
-        .as_deref()
-        .map(parse_gpu_split)
-        .transpose()?;
-    let available = machine_gpus(machine);
+    let requested = gpus_flag.map(parse_gpu_ordinals).transpose()?;
+    let split = gpu_split_flag.map(parse_gpu_split).transpose()?;
     let ordinals = select_gpus(requested.as_deref(), available.len(), split.as_deref())?;
     let chosen = ordinals
         .iter()
@@ -203,7 +202,7 @@ pub fn plan_cards(
     facts: &ModelFacts,
     chosen: &[GpuDevice],
     split: Option<&[u64]>,
-    request: &Request,
+    gpu_mem_budget_gib: Option<f64>,
     figures: &SplitFigures,
 ) -> anyhow::Result<Vec<CardPlan>> {
     if chosen.is_empty() {
@@ -236,9 +235,7 @@ pub fn plan_cards(
         &SplitRequest {
             devices: chosen,
             split_percentages: split,
-            memory_cap_bytes: request
-                .gpu_mem_budget
-                .map(ninfer_engine::moe::placement::gib_to_bytes),
+            memory_cap_bytes: gpu_mem_budget_gib.map(ninfer_engine::moe::placement::gib_to_bytes),
         },
     );
     match planned {
@@ -279,7 +276,8 @@ pub fn print_cards(cards: &[CardPlan]) {
 /// in host RAM; every layer counted as attention: an upper bound for hybrid models.
 pub fn gpu_kv_bytes(
     facts: &ModelFacts,
-    request: &Request,
+    kv_element_bytes: u64,
+    max_sequences: usize,
     max_context: usize,
     host_kv_mib: u64,
 ) -> u64 {
@@ -287,13 +285,30 @@ pub fn gpu_kv_bytes(
     let kv_per_token = common.num_hidden_layers as u64
         * 2
         * (common.num_key_value_heads * common.head_dim) as u64
-        * request.kv_element_bytes.max(1);
-    (kv_per_token * max_context as u64 * request.max_sequences.max(1) as u64)
+        * kv_element_bytes.max(1);
+    (kv_per_token * max_context as u64 * max_sequences.max(1) as u64)
         .saturating_sub(host_kv_mib * MIB)
 }
 
+/// The plan's `device` line: the card it runs on, or the cards it splits over, or the CPU.
+pub fn device_description(chosen: &[GpuDevice], gpu: Option<&Gpu>) -> String {
+    match gpu {
+        Some(_) if chosen.len() > 1 => format!(
+            "cuda: GPUs {} (layer split planned; its execution is not built yet)",
+            ordinals(chosen)
+        ),
+        Some(gpu) => format!(
+            "cuda: GPU {}, {:.1} of {:.1} GiB free",
+            chosen.first().map_or(0, |card| card.ordinal),
+            gpu.free_bytes as f64 / GIB as f64,
+            gpu.total_bytes as f64 / GIB as f64
+        ),
+        None => "cpu (no CUDA driver or GPU found)".into(),
+    }
+}
+
 /// `0,1`.
-pub fn ordinals(cards: &[GpuDevice]) -> String {
+fn ordinals(cards: &[GpuDevice]) -> String {
     cards
         .iter()
         .map(|card| card.ordinal.to_string())
@@ -302,9 +317,9 @@ pub fn ordinals(cards: &[GpuDevice]) -> String {
 }
 
 /// Refuses to start a run over several GPUs: their layer split is planned, not executed yet.
-pub fn refuse_several_gpus(plan: &crate::plan::Plan) -> anyhow::Result<()> {
-    if plan.gpus.len() > 1 {
-        let chosen: Vec<usize> = plan.gpus.iter().map(|card| card.ordinal).collect();
+pub fn refuse_several_gpus(cards: &[CardPlan]) -> anyhow::Result<()> {
+    if cards.len() > 1 {
+        let chosen: Vec<usize> = cards.iter().map(|card| card.ordinal).collect();
         bail!(several_gpus_not_executable(&chosen));
     }
     Ok(())
@@ -313,6 +328,7 @@ pub fn refuse_several_gpus(plan: &crate::plan::Plan) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::{Machine, Request};
 
     const REPORT: &str = "0, GPU-1111aaaa-0000, NVIDIA RTX 4090, 23000, 24564\n\
                           1, GPU-2222bbbb-0000, NVIDIA RTX 3090, 20000, 24576\n\
@@ -353,7 +369,7 @@ mod tests {
             card.expert_slots_per_layer.abs_diff(estimate) <= 1,
             "{card:?} against {estimate}"
         );
-        assert!(refuse_several_gpus(&planned).is_ok());
+        assert!(refuse_several_gpus(&planned.gpus).is_ok());
         // Without a GPU: no cards.
         let cpu = crate::plan::tests::machine(None, 512, 1);
         let planned = crate::plan::plan(&facts, &cpu, &crate::plan::tests::request()).unwrap();
@@ -376,7 +392,7 @@ mod tests {
         );
         assert_eq!(first.dense_bytes + second.dense_bytes, facts.dense_bytes);
         assert!(planned.device.contains("GPUs 0,1"), "{}", planned.device);
-        let message = refuse_several_gpus(&planned).unwrap_err().to_string();
+        let message = refuse_several_gpus(&planned.gpus).unwrap_err().to_string();
         assert!(
             message.contains("GPUs 0,1") && message.contains("not built yet"),
             "{message}"

@@ -316,7 +316,7 @@ pub fn start_pipeline(
     flags: &EngineFlags,
     plan: &Plan,
 ) -> anyhow::Result<String> {
-    crate::plan_gpus::refuse_several_gpus(plan)?;
+    crate::plan_gpus::refuse_several_gpus(&plan.gpus)?;
     // Fail here, with the file named, rather than in a child's log.
     let artifact = ninfer_artifact::Artifact::open(model)
         .with_context(|| format!("opening {}", model.display()))?;

@@ -1,5 +1,5 @@
 //! The plan of `ninfer run` / `ninfer serve`: the machine probed (CPUs, NUMA nodes, RAM, the
-//! GPU's free memory as the NVIDIA driver reports it), every user value checked against the model
+//! GPUs' free memory as the NVIDIA driver reports it), every user value checked against the model
 //! and the machine before anything starts (the message names the flag and the limit), and what
 //! will run where — expert workers, GPU expert slots, context.
 //!
@@ -17,7 +17,7 @@ const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
 /// GPU memory the engine keeps for its own working buffers, besides weights, KV and slots.
-pub(crate) const GPU_WORKING_BYTES: u64 = GIB;
+const GPU_WORKING_BYTES: u64 = GIB;
 
 /// Context length used when `--max-context` is not given (or the model's limit when lower).
 pub const DEFAULT_MAX_CONTEXT: usize = 8192;
@@ -450,6 +450,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
                     host_kv_mib,
                 ) + prefix_cache_bytes,
                 working_bytes_per_card: GPU_WORKING_BYTES,
+                max_slots_per_layer: gpu_experts_per_layer,
             },
         )?
     } else {

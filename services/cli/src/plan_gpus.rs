@@ -194,6 +194,8 @@ pub struct SplitFigures {
     /// cache's blocks.
     pub kv_bytes: u64,
     pub working_bytes_per_card: u64,
+    /// `--moe-gpu-experts N` (or `half`, `all`); `None` for `auto`.
+    pub max_slots_per_layer: Option<usize>,
 }
 
 /// Each chosen card's share. With one card a card too small is left to the engine (as before
@@ -222,6 +224,7 @@ pub fn plan_cards(
             0
         },
         experts_per_layer: common.num_experts,
+        max_slots_per_layer: figures.max_slots_per_layer,
         tail_dense_bytes: facts.mtp_dense_bytes,
         tail_expert_bytes: if has_experts {
             facts.mtp_expert_bytes
@@ -400,6 +403,17 @@ mod tests {
         let json = serde_json::to_value(&planned).unwrap();
         assert_eq!(json["gpus"][1]["first_layer"], second.first_layer);
         assert_eq!(json["machine"]["gpus"][1]["total_bytes"], 24 * GIB);
+
+        // --moe-gpu-experts caps every card's slots.
+        let three = Request {
+            moe_gpu_experts: Some("3".into()),
+            ..request.clone()
+        };
+        let planned = crate::plan::plan(&facts, &two_cards(48, 24), &three).unwrap();
+        assert!(planned
+            .gpus
+            .iter()
+            .all(|card| card.expert_slots_per_layer == 3));
 
         // --gpu-split sets the shares; --gpus 1 runs on the second card alone.
         let even = Request {

@@ -159,6 +159,8 @@ pub struct SplitModel {
     pub expert_bank_bytes: u64,
     /// Routed experts per MoE layer.
     pub experts_per_layer: usize,
+    /// Most expert slots per layer on any card (`--moe-gpu-experts N`); `None`: as many as fit.
+    pub max_slots_per_layer: Option<usize>,
     /// The MTP head besides its experts (on the last card).
     pub tail_dense_bytes: u64,
     /// The MTP layer's routed experts: one more MoE layer on the last card.
@@ -340,7 +342,8 @@ pub fn plan_gpu_split(
             (u128::from(available[index] - fixed) * u128::from(experts)
                 / u128::from(all_experts_bytes))
             .min(u128::from(experts)) as usize
-        };
+        }
+        .min(model.max_slots_per_layer.unwrap_or(usize::MAX));
         let expert_bytes = share(all_experts_bytes, expert_slots_per_layer as u64, experts);
         plans.push(CardPlan {
             ordinal: device.ordinal,
@@ -385,6 +388,7 @@ mod tests {
             kv_bytes: 96 * GIB / 10,
             expert_bank_bytes: 60 * GIB,
             experts_per_layer: 128,
+            max_slots_per_layer: None,
             tail_dense_bytes: 0,
             tail_expert_bytes: 0,
             working_bytes_per_card: GIB,
@@ -528,6 +532,35 @@ mod tests {
             plans[1].dense_bytes,
             48 * GIB / 10 - 48 * GIB / 10 / 2 + GIB / 2
         );
+    }
+
+    #[test]
+    fn a_slot_count_caps_every_card() {
+        let devices = [card(0, 80), card(1, 24)];
+        let capped = plan_gpu_split(
+            &SplitModel {
+                max_slots_per_layer: Some(20),
+                ..model()
+            },
+            &SplitRequest {
+                devices: &devices,
+                split_percentages: None,
+                memory_cap_bytes: None,
+            },
+        )
+        .unwrap();
+        let free = split(&devices, None);
+        assert!(
+            free.iter().all(|plan| plan.expert_slots_per_layer > 20),
+            "{free:?}"
+        );
+        assert!(capped.iter().all(|plan| plan.expert_slots_per_layer == 20));
+        // 20 slots of 10 MiB over each card's layers.
+        assert_eq!(
+            capped[1].expert_bytes,
+            20 * capped[1].layers().len() as u64 * 10 * (1 << 20)
+        );
+        assert_eq!(capped[0].layers(), free[0].layers());
     }
 
     #[test]

@@ -171,7 +171,7 @@ pub fn machine_gpus(gpus: &[GpuDevice], gpu: Option<&Gpu>) -> Vec<GpuDevice> {
     }
 }
 
-/// The cards `--gpus` chooses (every visible one by default), `--gpu-split` parsed and checked
+/// The cards `--gpus` chooses (the first visible one by default), `--gpu-split` parsed and checked
 /// against them. The flags are checked on a machine without a GPU too.
 pub fn chosen_gpus(
     available: &[GpuDevice],
@@ -382,7 +382,15 @@ mod tests {
     #[test]
     fn two_cards_split_the_layers_and_refuse_to_run() {
         let facts = crate::plan::tests::facts();
-        let request = crate::plan::tests::request();
+        // Unnamed, a second card is left alone: the run stays on the first, as before.
+        let planned =
+            crate::plan::plan(&facts, &two_cards(48, 24), &crate::plan::tests::request()).unwrap();
+        assert_eq!(planned.gpus.len(), 1, "{:?}", planned.gpus);
+        assert!(refuse_several_gpus(&planned.gpus).is_ok());
+        let request = Request {
+            gpus: Some("0,1".into()),
+            ..crate::plan::tests::request()
+        };
         let planned = crate::plan::plan(&facts, &two_cards(48, 24), &request).unwrap();
         assert_eq!(planned.gpus.len(), 2, "{:?}", planned.gpus);
         let (first, second) = (&planned.gpus[0], &planned.gpus[1]);
@@ -459,6 +467,7 @@ mod tests {
         let message = refuse(
             &two_cards(24, 24),
             Request {
+                gpus: Some("0,1".into()),
                 gpu_split: Some("60,30".into()),
                 ..request()
             },
@@ -467,6 +476,7 @@ mod tests {
         let message = refuse(
             &two_cards(24, 24),
             Request {
+                gpus: Some("0,1".into()),
                 gpu_split: Some("100".into()),
                 ..request()
             },
@@ -488,6 +498,7 @@ mod tests {
         let message = refuse(
             &two_cards(48, 8),
             Request {
+                gpus: Some("0,1".into()),
                 gpu_split: Some("50,50".into()),
                 ..request()
             },

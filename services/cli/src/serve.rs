@@ -68,9 +68,9 @@ pub struct EngineFlags {
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
     /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
-    /// applies), comma separated. Default: every visible GPU. With several, `--dry-run` shows
-    /// how the layers split over them; running over several is not built yet, so a run
-    /// refuses to start (choose one card with `--gpus 0`).
+    /// applies), comma separated. Default: the first visible GPU. With several named,
+    /// `--dry-run` shows how the layers split over them; running over several is not built
+    /// yet, so such a run refuses to start.
     #[arg(long, value_name = "0,1")]
     pub gpus: Option<String>,
     /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:

@@ -186,9 +186,21 @@ fn two_gpus_are_planned_and_not_run() {
         r#"{"cpus": 4, "ram_gib": 64, "gpus": [{"vram_gib": 24}, {"vram_gib": 16, "name": "small"}]}"#,
     )
     .unwrap();
+    // Unnamed, the second card is left alone: the plan and the run use the first.
     let output = ninfer(scratch.path())
         .args(["run", "--dry-run", "--json", "--machine-profile"])
         .arg(&profile)
+        .arg(fixture("qwen3_moe"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let plan: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(plan["gpus"].as_array().map(Vec::len), Some(1), "{plan}");
+
+    let output = ninfer(scratch.path())
+        .args(["run", "--dry-run", "--json", "--machine-profile"])
+        .arg(&profile)
+        .args(["--gpus", "0,1"])
         .arg(fixture("qwen3_moe"))
         .output()
         .unwrap();
@@ -208,7 +220,7 @@ fn two_gpus_are_planned_and_not_run() {
     let output = ninfer(scratch.path())
         .args(["run", "--dry-run", "--machine-profile"])
         .arg(&profile)
-        .args(["--gpu-split", "50,50"])
+        .args(["--gpus", "0,1", "--gpu-split", "50,50"])
         .arg(fixture("qwen3_moe"))
         .output()
         .unwrap();
@@ -222,6 +234,7 @@ fn two_gpus_are_planned_and_not_run() {
     let output = ninfer(scratch.path())
         .args(["run", "--prompt", "hi", "--machine-profile"])
         .arg(&profile)
+        .args(["--gpus", "0,1"])
         .arg(fixture("qwen3_moe"))
         .output()
         .unwrap();
@@ -235,7 +248,7 @@ fn two_gpus_are_planned_and_not_run() {
     let output = ninfer(scratch.path())
         .args(["run", "--dry-run", "--machine-profile"])
         .arg(&profile)
-        .args(["--gpu-split", "60,50"])
+        .args(["--gpus", "0,1", "--gpu-split", "60,50"])
         .arg(fixture("qwen3_moe"))
         .output()
         .unwrap();

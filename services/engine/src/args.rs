@@ -193,9 +193,9 @@ pub(crate) struct Args {
     #[arg(long, value_name = "GiB")]
     pub(crate) gpu_mem_budget: Option<f64>,
     /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
-    /// applies), comma separated. Default: every visible GPU. Several GPUs split the decoder
-    /// layers between them; that split is planned (`ninfer run --dry-run`) but not executed
-    /// yet, so the engine refuses to start with more than one.
+    /// applies), comma separated. Default: the first visible GPU. Several GPUs named split the
+    /// decoder layers between them; that split is planned (`ninfer run --dry-run`) but not
+    /// executed yet, so the engine refuses to start with more than one.
     #[arg(long, value_name = "0,1")]
     pub(crate) gpus: Option<String>,
     /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:

@@ -1,6 +1,6 @@
-//! Which GPU the engine opens: `--gpus` among the cards CUDA makes visible (every one by
+//! Which GPU the engine opens: `--gpus` among the cards CUDA makes visible (the first one by
 //! default; `CUDA_VISIBLE_DEVICES` applies), `--gpu-split` checked against them. Several cards
-//! chosen refuse to start: their layer split is planned (`ninfer run --dry-run`) but not
+//! named refuse to start: their layer split is planned (`ninfer run --dry-run`) but not
 //! executed yet, and nothing should quietly run on one of them.
 //!
 //! Owns: counting the visible cards and the choice. Must not touch: opening the card (main.rs).
@@ -26,7 +26,13 @@ pub(crate) fn chosen_gpu_ordinal(args: &Args) -> anyhow::Result<usize> {
     if args.device == Device::Cpu {
         return Ok(0);
     }
-    let chosen = select_gpus(requested.as_deref(), visible_gpu_count(), split.as_deref())?;
+    let visible = visible_gpu_count();
+    if requested.is_none() && visible > 1 {
+        tracing::info!(
+            "{visible} GPUs visible: the engine uses GPU 0 (--gpus names others; a split over several is planned by `ninfer run --dry-run --gpus 0,1` but not executed yet)"
+        );
+    }
+    let chosen = select_gpus(requested.as_deref(), visible, split.as_deref())?;
     if chosen.len() > 1 {
         bail!(several_gpus_not_executable(&chosen));
     }

@@ -90,8 +90,10 @@ pub fn parse_gpu_split(text: &str) -> Result<Vec<u64>, GpuSplitError> {
     Ok(percentages)
 }
 
-/// The ordinals a run uses: `requested` (`--gpus`), each of which must be visible, else every
-/// visible one; `split` (`--gpu-split`), when given, must have one share per card chosen.
+/// The ordinals a run uses: `requested` (`--gpus`), each of which must be visible, else the
+/// first visible card (several cards are used only when named: their split is planned, not
+/// executed yet, and a machine with two cards must keep running on one as it did);
+/// `split` (`--gpu-split`), when given, must have one share per card chosen.
 pub fn select_gpus(
     requested: Option<&[usize]>,
     visible: usize,
@@ -109,7 +111,7 @@ pub fn select_gpus(
             }
             ordinals.to_vec()
         }
-        None => (0..visible).collect(),
+        None => (0..visible.min(1)).collect(),
     };
     if let Some(split) = split {
         if split.len() != chosen.len() {
@@ -640,8 +642,8 @@ mod tests {
                 "{message}"
             );
         }
-        // Default: every visible card; none visible, none chosen.
-        assert_eq!(select_gpus(None, 2, None).unwrap(), vec![0, 1]);
+        // Default: the first visible card; none visible, none chosen.
+        assert_eq!(select_gpus(None, 2, None).unwrap(), vec![0]);
         assert_eq!(select_gpus(None, 0, None).unwrap(), Vec::<usize>::new());
         assert_eq!(select_gpus(Some(&[1]), 2, None).unwrap(), vec![1]);
         let message = select_gpus(Some(&[0, 2]), 2, None).unwrap_err().to_string();
@@ -653,7 +655,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            message.contains("--gpu-split 60,40") && message.contains("2 shares for 3 GPUs"),
+            message.contains("--gpu-split 60,40") && message.contains("2 shares for 1 GPUs"),
             "{message}"
         );
         assert!(several_gpus_not_executable(&[0, 1]).contains("GPUs 0,1"));

@@ -174,7 +174,12 @@ fn batch_decode_gives_each_sequence_its_tokens_alone<B: Backend>(backend: Arc<B>
             }
             if graphs && backend.name().starts_with("cuda") {
                 let counts = model.step_graph_counts();
-                assert_eq!(counts.abandoned, 0, "{architecture:?}: a recording failed");
+                assert_eq!(
+                    counts.abandoned,
+                    0,
+                    "{architecture:?}: a recording failed: {:?}",
+                    model.step_graph_last_abandoned()
+                );
                 assert!(counts.replayed > 0, "{architecture:?}: {counts:?}");
             }
         }
@@ -269,7 +274,12 @@ fn batched_decode_launches_give_the_bits_of_per_sequence_launches() {
                 );
                 if graphs {
                     let counts = with_batched.step_graph_counts();
-                    assert_eq!(counts.abandoned, 0, "{architecture:?}: a recording failed");
+                    assert_eq!(
+                        counts.abandoned,
+                        0,
+                        "{architecture:?}: a recording failed: {:?}",
+                        with_batched.step_graph_last_abandoned()
+                    );
                     assert!(counts.replayed > 0, "{architecture:?}: {counts:?}");
                 }
             }

@@ -121,6 +121,16 @@ pub fn mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len().max(1) as f64
 }
 
+/// Each position's NLL of the next token, from all positions' logits (`vocab` per row).
+pub fn next_token_nll(tokens: &[u32], logits: &[f32], vocab: usize) -> Vec<f64> {
+    tokens
+        .iter()
+        .skip(1)
+        .zip(logits.chunks(vocab))
+        .map(|(&token, row)| crate::perplexity::negative_log_likelihood(row, token))
+        .collect()
+}
+
 /// The mean `|a[i] − b[i]|` (the slices must be the same length).
 pub fn mean_abs_difference(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len(), "compared slices differ in length");
@@ -626,13 +636,9 @@ pub fn image_prompt_patches(
     (grids, rows)
 }
 
-/// `vision_reference.json`'s grids and its patch rows (the reference's pixel formula, in f32 as
-/// the script computes it).
-pub fn vision_reference_inputs(
-    reference: &serde_json::Value,
-    patch_row_len: usize,
-) -> (Vec<crate::vision::ImageGrid>, Vec<f32>) {
-    let grids: Vec<crate::vision::ImageGrid> = reference["grids"]
+/// A reference's `[[t, h, w], …]` grids.
+pub fn json_grids(value: &serde_json::Value) -> Vec<crate::vision::ImageGrid> {
+    value
         .as_array()
         .expect("grids")
         .iter()
@@ -644,7 +650,16 @@ pub fn vision_reference_inputs(
                 width: values[2] as usize,
             }
         })
-        .collect();
+        .collect()
+}
+
+/// `vision_reference.json`'s grids and its patch rows (the reference's pixel formula, in f32 as
+/// the script computes it).
+pub fn vision_reference_inputs(
+    reference: &serde_json::Value,
+    patch_row_len: usize,
+) -> (Vec<crate::vision::ImageGrid>, Vec<f32>) {
+    let grids = json_grids(&reference["grids"]);
     let rows: usize = grids.iter().map(crate::vision::ImageGrid::patches).sum();
     let pixels = (0..rows * patch_row_len)
         .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
@@ -661,19 +676,7 @@ pub fn video_reference_patches(patch_row_len: usize) -> (Vec<crate::vision::Imag
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(reference_path).expect("readable"))
             .expect("valid JSON");
-    let grids: Vec<crate::vision::ImageGrid> = reference["video_grid_thw"]
-        .as_array()
-        .expect("grids")
-        .iter()
-        .map(|grid| {
-            let values = json_numbers(grid);
-            crate::vision::ImageGrid {
-                temporal: values[0] as usize,
-                height: values[1] as usize,
-                width: values[2] as usize,
-            }
-        })
-        .collect();
+    let grids = json_grids(&reference["video_grid_thw"]);
     let bytes =
         std::fs::read(golden_fixture_dir("vision_input").join("video_reference.pixel_values.f32"))
             .expect("pixel values");

@@ -28,11 +28,10 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, DType};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::backend::cuda::{CudaBackend, CudaVisionTower, VisionPrecision};
-use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::{argmax, Xoshiro256};
 use ninfer_engine::service::images::{start_tower, TowerDevice};
 use ninfer_engine::testing::{
-    golden_fixture_dir, image_prompt_patches, json_numbers, mean_abs_difference,
+    golden_fixture_dir, image_prompt_patches, json_numbers, mean_abs_difference, next_token_nll,
     one_grid_per_temporal_patch, video_reference_patches, vision_reference_inputs,
 };
 use ninfer_engine::vision::weights::{stored_matrix_dtype, LayerNorm, Linear, VisionBlock};
@@ -352,12 +351,7 @@ fn an_image_prompt_on_the_gpu_meets_the_cuda_bars() {
     for (decoder, model) in [("default", &on_gpu), ("exact", &on_gpu_exact)] {
         let vocab = model.vocab_size();
         let gpu_logits = image_prompt_logits(model, &tokens, &grids, ours.merged.clone());
-        let nll: Vec<f64> = tokens
-            .iter()
-            .skip(1)
-            .zip(gpu_logits.chunks(vocab))
-            .map(|(&token, row)| negative_log_likelihood(row, token))
-            .collect();
+        let nll = next_token_nll(&tokens, &gpu_logits, vocab);
         assert_eq!(nll.len(), expected_nll.len(), "reference length");
         let mean_difference = mean_abs_difference(&nll, &expected_nll);
         let agreeing = gpu_logits

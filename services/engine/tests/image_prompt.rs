@@ -12,6 +12,7 @@ use ninfer_artifact::DType;
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::testing::{
     golden_fixture_dir, image_prompt_patches, json_numbers, max_abs_difference,
+    mean_abs_difference, next_token_nll,
 };
 use ninfer_engine::vision::{encode_images, ImageGrid, VisionWeights};
 use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
@@ -78,18 +79,8 @@ fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks<B: Backend>
         .expect("forward")
         .pop()
         .expect("one sequence");
-    let nll: Vec<f64> = tokens
-        .iter()
-        .skip(1)
-        .zip(logits.chunks(vocab))
-        .map(|(&token, row)| ninfer_engine::perplexity::negative_log_likelihood(row, token))
-        .collect();
-    let mean_difference = nll
-        .iter()
-        .zip(&expected_nll)
-        .map(|(a, b)| (a - b).abs())
-        .sum::<f64>()
-        / nll.len() as f64;
+    let nll = next_token_nll(&tokens, &logits, vocab);
+    let mean_difference = mean_abs_difference(&nll, &expected_nll);
     let last = &logits[(tokens.len() - 1) * vocab..];
     let last_difference = max_abs_difference(last, &expected_last);
     println!("mean |ΔNLL| {mean_difference:.3e}, last logits max |Δ| {last_difference:.3e}");

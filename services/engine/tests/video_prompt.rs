@@ -20,7 +20,7 @@ use ninfer_engine::backend::cuda::CudaBackend;
 use ninfer_engine::sampling::argmax;
 use ninfer_engine::service::images::{ImageEncoding, TowerDevice};
 use ninfer_engine::testing::{
-    golden_fixture_dir, json_numbers, max_abs_difference, mean_abs_difference,
+    golden_fixture_dir, json_numbers, max_abs_difference, mean_abs_difference, next_token_nll,
 };
 use ninfer_engine::{test_device, Backend, CpuBackend, LogitsSelection, Model, SequenceInput};
 use ninfer_protocol::v1::ImageInput;
@@ -112,16 +112,6 @@ fn video_prompt_logits<B: Backend>(
         .expect("forward")
         .pop()
         .expect("one sequence")
-}
-
-/// Each position's NLL of the next token.
-fn next_token_nll(tokens: &[u32], logits: &[f32], vocab: usize) -> Vec<f64> {
-    tokens
-        .iter()
-        .skip(1)
-        .zip(logits.chunks(vocab))
-        .map(|(&token, row)| ninfer_engine::perplexity::negative_log_likelihood(row, token))
-        .collect()
 }
 
 fn a_video_prompt_matches_transformers<B: Backend + ServingTower>(backend: Arc<B>) {

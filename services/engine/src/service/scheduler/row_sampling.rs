@@ -35,19 +35,19 @@ pub(super) fn sample_rows<B: Backend>(
     let backend = model.backend();
     // Sampling on the backend's candidates when every request allows it (a few KB per
     // token read back instead of the whole logits rows). Guided rows are read whole.
-    let extra: Vec<Vec<u32>> = members
-        .iter()
-        .map(|&index| {
-            let r = &running[index];
-            r.sampler.penalised_tokens(&r.history, vocab)
-        })
-        .collect();
-    let candidate_k = candidate_count(running, members, allowed, &extra);
-    let extra = if candidate_k.is_some() {
-        extra
-    } else {
-        Vec::new()
+    // The penalised tokens (a sort of each history) only where candidates are read.
+    let needs = candidate_needs(running, members, allowed);
+    let extra: Vec<Vec<u32>> = match &needs {
+        Some(_) => members
+            .iter()
+            .map(|&index| {
+                let r = &running[index];
+                r.sampler.penalised_tokens(&r.history, vocab)
+            })
+            .collect(),
+        None => Vec::new(),
     };
+    let candidate_k = needs.map(|needs| candidate_count(&needs, &extra));
     let candidates = candidate_k.and_then(|k| {
         backend
             .logit_candidates(logits, k, &extra)
@@ -284,50 +284,55 @@ fn without_unsampleable(
     })
 }
 
-/// The number of largest logits to read back per row when every running request can sample
-/// from candidates ([`Sampler::candidates_suffice`](crate::sampling::Sampler::candidates_suffice),
-/// `top_logprobs` within them): the most any row needs, its top-k (greedy: 1) or `top_logprobs`
-/// plus its penalised tokens (`extra`, per member), which could all rank above the others;
-/// `None`: read back whole rows. `NINFER_FULL_LOGITS=1` always reads whole rows. Fewer
-/// candidates cost the GPU fewer selection rounds per token; a row they cannot decide is
-/// read whole.
-fn candidate_count<B: Backend>(
+/// Each member's top-k (greedy: 1) or `top_logprobs`, whichever is more, when every running
+/// request can sample from candidates ([`Sampler::candidates_suffice`](crate::sampling::Sampler::candidates_suffice),
+/// `top_logprobs` within them; a guided row, read whole on its own, needs 0, every other at
+/// least 1); `None`: read
+/// back whole rows. `NINFER_FULL_LOGITS=1` always reads whole rows.
+fn candidate_needs<B: Backend>(
     running: &[Running<B>],
     members: &[usize],
     allowed: &[Allowed],
-    extra: &[Vec<u32>],
-) -> Option<usize> {
+) -> Option<Vec<usize>> {
     if std::env::var("NINFER_FULL_LOGITS").is_ok_and(|v| v == "1") {
         return None;
     }
-    let mut needed = 1usize;
-    for ((r, step), penalised) in members
+    members
         .iter()
-        .map(|&index| (&running[index], &allowed[index]))
+        .map(|&index| {
+            let (r, step) = (&running[index], &allowed[index]);
+            if !step.is_any() {
+                return Some(0);
+            }
+            if !r.sampler.candidates_suffice(MAX_CANDIDATES)
+                || r.request.top_logprobs > MAX_CANDIDATES
+                || !r.request.logit_bias.is_empty()
+            {
+                return None;
+            }
+            let top_k = if r.sampler.params().temperature == 0.0 {
+                1
+            } else {
+                r.sampler.params().top_k
+            };
+            Some(top_k.max(r.request.top_logprobs))
+        })
+        .collect()
+}
+
+/// The number of largest logits to read back per row: the most any row needs, its
+/// [`candidate_needs`] plus its penalised tokens (`extra`, per member), which could all rank
+/// above the others. Fewer candidates cost the GPU fewer selection rounds per token; a row
+/// they cannot decide is read whole.
+fn candidate_count(needs: &[usize], extra: &[Vec<u32>]) -> usize {
+    needs
+        .iter()
         .zip(extra)
-    {
-        if !step.is_any() {
-            // Read whole on its own; the others keep their candidates.
-            continue;
-        }
-        if !r.sampler.candidates_suffice(MAX_CANDIDATES)
-            || r.request.top_logprobs > MAX_CANDIDATES
-            || !r.request.logit_bias.is_empty()
-        {
-            return None;
-        }
-        let top_k = if r.sampler.params().temperature == 0.0 {
-            1
-        } else {
-            r.sampler.params().top_k
-        };
-        needed = needed.max(candidates_needed(
-            top_k,
-            r.request.top_logprobs,
-            penalised.len(),
-        ));
-    }
-    Some(needed)
+        // 0: a guided row, which the candidates do not serve.
+        .filter(|(&need, _)| need > 0)
+        .map(|(&need, penalised)| candidates_needed(need, 0, penalised.len()))
+        .max()
+        .unwrap_or(1)
 }
 
 /// [`logprobs`] from a row's candidates: the same values when they carry `token` and the `top`

@@ -387,3 +387,318 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     attention_decode_rows<256, 32>(q, part_o, part_ml, batch, row_start, heads, kv_heads,
                                  window, scale, chunks, part_base, row_positions);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention on the tensor cores: `attention_decode_mma_bf16_HD[_batched]`.
+//
+// The group's q heads (up to 16, padded with zero rows) are the 16 rows of an m16n8k16 tile, so
+// a key's scores for the whole group are one column of S = Q·Kᵀ and O += P·V is one more
+// product: the multiply-adds the lanes of the kernels above spend per key run on the tensor
+// cores, and the kernel reads K and V at the rate it can stage them. Each warp takes one chunk
+// of the row's keys (the same chunks, partials and combine as the split kernel: `split_chunk`),
+// walks it in sub-tiles of DM_KEYS keys staged by its own asynchronous copies (two in flight),
+// keeps an online softmax per q head (in base 2, like the prefill kernel), and writes the
+// chunk's partial with the max in natural units. A block's DM_WARPS warps take consecutive
+// chunks of one (kv head, row) and share its q, rounded to bf16 once; P is rounded to bf16 for
+// the second product, as in the prefill kernel. Not the bits of the f32 kernels: held to the
+// reference within bf16 tolerances (start-up check, GPU tests).
+
+// Warps (chunks) per block: DM_WARPS at head dims 64 and 128, DM_WARPS_256 at 256 (whose
+// stages are twice the bytes: two warps keep a block within an RTX card's 99 KB).
+#ifndef DM_WARPS
+#define DM_WARPS 4
+#endif
+#ifndef DM_WARPS_256
+#define DM_WARPS_256 2
+#endif
+#ifndef DM_KEYS
+#define DM_KEYS 16
+#endif
+// bf16 of padding per staged row (as MMA_PAD in attention.cu): ldmatrix rows on distinct banks.
+#define DM_PAD 8
+
+// Dynamic shared memory of a block (bytes): q (16 rows), then per warp two stages of K and V.
+__host__ __device__ constexpr int decode_mma_smem_bytes(int hd, int warps) {
+    return (16 + warps * 2 * 2 * DM_KEYS) * (hd + DM_PAD) * 2;
+}
+
+// Stages keys [key0, key0 + DM_KEYS) of one kv head into a warp's K and V stage (rows past
+// `last_key` zero-filled: 0 · NaN would poison P·V).
+template <int HD>
+__device__ __forceinline__ void decode_mma_stage(const unsigned short* keys,
+                                                 const unsigned short* values, int key0,
+                                                 int last_key, long long row_elements,
+                                                 unsigned short* k_s, unsigned short* v_s,
+                                                 int lane) {
+    constexpr int pieces = HD / 8;  // 16-byte copies per row
+    for (int i = lane; i < DM_KEYS * pieces; i += 32) {
+        int j = i / pieces, w = (i - j * pieces) * 8;
+        int key = key0 + j;
+        bool valid = key <= last_key;
+        long long at = valid ? (long long)key * row_elements + w : 0;
+        mma_copy_16(k_s + j * (HD + DM_PAD) + w, keys + at, valid);
+        mma_copy_16(v_s + j * (HD + DM_PAD) + w, values + at, valid);
+    }
+    mma_copies_commit();
+}
+
+// One block of WARPS warps: chunks blockIdx.x · WARPS + warp of kv head blockIdx.y of the row at `position`
+// whose q row is `q_row`; partials at part_row_base + (kv_head · group + h) · chunks + chunk.
+template <int HD, int WARPS>
+__device__ __forceinline__ void attention_decode_mma_block(
+    const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
+    float* part_ml, int q_row, int position, int heads, int kv_heads, int window, float scale,
+    int chunk, int chunks, long long part_row_base) {
+    constexpr int stride = HD + DM_PAD;
+    constexpr int n_tiles = DM_KEYS / 8;
+    static_assert(DM_KEYS % 16 == 0, "sub-tiles of whole 16-key steps");
+    const float neg_inf = __int_as_float(0xff800000);
+    const float scale_log2 = scale * 1.4426950408889634f;
+    int kv_head = blockIdx.y, group = heads / kv_heads;
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+    unsigned short* q_s = reinterpret_cast<unsigned short*>(decode_smem);
+    const float* query = q + (long long)q_row * heads * HD + (long long)kv_head * group * HD;
+    for (int i = tid; i < 16 * (HD / 4); i += 32 * WARPS) {
+        int r = i / (HD / 4), d = (i - r * (HD / 4)) * 4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < group) v = *reinterpret_cast<const float4*>(query + (long long)r * HD + d);
+        *reinterpret_cast<uint2*>(q_s + r * stride + d) =
+            make_uint2(mma_pack_bf16x2(v.x, v.y), mma_pack_bf16x2(v.z, v.w));
+    }
+    __syncthreads();
+
+    int c = blockIdx.x * WARPS + warp;
+    int first = window > 0 ? max(0, position + 1 - window) : 0;
+    int k0 = max(c * chunk, first);
+    int k1 = min(c * chunk + chunk - 1, position);
+    if (c >= chunks || k0 > k1) return;  // this warp: nothing of the row in its chunk
+
+    long long row_elements = (long long)kv_heads * HD;
+    const unsigned short* head_keys = keys + (long long)kv_head * HD;
+    const unsigned short* head_values = values + (long long)kv_head * HD;
+    unsigned short* stages = q_s + 16 * stride + warp * 2 * 2 * DM_KEYS * stride;
+
+    // Sub-tiles start at the chunk's first key (aligned to absolute positions).
+    int s_first = c * chunk + (k0 - c * chunk) / DM_KEYS * DM_KEYS;
+    decode_mma_stage<HD>(head_keys, head_values, s_first, k1, row_elements, stages,
+                         stages + DM_KEYS * stride, lane);
+
+    // This lane's two q heads: lane / 4 and lane / 4 + 8.
+    float row_max[2] = {neg_inf, neg_inf}, row_sum[2] = {0.0f, 0.0f};
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+    int stage = 0;
+    for (int key0 = s_first; key0 <= k1; key0 += DM_KEYS, stage ^= 1) {
+        if (key0 + DM_KEYS <= k1) {
+            unsigned short* other = stages + (stage ^ 1) * 2 * DM_KEYS * stride;
+            decode_mma_stage<HD>(head_keys, head_values, key0 + DM_KEYS, k1, row_elements, other,
+                                 other + DM_KEYS * stride, lane);
+            mma_copies_wait<1>();
+        } else {
+            mma_copies_wait<0>();
+        }
+        __syncwarp();  // every lane's copies of this sub-tile visible to the warp
+        const unsigned short* k_s = stages + stage * 2 * DM_KEYS * stride;
+        const unsigned short* v_s = k_s + DM_KEYS * stride;
+
+        float s[n_tiles][4];
+#pragma unroll
+        for (int j = 0; j < n_tiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+#pragma unroll
+        for (int kd = 0; kd < HD; kd += 16) {
+            unsigned int a[4];
+            mma_ldmatrix_x4(a, q_s + (lane & 15) * stride + kd + (lane >> 4) * 8);
+#pragma unroll
+            for (int jj = 0; jj < DM_KEYS / 16; ++jj) {
+                unsigned int b[4];
+                mma_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
+                                       kd + ((lane >> 3) & 1) * 8);
+                mma_m16n8k16(s[2 * jj], a, b[0], b[1]);
+                mma_m16n8k16(s[2 * jj + 1], a, b[2], b[3]);
+            }
+        }
+        float correction[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float top = neg_inf;
+#pragma unroll
+            for (int j = 0; j < n_tiles; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int key = key0 + j * 8 + 2 * (lane % 4) + e;
+                    float score = key >= k0 && key <= k1 ? s[j][2 * h + e] * scale_log2 : neg_inf;
+                    s[j][2 * h + e] = score;
+                    top = fmaxf(top, score);
+                }
+            }
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+            float new_max = fmaxf(row_max[h], top);
+            float base = new_max == neg_inf ? 0.0f : new_max;
+            correction[h] = exp2f(row_max[h] - base);
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < n_tiles; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float p = exp2f(s[j][2 * h + e] - base);
+                    s[j][2 * h + e] = p;
+                    sum += p;
+                }
+            }
+            row_sum[h] = row_sum[h] * correction[h] + sum;  // this lane's share
+            row_max[h] = new_max;
+        }
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            acc[j][0] *= correction[0], acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1], acc[j][3] *= correction[1];
+        }
+#pragma unroll
+        for (int kc = 0; kc < DM_KEYS / 16; ++kc) {
+            unsigned int a[4] = {
+                mma_pack_bf16x2(s[2 * kc][0], s[2 * kc][1]),
+                mma_pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
+                mma_pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                mma_pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]),
+            };
+#pragma unroll
+            for (int dd = 0; dd < HD / 16; ++dd) {
+                unsigned int b[4];
+                mma_ldmatrix_x4_trans(
+                    b, v_s + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dd * 16 +
+                           (lane >> 4) * 8);
+                mma_m16n8k16(acc[2 * dd], a, b[0], b[1]);
+                mma_m16n8k16(acc[2 * dd + 1], a, b[2], b[3]);
+            }
+        }
+        __syncwarp();  // the warp is done with this stage before it is staged again
+    }
+
+    // The chunk's partial of each live q head: max in natural units (the combine's expf).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float total = row_sum[h];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        int r = lane / 4 + 8 * h;
+        if (r >= group) continue;
+        long long index = part_row_base + (long long)(kv_head * group + r) * chunks + c;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j)
+            *reinterpret_cast<float2*>(part_o + index * HD + j * 8 + 2 * (lane % 4)) =
+                make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+        if (lane % 4 == 0) {
+            part_ml[2 * index] = row_max[h] * 0.6931471805599453f;
+            part_ml[2 * index + 1] = total;
+        }
+    }
+}
+
+// The instantiations, attention_decode_mma[_batched]_bf16_HD (`DECODE_MMA_HEAD_DIMS` in
+// device/attention_decode.rs): grid (ceil(chunks / W), kv_heads, n), 32 · W threads and
+// decode_mma_smem_bytes(HD, W) of dynamic shared memory, W the head dim's warps; the arguments
+// of the kernels above.
+
+// DECODE_MMA_KERNELS(64)
+extern "C" __global__ void __launch_bounds__(32 * DM_WARPS)
+    attention_decode_mma_bf16_64(const float* q, const unsigned short* keys,
+                                 const unsigned short* values, float* part_o, float* part_ml,
+                                 int row_start, int start_position, int heads, int kv_heads, int hd,
+                                 int window, float scale, int chunk, int chunks, int part_base,
+                                 const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    if (row_positions) {
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + (int)gridDim.z - 1);
+    }
+    int t = blockIdx.z;
+    attention_decode_mma_block<64, DM_WARPS>(q, keys, values, part_o, part_ml, row_start + t,
+                                   start_position + t, heads, kv_heads, window, scale, chunk,
+                                   chunks, (long long)part_base + (long long)t * heads * chunks);
+}
+extern "C" __global__ void __launch_bounds__(32 * DM_WARPS)
+    attention_decode_mma_batched_bf16_64(const float* q, float* part_o, float* part_ml,
+                                         DecodeRows batch, int row_start, int heads, int kv_heads,
+                                         int hd, int window, float scale, int chunks,
+                                         int part_base, const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    int t = blockIdx.z;
+    int position = decode_row_position(batch, row_start, t, row_positions);
+    attention_decode_mma_block<64, DM_WARPS>(q, reinterpret_cast<const unsigned short*>(batch.keys[t]),
+                                   reinterpret_cast<const unsigned short*>(batch.values[t]),
+                                   part_o, part_ml, row_start + t, position, heads, kv_heads,
+                                   window, scale, split_chunk(position), chunks,
+                                   (long long)part_base + (long long)t * heads * chunks);
+}
+
+// DECODE_MMA_KERNELS(128)
+extern "C" __global__ void __launch_bounds__(32 * DM_WARPS)
+    attention_decode_mma_bf16_128(const float* q, const unsigned short* keys,
+                                 const unsigned short* values, float* part_o, float* part_ml,
+                                 int row_start, int start_position, int heads, int kv_heads, int hd,
+                                 int window, float scale, int chunk, int chunks, int part_base,
+                                 const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    if (row_positions) {
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + (int)gridDim.z - 1);
+    }
+    int t = blockIdx.z;
+    attention_decode_mma_block<128, DM_WARPS>(q, keys, values, part_o, part_ml, row_start + t,
+                                   start_position + t, heads, kv_heads, window, scale, chunk,
+                                   chunks, (long long)part_base + (long long)t * heads * chunks);
+}
+extern "C" __global__ void __launch_bounds__(32 * DM_WARPS)
+    attention_decode_mma_batched_bf16_128(const float* q, float* part_o, float* part_ml,
+                                         DecodeRows batch, int row_start, int heads, int kv_heads,
+                                         int hd, int window, float scale, int chunks,
+                                         int part_base, const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    int t = blockIdx.z;
+    int position = decode_row_position(batch, row_start, t, row_positions);
+    attention_decode_mma_block<128, DM_WARPS>(q, reinterpret_cast<const unsigned short*>(batch.keys[t]),
+                                   reinterpret_cast<const unsigned short*>(batch.values[t]),
+                                   part_o, part_ml, row_start + t, position, heads, kv_heads,
+                                   window, scale, split_chunk(position), chunks,
+                                   (long long)part_base + (long long)t * heads * chunks);
+}
+
+// DECODE_MMA_KERNELS(256)
+extern "C" __global__ void __launch_bounds__(32 * DM_WARPS_256)
+    attention_decode_mma_bf16_256(const float* q, const unsigned short* keys,
+                                 const unsigned short* values, float* part_o, float* part_ml,
+                                 int row_start, int start_position, int heads, int kv_heads, int hd,
+                                 int window, float scale, int chunk, int chunks, int part_base,
+                                 const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    if (row_positions) {
+        start_position = (int)row_positions[row_start];
+        chunk = split_chunk(start_position + (int)gridDim.z - 1);
+    }
+    int t = blockIdx.z;
+    attention_decode_mma_block<256, DM_WARPS_256>(q, keys, values, part_o, part_ml, row_start + t,
+                                   start_position + t, heads, kv_heads, window, scale, chunk,
+                                   chunks, (long long)part_base + (long long)t * heads * chunks);
+}
+extern "C" __global__ void __launch_bounds__(32 * DM_WARPS_256)
+    attention_decode_mma_batched_bf16_256(const float* q, float* part_o, float* part_ml,
+                                         DecodeRows batch, int row_start, int heads, int kv_heads,
+                                         int hd, int window, float scale, int chunks,
+                                         int part_base, const unsigned int* row_positions) {
+    PDL_WAIT_AND_RELEASE();
+    int t = blockIdx.z;
+    int position = decode_row_position(batch, row_start, t, row_positions);
+    attention_decode_mma_block<256, DM_WARPS_256>(q, reinterpret_cast<const unsigned short*>(batch.keys[t]),
+                                   reinterpret_cast<const unsigned short*>(batch.values[t]),
+                                   part_o, part_ml, row_start + t, position, heads, kv_heads,
+                                   window, scale, split_chunk(position), chunks,
+                                   (long long)part_base + (long long)t * heads * chunks);
+}

@@ -162,7 +162,7 @@ class Bench:
             self.failures.append("%s: differs from the baseline by %g" % (name, diff))
             print("  !! %s: differs by %g" % (name, diff), flush=True)
         else:
-            print("  ~= %s: within f32 rounding of the baseline" % name, flush=True)
+            print("  ~= %s: within rtol %g, atol %g of the baseline" % (name, rtol, atol), flush=True)
 
     # -- dense projections -------------------------------------------------------------------
 
@@ -336,7 +336,8 @@ class Bench:
     # -- decode attention with the group's heads across lanes ---------------------------------
 
     def decode_attention(self, kernel_dir, heads, kv_heads, hd, context,
-                         variants=((8192, 4), (8192, 8), (16384, 8)), chunk_factors=(1, 2)):
+                         variants=((8192, 4), (8192, 8), (16384, 8)), chunk_factors=(1, 2),
+                         mma_variants=((16, 4), (16, 2), (32, 2), (32, 4)), mma_chunk_factors=(1, 2, 4)):
         """`attention_decode_bf16_HD_DPL` (attention_decode.cu) against `attention_split_bf16` at
         its own chunking, each followed by `attention_combine`; outputs held within f32 rounding
         of the split kernel's. Shape: `heads` q heads, `kv_heads`, head dim `hd`; `variants`:
@@ -395,7 +396,7 @@ class Bench:
         cp.cuda.Device().synchronize()
         reference = reference.copy()
 
-        for tile_bytes, warps in variants:
+        for tile_bytes, warps in variants if "lanes" in self.args.decode_kernels.split(",") else ():
             if tile_bytes // (2 * hd) < warps:
                 continue
             decode = raw_kernel(kernel_dir, "attention_decode", "attention_decode_bf16_%d_%d" % (hd, dpl),
@@ -424,6 +425,40 @@ class Bench:
                 combine_launch(out, d_chunk, d_chunks)()
                 cp.cuda.Device().synchronize()
                 self.close("attention_decode %s %s" % (shape, variant), out, reference, rtol=1e-4, atol=1e-5)
+
+        # The tensor-core kernel (q heads as the rows of an mma tile): q and p rounded to bf16, so
+        # held to the split kernel within bf16 tolerances. Variants (DM_KEYS, DM_WARPS).
+        if group > 16 or "mma" not in self.args.decode_kernels.split(","):
+            return
+        for keys_per_tile, warps in mma_variants:
+            defines = [("DM_KEYS", keys_per_tile), ("DM_WARPS", warps), ("DM_WARPS_256", warps)]
+            mma_kernel = raw_kernel(kernel_dir, "attention_decode", "attention_decode_mma_bf16_%d" % hd, defines)
+            mma_smem = (16 + warps * 2 * 2 * keys_per_tile) * (hd + 8) * 2
+            if mma_smem > cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
+                continue
+            if mma_smem > 48 * 1024:
+                mma_kernel.max_dynamic_shared_size_bytes = mma_smem
+            for factor in mma_chunk_factors:
+                d_chunk = chunk * factor
+                d_chunks = position // d_chunk + 1
+                out = cp.zeros((1, heads * hd), dtype=cp.float32)
+
+                def mma_launch(i, d_chunk=d_chunk, d_chunks=d_chunks):
+                    args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
+                            np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
+                            np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null)
+                    grid = (-(-d_chunks // warps), kv_heads, 1)
+                    return lambda: mma_kernel(grid, (32 * warps,), args, shared_mem=mma_smem)
+
+                us = timed([mma_launch(i) for i in range(caches)])
+                c_us = timed([combine_launch(out, d_chunk, d_chunks)] * 20)
+                variant = "%d keys %d warps chunk %d (%d)" % (keys_per_tile, warps, d_chunk, d_chunks)
+                self.record("attention_decode_mma_bf16_%d %s" % (hd, shape), variant, us, kv_bytes)
+                self.record("  mma + combine", variant, us + c_us, kv_bytes)
+                mma_launch(0)()
+                combine_launch(out, d_chunk, d_chunks)()
+                cp.cuda.Device().synchronize()
+                self.close("attention_decode_mma %s %s" % (shape, variant), out, reference, rtol=1e-2, atol=5e-4)
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 
@@ -606,6 +641,8 @@ def main():
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--decode-contexts", default="4096,16384,65536",
                         help="contexts of the decode attention section")
+    parser.add_argument("--decode-kernels", default="lanes,mma",
+                        help="decode attention kernels timed beside the split kernel: lanes (q heads across the lanes), mma (tensor cores)")
     parser.add_argument("--sweep", action="store_true", help="matmul features per warp × UNROLL, attention chunks, gate/up columns")
     parser.add_argument("--no-candidates", action="store_true",
                         help="skip the alternative kernels timed beside the ones they replace")
@@ -646,7 +683,7 @@ def main():
 
     if "decode_attention" in sections:
         for context in [int(c) for c in args.decode_contexts.split(",")]:
-            for heads, kv_heads, hd in ((32, 4, 128), (16, 4, 256)):
+            for heads, kv_heads, hd in ((32, 4, 128), (16, 4, 256), (16, 2, 256)):
                 bench.decode_attention(args.kernels, heads, kv_heads, hd, context)
 
     if args.json:

@@ -123,6 +123,12 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "attention_decode_batched_bf16_128_32",
             "attention_decode_bf16_256_32",
             "attention_decode_batched_bf16_256_32",
+            "attention_decode_mma_bf16_64",
+            "attention_decode_mma_batched_bf16_64",
+            "attention_decode_mma_bf16_128",
+            "attention_decode_mma_batched_bf16_128",
+            "attention_decode_mma_bf16_256",
+            "attention_decode_mma_batched_bf16_256",
         ],
     },
     KernelSource {

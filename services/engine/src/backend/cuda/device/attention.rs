@@ -590,6 +590,7 @@ impl CudaBackend {
                     &mut out,
                     step_graph.is_some(),
                     row_positions,
+                    path == AttentionPath::TensorCore,
                 )?;
             }
             return Ok(out);
@@ -713,7 +714,16 @@ impl CudaBackend {
                         block_dim: (SPLIT_THREADS, 1, 1),
                         shared_mem_bytes: split_smem_bytes(hd, cache.dtype) as u32,
                     };
-                    match (keys, values, self.decode_kernel(cache.dtype, hd, group)) {
+                    match (
+                        keys,
+                        values,
+                        self.decode_kernel(
+                            cache.dtype,
+                            hd,
+                            group,
+                            path == AttentionPath::TensorCore,
+                        ),
+                    ) {
                         (KvBuffer::Bf16(keys), KvBuffer::Bf16(values), Some(kernel)) => {
                             let function = self.function(kernel.segment)?;
                             let mut builder = super::launch::KernelArgs::new(&self.stream);
@@ -735,10 +745,10 @@ impl CudaBackend {
                                 .arg(&part_base)
                                 .arg(&row_positions);
                             let config = kernel.config(plan.chunks, spec.kv_heads, n);
-                            // SAFETY: the arguments match `attention_decode_bf16_*` in
-                            // kernels/attention_decode.cu, which takes those of
-                            // `attention_split_bf16` (types and order); the grid is the split
-                            // launch's with the group's heads in one block.
+                            // SAFETY: the arguments match `attention_decode_bf16_*` and
+                            // `attention_decode_mma_bf16_*` in kernels/attention_decode.cu, which
+                            // take those of `attention_split_bf16` (types and order); the grid
+                            // covers the split launch's chunks with the group's heads in a block.
                             unsafe { self.launch_kernel(function, config, &mut builder) }?;
                         }
                         (KvBuffer::F32(keys), KvBuffer::F32(values), _) => {

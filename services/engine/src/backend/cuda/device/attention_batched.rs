@@ -49,6 +49,7 @@ impl CudaBackend {
         out: &mut CudaTensor,
         in_step_graph: bool,
         row_positions: u64,
+        tensor_cores: bool,
     ) -> Result<(), CudaError> {
         let n = segments.len();
         if n == 0 || n > DECODE_BATCH_ROWS {
@@ -137,7 +138,7 @@ impl CudaBackend {
             shared_mem_bytes: split_smem_bytes(hd, dtype) as u32,
         };
         let (part_o, part_ml) = (&mut *part_o.data, &mut *part_ml.data);
-        if let Some(kernel) = self.decode_kernel(dtype, hd, group) {
+        if let Some(kernel) = self.decode_kernel(dtype, hd, group, tensor_cores) {
             let function = self.function(kernel.batched)?;
             let mut builder = super::launch::KernelArgs::new(&self.stream);
             builder
@@ -154,8 +155,8 @@ impl CudaBackend {
                 .arg(&chunks_arg)
                 .arg(&part_base)
                 .arg(&row_positions);
-            // SAFETY: the arguments match `attention_decode_batched_bf16_*` in
-            // kernels/attention_decode.cu, which takes those of `attention_split_batched_bf16`
+            // SAFETY: the arguments match `attention_decode[_mma]_batched_bf16_*` in
+            // kernels/attention_decode.cu, which take those of `attention_split_batched_bf16`
             // (types and order); every row's cache pointer is a bf16 cache (`decode_kernel`
             // answers only for bf16).
             unsafe {

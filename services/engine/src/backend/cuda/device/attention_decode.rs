@@ -1,5 +1,6 @@
-//! Decode attention with a GQA group's q heads across the lanes (`kernels/attention_decode.cu`):
-//! which kernel serves a (head_dim, group) shape, its shared memory and its launch geometry.
+//! Decode attention with a GQA group's q heads across the lanes or as the rows of a tensor-core
+//! tile (`kernels/attention_decode.cu`): which kernel serves a (head_dim, group) shape, its
+//! shared memory and its launch geometry.
 //!
 //! Owns: the choice between these kernels and the split kernel for a bf16 cache. The kernels
 //! take the split kernel's arguments and write its partials at the same indices, so the split
@@ -16,6 +17,36 @@ const DECODE_THREADS: u32 = 128;
 const DECODE_WARPS: usize = 4;
 /// `DECODE_TILE_BYTES` in `kernels/attention_decode.cu`: bytes of K staged per tile.
 const DECODE_TILE_BYTES: usize = 8192;
+
+/// `DM_WARPS` and `DM_WARPS_256` in `kernels/attention_decode.cu`: chunks per tensor-core block
+/// (one per warp) at head dims 64 and 128, and at 256.
+const DECODE_MMA_WARPS: usize = 4;
+const DECODE_MMA_WARPS_256: usize = 2;
+/// `DM_KEYS` in `kernels/attention_decode.cu`: keys per staged sub-tile of a warp.
+const DECODE_MMA_KEYS: usize = 16;
+/// `DM_PAD` in `kernels/attention_decode.cu`: bf16 of padding per staged row.
+const DECODE_MMA_PAD: usize = 8;
+/// The most q heads per kv head the tensor-core kernel takes (the rows of one mma tile).
+const DECODE_MMA_MAX_GROUP: usize = 16;
+/// Every `DECODE_MMA_KERNELS(HD)` of `kernels/attention_decode.cu`: (head_dim, segment kernel,
+/// batched kernel).
+const DECODE_MMA_HEAD_DIMS: [(usize, &str, &str); 3] = [
+    (
+        64,
+        "attention_decode_mma_bf16_64",
+        "attention_decode_mma_batched_bf16_64",
+    ),
+    (
+        128,
+        "attention_decode_mma_bf16_128",
+        "attention_decode_mma_batched_bf16_128",
+    ),
+    (
+        256,
+        "attention_decode_mma_bf16_256",
+        "attention_decode_mma_batched_bf16_256",
+    ),
+];
 
 /// One instantiated kernel pair: (head_dim, dims per lane, segment kernel, batched kernel).
 type DecodeShape = (usize, usize, &'static str, &'static str);
@@ -63,18 +94,52 @@ pub(super) struct DecodeKernel {
     pub batched: &'static str,
     /// Dynamic shared memory of a block.
     pub shared_memory_bytes: usize,
+    /// Chunks of a row one block takes (1 for the lanes kernels, one per warp on the tensor
+    /// cores).
+    pub chunks_per_block: usize,
+    /// Threads per block.
+    pub threads: u32,
 }
 
 impl DecodeKernel {
-    /// Grid (chunks, kv heads, rows): one block per chunk, kv head and row, serving the kv
-    /// head's whole group.
+    /// Grid (chunk blocks, kv heads, rows): one block per `chunks_per_block` chunks, kv head and
+    /// row, serving the kv head's whole group.
     pub fn config(&self, chunks: usize, kv_heads: usize, rows: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (chunks as u32, kv_heads as u32, rows as u32),
-            block_dim: (DECODE_THREADS, 1, 1),
+            grid_dim: (
+                chunks.div_ceil(self.chunks_per_block) as u32,
+                kv_heads as u32,
+                rows as u32,
+            ),
+            block_dim: (self.threads, 1, 1),
             shared_mem_bytes: self.shared_memory_bytes as u32,
         }
     }
+}
+
+/// The tensor-core kernel for `head_dim` and `group` q heads per kv head (at most the 16 rows of
+/// an mma tile), if one is instantiated.
+pub(super) fn decode_mma_kernel_for_shape(head_dim: usize, group: usize) -> Option<DecodeKernel> {
+    if group == 0 || group > DECODE_MMA_MAX_GROUP {
+        return None;
+    }
+    let (_, segment, batched) = DECODE_MMA_HEAD_DIMS
+        .iter()
+        .find(|(hd, _, _)| *hd == head_dim)?;
+    let warps = if head_dim == 256 {
+        DECODE_MMA_WARPS_256
+    } else {
+        DECODE_MMA_WARPS
+    };
+    // q (16 rows), then per warp two stages of K and V sub-tiles, rows of head_dim + pad bf16.
+    let rows = 16 + warps * 2 * 2 * DECODE_MMA_KEYS;
+    Some(DecodeKernel {
+        segment,
+        batched,
+        shared_memory_bytes: rows * (head_dim + DECODE_MMA_PAD) * 2,
+        chunks_per_block: warps,
+        threads: 32 * warps as u32,
+    })
 }
 
 /// The kernel for `head_dim` and a group of `group` q heads per kv head, if one is instantiated:
@@ -101,24 +166,42 @@ pub(super) fn decode_kernel_for_shape(head_dim: usize, group: usize) -> Option<D
         segment,
         batched,
         shared_memory_bytes: stages.max(states),
+        chunks_per_block: 1,
+        threads: DECODE_THREADS,
     })
 }
 
 impl CudaBackend {
     /// The decode kernel for a cache of `dtype` with `head_dim` and `group` q heads per kv head,
     /// when the option is on, the cache is bf16 and the block fits this card's shared memory
-    /// (else the split kernel serves). Logs the choice once per shape.
+    /// (else the split kernel serves): on the tensor cores when `tensor_cores` (the path that
+    /// passed its bf16-tolerance check) and the shape has a kernel, else with the heads across
+    /// the lanes. Logs the choice once per shape and path.
     pub(super) fn decode_kernel(
         &self,
         dtype: KvDtype,
         head_dim: usize,
         group: usize,
+        tensor_cores: bool,
     ) -> Option<DecodeKernel> {
         if !self.options.group_decode_attention || dtype != KvDtype::Bf16 {
             return None;
         }
-        let kernel = decode_kernel_for_shape(head_dim, group);
         let limit = self.info.shared_memory_per_block;
+        if tensor_cores {
+            let mma = decode_mma_kernel_for_shape(head_dim, group)
+                .filter(|kernel| kernel.shared_memory_bytes <= limit);
+            if let Some(kernel) = mma {
+                if self.note_kernel_choice(("tensor-core decode attention", head_dim, group)) {
+                    tracing::info!(
+                        "decode attention, head_dim {head_dim}, {group} q heads per kv head: {}",
+                        kernel.segment
+                    );
+                }
+                return Some(kernel);
+            }
+        }
+        let kernel = decode_kernel_for_shape(head_dim, group);
         let fitting = kernel.filter(|kernel| kernel.shared_memory_bytes <= limit);
         if self.note_kernel_choice(("decode attention", head_dim, group)) {
             match (kernel, fitting) {
@@ -152,6 +235,10 @@ mod tests {
         assert_eq!(DECODE_WARPS as i64, define("DECODE_WARPS"));
         assert_eq!(DECODE_TILE_BYTES as i64, define("DECODE_TILE_BYTES"));
         assert_eq!(define("DECODE_WARPS") * 32, define("DECODE_THREADS"));
+        assert_eq!(DECODE_MMA_WARPS as i64, define("DM_WARPS"));
+        assert_eq!(DECODE_MMA_WARPS_256 as i64, define("DM_WARPS_256"));
+        assert_eq!(DECODE_MMA_KEYS as i64, define("DM_KEYS"));
+        assert_eq!(DECODE_MMA_PAD as i64, define("DM_PAD"));
     }
 
     /// Every shape the host may pick is instantiated in the file and listed for loading, and
@@ -173,7 +260,50 @@ mod tests {
             assert_eq!(segment, format!("attention_decode_bf16_{hd}_{dpl}"));
             assert_eq!(batched, format!("attention_decode_batched_bf16_{hd}_{dpl}"));
         }
-        assert_eq!(file.functions.len(), 2 * DECODE_SHAPES.len());
+        for (hd, segment, batched) in DECODE_MMA_HEAD_DIMS {
+            assert!(
+                file.source
+                    .contains(&format!("// DECODE_MMA_KERNELS({hd})")),
+                "{hd}"
+            );
+            assert!(file.functions.contains(&segment), "{segment}");
+            assert!(file.functions.contains(&batched), "{batched}");
+            assert_eq!(segment, format!("attention_decode_mma_bf16_{hd}"));
+            assert_eq!(batched, format!("attention_decode_mma_batched_bf16_{hd}"));
+        }
+        assert_eq!(
+            file.functions.len(),
+            2 * DECODE_SHAPES.len() + 2 * DECODE_MMA_HEAD_DIMS.len()
+        );
+    }
+
+    #[test]
+    fn tensor_core_decode_serves_groups_up_to_sixteen() {
+        // Qwen3-30B-A3B (128, 8); Qwen3-Next / Qwen3.5 / 3.6 (256, 8), which the lanes kernels
+        // leave to the split kernel; Qwen3-235B-A22B (128, 16).
+        for (hd, group) in [(128, 8), (256, 8), (128, 16), (64, 4), (256, 1)] {
+            let kernel = decode_mma_kernel_for_shape(hd, group).expect("a kernel");
+            assert_eq!(kernel.segment, format!("attention_decode_mma_bf16_{hd}"));
+            let warps = if hd == 256 {
+                DECODE_MMA_WARPS_256
+            } else {
+                DECODE_MMA_WARPS
+            };
+            assert_eq!(kernel.chunks_per_block, warps);
+            assert_eq!(kernel.threads as usize, 32 * warps);
+            // Within an RTX card's 99 KB per block.
+            assert!(
+                kernel.shared_memory_bytes <= 99 * 1024,
+                "{hd}: {}",
+                kernel.shared_memory_bytes
+            );
+        }
+        assert_eq!(decode_mma_kernel_for_shape(128, 32), None);
+        assert_eq!(decode_mma_kernel_for_shape(96, 8), None);
+        assert_eq!(decode_mma_kernel_for_shape(128, 0), None);
+        // Chunk blocks: the last block's spare warps skip (c >= chunks).
+        let kernel = decode_mma_kernel_for_shape(128, 8).expect("a kernel");
+        assert_eq!(kernel.config(129, 4, 2).grid_dim, (33, 4, 2));
     }
 
     #[test]

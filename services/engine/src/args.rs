@@ -130,6 +130,13 @@ pub(crate) struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_group_decode_attention: bool,
+    /// `on`: with `--cuda-tensor-cores on`, decode attention over a bf16 cache on the tensor
+    /// cores for GQA groups of up to 16 q heads (q and the softmax weights rounded to bf16;
+    /// within bf16 tolerances). `off` (the default): the f32 kernels of
+    /// `--cuda-group-decode-attention`.
+    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) cuda_tensor_core_decode_attention: bool,
     /// `on` (the default): one token's routed gate/up projections from a grid that fits the GPU
     /// at once (quantized experts). `off`: one block row per (token, expert) pair. The same
     /// tokens either way.
@@ -302,6 +309,7 @@ pub(crate) fn cuda_options(args: &Args) -> CudaOptions {
         batched_decode: args.cuda_batched_decode,
         fused_expert_sum: args.cuda_fused_expert_sum,
         group_decode_attention: args.cuda_group_decode_attention,
+        tensor_core_decode_attention: args.cuda_tensor_core_decode_attention,
         decode_gate_up_tasks: args.cuda_decode_gate_up_tasks,
         decode_down_prefetch: args.cuda_decode_down_prefetch,
         weight_prefetch: args.cuda_weight_prefetch,

@@ -376,6 +376,104 @@ fn tensor_core_attention_matches_the_reference_and_tiled_kernels() {
     }
 }
 
+/// (heads, kv_heads, head_dim, the two sequences' prefill lengths, window)
+type DecodeAttentionCase = (usize, usize, usize, [usize; 2], Option<usize>);
+
+/// Decode attention on the tensor cores (`--cuda-tensor-core-decode-attention on`): two
+/// sequences prefilled, then decode steps of one row each (the batched launch) and of a few rows
+/// each (one launch per segment), against the reference kernel and the f32 decode kernels, at
+/// groups of 3 to 16 q heads, head dims 64, 128 and 256, a sliding window and contexts past the
+/// split kernel's 128 one-tile chunks.
+#[test]
+fn tensor_core_decode_attention_matches_the_reference_and_f32_kernels() {
+    let test = "tensor_core_decode_attention_matches_the_reference_and_f32_kernels";
+    let options = CudaOptions {
+        tensor_core_prefill: true,
+        tensor_core_decode_attention: true,
+        ..CudaOptions::default()
+    };
+    let gpu = match CudaBackend::with_options(0, options) {
+        Ok(backend) => Arc::new(backend),
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
+            }
+            println!("skipped `{test}` on cuda: {error}");
+            return;
+        }
+    };
+    if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        assert_eq!(
+            gpu.info().attention_path,
+            AttentionPath::TensorCore,
+            "the tensor-core attention failed its start-up check (see the warning in the log)"
+        );
+    }
+    let mut rng = Xoshiro256::seed_from_u64(43);
+    let cases: [DecodeAttentionCase; 5] = [
+        (32, 4, 128, [4500, 37], None),
+        (16, 2, 256, [700, 1200], None),
+        (64, 4, 128, [300, 5], None),
+        (12, 4, 128, [64, 129], None),
+        (8, 1, 64, [1000, 50], Some(100)),
+    ];
+    for (heads, kv_heads, hd, prefill, window) in cases {
+        let spec = AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            sliding_window: window,
+        };
+        let kv_width = kv_heads * hd;
+        let steps: [[usize; 2]; 4] = [prefill, [1, 1], [3, 2], [1, 1]];
+        let max_tokens = steps.iter().map(|s| s[0].max(s[1])).sum::<usize>();
+        let paths = [
+            AttentionPath::TensorCore,
+            AttentionPath::Reference,
+            AttentionPath::Flash,
+        ];
+        let mut all_caches: Vec<Vec<CudaKvCache>> = paths
+            .iter()
+            .map(|_| {
+                (0..2)
+                    .map(|_| gpu.new_kv_cache(max_tokens, kv_width).unwrap())
+                    .collect()
+            })
+            .collect();
+        let mut starts = [0usize; 2];
+        for (step, lengths) in steps.into_iter().enumerate() {
+            let total = lengths[0] + lengths[1];
+            let q = uniform(&mut rng, total * heads * hd, 1.5);
+            let k = uniform(&mut rng, total * kv_width, 1.5);
+            let v = uniform(&mut rng, total * kv_width, 1.0);
+            let segments = [(lengths[0], starts[0]), (lengths[1], starts[1])];
+            let outputs: Vec<Vec<f32>> = paths
+                .iter()
+                .zip(all_caches.iter_mut())
+                .map(|(&path, caches)| {
+                    attention_call(&gpu, path, (&q, &k, &v), &spec, caches, &segments)
+                })
+                .collect();
+            if step > 0 {
+                let (vs_reference, vs_f32) = (
+                    relative_difference(&outputs[0], &outputs[1]),
+                    relative_difference(&outputs[0], &outputs[2]),
+                );
+                println!(
+                    "decode attention heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores vs reference {vs_reference:.2e}, vs f32 kernels {vs_f32:.2e}"
+                );
+                assert!(
+                    vs_reference <= TENSOR_CORE_TOLERANCE && vs_f32 <= TENSOR_CORE_TOLERANCE,
+                    "heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores differ by {vs_reference:.2e} from the reference, {vs_f32:.2e} from the f32 kernels"
+                );
+                assert_ne!(outputs[0], outputs[2], "the tensor cores did not run");
+            }
+            starts[0] += lengths[0];
+            starts[1] += lengths[1];
+        }
+    }
+}
+
 /// (key heads, value heads, key head dim, value head dim, the sequences' first prefill, their
 /// second prefill)
 type DeltaRuleCase = (

@@ -174,9 +174,9 @@ pub(super) fn decode_kernel_for_shape(head_dim: usize, group: usize) -> Option<D
 impl CudaBackend {
     /// The decode kernel for a cache of `dtype` with `head_dim` and `group` q heads per kv head,
     /// when the option is on, the cache is bf16 and the block fits this card's shared memory
-    /// (else the split kernel serves): on the tensor cores when `tensor_cores` (the path that
-    /// passed its bf16-tolerance check) and the shape has a kernel, else with the heads across
-    /// the lanes. Logs the choice once per shape and path.
+    /// (else the split kernel serves): on the tensor cores when the option asks for it,
+    /// `tensor_cores` (the path that passed its bf16-tolerance check) and the shape has a
+    /// kernel, else with the heads across the lanes. Logs the choice once per shape and path.
     pub(super) fn decode_kernel(
         &self,
         dtype: KvDtype,
@@ -188,7 +188,7 @@ impl CudaBackend {
             return None;
         }
         let limit = self.info.shared_memory_per_block;
-        if tensor_cores {
+        if tensor_cores && self.options.tensor_core_decode_attention {
             let mma = decode_mma_kernel_for_shape(head_dim, group)
                 .filter(|kernel| kernel.shared_memory_bytes <= limit);
             if let Some(kernel) = mma {

@@ -105,6 +105,12 @@ pub struct CudaOptions {
     /// card; off: the split kernel everywhere (the reference the tests compare against). Not
     /// the same bits: the sums run in another order.
     pub group_decode_attention: bool,
+    /// With `tensor_core_prefill` and `group_decode_attention`, decode attention over a bf16
+    /// cache on the tensor cores (`attention_decode_mma_*`: the group's q heads as the rows of
+    /// an mma tile, q and the softmax weights rounded to bf16) where the group is at most 16;
+    /// checked at start with the tensor-core prefill kernel. Off by default until a whole step
+    /// measures it faster than the lanes kernels.
+    pub tensor_core_decode_attention: bool,
     /// One token's routed gate/up projections (quantized experts, hidden ≤ 2048) from a grid
     /// that fits the GPU at once, each warp walking (pair, column) tasks with the next one's
     /// rows in flight (`expert_gate_up_tasks`) instead of one block row per pair, whose second
@@ -222,6 +228,7 @@ impl Default for CudaOptions {
             decode_experts_by_expert: false,
             fused_expert_sum: false,
             group_decode_attention: true,
+            tensor_core_decode_attention: false,
             decode_gate_up_tasks: true,
             decode_down_prefetch: true,
             weight_prefetch: true,
@@ -252,6 +259,8 @@ impl CudaOptions {
             fused_expert_sum: false,
             // An f32 cache: the split kernel either way.
             group_decode_attention: true,
+            // Batch invariance, as for prefill.
+            tensor_core_decode_attention: false,
             // The same bits as the per-pair kernel.
             decode_gate_up_tasks: true,
             // Timing only: the same bits.

@@ -462,6 +462,59 @@ class Bench:
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 
+    def expert_decode_fused(self, kernel_dir, v):
+        """The candidate in scripts/bench/candidates/expert_decode_fused.cu (one launch for a
+        token's gate/up tasks, down and pair sum) against the three launches, bits held equal.
+        `v`: the one-token locals of `experts` (buffers, launch builders, shapes)."""
+        path = os.path.join(ROOT, "scripts", "bench", "candidates", "expert_decode_fused.cu")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            source = f.read()
+        h, i, pairs, tokens = v["h"], v["i"], v["pairs"], v["tokens"]
+        id_sets, suffix, blocks, span = v["id_sets"], v["suffix"], v["blocks"], v["span"]
+        tasks_launch, down_launch, pair_sum = v["tasks_launch"], v["down_launch"], v["pair_sum"]
+        tasks_out, out, sum_args = v["tasks_out"], v["out"], v["sum_args"]
+        moved = pairs * (v["gate_up_bytes"] + v["gate_up_scales"] + v["down_bytes"] + v["down_scales"])
+
+        def sum_launch():
+            pair_sum((-(-(tokens * h) // 256),), (256,), sum_args)
+
+        three = []
+        for ids in id_sets:
+            three += [tasks_launch(ids, blocks, span=span), down_launch(ids, activated=tasks_out), sum_launch]
+        us = timed(three) * 3
+        self.record("tasks + down + pair sum int8 " + suffix, "three launches", us, moved)
+        tasks_launch(id_sets[5], blocks)()
+        down_launch(id_sets[5], activated=tasks_out)()
+        sum_launch()
+        cp.cuda.Device().synchronize()
+        reference_out, reference_activated = out.copy(), tasks_out.copy()
+        counters = cp.zeros(2, dtype=cp.uint32)
+        fused_out = cp.zeros((tokens, h), dtype=cp.float32)
+        fused_activated = cp.zeros((pairs, i), dtype=cp.float32)
+        smem = max(-(-h // 16), TOP_K * -(-i // 16)) * 20 * 4
+        sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+        for min_blocks, loads in ((1, 8), (2, 8), (1, 4), (1, 16)):
+            kernel = module(kernel_dir, "experts", [("FUSED_MIN_BLOCKS", min_blocks), ("FUSED_DOWN_LOADS", loads)],
+                            append=source).get_function("expert_decode_fused")
+
+            def fused_launch(ids, kernel=kernel, grid=min_blocks * sms):
+                args = (v["buffer"], v["slot_of_expert"], ids, v["x"], v["weights"], fused_activated, fused_out,
+                        counters, np.int32(TOP_K), np.int32(EXPERTS), np.int32(h), np.int32(i), np.int64(v["stride"]),
+                        v["dtype_int8"], np.int64(v["gate_up_bytes"]), np.int64(v["down_offset"]),
+                        np.int64(v["down_bytes"]))
+                return lambda: kernel((grid,), (256,), args, shared_mem=smem)
+
+            variant = "%d blocks/SM loads=%d" % (min_blocks, loads)
+            us = timed([fused_launch(ids) for ids in id_sets])
+            self.record("expert_decode_fused int8 " + suffix, variant, us, moved)
+            fused_launch(id_sets[5])()
+            cp.cuda.Device().synchronize()
+            self.same_bits("expert_decode_fused (%s) activations" % variant, fused_activated, reference_activated)
+            self.same_bits("expert_decode_fused (%s) against tasks + down + pair sum" % variant, fused_out,
+                           reference_out)
+
     def candidate_gate_up(self, kernel_dir):
         """`expert_gate_up_tasks` of kernel_dir's experts.cu (one token's gate/up from a grid
         that fits the GPU at once), or None for a revision without it or with --no-candidates."""
@@ -610,6 +663,7 @@ class Bench:
                     cp.cuda.Device().synchronize()
                     self.same_bits("expert_gate_up_tasks (%s) against expert_gate_up" % name, tasks_out,
                                    activated)
+                self.expert_decode_fused(kernel_dir, locals())
             # One expert not resident: its pair's output rows are zeros (and its activated row is
             # not written, so it is left out of the comparison).
             missing = int(id_sets[3][2])

@@ -248,6 +248,7 @@ impl CudaBackend {
                     )))?;
                 Ok(())
             });
+        let allowed = allowed.and_then(|()| self.allow_tensor_core_decode_shared_memory());
         let checked = allowed.and_then(|()| {
             self.check_against_reference(
                 AttentionPath::TensorCore,

@@ -7,9 +7,11 @@
 //! workspace, the chunking and the combine (device/attention.rs) are unchanged.
 //! Must not touch: the segments, the workspace or the combine.
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::LaunchConfig;
 
-use super::{CudaBackend, KvDtype};
+use super::{driver_error, CudaBackend, KvDtype};
+use crate::backend::cuda::CudaError;
 
 /// `DECODE_THREADS` in `kernels/attention_decode.cu`.
 const DECODE_THREADS: u32 = 128;
@@ -172,6 +174,35 @@ pub(super) fn decode_kernel_for_shape(head_dim: usize, group: usize) -> Option<D
 }
 
 impl CudaBackend {
+    /// With `--cuda-tensor-core-decode-attention on`: every tensor-core decode kernel that fits
+    /// this card gets the dynamic shared memory it needs (more than the 48 KB a launch gets
+    /// without asking). Those that do not fit are left alone: `decode_kernel` does not pick them.
+    pub(super) fn allow_tensor_core_decode_shared_memory(&self) -> Result<(), CudaError> {
+        if !self.options.tensor_core_decode_attention {
+            return Ok(());
+        }
+        for (head_dim, _, _) in DECODE_MMA_HEAD_DIMS {
+            let Some(kernel) = decode_mma_kernel_for_shape(head_dim, 1) else {
+                continue;
+            };
+            let bytes = kernel.shared_memory_bytes;
+            if bytes > self.info.shared_memory_per_block {
+                continue;
+            }
+            for name in [kernel.segment, kernel.batched] {
+                self.function(name)?
+                    .set_attribute(
+                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )
+                    .map_err(driver_error(format!(
+                        "allowing `{name}` {bytes} bytes of shared memory"
+                    )))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The decode kernel for a cache of `dtype` with `head_dim` and `group` q heads per kv head,
     /// when the option is on, the cache is bf16 and the block fits this card's shared memory
     /// (else the split kernel serves): on the tensor cores when the option asks for it,

@@ -550,12 +550,20 @@ impl ExpertCache {
         if slots.fills_in_flight() == 0 && slots.slot_table().every_expert_resident() {
             return Ok(());
         }
+        // Static placement (no fills) with nothing in flight: the table never changes, so the
+        // running step's copy, once kept, stays right and there is nothing to decide.
+        let fixed = self.options.fills_per_layer == 0 && slots.fills_in_flight() == 0;
         if ahead {
             if let Ok(mut tables) = self.running_step_tables.lock() {
                 if let Some(kept) = tables.get_mut(index) {
-                    *kept = Some(slots.slot_table().clone());
+                    if !fixed || kept.is_none() {
+                        *kept = Some(slots.slot_table().clone());
+                    }
                 }
             }
+        }
+        if fixed {
+            return Ok(());
         }
         let Some(counters) = self.counters.layers.get(index) else {
             return Ok(());

@@ -537,19 +537,12 @@ impl CudaBackend {
     ) -> Result<CudaTensor, CudaError> {
         let hd = spec.head_dim;
         let (q_data, k_data, v_data) = (&*q.data, &*k.data, &*v.data);
-        // Every kernel writes all of its segment's rows; when the segments tile the rows in
-        // order (every forward's batch), the output needs no zeroing launch.
-        let mut next_row = 0;
-        let tiled_in_order = segments.iter().all(|segment| {
-            let in_order = segment.rows.start == next_row;
-            next_row = segment.rows.end;
-            in_order
-        }) && next_row == q.rows;
-        let mut out = if tiled_in_order {
-            self.output_uninit(q.rows, spec.heads * hd)?
-        } else {
-            self.output(q.rows, spec.heads * hd)?
-        };
+        // Every kernel writes all of its segment's rows.
+        let mut out = self.output_for_segments(
+            q.rows,
+            spec.heads * hd,
+            segments.iter().map(|segment| segment.rows.clone()),
+        )?;
         let scale = 1.0 / (hd as f32).sqrt();
         let (heads, kv_heads, head_dim) = (
             int(spec.heads, "heads")?,

@@ -449,7 +449,12 @@ impl CudaBackend {
         }
         let (q_data, k_data, v_data) = (&*q.data, &*k.data, &*v.data);
         let (g_data, beta_data) = (&*g.data, &*beta.data);
-        let mut out = self.output(rows, nv * dv)?;
+        // Every delta-rule kernel writes all heads and columns of each of a segment's rows.
+        let mut out = self.output_for_segments(
+            rows,
+            nv * dv,
+            segments.iter().map(|segment| segment.rows.clone()),
+        )?;
         let (nk_arg, nv_arg, dk_arg, dv_arg) = (
             int(nk, "key heads")?,
             int(nv, "value heads")?,

@@ -515,7 +515,12 @@ impl CudaBackend {
         segments: &mut [Segment<'_, CudaConvState>],
     ) -> Result<CudaTensor, CudaError> {
         let input = &*x.data;
-        let mut out = self.output(x.rows, x.cols)?;
+        // The kernel writes every channel of each of a segment's rows.
+        let mut out = self.output_for_segments(
+            x.rows,
+            x.cols,
+            segments.iter().map(|segment| segment.rows.clone()),
+        )?;
         for segment in segments.iter_mut() {
             let state = &mut *segment.state;
             if state.channels != x.cols || weight.rows != x.cols || weight.cols != state.kernel {
@@ -559,8 +564,9 @@ impl CudaBackend {
             });
         }
         let (a_data, b_data) = (&*a.data, &*b.data);
-        let mut g = self.output(a.rows, nv)?;
-        let mut beta = self.output(a.rows, nv)?;
+        // The kernel writes every element of both (nothing when there are none).
+        let mut g = self.output_uninit(a.rows, nv)?;
+        let mut beta = self.output_uninit(a.rows, nv)?;
         let total = a.rows * nv;
         if total > 0 {
             let (rows, heads) = (int(a.rows, "rows")?, int(nv, "heads")?);

@@ -263,6 +263,29 @@ impl CudaBackend {
         Ok(tensor)
     }
 
+    /// The output of an op whose kernels write every row of each segment they are given: left
+    /// unzeroed when the segments' `row_ranges` tile `0..rows` in order (every forward's batch),
+    /// so a step graph gets no memset node (each costs a node and breaks the chain of
+    /// programmatic launches), else zeroed (rows no segment covers read as 0).
+    fn output_for_segments(
+        &self,
+        rows: usize,
+        cols: usize,
+        row_ranges: impl IntoIterator<Item = std::ops::Range<usize>>,
+    ) -> Result<CudaTensor, CudaError> {
+        let mut next_row = 0;
+        let tiled_in_order = row_ranges.into_iter().all(|range| {
+            let in_order = range.start == next_row;
+            next_row = range.end;
+            in_order
+        }) && next_row == rows;
+        if tiled_in_order {
+            self.output_uninit(rows, cols)
+        } else {
+            self.output(rows, cols)
+        }
+    }
+
     /// A `[rows, cols]` output with unspecified contents, for ops whose kernels write every
     /// element: a recycled buffer (no driver call at all) or a new allocation.
     fn output_uninit(&self, rows: usize, cols: usize) -> Result<CudaTensor, CudaError> {

@@ -25,7 +25,7 @@
 //   with asynchronous copies (the next tile's K while this tile's V is used, and so on);
 //   S = Q·Kᵀ and O += P·V on `mma.sync.m16n8k16` with q and p rounded to bf16 (K, V are bf16
 //   already), the online softmax in f32 on the accumulators. Not bit-equal to the tiled kernel:
-//   held to the reference within bf16 tolerances (start-up check and tests/cuda_tensor_cores.rs).
+//   held to the reference within bf16 tolerances (start-up check and tests/cuda_tensor_core_attention.rs).
 //
 // Batch invariance: every row's arithmetic depends only on its own position, window and key
 // range (and, for the split path, the segment's chunk size), never on the other rows of the

@@ -39,6 +39,7 @@ SUITES=(
   "speculative_scheduler:::cuda"
   "scoring_requests:::cuda"
   "cuda_tensor_cores:"
+  "cuda_tensor_core_attention:"
   "batch_decode:"
   "qwen4_exp_parts:::cuda"
   "prefix_cache:::cuda"

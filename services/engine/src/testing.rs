@@ -67,6 +67,57 @@ pub fn max_abs_difference(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0f32, f32::max)
 }
 
+/// max |got − expected| / max |expected|; NaN counts as infinite.
+pub fn relative_difference(got: &[f32], expected: &[f32]) -> f32 {
+    let scale = expected.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let worst = max_abs_difference(got, expected);
+    if worst.is_nan() || got.iter().any(|v| v.is_nan()) {
+        f32::INFINITY
+    } else {
+        worst / scale
+    }
+}
+
+/// `count` values uniform in [−scale, scale).
+pub fn symmetric_uniform(rng: &mut Xoshiro256, count: usize, scale: f32) -> Vec<f32> {
+    (0..count)
+        .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// The shared CUDA backend for GPU test `test`, or `None` after saying it is skipped (a panic
+/// under `NINFER_REQUIRE_GPU=1`).
+pub fn cuda_or_skip(test: &str) -> Option<std::sync::Arc<crate::backend::cuda::CudaBackend>> {
+    skip_without_cuda(test, crate::backend::cuda::CudaBackend::shared())
+}
+
+/// A CUDA backend of its own with `options` for GPU test `test`, or `None` as
+/// [`cuda_or_skip`].
+pub fn cuda_with_options_or_skip(
+    test: &str,
+    options: crate::backend::cuda::CudaOptions,
+) -> Option<std::sync::Arc<crate::backend::cuda::CudaBackend>> {
+    skip_without_cuda(
+        test,
+        crate::backend::cuda::CudaBackend::with_options(0, options).map(std::sync::Arc::new),
+    )
+}
+
+/// `backend` for GPU test `test`, or `None` after saying it is skipped (a panic under
+/// `NINFER_REQUIRE_GPU=1`).
+pub fn skip_without_cuda<T, E: std::fmt::Display>(test: &str, backend: Result<T, E>) -> Option<T> {
+    match backend {
+        Ok(backend) => Some(backend),
+        Err(error) => {
+            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
+            }
+            println!("skipped `{test}` on cuda: {error}");
+            None
+        }
+    }
+}
+
 /// `tests/fixtures/<name>` of this checkout.
 pub fn golden_fixture_dir(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -13,40 +13,24 @@
 
 use std::sync::Arc;
 
-use ninfer_engine::backend::cuda::{
-    AttentionPath, CudaBackend, CudaError, CudaTensor, CudaWeight, KvDtype,
-};
+use ninfer_engine::backend::cuda::{AttentionPath, CudaBackend, CudaTensor, CudaWeight, KvDtype};
 use ninfer_engine::backend::{
     AttentionSpec, DeltaRuleForm, DeltaRuleSpec, NormStyle, Rotation, Segment,
 };
 use ninfer_engine::sampling::Xoshiro256;
-use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOptions};
+use ninfer_engine::testing::{
+    skip_without_cuda, write_tiny_model, TinyArchitecture, TinyModelOptions,
+};
 use ninfer_engine::{open_artifact, Backend, CpuBackend};
 
 /// The exact backend (f32 KV cache, no cuBLAS), or `None` after printing why the test skips.
 fn gpu(test: &str) -> Option<Arc<CudaBackend>> {
-    skip_unless(test, CudaBackend::shared_exact())
+    skip_without_cuda(test, CudaBackend::shared_exact())
 }
 
 /// The backend with the default options (what `ninfer-engine --device cuda` runs).
 fn gpu_default(test: &str) -> Option<Arc<CudaBackend>> {
-    skip_unless(test, CudaBackend::shared())
-}
-
-fn skip_unless(
-    test: &str,
-    backend: Result<Arc<CudaBackend>, CudaError>,
-) -> Option<Arc<CudaBackend>> {
-    match backend {
-        Ok(backend) => Some(backend),
-        Err(error) => {
-            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
-            }
-            println!("skipped `{test}` on cuda: {error}");
-            None
-        }
-    }
+    skip_without_cuda(test, CudaBackend::shared())
 }
 
 fn random(rng: &mut Xoshiro256, count: usize, scale: f32) -> Vec<f32> {
@@ -664,7 +648,7 @@ fn attention_cases(gpu: &CudaBackend) {
                 gpu.info().kv_dtype
             );
             // Tensor-core prefill rounds q and the softmax weights to bf16
-            // (tests/cuda_tensor_cores.rs holds it to the other kernels).
+            // (tests/cuda_tensor_core_attention.rs holds it to the other kernels).
             let tolerance = if gpu.info().attention_path == AttentionPath::TensorCore {
                 2e-2
             } else {

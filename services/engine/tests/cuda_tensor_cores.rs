@@ -1,15 +1,11 @@
 //! The CUDA backend's tensor-core prefill kernels against the kernels they replace and the f32
-//! references:
+//! references (attention's, prefill and decode, in `cuda_tensor_core_attention.rs`):
 //! * the grouped routed experts (`expert_gate_up_mma` / `expert_down_mma`) for bf16, int8 and
 //!   int4 experts against the SIMT grouped kernels and the f32 reference executor, at 16, 77 and
 //!   300 tokens (tiles of 64 pairs: none a multiple), uneven experts (one in most tokens, one in
 //!   a single token, a resident one in none, a token with no resident expert), hidden sizes 544
 //!   and 552 and expert widths 96 and 40 (quantized rows ending in padded groups); f32 experts
 //!   keep the SIMT kernels (same bits);
-//! * causal GQA prefill attention over a bf16 cache (`attention_mma_*`) against the reference
-//!   kernel and the tiled kernel: head_dim 64, 128 and 256, GQA 1 to 8, segments of 16 to 1000
-//!   rows (none a multiple of the 64-row tile), a second prefill continuing each sequence, and a
-//!   sliding window;
 //! * the chunked gated delta rule (`gated_delta_rule_chunked_mma`) against the f32 chunked
 //!   kernel and the CPU's recurrent form at Qwen3-Next / Qwen3.5 head shapes, sequences of 1 to
 //!   4096 tokens in one batch, from initial states and continuing from the states left.
@@ -32,13 +28,13 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, CommonConfig, DType, ExpertBank, ModelConfig, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 use ninfer_engine::backend::cuda::{
-    AttentionPath, CudaBackend, CudaExpertSlots, CudaKvCache, CudaOptions, DeltaRuleKernel,
-    GroupedExpertKernels, KvDtype,
+    AttentionPath, CudaBackend, CudaExpertSlots, CudaOptions, DeltaRuleKernel, GroupedExpertKernels,
 };
 use ninfer_engine::backend::{AttentionSpec, DeltaRuleForm, DeltaRuleSpec, Routing, Segment};
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{
-    max_abs_difference, tiny_config, write_model, TinyArchitecture, TinyModelOptions,
+    cuda_or_skip, cuda_with_options_or_skip, relative_difference, symmetric_uniform, tiny_config,
+    write_model, TinyArchitecture, TinyModelOptions,
 };
 use ninfer_engine::{
     open_artifact, Backend, CpuBackend, ExpertBatch, ExpertExecutor, Model, PrefillStagingOptions,
@@ -55,36 +51,6 @@ const DELTA_RULE_TOLERANCE: f32 = 1e-4;
 const CUDA_MEAN_NLL_BAR: f64 = 2e-2;
 /// The CUDA fidelity bar on the share of tokens whose top-1 agrees with the reference.
 const CUDA_TOP1_BAR: f64 = 0.99;
-
-fn gpu(test: &str) -> Option<Arc<CudaBackend>> {
-    match CudaBackend::shared() {
-        Ok(backend) => Some(backend),
-        Err(error) => {
-            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
-            }
-            println!("skipped `{test}` on cuda: {error}");
-            None
-        }
-    }
-}
-
-fn uniform(rng: &mut Xoshiro256, count: usize, scale: f32) -> Vec<f32> {
-    (0..count)
-        .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
-        .collect()
-}
-
-/// max |got − expected| / max |expected|; NaN counts as infinite.
-fn relative_difference(got: &[f32], expected: &[f32]) -> f32 {
-    let scale = expected.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    let worst = max_abs_difference(got, expected);
-    if worst.is_nan() || got.iter().any(|v| v.is_nan()) {
-        f32::INFINITY
-    } else {
-        worst / scale
-    }
-}
 
 /// A one-bank artifact of Qwen3-MoE shape with the given expert sizes and dtype, its expert
 /// bank, layout and the config's common part.
@@ -177,7 +143,7 @@ fn uneven_routing(rng: &mut Xoshiro256, tokens: usize, k: usize) -> Routing {
 #[test]
 fn tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference() {
     let test = "tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference";
-    let Some(gpu) = gpu(test) else {
+    let Some(gpu) = cuda_or_skip(test) else {
         return;
     };
     let directory = tempfile::tempdir().unwrap();
@@ -191,7 +157,7 @@ fn tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference() {
             let slots = slots_of(&gpu, &artifact, &bank, &layout, experts, &fills);
             for tokens in [16usize, 77, 300] {
                 let mut rng = Xoshiro256::seed_from_u64(tokens as u64 + 5);
-                let hidden_values = uniform(&mut rng, tokens * hidden, 1.0);
+                let hidden_values = symmetric_uniform(&mut rng, tokens * hidden, 1.0);
                 let routing = uneven_routing(&mut rng, tokens, k);
                 let x = gpu.upload(&hidden_values, tokens, hidden).unwrap();
                 let run = |kernels| {
@@ -263,217 +229,6 @@ fn tensor_core_grouped_experts_match_the_simt_kernels_and_the_reference() {
     }
 }
 
-/// `(rows, start position)` of one sequence's segment.
-type Piece = (usize, usize);
-
-/// (heads, kv_heads, head_dim, first prefill of the two sequences, second prefill, window)
-type AttentionCase = (usize, usize, usize, [usize; 2], [usize; 2], Option<usize>);
-
-/// One attention call over `segments` through `path`, each segment on its own cache.
-fn attention_call(
-    gpu: &CudaBackend,
-    path: AttentionPath,
-    (q, k, v): (&[f32], &[f32], &[f32]),
-    spec: &AttentionSpec,
-    caches: &mut [CudaKvCache],
-    segments: &[Piece],
-) -> Vec<f32> {
-    let total: usize = segments.iter().map(|s| s.0).sum();
-    let kv_width = spec.kv_heads * spec.head_dim;
-    let (qg, kg, vg) = (
-        gpu.upload(q, total, spec.heads * spec.head_dim).unwrap(),
-        gpu.upload(k, total, kv_width).unwrap(),
-        gpu.upload(v, total, kv_width).unwrap(),
-    );
-    let mut row = 0;
-    let mut batch: Vec<Segment<'_, _>> = Vec::new();
-    for (cache, &(length, start_position)) in caches.iter_mut().zip(segments) {
-        batch.push(Segment {
-            rows: row..row + length,
-            start_position,
-            state: cache,
-        });
-        row += length;
-    }
-    let out = gpu
-        .attention_with_path(path, &qg, &kg, &vg, spec, &mut batch)
-        .unwrap();
-    gpu.download(&out).unwrap()
-}
-
-#[test]
-fn tensor_core_attention_matches_the_reference_and_tiled_kernels() {
-    let test = "tensor_core_attention_matches_the_reference_and_tiled_kernels";
-    let Some(gpu) = gpu(test) else {
-        return;
-    };
-    println!("attention path in use: {}", gpu.info().attention_path);
-    if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        assert_eq!(
-            gpu.info().attention_path,
-            AttentionPath::TensorCore,
-            "the tensor-core attention failed its start-up check (see the warning in the log)"
-        );
-    }
-    assert_eq!(gpu.info().kv_dtype, KvDtype::Bf16);
-    let mut rng = Xoshiro256::seed_from_u64(41);
-    let cases: [AttentionCase; 5] = [
-        (8, 2, 128, [77, 300], [33, 16], None),
-        (32, 4, 128, [1000, 16], [65, 200], None),
-        (16, 2, 256, [65, 130], [17, 64], None),
-        (4, 4, 64, [129, 20], [100, 1], None),
-        (8, 1, 64, [1000, 17], [70, 30], Some(100)),
-    ];
-    for (heads, kv_heads, hd, first, second, window) in cases {
-        let spec = AttentionSpec {
-            heads,
-            kv_heads,
-            head_dim: hd,
-            sliding_window: window,
-        };
-        let kv_width = kv_heads * hd;
-        let max_tokens = first[0].max(first[1]) + second[0].max(second[1]);
-        let caches = || -> Vec<CudaKvCache> {
-            (0..2)
-                .map(|_| gpu.new_kv_cache(max_tokens, kv_width).unwrap())
-                .collect()
-        };
-        let paths = [
-            AttentionPath::TensorCore,
-            AttentionPath::Reference,
-            AttentionPath::Flash,
-        ];
-        let mut all_caches: Vec<Vec<CudaKvCache>> = paths.iter().map(|_| caches()).collect();
-        for (step, lengths) in [first, second].into_iter().enumerate() {
-            let starts = if step == 0 { [0, 0] } else { first };
-            let total = lengths[0] + lengths[1];
-            let q = uniform(&mut rng, total * heads * hd, 1.5);
-            let k = uniform(&mut rng, total * kv_width, 1.5);
-            let v = uniform(&mut rng, total * kv_width, 1.0);
-            let segments = [(lengths[0], starts[0]), (lengths[1], starts[1])];
-            let outputs: Vec<Vec<f32>> = paths
-                .iter()
-                .zip(all_caches.iter_mut())
-                .map(|(&path, caches)| {
-                    attention_call(&gpu, path, (&q, &k, &v), &spec, caches, &segments)
-                })
-                .collect();
-            let (vs_reference, vs_tiled) = (
-                relative_difference(&outputs[0], &outputs[1]),
-                relative_difference(&outputs[0], &outputs[2]),
-            );
-            println!(
-                "attention heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores vs reference {vs_reference:.2e}, vs tiled {vs_tiled:.2e}"
-            );
-            assert!(
-                vs_reference <= TENSOR_CORE_TOLERANCE && vs_tiled <= TENSOR_CORE_TOLERANCE,
-                "heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores differ by {vs_reference:.2e} from the reference, {vs_tiled:.2e} from tiled"
-            );
-            if lengths.iter().all(|&n| n >= 16) {
-                assert_ne!(outputs[0], outputs[2], "the tensor cores did not run");
-            }
-        }
-    }
-}
-
-/// (heads, kv_heads, head_dim, the two sequences' prefill lengths, window)
-type DecodeAttentionCase = (usize, usize, usize, [usize; 2], Option<usize>);
-
-/// Decode attention on the tensor cores (`--cuda-tensor-core-decode-attention on`): two
-/// sequences prefilled, then decode steps of one row each (the batched launch) and of a few rows
-/// each (one launch per segment), against the reference kernel and the f32 decode kernels, at
-/// groups of 3 to 16 q heads, head dims 64, 128 and 256, a sliding window and contexts past the
-/// split kernel's 128 one-tile chunks.
-#[test]
-fn tensor_core_decode_attention_matches_the_reference_and_f32_kernels() {
-    let test = "tensor_core_decode_attention_matches_the_reference_and_f32_kernels";
-    let options = CudaOptions {
-        tensor_core_prefill: true,
-        tensor_core_decode_attention: true,
-        ..CudaOptions::default()
-    };
-    let gpu = match CudaBackend::with_options(0, options) {
-        Ok(backend) => Arc::new(backend),
-        Err(error) => {
-            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
-            }
-            println!("skipped `{test}` on cuda: {error}");
-            return;
-        }
-    };
-    if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        assert_eq!(
-            gpu.info().attention_path,
-            AttentionPath::TensorCore,
-            "the tensor-core attention failed its start-up check (see the warning in the log)"
-        );
-    }
-    let mut rng = Xoshiro256::seed_from_u64(43);
-    let cases: [DecodeAttentionCase; 5] = [
-        (32, 4, 128, [4500, 37], None),
-        (16, 2, 256, [700, 1200], None),
-        (64, 4, 128, [300, 5], None),
-        (12, 4, 128, [64, 129], None),
-        (8, 1, 64, [1000, 50], Some(100)),
-    ];
-    for (heads, kv_heads, hd, prefill, window) in cases {
-        let spec = AttentionSpec {
-            heads,
-            kv_heads,
-            head_dim: hd,
-            sliding_window: window,
-        };
-        let kv_width = kv_heads * hd;
-        let steps: [[usize; 2]; 4] = [prefill, [1, 1], [3, 2], [1, 1]];
-        let max_tokens = steps.iter().map(|s| s[0].max(s[1])).sum::<usize>();
-        let paths = [
-            AttentionPath::TensorCore,
-            AttentionPath::Reference,
-            AttentionPath::Flash,
-        ];
-        let mut all_caches: Vec<Vec<CudaKvCache>> = paths
-            .iter()
-            .map(|_| {
-                (0..2)
-                    .map(|_| gpu.new_kv_cache(max_tokens, kv_width).unwrap())
-                    .collect()
-            })
-            .collect();
-        let mut starts = [0usize; 2];
-        for (step, lengths) in steps.into_iter().enumerate() {
-            let total = lengths[0] + lengths[1];
-            let q = uniform(&mut rng, total * heads * hd, 1.5);
-            let k = uniform(&mut rng, total * kv_width, 1.5);
-            let v = uniform(&mut rng, total * kv_width, 1.0);
-            let segments = [(lengths[0], starts[0]), (lengths[1], starts[1])];
-            let outputs: Vec<Vec<f32>> = paths
-                .iter()
-                .zip(all_caches.iter_mut())
-                .map(|(&path, caches)| {
-                    attention_call(&gpu, path, (&q, &k, &v), &spec, caches, &segments)
-                })
-                .collect();
-            if step > 0 {
-                let (vs_reference, vs_f32) = (
-                    relative_difference(&outputs[0], &outputs[1]),
-                    relative_difference(&outputs[0], &outputs[2]),
-                );
-                println!(
-                    "decode attention heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores vs reference {vs_reference:.2e}, vs f32 kernels {vs_f32:.2e}"
-                );
-                assert!(
-                    vs_reference <= TENSOR_CORE_TOLERANCE && vs_f32 <= TENSOR_CORE_TOLERANCE,
-                    "heads {heads}/{kv_heads} hd {hd} window {window:?}, rows {lengths:?} at {starts:?}: tensor cores differ by {vs_reference:.2e} from the reference, {vs_f32:.2e} from the f32 kernels"
-                );
-                assert_ne!(outputs[0], outputs[2], "the tensor cores did not run");
-            }
-            starts[0] += lengths[0];
-            starts[1] += lengths[1];
-        }
-    }
-}
-
 /// (key heads, value heads, key head dim, value head dim, the sequences' first prefill, their
 /// second prefill)
 type DeltaRuleCase = (
@@ -531,15 +286,8 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
         tensor_core_delta_rule: true,
         ..CudaOptions::default()
     };
-    let gpu = match CudaBackend::with_options(0, options) {
-        Ok(backend) => Arc::new(backend),
-        Err(error) => {
-            if std::env::var("NINFER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("NINFER_REQUIRE_GPU=1 but `{test}` cannot run on cuda: {error}");
-            }
-            println!("skipped `{test}` on cuda: {error}");
-            return;
-        }
+    let Some(gpu) = cuda_with_options_or_skip(test, options) else {
+        return;
     };
     let path = gpu.info().delta_rule_path;
     println!("delta rule path in use: {path}");
@@ -615,7 +363,7 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
         };
         let initial: Vec<Vec<f32>> = first
             .iter()
-            .map(|_| uniform(&mut rng, nv * dk * dv, 0.5))
+            .map(|_| symmetric_uniform(&mut rng, nv * dk * dv, 0.5))
             .collect();
         let mut gpu_states: Vec<Vec<_>> = kernels
             .iter()
@@ -642,9 +390,9 @@ fn tensor_core_delta_rule_matches_the_chunked_kernel_and_the_cpu() {
             let total: usize = lengths.iter().sum();
             let (g, beta) = delta_rule_gates(&mut rng, total, nv);
             let inputs = [
-                (uniform(&mut rng, total * nk * dk, 1.0), nk * dk),
-                (uniform(&mut rng, total * nk * dk, 1.0), nk * dk),
-                (uniform(&mut rng, total * nv * dv, 1.0), nv * dv),
+                (symmetric_uniform(&mut rng, total * nk * dk, 1.0), nk * dk),
+                (symmetric_uniform(&mut rng, total * nk * dk, 1.0), nk * dk),
+                (symmetric_uniform(&mut rng, total * nv * dv, 1.0), nv * dv),
                 (g, nv),
                 (beta, nv),
             ];
@@ -778,7 +526,7 @@ fn seconds_per_call(gpu: &CudaBackend, mut call: impl FnMut()) -> f64 {
 #[ignore = "a figure, not a check; needs a GPU"]
 fn tensor_core_prefill_figures() {
     let test = "tensor_core_prefill_figures";
-    let Some(gpu) = gpu(test) else {
+    let Some(gpu) = cuda_or_skip(test) else {
         return;
     };
     let directory = tempfile::tempdir().unwrap();
@@ -807,7 +555,11 @@ fn tensor_core_prefill_figures() {
             routing.weights.extend([0.125f32; 8].iter().take(k));
         }
         let x = gpu
-            .upload(&uniform(&mut rng, tokens * hidden, 1.0), tokens, hidden)
+            .upload(
+                &symmetric_uniform(&mut rng, tokens * hidden, 1.0),
+                tokens,
+                hidden,
+            )
             .unwrap();
         let flops = (tokens * k) as f64 * 2.0 * 3.0 * (hidden * intermediate) as f64;
         let mut figures = Vec::new();
@@ -838,8 +590,8 @@ fn tensor_core_prefill_figures() {
         sliding_window: None,
     };
     let kv_width = kv_heads * hd;
-    let q = uniform(&mut rng, rows * heads * hd, 1.0);
-    let kv = uniform(&mut rng, rows * kv_width, 1.0);
+    let q = symmetric_uniform(&mut rng, rows * heads * hd, 1.0);
+    let kv = symmetric_uniform(&mut rng, rows * kv_width, 1.0);
     let (qg, kg, vg) = (
         gpu.upload(&q, rows, heads * hd).unwrap(),
         gpu.upload(&kv, rows, kv_width).unwrap(),
@@ -882,12 +634,24 @@ fn tensor_core_prefill_figures() {
     let qk_width = spec.key_heads * spec.key_head_dim;
     let v_width = spec.value_heads * spec.value_head_dim;
     let inputs = [
-        gpu.upload(&uniform(&mut rng, tokens * qk_width, 1.0), tokens, qk_width)
-            .unwrap(),
-        gpu.upload(&uniform(&mut rng, tokens * qk_width, 1.0), tokens, qk_width)
-            .unwrap(),
-        gpu.upload(&uniform(&mut rng, tokens * v_width, 1.0), tokens, v_width)
-            .unwrap(),
+        gpu.upload(
+            &symmetric_uniform(&mut rng, tokens * qk_width, 1.0),
+            tokens,
+            qk_width,
+        )
+        .unwrap(),
+        gpu.upload(
+            &symmetric_uniform(&mut rng, tokens * qk_width, 1.0),
+            tokens,
+            qk_width,
+        )
+        .unwrap(),
+        gpu.upload(
+            &symmetric_uniform(&mut rng, tokens * v_width, 1.0),
+            tokens,
+            v_width,
+        )
+        .unwrap(),
         gpu.upload(&g, tokens, spec.value_heads).unwrap(),
         gpu.upload(&beta, tokens, spec.value_heads).unwrap(),
     ];
@@ -994,7 +758,7 @@ fn top1_agreement_counts(a: &[f32], b: &[f32], vocab: usize) -> (usize, usize) {
 /// splits agree to f32 rounding (`tests/prefill_staging.rs`).
 #[test]
 fn tensor_core_layerwise_prefill_matches_the_staged_path() {
-    let Some(gpu) = gpu("tensor_core_layerwise_prefill_matches_the_staged_path") else {
+    let Some(gpu) = cuda_or_skip("tensor_core_layerwise_prefill_matches_the_staged_path") else {
         return;
     };
     let work = tempfile::tempdir().unwrap();

@@ -505,6 +505,10 @@ pub(crate) async fn measure(
         None
     };
     let mut decode_batch_rows: Vec<BatchDecodeRow> = Vec::with_capacity(decode_batches.len());
+    if !decode_batches.is_empty() {
+        // Each batch's decode counters from zero.
+        profile(&mut client, true, false).await?;
+    }
     for &batch in decode_batches {
         let decode = measure_concurrent_decode(
             &client,
@@ -516,11 +520,33 @@ pub(crate) async fn measure(
         )
         .await
         .with_context(|| format!("decoding a batch of {batch} sequences"))?;
-        profile(&mut client, true, false).await?;
-        decode_batch_rows.push(BatchDecodeRow {
-            decode,
-            aggregate_over_batch_1: None,
+        let counters = profile(&mut client, true, false).await?;
+        let steps = counters.decode.as_ref().map_or(0, |phase| phase.forwards);
+        let per_step = |bytes: u64| bytes as f64 / steps.max(1) as f64;
+        let (cpu_bytes, resident_bytes) = counters.decode.as_ref().map_or((0.0, 0.0), |phase| {
+            (
+                per_step(phase.cpu_expert_bytes),
+                per_step(phase.resident_expert_bytes),
+            )
         });
+        let dense = counters.dense_weight_bytes_per_forward as f64;
+        let (ram_bytes, device_bytes) = if on_gpu {
+            (cpu_bytes, dense + resident_bytes)
+        } else {
+            (cpu_bytes + dense + resident_bytes, 0.0)
+        };
+        let ideal_ms = match device_bandwidth_gbps {
+            _ if steps == 0 => None,
+            _ if !on_gpu => Some(ram_bytes / ram_bytes_per_second),
+            Some(gbps) => Some(ram_bytes / ram_bytes_per_second + device_bytes / (gbps * 1e9)),
+            None => None,
+        }
+        .map(|seconds| seconds * 1e3);
+        decode_batch_rows.push(BatchDecodeRow::new(
+            decode,
+            (ram_bytes, device_bytes),
+            ideal_ms,
+        ));
     }
     let batch_1 = decode_batch_rows
         .iter()

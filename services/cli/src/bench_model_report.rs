@@ -269,6 +269,36 @@ pub(crate) struct BatchDecodeRow {
     pub(crate) decode: ConcurrentDecode,
     /// Aggregate tok/s over batch 1's (null when batch 1 was not measured).
     pub(crate) aggregate_over_batch_1: Option<f64>,
+    /// Weight bytes one decode step read, averaged over the run's decode steps: the dense
+    /// weights and the distinct routed experts of every MoE layer, from RAM and from the
+    /// device's memory (all RAM on the CPU device).
+    pub(crate) ram_bytes_per_step: f64,
+    pub(crate) device_bytes_per_step: f64,
+    /// Those bytes at the measured bandwidths, per step (null without a device bandwidth).
+    pub(crate) ideal_ms_per_step: Option<f64>,
+    /// The ideal step time over the measured one (sequences / aggregate tok/s): the batch's
+    /// share of the byte roofline, comparable with batch 1's whatever the batch size (more
+    /// rows touch more distinct experts, so the bytes per step grow with the batch).
+    pub(crate) roofline_ratio: Option<f64>,
+}
+
+impl BatchDecodeRow {
+    /// The row of `decode`, whose decode steps read `bytes` per step (RAM, device) and at most
+    /// `ideal_ms` per step at the measured bandwidths.
+    pub(crate) fn new(decode: ConcurrentDecode, bytes: (f64, f64), ideal_ms: Option<f64>) -> Self {
+        let measured_ms = 1e3 * decode.sequences as f64 / decode.aggregate_tok_s;
+        let roofline_ratio = ideal_ms
+            .filter(|_| measured_ms.is_finite() && measured_ms > 0.0)
+            .map(|ideal| ideal / measured_ms);
+        BatchDecodeRow {
+            decode,
+            aggregate_over_batch_1: None,
+            ram_bytes_per_step: bytes.0,
+            device_bytes_per_step: bytes.1,
+            ideal_ms_per_step: ideal_ms,
+            roofline_ratio,
+        }
+    }
 }
 
 /// Decode of several sequences at once, from the client's token arrival times.
@@ -387,12 +417,20 @@ pub(crate) fn print_report(report: &Report) {
             report.decode_batches[0].decode.prompt_tokens
         );
         println!(
-            "{:>6} {:>14} {:>16} {:>16} {:>9} {:>9}",
-            "batch", "aggregate tok/s", "per-seq tok/s", "× batch 1", "p50 ms", "p99 ms"
+            "{:>6} {:>14} {:>16} {:>16} {:>9} {:>9} {:>12} {:>12} {:>9}",
+            "batch",
+            "aggregate tok/s",
+            "per-seq tok/s",
+            "× batch 1",
+            "p50 ms",
+            "p99 ms",
+            "RAM MB/step",
+            "GPU MB/step",
+            "roofline"
         );
         for row in &report.decode_batches {
             println!(
-                "{:>6} {:>14.1} {:>16.1} {:>16} {:>9.2} {:>9.2}",
+                "{:>6} {:>14.1} {:>16.1} {:>16} {:>9.2} {:>9.2} {:>12.1} {:>12.1} {:>9}",
                 row.decode.sequences,
                 row.decode.aggregate_tok_s,
                 row.decode.per_sequence_tok_s,
@@ -400,9 +438,17 @@ pub(crate) fn print_report(report: &Report) {
                     .map(|ratio| format!("{ratio:.2}"))
                     .unwrap_or_else(|| "-".into()),
                 row.decode.step_ms.p50_ms,
-                row.decode.step_ms.p99_ms
+                row.decode.step_ms.p99_ms,
+                row.ram_bytes_per_step / 1e6,
+                row.device_bytes_per_step / 1e6,
+                row.roofline_ratio
+                    .map(|ratio| format!("{:.0}%", 100.0 * ratio))
+                    .unwrap_or_else(|| "-".into())
             );
         }
+        println!(
+            "RAM / GPU MB/step: weight bytes one step read (dense weights and each MoE layer's distinct routed experts), averaged over the run's decode steps. roofline = those bytes at the measured bandwidths / the measured step (sequences / aggregate tok/s): batch sizes compare by it, since more rows read more distinct experts."
+        );
     }
     if let Some(figures) = &report.decode_during_prefill {
         bench_during_prefill::print(figures);

@@ -272,6 +272,12 @@ fn bench_model_reports_every_figure_with_and_without_workers() {
                 assert!(aggregate > 0.0 && per_sequence > 0.0, "{row}");
                 assert!(row["aggregate_over_batch_1"].as_f64().is_some(), "{row}");
                 check_steps(&row["step_ms"], 0.0);
+                // The CPU device reads every weight from RAM: the dense ones at least.
+                let ram = row["ram_bytes_per_step"].as_f64().unwrap_or(0.0);
+                assert!(ram > 0.0, "{row}");
+                assert_eq!(row["device_bytes_per_step"].as_f64(), Some(0.0), "{row}");
+                let share = row["roofline_ratio"].as_f64().unwrap_or(0.0);
+                assert!(share > 0.0 && share.is_finite(), "{row}");
             }
         } else {
             assert!(report.get("decode_batches").is_none(), "{report}");

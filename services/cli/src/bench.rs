@@ -52,7 +52,7 @@ enum BenchCommand {
 
 #[derive(Debug, clap::Args)]
 struct PoolArgs {
-    /// Threads (default: every core of the NUMA node).
+    /// Threads (default: one per physical core of the NUMA node).
     #[arg(long)]
     threads: Option<usize>,
     /// NUMA node whose cores the threads are pinned to (all cores when the machine has none).

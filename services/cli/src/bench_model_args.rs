@@ -23,7 +23,7 @@ pub struct ModelBenchArgs {
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
     /// Compute threads of the CPU experts (per worker, or in-process) and of the RAM
-    /// bandwidth reference (default: every core of the NUMA node).
+    /// bandwidth reference (default: one per physical core of the NUMA node).
     #[arg(long)]
     pub moe_threads: Option<usize>,
     /// Compute the routed experts inside the engine instead of in worker processes.

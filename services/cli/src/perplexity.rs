@@ -61,7 +61,7 @@ pub struct PerplexityArgs {
     /// Behave as if the GPU had this many GiB (stand in for a smaller card).
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
-    /// Compute threads per expert worker (default: every core of its node); with
+    /// Compute threads per expert worker (default: one per physical core of its node); with
     /// `--in-process`, of the CPU expert kernels beside a GPU.
     #[arg(long)]
     pub moe_threads: Option<usize>,

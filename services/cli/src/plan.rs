@@ -41,6 +41,8 @@ pub struct Machine {
 pub struct NumaNode {
     pub node: usize,
     pub cpus: usize,
+    /// Physical cores among those CPUs: a worker's default thread count.
+    pub cores: usize,
 }
 
 impl Machine {
@@ -50,12 +52,14 @@ impl Machine {
         let (ram_total_bytes, ram_available_bytes) = read_meminfo().unwrap_or((0, 0));
         let numa_nodes = crate::supervisor::numa_nodes()
             .into_iter()
-            .map(|node| NumaNode {
-                node,
-                cpus: ninfer_cpu_experts::cpus_of_numa_node(node)
-                    .map(|cpus| cpus.len())
-                    .unwrap_or(1)
-                    .max(1),
+            .map(|node| {
+                let cpus = ninfer_cpu_experts::cpus_of_numa_node(node).unwrap_or_default();
+                let (_, cores) = ninfer_cpu_experts::cpus_by_physical_core(&cpus);
+                NumaNode {
+                    node,
+                    cpus: cpus.len().max(1),
+                    cores: cores.max(1),
+                }
             })
             .collect();
         Machine {
@@ -156,6 +160,8 @@ impl Machine {
                 .map(|node| NumaNode {
                     node,
                     cpus: profile.cpus / profile.numa_nodes,
+                    // A profile counts cores.
+                    cores: profile.cpus / profile.numa_nodes,
                 })
                 .collect(),
             ram_total_bytes,
@@ -318,7 +324,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
     };
     if let Some(threads) = request.moe_threads {
         if threads == 0 {
-            bail!("--moe-threads 0: give at least 1 (leave it out for every core of each node)");
+            bail!("--moe-threads 0: give at least 1 (leave it out for one per physical core of each node)");
         }
         if threads > machine.cpus {
             bail!(
@@ -415,7 +421,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
                 } else {
                     format!("shard={index}/{}", nodes.len())
                 },
-                threads: request.moe_threads.unwrap_or(node.cpus),
+                threads: request.moe_threads.unwrap_or(node.cores),
             })
             .collect()
     };
@@ -738,7 +744,13 @@ pub(crate) mod tests {
     pub(crate) fn machine(gpu_gib: Option<u64>, ram_gib: u64, nodes: usize) -> Machine {
         Machine {
             cpus: 16 * nodes,
-            numa_nodes: (0..nodes).map(|node| NumaNode { node, cpus: 16 }).collect(),
+            numa_nodes: (0..nodes)
+                .map(|node| NumaNode {
+                    node,
+                    cpus: 16,
+                    cores: 16,
+                })
+                .collect(),
             ram_total_bytes: ram_gib * GIB,
             ram_available_bytes: ram_gib * GIB - 2 * GIB,
             gpu: gpu_gib.map(|gib| Gpu {

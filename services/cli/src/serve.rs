@@ -51,7 +51,7 @@ pub struct EngineFlags {
     /// `gpu_free_gib`): what `--dry-run` would plan there.
     #[arg(long, value_name = "FILE")]
     pub machine_profile: Option<PathBuf>,
-    /// Compute threads per expert worker (default: every core of its node).
+    /// Compute threads per expert worker (default: one per physical core of its node).
     #[arg(long)]
     pub moe_threads: Option<usize>,
     /// Longest prompt + completion per sequence, in tokens.

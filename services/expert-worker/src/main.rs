@@ -37,7 +37,8 @@ struct Args {
     /// NUMA node whose cores this worker pins to (node 0 on a one-node machine).
     #[arg(long, default_value_t = 0)]
     numa_node: usize,
-    /// Compute threads (default: every core of the node).
+    /// Compute threads (default: one per physical core of the node, each pinned to its own core;
+    /// the cores' other hardware threads stay free for the engine and the system).
     #[arg(long)]
     moe_threads: Option<usize>,
     /// Which experts this worker owns: `all`, or `shard=I/N` (the I-th of N contiguous ranges).
@@ -176,11 +177,11 @@ fn main() -> anyhow::Result<()> {
     let common = artifact.config().common().clone();
     let served = serving::ServedBanks::of(&common);
     let owned = owned_range(&args.experts, served.num_experts)?;
-    let cpus = ninfer_cpu_experts::cpus_of_numa_node(args.numa_node).unwrap_or_default();
-    let threads = args
-        .moe_threads
-        .unwrap_or(if cpus.is_empty() { 1 } else { cpus.len() })
-        .max(1);
+    let node_cpus = ninfer_cpu_experts::cpus_of_numa_node(args.numa_node).unwrap_or_default();
+    // One worker per physical core unless asked otherwise; more threads go to the cores'
+    // other hardware threads.
+    let (cpus, cores) = ninfer_cpu_experts::cpus_by_physical_core(&node_cpus);
+    let threads = args.moe_threads.unwrap_or(cores).max(1);
     let isa = match &args.kernel_isa {
         Some(name) => name
             .parse::<KernelIsa>()
@@ -200,6 +201,8 @@ fn main() -> anyhow::Result<()> {
         model_id = %artifact.model_id(),
         numa_node = args.numa_node,
         threads,
+        cores,
+        hardware_threads = cpus.len(),
         kernel = isa.name(),
         experts = %format!("{}..{} of {}", owned.start, owned.end, served.num_experts),
         "expert worker ready"

@@ -48,7 +48,7 @@ mod avx512;
 pub use isa::KernelIsa;
 pub use layer::{compute_layer, ExpertTask, ExpertWeights, LayerScratch, ScratchCapacity};
 pub use layout::{ExpertLayout, MatrixLayout, WeightDType};
-pub use pool::{cpus_of_numa_node, ThreadPool};
+pub use pool::{cpus_by_physical_core, cpus_of_numa_node, ThreadPool};
 pub use tuning::{DownSplit, KernelTuning, Prefetch};
 
 /// Errors of this crate: every one names the bad value and what was expected.

@@ -184,10 +184,12 @@ impl ThreadPool {
     }
 
     /// A pool on the cores of NUMA node `node` (all CPUs this process may use when the machine
-    /// reports no such node); `threads` defaults to one per core.
+    /// reports no such node); `threads` defaults to one per physical core, each pinned to its
+    /// own core first ([`cpus_by_physical_core`]).
     pub fn for_numa_node(node: usize, threads: Option<usize>) -> Result<Self, KernelError> {
         let cpus = cpus_of_numa_node(node).unwrap_or_else(|_| allowed_cpus());
-        let threads = threads.unwrap_or(cpus.len()).max(1);
+        let (cpus, cores) = cpus_by_physical_core(&cpus);
+        let threads = threads.unwrap_or(cores).max(1);
         ThreadPool::new(threads, &cpus, true)
     }
 
@@ -393,6 +395,44 @@ pub fn cpus_of_numa_node(node: usize) -> Result<Vec<usize>, KernelError> {
     Ok(cpus)
 }
 
+/// `cpus` ordered one thread of every physical core first (each core's lowest-numbered CPU of
+/// `cpus`, in `cpus`' order), then the other hardware threads, and how many come first: a pool
+/// of that many threads pinned in this order puts one worker on each core. The expert kernels
+/// are bound by memory bandwidth and each core's vector or matrix units, which two hardware
+/// threads of a core share, so the second thread adds little and takes the CPU time the engine
+/// and the operating system need (a worker interrupted mid-layer stalls every other worker at
+/// the layer's barrier). Cores are read from sysfs (`topology/thread_siblings_list`); a CPU
+/// without that file counts as a core of its own.
+pub fn cpus_by_physical_core(cpus: &[usize]) -> (Vec<usize>, usize) {
+    order_by_core(cpus, |cpu| {
+        let path = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list");
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| parse_cpulist(&text).ok())
+    })
+}
+
+/// [`cpus_by_physical_core`] with the siblings of each CPU (itself included) from `siblings`.
+fn order_by_core(
+    cpus: &[usize],
+    siblings: impl Fn(usize) -> Option<Vec<usize>>,
+) -> (Vec<usize>, usize) {
+    let (mut first, mut rest) = (Vec::new(), Vec::new());
+    for &cpu in cpus {
+        let core_first = siblings(cpu)
+            .and_then(|list| list.into_iter().filter(|other| cpus.contains(other)).min())
+            .unwrap_or(cpu);
+        if core_first == cpu {
+            first.push(cpu);
+        } else {
+            rest.push(cpu);
+        }
+    }
+    let cores = first.len();
+    first.extend(rest);
+    (first, cores)
+}
+
 /// The CPUs this process may run on (its affinity mask), or `0..available_parallelism`.
 pub fn allowed_cpus() -> Vec<usize> {
     #[cfg(target_os = "linux")]
@@ -450,6 +490,24 @@ mod tests {
         assert_eq!(allowed_cpus(), vec![before[0]]);
         drop(pool);
         assert_eq!(allowed_cpus(), before);
+    }
+
+    #[test]
+    fn one_thread_of_each_core_comes_first() {
+        // Two-way SMT numbered as Linux does on most x86 machines: CPU c and c + 4 share a core.
+        let smt = |cpu: usize| Some(vec![cpu % 4, cpu % 4 + 4]);
+        let all: Vec<usize> = (0..8).collect();
+        assert_eq!(order_by_core(&all, smt), (vec![0, 1, 2, 3, 4, 5, 6, 7], 4));
+        // Siblings numbered next to each other (0-1, 2-3, ...).
+        let pairs = |cpu: usize| Some(vec![cpu / 2 * 2, cpu / 2 * 2 + 1]);
+        assert_eq!(
+            order_by_core(&all, pairs),
+            (vec![0, 2, 4, 6, 1, 3, 5, 7], 4)
+        );
+        // A sibling outside the allowed set does not hide its core; no topology: every CPU a core.
+        assert_eq!(order_by_core(&[1, 5, 6], smt), (vec![1, 6, 5], 2));
+        assert_eq!(order_by_core(&[4, 5], smt), (vec![4, 5], 2));
+        assert_eq!(order_by_core(&[3, 7, 9], |_| None), (vec![3, 7, 9], 3));
     }
 
     #[test]

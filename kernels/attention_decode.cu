@@ -414,6 +414,13 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #ifndef DM_KEYS
 #define DM_KEYS 16
 #endif
+// 0 (what the engine compiles): a partial per warp, one chunk each. 1 (a kernel-bench variant):
+// a block's warps split one chunk of WARPS times the keys and merge before writing its
+// partial, so the combine reads WARPS times fewer; the host passes that chunk and launches a
+// block per chunk (the in-kernel chunking of step graphs is the per-warp one).
+#ifndef DM_MERGE
+#define DM_MERGE 0
+#endif
 // bf16 of padding per staged row (as MMA_PAD in attention.cu): ldmatrix rows on distinct banks.
 #define DM_PAD 8
 
@@ -442,56 +449,37 @@ __device__ __forceinline__ void decode_mma_stage(const unsigned short* keys,
     mma_copies_commit();
 }
 
-// One block of WARPS warps: chunks blockIdx.x · WARPS + warp of kv head blockIdx.y of the row at `position`
-// whose q row is `q_row`; partials at part_row_base + (kv_head · group + h) · chunks + chunk.
+// The group's q rows of `query` (16 rows, those past `group` zero) as bf16 into `q_s`; every
+// thread of the block takes part (no barrier here).
 template <int HD, int WARPS>
-__device__ __forceinline__ void attention_decode_mma_block(
-    const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
-    float* part_ml, int q_row, int position, int heads, int kv_heads, int window, float scale,
-    int chunk, int chunks, long long part_row_base) {
+__device__ __forceinline__ void decode_mma_stage_q(const float* query, int group,
+                                                   unsigned short* q_s) {
     constexpr int stride = HD + DM_PAD;
-    constexpr int n_tiles = DM_KEYS / 8;
-    static_assert(DM_KEYS % 16 == 0, "sub-tiles of whole 16-key steps");
-    const float neg_inf = __int_as_float(0xff800000);
-    const float scale_log2 = scale * 1.4426950408889634f;
-    int kv_head = blockIdx.y, group = heads / kv_heads;
-    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-
-    unsigned short* q_s = reinterpret_cast<unsigned short*>(decode_smem);
-    const float* query = q + (long long)q_row * heads * HD + (long long)kv_head * group * HD;
-    for (int i = tid; i < 16 * (HD / 4); i += 32 * WARPS) {
+    for (int i = threadIdx.x; i < 16 * (HD / 4); i += 32 * WARPS) {
         int r = i / (HD / 4), d = (i - r * (HD / 4)) * 4;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (r < group) v = *reinterpret_cast<const float4*>(query + (long long)r * HD + d);
         *reinterpret_cast<uint2*>(q_s + r * stride + d) =
             make_uint2(mma_pack_bf16x2(v.x, v.y), mma_pack_bf16x2(v.z, v.w));
     }
-    __syncthreads();
+}
 
-    int c = blockIdx.x * WARPS + warp;
-    int first = window > 0 ? max(0, position + 1 - window) : 0;
-    int k0 = max(c * chunk, first);
-    int k1 = min(c * chunk + chunk - 1, position);
-    if (c >= chunks || k0 > k1) return;  // this warp: nothing of the row in its chunk
-
-    long long row_elements = (long long)kv_heads * HD;
-    const unsigned short* head_keys = keys + (long long)kv_head * HD;
-    const unsigned short* head_values = values + (long long)kv_head * HD;
-    unsigned short* stages = q_s + 16 * stride + warp * 2 * 2 * DM_KEYS * stride;
-
-    // Sub-tiles start at the chunk's first key (aligned to absolute positions).
-    int s_first = c * chunk + (k0 - c * chunk) / DM_KEYS * DM_KEYS;
+// One warp's online softmax over keys [k0, k1] of one kv head (k0 ≤ k1), walked in sub-tiles
+// of DM_KEYS keys aligned to `base` (an absolute position, a multiple of DM_KEYS): the lane's
+// two q heads lane / 4 and lane / 4 + 8 get their running max (base 2), their share of the sum
+// (the quad's lanes add up) and Σ p·v over the lane's columns.
+template <int HD>
+__device__ __forceinline__ void decode_mma_warp_keys(
+    const unsigned short* q_s, const unsigned short* head_keys,
+    const unsigned short* head_values, unsigned short* stages, long long row_elements, int base,
+    int k0, int k1, float scale_log2, int lane, float (&row_max)[2], float (&row_sum)[2],
+    float (&acc)[HD / 8][4]) {
+    constexpr int stride = HD + DM_PAD;
+    constexpr int n_tiles = DM_KEYS / 8;
+    const float neg_inf = __int_as_float(0xff800000);
+    int s_first = base + (k0 - base) / DM_KEYS * DM_KEYS;
     decode_mma_stage<HD>(head_keys, head_values, s_first, k1, row_elements, stages,
                          stages + DM_KEYS * stride, lane);
-
-    // This lane's two q heads: lane / 4 and lane / 4 + 8.
-    float row_max[2] = {neg_inf, neg_inf}, row_sum[2] = {0.0f, 0.0f};
-    float acc[HD / 8][4];
-#pragma unroll
-    for (int j = 0; j < HD / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-
     int stage = 0;
     for (int key0 = s_first; key0 <= k1; key0 += DM_KEYS, stage ^= 1) {
         if (key0 + DM_KEYS <= k1) {
@@ -541,14 +529,14 @@ __device__ __forceinline__ void attention_decode_mma_block(
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
             float new_max = fmaxf(row_max[h], top);
-            float base = new_max == neg_inf ? 0.0f : new_max;
-            correction[h] = exp2f(row_max[h] - base);
+            float base_max = new_max == neg_inf ? 0.0f : new_max;
+            correction[h] = exp2f(row_max[h] - base_max);
             float sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < n_tiles; ++j) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    float p = exp2f(s[j][2 * h + e] - base);
+                    float p = exp2f(s[j][2 * h + e] - base_max);
                     s[j][2 * h + e] = p;
                     sum += p;
                 }
@@ -581,13 +569,52 @@ __device__ __forceinline__ void attention_decode_mma_block(
         }
         __syncwarp();  // the warp is done with this stage before it is staged again
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+        row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+    }
+}
+
+#if DM_MERGE == 0
+// One block of WARPS warps: chunks blockIdx.x · WARPS + warp of kv head blockIdx.y of the row at
+// `position` whose q row is `q_row`; partials at part_row_base + (kv_head · group + h) · chunks
+// + chunk.
+template <int HD, int WARPS>
+__device__ __forceinline__ void attention_decode_mma_block(
+    const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
+    float* part_ml, int q_row, int position, int heads, int kv_heads, int window, float scale,
+    int chunk, int chunks, long long part_row_base) {
+    constexpr int stride = HD + DM_PAD;
+    static_assert(DM_KEYS % 16 == 0, "sub-tiles of whole 16-key steps");
+    const float neg_inf = __int_as_float(0xff800000);
+    int kv_head = blockIdx.y, group = heads / kv_heads;
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned short* q_s = reinterpret_cast<unsigned short*>(decode_smem);
+    decode_mma_stage_q<HD, WARPS>(
+        q + (long long)q_row * heads * HD + (long long)kv_head * group * HD, group, q_s);
+    __syncthreads();
+
+    int c = blockIdx.x * WARPS + warp;
+    int first = window > 0 ? max(0, position + 1 - window) : 0;
+    int k0 = max(c * chunk, first);
+    int k1 = min(c * chunk + chunk - 1, position);
+    if (c >= chunks || k0 > k1) return;  // this warp: nothing of the row in its chunk
+
+    float row_max[2] = {neg_inf, neg_inf}, row_sum[2] = {0.0f, 0.0f};
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    decode_mma_warp_keys<HD>(q_s, keys + (long long)kv_head * HD, values + (long long)kv_head * HD,
+                             q_s + 16 * stride + warp * 2 * 2 * DM_KEYS * stride,
+                             (long long)kv_heads * HD, c * chunk, k0, k1,
+                             scale * 1.4426950408889634f, lane, row_max, row_sum, acc);
 
     // The chunk's partial of each live q head: max in natural units (the combine's expf).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float total = row_sum[h];
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
         int r = lane / 4 + 8 * h;
         if (r >= group) continue;
         long long index = part_row_base + (long long)(kv_head * group + r) * chunks + c;
@@ -597,10 +624,84 @@ __device__ __forceinline__ void attention_decode_mma_block(
                 make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
         if (lane % 4 == 0) {
             part_ml[2 * index] = row_max[h] * 0.6931471805599453f;
+            part_ml[2 * index + 1] = row_sum[h];
+        }
+    }
+}
+#else
+// DM_MERGE: one block per chunk of the combine's (blockIdx.x), its WARPS warps splitting it
+// into WARPS equal parts (chunk a multiple of WARPS · DM_KEYS), merged in the block in warp
+// order before the one partial is written: the combine reads WARPS times fewer partials.
+template <int HD, int WARPS>
+__device__ __forceinline__ void attention_decode_mma_block(
+    const float* q, const unsigned short* keys, const unsigned short* values, float* part_o,
+    float* part_ml, int q_row, int position, int heads, int kv_heads, int window, float scale,
+    int chunk, int chunks, long long part_row_base) {
+    constexpr int stride = HD + DM_PAD;
+    const float neg_inf = __int_as_float(0xff800000);
+    int kv_head = blockIdx.y, group = heads / kv_heads;
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    int c = blockIdx.x;
+    int first = window > 0 ? max(0, position + 1 - window) : 0;
+    if (c >= chunks || max(c * chunk, first) > min(c * chunk + chunk - 1, position)) return;
+    unsigned short* q_s = reinterpret_cast<unsigned short*>(decode_smem);
+    decode_mma_stage_q<HD, WARPS>(
+        q + (long long)q_row * heads * HD + (long long)kv_head * group * HD, group, q_s);
+    __syncthreads();
+
+    int part = chunk / WARPS;
+    int base = c * chunk + warp * part;
+    int k0 = max(base, first), k1 = min(base + part - 1, position);
+    float row_max[2] = {neg_inf, neg_inf}, row_sum[2] = {0.0f, 0.0f};
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    if (k0 <= k1)
+        decode_mma_warp_keys<HD>(q_s, keys + (long long)kv_head * HD,
+                                 values + (long long)kv_head * HD,
+                                 q_s + 16 * stride + warp * 2 * 2 * DM_KEYS * stride,
+                                 (long long)kv_heads * HD, base, k0, k1,
+                                 scale * 1.4426950408889634f, lane, row_max, row_sum, acc);
+    __syncthreads();  // every warp's copies done: the stages (and q) are free
+    float* merge_o = reinterpret_cast<float*>(decode_smem);  // [warp][16][HD]
+    float* merge_ml = merge_o + WARPS * 16 * HD;             // [warp][16][2]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int r = lane / 4 + 8 * h;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j)
+            *reinterpret_cast<float2*>(merge_o + (warp * 16 + r) * HD + j * 8 + 2 * (lane % 4)) =
+                make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+        if (lane % 4 == 0) {
+            merge_ml[2 * (warp * 16 + r)] = row_max[h];
+            merge_ml[2 * (warp * 16 + r) + 1] = row_sum[h];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < group * HD; i += 32 * WARPS) {
+        int r = i / HD, d = i - r * HD;
+        float top = neg_inf;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, merge_ml[2 * (w * 16 + r)]);
+        float total = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            float m = merge_ml[2 * (w * 16 + r)];
+            float weight = m == neg_inf ? 0.0f : exp2f(m - top);
+            total += merge_ml[2 * (w * 16 + r) + 1] * weight;
+            sum += merge_o[(w * 16 + r) * HD + d] * weight;
+        }
+        long long index = part_row_base + (long long)(kv_head * group + r) * chunks + c;
+        part_o[index * HD + d] = sum;
+        if (d == 0) {
+            part_ml[2 * index] = top * 0.6931471805599453f;
             part_ml[2 * index + 1] = total;
         }
     }
 }
+#endif
 
 // The instantiations, attention_decode_mma[_batched]_bf16_HD (`DECODE_MMA_HEAD_DIMS` in
 // device/attention_decode.rs): grid (ceil(chunks / W), kv_heads, n), 32 · W threads and

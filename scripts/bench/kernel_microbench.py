@@ -337,7 +337,8 @@ class Bench:
 
     def decode_attention(self, kernel_dir, heads, kv_heads, hd, context,
                          variants=((8192, 4), (8192, 8), (16384, 8)), chunk_factors=(1, 2),
-                         mma_variants=((16, 4), (16, 2), (32, 2), (32, 4)), mma_chunk_factors=(1, 2, 4)):
+                         mma_variants=((16, 4), (16, 2), (32, 2)), mma_chunk_factors=(1,),
+                         mma_merge_variants=((16, 4), (16, 2))):
         """`attention_decode_bf16_HD_DPL` (attention_decode.cu) against `attention_split_bf16` at
         its own chunking, each followed by `attention_combine`; outputs held within f32 rounding
         of the split kernel's. Shape: `heads` q heads, `kv_heads`, head dim `hd`; `variants`:
@@ -459,6 +460,36 @@ class Bench:
                 combine_launch(out, d_chunk, d_chunks)()
                 cp.cuda.Device().synchronize()
                 self.close("attention_decode_mma %s %s" % (shape, variant), out, reference, rtol=1e-2, atol=5e-4)
+
+        # DM_MERGE=1: a block's warps split one chunk of `warps` times the keys and merge in the
+        # block, so the combine reads `warps` times fewer partials.
+        for keys_per_tile, warps in mma_merge_variants:
+            defines = [("DM_KEYS", keys_per_tile), ("DM_WARPS", warps), ("DM_WARPS_256", warps), ("DM_MERGE", 1)]
+            mma_kernel = raw_kernel(kernel_dir, "attention_decode", "attention_decode_mma_bf16_%d" % hd, defines)
+            mma_smem = (16 + warps * 2 * 2 * keys_per_tile) * (hd + 8) * 2
+            if mma_smem > cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
+                continue
+            if mma_smem > 48 * 1024:
+                mma_kernel.max_dynamic_shared_size_bytes = mma_smem
+            d_chunk = chunk * warps
+            d_chunks = position // d_chunk + 1
+            out = cp.zeros((1, heads * hd), dtype=cp.float32)
+
+            def merged_launch(i, d_chunk=d_chunk, d_chunks=d_chunks, kernel=mma_kernel, smem=mma_smem):
+                args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
+                        np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
+                        np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null)
+                return lambda: kernel((d_chunks, kv_heads, 1), (32 * warps,), args, shared_mem=smem)
+
+            us = timed([merged_launch(i) for i in range(caches)])
+            c_us = timed([combine_launch(out, d_chunk, d_chunks)] * 20)
+            variant = "merged %d keys %d warps chunk %d (%d)" % (keys_per_tile, warps, d_chunk, d_chunks)
+            self.record("attention_decode_mma_bf16_%d %s" % (hd, shape), variant, us, kv_bytes)
+            self.record("  mma + combine", variant, us + c_us, kv_bytes)
+            merged_launch(0)()
+            combine_launch(out, d_chunk, d_chunks)()
+            cp.cuda.Device().synchronize()
+            self.close("attention_decode_mma %s %s" % (shape, variant), out, reference, rtol=1e-2, atol=5e-4)
 
     # -- routed experts (slots), timing only ----------------------------------------------------
 

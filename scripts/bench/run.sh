@@ -114,6 +114,9 @@ has() { [[ "$stages" == *",$1,"* ]]; }
 [ -x "$ninfer" ] || { echo "no $ninfer: build with scripts/bench/build.sh first" >&2; exit 2; }
 log "machine: $(uname -r), $(nproc) cpus, $(free -g | awk '/Mem:/ {print $2}') GiB, $(df -h "$work" | awk 'NR==2 {print $4}') free in $work"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$out/summary.log"
+# Hardware threads per core matter to the CPU experts (THREADS counts hardware threads).
+lscpu 2>/dev/null | grep -E "^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\))" \
+  | tr -s ' ' | tee -a "$out/summary.log"
 
 convert() { # convert NAME ARGS...: writes $work/NAME.ninfer, logs its time
   local name=$1

@@ -526,7 +526,7 @@ class Bench:
         fused_activated = cp.zeros((pairs, i), dtype=cp.float32)
         smem = max(-(-h // 16), TOP_K * -(-i // 16)) * 20 * 4
         sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-        for min_blocks, loads in ((1, 8), (2, 8), (1, 4), (1, 16)):
+        for min_blocks, loads in ((1, 8), (2, 8)):
             kernel = module(kernel_dir, "experts", [("FUSED_MIN_BLOCKS", min_blocks), ("FUSED_DOWN_LOADS", loads)],
                             append=source).get_function("expert_decode_fused")
 

@@ -189,6 +189,12 @@ pub(crate) struct Args {
     /// turns in a slot.
     #[arg(long, default_value_t = DEFAULT_EVICTION_MARGIN, value_name = "CHOICES")]
     pub(crate) moe_cache_eviction_margin: f64,
+    /// Dynamic expert cache: `on` (the default) decides the next step's fills and starts their
+    /// copies while the GPU runs this step; `off` does it between the steps (in series, but
+    /// never on a core an expert worker is computing on).
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) moe_cache_upkeep_during_steps: bool,
     /// Routed experts in host RAM, computed by the CPU, the GPU holding `--moe-gpu-experts` of
     /// them per layer: how the engine always runs; accepted for command lines written for the
     /// seeds' tool.

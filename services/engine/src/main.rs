@@ -233,6 +233,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             args.moe_expert_stats.is_some(),
         ),
         cache_eviction_margin: args.moe_cache_eviction_margin,
+        cache_upkeep_during_steps: args.moe_cache_upkeep_during_steps,
     };
     let host_kv = HostKvRequest {
         host_bytes: host_kv_bytes,
@@ -483,6 +484,7 @@ struct GpuExpertsRequest {
     /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
     cache_fills_per_layer: usize,
     cache_eviction_margin: f64,
+    cache_upkeep_during_steps: bool,
 }
 
 /// A started scheduler and what `GetProfile` reports about its model.
@@ -569,6 +571,7 @@ fn start_scheduler<B: Backend>(
                 ExpertCacheOptions {
                     fills_per_layer,
                     eviction_margin: request.cache_eviction_margin,
+                    upkeep_during_steps: request.cache_upkeep_during_steps,
                     ..ExpertCacheOptions::default()
                 },
                 request.statistics.as_ref(),

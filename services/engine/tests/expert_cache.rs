@@ -513,6 +513,7 @@ fn hit_rate_curve_on_the_trained_fixture() {
                             fills_per_layer: 2,
                             decay_per_token,
                             eviction_margin: margin,
+                            ..ExpertCacheOptions::default()
                         },
                     );
                     if index == 0 {

@@ -269,7 +269,11 @@ impl<B: Backend> Model<B> {
     /// step on a 40-layer model) leave the step's critical path. Fills decided here land a
     /// step later than fills decided between the steps.
     pub(in crate::model) fn expert_cache_upkeep_ahead(&self) -> Result<(), EngineError> {
-        if let Some(cache) = &self.expert_cache {
+        if let Some(cache) = self
+            .expert_cache
+            .as_ref()
+            .filter(|cache| cache.options().upkeep_during_steps)
+        {
             self.expert_cache_upkeep(cache, true)?;
             cache.mark_upkept_ahead();
         }

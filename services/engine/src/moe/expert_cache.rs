@@ -65,6 +65,11 @@ pub struct ExpertCacheOptions {
     /// (decayed routed choices): against near ties, where two experts would take turns in a
     /// slot and every swap costs a copy and saves nothing. Free slots take any missed expert.
     pub eviction_margin: f64,
+    /// Decide the next step's fills and start their copies while the GPU replays this step's
+    /// graph (off: between the steps, in series with them). During the step the host's
+    /// driver calls leave the critical path, but on a machine whose expert workers hold every
+    /// core they take a worker's core for that time, and every layer waits for that worker.
+    pub upkeep_during_steps: bool,
 }
 
 /// `ExpertCacheOptions::eviction_margin` by default: a newcomer must have been chosen about
@@ -80,6 +85,7 @@ impl Default for ExpertCacheOptions {
             fills_per_layer: DEFAULT_FILLS_PER_LAYER,
             decay_per_token: DEFAULT_DECAY_PER_TOKEN,
             eviction_margin: DEFAULT_EVICTION_MARGIN,
+            upkeep_during_steps: true,
         }
     }
 }
@@ -807,6 +813,7 @@ mod tests {
             fills_per_layer: 1,
             decay_per_token: 0.5,
             eviction_margin: 0.0,
+            ..ExpertCacheOptions::default()
         };
         let (fixed, cache) = simulate_hit_rates(&trace, 2, 1, None, 1, options);
         assert_eq!((fixed.hits, fixed.misses, fixed.fills), (1, 5, 0));

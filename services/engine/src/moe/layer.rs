@@ -229,14 +229,12 @@ impl<B: Backend> MoeLayer<B> {
             .shared
             .as_ref()
             .map(|shared| -> Result<_, EngineError> {
-                let activated = backend.silu_mul(
-                    &backend.matmul(x, &shared.gate_proj)?,
-                    &backend.matmul(x, &shared.up_proj)?,
-                )?;
-                Ok((
-                    backend.matmul(&activated, &shared.down_proj)?,
-                    backend.matmul(x, &shared.gate)?,
-                ))
+                // The three projections of x in one pass where the backend has one (one
+                // launch instead of three at decode on the GPU; the same values).
+                let [gate_proj, up_proj, gate] =
+                    backend.matmul3(x, [&shared.gate_proj, &shared.up_proj, &shared.gate])?;
+                let activated = backend.silu_mul(&gate_proj, &up_proj)?;
+                Ok((backend.matmul(&activated, &shared.down_proj)?, gate))
             })
             .transpose()?;
         let mut output = match route {

@@ -364,6 +364,19 @@ fn dense_ops_match_the_cpu_backend() {
         &cpu.download(&cpu.columns(&ac, 7..29).unwrap()).unwrap(),
         0.0,
     );
+    // Three column ranges in one launch: the CPU's three `columns` copies, bit for bit (the
+    // last range stops short of the row's end).
+    let gpu_parts = gpu.split_columns3(&ag, [7, 13, 11]).unwrap();
+    let cpu_parts = cpu.split_columns3(&ac, [7, 13, 11]).unwrap();
+    for (part, (g, c)) in gpu_parts.iter().zip(&cpu_parts).enumerate() {
+        compare(
+            &format!("split_columns3 part {part}"),
+            &gpu.download(g).unwrap(),
+            &cpu.download(c).unwrap(),
+            0.0,
+        );
+    }
+    assert!(gpu.split_columns3(&ag, [20, 20, 20]).is_err());
     let (g1, g2) = gpu.split_interleaved(&ag, 4, 6, 4).unwrap();
     let (c1, c2) = cpu.split_interleaved(&ac, 4, 6, 4).unwrap();
     compare(

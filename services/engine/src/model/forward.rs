@@ -706,9 +706,7 @@ impl<B: Backend> Model<B> {
 
         let key_width = delta.key_heads * delta.key_head_dim;
         let value_width = delta.value_heads * delta.value_head_dim;
-        let q = backend.columns(&convolved, 0..key_width)?;
-        let k = backend.columns(&convolved, key_width..2 * key_width)?;
-        let v = backend.columns(&convolved, 2 * key_width..2 * key_width + value_width)?;
+        let [q, k, v] = backend.split_columns3(&convolved, [key_width, key_width, value_width])?;
         let (g, beta) = backend.delta_rule_gates(a, b, mix.a_log, mix.dt_bias)?;
 
         let mut recurrent_segments = layer_segments(batch, ranges, index, |layer| match layer {

@@ -494,14 +494,12 @@ class Bench:
     # -- routed experts (slots), timing only ----------------------------------------------------
 
     def expert_decode_fused(self, kernel_dir, v):
-        """The candidate in scripts/bench/candidates/expert_decode_fused.cu (one launch for a
-        token's gate/up tasks, down and pair sum) against the three launches, bits held equal.
-        `v`: the one-token locals of `experts` (buffers, launch builders, shapes)."""
-        path = os.path.join(ROOT, "scripts", "bench", "candidates", "expert_decode_fused.cu")
-        if not os.path.exists(path):
-            return
-        with open(path) as f:
-            source = f.read()
+        """`expert_decode_fused` (kernels/experts.cu: one launch for a token's gate/up tasks,
+        down and pair sum) against the three launches, bits held equal. `v`: the one-token
+        locals of `experts` (buffers, launch builders, shapes)."""
+        with open(os.path.join(kernel_dir, "experts.cu")) as f:
+            if "expert_decode_fused" not in f.read():
+                return  # a revision without it
         h, i, pairs, tokens = v["h"], v["i"], v["pairs"], v["tokens"]
         id_sets, suffix, blocks, span = v["id_sets"], v["suffix"], v["blocks"], v["span"]
         tasks_launch, down_launch, pair_sum = v["tasks_launch"], v["down_launch"], v["pair_sum"]
@@ -527,8 +525,8 @@ class Bench:
         smem = max(-(-h // 16), TOP_K * -(-i // 16)) * 20 * 4
         sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
         for min_blocks, loads in ((1, 8), (2, 8)):
-            kernel = module(kernel_dir, "experts", [("FUSED_MIN_BLOCKS", min_blocks), ("FUSED_DOWN_LOADS", loads)],
-                            append=source).get_function("expert_decode_fused")
+            kernel = module(kernel_dir, "experts", [("FUSED_MIN_BLOCKS", min_blocks),
+                                                    ("FUSED_DOWN_LOADS", loads)]).get_function("expert_decode_fused")
 
             def fused_launch(ids, kernel=kernel, grid=min_blocks * sms):
                 args = (v["buffer"], v["slot_of_expert"], ids, v["x"], v["weights"], fused_activated, fused_out,

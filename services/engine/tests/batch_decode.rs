@@ -287,38 +287,31 @@ fn batched_decode_launches_give_the_bits_of_per_sequence_launches() {
     }
 }
 
-/// The routed experts' down projection and sum over a token's choices in one launch
-/// (`fused_expert_sum`) give every step's logits bit for bit as the down launch and the pair sum
-/// they replace: int8, int4 and bf16 experts (the register path and the plain one), decode batches of
-/// 1, 3 and 8 sequences, through step graphs and op by op.
-#[test]
-fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {
-    let test = "fused_expert_sums_give_the_bits_of_down_then_pair_sum";
+/// Every step's logits with `option` on equal those with it off, bit for bit, for experts of
+/// each of `dtypes` and each batch of `sequence_counts` sequences, through step graphs and op by
+/// op: the check of a kernel variant held to the kernels it replaces.
+fn same_logits_with_and_without(
+    test: &str,
+    option: impl Fn(bool) -> CudaOptions,
+    dtypes: &[DType],
+    sequence_counts: &[usize],
+) {
     let directory = tempfile::tempdir().unwrap();
-    let open = |fused_expert_sum| {
-        CudaBackend::with_options(
-            0,
-            CudaOptions {
-                fused_expert_sum,
-                ..CudaOptions::default()
-            },
-        )
-        .map(Arc::new)
-    };
-    let backends = open(true).and_then(|fused| Ok((fused, open(false)?)));
-    let Some((fused, separate)) = gpu_or_skip(backends, test) else {
+    let open = |on| CudaBackend::with_options(0, option(on)).map(Arc::new);
+    let backends = open(true).and_then(|with| Ok((with, open(false)?)));
+    let Some((with, without)) = gpu_or_skip(backends, test) else {
         return;
     };
-    for dtype in [DType::Int8, DType::Int4, DType::Bf16] {
+    for &dtype in dtypes {
         for architecture in ARCHITECTURES {
             let path = write_model_with_experts(directory.path(), architecture, dtype);
             for graphs in [true, false] {
-                let with_fused = open_all_resident(&fused, &path, graphs);
-                let with_separate = open_all_resident(&separate, &path, graphs);
-                for sequences in [1usize, 3, 8] {
+                let model_with = open_all_resident(&with, &path, graphs);
+                let model_without = open_all_resident(&without, &path, graphs);
+                for &sequences in sequence_counts {
                     let all = prompts(sequences);
-                    let (tokens_a, logits_a) = decode_together(&with_fused, &all, STEPS);
-                    let (tokens_b, logits_b) = decode_together(&with_separate, &all, STEPS);
+                    let (tokens_a, logits_a) = decode_together(&model_with, &all, STEPS);
+                    let (tokens_b, logits_b) = decode_together(&model_without, &all, STEPS);
                     for (step, (a, b)) in logits_a.iter().zip(&logits_b).enumerate() {
                         assert!(
                             same_bits(a, b),
@@ -333,50 +326,55 @@ fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {
     }
 }
 
+/// The routed experts' down projection and sum over a token's choices in one launch
+/// (`fused_expert_sum`) give every step's logits bit for bit as the down launch and the pair sum
+/// they replace: int8, int4 and bf16 experts (the register path and the plain one), decode batches of
+/// 1, 3 and 8 sequences, through step graphs and op by op.
+#[test]
+fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {
+    same_logits_with_and_without(
+        "fused_expert_sums_give_the_bits_of_down_then_pair_sum",
+        |fused_expert_sum| CudaOptions {
+            fused_expert_sum,
+            ..CudaOptions::default()
+        },
+        &[DType::Int8, DType::Int4, DType::Bf16],
+        &[1, 3, 8],
+    );
+}
+
 /// One token's gate/up projections from the task grid (`decode_gate_up_tasks`) give every
 /// step's logits bit for bit as the per-pair kernel they replace: int8 and int4 experts, one
 /// sequence (where the task grid runs, asking L2 for the down matrices as it does by default)
 /// and three (where it does not), through step graphs and op by op.
 #[test]
 fn gate_up_tasks_give_the_bits_of_the_per_pair_kernel() {
-    let test = "gate_up_tasks_give_the_bits_of_the_per_pair_kernel";
-    let directory = tempfile::tempdir().unwrap();
-    let open = |decode_gate_up_tasks| {
-        CudaBackend::with_options(
-            0,
-            CudaOptions {
-                decode_gate_up_tasks,
-                ..CudaOptions::default()
-            },
-        )
-        .map(Arc::new)
-    };
-    let backends = open(true).and_then(|tasks| Ok((tasks, open(false)?)));
-    let Some((tasks, per_pair)) = gpu_or_skip(backends, test) else {
-        return;
-    };
-    for dtype in [DType::Int8, DType::Int4] {
-        for architecture in ARCHITECTURES {
-            let path = write_model_with_experts(directory.path(), architecture, dtype);
-            for graphs in [true, false] {
-                let with_tasks = open_all_resident(&tasks, &path, graphs);
-                let with_per_pair = open_all_resident(&per_pair, &path, graphs);
-                for sequences in [1usize, 3] {
-                    let all = prompts(sequences);
-                    let (tokens_a, logits_a) = decode_together(&with_tasks, &all, STEPS);
-                    let (tokens_b, logits_b) = decode_together(&with_per_pair, &all, STEPS);
-                    for (step, (a, b)) in logits_a.iter().zip(&logits_b).enumerate() {
-                        assert!(
-                            same_bits(a, b),
-                            "{dtype} {architecture:?}, graphs {graphs}, {sequences} sequences: step {step}'s logits differ (max |Δ| {:e})",
-                            max_abs_difference(a, b)
-                        );
-                    }
-                    assert_eq!(tokens_a, tokens_b);
-                }
-            }
-        }
-    }
+    same_logits_with_and_without(
+        "gate_up_tasks_give_the_bits_of_the_per_pair_kernel",
+        |decode_gate_up_tasks| CudaOptions {
+            decode_gate_up_tasks,
+            ..CudaOptions::default()
+        },
+        &[DType::Int8, DType::Int4],
+        &[1, 3],
+    );
+}
+
+/// One token's quantized experts in one launch (`fused_decode_experts`: gate/up tasks, then
+/// down and the pair sum after a wait for the whole grid) give every step's logits bit for bit
+/// as the three launches they replace: int8 and int4 experts, one sequence (where it runs) and
+/// three (where it does not), through step graphs and op by op.
+#[test]
+fn fused_decode_experts_give_the_bits_of_the_three_launches() {
+    same_logits_with_and_without(
+        "fused_decode_experts_give_the_bits_of_the_three_launches",
+        |fused_decode_experts| CudaOptions {
+            fused_decode_experts,
+            ..CudaOptions::default()
+        },
+        &[DType::Int8, DType::Int4],
+        &[1, 3],
+    );
 }
 
 /// Deterministic values in [-scale, scale).

@@ -149,6 +149,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &[
             "expert_gate_up",
             "expert_gate_up_tasks",
+            "expert_decode_fused",
             "expert_down",
             "expert_down_sum",
             "expert_gate_up_by_expert",

@@ -56,6 +56,10 @@ const MMA_ROWS_PER_BLOCK: u32 = 128;
 const EXPERT_GROUP_PAIRS: usize = 4;
 /// Most choices per token `expert_down_sum` takes (`DOWN_SUM_MAX_TOP_K` in kernels/experts.cu).
 const DOWN_SUM_MAX_TOP_K: usize = 32;
+/// `FUSED_MIN_BLOCKS` in kernels/experts.cu: blocks per multiprocessor of an
+/// `expert_decode_fused` grid, which must all be resident at once (its registers are sized for
+/// that many).
+const FUSED_MIN_BLOCKS: usize = 1;
 /// `GATE_UP_TASK_BLOCKS_PER_SM` / `GATE_UP_TASK_MAX_PAIRS` in kernels/experts.cu: the grid of
 /// `expert_gate_up_tasks` (blocks per multiprocessor) and the most pairs it takes.
 const GATE_UP_TASK_BLOCKS_PER_SM: usize = 2;
@@ -499,7 +503,7 @@ impl CudaBackend {
         k: usize,
         activated: &mut CudaSlice<f32>,
         pair_out: &mut CudaSlice<f32>,
-        summed: Option<&mut CudaViewMut<'_, f32>>,
+        mut summed: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<PairOutputs, CudaError> {
         let layout = &slots.layout;
         let (hidden, intermediate) = (layout.hidden, layout.intermediate);
@@ -548,6 +552,34 @@ impl CudaBackend {
                 &args.down_offset, &args.down_scales, &pairs_count, &group)?;
             return Ok(PairOutputs::PerPair);
         }
+        let quantized = matches!(layout.dtype, WeightDType::Int8 | WeightDType::Int4);
+        let fused = self
+            .fused_expert_counters
+            .as_ref()
+            .filter(|_| tokens == 1 && quantized && k <= DOWN_SUM_MAX_TOP_K)
+            .filter(|_| {
+                hidden <= GATE_UP_TASK_MAX_HIDDEN && intermediate <= GATE_UP_TASK_MAX_HIDDEN
+            });
+        if let (Some(counters), Some(out)) = (fused, summed.as_mut()) {
+            let shared = shared_bytes(hidden)?.max(
+                shared_bytes(intermediate)?
+                    .checked_mul(top_k as u32)
+                    .ok_or_else(|| too_large("shared memory bytes", intermediate))?,
+            );
+            if shared as usize <= DEFAULT_DYNAMIC_SHARED_BYTES {
+                let blocks = FUSED_MIN_BLOCKS * self.info.multiprocessor_count.max(1);
+                let config = LaunchConfig {
+                    grid_dim: (grid(blocks, MAX_GRID_X, "fused expert blocks")?, 1, 1),
+                    block_dim: (32 * EXPERT_WARPS, 1, 1),
+                    shared_mem_bytes: shared,
+                };
+                launch!(self, "expert_decode_fused", config;
+                    storage, table, ids, x, weights, &mut *activated, &mut **out, counters,
+                    &top_k, &num_experts, &args.hidden, &args.intermediate, &args.stride,
+                    &args.dtype, &args.gate_up_scales, &args.down_offset, &args.down_scales)?;
+                return Ok(PairOutputs::Summed);
+            }
+        }
         let gate_up_config = expert_launch(
             intermediate,
             EXPERT_WARPS * EXPERT_GATE_UP_COLUMNS,
@@ -556,7 +588,6 @@ impl CudaBackend {
             shared_bytes(hidden)?,
             "expert row blocks",
         )?;
-        let quantized = matches!(layout.dtype, WeightDType::Int8 | WeightDType::Int4);
         if self.options.decode_gate_up_tasks
             && tokens == 1
             && pairs <= GATE_UP_TASK_MAX_PAIRS
@@ -735,6 +766,10 @@ mod tests {
     fn constants_match_the_kernels() {
         use crate::backend::cuda::kernels::kernel_define;
         assert_eq!(TILE_TOKENS as i64, kernel_define("experts", "TILE_TOKENS"));
+        assert_eq!(
+            FUSED_MIN_BLOCKS as i64,
+            kernel_define("experts", "FUSED_MIN_BLOCKS")
+        );
         assert_eq!(
             GATE_UP_TASK_BLOCKS_PER_SM as i64,
             kernel_define("experts", "GATE_UP_TASK_BLOCKS_PER_SM")

@@ -65,6 +65,10 @@ pub struct CudaBackend {
     active_step_graph: Mutex<Option<ActiveStepGraph>>,
     /// The op shapes whose kernel variant has been logged (once each).
     kernel_choices_logged: Mutex<std::collections::HashSet<(&'static str, usize, usize)>>,
+    /// `--cuda-fused-decode-experts`: the two counters `expert_decode_fused` waits on, zero
+    /// between its launches (each launch's last block sets them back), allocated at start so a
+    /// step graph's launches take the same buffer.
+    fused_expert_counters: Option<CudaSlice<u32>>,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,

@@ -100,6 +100,11 @@ pub struct CudaOptions {
     /// multiprocessor, the activations staged one load at a time) took 27.62 µs against
     /// 10.50 + 2.35 at one token on an H100; this one is not measured yet.
     pub fused_expert_sum: bool,
+    /// One token's quantized routed experts in one launch (`expert_decode_fused`: the gate/up
+    /// task grid, then every output row's down projection and pair sum after a wait for all
+    /// blocks of the grid, which fits the GPU at once), with the bits of the three launches it
+    /// replaces. Off by default until a whole step measures it faster.
+    pub fused_decode_experts: bool,
     /// Decode attention over a bf16 cache in the kernels that spread a GQA group's q heads
     /// across the lanes (kernels/attention_decode.cu) where one serves the shape and fits the
     /// card; off: the split kernel everywhere (the reference the tests compare against). Not
@@ -227,6 +232,7 @@ impl Default for CudaOptions {
             batched_decode: true,
             decode_experts_by_expert: false,
             fused_expert_sum: false,
+            fused_decode_experts: false,
             group_decode_attention: true,
             tensor_core_decode_attention: false,
             decode_gate_up_tasks: true,
@@ -257,6 +263,8 @@ impl CudaOptions {
             decode_experts_by_expert: false,
             // The same bits as the two launches.
             fused_expert_sum: false,
+            // The same bits as the three launches.
+            fused_decode_experts: false,
             // An f32 cache: the split kernel either way.
             group_decode_attention: true,
             // Batch invariance, as for prefill.

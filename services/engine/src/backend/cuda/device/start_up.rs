@@ -267,7 +267,16 @@ impl CudaBackend {
             active_step_graph: Default::default(),
             kernel_choices_logged: Default::default(),
             host_kv: Default::default(),
+            fused_expert_counters: None,
         };
+        if options.fused_decode_experts {
+            backend.fused_expert_counters = Some(
+                backend
+                    .stream
+                    .alloc_zeros::<u32>(2)
+                    .map_err(driver_error("allocating the fused experts' counters"))?,
+            );
+        }
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
         // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
         // the newer kernels faults in its self-check and takes the context down with it.

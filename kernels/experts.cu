@@ -889,7 +889,7 @@ __device__ __forceinline__ void fused_phase_two(const unsigned char* slots, cons
         __threadfence();
     }
     __syncthreads();
-    stage_padded_rows(activated, top_k, intermediate, slot_of, shared_a);
+    stage_padded_rows(activated, top_k, intermediate, slot_of, shared_a, true);
     __syncthreads();
     for (bool first = true; row < hidden; row += warps_total, first = false) {
         float sum = 0.0f;

@@ -168,8 +168,11 @@ __device__ __forceinline__ float row_dot_partial(const unsigned char* matrix, lo
 // loop of load-then-store waits one L2 round trip per element. Copies values, so the bits
 // downstream do not change. Does not synchronise.
 #define STAGE_UNROLL 8
+// `written_this_launch`: src was written by other blocks of this launch (the read-only data
+// path, __ldg, is then not allowed: loads go through L2 only).
 __device__ __forceinline__ void stage_padded_rows(const float* src, int rows, int len,
-                                                  const int* skip, float* dst) {
+                                                  const int* skip, float* dst,
+                                                  bool written_this_launch = false) {
     int width = segments_of(len) * SEG;
     int padded_width = segments_of(len) * SEG_STRIDE;
     if ((len & 3) == 0 && (reinterpret_cast<unsigned long long>(src) & 15) == 0) {
@@ -181,8 +184,10 @@ __device__ __forceinline__ void stage_padded_rows(const float* src, int rows, in
                 int i = base + u * blockDim.x;
                 int j = i / row_quads, q = i % row_quads;
                 bool load = i < quads && 4 * q < len && !(skip && skip[j] < 0);
-                v[u] = load ? __ldg(reinterpret_cast<const float4*>(src + (long long)j * len) + q)
-                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4* at = reinterpret_cast<const float4*>(src + (long long)j * len) + q;
+                v[u] = !load                 ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                       : written_this_launch ? __ldcg(at)
+                                             : __ldg(at);
             }
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; ++u) {
@@ -201,7 +206,8 @@ __device__ __forceinline__ void stage_padded_rows(const float* src, int rows, in
             int i = base + u * blockDim.x;
             int j = i / width, c = i % width;
             bool load = i < rows * width && c < len && !(skip && skip[j] < 0);
-            v[u] = load ? __ldg(src + (long long)j * len + c) : 0.0f;
+            const float* at = src + (long long)j * len + c;
+            v[u] = !load ? 0.0f : written_this_launch ? __ldcg(at) : __ldg(at);
         }
 #pragma unroll
         for (int u = 0; u < STAGE_UNROLL; ++u) {

@@ -243,6 +243,35 @@ extern "C" __global__ void rope_per_frequency(float* x, const unsigned int* posi
     }
 }
 
+// One channel `c` of `causal_conv1d_silu` over rows [row_start, row_start + n): each output
+// (rows × channels, this channel's column) through `store`, then the channel's new history.
+template <typename Store>
+__device__ __forceinline__ void conv1d_silu_channel(const float* x, const float* taps,
+                                                    float* history, int row_start, int n,
+                                                    int channels, int kernel, int c,
+                                                    Store store) {
+    int context = kernel - 1;
+    const float* w = taps + (long long)c * kernel;
+    for (int t = 0; t < n; ++t) {
+        float sum = 0.0f;
+        for (int j = 0; j < kernel; ++j) {
+            int e = t + j;  // index into [history ‖ rows]
+            float v = e < context ? history[(long long)e * channels + c]
+                                  : x[(long long)(row_start + e - context) * channels + c];
+            sum += w[j] * v;
+        }
+        store(row_start + t, silu_f(sum));
+    }
+    // New history row i = extended[n + i]; n >= 1 so index n + i > i is read before row
+    // n + i is overwritten (rows are rewritten in increasing order).
+    for (int i = 0; i < context; ++i) {
+        int e = n + i;
+        float v = e < context ? history[(long long)e * channels + c]
+                              : x[(long long)(row_start + e - context) * channels + c];
+        history[(long long)i * channels + c] = v;
+    }
+}
+
 // Depthwise causal conv1d + SiLU over one sequence's rows [row_start, row_start + n) of x
 // ([*, channels]), continuing from history ([kernel - 1, channels], oldest first) and leaving
 // the last kernel - 1 inputs in it. One thread per channel walks the rows in order, so the
@@ -251,28 +280,33 @@ extern "C" __global__ void causal_conv1d_silu(const float* x, const float* taps,
                                               float* out, int row_start, int n, int channels,
                                               int kernel) {
     PDL_WAIT_AND_RELEASE();
-    int context = kernel - 1;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < channels;
          c += blockDim.x * gridDim.x) {
-        const float* w = taps + (long long)c * kernel;
-        for (int t = 0; t < n; ++t) {
-            float sum = 0.0f;
-            for (int j = 0; j < kernel; ++j) {
-                int e = t + j;  // index into [history ‖ rows]
-                float v = e < context ? history[(long long)e * channels + c]
-                                      : x[(long long)(row_start + e - context) * channels + c];
-                sum += w[j] * v;
-            }
-            out[(long long)(row_start + t) * channels + c] = silu_f(sum);
-        }
-        // New history row i = extended[n + i]; n >= 1 so index n + i > i is read before row
-        // n + i is overwritten (rows are rewritten in increasing order).
-        for (int i = 0; i < context; ++i) {
-            int e = n + i;
-            float v = e < context ? history[(long long)e * channels + c]
-                                  : x[(long long)(row_start + e - context) * channels + c];
-            history[(long long)i * channels + c] = v;
-        }
+        conv1d_silu_channel(x, taps, history, row_start, n, channels, kernel, c,
+                            [&](long long row, float value) { out[row * channels + c] = value; });
+    }
+}
+
+// `causal_conv1d_silu` whose output channels [0, w0), [w0, w0 + w1) and the rest go to a, b and
+// c (the q, k and v of a Gated DeltaNet layer): the conv and `split_columns3` in one launch.
+extern "C" __global__ void causal_conv1d_silu_split3(const float* x, const float* taps,
+                                                     float* history, float* a, float* b,
+                                                     float* c_out, int row_start, int n,
+                                                     int channels, int kernel, int w0, int w1) {
+    PDL_WAIT_AND_RELEASE();
+    int w2 = channels - w0 - w1;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < channels;
+         c += blockDim.x * gridDim.x) {
+        conv1d_silu_channel(x, taps, history, row_start, n, channels, kernel, c,
+                            [&](long long row, float value) {
+                                if (c < w0) {
+                                    a[row * w0 + c] = value;
+                                } else if (c < w0 + w1) {
+                                    b[row * w1 + (c - w0)] = value;
+                                } else {
+                                    c_out[row * w2 + (c - w0 - w1)] = value;
+                                }
+                            });
     }
 }
 

@@ -454,6 +454,13 @@ fn dense_ops_match_the_cpu_backend() {
         cpu.new_conv_state(channels, kernel).unwrap(),
         cpu.new_conv_state(channels, kernel).unwrap(),
     ];
+    // The same sequences through the conv with its output split in three (one launch): the
+    // unsplit conv's columns, bit for bit.
+    let mut states_split = [
+        gpu.new_conv_state(channels, kernel).unwrap(),
+        gpu.new_conv_state(channels, kernel).unwrap(),
+    ];
+    let widths = [channels / 4, channels / 4, channels - 2 * (channels / 4)];
     for (step, lengths) in [[5usize, 2], [1, 1], [2, 9]].iter().enumerate() {
         let total = lengths[0] + lengths[1];
         let x = random(&mut rng, total * channels, 2.0);
@@ -484,13 +491,12 @@ fn dense_ops_match_the_cpu_backend() {
                 state: c1,
             },
         ];
+        let convolved = gpu
+            .causal_conv1d_silu(&xg, &taps.0, &mut segments_g)
+            .unwrap();
         compare(
             &format!("causal_conv1d_silu step {step} ({lengths:?} rows)"),
-            &gpu.download(
-                &gpu.causal_conv1d_silu(&xg, &taps.0, &mut segments_g)
-                    .unwrap(),
-            )
-            .unwrap(),
+            &gpu.download(&convolved).unwrap(),
             &cpu.download(
                 &cpu.causal_conv1d_silu(&xc, &taps.1, &mut segments_c)
                     .unwrap(),
@@ -498,6 +504,31 @@ fn dense_ops_match_the_cpu_backend() {
             .unwrap(),
             1e-5,
         );
+        let [t0, t1] = &mut states_split;
+        let mut segments_split = [
+            Segment {
+                rows: 0..lengths[0],
+                start_position: 0,
+                state: t0,
+            },
+            Segment {
+                rows: lengths[0]..total,
+                start_position: 0,
+                state: t1,
+            },
+        ];
+        let parts = gpu
+            .causal_conv1d_silu_split3(&xg, &taps.0, &mut segments_split, widths)
+            .unwrap();
+        let expected = gpu.split_columns3(&convolved, widths).unwrap();
+        for (part, (got, want)) in parts.iter().zip(&expected).enumerate() {
+            compare(
+                &format!("causal_conv1d_silu_split3 step {step} part {part}"),
+                &gpu.download(got).unwrap(),
+                &gpu.download(want).unwrap(),
+                0.0,
+            );
+        }
     }
     gpu.synchronize().unwrap();
 }

@@ -694,6 +694,20 @@ pub trait Backend: Send + Sync + 'static {
         weight: &Self::Weight,
         segments: &mut [Segment<'_, Self::ConvState>],
     ) -> Result<Self::Tensor, EngineError>;
+    /// [`Backend::causal_conv1d_silu`] with its output split into channels `[0, w0)`,
+    /// `[w0, w0 + w1)` and `[w0 + w1, w0 + w1 + w2)` (`widths`; a Gated DeltaNet layer's q, k and
+    /// v), which a backend may do in one pass (the CUDA backend does: one launch instead of two).
+    /// Same values as the conv then [`Backend::split_columns3`].
+    fn causal_conv1d_silu_split3(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        segments: &mut [Segment<'_, Self::ConvState>],
+        widths: [usize; 3],
+    ) -> Result<[Self::Tensor; 3], EngineError> {
+        let convolved = self.causal_conv1d_silu(x, weight, segments)?;
+        self.split_columns3(&convolved, widths)
+    }
     /// A copy of a conv state (a sequence's checkpoint).
     fn copy_conv_state(&self, state: &Self::ConvState) -> Result<Self::ConvState, EngineError>;
     /// A copy of a delta-rule state (a sequence's checkpoint).

@@ -701,12 +701,16 @@ impl<B: Backend> Model<B> {
         for segment in &mut conv_segments {
             segment.start_position += position_offset;
         }
-        let convolved = backend.causal_conv1d_silu(qkv, mix.conv1d, &mut conv_segments)?;
-        drop(conv_segments);
-
         let key_width = delta.key_heads * delta.key_head_dim;
         let value_width = delta.value_heads * delta.value_head_dim;
-        let [q, k, v] = backend.split_columns3(&convolved, [key_width, key_width, value_width])?;
+        // The conv's output split into q, k and v (one launch on the GPU).
+        let [q, k, v] = backend.causal_conv1d_silu_split3(
+            qkv,
+            mix.conv1d,
+            &mut conv_segments,
+            [key_width, key_width, value_width],
+        )?;
+        drop(conv_segments);
         let (g, beta) = backend.delta_rule_gates(a, b, mix.a_log, mix.dt_bias)?;
 
         let mut recurrent_segments = layer_segments(batch, ranges, index, |layer| match layer {

@@ -62,6 +62,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "rope",
             "rope_per_frequency",
             "causal_conv1d_silu",
+            "causal_conv1d_silu_split3",
             "kv_append",
         ],
     },

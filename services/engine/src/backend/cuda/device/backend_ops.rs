@@ -171,6 +171,9 @@ impl Backend for CudaBackend {
         causal_conv1d_silu(x: &CudaTensor, weight: &CudaWeight,
             segments: &mut [Segment<'_, CudaConvState>]) -> CudaTensor
             = launch_causal_conv1d_silu;
+        causal_conv1d_silu_split3(x: &CudaTensor, weight: &CudaWeight,
+            segments: &mut [Segment<'_, CudaConvState>], widths: [usize; 3]) -> [CudaTensor; 3]
+            = launch_causal_conv1d_silu_split3;
         delta_rule_gates(a: &CudaTensor, b: &CudaTensor, a_log: &CudaWeight,
             dt_bias: &CudaWeight) -> (CudaTensor, CudaTensor) = launch_delta_rule_gates;
         // Chunked for multi-token segments (`Auto`) once the kernel passed its start-up check

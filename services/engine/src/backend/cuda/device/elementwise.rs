@@ -586,6 +586,60 @@ impl CudaBackend {
         Ok(out)
     }
 
+    pub(super) fn launch_causal_conv1d_silu_split3(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        segments: &mut [Segment<'_, CudaConvState>],
+        widths: [usize; 3],
+    ) -> Result<[CudaTensor; 3], CudaError> {
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "causal_conv1d_silu_split3: {}+{}+{} channels of a {}-channel input",
+                    widths[0], widths[1], widths[2], x.cols
+                ),
+            });
+        }
+        let input = &*x.data;
+        // The kernel writes every channel of each of a segment's rows.
+        let ranges = || segments.iter().map(|segment| segment.rows.clone());
+        let mut outputs = [
+            self.output_for_segments(x.rows, widths[0], ranges())?,
+            self.output_for_segments(x.rows, widths[1], ranges())?,
+            self.output_for_segments(x.rows, widths[2], ranges())?,
+        ];
+        let (w0, w1) = (int(widths[0], "width")?, int(widths[1], "width")?);
+        for segment in segments.iter_mut() {
+            let state = &mut *segment.state;
+            if state.channels != x.cols || weight.rows != x.cols || weight.cols != state.kernel {
+                return Err(CudaError::Invalid {
+                    problem: format!(
+                        "causal_conv1d: {} channels, taps {}×{}, state {}×{}",
+                        x.cols, weight.rows, weight.cols, state.channels, state.kernel
+                    ),
+                });
+            }
+            let n = segment.rows.len();
+            if n == 0 {
+                continue;
+            }
+            let (row_start, rows, channels, kernel) = (
+                int(segment.rows.start, "row")?,
+                int(n, "rows")?,
+                int(x.cols, "channels")?,
+                int(state.kernel, "kernel")?,
+            );
+            let history = &mut state.history;
+            let [a, b, c] = &mut outputs;
+            let (out_a, out_b, out_c) = (&mut *a.data, &mut *b.data, &mut *c.data);
+            launch!(self, "causal_conv1d_silu_split3", elementwise(x.cols);
+                input, weight.f32()?, history, out_a, out_b, out_c, &row_start, &rows,
+                &channels, &kernel, &w0, &w1)?;
+        }
+        Ok(outputs)
+    }
+
     pub(super) fn launch_delta_rule_gates(
         &self,
         a: &CudaTensor,

@@ -389,8 +389,17 @@ impl ExpertCacheCounters {
                         calls.max(layer.upkeeps.load(Ordering::Relaxed)),
                     )
                 });
+        // Static placement skips the step hook (nothing can change): no upkeep to report.
+        let upkeep = if upkeeps == 0 {
+            "no upkeep between steps".to_string()
+        } else {
+            format!(
+                "upkeep between steps {:.1} µs per step over {upkeeps} steps",
+                upkeep_nanos as f64 / 1e3 / upkeeps as f64
+            )
+        };
         format!(
-            "{} slots per layer, {}: hit rate {:.1}% ({} hits, {} misses), {} fills, {} evictions, {:.1} MiB copied, upkeep between steps {:.1} µs per step over {} steps; per layer {}",
+            "{} slots per layer, {}: hit rate {:.1}% ({} hits, {} misses), {} fills, {} evictions, {:.1} MiB copied, {upkeep}; per layer {}",
             self.slots_per_layer,
             if self.fills_per_layer == 0 {
                 "static placement".to_string()
@@ -403,8 +412,6 @@ impl ExpertCacheCounters {
             total.fills,
             total.evictions,
             total.bytes_copied as f64 / (1 << 20) as f64,
-            upkeep_nanos as f64 / 1e3 / upkeeps.max(1) as f64,
-            upkeeps,
             layers.join(" ")
         )
     }

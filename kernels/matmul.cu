@@ -49,13 +49,48 @@ __device__ __forceinline__ float4 load_weight4(const unsigned short* w, long lon
                        __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
 }
 
+// Where a matmul's activations come from: `PlainRows` reads x ([n, k] f32); `SiluMulRows`
+// forms silu(gate) · up ([n, k] each) as it reads, exactly as `silu_mul` (elementwise.cu) would
+// have stored it, so the products and sums after are those of `silu_mul` then the matmul.
+struct PlainRows {
+    const float* x;
+    int k;
+    __device__ __forceinline__ float4 load4(long long r, int kk) const {
+        return *reinterpret_cast<const float4*>(x + r * k + kk);
+    }
+    __device__ __forceinline__ void load8(long long r, int kk, float4& a, float4& b) const {
+        const float* at = x + r * k + kk;
+        a = *reinterpret_cast<const float4*>(at);
+        b = *reinterpret_cast<const float4*>(at + 4);
+    }
+    __device__ __forceinline__ float load1(long long r, int kk) const { return x[r * k + kk]; }
+};
+struct SiluMulRows {
+    const float* gate;
+    const float* up;
+    int k;
+    __device__ __forceinline__ float4 load4(long long r, int kk) const {
+        float4 g = *reinterpret_cast<const float4*>(gate + r * k + kk);
+        float4 u = *reinterpret_cast<const float4*>(up + r * k + kk);
+        return make_float4(silu_f(g.x) * u.x, silu_f(g.y) * u.y, silu_f(g.z) * u.z,
+                           silu_f(g.w) * u.w);
+    }
+    __device__ __forceinline__ void load8(long long r, int kk, float4& a, float4& b) const {
+        a = load4(r, kk);
+        b = load4(r, kk + 4);
+    }
+    __device__ __forceinline__ float load1(long long r, int kk) const {
+        return silu_f(gate[r * k + kk]) * up[r * k + kk];
+    }
+};
+
 // Output features col .. col + C (those < m) of rows r0 .. r0 + R (those < n) of
 // out[n, m] = x · wᵀ, by one warp. Each output's sum is formed exactly the same way whatever C
 // and R are (the same lane chunks in the same order, then the same butterfly): C only puts more
 // weight loads in flight per warp and reuses each activation load for C features, and R is the
 // row group's size rounded up (a warp with one row runs no code for seven others).
-template <typename W, int C, int R>
-__device__ void matmul_output(const float* x, const W* w, float* out, int n, int k, int m, int col,
+template <typename W, int C, int R, typename X>
+__device__ void matmul_output(const X& x, const W* w, float* out, int n, int k, int m, int col,
                               int r0, int lane) {
     const W* wr[C];
     bool live[C];
@@ -93,9 +128,8 @@ __device__ void matmul_output(const float* x, const W* w, float* out, int n, int
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (r0 + r < n) {
-                    const float* xr = x + (long long)(r0 + r) * k + kk;
-                    float4 xa = *reinterpret_cast<const float4*>(xr);
-                    float4 xb = *reinterpret_cast<const float4*>(xr + 4);
+                    float4 xa, xb;
+                    x.load8(r0 + r, kk, xa, xb);
 #pragma unroll
                     for (int c = 0; c < C; ++c) {
                         acc[c][r] += wv[c][0] * xa.x;
@@ -122,7 +156,7 @@ __device__ void matmul_output(const float* x, const W* w, float* out, int n, int
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (r0 + r < n) {
-                    float4 xv = *reinterpret_cast<const float4*>(x + (long long)(r0 + r) * k + kk);
+                    float4 xv = x.load4(r0 + r, kk);
 #pragma unroll
                     for (int c = 0; c < C; ++c) {
                         acc[c][r] += wv[c].x * xv.x;
@@ -141,7 +175,7 @@ __device__ void matmul_output(const float* x, const W* w, float* out, int n, int
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (r0 + r < n) {
-                    float xv = x[(long long)(r0 + r) * k + kk];
+                    float xv = x.load1(r0 + r, kk);
 #pragma unroll
                     for (int c = 0; c < C; ++c) acc[c][r] += wv[c] * xv;
                 }
@@ -160,8 +194,8 @@ __device__ void matmul_output(const float* x, const W* w, float* out, int n, int
 }
 
 // The row group r0 .. min(r0 + ROWS, n) with R = its size rounded up to 1, 2, 4 or ROWS.
-template <typename W, int C>
-__device__ void matmul_row_group(const float* x, const W* w, float* out, int n, int k, int m,
+template <typename W, int C, typename X>
+__device__ void matmul_row_group(const X& x, const W* w, float* out, int n, int k, int m,
                                  int col, int r0, int lane) {
     int rows_here = n - r0;
     if (rows_here == 1) {
@@ -177,8 +211,8 @@ __device__ void matmul_row_group(const float* x, const W* w, float* out, int n, 
 
 // `cols` output features per warp: 1, or MAX_COLS (the host's choice per shape: more features
 // per warp means fewer warps, which pays only when there are many).
-template <typename W>
-__device__ void matmul_task(const float* x, const W* w, float* out, int n, int k, int m, int cols,
+template <typename W, typename X>
+__device__ void matmul_task(const X& x, const W* w, float* out, int n, int k, int m, int cols,
                             int col, int r0, int lane) {
     if (cols == MAX_COLS) {
         matmul_row_group<W, MAX_COLS>(x, w, out, n, k, m, col, r0, lane);
@@ -188,8 +222,8 @@ __device__ void matmul_task(const float* x, const W* w, float* out, int n, int k
 }
 
 // Tasks: (group of `cols` output features, group of ROWS rows), feature groups fastest.
-template <typename W>
-__device__ void matmul_warp(const float* x, const W* w, float* out, int n, int k, int m, int cols) {
+template <typename W, typename X>
+__device__ void matmul_warp(const X& x, const W* w, float* out, int n, int k, int m, int cols) {
     int warps_per_block = blockDim.x / 32;
     long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
     long long groups = (n + ROWS - 1) / ROWS;
@@ -221,14 +255,24 @@ extern "C" __global__ void matmul(const float* x, const float* w, float* out, in
                                   int cols, int prefetch) {
     PDL_L2_PREFETCH(prefetch, prefetch_feature_group(w, n, k, m, cols, warp_task()));
     PDL_WAIT_AND_RELEASE();
-    matmul_warp(x, w, out, n, k, m, cols);
+    matmul_warp(PlainRows{x, k}, w, out, n, k, m, cols);
 }
 
 extern "C" __global__ void matmul_bf16(const float* x, const unsigned short* w, float* out, int n,
                                        int k, int m, int cols, int prefetch) {
     PDL_L2_PREFETCH(prefetch, prefetch_feature_group(w, n, k, m, cols, warp_task()));
     PDL_WAIT_AND_RELEASE();
-    matmul_warp(x, w, out, n, k, m, cols);
+    matmul_warp(PlainRows{x, k}, w, out, n, k, m, cols);
+}
+
+// out = silu(gate) · up, then · wᵀ, in one launch: the values of `silu_mul` then `matmul_bf16`
+// (an MLP's down projection at decode, without the activated rows' own launch and round trip).
+extern "C" __global__ void matmul_bf16_silu_mul(const float* gate, const float* up,
+                                                const unsigned short* w, float* out, int n,
+                                                int k, int m, int cols, int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_feature_group(w, n, k, m, cols, warp_task()));
+    PDL_WAIT_AND_RELEASE();
+    matmul_warp(SiluMulRows{gate, up, k}, w, out, n, k, m, cols);
 }
 
 // matmul3_bf16's feature group `group` of the three matrices' groups, asked of L2.
@@ -267,11 +311,11 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
     int r0 = (int)(task / total) * ROWS;
     int lane = threadIdx.x % 32;
     if (column_group < g0) {
-        matmul_task(x, w0, out0, n, k, m0, cols, column_group * cols, r0, lane);
+        matmul_task(PlainRows{x, k}, w0, out0, n, k, m0, cols, column_group * cols, r0, lane);
     } else if (column_group < g0 + g1) {
-        matmul_task(x, w1, out1, n, k, m1, cols, (column_group - g0) * cols, r0, lane);
+        matmul_task(PlainRows{x, k}, w1, out1, n, k, m1, cols, (column_group - g0) * cols, r0, lane);
     } else {
-        matmul_task(x, w2, out2, n, k, m2, cols, (column_group - g0 - g1) * cols, r0, lane);
+        matmul_task(PlainRows{x, k}, w2, out2, n, k, m2, cols, (column_group - g0 - g1) * cols, r0, lane);
     }
 }
 

@@ -377,6 +377,37 @@ fn dense_ops_match_the_cpu_backend() {
         );
     }
     assert!(gpu.split_columns3(&ag, [20, 20, 20]).is_err());
+    // The activation inside the down projection: silu_mul then matmul, bit for bit, at the
+    // row counts of a decode step, a decode batch and more.
+    {
+        // bf16 dense weights: the kernel that fuses the activation reads bf16 rows.
+        let bf16_path = directory.path().join("tiny-bf16.ninfer");
+        let mut bf16_options = TinyModelOptions::new(TinyArchitecture::Qwen35Moe);
+        bf16_options.dense_dtype = ninfer_artifact::DType::Bf16;
+        write_tiny_model(&bf16_path, bf16_options).unwrap();
+        let bf16_artifact = open_artifact(&bf16_path).unwrap();
+        let down_weight = gpu
+            .load_matrix(&bf16_artifact, "layers.0.moe.shared_expert.down_proj")
+            .unwrap();
+        let (out_features, width) = gpu.weight_shape(&down_weight);
+        assert!(out_features > 0 && width > 0);
+        for rows in [1usize, 3, 9] {
+            let gate_values = random(&mut rng, rows * width, 3.0);
+            let up_values = random(&mut rng, rows * width, 2.0);
+            let gate_g = gpu.upload(&gate_values, rows, width).unwrap();
+            let up_g = gpu.upload(&up_values, rows, width).unwrap();
+            let fused = gpu.matmul_silu_mul(&gate_g, &up_g, &down_weight).unwrap();
+            let separate = gpu
+                .matmul(&gpu.silu_mul(&gate_g, &up_g).unwrap(), &down_weight)
+                .unwrap();
+            compare(
+                &format!("matmul_silu_mul, {rows} rows"),
+                &gpu.download(&fused).unwrap(),
+                &gpu.download(&separate).unwrap(),
+                0.0,
+            );
+        }
+    }
     let (g1, g2) = gpu.split_interleaved(&ag, 4, 6, 4).unwrap();
     let (c1, c2) = cpu.split_interleaved(&ac, 4, 6, 4).unwrap();
     compare(

@@ -394,6 +394,17 @@ pub trait Backend: Send + Sync + 'static {
             self.matmul(x, w2)?,
         ])
     }
+    /// `silu(gate) · up`, then `· wᵀ` (an MLP's down projection of its activated rows), which a
+    /// backend may do in one pass (the CUDA backend does at decode: one launch instead of two).
+    /// Same values as [`Backend::silu_mul`] then [`Backend::matmul`].
+    fn matmul_silu_mul(
+        &self,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        weight: &Self::Weight,
+    ) -> Result<Self::Tensor, EngineError> {
+        self.matmul(&self.silu_mul(gate, up)?, weight)
+    }
     /// RMSNorm over consecutive groups of `len(weight)` columns (so per-head norms take
     /// `[n, heads·hd]` with a `[hd]` weight).
     fn rms_norm(

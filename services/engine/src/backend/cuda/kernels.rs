@@ -85,6 +85,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "matmul",
             "matmul_bf16",
             "matmul3_bf16",
+            "matmul_bf16_silu_mul",
             "f32_to_bf16",
             "f32_to_bf16_split",
         ],

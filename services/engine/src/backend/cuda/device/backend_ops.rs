@@ -232,6 +232,28 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn matmul_silu_mul(
+        &self,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<CudaTensor, EngineError> {
+        let fused = {
+            let _timer = self.op_timer_named(|| {
+                format!(
+                    "matmul_silu_mul {}x{} by {}x{}",
+                    gate.rows, gate.cols, weight.rows, weight.cols
+                )
+            });
+            self.launch_matmul_silu_mul(gate, up, weight)
+                .map_err(device("matmul_silu_mul"))?
+        };
+        match fused {
+            Some(out) => Ok(out),
+            None => self.matmul(&self.silu_mul(gate, up)?, weight),
+        }
+    }
+
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("silu_mul");
         self.binary(

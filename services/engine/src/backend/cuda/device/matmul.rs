@@ -98,6 +98,56 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// `silu(gate) · up`, then `· wᵀ`, in one `matmul_bf16_silu_mul` launch where the matmul
+    /// kernel (not cuBLAS) would compute the product and the weight is bf16; `None` where not.
+    pub(super) fn launch_matmul_silu_mul(
+        &self,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<Option<CudaTensor>, CudaError> {
+        let WeightData::Bf16(data) = &weight.data else {
+            return Ok(None);
+        };
+        if (gate.rows, gate.cols) != (up.rows, up.cols)
+            || gate.cols != weight.cols
+            || gate.rows == 0
+            || weight.rows == 0
+            || self.uses_cublas_for(gate.rows)
+        {
+            return Ok(None);
+        }
+        // One warp per (output, row group) writes each element.
+        let mut out = self.output_uninit(gate.rows, weight.rows)?;
+        let (n, k, m) = (
+            int(gate.rows, "rows")?,
+            int(gate.cols, "in")?,
+            int(weight.rows, "out")?,
+        );
+        let row_groups = (gate.rows as u64).div_ceil(MATMUL_ROWS);
+        let columns = matmul_columns_per_warp(weight.rows, gate.rows);
+        let cols = columns as i32;
+        let tasks = (weight.rows as u64).div_ceil(columns) * row_groups;
+        let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
+            CudaError::Invalid {
+                problem: format!(
+                    "matmul of {}×{} by {}×{} is too large",
+                    gate.rows, gate.cols, weight.rows, weight.cols
+                ),
+            }
+        })?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MATMUL_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (gate_data, up_data, output) = (&*gate.data, &*up.data, &mut *out.data);
+        let prefetch = self.weight_prefetch();
+        launch!(self, "matmul_bf16_silu_mul", config;
+            gate_data, up_data, data, output, &n, &k, &m, &cols, &prefetch)?;
+        Ok(Some(out))
+    }
+
     /// `x · wᵀ` with the matmul kernel (every dtype, every row count).
     pub(super) fn matmul_kernel(
         &self,

@@ -51,7 +51,8 @@ __device__ __forceinline__ float4 load_weight4(const unsigned short* w, long lon
 
 // Where a matmul's activations come from: `PlainRows` reads x ([n, k] f32); `SiluMulRows`
 // forms silu(gate) · up ([n, k] each) as it reads, exactly as `silu_mul` (elementwise.cu) would
-// have stored it, so the products and sums after are those of `silu_mul` then the matmul.
+// have stored it, so the products and sums after are those of `silu_mul` then the matmul;
+// `MulSigmoidRows` forms x · sigmoid(gate) as `mul_sigmoid` does.
 struct PlainRows {
     const float* x;
     int k;
@@ -81,6 +82,25 @@ struct SiluMulRows {
     }
     __device__ __forceinline__ float load1(long long r, int kk) const {
         return silu_f(gate[r * k + kk]) * up[r * k + kk];
+    }
+};
+
+struct MulSigmoidRows {
+    const float* x;
+    const float* gate;
+    int k;
+    __device__ __forceinline__ float4 load4(long long r, int kk) const {
+        float4 v = *reinterpret_cast<const float4*>(x + r * k + kk);
+        float4 g = *reinterpret_cast<const float4*>(gate + r * k + kk);
+        return make_float4(v.x * sigmoid_f(g.x), v.y * sigmoid_f(g.y), v.z * sigmoid_f(g.z),
+                           v.w * sigmoid_f(g.w));
+    }
+    __device__ __forceinline__ void load8(long long r, int kk, float4& a, float4& b) const {
+        a = load4(r, kk);
+        b = load4(r, kk + 4);
+    }
+    __device__ __forceinline__ float load1(long long r, int kk) const {
+        return x[r * k + kk] * sigmoid_f(gate[r * k + kk]);
     }
 };
 
@@ -273,6 +293,16 @@ extern "C" __global__ void matmul_bf16_silu_mul(const float* gate, const float* 
     PDL_L2_PREFETCH(prefetch, prefetch_feature_group(w, n, k, m, cols, warp_task()));
     PDL_WAIT_AND_RELEASE();
     matmul_warp(SiluMulRows{gate, up, k}, w, out, n, k, m, cols);
+}
+
+// out = (x · sigmoid(gate)) · wᵀ in one launch: the values of `mul_sigmoid` then `matmul_bf16`
+// (a gated attention's output projection at decode).
+extern "C" __global__ void matmul_bf16_mul_sigmoid(const float* x, const float* gate,
+                                                   const unsigned short* w, float* out, int n,
+                                                   int k, int m, int cols, int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_feature_group(w, n, k, m, cols, warp_task()));
+    PDL_WAIT_AND_RELEASE();
+    matmul_warp(MulSigmoidRows{x, gate, k}, w, out, n, k, m, cols);
 }
 
 // matmul3_bf16's feature group `group` of the three matrices' groups, asked of L2.

@@ -377,8 +377,9 @@ fn dense_ops_match_the_cpu_backend() {
         );
     }
     assert!(gpu.split_columns3(&ag, [20, 20, 20]).is_err());
-    // The activation inside the down projection: silu_mul then matmul, bit for bit, at the
-    // row counts of a decode step, a decode batch and more.
+    // The activation inside the down projection (silu_mul then matmul) and the gate inside the
+    // output projection (mul_sigmoid then matmul), bit for bit, at the row counts of a decode
+    // step, a decode batch and more.
     {
         // bf16 dense weights: the kernel that fuses the activation reads bf16 rows.
         let bf16_path = directory.path().join("tiny-bf16.ninfer");
@@ -403,6 +404,18 @@ fn dense_ops_match_the_cpu_backend() {
             compare(
                 &format!("matmul_silu_mul, {rows} rows"),
                 &gpu.download(&fused).unwrap(),
+                &gpu.download(&separate).unwrap(),
+                0.0,
+            );
+            let gated = gpu
+                .matmul_mul_sigmoid(&gate_g, &up_g, &down_weight)
+                .unwrap();
+            let separate = gpu
+                .matmul(&gpu.mul_sigmoid(&gate_g, &up_g).unwrap(), &down_weight)
+                .unwrap();
+            compare(
+                &format!("matmul_mul_sigmoid, {rows} rows"),
+                &gpu.download(&gated).unwrap(),
                 &gpu.download(&separate).unwrap(),
                 0.0,
             );

@@ -405,6 +405,17 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor, EngineError> {
         self.matmul(&self.silu_mul(gate, up)?, weight)
     }
+    /// `(x · sigmoid(gate)) · wᵀ` (a gated attention's output projection), which a backend may do
+    /// in one pass (the CUDA backend does at decode). Same values as [`Backend::mul_sigmoid`]
+    /// then [`Backend::matmul`].
+    fn matmul_mul_sigmoid(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+        weight: &Self::Weight,
+    ) -> Result<Self::Tensor, EngineError> {
+        self.matmul(&self.mul_sigmoid(x, gate)?, weight)
+    }
     /// RMSNorm over consecutive groups of `len(weight)` columns (so per-head norms take
     /// `[n, heads·hd]` with a `[hd]` weight).
     fn rms_norm(

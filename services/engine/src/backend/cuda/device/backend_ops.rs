@@ -254,6 +254,28 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn matmul_mul_sigmoid(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<CudaTensor, EngineError> {
+        let fused = {
+            let _timer = self.op_timer_named(|| {
+                format!(
+                    "matmul_mul_sigmoid {}x{} by {}x{}",
+                    x.rows, x.cols, weight.rows, weight.cols
+                )
+            });
+            self.launch_matmul_mul_sigmoid(x, gate, weight)
+                .map_err(device("matmul_mul_sigmoid"))?
+        };
+        match fused {
+            Some(out) => Ok(out),
+            None => self.matmul(&self.mul_sigmoid(x, gate)?, weight),
+        }
+    }
+
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("silu_mul");
         self.binary(

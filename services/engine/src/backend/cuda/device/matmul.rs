@@ -37,6 +37,15 @@ fn matmul_columns_per_warp(features: usize, rows: usize) -> u64 {
     }
 }
 
+/// How a matmul kernel forms its input from two tensors as it reads them.
+#[derive(Debug, Clone, Copy)]
+enum TwoInputs {
+    /// `silu(a) · b` (`matmul_bf16_silu_mul`).
+    SiluMul,
+    /// `a · sigmoid(b)` (`matmul_bf16_mul_sigmoid`).
+    MulSigmoid,
+}
+
 impl CudaBackend {
     /// Whether a bf16 matmul of `rows` rows goes through cuBLAS (tests print it).
     pub fn uses_cublas_for(&self, rows: usize) -> bool {
@@ -106,33 +115,57 @@ impl CudaBackend {
         up: &CudaTensor,
         weight: &CudaWeight,
     ) -> Result<Option<CudaTensor>, CudaError> {
+        self.launch_matmul_of_two_inputs(TwoInputs::SiluMul, gate, up, weight)
+    }
+
+    /// `(x · sigmoid(gate)) · wᵀ` in one `matmul_bf16_mul_sigmoid` launch, where
+    /// [`CudaBackend::launch_matmul_silu_mul`] would run; `None` where not.
+    pub(super) fn launch_matmul_mul_sigmoid(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<Option<CudaTensor>, CudaError> {
+        self.launch_matmul_of_two_inputs(TwoInputs::MulSigmoid, x, gate, weight)
+    }
+
+    /// A matmul kernel whose input it forms from two same-shaped tensors as it reads them (the
+    /// arguments of `matmul_bf16` with the two inputs first): bf16 weights and the row counts
+    /// the matmul kernel serves, else `None`.
+    fn launch_matmul_of_two_inputs(
+        &self,
+        kernel: TwoInputs,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<Option<CudaTensor>, CudaError> {
         let WeightData::Bf16(data) = &weight.data else {
             return Ok(None);
         };
-        if (gate.rows, gate.cols) != (up.rows, up.cols)
-            || gate.cols != weight.cols
-            || gate.rows == 0
+        if (a.rows, a.cols) != (b.rows, b.cols)
+            || a.cols != weight.cols
+            || a.rows == 0
             || weight.rows == 0
-            || self.uses_cublas_for(gate.rows)
+            || self.uses_cublas_for(a.rows)
         {
             return Ok(None);
         }
         // One warp per (output, row group) writes each element.
-        let mut out = self.output_uninit(gate.rows, weight.rows)?;
+        let mut out = self.output_uninit(a.rows, weight.rows)?;
         let (n, k, m) = (
-            int(gate.rows, "rows")?,
-            int(gate.cols, "in")?,
+            int(a.rows, "rows")?,
+            int(a.cols, "in")?,
             int(weight.rows, "out")?,
         );
-        let row_groups = (gate.rows as u64).div_ceil(MATMUL_ROWS);
-        let columns = matmul_columns_per_warp(weight.rows, gate.rows);
+        let row_groups = (a.rows as u64).div_ceil(MATMUL_ROWS);
+        let columns = matmul_columns_per_warp(weight.rows, a.rows);
         let cols = columns as i32;
         let tasks = (weight.rows as u64).div_ceil(columns) * row_groups;
         let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
             CudaError::Invalid {
                 problem: format!(
                     "matmul of {}×{} by {}×{} is too large",
-                    gate.rows, gate.cols, weight.rows, weight.cols
+                    a.rows, a.cols, weight.rows, weight.cols
                 ),
             }
         })?;
@@ -141,10 +174,14 @@ impl CudaBackend {
             block_dim: (32 * MATMUL_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (gate_data, up_data, output) = (&*gate.data, &*up.data, &mut *out.data);
+        let (a_data, b_data, output) = (&*a.data, &*b.data, &mut *out.data);
         let prefetch = self.weight_prefetch();
-        launch!(self, "matmul_bf16_silu_mul", config;
-            gate_data, up_data, data, output, &n, &k, &m, &cols, &prefetch)?;
+        match kernel {
+            TwoInputs::SiluMul => launch!(self, "matmul_bf16_silu_mul", config;
+                a_data, b_data, data, output, &n, &k, &m, &cols, &prefetch)?,
+            TwoInputs::MulSigmoid => launch!(self, "matmul_bf16_mul_sigmoid", config;
+                a_data, b_data, data, output, &n, &k, &m, &cols, &prefetch)?,
+        }
         Ok(Some(out))
     }
 

@@ -226,8 +226,7 @@ impl<B: Backend> Model<B> {
             backend.qsa_index_queries(&index_qk, &indexer.query_norm, settings, positions)?;
         let attended = backend.qsa_attention(&q, &index_queries, spec, settings, &mut segments)?;
         drop(segments);
-        let gated = backend.mul_sigmoid(&attended, &gate)?;
-        backend.matmul(&gated, o_proj)
+        backend.matmul_mul_sigmoid(&attended, &gate, o_proj)
     }
 }
 

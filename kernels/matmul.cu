@@ -66,43 +66,36 @@ struct PlainRows {
     }
     __device__ __forceinline__ float load1(long long r, int kk) const { return x[r * k + kk]; }
 };
-struct SiluMulRows {
-    const float* gate;
-    const float* up;
+// Rows formed from two tensors a and b ([n, k] each) element by element with Op::of(a, b).
+template <typename Op>
+struct PairRows {
+    const float* a;
+    const float* b;
     int k;
     __device__ __forceinline__ float4 load4(long long r, int kk) const {
-        float4 g = *reinterpret_cast<const float4*>(gate + r * k + kk);
-        float4 u = *reinterpret_cast<const float4*>(up + r * k + kk);
-        return make_float4(silu_f(g.x) * u.x, silu_f(g.y) * u.y, silu_f(g.z) * u.z,
-                           silu_f(g.w) * u.w);
+        float4 u = *reinterpret_cast<const float4*>(a + r * k + kk);
+        float4 v = *reinterpret_cast<const float4*>(b + r * k + kk);
+        return make_float4(Op::of(u.x, v.x), Op::of(u.y, v.y), Op::of(u.z, v.z),
+                           Op::of(u.w, v.w));
     }
-    __device__ __forceinline__ void load8(long long r, int kk, float4& a, float4& b) const {
-        a = load4(r, kk);
-        b = load4(r, kk + 4);
-    }
-    __device__ __forceinline__ float load1(long long r, int kk) const {
-        return silu_f(gate[r * k + kk]) * up[r * k + kk];
-    }
-};
-
-struct MulSigmoidRows {
-    const float* x;
-    const float* gate;
-    int k;
-    __device__ __forceinline__ float4 load4(long long r, int kk) const {
-        float4 v = *reinterpret_cast<const float4*>(x + r * k + kk);
-        float4 g = *reinterpret_cast<const float4*>(gate + r * k + kk);
-        return make_float4(v.x * sigmoid_f(g.x), v.y * sigmoid_f(g.y), v.z * sigmoid_f(g.z),
-                           v.w * sigmoid_f(g.w));
-    }
-    __device__ __forceinline__ void load8(long long r, int kk, float4& a, float4& b) const {
-        a = load4(r, kk);
-        b = load4(r, kk + 4);
+    __device__ __forceinline__ void load8(long long r, int kk, float4& lo, float4& hi) const {
+        lo = load4(r, kk);
+        hi = load4(r, kk + 4);
     }
     __device__ __forceinline__ float load1(long long r, int kk) const {
-        return x[r * k + kk] * sigmoid_f(gate[r * k + kk]);
+        return Op::of(a[r * k + kk], b[r * k + kk]);
     }
 };
+// silu(gate) · up, as `silu_mul` stores it.
+struct SiluMul {
+    static __device__ __forceinline__ float of(float gate, float up) { return silu_f(gate) * up; }
+};
+// x · sigmoid(gate), as `mul_sigmoid` stores it.
+struct MulSigmoid {
+    static __device__ __forceinline__ float of(float x, float gate) { return x * sigmoid_f(gate); }
+};
+using SiluMulRows = PairRows<SiluMul>;
+using MulSigmoidRows = PairRows<MulSigmoid>;
 
 // Output features col .. col + C (those < m) of rows r0 .. r0 + R (those < n) of
 // out[n, m] = x · wᵀ, by one warp. Each output's sum is formed exactly the same way whatever C

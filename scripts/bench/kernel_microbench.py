@@ -397,101 +397,70 @@ class Bench:
         cp.cuda.Device().synchronize()
         reference = reference.copy()
 
-        for tile_bytes, warps in variants if "lanes" in self.args.decode_kernels.split(",") else ():
-            if tile_bytes // (2 * hd) < warps:
-                continue
-            decode = raw_kernel(kernel_dir, "attention_decode", "attention_decode_bf16_%d_%d" % (hd, dpl),
-                                [("DECODE_TILE_BYTES", tile_bytes), ("DECODE_WARPS", warps)])
-            states = warps * group_pow2 * hd * 4 + 2 * warps * group_pow2 * 4
-            decode_smem = max(4 * tile_bytes, states)
-            if decode_smem > 48 * 1024:
-                decode.max_dynamic_shared_size_bytes = decode_smem
-            for factor in chunk_factors:
-                d_chunk = chunk * factor
-                d_chunks = position // d_chunk + 1
-                out = cp.zeros((1, heads * hd), dtype=cp.float32)
-
-                def decode_launch(i, d_chunk=d_chunk, d_chunks=d_chunks):
-                    args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
-                            np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
-                            np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null)
-                    return lambda: decode((d_chunks, kv_heads, 1), (32 * warps,), args, shared_mem=decode_smem)
-
-                us = timed([decode_launch(i) for i in range(caches)])
-                c_us = timed([combine_launch(out, d_chunk, d_chunks)] * 20)
-                variant = "tile %dB %d warps chunk %d (%d)" % (tile_bytes, warps, d_chunk, d_chunks)
-                self.record("attention_decode_bf16_%d_%d %s" % (hd, dpl, shape), variant, us, kv_bytes)
-                self.record("  decode + combine", variant, us + c_us, kv_bytes)
-                decode_launch(0)()
-                combine_launch(out, d_chunk, d_chunks)()
-                cp.cuda.Device().synchronize()
-                self.close("attention_decode %s %s" % (shape, variant), out, reference, rtol=1e-4, atol=1e-5)
-
-        # The tensor-core kernel (q heads as the rows of an mma tile): q and p rounded to bf16, so
-        # held to the split kernel within bf16 tolerances. Variants (DM_KEYS, DM_WARPS).
-        if group > 16 or "mma" not in self.args.decode_kernels.split(","):
-            return
-        for keys_per_tile, warps in mma_variants:
-            defines = [("DM_KEYS", keys_per_tile), ("DM_WARPS", warps), ("DM_WARPS_256", warps)]
-            mma_kernel = raw_kernel(kernel_dir, "attention_decode", "attention_decode_mma_bf16_%d" % hd, defines)
-            mma_smem = (16 + warps * 2 * 2 * keys_per_tile) * (hd + 8) * 2
-            if mma_smem > cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
-                continue
-            if mma_smem > 48 * 1024:
-                mma_kernel.max_dynamic_shared_size_bytes = mma_smem
-            for factor in mma_chunk_factors:
-                d_chunk = chunk * factor
-                d_chunks = position // d_chunk + 1
-                out = cp.zeros((1, heads * hd), dtype=cp.float32)
-
-                def mma_launch(i, d_chunk=d_chunk, d_chunks=d_chunks):
-                    args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
-                            np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
-                            np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null)
-                    grid = (-(-d_chunks // warps), kv_heads, 1)
-                    return lambda: mma_kernel(grid, (32 * warps,), args, shared_mem=mma_smem)
-
-                us = timed([mma_launch(i) for i in range(caches)])
-                c_us = timed([combine_launch(out, d_chunk, d_chunks)] * 20)
-                variant = "%d keys %d warps chunk %d (%d)" % (keys_per_tile, warps, d_chunk, d_chunks)
-                self.record("attention_decode_mma_bf16_%d %s" % (hd, shape), variant, us, kv_bytes)
-                self.record("  mma + combine", variant, us + c_us, kv_bytes)
-                mma_launch(0)()
-                combine_launch(out, d_chunk, d_chunks)()
-                cp.cuda.Device().synchronize()
-                self.close("attention_decode_mma %s %s" % (shape, variant), out, reference, rtol=1e-2, atol=5e-4)
-
-        # DM_MERGE=1: a block's warps split one chunk of `warps` times the keys and merge in the
-        # block, so the combine reads `warps` times fewer partials.
-        for keys_per_tile, warps in mma_merge_variants:
-            defines = [("DM_KEYS", keys_per_tile), ("DM_WARPS", warps), ("DM_WARPS_256", warps), ("DM_MERGE", 1)]
-            mma_kernel = raw_kernel(kernel_dir, "attention_decode", "attention_decode_mma_bf16_%d" % hd, defines)
-            mma_smem = (16 + warps * 2 * 2 * keys_per_tile) * (hd + 8) * 2
-            if mma_smem > cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
-                continue
-            if mma_smem > 48 * 1024:
-                mma_kernel.max_dynamic_shared_size_bytes = mma_smem
-            d_chunk = chunk * warps
+        def measure(kernel, smem, warps, d_chunk, blocks_per_chunk, name, pair, variant, rtol, atol):
+            """One decode kernel at chunks of `d_chunk` keys (a block per `blocks_per_chunk`
+            chunks), then the combine: timed, recorded, and held to the split kernel's output."""
             d_chunks = position // d_chunk + 1
+            grid = (-(-d_chunks // blocks_per_chunk), kv_heads, 1)
             out = cp.zeros((1, heads * hd), dtype=cp.float32)
 
-            def merged_launch(i, d_chunk=d_chunk, d_chunks=d_chunks, kernel=mma_kernel, smem=mma_smem):
+            def launch(i):
                 args = (q, keys[i], values[i], part_o, part_ml, np.int32(0), np.int32(position),
                         np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(0), scale,
                         np.int32(d_chunk), np.int32(d_chunks), np.int32(0), null)
-                return lambda: kernel((d_chunks, kv_heads, 1), (32 * warps,), args, shared_mem=smem)
+                return lambda: kernel(grid, (32 * warps,), args, shared_mem=smem)
 
-            us = timed([merged_launch(i) for i in range(caches)])
+            variant = "%s chunk %d (%d)" % (variant, d_chunk, d_chunks)
+            us = timed([launch(i) for i in range(caches)])
             c_us = timed([combine_launch(out, d_chunk, d_chunks)] * 20)
-            variant = "merged %d keys %d warps chunk %d (%d)" % (keys_per_tile, warps, d_chunk, d_chunks)
-            self.record("attention_decode_mma_bf16_%d %s" % (hd, shape), variant, us, kv_bytes)
-            self.record("  mma + combine", variant, us + c_us, kv_bytes)
-            merged_launch(0)()
+            self.record("%s %s" % (name, shape), variant, us, kv_bytes)
+            self.record("  %s + combine" % pair, variant, us + c_us, kv_bytes)
+            launch(0)()
             combine_launch(out, d_chunk, d_chunks)()
             cp.cuda.Device().synchronize()
-            self.close("attention_decode_mma %s %s" % (shape, variant), out, reference, rtol=1e-2, atol=5e-4)
+            self.close("%s %s %s" % (pair, shape, variant), out, reference, rtol=rtol, atol=atol)
 
-    # -- routed experts (slots), timing only ----------------------------------------------------
+        def sized(kernel, smem):
+            """`kernel` allowed `smem` bytes, or None where this GPU cannot give them."""
+            if smem > cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
+                return None
+            if smem > 48 * 1024:
+                kernel.max_dynamic_shared_size_bytes = smem
+            return kernel
+
+        for tile_bytes, warps in variants if "lanes" in self.args.decode_kernels.split(",") else ():
+            if tile_bytes // (2 * hd) < warps:
+                continue
+            states = warps * group_pow2 * hd * 4 + 2 * warps * group_pow2 * 4
+            smem = max(4 * tile_bytes, states)
+            decode = sized(raw_kernel(kernel_dir, "attention_decode", "attention_decode_bf16_%d_%d" % (hd, dpl),
+                                      [("DECODE_TILE_BYTES", tile_bytes), ("DECODE_WARPS", warps)]), smem)
+            if decode is None:
+                continue
+            for factor in chunk_factors:
+                measure(decode, smem, warps, chunk * factor, 1, "attention_decode_bf16_%d_%d" % (hd, dpl),
+                        "decode", "tile %dB %d warps" % (tile_bytes, warps), 1e-4, 1e-5)
+
+        # The tensor-core kernel (q heads as the rows of an mma tile): q and p rounded to bf16, so
+        # held to the split kernel within bf16 tolerances. Variants (DM_KEYS, DM_WARPS): a warp
+        # per chunk; merged (DM_MERGE=1): a block's warps split one chunk of `warps` times the
+        # keys and merge in the block, so the combine reads `warps` times fewer partials.
+        if group > 16 or "mma" not in self.args.decode_kernels.split(","):
+            return
+        mma_name = "attention_decode_mma_bf16_%d" % hd
+        runs = [(keys_per_tile, warps, False, factor) for keys_per_tile, warps in mma_variants
+                for factor in mma_chunk_factors]
+        runs += [(keys_per_tile, warps, True, warps) for keys_per_tile, warps in mma_merge_variants]
+        for keys_per_tile, warps, merged, factor in runs:
+            defines = [("DM_KEYS", keys_per_tile), ("DM_WARPS", warps), ("DM_WARPS_256", warps),
+                       ("DM_MERGE", int(merged))]
+            smem = (16 + warps * 2 * 2 * keys_per_tile) * (hd + 8) * 2
+            kernel = sized(raw_kernel(kernel_dir, "attention_decode", mma_name, defines), smem)
+            if kernel is None:
+                continue
+            label = "%s%d keys %d warps" % ("merged " if merged else "", keys_per_tile, warps)
+            measure(kernel, smem, warps, chunk * factor, 1 if merged else warps, mma_name, "mma", label,
+                    1e-2, 5e-4)
 
     def expert_decode_fused(self, kernel_dir, v):
         """`expert_decode_fused` (kernels/experts.cu: one launch for a token's gate/up tasks,

@@ -509,32 +509,8 @@ fn dense_ops_match_the_cpu_backend() {
         let total = lengths[0] + lengths[1];
         let x = random(&mut rng, total * channels, 2.0);
         let (xg, xc) = up(&x, total, channels);
-        let [s0, s1] = &mut states_g;
-        let mut segments_g = [
-            Segment {
-                rows: 0..lengths[0],
-                start_position: 0,
-                state: s0,
-            },
-            Segment {
-                rows: lengths[0]..total,
-                start_position: 0,
-                state: s1,
-            },
-        ];
-        let [c0, c1] = &mut states_c;
-        let mut segments_c = [
-            Segment {
-                rows: 0..lengths[0],
-                start_position: 0,
-                state: c0,
-            },
-            Segment {
-                rows: lengths[0]..total,
-                start_position: 0,
-                state: c1,
-            },
-        ];
+        let mut segments_g = two_segments(&mut states_g, *lengths, [0, 0]);
+        let mut segments_c = two_segments(&mut states_c, *lengths, [0, 0]);
         let convolved = gpu
             .causal_conv1d_silu(&xg, &taps.0, &mut segments_g)
             .unwrap();
@@ -548,19 +524,7 @@ fn dense_ops_match_the_cpu_backend() {
             .unwrap(),
             1e-5,
         );
-        let [t0, t1] = &mut states_split;
-        let mut segments_split = [
-            Segment {
-                rows: 0..lengths[0],
-                start_position: 0,
-                state: t0,
-            },
-            Segment {
-                rows: lengths[0]..total,
-                start_position: 0,
-                state: t1,
-            },
-        ];
+        let mut segments_split = two_segments(&mut states_split, *lengths, [0, 0]);
         let parts = gpu
             .causal_conv1d_silu_split3(&xg, &taps.0, &mut segments_split, widths)
             .unwrap();

@@ -22,7 +22,6 @@
 //! order fixed by absolute key positions, so a row's result never depends on the other
 //! sequences of the batch (batch invariance, as the matmul kernel).
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::LaunchConfig;
 
 use super::self_checks::self_check_values;
@@ -237,16 +236,7 @@ impl CudaBackend {
             .iter()
             .filter(|&&hd| self.mma_fits(hd))
             .try_for_each(|&hd| {
-                let bytes = mma_smem_bytes(hd);
-                self.mma_function(hd)?
-                    .set_attribute(
-                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        bytes as i32,
-                    )
-                    .map_err(driver_error(format!(
-                        "allowing `attention_mma_{hd}` {bytes} bytes of shared memory"
-                    )))?;
-                Ok(())
+                self.allow_shared_memory(&format!("attention_mma_{hd}"), mma_smem_bytes(hd))
             });
         let allowed = allowed.and_then(|()| self.allow_tensor_core_decode_shared_memory());
         let checked = allowed.and_then(|()| {
@@ -322,14 +312,7 @@ impl CudaBackend {
                     ),
                 });
             }
-            self.function(name)?
-                .set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .map_err(driver_error(format!(
-                    "allowing `{name}` {bytes} bytes of shared memory"
-                )))?;
+            self.allow_shared_memory(name, bytes)?;
         }
         Ok(())
     }

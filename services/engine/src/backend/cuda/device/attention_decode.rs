@@ -7,10 +7,9 @@
 //! workspace, the chunking and the combine (device/attention.rs) are unchanged.
 //! Must not touch: the segments, the workspace or the combine.
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::LaunchConfig;
 
-use super::{driver_error, CudaBackend, KvDtype};
+use super::{CudaBackend, KvDtype};
 use crate::backend::cuda::CudaError;
 
 /// `DECODE_THREADS` in `kernels/attention_decode.cu`.
@@ -190,14 +189,7 @@ impl CudaBackend {
                 continue;
             }
             for name in [kernel.segment, kernel.batched] {
-                self.function(name)?
-                    .set_attribute(
-                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        bytes as i32,
-                    )
-                    .map_err(driver_error(format!(
-                        "allowing `{name}` {bytes} bytes of shared memory"
-                    )))?;
+                self.allow_shared_memory(name, bytes)?;
             }
         }
         Ok(())

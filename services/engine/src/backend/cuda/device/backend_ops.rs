@@ -11,6 +11,7 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
+use super::matmul::TwoInputs;
 use super::router;
 use super::{
     describe, driver_error, elementwise, CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache,
@@ -238,20 +239,7 @@ impl Backend for CudaBackend {
         up: &CudaTensor,
         weight: &CudaWeight,
     ) -> Result<CudaTensor, EngineError> {
-        let fused = {
-            let _timer = self.op_timer_named(|| {
-                format!(
-                    "matmul_silu_mul {}x{} by {}x{}",
-                    gate.rows, gate.cols, weight.rows, weight.cols
-                )
-            });
-            self.launch_matmul_silu_mul(gate, up, weight)
-                .map_err(device("matmul_silu_mul"))?
-        };
-        match fused {
-            Some(out) => Ok(out),
-            None => self.matmul(&self.silu_mul(gate, up)?, weight),
-        }
+        self.matmul_of_two_inputs(TwoInputs::SiluMul, gate, up, weight)
     }
 
     fn matmul_mul_sigmoid(
@@ -260,20 +248,7 @@ impl Backend for CudaBackend {
         gate: &CudaTensor,
         weight: &CudaWeight,
     ) -> Result<CudaTensor, EngineError> {
-        let fused = {
-            let _timer = self.op_timer_named(|| {
-                format!(
-                    "matmul_mul_sigmoid {}x{} by {}x{}",
-                    x.rows, x.cols, weight.rows, weight.cols
-                )
-            });
-            self.launch_matmul_mul_sigmoid(x, gate, weight)
-                .map_err(device("matmul_mul_sigmoid"))?
-        };
-        match fused {
-            Some(out) => Ok(out),
-            None => self.matmul(&self.mul_sigmoid(x, gate)?, weight),
-        }
+        self.matmul_of_two_inputs(TwoInputs::MulSigmoid, x, gate, weight)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, EngineError> {
@@ -664,5 +639,42 @@ impl Backend for CudaBackend {
     ) -> Result<Option<crate::backend::WorkerHandoffFailure>, EngineError> {
         self.take_handoff_failure(handoff)
             .map_err(device("take_worker_handoff_failure"))
+    }
+}
+
+impl CudaBackend {
+    /// `matmul_silu_mul` / `matmul_mul_sigmoid`: one launch where the matmul kernel serves the
+    /// shape, else the elementwise op then `matmul` (the same values either way).
+    fn matmul_of_two_inputs(
+        &self,
+        kind: TwoInputs,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> Result<CudaTensor, EngineError> {
+        let fused = {
+            let _timer = self.op_timer_named(|| {
+                format!(
+                    "{} {}x{} by {}x{}",
+                    kind.op(),
+                    a.rows,
+                    a.cols,
+                    weight.rows,
+                    weight.cols
+                )
+            });
+            self.launch_matmul_of_two_inputs(kind, a, b, weight)
+                .map_err(device(kind.op()))?
+        };
+        match fused {
+            Some(out) => Ok(out),
+            None => {
+                let input = match kind {
+                    TwoInputs::SiluMul => self.silu_mul(a, b)?,
+                    TwoInputs::MulSigmoid => self.mul_sigmoid(a, b)?,
+                };
+                self.matmul(&input, weight)
+            }
+        }
     }
 }

@@ -558,31 +558,16 @@ impl CudaBackend {
             x.cols,
             segments.iter().map(|segment| segment.rows.clone()),
         )?;
-        for segment in segments.iter_mut() {
-            let state = &mut *segment.state;
-            if state.channels != x.cols || weight.rows != x.cols || weight.cols != state.kernel {
-                return Err(CudaError::Invalid {
-                    problem: format!(
-                        "causal_conv1d: {} channels, taps {}×{}, state {}×{}",
-                        x.cols, weight.rows, weight.cols, state.channels, state.kernel
-                    ),
-                });
-            }
-            let n = segment.rows.len();
-            if n == 0 {
-                continue;
-            }
-            let (row_start, rows, channels, kernel) = (
-                int(segment.rows.start, "row")?,
-                int(n, "rows")?,
-                int(x.cols, "channels")?,
-                int(state.kernel, "kernel")?,
-            );
-            let history = &mut state.history;
-            let output = &mut *out.data;
-            launch!(self, "causal_conv1d_silu", elementwise(x.cols);
-                input, weight.f32()?, history, output, &row_start, &rows, &channels, &kernel)?;
-        }
+        conv_segments(
+            x,
+            weight,
+            segments,
+            |[row_start, rows, channels, kernel], history| {
+                let output = &mut *out.data;
+                launch!(self, "causal_conv1d_silu", elementwise(x.cols);
+                input, weight.f32()?, history, output, &row_start, &rows, &channels, &kernel)
+            },
+        )?;
         Ok(out)
     }
 
@@ -610,33 +595,18 @@ impl CudaBackend {
             self.output_for_segments(x.rows, widths[2], ranges())?,
         ];
         let (w0, w1) = (int(widths[0], "width")?, int(widths[1], "width")?);
-        for segment in segments.iter_mut() {
-            let state = &mut *segment.state;
-            if state.channels != x.cols || weight.rows != x.cols || weight.cols != state.kernel {
-                return Err(CudaError::Invalid {
-                    problem: format!(
-                        "causal_conv1d: {} channels, taps {}×{}, state {}×{}",
-                        x.cols, weight.rows, weight.cols, state.channels, state.kernel
-                    ),
-                });
-            }
-            let n = segment.rows.len();
-            if n == 0 {
-                continue;
-            }
-            let (row_start, rows, channels, kernel) = (
-                int(segment.rows.start, "row")?,
-                int(n, "rows")?,
-                int(x.cols, "channels")?,
-                int(state.kernel, "kernel")?,
-            );
-            let history = &mut state.history;
-            let [a, b, c] = &mut outputs;
-            let (out_a, out_b, out_c) = (&mut *a.data, &mut *b.data, &mut *c.data);
-            launch!(self, "causal_conv1d_silu_split3", elementwise(x.cols);
+        conv_segments(
+            x,
+            weight,
+            segments,
+            |[row_start, rows, channels, kernel], history| {
+                let [a, b, c] = &mut outputs;
+                let (out_a, out_b, out_c) = (&mut *a.data, &mut *b.data, &mut *c.data);
+                launch!(self, "causal_conv1d_silu_split3", elementwise(x.cols);
                 input, weight.f32()?, history, out_a, out_b, out_c, &row_start, &rows,
-                &channels, &kernel, &w0, &w1)?;
-        }
+                &channels, &kernel, &w0, &w1)
+            },
+        )?;
         Ok(outputs)
     }
 
@@ -667,6 +637,40 @@ impl CudaBackend {
         }
         Ok((g, beta))
     }
+}
+
+/// Each non-empty segment of a causal conv over `x` with taps `weight`, its state checked
+/// against both: `launch` gets the kernel's (row_start, rows, channels, kernel) and the
+/// segment's history.
+fn conv_segments(
+    x: &CudaTensor,
+    weight: &CudaWeight,
+    segments: &mut [Segment<'_, CudaConvState>],
+    mut launch: impl FnMut([i32; 4], &mut CudaSlice<f32>) -> Result<(), CudaError>,
+) -> Result<(), CudaError> {
+    for segment in segments.iter_mut() {
+        let state = &mut *segment.state;
+        if state.channels != x.cols || weight.rows != x.cols || weight.cols != state.kernel {
+            return Err(CudaError::Invalid {
+                problem: format!(
+                    "causal_conv1d: {} channels, taps {}×{}, state {}×{}",
+                    x.cols, weight.rows, weight.cols, state.channels, state.kernel
+                ),
+            });
+        }
+        let n = segment.rows.len();
+        if n == 0 {
+            continue;
+        }
+        let arguments = [
+            int(segment.rows.start, "row")?,
+            int(n, "rows")?,
+            int(x.cols, "channels")?,
+            int(state.kernel, "kernel")?,
+        ];
+        launch(arguments, &mut state.history)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

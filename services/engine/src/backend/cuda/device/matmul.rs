@@ -37,13 +37,62 @@ fn matmul_columns_per_warp(features: usize, rows: usize) -> u64 {
     }
 }
 
+/// The matmul kernel's arguments for `x · wᵀ` and its grid: one warp per (group of `cols`
+/// output features, group of MATMUL_ROWS rows); see kernels/matmul.cu.
+struct MatmulLaunch {
+    n: i32,
+    k: i32,
+    m: i32,
+    cols: i32,
+    config: LaunchConfig,
+}
+
+fn matmul_launch(x: &CudaTensor, weight: &CudaWeight) -> Result<MatmulLaunch, CudaError> {
+    let (n, k, m) = (
+        int(x.rows, "rows")?,
+        int(x.cols, "in")?,
+        int(weight.rows, "out")?,
+    );
+    let row_groups = (x.rows as u64).div_ceil(MATMUL_ROWS);
+    let columns = matmul_columns_per_warp(weight.rows, x.rows);
+    let tasks = (weight.rows as u64).div_ceil(columns) * row_groups;
+    let blocks =
+        u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| CudaError::Invalid {
+            problem: format!(
+                "matmul of {}×{} by {}×{} is too large",
+                x.rows, x.cols, weight.rows, weight.cols
+            ),
+        })?;
+    Ok(MatmulLaunch {
+        n,
+        k,
+        m,
+        cols: columns as i32,
+        config: LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MATMUL_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        },
+    })
+}
+
 /// How a matmul kernel forms its input from two tensors as it reads them.
 #[derive(Debug, Clone, Copy)]
-enum TwoInputs {
+pub(super) enum TwoInputs {
     /// `silu(a) · b` (`matmul_bf16_silu_mul`).
     SiluMul,
     /// `a · sigmoid(b)` (`matmul_bf16_mul_sigmoid`).
     MulSigmoid,
+}
+
+impl TwoInputs {
+    /// The backend op it serves.
+    pub(super) fn op(self) -> &'static str {
+        match self {
+            TwoInputs::SiluMul => "matmul_silu_mul",
+            TwoInputs::MulSigmoid => "matmul_mul_sigmoid",
+        }
+    }
 }
 
 impl CudaBackend {
@@ -107,32 +156,10 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// `silu(gate) · up`, then `· wᵀ`, in one `matmul_bf16_silu_mul` launch where the matmul
-    /// kernel (not cuBLAS) would compute the product and the weight is bf16; `None` where not.
-    pub(super) fn launch_matmul_silu_mul(
-        &self,
-        gate: &CudaTensor,
-        up: &CudaTensor,
-        weight: &CudaWeight,
-    ) -> Result<Option<CudaTensor>, CudaError> {
-        self.launch_matmul_of_two_inputs(TwoInputs::SiluMul, gate, up, weight)
-    }
-
-    /// `(x · sigmoid(gate)) · wᵀ` in one `matmul_bf16_mul_sigmoid` launch, where
-    /// [`CudaBackend::launch_matmul_silu_mul`] would run; `None` where not.
-    pub(super) fn launch_matmul_mul_sigmoid(
-        &self,
-        x: &CudaTensor,
-        gate: &CudaTensor,
-        weight: &CudaWeight,
-    ) -> Result<Option<CudaTensor>, CudaError> {
-        self.launch_matmul_of_two_inputs(TwoInputs::MulSigmoid, x, gate, weight)
-    }
-
     /// A matmul kernel whose input it forms from two same-shaped tensors as it reads them (the
     /// arguments of `matmul_bf16` with the two inputs first): bf16 weights and the row counts
-    /// the matmul kernel serves, else `None`.
-    fn launch_matmul_of_two_inputs(
+    /// the matmul kernel serves (not cuBLAS), else `None`.
+    pub(super) fn launch_matmul_of_two_inputs(
         &self,
         kernel: TwoInputs,
         a: &CudaTensor,
@@ -152,28 +179,13 @@ impl CudaBackend {
         }
         // One warp per (output, row group) writes each element.
         let mut out = self.output_uninit(a.rows, weight.rows)?;
-        let (n, k, m) = (
-            int(a.rows, "rows")?,
-            int(a.cols, "in")?,
-            int(weight.rows, "out")?,
-        );
-        let row_groups = (a.rows as u64).div_ceil(MATMUL_ROWS);
-        let columns = matmul_columns_per_warp(weight.rows, a.rows);
-        let cols = columns as i32;
-        let tasks = (weight.rows as u64).div_ceil(columns) * row_groups;
-        let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
-            CudaError::Invalid {
-                problem: format!(
-                    "matmul of {}×{} by {}×{} is too large",
-                    a.rows, a.cols, weight.rows, weight.cols
-                ),
-            }
-        })?;
-        let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * MATMUL_WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let MatmulLaunch {
+            n,
+            k,
+            m,
+            cols,
+            config,
+        } = matmul_launch(a, weight)?;
         let (a_data, b_data, output) = (&*a.data, &*b.data, &mut *out.data);
         let prefetch = self.weight_prefetch();
         match kernel {
@@ -199,30 +211,13 @@ impl CudaBackend {
         }
         // One warp per (output, row group) writes each element.
         let mut out = self.output_uninit(x.rows, weight.rows)?;
-        let (n, k, m) = (
-            int(x.rows, "rows")?,
-            int(x.cols, "in")?,
-            int(weight.rows, "out")?,
-        );
-        // One warp per (group of `cols` output features, group of MATMUL_ROWS rows); see
-        // kernels/matmul.cu.
-        let row_groups = (x.rows as u64).div_ceil(MATMUL_ROWS);
-        let columns = matmul_columns_per_warp(weight.rows, x.rows);
-        let cols = columns as i32;
-        let tasks = (weight.rows as u64).div_ceil(columns) * row_groups;
-        let blocks = u32::try_from(tasks.div_ceil(u64::from(MATMUL_WARPS))).map_err(|_| {
-            CudaError::Invalid {
-                problem: format!(
-                    "matmul of {}×{} by {}×{} is too large",
-                    x.rows, x.cols, weight.rows, weight.cols
-                ),
-            }
-        })?;
-        let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * MATMUL_WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let MatmulLaunch {
+            n,
+            k,
+            m,
+            cols,
+            config,
+        } = matmul_launch(x, weight)?;
         let output = &mut *out.data;
         let prefetch = self.weight_prefetch();
         match &weight.data {

@@ -248,6 +248,19 @@ impl CudaBackend {
         })
     }
 
+    /// Lets kernel `name` launch with `bytes` of dynamic shared memory (past the 48 KB a launch
+    /// gets without asking).
+    fn allow_shared_memory(&self, name: &str, bytes: usize) -> Result<(), CudaError> {
+        self.function(name)?
+            .set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                i32::try_from(bytes).unwrap_or(i32::MAX),
+            )
+            .map_err(driver_error(format!(
+                "allowing `{name}` {bytes} bytes of shared memory"
+            )))
+    }
+
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
         // Zero-length device allocations are an error in CUDA: keep one element.
         self.stream

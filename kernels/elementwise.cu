@@ -56,26 +56,6 @@ extern "C" __global__ void columns(const float* x, float* out, int rows, int col
     }
 }
 
-// Columns [0, w0), [w0, w0 + w1) and [w0 + w1, w0 + w1 + w2) of every row of x ([rows, cols],
-// cols ≥ w0 + w1 + w2) into a, b and c: three `columns` copies in one launch.
-extern "C" __global__ void split_columns3(const float* x, float* a, float* b, float* c,
-                                          int rows, int cols, int w0, int w1, int w2) {
-    PDL_WAIT_AND_RELEASE();
-    int width = w0 + w1 + w2;
-    GRID_STRIDE(i, (long long)rows * width) {
-        long long r = i / width;
-        int col = (int)(i % width);
-        float v = x[r * cols + col];
-        if (col < w0) {
-            a[r * w0 + col] = v;
-        } else if (col < w0 + w1) {
-            b[r * w1 + (col - w0)] = v;
-        } else {
-            c[r * w2 + (col - w0 - w1)] = v;
-        }
-    }
-}
-
 // Row = groups × [first | second] → a = groups × first, b = groups × second.
 extern "C" __global__ void split_interleaved(const float* x, float* a, float* b, int rows,
                                              int groups, int first, int second) {
@@ -288,7 +268,7 @@ extern "C" __global__ void causal_conv1d_silu(const float* x, const float* taps,
 }
 
 // `causal_conv1d_silu` whose output channels [0, w0), [w0, w0 + w1) and the rest go to a, b and
-// c (the q, k and v of a Gated DeltaNet layer): the conv and `split_columns3` in one launch.
+// c (the q, k and v of a Gated DeltaNet layer): the conv and three `columns` in one launch.
 extern "C" __global__ void causal_conv1d_silu_split3(const float* x, const float* taps,
                                                      float* history, float* a, float* b,
                                                      float* c_out, int row_start, int n,

@@ -364,7 +364,7 @@ fn dense_ops_match_the_cpu_backend() {
         &cpu.download(&cpu.columns(&ac, 7..29).unwrap()).unwrap(),
         0.0,
     );
-    // Three column ranges in one launch: the CPU's three `columns` copies, bit for bit (the
+    // Three column ranges: the CPU's three `columns` copies, bit for bit (the
     // last range stops short of the row's end).
     let gpu_parts = gpu.split_columns3(&ag, [7, 13, 11]).unwrap();
     let cpu_parts = cpu.split_columns3(&ac, [7, 13, 11]).unwrap();

@@ -317,8 +317,7 @@ pub trait Backend: Send + Sync + 'static {
         range: Range<usize>,
     ) -> Result<Self::Tensor, EngineError>;
     /// Columns `[0, w0)`, `[w0, w0 + w1)` and `[w0 + w1, w0 + w1 + w2)` of every row as three
-    /// tensors (`widths` = `[w0, w1, w2]`), which a backend may copy in one pass (the CUDA
-    /// backend does: one launch instead of three). Same values as three [`Backend::columns`].
+    /// tensors (`widths` = `[w0, w1, w2]`): three [`Backend::columns`].
     fn split_columns3(
         &self,
         tensor: &Self::Tensor,
@@ -718,8 +717,8 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor, EngineError>;
     /// [`Backend::causal_conv1d_silu`] with its output split into channels `[0, w0)`,
     /// `[w0, w0 + w1)` and `[w0 + w1, w0 + w1 + w2)` (`widths`; a Gated DeltaNet layer's q, k and
-    /// v), which a backend may do in one pass (the CUDA backend does: one launch instead of two).
-    /// Same values as the conv then [`Backend::split_columns3`].
+    /// v), which a backend may do in one pass (the CUDA backend does: one launch instead of
+    /// four). Same values as the conv then [`Backend::split_columns3`].
     fn causal_conv1d_silu_split3(
         &self,
         x: &Self::Tensor,

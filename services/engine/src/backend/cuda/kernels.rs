@@ -48,7 +48,6 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "gather_rows",
             "columns",
             "split_interleaved",
-            "split_columns3",
             "add_assign",
             "silu_mul_halves",
             "silu_mul",

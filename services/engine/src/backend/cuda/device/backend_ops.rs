@@ -138,8 +138,6 @@ impl Backend for CudaBackend {
         concat_rows(a: &CudaTensor, b: &CudaTensor) -> CudaTensor = launch_concat_rows;
         split_interleaved(tensor: &CudaTensor, groups: usize, first: usize, second: usize)
             -> (CudaTensor, CudaTensor) = launch_split_interleaved;
-        split_columns3(tensor: &CudaTensor, widths: [usize; 3]) -> [CudaTensor; 3]
-            = launch_split_columns3;
         embed(table: &CudaWeight, ids: &[u32]) -> CudaTensor = launch_embed;
         rms_norm(x: &CudaTensor, weight: &CudaWeight, eps: f32, style: NormStyle)
             -> CudaTensor = launch_rms_norm;

@@ -133,43 +133,6 @@ impl CudaBackend {
         Ok((a, b))
     }
 
-    pub(super) fn launch_split_columns3(
-        &self,
-        x: &CudaTensor,
-        widths: [usize; 3],
-    ) -> Result<[CudaTensor; 3], CudaError> {
-        let input = &*x.data;
-        let width: usize = widths.iter().sum();
-        if width > x.cols {
-            return Err(CudaError::Invalid {
-                problem: format!(
-                    "split_columns3: {}+{}+{} columns of a {}-column tensor",
-                    widths[0], widths[1], widths[2], x.cols
-                ),
-            });
-        }
-        // `split_columns3` writes every element of all three.
-        let mut outputs = [
-            self.output_uninit(x.rows, widths[0])?,
-            self.output_uninit(x.rows, widths[1])?,
-            self.output_uninit(x.rows, widths[2])?,
-        ];
-        let total = x.rows * width;
-        if total > 0 {
-            let (rows, cols) = (int(x.rows, "rows")?, int(x.cols, "columns")?);
-            let [w0, w1, w2] = [
-                int(widths[0], "width")?,
-                int(widths[1], "width")?,
-                int(widths[2], "width")?,
-            ];
-            let [a, b, c] = &mut outputs;
-            let (out_a, out_b, out_c) = (&mut *a.data, &mut *b.data, &mut *c.data);
-            launch!(self, "split_columns3", elementwise(total);
-                input, out_a, out_b, out_c, &rows, &cols, &w0, &w1, &w2)?;
-        }
-        Ok(outputs)
-    }
-
     pub(super) fn launch_embed(
         &self,
         table: &CudaWeight,

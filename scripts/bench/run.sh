@@ -74,7 +74,7 @@
 #               (decode tok/s; prefill tok/s of the first prompt length): llama.cpp, ninfer and
 #               their ratio per placement.
 #
-# Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (16), Q30_LAYERS (q30's
+# Knobs: PROMPTS (default 4096), DECODE (64), REPEATS (2), THREADS (the CPU experts' threads; default the engine's own, one per physical core), Q30_LAYERS (q30's
 # decoder layers, default all 48; at 48 the artifact and the GGUF take ~33 GB each: a 64 GiB disk
 # needs KEEP_ARTIFACTS=0 and INTERLEAVE=0, or fewer layers), INTERLEAVE (1, the default: with
 # the llama stage, llama.cpp's run of each q30 placement follows ninfer's at once, its GGUF
@@ -106,7 +106,13 @@ archive() {
 }
 stages=",${STAGES:-q30},"
 work=${WORK:-/tmp/ninfer-bench}
-threads=${THREADS:-16}
+# THREADS unset: the engine's default, one worker thread per physical core (llama.cpp's -t gets
+# the same count); THREADS=N passes --moe-threads N to every bench and -t N to llama-bench.
+physical_cores=$(lscpu -p=core,socket 2>/dev/null | grep -v '^#' | sort -u | wc -l)
+[ "${physical_cores:-0}" -gt 0 ] || physical_cores=16
+threads=${THREADS:-$physical_cores}
+moe_threads=()
+[ -z "${THREADS:-}" ] || moe_threads=(--moe-threads "$THREADS")
 mkdir -p "$work"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/summary.log"; }
 has() { [[ "$stages" == *",$1,"* ]]; }
@@ -238,7 +244,7 @@ if has quick; then
   convert q30-l8 qwen3-30b-a3b --layers 8 --experts-dtype int8 --routing uniform
   wait_for_gpu_tests
   for experts in 0 all; do
-    bench "q30_l8_gpu_$experts" 120 "$work/q30-l8.ninfer" --device cuda --moe-threads "$threads" \
+    bench "q30_l8_gpu_$experts" 120 "$work/q30-l8.ninfer" --device cuda "${moe_threads[@]}" \
       --prompt-lengths 512 --decode-tokens 32 --moe-gpu-experts "$experts"
   done
 fi
@@ -246,7 +252,7 @@ fi
 run_q35() {
   convert q35 qwen3.5-35b-a3b --experts-dtype int4
   wait_for_gpu_tests
-  Q=("$work/q35.ninfer" --device cuda --moe-threads "$threads")
+  Q=("$work/q35.ninfer" --device cuda "${moe_threads[@]}")
   bench q35_stats "${STATS_TIMEOUT:-120}" "${Q[@]}" --prompt-lengths 2048 --decode-tokens 128 \
     --engine-arg=--moe-record-stats --engine-arg="$work/q35-stats.json"
   cp "$work/q35-stats.json" "$out/" 2>/dev/null
@@ -264,11 +270,11 @@ if has cache; then
     name=$([ "$cache_model" = qwen3.5-35b-a3b ] && echo q35t || echo "cache-${cache_model%%-*}")
     convert "$name" "$cache_model" --experts-dtype int4 --routing trained
     wait_for_gpu_tests
-    C=("$work/$name.ninfer" --device cuda --moe-threads "$threads" --gpu-mem-budget 16
+    C=("$work/$name.ninfer" --device cuda "${moe_threads[@]}" --gpu-mem-budget 16
       --moe-gpu-experts auto --prompt-lengths 4096 --decode-tokens "${DECODE:-128}" --repeats 1)
     stats=(--engine-arg=--moe-expert-stats --engine-arg="$work/$name-stats.json")
     bench "cache_${name}_record" "${STATS_TIMEOUT:-150}" "$work/$name.ninfer" --device cuda \
-      --moe-threads "$threads" --prompt-lengths 2048 --decode-tokens 128 \
+      "${moe_threads[@]}" --prompt-lengths 2048 --decode-tokens 128 \
       --engine-arg=--moe-record-stats --engine-arg="$work/$name-stats.json"
     for pass in $(seq 1 "${CACHE_PASSES:-2}"); do
       bench "cache_${name}_static_first_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" \
@@ -289,7 +295,7 @@ fi
 if has cards; then
   convert q35 qwen3.5-35b-a3b --experts-dtype int4
   wait_for_gpu_tests
-  K=("$work/q35.ninfer" --device cuda --moe-threads "$threads" --moe-gpu-experts all
+  K=("$work/q35.ninfer" --device cuda "${moe_threads[@]}" --moe-gpu-experts all
     --prompt-lengths "${CARD_PROMPTS:-4096,16384}" --decode-tokens 8 --repeats 1)
   bench cards_uncapped "${BENCH_TIMEOUT:-240}" "${K[@]}"
   bench cards_99k "${BENCH_TIMEOUT:-240}" "${K[@]}" --engine-arg=--cuda-shared-memory-cap \
@@ -403,10 +409,10 @@ if has q30 || has profile || has b53 || has share || has decode_ab; then
   if has decode_ab; then
     # Each decode kernel option off against the defaults, all on the GPU, alternating.
     for pass in $(seq "${AB_PASSES:-2}"); do
-      bench "decode_ab_defaults_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" \
+      bench "decode_ab_defaults_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" \
         --moe-gpu-experts all
       for option in ${DECODE_AB_OPTIONS:-cuda-group-decode-attention cuda-decode-gate-up-tasks}; do
-        bench "decode_ab_${option}_off_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" \
+        bench "decode_ab_${option}_off_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" \
           --moe-gpu-experts all --engine-arg="--$option" --engine-arg=off
       done
     done
@@ -416,7 +422,7 @@ if has q30 || has profile || has b53 || has share || has decode_ab; then
     for profile_run in ${PROFILE_RUNS:-0:sync all:sync all:host}; do
       experts=${profile_run%%:*} mode=${profile_run#*:}
       NINFER_CUDA_OP_TIMING="$out/op_timing_q30_${experts}_$mode.txt" NINFER_CUDA_OP_TIMING_MODE=$mode \
-        bench "q30_profile_${experts}_$mode" 120 "$work/$q30.ninfer" --device cuda --moe-threads "$threads" \
+        bench "q30_profile_${experts}_$mode" 120 "$work/$q30.ninfer" --device cuda "${moe_threads[@]}" \
         --prompt-lengths "${PROFILE_PROMPT:-1024}" --decode-tokens 64 --moe-gpu-experts "$experts"
       head -40 "$out/op_timing_q30_${experts}_$mode.txt" | tee -a "$out/summary.log"
     done
@@ -425,21 +431,21 @@ if has q30 || has profile || has b53 || has share || has decode_ab; then
     for placement in ${Q30_PLACEMENTS:-a b b53 c}; do
       case $placement in
         a)
-          bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 0
+          bench q30_a "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" --moe-gpu-experts 0
           beside cpu_experts -ot 'exps=CPU'
           ;;
         b)
-          bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --gpu-mem-budget 16 --moe-gpu-experts auto
+          bench q30_b "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" --gpu-mem-budget 16 --moe-gpu-experts auto
           ;;
         b53)
           # The expert bytes of a 16 GB card as 53 experts per layer; the 16 GiB budget places
           # fewer (it also reserves the prefill staging slots, the KV cache and 1 GiB of working
           # memory).
-          bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 53
+          bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" --moe-gpu-experts 53
           [ -z "${LLAMA_CPP_CPU_MOE:-}" ] || beside "cpu_moe_$LLAMA_CPP_CPU_MOE" --n-cpu-moe "$LLAMA_CPP_CPU_MOE"
           ;;
         c)
-          bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts all
+          bench q30_c "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" --moe-gpu-experts all
           beside all_gpu
           ;;
         *) log "Q30_PLACEMENTS: unknown placement $placement (a, b, b53, c)" ;;
@@ -448,14 +454,14 @@ if has q30 || has profile || has b53 || has share || has decode_ab; then
     if has spin; then
       # The worker spinning 1 ms for its next request instead of the channel's default.
       NINFER_WORKER_SPIN_US=1000 bench q30_b_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
-        --moe-threads "$threads" --gpu-mem-budget 16 --moe-gpu-experts auto
+        "${moe_threads[@]}" --gpu-mem-budget 16 --moe-gpu-experts auto
     fi
   fi
   if has b53 && ! has q30; then
-    bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" --moe-threads "$threads" --moe-gpu-experts 53
+    bench q30_b53 "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" --moe-gpu-experts 53
     if has spin; then
       NINFER_WORKER_SPIN_US=1000 bench q30_b53_worker_spin "${BENCH_TIMEOUT:-150}" "${B[@]}" \
-        --moe-threads "$threads" --moe-gpu-experts 53
+        "${moe_threads[@]}" --moe-gpu-experts 53
     fi
     if has threads; then
       bench "q30_b53_$((threads - 1))_threads" "${BENCH_TIMEOUT:-150}" "${B[@]}" \
@@ -465,7 +471,7 @@ if has q30 || has profile || has b53 || has share || has decode_ab; then
   if has share; then
     # SHARE_ARGS is split into words on purpose: several arguments in one variable.
     # shellcheck disable=SC2206
-    S=("$work/$q30.ninfer" --device cuda --moe-threads "$threads" --prompt-lengths 512
+    S=("$work/$q30.ninfer" --device cuda "${moe_threads[@]}" --prompt-lengths 512
       --decode-tokens "${DECODE:-64}" --repeats 1 --decode-during-prefill "${SHARE_PROMPT:-32768}"
       ${SHARE_ARGS:-})
     bench q30_share_c "${SHARE_TIMEOUT:-300}" "${S[@]}" --moe-gpu-experts all

@@ -7,6 +7,8 @@
 //!   token is far from the whole-vocabulary work per token it once did (the bound leaves room
 //!   for a debug build on a loaded machine; release figures are in docs/BENCHMARKS.md, and
 //!   `services/gateway/tests/per_token_work.rs` bounds the per-token work by counting).
+//! - `ninfer bench serve --agent-turns` replays an agent's conversation, its later turns from
+//!   the prefix cache.
 //! - The served name carries no conversion checksum, aliases from `--model-alias` answer, and
 //!   `/metrics` shows routing statistics of this model only.
 //! - Unmodified Claude Code completes a `-p` run against a model that ends its turn at once
@@ -126,6 +128,59 @@ fn bench_serve_measures_the_api_with_the_real_vocabulary() {
     let engine = report["engine_decode_tok_s"].as_f64().unwrap_or(0.0);
     assert!(engine > 0.0, "{report}");
     assert!(report["stream_over_engine"].as_f64().unwrap_or(0.0) > 0.0);
+}
+
+/// `ninfer bench serve --agent-turns` replays an agent's conversation: the first turn computes
+/// its whole prompt, every later one takes the conversation so far from the prefix cache (whole
+/// blocks, more each turn as the conversation grows), and the cache's bytes come back within
+/// its budget.
+#[test]
+fn bench_serve_replays_an_agent_conversation_from_the_prefix_cache() {
+    let scratch = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let model = real_vocabulary_model(scratch.path(), "agent", &[]);
+    let output = ninfer(scratch.path())
+        .args(["bench", "serve"])
+        .arg(&model)
+        .args([
+            "--agent-turns",
+            "3",
+            "--agent-system-tokens",
+            "600",
+            "--agent-turn-tokens",
+            "300",
+            "--output-tokens",
+            "4",
+            "--json",
+            "--run-arg=--device",
+            "--run-arg=cpu",
+            "--run-arg=--moe-threads",
+            "--run-arg=1",
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("ninfer bench serve: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let report: Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+    eprintln!("{report:#}");
+    let turns = report["turns"].as_array().cloned().unwrap_or_default();
+    assert_eq!(turns.len(), 3, "{report}");
+    let figure = |turn: &Value, name: &str| turn[name].as_u64().unwrap_or(u64::MAX);
+    assert_eq!(figure(&turns[0], "cached_tokens"), 0, "{report}");
+    assert!(figure(&turns[0], "prompt_tokens") > 600, "{report}");
+    let mut previous = 0;
+    for turn in &turns[1..] {
+        let (prompt, cached) = (figure(turn, "prompt_tokens"), figure(turn, "cached_tokens"));
+        // Whole blocks of 256 tokens; each turn grows by more than a block.
+        assert!(cached > previous && cached % 256 == 0, "{turn}");
+        assert!(cached < prompt, "{turn}");
+        assert!(turn["ttft_ms"].as_f64().unwrap_or(0.0) > 0.0, "{turn}");
+        previous = cached;
+    }
+    let bytes = report["prefix_cache_bytes"].as_u64().unwrap_or(0);
+    let budget = report["prefix_cache_budget_bytes"].as_u64().unwrap_or(0);
+    assert!(bytes > 0 && bytes <= budget, "{report}");
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! reuse point on a checkpoint and off it (the rest since the last checkpoint recomputed),
 //! and for a prompt sent twice; a checkpoint taken in the middle of a forward equals that of a
 //! forward stopped there. The store's bookkeeping (budget, least-recently-used leaves
-//! evicted first, counters) is held here too.
+//! evicted first, checkpoints' bytes counted against the budget, counters, nothing served to
+//! another model or after a weight change) is held here too.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -410,7 +411,7 @@ fn nothing_is_reused_across_models() {
     .unwrap();
     let work_b = tempfile::tempdir().unwrap();
     let b = Model::open(
-        backend,
+        Arc::clone(&backend),
         &convert(&golden_fixture_dir("qwen3_5"), work_b.path()),
     )
     .unwrap();
@@ -426,4 +427,98 @@ fn nothing_is_reused_across_models() {
     b.prefill(&mut state, &prompt).unwrap();
     cache.record(&b, &state, &prompt).unwrap();
     assert_eq!(cache.blocks(), blocks);
+
+    // The same model with one weight changed (same config, tensors and dtypes): a new
+    // identity, so nothing computed with the old weights is served.
+    let changed = tempfile::tempdir().unwrap();
+    let fixture = changed.path().join("qwen3_moe");
+    copy_fixture_changing_one_weight(&golden_fixture_dir("qwen3_moe"), &fixture);
+    let work_c = tempfile::tempdir().unwrap();
+    let c = Model::open(backend, &convert(&fixture, work_c.path())).unwrap();
+    assert_ne!(a.artifact().model_id(), c.artifact().model_id());
+    let mut state = c.new_sequence(prompt.len() + GREEDY_TOKENS + 1).unwrap();
+    assert_eq!(cache.restore(&c, &mut state, &prompt).unwrap(), 0);
+    assert_eq!(state.position(), 0);
+    c.prefill(&mut state, &prompt).unwrap();
+    cache.record(&c, &state, &prompt).unwrap();
+    assert_eq!(cache.blocks(), blocks);
+    // The unchanged model still finds its own blocks.
+    let mut state = a.new_sequence(prompt.len() + GREEDY_TOKENS + 1).unwrap();
+    assert_eq!(cache.restore(&a, &mut state, &prompt).unwrap(), 2 * BLOCK);
+}
+
+/// Copies the fixture directory `from` to `to`, with the lowest mantissa bit of the first
+/// element of `model.embed_tokens.weight` flipped.
+fn copy_fixture_changing_one_weight(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+    let path = to.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let tensor = &header["model.embed_tokens.weight"];
+    assert_eq!(tensor["dtype"], "F32", "{tensor}");
+    let start = tensor["data_offsets"][0].as_u64().unwrap() as usize;
+    // Little-endian f32: the first byte holds the lowest mantissa bits.
+    bytes[8 + header_len + start] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// On models with recurrent states (Gated DeltaNet, qwen4_exp's PLE), checkpoints count
+/// against the budget: the store's bytes are its blocks' and checkpoints' bytes, and a budget
+/// one byte short of a prompt's blocks and two checkpoints keeps less, yet what it keeps
+/// still gives the bits of a whole prompt.
+#[test]
+fn checkpoints_are_counted_and_bounded_by_the_budget() {
+    let backend = Arc::new(CpuBackend::new());
+    let mut rng = Xoshiro256::seed_from_u64(13);
+    for name in ["qwen3_next", "qwen4_exp"] {
+        let work = tempfile::tempdir().unwrap();
+        let path = convert(&golden_fixture_dir(name), work.path());
+        let model = Model::open(Arc::clone(&backend), &path).unwrap();
+        assert!(model.needs_prefix_checkpoints(), "{name}");
+        let donor = random_tokens(&mut rng, 4 * BLOCK + 14, model.vocab_size());
+        // One block's and one checkpoint's bytes, from a sequence that holds the donor.
+        let mut whole = model.new_sequence(donor.len()).unwrap();
+        model.prefill(&mut whole, &donor).unwrap();
+        let block = model.prefix_block(&whole, 0..BLOCK).unwrap().bytes() as u64;
+        let checkpoint = model.checkpoint_bytes(&model.checkpoint(&whole).unwrap()) as u64;
+        assert!(block > 0 && checkpoint > 0, "{name}: {block}, {checkpoint}");
+
+        // Blocks ending at 64..256, checkpoints at 128 and 256.
+        let mut all = PrefixCache::new(&model, settings(1 << 30), Default::default()).unwrap();
+        prefill_with_cache(&model, &mut all, &donor);
+        assert_eq!((all.blocks(), all.checkpoints()), (4, 2), "{name}");
+        assert_eq!(all.bytes(), 4 * block + 2 * checkpoint, "{name}");
+
+        let budget = 4 * block + 2 * checkpoint - 1;
+        let counters = Arc::new(PrefixCacheCounters::default());
+        let mut cache = PrefixCache::new(&model, settings(budget), Arc::clone(&counters)).unwrap();
+        prefill_with_cache(&model, &mut cache, &donor);
+        let kept = cache.blocks() as u64 * block + cache.checkpoints() as u64 * checkpoint;
+        assert_eq!(cache.bytes(), kept, "{name}: bytes counted");
+        assert!(cache.bytes() <= budget, "{name}: {} bytes", cache.bytes());
+        assert!(cache.checkpoints() < 2, "{name}");
+        assert!(counters.evictions.load(Ordering::Relaxed) > 0, "{name}");
+        assert_eq!(counters.bytes.load(Ordering::Relaxed), cache.bytes());
+
+        // What is left is reused exactly: back to the checkpoint at 128.
+        let again = [
+            donor.clone(),
+            random_tokens(&mut rng, 9, model.vocab_size()),
+        ]
+        .concat();
+        let (mut state, reused, logits) = prefill_with_cache(&model, &mut cache, &again);
+        assert_eq!(reused, 2 * BLOCK, "{name}: the checkpoint kept");
+        let got = greedy(&model, &mut state, logits);
+        assert_same(
+            &*backend,
+            &format!("{name}, within a tight budget"),
+            &reference(&model, &again),
+            &got,
+        );
+    }
 }

@@ -1,7 +1,7 @@
 //! The prefix cache through the scheduler: prompts that share a start with earlier ones report
 //! the tokens they took from the cache on their events and get the greedy tokens of a
-//! scheduler without a cache, on a full-attention, a Gated DeltaNet and the QSA fixture, also
-//! when a long prompt goes in chunks beside a decoding stream.
+//! scheduler without a cache (sampled ones too), on a full-attention, a Gated DeltaNet and the
+//! QSA fixture, also when a long prompt goes in chunks beside a decoding stream.
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -16,10 +16,11 @@ use ninfer_engine::service::scheduler::{
     SpeculativeDecoding, DEFAULT_PREFILL_TIME_SHARE,
 };
 use ninfer_engine::testing::{collect_tokens, golden_fixture_dir, greedy_request};
-use ninfer_engine::{test_device, Backend, Model, SequenceState};
+use ninfer_engine::{test_device, Backend, Model, SamplingParams, SequenceState};
 use tokio::sync::mpsc as async_mpsc;
 
 const NEW_TOKENS: usize = 5;
+const SAMPLED_TOKENS: usize = 12;
 
 fn open<B: Backend>(backend: &Arc<B>, fixture: &str, work: &Path) -> Arc<Model<B>> {
     let path = work.join(format!("{fixture}.ninfer"));
@@ -95,6 +96,31 @@ impl Scheduler {
         let mut receiver = self.submit(prompt, NEW_TOKENS);
         collect_tokens(&mut receiver)
     }
+
+    /// [`Scheduler::generate`] with sampling: temperature, top-k, top-p, penalties and a seed.
+    fn sample(&mut self, prompt: &[u32]) -> (Vec<u32>, u32) {
+        let (events, mut receiver) = async_mpsc::channel(4096);
+        self.next_id += 1;
+        let mut request = greedy_request(
+            format!("request-{}", self.next_id),
+            prompt.to_vec(),
+            SAMPLED_TOKENS,
+            events,
+        );
+        request.sampling = SamplingParams {
+            temperature: 1.0,
+            top_k: 50,
+            top_p: 0.95,
+            repetition_penalty: 1.1,
+            presence_penalty: 0.3,
+            seed: 1234,
+            ..SamplingParams::default()
+        };
+        self.commands
+            .send(SchedulerCommand::Submit(request))
+            .expect("submit");
+        collect_tokens(&mut receiver)
+    }
 }
 
 fn settings() -> PrefixCacheSettings {
@@ -166,6 +192,35 @@ where
         assert_eq!(prefix.lookups.load(Ordering::Relaxed), 4, "{fixture}");
         assert_eq!(prefix.hits.load(Ordering::Relaxed), 3, "{fixture}");
         assert!(prefix.bytes.load(Ordering::Relaxed) > 0, "{fixture}");
+
+        // Sampled answers (a seed, temperature, top-k, top-p and penalties over the whole
+        // prompt) are those of the plain scheduler too: reuse changes neither the logits nor
+        // the sampler's draws. Where logits are equal bits (the CPU backend) only: elsewhere a
+        // draw near a probability boundary may go either way within the bars.
+        let mut unlike_greedy = !backend.computes_on_host();
+        let sampled = match backend.computes_on_host() {
+            true => vec![&second, &third],
+            false => Vec::new(),
+        };
+        for (index, prompt) in sampled.into_iter().enumerate() {
+            let (reference, _) = plain.sample(prompt);
+            let (tokens, cached_tokens) = cached.sample(prompt);
+            assert!(
+                cached_tokens > 0,
+                "{fixture}: sampled prompt {index} reused nothing"
+            );
+            assert_eq!(
+                tokens, reference,
+                "{fixture}: sampled prompt {index}'s tokens"
+            );
+            let (greedy, _) = plain.generate(prompt);
+            let shared = tokens.len().min(greedy.len());
+            unlike_greedy |= tokens[..shared] != greedy[..shared];
+        }
+        assert!(
+            unlike_greedy,
+            "{fixture}: the sampled answers are the greedy ones"
+        );
 
         // A long prompt in chunks of 100 tokens beside a decoding stream: chunks end on the
         // cache's checkpoints and alignment, and the tokens are those of the plain scheduler

@@ -771,15 +771,35 @@ fn every_sigterm_under_streams_ends_them_with_the_documented_code() {
         let anthropic = anthropic
             .join()
             .unwrap_or_else(|_| panic!("reader panicked"));
+        // The drain error is the stream's one error and its last event (OpenAI: before
+        // `[DONE]`): no stream saw the engine go away first (OpenAI `service_unavailable`,
+        // Anthropic `api_error`) and then the drain error too.
+        let openai_events = sse_data(&openai);
+        let openai_errors = openai_events
+            .iter()
+            .filter(|event| json_of(event).get("error").is_some())
+            .count();
         assert!(
-            openai.contains("\"code\":\"server_shutting_down\""),
-            "round {round}: the OpenAI stream did not end with the drain error:\n{}",
-            &openai[openai.len().saturating_sub(600)..]
+            openai_errors == 1
+                && openai_events.len() >= 2
+                && openai_events[openai_events.len() - 2]
+                    .contains("\"code\":\"server_shutting_down\"")
+                && openai_events[openai_events.len() - 1] == "[DONE]",
+            "round {round}: the OpenAI stream did not end with the drain error alone:\n{}",
+            tail(&openai)
         );
+        let anthropic_events = sse_data(&anthropic);
+        let anthropic_errors = anthropic_events
+            .iter()
+            .filter(|event| json_of(event)["type"] == "error")
+            .count();
         assert!(
-            anthropic.contains("\"type\":\"overloaded_error\""),
-            "round {round}: the Anthropic stream did not end with the drain error:\n{}",
-            &anthropic[anthropic.len().saturating_sub(600)..]
+            anthropic_errors == 1
+                && anthropic_events
+                    .last()
+                    .is_some_and(|last| last.contains("\"type\":\"overloaded_error\"")),
+            "round {round}: the Anthropic stream did not end with the drain error alone:\n{}",
+            tail(&anthropic)
         );
         let said = std::fs::read_to_string(&log).unwrap_or_default();
         assert!(
@@ -787,5 +807,28 @@ fn every_sigterm_under_streams_ends_them_with_the_documented_code() {
             "round {round}: a child had to be killed:\n{said}"
         );
     }
-    eprintln!("ten SIGTERMs under two streams: every process gone after {stop_times:?}");
+    let slowest = stop_times.iter().max().copied().unwrap_or_default();
+    eprintln!(
+        "ten SIGTERMs under two streams: 20 of 20 streams ended with the drain error; every process gone after {stop_times:?} (slowest {slowest:?})"
+    );
+}
+
+/// The `data:` payloads of a server-sent event stream, in order.
+fn sse_data(received: &str) -> Vec<&str> {
+    received
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .map(str::trim)
+        .collect()
+}
+
+/// An event's payload as JSON (`null` where it is not, as `[DONE]`).
+fn json_of(event: &str) -> serde_json::Value {
+    serde_json::from_str(event).unwrap_or_default()
+}
+
+/// The last few hundred characters of what a stream carried, for a failure message.
+fn tail(text: &str) -> String {
+    let chars: Vec<char> = text.chars().collect();
+    chars[chars.len().saturating_sub(600)..].iter().collect()
 }

@@ -387,4 +387,164 @@ mod tests {
         spent.record(token(40, 3, 1));
         assert!(spent.continuation().is_none());
     }
+
+    type Scripted = futures_util::stream::BoxStream<'static, Result<GeneratedToken, tonic::Status>>;
+
+    /// An engine pool whose engine comes back `ready_after` polls of `model_ready` (never when
+    /// `None`) and then answers a continuation with `continuation_tokens`.
+    #[derive(Clone)]
+    struct ScriptedPool {
+        ready_after: Option<usize>,
+        readiness_checks: std::sync::Arc<AtomicU64>,
+        continuation_tokens: Vec<u32>,
+        started: std::sync::Arc<std::sync::Mutex<Vec<GenerateRequest>>>,
+        counters: std::sync::Arc<ResumeCounters>,
+    }
+
+    impl ScriptedPool {
+        fn new(ready_after: Option<usize>, continuation_tokens: Vec<u32>) -> Self {
+            ScriptedPool {
+                ready_after,
+                readiness_checks: Default::default(),
+                continuation_tokens,
+                started: Default::default(),
+                counters: Default::default(),
+            }
+        }
+    }
+
+    impl EngineSource for ScriptedPool {
+        type Stream = Scripted;
+
+        fn start(
+            &self,
+            request: GenerateRequest,
+        ) -> BoxFuture<'static, Result<Self::Stream, GatewayError>> {
+            let tokens: Vec<_> = self
+                .continuation_tokens
+                .iter()
+                .enumerate()
+                .map(|(index, &id)| {
+                    let last = index + 1 == self.continuation_tokens.len();
+                    Ok(GeneratedToken {
+                        token_id: id,
+                        finish_reason: if last {
+                            FinishReason::Length as i32
+                        } else {
+                            FinishReason::Unspecified as i32
+                        },
+                        ..Default::default()
+                    })
+                })
+                .collect();
+            self.started
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(request);
+            Box::pin(async move { Ok(futures_util::stream::iter(tokens).boxed()) })
+        }
+
+        fn model_ready(&self, _model_name: &str) -> bool {
+            let checks = self.readiness_checks.fetch_add(1, Ordering::SeqCst) as usize;
+            self.ready_after.is_some_and(|after| checks >= after)
+        }
+
+        fn report_lost(&self, _stream: &Self::Stream, _error: String) {}
+
+        fn resume_timeout(&self) -> Duration {
+            Duration::from_millis(300)
+        }
+
+        fn counters(&self) -> &ResumeCounters {
+            &self.counters
+        }
+    }
+
+    /// Two tokens, then `failure`: an engine that went away (or refused) mid-answer.
+    fn failing_engine(failure: tonic::Status) -> Scripted {
+        futures_util::stream::iter(vec![Ok(token(40, 3, 1)), Ok(token(41, 3, 2)), Err(failure)])
+            .boxed()
+    }
+
+    async fn drain(stream: TokenStream) -> (Vec<u32>, Option<GatewayError>) {
+        let mut tokens = Vec::new();
+        let mut stream = stream;
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(token) => tokens.push(token.token_id),
+                Err(error) => return (tokens, Some(error)),
+            }
+        }
+        (tokens, None)
+    }
+
+    #[tokio::test]
+    async fn a_lost_engine_that_comes_back_continues_the_answer_without_a_seam() {
+        let pool = ScriptedPool::new(Some(3), vec![42, 43]);
+        let stream = resuming_token_stream(
+            pool.clone(),
+            request(0.7),
+            failing_engine(tonic::Status::unavailable("transport error")),
+        );
+        let (tokens, error) = drain(stream).await;
+        assert!(error.is_none(), "{error:?}");
+        assert_eq!(tokens, vec![40, 41, 42, 43]);
+        let started = pool
+            .started
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        assert_eq!(started.len(), 1);
+        assert_eq!(started[0].prompt_token_ids, vec![1, 2, 3, 40, 41]);
+        let counts = pool.counters.counts();
+        assert_eq!((counts.resumed, counts.abandoned), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn a_lost_engine_that_does_not_come_back_in_time_ends_with_the_error_it_gave() {
+        let pool = ScriptedPool::new(None, vec![42]);
+        let lost = tonic::Status::unavailable("transport error");
+        let expected = error_from_engine_status(&lost).to_string();
+        let stream = resuming_token_stream(pool.clone(), request(0.0), failing_engine(lost));
+        let started = std::time::Instant::now();
+        let (tokens, error) = drain(stream).await;
+        assert_eq!(tokens, vec![40, 41]);
+        let error = error.unwrap_or_else(|| panic!("the answer ended without an error"));
+        assert!(
+            matches!(error, GatewayError::NoEngineAvailable(_)),
+            "{error:?}"
+        );
+        assert_eq!(error.to_string(), expected);
+        // It waited for the engine as long as the pool allows (and then gave up).
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
+        assert!(pool
+            .started
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty());
+        let counts = pool.counters.counts();
+        assert_eq!((counts.resumed, counts.abandoned), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_refuses_mid_answer_is_not_resumed() {
+        let pool = ScriptedPool::new(Some(0), vec![42]);
+        let stream = resuming_token_stream(
+            pool.clone(),
+            request(0.0),
+            failing_engine(tonic::Status::invalid_argument("bad grammar")),
+        );
+        let (tokens, error) = drain(stream).await;
+        assert_eq!(tokens, vec![40, 41]);
+        assert!(
+            matches!(error, Some(GatewayError::InvalidRequest { .. })),
+            "{error:?}"
+        );
+        let counts = pool.counters.counts();
+        assert_eq!((counts.resumed, counts.abandoned), (0, 0));
+    }
 }

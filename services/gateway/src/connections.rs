@@ -31,6 +31,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tower::ServiceExt;
 
+use crate::woken_body::WokenBody;
+
 /// How long connections and requests may take; see the module doc.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -275,13 +277,13 @@ impl ServedConnection {
                 response.map(|response| {
                     if is_event_stream(&response) {
                         response.map(|body| {
-                            Body::new(StreamCutAtDeadline::new(
+                            Body::new(WokenBody::new(StreamCutAtDeadline::new(
                                 body,
                                 cut_streams,
                                 event_streams,
                                 &path,
                                 in_flight,
-                            ))
+                            )))
                         })
                     } else {
                         response.map(|body| {

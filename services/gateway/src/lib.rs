@@ -13,7 +13,8 @@
 //! shape. Beside them: utility routes, auth and limits (`server`); reading request
 //! bodies within their limit, refusing a prompt too long for the context or another input over
 //! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them
-//! (`json_body`); connection limits, timeouts and the shutdown drain (`connections`); shared
+//! (`json_body`); connection limits, timeouts and the shutdown drain (`connections`, streaming bodies polled
+//! through only when woken `woken_body`); shared
 //! state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`, its
 //! byte-level decoding table `token_bytes`, the token ids of long prompt pieces kept between
 //! turns `prompt_token_cache`, `chat_template`); stop strings (`stop_strings`),
@@ -64,6 +65,7 @@ pub mod token_bytes;
 pub mod tokenizer;
 pub mod tool_calls;
 pub mod videos;
+pub mod woken_body;
 
 pub use backend::engine_pool::{EnginePool, EnginePoolOptions};
 pub use backend::GenerationBackend;

@@ -4,6 +4,7 @@
 
 #include "common.cuh"
 #include "experts_common.cuh"
+#include "mma_common.cuh"
 
 // Tensor-core grouped kernels. --------------------------------------------------------------------
 //
@@ -28,37 +29,6 @@
 #define MMA_STRIDE (MMA_K + 8)
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
-
-// Two f32 as a bf16x2 word (nearest even), `lo` in the low half.
-__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
-    unsigned int packed;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-    return packed;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const unsigned short* at) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const unsigned short* at) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
-// c += a · b for one m16n8k16 tile (a row-major, b column-major fragments).
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned int (&a)[4],
-                                         unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // One stage's global loads, held in registers until the tensor cores are done with the buffer
 // they go to. Thread tid loads 16 activations of pair row tid / 2 (inputs (tid % 2) · 16 …) and
@@ -150,8 +120,8 @@ __device__ __forceinline__ void mma_store_stage(const MmaStage& st, unsigned sho
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float* v = st.a + 8 * i;
-        a_at[i] = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]),
-                             pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+        a_at[i] = make_uint4(mma_pack_bf16x2(v[0], v[1]), mma_pack_bf16x2(v[2], v[3]),
+                             mma_pack_bf16x2(v[4], v[5]), mma_pack_bf16x2(v[6], v[7]));
     }
     uint4* w_at = reinterpret_cast<uint4*>(w_s + threadIdx.x * MMA_STRIDE);
     if (DT == DTYPE_BF16) {
@@ -183,7 +153,7 @@ __device__ __forceinline__ void mma_store_dequantized(const MmaStage& st, uint4*
             }
             w[e] = __fmul_rn((float)value, st.scale);
         }
-        words[i] = pack_bf16x2(w[0], w[1]);
+        words[i] = mma_pack_bf16x2(w[0], w[1]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -200,18 +170,18 @@ __device__ __forceinline__ void mma_stage_product(const unsigned short* a_s,
         unsigned int a[2][4];
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-            ldmatrix_x4(a[i], a_s + (wm * 32 + i * 16 + (lane & 15)) * MMA_STRIDE + kk +
+            mma_ldmatrix_x4(a[i], a_s + (wm * 32 + i * 16 + (lane & 15)) * MMA_STRIDE + kk +
                                   (lane >> 4) * 8);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             unsigned int b[4];
-            ldmatrix_x4(b, w_s + (wn * 64 + jj * 16 + (lane & 7) + ((lane >> 4) << 3)) *
+            mma_ldmatrix_x4(b, w_s + (wn * 64 + jj * 16 + (lane & 7) + ((lane >> 4) << 3)) *
                                      MMA_STRIDE +
                                kk + ((lane >> 3) & 1) * 8);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                mma_bf16(acc[i][2 * jj], a[i], b[0], b[1]);
-                mma_bf16(acc[i][2 * jj + 1], a[i], b[2], b[3]);
+                mma_m16n8k16(acc[i][2 * jj], a[i], b[0], b[1]);
+                mma_m16n8k16(acc[i][2 * jj + 1], a[i], b[2], b[3]);
             }
         }
     }

@@ -26,6 +26,7 @@
 // * `vision_add_bias` — a GEMM's output plus bias, in place.
 
 #include "common.cuh"
+#include "mma_common.cuh"
 
 // LayerNorm: warps per block (one row each).
 #define VLN_WARPS 8
@@ -261,51 +262,6 @@ extern "C" __global__ void vision_add_bias(float* y, const float* bias, int widt
 
 extern __shared__ __align__(16) unsigned char vision_smem[];
 
-__device__ __forceinline__ unsigned int va_pack_bf16x2(float lo, float hi) {
-    unsigned int packed;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-    return packed;
-}
-
-__device__ __forceinline__ void va_ldmatrix_x4(unsigned int (&r)[4], const unsigned short* at) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
-__device__ __forceinline__ void va_ldmatrix_x4_trans(unsigned int (&r)[4],
-                                                     const unsigned short* at) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
-__device__ __forceinline__ void va_mma(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
-                                       unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 16 bytes global → shared without waiting; `valid` false zero-fills (nothing is read).
-__device__ __forceinline__ void va_copy_16(unsigned short* shared, const unsigned short* global,
-                                           bool valid) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
-    int bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void va_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void va_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
-
 // Stages `count` rows from row0 of one head of a packed [rows, HDP] bf16 part (rows past `rows`
 // as 0).
 template <int HDP>
@@ -317,7 +273,7 @@ __device__ __forceinline__ void va_stage(unsigned short* tile, const unsigned sh
         int row = row0 + j;
         bool valid = row < rows;
         const unsigned short* from = part + (valid ? (long long)row * HDP + c : 0);
-        va_copy_16(tile + j * (HDP + VA_PAD) + c, from, valid);
+        mma_copy_16(tile + j * (HDP + VA_PAD) + c, from, valid);
     }
 }
 
@@ -355,9 +311,9 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
     int tile_first = block_first / VA_KEYS, tile_last = (block_end - 1) / VA_KEYS;
     va_stage<HDP>(q_s, q_head, t0, block_rows, rows);
     va_stage<HDP>(k_s, k_head, tile_first * VA_KEYS, VA_KEYS, rows);
-    va_commit();
+    mma_copies_commit();
     va_stage<HDP>(v_s, v_head, tile_first * VA_KEYS, VA_KEYS, rows);
-    va_commit();
+    mma_copies_commit();
 
     // Row tile m of this warp holds block rows (warp · MT + m) · 16 + lane / 4 (half h = 0)
     // and 8 more (h = 1).
@@ -388,7 +344,7 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
         int key0 = tile * VA_KEYS;
         bool more = tile < tile_last;
         bool unmasked = key0 >= common_first && key0 + VA_KEYS <= common_end;
-        va_wait<1>();     // q and this tile's K (its V may still be in flight)
+        mma_copies_wait<1>();     // q and this tile's K (its V may still be in flight)
         __syncthreads();  // … for every thread's copies
         float s[MT][VA_KEYS / 8][4];
 #pragma unroll
@@ -402,17 +358,17 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
             unsigned int a[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)
-                va_ldmatrix_x4(a[m], q_s + ((warp * MT + m) * 16 + (lane & 15)) * stride + kd +
+                mma_ldmatrix_x4(a[m], q_s + ((warp * MT + m) * 16 + (lane & 15)) * stride + kd +
                                          (lane >> 4) * 8);
 #pragma unroll
             for (int jj = 0; jj < VA_KEYS / 16; ++jj) {
                 unsigned int b[4];
-                va_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
+                mma_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
                                       kd + ((lane >> 3) & 1) * 8);
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
-                    va_mma(s[m][2 * jj], a[m], b[0], b[1]);
-                    va_mma(s[m][2 * jj + 1], a[m], b[2], b[3]);
+                    mma_m16n8k16(s[m][2 * jj], a[m], b[0], b[1]);
+                    mma_m16n8k16(s[m][2 * jj + 1], a[m], b[2], b[3]);
                 }
             }
         }
@@ -463,10 +419,10 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
         __syncthreads();  // every warp is done with the K tile
         if (more) {
             va_stage<HDP>(k_s, k_head, key0 + VA_KEYS, VA_KEYS, rows);
-            va_commit();
-            va_wait<1>();  // this tile's V
+            mma_copies_commit();
+            mma_copies_wait<1>();  // this tile's V
         } else {
-            va_wait<0>();
+            mma_copies_wait<0>();
         }
         __syncthreads();
         // O += P·V: P's accumulators are the A fragments of 16-key steps.
@@ -475,28 +431,28 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
             unsigned int a[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                a[m][0] = va_pack_bf16x2(s[m][2 * kc][0], s[m][2 * kc][1]);
-                a[m][1] = va_pack_bf16x2(s[m][2 * kc][2], s[m][2 * kc][3]);
-                a[m][2] = va_pack_bf16x2(s[m][2 * kc + 1][0], s[m][2 * kc + 1][1]);
-                a[m][3] = va_pack_bf16x2(s[m][2 * kc + 1][2], s[m][2 * kc + 1][3]);
+                a[m][0] = mma_pack_bf16x2(s[m][2 * kc][0], s[m][2 * kc][1]);
+                a[m][1] = mma_pack_bf16x2(s[m][2 * kc][2], s[m][2 * kc][3]);
+                a[m][2] = mma_pack_bf16x2(s[m][2 * kc + 1][0], s[m][2 * kc + 1][1]);
+                a[m][3] = mma_pack_bf16x2(s[m][2 * kc + 1][2], s[m][2 * kc + 1][3]);
             }
 #pragma unroll
             for (int dd = 0; dd < HDP / 16; ++dd) {
                 unsigned int b[4];
-                va_ldmatrix_x4_trans(
+                mma_ldmatrix_x4_trans(
                     b, v_s + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dd * 16 +
                            (lane >> 4) * 8);
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
-                    va_mma(acc[m][2 * dd], a[m], b[0], b[1]);
-                    va_mma(acc[m][2 * dd + 1], a[m], b[2], b[3]);
+                    mma_m16n8k16(acc[m][2 * dd], a[m], b[0], b[1]);
+                    mma_m16n8k16(acc[m][2 * dd + 1], a[m], b[2], b[3]);
                 }
             }
         }
         __syncthreads();  // every warp is done with the V tile
         if (more) {
             va_stage<HDP>(v_s, v_head, key0 + VA_KEYS, VA_KEYS, rows);
-            va_commit();
+            mma_copies_commit();
         }
     }
 
@@ -515,7 +471,7 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
             for (int j = 0; j < HDP / 8; ++j) {
                 int d = j * 8 + 2 * (lane % 4);
                 if (d < hd)
-                    *reinterpret_cast<unsigned int*>(o + d) = va_pack_bf16x2(
+                    *reinterpret_cast<unsigned int*>(o + d) = mma_pack_bf16x2(
                         acc[m][j][2 * h] * inverse, acc[m][j][2 * h + 1] * inverse);
             }
         }

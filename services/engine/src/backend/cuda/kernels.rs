@@ -29,6 +29,10 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
         include_str!("../../../../../kernels/common.cuh"),
     ),
     (
+        "mma_common.cuh",
+        include_str!("../../../../../kernels/mma_common.cuh"),
+    ),
+    (
         "attention_common.cuh",
         include_str!("../../../../../kernels/attention_common.cuh"),
     ),

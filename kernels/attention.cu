@@ -851,64 +851,13 @@ __device__ void attention_mma_block(const float* q, const unsigned short* keys,
         mma_copies_wait<1>();  // this tile's K (its V may still be in flight)
         __syncthreads();       // … for every thread's copies; q_s stored
         float s[MMA_KEYS / 8][4];
-#pragma unroll
-        for (int j = 0; j < MMA_KEYS / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
-#pragma unroll
-        for (int kd = 0; kd < HD; kd += 16) {
-            unsigned int a[4];
-            mma_ldmatrix_x4(a, q_s + (warp * 16 + (lane & 15)) * stride + kd + (lane >> 4) * 8);
-#pragma unroll
-            for (int jj = 0; jj < MMA_KEYS / 16; ++jj) {
-                unsigned int b[4];
-                mma_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
-                                       kd + ((lane >> 3) & 1) * 8);
-                mma_m16n8k16(s[2 * jj], a, b[0], b[1]);
-                mma_m16n8k16(s[2 * jj + 1], a, b[2], b[3]);
-            }
-        }
-        // Mask, scale, online softmax: row h's values are s[j][2h], s[j][2h + 1], spread over
-        // the 4 lanes of a quad.
-        float correction[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float top = neg_inf;
-#pragma unroll
-            for (int j = 0; j < MMA_KEYS / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    int key = key0 + j * 8 + 2 * (lane % 4) + e;
-                    bool visible = t_rows[h] < n && key >= firsts[h] && key <= positions[h];
-                    float score = visible ? s[j][2 * h + e] * scale_log2 : neg_inf;
-                    s[j][2 * h + e] = score;
-                    top = fmaxf(top, score);
-                }
-            }
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-            float new_max = fmaxf(row_max[h], top);
-            // Nothing visible yet: exponents against 0 give p = 0 and keep the state at 0.
-            float base = new_max == neg_inf ? 0.0f : new_max;
-            correction[h] = exp2f(row_max[h] - base);
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < MMA_KEYS / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float p = exp2f(s[j][2 * h + e] - base);
-                    s[j][2 * h + e] = p;
-                    sum += p;
-                }
-            }
-            row_sum[h] = row_sum[h] * correction[h] + sum;  // this lane's share
-            row_max[h] = new_max;
-        }
-#pragma unroll
-        for (int j = 0; j < HD / 8; ++j) {
-            acc[j][0] *= correction[0], acc[j][1] *= correction[0];
-            acc[j][2] *= correction[1], acc[j][3] *= correction[1];
-        }
+        mma_tile_scores<HD, MMA_KEYS>(q_s, warp * 16, k_s, stride, lane, s);
+        mma_online_softmax<HD, MMA_KEYS>(
+            s, key0, lane, scale_log2,
+            [&](int h, int key) {
+                return t_rows[h] < n && key >= firsts[h] && key <= positions[h];
+            },
+            row_max, row_sum, acc);
         __syncthreads();  // every warp is done with the K tile
         if (more) {
             mma_stage_keys<HD>(k_s, keys, key0 + MMA_KEYS, last_key, kv_width, kv_head);
@@ -918,25 +867,7 @@ __device__ void attention_mma_block(const float* q, const unsigned short* keys,
             mma_copies_wait<0>();
         }
         __syncthreads();
-        // O += P·V: P's accumulators are the A fragments of 16-key steps.
-#pragma unroll
-        for (int kc = 0; kc < MMA_KEYS / 16; ++kc) {
-            unsigned int a[4] = {
-                mma_pack_bf16x2(s[2 * kc][0], s[2 * kc][1]),
-                mma_pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
-                mma_pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                mma_pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]),
-            };
-#pragma unroll
-            for (int dd = 0; dd < HD / 16; ++dd) {
-                unsigned int b[4];
-                mma_ldmatrix_x4_trans(
-                    b, v_s + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dd * 16 +
-                           (lane >> 4) * 8);
-                mma_m16n8k16(acc[2 * dd], a, b[0], b[1]);
-                mma_m16n8k16(acc[2 * dd + 1], a, b[2], b[3]);
-            }
-        }
+        mma_add_pv<HD, MMA_KEYS>(s, v_s, stride, lane, acc);
         __syncthreads();  // every warp is done with the V tile
         if (more) {
             mma_stage_keys<HD>(v_s, values, key0 + MMA_KEYS, last_key, kv_width, kv_head);

@@ -475,8 +475,6 @@ __device__ __forceinline__ void decode_mma_warp_keys(
     int k0, int k1, float scale_log2, int lane, float (&row_max)[2], float (&row_sum)[2],
     float (&acc)[HD / 8][4]) {
     constexpr int stride = HD + DM_PAD;
-    constexpr int n_tiles = DM_KEYS / 8;
-    const float neg_inf = __int_as_float(0xff800000);
     int s_first = base + (k0 - base) / DM_KEYS * DM_KEYS;
     decode_mma_stage<HD>(head_keys, head_values, s_first, k1, row_elements, stages,
                          stages + DM_KEYS * stride, lane);
@@ -494,79 +492,12 @@ __device__ __forceinline__ void decode_mma_warp_keys(
         const unsigned short* k_s = stages + stage * 2 * DM_KEYS * stride;
         const unsigned short* v_s = k_s + DM_KEYS * stride;
 
-        float s[n_tiles][4];
-#pragma unroll
-        for (int j = 0; j < n_tiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
-#pragma unroll
-        for (int kd = 0; kd < HD; kd += 16) {
-            unsigned int a[4];
-            mma_ldmatrix_x4(a, q_s + (lane & 15) * stride + kd + (lane >> 4) * 8);
-#pragma unroll
-            for (int jj = 0; jj < DM_KEYS / 16; ++jj) {
-                unsigned int b[4];
-                mma_ldmatrix_x4(b, k_s + (jj * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride +
-                                       kd + ((lane >> 3) & 1) * 8);
-                mma_m16n8k16(s[2 * jj], a, b[0], b[1]);
-                mma_m16n8k16(s[2 * jj + 1], a, b[2], b[3]);
-            }
-        }
-        float correction[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float top = neg_inf;
-#pragma unroll
-            for (int j = 0; j < n_tiles; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    int key = key0 + j * 8 + 2 * (lane % 4) + e;
-                    float score = key >= k0 && key <= k1 ? s[j][2 * h + e] * scale_log2 : neg_inf;
-                    s[j][2 * h + e] = score;
-                    top = fmaxf(top, score);
-                }
-            }
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-            float new_max = fmaxf(row_max[h], top);
-            float base_max = new_max == neg_inf ? 0.0f : new_max;
-            correction[h] = exp2f(row_max[h] - base_max);
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < n_tiles; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float p = exp2f(s[j][2 * h + e] - base_max);
-                    s[j][2 * h + e] = p;
-                    sum += p;
-                }
-            }
-            row_sum[h] = row_sum[h] * correction[h] + sum;  // this lane's share
-            row_max[h] = new_max;
-        }
-#pragma unroll
-        for (int j = 0; j < HD / 8; ++j) {
-            acc[j][0] *= correction[0], acc[j][1] *= correction[0];
-            acc[j][2] *= correction[1], acc[j][3] *= correction[1];
-        }
-#pragma unroll
-        for (int kc = 0; kc < DM_KEYS / 16; ++kc) {
-            unsigned int a[4] = {
-                mma_pack_bf16x2(s[2 * kc][0], s[2 * kc][1]),
-                mma_pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
-                mma_pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                mma_pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]),
-            };
-#pragma unroll
-            for (int dd = 0; dd < HD / 16; ++dd) {
-                unsigned int b[4];
-                mma_ldmatrix_x4_trans(
-                    b, v_s + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dd * 16 +
-                           (lane >> 4) * 8);
-                mma_m16n8k16(acc[2 * dd], a, b[0], b[1]);
-                mma_m16n8k16(acc[2 * dd + 1], a, b[2], b[3]);
-            }
-        }
+        float s[DM_KEYS / 8][4];
+        mma_tile_scores<HD, DM_KEYS>(q_s, 0, k_s, stride, lane, s);
+        mma_online_softmax<HD, DM_KEYS>(
+            s, key0, lane, scale_log2, [&](int, int key) { return key >= k0 && key <= k1; },
+            row_max, row_sum, acc);
+        mma_add_pv<HD, DM_KEYS>(s, v_s, stride, lane, acc);
         __syncwarp();  // the warp is done with this stage before it is staged again
     }
 #pragma unroll

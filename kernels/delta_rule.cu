@@ -28,6 +28,7 @@
 // within ~2⁻²⁰ of scale, not to f32 rounding; gated_delta_rule_chunked_mma_32 in chunks of 32.
 
 #include "common.cuh"
+#include "mma_common.cuh"
 
 // q, k: [*, nk·dk]; v, out: [*, nv·dv]; g, beta: [*, nv]; state: [nv, dk, dv].
 // Grid (nv); block dv rounded up to a warp. Dynamic shared memory: 2·dk floats.
@@ -466,21 +467,6 @@ __device__ __forceinline__ void drt_store_split_f16(unsigned short* hi_at, int l
     hi_at[lo_offset] = drt_f32_to_f16_bits(x - drt_f16_bits_to_f32(hi));
 }
 
-__device__ __forceinline__ void drt_ldmatrix_x4(unsigned int (&r)[4], const unsigned short* at) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
-__device__ __forceinline__ void drt_ldmatrix_x4_trans(unsigned int (&r)[4],
-                                                      const unsigned short* at) {
-    unsigned int address = (unsigned int)__cvta_generic_to_shared(at);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
 __device__ __forceinline__ void drt_mma(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
                                         unsigned int b1) {
     asm volatile(
@@ -503,13 +489,13 @@ __device__ __forceinline__ void drt_mma_split(float (&c)[4], const unsigned int 
 // A fragment of rows row0.. (16) and columns col0.. (16) of a row-major f16 matrix.
 __device__ __forceinline__ void drt_load_a(unsigned int (&a)[4], const unsigned short* m,
                                            int stride, int row0, int col0, int lane) {
-    drt_ldmatrix_x4(a, m + (row0 + (lane & 15)) * stride + col0 + (lane >> 4) * 8);
+    mma_ldmatrix_x4(a, m + (row0 + (lane & 15)) * stride + col0 + (lane >> 4) * 8);
 }
 
 // A fragment of the transpose: rows col0.. and columns row0.. of Mᵀ, M row-major.
 __device__ __forceinline__ void drt_load_a_transposed(unsigned int (&a)[4], const unsigned short* m,
                                                       int stride, int row0, int col0, int lane) {
-    drt_ldmatrix_x4_trans(
+    mma_ldmatrix_x4_trans(
         a, m + (row0 + (lane & 7) + ((lane >> 4) << 3)) * stride + col0 + ((lane >> 3) & 1) * 8);
 }
 
@@ -517,14 +503,14 @@ __device__ __forceinline__ void drt_load_a_transposed(unsigned int (&a)[4], cons
 // a row-major [k][n] f16 matrix.
 __device__ __forceinline__ void drt_load_b_kn(unsigned int (&b)[4], const unsigned short* m,
                                               int stride, int k0, int n0, int lane) {
-    drt_ldmatrix_x4_trans(
+    mma_ldmatrix_x4_trans(
         b, m + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + n0 + (lane >> 4) * 8);
 }
 
 // The same from a row-major [n][k] matrix (B = Mᵀ).
 __device__ __forceinline__ void drt_load_b_nk(unsigned int (&b)[4], const unsigned short* m,
                                               int stride, int k0, int n0, int lane) {
-    drt_ldmatrix_x4(
+    mma_ldmatrix_x4(
         b, m + (n0 + (lane & 7) + ((lane >> 4) << 3)) * stride + k0 + ((lane >> 3) & 1) * 8);
 }
 

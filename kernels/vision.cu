@@ -376,45 +376,12 @@ __device__ void vision_attention_block(const unsigned short* q, const unsigned s
         // spread over the 4 lanes of a quad.
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-            float correction[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float top = neg_inf;
-#pragma unroll
-                for (int j = 0; j < VA_KEYS / 8; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        int key = key0 + j * 8 + 2 * (lane % 4) + e;
-                        bool visible = unmasked || (key >= firsts[m][h] && key < ends[m][h]);
-                        float score = visible ? s[m][j][2 * h + e] * scale_log2 : neg_inf;
-                        s[m][j][2 * h + e] = score;
-                        top = fmaxf(top, score);
-                    }
-                }
-                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-                top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-                float new_max = fmaxf(row_max[m][h], top);
-                // Nothing visible yet: exponents against 0 give p = 0 and keep the state at 0.
-                float base = new_max == neg_inf ? 0.0f : new_max;
-                correction[h] = exp2f(row_max[m][h] - base);
-                float sum = 0.0f;
-#pragma unroll
-                for (int j = 0; j < VA_KEYS / 8; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float p = exp2f(s[m][j][2 * h + e] - base);
-                        s[m][j][2 * h + e] = p;
-                        sum += p;
-                    }
-                }
-                row_sum[m][h] = row_sum[m][h] * correction[h] + sum;  // this lane's share
-                row_max[m][h] = new_max;
-            }
-#pragma unroll
-            for (int j = 0; j < HDP / 8; ++j) {
-                acc[m][j][0] *= correction[0], acc[m][j][1] *= correction[0];
-                acc[m][j][2] *= correction[1], acc[m][j][3] *= correction[1];
-            }
+            mma_online_softmax<HDP, VA_KEYS>(
+                s[m], key0, lane, scale_log2,
+                [&](int h, int key) {
+                    return unmasked || (key >= firsts[m][h] && key < ends[m][h]);
+                },
+                row_max[m], row_sum[m], acc[m]);
         }
         __syncthreads();  // every warp is done with the K tile
         if (more) {

@@ -56,10 +56,10 @@ fn real_vocabulary_model(scratch: &Path, name: &str, extra: &[&str]) -> PathBuf 
 fn bench_serve_measures_the_api_with_the_real_vocabulary() {
     let scratch = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let model = real_vocabulary_model(scratch.path(), "real", &[]);
-    let output = ninfer(scratch.path())
-        .args(["bench", "serve"])
-        .arg(&model)
-        .args([
+    let report = bench_serve_report(
+        scratch.path(),
+        &model,
+        &[
             "--concurrency",
             "1,16",
             "--prompt-tokens",
@@ -80,15 +80,8 @@ fn bench_serve_measures_the_api_with_the_real_vocabulary() {
             "--bench-arg=0.0625",
             "--bench-arg=--ram-passes",
             "--bench-arg=2",
-        ])
-        .output()
-        .unwrap_or_else(|e| panic!("ninfer bench serve: {e}"));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stdout}\n{stderr}");
-    let report: Value =
-        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
-    eprintln!("{report:#}");
+        ],
+    );
     assert_eq!(report["model"], "real");
     let levels = report["levels"].as_array().cloned().unwrap_or_default();
     assert_eq!(levels.len(), 2, "{report}");
@@ -138,10 +131,10 @@ fn bench_serve_measures_the_api_with_the_real_vocabulary() {
 fn bench_serve_replays_an_agent_conversation_from_the_prefix_cache() {
     let scratch = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let model = real_vocabulary_model(scratch.path(), "agent", &[]);
-    let output = ninfer(scratch.path())
-        .args(["bench", "serve"])
-        .arg(&model)
-        .args([
+    let report = bench_serve_report(
+        scratch.path(),
+        &model,
+        &[
             "--agent-turns",
             "3",
             "--agent-system-tokens",
@@ -155,15 +148,8 @@ fn bench_serve_replays_an_agent_conversation_from_the_prefix_cache() {
             "--run-arg=cpu",
             "--run-arg=--moe-threads",
             "--run-arg=1",
-        ])
-        .output()
-        .unwrap_or_else(|e| panic!("ninfer bench serve: {e}"));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stdout}\n{stderr}");
-    let report: Value =
-        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
-    eprintln!("{report:#}");
+        ],
+    );
     let turns = report["turns"].as_array().cloned().unwrap_or_default();
     assert_eq!(turns.len(), 3, "{report}");
     let figure = |turn: &Value, name: &str| turn[name].as_u64().unwrap_or(u64::MAX);
@@ -297,4 +283,22 @@ fn claude_code_completes_two_turns_the_second_from_the_prefix_cache() {
         second["usage"]
     );
     drop(server);
+}
+
+/// `ninfer bench serve MODEL ARGS` (ARGS ending in `--json`): the report it prints, after
+/// checking that it succeeded.
+fn bench_serve_report(scratch: &Path, model: &Path, args: &[&str]) -> Value {
+    let output = ninfer(scratch)
+        .args(["bench", "serve"])
+        .arg(model)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("ninfer bench serve: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let report: Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+    eprintln!("{report:#}");
+    report
 }

@@ -25,6 +25,7 @@
 // replaced, so the routing weights keep their bits.
 
 #include "common.cuh"
+#include "matmul_common.cuh"
 
 #define ROUTER_WARPS 4
 #define ROUTER_TREE_WIDTH 256
@@ -139,6 +140,28 @@ __device__ __forceinline__ void route_token(const float* row, unsigned int* expe
     }
 }
 
+// One token's routing from its logits `row` (experts ≤ ROUTER_MAX_EXPERTS) by one warp, at the
+// narrowest compiled width that holds the row.
+__device__ __forceinline__ void route_row(const float* row, unsigned int* expert_ids,
+                                          float* weights, long long token, int experts, int k,
+                                          int normalize, unsigned int* mapped_ids,
+                                          float* mapped_weights, float* chosen_probability,
+                                          int lane) {
+    if (experts <= 128)
+        route_token<4>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
+                       mapped_weights, chosen_probability, lane);
+    else if (experts <= 256)
+        route_token<8>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
+                       mapped_weights, chosen_probability, lane);
+    else if (experts <= 512)
+        route_token<16>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
+                        mapped_weights, chosen_probability, lane);
+    else
+        route_token<ROUTER_MAX_EXPERTS / 32>(row, expert_ids, weights, token, experts, k,
+                                             normalize, mapped_ids, mapped_weights,
+                                             chosen_probability, lane);
+}
+
 extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert_ids, float* weights,
                                        int tokens, int experts, int k, int normalize,
                                        unsigned int* mapped_ids, float* mapped_weights,
@@ -156,18 +179,54 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
         float* to = mapped_hidden + token * hidden_width;
         for (int i = lane; i < hidden_width; i += 32) to[i] = from[i];
     }
-    // The narrowest compiled width that holds the row (experts ≤ ROUTER_MAX_EXPERTS).
-    if (experts <= 128)
-        route_token<4>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
-                       mapped_weights, chosen_probability, lane);
-    else if (experts <= 256)
-        route_token<8>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
-                       mapped_weights, chosen_probability, lane);
-    else if (experts <= 512)
-        route_token<16>(row, expert_ids, weights, token, experts, k, normalize, mapped_ids,
-                        mapped_weights, chosen_probability, lane);
-    else
-        route_token<ROUTER_MAX_EXPERTS / 32>(row, expert_ids, weights, token, experts, k,
-                                             normalize, mapped_ids, mapped_weights,
-                                             chosen_probability, lane);
+    route_row(row, expert_ids, weights, token, experts, k, normalize, mapped_ids, mapped_weights,
+              chosen_probability, lane);
+}
+
+// Decode of one token: the router's f32 logits and their routing in one launch, instead of
+// `matmul` then `route_top_k` (two launches and a round trip of the logits between them, ~8 µs
+// at Qwen3-30B-A3B's shapes for 1 MB of weights). Each warp computes one logit with `matmul`'s
+// warp body (matmul_common.cuh: the same sum in the same order, so the same bits) and stores it
+// in `logits`; the last block out (a ticket on `counter`, 0 at the start and set back to 0 by
+// that block) reads them all from L2 and routes them as `route_top_k` does (`route_row`: the same
+// bits). The hidden row goes to `mapped_hidden` (when not null) from every block's threads.
+//
+// Grid: ceil(experts / ROUTER_FUSED_WARPS) blocks of 32 · ROUTER_FUSED_WARPS threads; `prefetch`
+// (0 or 1) asks L2 for each warp's router row before the PDL wait.
+#define ROUTER_FUSED_WARPS 4
+extern "C" __global__ void route_decode_fused(const float* x, const float* router, float* logits,
+                                              unsigned int* counter, unsigned int* expert_ids,
+                                              float* weights, int hidden, int experts, int k,
+                                              int normalize, unsigned int* mapped_ids,
+                                              float* mapped_weights, float* mapped_hidden,
+                                              int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_feature_group(router, 1, hidden, experts, 1, warp_task()));
+    PDL_WAIT_AND_RELEASE();
+    __shared__ float row[ROUTER_MAX_EXPERTS];
+    __shared__ float chosen_probability[ROUTER_MAX_TOP_K];
+    __shared__ bool last_block;
+    int lane = threadIdx.x % 32;
+    long long expert = warp_task();
+    if (expert < experts)
+        matmul_output<float, 1, 1>(PlainRows{x, hidden}, router, logits, 1, hidden, experts,
+                                   (int)expert, 0, lane);
+    if (mapped_hidden) {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < hidden; i += gridDim.x * blockDim.x)
+            mapped_hidden[i] = x[i];
+    }
+    __syncthreads();  // the block's logits stored
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();
+    // Every block's logits, from L2 (never from this multiprocessor's L1).
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) row[e] = __ldcg(logits + e);
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    route_row(row, expert_ids, weights, 0, experts, k, normalize, mapped_ids, mapped_weights,
+              chosen_probability, lane);
+    if (lane == 0) *counter = 0u;
 }

@@ -274,6 +274,70 @@ class Bench:
                 self.same_bits("route_top_k weights n=%d" % n, outputs[n][1], baseline[n][1])
         return outputs
 
+    def router_fused(self, kernel_dir):
+        """One token's router: `matmul` (f32 router weights) then `route_top_k`, against
+        `route_decode_fused` (both in one launch); the ids, weights and logits must keep their bits."""
+        matmul_mod = module(kernel_dir, "matmul")
+        router_mod = module(kernel_dir, "router")
+        matmul = matmul_mod.get_function("matmul")
+        route = router_mod.get_function("route_top_k")
+        fused = router_mod.get_function("route_decode_fused")
+        rng = np.random.default_rng(9)
+        host_w = rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * 0.02
+        copies = copies_for(host_w.nbytes)
+        weights_copies = [cp.asarray(host_w) for _ in range(copies)]
+        null = np.uint64(0)
+        results = {}
+        for trial in range(3):
+            x = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
+            logits = [cp.zeros((1, EXPERTS), dtype=cp.float32) for _ in range(2)]
+            ids = [cp.zeros((1, TOP_K), dtype=cp.uint32) for _ in range(2)]
+            chosen = [cp.zeros((1, TOP_K), dtype=cp.float32) for _ in range(2)]
+            counter = cp.zeros(1, dtype=cp.uint32)
+            mapped = [cp.zeros(HIDDEN, dtype=cp.float32) for _ in range(2)]
+            cols = 1
+            matmul_grid = (-(-EXPERTS // 8),)
+
+            def separate(w):
+                def launch():
+                    matmul(matmul_grid, (256,), (x, w, logits[0], np.int32(1), np.int32(HIDDEN),
+                                                 np.int32(EXPERTS), np.int32(cols), np.int32(0)))
+                    route((1,), (128,), (logits[0], ids[0], chosen[0], np.int32(1), np.int32(EXPERTS),
+                                         np.int32(TOP_K), np.int32(1), null, null, x, mapped[0],
+                                         np.int32(HIDDEN)))
+                return launch
+
+            warps = 4
+            with open(os.path.join(kernel_dir, "router.cu")) as f:
+                for line in f:
+                    if line.startswith("#define ROUTER_FUSED_WARPS"):
+                        warps = int(line.split()[2])
+            fused_grid = (-(-EXPERTS // warps),)
+
+            def together(w):
+                def launch():
+                    fused(fused_grid, (32 * warps,), (x, w, logits[1], counter, ids[1], chosen[1],
+                                                       np.int32(HIDDEN), np.int32(EXPERTS), np.int32(TOP_K),
+                                                       np.int32(1), null, null, mapped[1], np.int32(0)))
+                return launch
+
+            separate(weights_copies[0])()
+            together(weights_copies[0])()
+            cp.cuda.Device().synchronize()
+            for name, a, b in (("logits", logits[1], logits[0]), ("ids", ids[1], ids[0]),
+                               ("weights", chosen[1], chosen[0]), ("mapped hidden", mapped[1], mapped[0])):
+                self.same_bits("route_decode_fused %s (trial %d)" % (name, trial), a, b)
+            if int(counter.get()[0]) != 0:
+                self.failures.append("route_decode_fused left its counter at %d" % int(counter.get()[0]))
+            if trial == 0:
+                us = timed([separate(w) for w in weights_copies])
+                self.record("router matmul + route_top_k n=1", "two launches", us, host_w.nbytes)
+                results["separate"] = us
+                us = timed([together(w) for w in weights_copies])
+                self.record("route_decode_fused n=1", "one launch", us, host_w.nbytes)
+                results["fused"] = us
+        return results
+
     # -- attention -----------------------------------------------------------------------------
 
     def attention(self, kernel_dir, label, parallel_combine, baseline=None, max_chunks=128):
@@ -720,6 +784,7 @@ def main():
     if "router" in sections:
         base_router = bench.router(args.baseline, "baseline", True) if args.baseline else None
         bench.router(args.kernels, "current", True, base_router)
+        bench.router_fused(args.kernels)
 
     if "experts" in sections:
         base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None

@@ -129,6 +129,12 @@ pub(crate) struct Args {
     #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_fused_decode_experts: bool,
+    /// `on`: one token's router (f32 weights) computes its logits and routes them in one
+    /// launch. `off` (the default): the matmul, then the routing launch. The same tokens
+    /// either way.
+    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) cuda_fused_decode_router: bool,
     /// `on` (the default): decode attention over a bf16 cache spreads each GQA group's q heads
     /// across a warp's lanes (q and the sums in registers). `off`: the split kernel, one key per
     /// lane. Near-equal tokens (the sums run in another order).
@@ -320,6 +326,7 @@ pub(crate) fn cuda_options(args: &Args) -> CudaOptions {
         batched_decode: args.cuda_batched_decode,
         fused_expert_sum: args.cuda_fused_expert_sum,
         fused_decode_experts: args.cuda_fused_decode_experts,
+        fused_decode_router: args.cuda_fused_decode_router,
         group_decode_attention: args.cuda_group_decode_attention,
         tensor_core_decode_attention: args.cuda_tensor_core_decode_attention,
         decode_gate_up_tasks: args.cuda_decode_gate_up_tasks,

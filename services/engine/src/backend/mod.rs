@@ -578,6 +578,21 @@ pub trait Backend: Send + Sync + 'static {
         hidden: &Self::Tensor,
         read_hidden: bool,
     ) -> Result<Self::PendingRouting, EngineError>;
+    /// The router's logits `x · routerᵀ` and [`Backend::start_routing`] of them, with `x` as
+    /// the hidden states: where the backend can, both in one step with the same values (a GPU's
+    /// one-token decode: one launch instead of a matmul, a routing launch and the logits' round
+    /// trip between them). The default is the two calls.
+    fn start_routing_by_router(
+        &self,
+        x: &Self::Tensor,
+        router: &Self::Weight,
+        k: usize,
+        normalize: bool,
+        read_hidden: bool,
+    ) -> Result<Self::PendingRouting, EngineError> {
+        let logits = self.matmul(x, router)?;
+        self.start_routing(&logits, k, normalize, x, read_hidden)
+    }
     /// [`Backend::slotted_experts`] with a routing [`Backend::start_routing`] started (same
     /// result; nothing waits for the routing's read-back on small batches).
     fn slotted_experts_by_pending_routing(

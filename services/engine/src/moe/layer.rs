@@ -197,7 +197,6 @@ impl<B: Backend> MoeLayer<B> {
         let resident = self.resident_slots()?;
         let resident = resident.as_ref();
         let resident_table = resident.map(WithExpertSlotTable::slot_table);
-        let logits = backend.matmul(x, &self.router)?;
         let rows = backend.shape(x).0;
         let route = Route::choose(context, index, resident, rows);
         let executor_reads_hidden = match &route {
@@ -207,11 +206,11 @@ impl<B: Backend> MoeLayer<B> {
                 .is_some_and(|plan| plan.executor_experts > 0),
             _ => false,
         };
-        let pending = backend.start_routing(
-            &logits,
+        let pending = backend.start_routing_by_router(
+            x,
+            &self.router,
             context.common.num_experts_per_tok,
             context.normalize_routing,
-            x,
             executor_reads_hidden,
         )?;
         // The workers start as soon as the routing is known: posted before the backend queues

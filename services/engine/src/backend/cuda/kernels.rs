@@ -19,8 +19,6 @@ pub struct KernelSource {
     pub functions: &'static [&'static str],
 }
 
-/// Every kernel file. A kernel added to a file must be listed here so the backend loads it and
-/// the NVRTC test checks that it compiled.
 /// Headers every kernel file may `#include`, as (include name, source): handed to NVRTC with
 /// each compile (it reads no files) and part of every cache key.
 pub const KERNEL_HEADERS: &[(&str, &str)] = &[
@@ -40,8 +38,14 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
         "experts_common.cuh",
         include_str!("../../../../../kernels/experts_common.cuh"),
     ),
+    (
+        "matmul_common.cuh",
+        include_str!("../../../../../kernels/matmul_common.cuh"),
+    ),
 ];
 
+/// Every kernel file. A kernel added to a file must be listed here so the backend loads it and
+/// the NVRTC test checks that it compiled.
 pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "elementwise",
@@ -173,7 +177,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "router",
         source: include_str!("../../../../../kernels/router.cu"),
-        functions: &["route_top_k"],
+        functions: &["route_top_k", "route_decode_fused"],
     },
     KernelSource {
         name: "handoff",

@@ -12,6 +12,7 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
 use super::matmul::TwoInputs;
+use super::pending_routing::RouterInput;
 use super::router;
 use super::{
     describe, driver_error, elementwise, CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache,
@@ -283,7 +284,12 @@ impl Backend for CudaBackend {
         if logits.cols <= router::ROUTER_MAX_EXPERTS && k <= router::ROUTER_MAX_TOP_K {
             let hidden_part = read_hidden.then_some(hidden);
             return self
-                .launch_routing_and_read_back(logits, k, normalize, hidden_part)
+                .launch_routing_and_read_back(
+                    RouterInput::Logits(logits),
+                    k,
+                    normalize,
+                    hidden_part,
+                )
                 .map_err(device("start_routing"));
         }
         // Routers wider than the kernel takes: `route_top_k` routes them on the host.
@@ -294,6 +300,45 @@ impl Backend for CudaBackend {
             Vec::new()
         };
         Ok(Self::ready_routing(routing, hidden))
+    }
+
+    fn start_routing_by_router(
+        &self,
+        x: &CudaTensor,
+        router: &CudaWeight,
+        k: usize,
+        normalize: bool,
+        read_hidden: bool,
+    ) -> Result<CudaPendingRouting, EngineError> {
+        // One token, f32 router weights the kernel takes: logits and routing in one launch.
+        if let (true, WeightData::F32(weights)) = (
+            self.fused_router_counter.is_some() && x.rows == 1,
+            &router.data,
+        ) {
+            if router.cols == x.cols
+                && x.cols > 0
+                && (1..=router::ROUTER_MAX_EXPERTS).contains(&router.rows)
+                && (1..=router::ROUTER_MAX_TOP_K).contains(&k)
+            {
+                let _timer = self.op_timer("start_routing_by_router");
+                if self.note_kernel_choice(("route_decode_fused", router.rows, k)) {
+                    tracing::info!(
+                        "router of {} experts, top-{k}: logits and routing in one launch",
+                        router.rows
+                    );
+                }
+                let input = RouterInput::Router {
+                    x,
+                    router: weights,
+                    experts: router.rows,
+                };
+                return self
+                    .launch_routing_and_read_back(input, k, normalize, read_hidden.then_some(x))
+                    .map_err(device("start_routing_by_router"));
+            }
+        }
+        let logits = self.matmul(x, router)?;
+        self.start_routing(&logits, k, normalize, x, read_hidden)
     }
 
     fn finish_routing(

@@ -296,7 +296,7 @@ impl CudaBackend {
 
     /// The matmul kernels' `prefetch` argument: 1 where their blocks can start before the
     /// kernel before them ends (programmatic dependent launch) and the option is on.
-    fn weight_prefetch(&self) -> i32 {
+    pub(super) fn weight_prefetch(&self) -> i32 {
         i32::from(self.options.weight_prefetch && self.info.programmatic_dependent_launch)
     }
 }

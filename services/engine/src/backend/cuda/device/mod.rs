@@ -69,6 +69,10 @@ pub struct CudaBackend {
     /// between its launches (each launch's last block sets them back), allocated at start so a
     /// step graph's launches take the same buffer.
     fused_expert_counters: Option<CudaSlice<u32>>,
+    /// `--cuda-fused-decode-router`: the ticket `route_decode_fused`'s blocks take (the last
+    /// one routes), zero between launches (that block sets it back), allocated at start so a
+    /// step graph's launches take the same buffer.
+    fused_router_counter: Option<CudaSlice<u32>>,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,

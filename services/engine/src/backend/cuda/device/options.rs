@@ -105,6 +105,11 @@ pub struct CudaOptions {
     /// blocks of the grid, which fits the GPU at once), with the bits of the three launches it
     /// replaces. Off by default until a whole step measures it faster.
     pub fused_decode_experts: bool,
+    /// One token's router in one launch (`route_decode_fused`: every logit by the matmul
+    /// kernel's warp body, then the last block out routes them as `route_top_k` does), for f32
+    /// router weights: the bits of the matmul and the routing launch it replaces. Off by
+    /// default until a whole step measures it faster.
+    pub fused_decode_router: bool,
     /// Decode attention over a bf16 cache in the kernels that spread a GQA group's q heads
     /// across the lanes (kernels/attention_decode.cu) where one serves the shape and fits the
     /// card; off: the split kernel everywhere (the reference the tests compare against). Not
@@ -233,6 +238,7 @@ impl Default for CudaOptions {
             decode_experts_by_expert: false,
             fused_expert_sum: false,
             fused_decode_experts: false,
+            fused_decode_router: false,
             group_decode_attention: true,
             tensor_core_decode_attention: false,
             decode_gate_up_tasks: true,
@@ -265,6 +271,8 @@ impl CudaOptions {
             fused_expert_sum: false,
             // The same bits as the three launches.
             fused_decode_experts: false,
+            // The same bits as the two launches.
+            fused_decode_router: false,
             // An f32 cache: the split kernel either way.
             group_decode_attention: true,
             // Batch invariance, as for prefill.

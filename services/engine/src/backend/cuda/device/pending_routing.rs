@@ -16,11 +16,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, LaunchConfig};
 
 use super::pinned_staging::{PinnedStaging, RoutingStagingPool};
 use super::readback::{decode_staged, staging_layout, HostValues, ReadBack, ReadBackShape};
-use super::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS};
+use super::router::{ROUTER_FUSED_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS};
 use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
@@ -31,6 +31,27 @@ const KERNEL_WRITTEN_HIDDEN_MAX_ROWS: usize = 64;
 /// Smallest buffer the pool hands out: a decode step's routing is a few hundred bytes, and
 /// one size for all keeps the pool from growing a buffer per size.
 const SMALLEST_ROUTING_STAGING: usize = 64 << 10;
+
+/// What the router kernel routes: logits computed before it (`route_top_k`, any batch), or one
+/// token's hidden row and the f32 router weights, whose logits the same launch computes
+/// (`route_decode_fused`).
+pub(super) enum RouterInput<'a> {
+    Logits(&'a CudaTensor),
+    Router {
+        x: &'a CudaTensor,
+        router: &'a CudaSlice<f32>,
+        experts: usize,
+    },
+}
+
+impl RouterInput<'_> {
+    fn tokens_and_experts(&self) -> (usize, usize) {
+        match self {
+            RouterInput::Logits(logits) => (logits.rows, logits.cols),
+            RouterInput::Router { x, experts, .. } => (x.rows, *experts),
+        }
+    }
+}
 
 /// A routing [`CudaBackend`] started and has not brought to the host yet.
 pub struct CudaPendingRouting {
@@ -170,15 +191,15 @@ impl CudaBackend {
         Ok((staging, event))
     }
 
-    /// The router kernel on `logits` and the queued copies of its result (and of `hidden`).
+    /// The router kernel on `input` and the queued copies of its result (and of `hidden`).
     pub(super) fn launch_routing_and_read_back(
         &self,
-        logits: &CudaTensor,
+        input: RouterInput<'_>,
         k: usize,
         normalize: bool,
         hidden: Option<&CudaTensor>,
     ) -> Result<CudaPendingRouting, CudaError> {
-        let (tokens, experts) = (logits.rows, logits.cols);
+        let (tokens, experts) = input.tokens_and_experts();
         let k = k.min(experts);
         if tokens == 0 || k == 0 {
             let hidden = match hidden {
@@ -204,7 +225,6 @@ impl CudaBackend {
                 ),
             });
         }
-        let input = &*logits.data;
         // Recycled buffers: the router kernel writes every element of both.
         let mut ids = self.output_uninit(tokens, k)?;
         let mut weights = self.output_uninit(tokens, k)?;
@@ -242,13 +262,6 @@ impl CudaBackend {
         let tokens_arg = i32::try_from(tokens).map_err(|_| CudaError::Invalid {
             problem: format!("{tokens} tokens in one routing launch"),
         })?;
-        // One warp per token.
-        let blocks = (tokens_arg as u32).div_ceil(ROUTER_WARPS);
-        let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * ROUTER_WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (experts_arg, k_arg, normalize_arg) = (
             int(experts, "experts")?,
             int(k, "top-k")?,
@@ -262,10 +275,42 @@ impl CudaBackend {
                     .ok_or_else(|| CudaError::Invalid {
                         problem: "the routing ids' buffer is too small".into(),
                     })?;
-                launch!(self, "route_top_k", config;
-                input, &mut ids_view, &mut *weights.data, &tokens_arg, &experts_arg, &k_arg,
-                &normalize_arg, &mapped_ids, &mapped_weights, &hidden_source, &mapped_hidden,
-                &hidden_width)
+                match input {
+                    RouterInput::Logits(logits) => {
+                        // One warp per token.
+                        let blocks = (tokens_arg as u32).div_ceil(ROUTER_WARPS);
+                        let config = LaunchConfig {
+                            grid_dim: (blocks, 1, 1),
+                            block_dim: (32 * ROUTER_WARPS, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        launch!(self, "route_top_k", config;
+                        &*logits.data, &mut ids_view, &mut *weights.data, &tokens_arg,
+                        &experts_arg, &k_arg, &normalize_arg, &mapped_ids, &mapped_weights,
+                        &hidden_source, &mapped_hidden, &hidden_width)
+                    }
+                    RouterInput::Router { x, router, .. } => {
+                        let counter = self.fused_router_counter.as_ref().ok_or_else(|| {
+                            CudaError::Invalid {
+                                problem: "the fused decode router has no counter".into(),
+                            }
+                        })?;
+                        // One warp per expert's logit; the last block out routes them.
+                        let mut logits = self.output_uninit(1, experts)?;
+                        let config = LaunchConfig {
+                            grid_dim: ((experts as u32).div_ceil(ROUTER_FUSED_WARPS), 1, 1),
+                            block_dim: (32 * ROUTER_FUSED_WARPS, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        let hidden_arg = int(x.cols, "hidden width")?;
+                        let prefetch = self.weight_prefetch();
+                        let mapped_hidden = if hidden_source != 0 { mapped_hidden } else { 0 };
+                        launch!(self, "route_decode_fused", config;
+                        &*x.data, router, &mut *logits.data, counter, &mut ids_view,
+                        &mut *weights.data, &hidden_arg, &experts_arg, &k_arg, &normalize_arg,
+                        &mapped_ids, &mapped_weights, &mapped_hidden, &prefetch)
+                    }
+                }
             };
         // What the kernel did not store goes by copies, into the same places.
         let mut copies: Vec<(ReadBack<'_>, usize)> = Vec::new();

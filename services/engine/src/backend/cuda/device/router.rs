@@ -5,6 +5,7 @@
 //! Owns: the router kernel's limits and the one-shot routing.
 //! Must not touch: what the routing is used for (the model splits it between slots and workers).
 
+use super::pending_routing::RouterInput;
 use super::{CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
@@ -15,6 +16,9 @@ pub(super) const ROUTER_MAX_EXPERTS: usize = 1024;
 pub(super) const ROUTER_WARPS: u32 = 4;
 /// `ROUTER_MAX_TOP_K` in `kernels/router.cu`: most experts per token the kernel keeps.
 pub(super) const ROUTER_MAX_TOP_K: usize = 32;
+/// `ROUTER_FUSED_WARPS` in `kernels/router.cu`: warps per block of `route_decode_fused`, one
+/// logit each.
+pub(super) const ROUTER_FUSED_WARPS: u32 = 4;
 
 impl CudaBackend {
     /// Routing of every row of `logits` (`[tokens, experts]`) computed on the GPU.
@@ -24,7 +28,8 @@ impl CudaBackend {
         k: usize,
         normalize: bool,
     ) -> Result<Routing, CudaError> {
-        let mut pending = self.launch_routing_and_read_back(logits, k, normalize, None)?;
+        let mut pending =
+            self.launch_routing_and_read_back(RouterInput::Logits(logits), k, normalize, None)?;
         self.read_routing(&mut pending).map(|(routing, _)| routing)
     }
 }
@@ -47,6 +52,10 @@ mod tests {
         assert_eq!(
             ROUTER_MAX_TOP_K as i64,
             kernel_define("router", "ROUTER_MAX_TOP_K")
+        );
+        assert_eq!(
+            i64::from(ROUTER_FUSED_WARPS),
+            kernel_define("router", "ROUTER_FUSED_WARPS")
         );
     }
 }

@@ -268,6 +268,7 @@ impl CudaBackend {
             kernel_choices_logged: Default::default(),
             host_kv: Default::default(),
             fused_expert_counters: None,
+            fused_router_counter: None,
         };
         if options.fused_decode_experts {
             backend.fused_expert_counters = Some(
@@ -275,6 +276,14 @@ impl CudaBackend {
                     .stream
                     .alloc_zeros::<u32>(2)
                     .map_err(driver_error("allocating the fused experts' counters"))?,
+            );
+        }
+        if options.fused_decode_router {
+            backend.fused_router_counter = Some(
+                backend
+                    .stream
+                    .alloc_zeros::<u32>(1)
+                    .map_err(driver_error("allocating the fused router's counter"))?,
             );
         }
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
@@ -328,6 +337,14 @@ impl CudaBackend {
             Ok(mut logged) => logged.insert(key),
             Err(_) => false,
         }
+    }
+
+    /// Whether `op` has taken a kernel variant it notes (see [`CudaBackend::note_kernel_choice`])
+    /// for some shape: tests check that the variant they hold to another actually ran.
+    pub fn kernel_choice_noted(&self, op: &str) -> bool {
+        self.kernel_choices_logged
+            .lock()
+            .is_ok_and(|logged| logged.iter().any(|(noted, _, _)| *noted == op))
     }
 
     /// One backend on GPU 0 for the whole process, default options (tests share it: a context

@@ -51,10 +51,12 @@
 #               (logs_cache_*) end with the cache's summary (hit rate, fills, upkeep per step).
 #               A model's artifact is deleted after its runs when another model follows, unless
 #               KEEP_ARTIFACTS=1 (two do not fit a 64 GiB disk together).
-#   decode_ab   qwen3-30b-a3b (as q30) all on the GPU: the defaults, then each of DECODE_AB_OPTIONS
-#               (default "cuda-group-decode-attention cuda-decode-gate-up-tasks") off, AB_PASSES
-#               (2) passes; PROMPTS (e.g. 4096,16384) and DECODE as for q30. With CuPy present,
-#               first the kernel bench's decode sections (kernel_microbench.log).
+#   decode_ab   qwen3-30b-a3b (as q30) all on the GPU: the defaults, then each variant of
+#               DECODE_AB_OPTIONS (default "cuda-group-decode-attention cuda-decode-gate-up-tasks":
+#               each option off; OPTION=VALUE sets another value, "+" joins several, e.g.
+#               "cuda-fused-decode-router=on cuda-fused-decode-router=on+cuda-fused-decode-experts=on"),
+#               AB_PASSES (2) passes; PROMPTS (e.g. 4096,16384) and DECODE as for q30. With CuPy
+#               present, first the kernel bench's decode sections (kernel_microbench.log).
 #   cards       prefill of qwen3.5-35b-a3b, int4, at CARD_PROMPTS (default 4096,16384) on the
 #               whole GPU, then as on an RTX 30/40/50 card (--cuda-shared-memory-cap 99K; the
 #               engine log says which kernel variant each op takes), then uncapped again.
@@ -385,12 +387,12 @@ beside() { # beside LABEL ARGS...: llama_once when interleaving
 }
 
 if has decode_ab && python3 -c "import cupy" 2>/dev/null; then
-  log "kernel bench: decode attention and experts"
+  log "kernel bench: router, decode attention and experts"
   timeout "${KERNEL_BENCH_TIMEOUT:-300}" python3 scripts/bench/kernel_microbench.py \
-    --sections decode_attention,experts --json "$out/kernel_microbench.json" \
+    --sections router,decode_attention,experts --json "$out/kernel_microbench.json" \
     >"$out/kernel_microbench.log" 2>&1
   log "kernel bench: exit $?"
-  grep -E "split|decode|expert_gate_up|expert_down|!!" "$out/kernel_microbench.log" | grep -v "~=" \
+  grep -E "split|decode|route|expert_gate_up|expert_down|!!" "$out/kernel_microbench.log" | grep -v "~=" \
     | tee -a "$out/summary.log"
   archive
 fi
@@ -411,9 +413,17 @@ if has q30 || has profile || has b53 || has share || has decode_ab; then
     for pass in $(seq "${AB_PASSES:-2}"); do
       bench "decode_ab_defaults_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" \
         --moe-gpu-experts all
-      for option in ${DECODE_AB_OPTIONS:-cuda-group-decode-attention cuda-decode-gate-up-tasks}; do
-        bench "decode_ab_${option}_off_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" \
-          --moe-gpu-experts all --engine-arg="--$option" --engine-arg=off
+      for variant in ${DECODE_AB_OPTIONS:-cuda-group-decode-attention cuda-decode-gate-up-tasks}; do
+        # A variant: OPTION (turned off), OPTION=VALUE, or several joined by "+".
+        variant_args=()
+        IFS=+ read -r -a settings <<<"$variant"
+        for setting in "${settings[@]}"; do
+          name=${setting%%=*} value=off
+          [[ $setting == *=* ]] && value=${setting#*=}
+          variant_args+=(--engine-arg="--$name" --engine-arg="$value")
+        done
+        bench "decode_ab_${variant//[=+]/_}_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" \
+          --moe-gpu-experts all "${variant_args[@]}"
       done
     done
   fi

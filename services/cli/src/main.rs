@@ -29,6 +29,8 @@ mod model_facts;
 mod perplexity;
 mod plan;
 mod plan_gpus;
+mod plan_machine;
+mod plan_print;
 mod reshard;
 mod run;
 mod serve;

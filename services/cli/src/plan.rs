@@ -1,17 +1,18 @@
-//! The plan of `ninfer run` / `ninfer serve`: the machine probed (CPUs, NUMA nodes, RAM, the
-//! GPUs' free memory as the NVIDIA driver reports it), every user value checked against the model
-//! and the machine before anything starts (the message names the flag and the limit), and what
-//! will run where — expert workers, GPU expert slots, context.
+//! The plan of `ninfer run` / `ninfer serve`: every user value checked against the model and the
+//! machine (`plan_machine`) before anything starts (the message names the flag and the limit),
+//! and what will run where — expert workers, GPU expert slots, context; `plan_print` prints it.
 //!
-//! Owns: the machine probe, the value checks, the plan and its printing.
-//! Must not touch: processes (the supervisor starts them), model files (`model_facts` reads them).
+//! Owns: the value checks and the plan.
+//! Must not touch: processes (the supervisor starts them), model files (`model_facts` reads them),
+//! the machine probe (`plan_machine`).
 
 use anyhow::bail;
-use ninfer_engine::moe::gpu_split::{CardPlan, GpuDevice};
+use ninfer_engine::moe::gpu_split::CardPlan;
 use ninfer_engine::moe::placement::GpuExpertCount;
 
 use crate::model_facts::{ModelFacts, ModelLocation};
 pub use crate::plan_gpus::Gpu;
+use crate::plan_machine::Machine;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -21,175 +22,6 @@ const GPU_WORKING_BYTES: u64 = GIB;
 
 /// Context length used when `--max-context` is not given (or the model's limit when lower).
 pub const DEFAULT_MAX_CONTEXT: usize = 8192;
-
-/// What the plan knows about this machine.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Machine {
-    /// CPUs this process may run on.
-    pub cpus: usize,
-    /// NUMA nodes and the CPUs of each.
-    pub numa_nodes: Vec<NumaNode>,
-    pub ram_total_bytes: u64,
-    pub ram_available_bytes: u64,
-    /// The first visible GPU, when the NVIDIA driver reports one.
-    pub gpu: Option<Gpu>,
-    /// Every visible GPU, numbered as CUDA numbers them (`CUDA_VISIBLE_DEVICES` applied).
-    pub gpus: Vec<GpuDevice>,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct NumaNode {
-    pub node: usize,
-    pub cpus: usize,
-    /// Physical cores among those CPUs: a worker's default thread count.
-    pub cores: usize,
-}
-
-impl Machine {
-    /// Reads this machine: `/proc/meminfo`, `/sys/devices/system/node`, `nvidia-smi`.
-    pub fn probe() -> Self {
-        let gpus = crate::plan_gpus::probe_gpus();
-        let (ram_total_bytes, ram_available_bytes) = read_meminfo().unwrap_or((0, 0));
-        let numa_nodes = crate::supervisor::numa_nodes()
-            .into_iter()
-            .map(|node| {
-                let cpus = ninfer_cpu_experts::cpus_of_numa_node(node).unwrap_or_default();
-                let (_, cores) = ninfer_cpu_experts::cpus_by_physical_core(&cpus);
-                NumaNode {
-                    node,
-                    cpus: cpus.len().max(1),
-                    cores: cores.max(1),
-                }
-            })
-            .collect();
-        Machine {
-            cpus: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1),
-            numa_nodes,
-            ram_total_bytes,
-            ram_available_bytes,
-            gpu: gpus.first().map(crate::plan_gpus::gpu_of),
-            gpus,
-        }
-    }
-}
-
-/// A machine described in a file (`--machine-profile`), to plan for hardware this one lacks.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct MachineProfile {
-    cpus: usize,
-    #[serde(default = "one")]
-    numa_nodes: usize,
-    ram_gib: f64,
-    /// Default: all of `ram_gib`.
-    ram_available_gib: Option<f64>,
-    /// No GPU when left out.
-    gpu_vram_gib: Option<f64>,
-    /// Default: all of `gpu_vram_gib`.
-    gpu_free_gib: Option<f64>,
-    /// Several GPUs (instead of `gpu_vram_gib`): `[{"vram_gib": 24}, {"vram_gib": 24,
-    /// "free_gib": 20, "name": "RTX 3090"}]`.
-    gpus: Option<Vec<crate::plan_gpus::ProfileGpu>>,
-}
-
-fn one() -> usize {
-    1
-}
-
-impl Machine {
-    /// The machine a profile file describes; its CPUs are split evenly over its NUMA nodes.
-    pub fn from_profile_file(file: &std::path::Path) -> anyhow::Result<Self> {
-        use anyhow::Context;
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("--machine-profile {}", file.display()))?;
-        let profile: MachineProfile = serde_json::from_str(&text).with_context(|| {
-            format!(
-                "--machine-profile {}: expected {{\"cpus\": N, \"numa_nodes\": N, \"ram_gib\": G, \"gpu_vram_gib\": G}}",
-                file.display()
-            )
-        })?;
-        Self::from_profile(&profile)
-            .with_context(|| format!("--machine-profile {}", file.display()))
-    }
-
-    fn from_profile(profile: &MachineProfile) -> anyhow::Result<Self> {
-        let bytes = |gib: f64, what: &str| -> anyhow::Result<u64> {
-            if !(gib.is_finite() && gib >= 0.0) {
-                bail!("{what} {gib}: give a number of GiB");
-            }
-            Ok((gib * GIB as f64) as u64)
-        };
-        if profile.cpus == 0 || profile.numa_nodes == 0 || profile.numa_nodes > profile.cpus {
-            bail!(
-                "cpus {} over numa_nodes {}: give at least one CPU per node",
-                profile.cpus,
-                profile.numa_nodes
-            );
-        }
-        let ram_total_bytes = bytes(profile.ram_gib, "ram_gib")?;
-        let ram_available_bytes = match profile.ram_available_gib {
-            Some(gib) => bytes(gib, "ram_available_gib")?.min(ram_total_bytes),
-            None => ram_total_bytes,
-        };
-        let listed = match &profile.gpus {
-            Some(_) if profile.gpu_vram_gib.is_some() => {
-                bail!("gpu_vram_gib and gpus: describe the GPUs one way")
-            }
-            Some(gpus) => crate::plan_gpus::profile_gpus(gpus)?,
-            None => Vec::new(),
-        };
-        let gpu = match profile.gpu_vram_gib {
-            None => listed.first().map(crate::plan_gpus::gpu_of),
-            Some(gib) => {
-                let total_bytes = bytes(gib, "gpu_vram_gib")?;
-                let free_bytes = match profile.gpu_free_gib {
-                    Some(free) => bytes(free, "gpu_free_gib")?.min(total_bytes),
-                    None => total_bytes,
-                };
-                Some(Gpu {
-                    free_bytes,
-                    total_bytes,
-                })
-            }
-        };
-        Ok(Machine {
-            cpus: profile.cpus,
-            numa_nodes: (0..profile.numa_nodes)
-                .map(|node| NumaNode {
-                    node,
-                    cpus: profile.cpus / profile.numa_nodes,
-                    // A profile counts cores.
-                    cores: profile.cpus / profile.numa_nodes,
-                })
-                .collect(),
-            ram_total_bytes,
-            ram_available_bytes,
-            gpus: match (&gpu, listed.is_empty()) {
-                (Some(gpu), true) => vec![GpuDevice {
-                    ordinal: 0,
-                    name: "GPU 0".into(),
-                    free_bytes: gpu.free_bytes,
-                    total_bytes: gpu.total_bytes,
-                }],
-                _ => listed,
-            },
-            gpu,
-        })
-    }
-}
-
-/// `(MemTotal, MemAvailable)` in bytes.
-fn read_meminfo() -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |name: &str| -> Option<u64> {
-        let line = text.lines().find(|line| line.starts_with(name))?;
-        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kib * 1024)
-    };
-    Some((field("MemTotal:")?, field("MemAvailable:")?))
-}
 
 /// The user's values that the plan depends on (shared by `run` and `serve`).
 #[derive(Debug, Clone, Default)]
@@ -578,123 +410,10 @@ fn fitting_gpu_experts(
     ((left / per_expert_everywhere) as usize).min(common.num_experts)
 }
 
-pub fn print_plan(plan: &Plan) {
-    let gib = |bytes: u64| bytes as f64 / GIB as f64;
-    println!(
-        "model         {} ({}, {:.2}B parameters)",
-        plan.model,
-        plan.architecture,
-        plan.parameters as f64 / 1e9
-    );
-    if plan.needs_conversion {
-        println!("              a checkpoint: converted once (bf16) before the first run");
-    }
-    if let Some(disk) = &plan.disk {
-        let free = disk
-            .free_bytes
-            .map_or("free space unknown".to_string(), |free| {
-                format!("{:.2} GB free", free as f64 / 1e9)
-            });
-        println!(
-            "disk          artifact {:.2} GB + range cache up to {:.2} GB in {}: {} ({free})",
-            disk.artifact_bytes as f64 / 1e9,
-            disk.cache_bytes as f64 / 1e9,
-            disk.directory,
-            if disk.fits { "fits" } else { "does NOT fit" }
-        );
-    }
-    println!("device        {}", plan.device);
-    crate::plan_gpus::print_cards(&plan.gpus);
-    match (plan.gpu_experts_per_layer, plan.gpu_experts_estimate) {
-        _ if plan.expert_bank_bytes == 0 => {
-            println!("gpu experts   none (no routed experts: every layer is a dense MLP)")
-        }
-        (Some(count), _) => println!("gpu experts   {count} per MoE layer"),
-        (None, Some(estimate)) => println!(
-            "gpu experts   auto: about {estimate} per MoE layer fit now (the engine fits them at start)"
-        ),
-        (None, None) => {
-            println!("gpu experts   auto (as many per MoE layer as fit; the engine decides)")
-        }
-    }
-    if let Some(gib) = plan.gpu_mem_budget_gib {
-        println!("gpu memory    budget {gib} GiB");
-    }
-    for worker in &plan.expert_workers {
-        println!(
-            "expert worker NUMA node {}: experts {}, {} threads",
-            worker.numa_node, worker.experts, worker.threads
-        );
-    }
-    let dense_mlp = if plan.dense_mlp_bytes > 0 {
-        format!(", {:.2} GiB of it dense MLPs", gib(plan.dense_mlp_bytes))
-    } else {
-        String::new()
-    };
-    if plan.ngram_table_bytes > 0 {
-        println!(
-            "memory        n-gram tables {:.2} GiB (host RAM, read by the engine)",
-            gib(plan.ngram_table_bytes)
-        );
-    }
-    if plan.expert_bank_bytes == 0 {
-        println!(
-            "memory        dense {:.2} GiB (engine{dense_mlp}); no expert banks",
-            gib(plan.dense_bytes)
-        );
-    } else {
-        println!(
-            "memory        expert banks {:.2} GiB (locked by the workers), dense {:.2} GiB (engine{dense_mlp})",
-            gib(plan.expert_bank_bytes),
-            gib(plan.dense_bytes)
-        );
-    }
-    if plan.mtp_draft_tokens > 0 && plan.mtp_expert_bytes + plan.mtp_dense_bytes > 0 {
-        println!(
-            "memory        MTP head {:.2} GiB (engine), its layer's experts {:.2} GiB (placed like one more MoE layer's)",
-            gib(plan.mtp_dense_bytes),
-            gib(plan.mtp_expert_bytes)
-        );
-    }
-    if plan.machine.ram_total_bytes > 0 {
-        println!(
-            "ram           {:.1} GiB available of {:.1} GiB{}",
-            gib(plan.machine.ram_available_bytes),
-            gib(plan.machine.ram_total_bytes),
-            if plan.expert_banks_fit_in_ram {
-                ""
-            } else {
-                " — the expert banks do not fit: the workers read them from disk on use (slow)"
-            }
-        );
-    }
-    if plan.host_kv_mib > 0 {
-        println!("kv cache      {} MiB in host RAM", plan.host_kv_mib);
-    }
-    if plan.prefix_cache_bytes > 0 {
-        println!(
-            "prefix cache  {:.2} GiB: prompts reuse what earlier prompts computed, by blocks of 256 tokens, least recently used evicted",
-            gib(plan.prefix_cache_bytes)
-        );
-    } else {
-        println!("prefix cache  off");
-    }
-    if plan.prefill_staging_bytes > 0 {
-        println!(
-            "prefill       layerwise from {} tokens: staging slots {:.2} GiB on the GPU (two halves of one layer's experts, streamed over PCIe while the layer before computes)",
-            plan.layerwise_min_tokens,
-            gib(plan.prefill_staging_bytes)
-        );
-    }
-    println!("context       {} tokens per sequence", plan.max_context);
-    if let Some(api) = &plan.api {
-        println!("api           {api} (OpenAI /v1/chat/completions, Anthropic /v1/messages, gRPC)");
-    }
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::plan_machine::NumaNode;
     use std::path::PathBuf;
 
     pub(crate) fn facts() -> ModelFacts {

@@ -331,7 +331,8 @@ pub fn refuse_several_gpus(cards: &[CardPlan]) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Machine, Request};
+    use crate::plan::Request;
+    use crate::plan_machine::Machine;
 
     const REPORT: &str = "0, GPU-1111aaaa-0000, NVIDIA RTX 4090, 23000, 24564\n\
                           1, GPU-2222bbbb-0000, NVIDIA RTX 3090, 20000, 24576\n\

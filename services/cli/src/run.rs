@@ -15,7 +15,7 @@ use ninfer_protocol::v1::{
     ChatImage, ChatMessage, ChatRequest, GatewaySamplingOptions, ListModelsRequest,
 };
 
-use crate::plan::print_plan;
+use crate::plan_print::print_plan;
 use crate::serve::{artifact_of, has_mtp_head, plan_for, start_pipeline, EngineFlags};
 use crate::supervisor::{
     install_stop_handler, sibling_binary, state_dir, stop_requested, ChildSpec, Supervisor,

@@ -11,7 +11,9 @@ use ninfer_protocol::v1::EngineStatusRequest;
 use tonic::transport::Channel;
 
 use crate::model_facts::{locate_model, locate_model_in, models_dir, ModelFacts, ModelLocation};
-use crate::plan::{plan, print_plan, Machine, Plan, Request};
+use crate::plan::{plan, Plan, Request};
+use crate::plan_machine::Machine;
+use crate::plan_print::print_plan;
 use crate::supervisor::{
     install_stop_handler, sibling_binary, stop_requested, ChildSpec, Supervisor,
 };

@@ -9,7 +9,8 @@
 //! longest module prefix it names. A re-export (`pub use`) is a module's face, not a use by its
 //! code: it is no import of its own, and a path through it leads on to the file that defines the
 //! item (a crate root or a `mod.rs` that re-exports its children's items makes no circle with
-//! them; one whose own code uses them while they use it does). Comments, strings, visibilities
+//! them; one whose own code uses them while they use it does; any other file that re-exports an
+//! item of a file importing it points back up and is reported). Comments, strings, visibilities
 //! (`pub(in crate::a)`) and `#[cfg(test)]` items do not count (a test module may use anything of
 //! its file's parents). Files reached only through a `#[cfg(test)] mod` are test files and have
 //! no line limit.
@@ -793,6 +794,51 @@ fn no_import_circles_between_files_of_a_crate() {
     );
 }
 
+/// Re-exports that point back up: a file other than a crate root or a `mod.rs` (a module's face)
+/// re-exports an item of a file that imports it, so it names as its own an item of the layer
+/// above it (the circle the re-export hides from [`import_circles`]).
+fn reexports_pointing_back(graph: &CrateGraph) -> Vec<String> {
+    let mut found = Vec::new();
+    for (file, names) in &graph.reexports {
+        let leaf = file.rsplit('/').next().unwrap_or(file);
+        if matches!(leaf, "lib.rs" | "main.rs" | "mod.rs") {
+            continue;
+        }
+        for (name, absolute) in names {
+            let Some(target) = graph.defining_file(absolute.clone()) else {
+                continue;
+            };
+            let imports_back = graph
+                .edges
+                .get(&target)
+                .is_some_and(|imported| imported.contains_key(file));
+            if target != *file && imports_back {
+                found.push(format!(
+                    "{file} re-exports `{name}` from {target}, which imports {file}"
+                ));
+            }
+        }
+    }
+    found
+}
+
+/// No file but a crate root or a `mod.rs` re-exports an item of a file that imports it (take
+/// the item from the file that defines it instead).
+#[test]
+fn no_file_reexports_an_item_of_a_file_that_imports_it() {
+    let mut offenders = Vec::new();
+    for (folder, crate_root, graph) in workspace_crate_graphs() {
+        for found in reexports_pointing_back(&graph) {
+            offenders.push(format!("{folder} ({crate_root}): {found}"));
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "re-exports pointing back up (import the item from the file that defines it):\n{}",
+        offenders.join("\n")
+    );
+}
+
 /// The dialect of a gateway file (see [`GATEWAY_DIALECTS`]); `None` for shared files.
 fn gateway_dialect(file: &str) -> Option<&'static str> {
     let stem = file.strip_suffix(".rs")?;
@@ -929,6 +975,30 @@ fn the_circle_finder_finds_circles() {
     let mut tangled = facade;
     tangled[0].1 = "mod a;\npub mod p;\nuse a::Thing;\npub struct Error;\nfn f(_: Thing) {}\n";
     assert_eq!(circles_of(&tangled), vec![vec!["a.rs", "lib.rs"]]);
+
+    // A file that re-exports an item of a file importing it points back up; a crate root or a
+    // `mod.rs` doing so is a module's face, and a re-export of a lower file is no finding.
+    let back = [
+        (
+            "lib.rs",
+            "mod plan;\nmod build;\nmod low;\npub use build::build;\n",
+        ),
+        (
+            "plan.rs",
+            "pub use crate::build::build;\npub use crate::low::Low;\npub struct Plan;\n",
+        ),
+        (
+            "build.rs",
+            "use crate::plan::Plan;\npub fn build() -> Plan { Plan }\n",
+        ),
+        ("low.rs", "pub struct Low;\n"),
+    ];
+    let graph = crate_graph(&synthetic_crate(&back), "lib.rs");
+    assert_eq!(circles_of(&back), Vec::<Vec<String>>::new());
+    assert_eq!(
+        reexports_pointing_back(&graph),
+        ["plan.rs re-exports `build` from build.rs, which imports plan.rs"]
+    );
 
     // Comments, strings, test modules and other crates do not count.
     let quiet = [

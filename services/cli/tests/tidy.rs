@@ -350,7 +350,8 @@ fn architecture_invariant_tests() -> Vec<(String, Vec<String>)> {
 }
 
 /// Every invariant names its tests, and every test it names exists: `file.rs` (the file),
-/// `file.rs::name` (a `fn name` in that file), or `name` (a `fn name` somewhere in services/).
+/// `file.rs::name` (a `fn name` in that file), or `name` (a `fn name` in the file named last
+/// before it on the line, as `a.rs::x`, `y` reads; before any file, somewhere in services/).
 #[test]
 fn architecture_invariants_name_tests_that_exist() {
     let root = workspace_root();
@@ -377,12 +378,14 @@ fn architecture_invariants_name_tests_that_exist() {
                 "`{title}…` names no test (end it with a `Tests:` line)"
             ));
         }
+        let mut last_file: Option<String> = None;
         for name in names {
             let (file, function) = match name.split_once(".rs::") {
                 Some((file, function)) => (Some(format!("{file}.rs")), Some(function)),
                 None if name.ends_with(".rs") => (Some(name.clone()), None),
-                None => (None, Some(name.as_str())),
+                None => (last_file.clone(), Some(name.as_str())),
             };
+            last_file.clone_from(&file);
             let exists = match (&file, function) {
                 (Some(file), None) => root.join(file).is_file(),
                 (Some(file), Some(function)) => std::fs::read_to_string(root.join(file))
@@ -393,7 +396,10 @@ fn architecture_invariants_name_tests_that_exist() {
                 (None, None) => false,
             };
             if !exists {
-                offenders.push(format!("`{title}…` names `{name}`, which does not exist"));
+                let place = file.map_or(String::new(), |file| format!(" in {file}"));
+                offenders.push(format!(
+                    "`{title}…` names `{name}`, which does not exist{place}"
+                ));
             }
         }
     }

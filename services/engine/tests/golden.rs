@@ -340,7 +340,7 @@ fn golden_fixtures_match_transformers<B: Backend>(backend: Arc<B>) {
         );
         drop(model);
 
-        // Mixed: bf16 experts with f32 dense weights are held to the 2e-2 against the f32
+        // Mixed: bf16 experts with f32 dense weights are held to 2e-2 against the f32
         // reference; f32 experts with bf16 dense weights only get a sanity bound.
         for (experts, dense) in [(DType::Bf16, DType::F32), (DType::F32, DType::Bf16)] {
             let model = open(experts, dense);

@@ -9,23 +9,25 @@
 //! the OpenAI Responses API (`responses`, its numbered events `responses_stream_events`) and the
 //! public gRPC API with health and reflection (`grpc_api`); the JSON strings of every per-token
 //! writer come from `json_text`; every stage of an answer runs in its HTTP connection's task
-//! (`inline_stream`) and leaves as server-sent events rendered once (`event_stream`); `models` answers `/v1/models` in the asking API's
-//! shape. Beside them: utility routes, auth and limits (`server`); reading request
-//! bodies within their limit, refusing a prompt too long for the context or another input over
-//! its limit while it arrives (`request_body`, measured by `body_scan`) and parsing them
-//! (`json_body`); connection limits, timeouts and the shutdown drain (`connections`, streaming bodies polled
-//! through only when woken `woken_body`); shared
-//! state (`state`); the tokenizer and chat template taken from the engine (`tokenizer`, its
-//! byte-level decoding table `token_bytes`, the token ids of long prompt pieces kept between
-//! turns `prompt_token_cache`, `chat_template`); stop strings (`stop_strings`),
-//! `<think>` splitting (`reasoning`), tool-call parsing (`tool_calls`), structured output and
-//! forced tool calls as grammars for the engine (`structured`); the
-//! [`backend::GenerationBackend`] seam and its gRPC engine pool (`backend::engine_pool`); routing
-//! statistics (`routing_stats`); Prometheus metrics (`metrics`); systemd notifications
-//! (`sd_notify`).
-//! Must not touch: weights, the artifact, CUDA, or the engine's internals. The gateway depends on
-//! `ninfer-protocol` alone among workspace crates and learns everything about the model
-//! (tokenizer.json, chat template, context length, EOS ids) from the engine over gRPC.
+//! (`inline_stream`) and leaves as server-sent events rendered once (`event_stream`); `models`
+//! answers `/v1/models` in the asking API's shape; `error` is the one error type and each
+//! dialect's error envelope. Beside them: utility routes, auth and limits (`server`); reading
+//! request bodies within their limit, refusing a prompt too long for the context or another
+//! input over its limit while it arrives (`request_body`, measured by `body_scan`) and parsing
+//! them (`json_body`); images and videos in chat requests (`images`, `videos`, fetched image URLs
+//! `image_urls`); connection limits, timeouts and the shutdown drain (`connections`, streaming
+//! bodies polled through only when woken `woken_body`); shared state (`state`); the tokenizer
+//! and chat template taken from the engine (`tokenizer`, its byte-level decoding table
+//! `token_bytes`, the token ids of long prompt pieces kept between turns `prompt_token_cache`,
+//! `chat_template`); stop strings (`stop_strings`), `<think>` splitting (`reasoning`), tool-call
+//! parsing (`tool_calls`), structured output and forced tool calls as grammars for the engine
+//! (`structured`); the [`backend::GenerationBackend`] seam and its gRPC engine pool
+//! (`backend::engine_pool`); routing statistics (`routing_stats`); Prometheus metrics
+//! (`metrics`); systemd notifications (`sd_notify`).
+//! Must not touch: weights, the artifact, CUDA, or the engine's internals. Among workspace crates
+//! the gateway depends on `ninfer-protocol` and `ninfer-vision-input` (image headers read and
+//! sized, never decoded) alone, and learns everything about the model (tokenizer.json, chat
+//! template, context length, EOS ids) from the engine over gRPC.
 
 pub mod anthropic;
 pub mod anthropic_stream_deltas;

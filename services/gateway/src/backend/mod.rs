@@ -8,6 +8,7 @@
 
 pub mod engine_pool;
 pub mod poll_schedule;
+mod pool_actor;
 pub mod resume;
 
 use std::collections::BTreeMap;

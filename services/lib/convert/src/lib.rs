@@ -35,9 +35,9 @@ use ninfer_artifact::{
 pub use error::ConvertError;
 pub use hf_config::{read_config, ParsedConfig};
 use plan::{
-    build_plan, DTypeChoice, ExpertSource, PlannedBank, PlannedItem, PlannedTensor, RowSelection,
-    SourceNames,
+    DTypeChoice, ExpertSource, PlannedBank, PlannedItem, PlannedTensor, RowSelection, SourceNames,
 };
+use plan_model::build_plan;
 pub use progress::{ConvertProgress, NoProgress};
 use safetensors_file::{Checkpoint, SourceDType};
 pub use source::{ByteRange, RangeSource, RemoteShard};

@@ -11,8 +11,6 @@ use ninfer_artifact::{DType, TensorClass};
 
 use crate::error::ConvertError;
 use crate::safetensors_file::{Checkpoint, SourceTensor};
-// Planned by `plan_model.rs`, named from here with the plan's types.
-pub(crate) use crate::plan_model::build_plan;
 
 /// How an output tensor's rows are taken from one checkpoint tensor.
 #[derive(Debug, Clone)]

@@ -41,9 +41,8 @@ use std::time::Duration;
 use ninfer_artifact::{ArtifactWriter, DType, ModelConfig, SourceInfo, TensorSpec, WriterOptions};
 
 use crate::error::ConvertError;
-use crate::plan::{
-    build_plan, DTypeChoice, Plan, PlannedBank, PlannedItem, PlannedTensor, SourceNames,
-};
+use crate::plan::{DTypeChoice, Plan, PlannedBank, PlannedItem, PlannedTensor, SourceNames};
+use crate::plan_model::build_plan;
 use crate::safetensors_file::Checkpoint;
 use crate::synthetic_tokenizer::SyntheticTokenizer;
 use crate::synthetic_weights::Drawer;

@@ -9,9 +9,13 @@ URL (streamed and not), the Responses API with an `input_image`, Anthropic messa
 `image` block and its count_tokens. Each must answer, and the prompt counts must exceed the same
 request's count without the image by the image's `--image-tokens` (its placeholder run). A
 truncated copy of the image and an http(s) URL must be refused by each SDK as a bad request
-naming the problem. With `--image-url` (the same image at a URL of a host the server was told to
+naming the problem; so must each hostile image (a decompression bomb's header, a 20,000 x
+20,000 PNG header, a truncated file, an SVG, a PNG declared as JPEG). With `--image-url` (the same image at a URL of a host the server was told to
 fetch from, `--image-url-hosts`), OpenAI chat and Anthropic messages send the URL instead and
 must count the image's tokens as for the inline image; a URL of another host is then refused.
+
+`--hostile-rounds N` sends only the hostile images, N rounds through both SDKs (for a caller that
+measures the server's memory around it).
 
 Ends with the line `N passed, M failed` and exits 1 on any failure; exits 77 (skipped) when the
 SDKs are not installed.
@@ -19,8 +23,10 @@ SDKs are not installed.
 
 import argparse
 import base64
+import struct
 import sys
 import traceback
+import zlib
 
 try:
     import anthropic
@@ -48,6 +54,31 @@ def expect(condition, message):
         raise AssertionError(message)
 
 
+def png_header_only(width, height):
+    """A PNG whose header claims width x height RGB pixels and whose pixel data is a zlib stream
+    that ends at once: a decompression bomb's shape, a few dozen bytes."""
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">II", width, height) + bytes([8, 2, 0, 0, 0])
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", bytes([0x78, 0x9C, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01])) + chunk(b"IEND", b""))
+
+
+def hostile_images(image):
+    """(what, declared media type, bytes, what the refusal must name) for each hostile image."""
+    encode = lambda raw: base64.b64encode(raw).decode()
+    svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="20000" height="20000"/>'
+    return [
+        ("bomb", "image/png", encode(png_header_only(12_000, 12_000)), "pixels"),
+        ("20k x 20k", "image/png", encode(png_header_only(20_000, 20_000)), "20000x20000"),
+        ("truncated", "image/png", encode(image[: len(image) // 2]), "truncated"),
+        ("SVG", "image/svg+xml", encode(svg), "image/svg+xml"),
+        ("wrong declared type", "image/jpeg", encode(image), "declared as `image/jpeg`"),
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-url", required=True)
@@ -56,11 +87,12 @@ def main():
     parser.add_argument("--image", required=True)
     parser.add_argument("--image-tokens", type=int, required=True)
     parser.add_argument("--image-url", default=None)
+    parser.add_argument("--hostile-rounds", type=int, default=0)
     args = parser.parse_args()
 
     image = open(args.image, "rb").read()
     data = base64.b64encode(image).decode()
-    truncated = base64.b64encode(image[: len(image) // 2]).decode()
+    hostile = hostile_images(image)
     oa = openai.OpenAI(base_url=args.base_url + "/v1", api_key=args.api_key, max_retries=0)
     an = anthropic.Anthropic(base_url=args.base_url, api_key=args.api_key, max_retries=0)
     model = args.model or oa.models.list().data[0].id
@@ -106,22 +138,38 @@ def main():
 
     def openai_refusals():
         not_fetched = "not one this server fetches images from" if args.image_url else "not fetched"
-        for url, named in [(f"data:image/png;base64,{truncated}", "truncated"), ("https://example.com/cat.png", not_fetched)]:
+        cases = [(what, f"data:{media};base64,{raw}", named) for what, media, raw, named in hostile]
+        cases.append(("remote URL", "https://example.com/cat.png", not_fetched))
+        for what, url, named in cases:
             try:
                 oa.chat.completions.create(model=model, messages=openai_messages(url), max_tokens=4)
             except openai.BadRequestError as error:
-                expect(named in str(error), f"{error}")
+                expect(named in str(error), f"{what}: {error}")
             else:
-                raise AssertionError(f"{named}: answered")
+                raise AssertionError(f"{what}: answered")
+        return f"{len(cases)} refused"
 
     def anthropic_refusals():
-        for source, named in [({"type": "base64", "media_type": "image/png", "data": truncated}, "truncated"), ({"type": "base64", "media_type": "image/jpeg", "data": data}, "declared as")]:
+        for what, media, raw, named in hostile:
+            source = {"type": "base64", "media_type": media, "data": raw}
             try:
                 an.messages.create(model=model, max_tokens=4, messages=anthropic_message(source))
             except anthropic.BadRequestError as error:
-                expect(named in str(error), f"{error}")
+                expect(named in str(error), f"{what}: {error}")
             else:
-                raise AssertionError(f"{named}: answered")
+                raise AssertionError(f"{what}: answered")
+        return f"{len(hostile)} refused"
+
+    def finish():
+        failed = sum(1 for _, ok in RESULTS if not ok)
+        print(f"{len(RESULTS) - failed} passed, {failed} failed")
+        sys.exit(1 if failed else 0)
+
+    if args.hostile_rounds:
+        for round_ in range(args.hostile_rounds):
+            check(f"round {round_}: openai refuses hostile images", openai_refusals)
+            check(f"round {round_}: anthropic refuses hostile images", anthropic_refusals)
+        finish()
 
     def image_by_url():
         inline = oa.chat.completions.create(model=model, messages=openai_messages(f"data:image/png;base64,{data}"), max_tokens=4, temperature=0)
@@ -142,9 +190,7 @@ def main():
     check("anthropic refuses hostile images", anthropic_refusals)
     if args.image_url:
         check("openai and anthropic with an image URL", image_by_url)
-    failed = sum(1 for _, ok in RESULTS if not ok)
-    print(f"{len(RESULTS) - failed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    finish()
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ sizes and aspect ratios), pre-processed by `Qwen2VLImageProcessorPil` with the f
 and the settings below; the chat template renders one `<|vision_start|><|image_pad|><|vision_end|>` per image
 and the `<|image_pad|>` is repeated per image token, as `Qwen3VLProcessor` does. Writes
 tests/fixtures/qwen3_5_moe/image_prompt_reference.json: the processor settings, the image files, grids, the
-prompt's token ids, teacher-forced `token_nll` (position i predicts token i+1) and the last position's logits;
-and tests/fixtures/qwen3_5_moe/preprocessor_config.json with the same processor settings.
+prompt's token ids, teacher-forced `token_nll` (position i predicts token i+1), the last position's logits
+and the vision tower's output for the three images (`image_features`: the merger's rows, the image tokens'
+embeddings, in prompt order); tests/fixtures/qwen3_5_moe/image_prompt_pixel_values.f32 with the processor's
+`pixel_values` of the three images (little-endian f32, the patch rows of each image in turn); and
+tests/fixtures/qwen3_5_moe/preprocessor_config.json with the same processor settings.
 
 Needs transformers 5.17, torch, Pillow. Usage (repo root):
     CUDA_VISIBLE_DEVICES= python3 scripts/make_image_prompt_reference.py
@@ -29,6 +32,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 FIXTURE = Path("tests/fixtures/qwen3_5_moe")
 IMAGES = Path("tests/fixtures/vision_input")
 FILES = ["png_rgb_downscale.png", "png_rgb_wide_support.png", "png_grey_upscale.png"]
+PIXEL_VALUES = "image_prompt_pixel_values.f32"
 SETTINGS = {"min_pixels": 1024, "max_pixels": 4096, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
@@ -73,6 +77,7 @@ def main() -> None:
             image_grid_thw=grids,
             mm_token_type_ids=mm_token_type_ids,
         ).logits[0].double()
+        features = model.model.visual(processed["pixel_values"], grid_thw=grids, return_dict=True).pooler_output
     log_probabilities = torch.log_softmax(logits, dim=-1)
     targets = input_ids[0, 1:]
     token_nll = -log_probabilities[:-1].gather(1, targets[:, None])[:, 0]
@@ -92,7 +97,12 @@ def main() -> None:
         "token_nll": [float(f"{v:.9g}") for v in token_nll.tolist()],
         "mean_nll": float(token_nll.mean()),
         "last_logits": [float(f"{v:.9g}") for v in logits[-1].tolist()],
+        "pixel_values_file": PIXEL_VALUES,
+        "pixel_values_shape": list(processed["pixel_values"].shape),
+        "image_features_shape": list(features.shape),
+        "image_features": [float(f"{v:.9g}") for v in features.double().flatten().tolist()],
     }
+    processed["pixel_values"].to(torch.float32).contiguous().numpy().astype("<f4").tofile(FIXTURE / PIXEL_VALUES)
     (FIXTURE / "image_prompt_reference.json").write_text(json.dumps(reference) + "\n")
     # The same settings as the fixture's own preprocessor_config.json, which the converter embeds and
     # the engine and gateway read.

@@ -199,6 +199,53 @@ fn an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks<B: Backend>
 
 test_device!(an_image_prompt_matches_transformers_in_one_prefill_and_in_chunks);
 
+/// The prompt's three images step by step against the processor and the tower of
+/// `transformers`: their pixel values (before any bf16 rounding) and the merger's rows, the
+/// image tokens' embeddings.
+#[test]
+fn the_prompts_pixel_values_and_image_features_equal_transformers() {
+    let reference = reference();
+    let (_, rows) = image_prompt_patches(&reference);
+    let pixel_file = reference["pixel_values_file"]
+        .as_str()
+        .expect("the reference names its pixel values");
+    let expected_pixels: Vec<f32> =
+        std::fs::read(golden_fixture_dir("qwen3_5_moe").join(pixel_file))
+            .expect("pixel values readable")
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+    let shape = json_numbers(&reference["pixel_values_shape"]);
+    assert_eq!(expected_pixels.len() as f64, shape[0] * shape[1]);
+    let pixel_difference = max_abs_difference(&rows, &expected_pixels);
+
+    let scratch = tempfile::tempdir().expect("scratch directory");
+    let model = Model::open(
+        Arc::new(ninfer_engine::CpuBackend::new()),
+        &convert(scratch.path()),
+    )
+    .expect("model opens");
+    let (_, features) = encoded_images(&model, &reference);
+    let expected_features: Vec<f32> = json_numbers(&reference["image_features"])
+        .into_iter()
+        .map(|v| v as f32)
+        .collect();
+    let feature_shape = json_numbers(&reference["image_features_shape"]);
+    assert_eq!(
+        expected_features.len() as f64,
+        feature_shape[0] * feature_shape[1]
+    );
+    let feature_difference = max_abs_difference(&features, &expected_features);
+    println!(
+        "pixel values max |Δ| {pixel_difference:.3e}, image features max |Δ| {feature_difference:.3e}"
+    );
+    assert!(pixel_difference <= 1e-5, "pixel values {pixel_difference}");
+    assert!(
+        feature_difference < 2e-5,
+        "image features {feature_difference}"
+    );
+}
+
 #[test]
 fn images_are_refused_for_a_started_sequence_or_mismatched_embeddings() {
     let reference = reference();

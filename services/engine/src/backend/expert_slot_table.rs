@@ -77,7 +77,9 @@ impl ExpertSlotTable {
 
     /// Whether every expert has a slot (then nothing is left for the expert executor).
     pub fn every_expert_resident(&self) -> bool {
-        self.slot_of_expert.iter().all(|&slot| slot != NO_SLOT)
+        // Fewer slots than experts answer at once: the cache asks every step for every layer.
+        self.expert_in_slot.len() >= self.slot_of_expert.len()
+            && self.slot_of_expert.iter().all(|&slot| slot != NO_SLOT)
     }
 
     /// Whether no slot holds an expert.

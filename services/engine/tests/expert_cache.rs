@@ -569,7 +569,7 @@ fn hit_rate_curve_on_the_trained_fixture() {
                     }
                     let seed = Some(statistics[seed].counts[layer].as_slice());
                     let replay = |options: ExpertCacheOptions| {
-                        let run = |trace: &LayerRoutingTrace| {
+                        let run = |trace: &[(Vec<u32>, usize)]| {
                             simulate_hit_rates(trace, common.num_experts, k, seed, slots, options)
                         };
                         let (fixed, moving) = run(trace);
@@ -577,7 +577,7 @@ fn hit_rate_curve_on_the_trained_fixture() {
                             return (fixed, moving);
                         }
                         // Counted after the prompt step.
-                        let (head_fixed, head_moving) = run(&trace[..1].to_vec());
+                        let (head_fixed, head_moving) = run(&trace[..1]);
                         (less(fixed, head_fixed), less(moving, head_moving))
                     };
                     let (fixed, old) = replay(before);

@@ -82,7 +82,7 @@ fn trace(weights: &[f64], tokens: usize, random: &mut Random) -> LayerRoutingTra
 }
 
 /// Routed choices per expert over `trace`: the statistics a run leaves.
-fn statistics(trace: &LayerRoutingTrace) -> Vec<u64> {
+fn statistics(trace: &[(Vec<u32>, usize)]) -> Vec<u64> {
     let mut counts = vec![0u64; EXPERTS];
     for (ids, _) in trace {
         for &id in ids {
@@ -101,14 +101,7 @@ fn cache_counts_from(
     options: ExpertCacheOptions,
 ) -> (CacheCounts, CacheCounts) {
     let whole = simulate_hit_rates(trace, EXPERTS, PER_TOKEN, seed, SLOTS, options);
-    let head = simulate_hit_rates(
-        &trace[..from].to_vec(),
-        EXPERTS,
-        PER_TOKEN,
-        seed,
-        SLOTS,
-        options,
-    );
+    let head = simulate_hit_rates(&trace[..from], EXPERTS, PER_TOKEN, seed, SLOTS, options);
     let less = |a: CacheCounts, b: CacheCounts| CacheCounts {
         hits: a.hits - b.hits,
         misses: a.misses - b.misses,
@@ -176,7 +169,7 @@ fn a_routing_shift_converges_to_the_new_hot_set() {
     // routing's own statistics would give (the best static placement for it).
     let from = routing.len() - 1_000;
     let (stale, cache) = cache_counts_from(&routing, from, Some(&seed), options);
-    let oracle_seed = statistics(&routing[1_000..].to_vec());
+    let oracle_seed = statistics(&routing[1_000..]);
     let (oracle, _) = cache_counts_from(&routing, from, Some(&oracle_seed), options);
     println!("{}", line("static by the old statistics", &stale));
     println!("{}", line("static by the new routing", &oracle));

@@ -500,7 +500,7 @@ pub type LayerRoutingTrace = Vec<(Vec<u32>, usize)>;
 /// `seed` counts most, else the first ones) and the cache from that same placement, with the
 /// engine's timing (fills decided after step `t`, resident from step `t + 2`).
 pub fn simulate_hit_rates(
-    trace: &LayerRoutingTrace,
+    trace: &[(Vec<u32>, usize)],
     num_experts: usize,
     experts_per_token: usize,
     seed: Option<&[u64]>,

@@ -184,6 +184,27 @@ pub struct LayerCachePolicy {
     rule: AdmissionRule,
     /// Fills earned and not spent (at most the per-step cap).
     fill_credit: f64,
+    /// A lower bound of every resident's expected saving, from the last look at the slots
+    /// ([`ColdestResidentBound`]): a decision whose best newcomer cannot beat it by the fill's
+    /// cost plus the margin skips the look at every slot.
+    coldest_resident: Option<ColdestResidentBound>,
+    /// Tokens counted so far (the bound's clock).
+    tokens_seen: f64,
+    /// Tests: decide without the bound's shortcut (the decisions must not change).
+    always_look_at_the_slots: bool,
+    /// Decisions that looked at every slot.
+    slot_looks: u64,
+}
+
+/// The lowest expected saving of any resident when the slots were last looked at, and the
+/// clocks it decays by: a resident's saving, the higher of its two counts, falls by at most
+/// the recent or the settled decay per token since (the settled count read over a window that
+/// may have grown since), unless its expert was routed, which only raises it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ColdestResidentBound {
+    saving: f64,
+    tokens_seen: f64,
+    settled_window: f64,
 }
 
 impl LayerCachePolicy {
@@ -229,6 +250,10 @@ impl LayerCachePolicy {
                 ..rule
             },
             fill_credit: 0.0,
+            coldest_resident: None,
+            tokens_seen: 0.0,
+            always_look_at_the_slots: false,
+            slot_looks: 0,
         }
     }
 
@@ -245,6 +270,7 @@ impl LayerCachePolicy {
     /// Counts one call's routing (`expert_ids` of `tokens` tokens; ids outside the layer are
     /// ignored). Costs O(`expert_ids`).
     pub fn observe(&mut self, expert_ids: &[u32], tokens: usize) {
+        self.tokens_seen += tokens as f64;
         self.recent.observe(expert_ids, tokens);
         self.settled.observe(expert_ids, tokens);
         for &id in expert_ids {
@@ -280,6 +306,27 @@ impl LayerCachePolicy {
     /// expert hot in the long run keeps its slot through a lull.
     fn resident_use(&self, expert: usize) -> f64 {
         self.score(expert).max(self.settled_score(expert))
+    }
+
+    /// The bound of [`ColdestResidentBound`] now (`None`: the slots must be looked at).
+    fn coldest_resident_bound(&self) -> Option<f64> {
+        let bound = self.coldest_resident?;
+        let tokens = self.tokens_seen - bound.tokens_seen;
+        let full = self.recent.full_window();
+        let window_growth =
+            bound.settled_window.max(full) / self.settled.window.max(full).max(f64::MIN_POSITIVE);
+        let recent = self.recent.decay_per_token.powf(tokens);
+        let settled = self.settled.decay_per_token.powf(tokens) * window_growth.min(1.0);
+        // Below by a hair: rounding must never make the shortcut skip a real eviction.
+        Some(bound.saving * recent.min(settled) * (1.0 - 1e-9))
+    }
+
+    fn remember_coldest_resident(&mut self, saving: f64) {
+        self.coldest_resident = Some(ColdestResidentBound {
+            saving,
+            tokens_seen: self.tokens_seen,
+            settled_window: self.settled.window,
+        });
     }
 
     /// The fills for the routing counted since the last decision, at most `max_fills` and at
@@ -323,11 +370,20 @@ impl LayerCachePolicy {
             }
         };
         let bar = self.rule.fill_cost_choices;
-        if allowed == 0
-            || table.slot_count() == 0
-            || !missed().any(|expert| self.newcomer_use(expert) > bar)
-        {
+        let best = missed()
+            .map(|expert| self.newcomer_use(expert))
+            .fold(f64::NEG_INFINITY, f64::max);
+        if allowed == 0 || table.slot_count() == 0 || best <= bar {
             return Vec::new();
+        }
+        // No free slot, and the best newcomer cannot beat even the bound on every resident:
+        // nothing to evict, without looking at the slots.
+        if !table.has_free_slot() && !self.always_look_at_the_slots {
+            if let Some(bound) = self.coldest_resident_bound() {
+                if best - bound <= bar + self.rule.margin {
+                    return Vec::new();
+                }
+            }
         }
         let mut candidates: Vec<usize> = missed()
             .filter(|&expert| self.newcomer_use(expert) > bar)
@@ -341,6 +397,11 @@ impl LayerCachePolicy {
             .filter(|&slot| table.expert_in(slot).is_none())
             .collect();
         free.reverse(); // popped lowest first
+        self.slot_looks += 1;
+        let residents = || (0..table.slot_count()).filter_map(|slot| table.expert_in(slot));
+        let coldest = residents()
+            .map(|expert| self.resident_use(expert))
+            .fold(f64::INFINITY, f64::min);
         let mut victims: Vec<(usize, usize)> = (0..table.slot_count())
             .filter_map(|slot| table.expert_in(slot).map(|expert| (slot, expert)))
             .filter(|&(_, expert)| !self.is_routed.get(expert).copied().unwrap_or(false))
@@ -387,6 +448,13 @@ impl LayerCachePolicy {
                 _ => break,
             }
         }
+        // Evicted residents leave (the bound still holds); newcomers stay above it unless a
+        // free slot took one below.
+        let newcomers = fills
+            .iter()
+            .map(|fill| self.newcomer_use(fill.expert))
+            .fold(coldest, f64::min);
+        self.remember_coldest_resident(newcomers);
         if self.rule.fill_credit_per_miss.is_some() {
             self.fill_credit = (self.fill_credit - fills.len() as f64).max(0.0);
         }
@@ -593,5 +661,60 @@ mod tests {
         once.observe(&[2], 1);
         once.observe(&[2], 1);
         assert_eq!(once.decide(&table(4, &[None]), 1).len(), 1);
+    }
+
+    #[test]
+    fn the_bound_on_the_residents_skips_looks_but_never_changes_a_decision() {
+        // Routing whose hot set moves every 300 tokens, one token a step, sometimes a chunk.
+        let rule = AdmissionRule {
+            recent_decay_per_token: DEFAULT_DECAY_PER_TOKEN,
+            settled_decay_per_token: DEFAULT_SETTLED_DECAY_PER_TOKEN,
+            fill_cost_choices: DEFAULT_FILL_COST_CHOICES,
+            margin: 1.0,
+            fill_credit_per_miss: AdmissionRule::fill_credit_per_miss(0.5, 4.0),
+        };
+        for seed in [None, Some(&[5u64; 32][..])] {
+            let mut fast = LayerCachePolicy::with_rule(32, seed, 4, rule);
+            let mut slow = fast.clone();
+            slow.always_look_at_the_slots = true;
+            let mut slots = table(32, &[None; 8]);
+            for (slot, expert) in (0..8).enumerate() {
+                slots.assign(slot, expert).unwrap();
+            }
+            let mut state = 0x2545_F491_4F6C_DD1Du64;
+            let mut fills = 0;
+            for step in 0..3_000u64 {
+                let tokens = if step % 500 == 0 { 64 } else { 1 };
+                let hot = 8 * (step / 300 % 4);
+                let ids: Vec<u32> = (0..4 * tokens)
+                    .map(|_| {
+                        state = state
+                            .wrapping_mul(6_364_136_223_846_793_005)
+                            .wrapping_add(1_442_695_040_888_963_407);
+                        let draw = (state >> 33) % 32;
+                        // Three in four choices from the hot set of 8.
+                        (if draw < 24 { hot + draw % 8 } else { draw }) as u32
+                    })
+                    .collect();
+                fast.observe(&ids, tokens as usize);
+                slow.observe(&ids, tokens as usize);
+                let decided = fast.decide(&slots, 2);
+                assert_eq!(decided, slow.decide(&slots, 2), "step {step}");
+                for fill in decided {
+                    slots.assign(fill.slot, fill.expert).unwrap();
+                    fills += 1;
+                }
+            }
+            assert!(
+                fills > 10,
+                "{fills} fills: the routing never moved the slots"
+            );
+            assert!(
+                fast.slot_looks * 4 < slow.slot_looks,
+                "{} looks against {}",
+                fast.slot_looks,
+                slow.slot_looks
+            );
+        }
     }
 }

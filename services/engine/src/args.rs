@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use ninfer_engine::backend::cuda::{parse_shared_memory_bytes, CudaOptions, KvDtype};
-use ninfer_engine::moe::expert_cache::DEFAULT_EVICTION_MARGIN;
+use ninfer_engine::moe::expert_cache::{DEFAULT_EVICTION_MARGIN, DEFAULT_FILL_COST_CHOICES};
 use ninfer_engine::moe::placement::{gib_to_bytes, GpuExpertCount};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -195,11 +195,17 @@ pub(crate) struct Args {
     /// faster than static placement without them: docs/BENCHMARKS.md), unless this is given.
     #[arg(long, value_name = "N")]
     pub(crate) moe_cache_fills_per_layer: Option<usize>,
-    /// Dynamic expert cache: how much more (in recently routed choices, decayed) a missed
-    /// expert must score than the resident one it would evict; against two experts taking
-    /// turns in a slot.
+    /// Dynamic expert cache: how much more than a fill's cost (in routed choices over the
+    /// recent window) a missed expert must be expected to save over the resident one it would
+    /// evict; against two experts taking turns in a slot.
     #[arg(long, default_value_t = DEFAULT_EVICTION_MARGIN, value_name = "CHOICES")]
     pub(crate) moe_cache_eviction_margin: f64,
+    /// Dynamic expert cache: what one fill costs, in routed choices the CPU would compute (a
+    /// copy over PCIe against the CPU reading the expert from RAM); a missed expert is copied
+    /// only when it is expected to save more, and the copies per step are budgeted by it.
+    /// 0: fills are free (no admission bar, no copy budget).
+    #[arg(long, default_value_t = DEFAULT_FILL_COST_CHOICES, value_name = "CHOICES")]
+    pub(crate) moe_cache_fill_cost: f64,
     /// Dynamic expert cache: `on` (the default) decides the next step's fills and starts their
     /// copies while the GPU runs this step; `off` does it between the steps (in series, but
     /// never on a core an expert worker is computing on).

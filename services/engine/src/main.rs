@@ -233,6 +233,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             args.moe_expert_stats.is_some(),
         ),
         cache_eviction_margin: args.moe_cache_eviction_margin,
+        cache_fill_cost: args.moe_cache_fill_cost,
         cache_upkeep_during_steps: args.moe_cache_upkeep_during_steps,
     };
     let host_kv = HostKvRequest {
@@ -484,6 +485,8 @@ struct GpuExpertsRequest {
     /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
     cache_fills_per_layer: usize,
     cache_eviction_margin: f64,
+    /// `--moe-cache-fill-cost`.
+    cache_fill_cost: f64,
     cache_upkeep_during_steps: bool,
 }
 
@@ -571,6 +574,7 @@ fn start_scheduler<B: Backend>(
                 ExpertCacheOptions {
                     fills_per_layer,
                     eviction_margin: request.cache_eviction_margin,
+                    fill_cost_choices: request.cache_fill_cost,
                     upkeep_during_steps: request.cache_upkeep_during_steps,
                     ..ExpertCacheOptions::default()
                 },

@@ -13,8 +13,8 @@
 //!   choices;
 //! * `hit_rate_curve_on_the_trained_fixture` (ignored; run it with
 //!   `cargo test --release -p ninfer-engine --test expert_cache -- --ignored --nocapture`)
-//!   prints the hit rate against the slot count, static placement by statistics vs the cache,
-//!   the table in docs/BENCHMARKS.md.
+//!   prints the hit rate, fills per token and modelled cost against the slot count, static
+//!   placement by statistics vs the cache before and with its admission policy.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -121,6 +121,9 @@ struct Setup<'a> {
     slots: usize,
     statistics: Option<&'a ExpertStatistics>,
     fills_per_layer: usize,
+    /// The policy without the fill's cost, the settled horizon and the copy budget, which
+    /// moves slots within a short run.
+    single_horizon: bool,
 }
 
 struct Run {
@@ -147,9 +150,17 @@ fn greedy_run<B: Backend>(backend: Arc<B>, path: &Path, prompt: &[u32], setup: S
     model.place_resident_experts(&placement).unwrap();
     let counters = model
         .enable_expert_cache(
-            ExpertCacheOptions {
-                fills_per_layer: setup.fills_per_layer,
-                ..ExpertCacheOptions::default()
+            if setup.single_horizon {
+                ExpertCacheOptions {
+                    fills_per_layer: setup.fills_per_layer,
+                    ..ExpertCacheOptions::default()
+                }
+                .single_horizon()
+            } else {
+                ExpertCacheOptions {
+                    fills_per_layer: setup.fills_per_layer,
+                    ..ExpertCacheOptions::default()
+                }
             },
             setup.statistics,
         )
@@ -223,7 +234,9 @@ fn bits(logits: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 /// Greedy tokens with the cache equal static placement's and another placement's; two cache
-/// runs give the same bits.
+/// runs give the same bits. The cache runs the single-horizon policy, which moves slots within
+/// these few steps (the default admission policy rarely copies in so short a run; its
+/// determinism under timing is `a_slow_fill_is_never_waited_for_by_the_step_that_started_it`).
 fn the_cache_moves_experts_never_the_tokens<B: Backend>(backend: Arc<B>) {
     let work = tempfile::tempdir().unwrap();
     let Some(path) = converted(work.path()) else {
@@ -241,6 +254,7 @@ fn the_cache_moves_experts_never_the_tokens<B: Backend>(backend: Arc<B>) {
             slots,
             statistics: Some(&statistics),
             fills_per_layer: 0,
+            single_horizon: false,
         },
     );
     let cached = |statistics| {
@@ -252,6 +266,7 @@ fn the_cache_moves_experts_never_the_tokens<B: Backend>(backend: Arc<B>) {
                 slots,
                 statistics,
                 fills_per_layer: 2,
+                single_horizon: true,
             },
         )
     };
@@ -380,6 +395,7 @@ fn a_slow_fill_is_never_waited_for_by_the_step_that_started_it() {
         slots: 8,
         statistics: None,
         fills_per_layer: 2,
+        single_horizon: false,
     };
     let slow = greedy_run(
         Arc::new(CpuBackend::with_expert_fill_delay(delay)),
@@ -420,6 +436,7 @@ fn metric_counts_equal_the_routing() {
                 slots,
                 statistics: Some(&statistics),
                 fills_per_layer,
+                single_horizon: false,
             },
         );
         let per_layer = run.counters.per_layer();
@@ -455,11 +472,14 @@ fn metric_counts_equal_the_routing() {
     }
 }
 
-/// Hit rate against slots per layer on the trained fixture, decode-like (one token a step),
-/// static placement by statistics vs the cache: the statistics of one held-out text seed the
-/// other (both ways), every MoE layer counted.
+/// Hit rate and fills against slots per layer on the trained fixture, static placement by
+/// statistics vs the cache before its admission policy (one horizon, a plain margin) and with
+/// it: the statistics of one held-out text seed the other (both ways), every MoE layer counted.
+/// Two shapes of routing: decode-like (one token a step) and a prompt of the text's first half
+/// in one step followed by its second half one token a step (counted over those tokens). The
+/// modelled cost is the CPU's routed choices per token plus each fill at its cost in choices.
 #[test]
-#[ignore = "prints the curve of docs/BENCHMARKS.md; run with --ignored --nocapture"]
+#[ignore = "prints the replay of docs/BENCHMARKS.md; run with --ignored --nocapture"]
 fn hit_rate_curve_on_the_trained_fixture() {
     let work = tempfile::tempdir().unwrap();
     let Some(path) = converted(work.path()) else {
@@ -470,7 +490,7 @@ fn hit_rate_curve_on_the_trained_fixture() {
     let k = common.num_experts_per_tok;
     let statistics: Vec<ExpertStatistics> = texts.iter().map(|t| statistics_of(&path, t)).collect();
     // One token a step: the prefill's routing cut per token.
-    let traces: Vec<Vec<LayerRoutingTrace>> = texts
+    let per_token: Vec<Vec<LayerRoutingTrace>> = texts
         .iter()
         .map(|text| {
             prefill_routing(&path, text)
@@ -484,59 +504,117 @@ fn hit_rate_curve_on_the_trained_fixture() {
                 .collect()
         })
         .collect();
-    let decays = [0.9, 0.98, 0.99, 0.995];
-    let margin: f64 = std::env::var("NINFER_CACHE_MARGIN")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or(ninfer_engine::moe::expert_cache::DEFAULT_EVICTION_MARGIN);
-    println!("eviction margin {margin}");
+    // The first half as one prompt step, then one token a step.
+    let prompted: Vec<Vec<LayerRoutingTrace>> = per_token
+        .iter()
+        .map(|layers| {
+            layers
+                .iter()
+                .map(|steps: &LayerRoutingTrace| {
+                    let half = steps.len() / 2;
+                    let prompt: Vec<u32> = steps[..half]
+                        .iter()
+                        .flat_map(|(ids, _)| ids.iter().copied())
+                        .collect();
+                    std::iter::once((prompt, half))
+                        .chain(steps[half..].iter().cloned())
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    let env = |name: &str, default: f64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .unwrap_or(default)
+    };
+    let defaults = ExpertCacheOptions::default();
+    let after = ExpertCacheOptions {
+        fills_per_layer: 2,
+        eviction_margin: env("NINFER_CACHE_MARGIN", defaults.eviction_margin),
+        fill_cost_choices: env("NINFER_CACHE_FILL_COST", defaults.fill_cost_choices),
+        settled_decay_per_token: env(
+            "NINFER_CACHE_SETTLED_DECAY",
+            defaults.settled_decay_per_token,
+        ),
+        ..defaults
+    };
+    let before = ExpertCacheOptions {
+        eviction_margin: defaults.eviction_margin,
+        ..after
+    }
+    .single_horizon();
+    let fill_cost = after.fill_cost_choices;
     println!(
-        "slots/layer | static by statistics | cache (decay {})",
-        decays.map(|d| d.to_string()).join(" / ")
+        "before: one horizon (decay {}), margin {}; after: settled decay {}, fill cost {} choices, margin {}, copy share {}",
+        before.decay_per_token,
+        before.eviction_margin,
+        after.settled_decay_per_token,
+        after.fill_cost_choices,
+        after.eviction_margin,
+        after.copy_share_of_step
     );
-    for slots in [2, 4, 6, 8, 12, 16, 24] {
-        let mut fixed = CacheCounts::default();
-        let mut moving = vec![CacheCounts::default(); decays.len()];
-        for (measured, seed) in [(0, 1), (1, 0)] {
-            for (layer, trace) in traces[measured].iter().enumerate() {
-                if !common.moe_layers[layer] {
-                    continue;
-                }
-                for (index, &decay_per_token) in decays.iter().enumerate() {
-                    let (f, m) = simulate_hit_rates(
-                        trace,
-                        common.num_experts,
-                        k,
-                        Some(&statistics[seed].counts[layer]),
-                        slots,
-                        ExpertCacheOptions {
-                            fills_per_layer: 2,
-                            decay_per_token,
-                            eviction_margin: margin,
-                            ..ExpertCacheOptions::default()
-                        },
-                    );
-                    if index == 0 {
-                        add(&mut fixed, &f);
+    for (shape, traces, skip) in [
+        ("decode", &per_token, false),
+        ("prompt + decode", &prompted, true),
+    ] {
+        println!("{shape}: slots/layer | static by statistics | before | after (hit rate, fills per layer and token, modelled cost)");
+        for slots in [2, 4, 6, 8, 12, 16, 24] {
+            let mut totals = [CacheCounts::default(); 3];
+            for (measured, seed) in [(0, 1), (1, 0)] {
+                for (layer, trace) in traces[measured].iter().enumerate() {
+                    if !common.moe_layers[layer] {
+                        continue;
                     }
-                    add(&mut moving[index], &m);
+                    let seed = Some(statistics[seed].counts[layer].as_slice());
+                    let replay = |options: ExpertCacheOptions| {
+                        let run = |trace: &[(Vec<u32>, usize)]| {
+                            simulate_hit_rates(trace, common.num_experts, k, seed, slots, options)
+                        };
+                        let (fixed, moving) = run(trace);
+                        if !skip {
+                            return (fixed, moving);
+                        }
+                        // Counted after the prompt step.
+                        let (head_fixed, head_moving) = run(&trace[..1]);
+                        (less(fixed, head_fixed), less(moving, head_moving))
+                    };
+                    let (fixed, old) = replay(before);
+                    let (_, new) = replay(after);
+                    add(&mut totals[0], &fixed);
+                    add(&mut totals[1], &old);
+                    add(&mut totals[2], &new);
                 }
             }
+            let figures = |counts: &CacheCounts| {
+                let tokens = (counts.hits + counts.misses) as f64 / k as f64;
+                let layers = common.moe_layers.iter().filter(|&&moe| moe).count() as f64;
+                format!(
+                    "{:.1}% {:.3} {:.2}",
+                    100.0 * counts.hit_rate(),
+                    counts.fills as f64 / tokens,
+                    (counts.misses as f64 + fill_cost * counts.fills as f64) / tokens * layers
+                )
+            };
+            println!(
+                "{slots:>2} of {} | {} | {} | {}",
+                common.num_experts,
+                figures(&totals[0]),
+                figures(&totals[1]),
+                figures(&totals[2])
+            );
         }
-        println!(
-            "{slots:>2} of {} | {:.1}% | {}",
-            common.num_experts,
-            100.0 * fixed.hit_rate(),
-            moving
-                .iter()
-                .map(|m| format!(
-                    "{:.1}% ({:.2} fills/layer/token)",
-                    100.0 * m.hit_rate(),
-                    m.fills as f64 / ((m.hits + m.misses) as f64 / k as f64)
-                ))
-                .collect::<Vec<_>>()
-                .join(" / ")
-        );
+    }
+}
+
+fn less(a: CacheCounts, b: CacheCounts) -> CacheCounts {
+    CacheCounts {
+        hits: a.hits - b.hits,
+        misses: a.misses - b.misses,
+        fills: a.fills - b.fills,
+        evictions: a.evictions - b.evictions,
+        bytes_copied: a.bytes_copied - b.bytes_copied,
     }
 }
 

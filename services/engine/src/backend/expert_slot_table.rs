@@ -28,6 +28,8 @@ pub struct ExpertSlotTable {
     slot_of_expert: Vec<i32>,
     /// Slot → expert.
     expert_in_slot: Vec<Option<usize>>,
+    /// Slots holding an expert (the cache asks every step whether one is free).
+    occupied: usize,
 }
 
 /// A slot or expert index outside the table.
@@ -46,6 +48,7 @@ impl ExpertSlotTable {
         ExpertSlotTable {
             slot_of_expert: vec![NO_SLOT; num_experts],
             expert_in_slot: vec![None; slots],
+            occupied: 0,
         }
     }
 
@@ -77,12 +80,19 @@ impl ExpertSlotTable {
 
     /// Whether every expert has a slot (then nothing is left for the expert executor).
     pub fn every_expert_resident(&self) -> bool {
-        self.slot_of_expert.iter().all(|&slot| slot != NO_SLOT)
+        // Fewer slots than experts answer at once: the cache asks every step for every layer.
+        self.expert_in_slot.len() >= self.slot_of_expert.len()
+            && self.slot_of_expert.iter().all(|&slot| slot != NO_SLOT)
     }
 
     /// Whether no slot holds an expert.
     pub fn is_empty(&self) -> bool {
-        self.expert_in_slot.iter().all(Option::is_none)
+        self.occupied == 0
+    }
+
+    /// Whether some slot holds no expert.
+    pub fn has_free_slot(&self) -> bool {
+        self.occupied < self.expert_in_slot.len()
     }
 
     /// Whether [`Self::assign`] takes `slot` and `expert` (checked before the slot's storage is
@@ -109,12 +119,15 @@ impl ExpertSlotTable {
         let slot_entry = slot as i32; // fits: checked above
         if let Some(previous) = self.expert_in_slot[slot] {
             self.slot_of_expert[previous] = NO_SLOT;
+            self.occupied -= 1;
         }
         if let Some(old_slot) = self.slot_of(expert) {
             self.expert_in_slot[old_slot] = None;
+            self.occupied -= 1;
         }
         self.slot_of_expert[expert] = slot_entry;
         self.expert_in_slot[slot] = Some(expert);
+        self.occupied += 1;
         Ok(())
     }
 
@@ -122,6 +135,7 @@ impl ExpertSlotTable {
     pub fn clear(&mut self, slot: usize) -> Option<usize> {
         let previous = self.expert_in_slot.get_mut(slot)?.take()?;
         self.slot_of_expert[previous] = NO_SLOT;
+        self.occupied -= 1;
         Some(previous)
     }
 
@@ -210,9 +224,10 @@ mod tests {
     #[test]
     fn refilling_a_slot_keeps_both_directions_consistent() {
         let mut table = ExpertSlotTable::new(6, 2);
-        assert!(table.is_empty() && !table.every_expert_resident());
+        assert!(table.is_empty() && !table.every_expert_resident() && table.has_free_slot());
         table.assign(0, 4).unwrap();
         table.assign(1, 2).unwrap();
+        assert!(!table.has_free_slot());
         assert_eq!((table.slot_of(4), table.slot_of(2)), (Some(0), Some(1)));
         assert_eq!(table.slot_entries(), &[-1, -1, 1, -1, 0, -1]);
         // Slot 0 gets expert 5: expert 4 loses its slot.
@@ -221,6 +236,7 @@ mod tests {
         // Expert 5 moves to slot 1: slot 0 is empty, expert 2 has none.
         table.assign(1, 5).unwrap();
         assert_eq!(table.expert_in(0), None);
+        assert!(table.has_free_slot() && !table.is_empty());
         assert_eq!(table.slot_of(2), None);
         assert_eq!(table.slot_of(5), Some(1));
         assert_eq!(table.slot_entries(), &[-1, -1, -1, -1, -1, 1]);

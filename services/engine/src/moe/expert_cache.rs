@@ -1,11 +1,10 @@
 //! The dynamic expert cache: GPU expert slots that follow the routing.
 //!
-//! Owns: the per-layer policy ([`LayerCachePolicy`]: use counts that decay per routed token,
-//! seeded from the persisted routing statistics; after a step, the missed experts that score
-//! highest go to free slots or evict the lowest-scoring resident expert not used in that step,
-//! at most `fills_per_layer` per layer and step), the step hook that applies it to a model's
-//! slots ([`ExpertCache::between_steps`]), the hit / miss / fill / eviction / byte counters, and
-//! [`simulate_hit_rates`], the same policy and timing on a recorded routing trace.
+//! Owns: the step hook that applies each MoE layer's policy to the model's slots
+//! ([`ExpertCache::between_steps`]), the hit / miss / fill / eviction / byte counters, the
+//! options, and [`simulate_hit_rates`], the same policy and timing on a recorded routing trace.
+//! The policy itself, which missed expert earns a copy and which resident it replaces, is
+//! [`crate::moe::cache_policy`] ([`LayerCachePolicy`]).
 //!
 //! Timing, the same on every backend and in the simulation, so which experts are resident in a
 //! step is a pure function of the routings of the steps before it (never of copy timing):
@@ -35,6 +34,10 @@ use ninfer_artifact::{Artifact, ExpertBank};
 
 use crate::backend::{ExpertSlotFills, ExpertSlotTable, WithExpertSlotTable};
 use crate::error::EngineError;
+pub use crate::moe::cache_policy::{
+    AdmissionRule, LayerCachePolicy, SlotFill, DEFAULT_COPY_SHARE_OF_STEP, DEFAULT_DECAY_PER_TOKEN,
+    DEFAULT_FILL_COST_CHOICES, DEFAULT_SETTLED_DECAY_PER_TOKEN,
+};
 use crate::service::routing_stats::ExpertStatistics;
 
 /// An MoE layer as the cache sees it: its resident slots and the bank fills copy from (the
@@ -48,10 +51,6 @@ pub(crate) trait CachedLayer {
 
 /// `--moe-cache-fills-per-layer` by default.
 pub const DEFAULT_FILLS_PER_LAYER: usize = 2;
-/// How much an expert's use count keeps per routed token: about the last 1 / (1 − 0.98) = 50
-/// tokens' routing weigh as much as everything before (the trained fixture's hit rate peaks
-/// there, with a quarter of the fills of 0.9).
-pub const DEFAULT_DECAY_PER_TOKEN: f64 = 0.98;
 
 /// How the cache behaves.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -59,12 +58,19 @@ pub struct ExpertCacheOptions {
     /// Fills per MoE layer and step; 0 keeps the start-up placement (`--moe-static-experts`),
     /// the counters still count.
     pub fills_per_layer: usize,
-    /// Factor an expert's score is multiplied by per routed token.
+    /// Factor an expert's recent use count is multiplied by per routed token.
     pub decay_per_token: f64,
-    /// How much more a missed expert must score than the resident one it would evict
-    /// (decayed routed choices): against near ties, where two experts would take turns in a
-    /// slot and every swap costs a copy and saves nothing. Free slots take any missed expert.
+    /// Factor its settled use count (the longer horizon) is multiplied by per routed token.
+    pub settled_decay_per_token: f64,
+    /// How much more than a fill's cost (routed choices over the recent window) a missed
+    /// expert must save over the resident one it would evict: against near ties, where two
+    /// experts would take turns in a slot and every swap costs a copy and saves little.
     pub eviction_margin: f64,
+    /// What a fill costs in routed choices the CPU would compute (the admission bar; 0: free).
+    pub fill_cost_choices: f64,
+    /// The share of a step the fills' copies may take, the step modelled by the CPU time of
+    /// its missed experts (0: no copy budget beyond `fills_per_layer`).
+    pub copy_share_of_step: f64,
     /// Decide the next step's fills and start their copies while the GPU replays this step's
     /// graph (off: between the steps, in series with them). During the step the host's
     /// driver calls leave the critical path, but on a machine whose expert workers hold every
@@ -84,202 +90,42 @@ impl Default for ExpertCacheOptions {
         ExpertCacheOptions {
             fills_per_layer: DEFAULT_FILLS_PER_LAYER,
             decay_per_token: DEFAULT_DECAY_PER_TOKEN,
+            settled_decay_per_token: DEFAULT_SETTLED_DECAY_PER_TOKEN,
             eviction_margin: DEFAULT_EVICTION_MARGIN,
+            fill_cost_choices: DEFAULT_FILL_COST_CHOICES,
+            copy_share_of_step: DEFAULT_COPY_SHARE_OF_STEP,
             upkeep_during_steps: true,
         }
     }
 }
 
-/// One fill the policy decided: `expert` goes to `slot`, evicting `evicted` if it held one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SlotFill {
-    pub slot: usize,
-    pub expert: usize,
-    pub evicted: Option<usize>,
-}
-
-/// One MoE layer's cache policy: decayed use scores and the experts the last step routed to.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerCachePolicy {
-    scores: Vec<f64>,
-    routed_this_step: Vec<bool>,
-    decay_per_token: f64,
-    eviction_margin: f64,
-}
-
-impl LayerCachePolicy {
-    /// Scores start from `seed` (the layer's persisted token counts), scaled to the weight the
-    /// decay gives a long run of one-token steps (`experts_per_token / (1 − decay)`), so the
-    /// statistics count like recent history; without a seed every score is 0.
-    pub fn new(
-        num_experts: usize,
-        seed: Option<&[u64]>,
-        experts_per_token: usize,
-        decay_per_token: f64,
-    ) -> Self {
-        let mut scores = vec![0.0; num_experts];
-        if let Some(seed) = seed.filter(|seed| seed.len() == num_experts) {
-            let total: u64 = seed.iter().sum();
-            if total > 0 {
-                let mass = experts_per_token as f64 / (1.0 - decay_per_token).max(1e-6);
-                for (score, &count) in scores.iter_mut().zip(seed) {
-                    *score = mass * count as f64 / total as f64;
-                }
-            }
-        }
-        LayerCachePolicy {
-            scores,
-            routed_this_step: vec![false; num_experts],
-            decay_per_token,
-            eviction_margin: 0.0,
+impl ExpertCacheOptions {
+    /// The admission rule every layer's policy follows.
+    pub fn admission_rule(&self) -> AdmissionRule {
+        AdmissionRule {
+            recent_decay_per_token: self.decay_per_token,
+            settled_decay_per_token: self.settled_decay_per_token,
+            fill_cost_choices: self.fill_cost_choices,
+            margin: self.eviction_margin,
+            fill_credit_per_miss: AdmissionRule::fill_credit_per_miss(
+                self.copy_share_of_step,
+                self.fill_cost_choices,
+            ),
         }
     }
 
-    /// The policy with [`ExpertCacheOptions::eviction_margin`] `margin`.
-    pub fn with_eviction_margin(mut self, margin: f64) -> Self {
-        self.eviction_margin = margin.max(0.0);
-        self
-    }
-
-    /// Counts one call's routing (`expert_ids` of `tokens` tokens; ids outside the layer are
-    /// ignored): every score decays once per token, then each routed choice adds 1. Prompt
-    /// chunks count like decode steps: their mass damps the churn single decode tokens would
-    /// cause (left out, the cache filled ~56 experts per token at a 16 GiB budget for two
-    /// points of decode hit rate, and decode lost a fifth).
-    pub fn observe(&mut self, expert_ids: &[u32], tokens: usize) {
-        let decay = self
-            .decay_per_token
-            .powi(i32::try_from(tokens).unwrap_or(i32::MAX));
-        for score in &mut self.scores {
-            *score *= decay;
+    /// The options of the policy before the fill's cost, the settled horizon and the copy
+    /// budget: one horizon, a plain margin.
+    pub fn single_horizon(self) -> Self {
+        ExpertCacheOptions {
+            settled_decay_per_token: self.decay_per_token,
+            fill_cost_choices: 0.0,
+            copy_share_of_step: 0.0,
+            ..self
         }
-        for &id in expert_ids {
-            if let Some(score) = self.scores.get_mut(id as usize) {
-                *score += 1.0;
-                self.routed_this_step[id as usize] = true;
-            }
-        }
-    }
-
-    /// The score of `expert` now.
-    pub fn score(&self, expert: usize) -> f64 {
-        self.scores.get(expert).copied().unwrap_or(0.0)
-    }
-
-    /// The fills for the step just observed, at most `max_fills`: the experts it routed to that
-    /// `table` does not hold, highest score first (ties: lower id), each into the lowest free
-    /// slot, else evicting the lowest-scoring resident expert the step did not use (ties: lower
-    /// id) when the newcomer scores more than the eviction margin higher. Forgets which experts
-    /// the step routed to.
-    pub fn decide(&mut self, table: &ExpertSlotTable, max_fills: usize) -> Vec<SlotFill> {
-        // The hook runs for every MoE layer between two steps, on the step's critical path: the
-        // common case (nothing worth a copy) returns before any allocation.
-        let experts = self.scores.len().min(table.num_experts());
-        let mut best_missed = None::<usize>;
-        let mut any_missed = false;
-        for expert in 0..experts {
-            if self.routed_this_step[expert] && !table.is_resident(expert) {
-                any_missed = true;
-                if best_missed.is_none_or(|best| self.scores[expert] > self.scores[best]) {
-                    best_missed = Some(expert);
-                }
-            }
-        }
-        let routed = std::mem::take(&mut self.routed_this_step);
-        let forget = |policy: &mut Self, mut routed: Vec<bool>| {
-            routed.iter_mut().for_each(|flag| *flag = false);
-            policy.routed_this_step = routed;
-        };
-        if max_fills == 0 || table.slot_count() == 0 || !any_missed {
-            forget(self, routed);
-            return Vec::new();
-        }
-        let has_free_slot = (0..table.slot_count()).any(|slot| table.expert_in(slot).is_none());
-        if !has_free_slot {
-            // No copy unless the best newcomer beats the coldest resident the step left alone.
-            let coldest = (0..table.slot_count())
-                .filter_map(|slot| table.expert_in(slot))
-                .filter(|&expert| !routed.get(expert).copied().unwrap_or(false))
-                .map(|expert| self.scores[expert])
-                .min_by(f64::total_cmp);
-            let worth_it = match (best_missed, coldest) {
-                (Some(best), Some(coldest)) => coldest + self.eviction_margin < self.scores[best],
-                _ => false,
-            };
-            if !worth_it {
-                forget(self, routed);
-                return Vec::new();
-            }
-        }
-        let fills = self.decide_fills(table, max_fills, &routed);
-        forget(self, routed);
-        fills
-    }
-
-    /// [`LayerCachePolicy::decide`] once a fill may be worth it.
-    fn decide_fills(
-        &self,
-        table: &ExpertSlotTable,
-        max_fills: usize,
-        routed: &[bool],
-    ) -> Vec<SlotFill> {
-        let by_score_descending =
-            |a: &usize, b: &usize| self.scores[*b].total_cmp(&self.scores[*a]).then(a.cmp(b));
-        let mut missed: Vec<usize> = (0..self.scores.len().min(table.num_experts()))
-            .filter(|&expert| routed[expert] && !table.is_resident(expert))
-            .collect();
-        missed.sort_by(by_score_descending);
-        let mut free: Vec<usize> = (0..table.slot_count())
-            .filter(|&slot| table.expert_in(slot).is_none())
-            .collect();
-        free.reverse(); // popped lowest first
-        let mut victims: Vec<(usize, usize)> = (0..table.slot_count())
-            .filter_map(|slot| table.expert_in(slot).map(|expert| (slot, expert)))
-            .filter(|&(_, expert)| !routed.get(expert).copied().unwrap_or(false))
-            .collect();
-        // Only the `max_fills` coldest can go (a total order: the same ones every time), popped
-        // coldest first.
-        let coldest_first = |(_, a): &(usize, usize), (_, b): &(usize, usize)| {
-            self.scores[*a].total_cmp(&self.scores[*b]).then(a.cmp(b))
-        };
-        if victims.len() > max_fills {
-            victims.select_nth_unstable_by(max_fills, coldest_first);
-            victims.truncate(max_fills);
-        }
-        victims.sort_by(|a, b| coldest_first(b, a));
-        let mut fills = Vec::new();
-        for expert in missed {
-            if fills.len() == max_fills {
-                break;
-            }
-            if let Some(slot) = free.pop() {
-                fills.push(SlotFill {
-                    slot,
-                    expert,
-                    evicted: None,
-                });
-                continue;
-            }
-            match victims.last() {
-                Some(&(slot, victim))
-                    if self.scores[victim] + self.eviction_margin < self.scores[expert] =>
-                {
-                    victims.pop();
-                    fills.push(SlotFill {
-                        slot,
-                        expert,
-                        evicted: Some(victim),
-                    });
-                }
-                // The rest score no higher than this one: nothing more is worth a copy.
-                _ => break,
-            }
-        }
-        fills
     }
 }
 
-/// Counters of one MoE layer (cumulative since start).
 #[derive(Debug, Default)]
 pub struct LayerCacheCounters {
     /// Routed choices (token × expert) whose expert was in a slot.
@@ -428,7 +274,16 @@ pub struct ExpertCache {
     upkept_ahead: std::sync::atomic::AtomicBool,
     /// Per layer, the table the running step reads when an upkeep ahead already changed the
     /// layer's table for the next one: its routing is counted against what it used.
-    running_step_tables: Mutex<Vec<Option<ExpertSlotTable>>>,
+    running_step_tables: Mutex<RunningStepTables>,
+}
+
+/// The tables kept for the running step ([`ExpertCache::table_of_running_step`]).
+#[derive(Default)]
+struct RunningStepTables {
+    /// Indexed by layer; `None`: the layer's own table is the one.
+    tables: Vec<Option<Arc<ExpertSlotTable>>>,
+    /// Whether any is kept (a step start that finds none has nothing to drop).
+    any: bool,
 }
 
 impl ExpertCache {
@@ -450,13 +305,12 @@ impl ExpertCache {
                     let seed = statistics
                         .and_then(|statistics| statistics.counts.get(layer))
                         .map(Vec::as_slice);
-                    LayerCachePolicy::new(
+                    LayerCachePolicy::with_rule(
                         num_experts,
                         seed,
                         experts_per_token,
-                        options.decay_per_token,
+                        options.admission_rule(),
                     )
-                    .with_eviction_margin(options.eviction_margin)
                 })
             })
             .collect();
@@ -473,7 +327,10 @@ impl ExpertCache {
                 slot_layers: slot_layers.iter().filter(|&&has| has).count(),
             }),
             upkept_ahead: std::sync::atomic::AtomicBool::new(false),
-            running_step_tables: Mutex::new(vec![None; slot_layers.len()]),
+            running_step_tables: Mutex::new(RunningStepTables {
+                tables: vec![None; slot_layers.len()],
+                any: false,
+            }),
         }
     }
 
@@ -489,19 +346,31 @@ impl ExpertCache {
     /// Whether the upkeep for this step was done ahead, clearing the mark. A step starts:
     /// the tables kept for the step before are dropped.
     pub fn take_upkept_ahead(&self) -> bool {
-        if let Ok(mut tables) = self.running_step_tables.lock() {
-            tables.iter_mut().for_each(|table| *table = None);
+        if let Ok(mut kept) = self.running_step_tables.lock() {
+            if std::mem::take(&mut kept.any) {
+                kept.tables.iter_mut().for_each(|table| *table = None);
+            }
         }
         self.upkept_ahead.swap(false, Ordering::AcqRel)
     }
 
     /// The table layer `layer`'s running step reads, when an upkeep ahead has changed the
     /// layer's own since the step started; `None`: the layer's table is the one.
-    pub fn table_of_running_step(&self, layer: usize) -> Option<ExpertSlotTable> {
-        self.running_step_tables
-            .lock()
-            .ok()
-            .and_then(|tables| tables.get(layer).cloned().flatten())
+    pub fn table_of_running_step(&self, layer: usize) -> Option<Arc<ExpertSlotTable>> {
+        let kept = self.running_step_tables.lock().ok()?;
+        if !kept.any {
+            return None;
+        }
+        kept.tables.get(layer).cloned().flatten()
+    }
+
+    fn keep_running_step_table(&self, layer: usize, table: Arc<ExpertSlotTable>) {
+        if let Ok(mut kept) = self.running_step_tables.lock() {
+            if let Some(entry) = kept.tables.get_mut(layer) {
+                *entry = Some(table);
+                kept.any = true;
+            }
+        }
     }
 
     pub fn counters(&self) -> &Arc<ExpertCacheCounters> {
@@ -564,25 +433,19 @@ impl ExpertCache {
             return Ok(());
         }
         // Static placement (no fills) with nothing in flight: the table never changes, so the
-        // running step's copy, once kept, stays right and there is nothing to decide.
-        let fixed = self.options.fills_per_layer == 0 && slots.fills_in_flight() == 0;
-        if ahead {
-            if let Ok(mut tables) = self.running_step_tables.lock() {
-                if let Some(kept) = tables.get_mut(index) {
-                    if !fixed || kept.is_none() {
-                        *kept = Some(slots.slot_table().clone());
-                    }
-                }
-            }
-        }
-        if fixed {
+        // running step reads the layer's own and there is nothing to decide.
+        if self.options.fills_per_layer == 0 && slots.fills_in_flight() == 0 {
             return Ok(());
         }
         let Some(counters) = self.counters.layers.get(index) else {
             return Ok(());
         };
         // The policy decides on the table with the landed fills entered; the backend makes the
-        // completions and the new fills one table update.
+        // completions and the new fills one table update. Ahead of a step, the running step's
+        // table is kept for counting its routing, but only when this hook changes it:
+        // completions change it before the decision, fills after.
+        let mut kept =
+            (ahead && slots.fills_in_flight() > 0).then(|| Arc::new(slots.slot_table().clone()));
         let mut decided = Vec::new();
         let mut lock_failed = false;
         let mut decide = |table: &ExpertSlotTable| -> Vec<(usize, usize)> {
@@ -594,6 +457,9 @@ impl ExpertCache {
                 Some(Some(policy)) => policy.decide(table, self.options.fills_per_layer),
                 _ => Vec::new(),
             };
+            if ahead && kept.is_none() && !decided.is_empty() {
+                kept = Some(Arc::new(table.clone()));
+            }
             decided
                 .iter()
                 .map(|fill| (fill.slot, fill.expert))
@@ -604,6 +470,9 @@ impl ExpertCache {
             return Err(EngineError::InvalidConfig {
                 problem: "the expert cache's lock is poisoned".into(),
             });
+        }
+        if let Some(kept) = kept {
+            self.keep_running_step_table(index, kept);
         }
         for fill in &decided {
             counters.fills.fetch_add(1, Ordering::Relaxed);
@@ -631,7 +500,7 @@ pub type LayerRoutingTrace = Vec<(Vec<u32>, usize)>;
 /// `seed` counts most, else the first ones) and the cache from that same placement, with the
 /// engine's timing (fills decided after step `t`, resident from step `t + 2`).
 pub fn simulate_hit_rates(
-    trace: &LayerRoutingTrace,
+    trace: &[(Vec<u32>, usize)],
     num_experts: usize,
     experts_per_token: usize,
     seed: Option<&[u64]>,
@@ -655,13 +524,12 @@ pub fn simulate_hit_rates(
         for (slot, &expert) in start.iter().enumerate() {
             let _ = table.assign(slot, expert as usize);
         }
-        let mut policy = LayerCachePolicy::new(
+        let mut policy = LayerCachePolicy::with_rule(
             num_experts,
             seed,
             experts_per_token,
-            options.decay_per_token,
-        )
-        .with_eviction_margin(options.eviction_margin);
+            options.admission_rule(),
+        );
         let mut in_flight: Vec<SlotFill> = Vec::new();
         let mut counts = CacheCounts::default();
         for (ids, tokens) in trace {
@@ -691,127 +559,6 @@ pub fn simulate_hit_rates(
 mod tests {
     use super::*;
 
-    fn table(num_experts: usize, residents: &[Option<usize>]) -> ExpertSlotTable {
-        let mut table = ExpertSlotTable::new(num_experts, residents.len());
-        for (slot, expert) in residents.iter().enumerate() {
-            if let Some(expert) = expert {
-                table.assign(slot, *expert).unwrap();
-            }
-        }
-        table
-    }
-
-    #[test]
-    fn seeds_scale_to_the_decay_window_and_decay_per_token() {
-        let policy = LayerCachePolicy::new(4, Some(&[3, 1, 0, 0]), 2, 0.5);
-        // Mass k / (1 − d) = 4, split 3 : 1.
-        assert_eq!((policy.score(0), policy.score(1)), (3.0, 1.0));
-        let mut policy = policy;
-        policy.observe(&[2, 2, 3, 0], 2);
-        // Two tokens: × 0.25, then +1 per choice.
-        assert_eq!(policy.score(0), 0.75 + 1.0);
-        assert_eq!(policy.score(2), 2.0);
-        assert_eq!(policy.score(1), 0.25);
-        // Ids outside the layer (no expert) are ignored.
-        policy.observe(&[u32::MAX], 0);
-        assert_eq!(
-            LayerCachePolicy::new(2, Some(&[0, 0]), 1, 0.9).score(0),
-            0.0
-        );
-        assert_eq!(LayerCachePolicy::new(2, Some(&[1]), 1, 0.9).score(0), 0.0);
-    }
-
-    #[test]
-    fn missed_experts_fill_free_slots_first_then_evict_the_coldest_unused() {
-        let mut policy = LayerCachePolicy::new(6, Some(&[10, 1, 5, 0, 0, 0]), 1, 0.9);
-        // Slots: expert 0, expert 1, free.
-        let slots = table(6, &[Some(0), Some(1), None]);
-        policy.observe(&[3, 4, 5, 0], 4);
-        let scores: Vec<f64> = (0..6).map(|e| policy.score(e)).collect();
-        assert!(scores[3] == scores[4] && scores[4] == scores[5]);
-        let fills = policy.decide(&slots, 2);
-        // Ties: lower id first; the free slot first, then expert 1 (unused, coldest) evicted.
-        assert_eq!(
-            fills,
-            vec![
-                SlotFill {
-                    slot: 2,
-                    expert: 3,
-                    evicted: None
-                },
-                SlotFill {
-                    slot: 1,
-                    expert: 4,
-                    evicted: Some(1)
-                },
-            ]
-        );
-        // The step is forgotten: nothing is missed any more.
-        assert!(policy.decide(&slots, 2).is_empty());
-    }
-
-    #[test]
-    fn experts_used_in_the_step_or_hotter_are_never_evicted() {
-        let mut policy = LayerCachePolicy::new(4, Some(&[100, 100, 0, 0]), 1, 0.99);
-        let slots = table(4, &[Some(0), Some(1)]);
-        // Expert 2 is missed once: far colder than both residents, no eviction.
-        policy.observe(&[2], 1);
-        assert!(policy.decide(&slots, 2).is_empty());
-        // Both residents routed this step: neither may go, however cold.
-        let mut cold = LayerCachePolicy::new(4, None, 1, 0.5);
-        for _ in 0..5 {
-            cold.observe(&[3], 1);
-        }
-        cold.observe(&[0, 1, 3], 1);
-        assert!(cold.decide(&slots, 2).is_empty());
-        // No fills allowed, no slots: nothing.
-        cold.observe(&[3], 1);
-        assert!(cold.decide(&slots, 0).is_empty());
-        cold.observe(&[3], 1);
-        assert!(cold.decide(&table(4, &[]), 2).is_empty());
-    }
-
-    #[test]
-    fn a_near_tie_does_not_evict_within_the_margin() {
-        // Slot: expert 0 (score 0.75, unused in the last step); expert 1 missed, score 1.5.
-        let slots = table(3, &[Some(0)]);
-        let fresh = || {
-            let mut policy = LayerCachePolicy::new(3, None, 1, 0.5);
-            policy.observe(&[0], 1);
-            policy.observe(&[0, 1], 1);
-            // A step with no fills: the routed experts are forgotten.
-            assert!(policy.decide(&slots, 0).is_empty());
-            policy.observe(&[1], 1);
-            policy
-        };
-        let (score_0, score_1) = {
-            let policy = fresh();
-            (policy.score(0), policy.score(1))
-        };
-        assert!(
-            score_1 > score_0 && score_1 - score_0 < 1.0,
-            "{score_0} {score_1}"
-        );
-        // Without a margin the newcomer takes the slot; within a margin of 1 it does not.
-        assert_eq!(fresh().decide(&slots, 1).len(), 1);
-        assert!(fresh()
-            .with_eviction_margin(1.0)
-            .decide(&slots, 1)
-            .is_empty());
-        // A free slot takes it whatever the margin.
-        let free = table(3, &[Some(0), None]);
-        assert_eq!(fresh().with_eviction_margin(1.0).decide(&free, 1).len(), 1);
-    }
-
-    #[test]
-    fn fills_per_step_are_bounded() {
-        let mut policy = LayerCachePolicy::new(8, None, 1, 0.9);
-        policy.observe(&[1, 2, 3, 4, 5], 5);
-        let fills = policy.decide(&table(8, &[None; 4]), 2);
-        assert_eq!(fills.len(), 2);
-        assert_eq!((fills[0].slot, fills[1].slot), (0, 1));
-    }
-
     #[test]
     fn the_simulation_follows_the_engine_timing() {
         // One slot, expert 0 placed; the routing moves to expert 1 for good.
@@ -821,7 +568,8 @@ mod tests {
             decay_per_token: 0.5,
             eviction_margin: 0.0,
             ..ExpertCacheOptions::default()
-        };
+        }
+        .single_horizon();
         let (fixed, cache) = simulate_hit_rates(&trace, 2, 1, None, 1, options);
         assert_eq!((fixed.hits, fixed.misses, fixed.fills), (1, 5, 0));
         // Step 1 misses expert 1; the fill is decided at the start of step 2 (the slot is empty

@@ -344,7 +344,7 @@ impl<B: Backend> MoeLayer<B> {
             .and_then(|cache| cache.table_of_running_step(index));
         let resident = self.resident_slots()?;
         let table = kept
-            .as_ref()
+            .as_deref()
             .or_else(|| resident.as_ref().map(WithExpertSlotTable::slot_table));
         self.account_routing(context, index, routing, table, tally);
         Ok(())

@@ -17,6 +17,9 @@
 //!   card and each card's expert slots for its own layers.
 //! * [`expert_cache`] — the dynamic expert cache: which experts the slots hold from step to
 //!   step, its timing, counters and hit-rate simulation.
+//! * [`cache_policy`] — the cache's admission policy per layer: which missed expert earns a
+//!   copy (its expected saving against the fill's cost), which resident it replaces, and the
+//!   copy budget.
 //!
 //! The expert ↔ slot table both backends keep is [`crate::backend::ExpertSlotTable`] (the
 //! backends sit below this module).
@@ -24,6 +27,7 @@
 //! implementations (backends), the expert kernels (`ninfer-cpu-experts`), the channel layout
 //! (`ninfer-channel`).
 
+pub mod cache_policy;
 pub mod executor;
 pub mod expert_cache;
 pub mod gpu_split;

@@ -12,8 +12,7 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
 use super::matmul::TwoInputs;
-use super::pending_routing::RouterInput;
-use super::router;
+use super::router::{self, RouterInput};
 use super::{
     describe, driver_error, elementwise, CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache,
     CudaPendingRouting, CudaQsaCache, CudaRecurrentState, CudaStepGraph, CudaTensor, CudaWeight,

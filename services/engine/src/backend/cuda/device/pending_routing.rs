@@ -16,11 +16,13 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig};
 
 use super::pinned_staging::{PinnedStaging, RoutingStagingPool};
 use super::readback::{decode_staged, staging_layout, HostValues, ReadBack, ReadBackShape};
-use super::router::{ROUTER_FUSED_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS};
+use super::router::{
+    RouterInput, ROUTER_FUSED_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_WARPS,
+};
 use super::{driver_error, int, CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
@@ -31,27 +33,6 @@ const KERNEL_WRITTEN_HIDDEN_MAX_ROWS: usize = 64;
 /// Smallest buffer the pool hands out: a decode step's routing is a few hundred bytes, and
 /// one size for all keeps the pool from growing a buffer per size.
 const SMALLEST_ROUTING_STAGING: usize = 64 << 10;
-
-/// What the router kernel routes: logits computed before it (`route_top_k`, any batch), or one
-/// token's hidden row and the f32 router weights, whose logits the same launch computes
-/// (`route_decode_fused`).
-pub(super) enum RouterInput<'a> {
-    Logits(&'a CudaTensor),
-    Router {
-        x: &'a CudaTensor,
-        router: &'a CudaSlice<f32>,
-        experts: usize,
-    },
-}
-
-impl RouterInput<'_> {
-    fn tokens_and_experts(&self) -> (usize, usize) {
-        match self {
-            RouterInput::Logits(logits) => (logits.rows, logits.cols),
-            RouterInput::Router { x, experts, .. } => (x.rows, *experts),
-        }
-    }
-}
 
 /// A routing [`CudaBackend`] started and has not brought to the host yet.
 pub struct CudaPendingRouting {

@@ -5,7 +5,8 @@
 //! Owns: the router kernel's limits and the one-shot routing.
 //! Must not touch: what the routing is used for (the model splits it between slots and workers).
 
-use super::pending_routing::RouterInput;
+use cudarc::driver::CudaSlice;
+
 use super::{CudaBackend, CudaTensor};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
@@ -19,6 +20,27 @@ pub(super) const ROUTER_MAX_TOP_K: usize = 32;
 /// `ROUTER_FUSED_WARPS` in `kernels/router.cu`: warps per block of `route_decode_fused`, one
 /// logit each.
 pub(super) const ROUTER_FUSED_WARPS: u32 = 4;
+
+/// What the router kernel routes: logits computed before it (`route_top_k`, any batch), or one
+/// token's hidden row and the f32 router weights, whose logits the same launch computes
+/// (`route_decode_fused`).
+pub(super) enum RouterInput<'a> {
+    Logits(&'a CudaTensor),
+    Router {
+        x: &'a CudaTensor,
+        router: &'a CudaSlice<f32>,
+        experts: usize,
+    },
+}
+
+impl RouterInput<'_> {
+    pub(super) fn tokens_and_experts(&self) -> (usize, usize) {
+        match self {
+            RouterInput::Logits(logits) => (logits.rows, logits.cols),
+            RouterInput::Router { x, experts, .. } => (x.rows, *experts),
+        }
+    }
+}
 
 impl CudaBackend {
     /// Routing of every row of `logits` (`[tokens, experts]`) computed on the GPU.

@@ -287,7 +287,11 @@ class Bench:
         copies = copies_for(host_w.nbytes)
         weights_copies = [cp.asarray(host_w) for _ in range(copies)]
         null = np.uint64(0)
-        results = {}
+        # The kernel's block of ROUTER_FUSED_WARPS warps, one logit each.
+        with open(os.path.join(kernel_dir, "router.cu")) as f:
+            warps = next(int(line.split()[2]) for line in f
+                         if line.startswith("#define ROUTER_FUSED_WARPS"))
+        fused_grid = (-(-EXPERTS // warps),)
         for trial in range(3):
             x = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
             logits = [cp.zeros((1, EXPERTS), dtype=cp.float32) for _ in range(2)]
@@ -295,24 +299,17 @@ class Bench:
             chosen = [cp.zeros((1, TOP_K), dtype=cp.float32) for _ in range(2)]
             counter = cp.zeros(1, dtype=cp.uint32)
             mapped = [cp.zeros(HIDDEN, dtype=cp.float32) for _ in range(2)]
-            cols = 1
-            matmul_grid = (-(-EXPERTS // 8),)
+            matmul_grid = (-(-EXPERTS // 8),)  # one logit per warp, 8 warps a block
 
             def separate(w):
                 def launch():
                     matmul(matmul_grid, (256,), (x, w, logits[0], np.int32(1), np.int32(HIDDEN),
-                                                 np.int32(EXPERTS), np.int32(cols), np.int32(0)))
+                                                 np.int32(EXPERTS), np.int32(1), np.int32(0)))
                     route((1,), (128,), (logits[0], ids[0], chosen[0], np.int32(1), np.int32(EXPERTS),
                                          np.int32(TOP_K), np.int32(1), null, null, x, mapped[0],
                                          np.int32(HIDDEN)))
                 return launch
 
-            warps = 4
-            with open(os.path.join(kernel_dir, "router.cu")) as f:
-                for line in f:
-                    if line.startswith("#define ROUTER_FUSED_WARPS"):
-                        warps = int(line.split()[2])
-            fused_grid = (-(-EXPERTS // warps),)
 
             def together(w):
                 def launch():
@@ -332,11 +329,8 @@ class Bench:
             if trial == 0:
                 us = timed([separate(w) for w in weights_copies])
                 self.record("router matmul + route_top_k n=1", "two launches", us, host_w.nbytes)
-                results["separate"] = us
                 us = timed([together(w) for w in weights_copies])
                 self.record("route_decode_fused n=1", "one launch", us, host_w.nbytes)
-                results["fused"] = us
-        return results
 
     # -- attention -----------------------------------------------------------------------------
 

@@ -94,23 +94,6 @@ fn fast_polling() -> EnginePoolOptions {
     }
 }
 
-fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| {
-            value
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .map(|kib| kib * 1024)
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_of_megabytes_is_refused_from_its_size_quickly() {
     let engine = RunningEngine::start(Arc::new(EngineScript::default()), None).await;

@@ -142,22 +142,6 @@ async fn each_api_sends_the_image_with_its_placeholder_run() {
     }
 }
 
-/// The gateway's resident memory (this process: the gateway runs in the test), in bytes.
-fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| {
-            rest.trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_images_get_400_naming_the_problem_without_memory_growth() {
     let (engine, gateway) = start(true).await;

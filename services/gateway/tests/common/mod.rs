@@ -718,3 +718,21 @@ pub fn count_tokens(text: &str) -> usize {
         .unwrap_or_else(|e| panic!("tokenizer: {e}"));
     tokenizer.encode(text, false).map(|e| e.len()).unwrap_or(0)
 }
+
+/// This process's resident memory in bytes (the gateway runs inside the test), 0 where
+/// `/proc` does not say.
+pub fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map_or(0, |kib| kib * 1024)
+}

@@ -310,11 +310,10 @@ impl Backend for CudaBackend {
         read_hidden: bool,
     ) -> Result<CudaPendingRouting, EngineError> {
         // One token, f32 router weights the kernel takes: logits and routing in one launch.
-        if let (true, WeightData::F32(weights)) = (
-            self.fused_router_counter.is_some() && x.rows == 1,
-            &router.data,
-        ) {
-            if router.cols == x.cols
+        if let WeightData::F32(weights) = &router.data {
+            if self.fused_router_counter.is_some()
+                && x.rows == 1
+                && router.cols == x.cols
                 && x.cols > 0
                 && (1..=router::ROUTER_MAX_EXPERTS).contains(&router.rows)
                 && (1..=router::ROUTER_MAX_TOP_K).contains(&k)

@@ -285,7 +285,6 @@ impl CudaBackend {
                         };
                         let hidden_arg = int(x.cols, "hidden width")?;
                         let prefetch = self.weight_prefetch();
-                        let mapped_hidden = if hidden_source != 0 { mapped_hidden } else { 0 };
                         launch!(self, "route_decode_fused", config;
                         &*x.data, router, &mut *logits.data, counter, &mut ids_view,
                         &mut *weights.data, &hidden_arg, &experts_arg, &k_arg, &normalize_arg,

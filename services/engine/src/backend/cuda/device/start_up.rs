@@ -270,22 +270,22 @@ impl CudaBackend {
             fused_expert_counters: None,
             fused_router_counter: None,
         };
-        if options.fused_decode_experts {
-            backend.fused_expert_counters = Some(
-                backend
-                    .stream
-                    .alloc_zeros::<u32>(2)
-                    .map_err(driver_error("allocating the fused experts' counters"))?,
-            );
-        }
-        if options.fused_decode_router {
-            backend.fused_router_counter = Some(
-                backend
-                    .stream
-                    .alloc_zeros::<u32>(1)
-                    .map_err(driver_error("allocating the fused router's counter"))?,
-            );
-        }
+        // The counters a fused kernel's blocks take tickets on: zero, allocated once, only for
+        // the kernels turned on.
+        let counters = |on: bool, count: usize, what: &str| {
+            on.then(|| backend.stream.alloc_zeros::<u32>(count))
+                .transpose()
+                .map_err(driver_error(format!("allocating {what}")))
+        };
+        let fused_expert_counters = counters(
+            options.fused_decode_experts,
+            2,
+            "the fused experts' counters",
+        )?;
+        let fused_router_counter =
+            counters(options.fused_decode_router, 1, "the fused router's counter")?;
+        backend.fused_expert_counters = fused_expert_counters;
+        backend.fused_router_counter = fused_router_counter;
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
         // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
         // the newer kernels faults in its self-check and takes the context down with it.

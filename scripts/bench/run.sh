@@ -47,7 +47,9 @@
 #               trained routing, a 16 GiB card (--gpu-mem-budget 16, auto), 4K prompt, DECODE
 #               tokens (default 128): a first run records routing statistics, then CACHE_PASSES
 #               (default 2) passes of the four placements in turn: static first N, cache without
-#               statistics, static by the statistics, cache seeded by them. The engine logs
+#               statistics, static by the statistics, cache seeded by them (CACHE_FILLS
+#               per layer and step, default 2); then, without statistics, one run per fill
+#               cost of CACHE_FILL_COSTS (e.g. "0 2 8"; none by default). The engine logs
 #               (logs_cache_*) end with the cache's summary (hit rate, fills, upkeep per step).
 #               A model's artifact is deleted after its runs when another model follows, unless
 #               KEEP_ARTIFACTS=1 (two do not fit a 64 GiB disk together).
@@ -284,7 +286,13 @@ if has cache; then
       bench "cache_${name}_dynamic_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}"
       bench "cache_${name}_static_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
         --engine-arg=--moe-static-experts
-      bench "cache_${name}_dynamic_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}"
+      # With statistics the engine's default is static placement: the seeded cache is asked for.
+      bench "cache_${name}_dynamic_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
+        --engine-arg=--moe-cache-fills-per-layer --engine-arg="${CACHE_FILLS:-2}"
+    done
+    for cost in ${CACHE_FILL_COSTS:-}; do  # intentional word split: a list
+      bench "cache_${name}_dynamic_cost_${cost}" "${BENCH_TIMEOUT:-150}" "${C[@]}" \
+        --engine-arg=--moe-cache-fill-cost --engine-arg="$cost"
     done
     grep -h "expert cache:" "$out"/logs_cache_"$name"_*/*engine* 2>/dev/null | cut -c1-400 \
       | tee -a "$out/summary.log"

@@ -3,26 +3,7 @@
 // many rows the batch has.
 
 #include "common.cuh"
-
-#define NORM_THREADS 256
-// Values a thread keeps in registers from the sum pass to the scaling pass: every load of a
-// group is issued before the first is waited for (one block per row at decode is latency-bound),
-// and x is not re-read. Groups past NORM_THREADS · NORM_CACHED values re-read the rest.
-#define NORM_CACHED 16
-
-__device__ float block_sum(float value) {
-    __shared__ float partial[NORM_THREADS / 32];
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        value += __shfl_xor_sync(0xffffffffu, value, offset);
-    }
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) partial[warp] = value;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < NORM_THREADS / 32; ++w) total += partial[w];
-    __syncthreads();  // partial is reused by the next call
-    return total;
-}
+#include "norm_common.cuh"
 
 // out = x / sqrt(mean(x²) + eps) * (offset + w), per group of `group` values. Launch with
 // NORM_THREADS threads and one block per group (grid-stride over groups).

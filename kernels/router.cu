@@ -26,6 +26,7 @@
 
 #include "common.cuh"
 #include "matmul_common.cuh"
+#include "norm_common.cuh"
 
 #define ROUTER_WARPS 4
 #define ROUTER_TREE_WIDTH 256
@@ -223,6 +224,79 @@ extern "C" __global__ void route_decode_fused(const float* x, const float* route
     if (!last_block) return;
     __threadfence();
     // Every block's logits, from L2 (never from this multiprocessor's L1).
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) row[e] = __ldcg(logits + e);
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    route_row(row, expert_ids, weights, 0, experts, k, normalize, mapped_ids, mapped_weights,
+              chosen_probability, lane);
+    if (lane == 0) *counter = 0u;
+}
+
+// `route_decode_fused` with the residual add and RMSNorm before it in the same launch (decode
+// of one token, the MoE layer right after attention): residual += delta, normed = the norm of it
+// as `add_rms_norm` computes it, then the router's logits of `normed` and their routing, instead
+// of `add_rms_norm` then `route_decode_fused`. Every block forms the whole normed row itself in
+// shared memory, with `add_rms_norm`'s threads and tree (NORM_THREADS threads, each holding the
+// values t + j · NORM_THREADS; `block_sum`), so every block has the norm's bits; its warps then
+// compute logits with the matmul warp body over that row. Each block stores its slice of the
+// normed row to `normed` (and `mapped_hidden`); the last block out, once every block has read
+// the residual, stores residual + delta back and routes the logits.
+//
+// Grid: ceil(experts / (NORM_THREADS / 32)) blocks of NORM_THREADS threads; dynamic shared
+// memory hidden floats; hidden ≤ NORM_THREADS · NORM_CACHED (the values stay in registers).
+extern "C" __global__ void route_decode_add_norm_fused(
+    float* residual, const float* delta, const float* norm_weight, float eps, float offset,
+    float* normed, const float* router, float* logits, unsigned int* counter,
+    unsigned int* expert_ids, float* weights, int hidden, int experts, int k, int normalize,
+    unsigned int* mapped_ids, float* mapped_weights, float* mapped_hidden, int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_feature_group(router, 1, hidden, experts, 1, warp_task()));
+    PDL_WAIT_AND_RELEASE();
+    extern __shared__ __align__(16) float normed_row[];
+    __shared__ float row[ROUTER_MAX_EXPERTS];
+    __shared__ float chosen_probability[ROUTER_MAX_TOP_K];
+    __shared__ bool last_block;
+    int lane = threadIdx.x % 32;
+    float cached[NORM_CACHED];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        cached[j] = i < hidden ? residual[i] + delta[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        if (threadIdx.x + j * NORM_THREADS < hidden) sum += cached[j] * cached[j];
+    }
+    float inverse = rsqrtf(block_sum(sum) / (float)hidden + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        if (i < hidden) normed_row[i] = cached[j] * inverse * (offset + norm_weight[i]);
+    }
+    __syncthreads();  // the normed row complete
+    for (int i = blockIdx.x * NORM_THREADS + threadIdx.x; i < hidden;
+         i += gridDim.x * NORM_THREADS) {
+        normed[i] = normed_row[i];
+        if (mapped_hidden) mapped_hidden[i] = normed_row[i];
+    }
+    long long expert = warp_task();
+    if (expert < experts)
+        matmul_output<float, 1, 1>(PlainRows{normed_row, hidden}, router, logits, 1, hidden,
+                                   experts, (int)expert, 0, lane);
+    __syncthreads();  // the block's logits stored, its reads of the residual done
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();
+    // Every block has read the residual: it takes the sum now.
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        if (i < hidden) residual[i] = cached[j];
+    }
     for (int e = threadIdx.x; e < experts; e += blockDim.x) row[e] = __ldcg(logits + e);
     __syncthreads();
     if (threadIdx.x >= 32) return;

@@ -332,6 +332,75 @@ class Bench:
                 us = timed([together(w) for w in weights_copies])
                 self.record("route_decode_fused n=1", "one launch", us, host_w.nbytes)
 
+    def router_add_norm_fused(self, kernel_dir):
+        """One token after attention: `add_rms_norm` then `route_decode_fused`, against
+        `route_decode_add_norm_fused` (the add, the norm and the router in one launch); the
+        residual, the normed row, the logits, ids and weights must keep their bits, for both norm
+        styles."""
+        norm_mod = module(kernel_dir, "norm")
+        router_mod = module(kernel_dir, "router")
+        add_norm = norm_mod.get_function("add_rms_norm")
+        fused = router_mod.get_function("route_decode_fused")
+        together_kernel = router_mod.get_function("route_decode_add_norm_fused")
+        rng = np.random.default_rng(11)
+        host_w = rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * 0.02
+        copies = copies_for(host_w.nbytes)
+        weights_copies = [cp.asarray(host_w) for _ in range(copies)]
+        null = np.uint64(0)
+        with open(os.path.join(kernel_dir, "router.cu")) as f:
+            warps = next(int(line.split()[2]) for line in f
+                         if line.startswith("#define ROUTER_FUSED_WARPS"))
+        norm_threads = 256  # NORM_THREADS: the fused kernel's block, one logit per warp
+        eps = np.float32(1e-6)
+        for trial, offset in enumerate((0.0, 1.0, 0.0)):
+            offset = np.float32(offset)
+            x0 = rng.standard_normal((1, HIDDEN), dtype=np.float32)
+            delta = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
+            norm_w = cp.asarray(rng.standard_normal(HIDDEN, dtype=np.float32) * 0.1)
+            residual = [cp.asarray(x0) for _ in range(2)]
+            normed = [cp.zeros((1, HIDDEN), dtype=cp.float32) for _ in range(2)]
+            logits = [cp.zeros((1, EXPERTS), dtype=cp.float32) for _ in range(2)]
+            ids = [cp.zeros((1, TOP_K), dtype=cp.uint32) for _ in range(2)]
+            chosen = [cp.zeros((1, TOP_K), dtype=cp.float32) for _ in range(2)]
+            mapped = [cp.zeros(HIDDEN, dtype=cp.float32) for _ in range(2)]
+            counters = [cp.zeros(1, dtype=cp.uint32) for _ in range(2)]
+
+            def separate(w):
+                def launch():
+                    add_norm((1,), (256,), (residual[0], delta, norm_w, normed[0], np.int64(1),
+                                            np.int32(HIDDEN), eps, offset))
+                    fused((-(-EXPERTS // warps),), (32 * warps,),
+                          (normed[0], w, logits[0], counters[0], ids[0], chosen[0], np.int32(HIDDEN),
+                           np.int32(EXPERTS), np.int32(TOP_K), np.int32(1), null, null, mapped[0],
+                           np.int32(0)))
+                return launch
+
+            def together(w):
+                def launch():
+                    together_kernel((-(-EXPERTS // (norm_threads // 32)),), (norm_threads,),
+                                    (residual[1], delta, norm_w, eps, offset, normed[1], w, logits[1],
+                                     counters[1], ids[1], chosen[1], np.int32(HIDDEN),
+                                     np.int32(EXPERTS), np.int32(TOP_K), np.int32(1), null, null,
+                                     mapped[1], np.int32(0)),
+                                    shared_mem=4 * HIDDEN)
+                return launch
+
+            separate(weights_copies[0])()
+            together(weights_copies[0])()
+            cp.cuda.Device().synchronize()
+            for name, a, b in (("residual", residual[1], residual[0]), ("normed", normed[1], normed[0]),
+                               ("logits", logits[1], logits[0]), ("ids", ids[1], ids[0]),
+                               ("weights", chosen[1], chosen[0]), ("mapped hidden", mapped[1], mapped[0])):
+                self.same_bits("route_decode_add_norm_fused %s (offset %g)" % (name, offset), a, b)
+            if int(counters[1].get()[0]) != 0:
+                self.failures.append("route_decode_add_norm_fused left its counter at %d"
+                                     % int(counters[1].get()[0]))
+            if trial == 0:
+                us = timed([separate(w) for w in weights_copies])
+                self.record("add_rms_norm + route_decode_fused", "two launches", us, host_w.nbytes)
+                us = timed([together(w) for w in weights_copies])
+                self.record("route_decode_add_norm_fused n=1", "one launch", us, host_w.nbytes)
+
     # -- attention -----------------------------------------------------------------------------
 
     def attention(self, kernel_dir, label, parallel_combine, baseline=None, max_chunks=128):
@@ -779,6 +848,7 @@ def main():
         base_router = bench.router(args.baseline, "baseline", True) if args.baseline else None
         bench.router(args.kernels, "current", True, base_router)
         bench.router_fused(args.kernels)
+        bench.router_add_norm_fused(args.kernels)
 
     if "experts" in sections:
         base_experts = bench.experts(args.baseline, "baseline", 4) if args.baseline else None

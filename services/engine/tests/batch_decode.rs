@@ -295,7 +295,7 @@ fn same_logits_with_and_without(
     option: impl Fn(bool) -> CudaOptions,
     dtypes: &[DType],
     sequence_counts: &[usize],
-    noted_kernel: Option<&str>,
+    noted_kernels: &[&str],
 ) {
     let directory = tempfile::tempdir().unwrap();
     let open = |on| CudaBackend::with_options(0, option(on)).map(Arc::new);
@@ -325,7 +325,7 @@ fn same_logits_with_and_without(
             }
         }
     }
-    if let Some(kernel) = noted_kernel {
+    for kernel in noted_kernels {
         assert!(
             with.kernel_choice_noted(kernel),
             "{test}: `{kernel}` never ran with the option on"
@@ -351,7 +351,7 @@ fn fused_expert_sums_give_the_bits_of_down_then_pair_sum() {
         },
         &[DType::Int8, DType::Int4, DType::Bf16],
         &[1, 3, 8],
-        None,
+        &[],
     );
 }
 
@@ -369,7 +369,7 @@ fn gate_up_tasks_give_the_bits_of_the_per_pair_kernel() {
         },
         &[DType::Int8, DType::Int4],
         &[1, 3],
-        None,
+        &[],
     );
 }
 
@@ -387,14 +387,16 @@ fn fused_decode_experts_give_the_bits_of_the_three_launches() {
         },
         &[DType::Int8, DType::Int4],
         &[1, 3],
-        None,
+        &[],
     );
 }
 
-/// One token's router in one launch (`fused_decode_router`: the logits by the matmul kernel's
-/// warp body, routed by the last block out) gives every step's logits bit for bit as the matmul
-/// and the routing launch it replaces: one sequence (where it runs) and three (where it does
-/// not), through step graphs (the same ticket counter in every replay) and op by op.
+/// One token's router in one launch (`fused_decode_router`: the residual add and the norm
+/// before it formed by every block with the norm kernel's tree, the logits by the matmul
+/// kernel's warp body, routed by the last block out, which also stores the residual) gives every
+/// step's logits bit for bit as the add + norm, matmul and routing launches it replaces: one
+/// sequence (where it runs) and three (where it does not), through step graphs (the same ticket
+/// counter in every replay) and op by op.
 #[test]
 fn fused_decode_router_gives_the_bits_of_matmul_then_routing() {
     same_logits_with_and_without(
@@ -405,7 +407,7 @@ fn fused_decode_router_gives_the_bits_of_matmul_then_routing() {
         },
         &[DType::Int8],
         &[1, 3],
-        Some("route_decode_fused"),
+        &["route_decode_add_norm_fused"],
     );
 }
 

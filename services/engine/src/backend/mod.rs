@@ -68,6 +68,14 @@ pub enum NormStyle {
     ZeroCentred,
 }
 
+/// The RMSNorm that follows a residual add ([`Backend::add_rms_norm_and_start_routing_by_router`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ResidualNorm<'w, W> {
+    pub weight: &'w W,
+    pub eps: f32,
+    pub style: NormStyle,
+}
+
 /// Shape of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionSpec {
@@ -592,6 +600,26 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::PendingRouting, EngineError> {
         let logits = self.matmul(x, router)?;
         self.start_routing(&logits, k, normalize, x, read_hidden)
+    }
+    /// [`Backend::add_rms_norm`] of the residual `x` and `delta` (the norm's `weight`, `eps`,
+    /// `style`), then [`Backend::start_routing_by_router`] of the normed rows, which it returns
+    /// with the pending routing: where the backend can, all in one step with the same values (a
+    /// GPU's one-token decode: the MoE layer after attention in one launch). The default is the
+    /// two calls.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_and_start_routing_by_router(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        norm: ResidualNorm<'_, Self::Weight>,
+        router: &Self::Weight,
+        k: usize,
+        normalize: bool,
+        read_hidden: bool,
+    ) -> Result<(Self::Tensor, Self::PendingRouting), EngineError> {
+        let normed = self.add_rms_norm(x, delta, norm.weight, norm.eps, norm.style)?;
+        let pending = self.start_routing_by_router(&normed, router, k, normalize, read_hidden)?;
+        Ok((normed, pending))
     }
     /// [`Backend::slotted_experts`] with a routing [`Backend::start_routing`] started (same
     /// result; nothing waits for the routing's read-back on small batches).

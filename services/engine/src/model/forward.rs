@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use ninfer_artifact::ExpertBank;
 
-use crate::backend::{Backend, DeltaRuleForm, MultimodalRotation, Rotation, Segment};
+use crate::backend::{Backend, DeltaRuleForm, MultimodalRotation, ResidualNorm, Rotation, Segment};
 use crate::error::EngineError;
 use crate::model::layers::{
     layer_segments, state_mismatch, BatchPlan, DeltaRuleMix, FeedForward, LayerScratch, LayerState,
@@ -18,7 +18,7 @@ use crate::model::layers::{
 use crate::model::qwen4_exp;
 use crate::model::Model;
 use crate::moe::expert_cache::ExpertCache;
-use crate::moe::layer::DeferredRouting;
+use crate::moe::layer::{DeferredRouting, MoeInput};
 use crate::moe::ExpertBatch;
 use crate::profile::{nanos, Phase, PhaseTotals};
 
@@ -174,7 +174,7 @@ impl<B: Backend> Model<B> {
             FeedForward::Moe(moe) => moe.forward(
                 &scratch.moe_context,
                 index,
-                x,
+                MoeInput::Normed(x),
                 &mut scratch.tally,
                 &mut scratch.deferred,
             ),
@@ -483,14 +483,36 @@ impl<B: Backend> Model<B> {
                     self.gated_delta_net(index, &layer.mixer, &x, batch, ranges, delta_rule_form)?
                 }
             };
-            let x = backend.add_rms_norm(
-                &mut hidden,
-                &mixed,
-                layer.post_attention_norm()?,
+            let post_attention_norm = ResidualNorm {
+                weight: layer.post_attention_norm()?,
                 eps,
                 style,
-            )?;
-            let fed = self.feed_forward(scratch, index, &layer.feed_forward, &x)?;
+            };
+            // An MoE layer takes the residual add and its norm itself: the backend may fold
+            // them into the router's launch.
+            let fed = match &layer.feed_forward {
+                FeedForward::Moe(moe) => moe.forward(
+                    &scratch.moe_context,
+                    index,
+                    MoeInput::AfterResidualAdd {
+                        residual: &mut hidden,
+                        delta: &mixed,
+                        norm: post_attention_norm,
+                    },
+                    &mut scratch.tally,
+                    &mut scratch.deferred,
+                )?,
+                feed_forward => {
+                    let x = backend.add_rms_norm(
+                        &mut hidden,
+                        &mixed,
+                        post_attention_norm.weight,
+                        eps,
+                        style,
+                    )?;
+                    self.feed_forward(scratch, index, feed_forward, &x)?
+                }
+            };
             match self.layers.get(index + 1) {
                 Some(following) => {
                     next = Some(backend.add_rms_norm(

@@ -15,7 +15,9 @@ use std::time::Instant;
 use ninfer_artifact::{Artifact, CommonConfig, ExpertBank, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 
-use crate::backend::{Backend, ExpertSlotFills, ExpertSlotTable, Routing, WithExpertSlotTable};
+use crate::backend::{
+    Backend, ExpertSlotFills, ExpertSlotTable, ResidualNorm, Routing, WithExpertSlotTable,
+};
 use crate::error::EngineError;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
 use crate::moe::expert_cache::{CachedLayer, ExpertCache};
@@ -58,6 +60,20 @@ pub(crate) struct LayerwiseSettings {
     pub min_tokens: usize,
     /// What the split of each layer is chosen from (measured at start, or given by a test).
     pub throughputs: RwLock<PrefillThroughputs>,
+}
+
+/// What an MoE layer computes from: its normed input, or the residual add and norm that form it
+/// (the backend may fold those into the router's step,
+/// [`Backend::add_rms_norm_and_start_routing_by_router`]).
+pub enum MoeInput<'a, B: Backend> {
+    /// The normed rows.
+    Normed(&'a B::Tensor),
+    /// `residual += delta` (written back), then the norm of it is the layer's input.
+    AfterResidualAdd {
+        residual: &'a mut B::Tensor,
+        delta: &'a B::Tensor,
+        norm: ResidualNorm<'a, B::Weight>,
+    },
 }
 
 /// A MoE layer's routing left on the backend because nothing waits for it mid-forward
@@ -184,12 +200,13 @@ impl<B: Backend> MoeLayer<B> {
         })
     }
 
-    /// The routed experts and the shared expert of `x` (`[rows, hidden]`), summed.
+    /// The routed experts and the shared expert of the layer's normed input `x` (`[rows,
+    /// hidden]`, given or formed from a residual add: [`MoeInput`]), summed.
     pub fn forward(
         &self,
         context: &MoeContext<'_, B>,
         index: usize,
-        x: &B::Tensor,
+        input: MoeInput<'_, B>,
         tally: &mut PhaseTotals,
         deferred: &mut Vec<DeferredRouting<B>>,
     ) -> Result<B::Tensor, EngineError> {
@@ -197,7 +214,10 @@ impl<B: Backend> MoeLayer<B> {
         let resident = self.resident_slots()?;
         let resident = resident.as_ref();
         let resident_table = resident.map(WithExpertSlotTable::slot_table);
-        let rows = backend.shape(x).0;
+        let rows = match &input {
+            MoeInput::Normed(x) => backend.shape(x).0,
+            MoeInput::AfterResidualAdd { delta, .. } => backend.shape(delta).0,
+        };
         let route = Route::choose(context, index, resident, rows);
         let executor_reads_hidden = match &route {
             Route::Executor => true,
@@ -206,13 +226,40 @@ impl<B: Backend> MoeLayer<B> {
                 .is_some_and(|plan| plan.executor_experts > 0),
             _ => false,
         };
-        let pending = backend.start_routing_by_router(
-            x,
-            &self.router,
+        let (k, normalize) = (
             context.common.num_experts_per_tok,
             context.normalize_routing,
-            executor_reads_hidden,
-        )?;
+        );
+        let normed_here;
+        let (x, pending) = match input {
+            MoeInput::Normed(x) => {
+                let pending = backend.start_routing_by_router(
+                    x,
+                    &self.router,
+                    k,
+                    normalize,
+                    executor_reads_hidden,
+                )?;
+                (x, pending)
+            }
+            MoeInput::AfterResidualAdd {
+                residual,
+                delta,
+                norm,
+            } => {
+                let (normed, pending) = backend.add_rms_norm_and_start_routing_by_router(
+                    residual,
+                    delta,
+                    norm,
+                    &self.router,
+                    k,
+                    normalize,
+                    executor_reads_hidden,
+                )?;
+                normed_here = normed;
+                (&normed_here, pending)
+            }
+        };
         // The workers start as soon as the routing is known: posted before the backend queues
         // its own experts.
         if let Route::BackendHandoff(handoff) = route {

@@ -42,6 +42,10 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
         "matmul_common.cuh",
         include_str!("../../../../../kernels/matmul_common.cuh"),
     ),
+    (
+        "norm_common.cuh",
+        include_str!("../../../../../kernels/norm_common.cuh"),
+    ),
 ];
 
 /// Every kernel file. A kernel added to a file must be listed here so the backend loads it and
@@ -177,7 +181,11 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "router",
         source: include_str!("../../../../../kernels/router.cu"),
-        functions: &["route_top_k", "route_decode_fused"],
+        functions: &[
+            "route_top_k",
+            "route_decode_fused",
+            "route_decode_add_norm_fused",
+        ],
     },
     KernelSource {
         name: "handoff",

@@ -12,6 +12,7 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
 use super::matmul::TwoInputs;
+use super::norm::{norm_groups, NORM_CACHED, NORM_THREADS};
 use super::router::{self, RouterInput};
 use super::{
     describe, driver_error, elementwise, CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache,
@@ -20,7 +21,8 @@ use super::{
 };
 use crate::backend::cuda::CudaError;
 use crate::backend::{
-    AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, Rotation, Routing, Segment,
+    AttentionSpec, Backend, DeltaRuleForm, DeltaRuleSpec, NormStyle, ResidualNorm, Rotation,
+    Routing, Segment,
 };
 use crate::error::EngineError;
 use crate::host_math::route_top_k_host;
@@ -337,6 +339,69 @@ impl Backend for CudaBackend {
         }
         let logits = self.matmul(x, router)?;
         self.start_routing(&logits, k, normalize, x, read_hidden)
+    }
+
+    fn add_rms_norm_and_start_routing_by_router(
+        &self,
+        x: &mut CudaTensor,
+        delta: &CudaTensor,
+        norm: ResidualNorm<'_, CudaWeight>,
+        router: &CudaWeight,
+        k: usize,
+        normalize: bool,
+        read_hidden: bool,
+    ) -> Result<(CudaTensor, CudaPendingRouting), EngineError> {
+        // One token, a one-group norm and f32 router weights: the add, the norm, the logits
+        // and the routing in one launch.
+        let hidden = delta.cols;
+        if let (WeightData::F32(router_weights), WeightData::F32(norm_weight)) =
+            (&router.data, &norm.weight.data)
+        {
+            if self.fused_router_counter.is_some()
+                && delta.rows == 1
+                && (x.rows, x.cols) == (delta.rows, delta.cols)
+                && norm.weight.rows * norm.weight.cols == hidden
+                && (1..=(NORM_THREADS * NORM_CACHED) as usize).contains(&hidden)
+                && router.cols == hidden
+                && (1..=router::ROUTER_MAX_EXPERTS).contains(&router.rows)
+                && (1..=router::ROUTER_MAX_TOP_K).contains(&k)
+            {
+                let _timer = self.op_timer("add_rms_norm_and_start_routing_by_router");
+                if self.note_kernel_choice(("route_decode_add_norm_fused", router.rows, k)) {
+                    tracing::info!(
+                        "router of {} experts, top-{k}: the residual add, its norm, logits and routing in one launch",
+                        router.rows
+                    );
+                }
+                let (_, _, _, offset) = norm_groups(delta, norm.weight, norm.style, "add_rms_norm")
+                    .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
+                let normed = self
+                    .output_uninit(1, hidden)
+                    .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
+                let input = RouterInput::AddNormRouter {
+                    residual: x,
+                    delta,
+                    norm_weight,
+                    eps: norm.eps,
+                    offset,
+                    normed: &normed,
+                    router: router_weights,
+                    experts: router.rows,
+                };
+                let pending = self
+                    .launch_routing_and_read_back(
+                        input,
+                        k,
+                        normalize,
+                        read_hidden.then_some(&normed),
+                    )
+                    .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
+                return Ok((normed, pending));
+            }
+        }
+        let normed = self.add_rms_norm(x, delta, norm.weight, norm.eps, norm.style)?;
+        let pending = self.start_routing_by_router(&normed, router, k, normalize, read_hidden)?;
+        Ok((normed, pending))
     }
 
     fn finish_routing(

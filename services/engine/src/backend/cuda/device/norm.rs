@@ -10,13 +10,16 @@ use super::super::CudaError;
 use super::{int, CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{NormStyle, Rotation};
 
-/// `NORM_THREADS` in `kernels/norm.cu`.
-const NORM_THREADS: u32 = 256;
+/// `NORM_THREADS` in `kernels/norm_common.cuh`.
+pub(super) const NORM_THREADS: u32 = 256;
+/// `NORM_CACHED` in `kernels/norm_common.cuh`: a row of at most `NORM_THREADS · NORM_CACHED`
+/// values stays in registers (the widest row the fused add + norm + router kernel takes).
+pub(super) const NORM_CACHED: u32 = 16;
 
 /// What the RMSNorm kernels take for `x` normed in groups of `weight`'s length: the group
 /// count (as a count and as the kernel's `long long`), the group length, and the offset
 /// `style` adds to the weight.
-fn norm_groups(
+pub(super) fn norm_groups(
     x: &CudaTensor,
     weight: &CudaWeight,
     style: NormStyle,
@@ -253,5 +256,6 @@ mod tests {
             i64::from(NORM_THREADS),
             kernel_define("norm", "NORM_THREADS")
         );
+        assert_eq!(i64::from(NORM_CACHED), kernel_define("norm", "NORM_CACHED"));
     }
 }

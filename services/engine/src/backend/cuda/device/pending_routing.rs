@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, DevicePtr, LaunchConfig};
 
+use super::norm::NORM_THREADS;
 use super::pinned_staging::{PinnedStaging, RoutingStagingPool};
 use super::readback::{decode_staged, staging_layout, HostValues, ReadBack, ReadBackShape};
 use super::router::{
@@ -287,6 +288,40 @@ impl CudaBackend {
                         let prefetch = self.weight_prefetch();
                         launch!(self, "route_decode_fused", config;
                         &*x.data, router, &mut *logits.data, counter, &mut ids_view,
+                        &mut *weights.data, &hidden_arg, &experts_arg, &k_arg, &normalize_arg,
+                        &mapped_ids, &mapped_weights, &mapped_hidden, &prefetch)
+                    }
+                    RouterInput::AddNormRouter {
+                        residual,
+                        delta,
+                        norm_weight,
+                        eps,
+                        offset,
+                        normed,
+                        router,
+                        ..
+                    } => {
+                        let counter = self.fused_router_counter.as_ref().ok_or_else(|| {
+                            CudaError::Invalid {
+                                problem: "the fused decode router has no counter".into(),
+                            }
+                        })?;
+                        // One warp per expert's logit, NORM_THREADS threads a block (the
+                        // norm's tree); the last block out stores the residual and routes.
+                        let mut logits = self.output_uninit(1, experts)?;
+                        let warps = NORM_THREADS / 32;
+                        let config = LaunchConfig {
+                            grid_dim: ((experts as u32).div_ceil(warps), 1, 1),
+                            block_dim: (NORM_THREADS, 1, 1),
+                            shared_mem_bytes: (normed.cols * std::mem::size_of::<f32>()) as u32,
+                        };
+                        let hidden_arg = int(normed.cols, "hidden width")?;
+                        let prefetch = self.weight_prefetch();
+                        // `normed` is written through its shared handle: a fresh buffer of
+                        // this stream that nothing reads before the launch.
+                        launch!(self, "route_decode_add_norm_fused", config;
+                        &mut *residual.data, &*delta.data, norm_weight, &eps, &offset,
+                        &*normed.data, router, &mut *logits.data, counter, &mut ids_view,
                         &mut *weights.data, &hidden_arg, &experts_arg, &k_arg, &normalize_arg,
                         &mapped_ids, &mapped_weights, &mapped_hidden, &prefetch)
                     }

@@ -21,13 +21,27 @@ pub(super) const ROUTER_MAX_TOP_K: usize = 32;
 /// logit each.
 pub(super) const ROUTER_FUSED_WARPS: u32 = 4;
 
-/// What the router kernel routes: logits computed before it (`route_top_k`, any batch), or one
+/// What the router kernel routes: logits computed before it (`route_top_k`, any batch), one
 /// token's hidden row and the f32 router weights, whose logits the same launch computes
-/// (`route_decode_fused`).
+/// (`route_decode_fused`), or the same with the residual add and RMSNorm that form the row
+/// before them in that launch (`route_decode_add_norm_fused`).
 pub(super) enum RouterInput<'a> {
     Logits(&'a CudaTensor),
     Router {
         x: &'a CudaTensor,
+        router: &'a CudaSlice<f32>,
+        experts: usize,
+    },
+    AddNormRouter {
+        /// The residual row; the launch adds `delta` to it.
+        residual: &'a mut CudaTensor,
+        delta: &'a CudaTensor,
+        norm_weight: &'a CudaSlice<f32>,
+        eps: f32,
+        /// What the norm's style adds to its weight (0 or 1).
+        offset: f32,
+        /// The normed row's buffer (`[1, hidden]`), which the launch fills.
+        normed: &'a CudaTensor,
         router: &'a CudaSlice<f32>,
         experts: usize,
     },
@@ -38,6 +52,7 @@ impl RouterInput<'_> {
         match self {
             RouterInput::Logits(logits) => (logits.rows, logits.cols),
             RouterInput::Router { x, experts, .. } => (x.rows, *experts),
+            RouterInput::AddNormRouter { delta, experts, .. } => (delta.rows, *experts),
         }
     }
 }

@@ -398,9 +398,9 @@ fn fused_decode_experts_give_the_bits_of_the_three_launches() {
 /// sequence (where it runs) and three (where it does not), through step graphs (the same ticket
 /// counter in every replay) and op by op.
 #[test]
-fn fused_decode_router_gives_the_bits_of_matmul_then_routing() {
+fn fused_decode_router_gives_the_bits_of_the_launches_it_replaces() {
     same_logits_with_and_without(
-        "fused_decode_router_gives_the_bits_of_matmul_then_routing",
+        "fused_decode_router_gives_the_bits_of_the_launches_it_replaces",
         |fused_decode_router| CudaOptions {
             fused_decode_router,
             ..CudaOptions::default()

@@ -107,7 +107,8 @@ pub struct CudaOptions {
     pub fused_decode_experts: bool,
     /// One token's router in one launch (`route_decode_fused`: every logit by the matmul
     /// kernel's warp body, then the last block out routes them as `route_top_k` does), for f32
-    /// router weights: the bits of the matmul and the routing launch it replaces. Off by
+    /// router weights, with the residual add and norm before it where the MoE layer follows
+    /// attention (`route_decode_add_norm_fused`): the bits of the launches it replaces. Off by
     /// default until a whole step measures it faster.
     pub fused_decode_router: bool,
     /// Decode attention over a bf16 cache in the kernels that spread a GQA group's q heads

@@ -135,14 +135,19 @@ fn sigterm_with_idle_http2_clients_stops_every_process_by_itself_within_two_seco
             .unwrap_or_else(|| panic!("no pid file for {label}"))
     };
     let children = [pid_of("gateway"), pid_of("engine"), pid_of("experts-0")];
-    // The engine is reached on a socket only this user may open.
+    // The engine is reached on sockets only this user may open: its gRPC API and its tokens.
     let engine_socket = runtime_dir.join("engine.sock");
-    let mode = std::os::unix::fs::PermissionsExt::mode(
-        &std::fs::metadata(&engine_socket)
-            .unwrap_or_else(|error| panic!("{}: {error}", engine_socket.display()))
-            .permissions(),
-    );
-    assert_eq!(mode & 0o777, 0o600, "engine socket mode {mode:o}");
+    for socket in [
+        engine_socket.clone(),
+        runtime_dir.join("engine.sock.tokens"),
+    ] {
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&socket)
+                .unwrap_or_else(|error| panic!("{}: {error}", socket.display()))
+                .permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600, "{} mode {mode:o}", socket.display());
+    }
     // Idle HTTP/2 clients: one on the gateway, one on the engine, each after one call.
     let tokio = tokio::runtime::Builder::new_current_thread()
         .enable_all()

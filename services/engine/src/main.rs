@@ -329,6 +329,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         images: ImageEncoding::for_artifact(&artifact)
             .context("reading the vision tower's settings")?
             .map(|images| Arc::new(images.on_device(tower_device))),
+        token_socket_path: ninfer_protocol::token_socket::path_beside(&args.listen),
     };
     tracing::info!(model = %args.model.display(), name = %model_name, listen = %args.listen, max_context, "engine ready");
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -782,7 +783,8 @@ async fn serve(
     control_secret: Option<String>,
 ) -> anyhow::Result<()> {
     use tonic::service::interceptor::InterceptedService;
-    let secret = ninfer_protocol::control_secret::RequireSecret::new(control_secret);
+    let service = Arc::new(service);
+    let secret = ninfer_protocol::control_secret::RequireSecret::new(control_secret.clone());
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<EngineServer<EngineService>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -793,17 +795,65 @@ async fn serve(
         .add_service(InterceptedService::new(health, secret.clone()))
         .add_service(InterceptedService::new(reflection, secret.clone()))
         .add_service(InterceptedService::new(
-            EngineServer::new(service)
+            EngineServer::from_arc(Arc::clone(&service))
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(256 << 20),
             secret,
         ));
-    ninfer_protocol::listen::serve(router, listen, async {
-        ninfer_protocol::listen::shutdown_signal().await;
-        tracing::info!("shutting down");
-    })
-    .await?;
+    // Bound before the gRPC socket, whose readiness the gateway waits for.
+    let token_socket = match service.token_socket_path.clone() {
+        Some(path) => Some((bind_token_socket(&path)?, path)),
+        None => None,
+    };
+    let stopping = tokio::sync::watch::channel(false);
+    let grpc = ninfer_protocol::listen::serve(router, listen, {
+        let stop = stopping.0.clone();
+        async move {
+            ninfer_protocol::listen::shutdown_signal().await;
+            tracing::info!("shutting down");
+            let _ = stop.send(true);
+        }
+    });
+    let Some((token_listener, token_path)) = token_socket else {
+        grpc.await?;
+        return Ok(());
+    };
+    // A gRPC server that fails to start or ends stops the token socket too.
+    let grpc = async move {
+        let served = grpc.await;
+        let _ = stopping.0.send(true);
+        served
+    };
+    let mut stopped = stopping.1;
+    let tokens = ninfer_protocol::token_socket::serve(
+        token_listener,
+        service,
+        control_secret,
+        async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        },
+        ninfer_protocol::listen::DRAIN_DEADLINE,
+    );
+    let (served, ()) = tokio::join!(grpc, tokens);
+    let _ = std::fs::remove_file(token_path);
+    served?;
     Ok(())
+}
+
+/// The token socket's listener at `path`, usable by its owner only, as the gRPC socket is.
+fn bind_token_socket(path: &str) -> anyhow::Result<tokio::net::UnixListener> {
+    // A socket file left by a killed predecessor would make bind fail.
+    let _ = std::fs::remove_file(path);
+    let previous = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let bound = tokio::net::UnixListener::bind(path);
+    nix::sys::stat::umask(previous);
+    let listener = bound.with_context(|| format!("listening on the token socket {path}"))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("restricting the token socket {path}"))?;
+    }
+    Ok(listener)
 }
 
 #[cfg(test)]

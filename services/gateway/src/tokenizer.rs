@@ -590,15 +590,19 @@ fn most_bytes_per_token(tokenizer: &Tokenizer, json: &[u8]) -> Option<usize> {
 /// Streams text out of a growing token sequence (the prefix/read offset scheme of TGI and vLLM):
 /// decode a short window before and after the newest tokens and emit only the difference, and only
 /// once it no longer ends in U+FFFD (an incomplete byte sequence). For byte-level vocabularies the
-/// window's bytes are joined into a buffer kept between tokens and read in place: no allocation
-/// per token but the delta's.
+/// window's bytes are kept between tokens and each token's bytes are looked up once, as it
+/// arrives (the table is megabytes, so every lookup is a cache miss): no allocation per token
+/// but the delta's.
 pub struct IncrementalDetokenizer {
     token_ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
     skip_special_tokens: bool,
-    /// The window's bytes (byte-level vocabularies), reused from token to token.
+    /// The bytes of `token_ids[prefix_offset..window_end]` (byte-level vocabularies).
     window_bytes: Vec<u8>,
+    window_end: usize,
+    /// Where the bytes of `token_ids[read_offset..]` begin in `window_bytes`.
+    read_byte: usize,
 }
 
 impl IncrementalDetokenizer {
@@ -609,6 +613,8 @@ impl IncrementalDetokenizer {
             read_offset: 0,
             skip_special_tokens,
             window_bytes: Vec::new(),
+            window_end: 0,
+            read_byte: 0,
         }
     }
 
@@ -621,8 +627,7 @@ impl IncrementalDetokenizer {
         self.token_ids.push(token_id);
         let delta = self.window_delta(tokenizer, true)?;
         if delta.is_some() {
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.token_ids.len();
+            self.emitted_to_the_end();
         }
         Ok(delta.unwrap_or_default())
     }
@@ -633,9 +638,16 @@ impl IncrementalDetokenizer {
             return Ok(String::new());
         }
         let delta = self.window_delta(tokenizer, false)?;
-        self.read_offset = self.token_ids.len();
-        self.prefix_offset = self.read_offset;
+        self.emitted_to_the_end();
         Ok(delta.unwrap_or_default())
+    }
+
+    /// Every token's text is out: the unread tokens become the next window's prefix.
+    fn emitted_to_the_end(&mut self) {
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.token_ids.len();
+        self.window_bytes.drain(..self.read_byte);
+        self.read_byte = self.window_bytes.len();
     }
 
     /// The text the tokens after the read offset add to the window's prefix, `None` when they add
@@ -645,16 +657,24 @@ impl IncrementalDetokenizer {
         tokenizer: &ModelTokenizer,
         complete_only: bool,
     ) -> Result<Option<String>, GatewayError> {
-        let prefix_ids = &self.token_ids[self.prefix_offset..self.read_offset];
-        let new_ids = &self.token_ids[self.read_offset..];
-        self.window_bytes.clear();
-        if tokenizer.decode_bytes(prefix_ids, self.skip_special_tokens, &mut self.window_bytes)? {
-            let prefix_end = self.window_bytes.len();
-            tokenizer.decode_bytes(new_ids, self.skip_special_tokens, &mut self.window_bytes)?;
+        let unseen_ids = &self.token_ids[self.window_end..];
+        if tokenizer.decode_bytes(unseen_ids, self.skip_special_tokens, &mut self.window_bytes)? {
+            self.window_end = self.token_ids.len();
+            let prefix_end = self.read_byte;
+            // Valid UTF-8 (nearly always): the prefix is valid too where it ends on a character
+            // boundary, and the lossy reading of either is itself.
+            if let Ok(whole) = std::str::from_utf8(&self.window_bytes) {
+                if whole.is_char_boundary(prefix_end) {
+                    return Ok(
+                        text_delta(&whole[..prefix_end], whole, complete_only).map(str::to_string)
+                    );
+                }
+            }
             let prefix_text = String::from_utf8_lossy(&self.window_bytes[..prefix_end]);
             let new_text = String::from_utf8_lossy(&self.window_bytes);
             return Ok(text_delta(&prefix_text, &new_text, complete_only).map(str::to_string));
         }
+        let prefix_ids = &self.token_ids[self.prefix_offset..self.read_offset];
         let prefix_text = tokenizer.decode(prefix_ids, self.skip_special_tokens)?;
         let new_text = tokenizer.decode(
             &self.token_ids[self.prefix_offset..],

@@ -84,6 +84,9 @@ pub struct EngineService {
     pub guidance: Arc<GuidanceCache>,
     /// How a prompt's images become embeddings; `None`: the model has no vision tower.
     pub images: Option<Arc<images::ImageEncoding>>,
+    /// The unix socket `Generate` is also served on (`ninfer_protocol::token_socket`); `None`
+    /// for an engine on TCP.
+    pub token_socket_path: Option<String>,
 }
 
 /// Times a device-to-device copy on the GPU: bytes per second, or why not.
@@ -490,6 +493,7 @@ impl Engine for EngineService {
             engine_instance_id: self.instance_id.clone(),
             model_files_digest: self.files_digest(),
             created_unix_seconds: self.created_unix_seconds,
+            token_socket_path: self.token_socket_path.clone().unwrap_or_default(),
         }))
     }
 

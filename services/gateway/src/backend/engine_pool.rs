@@ -94,6 +94,8 @@ pub struct EnginePool {
     resume_counters: Arc<ResumeCounters>,
     /// Per engine: wakes its monitor for a poll now (a request found the engine gone).
     poll_now: Arc<[Arc<Notify>]>,
+    /// Sent with every call on an engine's token socket, as with every gRPC call.
+    control_secret: Option<Arc<str>>,
 }
 
 /// A lazily connecting channel to `unix:PATH` or `HOST:PORT` (optionally with a scheme): the
@@ -193,6 +195,7 @@ impl EnginePool {
             resume_timeout: options.resume_timeout,
             resume_counters: Arc::new(ResumeCounters::default()),
             poll_now,
+            control_secret: options.control_secret.as_deref().map(Arc::from),
         })
     }
 
@@ -248,11 +251,25 @@ impl EnginePool {
         let busy_deadline = tokio::time::Instant::now() + pool.queue_timeout;
         loop {
             let lease = pool.acquire(&request.model_name).await?;
-            let mut client = lease.client.clone();
-            match client.generate(request.clone()).await {
-                Ok(response) => {
+            let started = match lease.token_socket.as_deref() {
+                Some(path) => {
+                    let secret = pool.control_secret.as_deref();
+                    ninfer_protocol::token_socket::generate(path, secret, &request)
+                        .await
+                        .map(EngineTokens::Socket)
+                }
+                None => {
+                    let mut client = lease.client.clone();
+                    client
+                        .generate(request.clone())
+                        .await
+                        .map(|response| EngineTokens::Grpc(response.into_inner()))
+                }
+            };
+            match started {
+                Ok(tokens) => {
                     return Ok(EngineTokenStream {
-                        inner: Some(response.into_inner()),
+                        inner: Some(tokens),
                         finished: false,
                         ended: false,
                         request_id: request.request_id.clone(),
@@ -349,10 +366,30 @@ impl GenerationBackend for EnginePool {
     }
 }
 
+/// The tokens of one engine call, over gRPC or the engine's token socket.
+enum EngineTokens {
+    Grpc(tonic::Streaming<GeneratedToken>),
+    Socket(ninfer_protocol::token_socket::TokenSocketStream),
+}
+
+impl Stream for EngineTokens {
+    type Item = Result<GeneratedToken, tonic::Status>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Self::Item>> {
+        match self.get_mut() {
+            EngineTokens::Grpc(tokens) => tokens.poll_next_unpin(context),
+            EngineTokens::Socket(tokens) => tokens.poll_next_unpin(context),
+        }
+    }
+}
+
 /// Token stream of one engine call; cancels the sequence on the engine if dropped early.
 pub struct EngineTokenStream {
     /// `None` once handed to the task that reads its end (see `Drop`).
-    inner: Option<tonic::Streaming<GeneratedToken>>,
+    inner: Option<EngineTokens>,
     /// The last token (or an error) arrived.
     finished: bool,
     /// The HTTP/2 stream itself ended (trailers read).
@@ -404,7 +441,8 @@ impl Drop for EngineTokenStream {
             // than reset the stream. Frames arriving on streams the client reset count against
             // HTTP/2's limit of such resets, and past it the whole engine connection is torn
             // down, failing every generation on it.
-            if let (false, Some(mut inner)) = (self.ended, self.inner.take()) {
+            // A token socket's connection has no such limit: it just closes.
+            if let (false, Some(EngineTokens::Grpc(mut inner))) = (self.ended, self.inner.take()) {
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                     runtime.spawn(async move {
                         let _ = tokio::time::timeout(Duration::from_secs(5), async move {

@@ -116,10 +116,21 @@ pub(super) struct EngineSlot {
     pub(super) last_error: Option<String>,
 }
 
+impl EngineSlot {
+    /// The engine's token socket: only for an engine reached over a unix socket, which puts it
+    /// on this machine (a path reported by an engine on TCP may name a file elsewhere).
+    fn token_socket(&self) -> Option<String> {
+        let path = &self.info.as_ref()?.token_socket_path;
+        (self.address.starts_with("unix:") && !path.is_empty()).then(|| path.clone())
+    }
+}
+
 /// The right to send one request to one engine; dropping it tells the actor the request ended.
 pub struct EngineLease {
     pub(super) engine_index: usize,
     pub(super) client: EngineRpc,
+    /// Where the engine serves its token socket, when the gateway may use it.
+    pub(super) token_socket: Option<String>,
     pub(super) commands: mpsc::UnboundedSender<PoolCommand>,
 }
 
@@ -324,15 +335,16 @@ impl PoolActor {
                     .unwrap_or(0);
                 slot.in_flight_requests + engine_queue
             })
-            .map(|(engine_index, slot)| (engine_index, slot.client.clone()));
+            .map(|(engine_index, slot)| (engine_index, slot.client.clone(), slot.token_socket()));
         match best {
-            Some((engine_index, client)) => {
+            Some((engine_index, client, token_socket)) => {
                 if let Some(slot) = self.slots.get_mut(engine_index) {
                     slot.in_flight_requests += 1;
                 }
                 Pick::Leased(EngineLease {
                     engine_index,
                     client,
+                    token_socket,
                     commands: self.snapshot_commands(),
                 })
             }

@@ -49,6 +49,8 @@ pub struct EngineScript {
     pub vision: AtomicBool,
     /// The video processor settings the engine reports with them (empty: none).
     pub video_preprocessor_config_json: Mutex<String>,
+    /// The token socket `GetModelInfo` reports (empty: none).
+    pub token_socket_path: Mutex<String>,
 }
 
 impl Default for EngineScript {
@@ -68,6 +70,7 @@ impl Default for EngineScript {
             instance_id: Mutex::new("instance-1".to_string()),
             vision: AtomicBool::new(false),
             video_preprocessor_config_json: Mutex::new(String::new()),
+            token_socket_path: Mutex::new(String::new()),
         }
     }
 }
@@ -303,6 +306,12 @@ impl Engine for ScriptedEngine {
                 .clone(),
             model_files_digest: "digest-1".to_string(),
             created_unix_seconds: 1_700_000_000,
+            token_socket_path: self
+                .script
+                .token_socket_path
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
         }))
     }
 
@@ -511,6 +520,15 @@ impl Default for GatewayOptions {
 
 impl RunningGateway {
     pub async fn start(engines: &[SocketAddr], options: GatewayOptions) -> RunningGateway {
+        let addresses: Vec<String> = engines.iter().map(|a| a.to_string()).collect();
+        Self::start_with_engine_addresses(&addresses, options).await
+    }
+
+    /// A gateway for engines at `addresses` as `--engine` takes them (`unix:PATH` or `HOST:PORT`).
+    pub async fn start_with_engine_addresses(
+        addresses: &[String],
+        options: GatewayOptions,
+    ) -> RunningGateway {
         let routing_stats =
             RoutingStatsHandle::start(options.state_dir.clone(), Duration::from_millis(100))
                 .unwrap_or_else(|e| panic!("stats: {e}"));
@@ -521,8 +539,7 @@ impl RunningGateway {
             routing_statistics_interval_ms: 50,
             ..Default::default()
         };
-        let addresses: Vec<String> = engines.iter().map(|a| a.to_string()).collect();
-        let pool = EnginePool::start(&addresses, pool_options, Some(routing_stats.clone()))
+        let pool = EnginePool::start(addresses, pool_options, Some(routing_stats.clone()))
             .unwrap_or_else(|e| panic!("pool: {e}"));
         let settings = GatewaySettings {
             api_key: options.api_key,

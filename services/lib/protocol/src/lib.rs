@@ -16,6 +16,7 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("ninfer_descriptor");
 
 pub mod sd_notify;
+pub mod token_socket;
 
 /// The shared secret a control API (engine, expert worker) asks of its callers when it listens
 /// on TCP, where any local user (or host) could reach it: `authorization: Bearer SECRET` on

@@ -122,16 +122,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* delta, const floa
         float* in = x + g * group;
         const float* d = delta + g * group;
         float cached[NORM_CACHED];
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NORM_CACHED; ++j) {
-            int i = threadIdx.x + j * NORM_THREADS;
-            cached[j] = i < group ? in[i] + d[i] : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < NORM_CACHED; ++j) {
-            if (threadIdx.x + j * NORM_THREADS < group) sum += cached[j] * cached[j];
-        }
+        float sum = add_into_registers(in, d, group, cached);
         for (int i = threadIdx.x + NORM_CACHED * NORM_THREADS; i < group; i += NORM_THREADS) {
             float v = in[i] + d[i];
             in[i] = v;

@@ -22,3 +22,21 @@ __device__ float block_sum(float value) {
     __syncthreads();  // partial is reused by the next call
     return total;
 }
+
+// x + delta of a group's first NORM_THREADS · NORM_CACHED values into `cached` (thread t holds
+// t + j · NORM_THREADS; 0 past the group) and the sum of their squares, every load issued before
+// the first is used: the first pass of `add_rms_norm`, and of the kernels that fold it in.
+__device__ __forceinline__ float add_into_registers(const float* x, const float* delta, int group,
+                                                   float (&cached)[NORM_CACHED]) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        cached[j] = i < group ? x[i] + delta[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        if (threadIdx.x + j * NORM_THREADS < group) sum += cached[j] * cached[j];
+    }
+    return sum;
+}

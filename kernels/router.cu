@@ -184,6 +184,37 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
               chosen_probability, lane);
 }
 
+// Whether this block is the last of the grid to get here: a ticket on `counter` once the block's
+// stores are done (every thread of the block calls it; the last block then sees every block's
+// stores).
+__device__ __forceinline__ bool last_block_out(unsigned int* counter) {
+    __shared__ bool last_block;
+    __syncthreads();  // the block's stores done
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last_block) __threadfence();
+    return last_block;
+}
+
+// The last block out routes every block's logits (read from L2, never from this
+// multiprocessor's L1) with `route_row`, then sets the ticket counter back to 0.
+__device__ __forceinline__ void route_every_blocks_logits(
+    const float* logits, unsigned int* counter, unsigned int* expert_ids, float* weights,
+    int experts, int k, int normalize, unsigned int* mapped_ids, float* mapped_weights) {
+    __shared__ float row[ROUTER_MAX_EXPERTS];
+    __shared__ float chosen_probability[ROUTER_MAX_TOP_K];
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) row[e] = __ldcg(logits + e);
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x % 32;
+    route_row(row, expert_ids, weights, 0, experts, k, normalize, mapped_ids, mapped_weights,
+              chosen_probability, lane);
+    if (lane == 0) *counter = 0u;
+}
+
 // Decode of one token: the router's f32 logits and their routing in one launch, instead of
 // `matmul` then `route_top_k` (two launches and a round trip of the logits between them, ~8 µs
 // at Qwen3-30B-A3B's shapes for 1 MB of weights). Each warp computes one logit with `matmul`'s
@@ -203,9 +234,6 @@ extern "C" __global__ void route_decode_fused(const float* x, const float* route
                                               int prefetch) {
     PDL_L2_PREFETCH(prefetch, prefetch_feature_group(router, 1, hidden, experts, 1, warp_task()));
     PDL_WAIT_AND_RELEASE();
-    __shared__ float row[ROUTER_MAX_EXPERTS];
-    __shared__ float chosen_probability[ROUTER_MAX_TOP_K];
-    __shared__ bool last_block;
     int lane = threadIdx.x % 32;
     long long expert = warp_task();
     if (expert < experts)
@@ -215,21 +243,9 @@ extern "C" __global__ void route_decode_fused(const float* x, const float* route
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < hidden; i += gridDim.x * blockDim.x)
             mapped_hidden[i] = x[i];
     }
-    __syncthreads();  // the block's logits stored
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();
-    // Every block's logits, from L2 (never from this multiprocessor's L1).
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) row[e] = __ldcg(logits + e);
-    __syncthreads();
-    if (threadIdx.x >= 32) return;
-    route_row(row, expert_ids, weights, 0, experts, k, normalize, mapped_ids, mapped_weights,
-              chosen_probability, lane);
-    if (lane == 0) *counter = 0u;
+    if (!last_block_out(counter)) return;
+    route_every_blocks_logits(logits, counter, expert_ids, weights, experts, k, normalize,
+                              mapped_ids, mapped_weights);
 }
 
 // `route_decode_fused` with the residual add and RMSNorm before it in the same launch (decode
@@ -252,21 +268,9 @@ extern "C" __global__ void route_decode_add_norm_fused(
     PDL_L2_PREFETCH(prefetch, prefetch_feature_group(router, 1, hidden, experts, 1, warp_task()));
     PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) float normed_row[];
-    __shared__ float row[ROUTER_MAX_EXPERTS];
-    __shared__ float chosen_probability[ROUTER_MAX_TOP_K];
-    __shared__ bool last_block;
     int lane = threadIdx.x % 32;
     float cached[NORM_CACHED];
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NORM_CACHED; ++j) {
-        int i = threadIdx.x + j * NORM_THREADS;
-        cached[j] = i < hidden ? residual[i] + delta[i] : 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < NORM_CACHED; ++j) {
-        if (threadIdx.x + j * NORM_THREADS < hidden) sum += cached[j] * cached[j];
-    }
+    float sum = add_into_registers(residual, delta, hidden, cached);
     float inverse = rsqrtf(block_sum(sum) / (float)hidden + eps);
 #pragma unroll
     for (int j = 0; j < NORM_CACHED; ++j) {
@@ -283,24 +287,13 @@ extern "C" __global__ void route_decode_add_norm_fused(
     if (expert < experts)
         matmul_output<float, 1, 1>(PlainRows{normed_row, hidden}, router, logits, 1, hidden,
                                    experts, (int)expert, 0, lane);
-    __syncthreads();  // the block's logits stored, its reads of the residual done
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();
-    // Every block has read the residual: it takes the sum now.
+    // Past the ticket every block has stored its logits and read the residual.
+    if (!last_block_out(counter)) return;
 #pragma unroll
     for (int j = 0; j < NORM_CACHED; ++j) {
         int i = threadIdx.x + j * NORM_THREADS;
         if (i < hidden) residual[i] = cached[j];
     }
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) row[e] = __ldcg(logits + e);
-    __syncthreads();
-    if (threadIdx.x >= 32) return;
-    route_row(row, expert_ids, weights, 0, experts, k, normalize, mapped_ids, mapped_weights,
-              chosen_probability, lane);
-    if (lane == 0) *counter = 0u;
+    route_every_blocks_logits(logits, counter, expert_ids, weights, experts, k, normalize,
+                              mapped_ids, mapped_weights);
 }

@@ -54,6 +54,18 @@ def module(kernel_dir, name, defines=(), replacements=(), append=""):
     return cp.RawModule(code=source, options=options, backend="nvrtc")
 
 
+def kernel_define(kernel_dir, file_name, name):
+    """The integer a kernel file (or header) `#define`s for `name`, as the launches must use it."""
+    with open(os.path.join(kernel_dir, file_name)) as f:
+        return next(int(line.split()[2]) for line in f if line.startswith("#define %s " % name))
+
+
+def router_weight_copies(rng):
+    """f32 router weights ([EXPERTS, HIDDEN]) and enough copies of them to rotate past L2."""
+    host_w = rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * 0.02
+    return host_w, [cp.asarray(host_w) for _ in range(copies_for(host_w.nbytes))]
+
+
 def raw_kernel(kernel_dir, name, function, defines=()):
     """One kernel of `kernels/NAME.cu` as a CuPy RawKernel (which, unlike a module's function,
     takes more than 48 KB of dynamic shared memory)."""
@@ -283,14 +295,10 @@ class Bench:
         route = router_mod.get_function("route_top_k")
         fused = router_mod.get_function("route_decode_fused")
         rng = np.random.default_rng(9)
-        host_w = rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * 0.02
-        copies = copies_for(host_w.nbytes)
-        weights_copies = [cp.asarray(host_w) for _ in range(copies)]
+        host_w, weights_copies = router_weight_copies(rng)
         null = np.uint64(0)
         # The kernel's block of ROUTER_FUSED_WARPS warps, one logit each.
-        with open(os.path.join(kernel_dir, "router.cu")) as f:
-            warps = next(int(line.split()[2]) for line in f
-                         if line.startswith("#define ROUTER_FUSED_WARPS"))
+        warps = kernel_define(kernel_dir, "router.cu", "ROUTER_FUSED_WARPS")
         fused_grid = (-(-EXPERTS // warps),)
         for trial in range(3):
             x = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
@@ -343,14 +351,11 @@ class Bench:
         fused = router_mod.get_function("route_decode_fused")
         together_kernel = router_mod.get_function("route_decode_add_norm_fused")
         rng = np.random.default_rng(11)
-        host_w = rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * 0.02
-        copies = copies_for(host_w.nbytes)
-        weights_copies = [cp.asarray(host_w) for _ in range(copies)]
+        host_w, weights_copies = router_weight_copies(rng)
         null = np.uint64(0)
-        with open(os.path.join(kernel_dir, "router.cu")) as f:
-            warps = next(int(line.split()[2]) for line in f
-                         if line.startswith("#define ROUTER_FUSED_WARPS"))
-        norm_threads = 256  # NORM_THREADS: the fused kernel's block, one logit per warp
+        warps = kernel_define(kernel_dir, "router.cu", "ROUTER_FUSED_WARPS")
+        # The fused kernel's block is the norm's, one logit per warp.
+        norm_threads = kernel_define(kernel_dir, "norm_common.cuh", "NORM_THREADS")
         eps = np.float32(1e-6)
         for trial, offset in enumerate((0.0, 1.0, 0.0)):
             offset = np.float32(offset)
@@ -367,7 +372,7 @@ class Bench:
 
             def separate(w):
                 def launch():
-                    add_norm((1,), (256,), (residual[0], delta, norm_w, normed[0], np.int64(1),
+                    add_norm((1,), (norm_threads,), (residual[0], delta, norm_w, normed[0], np.int64(1),
                                             np.int32(HIDDEN), eps, offset))
                     fused((-(-EXPERTS // warps),), (32 * warps,),
                           (normed[0], w, logits[0], counters[0], ids[0], chosen[0], np.int32(HIDDEN),

@@ -312,30 +312,22 @@ impl Backend for CudaBackend {
         read_hidden: bool,
     ) -> Result<CudaPendingRouting, EngineError> {
         // One token, f32 router weights the kernel takes: logits and routing in one launch.
-        if let WeightData::F32(weights) = &router.data {
-            if self.fused_router_counter.is_some()
-                && x.rows == 1
-                && router.cols == x.cols
-                && x.cols > 0
-                && (1..=router::ROUTER_MAX_EXPERTS).contains(&router.rows)
-                && (1..=router::ROUTER_MAX_TOP_K).contains(&k)
-            {
-                let _timer = self.op_timer("start_routing_by_router");
-                if self.note_kernel_choice(("route_decode_fused", router.rows, k)) {
-                    tracing::info!(
-                        "router of {} experts, top-{k}: logits and routing in one launch",
-                        router.rows
-                    );
-                }
-                let input = RouterInput::Router {
-                    x,
-                    router: weights,
-                    experts: router.rows,
-                };
-                return self
-                    .launch_routing_and_read_back(input, k, normalize, read_hidden.then_some(x))
-                    .map_err(device("start_routing_by_router"));
+        if let Some(weights) = self.fused_router_weights(router, x.rows, x.cols, k) {
+            let _timer = self.op_timer("start_routing_by_router");
+            if self.note_kernel_choice(("route_decode_fused", router.rows, k)) {
+                tracing::info!(
+                    "router of {} experts, top-{k}: logits and routing in one launch",
+                    router.rows
+                );
             }
+            let input = RouterInput::Router {
+                x,
+                router: weights,
+                experts: router.rows,
+            };
+            return self
+                .launch_routing_and_read_back(input, k, normalize, read_hidden.then_some(x))
+                .map_err(device("start_routing_by_router"));
         }
         let logits = self.matmul(x, router)?;
         self.start_routing(&logits, k, normalize, x, read_hidden)
@@ -354,17 +346,13 @@ impl Backend for CudaBackend {
         // One token, a one-group norm and f32 router weights: the add, the norm, the logits
         // and the routing in one launch.
         let hidden = delta.cols;
-        if let (WeightData::F32(router_weights), WeightData::F32(norm_weight)) =
-            (&router.data, &norm.weight.data)
-        {
-            if self.fused_router_counter.is_some()
-                && delta.rows == 1
-                && (x.rows, x.cols) == (delta.rows, delta.cols)
+        if let (Some(router_weights), WeightData::F32(norm_weight)) = (
+            self.fused_router_weights(router, delta.rows, hidden, k),
+            &norm.weight.data,
+        ) {
+            if (x.rows, x.cols) == (delta.rows, delta.cols)
                 && norm.weight.rows * norm.weight.cols == hidden
-                && (1..=(NORM_THREADS * NORM_CACHED) as usize).contains(&hidden)
-                && router.cols == hidden
-                && (1..=router::ROUTER_MAX_EXPERTS).contains(&router.rows)
-                && (1..=router::ROUTER_MAX_TOP_K).contains(&k)
+                && hidden <= (NORM_THREADS * NORM_CACHED) as usize
             {
                 let _timer = self.op_timer("add_rms_norm_and_start_routing_by_router");
                 if self.note_kernel_choice(("route_decode_add_norm_fused", router.rows, k)) {

@@ -7,7 +7,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{CudaBackend, CudaTensor};
+use super::{CudaBackend, CudaTensor, CudaWeight, WeightData};
 use crate::backend::cuda::CudaError;
 use crate::backend::Routing;
 
@@ -58,6 +58,28 @@ impl RouterInput<'_> {
 }
 
 impl CudaBackend {
+    /// The router's f32 weights when the one-launch decode router takes `rows` token(s) of
+    /// `hidden` values routed to `k` of the router's experts (the option on, one token, a router
+    /// as wide as the row, experts and k within the kernel's limits); `None`: the separate launches.
+    pub(super) fn fused_router_weights<'w>(
+        &self,
+        router: &'w CudaWeight,
+        rows: usize,
+        hidden: usize,
+        k: usize,
+    ) -> Option<&'w CudaSlice<f32>> {
+        let WeightData::F32(weights) = &router.data else {
+            return None;
+        };
+        (self.fused_router_counter.is_some()
+            && rows == 1
+            && hidden > 0
+            && router.cols == hidden
+            && (1..=ROUTER_MAX_EXPERTS).contains(&router.rows)
+            && (1..=ROUTER_MAX_TOP_K).contains(&k))
+        .then_some(weights)
+    }
+
     /// Routing of every row of `logits` (`[tokens, experts]`) computed on the GPU.
     pub(super) fn route_top_k_on_device(
         &self,

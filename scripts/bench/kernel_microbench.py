@@ -468,7 +468,7 @@ class Bench:
     # -- decode attention with the group's heads across lanes ---------------------------------
 
     def decode_attention(self, kernel_dir, heads, kv_heads, hd, context,
-                         variants=((8192, 4), (8192, 8), (16384, 8)), chunk_factors=(1, 2),
+                         variants=((8192, 4), (8192, 8), (16384, 8)), chunk_factors=(1, 2, 4),
                          mma_variants=((16, 4), (16, 2), (32, 2)), mma_chunk_factors=(1,),
                          mma_merge_variants=((16, 4), (16, 2))):
         """`attention_decode_bf16_HD_DPL` (attention_decode.cu) against `attention_split_bf16` at

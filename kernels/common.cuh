@@ -98,3 +98,18 @@ __device__ __forceinline__ void prefetch_l2_span(const void* base, long long byt
     for (long long offset = (long long)lane * 128; offset < bytes; offset += (long long)lanes * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(at + offset));
 }
+
+// Whether this block is the last of the grid to get here: a ticket on `counter` once the block's
+// stores are done (every thread of the block calls it; the last block then sees every block's
+// stores).
+__device__ __forceinline__ bool last_block_out(unsigned int* counter) {
+    __shared__ bool last_block;
+    __syncthreads();  // the block's stores done
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last_block) __threadfence();
+    return last_block;
+}

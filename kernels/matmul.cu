@@ -20,6 +20,7 @@
 
 #include "common.cuh"
 #include "matmul_common.cuh"
+#include "norm_common.cuh"
 
 // `prefetch` (0 or 1): ask L2 for the warp's weights before the PDL wait (decode).
 extern "C" __global__ void matmul(const float* x, const float* w, float* out, int n, int k, int m,
@@ -71,6 +72,29 @@ __device__ __forceinline__ void prefetch_matmul3_group(const unsigned short* w0,
         prefetch_feature_group(w2, n, k, m2, cols, group - g0 - g1);
 }
 
+// Warp task `task` of three projections of the rows `x` gives (matmul3_bf16's grid: feature
+// groups of the three matrices, then row groups); whole warps past the last task do nothing.
+template <typename X>
+__device__ __forceinline__ void matmul3_task(const X& x, const unsigned short* w0,
+                                             const unsigned short* w1, const unsigned short* w2,
+                                             float* out0, float* out1, float* out2, int n, int k,
+                                             int m0, int m1, int m2, int cols, long long task) {
+    long long groups = (n + ROWS - 1) / ROWS;
+    int g0 = (m0 + cols - 1) / cols, g1 = (m1 + cols - 1) / cols, g2 = (m2 + cols - 1) / cols;
+    int total = g0 + g1 + g2;
+    if (task >= groups * total) return;  // whole warps leave together
+    int column_group = (int)(task % total);
+    int r0 = (int)(task / total) * ROWS;
+    int lane = threadIdx.x % 32;
+    if (column_group < g0) {
+        matmul_task(x, w0, out0, n, k, m0, cols, column_group * cols, r0, lane);
+    } else if (column_group < g0 + g1) {
+        matmul_task(x, w1, out1, n, k, m1, cols, (column_group - g0) * cols, r0, lane);
+    } else {
+        matmul_task(x, w2, out2, n, k, m2, cols, (column_group - g0 - g1) * cols, r0, lane);
+    }
+}
+
 // Three projections of one input in one launch (an attention layer's q, k and v at decode):
 // out_i[n, m_i] = x · w_iᵀ, each output computed exactly as `matmul_bf16` computes it (the same
 // warp body), so the values equal three launches'. A matrix with m_i = 0 is skipped. Feature
@@ -82,22 +106,49 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
     PDL_L2_PREFETCH(prefetch, prefetch_matmul3_group(w0, w1, w2, n, k, m0, m1, m2, cols,
                                                      warp_task()));
     PDL_WAIT_AND_RELEASE();
-    int warps_per_block = blockDim.x / 32;
-    long long task = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
-    long long groups = (n + ROWS - 1) / ROWS;
-    int g0 = (m0 + cols - 1) / cols, g1 = (m1 + cols - 1) / cols, g2 = (m2 + cols - 1) / cols;
-    int total = g0 + g1 + g2;
-    if (task >= groups * total) return;  // whole warps leave together
-    int column_group = (int)(task % total);
-    int r0 = (int)(task / total) * ROWS;
-    int lane = threadIdx.x % 32;
-    if (column_group < g0) {
-        matmul_task(PlainRows{x, k}, w0, out0, n, k, m0, cols, column_group * cols, r0, lane);
-    } else if (column_group < g0 + g1) {
-        matmul_task(PlainRows{x, k}, w1, out1, n, k, m1, cols, (column_group - g0) * cols, r0, lane);
-    } else {
-        matmul_task(PlainRows{x, k}, w2, out2, n, k, m2, cols, (column_group - g0 - g1) * cols, r0, lane);
+    matmul3_task(PlainRows{x, k}, w0, w1, w2, out0, out1, out2, n, k, m0, m1, m2, cols,
+                 warp_task());
+}
+
+// `matmul3_bf16` of one token with the residual add and RMSNorm before it in the same launch
+// (decode, the layer after a feed-forward): residual += delta, x = the norm of it as
+// `add_rms_norm` computes it, then x's three projections, instead of `add_rms_norm` then
+// `matmul3_bf16`. Every block forms the whole normed row in shared memory with `add_rms_norm`'s
+// threads and tree (norm_common.cuh), so every block has the norm's bits, and its warps take
+// matmul3_bf16's tasks over that row (the same warp body: the same bits). The normed row itself
+// is not stored: the projections are its only reader. The last block out, once every block has
+// read the residual, stores residual + delta and sets the ticket counter back to 0.
+//
+// Grid: matmul3_bf16's at n = 1, blocks of NORM_THREADS threads; dynamic shared memory k floats;
+// k ≤ NORM_THREADS · NORM_CACHED (the values stay in registers).
+extern "C" __global__ void add_norm_matmul3_bf16(
+    float* residual, const float* delta, const float* norm_weight, float eps, float offset,
+    const unsigned short* w0, const unsigned short* w1, const unsigned short* w2, float* out0,
+    float* out1, float* out2, unsigned int* counter, int k, int m0, int m1, int m2, int cols,
+    int prefetch) {
+    PDL_L2_PREFETCH(prefetch, prefetch_matmul3_group(w0, w1, w2, 1, k, m0, m1, m2, cols,
+                                                     warp_task()));
+    PDL_WAIT_AND_RELEASE();
+    extern __shared__ __align__(16) float normed_row[];
+    float cached[NORM_CACHED];
+    float sum = add_into_registers(residual, delta, k, cached);
+    float inverse = rsqrtf(block_sum(sum) / (float)k + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        if (i < k) normed_row[i] = cached[j] * inverse * (offset + norm_weight[i]);
     }
+    __syncthreads();  // the normed row complete
+    matmul3_task(PlainRows{normed_row, k}, w0, w1, w2, out0, out1, out2, 1, k, m0, m1, m2, cols,
+                 warp_task());
+    // Past the ticket every block has read the residual.
+    if (!last_block_out(counter)) return;
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        if (i < k) residual[i] = cached[j];
+    }
+    if (threadIdx.x == 0) *counter = 0;
 }
 
 // out[i] = bf16(x[i]) for the cuBLAS path's activations. One thread per element, grid-stride.

@@ -184,21 +184,6 @@ extern "C" __global__ void route_top_k(const float* logits, unsigned int* expert
               chosen_probability, lane);
 }
 
-// Whether this block is the last of the grid to get here: a ticket on `counter` once the block's
-// stores are done (every thread of the block calls it; the last block then sees every block's
-// stores).
-__device__ __forceinline__ bool last_block_out(unsigned int* counter) {
-    __shared__ bool last_block;
-    __syncthreads();  // the block's stores done
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (last_block) __threadfence();
-    return last_block;
-}
-
 // The last block out routes every block's logits (read from L2, never from this
 // multiprocessor's L1) with `route_row`, then sets the ticket counter back to 0.
 __device__ __forceinline__ void route_every_blocks_logits(

@@ -256,6 +256,68 @@ class Bench:
                 self.same_bits("add_rms_norm out n=%d" % n, outputs[n][1], baseline[n][1])
         return outputs
 
+    def add_norm_matmul3_fused(self, kernel_dir):
+        """One token after a feed-forward: `add_rms_norm` then `matmul3_bf16` (the next layer's
+        q, k and v), against `add_norm_matmul3_bf16` (the add, the norm and the three projections
+        in one launch); the residual and the projections must keep their bits, for both norm
+        styles."""
+        norm_mod = module(kernel_dir, "norm")
+        matmul_mod = module(kernel_dir, "matmul")
+        add_norm = norm_mod.get_function("add_rms_norm")
+        matmul3 = matmul_mod.get_function("matmul3_bf16")
+        together_kernel = matmul_mod.get_function("add_norm_matmul3_bf16")
+        norm_threads = kernel_define(kernel_dir, "norm_common.cuh", "NORM_THREADS")
+        ms = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+        cols = 1  # the engine's features per warp at one row (matmul_columns_per_warp)
+        grid = (-(-sum(-(-m // cols) for m in ms) // (norm_threads // 32)),)
+        rng = np.random.default_rng(13)
+        host_w = [bf16(rng.standard_normal((m, HIDDEN), dtype=np.float32) * 0.02) for m in ms]
+        weight_copies = [[cp.asarray(w) for w in host_w]
+                         for _ in range(copies_for(sum(w.nbytes for w in host_w)))]
+        eps = np.float32(1e-6)
+        for trial, offset in enumerate((0.0, 1.0, 0.0)):
+            offset = np.float32(offset)
+            x0 = rng.standard_normal((1, HIDDEN), dtype=np.float32)
+            delta = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
+            norm_w = cp.asarray(rng.standard_normal(HIDDEN, dtype=np.float32) * 0.1)
+            residual = [cp.asarray(x0) for _ in range(2)]
+            normed = cp.zeros((1, HIDDEN), dtype=cp.float32)
+            outs = [[cp.zeros((1, m), dtype=cp.float32) for m in ms] for _ in range(2)]
+            counter = cp.zeros(1, dtype=cp.uint32)
+            dims = (np.int32(HIDDEN), np.int32(ms[0]), np.int32(ms[1]), np.int32(ms[2]), np.int32(cols),
+                    np.int32(0))
+
+            def separate(ws):
+                def launch():
+                    add_norm((1,), (norm_threads,), (residual[0], delta, norm_w, normed, np.int64(1),
+                                                     np.int32(HIDDEN), eps, offset))
+                    matmul3(grid, (norm_threads,), (normed, ws[0], ws[1], ws[2], outs[0][0], outs[0][1],
+                                                    outs[0][2], np.int32(1)) + dims)
+                return launch
+
+            def together(ws):
+                def launch():
+                    together_kernel(grid, (norm_threads,),
+                                    (residual[1], delta, norm_w, eps, offset, ws[0], ws[1], ws[2],
+                                     outs[1][0], outs[1][1], outs[1][2], counter) + dims,
+                                    shared_mem=4 * HIDDEN)
+                return launch
+
+            separate(weight_copies[0])()
+            together(weight_copies[0])()
+            cp.cuda.Device().synchronize()
+            self.same_bits("add_norm_matmul3_bf16 residual (offset %g)" % offset, residual[1], residual[0])
+            for name, a, b in zip("qkv", outs[1], outs[0]):
+                self.same_bits("add_norm_matmul3_bf16 %s (offset %g)" % (name, offset), a, b)
+            if int(counter.get()[0]) != 0:
+                self.failures.append("add_norm_matmul3_bf16 left its counter at %d" % int(counter.get()[0]))
+            if trial == 0:
+                moved = sum(w.nbytes for w in host_w)
+                us = timed([separate(ws) for ws in weight_copies])
+                self.record("add_rms_norm + matmul3_bf16 n=1", "two launches", us, moved)
+                us = timed([together(ws) for ws in weight_copies])
+                self.record("add_norm_matmul3_bf16 n=1", "one launch", us, moved)
+
     # -- router --------------------------------------------------------------------------------
 
     def router(self, kernel_dir, label, warp_kernel, baseline=None):
@@ -860,6 +922,9 @@ def main():
         settings = ((1, 0, 0), (1, 0, 4), (1, 0, 16), (1, 6, 0), (2, 0, 0), (4, 0, 0)) if args.sweep else ((1, 0, 0),)
         for columns, min_blocks, down_sum_loads in settings:
             bench.experts(args.kernels, "current", 4, base_experts, columns, min_blocks, down_sum_loads)
+
+    if "norm" in sections:  # after the sections above: a new kernel's fault ends the run
+        bench.add_norm_matmul3_fused(args.kernels)
 
     # Last: a fault here takes the context (and every later section) down with it.
     if "attention" in sections:

@@ -115,15 +115,16 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
 // `add_rms_norm` computes it, then x's three projections, instead of `add_rms_norm` then
 // `matmul3_bf16`. Every block forms the whole normed row in shared memory with `add_rms_norm`'s
 // threads and tree (norm_common.cuh), so every block has the norm's bits, and its warps take
-// matmul3_bf16's tasks over that row (the same warp body: the same bits). The normed row itself
-// is not stored: the projections are its only reader. The last block out, once every block has
-// read the residual, stores residual + delta and sets the ticket counter back to 0.
+// matmul3_bf16's tasks over that row (the same warp body: the same bits); each block stores its
+// slice of the normed row to `normed` where that is not null (a reader besides the three
+// projections). The last block out, once every block has read the residual, stores residual +
+// delta and sets the ticket counter back to 0.
 //
 // Grid: matmul3_bf16's at n = 1, blocks of NORM_THREADS threads; dynamic shared memory k floats;
 // k ≤ NORM_THREADS · NORM_CACHED (the values stay in registers).
 extern "C" __global__ void add_norm_matmul3_bf16(
     float* residual, const float* delta, const float* norm_weight, float eps, float offset,
-    const unsigned short* w0, const unsigned short* w1, const unsigned short* w2, float* out0,
+    float* normed, const unsigned short* w0, const unsigned short* w1, const unsigned short* w2, float* out0,
     float* out1, float* out2, unsigned int* counter, int k, int m0, int m1, int m2, int cols,
     int prefetch) {
     PDL_L2_PREFETCH(prefetch, prefetch_matmul3_group(w0, w1, w2, 1, k, m0, m1, m2, cols,
@@ -139,6 +140,10 @@ extern "C" __global__ void add_norm_matmul3_bf16(
         if (i < k) normed_row[i] = cached[j] * inverse * (offset + norm_weight[i]);
     }
     __syncthreads();  // the normed row complete
+    if (normed) {
+        for (int i = blockIdx.x * NORM_THREADS + threadIdx.x; i < k; i += gridDim.x * NORM_THREADS)
+            normed[i] = normed_row[i];
+    }
     matmul3_task(PlainRows{normed_row, k}, w0, w1, w2, out0, out1, out2, 1, k, m0, m1, m2, cols,
                  warp_task());
     // Past the ticket every block has read the residual.

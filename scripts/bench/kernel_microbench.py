@@ -281,7 +281,7 @@ class Bench:
             delta = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
             norm_w = cp.asarray(rng.standard_normal(HIDDEN, dtype=np.float32) * 0.1)
             residual = [cp.asarray(x0) for _ in range(2)]
-            normed = cp.zeros((1, HIDDEN), dtype=cp.float32)
+            normed = [cp.zeros((1, HIDDEN), dtype=cp.float32) for _ in range(2)]
             outs = [[cp.zeros((1, m), dtype=cp.float32) for m in ms] for _ in range(2)]
             counter = cp.zeros(1, dtype=cp.uint32)
             dims = (np.int32(HIDDEN), np.int32(ms[0]), np.int32(ms[1]), np.int32(ms[2]), np.int32(cols),
@@ -289,16 +289,16 @@ class Bench:
 
             def separate(ws):
                 def launch():
-                    add_norm((1,), (norm_threads,), (residual[0], delta, norm_w, normed, np.int64(1),
+                    add_norm((1,), (norm_threads,), (residual[0], delta, norm_w, normed[0], np.int64(1),
                                                      np.int32(HIDDEN), eps, offset))
-                    matmul3(grid, (norm_threads,), (normed, ws[0], ws[1], ws[2], outs[0][0], outs[0][1],
+                    matmul3(grid, (norm_threads,), (normed[0], ws[0], ws[1], ws[2], outs[0][0], outs[0][1],
                                                     outs[0][2], np.int32(1)) + dims)
                 return launch
 
             def together(ws):
                 def launch():
                     together_kernel(grid, (norm_threads,),
-                                    (residual[1], delta, norm_w, eps, offset, ws[0], ws[1], ws[2],
+                                    (residual[1], delta, norm_w, eps, offset, normed[1], ws[0], ws[1], ws[2],
                                      outs[1][0], outs[1][1], outs[1][2], counter) + dims,
                                     shared_mem=4 * HIDDEN)
                 return launch
@@ -307,6 +307,7 @@ class Bench:
             together(weight_copies[0])()
             cp.cuda.Device().synchronize()
             self.same_bits("add_norm_matmul3_bf16 residual (offset %g)" % offset, residual[1], residual[0])
+            self.same_bits("add_norm_matmul3_bf16 normed (offset %g)" % offset, normed[1], normed[0])
             for name, a, b in zip("qkv", outs[1], outs[0]):
                 self.same_bits("add_norm_matmul3_bf16 %s (offset %g)" % (name, offset), a, b)
             if int(counter.get()[0]) != 0:

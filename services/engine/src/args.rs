@@ -135,6 +135,13 @@ pub(crate) struct Args {
     #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_fused_decode_router: bool,
+    /// `on`: one token's first projections of a layer (q/k/v, or a delta-rule layer's input
+    /// projections; bf16 weights) take the residual add and norm before them into their launch.
+    /// `off` (the default): the add + norm launch, then the projections. The same tokens either
+    /// way.
+    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) cuda_fused_decode_qkv_norm: bool,
     /// `on` (the default): decode attention over a bf16 cache spreads each GQA group's q heads
     /// across a warp's lanes (q and the sums in registers). `off`: the split kernel, one key per
     /// lane. Near-equal tokens (the sums run in another order).
@@ -333,6 +340,7 @@ pub(crate) fn cuda_options(args: &Args) -> CudaOptions {
         fused_expert_sum: args.cuda_fused_expert_sum,
         fused_decode_experts: args.cuda_fused_decode_experts,
         fused_decode_router: args.cuda_fused_decode_router,
+        fused_decode_qkv_norm: args.cuda_fused_decode_qkv_norm,
         group_decode_attention: args.cuda_group_decode_attention,
         tensor_core_decode_attention: args.cuda_tensor_core_decode_attention,
         decode_gate_up_tasks: args.cuda_decode_gate_up_tasks,

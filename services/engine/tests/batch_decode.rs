@@ -411,6 +411,27 @@ fn fused_decode_router_gives_the_bits_of_the_launches_it_replaces() {
     );
 }
 
+/// One token's first projections of a layer with the residual add and norm before them in one
+/// launch (`fused_decode_qkv_norm`: every block forms the normed row with the norm kernel's tree,
+/// its warps take the three projections' tasks with the matmul kernel's warp body, the last block
+/// out stores the residual) gives every step's logits bit for bit as the add + norm and
+/// projection launches it replaces: attention layers' q/k/v and delta-rule layers' input
+/// projections (whose fourth projection reads the stored normed row), one sequence (where it
+/// runs) and three (where it does not), through step graphs and op by op.
+#[test]
+fn fused_decode_qkv_norm_gives_the_bits_of_the_launches_it_replaces() {
+    same_logits_with_and_without(
+        "fused_decode_qkv_norm_gives_the_bits_of_the_launches_it_replaces",
+        |fused_decode_qkv_norm| CudaOptions {
+            fused_decode_qkv_norm,
+            ..CudaOptions::default()
+        },
+        &[DType::Int8],
+        &[1, 3],
+        &["add_norm_matmul3_bf16"],
+    );
+}
+
 /// Deterministic values in [-scale, scale).
 fn values(count: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut state = seed;

@@ -68,12 +68,56 @@ pub enum NormStyle {
     ZeroCentred,
 }
 
-/// The RMSNorm that follows a residual add ([`Backend::add_rms_norm_and_start_routing_by_router`]).
+/// The RMSNorm that follows a residual add ([`Backend::add_rms_norm_and_start_routing_by_router`],
+/// [`Backend::add_rms_norm_and_matmul3`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ResidualNorm<'w, W> {
     pub weight: &'w W,
     pub eps: f32,
     pub style: NormStyle,
+}
+
+/// What a layer's part (its mixer, its MoE block) computes from: its normed rows, or the residual
+/// add and norm that form them, which the backend may fold into the first launch that reads them
+/// ([`Backend::add_rms_norm_and_matmul3`], [`Backend::add_rms_norm_and_start_routing_by_router`]).
+pub enum LayerInput<'a, B: Backend + ?Sized> {
+    /// The normed rows.
+    Normed(&'a B::Tensor),
+    /// `residual += delta` (written back), then the norm of it is the input.
+    AfterResidualAdd {
+        residual: &'a mut B::Tensor,
+        delta: &'a B::Tensor,
+        norm: ResidualNorm<'a, B::Weight>,
+    },
+}
+
+impl<B: Backend + ?Sized> LayerInput<'_, B> {
+    /// Rows of the input.
+    pub fn rows(&self, backend: &B) -> usize {
+        match self {
+            LayerInput::Normed(x) => backend.shape(x).0,
+            LayerInput::AfterResidualAdd { delta, .. } => backend.shape(delta).0,
+        }
+    }
+
+    /// [`Backend::matmul3`] of the input, through [`Backend::add_rms_norm_and_matmul3`] where
+    /// the residual add is still to do (for a caller that needs nothing else of the normed rows).
+    pub fn matmul3(
+        self,
+        backend: &B,
+        weights: [&B::Weight; 3],
+    ) -> Result<[B::Tensor; 3], EngineError> {
+        match self {
+            LayerInput::Normed(x) => backend.matmul3(x, weights),
+            LayerInput::AfterResidualAdd {
+                residual,
+                delta,
+                norm,
+            } => Ok(backend
+                .add_rms_norm_and_matmul3(residual, delta, norm, weights)?
+                .1),
+        }
+    }
 }
 
 /// Shape of one attention layer.
@@ -400,6 +444,22 @@ pub trait Backend: Send + Sync + 'static {
             self.matmul(x, w1)?,
             self.matmul(x, w2)?,
         ])
+    }
+    /// [`Backend::add_rms_norm`] of the residual `x` and `delta`, then [`Backend::matmul3`] of the
+    /// normed rows, which it returns with the projections: where the backend can, in one step
+    /// with the same values (a GPU's one-token decode: a layer's first projections take the add
+    /// and norm after the feed-forward before them into their launch). The default is the two
+    /// calls.
+    fn add_rms_norm_and_matmul3(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        norm: ResidualNorm<'_, Self::Weight>,
+        weights: [&Self::Weight; 3],
+    ) -> Result<(Self::Tensor, [Self::Tensor; 3]), EngineError> {
+        let normed = self.add_rms_norm(x, delta, norm.weight, norm.eps, norm.style)?;
+        let projections = self.matmul3(&normed, weights)?;
+        Ok((normed, projections))
     }
     /// `silu(gate) · up`, then `· wᵀ` (an MLP's down projection of its activated rows), which a
     /// backend may do in one pass (the CUDA backend does at decode: one launch instead of two).

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use ninfer_artifact::ExpertBank;
 
-use crate::backend::{Backend, DeltaRuleForm, MultimodalRotation, ResidualNorm, Rotation, Segment};
+use crate::backend::{
+    Backend, DeltaRuleForm, LayerInput, MultimodalRotation, ResidualNorm, Rotation, Segment,
+};
 use crate::error::EngineError;
 use crate::model::layers::{
     layer_segments, state_mismatch, BatchPlan, DeltaRuleMix, FeedForward, LayerScratch, LayerState,
@@ -18,7 +20,7 @@ use crate::model::layers::{
 use crate::model::qwen4_exp;
 use crate::model::Model;
 use crate::moe::expert_cache::ExpertCache;
-use crate::moe::layer::{DeferredRouting, MoeInput};
+use crate::moe::layer::DeferredRouting;
 use crate::moe::ExpertBatch;
 use crate::profile::{nanos, Phase, PhaseTotals};
 
@@ -174,7 +176,7 @@ impl<B: Backend> Model<B> {
             FeedForward::Moe(moe) => moe.forward(
                 &scratch.moe_context,
                 index,
-                MoeInput::Normed(x),
+                LayerInput::Normed(x),
                 &mut scratch.tally,
                 &mut scratch.deferred,
             ),
@@ -460,28 +462,50 @@ impl<B: Backend> Model<B> {
         } else {
             self.embed_with_images(plan)?
         };
-        // Each residual add is fused with the norm after it (Backend::add_rms_norm): `next`
-        // holds the next layer's normed input.
-        let mut next = self
+        // Each residual add goes with the norm after it: the first layer's input is normed here,
+        // every later layer takes the feed-forward output before it (`carried`) as a residual
+        // add and norm, which the backend may fold into the launch that reads the normed rows
+        // (Backend::add_rms_norm_and_matmul3, …_and_start_routing_by_router).
+        let first_normed = self
             .layers
             .first()
             .map(|layer| backend.rms_norm(&hidden, layer.input_norm()?, eps, style))
             .transpose()?;
+        let mut carried: Option<B::Tensor> = None;
         for (index, layer) in self.layers.iter().enumerate() {
-            let x = next.take().ok_or_else(|| EngineError::InvalidConfig {
-                problem: format!("layer {index} has no normed input"),
-            })?;
+            let input = match (&carried, &first_normed) {
+                (Some(fed), _) => LayerInput::AfterResidualAdd {
+                    residual: &mut hidden,
+                    delta: fed,
+                    norm: ResidualNorm {
+                        weight: layer.input_norm()?,
+                        eps,
+                        style,
+                    },
+                },
+                (None, Some(normed)) => LayerInput::Normed(normed),
+                (None, None) => {
+                    return Err(EngineError::InvalidConfig {
+                        problem: format!("layer {index} has no normed input"),
+                    })
+                }
+            };
             let mixed = match &layer.mixer {
                 Mixer::Attention { .. } => {
                     let rows = RowPositions {
                         positions,
                         multimodal,
                     };
-                    self.attention(index, &layer.mixer, &x, rows, batch, ranges)?
+                    self.attention(index, &layer.mixer, input, rows, batch, ranges)?
                 }
-                Mixer::GatedDeltaNet { .. } => {
-                    self.gated_delta_net(index, &layer.mixer, &x, batch, ranges, delta_rule_form)?
-                }
+                Mixer::GatedDeltaNet { .. } => self.gated_delta_net(
+                    index,
+                    &layer.mixer,
+                    input,
+                    batch,
+                    ranges,
+                    delta_rule_form,
+                )?,
             };
             let post_attention_norm = ResidualNorm {
                 weight: layer.post_attention_norm()?,
@@ -494,7 +518,7 @@ impl<B: Backend> Model<B> {
                 FeedForward::Moe(moe) => moe.forward(
                     &scratch.moe_context,
                     index,
-                    MoeInput::AfterResidualAdd {
+                    LayerInput::AfterResidualAdd {
                         residual: &mut hidden,
                         delta: &mixed,
                         norm: post_attention_norm,
@@ -513,18 +537,10 @@ impl<B: Backend> Model<B> {
                     self.feed_forward(scratch, index, feed_forward, &x)?
                 }
             };
-            match self.layers.get(index + 1) {
-                Some(following) => {
-                    next = Some(backend.add_rms_norm(
-                        &mut hidden,
-                        &fed,
-                        following.input_norm()?,
-                        eps,
-                        style,
-                    )?);
-                }
-                None => backend.add_assign(&mut hidden, &fed)?,
-            }
+            carried = Some(fed);
+        }
+        if let Some(fed) = &carried {
+            backend.add_assign(&mut hidden, fed)?;
         }
 
         let selected_rows: Vec<usize> = match selection {
@@ -569,7 +585,7 @@ impl<B: Backend> Model<B> {
         &self,
         index: usize,
         mixer: &Mixer<B>,
-        x: &B::Tensor,
+        input: LayerInput<'_, B>,
         rows: RowPositions<'_>,
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
@@ -578,7 +594,7 @@ impl<B: Backend> Model<B> {
             LayerState::Attention(cache) => Some(cache),
             _ => None,
         })?;
-        self.attention_over(index, mixer, x, rows, &mut segments)
+        self.attention_over(index, mixer, input, rows, &mut segments)
     }
 
     /// An attention mixer over rows whose caches the caller hands in (`positions` per row, or
@@ -587,7 +603,7 @@ impl<B: Backend> Model<B> {
         &self,
         index: usize,
         mixer: &Mixer<B>,
-        x: &B::Tensor,
+        input: LayerInput<'_, B>,
         rows: RowPositions<'_>,
         segments: &mut [Segment<'_, B::KvCache>],
     ) -> Result<B::Tensor, EngineError> {
@@ -605,7 +621,7 @@ impl<B: Backend> Model<B> {
         let backend = &*self.backend;
         let spec = &self.spec.attention;
         let (eps, style) = (self.spec.eps(), self.spec.norm_style);
-        let [projected, k, v] = backend.matmul3(x, [q_proj, k_proj, v_proj])?;
+        let [projected, k, v] = input.matmul3(backend, [q_proj, k_proj, v_proj])?;
         let (q, gate) = if self.spec.gated_attention {
             let (q, gate) =
                 backend.split_interleaved(&projected, spec.heads, spec.head_dim, spec.head_dim)?;
@@ -634,7 +650,7 @@ impl<B: Backend> Model<B> {
         &self,
         index: usize,
         mixer: &Mixer<B>,
-        x: &B::Tensor,
+        input: LayerInput<'_, B>,
         batch: &mut [SequenceInput<'_, B>],
         ranges: &[std::ops::Range<usize>],
         delta_rule_form: DeltaRuleForm,
@@ -658,8 +674,23 @@ impl<B: Backend> Model<B> {
         };
         let backend = &*self.backend;
         // Three of the four input projections in one pass where the backend has one (one
-        // launch instead of three at decode on the GPU; the same values).
-        let [qkv, z, b] = backend.matmul3(x, [in_proj_qkv, in_proj_z, in_proj_b])?;
+        // launch instead of three at decode on the GPU; the same values), with the residual add
+        // and norm before them where the backend folds those in too.
+        let three = [in_proj_qkv, in_proj_z, in_proj_b];
+        let normed_here;
+        let (x, [qkv, z, b]) = match input {
+            LayerInput::Normed(x) => (x, backend.matmul3(x, three)?),
+            LayerInput::AfterResidualAdd {
+                residual,
+                delta,
+                norm,
+            } => {
+                let (normed, projections) =
+                    backend.add_rms_norm_and_matmul3(residual, delta, norm, three)?;
+                normed_here = normed;
+                (&normed_here, projections)
+            }
+        };
         let a = backend.matmul(x, in_proj_a)?;
         let mix = DeltaRuleMix {
             index,

@@ -16,7 +16,7 @@ use ninfer_artifact::{Artifact, CommonConfig, ExpertBank, NO_EXPERT};
 use ninfer_cpu_experts::ExpertLayout;
 
 use crate::backend::{
-    Backend, ExpertSlotFills, ExpertSlotTable, ResidualNorm, Routing, WithExpertSlotTable,
+    Backend, ExpertSlotFills, ExpertSlotTable, LayerInput, Routing, WithExpertSlotTable,
 };
 use crate::error::EngineError;
 use crate::moe::executor::{ExpertBatch, ExpertExecutor};
@@ -60,20 +60,6 @@ pub(crate) struct LayerwiseSettings {
     pub min_tokens: usize,
     /// What the split of each layer is chosen from (measured at start, or given by a test).
     pub throughputs: RwLock<PrefillThroughputs>,
-}
-
-/// What an MoE layer computes from: its normed input, or the residual add and norm that form it
-/// (the backend may fold those into the router's step,
-/// [`Backend::add_rms_norm_and_start_routing_by_router`]).
-pub enum MoeInput<'a, B: Backend> {
-    /// The normed rows.
-    Normed(&'a B::Tensor),
-    /// `residual += delta` (written back), then the norm of it is the layer's input.
-    AfterResidualAdd {
-        residual: &'a mut B::Tensor,
-        delta: &'a B::Tensor,
-        norm: ResidualNorm<'a, B::Weight>,
-    },
 }
 
 /// A MoE layer's routing left on the backend because nothing waits for it mid-forward
@@ -201,12 +187,12 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// The routed experts and the shared expert of the layer's normed input `x` (`[rows,
-    /// hidden]`, given or formed from a residual add: [`MoeInput`]), summed.
+    /// hidden]`, given or formed from a residual add: [`LayerInput`]), summed.
     pub fn forward(
         &self,
         context: &MoeContext<'_, B>,
         index: usize,
-        input: MoeInput<'_, B>,
+        input: LayerInput<'_, B>,
         tally: &mut PhaseTotals,
         deferred: &mut Vec<DeferredRouting<B>>,
     ) -> Result<B::Tensor, EngineError> {
@@ -214,10 +200,7 @@ impl<B: Backend> MoeLayer<B> {
         let resident = self.resident_slots()?;
         let resident = resident.as_ref();
         let resident_table = resident.map(WithExpertSlotTable::slot_table);
-        let rows = match &input {
-            MoeInput::Normed(x) => backend.shape(x).0,
-            MoeInput::AfterResidualAdd { delta, .. } => backend.shape(delta).0,
-        };
+        let rows = input.rows(backend);
         let route = Route::choose(context, index, resident, rows);
         let executor_reads_hidden = match &route {
             Route::Executor => true,
@@ -232,7 +215,7 @@ impl<B: Backend> MoeLayer<B> {
         );
         let normed_here;
         let (x, pending) = match input {
-            MoeInput::Normed(x) => {
+            LayerInput::Normed(x) => {
                 let pending = backend.start_routing_by_router(
                     x,
                     &self.router,
@@ -242,7 +225,7 @@ impl<B: Backend> MoeLayer<B> {
                 )?;
                 (x, pending)
             }
-            MoeInput::AfterResidualAdd {
+            LayerInput::AfterResidualAdd {
                 residual,
                 delta,
                 norm,

@@ -96,6 +96,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "matmul",
             "matmul_bf16",
             "matmul3_bf16",
+            "add_norm_matmul3_bf16",
             "matmul_bf16_silu_mul",
             "matmul_bf16_mul_sigmoid",
             "f32_to_bf16",

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{mtp_pairs_of_block, MtpHead, MtpPrefixRows, MtpState, MtpUsage};
-use crate::backend::{Backend, Segment};
+use crate::backend::{Backend, LayerInput, Segment};
 use crate::error::EngineError;
 use crate::model::layers::{LayerScratch, RowPositions};
 use crate::model::Model;
@@ -125,7 +125,7 @@ impl<B: Backend> Model<B> {
         let mixed = self.attention_over(
             index,
             &layer.mixer,
-            &x,
+            LayerInput::Normed(&x),
             RowPositions {
                 positions: &positions,
                 multimodal: None,

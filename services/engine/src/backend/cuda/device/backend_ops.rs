@@ -333,6 +333,40 @@ impl Backend for CudaBackend {
         self.start_routing(&logits, k, normalize, x, read_hidden)
     }
 
+    fn add_rms_norm_and_matmul3(
+        &self,
+        x: &mut CudaTensor,
+        delta: &CudaTensor,
+        norm: ResidualNorm<'_, CudaWeight>,
+        weights: [&CudaWeight; 3],
+    ) -> Result<(CudaTensor, [CudaTensor; 3]), EngineError> {
+        // One token, a one-group norm with f32 weights and bf16 projections: the add, the norm
+        // and the three projections in one launch.
+        if let WeightData::F32(norm_weight) = &norm.weight.data {
+            if norm.weight.rows * norm.weight.cols == delta.cols {
+                let (_, _, _, offset) = norm_groups(delta, norm.weight, norm.style, "add_rms_norm")
+                    .map_err(device("add_rms_norm_and_matmul3"))?;
+                let fused = {
+                    let _timer = self.op_timer("add_rms_norm_and_matmul3");
+                    self.launch_add_norm_matmul3(x, delta, norm_weight, norm.eps, offset, weights)
+                        .map_err(device("add_rms_norm_and_matmul3"))?
+                };
+                if let Some(done) = fused {
+                    if self.note_kernel_choice(("add_norm_matmul3_bf16", delta.cols, 3)) {
+                        tracing::info!(
+                            "projections of {} inputs: the residual add and its norm in their launch",
+                            delta.cols
+                        );
+                    }
+                    return Ok(done);
+                }
+            }
+        }
+        let normed = self.add_rms_norm(x, delta, norm.weight, norm.eps, norm.style)?;
+        let projections = self.matmul3(&normed, weights)?;
+        Ok((normed, projections))
+    }
+
     fn add_rms_norm_and_start_routing_by_router(
         &self,
         x: &mut CudaTensor,

@@ -9,6 +9,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::super::cublas::{Cublas, GemmOperands};
 use super::super::CudaError;
+use super::norm::{NORM_CACHED, NORM_THREADS};
 use super::{driver_error, elementwise, int, CudaBackend, CudaTensor, CudaWeight, WeightData};
 
 /// `ROWS` in `kernels/matmul.cu`: rows one warp computes together.
@@ -294,6 +295,83 @@ impl CudaBackend {
         Ok(Some(outputs))
     }
 
+    /// `residual += delta`, the RMSNorm of it (f32 `norm_weight` over the whole row, `offset`
+    /// the style's), then the normed row's three bf16 projections, in one `add_norm_matmul3_bf16`
+    /// launch (one token, `--cuda-fused-decode-qkv-norm`): the normed row and the projections,
+    /// with the bits of `add_rms_norm` then `matmul3_bf16`. `None` where the kernel does not
+    /// apply (nothing launched, the residual untouched).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_add_norm_matmul3(
+        &self,
+        residual: &mut CudaTensor,
+        delta: &CudaTensor,
+        norm_weight: &CudaSlice<f32>,
+        eps: f32,
+        offset: f32,
+        weights: [&CudaWeight; 3],
+    ) -> Result<Option<(CudaTensor, [CudaTensor; 3])>, CudaError> {
+        let Some(counter) = self.fused_qkv_norm_counter.as_ref() else {
+            return Ok(None);
+        };
+        let [WeightData::Bf16(w0), WeightData::Bf16(w1), WeightData::Bf16(w2)] =
+            weights.map(|weight| &weight.data)
+        else {
+            return Ok(None);
+        };
+        let hidden = delta.cols;
+        if delta.rows != 1
+            || (residual.rows, residual.cols) != (delta.rows, delta.cols)
+            || hidden == 0
+            || hidden > (NORM_THREADS * NORM_CACHED) as usize
+            || weights
+                .iter()
+                .any(|weight| weight.cols != hidden || weight.rows == 0)
+        {
+            return Ok(None);
+        }
+        let mut normed = self.output_uninit(1, hidden)?;
+        let mut outputs = [
+            self.output_uninit(1, weights[0].rows)?,
+            self.output_uninit(1, weights[1].rows)?,
+            self.output_uninit(1, weights[2].rows)?,
+        ];
+        // matmul3_bf16's tasks at one row, in blocks of the norm's threads (the same warps).
+        let features: usize = weights.iter().map(|weight| weight.rows).sum();
+        let columns = matmul_columns_per_warp(features, 1);
+        let feature_groups: u64 = weights
+            .iter()
+            .map(|weight| (weight.rows as u64).div_ceil(columns))
+            .sum();
+        let blocks =
+            u32::try_from(feature_groups.div_ceil(u64::from(NORM_THREADS / 32))).map_err(|_| {
+                CudaError::Invalid {
+                    problem: format!("three projections of {features} features are too large"),
+                }
+            })?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: (hidden * std::mem::size_of::<f32>()) as u32,
+        };
+        let (k, m0, m1, m2, cols) = (
+            int(hidden, "in")?,
+            int(weights[0].rows, "out")?,
+            int(weights[1].rows, "out")?,
+            int(weights[2].rows, "out")?,
+            columns as i32,
+        );
+        let prefetch = self.weight_prefetch();
+        {
+            let [out0, out1, out2] = &mut outputs;
+            let (o0, o1, o2) = (&mut *out0.data, &mut *out1.data, &mut *out2.data);
+            launch!(self, "add_norm_matmul3_bf16", config;
+                &mut *residual.data, &*delta.data, norm_weight, &eps, &offset,
+                &mut *normed.data, w0, w1, w2, o0, o1, o2, counter, &k, &m0, &m1, &m2, &cols,
+                &prefetch)?;
+        }
+        Ok(Some((normed, outputs)))
+    }
+
     /// The matmul kernels' `prefetch` argument: 1 where their blocks can start before the
     /// kernel before them ends (programmatic dependent launch) and the option is on.
     pub(super) fn weight_prefetch(&self) -> i32 {
@@ -310,5 +388,7 @@ mod tests {
         use super::super::super::kernels::kernel_define;
         assert_eq!(MATMUL_ROWS as i64, kernel_define("matmul", "ROWS"));
         assert_eq!(MATMUL_MAX_COLS as i64, kernel_define("matmul", "MAX_COLS"));
+        // add_norm_matmul3_bf16 runs matmul3_bf16's warp tasks in blocks of the norm's threads.
+        assert_eq!(NORM_THREADS, 32 * MATMUL_WARPS);
     }
 }

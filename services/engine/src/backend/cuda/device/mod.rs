@@ -73,6 +73,10 @@ pub struct CudaBackend {
     /// one routes), zero between launches (that block sets it back), allocated at start so a
     /// step graph's launches take the same buffer.
     fused_router_counter: Option<CudaSlice<u32>>,
+    /// `--cuda-fused-decode-qkv-norm`: the ticket `add_norm_matmul3_bf16`'s blocks take (the
+    /// last one stores the residual and sets it back to 0), allocated at start so a step graph's
+    /// launches take the same buffer.
+    fused_qkv_norm_counter: Option<CudaSlice<u32>>,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,

@@ -111,6 +111,12 @@ pub struct CudaOptions {
     /// attention (`route_decode_add_norm_fused`): the bits of the launches it replaces. Off by
     /// default until a whole step measures it faster.
     pub fused_decode_router: bool,
+    /// One token's first projections of a layer (an attention layer's q/k/v, a delta-rule
+    /// layer's three fused input projections) with the residual add and RMSNorm before them in
+    /// their launch (`add_norm_matmul3_bf16`: every block forms the normed row, the last block
+    /// out stores the residual), for bf16 weights: the bits of the launches it replaces. Off by
+    /// default until a whole step measures it faster.
+    pub fused_decode_qkv_norm: bool,
     /// Decode attention over a bf16 cache in the kernels that spread a GQA group's q heads
     /// across the lanes (kernels/attention_decode.cu) where one serves the shape and fits the
     /// card; off: the split kernel everywhere (the reference the tests compare against). Not
@@ -240,6 +246,7 @@ impl Default for CudaOptions {
             fused_expert_sum: false,
             fused_decode_experts: false,
             fused_decode_router: false,
+            fused_decode_qkv_norm: false,
             group_decode_attention: true,
             tensor_core_decode_attention: false,
             decode_gate_up_tasks: true,
@@ -274,6 +281,8 @@ impl CudaOptions {
             fused_decode_experts: false,
             // The same bits as the two launches.
             fused_decode_router: false,
+            // The same bits as the two launches.
+            fused_decode_qkv_norm: false,
             // An f32 cache: the split kernel either way.
             group_decode_attention: true,
             // Batch invariance, as for prefill.

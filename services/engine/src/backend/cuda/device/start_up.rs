@@ -269,6 +269,7 @@ impl CudaBackend {
             host_kv: Default::default(),
             fused_expert_counters: None,
             fused_router_counter: None,
+            fused_qkv_norm_counter: None,
         };
         // The counters a fused kernel's blocks take tickets on: zero, allocated once, only for
         // the kernels turned on.
@@ -286,6 +287,11 @@ impl CudaBackend {
             counters(options.fused_decode_router, 1, "the fused router's counter")?;
         backend.fused_expert_counters = fused_expert_counters;
         backend.fused_router_counter = fused_router_counter;
+        backend.fused_qkv_norm_counter = counters(
+            options.fused_decode_qkv_norm,
+            1,
+            "the fused projections' counter",
+        )?;
         // NINFER_CUDA_REFERENCE_KERNELS=1: the reference kernels only (no cuBLAS, no chunked
         // delta rule, no flash attention, no self-checks) — the way out on a GPU where one of
         // the newer kernels faults in its self-check and takes the context down with it.

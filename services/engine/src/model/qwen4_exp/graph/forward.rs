@@ -6,7 +6,7 @@
 
 use super::{Indexer, Ple, Qwen4ExpGraph};
 use crate::backend::NormStyle;
-use crate::backend::{Backend, DeltaRuleForm, Rotation, Segment};
+use crate::backend::{Backend, DeltaRuleForm, LayerInput, Rotation, Segment};
 use crate::error::EngineError;
 use crate::model::layers::{
     layer_segments, state_mismatch, BatchPlan, FeedForward, LayerScratch, LayerState,
@@ -71,9 +71,14 @@ impl<B: Backend> Model<B> {
                     batch,
                     ranges,
                 )?,
-                (Mixer::GatedDeltaNet { .. }, None) => {
-                    self.gated_delta_net(index, &layer.mixer, &x, batch, ranges, delta_rule_form)?
-                }
+                (Mixer::GatedDeltaNet { .. }, None) => self.gated_delta_net(
+                    index,
+                    &layer.mixer,
+                    LayerInput::Normed(&x),
+                    batch,
+                    ranges,
+                    delta_rule_form,
+                )?,
                 _ => return Err(state_mismatch(index)),
             };
             backend.inject_into_streams(&mut streams, &mixed, &shares, scale)?;

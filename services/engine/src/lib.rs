@@ -48,8 +48,8 @@ pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, DeltaRuleForm};
 pub use error::EngineError;
 pub use model::{
-    open_artifact, LayerwiseSummary, LogitsSelection, Model, PrefillStagingOptions, SequenceInput,
-    SequenceState,
+    open_artifact, LayerwiseSummary, LogitsSelection, Model, PipelineStage, PrefillStagingOptions,
+    SequenceInput, SequenceState,
 };
 pub use moe::layerwise::PrefillThroughputs;
 pub use moe::{ExpertBatch, ExpertExecutor, NoRoutedExperts, ReferenceExpertExecutor};

@@ -11,6 +11,7 @@ use std::time::Instant;
 use crate::backend::{Backend, ExpertSlotFills, Routing, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::model::layers::FeedForward;
+use crate::model::pipeline::stage_backend;
 use crate::model::Model;
 use crate::moe::expert_cache::{ExpertCache, ExpertCacheCounters, ExpertCacheOptions};
 use crate::moe::layer::{LayerwiseSettings, MoeContext, MoeLayer, PrefillStaging};
@@ -77,6 +78,8 @@ impl<B: Backend> Model<B> {
         let common = self.spec.common.clone();
         let mut report = ResidentExpertsReport::default();
         let no_experts = Vec::new();
+        // Each layer's experts go to the slots of its own stage's backend.
+        let (backend, pipeline) = (&self.backend, &self.pipeline);
         let feed_forwards = self
             .layers
             .iter_mut()
@@ -93,8 +96,9 @@ impl<B: Backend> Model<B> {
                     experts.len()
                 )));
             };
+            let layer_backend = stage_backend(backend, pipeline, index);
             let bytes =
-                moe.place_resident(&self.backend, &self.artifact, &common, index, experts)?;
+                moe.place_resident(layer_backend, &self.artifact, &common, index, experts)?;
             if !experts.is_empty() {
                 report.layers += 1;
                 report.experts += experts.len();
@@ -143,6 +147,12 @@ impl<B: Backend> Model<B> {
         &mut self,
         options: PrefillStagingOptions,
     ) -> Result<u64, EngineError> {
+        if self.is_split() {
+            // One set of staging slots serves every layer, and they live on one backend.
+            return Err(EngineError::InvalidConfig {
+                problem: "prefill staging and layerwise prefill are not available on a model split over several backends yet".into(),
+            });
+        }
         let common = &self.spec.common;
         let mut layouts = self.placed_moe_layers().map(|moe| moe.layout(common));
         let Some(first) = layouts.next() else {

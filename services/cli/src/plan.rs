@@ -66,8 +66,7 @@ pub struct Plan {
     pub gpu_experts_estimate: Option<usize>,
     pub gpu_mem_budget_gib: Option<f64>,
     /// Each chosen GPU's share: its layers, dense and KV bytes, expert slots per layer (one
-    /// entry on a machine with one GPU; none on the CPU). Several entries are a layer split,
-    /// planned but not executed yet.
+    /// entry on a machine with one GPU; none on the CPU). Several entries are a layer split.
     pub gpus: Vec<CardPlan>,
     pub numa_nodes: Vec<usize>,
     pub expert_workers: Vec<WorkerPlan>,
@@ -193,6 +192,8 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
     let on_gpu = machine.gpu.is_some() && !request.cpu_only;
     let prefix_cache_bytes = match request.prefix_cache_gib {
         Some(gib) => (gib * GIB as f64) as u64,
+        // The prefix cache is not run on a layer split yet: off unless asked (then refused).
+        None if chosen_gpus.len() > 1 => 0,
         None => default_prefix_cache_bytes(machine, on_gpu, request.gpu_mem_budget, facts),
     };
     if let Some(path) = &request.moe_expert_stats {

@@ -12,6 +12,11 @@
 //! the dynamic expert cache moving them. Both models decode op by op (a split model has no step
 //! graphs), so the CUDA case compares the same kernels.
 //!
+//! Served by the scheduler (the logits sampled where the last stage left them, prompts fed in
+//! chunks), a split model gives every request, greedy or seeded sampling, the unsplit model's
+//! tokens (one request at a time: which requests share a batch depends on timing, and the
+//! batched forwards are checked above).
+//!
 //! The refusals: stages that do not cover the layers once in order, a qwen4_exp model, prefill
 //! staging on a split model; a split model leaves the MTP head out.
 
@@ -25,13 +30,19 @@ use ninfer_artifact::{Artifact, DType};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::moe::expert_cache::ExpertCacheOptions;
+use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::sampling::argmax;
+use ninfer_engine::service::scheduler::{
+    self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SpeculativeDecoding,
+    DEFAULT_PREFILL_TIME_SHARE,
+};
 use ninfer_engine::testing::{
-    golden_fixture_dir, write_tiny_model, TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
+    collect_tokens, golden_fixture_dir, greedy_request, write_tiny_model, TinyArchitecture,
+    TinyModelOptions, GOLDEN_FIXTURES,
 };
 use ninfer_engine::{
     open_artifact, test_device, Backend, ExpertExecutor, LogitsSelection, Model, PipelineStage,
-    ReferenceExpertExecutor, SequenceInput,
+    ReferenceExpertExecutor, SamplingParams, SequenceInput,
 };
 
 const MAX_CONTEXT: usize = 64;
@@ -382,3 +393,83 @@ fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: A
     assert!(error.contains("qwen4_exp"), "{error}");
 }
 test_device!(wrong_splits_and_unsplit_features_are_refused);
+
+/// Every request's tokens from `model` served by the scheduler, one request after the other:
+/// even ones greedy, odd ones sampled with a seed.
+fn served_tokens<B: Backend>(model: Model<B>, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    let commands = scheduler::start_serving(
+        Arc::new(model),
+        SchedulerLimits {
+            max_context: MAX_CONTEXT,
+            max_sequences: 4,
+            prefill_chunk_tokens: 8,
+            prefill_time_share: DEFAULT_PREFILL_TIME_SHARE,
+        },
+        SpeculativeDecoding::default(),
+        PrefixCacheSettings::with_budget(0),
+        Arc::new(SchedulerCounters::default()),
+    )
+    .expect("start the scheduler");
+    let mut tokens = Vec::new();
+    for (index, prompt) in prompts.iter().enumerate() {
+        let (events, receiver) = tokio::sync::mpsc::channel(4096);
+        let mut request = greedy_request(format!("request-{index}"), prompt.clone(), 8, events);
+        if index % 2 == 1 {
+            request.sampling = SamplingParams {
+                temperature: 1.0,
+                top_k: 20,
+                top_p: 0.9,
+                seed: 77 + index as u64,
+                ..SamplingParams::default()
+            };
+        }
+        commands
+            .send(SchedulerCommand::Submit(request))
+            .expect("submit");
+        let mut receiver = receiver;
+        tokens.push(collect_tokens(&mut receiver).0);
+    }
+    tokens
+}
+
+fn served_split_gives_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let second = Arc::new(backend.open_on_same_device().unwrap());
+    for fixture in ["qwen3_moe", "qwen3_next"] {
+        let path = convert_f32(fixture, directory.path());
+        let artifact = open_artifact(&path).unwrap();
+        let layers = artifact.config().common().num_hidden_layers;
+        let vocab = artifact.config().common().vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = (0..4u32)
+            .map(|s| {
+                (0..3 + 4 * s)
+                    .map(|i| (i * 53 + 7 * s + 1) % vocab)
+                    .collect()
+            })
+            .collect();
+        let unsplit = Model::load(
+            Arc::clone(&backend),
+            Arc::clone(&artifact),
+            executor(&artifact),
+        )
+        .unwrap();
+        let expected = served_tokens(unsplit, &prompts);
+        let split = Model::load_pipeline(
+            stages(
+                &[Arc::clone(&backend), Arc::clone(&second)],
+                &[0..1, 1..layers],
+            ),
+            Arc::clone(&artifact),
+            executor(&artifact),
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            served_tokens(split, &prompts),
+            expected,
+            "{fixture} on {}",
+            backend.name()
+        );
+    }
+}
+test_device!(served_split_gives_the_unsplit_tokens);

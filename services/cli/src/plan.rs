@@ -192,8 +192,6 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
     let on_gpu = machine.gpu.is_some() && !request.cpu_only;
     let prefix_cache_bytes = match request.prefix_cache_gib {
         Some(gib) => (gib * GIB as f64) as u64,
-        // The prefix cache is not run on a layer split yet: off unless asked (then refused).
-        None if chosen_gpus.len() > 1 => 0,
         None => default_prefix_cache_bytes(machine, on_gpu, request.gpu_mem_budget, facts),
     };
     if let Some(path) = &request.moe_expert_stats {

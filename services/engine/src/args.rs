@@ -226,7 +226,7 @@ pub(crate) struct Args {
     /// applies), comma separated. Default: the first visible GPU. Several GPUs named split the
     /// decoder layers between them as a pipeline (each card its own contiguous layers, their KV
     /// caches and expert slots; `ninfer run --dry-run` prints the plan). A split decodes
-    /// without CUDA graphs, and refuses `--spec mtp`, `--prefix-cache-gib` and `--host-kv-mib`.
+    /// without CUDA graphs, and refuses `--spec mtp` and `--host-kv-mib`.
     #[arg(long, value_name = "0,1")]
     pub(crate) gpus: Option<String>,
     /// Percent of the decoder layers per GPU of `--gpus` (or per stage of

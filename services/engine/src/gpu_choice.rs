@@ -95,7 +95,6 @@ pub(crate) fn chosen_gpus(args: &Args) -> anyhow::Result<GpuChoice> {
             &named.split_flag(),
             &SplitFeatureFlags {
                 speculation: args.spec.is_some(),
-                prefix_cache_gib: args.prefix_cache_gib,
                 host_kv_mib: args.host_kv_mib,
             },
         )?;

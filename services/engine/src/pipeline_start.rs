@@ -136,12 +136,13 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
     let moe_layers = model.placement_layers();
     let ranges = model.pipeline_stage_layers();
     let layers = moe_layers.len().max(1) as u64;
+    // The prefix cache's blocks are KV caches too, spread over the stages as the layers are.
     let kv_bytes = kv_cache_bytes(
         model.spec(),
         request.kv_element_bytes,
         request.limits.max_context,
         request.limits.max_sequences,
-    );
+    ) + request.prefix_cache.budget_bytes;
     let sharing = stages.stages_per_device.max(1) as u64;
     let mut placement = vec![Vec::new(); moe_layers.len()];
     let (mut fewest, mut most) = (usize::MAX, 0);

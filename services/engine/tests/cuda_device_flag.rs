@@ -119,13 +119,8 @@ fn split_runs_refuse_what_they_do_not_run_and_wrong_choices_are_named() {
             "--spec mtp with --gpus 0,1",
         ),
         (
-            &[
-                "--pipeline-stages-on-one-device",
-                "2",
-                "--prefix-cache-gib",
-                "1",
-            ][..],
-            "--prefix-cache-gib 1 with --pipeline-stages-on-one-device 2",
+            &["--pipeline-stages-on-one-device", "2", "--host-kv-mib", "1"][..],
+            "--host-kv-mib 1 with --pipeline-stages-on-one-device 2",
         ),
         (
             &["--gpus", "1,0", "--host-kv-mib", "64"][..],

@@ -394,19 +394,24 @@ fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: A
 }
 test_device!(wrong_splits_and_unsplit_features_are_refused);
 
-/// Every request's tokens from `model` served by the scheduler, one request after the other:
-/// even ones greedy, odd ones sampled with a seed.
-fn served_tokens<B: Backend>(model: Model<B>, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+/// Every request's tokens, and the prompt tokens the prefix cache gave it, from `model` served
+/// by the scheduler one request after the other: even ones greedy, odd ones sampled with a
+/// seed.
+fn served_tokens<B: Backend>(
+    model: Model<B>,
+    prompts: &[Vec<u32>],
+    prefix_cache: PrefixCacheSettings,
+) -> Vec<(Vec<u32>, u32)> {
     let commands = scheduler::start_serving(
         Arc::new(model),
         SchedulerLimits {
-            max_context: MAX_CONTEXT,
+            max_context: 1024,
             max_sequences: 4,
-            prefill_chunk_tokens: 8,
+            prefill_chunk_tokens: 48,
             prefill_time_share: DEFAULT_PREFILL_TIME_SHARE,
         },
         SpeculativeDecoding::default(),
-        PrefixCacheSettings::with_budget(0),
+        prefix_cache,
         Arc::new(SchedulerCounters::default()),
     )
     .expect("start the scheduler");
@@ -427,7 +432,7 @@ fn served_tokens<B: Backend>(model: Model<B>, prompts: &[Vec<u32>]) -> Vec<Vec<u
             .send(SchedulerCommand::Submit(request))
             .expect("submit");
         let mut receiver = receiver;
-        tokens.push(collect_tokens(&mut receiver).0);
+        tokens.push(collect_tokens(&mut receiver));
     }
     tokens
 }
@@ -453,7 +458,7 @@ fn served_split_gives_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<B>) {
             executor(&artifact),
         )
         .unwrap();
-        let expected = served_tokens(unsplit, &prompts);
+        let expected = served_tokens(unsplit, &prompts, PrefixCacheSettings::off());
         let split = Model::load_pipeline(
             stages(
                 &[Arc::clone(&backend), Arc::clone(&second)],
@@ -465,7 +470,7 @@ fn served_split_gives_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<B>) {
         )
         .unwrap();
         assert_eq!(
-            served_tokens(split, &prompts),
+            served_tokens(split, &prompts, PrefixCacheSettings::off()),
             expected,
             "{fixture} on {}",
             backend.name()
@@ -473,3 +478,63 @@ fn served_split_gives_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<B>) {
     }
 }
 test_device!(served_split_gives_the_unsplit_tokens);
+
+/// With the prefix cache, a split model reuses what the unsplit model reuses (each stage
+/// copying its own layers' KV rows and, for a hybrid, recurrent-state checkpoints) and serves
+/// the same tokens: a donor prompt, a later turn extending it, one sharing only its start, and
+/// the donor again.
+fn served_split_with_the_prefix_cache_gives_the_unsplit_tokens<B: OpenOnSameDevice>(
+    backend: Arc<B>,
+) {
+    let directory = tempfile::tempdir().unwrap();
+    let second = Arc::new(backend.open_on_same_device().unwrap());
+    let cache = || PrefixCacheSettings {
+        budget_bytes: 1 << 30,
+        block_tokens: 64,
+        checkpoint_interval_blocks: 2,
+    };
+    for fixture in ["qwen3_moe", "qwen3_next"] {
+        let path = convert_f32(fixture, directory.path());
+        let artifact = open_artifact(&path).unwrap();
+        let layers = artifact.config().common().num_hidden_layers;
+        let vocab = artifact.config().common().vocab_size as u32;
+        let tokens = |seed: u32, count: u32| -> Vec<u32> {
+            (0..count)
+                .map(|i| (i * 53 + 7 * seed + 1) % vocab)
+                .collect()
+        };
+        let system = tokens(1, 200);
+        let first = [system.clone(), tokens(2, 70)].concat();
+        let second_turn = [first.clone(), tokens(3, 40)].concat();
+        let third = [system.clone(), tokens(4, 30)].concat();
+        let prompts = vec![first.clone(), second_turn, third, first];
+        let unsplit = Model::load(
+            Arc::clone(&backend),
+            Arc::clone(&artifact),
+            executor(&artifact),
+        )
+        .unwrap();
+        let expected = served_tokens(unsplit, &prompts, cache());
+        assert!(
+            expected.iter().skip(1).all(|(_, cached)| *cached > 0),
+            "{fixture}: the later prompts reuse the donor's prefix: {expected:?}"
+        );
+        let split = Model::load_pipeline(
+            stages(
+                &[Arc::clone(&backend), Arc::clone(&second)],
+                &[0..layers - 1, layers - 1..layers],
+            ),
+            Arc::clone(&artifact),
+            executor(&artifact),
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            served_tokens(split, &prompts, cache()),
+            expected,
+            "{fixture} on {}",
+            backend.name()
+        );
+    }
+}
+test_device!(served_split_with_the_prefix_cache_gives_the_unsplit_tokens);

@@ -14,8 +14,8 @@
 //! draws them, and each card fills the expert slots of its own MoE layers from the memory it
 //! has left after loading (the single-card rule, per card). Not run split yet, and refused with
 //! both flags named ([`refuse_unsplit_features`]): the MTP head (`--spec mtp`; a split model
-//! does not load it, so the plan's MTP share on the last card stays unused), the prefix cache
-//! and KV caches in host memory. Prefill staging and layerwise prefill are off, and decode runs
+//! does not load it, so the plan's MTP share on the last card stays unused) and KV caches in
+//! host memory. Prefill staging and layerwise prefill are off, and decode runs
 //! op by op (no CUDA graphs) on a split model.
 //!
 //! Owns: the device list the planner reads, the flag parsers and checks, the pure split.
@@ -146,14 +146,11 @@ pub fn select_gpus(
 }
 
 /// What a layer split does not run yet, by the flag that asks for it: the MTP head (not loaded
-/// on a split model), the prefix cache (its blocks are copied per stage but not checked split)
-/// and KV caches in host memory (one pool per backend, sized for one card).
+/// on a split model) and KV caches in host memory (one pool per backend, sized for one card).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SplitFeatureFlags {
     /// `--spec mtp`.
     pub speculation: bool,
-    /// `--prefix-cache-gib`.
-    pub prefix_cache_gib: f64,
     /// `--host-kv-mib`.
     pub host_kv_mib: u64,
 }
@@ -173,12 +170,6 @@ pub fn refuse_unsplit_features(
         return Err(refused(
             "--spec mtp",
             "a split model does not load the MTP head",
-        ));
-    }
-    if features.prefix_cache_gib > 0.0 {
-        return Err(refused(
-            &format!("--prefix-cache-gib {}", features.prefix_cache_gib),
-            "the prefix cache is not checked on a split model yet",
         ));
     }
     if features.host_kv_mib > 0 {
@@ -775,13 +766,6 @@ mod tests {
                     ..Default::default()
                 },
                 "--spec mtp",
-            ),
-            (
-                SplitFeatureFlags {
-                    prefix_cache_gib: 2.0,
-                    ..Default::default()
-                },
-                "--prefix-cache-gib 2",
             ),
             (
                 SplitFeatureFlags {

@@ -608,9 +608,18 @@ fn start_scheduler<B: Backend>(
     } else if request.count == GpuExpertCount::Count(0) {
         0
     } else if stages.is_split() {
+        let slots = pipeline_start::StageExpertSlots {
+            count: request.count,
+            budget_gib: request.budget_gib,
+            statistics: request.statistics.as_ref(),
+            kv_element_bytes: request.kv_element_bytes,
+            max_context: request.limits.max_context,
+            max_sequences: request.limits.max_sequences,
+            prefix_cache_bytes: request.prefix_cache.budget_bytes,
+        };
         let (fewest, most) = pipeline_start::place_gpu_experts_per_stage(
             &mut model,
-            request,
+            &slots,
             &stages,
             &device_memory,
         )?;

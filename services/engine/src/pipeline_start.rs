@@ -20,13 +20,30 @@ use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions};
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::moe::gpu_split::layer_ranges;
 use ninfer_engine::moe::placement::{
-    choose_gpu_experts, expert_slot_budget, experts_per_layer, kv_cache_bytes, GpuExpertShape,
-    SlotMemoryBudget, WORKING_MEMORY_BYTES,
+    choose_gpu_experts, expert_slot_budget, experts_per_layer, kv_cache_bytes, GpuExpertCount,
+    GpuExpertShape, SlotMemoryBudget, WORKING_MEMORY_BYTES,
 };
+use ninfer_engine::service::routing_stats::ExpertStatistics;
 use ninfer_engine::{Backend, Model};
 
 use crate::gpu_choice::GpuChoice;
-use crate::GpuExpertsRequest;
+
+/// What the stages' expert slots are asked for (the engine's `--moe-gpu-experts` and the
+/// figures its memory budget reads).
+pub(crate) struct StageExpertSlots<'a> {
+    /// `--moe-gpu-experts`.
+    pub(crate) count: GpuExpertCount,
+    /// `--gpu-mem-budget` in GiB, of the whole card.
+    pub(crate) budget_gib: Option<f64>,
+    /// Routing statistics that rank the experts (`--moe-expert-stats`).
+    pub(crate) statistics: Option<&'a ExpertStatistics>,
+    /// Bytes of one cached key or value element.
+    pub(crate) kv_element_bytes: u64,
+    pub(crate) max_context: usize,
+    pub(crate) max_sequences: usize,
+    /// `--prefix-cache-gib` in bytes: its blocks are KV caches too.
+    pub(crate) prefix_cache_bytes: u64,
+}
 
 /// The backends of a run's pipeline stages, in layer order.
 pub(crate) struct StageBackends<B: Backend> {
@@ -124,7 +141,7 @@ pub(crate) fn cuda_stages(
 /// over the stages.
 pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
     model: &mut Model<B>,
-    request: &GpuExpertsRequest,
+    request: &StageExpertSlots<'_>,
     stages: &StageBackends<B>,
     memory: &impl Fn(&B) -> Option<(usize, usize)>,
 ) -> anyhow::Result<(u32, u32)> {
@@ -140,9 +157,9 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
     let kv_bytes = kv_cache_bytes(
         model.spec(),
         request.kv_element_bytes,
-        request.limits.max_context,
-        request.limits.max_sequences,
-    ) + request.prefix_cache.budget_bytes;
+        request.max_context,
+        request.max_sequences,
+    ) + request.prefix_cache_bytes;
     let sharing = stages.stages_per_device.max(1) as u64;
     let mut placement = vec![Vec::new(); moe_layers.len()];
     let (mut fewest, mut most) = (usize::MAX, 0);
@@ -175,7 +192,7 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
                 backend.name()
             )
         })?;
-        let chosen = choose_gpu_experts(&shape, per_layer, request.statistics.as_ref());
+        let chosen = choose_gpu_experts(&shape, per_layer, request.statistics);
         for layer in range.clone() {
             if let (Some(slot), Some(experts)) = (placement.get_mut(layer), chosen.get(layer)) {
                 slot.clone_from(experts);

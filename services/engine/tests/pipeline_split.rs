@@ -9,7 +9,9 @@
 //! decode through `forward_logits_on_backend`, as the scheduler calls it). The logits of every
 //! forward and the greedy tokens must equal the unsplit model's. The MoE models run twice: every
 //! expert with the executor, and half of each layer's experts in the slots of its own stage with
-//! the dynamic expert cache moving them. Both models decode op by op (a split model has no step
+//! the dynamic expert cache moving them; the dense model runs twice too, its last two MLPs on the
+//! backend or with the expert executor. An image prompt (embeddings replaced on the first stage,
+//! three-stream rotation on every stage) gives the unsplit logits too. Both models decode op by op (a split model has no step
 //! graphs), so the CUDA case compares the same kernels.
 //!
 //! Served by the scheduler (the logits sampled where the last stage left them, prompts fed in
@@ -37,9 +39,10 @@ use ninfer_engine::service::scheduler::{
     DEFAULT_PREFILL_TIME_SHARE,
 };
 use ninfer_engine::testing::{
-    collect_tokens, golden_fixture_dir, greedy_request, write_tiny_model, TinyArchitecture,
-    TinyModelOptions, GOLDEN_FIXTURES,
+    collect_tokens, golden_fixture_dir, greedy_request, image_prompt_patches, json_numbers,
+    write_tiny_model, TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
 };
+use ninfer_engine::vision::{encode_images, VisionWeights};
 use ninfer_engine::{
     open_artifact, test_device, Backend, ExpertExecutor, LogitsSelection, Model, PipelineStage,
     ReferenceExpertExecutor, SamplingParams, SequenceInput,
@@ -55,13 +58,25 @@ struct Trace {
     tokens: Vec<Vec<u32>>,
 }
 
-/// Where a model's routed experts are computed.
+/// Where a model's routed experts (or a dense model's MLPs) are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Experts {
-    /// Every one by the expert executor.
+    /// Every routed expert by the expert executor; dense MLPs on the backend.
     Executor,
     /// Half of each MoE layer's experts in slots, the expert cache moving them.
     HalfResidentCached,
+    /// A dense model's last two MLPs by the expert executor (`--dense-mlp-offload-layers 2`).
+    OffloadedDenseMlps,
+}
+
+impl Experts {
+    /// Dense MLPs the expert executor computes.
+    fn offloaded_layers(self) -> usize {
+        match self {
+            Experts::OffloadedDenseMlps => 2,
+            Experts::Executor | Experts::HalfResidentCached => 0,
+        }
+    }
 }
 
 fn convert_f32(fixture: &str, output: &Path) -> PathBuf {
@@ -277,14 +292,15 @@ fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(bac
             && artifact.config().common().moe_layers.iter().any(|&moe| moe);
         let expert_modes: &[Experts] = match has_experts {
             true => &[Experts::Executor, Experts::HalfResidentCached],
-            false => &[Experts::Executor],
+            false => &[Experts::Executor, Experts::OffloadedDenseMlps],
         };
         for &experts in expert_modes {
             let unsplit = prepare(
-                Model::load(
+                Model::load_offloading_dense_mlps(
                     Arc::clone(&backend),
                     Arc::clone(&artifact),
                     executor(&artifact),
+                    experts.offloaded_layers(),
                 )
                 .unwrap(),
                 experts,
@@ -298,12 +314,16 @@ fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(bac
                         stages(&backends, &split),
                         Arc::clone(&artifact),
                         executor(&artifact),
-                        0,
+                        experts.offloaded_layers(),
                     )
                     .unwrap(),
                     experts,
                 );
                 assert!(model.is_split());
+                assert_eq!(
+                    model.offloaded_dense_mlp_layers(),
+                    experts.offloaded_layers()
+                );
                 assert_eq!(model.pipeline_stage_layers(), split);
                 assert!(!model.has_mtp(), "a split model leaves the MTP head out");
                 let got = run(&model);
@@ -538,3 +558,80 @@ fn served_split_with_the_prefix_cache_gives_the_unsplit_tokens<B: OpenOnSameDevi
     }
 }
 test_device!(served_split_with_the_prefix_cache_gives_the_unsplit_tokens);
+
+/// Every position's logits of the qwen3_5_moe fixture's image prompt (three images attached),
+/// then a few greedy decode steps.
+fn image_prompt_logits<B: Backend>(model: &Model<B>, reference: &serde_json::Value) -> Trace {
+    let (grids, rows) = image_prompt_patches(reference);
+    let weights = VisionWeights::load(model.artifact())
+        .unwrap()
+        .expect("the fixture has a vision tower");
+    let embeddings = encode_images(&weights, &rows, &grids).unwrap().merged;
+    let tokens: Vec<u32> = json_numbers(&reference["token_ids"])
+        .into_iter()
+        .map(|v| v as u32)
+        .collect();
+    let vocab = model.vocab_size();
+    let mut state = model.new_sequence(tokens.len() + DECODE_STEPS).unwrap();
+    model
+        .attach_images(&mut state, &tokens, &grids, embeddings)
+        .unwrap();
+    let all = model
+        .forward(
+            &mut [SequenceInput {
+                state: &mut state,
+                tokens: &tokens,
+            }],
+            LogitsSelection::All,
+        )
+        .unwrap()
+        .remove(0);
+    let mut trace = Trace::default();
+    let mut token = argmax(&all[all.len() - vocab..]);
+    trace.logits.push(all);
+    let mut decoded = vec![token];
+    for _ in 0..DECODE_STEPS {
+        let logits = model.prefill(&mut state, &[token]).unwrap();
+        token = argmax(&logits);
+        decoded.push(token);
+        trace.logits.push(logits);
+    }
+    trace.tokens.push(decoded);
+    trace
+}
+
+fn an_image_prompt_split_gives_the_unsplit_logits<B: OpenOnSameDevice>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            golden_fixture_dir("qwen3_5_moe").join("image_prompt_reference.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let path = convert_f32("qwen3_5_moe", directory.path());
+    let artifact = open_artifact(&path).unwrap();
+    let layers = artifact.config().common().num_hidden_layers;
+    let unsplit = Model::load(
+        Arc::clone(&backend),
+        Arc::clone(&artifact),
+        executor(&artifact),
+    )
+    .unwrap();
+    unsplit.set_step_graphs(false);
+    let expected = image_prompt_logits(&unsplit, &reference);
+    drop(unsplit);
+    let second = Arc::new(backend.open_on_same_device().unwrap());
+    let split = Model::load_pipeline(
+        stages(&[Arc::clone(&backend), second], &[0..1, 1..layers]),
+        Arc::clone(&artifact),
+        executor(&artifact),
+        0,
+    )
+    .unwrap();
+    let got = image_prompt_logits(&split, &reference);
+    if let Some(difference) = first_difference(&got, &expected) {
+        panic!("image prompt split on {}: {difference}", backend.name());
+    }
+}
+test_device!(an_image_prompt_split_gives_the_unsplit_logits);

@@ -14,15 +14,17 @@
 //! split forward hands layers off through the host) and step graphs (a split decode runs op by
 //! op on every stage; the next step is one graph per stage, recorded between two crossings).
 //!
-//! Owns: the stages, which stage a layer is on, and the crossing between two stages.
-//! Must not touch: the ops of a layer (`forward.rs`), loading (`loading.rs`).
+//! Owns: the stages and which stage a layer is on (here), the model's accessors of them and the
+//! crossing between two stages (`pipeline/stage_access.rs`). Must not touch: the ops of a layer
+//! (`forward.rs`), loading (`loading.rs`).
+
+mod stage_access;
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::EngineError;
-use crate::model::Model;
 
 /// One stage of a layer split: a backend and the decoder layers it owns.
 pub struct PipelineStage<B: Backend> {
@@ -123,58 +125,5 @@ pub(in crate::model) fn stage_backend<'m, B: Backend>(
     match pipeline {
         None => backend,
         Some(stages) => stages.backend_of_layer(index),
-    }
-}
-
-impl<B: Backend> Model<B> {
-    /// The backend decoder layer `index` runs on (past the decoder layers: the last stage's).
-    pub(in crate::model) fn layer_backend(&self, index: usize) -> &B {
-        stage_backend(&self.backend, &self.pipeline, index)
-    }
-
-    /// The backend of the final norm and the output head: the last stage's. Tensors of
-    /// [`Model::forward_logits_on_backend`], [`Model::forward_hidden`] and
-    /// [`Model::head_logits_on_backend`] live there (with one stage, [`Model::backend`]).
-    pub fn output_backend(&self) -> &B {
-        match &self.pipeline {
-            None => &self.backend,
-            Some(stages) => stages.last(),
-        }
-    }
-
-    /// The decoder layers of each stage, in order (one range of every layer when unsplit).
-    pub fn pipeline_stage_layers(&self) -> Vec<Range<usize>> {
-        match &self.pipeline {
-            #[allow(clippy::single_range_in_vec_init)] // one stage: one range, not its layers
-            None => vec![0..self.layers.len()],
-            Some(stages) => stages.layer_ranges(),
-        }
-    }
-
-    /// Whether the model is split over several backends.
-    pub fn is_split(&self) -> bool {
-        self.pipeline.is_some()
-    }
-
-    /// After layer `index`: when the next layer runs on another stage, `hidden` and `fed` (the
-    /// residual stream and the output that joins it) moved there, and that stage's backend.
-    /// The residual add and the next layer's input norm then run on the next stage, as one
-    /// op, exactly as the unsplit model runs them.
-    pub(in crate::model) fn cross_to_next_stage(
-        &self,
-        index: usize,
-        hidden: &mut B::Tensor,
-        fed: &mut B::Tensor,
-    ) -> Result<Option<&B>, EngineError> {
-        let Some(stages) = &self.pipeline else {
-            return Ok(None);
-        };
-        let Some(next) = stages.next_stage_after(index) else {
-            return Ok(None);
-        };
-        let here = stages.backend_of_layer(index);
-        *hidden = here.move_tensor_to(hidden, next)?;
-        *fed = here.move_tensor_to(fed, next)?;
-        Ok(Some(next))
     }
 }

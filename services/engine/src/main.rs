@@ -564,10 +564,11 @@ fn start_scheduler<B: Backend>(
     } else {
         0
     };
-    let staging_asked = request.prefill_staging_min_tokens > 0 || layerwise_min_tokens > 0;
-    if staging_asked && model.is_split() {
+    // A split stages on every stage (its own slots for its own layers); layerwise prefill,
+    // whose stream plans every layer over one set of slots, stays off.
+    if model.is_split() && layerwise_min_tokens > 0 {
         tracing::info!(
-            "prefill staging and layerwise prefill are off with a layer split (one set of staging slots serves every layer on one card)"
+            "layerwise prefill is off with a layer split; the staged route (--moe-prefill-gpu-min-tokens) runs on every stage"
         );
     }
     let layerwise_min_tokens = if model.is_split() {
@@ -575,7 +576,7 @@ fn start_scheduler<B: Backend>(
     } else {
         layerwise_min_tokens
     };
-    if staging_asked && !model.is_split() {
+    if request.prefill_staging_min_tokens > 0 || layerwise_min_tokens > 0 {
         // Before the expert slots, so their budget sees this memory as used.
         let bytes = model
             .enable_prefill_staging_with(PrefillStagingOptions {

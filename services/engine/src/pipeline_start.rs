@@ -5,9 +5,10 @@
 //! stage is the unsplit model and takes none of this.
 //!
 //! The split's decode runs op by op on every stage (a step graph records one backend's stream;
-//! the next step is a graph per stage between two crossings), prefill staging and layerwise
-//! prefill are off (one set of staging slots on one card), and every MoE layer's non-resident
-//! experts go to the expert executor as before.
+//! the next step is a graph per stage between two crossings), the staged prefill route runs on
+//! every stage with its own staging slots, layerwise prefill is off (its stream plans every
+//! layer over one set of slots), and the other non-resident experts go to the expert executor
+//! as before.
 //!
 //! Owns: the stages' backends, layer ranges and expert placement. Must not touch: the model's
 //! forward (library), the flags' checks (`gpu_choice.rs`).

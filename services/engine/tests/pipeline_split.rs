@@ -7,26 +7,28 @@
 //! stages), runs one sequence alone (prefill with every position's logits, then greedy decode)
 //! and three sequences of different lengths together (one batched prefill, then batched greedy
 //! decode through `forward_logits_on_backend`, as the scheduler calls it). The logits of every
-//! forward and the greedy tokens must equal the unsplit model's. The MoE models run twice: every
-//! expert with the executor, and half of each layer's experts in the slots of its own stage with
-//! the dynamic expert cache moving them; the dense model runs twice too, its last two MLPs on the
-//! backend or with the expert executor. An image prompt (embeddings replaced on the first stage,
-//! three-stream rotation on every stage) gives the unsplit logits too. Both models decode op by op (a split model has no step
-//! graphs), so the CUDA case compares the same kernels.
+//! forward and the greedy tokens must equal the unsplit model's. The MoE models run three
+//! times: every expert with the executor; half of each layer's experts in the slots of its own
+//! stage with the dynamic expert cache moving them; batches of 4 rows and more staged (each
+//! stage's staging slots computing its layers' routed experts). The dense model runs twice, its
+//! last two MLPs on the backend or with the expert executor. An image prompt (embeddings
+//! replaced on the first stage, three-stream rotation on every stage) gives the unsplit logits
+//! too. Both models decode op by op (a split model has no step graphs), so the CUDA case
+//! compares the same kernels.
 //!
 //! Served by the scheduler (the logits sampled where the last stage left them, prompts fed in
 //! chunks), a split model gives every request, greedy or seeded sampling, the unsplit model's
 //! tokens (one request at a time: which requests share a batch depends on timing, and the
-//! batched forwards are checked above).
+//! batched forwards are checked above), with and without the prefix cache.
 //!
-//! The refusals: stages that do not cover the layers once in order, a qwen4_exp model, prefill
-//! staging on a split model; a split model leaves the MTP head out.
+//! The refusals: stages that do not cover the layers once in order, a qwen4_exp model,
+//! layerwise prefill on a split model; a split model leaves the MTP head out.
 
 #![allow(clippy::single_range_in_vec_init)] // a stage's layers are one range
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ninfer_artifact::{Artifact, DType};
 use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
@@ -44,18 +46,56 @@ use ninfer_engine::testing::{
 };
 use ninfer_engine::vision::{encode_images, VisionWeights};
 use ninfer_engine::{
-    open_artifact, test_device, Backend, ExpertExecutor, LogitsSelection, Model, PipelineStage,
-    ReferenceExpertExecutor, SamplingParams, SequenceInput,
+    open_artifact, test_device, Backend, EngineError, ExpertBatch, ExpertExecutor, LogitsSelection,
+    Model, PipelineStage, PrefillStagingOptions, ReferenceExpertExecutor, SamplingParams,
+    SequenceInput,
 };
 
 const MAX_CONTEXT: usize = 64;
 const DECODE_STEPS: usize = 5;
 
-/// Every forward's logits and every sequence's greedy tokens, in the order they were computed.
+/// Every forward's logits and every sequence's greedy tokens, in the order they were computed,
+/// and what the expert executor was asked to compute.
 #[derive(Debug, Default)]
 struct Trace {
     logits: Vec<Vec<f32>>,
     tokens: Vec<Vec<u32>>,
+    /// (layer, rows) of each executor call, in order: which side computed an expert leaves the
+    /// values alike on the CPU, so the routes are compared here.
+    executor_calls: Vec<(usize, usize)>,
+}
+
+/// The f32 reference executor, noting the layer and rows of every call.
+struct NotingExecutor {
+    inner: ReferenceExpertExecutor,
+    calls: Mutex<Vec<(usize, usize)>>,
+}
+
+impl NotingExecutor {
+    fn new(artifact: &Arc<Artifact>) -> Arc<Self> {
+        Arc::new(NotingExecutor {
+            inner: ReferenceExpertExecutor::new(Arc::clone(artifact)),
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn calls(&self) -> Vec<(usize, usize)> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl ExpertExecutor for NotingExecutor {
+    fn name(&self) -> &str {
+        "noting reference"
+    }
+
+    fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((batch.layer, batch.tokens()));
+        self.inner.compute(batch, out)
+    }
 }
 
 /// Where a model's routed experts (or a dense model's MLPs) are computed.
@@ -67,6 +107,9 @@ enum Experts {
     HalfResidentCached,
     /// A dense model's last two MLPs by the expert executor (`--dense-mlp-offload-layers 2`).
     OffloadedDenseMlps,
+    /// Batches of 4 rows and more staged: their routed experts copied into each stage's
+    /// staging slots and computed there.
+    Staged,
 }
 
 impl Experts {
@@ -74,7 +117,7 @@ impl Experts {
     fn offloaded_layers(self) -> usize {
         match self {
             Experts::OffloadedDenseMlps => 2,
-            Experts::Executor | Experts::HalfResidentCached => 0,
+            Experts::Executor | Experts::HalfResidentCached | Experts::Staged => 0,
         }
     }
 }
@@ -154,6 +197,9 @@ fn prepare<B: Backend>(mut model: Model<B>, experts: Experts) -> Model<B> {
                 None,
             )
             .unwrap();
+    }
+    if experts == Experts::Staged {
+        assert!(model.enable_prefill_staging(4).unwrap() > 0);
     }
     model
 }
@@ -243,6 +289,12 @@ fn first_difference(split: &Trace, unsplit: &Trace) -> Option<String> {
             split.tokens, unsplit.tokens
         ));
     }
+    if split.executor_calls != unsplit.executor_calls {
+        return Some(format!(
+            "executor calls (layer, rows) {:?}, unsplit {:?}",
+            split.executor_calls, unsplit.executor_calls
+        ));
+    }
     if split.logits.len() != unsplit.logits.len() {
         return Some(format!(
             "{} forwards, unsplit {}",
@@ -291,29 +343,36 @@ fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(bac
         let has_experts = artifact.config().common().num_experts > 0
             && artifact.config().common().moe_layers.iter().any(|&moe| moe);
         let expert_modes: &[Experts] = match has_experts {
-            true => &[Experts::Executor, Experts::HalfResidentCached],
+            true => &[
+                Experts::Executor,
+                Experts::HalfResidentCached,
+                Experts::Staged,
+            ],
             false => &[Experts::Executor, Experts::OffloadedDenseMlps],
         };
         for &experts in expert_modes {
+            let noting = NotingExecutor::new(&artifact);
             let unsplit = prepare(
                 Model::load_offloading_dense_mlps(
                     Arc::clone(&backend),
                     Arc::clone(&artifact),
-                    executor(&artifact),
+                    Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
                     experts.offloaded_layers(),
                 )
                 .unwrap(),
                 experts,
             );
             assert!(!unsplit.is_split());
-            let expected = run(&unsplit);
+            let mut expected = run(&unsplit);
+            expected.executor_calls = noting.calls();
             drop(unsplit);
             for split in splits(layers) {
+                let noting = NotingExecutor::new(&artifact);
                 let model = prepare(
                     Model::load_pipeline(
                         stages(&backends, &split),
                         Arc::clone(&artifact),
-                        executor(&artifact),
+                        Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
                         experts.offloaded_layers(),
                     )
                     .unwrap(),
@@ -326,7 +385,8 @@ fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(bac
                 );
                 assert_eq!(model.pipeline_stage_layers(), split);
                 assert!(!model.has_mtp(), "a split model leaves the MTP head out");
-                let got = run(&model);
+                let mut got = run(&model);
+                got.executor_calls = noting.calls();
                 if let Some(difference) = first_difference(&got, &expected) {
                     panic!(
                         "{} split {split:?} ({experts:?}, {}): {difference}",
@@ -376,7 +436,7 @@ fn load_error<B: Backend>(
 }
 
 /// Stages that skip, repeat or leave out layers, or own none, are refused by name; so are a
-/// qwen4_exp model and prefill staging on a split model.
+/// qwen4_exp model and layerwise prefill on a split model.
 fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: Arc<B>) {
     let directory = tempfile::tempdir().unwrap();
     let backends = vec![
@@ -403,8 +463,27 @@ fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: A
         0,
     )
     .unwrap();
-    let error = model.enable_prefill_staging(4).unwrap_err().to_string();
-    assert!(error.contains("split over several backends"), "{error}");
+    // The staged route: one set of staging slots per stage, each for its own MoE layers.
+    let mut unsplit = Model::load(
+        Arc::clone(&backend),
+        Arc::clone(&artifact),
+        executor(&artifact),
+    )
+    .unwrap();
+    let one_set = unsplit.enable_prefill_staging(4).unwrap();
+    assert!(one_set > 0);
+    assert_eq!(model.enable_prefill_staging(4).unwrap(), 2 * one_set);
+    let error = model
+        .enable_prefill_staging_with(PrefillStagingOptions {
+            staged_min_tokens: 4,
+            layerwise_min_tokens: 8,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("layerwise prefill is not available on a model split"),
+        "{error}"
+    );
 
     let qwen4_exp = convert_f32("qwen4_exp", directory.path());
     let artifact = open_artifact(&qwen4_exp).unwrap();

@@ -8,6 +8,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use ninfer_cpu_experts::ExpertLayout;
+
 use crate::backend::{Backend, ExpertSlotFills, Routing, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::model::layers::FeedForward;
@@ -148,24 +150,13 @@ impl<B: Backend> Model<B> {
         options: PrefillStagingOptions,
     ) -> Result<u64, EngineError> {
         if self.is_split() {
-            // One set of staging slots serves every layer, and they live on one backend.
-            return Err(EngineError::InvalidConfig {
-                problem: "prefill staging and layerwise prefill are not available on a model split over several backends yet".into(),
-            });
+            // Each stage stages its own layers' experts in its own slots.
+            return self.enable_prefill_staging_per_stage(options);
         }
         let common = &self.spec.common;
-        let mut layouts = self.placed_moe_layers().map(|moe| moe.layout(common));
-        let Some(first) = layouts.next() else {
+        let Some(layout) = self.staging_layout()? else {
             return Ok(0);
         };
-        let layout = first?;
-        for other in layouts {
-            if other? != layout {
-                return Err(EngineError::InvalidConfig {
-                    problem: "prefill staging needs every MoE layer's experts in one layout".into(),
-                });
-            }
-        }
         let halves = if options.layerwise_min_tokens > 0 {
             2
         } else {
@@ -200,6 +191,25 @@ impl<B: Backend> Model<B> {
             }),
         });
         Ok((halves * common.num_experts * layout.stride) as u64)
+    }
+
+    /// The one layout every MoE layer's experts share, which staging slots take; `None` for a
+    /// model without routed experts.
+    pub(in crate::model) fn staging_layout(&self) -> Result<Option<ExpertLayout>, EngineError> {
+        let common = &self.spec.common;
+        let mut layouts = self.placed_moe_layers().map(|moe| moe.layout(common));
+        let Some(first) = layouts.next() else {
+            return Ok(None);
+        };
+        let layout = first?;
+        for other in layouts {
+            if other? != layout {
+                return Err(EngineError::InvalidConfig {
+                    problem: "prefill staging needs every MoE layer's experts in one layout".into(),
+                });
+            }
+        }
+        Ok(Some(layout))
     }
 
     pub(in crate::model) fn layerwise_settings(&self) -> Result<&LayerwiseSettings, EngineError> {

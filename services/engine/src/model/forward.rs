@@ -520,8 +520,9 @@ impl<B: Backend> Model<B> {
                     if let Some(next_stage) =
                         self.cross_to_next_stage(index, &mut hidden, &mut fed)?
                     {
-                        backend = next_stage;
-                        scratch.moe_context.backend = next_stage;
+                        backend = next_stage.backend;
+                        scratch.moe_context.backend = next_stage.backend;
+                        scratch.moe_context.staging = next_stage.staging;
                     }
                     next = Some(backend.add_rms_norm(
                         &mut hidden,

@@ -8,9 +8,13 @@
 //! A model of one stage has no [`PipelineStages`] at all: every accessor below then answers
 //! the model's one backend, so the unsplit forward runs exactly the ops it always ran.
 //!
+//! Prefill staging runs per stage: each stage has its own staging slots for its own MoE layers
+//! (`pipeline/stage_staging.rs`), and a forward crossing to a stage hands its layers that
+//! stage's slots.
+//!
 //! Not split yet (the loader or the engine refuses them with a split): the MTP head (not
-//! loaded on a split model), the qwen4_exp graph, prefill staging and layerwise prefill (one
-//! set of staging slots on one backend), the backend's own hand-off to the expert workers (a
+//! loaded on a split model), the qwen4_exp graph, layerwise prefill (its stream plans every
+//! layer's copies over one set of slots), the backend's own hand-off to the expert workers (a
 //! split forward hands layers off through the host) and step graphs (a split decode runs op by
 //! op on every stage; the next step is one graph per stage, recorded between two crossings).
 //!
@@ -19,17 +23,25 @@
 //! (`forward.rs`), loading (`loading.rs`).
 
 mod stage_access;
+mod stage_staging;
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::EngineError;
+use crate::moe::layer::PrefillStaging;
 
 /// One stage of a layer split: a backend and the decoder layers it owns.
 pub struct PipelineStage<B: Backend> {
     pub backend: Arc<B>,
     pub layers: Range<usize>,
+}
+
+/// The stage a forward crosses to: its backend and its prefill staging slots.
+pub(in crate::model) struct NextStage<'m, B: Backend> {
+    pub(in crate::model) backend: &'m B,
+    pub(in crate::model) staging: Option<&'m PrefillStaging<B>>,
 }
 
 /// The stages of a model split over several backends.
@@ -38,6 +50,9 @@ pub(in crate::model) struct PipelineStages<B: Backend> {
     backends: Vec<Arc<B>>,
     /// Per decoder layer, the index of its stage in `backends`.
     stage_of_layer: Vec<usize>,
+    /// Per stage after the first, its prefill staging slots (`None`: off, or no MoE layer);
+    /// the first stage's are the model's `prefill_staging`, as unsplit.
+    later_staging: Vec<Option<PrefillStaging<B>>>,
 }
 
 impl<B: Backend> PipelineStages<B> {
@@ -74,6 +89,7 @@ impl<B: Backend> PipelineStages<B> {
         Ok((
             first_backend,
             Some(PipelineStages {
+                later_staging: (1..stages.len()).map(|_| None).collect(),
                 backends: stages.into_iter().map(|stage| stage.backend).collect(),
                 stage_of_layer,
             }),
@@ -96,11 +112,19 @@ impl<B: Backend> PipelineStages<B> {
         &self.backends[last]
     }
 
-    /// When layer `index + 1` runs on another stage than layer `index`: that stage's backend.
-    pub(in crate::model) fn next_stage_after(&self, index: usize) -> Option<&B> {
+    /// When layer `index + 1` runs on another stage than layer `index`: that stage's backend
+    /// and its prefill staging slots.
+    pub(in crate::model) fn next_stage_after(&self, index: usize) -> Option<NextStage<'_, B>> {
         let here = self.stage_of_layer.get(index)?;
-        let next = self.stage_of_layer.get(index + 1)?;
-        (here != next).then(|| &*self.backends[*next])
+        let next = *self.stage_of_layer.get(index + 1)?;
+        let staging = next
+            .checked_sub(1)
+            .and_then(|later| self.later_staging.get(later))
+            .and_then(Option::as_ref);
+        (*here != next).then(|| NextStage {
+            backend: &*self.backends[next],
+            staging,
+        })
     }
 
     fn layer_ranges(&self) -> Vec<Range<usize>> {

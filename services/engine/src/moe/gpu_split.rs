@@ -15,8 +15,9 @@
 //! has left after loading (the single-card rule, per card). Not run split yet, and refused with
 //! both flags named ([`refuse_unsplit_features`]): the MTP head (`--spec mtp`; a split model
 //! does not load it, so the plan's MTP share on the last card stays unused) and KV caches in
-//! host memory. Prefill staging and layerwise prefill are off, and decode runs
-//! op by op (no CUDA graphs) on a split model.
+//! host memory. On a split model the staged prefill route runs on every card (its own staging
+//! slots for its own layers), layerwise prefill is off, and decode runs op by op (no CUDA
+//! graphs).
 //!
 //! Owns: the device list the planner reads, the flag parsers and checks, the pure split.
 //! Must not touch: the CUDA driver (callers enumerate the cards), starting anything.

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use super::stage_backend;
+use super::{stage_backend, NextStage};
 use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::model::Model;
@@ -41,15 +41,15 @@ impl<B: Backend> Model<B> {
     }
 
     /// After layer `index`: when the next layer runs on another stage, `hidden` and `fed` (the
-    /// residual stream and the output that joins it) moved there, and that stage's backend.
-    /// The residual add and the next layer's input norm then run on the next stage, as one
-    /// op, exactly as the unsplit model runs them.
+    /// residual stream and the output that joins it) moved there, and that stage's backend and
+    /// prefill staging slots. The residual add and the next layer's input norm then run on the
+    /// next stage, as one op, exactly as the unsplit model runs them.
     pub(in crate::model) fn cross_to_next_stage(
         &self,
         index: usize,
         hidden: &mut B::Tensor,
         fed: &mut B::Tensor,
-    ) -> Result<Option<&B>, EngineError> {
+    ) -> Result<Option<NextStage<'_, B>>, EngineError> {
         let Some(stages) = &self.pipeline else {
             return Ok(None);
         };
@@ -57,8 +57,8 @@ impl<B: Backend> Model<B> {
             return Ok(None);
         };
         let here = stages.backend_of_layer(index);
-        *hidden = here.move_tensor_to(hidden, next)?;
-        *fed = here.move_tensor_to(fed, next)?;
+        *hidden = here.move_tensor_to(hidden, next.backend)?;
+        *fed = here.move_tensor_to(fed, next.backend)?;
         Ok(Some(next))
     }
 }

@@ -495,12 +495,14 @@ test_device!(wrong_splits_and_unsplit_features_are_refused);
 
 /// Every request's tokens, and the prompt tokens the prefix cache gave it, from `model` served
 /// by the scheduler one request after the other: even ones greedy, odd ones sampled with a
-/// seed.
+/// seed. Op by op, as a split model decodes (a step graph's values are not held to the bits of
+/// the ops it records).
 fn served_tokens<B: Backend>(
     model: Model<B>,
     prompts: &[Vec<u32>],
     prefix_cache: PrefixCacheSettings,
 ) -> Vec<(Vec<u32>, u32)> {
+    model.set_step_graphs(false);
     let commands = scheduler::start_serving(
         Arc::new(model),
         SchedulerLimits {

@@ -522,7 +522,7 @@ fn start_scheduler<B: Backend>(
     counters: &Arc<SchedulerCounters>,
 ) -> anyhow::Result<StartedScheduler> {
     let layers = artifact.config().common().num_hidden_layers;
-    let ranges = stages.layer_ranges(layers, &device_memory)?;
+    let ranges = stages.layer_ranges(layers, &device_memory, request.budget_gib)?;
     let pipeline: Vec<PipelineStage<B>> = stages
         .backends
         .iter()

@@ -21,8 +21,8 @@ use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions};
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::moe::gpu_split::layer_ranges;
 use ninfer_engine::moe::placement::{
-    choose_gpu_experts, expert_slot_budget, experts_per_layer, kv_cache_bytes, GpuExpertCount,
-    GpuExpertShape, SlotMemoryBudget, WORKING_MEMORY_BYTES,
+    choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
+    GpuExpertCount, GpuExpertShape, SlotMemoryBudget, WORKING_MEMORY_BYTES,
 };
 use ninfer_engine::service::routing_stats::ExpertStatistics;
 use ninfer_engine::{Backend, Model};
@@ -64,11 +64,14 @@ impl<B: Backend> StageBackends<B> {
     }
 
     /// Each stage's decoder layers: by `--gpu-split`; else, for stages on cards of their own,
-    /// in proportion to each card's free memory less its working memory (`memory`); else equal.
+    /// in proportion to the memory each card offers (`memory`: free, or within
+    /// `--gpu-mem-budget` less what is already used, as the planner counts it) less its
+    /// working memory; else equal.
     pub(crate) fn layer_ranges(
         &self,
         layers: usize,
         memory: &impl Fn(&B) -> Option<(usize, usize)>,
+        budget_gib: Option<f64>,
     ) -> anyhow::Result<Vec<Range<usize>>> {
         if !self.is_split() {
             return Ok(std::iter::once(0..layers).collect());
@@ -80,8 +83,14 @@ impl<B: Backend> StageBackends<B> {
             self.backends
                 .iter()
                 .map(|backend| {
-                    memory(backend)
-                        .map(|(free, _)| (free as u64).saturating_sub(WORKING_MEMORY_BYTES).max(1))
+                    memory(backend).map(|(free, total)| {
+                        let (free, total) = (free as u64, total as u64);
+                        let offered = match budget_gib.map(gib_to_bytes) {
+                            Some(cap) => cap.min(total).saturating_sub(total.saturating_sub(free)),
+                            None => free,
+                        };
+                        offered.saturating_sub(WORKING_MEMORY_BYTES).max(1)
+                    })
                 })
                 .collect()
         };
@@ -220,4 +229,63 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
     );
     let clamp = |count: usize| u32::try_from(count).unwrap_or(u32::MAX);
     Ok((clamp(fewest.min(most)), clamp(most)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ninfer_engine::CpuBackend;
+
+    const GIB: usize = 1 << 30;
+
+    /// Two stages on cards of their own: by default the layers follow the memory each card
+    /// offers (within `--gpu-mem-budget`, less working memory); `--gpu-split` overrides it;
+    /// stages sharing one device split evenly.
+    #[test]
+    fn stage_layers_follow_the_cards_memory_the_budget_and_the_split() {
+        let backends = vec![Arc::new(CpuBackend::new()), Arc::new(CpuBackend::new())];
+        let first = Arc::clone(&backends[0]);
+        // Card 0: 41 GiB free of 48; card 1: 21 GiB free of 24.
+        let memory = |backend: &CpuBackend| {
+            Some(match std::ptr::eq(backend, &*first) {
+                true => (41 * GIB, 48 * GIB),
+                false => (21 * GIB, 24 * GIB),
+            })
+        };
+        let stages = |shares: Option<Vec<u64>>, stages_per_device: usize| StageBackends {
+            backends: backends.clone(),
+            shares,
+            stages_per_device,
+            split_flag: "--gpus 0,1".into(),
+        };
+        // 40 : 20 GiB after working memory.
+        assert_eq!(
+            stages(None, 1).layer_ranges(12, &memory, None).unwrap(),
+            vec![0..8, 8..12]
+        );
+        // A 24 GiB budget: 24 − 7 − 1 = 16 against 24 − 3 − 1 = 20.
+        let budgeted = stages(None, 1)
+            .layer_ranges(18, &memory, Some(24.0))
+            .unwrap();
+        assert_eq!(budgeted, vec![0..8, 8..18]);
+        assert_eq!(
+            stages(Some(vec![25, 75]), 1)
+                .layer_ranges(12, &memory, None)
+                .unwrap(),
+            vec![0..3, 3..12]
+        );
+        assert_eq!(
+            stages(None, 2).layer_ranges(12, &memory, None).unwrap(),
+            vec![0..6, 6..12]
+        );
+        assert_eq!(
+            stages(None, 1).layer_ranges(12, &|_| None, None).unwrap(),
+            vec![0..6, 6..12]
+        );
+        let error = stages(None, 1)
+            .layer_ranges(1, &memory, None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--gpus 0,1"), "{error}");
+    }
 }

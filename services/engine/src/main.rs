@@ -552,6 +552,9 @@ fn start_scheduler<B: Backend>(
                 "pipeline stage"
             );
         }
+        tracing::info!(
+            "layer split: decode runs op by op on every stage (no CUDA graphs), the hidden state crosses stages through host memory, and MoE layers go to the expert workers through the host"
+        );
     }
     if request.dense_mlp_offload_layers > 0 {
         tracing::info!(

@@ -66,8 +66,7 @@ pub struct Plan {
     pub gpu_experts_estimate: Option<usize>,
     pub gpu_mem_budget_gib: Option<f64>,
     /// Each chosen GPU's share: its layers, dense and KV bytes, expert slots per layer (one
-    /// entry on a machine with one GPU; none on the CPU). Several entries are a layer split,
-    /// planned but not executed yet.
+    /// entry on a machine with one GPU; none on the CPU). Several entries are a layer split.
     pub gpus: Vec<CardPlan>,
     pub numa_nodes: Vec<usize>,
     pub expert_workers: Vec<WorkerPlan>,

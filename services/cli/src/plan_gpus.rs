@@ -8,8 +8,8 @@
 
 use anyhow::bail;
 use ninfer_engine::moe::gpu_split::{
-    parse_gpu_ordinals, parse_gpu_split, plan_gpu_split, select_gpus, several_gpus_not_executable,
-    CardPlan, GpuDevice, GpuSplitError, SplitModel, SplitRequest,
+    parse_gpu_ordinals, parse_gpu_split, plan_gpu_split, refuse_unsplit_features, select_gpus,
+    CardPlan, GpuDevice, GpuSplitError, SplitFeatureFlags, SplitModel, SplitRequest,
 };
 
 use crate::model_facts::ModelFacts;
@@ -296,10 +296,9 @@ pub fn gpu_kv_bytes(
 /// The plan's `device` line: the card it runs on, or the cards it splits over, or the CPU.
 pub fn device_description(chosen: &[GpuDevice], gpu: Option<&Gpu>) -> String {
     match gpu {
-        Some(_) if chosen.len() > 1 => format!(
-            "cuda: GPUs {} (layer split planned; its execution is not built yet)",
-            ordinals(chosen)
-        ),
+        Some(_) if chosen.len() > 1 => {
+            format!("cuda: GPUs {} (layers split over them)", ordinals(chosen))
+        }
         Some(gpu) => format!(
             "cuda: GPU {}, {:.1} of {:.1} GiB free",
             chosen.first().map_or(0, |card| card.ordinal),
@@ -319,13 +318,25 @@ fn ordinals(cards: &[GpuDevice]) -> String {
         .join(",")
 }
 
-/// Refuses to start a run over several GPUs: their layer split is planned, not executed yet.
-pub fn refuse_several_gpus(cards: &[CardPlan]) -> anyhow::Result<()> {
+/// Refuses a run over several GPUs that asks for a feature their layer split does not run yet
+/// (the engine refuses it too; here the message comes before anything starts).
+pub fn refuse_unsplit_features_of(
+    cards: &[CardPlan],
+    features: &SplitFeatureFlags,
+) -> anyhow::Result<()> {
     if cards.len() > 1 {
-        let chosen: Vec<usize> = cards.iter().map(|card| card.ordinal).collect();
-        bail!(several_gpus_not_executable(&chosen));
+        refuse_unsplit_features(&format!("--gpus {}", ordinals_of_plans(cards)), features)?;
     }
     Ok(())
+}
+
+/// `0,1`.
+fn ordinals_of_plans(cards: &[CardPlan]) -> String {
+    cards
+        .iter()
+        .map(|card| card.ordinal.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]
@@ -373,7 +384,11 @@ mod tests {
             card.expert_slots_per_layer.abs_diff(estimate) <= 1,
             "{card:?} against {estimate}"
         );
-        assert!(refuse_several_gpus(&planned.gpus).is_ok());
+        let speculating = SplitFeatureFlags {
+            speculation: true,
+            ..Default::default()
+        };
+        assert!(refuse_unsplit_features_of(&planned.gpus, &speculating).is_ok());
         // Without a GPU: no cards.
         let cpu = crate::plan::tests::machine(None, 512, 1);
         let planned = crate::plan::plan(&facts, &cpu, &crate::plan::tests::request()).unwrap();
@@ -381,13 +396,12 @@ mod tests {
     }
 
     #[test]
-    fn two_cards_split_the_layers_and_refuse_to_run() {
+    fn two_cards_split_the_layers_and_refuse_what_a_split_does_not_run() {
         let facts = crate::plan::tests::facts();
         // Unnamed, a second card is left alone: the run stays on the first, as before.
         let planned =
             crate::plan::plan(&facts, &two_cards(48, 24), &crate::plan::tests::request()).unwrap();
         assert_eq!(planned.gpus.len(), 1, "{:?}", planned.gpus);
-        assert!(refuse_several_gpus(&planned.gpus).is_ok());
         let request = Request {
             gpus: Some("0,1".into()),
             ..crate::plan::tests::request()
@@ -404,9 +418,16 @@ mod tests {
         );
         assert_eq!(first.dense_bytes + second.dense_bytes, facts.dense_bytes);
         assert!(planned.device.contains("GPUs 0,1"), "{}", planned.device);
-        let message = refuse_several_gpus(&planned.gpus).unwrap_err().to_string();
+        assert!(refuse_unsplit_features_of(&planned.gpus, &SplitFeatureFlags::default()).is_ok());
+        let speculating = SplitFeatureFlags {
+            speculation: true,
+            ..Default::default()
+        };
+        let message = refuse_unsplit_features_of(&planned.gpus, &speculating)
+            .unwrap_err()
+            .to_string();
         assert!(
-            message.contains("GPUs 0,1") && message.contains("not built yet"),
+            message.starts_with("--spec mtp with --gpus 0,1:"),
             "{message}"
         );
         let json = serde_json::to_value(&planned).unwrap();

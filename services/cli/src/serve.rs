@@ -70,9 +70,9 @@ pub struct EngineFlags {
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
     /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
-    /// applies), comma separated. Default: the first visible GPU. With several named,
-    /// `--dry-run` shows how the layers split over them; running over several is not built
-    /// yet, so such a run refuses to start.
+    /// applies), comma separated. Default: the first visible GPU. Several named split the
+    /// decoder layers over them as a pipeline (`--dry-run` shows each card's share); such a
+    /// split refuses `--spec mtp` and `--host-kv-mib`.
     #[arg(long, value_name = "0,1")]
     pub gpus: Option<String>,
     /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:
@@ -318,7 +318,13 @@ pub fn start_pipeline(
     flags: &EngineFlags,
     plan: &Plan,
 ) -> anyhow::Result<String> {
-    crate::plan_gpus::refuse_several_gpus(&plan.gpus)?;
+    crate::plan_gpus::refuse_unsplit_features_of(
+        &plan.gpus,
+        &ninfer_engine::moe::gpu_split::SplitFeatureFlags {
+            speculation: flags.speculates(),
+            host_kv_mib: plan.host_kv_mib,
+        },
+    )?;
     // Fail here, with the file named, rather than in a child's log.
     let artifact = ninfer_artifact::Artifact::open(model)
         .with_context(|| format!("opening {}", model.display()))?;

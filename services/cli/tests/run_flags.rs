@@ -176,9 +176,10 @@ fn the_seeds_program_names_answer() {
 }
 
 /// A machine with two GPUs (described by `--machine-profile`): `--dry-run --json` lists each
-/// card's layers; the run itself refuses to start, as the split is planned but not executed.
+/// card's layers; a run over both that asks for what a split does not run yet (`--spec mtp`)
+/// refuses to start, naming both flags, before anything starts.
 #[test]
-fn two_gpus_are_planned_and_not_run() {
+fn two_gpus_are_planned_and_a_split_refuses_what_it_does_not_run() {
     let scratch = tempfile::tempdir().unwrap();
     let profile = scratch.path().join("two-gpus.json");
     std::fs::write(
@@ -234,16 +235,13 @@ fn two_gpus_are_planned_and_not_run() {
     let output = ninfer(scratch.path())
         .args(["run", "--prompt", "hi", "--machine-profile"])
         .arg(&profile)
-        .args(["--gpus", "0,1"])
+        .args(["--gpus", "0,1", "--spec", "mtp"])
         .arg(fixture("qwen3_moe"))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("GPUs 0,1 chosen") && stderr.contains("not built yet"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("--spec mtp with --gpus 0,1"), "{stderr}");
 
     let output = ninfer(scratch.path())
         .args(["run", "--dry-run", "--machine-profile"])

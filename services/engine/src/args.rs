@@ -231,14 +231,22 @@ pub(crate) struct Args {
     pub(crate) gpu_mem_budget: Option<f64>,
     /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
     /// applies), comma separated. Default: the first visible GPU. Several GPUs named split the
-    /// decoder layers between them; that split is planned (`ninfer run --dry-run`) but not
-    /// executed yet, so the engine refuses to start with more than one.
+    /// decoder layers between them as a pipeline (each card its own contiguous layers, their KV
+    /// caches and expert slots; `ninfer run --dry-run` prints the plan). A split decodes
+    /// without CUDA graphs, and refuses `--spec mtp` and `--host-kv-mib`.
     #[arg(long, value_name = "0,1")]
     pub(crate) gpus: Option<String>,
-    /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:
-    /// in proportion to each card's usable memory).
+    /// Percent of the decoder layers per GPU of `--gpus` (or per stage of
+    /// `--pipeline-stages-on-one-device`), in order, summing to 100 (default: in proportion to
+    /// each card's usable memory; equal stages on one device).
     #[arg(long, value_name = "60,40")]
     pub(crate) gpu_split: Option<String>,
+    /// Split the decoder layers over N backends of the one device the engine runs on (the CPU,
+    /// or the one GPU chosen), exactly as a split over N GPUs runs: the layer split checked on
+    /// a machine without several GPUs. On a GPU the stages share the card (each fills its
+    /// expert slots from an equal part of its free memory); each has its own stream.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub(crate) pipeline_stages_on_one_device: usize,
     /// Reserve this many MiB of page-locked, device-mapped host memory for KV caches: attention
     /// layers' caches go to the GPU first and, once its share (free memory, within
     /// `--gpu-mem-budget`, less 1 GiB) is used up, to this pool, which the attention kernels

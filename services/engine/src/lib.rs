@@ -7,12 +7,17 @@
 //! (read through `ninfer-artifact`).
 //!
 //! Module map:
-//! * [`backend`] — the `Backend` trait (ops over device-resident buffers) and [`backend::cpu`].
+//! * [`backend`] — the `Backend` trait (ops over device-resident buffers) and [`backend::cpu`];
+//!   [`backend::same_device`] opens further backends on one device (a layer split checked
+//!   without several GPUs).
 //! * [`host_math`] — activations, SwiGLU, RoPE frequencies and the host router, shared by the
 //!   backends and the executors.
 //! * [`weights`] — host views of stored f32/bf16/int8/int4 weights and the CPU matmul.
 //! * [`spec`] — architecture → graph switches; refusal of unknown architectures.
-//! * [`model`] — weight loading, `SequenceState`, the batched forward pass.
+//! * [`model`] — weight loading, `SequenceState`, the batched forward pass; a model on one
+//!   backend, or its decoder layers split over several as a pipeline (`Model::load_pipeline`:
+//!   each stage its layers, their state and expert slots, the hidden state crossing between
+//!   stages).
 //! * [`profile`] — always-on forward counters (time split, expert bytes) for `ninfer bench`.
 //! * [`moe`] — a MoE layer's forward over its route (GPU expert slots / prefill staging / expert
 //!   executor), the three expert executors (f32 reference, SIMD kernels in-process, worker
@@ -48,8 +53,8 @@ pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, DeltaRuleForm};
 pub use error::EngineError;
 pub use model::{
-    open_artifact, LayerwiseSummary, LogitsSelection, Model, PrefillStagingOptions, SequenceInput,
-    SequenceState,
+    open_artifact, LayerwiseSummary, LogitsSelection, Model, PipelineStage, PrefillStagingOptions,
+    SequenceInput, SequenceState,
 };
 pub use moe::layerwise::PrefillThroughputs;
 pub use moe::{ExpertBatch, ExpertExecutor, NoRoutedExperts, ReferenceExpertExecutor};

@@ -6,6 +6,7 @@
 
 mod args;
 mod gpu_choice;
+mod pipeline_start;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -38,7 +39,9 @@ use ninfer_engine::service::scheduler::{
 use ninfer_engine::service::{
     AlwaysReady, DeviceBandwidthProbe, EngineService, Profiling, Readiness,
 };
-use ninfer_engine::{open_artifact, Backend, CpuBackend, Model, PrefillStagingOptions};
+use ninfer_engine::{
+    open_artifact, Backend, CpuBackend, Model, PipelineStage, PrefillStagingOptions,
+};
 use ninfer_protocol::v1::engine_server::EngineServer;
 
 use args::{cuda_options, Args, Device, Speculation};
@@ -89,8 +92,13 @@ fn run(args: Args) -> anyhow::Result<()> {
         tracing::warn!(listen = %args.listen, "the engine listens on TCP without a control secret: anyone who reaches the port can {ENGINE_REACH} (prefer --listen unix:PATH, or set --control-secret-file)");
     }
     // The GPU is opened before anything else is loaded, so `--device cuda` fails fast.
-    let ordinal = gpu_choice::chosen_gpu_ordinal(&args)?;
-    let device = select_device(args.device, ordinal, args.kv_dtype, cuda_options(&args))?;
+    let gpu_choice = gpu_choice::chosen_gpus(&args)?;
+    let device = select_device(
+        args.device,
+        gpu_choice.first_ordinal(),
+        args.kv_dtype,
+        cuda_options(&args),
+    )?;
     let artifact =
         open_artifact(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let speculation = speculation_of(&args, &artifact)?;
@@ -257,7 +265,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             let backend = Arc::new(CpuBackend::new());
             backend.reserve_host_kv(&host_kv)?;
             let started = start_scheduler(
-                backend,
+                pipeline_start::cpu_stages(backend, &gpu_choice)?,
                 &artifact,
                 counting,
                 &GpuExpertsRequest {
@@ -265,7 +273,7 @@ fn run(args: Args) -> anyhow::Result<()> {
                     layerwise_min_tokens: 0,
                     ..gpu_experts
                 },
-                || None,
+                |_| None,
                 &*readiness,
                 &scheduler_counters,
             )?;
@@ -277,19 +285,19 @@ fn run(args: Args) -> anyhow::Result<()> {
                     .reserve_host_kv(&host_kv)
                     .context("--host-kv-mib: reserving page-locked host memory")?;
             }
-            let memory = Arc::clone(&backend);
             let probed = Arc::clone(&backend);
             let probe: DeviceBandwidthProbe = Box::new(move || {
                 probed
                     .measure_copy_bandwidth()
                     .map_err(|error| error.to_string())
             });
+            let stages = pipeline_start::cuda_stages(backend, &gpu_choice, cuda_options(&args))?;
             let started = start_scheduler(
-                backend,
+                stages,
                 &artifact,
                 counting,
                 &gpu_experts,
-                move || memory.memory_info().ok(),
+                |backend: &CudaBackend| backend.memory_info().ok(),
                 &*readiness,
                 &scheduler_counters,
             )?;
@@ -501,23 +509,53 @@ struct StartedScheduler {
     prefill_throughputs: Option<ninfer_engine::PrefillThroughputs>,
 }
 
-/// Loads the model on `backend`, places the GPU experts, and starts the scheduler over it.
-/// `device_memory` gives `(free, total)` GPU bytes (`None`: no limit, the CPU backend).
+/// Loads the model on the stages' backends (one: the unsplit model), places the GPU experts,
+/// and starts the scheduler over it. `device_memory` gives a backend's `(free, total)` GPU
+/// bytes (`None`: no limit, the CPU backend).
 fn start_scheduler<B: Backend>(
-    backend: Arc<B>,
+    stages: pipeline_start::StageBackends<B>,
     artifact: &Arc<ninfer_artifact::Artifact>,
     experts: Arc<dyn ExpertExecutor>,
     request: &GpuExpertsRequest,
-    device_memory: impl Fn() -> Option<(usize, usize)>,
+    device_memory: impl Fn(&B) -> Option<(usize, usize)>,
     readiness: &dyn Readiness,
     counters: &Arc<SchedulerCounters>,
 ) -> anyhow::Result<StartedScheduler> {
-    let mut model = Model::load_offloading_dense_mlps(
-        backend,
+    let layers = artifact.config().common().num_hidden_layers;
+    let ranges = stages.layer_ranges(layers, &device_memory, request.budget_gib)?;
+    let pipeline: Vec<PipelineStage<B>> = stages
+        .backends
+        .iter()
+        .zip(&ranges)
+        .map(|(backend, layers)| PipelineStage {
+            backend: Arc::clone(backend),
+            layers: layers.clone(),
+        })
+        .collect();
+    let mut model = Model::load_pipeline(
+        pipeline,
         Arc::clone(artifact),
         experts,
         request.dense_mlp_offload_layers,
-    )?;
+    )
+    .with_context(|| match stages.is_split() {
+        true => format!("loading the model split with {}", stages.split_flag),
+        false => "loading the model".into(),
+    })?;
+    if stages.is_split() {
+        for (stage, (backend, layers)) in stages.backends.iter().zip(&ranges).enumerate() {
+            tracing::info!(
+                stage,
+                device = %backend.name(),
+                first_layer = layers.start,
+                last_layer = layers.end.saturating_sub(1),
+                "pipeline stage"
+            );
+        }
+        tracing::info!(
+            "layer split: decode runs op by op on every stage (no CUDA graphs), the hidden state crosses stages through host memory, and MoE layers go to the expert workers through the host"
+        );
+    }
     if request.dense_mlp_offload_layers > 0 {
         tracing::info!(
             layers = model.offloaded_dense_mlp_layers(),
@@ -528,6 +566,18 @@ fn start_scheduler<B: Backend>(
         request.layerwise_min_tokens
     } else {
         0
+    };
+    // A split stages on every stage (its own slots for its own layers); layerwise prefill,
+    // whose stream plans every layer over one set of slots, stays off.
+    if model.is_split() && layerwise_min_tokens > 0 {
+        tracing::info!(
+            "layerwise prefill is off with a layer split; the staged route (--moe-prefill-gpu-min-tokens) runs on every stage"
+        );
+    }
+    let layerwise_min_tokens = if model.is_split() {
+        0
+    } else {
+        layerwise_min_tokens
     };
     if request.prefill_staging_min_tokens > 0 || layerwise_min_tokens > 0 {
         // Before the expert slots, so their budget sees this memory as used.
@@ -544,6 +594,9 @@ fn start_scheduler<B: Backend>(
             "prefill staging: big batches compute their routed experts on the GPU"
         );
     }
+    // Unsplit: every layer holds the same count (`gpu_experts_per_layer`); split, each stage
+    // its own, the fewest here.
+    let mut fewest_gpu_experts_per_layer = u32::MAX;
     let gpu_experts_per_layer = if !model.spec().has_moe_layers() {
         // An all-dense model: `auto` (the CLI's default on a GPU) has nothing to place.
         if !matches!(
@@ -556,20 +609,43 @@ fn start_scheduler<B: Backend>(
             );
         }
         0
-    } else if request.count != GpuExpertCount::Count(0) {
-        place_gpu_experts(&mut model, request, device_memory())?
-    } else {
+    } else if request.count == GpuExpertCount::Count(0) {
         0
+    } else if stages.is_split() {
+        let slots = pipeline_start::StageExpertSlots {
+            count: request.count,
+            budget_gib: request.budget_gib,
+            statistics: request.statistics.as_ref(),
+            kv_element_bytes: request.kv_element_bytes,
+            max_context: request.limits.max_context,
+            max_sequences: request.limits.max_sequences,
+            prefix_cache_bytes: request.prefix_cache.budget_bytes,
+        };
+        let (fewest, most) = pipeline_start::place_gpu_experts_per_stage(
+            &mut model,
+            &slots,
+            &stages,
+            &device_memory,
+        )?;
+        fewest_gpu_experts_per_layer = fewest;
+        most
+    } else {
+        let memory = stages
+            .backends
+            .first()
+            .and_then(|backend| device_memory(backend));
+        place_gpu_experts(&mut model, request, memory)?
     };
     // The cache counts whenever experts are in slots; it moves them only when some of a
     // layer's experts are in slots and some are not.
     let num_experts = model.spec().common.num_experts;
     let expert_cache = if gpu_experts_per_layer > 0 {
-        let fills_per_layer = if gpu_experts_per_layer as usize >= num_experts {
-            0
-        } else {
-            request.cache_fills_per_layer
-        };
+        let fills_per_layer =
+            if fewest_gpu_experts_per_layer.min(gpu_experts_per_layer) as usize >= num_experts {
+                0
+            } else {
+                request.cache_fills_per_layer
+            };
         let counters = model
             .enable_expert_cache(
                 ExpertCacheOptions {

@@ -1,6 +1,7 @@
 //! `ninfer-engine --device cuda|auto` on this machine: with no usable GPU, `cuda` exits with an
 //! error that names what it looked for, and `auto` warns and serves from the CPU; with a GPU,
-//! both start on it.
+//! both start on it. A layer split over stages of one device starts, and a split refuses the
+//! features it does not run yet, naming both flags.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -12,6 +13,11 @@ use ninfer_engine::testing::{write_tiny_model, TinyArchitecture, TinyModelOption
 /// Starts the engine and returns its stderr lines up to the first one containing any of
 /// `until` (then kills it), or everything it printed if it exits first.
 fn engine_output(device: &str, until: &[&str]) -> (Vec<String>, Option<i32>) {
+    engine_output_with(device, &[], until)
+}
+
+/// [`engine_output`] with `extra` arguments.
+fn engine_output_with(device: &str, extra: &[&str], until: &[&str]) -> (Vec<String>, Option<i32>) {
     let directory = tempfile::tempdir().unwrap();
     let model = directory.path().join("tiny.ninfer");
     write_tiny_model(&model, TinyModelOptions::new(TinyArchitecture::Qwen3Moe)).unwrap();
@@ -22,6 +28,7 @@ fn engine_output(device: &str, until: &[&str]) -> (Vec<String>, Option<i32>) {
         .arg("--listen")
         .arg(format!("unix:{}", socket.display()))
         .args(["--moe-threads", "1"])
+        .args(extra)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -100,17 +107,51 @@ fn engine_exit(arguments: &[&str]) -> (String, Option<i32>) {
     )
 }
 
-/// Several GPUs chosen: the engine refuses to start (their layer split is not executed yet)
-/// rather than run on one of them; a wrong `--gpus` / `--gpu-split` is named. Checked before
-/// the driver or the model is opened, so it holds on any machine.
+/// A layer split (several GPUs, or several stages of one device) refuses the features it does
+/// not run yet, naming both flags; a wrong `--gpus` / `--gpu-split` /
+/// `--pipeline-stages-on-one-device` is named. Checked before the driver or the model is
+/// opened, so it holds on any machine.
 #[test]
-fn several_gpus_refuse_to_start_and_wrong_choices_are_named() {
-    let (stderr, code) = engine_exit(&["--gpus", "0,1"]);
-    assert_ne!(code, Some(0), "{stderr}");
-    assert!(
-        stderr.contains("GPUs 0,1 chosen") && stderr.contains("not built yet"),
-        "{stderr}"
-    );
+fn split_runs_refuse_what_they_do_not_run_and_wrong_choices_are_named() {
+    for (arguments, named) in [
+        (
+            &["--gpus", "0,1", "--spec", "mtp"][..],
+            "--spec mtp with --gpus 0,1",
+        ),
+        (
+            &["--pipeline-stages-on-one-device", "2", "--host-kv-mib", "1"][..],
+            "--host-kv-mib 1 with --pipeline-stages-on-one-device 2",
+        ),
+        (
+            &["--gpus", "1,0", "--host-kv-mib", "64"][..],
+            "--host-kv-mib 64 with --gpus 1,0",
+        ),
+        (
+            &["--pipeline-stages-on-one-device", "2", "--gpus", "0,1"][..],
+            "name one card",
+        ),
+        (
+            &[
+                "--pipeline-stages-on-one-device",
+                "2",
+                "--gpu-split",
+                "20,30,50",
+            ][..],
+            "--gpu-split 20,30,50",
+        ),
+        (
+            &["--pipeline-stages-on-one-device", "0"][..],
+            "give 1 or more",
+        ),
+        (
+            &["--device", "cpu", "--gpus", "0,1"][..],
+            "--gpus 0,1 with --device cpu",
+        ),
+    ] {
+        let (stderr, code) = engine_exit(arguments);
+        assert_ne!(code, Some(0), "{arguments:?}: {stderr}");
+        assert!(stderr.contains(named), "{arguments:?}: {stderr}");
+    }
     for (arguments, named) in [
         (
             &["--gpus", "0,1", "--gpu-split", "60,30"][..],
@@ -126,4 +167,57 @@ fn several_gpus_refuse_to_start_and_wrong_choices_are_named() {
         assert_ne!(code, Some(0), "{arguments:?}: {stderr}");
         assert!(stderr.contains(named), "{arguments:?}: {stderr}");
     }
+}
+
+/// The engine splits the model over two CPU backends (`--pipeline-stages-on-one-device 2`,
+/// 25/75: one layer, then three) and serves: each stage is logged with its layers.
+#[test]
+fn the_engine_starts_split_over_two_stages_of_one_device() {
+    let (lines, code) = engine_output_with(
+        "cpu",
+        &[
+            "--pipeline-stages-on-one-device",
+            "2",
+            "--gpu-split",
+            "25,75",
+        ],
+        &["engine ready"],
+    );
+    let text = lines.join("\n");
+    assert!(
+        text.contains("engine ready"),
+        "the split engine did not start: {code:?}\n{text}"
+    );
+    let stages: Vec<String> = lines
+        .iter()
+        .map(|line| without_colours(line))
+        .filter(|line| line.contains("pipeline stage"))
+        .collect();
+    assert_eq!(stages.len(), 2, "{text}");
+    assert!(
+        stages[0].contains("first_layer=0") && stages[0].contains("last_layer=0"),
+        "{text}"
+    );
+    assert!(
+        stages[1].contains("first_layer=1") && stages[1].contains("last_layer=3"),
+        "{text}"
+    );
+}
+
+/// `line` without its ANSI colour sequences (`ESC [ … m`).
+fn without_colours(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut characters = line.chars();
+    while let Some(character) = characters.next() {
+        if character == '\u{1b}' {
+            for inside in characters.by_ref() {
+                if inside == 'm' {
+                    break;
+                }
+            }
+        } else {
+            plain.push(character);
+        }
+    }
+    plain
 }

@@ -22,6 +22,7 @@ pub mod expert_slot_table;
 pub mod kv_placement;
 pub mod qsa_host;
 pub mod qsa_settings;
+pub mod same_device;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -348,6 +349,23 @@ pub trait Backend: Send + Sync + 'static {
         -> Result<Self::Tensor, EngineError>;
     fn download(&self, tensor: &Self::Tensor) -> Result<Vec<f32>, EngineError>;
     fn shape(&self, tensor: &Self::Tensor) -> (usize, usize);
+    /// A copy of `tensor` (of this backend) on `target`, another backend of the same type: the
+    /// hidden state crossing from one pipeline stage to the next (`crate::model`'s layer
+    /// split). This default goes through host memory (a download, then an upload, which waits
+    /// for this backend's queued ops); a CUDA backend can replace it by a peer copy between the
+    /// two cards (`cuMemcpyPeerAsync` on the target's stream after an event of this one's),
+    /// with the same values.
+    fn move_tensor_to(
+        &self,
+        tensor: &Self::Tensor,
+        target: &Self,
+    ) -> Result<Self::Tensor, EngineError>
+    where
+        Self: Sized,
+    {
+        let (rows, cols) = self.shape(tensor);
+        target.upload(&self.download(tensor)?, rows, cols)
+    }
     /// The same values with another shape (`rows · cols` must stay the same): row-major
     /// `[r, c]` read as `[r', c']`, without a copy where the backend can.
     fn reshape(

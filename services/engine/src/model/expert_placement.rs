@@ -8,9 +8,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use ninfer_cpu_experts::ExpertLayout;
+
 use crate::backend::{Backend, ExpertSlotFills, Routing, WithExpertSlotTable};
 use crate::error::EngineError;
 use crate::model::layers::FeedForward;
+use crate::model::pipeline::stage_backend;
 use crate::model::Model;
 use crate::moe::expert_cache::{ExpertCache, ExpertCacheCounters, ExpertCacheOptions};
 use crate::moe::layer::{LayerwiseSettings, MoeContext, MoeLayer, PrefillStaging};
@@ -77,6 +80,8 @@ impl<B: Backend> Model<B> {
         let common = self.spec.common.clone();
         let mut report = ResidentExpertsReport::default();
         let no_experts = Vec::new();
+        // Each layer's experts go to the slots of its own stage's backend.
+        let (backend, pipeline) = (&self.backend, &self.pipeline);
         let feed_forwards = self
             .layers
             .iter_mut()
@@ -93,8 +98,9 @@ impl<B: Backend> Model<B> {
                     experts.len()
                 )));
             };
+            let layer_backend = stage_backend(backend, pipeline, index);
             let bytes =
-                moe.place_resident(&self.backend, &self.artifact, &common, index, experts)?;
+                moe.place_resident(layer_backend, &self.artifact, &common, index, experts)?;
             if !experts.is_empty() {
                 report.layers += 1;
                 report.experts += experts.len();
@@ -143,19 +149,14 @@ impl<B: Backend> Model<B> {
         &mut self,
         options: PrefillStagingOptions,
     ) -> Result<u64, EngineError> {
+        if self.is_split() {
+            // Each stage stages its own layers' experts in its own slots.
+            return self.enable_prefill_staging_per_stage(options);
+        }
         let common = &self.spec.common;
-        let mut layouts = self.placed_moe_layers().map(|moe| moe.layout(common));
-        let Some(first) = layouts.next() else {
+        let Some(layout) = self.staging_layout()? else {
             return Ok(0);
         };
-        let layout = first?;
-        for other in layouts {
-            if other? != layout {
-                return Err(EngineError::InvalidConfig {
-                    problem: "prefill staging needs every MoE layer's experts in one layout".into(),
-                });
-            }
-        }
         let halves = if options.layerwise_min_tokens > 0 {
             2
         } else {
@@ -190,6 +191,25 @@ impl<B: Backend> Model<B> {
             }),
         });
         Ok((halves * common.num_experts * layout.stride) as u64)
+    }
+
+    /// The one layout every MoE layer's experts share, which staging slots take; `None` for a
+    /// model without routed experts.
+    pub(in crate::model) fn staging_layout(&self) -> Result<Option<ExpertLayout>, EngineError> {
+        let common = &self.spec.common;
+        let mut layouts = self.placed_moe_layers().map(|moe| moe.layout(common));
+        let Some(first) = layouts.next() else {
+            return Ok(None);
+        };
+        let layout = first?;
+        for other in layouts {
+            if other? != layout {
+                return Err(EngineError::InvalidConfig {
+                    problem: "prefill staging needs every MoE layer's experts in one layout".into(),
+                });
+            }
+        }
+        Ok(Some(layout))
     }
 
     pub(in crate::model) fn layerwise_settings(&self) -> Result<&LayerwiseSettings, EngineError> {

@@ -108,13 +108,13 @@ impl<B: Backend> Model<B> {
 
     /// The logits of final-normed hidden rows (`[rows · vocab]`).
     pub fn head_logits(&self, normed: &B::Tensor) -> Result<Vec<f32>, EngineError> {
-        let backend = &*self.backend;
+        let backend = self.output_backend();
         backend.download(&backend.matmul(normed, self.head())?)
     }
 
     /// [`Model::head_logits`] left on the backend (`[rows, vocab]`).
     pub fn head_logits_on_backend(&self, normed: &B::Tensor) -> Result<B::Tensor, EngineError> {
-        self.backend.matmul(normed, self.head())
+        self.output_backend().matmul(normed, self.head())
     }
 
     /// Finishes the routings left on the backend during a forward and counts them.
@@ -123,7 +123,7 @@ impl<B: Backend> Model<B> {
         scratch: &mut LayerScratch<'_, B>,
     ) -> Result<(), EngineError> {
         for DeferredRouting { layer, pending } in scratch.deferred.drain(..) {
-            let (routing, _) = self.backend.finish_routing(pending)?;
+            let (routing, _) = self.layer_backend(layer).finish_routing(pending)?;
             if let Some(FeedForward::Moe(moe)) = self.moe_layer_at(layer) {
                 moe.account_deferred_routing(
                     &scratch.moe_context,
@@ -155,7 +155,7 @@ impl<B: Backend> Model<B> {
         feed_forward: &FeedForward<B>,
         x: &B::Tensor,
     ) -> Result<B::Tensor, EngineError> {
-        let backend = &*self.backend;
+        let backend = self.layer_backend(index);
         match feed_forward {
             FeedForward::Dense {
                 gate_proj,
@@ -192,7 +192,7 @@ impl<B: Backend> Model<B> {
         bank: &ExpertBank,
         x: &B::Tensor,
     ) -> Result<B::Tensor, EngineError> {
-        let backend = &*self.backend;
+        let backend = self.layer_backend(index);
         let (rows, cols) = backend.shape(x);
         let copying = Instant::now();
         let hidden = backend.download(x)?;
@@ -415,13 +415,13 @@ impl<B: Backend> Model<B> {
 
     /// Every layer's ops and the final norm, then `finish`; the routings of all-resident MoE
     /// layers are left in `scratch.deferred`, and no sequence's position moves.
-    pub(in crate::model) fn run_layers<T>(
-        &self,
+    pub(in crate::model) fn run_layers<'a, T>(
+        &'a self,
         batch: &mut [SequenceInput<'_, B>],
         plan: &BatchPlan,
         selection: LogitsSelection,
         delta_rule_form: DeltaRuleForm,
-        scratch: &mut LayerScratch<'_, B>,
+        scratch: &mut LayerScratch<'a, B>,
         finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
         if let Some(graph) = &self.qwen4_exp {
@@ -448,7 +448,6 @@ impl<B: Backend> Model<B> {
                 streams,
                 section: *section,
             });
-        let backend = &*self.backend;
         let eps = self.spec.eps();
         let style = self.spec.norm_style;
         let final_norm = self
@@ -457,6 +456,8 @@ impl<B: Backend> Model<B> {
             .ok_or_else(|| EngineError::InvalidConfig {
                 problem: "the model has no final norm".into(),
             })?;
+        // The first stage's (the only one's, unsplit): the embeddings and layer 0.
+        let mut backend = &*self.backend;
         let mut hidden = if plan.image_rows.is_empty() {
             backend.embed(&self.embed_tokens, ids)?
         } else {
@@ -514,7 +515,7 @@ impl<B: Backend> Model<B> {
             };
             // An MoE layer takes the residual add and its norm itself: the backend may fold
             // them into the router's launch.
-            let fed = match &layer.feed_forward {
+            let mut fed = match &layer.feed_forward {
                 FeedForward::Moe(moe) => moe.forward(
                     &scratch.moe_context,
                     index,
@@ -537,6 +538,14 @@ impl<B: Backend> Model<B> {
                     self.feed_forward(scratch, index, feed_forward, &x)?
                 }
             };
+            // A layer split: the next layer's stage takes the stream from here.
+            if index + 1 < self.layers.len() {
+                if let Some(next_stage) = self.cross_to_next_stage(index, &mut hidden, &mut fed)? {
+                    backend = next_stage.backend;
+                    scratch.moe_context.backend = next_stage.backend;
+                    scratch.moe_context.staging = next_stage.staging;
+                }
+            }
             carried = Some(fed);
         }
         if let Some(fed) = &carried {
@@ -618,7 +627,7 @@ impl<B: Backend> Model<B> {
         else {
             return Err(state_mismatch(index));
         };
-        let backend = &*self.backend;
+        let backend = self.layer_backend(index);
         let spec = &self.spec.attention;
         let (eps, style) = (self.spec.eps(), self.spec.norm_style);
         let [projected, k, v] = input.matmul3(backend, [q_proj, k_proj, v_proj])?;
@@ -672,7 +681,7 @@ impl<B: Backend> Model<B> {
         else {
             return Err(state_mismatch(index));
         };
-        let backend = &*self.backend;
+        let backend = self.layer_backend(index);
         // Three of the four input projections in one pass where the backend has one (one
         // launch instead of three at decode on the GPU; the same values), with the residual add
         // and norm before them where the backend folds those in too.
@@ -750,8 +759,8 @@ impl<B: Backend> Model<B> {
         ranges: &[std::ops::Range<usize>],
         position_offset: usize,
     ) -> Result<B::Tensor, EngineError> {
-        let backend = &*self.backend;
         let index = mix.index;
+        let backend = self.layer_backend(index);
         let delta = mix.delta;
         let mut conv_segments = layer_segments(batch, ranges, index, |layer| match layer {
             LayerState::GatedDeltaNet { conv, .. } => Some(conv),

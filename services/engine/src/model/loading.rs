@@ -2,7 +2,7 @@
 //! weights by internal name with their shapes checked, dense MLPs offloaded to the expert
 //! executor when asked.
 //!
-//! Owns: [`Model::open`], [`Model::load`] and the loader's layer methods. Must not touch: expert
+//! Owns: [`Model::open`], [`Model::load`], [`Model::load_pipeline`] and the loader's layer methods. Must not touch: expert
 //! placement (`expert_placement.rs`), the forward.
 
 use std::path::Path;
@@ -14,6 +14,7 @@ use crate::backend::{Backend, DeltaRuleForm};
 use crate::error::EngineError;
 use crate::model::layers::{FeedForward, Layer, Mixer};
 use crate::model::loader::Loader;
+use crate::model::pipeline::{stage_backend, PipelineStage, PipelineStages};
 use crate::model::Model;
 use crate::model::{qwen4_exp, worker_handoff};
 use crate::moe::layer::{MoeLayer, SharedExpert};
@@ -85,6 +86,30 @@ impl<B: Backend> Model<B> {
         experts: Arc<dyn ExpertExecutor>,
         offloaded_layers: usize,
     ) -> Result<Self, EngineError> {
+        Self::load_stages(backend, None, artifact, experts, offloaded_layers)
+    }
+
+    /// [`Model::load_offloading_dense_mlps`] split over several backends, as a pipeline
+    /// (`pipeline.rs`): `stages` cover the decoder layers once, in order. One stage is the
+    /// unsplit model. A split model has no MTP head (it is not loaded) and refuses qwen4_exp.
+    pub fn load_pipeline(
+        stages: Vec<PipelineStage<B>>,
+        artifact: Arc<Artifact>,
+        experts: Arc<dyn ExpertExecutor>,
+        offloaded_layers: usize,
+    ) -> Result<Self, EngineError> {
+        let layers = artifact.config().common().num_hidden_layers;
+        let (backend, pipeline) = PipelineStages::new(stages, layers)?;
+        Self::load_stages(backend, pipeline, artifact, experts, offloaded_layers)
+    }
+
+    fn load_stages(
+        backend: Arc<B>,
+        pipeline: Option<PipelineStages<B>>,
+        artifact: Arc<Artifact>,
+        experts: Arc<dyn ExpertExecutor>,
+        offloaded_layers: usize,
+    ) -> Result<Self, EngineError> {
         let spec = ModelSpec::from_config(artifact.config())?;
         let offloaded = dense_mlp_offload_plan(&spec, offloaded_layers)?;
         let common = &spec.common;
@@ -93,13 +118,24 @@ impl<B: Backend> Model<B> {
             backend: &*backend,
             artifact: &artifact,
         };
+        // The head and final norm go to the last stage (the first and only one, unsplit).
+        let head_loader = Loader {
+            backend: pipeline.as_ref().map_or(&*backend, |stages| stages.last()),
+            artifact: &artifact,
+        };
         let embed_tokens = loader.matrix("embed_tokens", (vocab, hidden))?;
-        let lm_head = if common.tie_word_embeddings {
-            None
-        } else {
-            Some(loader.matrix("lm_head", (vocab, hidden))?)
+        let lm_head = match (common.tie_word_embeddings, &pipeline) {
+            (true, None) => None,
+            // Tied: the last stage needs the table as its head.
+            (true, Some(_)) => Some(head_loader.matrix("embed_tokens", (vocab, hidden))?),
+            (false, _) => Some(head_loader.matrix("lm_head", (vocab, hidden))?),
         };
         let qwen4_exp = match artifact.config().qwen4_exp() {
+            Some(_) if pipeline.is_some() => {
+                return Err(EngineError::InvalidConfig {
+                    problem: "a qwen4_exp model cannot be split over several backends yet (its hyper-connections and PLE blocks are not split); run it on one".into(),
+                })
+            }
             Some(config) => Some(qwen4_exp::graph::Qwen4ExpGraph::load(
                 &loader,
                 config,
@@ -110,21 +146,36 @@ impl<B: Backend> Model<B> {
         // qwen4_exp has no final norm (its final stream mixer takes that place).
         let final_norm = match qwen4_exp {
             Some(_) => None,
-            None => Some(loader.parameter("final_norm", (1, hidden))?),
+            None => Some(head_loader.parameter("final_norm", (1, hidden))?),
         };
         let layers = offloaded
             .iter()
             .enumerate()
-            .map(|(layer, &offload)| loader.layer(&spec, layer, offload))
+            .map(|(layer, &offload)| {
+                let loader = Loader {
+                    backend: stage_backend(&backend, &pipeline, layer),
+                    artifact: &artifact,
+                };
+                loader.layer(&spec, layer, offload)
+            })
             .collect::<Result<Vec<_>, _>>()?;
-        let mtp = loader.mtp_head(&spec)?;
+        // A split model does not load the MTP head: speculation is refused with a split.
+        let mtp = match &pipeline {
+            None => loader.mtp_head(&spec)?,
+            Some(_) => None,
+        };
         let profile = Arc::new(ForwardProfile::new(dense_weight_bytes(
             &artifact,
             common.tie_word_embeddings,
         )));
-        let worker_handoff = worker_handoff::BackendHandoff::open(&*backend, &experts, common);
+        // A split forward hands its layers to the workers through the host.
+        let worker_handoff = match &pipeline {
+            None => worker_handoff::BackendHandoff::open(&*backend, &experts, common),
+            Some(_) => None,
+        };
         Ok(Model {
             backend,
+            pipeline,
             artifact,
             spec,
             embed_tokens,

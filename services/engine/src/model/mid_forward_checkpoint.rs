@@ -124,7 +124,7 @@ impl<B: Backend> Model<B> {
         batch: &mut [SequenceInput<'_, B>],
         split: usize,
     ) -> Result<B::Tensor, EngineError> {
-        let backend = &*self.backend;
+        let backend = self.layer_backend(mix.index);
         let rows = backend.shape(qkv).0;
         let first: Vec<usize> = (0..split).collect();
         let rest: Vec<usize> = (split..rows).collect();

@@ -10,7 +10,7 @@
 //! This file holds [`Model`] and its accessors; the jobs are `loading.rs`, `expert_placement.rs`,
 //! `sequences.rs`, `forward.rs` (with `layers.rs` the types they share), `step_graphs.rs`,
 //! `mtp.rs`, `speculative.rs`, `prefix_blocks.rs`, `worker_handoff.rs`, `images.rs` (a prompt's
-//! images) and `qwen4_exp/`.
+//! images), `pipeline.rs` (the layers split over several backends) and `qwen4_exp/`.
 //! Must not touch: op implementations (backends), how routed experts are split and computed
 //! (`crate::moe`), sampling, tokenization.
 
@@ -22,6 +22,7 @@ mod loader;
 mod loading;
 mod mid_forward_checkpoint;
 mod mtp;
+mod pipeline;
 mod prefix_blocks;
 pub mod qwen4_exp;
 mod sequences;
@@ -49,6 +50,7 @@ pub use layers::{
 };
 pub use loading::open_artifact;
 pub use mtp::{mtp_pairs_of_block, MtpPrefixRows, MtpState, MtpUsage};
+pub use pipeline::PipelineStage;
 pub use prefix_blocks::PrefixBlock;
 pub use speculation_rules::{
     pick_draft, probe_draft, verify_drafts, DraftController, DraftPlan, ForcedAcceptance,
@@ -59,12 +61,16 @@ pub use speculative::{
 };
 pub use step_graphs::StepGraphCounts;
 
-/// A loaded model on a backend.
+/// A loaded model on a backend, or split over several ([`Model::load_pipeline`]).
 pub struct Model<B: Backend> {
+    /// The backend of every layer, or with a layer split the first stage's (embeddings).
     backend: Arc<B>,
+    /// The other stages of a layer split (`pipeline.rs`); `None`: one backend runs it all.
+    pipeline: Option<pipeline::PipelineStages<B>>,
     artifact: Arc<Artifact>,
     spec: ModelSpec,
     embed_tokens: B::Weight,
+    /// On the last stage; with tied embeddings a split model loads the table there again.
     lm_head: Option<B::Weight>,
     /// Absent in qwen4_exp (its final stream mixer takes the place).
     final_norm: Option<B::Weight>,
@@ -102,6 +108,8 @@ impl<B: Backend> Model<B> {
         &self.artifact
     }
 
+    /// The backend of the embeddings: the only one, or with a layer split the first stage's
+    /// (logits and final hidden states are on [`Model::output_backend`]).
     pub fn backend(&self) -> &B {
         &self.backend
     }

@@ -110,14 +110,15 @@ impl<B: Backend> Model<B> {
                 ),
             });
         }
-        let backend = &*self.backend;
         let kv_width = self.spec.attention.kv_heads * self.spec.attention.head_dim;
         let tokens = positions.len();
         let mut bytes = 0;
         let layers = state
             .layers
             .iter()
-            .map(|layer| {
+            .enumerate()
+            .map(|(index, layer)| {
+                let backend = self.layer_backend(index);
                 Ok(match layer {
                     LayerState::GatedDeltaNet { .. } => BlockRows::None,
                     LayerState::Attention(cache) => {
@@ -221,9 +222,9 @@ impl<B: Backend> Model<B> {
             }
             _ => {}
         }
-        let backend = &*self.backend;
         for block in blocks {
-            for (layer, rows) in state.layers.iter_mut().zip(&block.layers) {
+            for (index, (layer, rows)) in state.layers.iter_mut().zip(&block.layers).enumerate() {
+                let backend = self.layer_backend(index);
                 match (layer, rows) {
                     (LayerState::Attention(cache), BlockRows::Attention(rows)) => {
                         backend.copy_kv_rows(rows, 0..block.tokens, cache, block.start)?
@@ -237,10 +238,13 @@ impl<B: Backend> Model<B> {
             }
         }
         if let Some(checkpoint) = checkpoint {
-            for (layer, saved) in state.layers.iter_mut().zip(&checkpoint.layers) {
+            for (index, (layer, saved)) in
+                state.layers.iter_mut().zip(&checkpoint.layers).enumerate()
+            {
                 if let (LayerState::GatedDeltaNet { conv, recurrent }, Some((saved_conv, saved))) =
                     (layer, saved)
                 {
+                    let backend = self.layer_backend(index);
                     *conv = backend.copy_conv_state(saved_conv)?;
                     *recurrent = backend.copy_recurrent_state(saved)?;
                 }
@@ -249,7 +253,7 @@ impl<B: Backend> Model<B> {
                 state.ple = checkpoint
                     .ple
                     .iter()
-                    .map(|ple| ple.as_ref().map(|ple| ple.copy(backend)).transpose())
+                    .map(|ple| ple.as_ref().map(|ple| ple.copy(&*self.backend)).transpose())
                     .collect::<Result<_, EngineError>>()?;
             }
         }

@@ -23,27 +23,25 @@ impl<B: Backend> Model<B> {
             .spec
             .mixers
             .iter()
-            .map(|mixer| {
+            .enumerate()
+            .map(|(index, mixer)| {
+                let backend = self.layer_backend(index);
                 Ok(match (mixer, &self.spec.delta_rule) {
                     (MixerKind::GatedDeltaNet, Some(delta)) => {
                         let channels = 2 * delta.key_heads * delta.key_head_dim
                             + delta.value_heads * delta.value_head_dim;
                         LayerState::GatedDeltaNet {
-                            conv: self
-                                .backend
-                                .new_conv_state(channels, self.spec.conv_kernel)?,
-                            recurrent: self.backend.new_recurrent_state(delta)?,
+                            conv: backend.new_conv_state(channels, self.spec.conv_kernel)?,
+                            recurrent: backend.new_recurrent_state(delta)?,
                         }
                     }
                     _ => match &self.qwen4_exp {
-                        Some(graph) => LayerState::SparseAttention(self.backend.new_qsa_cache(
+                        Some(graph) => LayerState::SparseAttention(backend.new_qsa_cache(
                             max_context,
                             kv_width,
                             graph.qsa_settings(),
                         )?),
-                        None => {
-                            LayerState::Attention(self.backend.new_kv_cache(max_context, kv_width)?)
-                        }
+                        None => LayerState::Attention(backend.new_kv_cache(max_context, kv_width)?),
                     },
                 })
             })
@@ -73,13 +71,17 @@ impl<B: Backend> Model<B> {
         let layers = state
             .layers
             .iter()
-            .map(|layer| match layer {
+            .enumerate()
+            .map(|(index, layer)| match layer {
                 // Caches are cut back by position alone.
                 LayerState::Attention(_) | LayerState::SparseAttention(_) => Ok(None),
-                LayerState::GatedDeltaNet { conv, recurrent } => Ok(Some((
-                    backend.copy_conv_state(conv)?,
-                    backend.copy_recurrent_state(recurrent)?,
-                ))),
+                LayerState::GatedDeltaNet { conv, recurrent } => {
+                    let backend = self.layer_backend(index);
+                    Ok(Some((
+                        backend.copy_conv_state(conv)?,
+                        backend.copy_recurrent_state(recurrent)?,
+                    )))
+                }
             })
             .collect::<Result<_, EngineError>>()?;
         Ok(SequenceCheckpoint {

@@ -8,6 +8,17 @@
 //! follows the last layer, goes to the last card. What a card has left after its share and its
 //! working memory becomes expert slots for its own MoE layers, the same count for each.
 //!
+//! The engine runs the split (`crate::model`'s `Model::load_pipeline`, one backend per card,
+//! the hidden state crossing from card to card through host memory): its layer ranges are
+//! [`layer_ranges`] of `--gpu-split` or of each card's usable memory, as [`plan_gpu_split`]
+//! draws them, and each card fills the expert slots of its own MoE layers from the memory it
+//! has left after loading (the single-card rule, per card). Not run split yet, and refused with
+//! both flags named ([`refuse_unsplit_features`]): the MTP head (`--spec mtp`; a split model
+//! does not load it, so the plan's MTP share on the last card stays unused) and KV caches in
+//! host memory. On a split model the staged prefill route runs on every card (its own staging
+//! slots for its own layers), layerwise prefill is off, and decode runs op by op (no CUDA
+//! graphs).
+//!
 //! Owns: the device list the planner reads, the flag parsers and checks, the pure split.
 //! Must not touch: the CUDA driver (callers enumerate the cards), starting anything.
 
@@ -45,6 +56,12 @@ pub enum GpuSplitError {
     MoreCardsThanLayers { cards: usize, layers: usize },
     #[error("no GPU to plan for")]
     NoCards,
+    #[error("{flag} with {split_flag}: {why}; drop one of the two")]
+    NotSplitYet {
+        flag: String,
+        split_flag: String,
+        why: String,
+    },
 }
 
 /// Parses `--gpus`: comma-separated CUDA ordinals, each once (`0,1`).
@@ -91,8 +108,8 @@ pub fn parse_gpu_split(text: &str) -> Result<Vec<u64>, GpuSplitError> {
 }
 
 /// The ordinals a run uses: `requested` (`--gpus`), each of which must be visible, else the
-/// first visible card (several cards are used only when named: their split is planned, not
-/// executed yet, and a machine with two cards must keep running on one as it did);
+/// first visible card (several cards are used only when named: a machine with two cards keeps
+/// running on one as it did);
 /// `split` (`--gpu-split`), when given, must have one share per card chosen.
 pub fn select_gpus(
     requested: Option<&[usize]>,
@@ -129,13 +146,64 @@ pub fn select_gpus(
     Ok(chosen)
 }
 
-/// Why a run with several GPUs chosen does not start (yet): the plan exists, the execution of
-/// a layer split does not.
-pub fn several_gpus_not_executable(ordinals: &[usize]) -> String {
-    format!(
-        "GPUs {} chosen: the layer split over several GPUs is planned (see --dry-run) but its execution is not built yet; choose one card (--gpus 0, or CUDA_VISIBLE_DEVICES=0) to run",
-        join(ordinals)
-    )
+/// What a layer split does not run yet, by the flag that asks for it: the MTP head (not loaded
+/// on a split model) and KV caches in host memory (one pool per backend, sized for one card).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SplitFeatureFlags {
+    /// `--spec mtp`.
+    pub speculation: bool,
+    /// `--host-kv-mib`.
+    pub host_kv_mib: u64,
+}
+
+/// A run split by `split_flag` (`--gpus 0,1`, or the one-device switch) that asks for a
+/// feature the split does not run yet: the error names both flags.
+pub fn refuse_unsplit_features(
+    split_flag: &str,
+    features: &SplitFeatureFlags,
+) -> Result<(), GpuSplitError> {
+    let refused = |flag: &str, why: &str| GpuSplitError::NotSplitYet {
+        flag: flag.to_string(),
+        split_flag: split_flag.to_string(),
+        why: why.to_string(),
+    };
+    if features.speculation {
+        return Err(refused(
+            "--spec mtp",
+            "a split model does not load the MTP head",
+        ));
+    }
+    if features.host_kv_mib > 0 {
+        return Err(refused(
+            &format!("--host-kv-mib {}", features.host_kv_mib),
+            "the page-locked KV pool is one card's",
+        ));
+    }
+    Ok(())
+}
+
+/// The decoder layers of each card: contiguous ranges in proportion to `shares` (`--gpu-split`,
+/// or each card's usable memory), every card at least one layer, as [`plan_gpu_split`] splits
+/// them.
+pub fn layer_ranges(shares: &[u64], layers: usize) -> Result<Vec<Range<usize>>, GpuSplitError> {
+    if shares.is_empty() {
+        return Err(GpuSplitError::NoCards);
+    }
+    if shares.len() > layers {
+        return Err(GpuSplitError::MoreCardsThanLayers {
+            cards: shares.len(),
+            layers,
+        });
+    }
+    let mut start = 0;
+    Ok(layer_counts(shares, layers)
+        .into_iter()
+        .map(|count| {
+            let range = start..start + count;
+            start += count;
+            range
+        })
+        .collect())
 }
 
 fn join<T: ToString>(values: &[T]) -> String {
@@ -658,6 +726,63 @@ mod tests {
             message.contains("--gpu-split 60,40") && message.contains("2 shares for 1 GPUs"),
             "{message}"
         );
-        assert!(several_gpus_not_executable(&[0, 1]).contains("GPUs 0,1"));
+    }
+
+    #[test]
+    fn layer_ranges_follow_the_shares_and_cover_every_layer() {
+        assert_eq!(layer_ranges(&[60, 40], 10).unwrap(), vec![0..6, 6..10]);
+        assert_eq!(layer_ranges(&[1, 1, 1], 4).unwrap(), vec![0..1, 1..3, 3..4]);
+        // Every card keeps a layer, however small its share.
+        assert_eq!(layer_ranges(&[99, 1], 4).unwrap(), vec![0..3, 3..4]);
+        assert_eq!(layer_ranges(&[1, 99], 4).unwrap(), vec![0..1, 1..4]);
+        let split = layer_ranges(&[70, 30], 48).unwrap();
+        assert_covers(&split, 48);
+        assert!(matches!(
+            layer_ranges(&[1, 1, 1], 2),
+            Err(GpuSplitError::MoreCardsThanLayers {
+                cards: 3,
+                layers: 2
+            })
+        ));
+        assert!(matches!(layer_ranges(&[], 2), Err(GpuSplitError::NoCards)));
+    }
+
+    fn assert_covers(ranges: &[Range<usize>], layers: usize) {
+        let mut next = 0;
+        for range in ranges {
+            assert_eq!(range.start, next, "{ranges:?}");
+            assert!(!range.is_empty(), "{ranges:?}");
+            next = range.end;
+        }
+        assert_eq!(next, layers, "{ranges:?}");
+    }
+
+    #[test]
+    fn features_a_split_does_not_run_are_refused_naming_both_flags() {
+        assert!(refuse_unsplit_features("--gpus 0,1", &SplitFeatureFlags::default()).is_ok());
+        for (features, flag) in [
+            (
+                SplitFeatureFlags {
+                    speculation: true,
+                    ..Default::default()
+                },
+                "--spec mtp",
+            ),
+            (
+                SplitFeatureFlags {
+                    host_kv_mib: 512,
+                    ..Default::default()
+                },
+                "--host-kv-mib 512",
+            ),
+        ] {
+            let message = refuse_unsplit_features("--gpus 0,1", &features)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                message.starts_with(&format!("{flag} with --gpus 0,1:")),
+                "{message}"
+            );
+        }
     }
 }

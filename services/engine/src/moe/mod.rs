@@ -14,7 +14,8 @@
 //!   restart and replay.
 //! * [`placement`] — `--moe-gpu-experts`: the slot memory budget, experts per layer, and which.
 //! * [`gpu_split`] — several GPUs: `--gpus` / `--gpu-split`, the contiguous layer ranges per
-//!   card and each card's expert slots for its own layers.
+//!   card and each card's expert slots for its own layers (the plan; `crate::model` runs it),
+//!   and the features a split refuses.
 //! * [`expert_cache`] — the dynamic expert cache: which experts the slots hold from step to
 //!   step, its timing, counters and hit-rate simulation.
 //! * [`cache_policy`] — the cache's admission policy per layer: which missed expert earns a

@@ -63,11 +63,15 @@ impl<B: Backend> Model<B> {
     /// A decode step of `batch` through its step graph, with the logits left on the backend
     /// (as [`Model::forward_logits_on_backend`]); `None` when the step must run op by op (the
     /// batch does not fit a graph, the backend has none, or recording failed: then nothing
-    /// ran and no state changed).
+    /// ran and no state changed). A model split over several backends decodes op by op: a
+    /// graph records one backend's stream, and a step crosses stages through the host.
     pub(in crate::model) fn decode_through_step_graph(
         &self,
         batch: &mut [SequenceInput<'_, B>],
     ) -> Result<Option<B::Tensor>, EngineError> {
+        if self.is_split() {
+            return Ok(None);
+        }
         let one_token_each = batch.iter().all(|item| item.tokens.len() == 1);
         let handoff = match one_token_each {
             true => self.ready_worker_handoff(batch.len())?,

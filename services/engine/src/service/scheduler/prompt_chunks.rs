@@ -95,7 +95,8 @@ fn feed_prompt_chunk<B: Backend>(
     }];
     let hidden = model.forward_hidden(&mut batch, None)?;
     if let Some(s) = r.speculating.as_mut() {
-        s.pair_hidden.extend(model.backend().download(&hidden)?);
+        s.pair_hidden
+            .extend(model.output_backend().download(&hidden)?);
         s.pair_tokens
             .extend_from_slice(r.pending.get(1..=take).unwrap_or_default());
     }

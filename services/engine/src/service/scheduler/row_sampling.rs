@@ -32,7 +32,7 @@ pub(super) fn sample_rows<B: Backend>(
     finished: &mut Vec<usize>,
 ) -> Result<(), EngineError> {
     let vocab = model.vocab_size();
-    let backend = model.backend();
+    let backend = model.output_backend();
     // Sampling on the backend's candidates when every request allows it (a few KB per
     // token read back instead of the whole logits rows). Guided rows are read whole.
     // The penalised tokens (a sort of each history) only where candidates are read.

@@ -1,0 +1,64 @@
+//! The model's side of its pipeline stages: the backend of a layer, of the output head, the
+//! stages' layers, and the crossing of the hidden state from one stage to the next.
+//!
+//! Owns: those accessors. Must not touch: the stages themselves (`super`), the forward.
+
+use std::ops::Range;
+
+use super::{stage_backend, NextStage};
+use crate::backend::Backend;
+use crate::error::EngineError;
+use crate::model::Model;
+
+impl<B: Backend> Model<B> {
+    /// The backend decoder layer `index` runs on (past the decoder layers: the last stage's).
+    pub(in crate::model) fn layer_backend(&self, index: usize) -> &B {
+        stage_backend(&self.backend, &self.pipeline, index)
+    }
+
+    /// The backend of the final norm and the output head: the last stage's. Tensors of
+    /// [`Model::forward_logits_on_backend`], [`Model::forward_hidden`] and
+    /// [`Model::head_logits_on_backend`] live there (with one stage, [`Model::backend`]).
+    pub fn output_backend(&self) -> &B {
+        match &self.pipeline {
+            None => &self.backend,
+            Some(stages) => stages.last(),
+        }
+    }
+
+    /// The decoder layers of each stage, in order (one range of every layer when unsplit).
+    pub fn pipeline_stage_layers(&self) -> Vec<Range<usize>> {
+        match &self.pipeline {
+            #[allow(clippy::single_range_in_vec_init)] // one stage: one range, not its layers
+            None => vec![0..self.layers.len()],
+            Some(stages) => stages.layer_ranges(),
+        }
+    }
+
+    /// Whether the model is split over several backends.
+    pub fn is_split(&self) -> bool {
+        self.pipeline.is_some()
+    }
+
+    /// After layer `index`: when the next layer runs on another stage, `hidden` and `fed` (the
+    /// residual stream and the output that joins it) moved there, and that stage's backend and
+    /// prefill staging slots. The residual add and the next layer's input norm then run on the
+    /// next stage, as one op, exactly as the unsplit model runs them.
+    pub(in crate::model) fn cross_to_next_stage(
+        &self,
+        index: usize,
+        hidden: &mut B::Tensor,
+        fed: &mut B::Tensor,
+    ) -> Result<Option<NextStage<'_, B>>, EngineError> {
+        let Some(stages) = &self.pipeline else {
+            return Ok(None);
+        };
+        let Some(next) = stages.next_stage_after(index) else {
+            return Ok(None);
+        };
+        let here = stages.backend_of_layer(index);
+        *hidden = here.move_tensor_to(hidden, next.backend)?;
+        *fed = here.move_tensor_to(fed, next.backend)?;
+        Ok(Some(next))
+    }
+}

@@ -1,0 +1,718 @@
+//! A model split over pipeline stages (`Model::load_pipeline`) computes what the unsplit model
+//! computes, bit for bit: the stages are backends of one device (`OpenOnSameDevice`: independent
+//! CPU backends, or CUDA backends on GPU 0), so the check needs no second GPU.
+//!
+//! Every golden fixture (f32) and a tiny qwen3_next with tied embeddings and int8 experts, split
+//! at every kind of boundary (one layer on the first stage, one on the last, halves, three
+//! stages), runs one sequence alone (prefill with every position's logits, then greedy decode)
+//! and three sequences of different lengths together (one batched prefill, then batched greedy
+//! decode through `forward_logits_on_backend`, as the scheduler calls it). The logits of every
+//! forward and the greedy tokens must equal the unsplit model's. The MoE models run three
+//! times: every expert with the executor; half of each layer's experts in the slots of its own
+//! stage with the dynamic expert cache moving them; batches of 4 rows and more staged (each
+//! stage's staging slots computing its layers' routed experts). The dense model runs twice, its
+//! last two MLPs on the backend or with the expert executor. An image prompt (embeddings
+//! replaced on the first stage, three-stream rotation on every stage) gives the unsplit logits
+//! too. Both models decode op by op (a split model has no step graphs), so the CUDA case
+//! compares the same kernels.
+//!
+//! Served by the scheduler (the logits sampled where the last stage left them, prompts fed in
+//! chunks), a split model gives every request, greedy or seeded sampling, the unsplit model's
+//! tokens (one request at a time: which requests share a batch depends on timing, and the
+//! batched forwards are checked above), with and without the prefix cache.
+//!
+//! The refusals: stages that do not cover the layers once in order, a qwen4_exp model,
+//! layerwise prefill on a split model; a split model leaves the MTP head out.
+
+#![allow(clippy::single_range_in_vec_init)] // a stage's layers are one range
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use ninfer_artifact::{Artifact, DType};
+use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_engine::backend::same_device::OpenOnSameDevice;
+use ninfer_engine::moe::expert_cache::ExpertCacheOptions;
+use ninfer_engine::prefix_cache::PrefixCacheSettings;
+use ninfer_engine::sampling::argmax;
+use ninfer_engine::service::scheduler::{
+    self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SpeculativeDecoding,
+    DEFAULT_PREFILL_TIME_SHARE,
+};
+use ninfer_engine::testing::{
+    collect_tokens, golden_fixture_dir, greedy_request, image_prompt_patches, json_numbers,
+    write_tiny_model, TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
+};
+use ninfer_engine::vision::{encode_images, VisionWeights};
+use ninfer_engine::{
+    open_artifact, test_device, Backend, EngineError, ExpertBatch, ExpertExecutor, LogitsSelection,
+    Model, PipelineStage, PrefillStagingOptions, ReferenceExpertExecutor, SamplingParams,
+    SequenceInput,
+};
+
+const MAX_CONTEXT: usize = 64;
+const DECODE_STEPS: usize = 5;
+
+/// Every forward's logits and every sequence's greedy tokens, in the order they were computed,
+/// and what the expert executor was asked to compute.
+#[derive(Debug, Default)]
+struct Trace {
+    logits: Vec<Vec<f32>>,
+    tokens: Vec<Vec<u32>>,
+    /// (layer, rows) of each executor call, in order: which side computed an expert leaves the
+    /// values alike on the CPU, so the routes are compared here.
+    executor_calls: Vec<(usize, usize)>,
+}
+
+/// The f32 reference executor, noting the layer and rows of every call.
+struct NotingExecutor {
+    inner: ReferenceExpertExecutor,
+    calls: Mutex<Vec<(usize, usize)>>,
+}
+
+impl NotingExecutor {
+    fn new(artifact: &Arc<Artifact>) -> Arc<Self> {
+        Arc::new(NotingExecutor {
+            inner: ReferenceExpertExecutor::new(Arc::clone(artifact)),
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn calls(&self) -> Vec<(usize, usize)> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl ExpertExecutor for NotingExecutor {
+    fn name(&self) -> &str {
+        "noting reference"
+    }
+
+    fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((batch.layer, batch.tokens()));
+        self.inner.compute(batch, out)
+    }
+}
+
+/// Where a model's routed experts (or a dense model's MLPs) are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Experts {
+    /// Every routed expert by the expert executor; dense MLPs on the backend.
+    Executor,
+    /// Half of each MoE layer's experts in slots, the expert cache moving them.
+    HalfResidentCached,
+    /// A dense model's last two MLPs by the expert executor (`--dense-mlp-offload-layers 2`).
+    OffloadedDenseMlps,
+    /// Batches of 4 rows and more staged: their routed experts copied into each stage's
+    /// staging slots and computed there.
+    Staged,
+}
+
+impl Experts {
+    /// Dense MLPs the expert executor computes.
+    fn offloaded_layers(self) -> usize {
+        match self {
+            Experts::OffloadedDenseMlps => 2,
+            Experts::Executor | Experts::HalfResidentCached | Experts::Staged => 0,
+        }
+    }
+}
+
+fn convert_f32(fixture: &str, output: &Path) -> PathBuf {
+    let path = output.join(format!("{fixture}.ninfer"));
+    let options = ConvertOptions {
+        experts_dtype: DType::F32,
+        dense_dtype: DType::F32,
+        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
+    };
+    convert_checkpoint(&options, &NoProgress)
+        .unwrap_or_else(|e| panic!("converting {fixture}: {e}"));
+    path
+}
+
+/// The models of the check: each golden fixture, and a tiny qwen3_next whose head is its
+/// embedding table (a split loads the table on the last stage too) with int8 experts.
+fn models(directory: &Path) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = GOLDEN_FIXTURES
+        .iter()
+        .map(|fixture| convert_f32(fixture, directory))
+        .collect();
+    let tied = directory.join("tiny-qwen3-next-tied.ninfer");
+    write_tiny_model(
+        &tied,
+        TinyModelOptions {
+            experts_dtype: DType::Int8,
+            dense_dtype: DType::Bf16,
+            ..TinyModelOptions::new(TinyArchitecture::Qwen3Next)
+        },
+    )
+    .unwrap();
+    paths.push(tied);
+    paths
+}
+
+/// The splits each model is checked at: one layer on the first stage, one layer on the last,
+/// halves, and three stages (one, one, the rest).
+fn splits(layers: usize) -> Vec<Vec<Range<usize>>> {
+    assert!(
+        layers >= 3,
+        "the splits need 3 layers, the model has {layers}"
+    );
+    vec![
+        vec![0..1, 1..layers],
+        vec![0..layers - 1, layers - 1..layers],
+        vec![0..layers / 2, layers / 2..layers],
+        vec![0..1, 1..2, 2..layers],
+    ]
+}
+
+/// Half of each MoE layer's experts (every other one), none for a dense layer.
+fn half_placement<B: Backend>(model: &Model<B>) -> Vec<Vec<u32>> {
+    let experts = model.spec().common.num_experts as u32;
+    model
+        .placement_layers()
+        .iter()
+        .map(|&moe| match moe {
+            true => (0..experts).step_by(2).collect(),
+            false => Vec::new(),
+        })
+        .collect()
+}
+
+fn prepare<B: Backend>(mut model: Model<B>, experts: Experts) -> Model<B> {
+    model.set_step_graphs(false);
+    if experts == Experts::HalfResidentCached {
+        let placement = half_placement(&model);
+        model.place_resident_experts(&placement).unwrap();
+        model
+            .enable_expert_cache(
+                ExpertCacheOptions {
+                    fills_per_layer: 2,
+                    ..ExpertCacheOptions::default()
+                },
+                None,
+            )
+            .unwrap();
+    }
+    if experts == Experts::Staged {
+        assert!(model.enable_prefill_staging(4).unwrap() > 0);
+    }
+    model
+}
+
+fn executor(artifact: &Arc<Artifact>) -> Arc<dyn ExpertExecutor> {
+    Arc::new(ReferenceExpertExecutor::new(Arc::clone(artifact)))
+}
+
+/// One sequence alone, then three together: see the file's header.
+fn run<B: Backend>(model: &Model<B>) -> Trace {
+    let vocab = model.vocab_size();
+    let mut trace = Trace::default();
+    // One sequence: every position's logits of its prefill, then greedy decode.
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 37 + 11) % vocab as u32).collect();
+    let mut alone = model.new_sequence(MAX_CONTEXT).unwrap();
+    let all = model
+        .forward(
+            &mut [SequenceInput {
+                state: &mut alone,
+                tokens: &prompt,
+            }],
+            LogitsSelection::All,
+        )
+        .unwrap()
+        .remove(0);
+    let mut token = argmax(&all[all.len() - vocab..]);
+    trace.logits.push(all);
+    let mut tokens = vec![token];
+    for _ in 0..DECODE_STEPS {
+        let logits = model.prefill(&mut alone, &[token]).unwrap();
+        token = argmax(&logits);
+        tokens.push(token);
+        trace.logits.push(logits);
+    }
+    trace.tokens.push(tokens);
+
+    // Three sequences of different lengths: one batched prefill, then batched decode with the
+    // logits left on the output stage.
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| {
+            (0..4 + 3 * s)
+                .map(|i| (i * 29 + 5 * s + 3) % vocab as u32)
+                .collect()
+        })
+        .collect();
+    let mut states: Vec<_> = prompts
+        .iter()
+        .map(|_| model.new_sequence(MAX_CONTEXT).unwrap())
+        .collect();
+    let mut batch: Vec<SequenceInput<'_, B>> = states
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(state, tokens)| SequenceInput { state, tokens })
+        .collect();
+    let prefilled = model.forward(&mut batch, LogitsSelection::Last).unwrap();
+    let mut next: Vec<u32> = prefilled.iter().map(|logits| argmax(logits)).collect();
+    trace.logits.extend(prefilled);
+    let mut together: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+    for _ in 0..DECODE_STEPS {
+        let inputs: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut batch: Vec<SequenceInput<'_, B>> = states
+            .iter_mut()
+            .zip(&inputs)
+            .map(|(state, tokens)| SequenceInput { state, tokens })
+            .collect();
+        let step = model.forward_logits_on_backend(&mut batch).unwrap();
+        let values = model.output_backend().download(&step).unwrap();
+        next = values.chunks(vocab).map(argmax).collect();
+        for (sequence, &token) in together.iter_mut().zip(&next) {
+            sequence.push(token);
+        }
+        trace.logits.push(values);
+    }
+    trace.tokens.extend(together);
+    trace
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Where two traces first differ, if they do.
+fn first_difference(split: &Trace, unsplit: &Trace) -> Option<String> {
+    if split.tokens != unsplit.tokens {
+        return Some(format!(
+            "greedy tokens {:?}, unsplit {:?}",
+            split.tokens, unsplit.tokens
+        ));
+    }
+    if split.executor_calls != unsplit.executor_calls {
+        return Some(format!(
+            "executor calls (layer, rows) {:?}, unsplit {:?}",
+            split.executor_calls, unsplit.executor_calls
+        ));
+    }
+    if split.logits.len() != unsplit.logits.len() {
+        return Some(format!(
+            "{} forwards, unsplit {}",
+            split.logits.len(),
+            unsplit.logits.len()
+        ));
+    }
+    split
+        .logits
+        .iter()
+        .zip(&unsplit.logits)
+        .position(|(a, b)| !same_bits(a, b))
+        .map(|forward| {
+            let (a, b) = (&split.logits[forward], &unsplit.logits[forward]);
+            let largest = a
+                .iter()
+                .zip(b)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            format!("forward {forward}: logits differ (largest difference {largest:e})")
+        })
+}
+
+/// The stages of `split`, stage `i` on `backends[i]`.
+fn stages<B: Backend>(backends: &[Arc<B>], split: &[Range<usize>]) -> Vec<PipelineStage<B>> {
+    split
+        .iter()
+        .zip(backends)
+        .map(|(layers, backend)| PipelineStage {
+            backend: Arc::clone(backend),
+            layers: layers.clone(),
+        })
+        .collect()
+}
+
+fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    // Three stages at most: the given backend and two more on its device.
+    let backends: Vec<Arc<B>> = vec![
+        Arc::clone(&backend),
+        Arc::new(backend.open_on_same_device().unwrap()),
+        Arc::new(backend.open_on_same_device().unwrap()),
+    ];
+    for path in models(directory.path()) {
+        let artifact = open_artifact(&path).unwrap();
+        let layers = artifact.config().common().num_hidden_layers;
+        let has_experts = artifact.config().common().num_experts > 0
+            && artifact.config().common().moe_layers.iter().any(|&moe| moe);
+        let expert_modes: &[Experts] = match has_experts {
+            true => &[
+                Experts::Executor,
+                Experts::HalfResidentCached,
+                Experts::Staged,
+            ],
+            false => &[Experts::Executor, Experts::OffloadedDenseMlps],
+        };
+        for &experts in expert_modes {
+            let noting = NotingExecutor::new(&artifact);
+            let unsplit = prepare(
+                Model::load_offloading_dense_mlps(
+                    Arc::clone(&backend),
+                    Arc::clone(&artifact),
+                    Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
+                    experts.offloaded_layers(),
+                )
+                .unwrap(),
+                experts,
+            );
+            assert!(!unsplit.is_split());
+            let mut expected = run(&unsplit);
+            expected.executor_calls = noting.calls();
+            drop(unsplit);
+            for split in splits(layers) {
+                let noting = NotingExecutor::new(&artifact);
+                let model = prepare(
+                    Model::load_pipeline(
+                        stages(&backends, &split),
+                        Arc::clone(&artifact),
+                        Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
+                        experts.offloaded_layers(),
+                    )
+                    .unwrap(),
+                    experts,
+                );
+                assert!(model.is_split());
+                assert_eq!(
+                    model.offloaded_dense_mlp_layers(),
+                    experts.offloaded_layers()
+                );
+                assert_eq!(model.pipeline_stage_layers(), split);
+                assert!(!model.has_mtp(), "a split model leaves the MTP head out");
+                let mut got = run(&model);
+                got.executor_calls = noting.calls();
+                if let Some(difference) = first_difference(&got, &expected) {
+                    panic!(
+                        "{} split {split:?} ({experts:?}, {}): {difference}",
+                        path.display(),
+                        backend.name()
+                    );
+                }
+            }
+        }
+    }
+}
+test_device!(a_split_model_computes_what_the_unsplit_one_computes);
+
+/// One stage is the unsplit model.
+fn one_stage_is_the_unsplit_model<B: OpenOnSameDevice>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let path = convert_f32("qwen3_5_moe", directory.path());
+    let artifact = open_artifact(&path).unwrap();
+    let layers = artifact.config().common().num_hidden_layers;
+    let model = Model::load_pipeline(
+        stages(&[Arc::clone(&backend)], &[0..layers]),
+        Arc::clone(&artifact),
+        executor(&artifact),
+        0,
+    )
+    .unwrap();
+    assert!(!model.is_split());
+    assert!(model.has_mtp(), "one stage loads the MTP head as before");
+    assert_eq!(model.pipeline_stage_layers(), [0..layers].to_vec());
+}
+test_device!(one_stage_is_the_unsplit_model);
+
+fn load_error<B: Backend>(
+    backends: &[Arc<B>],
+    split: &[Range<usize>],
+    artifact: &Arc<Artifact>,
+) -> String {
+    match Model::load_pipeline(
+        stages(backends, split),
+        Arc::clone(artifact),
+        executor(artifact),
+        0,
+    ) {
+        Ok(_) => panic!("the split {split:?} loaded"),
+        Err(error) => error.to_string(),
+    }
+}
+
+/// Stages that skip, repeat or leave out layers, or own none, are refused by name; so are a
+/// qwen4_exp model and layerwise prefill on a split model.
+fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let backends = vec![
+        Arc::clone(&backend),
+        Arc::new(backend.open_on_same_device().unwrap()),
+    ];
+    let path = convert_f32("qwen3_moe", directory.path());
+    let artifact = open_artifact(&path).unwrap();
+    let layers = artifact.config().common().num_hidden_layers;
+    for (split, expected) in [
+        (vec![0..1, 2..layers], "one after another"),
+        (vec![0..2, 1..layers], "one after another"),
+        (vec![0..0, 0..layers], "at least one layer"),
+        (vec![0..1, 1..layers - 1], "covers"),
+        (vec![1..2, 2..layers], "from layer 0"),
+    ] {
+        let error = load_error(&backends, &split, &artifact);
+        assert!(error.contains(expected), "{split:?}: {error}");
+    }
+    let mut model = Model::load_pipeline(
+        stages(&backends, &[0..1, 1..layers]),
+        Arc::clone(&artifact),
+        executor(&artifact),
+        0,
+    )
+    .unwrap();
+    // The staged route: one set of staging slots per stage, each for its own MoE layers.
+    let mut unsplit = Model::load(
+        Arc::clone(&backend),
+        Arc::clone(&artifact),
+        executor(&artifact),
+    )
+    .unwrap();
+    let one_set = unsplit.enable_prefill_staging(4).unwrap();
+    assert!(one_set > 0);
+    assert_eq!(model.enable_prefill_staging(4).unwrap(), 2 * one_set);
+    let error = model
+        .enable_prefill_staging_with(PrefillStagingOptions {
+            staged_min_tokens: 4,
+            layerwise_min_tokens: 8,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("layerwise prefill is not available on a model split"),
+        "{error}"
+    );
+
+    let qwen4_exp = convert_f32("qwen4_exp", directory.path());
+    let artifact = open_artifact(&qwen4_exp).unwrap();
+    let layers = artifact.config().common().num_hidden_layers;
+    let error = load_error(&backends, &[0..1, 1..layers], &artifact);
+    assert!(error.contains("qwen4_exp"), "{error}");
+}
+test_device!(wrong_splits_and_unsplit_features_are_refused);
+
+/// Every request's tokens, and the prompt tokens the prefix cache gave it, from `model` served
+/// by the scheduler one request after the other: even ones greedy, odd ones sampled with a
+/// seed. Op by op, as a split model decodes (a step graph's values are not held to the bits of
+/// the ops it records).
+fn served_tokens<B: Backend>(
+    model: Model<B>,
+    prompts: &[Vec<u32>],
+    prefix_cache: PrefixCacheSettings,
+) -> Vec<(Vec<u32>, u32)> {
+    model.set_step_graphs(false);
+    let commands = scheduler::start_serving(
+        Arc::new(model),
+        SchedulerLimits {
+            max_context: 1024,
+            max_sequences: 4,
+            prefill_chunk_tokens: 48,
+            prefill_time_share: DEFAULT_PREFILL_TIME_SHARE,
+        },
+        SpeculativeDecoding::default(),
+        prefix_cache,
+        Arc::new(SchedulerCounters::default()),
+    )
+    .expect("start the scheduler");
+    let mut tokens = Vec::new();
+    for (index, prompt) in prompts.iter().enumerate() {
+        let (events, receiver) = tokio::sync::mpsc::channel(4096);
+        let mut request = greedy_request(format!("request-{index}"), prompt.clone(), 8, events);
+        if index % 2 == 1 {
+            request.sampling = SamplingParams {
+                temperature: 1.0,
+                top_k: 20,
+                top_p: 0.9,
+                seed: 77 + index as u64,
+                ..SamplingParams::default()
+            };
+        }
+        commands
+            .send(SchedulerCommand::Submit(request))
+            .expect("submit");
+        let mut receiver = receiver;
+        tokens.push(collect_tokens(&mut receiver));
+    }
+    tokens
+}
+
+fn served_split_gives_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let second = Arc::new(backend.open_on_same_device().unwrap());
+    for fixture in ["qwen3_moe", "qwen3_next"] {
+        let path = convert_f32(fixture, directory.path());
+        let artifact = open_artifact(&path).unwrap();
+        let layers = artifact.config().common().num_hidden_layers;
+        let vocab = artifact.config().common().vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = (0..4u32)
+            .map(|s| {
+                (0..3 + 4 * s)
+                    .map(|i| (i * 53 + 7 * s + 1) % vocab)
+                    .collect()
+            })
+            .collect();
+        let unsplit = Model::load(
+            Arc::clone(&backend),
+            Arc::clone(&artifact),
+            executor(&artifact),
+        )
+        .unwrap();
+        let expected = served_tokens(unsplit, &prompts, PrefixCacheSettings::off());
+        let split = Model::load_pipeline(
+            stages(
+                &[Arc::clone(&backend), Arc::clone(&second)],
+                &[0..1, 1..layers],
+            ),
+            Arc::clone(&artifact),
+            executor(&artifact),
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            served_tokens(split, &prompts, PrefixCacheSettings::off()),
+            expected,
+            "{fixture} on {}",
+            backend.name()
+        );
+    }
+}
+test_device!(served_split_gives_the_unsplit_tokens);
+
+/// With the prefix cache, a split model reuses what the unsplit model reuses (each stage
+/// copying its own layers' KV rows and, for a hybrid, recurrent-state checkpoints) and serves
+/// the same tokens: a donor prompt, a later turn extending it, one sharing only its start, and
+/// the donor again.
+fn served_split_with_the_prefix_cache_gives_the_unsplit_tokens<B: OpenOnSameDevice>(
+    backend: Arc<B>,
+) {
+    let directory = tempfile::tempdir().unwrap();
+    let second = Arc::new(backend.open_on_same_device().unwrap());
+    let cache = || PrefixCacheSettings {
+        budget_bytes: 1 << 30,
+        block_tokens: 64,
+        checkpoint_interval_blocks: 2,
+    };
+    for fixture in ["qwen3_moe", "qwen3_next"] {
+        let path = convert_f32(fixture, directory.path());
+        let artifact = open_artifact(&path).unwrap();
+        let layers = artifact.config().common().num_hidden_layers;
+        let vocab = artifact.config().common().vocab_size as u32;
+        let tokens = |seed: u32, count: u32| -> Vec<u32> {
+            (0..count)
+                .map(|i| (i * 53 + 7 * seed + 1) % vocab)
+                .collect()
+        };
+        let system = tokens(1, 200);
+        let first = [system.clone(), tokens(2, 70)].concat();
+        let second_turn = [first.clone(), tokens(3, 40)].concat();
+        let third = [system.clone(), tokens(4, 30)].concat();
+        let prompts = vec![first.clone(), second_turn, third, first];
+        let unsplit = Model::load(
+            Arc::clone(&backend),
+            Arc::clone(&artifact),
+            executor(&artifact),
+        )
+        .unwrap();
+        let expected = served_tokens(unsplit, &prompts, cache());
+        assert!(
+            expected.iter().skip(1).all(|(_, cached)| *cached > 0),
+            "{fixture}: the later prompts reuse the donor's prefix: {expected:?}"
+        );
+        let split = Model::load_pipeline(
+            stages(
+                &[Arc::clone(&backend), Arc::clone(&second)],
+                &[0..layers - 1, layers - 1..layers],
+            ),
+            Arc::clone(&artifact),
+            executor(&artifact),
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            served_tokens(split, &prompts, cache()),
+            expected,
+            "{fixture} on {}",
+            backend.name()
+        );
+    }
+}
+test_device!(served_split_with_the_prefix_cache_gives_the_unsplit_tokens);
+
+/// Every position's logits of the qwen3_5_moe fixture's image prompt (three images attached),
+/// then a few greedy decode steps.
+fn image_prompt_logits<B: Backend>(model: &Model<B>, reference: &serde_json::Value) -> Trace {
+    let (grids, rows) = image_prompt_patches(reference);
+    let weights = VisionWeights::load(model.artifact())
+        .unwrap()
+        .expect("the fixture has a vision tower");
+    let embeddings = encode_images(&weights, &rows, &grids).unwrap().merged;
+    let tokens: Vec<u32> = json_numbers(&reference["token_ids"])
+        .into_iter()
+        .map(|v| v as u32)
+        .collect();
+    let vocab = model.vocab_size();
+    let mut state = model.new_sequence(tokens.len() + DECODE_STEPS).unwrap();
+    model
+        .attach_images(&mut state, &tokens, &grids, embeddings)
+        .unwrap();
+    let all = model
+        .forward(
+            &mut [SequenceInput {
+                state: &mut state,
+                tokens: &tokens,
+            }],
+            LogitsSelection::All,
+        )
+        .unwrap()
+        .remove(0);
+    let mut trace = Trace::default();
+    let mut token = argmax(&all[all.len() - vocab..]);
+    trace.logits.push(all);
+    let mut decoded = vec![token];
+    for _ in 0..DECODE_STEPS {
+        let logits = model.prefill(&mut state, &[token]).unwrap();
+        token = argmax(&logits);
+        decoded.push(token);
+        trace.logits.push(logits);
+    }
+    trace.tokens.push(decoded);
+    trace
+}
+
+fn an_image_prompt_split_gives_the_unsplit_logits<B: OpenOnSameDevice>(backend: Arc<B>) {
+    let directory = tempfile::tempdir().unwrap();
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            golden_fixture_dir("qwen3_5_moe").join("image_prompt_reference.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let path = convert_f32("qwen3_5_moe", directory.path());
+    let artifact = open_artifact(&path).unwrap();
+    let layers = artifact.config().common().num_hidden_layers;
+    let unsplit = Model::load(
+        Arc::clone(&backend),
+        Arc::clone(&artifact),
+        executor(&artifact),
+    )
+    .unwrap();
+    unsplit.set_step_graphs(false);
+    let expected = image_prompt_logits(&unsplit, &reference);
+    drop(unsplit);
+    let second = Arc::new(backend.open_on_same_device().unwrap());
+    let split = Model::load_pipeline(
+        stages(&[Arc::clone(&backend), second], &[0..1, 1..layers]),
+        Arc::clone(&artifact),
+        executor(&artifact),
+        0,
+    )
+    .unwrap();
+    let got = image_prompt_logits(&split, &reference);
+    if let Some(difference) = first_difference(&got, &expected) {
+        panic!("image prompt split on {}: {difference}", backend.name());
+    }
+}
+test_device!(an_image_prompt_split_gives_the_unsplit_logits);

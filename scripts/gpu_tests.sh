@@ -48,6 +48,7 @@ SUITES=(
   "multimodal_positions:::cuda"
   "image_prompt:::cuda"
   "video_prompt:::cuda"
+  "pipeline_split:::cuda"
   "cuda_vision:"
 )
 if [ -n "${GPU_TEST_SUITES:-}" ]; then

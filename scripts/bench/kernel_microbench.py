@@ -318,6 +318,18 @@ class Bench:
                 self.record("add_rms_norm + matmul3_bf16 n=1", "two launches", us, moved)
                 us = timed([together(ws) for ws in weight_copies])
                 self.record("add_norm_matmul3_bf16 n=1", "one launch", us, moved)
+                # Two features per warp: half the blocks, so half the norms formed.
+                two = (np.int32(HIDDEN), np.int32(ms[0]), np.int32(ms[1]), np.int32(ms[2]), np.int32(2),
+                       np.int32(0))
+                two_grid = (-(-sum(-(-m // 2) for m in ms) // (norm_threads // 32)),)
+
+                def together_two(ws):
+                    return lambda: together_kernel(
+                        two_grid, (norm_threads,),
+                        (residual[1], delta, norm_w, eps, offset, normed[1], ws[0], ws[1], ws[2],
+                         outs[1][0], outs[1][1], outs[1][2], counter) + two, shared_mem=4 * HIDDEN)
+                us = timed([together_two(ws) for ws in weight_copies])
+                self.record("add_norm_matmul3_bf16 n=1", "one launch, 2 features a warp", us, moved)
 
     # -- router --------------------------------------------------------------------------------
 

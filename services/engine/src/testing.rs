@@ -458,6 +458,18 @@ impl TinyWriter {
         )
     }
 
+    /// A matrix kept f32 whatever the dense dtype, as the converter keeps a router.
+    fn f32_matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<(), EngineError> {
+        let values = self.weights.matrix(rows, cols);
+        self.put(
+            name,
+            TensorClass::Dense,
+            DType::F32,
+            &[rows as u64, cols as u64],
+            &values,
+        )
+    }
+
     /// 1-D parameters are always f32 (docs/FORMAT.md).
     fn vector(&mut self, name: &str, values: &[f32]) -> Result<(), EngineError> {
         self.put(
@@ -574,7 +586,8 @@ pub fn write_model(
         }
         if common.moe_layers[layer] {
             let (e, im) = (common.num_experts, common.moe_intermediate_size);
-            w.matrix(&p("moe.router"), e, h)?;
+            // The router stays f32, as `ninfer convert` writes it.
+            w.f32_matrix(&p("moe.router"), e, h)?;
             if let Some(c) = &hybrid {
                 let is = c.shared_expert_intermediate_size;
                 w.matrix(&p("moe.shared_expert.gate_proj"), is, h)?;

@@ -116,6 +116,22 @@ impl Backend for CudaBackend {
         self.download_values(tensor).map_err(device("download"))
     }
 
+    fn move_tensor_to(
+        &self,
+        tensor: &CudaTensor,
+        target: &CudaBackend,
+    ) -> Result<CudaTensor, EngineError> {
+        let _timer = self.op_timer("move_tensor_to");
+        match self
+            .move_tensor_on_device(tensor, target)
+            .map_err(device("move_tensor_to"))?
+        {
+            Some(moved) => Ok(moved),
+            // Another card: through the host.
+            None => target.upload(&self.download(tensor)?, tensor.rows, tensor.cols),
+        }
+    }
+
     fn shape(&self, tensor: &CudaTensor) -> (usize, usize) {
         (tensor.rows, tensor.cols)
     }

@@ -684,6 +684,7 @@ mod readback;
 mod router;
 mod sampling;
 mod self_checks;
+mod stage_crossing;
 mod start_up;
 mod step_graph;
 mod tensor_pool;

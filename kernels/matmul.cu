@@ -132,14 +132,7 @@ extern "C" __global__ void add_norm_matmul3_bf16(
     PDL_WAIT_AND_RELEASE();
     extern __shared__ __align__(16) float normed_row[];
     float cached[NORM_CACHED];
-    float sum = add_into_registers(residual, delta, k, cached);
-    float inverse = rsqrtf(block_sum(sum) / (float)k + eps);
-#pragma unroll
-    for (int j = 0; j < NORM_CACHED; ++j) {
-        int i = threadIdx.x + j * NORM_THREADS;
-        if (i < k) normed_row[i] = cached[j] * inverse * (offset + norm_weight[i]);
-    }
-    __syncthreads();  // the normed row complete
+    form_normed_row(residual, delta, norm_weight, eps, offset, k, cached, normed_row);
     if (normed) {
         for (int i = blockIdx.x * NORM_THREADS + threadIdx.x; i < k; i += gridDim.x * NORM_THREADS)
             normed[i] = normed_row[i];
@@ -148,11 +141,7 @@ extern "C" __global__ void add_norm_matmul3_bf16(
                  warp_task());
     // Past the ticket every block has read the residual.
     if (!last_block_out(counter)) return;
-#pragma unroll
-    for (int j = 0; j < NORM_CACHED; ++j) {
-        int i = threadIdx.x + j * NORM_THREADS;
-        if (i < k) residual[i] = cached[j];
-    }
+    store_cached_sum(residual, k, cached);
     if (threadIdx.x == 0) *counter = 0;
 }
 

@@ -40,3 +40,31 @@ __device__ __forceinline__ float add_into_registers(const float* x, const float*
     }
     return sum;
 }
+
+// The first pass of a kernel that folds a residual add and its norm into its own launch, in every
+// block: x + delta into `cached` (as `add_into_registers`), then the whole normed row into
+// `normed_row` (shared memory) with `add_rms_norm`'s tree and products, so every block has the
+// norm's bits; synchronises the block. group ≤ NORM_THREADS · NORM_CACHED.
+__device__ __forceinline__ void form_normed_row(const float* x, const float* delta,
+                                                const float* weight, float eps, float offset,
+                                                int group, float (&cached)[NORM_CACHED],
+                                                float* normed_row) {
+    float sum = add_into_registers(x, delta, group, cached);
+    float inverse = rsqrtf(block_sum(sum) / (float)group + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        if (i < group) normed_row[i] = cached[j] * inverse * (offset + weight[i]);
+    }
+    __syncthreads();  // the normed row complete
+}
+
+// The last block's store of x + delta, held in `cached` since `form_normed_row`.
+__device__ __forceinline__ void store_cached_sum(float* x, int group,
+                                                 const float (&cached)[NORM_CACHED]) {
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; ++j) {
+        int i = threadIdx.x + j * NORM_THREADS;
+        if (i < group) x[i] = cached[j];
+    }
+}

@@ -255,14 +255,7 @@ extern "C" __global__ void route_decode_add_norm_fused(
     extern __shared__ __align__(16) float normed_row[];
     int lane = threadIdx.x % 32;
     float cached[NORM_CACHED];
-    float sum = add_into_registers(residual, delta, hidden, cached);
-    float inverse = rsqrtf(block_sum(sum) / (float)hidden + eps);
-#pragma unroll
-    for (int j = 0; j < NORM_CACHED; ++j) {
-        int i = threadIdx.x + j * NORM_THREADS;
-        if (i < hidden) normed_row[i] = cached[j] * inverse * (offset + norm_weight[i]);
-    }
-    __syncthreads();  // the normed row complete
+    form_normed_row(residual, delta, norm_weight, eps, offset, hidden, cached, normed_row);
     for (int i = blockIdx.x * NORM_THREADS + threadIdx.x; i < hidden;
          i += gridDim.x * NORM_THREADS) {
         normed[i] = normed_row[i];
@@ -274,11 +267,7 @@ extern "C" __global__ void route_decode_add_norm_fused(
                                    experts, (int)expert, 0, lane);
     // Past the ticket every block has stored its logits and read the residual.
     if (!last_block_out(counter)) return;
-#pragma unroll
-    for (int j = 0; j < NORM_CACHED; ++j) {
-        int i = threadIdx.x + j * NORM_THREADS;
-        if (i < hidden) residual[i] = cached[j];
-    }
+    store_cached_sum(residual, hidden, cached);
     route_every_blocks_logits(logits, counter, expert_ids, weights, experts, k, normalize,
                               mapped_ids, mapped_weights);
 }

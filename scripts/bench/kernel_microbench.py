@@ -66,6 +66,19 @@ def router_weight_copies(rng):
     return host_w, [cp.asarray(host_w) for _ in range(copies_for(host_w.nbytes))]
 
 
+def residual_add_trials(rng):
+    """Inputs of a folded residual add + RMSNorm, one set per trial (plain, zero-centred, plain
+    norm): trial, the style's offset, delta, the norm's weight, and two copies each of the
+    residual and of a normed row (the separate launches' and the fused kernel's)."""
+    for trial, offset in enumerate((0.0, 1.0, 0.0)):
+        x0 = rng.standard_normal((1, HIDDEN), dtype=np.float32)
+        delta = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
+        norm_w = cp.asarray(rng.standard_normal(HIDDEN, dtype=np.float32) * 0.1)
+        residual = [cp.asarray(x0) for _ in range(2)]
+        normed = [cp.zeros((1, HIDDEN), dtype=cp.float32) for _ in range(2)]
+        yield trial, np.float32(offset), delta, norm_w, residual, normed
+
+
 def raw_kernel(kernel_dir, name, function, defines=()):
     """One kernel of `kernels/NAME.cu` as a CuPy RawKernel (which, unlike a module's function,
     takes more than 48 KB of dynamic shared memory)."""
@@ -268,24 +281,23 @@ class Bench:
         together_kernel = matmul_mod.get_function("add_norm_matmul3_bf16")
         norm_threads = kernel_define(kernel_dir, "norm_common.cuh", "NORM_THREADS")
         ms = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
-        cols = 1  # the engine's features per warp at one row (matmul_columns_per_warp)
-        grid = (-(-sum(-(-m // cols) for m in ms) // (norm_threads // 32)),)
+
+        def launch_shape(cols):
+            """Grid and size arguments at `cols` features a warp (the engine's is 1 at one row,
+            matmul_columns_per_warp)."""
+            grid = (-(-sum(-(-m // cols) for m in ms) // (norm_threads // 32)),)
+            dims = tuple(np.int32(v) for v in (HIDDEN, ms[0], ms[1], ms[2], cols, 0))
+            return grid, dims
+
+        grid, dims = launch_shape(1)
         rng = np.random.default_rng(13)
         host_w = [bf16(rng.standard_normal((m, HIDDEN), dtype=np.float32) * 0.02) for m in ms]
         weight_copies = [[cp.asarray(w) for w in host_w]
                          for _ in range(copies_for(sum(w.nbytes for w in host_w)))]
         eps = np.float32(1e-6)
-        for trial, offset in enumerate((0.0, 1.0, 0.0)):
-            offset = np.float32(offset)
-            x0 = rng.standard_normal((1, HIDDEN), dtype=np.float32)
-            delta = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
-            norm_w = cp.asarray(rng.standard_normal(HIDDEN, dtype=np.float32) * 0.1)
-            residual = [cp.asarray(x0) for _ in range(2)]
-            normed = [cp.zeros((1, HIDDEN), dtype=cp.float32) for _ in range(2)]
+        for trial, offset, delta, norm_w, residual, normed in residual_add_trials(rng):
             outs = [[cp.zeros((1, m), dtype=cp.float32) for m in ms] for _ in range(2)]
             counter = cp.zeros(1, dtype=cp.uint32)
-            dims = (np.int32(HIDDEN), np.int32(ms[0]), np.int32(ms[1]), np.int32(ms[2]), np.int32(cols),
-                    np.int32(0))
 
             def separate(ws):
                 def launch():
@@ -295,11 +307,13 @@ class Bench:
                                                     outs[0][2], np.int32(1)) + dims)
                 return launch
 
-            def together(ws):
+            def together(ws, cols=1):
+                fused_grid, fused_dims = launch_shape(cols)
+
                 def launch():
-                    together_kernel(grid, (norm_threads,),
+                    together_kernel(fused_grid, (norm_threads,),
                                     (residual[1], delta, norm_w, eps, offset, normed[1], ws[0], ws[1], ws[2],
-                                     outs[1][0], outs[1][1], outs[1][2], counter) + dims,
+                                     outs[1][0], outs[1][1], outs[1][2], counter) + fused_dims,
                                     shared_mem=4 * HIDDEN)
                 return launch
 
@@ -319,16 +333,7 @@ class Bench:
                 us = timed([together(ws) for ws in weight_copies])
                 self.record("add_norm_matmul3_bf16 n=1", "one launch", us, moved)
                 # Two features per warp: half the blocks, so half the norms formed.
-                two = (np.int32(HIDDEN), np.int32(ms[0]), np.int32(ms[1]), np.int32(ms[2]), np.int32(2),
-                       np.int32(0))
-                two_grid = (-(-sum(-(-m // 2) for m in ms) // (norm_threads // 32)),)
-
-                def together_two(ws):
-                    return lambda: together_kernel(
-                        two_grid, (norm_threads,),
-                        (residual[1], delta, norm_w, eps, offset, normed[1], ws[0], ws[1], ws[2],
-                         outs[1][0], outs[1][1], outs[1][2], counter) + two, shared_mem=4 * HIDDEN)
-                us = timed([together_two(ws) for ws in weight_copies])
+                us = timed([together(ws, cols=2) for ws in weight_copies])
                 self.record("add_norm_matmul3_bf16 n=1", "one launch, 2 features a warp", us, moved)
 
     # -- router --------------------------------------------------------------------------------
@@ -432,13 +437,7 @@ class Bench:
         # The fused kernel's block is the norm's, one logit per warp.
         norm_threads = kernel_define(kernel_dir, "norm_common.cuh", "NORM_THREADS")
         eps = np.float32(1e-6)
-        for trial, offset in enumerate((0.0, 1.0, 0.0)):
-            offset = np.float32(offset)
-            x0 = rng.standard_normal((1, HIDDEN), dtype=np.float32)
-            delta = cp.asarray(rng.standard_normal((1, HIDDEN), dtype=np.float32))
-            norm_w = cp.asarray(rng.standard_normal(HIDDEN, dtype=np.float32) * 0.1)
-            residual = [cp.asarray(x0) for _ in range(2)]
-            normed = [cp.zeros((1, HIDDEN), dtype=cp.float32) for _ in range(2)]
+        for trial, offset, delta, norm_w, residual, normed in residual_add_trials(rng):
             logits = [cp.zeros((1, EXPERTS), dtype=cp.float32) for _ in range(2)]
             ids = [cp.zeros((1, TOP_K), dtype=cp.uint32) for _ in range(2)]
             chosen = [cp.zeros((1, TOP_K), dtype=cp.float32) for _ in range(2)]

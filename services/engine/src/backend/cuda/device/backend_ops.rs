@@ -12,7 +12,7 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use ninfer_cpu_experts::ExpertLayout;
 
 use super::matmul::TwoInputs;
-use super::norm::{norm_groups, NORM_CACHED, NORM_THREADS};
+use super::norm::foldable_residual_norm;
 use super::router::{self, RouterInput};
 use super::{
     describe, driver_error, elementwise, CudaBackend, CudaConvState, CudaExpertSlots, CudaKvCache,
@@ -356,26 +356,22 @@ impl Backend for CudaBackend {
         norm: ResidualNorm<'_, CudaWeight>,
         weights: [&CudaWeight; 3],
     ) -> Result<(CudaTensor, [CudaTensor; 3]), EngineError> {
-        // One token, a one-group norm with f32 weights and bf16 projections: the add, the norm
-        // and the three projections in one launch.
-        if let WeightData::F32(norm_weight) = &norm.weight.data {
-            if norm.weight.rows * norm.weight.cols == delta.cols {
-                let (_, _, _, offset) = norm_groups(delta, norm.weight, norm.style, "add_rms_norm")
-                    .map_err(device("add_rms_norm_and_matmul3"))?;
-                let fused = {
-                    let _timer = self.op_timer("add_rms_norm_and_matmul3");
-                    self.launch_add_norm_matmul3(x, delta, norm_weight, norm.eps, offset, weights)
-                        .map_err(device("add_rms_norm_and_matmul3"))?
-                };
-                if let Some(done) = fused {
-                    if self.note_kernel_choice(("add_norm_matmul3_bf16", delta.cols, 3)) {
-                        tracing::info!(
-                            "projections of {} inputs: the residual add and its norm in their launch",
-                            delta.cols
-                        );
-                    }
-                    return Ok(done);
+        // One token, a foldable norm and bf16 projections: the add, the norm and the three
+        // projections in one launch.
+        if let Some((norm_weight, offset)) = foldable_residual_norm(x, delta, &norm) {
+            let fused = {
+                let _timer = self.op_timer("add_rms_norm_and_matmul3");
+                self.launch_add_norm_matmul3(x, delta, norm_weight, norm.eps, offset, weights)
+                    .map_err(device("add_rms_norm_and_matmul3"))?
+            };
+            if let Some(done) = fused {
+                if self.note_kernel_choice(("add_norm_matmul3_bf16", delta.cols, 3)) {
+                    tracing::info!(
+                        "projections of {} inputs: the residual add and its norm in their launch",
+                        delta.cols
+                    );
                 }
+                return Ok(done);
             }
         }
         let normed = self.add_rms_norm(x, delta, norm.weight, norm.eps, norm.style)?;
@@ -393,49 +389,37 @@ impl Backend for CudaBackend {
         normalize: bool,
         read_hidden: bool,
     ) -> Result<(CudaTensor, CudaPendingRouting), EngineError> {
-        // One token, a one-group norm and f32 router weights: the add, the norm, the logits
-        // and the routing in one launch.
+        // One token, a foldable norm and f32 router weights: the add, the norm, the logits and
+        // the routing in one launch.
         let hidden = delta.cols;
-        if let (Some(router_weights), WeightData::F32(norm_weight)) = (
+        if let (Some(router_weights), Some((norm_weight, offset))) = (
             self.fused_router_weights(router, delta.rows, hidden, k),
-            &norm.weight.data,
+            foldable_residual_norm(x, delta, &norm),
         ) {
-            if (x.rows, x.cols) == (delta.rows, delta.cols)
-                && norm.weight.rows * norm.weight.cols == hidden
-                && hidden <= (NORM_THREADS * NORM_CACHED) as usize
-            {
-                let _timer = self.op_timer("add_rms_norm_and_start_routing_by_router");
-                if self.note_kernel_choice(("route_decode_add_norm_fused", router.rows, k)) {
-                    tracing::info!(
-                        "router of {} experts, top-{k}: the residual add, its norm, logits and routing in one launch",
-                        router.rows
-                    );
-                }
-                let (_, _, _, offset) = norm_groups(delta, norm.weight, norm.style, "add_rms_norm")
-                    .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
-                let normed = self
-                    .output_uninit(1, hidden)
-                    .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
-                let input = RouterInput::AddNormRouter {
-                    residual: x,
-                    delta,
-                    norm_weight,
-                    eps: norm.eps,
-                    offset,
-                    normed: &normed,
-                    router: router_weights,
-                    experts: router.rows,
-                };
-                let pending = self
-                    .launch_routing_and_read_back(
-                        input,
-                        k,
-                        normalize,
-                        read_hidden.then_some(&normed),
-                    )
-                    .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
-                return Ok((normed, pending));
+            let _timer = self.op_timer("add_rms_norm_and_start_routing_by_router");
+            if self.note_kernel_choice(("route_decode_add_norm_fused", router.rows, k)) {
+                tracing::info!(
+                    "router of {} experts, top-{k}: the residual add, its norm, logits and routing in one launch",
+                    router.rows
+                );
             }
+            let normed = self
+                .output_uninit(1, hidden)
+                .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
+            let input = RouterInput::AddNormRouter {
+                residual: x,
+                delta,
+                norm_weight,
+                eps: norm.eps,
+                offset,
+                normed: &normed,
+                router: router_weights,
+                experts: router.rows,
+            };
+            let pending = self
+                .launch_routing_and_read_back(input, k, normalize, read_hidden.then_some(&normed))
+                .map_err(device("add_rms_norm_and_start_routing_by_router"))?;
+            return Ok((normed, pending));
         }
         let normed = self.add_rms_norm(x, delta, norm.weight, norm.eps, norm.style)?;
         let pending = self.start_routing_by_router(&normed, router, k, normalize, read_hidden)?;

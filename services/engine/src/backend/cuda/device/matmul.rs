@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::super::cublas::{Cublas, GemmOperands};
 use super::super::CudaError;
-use super::norm::{NORM_CACHED, NORM_THREADS};
+use super::norm::NORM_THREADS;
 use super::{driver_error, elementwise, int, CudaBackend, CudaTensor, CudaWeight, WeightData};
 
 /// `ROWS` in `kernels/matmul.cu`: rows one warp computes together.
@@ -295,8 +295,8 @@ impl CudaBackend {
         Ok(Some(outputs))
     }
 
-    /// `residual += delta`, the RMSNorm of it (f32 `norm_weight` over the whole row, `offset`
-    /// the style's), then the normed row's three bf16 projections, in one `add_norm_matmul3_bf16`
+    /// `residual += delta` (one row that `foldable_residual_norm` admits), the RMSNorm of it
+    /// (f32 `norm_weight` over the whole row, `offset` the style's), then the normed row's three bf16 projections, in one `add_norm_matmul3_bf16`
     /// launch (one token, `--cuda-fused-decode-qkv-norm`): the normed row and the projections,
     /// with the bits of `add_rms_norm` then `matmul3_bf16`. `None` where the kernel does not
     /// apply (nothing launched, the residual untouched).
@@ -318,14 +318,11 @@ impl CudaBackend {
         else {
             return Ok(None);
         };
+        // The row, its width and the norm are the caller's (`foldable_residual_norm`).
         let hidden = delta.cols;
-        if delta.rows != 1
-            || (residual.rows, residual.cols) != (delta.rows, delta.cols)
-            || hidden == 0
-            || hidden > (NORM_THREADS * NORM_CACHED) as usize
-            || weights
-                .iter()
-                .any(|weight| weight.cols != hidden || weight.rows == 0)
+        if weights
+            .iter()
+            .any(|weight| weight.cols != hidden || weight.rows == 0)
         {
             return Ok(None);
         }

@@ -4,17 +4,46 @@
 //! Owns: how a tensor's rows split into norm groups, and the norm kernels' launch geometry.
 //! Must not touch: RoPE's tables (`elementwise.rs`).
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::super::CudaError;
-use super::{int, CudaBackend, CudaTensor, CudaWeight};
-use crate::backend::{NormStyle, Rotation};
+use super::{int, CudaBackend, CudaTensor, CudaWeight, WeightData};
+use crate::backend::{NormStyle, ResidualNorm, Rotation};
 
 /// `NORM_THREADS` in `kernels/norm_common.cuh`.
 pub(super) const NORM_THREADS: u32 = 256;
 /// `NORM_CACHED` in `kernels/norm_common.cuh`: a row of at most `NORM_THREADS · NORM_CACHED`
 /// values stays in registers (the widest row the fused add + norm + router kernel takes).
 pub(super) const NORM_CACHED: u32 = 16;
+
+/// The residual add and norm a one-token kernel folds into its own launch (each block forms the
+/// normed row with the norm kernel's registers and tree): `x` and `delta` one row of the same
+/// width, at most `NORM_THREADS · NORM_CACHED` values, normed as one group by f32 weights. The
+/// weights and the style's offset, or `None` where the separate `add_rms_norm` must run.
+pub(super) fn foldable_residual_norm<'w>(
+    x: &CudaTensor,
+    delta: &CudaTensor,
+    norm: &ResidualNorm<'w, CudaWeight>,
+) -> Option<(&'w CudaSlice<f32>, f32)> {
+    let WeightData::F32(weight) = &norm.weight.data else {
+        return None;
+    };
+    let width = delta.cols;
+    (delta.rows == 1
+        && (x.rows, x.cols) == (delta.rows, delta.cols)
+        && width > 0
+        && width <= (NORM_THREADS * NORM_CACHED) as usize
+        && norm.weight.rows * norm.weight.cols == width)
+        .then_some((weight, style_offset(norm.style)))
+}
+
+/// What the norm kernels add to the weight for `style`.
+fn style_offset(style: NormStyle) -> f32 {
+    match style {
+        NormStyle::Plain => 0.0,
+        NormStyle::ZeroCentred => 1.0,
+    }
+}
 
 /// What the RMSNorm kernels take for `x` normed in groups of `weight`'s length: the group
 /// count (as a count and as the kernel's `long long`), the group length, and the offset
@@ -32,11 +61,12 @@ pub(super) fn norm_groups(
         });
     }
     let groups = x.rows * x.cols / group;
-    let offset = match style {
-        NormStyle::Plain => 0.0,
-        NormStyle::ZeroCentred => 1.0,
-    };
-    Ok((groups, groups as i64, int(group, "group")?, offset))
+    Ok((
+        groups,
+        groups as i64,
+        int(group, "group")?,
+        style_offset(style),
+    ))
 }
 
 /// The head size of `x` normed per head by `weight` and rotated by `rotation` in one

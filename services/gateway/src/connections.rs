@@ -375,9 +375,14 @@ enum IdleVerdict {
 /// The connection's limits applied to `state`: what to do now, or when to look again.
 fn idle_check(limits: &ConnectionLimits, state: IdleState) -> IdleVerdict {
     if state.requests == 0 {
-        // Connected but never sent a whole request: dropped at the header deadline.
+        // Connected but never sent a whole request: dropped at the header deadline. The first
+        // request may arrive right after this look, and nothing else wakes the check; so it
+        // looks again within an idle timeout, lest a quiet keep-alive stay open until the
+        // header deadline.
         return match limits.header_read_timeout.checked_sub(state.connected_for) {
-            Some(left) if !left.is_zero() => IdleVerdict::CheckAgainIn(left),
+            Some(left) if !left.is_zero() => {
+                IdleVerdict::CheckAgainIn(left.min(limits.idle_timeout))
+            }
             _ => IdleVerdict::Drop,
         };
     }
@@ -735,6 +740,23 @@ mod tests {
             ..state(0, 0, 10, false)
         };
         assert_eq!(idle_check(&limits, late), IdleVerdict::Drop);
+    }
+
+    #[test]
+    fn a_connection_looked_at_before_its_first_request_is_looked_at_again_within_the_idle_timeout()
+    {
+        let limits = ConnectionLimits {
+            idle_timeout: Duration::from_millis(500),
+            ..limits()
+        };
+        let before_the_first_request = IdleState {
+            connected_for: Duration::ZERO,
+            ..state(0, 0, 0, false)
+        };
+        assert_eq!(
+            idle_check(&limits, before_the_first_request),
+            IdleVerdict::CheckAgainIn(Duration::from_millis(500))
+        );
     }
 
     #[test]

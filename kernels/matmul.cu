@@ -110,6 +110,22 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
                  warp_task());
 }
 
+// The warp tasks of three projections of one row: one per feature group of each matrix.
+__device__ __forceinline__ long long matmul3_row_tasks(int m0, int m1, int m2, int cols) {
+    return (long long)((m0 + cols - 1) / cols) + (m1 + cols - 1) / cols + (m2 + cols - 1) / cols;
+}
+
+// Every task this warp takes of a one-row matmul3 grid-strided over the launch, asked of L2.
+__device__ __forceinline__ void prefetch_matmul3_row_tasks(const unsigned short* w0,
+                                                           const unsigned short* w1,
+                                                           const unsigned short* w2, int k, int m0,
+                                                           int m1, int m2, int cols) {
+    long long tasks = matmul3_row_tasks(m0, m1, m2, cols);
+    long long stride = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long task = warp_task(); task < tasks; task += stride)
+        prefetch_matmul3_group(w0, w1, w2, 1, k, m0, m1, m2, cols, task);
+}
+
 // `matmul3_bf16` of one token with the residual add and RMSNorm before it in the same launch
 // (decode, the layer after a feed-forward): residual += delta, x = the norm of it as
 // `add_rms_norm` computes it, then x's three projections, instead of `add_rms_norm` then
@@ -120,16 +136,25 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
 // projections). The last block out, once every block has read the residual, stores residual +
 // delta and sets the ticket counter back to 0.
 //
-// Grid: matmul3_bf16's at n = 1, blocks of NORM_THREADS threads; dynamic shared memory k floats;
-// k ≤ NORM_THREADS · NORM_CACHED (the values stay in registers).
+// Grid: any number of blocks of NORM_THREADS threads (each block's warps take every
+// gridDim.x · NORM_THREADS / 32-th task, so fewer blocks form the norm fewer times; the engine
+// launches ADD_NORM_MATMUL_BLOCKS_PER_SM blocks per SM at most, matmul3_bf16's grid at n = 1
+// gives each warp one task); dynamic shared memory k floats; k ≤ NORM_THREADS · NORM_CACHED (the
+// values stay in registers).
+// add_norm_matmul3_bf16's blocks per SM in the grid the engine launches: one wave at its
+// occupancy (104 registers a thread on sm_90: two 256-thread blocks an SM; launch bounds of two
+// make ptxas spill).
+#define ADD_NORM_MATMUL_BLOCKS_PER_SM 2
+
 extern "C" __global__ void add_norm_matmul3_bf16(
     float* residual, const float* delta, const float* norm_weight, float eps, float offset,
     float* normed, const unsigned short* w0, const unsigned short* w1, const unsigned short* w2, float* out0,
     float* out1, float* out2, unsigned int* counter, int k, int m0, int m1, int m2, int cols,
     int prefetch) {
-    PDL_L2_PREFETCH(prefetch, prefetch_matmul3_group(w0, w1, w2, 1, k, m0, m1, m2, cols,
-                                                     warp_task()));
+    PDL_L2_PREFETCH(prefetch, prefetch_matmul3_row_tasks(w0, w1, w2, k, m0, m1, m2, cols));
     PDL_WAIT_AND_RELEASE();
+    long long tasks = matmul3_row_tasks(m0, m1, m2, cols);
+    long long stride = (long long)gridDim.x * (blockDim.x / 32);
     extern __shared__ __align__(16) float normed_row[];
     float cached[NORM_CACHED];
     form_normed_row(residual, delta, norm_weight, eps, offset, k, cached, normed_row);
@@ -137,8 +162,9 @@ extern "C" __global__ void add_norm_matmul3_bf16(
         for (int i = blockIdx.x * NORM_THREADS + threadIdx.x; i < k; i += gridDim.x * NORM_THREADS)
             normed[i] = normed_row[i];
     }
-    matmul3_task(PlainRows{normed_row, k}, w0, w1, w2, out0, out1, out2, 1, k, m0, m1, m2, cols,
-                 warp_task());
+    for (long long task = warp_task(); task < tasks; task += stride)
+        matmul3_task(PlainRows{normed_row, k}, w0, w1, w2, out0, out1, out2, 1, k, m0, m1, m2,
+                     cols, task);
     // Past the ticket every block has read the residual.
     if (!last_block_out(counter)) return;
     store_cached_sum(residual, k, cached);

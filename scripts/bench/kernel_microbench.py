@@ -282,10 +282,16 @@ class Bench:
         norm_threads = kernel_define(kernel_dir, "norm_common.cuh", "NORM_THREADS")
         ms = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
 
-        def launch_shape(cols):
+        sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+        # The engine's grid: at most this many blocks an SM, warps striding over the tasks.
+        engine_blocks = kernel_define(kernel_dir, "matmul.cu", "ADD_NORM_MATMUL_BLOCKS_PER_SM") * sms
+
+        def launch_shape(cols, blocks=None):
             """Grid and size arguments at `cols` features a warp (the engine's is 1 at one row,
-            matmul_columns_per_warp)."""
-            grid = (-(-sum(-(-m // cols) for m in ms) // (norm_threads // 32)),)
+            matmul_columns_per_warp) and at most `blocks` blocks (None: one task a warp, as
+            matmul3_bf16's grid)."""
+            one_task_a_warp = -(-sum(-(-m // cols) for m in ms) // (norm_threads // 32))
+            grid = (one_task_a_warp if blocks is None else min(blocks, one_task_a_warp),)
             dims = tuple(np.int32(v) for v in (HIDDEN, ms[0], ms[1], ms[2], cols, 0))
             return grid, dims
 
@@ -307,8 +313,8 @@ class Bench:
                                                     outs[0][2], np.int32(1)) + dims)
                 return launch
 
-            def together(ws, cols=1):
-                fused_grid, fused_dims = launch_shape(cols)
+            def together(ws, cols=1, blocks=engine_blocks):
+                fused_grid, fused_dims = launch_shape(cols, blocks)
 
                 def launch():
                     together_kernel(fused_grid, (norm_threads,),
@@ -330,10 +336,12 @@ class Bench:
                 moved = sum(w.nbytes for w in host_w)
                 us = timed([separate(ws) for ws in weight_copies])
                 self.record("add_rms_norm + matmul3_bf16 n=1", "two launches", us, moved)
-                us = timed([together(ws) for ws in weight_copies])
-                self.record("add_norm_matmul3_bf16 n=1", "one launch", us, moved)
-                # Two features per warp: half the blocks, so half the norms formed.
-                us = timed([together(ws, cols=2) for ws in weight_copies])
+                # Fewer blocks form the norm fewer times; each warp then takes more tasks.
+                for blocks in (None, sms, engine_blocks, 4 * sms):
+                    us = timed([together(ws, blocks=blocks) for ws in weight_copies])
+                    label = "one task a warp" if blocks is None else "%d blocks" % blocks
+                    self.record("add_norm_matmul3_bf16 n=1", "one launch, " + label, us, moved)
+                us = timed([together(ws, cols=2, blocks=None) for ws in weight_copies])
                 self.record("add_norm_matmul3_bf16 n=1", "one launch, 2 features a warp", us, moved)
 
     # -- router --------------------------------------------------------------------------------

@@ -29,6 +29,11 @@ pub(super) const CUBLAS_MIN_ROWS: usize = 9;
 const MATMUL_TWO_COLUMN_MIN_ROWS: usize = 4;
 const MATMUL_TWO_COLUMN_MIN_FEATURES: usize = 4096;
 
+/// `ADD_NORM_MATMUL_BLOCKS_PER_SM` in kernels/matmul.cu: `add_norm_matmul3_bf16`'s blocks per
+/// SM at most (as many as its registers let an SM hold), so the grid is one wave and each
+/// block forms the norm once.
+const ADD_NORM_MATMUL_BLOCKS_PER_SM: usize = 2;
+
 /// Output features per warp for `features` outputs of `rows` rows.
 fn matmul_columns_per_warp(features: usize, rows: usize) -> u64 {
     if rows >= MATMUL_TWO_COLUMN_MIN_ROWS && features >= MATMUL_TWO_COLUMN_MIN_FEATURES {
@@ -339,12 +344,15 @@ impl CudaBackend {
             .iter()
             .map(|weight| (weight.rows as u64).div_ceil(columns))
             .sum();
-        let blocks =
-            u32::try_from(feature_groups.div_ceil(u64::from(NORM_THREADS / 32))).map_err(|_| {
-                CudaError::Invalid {
-                    problem: format!("three projections of {features} features are too large"),
-                }
-            })?;
+        // Each block forms the norm before its first weight read: as few blocks as keep every
+        // SM busy, their warps striding over the tasks (one wave, the norm once per block).
+        let one_task_a_warp = feature_groups.div_ceil(u64::from(NORM_THREADS / 32));
+        let one_wave = (self.info.multiprocessor_count * ADD_NORM_MATMUL_BLOCKS_PER_SM) as u64;
+        let blocks = u32::try_from(one_task_a_warp.min(one_wave.max(1))).map_err(|_| {
+            CudaError::Invalid {
+                problem: format!("three projections of {features} features are too large"),
+            }
+        })?;
         let config = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (NORM_THREADS, 1, 1),
@@ -387,5 +395,9 @@ mod tests {
         assert_eq!(MATMUL_MAX_COLS as i64, kernel_define("matmul", "MAX_COLS"));
         // add_norm_matmul3_bf16 runs matmul3_bf16's warp tasks in blocks of the norm's threads.
         assert_eq!(NORM_THREADS, 32 * MATMUL_WARPS);
+        assert_eq!(
+            ADD_NORM_MATMUL_BLOCKS_PER_SM as i64,
+            kernel_define("matmul", "ADD_NORM_MATMUL_BLOCKS_PER_SM")
+        );
     }
 }

@@ -20,8 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ninfer_artifact::{Artifact, DType};
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_artifact::Artifact;
 use ninfer_cpu_experts::ExpertLayout;
 use ninfer_engine::backend::{ExpertSlotFills, Routing, WithExpertSlotTable};
 use ninfer_engine::moe::expert_cache::{
@@ -36,6 +35,8 @@ use ninfer_engine::{
     Model, ReferenceExpertExecutor,
 };
 
+mod support;
+
 const FIXTURE: &str = "qwen3_5_moe_trained";
 const DECODE_STEPS: usize = 24;
 
@@ -48,12 +49,7 @@ fn converted(work: &Path) -> Option<PathBuf> {
         return None;
     }
     let path = work.join("trained-f32.ninfer");
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(&fixture, &path)
-    };
-    convert_checkpoint(&options, &NoProgress).unwrap();
+    support::convert_f32(fixture, &path);
     Some(path)
 }
 

@@ -10,8 +10,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::model::{
     greedy_with_mtp, greedy_with_mtp_options, DraftController, DraftPlan, ForcedAcceptance,
     SpeculationOptions,
@@ -22,6 +20,8 @@ use ninfer_engine::{
     open_artifact, CpuBackend, EngineError, ExpertBatch, ExpertExecutor, Model,
     ReferenceExpertExecutor,
 };
+
+mod support;
 
 const FIXTURE: &str = "qwen3_5_moe_trained";
 
@@ -54,15 +54,7 @@ impl ExpertExecutor for RecordingExecutor {
 /// The fixture converted to f32 and opened on the CPU with a recording executor.
 fn open_recording(work: &std::path::Path) -> (Model<CpuBackend>, Arc<RecordingExecutor>) {
     let path = work.join("trained.ninfer");
-    convert_checkpoint(
-        &ConvertOptions {
-            experts_dtype: DType::F32,
-            dense_dtype: DType::F32,
-            ..ConvertOptions::new(golden_fixture_dir(FIXTURE), &path)
-        },
-        &NoProgress,
-    )
-    .expect("converting the trained fixture");
+    support::convert_f32(golden_fixture_dir(FIXTURE), &path);
     let artifact = open_artifact(&path).expect("opening the artifact");
     let executor = Arc::new(RecordingExecutor {
         inner: ReferenceExpertExecutor::new(Arc::clone(&artifact)),

@@ -8,14 +8,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::testing::{
     golden_fixture_dir, image_prompt_patches, json_numbers, max_abs_difference,
     mean_abs_difference, next_token_nll,
 };
 use ninfer_engine::vision::{encode_images, ImageGrid, VisionWeights};
 use ninfer_engine::{test_device, Backend, LogitsSelection, Model, SequenceInput};
+
+mod support;
 
 fn reference() -> serde_json::Value {
     let path = golden_fixture_dir("qwen3_5_moe").join("image_prompt_reference.json");
@@ -24,12 +24,7 @@ fn reference() -> serde_json::Value {
 
 fn convert(output: &Path) -> PathBuf {
     let path = output.join("model.ninfer");
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &path)
-    };
-    convert_checkpoint(&options, &NoProgress).expect("fixture converts");
+    support::convert_f32(golden_fixture_dir("qwen3_5_moe"), &path);
     path
 }
 

@@ -9,8 +9,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::sampling::argmax;
 use ninfer_engine::service::images::ImageEncoding;
@@ -25,6 +23,8 @@ use ninfer_engine::{test_device, Backend, Model, SequenceState};
 use ninfer_protocol::v1::ImageInput;
 use tokio::sync::mpsc as async_mpsc;
 
+mod support;
+
 const IMAGE_PAD: u32 = 491;
 const VISION_START: u32 = 489;
 const VISION_END: u32 = 490;
@@ -32,12 +32,7 @@ const NEW_TOKENS: usize = 6;
 
 fn open<B: Backend>(backend: &Arc<B>, work: &Path) -> Arc<Model<B>> {
     let path = work.join("qwen3_5_moe.ninfer");
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &path)
-    };
-    convert_checkpoint(&options, &NoProgress).expect("the fixture converts");
+    support::convert_f32(golden_fixture_dir("qwen3_5_moe"), &path);
     Arc::new(Model::open(Arc::clone(backend), &path).expect("the model opens"))
 }
 

@@ -31,7 +31,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use ninfer_artifact::{Artifact, DType};
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::moe::expert_cache::ExpertCacheOptions;
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
@@ -50,6 +49,8 @@ use ninfer_engine::{
     Model, PipelineStage, PrefillStagingOptions, ReferenceExpertExecutor, SamplingParams,
     SequenceInput,
 };
+
+mod support;
 
 const MAX_CONTEXT: usize = 64;
 const DECODE_STEPS: usize = 5;
@@ -124,13 +125,7 @@ impl Experts {
 
 fn convert_f32(fixture: &str, output: &Path) -> PathBuf {
     let path = output.join(format!("{fixture}.ninfer"));
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
-    };
-    convert_checkpoint(&options, &NoProgress)
-        .unwrap_or_else(|e| panic!("converting {fixture}: {e}"));
+    support::convert_f32(golden_fixture_dir(fixture), &path);
     path
 }
 

@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::prefix_cache::{PrefixCache, PrefixCacheCounters, PrefixCacheSettings};
 use ninfer_engine::sampling::{argmax, Xoshiro256};
 use ninfer_engine::testing::{golden_fixture_dir, max_abs_difference, GOLDEN_FIXTURES};
 use ninfer_engine::{test_device, Backend, CpuBackend, Model, SequenceState};
+
+mod support;
 
 /// Blocks of the delta rule's chunk (the smallest length a hybrid model allows), a checkpoint
 /// every second block.
@@ -26,13 +26,7 @@ const GREEDY_TOKENS: usize = 6;
 
 fn convert(fixture: &Path, output: &Path) -> PathBuf {
     let path = output.join("model.ninfer");
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(fixture, &path)
-    };
-    convert_checkpoint(&options, &NoProgress)
-        .unwrap_or_else(|e| panic!("converting {}: {e}", fixture.display()));
+    support::convert_f32(fixture, &path);
     path
 }
 

@@ -11,8 +11,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::model::MtpState;
 use ninfer_engine::prefix_cache::{
     MtpProgress, PrefixCache, PrefixCacheCounters, PrefixCacheSettings,
@@ -28,6 +26,8 @@ use ninfer_engine::testing::{
 use ninfer_engine::{test_device, Backend, Model, SequenceInput, SequenceState};
 use tokio::sync::mpsc as async_mpsc;
 
+mod support;
+
 /// Blocks of the delta rule's chunk, a checkpoint every second block (as `prefix_cache.rs`).
 const BLOCK: usize = 64;
 /// The fixtures with an MTP head: random MoE, random dense, and the trained MoE whose drafts
@@ -36,13 +36,7 @@ const MTP_FIXTURES: [&str; 3] = ["qwen3_5_moe", "qwen3_5", "qwen3_5_moe_trained"
 
 fn convert(fixture: &str, output: &Path) -> PathBuf {
     let path = output.join(format!("{fixture}.ninfer"));
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
-    };
-    convert_checkpoint(&options, &NoProgress)
-        .unwrap_or_else(|e| panic!("converting {fixture}: {e}"));
+    support::convert_f32(golden_fixture_dir(fixture), &path);
     path
 }
 

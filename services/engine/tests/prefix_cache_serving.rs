@@ -7,8 +7,6 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::service::scheduler::{
@@ -19,17 +17,14 @@ use ninfer_engine::testing::{collect_tokens, golden_fixture_dir, greedy_request}
 use ninfer_engine::{test_device, Backend, Model, SamplingParams, SequenceState};
 use tokio::sync::mpsc as async_mpsc;
 
+mod support;
+
 const NEW_TOKENS: usize = 5;
 const SAMPLED_TOKENS: usize = 12;
 
 fn open<B: Backend>(backend: &Arc<B>, fixture: &str, work: &Path) -> Arc<Model<B>> {
     let path = work.join(format!("{fixture}.ninfer"));
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
-    };
-    convert_checkpoint(&options, &NoProgress).unwrap_or_else(|e| panic!("converting: {e}"));
+    support::convert_f32(golden_fixture_dir(fixture), &path);
     Arc::new(Model::open(Arc::clone(backend), &path).expect("open the artifact"))
 }
 

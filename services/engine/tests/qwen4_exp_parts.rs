@@ -12,8 +12,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use ninfer_artifact::{Artifact, DType};
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
+use ninfer_artifact::Artifact;
 use ninfer_engine::model::qwen4_exp::graph::{
     sigmoid_gated_rms_norm, sigmoid_gated_rms_norm_by_ops,
 };
@@ -27,6 +26,8 @@ use ninfer_engine::model::qwen4_exp::torch_topk::torch_top_k_indices;
 use ninfer_engine::sampling::Xoshiro256;
 use ninfer_engine::testing::{golden_fixture_dir, max_abs_difference};
 use ninfer_engine::{open_artifact, test_device, Backend};
+
+mod support;
 
 fn fixture(name: &str) -> serde_json::Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -485,12 +486,7 @@ fn converted_fixture() -> (tempfile::TempDir, Arc<Artifact>) {
     let fixture = golden_fixture_dir("qwen4_exp");
     let work = tempfile::tempdir().unwrap();
     let path = work.path().join("qwen4_exp-f32.ninfer");
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(&fixture, &path)
-    };
-    convert_checkpoint(&options, &NoProgress).unwrap();
+    support::convert_f32(fixture, &path);
     let artifact = open_artifact(&path).unwrap();
     (work, artifact)
 }

@@ -13,8 +13,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::service::scheduler::{
     self, SchedulerCommand, SchedulerCounters, SchedulerError, SchedulerLimits, SchedulerResult,
 };
@@ -23,18 +21,15 @@ use ninfer_engine::testing::{golden_fixture_dir, greedy_request, json_numbers};
 use ninfer_engine::{test_device, token_nlls, Backend, Model, PerplexityOptions};
 use tokio::sync::mpsc as async_mpsc;
 
+mod support;
+
 const FIXTURE: &str = "qwen3_moe";
 const MAX_CONTEXT: usize = 160;
 
 /// The fixture converted with f32 weights under `work` and opened on `backend`.
 fn open_fixture<B: Backend>(backend: &Arc<B>, work: &Path) -> Arc<Model<B>> {
     let path = work.join(format!("{FIXTURE}.ninfer"));
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir(FIXTURE), &path)
-    };
-    convert_checkpoint(&options, &NoProgress).expect("converting the fixture");
+    support::convert_f32(golden_fixture_dir(FIXTURE), &path);
     Arc::new(Model::open(Arc::clone(backend), &path).expect("opening the artifact"))
 }
 

@@ -12,8 +12,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::service::scheduler::{
     self, GenerationRequest, SchedulerCommand, SchedulerCounters, SchedulerLimits, SchedulerResult,
     SpeculativeDecoding,
@@ -22,16 +20,12 @@ use ninfer_engine::testing::{golden_fixture_dir, greedy_tokens, json_numbers};
 use ninfer_engine::{test_device, Backend, Model, SamplingParams, SequenceState};
 use tokio::sync::mpsc as async_mpsc;
 
+mod support;
+
 /// `fixture` converted with f32 weights under `work` and opened on `backend`.
 fn open_fixture<B: Backend>(backend: &Arc<B>, fixture: &str, work: &Path) -> Arc<Model<B>> {
     let path: PathBuf = work.join(format!("{fixture}.ninfer"));
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
-    };
-    convert_checkpoint(&options, &NoProgress)
-        .unwrap_or_else(|e| panic!("converting {fixture}: {e}"));
+    support::convert_f32(golden_fixture_dir(fixture), &path);
     let model = Model::open(Arc::clone(backend), &path).expect("open the artifact");
     assert!(model.has_mtp(), "{fixture} has an MTP head");
     Arc::new(model)
@@ -470,13 +464,7 @@ where
     let work = tempfile::tempdir().expect("temporary directory");
     let fixture = "qwen3_5_moe_trained";
     let path = work.path().join(format!("{fixture}.ninfer"));
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir(fixture), &path)
-    };
-    convert_checkpoint(&options, &NoProgress)
-        .unwrap_or_else(|e| panic!("converting {fixture}: {e}"));
+    support::convert_f32(golden_fixture_dir(fixture), &path);
     let prompts: Vec<Vec<u32>> = trained_prompts().into_iter().take(3).collect();
     let new_tokens = 16;
     for share in [ResidentShare::All, ResidentShare::Half, ResidentShare::None] {

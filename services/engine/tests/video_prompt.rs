@@ -14,8 +14,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ninfer_artifact::DType;
-use ninfer_convert::{convert_checkpoint, ConvertOptions, NoProgress};
 use ninfer_engine::backend::cuda::CudaBackend;
 use ninfer_engine::sampling::argmax;
 use ninfer_engine::service::images::{ImageEncoding, TowerDevice};
@@ -24,6 +22,8 @@ use ninfer_engine::testing::{
 };
 use ninfer_engine::{test_device, Backend, CpuBackend, LogitsSelection, Model, SequenceInput};
 use ninfer_protocol::v1::ImageInput;
+
+mod support;
 
 /// The largest |Δ| of the GPU tower's f32 embeddings from the host tower's, over the largest
 /// |host| value (the f32 tower bar of the GPU vision tests).
@@ -57,12 +57,7 @@ fn reference() -> serde_json::Value {
 
 fn open_model<B: Backend>(backend: Arc<B>, scratch: &Path) -> Model<B> {
     let path = scratch.join("model.ninfer");
-    let options = ConvertOptions {
-        experts_dtype: DType::F32,
-        dense_dtype: DType::F32,
-        ..ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &path)
-    };
-    convert_checkpoint(&options, &NoProgress).expect("fixture converts");
+    support::convert_f32(golden_fixture_dir("qwen3_5_moe"), &path);
     Model::open(backend, &path).expect("model opens")
 }
 

@@ -17,7 +17,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions};
+use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, PeerPath};
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::moe::gpu_split::layer_ranges;
 use ninfer_engine::moe::placement::{
@@ -136,6 +136,31 @@ pub(crate) fn cuda_stages(
         backends.push(Arc::new(first.open_on_same_device().with_context(
             || format!("{}: opening another stage", choice.split_flag()),
         )?));
+    }
+    // The hidden state crosses from each stage to the next: card to card where they can.
+    for (stage, pair) in backends.windows(2).enumerate() {
+        let path = pair[0].enable_peer_access(&pair[1]).with_context(|| {
+            format!(
+                "{}: letting stages {stage} and {} reach each other",
+                choice.split_flag(),
+                stage + 1
+            )
+        })?;
+        match path {
+            PeerPath::SameContext => {}
+            PeerPath::Direct => tracing::info!(
+                "stages {stage} → {}: GPU {} to GPU {} by peer copies",
+                stage + 1,
+                pair[0].info().ordinal,
+                pair[1].info().ordinal
+            ),
+            PeerPath::ThroughHost => tracing::warn!(
+                "stages {stage} → {}: GPU {} and GPU {} have no peer access; each crossing is staged through host memory by the driver",
+                stage + 1,
+                pair[0].info().ordinal,
+                pair[1].info().ordinal
+            ),
+        }
     }
     Ok(StageBackends {
         backends,

@@ -21,6 +21,9 @@
 //! tokens (one request at a time: which requests share a batch depends on timing, and the
 //! batched forwards are checked above), with and without the prefix cache.
 //!
+//! On CUDA the stages of one card may also cross by the path between cards (a peer copy naming
+//! both contexts): the same bits, and the crossings took that path.
+//!
 //! The refusals: stages that do not cover the layers once in order, a qwen4_exp model,
 //! layerwise prefill on a split model; a split model leaves the MTP head out.
 
@@ -31,6 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use ninfer_artifact::{Artifact, DType};
+use ninfer_engine::backend::cuda::CudaOptions;
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::moe::expert_cache::ExpertCacheOptions;
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
@@ -40,8 +44,9 @@ use ninfer_engine::service::scheduler::{
     DEFAULT_PREFILL_TIME_SHARE,
 };
 use ninfer_engine::testing::{
-    collect_tokens, golden_fixture_dir, greedy_request, image_prompt_patches, json_numbers,
-    write_tiny_model, TinyArchitecture, TinyModelOptions, GOLDEN_FIXTURES,
+    collect_tokens, cuda_with_options_or_skip, golden_fixture_dir, greedy_request,
+    image_prompt_patches, json_numbers, write_tiny_model, TinyArchitecture, TinyModelOptions,
+    GOLDEN_FIXTURES,
 };
 use ninfer_engine::vision::{encode_images, VisionWeights};
 use ninfer_engine::{
@@ -394,6 +399,67 @@ fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(bac
     }
 }
 test_device!(a_split_model_computes_what_the_unsplit_one_computes);
+
+/// Stages of one card sent through the path between cards (`peer_stage_crossings`: a peer copy
+/// naming both contexts, as between two GPUs) compute the unsplit model's logits bit for bit,
+/// and their crossings took that path.
+#[test]
+fn peer_crossings_compute_what_the_unsplit_model_computes() {
+    let options = CudaOptions {
+        peer_stage_crossings: true,
+        ..CudaOptions::exact()
+    };
+    let test = "peer_crossings_compute_what_the_unsplit_model_computes";
+    let Some(backend) = cuda_with_options_or_skip(test, options) else {
+        return;
+    };
+    let backends = vec![
+        Arc::clone(&backend),
+        Arc::new(backend.open_on_same_device().unwrap()),
+    ];
+    let directory = tempfile::tempdir().unwrap();
+    for path in models(directory.path()) {
+        let artifact = open_artifact(&path).unwrap();
+        let layers = artifact.config().common().num_hidden_layers;
+        let noting = NotingExecutor::new(&artifact);
+        let unsplit = prepare(
+            Model::load_offloading_dense_mlps(
+                Arc::clone(&backend),
+                Arc::clone(&artifact),
+                Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
+                0,
+            )
+            .unwrap(),
+            Experts::Executor,
+        );
+        let mut expected = run(&unsplit);
+        expected.executor_calls = noting.calls();
+        drop(unsplit);
+        let crossings_before = backend.peer_stage_crossings();
+        let split = [0..layers / 2, layers / 2..layers];
+        let noting = NotingExecutor::new(&artifact);
+        let model = prepare(
+            Model::load_pipeline(
+                stages(&backends, &split),
+                Arc::clone(&artifact),
+                Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
+                0,
+            )
+            .unwrap(),
+            Experts::Executor,
+        );
+        let mut got = run(&model);
+        got.executor_calls = noting.calls();
+        if let Some(difference) = first_difference(&got, &expected) {
+            panic!("{} split {split:?}: {difference}", path.display());
+        }
+        assert!(
+            backend.peer_stage_crossings() > crossings_before,
+            "{}: no crossing took the peer path",
+            path.display()
+        );
+    }
+}
 
 /// One stage is the unsplit model.
 fn one_stage_is_the_unsplit_model<B: OpenOnSameDevice>(backend: Arc<B>) {

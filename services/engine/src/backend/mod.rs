@@ -302,8 +302,9 @@ pub trait Backend: Send + Sync + 'static {
     /// A copy of `tensor` (of this backend) on `target`, another backend of the same type: the
     /// hidden state crossing from one pipeline stage to the next (`crate::model`'s layer
     /// split). This default goes through host memory (a download, then an upload, which waits
-    /// for this backend's queued ops); the CUDA backend copies on the device between backends
-    /// of one card (events order the two streams), with the same values.
+    /// for this backend's queued ops); the CUDA backend copies on the device (within a card's
+    /// context, or peer to peer between cards; events order the two streams), with the same
+    /// values.
     fn move_tensor_to(
         &self,
         tensor: &Self::Tensor,

@@ -37,7 +37,7 @@ pub use device::{
 
 pub use device::{
     parse_memory_gib, parse_shared_memory_bytes, AttentionPath, CudaOptions, DeltaRuleKernel,
-    GroupedExpertKernels, KvDtype, CONSUMER_CARD_SHARED_MEMORY, MEMORY_CAP_ENV,
+    GroupedExpertKernels, KvDtype, PeerPath, CONSUMER_CARD_SHARED_MEMORY, MEMORY_CAP_ENV,
     SHARED_MEMORY_CAP_ENV,
 };
 

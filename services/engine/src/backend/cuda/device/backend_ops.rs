@@ -122,14 +122,8 @@ impl Backend for CudaBackend {
         target: &CudaBackend,
     ) -> Result<CudaTensor, EngineError> {
         let _timer = self.op_timer("move_tensor_to");
-        match self
-            .move_tensor_on_device(tensor, target)
-            .map_err(device("move_tensor_to"))?
-        {
-            Some(moved) => Ok(moved),
-            // Another card: through the host.
-            None => target.upload(&self.download(tensor)?, tensor.rows, tensor.cols),
-        }
+        self.move_tensor_on_device(tensor, target)
+            .map_err(device("move_tensor_to"))
     }
 
     fn shape(&self, tensor: &CudaTensor) -> (usize, usize) {

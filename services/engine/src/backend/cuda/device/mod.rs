@@ -77,6 +77,8 @@ pub struct CudaBackend {
     /// last one stores the residual and sets it back to 0), allocated at start so a step graph's
     /// launches take the same buffer.
     fused_qkv_norm_counter: Option<CudaSlice<u32>>,
+    /// Tensors this backend sent to another stage by a peer copy (device/stage_crossing.rs).
+    peer_crossings: std::sync::atomic::AtomicU64,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,
@@ -703,6 +705,7 @@ pub use options::{
     MEMORY_CAP_ENV, SHARED_MEMORY_CAP_ENV,
 };
 pub use pending_routing::CudaPendingRouting;
+pub use stage_crossing::PeerPath;
 pub use start_up::DeviceInfo;
 pub use step_graph::CudaStepGraph;
 pub use vision::{CudaVisionOutput, CudaVisionTower};

@@ -159,6 +159,10 @@ pub struct CudaOptions {
     ///
     /// [`memory_info`]: super::CudaBackend::memory_info
     pub memory_cap_bytes: Option<u64>,
+    /// Tensors crossing to a stage of the same card take the path between cards (a peer copy
+    /// naming both contexts) instead of a copy within one context, so the split tests check
+    /// that path on one GPU. The same bits either way.
+    pub peer_stage_crossings: bool,
 }
 
 /// The environment variable that caps the shared memory per block of backends opened without
@@ -255,6 +259,7 @@ impl Default for CudaOptions {
             programmatic_dependent_launch: true,
             shared_memory_cap: None,
             memory_cap_bytes: None,
+            peer_stage_crossings: false,
         }
     }
 }
@@ -296,6 +301,7 @@ impl CudaOptions {
             programmatic_dependent_launch: true,
             shared_memory_cap: None,
             memory_cap_bytes: None,
+            peer_stage_crossings: false,
         }
     }
 }

@@ -51,7 +51,7 @@ pub enum StepGraphRun {
 }
 
 /// How the ops run between [`Backend::begin_step_graph`] and [`Backend::end_step_graph`] went.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StepGraphEnd {
     /// They ran as usual (in the graph's shape, so the next step can record them).
     Ran,
@@ -59,7 +59,11 @@ pub enum StepGraphEnd {
     /// the ops returned are the graph's (kept by the caller for the replays).
     Recorded,
     /// Recording failed or an op failed: nothing ran, the graph will not be used again.
-    Abandoned,
+    Abandoned {
+        /// Where the backend saw the recording break, when it knows (the op that later fails
+        /// may only report its effect).
+        capture_broken_after: Option<String>,
+    },
 }
 
 /// How an RMSNorm applies its weight.

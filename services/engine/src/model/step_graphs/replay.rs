@@ -218,12 +218,17 @@ impl<B: Backend> Model<B> {
                         *recorded = Some((logits, deferred));
                         Ok(Some(copy))
                     }
-                    StepGraphEnd::Abandoned => {
+                    StepGraphEnd::Abandoned {
+                        capture_broken_after,
+                    } => {
                         counts.abandoned += 1;
-                        let reason = match &result {
+                        let mut reason = match &result {
                             Err(error) => error.to_string(),
                             Ok(_) => "the driver refused the recording".to_string(),
                         };
+                        if let Some(broken) = capture_broken_after {
+                            reason = format!("{reason}; {broken}");
+                        }
                         tracing::warn!(
                             "a decode step could not be recorded as a graph; this batch runs op by op: {reason}"
                         );

@@ -79,6 +79,9 @@ pub struct CudaBackend {
     fused_qkv_norm_counter: Option<CudaSlice<u32>>,
     /// Tensors this backend sent to another stage by a peer copy (device/stage_crossing.rs).
     peer_crossings: std::sync::atomic::AtomicU64,
+    /// While a step graph records, each op checks the capture after it: the first op after
+    /// which it was no longer active (device/step_graph.rs).
+    capture_watch: step_graph::CaptureWatch,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,
@@ -620,6 +623,8 @@ impl CudaBackend {
 pub(crate) struct OpTimer<'a> {
     backend: &'a CudaBackend,
     running: Option<(String, std::time::Instant)>,
+    /// The op's name while a step graph records: its capture is checked when the op ends.
+    watched: Option<String>,
 }
 
 impl CudaBackend {
@@ -627,15 +632,22 @@ impl CudaBackend {
         self.op_timer_named(|| name.to_string())
     }
 
-    /// As [`CudaBackend::op_timer`], the name built only when timing is on.
+    /// As [`CudaBackend::op_timer`], the name built only when timing is on or a step graph
+    /// records.
     pub(crate) fn op_timer_named(&self, name: impl FnOnce() -> String) -> OpTimer<'_> {
-        let running = self
-            .op_timing
-            .as_ref()
-            .map(|timing| (name(), timing.begin()));
+        let watching = self.capture_watch.recording();
+        let (running, watched) = match (&self.op_timing, watching) {
+            (None, false) => (None, None),
+            (timing, _) => {
+                let name = name();
+                let running = timing.as_ref().map(|timing| (name.clone(), timing.begin()));
+                (running, watching.then_some(name))
+            }
+        };
         OpTimer {
             backend: self,
             running,
+            watched,
         }
     }
 
@@ -648,6 +660,11 @@ impl CudaBackend {
 
 impl Drop for OpTimer<'_> {
     fn drop(&mut self) {
+        if let Some(op) = self.watched.take() {
+            self.backend
+                .capture_watch
+                .check_after(&self.backend.stream, op);
+        }
         if let (Some((name, start)), Some(timing)) =
             (self.running.take(), self.backend.op_timing.as_ref())
         {

@@ -271,6 +271,7 @@ impl CudaBackend {
             fused_router_counter: None,
             fused_qkv_norm_counter: None,
             peer_crossings: Default::default(),
+            capture_watch: Default::default(),
         };
         // The counters a fused kernel's blocks take tickets on: zero, allocated once, only for
         // the kernels turned on.

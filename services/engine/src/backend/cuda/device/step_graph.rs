@@ -21,10 +21,11 @@
 //! consult ([`ActiveStepGraph`]). Must not touch: which steps go through a graph (the model
 //! decides), host-side sequence bookkeeping.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 
 use super::graph_census::GraphCensus;
 use super::tensor_pool::{RecyclePool, TensorPool};
@@ -53,6 +54,64 @@ enum Stage {
     Recorded(CudaGraph),
     /// Recording failed; the model stops using this graph.
     Abandoned,
+}
+
+/// While a step graph records, which op first left the capture no longer active: something
+/// in it (or between it and the op before) broke the recording, whichever op later reports the
+/// failure. The recording's abandonment names it.
+#[derive(Default)]
+pub(super) struct CaptureWatch {
+    recording: AtomicBool,
+    broken_after: Mutex<Option<String>>,
+}
+
+impl CaptureWatch {
+    /// Whether a recording is being watched (checked once per op).
+    pub(super) fn recording(&self) -> bool {
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    fn start(&self) {
+        if let Ok(mut broken) = self.broken_after.lock() {
+            *broken = None;
+        }
+        self.recording.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops watching; the op after which the capture was first found broken, if it was.
+    fn stop(&self) -> Option<String> {
+        self.recording.store(false, Ordering::Relaxed);
+        self.broken_after
+            .lock()
+            .ok()
+            .and_then(|mut broken| broken.take())
+    }
+
+    /// After `op`: notes it if the capture is no longer active and no op was noted before.
+    pub(super) fn check_after(&self, stream: &CudaStream, op: String) {
+        let active = matches!(
+            stream.capture_status(),
+            Ok(CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+        );
+        if active {
+            return;
+        }
+        if let Ok(mut broken) = self.broken_after.lock() {
+            broken.get_or_insert(op);
+        }
+    }
+}
+
+/// A failed recording, naming where the capture broke when the watch saw it.
+fn abandoned_after(broken_after: Option<String>) -> StepGraphEnd {
+    StepGraphEnd::Abandoned {
+        capture_broken_after: broken_after.map(|op| {
+            format!(
+                "the capture was no longer active after `{op}` (it, or something between it and \
+                 the op before, broke it)"
+            )
+        }),
+    }
 }
 
 // SAFETY: the CUDA graph handles inside are used by one thread at a time (the model keeps its
@@ -161,6 +220,7 @@ impl CudaBackend {
             self.stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(driver_error("starting to record a step graph"))?;
+            self.capture_watch.start();
         }
         self.set_active_step_graph(Some(active))?;
         Ok(StepGraphRun::RunOps)
@@ -172,6 +232,11 @@ impl CudaBackend {
         ops_succeeded: bool,
     ) -> Result<StepGraphEnd, CudaError> {
         let recording = matches!(graph.stage, Stage::Shaped);
+        let broken_after = if recording {
+            self.capture_watch.stop()
+        } else {
+            None
+        };
         self.set_active_step_graph(None)?;
         if !recording {
             graph.stage = if ops_succeeded {
@@ -197,7 +262,7 @@ impl CudaBackend {
             Ok(Some(recorded)) if ops_succeeded => recorded,
             Ok(_) => {
                 graph.stage = Stage::Abandoned;
-                return Ok(StepGraphEnd::Abandoned);
+                return Ok(abandoned_after(broken_after));
             }
             Err(error) => {
                 tracing::warn!(
@@ -205,7 +270,7 @@ impl CudaBackend {
                     super::describe(&error)
                 );
                 graph.stage = Stage::Abandoned;
-                return Ok(StepGraphEnd::Abandoned);
+                return Ok(abandoned_after(broken_after));
             }
         };
         recorded

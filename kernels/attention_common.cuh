@@ -11,13 +11,16 @@
 #define SPLIT_TILE 32
 // At most this many chunks per row (`SPLIT_MAX_CHUNKS` in attention.rs).
 #define COMBINE_MAX_CHUNKS 128
+// At least this many tiles per chunk (`SPLIT_MIN_CHUNK_TILES` in attention.rs): fewer, longer
+// chunks write and combine fewer partials at short contexts.
+#define SPLIT_MIN_CHUNK_TILES 1
 
 // Keys per chunk for a segment whose last row sits at `last_position`: `split_chunk` in
 // attention.rs, so a step graph's rows get the bits the uncaptured launches give them.
 __device__ __forceinline__ int split_chunk(int last_position) {
     int tiles = (last_position + 1 + SPLIT_TILE - 1) / SPLIT_TILE;
     int per_chunk = (tiles + COMBINE_MAX_CHUNKS - 1) / COMBINE_MAX_CHUNKS;
-    return (per_chunk > 1 ? per_chunk : 1) * SPLIT_TILE;
+    return (per_chunk > SPLIT_MIN_CHUNK_TILES ? per_chunk : SPLIT_MIN_CHUNK_TILES) * SPLIT_TILE;
 }
 
 // A 16-byte global → shared copy that does not wait (both addresses 16-byte aligned).

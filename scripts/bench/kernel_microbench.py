@@ -587,7 +587,8 @@ class Bench:
 
         # The split kernel at its chunking (split_chunk).
         tiles = -(-(position + 1) // 32)
-        chunk = max(1, -(-tiles // max_chunks)) * 32
+        min_tiles = kernel_define(kernel_dir, "attention_common.cuh", "SPLIT_MIN_CHUNK_TILES")
+        chunk = max(min_tiles, -(-tiles // max_chunks)) * 32
         chunks = position // chunk + 1
         words = hd // 2
         stride = words + 1 if words % 4 else words + 4

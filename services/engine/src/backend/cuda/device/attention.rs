@@ -49,6 +49,10 @@ pub(super) const SPLIT_MAX_ROWS: usize = 8;
 /// Decode is latency-bound, so a row's keys are cut into many small blocks: 4K keys still make
 /// 128 one-tile chunks per kv head. `COMBINE_MAX_CHUNKS` in `kernels/attention.cu`.
 pub(super) const SPLIT_MAX_CHUNKS: usize = 128;
+/// At least this many tiles per chunk (`SPLIT_MIN_CHUNK_TILES` in
+/// `kernels/attention_common.cuh`): longer chunks write and combine fewer partials at short
+/// contexts, at the price of fewer blocks. The kernel bench times chunks of 1, 2 and 4 tiles.
+const SPLIT_MIN_CHUNK_TILES: usize = 1;
 /// `COMBINE_WARPS` in `kernels/attention.cu`: warps of a combine block (each sums a share of
 /// the chunks for 32 of a head's dims).
 pub(super) const COMBINE_WARPS: u32 = 8;
@@ -98,11 +102,12 @@ impl std::fmt::Display for AttentionPath {
     }
 }
 
-/// Keys per split chunk for a segment whose last row sits at `last_position`: one tile up to
-/// `SPLIT_MAX_CHUNKS` tiles of keys, then as many tiles as keep the chunk count at that bound.
+/// Keys per split chunk for a segment whose last row sits at `last_position`:
+/// `SPLIT_MIN_CHUNK_TILES` tiles up to `SPLIT_MAX_CHUNKS` chunks of them, then as many tiles as
+/// keep the chunk count at that bound.
 pub(super) fn split_chunk(last_position: usize) -> usize {
     let tiles = (last_position + 1).div_ceil(SPLIT_TILE);
-    tiles.div_ceil(SPLIT_MAX_CHUNKS).max(1) * SPLIT_TILE
+    tiles.div_ceil(SPLIT_MAX_CHUNKS).max(SPLIT_MIN_CHUNK_TILES) * SPLIT_TILE
 }
 
 /// Dynamic shared memory of a split block.
@@ -853,6 +858,10 @@ mod tests {
         assert_eq!(SPLIT_TILE as i64, define("SPLIT_TILE"));
         assert_eq!(SPLIT_HEADS as i64, define("SPLIT_HEADS"));
         assert_eq!(SPLIT_MAX_CHUNKS as i64, define("COMBINE_MAX_CHUNKS"));
+        assert_eq!(
+            SPLIT_MIN_CHUNK_TILES as i64,
+            define("SPLIT_MIN_CHUNK_TILES")
+        );
         assert_eq!(i64::from(COMBINE_WARPS), define("COMBINE_WARPS"));
         assert_eq!(i64::from(TILE_THREADS), define("TILE_THREADS"));
         assert_eq!(TILE_ROWS as i64, define("TILE_ROWS"));

@@ -81,7 +81,7 @@ pub struct CudaBackend {
     peer_crossings: std::sync::atomic::AtomicU64,
     /// While a step graph records, each op checks the capture after it: the first op after
     /// which it was no longer active (device/step_graph.rs).
-    capture_watch: step_graph::CaptureWatch,
+    capture_watch: capture_watch::CaptureWatch,
     /// The kernels' modules, held only to be dropped: last, so they are unloaded after everything
     /// else of the backend.
     _modules: launch::KernelModules,
@@ -682,6 +682,7 @@ mod attention_decode;
 mod backend_ops;
 mod bandwidth;
 mod cache_copies;
+mod capture_watch;
 mod delta_rule;
 mod driver;
 mod elementwise;

@@ -21,11 +21,10 @@
 //! consult ([`ActiveStepGraph`]). Must not touch: which steps go through a graph (the model
 //! decides), host-side sequence bookkeeping.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
 
 use super::graph_census::GraphCensus;
 use super::tensor_pool::{RecyclePool, TensorPool};
@@ -54,52 +53,6 @@ enum Stage {
     Recorded(CudaGraph),
     /// Recording failed; the model stops using this graph.
     Abandoned,
-}
-
-/// While a step graph records, which op first left the capture no longer active: something
-/// in it (or between it and the op before) broke the recording, whichever op later reports the
-/// failure. The recording's abandonment names it.
-#[derive(Default)]
-pub(super) struct CaptureWatch {
-    recording: AtomicBool,
-    broken_after: Mutex<Option<String>>,
-}
-
-impl CaptureWatch {
-    /// Whether a recording is being watched (checked once per op).
-    pub(super) fn recording(&self) -> bool {
-        self.recording.load(Ordering::Relaxed)
-    }
-
-    fn start(&self) {
-        if let Ok(mut broken) = self.broken_after.lock() {
-            *broken = None;
-        }
-        self.recording.store(true, Ordering::Relaxed);
-    }
-
-    /// Stops watching; the op after which the capture was first found broken, if it was.
-    fn stop(&self) -> Option<String> {
-        self.recording.store(false, Ordering::Relaxed);
-        self.broken_after
-            .lock()
-            .ok()
-            .and_then(|mut broken| broken.take())
-    }
-
-    /// After `op`: notes it if the capture is no longer active and no op was noted before.
-    pub(super) fn check_after(&self, stream: &CudaStream, op: String) {
-        let active = matches!(
-            stream.capture_status(),
-            Ok(CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
-        );
-        if active {
-            return;
-        }
-        if let Ok(mut broken) = self.broken_after.lock() {
-            broken.get_or_insert(op);
-        }
-    }
 }
 
 /// A failed recording, naming where the capture broke when the watch saw it.

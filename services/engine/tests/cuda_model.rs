@@ -21,6 +21,14 @@ use ninfer_engine::{Backend, CpuBackend, Model, SequenceInput};
 
 const GREEDY_TOKENS: usize = 16;
 
+/// This file's tests one at a time: one of them keeps another thread synchronising on the
+/// device, which would break the other tests' recordings too.
+fn one_test_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GPU.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// What one run is held to.
 struct Bars {
     mean_nll: f64,
@@ -30,6 +38,7 @@ struct Bars {
 
 #[test]
 fn tiny_models_on_cuda_match_the_cpu_backend() {
+    let _one_at_a_time = one_test_at_a_time();
     for (label, backend, bars) in [
         (
             "exact",
@@ -152,6 +161,7 @@ fn compare_tiny_models(gpu: &Arc<CudaBackend>, label: &str, bars: &Bars) {
 /// architecture, a batch of one and a batch of three sequences, every routed expert resident.
 #[test]
 fn step_graphs_give_the_logits_of_uncaptured_steps() {
+    let _one_at_a_time = one_test_at_a_time();
     let Some(gpu) = gpu_or_skip(
         CudaBackend::shared(),
         "step_graphs_give_the_logits_of_uncaptured_steps",
@@ -204,6 +214,67 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
     }
 }
 
+/// A synchronising call of any thread on the device ends every capture under way (here another
+/// backend's thread waits on its own idle stream, over and over, while the model decodes through
+/// step graphs): a recording it breaks is tried again at the next step, the broken step runs op
+/// by op, and every step keeps the logits of steps launched op by op, bit for bit.
+#[test]
+fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
+    let _one_at_a_time = one_test_at_a_time();
+    let test = "recordings_broken_by_another_threads_synchronisation_are_tried_again";
+    let opened = CudaBackend::shared().and_then(|gpu| {
+        let other = CudaBackend::with_options(0, CudaOptions::default())?;
+        Ok((gpu, Arc::new(other)))
+    });
+    let Some((gpu, other)) = gpu_or_skip(opened, test) else {
+        return;
+    };
+    let directory = tempfile::tempdir().unwrap();
+    let path = write_int8_model(directory.path(), TinyArchitecture::Qwen3Next);
+    let (with_graphs, without) = (
+        open_with_resident_experts(&gpu, &path, 1, true),
+        open_with_resident_experts(&gpu, &path, 1, false),
+    );
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| (0..9 + 4 * s).map(|i| (i * 29 + 5 * s + 1) % 97).collect())
+        .collect();
+    let plain_steps = decode_on_backend(&without, &prompts, 12);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let waiting = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut waits = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                other.wait_for_queued_ops().unwrap();
+                waits += 1;
+            }
+            waits
+        })
+    };
+    let graph_steps = decode_on_backend(&with_graphs, &prompts, 12);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let waits = waiting.join().unwrap();
+    let counts = with_graphs.step_graph_counts();
+    println!(
+        "step graphs {counts:?} beside {waits} waits of another thread; last failure: {:?}",
+        with_graphs.step_graph_last_abandoned()
+    );
+    for (step, (graph, plain)) in graph_steps.iter().zip(&plain_steps).enumerate() {
+        assert!(
+            graph.len() == plain.len()
+                && graph
+                    .iter()
+                    .zip(plain)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "step {step}'s logits differ from the op-by-op step's"
+        );
+    }
+    assert!(
+        counts.interrupted > 0,
+        "{waits} waits of another thread broke no recording: {counts:?}"
+    );
+}
+
 /// The router kernel storing the routing (and a decode step's hidden states) into mapped
 /// page-locked memory gives the bits the stream's copies give: every routed expert on the GPU
 /// (the routing read at the forward's end, with and without step graphs) and half of them
@@ -211,6 +282,7 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
 /// layer waiting for the routing mid-forward).
 #[test]
 fn routing_stored_by_the_router_equals_routing_copied_back() {
+    let _one_at_a_time = one_test_at_a_time();
     // Two backends of this test's own: a backend records one step graph at a time, and the
     // shared one is recording the other tests' graphs meanwhile.
     assert!(CudaOptions::default().routing_stores);

@@ -218,6 +218,22 @@ impl<B: Backend> Model<B> {
                         *recorded = Some((logits, deferred));
                         Ok(Some(copy))
                     }
+                    StepGraphEnd::Interrupted {
+                        capture_broken_after,
+                    } => {
+                        counts.interrupted += 1;
+                        let reason = match (&result, capture_broken_after) {
+                            (Err(error), Some(broken)) => format!("{error}; {broken}"),
+                            (Err(error), None) => error.to_string(),
+                            (Ok(_), Some(broken)) => broken,
+                            (Ok(_), None) => "the capture broke".to_string(),
+                        };
+                        tracing::info!(
+                            "a decode step's recording was interrupted; this step runs op by op and the next one records again: {reason}"
+                        );
+                        // Nothing ran: the positions never moved, and the step runs op by op.
+                        Ok(None)
+                    }
                     StepGraphEnd::Abandoned {
                         capture_broken_after,
                     } => {

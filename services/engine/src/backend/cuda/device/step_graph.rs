@@ -9,7 +9,10 @@
 //!    position; op outputs come from the graph's own buffer pool, which this step fills.
 //! 2. **second step, recorded**: the same ops, recorded (stream capture) instead of run, take
 //!    their buffers from that pool (a missing one abandons the recording: nothing may be
-//!    allocated inside it), and the recording is launched once.
+//!    allocated inside it), and the recording is launched once. A synchronising call of any
+//!    thread on the device ends every capture under way, so a recording whose capture broke is
+//!    tried again at the next step (that step runs op by op), up to [`RECORDING_TRIES`] times;
+//!    each op checks the capture as it ends, so the failure names where it broke.
 //! 3. **every later step, replayed**: new ids and positions are copied into the inputs and the
 //!    graph is launched.
 //!
@@ -23,8 +26,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUresult, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, DriverError};
 
 use super::graph_census::GraphCensus;
 use super::tensor_pool::{RecyclePool, TensorPool};
@@ -43,7 +46,15 @@ pub struct CudaStepGraph {
     /// kept (never handed to other ops) while the graph lives, since the graph writes them.
     pool: Arc<TensorPool>,
     stage: Stage,
+    /// Recordings of this graph whose capture something broke (tried again up to
+    /// [`RECORDING_TRIES`]).
+    broken_recordings: u32,
 }
+
+/// Recordings a graph gets when something breaks their capture: a synchronising call of any
+/// thread on the device (another stream's wait, a free) ends every capture under way, so a
+/// recording may break through no fault of its own; one that breaks every time is abandoned.
+const RECORDING_TRIES: u32 = 3;
 
 enum Stage {
     /// No step ran through the graph yet.
@@ -55,16 +66,14 @@ enum Stage {
     Abandoned,
 }
 
-/// A failed recording, naming where the capture broke when the watch saw it.
-fn abandoned_after(broken_after: Option<String>) -> StepGraphEnd {
-    StepGraphEnd::Abandoned {
-        capture_broken_after: broken_after.map(|op| {
-            format!(
-                "the capture was no longer active after `{op}` (it, or something between it and \
-                 the op before, broke it)"
-            )
-        }),
-    }
+/// Where the capture broke, in words, when the watch saw it.
+fn broken_capture(broken_after: Option<String>) -> Option<String> {
+    broken_after.map(|op| {
+        format!(
+            "the capture was no longer active after `{op}` (it, or something between it and the \
+             op before, or another thread's synchronisation, broke it)"
+        )
+    })
 }
 
 // SAFETY: the CUDA graph handles inside are used by one thread at a time (the model keeps its
@@ -106,6 +115,7 @@ impl CudaBackend {
             // Unbounded: the graph's buffers must all stay.
             pool: Arc::new(RecyclePool::new(usize::MAX, usize::MAX)),
             stage: Stage::New,
+            broken_recordings: 0,
         }))
     }
 
@@ -211,19 +221,32 @@ impl CudaBackend {
         let ended = self
             .stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        let capture_broke = broken_after.is_some()
+            || matches!(
+                &ended,
+                Err(DriverError(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED))
+            );
         let recorded = match ended {
             Ok(Some(recorded)) if ops_succeeded => recorded,
-            Ok(_) => {
+            ended => {
+                if let Err(error) = &ended {
+                    tracing::debug!(
+                        "a decode step's recording ended with {}",
+                        super::describe(error)
+                    );
+                }
+                let capture_broken_after = broken_capture(broken_after);
+                if capture_broke && graph.broken_recordings + 1 < RECORDING_TRIES {
+                    // Nothing ran; the graph keeps its shape and records the next step.
+                    graph.broken_recordings += 1;
+                    return Ok(StepGraphEnd::Interrupted {
+                        capture_broken_after,
+                    });
+                }
                 graph.stage = Stage::Abandoned;
-                return Ok(abandoned_after(broken_after));
-            }
-            Err(error) => {
-                tracing::warn!(
-                    "a decode step could not be recorded as a CUDA graph; this batch runs op by op: {}",
-                    super::describe(&error)
-                );
-                graph.stage = Stage::Abandoned;
-                return Ok(abandoned_after(broken_after));
+                return Ok(StepGraphEnd::Abandoned {
+                    capture_broken_after,
+                });
             }
         };
         recorded

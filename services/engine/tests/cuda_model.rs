@@ -216,8 +216,9 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
 
 /// A synchronising call of any thread on the device ends every capture under way (here another
 /// backend's thread waits on its own idle stream, over and over, while the model decodes through
-/// step graphs): a recording it breaks is tried again at the next step, the broken step runs op
-/// by op, and every step keeps the logits of steps launched op by op, bit for bit.
+/// step graphs): a recording it breaks is tried again later, the broken step runs op by op,
+/// every step keeps the logits of steps launched op by op, bit for bit, and once the other
+/// thread stops, the next batch records and replays as usual.
 #[test]
 fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
     let _one_at_a_time = one_test_at_a_time();
@@ -272,6 +273,12 @@ fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
     assert!(
         counts.interrupted > 0,
         "{waits} waits of another thread broke no recording: {counts:?}"
+    );
+    decode_on_backend(&with_graphs, &prompts, 8);
+    let quiet = with_graphs.step_graph_counts();
+    assert!(
+        quiet.recorded > counts.recorded && quiet.replayed > counts.replayed,
+        "alone again, a new batch did not record and replay: {counts:?} then {quiet:?}"
     );
 }
 

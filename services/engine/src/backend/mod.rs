@@ -59,7 +59,7 @@ pub enum StepGraphEnd {
     /// the ops returned are the graph's (kept by the caller for the replays).
     Recorded,
     /// Something broke the recording's capture (one of its ops, or a synchronising call of
-    /// another thread on the device): nothing ran; the graph records again next step.
+    /// another thread on the device): nothing ran; the graph records again later.
     Interrupted {
         /// Where the backend saw the capture break, when it knows.
         capture_broken_after: Option<String>,

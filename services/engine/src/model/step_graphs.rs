@@ -51,7 +51,7 @@ pub struct StepGraphCounts {
     pub recorded: u64,
     /// Steps replayed.
     pub replayed: u64,
-    /// Recordings whose capture something broke, tried again the next step.
+    /// Recordings whose capture something broke, tried again later.
     pub interrupted: u64,
     /// Recordings that failed for good (those batches run op by op).
     pub abandoned: u64,

@@ -35,7 +35,7 @@ impl<B: Backend> Model<B> {
             .unwrap_or_default()
     }
 
-    /// Why the last recording of a step graph failed, if one did.
+    /// Why the last recording of a step graph failed (abandoned or interrupted), if one did.
     pub fn step_graph_last_abandoned(&self) -> Option<String> {
         self.step_graphs
             .lock()
@@ -229,8 +229,9 @@ impl<B: Backend> Model<B> {
                             (Ok(_), None) => "the capture broke".to_string(),
                         };
                         tracing::info!(
-                            "a decode step's recording was interrupted; this step runs op by op and the next one records again: {reason}"
+                            "a decode step's recording was interrupted; this step runs op by op and a later one records again: {reason}"
                         );
+                        *last_abandoned = Some(reason);
                         // Nothing ran: the positions never moved, and the step runs op by op.
                         Ok(None)
                     }

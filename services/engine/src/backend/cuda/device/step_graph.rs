@@ -10,9 +10,11 @@
 //! 2. **second step, recorded**: the same ops, recorded (stream capture) instead of run, take
 //!    their buffers from that pool (a missing one abandons the recording: nothing may be
 //!    allocated inside it), and the recording is launched once. A synchronising call of any
-//!    thread on the device ends every capture under way, so a recording whose capture broke is
-//!    tried again at the next step (that step runs op by op), up to [`RECORDING_TRIES`] times;
-//!    each op checks the capture as it ends, so the failure names where it broke.
+//!    thread on the device (the image encoder reading its output back, say) ends every capture
+//!    under way, so a recording whose capture broke is tried again: the broken step runs op by
+//!    op, and after the n-th break the graph runs 2ⁿ − 1 steps in its shape before recording
+//!    again (at most [`MOST_STEPS_BETWEEN_RECORDINGS`]); each op checks the capture as it ends,
+//!    so the failure names where it broke.
 //! 3. **every later step, replayed**: new ids and positions are copied into the inputs and the
 //!    graph is launched.
 //!
@@ -46,15 +48,16 @@ pub struct CudaStepGraph {
     /// kept (never handed to other ops) while the graph lives, since the graph writes them.
     pool: Arc<TensorPool>,
     stage: Stage,
-    /// Recordings of this graph whose capture something broke (tried again up to
-    /// [`RECORDING_TRIES`]).
+    /// Recordings of this graph whose capture something broke.
     broken_recordings: u32,
+    /// Steps to run in the graph's shape before the next recording (after a broken one).
+    steps_before_recording: u32,
 }
 
-/// Recordings a graph gets when something breaks their capture: a synchronising call of any
-/// thread on the device (another stream's wait, a free) ends every capture under way, so a
-/// recording may break through no fault of its own; one that breaks every time is abandoned.
-const RECORDING_TRIES: u32 = 3;
+/// A synchronising call of any thread on the device (another stream's wait, a free) ends every
+/// capture under way, so a recording may break through no fault of its own: it is tried again,
+/// ever less often while it keeps breaking, at most this many steps apart.
+const MOST_STEPS_BETWEEN_RECORDINGS: u32 = 63;
 
 enum Stage {
     /// No step ran through the graph yet.
@@ -116,6 +119,7 @@ impl CudaBackend {
             pool: Arc::new(RecyclePool::new(usize::MAX, usize::MAX)),
             stage: Stage::New,
             broken_recordings: 0,
+            steps_before_recording: 0,
         }))
     }
 
@@ -168,6 +172,10 @@ impl CudaBackend {
                 })
             }
             Stage::New => false,
+            Stage::Shaped if graph.steps_before_recording > 0 => {
+                graph.steps_before_recording -= 1;
+                false
+            }
             Stage::Shaped => true,
         };
         let active = ActiveStepGraph {
@@ -236,9 +244,11 @@ impl CudaBackend {
                     );
                 }
                 let capture_broken_after = broken_capture(broken_after);
-                if capture_broke && graph.broken_recordings + 1 < RECORDING_TRIES {
-                    // Nothing ran; the graph keeps its shape and records the next step.
+                if capture_broke {
+                    // Nothing ran; the graph keeps its shape and records again later.
                     graph.broken_recordings += 1;
+                    let wait = (1u32 << graph.broken_recordings.min(6)) - 1;
+                    graph.steps_before_recording = wait.min(MOST_STEPS_BETWEEN_RECORDINGS);
                     return Ok(StepGraphEnd::Interrupted {
                         capture_broken_after,
                     });

@@ -52,6 +52,8 @@ pub struct CudaStepGraph {
     broken_recordings: u32,
     /// Steps to run in the graph's shape before the next recording (after a broken one).
     steps_before_recording: u32,
+    /// The step under way is being recorded.
+    recording: bool,
 }
 
 /// A synchronising call of any thread on the device (another stream's wait, a free) ends every
@@ -120,6 +122,7 @@ impl CudaBackend {
             stage: Stage::New,
             broken_recordings: 0,
             steps_before_recording: 0,
+            recording: false,
         }))
     }
 
@@ -193,6 +196,7 @@ impl CudaBackend {
                 .map_err(driver_error("starting to record a step graph"))?;
             self.capture_watch.start();
         }
+        graph.recording = recording;
         self.set_active_step_graph(Some(active))?;
         Ok(StepGraphRun::RunOps)
     }
@@ -202,7 +206,7 @@ impl CudaBackend {
         graph: &mut CudaStepGraph,
         ops_succeeded: bool,
     ) -> Result<StepGraphEnd, CudaError> {
-        let recording = matches!(graph.stage, Stage::Shaped);
+        let recording = std::mem::take(&mut graph.recording);
         let broken_after = if recording {
             self.capture_watch.stop()
         } else {

@@ -110,6 +110,11 @@ extern "C" __global__ void matmul3_bf16(const float* x, const unsigned short* w0
                  warp_task());
 }
 
+// add_norm_matmul3_bf16's blocks per SM in the grid the engine launches: one wave at its
+// occupancy (104 registers a thread on sm_90: two 256-thread blocks an SM; launch bounds of two
+// make ptxas spill).
+#define ADD_NORM_MATMUL_BLOCKS_PER_SM 2
+
 // The warp tasks of three projections of one row: one per feature group of each matrix.
 __device__ __forceinline__ long long matmul3_row_tasks(int m0, int m1, int m2, int cols) {
     return (long long)((m0 + cols - 1) / cols) + (m1 + cols - 1) / cols + (m2 + cols - 1) / cols;
@@ -141,11 +146,6 @@ __device__ __forceinline__ void prefetch_matmul3_row_tasks(const unsigned short*
 // launches ADD_NORM_MATMUL_BLOCKS_PER_SM blocks per SM at most, matmul3_bf16's grid at n = 1
 // gives each warp one task); dynamic shared memory k floats; k ≤ NORM_THREADS · NORM_CACHED (the
 // values stay in registers).
-// add_norm_matmul3_bf16's blocks per SM in the grid the engine launches: one wave at its
-// occupancy (104 registers a thread on sm_90: two 256-thread blocks an SM; launch bounds of two
-// make ptxas spill).
-#define ADD_NORM_MATMUL_BLOCKS_PER_SM 2
-
 extern "C" __global__ void add_norm_matmul3_bf16(
     float* residual, const float* delta, const float* norm_weight, float eps, float offset,
     float* normed, const unsigned short* w0, const unsigned short* w1, const unsigned short* w2, float* out0,

@@ -14,7 +14,8 @@
 # the kernels and runs the backend's start-up self-checks; when it fails and the log points at
 # NINFER_CUDA_REFERENCE_KERNELS, the suites run with the reference kernels only).
 # GPU_TEST_SUITES="cuda_ops batch_decode" (both halves) builds and runs only those suites: a
-# quicker build and a smaller bundle, for checking one change.
+# quicker build and a smaller bundle, for checking one change. GPU_TEST_SKIP="cuda_nvrtc" (run)
+# leaves those suites out (a second run beside a first need not compile every kernel again).
 # NINFER_CUDA_SHARED_MEMORY_CAP=99K (run) runs the suites as on an RTX 30/40/50 card: every
 # kernel takes the variant that fits 99 KB of shared memory per block, and a launch asking for
 # more fails its test.
@@ -63,6 +64,17 @@ if [ -n "${GPU_TEST_SUITES:-}" ]; then
     exit 2
   fi
   SUITES=("${chosen[@]}")
+fi
+if [ -n "${GPU_TEST_SKIP:-}" ]; then
+  kept=()
+  for suite in "${SUITES[@]}"; do
+    skipped=0
+    for name in $GPU_TEST_SKIP; do  # intentional word split: a space-separated list
+      if [ "${suite%%:*}" = "$name" ]; then skipped=1; fi
+    done
+    if [ "$skipped" = 0 ]; then kept+=("$suite"); fi
+  done
+  SUITES=("${kept[@]}")
 fi
 
 build() {

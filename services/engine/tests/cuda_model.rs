@@ -215,10 +215,11 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
 }
 
 /// A synchronising call of any thread on the device ends every capture under way (here another
-/// backend's thread waits on its own idle stream and on the context, over and over, while the
-/// model decodes through step graphs): a recording it breaks is tried again later, the broken
-/// step runs op by op, every step keeps the logits of steps launched op by op, bit for bit, and
-/// once the other thread stops, the next batch records and replays as usual.
+/// thread waits on another backend's idle stream, on the context and on the model's own stream,
+/// over and over, while the model decodes through step graphs): a recording it breaks is tried
+/// again later, the broken step runs op by op, every step keeps the logits of steps launched op
+/// by op, bit for bit, and once the other thread stops, the next batch records and replays as
+/// usual.
 #[test]
 fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
     let _one_at_a_time = one_test_at_a_time();
@@ -242,10 +243,11 @@ fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
     let plain_steps = decode_on_backend(&without, &prompts, 12);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let waiting = {
-        let stop = Arc::clone(&stop);
+        let (stop, model_backend) = (Arc::clone(&stop), Arc::clone(&gpu));
         std::thread::spawn(move || {
-            // The other backend's stream, then the whole context: a wait that meets a capture
-            // may fail, which is not this test's concern.
+            // The other backend's stream, the whole context, and the model's own stream (a wait
+            // on a stream that records surely breaks the recording): a wait that meets a
+            // capture may fail, which is not this test's concern.
             let context = cudarc::driver::CudaContext::new(0).ok();
             let mut waits = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -253,6 +255,7 @@ fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
                 if let Some(context) = &context {
                     let _ = context.synchronize();
                 }
+                let _ = model_backend.wait_for_queued_ops();
                 waits += 1;
             }
             waits

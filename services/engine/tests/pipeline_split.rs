@@ -329,6 +329,60 @@ fn stages<B: Backend>(backends: &[Arc<B>], split: &[Range<usize>]) -> Vec<Pipeli
         .collect()
 }
 
+/// The unsplit model on `backend` with `experts`, run (see `run`), with the executor's calls.
+fn unsplit_trace<B: Backend>(
+    backend: &Arc<B>,
+    artifact: &Arc<Artifact>,
+    experts: Experts,
+) -> Trace {
+    let noting = NotingExecutor::new(artifact);
+    let unsplit = prepare(
+        Model::load_offloading_dense_mlps(
+            Arc::clone(backend),
+            Arc::clone(artifact),
+            Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
+            experts.offloaded_layers(),
+        )
+        .unwrap(),
+        experts,
+    );
+    assert!(!unsplit.is_split());
+    let mut trace = run(&unsplit);
+    trace.executor_calls = noting.calls();
+    trace
+}
+
+/// The model split at `split` over `backends` with `experts`, run as [`unsplit_trace`] runs the
+/// unsplit one.
+fn split_trace<B: Backend>(
+    backends: &[Arc<B>],
+    artifact: &Arc<Artifact>,
+    split: &[Range<usize>],
+    experts: Experts,
+) -> Trace {
+    let noting = NotingExecutor::new(artifact);
+    let model = prepare(
+        Model::load_pipeline(
+            stages(backends, split),
+            Arc::clone(artifact),
+            Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
+            experts.offloaded_layers(),
+        )
+        .unwrap(),
+        experts,
+    );
+    assert!(model.is_split());
+    assert_eq!(
+        model.offloaded_dense_mlp_layers(),
+        experts.offloaded_layers()
+    );
+    assert_eq!(model.pipeline_stage_layers(), split);
+    assert!(!model.has_mtp(), "a split model leaves the MTP head out");
+    let mut trace = run(&model);
+    trace.executor_calls = noting.calls();
+    trace
+}
+
 fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(backend: Arc<B>) {
     let directory = tempfile::tempdir().unwrap();
     // Three stages at most: the given backend and two more on its device.
@@ -351,42 +405,9 @@ fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(bac
             false => &[Experts::Executor, Experts::OffloadedDenseMlps],
         };
         for &experts in expert_modes {
-            let noting = NotingExecutor::new(&artifact);
-            let unsplit = prepare(
-                Model::load_offloading_dense_mlps(
-                    Arc::clone(&backend),
-                    Arc::clone(&artifact),
-                    Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
-                    experts.offloaded_layers(),
-                )
-                .unwrap(),
-                experts,
-            );
-            assert!(!unsplit.is_split());
-            let mut expected = run(&unsplit);
-            expected.executor_calls = noting.calls();
-            drop(unsplit);
+            let expected = unsplit_trace(&backend, &artifact, experts);
             for split in splits(layers) {
-                let noting = NotingExecutor::new(&artifact);
-                let model = prepare(
-                    Model::load_pipeline(
-                        stages(&backends, &split),
-                        Arc::clone(&artifact),
-                        Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
-                        experts.offloaded_layers(),
-                    )
-                    .unwrap(),
-                    experts,
-                );
-                assert!(model.is_split());
-                assert_eq!(
-                    model.offloaded_dense_mlp_layers(),
-                    experts.offloaded_layers()
-                );
-                assert_eq!(model.pipeline_stage_layers(), split);
-                assert!(!model.has_mtp(), "a split model leaves the MTP head out");
-                let mut got = run(&model);
-                got.executor_calls = noting.calls();
+                let got = split_trace(&backends, &artifact, &split, experts);
                 if let Some(difference) = first_difference(&got, &expected) {
                     panic!(
                         "{} split {split:?} ({experts:?}, {}): {difference}",
@@ -421,35 +442,10 @@ fn peer_crossings_compute_what_the_unsplit_model_computes() {
     for path in models(directory.path()) {
         let artifact = open_artifact(&path).unwrap();
         let layers = artifact.config().common().num_hidden_layers;
-        let noting = NotingExecutor::new(&artifact);
-        let unsplit = prepare(
-            Model::load_offloading_dense_mlps(
-                Arc::clone(&backend),
-                Arc::clone(&artifact),
-                Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
-                0,
-            )
-            .unwrap(),
-            Experts::Executor,
-        );
-        let mut expected = run(&unsplit);
-        expected.executor_calls = noting.calls();
-        drop(unsplit);
+        let expected = unsplit_trace(&backend, &artifact, Experts::Executor);
         let crossings_before = backend.peer_stage_crossings();
         let split = [0..layers / 2, layers / 2..layers];
-        let noting = NotingExecutor::new(&artifact);
-        let model = prepare(
-            Model::load_pipeline(
-                stages(&backends, &split),
-                Arc::clone(&artifact),
-                Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
-                0,
-            )
-            .unwrap(),
-            Experts::Executor,
-        );
-        let mut got = run(&model);
-        got.executor_calls = noting.calls();
+        let got = split_trace(&backends, &artifact, &split, Experts::Executor);
         if let Some(difference) = first_difference(&got, &expected) {
             panic!("{} split {split:?}: {difference}", path.display());
         }

@@ -553,7 +553,7 @@ fn start_scheduler<B: Backend>(
             );
         }
         tracing::info!(
-            "layer split: decode runs op by op on every stage (no CUDA graphs), the hidden state crosses between stages by device copies (peer copies between cards), and MoE layers go to the expert workers through the host"
+            "layer split: decode steps are recorded as one CUDA graph spanning every stage (where the driver allows it; else op by op), the hidden state crosses between stages by device copies (peer copies between cards), and MoE layers go to the expert workers through the host"
         );
     }
     if request.dense_mlp_offload_layers > 0 {

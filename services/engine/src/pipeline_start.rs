@@ -4,8 +4,8 @@
 //! own MoE layers from the memory its card has left (the single-card rule, per stage). One
 //! stage is the unsplit model and takes none of this.
 //!
-//! The split's decode runs op by op on every stage (a step graph records one backend's stream;
-//! the next step is a graph per stage between two crossings), the staged prefill route runs on
+//! The split's decode steps go through step graphs spanning every stage (one recording, one
+//! launch per replayed step; `Model`'s step graphs), the staged prefill route runs on
 //! every stage with its own staging slots, layerwise prefill is off (its stream plans every
 //! layer over one set of slots), and the other non-resident experts go to the expert executor
 //! as before.

@@ -12,12 +12,16 @@ use std::sync::Arc;
 
 use ninfer_artifact::DType;
 use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions};
+use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::perplexity::negative_log_likelihood;
 use ninfer_engine::sampling::argmax;
 use ninfer_engine::testing::{
     greedy_tokens, teacher_forced_logits, write_tiny_model, TinyArchitecture, TinyModelOptions,
 };
-use ninfer_engine::{Backend, CpuBackend, Model, SequenceInput};
+use ninfer_engine::{
+    open_artifact, Backend, CpuBackend, ExpertExecutor, Model, PipelineStage,
+    ReferenceExpertExecutor, SequenceInput,
+};
 
 const GREEDY_TOKENS: usize = 16;
 
@@ -291,6 +295,110 @@ fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
     );
 }
 
+/// A model split over pipeline stages of one card decodes through step graphs that span every
+/// stage (one recording, then one launch per step) with the unsplit model's logits, bit for
+/// bit, and so its greedy tokens: two and three stages crossing within the card's context, and
+/// two stages crossing by the peer copy that stages on two cards take (`peer_stage_crossings`),
+/// for every architecture, a batch of one and a batch of three sequences, every routed expert
+/// resident. The steps were recorded and replayed, none abandoned.
+#[test]
+fn split_step_graphs_give_the_unsplit_logits() {
+    let _one_at_a_time = one_test_at_a_time();
+    let test = "split_step_graphs_give_the_unsplit_logits";
+    let opened = CudaBackend::shared().and_then(|gpu| {
+        let peer = CudaBackend::with_options(
+            0,
+            CudaOptions {
+                peer_stage_crossings: true,
+                ..gpu.options()
+            },
+        )?;
+        Ok((gpu, Arc::new(peer)))
+    });
+    let Some((gpu, peer)) = gpu_or_skip(opened, test) else {
+        return;
+    };
+    let same_context = vec![
+        Arc::clone(&gpu),
+        Arc::new(gpu.open_on_same_device().unwrap()),
+        Arc::new(gpu.open_on_same_device().unwrap()),
+    ];
+    let peer_path = vec![
+        Arc::clone(&peer),
+        Arc::new(peer.open_on_same_device().unwrap()),
+    ];
+    // (name, the stages' backends, each stage's layers of the tiny models' 4)
+    let splits = [
+        ("halves", &same_context, vec![0..2, 2..4]),
+        ("three stages", &same_context, vec![0..1, 1..2, 2..4]),
+        ("halves, peer copies", &peer_path, vec![0..2, 2..4]),
+    ];
+    let directory = tempfile::tempdir().unwrap();
+    for architecture in [
+        TinyArchitecture::Qwen3Moe,
+        TinyArchitecture::Qwen3Next,
+        TinyArchitecture::Qwen35Moe,
+    ] {
+        let path = write_int8_model(directory.path(), architecture);
+        let unsplit = open_with_resident_experts(&gpu, &path, 1, false);
+        for (name, backends, split) in &splits {
+            let with_graphs = open_split_with_resident_experts(backends, &path, split);
+            assert!(with_graphs.is_split());
+            let peer_crossings_before = peer.peer_stage_crossings();
+            for sequences in [1usize, 3] {
+                let prompts: Vec<Vec<u32>> = (0..sequences as u32)
+                    .map(|s| (0..9 + 4 * s).map(|i| (i * 31 + 7 * s + 3) % 97).collect())
+                    .collect();
+                let graph_steps = decode_on_backend(&with_graphs, &prompts, 12);
+                let plain_steps = decode_on_backend(&unsplit, &prompts, 12);
+                let greedy = |steps: &[Vec<f32>]| -> Vec<Vec<u32>> {
+                    steps
+                        .iter()
+                        .map(|step| step.chunks(with_graphs.vocab_size()).map(argmax).collect())
+                        .collect()
+                };
+                assert_eq!(
+                    greedy(&graph_steps),
+                    greedy(&plain_steps),
+                    "{architecture:?} split in {name}, {sequences} sequences: greedy tokens"
+                );
+                assert_eq!(graph_steps.len(), plain_steps.len());
+                for (step, (graph, plain)) in graph_steps.iter().zip(&plain_steps).enumerate() {
+                    let worst = graph
+                        .iter()
+                        .zip(plain)
+                        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(
+                        graph.len() == plain.len()
+                            && graph
+                                .iter()
+                                .zip(plain)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{architecture:?} split in {name}, {sequences} sequences: step {step}'s logits differ from the unsplit model's (max |Δ| {worst:e})"
+                    );
+                }
+            }
+            let counts = with_graphs.step_graph_counts();
+            let last_failure = with_graphs.step_graph_last_abandoned();
+            println!("{architecture:?} split in {name}: step graphs {counts:?}, last recording failure: {last_failure:?}");
+            assert_eq!(
+                counts.abandoned, 0,
+                "{architecture:?} split in {name}: a recording failed: {last_failure:?}"
+            );
+            assert!(
+                counts.recorded >= 2 && counts.replayed >= 16,
+                "{architecture:?} split in {name}: {counts:?}, last failure {last_failure:?}"
+            );
+            if backends[0].options().peer_stage_crossings {
+                assert!(
+                    peer.peer_stage_crossings() > peer_crossings_before,
+                    "{architecture:?} split in {name}: no crossing took the peer path"
+                );
+            }
+        }
+    }
+}
+
 /// The router kernel storing the routing (and a decode step's hidden states) into mapped
 /// page-locked memory gives the bits the stream's copies give: every routed expert on the GPU
 /// (the routing read at the forward's end, with and without step graphs) and half of them
@@ -398,6 +506,43 @@ fn open_with_resident_experts(
     model
 }
 
+/// The model at `path` split at `split` over `backends` (stage `i` on `backends[i]`), every
+/// routed expert resident in its stage's slots, step graphs on.
+fn open_split_with_resident_experts(
+    backends: &[Arc<CudaBackend>],
+    path: &std::path::Path,
+    split: &[std::ops::Range<usize>],
+) -> Model<CudaBackend> {
+    let artifact = open_artifact(path).unwrap();
+    let stages = split
+        .iter()
+        .zip(backends)
+        .map(|(layers, backend)| PipelineStage {
+            backend: Arc::clone(backend),
+            layers: layers.clone(),
+        })
+        .collect();
+    let experts: Arc<dyn ExpertExecutor> =
+        Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact)));
+    let mut model = Model::load_pipeline(stages, artifact, experts, 0).unwrap();
+    let common = &model.spec().common;
+    let every_expert: Vec<u32> = (0..common.num_experts as u32).collect();
+    let placement: Vec<Vec<u32>> = common
+        .moe_layers
+        .iter()
+        .map(|&moe| {
+            if moe {
+                every_expert.clone()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    model.place_resident_experts(&placement).unwrap();
+    model.set_step_graphs(true);
+    model
+}
+
 /// Prefills each prompt alone, then decodes all of them together greedily for `steps` steps
 /// through `forward_logits_on_backend` (the scheduler's call); every step's logits, all rows.
 fn decode_on_backend(
@@ -427,7 +572,7 @@ fn decode_on_backend(
             })
             .collect();
         let logits = model.forward_logits_on_backend(&mut batch).unwrap();
-        let values = model.backend().download(&logits).unwrap();
+        let values = model.output_backend().download(&logits).unwrap();
         next = values.chunks(vocab).map(argmax).collect();
         out.push(values);
     }

@@ -13,8 +13,9 @@
 //! stage's staging slots computing its layers' routed experts). The dense model runs twice, its
 //! last two MLPs on the backend or with the expert executor. An image prompt (embeddings
 //! replaced on the first stage, three-stream rotation on every stage) gives the unsplit logits
-//! too. Both models decode op by op (a split model has no step graphs), so the CUDA case
-//! compares the same kernels.
+//! too. Both models decode op by op (step graphs off), so the CUDA case compares the same
+//! kernels; `cuda_model::split_step_graphs_give_the_unsplit_logits` holds split step graphs to
+//! the unsplit logits.
 //!
 //! Served by the scheduler (the logits sampled where the last stage left them, prompts fed in
 //! chunks), a split model gives every request, greedy or seeded sampling, the unsplit model's
@@ -552,8 +553,7 @@ test_device!(wrong_splits_and_unsplit_features_are_refused);
 
 /// Every request's tokens, and the prompt tokens the prefix cache gave it, from `model` served
 /// by the scheduler one request after the other: even ones greedy, odd ones sampled with a
-/// seed. Op by op, as a split model decodes (a step graph's values are not held to the bits of
-/// the ops it records).
+/// seed. Op by op (step graphs off, on both models alike).
 fn served_tokens<B: Backend>(
     model: Model<B>,
     prompts: &[Vec<u32>],

@@ -24,6 +24,7 @@ pub mod layer_input;
 pub mod qsa_host;
 pub mod qsa_settings;
 pub mod same_device;
+pub mod step_graph_types;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -40,37 +41,7 @@ pub use expert_slot_table::{
 pub use kv_placement::{DeviceKvShare, HostKvRequest, KvPlacement};
 pub use layer_input::{LayerInput, ResidualNorm};
 pub use qsa_settings::QsaSelectionSettings;
-
-/// What [`Backend::begin_step_graph`] asks of the caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepGraphRun {
-    /// The recorded step is queued: the step's outputs are the graph's.
-    Replayed,
-    /// Run the step's ops now, then call [`Backend::end_step_graph`].
-    RunOps,
-}
-
-/// How the ops run between [`Backend::begin_step_graph`] and [`Backend::end_step_graph`] went.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StepGraphEnd {
-    /// They ran as usual (in the graph's shape, so the next step can record them).
-    Ran,
-    /// They were recorded, and the recording was queued once: the step ran, and the outputs
-    /// the ops returned are the graph's (kept by the caller for the replays).
-    Recorded,
-    /// Something broke the recording's capture (one of its ops, or a synchronising call of
-    /// another thread on the device): nothing ran; the graph records again later.
-    Interrupted {
-        /// Where the backend saw the capture break, when it knows.
-        capture_broken_after: Option<String>,
-    },
-    /// Recording failed or an op failed: nothing ran, the graph will not be used again.
-    Abandoned {
-        /// Where the backend saw the recording break, when it knows (the op that later fails
-        /// may only report its effect).
-        capture_broken_after: Option<String>,
-    },
-}
+pub use step_graph_types::{FollowingStepGraph, StepGraphEnd, StepGraphRun};
 
 /// How an RMSNorm applies its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -935,6 +906,43 @@ pub trait Backend: Send + Sync + 'static {
         graph: &mut Self::StepGraph,
         ops_succeeded: bool,
     ) -> Result<StepGraphEnd, EngineError>;
+
+    /// [`Backend::begin_step_graph`] for a model split over pipeline stages: this backend runs
+    /// the first stage, `followers` the later ones in order. One recording spans every stage's
+    /// ops and a replay is one launch here. An error leaves nothing run and no graph active (the
+    /// caller then runs the step op by op). This default has no such graphs.
+    fn begin_split_step_graph(
+        &self,
+        graph: &mut Self::StepGraph,
+        followers: &mut [FollowingStepGraph<'_, Self>],
+        ids: &[u32],
+        positions: &[usize],
+    ) -> Result<StepGraphRun, EngineError>
+    where
+        Self: Sized,
+    {
+        let _ = (graph, followers, ids, positions);
+        Err(EngineError::InvalidConfig {
+            problem: format!("{} records no step graph over several stages", self.name()),
+        })
+    }
+
+    /// Ends what [`Backend::begin_split_step_graph`] began with `RunOps`, with the same
+    /// `followers`.
+    fn end_split_step_graph(
+        &self,
+        graph: &mut Self::StepGraph,
+        followers: &mut [FollowingStepGraph<'_, Self>],
+        ops_succeeded: bool,
+    ) -> Result<StepGraphEnd, EngineError>
+    where
+        Self: Sized,
+    {
+        let _ = (graph, followers, ops_succeeded);
+        Err(EngineError::InvalidConfig {
+            problem: format!("{} records no step graph over several stages", self.name()),
+        })
+    }
 
     /// Waits until every queued op has run.
     fn wait_for_queued_ops(&self) -> Result<(), EngineError> {

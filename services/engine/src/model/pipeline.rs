@@ -12,11 +12,13 @@
 //! (`pipeline/stage_staging.rs`), and a forward crossing to a stage hands its layers that
 //! stage's slots.
 //!
+//! Decode steps go through step graphs that span every stage (`super::step_graphs`): the
+//! first stage's graph records and replays, each later stage's holds its part's buffers.
+//!
 //! Not split yet (the loader or the engine refuses them with a split): the MTP head (not
 //! loaded on a split model), the qwen4_exp graph, layerwise prefill (its stream plans every
-//! layer's copies over one set of slots), the backend's own hand-off to the expert workers (a
-//! split forward hands layers off through the host) and step graphs (a split decode runs op by
-//! op on every stage; the next step is one graph per stage, recorded between two crossings).
+//! layer's copies over one set of slots) and the backend's own hand-off to the expert workers
+//! (a split forward hands layers off through the host).
 //!
 //! Owns: the stages and which stage a layer is on (here), the model's accessors of them and the
 //! crossing between two stages (`pipeline/stage_access.rs`). Must not touch: the ops of a layer

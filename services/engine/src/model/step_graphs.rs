@@ -2,6 +2,11 @@
 //! one-token sequences that decodes step after step gets one graph, which runs the step's ops
 //! in the graph's shape once, records them the next step, and replays them from then on.
 //!
+//! A model split over pipeline stages records one graph per batch over all its stages: the
+//! first stage's graph records and replays, and each later stage has a graph of its own for its
+//! part's buffers (`Backend::begin_split_step_graph`); a step counts once in
+//! [`StepGraphCounts`] however many stages it spans.
+//!
 //! Only steps the host has no part in inside the forward go through a graph: every row one new
 //! token, and every MoE layer's routed experts resident (nothing for the expert executor) or
 //! handed to the workers by the backend itself (`super::worker_handoff`). A
@@ -73,6 +78,9 @@ struct StepGraphEntry<B: Backend> {
     keys: Vec<u64>,
     /// `None`: recording failed or an op failed; this batch runs op by op.
     graph: Option<B::StepGraph>,
+    /// A split model's later stages' graphs, in stage order (none unsplit): each holds the
+    /// buffers of its stage's part of the step, which `graph`'s recording spans.
+    later_stages: Vec<B::StepGraph>,
     /// The recorded step's outputs, which every replay rewrites: the logits, and the routings
     /// of the MoE layers (finished by the host after each replay, to count them).
     recorded: Option<(B::Tensor, Vec<DeferredRouting<B>>)>,

@@ -4,6 +4,7 @@
 //! Owns: those accessors. Must not touch: the stages themselves (`super`), the forward.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::{stage_backend, NextStage};
 use crate::backend::Backend;
@@ -33,6 +34,23 @@ impl<B: Backend> Model<B> {
             None => vec![0..self.layers.len()],
             Some(stages) => stages.layer_ranges(),
         }
+    }
+
+    /// The backends of the stages after the first, in order (none when unsplit).
+    pub(in crate::model) fn later_stage_backends(&self) -> &[Arc<B>] {
+        match &self.pipeline {
+            None => &[],
+            Some(stages) => stages.backends.get(1..).unwrap_or_default(),
+        }
+    }
+
+    /// Waits until every stage's queued ops have run.
+    pub(in crate::model) fn wait_for_every_stage(&self) -> Result<(), EngineError> {
+        self.backend.wait_for_queued_ops()?;
+        for backend in self.later_stage_backends() {
+            backend.wait_for_queued_ops()?;
+        }
+        Ok(())
     }
 
     /// Whether the model is split over several backends.

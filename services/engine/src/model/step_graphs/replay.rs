@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::{StepGraphCounts, StepGraphEntry, StepGraphs, MOST_STEP_GRAPHS};
 use crate::backend::Backend;
-use crate::backend::{StepGraphEnd, StepGraphRun};
+use crate::backend::{FollowingStepGraph, StepGraphEnd, StepGraphRun};
 use crate::error::EngineError;
 use crate::model::layers::{FeedForward, LayerScratch, LogitsSelection, SequenceInput};
 use crate::model::Model;
@@ -60,18 +60,16 @@ impl<B: Backend> Model<B> {
             && self.offloaded_dense_mlp_layers() == 0
     }
 
-    /// A decode step of `batch` through its step graph, with the logits left on the backend
-    /// (as [`Model::forward_logits_on_backend`]); `None` when the step must run op by op (the
-    /// batch does not fit a graph, the backend has none, or recording failed: then nothing
-    /// ran and no state changed). A model split over several backends decodes op by op: a
-    /// graph records one backend's stream, and a step crosses stages through the host.
+    /// A decode step of `batch` through its step graph, with the logits left on the output
+    /// backend (as [`Model::forward_logits_on_backend`]); `None` when the step must run op by
+    /// op (the batch does not fit a graph, the backend has none, or recording failed: then
+    /// nothing ran and no state changed). A model split over several backends records one
+    /// graph spanning every stage (the crossings between them recorded with the rest) and
+    /// replays it with one launch on the first stage ([`Backend::begin_split_step_graph`]).
     pub(in crate::model) fn decode_through_step_graph(
         &self,
         batch: &mut [SequenceInput<'_, B>],
     ) -> Result<Option<B::Tensor>, EngineError> {
-        if self.is_split() {
-            return Ok(None);
-        }
         let one_token_each = batch.iter().all(|item| item.tokens.len() == 1);
         let handoff = match one_token_each {
             true => self.ready_worker_handoff(batch.len())?,
@@ -105,9 +103,20 @@ impl<B: Backend> Model<B> {
                     graphs.off = true;
                     return Ok(None);
                 };
+                let mut later_stages = Vec::new();
+                for backend in self.later_stage_backends() {
+                    let Some(graph) = backend.new_step_graph(keys.len())? else {
+                        graphs.off = true;
+                        return Ok(None);
+                    };
+                    later_stages.push(graph);
+                }
                 if graphs.entries.len() >= MOST_STEP_GRAPHS {
                     // A dropped graph's buffers may still be in use by a queued replay.
-                    self.backend.wait_for_queued_ops()?;
+                    match self.is_split() {
+                        false => self.backend.wait_for_queued_ops()?,
+                        true => self.wait_for_every_stage()?,
+                    }
                     if let Some(oldest) = (0..graphs.entries.len())
                         .min_by_key(|&index| graphs.entries[index].last_used)
                     {
@@ -117,6 +126,7 @@ impl<B: Backend> Model<B> {
                 graphs.entries.push(StepGraphEntry {
                     keys,
                     graph: Some(graph),
+                    later_stages,
                     recorded: None,
                     last_used: now,
                 });
@@ -133,22 +143,62 @@ impl<B: Backend> Model<B> {
         entry.last_used = now;
         let StepGraphEntry {
             graph: Some(graph),
+            later_stages,
             recorded,
             ..
         } = entry
         else {
             return Ok(None);
         };
+        // A split model's later stages, each with its graph (none unsplit).
+        let mut followers: Vec<FollowingStepGraph<'_, B>> = self
+            .later_stage_backends()
+            .iter()
+            .zip(later_stages.iter_mut())
+            .map(|(backend, graph)| FollowingStepGraph {
+                backend: &**backend,
+                graph,
+            })
+            .collect();
+        let split = !followers.is_empty();
         let started = Instant::now();
         // Slot table changes happen before the graph (which reads the table): between the
         // steps, or queued behind the step before while it ran.
         self.expert_cache_between_steps()?;
         let backend = &*self.backend;
-        match backend.begin_step_graph(graph, &plan.ids, &plan.positions)? {
+        let output = self.output_backend();
+        let run = match split {
+            false => backend.begin_step_graph(graph, &plan.ids, &plan.positions)?,
+            true => match backend.begin_split_step_graph(
+                graph,
+                &mut followers,
+                &plan.ids,
+                &plan.positions,
+            ) {
+                Ok(run) => run,
+                // Nothing ran (the backend's contract): the batch goes on op by op.
+                Err(error) => {
+                    counts.abandoned += 1;
+                    let reason = error.to_string();
+                    tracing::warn!(
+                        "a decode step over the pipeline stages could not go through its step graph; this batch runs op by op: {reason}"
+                    );
+                    *last_abandoned = Some(reason);
+                    entry.graph = None;
+                    return Ok(None);
+                }
+            },
+        };
+        match run {
             StepGraphRun::Replayed => {
                 counts.replayed += 1;
-                // The GPU runs the step: the next step's cache work meanwhile.
-                self.expert_cache_upkeep_ahead()?;
+                // The GPU runs the step: the next step's cache work meanwhile. Unsplit only: a
+                // later stage's copies would queue on its own stream, beside the graph (which
+                // runs on the first stage's) rather than behind it; split, they wait for the
+                // next step.
+                if !split {
+                    self.expert_cache_upkeep_ahead()?;
+                }
                 let (logits, deferred) =
                     recorded
                         .as_ref()
@@ -165,8 +215,8 @@ impl<B: Backend> Model<B> {
                 self.count_recorded_routings(deferred, &mut tally)?;
                 self.account_forward(batch, &plan, tally, started);
                 // The caller owns what it gets; the graph's logits are rewritten next step.
-                let (_, vocab) = backend.shape(logits);
-                Ok(Some(backend.columns(logits, 0..vocab)?))
+                let (_, vocab) = output.shape(logits);
+                Ok(Some(output.columns(logits, 0..vocab)?))
             }
             StepGraphRun::RunOps => {
                 let mut scratch =
@@ -179,7 +229,10 @@ impl<B: Backend> Model<B> {
                     &mut scratch,
                     |backend, normed| backend.matmul(&normed, self.head()),
                 );
-                let end = backend.end_step_graph(graph, result.is_ok())?;
+                let end = match split {
+                    false => backend.end_step_graph(graph, result.is_ok())?,
+                    true => backend.end_split_step_graph(graph, &mut followers, result.is_ok())?,
+                };
                 match end {
                     StepGraphEnd::Ran => {
                         counts.shaped += 1;
@@ -213,8 +266,8 @@ impl<B: Backend> Model<B> {
                         backend.wait_for_queued_ops()?;
                         self.count_recorded_routings(&deferred, &mut tally)?;
                         self.account_forward(batch, &plan, tally, started);
-                        let (_, vocab) = backend.shape(&logits);
-                        let copy = backend.columns(&logits, 0..vocab)?;
+                        let (_, vocab) = output.shape(&logits);
+                        let copy = output.columns(&logits, 0..vocab)?;
                         *recorded = Some((logits, deferred));
                         Ok(Some(copy))
                     }
@@ -267,7 +320,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<(), EngineError> {
         let context = self.moe_context();
         for DeferredRouting { layer, pending } in deferred {
-            let routing = self.backend.peek_routing(pending)?;
+            let routing = self.layer_backend(*layer).peek_routing(pending)?;
             if let Some(FeedForward::Moe(moe)) = self.moe_layer_at(*layer) {
                 moe.account_deferred_routing(&context, *layer, &routing, tally)?;
             }

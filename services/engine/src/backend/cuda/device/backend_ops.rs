@@ -687,7 +687,7 @@ impl Backend for CudaBackend {
         ids: &[u32],
         positions: &[usize],
     ) -> Result<crate::backend::StepGraphRun, EngineError> {
-        self.start_step_graph(graph, ids, positions)
+        self.start_step_graph(graph, &mut [], ids, positions)
             .map_err(device("begin_step_graph"))
     }
 
@@ -696,8 +696,29 @@ impl Backend for CudaBackend {
         graph: &mut CudaStepGraph,
         ops_succeeded: bool,
     ) -> Result<crate::backend::StepGraphEnd, EngineError> {
-        self.finish_step_graph(graph, ops_succeeded)
+        self.finish_step_graph(graph, &mut [], ops_succeeded)
             .map_err(device("end_step_graph"))
+    }
+
+    fn begin_split_step_graph(
+        &self,
+        graph: &mut CudaStepGraph,
+        followers: &mut [crate::backend::FollowingStepGraph<'_, Self>],
+        ids: &[u32],
+        positions: &[usize],
+    ) -> Result<crate::backend::StepGraphRun, EngineError> {
+        self.start_step_graph(graph, followers, ids, positions)
+            .map_err(device("begin_split_step_graph"))
+    }
+
+    fn end_split_step_graph(
+        &self,
+        graph: &mut CudaStepGraph,
+        followers: &mut [crate::backend::FollowingStepGraph<'_, Self>],
+        ops_succeeded: bool,
+    ) -> Result<crate::backend::StepGraphEnd, EngineError> {
+        self.finish_step_graph(graph, followers, ops_succeeded)
+            .map_err(device("end_split_step_graph"))
     }
 
     fn wait_for_queued_ops(&self) -> Result<(), EngineError> {

@@ -1,11 +1,11 @@
 //! The driver-call helpers every op file shares: a driver error with what was being done, the
-//! launch size of the element-wise kernels, the C `int` check of kernel arguments, and the guard
-//! against cudarc's panics.
+//! launch size of the element-wise kernels, the C `int` check of kernel arguments, the guard
+//! against cudarc's panics, and one stream waiting for another of any context.
 //!
 //! Owns: turning driver failures and panics into [`CudaError`].
 //! Must not touch: the backend's state (it knows nothing of [`super::CudaBackend`]).
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{sys, CudaStream, DriverError, LaunchConfig};
 
 use super::super::CudaError;
 
@@ -68,4 +68,17 @@ pub(super) fn no_panic<T>(
             message,
         }
     })
+}
+
+/// Makes `waiter` wait for everything `source` queued so far. The streams may belong to
+/// different contexts (cards): the driver lets a stream wait for another context's event, which
+/// cudarc's `CudaStream::wait` refuses. Under stream capture, a wait for an event recorded in the
+/// capture makes `waiter` part of it (and a capture's origin stream waiting for a stream that
+/// joined it joins that stream back).
+pub(super) fn wait_for_stream(waiter: &CudaStream, source: &CudaStream) -> Result<(), DriverError> {
+    let queued = source.record_event(None)?;
+    waiter.context().bind_to_thread()?;
+    // SAFETY: the stream and the event are live for the call; the driver keeps what the wait
+    // needs after the event is destroyed.
+    unsafe { sys::cuStreamWaitEvent(waiter.cu_stream(), queued.cu_event(), 0) }.result()
 }

@@ -33,7 +33,7 @@ use crate::backend::DeltaRuleSpec;
 use crate::error::EngineError;
 use crate::weights::StoredWeight;
 // The op files take the driver helpers from here, with the rest of their parent.
-use driver::{describe, driver_error, elementwise, int, no_panic};
+use driver::{describe, driver_error, elementwise, int, no_panic, wait_for_stream};
 pub use qsa::CudaQsaCache;
 
 /// The CUDA backend on one GPU. Every op is queued on one stream; `download` and the routing

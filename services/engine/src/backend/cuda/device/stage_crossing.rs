@@ -7,7 +7,9 @@
 //! Ordering: the copy runs on the target's stream after everything the source stream queued
 //! so far (which wrote the tensor); the source stream then waits for the copy before its next
 //! work, so a buffer the source's pool hands out again is not overwritten while the copy reads it.
-//! Events of one context may be waited for by a stream of another.
+//! Events of one context may be waited for by a stream of another (the driver allows it; the
+//! waits go through `driver::wait_for_stream`, since cudarc's own refuses another context's
+//! event).
 //!
 //! Owns: the crossing copy, peer access between stages' cards. Must not touch: which stage
 //! owns which layers (`crate::model`).
@@ -17,7 +19,7 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 
 use super::super::CudaError;
-use super::{driver_error, CudaBackend, CudaTensor};
+use super::{driver_error, wait_for_stream, CudaBackend, CudaTensor};
 
 /// How two stages' cards reach each other's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +34,9 @@ pub enum PeerPath {
 
 impl CudaBackend {
     /// `tensor` copied onto `target`'s stream and pool, ordered after the work that wrote it.
+    /// Inside a step graph spanning stages (device/step_graph.rs) the copy is recorded with the
+    /// rest of the step: both waits only join streams already in the capture, and the events
+    /// are recorded within it.
     pub(super) fn move_tensor_on_device(
         &self,
         tensor: &CudaTensor,
@@ -39,55 +44,78 @@ impl CudaBackend {
     ) -> Result<CudaTensor, CudaError> {
         let mut moved = target.output_uninit(tensor.rows, tensor.cols)?;
         let len = (tensor.rows * tensor.cols).max(1);
-        let written = self.stream.record_event(None).map_err(driver_error(
-            "marking the tensor's writes for another stage",
-        ))?;
+        wait_for_stream(&target.stream, &self.stream)
+            .map_err(driver_error("ordering a stage crossing after its writes"))?;
+        let (source, _) = tensor.data.device_ptr(&self.stream);
+        let (destination, _) = moved.data.device_ptr_mut(&target.stream);
+        // SAFETY: both pointers hold `len` f32 (the source tensor's data and a buffer of its
+        // shape) in their backends' contexts; the copy is queued on the target's stream after
+        // the source's writes (the wait above), and the source waits for it below before its
+        // pool may hand the buffer out again.
+        let peer = unsafe {
+            self.copy_to_stage(
+                target,
+                source,
+                destination,
+                len * std::mem::size_of::<f32>(),
+            )?
+        };
+        if peer {
+            self.peer_crossings.fetch_add(1, Ordering::Relaxed);
+        }
+        wait_for_stream(&self.stream, &target.stream)
+            .map_err(driver_error("ordering the source stage after its crossing"))?;
+        Ok(moved)
+    }
+
+    /// Queues on `target`'s stream a copy of `bytes` from `source` (this backend's memory) to
+    /// `destination` (`target`'s): within the context where the two share one (unless
+    /// `peer_stage_crossings`), else peer to peer. Says whether it was a peer copy.
+    ///
+    /// # Safety
+    /// `source` must hold `bytes` in this backend's context and `destination` in `target`'s,
+    /// both live until the copy has run, and `target`'s stream ordered after the writes of
+    /// `source`.
+    pub(super) unsafe fn copy_to_stage(
+        &self,
+        target: &CudaBackend,
+        source: sys::CUdeviceptr,
+        destination: sys::CUdeviceptr,
+        bytes: usize,
+    ) -> Result<bool, CudaError> {
+        let same_context = self.stream.context() == target.stream.context();
+        let peer = !same_context || self.options.peer_stage_crossings;
         target
             .stream
-            .wait(&written)
-            .map_err(driver_error("ordering a stage crossing after its writes"))?;
-        let same_context = self.stream.context() == target.stream.context();
-        if same_context && !self.options.peer_stage_crossings {
-            target
-                .stream
-                .memcpy_dtod(
-                    &tensor.data.slice(0..len),
-                    &mut moved.data.slice_mut(0..len),
-                )
-                .map_err(driver_error("copying a tensor to the next stage"))?;
-        } else {
-            let (source, _) = tensor.data.device_ptr(&self.stream);
-            let (destination, _) = moved.data.device_ptr_mut(&target.stream);
-            // SAFETY: both pointers hold `len` f32 (the source tensor's data and a buffer of
-            // its shape) in the contexts named; the copy is queued on the target's stream after
-            // the source's writes (the event above), and the source waits for it below before
-            // its pool may hand the buffer out again.
-            let status = unsafe {
-                sys::cuMemcpyPeerAsync(
+            .context()
+            .bind_to_thread()
+            .map_err(driver_error("binding the next stage's context"))?;
+        // SAFETY: the caller's contract; both contexts are live (their streams are).
+        let status = unsafe {
+            match peer {
+                false => {
+                    sys::cuMemcpyDtoDAsync_v2(destination, source, bytes, target.stream.cu_stream())
+                }
+                true => sys::cuMemcpyPeerAsync(
                     destination,
                     target.stream.context().cu_ctx(),
                     source,
                     self.stream.context().cu_ctx(),
-                    len * std::mem::size_of::<f32>(),
+                    bytes,
                     target.stream.cu_stream(),
-                )
-            };
-            if status != sys::CUresult::CUDA_SUCCESS {
-                return Err(CudaError::Driver {
-                    what: "copying a tensor to the next stage's card".into(),
-                    message: format!("{status:?}"),
-                });
+                ),
             }
-            self.peer_crossings.fetch_add(1, Ordering::Relaxed);
+        };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            return Err(CudaError::Driver {
+                what: match peer {
+                    false => "copying to the next stage".into(),
+                    true => "copying to the next stage's card".into(),
+                },
+                message: format!("{status:?}"),
+            });
         }
-        let read = target
-            .stream
-            .record_event(None)
-            .map_err(driver_error("marking a stage crossing's copy"))?;
-        self.stream
-            .wait(&read)
-            .map_err(driver_error("ordering the source stage after its crossing"))?;
-        Ok(moved)
+        Ok(peer)
     }
 
     /// Tensors this backend has sent to another stage by a peer copy (the split tests ask).

@@ -232,8 +232,9 @@ pub(crate) struct Args {
     /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
     /// applies), comma separated. Default: the first visible GPU. Several GPUs named split the
     /// decoder layers between them as a pipeline (each card its own contiguous layers, their KV
-    /// caches and expert slots; `ninfer run --dry-run` prints the plan). A split decodes
-    /// without CUDA graphs, and refuses `--spec mtp` and `--host-kv-mib`.
+    /// caches and expert slots; `ninfer run --dry-run` prints the plan). A split records each
+    /// decode step as one CUDA graph over all its cards (`--cuda-graphs`), and refuses
+    /// `--spec mtp` and `--host-kv-mib`.
     #[arg(long, value_name = "0,1")]
     pub(crate) gpus: Option<String>,
     /// Percent of the decoder layers per GPU of `--gpus` (or per stage of

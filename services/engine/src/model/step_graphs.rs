@@ -47,7 +47,8 @@ pub(super) struct StepGraphs<B: Backend> {
     last_abandoned: Option<String>,
 }
 
-/// How decode steps went through step graphs so far ([`Model::step_graph_counts`]).
+/// How decode steps went through step graphs so far ([`Model::step_graph_counts`]); a step of
+/// a split model counts once, however many stages its graph spans.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepGraphCounts {
     /// Steps run in a graph's shape before recording.

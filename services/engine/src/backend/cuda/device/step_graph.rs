@@ -200,6 +200,7 @@ impl CudaBackend {
                 recorded
                     .launch()
                     .map_err(driver_error("launching a step graph"))?;
+                self.order_followers_after_graph(followers)?;
                 return Ok(StepGraphRun::Replayed);
             }
             Stage::Abandoned => {
@@ -425,8 +426,24 @@ impl CudaBackend {
                 )),
             });
         }
+        self.order_followers_after_graph(followers)?;
         graph.stage = Stage::Recorded(recorded);
         Ok(StepGraphEnd::Recorded)
+    }
+
+    /// Each later stage's stream ordered after the graph just launched on this one: the graph's
+    /// nodes on a later stage's card run in this stream's order, so what that stage queues next
+    /// (the logits' copy, the next step's ops) would otherwise race them.
+    fn order_followers_after_graph(
+        &self,
+        followers: &[FollowingStepGraph<'_, CudaBackend>],
+    ) -> Result<(), CudaError> {
+        for follower in followers {
+            wait_for_stream(&follower.backend.stream, &self.stream).map_err(driver_error(
+                "ordering a later stage after a step graph's launch",
+            ))?;
+        }
+        Ok(())
     }
 }
 

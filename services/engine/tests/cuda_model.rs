@@ -26,7 +26,8 @@ use ninfer_engine::{
 const GREEDY_TOKENS: usize = 16;
 
 /// This file's tests one at a time: one of them keeps another thread synchronising on the
-/// device, which would break the other tests' recordings too.
+/// device, and the step graph tests count recordings and replays, which should see only their
+/// own model's steps beside it.
 fn one_test_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
     GPU.lock()
@@ -218,16 +219,15 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
     }
 }
 
-/// A synchronising call of any thread on the device ends every capture under way (here another
-/// thread waits on another backend's idle stream, on the context and on the model's own stream,
-/// over and over, while the model decodes through step graphs): a recording it breaks is tried
-/// again later, the broken step runs op by op, every step keeps the logits of steps launched op
-/// by op, bit for bit, and once the other thread stops, the next batch records and replays as
-/// usual.
+/// The scheduler records in the relaxed capture mode, so another thread's synchronising calls
+/// leave a recording whole (the image tower's read-backs and the expert cache's fills run beside
+/// decode): while another thread waits on another backend's idle stream, on the context and on
+/// the model's own stream, over and over, the model's decode steps record once and replay,
+/// none interrupted or abandoned, with the logits of steps launched op by op, bit for bit.
 #[test]
-fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
+fn recordings_beside_another_threads_synchronisation_stay_whole() {
     let _one_at_a_time = one_test_at_a_time();
-    let test = "recordings_broken_by_another_threads_synchronisation_are_tried_again";
+    let test = "recordings_beside_another_threads_synchronisation_stay_whole";
     let opened = CudaBackend::shared().and_then(|gpu| {
         let other = CudaBackend::with_options(0, CudaOptions::default())?;
         Ok((gpu, Arc::new(other)))
@@ -283,15 +283,15 @@ fn recordings_broken_by_another_threads_synchronisation_are_tried_again() {
             "step {step}'s logits differ from the op-by-op step's"
         );
     }
+    assert!(waits > 0, "the other thread never waited");
     assert!(
-        counts.interrupted > 0,
-        "{waits} waits of another thread broke no recording: {counts:?}"
+        counts.interrupted == 0 && counts.abandoned == 0,
+        "{waits} waits of another thread broke a recording: {counts:?}, last failure {:?}",
+        with_graphs.step_graph_last_abandoned()
     );
-    decode_on_backend(&with_graphs, &prompts, 8);
-    let quiet = with_graphs.step_graph_counts();
     assert!(
-        quiet.recorded > counts.recorded && quiet.replayed > counts.replayed,
-        "alone again, a new batch did not record and replay: {counts:?} then {quiet:?}"
+        counts.recorded >= 1 && counts.replayed >= 8,
+        "beside {waits} waits of another thread: {counts:?}"
     );
 }
 

@@ -20,8 +20,8 @@ pub enum StepGraphEnd {
     /// They were recorded, and the recording was queued once: the step ran, and the outputs
     /// the ops returned are the graph's (kept by the caller for the replays).
     Recorded,
-    /// Something broke the recording's capture (one of its ops, or a synchronising call of
-    /// another thread on the device): nothing ran; the graph records again later.
+    /// Something broke the recording's capture (one of its ops, or a call the capture mode
+    /// refuses): nothing ran; the graph records again later.
     Interrupted {
         /// Where the backend saw the capture break, when it knows.
         capture_broken_after: Option<String>,

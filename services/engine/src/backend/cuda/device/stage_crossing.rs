@@ -1,8 +1,9 @@
 //! A tensor crossing from one pipeline stage's backend to the next one's, on the device: stages
 //! of one card (sharing its primary context) copy within the context; stages on different
-//! cards copy peer to peer (`cuMemcpyPeerAsync`, which goes over NVLink or PCIe where the cards
-//! have peer access, else the driver stages it through host memory). Either way the copy is
-//! queued, not waited for: no host round trip between stages.
+//! cards copy peer to peer (`cuMemcpyAsync` on the unified address space, which goes over NVLink
+//! or PCIe where the cards have peer access, else the driver stages it through host memory; not
+//! `cuMemcpyPeerAsync`, which a stream capture refuses, so a step graph over the stages could not
+//! record it). Either way the copy is queued, not waited for: no host round trip between stages.
 //!
 //! Ordering: the copy runs on the target's stream after everything the source stream queued
 //! so far (which wrote the tensor); the source stream then waits for the copy before its next
@@ -96,14 +97,8 @@ impl CudaBackend {
                 false => {
                     sys::cuMemcpyDtoDAsync_v2(destination, source, bytes, target.stream.cu_stream())
                 }
-                true => sys::cuMemcpyPeerAsync(
-                    destination,
-                    target.stream.context().cu_ctx(),
-                    source,
-                    self.stream.context().cu_ctx(),
-                    bytes,
-                    target.stream.cu_stream(),
-                ),
+                // The unified address space says which card each pointer is on.
+                true => sys::cuMemcpyAsync(destination, source, bytes, target.stream.cu_stream()),
             }
         };
         if status != sys::CUresult::CUDA_SUCCESS {

@@ -71,9 +71,9 @@ pub struct CudaStepGraph {
 /// inputs and its buffer pool and nothing else (its `stage` stays `New`).
 type Followers<'f, 'a> = &'f mut [FollowingStepGraph<'a, CudaBackend>];
 
-/// A synchronising call of any thread on the device (another stream's wait, a free) ends every
-/// capture under way, so a recording may break through no fault of its own: it is tried again,
-/// ever less often while it keeps breaking, at most this many steps apart.
+/// A recording whose capture broke (an op of the step, or a call the relaxed capture mode still
+/// refuses) is tried again, ever less often while it keeps breaking, at most this many steps
+/// apart.
 const MOST_STEPS_BETWEEN_RECORDINGS: u32 = 63;
 
 enum Stage {
@@ -92,7 +92,7 @@ fn broken_capture(broken_after: Option<String>) -> Option<String> {
     broken_after.map(|op| {
         format!(
             "the capture was no longer active after {op} (it, or something between it and the \
-             op before, or another thread's synchronisation, broke it)"
+             op before, broke it)"
         )
     })
 }

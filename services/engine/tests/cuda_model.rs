@@ -25,6 +25,13 @@ use ninfer_engine::{
 
 const GREEDY_TOKENS: usize = 16;
 
+/// The tiny models' mixture-of-experts architectures, which these tests run each.
+const MOE_ARCHITECTURES: [TinyArchitecture; 3] = [
+    TinyArchitecture::Qwen3Moe,
+    TinyArchitecture::Qwen3Next,
+    TinyArchitecture::Qwen35Moe,
+];
+
 /// This file's tests one at a time: one of them keeps another thread synchronising on the
 /// device, and the step graph tests count recordings and replays, which should see only their
 /// own model's steps beside it.
@@ -88,11 +95,7 @@ fn compare_tiny_models(gpu: &Arc<CudaBackend>, label: &str, bars: &Bars) {
     let directory = tempfile::tempdir().unwrap();
     let tokens: Vec<u32> = (0..96u32).map(|i| (i * 37 + 11) % 97).collect();
     let prompt = &tokens[..20];
-    for architecture in [
-        TinyArchitecture::Qwen3Moe,
-        TinyArchitecture::Qwen3Next,
-        TinyArchitecture::Qwen35Moe,
-    ] {
+    for architecture in MOE_ARCHITECTURES {
         for (experts, dense) in [
             (DType::F32, DType::F32),
             (DType::Bf16, DType::Bf16),
@@ -174,11 +177,7 @@ fn step_graphs_give_the_logits_of_uncaptured_steps() {
         return;
     };
     let directory = tempfile::tempdir().unwrap();
-    for architecture in [
-        TinyArchitecture::Qwen3Moe,
-        TinyArchitecture::Qwen3Next,
-        TinyArchitecture::Qwen35Moe,
-    ] {
+    for architecture in MOE_ARCHITECTURES {
         let path = write_int8_model(directory.path(), architecture);
         let (with_graphs, without) = (
             open_with_resident_experts(&gpu, &path, 1, true),
@@ -334,11 +333,7 @@ fn split_step_graphs_give_the_unsplit_logits() {
         ("halves, peer copies", &peer_path, vec![0..2, 2..4]),
     ];
     let directory = tempfile::tempdir().unwrap();
-    for architecture in [
-        TinyArchitecture::Qwen3Moe,
-        TinyArchitecture::Qwen3Next,
-        TinyArchitecture::Qwen35Moe,
-    ] {
+    for architecture in MOE_ARCHITECTURES {
         let path = write_int8_model(directory.path(), architecture);
         let unsplit = open_with_resident_experts(&gpu, &path, 1, false);
         for (name, backends, split) in &splits {
@@ -492,6 +487,13 @@ fn open_with_resident_experts(
     graphs: bool,
 ) -> Model<CudaBackend> {
     let mut model = Model::open(Arc::clone(backend), path).unwrap();
+    place_every_share_th_expert(&mut model, share);
+    model.set_step_graphs(graphs);
+    model
+}
+
+/// Every `share`-th expert of each MoE layer of `model` resident (1: all of them).
+fn place_every_share_th_expert(model: &mut Model<CudaBackend>, share: u32) {
     let common = &model.spec().common;
     let resident: Vec<u32> = (0..common.num_experts as u32)
         .filter(|expert| expert % share == 0)
@@ -502,8 +504,6 @@ fn open_with_resident_experts(
         .map(|&moe| if moe { resident.clone() } else { Vec::new() })
         .collect();
     model.place_resident_experts(&placement).unwrap();
-    model.set_step_graphs(graphs);
-    model
 }
 
 /// The model at `path` split at `split` over `backends` (stage `i` on `backends[i]`), every
@@ -525,20 +525,7 @@ fn open_split_with_resident_experts(
     let experts: Arc<dyn ExpertExecutor> =
         Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact)));
     let mut model = Model::load_pipeline(stages, artifact, experts, 0).unwrap();
-    let common = &model.spec().common;
-    let every_expert: Vec<u32> = (0..common.num_experts as u32).collect();
-    let placement: Vec<Vec<u32>> = common
-        .moe_layers
-        .iter()
-        .map(|&moe| {
-            if moe {
-                every_expert.clone()
-            } else {
-                Vec::new()
-            }
-        })
-        .collect();
-    model.place_resident_experts(&placement).unwrap();
+    place_every_share_th_expert(&mut model, 1);
     model.set_step_graphs(true);
     model
 }

@@ -113,10 +113,7 @@ impl<B: Backend> Model<B> {
                 }
                 if graphs.entries.len() >= MOST_STEP_GRAPHS {
                     // A dropped graph's buffers may still be in use by a queued replay.
-                    match self.is_split() {
-                        false => self.backend.wait_for_queued_ops()?,
-                        true => self.wait_for_every_stage()?,
-                    }
+                    self.wait_for_every_stage()?;
                     if let Some(oldest) = (0..graphs.entries.len())
                         .min_by_key(|&index| graphs.entries[index].last_used)
                     {

@@ -129,17 +129,17 @@ pub(crate) struct Args {
     #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_fused_decode_experts: bool,
-    /// `on`: one token's router (f32 weights) computes its logits and routes them in one
-    /// launch. `off` (the default): the matmul, then the routing launch. The same tokens
-    /// either way.
-    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+    /// `on` (the default): one token's router (f32 weights) computes its logits and routes them
+    /// in one launch, with the residual add and norm before it after attention. `off`: the
+    /// add + norm, the matmul, then the routing launch. The same tokens either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_fused_decode_router: bool,
-    /// `on`: one token's first projections of a layer (q/k/v, or a delta-rule layer's input
-    /// projections; bf16 weights) take the residual add and norm before them into their launch.
-    /// `off` (the default): the add + norm launch, then the projections. The same tokens either
+    /// `on` (the default): one token's first projections of a layer (q/k/v, or a delta-rule
+    /// layer's input projections; bf16 weights) take the residual add and norm before them into
+    /// their launch. `off`: the add + norm launch, then the projections. The same tokens either
     /// way.
-    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_fused_decode_qkv_norm: bool,
     /// `on` (the default): decode attention over a bf16 cache spreads each GQA group's q heads

@@ -95,27 +95,28 @@ pub struct CudaOptions {
     pub decode_experts_by_expert: bool,
     /// The per-pair decode kernels compute the down projection and the sum over a token's
     /// choices in one launch (`expert_down_sum`) where a token's activations fit its shared
-    /// memory: the bits of `expert_down` then `expert_pair_sum`. Off by default until it
-    /// measures faster than the two launches: its first version (144 registers, one block per
-    /// multiprocessor, the activations staged one load at a time) took 27.62 µs against
-    /// 10.50 + 2.35 at one token on an H100; this one is not measured yet.
+    /// memory: the bits of `expert_down` then `expert_pair_sum`. Off by default: it took 19.75
+    /// µs against 10.41 + 2.36 in the kernel bench (one token, H100), and a whole step with it
+    /// and `tensor_core_decode_attention` on was slower than without them.
     pub fused_expert_sum: bool,
     /// One token's quantized routed experts in one launch (`expert_decode_fused`: the gate/up
     /// task grid, then every output row's down projection and pair sum after a wait for all
     /// blocks of the grid, which fits the GPU at once), with the bits of the three launches it
-    /// replaces. Off by default until a whole step measures it faster.
+    /// replaces. Off by default: a whole decode step measured it 8% slower than the three
+    /// launches (H100, Qwen3-30B-A3B shapes, every expert on the GPU, 4K context).
     pub fused_decode_experts: bool,
     /// One token's router in one launch (`route_decode_fused`: every logit by the matmul
     /// kernel's warp body, then the last block out routes them as `route_top_k` does), for f32
     /// router weights, with the residual add and norm before it where the MoE layer follows
-    /// attention (`route_decode_add_norm_fused`): the bits of the launches it replaces. Off by
-    /// default until a whole step measures it faster.
+    /// attention (`route_decode_add_norm_fused`): the bits of the launches it replaces. On by
+    /// default: with `fused_decode_qkv_norm` a whole decode step measured 4.9% faster (H100,
+    /// Qwen3-30B-A3B shapes, every expert on the GPU, 4K context).
     pub fused_decode_router: bool,
     /// One token's first projections of a layer (an attention layer's q/k/v, a delta-rule
     /// layer's three fused input projections) with the residual add and RMSNorm before them in
     /// their launch (`add_norm_matmul3_bf16`: every block forms the normed row, the last block
-    /// out stores the residual), for bf16 weights: the bits of the launches it replaces. Off by
-    /// default until a whole step measures it faster.
+    /// out stores the residual), for bf16 weights: the bits of the launches it replaces. On by
+    /// default (measured with `fused_decode_router`).
     pub fused_decode_qkv_norm: bool,
     /// Decode attention over a bf16 cache in the kernels that spread a GQA group's q heads
     /// across the lanes (kernels/attention_decode.cu) where one serves the shape and fits the
@@ -125,8 +126,8 @@ pub struct CudaOptions {
     /// With `tensor_core_prefill` and `group_decode_attention`, decode attention over a bf16
     /// cache on the tensor cores (`attention_decode_mma_*`: the group's q heads as the rows of
     /// an mma tile, q and the softmax weights rounded to bf16) where the group is at most 16;
-    /// checked at start with the tensor-core prefill kernel. Off by default until a whole step
-    /// measures it faster than the lanes kernels.
+    /// checked at start with the tensor-core prefill kernel. Off by default: a whole step with
+    /// it and `fused_expert_sum` on measured slower than without them (H100, 4K context).
     pub tensor_core_decode_attention: bool,
     /// One token's routed gate/up projections (quantized experts, hidden ≤ 2048) from a grid
     /// that fits the GPU at once, each warp walking (pair, column) tasks with the next one's
@@ -249,8 +250,8 @@ impl Default for CudaOptions {
             decode_experts_by_expert: false,
             fused_expert_sum: false,
             fused_decode_experts: false,
-            fused_decode_router: false,
-            fused_decode_qkv_norm: false,
+            fused_decode_router: true,
+            fused_decode_qkv_norm: true,
             group_decode_attention: true,
             tensor_core_decode_attention: false,
             decode_gate_up_tasks: true,

@@ -49,7 +49,8 @@
 #               (default 2) passes of the four placements in turn: static first N, cache without
 #               statistics, static by the statistics, cache seeded by them (CACHE_FILLS
 #               per layer and step, default 2); then, without statistics, one run per fill
-#               cost of CACHE_FILL_COSTS (e.g. "0 2 8"; none by default). The engine logs
+#               cost of CACHE_FILL_COSTS (e.g. "0 2 8", or COST:MARGIN with the eviction margin,
+#               e.g. "1:1 2:1"; none by default). The engine logs
 #               (logs_cache_*) end with the cache's summary (hit rate, fills, upkeep per step).
 #               A model's artifact is deleted after its runs when another model follows, unless
 #               KEEP_ARTIFACTS=1 (two do not fit a 64 GiB disk together).
@@ -290,9 +291,12 @@ if has cache; then
       bench "cache_${name}_dynamic_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
         --engine-arg=--moe-cache-fills-per-layer --engine-arg="${CACHE_FILLS:-2}"
     done
-    for cost in ${CACHE_FILL_COSTS:-}; do  # intentional word split: a list
-      bench "cache_${name}_dynamic_cost_${cost}" "${BENCH_TIMEOUT:-150}" "${C[@]}" \
-        --engine-arg=--moe-cache-fill-cost --engine-arg="$cost"
+    for setting in ${CACHE_FILL_COSTS:-}; do  # intentional word split: a list
+      # COST, or COST:MARGIN (the eviction margin too).
+      cost=${setting%%:*} margin_args=()
+      [[ $setting == *:* ]] && margin_args=(--engine-arg=--moe-cache-eviction-margin --engine-arg="${setting#*:}")
+      bench "cache_${name}_dynamic_cost_${setting/:/_margin_}" "${BENCH_TIMEOUT:-150}" "${C[@]}" \
+        --engine-arg=--moe-cache-fill-cost --engine-arg="$cost" "${margin_args[@]}"
     done
     grep -h "expert cache:" "$out"/logs_cache_"$name"_*/*engine* 2>/dev/null | cut -c1-400 \
       | tee -a "$out/summary.log"

@@ -6,12 +6,15 @@
 //! its solo and during-prefill windows; a missing MODEL fails naming the file. Speeds are not
 //! judged here.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
+
+mod common;
 
 use serde_json::Value;
 
-/// A workspace binary next to this test's executable (target/<profile>/).
+use common::binary;
+
 /// A short bench on the CPU: one 16-token prompt, 4 decoded tokens, one expert thread, a small
 /// RAM bandwidth reference.
 const SMALL_CPU_BENCH: &[&str] = &[
@@ -28,17 +31,6 @@ const SMALL_CPU_BENCH: &[&str] = &[
     "--ram-passes",
     "2",
 ];
-
-fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join(name);
-    assert!(
-        path.exists(),
-        "{} is not built; run the tests with `scripts/test.sh` (cargo test --workspace)",
-        path.display()
-    );
-    path
-}
 
 fn ninfer(args: &[&str], directory: &Path) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_ninfer"))

@@ -6,7 +6,7 @@
 //! to this test (`scripts/test.sh` / `cargo test --workspace` builds them).
 
 mod common;
-use common::fixture;
+use common::{binary, fixture};
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -15,18 +15,6 @@ use std::time::{Duration, Instant};
 
 use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::{EngineStatusRequest, GenerateRequest};
-
-/// A workspace binary next to this test's executable (target/<profile>/).
-fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join(name);
-    assert!(
-        path.exists(),
-        "{} is not built; run the tests with `scripts/test.sh` (cargo test --workspace)",
-        path.display()
-    );
-    path
-}
 
 fn prompts(name: &str) -> Vec<Vec<u32>> {
     let reference: serde_json::Value =

@@ -9,6 +9,18 @@ pub mod serve;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// A workspace binary next to this test's executable (target/<profile>/).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join(name);
+    assert!(
+        path.exists(),
+        "{} is not built; run the tests with `scripts/test.sh` (cargo test --workspace)",
+        path.display()
+    );
+    path
+}
+
 /// `tests/fixtures/<name>` of this checkout.
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

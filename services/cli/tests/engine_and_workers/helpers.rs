@@ -12,17 +12,7 @@ use ninfer_protocol::v1::{EngineStatusRequest, GenerateRequest};
 
 use crate::common::{self, fixture};
 
-/// A workspace binary next to this test's executable (target/<profile>/).
-pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join(name);
-    assert!(
-        path.exists(),
-        "{} is not built; run the tests with `scripts/test.sh` (cargo test --workspace)",
-        path.display()
-    );
-    path
-}
+pub use crate::common::binary;
 
 pub fn reference(name: &str) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap()).unwrap()

@@ -11,7 +11,7 @@ use common::{binary, fixture};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::{EngineStatusRequest, GenerateRequest};
@@ -100,24 +100,7 @@ impl Stack {
 }
 
 async fn client(address: &str) -> EngineClient<tonic::transport::Channel> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(channel) =
-            ninfer_protocol::transport::connect(address, Duration::from_millis(200)).await
-        {
-            let mut client = EngineClient::new(channel);
-            if let Ok(status) = client.get_status(EngineStatusRequest {}).await {
-                if status.get_ref().ready {
-                    return client;
-                }
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "engine at {address} not ready within 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::ready_engine_client(address, Duration::from_secs(60)).await
 }
 
 async fn greedy(address: &str, prompt: &[u32], draft_tokens: Option<u32>) -> Vec<u32> {

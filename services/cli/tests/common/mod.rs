@@ -8,6 +8,10 @@ pub mod serve;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
+
+use ninfer_protocol::v1::engine_client::EngineClient;
+use ninfer_protocol::v1::EngineStatusRequest;
 
 /// A workspace binary next to this test's executable (target/<profile>/).
 pub fn binary(name: &str) -> PathBuf {
@@ -19,6 +23,31 @@ pub fn binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A gRPC client of the engine at `address`, once it answers ready (panics after `ready_within`).
+pub async fn ready_engine_client(
+    address: &str,
+    ready_within: Duration,
+) -> EngineClient<tonic::transport::Channel> {
+    let deadline = Instant::now() + ready_within;
+    loop {
+        if let Ok(channel) =
+            ninfer_protocol::transport::connect(address, Duration::from_millis(200)).await
+        {
+            let mut client = EngineClient::new(channel);
+            if let Ok(status) = client.get_status(EngineStatusRequest {}).await {
+                if status.get_ref().ready {
+                    return client;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "engine at {address} not ready within {ready_within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// `tests/fixtures/<name>` of this checkout.

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ninfer_protocol::v1::engine_client::EngineClient;
-use ninfer_protocol::v1::{EngineStatusRequest, GenerateRequest};
+use ninfer_protocol::v1::GenerateRequest;
 
 use crate::common::{self, fixture};
 
@@ -228,24 +228,7 @@ pub fn runtime() -> tokio::runtime::Runtime {
 }
 
 pub async fn client(address: &str) -> EngineClient<tonic::transport::Channel> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(channel) =
-            ninfer_protocol::transport::connect(address, Duration::from_millis(200)).await
-        {
-            let mut client = EngineClient::new(channel);
-            if let Ok(status) = client.get_status(EngineStatusRequest {}).await {
-                if status.get_ref().ready {
-                    return client;
-                }
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "engine at {address} not ready within 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::ready_engine_client(address, Duration::from_secs(30)).await
 }
 
 pub fn greedy(prompt: &[u32], max_new_tokens: u32) -> GenerateRequest {

@@ -6,7 +6,7 @@
 //! to this test (`scripts/test.sh` / `cargo test --workspace` builds them).
 
 mod common;
-use common::{binary, fixture};
+use common::binary;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -17,22 +17,7 @@ use ninfer_protocol::v1::engine_client::EngineClient;
 use ninfer_protocol::v1::{EngineStatusRequest, GenerateRequest};
 
 fn prompts(name: &str) -> Vec<Vec<u32>> {
-    let reference: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap())
-            .unwrap();
-    reference["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p["prompt_token_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect()
+    common::reference_prompts(name)
 }
 
 /// Child processes killed on drop, with their logs in the scratch directory.

@@ -50,6 +50,26 @@ pub async fn ready_engine_client(
     }
 }
 
+/// The prompts (token ids) of the fixture `name`'s reference.json.
+pub fn reference_prompts(name: &str) -> Vec<Vec<u32>> {
+    let reference: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap())
+            .unwrap();
+    reference["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p["prompt_token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
 /// `tests/fixtures/<name>` of this checkout.
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -19,19 +19,7 @@ pub fn reference(name: &str) -> serde_json::Value {
 }
 
 pub fn prompts(name: &str) -> Vec<Vec<u32>> {
-    reference(name)["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p["prompt_token_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect()
+    common::reference_prompts(name)
 }
 
 /// Child processes killed on drop, with their logs in the scratch directory.

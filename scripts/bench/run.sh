@@ -48,7 +48,10 @@
 #               tokens (default 128): a first run records routing statistics, then CACHE_PASSES
 #               (default 2) passes of the four placements in turn: static first N, cache without
 #               statistics, static by the statistics, cache seeded by them (CACHE_FILLS
-#               per layer and step, default 2); then, without statistics, one run per fill
+#               per layer and step, default 2; CACHE_PLACEMENTS names a subset), then each
+#               of CACHE_VARIANTS (the cache without statistics with other engine options, in
+#               DECODE_AB_OPTIONS' syntax, e.g. "moe-cache-fill-cost=1+moe-cache-eviction-margin=1
+#               moe-cache-upkeep-during-steps"); then, without statistics, one run per fill
 #               cost of CACHE_FILL_COSTS (e.g. "0 2 8", or COST:MARGIN with the eviction margin,
 #               e.g. "1:1 2:1"; none by default). The engine logs
 #               (logs_cache_*) end with the cache's summary (hit rate, fills, upkeep per step).
@@ -237,6 +240,18 @@ if has gpu; then
     scripts/gpu_tests.sh run >"$out/gpu_tests.log" 2>&1) &
   gpu_pid=$!
 fi
+engine_option_args() { # engine_option_args VARIANT: sets option_args to its engine arguments
+  # A variant: OPTION (turned off), OPTION=VALUE, or several joined by "+".
+  local settings setting name value
+  option_args=()
+  IFS=+ read -r -a settings <<<"$1"
+  for setting in "${settings[@]}"; do
+    name=${setting%%=*} value=off
+    [[ $setting == *=* ]] && value=${setting#*=}
+    option_args+=(--engine-arg="--$name" --engine-arg="$value")
+  done
+}
+
 wait_for_gpu_tests() {
   if [ -n "$gpu_pid" ]; then
     wait "$gpu_pid"
@@ -278,18 +293,30 @@ if has cache; then
     C=("$work/$name.ninfer" --device cuda "${moe_threads[@]}" --gpu-mem-budget 16
       --moe-gpu-experts auto --prompt-lengths 4096 --decode-tokens "${DECODE:-128}" --repeats 1)
     stats=(--engine-arg=--moe-expert-stats --engine-arg="$work/$name-stats.json")
-    bench "cache_${name}_record" "${STATS_TIMEOUT:-150}" "$work/$name.ninfer" --device cuda \
-      "${moe_threads[@]}" --prompt-lengths 2048 --decode-tokens 128 \
-      --engine-arg=--moe-record-stats --engine-arg="$work/$name-stats.json"
+    placements=${CACHE_PLACEMENTS:-static_first dynamic static_stats dynamic_stats}
+    if [[ $placements == *stats* ]]; then
+      bench "cache_${name}_record" "${STATS_TIMEOUT:-150}" "$work/$name.ninfer" --device cuda \
+        "${moe_threads[@]}" --prompt-lengths 2048 --decode-tokens 128 \
+        --engine-arg=--moe-record-stats --engine-arg="$work/$name-stats.json"
+    fi
     for pass in $(seq 1 "${CACHE_PASSES:-2}"); do
-      bench "cache_${name}_static_first_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" \
-        --engine-arg=--moe-static-experts
-      bench "cache_${name}_dynamic_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}"
-      bench "cache_${name}_static_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
-        --engine-arg=--moe-static-experts
-      # With statistics the engine's default is static placement: the seeded cache is asked for.
-      bench "cache_${name}_dynamic_stats_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${stats[@]}" \
-        --engine-arg=--moe-cache-fills-per-layer --engine-arg="${CACHE_FILLS:-2}"
+      for placement in $placements; do  # intentional word split: a list
+        case $placement in
+          static_first) placement_args=(--engine-arg=--moe-static-experts) ;;
+          dynamic) placement_args=() ;;
+          static_stats) placement_args=("${stats[@]}" --engine-arg=--moe-static-experts) ;;
+          # With statistics the engine's default is static placement: the seeded cache is asked for.
+          dynamic_stats) placement_args=("${stats[@]}" --engine-arg=--moe-cache-fills-per-layer
+            --engine-arg="${CACHE_FILLS:-2}") ;;
+          *) log "CACHE_PLACEMENTS: no placement $placement"; continue ;;
+        esac
+        bench "cache_${name}_${placement}_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${placement_args[@]}"
+      done
+      # The cache without statistics with other engine options (DECODE_AB_OPTIONS' syntax).
+      for variant in ${CACHE_VARIANTS:-}; do  # intentional word split: a list
+        engine_option_args "$variant"
+        bench "cache_${name}_${variant//[=+]/_}_$pass" "${BENCH_TIMEOUT:-150}" "${C[@]}" "${option_args[@]}"
+      done
     done
     for setting in ${CACHE_FILL_COSTS:-}; do  # intentional word split: a list
       # COST, or COST:MARGIN (the eviction margin too).
@@ -426,16 +453,9 @@ if has q30 || has profile || has b53 || has share || has decode_ab; then
       bench "decode_ab_defaults_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" \
         --moe-gpu-experts all
       for variant in ${DECODE_AB_OPTIONS:-cuda-group-decode-attention cuda-decode-gate-up-tasks}; do
-        # A variant: OPTION (turned off), OPTION=VALUE, or several joined by "+".
-        variant_args=()
-        IFS=+ read -r -a settings <<<"$variant"
-        for setting in "${settings[@]}"; do
-          name=${setting%%=*} value=off
-          [[ $setting == *=* ]] && value=${setting#*=}
-          variant_args+=(--engine-arg="--$name" --engine-arg="$value")
-        done
+        engine_option_args "$variant"
         bench "decode_ab_${variant//[=+]/_}_$pass" "${BENCH_TIMEOUT:-150}" "${B[@]}" "${moe_threads[@]}" \
-          --moe-gpu-experts all "${variant_args[@]}"
+          --moe-gpu-experts all "${option_args[@]}"
       done
     done
   fi

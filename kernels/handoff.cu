@@ -18,6 +18,11 @@
 // additions the host side makes — so the result has the host path's bits. A refused or
 // abandoned request leaves zeros and a non-zero `failure` word the host reads after the step:
 // the reason in its low byte, the worker in the next, the layer in the high half.
+//
+// mapped_copy (a few blocks, on the expert cache's copy stream): copies a page-locked bank's
+// expert into its GPU slot by reading the mapped bank, instead of a DMA copy. A DMA copy keeps
+// so many reads in flight on the bus that the hand-off's own reads queue behind them; a few
+// blocks keep a few kilobytes in flight (a paced fill, `--moe-cache-fill-copy-blocks`).
 
 #include "common.cuh"
 
@@ -186,4 +191,12 @@ extern "C" __global__ void handoff_collect(const unsigned long long* worker_word
         }
         out[row * hidden_width + i] = sum;
     }
+}
+
+// grid (blocks), 256 threads: `pieces` 16-byte pieces from `from` (mapped host memory) to `to`.
+extern "C" __global__ void mapped_copy(const uint4* from, uint4* to, long long pieces) {
+    PDL_WAIT_AND_RELEASE();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pieces;
+         i += (long long)gridDim.x * blockDim.x)
+        to[i] = __ldcv(from + i);
 }

@@ -219,6 +219,12 @@ pub(crate) struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) moe_cache_upkeep_during_steps: bool,
+    /// Dynamic expert cache: 0 (the default) copies experts into GPU slots by DMA; N copies
+    /// them with a kernel of N blocks reading the page-locked bank over the bus, which keeps
+    /// few reads in flight, so the GPU's reads of the CPU workers' answers do not wait behind
+    /// a fill (a paced fill; `scripts/bench/pcie_contention.py` measures both on a machine).
+    #[arg(long, default_value_t = 0, value_name = "BLOCKS")]
+    pub(crate) moe_cache_fill_copy_blocks: u32,
     /// Routed experts in host RAM, computed by the CPU, the GPU holding `--moe-gpu-experts` of
     /// them per layer: how the engine always runs; accepted for command lines written for the
     /// seeds' tool.
@@ -360,6 +366,7 @@ pub(crate) fn cuda_options(args: &Args) -> CudaOptions {
         // The backend reports at most the budget's memory, so every user of the free memory
         // (expert slots, KV placement) sees the same smaller card.
         memory_cap_bytes: args.gpu_mem_budget.map(gib_to_bytes),
+        fill_copy_blocks: args.moe_cache_fill_copy_blocks,
         ..CudaOptions::default()
     }
 }

@@ -191,7 +191,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "handoff",
         source: include_str!("../../../../../kernels/handoff.cu"),
-        functions: &["handoff_post", "handoff_collect"],
+        functions: &["handoff_post", "handoff_collect", "mapped_copy"],
     },
     KernelSource {
         name: "qsa",

@@ -155,7 +155,8 @@ impl CudaExpertSlots {
             .into_iter()
             .enumerate()
             .map(|(offset, source)| (first_slot + offset, source));
-        let landed = self.copy_behind_queued_work(&copy_stream, pinned, copies)?;
+        // Batch fills stream a layer's experts at the bus's full rate: DMA.
+        let landed = self.copy_behind_queued_work(&copy_stream, pinned, None, copies)?;
         self.batch_fills
             .push_back((first_slot, experts.to_vec(), landed));
         Ok(())
@@ -185,7 +186,8 @@ impl CudaExpertSlots {
             return Ok(());
         }
         let copies = fills.iter().map(|&(slot, _)| slot).zip(sources);
-        let landed = self.copy_behind_queued_work(&copy_stream, pinned, copies)?;
+        let mapped = self.mapped_bank(bank);
+        let landed = self.copy_behind_queued_work(&copy_stream, pinned, mapped, copies)?;
         self.fills_in_flight.push((fills.to_vec(), landed));
         Ok(())
     }
@@ -213,11 +215,15 @@ impl CudaExpertSlots {
     /// Copies each (slot, bytes) of `copies` into its slot on `copy_stream`, all behind one
     /// event recorded on the compute stream after the work queued so far (which may still read
     /// the slots' old experts); returns the event after the last copy. `pinned`: the bytes are
-    /// page-locked (asynchronous DMA), else the driver stages them.
+    /// page-locked (asynchronous DMA), else the driver stages them. `mapped`: the bank's pinned
+    /// range's host and device starts, when a [`MappedCopy`] kernel copies instead of DMA.
+    ///
+    /// [`MappedCopy`]: super::expert_slots::MappedCopy
     fn copy_behind_queued_work<'a>(
         &mut self,
         copy_stream: &Arc<CudaStream>,
         pinned: bool,
+        mapped: Option<(usize, u64)>,
         copies: impl Iterator<Item = (usize, &'a [u8])>,
     ) -> Result<CudaEvent, CudaError> {
         let stream = Arc::clone(&self.stream);
@@ -229,6 +235,19 @@ impl CudaExpertSlots {
         let stride = self.layout.stride;
         for (slot, source) in copies {
             let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
+            let kernel = self.mapped_copy.zip(mapped);
+            if let Some((copy, (host_start, device_start))) = kernel.filter(|_| pinned) {
+                let (pointer, _record) = destination.device_ptr_mut(copy_stream);
+                let offset = (source.as_ptr() as usize).checked_sub(host_start);
+                let from = offset.map(|offset| device_start + offset as u64);
+                // 16-byte pieces: both ends aligned and the length whole, else DMA below.
+                if let Some(from) = from
+                    .filter(|from| from % 16 == 0 && pointer % 16 == 0 && source.len() % 16 == 0)
+                {
+                    launch_mapped_copy(copy, from, pointer, source.len() / 16, copy_stream)?;
+                    continue;
+                }
+            }
             if pinned {
                 let (pointer, _record) = destination.device_ptr_mut(copy_stream);
                 // SAFETY: `source` is page-locked and lives in an artifact mapping the slots
@@ -272,6 +291,47 @@ impl CudaExpertSlots {
         Ok(())
     }
 }
+
+/// One [`MappedCopy`] launch on `stream`: `pieces` 16-byte pieces from the mapped bank address
+/// `from` to the slot address `to`.
+///
+/// [`MappedCopy`]: super::expert_slots::MappedCopy
+fn launch_mapped_copy(
+    copy: super::expert_slots::MappedCopy,
+    from: u64,
+    to: u64,
+    pieces: usize,
+    stream: &CudaStream,
+) -> Result<(), CudaError> {
+    let pieces = i64::try_from(pieces).map_err(|_| CudaError::Invalid {
+        problem: format!("an expert of {pieces} 16-byte pieces is too large to copy"),
+    })?;
+    let (mut from, mut to, mut pieces) = (from, to, pieces);
+    let mut params: [*mut std::ffi::c_void; 3] = [
+        (&mut from as *mut u64).cast(),
+        (&mut to as *mut u64).cast(),
+        (&mut pieces as *mut i64).cast(),
+    ];
+    // SAFETY: `mapped_copy(const uint4*, uint4*, long long)` takes these three values; `from`
+    // addresses `pieces` 16-byte pieces of a registered, mapped bank kept alive by the slots,
+    // `to` as many in the slot buffer; the parameters outlive the call, which copies them.
+    unsafe {
+        cudarc::driver::result::launch_kernel(
+            copy.function,
+            (copy.blocks, 1, 1),
+            (MAPPED_COPY_THREADS, 1, 1),
+            0,
+            stream.cu_stream(),
+            &mut params,
+        )
+    }
+    .map_err(driver_error(
+        "copying an expert into its GPU slot (mapped copy)",
+    ))
+}
+
+/// Threads of a `mapped_copy` block (kernels/handoff.cu: one 16-byte read in flight each).
+const MAPPED_COPY_THREADS: u32 = 256;
 
 impl ExpertSlotFills for CudaExpertSlots {
     fn start_fill(

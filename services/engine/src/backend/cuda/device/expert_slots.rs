@@ -28,6 +28,9 @@ struct PinnedRange {
     /// Registered by this range (unregistered on drop), or found already registered by another
     /// slot set of the same bank (the prefill staging slots share the resident slots' banks).
     owned: bool,
+    /// The range's start in the device's address space, where it is mapped for kernels to read
+    /// ([`MappedCopy`] fills).
+    device_start: Option<u64>,
     // Keeps the mapping the range lies in alive while it is registered.
     _artifact: Arc<Artifact>,
 }
@@ -48,6 +51,20 @@ impl Drop for PinnedRange {
         }
     }
 }
+
+/// The kernel that copies an expert from its mapped bank into a slot (`mapped_copy` in
+/// kernels/handoff.cu) and its block count: fills paced by the kernel instead of DMA.
+#[derive(Clone, Copy)]
+pub(super) struct MappedCopy {
+    pub(super) function: cudarc::driver::sys::CUfunction,
+    pub(super) blocks: u32,
+}
+
+// SAFETY: a CUfunction is a handle valid in every thread while its module is loaded; the
+// backend, which keeps the modules, outlives every fill (the model holds both).
+unsafe impl Send for MappedCopy {}
+// SAFETY: as above; the handle is only passed to launches.
+unsafe impl Sync for MappedCopy {}
 
 /// Experts of one MoE layer in GPU memory. See the module doc.
 pub struct CudaExpertSlots {
@@ -79,6 +96,8 @@ pub struct CudaExpertSlots {
     /// Events whose waits are queued, kept to be recorded again: the cache records three per
     /// layer and step, and creating and destroying each costs the host two driver calls.
     pub(super) spare_events: Vec<CudaEvent>,
+    /// Background fills by a kernel reading the mapped bank (`None`: DMA copies).
+    pub(super) mapped_copy: Option<MappedCopy>,
 }
 
 impl Drop for CudaExpertSlots {
@@ -122,6 +141,16 @@ impl CudaExpertSlots {
             .pinned
             .iter()
             .any(|(prefix, range)| *prefix == bank.prefix && range.is_some()))
+    }
+
+    /// Where `bank`'s pinned range starts on the host and in the device's address space, when
+    /// fills go through [`MappedCopy`] and the bank is mapped.
+    pub(super) fn mapped_bank(&self, bank: &ExpertBank) -> Option<(usize, u64)> {
+        self.mapped_copy?;
+        self.pinned.iter().find_map(|(prefix, range)| {
+            let range = range.as_ref().filter(|_| *prefix == bank.prefix)?;
+            Some((range.start as usize, range.device_start?))
+        })
     }
 }
 
@@ -172,22 +201,32 @@ fn pin_bank(
     };
     let pinned = range.and_then(|(offset, length)| {
         let pointer = bytes[offset..].as_ptr() as *mut std::ffi::c_void;
+        // Mapped into the device's address space too when a kernel copies the fills.
+        let flags = match slots.mapped_copy {
+            Some(_) => {
+                cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY
+                    | cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP
+            }
+            None => cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
+        };
         // SAFETY: [pointer, pointer + length) lies inside the live mapping (checked above);
         // READ_ONLY because the mapping is read-only (the device only reads from it).
-        let status = unsafe {
-            cudarc::driver::sys::cuMemHostRegister_v2(
-                pointer,
-                length,
-                cudarc::driver::sys::CU_MEMHOSTREGISTER_READ_ONLY,
-            )
-        };
+        let status = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(pointer, length, flags) };
         let already =
             status == cudarc::driver::sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
         if status == cudarc::driver::sys::CUresult::CUDA_SUCCESS || already {
+            let mut device_start: cudarc::driver::sys::CUdeviceptr = 0;
+            // SAFETY: `pointer` is registered (just now or before); the driver writes the one
+            // address. A range registered without the device mapping answers an error: DMA.
+            let mapped = slots.mapped_copy.is_some()
+                && unsafe {
+                    cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device_start, pointer, 0)
+                } == cudarc::driver::sys::CUresult::CUDA_SUCCESS;
             Some(PinnedRange {
                 context: Arc::clone(stream.context()),
                 start: pointer,
                 owned: !already,
+                device_start: mapped.then_some(device_start),
                 _artifact: Arc::clone(artifact),
             })
         } else {
@@ -260,6 +299,13 @@ impl CudaBackend {
             table_staging: None,
             table_uploaded: None,
             spare_events: Vec::new(),
+            mapped_copy: match self.options.fill_copy_blocks {
+                0 => None,
+                blocks => Some(MappedCopy {
+                    function: self.function("mapped_copy")?.function,
+                    blocks,
+                }),
+            },
         })
     }
 

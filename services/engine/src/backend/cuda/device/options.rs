@@ -164,6 +164,10 @@ pub struct CudaOptions {
     /// naming both contexts) instead of a copy within one context, so the split tests check
     /// that path on one GPU. The same bits either way.
     pub peer_stage_crossings: bool,
+    /// Expert slot fills from page-locked banks copied by a kernel of this many blocks reading
+    /// the mapped bank (a paced fill: few reads in flight on the bus, so the GPU's reads of the
+    /// hand-off's answers do not queue behind a fill), instead of DMA copies (0).
+    pub fill_copy_blocks: u32,
 }
 
 /// The environment variable that caps the shared memory per block of backends opened without
@@ -261,6 +265,7 @@ impl Default for CudaOptions {
             shared_memory_cap: None,
             memory_cap_bytes: None,
             peer_stage_crossings: false,
+            fill_copy_blocks: 0,
         }
     }
 }
@@ -303,6 +308,7 @@ impl CudaOptions {
             shared_memory_cap: None,
             memory_cap_bytes: None,
             peer_stage_crossings: false,
+            fill_copy_blocks: 0,
         }
     }
 }

@@ -113,9 +113,11 @@ extern "C" __global__ void handoff_post(const unsigned int* expert_ids, const fl
     __threadfence_system();
 }
 
+// `wide`: the answers' reads below with every piece of a thread in flight (1), or one value
+// per worker and round trip (0); the same bits.
 extern "C" __global__ void handoff_collect(const unsigned long long* worker_words, int workers,
                                            const unsigned int* posted, int hidden_width,
-                                           float* out, unsigned int* failure) {
+                                           float* out, unsigned int* failure, int wide_reads) {
     PDL_WAIT_AND_RELEASE();
     __shared__ int outcome;
     const long long row = blockIdx.x;
@@ -149,7 +151,7 @@ extern "C" __global__ void handoff_collect(const unsigned long long* worker_word
     // Each read of the answers is a round trip over the bus: a thread has every worker's piece
     // in flight at once (16-byte loads, fetched again past any cache), then sums them in
     // worker order from 0.0f, the additions of the loop below.
-    bool wide = (hidden_width & 3) == 0 && ((unsigned long long)out & 15) == 0;
+    bool wide = wide_reads && (hidden_width & 3) == 0 && ((unsigned long long)out & 15) == 0;
     for (int worker = 0; worker < workers; ++worker)
         if (posted[2 * worker] && (worker_words[worker * HANDOFF_WORDS + HANDOFF_OUTPUT] & 15) != 0)
             wide = false;

@@ -99,6 +99,12 @@ pub(crate) struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) cuda_worker_handoff: bool,
+    /// `on`: the hand-off's collect has all of a thread's reads of the workers' answers in
+    /// flight at once (16-byte loads: one round trip over the bus per row instead of one per
+    /// value and worker). The same tokens either way; `off` (the default) until measured.
+    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) cuda_handoff_wide_reads: bool,
     /// `on` (the default): prefill-sized grouped routed experts (bf16 / int8 / int4) and causal
     /// prefill attention over a bf16 KV cache run on the tensor cores (bf16 inputs, f32
     /// accumulation; within bf16 tolerances of the f32 kernels). `off`: the f32 SIMT kernels.
@@ -367,6 +373,7 @@ pub(crate) fn cuda_options(args: &Args) -> CudaOptions {
         // (expert slots, KV placement) sees the same smaller card.
         memory_cap_bytes: args.gpu_mem_budget.map(gib_to_bytes),
         fill_copy_blocks: args.moe_cache_fill_copy_blocks,
+        wide_handoff_reads: args.cuda_handoff_wide_reads,
         ..CudaOptions::default()
     }
 }

@@ -168,6 +168,10 @@ pub struct CudaOptions {
     /// the mapped bank (a paced fill: few reads in flight on the bus, so the GPU's reads of the
     /// hand-off's answers do not queue behind a fill), instead of DMA copies (0).
     pub fill_copy_blocks: u32,
+    /// The hand-off's collect reads the workers' answers with every piece of a thread in flight
+    /// at once (one bus round trip per row) instead of one value per worker and round trip. The
+    /// same bits; off until measured in a whole step.
+    pub wide_handoff_reads: bool,
 }
 
 /// The environment variable that caps the shared memory per block of backends opened without
@@ -266,6 +270,7 @@ impl Default for CudaOptions {
             memory_cap_bytes: None,
             peer_stage_crossings: false,
             fill_copy_blocks: 0,
+            wide_handoff_reads: false,
         }
     }
 }
@@ -309,6 +314,7 @@ impl CudaOptions {
             memory_cap_bytes: None,
             peer_stage_crossings: false,
             fill_copy_blocks: 0,
+            wide_handoff_reads: false,
         }
     }
 }

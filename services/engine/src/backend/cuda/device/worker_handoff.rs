@@ -344,8 +344,10 @@ impl CudaBackend {
             int(handoff.workers, "workers")?,
             int(handoff.hidden_size, "hidden size")?,
         );
+        let wide_reads = i32::from(self.options.wide_handoff_reads);
         launch!(self, "handoff_collect", config;
-            &words_address, &workers, &posted_address, &width, &mut *out.data, &failure_address)?;
+            &words_address, &workers, &posted_address, &width, &mut *out.data, &failure_address,
+            &wide_reads)?;
         Ok(out)
     }
 

@@ -158,7 +158,8 @@ fn concurrent_requests_equal_their_solo_results() {
 /// On a GPU: with half of every layer's experts resident and the rest on two workers, the GPU
 /// hands each MoE layer's CPU experts to the workers itself (the default) and gives the tokens
 /// of the host's hand-off (`--cuda-worker-handoff off`), with decode steps as graphs and op by
-/// op, alone and batched; and its steps do run as graphs with the hand-off inside.
+/// op, alone and batched, also with the answers read wide and the expert cache's fills copied
+/// by a kernel; and its steps do run as graphs with the hand-off inside.
 #[test]
 fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
     if !gpu_present("gpu_worker_handoff_gives_the_host_handoffs_tokens") {
@@ -173,6 +174,16 @@ fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
             ("host", &["--cuda-worker-handoff", "off"][..]),
             ("device", &[][..]),
             ("device-ops", &["--cuda-graphs", "off"][..]),
+            // The answers read wide and the cache's fills copied by a kernel: the same bits.
+            (
+                "device-wide-paced",
+                &[
+                    "--cuda-handoff-wide-reads",
+                    "on",
+                    "--moe-cache-fill-copy-blocks",
+                    "4",
+                ][..],
+            ),
         ] {
             let workers: Vec<String> = (0..2)
                 .map(|shard| {

@@ -233,10 +233,10 @@ impl CudaExpertSlots {
             .map_err(driver_error("ordering the expert copies"))?;
         self.recycle_event(queued);
         let stride = self.layout.stride;
+        let kernel = self.mapped_copy.zip(mapped).filter(|_| pinned);
         for (slot, source) in copies {
             let mut destination = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
-            let kernel = self.mapped_copy.zip(mapped);
-            if let Some((copy, (host_start, device_start))) = kernel.filter(|_| pinned) {
+            if let Some((copy, (host_start, device_start))) = kernel {
                 let (pointer, _record) = destination.device_ptr_mut(copy_stream);
                 let offset = (source.as_ptr() as usize).checked_sub(host_start);
                 let from = offset.map(|offset| device_start + offset as u64);

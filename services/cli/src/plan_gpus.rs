@@ -384,11 +384,8 @@ mod tests {
             card.expert_slots_per_layer.abs_diff(estimate) <= 1,
             "{card:?} against {estimate}"
         );
-        let speculating = SplitFeatureFlags {
-            speculation: true,
-            ..Default::default()
-        };
-        assert!(refuse_unsplit_features_of(&planned.gpus, &speculating).is_ok());
+        let host_kv = SplitFeatureFlags { host_kv_mib: 512 };
+        assert!(refuse_unsplit_features_of(&planned.gpus, &host_kv).is_ok());
         // Without a GPU: no cards.
         let cpu = crate::plan::tests::machine(None, 512, 1);
         let planned = crate::plan::plan(&facts, &cpu, &crate::plan::tests::request()).unwrap();
@@ -419,15 +416,12 @@ mod tests {
         assert_eq!(first.dense_bytes + second.dense_bytes, facts.dense_bytes);
         assert!(planned.device.contains("GPUs 0,1"), "{}", planned.device);
         assert!(refuse_unsplit_features_of(&planned.gpus, &SplitFeatureFlags::default()).is_ok());
-        let speculating = SplitFeatureFlags {
-            speculation: true,
-            ..Default::default()
-        };
-        let message = refuse_unsplit_features_of(&planned.gpus, &speculating)
+        let host_kv = SplitFeatureFlags { host_kv_mib: 512 };
+        let message = refuse_unsplit_features_of(&planned.gpus, &host_kv)
             .unwrap_err()
             .to_string();
         assert!(
-            message.starts_with("--spec mtp with --gpus 0,1:"),
+            message.starts_with("--host-kv-mib 512 with --gpus 0,1:"),
             "{message}"
         );
         let json = serde_json::to_value(&planned).unwrap();

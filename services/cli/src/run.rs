@@ -109,17 +109,12 @@ fn previous_routing_statistics(model: &std::path::Path) -> Vec<String> {
     }
 }
 
-/// Whether `run` turns MTP speculative decoding on with one draft: the model has the head,
-/// the layers are not split over several GPUs (a split does not run the MTP head yet) and
-/// neither `--no-mtp` nor the user's own flags decide otherwise.
-fn mtp_by_default(
-    engine: &EngineFlags,
-    model: &std::path::Path,
-    layer_split: bool,
-) -> anyhow::Result<bool> {
+/// Whether `run` turns MTP speculative decoding on with one draft: the model has the head
+/// and neither `--no-mtp` nor the user's own flags decide otherwise (a split over several
+/// GPUs runs the head on the last card).
+fn mtp_by_default(engine: &EngineFlags, model: &std::path::Path) -> anyhow::Result<bool> {
     let user_arguments = engine.user_engine_args();
     if engine.no_mtp
-        || layer_split
         || engine.speculates()
         || user_arguments
             .iter()
@@ -319,7 +314,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             .engine_args
             .extend(previous_routing_statistics(&model));
     }
-    if mtp_by_default(&engine, &model, plan.gpus.len() > 1)? {
+    if mtp_by_default(&engine, &model)? {
         engine.spec = Some("mtp".into());
     }
     let api = if args.serve {

@@ -72,7 +72,7 @@ pub struct EngineFlags {
     /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
     /// applies), comma separated. Default: the first visible GPU. Several named split the
     /// decoder layers over them as a pipeline (`--dry-run` shows each card's share); such a
-    /// split refuses `--spec mtp` and `--host-kv-mib`.
+    /// split refuses `--host-kv-mib`.
     #[arg(long, value_name = "0,1")]
     pub gpus: Option<String>,
     /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:
@@ -321,7 +321,6 @@ pub fn start_pipeline(
     crate::plan_gpus::refuse_unsplit_features_of(
         &plan.gpus,
         &ninfer_engine::moe::gpu_split::SplitFeatureFlags {
-            speculation: flags.speculates(),
             host_kv_mib: plan.host_kv_mib,
         },
     )?;

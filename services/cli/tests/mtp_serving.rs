@@ -1,6 +1,7 @@
 //! MTP speculative decoding in the real processes: an engine started with `--spec mtp` whose
 //! routed experts (the MTP layer's included) are computed by an expert worker gives the tokens
-//! of an engine without drafts, and counts its drafts in GetStatus; `--spec mtp` on a model
+//! of an engine without drafts (also split over two stages of one device, the head on the
+//! last), and counts its drafts in GetStatus; `--spec mtp` on a model
 //! without the head fails at start with the file named. Dense MLPs offloaded to an expert
 //! worker keep the greedy tokens too. Needs the workspace binaries built next
 //! to this test (`scripts/test.sh` / `cargo test --workspace` builds them).
@@ -178,15 +179,52 @@ fn drafts_through_an_expert_worker_keep_the_greedy_tokens() {
                 "{name} prompt {index}, half the experts resident, 3 drafts: differs from the engine without drafts"
             );
         }
-        // The MTP layer got its half of the slots like the main layers.
-        let experts_per_layer = if name == "qwen3_5_moe_trained" { 32 } else { 8 } / 2;
-        let log = stack.log("engine-mtp-half");
-        assert!(
-            log.contains(&format!(
-                "mtp_layer_resident_experts\u{1b}[0m\u{1b}[2m=\u{1b}[0m{experts_per_layer}"
-            )) || log.contains(&format!("mtp_layer_resident_experts={experts_per_layer}")),
-            "{name}: the MTP layer's experts were not placed: {log}"
+        // Split over two stages (one layer, then the rest and the MTP head), half of every
+        // layer's experts resident on its stage, the MTP layer's on the last: the same tokens.
+        let third_worker_args = vec![
+            "--model".to_string(),
+            model.display().to_string(),
+            "--experts".into(),
+            "all".into(),
+        ];
+        let third_worker = stack.spawn("worker-split", "ninfer-expert-worker", &third_worker_args);
+        let speculating_split = stack.engine(
+            "engine-mtp-split",
+            &model,
+            &[
+                "--experts",
+                &third_worker,
+                "--moe-gpu-experts",
+                "half",
+                "--pipeline-stages-on-one-device",
+                "2",
+                "--gpu-split",
+                "25,75",
+                "--spec",
+                "mtp",
+                "--draft-tokens",
+                "2",
+            ],
         );
+        for (index, prompt) in prompts(name).iter().take(2).enumerate() {
+            let expected = runtime.block_on(greedy(&plain, prompt, None));
+            let got = runtime.block_on(greedy(&speculating_split, prompt, None));
+            assert_eq!(
+                got, expected,
+                "{name} prompt {index}, split over two stages, 2 drafts: differs from the engine without drafts"
+            );
+        }
+        // The MTP layer got its half of the slots like the main layers, split or not.
+        let experts_per_layer = if name == "qwen3_5_moe_trained" { 32 } else { 8 } / 2;
+        for label in ["engine-mtp-half", "engine-mtp-split"] {
+            let log = stack.log(label);
+            assert!(
+                log.contains(&format!(
+                    "mtp_layer_resident_experts\u{1b}[0m\u{1b}[2m=\u{1b}[0m{experts_per_layer}"
+                )) || log.contains(&format!("mtp_layer_resident_experts={experts_per_layer}")),
+                "{name} ({label}): the MTP layer's experts were not placed: {log}"
+            );
+        }
         let status = runtime.block_on(async {
             client(&speculating)
                 .await

@@ -176,8 +176,8 @@ fn the_seeds_program_names_answer() {
 }
 
 /// A machine with two GPUs (described by `--machine-profile`): `--dry-run --json` lists each
-/// card's layers; a run over both that asks for what a split does not run yet (`--spec mtp`)
-/// refuses to start, naming both flags, before anything starts.
+/// card's layers; a run over both that asks for what a split does not run yet
+/// (`--host-kv-mib`) refuses to start, naming both flags, before anything starts.
 #[test]
 fn two_gpus_are_planned_and_a_split_refuses_what_it_does_not_run() {
     let scratch = tempfile::tempdir().unwrap();
@@ -235,13 +235,16 @@ fn two_gpus_are_planned_and_a_split_refuses_what_it_does_not_run() {
     let output = ninfer(scratch.path())
         .args(["run", "--prompt", "hi", "--machine-profile"])
         .arg(&profile)
-        .args(["--gpus", "0,1", "--spec", "mtp"])
+        .args(["--gpus", "0,1", "--host-kv-mib", "64"])
         .arg(fixture("qwen3_moe"))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "{stderr}");
-    assert!(stderr.contains("--spec mtp with --gpus 0,1"), "{stderr}");
+    assert!(
+        stderr.contains("--host-kv-mib 64 with --gpus 0,1"),
+        "{stderr}"
+    );
 
     let output = ninfer(scratch.path())
         .args(["run", "--dry-run", "--machine-profile"])

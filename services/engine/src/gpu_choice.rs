@@ -94,7 +94,6 @@ pub(crate) fn chosen_gpus(args: &Args) -> anyhow::Result<GpuChoice> {
         refuse_unsplit_features(
             &named.split_flag(),
             &SplitFeatureFlags {
-                speculation: args.spec.is_some(),
                 host_kv_mib: args.host_kv_mib,
             },
         )?;

@@ -620,6 +620,7 @@ fn start_scheduler<B: Backend>(
             max_context: request.limits.max_context,
             max_sequences: request.limits.max_sequences,
             prefix_cache_bytes: request.prefix_cache.budget_bytes,
+            speculating: request.speculation.max_draft_tokens > 0,
         };
         let (fewest, most) = pipeline_start::place_gpu_experts_per_stage(
             &mut model,

@@ -44,6 +44,9 @@ pub(crate) struct StageExpertSlots<'a> {
     pub(crate) max_sequences: usize,
     /// `--prefix-cache-gib` in bytes: its blocks are KV caches too.
     pub(crate) prefix_cache_bytes: u64,
+    /// Whether the MTP head drafts (`--spec mtp`): its layer's experts then take slots on the
+    /// last stage, beside the head; without drafting they are never read.
+    pub(crate) speculating: bool,
 }
 
 /// The backends of a run's pipeline stages, in layer order.
@@ -184,9 +187,19 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
     let Some(expert_bytes) = model.expert_slot_bytes() else {
         bail!("--moe-gpu-experts: the model has no routed experts");
     };
-    // A split model has no MTP layer: these are the decoder layers.
-    let moe_layers = model.placement_layers();
+    // The decoder layers, then the MTP head's layer when the model has one.
+    let mut moe_layers = model.placement_layers();
+    if model.has_mtp() && !request.speculating {
+        if let Some(mtp_layer) = moe_layers.get_mut(model.mtp_layer_index()) {
+            *mtp_layer = false;
+        }
+    }
     let ranges = model.pipeline_stage_layers();
+    let last_stage = ranges.len().saturating_sub(1);
+    // A stage's placement layers: its decoder layers, and on the last stage the MTP layer.
+    let stage_owns = |stage: usize, range: &Range<usize>, layer: usize| {
+        range.contains(&layer) || (stage == last_stage && layer >= range.end)
+    };
     let layers = moe_layers.len().max(1) as u64;
     // The prefix cache's blocks are KV caches too, spread over the stages as the layers are.
     let kv_bytes = kv_cache_bytes(
@@ -204,7 +217,7 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
             moe_layers: moe_layers
                 .iter()
                 .enumerate()
-                .map(|(layer, &moe)| moe && range.contains(&layer))
+                .map(|(layer, &moe)| moe && stage_owns(stage, range, layer))
                 .collect(),
             expert_bytes,
         };
@@ -228,7 +241,7 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
             )
         })?;
         let chosen = choose_gpu_experts(&shape, per_layer, request.statistics);
-        for layer in range.clone() {
+        for layer in (0..moe_layers.len()).filter(|&layer| stage_owns(stage, range, layer)) {
             if let (Some(slot), Some(experts)) = (placement.get_mut(layer), chosen.get(layer)) {
                 slot.clone_from(experts);
             }
@@ -249,6 +262,7 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
         .context("filling the expert slots of every stage")?;
     tracing::info!(
         layers = report.layers,
+        mtp_layer_resident_experts = model.mtp_resident_experts(),
         gib = format!("{:.2}", report.bytes as f64 / (1u64 << 30) as f64),
         "GPU expert slots filled over the stages"
     );
@@ -259,9 +273,60 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ninfer_engine::CpuBackend;
+    use ninfer_engine::testing::golden_fixture_dir;
+    use ninfer_engine::{open_artifact, CpuBackend, PipelineStage, ReferenceExpertExecutor};
 
     const GIB: usize = 1 << 30;
+
+    /// On a split model that drafts, the MTP head's layer takes as many expert slots as every
+    /// MoE layer, on the last stage; without drafting its experts are never read and take none.
+    #[test]
+    fn the_mtp_layer_takes_slots_on_the_last_stage_when_drafting() {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("qwen3_5_moe.ninfer");
+        let options = ninfer_convert::ConvertOptions {
+            experts_dtype: ninfer_artifact::DType::F32,
+            dense_dtype: ninfer_artifact::DType::F32,
+            ..ninfer_convert::ConvertOptions::new(golden_fixture_dir("qwen3_5_moe"), &path)
+        };
+        ninfer_convert::convert_checkpoint(&options, &ninfer_convert::NoProgress).unwrap();
+        for speculating in [false, true] {
+            let artifact = open_artifact(&path).unwrap();
+            let layers = artifact.config().common().num_hidden_layers;
+            let backends = vec![Arc::new(CpuBackend::new()), Arc::new(CpuBackend::new())];
+            let stages = StageBackends {
+                backends: backends.clone(),
+                shares: None,
+                stages_per_device: 2,
+                split_flag: "--pipeline-stages-on-one-device 2".into(),
+            };
+            let split = [0..1, 1..layers];
+            let pipeline = backends
+                .iter()
+                .zip(split)
+                .map(|(backend, layers)| PipelineStage {
+                    backend: Arc::clone(backend),
+                    layers,
+                })
+                .collect();
+            let executor = Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact)));
+            let mut model = Model::load_pipeline(pipeline, artifact, executor, 0).unwrap();
+            let request = StageExpertSlots {
+                count: GpuExpertCount::Count(3),
+                budget_gib: None,
+                statistics: None,
+                kv_element_bytes: 2,
+                max_context: 256,
+                max_sequences: 1,
+                prefix_cache_bytes: 0,
+                speculating,
+            };
+            let placed = place_gpu_experts_per_stage(&mut model, &request, &stages, &|_| None);
+            assert_eq!(placed.unwrap(), (3, 3));
+            let expected = if speculating { 3 } else { 0 };
+            assert_eq!(model.mtp_resident_experts(), Some(expected));
+        }
+    }
 
     /// Two stages on cards of their own: by default the layers follow the memory each card
     /// offers (within `--gpu-mem-budget`, less working memory); `--gpu-split` overrides it;

@@ -115,10 +115,6 @@ fn engine_exit(arguments: &[&str]) -> (String, Option<i32>) {
 fn split_runs_refuse_what_they_do_not_run_and_wrong_choices_are_named() {
     for (arguments, named) in [
         (
-            &["--gpus", "0,1", "--spec", "mtp"][..],
-            "--spec mtp with --gpus 0,1",
-        ),
-        (
             &["--pipeline-stages-on-one-device", "2", "--host-kv-mib", "1"][..],
             "--host-kv-mib 1 with --pipeline-stages-on-one-device 2",
         ),

@@ -26,13 +26,13 @@
 //! both contexts): the same bits, and the crossings took that path.
 //!
 //! The refusals: stages that do not cover the layers once in order, a qwen4_exp model,
-//! layerwise prefill on a split model; a split model leaves the MTP head out.
+//! layerwise prefill on a split model. (A split model's MTP head: `pipeline_split_mtp.rs`.)
 
 #![allow(clippy::single_range_in_vec_init)] // a stage's layers are one range
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ninfer_artifact::{Artifact, DType};
 use ninfer_engine::backend::cuda::CudaOptions;
@@ -51,12 +51,15 @@ use ninfer_engine::testing::{
 };
 use ninfer_engine::vision::{encode_images, VisionWeights};
 use ninfer_engine::{
-    open_artifact, test_device, Backend, EngineError, ExpertBatch, ExpertExecutor, LogitsSelection,
-    Model, PipelineStage, PrefillStagingOptions, ReferenceExpertExecutor, SamplingParams,
-    SequenceInput,
+    open_artifact, test_device, Backend, ExpertExecutor, LogitsSelection, Model, PipelineStage,
+    PrefillStagingOptions, ReferenceExpertExecutor, SamplingParams, SequenceInput,
 };
 
+#[path = "support/noting_executor.rs"]
+mod noting_executor;
 mod support;
+
+use noting_executor::NotingExecutor;
 
 const MAX_CONTEXT: usize = 64;
 const DECODE_STEPS: usize = 5;
@@ -70,39 +73,6 @@ struct Trace {
     /// (layer, rows) of each executor call, in order: which side computed an expert leaves the
     /// values alike on the CPU, so the routes are compared here.
     executor_calls: Vec<(usize, usize)>,
-}
-
-/// The f32 reference executor, noting the layer and rows of every call.
-struct NotingExecutor {
-    inner: ReferenceExpertExecutor,
-    calls: Mutex<Vec<(usize, usize)>>,
-}
-
-impl NotingExecutor {
-    fn new(artifact: &Arc<Artifact>) -> Arc<Self> {
-        Arc::new(NotingExecutor {
-            inner: ReferenceExpertExecutor::new(Arc::clone(artifact)),
-            calls: Mutex::new(Vec::new()),
-        })
-    }
-
-    fn calls(&self) -> Vec<(usize, usize)> {
-        self.calls.lock().unwrap().clone()
-    }
-}
-
-impl ExpertExecutor for NotingExecutor {
-    fn name(&self) -> &str {
-        "noting reference"
-    }
-
-    fn compute(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), EngineError> {
-        self.calls
-            .lock()
-            .unwrap()
-            .push((batch.layer, batch.tokens()));
-        self.inner.compute(batch, out)
-    }
 }
 
 /// Where a model's routed experts (or a dense model's MLPs) are computed.
@@ -378,7 +348,11 @@ fn split_trace<B: Backend>(
         experts.offloaded_layers()
     );
     assert_eq!(model.pipeline_stage_layers(), split);
-    assert!(!model.has_mtp(), "a split model leaves the MTP head out");
+    assert_eq!(
+        model.has_mtp(),
+        artifact.get("mtp.fc").is_some(),
+        "the last stage loads the MTP head"
+    );
     let mut trace = run(&model);
     trace.executor_calls = noting.calls();
     trace

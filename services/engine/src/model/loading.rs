@@ -91,7 +91,7 @@ impl<B: Backend> Model<B> {
 
     /// [`Model::load_offloading_dense_mlps`] split over several backends, as a pipeline
     /// (`pipeline.rs`): `stages` cover the decoder layers once, in order. One stage is the
-    /// unsplit model. A split model has no MTP head (it is not loaded) and refuses qwen4_exp.
+    /// unsplit model. A split model loads the MTP head on the last stage and refuses qwen4_exp.
     pub fn load_pipeline(
         stages: Vec<PipelineStage<B>>,
         artifact: Arc<Artifact>,
@@ -159,11 +159,9 @@ impl<B: Backend> Model<B> {
                 loader.layer(&spec, layer, offload)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        // A split model does not load the MTP head: speculation is refused with a split.
-        let mtp = match &pipeline {
-            None => loader.mtp_head(&spec)?,
-            Some(_) => None,
-        };
+        // The MTP head follows the last decoder layer: it goes to the last stage, beside the
+        // head whose logits its rows draft from.
+        let mtp = head_loader.mtp_head(&spec)?;
         let profile = Arc::new(ForwardProfile::new(dense_weight_bytes(
             &artifact,
             common.tie_word_embeddings,

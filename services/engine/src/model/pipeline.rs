@@ -15,10 +15,14 @@
 //! Decode steps go through step graphs that span every stage (`super::step_graphs`): the
 //! first stage's graph records and replays, each later stage's holds its part's buffers.
 //!
-//! Not split yet (the loader or the engine refuses them with a split): the MTP head (not
-//! loaded on a split model), the qwen4_exp graph, layerwise prefill (its stream plans every
-//! layer's copies over one set of slots) and the backend's own hand-off to the expert workers
-//! (a split forward hands layers off through the host).
+//! The MTP head follows the last decoder layer on the last stage, beside the output head its
+//! rows draft through; its token embeddings are looked up on the first stage and cross to the
+//! last, and its layer's routed experts use the last stage's slots and staging slots.
+//!
+//! Not split yet (the loader or the engine refuses them with a split): the qwen4_exp graph,
+//! layerwise prefill (its stream plans every layer's copies over one set of slots) and the
+//! backend's own hand-off to the expert workers (a split forward hands layers off through the
+//! host).
 //!
 //! Owns: the stages and which stage a layer is on (here), the model's accessors of them and the
 //! crossing between two stages (`pipeline/stage_access.rs`). Must not touch: the ops of a layer

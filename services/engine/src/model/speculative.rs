@@ -171,7 +171,7 @@ fn catch_up<B: Backend>(
     mtp: &mut super::MtpState<B>,
     held: &mut HeldPairs<B>,
 ) -> Result<Option<B::Tensor>, EngineError> {
-    let backend = model.backend();
+    let backend = model.output_backend();
     let hidden = match held.hidden.len() {
         0 => return Ok(None),
         1 => held.hidden.pop(),
@@ -214,7 +214,7 @@ fn speculate<B: Backend>(
     if count == 0 {
         return Ok(outcome);
     }
-    let backend = model.backend();
+    let backend = model.output_backend();
     let max_context = prompt.len() + count + draft_tokens + 1;
     let mut state = model.new_sequence(max_context)?;
     let mut mtp = model.new_mtp_state(max_context)?;

@@ -9,15 +9,15 @@
 //! working memory becomes expert slots for its own MoE layers, the same count for each.
 //!
 //! The engine runs the split (`crate::model`'s `Model::load_pipeline`, one backend per card,
-//! the hidden state crossing from card to card through host memory): its layer ranges are
-//! [`layer_ranges`] of `--gpu-split` or of each card's usable memory, as [`plan_gpu_split`]
-//! draws them, and each card fills the expert slots of its own MoE layers from the memory it
-//! has left after loading (the single-card rule, per card). Not run split yet, and refused with
-//! both flags named ([`refuse_unsplit_features`]): the MTP head (`--spec mtp`; a split model
-//! does not load it, so the plan's MTP share on the last card stays unused) and KV caches in
-//! host memory. On a split model the staged prefill route runs on every card (its own staging
-//! slots for its own layers), layerwise prefill is off, and decode runs op by op (no CUDA
-//! graphs).
+//! the hidden state crossing from card to card by a peer copy where the driver allows it, else
+//! through host memory): its layer ranges are [`layer_ranges`] of `--gpu-split` or of each
+//! card's usable memory, as [`plan_gpu_split`] draws them, and each card fills the expert slots
+//! of its own MoE layers from the memory it has left after loading (the single-card rule, per
+//! card). The MTP head runs on the last card (`--spec mtp`), its embeddings looked up on the
+//! first. Not run split yet, and refused with both flags named ([`refuse_unsplit_features`]):
+//! KV caches in host memory. On a split model the staged prefill route runs on every card (its
+//! own staging slots for its own layers), layerwise prefill is off, and decode steps go through
+//! step graphs spanning every card.
 //!
 //! Owns: the device list the planner reads, the flag parsers and checks, the pure split.
 //! Must not touch: the CUDA driver (callers enumerate the cards), starting anything.
@@ -146,12 +146,10 @@ pub fn select_gpus(
     Ok(chosen)
 }
 
-/// What a layer split does not run yet, by the flag that asks for it: the MTP head (not loaded
-/// on a split model) and KV caches in host memory (one pool per backend, sized for one card).
+/// What a layer split does not run yet, by the flag that asks for it: KV caches in host memory
+/// (one pool per backend, sized for one card).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SplitFeatureFlags {
-    /// `--spec mtp`.
-    pub speculation: bool,
     /// `--host-kv-mib`.
     pub host_kv_mib: u64,
 }
@@ -167,12 +165,6 @@ pub fn refuse_unsplit_features(
         split_flag: split_flag.to_string(),
         why: why.to_string(),
     };
-    if features.speculation {
-        return Err(refused(
-            "--spec mtp",
-            "a split model does not load the MTP head",
-        ));
-    }
     if features.host_kv_mib > 0 {
         return Err(refused(
             &format!("--host-kv-mib {}", features.host_kv_mib),
@@ -760,29 +752,13 @@ mod tests {
     #[test]
     fn features_a_split_does_not_run_are_refused_naming_both_flags() {
         assert!(refuse_unsplit_features("--gpus 0,1", &SplitFeatureFlags::default()).is_ok());
-        for (features, flag) in [
-            (
-                SplitFeatureFlags {
-                    speculation: true,
-                    ..Default::default()
-                },
-                "--spec mtp",
-            ),
-            (
-                SplitFeatureFlags {
-                    host_kv_mib: 512,
-                    ..Default::default()
-                },
-                "--host-kv-mib 512",
-            ),
-        ] {
-            let message = refuse_unsplit_features("--gpus 0,1", &features)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                message.starts_with(&format!("{flag} with --gpus 0,1:")),
-                "{message}"
-            );
-        }
+        let host_kv = SplitFeatureFlags { host_kv_mib: 512 };
+        let message = refuse_unsplit_features("--gpus 0,1", &host_kv)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.starts_with("--host-kv-mib 512 with --gpus 0,1:"),
+            "{message}"
+        );
     }
 }

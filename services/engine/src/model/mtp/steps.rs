@@ -40,7 +40,7 @@ impl<B: Backend> Model<B> {
     pub fn mtp_draft_logits(&self, rows: &B::Tensor) -> Result<Vec<f32>, EngineError> {
         let head = self.mtp_head()?;
         let logits = self.head_logits(rows)?;
-        let (count, _) = self.backend.shape(rows);
+        let (count, _) = self.output_backend().shape(rows);
         head.usage
             .draft_head_rows
             .fetch_add(count as u64, Ordering::Relaxed);
@@ -52,7 +52,7 @@ impl<B: Backend> Model<B> {
         self.mtp_head()?;
         let attention = &self.spec.attention;
         let cache = self
-            .backend
+            .output_backend()
             .new_kv_cache(max_context, attention.kv_heads * attention.head_dim)?;
         Ok(MtpState {
             max_context,
@@ -73,7 +73,8 @@ impl<B: Backend> Model<B> {
         next_tokens: &[u32],
     ) -> Result<B::Tensor, EngineError> {
         let head = self.mtp_head()?;
-        let backend = &*self.backend;
+        // The head is on the last stage (the only one unsplit), as `hidden` is.
+        let backend = self.output_backend();
         let (rows, width) = backend.shape(hidden);
         let vocab = self.vocab_size();
         if rows == 0 || rows != next_tokens.len() || width != self.spec.common.hidden_size {
@@ -101,7 +102,7 @@ impl<B: Backend> Model<B> {
         }
         let (eps, style) = (self.spec.eps(), self.spec.norm_style);
         let embedded = backend.rms_norm(
-            &backend.embed(&self.embed_tokens, next_tokens)?,
+            &self.embed_on_output_stage(next_tokens)?,
             &head.pre_fc_norm_embedding,
             eps,
             style,
@@ -139,7 +140,7 @@ impl<B: Backend> Model<B> {
             eps,
             style,
         )?;
-        let mut scratch = LayerScratch::new(self.moe_context());
+        let mut scratch = LayerScratch::new(self.output_stage_moe_context());
         let fed = self.feed_forward(&mut scratch, index, &layer.feed_forward, &x)?;
         backend.add_assign(&mut residual, &fed)?;
         let out = backend.rms_norm(&residual, &head.norm, eps, style)?;
@@ -166,7 +167,7 @@ impl<B: Backend> Model<B> {
             return Ok(None);
         }
         let attention = &self.spec.attention;
-        let backend = &*self.backend;
+        let backend = self.output_backend();
         let mut rows =
             backend.new_kv_cache(pairs.len().max(1), attention.kv_heads * attention.head_dim)?;
         if !pairs.is_empty() {
@@ -210,7 +211,7 @@ impl<B: Backend> Model<B> {
         }
         for block in blocks {
             if !block.pairs.is_empty() {
-                self.backend.copy_kv_rows(
+                self.output_backend().copy_kv_rows(
                     &block.rows,
                     0..block.pairs.len(),
                     &mut state.cache,

@@ -1,5 +1,6 @@
 //! The model's side of its pipeline stages: the backend of a layer, of the output head, the
-//! stages' layers, and the crossing of the hidden state from one stage to the next.
+//! stages' layers, the crossing of the hidden state from one stage to the next, and what the
+//! MTP head on the last stage needs from the others (embeddings, its MoE context).
 //!
 //! Owns: those accessors. Must not touch: the stages themselves (`super`), the forward.
 
@@ -10,6 +11,7 @@ use super::{stage_backend, NextStage};
 use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::model::Model;
+use crate::moe::layer::MoeContext;
 
 impl<B: Backend> Model<B> {
     /// The backend decoder layer `index` runs on (past the decoder layers: the last stage's).
@@ -24,6 +26,29 @@ impl<B: Backend> Model<B> {
         match &self.pipeline {
             None => &self.backend,
             Some(stages) => stages.last(),
+        }
+    }
+
+    /// What a MoE layer on the last stage uses (the MTP head's layer, which follows the last
+    /// decoder layer): the last stage's backend and prefill staging slots.
+    pub(in crate::model) fn output_stage_moe_context(&self) -> MoeContext<'_, B> {
+        let mut context = self.moe_context();
+        if let Some(stages) = &self.pipeline {
+            context.backend = stages.last();
+            context.staging = stages.later_staging.last().and_then(Option::as_ref);
+        }
+        context
+    }
+
+    /// Token embeddings (looked up on the first stage, where the table is) on the last stage.
+    pub(in crate::model) fn embed_on_output_stage(
+        &self,
+        tokens: &[u32],
+    ) -> Result<B::Tensor, EngineError> {
+        let embedded = self.backend.embed(&self.embed_tokens, tokens)?;
+        match &self.pipeline {
+            None => Ok(embedded),
+            Some(stages) => self.backend.move_tensor_to(&embedded, stages.last()),
         }
     }
 

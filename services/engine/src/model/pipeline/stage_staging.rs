@@ -1,7 +1,8 @@
 //! Prefill staging on a split model: every stage gets its own staging slots (room for one
-//! layer's experts, on its own backend) for its own MoE layers, readied from their banks, and a
-//! forward hands each stage's layers that stage's slots. Layerwise prefill, whose stream plans
-//! every layer's copies over one set of slots, is refused split.
+//! layer's experts, on its own backend) for its own MoE layers (the last stage's include the MTP
+//! head's), readied from their banks, and a forward hands each stage's layers that stage's
+//! slots. Layerwise prefill, whose stream plans every layer's copies over one set of slots, is
+//! refused split.
 //!
 //! Owns: making the stages' staging slots. Must not touch: the staged route itself
 //! (`crate::moe::layer`), the unsplit staging (`expert_placement.rs`).
@@ -35,10 +36,19 @@ impl<B: Backend> Model<B> {
         let num_experts = self.spec.common.num_experts;
         let mut bytes = 0u64;
         let mut per_stage = Vec::new();
-        for (stage, layers) in self.pipeline_stage_layers().into_iter().enumerate() {
+        let stage_layers = self.pipeline_stage_layers();
+        let last_stage = stage_layers.len() - 1;
+        for (stage, layers) in stage_layers.into_iter().enumerate() {
             let backend = self.layer_backend(layers.start);
+            // The last stage also runs the MTP head's layer.
+            let mtp_layer = self
+                .mtp
+                .as_ref()
+                .filter(|_| stage == last_stage)
+                .map(|head| &head.layer);
             let banks: Vec<_> = self.layers[layers]
                 .iter()
+                .chain(mtp_layer)
                 .filter_map(|layer| match &layer.feed_forward {
                     FeedForward::Moe(moe) => Some(&moe.bank),
                     FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => None,

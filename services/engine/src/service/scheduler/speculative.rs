@@ -44,7 +44,7 @@ pub(super) fn draft<B: Backend>(model: &Model<B>, r: &mut Running<B>) -> Result<
         // The prompt's step: nothing to draft from yet.
         return Ok(());
     }
-    let backend = model.backend();
+    let backend = model.output_backend();
     let hidden_size = model.spec().common.hidden_size;
     let vocab = model.vocab_size();
     // The request's last token is a plain pick: at most `remaining - 1` drafts.
@@ -170,7 +170,7 @@ fn step_group<B: Backend>(
     if members.is_empty() {
         return Ok(());
     }
-    let backend = model.backend();
+    let backend = model.output_backend();
     let vocab = model.vocab_size();
     let hidden_size = model.spec().common.hidden_size;
     // Linear-attention states cannot be cut back: a copy before a verification, to go back to

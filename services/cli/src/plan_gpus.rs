@@ -8,8 +8,8 @@
 
 use anyhow::bail;
 use ninfer_engine::moe::gpu_split::{
-    parse_gpu_ordinals, parse_gpu_split, plan_gpu_split, refuse_unsplit_features, select_gpus,
-    CardPlan, GpuDevice, GpuSplitError, SplitFeatureFlags, SplitModel, SplitRequest,
+    parse_gpu_ordinals, parse_gpu_split, plan_gpu_split, select_gpus, CardPlan, GpuDevice,
+    GpuSplitError, SplitModel, SplitRequest,
 };
 
 use crate::model_facts::ModelFacts;
@@ -318,27 +318,6 @@ fn ordinals(cards: &[GpuDevice]) -> String {
         .join(",")
 }
 
-/// Refuses a run over several GPUs that asks for a feature their layer split does not run yet
-/// (the engine refuses it too; here the message comes before anything starts).
-pub fn refuse_unsplit_features_of(
-    cards: &[CardPlan],
-    features: &SplitFeatureFlags,
-) -> anyhow::Result<()> {
-    if cards.len() > 1 {
-        refuse_unsplit_features(&format!("--gpus {}", ordinals_of_plans(cards)), features)?;
-    }
-    Ok(())
-}
-
-/// `0,1`.
-fn ordinals_of_plans(cards: &[CardPlan]) -> String {
-    cards
-        .iter()
-        .map(|card| card.ordinal.to_string())
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -384,8 +363,6 @@ mod tests {
             card.expert_slots_per_layer.abs_diff(estimate) <= 1,
             "{card:?} against {estimate}"
         );
-        let host_kv = SplitFeatureFlags { host_kv_mib: 512 };
-        assert!(refuse_unsplit_features_of(&planned.gpus, &host_kv).is_ok());
         // Without a GPU: no cards.
         let cpu = crate::plan::tests::machine(None, 512, 1);
         let planned = crate::plan::plan(&facts, &cpu, &crate::plan::tests::request()).unwrap();
@@ -393,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn two_cards_split_the_layers_and_refuse_what_a_split_does_not_run() {
+    fn two_cards_split_the_layers_and_their_kv_caches() {
         let facts = crate::plan::tests::facts();
         // Unnamed, a second card is left alone: the run stays on the first, as before.
         let planned =
@@ -415,14 +392,19 @@ mod tests {
         );
         assert_eq!(first.dense_bytes + second.dense_bytes, facts.dense_bytes);
         assert!(planned.device.contains("GPUs 0,1"), "{}", planned.device);
-        assert!(refuse_unsplit_features_of(&planned.gpus, &SplitFeatureFlags::default()).is_ok());
-        let host_kv = SplitFeatureFlags { host_kv_mib: 512 };
-        let message = refuse_unsplit_features_of(&planned.gpus, &host_kv)
-            .unwrap_err()
-            .to_string();
+        // --host-kv-mib: the KV caches the cards keep shrink by the pools' bytes.
+        let with_host_kv = Request {
+            host_kv_mib: Some(512),
+            ..request.clone()
+        };
+        let pooled = crate::plan::plan(&facts, &two_cards(48, 24), &with_host_kv).unwrap();
+        assert_eq!(pooled.gpus.len(), 2, "{:?}", pooled.gpus);
+        let kv = |cards: &[CardPlan]| cards.iter().map(|card| card.kv_bytes).sum::<u64>();
         assert!(
-            message.starts_with("--host-kv-mib 512 with --gpus 0,1:"),
-            "{message}"
+            kv(&pooled.gpus) < kv(&planned.gpus),
+            "{:?} against {:?}",
+            pooled.gpus,
+            planned.gpus
         );
         let json = serde_json::to_value(&planned).unwrap();
         assert_eq!(json["gpus"][1]["first_layer"], second.first_layer);

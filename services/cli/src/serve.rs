@@ -71,8 +71,7 @@ pub struct EngineFlags {
     pub gpu_mem_budget: Option<f64>,
     /// The GPUs to use, by CUDA ordinal among the visible ones (`CUDA_VISIBLE_DEVICES`
     /// applies), comma separated. Default: the first visible GPU. Several named split the
-    /// decoder layers over them as a pipeline (`--dry-run` shows each card's share); such a
-    /// split refuses `--host-kv-mib`.
+    /// decoder layers over them as a pipeline (`--dry-run` shows each card's share).
     #[arg(long, value_name = "0,1")]
     pub gpus: Option<String>,
     /// Percent of the decoder layers per GPU of `--gpus`, in order, summing to 100 (default:
@@ -318,12 +317,6 @@ pub fn start_pipeline(
     flags: &EngineFlags,
     plan: &Plan,
 ) -> anyhow::Result<String> {
-    crate::plan_gpus::refuse_unsplit_features_of(
-        &plan.gpus,
-        &ninfer_engine::moe::gpu_split::SplitFeatureFlags {
-            host_kv_mib: plan.host_kv_mib,
-        },
-    )?;
     // Fail here, with the file named, rather than in a child's log.
     let artifact = ninfer_artifact::Artifact::open(model)
         .with_context(|| format!("opening {}", model.display()))?;

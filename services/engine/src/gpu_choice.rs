@@ -1,16 +1,14 @@
 //! Which GPUs the engine opens: `--gpus` among the cards CUDA makes visible (the first one by
 //! default; `CUDA_VISIBLE_DEVICES` applies), `--gpu-split` checked against them, and
 //! `--pipeline-stages-on-one-device`. Several cards, or several stages on one device, split the
-//! decoder layers as a pipeline (`pipeline_start.rs`); the features a split does not run yet
-//! are refused here, before anything is opened.
+//! decoder layers as a pipeline (`pipeline_start.rs`); wrong choices are refused here, before
+//! anything is opened.
 //!
 //! Owns: counting the visible cards and the choice. Must not touch: opening the cards (main.rs,
 //! `pipeline_start.rs`).
 
 use anyhow::bail;
-use ninfer_engine::moe::gpu_split::{
-    parse_gpu_ordinals, parse_gpu_split, refuse_unsplit_features, select_gpus, SplitFeatureFlags,
-};
+use ninfer_engine::moe::gpu_split::{parse_gpu_ordinals, parse_gpu_split, select_gpus};
 
 use crate::args::{Args, Device};
 
@@ -27,11 +25,6 @@ pub(crate) struct GpuChoice {
 }
 
 impl GpuChoice {
-    /// Pipeline stages: one per card, or the stages of the one device.
-    pub(crate) fn stages(&self) -> usize {
-        self.ordinals.len().max(1) * self.stages_on_one_device
-    }
-
     pub(crate) fn first_ordinal(&self) -> usize {
         self.ordinals.first().copied().unwrap_or(0)
     }
@@ -89,15 +82,6 @@ pub(crate) fn chosen_gpus(args: &Args) -> anyhow::Result<GpuChoice> {
         split: split.clone(),
         stages_on_one_device,
     };
-    let named = choice(requested.clone().unwrap_or_else(|| vec![0]));
-    if named.stages() > 1 {
-        refuse_unsplit_features(
-            &named.split_flag(),
-            &SplitFeatureFlags {
-                host_kv_mib: args.host_kv_mib,
-            },
-        )?;
-    }
     if args.device == Device::Cpu {
         if several_cards {
             bail!(

@@ -218,6 +218,12 @@ fn run(args: Args) -> anyhow::Result<()> {
         .host_kv_mib
         .checked_mul(1 << 20)
         .with_context(|| format!("--host-kv-mib {} is too large", args.host_kv_mib))?;
+    let host_kv = HostKvRequest {
+        host_bytes: host_kv_bytes,
+        device_share: DeviceKvShare::Auto {
+            budget_bytes: args.gpu_mem_budget.map(gib_to_bytes),
+        },
+    };
     let gpu_experts = GpuExpertsRequest {
         dense_mlp_offload_layers: args.dense_mlp_offload_layers,
         count: args.moe_gpu_experts,
@@ -233,7 +239,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         prefill_staging_min_tokens: args.moe_prefill_gpu_min_tokens,
         layerwise_min_tokens: args.moe_prefill_layerwise_min_tokens,
         cpu_rate_share: args.moe_prefill_cpu_rate_share,
-        host_kv_bytes,
+        host_kv,
         prefix_cache,
         cache_fills_per_layer: default_cache_fills(
             args.moe_static_experts,
@@ -243,12 +249,6 @@ fn run(args: Args) -> anyhow::Result<()> {
         cache_eviction_margin: args.moe_cache_eviction_margin,
         cache_fill_cost: args.moe_cache_fill_cost,
         cache_upkeep_during_steps: args.moe_cache_upkeep_during_steps,
-    };
-    let host_kv = HostKvRequest {
-        host_bytes: host_kv_bytes,
-        device_share: DeviceKvShare::Auto {
-            budget_bytes: args.gpu_mem_budget.map(gib_to_bytes),
-        },
     };
     let tower_device = match &device {
         SelectedDevice::Cpu => TowerDevice::Host,
@@ -263,7 +263,6 @@ fn run(args: Args) -> anyhow::Result<()> {
                 tracing::warn!("--moe-gpu-experts on the CPU backend keeps copies of those experts in host memory (useful for tests only)");
             }
             let backend = Arc::new(CpuBackend::new());
-            backend.reserve_host_kv(&host_kv)?;
             let started = start_scheduler(
                 pipeline_start::cpu_stages(backend, &gpu_choice)?,
                 &artifact,
@@ -280,11 +279,6 @@ fn run(args: Args) -> anyhow::Result<()> {
             (started, ("cpu", None))
         }
         SelectedDevice::Cuda(backend) => {
-            if host_kv.host_bytes > 0 {
-                backend
-                    .reserve_host_kv(&host_kv)
-                    .context("--host-kv-mib: reserving page-locked host memory")?;
-            }
             let probed = Arc::clone(&backend);
             let probe: DeviceBandwidthProbe = Box::new(move || {
                 probed
@@ -487,8 +481,9 @@ struct GpuExpertsRequest {
     layerwise_min_tokens: usize,
     /// `--moe-prefill-cpu-rate-share`.
     cpu_rate_share: f64,
-    /// `--host-kv-mib`: KV caches that may live in host memory instead.
-    host_kv_bytes: u64,
+    /// `--host-kv-mib`: KV caches that may live in host memory instead (each stage of a split
+    /// its share).
+    host_kv: HostKvRequest,
     /// `--prefix-cache-gib`.
     prefix_cache: PrefixCacheSettings,
     /// `--moe-cache-fills-per-layer`, 0 with `--moe-static-experts`.
@@ -542,6 +537,12 @@ fn start_scheduler<B: Backend>(
         true => format!("loading the model split with {}", stages.split_flag),
         false => "loading the model".into(),
     })?;
+    if request.host_kv.host_bytes > 0 {
+        // Before the expert slots: their budget leaves the pooled KV caches' room to them.
+        model
+            .reserve_host_kv(&request.host_kv)
+            .context("--host-kv-mib: reserving page-locked host memory")?;
+    }
     if stages.is_split() {
         for (stage, (backend, layers)) in stages.backends.iter().zip(&ranges).enumerate() {
             tracing::info!(
@@ -620,6 +621,7 @@ fn start_scheduler<B: Backend>(
             max_context: request.limits.max_context,
             max_sequences: request.limits.max_sequences,
             prefix_cache_bytes: request.prefix_cache.budget_bytes,
+            host_kv_bytes: request.host_kv.host_bytes,
             speculating: request.speculation.max_draft_tokens > 0,
         };
         let (fewest, most) = pipeline_start::place_gpu_experts_per_stage(
@@ -822,7 +824,7 @@ fn place_gpu_experts<B: Backend>(
                 request.limits.max_context,
                 request.limits.max_sequences,
             ) + request.prefix_cache.budget_bytes,
-            host_kv_bytes: request.host_kv_bytes,
+            host_kv_bytes: request.host_kv.host_bytes,
         })
     });
     let per_layer = experts_per_layer(request.count, &shape, budget)

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use ninfer_engine::backend::cuda::{CudaBackend, CudaOptions, PeerPath};
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
-use ninfer_engine::moe::gpu_split::layer_ranges;
+use ninfer_engine::moe::gpu_split::{layer_ranges, stage_host_kv_bytes};
 use ninfer_engine::moe::placement::{
     choose_gpu_experts, expert_slot_budget, experts_per_layer, gib_to_bytes, kv_cache_bytes,
     GpuExpertCount, GpuExpertShape, SlotMemoryBudget, WORKING_MEMORY_BYTES,
@@ -44,6 +44,8 @@ pub(crate) struct StageExpertSlots<'a> {
     pub(crate) max_sequences: usize,
     /// `--prefix-cache-gib` in bytes: its blocks are KV caches too.
     pub(crate) prefix_cache_bytes: u64,
+    /// `--host-kv-mib` in bytes, over every stage (each holds its share of the pool).
+    pub(crate) host_kv_bytes: u64,
     /// Whether the MTP head drafts (`--spec mtp`): its layer's experts then take slots on the
     /// last stage, beside the head; without drafting they are never read.
     pub(crate) speculating: bool,
@@ -209,6 +211,8 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
         request.max_sequences,
     ) + request.prefix_cache_bytes;
     let sharing = stages.stages_per_device.max(1) as u64;
+    let host_kv_shares =
+        stage_host_kv_bytes(request.host_kv_bytes, &model.attention_layers_per_stage());
     let mut placement = vec![Vec::new(); moe_layers.len()];
     let (mut fewest, mut most) = (usize::MAX, 0);
     for (stage, (backend, range)) in stages.backends.iter().zip(&ranges).enumerate() {
@@ -227,7 +231,7 @@ pub(crate) fn place_gpu_experts_per_stage<B: Backend>(
                 total_bytes: total as u64 / sharing,
                 limit_gib: request.budget_gib.map(|gib| gib / sharing as f64),
                 kv_cache_bytes: kv_bytes * range.len() as u64 / layers,
-                host_kv_bytes: 0,
+                host_kv_bytes: host_kv_shares.get(stage).copied().unwrap_or(0),
             })
         });
         let per_layer = experts_per_layer(request.count, &shape, budget).map_err(|problem| {
@@ -319,6 +323,7 @@ mod tests {
                 max_context: 256,
                 max_sequences: 1,
                 prefix_cache_bytes: 0,
+                host_kv_bytes: 0,
                 speculating,
             };
             let placed = place_gpu_experts_per_stage(&mut model, &request, &stages, &|_| None);

@@ -14,10 +14,10 @@
 //! card's usable memory, as [`plan_gpu_split`] draws them, and each card fills the expert slots
 //! of its own MoE layers from the memory it has left after loading (the single-card rule, per
 //! card). The MTP head runs on the last card (`--spec mtp`), its embeddings looked up on the
-//! first. Not run split yet, and refused with both flags named ([`refuse_unsplit_features`]):
-//! KV caches in host memory. On a split model the staged prefill route runs on every card (its
-//! own staging slots for its own layers), layerwise prefill is off, and decode steps go through
-//! step graphs spanning every card.
+//! first. `--host-kv-mib` gives each card a page-locked KV pool of its own, in proportion to the
+//! KV caches its layers make ([`stage_host_kv_bytes`]). On a split model the staged prefill
+//! route runs on every card (its own staging slots for its own layers), layerwise prefill is
+//! off, and decode steps go through step graphs spanning every card.
 //!
 //! Owns: the device list the planner reads, the flag parsers and checks, the pure split.
 //! Must not touch: the CUDA driver (callers enumerate the cards), starting anything.
@@ -56,12 +56,6 @@ pub enum GpuSplitError {
     MoreCardsThanLayers { cards: usize, layers: usize },
     #[error("no GPU to plan for")]
     NoCards,
-    #[error("{flag} with {split_flag}: {why}; drop one of the two")]
-    NotSplitYet {
-        flag: String,
-        split_flag: String,
-        why: String,
-    },
 }
 
 /// Parses `--gpus`: comma-separated CUDA ordinals, each once (`0,1`).
@@ -146,32 +140,25 @@ pub fn select_gpus(
     Ok(chosen)
 }
 
-/// What a layer split does not run yet, by the flag that asks for it: KV caches in host memory
-/// (one pool per backend, sized for one card).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct SplitFeatureFlags {
-    /// `--host-kv-mib`.
-    pub host_kv_mib: u64,
-}
-
-/// A run split by `split_flag` (`--gpus 0,1`, or the one-device switch) that asks for a
-/// feature the split does not run yet: the error names both flags.
-pub fn refuse_unsplit_features(
-    split_flag: &str,
-    features: &SplitFeatureFlags,
-) -> Result<(), GpuSplitError> {
-    let refused = |flag: &str, why: &str| GpuSplitError::NotSplitYet {
-        flag: flag.to_string(),
-        split_flag: split_flag.to_string(),
-        why: why.to_string(),
-    };
-    if features.host_kv_mib > 0 {
-        return Err(refused(
-            &format!("--host-kv-mib {}", features.host_kv_mib),
-            "the page-locked KV pool is one card's",
-        ));
+/// `--host-kv-mib` over the stages of a split: each stage's page-locked KV pool in proportion
+/// to the KV caches its layers make (`attention_layers[stage]`: its attention layers, the MTP
+/// head's on the last), so every stage's caches move to the host at the same point; the bytes a
+/// rounding leaves go to the last stage. One stage takes them all.
+pub fn stage_host_kv_bytes(host_bytes: u64, attention_layers: &[usize]) -> Vec<u64> {
+    let total: u64 = attention_layers.iter().map(|&layers| layers as u64).sum();
+    if total == 0 {
+        // No stage makes KV caches: no pool anywhere.
+        return vec![0; attention_layers.len()];
     }
-    Ok(())
+    let mut shares: Vec<u64> = attention_layers
+        .iter()
+        .map(|&layers| (host_bytes as u128 * layers as u128 / total as u128) as u64)
+        .collect();
+    let given: u64 = shares.iter().sum();
+    if let Some(last) = shares.last_mut() {
+        *last += host_bytes - given;
+    }
+    shares
 }
 
 /// The decoder layers of each card: contiguous ranges in proportion to `shares` (`--gpu-split`,
@@ -750,15 +737,19 @@ mod tests {
     }
 
     #[test]
-    fn features_a_split_does_not_run_are_refused_naming_both_flags() {
-        assert!(refuse_unsplit_features("--gpus 0,1", &SplitFeatureFlags::default()).is_ok());
-        let host_kv = SplitFeatureFlags { host_kv_mib: 512 };
-        let message = refuse_unsplit_features("--gpus 0,1", &host_kv)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            message.starts_with("--host-kv-mib 512 with --gpus 0,1:"),
-            "{message}"
+    fn the_host_kv_pool_is_shared_by_the_stages_kv_caches() {
+        let gib = 1u64 << 30;
+        assert_eq!(stage_host_kv_bytes(8 * gib, &[48]), vec![8 * gib]);
+        assert_eq!(
+            stage_host_kv_bytes(8 * gib, &[3, 1]),
+            vec![6 * gib, 2 * gib]
         );
+        // A stage of linear-attention layers only makes no KV cache.
+        assert_eq!(stage_host_kv_bytes(8 * gib, &[0, 4]), vec![0, 8 * gib]);
+        // Roundings go to the last stage: the shares add up to the request.
+        let shares = stage_host_kv_bytes(1000, &[1, 1, 1]);
+        assert_eq!(shares, vec![333, 333, 334]);
+        assert_eq!(stage_host_kv_bytes(1000, &[0, 0]), vec![0, 0]);
+        assert_eq!(stage_host_kv_bytes(0, &[2, 2]), vec![0, 0]);
     }
 }

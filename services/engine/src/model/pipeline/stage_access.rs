@@ -8,10 +8,12 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::{stage_backend, NextStage};
-use crate::backend::Backend;
+use crate::backend::{Backend, HostKvRequest, KvPlacement};
 use crate::error::EngineError;
 use crate::model::Model;
+use crate::moe::gpu_split::stage_host_kv_bytes;
 use crate::moe::layer::MoeContext;
+use crate::spec::MixerKind;
 
 impl<B: Backend> Model<B> {
     /// The backend decoder layer `index` runs on (past the decoder layers: the last stage's).
@@ -76,6 +78,59 @@ impl<B: Backend> Model<B> {
             backend.wait_for_queued_ops()?;
         }
         Ok(())
+    }
+
+    /// Per stage, the attention layers whose KV caches it holds (the MTP head's on the last).
+    pub fn attention_layers_per_stage(&self) -> Vec<usize> {
+        let mut counts: Vec<usize> = self
+            .pipeline_stage_layers()
+            .into_iter()
+            .map(|layers| {
+                self.spec.mixers[layers]
+                    .iter()
+                    .filter(|&&mixer| mixer == MixerKind::Attention)
+                    .count()
+            })
+            .collect();
+        if let (true, Some(last)) = (self.mtp.is_some(), counts.last_mut()) {
+            *last += 1;
+        }
+        counts
+    }
+
+    /// `--host-kv-mib` on every stage: each stage's backend reserves its own page-locked KV
+    /// pool, its share of `request.host_bytes` in proportion to the KV caches its layers make
+    /// ([`stage_host_kv_bytes`]), with the request's GPU share rule for its own card.
+    pub fn reserve_host_kv(&self, request: &HostKvRequest) -> Result<(), EngineError> {
+        let shares = stage_host_kv_bytes(request.host_bytes, &self.attention_layers_per_stage());
+        let backends = std::iter::once(&*self.backend)
+            .chain(self.later_stage_backends().iter().map(|backend| &**backend));
+        for (backend, host_bytes) in backends.zip(shares) {
+            backend.reserve_host_kv(&HostKvRequest {
+                host_bytes,
+                device_share: request.device_share,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Where the live KV caches are, over every stage (`None` without a host KV pool).
+    pub fn kv_placement(&self) -> Option<KvPlacement> {
+        let backends = std::iter::once(&*self.backend)
+            .chain(self.later_stage_backends().iter().map(|backend| &**backend));
+        backends
+            .filter_map(|backend| backend.kv_placement())
+            .reduce(|sum, stage| KvPlacement {
+                device_caches: sum.device_caches + stage.device_caches,
+                device_bytes: sum.device_bytes + stage.device_bytes,
+                host_caches: sum.host_caches + stage.host_caches,
+                host_bytes: sum.host_bytes + stage.host_bytes,
+                host_pool_bytes: sum.host_pool_bytes + stage.host_pool_bytes,
+                device_share_bytes: match (sum.device_share_bytes, stage.device_share_bytes) {
+                    (Some(a), Some(b)) => Some(a + b),
+                    (a, b) => a.or(b),
+                },
+            })
     }
 
     /// Whether the model is split over several backends.

@@ -106,7 +106,7 @@ pub(super) fn handle<B: Backend>(
             counters
                 .prompt_tokens
                 .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
-            let before = model.backend().kv_placement();
+            let before = model.kv_placement();
             let mut state = match model.new_sequence(needed) {
                 Ok(state) => state,
                 Err(error) => return reject(SchedulerError::GenerationFailed(error.to_string())),
@@ -233,7 +233,7 @@ fn reuse_prefix_speculating<B: Backend>(
 /// With a host KV pool (`--host-kv-mib`): where the new sequence's KV caches went, and the
 /// totals, when any of them is in host memory.
 fn log_host_kv<B: Backend>(model: &Model<B>, before: Option<KvPlacement>, request_id: &str) {
-    let (Some(before), Some(after)) = (before, model.backend().kv_placement()) else {
+    let (Some(before), Some(after)) = (before, model.kv_placement()) else {
         return;
     };
     let host_layers = after.host_caches.saturating_sub(before.host_caches);

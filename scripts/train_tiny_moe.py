@@ -167,7 +167,7 @@ def heldout(i: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tokenizer (the Qwen2 byte-level BPE pipeline of make_fixtures.py, trained on the corpus)
+# Tokenizer (the Qwen2 byte-level BPE pipeline of make_fixtures.py, fixtures/tokenizer.py, trained on the corpus)
 # ---------------------------------------------------------------------------------------------------------------
 
 

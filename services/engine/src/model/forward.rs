@@ -540,7 +540,9 @@ impl<B: Backend> Model<B> {
             };
             // A layer split: the next layer's stage takes the stream from here.
             if index + 1 < self.layers.len() {
-                if let Some(next_stage) = self.cross_to_next_stage(index, &mut hidden, &mut fed)? {
+                if let Some(next_stage) =
+                    self.cross_to_next_stage(index, &mut [&mut hidden, &mut fed])?
+                {
                     backend = next_stage.backend;
                     scratch.moe_context.backend = next_stage.backend;
                     scratch.moe_context.staging = next_stage.staging;

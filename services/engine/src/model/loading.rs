@@ -91,7 +91,8 @@ impl<B: Backend> Model<B> {
 
     /// [`Model::load_offloading_dense_mlps`] split over several backends, as a pipeline
     /// (`pipeline.rs`): `stages` cover the decoder layers once, in order. One stage is the
-    /// unsplit model. A split model loads the MTP head on the last stage and refuses qwen4_exp.
+    /// unsplit model. A split model loads the MTP head (and a qwen4_exp model's final stream
+    /// mixer) on the last stage.
     pub fn load_pipeline(
         stages: Vec<PipelineStage<B>>,
         artifact: Arc<Artifact>,
@@ -130,14 +131,15 @@ impl<B: Backend> Model<B> {
             (true, Some(_)) => Some(head_loader.matrix("embed_tokens", (vocab, hidden))?),
             (false, _) => Some(head_loader.matrix("lm_head", (vocab, hidden))?),
         };
+        // Each layer's hyper-connections, indexer and PLE block on its stage; the final mixer
+        // beside the head.
         let qwen4_exp = match artifact.config().qwen4_exp() {
-            Some(_) if pipeline.is_some() => {
-                return Err(EngineError::InvalidConfig {
-                    problem: "a qwen4_exp model cannot be split over several backends yet (its hyper-connections and PLE blocks are not split); run it on one".into(),
-                })
-            }
             Some(config) => Some(qwen4_exp::graph::Qwen4ExpGraph::load(
-                &loader,
+                |layer| Loader {
+                    backend: stage_backend(&backend, &pipeline, layer),
+                    artifact: &artifact,
+                },
+                &head_loader,
                 config,
                 &spec.mixers,
             )?),

@@ -19,10 +19,13 @@
 //! rows draft through; its token embeddings are looked up on the first stage and cross to the
 //! last, and its layer's routed experts use the last stage's slots and staging slots.
 //!
-//! Not split yet (the loader or the engine refuses them with a split): the qwen4_exp graph,
-//! layerwise prefill (its stream plans every layer's copies over one set of slots) and the
-//! backend's own hand-off to the expert workers (a split forward hands layers off through the
-//! host).
+//! A qwen4_exp model splits the same way: its residual streams cross between stages, each
+//! layer's stream mixers, QSA indexer and PLE block (with their sequence states) live on the
+//! layer's stage, and the final stream mixer beside the head.
+//!
+//! Not split yet (the engine turns them off with a split): layerwise prefill (its stream plans
+//! every layer's copies over one set of slots) and the backend's own hand-off to the expert
+//! workers (a split forward hands layers off through the host).
 //!
 //! Owns: the stages and which stage a layer is on (here), the model's accessors of them and the
 //! crossing between two stages (`pipeline/stage_access.rs`). Must not touch: the ops of a layer

@@ -250,11 +250,7 @@ impl<B: Backend> Model<B> {
                 }
             }
             if checkpoint.ple.len() == state.ple.len() {
-                state.ple = checkpoint
-                    .ple
-                    .iter()
-                    .map(|ple| ple.as_ref().map(|ple| ple.copy(&*self.backend)).transpose())
-                    .collect::<Result<_, EngineError>>()?;
+                state.ple = self.copy_ple_states(&checkpoint.ple)?;
             }
         }
         state.position = end;

@@ -6,6 +6,7 @@
 use crate::backend::{Backend, DeltaRuleForm};
 use crate::error::EngineError;
 use crate::model::layers::{LayerState, SequenceCheckpoint, SequenceState};
+use crate::model::qwen4_exp::ple_state::PleState;
 use crate::model::step_graphs;
 use crate::model::Model;
 use crate::spec::MixerKind;
@@ -47,7 +48,7 @@ impl<B: Backend> Model<B> {
             })
             .collect::<Result<_, EngineError>>()?;
         let ple = match &self.qwen4_exp {
-            Some(graph) => graph.new_ple_states(&self.backend)?,
+            Some(graph) => graph.new_ple_states(|index| self.layer_backend(index))?,
             None => Vec::new(),
         };
         Ok(SequenceState {
@@ -67,7 +68,6 @@ impl<B: Backend> Model<B> {
         &self,
         state: &SequenceState<B>,
     ) -> Result<SequenceCheckpoint<B>, EngineError> {
-        let backend = &*self.backend;
         let layers = state
             .layers
             .iter()
@@ -87,12 +87,23 @@ impl<B: Backend> Model<B> {
         Ok(SequenceCheckpoint {
             position: state.position,
             layers,
-            ple: state
-                .ple
-                .iter()
-                .map(|ple| ple.as_ref().map(|ple| ple.copy(backend)).transpose())
-                .collect::<Result<_, EngineError>>()?,
+            ple: self.copy_ple_states(&state.ple)?,
         })
+    }
+
+    /// Copies of a sequence's PLE states, each on its layer's backend.
+    pub(in crate::model) fn copy_ple_states(
+        &self,
+        ple: &[Option<PleState<B>>],
+    ) -> Result<Vec<Option<PleState<B>>>, EngineError> {
+        ple.iter()
+            .enumerate()
+            .map(|(index, ple)| {
+                ple.as_ref()
+                    .map(|ple| ple.copy(self.layer_backend(index)))
+                    .transpose()
+            })
+            .collect()
     }
 
     /// Puts `state` back to `checkpoint` (taken from it by [`Model::checkpoint`]): what it
@@ -108,9 +119,10 @@ impl<B: Backend> Model<B> {
             });
         }
         let mut replaced_buffers = false;
-        for layer in state.layers.iter_mut() {
+        for (index, layer) in state.layers.iter_mut().enumerate() {
             if let LayerState::SparseAttention(cache) = layer {
-                self.backend.truncate_qsa_cache(cache, checkpoint.position);
+                self.layer_backend(index)
+                    .truncate_qsa_cache(cache, checkpoint.position);
             }
         }
         state.ple = checkpoint.ple;

@@ -138,15 +138,15 @@ impl<B: Backend> Model<B> {
         self.pipeline.is_some()
     }
 
-    /// After layer `index`: when the next layer runs on another stage, `hidden` and `fed` (the
-    /// residual stream and the output that joins it) moved there, and that stage's backend and
-    /// prefill staging slots. The residual add and the next layer's input norm then run on the
-    /// next stage, as one op, exactly as the unsplit model runs them.
+    /// After layer `index`: when the next layer runs on another stage, `carried` (the residual
+    /// stream and the output that joins it; a qwen4_exp model's residual streams) moved there,
+    /// and that stage's backend and prefill staging slots. The residual add and the next
+    /// layer's input norm then run on the next stage, as one op, exactly as the unsplit model
+    /// runs them.
     pub(in crate::model) fn cross_to_next_stage(
         &self,
         index: usize,
-        hidden: &mut B::Tensor,
-        fed: &mut B::Tensor,
+        carried: &mut [&mut B::Tensor],
     ) -> Result<Option<NextStage<'_, B>>, EngineError> {
         let Some(stages) = &self.pipeline else {
             return Ok(None);
@@ -155,8 +155,9 @@ impl<B: Backend> Model<B> {
             return Ok(None);
         };
         let here = stages.backend_of_layer(index);
-        *hidden = here.move_tensor_to(hidden, next.backend)?;
-        *fed = here.move_tensor_to(fed, next.backend)?;
+        for tensor in carried.iter_mut() {
+            **tensor = here.move_tensor_to(tensor, next.backend)?;
+        }
         Ok(Some(next))
     }
 }

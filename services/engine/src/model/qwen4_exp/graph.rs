@@ -265,12 +265,17 @@ impl<B: Backend> Qwen4ExpGraph<B> {
             .all(|ple| ple.table.locked_in_ram)
     }
 
-    /// Loads the Qwen4-Exp weights of every layer and the final mixer.
-    pub(in crate::model) fn load(
-        loader: &Loader<'_, B>,
+    /// Loads the Qwen4-Exp weights of every layer (layer `i`'s with `layer_loader(i)`, on its
+    /// stage's backend) and the final mixer (with `head_loader`, beside the output head).
+    pub(in crate::model) fn load<'a>(
+        layer_loader: impl Fn(usize) -> Loader<'a, B>,
+        head_loader: &Loader<'a, B>,
         config: &Qwen4ExpConfig,
         mixers: &[MixerKind],
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, EngineError>
+    where
+        B: 'a,
+    {
         let common = &config.hybrid.common;
         let invalid = |problem: String| EngineError::InvalidConfig { problem };
         if config.hyper_connection_streams < 2 || config.hyper_connection_rank == 0 {
@@ -308,11 +313,12 @@ impl<B: Backend> Qwen4ExpGraph<B> {
                 eos_token_id,
             })
         };
-        let artifact = loader.artifact;
+        let artifact = head_loader.artifact;
         let hidden = common.hidden_size;
         let streams_width = config.hyper_connection_streams * hidden;
         let mut layers = Vec::with_capacity(mixers.len());
         for (index, mixer) in mixers.iter().enumerate() {
+            let loader = &layer_loader(index);
             let prefix = format!("layers.{index}");
             let indexer = match mixer {
                 MixerKind::Attention => {
@@ -399,7 +405,7 @@ impl<B: Backend> Qwen4ExpGraph<B> {
             qsa,
             hash,
             layers,
-            mixer: HyperConnection::load(loader, config, "hc_mixer", false)?,
+            mixer: HyperConnection::load(head_loader, config, "hc_mixer", false)?,
         })
     }
 
@@ -415,15 +421,21 @@ impl<B: Backend> Qwen4ExpGraph<B> {
         self.config.hybrid.common.rms_norm_eps as f32
     }
 
-    /// The PLE states of a new sequence, per layer (`None` where a layer has no PLE block).
-    pub(crate) fn new_ple_states(
+    /// The PLE states of a new sequence, per layer (`None` where a layer has no PLE block),
+    /// each on its layer's backend (`backend_of_layer`).
+    pub(crate) fn new_ple_states<'b>(
         &self,
-        backend: &B,
-    ) -> Result<Vec<Option<PleState<B>>>, EngineError> {
+        backend_of_layer: impl Fn(usize) -> &'b B,
+    ) -> Result<Vec<Option<PleState<B>>>, EngineError>
+    where
+        B: 'b,
+    {
         let streams_width = self.streams() * self.hidden();
         self.layers
             .iter()
-            .map(|layer| match (&layer.ple, &self.hash) {
+            .enumerate()
+            .map(|(index, layer)| (backend_of_layer(index), layer))
+            .map(|(backend, layer)| match (&layer.ple, &self.hash) {
                 (Some(ple), Some(hash)) => Ok(Some(PleState {
                     conv: backend.new_conv_state(streams_width, ple.conv_width)?,
                     context: hash.sequence_start_context(),

@@ -18,17 +18,18 @@ use crate::model::Model;
 impl<B: Backend> Model<B> {
     /// The Qwen4-Exp layers over a checked batch, then the final mixer and `finish`.
     #[allow(clippy::too_many_arguments)]
-    pub(in crate::model) fn run_qwen4_exp_layers<T>(
-        &self,
+    pub(in crate::model) fn run_qwen4_exp_layers<'a, T>(
+        &'a self,
         graph: &Qwen4ExpGraph<B>,
         batch: &mut [SequenceInput<'_, B>],
         plan: &BatchPlan,
         selection: LogitsSelection,
         delta_rule_form: DeltaRuleForm,
-        scratch: &mut LayerScratch<'_, B>,
+        scratch: &mut LayerScratch<'a, B>,
         finish: impl FnOnce(&B, B::Tensor) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
-        let backend = &*self.backend;
+        // The first stage's (the only one's, unsplit): the embeddings and layer 0.
+        let mut backend = &*self.backend;
         let BatchPlan {
             ids,
             ranges,
@@ -93,6 +94,12 @@ impl<B: Backend> Model<B> {
                 }
             };
             backend.inject_into_streams(&mut streams, &fed, &shares, scale)?;
+            // A layer split: the next layer's stage takes the streams from here.
+            if let Some(next_stage) = self.cross_to_next_stage(index, &mut [&mut streams])? {
+                backend = next_stage.backend;
+                scratch.moe_context.backend = next_stage.backend;
+                scratch.moe_context.staging = next_stage.staging;
+            }
         }
         let selected = match selection {
             LogitsSelection::All => streams,
@@ -119,7 +126,7 @@ impl<B: Backend> Model<B> {
         ranges: &[std::ops::Range<usize>],
         ids: &[u32],
     ) -> Result<(), EngineError> {
-        let backend = &*self.backend;
+        let backend = self.layer_backend(index);
         let hash = graph.hash.as_ref().ok_or_else(|| state_mismatch(index))?;
         let (count, hidden, eps) = (graph.streams(), graph.hidden(), graph.eps());
         let rows = ids.len();
@@ -198,7 +205,7 @@ impl<B: Backend> Model<B> {
         else {
             return Err(state_mismatch(index));
         };
-        let backend = &*self.backend;
+        let backend = self.layer_backend(index);
         let spec = &self.spec.attention;
         let (eps, style) = (self.spec.eps(), self.spec.norm_style);
         let (heads, head_dim) = (spec.heads, spec.head_dim);

@@ -518,17 +518,8 @@ fn start_scheduler<B: Backend>(
 ) -> anyhow::Result<StartedScheduler> {
     let layers = artifact.config().common().num_hidden_layers;
     let ranges = stages.layer_ranges(layers, &device_memory, request.budget_gib)?;
-    let pipeline: Vec<PipelineStage<B>> = stages
-        .backends
-        .iter()
-        .zip(&ranges)
-        .map(|(backend, layers)| PipelineStage {
-            backend: Arc::clone(backend),
-            layers: layers.clone(),
-        })
-        .collect();
     let mut model = Model::load_pipeline(
-        pipeline,
+        PipelineStage::over(&stages.backends, &ranges),
         Arc::clone(artifact),
         experts,
         request.dense_mlp_offload_layers,

@@ -304,15 +304,7 @@ mod tests {
                 stages_per_device: 2,
                 split_flag: "--pipeline-stages-on-one-device 2".into(),
             };
-            let split = [0..1, 1..layers];
-            let pipeline = backends
-                .iter()
-                .zip(split)
-                .map(|(backend, layers)| PipelineStage {
-                    backend: Arc::clone(backend),
-                    layers,
-                })
-                .collect();
+            let pipeline = PipelineStage::over(&backends, &[0..1, 1..layers]);
             let executor = Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact)));
             let mut model = Model::load_pipeline(pipeline, artifact, executor, 0).unwrap();
             let request = StageExpertSlots {

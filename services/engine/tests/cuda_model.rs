@@ -514,14 +514,7 @@ fn open_split_with_resident_experts(
     split: &[std::ops::Range<usize>],
 ) -> Model<CudaBackend> {
     let artifact = open_artifact(path).unwrap();
-    let stages = split
-        .iter()
-        .zip(backends)
-        .map(|(layers, backend)| PipelineStage {
-            backend: Arc::clone(backend),
-            layers: layers.clone(),
-        })
-        .collect();
+    let stages = PipelineStage::over(backends, split);
     let experts: Arc<dyn ExpertExecutor> =
         Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact)));
     let mut model = Model::load_pipeline(stages, artifact, experts, 0).unwrap();

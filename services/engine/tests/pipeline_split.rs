@@ -292,18 +292,6 @@ fn first_difference(split: &Trace, unsplit: &Trace) -> Option<String> {
         })
 }
 
-/// The stages of `split`, stage `i` on `backends[i]`.
-fn stages<B: Backend>(backends: &[Arc<B>], split: &[Range<usize>]) -> Vec<PipelineStage<B>> {
-    split
-        .iter()
-        .zip(backends)
-        .map(|(layers, backend)| PipelineStage {
-            backend: Arc::clone(backend),
-            layers: layers.clone(),
-        })
-        .collect()
-}
-
 /// The unsplit model on `backend` with `experts`, run (see `run`), with the executor's calls.
 fn unsplit_trace<B: Backend>(
     backend: &Arc<B>,
@@ -338,7 +326,7 @@ fn split_trace<B: Backend>(
     let noting = NotingExecutor::new(artifact);
     let model = prepare(
         Model::load_pipeline(
-            stages(backends, split),
+            PipelineStage::over(backends, split),
             Arc::clone(artifact),
             Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
             experts.offloaded_layers(),
@@ -443,7 +431,7 @@ fn one_stage_is_the_unsplit_model<B: OpenOnSameDevice>(backend: Arc<B>) {
     let artifact = open_artifact(&path).unwrap();
     let layers = artifact.config().common().num_hidden_layers;
     let model = Model::load_pipeline(
-        stages(&[Arc::clone(&backend)], &[0..layers]),
+        PipelineStage::over(&[Arc::clone(&backend)], &[0..layers]),
         Arc::clone(&artifact),
         executor(&artifact),
         0,
@@ -461,7 +449,7 @@ fn load_error<B: Backend>(
     artifact: &Arc<Artifact>,
 ) -> String {
     match Model::load_pipeline(
-        stages(backends, split),
+        PipelineStage::over(backends, split),
         Arc::clone(artifact),
         executor(artifact),
         0,
@@ -493,7 +481,7 @@ fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: A
         assert!(error.contains(expected), "{split:?}: {error}");
     }
     let mut model = Model::load_pipeline(
-        stages(&backends, &[0..1, 1..layers]),
+        PipelineStage::over(&backends, &[0..1, 1..layers]),
         Arc::clone(&artifact),
         executor(&artifact),
         0,
@@ -590,7 +578,7 @@ fn served_split_gives_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<B>) {
         .unwrap();
         let expected = served_tokens(unsplit, &prompts, PrefixCacheSettings::off());
         let split = Model::load_pipeline(
-            stages(
+            PipelineStage::over(
                 &[Arc::clone(&backend), Arc::clone(&second)],
                 &[0..1, 1..layers],
             ),
@@ -650,7 +638,7 @@ fn served_split_with_the_prefix_cache_gives_the_unsplit_tokens<B: OpenOnSameDevi
             "{fixture}: the later prompts reuse the donor's prefix: {expected:?}"
         );
         let split = Model::load_pipeline(
-            stages(
+            PipelineStage::over(
                 &[Arc::clone(&backend), Arc::clone(&second)],
                 &[0..layers - 1, layers - 1..layers],
             ),
@@ -733,7 +721,7 @@ fn an_image_prompt_split_gives_the_unsplit_logits<B: OpenOnSameDevice>(backend: 
     drop(unsplit);
     let second = Arc::new(backend.open_on_same_device().unwrap());
     let split = Model::load_pipeline(
-        stages(&[Arc::clone(&backend), second], &[0..1, 1..layers]),
+        PipelineStage::over(&[Arc::clone(&backend), second], &[0..1, 1..layers]),
         Arc::clone(&artifact),
         executor(&artifact),
         0,

@@ -39,14 +39,7 @@ fn load<B: Backend>(
     split: &[Range<usize>],
     artifact: &Arc<Artifact>,
 ) -> Model<B> {
-    let stages = split
-        .iter()
-        .zip(backends)
-        .map(|(layers, backend)| PipelineStage {
-            backend: Arc::clone(backend),
-            layers: layers.clone(),
-        })
-        .collect();
+    let stages = PipelineStage::over(backends, split);
     let executor = Arc::new(ReferenceExpertExecutor::new(Arc::clone(artifact)));
     let model = Model::load_pipeline(stages, Arc::clone(artifact), executor, 0).unwrap();
     model.set_step_graphs(false);

@@ -64,17 +64,6 @@ fn convert(fixture: &str, output: &Path) -> PathBuf {
     path
 }
 
-fn stages<B: Backend>(backends: &[Arc<B>], split: &[Range<usize>]) -> Vec<PipelineStage<B>> {
-    split
-        .iter()
-        .zip(backends)
-        .map(|(layers, backend)| PipelineStage {
-            backend: Arc::clone(backend),
-            layers: layers.clone(),
-        })
-        .collect()
-}
-
 /// One layer on the first stage, one on the last, and three stages.
 fn splits(layers: usize) -> Vec<Vec<Range<usize>>> {
     vec![
@@ -183,7 +172,7 @@ fn a_split_model_speculates_as_the_unsplit_one<B: OpenOnSameDevice>(backend: Arc
         for &experts in modes {
             let noting = NotingExecutor::new(&artifact);
             let unsplit = load(
-                stages(&backends[..1], &[0..layers]),
+                PipelineStage::over(&backends[..1], &[0..layers]),
                 &artifact,
                 experts,
                 Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
@@ -198,7 +187,7 @@ fn a_split_model_speculates_as_the_unsplit_one<B: OpenOnSameDevice>(backend: Arc
             for split in splits(layers) {
                 let noting = NotingExecutor::new(&artifact);
                 let model = load(
-                    stages(&backends, &split),
+                    PipelineStage::over(&backends, &split),
                     &artifact,
                     experts,
                     Arc::clone(&noting) as Arc<dyn ExpertExecutor>,
@@ -209,20 +198,18 @@ fn a_split_model_speculates_as_the_unsplit_one<B: OpenOnSameDevice>(backend: Arc
                     "{fixture} split {split:?} ({experts:?}, {})",
                     backend.name()
                 );
-                assert_eq!(got_greedy.tokens, greedy.tokens, "{what}: greedy tokens");
-                assert_eq!(
-                    first_draft_bits(&got_greedy),
-                    first_draft_bits(&greedy),
-                    "{what}: greedy first drafts"
-                );
-                assert_eq!(got_greedy, greedy, "{what}: greedy outcome");
-                assert_eq!(got_sampled.tokens, sampled.tokens, "{what}: sampled tokens");
-                assert_eq!(
-                    first_draft_bits(&got_sampled),
-                    first_draft_bits(&sampled),
-                    "{what}: sampled first drafts"
-                );
-                assert_eq!(got_sampled, sampled, "{what}: sampled outcome");
+                for (kind, got, expected) in [
+                    ("greedy", &got_greedy, &greedy),
+                    ("sampled", &got_sampled, &sampled),
+                ] {
+                    assert_eq!(got.tokens, expected.tokens, "{what}: {kind} tokens");
+                    assert_eq!(
+                        first_draft_bits(got),
+                        first_draft_bits(expected),
+                        "{what}: {kind} first drafts"
+                    );
+                    assert_eq!(got, expected, "{what}: {kind} outcome");
+                }
                 assert_eq!(got_usage, usage, "{what}: the head's use");
                 // The same routes: (layer, rows) of every executor call, the MTP layer's too.
                 assert_eq!(noting.calls(), calls, "{what}: the executor's calls");
@@ -293,7 +280,7 @@ fn served_split_speculates_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<
         let other = [system, tokens(4, 20)].concat();
         let prompts = vec![first.clone(), later_turn, other, first];
         let unsplit = load(
-            stages(&[Arc::clone(&backend)], &[0..layers]),
+            PipelineStage::over(&[Arc::clone(&backend)], &[0..layers]),
             &artifact,
             Experts::Executor,
             Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact))),
@@ -304,7 +291,7 @@ fn served_split_speculates_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<
             "{fixture}: the later prompts reuse the first one's prefix: {expected:?}"
         );
         let split = load(
-            stages(
+            PipelineStage::over(
                 &[Arc::clone(&backend), Arc::clone(&second)],
                 &[0..layers / 2, layers / 2..layers],
             ),

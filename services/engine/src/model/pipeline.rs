@@ -47,6 +47,21 @@ pub struct PipelineStage<B: Backend> {
     pub layers: Range<usize>,
 }
 
+impl<B: Backend> PipelineStage<B> {
+    /// The stages of `split`: stage `i` owns `split[i]` on `backends[i]` (as many stages as
+    /// the shorter of the two lists).
+    pub fn over(backends: &[Arc<B>], split: &[Range<usize>]) -> Vec<Self> {
+        backends
+            .iter()
+            .zip(split)
+            .map(|(backend, layers)| PipelineStage {
+                backend: Arc::clone(backend),
+                layers: layers.clone(),
+            })
+            .collect()
+    }
+}
+
 /// The stage a forward crosses to: its backend and its prefill staging slots.
 pub(in crate::model) struct NextStage<'m, B: Backend> {
     pub(in crate::model) backend: &'m B,

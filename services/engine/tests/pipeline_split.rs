@@ -38,7 +38,6 @@ use std::sync::Arc;
 use ninfer_artifact::{Artifact, DType};
 use ninfer_engine::backend::cuda::CudaOptions;
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
-use ninfer_engine::moe::expert_cache::ExpertCacheOptions;
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::sampling::argmax;
 use ninfer_engine::service::scheduler::{
@@ -56,10 +55,13 @@ use ninfer_engine::{
     PrefillStagingOptions, ReferenceExpertExecutor, SamplingParams, SequenceInput,
 };
 
+#[path = "support/half_resident.rs"]
+mod half_resident;
 #[path = "support/noting_executor.rs"]
 mod noting_executor;
 mod support;
 
+use half_resident::place_half_under_the_cache;
 use noting_executor::NotingExecutor;
 
 const MAX_CONTEXT: usize = 64;
@@ -145,33 +147,10 @@ fn splits(layers: usize) -> Vec<Vec<Range<usize>>> {
     ]
 }
 
-/// Half of each MoE layer's experts (every other one), none for a dense layer.
-fn half_placement<B: Backend>(model: &Model<B>) -> Vec<Vec<u32>> {
-    let experts = model.spec().common.num_experts as u32;
-    model
-        .placement_layers()
-        .iter()
-        .map(|&moe| match moe {
-            true => (0..experts).step_by(2).collect(),
-            false => Vec::new(),
-        })
-        .collect()
-}
-
 fn prepare<B: Backend>(mut model: Model<B>, experts: Experts) -> Model<B> {
     model.set_step_graphs(false);
     if experts == Experts::HalfResidentCached {
-        let placement = half_placement(&model);
-        model.place_resident_experts(&placement).unwrap();
-        model
-            .enable_expert_cache(
-                ExpertCacheOptions {
-                    fills_per_layer: 2,
-                    ..ExpertCacheOptions::default()
-                },
-                None,
-            )
-            .unwrap();
+        place_half_under_the_cache(&mut model);
     }
     if experts == Experts::Staged {
         assert!(model.enable_prefill_staging(4).unwrap() > 0);

@@ -24,7 +24,6 @@ use std::sync::Arc;
 use ninfer_artifact::Artifact;
 use ninfer_engine::backend::same_device::OpenOnSameDevice;
 use ninfer_engine::model::{greedy_with_mtp, sample_with_mtp, MtpUsage, SpeculativeOutcome};
-use ninfer_engine::moe::expert_cache::ExpertCacheOptions;
 use ninfer_engine::prefix_cache::PrefixCacheSettings;
 use ninfer_engine::service::scheduler::{
     self, SchedulerCommand, SchedulerCounters, SchedulerLimits, SpeculativeDecoding,
@@ -36,10 +35,13 @@ use ninfer_engine::{
     ReferenceExpertExecutor, SamplingParams,
 };
 
+#[path = "support/half_resident.rs"]
+mod half_resident;
 #[path = "support/noting_executor.rs"]
 mod noting_executor;
 mod support;
 
+use half_resident::place_half_under_the_cache;
 use noting_executor::NotingExecutor;
 
 /// The fixtures with an MTP head.
@@ -87,30 +89,11 @@ fn load<B: Backend>(
     match experts {
         Experts::Executor => {}
         Experts::HalfResidentCached => {
-            let count = model.spec().common.num_experts as u32;
-            let placement: Vec<Vec<u32>> = model
-                .placement_layers()
-                .iter()
-                .map(|&moe| match moe {
-                    true => (0..count).step_by(2).collect(),
-                    false => Vec::new(),
-                })
-                .collect();
-            let report = model.place_resident_experts(&placement).unwrap();
-            assert_eq!(
-                report.layers,
-                placement.iter().filter(|layer| !layer.is_empty()).count(),
-                "every MoE layer, the MTP layer included, holds its half"
+            let placement = place_half_under_the_cache(&mut model);
+            assert!(
+                placement.last().is_some_and(|mtp| !mtp.is_empty()),
+                "the MTP layer holds its half too"
             );
-            model
-                .enable_expert_cache(
-                    ExpertCacheOptions {
-                        fills_per_layer: 2,
-                        ..ExpertCacheOptions::default()
-                    },
-                    None,
-                )
-                .unwrap();
         }
         Experts::Staged => {
             assert!(model.enable_prefill_staging(4).unwrap() > 0);

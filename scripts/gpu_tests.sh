@@ -23,7 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=${NINFER_BUNDLE:-target/gpu-bundle}
 
-# test binary : name filter (only the CUDA cases of the device-parametrized suites)
+# test binary : name filters (the CUDA cases of the device-parametrized suites, and the CUDA-only
+# tests among them by name)
 SUITES=(
   "cuda_nvrtc:"
   "cuda_ops:"
@@ -49,7 +50,9 @@ SUITES=(
   "multimodal_positions:::cuda"
   "image_prompt:::cuda"
   "video_prompt:::cuda"
-  "pipeline_split:::cuda"
+  "pipeline_split:::cuda peer_crossings_compute_what_the_unsplit_model_computes"
+  "pipeline_split_mtp:::cuda"
+  "pipeline_split_host_kv:::cuda"
   "cuda_vision:"
 )
 if [ -n "${GPU_TEST_SUITES:-}" ]; then

@@ -49,6 +49,7 @@ SUITES=(
   "prefix_cache_mtp:::cuda"
   "multimodal_positions:::cuda"
   "image_prompt:::cuda"
+  "image_serving:::cuda"
   "video_prompt:::cuda"
   "pipeline_split:::cuda peer_crossings_compute_what_the_unsplit_model_computes"
   "pipeline_split_mtp:::cuda"

@@ -545,7 +545,7 @@ fn start_scheduler<B: Backend>(
             );
         }
         tracing::info!(
-            "layer split: decode steps are recorded as one CUDA graph spanning every stage (where the driver allows it; else op by op), the hidden state crosses between stages by device copies (peer copies between cards), and MoE layers go to the expert workers through the host"
+            "layer split: decode steps are recorded as one CUDA graph spanning every stage (where the driver allows it; else op by op), the hidden state crosses between stages by device copies (peer copies between cards), each stage stages and streams its own layers' experts at prefill, and MoE layers go to the expert workers through the host"
         );
     }
     if request.dense_mlp_offload_layers > 0 {
@@ -559,18 +559,7 @@ fn start_scheduler<B: Backend>(
     } else {
         0
     };
-    // A split stages on every stage (its own slots for its own layers); layerwise prefill,
-    // whose stream plans every layer over one set of slots, stays off.
-    if model.is_split() && layerwise_min_tokens > 0 {
-        tracing::info!(
-            "layerwise prefill is off with a layer split; the staged route (--moe-prefill-gpu-min-tokens) runs on every stage"
-        );
-    }
-    let layerwise_min_tokens = if model.is_split() {
-        0
-    } else {
-        layerwise_min_tokens
-    };
+    // A split stages and streams on every stage: its own slots for its own layers.
     if request.prefill_staging_min_tokens > 0 || layerwise_min_tokens > 0 {
         // Before the expert slots, so their budget sees this memory as used.
         let bytes = model

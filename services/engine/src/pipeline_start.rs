@@ -5,10 +5,9 @@
 //! stage is the unsplit model and takes none of this.
 //!
 //! The split's decode steps go through step graphs spanning every stage (one recording, one
-//! launch per replayed step; `Model`'s step graphs), the staged prefill route runs on
-//! every stage with its own staging slots, layerwise prefill is off (its stream plans every
-//! layer over one set of slots), and the other non-resident experts go to the expert executor
-//! as before.
+//! launch per replayed step; `Model`'s step graphs), the staged prefill route and layerwise
+//! prefill run on every stage with its own staging slots, and the other non-resident experts
+//! go to the expert executor as before.
 //!
 //! Owns: the stages' backends, layer ranges and expert placement. Must not touch: the model's
 //! forward (library), the flags' checks (`gpu_choice.rs`).

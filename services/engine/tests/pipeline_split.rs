@@ -25,8 +25,7 @@
 //! On CUDA the stages of one card may also cross by the path between cards (a peer copy naming
 //! both contexts): the same bits, and the crossings took that path.
 //!
-//! The refusals: stages that do not cover the layers once in order, layerwise prefill on a
-//! split model. (A split model's MTP head: `pipeline_split_mtp.rs`; its host KV pools:
+//! The refusals: stages that do not cover the layers once in order. (A split model's MTP head: `pipeline_split_mtp.rs`; its host KV pools:
 //! `pipeline_split_host_kv.rs`.)
 
 #![allow(clippy::single_range_in_vec_init)] // a stage's layers are one range
@@ -52,7 +51,8 @@ use ninfer_engine::testing::{
 use ninfer_engine::vision::{encode_images, VisionWeights};
 use ninfer_engine::{
     open_artifact, test_device, Backend, ExpertExecutor, LogitsSelection, Model, PipelineStage,
-    PrefillStagingOptions, ReferenceExpertExecutor, SamplingParams, SequenceInput,
+    PrefillStagingOptions, PrefillThroughputs, ReferenceExpertExecutor, SamplingParams,
+    SequenceInput,
 };
 
 #[path = "support/half_resident.rs"]
@@ -90,6 +90,9 @@ enum Experts {
     /// Batches of 4 rows and more staged: their routed experts copied into each stage's
     /// staging slots and computed there.
     Staged,
+    /// Batches of 4 rows and more streamed layer by layer: each stage's layerwise stream
+    /// copies its layers' experts into its own two sets of staging slots.
+    Layerwise,
 }
 
 impl Experts {
@@ -97,7 +100,10 @@ impl Experts {
     fn offloaded_layers(self) -> usize {
         match self {
             Experts::OffloadedDenseMlps => 2,
-            Experts::Executor | Experts::HalfResidentCached | Experts::Staged => 0,
+            Experts::Executor
+            | Experts::HalfResidentCached
+            | Experts::Staged
+            | Experts::Layerwise => 0,
         }
     }
 }
@@ -154,6 +160,26 @@ fn prepare<B: Backend>(mut model: Model<B>, experts: Experts) -> Model<B> {
     }
     if experts == Experts::Staged {
         assert!(model.enable_prefill_staging(4).unwrap() > 0);
+    }
+    if experts == Experts::Layerwise {
+        let options = PrefillStagingOptions {
+            staged_min_tokens: 0,
+            layerwise_min_tokens: 4,
+        };
+        assert!(model.enable_prefill_staging_with(options).unwrap() > 0);
+        // A second per expert copied, and about as long per expert on the executor at the
+        // batches here: each layer's experts split between the two sides, both of which run.
+        let expert_bytes = model.expert_slot_bytes().unwrap() as f64;
+        model
+            .set_prefill_throughputs(PrefillThroughputs {
+                copy_bytes_per_second: expert_bytes,
+                backend_pairs_per_second: 1e12,
+                executor_pairs_per_second: 2.0,
+                flops_per_pair: 1.0,
+            })
+            .unwrap();
+        let summary = model.layerwise_split_summary(9).unwrap();
+        assert!(summary.mixed_layers > 0, "{summary:?}");
     }
     model
 }
@@ -347,6 +373,7 @@ fn a_split_model_computes_what_the_unsplit_one_computes<B: OpenOnSameDevice>(bac
                 Experts::Executor,
                 Experts::HalfResidentCached,
                 Experts::Staged,
+                Experts::Layerwise,
             ],
             false => &[Experts::Executor, Experts::OffloadedDenseMlps],
         };
@@ -438,9 +465,11 @@ fn load_error<B: Backend>(
     }
 }
 
-/// Stages that skip, repeat or leave out layers, or own none, are refused by name; so is
-/// layerwise prefill on a split model.
-fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: Arc<B>) {
+/// Stages that skip, repeat or leave out layers, or own none, are refused by name; every stage
+/// of a split gets staging slots of its own (two sets with layerwise prefill).
+fn wrong_splits_are_refused_and_every_stage_stages_its_own_layers<B: OpenOnSameDevice>(
+    backend: Arc<B>,
+) {
     let directory = tempfile::tempdir().unwrap();
     let backends = vec![
         Arc::clone(&backend),
@@ -476,19 +505,19 @@ fn wrong_splits_and_unsplit_features_are_refused<B: OpenOnSameDevice>(backend: A
     let one_set = unsplit.enable_prefill_staging(4).unwrap();
     assert!(one_set > 0);
     assert_eq!(model.enable_prefill_staging(4).unwrap(), 2 * one_set);
-    let error = model
-        .enable_prefill_staging_with(PrefillStagingOptions {
-            staged_min_tokens: 4,
-            layerwise_min_tokens: 8,
-        })
-        .unwrap_err()
-        .to_string();
-    assert!(
-        error.contains("layerwise prefill is not available on a model split"),
-        "{error}"
+    // Layerwise prefill: two sets per stage, streamed into alternately.
+    let layerwise = PrefillStagingOptions {
+        staged_min_tokens: 4,
+        layerwise_min_tokens: 8,
+    };
+    let two_sets = unsplit.enable_prefill_staging_with(layerwise).unwrap();
+    assert_eq!(two_sets, 2 * one_set);
+    assert_eq!(
+        model.enable_prefill_staging_with(layerwise).unwrap(),
+        2 * two_sets
     );
 }
-test_device!(wrong_splits_and_unsplit_features_are_refused);
+test_device!(wrong_splits_are_refused_and_every_stage_stages_its_own_layers);
 
 /// Every request's tokens, and the prompt tokens the prefix cache gave it, from `model` served
 /// by the scheduler one request after the other: even ones greedy, odd ones sampled with a

@@ -239,10 +239,13 @@ impl<B: Backend> Model<B> {
         let started = Instant::now();
         self.expert_cache_between_steps()?;
         let handoff = self.ready_worker_handoff(plan.ids.len())?;
-        let layerwise = self.layerwise_stream(plan.ids.len())?;
-        let mut scratch = LayerScratch::new(
-            self.moe_context_with(handoff.map(|h| h.handoff), layerwise.as_ref()),
-        );
+        // One stream per stage (the first stage's in the context; a crossing takes the next).
+        let layerwise = self.layerwise_streams(plan.ids.len())?;
+        let mut scratch = LayerScratch::new(self.moe_context_with(
+            handoff.map(|h| h.handoff),
+            layerwise.first().and_then(Option::as_ref),
+        ));
+        scratch.layerwise_by_stage = &layerwise;
         let out = self.run_layers(
             batch,
             &plan,
@@ -544,8 +547,7 @@ impl<B: Backend> Model<B> {
                     self.cross_to_next_stage(index, &mut [&mut hidden, &mut fed])?
                 {
                     backend = next_stage.backend;
-                    scratch.moe_context.backend = next_stage.backend;
-                    scratch.moe_context.staging = next_stage.staging;
+                    scratch.enter_stage(next_stage);
                 }
             }
             carried = Some(fed);

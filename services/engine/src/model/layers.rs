@@ -9,7 +9,9 @@ use ninfer_artifact::ExpertBank;
 
 use crate::backend::{Backend, DeltaRuleForm, DeltaRuleSpec, Segment};
 use crate::error::EngineError;
+use crate::model::pipeline::NextStage;
 use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer};
+use crate::moe::layerwise::LayerwiseStream;
 use crate::profile::PhaseTotals;
 
 /// Which positions' logits a forward returns.
@@ -192,6 +194,8 @@ pub(in crate::model) struct LayerScratch<'a, B: Backend> {
     pub(in crate::model) moe_context: MoeContext<'a, B>,
     pub(in crate::model) tally: PhaseTotals,
     pub(in crate::model) deferred: Vec<DeferredRouting<B>>,
+    /// This forward's layerwise stream of each stage (empty: none), which a crossing hands on.
+    pub(in crate::model) layerwise_by_stage: &'a [Option<LayerwiseStream<'a, B>>],
 }
 
 impl<'a, B: Backend> LayerScratch<'a, B> {
@@ -200,7 +204,19 @@ impl<'a, B: Backend> LayerScratch<'a, B> {
             moe_context,
             tally: PhaseTotals::default(),
             deferred: Vec::new(),
+            layerwise_by_stage: &[],
         }
+    }
+
+    /// The MoE layers from here on run on `next`: its backend, its staging slots and this
+    /// forward's layerwise stream of that stage.
+    pub(in crate::model) fn enter_stage(&mut self, next: NextStage<'a, B>) {
+        self.moe_context.backend = next.backend;
+        self.moe_context.staging = next.staging;
+        self.moe_context.layerwise = self
+            .layerwise_by_stage
+            .get(next.stage)
+            .and_then(Option::as_ref);
     }
 }
 

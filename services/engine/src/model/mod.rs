@@ -9,7 +9,8 @@
 //!
 //! This file holds [`Model`] and its accessors; the jobs are `loading.rs`, `expert_placement.rs`,
 //! `sequences.rs`, `forward.rs` (with `layers.rs` the types they share), `step_graphs.rs`,
-//! `mtp.rs`, `speculative.rs`, `prefix_blocks.rs`, `worker_handoff.rs`, `images.rs` (a prompt's
+//! `mtp.rs`, `speculative.rs`, `prefill_staging.rs` (staging slots and layerwise prefill),
+//! `prefix_blocks.rs`, `worker_handoff.rs`, `images.rs` (a prompt's
 //! images), `pipeline.rs` (the layers split over several backends) and `qwen4_exp/`.
 //! Must not touch: op implementations (backends), how routed experts are split and computed
 //! (`crate::moe`), sampling, tokenization.
@@ -23,6 +24,7 @@ mod loading;
 mod mid_forward_checkpoint;
 mod mtp;
 mod pipeline;
+mod prefill_staging;
 mod prefix_blocks;
 pub mod qwen4_exp;
 mod sequences;

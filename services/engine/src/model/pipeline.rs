@@ -8,9 +8,10 @@
 //! A model of one stage has no [`PipelineStages`] at all: every accessor below then answers
 //! the model's one backend, so the unsplit forward runs exactly the ops it always ran.
 //!
-//! Prefill staging runs per stage: each stage has its own staging slots for its own MoE layers
-//! (`pipeline/stage_staging.rs`), and a forward crossing to a stage hands its layers that
-//! stage's slots.
+//! Prefill staging and layerwise prefill run per stage: each stage has its own staging slots
+//! for its own MoE layers (`pipeline/stage_staging.rs`) and a forward its own layerwise stream
+//! per stage, and a forward crossing to a stage hands its layers that stage's slots and
+//! stream. Layerwise streams of two stages copy at once, each over its own card's link.
 //!
 //! Decode steps go through step graphs that span every stage (`super::step_graphs`): the
 //! first stage's graph records and replays, each later stage's holds its part's buffers.
@@ -23,9 +24,8 @@
 //! layer's stream mixers, QSA indexer and PLE block (with their sequence states) live on the
 //! layer's stage, and the final stream mixer beside the head.
 //!
-//! Not split yet (the engine turns them off with a split): layerwise prefill (its stream plans
-//! every layer's copies over one set of slots) and the backend's own hand-off to the expert
-//! workers (a split forward hands layers off through the host).
+//! Not split yet: the backend's own hand-off to the expert workers (a split forward hands
+//! layers off through the host).
 //!
 //! Owns: the stages and which stage a layer is on (here), the model's accessors of them and the
 //! crossing between two stages (`pipeline/stage_access.rs`). Must not touch: the ops of a layer
@@ -62,8 +62,9 @@ impl<B: Backend> PipelineStage<B> {
     }
 }
 
-/// The stage a forward crosses to: its backend and its prefill staging slots.
+/// The stage a forward crosses to: its index, backend and prefill staging slots.
 pub(in crate::model) struct NextStage<'m, B: Backend> {
+    pub(in crate::model) stage: usize,
     pub(in crate::model) backend: &'m B,
     pub(in crate::model) staging: Option<&'m PrefillStaging<B>>,
 }
@@ -146,6 +147,7 @@ impl<B: Backend> PipelineStages<B> {
             .and_then(|later| self.later_staging.get(later))
             .and_then(Option::as_ref);
         (*here != next).then(|| NextStage {
+            stage: next,
             backend: &*self.backends[next],
             staging,
         })

@@ -16,8 +16,8 @@
 //! card). The MTP head runs on the last card (`--spec mtp`), its embeddings looked up on the
 //! first. `--host-kv-mib` gives each card a page-locked KV pool of its own, in proportion to the
 //! KV caches its layers make ([`stage_host_kv_bytes`]). On a split model the staged prefill
-//! route runs on every card (its own staging slots for its own layers), layerwise prefill is
-//! off, and decode steps go through step graphs spanning every card.
+//! route and layerwise prefill run on every card (its own staging slots for its own layers),
+//! and decode steps go through step graphs spanning every card.
 //!
 //! Owns: the device list the planner reads, the flag parsers and checks, the pure split.
 //! Must not touch: the CUDA driver (callers enumerate the cards), starting anything.

@@ -1,81 +1,48 @@
-//! Prefill staging on a split model: every stage gets its own staging slots (room for one
-//! layer's experts, on its own backend) for its own MoE layers (the last stage's include the MTP
-//! head's), readied from their banks, and a forward hands each stage's layers that stage's
-//! slots. Layerwise prefill, whose stream plans every layer's copies over one set of slots, is
-//! refused split.
+//! Each stage's prefill staging slots: the first stage's are the model's `prefill_staging` (the
+//! only ones unsplit), the later stages' live with the stages; a forward crossing to a stage
+//! hands its layers that stage's slots (`NextStage`).
 //!
-//! Owns: making the stages' staging slots. Must not touch: the staged route itself
-//! (`crate::moe::layer`), the unsplit staging (`expert_placement.rs`).
-
-use std::sync::Mutex;
+//! Owns: where the stages' staging slots are kept and found. Must not touch: making them
+//! (`prefill_staging.rs`), the staged and streamed routes (`crate::moe`).
 
 use crate::backend::Backend;
-use crate::error::EngineError;
-use crate::model::layers::FeedForward;
-use crate::model::{Model, PrefillStagingOptions};
+use crate::model::Model;
 use crate::moe::layer::PrefillStaging;
 
 impl<B: Backend> Model<B> {
-    /// [`Model::enable_prefill_staging_with`] on a split model: the staged route on every stage
-    /// that has MoE layers. Returns the bytes the slots take over all stages.
-    pub(in crate::model) fn enable_prefill_staging_per_stage(
+    /// Every stage's staging slots, in stage order (`None` where a stage has none).
+    pub(in crate::model) fn stage_stagings(
+        &self,
+    ) -> impl Iterator<Item = Option<&PrefillStaging<B>>> {
+        let later = self
+            .pipeline
+            .as_ref()
+            .map(|stages| stages.later_staging.as_slice())
+            .unwrap_or_default();
+        std::iter::once(self.prefill_staging.as_ref()).chain(later.iter().map(Option::as_ref))
+    }
+
+    /// Replaces every stage's staging slots (`per_stage` in stage order).
+    pub(in crate::model) fn set_stage_stagings(
         &mut self,
-        options: PrefillStagingOptions,
-    ) -> Result<u64, EngineError> {
-        if options.layerwise_min_tokens > 0 {
-            return Err(EngineError::InvalidConfig {
-                problem: "layerwise prefill is not available on a model split over several backends yet (the staged route is)".into(),
-            });
-        }
-        if options.staged_min_tokens == 0 {
-            return Ok(0);
-        }
-        let Some(layout) = self.staging_layout()? else {
-            return Ok(0);
-        };
-        let num_experts = self.spec.common.num_experts;
-        let mut bytes = 0u64;
-        let mut per_stage = Vec::new();
-        let stage_layers = self.pipeline_stage_layers();
-        let last_stage = stage_layers.len() - 1;
-        for (stage, layers) in stage_layers.into_iter().enumerate() {
-            let backend = self.layer_backend(layers.start);
-            // The last stage also runs the MTP head's layer.
-            let mtp_layer = self
-                .mtp
-                .as_ref()
-                .filter(|_| stage == last_stage)
-                .map(|head| &head.layer);
-            let banks: Vec<_> = self.layers[layers]
-                .iter()
-                .chain(mtp_layer)
-                .filter_map(|layer| match &layer.feed_forward {
-                    FeedForward::Moe(moe) => Some(&moe.bank),
-                    FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => None,
-                })
-                .collect();
-            if banks.is_empty() {
-                per_stage.push(None);
-                continue;
-            }
-            let mut slots = backend.new_expert_slots(&layout, num_experts, num_experts)?;
-            // Ready the stage's banks now (on a GPU: page-lock them), as unsplit staging does.
-            for bank in banks {
-                backend.prepare_expert_source(&mut slots, &self.artifact, bank);
-            }
-            tracing::info!(stage, "prefill staging: the stage's expert banks readied");
-            bytes += (num_experts * layout.stride) as u64;
-            per_stage.push(Some(PrefillStaging {
-                min_tokens: options.staged_min_tokens,
-                slots: Mutex::new(slots),
-                layerwise: None,
-            }));
-        }
+        per_stage: Vec<Option<PrefillStaging<B>>>,
+    ) {
         let mut per_stage = per_stage.into_iter();
         self.prefill_staging = per_stage.next().flatten();
         if let Some(stages) = self.pipeline.as_mut() {
             stages.later_staging = per_stage.collect();
+            stages
+                .later_staging
+                .resize_with(stages.backends.len() - 1, || None);
         }
-        Ok(bytes)
+    }
+
+    /// The staging slots of the stage that runs decoder layer `layer`.
+    pub(in crate::model) fn staging_of_layer(&self, layer: usize) -> Option<&PrefillStaging<B>> {
+        let stage = match &self.pipeline {
+            None => 0,
+            Some(stages) => stages.stage_of_layer.get(layer).copied()?,
+        };
+        self.stage_stagings().nth(stage).flatten()
     }
 }

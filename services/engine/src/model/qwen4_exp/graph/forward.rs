@@ -97,8 +97,7 @@ impl<B: Backend> Model<B> {
             // A layer split: the next layer's stage takes the streams from here.
             if let Some(next_stage) = self.cross_to_next_stage(index, &mut [&mut streams])? {
                 backend = next_stage.backend;
-                scratch.moe_context.backend = next_stage.backend;
-                scratch.moe_context.staging = next_stage.staging;
+                scratch.enter_stage(next_stage);
             }
         }
         let selected = match selection {

@@ -224,6 +224,14 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         GpuExpertCount::All => Some(common.num_experts),
         GpuExpertCount::Auto => None,
     };
+    // Two halves of one layer's experts for layerwise prefill, on every card that runs MoE
+    // layers.
+    let prefill_staging_bytes = if on_gpu && has_experts {
+        let moe_layers = common.moe_layers.iter().filter(|&&moe| moe).count().max(1);
+        2 * facts.expert_bank_bytes / moe_layers as u64
+    } else {
+        0
+    };
     let gpu_experts_estimate = match gpu_request {
         GpuExpertCount::Auto if has_experts => machine.gpu.as_ref().map(|gpu| {
             fitting_gpu_experts(
@@ -232,7 +240,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
                 request,
                 max_context,
                 host_kv_mib,
-                prefix_cache_bytes,
+                prefix_cache_bytes + prefill_staging_bytes,
             )
         }),
         _ => None,
@@ -286,7 +294,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
                     max_context,
                     host_kv_mib,
                 ) + prefix_cache_bytes,
-                working_bytes_per_card: GPU_WORKING_BYTES,
+                working_bytes_per_card: GPU_WORKING_BYTES + prefill_staging_bytes,
                 max_slots_per_layer: gpu_experts_per_layer,
             },
         )?
@@ -303,14 +311,7 @@ pub fn plan(facts: &ModelFacts, machine: &Machine, request: &Request) -> anyhow:
         gpu_experts: gpu_request.to_string(),
         gpu_experts_per_layer,
         gpu_experts_estimate,
-        prefill_staging_bytes: match (&machine.gpu, request.cpu_only) {
-            (Some(_), false) if has_experts => {
-                let moe_layers = common.moe_layers.iter().filter(|&&moe| moe).count().max(1);
-                // Two halves of one layer's experts.
-                2 * facts.expert_bank_bytes / moe_layers as u64
-            }
-            _ => 0,
-        },
+        prefill_staging_bytes,
         layerwise_min_tokens: LAYERWISE_MIN_TOKENS,
         disk: None,
         gpu_mem_budget_gib: request.gpu_mem_budget,
@@ -371,15 +372,16 @@ fn default_prefix_cache_bytes(
 }
 
 /// Experts per MoE layer that fit in the GPU memory left after the dense weights, the KV caches
-/// of every sequence at full context (less what `--host-kv-mib` keeps in host RAM) and the
-/// engine's working memory. An estimate for the plan: the engine measures again at start.
+/// of every sequence at full context (less what `--host-kv-mib` keeps in host RAM), the
+/// engine's working memory and `reserved_bytes` (the prefix cache's blocks and the prefill
+/// staging slots). An estimate for the plan: the engine measures again at start.
 fn fitting_gpu_experts(
     facts: &ModelFacts,
     gpu: &Gpu,
     request: &Request,
     max_context: usize,
     host_kv_mib: u64,
-    prefix_cache_bytes: u64,
+    reserved_bytes: u64,
 ) -> usize {
     let common = &facts.common;
     let budget = match request.gpu_mem_budget {
@@ -401,7 +403,7 @@ fn fitting_gpu_experts(
     let left = budget
         .saturating_sub(facts.dense_bytes + facts.mtp_dense_bytes)
         .saturating_sub(kv)
-        .saturating_sub(prefix_cache_bytes)
+        .saturating_sub(reserved_bytes)
         .saturating_sub(GPU_WORKING_BYTES);
     let per_expert_everywhere = ((facts.expert_bank_bytes + facts.mtp_expert_bytes)
         / common.num_experts.max(1) as u64)
@@ -496,13 +498,13 @@ pub(crate) mod tests {
             prefix_cache_gib: None,
             ..request()
         };
-        // On the GPU a sixteenth of the card, at most 2 GiB, taken from the slots (107 per
+        // On the GPU a sixteenth of the card, at most 2 GiB, taken from the slots (102 per
         // layer without it); a 16 GiB budget gives 1 GiB.
         let server = plan(&facts, &machine(Some(80), 512, 2), &defaults).unwrap();
         assert_eq!(server.prefix_cache_bytes, 2 * GIB);
         let without_cache = plan(&facts, &machine(Some(80), 512, 2), &request()).unwrap();
-        assert_eq!(without_cache.gpu_experts_estimate, Some(107));
-        assert!(server.gpu_experts_estimate < Some(107), "{server:?}");
+        assert_eq!(without_cache.gpu_experts_estimate, Some(102));
+        assert!(server.gpu_experts_estimate < Some(102), "{server:?}");
         let sixteen = Request {
             gpu_mem_budget: Some(16.0),
             ..defaults.clone()
@@ -566,12 +568,13 @@ pub(crate) mod tests {
             ..request()
         };
         let workstation = plan(&facts, &machine(Some(24), 128, 1), &single_sequence).unwrap();
-        // 23.5 − 4 − 1 − 0.75 = 17.75 GiB over 0.47 GiB per expert across layers → 37.
-        assert_eq!(workstation.gpu_experts_estimate, Some(37));
+        // 23.5 − 4 − 1 − 0.75 − 2.5 (staging slots) = 15.25 GiB over 0.47 GiB per expert
+        // across layers → 32.
+        assert_eq!(workstation.gpu_experts_estimate, Some(32));
 
         let server = plan(&facts, &machine(Some(80), 512, 2), &request()).unwrap();
-        // 79.5 − 4 − 1 − 24 = 50.5 GiB → 107 per layer.
-        assert_eq!(server.gpu_experts_estimate, Some(107));
+        // 79.5 − 4 − 1 − 24 − 2.5 = 48 GiB → 102 per layer.
+        assert_eq!(server.gpu_experts_estimate, Some(102));
         assert_eq!(server.expert_workers.len(), 2);
         assert_eq!(server.expert_workers[1].experts, "shard=1/2");
         let json = serde_json::to_value(&server).unwrap();
@@ -688,8 +691,8 @@ pub(crate) mod tests {
             ..request()
         };
         let planned = plan(&facts, &machine, &with_host_kv).unwrap();
-        // 23.5 − 4 − 1 − (24 − 24) = 18.5 GiB → 39 per layer.
-        assert_eq!(planned.gpu_experts_estimate, Some(39));
+        // 23.5 − 4 − 1 − (24 − 24) − 2.5 = 16 GiB → 34 per layer.
+        assert_eq!(planned.gpu_experts_estimate, Some(34));
     }
 
     #[test]
@@ -702,10 +705,10 @@ pub(crate) mod tests {
         with_mtp.mtp_expert_bytes = 60 * GIB / 48;
         with_mtp.mtp_dense_bytes = GIB / 2;
         let planned = plan(&with_mtp, &machine, &request()).unwrap();
-        // 79.5 − 4.5 − 1 − 24 = 50 GiB over 49 layers × 1/128 × 1.25 GiB → 104 per layer
-        // (107 without the MTP layer).
-        assert_eq!(without.gpu_experts_estimate, Some(107));
-        assert_eq!(planned.gpu_experts_estimate, Some(104));
+        // 79.5 − 4.5 − 1 − 24 − 2.5 (staging) = 47.5 GiB over 49 layers × 1/128 × 1.25 GiB
+        // → 99 per layer (102 without the MTP layer).
+        assert_eq!(without.gpu_experts_estimate, Some(102));
+        assert_eq!(planned.gpu_experts_estimate, Some(99));
         assert_eq!(
             planned.host_ram_bytes,
             without.host_ram_bytes + 60 * GIB / 48,

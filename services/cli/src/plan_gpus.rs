@@ -193,6 +193,7 @@ pub struct SplitFigures {
     /// KV caches of every sequence at full context less what host RAM keeps, plus the prefix
     /// cache's blocks.
     pub kv_bytes: u64,
+    /// The engine's working memory and each card's prefill staging slots.
     pub working_bytes_per_card: u64,
     /// `--moe-gpu-experts N` (or `half`, `all`); `None` for `auto`.
     pub max_slots_per_layer: Option<usize>,
@@ -258,7 +259,7 @@ pub fn print_cards(cards: &[CardPlan]) {
     for card in cards {
         let tail = if card.holds_tail { " + MTP head" } else { "" };
         println!(
-            "gpu {:<9} {}: layers {}..={}{tail}; dense {:.2} GiB, kv {:.2} GiB, working {:.2} GiB, experts {} per MoE layer over {} layers ({:.2} GiB); {:.2} of {:.2} GiB",
+            "gpu {:<9} {}: layers {}..={}{tail}; dense {:.2} GiB, kv {:.2} GiB, working and staging {:.2} GiB, experts {} per MoE layer over {} layers ({:.2} GiB); {:.2} of {:.2} GiB",
             card.ordinal,
             card.name,
             card.first_layer,

@@ -92,7 +92,7 @@ impl<B: Backend> Model<B> {
             let mut slots = backend.new_expert_slots(&layout, num_experts, halves * num_experts)?;
             // Ready every bank now (on a GPU: page-lock it), so the first long prompt does not
             // pay for it: the first 4K prefill measured 30% slower than the second before this.
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             for bank in banks {
                 backend.prepare_expert_source(&mut slots, &self.artifact, bank);
             }

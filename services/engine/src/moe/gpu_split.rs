@@ -214,7 +214,8 @@ pub struct SplitModel {
     pub tail_dense_bytes: u64,
     /// The MTP layer's routed experts: one more MoE layer on the last card.
     pub tail_expert_bytes: u64,
-    /// GPU memory each card keeps for the engine's working buffers.
+    /// GPU memory each card keeps for the engine's working buffers (and its prefill staging
+    /// slots).
     pub working_bytes_per_card: u64,
 }
 

@@ -545,7 +545,7 @@ fn start_scheduler<B: Backend>(
             );
         }
         tracing::info!(
-            "layer split: decode steps are recorded as one CUDA graph spanning every stage (where the driver allows it; else op by op), the hidden state crosses between stages by device copies (peer copies between cards), each stage stages and streams its own layers' experts at prefill, and MoE layers go to the expert workers through the host"
+            "layer split: decode steps are recorded as one CUDA graph spanning every stage (where the driver allows it; else op by op), the hidden state crosses between stages by device copies (peer copies between cards), each stage stages and streams its own layers' experts at prefill and hands its MoE layers to the expert workers itself where the backend can"
         );
     }
     if request.dense_mlp_offload_layers > 0 {

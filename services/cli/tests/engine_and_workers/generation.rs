@@ -158,8 +158,9 @@ fn concurrent_requests_equal_their_solo_results() {
 /// On a GPU: with half of every layer's experts resident and the rest on two workers, the GPU
 /// hands each MoE layer's CPU experts to the workers itself (the default) and gives the tokens
 /// of the host's hand-off (`--cuda-worker-handoff off`), with decode steps as graphs and op by
-/// op, alone and batched, also with the answers read wide and the expert cache's fills copied
-/// by a kernel; and its steps do run as graphs with the hand-off inside.
+/// op, alone and batched, also split over two stages (each stage handing its own layers off),
+/// and with the answers read wide and the expert cache's fills copied by a kernel; and its
+/// steps do run as graphs with the hand-off inside.
 #[test]
 fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
     if !gpu_present("gpu_worker_handoff_gives_the_host_handoffs_tokens") {
@@ -174,6 +175,11 @@ fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
             ("host", &["--cuda-worker-handoff", "off"][..]),
             ("device", &[][..]),
             ("device-ops", &["--cuda-graphs", "off"][..]),
+            // Split over two stages of the GPU, each handing its own layers off.
+            (
+                "device-split",
+                &["--pipeline-stages-on-one-device", "2"][..],
+            ),
             // The answers read wide and the cache's fills copied by a kernel: the same bits.
             (
                 "device-wide-paced",
@@ -242,11 +248,13 @@ fn gpu_worker_handoff_gives_the_host_handoffs_tokens() {
                 "{name} {label}: a step graph failed:\n{log}"
             );
         }
-        let log = stack.log("device");
-        assert!(
-            log.contains("recorded as a graph, MoE layers handed to the workers by the device"),
-            "{name}: no step graph with the hand-off inside:\n{log}"
-        );
+        for label in ["device", "device-split"] {
+            let log = stack.log(label);
+            assert!(
+                log.contains("recorded as a graph, MoE layers handed to the workers by the device"),
+                "{name} {label}: no step graph with the hand-off inside:\n{log}"
+            );
+        }
         assert!(!stack.log("host").contains("from the cuda"));
     }
 }

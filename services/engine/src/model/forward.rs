@@ -246,6 +246,7 @@ impl<B: Backend> Model<B> {
             layerwise.first().and_then(Option::as_ref),
         ));
         scratch.layerwise_by_stage = &layerwise;
+        scratch.later_handoffs = handoff.map_or(&[], |h| h.later);
         let out = self.run_layers(
             batch,
             &plan,

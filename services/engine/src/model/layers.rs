@@ -10,6 +10,7 @@ use ninfer_artifact::ExpertBank;
 use crate::backend::{Backend, DeltaRuleForm, DeltaRuleSpec, Segment};
 use crate::error::EngineError;
 use crate::model::pipeline::NextStage;
+use crate::model::worker_handoff::BackendHandoff;
 use crate::moe::layer::{DeferredRouting, MoeContext, MoeLayer};
 use crate::moe::layerwise::LayerwiseStream;
 use crate::profile::PhaseTotals;
@@ -196,6 +197,9 @@ pub(in crate::model) struct LayerScratch<'a, B: Backend> {
     pub(in crate::model) deferred: Vec<DeferredRouting<B>>,
     /// This forward's layerwise stream of each stage (empty: none), which a crossing hands on.
     pub(in crate::model) layerwise_by_stage: &'a [Option<LayerwiseStream<'a, B>>],
+    /// The later stages' hand-offs to the workers when this forward's layers are handed off
+    /// by the backends (empty: by the host, or unsplit).
+    pub(in crate::model) later_handoffs: &'a [BackendHandoff<B>],
 }
 
 impl<'a, B: Backend> LayerScratch<'a, B> {
@@ -205,11 +209,13 @@ impl<'a, B: Backend> LayerScratch<'a, B> {
             tally: PhaseTotals::default(),
             deferred: Vec::new(),
             layerwise_by_stage: &[],
+            later_handoffs: &[],
         }
     }
 
     /// The MoE layers from here on run on `next`: its backend, its staging slots and this
-    /// forward's layerwise stream of that stage.
+    /// forward's layerwise stream of that stage and, when the backends hand this forward's
+    /// layers off, that stage's hand-off.
     pub(in crate::model) fn enter_stage(&mut self, next: NextStage<'a, B>) {
         self.moe_context.backend = next.backend;
         self.moe_context.staging = next.staging;
@@ -217,6 +223,13 @@ impl<'a, B: Backend> LayerScratch<'a, B> {
             .layerwise_by_stage
             .get(next.stage)
             .and_then(Option::as_ref);
+        if self.moe_context.worker_handoff.is_some() {
+            self.moe_context.worker_handoff = next
+                .stage
+                .checked_sub(1)
+                .and_then(|later| self.later_handoffs.get(later))
+                .map(|stage| &stage.handoff);
+        }
     }
 }
 

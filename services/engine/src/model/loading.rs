@@ -168,11 +168,16 @@ impl<B: Backend> Model<B> {
             &artifact,
             common.tie_word_embeddings,
         )));
-        // A split forward hands its layers to the workers through the host.
-        let worker_handoff = match &pipeline {
-            None => worker_handoff::BackendHandoff::open(&*backend, &experts, common),
-            Some(_) => None,
-        };
+        // Every stage of a split drives its own hand-off (the first one registers the
+        // channels), or none does: the host then hands every layer off.
+        let mut pipeline = pipeline;
+        let mut worker_handoff = worker_handoff::BackendHandoff::open(&*backend, &experts, common);
+        if let (Some(_), Some(stages)) = (&worker_handoff, pipeline.as_mut()) {
+            if !stages.open_later_handoffs(&experts, common) {
+                tracing::warn!("a later stage of the layer split cannot hand MoE layers to the workers itself; the host hands off every stage's layers");
+                worker_handoff = None;
+            }
+        }
         Ok(Model {
             backend,
             pipeline,

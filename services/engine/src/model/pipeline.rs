@@ -24,8 +24,11 @@
 //! layer's stream mixers, QSA indexer and PLE block (with their sequence states) live on the
 //! layer's stage, and the final stream mixer beside the head.
 //!
-//! Not split yet: the backend's own hand-off to the expert workers (a split forward hands
-//! layers off through the host).
+//! Each stage drives its own hand-off to the expert workers (`later_handoffs`; the first
+//! stage's registers the channels, the others map that registration): a crossing hands the
+//! MoE layers after it the next stage's. The protocol's sequence lives in the channels, and
+//! the stages post one after another in stream order, so the workers see one stream of
+//! requests. Where a later stage cannot open one, the host hands off every stage's layers.
 //!
 //! Owns: the stages and which stage a layer is on (here), the model's accessors of them and the
 //! crossing between two stages (`pipeline/stage_access.rs`). Must not touch: the ops of a layer
@@ -37,9 +40,13 @@ mod stage_staging;
 use std::ops::Range;
 use std::sync::Arc;
 
+use ninfer_artifact::CommonConfig;
+
 use crate::backend::Backend;
 use crate::error::EngineError;
+use crate::model::worker_handoff::BackendHandoff;
 use crate::moe::layer::PrefillStaging;
+use crate::moe::ExpertExecutor;
 
 /// One stage of a layer split: a backend and the decoder layers it owns.
 pub struct PipelineStage<B: Backend> {
@@ -78,6 +85,10 @@ pub(in crate::model) struct PipelineStages<B: Backend> {
     /// Per stage after the first, its prefill staging slots (`None`: off, or no MoE layer);
     /// the first stage's are the model's `prefill_staging`, as unsplit.
     later_staging: Vec<Option<PrefillStaging<B>>>,
+    /// Per stage after the first, its own hand-off to the expert workers (empty: the host
+    /// hands off; the first stage's is the model's `worker_handoff`). Dropped before it: the
+    /// first stage's registered the channels.
+    later_handoffs: Vec<BackendHandoff<B>>,
 }
 
 impl<B: Backend> PipelineStages<B> {
@@ -115,10 +126,31 @@ impl<B: Backend> PipelineStages<B> {
             first_backend,
             Some(PipelineStages {
                 later_staging: (1..stages.len()).map(|_| None).collect(),
+                later_handoffs: Vec::new(),
                 backends: stages.into_iter().map(|stage| stage.backend).collect(),
                 stage_of_layer,
             }),
         ))
+    }
+
+    /// Opens every later stage's own hand-off to the workers of `experts`; false (and none
+    /// kept) when a stage cannot have one.
+    pub(in crate::model) fn open_later_handoffs(
+        &mut self,
+        experts: &Arc<dyn ExpertExecutor>,
+        common: &CommonConfig,
+    ) -> bool {
+        let opened: Option<Vec<BackendHandoff<B>>> = self.backends[1..]
+            .iter()
+            .map(|backend| BackendHandoff::open(&**backend, experts, common))
+            .collect();
+        match opened {
+            Some(handoffs) => {
+                self.later_handoffs = handoffs;
+                true
+            }
+            None => false,
+        }
     }
 
     /// The backend of decoder layer `index`; past the decoder layers, the last stage's.

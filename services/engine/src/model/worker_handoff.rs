@@ -8,6 +8,9 @@
 //! experts outside the backend's slots, no dense MLP is offloaded to the workers (the host
 //! posts those), and every worker is up with disjoint experts. Then each
 //! such layer posts and collects on the backend, and the host waits once, at the forward's end.
+//! A split model has one hand-off per stage (the later stages' kept with the stages): every
+//! stage's owner table is set, each layer posts on its own stage, and every stage's failure
+//! word is read at the end.
 //!
 //! Owns: the backend's hand-off object and its on/off switch, the per-forward readiness check,
 //! the failure check and the expert time it counts.
@@ -28,17 +31,20 @@ use crate::moe::executor::ExpertExecutor;
 /// prefill, whose hand-offs the host chunks to the channel's size.
 pub(super) const MOST_HANDOFF_ROWS: usize = 64;
 
-/// The backend's hand-off object and whether forwards may use it.
+/// The backend's hand-off object and whether forwards may use it (the first stage's flag
+/// decides for every stage of a split).
 pub(super) struct BackendHandoff<B: Backend> {
-    handoff: B::WorkerHandoff,
+    pub(super) handoff: B::WorkerHandoff,
     /// The smaller of [`MOST_HANDOFF_ROWS`] and the channels' rows per request.
     most_rows: usize,
     on: AtomicBool,
 }
 
-/// A forward's use of the hand-off: the object, and the workers' compute time before it.
+/// A forward's use of the hand-off: the first stage's object (the only one unsplit), the later
+/// stages' of a split, and the workers' compute time before it.
 pub(super) struct HandoffInUse<'a, B: Backend> {
     pub handoff: &'a B::WorkerHandoff,
+    pub later: &'a [BackendHandoff<B>],
     compute_before: Option<u64>,
 }
 

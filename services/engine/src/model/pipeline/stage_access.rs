@@ -10,6 +10,7 @@ use std::sync::Arc;
 use super::{stage_backend, NextStage};
 use crate::backend::{Backend, HostKvRequest, KvPlacement};
 use crate::error::EngineError;
+use crate::model::worker_handoff::BackendHandoff;
 use crate::model::Model;
 use crate::moe::gpu_split::stage_host_kv_bytes;
 use crate::moe::layer::MoeContext;
@@ -131,6 +132,15 @@ impl<B: Backend> Model<B> {
                     (a, b) => a.or(b),
                 },
             })
+    }
+
+    /// The later stages' own hand-offs to the workers (none when unsplit, or when the host
+    /// hands a split's layers off).
+    pub(in crate::model) fn later_stage_handoffs(&self) -> &[BackendHandoff<B>] {
+        match &self.pipeline {
+            None => &[],
+            Some(stages) => &stages.later_handoffs,
+        }
     }
 
     /// Whether the model is split over several backends.

@@ -218,6 +218,7 @@ impl<B: Backend> Model<B> {
             StepGraphRun::RunOps => {
                 let mut scratch =
                     LayerScratch::new(self.moe_context_with(handoff.map(|h| h.handoff), None));
+                scratch.later_handoffs = handoff.map_or(&[], |h| h.later);
                 let result = self.run_layers(
                     batch,
                     &plan,

@@ -57,8 +57,13 @@ impl<B: Backend> Model<B> {
         };
         self.backend
             .set_worker_handoff_owners(&state.handoff, &owned)?;
+        let later = self.later_stage_handoffs();
+        for (backend, stage) in self.later_stage_backends().iter().zip(later) {
+            backend.set_worker_handoff_owners(&stage.handoff, &owned)?;
+        }
         Ok(Some(HandoffInUse {
             handoff: &state.handoff,
+            later,
             compute_before: self.experts.compute_nanos(),
         }))
     }
@@ -72,7 +77,13 @@ impl<B: Backend> Model<B> {
         in_use: HandoffInUse<'_, B>,
         tally: &mut PhaseTotals,
     ) -> Result<(), EngineError> {
-        if let Some(failure) = self.backend.take_worker_handoff_failure(in_use.handoff)? {
+        // Every stage's word is read (and cleared); the first failure is the step's.
+        let mut failed = self.backend.take_worker_handoff_failure(in_use.handoff)?;
+        for (backend, stage) in self.later_stage_backends().iter().zip(in_use.later) {
+            let later = backend.take_worker_handoff_failure(&stage.handoff)?;
+            failed = failed.or(later);
+        }
+        if let Some(failure) = failed {
             let channels = self.experts.worker_channels();
             let address =
                 |worker: usize| channels.map_or_else(String::new, |c| c.worker_address(worker));

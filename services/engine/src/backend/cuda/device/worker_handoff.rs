@@ -33,11 +33,15 @@ pub(super) const HANDOFF_COLLECT_THREADS: u32 = 256;
 pub(super) const HANDOFF_REFUSED: u32 = 1;
 pub(super) const HANDOFF_ABANDONED: u32 = 2;
 
-/// A channel segment registered with CUDA, unregistered on drop.
+/// A channel segment registered with CUDA, unregistered on drop by the hand-off that
+/// registered it. Another stage of a layer split finds the (portable) registration already
+/// made and only maps it; the model drops the later stages' hand-offs first.
 struct RegisteredSegment {
     context: Arc<CudaContext>,
     host: *mut std::ffi::c_void,
     device: u64,
+    /// Whether this hand-off registered the segment (and so unregisters it).
+    owned: bool,
 }
 
 // SAFETY: the pointer is the start of the segment mapping, used only as a token for
@@ -48,7 +52,7 @@ unsafe impl Sync for RegisteredSegment {}
 
 impl Drop for RegisteredSegment {
     fn drop(&mut self) {
-        if self.context.bind_to_thread().is_ok() {
+        if self.owned && self.context.bind_to_thread().is_ok() {
             // SAFETY: `host` is exactly the address a successful cuMemHostRegister took.
             unsafe {
                 let _ = sys::cuMemHostUnregister(self.host);
@@ -98,7 +102,10 @@ fn registered(
             sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
         )
     };
-    if status != sys::CUresult::CUDA_SUCCESS {
+    // Registered already: by the hand-off of another stage of a layer split (portable, so
+    // every context may map it).
+    let owned = status != sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    if owned && status != sys::CUresult::CUDA_SUCCESS {
         return Err(CudaError::Driver {
             what: format!(
                 "cuMemHostRegister of a {}-byte activation channel",
@@ -111,6 +118,7 @@ fn registered(
         context: Arc::clone(context),
         host,
         device: 0,
+        owned,
     };
     let mut device: sys::CUdeviceptr = 0;
     // SAFETY: `host` was registered with DEVICEMAP just above; valid out pointer; flags 0.

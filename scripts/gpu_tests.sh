@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The engine's GPU test suites, in two halves, so that the GPU machine needs no Rust toolchain:
+# The GPU test suites (the engine's, and the command-line crate's that start the processes), in
+# two halves, so that the GPU machine needs no Rust toolchain:
 #
-#   scripts/gpu_tests.sh build   on a machine with Rust: release test binaries (and the engine
-#                                binary) → $NINFER_BUNDLE (default target/gpu-bundle)
+#   scripts/gpu_tests.sh build   on a machine with Rust: release test binaries (and the engine,
+#                                worker, gateway and ninfer binaries those suites start)
+#                                → $NINFER_BUNDLE (default target/gpu-bundle)
 #   scripts/gpu_tests.sh run     on the GPU machine, in a copy of this checkout holding that
 #                                folder: runs them with NINFER_REQUIRE_GPU=1 (a GPU case that
 #                                would skip fails instead) and prints a summary table
@@ -55,7 +57,13 @@ SUITES=(
   "pipeline_split_mtp:::cuda"
   "pipeline_split_host_kv:::cuda"
   "cuda_vision:"
+  "engine_and_workers:gpu_"
+  "perplexity_through_engine:perplexity_on_cuda"
 )
+# The command-line crate's suites: they start the engine, the expert workers and the gateway as
+# processes, whose binaries go beside the bundle's folder, where those tests look for them.
+CLI_SUITES=" engine_and_workers perplexity_through_engine "
+is_cli_suite() { [[ "$CLI_SUITES" == *" $1 "* ]]; }
 if [ -n "${GPU_TEST_SUITES:-}" ]; then
   chosen=()
   for suite in "${SUITES[@]}"; do
@@ -82,17 +90,33 @@ if [ -n "${GPU_TEST_SKIP:-}" ]; then
 fi
 
 build() {
-  local json=target/gpu_tests_build.json suite
+  local json=target/gpu_tests_build.json suite name
   mkdir -p target "$bundle"
-  local selection=()
-  if [ -n "${GPU_TEST_SUITES:-}" ]; then
-    for suite in "${SUITES[@]}"; do selection+=(--test "${suite%%:*}"); done
+  local engine_tests=() cli_tests=()
+  for suite in "${SUITES[@]}"; do
+    name=${suite%%:*}
+    if is_cli_suite "$name"; then cli_tests+=(--test "$name"); else engine_tests+=(--test "$name"); fi
+  done
+  if [ -z "${GPU_TEST_SUITES:-}" ]; then
+    engine_tests=()  # every test of the engine crate
   fi
-  cargo test --release -p ninfer-engine --no-run --message-format=json "${selection[@]}" >"$json"
+  if [ -n "${GPU_TEST_SUITES:-}" ] && [ ${#engine_tests[@]} -eq 0 ]; then
+    cargo build --release -p ninfer-engine --message-format=json >"$json"
+  else
+    cargo test --release -p ninfer-engine --no-run --message-format=json "${engine_tests[@]}" >"$json"
+  fi
+  local binaries=(ninfer-engine)
+  if [ ${#cli_tests[@]} -gt 0 ]; then
+    cargo test --release -p ninfer --no-run --message-format=json "${cli_tests[@]}" >>"$json"
+    cargo build --release -p ninfer -p ninfer-expert-worker -p ninfer-gateway \
+      --message-format=json >>"$json"
+    binaries+=(ninfer ninfer-expert-worker ninfer-gateway)
+  fi
   for suite in "${SUITES[@]}"; do rm -f "$bundle/${suite%%:*}"; done
-  python3 - "$json" "$bundle" "${SUITES[@]}" <<'PY'
+  python3 - "$json" "$bundle" "${binaries[*]}" "${SUITES[@]}" <<'PY'
 import json, shutil, sys
-path, bundle, suites = sys.argv[1], sys.argv[2], [s.split(":", 1)[0] for s in sys.argv[3:]]
+path, bundle = sys.argv[1], sys.argv[2]
+binaries, suites = sys.argv[3].split(), [s.split(":", 1)[0] for s in sys.argv[4:]]
 found = {}
 for line in open(path):
     try:
@@ -104,10 +128,10 @@ for line in open(path):
     target = message["target"]
     if target["kind"] == ["test"] and target["name"] in suites:
         found[target["name"]] = message["executable"]
-    elif (target["kind"] == ["bin"] and target["name"] == "ninfer-engine"
+    elif (target["kind"] == ["bin"] and target["name"] in binaries
           and not message["profile"]["test"]):  # the binary, not its unit-test harness
-        found["ninfer-engine"] = message["executable"]
-missing = [s for s in suites + ["ninfer-engine"] if s not in found]
+        found[target["name"]] = message["executable"]
+missing = [s for s in suites + binaries if s not in found]
 if missing:
     sys.exit(f"no executable built for {missing}")
 for name, executable in found.items():
@@ -131,6 +155,13 @@ run() {
   if [ ! "$bundle/ninfer-engine" -ef "$root/target/release/ninfer-engine" ]; then
     cp "$bundle/ninfer-engine" "$root/target/release/ninfer-engine"
   fi
+  # The command-line suites find the binaries beside the folder their test binary is in.
+  local binary
+  for binary in ninfer ninfer-engine ninfer-expert-worker ninfer-gateway; do
+    if [ -e "$bundle/$binary" ] && [ ! "$bundle/$binary" -ef "$(dirname "$bundle")/$binary" ]; then
+      cp "$bundle/$binary" "$(dirname "$bundle")/$binary"
+    fi
+  done
   out=${OUT:-/tmp/gpu_tests}
   mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true

@@ -60,9 +60,12 @@ mod half_resident;
 #[path = "support/noting_executor.rs"]
 mod noting_executor;
 mod support;
+#[path = "support/turn_prompts.rs"]
+mod turn_prompts;
 
 use half_resident::place_half_under_the_cache;
 use noting_executor::NotingExecutor;
+use turn_prompts::{turn_prompts, TurnLengths};
 
 const MAX_CONTEXT: usize = 64;
 const DECODE_STEPS: usize = 5;
@@ -624,16 +627,15 @@ fn served_split_with_the_prefix_cache_gives_the_unsplit_tokens<B: OpenOnSameDevi
         let artifact = open_artifact(&path).unwrap();
         let layers = artifact.config().common().num_hidden_layers;
         let vocab = artifact.config().common().vocab_size as u32;
-        let tokens = |seed: u32, count: u32| -> Vec<u32> {
-            (0..count)
-                .map(|i| (i * 53 + 7 * seed + 1) % vocab)
-                .collect()
-        };
-        let system = tokens(1, 200);
-        let first = [system.clone(), tokens(2, 70)].concat();
-        let second_turn = [first.clone(), tokens(3, 40)].concat();
-        let third = [system.clone(), tokens(4, 30)].concat();
-        let prompts = vec![first.clone(), second_turn, third, first];
+        let prompts = turn_prompts(
+            vocab,
+            TurnLengths {
+                system: 200,
+                first: 70,
+                later: 40,
+                other: 30,
+            },
+        );
         let unsplit = Model::load(
             Arc::clone(&backend),
             Arc::clone(&artifact),

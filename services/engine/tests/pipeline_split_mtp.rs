@@ -40,9 +40,12 @@ mod half_resident;
 #[path = "support/noting_executor.rs"]
 mod noting_executor;
 mod support;
+#[path = "support/turn_prompts.rs"]
+mod turn_prompts;
 
 use half_resident::place_half_under_the_cache;
 use noting_executor::NotingExecutor;
+use turn_prompts::{turn_prompts, TurnLengths};
 
 /// The fixtures with an MTP head.
 const MTP_FIXTURES: [&str; 3] = ["qwen3_5_moe", "qwen3_5", "qwen3_5_moe_trained"];
@@ -252,16 +255,15 @@ fn served_split_speculates_the_unsplit_tokens<B: OpenOnSameDevice>(backend: Arc<
         let artifact = open_artifact(&convert(fixture, directory.path())).unwrap();
         let common = artifact.config().common();
         let (layers, vocab) = (common.num_hidden_layers, common.vocab_size as u32);
-        let tokens = |seed: u32, count: u32| -> Vec<u32> {
-            (0..count)
-                .map(|i| (i * 53 + 7 * seed + 1) % vocab)
-                .collect()
-        };
-        let system = tokens(1, 150);
-        let first = [system.clone(), tokens(2, 40)].concat();
-        let later_turn = [first.clone(), tokens(3, 30)].concat();
-        let other = [system, tokens(4, 20)].concat();
-        let prompts = vec![first.clone(), later_turn, other, first];
+        let prompts = turn_prompts(
+            vocab,
+            TurnLengths {
+                system: 150,
+                first: 40,
+                later: 30,
+                other: 20,
+            },
+        );
         let unsplit = load(
             PipelineStage::over(&[Arc::clone(&backend)], &[0..layers]),
             &artifact,

@@ -124,6 +124,7 @@ fn drafts_through_an_expert_worker_keep_the_greedy_tokens() {
         };
         let model = stack.convert(name);
         let plain = stack.engine("engine-plain", &model, &[]);
+        // Every worker of this test serves every expert of the model.
         let worker_args = vec![
             "--model".to_string(),
             model.display().to_string(),
@@ -150,13 +151,7 @@ fn drafts_through_an_expert_worker_keep_the_greedy_tokens() {
         // Half of every MoE layer's experts in slots (host copies on the CPU backend), the MTP
         // layer's included, the rest with a worker of its own; the tokens of the engine
         // without drafts and without slots.
-        let second_worker_args = vec![
-            "--model".to_string(),
-            model.display().to_string(),
-            "--experts".into(),
-            "all".into(),
-        ];
-        let second_worker = stack.spawn("worker-half", "ninfer-expert-worker", &second_worker_args);
+        let second_worker = stack.spawn("worker-half", "ninfer-expert-worker", &worker_args);
         let speculating_half = stack.engine(
             "engine-mtp-half",
             &model,
@@ -181,13 +176,7 @@ fn drafts_through_an_expert_worker_keep_the_greedy_tokens() {
         }
         // Split over two stages (one layer, then the rest and the MTP head), half of every
         // layer's experts resident on its stage, the MTP layer's on the last: the same tokens.
-        let third_worker_args = vec![
-            "--model".to_string(),
-            model.display().to_string(),
-            "--experts".into(),
-            "all".into(),
-        ];
-        let third_worker = stack.spawn("worker-split", "ninfer-expert-worker", &third_worker_args);
+        let third_worker = stack.spawn("worker-split", "ninfer-expert-worker", &worker_args);
         let speculating_split = stack.engine(
             "engine-mtp-split",
             &model,

@@ -149,59 +149,37 @@ fn drafts_through_an_expert_worker_keep_the_greedy_tokens() {
             }
         }
         // Half of every MoE layer's experts in slots (host copies on the CPU backend), the MTP
-        // layer's included, the rest with a worker of its own; the tokens of the engine
-        // without drafts and without slots.
-        let second_worker = stack.spawn("worker-half", "ninfer-expert-worker", &worker_args);
-        let speculating_half = stack.engine(
-            "engine-mtp-half",
-            &model,
-            &[
-                "--experts",
-                &second_worker,
-                "--moe-gpu-experts",
-                "half",
-                "--spec",
-                "mtp",
-                "--draft-tokens",
-                "3",
-            ],
-        );
-        for (index, prompt) in prompts(name).iter().take(2).enumerate() {
-            let expected = runtime.block_on(greedy(&plain, prompt, None));
-            let got = runtime.block_on(greedy(&speculating_half, prompt, None));
-            assert_eq!(
-                got, expected,
-                "{name} prompt {index}, half the experts resident, 3 drafts: differs from the engine without drafts"
+        // layer's included, the rest with a worker of its own; also split over two stages (one
+        // layer, then the rest and the MTP head), each layer's half resident on its stage: the
+        // tokens of the engine without drafts and without slots.
+        let half = ["--moe-gpu-experts", "half"];
+        let split = [
+            "--pipeline-stages-on-one-device",
+            "2",
+            "--gpu-split",
+            "25,75",
+        ];
+        for (label, placement, drafts) in [
+            ("half", &half[..], "3"),
+            ("split", &[&half[..], &split[..]].concat()[..], "2"),
+        ] {
+            let worker = stack.spawn(
+                &format!("worker-{label}"),
+                "ninfer-expert-worker",
+                &worker_args,
             );
-        }
-        // Split over two stages (one layer, then the rest and the MTP head), half of every
-        // layer's experts resident on its stage, the MTP layer's on the last: the same tokens.
-        let third_worker = stack.spawn("worker-split", "ninfer-expert-worker", &worker_args);
-        let speculating_split = stack.engine(
-            "engine-mtp-split",
-            &model,
-            &[
-                "--experts",
-                &third_worker,
-                "--moe-gpu-experts",
-                "half",
-                "--pipeline-stages-on-one-device",
-                "2",
-                "--gpu-split",
-                "25,75",
-                "--spec",
-                "mtp",
-                "--draft-tokens",
-                "2",
-            ],
-        );
-        for (index, prompt) in prompts(name).iter().take(2).enumerate() {
-            let expected = runtime.block_on(greedy(&plain, prompt, None));
-            let got = runtime.block_on(greedy(&speculating_split, prompt, None));
-            assert_eq!(
-                got, expected,
-                "{name} prompt {index}, split over two stages, 2 drafts: differs from the engine without drafts"
-            );
+            let mut flags = vec!["--experts", &worker];
+            flags.extend_from_slice(placement);
+            flags.extend_from_slice(&["--spec", "mtp", "--draft-tokens", drafts]);
+            let engine = stack.engine(&format!("engine-mtp-{label}"), &model, &flags);
+            for (index, prompt) in prompts(name).iter().take(2).enumerate() {
+                let expected = runtime.block_on(greedy(&plain, prompt, None));
+                let got = runtime.block_on(greedy(&engine, prompt, None));
+                assert_eq!(
+                    got, expected,
+                    "{name} prompt {index}, {label}, {drafts} drafts: differs from the engine without drafts"
+                );
+            }
         }
         // The MTP layer got its half of the slots like the main layers, split or not.
         let experts_per_layer = if name == "qwen3_5_moe_trained" { 32 } else { 8 } / 2;

@@ -66,6 +66,13 @@
 #   cards       prefill of qwen3.5-35b-a3b, int4, at CARD_PROMPTS (default 4096,16384) on the
 #               whole GPU, then as on an RTX 30/40/50 card (--cuda-shared-memory-cap 99K; the
 #               engine log says which kernel variant each op takes), then uncapped again.
+#   split       several GPUs: each of SPLIT_MODELS (default "qwen3-235b-a22b
+#               qwen3-next-80b-a3b"), int4 experts, uniform routing (SPLIT_LAYERS keeps that many
+#               decoder layers: the 235B's 94 take ~125 GB of disk), first every expert on the cards of
+#               SPLIT_GPUS (default 0,1; the layers split by each card's memory, SPLIT_SHARES
+#               as --gpu-split), then the first card alone with as many experts as fit and the
+#               rest in RAM; PROMPTS, DECODE, REPEATS as for q30. A model's artifact is deleted
+#               after its runs unless KEEP_ARTIFACTS=1.
 #   llama       llama.cpp's llama-bench side by side, when LLAMA_CPP_BENCH (the binary) and
 #               LLAMA_CPP_MODEL (a GGUF of the same model) are given (LLAMA_CPP_SOURCE=DIR, a
 #               llama.cpp source checkout, builds llama-bench into $WORK/llama-cpp-build with
@@ -282,6 +289,26 @@ run_q35() {
 }
 
 if has q35 && [ "${Q35_FIRST:-0}" = 1 ]; then run_q35; fi
+
+if has split; then
+  wait_for_gpu_tests
+  split_gpus=${SPLIT_GPUS:-0,1}
+  for model in ${SPLIT_MODELS:-qwen3-235b-a22b qwen3-next-80b-a3b}; do
+    name=split-${model//./-}${SPLIT_LAYERS:+-l$SPLIT_LAYERS}
+    # shellcheck disable=SC2086 # SPLIT_LAYERS adds two arguments when set
+    CONVERT_TIMEOUT=${CONVERT_TIMEOUT:-900} convert "$name" "$model" --experts-dtype int4 \
+      --routing uniform ${SPLIT_LAYERS:+--layers $SPLIT_LAYERS}
+    S=("$work/$name.ninfer" --device cuda "${moe_threads[@]}" --prompt-lengths "${PROMPTS:-4096}"
+      --decode-tokens "${DECODE:-64}" --repeats "${REPEATS:-2}")
+    bench "${name}_cards" "${BENCH_TIMEOUT:-600}" "${S[@]}" --moe-gpu-experts all \
+      --gpus "$split_gpus" ${SPLIT_SHARES:+--gpu-split "$SPLIT_SHARES"}
+    bench "${name}_one_card" "${BENCH_TIMEOUT:-600}" "${S[@]}" --moe-gpu-experts auto \
+      --gpus "${split_gpus%%,*}"
+    grep -h "pipeline stage\|GPU expert slots filled" "$out/logs_${name}_cards"/*engine* 2>/dev/null \
+      | cut -c1-300 | tee -a "$out/summary.log"
+    [ "${KEEP_ARTIFACTS:-0}" = 1 ] || rm -f "$work/$name.ninfer"*
+  done
+fi
 
 if has cache; then
   cache_left=$(wc -w <<<"${CACHE_MODELS:-qwen3.5-35b-a3b}")

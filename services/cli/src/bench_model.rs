@@ -134,6 +134,8 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         // Exactly what was asked (0 when not given): the benchmark's figures name it.
         moe_gpu_experts: Some(args.moe_gpu_experts.clone().unwrap_or_else(|| "0".into())),
         gpu_mem_budget: args.gpu_mem_budget,
+        gpus: args.gpus.clone(),
+        gpu_split: args.gpu_split.clone(),
         engine_args,
         ..EngineFlags::default()
     };

@@ -22,6 +22,13 @@ pub struct ModelBenchArgs {
     /// Behave as if the GPU had this many GiB (stand in for a smaller card).
     #[arg(long, value_name = "GiB")]
     pub gpu_mem_budget: Option<f64>,
+    /// The GPUs to use, by CUDA ordinal (as `ninfer serve --gpus`); several split the decoder
+    /// layers over them.
+    #[arg(long, value_name = "0,1")]
+    pub gpus: Option<String>,
+    /// Percent of the decoder layers per GPU of `--gpus` (default: by each card's memory).
+    #[arg(long, value_name = "60,40")]
+    pub gpu_split: Option<String>,
     /// Compute threads of the CPU experts (per worker, or in-process) and of the RAM
     /// bandwidth reference (default: one per physical core of the NUMA node).
     #[arg(long)]

@@ -596,6 +596,7 @@ pub(crate) async fn measure(
             .clone()
             .unwrap_or_else(|| "0".into()),
         gpu_mem_budget_gib: args.gpu_mem_budget,
+        gpus: args.gpus.clone(),
         gpu_experts_per_layer: last.gpu_experts_per_layer,
         expert_stride_bytes: last.expert_stride_bytes,
         dense_weight_bytes_per_forward: last.dense_weight_bytes_per_forward,

@@ -176,6 +176,9 @@ pub(crate) struct Report {
     pub(crate) expert_executor: String,
     pub(crate) moe_gpu_experts: String,
     pub(crate) gpu_mem_budget_gib: Option<f64>,
+    /// `--gpus` (several: the layers split over them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) gpus: Option<String>,
     /// Routed experts per MoE layer the engine placed in GPU slots (`moe_gpu_experts` resolved).
     pub(crate) gpu_experts_per_layer: u32,
     pub(crate) expert_stride_bytes: u64,
@@ -344,10 +347,15 @@ impl CacheCounts {
 pub(crate) fn print_report(report: &Report) {
     let mb = |bytes: f64| bytes / 1e6;
     println!(
-        "model {} ({}), device {}, experts {}{}, GPU experts per layer: {}{}: {} placed",
+        "model {} ({}), device {}{}, experts {}{}, GPU experts per layer: {}{}: {} placed",
         report.model,
         report.architecture,
         report.device,
+        report
+            .gpus
+            .as_deref()
+            .map(|gpus| format!(" (GPUs {gpus})"))
+            .unwrap_or_default(),
         report.expert_executor,
         if report.expert_compute_reported_by_workers {
             " (compute time reported by the workers)"

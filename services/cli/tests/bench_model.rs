@@ -360,6 +360,21 @@ fn bench_model_refuses_a_bad_decode_during_prefill() {
     }
 }
 
+/// `--gpus` reaches the plan the bench starts its processes from, which checks it against the
+/// machine and names it (here no second card, or the CPU device it is not for).
+#[test]
+fn bench_model_plans_with_the_gpus_it_is_given() {
+    let directory = tempfile::tempdir().unwrap();
+    let dir = directory.path();
+    convert_tiny_moe(dir);
+    let mut args = vec!["bench", "model.ninfer", "--gpus", "0,1"];
+    args.extend_from_slice(SMALL_CPU_BENCH);
+    let output = ninfer(&args, dir);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("--gpus 0,1"), "{stderr}");
+}
+
 #[test]
 fn bench_model_names_a_missing_model_file() {
     let directory = tempfile::tempdir().unwrap();

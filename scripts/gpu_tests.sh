@@ -152,15 +152,16 @@ run() {
     ln -s "$PWD" "$root"
   fi
   mkdir -p "$root/target/release"
-  if [ ! "$bundle/ninfer-engine" -ef "$root/target/release/ninfer-engine" ]; then
-    cp "$bundle/ninfer-engine" "$root/target/release/ninfer-engine"
-  fi
-  # The command-line suites find the binaries beside the folder their test binary is in.
-  local binary
+  # The binaries where the tests look: the paths cargo compiled in (target/release, under the
+  # build's root) and, for the command-line suites, beside the folder their test binary is in.
+  local binary place
   for binary in ninfer ninfer-engine ninfer-expert-worker ninfer-gateway; do
-    if [ -e "$bundle/$binary" ] && [ ! "$bundle/$binary" -ef "$(dirname "$bundle")/$binary" ]; then
-      cp "$bundle/$binary" "$(dirname "$bundle")/$binary"
-    fi
+    [ -e "$bundle/$binary" ] || continue
+    for place in "$root/target/release" "$(dirname "$bundle")"; do
+      if [ ! "$bundle/$binary" -ef "$place/$binary" ]; then
+        cp "$bundle/$binary" "$place/$binary"
+      fi
+    done
   done
   out=${OUT:-/tmp/gpu_tests}
   mkdir -p "$out"

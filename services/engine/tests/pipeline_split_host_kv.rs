@@ -20,7 +20,7 @@ use ninfer_engine::spec::MixerKind;
 use ninfer_engine::testing::golden_fixture_dir;
 use ninfer_engine::{
     open_artifact, test_device, Backend, LogitsSelection, Model, PipelineStage,
-    ReferenceExpertExecutor, SequenceInput,
+    ReferenceExpertExecutor, SequenceInput, SequenceState,
 };
 
 mod support;
@@ -46,8 +46,9 @@ fn load<B: Backend>(
     model
 }
 
-/// A prompt's last logits, then greedy decode steps' logits.
-fn logits<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Vec<Vec<f32>> {
+/// A prompt's last logits, then greedy decode steps' logits, and the sequence (its KV caches
+/// stay placed while it lives).
+fn logits<B: Backend>(model: &Model<B>, prompt: &[u32]) -> (Vec<Vec<f32>>, SequenceState<B>) {
     let mut state = model.new_sequence(MAX_CONTEXT).unwrap();
     let mut out = model
         .forward(
@@ -71,7 +72,7 @@ fn logits<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Vec<Vec<f32>> {
             .unwrap();
         out.extend(step);
     }
-    out
+    (out, state)
 }
 
 fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -131,7 +132,7 @@ fn a_split_model_with_host_kv_pools_computes_the_unsplit_logits<B: OpenOnSameDev
         let alone = vec![Arc::new(backend.open_on_same_device().unwrap())];
         let unsplit = load(&alone, &[0..layers], &artifact);
         unsplit.reserve_host_kv(&request).unwrap();
-        let expected = logits(&unsplit, &prompt);
+        let (expected, _unsplit_sequence) = logits(&unsplit, &prompt);
         let stage_backends = vec![
             Arc::new(backend.open_on_same_device().unwrap()),
             Arc::new(backend.open_on_same_device().unwrap()),
@@ -142,7 +143,7 @@ fn a_split_model_with_host_kv_pools_computes_the_unsplit_logits<B: OpenOnSameDev
             &artifact,
         );
         split.reserve_host_kv(&request).unwrap();
-        let got = logits(&split, &prompt);
+        let (got, _split_sequence) = logits(&split, &prompt);
         assert!(
             bits(&got) == bits(&expected),
             "{fixture} on {}: the split's logits differ from the unsplit model's",

@@ -225,6 +225,13 @@ pub(crate) struct Args {
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
         action = clap::ArgAction::Set)]
     pub(crate) moe_cache_upkeep_during_steps: bool,
+    /// Dynamic expert cache: `on` (the default) lets a long prompt, whose layers' experts are
+    /// streamed to the GPU for layerwise prefill anyway, re-place each layer's slots by the
+    /// prompt's routing with device copies from the streamed experts (no PCIe traffic); `off`
+    /// leaves the slots to the fills between steps.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub(crate) moe_cache_prompt_placement: bool,
     /// Dynamic expert cache: 0 (the default) copies experts into GPU slots by DMA; N copies
     /// them with a kernel of N blocks reading the page-locked bank over the bus, which keeps
     /// few reads in flight, so the GPU's reads of the CPU workers' answers do not wait behind

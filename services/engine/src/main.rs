@@ -249,6 +249,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         cache_eviction_margin: args.moe_cache_eviction_margin,
         cache_fill_cost: args.moe_cache_fill_cost,
         cache_upkeep_during_steps: args.moe_cache_upkeep_during_steps,
+        cache_prompt_placement: args.moe_cache_prompt_placement,
     };
     let tower_device = match &device {
         SelectedDevice::Cpu => TowerDevice::Host,
@@ -492,6 +493,7 @@ struct GpuExpertsRequest {
     /// `--moe-cache-fill-cost`.
     cache_fill_cost: f64,
     cache_upkeep_during_steps: bool,
+    cache_prompt_placement: bool,
 }
 
 /// A started scheduler and what `GetProfile` reports about its model.
@@ -636,6 +638,7 @@ fn start_scheduler<B: Backend>(
                     eviction_margin: request.cache_eviction_margin,
                     fill_cost_choices: request.cache_fill_cost,
                     upkeep_during_steps: request.cache_upkeep_during_steps,
+                    prompt_placement: request.cache_prompt_placement,
                     ..ExpertCacheOptions::default()
                 },
                 request.statistics.as_ref(),

@@ -7,6 +7,8 @@
 //!   slow copy (which side computes an expert never depends on timing);
 //! * a background fill leaves its slot out of the table until completed, then computes what a
 //!   direct fill computes, bit for bit (CPU and CUDA: the copy stream and its event);
+//! * a long prompt streamed through layerwise prefill re-places the slots from the staging by
+//!   its routing (device copies), without changing its logits or the greedy tokens after it;
 //! * a fill is never waited for by the step that started it (a CPU backend whose copies sleep);
 //! * the hit / miss / fill / eviction counters equal the routing replayed through
 //!   [`simulate_hit_rates`] with the documented timing, and hits + misses equal the routed
@@ -32,7 +34,7 @@ use ninfer_engine::service::routing_stats::ExpertStatistics;
 use ninfer_engine::testing::{golden_fixture_dir, json_numbers};
 use ninfer_engine::{
     open_artifact, test_device, Backend, CpuBackend, EngineError, ExpertBatch, ExpertExecutor,
-    Model, ReferenceExpertExecutor,
+    Model, PrefillStagingOptions, PrefillThroughputs, ReferenceExpertExecutor,
 };
 
 mod support;
@@ -376,6 +378,135 @@ fn background_fills_equal_direct_fills<B: Backend>(backend: Arc<B>) {
     assert!(expected.iter().any(|&v| v != 0.0));
 }
 test_device!(background_fills_equal_direct_fills);
+
+/// A long prompt streamed through layerwise prefill re-places the cache's slots from the
+/// staging slots its experts were streamed into: right after the prompt each MoE layer holds
+/// experts the prompt used at least as often as any it left out (from a start with the first
+/// experts), without a fill over the bus; the prompt's logits are those without it bit for
+/// bit (each layer re-places after it computed), the greedy tokens after it too, and decode
+/// finds more of its experts in the slots. On CUDA the copies are device to device.
+fn a_long_prompt_places_its_most_used_experts_from_the_staging<B: Backend>(backend: Arc<B>) {
+    let work = tempfile::tempdir().unwrap();
+    let Some(path) = converted(work.path()) else {
+        return;
+    };
+    let (texts, _) = reference_tokens();
+    let prompt = &texts[0];
+    let prompt_counts = statistics_of(&path, prompt).counts;
+    let slots = 8;
+    let run = |prompt_placement: bool| {
+        let artifact = open_artifact(&path).unwrap();
+        let common = artifact.config().common().clone();
+        let executor = Arc::new(ReferenceExpertExecutor::new(Arc::clone(&artifact)));
+        let mut model = Model::load(Arc::clone(&backend), artifact, executor).unwrap();
+        let shape = GpuExpertShape {
+            num_experts: common.num_experts,
+            moe_layers: common.moe_layers.clone(),
+            expert_bytes: model.expert_slot_bytes().unwrap(),
+        };
+        model
+            .place_resident_experts(&choose_gpu_experts(&shape, slots, None))
+            .unwrap();
+        let counters = model
+            .enable_expert_cache(
+                ExpertCacheOptions {
+                    prompt_placement,
+                    ..ExpertCacheOptions::default()
+                },
+                None,
+            )
+            .unwrap();
+        model
+            .enable_prefill_staging_with(PrefillStagingOptions {
+                staged_min_tokens: 0,
+                layerwise_min_tokens: 2,
+            })
+            .unwrap();
+        // Every non-resident expert streamed (the executor's rate unknown).
+        model
+            .set_prefill_throughputs(PrefillThroughputs {
+                copy_bytes_per_second: 1e15,
+                backend_pairs_per_second: 1e15,
+                executor_pairs_per_second: 0.0,
+                flops_per_pair: 1.0,
+            })
+            .unwrap();
+        let mut state = model.new_sequence(prompt.len() + DECODE_STEPS).unwrap();
+        let prompt_logits = model.prefill(&mut state, prompt).unwrap();
+        let placed = model.resident_experts().unwrap();
+        let after_prompt = counters.total();
+        let mut tokens = vec![argmax(&prompt_logits)];
+        while tokens.len() < DECODE_STEPS {
+            let logits = model
+                .prefill(&mut state, &tokens[tokens.len() - 1..])
+                .unwrap();
+            tokens.push(argmax(&logits));
+        }
+        let decode = less(counters.total(), after_prompt);
+        let staging_fills: u64 = counters
+            .layers
+            .iter()
+            .map(|layer| {
+                layer
+                    .staging_fills
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .sum();
+        (
+            bits(&[prompt_logits]),
+            tokens,
+            placed,
+            after_prompt,
+            decode,
+            staging_fills,
+        )
+    };
+    let (logits_on, tokens_on, placed, after_prompt, decode_on, staging_fills) = run(true);
+    let (logits_off, tokens_off, unplaced, _, decode_off, no_staging_fills) = run(false);
+    println!(
+        "{}: {staging_fills} experts placed from the staging; decode hit rate {:.1}% with, {:.1}% without",
+        backend.name(),
+        100.0 * decode_on.hit_rate(),
+        100.0 * decode_off.hit_rate()
+    );
+    assert_eq!(logits_on, logits_off, "the prompt's logits");
+    assert_eq!(tokens_on, tokens_off, "greedy tokens");
+    assert_eq!(no_staging_fills, 0);
+    assert!(staging_fills > 0, "nothing placed from the staging");
+    assert_eq!(
+        after_prompt.fills, 0,
+        "a fill over the bus during the prompt"
+    );
+    assert!(
+        decode_on.hits >= decode_off.hits,
+        "decode hits {} with prompt placement, {} without",
+        decode_on.hits,
+        decode_off.hits
+    );
+    for (layer, counts) in prompt_counts.iter().enumerate() {
+        let resident = &placed[layer];
+        if resident.is_empty() {
+            continue;
+        }
+        assert_eq!(resident.len(), slots, "layer {layer}");
+        assert_eq!(
+            unplaced[layer],
+            (0..slots).collect::<Vec<_>>(),
+            "layer {layer}"
+        );
+        let coldest_resident = resident.iter().map(|&e| counts[e]).min().unwrap();
+        let hottest_left_out = (0..counts.len())
+            .filter(|e| !resident.contains(e))
+            .map(|e| counts[e])
+            .max()
+            .unwrap();
+        assert!(
+            coldest_resident >= hottest_left_out,
+            "layer {layer}: resident {resident:?} (least used {coldest_resident}), an expert left out used {hottest_left_out} times"
+        );
+    }
+}
+test_device!(a_long_prompt_places_its_most_used_experts_from_the_staging);
 
 /// With copies that sleep far longer than a step, the step that starts fills returns before
 /// they land, and the results equal those of instant copies bit for bit.

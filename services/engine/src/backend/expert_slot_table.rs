@@ -215,6 +215,54 @@ pub trait ExpertSlotFills {
     /// order they started). Waits only for that batch's copies (on a GPU the compute stream
     /// waits for its event, the host does not); the batches behind it keep copying.
     fn complete_batch_fill(&mut self) -> Result<(), EngineError>;
+
+    /// Copies experts that `source` holds (another set of slots of the same layout on the same
+    /// device: layerwise prefill's staging slots, which hold a layer's streamed experts) into
+    /// this set: each `(slot, source_slot)` pair puts the expert of `source_slot` into `slot`,
+    /// evicting the slot's expert. Fills in flight are completed first. The copies are ordered
+    /// after the work queued so far (which may read the slots' old experts) and before the work
+    /// queued after; the table takes the new experts at once. On a GPU: device-to-device copies
+    /// on the compute stream, no PCIe traffic.
+    fn copy_from_slots(
+        &mut self,
+        pairs: &[(usize, usize)],
+        source: &Self,
+    ) -> Result<(), EngineError>
+    where
+        Self: Sized;
+}
+
+/// The experts `pairs` ((slot, source slot)) bring from `source`'s table, checked against
+/// both tables before anything changes: every source slot holds an expert, every slot is in
+/// range, and no slot or expert appears twice.
+pub fn experts_copied_from_slots(
+    table: &ExpertSlotTable,
+    source: &ExpertSlotTable,
+    pairs: &[(usize, usize)],
+) -> Result<Vec<usize>, EngineError> {
+    let invalid = |problem: String| EngineError::InvalidConfig { problem };
+    let mut slot_taken = vec![false; table.slot_count()];
+    let mut expert_taken = vec![false; table.num_experts()];
+    let mut experts = Vec::with_capacity(pairs.len());
+    for &(slot, source_slot) in pairs {
+        let expert = source.expert_in(source_slot).ok_or_else(|| {
+            invalid(format!(
+                "copying expert slots: source slot {source_slot} holds no expert"
+            ))
+        })?;
+        table
+            .check(slot, expert)
+            .map_err(|error| invalid(error.to_string()))?;
+        if std::mem::replace(&mut slot_taken[slot], true)
+            || std::mem::replace(&mut expert_taken[expert], true)
+        {
+            return Err(invalid(format!(
+                "copying expert slots: slot {slot} or expert {expert} appears twice"
+            )));
+        }
+        experts.push(expert);
+    }
+    Ok(experts)
 }
 
 #[cfg(test)]

@@ -37,7 +37,8 @@ use crate::error::EngineError;
 
 pub use candidates::LogitCandidates;
 pub use expert_slot_table::{
-    ExpertSlotFills, ExpertSlotTable, SlotOutOfRange, WithExpertSlotTable,
+    experts_copied_from_slots, ExpertSlotFills, ExpertSlotTable, SlotOutOfRange,
+    WithExpertSlotTable,
 };
 pub use kv_placement::{DeviceKvShare, HostKvRequest, KvPlacement};
 pub use layer_input::{LayerInput, ResidualNorm};

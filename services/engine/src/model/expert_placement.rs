@@ -112,6 +112,24 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// The experts in each placement layer's resident slots now, ascending (empty for a layer
+    /// without slots or routed experts): what the start-up placement and the expert cache have
+    /// made of the slots.
+    pub fn resident_experts(&self) -> Result<Vec<Vec<usize>>, EngineError> {
+        self.feed_forwards()
+            .map(|feed_forward| match feed_forward {
+                FeedForward::Moe(moe) => {
+                    let non_resident = moe.non_resident_experts()?;
+                    let num_experts = self.spec.common.num_experts;
+                    Ok((0..num_experts)
+                        .filter(|expert| non_resident.binary_search(expert).is_err())
+                        .collect())
+                }
+                FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => Ok(Vec::new()),
+            })
+            .collect()
+    }
+
     /// The placement index of the MTP layer (it follows the decoder layers).
     pub fn mtp_layer_index(&self) -> usize {
         self.layers.len()

@@ -460,6 +460,80 @@ impl LayerCachePolicy {
         }
         fills
     }
+
+    /// The slots a long prompt re-places while its layer's experts sit in layerwise prefill's
+    /// staging slots (`staged`: the experts there), where a copy into a resident slot costs a
+    /// device copy, not PCIe: no copy budget and no fill cost. The prompt's routing, counted
+    /// just before, fills the counts, so they describe it well; the missed staged experts,
+    /// hottest first (ties: lower id), take the free slots lowest first, then evict the
+    /// resident with the lowest expected use (any resident: a prompt routes nearly every
+    /// expert; ties: lower id) while they are expected to save more than it. Returns the fills
+    /// in that order.
+    pub fn place_from_staging(
+        &mut self,
+        table: &ExpertSlotTable,
+        staged: &[usize],
+    ) -> Vec<SlotFill> {
+        let experts = table.num_experts();
+        let mut candidates: Vec<usize> = staged
+            .iter()
+            .copied()
+            .filter(|&expert| {
+                expert < experts && !table.is_resident(expert) && self.newcomer_use(expert) > 0.0
+            })
+            .collect();
+        candidates.sort_by(|&a, &b| {
+            self.newcomer_use(b)
+                .total_cmp(&self.newcomer_use(a))
+                .then(a.cmp(&b))
+        });
+        candidates.dedup();
+        if candidates.is_empty() {
+            return Vec::new();
+        }
+        let mut free: Vec<usize> = (0..table.slot_count())
+            .filter(|&slot| table.expert_in(slot).is_none())
+            .collect();
+        free.reverse(); // popped lowest first
+        let mut victims: Vec<(usize, usize)> = (0..table.slot_count())
+            .filter_map(|slot| table.expert_in(slot).map(|expert| (slot, expert)))
+            .collect();
+        // Popped coldest first.
+        victims.sort_by(|(_, a), (_, b)| {
+            self.resident_use(*b)
+                .total_cmp(&self.resident_use(*a))
+                .then(b.cmp(a))
+        });
+        let mut fills = Vec::new();
+        for expert in candidates {
+            if let Some(slot) = free.pop() {
+                fills.push(SlotFill {
+                    slot,
+                    expert,
+                    evicted: None,
+                });
+                continue;
+            }
+            match victims.last() {
+                Some(&(slot, victim)) if self.newcomer_use(expert) > self.resident_use(victim) => {
+                    victims.pop();
+                    fills.push(SlotFill {
+                        slot,
+                        expert,
+                        evicted: Some(victim),
+                    });
+                }
+                // Candidates come hottest first and victims coldest first: none after this
+                // one can win either.
+                _ => break,
+            }
+        }
+        if !fills.is_empty() {
+            // The residents changed wholesale: the next decision looks at the slots again.
+            self.coldest_resident = None;
+        }
+        fills
+    }
 }
 
 #[cfg(test)]
@@ -716,5 +790,59 @@ mod tests {
                 slow.slot_looks
             );
         }
+    }
+
+    #[test]
+    fn a_prompt_re_places_its_staged_experts_by_use_without_a_budget() {
+        // Slots 0..3 hold experts 0, 1, 2, slot 3 is free; the prompt routes 5 and 6 most,
+        // then 1, then 4, and never 0 or 2.
+        let mut policy = LayerCachePolicy::with_rule(
+            8,
+            None,
+            2,
+            AdmissionRule {
+                fill_credit_per_miss: Some(0.01),
+                fill_cost_choices: 4.0,
+                margin: 3.0,
+                ..AdmissionRule::single_horizon(0.98)
+            },
+        );
+        let slots = table(8, &[Some(0), Some(1), Some(2), None]);
+        let mut ids = Vec::new();
+        for token in 0..64u32 {
+            ids.extend([5, 6]);
+            ids.extend([if token % 2 == 0 { 1 } else { 4 }, 6]);
+        }
+        policy.observe(&ids, 128);
+        // Expert 7 is staged but never routed: no candidate, and the copy budget (a hundredth
+        // of a fill per miss) and the margin do not apply.
+        let fills = policy.place_from_staging(&slots, &[4, 5, 6, 7, 1]);
+        assert_eq!(
+            fills,
+            vec![
+                SlotFill {
+                    slot: 3,
+                    expert: 6,
+                    evicted: None
+                },
+                // Experts 0 and 2 tie at no use: the lower id goes first.
+                SlotFill {
+                    slot: 0,
+                    expert: 5,
+                    evicted: Some(0)
+                },
+                SlotFill {
+                    slot: 2,
+                    expert: 4,
+                    evicted: Some(2)
+                },
+            ]
+        );
+        // Nothing the prompt used less than a resident displaces it.
+        let mut slots = slots;
+        for fill in &fills {
+            slots.assign(fill.slot, fill.expert).unwrap();
+        }
+        assert!(policy.place_from_staging(&slots, &[0, 2, 7]).is_empty());
     }
 }

@@ -71,6 +71,11 @@ pub struct ExpertCacheOptions {
     /// The share of a step the fills' copies may take, the step modelled by the CPU time of
     /// its missed experts (0: no copy budget beyond `fills_per_layer`).
     pub copy_share_of_step: f64,
+    /// A long prompt streamed through layerwise prefill re-places each layer's slots from the
+    /// staging slots its experts were streamed into (device copies, no PCIe), by the prompt's
+    /// routing ([`LayerCachePolicy::place_from_staging`]). Only with fills (`fills_per_layer`
+    /// above 0): static placement stays static.
+    pub prompt_placement: bool,
     /// Decide the next step's fills and start their copies while the GPU replays this step's
     /// graph (off: between the steps, in series with them). During the step the host's
     /// driver calls leave the critical path, but on a machine whose expert workers hold every
@@ -94,6 +99,7 @@ impl Default for ExpertCacheOptions {
             eviction_margin: DEFAULT_EVICTION_MARGIN,
             fill_cost_choices: DEFAULT_FILL_COST_CHOICES,
             copy_share_of_step: DEFAULT_COPY_SHARE_OF_STEP,
+            prompt_placement: true,
             upkeep_during_steps: true,
         }
     }
@@ -136,6 +142,9 @@ pub struct LayerCacheCounters {
     /// Fills that replaced a resident expert.
     pub evictions: AtomicU64,
     pub bytes_copied: AtomicU64,
+    /// Experts a long prompt moved from layerwise prefill's staging slots into resident slots
+    /// (device copies: neither in `fills` nor in `bytes_copied`).
+    pub staging_fills: AtomicU64,
     /// Host time of the hook between steps for this layer (deciding, starting and completing
     /// fills), nanoseconds: what the cache costs the step outside the copies.
     pub upkeep_nanos: AtomicU64,
@@ -244,8 +253,13 @@ impl ExpertCacheCounters {
                 upkeep_nanos as f64 / 1e3 / upkeeps as f64
             )
         };
+        let staging_fills: u64 = self
+            .layers
+            .iter()
+            .map(|layer| layer.staging_fills.load(Ordering::Relaxed))
+            .sum();
         format!(
-            "{} slots per layer, {}: hit rate {:.1}% ({} hits, {} misses), {} fills, {} evictions, {:.1} MiB copied, {upkeep}; per layer {}",
+            "{} slots per layer, {}: hit rate {:.1}% ({} hits, {} misses), {} fills, {} evictions, {:.1} MiB copied, {staging_fills} placed from prefill staging, {upkeep}; per layer {}",
             self.slots_per_layer,
             if self.fills_per_layer == 0 {
                 "static placement".to_string()
@@ -405,6 +419,67 @@ impl ExpertCache {
             .misses
             .fetch_add(expert_ids.len() as u64 - hits, Ordering::Relaxed);
         policy.observe(expert_ids, tokens);
+    }
+
+    /// Right after a layerwise prefill chunk's routing of MoE layer `index` was counted, while
+    /// its streamed experts sit in `staging` (`staged`: (expert, staging slot) pairs): moves
+    /// the experts the prompt uses more than residents into the layer's slots by device copies
+    /// ([`ExpertSlotFills::copy_from_slots`]), queued before anything reuses the staging slots.
+    /// A pure function of the routing, as every other decision of the cache.
+    pub(crate) fn place_from_staging<Layer: CachedLayer>(
+        &self,
+        index: usize,
+        layer: &Layer,
+        staging: &Layer::Slots,
+        staged: &[(usize, usize)],
+    ) -> Result<(), EngineError> {
+        if !self.options.prompt_placement || self.options.fills_per_layer == 0 || staged.is_empty()
+        {
+            return Ok(());
+        }
+        let Some(counters) = self.counters.layers.get(index) else {
+            return Ok(());
+        };
+        let mut resident = layer.resident_slots_mut()?;
+        let Some(slots) = resident.as_mut() else {
+            return Ok(());
+        };
+        // The decision sees the table with the fills in flight entered.
+        slots.complete_fills()?;
+        let experts: Vec<usize> = staged.iter().map(|&(expert, _)| expert).collect();
+        let fills = {
+            let mut policies = self
+                .policies
+                .lock()
+                .map_err(|_| EngineError::InvalidConfig {
+                    problem: "the expert cache's lock is poisoned".into(),
+                })?;
+            match policies.get_mut(index) {
+                Some(Some(policy)) => policy.place_from_staging(slots.slot_table(), &experts),
+                _ => return Ok(()),
+            }
+        };
+        if fills.is_empty() {
+            return Ok(());
+        }
+        let pairs: Vec<(usize, usize)> = fills
+            .iter()
+            .filter_map(|fill| {
+                staged
+                    .iter()
+                    .find(|&&(expert, _)| expert == fill.expert)
+                    .map(|&(_, staging_slot)| (fill.slot, staging_slot))
+            })
+            .collect();
+        slots.copy_from_slots(&pairs, staging)?;
+        counters
+            .staging_fills
+            .fetch_add(pairs.len() as u64, Ordering::Relaxed);
+        counters.evictions.fetch_add(
+            fills.iter().filter(|fill| fill.evicted.is_some()).count() as u64,
+            Ordering::Relaxed,
+        );
+        Ok(())
     }
 
     /// The hook at the start of every step for MoE layer `index`: enters the fills started at the previous hook in

@@ -197,8 +197,8 @@ impl<B: Backend> MoeLayer<B> {
         deferred: &mut Vec<DeferredRouting<B>>,
     ) -> Result<B::Tensor, EngineError> {
         let backend = context.backend;
-        let resident = self.resident_slots()?;
-        let resident = resident.as_ref();
+        let resident_guard = self.resident_slots()?;
+        let resident = resident_guard.as_ref();
         let resident_table = resident.map(WithExpertSlotTable::slot_table);
         let rows = input.rows(backend);
         let route = Route::choose(context, index, resident, rows);
@@ -320,6 +320,10 @@ impl<B: Backend> MoeLayer<B> {
             Route::Layerwise(stream) => {
                 let (routing, hidden) = backend.finish_routing(pending)?;
                 self.account_routing(context, index, &routing, resident_table, tally);
+                // The expert cache may re-place the slots from the staging (it takes them for
+                // writing): the resident sum is queued, and the rest needs only the table.
+                let resident_table = resident_table.cloned();
+                drop(resident_guard);
                 self.layerwise_experts(
                     context,
                     stream,
@@ -327,7 +331,7 @@ impl<B: Backend> MoeLayer<B> {
                     x,
                     &hidden,
                     &routing,
-                    resident_table,
+                    resident_table.as_ref(),
                     resident_sum,
                     tally,
                 )?
@@ -478,7 +482,12 @@ impl<B: Backend> MoeLayer<B> {
             .unwrap_or_default();
         tally.streamed_experts += streamed.len() as u64;
         tally.streamed_expert_bytes += streamed.len() as u64 * self.bank.expert_stride;
-        let streamed_sum = stream.compute(backend, index, x, routing)?;
+        let mut place_from_staging =
+            |staging: &B::ExpertSlots, staged: &[(usize, usize)]| match context.expert_cache {
+                Some(cache) => cache.place_from_staging(index, self, staging, staged),
+                None => Ok(()),
+            };
+        let streamed_sum = stream.compute(backend, index, x, routing, &mut place_from_staging)?;
         let mut on_backend = match (resident_sum, streamed_sum) {
             (Some(mut resident), Some(streamed)) => {
                 backend.add_assign(&mut resident, &streamed)?;

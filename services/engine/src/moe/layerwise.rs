@@ -18,6 +18,11 @@ use ninfer_artifact::{Artifact, ExpertBank, NO_EXPERT};
 use crate::backend::{Backend, ExpertSlotFills, Routing};
 use crate::error::EngineError;
 
+/// What sees a layer's staging slots after its streamed experts computed and before the slots
+/// are streamed into again: the slots and the (expert, staging slot) pairs of the streamed ones.
+pub type BeforeStagingReuse<'f, B> =
+    dyn FnMut(&<B as Backend>::ExpertSlots, &[(usize, usize)]) -> Result<(), EngineError> + 'f;
+
 /// What the engine measured at start about computing routed experts at prefill.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct PrefillThroughputs {
@@ -241,14 +246,17 @@ impl<'a, B: Backend> LayerwiseStream<'a, B> {
     }
 
     /// The streamed experts of `layer` (the next plan: layers come in order) computed on the
-    /// backend for the pairs of `routing` that chose them; `None` when no pair did. Then starts
-    /// the copy of the layer two plans on into the half this one used.
+    /// backend for the pairs of `routing` that chose them; `None` when no pair did. Then
+    /// `before_reuse` sees the staging slots and the streamed experts' (expert, staging slot)
+    /// pairs (the expert cache copies the ones it keeps from there), and the copy of the layer
+    /// two plans on into the half this one used starts, queued after both.
     pub fn compute(
         &self,
         backend: &B,
         layer: usize,
         x: &B::Tensor,
         routing: &Routing,
+        before_reuse: &mut BeforeStagingReuse<'_, B>,
     ) -> Result<Option<B::Tensor>, EngineError> {
         let mut cursor = self.lock_cursor()?;
         let position = cursor.0;
@@ -294,6 +302,16 @@ impl<'a, B: Backend> LayerwiseStream<'a, B> {
             }
         }
         cursor.0 += 1;
+        if !plan.streamed.is_empty() {
+            let first_slot = (position % 2) * self.num_experts;
+            let staged: Vec<(usize, usize)> = plan
+                .streamed
+                .iter()
+                .enumerate()
+                .map(|(offset, &expert)| (expert, first_slot + offset))
+                .collect();
+            before_reuse(&slots, &staged)?;
+        }
         // This half's next user: queued after this layer's kernels.
         if cursor.1 < self.plans.len() {
             self.prefetch(&mut slots, cursor.1)?;

@@ -12,7 +12,8 @@ use ninfer_cpu_experts::ExpertLayout;
 
 use super::tensors::{CpuBackend, CpuTensor};
 use crate::backend::{
-    expert_bytes, slot_out_of_range, ExpertSlotFills, ExpertSlotTable, Routing, WithExpertSlotTable,
+    expert_bytes, experts_copied_from_slots, slot_out_of_range, ExpertSlotFills, ExpertSlotTable,
+    Routing, WithExpertSlotTable,
 };
 use crate::error::EngineError;
 use crate::host_math::swiglu_halves;
@@ -186,6 +187,35 @@ impl ExpertSlotFills for CpuExpertSlots {
             self.table
                 .assign(fill.first_slot + offset, expert)
                 .map_err(slot_out_of_range)?;
+        }
+        Ok(())
+    }
+
+    fn copy_from_slots(
+        &mut self,
+        pairs: &[(usize, usize)],
+        source: &Self,
+    ) -> Result<(), EngineError> {
+        self.complete_fills()?;
+        let experts = experts_copied_from_slots(&self.table, &source.table, pairs)?;
+        let stride = self.layout.stride;
+        if source.layout.stride != stride {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "copying expert slots between layouts of {} and {} bytes a slot",
+                    source.layout.stride, stride
+                ),
+            });
+        }
+        for (&(slot, source_slot), expert) in pairs.iter().zip(experts) {
+            let from = source
+                .storage
+                .get(source_slot * stride..(source_slot + 1) * stride)
+                .ok_or_else(|| EngineError::InvalidConfig {
+                    problem: format!("source expert slot {source_slot} outside its slots"),
+                })?;
+            self.storage[slot * stride..(slot + 1) * stride].copy_from_slice(from);
+            self.table.assign(slot, expert).map_err(slot_out_of_range)?;
         }
         Ok(())
     }

@@ -14,7 +14,9 @@ use ninfer_artifact::{Artifact, ExpertBank};
 use super::driver_error;
 use super::expert_slots::CudaExpertSlots;
 use crate::backend::cuda::CudaError;
-use crate::backend::{expert_bytes, slot_out_of_range, ExpertSlotFills, ExpertSlotTable};
+use crate::backend::{
+    expert_bytes, experts_copied_from_slots, slot_out_of_range, ExpertSlotFills, ExpertSlotTable,
+};
 use crate::error::EngineError;
 
 /// Spare events kept per slot set: more than the three a cache's layer records per step.
@@ -437,5 +439,59 @@ impl ExpertSlotFills for CudaExpertSlots {
                 .map_err(slot_out_of_range)?;
         }
         self.upload_table().map_err(device)
+    }
+
+    fn copy_from_slots(
+        &mut self,
+        pairs: &[(usize, usize)],
+        source: &Self,
+    ) -> Result<(), EngineError> {
+        let device = |source| EngineError::Device {
+            op: "copy_from_slots",
+            source,
+        };
+        self.complete_fills()?;
+        let experts = experts_copied_from_slots(&self.slot_table, &source.slot_table, pairs)?;
+        let stride = self.layout.stride;
+        if source.layout.stride != stride {
+            return Err(EngineError::InvalidConfig {
+                problem: format!(
+                    "copying expert slots between layouts of {} and {} bytes a slot",
+                    source.layout.stride, stride
+                ),
+            });
+        }
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let stream = Arc::clone(&self.stream);
+        // The source's last writes (a batch fill on its copy stream) were waited for on the
+        // compute stream when its batch completed; on another compute stream, order it too.
+        if !Arc::ptr_eq(&stream, &source.stream) {
+            let queued = source
+                .stream
+                .record_event(None)
+                .map_err(driver_error("ordering slot copies"))
+                .map_err(device)?;
+            stream
+                .wait(&queued)
+                .map_err(driver_error("ordering slot copies"))
+                .map_err(device)?;
+        }
+        for (&(slot, source_slot), expert) in pairs.iter().zip(experts) {
+            let from = source
+                .storage
+                .slice(source_slot * stride..(source_slot + 1) * stride);
+            let mut to = self.storage.slice_mut(slot * stride..(slot + 1) * stride);
+            stream
+                .memcpy_dtod(&from, &mut to)
+                .map_err(driver_error("copying an expert between GPU slots"))
+                .map_err(device)?;
+            self.slot_table
+                .assign(slot, expert)
+                .map_err(slot_out_of_range)?;
+        }
+        // On the compute stream behind the copies: the kernels after see the new experts.
+        self.upload_table_staged().map_err(device)
     }
 }

@@ -584,6 +584,7 @@ fn metric_counts_equal_the_routing() {
                     fills_per_layer,
                     ..ExpertCacheOptions::default()
                 },
+                None,
             );
             let simulated = if fills_per_layer == 0 { fixed } else { moving };
             let stride = counts.bytes_copied.checked_div(counts.fills).unwrap_or(0);
@@ -697,7 +698,15 @@ fn hit_rate_curve_on_the_trained_fixture() {
                     let seed = Some(statistics[seed].counts[layer].as_slice());
                     let replay = |options: ExpertCacheOptions| {
                         let run = |trace: &[(Vec<u32>, usize)]| {
-                            simulate_hit_rates(trace, common.num_experts, k, seed, slots, options)
+                            simulate_hit_rates(
+                                trace,
+                                common.num_experts,
+                                k,
+                                seed,
+                                slots,
+                                options,
+                                None,
+                            )
                         };
                         let (fixed, moving) = run(trace);
                         if !skip {

@@ -100,8 +100,16 @@ fn cache_counts_from(
     seed: Option<&[u64]>,
     options: ExpertCacheOptions,
 ) -> (CacheCounts, CacheCounts) {
-    let whole = simulate_hit_rates(trace, EXPERTS, PER_TOKEN, seed, SLOTS, options);
-    let head = simulate_hit_rates(&trace[..from], EXPERTS, PER_TOKEN, seed, SLOTS, options);
+    let whole = simulate_hit_rates(trace, EXPERTS, PER_TOKEN, seed, SLOTS, options, None);
+    let head = simulate_hit_rates(
+        &trace[..from],
+        EXPERTS,
+        PER_TOKEN,
+        seed,
+        SLOTS,
+        options,
+        None,
+    );
     let less = |a: CacheCounts, b: CacheCounts| CacheCounts {
         hits: a.hits - b.hits,
         misses: a.misses - b.misses,

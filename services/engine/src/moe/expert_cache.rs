@@ -573,7 +573,10 @@ pub type LayerRoutingTrace = Vec<(Vec<u32>, usize)>;
 
 /// Hit rates of one layer's `trace` with `slots` slots: static placement (the `slots` experts
 /// `seed` counts most, else the first ones) and the cache from that same placement, with the
-/// engine's timing (fills decided after step `t`, resident from step `t + 2`).
+/// engine's timing (fills decided after step `t`, resident from step `t + 2`). Steps of at
+/// least `layerwise_min_tokens` tokens are prompts streamed layerwise: with
+/// `options.prompt_placement` the cache re-places the slots right after counting them, every
+/// non-resident expert being in the staging slots.
 pub fn simulate_hit_rates(
     trace: &[(Vec<u32>, usize)],
     num_experts: usize,
@@ -581,6 +584,7 @@ pub fn simulate_hit_rates(
     seed: Option<&[u64]>,
     slots: usize,
     options: ExpertCacheOptions,
+    layerwise_min_tokens: Option<usize>,
 ) -> (CacheCounts, CacheCounts) {
     let slots = slots.min(num_experts);
     let start: Vec<u32> = match seed {
@@ -624,6 +628,20 @@ pub fn simulate_hit_rates(
             counts.hits += hits;
             counts.misses += ids.len() as u64 - hits;
             policy.observe(ids, *tokens);
+            let layerwise = layerwise_min_tokens.is_some_and(|min| *tokens >= min.max(1));
+            if layerwise && options.prompt_placement && fills_per_layer > 0 {
+                // The engine enters the fills in flight before it decides.
+                for fill in in_flight.drain(..) {
+                    let _ = table.assign(fill.slot, fill.expert);
+                }
+                let staged: Vec<usize> = (0..num_experts)
+                    .filter(|&expert| !table.is_resident(expert))
+                    .collect();
+                for fill in policy.place_from_staging(&table, &staged) {
+                    let _ = table.assign(fill.slot, fill.expert);
+                    counts.evictions += u64::from(fill.evicted.is_some());
+                }
+            }
         }
         counts
     };
@@ -645,13 +663,38 @@ mod tests {
             ..ExpertCacheOptions::default()
         }
         .single_horizon();
-        let (fixed, cache) = simulate_hit_rates(&trace, 2, 1, None, 1, options);
+        let (fixed, cache) = simulate_hit_rates(&trace, 2, 1, None, 1, options, None);
         assert_eq!((fixed.hits, fixed.misses, fixed.fills), (1, 5, 0));
         // Step 1 misses expert 1; the fill is decided at the start of step 2 (the slot is empty
         // then: a miss), and expert 1 is resident from step 3 on.
         assert_eq!((cache.hits, cache.misses), (4, 2));
         assert_eq!((cache.fills, cache.evictions), (1, 1));
         assert!((cache.hit_rate() - 4.0 / 6.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_simulated_long_prompt_places_the_slots_at_once() {
+        // One slot, expert 0 placed; a 4-token prompt routes to expert 1 only, then decode
+        // steps keep to expert 1. Streamed layerwise (from 4 tokens), the prompt puts expert 1
+        // in the slot by itself: every decode step hits, and no fill crosses the bus.
+        let mut trace: LayerRoutingTrace = vec![(vec![1; 4], 4)];
+        trace.extend((0..5).map(|_| (vec![1], 1)));
+        let options = ExpertCacheOptions {
+            fills_per_layer: 1,
+            ..ExpertCacheOptions::default()
+        };
+        let (_, placed) = simulate_hit_rates(&trace, 2, 1, None, 1, options, Some(4));
+        assert_eq!((placed.hits, placed.misses), (5, 4));
+        assert_eq!((placed.fills, placed.evictions), (0, 1));
+        // Below the layerwise threshold, or with prompt placement off, the fills must do it.
+        let (_, short) = simulate_hit_rates(&trace, 2, 1, None, 1, options, Some(5));
+        let off = ExpertCacheOptions {
+            prompt_placement: false,
+            ..options
+        };
+        let (_, unplaced) = simulate_hit_rates(&trace, 2, 1, None, 1, off, Some(4));
+        assert_eq!(short, unplaced);
+        assert!(short.hits < placed.hits, "{short:?}");
     }
 
     #[test]

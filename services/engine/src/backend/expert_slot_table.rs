@@ -233,14 +233,22 @@ pub trait ExpertSlotFills {
 }
 
 /// The experts `pairs` ((slot, source slot)) bring from `source`'s table, checked against
-/// both tables before anything changes: every source slot holds an expert, every slot is in
-/// range, and no slot or expert appears twice.
+/// both tables before anything changes: both sets lay a slot out in the same bytes (`strides`:
+/// this set's and the source's), every source slot holds an expert, every slot is in range,
+/// and no slot or expert appears twice.
 pub fn experts_copied_from_slots(
     table: &ExpertSlotTable,
     source: &ExpertSlotTable,
     pairs: &[(usize, usize)],
+    strides: (usize, usize),
 ) -> Result<Vec<usize>, EngineError> {
     let invalid = |problem: String| EngineError::InvalidConfig { problem };
+    if strides.0 != strides.1 {
+        return Err(invalid(format!(
+            "copying expert slots between layouts of {} and {} bytes a slot",
+            strides.1, strides.0
+        )));
+    }
     let mut slot_taken = vec![false; table.slot_count()];
     let mut expert_taken = vec![false; table.num_experts()];
     let mut experts = Vec::with_capacity(pairs.len());

@@ -418,36 +418,9 @@ impl LayerCachePolicy {
             victims.truncate(allowed);
         }
         victims.sort_by(|a, b| coldest_first(b, a));
-        let mut fills = Vec::new();
-        for expert in candidates {
-            if fills.len() == allowed {
-                break;
-            }
-            if let Some(slot) = free.pop() {
-                fills.push(SlotFill {
-                    slot,
-                    expert,
-                    evicted: None,
-                });
-                continue;
-            }
-            match victims.last() {
-                Some(&(slot, victim))
-                    if self.newcomer_use(expert) - self.resident_use(victim)
-                        > bar + self.rule.margin =>
-                {
-                    victims.pop();
-                    fills.push(SlotFill {
-                        slot,
-                        expert,
-                        evicted: Some(victim),
-                    });
-                }
-                // Candidates come hottest first and victims coldest first: none after this
-                // one can win either.
-                _ => break,
-            }
-        }
+        let fills = pair_with_slots(&candidates, free, victims, allowed, |expert, victim| {
+            self.newcomer_use(expert) - self.resident_use(victim) > bar + self.rule.margin
+        });
         // Evicted residents leave (the bound still holds); newcomers stay above it unless a
         // free slot took one below.
         let newcomers = fills
@@ -504,36 +477,54 @@ impl LayerCachePolicy {
                 .total_cmp(&self.resident_use(*a))
                 .then(b.cmp(a))
         });
-        let mut fills = Vec::new();
-        for expert in candidates {
-            if let Some(slot) = free.pop() {
-                fills.push(SlotFill {
-                    slot,
-                    expert,
-                    evicted: None,
-                });
-                continue;
-            }
-            match victims.last() {
-                Some(&(slot, victim)) if self.newcomer_use(expert) > self.resident_use(victim) => {
-                    victims.pop();
-                    fills.push(SlotFill {
-                        slot,
-                        expert,
-                        evicted: Some(victim),
-                    });
-                }
-                // Candidates come hottest first and victims coldest first: none after this
-                // one can win either.
-                _ => break,
-            }
-        }
+        let fills = pair_with_slots(&candidates, free, victims, usize::MAX, |expert, victim| {
+            self.newcomer_use(expert) > self.resident_use(victim)
+        });
         if !fills.is_empty() {
             // The residents changed wholesale: the next decision looks at the slots again.
             self.coldest_resident = None;
         }
         fills
     }
+}
+
+/// Fills for `candidates` (hottest first), at most `limit`: each takes the next of `free`
+/// (popped from the end) while one is left, then evicts the next of `victims` (popped from the
+/// end: coldest last in the vector) when `beats(newcomer, victim)`. Candidates come hottest
+/// first and victims coldest first, so once one candidate loses, none after it can win.
+fn pair_with_slots(
+    candidates: &[usize],
+    mut free: Vec<usize>,
+    mut victims: Vec<(usize, usize)>,
+    limit: usize,
+    beats: impl Fn(usize, usize) -> bool,
+) -> Vec<SlotFill> {
+    let mut fills = Vec::new();
+    for &expert in candidates {
+        if fills.len() == limit {
+            break;
+        }
+        if let Some(slot) = free.pop() {
+            fills.push(SlotFill {
+                slot,
+                expert,
+                evicted: None,
+            });
+            continue;
+        }
+        match victims.last() {
+            Some(&(slot, victim)) if beats(expert, victim) => {
+                victims.pop();
+                fills.push(SlotFill {
+                    slot,
+                    expert,
+                    evicted: Some(victim),
+                });
+            }
+            _ => break,
+        }
+    }
+    fills
 }
 
 #[cfg(test)]

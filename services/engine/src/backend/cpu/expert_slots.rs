@@ -197,16 +197,13 @@ impl ExpertSlotFills for CpuExpertSlots {
         source: &Self,
     ) -> Result<(), EngineError> {
         self.complete_fills()?;
-        let experts = experts_copied_from_slots(&self.table, &source.table, pairs)?;
+        let experts = experts_copied_from_slots(
+            &self.table,
+            &source.table,
+            pairs,
+            (self.layout.stride, source.layout.stride),
+        )?;
         let stride = self.layout.stride;
-        if source.layout.stride != stride {
-            return Err(EngineError::InvalidConfig {
-                problem: format!(
-                    "copying expert slots between layouts of {} and {} bytes a slot",
-                    source.layout.stride, stride
-                ),
-            });
-        }
         for (&(slot, source_slot), expert) in pairs.iter().zip(experts) {
             let from = source
                 .storage

@@ -451,16 +451,13 @@ impl ExpertSlotFills for CudaExpertSlots {
             source,
         };
         self.complete_fills()?;
-        let experts = experts_copied_from_slots(&self.slot_table, &source.slot_table, pairs)?;
+        let experts = experts_copied_from_slots(
+            &self.slot_table,
+            &source.slot_table,
+            pairs,
+            (self.layout.stride, source.layout.stride),
+        )?;
         let stride = self.layout.stride;
-        if source.layout.stride != stride {
-            return Err(EngineError::InvalidConfig {
-                problem: format!(
-                    "copying expert slots between layouts of {} and {} bytes a slot",
-                    source.layout.stride, stride
-                ),
-            });
-        }
         if pairs.is_empty() {
             return Ok(());
         }

@@ -687,16 +687,18 @@ fn hit_rate_curve_on_the_trained_fixture() {
         ("decode", &per_token, false),
         ("prompt + decode", &prompted, true),
     ] {
-        println!("{shape}: slots/layer | static by statistics | before | after (hit rate, fills per layer and token, modelled cost)");
+        println!("{shape}: slots/layer | static by statistics | before | after | after, the prompt placing the slots (hit rate, fills per layer and token, modelled cost)");
         for slots in [2, 4, 6, 8, 12, 16, 24] {
-            let mut totals = [CacheCounts::default(); 3];
+            let mut totals = [CacheCounts::default(); 4];
             for (measured, seed) in [(0, 1), (1, 0)] {
                 for (layer, trace) in traces[measured].iter().enumerate() {
                     if !common.moe_layers[layer] {
                         continue;
                     }
                     let seed = Some(statistics[seed].counts[layer].as_slice());
-                    let replay = |options: ExpertCacheOptions| {
+                    // `layerwise`: steps from this many tokens re-place the slots as a
+                    // layerwise prompt does (the prompt step; decode steps are one token).
+                    let replay = |options: ExpertCacheOptions, layerwise: Option<usize>| {
                         let run = |trace: &[(Vec<u32>, usize)]| {
                             simulate_hit_rates(
                                 trace,
@@ -705,7 +707,7 @@ fn hit_rate_curve_on_the_trained_fixture() {
                                 seed,
                                 slots,
                                 options,
-                                None,
+                                layerwise,
                             )
                         };
                         let (fixed, moving) = run(trace);
@@ -716,11 +718,13 @@ fn hit_rate_curve_on_the_trained_fixture() {
                         let (head_fixed, head_moving) = run(&trace[..1]);
                         (less(fixed, head_fixed), less(moving, head_moving))
                     };
-                    let (fixed, old) = replay(before);
-                    let (_, new) = replay(after);
+                    let (fixed, old) = replay(before, None);
+                    let (_, new) = replay(after, None);
+                    let (_, placed) = replay(after, Some(2));
                     add(&mut totals[0], &fixed);
                     add(&mut totals[1], &old);
                     add(&mut totals[2], &new);
+                    add(&mut totals[3], &placed);
                 }
             }
             let figures = |counts: &CacheCounts| {
@@ -734,11 +738,12 @@ fn hit_rate_curve_on_the_trained_fixture() {
                 )
             };
             println!(
-                "{slots:>2} of {} | {} | {} | {}",
+                "{slots:>2} of {} | {} | {} | {} | {}",
                 common.num_experts,
                 figures(&totals[0]),
                 figures(&totals[1]),
-                figures(&totals[2])
+                figures(&totals[2]),
+                figures(&totals[3])
             );
         }
     }

@@ -118,13 +118,7 @@ impl<B: Backend> Model<B> {
     pub fn resident_experts(&self) -> Result<Vec<Vec<usize>>, EngineError> {
         self.feed_forwards()
             .map(|feed_forward| match feed_forward {
-                FeedForward::Moe(moe) => {
-                    let non_resident = moe.non_resident_experts()?;
-                    let num_experts = self.spec.common.num_experts;
-                    Ok((0..num_experts)
-                        .filter(|expert| non_resident.binary_search(expert).is_err())
-                        .collect())
-                }
+                FeedForward::Moe(moe) => moe.resident_experts(),
                 FeedForward::Dense { .. } | FeedForward::OffloadedDense { .. } => Ok(Vec::new()),
             })
             .collect()

@@ -173,17 +173,21 @@ impl<B: Backend> MoeLayer<B> {
             .collect())
     }
 
+    /// The layer's routed experts in its resident slots now, ascending.
+    pub fn resident_experts(&self) -> Result<Vec<usize>, EngineError> {
+        let resident = self.resident_slots()?;
+        Ok(resident.as_ref().map_or_else(Vec::new, |slots| {
+            let table = slots.slot_table();
+            (0..table.num_experts())
+                .filter(|&expert| table.is_resident(expert))
+                .collect()
+        }))
+    }
+
     /// How many of the layer's routed experts are in its resident slots now (a poisoned lock
     /// says none).
     pub fn resident_expert_count(&self) -> usize {
-        self.resident_slots().map_or(0, |resident| {
-            resident.as_ref().map_or(0, |slots| {
-                let table = slots.slot_table();
-                (0..table.num_experts())
-                    .filter(|&expert| table.is_resident(expert))
-                    .count()
-            })
-        })
+        self.resident_experts().map_or(0, |experts| experts.len())
     }
 
     /// The routed experts and the shared expert of the layer's normed input `x` (`[rows,
